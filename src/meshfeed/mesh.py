@@ -1,0 +1,286 @@
+"""DataMesh: the one place that turns a device mesh into plain data-parallel integers.
+
+Every other part of meshfeed takes plain ints (data rank, data world size, replica group);
+only this module knows about axis names, ``DeviceMesh`` objects or the torchrun environment.
+
+>>> mesh = DataMesh.from_sizes(dp=2, tp=2)
+>>> mesh.world_size, mesh.data_world_size
+(4, 2)
+>>> [mesh.data_rank(r) for r in range(4)]
+[0, 0, 1, 1]
+>>> mesh.replica_group(2)
+[2, 3]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Outermost first; the last axis varies fastest across consecutive global ranks
+#: (the torchtitan / Megatron convention: tensor parallel peers are neighbours).
+DEFAULT_AXIS_ORDER: tuple[str, ...] = (
+    "pp",
+    "dp_replicate",
+    "dp",
+    "dp_shard",
+    "fsdp",
+    "ep",
+    "cp",
+    "tp",
+)
+
+#: Axes whose ranks see different data. Every other axis replicates the data.
+DEFAULT_DATA_AXES: frozenset[str] = frozenset({"dp", "fsdp", "dp_replicate", "dp_shard"})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataMesh:
+    """A device mesh reduced to what data loading needs.
+
+    ``axis_names`` and ``axis_sizes`` describe the mesh outermost first; ``ranks`` maps mesh
+    coordinates to global ranks (row-major ``arange`` unless built from a ``DeviceMesh`` with a
+    custom layout). ``data_axes`` shard the data, every other axis replicates it, and
+    ``ulysses=k`` folds k consecutive data ranks into one (sequence parallelism that splits one
+    sample across ranks).
+    """
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    data_axes: frozenset[str] = DEFAULT_DATA_AXES
+    ulysses: int = 1
+    ranks: np.ndarray | None = field(default=None, compare=False, repr=False)
+    _coords_of: dict[int, tuple[int, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if len(self.axis_names) != len(self.axis_sizes):
+            raise ValueError(
+                f"axis_names and axis_sizes differ in length ({self.axis_names=}, "
+                f"{self.axis_sizes=}); give one size per axis"
+            )
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise ValueError(f"axis names repeat ({self.axis_names=}); name each axis once")
+        for name, size in zip(self.axis_names, self.axis_sizes, strict=True):
+            if not isinstance(size, (int, np.integer)) or size < 1:
+                raise ValueError(f"axis {name!r} has size {size!r}; sizes must be integers >= 1")
+        unknown = set(self.data_axes) - set(self.axis_names) - set(DEFAULT_AXIS_ORDER)
+        if unknown:
+            raise ValueError(
+                f"data_axes names unknown axes {sorted(unknown)} (mesh axes: "
+                f"{list(self.axis_names)}); name axes of the mesh"
+            )
+        ranks = self.ranks
+        if ranks is None:
+            ranks = np.arange(math.prod(self.axis_sizes), dtype=np.int64).reshape(
+                self.axis_sizes
+            )
+        ranks = np.asarray(ranks, dtype=np.int64).reshape(self.axis_sizes)
+        if sorted(ranks.ravel().tolist()) != list(range(ranks.size)):
+            raise ValueError(
+                f"the mesh must hold each of the global ranks 0..{ranks.size - 1} once; "
+                "build it from the DeviceMesh of the whole world"
+            )
+        object.__setattr__(self, "ranks", ranks)
+        coords = {int(r): c for c, r in np.ndenumerate(ranks)}
+        object.__setattr__(self, "_coords_of", {r: tuple(int(x) for x in c) for r, c in coords.items()})
+        raw = self._raw_data_world_size()
+        if not isinstance(self.ulysses, int) or self.ulysses < 1 or raw % self.ulysses:
+            raise ValueError(
+                f"ulysses={self.ulysses!r} must be a positive divisor of the data-sharding size "
+                f"{raw} (axes {self._data_axis_names()}); choose ulysses from "
+                f"{[k for k in range(1, raw + 1) if raw % k == 0]}"
+            )
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_sizes(
+        cls,
+        *,
+        order: Iterable[str] | None = None,
+        data_axes: Iterable[str] | None = None,
+        ulysses: int = 1,
+        world_size: int | None = None,
+        **sizes: int,
+    ) -> DataMesh:
+        """Build a mesh from axis sizes, e.g. ``DataMesh.from_sizes(dp=4, tp=2)``.
+
+        Axes are laid out in ``order`` (default :data:`DEFAULT_AXIS_ORDER`, tensor parallel
+        innermost). Axes not in the default order are allowed when ``order`` names them.
+        ``world_size``, when given, must equal the product of the sizes.
+        """
+        axis_order = tuple(order) if order is not None else DEFAULT_AXIS_ORDER
+        unknown = [name for name in sizes if name not in axis_order]
+        if unknown:
+            raise ValueError(
+                f"unknown mesh axis {unknown} (known: {list(axis_order)}); "
+                "pass order=[...] naming every axis to use custom axis names"
+            )
+        if order is not None:
+            missing = [name for name in axis_order if name not in sizes]
+            if missing:
+                raise ValueError(f"order names axes without a size: {missing}; give their sizes")
+        names = tuple(name for name in axis_order if name in sizes)
+        if not names:
+            names, axis_sizes = ("dp",), (1,)
+        else:
+            axis_sizes = tuple(sizes[n] for n in names)
+        mesh = cls(
+            axis_names=names,
+            axis_sizes=axis_sizes,
+            data_axes=_data_axes(data_axes),
+            ulysses=ulysses,
+        )
+        if world_size is not None and mesh.world_size != world_size:
+            raise ValueError(
+                f"mesh sizes {dict(zip(names, axis_sizes, strict=True))} multiply to "
+                f"{mesh.world_size}, but the world size is {world_size}; make the product of "
+                "the axis sizes equal the number of processes"
+            )
+        return mesh
+
+    @classmethod
+    def from_device_mesh(
+        cls,
+        device_mesh: Any,
+        *,
+        data_axes: Iterable[str] | None = None,
+        ulysses: int = 1,
+    ) -> DataMesh:
+        """Build from a ``torch.distributed.device_mesh.DeviceMesh`` with named dims."""
+        names = getattr(device_mesh, "mesh_dim_names", None)
+        if not names:
+            raise ValueError(
+                "the DeviceMesh has no mesh_dim_names; create it with "
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp', ...))"
+            )
+        ranks = np.asarray(device_mesh.mesh.cpu().numpy(), dtype=np.int64)
+        return cls(
+            axis_names=tuple(names),
+            axis_sizes=tuple(int(s) for s in ranks.shape),
+            data_axes=_data_axes(data_axes),
+            ulysses=ulysses,
+            ranks=ranks,
+        )
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        env: Mapping[str, str] | None = None,
+        data_axes: Iterable[str] | None = None,
+        ulysses: int = 1,
+        **sizes: int,
+    ) -> DataMesh:
+        """Build from the torchrun environment (``WORLD_SIZE``).
+
+        With no sizes it is pure data parallel. Given the non-data axes (``tp=2``), the ``dp``
+        axis takes the rest of the world.
+        """
+        env = os.environ if env is None else env
+        world = int(env.get("WORLD_SIZE", "1"))
+        if "dp" not in sizes:
+            rest = math.prod(sizes.values()) if sizes else 1
+            if world % rest:
+                raise ValueError(
+                    f"WORLD_SIZE={world} is not divisible by the product {rest} of {sizes}; "
+                    "make the axis sizes divide the number of processes"
+                )
+            sizes = {"dp": world // rest, **sizes}
+        return cls.from_sizes(world_size=world, data_axes=data_axes, ulysses=ulysses, **sizes)
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    @property
+    def data_world_size(self) -> int:
+        """How many distinct data shards there are (after Ulysses folding)."""
+        return self._raw_data_world_size() // self.ulysses
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.axis_sizes, strict=True))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinate of ``rank`` on every axis."""
+        self._check_rank(rank)
+        return dict(zip(self.axis_names, self._coords_of[int(rank)], strict=True))
+
+    def data_rank(self, rank: int) -> int:
+        """Which data shard ``rank`` reads: data axes flattened row-major, then Ulysses-folded."""
+        self._check_rank(rank)
+        c = self._coords_of[int(rank)]
+        flat = 0
+        for i, name in enumerate(self.axis_names):
+            if name in self.data_axes:
+                flat = flat * self.axis_sizes[i] + c[i]
+        return flat // self.ulysses
+
+    def replica_group(self, rank: int) -> list[int]:
+        """The global ranks (sorted, including ``rank``) that receive the same data as ``rank``."""
+        mine = self.data_rank(rank)
+        return [r for r in range(self.world_size) if self.data_rank(r) == mine]
+
+    def replica_groups(self) -> list[list[int]]:
+        """All replica groups, indexed by data rank."""
+        groups: list[list[int]] = [[] for _ in range(self.data_world_size)]
+        for r in range(self.world_size):
+            groups[self.data_rank(r)].append(r)
+        return groups
+
+    # ----------------------------------------------------------------- helpers
+    def _data_axis_names(self) -> list[str]:
+        return [n for n in self.axis_names if n in self.data_axes]
+
+    def _raw_data_world_size(self) -> int:
+        return math.prod(
+            s for n, s in zip(self.axis_names, self.axis_sizes, strict=True) if n in self.data_axes
+        )
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"rank={rank!r} is out of range for a mesh of world size {self.world_size} "
+                f"({self.sizes}); pass a rank in [0, {self.world_size})"
+            )
+
+
+def _data_axes(data_axes: Iterable[str] | None) -> frozenset[str]:
+    return DEFAULT_DATA_AXES if data_axes is None else frozenset(data_axes)
+
+
+def default_rank() -> int:
+    """``torch.distributed.get_rank()`` when a process group exists, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
+
+
+def resolve_mesh(mesh: Any) -> DataMesh:
+    """Accept a DataMesh, a DeviceMesh, a dict of axis sizes, or None (the torchrun world)."""
+    if isinstance(mesh, DataMesh):
+        return mesh
+    if mesh is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return DataMesh.from_sizes(dp=dist.get_world_size())
+        return DataMesh.from_env()
+    if isinstance(mesh, Mapping):
+        return DataMesh.from_sizes(**dict(mesh))
+    if hasattr(mesh, "mesh_dim_names"):
+        return DataMesh.from_device_mesh(mesh)
+    raise ValueError(
+        f"mesh={mesh!r} is not a DataMesh, DeviceMesh or dict of axis sizes; "
+        "pass e.g. mesh={'dp': 4, 'tp': 2}"
+    )
