@@ -1,0 +1,203 @@
+"""Map-style views of a :class:`~meshfeed.sources.indexed.TokenCorpus` for the DataLoader.
+
+- :class:`TokenWindows`: fixed windows of ``seq_len + 1`` tokens over the concatenated token
+  stream, across document boundaries (GPT pretraining). Window ``i`` is the token range
+  ``[i * seq_len, i * seq_len + seq_len + 1)``: consecutive windows share one token (the last
+  label of one is the first input of the next), as in Megatron's GPT dataset. Positions are
+  pure arithmetic; no index is built or cached.
+- :class:`TokenDocuments`: one item per document, variable length.
+
+Both implement ``__len__``, ``__getitem__``, ``__getitems__`` (torch's batched protocol) and
+``fetch_batch(indices)``, meshfeed's already-collated batch hook: one preallocated array filled
+by one memmap slice per sample and handed to torch without a further copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfeed.sources.indexed import TokenCorpus
+
+__all__ = ["TokenDocuments", "TokenWindows"]
+
+CorpusLike = TokenCorpus | str | os.PathLike[str]
+
+
+def _as_corpus(corpus: CorpusLike) -> TokenCorpus:
+    if isinstance(corpus, TokenCorpus):
+        return corpus
+    if isinstance(corpus, (str, os.PathLike)):
+        return TokenCorpus.open(corpus)
+    raise TypeError(
+        f"corpus must be a TokenCorpus or a PREFIX path (got {type(corpus).__name__}); "
+        "open it with TokenCorpus.open(prefix)"
+    )
+
+
+def _as_indices(indices: Any, n: int) -> np.ndarray:
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+        raise TypeError(
+            f"indices must be a 1-D integer array (got shape {idx.shape}, dtype {idx.dtype})"
+        )
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise IndexError(
+            f"indices span [{int(idx.min())}, {int(idx.max())}], outside [0, {n}) for this dataset"
+        )
+    return idx
+
+
+def _torch_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (got {dtype!r}); e.g. torch.int64")
+    return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+
+
+class TokenWindows:
+    """Windows of ``seq_len + 1`` consecutive tokens, the GPT pretraining sample.
+
+    ``len(windows) == (num_tokens - 1) // seq_len``; window ``i`` covers tokens
+    ``[i * seq_len, (i + 1) * seq_len + 1)`` of the flat ``.bin`` (documents are contiguous
+    there, so a window that spans documents is still one slice). Items are torch tensors of
+    ``dtype`` (default ``torch.int64``, what embedding layers take; pass ``torch.int32`` or
+    ``torch.uint16`` to move fewer bytes and widen on the device). Requires a contiguous
+    corpus (every writer produces one).
+
+    >>> windows = TokenWindows(corpus, seq_len=2048)  # doctest: +SKIP
+    >>> windows.fetch_batch(np.array([0, 5, 9])).shape  # doctest: +SKIP
+    torch.Size([3, 2049])
+    """
+
+    def __init__(
+        self, corpus: CorpusLike, *, seq_len: int, dtype: torch.dtype = torch.int64
+    ) -> None:
+        if not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer (got {seq_len=})")
+        self.corpus = _as_corpus(corpus)
+        if not self.corpus.is_contiguous:
+            raise ValueError(
+                f"{self.corpus.bin_path} does not store documents back to back in index order, "
+                "so windows across documents are undefined; rewrite it with write_indexed or "
+                "meshfeed convert"
+            )
+        self.seq_len = int(seq_len)
+        self.dtype = dtype
+        self._np_dtype = _torch_dtype(dtype)
+        self._stream = self.corpus.tokens[: self.corpus.num_tokens]
+        self._len = max(0, (self.corpus.num_tokens - 1) // self.seq_len)
+        self._doc_starts: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"TokenWindows({self.corpus!r}, seq_len={self.seq_len}, windows={self._len})"
+
+    @property
+    def fingerprint(self) -> str:
+        return f"windows:{self.seq_len}:{self.corpus.fingerprint}"
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not -self._len <= i < self._len:
+            raise IndexError(f"window index {i} out of range for {self._len} windows")
+        start = (i % self._len) * self.seq_len
+        return torch.from_numpy(
+            self._stream[start : start + self.seq_len + 1].astype(self._np_dtype)
+        )
+
+    def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        return list(self.fetch_batch(np.asarray(indices, dtype=np.int64)).unbind(0))
+
+    def fetch_batch(self, indices: np.ndarray) -> torch.Tensor:
+        """The windows at ``indices`` as one ``[len(indices), seq_len + 1]`` tensor.
+
+        One ``np.empty``, one memmap slice per window (converted to ``dtype`` while copying),
+        one zero-copy ``torch.from_numpy``.
+        """
+        idx = _as_indices(indices, self._len)
+        width = self.seq_len + 1
+        out = np.empty((idx.shape[0], width), dtype=self._np_dtype)
+        stream = self._stream
+        for row, start in enumerate((idx * self.seq_len).tolist()):
+            out[row] = stream[start : start + width]
+        return torch.from_numpy(out)
+
+    def document_starts(self, i: int) -> np.ndarray:
+        """Offsets inside window ``i`` where a document begins (for position ids / doc masks).
+
+        Found by ``searchsorted`` on the cumulative sizes, computed once on first use
+        (8 bytes per document). Empty documents occupy no offset.
+        """
+        if not 0 <= i < self._len:
+            raise IndexError(f"window index {i} out of range for {self._len} windows")
+        if self._doc_starts is None:
+            sizes = self.corpus.sizes.astype(np.int64)
+            self._doc_starts = np.cumsum(sizes) - sizes
+        lo = i * self.seq_len
+        hi = lo + self.seq_len + 1
+        a, b = np.searchsorted(self._doc_starts, [lo, hi], side="left")
+        # empty documents share a start with their successor: report each offset once
+        return np.unique(self._doc_starts[a:b] - lo)
+
+
+class TokenDocuments:
+    """One item per document: ``documents[i]`` is a read-only numpy view of its tokens (zero copy).
+
+    Views, not tensors, because most consumers (packing, balancing) read ``lengths`` and
+    concatenate slices themselves; ``torch.from_numpy`` would warn on the read-only memmap.
+    ``fetch_batch`` returns the varlen-attention layout: ``{"tokens": 1-D tensor of all
+    documents back to back, "lengths": int64 [B], "cu_seqlens": int32 [B + 1]}``.
+    """
+
+    def __init__(self, corpus: CorpusLike, *, dtype: torch.dtype = torch.int64) -> None:
+        self.corpus = _as_corpus(corpus)
+        self.dtype = dtype
+        self._np_dtype = _torch_dtype(dtype)
+
+    def __len__(self) -> int:
+        return self.corpus.num_documents
+
+    def __repr__(self) -> str:
+        return f"TokenDocuments({self.corpus!r})"
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per document (int32, read-only, a view of the ``.idx``)."""
+        return self.corpus.sizes
+
+    @property
+    def fingerprint(self) -> str:
+        return f"documents:{self.corpus.fingerprint}"
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.corpus.document(i)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray]:
+        idx = _as_indices(np.asarray(indices, dtype=np.int64), len(self))
+        return [self.corpus.document(i) for i in idx.tolist()]
+
+    def fetch_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """The documents at ``indices`` concatenated, with their lengths and cumulative offsets."""
+        idx = _as_indices(indices, len(self))
+        lengths = self.corpus.sizes[idx].astype(np.int64)
+        cu = np.zeros(idx.shape[0] + 1, np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        out = np.empty(int(cu[-1]), dtype=self._np_dtype)
+        tokens = self.corpus.tokens
+        item = self.corpus.dtype.itemsize
+        starts = (self.corpus.pointers[idx] // item).tolist()
+        for k, (start, lo, hi) in enumerate(
+            zip(starts, cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+        ):
+            out[lo:hi] = tokens[start : start + int(lengths[k])]
+        return {
+            "tokens": torch.from_numpy(out),
+            "lengths": torch.from_numpy(lengths),
+            "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+        }
