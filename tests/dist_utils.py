@@ -18,9 +18,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
@@ -35,7 +42,9 @@ def torch_save(obj: Any, path: str) -> None:
     torch.save(obj, path)
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0
+) -> list[Any]:
     """Spawn ``world`` gloo processes running ``fn(rank, world, *args)``; return their results.
 
     ``fn`` must be importable (defined at module level of a test module). A failure in any
@@ -45,8 +54,13 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
 
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world, port, fn, args, out_dir), nprocs=world,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry,
+            args=(world, port, fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
         import time
 
         deadline = time.monotonic() + timeout
@@ -55,4 +69,6 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"distributed test did not finish within {timeout}s")
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
+        return [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)
+        ]

@@ -55,9 +55,7 @@ class DataMesh:
     data_axes: frozenset[str] = DEFAULT_DATA_AXES
     ulysses: int = 1
     ranks: np.ndarray | None = field(default=None, compare=False, repr=False)
-    _coords_of: dict[int, tuple[int, ...]] = field(
-        default_factory=dict, compare=False, repr=False
-    )
+    _coords_of: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.axis_names) != len(self.axis_sizes):
@@ -78,9 +76,7 @@ class DataMesh:
             )
         ranks = self.ranks
         if ranks is None:
-            ranks = np.arange(math.prod(self.axis_sizes), dtype=np.int64).reshape(
-                self.axis_sizes
-            )
+            ranks = np.arange(math.prod(self.axis_sizes), dtype=np.int64).reshape(self.axis_sizes)
         ranks = np.asarray(ranks, dtype=np.int64).reshape(self.axis_sizes)
         if sorted(ranks.ravel().tolist()) != list(range(ranks.size)):
             raise ValueError(
@@ -89,7 +85,9 @@ class DataMesh:
             )
         object.__setattr__(self, "ranks", ranks)
         coords = {int(r): c for c, r in np.ndenumerate(ranks)}
-        object.__setattr__(self, "_coords_of", {r: tuple(int(x) for x in c) for r, c in coords.items()})
+        object.__setattr__(
+            self, "_coords_of", {r: tuple(int(x) for x in c) for r, c in coords.items()}
+        )
         raw = self._raw_data_world_size()
         if not isinstance(self.ulysses, int) or self.ulysses < 1 or raw % self.ulysses:
             raise ValueError(
@@ -126,11 +124,10 @@ class DataMesh:
             missing = [name for name in axis_order if name not in sizes]
             if missing:
                 raise ValueError(f"order names axes without a size: {missing}; give their sizes")
-        names = tuple(name for name in axis_order if name in sizes)
+        names: tuple[str, ...] = tuple(name for name in axis_order if name in sizes)
+        axis_sizes: tuple[int, ...] = tuple(sizes[n] for n in names)
         if not names:
             names, axis_sizes = ("dp",), (1,)
-        else:
-            axis_sizes = tuple(sizes[n] for n in names)
         mesh = cls(
             axis_names=names,
             axis_sizes=axis_sizes,
@@ -193,7 +190,8 @@ class DataMesh:
                     "make the axis sizes divide the number of processes"
                 )
             sizes = {"dp": world // rest, **sizes}
-        return cls.from_sizes(world_size=world, data_axes=data_axes, ulysses=ulysses, **sizes)
+        axis_sizes: dict[str, Any] = {k: int(v) for k, v in sizes.items()}
+        return cls.from_sizes(world_size=world, data_axes=data_axes, ulysses=ulysses, **axis_sizes)
 
     # ----------------------------------------------------------------- queries
     @property

@@ -27,7 +27,9 @@ def assert_same(a: Any, b: Any, path: str = "item") -> None:
     """Recursively assert two outputs are identical (tensors, arrays, mappings, sequences)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            raise AssertionError(f"{path}: tensor vs {type(b).__name__ if isinstance(a, torch.Tensor) else type(a).__name__}")
+            raise AssertionError(
+                f"{path}: tensor vs {type(b).__name__ if isinstance(a, torch.Tensor) else type(a).__name__}"
+            )
         if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
             raise AssertionError(f"{path}: tensors differ\n{a}\n!=\n{b}")
         return
@@ -38,13 +40,17 @@ def assert_same(a: Any, b: Any, path: str = "item") -> None:
         return
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         if set(a) != set(b):
-            raise AssertionError(f"{path}: keys differ {sorted(map(str, a))} != {sorted(map(str, b))}")
+            raise AssertionError(
+                f"{path}: keys differ {sorted(map(str, a))} != {sorted(map(str, b))}"
+            )
         for k in a:
             assert_same(a[k], b[k], f"{path}[{k!r}]")
         return
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if type(a) is not type(b) or len(a) != len(b):
-            raise AssertionError(f"{path}: {type(a).__name__}[{len(a)}] != {type(b).__name__}[{len(b)}]")
+            raise AssertionError(
+                f"{path}: {type(a).__name__}[{len(a)}] != {type(b).__name__}[{len(b)}]"
+            )
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
         return

@@ -1,0 +1,14 @@
+"""Where a pipeline runs: in-process, worker processes, distributed (and Ray)."""
+
+from meshfeed.services.base import InProcessService, Service
+from meshfeed.services.distributed import DistributedService, check_agreement
+from meshfeed.services.workers import WorkerError, WorkerService
+
+__all__ = [
+    "DistributedService",
+    "InProcessService",
+    "Service",
+    "WorkerError",
+    "WorkerService",
+    "check_agreement",
+]

@@ -1,0 +1,140 @@
+"""The global-batch plan: which dataset indices each data rank reads at each step.
+
+Everything here is a pure function of ``(seed, epoch, position)``. An epoch is a sequence of
+global sample *positions* ``0 .. epoch_length - 1``; an :class:`Order` maps positions to dataset
+indices. The global batch that starts at position ``p`` covers ``[p, p + G)`` and data rank
+``d`` of ``D`` takes the contiguous slice ``[p + d*len//D, p + (d+1)*len//D)`` (balanced to
+within one sample when the final batch is short). Because the sequence of global batches never
+depends on ``D``, a run can resume on a different number of data ranks and see the same data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from meshfeed.order.permutation import Permutation, derive_seed
+
+
+@runtime_checkable
+class Order(Protocol):
+    """Maps global sample positions of an epoch to dataset indices (a pure function)."""
+
+    def epoch_length(self, epoch: int) -> int: ...
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray: ...
+
+
+class ShuffledOrder:
+    """The default order: a fresh :class:`Permutation` of the dataset per epoch.
+
+    The permutation of epoch ``e`` is seeded by ``derive_seed(seed, e)``, so every rank and
+    every worker computes the same order with no communication, and none is ever stored.
+    """
+
+    def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self._perm: tuple[int, Permutation] | None = None
+
+    def epoch_length(self, epoch: int) -> int:
+        return self.num_samples
+
+    def permutation(self, epoch: int) -> Permutation:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, Permutation(self.num_samples, derive_seed(self.seed, epoch)))
+        return self._perm[1]
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        if not self.shuffle:
+            return positions.copy()
+        return self.permutation(epoch)[positions]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One global batch: positions ``[start, end)`` of ``epoch`` (``end - start`` real samples)."""
+
+    epoch: int
+    start: int
+    end: int
+    index: int  # the global step number within the epoch (start // G for aligned runs)
+
+
+def rank_bounds(batch_len: int, data_rank: int, data_world_size: int) -> tuple[int, int]:
+    """DeepSpeed's ``get_start_end_idx`` rule with integer arithmetic: balanced to +-1."""
+    return (
+        data_rank * batch_len // data_world_size,
+        (data_rank + 1) * batch_len // data_world_size,
+    )
+
+
+class BatchPlan:
+    """Walks an :class:`Order` in global batches of ``global_batch_size`` positions.
+
+    With ``drop_last=True`` the final incomplete global batch of an epoch is dropped. With
+    ``drop_last=False`` it is served split as evenly as possible; when it has fewer samples
+    than there are data ranks it is padded up to one sample per rank by wrapping around to the
+    start of the epoch order (:meth:`padding` counts those), so every rank takes the same number
+    of steps.
+    """
+
+    def __init__(self, order: Order, *, global_batch_size: int, drop_last: bool = True) -> None:
+        self.order = order
+        self.global_batch_size = int(global_batch_size)
+        self.drop_last = bool(drop_last)
+
+    def step_at(self, epoch: int, position: int) -> Step | None:
+        """The global batch starting at ``position``, or None when the epoch is over."""
+        length = self.order.epoch_length(epoch)
+        end = min(position + self.global_batch_size, length)
+        if end <= position or (self.drop_last and end - position < self.global_batch_size):
+            return None
+        return Step(epoch, position, end, position // self.global_batch_size)
+
+    def steps(self, epoch: int, position: int = 0) -> int:
+        """How many global batches remain in ``epoch`` from ``position``."""
+        remaining = max(0, self.order.epoch_length(epoch) - position)
+        if self.drop_last:
+            return remaining // self.global_batch_size
+        return -(-remaining // self.global_batch_size)
+
+    def padding(self, step: Step, data_world_size: int) -> int:
+        """How many wrapped-around samples pad ``step`` (non-zero only for a tiny last batch)."""
+        return max(0, data_world_size - (step.end - step.start))
+
+    def rank_padding(self, step: Step, data_rank: int, data_world_size: int) -> int:
+        """How many of ``data_rank``'s samples in ``step`` are wrapped-around padding."""
+        real = step.end - step.start
+        lo, hi = rank_bounds(max(real, data_world_size), data_rank, data_world_size)
+        return max(0, hi - max(lo, real))
+
+    def rank_positions(self, step: Step, data_rank: int, data_world_size: int) -> np.ndarray:
+        """The epoch positions data rank ``data_rank`` reads in ``step``."""
+        real = step.end - step.start
+        lo, hi = rank_bounds(max(real, data_world_size), data_rank, data_world_size)
+        slots = np.arange(lo, hi, dtype=np.int64)
+        positions = step.start + slots
+        wrapped = slots >= real
+        if wrapped.any():
+            positions[wrapped] = (slots[wrapped] - real) % self.order.epoch_length(step.epoch)
+        return positions
+
+    def rank_indices(self, step: Step, data_rank: int, data_world_size: int) -> np.ndarray:
+        return self.order.indices(step.epoch, self.rank_positions(step, data_rank, data_world_size))
+
+    def global_indices(self, step: Step, data_world_size: int = 1) -> list[np.ndarray]:
+        """Every data rank's indices for ``step`` (one order call for the whole batch)."""
+        slices = [self.rank_positions(step, d, data_world_size) for d in range(data_world_size)]
+        flat = self.order.indices(step.epoch, np.concatenate(slices))
+        return np.split(flat, np.cumsum([len(s) for s in slices])[:-1])
+
+
+def describe_order(order: Any, epoch: int, position: int) -> dict[str, Any] | None:
+    """The order's own JSON facts for a checkpoint (curriculum step, mixture counts), if any."""
+    describe = getattr(order, "describe", None)
+    return None if describe is None else dict(describe(epoch, position))
