@@ -232,15 +232,20 @@ class DataLoader:
             self._started = True
         epoch, position = self._epoch, self._position
         steps: list[Step] = []
+        if hasattr(self.service, "map_global"):
+            results = self._run_global(epoch, position, steps)
+        else:
 
-        def tasks() -> Iterator[FetchTask]:
-            for step, task in self._tasks(epoch, position):
-                steps.append(step)
-                yield task
+            def tasks() -> Iterator[FetchTask]:
+                for step, task in self._tasks(epoch, position):
+                    steps.append(step)
+                    yield task
 
-        for batch, events in self.service.map(tasks()):
+            results = self.service.map(tasks())
+        for batch, events in results:
             step = steps.pop(0)
-            self._record(step, events)
+            for e in events if isinstance(events, list) else [events]:
+                self._record(step, e)
             self._position = step.end
             if self.pin_memory:
                 batch = _pin(batch)
@@ -249,8 +254,28 @@ class DataLoader:
         if self._epoch == epoch:
             self._epoch, self._position = epoch + 1, 0
 
+    def _run_global(self, epoch: int, position: int, steps: list[Step]) -> Iterator[Any]:
+        """For services that serve every data rank at once (Ray): one task list per step."""
+
+        def global_tasks() -> Iterator[list[FetchTask]]:
+            pos = position
+            while (step := self.plan.step_at(epoch, pos)) is not None:
+                steps.append(step)
+                D = self.data_world_size
+                indices = self.plan.global_indices(step, D)
+                yield [
+                    FetchTask(epoch, step.index, indices[d], self.plan.rank_positions(step, d, D))
+                    for d in range(D)
+                ]
+                pos = step.end
+
+        return iter(self.service.map_global(global_tasks()))  # type: ignore[attr-defined]
+
     def _record(self, step: Step, events: FetchEvents) -> None:
-        self._stats["padded"] += self.plan.rank_padding(step, self.data_rank, self.data_world_size)
+        if not hasattr(self.service, "map_global"):
+            self._stats["padded"] += self.plan.rank_padding(
+                step, self.data_rank, self.data_world_size
+            )
         if events:
             self._stats["retries"] += events.retries
             self._stats["substituted"] += events.substituted
