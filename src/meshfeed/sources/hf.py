@@ -1,0 +1,100 @@
+"""A Hugging Face ``datasets.Dataset`` as a map-style source with batched reads (``pip install meshfeed[hf]``).
+
+``HFSource.__getitems__`` asks the Arrow-backed dataset for all rows of a batch in one call
+(``dataset[list_of_indices]``, a single Arrow ``take``) instead of one ``__getitem__`` per row,
+then turns the column dict into one dict per row. ``datasets`` is imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HFSource"]
+
+Row = dict[str, Any]
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "meshfeed's Hugging Face source needs the datasets package; install the extra: "
+            "pip install meshfeed[hf]"
+        ) from e
+    return datasets
+
+
+class HFSource:
+    """Map-style rows (``dict`` column -> value) over a random-access ``datasets.Dataset``.
+
+    ``columns`` keeps only those columns (all by default). The dataset's format is respected
+    (``with_format("torch")`` gives tensors per row). Iterable and dict datasets are rejected:
+    choose a split (``ds["train"]``), or stream an ``IterableDataset`` with a meshfeed stream.
+
+    >>> src = HFSource(datasets.Dataset.from_dict({"text": ["a", "b"]}))  # doctest: +SKIP
+    >>> src.__getitems__([1, 0])  # doctest: +SKIP
+    [{'text': 'b'}, {'text': 'a'}]
+    """
+
+    def __init__(self, dataset: Any, *, columns: Sequence[str] | None = None) -> None:
+        ds = _datasets()
+        if isinstance(dataset, ds.DatasetDict):
+            raise TypeError(
+                f"got a DatasetDict with splits {sorted(dataset)}; pick one, e.g. "
+                "HFSource(dataset['train'])"
+            )
+        if isinstance(dataset, ds.IterableDataset):
+            raise TypeError(
+                "got a datasets.IterableDataset, which is not random access; load it without "
+                "streaming=True or read it through a meshfeed stream"
+            )
+        if not isinstance(dataset, ds.Dataset):
+            raise TypeError(
+                f"dataset must be a datasets.Dataset (got {type(dataset).__name__}); wrap plain "
+                "data with datasets.Dataset.from_dict"
+            )
+        if columns is not None:
+            missing = [c for c in columns if c not in dataset.column_names]
+            if missing:
+                raise ValueError(
+                    f"columns {missing} are not in the dataset (columns: "
+                    f"{dataset.column_names}); pick existing columns"
+                )
+            dataset = dataset.select_columns(list(columns))
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.dataset.column_names)
+
+    @property
+    def fingerprint(self) -> str:
+        """The dataset's own content fingerprint (``Dataset._fingerprint``) and its length."""
+        return f"hf:{len(self)}:{getattr(self.dataset, '_fingerprint', 'unknown')}"
+
+    def __getitem__(self, i: int) -> Row:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {n} rows")
+        return dict(self.dataset[int(i) % n])
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Row]:
+        """Rows at ``indices`` in order, read with one batched lookup."""
+        idx = np.asarray(indices)
+        n = len(self)
+        if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            raise TypeError(f"indices must be a 1-D integer sequence (got shape {idx.shape})")
+        if idx.size == 0:
+            return []
+        if int(idx.min()) < -n or int(idx.max()) >= n:
+            raise IndexError(f"indices span [{int(idx.min())}, {int(idx.max())}], outside [0, {n})")
+        batch = self.dataset[(idx % n).tolist()]
+        names = list(batch)
+        return [{k: batch[k][j] for k in names} for j in range(idx.shape[0])]

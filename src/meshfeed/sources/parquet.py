@@ -1,0 +1,248 @@
+"""Random access by global row index over Parquet files and Arrow tables (``pip install meshfeed[parquet]``).
+
+:class:`ParquetSource` spans one or more Parquet files as one map-style dataset. Row ``i`` is
+found arithmetically: ``searchsorted`` over the cumulative row-group sizes gives (file, row
+group, offset). ``__getitems__`` groups a batch's indices by row group and reads each needed
+row group once; a small LRU cache (``cache_row_groups``) keeps the last few, so memory is
+bounded by that many decoded row groups regardless of the dataset size. Write files with
+row groups of a few thousand rows for cheap random access.
+
+:class:`ArrowSource` does the same over an in-memory ``pyarrow.Table`` or an Arrow IPC file
+(memory-mapped, zero copy).
+
+pyarrow is imported lazily, so importing this module never requires it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ArrowSource", "ParquetSource"]
+
+Row = dict[str, Any]
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "meshfeed's Parquet/Arrow sources need pyarrow; install the extra: "
+            "pip install meshfeed[parquet]"
+        ) from e
+    return pyarrow
+
+
+def _as_index_array(indices: Any, n: int) -> np.ndarray:
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+        raise TypeError(
+            f"indices must be a 1-D integer sequence (got shape {idx.shape}, dtype {idx.dtype})"
+        )
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
+        raise IndexError(f"indices span [{int(idx.min())}, {int(idx.max())}], outside [0, {n})")
+    return np.where(idx < 0, idx + n, idx)
+
+
+def _rows(table: Any) -> list[Row]:
+    return list(table.to_pylist())
+
+
+def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    out: list[Path] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(p.glob("*.parquet"))
+            if not found:
+                raise FileNotFoundError(f"directory {p} holds no *.parquet files")
+            out.extend(found)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"Parquet path {p} does not exist")
+    if not out:
+        raise ValueError(
+            f"no Parquet files given (got {paths=}); pass a file, a list or a directory"
+        )
+    return out
+
+
+class ParquetSource:
+    """Map-style rows (``dict`` column -> Python value) over one or more Parquet files.
+
+    Files are concatenated in the given order (a directory expands to its ``*.parquet`` files,
+    sorted). ``columns`` selects columns (all by default). The object pickles without its open
+    file handles and cache, so worker processes re-open the files.
+
+    >>> src = ParquetSource(["a.parquet", "b.parquet"], columns=["text"])  # doctest: +SKIP
+    >>> src.__getitems__([0, 10_000, 1])  # doctest: +SKIP
+    [{'text': ...}, {'text': ...}, {'text': ...}]
+    """
+
+    def __init__(
+        self,
+        paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        columns: Sequence[str] | None = None,
+        cache_row_groups: int = 4,
+    ) -> None:
+        if not isinstance(cache_row_groups, int) or cache_row_groups < 1:
+            raise ValueError(f"cache_row_groups must be a positive int (got {cache_row_groups=})")
+        pa = _pyarrow()
+        self.paths = _expand(paths)
+        self.columns = list(columns) if columns is not None else None
+        self.cache_row_groups = cache_row_groups
+        files, groups, rows, schemas = [], [], [], []
+        for f, path in enumerate(self.paths):
+            meta = pa.parquet.ParquetFile(path).metadata
+            schemas.append(meta.schema.to_arrow_schema())
+            for g in range(meta.num_row_groups):
+                files.append(f)
+                groups.append(g)
+                rows.append(meta.row_group(g).num_rows)
+        names = set(schemas[0].names)
+        if self.columns is not None:
+            missing = [c for c in self.columns if c not in names]
+            if missing:
+                raise ValueError(
+                    f"columns {missing} are not in {self.paths[0]} (columns: {sorted(names)}); "
+                    "pick existing columns"
+                )
+        self._file_of = np.asarray(files, np.int64)
+        self._group_of = np.asarray(groups, np.int64)
+        self._offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(np.asarray(rows, np.int64), out=self._offsets[1:])
+        self._schema_text = str(schemas[0])
+        self._handles: dict[int, Any] = {}
+        self._cache: OrderedDict[int, Any] = OrderedDict()
+        self._fingerprint: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: getattr(self, k) for k in self.__dict__}
+        state["_handles"], state["_cache"] = {}, OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def num_row_groups(self) -> int:
+        return int(self._file_of.shape[0])
+
+    @property
+    def fingerprint(self) -> str:
+        """Row-group layout, schema, file sizes and each file's footer hash (path independent)."""
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=12)
+            h.update(self._offsets.tobytes())
+            h.update(self._schema_text.encode())
+            for path in self.paths:
+                size = path.stat().st_size
+                h.update(size.to_bytes(8, "little"))
+                with open(path, "rb") as f:
+                    f.seek(max(0, size - 4096))
+                    h.update(f.read())
+            self._fingerprint = f"parquet:{len(self)}:{self.columns}:{h.hexdigest()}"
+        return self._fingerprint
+
+    def _row_group(self, g: int) -> Any:
+        table = self._cache.get(g)
+        if table is not None:
+            self._cache.move_to_end(g)
+            return table
+        f = int(self._file_of[g])
+        handle = self._handles.get(f)
+        if handle is None:
+            handle = self._handles[f] = _pyarrow().parquet.ParquetFile(self.paths[f])
+        table = handle.read_row_group(int(self._group_of[g]), columns=self.columns)
+        self._cache[g] = table
+        while len(self._cache) > self.cache_row_groups:
+            self._cache.popitem(last=False)
+        return table
+
+    def __getitem__(self, i: int) -> Row:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {n} rows")
+        i %= n
+        g = int(np.searchsorted(self._offsets, i, side="right")) - 1
+        return _rows(self._row_group(g).slice(i - int(self._offsets[g]), 1))[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Row]:
+        """Rows at ``indices`` in order; each needed row group is read (or fetched) once."""
+        idx = _as_index_array(indices, len(self))
+        groups = np.searchsorted(self._offsets, idx, side="right") - 1
+        out: list[Row] = [{}] * idx.shape[0]
+        for g in np.unique(groups).tolist():
+            where = np.flatnonzero(groups == g)
+            local = idx[where] - self._offsets[g]
+            rows = _rows(self._row_group(g).take(local))
+            for pos, row in zip(where.tolist(), rows, strict=True):
+                out[pos] = row
+        return out
+
+
+class ArrowSource:
+    """Map-style rows over a ``pyarrow.Table`` or an Arrow IPC file (memory-mapped, zero copy).
+
+    ``__getitems__`` is one vectorised ``take``. A table built in memory pickles with its data;
+    pass a file path for worker processes to re-map it instead.
+    """
+
+    def __init__(self, table: Any, *, columns: Sequence[str] | None = None) -> None:
+        pa = _pyarrow()
+        self.path: Path | None = None
+        if isinstance(table, (str, os.PathLike)):
+            self.path = Path(table)
+            table = pa.ipc.open_file(pa.memory_map(os.fspath(table), "r")).read_all()
+        if not isinstance(table, pa.Table):
+            raise TypeError(
+                f"table must be a pyarrow.Table or an Arrow IPC file path (got "
+                f"{type(table).__name__}); convert with pyarrow.Table.from_pydict"
+            )
+        self.columns = list(columns) if columns is not None else None
+        self.table = table.select(self.columns) if self.columns is not None else table
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.path is not None:
+            return (_arrow_from_path, (self.path, self.columns))
+        return (type(self), (self.table,))
+
+    def __len__(self) -> int:
+        return int(self.table.num_rows)
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=12)
+        h.update(str(self.table.schema).encode())
+        n = len(self)
+        for lo in (0, max(0, n - 8)):  # a cheap sample: schema, length and the first/last rows
+            h.update(repr(self.table.slice(lo, 8).to_pylist()).encode())
+        return f"arrow:{n}:{h.hexdigest()}"
+
+    def __getitem__(self, i: int) -> Row:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {n} rows")
+        return _rows(self.table.slice(i % n, 1))[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Row]:
+        return _rows(self.table.take(_as_index_array(indices, len(self))))
+
+
+def _arrow_from_path(path: Path, columns: list[str] | None) -> ArrowSource:
+    return ArrowSource(path, columns=columns)
