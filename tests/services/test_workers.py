@@ -1,0 +1,107 @@
+import os
+import signal
+
+import pytest
+import torch
+
+from meshfeed import DataLoader
+from meshfeed.services import WorkerError, WorkerService
+from meshfeed.testing import assert_resume_equivalence, assert_same, take
+
+
+class Items:
+    def __init__(self, n, fail_at=None, die_at=None, exc=ValueError):
+        self.n, self.fail_at, self.die_at, self.exc = n, fail_at, die_at, exc
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise self.exc(f"cannot decode sample {i}")
+        if i == self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"i": i, "pid": os.getpid(), "x": torch.arange(3) + i}
+
+
+def _without_pid(batches):
+    return [{k: v for k, v in b.items() if k != "pid"} for b in batches]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_workers_give_exactly_the_output_of_no_workers(num_workers):
+    ref = _without_pid(
+        take(DataLoader(Items(50), batch_size=4, mesh={"dp": 2}, rank=1, seed=5), 30)
+    )
+    with DataLoader(
+        Items(50), batch_size=4, mesh={"dp": 2}, rank=1, seed=5, num_workers=num_workers
+    ) as lo:
+        got = take(lo, 30)
+    assert_same(ref, _without_pid(got))
+    pids = {int(b["pid"][0]) for b in got}
+    assert len(pids) == num_workers and os.getpid() not in pids
+
+
+def test_batch_i_is_made_by_worker_i_mod_k():
+    with DataLoader(Items(40), batch_size=2, num_workers=2, prefetch=3) as lo:
+        pids = [int(b["pid"][0]) for b in take(lo, 8)]
+    assert pids[0::2] == [pids[0]] * 4 and pids[1::2] == [pids[1]] * 4 and pids[0] != pids[1]
+
+
+def test_exact_resume_with_workers_across_epochs():
+    def factory():
+        return DataLoader(Items(21), batch_size=2, mesh={"dp": 2}, num_workers=2, seed=1)
+
+    assert_resume_equivalence(
+        factory,
+        num_items=14,
+        cleanup=lambda lo: lo.shutdown(),
+        equal=lambda a, b, p: assert_same(_without_pid([a]), _without_pid([b]), p),
+    )
+
+
+def test_worker_exception_is_reraised_with_worker_traceback():
+    lo = DataLoader(
+        Items(16, fail_at=5), batch_size=4, shuffle=False, num_workers=2, on_error="raise"
+    )
+    with pytest.raises(ValueError, match="cannot decode sample 5") as info:
+        list(lo)
+    assert "worker traceback" in str(info.value) and "__getitem__" in str(info.value)
+    lo.shutdown()
+
+
+def test_killed_worker_is_reported_not_hung():
+    lo = DataLoader(Items(32, die_at=9), batch_size=4, shuffle=False, num_workers=2, timeout=30)
+    with pytest.raises(WorkerError, match="exited unexpectedly with exit code -9"):
+        list(lo)
+    lo.shutdown()
+
+
+def test_stalled_worker_times_out():
+    class Slow(Items):
+        def __getitem__(self, i):
+            if i == 3:
+                import time
+
+                time.sleep(30)
+            return i
+
+    lo = DataLoader(Slow(8), batch_size=4, shuffle=False, num_workers=1, timeout=1.0)
+    with pytest.raises(WorkerError, match="produced nothing for step 0 within timeout=1.0s"):
+        list(lo)
+    lo.shutdown()
+
+
+def test_abandoned_iteration_then_new_one_stays_aligned():
+    ref = _without_pid(take(DataLoader(Items(40), batch_size=2), 12))
+    with DataLoader(Items(40), batch_size=2, num_workers=2, prefetch=3) as lo:
+        first = take(lo, 3)  # leaves prefetched batches in flight
+        rest = take(lo, 9)
+    assert_same(ref, _without_pid(first + rest))
+
+
+def test_worker_service_validates_arguments():
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+        WorkerService(0)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        WorkerService(2, prefetch=0)

@@ -1,0 +1,92 @@
+import numpy as np
+import pytest
+
+from meshfeed import DataMesh
+
+
+def test_from_sizes_tp_innermost_and_replica_groups():
+    mesh = DataMesh.from_sizes(dp=2, tp=2)
+    assert mesh.world_size == 4 and mesh.data_world_size == 2
+    assert [mesh.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert mesh.replica_group(1) == [0, 1]
+    assert mesh.coords(3) == {"dp": 1, "tp": 1}
+
+
+def test_full_mesh_data_ranks_ignore_replicating_axes():
+    mesh = DataMesh.from_sizes(pp=2, dp=2, fsdp=2, cp=2, tp=2)
+    assert mesh.world_size == 32 and mesh.data_world_size == 4
+    groups = mesh.replica_groups()
+    assert sorted(r for g in groups for r in g) == list(range(32))
+    for d, group in enumerate(groups):
+        assert len(group) == 8
+        for r in group:
+            c = mesh.coords(r)
+            assert c["dp"] * 2 + c["fsdp"] == d
+
+
+def test_overridden_data_axes_and_order():
+    mesh = DataMesh.from_sizes(order=["tp", "dp"], tp=2, dp=3, data_axes=["dp", "tp"])
+    assert mesh.data_world_size == 6
+    assert [mesh.data_rank(r) for r in range(6)] == list(range(6))
+
+
+def test_ulysses_folds_consecutive_data_ranks():
+    mesh = DataMesh.from_sizes(dp=8, ulysses=4)
+    assert mesh.data_world_size == 2
+    assert [mesh.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert mesh.replica_group(5) == [4, 5, 6, 7]
+
+
+def test_from_env_pure_data_parallel_and_with_tp():
+    assert DataMesh.from_env(env={"WORLD_SIZE": "6"}).data_world_size == 6
+    mesh = DataMesh.from_env(env={"WORLD_SIZE": "8"}, tp=2)
+    assert mesh.sizes == {"dp": 4, "tp": 2}
+
+
+def test_from_device_mesh_uses_names_and_layout():
+    class FakeDeviceMesh:
+        mesh_dim_names = ("dp", "tp")
+
+        class mesh:
+            @staticmethod
+            def cpu():
+                import torch
+
+                return torch.tensor([[0, 2], [1, 3]])
+
+    mesh = DataMesh.from_device_mesh(FakeDeviceMesh())
+    # rank 2 sits at dp=0, tp=1: it shares data with rank 0
+    assert mesh.replica_group(2) == [0, 2]
+    assert mesh.data_rank(1) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dp": 2, "tp": 2, "world_size": 8}, "multiply to 4, but the world size is 8"),
+        ({"dp": 2, "xp": 2}, "unknown mesh axis"),
+        ({"dp": 6, "ulysses": 4}, "ulysses=4 must be a positive divisor"),
+        ({"dp": 0}, "sizes must be integers >= 1"),
+    ],
+)
+def test_invalid_meshes_name_the_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DataMesh.from_sizes(**kwargs)
+
+
+def test_rank_out_of_range_is_rejected():
+    mesh = DataMesh.from_sizes(dp=2)
+    with pytest.raises(ValueError, match="rank=2 is out of range"):
+        mesh.data_rank(2)
+    with pytest.raises(ValueError, match="rank=-1"):
+        mesh.coords(-1)
+
+
+def test_env_world_not_divisible():
+    with pytest.raises(ValueError, match="WORLD_SIZE=6 is not divisible"):
+        DataMesh.from_env(env={"WORLD_SIZE": "6"}, tp=4)
+
+
+def test_ranks_array_must_cover_world():
+    with pytest.raises(ValueError, match="each of the global ranks"):
+        DataMesh(axis_names=("dp",), axis_sizes=(2,), ranks=np.array([0, 0]))

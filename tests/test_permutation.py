@@ -1,0 +1,69 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.order import Permutation
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 100, 255, 256, 257, 1000, 4097])
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_exhaustive_bijection_small_n(n, seed):
+    perm = Permutation(n, seed)
+    values = perm[np.arange(n)]
+    assert sorted(values.tolist()) == list(range(n))
+    assert np.array_equal(perm.inverse(values), np.arange(n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(min_value=2**40, max_value=2**63 - 1), seed=st.integers(0, 2**63 - 1))
+def test_sampled_bijection_huge_n(n, seed):
+    perm = Permutation(n, seed)
+    rng = np.random.default_rng(seed % 2**32)
+    positions = np.unique(rng.integers(0, n, size=2000, dtype=np.int64))
+    values = perm[positions]
+    assert values.min() >= 0 and values.max() < n
+    assert len(np.unique(values)) == len(positions)  # injective on the sample
+    assert np.array_equal(perm.inverse(values), positions)
+
+
+def test_int_and_array_lookups_agree():
+    perm = Permutation(10**9, seed=3)
+    arr = perm[np.array([0, 5, 10**9 - 1])]
+    assert [perm[0], perm[5], perm[10**9 - 1]] == arr.tolist()
+    assert isinstance(perm[5], int)
+
+
+def test_no_positional_correlation():
+    n = 100_000
+    values = Permutation(n, seed=11)[np.arange(n)].astype(float)
+    corr = np.corrcoef(np.arange(n), values)[0, 1]
+    assert abs(corr) < 0.02
+    # neighbours are not close to each other either
+    assert abs(np.corrcoef(values[:-1], values[1:])[0, 1]) < 0.02
+
+
+def test_first_position_is_uniform_over_seeds():
+    n, trials = 10, 20_000
+    firsts = np.array([Permutation(n, seed=s)[0] for s in range(trials)])
+    counts = np.bincount(firsts, minlength=n)
+    expected = trials / n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 30.0  # 9 degrees of freedom: p ~ 4e-4 at 30
+
+
+def test_seeds_give_different_orders():
+    a = Permutation(1000, 0)[np.arange(1000)]
+    b = Permutation(1000, 1)[np.arange(1000)]
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**63])
+def test_invalid_sizes(bad):
+    with pytest.raises(ValueError, match="1 <= n < 2\\*\\*63"):
+        Permutation(bad)
+
+
+def test_out_of_range_positions():
+    with pytest.raises(IndexError, match="out of range"):
+        Permutation(10)[np.array([10])]

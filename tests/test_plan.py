@@ -1,0 +1,64 @@
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.order.plan import BatchPlan, ShuffledOrder, rank_bounds
+
+
+def test_rank_bounds_balanced_plus_minus_one():
+    bounds = [rank_bounds(10, d, 4) for d in range(4)]
+    assert bounds == [(0, 2), (2, 5), (5, 7), (7, 10)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 500),
+    batch=st.integers(1, 16),
+    world=st.integers(1, 9),
+    seed=st.integers(0, 2**31),
+    drop_last=st.booleans(),
+)
+def test_global_batches_cover_epoch_exactly_once(n, batch, world, seed, drop_last):
+    G = batch * world
+    plan = BatchPlan(ShuffledOrder(n, seed=seed), global_batch_size=G, drop_last=drop_last)
+    seen: list[int] = []
+    pos, steps = 0, 0
+    while (step := plan.step_at(0, pos)) is not None:
+        per_rank = [plan.rank_indices(step, d, world) for d in range(world)]
+        assert all(len(x) >= 1 for x in per_rank)  # no rank ever idles
+        sizes = [len(x) for x in per_rank]
+        assert max(sizes) - min(sizes) <= 1
+        real = step.end - step.start
+        flat = np.concatenate(per_rank)
+        seen.extend(flat[:real].tolist() if real >= world else flat.tolist()[:real])
+        pos, steps = step.end, steps + 1
+    assert steps == plan.steps(0)
+    expected = (n // G) * G if drop_last else n
+    assert len(seen) == expected
+    assert len(set(seen)) == expected
+
+
+def test_short_final_batch_pads_by_wrapping_to_epoch_start():
+    plan = BatchPlan(ShuffledOrder(9, seed=0, shuffle=False), global_batch_size=8, drop_last=False)
+    step = plan.step_at(0, 8)
+    assert step is not None and step.end - step.start == 1
+    per_rank = [plan.rank_positions(step, d, 4).tolist() for d in range(4)]
+    assert per_rank == [[8], [0], [1], [2]]
+    assert plan.padding(step, 4) == 3
+    assert [plan.rank_padding(step, d, 4) for d in range(4)] == [0, 1, 1, 1]
+
+
+def test_sequence_of_global_batches_does_not_depend_on_world_size():
+    order = ShuffledOrder(1000, seed=5)
+    plan = BatchPlan(order, global_batch_size=24)
+    for world in (1, 2, 3, 4, 6, 8):
+        step = plan.step_at(3, 240)
+        assert step is not None
+        merged = np.concatenate(plan.global_indices(step, world))
+        assert np.array_equal(merged, order.indices(3, np.arange(240, 264)))
+
+
+def test_epochs_reshuffle():
+    order = ShuffledOrder(100, seed=1)
+    a, b = order.indices(0, np.arange(100)), order.indices(1, np.arange(100))
+    assert not np.array_equal(a, b) and sorted(a) == sorted(b)
