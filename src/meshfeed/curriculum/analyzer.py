@@ -1,0 +1,239 @@
+"""The offline analyzer: run metric functions over a dataset, in parallel, into metric indexes.
+
+The dataset is cut into fixed chunks of ``chunk_size`` samples. Chunks are spread over
+torch.distributed ranks (contiguous ranges, when a process group is initialised) and, inside each
+rank, over ``num_workers`` worker processes; results are merged in chunk order, so per-sample
+values are bit-identical for any number of workers or ranks. Accumulated metrics are summed in
+chunk order (integer histograms are exact; float sums can differ in the last bits between
+different *rank* counts, never between worker counts).
+
+Metrics that ``require`` accumulated ones (vocabulary rarity needs the token histogram) run in a
+second pass once the accumulated arrays are reduced on every rank.
+
+>>> from meshfeed.curriculum import analyze, seqlen
+>>> result = analyze([[1, 2], [3], [4, 5, 6]], [seqlen()], progress=False)
+>>> result["seqlen"].values.tolist(), result["seqlen"].order.tolist()
+([2, 1, 3], [1, 0, 2])
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshfeed.curriculum.index import MetricIndex, fingerprint, save_accumulated
+from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
+from meshfeed.progress import Progress
+
+__all__ = ["analyze"]
+
+Metric = SampleMetric | AccumulatedMetric
+_ChunkOut = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
+
+# Set in each worker by the pool initialiser (inherited, not pickled, under fork).
+_WORK: tuple[Any, list[SampleMetric], list[AccumulatedMetric], dict[str, Any]] | None = None
+
+
+def _init_worker(
+    dataset: Any, samples: list[SampleMetric], accs: list[AccumulatedMetric], ctx: dict[str, Any]
+) -> None:
+    global _WORK
+    _WORK = (dataset, samples, accs, ctx)
+
+
+def _run_chunk(start: int, stop: int) -> _ChunkOut:
+    assert _WORK is not None  # internal invariant: set by _init_worker
+    dataset, samples, accs, ctx = _WORK
+    values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
+    sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+    for i in range(start, stop):
+        item = dataset[i]
+        for m in samples:
+            values[m.name][i - start] = m.fn(item, ctx[m.name]) if m.requires else m.fn(item)
+        for a in accs:
+            a.fn(sums[a.name], item)
+    return values, sums
+
+
+def _split_metrics(metrics: Sequence[Metric]) -> tuple[list[SampleMetric], list[AccumulatedMetric]]:
+    samples: list[SampleMetric] = []
+    accs: dict[str, AccumulatedMetric] = {}
+    for m in metrics:
+        if isinstance(m, SampleMetric):
+            samples.append(m)
+            for a in m.requires:
+                accs.setdefault(a.name, a)
+        elif isinstance(m, AccumulatedMetric):
+            accs.setdefault(m.name, m)
+        else:
+            raise TypeError(
+                f"metrics must be SampleMetric or AccumulatedMetric (got {m!r}); build them "
+                "with seqlen(), vocab_rarity(), SampleMetric(name=..., fn=...)"
+            )
+    names = [m.name for m in samples] + list(accs)
+    if len(set(names)) != len(names):
+        raise ValueError(f"metric names must be unique (got {names})")
+    return samples, list(accs.values())
+
+
+def _dist_info() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return 0, 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _pass(
+    dataset: Any,
+    chunks: list[tuple[int, int]],
+    samples: list[SampleMetric],
+    accs: list[AccumulatedMetric],
+    ctx: dict[str, Any],
+    *,
+    num_workers: int,
+    mp_context: str | None,
+    timeout: float,
+    bar: Progress,
+) -> _ChunkOut:
+    """Run one pass over ``chunks``: per-sample values concatenated, accumulations summed.
+
+    Both are merged in chunk order, so the result does not depend on ``num_workers``.
+    """
+    values: dict[str, list[np.ndarray]] = {m.name: [] for m in samples}
+    sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+
+    def merge(out: _ChunkOut, size: int) -> None:
+        for name, v in out[0].items():
+            values[name].append(v)
+        for name, part in out[1].items():
+            sums[name] += part
+        bar.update(size)
+
+    if num_workers <= 0:
+        _init_worker(dataset, samples, accs, ctx)
+        for start, stop in chunks:
+            merge(_run_chunk(start, stop), stop - start)
+    else:
+        method = mp_context or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ProcessPoolExecutor(
+            max_workers=num_workers,
+            mp_context=mp.get_context(method),
+            initializer=_init_worker,
+            initargs=(dataset, samples, accs, ctx),
+        ) as pool:
+            # A bounded window of chunks in flight keeps memory flat on long corpora.
+            window = 4 * num_workers
+            pending: deque[tuple[int, Future[_ChunkOut]]] = deque()
+            for start, stop in chunks:
+                pending.append((stop - start, pool.submit(_run_chunk, start, stop)))
+                if len(pending) >= window:
+                    size, fut = pending.popleft()
+                    merge(fut.result(timeout=timeout), size)
+            while pending:
+                size, fut = pending.popleft()
+                merge(fut.result(timeout=timeout), size)
+    empty = {m.name: np.empty(0, dtype=m.dtype) for m in samples}
+    return {k: np.concatenate(v) if v else empty[k] for k, v in values.items()}, sums
+
+
+def _gather(local: _ChunkOut, world: int) -> list[_ChunkOut]:
+    """Every rank's pass output, in rank order (ranks own contiguous chunk ranges)."""
+    if world == 1:
+        return [local]
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, local)
+    return parts
+
+
+def analyze(
+    dataset: Any,
+    metrics: Sequence[Metric],
+    *,
+    output_dir: str | os.PathLike[str] | None = None,
+    num_workers: int = 0,
+    chunk_size: int = 4096,
+    progress: bool = True,
+    mp_context: str | None = None,
+    timeout: float = 3600.0,
+) -> dict[str, MetricIndex | np.ndarray]:
+    """Compute ``metrics`` over ``dataset`` (``len`` + ``__getitem__``); return and save them.
+
+    Returns ``{name: MetricIndex}`` for sample metrics and ``{name: array}`` for accumulated
+    ones (including those pulled in by ``requires``). With ``output_dir`` each metric is saved
+    to ``output_dir/<name>/`` (by rank 0 only under torch.distributed). ``num_workers=0`` runs
+    in this process. ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the
+    run instead of hanging it. Under torchrun every rank must call this with the same arguments.
+    """
+    if num_workers < 0 or chunk_size < 1:
+        raise ValueError(
+            f"need num_workers >= 0 and chunk_size >= 1 (got {num_workers=}, {chunk_size=})"
+        )
+    samples, accs = _split_metrics(metrics)
+    if not samples and not accs:
+        raise ValueError("analyze() needs at least one metric, e.g. metrics=[seqlen()]")
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("analyze() got an empty dataset; there is nothing to index")
+    fp = fingerprint(dataset)
+    rank, world = _dist_info()
+    all_chunks = [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+    lo, hi = rank * len(all_chunks) // world, (rank + 1) * len(all_chunks) // world
+    mine = all_chunks[lo:hi]
+
+    first = [m for m in samples if not m.requires]
+    second = [m for m in samples if m.requires]
+    values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
+    accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+    passes = [(first, accs), (second, [])] if second else [(first, accs)]
+    with Progress(
+        total=n * len(passes), desc="analyze", unit="samples", enabled=progress and rank == 0
+    ) as bar:
+        for pass_samples, pass_accs in passes:
+            ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
+            offsets = dict.fromkeys(values, 0)
+            local = _pass(
+                dataset,
+                mine,
+                pass_samples,
+                pass_accs,
+                ctx,
+                num_workers=num_workers,
+                mp_context=mp_context,
+                timeout=timeout,
+                bar=bar,
+            )
+            bar.update((n - sum(b - a for a, b in mine)) if world > 1 else 0)
+            for part_values, part_sums in _gather(local, world):
+                for name, v in part_values.items():
+                    values[name][offsets[name] : offsets[name] + len(v)] = v
+                    offsets[name] += len(v)
+                for name, part in part_sums.items():
+                    accumulated[name] += part
+
+    result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
+    for m in samples:
+        result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
+    if output_dir is not None and rank == 0:
+        root = Path(output_dir)
+        for name, item in result.items():
+            if isinstance(item, MetricIndex):
+                item.save(root / name)
+            else:
+                save_accumulated(root / name, name, item, fp)
+    if world > 1 and output_dir is not None:
+        import torch.distributed as dist
+
+        dist.barrier()
+    return result

@@ -1,0 +1,203 @@
+"""Curriculum: metrics + schedules -> a difficulty-gated order and a batch post-processing hook.
+
+``Curriculum(metrics=[CurriculumMetric(index=..., schedule=..., difficulty_type=...)],
+transforms=[SeqlenTruncate(schedule=...)])`` is what ``meshfeed.DataLoader(curriculum=...)``
+takes. At global step ``t`` a sample is eligible when, for every metric, its value is
+``<= schedule.difficulty(t)`` (``"value"``) or it lies within the lowest
+``schedule.difficulty(t)`` percent of that metric (``"percentile"``). Several metrics intersect.
+
+Because every schedule is non-decreasing, each sample has an *entry step*, the first step at
+which it is eligible under all metrics at once: the maximum over metrics of the per-metric entry
+step, each found by one ``searchsorted`` of the sample's value into the schedule's thresholds.
+Sorting samples by entry step once (O(N log N), O(N) for a single metric, whose index is already
+sorted) turns the pool at any step into a prefix, so a difficulty change costs one
+``searchsorted`` instead of DeepSpeed's O(N) set intersection and difference; see
+:class:`~meshfeed.curriculum.order.GatedOrder` for how batches are drawn from it.
+
+The curriculum step is the global batch number ``epoch * steps_per_epoch + position // G``, so
+it is the step of the batch the training loop received, never a count of prefetched batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from meshfeed.curriculum.index import MetricIndex
+from meshfeed.curriculum.order import GatedOrder
+from meshfeed.curriculum.schedule import Schedule
+from meshfeed.curriculum.transforms import SeqlenReshape, SeqlenTruncate
+
+__all__ = ["Curriculum", "CurriculumMetric"]
+
+Transform = SeqlenTruncate | SeqlenReshape
+_NEVER = np.iinfo(np.int64).max
+
+
+def _plain(x: Any) -> int | float:
+    return int(x) if isinstance(x, (int, np.integer)) else float(x)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CurriculumMetric:
+    """One gating metric: its index, its pacing schedule and how the difficulty is read."""
+
+    index: MetricIndex
+    schedule: Schedule
+    difficulty_type: Literal["value", "percentile"] = "value"
+
+    def __post_init__(self) -> None:
+        if self.difficulty_type not in ("value", "percentile"):
+            raise ValueError(
+                f"difficulty_type must be 'value' or 'percentile' (got {self.difficulty_type!r})"
+            )
+        if not isinstance(self.index, MetricIndex):
+            raise TypeError(
+                f"index must be a MetricIndex (got {type(self.index).__name__}); load one with "
+                "MetricIndex.load(path) or build it with analyze(...)"
+            )
+
+    @property
+    def name(self) -> str:
+        return self.index.name
+
+    def thresholds(self) -> np.ndarray:
+        """The schedule on steps ``0 .. saturation_step`` (constant afterwards)."""
+        horizon = self.schedule.saturation_step
+        if horizon is None:
+            raise ValueError(
+                f"metric {self.name!r}: its schedule has no saturation step; pass "
+                "custom(fn, total_curriculum_step=...) so eligibility can be precomputed"
+            )
+        thr = np.asarray(self.schedule.difficulties(np.arange(horizon + 1, dtype=np.int64)))
+        if np.any(np.diff(thr) < 0):
+            bad = int(np.flatnonzero(np.diff(thr) < 0)[0])
+            raise ValueError(
+                f"metric {self.name!r}: the schedule decreases at step {bad + 1} "
+                f"({thr[bad]} -> {thr[bad + 1]}); the eligible pool can only grow"
+            )
+        return thr
+
+    def entry_steps(self, *, in_sorted_order: bool) -> np.ndarray:
+        """Per sample, the first step at which this metric admits it (``_NEVER`` if never).
+
+        Indexed by dataset index, or along ``index.order`` when ``in_sorted_order``.
+        """
+        thr = self.thresholds()
+        n = len(self.index)
+        if self.difficulty_type == "value":
+            keys = self.index.sorted_values() if in_sorted_order else np.asarray(self.index.values)
+            entry = np.searchsorted(thr, keys, side="left")
+        else:
+            counts = self.index.percentile_count(thr)
+            rank = np.arange(n, dtype=np.int64)
+            if not in_sorted_order:
+                rank = np.empty(n, dtype=np.int64)
+                rank[np.asarray(self.index.order)] = np.arange(n, dtype=np.int64)
+            entry = np.searchsorted(counts, rank, side="right")
+        entry = entry.astype(np.int64)
+        entry[entry > len(thr) - 1] = _NEVER
+        return entry
+
+
+class Curriculum:
+    """Difficulty-gated sampling plus transform-only metrics, for ``DataLoader(curriculum=)``.
+
+    ``samples_per_epoch`` (default: the dataset length rounded down to whole global batches)
+    is what the loader treats as one epoch; the curriculum and the sampling rounds run on across
+    epochs. :meth:`make_order` checks every index against the dataset length; load indexes
+    with ``MetricIndex.load(path, dataset=ds)`` to check their fingerprint too.
+    """
+
+    def __init__(
+        self,
+        metrics: Sequence[CurriculumMetric] = (),
+        *,
+        transforms: Sequence[Transform] = (),
+        samples_per_epoch: int | None = None,
+    ) -> None:
+        self.metrics = tuple(metrics)
+        self.transforms = tuple(transforms)
+        names = [m.name for m in self.metrics] + [t.name for t in self.transforms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"curriculum metric names must be unique (got {names})")
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            raise ValueError(f"samples_per_epoch must be positive (got {samples_per_epoch=})")
+        self.samples_per_epoch = samples_per_epoch
+        self.steps_per_epoch: int | None = None  # set by make_order
+
+    def __repr__(self) -> str:
+        names = [m.name for m in self.metrics] + [t.name for t in self.transforms]
+        return f"Curriculum({names})"
+
+    def difficulties(self, step: int) -> dict[str, int | float]:
+        """Every metric's and transform's difficulty at global ``step``."""
+        out = {m.name: _plain(m.schedule.difficulty(step)) for m in self.metrics}
+        out.update({t.name: _plain(t.schedule.difficulty(step)) for t in self.transforms})
+        return out
+
+    def _pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        for m in self.metrics:
+            if len(m.index) != n:
+                raise ValueError(
+                    f"metric index {m.name!r} has {len(m.index)} samples but the dataset has "
+                    f"{n}; rerun `meshfeed analyze` on this dataset"
+                )
+        if not self.metrics:
+            return np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        if len(self.metrics) == 1:
+            only = self.metrics[0]
+            entry = only.entry_steps(in_sorted_order=True)  # non-decreasing along index.order
+            order = np.asarray(only.index.order, dtype=np.int64)
+        else:
+            entry = self.metrics[0].entry_steps(in_sorted_order=False)
+            for m in self.metrics[1:]:
+                np.maximum(entry, m.entry_steps(in_sorted_order=False), out=entry)
+            order = np.argsort(entry, kind="stable").astype(np.int64)
+            entry = entry[order]
+        keep = int(np.searchsorted(entry, _NEVER, side="left"))
+        if keep == 0 or entry[0] > 0:
+            at0 = self.difficulties(0)
+            raise ValueError(
+                f"no sample is eligible at step 0 (difficulties {at0}); lower the schedules' "
+                "min_difficulty to at least the smallest metric value (see the index percentiles)"
+            )
+        return order[:keep], entry[:keep]
+
+    def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> GatedOrder:
+        """The order the loader walks (called once per loader; O(N) or O(N log N))."""
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be positive (got {global_batch_size=})")
+        per_epoch = self.samples_per_epoch
+        if per_epoch is None:
+            per_epoch = max(1, dataset_length // global_batch_size) * global_batch_size
+        if per_epoch % global_batch_size:
+            raise ValueError(
+                f"samples_per_epoch must be a multiple of the global batch size (got "
+                f"{per_epoch=}, {global_batch_size=}) so curriculum steps are whole batches"
+            )
+        pool_order, entry = self._pool(int(dataset_length))
+        self.steps_per_epoch = per_epoch // global_batch_size
+        return GatedOrder(
+            pool_order=pool_order,
+            entry_steps=entry,
+            global_batch_size=global_batch_size,
+            samples_per_epoch=per_epoch,
+            seed=seed,
+            difficulties=self.difficulties,
+        )
+
+    def postprocess(self, batch: Any, *, step: int, epoch: int = 0) -> Any:
+        """Apply the transform-only metrics for global ``step`` (``epoch``'s step when given)."""
+        if not self.transforms:
+            return batch
+        if epoch:
+            if self.steps_per_epoch is None:
+                raise ValueError("postprocess(epoch=...) needs make_order() to have run first")
+            step = epoch * self.steps_per_epoch + step
+        for t in self.transforms:
+            batch = t(batch, t.schedule.difficulty(step))
+        return batch

@@ -1,0 +1,122 @@
+"""Read a DeepSpeed config's curriculum section, so a DeepSpeed user switches by pointing at it.
+
+Understood: ``data_efficiency.data_sampling.curriculum_learning.curriculum_metrics`` (each
+metric's ``difficulty_type``, ``clustering_type``, ``min_difficulty``, ``max_difficulty``,
+``schedule_type`` and ``schedule_config``) and the legacy top-level ``curriculum_learning``
+(``curriculum_type: "seqlen"``). Metrics named ``seqlen_truncate`` / ``seqlen_reshape`` (or with
+``clustering_type: "single_cluster"``) become transforms; the others gate sampling and need a
+meshfeed metric index: pass ``indexes={name: MetricIndex or path}``, or let
+``index_to_metric_path`` point at a directory written by ``meshfeed analyze``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from meshfeed.curriculum.curriculum import Curriculum, CurriculumMetric, Transform
+from meshfeed.curriculum.index import MetricIndex
+from meshfeed.curriculum.schedule import Schedule, fixed_discrete, fixed_linear, fixed_root
+from meshfeed.curriculum.transforms import SeqlenReshape, SeqlenTruncate
+
+__all__ = ["from_deepspeed_config", "schedule_from_deepspeed"]
+
+_TRANSFORMS: dict[str, type[SeqlenTruncate] | type[SeqlenReshape]] = {
+    "seqlen_truncate": SeqlenTruncate,
+    "seqlen_reshape": SeqlenReshape,
+}
+
+
+def _need(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in cfg:
+        raise ValueError(f"DeepSpeed config {where} is missing {key!r} (got keys {sorted(cfg)})")
+    return cfg[key]
+
+
+def schedule_from_deepspeed(cfg: Mapping[str, Any], *, where: str = "curriculum") -> Schedule:
+    """One DeepSpeed metric/curriculum block -> a meshfeed schedule."""
+    kind = _need(cfg, "schedule_type", where)
+    sc = _need(cfg, "schedule_config", where)
+    if kind == "fixed_discrete":
+        return fixed_discrete(
+            difficulty=_need(sc, "difficulty", where), max_step=_need(sc, "max_step", where)
+        )
+    lo, hi = _need(cfg, "min_difficulty", where), _need(cfg, "max_difficulty", where)
+    total = _need(sc, "total_curriculum_step", where)
+    step = _need(sc, "difficulty_step", where)
+    if kind == "fixed_linear":
+        return fixed_linear(lo, hi, total, step)
+    if kind == "fixed_root":
+        return fixed_root(lo, hi, total, step, _need(sc, "root_degree", where))
+    raise ValueError(
+        f"DeepSpeed config {where}: schedule_type {kind!r} is not supported from JSON; use "
+        "fixed_linear, fixed_root or fixed_discrete, or build custom(fn) in Python"
+    )
+
+
+def _index(name: str, cfg: Mapping[str, Any], indexes: Mapping[str, Any]) -> MetricIndex:
+    given = indexes.get(name)
+    if isinstance(given, MetricIndex):
+        return given
+    path = given if given is not None else cfg.get("index_to_metric_path")
+    if path is not None and (Path(path) / "meta.json").is_file():
+        return MetricIndex.load(path)
+    raise ValueError(
+        f"curriculum metric {name!r} needs a meshfeed metric index (got {path=}); run "
+        f"`meshfeed analyze` and pass indexes={{{name!r}: '<dir>/{name}'}}"
+    )
+
+
+def from_deepspeed_config(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    indexes: Mapping[str, MetricIndex | str | os.PathLike[str]] | None = None,
+    samples_per_epoch: int | None = None,
+) -> Curriculum:
+    """A :class:`Curriculum` from a DeepSpeed config dict or JSON file (see module doc)."""
+    cfg: Mapping[str, Any] = (
+        config if isinstance(config, Mapping) else json.loads(Path(config).read_text())
+    )
+    indexes = dict(indexes or {})
+    metrics: list[CurriculumMetric] = []
+    transforms: list[Transform] = []
+    de = cfg.get("data_efficiency", cfg if "data_sampling" in cfg else {})
+    sampling = de.get("data_sampling", {})
+    cl = sampling.get("curriculum_learning", {})
+    if de.get("enabled", True) and sampling.get("enabled", True) and cl.get("enabled", False):
+        for name, m in _need(cl, "curriculum_metrics", "curriculum_learning").items():
+            where = f"curriculum_metrics.{name}"
+            schedule = schedule_from_deepspeed(m, where=where)
+            if name in _TRANSFORMS or m.get("clustering_type") == "single_cluster":
+                if name not in _TRANSFORMS:
+                    raise ValueError(
+                        f"{where}: single_cluster metrics other than {sorted(_TRANSFORMS)} "
+                        "transform the batch in model code; express them with postprocess"
+                    )
+                transforms.append(_TRANSFORMS[name](schedule=schedule))
+                continue
+            metrics.append(
+                CurriculumMetric(
+                    index=_index(name, m, indexes),
+                    schedule=schedule,
+                    difficulty_type=m.get("difficulty_type", "value"),
+                )
+            )
+    legacy = cfg.get("curriculum_learning", {})
+    if legacy.get("enabled", False):
+        kind = legacy.get("curriculum_type", "seqlen")
+        if kind != "seqlen":
+            raise ValueError(
+                f"legacy curriculum_learning.curriculum_type {kind!r} is not supported; only "
+                "'seqlen' (truncation) exists in DeepSpeed's legacy curriculum"
+            )
+        transforms.append(SeqlenTruncate(schedule=schedule_from_deepspeed(legacy)))
+    if not metrics and not transforms:
+        raise ValueError(
+            "the DeepSpeed config enables no curriculum (need data_efficiency.data_sampling."
+            "curriculum_learning.enabled or curriculum_learning.enabled set to true)"
+        )
+    return Curriculum(metrics, transforms=transforms, samples_per_epoch=samples_per_epoch)

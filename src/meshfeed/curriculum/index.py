@@ -1,0 +1,220 @@
+"""A metric index: per-sample metric values, their sorted order, percentiles and a fingerprint.
+
+Saved as a directory: ``values.npy`` (any numeric dtype), ``order.npy`` (int64 sample indices
+sorted by value, ties by index), ``percentiles.npy`` (101 values: the value at 0, 1, ..., 100
+percent, taken from the sorted values, so every percentile is an actual value) and
+``meta.json`` (version, name, dtype, length, dataset fingerprint). :meth:`MetricIndex.load`
+memory-maps the arrays, so a 10**9-sample index costs no RAM until read. An accumulated metric
+(a token histogram) is saved the same way with ``accumulated.npy`` instead.
+
+The fingerprint is the dataset length plus a hash of a fixed set of sampled items; loading an
+index against another dataset raises ``ValueError`` instead of silently gating the wrong data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshfeed.order.permutation import Permutation
+
+__all__ = ["MetricIndex", "fingerprint", "load_accumulated"]
+
+VERSION = 1
+_FINGERPRINT_ITEMS = 16
+
+
+def _feed(h: Any, item: Any) -> None:
+    """Hash an item by content: arrays by dtype/shape/bytes, containers recursively."""
+    if hasattr(item, "detach") and hasattr(item, "cpu"):  # a torch tensor, without importing torch
+        item = item.detach().cpu().numpy()
+    if isinstance(item, np.ndarray):
+        h.update(f"nd{item.dtype.str}{item.shape}".encode())
+        h.update(np.ascontiguousarray(item).tobytes())
+    elif isinstance(item, Mapping):
+        h.update(b"map")
+        for k in sorted(item, key=str):
+            _feed(h, str(k))
+            _feed(h, item[k])
+    elif isinstance(item, (list, tuple)):
+        h.update(f"seq{len(item)}".encode())
+        for x in item:
+            _feed(h, x)
+    elif isinstance(item, (bytes, bytearray)):
+        h.update(b"b" + bytes(item))
+    else:
+        h.update(f"{type(item).__name__}:{item!r}".encode())
+
+
+def fingerprint(dataset: Any, *, num_items: int = _FINGERPRINT_ITEMS) -> dict[str, Any]:
+    """``{"length": n, "hash": hex}``: the length and a hash of ``num_items`` sampled items.
+
+    The sampled indices are a fixed pseudo-random choice that depends only on the length, so
+    two datasets with the same length and the same items there get the same fingerprint.
+    """
+    n = len(dataset)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(str(n).encode())
+    if n:
+        k = min(n, num_items)
+        picks = Permutation(n, seed=0x0F1B)[np.arange(k)]
+        for i in sorted(int(x) for x in picks):
+            h.update(str(i).encode())
+            _feed(h, dataset[i])
+    return {"length": n, "hash": h.hexdigest()}
+
+
+def check_fingerprint(expected: Mapping[str, Any], dataset: Any, *, what: str) -> None:
+    """Raise ``ValueError`` when ``dataset`` does not match the fingerprint of ``what``."""
+    got = fingerprint(dataset)
+    if dict(expected) != got:
+        raise ValueError(
+            f"{what} was built for another dataset (index fingerprint {dict(expected)}, this "
+            f"dataset {got}); rerun `meshfeed analyze` on this dataset or load the matching index"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MetricIndex:
+    """Per-sample values of one metric plus the derived order, percentiles and fingerprint.
+
+    ``values[i]`` is sample ``i``'s metric; ``order`` lists sample indices by increasing value
+    (stable, ties by index); ``percentiles[p]`` is the value at ``p`` percent of ``order``.
+    """
+
+    name: str
+    values: np.ndarray = field(repr=False)
+    order: np.ndarray = field(repr=False)
+    percentiles: np.ndarray = field(repr=False)
+    fingerprint: dict[str, Any]
+
+    @classmethod
+    def from_values(
+        cls, name: str, values: np.ndarray, *, fingerprint: dict[str, Any]
+    ) -> MetricIndex:
+        """Build the index of ``values`` (sorts once: O(N log N))."""
+        values = np.asarray(values)
+        if values.ndim != 1 or values.dtype.kind not in "iuf":
+            raise TypeError(
+                f"metric {name!r} values must be a 1-D numeric array (got dtype {values.dtype}, "
+                f"shape {values.shape})"
+            )
+        if values.dtype.kind == "f" and np.isnan(values).any():
+            raise ValueError(f"metric {name!r} has NaN values; return a finite number per sample")
+        if len(values) != fingerprint["length"]:
+            raise ValueError(
+                f"metric {name!r} has {len(values)} values for a dataset of "
+                f"{fingerprint['length']} samples"
+            )
+        order = np.argsort(values, kind="stable").astype(np.int64)
+        return cls(
+            name=name,
+            values=values,
+            order=order,
+            percentiles=percentile_table(values[order]),
+            fingerprint=dict(fingerprint),
+        )
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def sorted_values(self) -> np.ndarray:
+        return np.asarray(self.values[self.order])
+
+    def percentile_count(self, percent: float | np.ndarray) -> np.ndarray:
+        """How many samples the lowest ``percent`` percent is: ``floor(percent * N / 100)``."""
+        p = np.clip(np.asarray(percent, dtype=np.float64), 0.0, 100.0)
+        return np.floor(p * len(self) / 100.0 + 1e-9).astype(np.int64)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        np.save(out / "values.npy", np.asarray(self.values))
+        np.save(out / "order.npy", np.asarray(self.order))
+        np.save(out / "percentiles.npy", np.asarray(self.percentiles))
+        meta = {
+            "version": VERSION,
+            "kind": "sample",
+            "name": self.name,
+            "dtype": np.asarray(self.values).dtype.str,
+            "length": len(self),
+            "fingerprint": self.fingerprint,
+        }
+        (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        return out
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], *, dataset: Any = None, mmap: bool = True
+    ) -> MetricIndex:
+        """Load a saved index (memory-mapped); with ``dataset``, refuse a mismatched one."""
+        src = Path(path)
+        meta = read_meta(src)
+        if meta.get("kind") != "sample":
+            raise ValueError(
+                f"{src} holds an accumulated metric ({meta.get('name')!r}), not per-sample "
+                "values; load it with load_accumulated()"
+            )
+        if dataset is not None:
+            check_fingerprint(meta["fingerprint"], dataset, what=f"metric index {src}")
+        return cls(
+            name=meta["name"],
+            values=np.load(src / "values.npy", mmap_mode="r" if mmap else None),
+            order=np.load(src / "order.npy", mmap_mode="r" if mmap else None),
+            percentiles=np.load(src / "percentiles.npy"),
+            fingerprint=meta["fingerprint"],
+        )
+
+
+def percentile_table(sorted_values: np.ndarray) -> np.ndarray:
+    """The value at 0..100 percent of an ascending array (nearest lower rank, an actual value)."""
+    n = len(sorted_values)
+    if n == 0:
+        return np.zeros(101, dtype=sorted_values.dtype)
+    ranks = np.minimum(np.arange(101) * n // 100, n - 1)
+    return np.asarray(sorted_values[ranks])
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(
+            f"{path} is not a meshfeed metric index (no meta.json); create one with "
+            "`meshfeed analyze` or meshfeed.curriculum.analyze(...)"
+        )
+    meta: dict[str, Any] = json.loads(meta_path.read_text())
+    if meta.get("version") != VERSION:
+        raise ValueError(
+            f"{path} has metric index version {meta.get('version')!r}; this meshfeed reads "
+            f"version {VERSION}; rerun `meshfeed analyze`"
+        )
+    return meta
+
+
+def save_accumulated(
+    path: str | os.PathLike[str], name: str, array: np.ndarray, fp: dict[str, Any]
+) -> Path:
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "accumulated.npy", np.asarray(array))
+    meta = {"version": VERSION, "kind": "accumulated", "name": name, "fingerprint": fp}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    return out
+
+
+def load_accumulated(path: str | os.PathLike[str], *, dataset: Any = None) -> np.ndarray:
+    """Load an accumulated metric (e.g. the token histogram) saved by the analyzer."""
+    src = Path(path)
+    meta = read_meta(src)
+    if meta.get("kind") != "accumulated":
+        raise ValueError(f"{src} holds per-sample values; load it with MetricIndex.load()")
+    if dataset is not None:
+        check_fingerprint(meta["fingerprint"], dataset, what=f"accumulated metric {src}")
+    return np.load(src / "accumulated.npy")

@@ -1,0 +1,126 @@
+"""Metric definitions for the analyzer: per-sample values and accumulated (reduced) metrics.
+
+A :class:`SampleMetric` maps one sample to one number of any numeric dtype. An
+:class:`AccumulatedMetric` adds each sample's contribution into a fixed-size array (a token
+histogram); a sample metric may ``require`` accumulated ones, which makes the analysis two
+passes: the accumulated arrays are reduced first, ``prepare(*arrays)`` turns them into a
+context once per worker, and then ``fn(sample, context)`` runs per sample.
+
+Metric functions run in worker processes: with the default ``fork`` start method anything
+works; with ``spawn`` they must be picklable (module-level functions, ``functools.partial``).
+
+Built in: :func:`seqlen`, :func:`token_histogram` and :func:`vocab_rarity` (DeepSpeed's
+"vocabulary rarity": ``sum(-log p(token))`` with ``p`` from the corpus token histogram).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AccumulatedMetric", "SampleMetric", "seqlen", "token_histogram", "vocab_rarity"]
+
+
+def _check_name(name: str) -> None:
+    if not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise ValueError(
+            f"metric name must be non-empty letters, digits, '_', '-' or '.' (got {name=}); "
+            "it names the index directory"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AccumulatedMetric:
+    """``fn(acc, sample)`` adds ``sample``'s contribution into ``acc`` (shape ``(size,)``)."""
+
+    name: str
+    fn: Callable[[np.ndarray, Any], None] = field(repr=False)
+    size: int
+    dtype: str = "int64"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if self.size < 1:
+            raise ValueError(f"accumulated metric {self.name!r} needs size >= 1 (got {self.size=})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleMetric:
+    """``fn(sample)`` (or ``fn(sample, context)`` with ``requires``) -> one number of ``dtype``."""
+
+    name: str
+    fn: Callable[..., Any] = field(repr=False)
+    dtype: str = "int64"
+    requires: tuple[AccumulatedMetric, ...] = ()
+    prepare: Callable[..., Any] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if np.dtype(self.dtype).kind not in "iuf":
+            raise TypeError(
+                f"metric {self.name!r} dtype must be numeric (got {self.dtype=}); use e.g. "
+                "'int64' or 'float64'"
+            )
+
+    def context(self, accumulated: dict[str, np.ndarray]) -> Any:
+        """The second argument of ``fn`` once the required accumulated arrays are known."""
+        arrays = [accumulated[a.name] for a in self.requires]
+        if self.prepare is not None:
+            return self.prepare(*arrays)
+        return arrays[0] if len(arrays) == 1 else tuple(arrays)
+
+
+def _field(sample: Any, key: str | None) -> Any:
+    return sample if key is None else sample[key]
+
+
+def _len(sample: Any, *, key: str | None) -> int:
+    return len(_field(sample, key))
+
+
+def _count_tokens(acc: np.ndarray, sample: Any, *, key: str | None) -> None:
+    tokens = np.asarray(_field(sample, key)).ravel()
+    np.add.at(acc, tokens, 1)
+
+
+def _neg_log_p(histogram: np.ndarray) -> np.ndarray:
+    total = histogram.sum()
+    with np.errstate(divide="ignore"):
+        # Tokens never seen get +inf; they cannot occur in the analysed corpus anyway.
+        return np.where(histogram > 0, -np.log(histogram / max(total, 1)), np.inf)
+
+
+def _rarity(sample: Any, neg_log_p: np.ndarray, *, key: str | None) -> float:
+    tokens = np.asarray(_field(sample, key)).ravel()
+    return float(neg_log_p[tokens].sum())
+
+
+def seqlen(*, key: str | None = None, name: str = "seqlen") -> SampleMetric:
+    """The sample's length: ``len(sample)`` or ``len(sample[key])``."""
+    return SampleMetric(name=name, fn=partial(_len, key=key), dtype="int64")
+
+
+def token_histogram(
+    vocab_size: int, *, key: str | None = None, name: str = "token_histogram"
+) -> AccumulatedMetric:
+    """How often each token id in ``range(vocab_size)`` occurs in the corpus."""
+    return AccumulatedMetric(
+        name=name, fn=partial(_count_tokens, key=key), size=int(vocab_size), dtype="int64"
+    )
+
+
+def vocab_rarity(
+    vocab_size: int, *, key: str | None = None, name: str = "vocab_rarity"
+) -> SampleMetric:
+    """DeepSpeed's vocabulary rarity: ``sum(-log p(token))`` over the sample (two passes)."""
+    return SampleMetric(
+        name=name,
+        fn=partial(_rarity, key=key),
+        dtype="float64",
+        requires=(token_histogram(vocab_size, key=key),),
+        prepare=_neg_log_p,
+    )

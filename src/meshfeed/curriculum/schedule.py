@@ -1,0 +1,222 @@
+"""Pacing schedules: the training step -> difficulty threshold, with DeepSpeed's definitions.
+
+``fixed_root(min_difficulty, max_difficulty, total_curriculum_step, difficulty_step,
+root_degree)`` is DeepSpeed's ``fixed_root``: ``floor((t/T)**(1/r) * (max - min) + min)`` rounded
+down to a multiple of ``difficulty_step`` and capped at ``max``. Unlike DeepSpeed the result never
+falls below ``min_difficulty`` (DeepSpeed's rounding turns ``min=1, difficulty_step=8`` into 0 at
+step 0, an empty pool). ``fixed_linear`` is root degree 1; ``fixed_discrete`` is a step table;
+``custom`` wraps a function.
+
+Every schedule is vectorised (:meth:`Schedule.difficulties`); the scalar :meth:`difficulty` is
+the same code on a one-element array, so the two can never disagree. ``saturation_step`` is the
+first step from which the difficulty never changes (``None`` when unknown): the curriculum order
+evaluates schedules only up to it.
+
+>>> fixed_linear(min_difficulty=8, max_difficulty=64, total_curriculum_step=7,
+...              difficulty_step=8).difficulty(3)
+32
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["Schedule", "custom", "fixed_discrete", "fixed_linear", "fixed_root"]
+
+Number = int | float
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    """Maps a global training step to a difficulty; non-decreasing in the step."""
+
+    @property
+    def saturation_step(self) -> int | None: ...
+
+    def difficulty(self, step: int) -> Number: ...
+
+    def difficulties(self, steps: np.ndarray) -> np.ndarray: ...
+
+
+def _check_steps(steps: np.ndarray) -> np.ndarray:
+    steps = np.asarray(steps)
+    if steps.dtype.kind not in "iu":
+        raise TypeError(f"steps must be integers (got dtype {steps.dtype})")
+    if steps.size and steps.min() < 0:
+        raise ValueError(f"steps must be >= 0 (got min {steps.min()})")
+    return steps.astype(np.int64)
+
+
+def _scalar(values: np.ndarray) -> Number:
+    v = values[0]
+    return int(v) if values.dtype.kind in "iu" else float(v)
+
+
+def _is_int(*xs: object) -> bool:
+    return all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in xs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FixedRoot:
+    """DeepSpeed's ``fixed_root`` (``fixed_linear`` when ``root_degree == 1``); see module doc."""
+
+    min_difficulty: Number
+    max_difficulty: Number
+    total_curriculum_step: int
+    difficulty_step: Number = 1
+    root_degree: Number = 1
+
+    def __post_init__(self) -> None:
+        if not self.min_difficulty <= self.max_difficulty:
+            raise ValueError(
+                f"min_difficulty must be <= max_difficulty (got {self.min_difficulty=}, "
+                f"{self.max_difficulty=}); swap them"
+            )
+        if not _is_int(self.total_curriculum_step) or self.total_curriculum_step < 1:
+            raise ValueError(
+                f"total_curriculum_step must be a positive int (got "
+                f"{self.total_curriculum_step=}); it is the step at which max_difficulty is reached"
+            )
+        if not self.difficulty_step > 0:
+            raise ValueError(
+                f"difficulty_step must be positive (got {self.difficulty_step=}); use 1 for "
+                "no rounding (DeepSpeed suggests 8 for sequence lengths on tensor cores)"
+            )
+        if not self.root_degree > 0:
+            raise ValueError(f"root_degree must be positive (got {self.root_degree=})")
+
+    @property
+    def integral(self) -> bool:
+        return _is_int(self.min_difficulty, self.max_difficulty, self.difficulty_step)
+
+    @property
+    def saturation_step(self) -> int:
+        return int(self.total_curriculum_step)
+
+    def difficulties(self, steps: np.ndarray) -> np.ndarray:
+        t = _check_steps(steps)
+        lo, hi, q = self.min_difficulty, self.max_difficulty, self.difficulty_step
+        frac = np.minimum(t / self.total_curriculum_step, 1.0) ** (1.0 / self.root_degree)
+        # floor(x) rounded down to a multiple of q equals floor(x / q) * q for integer q, which
+        # is DeepSpeed's ``d = floor(x); d -= d % q`` and also works for float steps.
+        d = np.floor((frac * (hi - lo) + lo) / q) * q
+        d = np.clip(d, lo, hi)
+        return d.astype(np.int64) if self.integral else d.astype(np.float64)
+
+    def difficulty(self, step: int) -> Number:
+        return _scalar(self.difficulties(np.array([step])))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FixedDiscrete:
+    """DeepSpeed's ``fixed_discrete``: ``levels[i]`` up to ``max_step[i]``, then the last.
+
+    ``len(levels) == len(max_step) + 1``; step ``t`` gets ``levels[i]`` for the first ``i``
+    with ``t <= max_step[i]`` and ``levels[-1]`` after ``max_step[-1]``. (DeepSpeed calls
+    ``levels`` "difficulty"; :func:`fixed_discrete` takes that name.)
+    """
+
+    levels: tuple[Number, ...]
+    max_step: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        d, m = self.levels, self.max_step
+        if len(d) != len(m) + 1 or not m:
+            raise ValueError(
+                f"fixed_discrete needs len(difficulty) == len(max_step) + 1 >= 2 (got "
+                f"difficulty={list(d)}, max_step={list(m)}); the last difficulty holds after "
+                "max_step[-1]"
+            )
+        if any(b <= a for a, b in itertools.pairwise(m)) or m[0] < 0:
+            raise ValueError(f"max_step must be non-negative and increasing (got {list(m)})")
+        if any(b < a for a, b in itertools.pairwise(d)):
+            raise ValueError(
+                f"difficulty must be non-decreasing (got {list(d)}); the eligible pool only grows"
+            )
+
+    @property
+    def saturation_step(self) -> int:
+        return int(self.max_step[-1]) + 1
+
+    def difficulties(self, steps: np.ndarray) -> np.ndarray:
+        t = _check_steps(steps)
+        table = np.asarray(self.levels)
+        return table[np.searchsorted(np.asarray(self.max_step), t, side="left")]
+
+    def difficulty(self, step: int) -> Number:
+        return _scalar(self.difficulties(np.array([step])))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Custom:
+    """A user function ``fn(step) -> difficulty``; it must be non-decreasing in the step.
+
+    ``total_curriculum_step`` (the step after which ``fn`` no longer changes) is needed when the
+    curriculum order precomputes when samples become eligible; without it ``fn`` is called on
+    every step asked for.
+    """
+
+    fn: Callable[[int], Number] = field(repr=False)
+    total_curriculum_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"custom(fn) needs a callable step -> difficulty (got {self.fn!r})")
+        t = self.total_curriculum_step
+        if t is not None and (not _is_int(t) or t < 0):
+            raise ValueError(f"total_curriculum_step must be a non-negative int (got {t=})")
+
+    @property
+    def saturation_step(self) -> int | None:
+        return self.total_curriculum_step
+
+    def difficulties(self, steps: np.ndarray) -> np.ndarray:
+        t = _check_steps(steps)
+        if self.total_curriculum_step is not None:
+            t = np.minimum(t, self.total_curriculum_step)
+        return np.asarray([self.fn(int(s)) for s in t.ravel()]).reshape(t.shape)
+
+    def difficulty(self, step: int) -> Number:
+        return _scalar(self.difficulties(np.array([step])))
+
+
+def fixed_root(
+    min_difficulty: Number,
+    max_difficulty: Number,
+    total_curriculum_step: int,
+    difficulty_step: Number = 1,
+    root_degree: Number = 2,
+) -> FixedRoot:
+    """DeepSpeed's ``fixed_root`` pacing (see the module docstring for the formula)."""
+    return FixedRoot(
+        min_difficulty=min_difficulty,
+        max_difficulty=max_difficulty,
+        total_curriculum_step=total_curriculum_step,
+        difficulty_step=difficulty_step,
+        root_degree=root_degree,
+    )
+
+
+def fixed_linear(
+    min_difficulty: Number,
+    max_difficulty: Number,
+    total_curriculum_step: int,
+    difficulty_step: Number = 1,
+) -> FixedRoot:
+    """DeepSpeed's ``fixed_linear`` pacing: ``fixed_root`` with ``root_degree=1``."""
+    return fixed_root(min_difficulty, max_difficulty, total_curriculum_step, difficulty_step, 1)
+
+
+def fixed_discrete(*, difficulty: Sequence[Number], max_step: Sequence[int]) -> FixedDiscrete:
+    """DeepSpeed's ``fixed_discrete`` pacing: ``difficulty[i]`` while ``step <= max_step[i]``."""
+    return FixedDiscrete(levels=tuple(difficulty), max_step=tuple(int(m) for m in max_step))
+
+
+def custom(fn: Callable[[int], Number], *, total_curriculum_step: int | None = None) -> Custom:
+    """A schedule from any non-decreasing function ``step -> difficulty``."""
+    return Custom(fn=fn, total_curriculum_step=total_curriculum_step)

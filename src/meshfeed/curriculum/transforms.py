@@ -1,0 +1,79 @@
+"""DeepSpeed's transform-only curriculum metrics: sequence-length truncation and reshape.
+
+They gate nothing; a schedule gives the current sequence length and the collated batch is cut
+to it after loading (``Curriculum.postprocess`` calls them with the difficulty of the batch's
+step). ``SeqlenTruncate`` keeps the first ``d`` positions of every sequence (DeepSpeed
+``seqlen_truncate``); ``SeqlenReshape`` keeps every token by folding ``[B, S]`` into
+``[B * (S // d), d]`` (DeepSpeed ``seqlen_reshape``; a tail of ``S % d`` tokens is dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from meshfeed.curriculum.schedule import Schedule
+
+__all__ = ["SeqlenReshape", "SeqlenTruncate"]
+
+#: The batch keys cut by default when the batch is a mapping (those present are cut).
+DEFAULT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "loss_mask")
+
+
+def _apply(batch: Any, keys: tuple[str, ...], fn: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return {k: fn(v) if k in keys else v for k, v in batch.items()}
+    if hasattr(batch, "shape"):
+        return fn(batch)
+    raise TypeError(
+        f"seqlen transforms need a tensor or a mapping of tensors (got {type(batch).__name__}); "
+        "collate into a dict of [batch, seq] tensors"
+    )
+
+
+def _check(x: Any, d: int, name: str) -> int:
+    if len(x.shape) < 2:
+        raise ValueError(f"{name} needs [batch, seq, ...] tensors (got shape {tuple(x.shape)})")
+    if d < 1:
+        raise ValueError(f"{name} needs a positive sequence length (got difficulty {d})")
+    return int(x.shape[1])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeqlenTruncate:
+    """Cut every ``[B, S, ...]`` tensor to ``[B, min(S, d), ...]`` with ``d`` from ``schedule``."""
+
+    schedule: Schedule
+    keys: tuple[str, ...] = DEFAULT_KEYS
+    name: str = "seqlen_truncate"
+
+    def __call__(self, batch: Any, difficulty: int | float) -> Any:
+        d = int(difficulty)
+
+        def cut(x: Any) -> Any:
+            s = _check(x, d, self.name)
+            return x if d >= s else x[:, :d].contiguous() if hasattr(x, "contiguous") else x[:, :d]
+
+        return _apply(batch, self.keys, cut)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeqlenReshape:
+    """Fold every ``[B, S, ...]`` tensor into ``[B * (S // d), d, ...]`` (drops ``S % d``)."""
+
+    schedule: Schedule
+    keys: tuple[str, ...] = DEFAULT_KEYS
+    name: str = "seqlen_reshape"
+
+    def __call__(self, batch: Any, difficulty: int | float) -> Any:
+        d = int(difficulty)
+
+        def fold(x: Any) -> Any:
+            s = _check(x, d, self.name)
+            if d >= s:
+                return x
+            keep = (s // d) * d
+            return x[:, :keep].reshape(x.shape[0] * (s // d), d, *x.shape[2:])
+
+        return _apply(batch, self.keys, fold)
