@@ -93,6 +93,13 @@ class TokenWindows:
         self._len = max(0, (self.corpus.num_tokens - 1) // self.seq_len)
         self._doc_starts: np.ndarray | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the corpus pickles as its prefix; the memmap slice and caches are rebuilt on load
+        return {"corpus": self.corpus, "seq_len": self.seq_len, "dtype": self.dtype}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["corpus"], seq_len=state["seq_len"], dtype=state["dtype"])  # type: ignore[misc]
+
     def __len__(self) -> int:
         return self._len
 

@@ -1,0 +1,141 @@
+"""meshfeed convert: JSONL / Parquet / .npy -> Megatron indexed corpus, streamed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshfeed.sources.convert import add_subcommand, convert, load_tokenizer
+from meshfeed.sources.indexed import TokenCorpus
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="meshfeed")
+    add_subcommand(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return int(args.func(args))
+
+
+def write_jsonl(path: Path, records: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_jsonl_text_with_the_byte_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "hi"}, {"text": "héllo", "other": 1}])
+    code = run_cli(
+        "convert", str(src), "-o", str(tmp_path / "out" / "c"), "--tokenizer", "bytes", "-q"
+    )
+    assert code == 0
+    assert "2 documents, 8 tokens" in capsys.readouterr().out
+    corpus = TokenCorpus.open(tmp_path / "out" / "c")
+    assert corpus.document(0).tolist() == list(b"hi")
+    assert corpus.document(1).tolist() == list("héllo".encode())
+
+
+def test_token_id_lists_need_no_tokenizer_and_take_an_eod(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "ids.jsonl", [[1, 2, 3], {"ids": [4]}, []])
+    a = write_jsonl(tmp_path / "a.jsonl", [[1, 2, 3], [4]])
+    corpus = convert([a], tmp_path / "c", append_eod=0, progress=False)
+    assert [corpus.document(i).tolist() for i in range(2)] == [[1, 2, 3, 0], [4, 0]]
+    corpus = convert(src, tmp_path / "d", field="ids", dtype="int32", progress=False)
+    assert corpus.dtype == np.int32
+    assert [corpus.document(i).tolist() for i in range(3)] == [[1, 2, 3], [4], []]
+
+
+def test_parquet_text_column(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"body": ["ab", "c"]}), tmp_path / "t.parquet", row_group_size=1)
+    corpus = convert(
+        tmp_path / "t.parquet", tmp_path / "c", field="body", tokenizer="bytes", progress=False
+    )
+    assert [corpus.document(i).tolist() for i in range(2)] == [[97, 98], [99]]
+
+
+def test_npy_rows_are_documents(tmp_path: Path) -> None:
+    np.save(tmp_path / "ids.npy", np.arange(12, dtype=np.int32).reshape(3, 4))
+    corpus = convert(tmp_path / "ids.npy", tmp_path / "c", progress=False)
+    assert corpus.sizes.tolist() == [4, 4, 4]
+    assert corpus.tokens.tolist() == list(range(12))
+    np.save(tmp_path / "f.npy", np.zeros(3))
+    with pytest.raises(ValueError, match="must be a 2-D integer array"):
+        convert(tmp_path / "f.npy", tmp_path / "e", progress=False)
+
+
+def test_several_inputs_are_concatenated_in_order(tmp_path: Path) -> None:
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}])
+    np.save(tmp_path / "b.npy", np.array([[7, 8]]))
+    corpus = convert([a, tmp_path / "b.npy"], tmp_path / "c", tokenizer="bytes", progress=False)
+    assert [corpus.document(i).tolist() for i in range(2)] == [[97], [7, 8]]
+
+
+def test_module_callable_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mytok.py").write_text(
+        "def encode(text):\n    return [len(w) for w in text.split()]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "a bb ccc"}])
+    assert (
+        run_cli("convert", str(src), "-o", str(tmp_path / "c"), "--tokenizer", "mytok:encode", "-q")
+        == 0
+    )
+    assert TokenCorpus.open(tmp_path / "c").document(0).tolist() == [1, 2, 3]
+    sys.modules.pop("mytok", None)
+
+
+def test_bad_tokenizer_specs_are_explained() -> None:
+    with pytest.raises(ValueError, match="'bytes' or 'module:callable'"):
+        load_tokenizer("nocolon")
+    with pytest.raises(ValueError, match="cannot import tokenizer module"):
+        load_tokenizer("no_such_module_xyz:encode")
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        load_tokenizer("json:nope")
+    with pytest.raises(ValueError, match="not callable"):
+        load_tokenizer("json.decoder:JSONArray.__doc__")
+
+
+def test_text_without_tokenizer_fails_naming_the_line_and_leaves_no_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [[1], {"text": "x"}])
+    assert run_cli("convert", str(src), "-o", str(tmp_path / "c"), "-q") == 2
+    err = capsys.readouterr().err
+    assert "d.jsonl:2 is text but no tokenizer was given" in err
+    assert "--tokenizer bytes" in err
+    assert not (tmp_path / "c.bin").exists() and not (tmp_path / "c.bin.tmp").exists()
+
+
+def test_record_errors_name_file_line_and_fix(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [{"body": "x"}])
+    with pytest.raises(ValueError, match=r"d\.jsonl:1 has no field 'text' .* --field"):
+        convert(src, tmp_path / "c", tokenizer="bytes", progress=False)
+    big = write_jsonl(tmp_path / "big.jsonl", [[1], [70000]])
+    with pytest.raises(ValueError, match=r"big\.jsonl:2: .*outside uint16"):
+        convert(big, tmp_path / "c", progress=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1 is not valid JSON"):
+        convert(bad, tmp_path / "c", progress=False)
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        convert(_touch(tmp_path / "x.txt"), tmp_path / "c", progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        convert(tmp_path / "missing.jsonl", tmp_path / "c", progress=False)
+
+
+def _touch(path: Path) -> Path:
+    path.write_text("")
+    return path
+
+
+def test_progress_bar_reports_documents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(tmp_path / "ids.npy", np.ones((5, 2), dtype=np.int64))
+    convert(tmp_path / "ids.npy", tmp_path / "c", progress=True)
+    assert "5/5" in capsys.readouterr().err

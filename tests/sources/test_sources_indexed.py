@@ -1,0 +1,265 @@
+"""TokenCorpus / write_indexed: the Megatron .bin/.idx format, read and written exactly."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.sources.indexed import (
+    HEADER_SIZE,
+    IndexedFormatError,
+    IndexedWriter,
+    TokenCorpus,
+    write_indexed,
+)
+
+
+def megatron_files(
+    prefix: Path,
+    sequences: list[list[int]],
+    *,
+    dtype: str = "uint16",
+    code: int = 8,
+    document_indices: list[int] | None = None,
+    modes: bool = False,
+) -> None:
+    """Write a corpus by hand with struct, independently of meshfeed's writer."""
+    arrays = [np.asarray(s, dtype=dtype) for s in sequences]
+    item = np.dtype(dtype).itemsize
+    sizes = [a.size for a in arrays]
+    pointers = list(np.cumsum([0, *sizes[:-1]]) * item) if sizes else []
+    docs = document_indices if document_indices is not None else list(range(len(sizes) + 1))
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code))
+        f.write(struct.pack("<Q", len(sizes)) + struct.pack("<Q", len(docs)))
+        f.write(np.asarray(sizes, "<i4").tobytes())
+        f.write(np.asarray(pointers, "<i8").tobytes())
+        f.write(np.asarray(docs, "<i8").tobytes())
+        if modes:
+            f.write(np.zeros(len(sizes), "<i1").tobytes())
+    with open(f"{prefix}.bin", "wb") as f:
+        for a in arrays:
+            f.write(a.tobytes())
+
+
+def test_reads_a_hand_written_megatron_corpus(tmp_path: Path) -> None:
+    seqs = [[1, 2, 3], [], [7, 8], [65535]]
+    megatron_files(tmp_path / "c", seqs)
+    corpus = TokenCorpus.open(tmp_path / "c")
+    assert corpus.num_documents == 4
+    assert corpus.num_tokens == 6
+    assert corpus.dtype == np.uint16
+    assert corpus.sizes.tolist() == [3, 0, 2, 1]
+    assert [corpus.document(i).tolist() for i in range(4)] == seqs
+    assert corpus.document(-1).tolist() == [65535]
+    assert corpus.is_contiguous
+
+
+@pytest.mark.parametrize(
+    ("dtype", "code"),
+    [
+        ("uint8", 1),
+        ("int8", 2),
+        ("int16", 3),
+        ("int32", 4),
+        ("int64", 5),
+        ("float64", 6),
+        ("float32", 7),
+        ("uint16", 8),
+    ],
+)
+def test_every_megatron_dtype_code_round_trips(tmp_path: Path, dtype: str, code: int) -> None:
+    megatron_files(tmp_path / "c", [[1, 2], [3]], dtype=dtype, code=code)
+    corpus = TokenCorpus.open(tmp_path / "c")
+    assert corpus.dtype == np.dtype(dtype)
+    assert corpus.document(0).tolist() == [1, 2]
+    written = write_indexed(tmp_path / "w", [[1, 2], [3]], dtype)
+    assert (tmp_path / "w.idx").read_bytes() == (tmp_path / "c.idx").read_bytes()
+    assert (tmp_path / "w.bin").read_bytes() == (tmp_path / "c.bin").read_bytes()
+    assert written.fingerprint == corpus.fingerprint
+
+
+def test_document_means_sequence_and_megatron_document_index_is_exposed(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1], [2, 3], [4]], document_indices=[0, 2, 3])
+    corpus = TokenCorpus.open(tmp_path / "c")
+    assert corpus.num_documents == 3
+    assert corpus.document_index.tolist() == [0, 2, 3]
+
+
+def test_multimodal_index_with_modes_is_accepted(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1], [2, 3]], modes=True)
+    assert TokenCorpus.open(tmp_path / "c").document(1).tolist() == [2, 3]
+
+
+def test_documents_are_zero_copy_read_only_views(tmp_path: Path) -> None:
+    corpus = write_indexed(tmp_path / "c", [[5, 6, 7]], "int32")
+    doc = corpus.document(0)
+    assert not doc.flags.writeable
+    assert np.shares_memory(doc, corpus.tokens)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    docs=st.lists(st.lists(st.integers(0, 65535), max_size=20), max_size=15),
+    dtype=st.sampled_from(["uint16", "int32", "int64"]),
+)
+def test_write_then_open_returns_the_same_documents(
+    tmp_path_factory: pytest.TempPathFactory, docs: list[list[int]], dtype: str
+) -> None:
+    prefix = tmp_path_factory.mktemp("w") / "c"
+    corpus = write_indexed(prefix, docs, dtype)
+    reopened = TokenCorpus.open(prefix)
+    assert reopened.num_documents == len(docs)
+    assert reopened.num_tokens == sum(map(len, docs))
+    assert [reopened.document(i).tolist() for i in range(len(docs))] == docs
+    assert reopened.is_contiguous
+    reopened.validate()
+    assert corpus.fingerprint == reopened.fingerprint
+
+
+def test_prefix_may_name_either_file(tmp_path: Path) -> None:
+    write_indexed(tmp_path / "c", [[1, 2]])
+    for name in ("c", "c.bin", "c.idx"):
+        assert TokenCorpus.open(tmp_path / name).document(0).tolist() == [1, 2]
+
+
+def test_pickles_as_its_prefix_not_its_data(tmp_path: Path) -> None:
+    corpus = write_indexed(tmp_path / "c", [np.arange(100_000) % 60_000])
+    blob = pickle.dumps(corpus)
+    assert len(blob) < 1_000
+    again = pickle.loads(blob)
+    assert np.array_equal(again.document(0), corpus.document(0))
+
+
+def test_fingerprint_survives_a_move_and_changes_with_content(tmp_path: Path) -> None:
+    a = write_indexed(tmp_path / "a", [[1, 2, 3], [4]])
+    (tmp_path / "moved").mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(tmp_path / f"a{ext}", tmp_path / "moved" / f"a{ext}")
+    assert TokenCorpus.open(tmp_path / "moved" / "a").fingerprint == a.fingerprint
+    assert write_indexed(tmp_path / "b", [[1, 2, 9], [4]]).fingerprint != a.fingerprint
+    assert write_indexed(tmp_path / "c", [[1, 2], [3, 4]]).fingerprint != a.fingerprint
+
+
+def test_empty_corpus_opens(tmp_path: Path) -> None:
+    corpus = write_indexed(tmp_path / "c", [])
+    assert corpus.num_documents == 0 and corpus.num_tokens == 0
+    with pytest.raises(IndexError, match="out of range"):
+        corpus.document(0)
+
+
+def test_writer_rejects_ids_that_do_not_fit_the_dtype(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"token ids in \[0, 70000\].*uint16.*wider dtype"):
+        write_indexed(tmp_path / "c", [[1], [0, 70000]], "uint16")
+    assert not list(tmp_path.iterdir()), "a failed write leaves no files behind"
+
+
+def test_writer_rejects_non_integer_and_nested_documents(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="must be integers"):
+        write_indexed(tmp_path / "c", [[1.5]], "uint16")
+    with pytest.raises(ValueError, match="1-D sequence"):
+        write_indexed(tmp_path / "c", [[[1, 2]]], "uint16")
+    with pytest.raises(ValueError, match="no Megatron code"):
+        IndexedWriter(tmp_path / "c", dtype="uint32")
+
+
+def test_writer_publishes_files_only_on_close(tmp_path: Path) -> None:
+    writer = IndexedWriter(tmp_path / "c", dtype="uint16")
+    writer.add([1, 2])
+    assert not (tmp_path / "c.bin").exists() and not (tmp_path / "c.idx").exists()
+    corpus = writer.close()
+    assert corpus.document(0).tolist() == [1, 2]
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    write_indexed(tmp_path / "c", [[1]])
+    (tmp_path / "c.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"c\.bin does not exist"):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def _corrupt(tmp_path: Path, offset: int, data: bytes) -> Path:
+    write_indexed(tmp_path / "c", [[1, 2, 3], [4, 5]])
+    raw = bytearray((tmp_path / "c.idx").read_bytes())
+    raw[offset : offset + len(data)] = data
+    (tmp_path / "c.idx").write_bytes(bytes(raw))
+    return tmp_path / "c"
+
+
+def test_bad_magic_is_reported_with_the_file(tmp_path: Path) -> None:
+    prefix = _corrupt(tmp_path, 0, b"NOTANIDX!")
+    with pytest.raises(IndexedFormatError, match=r"c\.idx has bad magic"):
+        TokenCorpus.open(prefix)
+
+
+def test_wrong_version_is_reported(tmp_path: Path) -> None:
+    prefix = _corrupt(tmp_path, 9, struct.pack("<Q", 2))
+    with pytest.raises(IndexedFormatError, match=r"c\.idx has index version 2 \(expected 1\)"):
+        TokenCorpus.open(prefix)
+
+
+def test_unknown_dtype_code_is_reported(tmp_path: Path) -> None:
+    prefix = _corrupt(tmp_path, 17, struct.pack("<B", 42))
+    with pytest.raises(IndexedFormatError, match="unknown dtype code 42"):
+        TokenCorpus.open(prefix)
+
+
+def test_truncated_index_is_reported(tmp_path: Path) -> None:
+    write_indexed(tmp_path / "c", [[1, 2, 3], [4, 5]])
+    raw = (tmp_path / "c.idx").read_bytes()
+    (tmp_path / "c.idx").write_bytes(raw[:-3])
+    with pytest.raises(IndexedFormatError, match=r"c\.idx is \d+ bytes but its header"):
+        TokenCorpus.open(tmp_path / "c")
+    (tmp_path / "c.idx").write_bytes(raw[: HEADER_SIZE - 1])
+    with pytest.raises(IndexedFormatError, match="shorter than the 34-byte header"):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def test_sequence_count_that_disagrees_with_the_file_length_is_reported(tmp_path: Path) -> None:
+    prefix = _corrupt(tmp_path, 18, struct.pack("<Q", 3))
+    with pytest.raises(IndexedFormatError, match="3 sequences"):
+        TokenCorpus.open(prefix)
+
+
+def test_truncated_bin_is_reported(tmp_path: Path) -> None:
+    write_indexed(tmp_path / "c", [[1, 2, 3], [4, 5]])
+    raw = (tmp_path / "c.bin").read_bytes()
+    (tmp_path / "c.bin").write_bytes(raw[:-2])
+    with pytest.raises(IndexedFormatError, match=r"c\.bin is 8 bytes but .* up to byte 10"):
+        TokenCorpus.open(tmp_path / "c")
+    (tmp_path / "c.bin").write_bytes(raw[:-1])
+    with pytest.raises(IndexedFormatError, match="not a multiple of the uint16 item size"):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def test_document_index_that_does_not_cover_the_sequences_is_reported(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1], [2]], document_indices=[0, 1])
+    with pytest.raises(IndexedFormatError, match="document index from 0 to 1"):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def test_non_contiguous_corpus_is_detected(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1, 2], [3, 4]])
+    raw = bytearray((tmp_path / "c.idx").read_bytes())
+    # point both sequences at the first one: valid to read, but not a concatenated stream
+    raw[HEADER_SIZE + 8 + 8 : HEADER_SIZE + 8 + 16] = struct.pack("<q", 0)
+    (tmp_path / "c.idx").write_bytes(bytes(raw))
+    corpus = TokenCorpus.open(tmp_path / "c")
+    assert corpus.document(1).tolist() == [1, 2]
+    assert not corpus.is_contiguous
+
+
+def test_validate_catches_pointers_outside_the_bin(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1, 2], [3, 4]])
+    raw = bytearray((tmp_path / "c.idx").read_bytes())
+    raw[HEADER_SIZE + 8 : HEADER_SIZE + 16] = struct.pack("<q", 1000)
+    (tmp_path / "c.idx").write_bytes(bytes(raw))
+    with pytest.raises(IndexedFormatError, match="pointers outside"):
+        TokenCorpus.open(tmp_path / "c").validate()

@@ -1,0 +1,162 @@
+"""ParquetSource / ArrowSource: random access by global row over Parquet files and Arrow tables."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from meshfeed.loader import DataLoader  # noqa: E402
+from meshfeed.sources.parquet import ArrowSource, ParquetSource  # noqa: E402
+from meshfeed.testing import assert_resume_equivalence  # noqa: E402
+
+
+def write_files(tmp: Path, rows_per_file: list[int], row_group_size: int = 4) -> list[Path]:
+    paths, start = [], 0
+    for k, n in enumerate(rows_per_file):
+        ids = list(range(start, start + n))
+        table = pa.table(
+            {"id": ids, "text": [f"row {i}" for i in ids], "x": [i * 0.5 for i in ids]}
+        )
+        path = tmp / f"part-{k:02d}.parquet"
+        pq.write_table(table, path, row_group_size=row_group_size)
+        paths.append(path)
+        start += n
+    return paths
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.lists(st.integers(1, 15), min_size=1, max_size=4),
+    group=st.integers(1, 6),
+    data=st.data(),
+)
+def test_global_row_i_is_the_ith_row_across_files_and_row_groups(
+    tmp_path_factory: pytest.TempPathFactory, rows: list[int], group: int, data: Any
+) -> None:
+    paths = write_files(tmp_path_factory.mktemp("p"), rows, group)
+    src = ParquetSource(paths)
+    assert len(src) == sum(rows)
+    idx = data.draw(st.lists(st.integers(0, len(src) - 1), max_size=20))
+    assert [r["id"] for r in src.__getitems__(idx)] == idx
+    assert [src[i]["id"] for i in idx] == idx
+
+
+def test_a_directory_expands_to_its_sorted_parquet_files(tmp_path: Path) -> None:
+    write_files(tmp_path, [5, 5, 5])
+    src = ParquetSource(tmp_path)
+    assert [src[i]["id"] for i in range(15)] == list(range(15))
+    assert src[-1] == {"id": 14, "text": "row 14", "x": 7.0}
+
+
+def test_columns_select_what_rows_hold(tmp_path: Path) -> None:
+    write_files(tmp_path, [6])
+    src = ParquetSource(tmp_path, columns=["text"])
+    assert src.__getitems__([2]) == [{"text": "row 2"}]
+    with pytest.raises(ValueError, match=r"columns \['nope'\] are not in"):
+        ParquetSource(tmp_path, columns=["nope"])
+
+
+def test_each_needed_row_group_is_read_once_per_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_files(tmp_path, [40], row_group_size=10)
+    reads: list[int] = []
+    original = pq.ParquetFile.read_row_group
+
+    def counting(self: Any, i: int, *args: Any, **kwargs: Any) -> Any:
+        reads.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    src = ParquetSource(tmp_path, cache_row_groups=2)
+    rows = src.__getitems__([35, 1, 31, 2, 38, 0])
+    assert [r["id"] for r in rows] == [35, 1, 31, 2, 38, 0]
+    assert sorted(reads) == [0, 3]
+    src.__getitems__([3, 33])  # both cached
+    assert sorted(reads) == [0, 3]
+    src[3]  # group 0 becomes the most recently used
+    src.__getitems__([15])  # so group 3 is evicted
+    src.__getitems__([35])
+    assert len(src._cache) == 2
+    assert reads == [0, 3, 1, 3]
+
+
+def test_cache_is_bounded_by_cache_row_groups(tmp_path: Path) -> None:
+    write_files(tmp_path, [100], row_group_size=5)
+    src = ParquetSource(tmp_path, cache_row_groups=3)
+    src.__getitems__(list(range(0, 100, 5)))
+    assert len(src._cache) == 3
+    with pytest.raises(ValueError, match="cache_row_groups must be a positive int"):
+        ParquetSource(tmp_path, cache_row_groups=0)
+
+
+def test_pickles_without_handles_or_cache(tmp_path: Path) -> None:
+    write_files(tmp_path, [50], row_group_size=50)
+    src = ParquetSource(tmp_path)
+    src.__getitems__([1, 2])
+    again = pickle.loads(pickle.dumps(src))
+    assert again._cache == {} and again._handles == {}
+    assert again[7] == src[7]
+
+
+def test_fingerprint_is_stable_and_content_sensitive(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_files(tmp_path / "a", [10])
+    write_files(tmp_path / "b", [11])
+    fp = ParquetSource(tmp_path / "a").fingerprint
+    assert fp == ParquetSource(tmp_path / "a").fingerprint
+    assert fp != ParquetSource(tmp_path / "b").fingerprint
+
+
+def test_bad_paths_and_indices_are_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ParquetSource(tmp_path / "missing.parquet")
+    with pytest.raises(FileNotFoundError, match=r"holds no \*\.parquet"):
+        ParquetSource(tmp_path)
+    write_files(tmp_path, [4])
+    src = ParquetSource(tmp_path)
+    with pytest.raises(IndexError, match=r"outside \[0, 4\)"):
+        src.__getitems__([0, 4])
+    with pytest.raises(IndexError, match="out of range"):
+        src[4]
+
+
+def test_loader_batches_parquet_rows_and_resumes_exactly(tmp_path: Path) -> None:
+    write_files(tmp_path, [7, 6], row_group_size=3)
+
+    def collate(rows: list[dict[str, Any]]) -> list[int]:
+        return [r["id"] for r in rows]
+
+    ref = assert_resume_equivalence(
+        lambda: DataLoader(ParquetSource(tmp_path), batch_size=4, seed=1, collate_fn=collate),
+        num_items=9,
+    )
+    assert sorted(sum(ref[:3], [])) == sorted(set(sum(ref[:3], [])))
+
+
+def test_arrow_source_reads_tables_and_memory_mapped_ipc_files(tmp_path: Path) -> None:
+    table = pa.table({"id": np.arange(20), "y": [str(i) for i in range(20)]})
+    src = ArrowSource(table)
+    assert [r["id"] for r in src.__getitems__([19, 0, 7])] == [19, 0, 7]
+    assert src[-1] == {"id": 19, "y": "19"}
+    path = tmp_path / "t.arrow"
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    mapped = ArrowSource(path, columns=["y"])
+    assert mapped.__getitems__([3]) == [{"y": "3"}]
+    blob = pickle.dumps(mapped)
+    assert len(blob) < 1_000, "a mapped file pickles as its path"
+    assert pickle.loads(blob)[4] == {"y": "4"}
+    assert src.fingerprint == ArrowSource(table).fingerprint
+    with pytest.raises(TypeError, match="pyarrow.Table or an Arrow IPC file path"):
+        ArrowSource({"id": [1]})

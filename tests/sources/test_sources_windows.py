@@ -1,0 +1,173 @@
+"""TokenWindows / TokenDocuments: map-style views of a token corpus for the DataLoader."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.loader import DataLoader
+from meshfeed.sources.indexed import TokenCorpus, write_indexed
+from meshfeed.sources.windows import TokenDocuments, TokenWindows
+from meshfeed.testing import assert_resume_equivalence, assert_same
+from tests.dist_utils import run_distributed
+
+
+def corpus_of(tmp: Path, lengths: list[int], seed: int = 0) -> tuple[TokenCorpus, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 50_000, n) for n in lengths]
+    corpus = write_indexed(tmp / "c", docs, "uint16")
+    flat = np.concatenate(docs) if docs else np.zeros(0, np.int64)
+    return corpus, flat
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    seq_len=st.integers(1, 17),
+)
+def test_window_i_is_the_token_range_from_i_times_seq_len(
+    tmp_path_factory: pytest.TempPathFactory, lengths: list[int], seq_len: int
+) -> None:
+    corpus, flat = corpus_of(tmp_path_factory.mktemp("w"), lengths)
+    windows = TokenWindows(corpus, seq_len=seq_len)
+    assert len(windows) == max(0, (flat.size - 1) // seq_len)
+    for i in range(len(windows)):
+        want = flat[i * seq_len : i * seq_len + seq_len + 1]
+        assert windows[i].tolist() == want.tolist()
+    if len(windows):
+        idx = np.arange(len(windows))[::-1].copy()
+        batch = windows.fetch_batch(idx)
+        assert batch.shape == (len(windows), seq_len + 1)
+        assert_same(batch, torch.stack([windows[int(i)] for i in idx]))
+
+
+def test_consecutive_windows_share_one_token(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [100, 37, 5])
+    windows = TokenWindows(corpus, seq_len=16)
+    for i in range(len(windows) - 1):
+        assert windows[i][-1] == windows[i + 1][0]
+
+
+def test_windows_default_to_int64_and_take_a_narrower_dtype(tmp_path: Path) -> None:
+    corpus, flat = corpus_of(tmp_path, [50])
+    assert TokenWindows(corpus, seq_len=8)[0].dtype == torch.int64
+    narrow = TokenWindows(corpus, seq_len=8, dtype=torch.int32).fetch_batch(np.array([1]))
+    assert narrow.dtype == torch.int32
+    assert narrow[0].tolist() == flat[8:17].tolist()
+
+
+def test_getitems_matches_getitem(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [64, 64])
+    windows = TokenWindows(corpus, seq_len=10)
+    items = windows.__getitems__([3, 0, 3])
+    assert_same(items, [windows[3], windows[0], windows[3]])
+
+
+def test_out_of_range_and_bad_indices_are_rejected(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [21])
+    windows = TokenWindows(corpus, seq_len=10)
+    assert len(windows) == 2
+    with pytest.raises(IndexError, match="out of range for 2 windows"):
+        windows[2]
+    with pytest.raises(IndexError, match=r"outside \[0, 2\)"):
+        windows.fetch_batch(np.array([0, 2]))
+    with pytest.raises(TypeError, match="1-D integer array"):
+        windows.fetch_batch(np.array([[0]]))
+    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+        TokenWindows(corpus, seq_len=0)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        TokenWindows(corpus, seq_len=4, dtype="int64")  # type: ignore[arg-type]
+
+
+def test_windows_open_a_prefix_and_pickle_small(tmp_path: Path) -> None:
+    corpus_of(tmp_path, [10_000])
+    windows = TokenWindows(tmp_path / "c", seq_len=128)
+    blob = pickle.dumps(windows)
+    assert len(blob) < 2_000
+    assert_same(pickle.loads(blob)[5], windows[5])
+
+
+def test_fingerprint_names_seq_len_and_corpus(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [100])
+    a = TokenWindows(corpus, seq_len=8).fingerprint
+    assert a == TokenWindows(corpus, seq_len=8).fingerprint
+    assert a != TokenWindows(corpus, seq_len=9).fingerprint
+    assert corpus.fingerprint in a
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=10), seq_len=st.integers(1, 9))
+def test_document_starts_are_the_document_boundaries_inside_the_window(
+    tmp_path_factory: pytest.TempPathFactory, lengths: list[int], seq_len: int
+) -> None:
+    corpus, _ = corpus_of(tmp_path_factory.mktemp("d"), lengths)
+    windows = TokenWindows(corpus, seq_len=seq_len)
+    starts = set(np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist())
+    for i in range(len(windows)):
+        lo = i * seq_len
+        want = sorted(s - lo for s in starts if lo <= s < lo + seq_len + 1)
+        assert windows.document_starts(i).tolist() == want
+
+
+def test_documents_view_returns_each_document_and_lengths(tmp_path: Path) -> None:
+    lengths = [3, 0, 7, 1]
+    corpus, flat = corpus_of(tmp_path, lengths)
+    docs = TokenDocuments(corpus)
+    assert len(docs) == 4
+    assert docs.lengths.tolist() == lengths
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    for i in range(4):
+        assert docs[i].tolist() == flat[offsets[i] : offsets[i + 1]].tolist()
+    assert [d.tolist() for d in docs.__getitems__([2, 0])] == [docs[2].tolist(), docs[0].tolist()]
+
+
+def test_documents_fetch_batch_is_the_varlen_layout(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [3, 0, 7, 1])
+    docs = TokenDocuments(corpus)
+    batch = docs.fetch_batch(np.array([2, 1, 0]))
+    assert batch["lengths"].tolist() == [7, 0, 3]
+    assert batch["cu_seqlens"].tolist() == [0, 7, 7, 10]
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert batch["tokens"].tolist() == docs[2].tolist() + docs[0].tolist()
+    assert batch["tokens"].dtype == torch.int64
+
+
+def loader_factory(prefix: Path, **kw: object) -> DataLoader:
+    return DataLoader(TokenWindows(prefix, seq_len=8), batch_size=3, seed=7, **kw)  # type: ignore[arg-type]
+
+
+def test_loader_reads_windows_through_fetch_batch_and_resumes_exactly(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [40, 33, 60])
+    ref = assert_resume_equivalence(lambda: loader_factory(tmp_path / "c"), num_items=30)
+    assert len(ref) == 30  # crosses epoch boundaries: 16 windows / batch 3 -> 5 steps per epoch
+    epoch = [tuple(row) for row in torch.cat(ref[:5]).tolist()]
+    windows = TokenWindows(corpus, seq_len=8)
+    every = {tuple(windows[i].tolist()) for i in range(len(windows))}
+    assert len(set(epoch)) == 15 and set(epoch) <= every  # one epoch: distinct real windows
+
+
+def _rank_batches(rank: int, world: int, prefix: str) -> tuple[str, list[list[list[int]]]]:
+    loader = DataLoader(
+        TokenWindows(prefix, seq_len=8), batch_size=2, mesh={"dp": world}, rank=rank, seed=3
+    )
+    return loader.fingerprint, [b.tolist() for b in loader]
+
+
+@pytest.mark.slow
+def test_ranks_in_separate_processes_agree_on_fingerprint_and_split_the_windows(
+    tmp_path: Path,
+) -> None:
+    corpus_of(tmp_path, [50, 31, 77])
+    prefix = str(tmp_path / "c")
+    results = run_distributed(_rank_batches, 2, prefix)
+    simulated = [_rank_batches(r, 2, prefix) for r in range(2)]
+    assert results == simulated
+    assert results[0][0] == results[1][0]
+    rows = [tuple(w) for _, batches in results for b in batches for w in b]
+    assert len(rows) == len(set(rows)), "data ranks never read the same window in one epoch"
