@@ -1,0 +1,22 @@
+"""Packing and balanced scheduling of variable-length documents over data x context-parallel ranks.
+
+:func:`plan` is the pure scheduler (cost model -> CP degree, rank block and micro-step for every
+document); :class:`BalancedBatches` runs it inside a training job: one all-gather of lengths,
+the same plan on every rank, one fused all-to-all to reroute the documents, zigzag CP split.
+"""
+
+from meshfeed.balance.baselines import BaselineResult, naive_slicing, token_balancing
+from meshfeed.balance.cost import CostModel
+from meshfeed.balance.packing import pack, packing_efficiency
+from meshfeed.balance.plan import Plan, plan
+
+__all__ = [
+    "BaselineResult",
+    "CostModel",
+    "Plan",
+    "naive_slicing",
+    "pack",
+    "packing_efficiency",
+    "plan",
+    "token_balancing",
+]

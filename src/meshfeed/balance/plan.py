@@ -1,0 +1,376 @@
+"""plan(): balanced schedule of variable-length documents over data x context-parallel ranks.
+
+A pure numpy function: the same lengths give the same :class:`Plan` on every rank, so ranks
+that all-gathered the lengths agree without talking again. Each document gets a CP degree
+``c`` (chosen for memory *and* balance) and a block of ``c`` consecutive ranks; every rank gets
+a list of micro-steps of at most ``max_tokens`` tokens, all ranks the same number.
+
+The schedule, in one paragraph: documents too long or too expensive for one rank are placed
+first, longest per-rank time first, each on the block of ranks that can start it soonest (the
+block's ranks wait for each other: that barrier is counted). The other documents go, heaviest
+first, to the rank that finishes earliest (LPT, with a heap), and each rank packs its documents
+into micro-steps best fit decreasing. The CP degree is chosen by trying a few thresholds
+("split a document whose cost exceeds theta x the mean rank load") and keeping the schedule
+with the smallest makespan, preferring less context parallelism on ties.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from meshfeed.balance.cost import CostModel
+from meshfeed.balance.packing import _bfd, _check_budget, as_lengths
+
+__all__ = ["DEFAULT_COST", "Plan", "plan"]
+
+#: A 7B-class transformer (hidden 4096, 32 layers, 32 heads), training FLOPs.
+DEFAULT_COST = CostModel.from_transformer(hidden_size=4096, num_layers=32, num_heads=32)
+
+#: Split thresholds tried, as multiples of the mean rank load; inf = split for memory only.
+_THETAS = (np.inf, 1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125)
+
+Group = tuple[int, ...]
+MicroStep = tuple[tuple[int, Group], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The schedule of one global batch. Rank indices are positions in the balanced group.
+
+    ``microsteps[r][k]`` is the tuple of ``(document id, cp group)`` rank ``r`` runs at micro-step
+    ``k``; a cp group is the tuple of ranks that run the document together (``(r,)`` when it is
+    not split), and every rank of a group holds the document at the same ``k``. A micro-step
+    holds either one split document or any number of unsplit ones. Per-document arrays give
+    the same facts vectorised: ``cp_size``, ``cp_start`` (first rank of the group), ``microstep``
+    and ``padded`` (length after padding to the zigzag multiple).
+    """
+
+    num_ranks: int
+    max_tokens: int
+    tp: int
+    lengths: np.ndarray = field(repr=False)
+    cp_size: np.ndarray = field(repr=False)
+    cp_start: np.ndarray = field(repr=False)
+    microstep: np.ndarray = field(repr=False)
+    padded: np.ndarray = field(repr=False)
+    microsteps: tuple[tuple[MicroStep, ...], ...] = field(repr=False)
+    rank_time: np.ndarray = field(repr=False)
+    makespan: float
+    lower_bound: float
+
+    @property
+    def num_microsteps(self) -> int:
+        """Micro-steps per rank (the same on every rank, empty ones included)."""
+        return len(self.microsteps[0]) if self.microsteps else 0
+
+    @property
+    def imbalance(self) -> float:
+        """``makespan / lower_bound - 1``: 0 means provably optimal (0 for an empty plan)."""
+        return self.makespan / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Real tokens over capacity (``num_ranks * num_microsteps * max_tokens``)."""
+        capacity = self.num_ranks * self.num_microsteps * self.max_tokens
+        return float(self.lengths.sum()) / capacity if capacity else 1.0
+
+    def cp_group(self, doc: int) -> Group:
+        """The ranks that run document ``doc``."""
+        start = int(self.cp_start[doc])
+        return tuple(range(start, start + int(self.cp_size[doc])))
+
+    def tokens(self) -> np.ndarray:
+        """Tokens (after padding) per rank and micro-step, shape ``(num_ranks, num_microsteps)``."""
+        out = np.zeros((self.num_ranks, self.num_microsteps), dtype=np.int64)
+        per_rank = self.padded // np.maximum(self.cp_size, 1)
+        for j in range(int(self.cp_size.max(initial=1))):
+            sel = self.cp_size > j
+            np.add.at(out, (self.cp_start[sel] + j, self.microstep[sel]), per_rank[sel])
+        return out
+
+
+def plan(
+    lengths: Any,
+    *,
+    num_ranks: int,
+    max_tokens: int,
+    cost: CostModel = DEFAULT_COST,
+    cp_sizes: str | Sequence[int] = "any",
+    tp: int = 1,
+    min_microsteps: int = 1,
+) -> Plan:
+    """Schedule documents of the given lengths over ``num_ranks`` ranks (see the module doc).
+
+    ``cp_sizes``: ``"any"`` (every degree 1..num_ranks, blocks anywhere), ``"pow2_aligned"``
+    (powers of two on blocks aligned to their size, for Megatron / Transformer Engine), or an
+    explicit sequence of allowed degrees including 1. ``tp`` > 1 pads split documents to a
+    multiple of ``2*c*tp`` (sequence parallelism). Every rank gets at least ``min_microsteps``.
+    Raises ValueError when a document cannot fit even on the largest allowed group.
+    Cost: about 30 ms for 4,096 documents on 64 ranks.
+    """
+    budget = _check_budget(max_tokens)
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
+    if not isinstance(tp, (int, np.integer)) or tp < 1:
+        raise ValueError(
+            f"tp must be a positive int (got {tp=}); use 1 without sequence parallelism"
+        )
+    if not isinstance(min_microsteps, (int, np.integer)) or min_microsteps < 0:
+        raise ValueError(f"min_microsteps must be an int >= 0 (got {min_microsteps=})")
+    if not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a CostModel (got {type(cost).__name__})")
+    n_ranks, tp = int(num_ranks), int(tp)
+    s = as_lengths(lengths)
+    work = cost.work(s)
+    ps = float(cost.per_step)
+
+    tables = [_DegreeTable(s, sz, al, tp, budget) for sz, al in _candidate_sizes(cp_sizes, n_ranks)]
+    largest = int(tables[0].sizes[-1])  # the first table allows every degree the caller does
+    bad = ~tables[0].ok
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"document {i} has {int(s[i])} tokens, more than {largest} ranks x "
+            f"max_tokens={budget} can hold (after padding to a multiple of "
+            f"{2 * largest * tp}); raise max_tokens, add ranks, or truncate the document"
+        )
+
+    k_min = max(int(min_microsteps), -(-int(s.sum()) // (n_ranks * budget)))
+    mean_load = float(work.sum()) / n_ranks
+    single = float(work.max(initial=0.0)) / largest + ps if s.size else 0.0
+    lower = max(mean_load + ps * k_min, single)
+
+    # Candidates are ranked by a cheap estimate (split documents placed, the rest poured in as
+    # water); only the best two get the full LPT, and only the winner is packed (unless
+    # per_step makes packing part of the makespan).
+    exact = ps > 0
+    ranked: list[tuple[float, int, _Schedule]] = []
+    for table in tables:
+        if not table.ok.all():
+            continue
+        seen: list[np.ndarray] = []
+        for theta in _THETAS:
+            idx = table.degrees(work, theta * mean_load)
+            if any(np.array_equal(idx, prev) for prev in seen):
+                continue
+            seen.append(idx)
+            c, padded = table.sizes[idx], table.pad[np.arange(s.size), idx]
+            sched = _place_split(work, c, padded, n_ranks, ps, table.aligned)
+            ranked.append((sched.estimate(budget, ps), len(ranked), sched))
+            if ranked[-1][0] <= lower * (1 + 1e-3):
+                break
+        if ranked and min(r[0] for r in ranked) <= lower * (1 + 1e-3):
+            break
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    best: _Schedule | None = None
+    for _, _, sched in ranked[:2]:
+        sched.assign_unsplit(budget, ps)
+        if exact:
+            sched.pack(budget, ps, int(min_microsteps))
+        # Prefer the earlier (less split) candidate unless the later one is clearly better.
+        if best is None or sched.makespan < best.makespan * (1 - 1e-3):
+            best = sched
+    assert best is not None  # the first table always fits (checked above)
+    if not exact:
+        best.pack(budget, ps, int(min_microsteps))
+    return Plan(
+        num_ranks=n_ranks,
+        max_tokens=budget,
+        tp=tp,
+        lengths=s,
+        cp_size=best.c,
+        cp_start=best.cp_start,
+        microstep=best.microstep,
+        padded=best.padded,
+        microsteps=best.microsteps(),
+        rank_time=best.clock,
+        makespan=best.makespan,
+        lower_bound=lower,
+    )
+
+
+def _candidate_sizes(cp_sizes: str | Sequence[int], n: int) -> list[tuple[np.ndarray, bool]]:
+    """Allowed degree sets to try, widest first; ``True`` marks blocks aligned to their size."""
+    if isinstance(cp_sizes, str):
+        if cp_sizes == "any":
+            # Degrees that divide n, on aligned blocks, tile the ranks without gaps: often the
+            # best schedule when a few documents dominate, so they are tried as well.
+            divisors = np.asarray([d for d in range(1, n + 1) if n % d == 0], dtype=np.int64)
+            return [(np.arange(1, n + 1, dtype=np.int64), False), (divisors, True)]
+        if cp_sizes == "pow2_aligned":
+            return [(1 << np.arange(n.bit_length(), dtype=np.int64), True)]
+        raise ValueError(
+            f"cp_sizes={cp_sizes!r} is not a policy; use 'any', 'pow2_aligned' or a list of degrees"
+        )
+    sizes = sorted({int(c) for c in cp_sizes})
+    if not sizes or sizes[0] != 1 or sizes[-1] > n:
+        raise ValueError(
+            f"cp_sizes={list(cp_sizes)!r} must include 1 and stay <= num_ranks={n}; "
+            "e.g. cp_sizes=[1, 2, 4]"
+        )
+    return [(np.asarray(sizes, dtype=np.int64), False)]
+
+
+class _DegreeTable:
+    """Padded lengths of every document at every allowed degree, and which ones fit."""
+
+    def __init__(self, s: np.ndarray, sizes: np.ndarray, aligned: bool, tp: int, budget: int):
+        self.sizes, self.aligned = sizes, aligned
+        units = np.where(sizes > 1, 2 * sizes * tp, tp)
+        self.pad = -(-s[:, None] // units) * units
+        self.fits = self.pad // sizes <= budget
+        self.ok = self.fits.any(axis=1)
+        self.min_idx = np.argmax(self.fits, axis=1)
+
+    def degrees(self, work: np.ndarray, target: float) -> np.ndarray:
+        """Index of the smallest degree that fits memory and brings work/c under ``target``."""
+        if not np.isfinite(target) or target <= 0:
+            return self.min_idx
+        need = np.ceil(work / target)
+        idx = np.minimum(np.searchsorted(self.sizes, need), self.sizes.size - 1)
+        idx = np.maximum(self.min_idx, idx)
+        # Tiny budgets: padding can make a wider split overflow; keep the memory choice.
+        return np.where(self.fits[np.arange(idx.size), idx], idx, self.min_idx)
+
+
+@dataclass(slots=True)
+class _Schedule:
+    c: np.ndarray
+    padded: np.ndarray
+    work: np.ndarray
+    cp_start: np.ndarray
+    microstep: np.ndarray
+    steps: list[list[list[int]]]
+    mine: list[list[int]]
+    clock: np.ndarray
+    makespan: float
+    packed: bool = False
+
+    def _unsplit_load(self, budget: int, ps: float) -> tuple[np.ndarray, np.ndarray]:
+        small = np.flatnonzero(self.c == 1)
+        return small, self.work[small] + ps * self.padded[small] / budget
+
+    def estimate(self, budget: int, ps: float) -> float:
+        """Makespan if the unsplit work were poured like water onto the least busy ranks."""
+        _, eff = self._unsplit_load(budget, ps)
+        level = np.sort(self.clock)
+        # Water level L solves sum(max(0, L - clock)) = total unsplit work.
+        fill = np.arange(1, level.size + 1) * level - np.cumsum(level)
+        j = int(np.searchsorted(fill, float(eff.sum()), side="right"))
+        water = (float(eff.sum()) + level[:j].sum()) / j
+        # No rank can start the heaviest unsplit document before the earliest one is free.
+        heaviest = float(eff.max(initial=0.0)) + float(level[0])
+        return max(float(level[-1]), water, heaviest)
+
+    def assign_unsplit(self, budget: int, ps: float) -> None:
+        """LPT: the heaviest unsplit document goes to the rank that frees up first."""
+        small, eff = self._unsplit_load(budget, ps)
+        order = np.lexsort((small, -eff))
+        heap = [(float(t), r) for r, t in enumerate(self.clock)]
+        heapq.heapify(heap)
+        for i, e in zip(small[order].tolist(), eff[order].tolist(), strict=True):
+            t, r = heap[0]
+            self.mine[r].append(i)
+            heapq.heapreplace(heap, (t + e, r))
+        for r, docs in enumerate(self.mine):
+            if docs:
+                self.clock[r] += float(self.work[docs].sum())
+        self.makespan = float(self.clock.max(initial=0.0))
+
+    def pack(self, budget: int, ps: float, min_microsteps: int) -> None:
+        """Pack each rank's unsplit documents into micro-steps; equalise micro-step counts."""
+        if self.packed:
+            return
+        self.packed = True
+        clock, steps = self.clock, self.steps
+        for r, docs in enumerate(self.mine):
+            if not docs:
+                continue
+            ids = np.asarray(docs, dtype=np.int64)
+            bins = _bfd(self.padded[ids], ids, budget)
+            base = len(steps[r])
+            for j, b in enumerate(bins):
+                b.sort()
+                self.microstep[b] = base + j
+                steps[r].append(b)
+            self.cp_start[ids] = r
+            clock[r] += ps * len(bins)
+        # Equal micro-step counts: pad with empty micro-steps, which still cost per_step.
+        k_total = max(min_microsteps, max((len(st) for st in steps), default=0))
+        for r, st in enumerate(steps):
+            clock[r] += ps * (k_total - len(st))
+            st.extend([] for _ in range(k_total - len(st)))
+        self.makespan = float(clock.max(initial=0.0))
+
+    def microsteps(self) -> tuple[tuple[MicroStep, ...], ...]:
+        groups = {
+            int(i): tuple(range(int(self.cp_start[i]), int(self.cp_start[i] + self.c[i])))
+            for i in np.flatnonzero(self.c > 1)
+        }
+        out = []
+        for r, steps in enumerate(self.steps):
+            own = (r,)
+            out.append(tuple(tuple((i, groups.get(i, own)) for i in step) for step in steps))
+        return tuple(out)
+
+
+def _place_split(
+    work: np.ndarray,
+    c: np.ndarray,
+    padded: np.ndarray,
+    n_ranks: int,
+    ps: float,
+    aligned: bool,
+) -> _Schedule:
+    """Place every split document (one micro-step each) on the block that can start soonest."""
+    n = work.size
+    clock = np.zeros(n_ranks)
+    count = np.zeros(n_ranks, dtype=np.int64)
+    steps: list[list[list[int]]] = [[] for _ in range(n_ranks)]
+    cp_start = np.zeros(n, dtype=np.int64)
+    microstep = np.zeros(n, dtype=np.int64)
+    dur = work / c
+    big = np.flatnonzero(c > 1)
+    for i in big[np.lexsort((big, -dur[big]))].tolist():
+        ci = int(c[i])
+        # A rank behind on micro-steps pads with empty ones (ps each) to align the index.
+        key = clock - count * ps
+        if aligned:
+            span = (n_ranks // ci) * ci
+            kmax = key[:span].reshape(-1, ci).max(axis=1)
+            cmax = count[:span].reshape(-1, ci).max(axis=1)
+            busy = clock[:span].reshape(-1, ci).sum(axis=1)
+            starts = np.arange(0, span, ci)
+        else:
+            kmax = sliding_window_view(key, ci).max(axis=1)
+            cmax = sliding_window_view(count, ci).max(axis=1)
+            csum = np.concatenate([[0.0], np.cumsum(clock)])
+            busy = csum[ci:] - csum[:-ci]
+            starts = np.arange(n_ranks - ci + 1)
+        begin = kmax + ps * cmax
+        idle = ci * begin - busy  # prefer the block that wastes least waiting
+        b = int(np.lexsort((idle, begin))[0])
+        r0, k = int(starts[b]), int(cmax[b])
+        for r in range(r0, r0 + ci):
+            steps[r].extend([] for _ in range(k - len(steps[r])))
+            steps[r].append([i])
+        clock[r0 : r0 + ci] = begin[b] + dur[i] + ps
+        count[r0 : r0 + ci] = k + 1
+        cp_start[i], microstep[i] = r0, k
+    return _Schedule(
+        c=c.astype(np.int64),
+        padded=padded.astype(np.int64),
+        work=work,
+        cp_start=cp_start,
+        microstep=microstep,
+        steps=steps,
+        mine=[[] for _ in range(n_ranks)],
+        clock=clock,
+        makespan=float(clock.max(initial=0.0)),
+    )
