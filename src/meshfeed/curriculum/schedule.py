@@ -2,7 +2,8 @@
 
 ``fixed_root(min_difficulty, max_difficulty, total_curriculum_step, difficulty_step,
 root_degree)`` is DeepSpeed's ``fixed_root``: ``floor((t/T)**(1/r) * (max - min) + min)`` rounded
-down to a multiple of ``difficulty_step`` and capped at ``max``. Unlike DeepSpeed the result never
+down to a multiple of ``difficulty_step`` and capped at ``max`` (``t/T`` is not clamped, as in
+DeepSpeed, so with rounding ``max`` itself is reached a little after ``T``). Unlike DeepSpeed the result never
 falls below ``min_difficulty`` (DeepSpeed's rounding turns ``min=1, difficulty_step=8`` into 0 at
 step 0, an empty pool). ``fixed_linear`` is root degree 1; ``fixed_discrete`` is a step table;
 ``custom`` wraps a function.
@@ -96,12 +97,28 @@ class FixedRoot:
 
     @property
     def saturation_step(self) -> int:
-        return int(self.total_curriculum_step)
+        """The first step at which ``max_difficulty`` is reached (found by bisection).
+
+        With rounding this can lie after ``total_curriculum_step``: like DeepSpeed, ``t / T``
+        is not clamped, so past ``T`` the rounded value keeps growing until it is capped.
+        """
+        hi = self.max_difficulty
+        upper = max(1, int(self.total_curriculum_step))
+        while self.difficulty(upper) < hi:
+            upper *= 2
+        lower = 0  # invariant: difficulty(upper) == hi; the answer lies in [lower, upper]
+        while lower < upper:
+            mid = (lower + upper) // 2
+            if self.difficulty(mid) >= hi:
+                upper = mid
+            else:
+                lower = mid + 1
+        return upper
 
     def difficulties(self, steps: np.ndarray) -> np.ndarray:
         t = _check_steps(steps)
         lo, hi, q = self.min_difficulty, self.max_difficulty, self.difficulty_step
-        frac = np.minimum(t / self.total_curriculum_step, 1.0) ** (1.0 / self.root_degree)
+        frac = (t / self.total_curriculum_step) ** (1.0 / self.root_degree)
         # floor(x) rounded down to a multiple of q equals floor(x / q) * q for integer q, which
         # is DeepSpeed's ``d = floor(x); d -= d % q`` and also works for float steps.
         d = np.floor((frac * (hi - lo) + lo) / q) * q

@@ -1,0 +1,103 @@
+"""The analyzer: worker-count independent output, two-pass vocabulary rarity, saved indexes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshfeed.curriculum import (
+    AccumulatedMetric,
+    MetricIndex,
+    SampleMetric,
+    analyze,
+    seqlen,
+    vocab_rarity,
+)
+
+VOCAB = 40
+
+
+def _docs(n: int = 600, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=int(rng.integers(1, 30))) for _ in range(n)]
+
+
+def _mean(doc: np.ndarray) -> float:
+    return float(doc.mean()) / 3.0
+
+
+METRICS = [
+    seqlen(),
+    vocab_rarity(VOCAB),
+    SampleMetric(name="mean", fn=_mean, dtype="float32"),
+]
+
+
+def test_output_is_identical_with_1_and_4_workers(tmp_path):
+    docs = _docs()
+    one = analyze(docs, METRICS, num_workers=1, chunk_size=64, progress=False)
+    four = analyze(docs, METRICS, num_workers=4, chunk_size=64, progress=False, output_dir=tmp_path)
+    assert sorted(one) == ["mean", "seqlen", "token_histogram", "vocab_rarity"]
+    for name in ("mean", "seqlen", "vocab_rarity"):
+        a, b = one[name], four[name]
+        assert isinstance(a, MetricIndex) and isinstance(b, MetricIndex)
+        assert a.values.dtype == b.values.dtype and a.values.tobytes() == b.values.tobytes()
+        assert a.order.tolist() == b.order.tolist()
+        saved = MetricIndex.load(tmp_path / name, dataset=docs)
+        assert saved.values.tobytes() == a.values.tobytes()
+    assert np.array_equal(one["token_histogram"], four["token_histogram"])
+
+
+def test_in_process_and_worker_runs_agree():
+    docs = _docs(200)
+    a = analyze(docs, [seqlen()], num_workers=0, chunk_size=7, progress=False)
+    b = analyze(docs, [seqlen()], num_workers=2, chunk_size=50, progress=False)
+    assert a["seqlen"].values.tolist() == b["seqlen"].values.tolist() == [len(d) for d in docs]
+
+
+def test_vocab_rarity_is_the_sum_of_negative_log_token_probabilities():
+    docs = _docs(100)
+    result = analyze(docs, [vocab_rarity(VOCAB)], progress=False, chunk_size=16)
+    counts = np.bincount(np.concatenate(docs), minlength=VOCAB)
+    assert result["token_histogram"].tolist() == counts.tolist()
+    p = counts / counts.sum()
+    want = [float(-np.log(p[d]).sum()) for d in docs]
+    np.testing.assert_allclose(result["vocab_rarity"].values, want, rtol=1e-12)
+
+
+def test_accumulated_metrics_can_be_float_and_are_summed_in_chunk_order():
+    docs = _docs(100)
+
+    def add_len(acc: np.ndarray, doc: np.ndarray) -> None:
+        acc[0] += len(doc) * 0.1
+
+    acc = AccumulatedMetric(name="tokens", fn=add_len, size=1, dtype="float64")
+    a = analyze(docs, [acc], progress=False, chunk_size=9)["tokens"]
+    b = analyze(docs, [acc], progress=False, chunk_size=9, num_workers=3)["tokens"]
+    assert isinstance(a, np.ndarray) and a.tobytes() == b.tobytes()
+    assert a[0] == pytest.approx(sum(len(d) for d in docs) * 0.1)
+
+
+def test_dict_samples_are_read_through_a_key():
+    docs = [{"input_ids": d} for d in _docs(50)]
+    out = analyze(docs, [seqlen(key="input_ids")], progress=False)
+    assert out["seqlen"].values.tolist() == [len(d["input_ids"]) for d in docs]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"metrics": []}, "at least one metric"),
+        ({"metrics": ["seqlen"]}, "must be SampleMetric or AccumulatedMetric"),
+        ({"metrics": [seqlen(), seqlen()]}, "names must be unique"),
+        ({"metrics": [seqlen()], "num_workers": -1}, "num_workers >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        analyze(_docs(10), progress=False, **kwargs)
+
+
+def test_an_empty_dataset_is_refused():
+    with pytest.raises(ValueError, match="empty dataset"):
+        analyze([], [seqlen()], progress=False)
