@@ -80,10 +80,10 @@ class DataLoader:
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=!r})")
         self.mesh: DataMesh = resolve_mesh(mesh)
+        _check_world(self.mesh)
         self.rank = default_rank() if rank is None else rank
         self.data_rank = self.mesh.data_rank(self.rank)  # validates the rank
         self.data_world_size = self.mesh.data_world_size
-        _check_world(self.mesh)
         if service is not None and hasattr(service, "prepare"):
             dataset = service.prepare(dataset)
         try:
