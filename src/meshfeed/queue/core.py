@@ -1,0 +1,391 @@
+"""StoreCore: the bookkeeping of the sample store, non-blocking and backend-free.
+
+Both backends wrap one ``StoreCore``: the embedded store under a ``threading.Condition``, the
+Ray actor under an ``asyncio.Condition``. Every ``try_*`` method either completes at once or
+returns ``None`` ("not yet": wait for the next notification); nothing here blocks, sleeps or
+knows about threads. Values are opaque; a :class:`Ref` marks a payload held elsewhere (Ray's
+object store) so the store counts it but never holds its bytes.
+
+Per partition the core keeps samples in production order, and per task an ordered ``pending``
+set (not yet consumed), so a ``get`` scans only unconsumed samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from meshfeed.queue.samplers import Sampler
+
+Key = Hashable
+FORMAT = "meshfeed.queue.SampleStore"
+VERSION = 1
+
+
+class PartitionClosed(Exception):
+    """``get`` on a closed partition with nothing left for the task: the stream has ended."""
+
+
+class Ref:
+    """A payload kept outside the store (a Ray ``ObjectRef``) and its size in bytes."""
+
+    __slots__ = ("nbytes", "ref")
+
+    def __init__(self, ref: Any, nbytes: int) -> None:
+        self.ref = ref
+        self.nbytes = nbytes
+
+
+def nbytes_of(value: Any) -> int:
+    """Payload bytes of one value (tensors, arrays, bytes, str); 8 for other objects."""
+    if isinstance(value, Ref):
+        return 0
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.element_size() * value.numel())
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    return 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoreOptions:
+    """``capacity``: most samples held at once (``put`` waits beyond it); ``fields``: the
+    allowed field names (``None``: any); ``tasks``: consuming tasks, a sample is dropped once
+    all of them consumed it (``None``: keep until ``delete``/``clear``)."""
+
+    capacity: int | None = None
+    fields: tuple[str, ...] | None = None
+    tasks: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        cap = self.capacity
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"capacity must be a positive number of samples or None (got {cap!r})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "fields": None if self.fields is None else list(self.fields),
+            "tasks": None if self.tasks is None else list(self.tasks),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StoreOptions:
+        f, t = d.get("fields"), d.get("tasks")
+        return cls(
+            capacity=d.get("capacity"),
+            fields=None if f is None else tuple(f),
+            tasks=None if t is None else tuple(t),
+        )
+
+
+class _Sample:
+    __slots__ = ("fields", "group", "nbytes", "pins", "remote")
+
+    def __init__(self, group: Hashable | None) -> None:
+        self.fields: dict[str, Any] = {}
+        self.group = group
+        self.nbytes = 0
+        self.remote = 0
+        self.pins = 0
+
+
+class _Entry:
+    """A plan shared by several readers (rank-aware / length-balanced samplers)."""
+
+    __slots__ = ("fields", "parts", "read", "readers")
+
+    def __init__(self, parts: list[list[Key]], fields: tuple[str, ...], readers: int) -> None:
+        self.parts = parts
+        self.fields = fields
+        self.readers = readers
+        self.read: set[int] = set()
+
+
+class _Partition:
+    __slots__ = ("cache", "closed", "consumed", "field_counts", "next_id", "pending", "samples")
+
+    def __init__(self) -> None:
+        self.samples: dict[Key, _Sample] = {}
+        self.pending: dict[str, dict[Key, None]] = {}
+        self.consumed: dict[str, set[Key]] = {}
+        self.cache: dict[tuple[Any, ...], _Entry] = {}
+        self.field_counts: dict[str, int] = {}
+        self.closed = False
+        self.next_id = 0
+
+    def task(self, task: str) -> dict[Key, None]:
+        if task not in self.pending:
+            self.pending[task] = dict.fromkeys(self.samples)
+            self.consumed[task] = set()
+        return self.pending[task]
+
+
+class _View:
+    """The samples of one partition ready for one task (every needed field present)."""
+
+    __slots__ = ("_need", "_part", "_pending")
+
+    def __init__(self, part: _Partition, pending: dict[Key, None], need: tuple[str, ...]):
+        self._part, self._pending, self._need = part, pending, need
+
+    @property
+    def closed(self) -> bool:
+        return self._part.closed
+
+    def ready(self) -> Iterator[Key]:
+        samples, need = self._part.samples, self._need
+        for key in self._pending:
+            fields = samples[key].fields
+            if all(f in fields for f in need):
+                yield key
+
+    def group(self, key: Key) -> Hashable | None:
+        return self._part.samples[key].group
+
+    def value(self, key: Key, field: str) -> Any:
+        value = self._part.samples[key].fields[field]
+        if isinstance(value, Ref):
+            raise ValueError(
+                f"field {field!r} of sample {key!r} is a large payload; a sampler can only "
+                "read small fields (store token counts as ints)"
+            )
+        return value
+
+
+class StoreCore:
+    """All store state; see the module docstring. Not thread-safe: the backend locks it."""
+
+    def __init__(self, options: StoreOptions) -> None:
+        self.options = options
+        self.partitions: dict[str, _Partition] = {}
+        self.held = 0
+        self.produced = 0
+        self.consumed_total: dict[str, int] = {}
+        self.waiting_consumers = 0
+        self.waiting_producers = 0
+
+    # ----------------------------------------------------------------- producing
+    def _partition(self, name: str) -> _Partition:
+        part = self.partitions.get(name)
+        if part is None:
+            part = self.partitions[name] = _Partition()
+            for task in self.options.tasks or ():
+                part.task(task)
+        return part
+
+    def try_put(
+        self,
+        partition: str,
+        rows: Mapping[str, list[Any]],
+        ids: list[Key] | None,
+        groups: list[Hashable] | None,
+    ) -> list[Key] | None:
+        """Store rows; ``None`` when the new samples do not fit under ``capacity`` yet."""
+        part = self._partition(partition)
+        if part.closed:
+            raise ValueError(
+                f"partition {partition!r} is closed; no more puts are accepted (clear() it "
+                "to reuse the name, or put to a new partition)"
+            )
+        n = len(next(iter(rows.values())))
+        if ids is None:
+            ids = list(range(part.next_id, part.next_id + n))
+        new = [k for k in ids if k not in part.samples]
+        for k in ids:
+            sample = part.samples.get(k)
+            if sample is None:
+                continue
+            again = sorted(f for f in rows if f in sample.fields)
+            if again:
+                raise ValueError(
+                    f"sample {k!r} of partition {partition!r} already has fields {again}; "
+                    "each field of a sample is produced once (delete the sample to redo it)"
+                )
+        cap = self.options.capacity
+        if cap is not None:
+            if len(new) > cap:
+                raise ValueError(
+                    f"a put of {len(new)} new samples can never fit capacity={cap}; "
+                    "put fewer samples at a time or raise the capacity"
+                )
+            if self.held + len(new) > cap:
+                return None
+        for i, k in enumerate(ids):
+            sample = part.samples.get(k)
+            group = None if groups is None else groups[i]
+            if sample is None:
+                sample = part.samples[k] = _Sample(group)
+                for pending in part.pending.values():
+                    pending[k] = None
+                self.held += 1
+                self.produced += 1
+                if isinstance(k, int):
+                    part.next_id = max(part.next_id, k + 1)
+            elif group is not None and sample.group is not None and sample.group != group:
+                raise ValueError(
+                    f"sample {k!r} was put with group {sample.group!r}, now with {group!r}; "
+                    "a sample belongs to one group"
+                )
+            elif group is not None:
+                sample.group = group
+            for f, column in rows.items():
+                value = column[i]
+                sample.fields[f] = value
+                size = nbytes_of(value)
+                sample.nbytes += size
+                sample.remote += value.nbytes if isinstance(value, Ref) else 0
+                part.field_counts[f] = part.field_counts.get(f, 0) + 1
+        return list(ids)
+
+    # ----------------------------------------------------------------- consuming
+    def try_get(
+        self,
+        task: str,
+        fields: tuple[str, ...],
+        batch_size: int,
+        partition: str,
+        sampler: Sampler,
+        context: Mapping[str, Any],
+    ) -> tuple[list[Key], dict[str, list[Any]]] | None:
+        """Plan and consume a batch; ``None`` when not enough samples are ready yet.
+
+        Raises :class:`PartitionClosed` when the partition is closed and nothing more can
+        become ready for ``task``.
+        """
+        part = self._partition(partition)
+        share = sampler.share(context)
+        if share is not None and share.readers > 1:
+            entry = part.cache.get((task, *share.key))
+            if entry is not None:
+                if entry.fields != fields:
+                    raise ValueError(
+                        f"replica members asked for different fields ({list(entry.fields)} vs "
+                        f"{list(fields)}) for the same batch; ask for the same fields"
+                    )
+                entry.read.add(share.reader)
+                ids = [k for k in entry.parts[share.part] if k in part.samples]
+                rows = self._rows(part, ids, fields)
+                if len(entry.read) >= entry.readers:
+                    self._drop_entry(part, task, (task, *share.key))
+                return ids, rows
+        need = tuple(dict.fromkeys((*fields, *sampler.extra_fields)))
+        if part.closed:
+            missing = [f for f in need if not part.field_counts.get(f)]
+            if missing:
+                raise ValueError(
+                    f"no sample of closed partition {partition!r} has field(s) {missing} "
+                    f"(fields: {sorted(part.field_counts)}); ask for produced fields"
+                )
+        pending = part.task(task)
+        parts = sampler.plan(_View(part, pending, need), batch_size)
+        if parts is None or not any(parts):
+            if part.closed:
+                raise PartitionClosed(f"partition {partition!r} is closed and drained for {task!r}")
+            return None
+        consumed = part.consumed[task]
+        every = [k for p in parts for k in p]
+        for k in every:
+            del pending[k]
+            consumed.add(k)
+        self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
+        index = 0
+        if share is not None:
+            index = share.part
+            if share.readers > 1:
+                entry = _Entry(parts, fields, share.readers)
+                entry.read.add(share.reader)
+                part.cache[(task, *share.key)] = entry
+                for k in every:
+                    part.samples[k].pins += 1
+        ids = parts[index]
+        rows = self._rows(part, ids, fields)
+        self._evict(part, every)
+        return ids, rows
+
+    def _rows(self, part: _Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, list]:
+        return {f: [part.samples[k].fields[f] for k in ids] for f in fields}
+
+    def _drop_entry(self, part: _Partition, task: str, key: tuple[Any, ...]) -> None:
+        entry = part.cache.pop(key)
+        every = [k for p in entry.parts for k in p if k in part.samples]
+        for k in every:
+            part.samples[k].pins -= 1
+        self._evict(part, every)
+
+    def _evict(self, part: _Partition, keys: list[Key]) -> None:
+        tasks = self.options.tasks
+        if not tasks:
+            return
+        gone = [
+            k
+            for k in keys
+            if k in part.samples
+            and part.samples[k].pins == 0
+            and all(k in part.consumed.get(t, ()) for t in tasks)
+        ]
+        self._remove(part, gone)
+
+    def _remove(self, part: _Partition, keys: list[Key]) -> None:
+        for k in keys:
+            sample = part.samples.pop(k)
+            self.held -= 1
+            for f in sample.fields:
+                part.field_counts[f] -= 1
+            for task, pending in part.pending.items():
+                pending.pop(k, None)
+                part.consumed[task].discard(k)
+
+    # ----------------------------------------------------------------- admin
+    def reset_consumption(self, partition: str, task: str) -> None:
+        part = self._partition(partition)
+        for key in [c for c in part.cache if c[0] == task]:
+            self._drop_entry(part, task, key)
+        part.pending[task] = dict.fromkeys(part.samples)
+        part.consumed[task] = set()
+
+    def clear(self, partition: str) -> None:
+        part = self.partitions.pop(partition, None)
+        if part is not None:
+            self.held -= len(part.samples)
+
+    def delete(self, partition: str, ids: list[Key]) -> None:
+        part = self._partition(partition)
+        missing = [k for k in ids if k not in part.samples]
+        if missing:
+            raise ValueError(
+                f"partition {partition!r} holds no samples {missing[:10]}; delete ids that "
+                "exist (a sample dropped after all tasks consumed it is already gone)"
+            )
+        self._remove(part, list(dict.fromkeys(ids)))
+
+    def close(self, partition: str) -> None:
+        self._partition(partition).closed = True
+
+    def stats(self) -> dict[str, Any]:
+        parts = {}
+        held_bytes = remote = 0
+        for name, part in self.partitions.items():
+            held_bytes += sum(s.nbytes for s in part.samples.values())
+            remote += sum(s.remote for s in part.samples.values())
+            parts[name] = {
+                "samples": len(part.samples),
+                "fields": dict(part.field_counts),
+                "consumed": {t: len(c) for t, c in part.consumed.items()},
+                "closed": part.closed,
+                "cache_entries": len(part.cache),
+            }
+        return {
+            "produced": self.produced,
+            "held": self.held,
+            "consumed": dict(self.consumed_total),
+            "waiting_consumers": self.waiting_consumers,
+            "waiting_producers": self.waiting_producers,
+            "bytes_held": held_bytes,
+            "bytes_in_object_store": remote,
+            "cache_entries": sum(p["cache_entries"] for p in parts.values()),
+            "partitions": parts,
+        }

@@ -1,0 +1,287 @@
+"""The Ray backend: the store is an async Ray actor; clients in any process use the same API.
+
+The actor wraps one :class:`StoreCore` under an ``asyncio.Condition``: a blocked ``get`` is a
+suspended coroutine, so puts and other gets keep flowing, and it wakes on the next state change
+(no polling). Payloads of at least ``inline_bytes`` (tensors, arrays) are ``ray.put`` by the
+producing client and handed to the actor as references inside a :class:`Ref` (Ray resolves
+only top-level arguments), so the actor never holds their bytes. Ray ties an object to the
+process that put it (Ray >= 2.56 removed ``ray.put(_owner=...)``), so a producer process must
+outlive the consumption of its large samples: produce from actors or long-lived drivers, not
+from short tasks whose workers Ray may reap; the consuming client fetches them with one ``ray.get``. Small
+values travel inline. Errors raised in the actor (``ValueError``, ``TimeoutError``,
+``PartitionClosed``) are re-raised in the caller as themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+from meshfeed.queue import checkpoint
+from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
+from meshfeed.queue.samplers import Sampler
+
+Key = Hashable
+
+
+class _StoreActor:
+    """Runs inside the Ray actor process; every public method returns ``(ok, value)``."""
+
+    def __init__(self, options: dict[str, Any], meta: Any = None, payload: Any = None) -> None:
+        opts = StoreOptions.from_dict(options)
+        self.core = (
+            StoreCore(opts) if meta is None else checkpoint.restore(meta, payload, options=opts)
+        )
+        self._cond: asyncio.Condition | None = None
+
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:  # created inside the actor's event loop
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def _run(
+        self, attempt: Callable[[], Any], timeout: float | None, what: str, kind: str
+    ) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        async with self.cond:
+            try:
+                result = attempt()
+                if result is None:
+                    result = await self._wait(attempt, deadline, timeout, what, kind)
+                return True, result
+            except Exception as exc:  # re-raised by the client
+                return False, exc
+            finally:
+                self.cond.notify_all()
+
+    async def _wait(
+        self,
+        attempt: Callable[[], Any],
+        deadline: float | None,
+        timeout: float | None,
+        what: str,
+        kind: str,
+    ) -> Any:
+        setattr(self.core, kind, getattr(self.core, kind) + 1)
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"{what} timed out after {timeout}s; the store is unchanged and usable "
+                        "(retry, raise the timeout, or check that producers are running)"
+                    )
+                try:
+                    await asyncio.wait_for(self.cond.wait(), remaining)
+                except asyncio.TimeoutError:
+                    continue
+                result = attempt()
+                if result is not None:
+                    return result
+        finally:
+            setattr(self.core, kind, getattr(self.core, kind) - 1)
+
+    async def put(
+        self, partition: str, rows: Any, ids: Any, groups: Any, timeout: float | None
+    ) -> Any:
+        what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
+        return await self._run(
+            lambda: self.core.try_put(partition, rows, ids, groups),
+            timeout,
+            what,
+            "waiting_producers",
+        )
+
+    async def get(
+        self,
+        task: str,
+        fields: tuple[str, ...],
+        batch_size: int,
+        partition: str,
+        sampler: Sampler,
+        timeout: float | None,
+        context: dict[str, Any],
+    ) -> Any:
+        what = (
+            f"get of {batch_size} samples with {list(fields)} for task {task!r} from {partition!r}"
+        )
+        return await self._run(
+            lambda: self.core.try_get(task, fields, batch_size, partition, sampler, context),
+            timeout,
+            what,
+            "waiting_consumers",
+        )
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """An admin call that never waits: reset_consumption, clear, delete, close, stats."""
+
+        def attempt() -> Any:
+            out = getattr(self.core, name)(*args)
+            return (out,)  # never None, so _run does not wait
+
+        ok, value = await self._run(attempt, 0, name, "waiting_consumers")
+        return (ok, value[0]) if ok else (ok, value)
+
+    async def dump(self, with_payload: bool) -> Any:
+        return await self._run(
+            lambda: checkpoint.dump(self.core, with_payload=with_payload),
+            0,
+            "dump",
+            "waiting_consumers",
+        )
+
+    async def restore(self, meta: Any, payload: Any) -> Any:
+        def swap() -> bool:
+            old = self.core
+            self.core = checkpoint.restore(meta, payload, current=old, options=old.options)
+            self.core.waiting_consumers = old.waiting_consumers
+            self.core.waiting_producers = old.waiting_producers
+            return True
+
+        return await self._run(swap, 0, "restore", "waiting_consumers")
+
+    async def held_types(self) -> list[str]:
+        """Type names of every stored value (tests check large payloads stay references)."""
+        return sorted(
+            {
+                type(v).__name__
+                for p in self.core.partitions.values()
+                for s in p.samples.values()
+                for v in s.fields.values()
+            }
+        )
+
+
+class RayBackend:
+    """Client side of the Ray actor; picklable, so it can be sent to tasks and actors."""
+
+    def __init__(self, actor: Any, inline_bytes: int) -> None:
+        self.actor = actor
+        self.inline_bytes = inline_bytes
+
+    @classmethod
+    def create(
+        cls, options: StoreOptions, *, inline_bytes: int, meta: Any = None, payload: Any = None
+    ) -> RayBackend:
+        import ray
+
+        if not ray.is_initialized():
+            raise ValueError(
+                "SampleStore(backend='ray') needs a running Ray; call ray.init() first"
+            )
+        remote = ray.remote(num_cpus=0)(_StoreActor)
+        actor = remote.remote(options.to_dict())
+        backend = cls(actor, inline_bytes)
+        if meta is not None:
+            backend.restore(meta, payload)
+        return backend
+
+    def __reduce__(self) -> Any:
+        return (RayBackend, (self.actor, self.inline_bytes))
+
+    def _call(self, ref: Any) -> Any:
+        import ray
+
+        ok, value = ray.get(ref)
+        if not ok:
+            raise value
+        return value
+
+    def _wrap(self, value: Any) -> Any:
+        import ray
+
+        torch = sys.modules.get("torch")  # a tensor implies torch is imported already
+        if torch is not None and isinstance(value, torch.Tensor):
+            value = value.clone()  # pickling a view would ship its whole base storage
+        size = nbytes_of(value)
+        if size >= self.inline_bytes and hasattr(value, "shape"):
+            return Ref(ray.put(value), size)
+        return value
+
+    def _resolve(self, rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        import ray
+
+        refs = [v for col in rows.values() for v in col if isinstance(v, Ref)]
+        if not refs:
+            return rows
+        fetched = iter(ray.get([r.ref for r in refs]))
+        return {
+            f: [next(fetched) if isinstance(v, Ref) else v for v in col] for f, col in rows.items()
+        }
+
+    def put(
+        self,
+        partition: str,
+        rows: Mapping[str, list[Any]],
+        ids: Any,
+        groups: Any,
+        timeout: float | None,
+    ) -> list[Key]:
+        wrapped = {f: [self._wrap(v) for v in col] for f, col in rows.items()}
+        return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout))
+
+    def get(
+        self,
+        task: str,
+        fields: tuple[str, ...],
+        batch_size: int,
+        partition: str,
+        sampler: Sampler,
+        timeout: float | None,
+        context: Mapping[str, Any],
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        ids, rows = self._call(
+            self.actor.get.remote(
+                task, fields, batch_size, partition, sampler, timeout, dict(context)
+            )
+        )
+        return ids, self._resolve(rows)
+
+    def reset_consumption(self, partition: str, task: str) -> None:
+        self._call(self.actor.call.remote("reset_consumption", partition, task))
+
+    def clear(self, partition: str) -> None:
+        self._call(self.actor.call.remote("clear", partition))
+
+    def delete(self, partition: str, ids: list[Key]) -> None:
+        self._call(self.actor.call.remote("delete", partition, ids))
+
+    def close(self, partition: str) -> None:
+        self._call(self.actor.call.remote("close", partition))
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(self.actor.call.remote("stats"))
+
+    def dump(self, with_payload: bool) -> tuple[dict[str, Any], list[list[dict]]]:
+        meta, payload = self._call(self.actor.dump.remote(with_payload))
+        return meta, [self._resolve_rows(rows) for rows in payload]
+
+    def _resolve_rows(self, rows: list[dict]) -> list[dict]:
+        import ray
+
+        refs = [v for row in rows for v in row.values() if isinstance(v, Ref)]
+        fetched = iter(ray.get([r.ref for r in refs])) if refs else iter(())
+        return [
+            {f: next(fetched) if isinstance(v, Ref) else v for f, v in row.items()} for row in rows
+        ]
+
+    def restore(self, meta: Mapping[str, Any], payload: list[list[dict]] | None) -> None:
+        if payload is not None:
+            payload = [
+                [{f: self._wrap(v) for f, v in row.items()} for row in rows] for rows in payload
+            ]
+        self._call(self.actor.restore.remote(dict(meta), payload))
+
+    def held_types(self) -> list[str]:
+        import ray
+
+        return list(ray.get(self.actor.held_types.remote()))
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.kill(self.actor)

@@ -1,0 +1,351 @@
+"""Samplers: which ready samples one ``SampleStore.get`` hands out, and to whom.
+
+A sampler is a small, picklable policy object (it travels to the Ray actor with each call);
+all state (consumption, the shared-batch cache) lives in the store. ``plan`` sees the samples
+that are ready for the task, in production order, and returns the batch as one or more
+*parts*, or ``None`` to wait for more. ``share`` says whether several callers read the same
+plan: the first caller for a key plans and consumes, the others read the cached plan, and the
+cache entry is dropped once all ``readers`` have read it, so the cache stays bounded.
+
+- :class:`SequentialSampler`: the first ``batch_size`` ready samples.
+- :class:`GroupSampler`: whole groups only (GRPO: ``group_size`` responses per prompt).
+- :class:`RankAwareSampler`: the ranks of one data-replica group get the same batch for the
+  same ``(task, data rank, batch_index)``.
+- :class:`LengthBalancedSampler`: one global batch split across data ranks with balanced token
+  totals (Karmarkar-Karp), groups kept whole.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Key = Hashable
+
+__all__ = [
+    "GroupSampler",
+    "LengthBalancedSampler",
+    "RankAwareSampler",
+    "ReadyView",
+    "Sampler",
+    "SequentialSampler",
+    "Share",
+    "karmarkar_karp",
+]
+
+
+class ReadyView(Protocol):
+    """What a sampler may look at: the samples ready for the calling task."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def ready(self) -> Iterator[Key]: ...
+
+    def group(self, key: Key) -> Hashable | None: ...
+
+    def value(self, key: Key, field: str) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """Callers with the same ``key`` read one plan; ``reader`` reads ``parts[part]``."""
+
+    key: tuple[Any, ...]
+    reader: int
+    readers: int
+    part: int
+
+
+class Sampler(Protocol):
+    """The policy protocol ``SampleStore.get`` calls (under the store's lock)."""
+
+    @property
+    def extra_fields(self) -> tuple[str, ...]: ...
+
+    def share(self, context: Mapping[str, Any]) -> Share | None: ...
+
+    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None: ...
+
+
+def _batch_index(context: Mapping[str, Any], who: str) -> int:
+    index = context.get("batch_index")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(
+            f"{who} needs batch_index=<int >= 0> in get(...) (got batch_index={index!r}); "
+            "every replica member passes the same index for the same step"
+        )
+    return index
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low} (got {name}={value!r})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SequentialSampler:
+    """The first ``batch_size`` ready samples in production order (a shorter last batch
+    once the partition is closed)."""
+
+    extra_fields: tuple[str, ...] = ()
+
+    def share(self, context: Mapping[str, Any]) -> Share | None:
+        return None
+
+    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+        ids: list[Key] = []
+        for key in view.ready():
+            ids.append(key)
+            if len(ids) == batch_size:
+                return [ids]
+        return [ids] if view.closed and ids else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupSampler:
+    """Whole groups only: ``batch_size // group_size`` groups whose members are all ready.
+
+    Samples carry an explicit group id (``put(..., groups=...)``); a group is handed out once
+    all ``group_size`` members are ready, and never split. Groups still incomplete when the
+    partition closes are never handed out.
+    """
+
+    group_size: int
+    extra_fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_int("group_size", self.group_size, 1)
+
+    def share(self, context: Mapping[str, Any]) -> Share | None:
+        return None
+
+    def complete_groups(self, view: ReadyView, limit: int | None) -> list[list[Key]]:
+        """Complete groups in order of completion, at most ``limit`` of them."""
+        buckets: dict[Hashable, list[Key]] = {}
+        done: list[list[Key]] = []
+        for key in view.ready():
+            gid = view.group(key)
+            if gid is None:
+                raise ValueError(
+                    f"sample {key!r} has no group id but the sampler hands out whole groups; "
+                    "put it with groups=[...]"
+                )
+            bucket = buckets.setdefault(gid, [])
+            bucket.append(key)
+            if len(bucket) > self.group_size:
+                raise ValueError(
+                    f"group {gid!r} has more than group_size={self.group_size} ready samples "
+                    f"({bucket}); give each group exactly group_size samples"
+                )
+            if len(bucket) == self.group_size:
+                done.append(bucket)
+                if limit is not None and len(done) == limit:
+                    break
+        return done
+
+    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+        if batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size={batch_size} is not a multiple of group_size={self.group_size}; "
+                "a batch holds whole groups"
+            )
+        want = batch_size // self.group_size
+        groups = self.complete_groups(view, want)
+        if len(groups) == want or (view.closed and groups):
+            return [[k for g in groups for k in g]]
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankAwareSampler:
+    """The ranks of one data-replica group receive the same batch.
+
+    The first member asking for ``(task, data_rank, stream, batch_index)`` plans it with
+    ``inner``; the other ``replica_size - 1`` members read the cached plan, which is then
+    dropped. Build it with :meth:`from_mesh` and pass ``batch_index=`` (and ``stream=``, default
+    0, when one rank reads several independent streams, e.g. loader workers) to ``get``.
+    """
+
+    data_rank: int
+    replica_rank: int = 0
+    replica_size: int = 1
+    inner: SequentialSampler | GroupSampler = SequentialSampler()
+
+    def __post_init__(self) -> None:
+        _check_int("data_rank", self.data_rank, 0)
+        _check_int("replica_size", self.replica_size, 1)
+        _check_int("replica_rank", self.replica_rank, 0)
+        if self.replica_rank >= self.replica_size:
+            raise ValueError(
+                f"replica_rank={self.replica_rank} must be < replica_size={self.replica_size}"
+            )
+
+    @classmethod
+    def from_mesh(
+        cls, mesh: Any, rank: int, inner: SequentialSampler | GroupSampler | None = None
+    ) -> RankAwareSampler:
+        """The sampler for global ``rank`` of a :class:`meshfeed.DataMesh`."""
+        group = mesh.replica_group(rank)
+        return cls(
+            data_rank=mesh.data_rank(rank),
+            replica_rank=group.index(rank),
+            replica_size=len(group),
+            inner=inner if inner is not None else SequentialSampler(),
+        )
+
+    @property
+    def extra_fields(self) -> tuple[str, ...]:
+        return self.inner.extra_fields
+
+    def share(self, context: Mapping[str, Any]) -> Share | None:
+        index = _batch_index(context, "RankAwareSampler")
+        stream = context.get("stream", 0)  # one sequential stream per loader worker
+        return Share(
+            key=("rank", self.data_rank, stream, index),
+            reader=self.replica_rank,
+            readers=self.replica_size,
+            part=0,
+        )
+
+    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+        return self.inner.plan(view, batch_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LengthBalancedSampler:
+    """One global batch of ``batch_size * data_world_size`` samples split across data ranks.
+
+    Units (whole groups of ``group_size``, or single samples) are assigned with equal-count
+    Karmarkar-Karp on their token totals (``length_field``: an int, or anything with ``len``),
+    so every data rank gets ``batch_size`` samples and the token totals are close. All
+    ``data_world_size * replica_size`` ranks read one cached plan per ``batch_index``. After
+    close, a leftover batch with fewer units than data ranks is dropped so no rank gets an
+    empty batch.
+    """
+
+    length_field: str
+    data_rank: int
+    data_world_size: int
+    replica_rank: int = 0
+    replica_size: int = 1
+    group_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_int("data_world_size", self.data_world_size, 1)
+        _check_int("replica_size", self.replica_size, 1)
+        _check_int("group_size", self.group_size, 1)
+        _check_int("data_rank", self.data_rank, 0)
+        _check_int("replica_rank", self.replica_rank, 0)
+        if self.data_rank >= self.data_world_size or self.replica_rank >= self.replica_size:
+            raise ValueError(
+                f"data_rank={self.data_rank} must be < data_world_size={self.data_world_size} "
+                f"and replica_rank={self.replica_rank} < replica_size={self.replica_size}"
+            )
+        if not isinstance(self.length_field, str) or not self.length_field:
+            raise ValueError(f"length_field must be a field name (got {self.length_field!r})")
+
+    @classmethod
+    def from_mesh(
+        cls, mesh: Any, rank: int, *, length_field: str, group_size: int = 1
+    ) -> LengthBalancedSampler:
+        group = mesh.replica_group(rank)
+        return cls(
+            length_field=length_field,
+            data_rank=mesh.data_rank(rank),
+            data_world_size=mesh.data_world_size,
+            replica_rank=group.index(rank),
+            replica_size=len(group),
+            group_size=group_size,
+        )
+
+    @property
+    def extra_fields(self) -> tuple[str, ...]:
+        return (self.length_field,)
+
+    def share(self, context: Mapping[str, Any]) -> Share | None:
+        index = _batch_index(context, "LengthBalancedSampler")
+        return Share(
+            key=("balanced", index),
+            reader=self.data_rank * self.replica_size + self.replica_rank,
+            readers=self.data_world_size * self.replica_size,
+            part=self.data_rank,
+        )
+
+    def _length(self, view: ReadyView, key: Key) -> int:
+        value = view.value(key, self.length_field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value)
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            return int(value.item())
+        try:
+            return len(value)
+        except TypeError:
+            raise ValueError(
+                f"length field {self.length_field!r} of sample {key!r} is {type(value).__name__}; "
+                "store an int token count or a sequence of tokens"
+            ) from None
+
+    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+        if batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size={batch_size} is not a multiple of group_size={self.group_size}; "
+                "each data rank receives whole groups"
+            )
+        want = self.data_world_size * batch_size // self.group_size
+        units: list[list[Key]] = []
+        if self.group_size == 1:  # single samples need no group id
+            for key in view.ready():
+                units.append([key])
+                if len(units) == want:
+                    break
+        else:
+            units = GroupSampler(group_size=self.group_size).complete_groups(view, want)
+        if len(units) < want and not (view.closed and len(units) >= self.data_world_size):
+            return None
+        weights = [sum(self._length(view, k) for k in unit) for unit in units]
+        equal = len(units) % self.data_world_size == 0
+        parts = karmarkar_karp(weights, self.data_world_size, equal_size=equal)
+        return [[k for u in sorted(part) for k in units[u]] for part in parts]
+
+
+def karmarkar_karp(
+    weights: Sequence[float], k: int, *, equal_size: bool = False
+) -> list[list[int]]:
+    """Split indices of ``weights`` into ``k`` parts with close sums (largest differencing).
+
+    With ``equal_size`` every part gets ``len(weights) // k`` items (``len`` must divide by
+    ``k``). Deterministic: ties break on insertion order. Parts come back sorted by their
+    smallest index. Cost O(n log n * k).
+    """
+    n = len(weights)
+    if k < 1:
+        raise ValueError(f"k must be >= 1 (got {k=})")
+    if equal_size and n % k:
+        raise ValueError(f"equal_size needs len(weights) divisible by k (got {n=}, {k=})")
+    order = sorted(range(n), key=lambda i: (weights[i], i))
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    counter = 0
+
+    def push(parts: list[tuple[float, list[int]]]) -> None:
+        nonlocal counter
+        parts.sort(key=lambda p: (-p[0], p[1]))
+        heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), counter, parts))
+        counter += 1
+
+    if equal_size:
+        for off in range(0, n, k):
+            push([(float(weights[i]), [i]) for i in order[off : off + k]])
+    else:
+        for i in order:
+            push([(float(weights[i]), [i])] + [(0.0, []) for _ in range(k - 1)])
+    if not heap:
+        return [[] for _ in range(k)]
+    while len(heap) > 1:
+        a = heapq.heappop(heap)[2]
+        b = heapq.heappop(heap)[2]
+        push([(a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)])
+    parts = [sorted(items) for _, items in heap[0][2]]
+    return sorted(parts, key=lambda p: (p[0] if p else n, len(p)))

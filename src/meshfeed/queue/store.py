@@ -1,0 +1,301 @@
+"""SampleStore: the streaming sample store for RL post-training.
+
+Producers (rollout workers, reward models, ...) ``put`` fields of samples into named
+partitions in any order; each consuming task ``get``s batches of samples whose requested
+fields all exist and that the task has not consumed yet. Waiting is event-driven, ``capacity``
+applies backpressure to ``put``, and ``save`` / ``SampleStore.load`` checkpoint atomically.
+
+>>> store = SampleStore()
+>>> store.put("train@step_0", {"prompt": ["a", "b"]})
+[0, 1]
+>>> store.put("train@step_0", {"reward": [1.0, 0.5]}, ids=[1, 0])
+[1, 0]
+>>> batch = store.get("actor", ["prompt", "reward"], 2, "train@step_0")
+>>> batch.ids, batch["reward"]
+([0, 1], [0.5, 1.0])
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshfeed.queue import checkpoint
+from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.embedded import EmbeddedBackend
+from meshfeed.queue.samplers import Sampler, SequentialSampler
+
+Key = Hashable
+_SEQUENTIAL = SequentialSampler()
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The samples one ``get`` returned: ``ids`` and one column per requested field.
+
+    A column is a stacked ``torch.Tensor`` / ``np.ndarray`` when every value is a tensor /
+    array of one shape and dtype, else a list of the values.
+    """
+
+    ids: list[Key]
+    columns: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.columns[name]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.columns)
+
+
+def _torch() -> Any:
+    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
+    # workers and actors that never see one.
+    return sys.modules.get("torch")
+
+
+def collate(values: list[Any]) -> Any:
+    """Stack equal-shape tensors or arrays; anything else stays a list."""
+    torch = _torch()
+    if values and torch is not None and all(isinstance(v, torch.Tensor) for v in values):
+        first = values[0]
+        if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
+            return torch.stack(values)
+    elif values and all(isinstance(v, np.ndarray) for v in values):
+        first = values[0]
+        if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
+            return np.stack(values)
+    return list(values)
+
+
+def _rows(column: Any, name: str) -> list[Any]:
+    torch = _torch()
+    if isinstance(column, np.ndarray) or (torch is not None and isinstance(column, torch.Tensor)):
+        if column.ndim == 0:
+            raise ValueError(
+                f"field {name!r} is a 0-d {type(column).__name__}; give a column with one "
+                "entry per sample (shape [n, ...])"
+            )
+        return list(column) if isinstance(column, np.ndarray) else list(column.unbind(0))
+    if isinstance(column, list | tuple):
+        return list(column)
+    raise TypeError(
+        f"field {name!r} is a {type(column).__name__}; give a column per field: a list, "
+        "tuple, tensor or array with one entry per sample"
+    )
+
+
+def _check_key(value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
+
+
+class SampleStore:
+    """A store of samples, field by field, consumed per task; see the module docstring.
+
+    ``backend``: ``"embedded"`` (in-process, thread-safe) or ``"ray"`` (a Ray actor; the store
+    object can be passed to Ray tasks and actors). ``capacity``: most samples held at once; a
+    ``put`` of new samples beyond it waits for space. ``fields``: if given, the only field
+    names allowed. ``tasks``: if given, a sample is dropped once all these tasks consumed it
+    (otherwise samples stay until ``delete`` / ``clear``). ``inline_bytes`` (Ray): values at
+    least this large travel through Ray's object store.
+    """
+
+    def __init__(
+        self,
+        backend: str = "embedded",
+        capacity: int | None = None,
+        *,
+        fields: Sequence[str] | None = None,
+        tasks: Sequence[str] | None = None,
+        inline_bytes: int = 64 * 1024,
+        _meta: Any = None,
+        _payload: Any = None,
+    ) -> None:
+        options = StoreOptions(
+            capacity=capacity,
+            fields=None if fields is None else tuple(fields),
+            tasks=None if tasks is None else tuple(tasks),
+        )
+        self.options = options
+        self._backend: Any
+        if backend == "embedded":
+            core = None if _meta is None else checkpoint.restore(_meta, _payload, options=options)
+            self._backend = EmbeddedBackend(options, core)
+        elif backend == "ray":
+            from meshfeed.queue.ray_backend import RayBackend
+
+            self._backend = RayBackend.create(
+                options, inline_bytes=inline_bytes, meta=_meta, payload=_payload
+            )
+        else:
+            raise ValueError(f"backend={backend!r} is unknown; use 'embedded' or 'ray'")
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"SampleStore(backend={self.backend!r}, capacity={self.options.capacity})"
+
+    # ----------------------------------------------------------------- validation
+    def _names(self, names: Any, what: str) -> tuple[str, ...]:
+        if isinstance(names, str) or not isinstance(names, Sequence | Mapping) or not names:
+            raise TypeError(f"{what} must be a non-empty list of field names (got {names!r})")
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"field names must be non-empty strings (got {name!r} in {what})")
+        allowed = self.options.fields
+        if allowed is not None:
+            unknown = [n for n in names if n not in allowed]
+            if unknown:
+                raise ValueError(
+                    f"unknown field(s) {unknown} in {what}; this store allows {list(allowed)}"
+                )
+        return tuple(names)
+
+    @staticmethod
+    def _partition(partition: Any) -> str:
+        if not isinstance(partition, str) or not partition:
+            raise TypeError(f"partition must be a non-empty string (got {partition!r})")
+        return partition
+
+    # ----------------------------------------------------------------- data path
+    def put(
+        self,
+        partition: str,
+        fields: Mapping[str, Any],
+        ids: Sequence[Key] | None = None,
+        *,
+        groups: Sequence[Hashable] | Hashable | None = None,
+        timeout: float | None = None,
+    ) -> list[Key]:
+        """Store ``fields`` (name -> column of one entry per sample) for samples ``ids``.
+
+        New ids create samples (``ids=None``: fresh consecutive ints); existing ids gain the
+        given fields (each field of a sample is produced once). ``groups``: one group id per
+        sample (or one for all) for group samplers. Waits while the store is at capacity;
+        ``TimeoutError`` after ``timeout`` seconds. Returns the ids.
+        """
+        partition = self._partition(partition)
+        if not isinstance(fields, Mapping):
+            raise TypeError(
+                f"fields must be a mapping of name -> column (got {type(fields).__name__})"
+            )
+        self._names(list(fields), "put fields")
+        rows = {name: _rows(col, name) for name, col in fields.items()}
+        lengths = {name: len(r) for name, r in rows.items()}
+        n = next(iter(lengths.values()))
+        if len(set(lengths.values())) != 1 or n == 0:
+            raise ValueError(
+                f"put columns must all hold the same, non-zero number of samples "
+                f"(got lengths {lengths}); give one entry per sample in every field"
+            )
+        id_list: list[Key] | None = None
+        if ids is not None:
+            id_list = list(ids)
+            if len(id_list) != n:
+                raise ValueError(
+                    f"put got {len(id_list)} ids for {n} samples; give one id per sample"
+                )
+            for k in id_list:
+                _check_key(k, "a sample id")
+            if len(set(id_list)) != n:
+                raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
+        group_list: list[Hashable] | None = None
+        if groups is not None:
+            group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
+            if len(group_list) != n:
+                raise ValueError(
+                    f"put got {len(group_list)} groups for {n} samples; give one per sample"
+                )
+            for g in group_list:
+                _check_key(g, "a group id")
+        return self._backend.put(partition, rows, id_list, group_list, timeout)
+
+    def get(
+        self,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        partition: str,
+        sampler: Sampler | None = None,
+        timeout: float | None = None,
+        **context: Any,
+    ) -> Batch:
+        """The next batch for ``task``: samples with every field in ``fields`` present, not yet
+        consumed by ``task``; they are marked consumed for it.
+
+        Waits (without polling) until the sampler can form a batch; ``TimeoutError`` after
+        ``timeout`` seconds (the store stays usable). Once the partition is closed, the rest
+        comes as a shorter batch, then :class:`PartitionClosed`. ``context`` goes to the sampler
+        (e.g. ``batch_index=`` for rank-aware samplers).
+        """
+        if not isinstance(task, str) or not task:
+            raise TypeError(f"task must be a non-empty string (got {task!r})")
+        names = self._names(fields, "get fields")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None (got {timeout=})")
+        partition = self._partition(partition)
+        chosen = sampler if sampler is not None else _SEQUENTIAL
+        ids, rows = self._backend.get(task, names, batch_size, partition, chosen, timeout, context)
+        return Batch(ids, {name: collate(rows[name]) for name in names})
+
+    # ----------------------------------------------------------------- admin
+    def reset_consumption(self, partition: str, task: str) -> None:
+        """Make every held sample of ``partition`` unconsumed again for ``task``."""
+        self._backend.reset_consumption(self._partition(partition), task)
+
+    def clear(self, partition: str) -> None:
+        """Drop the partition: its samples, consumption and closed flag."""
+        self._backend.clear(self._partition(partition))
+
+    def delete(self, partition: str, ids: Sequence[Key]) -> None:
+        """Drop samples ``ids`` of ``partition`` (freeing capacity)."""
+        self._backend.delete(self._partition(partition), list(ids))
+
+    def close(self, partition: str) -> None:
+        """No more puts to ``partition``; consumers drain what is ready, then stop."""
+        self._backend.close(self._partition(partition))
+
+    def stats(self) -> dict[str, Any]:
+        """``produced``, ``held``, ``consumed`` per task, ``waiting_consumers``,
+        ``waiting_producers``, ``bytes_held`` (in the store), ``bytes_in_object_store`` (Ray),
+        ``cache_entries`` and per-partition details."""
+        return self._backend.stats()
+
+    def shutdown(self) -> None:
+        """Release the backend (kills the Ray actor); the store is unusable afterwards."""
+        self._backend.shutdown()
+
+    # ----------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Consumption state as a JSON-serialisable dict (no payload); see ``save`` for data."""
+        return self._backend.dump(with_payload=False)[0]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore consumption over the same samples (e.g. a store rebuilt from the same puts)."""
+        self._backend.restore(state, None)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write samples, fields and consumption to ``path`` atomically (temp file + rename)."""
+        meta, payload = self._backend.dump(with_payload=True)
+        checkpoint.write_checkpoint(path, meta, payload)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], *, backend: str = "embedded", **kwargs: Any
+    ) -> SampleStore:
+        """A store restored from ``save(path)``; it continues with nothing lost or repeated."""
+        meta, payload = checkpoint.read_checkpoint(path)
+        opts = meta["options"]
+        kwargs.setdefault("capacity", opts["capacity"])
+        kwargs.setdefault("fields", opts["fields"])
+        kwargs.setdefault("tasks", opts["tasks"])
+        return cls(backend, _meta=meta, _payload=payload, **kwargs)
