@@ -3,15 +3,23 @@
 A :class:`Fetcher` is the only code that runs where the data is (the main process, a worker
 process or a Ray actor). The happy path is one call per batch: ``fetch_batch(indices)`` when
 the dataset offers it (already collated), else ``__getitems__`` (torch's protocol), else one
-``__getitem__`` per index; then collate. Only when that raises does it fall back to fetching
-item by item with ``__getitem__`` and the collate function (so ``fetch_batch(idx)`` must equal
-collating ``[ds[i] for i in idx]``), so on the happy path a healthy sample is read once.
+``__getitem__`` per index; then collate.
+
+Each sample is read once. ``__getitems__`` may report a bad item in place, without failing the
+batch: ``None`` is a rejection (e.g. a filter) and a :class:`Failed` wrapping the exception is
+a failure; only those items are re-read (failures only: with ``__getitem__``, up to
+``max_retries`` times) or replaced, the healthy items of the batch are kept. Only when the
+whole batch call raises does the fetcher fall back to reading item by item with
+``__getitem__`` (so ``fetch_batch(idx)`` must equal collating ``[ds[i] for i in idx]``), which
+reads the items before the failure a second time; datasets that can fail per item should
+report in place instead.
 
 A bad sample (it raises, or returns None) is retried up to ``max_retries`` times (None is a
-deterministic rejection, e.g. a filter, and is not retried), then handled by ``on_error``:
-``"raise"``, ``"skip"`` (the batch is one shorter) or ``"substitute"``: index
-``derive_seed(seed, epoch, position, attempt) % len(dataset)`` takes its place. The substitute
-depends only on the sample's global position, so every rank, worker and resume agrees.
+deterministic rejection and is not retried), then handled by ``on_error``: ``"raise"`` (a
+:class:`SampleError` naming the index and position), ``"skip"`` (the batch is one shorter) or
+``"substitute"``: index ``derive_seed(op, seed, epoch, position, attempt) % len(dataset)``
+takes its place. The substitute depends only on the sample's global position, so every rank,
+worker and resume agrees.
 """
 
 from __future__ import annotations
@@ -60,7 +68,19 @@ class FetchEvents:
         return bool(self.retries or self.substituted or self.skipped or self.failures)
 
 
-_MISSING = object()
+_MISSING = object()  # a sample that is rejected or failed for good
+_UNREAD = object()  # a sample the batch call did not deliver: read it with __getitem__
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """What ``__getitems__`` puts in place of an item that raised, to keep the rest of the batch.
+
+    The fetcher treats it exactly like ``__getitem__`` raising ``error`` (retry, then policy),
+    without re-reading the healthy items of the batch.
+    """
+
+    error: BaseException
 
 
 class Fetcher:
@@ -101,14 +121,7 @@ class Fetcher:
         )
         events = FetchEvents()
         with fetching(info):
-            try:
-                batch = self._fetch_whole(task.indices)
-            except _Rejected:
-                batch = self._fetch_carefully(task, events)
-            except Exception:
-                if self.on_error == "raise" and self.max_retries == 0:
-                    raise
-                batch = self._fetch_carefully(task, events)
+            batch = self._fetch(task, events)
             if self.postprocess is not None:
                 batch = self.postprocess(batch, step=task.step)
         return batch, events
@@ -117,37 +130,59 @@ class Fetcher:
     def _collate(self, items: list[Any]) -> Any:
         return (self.collate_fn or default_collate)(items)
 
-    def _fetch_whole(self, indices: np.ndarray) -> Any:
+    def _fetch(self, task: FetchTask, events: FetchEvents) -> Any:
         ds = self.dataset
+        indices = task.indices.tolist()
         fetch_batch = getattr(ds, "fetch_batch", None)
         if fetch_batch is not None and self.collate_fn is None:
-            return fetch_batch(indices)
+            try:
+                return fetch_batch(task.indices)
+            except Exception:
+                return self._repair(task, [_UNREAD] * len(indices), events)
         getitems = getattr(ds, "__getitems__", None)
-        items = (
-            getitems(indices.tolist())
-            if getitems is not None
-            else [ds[i] for i in indices.tolist()]
-        )
-        if any(item is None for item in items):
-            raise _Rejected()
+        if getitems is None:
+            # Per item from the start: a failure costs nothing extra and nothing is read twice.
+            return self._repair(task, [_UNREAD] * len(indices), events)
+        try:
+            items = list(getitems(indices))
+        except Exception:
+            return self._repair(task, [_UNREAD] * len(indices), events)
+        if len(items) != len(indices):
+            raise ValueError(
+                f"{type(ds).__name__}.__getitems__ returned {len(items)} items for "
+                f"{len(indices)} indices; return exactly one item (or None / Failed) per index"
+            )
+        if any(item is None or isinstance(item, Failed) for item in items):
+            return self._repair(task, items, events)
         return self._collate(items)
 
-    def _try(self, index: int, position: int, events: FetchEvents, attempt: int) -> Any:
-        """One sample after up to ``max_retries`` retries, or _MISSING (recorded in events)."""
+    def _try(
+        self, index: int, position: int, events: FetchEvents, attempt: int, first: Any = _UNREAD
+    ) -> Any:
+        """One sample after up to ``max_retries`` retries, or _MISSING (recorded in events).
+
+        ``first`` is the outcome a batch call already delivered (an item, None or Failed);
+        it counts as the first attempt, so a healthy item is never read twice.
+        """
         error: BaseException | None = None
         item: Any = _MISSING
         for retry in range(self.max_retries + 1):
             if retry:
                 events.retries += 1
-            try:
-                item = self.dataset[index]
-            except Exception as exc:  # a bad sample: any exception the dataset raises
-                error = exc
+            if retry == 0 and first is not _UNREAD:
+                outcome = first
+            else:
+                try:
+                    outcome = self.dataset[index]
+                except Exception as exc:  # a bad sample: any exception the dataset raises
+                    outcome = Failed(exc)
+            if isinstance(outcome, Failed):
+                error = outcome.error
                 continue
             error = None
-            if item is None:
-                item = _MISSING  # a deterministic rejection (a filter): retrying cannot help
-            break
+            if outcome is not None:
+                item = outcome
+            break  # an item, or a deterministic rejection (None) that retrying cannot change
         if item is _MISSING and len(events.failures) < MAX_REPORTED_FAILURES:
             kind, message = (type(error).__name__, str(error)) if error else ("Rejected", "None")
             events.failures.append(
@@ -159,7 +194,12 @@ class Fetcher:
                     "message": message[:200],
                 }
             )
-        if error is not None and self.on_error == "raise":
+        if item is _MISSING and self.on_error == "raise":
+            if error is None:
+                raise SampleError(
+                    f"sample {index} (epoch position {position}) was rejected (returned None); "
+                    "use on_error='substitute' or 'skip' to replace or drop rejected samples"
+                )
             raise SampleError(
                 f"sample {index} (epoch position {position}) failed after "
                 f"{self.max_retries + 1} attempt(s): {type(error).__name__}: {error}; use "
@@ -168,15 +208,16 @@ class Fetcher:
             ) from error
         return item
 
-    def _fetch_carefully(self, task: FetchTask, events: FetchEvents) -> Any:
+    def substitute_index(self, epoch: int, position: int, attempt: int) -> int:
+        """The index that replaces the sample at ``position`` on its ``attempt``-th substitution."""
+        return derive_seed(_SUBSTITUTE_OP, self.seed, epoch, position, attempt) % self.length
+
+    def _repair(self, task: FetchTask, delivered: list[Any], events: FetchEvents) -> Any:
         items: list[Any] = []
-        for index, position in zip(task.indices.tolist(), task.positions.tolist(), strict=True):
-            item = self._try(index, position, events, attempt=0)
-            if item is _MISSING and self.on_error == "raise":
-                raise SampleError(
-                    f"sample {index} (epoch position {position}) was rejected (returned None); "
-                    "use on_error='substitute' or 'skip' to replace or drop rejected samples"
-                )
+        for index, position, first in zip(
+            task.indices.tolist(), task.positions.tolist(), delivered, strict=True
+        ):
+            item = self._try(index, position, events, 0, first)
             attempt = 0
             while item is _MISSING and self.on_error == "substitute":
                 attempt += 1
@@ -186,10 +227,7 @@ class Fetcher:
                         f"{_MAX_SUBSTITUTE_ATTEMPTS} substitutes all failed; the dataset is "
                         f"broken, not a few samples (first failures: {events.failures})"
                     )
-                sub = (
-                    derive_seed(_SUBSTITUTE_OP, self.seed, task.epoch, position, attempt)
-                    % self.length
-                )
+                sub = self.substitute_index(task.epoch, position, attempt)
                 item = self._try(sub, position, events, attempt)
             if item is _MISSING:
                 events.skipped += 1
@@ -203,7 +241,3 @@ class Fetcher:
                 "use on_error='substitute' so that batches keep their size"
             )
         return self._collate(items)
-
-
-class _Rejected(Exception):
-    """A sample returned None inside a batched fetch."""

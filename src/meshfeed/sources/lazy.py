@@ -1,0 +1,189 @@
+"""LazyDataset: per-item preprocessing recorded now, run at fetch time where the data is.
+
+``LazyDataset(source).map(fn).filter(pred).encode(tokenizer)`` records the operations; each
+call returns a new, immutable LazyDataset. ``ds[i]`` reads ``source[i]`` and applies them, in
+the process that fetches the batch (a worker process or a Ray actor), so nothing is
+preprocessed twice or ahead of time. It is map-style (``len`` is the source's), so it shuffles,
+shards, resumes and mixes (as a :class:`~meshfeed.Mixture` source) like any other dataset.
+
+- A ``filter`` that rejects an item, or a ``map`` that returns None, makes ``ds[i]`` return
+  None: the loader then substitutes a deterministic replacement (``on_error``), so every rank
+  still takes the same number of steps with full batches.
+- ``random_map(fn)`` calls ``fn(item, rng)`` with a numpy Generator keyed on the loader's
+  ``(seed, epoch, index)`` (:func:`meshfeed.sample_rng`): the same on every rank, worker and
+  resume. Outside a loader fetch the key uses seed 0, epoch 0. The j-th ``random_map`` of a
+  chain uses its own stream.
+- ``__getitems__`` reads the source in one batched call when the source supports it and
+  reports an item whose operation raised as :class:`~meshfeed.fetch.Failed`, so the rest of
+  the batch is kept and no sample is read twice.
+- Functions must be picklable for ``spawn`` workers and Ray (module-level functions or
+  ``functools.partial``); with the default ``fork`` workers lambdas work too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from meshfeed.fetch import Failed
+from meshfeed.order.permutation import derive_seed
+from meshfeed.rng import fetch_info, sample_rng
+from meshfeed.state import dataset_fingerprint
+
+__all__ = ["LazyDataset"]
+
+_RANDOM_OP = 0x524D
+
+
+class _Encode:
+    """Tokenise text with ``tokenizer`` (``.encode(text)`` or ``tokenizer(text)["input_ids"]``)."""
+
+    def __init__(self, tokenizer: Any, field: str, output: str) -> None:
+        self.tokenizer, self.field, self.output = tokenizer, field, output
+
+    def _ids(self, text: Any) -> np.ndarray:
+        tok = self.tokenizer
+        ids = tok.encode(text) if hasattr(tok, "encode") else tok(text)
+        if isinstance(ids, Mapping):
+            ids = ids["input_ids"]
+        return np.asarray(ids, dtype=np.int64)
+
+    def __call__(self, item: Any) -> Any:
+        if isinstance(item, (str, bytes)):
+            return self._ids(item)
+        if isinstance(item, Mapping):
+            if self.field not in item:
+                raise KeyError(
+                    f"encode(field={self.field!r}) found no such key in an item with keys "
+                    f"{sorted(map(str, item))}; pass the text field as encode(..., field=...)"
+                )
+            return {**item, self.output: self._ids(item[self.field])}
+        raise TypeError(
+            f"encode() needs a str or a dict with a {self.field!r} field (got "
+            f"{type(item).__name__}); map the item to text first"
+        )
+
+    def __repr__(self) -> str:
+        return f"encode({type(self.tokenizer).__name__}, field={self.field!r})"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class LazyDataset:
+    """A map-style dataset whose items are transformed at fetch time (see the module docstring).
+
+    >>> ds = LazyDataset(range(10)).map(lambda x: x * 10).filter(lambda x: x % 20 == 0)
+    >>> len(ds), ds[2], ds[3]
+    (10, 20, None)
+    """
+
+    __slots__ = ("_ops", "source")
+    source: Any
+    _ops: tuple[tuple[str, Any], ...]
+
+    def __init__(self, source: Any, _ops: tuple[tuple[str, Any], ...] = ()) -> None:
+        if isinstance(source, LazyDataset):
+            source, _ops = source.source, source._ops + _ops
+        if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
+            raise TypeError(
+                f"LazyDataset needs a map-style source with __len__ and __getitem__ (got "
+                f"{type(source).__name__}); wrap streams with meshfeed.sources.ShardedStream"
+            )
+        self.source = source
+        self._ops = _ops
+
+    # ------------------------------------------------------------------ recording
+    def _with(self, kind: str, fn: Any) -> LazyDataset:
+        if not callable(fn):
+            raise TypeError(f"{kind}() needs a callable (got {fn!r})")
+        return LazyDataset(self.source, (*self._ops, (kind, fn)))
+
+    def map(self, fn: Callable[[Any], Any]) -> LazyDataset:
+        """Apply ``fn(item)``; returning None rejects the item (it is substituted)."""
+        return self._with("map", fn)
+
+    def filter(self, pred: Callable[[Any], bool]) -> LazyDataset:
+        """Keep items where ``pred(item)`` is true; the others are substituted by the loader."""
+        return self._with("filter", pred)
+
+    def random_map(self, fn: Callable[[Any, np.random.Generator], Any]) -> LazyDataset:
+        """Apply ``fn(item, rng)`` with ``rng`` keyed on the loader's (seed, epoch, index)."""
+        return self._with("random_map", fn)
+
+    def encode(
+        self, tokenizer: Any, *, field: str = "text", output: str = "input_ids"
+    ) -> LazyDataset:
+        """Tokenise: a str item becomes an int64 array; a dict gains ``output`` from ``field``."""
+        if not (hasattr(tokenizer, "encode") or callable(tokenizer)):
+            raise TypeError(
+                f"encode() needs a tokenizer with .encode(text) or a callable (got {tokenizer!r})"
+            )
+        return self._with("map", _Encode(tokenizer, field, output))
+
+    @property
+    def ops(self) -> list[str]:
+        """The recorded operations, in order (for logs and fingerprints)."""
+        return [f"{kind}({_name(fn)})" for kind, fn in self._ops]
+
+    def __repr__(self) -> str:
+        chain = "".join(f".{op}" for op in self.ops)
+        return f"LazyDataset({type(self.source).__name__}[{len(self.source)}]){chain}"
+
+    # ------------------------------------------------------------------ map-style access
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def _apply(self, index: int, item: Any) -> Any:
+        random_ops = 0
+        for kind, fn in self._ops:
+            if item is None:
+                return None
+            if kind == "map":
+                item = fn(item)
+            elif kind == "filter":
+                if not fn(item):
+                    return None
+            else:
+                key = index if random_ops == 0 else derive_seed(_RANDOM_OP, random_ops, index)
+                random_ops += 1
+                item = fn(item, _rng(key))
+        return item
+
+    def __getitem__(self, index: int) -> Any:
+        index = int(index)
+        return self._apply(index, self.source[index])
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        out: list[Any] = []
+        getitems = getattr(self.source, "__getitems__", None)
+        if getitems is None:
+            for index in indices:
+                try:
+                    out.append(self[index])
+                except Exception as exc:  # one bad item must not cost the rest of the batch
+                    out.append(Failed(exc))
+            return out
+        raw = getitems(indices)
+        for index, item in zip(indices, raw, strict=True):
+            try:
+                out.append(self._apply(int(index), item))
+            except Exception as exc:  # one bad item must not cost the rest of the batch
+                out.append(Failed(exc))
+        return out
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(dataset_fingerprint(self.source).encode(), digest_size=8)
+        h.update(";".join(self.ops).encode())
+        return f"lazy:{len(self)}:{h.hexdigest()}"
+
+
+def _rng(key: int) -> np.random.Generator:
+    if fetch_info() is None:
+        return sample_rng(key, seed=0, epoch=0)
+    return sample_rng(key)

@@ -1,0 +1,406 @@
+"""Weighted mixtures of map-style sources with a low-discrepancy, arithmetic interleave.
+
+``Mixture(sources, weights, seed=...)`` is a map-style dataset over the concatenation of its
+sources (``len`` = sum of source lengths; index ``i`` routes to the source that holds it) and it
+supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order``:
+
+- The mixture stream is infinite; loader epoch ``e`` covers stream positions
+  ``[e * samples_per_epoch, (e + 1) * samples_per_epoch)``. ``samples_per_epoch`` defaults to
+  the sum of the source lengths rounded down to a whole number of global batches.
+- Stream position ``g`` belongs to source ``source_of(g)``. In every prefix of the stream each
+  source's count is within +-1 of its share (strictly: between ``floor`` and ``ceil`` of
+  ``n * share``). The interleave is periodic with period ``M`` (the common denominator of the
+  normalised weights): one period is built once by the Balinski-Young quota method (the one
+  house-monotone apportionment that always stays within quota; divisor rules such as
+  Webster's do not), and any position is then answered in O(1) from ``g // M`` and ``g % M``.
+  Memory is O(M), never O(stream length). Weights are made rational with denominators up to
+  10**6 (so 0.3 means 3/10); when the common denominator exceeds ``MAX_PERIOD`` the shares are
+  rounded to multiples of ``1 / MAX_PERIOD`` (see :attr:`Mixture.shares`).
+- The ``k``-th draw from source ``s`` reads element ``k % len_s`` of a fresh permutation of that
+  source for source epoch ``k // len_s``: each source is reshuffled with its own epoch when it
+  is exhausted, independently of the others and of the loader epoch.
+- Weights may change from a given global step on: pass ``weights={0: {...}, 1000: {...}}`` or
+  call ``reweight(step, weights)`` before iterating. Step ``t`` starts at stream position
+  ``t * global_batch_size``; counts carry over arithmetically from the previous segment, so a
+  resume across a change is exact. The schedule is part of the fingerprint and of
+  ``describe`` (``loader.state_dict()["order"]``), with the per-source consumption.
+- A substitute for a bad sample (see ``on_error``) is drawn from the whole concatenated index
+  space, not per source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.state import dataset_fingerprint
+
+__all__ = ["MAX_PERIOD", "Mixture", "MixtureOrder", "interleave_period"]
+
+#: Largest interleave period; beyond it the shares are rounded to multiples of 1 / MAX_PERIOD.
+MAX_PERIOD = 1 << 16
+_MIX_OP = 0x4D49
+
+
+def _quotas(weights: list[float]) -> list[int]:
+    """Integer quotas ``q`` (sum = period) proportional to ``weights``."""
+    fracs = [Fraction(w).limit_denominator(10**6) for w in weights]
+    total = sum(fracs, Fraction(0))
+    shares = [f / total for f in fracs]
+    period = math.lcm(*(s.denominator for s in shares))
+    if period <= MAX_PERIOD:
+        return [int(s * period) for s in shares]
+    # Largest remainder over MAX_PERIOD (deterministic tie-break by source order).
+    raw = [s * MAX_PERIOD for s in shares]
+    q = [math.floor(r) for r in raw]
+    order = sorted(range(len(q)), key=lambda i: (-(raw[i] - q[i]), i))
+    for i in order[: MAX_PERIOD - sum(q)]:
+        q[i] += 1
+    return q
+
+
+def interleave_period(quotas: list[int]) -> np.ndarray:
+    """One period of the quota-method interleave: the source of each of ``sum(quotas)`` slots.
+
+    At slot ``n`` (1-based) the seat goes, among sources still under their upper quota
+    (``n * q_s > c_s * M``), to the one with the largest ``q_s / (c_s + 1)`` (lowest index on
+    ties). Every prefix then holds between ``floor`` and ``ceil`` of ``n * q_s / M`` of source s.
+    """
+    M, K = sum(quotas), len(quotas)
+    out = np.empty(M, dtype=np.int32)
+    counts = [0] * K
+    for n in range(1, M + 1):
+        best = -1
+        for s in range(K):
+            q = quotas[s]
+            if (
+                q
+                and n * q > counts[s] * M
+                and (best < 0 or q * (counts[best] + 1) > quotas[best] * (counts[s] + 1))
+            ):
+                best = s
+        out[n - 1] = best
+        counts[best] += 1
+    return out
+
+
+class _Segment:
+    """One weight setting: its period table and per-source slot positions."""
+
+    def __init__(self, quotas: list[int]) -> None:
+        self.quotas = np.asarray(quotas, dtype=np.int64)
+        self.period = int(self.quotas.sum())
+        self.src = interleave_period(quotas)
+        # rank[r]: how many earlier slots of the period belong to src[r].
+        self.rank = np.zeros(self.period, dtype=np.int64)
+        self.slots: list[np.ndarray] = []
+        for s in range(len(quotas)):
+            where = np.flatnonzero(self.src == s)
+            self.rank[where] = np.arange(len(where))
+            self.slots.append(where)
+
+    def counts(self, length: int) -> np.ndarray:
+        """Per-source counts among the first ``length`` positions of the segment."""
+        full, rest = divmod(int(length), self.period)
+        return full * self.quotas + np.array(
+            [np.searchsorted(sl, rest) for sl in self.slots], dtype=np.int64
+        )
+
+
+class Mixture:
+    """A weighted, deterministic mixture of map-style sources (see the module docstring).
+
+    >>> mix = Mixture({"a": list(range(10)), "b": list(range(100, 120))}, {"a": 1, "b": 3})
+    >>> mix.source_of(np.arange(8)).tolist()
+    [1, 1, 0, 1, 1, 1, 0, 1]
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, Any],
+        weights: Mapping[str, float] | Mapping[int, Mapping[str, float]],
+        *,
+        seed: int = 0,
+        samples_per_epoch: int | None = None,
+    ) -> None:
+        if not isinstance(sources, Mapping) or not sources:
+            raise TypeError(
+                f"sources must be a non-empty dict name -> map-style source (got {sources!r})"
+            )
+        self.names = [str(n) for n in sources]
+        self.sources = [sources[n] for n in sources]
+        lengths = []
+        for name, src in zip(self.names, self.sources, strict=True):
+            try:
+                n = len(src)
+            except TypeError:
+                raise TypeError(
+                    f"source {name!r} ({type(src).__name__}) has no len(); mixture sources must "
+                    "be map-style (__len__ and __getitem__)"
+                ) from None
+            if n < 1:
+                raise ValueError(f"source {name!r} is empty; remove it or give it samples")
+            lengths.append(n)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int (got {seed=!r})")
+        self.seed = seed
+        if samples_per_epoch is not None and (
+            not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
+        ):
+            raise ValueError(
+                f"samples_per_epoch must be a positive int or None (got {samples_per_epoch=!r})"
+            )
+        self.samples_per_epoch = samples_per_epoch
+        self._schedule: list[tuple[int, list[float]]] = []
+        self._segments: list[_Segment] = []
+        self._frozen_until = 0  # global stream position up to which the order was served
+        self._global_batch_size: int | None = None
+        table: Mapping[Any, Any] = weights
+        if not isinstance(table, Mapping) or not table:
+            raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
+        if all(isinstance(k, int) and not isinstance(k, bool) for k in table):
+            steps = sorted(table)
+            if steps[0] != 0:
+                raise ValueError(
+                    f"a weight schedule must start at step 0 (got steps {steps}); add the "
+                    "weights for step 0"
+                )
+            for step in steps:
+                self._add(int(step), table[step])
+        else:
+            self._add(0, table)
+
+    # ------------------------------------------------------------------ schedule
+    def _weights_vector(self, weights: Mapping[str, float]) -> list[float]:
+        if not isinstance(weights, Mapping):
+            raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
+        unknown = set(weights) - set(self.names)
+        missing = set(self.names) - set(weights)
+        if unknown or missing:
+            raise ValueError(
+                f"weights name {sorted(map(str, unknown))} which are not sources and miss "
+                f"{sorted(missing)}; give one weight per source {self.names}"
+            )
+        vec = [float(weights[n]) for n in self.names]
+        if any(not math.isfinite(w) or w < 0 for w in vec) or sum(vec) <= 0:
+            raise ValueError(
+                f"weights must be finite, >= 0 and not all zero (got {dict(weights)}); "
+                "use a positive weight for at least one source"
+            )
+        return vec
+
+    def _add(self, step: int, weights: Mapping[str, float]) -> None:
+        vec = self._weights_vector(weights)
+        if self._schedule and step <= self._schedule[-1][0]:
+            raise ValueError(
+                f"reweight step {step} is not after the last change at step "
+                f"{self._schedule[-1][0]}; give changes in increasing step order"
+            )
+        self._schedule.append((step, vec))
+        self._segments.append(_Segment(_quotas(vec)))
+
+    def reweight(self, step: int, weights: Mapping[str, float]) -> None:
+        """Use ``weights`` from global step ``step`` on (declare it before iterating past it)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step must be an int >= 1 (got {step=!r}); step 0 is the start")
+        G = self._global_batch_size
+        if G is not None and step * G < self._frozen_until:
+            raise ValueError(
+                f"reweight(step={step}) would change stream positions from {step * G} on, but "
+                f"the loader already planned positions up to {self._frozen_until}; declare "
+                "changes before iterating (or rebuild the loader from a checkpoint and reweight "
+                "a later step)"
+            )
+        self._add(step, weights)
+
+    @property
+    def schedule(self) -> list[tuple[int, dict[str, float]]]:
+        """The weight schedule: ``[(step, {name: weight}), ...]`` starting at step 0."""
+        return [(s, dict(zip(self.names, w, strict=True))) for s, w in self._schedule]
+
+    @property
+    def shares(self) -> list[dict[str, float]]:
+        """The exact shares each schedule segment uses (quota / period)."""
+        return [
+            {n: float(q) / seg.period for n, q in zip(self.names, seg.quotas.tolist(), strict=True)}
+            for seg in self._segments
+        ]
+
+    def _schedule_json(self) -> list[list[Any]]:
+        return [[s, w] for s, w in self._schedule]
+
+    # ------------------------------------------------------------------ map-style access
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, index: int | np.ndarray) -> tuple[Any, Any]:
+        """``(source number, index within that source)`` of a concatenated index."""
+        arr = np.asarray(index, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= len(self)):
+            raise IndexError(f"mixture index out of range for length {len(self)} (got {index})")
+        s = np.searchsorted(self.offsets, arr, side="right") - 1
+        local = arr - self.offsets[s]
+        if arr.ndim == 0:
+            return int(s), int(local)
+        return s, local
+
+    def __getitem__(self, index: int) -> Any:
+        s, local = self.locate(int(index))
+        return self.sources[s][local]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        src, local = self.locate(np.asarray(indices, dtype=np.int64))
+        out: list[Any] = [None] * len(indices)
+        for s in np.unique(src).tolist():
+            where = np.flatnonzero(src == s)
+            source = self.sources[s]
+            ids = local[where].tolist()
+            getitems = getattr(source, "__getitems__", None)
+            items = getitems(ids) if getitems is not None else [source[i] for i in ids]
+            for w, item in zip(where.tolist(), items, strict=True):
+                out[w] = item
+        return out
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=10)
+        for name, src in zip(self.names, self.sources, strict=True):
+            h.update(f"{name}={dataset_fingerprint(src)};".encode())
+        h.update(json.dumps([self.seed, self.samples_per_epoch, self._schedule_json()]).encode())
+        return f"mixture:{len(self)}:{h.hexdigest()}"
+
+    # ------------------------------------------------------------------ arithmetic order
+    def _segment_starts(self, G: int) -> np.ndarray:
+        return np.array([s * G for s, _ in self._schedule], dtype=np.int64)
+
+    def _bases(self, G: int) -> np.ndarray:
+        """Per-segment, per-source counts of the stream before each segment starts."""
+        starts = self._segment_starts(G)
+        bases = np.zeros((len(starts), len(self.names)), dtype=np.int64)
+        for j in range(1, len(starts)):
+            bases[j] = bases[j - 1] + self._segments[j - 1].counts(starts[j] - starts[j - 1])
+        return bases
+
+    def _resolve_g(self, global_batch_size: int | None) -> int:
+        G = global_batch_size or self._global_batch_size
+        if G is None:
+            if len(self._schedule) > 1:
+                raise ValueError(
+                    "this mixture has a weight schedule in steps; pass global_batch_size= "
+                    "(or use it through a DataLoader) to place the changes in the stream"
+                )
+            G = 1
+        return int(G)
+
+    def draws(
+        self, positions: np.ndarray, *, global_batch_size: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, k)`` for stream positions: position g is the k-th draw of its source."""
+        G = self._resolve_g(global_batch_size)
+        g = np.asarray(positions, dtype=np.int64)
+        starts = self._segment_starts(G)
+        bases = self._bases(G)
+        seg_of = np.searchsorted(starts, g, side="right") - 1
+        src = np.empty(g.shape, dtype=np.int64)
+        k = np.empty(g.shape, dtype=np.int64)
+        for j in np.unique(seg_of).tolist():
+            seg = self._segments[j]
+            where = seg_of == j
+            local = g[where] - starts[j]
+            full, rest = np.divmod(local, seg.period)
+            s = seg.src[rest].astype(np.int64)
+            src[where] = s
+            k[where] = bases[j][s] + full * seg.quotas[s] + seg.rank[rest]
+        return src, k
+
+    def source_of(
+        self, positions: np.ndarray, *, global_batch_size: int | None = None
+    ) -> np.ndarray:
+        """The source number of each global stream position (O(1) arithmetic per position)."""
+        return self.draws(positions, global_batch_size=global_batch_size)[0]
+
+    def counts(self, position: int, *, global_batch_size: int | None = None) -> dict[str, int]:
+        """How many of the first ``position`` stream positions each source supplies."""
+        G = self._resolve_g(global_batch_size)
+        starts = self._segment_starts(G)
+        j = int(np.searchsorted(starts, position, side="right") - 1)
+        c = self._bases(G)[j] + self._segments[j].counts(position - starts[j])
+        return dict(zip(self.names, c.tolist(), strict=True))
+
+    def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> MixtureOrder:
+        """The loader hook: an :class:`MixtureOrder` for this global batch size and seed."""
+        return MixtureOrder(self, global_batch_size=global_batch_size, seed=seed)
+
+
+class MixtureOrder:
+    """The loader's order over a :class:`Mixture`: stream positions -> concatenated indices."""
+
+    def __init__(self, mixture: Mixture, *, global_batch_size: int, seed: int) -> None:
+        self.mixture = mixture
+        self.G = int(global_batch_size)
+        self.seed = int(seed)
+        mixture._global_batch_size = self.G
+        spe = mixture.samples_per_epoch
+        if spe is None:
+            spe = max(self.G, len(mixture) // self.G * self.G)
+        self.samples_per_epoch = int(spe)
+        self._perms: dict[tuple[int, int], Permutation] = {}
+
+    def epoch_length(self, epoch: int) -> int:
+        return self.samples_per_epoch
+
+    def _perm(self, s: int, source_epoch: int) -> Permutation:
+        key = (s, source_epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            seed = derive_seed(_MIX_OP, self.mixture.seed, self.seed, s, source_epoch)
+            perm = self._perms[key] = Permutation(int(self.mixture.lengths[s]), seed)
+        return perm
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        g = epoch * self.samples_per_epoch + np.asarray(positions, dtype=np.int64)
+        if g.size:
+            self.mixture._frozen_until = max(self.mixture._frozen_until, int(g.max()) + 1)
+        src, k = self.mixture.draws(g, global_batch_size=self.G)
+        lengths = self.mixture.lengths[src]
+        src_epoch, within = np.divmod(k, lengths)
+        out = np.empty(g.shape, dtype=np.int64)
+        for s, e in set(zip(src.tolist(), src_epoch.tolist(), strict=True)):
+            where = (src == s) & (src_epoch == e)
+            out[where] = self._perm(s, e)[within[where]] + self.mixture.offsets[s]
+        return out
+
+    def describe(self, epoch: int, position: int) -> dict[str, Any]:
+        """Per-source consumption and the weight schedule (stored in the loader state)."""
+        g = epoch * self.samples_per_epoch + int(position)
+        return {
+            "kind": "mixture",
+            "stream_position": g,
+            "samples_per_epoch": self.samples_per_epoch,
+            "consumed": self.mixture.counts(g, global_batch_size=self.G),
+            "schedule": self.mixture._schedule_json(),
+        }
+
+    def validate_described(self, described: Mapping[str, Any]) -> None:
+        """Refuse to resume from a state whose schedule differs from this mixture's."""
+        mine = self.mixture._schedule_json()
+        theirs = json.loads(json.dumps(described.get("schedule")))
+        if theirs != json.loads(json.dumps(mine)):
+            raise ValueError(
+                f"the checkpoint's mixture weight schedule {theirs} differs from this mixture's "
+                f"{mine}; build the Mixture with the checkpoint's schedule to resume exactly"
+            )
+        self.mixture._frozen_until = max(
+            self.mixture._frozen_until, int(described.get("stream_position", 0))
+        )

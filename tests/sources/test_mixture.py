@@ -1,0 +1,169 @@
+"""Mixture: low-discrepancy interleave, per-source reshuffle, reweight schedule, exact resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.loader import DataLoader
+from meshfeed.sources.lazy import LazyDataset
+from meshfeed.sources.mixture import MAX_PERIOD, Mixture, interleave_period
+from meshfeed.testing import assert_resume_equivalence
+
+
+def _src(name: str, n: int) -> list[str]:
+    return [f"{name}{i}" for i in range(n)]
+
+
+def _prefix_error(src: np.ndarray, shares: list[float]) -> float:
+    n = np.arange(1, len(src) + 1)
+    return max(
+        float(np.abs(np.cumsum(src == s) - n * share).max()) for s, share in enumerate(shares)
+    )
+
+
+weights_strategy = st.lists(
+    st.one_of(
+        st.integers(0, 20).map(float),
+        st.sampled_from([0.05, 0.1, 0.25, 0.3, 1 / 3, 0.7]),
+        st.floats(0.001, 10.0),
+    ),
+    min_size=1,
+    max_size=7,
+).filter(lambda w: sum(w) > 0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(weights=weights_strategy, start=st.integers(0, 10**12))
+def test_every_prefix_holds_each_source_within_one_of_its_share(weights, start):
+    names = [f"s{i}" for i in range(len(weights))]
+    mix = Mixture({n: [0] for n in names}, dict(zip(names, weights, strict=True)))
+    shares = list(mix.shares[0].values())
+    period = round(1 / min(s for s in shares if s > 0)) if any(shares) else 1
+    n = min(3 * max(period, 1), 20_000)
+    src = mix.source_of(np.arange(n))
+    assert _prefix_error(src, shares) < 1.0
+    # Arbitrary far positions: counts are arithmetic and agree with the interleave there too.
+    counts = mix.counts(start)
+    assert sum(counts.values()) == start
+    for s, name in enumerate(names):
+        assert abs(counts[name] - start * shares[s]) < 1.0
+
+
+def test_exact_shares_for_decimal_and_integer_weights():
+    mix = Mixture({"a": [0], "b": [0], "c": [0]}, {"a": 0.3, "b": 0.5, "c": 0.2})
+    assert mix.shares[0] == {"a": 0.3, "b": 0.5, "c": 0.2}
+    src = mix.source_of(np.arange(10))
+    assert sorted(Counter(src.tolist()).items()) == [(0, 3), (1, 5), (2, 2)]
+
+
+def test_weights_beyond_the_max_period_are_rounded_and_still_within_one():
+    weights = {"a": 1 / 3.1, "b": 1 / 7.3, "c": 0.5, "d": 0.011}
+    mix = Mixture({k: [0] for k in weights}, weights)
+    assert sum(interleave_period([1, 1])) == 1
+    shares = list(mix.shares[0].values())
+    assert all(round(s * MAX_PERIOD) == s * MAX_PERIOD for s in shares)
+    assert _prefix_error(mix.source_of(np.arange(3 * MAX_PERIOD)), shares) < 1.0
+
+
+def test_source_is_reshuffled_with_its_own_epoch_when_exhausted():
+    mix = Mixture({"a": _src("a", 5), "b": _src("b", 50)}, {"a": 1, "b": 1})
+    order = mix.make_order(dataset_length=len(mix), global_batch_size=5, seed=3)
+    idx = order.indices(0, np.arange(40))
+    from_a = [i for i in idx.tolist() if i < 5]
+    assert len(from_a) == 20
+    epochs = [from_a[k : k + 5] for k in range(0, 20, 5)]
+    assert all(sorted(e) == list(range(5)) for e in epochs)  # each pass is a permutation
+    assert len({tuple(e) for e in epochs}) > 1  # and passes are reshuffled
+    from_b = [i for i in idx.tolist() if i >= 5]
+    assert len(set(from_b)) == 20  # b is not exhausted: no repeats
+
+
+def test_getitem_routes_concatenated_indices_to_sources():
+    mix = Mixture({"a": _src("a", 3), "b": _src("b", 4)}, {"a": 1, "b": 1})
+    assert len(mix) == 7
+    assert [mix[i] for i in range(7)] == ["a0", "a1", "a2", "b0", "b1", "b2", "b3"]
+    assert mix.__getitems__([6, 0, 3]) == ["b3", "a0", "b0"]
+    with pytest.raises(IndexError):
+        mix[7]
+
+
+def test_loader_over_mixture_follows_the_weights_and_reports_consumption():
+    mix = Mixture({"a": _src("a", 30), "b": _src("b", 90)}, {"a": 1, "b": 3})
+    lo = DataLoader(mix, batch_size=4, mesh={"dp": 2}, rank=0, collate_fn=list)
+    assert len(lo) == 120 // 8
+    batches = [b for b in lo]
+    assert all(len(b) == 4 for b in batches)
+    consumed = lo.stats()["order"]
+    assert consumed["kind"] == "mixture"
+    # One full epoch: 120 positions, shares 1/4 and 3/4.
+    assert consumed["consumed"] == {"a": 30, "b": 90}
+
+
+def test_reweight_changes_the_interleave_from_the_given_step():
+    mix = Mixture({"a": _src("a", 100), "b": _src("b", 100)}, {"a": 1, "b": 1})
+    mix.reweight(3, {"a": 0, "b": 1})
+    src = mix.source_of(np.arange(40), global_batch_size=4)
+    assert Counter(src[:12].tolist()) == {0: 6, 1: 6}
+    assert set(src[12:].tolist()) == {1}
+    assert mix.counts(40, global_batch_size=4) == {"a": 6, "b": 34}
+
+
+def test_schedule_in_the_constructor_equals_reweight():
+    a = Mixture({"x": [0] * 9, "y": [0] * 9}, {0: {"x": 1, "y": 2}, 5: {"x": 3, "y": 1}})
+    b = Mixture({"x": [0] * 9, "y": [0] * 9}, {"x": 1, "y": 2})
+    b.reweight(5, {"x": 3, "y": 1})
+    assert a.schedule == b.schedule and a.fingerprint == b.fingerprint
+    pos = np.arange(200)
+    assert np.array_equal(
+        a.source_of(pos, global_batch_size=3), b.source_of(pos, global_batch_size=3)
+    )
+
+
+def _mixture_loader(schedule: bool = True) -> DataLoader:
+    weights = {0: {"a": 1, "b": 1}, 4: {"a": 1, "b": 4}} if schedule else {"a": 1, "b": 1}
+    mix = Mixture({"a": _src("a", 7), "b": LazyDataset(_src("b", 11))}, weights, seed=5)
+    return DataLoader(mix, batch_size=3, mesh={"dp": 2}, rank=1, seed=2, collate_fn=list)
+
+
+def test_resume_is_exact_across_a_reweight_and_epochs():
+    ref = assert_resume_equivalence(_mixture_loader, num_items=10)
+    assert len(ref) == 10  # 18 samples per epoch / global batch 6 = 3 steps: crosses epochs
+
+
+def test_resume_with_a_different_schedule_is_refused():
+    state = json.loads(json.dumps(_mixture_loader().state_dict()))
+    other = _mixture_loader(schedule=False)
+    assert other.fingerprint != state["fingerprint"]
+    with pytest.raises(ValueError, match="another dataset"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="weight schedule"):
+        other.order.validate_described(state["order"])  # type: ignore[attr-defined]
+
+
+def test_reweight_of_already_planned_steps_is_refused():
+    mix = Mixture({"a": _src("a", 40), "b": _src("b", 40)}, {"a": 1, "b": 1})
+    lo = DataLoader(mix, batch_size=2, collate_fn=list)
+    next(iter(lo))
+    with pytest.raises(ValueError, match="already planned"):
+        mix.reweight(1, {"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize(
+    ("sources", "weights", "match"),
+    [
+        ({}, {}, "non-empty dict"),
+        ({"a": []}, {"a": 1}, "is empty"),
+        ({"a": [1]}, {"b": 1}, "one weight per source"),
+        ({"a": [1]}, {"a": -1}, "not all zero"),
+        ({"a": [1]}, {1: {"a": 1}}, "start at step 0"),
+    ],
+)
+def test_bad_configuration_is_refused_with_the_fix(sources, weights, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Mixture(sources, weights)
