@@ -30,6 +30,7 @@ from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.order import GatedOrder
 from meshfeed.curriculum.schedule import Schedule
 from meshfeed.curriculum.transforms import SeqlenReshape, SeqlenTruncate
+from meshfeed.rng import fetch_info
 
 __all__ = ["Curriculum", "CurriculumMetric"]
 
@@ -190,13 +191,21 @@ class Curriculum:
             difficulties=self.difficulties,
         )
 
-    def postprocess(self, batch: Any, *, step: int, epoch: int = 0) -> Any:
-        """Apply the transform-only metrics for global ``step`` (``epoch``'s step when given)."""
+    def postprocess(self, batch: Any, *, step: int, epoch: int | None = None) -> Any:
+        """Apply the transform-only metrics for the batch at ``step`` of ``epoch``.
+
+        ``step`` is the batch's step within its epoch (what the loader passes); the epoch is
+        taken from the loader's fetch context (:func:`meshfeed.fetch_info`) when not given, so
+        the curriculum step keeps growing across epochs.
+        """
         if not self.transforms:
             return batch
+        if epoch is None:
+            info = fetch_info()
+            epoch = info.epoch if info is not None else 0
         if epoch:
             if self.steps_per_epoch is None:
-                raise ValueError("postprocess(epoch=...) needs make_order() to have run first")
+                raise ValueError("postprocess() past epoch 0 needs make_order() to have run first")
             step = epoch * self.steps_per_epoch + step
         for t in self.transforms:
             batch = t(batch, t.schedule.difficulty(step))

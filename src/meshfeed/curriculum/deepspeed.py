@@ -39,6 +39,11 @@ def _need(cfg: Mapping[str, Any], key: str, where: str) -> Any:
 def schedule_from_deepspeed(cfg: Mapping[str, Any], *, where: str = "curriculum") -> Schedule:
     """One DeepSpeed metric/curriculum block -> a meshfeed schedule."""
     kind = _need(cfg, "schedule_type", where)
+    if kind not in ("fixed_linear", "fixed_root", "fixed_discrete"):
+        raise ValueError(
+            f"DeepSpeed config {where}: schedule_type {kind!r} is not supported from JSON; use "
+            "fixed_linear, fixed_root or fixed_discrete, or build custom(fn) in Python"
+        )
     sc = _need(cfg, "schedule_config", where)
     if kind == "fixed_discrete":
         return fixed_discrete(
@@ -49,12 +54,7 @@ def schedule_from_deepspeed(cfg: Mapping[str, Any], *, where: str = "curriculum"
     step = _need(sc, "difficulty_step", where)
     if kind == "fixed_linear":
         return fixed_linear(lo, hi, total, step)
-    if kind == "fixed_root":
-        return fixed_root(lo, hi, total, step, _need(sc, "root_degree", where))
-    raise ValueError(
-        f"DeepSpeed config {where}: schedule_type {kind!r} is not supported from JSON; use "
-        "fixed_linear, fixed_root or fixed_discrete, or build custom(fn) in Python"
-    )
+    return fixed_root(lo, hi, total, step, _need(sc, "root_degree", where))
 
 
 def _index(name: str, cfg: Mapping[str, Any], indexes: Mapping[str, Any]) -> MetricIndex:

@@ -1,0 +1,139 @@
+"""from_deepspeed_config: a DeepSpeed user points at their config and gets the same pacing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from meshfeed.curriculum import (
+    MetricIndex,
+    SeqlenReshape,
+    SeqlenTruncate,
+    fixed_root,
+    from_deepspeed_config,
+)
+from meshfeed.curriculum.schedule import FixedDiscrete, FixedRoot
+
+CONFIG = {
+    "train_batch_size": 8,
+    "data_efficiency": {
+        "enabled": True,
+        "seed": 1234,
+        "data_sampling": {
+            "enabled": True,
+            "num_workers": 0,
+            "curriculum_learning": {
+                "enabled": True,
+                "data_cluster_path": "/tmp/clusters",
+                "curriculum_metrics": {
+                    "vocabularyrarity": {
+                        "index_to_sample_path": "/nonexistent/index_to_sample",
+                        "index_to_metric_path": "/nonexistent/index_to_metric",
+                        "difficulty_type": "percentile",
+                        "clustering_type": "schedule_based",
+                        "min_difficulty": 1,
+                        "max_difficulty": 100,
+                        "schedule_type": "fixed_root",
+                        "schedule_config": {
+                            "total_curriculum_step": 110000,
+                            "difficulty_step": 1,
+                            "root_degree": 2,
+                        },
+                    },
+                    "seqlen_truncate": {
+                        "clustering_type": "single_cluster",
+                        "min_difficulty": 80,
+                        "max_difficulty": 2048,
+                        "schedule_type": "fixed_linear",
+                        "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 8},
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def _index(tmp_path, n: int = 20) -> MetricIndex:
+    index = MetricIndex.from_values(
+        "vocabularyrarity",
+        np.random.default_rng(0).random(n),
+        fingerprint={"length": n, "hash": "t"},
+    )
+    index.save(tmp_path / "vocabularyrarity")
+    return index
+
+
+def test_data_efficiency_section_becomes_a_gating_metric_and_a_transform(tmp_path):
+    index = _index(tmp_path)
+    cur = from_deepspeed_config(CONFIG, indexes={"vocabularyrarity": index})
+    (metric,) = cur.metrics
+    assert metric.difficulty_type == "percentile" and metric.index is index
+    assert metric.schedule == fixed_root(1, 100, 110000, 1, 2)
+    (transform,) = cur.transforms
+    assert isinstance(transform, SeqlenTruncate)
+    assert isinstance(transform.schedule, FixedRoot) and transform.schedule.root_degree == 1
+    assert cur.difficulties(55000) == {"vocabularyrarity": 71, "seqlen_truncate": 1064}
+
+
+def test_a_json_path_and_an_index_directory_are_accepted(tmp_path):
+    _index(tmp_path, n=200)
+    cfg = json.loads(json.dumps(CONFIG))
+    metrics = cfg["data_efficiency"]["data_sampling"]["curriculum_learning"]["curriculum_metrics"]
+    metrics["vocabularyrarity"]["index_to_metric_path"] = str(tmp_path / "vocabularyrarity")
+    metrics["seqlen_reshape"] = metrics.pop("seqlen_truncate")
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    cur = from_deepspeed_config(tmp_path / "ds.json")
+    assert len(cur.metrics[0].index) == 200
+    assert isinstance(cur.transforms[0], SeqlenReshape)
+    order = cur.make_order(dataset_length=200, global_batch_size=4, seed=0)
+    assert order.pool_size(0) == 2  # the lowest 1 percent
+
+
+def test_legacy_seqlen_curriculum_becomes_truncation():
+    cfg = {
+        "curriculum_learning": {
+            "enabled": True,
+            "curriculum_type": "seqlen",
+            "min_difficulty": 8,
+            "max_difficulty": 1024,
+            "schedule_type": "fixed_discrete",
+            "schedule_config": {"difficulty": [8, 64, 1024], "max_step": [10, 20]},
+        }
+    }
+    cur = from_deepspeed_config(cfg)
+    (t,) = cur.transforms
+    assert isinstance(t.schedule, FixedDiscrete)
+    assert [t.schedule.difficulty(s) for s in (0, 10, 11, 21)] == [8, 8, 64, 1024]
+
+
+def test_a_gating_metric_without_a_meshfeed_index_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"run `meshfeed analyze` and pass indexes="):
+        from_deepspeed_config(CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({}, "enables no curriculum"),
+        (
+            {"curriculum_learning": {"enabled": True, "schedule_type": "fixed_linear"}},
+            "missing 'schedule_config'",
+        ),
+        (
+            {
+                "curriculum_learning": {
+                    "enabled": True,
+                    "schedule_type": "custom",
+                    "schedule_config": {},
+                }
+            },
+            "schedule_type 'custom' is not supported from JSON",
+        ),
+    ],
+)
+def test_bad_configs_are_refused(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        from_deepspeed_config(cfg)
