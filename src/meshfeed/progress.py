@@ -25,6 +25,7 @@ class Progress:
         enabled: bool = True,
         stream: TextIO | None = None,
         interval: float = 0.25,
+        initial: int = 0,
     ) -> None:
         self.total = total
         self.desc = desc
@@ -32,14 +33,17 @@ class Progress:
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.interval = interval
-        self.count = 0
+        self.count = initial
+        self._initial = initial
         self._start = time.perf_counter()
         self._last = 0.0
+        # Redraw in place on a terminal; elsewhere (CI logs) print only the final line.
+        self._live = bool(getattr(self.stream, "isatty", lambda: False)())
 
     def update(self, n: int = 1) -> None:
         self.count += n
         now = time.perf_counter()
-        if self.enabled and now - self._last >= self.interval:
+        if self.enabled and self._live and now - self._last >= self.interval:
             self._last = now
             self._render(now, end="\r")
 
@@ -49,7 +53,7 @@ class Progress:
         pct = f" {100 * self.count / self.total:5.1f}%" if self.total else ""
         self.stream.write(
             f"{self.desc}: {self.count}{of}{pct} [{elapsed:.1f}s, "
-            f"{self.count / elapsed:.1f} {self.unit}/s]{end}"
+            f"{(self.count - self._initial) / elapsed:.1f} {self.unit}/s]{end}"
         )
         self.stream.flush()
 

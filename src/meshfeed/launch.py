@@ -1,0 +1,75 @@
+"""Launch a function on N local processes joined by a gloo process group.
+
+The demo and the multi-process tests use this to run real ``torch.distributed`` ranks on one
+machine (CPU, gloo). Production jobs use torchrun; meshfeed reads the same environment.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out_dir: str
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo processes; return the results.
+
+    ``fn`` must be importable (a module-level function). An exception in any process is
+    raised here; a run longer than ``timeout`` seconds kills the processes and raises
+    ``TimeoutError``, so a broken collective cannot hang the caller.
+    """
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive number of processes (got {world=})")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(world, port, fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world} processes did not finish within {timeout}s")
+        return [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)
+        ]
