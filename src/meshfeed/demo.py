@@ -71,7 +71,7 @@ def _record(batch: dict[str, torch.Tensor]) -> tuple[list[int], int]:
 
 
 def _rank_main(
-    rank: int, world: int, sizes: dict[str, int], cfg: DemoConfig, phase: str
+    rank: int, world: int, sizes: dict[str, Any], cfg: DemoConfig, phase: str
 ) -> dict[str, Any]:
     mesh = DataMesh.from_sizes(world_size=world, **sizes)
     dataset = IndexedWindows(cfg.prefix, cfg.seq_len)

@@ -41,6 +41,7 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
                 "name": name,
                 "closed": part.closed,
                 "next_id": part.next_id,
+                "seen": sorted(part.seen),
                 "samples": [[k, s.group, list(s.fields)] for k, s in part.samples.items()],
                 "consumed": {
                     t: [k for k in part.samples if k in c] for t, c in part.consumed.items()
@@ -106,6 +107,7 @@ def restore(
         part = _Partition()
         part.closed = bool(pm["closed"])
         part.next_id = int(pm["next_id"])
+        part.seen = set(pm["seen"])
         if payload is not None:
             rows = payload[i]
         else:

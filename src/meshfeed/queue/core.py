@@ -106,7 +106,16 @@ class _Entry:
 
 
 class _Partition:
-    __slots__ = ("cache", "closed", "consumed", "field_counts", "next_id", "pending", "samples")
+    __slots__ = (
+        "cache",
+        "closed",
+        "consumed",
+        "field_counts",
+        "next_id",
+        "pending",
+        "samples",
+        "seen",
+    )
 
     def __init__(self) -> None:
         self.samples: dict[Key, _Sample] = {}
@@ -114,6 +123,7 @@ class _Partition:
         self.consumed: dict[str, set[Key]] = {}
         self.cache: dict[tuple[Any, ...], _Entry] = {}
         self.field_counts: dict[str, int] = {}
+        self.seen: set[str] = set()  # every field ever produced here, even if evicted since
         self.closed = False
         self.next_id = 0
 
@@ -214,6 +224,7 @@ class StoreCore:
                 )
             if self.held + len(new) > cap:
                 return None
+        part.seen.update(rows)
         for i, k in enumerate(ids):
             sample = part.samples.get(k)
             group = None if groups is None else groups[i]
@@ -274,11 +285,11 @@ class StoreCore:
                 return ids, rows
         need = tuple(dict.fromkeys((*fields, *sampler.extra_fields)))
         if part.closed:
-            missing = [f for f in need if not part.field_counts.get(f)]
+            missing = [f for f in need if f not in part.seen]
             if missing:
                 raise ValueError(
                     f"no sample of closed partition {partition!r} has field(s) {missing} "
-                    f"(fields: {sorted(part.field_counts)}); ask for produced fields"
+                    f"(fields: {sorted(part.seen)}); ask for produced fields"
                 )
         pending = part.task(task)
         parts = sampler.plan(_View(part, pending, need), batch_size)
