@@ -1,0 +1,68 @@
+"""``meshfeed analyze``: registered through add_subcommand, writes loadable indexes."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from meshfeed.curriculum import MetricIndex, SampleMetric
+from meshfeed.curriculum.cli import add_subcommand
+from meshfeed.sources.indexed import TokenCorpus, write_indexed
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="meshfeed")
+    add_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def _docs() -> list[np.ndarray]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 50, size=int(rng.integers(1, 20))) for _ in range(120)]
+
+
+def first_token() -> SampleMetric:
+    return SampleMetric(name="first", fn=lambda d: int(d[0]))
+
+
+def test_analyze_a_token_corpus_writes_indexes_that_match_the_corpus(tmp_path, capsys):
+    docs = _docs()
+    write_indexed(tmp_path / "corpus", docs, "uint16")
+    code = _run(
+        [
+            "analyze",
+            str(tmp_path / "corpus"),
+            "-o",
+            str(tmp_path / "metrics"),
+            "-m",
+            "seqlen",
+            "-m",
+            "vocab_rarity",
+            "-m",
+            f"{__name__}:first_token",
+            "-j",
+            "2",
+            "--chunk-size",
+            "16",
+            "-q",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "vocab_rarity" in out and "wrote 4 metric(s) for 120 samples" in out
+    corpus = TokenCorpus(tmp_path / "corpus")
+    lengths = MetricIndex.load(tmp_path / "metrics" / "seqlen", dataset=corpus)
+    assert lengths.values.tolist() == [len(d) for d in docs]
+    first = MetricIndex.load(tmp_path / "metrics" / "first", dataset=corpus)
+    assert first.values.tolist() == [int(d[0]) for d in docs]
+
+
+def test_analyze_reports_bad_input_with_an_exit_code(tmp_path, capsys):
+    assert _run(["analyze", str(tmp_path / "missing"), "-o", str(tmp_path / "m")]) == 2
+    write_indexed(tmp_path / "corpus", _docs(), "uint16")
+    assert (
+        _run(["analyze", str(tmp_path / "corpus"), "-o", str(tmp_path / "m"), "-m", "bogus"]) == 2
+    )
+    assert "unknown metric 'bogus'" in capsys.readouterr().out
