@@ -144,6 +144,15 @@ class _StoreActor:
 
         return await self._run(swap, 0, "restore", "waiting_consumers")
 
+    async def reinit(self, options: dict[str, Any]) -> Any:
+        """Start over with an empty store (lets tests reuse one actor process)."""
+
+        def swap() -> bool:
+            self.core = StoreCore(StoreOptions.from_dict(options))
+            return True
+
+        return await self._run(swap, 0, "reinit", "waiting_consumers")
+
     async def held_types(self) -> list[str]:
         """Type names of every stored value (tests check large payloads stay references)."""
         return sorted(
@@ -275,6 +284,9 @@ class RayBackend:
                 [{f: self._wrap(v) for f, v in row.items()} for row in rows] for rows in payload
             ]
         self._call(self.actor.restore.remote(dict(meta), payload))
+
+    def reinit(self, options: StoreOptions) -> None:
+        self._call(self.actor.reinit.remote(options.to_dict()))
 
     def held_types(self) -> list[str]:
         import ray

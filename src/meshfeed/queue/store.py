@@ -139,6 +139,13 @@ class SampleStore:
             raise ValueError(f"backend={backend!r} is unknown; use 'embedded' or 'ray'")
         self.backend = backend
 
+    @classmethod
+    def _attach(cls, backend: str, backend_obj: Any, options: StoreOptions) -> SampleStore:
+        """A store object over an existing backend (tests reuse one Ray actor this way)."""
+        store = cls.__new__(cls)
+        store.options, store._backend, store.backend = options, backend_obj, backend
+        return store
+
     def __repr__(self) -> str:
         return f"SampleStore(backend={self.backend!r}, capacity={self.options.capacity})"
 

@@ -1,0 +1,265 @@
+"""SampleStore behaviour, run on both backends (embedded and Ray) through ``make_store``."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.queue import PartitionClosed, SampleStore
+
+FIELDS = ["prompt", "response", "reward"]
+
+
+def _join(threads: list[threading.Thread], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "threads did not finish in time"
+
+
+def test_get_returns_only_samples_whose_requested_fields_all_exist(make_store):
+    store = make_store()
+    store.put("p", {"prompt": ["a", "b", "c"]})
+    store.put("p", {"reward": [0.5]}, ids=[1])
+    with pytest.raises(TimeoutError):
+        store.get("actor", ["prompt", "reward"], 2, "p", timeout=0.05)
+    batch = store.get("actor", ["prompt", "reward"], 1, "p", timeout=1)
+    assert batch.ids == [1] and batch["prompt"] == ["b"] and batch["reward"] == [0.5]
+    # Another task has its own consumption; a task needing fewer fields sees more samples.
+    assert store.get("ref", ["prompt"], 3, "p", timeout=1).ids == [0, 1, 2]
+
+
+def test_get_marks_consumed_per_task_and_hands_out_in_production_order(make_store):
+    store = make_store()
+    store.put("p", {"x": torch.arange(8).reshape(4, 2), "y": np.arange(4)})
+    first = store.get("t", ["x", "y"], 2, "p", timeout=1)
+    second = store.get("t", ["x", "y"], 2, "p", timeout=1)
+    assert first.ids == [0, 1] and second.ids == [2, 3]
+    assert torch.equal(first["x"], torch.tensor([[0, 1], [2, 3]]))
+    assert np.array_equal(second["y"], np.array([2, 3]))
+    with pytest.raises(TimeoutError):
+        store.get("t", ["x"], 1, "p", timeout=0.05)
+
+
+def test_user_keys_and_fields_arriving_from_several_producers_in_any_order(make_store):
+    store = make_store()
+    store.put("train@step_3", {"response": ["r2", "r1"]}, ids=["k2", "k1"])
+    store.put("train@step_3", {"prompt": ["p1", "p2"]}, ids=["k1", "k2"])
+    batch = store.get("actor", ["prompt", "response"], 2, "train@step_3", timeout=1)
+    assert batch.ids == ["k2", "k1"]
+    assert batch["prompt"] == ["p2", "p1"] and batch["response"] == ["r2", "r1"]
+
+
+def test_exactly_once_per_task_with_four_producer_and_four_consumer_threads(make_store):
+    store = make_store(capacity=64, tasks=["actor", "critic"])
+    per_producer, producers, batch = 24, 4, 4
+    got: dict[str, list] = {"actor": [], "critic": []}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def produce(p: int) -> None:
+        try:
+            for i in range(0, per_producer, 4):
+                ids = [f"{p}-{i + j}" for j in range(4)]
+                store.put("p", {"prompt": [1] * 4}, ids=ids, timeout=20)
+                store.put("p", {"reward": [2.0] * 4}, ids=ids[::-1], timeout=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume(task: str) -> None:
+        try:
+            while True:
+                try:
+                    b = store.get(task, ["prompt", "reward"], batch, "p", timeout=20)
+                except PartitionClosed:
+                    return
+                with lock:
+                    got[task].extend(b.ids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    consumers = [threading.Thread(target=consume, args=(t,)) for t in ["actor", "critic"] * 2]
+    prods = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    for t in consumers + prods:
+        t.start()
+    _join(prods)
+    store.close("p")
+    _join(consumers)
+    assert not errors, errors
+    expected = sorted(f"{p}-{i}" for p in range(producers) for i in range(per_producer))
+    for task in ("actor", "critic"):
+        assert sorted(got[task]) == expected  # every sample once: no loss, no duplicate
+    assert store.stats()["held"] == 0  # dropped once both tasks consumed them
+
+
+def test_a_timed_out_get_leaves_the_store_usable(make_store):
+    store = make_store()
+    with pytest.raises(TimeoutError, match="timed out after 0.05s"):
+        store.get("t", ["x"], 1, "p", timeout=0.05)
+    assert store.stats()["waiting_consumers"] == 0
+    store.put("p", {"x": [7]})
+    assert store.get("t", ["x"], 1, "p", timeout=1)["x"] == [7]
+
+
+def test_blocked_get_wakes_on_put_without_polling(make_store):
+    store = make_store()
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(store.get("t", ["x"], 2, "p", timeout=20)))
+    t.start()
+    deadline = time.monotonic() + 20
+    while store.stats()["waiting_consumers"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # test-side: wait until the consumer is parked
+    assert store.stats()["waiting_consumers"] == 1
+    store.put("p", {"x": [1, 2]})
+    _join([t])
+    assert result[0].ids == [0, 1]
+
+
+def test_put_beyond_capacity_waits_for_space_then_proceeds(make_store):
+    store = make_store(capacity=4, tasks=["t"])
+    store.put("p", {"x": [0, 1, 2, 3]})
+    with pytest.raises(TimeoutError, match="capacity 4"):
+        store.put("p", {"x": [4]}, timeout=0.05)
+    done = threading.Event()
+
+    def produce() -> None:
+        store.put("p", {"x": [4, 5]}, timeout=20)
+        done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    assert not done.wait(0.2)  # backpressure: the producer is parked
+    assert store.get("t", ["x"], 2, "p", timeout=1).ids == [0, 1]  # frees two slots
+    _join([t])
+    assert done.is_set() and store.stats()["held"] == 4
+    with pytest.raises(ValueError, match="can never fit capacity=4"):
+        store.put("p", {"x": list(range(5))})
+
+
+def test_delete_frees_capacity_and_clear_drops_the_partition(make_store):
+    store = make_store(capacity=3)
+    store.put("p", {"x": [0, 1, 2]})
+    store.delete("p", [0, 2])
+    store.put("p", {"x": [3, 4]}, timeout=1)
+    assert store.get("t", ["x"], 3, "p", timeout=1).ids == [1, 3, 4]
+    store.clear("p")
+    assert store.stats()["held"] == 0
+    store.put("p", {"x": [9]}, timeout=1)  # a cleared name starts afresh
+    assert store.get("t", ["x"], 1, "p", timeout=1)["x"] == [9]
+    with pytest.raises(ValueError, match="holds no samples"):
+        store.delete("p", [42])
+
+
+def test_reset_consumption_replays_the_partition_for_one_task(make_store):
+    store = make_store()
+    store.put("p", {"x": [0, 1, 2]})
+    assert store.get("a", ["x"], 3, "p", timeout=1).ids == [0, 1, 2]
+    assert store.get("b", ["x"], 1, "p", timeout=1).ids == [0]
+    store.reset_consumption("p", "a")
+    assert store.get("a", ["x"], 3, "p", timeout=1).ids == [0, 1, 2]
+    assert store.get("b", ["x"], 2, "p", timeout=1).ids == [1, 2]
+
+
+def test_close_drains_a_short_last_batch_then_raises_partition_closed(make_store):
+    store = make_store()
+    store.put("p", {"x": [0, 1, 2], "y": [0, 0, 0]})
+    store.put("p", {"x": [3]})  # never gets y: never ready
+    waiter: list = []
+
+    def wait() -> None:
+        try:
+            store.get("u", ["x", "y"], 10, "p", timeout=20)
+        except PartitionClosed as exc:
+            waiter.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    assert store.get("t", ["x", "y"], 2, "p", timeout=1).ids == [0, 1]
+    store.close("p")
+    _join([t])
+    assert store.get("t", ["x", "y"], 2, "p", timeout=1).ids == [2]
+    with pytest.raises(PartitionClosed):
+        store.get("t", ["x", "y"], 2, "p", timeout=1)
+    assert len(waiter) == 0 or isinstance(waiter[0], PartitionClosed)
+    with pytest.raises(ValueError, match="is closed; no more puts"):
+        store.put("p", {"x": [5]})
+
+
+def test_stats_report_produced_consumed_waiting_and_bytes(make_store):
+    store = make_store()
+    store.put("p", {"x": np.zeros((3, 10), dtype=np.float32)})
+    store.get("t", ["x"], 2, "p", timeout=1)
+    stats = store.stats()
+    assert stats["produced"] == 3 and stats["consumed"] == {"t": 2}
+    assert stats["waiting_consumers"] == 0 and stats["bytes_held"] == 3 * 40
+    assert stats["partitions"]["p"]["consumed"] == {"t": 2}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda s: s.put("p", {"a": [1, 2], "b": [1]}), ValueError, "same, non-zero number"),
+        (lambda s: s.put("p", {"a": [1]}, ids=[1, 2]), ValueError, "2 ids for 1 samples"),
+        (lambda s: s.put("p", {"zzz": [1]}), ValueError, r"unknown field\(s\) \['zzz'\]"),
+        (lambda s: s.get("t", ["zzz"], 1, "p"), ValueError, r"unknown field\(s\) \['zzz'\]"),
+        (lambda s: s.get("t", ["a"], 0, "p"), ValueError, "batch_size must be a positive"),
+        (lambda s: s.get("t", ["a"], -3, "p"), ValueError, "batch_size must be a positive"),
+        (lambda s: s.get("t", "a", 1, "p"), TypeError, "non-empty list of field names"),
+        (lambda s: s.put("p", {"a": 5}), TypeError, "one entry per sample"),
+        (lambda s: s.put("p", {"a": [1]}, ids=[1.5]), TypeError, "int or str"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(call, error, match):
+    store = SampleStore(fields=["a", "b"])
+    with pytest.raises(error, match=match):
+        call(store)
+
+
+def test_bad_input_is_rejected_by_both_backends(make_store):
+    store = make_store()
+    store.put("p", {"a": [1, 2]})
+    with pytest.raises(ValueError, match="already has fields"):
+        store.put("p", {"a": [3]}, ids=[0])
+    store.close("p")
+    with pytest.raises(ValueError, match="is closed"):
+        store.put("p", {"a": [3]})
+    with pytest.raises(ValueError, match=r"has field\(s\) \['nope'\]"):
+        store.get("t", ["nope"], 1, "p", timeout=1)
+    assert store.get("t", ["a"], 5, "p", timeout=1).ids == [0, 1]  # still healthy
+
+
+def test_embedded_store_refuses_to_be_pickled():
+    with pytest.raises(TypeError, match="backend='ray'"):
+        pickle.dumps(SampleStore())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_readiness_under_interleaved_partial_puts(data):
+    n = data.draw(st.integers(1, 6))
+    events = data.draw(st.permutations([(i, f) for i in range(n) for f in FIELDS]))
+    store = SampleStore()
+    present: dict[int, set] = {i: set() for i in range(n)}
+    handed: list[int] = []
+    for i, f in events:
+        store.put("p", {f: [f"{f}{i}"]}, ids=[i])
+        present[i].add(f)
+        while True:
+            try:
+                batch = store.get("t", FIELDS, 1, "p", timeout=0)
+            except TimeoutError:
+                break
+            (k,) = batch.ids
+            assert present[k] == set(FIELDS)  # only complete samples are ready
+            assert batch["reward"] == [f"reward{k}"]
+            handed.append(k)
+        # every complete sample has been handed out at once
+        assert set(handed) == {k for k, fs in present.items() if fs == set(FIELDS)}
+    assert sorted(handed) == list(range(n)) and len(handed) == n
