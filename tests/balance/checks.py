@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from meshfeed.balance import CostModel, Plan
@@ -67,7 +69,13 @@ class Samples:
     """A stateful per-rank iterator of packed samples with globally unique token values."""
 
     def __init__(self, rank: int, *, seed: int, batches: int, max_len: int, docs: int = 6):
-        self.rank, self.seed, self.batches, self.max_len, self.docs = rank, seed, batches, max_len, docs
+        self.rank, self.seed, self.batches, self.max_len, self.docs = (
+            rank,
+            seed,
+            batches,
+            max_len,
+            docs,
+        )
         self.i = 0
 
     def __iter__(self) -> Samples:
@@ -117,10 +125,10 @@ def check_routing(samples: list[dict], p: Plan, outputs: list[list[dict]]) -> No
     docs = []  # (rank, start, length) of every document, in global order
     for r, s in enumerate(samples):
         cu = s["cu_seqlens"].tolist()
-        docs += [(r, a, b - a) for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        docs += [(r, a, b - a) for a, b in itertools.pairwise(cu)]
     assert len(docs) == len(p.lengths)
     pieces: dict[int, dict[int, dict]] = {}
-    for r, steps in enumerate(outputs):
+    for steps in outputs:
         assert len(steps) == p.num_microsteps
         for k, step in enumerate(steps):
             assert step["microstep"] == k and step["num_microsteps"] == p.num_microsteps

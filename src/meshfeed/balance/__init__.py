@@ -5,10 +5,10 @@ document); :class:`BalancedBatches` runs it inside a training job: one all-gathe
 the same plan on every rank, one fused all-to-all to reroute the documents, zigzag CP split.
 """
 
+from meshfeed.balance.balanced import BalancedBatches
 from meshfeed.balance.baselines import BaselineResult, naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.packing import pack, packing_efficiency
-from meshfeed.balance.balanced import BalancedBatches
 from meshfeed.balance.plan import Plan, plan
 
 __all__ = [

@@ -26,6 +26,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.packing import _bfd, _check_budget, as_lengths
+from meshfeed.balance.zigzag import pad_unit
 
 __all__ = ["DEFAULT_COST", "Plan", "plan"]
 
@@ -138,7 +139,7 @@ def plan(
         raise ValueError(
             f"document {i} has {int(s[i])} tokens, more than {largest} ranks x "
             f"max_tokens={budget} can hold (after padding to a multiple of "
-            f"{2 * largest * tp}); raise max_tokens, add ranks, or truncate the document"
+            f"{pad_unit(largest, tp)}); raise max_tokens, add ranks, or truncate the document"
         )
 
     k_min = max(int(min_microsteps), -(-int(s.sum()) // (n_ranks * budget)))

@@ -1,0 +1,273 @@
+"""BalancedBatches: rebalance a per-rank iterator of packed samples over a DP x CP group.
+
+Per global batch, every rank of ``group``: takes its next packed sample from ``inner``; joins
+**one** all-gather of a fixed-size header (has-data flag, dtype signature, document lengths);
+computes the same :func:`plan` as every other rank; joins **one** variable-size
+``all_to_all_single`` carrying all keys of all documents fused; and yields its micro-steps.
+If any rank's inner iterator ends, every rank stops at the same batch (no hang).
+
+Planning runs one batch ahead on a background thread (the lengths of batch t+1 are gathered
+before batch t is rerouted), so it is off the critical path; collectives stay on the calling
+thread, in the same order on every rank.
+
+Each yielded micro-step is a dict: the per-token keys (with this rank's zigzag chunks of a
+split document), ``cu_seqlens`` (int32, over the chunks this rank holds), ``doc_ids``,
+``cp_group`` (global ranks running this micro-step together), ``cp_rank``, ``microstep`` and
+``num_microsteps``. With tensor parallelism, build one instance per TP rank over that rank's
+DP x CP group: all of them compute the same plan.
+
+State is ``{"version", "inner", "skip"}``: the inner iterator's state before the current batch
+and how many of its micro-steps were yielded. Restoring refetches that batch and skips them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfeed.balance.cost import CostModel
+from meshfeed.balance.plan import DEFAULT_COST, Plan, plan
+from meshfeed.balance.routing import (
+    DEFAULT_KEYS,
+    DEFAULT_PAD,
+    Layout,
+    build_send,
+    doc_lengths,
+    fields_signature,
+    unpack,
+)
+
+__all__ = ["BalancedBatches"]
+
+_VERSION = 1
+_HEADER = 3  # has_data, dtype signature, number of documents
+
+
+class _Comm:
+    """The two collectives this module needs, over a torch.distributed group (or one rank)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        if self.dist is None and group is not None:
+            raise ValueError("group was given but torch.distributed is not initialised")
+        self.group = group
+        self.rank = self.dist.get_rank(group) if self.dist else 0
+        self.size = self.dist.get_world_size(group) if self.dist else 1
+
+    def global_rank(self, r: int) -> int:
+        if self.dist is None or self.group is None:
+            return r
+        return int(self.dist.get_global_rank(self.group, r))
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if self.dist is None:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self.dist.all_gather(out, t, group=self.group)
+        return out
+
+    def all_to_all(
+        self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+    ) -> torch.Tensor:
+        recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype)
+        if self.dist is None:
+            return send.clone()
+        self.dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group)
+        return recv
+
+
+@dataclass(slots=True)
+class _Batch:
+    state: Any
+    sample: Mapping[str, Any]
+    counts: list[int]
+    dtypes: list[torch.dtype]
+    plan: Future[Plan]
+
+
+class BalancedBatches:
+    """Iterator of balanced micro-steps over ``group`` (see the module doc).
+
+    ``inner`` yields this rank's packed samples (dicts of 1-D tensors named by ``keys`` plus
+    ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`plan`.
+    ``max_docs_per_rank`` sizes the fixed all-gather buffer (a sample with more documents is
+    an error naming it). ``timeout`` bounds the wait for a plan.
+    """
+
+    def __init__(
+        self,
+        inner: Iterator[Mapping[str, Any]],
+        *,
+        max_tokens: int,
+        cost: CostModel = DEFAULT_COST,
+        group: Any = None,
+        cp_sizes: str | Sequence[int] = "any",
+        tp: int = 1,
+        keys: Sequence[str] = DEFAULT_KEYS,
+        pad: Mapping[str, int | None] = DEFAULT_PAD,
+        max_docs_per_rank: int = 4096,
+        plan_ahead: bool = True,
+        timeout: float = 300.0,
+    ) -> None:
+        if max_docs_per_rank < 1:
+            raise ValueError(f"max_docs_per_rank must be positive (got {max_docs_per_rank=})")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds (got {timeout=})")
+        self._inner = iter(inner)
+        self._comm = _Comm(group)
+        self._plan_kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "cost": cost,
+            "cp_sizes": cp_sizes,
+            "tp": tp,
+        }
+        # Fail at construction, not at the first collective, on a bad configuration.
+        plan([], num_ranks=self._comm.size, **self._plan_kwargs)
+        self._keys, self._pad = tuple(keys), dict(pad)
+        self._cap = int(max_docs_per_rank)
+        self._timeout = float(timeout)
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="meshfeed-plan") if plan_ahead else None
+        )
+        self._base_state: Any = self._inner_state()
+        self._skip = 0
+        self._reset()
+
+    # --------------------------------------------------------------- iteration
+    def __iter__(self) -> BalancedBatches:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        while self._k >= len(self._current):
+            if self._done:
+                raise StopIteration
+            self._advance()
+        item = self._current[self._k]
+        self._k += 1
+        return item
+
+    def get_state(self) -> dict[str, Any]:
+        """The state as of the last micro-step returned (JSON-serialisable if inner's is)."""
+        if self._base_state is None:
+            raise TypeError(
+                f"the inner iterator {type(self._inner).__name__} has no get_state() or "
+                "state_dict(); wrap a stateful iterator to checkpoint BalancedBatches"
+            )
+        if self._current and self._k >= len(self._current) and isinstance(self._ahead, _Batch):
+            return {"version": _VERSION, "inner": self._ahead.state, "skip": 0}
+        skip = self._k if self._current else self._skip
+        return {"version": _VERSION, "inner": self._base_state, "skip": skip}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`get_state` output; every rank must restore the same step."""
+        if not isinstance(state, Mapping) or state.get("version") != _VERSION:
+            got = state.get("version") if isinstance(state, Mapping) else state
+            raise ValueError(
+                f"BalancedBatches state version {got!r} is not {_VERSION}; "
+                "restore a state saved by this version of meshfeed"
+            )
+        skip = state.get("skip")
+        if not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"state['skip'] must be an int >= 0 (got {skip!r})")
+        inner = self._inner
+        if hasattr(inner, "load_state_dict"):
+            inner.load_state_dict(state["inner"])
+        elif hasattr(inner, "restore"):
+            inner.restore(state["inner"])
+        else:
+            raise TypeError(f"the inner iterator {type(inner).__name__} cannot restore state")
+        self._base_state, self._skip = state["inner"], skip
+        self._reset()
+
+    def close(self) -> None:
+        """Stop the planning thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> BalancedBatches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --------------------------------------------------------------- internals
+    def _reset(self) -> None:
+        self._current: list[dict[str, Any]] = []
+        self._k = 0
+        self._done = False
+        self._ahead: _Batch | bool | None = False  # False: not fetched; None: inner ended
+
+    def _inner_state(self) -> Any:
+        inner = self._inner
+        if hasattr(inner, "state_dict"):
+            return inner.state_dict()
+        if hasattr(inner, "get_state"):
+            return inner.get_state()
+        return None
+
+    def _fetch(self) -> _Batch | None:
+        """Take the next sample and all-gather its lengths; None if any rank has run out."""
+        state = self._inner_state()
+        sample = next(self._inner, None)
+        header = torch.zeros(_HEADER + self._cap, dtype=torch.int64)
+        if sample is not None:
+            lengths = doc_lengths(sample, self._keys)
+            if lengths.size > self._cap:
+                raise ValueError(
+                    f"a packed sample holds {lengths.size} documents, more than "
+                    f"{self._cap=}; raise max_docs_per_rank"
+                )
+            header[0], header[1], header[2] = 1, fields_signature(sample, self._keys), lengths.size
+            header[_HEADER : _HEADER + lengths.size] = torch.from_numpy(lengths)
+        rows = torch.stack(self._comm.all_gather(header)).numpy()
+        if not rows[:, 0].all():
+            return None
+        if len(set(rows[:, 1].tolist())) > 1:
+            raise ValueError(
+                f"ranks disagree on the packed keys' dtypes (signatures {rows[:, 1].tolist()}); "
+                f"every rank must yield {list(self._keys)} with the same dtypes"
+            )
+        counts = rows[:, 2].astype(np.int64)
+        all_lengths = np.concatenate([rows[r, _HEADER : _HEADER + c] for r, c in enumerate(counts)])
+        assert sample is not None  # every rank, this one included, has data
+        dtypes = [sample[k].dtype for k in self._keys]
+        kwargs = dict(self._plan_kwargs, num_ranks=self._comm.size)
+        if self._pool is not None:
+            future = self._pool.submit(plan, all_lengths, **kwargs)
+        else:
+            future = Future()
+            future.set_result(plan(all_lengths, **kwargs))
+        return _Batch(state, sample, counts.tolist(), dtypes, future)
+
+    def _advance(self) -> None:
+        batch = self._fetch() if self._ahead is False else self._ahead
+        self._ahead = False
+        if not isinstance(batch, _Batch):
+            self._done = True
+            return
+        if self._pool is not None:
+            self._ahead = self._fetch()  # plan t+1 while batch t is rerouted and consumed
+        try:
+            p = batch.plan.result(timeout=self._timeout)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"planning a batch took longer than timeout={self._timeout}s; "
+                "raise timeout or reduce the documents per batch"
+            ) from e
+        rank = self._comm.rank
+        layout = Layout.build(p, batch.counts)
+        send = build_send(batch.sample, rank, layout, self._keys, self._pad)
+        recv = self._comm.all_to_all(send, layout.send_splits(rank), layout.recv_splits(rank))
+        steps = unpack(recv, rank, layout, batch.dtypes, self._keys)
+        for step in steps:
+            step["cp_group"] = tuple(self._comm.global_rank(r) for r in step["cp_group"])
+        self._base_state, self._current = batch.state, steps
+        self._k, self._skip = min(self._skip, len(steps)), 0

@@ -1,0 +1,251 @@
+"""Reroute the documents of packed samples to the ranks a :class:`Plan` puts them on.
+
+Pure functions, no collectives: :func:`build_send` turns this rank's packed sample into one
+uint8 buffer holding every key of every outgoing piece (a piece is what one destination rank
+keeps of one document: the whole padded document, or its two zigzag chunks), ordered by
+destination; :func:`unpack` turns the received buffer into this rank's micro-steps. Between
+them sits exactly one variable-size ``all_to_all_single`` (or :func:`route_local`, which runs
+every rank in one process). Both sides derive the same layout from the plan, so no sizes or
+offsets travel besides the lengths that built the plan.
+
+A packed sample is a dict of 1-D tensors of equal length (``tokens``, ``labels``,
+``loss_mask``, ``position_ids`` by default) plus ``cu_seqlens`` (document boundaries).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfeed.balance.plan import Plan, plan
+from meshfeed.balance.zigzag import zigzag_positions
+
+__all__ = ["DEFAULT_KEYS", "DEFAULT_PAD", "Layout", "build_send", "route_local", "unpack"]
+
+DEFAULT_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+#: Fill values for padding; ``None`` continues the document's positions (position ids).
+DEFAULT_PAD: Mapping[str, int | None] = {
+    "tokens": 0,
+    "labels": -100,
+    "loss_mask": 0,
+    "position_ids": None,
+}
+
+
+def doc_lengths(sample: Mapping[str, Any], keys: Sequence[str]) -> np.ndarray:
+    """Validate a packed sample and return its document lengths (from ``cu_seqlens``)."""
+    missing = [k for k in (*keys, "cu_seqlens") if k not in sample]
+    if missing:
+        raise ValueError(
+            f"packed sample lacks keys {missing} (has {sorted(sample)}); yield "
+            f"{[*keys, 'cu_seqlens']} or pass keys=... naming the per-token keys"
+        )
+    total = None
+    for k in keys:
+        t = sample[k]
+        if not isinstance(t, torch.Tensor) or t.ndim != 1:
+            raise ValueError(f"sample[{k!r}] must be a 1-D tensor (got {type(t).__name__})")
+        if total is not None and t.numel() != total:
+            raise ValueError(f"sample[{k!r}] has {t.numel()} tokens, {keys[0]!r} has {total}")
+        total = t.numel()
+    cu = np.asarray(torch.as_tensor(sample["cu_seqlens"]).cpu(), dtype=np.int64).ravel()
+    if cu.size == 0 or cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the sample length {total} (got {cu.tolist()[:8]}...)"
+        )
+    return np.diff(cu)
+
+
+def fields_signature(sample: Mapping[str, Any], keys: Sequence[str]) -> int:
+    """A 31-bit hash of the keys and dtypes, to check that every rank sends the same layout."""
+    text = ",".join(f"{k}:{sample[k].dtype}" for k in keys)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Who sends which piece to whom: the plan plus where each document starts on its source.
+
+    Documents are numbered in (source rank, position in the sample) order, the order the
+    all-gather of lengths produces. Piece ``p`` is part ``part[p]`` of document ``doc[p]``,
+    held by rank ``dst[p]``, ``rows[p]`` tokens long.
+    """
+
+    plan: Plan
+    src: np.ndarray
+    offset: np.ndarray
+    doc: np.ndarray
+    part: np.ndarray
+    dst: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def build(cls, p: Plan, counts: Sequence[int]) -> Layout:
+        counts_arr = np.asarray(counts, dtype=np.int64)
+        if int(counts_arr.sum()) != p.lengths.size:
+            raise ValueError(
+                f"counts sum to {int(counts_arr.sum())}, the plan has {p.lengths.size}"
+            )
+        src = np.repeat(np.arange(counts_arr.size), counts_arr)
+        # Offset of each document inside its source's sample: global exclusive cumsum minus
+        # the cumsum at the source's first document.
+        excl = np.concatenate([[0], np.cumsum(p.lengths)])
+        first = np.concatenate([[0], np.cumsum(counts_arr)])[:-1]
+        doc = np.repeat(np.arange(p.lengths.size), p.cp_size)
+        part = np.arange(doc.size) - np.repeat(np.cumsum(p.cp_size) - p.cp_size, p.cp_size)
+        return cls(
+            plan=p,
+            src=src,
+            offset=excl[:-1] - excl[first][src],
+            doc=doc,
+            part=part,
+            dst=p.cp_start[doc] + part,
+            rows=(p.padded // p.cp_size)[doc],
+        )
+
+    def outgoing(self, rank: int) -> np.ndarray:
+        """Pieces this rank sends, in wire order (destination, then document)."""
+        sel = np.flatnonzero(self.src[self.doc] == rank)
+        return sel[np.lexsort((self.doc[sel], self.dst[sel]))]
+
+    def incoming(self, rank: int) -> np.ndarray:
+        """Pieces this rank receives, in wire order (source, then document)."""
+        sel = np.flatnonzero(self.dst == rank)
+        return sel[np.lexsort((self.doc[sel], self.src[self.doc[sel]]))]
+
+    def send_splits(self, rank: int) -> list[int]:
+        out = self.outgoing(rank)
+        return np.bincount(self.dst[out], self.rows[out], self.plan.num_ranks).astype(int).tolist()
+
+    def recv_splits(self, rank: int) -> list[int]:
+        inc = self.incoming(rank)
+        srcs = self.src[self.doc[inc]]
+        return np.bincount(srcs, self.rows[inc], self.plan.num_ranks).astype(int).tolist()
+
+
+def build_send(
+    sample: Mapping[str, Any],
+    rank: int,
+    layout: Layout,
+    keys: Sequence[str] = DEFAULT_KEYS,
+    pad: Mapping[str, int | None] = DEFAULT_PAD,
+) -> torch.Tensor:
+    """One ``(rows, bytes_per_token)`` uint8 buffer: every key of every outgoing piece."""
+    p = layout.plan
+    index, filler = [], []
+    for piece in layout.outgoing(rank).tolist():
+        d = int(layout.doc[piece])
+        pos = zigzag_positions(int(p.padded[d]), int(p.cp_size[d]), int(layout.part[piece]))
+        real = pos < p.lengths[d]
+        index.append(np.where(real, layout.offset[d] + pos, -1))
+        filler.append(pos)
+    idx = torch.from_numpy(np.concatenate(index)) if index else torch.zeros(0, dtype=torch.int64)
+    pos_in_doc = torch.from_numpy(np.concatenate(filler)) if filler else idx
+    is_pad = idx < 0
+    safe = idx.clamp(min=0)
+    columns = []
+    for k in keys:
+        t = sample[k]
+        v = t[safe] if t.numel() else torch.zeros(idx.shape, dtype=t.dtype)
+        if bool(is_pad.any()):
+            fill = pad.get(k, 0)
+            if fill is None:  # continue the document's positions into its padding
+                first = t[(safe - pos_in_doc).clamp(min=0)] if t.numel() else 0
+                v = torch.where(is_pad, (first + pos_in_doc).to(t.dtype), v)
+            else:
+                v = v.masked_fill(is_pad, fill)
+        columns.append(_as_bytes(v))
+    if not columns:
+        return torch.zeros((idx.numel(), 0), dtype=torch.uint8)
+    return torch.cat(columns, dim=1)
+
+
+def unpack(
+    recv: torch.Tensor,
+    rank: int,
+    layout: Layout,
+    dtypes: Sequence[torch.dtype],
+    keys: Sequence[str] = DEFAULT_KEYS,
+) -> list[dict[str, Any]]:
+    """This rank's micro-steps from the received buffer, each with its ``cu_seqlens``."""
+    p = layout.plan
+    inc = layout.incoming(rank)
+    starts = np.concatenate([[0], np.cumsum(layout.rows[inc])])
+    where = {
+        int(layout.doc[q]): (int(starts[j]), int(layout.rows[q]), int(layout.part[q]))
+        for j, q in enumerate(inc.tolist())
+    }
+    widths = [torch.empty(0, dtype=dt).element_size() for dt in dtypes]
+    bounds = np.concatenate([[0], np.cumsum(widths)]).tolist()
+    steps = []
+    for k, step in enumerate(p.microsteps[rank]):
+        docs = [d for d, _ in step]
+        spans = [where[d] for d in docs]
+        rows = (
+            torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n, _ in spans]))
+            if spans
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        block = recv[rows]
+        out: dict[str, Any] = {}
+        for key, dt, lo, hi in zip(keys, dtypes, bounds[:-1], bounds[1:], strict=True):
+            # clone: a fresh buffer at offset 0, so the byte view can widen to any dtype
+            out[key] = block[:, lo:hi].reshape(-1).clone().view(dt)
+        lengths = [n for _, n, _ in spans]
+        out["cu_seqlens"] = torch.tensor(
+            np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32
+        )
+        out["doc_ids"] = torch.tensor(docs, dtype=torch.int64)
+        group = step[0][1] if step else (rank,)
+        out["cp_group"] = group
+        out["cp_rank"] = spans[0][2] if step and len(group) > 1 else 0
+        out["microstep"], out["num_microsteps"] = k, p.num_microsteps
+        steps.append(out)
+    return steps
+
+
+def route_local(
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    keys: Sequence[str] = DEFAULT_KEYS,
+    pad: Mapping[str, int | None] = DEFAULT_PAD,
+    **plan_kwargs: Any,
+) -> tuple[Plan, list[list[dict[str, Any]]]]:
+    """Run the whole reroute for every rank in one process (tests, simulation, the CLI).
+
+    ``samples[r]`` is rank r's packed sample; ``plan_kwargs`` go to :func:`plan` (its
+    ``num_ranks`` is ``len(samples)``). Returns the plan and every rank's micro-steps.
+    """
+    counts, all_lengths = [], []
+    for s in samples:
+        lengths = doc_lengths(s, keys)
+        counts.append(lengths.size)
+        all_lengths.append(lengths)
+    signatures = {fields_signature(s, keys) for s in samples}
+    if len(signatures) > 1:
+        raise ValueError("ranks disagree on the dtypes of the packed keys; cast them the same")
+    lengths = np.concatenate(all_lengths) if all_lengths else np.zeros(0, dtype=np.int64)
+    p = plan(lengths, num_ranks=len(samples), **plan_kwargs)
+    layout = Layout.build(p, counts)
+    sends = [build_send(s, r, layout, keys, pad) for r, s in enumerate(samples)]
+    offsets = []
+    for r in range(len(samples)):
+        offsets.append(np.concatenate([[0], np.cumsum(layout.send_splits(r))]).tolist())
+    dtypes = [samples[0][k].dtype for k in keys] if samples else []
+    out = []
+    for r in range(len(samples)):
+        recv = torch.cat([sends[s][offsets[s][r] : offsets[s][r + 1]] for s in range(len(samples))])
+        out.append(unpack(recv, r, layout, dtypes, keys))
+    return p, out
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8).reshape(t.numel(), t.element_size())

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.balance import CostModel
+from meshfeed.balance.routing import route_local
+
+from .checks import check_routing, make_sample
+
+S2 = CostModel(quadratic=1.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    world=st.integers(1, 8),
+    seed=st.integers(0, 10_000),
+    policy=st.sampled_from(["any", "pow2_aligned"]),
+    tp=st.sampled_from([1, 2]),
+)
+def test_route_local_delivers_every_document_once_zigzag_split_with_correct_cu_seqlens(
+    world, seed, policy, tp
+):
+    samples = [make_sample(r, 0, seed=seed, max_len=700) for r in range(world)]
+    try:
+        p, outputs = route_local(samples, max_tokens=256, cost=S2, cp_sizes=policy, tp=tp)
+    except ValueError as e:
+        assert "more than" in str(e)
+        return
+    check_routing(samples, p, outputs)
+
+
+def test_route_local_mixes_cp_degrees_in_one_batch():
+    samples = [make_sample(r, 0, seed=11, max_len=1500, docs=8) for r in range(6)]
+    p, outputs = route_local(samples, max_tokens=256, cost=S2)
+    check_routing(samples, p, outputs)
+    assert len(set(p.cp_size.tolist())) >= 3
+
+
+def test_route_local_rejects_a_sample_without_cu_seqlens():
+    sample = make_sample(0, 0, seed=1, max_len=10)
+    del sample["cu_seqlens"]
+    with pytest.raises(ValueError, match=r"lacks keys \['cu_seqlens'\]"):
+        route_local([sample], max_tokens=64, cost=S2)
+
+
+def test_route_local_rejects_cu_seqlens_that_do_not_cover_the_sample():
+    sample = make_sample(0, 0, seed=3, max_len=10, docs=3)
+    sample["cu_seqlens"] = sample["cu_seqlens"][:-1]
+    if sample["tokens"].numel() == 0:
+        pytest.skip("empty sample")
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0"):
+        route_local([sample], max_tokens=64, cost=S2)
