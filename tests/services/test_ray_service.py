@@ -1,0 +1,254 @@
+"""RayService: dataset built in loader actors, one reference per data rank, exact resume."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed import DataLoader, DataMesh, SampleError
+from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
+from meshfeed.testing import assert_resume_equivalence, assert_same, take
+
+
+class Items:
+    """A small dataset; ``built_in`` records the process that built it (must be an actor)."""
+
+    def __init__(self, n: int = 30, fail_at: int | None = None, delay: float = 0.0) -> None:
+        self.n, self.fail_at, self.delay, self.built_in = n, fail_at, delay, os.getpid()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if self.delay:
+            time.sleep(self.delay)  # keeps steps in flight long enough to be lost by a kill
+        if i == self.fail_at:
+            raise ValueError(f"cannot decode sample {i}")
+        return {"i": i, "x": torch.arange(4) + i, "built_in": self.built_in}
+
+
+def _items_14() -> Items:
+    return Items(14)
+
+
+def _failing() -> Items:
+    return Items(30, fail_at=7)
+
+
+def _slow_items() -> Items:
+    return Items(30, delay=0.03)
+
+
+def _broken() -> Items:
+    raise FileNotFoundError("/data/shard-00007.bin does not exist")
+
+
+def _strip(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "built_in"}
+
+
+def _ray_loader(create, *, mesh: dict, service: RayService | None = None, **kwargs) -> DataLoader:
+    service = service or RayService()
+    # The loader binds its mesh to services that have bind_mesh once the loader hook lands;
+    # binding the same mesh twice is allowed, so the explicit call stays harmless.
+    service.bind_mesh(DataMesh.from_sizes(**mesh))
+    return DataLoader(create, mesh=mesh, service=service, **kwargs)
+
+
+def _resolve(remote_batches: list[RemoteBatch], rank: int) -> list[dict]:
+    import ray
+
+    return [_strip(b) for b in ray.get([rb.for_rank(rank) for rb in remote_batches])]
+
+
+# ---------------------------------------------------------------------- without Ray
+
+
+def test_remote_batch_maps_global_ranks_to_their_data_rank_reference():
+    mesh = DataMesh.from_sizes(dp=2, tp=2)
+    rb = RemoteBatch(0, 5, ("ref-d0", "ref-d1"), mesh)
+    assert [rb.for_rank(r) for r in range(4)] == ["ref-d0", "ref-d0", "ref-d1", "ref-d1"]
+    assert rb.for_data_rank(1) == "ref-d1" and rb.data_world_size == 2
+    with pytest.raises(ValueError, match="rank=4 is out of range"):
+        rb.for_rank(4)
+    with pytest.raises(ValueError, match=r"data_rank=2 is out of range .* \[0, 2\)"):
+        rb.for_data_rank(2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dp=st.integers(1, 4), tp=st.integers(1, 3), cp=st.integers(1, 2), pp=st.integers(1, 2))
+def test_replica_peers_share_one_reference_and_data_ranks_never_do(dp, tp, cp, pp):
+    mesh = DataMesh.from_sizes(dp=dp, tp=tp, cp=cp, pp=pp)
+    rb = RemoteBatch(0, 0, tuple(f"ref{d}" for d in range(dp)), mesh)
+    for group in mesh.replica_groups():
+        assert len({rb.for_rank(r) for r in group}) == 1
+    assert len({rb.for_rank(g[0]) for g in mesh.replica_groups()}) == dp
+
+
+def test_remote_batch_refuses_a_mesh_of_another_data_world_size():
+    with pytest.raises(ValueError, match="does not fit the mesh"):
+        RemoteBatch(0, 0, ("a", "b", "c"), DataMesh.from_sizes(dp=2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_actors": 0}, "num_actors must be an int >= 1"),
+        ({"prefetch": 0}, "prefetch must be an int >= 1"),
+        ({"actor_options": {"max_restarts": -2}}, r"max_restarts'\] must be an int >= -1"),
+        ({"timeout": 0}, "timeout must be positive"),
+    ],
+)
+def test_ray_service_rejects_bad_options_with_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RayService(**kwargs)
+
+
+def test_ray_service_wants_a_callable_not_a_built_dataset():
+    with pytest.raises(TypeError, match=r"functools.partial\(MyDataset, path\)"):
+        RayService().prepare(Items(5))
+    with pytest.raises(TypeError, match="map_global"):
+        next(iter(RayService().map(iter([]))))
+
+
+def test_binding_a_different_mesh_is_refused():
+    service = RayService()
+    service.bind_mesh(DataMesh.from_sizes(dp=2))
+    service.bind_mesh(DataMesh.from_sizes(dp=2))
+    with pytest.raises(ValueError, match="one RayService per DataLoader"):
+        service.bind_mesh(DataMesh.from_sizes(dp=4))
+
+
+# ---------------------------------------------------------------------- with Ray
+
+
+class Trainer:
+    """A consumer (one per global rank): resolves only its own slice, inside its process."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.seen: list[dict] = []
+        self.bytes = 0
+
+    def train_step(self, remote_batch: RemoteBatch) -> int:
+        import ray
+
+        batch = ray.get(remote_batch.for_rank(self.rank))
+        self.bytes += sum(v.numel() * v.element_size() for v in batch.values())
+        self.seen.append(_strip(batch))
+        return os.getpid()
+
+    def report(self) -> tuple[list[dict], int]:
+        return self.seen, self.bytes
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_four_trainer_actors_each_get_only_their_in_process_slice(ray_session):
+    mesh = {"dp": 4}
+    trainers = [ray_session.remote(Trainer).options(num_cpus=0).remote(rank) for rank in range(4)]
+    service = RayService(num_actors=2, prefetch=3)
+    with _ray_loader(Items, mesh=mesh, service=service, batch_size=2, seed=7) as loader:
+        assert len(loader) == 3  # 30 samples, global batch 8
+        head = take(loader, 2)
+        state = loader.state_dict()
+        tail = take(loader, 3)  # crosses into epoch 1
+        pids = set()
+        for rb in head + tail:
+            pids |= set(ray_session.get([t.train_step.remote(rb) for t in trainers]))
+        built_in = {int(v) for rb in head for v in ray_session.get(rb.refs[0])["built_in"]}
+    assert os.getpid() not in built_in | pids and len(built_in) == 2  # in the two loader actors
+    assert [(rb.epoch, rb.step) for rb in head + tail] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    slice_bytes = 2 * (8 + 4 * 8 + 8)  # two samples of int64 "i", 4 x int64 "x", "built_in"
+    for rank, (seen, nbytes) in enumerate(ray_session.get([t.report.remote() for t in trainers])):
+        assert nbytes == 5 * slice_bytes  # only its own slice, never the global batch
+        local = DataLoader(Items(), batch_size=2, mesh=mesh, rank=rank, seed=7)
+        assert_same(seen, [_strip(b) for b in take(local, 5)])
+        resumed = DataLoader(Items(), batch_size=2, mesh=mesh, rank=rank, seed=7)
+        resumed.load_state_dict(state)  # a Ray loader's state resumes the in-process loader
+        assert_same(seen[2:], [_strip(b) for b in take(resumed, 3)])
+    for t in trainers:
+        ray_session.kill(t)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_resuming_from_any_state_gives_the_same_per_rank_batches(ray_session):
+    mesh = {"dp": 2, "tp": 2}
+
+    def factory() -> DataLoader:
+        return _ray_loader(_items_14, mesh=mesh, batch_size=2, seed=3, prefetch=2)
+
+    def equal(want: RemoteBatch, got: RemoteBatch, where: str) -> None:
+        assert (want.epoch, want.step) == (got.epoch, got.step), where
+        for rank in range(4):
+            assert_same(
+                _strip(ray_session.get(want.for_rank(rank))),
+                _strip(ray_session.get(got.for_rank(rank))),
+                f"{where} rank {rank}",
+            )
+
+    reference = assert_resume_equivalence(
+        factory, num_items=5, every=4, cleanup=lambda lo: lo.shutdown(), equal=equal
+    )
+    assert [(rb.epoch, rb.step) for rb in reference] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+
+
+@pytest.mark.ray
+def test_bad_samples_are_substituted_in_the_actor_as_in_process(ray_session):
+    kwargs = {"batch_size": 5, "seed": 1, "on_error": "substitute"}
+    with _ray_loader(_failing, mesh={"dp": 2}, **kwargs) as loader:
+        got = take(loader, 3)
+        stats = loader.stats()
+    local = [DataLoader(_failing(), mesh={"dp": 2}, rank=r, **kwargs) for r in range(2)]
+    for r in range(2):
+        assert_same(_resolve(got, r), [_strip(b) for b in take(local[r], 3)])
+    assert stats["substituted"] == 1 and stats["failures"][0]["index"] == 7
+
+
+@pytest.mark.ray
+def test_errors_raised_in_the_actor_reach_the_driver_as_themselves(ray_session):
+    with (
+        _ray_loader(_failing, mesh={"dp": 1}, batch_size=30, on_error="raise") as loader,
+        pytest.raises(SampleError, match="cannot decode sample 7"),
+    ):
+        take(loader, 1)
+    with pytest.raises(FileNotFoundError, match="shard-00007"):
+        _ray_loader(_broken, mesh={"dp": 1}, batch_size=1)
+
+
+@pytest.mark.ray
+def test_a_dead_loader_actor_is_reported_by_name(ray_session):
+    service = RayService(prefetch=2)
+    with _ray_loader(Items, mesh={"dp": 1}, service=service, batch_size=2) as loader:
+        it = iter(loader)
+        next(it)
+        victim = service._actors[0]
+        ray_session.kill(victim)
+        with pytest.raises(LoaderActorError, match=r"Ray loader actor 0 of 1 \(actor id") as err:
+            list(it)
+    assert victim._actor_id.hex() in str(err.value) and "max_restarts" in str(err.value)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_restarted_loader_actor_continues_with_nothing_lost_or_duplicated(ray_session):
+    mesh = {"dp": 2}
+    service = RayService(actor_options={"max_restarts": 2}, prefetch=3)
+    with _ray_loader(_slow_items, mesh=mesh, service=service, batch_size=3, seed=11) as loader:
+        it = iter(loader)
+        got = [next(it) for _ in range(2)]  # three more steps are in flight, 0.18 s each
+        ray_session.kill(service._actors[0], no_restart=False)
+        got += list(it)
+        assert loader.state_dict()["epoch"] == 1
+        got += take(loader, 2)
+    assert service.resubmitted >= 1
+    assert [rb.step for rb in got] == [0, 1, 2, 3, 4, 0, 1]
+    for r in range(2):
+        local = DataLoader(Items(), batch_size=3, mesh=mesh, rank=r, seed=11)
+        assert_same(_resolve(got, r), [_strip(b) for b in take(local, 7)])
