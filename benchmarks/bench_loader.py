@@ -1,0 +1,595 @@
+"""meshfeed.DataLoader against torch's DataLoader + DistributedSampler and torchdata's
+StatefulDataLoader: throughput, per-batch overhead, resume latency and order memory.
+
+    PYTHONPATH=src python benchmarks/bench_loader.py            # full run (a few minutes)
+    PYTHONPATH=src python benchmarks/bench_loader.py --quick    # < 1 minute
+    PYTHONPATH=src python benchmarks/bench_loader.py --out benchmarks/results/loader_full.md
+
+What is measured (every number comes from this run; ratios compare loaders measured in the
+same run, interleaved repeat by repeat so that machine noise hits both alike; medians):
+
+1. Throughput (batches/s) on a memmap-backed tokenised dataset (uint16 tokens, fixed windows
+   of 2048 tokens, batch 8): the *same* dataset object with the same ``__getitem__`` serves
+   both loaders, at 0 and 2 workers (torch with ``persistent_workers=True``, like meshfeed's
+   workers, which live as long as the loader). Steady state after a warm-up; the time to the
+   first batch of a fresh loader (worker start-up included) is reported separately.
+2. Per-batch overhead (order, slicing, fetch calls, collate) with a dataset that returns
+   ready tensors, 0 workers: microseconds per batch.
+3. Resume latency: ``load_state_dict`` + first batch at steps 10, 10**4 and 10**6 on a tiny
+   synthetic dataset of 8 * 10**6 + 512 samples. torchdata's ``StatefulDataLoader`` is given
+   its real state where iterating there is cheap (steps 10 and 10**4); at 10**6 its state is
+   the step-10**4 state with the step counters scaled (checked to reproduce the real state
+   at 10**4 from the one at 10). What it does on resume is what it actually does: it
+   regenerates the sampler's permutation and fast-forwards the sampler (no fetching).
+4. Memory of the order for n = 10**9 samples, measured in a fresh child process (tracemalloc
+   peak, and peak-RSS growth), against ``torch.randperm`` (10**7, 10**8) and iterating a
+   ``DistributedSampler`` (10**6, 10**7), whose cost at 10**9 is a linear extrapolation (said
+   so in the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+import warnings
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import DistributedSampler
+
+from meshfeed import DataLoader, DataMesh
+
+WINDOW = 2048
+BATCH = 8
+RESUME_SAMPLES = 8 * 10**6 + 512
+RESUME_STEPS = (10, 10**4, 10**6)
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+# --------------------------------------------------------------------------- datasets
+class MemmapWindows:
+    """Fixed windows of ``WINDOW`` uint16 tokens from a memmap; one int64 tensor per sample."""
+
+    def __init__(self, path: str, num_windows: int) -> None:
+        self.path = path
+        self.num_windows = num_windows
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r", shape=(num_windows * WINDOW,))
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        window = self.tokens[i * WINDOW : (i + 1) * WINDOW]
+        return torch.from_numpy(window.astype(np.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "num_windows": self.num_windows}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["num_windows"])  # type: ignore[misc]
+
+
+class ReadyTensors:
+    """Returns pre-made tensors (no I/O, no conversion): isolates the loader's own cost."""
+
+    def __init__(self, num_samples: int, width: int) -> None:
+        self.num_samples = num_samples
+        self.rows = [torch.full((width,), k, dtype=torch.int64) for k in range(64)]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.rows[i % 64]
+
+
+class TinySamples:
+    """``n`` samples that are their own index (a Python int): resume cost without I/O."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> int:
+        return int(i)
+
+
+def write_tokens(directory: str, num_windows: int) -> str:
+    path = os.path.join(directory, "tokens.u16")
+    rng = np.random.default_rng(0)
+    tokens = np.memmap(path, dtype=np.uint16, mode="w+", shape=(num_windows * WINDOW,))
+    chunk = 1 << 22
+    for lo in range(0, tokens.size, chunk):
+        hi = min(lo + chunk, tokens.size)
+        tokens[lo:hi] = rng.integers(0, 50_000, size=hi - lo, dtype=np.uint16)
+    tokens.flush()
+    del tokens
+    with open(path, "rb") as f:  # warm the page cache: both loaders read from memory
+        while f.read(1 << 24):
+            pass
+    return path
+
+
+# --------------------------------------------------------------------------- loaders
+def meshfeed_loader(ds: Any, *, workers: int = 0, dp: int = 1, rank: int = 0) -> DataLoader:
+    return DataLoader(
+        ds,
+        batch_size=BATCH,
+        mesh=DataMesh.from_sizes(dp=dp),
+        rank=rank,
+        seed=0,
+        num_workers=workers,
+    )
+
+
+def torch_loader(ds: Any, *, workers: int = 0, dp: int = 1, rank: int = 0) -> TorchDataLoader:
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        ds, num_replicas=dp, rank=rank, shuffle=True, seed=0
+    )
+    return TorchDataLoader(
+        ds,
+        batch_size=BATCH,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+
+
+def forever(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def interleaved_rates(
+    streams: dict[str, Iterator[Any]], *, warmup: int, batches: int, repeats: int
+) -> dict[str, list[float]]:
+    """Seconds per batch of each stream, timed in turns (A B A B ...) after a warm-up."""
+    for it in streams.values():
+        for _ in range(warmup):
+            next(it)
+    out: dict[str, list[float]] = {k: [] for k in streams}
+    for _ in range(repeats):
+        for name, it in streams.items():
+            t0 = time.perf_counter()
+            for _ in range(batches):
+                next(it)
+            out[name].append((time.perf_counter() - t0) / batches)
+    return out
+
+
+def first_batch_seconds(make: Callable[[], Any]) -> float:
+    """Fresh loader -> first batch (includes worker start-up); the loader is then closed."""
+    t0 = time.perf_counter()
+    loader = make()
+    it = iter(loader)
+    next(it)
+    elapsed = time.perf_counter() - t0
+    del it
+    if hasattr(loader, "shutdown"):
+        loader.shutdown()
+    return elapsed
+
+
+# --------------------------------------------------------------------------- 1. throughput
+def bench_throughput(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
+    path = write_tokens(tmp, cfg.windows)
+    ds = MemmapWindows(path, cfg.windows)
+    rows = []
+    for workers, dp in ((0, 1), (2, 1), (0, 2)):
+        mf = meshfeed_loader(ds, workers=workers, dp=dp)
+        tl = torch_loader(ds, workers=workers, dp=dp)
+        need = cfg.warmup + cfg.repeats * cfg.batches
+        if need > len(mf):
+            raise ValueError(f"--quick sizes need {need} batches per epoch, have {len(mf)}")
+        times = interleaved_rates(
+            {"meshfeed": forever(mf), "torch": forever(tl)},
+            warmup=cfg.warmup,
+            batches=cfg.batches,
+            repeats=cfg.repeats,
+        )
+        mf.shutdown()
+        del tl
+        starts_mf = [
+            first_batch_seconds(partial(meshfeed_loader, ds, workers=workers, dp=dp))
+            for _ in range(3)
+        ]
+        starts_t = [
+            first_batch_seconds(partial(torch_loader, ds, workers=workers, dp=dp)) for _ in range(3)
+        ]
+        m, t = 1 / median(times["meshfeed"]), 1 / median(times["torch"])
+        rows.append(
+            {
+                "workers": workers,
+                "mesh": f"dp={dp} rank 0",
+                "meshfeed_bps": m,
+                "torch_bps": t,
+                "ratio": m / t,
+                "meshfeed_first_ms": 1e3 * median(starts_mf),
+                "torch_first_ms": 1e3 * median(starts_t),
+            }
+        )
+        print(f"  throughput workers={workers} dp={dp}: {rows[-1]}", file=sys.stderr)
+    return rows
+
+
+# --------------------------------------------------------------------------- 2. overhead
+def bench_overhead(cfg: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for width in (WINDOW, 1):
+        ds = ReadyTensors(10**6, width)
+        times = interleaved_rates(
+            {"meshfeed": forever(meshfeed_loader(ds)), "torch": forever(torch_loader(ds))},
+            warmup=200,
+            batches=cfg.overhead_batches,
+            repeats=cfg.repeats,
+        )
+        m, t = 1e6 * median(times["meshfeed"]), 1e6 * median(times["torch"])
+        rows.append({"sample": f"int64[{width}]", "meshfeed_us": m, "torch_us": t, "ratio": t / m})
+        print(f"  overhead {rows[-1]}", file=sys.stderr)
+    return rows
+
+
+# --------------------------------------------------------------------------- 3. resume
+_TD_STEP_KEYS = ("_sampler_iter_yielded", "_num_yielded")
+_TD_SAMPLE_KEYS = ("samples_yielded", "yielded")
+
+
+def scale_torchdata_state(state: Any, step: int) -> Any:
+    """A StatefulDataLoader state with its step / sample counters set to ``step``."""
+    if isinstance(state, dict):
+        out = {}
+        for key, value in state.items():
+            if key in _TD_STEP_KEYS:
+                out[key] = step
+            elif key in _TD_SAMPLE_KEYS:
+                out[key] = step * BATCH
+            else:
+                out[key] = scale_torchdata_state(value, step)
+        return out
+    return state
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def torchdata_variants(ds: Any) -> dict[str, Callable[[], Any]]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def plain() -> Any:
+        s: DistributedSampler[Any] = DistributedSampler(ds, num_replicas=1, rank=0, seed=0)
+        return StatefulDataLoader(ds, batch_size=BATCH, sampler=s, drop_last=True)
+
+    def stateful() -> Any:
+        s = StatefulDistributedSampler(ds, num_replicas=1, rank=0, seed=0)
+        return StatefulDataLoader(ds, batch_size=BATCH, sampler=s, drop_last=True)
+
+    def random_sampler() -> Any:
+        g = torch.Generator().manual_seed(0)
+        return StatefulDataLoader(ds, batch_size=BATCH, shuffle=True, drop_last=True, generator=g)
+
+    return {
+        "StatefulDataLoader+DistributedSampler": plain,
+        "StatefulDataLoader+StatefulDistributedSampler": stateful,
+        "StatefulDataLoader(shuffle=True)": random_sampler,
+    }
+
+
+def _resume_seconds(make: Callable[[], Any], state: Any) -> tuple[float, Any]:
+    loader = make()
+    t0 = time.perf_counter()
+    loader.load_state_dict(state)
+    batch = next(iter(loader))
+    elapsed = time.perf_counter() - t0
+    if hasattr(loader, "shutdown"):
+        loader.shutdown()
+    return elapsed, batch
+
+
+def bench_resume(cfg: argparse.Namespace) -> list[dict[str, Any]]:
+    ds = TinySamples(RESUME_SAMPLES)
+    ref_steps = [s for s in RESUME_STEPS if s <= 10**4]
+    makers: dict[str, Callable[[], Any]] = {"meshfeed": lambda: meshfeed_loader(ds)}
+    variants = torchdata_variants(ds)
+    if cfg.quick:
+        variants = dict(list(variants.items())[:1])
+    makers.update(variants)
+
+    # Real states (and the batch that follows) at the cheap steps; scaled states at 10**6.
+    states: dict[str, dict[int, Any]] = {}
+    expected: dict[str, dict[int, torch.Tensor]] = {}
+    for name, make in makers.items():
+        loader = make()
+        it = iter(loader)
+        done = 0
+        states[name], expected[name] = {}, {}
+        for step in ref_steps:
+            while done < step:
+                next(it)
+                done += 1
+            states[name][step] = loader.state_dict()
+            expected[name][step] = next(it)
+            done += 1
+        if hasattr(loader, "shutdown"):
+            loader.shutdown()
+        base = states[name][ref_steps[0]]
+        if name == "meshfeed":
+            scaled = {s: {**base, "position": s * BATCH} for s in RESUME_STEPS}
+        else:
+            scaled = {s: scale_torchdata_state(base, s) for s in RESUME_STEPS}
+        for step in ref_steps:  # the scaled state is the real one where we can check it
+            if not _same_state(scaled[step], states[name][step]):
+                raise RuntimeError(f"{name}: scaled state at {step} differs from the real one")
+        states[name].update({s: scaled[s] for s in RESUME_STEPS if s not in ref_steps})
+
+    rows = []
+    for step in RESUME_STEPS:
+        row: dict[str, Any] = {"step": step}
+        for name, make in makers.items():
+            _resume_seconds(make, states[name][step])  # warm-up
+            runs = [_resume_seconds(make, states[name][step]) for _ in range(cfg.resume_repeats)]
+            for _, batch in runs:
+                if step in expected[name] and not torch.equal(batch, expected[name][step]):
+                    raise RuntimeError(f"{name} resumed at step {step} with the wrong batch")
+            row[name] = 1e3 * median([s for s, _ in runs])
+        rows.append(row)
+        print(f"  resume {row}", file=sys.stderr)
+    size_row: dict[str, Any] = {"step": "state bytes"}
+    for name in makers:
+        st = states[name][10**4]
+        size_row[name] = len(json.dumps(st)) if name == "meshfeed" else len(pickle.dumps(st))
+    rows.append(size_row)
+    return rows
+
+
+# --------------------------------------------------------------------------- 4. memory
+class LengthOnly:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return int(i)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_child(kind: str, n: int) -> dict[str, Any]:
+    """Runs in a fresh process: peak bytes allocated by building an order and using it."""
+    ds = LengthOnly(n)
+    work: Callable[[], Any]
+    if kind == "meshfeed-order":
+        from meshfeed.order.plan import BatchPlan, ShuffledOrder
+
+        def work() -> Any:
+            plan = BatchPlan(ShuffledOrder(n, seed=0), global_batch_size=BATCH)
+            step = plan.step_at(0, (n // 2) // BATCH * BATCH)
+            assert step is not None
+            return plan.rank_indices(step, 0, 1)
+
+    elif kind == "meshfeed-loader":
+
+        def work() -> Any:
+            loader = meshfeed_loader(ds)
+            state = loader.state_dict()
+            loader.load_state_dict({**state, "position": (n // 2) // BATCH * BATCH})
+            return next(iter(loader))
+
+    elif kind == "torch-randperm":
+
+        def work() -> Any:
+            return torch.randperm(n)
+
+    elif kind == "torch-DistributedSampler":
+
+        def work() -> Any:
+            sampler: DistributedSampler[Any] = DistributedSampler(
+                cast(Any, ds), num_replicas=1, rank=0, seed=0
+            )
+            it = iter(sampler)
+            return [next(it) for _ in range(BATCH)]
+
+    else:
+        raise ValueError(f"unknown memory kind {kind!r}")
+    work()  # first call pays one-off imports and caches; measure a second, fresh call
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS counter (VmHWM)
+        f.write("5")
+    base = _rss_kib("VmRSS")
+    tracemalloc.start()
+    result = work()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    hwm = _rss_kib("VmHWM")
+    del result
+    return {"kind": kind, "n": n, "tracemalloc_peak": peak, "rss_growth": (hwm - base) * 1024}
+
+
+def run_memory_child(kind: str, n: int) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", kind, str(n)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_memory(cfg: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = [run_memory_child("meshfeed-order", 10**9), run_memory_child("meshfeed-loader", 10**9)]
+    for n in cfg.randperm_sizes:
+        rows.append(run_memory_child("torch-randperm", n))
+    for n in cfg.sampler_sizes:  # a list of n Python ints: ~150 bytes of RSS per sample
+        rows.append(run_memory_child("torch-DistributedSampler", n))
+    for row in rows:
+        print(f"  memory {row}", file=sys.stderr)
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+def fmt(x: float, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB"
+
+
+def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
+    lines = [
+        "# meshfeed.DataLoader benchmark",
+        "",
+        f"Command: `PYTHONPATH=src python benchmarks/bench_loader.py{' --quick' if cfg.quick else ''}`",
+        f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, torch {torch.__version__}; "
+        f"medians of {cfg.repeats} interleaved repeats unless noted.",
+        "",
+    ]
+    if "throughput" in results:
+        lines += [
+            f"## Throughput: memmap uint16 windows of {WINDOW} tokens, batch {BATCH}, "
+            f"{cfg.windows} windows, {cfg.batches} batches per repeat",
+            "",
+            "| workers | mesh | meshfeed batches/s | torch DL+DistributedSampler batches/s | "
+            "ratio (>= 1 is faster) | meshfeed first batch ms | torch first batch ms |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in results["throughput"]:
+            lines.append(
+                f"| {r['workers']} | {r['mesh']} | {fmt(r['meshfeed_bps'])} | {fmt(r['torch_bps'])} "
+                f"| {r['ratio']:.2f} | {fmt(r['meshfeed_first_ms'])} | {fmt(r['torch_first_ms'])} |"
+            )
+        lines.append("")
+    if "overhead" in results:
+        lines += [
+            f"## Per-batch overhead: ready tensors, batch {BATCH}, 0 workers, "
+            f"{cfg.overhead_batches} batches per repeat",
+            "",
+            "| sample | meshfeed us/batch | torch us/batch | torch / meshfeed (>= 1: meshfeed cheaper) |",
+            "|---|---|---|---|",
+        ]
+        for r in results["overhead"]:
+            lines.append(
+                f"| {r['sample']} | {fmt(r['meshfeed_us'])} | {fmt(r['torch_us'])} | {r['ratio']:.2f} |"
+            )
+        lines.append("")
+    if "resume" in results:
+        names = [k for k in results["resume"][0] if k != "step"]
+        lines += [
+            f"## Resume latency: load_state_dict + first batch, ms ({RESUME_SAMPLES:,} tiny "
+            f"samples, median of {cfg.resume_repeats})",
+            "",
+            "| step | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for r in results["resume"]:
+            step = r["step"]
+            label = f"{step:,}" if isinstance(step, int) else step
+            cells = [(fmt(r[n], 2) if isinstance(step, int) else f"{r[n]:,}") for n in names]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "memory" in results:
+        lines += [
+            "## Memory of the order (fresh process; tracemalloc peak and peak-RSS growth)",
+            "",
+            "| what | n | tracemalloc peak | peak RSS growth | linear extrapolation to n = 10**9 |",
+            "|---|---|---|---|---|",
+        ]
+        for r in results["memory"]:
+            n = r["n"]
+            extra = (
+                "measured at 10**9"
+                if n == 10**9
+                else (
+                    f"~{mib(max(r['tracemalloc_peak'], r['rss_growth']) * 10**9 / n)} (extrapolated)"
+                )
+            )
+            lines.append(
+                f"| {r['kind']} | {n:.0e} | {mib(r['tracemalloc_peak'])} | {mib(r['rss_growth'])} | {extra} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small version (< 1 minute)")
+    parser.add_argument("--out", type=Path, help="also write the markdown report here")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=["throughput", "overhead", "resume", "memory"],
+        help="run only these sections",
+    )
+    parser.add_argument("--memory-child", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child[0], int(args.memory_child[1]))))
+        return
+    if args.quick:
+        args.windows, args.warmup, args.batches, args.repeats = 4096, 10, 60, 3
+        args.overhead_batches, args.resume_repeats = 1000, 2
+        args.randperm_sizes, args.sampler_sizes = [10**7], [10**6]
+    else:
+        args.windows, args.warmup, args.batches, args.repeats = 16384, 30, 300, 5
+        args.overhead_batches, args.resume_repeats = 5000, 3
+        args.randperm_sizes, args.sampler_sizes = [10**7, 10**8], [10**6, 10**7]
+    sections = args.only or ["throughput", "overhead", "resume", "memory"]
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="meshfeed-bench-") as tmp:
+        for section in sections:
+            print(f"[{section}]", file=sys.stderr)
+            t0 = time.perf_counter()
+            if section == "throughput":
+                results[section] = bench_throughput(args, tmp)
+            elif section == "overhead":
+                results[section] = bench_overhead(args)
+            elif section == "resume":
+                results[section] = bench_resume(args)
+            else:
+                results[section] = bench_memory(args)
+            print(f"  ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    text = report(args, results)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
