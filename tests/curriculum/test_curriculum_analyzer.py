@@ -101,3 +101,24 @@ def test_bad_arguments_are_refused(kwargs, message):
 def test_an_empty_dataset_is_refused():
     with pytest.raises(ValueError, match="empty dataset"):
         analyze([], [seqlen()], progress=False)
+
+
+def test_vectorised_built_ins_equal_their_per_sample_definitions_bit_for_bit():
+    docs = _docs(150)
+    fast = vocab_rarity(VOCAB)
+    (hist,) = fast.requires
+    slow_hist = AccumulatedMetric(name=hist.name, fn=hist.fn, size=hist.size)
+    slow = SampleMetric(
+        name="vocab_rarity",
+        fn=fast.fn,
+        dtype="float64",
+        requires=(slow_hist,),
+        prepare=fast.prepare,
+    )
+    a = analyze(docs, [fast, seqlen()], progress=False, chunk_size=32)
+    b = analyze(docs, [slow, SampleMetric(name="seqlen", fn=len)], progress=False, chunk_size=32)
+    for name in ("vocab_rarity", "seqlen", "token_histogram"):
+        x, y = a[name], b[name]
+        x_arr = x.values if isinstance(x, MetricIndex) else x
+        y_arr = y.values if isinstance(y, MetricIndex) else y
+        assert x_arr.tobytes() == y_arr.tobytes(), name

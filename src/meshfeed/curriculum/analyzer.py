@@ -53,12 +53,19 @@ def _run_chunk(start: int, stop: int) -> _ChunkOut:
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
     sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
-    for i in range(start, stop):
-        item = dataset[i]
-        for m in samples:
-            values[m.name][i - start] = m.fn(item, ctx[m.name]) if m.requires else m.fn(item)
-        for a in accs:
-            a.fn(sums[a.name], item)
+    items = [dataset[i] for i in range(start, stop)]
+    for m in samples:
+        args = (ctx[m.name],) if m.requires else ()
+        if m.batch_fn is not None:
+            values[m.name][:] = m.batch_fn(items, *args)
+        else:
+            values[m.name][:] = [m.fn(item, *args) for item in items]
+    for a in accs:
+        if a.batch_fn is not None:
+            a.batch_fn(sums[a.name], items)
+        else:
+            for item in items:
+                a.fn(sums[a.name], item)
     return values, sums
 
 

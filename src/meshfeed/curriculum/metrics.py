@@ -35,12 +35,17 @@ def _check_name(name: str) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AccumulatedMetric:
-    """``fn(acc, sample)`` adds ``sample``'s contribution into ``acc`` (shape ``(size,)``)."""
+    """``fn(acc, sample)`` adds ``sample``'s contribution into ``acc`` (shape ``(size,)``).
+
+    ``batch_fn(acc, samples)``, when given, does the same for a list of samples at once (the
+    analyzer then calls it once per chunk); it must add exactly what ``fn`` would.
+    """
 
     name: str
     fn: Callable[[np.ndarray, Any], None] = field(repr=False)
     size: int
     dtype: str = "int64"
+    batch_fn: Callable[[np.ndarray, list[Any]], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_name(self.name)
@@ -50,13 +55,18 @@ class AccumulatedMetric:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SampleMetric:
-    """``fn(sample)`` (or ``fn(sample, context)`` with ``requires``) -> one number of ``dtype``."""
+    """``fn(sample)`` (or ``fn(sample, context)`` with ``requires``) -> one number of ``dtype``.
+
+    ``batch_fn(samples)`` (or ``batch_fn(samples, context)``), when given, returns the values of
+    a list of samples at once, vectorised; it must equal ``fn`` sample by sample.
+    """
 
     name: str
     fn: Callable[..., Any] = field(repr=False)
     dtype: str = "int64"
     requires: tuple[AccumulatedMetric, ...] = ()
     prepare: Callable[..., Any] | None = field(default=None, repr=False)
+    batch_fn: Callable[..., Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_name(self.name)
@@ -87,6 +97,22 @@ def _count_tokens(acc: np.ndarray, sample: Any, *, key: str | None) -> None:
     np.add.at(acc, tokens, 1)
 
 
+def _lens(samples: list[Any], *, key: str | None) -> np.ndarray:
+    return np.fromiter((len(_field(x, key)) for x in samples), dtype=np.int64, count=len(samples))
+
+
+def _flat_tokens(samples: list[Any], key: str | None) -> tuple[np.ndarray, np.ndarray]:
+    parts = [np.asarray(_field(x, key)).ravel() for x in samples]
+    sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    return flat, sizes
+
+
+def _count_tokens_batch(acc: np.ndarray, samples: list[Any], *, key: str | None) -> None:
+    flat, _ = _flat_tokens(samples, key)
+    acc += np.bincount(flat, minlength=len(acc))[: len(acc)].astype(acc.dtype)
+
+
 def _neg_log_p(histogram: np.ndarray) -> np.ndarray:
     total = histogram.sum()
     with np.errstate(divide="ignore"):
@@ -99,9 +125,19 @@ def _rarity(sample: Any, neg_log_p: np.ndarray, *, key: str | None) -> float:
     return float(neg_log_p[tokens].sum())
 
 
+def _rarity_batch(samples: list[Any], neg_log_p: np.ndarray, *, key: str | None) -> np.ndarray:
+    flat, sizes = _flat_tokens(samples, key)
+    out = np.zeros(len(samples), dtype=np.float64)
+    for i, part in enumerate(np.split(neg_log_p[flat], np.cumsum(sizes)[:-1])):
+        out[i] = part.sum()  # the same pairwise sum as ``_rarity``, so values match bit for bit
+    return out
+
+
 def seqlen(*, key: str | None = None, name: str = "seqlen") -> SampleMetric:
     """The sample's length: ``len(sample)`` or ``len(sample[key])``."""
-    return SampleMetric(name=name, fn=partial(_len, key=key), dtype="int64")
+    return SampleMetric(
+        name=name, fn=partial(_len, key=key), dtype="int64", batch_fn=partial(_lens, key=key)
+    )
 
 
 def token_histogram(
@@ -109,7 +145,11 @@ def token_histogram(
 ) -> AccumulatedMetric:
     """How often each token id in ``range(vocab_size)`` occurs in the corpus."""
     return AccumulatedMetric(
-        name=name, fn=partial(_count_tokens, key=key), size=int(vocab_size), dtype="int64"
+        name=name,
+        fn=partial(_count_tokens, key=key),
+        size=int(vocab_size),
+        dtype="int64",
+        batch_fn=partial(_count_tokens_batch, key=key),
     )
 
 
@@ -123,4 +163,5 @@ def vocab_rarity(
         dtype="float64",
         requires=(token_histogram(vocab_size, key=key),),
         prepare=_neg_log_p,
+        batch_fn=partial(_rarity_batch, key=key),
     )

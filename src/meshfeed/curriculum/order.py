@@ -139,12 +139,14 @@ class GatedOrder:
         offset = flat - start
         rep, within = np.divmod(offset, size)
         out = np.empty_like(flat)
-        groups, inverse = np.unique(np.stack([seg, rep], axis=1), axis=0, return_inverse=True)
-        inverse = inverse.ravel()
-        for k, (s, r) in enumerate(groups.tolist()):
-            mask = inverse == k
-            perm = self._perm(s, r, int(seg_rows[s, 2]))
-            out[mask] = int(seg_rows[s, 1]) + perm[within[mask]]
+        # A batch nearly always falls in one or two (segment, round) groups; 1-D uniques are
+        # far cheaper than np.unique(axis=0) on pairs.
+        for s in np.unique(seg).tolist():
+            in_seg = seg == s
+            for r in np.unique(rep[in_seg]).tolist():
+                mask = in_seg & (rep == r)
+                perm = self._perm(s, r, int(seg_rows[s, 2]))
+                out[mask] = int(seg_rows[s, 1]) + perm[within[mask]]
         return out.reshape(g.shape)
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
