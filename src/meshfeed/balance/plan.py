@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.packing import _bfd, _check_budget, as_lengths
@@ -161,7 +161,7 @@ def plan(
             if any(np.array_equal(idx, prev) for prev in seen):
                 continue
             seen.append(idx)
-            c, padded = table.sizes[idx], table.pad[np.arange(s.size), idx]
+            c, padded = table.sizes[idx], table.padded(idx)
             sched = _place_split(work, c, padded, n_ranks, ps, table.aligned)
             ranked.append((sched.estimate(budget, ps), len(ranked), sched))
             if ranked[-1][0] <= lower * (1 + 1e-3):
@@ -219,15 +219,30 @@ def _candidate_sizes(cp_sizes: str | Sequence[int], n: int) -> list[tuple[np.nda
 
 
 class _DegreeTable:
-    """Padded lengths of every document at every allowed degree, and which ones fit."""
+    """The smallest allowed CP degree of every document that fits memory, and padded lengths."""
 
     def __init__(self, s: np.ndarray, sizes: np.ndarray, aligned: bool, tp: int, budget: int):
-        self.sizes, self.aligned = sizes, aligned
-        units = np.where(sizes > 1, 2 * sizes * tp, tp)
-        self.pad = -(-s[:, None] // units) * units
-        self.fits = self.pad // sizes <= budget
-        self.ok = self.fits.any(axis=1)
-        self.min_idx = np.argmax(self.fits, axis=1)
+        self.s, self.sizes, self.aligned, self.tp, self.budget = s, sizes, aligned, tp, budget
+        # A rank holds at least s / c tokens, so no degree below ceil(s / budget) fits; padding
+        # can push a document over, so step up until it fits (a few rounds at most).
+        idx = np.searchsorted(sizes, -(-s // budget))
+        while True:
+            rows = np.flatnonzero(idx < sizes.size)
+            over = rows[~self._fits(rows, idx[rows])]
+            if over.size == 0:
+                break
+            idx[over] += 1
+        self.ok = idx < sizes.size
+        self.min_idx = np.minimum(idx, sizes.size - 1)
+
+    def padded(self, idx: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        s = self.s if rows is None else self.s[rows]
+        c = self.sizes[idx]
+        unit = np.where(c > 1, 2 * c * self.tp, self.tp)
+        return -(-s // unit) * unit
+
+    def _fits(self, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        return self.padded(idx, rows) // self.sizes[idx] <= self.budget
 
     def degrees(self, work: np.ndarray, target: float) -> np.ndarray:
         """Index of the smallest degree that fits memory and brings work/c under ``target``."""
@@ -237,7 +252,7 @@ class _DegreeTable:
         idx = np.minimum(np.searchsorted(self.sizes, need), self.sizes.size - 1)
         idx = np.maximum(self.min_idx, idx)
         # Tiny budgets: padding can make a wider split overflow; keep the memory choice.
-        return np.where(self.fits[np.arange(idx.size), idx], idx, self.min_idx)
+        return np.where(self._fits(np.arange(idx.size), idx), idx, self.min_idx)
 
 
 @dataclass(slots=True)
@@ -247,11 +262,12 @@ class _Schedule:
     work: np.ndarray
     cp_start: np.ndarray
     microstep: np.ndarray
-    steps: list[list[list[int]]]
+    count: np.ndarray  # micro-steps per rank taken by split documents (and alignment)
     mine: list[list[int]]
     clock: np.ndarray
     makespan: float
     packed: bool = False
+    steps: list[list[list[int]]] = field(default_factory=list)
 
     def _unsplit_load(self, budget: int, ps: float) -> tuple[np.ndarray, np.ndarray]:
         small = np.flatnonzero(self.c == 1)
@@ -289,7 +305,12 @@ class _Schedule:
         if self.packed:
             return
         self.packed = True
-        clock, steps = self.clock, self.steps
+        clock = self.clock
+        steps: list[list[list[int]]] = [[[] for _ in range(k)] for k in self.count.tolist()]
+        for i in np.flatnonzero(self.c > 1).tolist():
+            r0, k = int(self.cp_start[i]), int(self.microstep[i])
+            for r in range(r0, r0 + int(self.c[i])):
+                steps[r][k] = [i]
         for r, docs in enumerate(self.mine):
             if not docs:
                 continue
@@ -307,6 +328,7 @@ class _Schedule:
         for r, st in enumerate(steps):
             clock[r] += ps * (k_total - len(st))
             st.extend([] for _ in range(k_total - len(st)))
+        self.steps = steps
         self.makespan = float(clock.max(initial=0.0))
 
     def microsteps(self) -> tuple[tuple[MicroStep, ...], ...]:
@@ -333,7 +355,6 @@ def _place_split(
     n = work.size
     clock = np.zeros(n_ranks)
     count = np.zeros(n_ranks, dtype=np.int64)
-    steps: list[list[list[int]]] = [[] for _ in range(n_ranks)]
     cp_start = np.zeros(n, dtype=np.int64)
     microstep = np.zeros(n, dtype=np.int64)
     dur = work / c
@@ -349,8 +370,8 @@ def _place_split(
             busy = clock[:span].reshape(-1, ci).sum(axis=1)
             starts = np.arange(0, span, ci)
         else:
-            kmax = sliding_window_view(key, ci).max(axis=1)
-            cmax = sliding_window_view(count, ci).max(axis=1)
+            kmax = _windows(key, ci).max(axis=1)
+            cmax = _windows(count, ci).max(axis=1)
             csum = np.concatenate([[0.0], np.cumsum(clock)])
             busy = csum[ci:] - csum[:-ci]
             starts = np.arange(n_ranks - ci + 1)
@@ -358,9 +379,6 @@ def _place_split(
         idle = ci * begin - busy  # prefer the block that wastes least waiting
         b = int(np.lexsort((idle, begin))[0])
         r0, k = int(starts[b]), int(cmax[b])
-        for r in range(r0, r0 + ci):
-            steps[r].extend([] for _ in range(k - len(steps[r])))
-            steps[r].append([i])
         clock[r0 : r0 + ci] = begin[b] + dur[i] + ps
         count[r0 : r0 + ci] = k + 1
         cp_start[i], microstep[i] = r0, k
@@ -370,8 +388,14 @@ def _place_split(
         work=work,
         cp_start=cp_start,
         microstep=microstep,
-        steps=steps,
+        count=count,
         mine=[[] for _ in range(n_ranks)],
         clock=clock,
         makespan=float(clock.max(initial=0.0)),
     )
+
+
+def _windows(x: np.ndarray, width: int) -> np.ndarray:
+    """Read-only view of every run of ``width`` consecutive elements (no copy, no checks)."""
+    step = x.strides[0]
+    return as_strided(x, shape=(x.size - width + 1, width), strides=(step, step), writeable=False)

@@ -1,0 +1,194 @@
+"""``meshfeed plan``: how balanced would training be on this mesh, these lengths, this budget?
+
+Prints, for meshfeed's :func:`plan` and for naive slicing (and token balancing), the step time
+over its lower bound, micro-steps per rank and packing efficiency, and saves a PNG of per-rank
+load for the first batch. The ranks balanced are DP x CP (``--dp * --cp``); ``--tp`` with
+``--sequence-parallel`` only changes padding. Lengths come from a synthetic distribution or a
+``.npy`` file of document lengths (a corpus, read in order as consecutive global batches).
+
+    meshfeed plan --dp 8 --cp 2 --max-tokens 32768 --dist longtail --batches 8
+    meshfeed plan --dp 16 --lengths doc_lengths.npy --cost s2 --png load.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshfeed.balance.baselines import naive_slicing, token_balancing
+from meshfeed.balance.cost import CostModel
+from meshfeed.balance.plan import Plan, plan
+from meshfeed.balance.synthetic import DISTRIBUTIONS, sample_batch
+from meshfeed.mesh import DataMesh
+
+__all__ = ["add_subcommand", "run"]
+
+
+def add_subcommand(subparsers: Any) -> None:
+    """Register ``plan`` on an argparse subparsers object (handler in ``func``)."""
+    p = subparsers.add_parser(
+        "plan",
+        help="balance of a DP x CP schedule for a length distribution or corpus",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mesh = p.add_argument_group("mesh")
+    mesh.add_argument("--dp", type=int, default=8, help="data-parallel size (default 8)")
+    mesh.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    mesh.add_argument(
+        "--sequence-parallel", action="store_true", help="pad split documents to 2*c*tp"
+    )
+    mesh.add_argument("--cp-sizes", choices=("any", "pow2_aligned"), default="any")
+    data = p.add_argument_group("lengths")
+    src = data.add_mutually_exclusive_group()
+    src.add_argument("--dist", choices=DISTRIBUTIONS, default="longtail")
+    src.add_argument("--lengths", type=Path, help=".npy file of document lengths (a corpus)")
+    data.add_argument(
+        "--batch-tokens", type=int, help="tokens per global batch (default 4 x ranks x budget)"
+    )
+    data.add_argument("--batches", type=int, default=8, help="global batches to plan (default 8)")
+    data.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=32768, help="tokens per rank per micro-step")
+    cost = p.add_argument_group("cost model")
+    cost.add_argument(
+        "--cost",
+        choices=("transformer", "s2", "tokens"),
+        default="transformer",
+        help="transformer FLOPs (default), s^2 only, or tokens only",
+    )
+    cost.add_argument(
+        "--per-step",
+        type=float,
+        default=0.0,
+        help="fixed cost of one micro-step, in the cost model's units (default 0)",
+    )
+    cost.add_argument("--hidden-size", type=int, default=4096)
+    cost.add_argument("--num-layers", type=int, default=32)
+    cost.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--png", type=Path, default=Path("meshfeed_plan.png"), help="per-rank load plot")
+    p.add_argument("--no-png", action="store_true", help="do not write the PNG")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``meshfeed plan``; returns the exit code (2 for bad input)."""
+    try:
+        mesh = DataMesh.from_sizes(dp=args.dp, cp=args.cp, tp=args.tp)
+        if args.max_tokens < 1 or args.batches < 1:
+            raise ValueError(
+                f"--max-tokens and --batches must be positive (got {args.max_tokens}, {args.batches})"
+            )
+        ranks = mesh.data_world_size * mesh.sizes.get("cp", 1)
+        cost = _cost(args)
+        batch_tokens = args.batch_tokens or 4 * ranks * args.max_tokens
+        batches = _batches(args, batch_tokens)
+        kw: dict[str, Any] = {"num_ranks": ranks, "max_tokens": args.max_tokens, "cost": cost}
+        plans = [
+            plan(
+                b,
+                cp_sizes=args.cp_sizes,
+                tp=args.tp if args.sequence_parallel else 1,
+                **kw,
+            )
+            for b in batches
+        ]
+    except (ValueError, TypeError, OSError) as e:
+        print(f"meshfeed plan: {e}", file=sys.stderr)
+        return 2
+    rows: dict[str, list[tuple[float, int, float]]] = {
+        "meshfeed": [],
+        "naive slicing": [],
+        "token balancing": [],
+    }
+    for b, p in zip(batches, plans, strict=True):
+        rows["meshfeed"].append(
+            (p.makespan / p.lower_bound, p.num_microsteps, p.packing_efficiency)
+        )
+        for name, fn in (("naive slicing", naive_slicing), ("token balancing", token_balancing)):
+            r = fn(b, **kw)
+            rows[name].append((r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency))
+    docs = sum(b.size for b in batches)
+    print(
+        f"mesh {mesh.sizes} -> {ranks} balanced ranks (DP x CP); budget {args.max_tokens} "
+        f"tokens/rank/micro-step; {len(batches)} batches, {docs} documents, "
+        f"~{batch_tokens} tokens each; cost {args.cost}"
+    )
+    print(f"{'method':<16} {'makespan/LB med':>16} {'p90':>7} {'micro-steps':>12} {'packing':>8}")
+    for name, vals in rows.items():
+        arr = np.asarray(vals)
+        print(
+            f"{name:<16} {np.median(arr[:, 0]):>16.3f} {np.percentile(arr[:, 0], 90):>7.3f} "
+            f"{np.median(arr[:, 1]):>12.1f} {np.median(arr[:, 2]):>8.1%}"
+        )
+    cp = np.concatenate([p.cp_size for p in plans])
+    degrees = ", ".join(
+        f"{c}: {n}" for c, n in zip(*np.unique(cp, return_counts=True), strict=True)
+    )
+    print(f"meshfeed CP degrees (degree: documents): {degrees}")
+    if not args.no_png:
+        try:
+            _plot(plans[0], batches[0], kw, args.png)
+            print(f"wrote {args.png}")
+        except ImportError:
+            print("matplotlib is not installed; no PNG written (pip install matplotlib)")
+    return 0
+
+
+def _cost(args: argparse.Namespace) -> CostModel:
+    if args.cost == "s2":
+        return CostModel(quadratic=1.0, per_step=args.per_step)
+    if args.cost == "tokens":
+        return CostModel(linear=1.0, per_step=args.per_step)
+    return CostModel.from_transformer(
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        per_step=args.per_step,
+    )
+
+
+def _batches(args: argparse.Namespace, batch_tokens: int) -> list[np.ndarray]:
+    if args.lengths is None:
+        return [
+            sample_batch(args.dist, tokens=batch_tokens, seed=args.seed * 100_003 + b)
+            for b in range(args.batches)
+        ]
+    corpus = np.load(args.lengths, allow_pickle=False).ravel()
+    if corpus.size == 0 or not np.issubdtype(corpus.dtype, np.integer):
+        raise ValueError(f"{args.lengths} must hold a non-empty integer array of document lengths")
+    ends = np.searchsorted(np.cumsum(corpus), batch_tokens * np.arange(1, args.batches + 1))
+    cuts = np.unique(np.minimum(np.concatenate([[0], ends + 1]), corpus.size))
+    out = [corpus[a:b] for a, b in itertools.pairwise(cuts.tolist()) if b > a]
+    return out or [corpus]
+
+
+def _plot(p: Plan, lengths: np.ndarray, kw: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = np.arange(p.num_ranks)
+    naive = naive_slicing(lengths, **kw).rank_time / p.lower_bound
+    tokens = token_balancing(lengths, **kw).rank_time / p.lower_bound
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * p.num_ranks + 3), 4))
+    width = 0.28
+    ax.bar(ranks - width, naive, width, label="naive slicing", color="#bbbbbb")
+    ax.bar(ranks, tokens, width, label="token balancing", color="#7a9cc6")
+    ax.bar(ranks + width, p.rank_time / p.lower_bound, width, label="meshfeed", color="#d1495b")
+    ax.axhline(1.0, color="black", lw=0.8, ls=":", label="lower bound")
+    ax.set_xlabel("rank (DP x CP)")
+    ax.set_ylabel("load / lower bound")
+    ax.set_title(
+        f"per-rank load, {lengths.size} documents, meshfeed step = {p.makespan / p.lower_bound:.3f} x LB"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
