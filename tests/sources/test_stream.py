@@ -1,0 +1,231 @@
+"""Sharded streams: exclusive assignment, exactly-once reads, shuffle buffer, exact resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.testing import assert_resume_equivalence, take
+from tests.dist_utils import run_distributed
+
+
+class CountingReader:
+    """A seeking reader over synthetic shards; records every (shard, row) it yields."""
+
+    def __init__(self, log: list[tuple[int, int]] | None = None) -> None:
+        self.log = log if log is not None else []
+
+    def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
+        sid, n = shard
+        for r in range(start, n if stop is None else min(stop, n)):
+            self.log.append((sid, r))
+            yield sid * 1000 + r
+
+
+def _stream(rows: list[int], *, known: bool, buffer: int = 0, log: list | None = None):
+    shards = [f"shard-{i}" for i in range(len(rows))]
+    reader = CountingReader(log)
+    table = dict(zip(shards, enumerate(rows), strict=True))
+    return ShardedStream(
+        shards,
+        lambda s, a, b: reader(table[s], a, b),
+        shuffle_buffer=buffer,
+        rows=rows if known else None,
+    ), reader
+
+
+def _all_rows(rows: list[int]) -> list[int]:
+    return [s * 1000 + r for s, n in enumerate(rows) for r in range(n)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 30), min_size=1, max_size=9),
+    R=st.integers(1, 4),
+    W=st.integers(1, 3),
+    epoch=st.integers(0, 3),
+    known=st.booleans(),
+)
+def test_assignment_is_exclusive_and_exhaustive(rows, R, W, epoch, known):
+    stream, _ = _stream(rows, known=known)
+    if (not known or len(rows) % (R * W) == 0) and len(rows) < R:
+        with pytest.raises(ValueError, match="shards cannot feed"):
+            stream.assign(epoch, R, W, seed=1, shuffle=True)
+        return
+    if known and len(rows) % (R * W) and sum(rows) < R * W:
+        with pytest.raises(ValueError, match="slots"):
+            stream.assign(epoch, R, W, seed=1, shuffle=True)
+        return
+    pieces = stream.assign(epoch, R, W, seed=1, shuffle=True)
+    covered = Counter()
+    per_slot = []
+    for rank in pieces:
+        for slot in rank:
+            n = 0
+            for p in slot:
+                stop = rows[p.shard] if p.stop is None else p.stop
+                covered.update((p.shard, r) for r in range(p.start, stop))
+                n += stop - p.start
+            per_slot.append(n)
+    assert covered == Counter((s, r) for s, n in enumerate(rows) for r in range(n))
+    if known and len(rows) % (R * W):
+        assert max(per_slot) - min(per_slot) <= 1  # split by row ranges: balanced to one row
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    ("rows", "known", "R"),
+    [([10, 7, 12, 5], False, 2), ([9, 9, 9], True, 2), ([6] * 5, True, 3), ([4, 11], True, 4)],
+)
+def test_every_row_is_read_once_by_exactly_one_rank(rows, known, R, num_workers):
+    """Simulates every data rank in one process; counts the reader's reads per row."""
+    log: list[tuple[int, int]] = []
+    stream, _ = _stream(rows, known=known, buffer=3, log=log)
+    delivered, steps = [], []
+    for r in range(R):
+        lo = StreamLoader(
+            stream, batch_size=2, mesh={"dp": R}, rank=r, drop_last=False, num_workers=num_workers
+        )
+        batches = [b.tolist() for b in lo]
+        steps.append(len(batches))
+        delivered += [x for b in batches for x in b]
+        if num_workers == 0:
+            assert len(log) == len(set(log))  # nothing read twice, not even within a rank
+    if num_workers == 0:
+        assert Counter(log) == Counter((s, r) for s, n in enumerate(rows) for r in range(n))
+    assert len(delivered) == len(set(delivered))
+    if not known:
+        assert sorted(delivered) == _all_rows(rows)  # each rank ran to its own end
+    else:
+        assert len(set(steps)) == 1  # known lengths: ranks stop together by construction
+
+
+def test_workers_serve_round_robin_and_match_in_process_shards():
+    stream, _ = _stream([6, 6, 6, 6], known=True)
+    with StreamLoader(stream, batch_size=3, num_workers=2, shuffle=False) as lo:
+        got = [b.tolist() for b in lo]
+    assert got == [[0, 1, 2], [1000, 1001, 1002], [3, 4, 5], [1003, 1004, 1005],
+                   [2000, 2001, 2002], [3000, 3001, 3002], [2003, 2004, 2005], [3003, 3004, 3005]]  # fmt: skip
+
+
+def test_shuffle_buffer_is_seeded_and_reshuffles_per_epoch():
+    stream, _ = _stream([20, 20], known=True, buffer=8)
+    a = StreamLoader(stream, batch_size=5, seed=3)
+    b = StreamLoader(stream, batch_size=5, seed=3)
+    first = [x.tolist() for x in a]
+    assert first == [x.tolist() for x in b]
+    assert sorted(sum(first, [])) == _all_rows([20, 20])
+    assert sum(first, []) != _all_rows([20, 20])
+    assert [x.tolist() for x in a] != first  # epoch 1 differs
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_with_shuffle_buffer_across_epochs(num_workers):
+    stream, _ = _stream([7, 5, 9], known=False, buffer=4)
+
+    def factory() -> StreamLoader:
+        return StreamLoader(stream, batch_size=2, mesh={"dp": 2}, rank=0, num_workers=num_workers)
+
+    ref = assert_resume_equivalence(factory, num_items=12, cleanup=lambda lo: lo.shutdown())
+    assert len(ref) == 12
+
+
+def test_state_holds_shard_cursor_offset_and_buffer_references():
+    stream, _ = _stream([10, 10], known=True, buffer=4)
+    lo = StreamLoader(stream, batch_size=3, seed=1)
+    take(lo, 2)
+    state = json.loads(json.dumps(lo.state_dict()))
+    shuffle = state["workers"][0]["source"]
+    assert set(shuffle) >= {"draws", "buffer", "source"}
+    assert shuffle["draws"] == 6 and len(shuffle["buffer"]) == 4
+    assert all(len(ref) == 2 for ref in shuffle["buffer"])
+    assert set(shuffle["source"]) >= {"piece", "row"}
+
+
+def test_resume_with_another_configuration_is_refused():
+    stream, _ = _stream([8, 8], known=True)
+    state = StreamLoader(stream, batch_size=2, mesh={"dp": 2}, rank=0).state_dict()
+    with pytest.raises(ValueError, match="data_rank"):
+        StreamLoader(stream, batch_size=2, mesh={"dp": 2}, rank=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_workers"):
+        StreamLoader(stream, batch_size=2, mesh={"dp": 2}, num_workers=2, rank=0).load_state_dict(
+            state
+        )
+    with pytest.raises(ValueError, match="kind='stream'"):
+        StreamLoader(stream, batch_size=2).load_state_dict({"version": 1})
+
+
+def test_default_reader_reads_callables_and_jsonl_files(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(json.dumps({"x": i}) for i in range(4)) + "\n")
+    stream = ShardedStream([str(path), lambda: iter([{"x": 10}, None, {"x": 11}])])
+    lo = StreamLoader(stream, batch_size=2, shuffle=False, drop_last=False)
+    got = [b["x"].tolist() for b in lo]
+    assert got == [[0, 1], [2, 3], [10, 11]]
+    assert lo.stats()["skipped"] == 0 or lo.stats()["epoch"] == 1
+
+
+def test_len_is_known_only_with_row_counts():
+    known, _ = _stream([5, 5], known=True)
+    assert len(StreamLoader(known, batch_size=2)) == 5  # batches span shard boundaries
+    unknown, _ = _stream([5, 5], known=False)
+    with pytest.raises(TypeError, match="row counts"):
+        len(StreamLoader(unknown, batch_size=2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"shards": []}, "non-empty list"),
+        ({"shards": [3]}, "neither a path"),
+        ({"shards": ["a"], "rows": [1, 2]}, "one non-negative row count"),
+        ({"shards": ["a"], "shuffle_buffer": -1}, "shuffle_buffer"),
+    ],
+)
+def test_bad_stream_configuration_is_refused(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ShardedStream(**kwargs)
+
+
+def test_too_few_shards_for_the_ranks_is_refused_at_construction():
+    stream, _ = _stream([5], known=False)
+    with pytest.raises(ValueError, match="give rows="):
+        StreamLoader(stream, batch_size=1, mesh={"dp": 2}, rank=0)
+
+
+# ---------------------------------------------------------------------- real processes
+def _uneven_stream_rank(rank: int, world: int) -> dict[str, Any]:
+    log: list[tuple[int, int]] = []
+    # Unknown lengths, deliberately uneven: rank r owns shards r, r + world, ...
+    stream, _ = _stream([3, 9, 14, 6, 2, 8, 5, 1], known=False, buffer=2, log=log)
+    lo = StreamLoader(stream, batch_size=2, mesh={"dp": world}, num_workers=0, timeout=30)
+    steps = [len(list(lo))]
+    reads = list(log)  # epoch 0 only: shards are re-permuted across ranks every epoch
+    steps.append(len(list(lo)))
+    result: dict[str, Any] = {"steps": steps, "reads": reads}
+    if rank != world - 1:  # the last rank never shows up: the others must not wait forever
+        lo2 = StreamLoader(stream, batch_size=2, mesh={"dp": world}, timeout=3)
+        try:
+            list(lo2)
+            result["timeout"] = "no error"
+        except RuntimeError as exc:
+            result["timeout"] = str(exc)
+    return result
+
+
+@pytest.mark.slow
+def test_gloo_ranks_stop_together_read_only_their_shards_and_never_hang():
+    results = run_distributed(_uneven_stream_rank, 2, timeout=120)
+    steps = [r["steps"] for r in results]
+    assert all(s == steps[0] for s in steps) and steps[0][0] >= 1
+    reads = Counter(x for r in results for x in set(r["reads"]))
+    assert max(reads.values()) == 1  # no row is read by two ranks
+    for r in results[:-1]:
+        assert "timeout=3" in r["timeout"]
