@@ -127,11 +127,21 @@ class TokenWindows:
         One ``np.empty``, one memmap slice per window (converted to ``dtype`` while copying),
         one zero-copy ``torch.from_numpy``.
         """
-        idx = _as_indices(indices, self._len)
-        width = self.seq_len + 1
-        out = np.empty((idx.shape[0], width), dtype=self._np_dtype)
-        stream = self._stream
-        for row, start in enumerate((idx * self.seq_len).tolist()):
+        # validating on the Python list is ~3x cheaper than numpy reductions on 8 elements,
+        # and this is the per-batch hot path
+        if isinstance(indices, np.ndarray) and indices.ndim == 1 and indices.dtype.kind in "iu":
+            rows = indices.tolist()
+        else:
+            rows = _as_indices(indices, self._len).tolist()
+        if rows and (min(rows) < 0 or max(rows) >= self._len):
+            raise IndexError(
+                f"indices span [{min(rows)}, {max(rows)}], outside [0, {self._len}) for this "
+                "dataset"
+            )
+        seq_len, width, stream = self.seq_len, self.seq_len + 1, self._stream
+        out = np.empty((len(rows), width), dtype=self._np_dtype)
+        for row, i in enumerate(rows):
+            start = i * seq_len
             out[row] = stream[start : start + width]
         return torch.from_numpy(out)
 

@@ -1,0 +1,218 @@
+"""Token-window throughput from a Megatron-format corpus (issue 3, section 8, benchmarks 1-2).
+
+1. ``TokenWindows.fetch_batch`` on shuffled windows (batch 8 x 2048 tokens) against the physical
+   limit: a plain numpy copy of the same number of bytes out of the same memory map.
+2. The same windows through ``meshfeed.DataLoader`` (which calls ``fetch_batch``: one vectorised
+   read per batch) against ``torch.utils.data.DataLoader`` + ``DistributedSampler`` over a
+   typical per-sample memmap dataset (``__getitem__`` returns one window, default collate), at
+   0 and 2 workers. Both loaders run as data rank 0 of 2 and read the same number of batches;
+   rates are measured after a few warm-up batches (worker start-up excluded for both).
+
+The corpus (random uint16 tokens; >= 1 GB, ~100 MB with ``--quick``) is generated in a
+temporary directory with ``write_indexed`` and deleted afterwards. The page cache is warm.
+
+    PYTHONPATH=src python benchmarks/bench_tokens.py            # ~1 GB corpus
+    PYTHONPATH=src python benchmarks/bench_tokens.py --quick    # ~100 MB corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset, DistributedSampler
+
+from meshfeed.loader import DataLoader
+from meshfeed.order.permutation import Permutation
+from meshfeed.sources.indexed import TokenCorpus, write_indexed
+from meshfeed.sources.windows import TokenWindows
+
+SEQ_LEN = 2048
+BATCH = 8
+
+
+def random_documents(total_tokens: int, seed: int = 0) -> Iterator[np.ndarray]:
+    """Documents of 100..8000 random uint16 tokens, generated in 16M-token chunks."""
+    rng = np.random.default_rng(seed)
+    left = total_tokens
+    while left > 0:
+        chunk = rng.integers(0, 65535, min(left, 1 << 24), dtype=np.uint16)
+        left -= chunk.size
+        cuts = np.cumsum(rng.integers(100, 8000, chunk.size // 100 + 1))
+        cuts = cuts[cuts < chunk.size]
+        yield from np.split(chunk, cuts)
+
+
+class MemmapWindows(Dataset):  # type: ignore[type-arg]
+    """The usual per-sample dataset: one memmap slice per ``__getitem__``, collated by torch."""
+
+    def __init__(self, bin_path: str, num_tokens: int, seq_len: int) -> None:
+        self.bin_path, self.num_tokens, self.seq_len = bin_path, num_tokens, seq_len
+        self.data: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return (self.num_tokens - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.data is None:  # opened lazily so each worker maps the file itself
+            self.data = np.memmap(self.bin_path, dtype=np.uint16, mode="r")
+        start = i * self.seq_len
+        return torch.from_numpy(self.data[start : start + self.seq_len + 1].astype(np.int64))
+
+
+def timed(batches: Iterator[Any], n: int, warmup: int) -> float:
+    """Seconds for ``n`` batches after ``warmup`` batches have been taken."""
+    for _ in range(warmup):
+        next(batches)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        next(batches)
+    return time.perf_counter() - t0
+
+
+def _best_rate(fn: Any, reps: int) -> float:
+    """The shortest of ``reps`` timed runs of ``fn()`` (the machine may be shared)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_fetch(corpus: TokenCorpus, n_batches: int, reps: int) -> list[tuple[str, float, float]]:
+    """(name, windows/s, GB/s of corpus bytes) for the numpy copies and fetch_batch.
+
+    Every path runs ``reps`` times over the same bytes (the first run also maps the pages);
+    the best run counts, for the copies and for meshfeed alike.
+    """
+    window_bytes = (SEQ_LEN + 1) * corpus.dtype.itemsize
+    stream = corpus.tokens
+    n_windows = n_batches * BATCH
+
+    # the same number of bytes as n_batches batches, copied contiguously, batch-sized
+    small = np.empty(BATCH * (SEQ_LEN + 1), dtype=corpus.dtype)
+    starts = (
+        (np.arange(n_batches, dtype=np.int64) * small.shape[0]) % (stream.shape[0] - small.shape[0])
+    ).tolist()
+
+    def copy_small() -> None:
+        for s in starts:
+            np.copyto(small, stream[s : s + small.shape[0]])
+
+    # ... and in 64 MB chunks: the memory-bandwidth limit of one core
+    big = np.empty(min(1 << 25, stream.shape[0]), dtype=corpus.dtype)
+    total = n_windows * (SEQ_LEN + 1)
+
+    def copy_big() -> None:
+        done = 0
+        while done < total:
+            lo = done % (stream.shape[0] - big.shape[0] + 1)
+            np.copyto(big, stream[lo : lo + big.shape[0]])
+            done += big.shape[0]
+
+    paths: list[tuple[str, Any]] = [
+        ("numpy copy, batch-sized chunks", copy_small),
+        ("numpy copy, 64 MB chunks", copy_big),
+    ]
+    for dtype in (torch.int64, torch.uint16):
+        windows = TokenWindows(corpus, seq_len=SEQ_LEN, dtype=dtype)
+        perm = Permutation(len(windows), seed=0)
+        idx = perm[np.arange(n_windows, dtype=np.int64) % len(windows)].reshape(-1, BATCH)
+
+        def fetch(windows: TokenWindows = windows, idx: np.ndarray = idx) -> None:
+            for b in idx:
+                windows.fetch_batch(b)
+
+        paths.append((f"meshfeed fetch_batch -> {str(dtype).removeprefix('torch.')}", fetch))
+    rows = []
+    for name, fn in paths:
+        dt = _best_rate(fn, reps)
+        rows.append((name, n_windows / dt, n_windows * window_bytes / dt / 1e9))
+    return rows
+
+
+def loader_iter(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def bench_loaders(corpus: TokenCorpus, n_batches: int, warmup: int) -> list[tuple[str, int, float]]:
+    """(name, workers, windows/s) for meshfeed.DataLoader and torch DataLoader + DistributedSampler."""
+    rows = []
+    windows = TokenWindows(corpus, seq_len=SEQ_LEN)
+    baseline = MemmapWindows(str(corpus.bin_path), corpus.num_tokens, SEQ_LEN)
+    for workers in (0, 2):
+        mf = DataLoader(
+            windows, batch_size=BATCH, mesh={"dp": 2}, rank=0, seed=0, num_workers=workers
+        )
+        try:
+            dt = timed(loader_iter(mf), n_batches, warmup)
+        finally:
+            mf.shutdown()
+        rows.append(("meshfeed DataLoader (fetch_batch)", workers, n_batches * BATCH / dt))
+        sampler = DistributedSampler(baseline, num_replicas=2, rank=0, shuffle=True, seed=0)
+        tl = TorchDataLoader(
+            baseline,
+            batch_size=BATCH,
+            sampler=sampler,
+            num_workers=workers,
+            drop_last=True,
+            persistent_workers=workers > 0,
+        )
+        dt = timed(loader_iter(tl), n_batches, warmup)
+        rows.append(("torch DataLoader + DistributedSampler", workers, n_batches * BATCH / dt))
+        del tl
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="~100 MB corpus, fewer batches")
+    parser.add_argument("--gb", type=float, default=None, help="corpus size in GB (default 1.05)")
+    parser.add_argument("--dir", default=None, help="where to write the temporary corpus")
+    args = parser.parse_args()
+    gb = args.gb if args.gb is not None else (0.1 if args.quick else 1.05)
+    fetch_batches = 3_000 if args.quick else 20_000
+    loader_batches = 500 if args.quick else 2_000
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="meshfeed-bench-", dir=args.dir))
+    try:
+        t0 = time.perf_counter()
+        corpus = write_indexed(tmp / "corpus", random_documents(int(gb * 1e9) // 2), np.uint16)
+        size = corpus.bin_path.stat().st_size
+        print(
+            f"corpus: {size / 1e9:.2f} GB, {corpus.num_documents} documents, "
+            f"{corpus.num_tokens} uint16 tokens (written in {time.perf_counter() - t0:.1f}s); "
+            f"batch {BATCH} x {SEQ_LEN + 1} tokens"
+        )
+        print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print(f"\n1. windows from the memory map ({fetch_batches} shuffled batches, best of 3)")
+        rows = bench_fetch(corpus, fetch_batches, reps=3)
+        limit = max(rows[0][2], rows[1][2])  # the faster copy is the physical limit
+        print(f"{'path':<34} {'windows/s':>12} {'GB/s':>8} {'vs copy':>8}")
+        for name, wps, gbs in rows:
+            print(f"{name:<34} {wps:>12,.0f} {gbs:>8.2f} {gbs / limit:>7.0%}")
+        print(f"\n2. loaders, data rank 0 of 2 ({loader_batches} batches after 20 warm-up)")
+        lrows = bench_loaders(corpus, loader_batches, warmup=20)
+        print(f"{'loader':<38} {'workers':>7} {'windows/s':>12} {'speed-up':>9}")
+        for k in range(0, len(lrows), 2):
+            (mname, w, mrate), (tname, _, trate) = lrows[k], lrows[k + 1]
+            print(f"{tname:<38} {w:>7} {trate:>12,.0f} {1.0:>8.2f}x")
+            print(f"{mname:<38} {w:>7} {mrate:>12,.0f} {mrate / trate:>8.2f}x")
+        print(f"\nload average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
