@@ -1,0 +1,238 @@
+"""Bad samples: retry, then raise / skip / deterministic substitute, each sample read once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshfeed import DataLoader, SampleError
+from meshfeed.fetch import Failed, Fetcher, FetchTask
+from meshfeed.order.permutation import derive_seed
+from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus, write_indexed
+from meshfeed.testing import assert_resume_equivalence, take
+from tests.dist_utils import run_distributed
+
+N = 400
+
+
+def is_bad(i: int) -> bool:
+    """About 5 % of indices, spread pseudo-randomly."""
+    return derive_seed(77, i) % 20 == 0
+
+
+class Flaky:
+    """Items raise for ``is_bad`` indices; ``reads`` counts every read of every index."""
+
+    def __init__(self, n: int = N, *, transient: bool = False) -> None:
+        self.n, self.transient = n, transient
+        self.reads: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.reads[i] += 1
+        if is_bad(i) and (not self.transient or self.reads[i] == 1):
+            raise OSError(f"corrupt record {i}")
+        return i
+
+
+class Batched(Flaky):
+    """Reports bad items in place from ``__getitems__`` (None rejects, Failed fails)."""
+
+    def __init__(self, n: int = N) -> None:
+        super().__init__(n)
+        self.batch_reads: Counter[int] = Counter()
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        out: list[Any] = []
+        for i in indices:
+            self.batch_reads[i] += 1
+            if is_bad(i):
+                out.append(None if i % 2 else Failed(OSError(f"corrupt record {i}")))
+            else:
+                out.append(i)
+        return out
+
+
+BAD = [i for i in range(N) if is_bad(i)]
+
+
+def test_the_fixture_has_about_five_percent_bad_items():
+    assert 0.03 < len(BAD) / N < 0.08
+
+
+def test_substitutes_keep_batches_full_and_are_counted():
+    ds = Flaky()
+    lo = DataLoader(ds, batch_size=10, seed=1)
+    batches = [b.tolist() for b in lo]
+    assert len(batches) == N // 10 and all(len(b) == 10 for b in batches)
+    assert not set(BAD) & {x for b in batches for x in b}
+    stats = lo.stats()
+    assert stats["substituted"] >= len(BAD) and stats["skipped"] == 0
+    first = stats["failures"][0]
+    assert set(first) == {"index", "position", "attempt", "error", "message"}
+    assert first["error"] == "OSError" and first["index"] in BAD
+    assert len(stats["failures"]) == 8  # the first K failures only
+
+
+def test_healthy_samples_are_read_exactly_once():
+    ds = Flaky()
+    list(DataLoader(ds, batch_size=10, seed=1, on_error="skip"))
+    assert all(ds.reads[i] == 1 for i in range(N))
+
+
+def test_batched_datasets_report_bad_items_in_place_without_rereads():
+    ds = Batched()
+    lo = DataLoader(ds, batch_size=10, seed=1)
+    batches = [b.tolist() for b in lo]
+    assert all(len(b) == 10 for b in batches)
+    assert ds.batch_reads == Counter(range(N))  # every item once through the batch call
+    # Item by item, only substitutes are read (not the healthy rest of an affected batch).
+    stats = lo.stats()
+    assert stats["substituted"] >= len(BAD)
+    assert sum(ds.reads.values()) <= stats["substituted"] + len(BAD)
+
+
+def test_transient_failures_are_retried_and_not_substituted():
+    ds = Flaky(transient=True)
+    lo = DataLoader(ds, batch_size=10, seed=1, max_retries=2)
+    batches = [b.tolist() for b in lo]
+    assert sorted(x for b in batches for x in b) == list(range(N))
+    assert lo.stats()["retries"] == len(BAD) and lo.stats()["substituted"] == 0
+
+
+def test_skip_shortens_the_batch_but_not_the_epoch():
+    lo = DataLoader(Flaky(), batch_size=10, seed=1, on_error="skip")
+    sizes = [len(b) for b in lo]
+    assert len(sizes) == N // 10 and sum(sizes) == N - len(BAD)
+    assert lo.stats()["skipped"] == len(BAD)
+
+
+def test_raise_stops_with_the_failing_index_in_the_message():
+    lo = DataLoader(Flaky(), batch_size=10, shuffle=False, on_error="raise")
+    with pytest.raises(SampleError, match=rf"sample {BAD[0]} \(epoch position {BAD[0]}\)"):
+        list(lo)
+
+
+def test_raise_names_a_rejected_index_too():
+    lo = DataLoader(Batched(), batch_size=10, shuffle=False, on_error="raise")
+    with pytest.raises(SampleError, match=rf"sample {BAD[0]} "):
+        list(lo)
+
+
+def test_substitute_depends_only_on_seed_epoch_position_and_attempt():
+    fetcher = Fetcher(Flaky(), seed=5)
+    a = fetcher.substitute_index(2, 17, 1)
+    assert a == Fetcher(Flaky(), seed=5).substitute_index(2, 17, 1)
+    assert a != fetcher.substitute_index(3, 17, 1)
+    task = FetchTask(2, 0, np.array([BAD[0]]), np.array([17]))
+    batch, events = fetcher(task)
+    sub = a if not is_bad(a) else None
+    if sub is not None:
+        assert batch.tolist() == [sub] and events.substituted == 1
+
+
+def test_all_ranks_agree_with_the_single_process_global_batch():
+    """Simulation of 4 data ranks in one process: same steps, same substitutes per position."""
+    whole = [b.tolist() for b in DataLoader(Flaky(), batch_size=40, seed=3)]
+    ranks = [[b.tolist() for b in DataLoader(Flaky(), batch_size=10, mesh={"dp": 4}, rank=r, seed=3)] for r in range(4)]  # fmt: skip
+    assert {len(r) for r in ranks} == {len(whole)}
+    for step, batch in enumerate(whole):
+        assert sum((ranks[r][step] for r in range(4)), []) == batch
+
+
+def test_failure_counts_are_in_the_checkpoint_and_resume_exactly():
+    def factory() -> DataLoader:
+        return DataLoader(Flaky(60), batch_size=4, mesh={"dp": 2}, rank=1, seed=2)
+
+    assert_resume_equivalence(factory, num_items=12)
+    lo = factory()
+    take(lo, 10)
+    state = json.loads(json.dumps(lo.state_dict()))
+    assert state["stats"]["substituted"] == lo.stats()["substituted"] > 0
+    fresh = factory()
+    fresh.load_state_dict(state)
+    assert fresh.stats()["substituted"] == state["stats"]["substituted"]
+    assert fresh.stats()["failures"] == state["stats"]["failures"]
+
+
+def test_workers_substitute_like_the_main_process():
+    ref = [b.tolist() for b in DataLoader(Flaky(), batch_size=10, seed=4)]
+    with DataLoader(Flaky(), batch_size=10, seed=4, num_workers=2) as lo:
+        assert [b.tolist() for b in lo] == ref
+
+
+# ---------------------------------------------------------------------- token files
+@pytest.fixture
+def corpus(tmp_path):
+    prefix = tmp_path / "c"
+    write_indexed(prefix, [[1, 2, 3], [4, 5], [6, 7, 8, 9]], np.uint16)
+    return prefix
+
+
+def test_truncated_bin_file_gives_a_clear_error(corpus):
+    bin_path = corpus.with_suffix(".bin")
+    bin_path.write_bytes(bin_path.read_bytes()[:-4])
+    with pytest.raises(IndexedFormatError, match="truncated"):
+        TokenCorpus(corpus)
+
+
+def test_truncated_idx_file_gives_a_clear_error(corpus):
+    idx_path = corpus.with_suffix(".idx")
+    idx_path.write_bytes(idx_path.read_bytes()[:-3])
+    with pytest.raises(IndexedFormatError, match="truncated or corrupt"):
+        TokenCorpus(corpus)
+    idx_path.write_bytes(idx_path.read_bytes()[:10])
+    with pytest.raises(IndexedFormatError, match="shorter than the 34-byte header"):
+        TokenCorpus(corpus)
+
+
+def test_corrupt_magic_gives_a_clear_error(corpus, tmp_path):
+    shutil.copy(corpus.with_suffix(".bin"), tmp_path / "d.bin")
+    raw = bytearray(corpus.with_suffix(".idx").read_bytes())
+    raw[:4] = b"JUNK"
+    (tmp_path / "d.idx").write_bytes(bytes(raw))
+    with pytest.raises(IndexedFormatError, match="bad magic"):
+        TokenCorpus(tmp_path / "d")
+
+
+def test_missing_token_file_names_the_path(corpus):
+    corpus.with_suffix(".bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"c\.bin does not exist"):
+        TokenCorpus(corpus)
+
+
+# ---------------------------------------------------------------------- real processes
+def _bad_samples_rank(rank: int, world: int) -> dict[str, Any]:
+    lo = DataLoader(Flaky(), batch_size=10, seed=3, timeout=60)
+    batches = [b.tolist() for b in lo]
+    out: dict[str, Any] = {"batches": batches, "stats": lo.stats()}
+    raising = DataLoader(Flaky(), batch_size=10, shuffle=False, on_error="raise", timeout=60)
+    try:
+        out["raise_steps"] = len(list(raising))
+    except SampleError as exc:
+        out["raise_message"] = str(exc).splitlines()[0]
+    return out
+
+
+@pytest.mark.slow
+def test_four_gloo_ranks_complete_an_epoch_with_identical_steps_and_substitutes():
+    results = run_distributed(_bad_samples_rank, 4, timeout=180)
+    whole = [b.tolist() for b in DataLoader(Flaky(), batch_size=40, seed=3)]
+    assert [len(r["batches"]) for r in results] == [len(whole)] * 4
+    for step, batch in enumerate(whole):
+        assert sum((r["batches"][step] for r in results), []) == batch
+    assert sum(r["stats"]["substituted"] for r in results) >= len(BAD)
+    # Without shuffling rank r reads positions [10r, 10r + 10) of every global batch of 40.
+    for r, res in enumerate(results):
+        mine = [i for i in BAD if (i % 40) // 10 == r]
+        if mine:
+            assert f"sample {mine[0]} (epoch position {mine[0]})" in res["raise_message"]
+        else:
+            assert res["raise_steps"] == N // 40
