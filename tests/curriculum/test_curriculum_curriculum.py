@@ -252,3 +252,14 @@ def test_bad_difficulty_type_is_refused():
         CurriculumMetric(
             index=_index("m", [1]), schedule=fixed_linear(1, 2, 3), difficulty_type="rank"
         )  # type: ignore[arg-type]
+
+
+def test_the_postprocess_hook_ships_to_workers_without_the_metric_indexes():
+    import pickle
+
+    cur = _multi_metric_curriculum(20_000)
+    cur.make_order(dataset_length=20_000, global_batch_size=100, seed=0)
+    hook = pickle.loads(pickle.dumps(cur.postprocess))
+    assert len(pickle.dumps(cur.postprocess)) < 2_000
+    assert hook.steps_per_epoch == 200
+    assert hook(torch.zeros(2, 9), step=3, epoch=0).shape == (2, 2)

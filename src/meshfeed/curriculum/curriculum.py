@@ -104,6 +104,36 @@ class CurriculumMetric:
         return entry
 
 
+class BatchTransforms:
+    """Applies transform-only metrics (seqlen truncation / reshape) for a batch's step.
+
+    Called as ``hook(batch, step=s)`` with ``s`` the batch's step within its epoch (what the
+    loader passes); the epoch comes from the loader's fetch context
+    (:func:`meshfeed.fetch_info`) unless given, so the curriculum step keeps growing across
+    epochs: ``epoch * steps_per_epoch + step``.
+    """
+
+    __slots__ = ("steps_per_epoch", "transforms")
+
+    def __init__(self, transforms: tuple[Transform, ...]) -> None:
+        self.transforms = transforms
+        self.steps_per_epoch: int | None = None
+
+    def __call__(self, batch: Any, *, step: int, epoch: int | None = None) -> Any:
+        if not self.transforms:
+            return batch
+        if epoch is None:
+            info = fetch_info()
+            epoch = info.epoch if info is not None else 0
+        if epoch:
+            if self.steps_per_epoch is None:
+                raise ValueError("postprocess() past epoch 0 needs make_order() to have run first")
+            step = epoch * self.steps_per_epoch + step
+        for t in self.transforms:
+            batch = t(batch, t.schedule.difficulty(step))
+        return batch
+
+
 class Curriculum:
     """Difficulty-gated sampling plus transform-only metrics, for ``DataLoader(curriculum=)``.
 
@@ -128,7 +158,7 @@ class Curriculum:
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be positive (got {samples_per_epoch=})")
         self.samples_per_epoch = samples_per_epoch
-        self.steps_per_epoch: int | None = None  # set by make_order
+        self._post = BatchTransforms(self.transforms)
 
     def __repr__(self) -> str:
         names = [m.name for m in self.metrics] + [t.name for t in self.transforms]
@@ -181,7 +211,7 @@ class Curriculum:
                 f"{per_epoch=}, {global_batch_size=}) so curriculum steps are whole batches"
             )
         pool_order, entry = self._pool(int(dataset_length))
-        self.steps_per_epoch = per_epoch // global_batch_size
+        self._post.steps_per_epoch = per_epoch // global_batch_size
         return GatedOrder(
             pool_order=pool_order,
             entry_steps=entry,
@@ -191,22 +221,16 @@ class Curriculum:
             difficulties=self.difficulties,
         )
 
-    def postprocess(self, batch: Any, *, step: int, epoch: int | None = None) -> Any:
-        """Apply the transform-only metrics for the batch at ``step`` of ``epoch``.
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Global batches per loader epoch, known once :meth:`make_order` has run."""
+        return self._post.steps_per_epoch
 
-        ``step`` is the batch's step within its epoch (what the loader passes); the epoch is
-        taken from the loader's fetch context (:func:`meshfeed.fetch_info`) when not given, so
-        the curriculum step keeps growing across epochs.
+    @property
+    def postprocess(self) -> BatchTransforms:
+        """The loader's hook: ``postprocess(batch, step=...)`` applies the transforms.
+
+        A small object holding only the transforms, so shipping it to worker processes does
+        not copy the metric indexes.
         """
-        if not self.transforms:
-            return batch
-        if epoch is None:
-            info = fetch_info()
-            epoch = info.epoch if info is not None else 0
-        if epoch:
-            if self.steps_per_epoch is None:
-                raise ValueError("postprocess() past epoch 0 needs make_order() to have run first")
-            step = epoch * self.steps_per_epoch + step
-        for t in self.transforms:
-            batch = t(batch, t.schedule.difficulty(step))
-        return batch
+        return self._post
