@@ -20,7 +20,7 @@ def check_plan(p: Plan, lengths: np.ndarray, cost: CostModel, *, aligned: bool =
         for k, step in enumerate(steps):
             groups = {g for _, g in step}
             if any(len(g) > 1 for g in groups):
-                assert len(step) == 1, f"a split document shares micro-step {k} on rank {r}"
+                assert len(groups) == 1, f"micro-step {k} on rank {r} mixes CP groups"
             for doc, group in step:
                 assert r in group
                 seen.setdefault(doc, []).append((r, k, group))
@@ -58,8 +58,9 @@ def simulate(p: Plan, lengths: np.ndarray, cost: CostModel) -> float:
                     continue
                 done.add(doc)
                 start = max(t[g] for g in group)
+                run = sum(work[d] for d, _ in step) / len(group)
                 for g in group:
-                    t[g] = start + work[doc] / len(group) + cost.per_step
+                    t[g] = start + run + cost.per_step
             else:
                 t[r] += sum(work[d] for d, _ in step) + cost.per_step
     return float(t.max(initial=0.0))

@@ -134,3 +134,11 @@ def test_plan_rejects_negative_or_fractional_lengths():
         plan([-1], num_ranks=1, max_tokens=10, cost=S2)
     with pytest.raises(TypeError, match="must be integers"):
         plan([1.5], num_ranks=1, max_tokens=10, cost=S2)
+
+
+def test_plan_lets_split_documents_of_one_cp_group_share_a_microstep():
+    lengths = np.asarray([20_000] * 6)  # each needs >= 3 ranks of 8192 tokens
+    p = plan(lengths, num_ranks=8, max_tokens=8192, cost=S2)
+    check_plan(p, lengths, S2)
+    assert max(len(step) for steps in p.microsteps for step in steps) > 1
+    assert p.num_microsteps == 2 and p.imbalance == 0.0  # vs 6 with one document per step

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,3 +53,24 @@ def test_route_local_rejects_cu_seqlens_that_do_not_cover_the_sample():
         pytest.skip("empty sample")
     with pytest.raises(ValueError, match="cu_seqlens must rise from 0"):
         route_local([sample], max_tokens=64, cost=S2)
+
+
+def test_route_local_packs_several_split_documents_of_one_group_per_microstep():
+    samples = []
+    for r in range(8):  # ranks 0..5 each hold one 600-token document (3+ ranks of 256 each)
+        n = 600 if r < 6 else 0
+        tok = torch.arange(n) + 1_000_000 * r
+        samples.append(
+            {
+                "tokens": tok,
+                "labels": tok + 1,
+                "loss_mask": torch.ones(n),
+                "position_ids": torch.arange(n),
+                "cu_seqlens": torch.tensor([0, n] if n else [0], dtype=torch.int32),
+            }
+        )
+    p, outputs = route_local(samples, max_tokens=256, cost=S2)
+    check_routing(samples, p, outputs)
+    shared = [s for steps in outputs for s in steps if len(s["doc_ids"]) > 1]
+    assert shared and all(len(s["cp_group"]) > 1 for s in shared)
+    assert p.num_microsteps < 6

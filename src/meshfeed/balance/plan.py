@@ -6,8 +6,9 @@ that all-gathered the lengths agree without talking again. Each document gets a 
 a list of micro-steps of at most ``max_tokens`` tokens, all ranks the same number.
 
 The schedule, in one paragraph: documents too long or too expensive for one rank are placed
-first, longest per-rank time first, each on the block of ranks that can start it soonest (the
-block's ranks wait for each other: that barrier is counted). The other documents go, heaviest
+first, longest per-rank time first, each on the block of ranks that can finish it soonest (the
+block's ranks wait for each other: that barrier is counted), sharing a micro-step with earlier
+documents of the same CP group when their tokens fit. The other documents go, heaviest
 first, to the rank that finishes earliest (LPT, with a heap), and each rank packs its documents
 into micro-steps best fit decreasing. The CP degree is chosen by trying a few thresholds
 ("split a document whose cost exceeds theta x the mean rank load") and keeping the schedule
@@ -47,7 +48,7 @@ class Plan:
     ``microsteps[r][k]`` is the tuple of ``(document id, cp group)`` rank ``r`` runs at micro-step
     ``k``; a cp group is the tuple of ranks that run the document together (``(r,)`` when it is
     not split), and every rank of a group holds the document at the same ``k``. A micro-step
-    holds either one split document or any number of unsplit ones. Per-document arrays give
+    holds either split documents of one CP group or any number of unsplit ones. Per-document arrays give
     the same facts vectorised: ``cp_size``, ``cp_start`` (first rank of the group), ``microstep``
     and ``padded`` (length after padding to the zigzag multiple).
     """
@@ -162,7 +163,7 @@ def plan(
                 continue
             seen.append(idx)
             c, padded = table.sizes[idx], table.padded(idx)
-            sched = _place_split(work, c, padded, n_ranks, ps, table.aligned)
+            sched = _place_split(work, c, padded, n_ranks, ps, table.aligned, budget)
             ranked.append((sched.estimate(budget, ps), len(ranked), sched))
             if ranked[-1][0] <= lower * (1 + 1e-3):
                 break
@@ -310,7 +311,7 @@ class _Schedule:
         for i in np.flatnonzero(self.c > 1).tolist():
             r0, k = int(self.cp_start[i]), int(self.microstep[i])
             for r in range(r0, r0 + int(self.c[i])):
-                steps[r][k] = [i]
+                steps[r][k].append(i)
         for r, docs in enumerate(self.mine):
             if not docs:
                 continue
@@ -350,11 +351,23 @@ def _place_split(
     n_ranks: int,
     ps: float,
     aligned: bool,
+    budget: int,
 ) -> _Schedule:
-    """Place every split document (one micro-step each) on the block that can start soonest."""
+    """Place every split document on the block of ranks that finishes it soonest.
+
+    A document either opens a new micro-step on a block (its ranks wait for each other) or
+    joins the last micro-step of a block with exactly its CP group, if the tokens fit and it
+    finishes no later: long documents on wide groups hold few tokens per rank, so several
+    share one micro-step instead of each paying a micro-step of their own.
+    """
     n = work.size
     clock = np.zeros(n_ranks)
     count = np.zeros(n_ranks, dtype=np.int64)
+    rank_ids = np.arange(n_ranks)
+    # The CP group (first rank, size) of each rank's last micro-step, and its tokens per rank.
+    last_start = np.full(n_ranks, -1, dtype=np.int64)
+    last_size = np.zeros(n_ranks, dtype=np.int64)
+    last_tokens = np.zeros(n_ranks, dtype=np.int64)
     cp_start = np.zeros(n, dtype=np.int64)
     microstep = np.zeros(n, dtype=np.int64)
     dur = work / c
@@ -378,9 +391,24 @@ def _place_split(
         begin = kmax + ps * cmax
         idle = ci * begin - busy  # prefer the block that wastes least waiting
         b = int(np.lexsort((idle, begin))[0])
+        finish = float(begin[b]) + float(dur[i]) + ps
+        tokens = int(padded[i]) // ci
+        join = -1
+        for h in np.flatnonzero((last_size == ci) & (last_start == rank_ids)).tolist():
+            if last_tokens[h] + tokens <= budget and (last_start[h : h + ci] == h).all():
+                joined = float(clock[h]) + float(dur[i])
+                if joined <= finish:
+                    finish, join = joined, h
+        if join >= 0:
+            clock[join : join + ci] = finish
+            last_tokens[join] += tokens
+            cp_start[i], microstep[i] = join, int(count[join]) - 1
+            continue
         r0, k = int(starts[b]), int(cmax[b])
-        clock[r0 : r0 + ci] = begin[b] + dur[i] + ps
+        clock[r0 : r0 + ci] = finish
         count[r0 : r0 + ci] = k + 1
+        last_start[r0 : r0 + ci], last_size[r0 : r0 + ci] = r0, ci
+        last_tokens[r0] = tokens
         cp_start[i], microstep[i] = r0, k
     return _Schedule(
         c=c.astype(np.int64),
