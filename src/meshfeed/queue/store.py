@@ -92,6 +92,10 @@ def _rows(column: Any, name: str) -> list[Any]:
     )
 
 
+def _plain(value: Any) -> Any:
+    return int(value) if isinstance(value, np.integer) else value
+
+
 def _check_key(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
@@ -204,7 +208,7 @@ class SampleStore:
             )
         id_list: list[Key] | None = None
         if ids is not None:
-            id_list = list(ids)
+            id_list = [_plain(k) for k in (ids.tolist() if hasattr(ids, "tolist") else ids)]
             if len(id_list) != n:
                 raise ValueError(
                     f"put got {len(id_list)} ids for {n} samples; give one id per sample"
@@ -215,7 +219,10 @@ class SampleStore:
                 raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
         group_list: list[Hashable] | None = None
         if groups is not None:
+            if hasattr(groups, "tolist"):  # numpy / torch
+                groups = groups.tolist()
             group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
+            group_list = [_plain(g) for g in group_list]
             if len(group_list) != n:
                 raise ValueError(
                     f"put got {len(group_list)} groups for {n} samples; give one per sample"

@@ -1,0 +1,238 @@
+"""Benchmark: SampleStore put + get throughput and latency against plain queues.
+
+Producers put one sample per call and consumers get batches of ``--batch`` samples; both run
+as threads of this process (with Ray, every call goes to the store actor in another process).
+Latency is put-call start to get return, per sample. Baselines, measured in the same run:
+``queue.Queue`` (embedded) and a plain async Ray actor wrapping an ``asyncio.Queue`` (Ray).
+Small samples are three scalars; large ones carry a 1 MiB float32 array.
+
+    PYTHONPATH=src python benchmarks/bench_queue.py           # full run (a few minutes)
+    PYTHONPATH=src python benchmarks/bench_queue.py --quick   # small version
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from meshfeed.progress import Progress
+from meshfeed.queue import PartitionClosed, SampleStore
+
+LARGE = np.ones(262144, dtype=np.float32)  # 1 MiB
+
+
+def _sample(i: int, large: bool) -> dict[str, Any]:
+    s: dict[str, Any] = {"reward": float(i), "length": i % 97, "t": time.perf_counter()}
+    if large:
+        s["obs"] = LARGE
+    return s
+
+
+def _run(
+    n: int,
+    workers: int,
+    produce: Callable[[int], None],
+    consume: Callable[[], list[float]],
+    finish: Callable[[], None],
+) -> tuple[float, list[float]]:
+    """``workers`` producer threads share ``n`` puts; ``workers`` consumer threads drain."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def producer(w: int) -> None:
+        for i in range(w, n, workers):
+            produce(i)
+
+    def consumer() -> None:
+        got = consume()
+        with lock:
+            latencies.extend(got)
+
+    start = time.perf_counter()
+    cons = [threading.Thread(target=consumer) for _ in range(workers)]
+    prods = [threading.Thread(target=producer, args=(w,)) for w in range(workers)]
+    for t in cons + prods:
+        t.start()
+    for t in prods:
+        t.join(600)
+    finish()
+    for t in cons:
+        t.join(600)
+    elapsed = time.perf_counter() - start
+    if len(latencies) != n:
+        raise RuntimeError(f"delivered {len(latencies)} of {n} samples")
+    return elapsed, latencies
+
+
+def bench_store(store: SampleStore, n: int, workers: int, large: bool, batch: int):
+    fields = ["reward", "length", "t"] + (["obs"] if large else [])
+
+    def produce(i: int) -> None:
+        s = _sample(i, large)
+        cols: dict[str, Any] = {k: [v] for k, v in s.items() if k != "obs"}
+        if large:
+            cols["obs"] = s["obs"][None]
+        store.put("bench", cols, timeout=120)
+
+    def consume() -> list[float]:
+        out = []
+        while True:
+            try:
+                b = store.get("train", fields, batch, "bench", timeout=120)
+            except PartitionClosed:
+                return out
+            now = time.perf_counter()
+            out.extend(now - t for t in b["t"])
+
+    return _run(n, workers, produce, consume, lambda: store.close("bench"))
+
+
+def bench_queue(n: int, workers: int, large: bool, batch: int):
+    q: queue.Queue[Any] = queue.Queue(maxsize=256)
+    stop = object()
+
+    def consume() -> list[float]:
+        out = []
+        while True:
+            items = [q.get(timeout=120) for _ in range(batch)]
+            now = time.perf_counter()
+            for it in items:
+                if it is stop:
+                    return out
+                out.append(now - it["t"])
+
+    def finish() -> None:
+        for _ in range(workers * batch):
+            q.put(stop)
+
+    return _run(n, workers, lambda i: q.put(_sample(i, large), timeout=120), consume, finish)
+
+
+class _PlainActor:
+    """The baseline: an async actor around an asyncio.Queue (payloads pass through it)."""
+
+    def __init__(self) -> None:
+        self.q: asyncio.Queue[Any] | None = None
+
+    def _queue(self) -> asyncio.Queue[Any]:
+        if self.q is None:
+            self.q = asyncio.Queue(maxsize=256)
+        return self.q
+
+    async def put(self, item: Any) -> None:
+        await self._queue().put(item)
+
+    async def get(self, k: int) -> list[Any]:
+        return [await self._queue().get() for _ in range(k)]
+
+
+def bench_ray_actor(n: int, workers: int, large: bool, batch: int):
+    import ray
+
+    actor = ray.remote(num_cpus=0)(_PlainActor).remote()
+    ray.get(actor.put.remote("warm-up"), timeout=120)  # do not time the actor's start-up
+    ray.get(actor.get.remote(1), timeout=120)
+    stop = "stop"
+
+    def consume() -> list[float]:
+        out = []
+        while True:
+            items = ray.get(actor.get.remote(batch), timeout=120)
+            now = time.perf_counter()
+            for it in items:
+                if isinstance(it, str):
+                    return out
+                out.append(now - it["t"])
+
+    def finish() -> None:
+        ray.get([actor.put.remote(stop) for _ in range(workers * batch)], timeout=120)
+
+    try:
+        return _run(
+            n,
+            workers,
+            lambda i: ray.get(actor.put.remote(_sample(i, large)), timeout=120),
+            consume,
+            finish,
+        )
+    finally:
+        ray.kill(actor)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small, fast version")
+    parser.add_argument("--batch", type=int, default=8, help="samples per get")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray rows")
+    args = parser.parse_args()
+    scale = 0.2 if args.quick else 1.0
+    sizes = {  # samples per run: (embedded, ray)
+        "small": (int(20000 * scale), int(1500 * scale)),
+        "large": (int(2000 * scale), int(300 * scale)),
+    }
+    rows: list[tuple[str, ...]] = []
+    configs = [(b, s, w) for b in ("embedded", "ray") for s in ("small", "large") for w in (1, 4)]
+    if args.no_ray:
+        configs = [c for c in configs if c[0] == "embedded"]
+    else:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray_store = SampleStore("ray", capacity=256, tasks=["train"])
+        ray_store.put("warm", {"x": [0]})
+    with Progress(total=len(configs), desc="bench_queue", unit="config") as bar:
+        for backend, size, workers in configs:
+            n = sizes[size][0 if backend == "embedded" else 1]
+            n -= n % (workers * args.batch)
+            large = size == "large"
+            if backend == "embedded":
+                store = SampleStore("embedded", capacity=256, tasks=["train"])
+                ours = bench_store(store, n, workers, large, args.batch)
+                base = bench_queue(n, workers, large, args.batch)
+                base_name = "queue.Queue"
+            else:
+                ray_store.clear("bench")
+                ours = bench_store(ray_store, n, workers, large, args.batch)
+                base = bench_ray_actor(n, workers, large, args.batch)
+                base_name = "plain Ray actor"
+            for name, (elapsed, lat) in (("SampleStore", ours), (base_name, base)):
+                ms = np.asarray(lat) * 1e3
+                rows.append(
+                    (
+                        backend,
+                        size,
+                        f"{workers}x{workers}",
+                        name,
+                        str(n),
+                        f"{n / elapsed:,.0f}",
+                        f"{np.percentile(ms, 50):.2f}",
+                        f"{np.percentile(ms, 99):.2f}",
+                        f"{(n / ours[0]) / (n / base[0]):.2f}" if name == "SampleStore" else "1.00",
+                    )
+                )
+            bar.update()
+    header = (
+        "backend",
+        "sample",
+        "prod x cons",
+        "impl",
+        "samples",
+        "samples/s",
+        "p50 ms",
+        "p99 ms",
+        "thr. vs baseline",
+    )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
