@@ -90,8 +90,9 @@ def test_loader_resumes_exactly_at_every_step_across_difficulty_changes(num_work
         assert batch["input_ids"].shape == (8, min(16, width))
 
 
-def test_state_reports_the_curriculum_step_of_the_last_returned_batch():
-    loader = _loader(num_workers=0)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_reports_the_curriculum_step_of_the_last_returned_batch(num_workers):
+    loader = _loader(num_workers=num_workers)  # workers prefetch ahead; the step must not
     take(loader, 5)
     facts = loader.state_dict()["order"]
     assert facts["step"] == 4
