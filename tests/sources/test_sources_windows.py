@@ -171,3 +171,12 @@ def test_ranks_in_separate_processes_agree_on_fingerprint_and_split_the_windows(
     assert results[0][0] == results[1][0]
     rows = [tuple(w) for _, batches in results for b in batches for w in b]
     assert len(rows) == len(set(rows)), "data ranks never read the same window in one epoch"
+
+
+@pytest.mark.slow
+def test_spawned_loader_workers_reopen_the_corpus_and_match_in_process(tmp_path: Path) -> None:
+    corpus_of(tmp_path, [300, 200])
+    in_process = [b.tolist() for b in loader_factory(tmp_path / "c")]
+    with loader_factory(tmp_path / "c", num_workers=2, multiprocessing_context="spawn") as loader:
+        spawned = [b.tolist() for b in loader]
+    assert spawned == in_process
