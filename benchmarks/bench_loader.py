@@ -50,12 +50,21 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import DistributedSampler
 
+import meshfeed
 from meshfeed import DataLoader, DataMesh
 
 WINDOW = 2048
 BATCH = 8
 RESUME_SAMPLES = 8 * 10**6 + 512
 RESUME_STEPS = (10, 10**4, 10**6)
+HOT_PATH = (
+    "src/meshfeed/loader.py",
+    "src/meshfeed/fetch.py",
+    "src/meshfeed/collate.py",
+    "src/meshfeed/rng.py",
+    "src/meshfeed/order",
+    "src/meshfeed/services",
+)
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
@@ -162,19 +171,28 @@ def median(xs: list[float]) -> float:
 
 
 def interleaved_rates(
-    streams: dict[str, Iterator[Any]], *, warmup: int, batches: int, repeats: int
+    streams: dict[str, Iterator[Any]],
+    *,
+    warmup: int,
+    batches: int,
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Seconds per batch of each stream, timed in turns (A B A B ...) after a warm-up."""
+    """Seconds per batch of each stream, timed in turns (A B A B ...) after a warm-up.
+
+    ``clock=time.process_time`` counts this process's CPU time only: on a shared machine it
+    is far less disturbed by other jobs than wall time (meaningful with 0 workers only).
+    """
     for it in streams.values():
         for _ in range(warmup):
             next(it)
     out: dict[str, list[float]] = {k: [] for k in streams}
     for _ in range(repeats):
         for name, it in streams.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(batches):
                 next(it)
-            out[name].append((time.perf_counter() - t0) / batches)
+            out[name].append((clock() - t0) / batches)
     return out
 
 
@@ -201,7 +219,7 @@ def bench_throughput(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
         tl = torch_loader(ds, workers=workers, dp=dp)
         need = cfg.warmup + cfg.repeats * cfg.batches
         if need > len(mf):
-            raise ValueError(f"--quick sizes need {need} batches per epoch, have {len(mf)}")
+            raise ValueError(f"the sizes need {need} batches per epoch, have {len(mf)}")
         times = interleaved_rates(
             {"meshfeed": forever(mf), "torch": forever(tl)},
             warmup=cfg.warmup,
@@ -238,14 +256,18 @@ def bench_overhead(cfg: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for width in (WINDOW, 1):
         ds = ReadyTensors(10**6, width)
-        times = interleaved_rates(
-            {"meshfeed": forever(meshfeed_loader(ds)), "torch": forever(torch_loader(ds))},
-            warmup=200,
-            batches=cfg.overhead_batches,
-            repeats=cfg.repeats,
-        )
-        m, t = 1e6 * median(times["meshfeed"]), 1e6 * median(times["torch"])
-        rows.append({"sample": f"int64[{width}]", "meshfeed_us": m, "torch_us": t, "ratio": t / m})
+        row: dict[str, Any] = {"sample": f"int64[{width}]"}
+        for label, clock in (("wall", time.perf_counter), ("cpu", time.process_time)):
+            times = interleaved_rates(
+                {"meshfeed": forever(meshfeed_loader(ds)), "torch": forever(torch_loader(ds))},
+                warmup=200,
+                batches=cfg.overhead_batches,
+                repeats=cfg.repeats,
+                clock=clock,
+            )
+            m, t = 1e6 * median(times["meshfeed"]), 1e6 * median(times["torch"])
+            row.update({f"meshfeed_{label}": m, f"torch_{label}": t, f"ratio_{label}": t / m})
+        rows.append(row)
         print(f"  overhead {rows[-1]}", file=sys.stderr)
     return rows
 
@@ -471,13 +493,40 @@ def mib(b: float) -> str:
     return f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB"
 
 
+def source_revision() -> str:
+    """The git commit of the meshfeed being measured, and its uncommitted hot-path files."""
+    root = Path(meshfeed.__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", *HOT_PATH],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "not a git checkout"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f"git {head}" + (f", uncommitted changes in {', '.join(changed)}" if changed else "")
+
+
 def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
     lines = [
         "# meshfeed.DataLoader benchmark",
         "",
         f"Command: `PYTHONPATH=src python benchmarks/bench_loader.py{' --quick' if cfg.quick else ''}`",
         f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, torch {torch.__version__}; "
-        f"medians of {cfg.repeats} interleaved repeats unless noted.",
+        f"medians of {cfg.repeats} interleaved repeats unless noted; load average at the end "
+        f"{os.getloadavg()[0]:.1f} (other jobs share the machine: absolute numbers are noisy, "
+        "ratios are measured in turns).",
+        f"meshfeed imported from `{Path(meshfeed.__file__).parent}` ({source_revision()}).",
         "",
     ]
     if "throughput" in results:
@@ -500,14 +549,22 @@ def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
             f"## Per-batch overhead: ready tensors, batch {BATCH}, 0 workers, "
             f"{cfg.overhead_batches} batches per repeat",
             "",
-            "| sample | meshfeed us/batch | torch us/batch | torch / meshfeed (>= 1: meshfeed cheaper) |",
-            "|---|---|---|---|",
+            "| sample | meshfeed us/batch (wall) | torch us/batch (wall) | torch / meshfeed (wall) "
+            "| meshfeed us/batch (CPU) | torch us/batch (CPU) | torch / meshfeed (CPU) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in results["overhead"]:
             lines.append(
-                f"| {r['sample']} | {fmt(r['meshfeed_us'])} | {fmt(r['torch_us'])} | {r['ratio']:.2f} |"
+                f"| {r['sample']} | {fmt(r['meshfeed_wall'])} | {fmt(r['torch_wall'])} "
+                f"| {r['ratio_wall']:.2f} | {fmt(r['meshfeed_cpu'])} | {fmt(r['torch_cpu'])} "
+                f"| {r['ratio_cpu']:.2f} |"
             )
-        lines.append("")
+        lines += [
+            "",
+            "Ratios >= 1: meshfeed is cheaper. CPU = this process's CPU time (time.process_time), "
+            "less disturbed by other jobs on the machine than wall time.",
+            "",
+        ]
     if "resume" in results:
         names = [k for k in results["resume"][0] if k != "step"]
         lines += [
@@ -566,7 +623,7 @@ def main(argv: list[str] | None = None) -> None:
         args.overhead_batches, args.resume_repeats = 1000, 2
         args.randperm_sizes, args.sampler_sizes = [10**7], [10**6]
     else:
-        args.windows, args.warmup, args.batches, args.repeats = 16384, 30, 300, 5
+        args.windows, args.warmup, args.batches, args.repeats = 32768, 30, 300, 5
         args.overhead_batches, args.resume_repeats = 5000, 3
         args.randperm_sizes, args.sampler_sizes = [10**7, 10**8], [10**6, 10**7]
     sections = args.only or ["throughput", "overhead", "resume", "memory"]
