@@ -139,3 +139,21 @@ def test_progress_bar_reports_documents(tmp_path: Path, capsys: pytest.CaptureFi
     np.save(tmp_path / "ids.npy", np.ones((5, 2), dtype=np.int64))
     convert(tmp_path / "ids.npy", tmp_path / "c", progress=True)
     assert "5/5" in capsys.readouterr().err
+
+
+def test_gzipped_jsonl_is_read_as_jsonl(tmp_path: Path) -> None:
+    import gzip
+
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "ok"}) + "\n\n")
+    corpus = convert(tmp_path / "d.jsonl.gz", tmp_path / "c", tokenizer="bytes", progress=False)
+    assert corpus.num_documents == 1 and corpus.document(0).tolist() == list(b"ok")
+
+
+def test_failed_convert_keeps_an_earlier_corpus_at_the_same_prefix(tmp_path: Path) -> None:
+    good = write_jsonl(tmp_path / "good.jsonl", [[1, 2]])
+    convert(good, tmp_path / "c", progress=False)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [[3], "text"])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        convert(bad, tmp_path / "c", progress=False)
+    assert TokenCorpus.open(tmp_path / "c").document(0).tolist() == [1, 2]

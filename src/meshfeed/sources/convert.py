@@ -240,7 +240,11 @@ def add_subcommand(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "convert",
         help="write a Megatron .bin/.idx token corpus from JSONL, Parquet or .npy",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=(
+            "Write a Megatron-LM indexed corpus (PREFIX.bin + PREFIX.idx) from JSONL or "
+            "Parquet text (tokenized) or token-id lists (JSONL lists, 2-D .npy), streamed."
+        ),
+        epilog="example: meshfeed convert data.jsonl -o out/corpus --tokenizer bytes --append-eod 0",
     )
     p.add_argument("inputs", nargs="+", help="input files, converted in order")
     p.add_argument("-o", "--output", required=True, help="output prefix (writes PREFIX.bin/.idx)")
