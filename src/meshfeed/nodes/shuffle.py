@@ -1,7 +1,8 @@
 """A seeded shuffle buffer whose state is explicit, small and exact.
 
-The buffer fills to ``size`` items, then each output is drawn at slot
-``derive_seed(seed, draws) % len(buffer)`` and the slot is refilled from the source. The
+The buffer fills to ``size`` items, then each output is drawn at slot ``u[draws] %
+len(buffer)`` and the slot is refilled from the source, where ``u`` is a counter-based
+SplitMix64 stream keyed on ``seed`` (computed 1,024 draws at a time with numpy). The
 randomness is a pure function of ``(seed, draws)``, so the checkpoint holds no RNG bytes.
 
 The buffer contents are in the state. By default the items themselves are stored (they must
@@ -15,14 +16,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
+
 from meshfeed.nodes.base import Node
-from meshfeed.order.permutation import derive_seed
+from meshfeed.order.permutation import derive_seed, splitmix64
 
 T = TypeVar("T")
 
 __all__ = ["ShuffleBuffer"]
 
 _SHUFFLE_OP = 0x5348
+_BLOCK = 1024
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _uniform_block(key: int, start: int) -> list[int]:
+    """``splitmix64(key + j * gamma)`` for ``j`` in ``[start, start + _BLOCK)``, vectorised."""
+    j = np.arange(start, start + _BLOCK, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = np.uint64(key) + (j + np.uint64(1)) * _GAMMA
+        x = (x ^ (x >> np.uint64(30))) * _C1
+        x = (x ^ (x >> np.uint64(27))) * _C2
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(1)).tolist()
 
 
 class ShuffleBuffer(Node[T]):
@@ -46,6 +63,8 @@ class ShuffleBuffer(Node[T]):
         self.buffer: list[T] = []
         self.draws = 0
         self._source_done = False
+        self._key = splitmix64(derive_seed(_SHUFFLE_OP, seed))
+        self._block: tuple[int, list[int]] = (-1, [])
 
     def _fill(self) -> None:
         while not self._source_done and len(self.buffer) < self.size:
@@ -60,7 +79,10 @@ class ShuffleBuffer(Node[T]):
         self._fill()
         if not self.buffer:
             raise StopIteration
-        slot = derive_seed(_SHUFFLE_OP, self.seed, self.draws) % len(self.buffer)
+        start = self.draws - self.draws % _BLOCK
+        if self._block[0] != start:
+            self._block = (start, _uniform_block(self._key, start))
+        slot = self._block[1][self.draws - start] % len(self.buffer)
         self.draws += 1
         item = self.buffer[slot]
         last = self.buffer.pop()

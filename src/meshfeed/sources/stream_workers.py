@@ -7,7 +7,8 @@ assigned to one (data rank, worker). ``next()`` returns ``(batch, state after it
 :class:`ProcessSlots` runs each slot in its own process. The main process asks for batches
 (``prefetch`` requests outstanding per worker) over a duplex pipe and waits on the pipe *and*
 the process sentinel with a timeout: a dead worker is noticed at once and a stalled one after
-``timeout`` seconds, never a hang.
+``timeout`` seconds, never a hang. CPU tensors travel as numpy arrays (a torch storage
+pickles through ``torch.save``, which costs more than the batch itself for small batches).
 """
 
 from __future__ import annotations
@@ -73,6 +74,47 @@ class SlotPipeline:
         return self.collate([row for _, row in rows]), self.batcher.get_state()
 
 
+class _Wire:
+    """A CPU tensor travelling as a numpy array (pickled as raw bytes, unlike a torch storage)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Wire, (self.array,))
+
+
+def _to_wire(batch: Any) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        if batch.device.type == "cpu" and not batch.requires_grad:
+            try:
+                return _Wire(batch.numpy())
+            except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16)
+                return batch
+        return batch
+    if isinstance(batch, dict):
+        return {k: _to_wire(v) for k, v in batch.items()}
+    if type(batch) in (list, tuple):
+        return type(batch)(_to_wire(v) for v in batch)
+    return batch
+
+
+def _from_wire(batch: Any) -> Any:
+    if isinstance(batch, _Wire):
+        import torch
+
+        return torch.from_numpy(batch.array)
+    if isinstance(batch, dict):
+        return {k: _from_wire(v) for k, v in batch.items()}
+    if type(batch) in (list, tuple):
+        return type(batch)(_from_wire(v) for v in batch)
+    return batch
+
+
 class InProcessSlots:
     """Every slot of this rank in the calling process."""
 
@@ -105,7 +147,8 @@ def _worker_main(
         if request is None:
             return
         try:
-            conn.send(("ok", *pipe.next()))
+            batch, state = pipe.next()
+            conn.send(("ok", _to_wire(batch), state))
         except Exception as exc:
             with contextlib.suppress(Exception):
                 conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
@@ -179,7 +222,7 @@ class ProcessSlots:
         _, batch, state = message
         if batch is not None:
             self._request(w)
-        return batch, state
+        return _from_wire(batch), state
 
     def close(self) -> None:
         procs, self.procs = self.procs, []

@@ -1,0 +1,143 @@
+"""Streaming throughput: meshfeed's StreamLoader vs a plain Python loop over the same shards.
+
+Two shard formats, written once to a temp directory:
+
+- ``npy``: token rows (``int32[seq_len]``) in ``.npy`` shards, read through a memory map (cheap
+  per row: the loop measures per-row and per-batch overhead);
+- ``jsonl``: JSON lines ``{"id": ..., "tokens": [...]}`` (parsing dominates: CPU-bound).
+
+For each format it measures, in the same run:
+
+- ``plain loop``: the physical limit: the same reader over every shard, rows grouped into
+  lists of ``batch_size`` and collated with meshfeed's ``default_collate``, in one process;
+- ``meshfeed w=0``: ``StreamLoader(num_workers=0)``;
+- ``meshfeed w=0 +shuffle``: the same with a 1,024-row seeded shuffle buffer;
+- ``meshfeed w=2``: ``StreamLoader(num_workers=2)`` (worker start-up included).
+
+and prints samples/s, batches/s and the ratio to the plain loop (best of ``--repeats``).
+
+    PYTHONPATH=src python benchmarks/bench_stream.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfeed.collate import default_collate
+from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream_loader import StreamLoader
+
+
+def npy_reader(path: str, start: int, stop: int | None) -> Iterator[np.ndarray]:
+    arr = np.load(path, mmap_mode="r")
+    for i in range(start, len(arr) if stop is None else stop):
+        yield np.asarray(arr[i])
+
+
+def jsonl_reader(path: str, start: int, stop: int | None) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i < start:
+                continue
+            if stop is not None and i >= stop:
+                break
+            row = json.loads(line)
+            yield {"id": row["id"], "tokens": np.asarray(row["tokens"], dtype=np.int32)}
+
+
+def write_shards(root: Path, fmt: str, shards: int, rows: int, seq_len: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    paths = []
+    for s in range(shards):
+        data = rng.integers(0, 50_000, size=(rows, seq_len), dtype=np.int32)
+        if fmt == "npy":
+            path = root / f"shard-{s:03d}.npy"
+            np.save(path, data)
+        else:
+            path = root / f"shard-{s:03d}.jsonl"
+            with open(path, "w", encoding="utf-8") as f:
+                for i, row in enumerate(data):
+                    f.write(json.dumps({"id": s * rows + i, "tokens": row.tolist()}) + "\n")
+        paths.append(str(path))
+    return paths
+
+
+def plain_loop(paths: list[str], reader: Callable[..., Iterator[Any]], batch_size: int) -> int:
+    batches = 0
+    batch: list[Any] = []
+    for path in paths:
+        for row in reader(path, 0, None):
+            batch.append(row)
+            if len(batch) == batch_size:
+                default_collate(batch)
+                batches += 1
+                batch = []
+    return batches
+
+
+def meshfeed_loop(stream: ShardedStream, batch_size: int, workers: int) -> int:
+    with StreamLoader(stream, batch_size=batch_size, num_workers=workers, seed=1) as lo:
+        return sum(1 for _ in lo)
+
+
+def best_of(repeats: int, fn: Callable[[], int]) -> tuple[float, int]:
+    best, batches = float("inf"), 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        batches = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small data, one repeat")
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    shards, seq_len, repeats = (4, 128, 1) if args.quick else (8, 512, 3)
+    rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": 500 if args.quick else 2_500}
+    readers = {"npy": npy_reader, "jsonl": jsonl_reader}
+    print(
+        f"streaming throughput: {shards} shards, seq_len {seq_len}, batch {args.batch_size}, "
+        f"best of {repeats}; {torch.get_num_threads()} torch thread(s)"
+    )
+    header = f"{'format':6} {'loader':24} {'samples/s':>11} {'batches/s':>10} {'vs plain':>9}"
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in ("npy", "jsonl"):
+            root = Path(tmp) / fmt
+            root.mkdir()
+            paths = write_shards(root, fmt, shards, rows[fmt], seq_len)
+            reader = readers[fmt]
+            plain = ShardedStream(paths, reader, rows=[rows[fmt]] * shards)
+            shuffled = ShardedStream(paths, reader, shuffle_buffer=1024, rows=[rows[fmt]] * shards)
+            runs: list[tuple[str, Callable[[], int]]] = [
+                ("plain loop", lambda p=paths, r=reader: plain_loop(p, r, args.batch_size)),
+                ("meshfeed w=0", lambda s=plain: meshfeed_loop(s, args.batch_size, 0)),
+                ("meshfeed w=0 +shuffle", lambda s=shuffled: meshfeed_loop(s, args.batch_size, 0)),
+                ("meshfeed w=2", lambda s=plain: meshfeed_loop(s, args.batch_size, 2)),
+            ]
+            base = 0.0
+            for name, fn in runs:
+                seconds, batches = best_of(repeats, fn)
+                bps = batches / seconds
+                base = base or bps
+                print(
+                    f"{fmt:6} {name:24} {bps * args.batch_size:11,.0f} {bps:10,.1f} "
+                    f"{bps / base:8.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()
