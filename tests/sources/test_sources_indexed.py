@@ -263,3 +263,14 @@ def test_validate_catches_pointers_outside_the_bin(tmp_path: Path) -> None:
     (tmp_path / "c.idx").write_bytes(bytes(raw))
     with pytest.raises(IndexedFormatError, match="pointers outside"):
         TokenCorpus.open(tmp_path / "c").validate()
+
+
+def test_unpickling_refuses_a_corpus_rewritten_in_between(tmp_path: Path) -> None:
+    corpus = write_indexed(tmp_path / "c", [[1, 2, 3]])
+    assert corpus.is_contiguous
+    blob = pickle.dumps(corpus)
+    assert pickle.loads(blob).is_contiguous
+    del corpus
+    write_indexed(tmp_path / "c", [[1, 2, 4]])
+    with pytest.raises(ValueError, match="changed since it was opened"):
+        pickle.loads(blob)

@@ -184,7 +184,9 @@ class TokenCorpus:
         return cls(prefix)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.prefix,))
+        # a prefix and the facts already checked, never the mapped data; the fingerprint
+        # makes the receiving process refuse files that changed in between
+        return (_reopen, (self.prefix, self.fingerprint, self._contiguous, self._num_tokens))
 
     def __repr__(self) -> str:
         return (
@@ -273,6 +275,20 @@ class TokenCorpus:
                 f"{len(self._bin)}:{h.hexdigest()}"
             )
         return self._fingerprint
+
+
+def _reopen(
+    prefix: str, fingerprint: str, contiguous: bool | None, num_tokens: int | None
+) -> TokenCorpus:
+    corpus = TokenCorpus(prefix)
+    if corpus.fingerprint != fingerprint:
+        raise ValueError(
+            f"the indexed corpus at {prefix} changed since it was opened (fingerprint "
+            f"{fingerprint!r}, now {corpus.fingerprint!r}); do not rewrite a corpus while a "
+            "loader reads it"
+        )
+    corpus._contiguous, corpus._num_tokens = contiguous, num_tokens
+    return corpus
 
 
 class IndexedWriter:
