@@ -9,6 +9,7 @@ import sys
 #: Subcommand modules; each exposes ``add_subcommand(subparsers)``.
 _SUBCOMMANDS = (
     "meshfeed.demo",
+    "meshfeed.balance.cli",
     "meshfeed.sources.convert",
 )
 
