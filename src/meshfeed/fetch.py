@@ -141,8 +141,17 @@ class Fetcher:
                 return self._repair(task, [_UNREAD] * len(indices), events)
         getitems = getattr(ds, "__getitems__", None)
         if getitems is None:
-            # Per item from the start: a failure costs nothing extra and nothing is read twice.
-            return self._repair(task, [_UNREAD] * len(indices), events)
+            items = []
+            try:
+                for i in indices:
+                    items.append(ds[i])
+            except Exception as exc:
+                # Keep what was read; the failed item is attempt one; the rest is still unread.
+                rest = [_UNREAD] * (len(indices) - len(items) - 1)
+                return self._repair(task, [*items, Failed(exc), *rest], events)
+            if any(item is None for item in items):
+                return self._repair(task, items, events)
+            return self._collate(items)
         try:
             items = list(getitems(indices))
         except Exception:
