@@ -25,6 +25,7 @@ from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.samplers import Sampler
 
 Key = Hashable
+NAMESPACE = "meshfeed.queue"  # named store actors live here
 
 
 class _StoreActor:
@@ -144,6 +145,9 @@ class _StoreActor:
 
         return await self._run(swap, 0, "restore", "waiting_consumers")
 
+    async def options(self) -> Any:
+        return True, self.core.options.to_dict()
+
     async def reinit(self, options: dict[str, Any]) -> Any:
         """Start over with an empty store (lets tests reuse one actor process)."""
 
@@ -174,7 +178,13 @@ class RayBackend:
 
     @classmethod
     def create(
-        cls, options: StoreOptions, *, inline_bytes: int, meta: Any = None, payload: Any = None
+        cls,
+        options: StoreOptions,
+        *,
+        inline_bytes: int,
+        name: str | None = None,
+        meta: Any = None,
+        payload: Any = None,
     ) -> RayBackend:
         import ray
 
@@ -183,11 +193,28 @@ class RayBackend:
                 "SampleStore(backend='ray') needs a running Ray; call ray.init() first"
             )
         remote = ray.remote(num_cpus=0)(_StoreActor)
+        if name is not None:
+            remote = remote.options(name=name, namespace=NAMESPACE)
         actor = remote.remote(options.to_dict())
         backend = cls(actor, inline_bytes)
         if meta is not None:
             backend.restore(meta, payload)
         return backend
+
+    @classmethod
+    def connect(cls, name: str, *, inline_bytes: int) -> tuple[RayBackend, StoreOptions]:
+        """Attach to the named store actor (from any process connected to the Ray cluster)."""
+        import ray
+
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(
+                f"no SampleStore named {name!r} in this Ray cluster; create it with "
+                f"SampleStore('ray', name={name!r}) and connect with ray.init(address=...)"
+            ) from None
+        backend = cls(actor, inline_bytes)
+        return backend, StoreOptions.from_dict(backend._call(actor.options.remote()))
 
     def __reduce__(self) -> Any:
         return (RayBackend, (self.actor, self.inline_bytes))

@@ -109,7 +109,8 @@ class SampleStore:
     ``put`` of new samples beyond it waits for space. ``fields``: if given, the only field
     names allowed. ``tasks``: if given, a sample is dropped once all these tasks consumed it
     (otherwise samples stay until ``delete`` / ``clear``). ``inline_bytes`` (Ray): values at
-    least this large travel through Ray's object store.
+    least this large travel through Ray's object store. ``name`` (Ray): register the actor so
+    other drivers can :meth:`connect` to it.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class SampleStore:
         fields: Sequence[str] | None = None,
         tasks: Sequence[str] | None = None,
         inline_bytes: int = 64 * 1024,
+        name: str | None = None,
         _meta: Any = None,
         _payload: Any = None,
     ) -> None:
@@ -137,11 +139,22 @@ class SampleStore:
             from meshfeed.queue.ray_backend import RayBackend
 
             self._backend = RayBackend.create(
-                options, inline_bytes=inline_bytes, meta=_meta, payload=_payload
+                options, inline_bytes=inline_bytes, name=name, meta=_meta, payload=_payload
             )
         else:
             raise ValueError(f"backend={backend!r} is unknown; use 'embedded' or 'ray'")
+        if name is not None and backend != "ray":
+            raise ValueError(f"name={name!r} names a Ray store actor; pass backend='ray'")
         self.backend = backend
+
+    @classmethod
+    def connect(cls, name: str, *, inline_bytes: int = 64 * 1024) -> SampleStore:
+        """The Ray store created with ``SampleStore('ray', name=name)``, from another process
+        (after ``ray.init(address=...)``); a Ray store can also simply be pickled."""
+        from meshfeed.queue.ray_backend import RayBackend
+
+        backend, options = RayBackend.connect(name, inline_bytes=inline_bytes)
+        return cls._attach("ray", backend, options)
 
     @classmethod
     def _attach(cls, backend: str, backend_obj: Any, options: StoreOptions) -> SampleStore:
