@@ -62,6 +62,17 @@ def test_windows_default_to_int64_and_take_a_narrower_dtype(tmp_path: Path) -> N
     assert narrow[0].tolist() == flat[8:17].tolist()
 
 
+def test_fetch_batch_takes_any_integer_index_array(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [64, 64])
+    windows = TokenWindows(corpus, seq_len=10)
+    want = torch.stack([windows[4], windows[2], windows[0]])
+    read_only = np.array([4, 2, 0])
+    read_only.setflags(write=False)
+    for idx in (np.array([0, 2, 4])[::-1], np.array([4, 2, 0], np.int32), read_only, [4, 2, 0]):
+        assert_same(windows.fetch_batch(idx), want)  # type: ignore[arg-type]
+    assert windows.fetch_batch(np.zeros(0, np.int64)).shape == (0, 11)
+
+
 def test_getitems_matches_getitem(tmp_path: Path) -> None:
     corpus, _ = corpus_of(tmp_path, [64, 64])
     windows = TokenWindows(corpus, seq_len=10)
@@ -77,6 +88,8 @@ def test_out_of_range_and_bad_indices_are_rejected(tmp_path: Path) -> None:
         windows[2]
     with pytest.raises(IndexError, match=r"outside \[0, 2\)"):
         windows.fetch_batch(np.array([0, 2]))
+    with pytest.raises(IndexError, match=r"span \[-1, 0\]"):
+        windows.fetch_batch(np.array([0, -1]))
     with pytest.raises(TypeError, match="1-D integer array"):
         windows.fetch_batch(np.array([[0]]))
     with pytest.raises(ValueError, match="seq_len must be a positive integer"):
