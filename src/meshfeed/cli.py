@@ -10,6 +10,7 @@ import sys
 _SUBCOMMANDS = (
     "meshfeed.demo",
     "meshfeed.balance.cli",
+    "meshfeed.curriculum.cli",
     "meshfeed.sources.convert",
 )
 

@@ -1,7 +1,8 @@
 """A bijective pseudo-random permutation of ``range(n)``, computed per index.
 
-A balanced Feistel network over the smallest even number of bits that covers ``n``, with
-cycle walking to stay inside ``range(n)``. Nothing proportional to ``n`` is ever stored: the
+A Feistel network over the smallest number of bits that covers ``n`` (halves of equal or
+almost equal width, so the domain is under ``2n``), with cycle walking to stay inside
+``range(n)``. Nothing proportional to ``n`` is ever stored: the
 permutation is six 64-bit round keys, so shuffling 10**12 samples costs the same memory as
 shuffling ten, and ``perm[p]`` for any position ``p`` is computed directly (resume is O(1)).
 
@@ -56,7 +57,7 @@ class Permutation:
     lookup costs six Feistel rounds plus, on average, fewer than four cycle-walking steps.
     """
 
-    __slots__ = ("_half", "_keys", "_mask", "n", "seed")
+    __slots__ = ("_keys", "_widths", "n", "seed")
 
     def __init__(self, n: int, seed: int = 0) -> None:
         if not isinstance(n, (int, np.integer)) or not 1 <= n < 2**63:
@@ -64,8 +65,9 @@ class Permutation:
         self.n = int(n)
         self.seed = int(seed)
         bits = max(2, (self.n - 1).bit_length())
-        self._half = np.uint64((bits + 1) // 2)
-        self._mask = np.uint64((1 << int(self._half)) - 1)
+        # (left, right) widths; an unbalanced split keeps the domain under 2n, so cycle
+        # walking needs fewer than two steps on average (a balanced one could need four).
+        self._widths = (bits // 2, bits - bits // 2)
         self._keys = [np.uint64(splitmix64(derive_seed(self.seed, r))) for r in range(_ROUNDS)]
 
     def __repr__(self) -> str:
@@ -75,18 +77,26 @@ class Permutation:
         return self.n
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        h, m = self._half, self._mask
-        left, right = x >> h, x & m
+        wl, wr = self._widths
+        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
         for k in self._keys:
-            left, right = right, left ^ (_mix(right ^ k) & m)
-        return (left << h) | right
+            # (L, R) of widths (wl, wr) -> (R, L ^ F(R)) of widths (wr, wl)
+            f = _mix(right ^ k) & np.uint64((1 << wl) - 1)
+            left, right = right, left ^ f
+            wl, wr = wr, wl
+        return (left << np.uint64(wr)) | right
 
     def _decrypt(self, y: np.ndarray) -> np.ndarray:
-        h, m = self._half, self._mask
-        left, right = y >> h, y & m
+        wl, wr = self._widths
+        if len(self._keys) % 2:
+            wl, wr = wr, wl
+        left, right = y >> np.uint64(wr), y & np.uint64((1 << wr) - 1)
         for k in reversed(self._keys):
-            left, right = right ^ (_mix(left ^ k) & m), left
-        return (left << h) | right
+            # inverse of the round above: (L', R') of widths (wl, wr) -> (R' ^ F(L'), L')
+            f = _mix(left ^ k) & np.uint64((1 << wr) - 1)
+            left, right = right ^ f, left
+            wl, wr = wr, wl
+        return (left << np.uint64(wr)) | right
 
     def _walk(self, x: np.ndarray, step: str) -> np.ndarray:
         f = self._encrypt if step == "encrypt" else self._decrypt
