@@ -97,3 +97,12 @@ def test_loader_rejects_bad_configuration():
     loader = StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0, num_workers=2)
     with pytest.raises(ValueError, match="same num_workers"):
         loader.load_state_dict({"version": 1, "index": [0], "turn": 0, "done": [False]})
+
+
+def test_loader_refuses_a_checkpoint_that_would_lose_prefetched_batches():
+    store = SampleStore()
+    store.put("p", {"x": list(range(10))})
+    loader = StreamingDataLoader(store, "t", ["x"], 2, "p", mesh={"dp": 1}, rank=0, num_workers=2)
+    next(loader)
+    with pytest.raises(ValueError, match="num_workers=0"):
+        loader.state_dict()

@@ -39,3 +39,20 @@ def test_connect_to_an_unknown_store_name_fails_clearly(ray_session):
 def test_a_name_needs_the_ray_backend():
     with pytest.raises(ValueError, match="pass backend='ray'"):
         SampleStore("embedded", name="x")
+
+
+@pytest.mark.ray
+def test_a_checkpoint_restores_into_a_ray_store_and_continues(ray_store, tmp_path):
+    from meshfeed.queue.checkpoint import read_checkpoint
+
+    source = SampleStore()
+    source.put("p", {"obs": np.arange(6 * 20000.0).reshape(6, 20000), "r": list(range(6))})
+    first = source.get("t", ["obs", "r"], 2, "p", timeout=1)
+    source.save(tmp_path / "s.ckpt")
+    store = _fresh(ray_store)
+    store._backend.restore(*read_checkpoint(tmp_path / "s.ckpt"))  # what load(backend="ray") does
+    assert store._backend.held_types() == ["Ref", "int"]  # large fields went to the object store
+    store.close("p")
+    rest = store.get("t", ["obs", "r"], 10, "p", timeout=10)
+    assert first.ids + rest.ids == list(range(6))
+    assert np.array_equal(rest["obs"], np.arange(6 * 20000.0).reshape(6, 20000)[2:])

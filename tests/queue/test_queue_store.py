@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import time
@@ -263,3 +264,27 @@ def test_readiness_under_interleaved_partial_puts(data):
         # every complete sample has been handed out at once
         assert set(handed) == {k for k, fs in present.items() if fs == set(FIELDS)}
     assert sorted(handed) == list(range(n)) and len(handed) == n
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_exactly_once_per_task_under_any_schedule_of_puts_gets_and_close(data):
+    n = data.draw(st.integers(1, 12))
+    events = data.draw(st.permutations([(i, f) for i in range(n) for f in ("a", "b")]))
+    store = SampleStore(capacity=data.draw(st.sampled_from([None, 2 * n])))
+    got: dict[str, list] = {"t1": [], "t2": []}
+    needs = {"t1": ["a", "b"], "t2": ["a"]}
+    for i, f in events:
+        store.put("p", {f: [i]}, ids=[i])
+        task = data.draw(st.sampled_from(["t1", "t2"]))
+        size = data.draw(st.integers(1, 4))
+        with contextlib.suppress(TimeoutError):
+            got[task].extend(store.get(task, needs[task], size, "p", timeout=0).ids)
+    store.close("p")
+    for task in got:
+        while True:
+            try:
+                got[task].extend(store.get(task, needs[task], 3, "p", timeout=0).ids)
+            except PartitionClosed:
+                break
+        assert sorted(got[task]) == list(range(n))  # each sample once, none lost

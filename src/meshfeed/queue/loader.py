@@ -33,8 +33,9 @@ class StreamingDataLoader:
     torchrun world).
 
     ``timeout`` bounds each wait for a batch (``TimeoutError``). ``state_dict()`` records the
-    position of every stream (restore the store itself with ``SampleStore.load``); it is exact
-    with ``num_workers=0`` only, because batches prefetched by workers are already consumed.
+    position of every stream (restore the store with ``SampleStore.load`` or
+    ``load_state_dict``); it is available with ``num_workers=0``, because batches prefetched by
+    workers are already consumed in the store.
     """
 
     def __init__(
@@ -139,7 +140,16 @@ class StreamingDataLoader:
         raise StopIteration
 
     def state_dict(self) -> dict[str, Any]:
-        """The position of every stream, as of the last batch returned."""
+        """The position of every stream, as of the last batch returned.
+
+        Raises ``ValueError`` once worker threads run: batches they prefetched are consumed in
+        the store but not yet returned, so a checkpoint now would lose them.
+        """
+        if self._queues is not None:
+            raise ValueError(
+                "state_dict() with num_workers > 0 after iteration started would lose the "
+                "batches workers prefetched; checkpoint a loader with num_workers=0"
+            )
         return {
             "version": 1,
             "task": self.task,
