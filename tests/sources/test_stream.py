@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections import Counter
 from typing import Any
 
@@ -12,26 +14,47 @@ from hypothesis import strategies as st
 
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.sources.stream_workers import StreamWorkerError
 from meshfeed.testing import assert_resume_equivalence, take
 from tests.dist_utils import run_distributed
 
 
 class CountingReader:
-    """A seeking reader over synthetic shards; records every (shard, row) it yields."""
+    """A seeking reader over synthetic shards; records every (shard, row) it yields.
 
-    def __init__(self, log: list[tuple[int, int]] | None = None) -> None:
+    With ``path`` the reads are appended to that file, so reads made in worker processes
+    are counted too (one short ``O_APPEND`` write per row).
+    """
+
+    def __init__(self, log: list[tuple[int, int]] | None = None, path: str | None = None) -> None:
         self.log = log if log is not None else []
+        self.path = path
 
     def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
         sid, n = shard
         for r in range(start, n if stop is None else min(stop, n)):
             self.log.append((sid, r))
+            if self.path is not None:
+                with open(self.path, "a") as f:
+                    f.write(f"{sid},{r}\n")
             yield sid * 1000 + r
 
+    def file_reads(self) -> Counter[tuple[int, int]]:
+        assert self.path is not None
+        with open(self.path) as f:
+            return Counter(tuple(map(int, line.split(","))) for line in f)
 
-def _stream(rows: list[int], *, known: bool, buffer: int = 0, log: list | None = None):
+
+def _stream(
+    rows: list[int],
+    *,
+    known: bool,
+    buffer: int = 0,
+    log: list | None = None,
+    path: str | None = None,
+) -> tuple[ShardedStream, CountingReader]:
     shards = [f"shard-{i}" for i in range(len(rows))]
-    reader = CountingReader(log)
+    reader = CountingReader(log, path)
     table = dict(zip(shards, enumerate(rows), strict=True))
     return ShardedStream(
         shards,
@@ -84,22 +107,24 @@ def test_assignment_is_exclusive_and_exhaustive(rows, R, W, epoch, known):
     ("rows", "known", "R"),
     [([10, 7, 12, 5], False, 2), ([9, 9, 9], True, 2), ([6] * 5, True, 3), ([4, 11], True, 4)],
 )
-def test_every_row_is_read_once_by_exactly_one_rank(rows, known, R, num_workers):
+def test_every_row_is_read_once_by_exactly_one_rank(rows, known, R, num_workers, tmp_path):
     """Simulates every data rank in one process; counts the reader's reads per row."""
-    log: list[tuple[int, int]] = []
-    stream, _ = _stream(rows, known=known, buffer=3, log=log)
-    delivered, steps = [], []
+    delivered, steps, reads = [], [], Counter()
     for r in range(R):
-        lo = StreamLoader(
+        path = tmp_path / f"reads-{r}.txt"
+        path.touch()
+        stream, reader = _stream(rows, known=known, buffer=3, path=str(path))
+        with StreamLoader(
             stream, batch_size=2, mesh={"dp": R}, rank=r, drop_last=False, num_workers=num_workers
-        )
-        batches = [b.tolist() for b in lo]
+        ) as lo:
+            batches = [b.tolist() for b in lo]
         steps.append(len(batches))
         delivered += [x for b in batches for x in b]
-        if num_workers == 0:
-            assert len(log) == len(set(log))  # nothing read twice, not even within a rank
-    if num_workers == 0:
-        assert Counter(log) == Counter((s, r) for s, n in enumerate(rows) for r in range(n))
+        mine = reader.file_reads()
+        assert max(mine.values(), default=1) == 1  # nothing read twice, not even within a rank
+        assert not set(mine) & set(reads)  # no row read by two ranks
+        reads.update(mine)
+    assert reads == Counter((s, r) for s, n in enumerate(rows) for r in range(n))
     assert len(delivered) == len(set(delivered))
     if not known:
         assert sorted(delivered) == _all_rows(rows)  # each rank ran to its own end
@@ -198,6 +223,40 @@ def test_too_few_shards_for_the_ranks_is_refused_at_construction():
     stream, _ = _stream([5], known=False)
     with pytest.raises(ValueError, match="give rows="):
         StreamLoader(stream, batch_size=1, mesh={"dp": 2}, rank=0)
+
+
+def _slow_shard() -> Any:
+    yield 1
+    time.sleep(30)
+    yield 2
+
+
+def _bad_shard() -> Any:
+    yield 1
+    raise OSError("disk gone in shard b")
+
+
+def _dying_shard() -> Any:
+    yield 1
+    os._exit(3)
+
+
+@pytest.mark.parametrize(
+    ("shard", "match"),
+    [
+        (_slow_shard, "no batch within timeout=1.0s"),
+        (_bad_shard, "disk gone in shard b"),
+        (_dying_shard, "exited with exit code 3"),
+    ],
+)
+def test_a_stalled_failing_or_dead_worker_is_reported_not_waited_for(shard, match):
+    stream = ShardedStream([shard, lambda: iter([5, 6, 7])])
+    lo = StreamLoader(stream, batch_size=2, num_workers=2, timeout=1.0, shuffle=False)
+    start = time.monotonic()
+    with pytest.raises(StreamWorkerError, match=match):
+        list(lo)
+    assert time.monotonic() - start < 10
+    lo.shutdown()
 
 
 # ---------------------------------------------------------------------- real processes

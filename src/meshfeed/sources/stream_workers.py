@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 from meshfeed.collate import default_collate
 from meshfeed.nodes.batch import Batcher
@@ -190,30 +190,38 @@ class ProcessSlots:
                 self._request(w)
 
     def _request(self, w: int) -> None:
-        self.conns[w].send("next")
+        try:
+            self.conns[w].send("next")
+        except OSError:
+            self._died(w)
         self.outstanding[w] += 1
+
+    def _died(self, w: int) -> NoReturn:
+        proc = self.procs[w]
+        proc.join(timeout=1.0)
+        self.close()
+        raise StreamWorkerError(
+            f"stream worker {w} (pid {proc.pid}) exited with exit code {proc.exitcode}; it may "
+            "have run out of memory or been killed. Restore from the last checkpoint"
+        )
 
     def next(self, w: int) -> tuple[Any, dict[str, Any]]:
         if self.outstanding[w] == 0:
             self._request(w)
         conn, proc = self.conns[w], self.procs[w]
         ready = wait([conn, proc.sentinel], timeout=self.timeout)
-        if conn not in ready and not conn.poll(0.05):
+        if not ready:
             self.close()
-            if ready:
-                raise StreamWorkerError(
-                    f"stream worker {w} (pid {proc.pid}) exited with exit code {proc.exitcode}; "
-                    "it may have run out of memory or been killed. Restore from the last checkpoint"
-                )
             raise StreamWorkerError(
                 f"stream worker {w} produced no batch within timeout={self.timeout}s; the "
                 "reader may be stuck on I/O. Raise timeout= if a batch legitimately takes longer"
             )
         try:
+            if conn not in ready and not conn.poll(0.05):
+                self._died(w)
             message = conn.recv()
-        except EOFError:
-            self.close()
-            raise StreamWorkerError(f"stream worker {w} closed its pipe") from None
+        except (EOFError, OSError):
+            self._died(w)
         self.outstanding[w] -= 1
         if message[0] == "error":
             _, kind, text, tb = message
@@ -230,7 +238,7 @@ class ProcessSlots:
             with contextlib.suppress(OSError, ValueError, BrokenPipeError):
                 c.send(None)
         for p in procs:
-            p.join(timeout=2.0)
+            p.join(timeout=0.5)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=2.0)
