@@ -288,3 +288,13 @@ def test_exactly_once_per_task_under_any_schedule_of_puts_gets_and_close(data):
             except PartitionClosed:
                 break
         assert sorted(got[task]) == list(range(n))  # each sample once, none lost
+
+
+def test_a_rejected_put_changes_nothing():
+    store = SampleStore()
+    store.put("p", {"a": [1, 2]}, ids=["x", "y"], groups=["g", "h"])
+    with pytest.raises(ValueError, match="a sample belongs to one group"):
+        store.put("p", {"b": [1, 2, 3]}, ids=["z", "x", "y"], groups=["g", "g", "g"])
+    assert store.stats()["held"] == 2
+    with pytest.raises(TimeoutError):
+        store.get("t", ["b"], 1, "p", timeout=0.01)  # no field b was written

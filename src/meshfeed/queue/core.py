@@ -205,7 +205,7 @@ class StoreCore:
         if ids is None:
             ids = list(range(part.next_id, part.next_id + n))
         new = [k for k in ids if k not in part.samples]
-        for k in ids:
+        for i, k in enumerate(ids):  # validate everything before changing anything
             sample = part.samples.get(k)
             if sample is None:
                 continue
@@ -214,6 +214,12 @@ class StoreCore:
                 raise ValueError(
                     f"sample {k!r} of partition {partition!r} already has fields {again}; "
                     "each field of a sample is produced once (delete the sample to redo it)"
+                )
+            group = None if groups is None else groups[i]
+            if group is not None and sample.group is not None and sample.group != group:
+                raise ValueError(
+                    f"sample {k!r} was put with group {sample.group!r}, now with {group!r}; "
+                    "a sample belongs to one group"
                 )
         cap = self.options.capacity
         if cap is not None:
@@ -236,11 +242,6 @@ class StoreCore:
                 self.produced += 1
                 if isinstance(k, int):
                     part.next_id = max(part.next_id, k + 1)
-            elif group is not None and sample.group is not None and sample.group != group:
-                raise ValueError(
-                    f"sample {k!r} was put with group {sample.group!r}, now with {group!r}; "
-                    "a sample belongs to one group"
-                )
             elif group is not None:
                 sample.group = group
             for f, column in rows.items():

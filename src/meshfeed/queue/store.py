@@ -131,6 +131,8 @@ class SampleStore:
             tasks=None if tasks is None else tuple(tasks),
         )
         self.options = options
+        if name is not None and backend != "ray":
+            raise ValueError(f"name={name!r} names a Ray store actor; pass backend='ray'")
         self._backend: Any
         if backend == "embedded":
             core = None if _meta is None else checkpoint.restore(_meta, _payload, options=options)
@@ -143,8 +145,6 @@ class SampleStore:
             )
         else:
             raise ValueError(f"backend={backend!r} is unknown; use 'embedded' or 'ray'")
-        if name is not None and backend != "ray":
-            raise ValueError(f"name={name!r} names a Ray store actor; pass backend='ray'")
         self.backend = backend
 
     @classmethod
