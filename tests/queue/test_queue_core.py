@@ -1,0 +1,51 @@
+"""StoreCore: the non-blocking bookkeeping both backends share."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshfeed.queue.core import PartitionClosed, Ref, StoreCore, StoreOptions, nbytes_of
+from meshfeed.queue.samplers import RankAwareSampler, SequentialSampler
+
+SEQ = SequentialSampler()
+
+
+def test_try_methods_return_none_instead_of_blocking():
+    core = StoreCore(StoreOptions(capacity=2))
+    assert core.try_put("p", {"x": [1, 2]}, None, None) == [0, 1]
+    assert core.try_put("p", {"x": [3]}, None, None) is None  # full: the caller waits
+    assert core.try_get("t", ("x",), 3, "p", SEQ, {}) is None  # not enough ready yet
+    assert core.try_put("p", {"y": [5]}, [0], None) == [0]  # new fields need no space
+
+
+def test_pinned_samples_outlive_eviction_until_every_reader_has_read():
+    core = StoreCore(StoreOptions(tasks=("t",)))
+    core.try_put("p", {"x": [1, 2]}, None, None)
+    lead = RankAwareSampler(data_rank=0, replica_rank=0, replica_size=2)
+    lag = RankAwareSampler(data_rank=0, replica_rank=1, replica_size=2)
+    ids, rows = core.try_get("t", ("x",), 2, "p", lead, {"batch_index": 0})
+    assert core.held == 2  # consumed by every task but pinned by the shared entry
+    assert core.try_get("t", ("x",), 2, "p", lag, {"batch_index": 0}) == (ids, rows)
+    assert core.held == 0 and core.stats()["cache_entries"] == 0
+
+
+def test_closed_and_drained_raises_partition_closed():
+    core = StoreCore(StoreOptions())
+    core.try_put("p", {"x": [1]}, None, None)
+    core.close("p")
+    assert core.try_get("t", ("x",), 5, "p", SEQ, {})[0] == [0]
+    with pytest.raises(PartitionClosed):
+        core.try_get("t", ("x",), 5, "p", SEQ, {})
+
+
+def test_refs_count_as_object_store_bytes_not_held_bytes():
+    core = StoreCore(StoreOptions())
+    core.try_put("p", {"x": [Ref("ref", 1000), Ref("ref", 24)]}, None, None)
+    stats = core.stats()
+    assert stats["bytes_held"] == 0 and stats["bytes_in_object_store"] == 1024
+    assert nbytes_of(b"abc") == 3
+
+
+def test_options_reject_a_non_positive_capacity():
+    with pytest.raises(ValueError, match="capacity must be a positive number"):
+        StoreOptions(capacity=0)
