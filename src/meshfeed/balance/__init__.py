@@ -3,11 +3,14 @@
 :func:`plan` is the pure scheduler (cost model -> CP degree, rank block and micro-step for every
 document); :class:`BalancedBatches` runs it inside a training job: one all-gather of lengths,
 the same plan on every rank, one fused all-to-all to reroute the documents, zigzag CP split.
+:func:`packed_document_loader` feeds it the documents of a token corpus, packed per rank by
+:func:`pack_documents`.
 """
 
 from meshfeed.balance.balanced import BalancedBatches
 from meshfeed.balance.baselines import BaselineResult, naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
+from meshfeed.balance.documents import pack_documents, packed_document_loader
 from meshfeed.balance.packing import pack, packing_efficiency
 from meshfeed.balance.plan import Plan, plan
 
@@ -18,6 +21,8 @@ __all__ = [
     "Plan",
     "naive_slicing",
     "pack",
+    "pack_documents",
+    "packed_document_loader",
     "packing_efficiency",
     "plan",
     "token_balancing",

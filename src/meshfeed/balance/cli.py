@@ -4,10 +4,12 @@ Prints, for meshfeed's :func:`plan` and for naive slicing (and token balancing),
 over its lower bound, micro-steps per rank and packing efficiency, and saves a PNG of per-rank
 load for the first batch. The ranks balanced are DP x CP (``--dp * --cp``); ``--tp`` with
 ``--sequence-parallel`` only changes padding. Lengths come from a synthetic distribution or a
-``.npy`` file of document lengths (a corpus, read in order as consecutive global batches).
+``.npy`` file of document lengths or a Megatron-format token corpus (``--corpus PREFIX``, the
+sizes of its ``.idx``), read in order as consecutive global batches.
 
     meshfeed plan --dp 8 --cp 2 --max-tokens 32768 --dist longtail --batches 8
     meshfeed plan --dp 16 --lengths doc_lengths.npy --cost s2 --png load.png
+    meshfeed plan --dp 4 --cp 2 --corpus data/train_text_document --no-png
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from meshfeed.balance.cost import CostModel
 from meshfeed.balance.plan import Plan, plan
 from meshfeed.balance.synthetic import DISTRIBUTIONS, sample_batch
 from meshfeed.mesh import DataMesh
+from meshfeed.sources.indexed import TokenCorpus
 
 __all__ = ["add_subcommand", "run"]
 
@@ -49,6 +52,9 @@ def add_subcommand(subparsers: Any) -> None:
     src = data.add_mutually_exclusive_group()
     src.add_argument("--dist", choices=DISTRIBUTIONS, default="longtail")
     src.add_argument("--lengths", type=Path, help=".npy file of document lengths (a corpus)")
+    src.add_argument(
+        "--corpus", metavar="PREFIX", help="token corpus PREFIX(.bin/.idx): its document lengths"
+    )
     data.add_argument(
         "--batch-tokens", type=int, help="tokens per global batch (default 4 x ranks x budget)"
     )
@@ -154,14 +160,21 @@ def _cost(args: argparse.Namespace) -> CostModel:
 
 
 def _batches(args: argparse.Namespace, batch_tokens: int) -> list[np.ndarray]:
-    if args.lengths is None:
+    if args.corpus is not None:
+        corpus = TokenCorpus.open(args.corpus).sizes.astype(np.int64)
+        if corpus.size == 0:
+            raise ValueError(f"corpus {args.corpus} has no documents; nothing to plan")
+    elif args.lengths is not None:
+        corpus = np.load(args.lengths, allow_pickle=False).ravel()
+        if corpus.size == 0 or not np.issubdtype(corpus.dtype, np.integer):
+            raise ValueError(
+                f"{args.lengths} must hold a non-empty integer array of document lengths"
+            )
+    else:
         return [
             sample_batch(args.dist, tokens=batch_tokens, seed=args.seed * 100_003 + b)
             for b in range(args.batches)
         ]
-    corpus = np.load(args.lengths, allow_pickle=False).ravel()
-    if corpus.size == 0 or not np.issubdtype(corpus.dtype, np.integer):
-        raise ValueError(f"{args.lengths} must hold a non-empty integer array of document lengths")
     ends = np.searchsorted(np.cumsum(corpus), batch_tokens * np.arange(1, args.batches + 1))
     cuts = np.unique(np.minimum(np.concatenate([[0], ends + 1]), corpus.size))
     out = [corpus[a:b] for a, b in itertools.pairwise(cuts.tolist()) if b > a]
