@@ -16,6 +16,7 @@ import argparse
 import functools
 import os
 import zlib
+from typing import Any
 
 import numpy as np
 import ray
@@ -44,7 +45,6 @@ def checksum(batch: dict[str, torch.Tensor]) -> int:
     return zlib.crc32(batch["input_ids"].numpy().tobytes())
 
 
-@ray.remote(num_cpus=0)
 class Trainer:
     """One global rank of the training job."""
 
@@ -73,7 +73,8 @@ def main() -> None:
     service = RayService(num_actors=2, actor_options={"max_restarts": 1}, prefetch=2)
     service.bind_mesh(mesh)  # so RemoteBatch.for_rank maps global ranks through the mesh
     loader = DataLoader(make_dataset, batch_size=4, mesh=mesh, seed=0, service=service)
-    trainers = [Trainer.remote(rank) for rank in range(mesh.world_size)]
+    trainer_cls = ray.remote(Trainer).options(num_cpus=0)
+    trainers: list[Any] = [trainer_cls.remote(rank) for rank in range(mesh.world_size)]
 
     print(f"{'step':>4} {'rank':>4} {'data rank':>9} {'rows':>4} {'bytes':>7} {'crc32':>10}")
     results: list[dict[str, int]] = []

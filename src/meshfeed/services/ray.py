@@ -324,7 +324,11 @@ class RayService:
     ) -> Iterator[tuple[RemoteBatch, list[FetchEvents]]]:
         """Submit each step's per-rank tasks to an actor; yield ``RemoteBatch`` es in order."""
         if not self._actors or self._config is None:
-            raise RuntimeError("RayService.map_global() before start(); call start(fetcher) first")
+            raise RuntimeError(
+                "RayService.map_global() without running actors (before start(), or after "
+                "shutdown() or a LoaderActorError); call loader.shutdown() and iterate again, or "
+                "build a new DataLoader and load_state_dict() the last checkpoint"
+            )
         source = iter(step_task_lists)
         inflight: deque[_InFlight] = deque()
         counter = 0
