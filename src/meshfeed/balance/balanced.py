@@ -22,7 +22,7 @@ and how many of its micro-steps were yielded. Restoring refetches that batch and
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +103,7 @@ class BalancedBatches:
 
     def __init__(
         self,
-        inner: Iterator[Mapping[str, Any]],
+        inner: Iterable[Mapping[str, Any]],
         *,
         max_tokens: int,
         cost: CostModel = DEFAULT_COST,
@@ -120,7 +120,7 @@ class BalancedBatches:
             raise ValueError(f"max_docs_per_rank must be positive (got {max_docs_per_rank=})")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds (got {timeout=})")
-        self._inner = iter(inner)
+        self._inner = _stateful_iterator(inner)
         self._comm = _Comm(group)
         self._plan_kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -271,3 +271,37 @@ class BalancedBatches:
             step["cp_group"] = tuple(self._comm.global_rank(r) for r in step["cp_group"])
         self._base_state, self._current = batch.state, steps
         self._k, self._skip = min(self._skip, len(steps)), 0
+
+
+class _LoaderEpoch:
+    """One epoch of a stateful iterable (a DataLoader) as an iterator that can checkpoint.
+
+    A DataLoader's ``iter()`` is a generator without state; the loader holds it. This
+    iterator forwards ``state_dict`` / ``load_state_dict`` to the loader and starts a fresh
+    ``iter()`` after a restore, so BalancedBatches checkpoints through any meshfeed loader.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> _LoaderEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._it = iter(self.loader)
+        return next(self._it)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.loader.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+        self._it = None  # the next item comes from the restored position
+
+
+def _stateful_iterator(inner: Iterable[Any]) -> Iterator[Any]:
+    if not hasattr(inner, "__next__") and hasattr(inner, "state_dict"):
+        return _LoaderEpoch(inner)
+    return iter(inner)

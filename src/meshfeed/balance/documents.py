@@ -12,7 +12,7 @@ BalancedBatches reroutes (next-token inputs and labels, position ids restarting 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,9 +72,8 @@ def packed_document_loader(
 ) -> DataLoader:
     """A DataLoader yielding one :func:`pack_documents` sample of ``batch_size`` documents per step.
 
-    Made for ``BalancedBatches(packed_document_loader(...), max_tokens=...)``: its iterator
-    carries ``state_dict`` / ``load_state_dict``, so BalancedBatches checkpoints and restores
-    through it. Every rank BalancedBatches balances must read distinct documents, so a mesh
+    Made for ``BalancedBatches(packed_document_loader(...), max_tokens=...)``, which
+    checkpoints and restores through the loader's ``state_dict`` / ``load_state_dict``. Every rank BalancedBatches balances must read distinct documents, so a mesh
     given as a dict shards over ``cp`` too (``{"dp": 4, "cp": 2}`` is 8 data ranks); a
     ``DataMesh`` with a ``cp`` axis must list it in ``data_axes``. One epoch per ``iter()``.
     """
@@ -92,7 +91,7 @@ def packed_document_loader(
             "replicates data over cp, so context-parallel peers would pack the same documents "
             "and BalancedBatches would train them twice; build it with data_axes including 'cp'"
         )
-    return _PackedDocumentLoader(
+    return DataLoader(
         documents,
         batch_size=batch_size,
         mesh=resolved,
@@ -101,33 +100,3 @@ def packed_document_loader(
         num_workers=num_workers,
         collate_fn=pack_documents,
     )
-
-
-class _PackedDocumentLoader(DataLoader):
-    """A DataLoader whose ``iter()`` is stateful, since BalancedBatches keeps only ``iter(inner)``."""
-
-    def __iter__(self) -> Iterator[Any]:
-        return _StatefulEpoch(self)
-
-
-class _StatefulEpoch:
-    """One epoch of a DataLoader as an iterator that saves and restores the loader's position."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        self.loader = loader
-        self._it: Iterator[Any] | None = None
-
-    def __iter__(self) -> _StatefulEpoch:
-        return self
-
-    def __next__(self) -> Any:
-        if self._it is None:
-            self._it = DataLoader.__iter__(self.loader)
-        return next(self._it)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
-        self._it = None  # the next item comes from the restored position
