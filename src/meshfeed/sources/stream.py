@@ -70,7 +70,9 @@ class ShardedStream:
     """Shards plus a reader; see the module docstring for the assignment rule.
 
     ``shuffle_buffer`` is the size of the seeded per-worker shuffle buffer (0: none); ``seed``
-    keys the shard permutation and the buffer together with the loader's seed.
+    keys the shard permutation and the buffer together with the loader's seed. Both are used
+    only when the loader has ``shuffle=True``. ``rows`` (row counts per shard, optional) lets
+    shards be split by row ranges and gives the loader a ``len()``.
     """
 
     def __init__(

@@ -28,7 +28,6 @@ row counts; then every rank also stops after exactly ``len()`` steps without com
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -36,7 +35,9 @@ from typing import Any
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream_sync import all_ranks_have_a_batch, check_agreement
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
+from meshfeed.state import fingerprint_hash
 
 __all__ = ["STREAM_STATE_VERSION", "StreamLoader"]
 
@@ -215,7 +216,7 @@ class StreamLoader:
         try:
             while True:
                 got = None if cap is not None and self._steps >= cap else self._next_local(slots)
-                if not _all_ranks_have_a_batch(got is not None, self.timeout):
+                if not all_ranks_have_a_batch(got is not None, self.timeout):
                     break
                 assert got is not None  # every rank, this one included, has a batch
                 batch, w, state = got
@@ -232,28 +233,19 @@ class StreamLoader:
 
     def _check_agreement(self) -> None:
         """Once: every rank must read the same stream with the same settings (bounded wait)."""
-        if self._checked:
-            return
-        from meshfeed.state import fingerprint_hash
-
-        values = [
-            self.seed,
-            self.batch_size,
-            self.slots,
-            int(self.shuffle),
-            int(self.drop_last),
-            fingerprint_hash(self.fingerprint),
-        ]
-        low = _all_reduce(values, "min", self.timeout)
-        high = _all_reduce(values, "max", self.timeout)
-        names = ["seed", "batch_size", "num_workers", "shuffle", "drop_last", "stream fingerprint"]
-        for name, lo, hi in zip(names, low, high, strict=True):
-            if lo != hi:
-                raise ValueError(
-                    f"stream loaders disagree on {name} across ranks (values from {lo} to "
-                    f"{hi}); build every rank's StreamLoader with the same stream and settings"
-                )
-        self._checked = True
+        if not self._checked:
+            check_agreement(
+                {
+                    "seed": self.seed,
+                    "batch_size": self.batch_size,
+                    "num_workers": self.slots,
+                    "shuffle": int(self.shuffle),
+                    "drop_last": int(self.drop_last),
+                    "stream fingerprint": fingerprint_hash(self.fingerprint),
+                },
+                self.timeout,
+            )
+            self._checked = True
 
     def stats(self) -> dict[str, Any]:
         """Epoch, steps taken this epoch, rows skipped (None), per-worker exhaustion."""
@@ -349,36 +341,6 @@ def _skipped(state: dict[str, Any] | None) -> int:
     while isinstance(state, dict) and "source" in state:
         state = state["source"]
     return int(state.get("skipped", 0)) if isinstance(state, dict) else 0
-
-
-def _all_ranks_have_a_batch(mine: bool, timeout: float) -> bool:
-    """One all_reduce(MIN) of one int across the process group (torchdata's fullsync)."""
-    return bool(_all_reduce([1 if mine else 0], "min", timeout)[0])
-
-
-def _all_reduce(values: list[int], op: str, timeout: float) -> list[int]:
-    """All-reduce a few int64s over the default group with a bounded wait (local if no group)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    reduce_op = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX
-    message = (
-        f"rank {dist.get_rank()} waited more than timeout={timeout}s for the other ranks to "
-        "agree on the stream; a rank has stalled, died or stopped iterating"
-    )
-    try:
-        work = dist.all_reduce(t, op=reduce_op, async_op=True)
-        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise RuntimeError(message) from exc
-    if done is False:
-        raise RuntimeError(message)
-    return [int(x) for x in t.cpu().tolist()]
 
 
 def _pin(batch: Any) -> Any:
