@@ -183,6 +183,8 @@ def test_resume_with_another_configuration_is_refused():
         StreamLoader(stream, batch_size=2, mesh={"dp": 2}, num_workers=2, rank=0).load_state_dict(
             state
         )
+    with pytest.raises(ValueError, match="on_error="):
+        StreamLoader(stream, batch_size=2, on_error="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kind='stream'"):
         StreamLoader(stream, batch_size=2).load_state_dict({"version": 1})
 

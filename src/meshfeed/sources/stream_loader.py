@@ -86,6 +86,10 @@ class StreamLoader:
             raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=!r})")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive seconds (got {timeout=!r})")
+        if on_error not in ("raise", "skip", "substitute"):
+            raise ValueError(f"on_error={on_error!r} is not one of 'raise', 'skip', 'substitute'")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0 (got {max_retries=!r})")
         if curriculum is not None or service is not None:
             raise ValueError(
                 "a stream has no random access, so curriculum= and service= do not apply; "
