@@ -19,7 +19,14 @@ import numpy as np
 
 from meshfeed.fetch import Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
-from meshfeed.order.plan import BatchPlan, Order, ShuffledOrder, Step, describe_order
+from meshfeed.order.plan import (
+    BatchPlan,
+    Order,
+    ShuffledOrder,
+    Step,
+    describe_order,
+    rank_bounds,
+)
 from meshfeed.services.base import InProcessService, Service
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
@@ -134,7 +141,7 @@ class DataLoader:
             "padded": 0,
             "failures": [],
         }
-        self._index_cache: tuple[int, dict[int, np.ndarray]] | None = None
+        self._index_cache: tuple[int, dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
 
     # ------------------------------------------------------------------ construction helpers
     def _make_order(self, dataset: Any, curriculum: Any) -> Order:
@@ -202,28 +209,33 @@ class DataLoader:
         if epoch != self._epoch:
             self._epoch, self._position = epoch, 0
 
-    def _indices_for(self, step: Step) -> np.ndarray:
-        """This rank's indices for ``step``, from a block computed in one vectorised call."""
+    def _block(self, step: Step) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """This rank's (positions, indices) for up to _INDEX_BLOCK_STEPS steps from ``step``.
+
+        Full global batches (all but possibly an epoch's last) are computed in one vectorised
+        shot: positions as a 2-D array, one order call, per-step rows as views.
+        """
         cache = self._index_cache
-        if cache is None or cache[0] != step.epoch or step.start not in cache[1]:
-            starts, slices = [], []
-            s: Step | None = step
-            for _ in range(_INDEX_BLOCK_STEPS):
-                if s is None:
-                    break
-                starts.append(s.start)
-                slices.append(self.plan.rank_positions(s, self.data_rank, self.data_world_size))
-                s = self.plan.step_at(step.epoch, s.end)
-            flat = self.order.indices(step.epoch, np.concatenate(slices))
-            parts = np.split(flat, np.cumsum([len(x) for x in slices])[:-1])
-            cache = (step.epoch, dict(zip(starts, parts, strict=True)))
-            self._index_cache = cache
-        return cache[1][step.start]
+        if cache is not None and cache[0] == step.epoch and step.start in cache[1]:
+            return cache[1]
+        G, D, d = self.global_batch_size, self.data_world_size, self.data_rank
+        full = min(_INDEX_BLOCK_STEPS, (self.order.epoch_length(step.epoch) - step.start) // G)
+        if full > 0:
+            lo, hi = rank_bounds(G, d, D)
+            starts = step.start + G * np.arange(full, dtype=np.int64)
+            positions = starts[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :]
+            indices = self.order.indices(step.epoch, positions.ravel()).reshape(positions.shape)
+            block = {s: (positions[k], indices[k]) for k, s in enumerate(starts.tolist())}
+        else:  # the short last batch of an epoch (drop_last=False): may wrap around
+            positions = self.plan.rank_positions(step, d, D)
+            block = {step.start: (positions, self.order.indices(step.epoch, positions))}
+        self._index_cache = (step.epoch, block)
+        return block
 
     def _tasks(self, epoch: int, position: int) -> Iterator[tuple[Step, FetchTask]]:
         while (step := self.plan.step_at(epoch, position)) is not None:
-            positions = self.plan.rank_positions(step, self.data_rank, self.data_world_size)
-            yield step, FetchTask(epoch, step.index, self._indices_for(step), positions)
+            positions, indices = self._block(step)[step.start]
+            yield step, FetchTask(epoch, step.index, indices, positions)
             position = step.end
 
     def __iter__(self) -> Iterator[Any]:
@@ -244,8 +256,11 @@ class DataLoader:
             results = self.service.map(tasks())
         for batch, events in results:
             step = steps.pop(0)
-            for e in events if isinstance(events, list) else [events]:
-                self._record(step, e)
+            if isinstance(events, list):
+                for e in events:
+                    self._record(step, e)
+            else:
+                self._record(step, events)
             self._position = step.end
             if self.pin_memory:
                 batch = _pin(batch)
@@ -272,7 +287,8 @@ class DataLoader:
         return iter(self.service.map_global(global_tasks()))  # type: ignore[attr-defined]
 
     def _record(self, step: Step, events: FetchEvents) -> None:
-        if not hasattr(self.service, "map_global"):
+        # Padding exists only in a last batch shorter than the number of data ranks.
+        if step.end - step.start < self.data_world_size and not hasattr(self.service, "map_global"):
             self._stats["padded"] += self.plan.rank_padding(
                 step, self.data_rank, self.data_world_size
             )

@@ -4,7 +4,7 @@ import signal
 import pytest
 import torch
 
-from meshfeed import DataLoader
+from meshfeed import DataLoader, SampleError
 from meshfeed.services import WorkerError, WorkerService
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 
@@ -64,7 +64,7 @@ def test_worker_exception_is_reraised_with_worker_traceback():
     lo = DataLoader(
         Items(16, fail_at=5), batch_size=4, shuffle=False, num_workers=2, on_error="raise"
     )
-    with pytest.raises(ValueError, match="cannot decode sample 5") as info:
+    with pytest.raises(SampleError, match="sample 5 .* ValueError: cannot decode sample 5") as info:
         list(lo)
     assert "worker traceback" in str(info.value) and "__getitem__" in str(info.value)
     lo.shutdown()
