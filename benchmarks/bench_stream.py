@@ -14,7 +14,7 @@ For each format it measures, in the same run:
 - ``meshfeed w=0 +shuffle``: the same with a 1,024-row seeded shuffle buffer;
 - ``meshfeed w=2``: ``StreamLoader(num_workers=2)`` (worker start-up included).
 
-and prints samples/s, batches/s and the ratio to the plain loop (best of ``--repeats``).
+and prints samples/s, batches/s and the ratio to the plain loop (best of 5 interleaved rounds; 1 with ``--quick``).
 
     PYTHONPATH=src python benchmarks/bench_stream.py [--quick]
 """
@@ -89,22 +89,13 @@ def meshfeed_loop(stream: ShardedStream, batch_size: int, workers: int) -> int:
         return sum(1 for _ in lo)
 
 
-def best_of(repeats: int, fn: Callable[[], int]) -> tuple[float, int]:
-    best, batches = float("inf"), 0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        batches = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, batches
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small data, one repeat")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    shards, seq_len, repeats = (4, 128, 1) if args.quick else (8, 512, 3)
+    shards, seq_len, repeats = (4, 128, 1) if args.quick else (8, 512, 5)
     rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": 500 if args.quick else 2_500}
     readers = {"npy": npy_reader, "jsonl": jsonl_reader}
     print(
@@ -128,11 +119,18 @@ def main() -> None:
                 ("meshfeed w=0 +shuffle", lambda s=shuffled: meshfeed_loop(s, args.batch_size, 0)),
                 ("meshfeed w=2", lambda s=plain: meshfeed_loop(s, args.batch_size, 2)),
             ]
-            base = 0.0
-            for name, fn in runs:
-                seconds, batches = best_of(repeats, fn)
-                bps = batches / seconds
-                base = base or bps
+            # Repeats are interleaved (every loader once per round) so that load drifting on
+            # a shared machine affects all loaders alike; the best round counts.
+            best = {name: float("inf") for name, _ in runs}
+            counts = {}
+            for _ in range(repeats):
+                for name, fn in runs:
+                    t0 = time.perf_counter()
+                    counts[name] = fn()
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            base = counts["plain loop"] / best["plain loop"]
+            for name, _ in runs:
+                bps = counts[name] / best[name]
                 print(
                     f"{fmt:6} {name:24} {bps * args.batch_size:11,.0f} {bps:10,.1f} "
                     f"{bps / base:8.2f}x"
