@@ -44,6 +44,10 @@ def _slow_items() -> Items:
     return Items(30, delay=0.03)
 
 
+def _stalled() -> Items:
+    return Items(30, delay=30.0)
+
+
 def _broken() -> Items:
     raise FileNotFoundError("/data/shard-00007.bin does not exist")
 
@@ -90,6 +94,18 @@ def test_replica_peers_share_one_reference_and_data_ranks_never_do(dp, tp, cp, p
     assert len({rb.for_rank(g[0]) for g in mesh.replica_groups()}) == dp
 
 
+def test_without_a_mesh_global_ranks_are_data_ranks():
+    rb = RemoteBatch(0, 0, ("a", "b"))
+    assert [rb.for_rank(r) for r in range(2)] == ["a", "b"]
+    with pytest.raises(ValueError, match="data_rank=2 is out of range"):
+        rb.for_rank(2)
+
+
+def test_a_service_that_was_not_started_refuses_to_serve():
+    with pytest.raises(RuntimeError, match="without running actors"):
+        next(iter(RayService().map_global(iter([]))))
+
+
 def test_remote_batch_refuses_a_mesh_of_another_data_world_size():
     with pytest.raises(ValueError, match="does not fit the mesh"):
         RemoteBatch(0, 0, ("a", "b", "c"), DataMesh.from_sizes(dp=2))
@@ -102,6 +118,7 @@ def test_remote_batch_refuses_a_mesh_of_another_data_world_size():
         ({"prefetch": 0}, "prefetch must be an int >= 1"),
         ({"actor_options": {"max_restarts": -2}}, r"max_restarts'\] must be an int >= -1"),
         ({"timeout": 0}, "timeout must be positive"),
+        ({"start_timeout": -1}, "start_timeout must be positive"),
     ],
 )
 def test_ray_service_rejects_bad_options_with_the_fix(kwargs, match):
@@ -233,6 +250,16 @@ def test_a_dead_loader_actor_is_reported_by_name(ray_session):
         with pytest.raises(LoaderActorError, match=r"Ray loader actor 0 of 1 \(actor id") as err:
             list(it)
     assert victim._actor_id.hex() in str(err.value) and "max_restarts" in str(err.value)
+
+
+@pytest.mark.ray
+def test_a_stalled_loader_actor_is_reported_after_the_timeout(ray_session):
+    service = RayService(timeout=1.0)
+    with _ray_loader(_stalled, mesh={"dp": 1}, service=service, batch_size=1) as loader:
+        start = time.monotonic()
+        with pytest.raises(LoaderActorError, match=r"actor 0 of 1 .* within timeout=1.0s"):
+            take(loader, 1)
+    assert time.monotonic() - start < 10
 
 
 @pytest.mark.ray

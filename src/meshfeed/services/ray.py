@@ -7,7 +7,9 @@ holding one ``ray.ObjectRef`` per data rank; a consumer resolves only its own sl
 ``ray.get(remote_batch.for_rank(rank))``, so bytes moved per step are one global batch in total,
 not one per consumer. Order, mesh and state semantics are those of the in-process loader: rank
 ``r``'s resolved batch equals what ``DataLoader(create_dataset(), ..., rank=r)`` yields, and
-``state_dict()`` is the position of the last ``RemoteBatch`` handed out.
+``state_dict()`` is the position of the last ``RemoteBatch`` handed out. ``for_rank`` maps
+global ranks through the mesh given to ``RayService.bind_mesh`` (the loader's mesh); with no
+mesh bound, global ranks are taken to be data ranks.
 
 Step ``s`` is made by loader actor ``s % num_actors`` (counted per iteration), ``prefetch``
 global steps ahead. Fetch tasks are pure (the same indices give the same batch), so when an actor
@@ -197,7 +199,8 @@ class RayService:
     callable (a class, a function, a ``functools.partial``) that builds the dataset: it runs in
     each actor, never in the driver. ``actor_options`` go to ``ray.remote(...).options`` (e.g.
     ``{"num_cpus": 1, "max_restarts": 2}``); with ``max_restarts > 0`` a dead actor is
-    restarted and its lost steps are remade. Every wait is bounded by ``timeout`` seconds.
+    restarted and its lost steps are remade. Every wait is bounded: a step by ``timeout``
+    seconds, starting an actor and building its dataset by ``start_timeout`` seconds.
     Ray must be initialised (``ray.init``) before the loader is built.
     """
 
@@ -208,6 +211,7 @@ class RayService:
         prefetch: int = 2,
         *,
         timeout: float = 300.0,
+        start_timeout: float = 600.0,
     ) -> None:
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ValueError(f"num_actors must be an int >= 1 (got {num_actors=!r})")
@@ -220,8 +224,9 @@ class RayService:
                 f"actor_options must be a dict of ray actor options (got {actor_options!r}); "
                 "e.g. actor_options={'num_cpus': 1, 'max_restarts': 1}"
             )
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be positive seconds (got {timeout=!r})")
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be positive seconds (got {name}={value!r})")
         self.num_actors = num_actors
         self.actor_options: dict[str, Any] = dict(actor_options or {})
         restarts = self.actor_options.get("max_restarts", 0)
@@ -233,6 +238,7 @@ class RayService:
         self.max_restarts = restarts
         self.prefetch = prefetch
         self.timeout = float(timeout)
+        self.start_timeout = float(start_timeout)
         self.mesh: DataMesh | None = None
         #: Steps remade on a restarted actor after their first actor died (for stats and tests).
         self.resubmitted = 0
@@ -406,21 +412,23 @@ class RayService:
 
     def _describe_actor(self, index: int) -> str:
         actor = self._actors[index] if index < len(self._actors) else None
-        actor_id = actor._actor_id.hex() if actor is not None else "?"
-        pid = self._pids[index] if index < len(self._pids) else "?"
-        return f"Ray loader actor {index} of {self.num_actors} (actor id {actor_id}, pid {pid})"
+        actor_id = actor._actor_id.hex() if actor is not None else "unknown"
+        pid = f", pid {self._pids[index]}" if index < len(self._pids) else ""
+        return f"Ray loader actor {index} of {self.num_actors} (actor id {actor_id}{pid})"
 
     def _get(self, ref: Any, index: int, what: str) -> Any:
+        """``ray.get`` of a start-up call (actor creation, ``create_dataset``, ``make_order``)."""
         import ray
 
+        timeout = self.start_timeout
         try:
-            return ray.get(ref, timeout=self.timeout)
+            return ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
+            described = self._describe_actor(index)
             self.shutdown()
             raise LoaderActorError(
-                f"{self._describe_actor(index)} produced nothing for {what} within "
-                f"timeout={self.timeout}s; raise RayService(timeout=...) if it legitimately "
-                "takes longer"
+                f"{described} did not finish {what} within start_timeout={timeout}s; raise "
+                "RayService(start_timeout=...) if building the dataset legitimately takes longer"
             ) from None
         except ray.exceptions.RayActorError as exc:
             described = self._describe_actor(index)
@@ -467,10 +475,10 @@ class RayService:
                 self._submit(job)  # tasks are pure: the remade step is the lost one
 
     def _wait_alive(self, index: int) -> bool:
-        """Whether actor ``index`` answers again (Ray restarts it), within the timeout."""
+        """Whether actor ``index`` answers again (Ray restarts it) within ``start_timeout``."""
         import ray
 
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.start_timeout  # a restart rebuilds the dataset
         delay = 0.05
         while time.monotonic() < deadline:
             try:
