@@ -281,3 +281,30 @@ def test_shutdown_is_idempotent_and_context_manager():
         assert len(list(loader)) == 4
     loader.shutdown()
     loader.shutdown()
+
+
+def test_a_stream_goes_through_the_same_front_door():
+    from meshfeed.sources import ShardedStream, StreamLoader
+
+    stream = ShardedStream([lambda: iter(range(6)), lambda: iter(range(6, 12))])
+    loader = DataLoader(stream, batch_size=3, shuffle=False)
+    assert isinstance(loader, StreamLoader)
+    assert sorted(i for b in loader for i in b.tolist()) == list(range(12))
+
+
+def test_resume_refuses_a_mixture_reweighted_after_construction():
+    def build(reweight):
+        mix = meshfeed.Mixture({"a": list(range(30)), "b": list(range(100, 130))}, {"a": 1, "b": 1})
+        loader = DataLoader(mix, batch_size=2, collate_fn=list)
+        if reweight:
+            mix.reweight(3, {"a": 1, "b": 3})  # after the fingerprint was taken
+        return loader
+
+    source = build(reweight=True)
+    take(source, 2)
+    state = source.state_dict()
+    with pytest.raises(ValueError, match="weight schedule"):
+        build(reweight=False).load_state_dict(state)
+    resumed = build(reweight=True)
+    resumed.load_state_dict(state)
+    assert take(resumed, 4) == take(source, 4)

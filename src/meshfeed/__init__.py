@@ -1,15 +1,20 @@
 """meshfeed: the data layer for large-model training."""
 
 from meshfeed.collate import default_collate
-from meshfeed.fetch import SampleError
+from meshfeed.fetch import Failed, SampleError
 from meshfeed.loader import DataLoader
 from meshfeed.mesh import DataMesh
 from meshfeed.rng import FetchInfo, fetch_info, sample_generator, sample_rng
+from meshfeed.sources.lazy import LazyDataset
+from meshfeed.sources.mixture import Mixture
 
 __all__ = [
     "DataLoader",
     "DataMesh",
+    "Failed",
     "FetchInfo",
+    "LazyDataset",
+    "Mixture",
     "SampleError",
     "default_collate",
     "fetch_info",

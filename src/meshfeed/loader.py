@@ -50,10 +50,23 @@ class DataLoader:
     same slice, so no broadcast is needed. ``state_dict()`` is a small JSON dict; loading it
     continues exactly, also on a different data-parallel size with the same global batch.
 
+    A :class:`~meshfeed.sources.ShardedStream` (not map-style) gets a
+    :class:`~meshfeed.sources.StreamLoader` with the same arguments and interface.
+
     A new ``iter()`` continues from the current position (exact resumption); an epoch that
     was iterated to its end advances to the next epoch. ``set_epoch(e)`` with a different
     epoch restarts at the beginning of epoch ``e``.
     """
+
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # A stream is not map-style: the same front door hands it to the streaming loader.
+        from meshfeed.sources.stream import ShardedStream
+
+        if cls is DataLoader and isinstance(dataset, ShardedStream):
+            from meshfeed.sources.stream_loader import StreamLoader
+
+            return StreamLoader(dataset, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -370,6 +383,9 @@ class DataLoader:
                 f"checkpoint position {state['position']} is beyond the epoch length "
                 f"{self.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
             )
+        validate_order = getattr(self.order, "validate_described", None)
+        if validate_order is not None and "order" in state:
+            validate_order(state["order"])
         self._epoch, self._position = state["epoch"], state["position"]
         stats = state.get("stats")
         if isinstance(stats, dict):

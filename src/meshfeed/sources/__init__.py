@@ -3,7 +3,11 @@
 from meshfeed.sources.convert import convert
 from meshfeed.sources.hf import HFSource
 from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCorpus, write_indexed
+from meshfeed.sources.lazy import LazyDataset
+from meshfeed.sources.mixture import Mixture, MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
+from meshfeed.sources.stream import ShardedStream, default_reader
+from meshfeed.sources.stream_loader import StreamLoader
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 
 __all__ = [
@@ -11,10 +15,16 @@ __all__ = [
     "HFSource",
     "IndexedFormatError",
     "IndexedWriter",
+    "LazyDataset",
+    "Mixture",
+    "MixtureOrder",
     "ParquetSource",
+    "ShardedStream",
+    "StreamLoader",
     "TokenCorpus",
     "TokenDocuments",
     "TokenWindows",
     "convert",
+    "default_reader",
     "write_indexed",
 ]
