@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed import DataLoader, DataMesh, SampleError
+from meshfeed.order.plan import ShuffledOrder
 from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 
@@ -30,6 +31,13 @@ class Items:
         if i == self.fail_at:
             raise ValueError(f"cannot decode sample {i}")
         return {"i": i, "x": torch.arange(4) + i, "built_in": self.built_in}
+
+
+class Sequential(Items):
+    """A dataset with its own order (positions in order): the loader asks the actor for it."""
+
+    def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int):
+        return ShuffledOrder(dataset_length, seed=seed, shuffle=False)
 
 
 def _items_14() -> Items:
@@ -226,6 +234,15 @@ def test_bad_samples_are_substituted_in_the_actor_as_in_process(ray_session):
     for r in range(2):
         assert_same(_resolve(got, r), [_strip(b) for b in take(local[r], 3)])
     assert stats["substituted"] == 1 and stats["failures"][0]["index"] == 7
+
+
+@pytest.mark.ray
+def test_a_dataset_order_built_in_the_actor_drives_the_driver_plan(ray_session):
+    with _ray_loader(Sequential, mesh={"dp": 2}, batch_size=2) as loader:
+        got = take(loader, 2)
+        assert isinstance(loader.order, ShuffledOrder) and not loader.order.shuffle
+    assert [b["i"].tolist() for b in _resolve(got, 0)] == [[0, 1], [4, 5]]
+    assert [b["i"].tolist() for b in _resolve(got, 1)] == [[2, 3], [6, 7]]
 
 
 @pytest.mark.ray
