@@ -91,7 +91,6 @@ def run_ray(
 ) -> Result:
     mesh = DataMesh.from_sizes(dp=1 if full else d)
     service = RayService(num_actors=1, prefetch=2)
-    service.bind_mesh(mesh)
     rss0 = _rss()
     tracemalloc.start()
     loader = DataLoader(create, batch_size=b * d if full else b, mesh=mesh, seed=0, service=service)

@@ -71,7 +71,6 @@ def main() -> None:
     mesh = DataMesh.from_sizes(dp=2, tp=2)
     make_dataset = functools.partial(TokenDataset, num_samples=256, seq_len=512)
     service = RayService(num_actors=2, actor_options={"max_restarts": 1}, prefetch=2)
-    service.bind_mesh(mesh)  # so RemoteBatch.for_rank maps global ranks through the mesh
     loader = DataLoader(make_dataset, batch_size=4, mesh=mesh, seed=0, service=service)
     trainer_cls = ray.remote(Trainer).options(num_cpus=0)
     trainers: list[Any] = [trainer_cls.remote(rank) for rank in range(mesh.world_size)]
@@ -102,7 +101,6 @@ def main() -> None:
     # A checkpoint taken in the driver resumes a fresh Ray loader exactly.
     assert checkpoint is not None
     resumed_service = RayService(num_actors=1)
-    resumed_service.bind_mesh(mesh)
     resumed = DataLoader(make_dataset, batch_size=4, mesh=mesh, seed=0, service=resumed_service)
     resumed.load_state_dict(checkpoint)
     first = next(iter(resumed))

@@ -104,6 +104,8 @@ class DataLoader:
         self.rank = default_rank() if rank is None else rank
         self.data_rank = self.mesh.data_rank(self.rank)  # validates the rank
         self.data_world_size = self.mesh.data_world_size
+        if service is not None and hasattr(service, "bind_mesh"):
+            service.bind_mesh(self.mesh)  # RayService: RemoteBatch.for_rank maps global ranks
         if service is not None and hasattr(service, "prepare"):
             dataset = service.prepare(dataset)
         try:

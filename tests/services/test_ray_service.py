@@ -66,9 +66,6 @@ def _strip(batch: dict) -> dict:
 
 def _ray_loader(create, *, mesh: dict, service: RayService | None = None, **kwargs) -> DataLoader:
     service = service or RayService()
-    # The loader binds its mesh to services that have bind_mesh once the loader hook lands;
-    # binding the same mesh twice is allowed, so the explicit call stays harmless.
-    service.bind_mesh(DataMesh.from_sizes(**mesh))
     return DataLoader(create, mesh=mesh, service=service, **kwargs)
 
 

@@ -2,11 +2,15 @@
 
 from meshfeed.services.base import InProcessService, Service
 from meshfeed.services.distributed import DistributedService, check_agreement
+from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
 from meshfeed.services.workers import WorkerError, WorkerService
 
 __all__ = [
     "DistributedService",
     "InProcessService",
+    "LoaderActorError",
+    "RayService",
+    "RemoteBatch",
     "Service",
     "WorkerError",
     "WorkerService",
