@@ -218,6 +218,9 @@ def test_state_that_is_not_a_dict_is_refused():
         ({"batch_size": 2, "seed": -1}, "seed must be a non-negative int"),
         ({"batch_size": 2, "mesh": "dp=2"}, "is not a DataMesh"),
         ({"batch_size": 2, "on_error": "ignore"}, "on_error='ignore'"),
+        ({"batch_size": 2, "timeout": 0}, "timeout must be positive seconds"),
+        ({"batch_size": 2, "max_retries": -1}, "max_retries must be an int >= 0"),
+        ({"batch_size": 2, "prefetch": 0}, "prefetch must be an int >= 1"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, match):

@@ -19,6 +19,7 @@ import numpy as np
 
 from meshfeed.fetch import Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
+from meshfeed.options import check_loader_arguments
 from meshfeed.order.plan import (
     BatchPlan,
     Order,
@@ -89,16 +90,15 @@ class DataLoader:
         service: Service | None = None,
         multiprocessing_context: str | None = None,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(
-                f"batch_size must be a positive int per data rank (got {batch_size=!r})"
-            )
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int (got {seed=!r})")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0 (got {num_workers=!r})")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=!r})")
+        check_loader_arguments(
+            batch_size=batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            prefetch=prefetch,
+            timeout=timeout,
+            on_error=on_error,
+            max_retries=max_retries,
+        )
         self.mesh: DataMesh = resolve_mesh(mesh)
         _check_world(self.mesh)
         self.rank = default_rank() if rank is None else rank

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
+from meshfeed.options import check_loader_arguments
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_sync import all_ranks_have_a_batch, check_agreement
@@ -74,22 +75,15 @@ class StreamLoader:
                 f"StreamLoader reads a meshfeed.sources.ShardedStream (got "
                 f"{type(dataset).__name__}); use meshfeed.DataLoader for map-style datasets"
             )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(
-                f"batch_size must be a positive int per data rank (got {batch_size=!r})"
-            )
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int (got {seed=!r})")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0 (got {num_workers=!r})")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=!r})")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds (got {timeout=!r})")
-        if on_error not in ("raise", "skip", "substitute"):
-            raise ValueError(f"on_error={on_error!r} is not one of 'raise', 'skip', 'substitute'")
-        if not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries must be an int >= 0 (got {max_retries=!r})")
+        check_loader_arguments(
+            batch_size=batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            prefetch=prefetch,
+            timeout=timeout,
+            on_error=on_error,
+            max_retries=max_retries,
+        )
         if curriculum is not None or service is not None:
             raise ValueError(
                 "a stream has no random access, so curriculum= and service= do not apply; "
