@@ -4,9 +4,8 @@ The main process computes every task (the order is cheap arithmetic) and hands t
 worker ``i % k``; results are read back in task order, so the output is exactly that of
 ``num_workers=0`` and the loader's state is simply the position of the last batch returned.
 
-Batches travel as one pickled byte string per batch over the worker's pipe, with CPU tensors
-encoded as numpy arrays (one copy each way, no per-tensor file-descriptor handshakes, and a
-batch already sent survives the death of the worker that made it).
+Batches travel as one pickled byte string per batch over the worker's pipe
+(:mod:`meshfeed.services.wire`), so a batch already sent survives the death of its worker.
 
 Each worker has its own task queue and result pipe. The main process waits on the pipe *and*
 the worker's process sentinel with ``multiprocessing.connection.wait``, so a worker that dies
@@ -16,9 +15,7 @@ is noticed at once (no polling) and a worker that stalls is reported after ``tim
 from __future__ import annotations
 
 import contextlib
-import io
 import multiprocessing as mp
-import pickle
 import random
 import traceback
 from collections import deque
@@ -31,32 +28,7 @@ import torch
 
 from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
 from meshfeed.order.permutation import derive_seed
-
-
-def _tensor_from_numpy(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array)
-
-
-class _BatchPickler(pickle.Pickler):
-    """Pickles CPU tensors as numpy arrays: far cheaper than torch's storage serialisation."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-            and not obj.requires_grad
-            and obj.dtype not in (torch.bfloat16,)
-            and not obj.is_conj()
-        ):
-            return _tensor_from_numpy, (obj.numpy(),)
-        return NotImplemented
-
-
-def _dumps(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    _BatchPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getvalue()
+from meshfeed.services.wire import dumps, loads
 
 
 class WorkerError(RuntimeError):
@@ -86,9 +58,9 @@ def _worker_main(
         except Exception as exc:
             out = ("error", type(exc), str(exc), traceback.format_exc())
         try:
-            payload = _dumps(out)
+            payload = dumps(out)
         except Exception as exc:  # the batch could not be pickled
-            payload = _dumps(("error", type(exc), str(exc), traceback.format_exc()))
+            payload = dumps(("error", type(exc), str(exc), traceback.format_exc()))
         results.send_bytes(payload)
 
 
@@ -171,7 +143,7 @@ class WorkerService:
                     "single batches legitimately take longer"
                 )
         try:
-            message = pickle.loads(conn.recv_bytes())
+            message = loads(conn.recv_bytes())
         except (EOFError, OSError):
             proc.join(timeout=1.0)
             self._died(w, step)

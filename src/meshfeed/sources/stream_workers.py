@@ -7,8 +7,7 @@ assigned to one (data rank, worker). ``next()`` returns ``(batch, state after it
 :class:`ProcessSlots` runs each slot in its own process. The main process asks for batches
 (``prefetch`` requests outstanding per worker) over a duplex pipe and waits on the pipe *and*
 the process sentinel with a timeout: a dead worker is noticed at once and a stalled one after
-``timeout`` seconds, never a hang. CPU tensors travel as numpy arrays (a torch storage
-pickles through ``torch.save``, which costs more than the batch itself for small batches).
+``timeout`` seconds, never a hang. Batches travel as :mod:`meshfeed.services.wire` bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from typing import Any, NoReturn
 from meshfeed.collate import default_collate
 from meshfeed.nodes.batch import Batcher
 from meshfeed.nodes.shuffle import ShuffleBuffer
+from meshfeed.services.wire import dumps, loads
 from meshfeed.sources.stream import Piece, PieceReader, ShardedStream
 
 __all__ = ["InProcessSlots", "ProcessSlots", "SlotConfig", "SlotPipeline", "StreamWorkerError"]
@@ -74,47 +74,6 @@ class SlotPipeline:
         return self.collate([row for _, row in rows]), self.batcher.get_state()
 
 
-class _Wire:
-    """A CPU tensor travelling as a numpy array (pickled as raw bytes, unlike a torch storage)."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: Any) -> None:
-        self.array = array
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_Wire, (self.array,))
-
-
-def _to_wire(batch: Any) -> Any:
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        if batch.device.type == "cpu" and not batch.requires_grad:
-            try:
-                return _Wire(batch.numpy())
-            except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16)
-                return batch
-        return batch
-    if isinstance(batch, dict):
-        return {k: _to_wire(v) for k, v in batch.items()}
-    if type(batch) in (list, tuple):
-        return type(batch)(_to_wire(v) for v in batch)
-    return batch
-
-
-def _from_wire(batch: Any) -> Any:
-    if isinstance(batch, _Wire):
-        import torch
-
-        return torch.from_numpy(batch.array)
-    if isinstance(batch, dict):
-        return {k: _from_wire(v) for k, v in batch.items()}
-    if type(batch) in (list, tuple):
-        return type(batch)(_from_wire(v) for v in batch)
-    return batch
-
-
 class InProcessSlots:
     """Every slot of this rank in the calling process."""
 
@@ -137,7 +96,7 @@ def _worker_main(
     try:
         pipe = SlotPipeline(config, state)
     except Exception as exc:
-        conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+        conn.send_bytes(dumps(("error", type(exc).__name__, str(exc), traceback.format_exc())))
         return
     while True:
         try:
@@ -148,10 +107,12 @@ def _worker_main(
             return
         try:
             batch, state = pipe.next()
-            conn.send(("ok", _to_wire(batch), state))
+            conn.send_bytes(dumps(("ok", batch, state)))
         except Exception as exc:
             with contextlib.suppress(Exception):
-                conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+                conn.send_bytes(
+                    dumps(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+                )
             return
 
 
@@ -219,7 +180,7 @@ class ProcessSlots:
         try:
             if conn not in ready and not conn.poll(0.05):
                 self._died(w)
-            message = conn.recv()
+            message = loads(conn.recv_bytes())
         except (EOFError, OSError):
             self._died(w)
         self.outstanding[w] -= 1
@@ -230,7 +191,7 @@ class ProcessSlots:
         _, batch, state = message
         if batch is not None:
             self._request(w)
-        return _from_wire(batch), state
+        return batch, state
 
     def close(self) -> None:
         procs, self.procs = self.procs, []
