@@ -123,7 +123,9 @@ def test_grpo_groups_are_never_split_across_batches_or_ranks(groups, size, per_b
         assert len(b) % size == 0
         for gid in b["x"]:
             assert owners.setdefault(gid, i) == i  # a group lives in one batch only
-    assert sorted(owners) == list(range(groups))
+    # A last round with fewer whole groups than data ranks is not handed out (no empty batch).
+    left = groups % (2 * per_batch)
+    assert len(owners) == groups - (left if left == 1 else 0)
 
 
 def test_group_sampler_rejects_a_batch_size_that_splits_groups():

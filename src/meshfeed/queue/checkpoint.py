@@ -46,6 +46,7 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
                 "consumed": {
                     t: [k for k in part.samples if k in c] for t, c in part.consumed.items()
                 },
+                "held": [[k, n] for k, n in part.held.items()],
                 "cache": [
                     {
                         "key": list(key),
@@ -134,6 +135,7 @@ def restore(
             done = set(consumed)
             part.consumed[task] = done
             part.pending[task] = {k: None for k in part.samples if k not in done}
+        part.held = {k: int(n) for k, n in pm.get("held", []) if k in part.samples}
         for em in pm["cache"]:
             entry = _Entry([list(p) for p in em["parts"]], tuple(em["fields"]), int(em["readers"]))
             entry.read = set(em["read"])

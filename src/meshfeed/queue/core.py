@@ -111,6 +111,7 @@ class _Partition:
         "closed",
         "consumed",
         "field_counts",
+        "held",
         "next_id",
         "pending",
         "samples",
@@ -122,6 +123,9 @@ class _Partition:
         self.pending: dict[str, dict[Key, None]] = {}
         self.consumed: dict[str, set[Key]] = {}
         self.cache: dict[tuple[Any, ...], _Entry] = {}
+        # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
+        # every task, so a checkpoint taken meanwhile can still re-deliver them.
+        self.held: dict[Key, int] = {}
         self.field_counts: dict[str, int] = {}
         self.seen: set[str] = set()  # every field ever produced here, even if evicted since
         self.closed = False
@@ -262,11 +266,12 @@ class StoreCore:
         partition: str,
         sampler: Sampler,
         context: Mapping[str, Any],
+        hold: bool = False,
     ) -> tuple[list[Key], dict[str, list[Any]]] | None:
         """Plan and consume a batch; ``None`` when not enough samples are ready yet.
 
         Raises :class:`PartitionClosed` when the partition is closed and nothing more can
-        become ready for ``task``.
+        become ready for ``task``. ``hold``: keep the returned samples until :meth:`release`.
         """
         part = self._partition(partition)
         share = sampler.share(context)
@@ -281,6 +286,8 @@ class StoreCore:
                 entry.read.add(share.reader)
                 ids = [k for k in entry.parts[share.part] if k in part.samples]
                 rows = self._rows(part, ids, fields)
+                if hold:
+                    self._hold(part, ids)
                 if len(entry.read) >= entry.readers:
                     self._drop_entry(part, task, (task, *share.key))
                 return ids, rows
@@ -315,11 +322,47 @@ class StoreCore:
                     part.samples[k].pins += 1
         ids = parts[index]
         rows = self._rows(part, ids, fields)
+        if hold:
+            self._hold(part, ids)
         self._evict(part, every)
         return ids, rows
 
     def _rows(self, part: _Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, list]:
         return {f: [part.samples[k].fields[f] for k in ids] for f in fields}
+
+    @staticmethod
+    def _hold(part: _Partition, ids: list[Key]) -> None:
+        held = part.held
+        for k in ids:
+            held[k] = held.get(k, 0) + 1
+
+    def release(self, partition: str, ids: list[Key]) -> None:
+        """Undo one ``hold`` of each of ``ids`` (unknown ids are ignored) and evict."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return
+        held = part.held
+        for k in ids:
+            n = held.get(k, 0)
+            if n > 1:
+                held[k] = n - 1
+            elif n == 1:
+                del held[k]
+        self._evict(part, ids)
+
+    def peek(
+        self, partition: str, ids: list[Key], fields: tuple[str, ...]
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        """The ``fields`` of samples ``ids`` without consuming them (re-delivery on resume)."""
+        part = self.partitions.get(partition)
+        missing = [k for k in ids if part is None or k not in part.samples]
+        if part is None or missing:
+            raise ValueError(
+                f"partition {partition!r} no longer holds samples {missing[:10]} a loader "
+                "checkpoint names as fetched but not returned; restore the store saved with "
+                "that loader state (SampleStore.load)"
+            )
+        return list(ids), self._rows(part, list(ids), fields)
 
     def _drop_entry(self, part: _Partition, task: str, key: tuple[Any, ...]) -> None:
         entry = part.cache.pop(key)
@@ -337,6 +380,7 @@ class StoreCore:
             for k in keys
             if k in part.samples
             and part.samples[k].pins == 0
+            and k not in part.held
             and all(k in part.consumed.get(t, ()) for t in tasks)
         ]
         self._remove(part, gone)
@@ -344,6 +388,7 @@ class StoreCore:
     def _remove(self, part: _Partition, keys: list[Key]) -> None:
         for k in keys:
             sample = part.samples.pop(k)
+            part.held.pop(k, None)
             self.held -= 1
             for f in sample.fields:
                 part.field_counts[f] -= 1

@@ -97,13 +97,14 @@ class EmbeddedBackend:
         sampler: Sampler,
         timeout: float | None,
         context: Mapping[str, Any],
+        hold: bool = False,
     ) -> tuple[list[Key], dict[str, list[Any]]]:
         with self.cond:
             try:
                 return wait_for(
                     self.cond,
                     lambda: self.core.try_get(
-                        task, fields, batch_size, partition, sampler, context
+                        task, fields, batch_size, partition, sampler, context, hold
                     ),
                     timeout,
                     f"get of {batch_size} samples with {list(fields)} for task {task!r} "
@@ -123,6 +124,15 @@ class EmbeddedBackend:
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self._admin(lambda: self.core.reset_consumption(partition, task))
+
+    def release(self, partition: str, ids: list[Key]) -> None:
+        self._admin(lambda: self.core.release(partition, ids))
+
+    def peek(
+        self, partition: str, ids: list[Key], fields: tuple[str, ...]
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        with self.cond:
+            return self.core.peek(partition, ids, fields)
 
     def clear(self, partition: str) -> None:
         self._admin(lambda: self.core.clear(partition))

@@ -106,12 +106,13 @@ class _StoreActor:
         sampler: Sampler,
         timeout: float | None,
         context: dict[str, Any],
+        hold: bool = False,
     ) -> Any:
         what = (
             f"get of {batch_size} samples with {list(fields)} for task {task!r} from {partition!r}"
         )
         return await self._run(
-            lambda: self.core.try_get(task, fields, batch_size, partition, sampler, context),
+            lambda: self.core.try_get(task, fields, batch_size, partition, sampler, context, hold),
             timeout,
             what,
             "waiting_consumers",
@@ -172,9 +173,10 @@ class _StoreActor:
 class RayBackend:
     """Client side of the Ray actor; picklable, so it can be sent to tasks and actors."""
 
-    def __init__(self, actor: Any, inline_bytes: int) -> None:
+    def __init__(self, actor: Any, inline_bytes: int, name: str | None = None) -> None:
         self.actor = actor
         self.inline_bytes = inline_bytes
+        self.name = name  # set for named actors, so worker processes can connect
 
     @classmethod
     def create(
@@ -196,7 +198,7 @@ class RayBackend:
         if name is not None:
             remote = remote.options(name=name, namespace=NAMESPACE)
         actor = remote.remote(options.to_dict())
-        backend = cls(actor, inline_bytes)
+        backend = cls(actor, inline_bytes, name)
         if meta is not None:
             backend.restore(meta, payload)
         return backend
@@ -213,11 +215,11 @@ class RayBackend:
                 f"no SampleStore named {name!r} in this Ray cluster; create it with "
                 f"SampleStore('ray', name={name!r}) and connect with ray.init(address=...)"
             ) from None
-        backend = cls(actor, inline_bytes)
+        backend = cls(actor, inline_bytes, name)
         return backend, StoreOptions.from_dict(backend._call(actor.options.remote()))
 
     def __reduce__(self) -> Any:
-        return (RayBackend, (self.actor, self.inline_bytes))
+        return (RayBackend, (self.actor, self.inline_bytes, self.name))
 
     def _call(self, ref: Any) -> Any:
         import ray
@@ -269,13 +271,23 @@ class RayBackend:
         sampler: Sampler,
         timeout: float | None,
         context: Mapping[str, Any],
+        hold: bool = False,
     ) -> tuple[list[Key], dict[str, list[Any]]]:
         ids, rows = self._call(
             self.actor.get.remote(
-                task, fields, batch_size, partition, sampler, timeout, dict(context)
+                task, fields, batch_size, partition, sampler, timeout, dict(context), hold
             )
         )
         return ids, self._resolve(rows)
+
+    def release(self, partition: str, ids: list[Key]) -> None:
+        self._call(self.actor.call.remote("release", partition, ids))
+
+    def peek(
+        self, partition: str, ids: list[Key], fields: tuple[str, ...]
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        out, rows = self._call(self.actor.call.remote("peek", partition, ids, fields))
+        return out, self._resolve(rows)
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self._call(self.actor.call.remote("reset_consumption", partition, task))

@@ -166,21 +166,35 @@ class RankAwareSampler:
     The first member asking for ``(task, data_rank, stream, batch_index)`` plans it with
     ``inner``; the other ``replica_size - 1`` members read the cached plan, which is then
     dropped. Build it with :meth:`from_mesh` and pass ``batch_index=`` (and ``stream=``, default
-    0, when one rank reads several independent streams, e.g. loader workers) to ``get``.
+    0, when one rank reads several independent streams) to ``get``.
+
+    With ``data_world_size=D > 1`` (what :meth:`from_mesh` sets) batch ``batch_index`` is one
+    *round* planned once for all data ranks: ``D * batch_size`` samples split into ``D``
+    contiguous parts, so every data rank gets a batch at the same index or none does, and all
+    data ranks end at the same step. Rule for the last round after ``close``: ``n`` leftover
+    units (samples, or whole groups with a :class:`GroupSampler`) are split as evenly as
+    possible (part sizes differ by at most one unit) when ``n >= D``; when ``n < D`` they are
+    not handed out (they stay unconsumed in the store) so that no data rank gets an empty batch.
     """
 
     data_rank: int
     replica_rank: int = 0
     replica_size: int = 1
+    data_world_size: int = 1
     inner: SequentialSampler | GroupSampler = SequentialSampler()
 
     def __post_init__(self) -> None:
         _check_int("data_rank", self.data_rank, 0)
         _check_int("replica_size", self.replica_size, 1)
         _check_int("replica_rank", self.replica_rank, 0)
+        _check_int("data_world_size", self.data_world_size, 1)
         if self.replica_rank >= self.replica_size:
             raise ValueError(
                 f"replica_rank={self.replica_rank} must be < replica_size={self.replica_size}"
+            )
+        if self.data_rank >= self.data_world_size > 1:
+            raise ValueError(
+                f"data_rank={self.data_rank} must be < data_world_size={self.data_world_size}"
             )
 
     @classmethod
@@ -193,6 +207,7 @@ class RankAwareSampler:
             data_rank=mesh.data_rank(rank),
             replica_rank=group.index(rank),
             replica_size=len(group),
+            data_world_size=mesh.data_world_size,
             inner=inner if inner is not None else SequentialSampler(),
         )
 
@@ -202,16 +217,44 @@ class RankAwareSampler:
 
     def share(self, context: Mapping[str, Any]) -> Share | None:
         index = _batch_index(context, "RankAwareSampler")
-        stream = context.get("stream", 0)  # one sequential stream per loader worker
+        stream = context.get("stream", 0)
+        if self.data_world_size == 1:
+            key: tuple[Any, ...] = ("rank", self.data_rank, stream, index)
+        else:
+            key = ("round", stream, index)
         return Share(
-            key=("rank", self.data_rank, stream, index),
-            reader=self.replica_rank,
-            readers=self.replica_size,
-            part=0,
+            key=key,
+            reader=self.data_rank * self.replica_size + self.replica_rank,
+            readers=self.data_world_size * self.replica_size,
+            part=self.data_rank if self.data_world_size > 1 else 0,
         )
 
     def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
-        return self.inner.plan(view, batch_size)
+        d = self.data_world_size
+        if d == 1:
+            return self.inner.plan(view, batch_size)
+        planned = self.inner.plan(view, batch_size * d)
+        if not planned or not planned[0]:
+            return None
+        ids = planned[0]
+        units: list[list[Key]] = []
+        if isinstance(self.inner, GroupSampler):  # whole groups, consecutive in the plan
+            for k in ids:
+                if units and view.group(units[-1][0]) == view.group(k):
+                    units[-1].append(k)
+                else:
+                    units.append([k])
+        else:
+            units = [[k] for k in ids]
+        if len(units) < d:
+            return None  # fewer units than data ranks: some rank would get an empty batch
+        q, r = divmod(len(units), d)
+        parts, start = [], 0
+        for i in range(d):
+            end = start + q + (1 if i < r else 0)
+            parts.append([k for u in units[start:end] for k in u])
+            start = end
+        return parts
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -271,8 +271,32 @@ class SampleStore:
             raise ValueError(f"timeout must be >= 0 seconds or None (got {timeout=})")
         partition = self._partition(partition)
         chosen = sampler if sampler is not None else _SEQUENTIAL
-        ids, rows = self._backend.get(task, names, batch_size, partition, chosen, timeout, context)
+        return self._get(task, names, batch_size, partition, chosen, timeout, context, False)
+
+    def _get(
+        self,
+        task: str,
+        names: tuple[str, ...],
+        batch_size: int,
+        partition: str,
+        sampler: Sampler,
+        timeout: float | None,
+        context: Mapping[str, Any],
+        hold: bool,
+    ) -> Batch:
+        """``get`` after validation; ``hold`` keeps the samples until :meth:`_release`, so a
+        prefetching loader can re-deliver them after a checkpoint (see the loader)."""
+        ids, rows = self._backend.get(
+            task, names, batch_size, partition, sampler, timeout, context, hold
+        )
         return Batch(ids, {name: collate(rows[name]) for name in names})
+
+    def _release(self, partition: str, ids: list[Key]) -> None:
+        self._backend.release(partition, ids)
+
+    def _peek(self, partition: str, ids: list[Key], names: tuple[str, ...]) -> Batch:
+        got, rows = self._backend.peek(partition, ids, names)
+        return Batch(got, {name: collate(rows[name]) for name in names})
 
     # ----------------------------------------------------------------- admin
     def reset_consumption(self, partition: str, task: str) -> None:
