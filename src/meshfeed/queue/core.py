@@ -37,6 +37,9 @@ class Ref:
         self.nbytes = nbytes
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def nbytes_of(value: Any) -> int:
     """Payload bytes of one value (tensors, arrays, bytes, str); 8 for other objects."""
     if isinstance(value, Ref):
@@ -206,12 +209,68 @@ class StoreCore:
                 "to reuse the name, or put to a new partition)"
             )
         n = len(next(iter(rows.values())))
-        if ids is None:
+        samples = part.samples
+        if ids is None:  # fresh ids are above every int id ever put: all new, nothing to check
             ids = list(range(part.next_id, part.next_id + n))
-        new = [k for k in ids if k not in part.samples]
-        for i, k in enumerate(ids):  # validate everything before changing anything
+            n_new = n
+        else:
+            n_new = self._check_put(partition, part, rows, ids, groups)
+        cap = self.options.capacity
+        if cap is not None:
+            if n_new > cap:
+                raise ValueError(
+                    f"a put of {n_new} new samples can never fit capacity={cap}; "
+                    "put fewer samples at a time or raise the capacity"
+                )
+            if self.held + n_new > cap:
+                return None
+        part.seen.update(rows)
+        columns = list(rows.items())
+        pendings = list(part.pending.values())
+        next_id = part.next_id
+        for i, k in enumerate(ids):
+            sample = samples.get(k)
+            group = None if groups is None else groups[i]
+            if sample is None:
+                sample = samples[k] = _Sample(group)
+                for pending in pendings:
+                    pending[k] = None
+                if type(k) is int and k >= next_id:
+                    next_id = k + 1
+            elif group is not None:
+                sample.group = group
+            fields = sample.fields
+            for f, column in columns:
+                value = column[i]
+                fields[f] = value
+                if type(value) in _SCALARS:  # the common small sample: no size probing
+                    sample.nbytes += 8
+                    continue
+                sample.nbytes += nbytes_of(value)
+                if isinstance(value, Ref):
+                    sample.remote += value.nbytes
+        part.next_id = next_id
+        self.held += n_new
+        self.produced += n_new
+        counts = part.field_counts
+        for f in rows:  # each (sample, field) pair is new, checked above
+            counts[f] = counts.get(f, 0) + n
+        return ids
+
+    @staticmethod
+    def _check_put(
+        partition: str,
+        part: _Partition,
+        rows: Mapping[str, list[Any]],
+        ids: list[Key],
+        groups: list[Hashable] | None,
+    ) -> int:
+        """Validate a put to given ids before changing anything; the number of new ids."""
+        n_new = 0
+        for i, k in enumerate(ids):
             sample = part.samples.get(k)
             if sample is None:
+                n_new += 1
                 continue
             again = sorted(f for f in rows if f in sample.fields)
             if again:
@@ -225,37 +284,7 @@ class StoreCore:
                     f"sample {k!r} was put with group {sample.group!r}, now with {group!r}; "
                     "a sample belongs to one group"
                 )
-        cap = self.options.capacity
-        if cap is not None:
-            if len(new) > cap:
-                raise ValueError(
-                    f"a put of {len(new)} new samples can never fit capacity={cap}; "
-                    "put fewer samples at a time or raise the capacity"
-                )
-            if self.held + len(new) > cap:
-                return None
-        part.seen.update(rows)
-        for i, k in enumerate(ids):
-            sample = part.samples.get(k)
-            group = None if groups is None else groups[i]
-            if sample is None:
-                sample = part.samples[k] = _Sample(group)
-                for pending in part.pending.values():
-                    pending[k] = None
-                self.held += 1
-                self.produced += 1
-                if isinstance(k, int):
-                    part.next_id = max(part.next_id, k + 1)
-            elif group is not None:
-                sample.group = group
-            for f, column in rows.items():
-                value = column[i]
-                sample.fields[f] = value
-                size = nbytes_of(value)
-                sample.nbytes += size
-                sample.remote += value.nbytes if isinstance(value, Ref) else 0
-                part.field_counts[f] = part.field_counts.get(f, 0) + 1
-        return list(ids)
+        return n_new
 
     # ----------------------------------------------------------------- consuming
     def try_get(

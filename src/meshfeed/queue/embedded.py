@@ -78,13 +78,15 @@ class EmbeddedBackend:
         timeout: float | None,
     ) -> list[Key]:
         with self.cond:
-            out = wait_for(
-                self.cond,
-                lambda: self.core.try_put(partition, rows, ids, groups),
-                timeout,
-                f"put to {partition!r} (store at capacity {self.core.options.capacity})",
-                self._producers,
-            )
+            out = self.core.try_put(partition, rows, ids, groups)  # fast path: no closure
+            if out is None:
+                out = wait_for(
+                    self.cond,
+                    lambda: self.core.try_put(partition, rows, ids, groups),
+                    timeout,
+                    f"put to {partition!r} (store at capacity {self.core.options.capacity})",
+                    self._producers,
+                )
             self.cond.notify_all()
             return out
 

@@ -76,6 +76,8 @@ def collate(values: list[Any]) -> Any:
 
 
 def _rows(column: Any, name: str) -> list[Any]:
+    if type(column) is list:  # the common case; the store keeps the values, not the list
+        return column
     torch = _torch()
     if isinstance(column, np.ndarray) or (torch is not None and isinstance(column, torch.Tensor)):
         if column.ndim == 0:
@@ -168,7 +170,10 @@ class SampleStore:
 
     # ----------------------------------------------------------------- validation
     def _names(self, names: Any, what: str) -> tuple[str, ...]:
-        if isinstance(names, str) or not isinstance(names, Sequence | Mapping) or not names:
+        if not names or (  # a list is the common case; skip the slow ABC checks for it
+            type(names) is not list
+            and (isinstance(names, str) or not isinstance(names, Sequence | Mapping))
+        ):
             raise TypeError(f"{what} must be a non-empty list of field names (got {names!r})")
         for name in names:
             if not isinstance(name, str) or not name:
@@ -212,9 +217,9 @@ class SampleStore:
             )
         self._names(list(fields), "put fields")
         rows = {name: _rows(col, name) for name, col in fields.items()}
-        lengths = {name: len(r) for name, r in rows.items()}
-        n = next(iter(lengths.values()))
-        if len(set(lengths.values())) != 1 or n == 0:
+        n = len(next(iter(rows.values())))
+        if n == 0 or any(len(r) != n for r in rows.values()):
+            lengths = {name: len(r) for name, r in rows.items()}
             raise ValueError(
                 f"put columns must all hold the same, non-zero number of samples "
                 f"(got lengths {lengths}); give one entry per sample in every field"
