@@ -16,17 +16,8 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from meshfeed.queue.core import (
-    FORMAT,
-    VERSION,
-    Ref,
-    StoreCore,
-    StoreOptions,
-    _Entry,
-    _Partition,
-    _Sample,
-    nbytes_of,
-)
+from meshfeed.queue.core import FORMAT, VERSION, StoreCore
+from meshfeed.queue.records import Entry, Partition, Ref, Sample, StoreOptions, nbytes_of
 
 __all__ = ["dump", "read_checkpoint", "restore", "write_checkpoint"]
 
@@ -105,7 +96,7 @@ def restore(
     core.consumed_total = {str(t): int(n) for t, n in meta["consumed"].items()}
     for i, pm in enumerate(meta["partitions"]):
         name = pm["name"]
-        part = _Partition()
+        part = Partition()
         part.closed = bool(pm["closed"])
         part.next_id = int(pm["next_id"])
         part.seen = set(pm["seen"])
@@ -124,7 +115,7 @@ def restore(
                 )
             rows = [dict(s.fields) for s in old.samples.values()]
         for (key, group, names), values in zip(pm["samples"], rows, strict=True):
-            sample = _Sample(group)
+            sample = Sample(group)
             for f in names:
                 sample.fields[f] = values[f]
                 part.field_counts[f] = part.field_counts.get(f, 0) + 1
@@ -137,7 +128,7 @@ def restore(
             part.pending[task] = {k: None for k in part.samples if k not in done}
         part.held = {k: int(n) for k, n in pm.get("held", []) if k in part.samples}
         for em in pm["cache"]:
-            entry = _Entry([list(p) for p in em["parts"]], tuple(em["fields"]), int(em["readers"]))
+            entry = Entry([list(p) for p in em["parts"]], tuple(em["fields"]), int(em["readers"]))
             entry.read = set(em["read"])
             part.cache[tuple(_key(x) for x in em["key"])] = entry
             for p in entry.parts:

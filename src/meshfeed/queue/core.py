@@ -7,16 +7,29 @@ knows about threads. Values are opaque; a :class:`Ref` marks a payload held else
 object store) so the store counts it but never holds its bytes.
 
 Per partition the core keeps samples in production order, and per task an ordered ``pending``
-set (not yet consumed), so a ``get`` scans only unconsumed samples.
+set (not yet consumed), so a ``get`` scans only unconsumed samples. The records themselves
+(options, samples, partitions, shared-plan entries) live in :mod:`meshfeed.queue.records`,
+which the checkpoint module reads and rebuilds without reaching into the core.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping
 from typing import Any
 
+from meshfeed.queue.records import (
+    SCALAR_TYPES,
+    Entry,
+    Partition,
+    Ref,
+    Sample,
+    StoreOptions,
+    View,
+    nbytes_of,
+)
 from meshfeed.queue.samplers import Sampler
+
+__all__ = ["FORMAT", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
 Key = Hashable
 FORMAT = "meshfeed.queue.SampleStore"
@@ -27,158 +40,12 @@ class PartitionClosed(Exception):
     """``get`` on a closed partition with nothing left for the task: the stream has ended."""
 
 
-class Ref:
-    """A payload kept outside the store (a Ray ``ObjectRef``) and its size in bytes."""
-
-    __slots__ = ("nbytes", "ref")
-
-    def __init__(self, ref: Any, nbytes: int) -> None:
-        self.ref = ref
-        self.nbytes = nbytes
-
-
-_SCALARS = frozenset({int, float, bool, type(None)})
-
-
-def nbytes_of(value: Any) -> int:
-    """Payload bytes of one value (tensors, arrays, bytes, str); 8 for other objects."""
-    if isinstance(value, Ref):
-        return 0
-    if hasattr(value, "element_size") and hasattr(value, "numel"):
-        return int(value.element_size() * value.numel())
-    if hasattr(value, "nbytes"):
-        return int(value.nbytes)
-    if isinstance(value, (bytes, bytearray, str)):
-        return len(value)
-    return 8
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StoreOptions:
-    """``capacity``: most samples held at once (``put`` waits beyond it); ``fields``: the
-    allowed field names (``None``: any); ``tasks``: consuming tasks, a sample is dropped once
-    all of them consumed it (``None``: keep until ``delete``/``clear``)."""
-
-    capacity: int | None = None
-    fields: tuple[str, ...] | None = None
-    tasks: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        cap = self.capacity
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"capacity must be a positive number of samples or None (got {cap!r})")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "capacity": self.capacity,
-            "fields": None if self.fields is None else list(self.fields),
-            "tasks": None if self.tasks is None else list(self.tasks),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> StoreOptions:
-        f, t = d.get("fields"), d.get("tasks")
-        return cls(
-            capacity=d.get("capacity"),
-            fields=None if f is None else tuple(f),
-            tasks=None if t is None else tuple(t),
-        )
-
-
-class _Sample:
-    __slots__ = ("fields", "group", "nbytes", "pins", "remote")
-
-    def __init__(self, group: Hashable | None) -> None:
-        self.fields: dict[str, Any] = {}
-        self.group = group
-        self.nbytes = 0
-        self.remote = 0
-        self.pins = 0
-
-
-class _Entry:
-    """A plan shared by several readers (rank-aware / length-balanced samplers)."""
-
-    __slots__ = ("fields", "parts", "read", "readers")
-
-    def __init__(self, parts: list[list[Key]], fields: tuple[str, ...], readers: int) -> None:
-        self.parts = parts
-        self.fields = fields
-        self.readers = readers
-        self.read: set[int] = set()
-
-
-class _Partition:
-    __slots__ = (
-        "cache",
-        "closed",
-        "consumed",
-        "field_counts",
-        "held",
-        "next_id",
-        "pending",
-        "samples",
-        "seen",
-    )
-
-    def __init__(self) -> None:
-        self.samples: dict[Key, _Sample] = {}
-        self.pending: dict[str, dict[Key, None]] = {}
-        self.consumed: dict[str, set[Key]] = {}
-        self.cache: dict[tuple[Any, ...], _Entry] = {}
-        # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
-        # every task, so a checkpoint taken meanwhile can still re-deliver them.
-        self.held: dict[Key, int] = {}
-        self.field_counts: dict[str, int] = {}
-        self.seen: set[str] = set()  # every field ever produced here, even if evicted since
-        self.closed = False
-        self.next_id = 0
-
-    def task(self, task: str) -> dict[Key, None]:
-        if task not in self.pending:
-            self.pending[task] = dict.fromkeys(self.samples)
-            self.consumed[task] = set()
-        return self.pending[task]
-
-
-class _View:
-    """The samples of one partition ready for one task (every needed field present)."""
-
-    __slots__ = ("_need", "_part", "_pending")
-
-    def __init__(self, part: _Partition, pending: dict[Key, None], need: tuple[str, ...]):
-        self._part, self._pending, self._need = part, pending, need
-
-    @property
-    def closed(self) -> bool:
-        return self._part.closed
-
-    def ready(self) -> Iterator[Key]:
-        samples, need = self._part.samples, self._need
-        for key in self._pending:
-            fields = samples[key].fields
-            if all(f in fields for f in need):
-                yield key
-
-    def group(self, key: Key) -> Hashable | None:
-        return self._part.samples[key].group
-
-    def value(self, key: Key, field: str) -> Any:
-        value = self._part.samples[key].fields[field]
-        if isinstance(value, Ref):
-            raise ValueError(
-                f"field {field!r} of sample {key!r} is a large payload; a sampler can only "
-                "read small fields (store token counts as ints)"
-            )
-        return value
-
-
 class StoreCore:
     """All store state; see the module docstring. Not thread-safe: the backend locks it."""
 
     def __init__(self, options: StoreOptions) -> None:
         self.options = options
-        self.partitions: dict[str, _Partition] = {}
+        self.partitions: dict[str, Partition] = {}
         self.held = 0
         self.produced = 0
         self.consumed_total: dict[str, int] = {}
@@ -186,10 +53,10 @@ class StoreCore:
         self.waiting_producers = 0
 
     # ----------------------------------------------------------------- producing
-    def _partition(self, name: str) -> _Partition:
+    def _partition(self, name: str) -> Partition:
         part = self.partitions.get(name)
         if part is None:
-            part = self.partitions[name] = _Partition()
+            part = self.partitions[name] = Partition()
             for task in self.options.tasks or ():
                 part.task(task)
         return part
@@ -232,7 +99,7 @@ class StoreCore:
             sample = samples.get(k)
             group = None if groups is None else groups[i]
             if sample is None:
-                sample = samples[k] = _Sample(group)
+                sample = samples[k] = Sample(group)
                 for pending in pendings:
                     pending[k] = None
                 if type(k) is int and k >= next_id:
@@ -243,7 +110,7 @@ class StoreCore:
             for f, column in columns:
                 value = column[i]
                 fields[f] = value
-                if type(value) in _SCALARS:  # the common small sample: no size probing
+                if type(value) in SCALAR_TYPES:  # the common small sample: no size probing
                     sample.nbytes += 8
                     continue
                 sample.nbytes += nbytes_of(value)
@@ -260,7 +127,7 @@ class StoreCore:
     @staticmethod
     def _check_put(
         partition: str,
-        part: _Partition,
+        part: Partition,
         rows: Mapping[str, list[Any]],
         ids: list[Key],
         groups: list[Hashable] | None,
@@ -329,7 +196,7 @@ class StoreCore:
                     f"(fields: {sorted(part.seen)}); ask for produced fields"
                 )
         pending = part.task(task)
-        parts = sampler.plan(_View(part, pending, need), batch_size)
+        parts = sampler.plan(View(part, pending, need), batch_size)
         if parts is None or not any(parts):
             if part.closed:
                 raise PartitionClosed(f"partition {partition!r} is closed and drained for {task!r}")
@@ -344,7 +211,7 @@ class StoreCore:
         if share is not None:
             index = share.part
             if share.readers > 1:
-                entry = _Entry(parts, fields, share.readers)
+                entry = Entry(parts, fields, share.readers)
                 entry.read.add(share.reader)
                 part.cache[(task, *share.key)] = entry
                 for k in every:
@@ -356,11 +223,11 @@ class StoreCore:
         self._evict(part, every)
         return ids, rows
 
-    def _rows(self, part: _Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, list]:
+    def _rows(self, part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, list]:
         return {f: [part.samples[k].fields[f] for k in ids] for f in fields}
 
     @staticmethod
-    def _hold(part: _Partition, ids: list[Key]) -> None:
+    def _hold(part: Partition, ids: list[Key]) -> None:
         held = part.held
         for k in ids:
             held[k] = held.get(k, 0) + 1
@@ -393,14 +260,14 @@ class StoreCore:
             )
         return list(ids), self._rows(part, list(ids), fields)
 
-    def _drop_entry(self, part: _Partition, task: str, key: tuple[Any, ...]) -> None:
+    def _drop_entry(self, part: Partition, task: str, key: tuple[Any, ...]) -> None:
         entry = part.cache.pop(key)
         every = [k for p in entry.parts for k in p if k in part.samples]
         for k in every:
             part.samples[k].pins -= 1
         self._evict(part, every)
 
-    def _evict(self, part: _Partition, keys: list[Key]) -> None:
+    def _evict(self, part: Partition, keys: list[Key]) -> None:
         tasks = self.options.tasks
         if not tasks:
             return
@@ -414,7 +281,7 @@ class StoreCore:
         ]
         self._remove(part, gone)
 
-    def _remove(self, part: _Partition, keys: list[Key]) -> None:
+    def _remove(self, part: Partition, keys: list[Key]) -> None:
         for k in keys:
             sample = part.samples.pop(k)
             part.held.pop(k, None)

@@ -1,0 +1,160 @@
+"""The records a :class:`~meshfeed.queue.core.StoreCore` keeps: options, samples, partitions.
+
+Plain slotted containers with no behaviour beyond small accessors, shared by the core (which
+changes them) and :mod:`meshfeed.queue.checkpoint` (which dumps and rebuilds them). A
+:class:`Ref` marks a payload held elsewhere (Ray's object store): counted, never held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Key = Hashable
+
+
+class Ref:
+    """A payload kept outside the store (a Ray ``ObjectRef``) and its size in bytes."""
+
+    __slots__ = ("nbytes", "ref")
+
+    def __init__(self, ref: Any, nbytes: int) -> None:
+        self.ref = ref
+        self.nbytes = nbytes
+
+
+SCALAR_TYPES = frozenset({int, float, bool, type(None)})
+
+
+def nbytes_of(value: Any) -> int:
+    """Payload bytes of one value (tensors, arrays, bytes, str); 8 for other objects."""
+    if isinstance(value, Ref):
+        return 0
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.element_size() * value.numel())
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    return 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoreOptions:
+    """``capacity``: most samples held at once (``put`` waits beyond it); ``fields``: the
+    allowed field names (``None``: any); ``tasks``: consuming tasks, a sample is dropped once
+    all of them consumed it (``None``: keep until ``delete``/``clear``)."""
+
+    capacity: int | None = None
+    fields: tuple[str, ...] | None = None
+    tasks: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        cap = self.capacity
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"capacity must be a positive number of samples or None (got {cap!r})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "fields": None if self.fields is None else list(self.fields),
+            "tasks": None if self.tasks is None else list(self.tasks),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StoreOptions:
+        f, t = d.get("fields"), d.get("tasks")
+        return cls(
+            capacity=d.get("capacity"),
+            fields=None if f is None else tuple(f),
+            tasks=None if t is None else tuple(t),
+        )
+
+
+class Sample:
+    __slots__ = ("fields", "group", "nbytes", "pins", "remote")
+
+    def __init__(self, group: Hashable | None) -> None:
+        self.fields: dict[str, Any] = {}
+        self.group = group
+        self.nbytes = 0
+        self.remote = 0
+        self.pins = 0
+
+
+class Entry:
+    """A plan shared by several readers (rank-aware / length-balanced samplers)."""
+
+    __slots__ = ("fields", "parts", "read", "readers")
+
+    def __init__(self, parts: list[list[Key]], fields: tuple[str, ...], readers: int) -> None:
+        self.parts = parts
+        self.fields = fields
+        self.readers = readers
+        self.read: set[int] = set()
+
+
+class Partition:
+    __slots__ = (
+        "cache",
+        "closed",
+        "consumed",
+        "field_counts",
+        "held",
+        "next_id",
+        "pending",
+        "samples",
+        "seen",
+    )
+
+    def __init__(self) -> None:
+        self.samples: dict[Key, Sample] = {}
+        self.pending: dict[str, dict[Key, None]] = {}
+        self.consumed: dict[str, set[Key]] = {}
+        self.cache: dict[tuple[Any, ...], Entry] = {}
+        # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
+        # every task, so a checkpoint taken meanwhile can still re-deliver them.
+        self.held: dict[Key, int] = {}
+        self.field_counts: dict[str, int] = {}
+        self.seen: set[str] = set()  # every field ever produced here, even if evicted since
+        self.closed = False
+        self.next_id = 0
+
+    def task(self, task: str) -> dict[Key, None]:
+        if task not in self.pending:
+            self.pending[task] = dict.fromkeys(self.samples)
+            self.consumed[task] = set()
+        return self.pending[task]
+
+
+class View:
+    """The samples of one partition ready for one task (every needed field present)."""
+
+    __slots__ = ("_need", "_part", "_pending")
+
+    def __init__(self, part: Partition, pending: dict[Key, None], need: tuple[str, ...]):
+        self._part, self._pending, self._need = part, pending, need
+
+    @property
+    def closed(self) -> bool:
+        return self._part.closed
+
+    def ready(self) -> Iterator[Key]:
+        samples, need = self._part.samples, self._need
+        for key in self._pending:
+            fields = samples[key].fields
+            if all(f in fields for f in need):
+                yield key
+
+    def group(self, key: Key) -> Hashable | None:
+        return self._part.samples[key].group
+
+    def value(self, key: Key, field: str) -> Any:
+        value = self._part.samples[key].fields[field]
+        if isinstance(value, Ref):
+            raise ValueError(
+                f"field {field!r} of sample {key!r} is a large payload; a sampler can only "
+                "read small fields (store token counts as ints)"
+            )
+        return value
