@@ -34,6 +34,10 @@ def _consume(rank, world, n, batch, sizes, num_workers):
     again.load_state_dict(state)
     resumed = take(again, 3)
     loader.shutdown()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    from_device_mesh = DataMesh.from_device_mesh(device_mesh)
     steps = torch.tensor([len(out)])
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     return {
@@ -42,6 +46,8 @@ def _consume(rank, world, n, batch, sizes, num_workers):
         "data_rank": mesh.data_rank(rank),
         "resume_ok": all(torch.equal(a, b) for a, b in zip(rest, resumed, strict=True)),
         "first": [b.view(-1).tolist() for b in first],
+        "device_mesh_agrees": from_device_mesh.data_rank(rank) == mesh.data_rank(rank)
+        and from_device_mesh.replica_group(rank) == mesh.replica_group(rank),
     }
 
 
@@ -51,6 +57,7 @@ def test_four_processes_exact_shards_replicas_and_equal_steps(num_workers):
     n, batch, sizes = 45, 3, {"dp": 2, "tp": 2}
     results = run_distributed(_consume, 4, n, batch, sizes, num_workers)
     assert all(r["resume_ok"] for r in results)
+    assert all(r["device_mesh_agrees"] for r in results)  # a real DeviceMesh maps the same
     steps = {len(r["epoch0"]) for r in results}
     assert steps == {results[0]["max_steps"]} == {n // (batch * 2)}
     assert results[0]["epoch0"] == results[1]["epoch0"]  # tp peers
