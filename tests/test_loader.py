@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshfeed
+import meshfeed.services
 from meshfeed import DataLoader, DataMesh
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 
@@ -221,6 +222,10 @@ def test_state_that_is_not_a_dict_is_refused():
         ({"batch_size": 2, "timeout": 0}, "timeout must be positive seconds"),
         ({"batch_size": 2, "max_retries": -1}, "max_retries must be an int >= 0"),
         ({"batch_size": 2, "prefetch": 0}, "prefetch must be an int >= 1"),
+        (
+            {"batch_size": 2, "num_workers": 2, "service": meshfeed.services.InProcessService()},
+            "both say where batches are made",
+        ),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs, match):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.fetch import Fetcher, FetchEvents, FetchTask, OnError
+from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
 from meshfeed.options import check_loader_arguments
 from meshfeed.order.plan import (
@@ -99,6 +99,12 @@ class DataLoader:
             on_error=on_error,
             max_retries=max_retries,
         )
+        if service is not None and num_workers:
+            raise ValueError(
+                f"num_workers={num_workers} and service={type(service).__name__} both say where "
+                "batches are made; configure workers on the service (e.g. "
+                "WorkerService(num_workers=...)) and leave num_workers at 0"
+            )
         self.mesh: DataMesh = resolve_mesh(mesh)
         _check_world(self.mesh)
         self.rank = default_rank() if rank is None else rank
@@ -311,7 +317,7 @@ class DataLoader:
             self._stats["retries"] += events.retries
             self._stats["substituted"] += events.substituted
             self._stats["skipped"] += events.skipped
-            room = 8 - len(self._stats["failures"])
+            room = MAX_REPORTED_FAILURES - len(self._stats["failures"])
             self._stats["failures"].extend(events.failures[: max(room, 0)])
 
     def stats(self) -> dict[str, Any]:
