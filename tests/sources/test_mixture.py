@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from meshfeed.loader import DataLoader
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import MAX_PERIOD, Mixture, interleave_period
-from meshfeed.testing import assert_resume_equivalence
+from meshfeed.testing import assert_resume_equivalence, take
 
 
 def _src(name: str, n: int) -> list[str]:
@@ -139,11 +139,30 @@ def test_resume_is_exact_across_a_reweight_and_epochs():
 def test_resume_with_a_different_schedule_is_refused():
     state = json.loads(json.dumps(_mixture_loader().state_dict()))
     other = _mixture_loader(schedule=False)
-    assert other.fingerprint != state["fingerprint"]
-    with pytest.raises(ValueError, match="another dataset"):
+    with pytest.raises(ValueError, match="weight schedule"):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="weight schedule"):
         other.order.validate_described(state["order"])  # type: ignore[attr-defined]
+    sources = {"a": _src("a", 7), "b": _src("b", 11)}
+    assert (
+        Mixture(sources, {"a": 2, "b": 1}).fingerprint
+        != Mixture(sources, {"a": 1, "b": 1}).fingerprint
+    )  # the step-0 weights are part of the fingerprint
+
+
+def test_a_checkpoint_taken_after_reweight_resumes_with_the_schedule_in_the_constructor():
+    """The loader records the fingerprint when built; a later reweight must not break resume."""
+    mix = Mixture({"a": _src("a", 7), "b": _src("b", 11)}, {"a": 1, "b": 1}, seed=5)
+    lo = DataLoader(mix, batch_size=3, seed=2, collate_fn=list)
+    mix.reweight(4, {"a": 1, "b": 4})
+    take(lo, 2)
+    state = json.loads(json.dumps(lo.state_dict()))
+    rest = take(lo, 6)
+    schedule = {0: {"a": 1, "b": 1}, 4: {"a": 1, "b": 4}}
+    again = Mixture({"a": _src("a", 7), "b": _src("b", 11)}, schedule, seed=5)
+    fresh = DataLoader(again, batch_size=3, seed=2, collate_fn=list)
+    fresh.load_state_dict(state)
+    assert take(fresh, 6) == rest
 
 
 def test_reweight_of_already_planned_steps_is_refused():

@@ -22,8 +22,10 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
 - Weights may change from a given global step on: pass ``weights={0: {...}, 1000: {...}}`` or
   call ``reweight(step, weights)`` before iterating. Step ``t`` starts at stream position
   ``t * global_batch_size``; counts carry over arithmetically from the previous segment, so a
-  resume across a change is exact. The schedule is part of the fingerprint and of
-  ``describe`` (``loader.state_dict()["order"]``), with the per-source consumption.
+  resume across a change is exact. The whole schedule is in ``describe``
+  (``loader.state_dict()["order"]``, with the per-source consumption) and a resume with another
+  schedule is refused; the fingerprint holds only the step-0 weights, so it does not change when
+  ``reweight`` is called after a loader has recorded it.
 - A substitute for a bad sample (see ``on_error``) is drawn from the whole concatenated index
   space, not per source.
 """
@@ -272,10 +274,16 @@ class Mixture:
 
     @property
     def fingerprint(self) -> str:
+        """Sources, seed, epoch size and step-0 weights.
+
+        Later weight changes are left out: a loader records the fingerprint when it is built,
+        and ``reweight`` may follow; the full schedule is checked on resume by
+        :meth:`MixtureOrder.validate_described`.
+        """
         h = hashlib.blake2b(digest_size=10)
         for name, src in zip(self.names, self.sources, strict=True):
             h.update(f"{name}={dataset_fingerprint(src)};".encode())
-        h.update(json.dumps([self.seed, self.samples_per_epoch, self._schedule_json()]).encode())
+        h.update(json.dumps([self.seed, self.samples_per_epoch, self._schedule[0][1]]).encode())
         return f"mixture:{len(self)}:{h.hexdigest()}"
 
     # ------------------------------------------------------------------ arithmetic order
