@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
+from meshfeed.fetch import Failed
 from meshfeed.loader import DataLoader
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture
@@ -164,3 +165,18 @@ def test_a_filtered_lazy_dataset_resumes_exactly_across_epochs():
 
     ref = assert_resume_equivalence(factory, num_items=10)
     assert all(int(x) % 3 != 0 for b in ref for x in b)
+
+
+def _fails_on_two(x: int) -> int:
+    if x == 2:
+        raise ValueError("bad item 2")
+    return x
+
+
+def test_a_failure_reported_by_an_inner_source_passes_through_the_outer_ops():
+    """Lazy over a mixture of lazy sources: the outer ops must not run on a Failed marker."""
+    inner = LazyDataset(list(range(5))).map(_fails_on_two)
+    outer = LazyDataset(Mixture({"a": inner}, {"a": 1})).map(str)
+    out = outer.__getitems__([1, 2, 3])
+    assert out[0] == "1" and out[2] == "3"
+    assert isinstance(out[1], Failed) and str(out[1].error) == "bad item 2"

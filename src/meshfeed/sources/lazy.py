@@ -170,6 +170,9 @@ class LazyDataset:
             return out
         raw = getitems(indices)
         for index, item in zip(indices, raw, strict=True):
+            if isinstance(item, Failed):  # the source already reported it (e.g. a Mixture)
+                out.append(item)
+                continue
             try:
                 out.append(self._apply(int(index), item))
             except Exception as exc:  # one bad item must not cost the rest of the batch
