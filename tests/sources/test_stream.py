@@ -189,6 +189,32 @@ def test_resume_with_another_configuration_is_refused():
         StreamLoader(stream, batch_size=2).load_state_dict({"version": 1})
 
 
+def test_resume_with_another_shuffle_buffer_or_stream_seed_is_refused():
+    """Both decide the order of the rows, so a resume with others would not be exact."""
+    stream, _ = _stream([8, 8], known=True, buffer=4)
+    lo = StreamLoader(stream, batch_size=2)
+    take(lo, 1)
+    state = json.loads(json.dumps(lo.state_dict()))
+    smaller, _ = _stream([8, 8], known=True, buffer=2)
+    with pytest.raises(ValueError, match="shuffle_buffer=4"):
+        StreamLoader(smaller, batch_size=2).load_state_dict(state)
+    reseeded, _ = _stream([8, 8], known=True, buffer=4)
+    reseeded.seed = 9
+    with pytest.raises(ValueError, match="stream_seed=0"):
+        StreamLoader(reseeded, batch_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"exhausted": [False, False]}, {"epoch": None}, {"next_worker": -1}, {"steps": "3"}],
+)
+def test_a_corrupted_stream_state_is_refused_with_value_error(change):
+    stream, _ = _stream([8, 8], known=True)
+    state = {**StreamLoader(stream, batch_size=2).state_dict(), **change}
+    with pytest.raises(ValueError, match="checkpoint is corrupted"):
+        StreamLoader(stream, batch_size=2).load_state_dict(state)
+
+
 def test_default_reader_reads_callables_and_jsonl_files(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text("\n".join(json.dumps({"x": i}) for i in range(4)) + "\n")

@@ -261,16 +261,9 @@ class StreamLoader:
         return {
             "version": STREAM_STATE_VERSION,
             "kind": "stream",
-            "seed": self.seed,
+            **self._identity(),
             "epoch": self._epoch,
             "steps": self._steps,
-            "data_rank": self.data_rank,
-            "data_world_size": self.data_world_size,
-            "num_workers": self.slots,
-            "batch_size": self.batch_size,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "fingerprint": self.fingerprint,
             "next_worker": self._next_worker,
             "exhausted": list(self._exhausted),
             "workers": list(self._worker_states),
@@ -288,8 +281,39 @@ class StreamLoader:
                 f"stream state has version={state.get('version')!r}, this meshfeed reads "
                 f"version {STREAM_STATE_VERSION}; resume with the meshfeed that wrote it"
             )
-        mine = {
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise ValueError(
+                    f"checkpoint has {key}={state.get(key)!r} but this stream loader has "
+                    f"{key}={value!r}; a stream resumes only with the same shards, seeds, "
+                    "shuffle buffer, batch size, data rank, data-parallel size and num_workers"
+                )
+        workers, exhausted = state.get("workers"), state.get("exhausted")
+        counters = [state.get(k) for k in ("epoch", "steps", "next_worker")]
+        if (
+            not isinstance(workers, list)
+            or len(workers) != self.slots
+            or not isinstance(exhausted, list)
+            or len(exhausted) != self.slots
+            or not all(isinstance(c, int) and c >= 0 for c in counters)
+        ):
+            raise ValueError(
+                f"stream state has workers={workers!r}, exhausted={exhausted!r}, "
+                f"epoch/steps/next_worker={counters!r} for {self.slots} worker slot(s); the "
+                "checkpoint is corrupted"
+            )
+        self._close_slots()
+        self._epoch, self._steps = int(state["epoch"]), int(state["steps"])
+        self._next_worker = int(state["next_worker"]) % self.slots
+        self._exhausted = [bool(x) for x in exhausted]
+        self._worker_states = list(workers)
+
+    def _identity(self) -> dict[str, Any]:
+        """What a resume must match: the configuration that decides which rows come when."""
+        return {
             "seed": self.seed,
+            "stream_seed": self.stream.seed,
+            "shuffle_buffer": self.stream.shuffle_buffer,
             "data_rank": self.data_rank,
             "data_world_size": self.data_world_size,
             "num_workers": self.slots,
@@ -298,21 +322,6 @@ class StreamLoader:
             "drop_last": self.drop_last,
             "fingerprint": self.fingerprint,
         }
-        for key, value in mine.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"checkpoint has {key}={state.get(key)!r} but this stream loader has "
-                    f"{key}={value!r}; a stream resumes only with the same shards, seed, "
-                    "batch size, data rank, data-parallel size and num_workers"
-                )
-        workers = state.get("workers")
-        if not isinstance(workers, list) or len(workers) != self.slots:
-            raise ValueError(f"stream state has workers={workers!r}; the checkpoint is corrupted")
-        self._close_slots()
-        self._epoch, self._steps = int(state["epoch"]), int(state["steps"])
-        self._next_worker = int(state["next_worker"]) % self.slots
-        self._exhausted = [bool(x) for x in state["exhausted"]]
-        self._worker_states = list(workers)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
