@@ -164,6 +164,25 @@ def test_length_balanced_splits_a_global_batch_with_balanced_tokens_and_whole_gr
     assert store.stats()["cache_entries"] == 0
 
 
+def test_length_balanced_last_round_gives_no_data_rank_an_empty_batch_even_with_empty_samples():
+    store = SampleStore()
+    store.put("p", {"n": [0, 0, 5, 0]})  # zero-token samples (empty responses) happen in RL
+    store.close("p")
+    parts = []
+    for r in range(3):
+        s = LengthBalancedSampler(length_field="n", data_rank=r, data_world_size=3)
+        parts.append(store.get("t", ["n"], 2, "p", sampler=s, timeout=1, batch_index=0).ids)
+    assert sorted(k for ids in parts for k in ids) == [0, 1, 2, 3]
+    assert all(parts), parts  # 4 samples over 3 data ranks: nobody gets an empty batch
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=20), st.integers(1, 5))
+def test_karmarkar_karp_leaves_no_part_empty_when_there_are_enough_items(weights, k):
+    parts = karmarkar_karp(weights, k)
+    assert sum(1 for p in parts if p) == min(k, len(weights)), (weights, parts)
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=40), st.integers(1, 5))
 def test_karmarkar_karp_is_a_partition_and_no_worse_than_round_robin(weights, k):

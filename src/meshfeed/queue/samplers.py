@@ -374,7 +374,10 @@ def karmarkar_karp(
 
     def push(parts: list[tuple[float, list[int]]]) -> None:
         nonlocal counter
-        parts.sort(key=lambda p: (-p[0], p[1]))
+        # Ties in the sum put fuller parts first, so empty parts always sort last and are
+        # paired with the other side's largest: with zero weights a plain list tie-break put
+        # an empty part before a zero-sum one and left parts empty although n >= k.
+        parts.sort(key=lambda p: (-p[0], -len(p[1]), p[1]))
         heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), counter, parts))
         counter += 1
 
