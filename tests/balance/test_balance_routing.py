@@ -74,3 +74,36 @@ def test_route_local_packs_several_split_documents_of_one_group_per_microstep():
     shared = [s for steps in outputs for s in steps if len(s["doc_ids"]) > 1]
     assert shared and all(len(s["cp_group"]) > 1 for s in shared)
     assert p.num_microsteps < 6
+
+
+@pytest.mark.parametrize("cp_sizes", [[1], [1, 2]])
+def test_route_local_continues_absolute_position_ids_into_padding(cp_sizes):
+    # Megatron without reset_position_ids: positions run on across documents, so a padded
+    # document must continue from its own first position, not from the sample's.
+    lengths = [5, 7]
+    total = sum(lengths)
+    sample = {
+        "tokens": torch.arange(total),
+        "labels": torch.arange(total),
+        "loss_mask": torch.ones(total),
+        "position_ids": torch.arange(100, 100 + total),
+        "cu_seqlens": torch.tensor([0, 5, 12]),
+    }
+    force_split = cp_sizes != [1]
+    p, outputs = route_local(
+        [sample] * (2 if force_split else 1),
+        max_tokens=8 if force_split else 16,
+        tp=4,
+        cost=S2,
+        cp_sizes=cp_sizes,
+    )
+    got: dict[int, list[int]] = {}
+    for rank_steps in outputs:
+        for step in rank_steps:
+            ids, pos = step["doc_ids"].tolist(), step["position_ids"].tolist()
+            bounds = step["cu_seqlens"].tolist()
+            for j, d in enumerate(ids):
+                got.setdefault(d, []).extend(pos[bounds[j] : bounds[j + 1]])
+    for d in range(p.lengths.size):
+        start = 100 + (0 if d % 2 == 0 else 5)
+        assert sorted(got[d]) == list(range(start, start + int(p.padded[d])))

@@ -137,15 +137,17 @@ def build_send(
 ) -> torch.Tensor:
     """One ``(rows, bytes_per_token)`` uint8 buffer: every key of every outgoing piece."""
     p = layout.plan
-    index, filler = [], []
+    index, filler, heads = [], [], []
     for piece in layout.outgoing(rank).tolist():
         d = int(layout.doc[piece])
         pos = zigzag_positions(int(p.padded[d]), int(p.cp_size[d]), int(layout.part[piece]))
         real = pos < p.lengths[d]
         index.append(np.where(real, layout.offset[d] + pos, -1))
         filler.append(pos)
+        heads.append(np.full(pos.size, layout.offset[d], dtype=np.int64))
     idx = torch.from_numpy(np.concatenate(index)) if index else torch.zeros(0, dtype=torch.int64)
     pos_in_doc = torch.from_numpy(np.concatenate(filler)) if filler else idx
+    doc_head = torch.from_numpy(np.concatenate(heads)) if heads else idx
     is_pad = idx < 0
     safe = idx.clamp(min=0)
     columns = []
@@ -155,7 +157,8 @@ def build_send(
         if bool(is_pad.any()):
             fill = pad.get(k, 0)
             if fill is None:  # continue the document's positions into its padding
-                first = t[(safe - pos_in_doc).clamp(min=0)] if t.numel() else 0
+                # the document's own first value: positions need not restart per document
+                first = t[doc_head] if t.numel() else 0
                 v = torch.where(is_pad, (first + pos_in_doc).to(t.dtype), v)
             else:
                 v = v.masked_fill(is_pad, fill)
