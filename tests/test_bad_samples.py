@@ -236,3 +236,31 @@ def test_four_gloo_ranks_complete_an_epoch_with_identical_steps_and_substitutes(
             assert f"sample {mine[0]} (epoch position {mine[0]})" in res["raise_message"]
         else:
             assert res["raise_steps"] == N // 40
+
+
+class _OneGoodItem:
+    """Every item but ``good`` is rejected (a filter that keeps 1 item in 32)."""
+
+    def __init__(self, good: int) -> None:
+        self.good = good
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> Any:
+        return i if i == self.good else None
+
+
+def test_heavy_filters_are_substituted_not_reported_as_a_broken_dataset():
+    fetcher = Fetcher(_OneGoodItem(0), seed=0)
+    # The position whose first substitute hitting the good item comes latest (but within 64).
+    hits = {
+        p: next(a for a in range(1, 65) if fetcher.substitute_index(0, p, a) == 0)
+        for p in range(1, 200)
+        if any(fetcher.substitute_index(0, p, a) == 0 for a in range(1, 65))
+    }
+    position = max(hits, key=hits.__getitem__)
+    assert hits[position] > 16
+    task = FetchTask(epoch=0, step=0, indices=np.array([position]), positions=np.array([position]))
+    batch, events = fetcher(task)
+    assert batch.tolist() == [0] and events.substituted == 1
