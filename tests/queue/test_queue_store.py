@@ -215,6 +215,8 @@ def test_stats_report_produced_consumed_waiting_and_bytes(make_store):
         (lambda s: s.get("t", "a", 1, "p"), TypeError, "non-empty list of field names"),
         (lambda s: s.put("p", {"a": 5}), TypeError, "one entry per sample"),
         (lambda s: s.put("p", {"a": [1]}, ids=[1.5]), TypeError, "int or str"),
+        (lambda s: s.put("p", {"a": [1]}, timeout=-1), ValueError, "timeout=-1"),
+        (lambda s: s.get("t", ["a"], 1, "p", timeout="5"), TypeError, "timeout='5'"),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, match):

@@ -98,6 +98,15 @@ def _plain(value: Any) -> Any:
     return int(value) if isinstance(value, np.integer) else value
 
 
+def _check_timeout(timeout: Any) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be seconds (a number) or None (got {timeout=!r})")
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None (got {timeout=})")
+
+
 def _check_key(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
@@ -211,6 +220,7 @@ class SampleStore:
         ``TimeoutError`` after ``timeout`` seconds. Returns the ids.
         """
         partition = self._partition(partition)
+        _check_timeout(timeout)
         if not isinstance(fields, Mapping):
             raise TypeError(
                 f"fields must be a mapping of name -> column (got {type(fields).__name__})"
@@ -272,8 +282,7 @@ class SampleStore:
         names = self._names(fields, "get fields")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None (got {timeout=})")
+        _check_timeout(timeout)
         partition = self._partition(partition)
         chosen = sampler if sampler is not None else _SEQUENTIAL
         return self._get(task, names, batch_size, partition, chosen, timeout, context, False)
