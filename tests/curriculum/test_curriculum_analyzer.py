@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -91,6 +93,7 @@ def test_dict_samples_are_read_through_a_key():
         ({"metrics": ["seqlen"]}, "must be SampleMetric or AccumulatedMetric"),
         ({"metrics": [seqlen(), seqlen()]}, "names must be unique"),
         ({"metrics": [seqlen()], "num_workers": -1}, "num_workers >= 0"),
+        ({"metrics": [seqlen()], "timeout": 0}, "timeout > 0"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
@@ -122,3 +125,23 @@ def test_vectorised_built_ins_equal_their_per_sample_definitions_bit_for_bit():
         x_arr = x.values if isinstance(x, MetricIndex) else x
         y_arr = y.values if isinstance(y, MetricIndex) else y
         assert x_arr.tobytes() == y_arr.tobytes(), name
+
+
+def _stuck_on_three(doc: list[int]) -> int:
+    if doc[0] == 3:
+        time.sleep(60)
+    return len(doc)
+
+
+def test_a_stuck_worker_fails_the_run_within_the_timeout():
+    begin = time.monotonic()
+    with pytest.raises(TimeoutError, match="timeout=1.0s"):
+        analyze(
+            [[i] for i in range(8)],
+            [SampleMetric(name="stuck", fn=_stuck_on_three)],
+            num_workers=1,
+            chunk_size=1,
+            timeout=1.0,
+            progress=False,
+        )
+    assert time.monotonic() - begin < 20  # not the 60 s the stuck worker would take

@@ -132,23 +132,41 @@ def _pass(
             merge(_run_chunk(start, stop), stop - start)
     else:
         method = mp_context or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             max_workers=num_workers,
             mp_context=mp.get_context(method),
             initializer=_init_worker,
             initargs=(dataset, samples, accs, ctx),
-        ) as pool:
+        )
+
+        def wait(size: int, fut: Future[_ChunkOut]) -> None:
+            try:
+                out = fut.result(timeout=timeout)
+            except TimeoutError as e:
+                raise TimeoutError(
+                    f"an analyzer worker spent more than timeout={timeout}s on a chunk of "
+                    f"{size} samples; a metric function is stuck, or raise timeout"
+                ) from e
+            merge(out, size)
+
+        try:
             # A bounded window of chunks in flight keeps memory flat on long corpora.
             window = 4 * num_workers
             pending: deque[tuple[int, Future[_ChunkOut]]] = deque()
             for start, stop in chunks:
                 pending.append((stop - start, pool.submit(_run_chunk, start, stop)))
                 if len(pending) >= window:
-                    size, fut = pending.popleft()
-                    merge(fut.result(timeout=timeout), size)
+                    wait(*pending.popleft())
             while pending:
-                size, fut = pending.popleft()
-                merge(fut.result(timeout=timeout), size)
+                wait(*pending.popleft())
+        except BaseException:
+            # shutdown(wait=True) would wait for a stuck worker forever: stop the workers
+            # this call started, then leave without waiting.
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
     empty = {m.name: np.empty(0, dtype=m.dtype) for m in samples}
     return {k: np.concatenate(v) if v else empty[k] for k, v in values.items()}, sums
 
@@ -183,9 +201,10 @@ def analyze(
     in this process. ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the
     run instead of hanging it. Under torchrun every rank must call this with the same arguments.
     """
-    if num_workers < 0 or chunk_size < 1:
+    if num_workers < 0 or chunk_size < 1 or not timeout > 0:
         raise ValueError(
-            f"need num_workers >= 0 and chunk_size >= 1 (got {num_workers=}, {chunk_size=})"
+            f"need num_workers >= 0, chunk_size >= 1 and timeout > 0 (got {num_workers=}, "
+            f"{chunk_size=}, {timeout=})"
         )
     samples, accs = _split_metrics(metrics)
     if not samples and not accs:
