@@ -254,6 +254,14 @@ def test_errors_raised_in_the_actor_reach_the_driver_as_themselves(ray_session):
 
 
 @pytest.mark.ray
+def test_a_failing_create_dataset_leaves_no_loader_actor_running(ray_session):
+    service = RayService(num_actors=2)
+    with pytest.raises(FileNotFoundError, match="shard-00007"):
+        _ray_loader(_broken, mesh={"dp": 1}, service=service, batch_size=1)
+    assert service._actors == []  # killed, not left holding a process per failed attempt
+
+
+@pytest.mark.ray
 def test_a_dead_loader_actor_is_reported_by_name(ray_session):
     service = RayService(prefetch=2)
     with _ray_loader(Items, mesh={"dp": 1}, service=service, batch_size=2) as loader:

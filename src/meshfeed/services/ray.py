@@ -390,7 +390,11 @@ class RayService:
             cls.remote(self._create, i, self.num_actors) for i in range(self.num_actors)
         ]
         pending = [a.describe.remote() for a in self._actors]
-        infos = [self._get(ref, i, "create_dataset()") for i, ref in enumerate(pending)]
+        try:
+            infos = [self._get(ref, i, "create_dataset()") for i, ref in enumerate(pending)]
+        except BaseException:  # create_dataset() raised: no actor outlives the error
+            self.shutdown()
+            raise
         self._pids = [int(info["pid"]) for info in infos]
         first = infos[0]
         for i, info in enumerate(infos[1:], start=1):
