@@ -59,3 +59,17 @@ def test_without_prepare_the_context_is_the_accumulated_array():
 def test_bad_metric_definitions_are_refused(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_token_ids_outside_the_vocabulary_are_refused_not_dropped(batched):
+    hist = token_histogram(4)
+    acc = np.zeros(4, dtype=np.int64)
+    docs = [np.array([0, 1]), np.array([3, 4])]  # 4 is outside range(4)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 4\); pass vocab_size > 4"):
+        if batched:
+            assert hist.batch_fn is not None
+            hist.batch_fn(acc, docs)
+        else:
+            for doc in docs:
+                hist.fn(acc, doc)

@@ -92,8 +92,18 @@ def _len(sample: Any, *, key: str | None) -> int:
     return len(_field(sample, key))
 
 
+def _check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise ValueError(
+            f"token ids span [{int(tokens.min())}, {int(tokens.max())}], outside the "
+            f"vocabulary [0, {vocab_size}); pass vocab_size > {int(tokens.max())} to "
+            "token_histogram() / vocab_rarity()"
+        )
+
+
 def _count_tokens(acc: np.ndarray, sample: Any, *, key: str | None) -> None:
     tokens = np.asarray(_field(sample, key)).ravel()
+    _check_vocab(tokens, len(acc))
     np.add.at(acc, tokens, 1)
 
 
@@ -110,7 +120,8 @@ def _flat_tokens(samples: list[Any], key: str | None) -> tuple[np.ndarray, np.nd
 
 def _count_tokens_batch(acc: np.ndarray, samples: list[Any], *, key: str | None) -> None:
     flat, _ = _flat_tokens(samples, key)
-    acc += np.bincount(flat, minlength=len(acc))[: len(acc)].astype(acc.dtype)
+    _check_vocab(flat, len(acc))
+    acc += np.bincount(flat, minlength=len(acc)).astype(acc.dtype)
 
 
 def _neg_log_p(histogram: np.ndarray) -> np.ndarray:
