@@ -121,12 +121,19 @@ def test_plan_counts_per_step_overhead_of_padding_microsteps():
         ({"cp_sizes": "ring"}, "not a policy"),
         ({"cp_sizes": [2, 4]}, "must include 1"),
         ({"tp": 0}, "tp must be a positive int"),
+        ({"tp": True}, "tp must be a positive int"),
+        ({"min_microsteps": True}, "min_microsteps must be an int"),
     ],
 )
 def test_plan_rejects_bad_options_with_a_fix(kwargs, match):
     args = {"num_ranks": 2, "max_tokens": 10, "cost": S2, **kwargs}
     with pytest.raises(ValueError, match=match):
         plan([1, 2], **args)
+
+
+def test_plan_rejects_fractional_cp_sizes_instead_of_truncating_them():
+    with pytest.raises(TypeError, match=r"cp_sizes=\[1, 2.5\] must hold int CP degrees"):
+        plan([1, 2], num_ranks=4, max_tokens=10, cost=S2, cp_sizes=[1, 2.5])
 
 
 def test_plan_rejects_negative_or_fractional_lengths():

@@ -115,11 +115,15 @@ def plan(
     budget = _check_budget(max_tokens)
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
-    if not isinstance(tp, (int, np.integer)) or tp < 1:
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(
             f"tp must be a positive int (got {tp=}); use 1 without sequence parallelism"
         )
-    if not isinstance(min_microsteps, (int, np.integer)) or min_microsteps < 0:
+    if (
+        isinstance(min_microsteps, bool)
+        or not isinstance(min_microsteps, (int, np.integer))
+        or min_microsteps < 0
+    ):
         raise ValueError(f"min_microsteps must be an int >= 0 (got {min_microsteps=})")
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a CostModel (got {type(cost).__name__})")
@@ -205,6 +209,10 @@ def _candidate_sizes(cp_sizes: str | Sequence[int], n: int) -> list[tuple[np.nda
             return [(1 << np.arange(n.bit_length(), dtype=np.int64), True)]
         raise ValueError(
             f"cp_sizes={cp_sizes!r} is not a policy; use 'any', 'pow2_aligned' or a list of degrees"
+        )
+    if any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) for c in cp_sizes):
+        raise TypeError(
+            f"cp_sizes={list(cp_sizes)!r} must hold int CP degrees; e.g. cp_sizes=[1, 2, 4]"
         )
     sizes = sorted({int(c) for c in cp_sizes})
     if not sizes or sizes[0] != 1 or sizes[-1] > n:
