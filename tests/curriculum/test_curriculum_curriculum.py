@@ -247,6 +247,18 @@ def test_bad_curricula_are_refused_at_construction(build, message):
         build().make_order(dataset_length=4, global_batch_size=2, seed=0)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"metrics": [_index("m", [1, 2])]}, "metrics must be CurriculumMetric objects"),
+        ({"transforms": [fixed_linear(1, 8, 3)]}, "transforms must be SeqlenTruncate or"),
+    ],
+)
+def test_curriculum_parts_of_the_wrong_type_are_refused(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        Curriculum(**kwargs)
+
+
 def test_bad_difficulty_type_is_refused():
     with pytest.raises(ValueError, match="difficulty_type must be 'value' or 'percentile'"):
         CurriculumMetric(

@@ -152,6 +152,18 @@ class Curriculum:
     ) -> None:
         self.metrics = tuple(metrics)
         self.transforms = tuple(transforms)
+        for m in self.metrics:
+            if not isinstance(m, CurriculumMetric):
+                raise TypeError(
+                    f"metrics must be CurriculumMetric objects (got {type(m).__name__}); wrap "
+                    "an index as CurriculumMetric(index=..., schedule=...)"
+                )
+        for t in self.transforms:
+            if not isinstance(t, (SeqlenTruncate, SeqlenReshape)):
+                raise TypeError(
+                    f"transforms must be SeqlenTruncate or SeqlenReshape (got "
+                    f"{type(t).__name__}); e.g. SeqlenTruncate(schedule=...)"
+                )
         names = [m.name for m in self.metrics] + [t.name for t in self.transforms]
         if len(set(names)) != len(names):
             raise ValueError(f"curriculum metric names must be unique (got {names})")
