@@ -38,7 +38,7 @@ class BaselineResult:
 def naive_slicing(
     lengths: Any, *, num_ranks: int, max_tokens: int, cost: CostModel
 ) -> BaselineResult:
-    """Equal-count contiguous slices per rank, each packed first-fit in arrival order."""
+    """Equal-count contiguous slices per rank, each packed next-fit in arrival order."""
     s = as_lengths(lengths)
     ranks = np.repeat(np.arange(num_ranks), _split_counts(s.size, num_ranks))
     return _score(s, ranks, num_ranks, _check_budget(max_tokens), cost, in_order=True)
