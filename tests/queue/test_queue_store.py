@@ -238,14 +238,6 @@ def test_bad_input_is_rejected_by_both_backends(make_store):
     assert store.get("t", ["a"], 5, "p", timeout=1).ids == [0, 1]  # still healthy
 
 
-def test_a_task_the_store_does_not_declare_is_rejected_not_silently_starved(make_store):
-    store = make_store(tasks=["actor"])  # samples are dropped once "actor" consumed them
-    store.put("p", {"a": [1, 2]})
-    with pytest.raises(ValueError, match=r"task 'critic' is not one of this store's tasks"):
-        store.get("critic", ["a"], 1, "p", timeout=1)
-    assert store.get("actor", ["a"], 2, "p", timeout=1).ids == [0, 1]  # still healthy
-
-
 def test_embedded_store_refuses_to_be_pickled():
     with pytest.raises(TypeError, match="backend='ray'"):
         pickle.dumps(SampleStore())

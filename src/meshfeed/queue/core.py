@@ -169,14 +169,6 @@ class StoreCore:
         Raises :class:`PartitionClosed` when the partition is closed and nothing more can
         become ready for ``task``. ``hold``: keep the returned samples until :meth:`release`.
         """
-        tasks = self.options.tasks
-        if tasks is not None and task not in tasks:
-            # Samples are dropped once the declared tasks consumed them: another task would
-            # silently miss them (and wait forever for samples that are gone).
-            raise ValueError(
-                f"task {task!r} is not one of this store's tasks {list(tasks)}; declare every "
-                "consuming task in SampleStore(tasks=[...]) (or pass tasks=None to keep samples)"
-            )
         part = self._partition(partition)
         share = sampler.share(context)
         if share is not None and share.readers > 1:
