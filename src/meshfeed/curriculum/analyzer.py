@@ -8,7 +8,9 @@ chunk order (integer histograms are exact; float sums can differ in the last bit
 different *rank* counts, never between worker counts).
 
 Metrics that ``require`` accumulated ones (vocabulary rarity needs the token histogram) run in a
-second pass once the accumulated arrays are reduced on every rank.
+second pass once the accumulated arrays are reduced on every rank. Their ``prepare`` runs once
+per rank, in the main process; its result reaches the workers through the pool initialiser
+(inherited under ``fork``, pickled once per worker under ``spawn``).
 
 >>> from meshfeed.curriculum import analyze, seqlen
 >>> result = analyze([[1, 2], [3], [4, 5, 6]], [seqlen()], progress=False)

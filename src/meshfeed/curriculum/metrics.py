@@ -4,10 +4,12 @@ A :class:`SampleMetric` maps one sample to one number of any numeric dtype. An
 :class:`AccumulatedMetric` adds each sample's contribution into a fixed-size array (a token
 histogram); a sample metric may ``require`` accumulated ones, which makes the analysis two
 passes: the accumulated arrays are reduced first, ``prepare(*arrays)`` turns them into a
-context once per worker, and then ``fn(sample, context)`` runs per sample.
+context once per rank, in the main process, and that context is sent to the workers; then
+``fn(sample, context)`` runs per sample.
 
 Metric functions run in worker processes: with the default ``fork`` start method anything
-works; with ``spawn`` they must be picklable (module-level functions, ``functools.partial``).
+works; with ``spawn`` they must be picklable (module-level functions, ``functools.partial``),
+and so must the context ``prepare`` returns, which is pickled once into each worker.
 
 Built in: :func:`seqlen`, :func:`token_histogram` and :func:`vocab_rarity` (DeepSpeed's
 "vocabulary rarity": ``sum(-log p(token))`` with ``p`` from the corpus token histogram).
@@ -59,6 +61,10 @@ class SampleMetric:
 
     ``batch_fn(samples)`` (or ``batch_fn(samples, context)``), when given, returns the values of
     a list of samples at once, vectorised; it must equal ``fn`` sample by sample.
+
+    ``prepare(*required_arrays)``, when given, builds the context: the analyzer calls it once
+    per rank in the main process and sends the result to every worker (without it the context
+    is the required array, or a tuple of them).
     """
 
     name: str
