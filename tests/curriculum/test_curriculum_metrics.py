@@ -73,3 +73,24 @@ def test_token_ids_outside_the_vocabulary_are_refused_not_dropped(batched):
         else:
             for doc in docs:
                 hist.fn(acc, doc)
+
+
+@pytest.mark.parametrize("empty", [[], (), np.array([])], ids=["list", "tuple", "float-array"])
+def test_an_empty_document_counts_zero_tokens(empty):
+    docs = [[1, 2], empty, [2]]
+    hist = token_histogram(4)
+    one, batched = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64)
+    for d in docs:
+        hist.fn(one, d)
+    assert hist.batch_fn is not None
+    hist.batch_fn(batched, docs)
+    assert one.tolist() == batched.tolist() == [0, 1, 2, 0]
+    only_empty = np.zeros(4, dtype=np.int64)
+    hist.batch_fn(only_empty, [empty])
+    assert only_empty.tolist() == [0, 0, 0, 0]
+
+    rarity = vocab_rarity(4)
+    ctx = rarity.context({"token_histogram": one})
+    assert rarity.batch_fn is not None
+    assert rarity.batch_fn(docs, ctx).tolist() == [rarity.fn(d, ctx) for d in docs]
+    assert rarity.fn(empty, ctx) == 0.0

@@ -107,8 +107,14 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
         )
 
 
-def _count_tokens(acc: np.ndarray, sample: Any, *, key: str | None) -> None:
+def _tokens(sample: Any, key: str | None) -> np.ndarray:
     tokens = np.asarray(_field(sample, key)).ravel()
+    # ``np.asarray([])`` is float64; an empty document is zero tokens, not a float index.
+    return tokens if tokens.size else np.empty(0, dtype=np.int64)
+
+
+def _count_tokens(acc: np.ndarray, sample: Any, *, key: str | None) -> None:
+    tokens = _tokens(sample, key)
     _check_vocab(tokens, len(acc))
     np.add.at(acc, tokens, 1)
 
@@ -118,7 +124,7 @@ def _lens(samples: list[Any], *, key: str | None) -> np.ndarray:
 
 
 def _flat_tokens(samples: list[Any], key: str | None) -> tuple[np.ndarray, np.ndarray]:
-    parts = [np.asarray(_field(x, key)).ravel() for x in samples]
+    parts = [_tokens(x, key) for x in samples]
     sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
     flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     return flat, sizes
@@ -138,7 +144,7 @@ def _neg_log_p(histogram: np.ndarray) -> np.ndarray:
 
 
 def _rarity(sample: Any, neg_log_p: np.ndarray, *, key: str | None) -> float:
-    tokens = np.asarray(_field(sample, key)).ravel()
+    tokens = _tokens(sample, key)
     return float(neg_log_p[tokens].sum())
 
 
