@@ -65,6 +65,14 @@ def test_columns_select_what_rows_hold(tmp_path: Path) -> None:
         ParquetSource(tmp_path, columns=["nope"])
 
 
+def test_columns_are_checked_against_every_file_not_just_the_first(tmp_path: Path) -> None:
+    first, second, third = write_files(tmp_path, [4, 4, 4])
+    pq.write_table(pa.table({"id": [8, 9], "x": [4.0, 4.5]}), second)  # no "text"
+    with pytest.raises(ValueError, match=r"columns \['text'\] are not in .*part-01\.parquet"):
+        ParquetSource([first, second, third], columns=["id", "text"])
+    assert len(ParquetSource([first, second, third], columns=["id", "x"])) == 10
+
+
 def test_each_needed_row_group_is_read_once_per_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -111,14 +111,17 @@ class ParquetSource:
                 files.append(f)
                 groups.append(g)
                 rows.append(meta.row_group(g).num_rows)
-        names = set(schemas[0].names)
         if self.columns is not None:
-            missing = [c for c in self.columns if c not in names]
-            if missing:
-                raise ValueError(
-                    f"columns {missing} are not in {self.paths[0]} (columns: {sorted(names)}); "
-                    "pick existing columns"
-                )
+            # Every file, not just the first: a later file without a column would otherwise
+            # fail only when one of its row groups is first read, mid-training.
+            for path, schema in zip(self.paths, schemas, strict=True):
+                names = set(schema.names)
+                missing = [c for c in self.columns if c not in names]
+                if missing:
+                    raise ValueError(
+                        f"columns {missing} are not in {path} (columns: {sorted(names)}); "
+                        "pick columns every file has"
+                    )
         self._file_of = np.asarray(files, np.int64)
         self._group_of = np.asarray(groups, np.int64)
         self._offsets = np.zeros(len(rows) + 1, np.int64)
