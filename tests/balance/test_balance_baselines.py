@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from meshfeed.balance import CostModel, naive_slicing, plan, token_balancing
 
@@ -32,3 +33,12 @@ def test_baselines_are_never_better_than_the_plan_lower_bound():
         lb = plan(lengths, num_ranks=8, max_tokens=4096, cost=S2).lower_bound
         for base in (naive_slicing, token_balancing):
             assert base(lengths, num_ranks=8, max_tokens=4096, cost=S2).makespan >= lb * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("baseline", [naive_slicing, token_balancing])
+@pytest.mark.parametrize("bad", [0, -2, True, 2.0])
+def test_baselines_reject_a_num_ranks_that_is_not_a_positive_int(baseline, bad):
+    with pytest.raises(
+        ValueError, match=rf"num_ranks must be a positive int \(got num_ranks={bad}"
+    ):
+        baseline([4, 4, 1, 1], num_ranks=bad, max_tokens=8, cost=S2)

@@ -39,6 +39,7 @@ def naive_slicing(
     lengths: Any, *, num_ranks: int, max_tokens: int, cost: CostModel
 ) -> BaselineResult:
     """Equal-count contiguous slices per rank, each packed next-fit in arrival order."""
+    _check_ranks(num_ranks)
     s = as_lengths(lengths)
     ranks = np.repeat(np.arange(num_ranks), _split_counts(s.size, num_ranks))
     return _score(s, ranks, num_ranks, _check_budget(max_tokens), cost, in_order=True)
@@ -48,6 +49,7 @@ def token_balancing(
     lengths: Any, *, num_ranks: int, max_tokens: int, cost: CostModel
 ) -> BaselineResult:
     """Longest document first to the rank holding the fewest tokens (LPT on tokens)."""
+    _check_ranks(num_ranks)
     s = as_lengths(lengths)
     ranks = np.zeros(s.size, dtype=np.int64)
     tokens = np.zeros(num_ranks, dtype=np.int64)
@@ -56,6 +58,12 @@ def token_balancing(
         ranks[i] = r
         tokens[r] += s[i]
     return _score(s, ranks, num_ranks, _check_budget(max_tokens), cost, in_order=False)
+
+
+def _check_ranks(num_ranks: Any) -> None:
+    # Same contract as plan(): 0 would divide by zero, a bool or float would pass silently.
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
 
 
 def _split_counts(n: int, parts: int) -> np.ndarray:
