@@ -120,3 +120,9 @@ def test_balanced_batches_rejects_too_many_documents_for_the_gather_buffer():
     with pytest.raises(ValueError, match="raise max_docs_per_rank"):
         next(it)
     it.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, 4096.0, "8"])
+def test_balanced_batches_rejects_a_max_docs_per_rank_that_is_not_a_positive_int(bad):
+    with pytest.raises(ValueError, match=r"max_docs_per_rank must be a positive int \(got"):
+        BalancedBatches(iter([]), max_tokens=64, cost=S2, max_docs_per_rank=bad)

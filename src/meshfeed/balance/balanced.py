@@ -116,8 +116,13 @@ class BalancedBatches:
         plan_ahead: bool = True,
         timeout: float = 300.0,
     ) -> None:
-        if max_docs_per_rank < 1:
-            raise ValueError(f"max_docs_per_rank must be positive (got {max_docs_per_rank=})")
+        if (
+            isinstance(max_docs_per_rank, bool)
+            or not isinstance(max_docs_per_rank, (int, np.integer))
+            or max_docs_per_rank < 1
+        ):
+            # A float would be truncated by int() below and a bool would mean 1 document.
+            raise ValueError(f"max_docs_per_rank must be a positive int (got {max_docs_per_rank=})")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds (got {timeout=})")
         self._inner = _stateful_iterator(inner)
