@@ -206,7 +206,14 @@ def test_resume_with_another_shuffle_buffer_or_stream_seed_is_refused():
 
 @pytest.mark.parametrize(
     "change",
-    [{"exhausted": [False, False]}, {"epoch": None}, {"next_worker": -1}, {"steps": "3"}],
+    [
+        {"exhausted": [False, False]},
+        {"epoch": None},
+        {"next_worker": -1},
+        {"steps": "3"},
+        {"stats": {"skipped": -1}},
+        {"stats": {"skipped": "2"}},
+    ],
 )
 def test_a_corrupted_stream_state_is_refused_with_value_error(change):
     stream, _ = _stream([8, 8], known=True)
@@ -225,6 +232,49 @@ def test_default_reader_reads_callables_and_jsonl_files(tmp_path):
     assert got == [[0, 1], [2, 3], [10, 11]]
     assert lo.stats()["skipped"] == 1  # the None row of the callable shard
     assert list(it) == [] and lo.stats()["epoch"] == 1
+
+
+def _rows_with_nones() -> ShardedStream:
+    rows = [{"x": 0}, None, {"x": 1}, {"x": 2}, None, {"x": 3}]  # two skipped per epoch
+    return ShardedStream([lambda: iter(rows)])
+
+
+def test_skipped_counts_accumulate_across_epochs_and_survive_a_resume():
+    lo = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
+    assert [b["x"].tolist() for b in lo] == [[0, 1], [2, 3]]
+    assert lo.stats()["epoch"] == 1 and lo.stats()["skipped"] == 2
+    it = iter(lo)
+    assert next(it)["x"].tolist() == [0, 1]
+    assert lo.stats()["skipped"] == 3  # not reset to 1 by the new epoch
+
+    state = json.loads(json.dumps(lo.state_dict()))
+    resumed = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
+    resumed.load_state_dict(state)
+    assert resumed.stats()["skipped"] == 3
+    assert [b["x"].tolist() for b in resumed] == [[2, 3]]
+    assert [b["x"].tolist() for b in it] == [[2, 3]]
+    assert (
+        resumed.stats()
+        == lo.stats()
+        == {
+            "epoch": 2,
+            "steps": 0,
+            "skipped": 4,
+            "exhausted_workers": 0,
+        }
+    )
+
+
+def test_a_stream_state_without_stats_counts_skips_from_its_own_epoch():
+    lo = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
+    list(lo)
+    it = iter(lo)
+    next(it)
+    state = lo.state_dict()
+    del state["stats"]
+    resumed = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
+    resumed.load_state_dict(state)
+    assert resumed.stats()["skipped"] == 1
 
 
 def test_len_is_known_only_with_row_counts():

@@ -20,7 +20,8 @@ the shard cursor, the in-shard row offset and the shuffle buffer as ``[shard, ro
 references (re-read on restore, so rows need not be JSON). Save each data rank's own state;
 resume needs the same shards, data-parallel size and ``num_workers``.
 
-Rows that are None are skipped and counted in ``stats()["skipped"]``; ``on_error`` and
+Rows that are None are skipped and counted in ``stats()["skipped"]``, cumulatively over epochs
+and carried through ``state_dict()`` (as ``meshfeed.DataLoader.stats()`` counts); ``on_error`` and
 ``max_retries`` apply to map-style datasets only. ``len()`` is known only when the stream has
 row counts; then every rank also stops after exactly ``len()`` steps without communication.
 """
@@ -104,14 +105,18 @@ class StreamLoader:
         self._checked = False
         self._slots: InProcessSlots | ProcessSlots | None = None
         self._epoch = 0
+        self._skipped_done = 0
+        self._worker_states: list[dict[str, Any] | None] = [None] * self.slots
         self._reset_epoch_state()
         # Validate the assignment now: a wrong configuration fails at construction.
         self._configs(0)
 
     def _reset_epoch_state(self) -> None:
+        # Skip counts live in the worker states, which restart with each epoch: bank them.
+        self._skipped_done += self._epoch_skipped()
         self._steps = 0
         self._next_worker = 0
-        self._worker_states: list[dict[str, Any] | None] = [None] * self.slots
+        self._worker_states = [None] * self.slots
         self._exhausted = [False] * self.slots
 
     # ------------------------------------------------------------------ assignment
@@ -245,13 +250,18 @@ class StreamLoader:
             )
             self._checked = True
 
+    def _epoch_skipped(self) -> int:
+        return sum(_skipped(s) for s in self._worker_states)
+
     def stats(self) -> dict[str, Any]:
-        """Epoch, steps taken this epoch, rows skipped (None), per-worker exhaustion."""
-        skipped = sum(_skipped(s) for s in self._worker_states)
+        """Epoch, steps taken this epoch, per-worker exhaustion, and rows skipped (None).
+
+        ``skipped`` is cumulative: every epoch so far, carried through ``state_dict()``.
+        """
         return {
             "epoch": self._epoch,
             "steps": self._steps,
-            "skipped": skipped,
+            "skipped": self._skipped_done + self._epoch_skipped(),
             "exhausted_workers": sum(self._exhausted),
         }
 
@@ -267,6 +277,7 @@ class StreamLoader:
             "next_worker": self._next_worker,
             "exhausted": list(self._exhausted),
             "workers": list(self._worker_states),
+            "stats": {"skipped": self._skipped_done + self._epoch_skipped()},
         }
 
     def load_state_dict(self, state: dict[str, Any], **_: Any) -> None:
@@ -302,11 +313,21 @@ class StreamLoader:
                 f"epoch/steps/next_worker={counters!r} for {self.slots} worker slot(s); the "
                 "checkpoint is corrupted"
             )
+        this_epoch = sum(_skipped(w) for w in workers)
+        # Like DataLoader, stats are optional in a state (counting restarts at this epoch's).
+        stats = state.get("stats", {"skipped": this_epoch})
+        skipped = stats.get("skipped") if isinstance(stats, dict) else None
+        if not isinstance(skipped, int) or skipped < this_epoch:
+            raise ValueError(
+                f"stream state has stats={stats!r}, but its workers skipped {this_epoch} rows "
+                "this epoch alone; the checkpoint is corrupted"
+            )
         self._close_slots()
         self._epoch, self._steps = int(state["epoch"]), int(state["steps"])
         self._next_worker = int(state["next_worker"]) % self.slots
         self._exhausted = [bool(x) for x in exhausted]
         self._worker_states = list(workers)
+        self._skipped_done = skipped - this_epoch
 
     def _identity(self) -> dict[str, Any]:
         """What a resume must match: the configuration that decides which rows come when."""
