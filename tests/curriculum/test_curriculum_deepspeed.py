@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -137,3 +138,34 @@ def test_a_gating_metric_without_a_meshfeed_index_is_refused_with_the_fix():
 def test_bad_configs_are_refused(cfg, message):
     with pytest.raises(ValueError, match=message):
         from_deepspeed_config(cfg)
+
+
+def _without_enabled(*path: str) -> dict:
+    cfg = json.loads(json.dumps(CONFIG))
+    section = cfg["data_efficiency"]
+    for key in path:
+        section = section[key]
+    del section["enabled"]
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("path", "switch"),
+    [
+        ((), "data_efficiency.enabled"),
+        (("data_sampling",), "data_efficiency.data_sampling.enabled"),
+        (
+            ("data_sampling", "curriculum_learning"),
+            "data_efficiency.data_sampling.curriculum_learning.enabled",
+        ),
+    ],
+)
+def test_data_efficiency_switches_default_to_false_as_in_deepspeed(tmp_path, path, switch):
+    _index(tmp_path)
+    cfg = _without_enabled(*path)
+    with pytest.raises(
+        ValueError,
+        match=rf"enables no curriculum; its curriculum_learning section is ignored because "
+        rf"{re.escape(switch)} is not true \(DeepSpeed defaults each to false\)",
+    ):
+        from_deepspeed_config(cfg, indexes={"vocabularyrarity": tmp_path / "vocabularyrarity"})

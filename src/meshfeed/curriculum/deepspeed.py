@@ -7,6 +7,11 @@ metric's ``difficulty_type``, ``clustering_type``, ``min_difficulty``, ``max_dif
 ``clustering_type: "single_cluster"``) become transforms; the others gate sampling and need a
 meshfeed metric index: pass ``indexes={name: MetricIndex or path}``, or let
 ``index_to_metric_path`` point at a directory written by ``meshfeed analyze``.
+
+Switches follow DeepSpeed's defaults (``DATA_EFFICIENCY_ENABLED_DEFAULT`` and the data-sampling
+and curriculum ones are all False): the data-efficiency curriculum applies only when
+``data_efficiency.enabled``, ``data_sampling.enabled`` and ``curriculum_learning.enabled`` are
+all true, as in DeepSpeed. A config that enables no curriculum is refused, naming the switch.
 """
 
 from __future__ import annotations
@@ -86,7 +91,14 @@ def from_deepspeed_config(
     de = cfg.get("data_efficiency", cfg if "data_sampling" in cfg else {})
     sampling = de.get("data_sampling", {})
     cl = sampling.get("curriculum_learning", {})
-    if de.get("enabled", True) and sampling.get("enabled", True) and cl.get("enabled", False):
+    # DeepSpeed's defaults: each of the three switches is off unless set to true.
+    switches = [
+        ("data_efficiency.enabled", de),
+        ("data_efficiency.data_sampling.enabled", sampling),
+        ("data_efficiency.data_sampling.curriculum_learning.enabled", cl),
+    ]
+    off = [name for name, section in switches if not section.get("enabled", False)]
+    if not off:
         for name, m in _need(cl, "curriculum_metrics", "curriculum_learning").items():
             where = f"curriculum_metrics.{name}"
             schedule = schedule_from_deepspeed(m, where=where)
@@ -115,8 +127,15 @@ def from_deepspeed_config(
             )
         transforms.append(SeqlenTruncate(schedule=schedule_from_deepspeed(legacy)))
     if not metrics and not transforms:
+        why = ""
+        if cl and off:
+            why = (
+                f"; its curriculum_learning section is ignored because {', '.join(off)} "
+                f"{'is' if len(off) == 1 else 'are'} not true (DeepSpeed defaults each to false)"
+            )
         raise ValueError(
-            "the DeepSpeed config enables no curriculum (need data_efficiency.data_sampling."
-            "curriculum_learning.enabled or curriculum_learning.enabled set to true)"
+            f"the DeepSpeed config enables no curriculum{why}; set data_efficiency.enabled, "
+            "data_sampling.enabled and curriculum_learning.enabled to true (or the legacy "
+            "top-level curriculum_learning.enabled)"
         )
     return Curriculum(metrics, transforms=transforms, samples_per_epoch=samples_per_epoch)
