@@ -45,6 +45,8 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
                         "fields": list(e.fields),
                         "read": sorted(e.read),
                         "readers": e.readers,
+                        "batch_size": e.batch_size,
+                        "agree": e.agree,
                     }
                     for key, e in part.cache.items()
                 ],
@@ -128,7 +130,13 @@ def restore(
             part.pending[task] = {k: None for k in part.samples if k not in done}
         part.held = {k: int(n) for k, n in pm.get("held", []) if k in part.samples}
         for em in pm["cache"]:
-            entry = Entry([list(p) for p in em["parts"]], tuple(em["fields"]), int(em["readers"]))
+            entry = Entry(
+                [list(p) for p in em["parts"]],
+                tuple(em["fields"]),
+                int(em["readers"]),
+                em.get("batch_size"),
+                em.get("agree"),
+            )
             entry.read = set(em["read"])
             part.cache[tuple(_key(x) for x in em["key"])] = entry
             for p in entry.parts:

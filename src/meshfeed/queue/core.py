@@ -179,6 +179,17 @@ class StoreCore:
                         f"replica members asked for different fields ({list(entry.fields)} vs "
                         f"{list(fields)}) for the same batch; ask for the same fields"
                     )
+                agree = context.get("agree")
+                if entry.batch_size is not None and (entry.batch_size, entry.agree) != (
+                    batch_size,
+                    agree,
+                ):
+                    raise ValueError(
+                        f"readers of one shared batch asked with different settings "
+                        f"(batch_size={entry.batch_size}, {entry.agree} vs "
+                        f"batch_size={batch_size}, {agree}); replica peers must share "
+                        "batch_size, prefetch and sampler, or they end at different steps"
+                    )
                 entry.read.add(share.reader)
                 ids = [k for k in entry.parts[share.part] if k in part.samples]
                 rows = self._rows(part, ids, fields)
@@ -211,7 +222,7 @@ class StoreCore:
         if share is not None:
             index = share.part
             if share.readers > 1:
-                entry = Entry(parts, fields, share.readers)
+                entry = Entry(parts, fields, share.readers, batch_size, context.get("agree"))
                 entry.read.add(share.reader)
                 part.cache[(task, *share.key)] = entry
                 for k in every:

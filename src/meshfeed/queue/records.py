@@ -84,14 +84,28 @@ class Sample:
 
 
 class Entry:
-    """A plan shared by several readers (rank-aware / length-balanced samplers)."""
+    """A plan shared by several readers (rank-aware / length-balanced samplers).
 
-    __slots__ = ("fields", "parts", "read", "readers")
+    ``batch_size`` and ``agree`` (the request's ``agree=`` context, e.g. a loader's prefetch)
+    are what the planner asked with; every reader must ask with the same (``None``: a plan
+    restored from a checkpoint that did not record them, not checked).
+    """
 
-    def __init__(self, parts: list[list[Key]], fields: tuple[str, ...], readers: int) -> None:
+    __slots__ = ("agree", "batch_size", "fields", "parts", "read", "readers")
+
+    def __init__(
+        self,
+        parts: list[list[Key]],
+        fields: tuple[str, ...],
+        readers: int,
+        batch_size: int | None = None,
+        agree: Any = None,
+    ) -> None:
         self.parts = parts
         self.fields = fields
         self.readers = readers
+        self.batch_size = batch_size
+        self.agree = agree
         self.read: set[int] = set()
 
 
