@@ -64,8 +64,16 @@ class Trainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="global batches to run (>= 2)")
     args = parser.parse_args()
+    if args.steps < 2:
+        # The demo resumes from a checkpoint at the step after it, which the trainers must
+        # have run: checkpoint after step (steps - 1) // 2, check step (steps - 1) // 2 + 1.
+        parser.error(
+            f"--steps must be >= 2 (got {args.steps}): the demo resumes from a checkpoint "
+            "taken half-way and compares the next step with the one the trainers ran"
+        )
+    halfway = (args.steps - 1) // 2
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
     mesh = DataMesh.from_sizes(dp=2, tp=2)
@@ -81,7 +89,7 @@ def main() -> None:
     for k, remote_batch in enumerate(loader):
         if k == args.steps:
             break
-        if k == args.steps // 2:
+        if k == halfway:
             checkpoint = loader.state_dict()  # the position of the last batch handed out
         for r in ray.get([t.train_step.remote(remote_batch) for t in trainers]):
             results.append(r)
@@ -108,7 +116,7 @@ def main() -> None:
     want_crc = next(r["crc"] for r in results if r["rank"] == 3 and r["step"] == first.step)
     assert got["crc"] == want_crc
     print(
-        f"a fresh Ray loader resumed from the checkpoint taken after step {args.steps // 2} "
+        f"a fresh Ray loader resumed from the checkpoint taken after step {halfway} "
         f"continues at step {first.step}: rank 3 gets the same batch"
     )
     resumed.shutdown()
