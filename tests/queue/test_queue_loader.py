@@ -251,3 +251,234 @@ def test_data_ranks_end_at_the_same_step(n, prefetch):
     kept = n if n % 6 >= 3 or n % 6 == 0 else n - n % 6
     assert delivered == list(range(kept))
     assert store.stats()["cache_entries"] == 0
+
+
+# ---------------------------------------------------------------- a transform that raises
+
+
+class _FailOnce:
+    """A picklable transform that fails the first time it sees each batch (marker files, so
+    the count is shared by worker processes); returns the batch's ids."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, batch: Batch) -> list:
+        marker = os.path.join(self.directory, f"seen-{batch.ids[0]}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            raise RuntimeError(f"transient failure on {batch.ids}")
+        return list(batch.ids)
+
+
+class _FailFor:
+    """Fails while ``fail`` is set (a test flips it); counts calls."""
+
+    def __init__(self) -> None:
+        self.fail, self.calls = True, 0
+
+    def __call__(self, batch: Batch) -> list:
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("bad transform")
+        return list(batch.ids)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_failing_transform_is_retried_on_the_same_batch_not_refetched(tmp_path, prefetch):
+    store = SampleStore(tasks=["t"])
+    store.put("p", {"x": list(range(20))})
+    store.close("p")
+    loader = StreamingDataLoader(
+        store,
+        "t",
+        ["x"],
+        3,
+        "p",
+        mesh={"dp": 1},
+        rank=0,
+        prefetch=prefetch,
+        timeout=20,
+        transform=_FailOnce(str(tmp_path)),
+    )
+    out = []
+    for _ in range(30):  # a caller that retries next() after an error must not lose data
+        try:
+            out.append(next(loader))
+        except StopIteration:
+            break
+        except RuntimeError:
+            continue
+    assert out == [list(range(i, min(i + 3, 20))) for i in range(0, 20, 3)]
+    assert store.stats()["held"] == 0  # delivered, released, evicted
+
+
+def test_worker_processes_retry_a_failing_transform_without_losing_the_batch(tmp_path):
+    store = SampleStore()
+    store.put("p", {"x": list(range(30))})
+    store.close("p")
+    loader = StreamingDataLoader(
+        store,
+        "t",
+        ["x"],
+        4,
+        "p",
+        mesh={"dp": 1},
+        rank=0,
+        num_workers=2,
+        transform=_FailOnce(str(tmp_path)),
+        timeout=60,
+    )
+    out = list(loader)
+    assert [k for ids in out for k in ids] == list(range(30))  # exactly once, in order
+
+
+def test_a_replica_peer_whose_transform_fails_still_gets_the_batch_of_its_peers():
+    store = SampleStore()
+    store.put("p", {"x": list(range(12))})
+    mesh = DataMesh.from_sizes(dp=1, tp=2)
+    transform = _FailFor()
+    first = StreamingDataLoader(store, "t", ["x"], 3, "p", mesh=mesh, rank=0, timeout=5)
+    second = StreamingDataLoader(
+        store, "t", ["x"], 3, "p", mesh=mesh, rank=1, timeout=5, transform=transform,
+        transform_retries=0,
+    )  # fmt: skip
+    assert next(first).ids == [0, 1, 2]
+    with pytest.raises(RuntimeError, match=r"sample ids \[0, 1, 2\]"):
+        next(second)  # the last reader: the shared plan is gone once it has read it
+    transform.fail = False
+    assert next(second) == [0, 1, 2]  # the same batch as its peer, not a new plan
+    assert [next(first).ids, next(second)] == [[3, 4, 5], [3, 4, 5]]
+    assert store.stats()["cache_entries"] == 0  # no plan left behind
+
+
+def test_a_transform_that_keeps_failing_names_the_batch_and_a_restore_redelivers_it(tmp_path):
+    from meshfeed.queue import TransformError
+
+    store = SampleStore(tasks=["t"])  # evicts consumed samples: the failed batch must be held
+    store.put("p", {"x": list(range(10))})
+    store.close("p")
+    transform = _FailFor()
+    kwargs = dict(mesh={"dp": 1}, rank=0, timeout=5)
+    loader = StreamingDataLoader(
+        store, "t", ["x"], 4, "p", **kwargs, transform=transform, transform_retries=2
+    )
+    with pytest.raises(TransformError, match=r"failed 3 times on batch 0 .*\[0, 1, 2, 3\]") as e:
+        next(loader)
+    assert e.value.ids == [0, 1, 2, 3] and e.value.index == 0 and transform.calls == 3
+    state = loader.state_dict()
+    assert state["pending"] == [[0, [0, 1, 2, 3]]]
+    store.save(tmp_path / "store.pt")
+    restored = SampleStore.load(tmp_path / "store.pt")
+    again = StreamingDataLoader(restored, "t", ["x"], 4, "p", **kwargs, transform=list_ids)
+    again.load_state_dict(state)
+    assert list(again) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # nothing lost
+    transform.fail = False
+    assert list(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # the original goes on too
+    assert store.stats()["held"] == 0 and restored.stats()["held"] == 0
+
+
+def list_ids(batch: Batch) -> list:
+    return list(batch.ids)
+
+
+# ---------------------------------------------------------------- checkpoint waits are bounded
+
+
+def test_state_dict_never_hangs_on_batches_producers_have_not_made_yet():
+    store = SampleStore()
+    store.put("p", {"x": [0, 1]})
+    loader = StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0, prefetch=2)
+    loader.STATE_WAIT = 0.2  # timeout=None: state_dict() waits this long (60 s by default)
+    assert next(loader).ids == [0]  # batches 1 and 2 now in flight; 2 waits for producers
+    outcome: list = []
+
+    def take() -> None:  # producers wait for the trainer (a weight sync): nothing comes
+        try:
+            outcome.append(loader.state_dict())
+        except TimeoutError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "state_dict() blocked"
+    assert isinstance(outcome[0], TimeoutError)
+    assert "state_dict() waited 0.2s for batch 2" in str(outcome[0])
+    assert "prefetch=0" in str(outcome[0])  # names the fix
+    store.put("p", {"x": [2, 3, 4]})
+    state = loader.state_dict()  # usable once producers ran
+    assert state["pending"] == [[1, [1]], [2, [2]]] and state["next"] == 3
+    store.close("p")
+    assert [b.ids for b in loader] == [[1], [2], [3], [4]]
+
+
+# ---------------------------------------------------------------- replica peers must agree
+
+
+@pytest.mark.parametrize(("setting", "other"), [("prefetch", 2), ("batch_size", 2)])
+def test_replica_peers_with_different_prefetch_or_batch_size_are_refused(setting, other):
+    store = SampleStore()
+    store.put("p", {"x": list(range(20))})
+    mesh = DataMesh.from_sizes(dp=1, tp=2)
+    base = {"batch_size": 3, "prefetch": 0}
+    first = StreamingDataLoader(store, "t", ["x"], mesh=mesh, rank=0, timeout=5, partition="p",
+                                **base)  # fmt: skip
+    second = StreamingDataLoader(store, "t", ["x"], mesh=mesh, rank=1, timeout=5, partition="p",
+                                 **{**base, setting: other})  # fmt: skip
+    assert next(first).ids == [0, 1, 2]
+    with pytest.raises(ValueError, match="replica peers must share batch_size, prefetch"):
+        next(second)
+    second.close()
+
+
+def test_replica_peers_agreement_survives_a_store_checkpoint(tmp_path):
+    store = SampleStore()
+    store.put("p", {"x": list(range(20))})
+    mesh = DataMesh.from_sizes(dp=1, tp=2)
+    first = StreamingDataLoader(store, "t", ["x"], 3, "p", mesh=mesh, rank=0, timeout=5)
+    assert next(first).ids == [0, 1, 2]  # the plan for batch 0 waits for rank 1
+    store.save(tmp_path / "store.pt")
+    restored = SampleStore.load(tmp_path / "store.pt")
+    ok = StreamingDataLoader(restored, "t", ["x"], 3, "p", mesh=mesh, rank=1, timeout=5)
+    assert next(ok).ids == [0, 1, 2]
+    again = SampleStore.load(tmp_path / "store.pt")
+    bad = StreamingDataLoader(again, "t", ["x"], 3, "p", mesh=mesh, rank=1, prefetch=1, timeout=5)
+    with pytest.raises(ValueError, match="prefetch"):
+        next(bad)
+    bad.close()
+
+
+# ---------------------------------------------------------------- construction checks
+
+
+def test_loader_rejects_bool_workers_and_bad_timeouts_at_construction():
+    store = SampleStore()
+    args = (store, "t", ["x"], 1, "p")
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0 .*num_workers=True"):
+        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, num_workers=True, transform=list_ids)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0 .*prefetch=True"):
+        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, prefetch=True)
+    with pytest.raises(TypeError, match="timeout must be seconds .*timeout='5'"):
+        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, timeout="5")
+    with pytest.raises(ValueError, match="timeout must be >= 0 seconds or None .*timeout=-1"):
+        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, timeout=-1)
+    with pytest.raises(ValueError, match="transform_retries must be an int >= 0"):
+        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, transform_retries=-1)
+
+
+@pytest.mark.parametrize("steps", ["0", "1"])
+def test_ray_trainers_example_refuses_too_few_steps_with_a_clear_message(steps):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "ray_trainers.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--steps", steps],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"--steps must be >= 2 (got {steps})" in done.stderr

@@ -5,7 +5,7 @@ See :class:`SampleStore` (embedded or Ray backend), the samplers in
 """
 
 from meshfeed.queue.core import PartitionClosed
-from meshfeed.queue.loader import StreamingDataLoader
+from meshfeed.queue.loader import StreamingDataLoader, TransformError
 from meshfeed.queue.samplers import (
     GroupSampler,
     LengthBalancedSampler,
@@ -23,4 +23,5 @@ __all__ = [
     "SampleStore",
     "SequentialSampler",
     "StreamingDataLoader",
+    "TransformError",
 ]

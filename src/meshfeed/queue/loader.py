@@ -30,18 +30,46 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing
+import pickle
+import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
 from meshfeed.queue.core import PartitionClosed
 from meshfeed.queue.samplers import RankAwareSampler, Sampler
-from meshfeed.queue.store import Batch, SampleStore
+from meshfeed.queue.store import Batch, SampleStore, _check_timeout
 
 VERSION = 2
-Result = tuple[list[Any] | None, Any]  # (ids, batch or transformed batch); ids None: ended
+
+
+class TransformError(RuntimeError):
+    """``transform`` kept failing on a fetched batch; ``ids`` names its samples.
+
+    The batch is not lost: the loader keeps it, the next ``next()`` retries the transform on
+    it, and ``state_dict()`` records it so a restored loader re-delivers it.
+    """
+
+    def __init__(self, message: str, *, index: int, ids: list[Any]) -> None:
+        super().__init__(message)
+        self.index, self.ids = index, ids
+
+
+@dataclass(slots=True)
+class _Got:
+    """One request's outcome: ``ids`` (``None``: the stream ended) and the transformed
+    ``item``; while the transform has not succeeded, the raw ``batch`` and the ``error``, so
+    only the transform is retried (the samples are already consumed in the store)."""
+
+    ids: list[Any] | None
+    item: Any = None
+    batch: Any = None
+    error: BaseException | None = None
+    raised: bool = False  # the failure was reported (TransformError): retry it afresh
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,23 +83,33 @@ class _Spec:
     sampler: Sampler
     timeout: float | None
     hold: bool
+    prefetch: int  # replica peers must share it (the store checks; see _fetch)
 
 
-def _fetch(store: SampleStore, spec: _Spec, index: int) -> Result:
+def _fetch(store: SampleStore, spec: _Spec, index: int) -> Batch | None:
     try:
-        batch = store._get(
+        return store._get(
             spec.task,
             spec.fields,
             spec.batch_size,
             spec.partition,
             spec.sampler,
             spec.timeout,
-            {"batch_index": index},
+            {"batch_index": index, "agree": {"prefetch": spec.prefetch}},
             spec.hold,
         )
     except PartitionClosed:
-        return None, None
-    return batch.ids, batch
+        return None
+
+
+def _apply(transform: Callable[[Batch], Any] | None, batch: Batch) -> _Got:
+    """``transform(batch)``; a failure keeps the raw batch for a retry of the transform alone."""
+    if transform is None:
+        return _Got(batch.ids, batch)
+    try:
+        return _Got(batch.ids, transform(batch))
+    except Exception as exc:
+        return _Got(batch.ids, batch=batch, error=exc)
 
 
 _WORKER_STORE: SampleStore | None = None
@@ -85,24 +123,34 @@ def _ray_worker_init(address: str, name: str) -> None:
     _WORKER_STORE = SampleStore.connect(name)
 
 
-def _ray_worker_fetch(spec: _Spec, index: int, transform: Callable[[Batch], Any] | None) -> Result:
+def _ray_worker_fetch(spec: _Spec, index: int, transform: Callable[[Batch], Any] | None) -> _Got:
     assert _WORKER_STORE is not None, "worker process started without a store"
-    ids, batch = _fetch(_WORKER_STORE, spec, index)
-    if ids is None or transform is None:
-        return ids, batch
-    return ids, transform(batch)
+    batch = _fetch(_WORKER_STORE, spec, index)
+    if batch is None:
+        return _Got(None)
+    got = _apply(transform, batch)
+    if got.error is not None:  # the raw batch goes back so the loader can retry the transform
+        try:
+            pickle.dumps(got.error)
+        except Exception:
+            got.error = RuntimeError("".join(traceback.format_exception(got.error)))
+    return got
 
 
 class _Known:
-    """A result known already (restored from a checkpoint); quacks like a future."""
+    """A result known already or computed on first use (a failed transform's batch, or one
+    restored from a checkpoint); quacks like a future."""
 
-    __slots__ = ("_fn",)
+    __slots__ = ("_fn", "_got")
 
-    def __init__(self, fn: Callable[[], Result]) -> None:
-        self._fn = fn
+    def __init__(self, fn: Callable[[], _Got] | None = None, got: _Got | None = None) -> None:
+        self._fn, self._got = fn, got
 
-    def result(self, timeout: float | None = None) -> Result:
-        return self._fn()
+    def result(self, timeout: float | None = None) -> _Got:
+        if self._got is None:
+            assert self._fn is not None
+            self._got = self._fn()
+        return self._got
 
 
 class StreamingDataLoader:
@@ -112,9 +160,16 @@ class StreamingDataLoader:
 
     ``timeout`` bounds each wait for a batch (``TimeoutError``; the loader stays usable).
     ``transform``: a picklable function of a :class:`Batch` applied to every batch (in worker
-    processes when ``num_workers > 0``). Replica peers must use the same ``batch_size`` and
-    sampler; ``close()`` (or the end of the stream) stops worker processes.
+    processes when ``num_workers > 0``). A transform that raises is retried on the same fetched
+    batch (``transform_retries`` more times), never by fetching again; if it keeps failing,
+    :class:`TransformError` names the batch's ids and the loader keeps the batch (see the
+    module docstring). Replica peers must use the same ``batch_size``, ``prefetch`` and
+    sampler (the store checks ``batch_size`` and ``prefetch``: a peer that differs gets a
+    ``ValueError``); ``close()`` (or the end of the stream) stops worker processes.
     """
+
+    #: How long ``state_dict()`` waits for batches in flight when ``timeout`` is ``None``.
+    STATE_WAIT: ClassVar[float] = 60.0
 
     def __init__(
         self,
@@ -131,14 +186,22 @@ class StreamingDataLoader:
         num_workers: int = 0,
         prefetch: int | None = None,
         transform: Callable[[Batch], Any] | None = None,
+        transform_retries: int = 2,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
-        if not isinstance(num_workers, int) or num_workers < 0:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0 (got {num_workers=!r})")
         prefetch = num_workers if prefetch is None else prefetch
-        if not isinstance(prefetch, int) or prefetch < 0:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (got {prefetch=!r})")
+        if (
+            isinstance(transform_retries, bool)
+            or not isinstance(transform_retries, int)
+            or transform_retries < 0
+        ):
+            raise ValueError(f"transform_retries must be an int >= 0 (got {transform_retries=!r})")
+        _check_timeout(timeout)
         if num_workers and store.backend == "embedded" and transform is None:
             raise ValueError(
                 "num_workers > 0 with the embedded store only runs `transform` in worker "
@@ -160,10 +223,14 @@ class StreamingDataLoader:
         self.store, self.task, self.fields = store, task, list(fields)
         self.batch_size, self.partition, self.timeout = batch_size, partition, timeout
         self.num_workers, self.prefetch, self.transform = num_workers, prefetch, transform
+        self.transform_retries = transform_retries
         self._ahead_max = (prefetch + 1) if (prefetch or num_workers) else 0
-        # Holding matters only when samples can be evicted while fetched ahead.
-        hold = bool(self._ahead_max) and store.options.tasks is not None
-        self._spec = _Spec(task, tuple(fields), batch_size, partition, self.sampler, timeout, hold)
+        # Holding matters only when samples can be evicted while fetched but not returned:
+        # fetched ahead, or kept after a failed transform.
+        hold = store.options.tasks is not None and (bool(self._ahead_max) or transform is not None)
+        self._spec = _Spec(
+            task, tuple(fields), batch_size, partition, self.sampler, timeout, hold, prefetch
+        )  # fmt: skip
         self._next = 0  # the next batch index to request
         self._ended = False  # a request found the stream ended: request nothing more
         self._ahead: deque[tuple[int, Any]] = deque()  # (index, future) in index order
@@ -185,14 +252,20 @@ class StreamingDataLoader:
                 self.num_workers, mp_context=ctx, initializer=init[0], initargs=init[1]
             )
 
-    def _local_job(self, index: int) -> Result:
+    def _transform(self, batch: Batch) -> _Got:
+        """``transform`` in a worker process if there are any, else here; never raises."""
+        procs = self._procs  # a retry may replace a broken pool meanwhile
+        if procs is None or self.transform is None:
+            return _apply(self.transform, batch)
+        try:
+            return _Got(batch.ids, procs.submit(self.transform, batch).result())
+        except Exception as exc:
+            return _Got(batch.ids, batch=batch, error=exc)
+
+    def _local_job(self, index: int) -> _Got:
         """Fetch in this process; ``transform`` in a worker process if there are any."""
-        ids, batch = _fetch(self.store, self._spec, index)
-        if ids is None or self.transform is None:
-            return ids, batch
-        if self._procs is not None:
-            return ids, self._procs.submit(self.transform, batch).result()
-        return ids, self.transform(batch)
+        batch = _fetch(self.store, self._spec, index)
+        return _Got(None) if batch is None else self._transform(batch)
 
     def _submit(self, index: int) -> Any:
         self._pools()
@@ -207,6 +280,33 @@ class StreamingDataLoader:
             self._ahead.append((self._next, self._submit(self._next)))
             self._next += 1
 
+    def _retry(self, index: int, got: _Got) -> Any:
+        """Retry only the transform of a fetched batch; :class:`TransformError` if it keeps
+        failing, with the batch left at the head of the queue (``transform_retries + 1`` more
+        attempts by the next ``next()``; recorded by ``state_dict()``)."""
+        ids = got.ids
+        assert ids is not None
+        # A fresh failure had its first attempt already; a reported one gets all attempts.
+        for _ in range(self.transform_retries + (1 if got.raised else 0)):
+            if isinstance(got.error, BrokenProcessPool) and self._procs is not None:
+                self._procs.shutdown(wait=False, cancel_futures=True)  # a worker died: restart
+                self._procs = None
+                self._pools()
+            got = self._transform(got.batch)
+            if got.error is None:
+                return got.item
+        got.raised = True
+        self._ahead[0] = (index, _Known(got=got))
+        shown = f"{ids[:20]} ... ({len(ids)} samples)" if len(ids) > 20 else f"{ids}"
+        raise TransformError(
+            f"transform failed {self.transform_retries + 1} times on batch {index} of task "
+            f"{self.task!r} (sample ids {shown}): {got.error!r}. The batch is kept: next() "
+            "retries the transform on it and state_dict() records it, so a restored loader "
+            "re-delivers it; fix the transform (or the samples) and call next() again",
+            index=index,
+            ids=list(ids),
+        ) from got.error
+
     def __iter__(self) -> Iterator[Any]:
         return self
 
@@ -215,30 +315,35 @@ class StreamingDataLoader:
             if not self._ahead_max and not self._ahead:  # synchronous
                 if self._ended:
                     raise StopIteration
-                ids, item = self._local_job(self._next)
-                if ids is None:
+                got = self._local_job(self._next)
+                if got.ids is None:
                     self._ended = True
                     raise StopIteration
+                self._ahead.append((self._next, _Known(got=got)))
                 self._next += 1
-                return item
             self._fill()
             if not self._ahead:
                 self.close()
                 raise StopIteration
             index, fut = self._ahead[0]
             try:
-                ids, item = fut.result()
+                got = fut.result()
             except BaseException:
-                self._ahead[0] = (index, self._submit(index))  # ask for the same batch again
+                # A request that failed fetched nothing (e.g. the store timed out): ask for the
+                # same batch again. One still running (an interrupted wait) is kept.
+                if isinstance(fut, cf.Future) and fut.done() and fut.exception() is not None:
+                    self._ahead[0] = (index, self._submit(index))
                 raise
-            self._ahead.popleft()
-            if ids is None:
+            if got.ids is None:
                 # Every later request also ends; those already in flight may still hold
                 # batches planned before the end, so they are drained, not dropped.
+                self._ahead.popleft()
                 self._ended = True
                 continue
+            item = got.item if got.error is None else self._retry(index, got)
+            self._ahead.popleft()
             if self._spec.hold:
-                self.store._release(self.partition, ids)
+                self.store._release(self.partition, got.ids)
             return item
 
     def close(self) -> None:
@@ -252,8 +357,32 @@ class StreamingDataLoader:
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The state as of the last batch returned (waits for the batches in flight)."""
-        pending = [[index, fut.result(self.timeout)[0]] for index, fut in self._ahead]
+        """The state as of the last batch returned.
+
+        Waits for the batches in flight, at most ``timeout`` seconds in all (``STATE_WAIT``,
+        60 s, when ``timeout`` is ``None``), then raises ``TimeoutError``: with ``prefetch > 0``
+        the state must name the batches fetched ahead, and a request waiting for producers
+        that wait for the trainer (an RL weight sync) would otherwise block forever. The
+        loader is unchanged by the error; take the state once producers can run, or use
+        ``prefetch=0``.
+        """
+        wait = self.STATE_WAIT if self.timeout is None else self.timeout
+        deadline = time.monotonic() + wait
+        pending = []
+        for index, fut in self._ahead:
+            try:
+                got = fut.result(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                if isinstance(fut, cf.Future) and fut.done():
+                    raise  # the request itself timed out in the store
+                raise TimeoutError(
+                    f"state_dict() waited {wait}s for batch {index} of task {self.task!r}, "
+                    f"still being fetched (prefetch={self.prefetch}); the state must name the "
+                    "batches fetched ahead. If producers wait for the trainer (e.g. a weight "
+                    "sync), take state_dict() once they can run again, or use prefetch=0; "
+                    "the loader is unchanged and usable"
+                ) from None
+            pending.append([index, got.ids])
         return {
             "version": VERSION,
             "task": self.task,
@@ -286,11 +415,11 @@ class StreamingDataLoader:
         for index, ids in state["pending"]:
             self._ahead.append((int(index), _Known(self._redeliver(ids))))
 
-    def _redeliver(self, ids: list[Any] | None) -> Callable[[], Result]:
-        def fn() -> Result:
+    def _redeliver(self, ids: list[Any] | None) -> Callable[[], _Got]:
+        def fn() -> _Got:
             if ids is None:
-                return None, None
-            batch = self.store._peek(self.partition, list(ids), self._spec.fields)
-            return batch.ids, batch if self.transform is None else self.transform(batch)
+                return _Got(None)
+            self._pools()
+            return self._transform(self.store._peek(self.partition, list(ids), self._spec.fields))
 
         return fn
