@@ -19,8 +19,17 @@ the one being returned. ``num_workers=K`` starts ``K`` worker processes:
   only run ``transform`` on the fetched batches. ``num_workers > 0`` therefore needs a
   ``transform``.
 
+Replica peers must use the same ``batch_size``, ``prefetch`` and sampler (the store refuses a
+peer whose batch_size or prefetch differs): the batches requested ahead decide at which step a
+peer sees the end of the stream.
+
+A ``transform`` that raises is retried on the batch already fetched (it is consumed in the
+store; fetching again would plan another batch and lose this one); if it keeps failing,
+:class:`TransformError` names the batch, which stays first in line and in ``state_dict()``.
+
 Checkpoints. ``state_dict()`` is the state as of the last batch returned: it waits for the
-batches in flight and records the ids of those fetched but not returned; after
+batches in flight (at most ``timeout``, or 60 s when ``timeout`` is ``None``, then
+``TimeoutError``) and records the ids of those fetched but not returned; after
 ``load_state_dict`` they are re-delivered first (read again from the store, not re-planned).
 Take ``state_dict()`` of every loader, then save the store, before the next batch; a store with
 ``tasks=`` keeps such fetched-ahead samples until the loader returned them.
