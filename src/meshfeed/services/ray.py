@@ -371,6 +371,8 @@ class RayService:
         if actors:
             import ray
 
+            if not ray.is_initialized():
+                return  # Ray is gone (e.g. interpreter teardown): so are its actors
             for actor in actors:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
