@@ -54,7 +54,9 @@ def test_sequence_of_global_batches_does_not_depend_on_world_size():
     for world in (1, 2, 3, 4, 6, 8):
         step = plan.step_at(3, 240)
         assert step is not None
-        merged = np.concatenate(plan.global_indices(step, world))
+        per_rank = plan.global_indices(step, world)
+        merged = np.concatenate([indices for _, indices in per_rank])
+        assert np.array_equal(np.concatenate([p for p, _ in per_rank]), np.arange(240, 264))
         assert np.array_equal(merged, order.indices(3, np.arange(240, 264)))
 
 

@@ -297,11 +297,9 @@ class DataLoader:
             pos = position
             while (step := self.plan.step_at(epoch, pos)) is not None:
                 steps.append(step)
-                D = self.data_world_size
-                indices = self.plan.global_indices(step, D)
                 yield [
-                    FetchTask(epoch, step.index, indices[d], self.plan.rank_positions(step, d, D))
-                    for d in range(D)
+                    FetchTask(epoch, step.index, indices, positions)
+                    for positions, indices in self.plan.global_indices(step, self.data_world_size)
                 ]
                 pos = step.end
 

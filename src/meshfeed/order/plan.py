@@ -127,11 +127,14 @@ class BatchPlan:
     def rank_indices(self, step: Step, data_rank: int, data_world_size: int) -> np.ndarray:
         return self.order.indices(step.epoch, self.rank_positions(step, data_rank, data_world_size))
 
-    def global_indices(self, step: Step, data_world_size: int = 1) -> list[np.ndarray]:
-        """Every data rank's indices for ``step`` (one order call for the whole batch)."""
+    def global_indices(
+        self, step: Step, data_world_size: int = 1
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every data rank's (positions, indices) for ``step``, with one order call in all."""
         slices = [self.rank_positions(step, d, data_world_size) for d in range(data_world_size)]
         flat = self.order.indices(step.epoch, np.concatenate(slices))
-        return np.split(flat, np.cumsum([len(s) for s in slices])[:-1])
+        parts = np.split(flat, np.cumsum([len(s) for s in slices])[:-1])
+        return list(zip(slices, parts, strict=True))
 
 
 def describe_order(order: Any, epoch: int, position: int) -> dict[str, Any] | None:
