@@ -88,3 +88,93 @@ def validate_state(state: Any) -> dict[str, Any]:
             f"loader state is not JSON-serialisable ({exc}); the checkpoint is corrupted"
         ) from exc
     return dict(state)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one state envelope every stateful part uses: {"kind": ..., "version": ..., **fields}.
+
+#: Which meshfeed release wrote which envelope version (for the message when refusing one).
+_RELEASES = {1: "meshfeed 0.1"}
+
+
+def envelope(kind: str, version: int, **fields: Any) -> dict[str, Any]:
+    """A state dict: ``{"kind": kind, "version": version, **fields}`` (JSON values only)."""
+    return {"kind": kind, "version": version, **fields}
+
+
+def open_envelope(
+    state: Any,
+    *,
+    kind: str,
+    version: int,
+    fields: Mapping[str, type | tuple[type, ...]] = {},
+    what: str | None = None,
+) -> dict[str, Any]:
+    """Check ``state`` is a ``kind`` envelope of ``version`` with ``fields`` of these types.
+
+    Returns a plain dict copy. Raises ``ValueError`` naming the field, the value and the fix:
+    a non-dict (or a whole training checkpoint), another kind, an older or newer version (never
+    misread), a missing field, a wrong type (``bool`` is not an ``int``), a negative int, or a
+    value that is not JSON-serialisable. ``what`` names the part in messages (default: kind).
+    """
+    name = what or f"{kind} state"
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"a {name} must be a dict (got {type(state).__name__}); pass the dict that "
+            "state_dict() returned"
+        )
+    got_kind, got_version = state.get("kind"), state.get("version")
+    if (
+        got_kind is None
+        and got_version is None
+        and any(isinstance(v, Mapping) for v in state.values())
+    ):
+        raise ValueError(
+            f"this looks like a whole training checkpoint (keys {sorted(map(str, state))[:8]}), "
+            f"not a {name}; pass the part that this object's state_dict() returned, e.g. "
+            'load_state_dict(checkpoint["data"])'
+        )
+    if got_kind != kind:
+        raise ValueError(
+            f"not a {name}: it has kind={got_kind!r}, expected kind={kind!r}; pass the dict "
+            "that this object's state_dict() returned"
+        )
+    if got_version != version:
+        release = _RELEASES.get(got_version) if isinstance(got_version, int) else None
+        older = isinstance(got_version, int) and got_version < version
+        hint = (
+            f"it was written by {release or 'an older meshfeed'}, whose positions this version "
+            "does not read; resume it with that release, or start this loader fresh "
+            "(set_epoch) at the epoch you want"
+            if older
+            else "it was written by a newer meshfeed; upgrade meshfeed to resume it"
+        )
+        raise ValueError(
+            f"{name} has version={got_version!r}, this meshfeed reads version {version}; {hint}"
+        )
+    out = dict(state)
+    for key, types in fields.items():
+        if key not in out:
+            raise ValueError(
+                f"{name} is missing {key!r} (keys: {sorted(map(str, out))}); the checkpoint is "
+                "corrupted or from another part"
+            )
+        value = out[key]
+        expected = types if isinstance(types, tuple) else (types,)
+        if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+            names = "/".join(t.__name__ for t in expected)
+            raise ValueError(
+                f"{name} field {key!r} has {value!r} of type {type(value).__name__}, expected "
+                f"{names}; the checkpoint is corrupted"
+            )
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError(
+                f"{name} field {key!r} is negative ({value}); the checkpoint is corrupted"
+            )
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{name} is not JSON-serialisable ({exc}); the checkpoint is corrupted"
+        ) from exc
+    return out
