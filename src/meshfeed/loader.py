@@ -20,10 +20,9 @@ import numpy as np
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
 from meshfeed.options import check_loader_arguments
+from meshfeed.order.compose import build_order
 from meshfeed.order.plan import (
     BatchPlan,
-    Order,
-    ShuffledOrder,
     Step,
     describe_order,
     rank_bounds,
@@ -133,7 +132,14 @@ class DataLoader:
         self.pin_memory = pin_memory
         self.dataset_length = length
         self.fingerprint = dataset_fingerprint(dataset)
-        self.order = self._make_order(dataset, curriculum)
+        self.order = build_order(
+            dataset,
+            curriculum=curriculum,
+            dataset_length=length,
+            global_batch_size=self.global_batch_size,
+            seed=seed,
+            shuffle=self.shuffle,
+        )
         self.plan = BatchPlan(
             self.order, global_batch_size=self.global_batch_size, drop_last=drop_last
         )
@@ -165,23 +171,6 @@ class DataLoader:
         self._index_cache: tuple[int, dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
 
     # ------------------------------------------------------------------ construction helpers
-    def _make_order(self, dataset: Any, curriculum: Any) -> Order:
-        maker = getattr(curriculum, "make_order", None) or getattr(dataset, "make_order", None)
-        if curriculum is not None and maker is None:
-            raise ValueError(
-                f"curriculum={curriculum!r} has no make_order(); pass a meshfeed curriculum"
-            )
-        if maker is None:
-            return ShuffledOrder(self.dataset_length, seed=self.seed, shuffle=self.shuffle)
-        order = maker(
-            dataset_length=self.dataset_length,
-            global_batch_size=self.global_batch_size,
-            seed=self.seed,
-        )
-        if not isinstance(order, Order):
-            raise TypeError(f"make_order() returned {type(order).__name__}, which is not an Order")
-        return order
-
     def _default_service(self, start_method: str | None) -> Service:
         inner: Service = (
             WorkerService(
