@@ -1,4 +1,9 @@
-"""A dependency-free progress bar for long offline jobs (convert, analyze, demo)."""
+"""Progress of long offline jobs (convert, analyze, demo), drawn by ``tqdm``.
+
+On a terminal the bar is tqdm's, redrawn in place. Elsewhere (CI logs, files, pipes) a line is
+written every ``log_interval`` seconds and once at the end, so a log shows progress while a job
+runs without filling up with redraws. ``enabled=False`` writes nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,20 @@ import time
 from types import TracebackType
 from typing import TextIO
 
+from tqdm import tqdm
+
 
 class Progress:
-    """Prints ``desc: done/total (rate/s)`` to stderr at most a few times per second.
+    """A progress bar on stderr: ``desc: done/total [elapsed, rate]``.
+
+    ``initial`` counts work done before this bar started (a resumed epoch), so the rate is of
+    this run only. The API is the same with or without a terminal.
 
     >>> with Progress(total=3, desc="work", enabled=False) as bar:
     ...     for _ in range(3):
     ...         bar.update()
+    >>> bar.count
+    3
     """
 
     def __init__(
@@ -26,41 +38,81 @@ class Progress:
         stream: TextIO | None = None,
         interval: float = 0.25,
         initial: int = 0,
+        log_interval: float = 5.0,
     ) -> None:
+        if interval < 0 or not log_interval > 0:
+            raise ValueError(
+                f"intervals must be positive (got {interval=!r}, {log_interval=!r}); "
+                "use e.g. interval=0.25, log_interval=5.0"
+            )
         self.total = total
         self.desc = desc
         self.unit = unit
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.interval = interval
+        self.log_interval = log_interval
         self.count = initial
         self._initial = initial
         self._start = time.perf_counter()
-        self._last = 0.0
-        # Redraw in place on a terminal; elsewhere (CI logs) print only the final line.
+        self._last_line = self._start
         self._live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._bar: tqdm | None = None
+        if self.enabled and self._live:
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                initial=initial,
+                file=self.stream,
+                mininterval=interval,
+                dynamic_ncols=True,
+                leave=True,
+            )
 
     def update(self, n: int = 1) -> None:
+        """Count ``n`` more units done."""
         self.count += n
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(n)
+            return
         now = time.perf_counter()
-        if self.enabled and self._live and now - self._last >= self.interval:
-            self._last = now
-            self._render(now, end="\r")
+        if now - self._last_line >= self.log_interval:
+            self._last_line = now
+            self._write_line(now)
 
-    def _render(self, now: float, end: str) -> None:
+    def line(self) -> str:
+        """The current state as one line (what a log receives)."""
+        return self._format(time.perf_counter())
+
+    def _format(self, now: float) -> str:
         elapsed = max(now - self._start, 1e-9)
-        of = f"/{self.total}" if self.total is not None else ""
-        pct = f" {100 * self.count / self.total:5.1f}%" if self.total else ""
-        self.stream.write(
-            f"{self.desc}: {self.count}{of}{pct} [{elapsed:.1f}s, "
-            f"{(self.count - self._initial) / elapsed:.1f} {self.unit}/s]{end}"
+        return tqdm.format_meter(
+            self.count,
+            self.total,
+            elapsed,
+            prefix=self.desc,
+            unit=self.unit,
+            rate=(self.count - self._initial) / elapsed,
+            initial=self._initial,
+            ncols=0,
         )
+
+    def _write_line(self, now: float) -> None:
+        self.stream.write(self._format(now) + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self._render(time.perf_counter(), end="\n")
-            self.enabled = False
+        """Write the final state (once); later updates are counted but not shown."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            self._write_line(time.perf_counter())
 
     def __enter__(self) -> Progress:
         return self

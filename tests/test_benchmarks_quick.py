@@ -1,0 +1,48 @@
+"""Every ``benchmarks/*.py --quick`` runs to the end, so a benchmark that crashes fails CI.
+
+A smoke run only: no timing is asserted (the scripts measure ratios; a shared CI machine makes
+absolute times meaningless). Each run has a hard timeout so a hung benchmark fails instead of
+stalling the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+TIMEOUT = 300.0
+
+
+def test_every_benchmark_is_collected() -> None:
+    # A renamed folder or glob must not turn the smoke runs below into zero tests.
+    assert len(SCRIPTS) >= 7, [s.name for s in SCRIPTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_benchmark_quick_runs(script: Path, tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--quick"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{script.name} --quick ran longer than {TIMEOUT}s") from e
+    assert proc.returncode == 0, (
+        f"{script.name} --quick exited with {proc.returncode}:\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+    assert proc.stdout.strip(), f"{script.name} --quick printed no report"
