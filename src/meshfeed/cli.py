@@ -1,10 +1,17 @@
-"""The ``meshfeed`` command: demo | plan | analyze | convert."""
+"""The ``meshfeed`` command: demo | plan | analyze | convert.
+
+Result tables go to stdout; progress and messages go to stderr through
+``logging.getLogger("meshfeed")`` (configured here only if the application has not).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
+
+import numpy as np
 
 #: Subcommand modules; each exposes ``add_subcommand(subparsers)``.
 _SUBCOMMANDS = (
@@ -13,6 +20,17 @@ _SUBCOMMANDS = (
     "meshfeed.curriculum.cli",
     "meshfeed.sources.convert",
 )
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Send the ``meshfeed`` logger's messages to stderr, unless someone already configured it."""
+    logger = logging.getLogger("meshfeed")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,12 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    # Token corpora hold token ids: windows, documents and vocab metrics read them as integers.
+    dtype = np.dtype(args.dtype)
+    if not np.issubdtype(dtype, np.integer):
+        parser.error(
+            f"convert: --dtype {args.dtype} is not an integer type; a token corpus holds token "
+            "ids, use --dtype uint16 (vocabularies up to 65536), int32 or int64"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command == "convert":
+        _check_convert(parser, args)
+    configure_logging()
     return int(args.func(args) or 0)
 
 

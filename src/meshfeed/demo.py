@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import tempfile
 import time
@@ -29,6 +30,8 @@ from meshfeed.mesh import DataMesh
 from meshfeed.progress import Progress
 from meshfeed.sources.indexed import write_indexed
 from meshfeed.sources.windows import TokenWindows
+
+log = logging.getLogger("meshfeed")
 
 
 class IndexedWindows:
@@ -63,6 +66,7 @@ class DemoConfig:
     seed: int
     checkpoint_step: int
     checkpoint_path: str
+    quiet: bool = False
 
 
 def _record(batch: dict[str, torch.Tensor]) -> tuple[list[int], int]:
@@ -71,8 +75,13 @@ def _record(batch: dict[str, torch.Tensor]) -> tuple[list[int], int]:
 
 
 def _rank_main(
-    rank: int, world: int, sizes: dict[str, Any], cfg: DemoConfig, phase: str
+    rank: int, world: int, sizes: dict[str, Any], cfg: DemoConfig, phase: str, label: str
 ) -> dict[str, Any]:
+    if rank == 0 and not cfg.quiet:
+        from meshfeed.cli import configure_logging
+
+        configure_logging()
+        log.info("%s: %d ranks joined the gloo group", label, world)
     mesh = DataMesh.from_sizes(world_size=world, **sizes)
     dataset = IndexedWindows(cfg.prefix, cfg.seq_len)
     loader = DataLoader(
@@ -91,12 +100,15 @@ def _rank_main(
         epochs = range(loader.epoch, 2)
         for epoch in epochs:
             loader.set_epoch(epoch)
+            done = loader.position // loader.global_batch_size
+            # Count only the batches this run delivers; say where a resumed epoch starts.
+            start_at = f", from step {done}" if done else ""
             bar = Progress(
-                len(loader),
-                desc=f"{phase} epoch {epoch} (rank 0 of {world})",
+                len(loader) - done,
+                desc=f"{label} epoch {epoch} (rank 0 of {world}{start_at})",
                 unit="batch",
-                enabled=rank == 0,
-                initial=loader.position // loader.global_batch_size,
+                enabled=rank == 0 and not cfg.quiet,
+                log_interval=1.0,
             )
             for batch in loader:
                 records[epoch].append(_record(batch))
@@ -173,7 +185,55 @@ def _compare_resume(
     return ok, f"{len(got)} resumed global batches vs {len(want)} uninterrupted"
 
 
+def _check_arguments(args: argparse.Namespace) -> str | None:
+    """The first problem with the demo's arguments, as a message naming the fix, or None."""
+    for name, value, least in (
+        ("--dp", args.dp, 1),
+        ("--tp", args.tp, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--seq-len", args.seq_len, 1),
+        ("--documents", args.documents, 1),
+        ("--num-workers", args.num_workers, 0),
+    ):
+        if value < least:
+            return f"{name} must be at least {least} (got {value})"
+    if args.resume_dp is not None and args.resume_dp < 1:
+        return f"--resume-dp must be at least 1 (got {args.resume_dp})"
+    global_batch = args.batch_size * args.dp
+    new_dp = args.resume_dp or 2 * args.dp
+    if global_batch % new_dp:
+        return (
+            f"--resume-dp {new_dp} must divide the global batch {global_batch} "
+            f"(--batch-size {args.batch_size} x --dp {args.dp}) so the elastic resume keeps it; "
+            f"use a divisor such as {_divisors(global_batch)}"
+        )
+    return None
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _phase(
+    label: str, world: int, sizes: dict[str, Any], cfg: DemoConfig, kind: str
+) -> list[dict[str, Any]]:
+    log.info(
+        "%s: starting %d gloo ranks on %s (process start-up takes a few seconds)",
+        label,
+        world,
+        sizes,
+    )
+    t0 = time.perf_counter()
+    results = run_distributed(_rank_main, world, sizes, cfg, kind, label)
+    log.info("%s: done in %.1fs", label, time.perf_counter() - t0)
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = _check_arguments(args)
+    if problem is not None:
+        log.error("meshfeed demo: error: %s", problem)
+        return 2
     dp, tp = args.dp, args.tp
     world = dp * tp
     with tempfile.TemporaryDirectory(prefix="meshfeed-demo-") as tmp:
@@ -182,17 +242,29 @@ def run(args: argparse.Namespace) -> int:
         prefix = os.path.join(workdir, "corpus")
         rng = np.random.default_rng(args.seed)
         lengths = rng.integers(16, 4 * args.seq_len, size=args.documents)
-        print(
-            f"writing a synthetic corpus: {args.documents} documents, {int(lengths.sum()):,} tokens"
+        log.info(
+            "writing a synthetic corpus: %d documents, %s tokens",
+            args.documents,
+            f"{int(lengths.sum()):,}",
         )
         write_indexed(
             prefix,
             (rng.integers(1, 50_000, size=int(s)) for s in lengths),
             np.uint16,
-            progress=True,
+            progress=not args.quiet,
         )
         n = len(IndexedWindows(prefix, args.seq_len))
         global_batch = args.batch_size * dp
+        if n // global_batch < 2:
+            log.error(
+                "meshfeed demo: error: the corpus gives %d windows, %d global batch(es) of %d per "
+                "epoch; the demo checkpoints inside an epoch and needs at least 2: use more "
+                "--documents or a smaller --batch-size / --seq-len",
+                n,
+                n // global_batch,
+                global_batch,
+            )
+            return 2
         cfg = DemoConfig(
             prefix=prefix,
             seq_len=args.seq_len,
@@ -201,28 +273,36 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             checkpoint_step=max(1, (n // global_batch) // 3),
             checkpoint_path=os.path.join(workdir, "loader_state.json"),
+            quiet=args.quiet,
         )
         mesh = DataMesh.from_sizes(dp=dp, tp=tp)
-        print(
-            f"{n} windows of {args.seq_len + 1} tokens; mesh {mesh.sizes}, global batch {global_batch}, {args.num_workers} worker(s)/rank"
+        log.info(
+            "%d windows of %d tokens; mesh %s, global batch %d, %d worker(s)/rank",
+            n,
+            args.seq_len + 1,
+            mesh.sizes,
+            global_batch,
+            args.num_workers,
         )
         t0 = time.perf_counter()
-        ref = run_distributed(_rank_main, world, mesh.sizes, cfg, "reference")
+        ref = _phase("reference", world, mesh.sizes, cfg, "reference")
         elapsed = time.perf_counter() - t0
         with open(cfg.checkpoint_path) as f:
             state = json.load(f)
-        print(
-            f"checkpoint at epoch {state['epoch']} position {state['position']}: {len(json.dumps(state))} bytes of JSON"
+        log.info(
+            "checkpoint at epoch %d position %d (step %d): %d bytes of JSON",
+            state["epoch"],
+            state["position"],
+            cfg.checkpoint_step,
+            len(json.dumps(state)),
         )
         rows = _checks(ref, mesh, n, cfg)
-        same = run_distributed(_rank_main, world, mesh.sizes, cfg, "resume")
+        same = _phase(f"resume on the same mesh {mesh.sizes}", world, mesh.sizes, cfg, "resume")
         ok, detail = _compare_resume(ref, mesh, same, mesh, cfg)
         rows.append((f"resume on the same mesh {mesh.sizes}", ok, detail))
         new_dp = args.resume_dp or dp * 2
-        if global_batch % new_dp:
-            raise SystemExit(f"--resume-dp {new_dp} must divide the global batch {global_batch}")
         new_mesh = DataMesh.from_sizes(dp=new_dp)
-        other = run_distributed(_rank_main, new_dp, new_mesh.sizes, cfg, "resume")
+        other = _phase(f"elastic resume on {new_mesh.sizes}", new_dp, new_mesh.sizes, cfg, "resume")
         ok, detail = _compare_resume(ref, mesh, other, new_mesh, cfg)
         rows.append((f"elastic resume on {new_mesh.sizes}", ok, detail))
     samples = sum(r["samples"] for r in ref)
@@ -239,7 +319,14 @@ def run(args: argparse.Namespace) -> int:
 
 def add_subcommand(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "demo", help="run ranks on a dp x tp mesh, checkpoint, resume, verify"
+        "demo",
+        help="run ranks on a dp x tp mesh, checkpoint, resume, verify",
+        description=(
+            "Real gloo ranks on a dp x tp mesh read a synthetic Megatron corpus for one epoch "
+            "and part of the next, checkpoint mid-epoch, resume on the same mesh and on "
+            "--resume-dp data ranks, and verify every batch. About a minute on 2 cores."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--dp", type=int, default=2, help="data-parallel size of the reference run")
     p.add_argument(
@@ -249,12 +336,16 @@ def add_subcommand(subparsers: Any) -> None:
         "--resume-dp",
         type=int,
         default=None,
-        help="data-parallel size of the elastic resume (default 2 x dp)",
+        help="data-parallel size of the elastic resume; must divide the global batch "
+        "(default: 2 x dp)",
     )
-    p.add_argument("--batch-size", type=int, default=4, help="per data rank")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--documents", type=int, default=3000)
-    p.add_argument("--num-workers", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default=None, help="keep the corpus and checkpoint here")
+    p.add_argument("--batch-size", type=int, default=4, help="samples per data rank per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (plus one)")
+    p.add_argument("--documents", type=int, default=3000, help="documents in the corpus")
+    p.add_argument("--num-workers", type=int, default=1, help="worker processes per rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the corpus and the order")
+    p.add_argument(
+        "--workdir", default=None, help="keep the corpus and checkpoint here (default: a temp dir)"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress, only the summary")
     p.set_defaults(func=run)
