@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
-TIMEOUT = 300.0
+TIMEOUT = 600.0
 
 #: Known crashes, each with its open fix; remove the entry once the fix lands.
 KNOWN_CRASHES = {

@@ -73,3 +73,47 @@ def test_plan_cli_reads_document_lengths_from_npy(tmp_path, capsys):
 def test_plan_cli_exits_2_with_a_message_on_bad_input(argv, message, capsys):
     assert _main(["plan", "--no-png", "--batches", "1", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_cli_writes_no_png_unless_asked(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _main(["plan", "--dp", "2", "--batches", "1", "--max-tokens", "8192"]) == 0
+    assert "wrote" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_cli_reports_the_tokens_actually_planned_for_a_short_corpus(tmp_path, capsys):
+    path = tmp_path / "lens.npy"
+    np.save(path, np.array([100, 200, 300]))
+    assert _main(["plan", "--dp", "2", "--lengths", str(path), "--max-tokens", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "3 documents, ~600 tokens each" in out
+    assert "1048576" not in out
+
+
+def test_plan_cli_does_not_call_a_split_the_mesh_cp_degree(capsys):
+    assert _main(["plan", "--dp", "8", "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "CP degrees" not in out
+    assert "not only --cp 1" in out and "all 8 DP x CP ranks" in out
+
+
+def test_plan_cli_plot_title_counts_the_documents_of_the_table(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    titles: list[str] = []
+    original = matplotlib.axes.Axes.set_title
+
+    def spy(self, label, *args, **kwargs):
+        titles.append(label)
+        return original(self, label, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", spy)
+    png = tmp_path / "load.png"
+    argv = ["plan", "--dp", "4", "--batches", "3", "--plot", str(png)]
+    assert _main(argv) == 0
+    out = capsys.readouterr().out
+    docs = int(out.split(" documents,")[0].rsplit(" ", 1)[1])
+    assert png.exists()
+    assert len(titles) == 1 and f"{docs} documents" in titles[0] and "3 batches" in titles[0]

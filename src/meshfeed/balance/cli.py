@@ -2,14 +2,14 @@
 
 Prints, for meshfeed's :func:`plan` and for naive slicing (and token balancing), the step time
 over its lower bound, micro-steps per rank and packing efficiency, and saves a PNG of per-rank
-load for the first batch. The ranks balanced are DP x CP (``--dp * --cp``); ``--tp`` with
+load averaged over the batches when asked (``--plot PATH``). The ranks balanced are DP x CP (``--dp * --cp``); ``--tp`` with
 ``--sequence-parallel`` only changes padding. Lengths come from a synthetic distribution or a
 ``.npy`` file of document lengths or a Megatron-format token corpus (``--corpus PREFIX``, the
 sizes of its ``.idx``), read in order as consecutive global batches.
 
     meshfeed plan --dp 8 --cp 2 --max-tokens 32768 --dist longtail --batches 8
-    meshfeed plan --dp 16 --lengths doc_lengths.npy --cost s2 --png load.png
-    meshfeed plan --dp 4 --cp 2 --corpus data/train_text_document --no-png
+    meshfeed plan --dp 16 --lengths doc_lengths.npy --cost s2 --plot load.png
+    meshfeed plan --dp 4 --cp 2 --corpus data/train_text_document
 """
 
 from __future__ import annotations
@@ -77,8 +77,16 @@ def add_subcommand(subparsers: Any) -> None:
     cost.add_argument("--hidden-size", type=int, default=4096)
     cost.add_argument("--num-layers", type=int, default=32)
     cost.add_argument("--num-heads", type=int, default=32)
-    p.add_argument("--png", type=Path, default=Path("meshfeed_plan.png"), help="per-rank load plot")
-    p.add_argument("--no-png", action="store_true", help="do not write the PNG")
+    p.add_argument(
+        "--plot",
+        "--png",
+        dest="plot",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write a PNG of per-rank load here (default: no plot; needs matplotlib)",
+    )
+    p.add_argument("--no-png", action="store_true", help="no plot, even with --plot (the default)")
     p.set_defaults(func=run)
 
 
@@ -120,10 +128,12 @@ def run(args: argparse.Namespace) -> int:
             r = fn(b, **kw)
             rows[name].append((r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency))
     docs = sum(b.size for b in batches)
+    # What was planned, not what was asked: a short corpus gives fewer, smaller batches.
+    per_batch = round(float(np.mean([int(b.sum()) for b in batches])))
     print(
         f"mesh {mesh.sizes} -> {ranks} balanced ranks (DP x CP); budget {args.max_tokens} "
         f"tokens/rank/micro-step; {len(batches)} batches, {docs} documents, "
-        f"~{batch_tokens} tokens each; cost {args.cost}"
+        f"~{per_batch} tokens each; cost {args.cost}"
     )
     print(f"{'method':<16} {'makespan/LB med':>16} {'p90':>7} {'micro-steps':>12} {'packing':>8}")
     for name, vals in rows.items():
@@ -136,11 +146,16 @@ def run(args: argparse.Namespace) -> int:
     degrees = ", ".join(
         f"{c}: {n}" for c, n in zip(*np.unique(cp, return_counts=True), strict=True)
     )
-    print(f"meshfeed CP degrees (degree: documents): {degrees}")
-    if not args.no_png:
+    # meshfeed groups any of the DP x CP ranks for a long document (hybrid CP), so a document
+    # may span more ranks than --cp; say so rather than call it the mesh's CP degree.
+    print(
+        f"meshfeed split degree (ranks a document spans: documents; groups are formed from "
+        f"all {ranks} DP x CP ranks, not only --cp {args.cp}): {degrees}"
+    )
+    if args.plot is not None and not args.no_png:
         try:
-            _plot(plans[0], batches[0], kw, args.png)
-            print(f"wrote {args.png}")
+            _plot(plans, batches, kw, args.plot)
+            print(f"wrote {args.plot}")
         except ImportError:
             print("matplotlib is not installed; no PNG written (pip install matplotlib)")
     return 0
@@ -181,25 +196,32 @@ def _batches(args: argparse.Namespace, batch_tokens: int) -> list[np.ndarray]:
     return out or [corpus]
 
 
-def _plot(p: Plan, lengths: np.ndarray, kw: dict[str, Any], path: Path) -> None:
+def _plot(plans: list[Plan], batches: list[np.ndarray], kw: dict[str, Any], path: Path) -> None:
+    """Per-rank load over the lower bound, averaged over every planned batch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    p = plans[0]
     ranks = np.arange(p.num_ranks)
-    naive = naive_slicing(lengths, **kw).rank_time / p.lower_bound
-    tokens = token_balancing(lengths, **kw).rank_time / p.lower_bound
+    pairs = list(zip(plans, batches, strict=True))
+    naive = np.mean([naive_slicing(b, **kw).rank_time / q.lower_bound for q, b in pairs], axis=0)
+    tokens = np.mean([token_balancing(b, **kw).rank_time / q.lower_bound for q, b in pairs], axis=0)
+    mine = np.mean([q.rank_time / q.lower_bound for q in plans], axis=0)
+    step = float(np.median([q.makespan / q.lower_bound for q in plans]))
+    docs = sum(b.size for b in batches)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * p.num_ranks + 3), 4))
     width = 0.28
     ax.bar(ranks - width, naive, width, label="naive slicing", color="#bbbbbb")
     ax.bar(ranks, tokens, width, label="token balancing", color="#7a9cc6")
-    ax.bar(ranks + width, p.rank_time / p.lower_bound, width, label="meshfeed", color="#d1495b")
+    ax.bar(ranks + width, mine, width, label="meshfeed", color="#d1495b")
     ax.axhline(1.0, color="black", lw=0.8, ls=":", label="lower bound")
     ax.set_xlabel("rank (DP x CP)")
     ax.set_ylabel("load / lower bound")
     ax.set_title(
-        f"per-rank load, {lengths.size} documents, meshfeed step = {p.makespan / p.lower_bound:.3f} x LB"
+        f"per-rank load, mean of {len(batches)} batches, {docs} documents, "
+        f"meshfeed step = {step:.3f} x LB (median)"
     )
     ax.legend()
     fig.tight_layout()
