@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
+import pytest
 
 from meshfeed.curriculum import MetricIndex, SampleMetric
-from meshfeed.curriculum.cli import add_subcommand
+from meshfeed.curriculum.cli import add_subcommand, available_cores
 from meshfeed.sources.indexed import TokenCorpus, write_indexed
 
 
@@ -51,7 +53,11 @@ def test_analyze_a_token_corpus_writes_indexes_that_match_the_corpus(tmp_path, c
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert "vocab_rarity" in out and "wrote 4 metric(s) for 120 samples" in out
+    written = out.splitlines()[-1]
+    assert "vocab_rarity" in out and written.startswith(
+        "wrote 3 metric index(es) (seqlen, vocab_rarity, first) and 1 accumulated array(s) ("
+    )
+    assert written.endswith(f") for 120 samples to {tmp_path / 'metrics'}")
     corpus = TokenCorpus(tmp_path / "corpus")
     lengths = MetricIndex.load(tmp_path / "metrics" / "seqlen", dataset=corpus)
     assert lengths.values.tolist() == [len(d) for d in docs]
@@ -59,10 +65,30 @@ def test_analyze_a_token_corpus_writes_indexes_that_match_the_corpus(tmp_path, c
     assert first.values.tolist() == [int(d[0]) for d in docs]
 
 
-def test_analyze_reports_bad_input_with_an_exit_code(tmp_path, capsys):
+def test_analyze_reports_bad_input_with_an_exit_code(tmp_path, caplog):
     assert _run(["analyze", str(tmp_path / "missing"), "-o", str(tmp_path / "m")]) == 2
     write_indexed(tmp_path / "corpus", _docs(), "uint16")
     assert (
         _run(["analyze", str(tmp_path / "corpus"), "-o", str(tmp_path / "m"), "-m", "bogus"]) == 2
     )
-    assert "unknown metric 'bogus'" in capsys.readouterr().out
+    assert "unknown metric 'bogus'" in caplog.text
+
+
+def test_analyze_refuses_a_float_corpus_by_name(tmp_path, caplog):
+    write_indexed(tmp_path / "floats", [np.array([0.5, 1.5]), np.array([2.0])], "float32")
+    code = _run(
+        ["analyze", str(tmp_path / "floats"), "-o", str(tmp_path / "m"), "-m", "vocab_rarity"]
+    )
+    assert code == 2
+    assert "holds float32 values, not token ids" in caplog.text and "--dtype uint16" in caplog.text
+
+
+def test_analyze_workers_default_to_the_available_cores(capsys):
+    parser = argparse.ArgumentParser(prog="meshfeed")
+    add_subcommand(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["analyze", "c", "-o", "m"]).num_workers == available_cores()
+    assert available_cores() == len(os.sched_getaffinity(0))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["analyze", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"(default: the {available_cores()} core(s) available)" in help_text

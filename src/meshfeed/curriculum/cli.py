@@ -4,15 +4,18 @@ The dataset is a Megatron/DeepSpeed ``.bin/.idx`` token corpus (give its prefix)
 ``module:callable`` returning a map-style dataset. Metrics are ``seqlen``, ``vocab_rarity``
 (two passes; ``--vocab-size`` defaults to the largest token id + 1) or ``module:attr`` naming a
 ``SampleMetric`` / ``AccumulatedMetric`` (or a no-argument callable returning one). Each metric
-is written to ``OUTPUT/<name>/``; under torchrun every rank takes a share of the work.
+is written to ``OUTPUT/<name>/``; under torchrun every rank takes a share of the work. ``-j``
+defaults to the cores this process may use (more workers than cores only adds overhead).
 
-    meshfeed analyze data/corpus_text_document -o data/metrics -m seqlen -m vocab_rarity -j 8
+    meshfeed analyze data/corpus_text_document -o data/metrics -m seqlen -m vocab_rarity
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,17 @@ from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric, seqlen, vocab_rarity
 
-__all__ = ["add_subcommand"]
+__all__ = ["add_subcommand", "available_cores"]
+
+log = logging.getLogger("meshfeed")
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _resolve(spec: str, what: str) -> Any:
@@ -40,7 +53,13 @@ def _dataset(spec: str) -> Any:
         return made() if callable(made) and not hasattr(made, "__getitem__") else made
     from meshfeed.sources.indexed import TokenCorpus
 
-    return TokenCorpus(spec)
+    corpus = TokenCorpus(spec)
+    if not np.issubdtype(corpus.dtype, np.integer):
+        raise ValueError(
+            f"corpus {spec} holds {corpus.dtype} values, not token ids; a token corpus is an "
+            "integer corpus: rewrite it with `meshfeed convert --dtype uint16` (or int32 / int64)"
+        )
+    return corpus
 
 
 def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | AccumulatedMetric:
@@ -76,7 +95,7 @@ def _handler(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
     except (ValueError, TypeError, OSError) as exc:
-        print(f"meshfeed analyze: error: {exc}")
+        log.error("meshfeed analyze: error: %s", exc)
         return 2
     print(f"{'metric':<20} {'dtype':<8} {'min':>12} {'p50':>12} {'p90':>12} {'max':>12}")
     for name, item in result.items():
@@ -88,7 +107,12 @@ def _handler(args: argparse.Namespace) -> int:
             )
         else:
             print(f"{name:<20} {item.dtype!s:<8} (accumulated, {item.size} entries)")
-    print(f"wrote {len(result)} metric(s) for {len(dataset)} samples to {args.output}")
+    indexes = [name for name, item in result.items() if isinstance(item, MetricIndex)]
+    arrays = [name for name, item in result.items() if not isinstance(item, MetricIndex)]
+    written = f"{len(indexes)} metric index(es) ({', '.join(indexes)})"
+    if arrays:
+        written += f" and {len(arrays)} accumulated array(s) ({', '.join(arrays)})"
+    print(f"wrote {written} for {len(dataset)} samples to {args.output}")
     return 0
 
 
@@ -108,7 +132,14 @@ def add_subcommand(subparsers: Any) -> None:
         help="seqlen | vocab_rarity | module:attr (repeatable; default: seqlen)",
     )
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for vocab_rarity")
-    p.add_argument("-j", "--num-workers", type=int, default=0, help="worker processes (default 0)")
+    cores = available_cores()
+    p.add_argument(
+        "-j",
+        "--num-workers",
+        type=int,
+        default=cores,
+        help=f"worker processes; 0 runs in this process (default: the {cores} core(s) available)",
+    )
     p.add_argument("--chunk-size", type=int, default=4096, help="samples per work item")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_handler)
