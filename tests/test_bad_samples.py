@@ -159,7 +159,9 @@ def test_failure_counts_are_in_the_checkpoint_and_resume_exactly():
     fresh = factory()
     fresh.load_state_dict(state)
     assert fresh.stats()["substituted"] == state["stats"]["substituted"]
-    assert fresh.stats()["failures"] == state["stats"]["failures"]
+    assert fresh.stats()["failures"] == lo.stats()["failures"]
+    keys = ("index", "position", "attempt", "error", "message")
+    assert [[f[k] for k in keys] for f in lo.stats()["failures"]] == state["stats"]["failures"]
 
 
 def test_workers_substitute_like_the_main_process():

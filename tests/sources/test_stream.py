@@ -185,7 +185,20 @@ def test_resume_with_another_configuration_is_refused():
         )
     with pytest.raises(ValueError, match="on_error="):
         StreamLoader(stream, batch_size=2, on_error="ignore")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="kind='stream'"):
+    with pytest.raises(ValueError, match="kind='loader', expected kind='stream_loader'"):
+        StreamLoader(stream, batch_size=2).load_state_dict({"kind": "loader", "version": 2})
+
+
+def test_a_version_1_stream_state_of_the_previous_release_is_refused_by_version():
+    stream, _ = _stream([8, 8], known=True)
+    lo = StreamLoader(stream, batch_size=2)
+    take(lo, 1)
+    old = {**lo.state_dict(), "kind": "stream", "version": 1}  # what meshfeed 0.1 wrote
+    with pytest.raises(
+        ValueError, match=r"version=1, this meshfeed reads version 2.*meshfeed 0\.1"
+    ):
+        StreamLoader(stream, batch_size=2).load_state_dict(old)
+    with pytest.raises(ValueError, match="version=1, this meshfeed reads version 2"):
         StreamLoader(stream, batch_size=2).load_state_dict({"version": 1})
 
 
@@ -265,7 +278,8 @@ def test_skipped_counts_accumulate_across_epochs_and_survive_a_resume():
     )
 
 
-def test_a_stream_state_without_stats_counts_skips_from_its_own_epoch():
+def test_a_stream_state_without_stats_is_refused_naming_the_field():
+    """Version 2 states always carry stats; one without is corrupted, not silently reset."""
     lo = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
     list(lo)
     it = iter(lo)
@@ -273,8 +287,8 @@ def test_a_stream_state_without_stats_counts_skips_from_its_own_epoch():
     state = lo.state_dict()
     del state["stats"]
     resumed = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
-    resumed.load_state_dict(state)
-    assert resumed.stats()["skipped"] == 1
+    with pytest.raises(ValueError, match="missing 'stats'"):
+        resumed.load_state_dict(state)
 
 
 def test_len_is_known_only_with_row_counts():
