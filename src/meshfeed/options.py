@@ -20,9 +20,9 @@ __all__ = [
 
 #: Seeds are 64-bit: ``2**64`` would silently give the order of seed 0.
 MAX_SEED = 2**64
-#: Longer waits are clamped to this many seconds (a year): ``select`` and friends overflow on
-#: larger values, and a year is "without limit" for a data loader.
-MAX_TIMEOUT = 365.0 * 24 * 3600
+#: Longer waits (and ``math.inf``) are clamped to this many seconds, 24 days: the longest wait
+#: ``poll`` accepts (2**31 - 1 milliseconds); larger values raise OverflowError there.
+MAX_TIMEOUT = 24.0 * 24 * 3600
 _ON_ERROR = ("raise", "skip", "substitute")
 
 
