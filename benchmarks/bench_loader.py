@@ -425,7 +425,7 @@ def memory_child(kind: str, n: int) -> dict[str, Any]:
     ds = LengthOnly(n)
     work: Callable[[], Any]
     if kind == "meshfeed-order":
-        from meshfeed.order.plan import BatchPlan, ShuffledOrder
+        from meshfeed.order.batches import BatchPlan, ShuffledOrder
 
         def work() -> Any:
             plan = BatchPlan(ShuffledOrder(n, seed=0), global_batch_size=BATCH)

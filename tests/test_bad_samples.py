@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from meshfeed import DataLoader, SampleError
+from meshfeed.errors import SourceError
 from meshfeed.fetch import Failed, Fetcher, FetchTask
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus, write_indexed
@@ -159,7 +160,9 @@ def test_failure_counts_are_in_the_checkpoint_and_resume_exactly():
     fresh = factory()
     fresh.load_state_dict(state)
     assert fresh.stats()["substituted"] == state["stats"]["substituted"]
-    assert fresh.stats()["failures"] == state["stats"]["failures"]
+    assert fresh.stats()["failures"] == lo.stats()["failures"]
+    keys = ("index", "position", "attempt", "error", "message")
+    assert [[f[k] for k in keys] for f in lo.stats()["failures"]] == state["stats"]["failures"]
 
 
 def test_workers_substitute_like_the_main_process():
@@ -264,3 +267,94 @@ def test_heavy_filters_are_substituted_not_reported_as_a_broken_dataset():
     task = FetchTask(epoch=0, step=0, indices=np.array([position]), positions=np.array([position]))
     batch, events = fetcher(task)
     assert batch.tolist() == [0] and events.substituted == 1
+
+
+# ---------------------------------------------------------------------- visible (#11 item 4)
+def test_the_first_bad_sample_of_a_run_is_logged_then_rate_limited(caplog, monkeypatch):
+    import meshfeed.loader_base
+
+    monkeypatch.setattr(meshfeed.loader_base, "WARN_EVERY", 10)
+    loader = DataLoader(Flaky(), batch_size=8, seed=4)
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        take(loader, 1)
+        first = loader.stats()
+        list(loader)
+    bad = loader.stats()["substituted"]
+    assert bad > 10  # enough to cross the rate limit at least once
+    warnings = [r for r in caplog.records if r.name == "meshfeed"]
+    assert 1 <= len(warnings) <= 1 + bad // 10
+    message = warnings[0].getMessage()
+    failure = (first["failures"] or loader.stats()["failures"])[0]
+    assert f"index {failure['index']}" in message and "OSError: corrupt record" in message
+    assert "loader.stats()['failures']" in message and "at most once per 10" in message
+    # A new run (a new loader, e.g. resumed) warns again for its own first bad sample.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        take(DataLoader(Flaky(), batch_size=8, seed=4), 50)
+    assert any("bad sample" in r.getMessage() for r in caplog.records)
+
+
+def test_a_clean_run_logs_nothing(caplog):
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        list(DataLoader(list(range(40)), batch_size=4))
+    assert not caplog.records
+
+
+def test_padding_with_drop_last_false_is_logged_once(caplog):
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        # 9 samples over 4 data ranks of batch 2: the last global batch has 1 sample.
+        loader = DataLoader(list(range(9)), batch_size=2, mesh={"dp": 4}, rank=3, drop_last=False)
+        take(loader, 6)
+    padded = [r for r in caplog.records if "repeat the start of the epoch" in r.getMessage()]
+    assert loader.stats()["padded"] >= 2 and len(padded) == 1
+    assert "drop_last=True" in padded[0].getMessage()
+
+
+# ---------------------------------------------------------------------- damaged files (item 3)
+class Damaged:
+    def __init__(self, error: BaseException, *, batched: bool = False) -> None:
+        self.error, self.reads = error, Counter()
+        if batched:
+            self.__getitems__ = self._getitems  # type: ignore[method-assign]
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        self.reads[i] += 1
+        if i == 5:
+            raise self.error
+        return i
+
+    def _getitems(self, indices: list[int]) -> list[Any]:
+        return [Failed(self.error) if i == 5 else i for i in indices]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("on_error", ["substitute", "skip"])
+@pytest.mark.parametrize(
+    "error", [SourceError("shard-3.bin is truncated at document 5"), MemoryError("out of memory")]
+)
+def test_a_damaged_file_is_raised_at_once_never_substituted(error, on_error, batched):
+    ds = Damaged(error, batched=batched)
+    loader = DataLoader(ds, batch_size=8, shuffle=False, on_error=on_error, max_retries=3)
+    with pytest.raises(type(error), match=str(error)):
+        list(loader)
+    assert ds.reads[5] <= 1  # not retried
+    assert loader.stats()["substituted"] == loader.stats()["skipped"] == 0
+
+
+class DamagedBatch:
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def fetch_batch(self, indices: np.ndarray) -> Any:
+        raise SourceError("page 2 of part-0.parquet is corrupt")
+
+
+def test_a_damaged_file_in_fetch_batch_is_raised_not_repaired_item_by_item():
+    with pytest.raises(SourceError, match="part-0.parquet"):
+        list(DataLoader(DamagedBatch(), batch_size=4))

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import meshfeed
 import meshfeed.services
 from meshfeed import DataLoader, DataMesh
+from meshfeed.loader_base import LoaderBase
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 
 
@@ -130,7 +131,8 @@ def test_state_dict_is_small_json_with_required_fields():
     take(loader, 3)
     state = loader.state_dict()
     assert json.loads(json.dumps(state)) == state
-    assert state["version"] == 1 and state["seed"] == 9 and state["epoch"] == 0
+    assert state["kind"] == "loader" and state["version"] == 2
+    assert state["seed"] == 9 and state["epoch"] == 0
     assert state["position"] == 24 and state["global_batch_size"] == 8
     assert state["data_world_size"] == 2 and state["dataset_length"] == 50
     assert len(json.dumps(state)) < 600
@@ -291,12 +293,15 @@ def test_shutdown_is_idempotent_and_context_manager():
     loader.shutdown()
 
 
-def test_a_stream_goes_through_the_same_front_door():
+def test_a_stream_given_to_dataloader_is_refused_naming_streamloader():
     from meshfeed.sources import ShardedStream, StreamLoader
 
     stream = ShardedStream([lambda: iter(range(6)), lambda: iter(range(6, 12))])
-    loader = DataLoader(stream, batch_size=3, shuffle=False)
-    assert isinstance(loader, StreamLoader)
+    with pytest.raises(TypeError, match=r"use meshfeed\.sources\.StreamLoader\(stream"):
+        DataLoader(stream, batch_size=3, shuffle=False)
+    loader = StreamLoader(stream, batch_size=3, shuffle=False)
+    assert isinstance(loader, LoaderBase) and not isinstance(loader, DataLoader)
+    assert isinstance(DataLoader(Squares(8), batch_size=2), LoaderBase)
     assert sorted(i for b in loader for i in b.tolist()) == list(range(12))
 
 

@@ -1,12 +1,15 @@
-"""Default collation: stack tensors and arrays, recurse into dicts, tuples and lists."""
+"""Collation, in one place: samples -> a batch (:func:`default_collate`, what loaders use) and
+one field of many samples -> a column (:func:`collate_column`, what the sample store uses)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
+
+__all__ = ["collate_column", "default_collate"]
 
 
 def default_collate(items: Sequence[Any]) -> Any:
@@ -16,9 +19,12 @@ def default_collate(items: Sequence[Any]) -> Any:
     and bools become a 1-D tensor; mappings and tuples/lists are collated field by field;
     anything else (strings, objects) is returned as a list.
 
+    >>> import torch
     >>> default_collate([{"x": torch.ones(2)}, {"x": torch.zeros(2)}])["x"].shape
     torch.Size([2, 2])
     """
+    import torch  # imported here so that collate_column users never pay for it
+
     first = items[0]
     if isinstance(first, torch.Tensor):
         return torch.stack(list(items))
@@ -44,3 +50,30 @@ def default_collate(items: Sequence[Any]) -> Any:
         fields = [default_collate(list(field)) for field in zip(*items, strict=True)]
         return tuple(fields) if isinstance(first, tuple) else fields
     return list(items)
+
+
+def collate_column(values: Sequence[Any]) -> Any:
+    """One field of many samples: stack equal-shape tensors (or arrays), else keep a list.
+
+    Unlike :func:`default_collate` it never converts (arrays stay numpy) and never raises on
+    ragged values (variable-length rows stay a list): a store's fields are often ragged.
+    It does not import torch where torch was never imported (cheap in Ray workers).
+
+    >>> collate_column([np.zeros(2), np.ones(2)]).shape
+    (2, 2)
+    >>> collate_column([np.zeros(2), np.ones(3)])[1].tolist()
+    [1.0, 1.0, 1.0]
+    """
+    values = list(values)
+    if not values:
+        return values
+    first = values[0]
+    torch_module = sys.modules.get("torch")
+    if torch_module is not None and all(isinstance(v, torch_module.Tensor) for v in values):
+        if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
+            return torch_module.stack(values)
+    elif all(isinstance(v, np.ndarray) for v in values) and all(
+        v.shape == first.shape and v.dtype == first.dtype for v in values
+    ):
+        return np.stack(values)
+    return values

@@ -32,7 +32,9 @@ from typing import Any, Literal
 import numpy as np
 
 from meshfeed.collate import default_collate
+from meshfeed.errors import NEVER_SUBSTITUTED
 from meshfeed.order.permutation import derive_seed
+from meshfeed.protocols import BatchSource, ItemsSource, PostProcess
 from meshfeed.rng import FetchInfo, fetching
 
 OnError = Literal["raise", "skip", "substitute"]
@@ -94,7 +96,7 @@ class Fetcher:
         *,
         seed: int,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        postprocess: Callable[..., Any] | None = None,
+        postprocess: PostProcess | None = None,
         on_error: OnError = "substitute",
         max_retries: int = 0,
     ) -> None:
@@ -109,6 +111,14 @@ class Fetcher:
         self.on_error = on_error
         self.max_retries = max_retries
         self.length = len(dataset)
+        # Decided once: the per-batch path does no attribute probing.
+        self.mode: Literal["fetch_batch", "getitems", "getitem"] = (
+            "fetch_batch"
+            if collate_fn is None and isinstance(dataset, BatchSource)
+            else "getitems"
+            if isinstance(dataset, ItemsSource)
+            else "getitem"
+        )
         self.worker_id = 0
         self.num_workers = 0
 
@@ -125,7 +135,7 @@ class Fetcher:
         with fetching(info):
             batch = self._fetch(task, events)
             if self.postprocess is not None:
-                batch = self.postprocess(batch, step=task.step)
+                batch = self.postprocess(batch, epoch=task.epoch, step=task.step)
         return batch, events
 
     # ------------------------------------------------------------------ internals
@@ -135,18 +145,20 @@ class Fetcher:
     def _fetch(self, task: FetchTask, events: FetchEvents) -> Any:
         ds = self.dataset
         indices = task.indices.tolist()
-        fetch_batch = getattr(ds, "fetch_batch", None)
-        if fetch_batch is not None and self.collate_fn is None:
+        if self.mode == "fetch_batch":
             try:
-                return fetch_batch(task.indices)
+                return ds.fetch_batch(task.indices)
+            except NEVER_SUBSTITUTED:
+                raise
             except Exception:
                 return self._repair(task, [_UNREAD] * len(indices), events)
-        getitems = getattr(ds, "__getitems__", None)
-        if getitems is None:
+        if self.mode == "getitem":
             items = []
             try:
                 for i in indices:
                     items.append(ds[i])
+            except NEVER_SUBSTITUTED:
+                raise
             except Exception as exc:
                 # Keep what was read; the failed item is attempt one; the rest is still unread.
                 rest = [_UNREAD] * (len(indices) - len(items) - 1)
@@ -155,7 +167,9 @@ class Fetcher:
                 return self._repair(task, items, events)
             return self._collate(items)
         try:
-            items = list(getitems(indices))
+            items = list(ds.__getitems__(indices))
+        except NEVER_SUBSTITUTED:
+            raise
         except Exception:
             return self._repair(task, [_UNREAD] * len(indices), events)
         if len(items) != len(indices):
@@ -164,6 +178,9 @@ class Fetcher:
                 f"{len(indices)} indices; return exactly one item (or None / Failed) per index"
             )
         if any(item is None or isinstance(item, Failed) for item in items):
+            for item in items:
+                if isinstance(item, Failed) and isinstance(item.error, NEVER_SUBSTITUTED):
+                    raise item.error
             return self._repair(task, items, events)
         return self._collate(items)
 
@@ -185,9 +202,13 @@ class Fetcher:
             else:
                 try:
                     outcome = self.dataset[index]
+                except NEVER_SUBSTITUTED:
+                    raise
                 except Exception as exc:  # a bad sample: any exception the dataset raises
                     outcome = Failed(exc)
             if isinstance(outcome, Failed):
+                if isinstance(outcome.error, NEVER_SUBSTITUTED):
+                    raise outcome.error
                 error = outcome.error
                 continue
             error = None

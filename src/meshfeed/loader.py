@@ -1,4 +1,4 @@
-"""DataLoader: the front door. Mesh -> order -> fetch -> batch -> deliver.
+"""DataLoader: the front door for map-style data. Mesh -> order -> fetch -> batch -> deliver.
 
 >>> loader = DataLoader(list(range(10)), batch_size=2, mesh={"dp": 2, "tp": 2}, rank=3)
 >>> len(loader)          # 10 samples, global batch 2 * 2 = 4, last incomplete batch dropped
@@ -10,38 +10,45 @@ True
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
-from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
-from meshfeed.options import check_loader_arguments
+from meshfeed.loader_base import LoaderBase, check_count, check_epoch, pin
+from meshfeed.options import check_not_a_path
+from meshfeed.order.batches import BatchPlan, Step, order_hooks, rank_bounds
 from meshfeed.order.compose import build_order
-from meshfeed.order.plan import (
-    BatchPlan,
-    Step,
-    describe_order,
-    rank_bounds,
-)
-from meshfeed.services.base import InProcessService, Service
+from meshfeed.protocols import CurriculumHooks, GlobalService, PostProcess, Service
+from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
-from meshfeed.state import (
-    STATE_VERSION,
-    dataset_fingerprint,
-    fingerprint_hash,
-    validate_state,
-)
+from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash, open_envelope
 
+__all__ = ["LOADER_STATE_VERSION", "DataLoader"]
+
+#: Version 2: the one envelope (``kind="loader"``); failures stored as rows.
+LOADER_STATE_VERSION = 2
 #: How many upcoming steps' indices are computed in one vectorised order call.
 _INDEX_BLOCK_STEPS = 256
+_COUNTS = ("retries", "substituted", "skipped", "padded")
+_FAILURE_KEYS = ("index", "position", "attempt", "error", "message")
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "seed": int,
+    "epoch": int,
+    "position": int,
+    "global_batch_size": int,
+    "data_world_size": int,
+    "dataset_length": int,
+    "fingerprint": str,
+    "shuffle": bool,
+    "drop_last": bool,
+    "stats": dict,
+}
 
 
-class DataLoader:
+class DataLoader(LoaderBase):
     """A mesh-aware, deterministic, exactly resumable loader for map-style datasets.
 
     ``batch_size`` is per data rank; the global batch is ``batch_size * data_world_size``.
@@ -50,23 +57,27 @@ class DataLoader:
     same slice, so no broadcast is needed. ``state_dict()`` is a small JSON dict; loading it
     continues exactly, also on a different data-parallel size with the same global batch.
 
-    A :class:`~meshfeed.sources.ShardedStream` (not map-style) gets a
-    :class:`~meshfeed.sources.StreamLoader` with the same arguments and interface.
+    A :class:`~meshfeed.sources.ShardedStream` is not map-style: read it with
+    :class:`~meshfeed.sources.StreamLoader`, which takes the same arguments (a TypeError says
+    so). A path is not a dataset: open it first (e.g. ``TokenWindows(path, seq_len=...)``).
 
     A new ``iter()`` continues from the current position (exact resumption); an epoch that
     was iterated to its end advances to the next epoch. ``set_epoch(e)`` with a different
-    epoch restarts at the beginning of epoch ``e``.
+    epoch restarts at the beginning of epoch ``e``. Resume with
+    ``for epoch in loader.epochs(n): for batch in loader: ...``.
+
+    ``on_error`` (default ``"substitute"``) handles samples that raise or are rejected (see
+    :mod:`meshfeed.fetch`); the first such sample of a run is logged as a warning on the
+    ``"meshfeed"`` logger. With ``on_error="raise"`` and several ranks, a rank that raises
+    leaves the other ranks waiting in their next collective (e.g. the training step's
+    all-reduce) until the process group's timeout: catch the error and abort the job, or use
+    ``"substitute"`` so that every rank keeps the same number of steps. A damaged file
+    (:class:`~meshfeed.errors.SourceError`, ``MemoryError``) always raises.
+
+    ``timeout`` bounds every wait for a worker, in seconds; ``math.inf`` waits without limit.
     """
 
-    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # A stream is not map-style: the same front door hands it to the streaming loader.
-        from meshfeed.sources.stream import ShardedStream
-
-        if cls is DataLoader and isinstance(dataset, ShardedStream):
-            from meshfeed.sources.stream_loader import StreamLoader
-
-            return StreamLoader(dataset, *args, **kwargs)
-        return super().__new__(cls)
+    name = "DataLoader"
 
     def __init__(
         self,
@@ -83,35 +94,47 @@ class DataLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         timeout: float = 300.0,
-        on_error: OnError = "substitute",
+        on_error: OnError | None = None,
         max_retries: int = 0,
         curriculum: Any = None,
-        service: Service | None = None,
+        service: Service | GlobalService | None = None,
         multiprocessing_context: str | None = None,
     ) -> None:
-        check_loader_arguments(
+        check_not_a_path(dataset)
+        _refuse_stream(dataset)
+        super().__init__(
             batch_size=batch_size,
+            mesh=mesh,
+            rank=rank,
+            shuffle=shuffle,
             seed=seed,
+            drop_last=drop_last,
             num_workers=num_workers,
             prefetch=prefetch,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
             timeout=timeout,
             on_error=on_error,
             max_retries=max_retries,
+            multiprocessing_context=multiprocessing_context,
         )
+        on_error = on_error or "substitute"
+        self.on_error: OnError = on_error
         if service is not None and num_workers:
             raise ValueError(
                 f"num_workers={num_workers} and service={type(service).__name__} both say where "
                 "batches are made; configure workers on the service (e.g. "
                 "WorkerService(num_workers=...)) and leave num_workers at 0"
             )
-        self.mesh: DataMesh = resolve_mesh(mesh)
-        _check_world(self.mesh)
-        self.rank = default_rank() if rank is None else rank
-        self.data_rank = self.mesh.data_rank(self.rank)  # validates the rank
-        self.data_world_size = self.mesh.data_world_size
-        if service is not None and hasattr(service, "bind_mesh"):
+        self._global = isinstance(service, GlobalService)
+        if service is not None and not self._global and not isinstance(service, Service):
+            raise TypeError(
+                f"service={type(service).__name__} is neither a meshfeed.protocols.Service "
+                "(start, map, shutdown) nor a GlobalService (bind_mesh, prepare, start, "
+                "map_global, shutdown); pass e.g. WorkerService(...) or RayService(...)"
+            )
+        if isinstance(service, GlobalService):
             service.bind_mesh(self.mesh)  # RayService: RemoteBatch.for_rank maps global ranks
-        if service is not None and hasattr(service, "prepare"):
             dataset = service.prepare(dataset)
         try:
             length = len(dataset)
@@ -125,11 +148,7 @@ class DataLoader:
                 f"dataset is empty (len {length}); give the loader at least one sample"
             )
         self.dataset = dataset
-        self.batch_size = batch_size
         self.global_batch_size = batch_size * self.data_world_size
-        self.seed, self.shuffle, self.drop_last = seed, bool(shuffle), bool(drop_last)
-        self.num_workers, self.prefetch, self.timeout = num_workers, prefetch, timeout
-        self.pin_memory = pin_memory
         self.dataset_length = length
         self.fingerprint = dataset_fingerprint(dataset)
         self.order = build_order(
@@ -140,6 +159,7 @@ class DataLoader:
             seed=seed,
             shuffle=self.shuffle,
         )
+        self._hooks = order_hooks(self.order)
         self.plan = BatchPlan(
             self.order, global_batch_size=self.global_batch_size, drop_last=drop_last
         )
@@ -149,25 +169,29 @@ class DataLoader:
                 f"({batch_size=} x data_world_size={self.data_world_size}); with drop_last=True "
                 "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
             )
+        postprocess: PostProcess | None = None
+        if curriculum is not None:
+            if not isinstance(curriculum, CurriculumHooks):
+                raise TypeError(
+                    f"curriculum={curriculum!r} lacks make_order() or postprocess; pass a "
+                    "meshfeed.curriculum.Curriculum (see meshfeed.protocols.CurriculumHooks)"
+                )
+            postprocess = curriculum.postprocess
         self.fetcher = Fetcher(
             dataset,
             seed=seed,
             collate_fn=collate_fn,
-            postprocess=getattr(curriculum, "postprocess", None),
+            postprocess=postprocess,
             on_error=on_error,
             max_retries=max_retries,
         )
-        self.service: Service = service or self._default_service(multiprocessing_context)
+        self.service: Service | GlobalService = service or self._default_service(
+            multiprocessing_context
+        )
         self._started = False
-        self._epoch = 0
         self._position = 0
-        self._stats: dict[str, Any] = {
-            "retries": 0,
-            "substituted": 0,
-            "skipped": 0,
-            "padded": 0,
-            "failures": [],
-        }
+        self._stats: dict[str, Any] = {key: 0 for key in _COUNTS}
+        self._stats["failures"] = []
         self._index_cache: tuple[int, dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
 
     # ------------------------------------------------------------------ construction helpers
@@ -176,7 +200,7 @@ class DataLoader:
             WorkerService(
                 self.num_workers,
                 prefetch=self.prefetch,
-                timeout=self.timeout,
+                timeout=self.wait_timeout,
                 start_method=start_method,
             )
             if self.num_workers > 0
@@ -204,20 +228,12 @@ class DataLoader:
         return self.plan.steps(self._epoch)
 
     @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
     def position(self) -> int:
         """Global samples of the current epoch consumed so far (as of the last batch returned)."""
         return self._position
 
-    def set_epoch(self, epoch: int) -> None:
-        """Move to the start of ``epoch``; a no-op when already in ``epoch`` (keeps a resume)."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int (got {epoch=!r})")
-        if epoch != self._epoch:
-            self._epoch, self._position = epoch, 0
+    def _enter_epoch(self, epoch: int) -> None:
+        self._epoch, self._position = epoch, 0
 
     def _block(self, step: Step) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """This rank's (positions, indices) for up to _INDEX_BLOCK_STEPS steps from ``step``.
@@ -254,8 +270,9 @@ class DataLoader:
             self._started = True
         epoch, position = self._epoch, self._position
         steps: list[Step] = []
-        if hasattr(self.service, "map_global"):
-            results = self._run_global(epoch, position, steps)
+        results: Iterator[tuple[Any, Any]]
+        if isinstance(self.service, GlobalService):
+            results = self._run_global(self.service, epoch, position, steps)
         else:
 
             def tasks() -> Iterator[FetchTask]:
@@ -266,20 +283,19 @@ class DataLoader:
             results = self.service.map(tasks())
         for batch, events in results:
             step = steps.pop(0)
-            if isinstance(events, list):
-                for e in events:
-                    self._record(step, e)
-            else:
-                self._record(step, events)
+            for e in events if isinstance(events, list) else [events]:
+                self._record(step, e)
             self._position = step.end
             if self.pin_memory:
-                batch = _pin(batch)
+                batch = pin(batch)
             yield batch
         # The epoch was iterated to its end: the next iter() starts the next epoch.
         if self._epoch == epoch:
             self._epoch, self._position = epoch + 1, 0
 
-    def _run_global(self, epoch: int, position: int, steps: list[Step]) -> Iterator[Any]:
+    def _run_global(
+        self, service: GlobalService, epoch: int, position: int, steps: list[Step]
+    ) -> Iterator[tuple[Any, list[FetchEvents]]]:
         """For services that serve every data rank at once (Ray): one task list per step."""
 
         def global_tasks() -> Iterator[list[FetchTask]]:
@@ -292,35 +308,48 @@ class DataLoader:
                 ]
                 pos = step.end
 
-        return iter(self.service.map_global(global_tasks()))  # type: ignore[attr-defined]
+        return iter(service.map_global(global_tasks()))
 
     def _record(self, step: Step, events: FetchEvents) -> None:
         # Padding exists only in a last batch shorter than the number of data ranks.
-        if step.end - step.start < self.data_world_size and not hasattr(self.service, "map_global"):
-            self._stats["padded"] += self.plan.rank_padding(
-                step, self.data_rank, self.data_world_size
-            )
+        if step.end - step.start < self.data_world_size and not self._global:
+            padded = self.plan.rank_padding(step, self.data_rank, self.data_world_size)
+            self._stats["padded"] += padded
+            self._note_padding(padded)
         if events:
             self._stats["retries"] += events.retries
             self._stats["substituted"] += events.substituted
             self._stats["skipped"] += events.skipped
             room = MAX_REPORTED_FAILURES - len(self._stats["failures"])
             self._stats["failures"].extend(events.failures[: max(room, 0)])
+            self._note_bad_samples(
+                events.substituted + events.skipped,
+                events.failures[0] if events.failures else None,
+            )
 
     def stats(self) -> dict[str, Any]:
-        """Counts of retries, substitutions, skips and padded samples, and the first failures."""
+        """Counts of retries, substitutions, skips and padded samples, and the first failures.
+
+        ``failures`` lists the first :data:`~meshfeed.fetch.MAX_REPORTED_FAILURES` bad
+        samples as dicts (index, position, attempt, error, message).
+        """
         out = {k: (list(v) if isinstance(v, list) else v) for k, v in self._stats.items()}
         out["epoch"], out["position"] = self._epoch, self._position
-        described = describe_order(self.order, self._epoch, self._position)
+        described = self._hooks.describe(self._epoch, self._position)
         if described is not None:
-            out["order"] = described
+            out["order"] = dict(described)
         return out
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """The state as of the last batch returned: a small JSON-serialisable dict."""
-        state: dict[str, Any] = {
-            "version": STATE_VERSION,
+        """The state as of the last batch returned: a small JSON-serialisable dict.
+
+        Also a ``torch.distributed.checkpoint`` ``Stateful``: every list in it is a leaf
+        (failures are rows ``[index, position, attempt, error, message]``).
+        """
+        stats: dict[str, Any] = {key: self._stats[key] for key in _COUNTS}
+        stats["failures"] = [[f[k] for k in _FAILURE_KEYS] for f in self._stats["failures"]]
+        fields: dict[str, Any] = {
             "seed": self.seed,
             "epoch": self._epoch,
             "position": self._position,
@@ -330,22 +359,27 @@ class DataLoader:
             "fingerprint": self.fingerprint,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
-            "stats": {k: (list(v) if isinstance(v, list) else v) for k, v in self._stats.items()},
+            "stats": stats,
         }
-        described = describe_order(self.order, self._epoch, self._position)
+        described = self._hooks.describe(self._epoch, self._position)
         if described is not None:
-            state["order"] = described
-        return state
+            fields["order"] = dict(described)
+        return envelope("loader", LOADER_STATE_VERSION, **fields)
 
     def load_state_dict(
         self, state: dict[str, Any], *, allow_global_batch_change: bool = False
     ) -> None:
         """Continue exactly from ``state`` (any rank's; the data-parallel size may differ).
 
-        A different global batch size is refused unless ``allow_global_batch_change=True``, in
-        which case the loader continues from the same sample position.
+        Every field is checked against this loader. A different global batch size is refused
+        unless ``allow_global_batch_change=True``, in which case the loader continues from the
+        same sample position. Afterwards ``set_epoch`` to an earlier epoch raises unless
+        ``allow_rewind=True``.
         """
-        state = validate_state(state)
+        state = open_envelope(
+            state, kind="loader", version=LOADER_STATE_VERSION, fields=_FIELDS, what="loader state"
+        )
+        check_epoch(state["epoch"], "loader state")
         for key, mine in (
             ("seed", self.seed),
             ("shuffle", self.shuffle),
@@ -365,6 +399,12 @@ class DataLoader:
                 f"fingerprint {state['fingerprint']!r}) than this loader's (length "
                 f"{self.dataset_length}, fingerprint {self.fingerprint!r}); resume with the same dataset"
             )
+        for key in ("global_batch_size", "data_world_size"):
+            if state[key] < 1:
+                raise ValueError(
+                    f"loader state field {key!r} must be >= 1 (got {state[key]}); the "
+                    "checkpoint is corrupted"
+                )
         if state["global_batch_size"] != self.global_batch_size and not allow_global_batch_change:
             raise ValueError(
                 f"checkpoint global batch size {state['global_batch_size']} differs from this "
@@ -378,60 +418,71 @@ class DataLoader:
                 f"checkpoint position {state['position']} is beyond the epoch length "
                 f"{self.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
             )
-        validate_order = getattr(self.order, "validate_described", None)
-        if validate_order is not None and "order" in state:
-            validate_order(state["order"])
+        stats = _read_stats(state["stats"])
+        described = self._hooks.describe(state["epoch"], state["position"])
+        if (described is None) != ("order" not in state):
+            raise ValueError(
+                f"loader state {'lacks' if described is not None else 'has'} order facts "
+                f"({state.get('order')!r}) but this loader's order "
+                f"({type(self.order).__name__}) {'has' if described is not None else 'has none'}"
+                "; resume with the dataset and curriculum that wrote the checkpoint"
+            )
+        if "order" in state:
+            if not isinstance(state["order"], dict):
+                raise ValueError(
+                    f"loader state field 'order' is {state['order']!r}, not a dict; the "
+                    "checkpoint is corrupted"
+                )
+            self._hooks.validate(state["order"])
         self._epoch, self._position = state["epoch"], state["position"]
-        stats = state.get("stats")
-        if isinstance(stats, dict):
-            for key in ("retries", "substituted", "skipped", "padded"):
-                if isinstance(stats.get(key), int):
-                    self._stats[key] = stats[key]
-            if isinstance(stats.get("failures"), list):
-                self._stats["failures"] = list(stats["failures"])
+        self._stats = stats
+        self._resumed = True
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         """Stop worker processes or actors. Idempotent; the loader can be iterated again."""
-        if self._started:
+        if getattr(self, "_started", False):  # __del__ of a half-built loader
             self.service.shutdown()
             self._started = False
 
-    def __enter__(self) -> DataLoader:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.shutdown()
-
-
-def _check_world(mesh: DataMesh) -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != mesh.world_size:
+def _read_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``stats`` of a loader state, checked field by field (refused by name)."""
+    if set(stats) != {*_COUNTS, "failures"}:
         raise ValueError(
-            f"the mesh {mesh.sizes} has world size {mesh.world_size} but the process group has "
-            f"{dist.get_world_size()} ranks; make the mesh sizes multiply to the number of processes"
+            f"loader state field 'stats' has keys {sorted(map(str, stats))}, expected "
+            f"{sorted([*_COUNTS, 'failures'])}; the checkpoint is corrupted"
         )
+    out: dict[str, Any] = {key: check_count(key, stats[key], "loader stats") for key in _COUNTS}
+    rows = stats["failures"]
+    if not isinstance(rows, list) or len(rows) > MAX_REPORTED_FAILURES:
+        raise ValueError(
+            f"loader stats field 'failures' is {rows!r}, not a list of at most "
+            f"{MAX_REPORTED_FAILURES} rows; the checkpoint is corrupted"
+        )
+    failures = []
+    for row in rows:
+        ok = (
+            isinstance(row, list)
+            and len(row) == len(_FAILURE_KEYS)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[:3])
+            and all(isinstance(x, str) for x in row[3:])
+        )
+        if not ok:
+            raise ValueError(
+                f"loader stats failure {row!r} is not [index, position, attempt, error, "
+                "message]; the checkpoint is corrupted"
+            )
+        failures.append(dict(zip(_FAILURE_KEYS, row, strict=True)))
+    out["failures"] = failures
+    return out
 
 
-def _pin(batch: Any) -> Any:
-    import torch
+def _refuse_stream(dataset: Any) -> None:
+    from meshfeed.sources.stream import ShardedStream
 
-    if not torch.cuda.is_available():
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: _pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_pin(v) for v in batch)
-    return batch
+    if isinstance(dataset, ShardedStream):
+        raise TypeError(
+            "meshfeed.DataLoader reads map-style datasets; a ShardedStream has no random "
+            "access: use meshfeed.sources.StreamLoader(stream, ...) with the same arguments"
+        )

@@ -1,30 +1,109 @@
-"""Validation of the arguments every loader front door shares."""
+"""Validation of the arguments every loader front door shares (one check, one set of names).
+
+:func:`check_loader_arguments` is called by :class:`meshfeed.DataLoader`,
+:class:`meshfeed.sources.StreamLoader` and the store loader, with the same keyword names, so
+the same bad value gets the same message whichever loader it is given to.
+"""
 
 from __future__ import annotations
+
+import math
+import os
+
+__all__ = [
+    "MAX_SEED",
+    "MAX_TIMEOUT",
+    "check_loader_arguments",
+    "check_not_a_path",
+    "resolve_timeout",
+]
+
+#: Seeds are 64-bit: ``2**64`` would silently give the order of seed 0.
+MAX_SEED = 2**64
+#: Longer waits (and ``math.inf``) are clamped to this many seconds, 24 days: the longest wait
+#: ``poll`` accepts (2**31 - 1 milliseconds); larger values raise OverflowError there.
+MAX_TIMEOUT = 24.0 * 24 * 3600
+_ON_ERROR = ("raise", "skip", "substitute")
+
+
+def _int(name: str, value: object, low: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {what} (got {name}={value!r})")
+    if value < low:
+        raise ValueError(f"{name} must be {what} (got {name}={value!r})")
+
+
+def _flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be True or False (got {name}={value!r} of type "
+            f"{type(value).__name__}); a string such as 'False' is truthy, pass a bool"
+        )
+
+
+def resolve_timeout(timeout: float) -> float:
+    """The wait in seconds to hand to services: ``math.inf`` and huge values become MAX_TIMEOUT."""
+    return min(float(timeout), MAX_TIMEOUT)
 
 
 def check_loader_arguments(
     *,
     batch_size: object,
     seed: object,
-    num_workers: object,
-    prefetch: object,
-    timeout: object,
-    on_error: object,
-    max_retries: object,
+    shuffle: object = True,
+    drop_last: object = True,
+    pin_memory: object = False,
+    num_workers: object = 0,
+    prefetch: object = 2,
+    timeout: object = 300.0,
+    on_error: object = None,
+    max_retries: object = 0,
+    multiprocessing_context: object = None,
 ) -> None:
-    """Raise ValueError naming the first bad argument and what it must be."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int per data rank (got {batch_size=!r})")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int (got {seed=!r})")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be an int >= 0 (got {num_workers=!r})")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=!r})")
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds (got {timeout=!r})")
-    if on_error not in ("raise", "skip", "substitute"):
+    """Raise TypeError / ValueError naming the first bad argument and what it must be.
+
+    ``timeout`` is positive seconds; ``math.inf`` means wait without limit (see
+    :func:`resolve_timeout`); NaN is refused. ``on_error`` is None (the loader's default) or
+    one of ``"raise"``, ``"skip"``, ``"substitute"``.
+    """
+    _int("batch_size", batch_size, 1, "a positive int per data rank")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be a non-negative int below 2**64 (got {seed=!r})")
+    if not 0 <= seed < MAX_SEED:
+        raise ValueError(
+            f"seed must be a non-negative int below 2**64 (got {seed=!r}); seeds are 64-bit, a "
+            "larger one would silently alias a smaller one"
+        )
+    for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
+        _flag(name, flag)
+    _int("num_workers", num_workers, 0, "an int >= 0")
+    _int("prefetch", prefetch, 1, "an int >= 1")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be positive seconds (got {timeout=!r})")
+    if math.isnan(timeout) or not timeout > 0:
+        raise ValueError(
+            f"timeout must be positive seconds (got {timeout=!r}); use math.inf to wait "
+            "without limit"
+        )
+    if on_error is not None and on_error not in _ON_ERROR:
         raise ValueError(f"on_error={on_error!r} is not one of 'raise', 'skip', 'substitute'")
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ValueError(f"max_retries must be an int >= 0 (got {max_retries=!r})")
+    _int("max_retries", max_retries, 0, "an int >= 0")
+    if multiprocessing_context is not None and multiprocessing_context not in (
+        "fork",
+        "spawn",
+        "forkserver",
+    ):
+        raise ValueError(
+            f"multiprocessing_context must be None, 'fork', 'spawn' or 'forkserver' (got "
+            f"{multiprocessing_context=!r})"
+        )
+
+
+def check_not_a_path(dataset: object) -> None:
+    """Refuse a path given where a dataset object is expected (a str would be its characters)."""
+    if isinstance(dataset, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"dataset={dataset!r} is a path, not a dataset (a string would be read as its "
+            "characters); open it first, e.g. meshfeed.sources.TokenWindows(path, seq_len=...) "
+            "for a token corpus or ParquetSource(path) for Parquet files"
+        )

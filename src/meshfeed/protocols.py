@@ -9,19 +9,39 @@ other ``getattr``/``hasattr`` probing of user objects is needed.
   (torch's batched protocol), and ``fingerprint`` (a string identity for checkpoints).
 - :class:`Order`: global sample positions of an epoch -> dataset indices, a pure function.
   :class:`OrderBase` gives the optional ``describe`` / ``validate`` their defaults.
-- :class:`Service`: where batches are made (in-process, worker processes, Ray, ...).
+- :class:`Service`: where one data rank's batches are made (in-process, worker processes).
+  :class:`GlobalService` makes every data rank's batch of a step at once (Ray); the loader
+  dispatches on ``isinstance``, once, at construction.
+- :class:`PostProcess`: a hook applied to each collated batch (a curriculum's transforms),
+  called as ``postprocess(batch, epoch=..., step=...)``.
 - :class:`Stateful`: ``state_dict()`` / ``load_state_dict(state)`` with the one envelope of
   :mod:`meshfeed.state` (``{"kind": ..., "version": ..., **fields}``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Order", "OrderBase", "Source", "Stateful"]
+if TYPE_CHECKING:
+    from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
+    from meshfeed.mesh import DataMesh
+
+__all__ = [
+    "BatchSource",
+    "CurriculumHooks",
+    "FingerprintedSource",
+    "GlobalService",
+    "ItemsSource",
+    "Order",
+    "OrderBase",
+    "PostProcess",
+    "Service",
+    "Source",
+    "Stateful",
+]
 
 
 @runtime_checkable
@@ -31,6 +51,37 @@ class Source(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> Any: ...
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """Optional: ``fetch_batch(indices)`` returns the already collated batch of ``indices``.
+
+    It must equal collating ``[source[i] for i in indices]`` (the fetcher falls back to that
+    when the call raises). Used only when the loader has no ``collate_fn``.
+    """
+
+    def fetch_batch(self, indices: np.ndarray) -> Any: ...
+
+
+@runtime_checkable
+class ItemsSource(Protocol):
+    """Optional: torch's batched protocol, ``__getitems__(indices)`` -> one item per index.
+
+    An item may be ``None`` (rejected) or :class:`meshfeed.Failed` (it raised) in place, so the
+    healthy items of the batch are kept.
+    """
+
+    def __getitems__(self, indices: list[int]) -> list[Any]: ...
+
+
+@runtime_checkable
+class FingerprintedSource(Protocol):
+    """Optional: ``fingerprint`` (a string, or a method returning one) identifies the data in
+    checkpoints, e.g. file sizes and a header hash. Default: class name and length."""
+
+    @property
+    def fingerprint(self) -> Any: ...
 
 
 @runtime_checkable
@@ -71,3 +122,68 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class PostProcess(Protocol):
+    """Applied to every collated batch where it is made: ``hook(batch, epoch=e, step=s)``.
+
+    ``step`` is the global step within ``epoch``; the hook must be a pure function of the batch,
+    the epoch and the step (it runs in workers and actors), and picklable.
+    """
+
+    def __call__(self, batch: Any, *, epoch: int, step: int) -> Any: ...
+
+
+@runtime_checkable
+class CurriculumHooks(Protocol):
+    """What a loader's ``curriculum=`` provides: its order and a batch post-process hook.
+
+    ``make_order(dataset_length=, global_batch_size=, seed=)`` returns the :class:`Order` the
+    loader walks; ``postprocess`` is a :class:`PostProcess` (or None for none).
+    """
+
+    def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> Any: ...
+
+    @property
+    def postprocess(self) -> PostProcess | None: ...
+
+
+@runtime_checkable
+class Service(Protocol):
+    """Makes one data rank's batches: runs a Fetcher on a stream of tasks, results in order.
+
+    ``map`` may run ahead (prefetch) but must yield exactly one ``(batch, FetchEvents)`` per
+    task, in order; a new ``map`` call discards whatever an abandoned earlier one left in
+    flight. ``shutdown`` is idempotent; ``start`` after ``shutdown`` starts again.
+    """
+
+    def start(self, fetcher: Fetcher) -> None: ...
+
+    def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class GlobalService(Protocol):
+    """Makes every data rank's batch of a step at once, where the dataset lives (Ray actors).
+
+    The loader calls, in this order: ``bind_mesh(mesh)`` (so results can be mapped to global
+    ranks), ``prepare(dataset)`` (returns the driver-side stand-in the loader measures: a
+    map-style object with ``len``), ``start(fetcher)``, then ``map_global(steps)`` with one list
+    of per-data-rank tasks per step, yielding ``(global batch, [FetchEvents per rank])`` in
+    order; ``shutdown`` is idempotent.
+    """
+
+    def bind_mesh(self, mesh: DataMesh) -> None: ...
+
+    def prepare(self, dataset: Any) -> Any: ...
+
+    def start(self, fetcher: Fetcher) -> None: ...
+
+    def map_global(
+        self, step_task_lists: Iterator[list[FetchTask]]
+    ) -> Iterator[tuple[Any, list[FetchEvents]]]: ...
+
+    def shutdown(self) -> None: ...

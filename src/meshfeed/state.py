@@ -1,4 +1,9 @@
-"""Loader checkpoints: small, explicit, JSON-serialisable, validated on load."""
+"""The one state envelope of meshfeed: small, explicit, JSON-serialisable, validated on load.
+
+Every stateful part writes ``envelope(kind, version, **fields)`` and reads with
+``open_envelope(state, kind=..., version=..., fields=...)``, which refuses another part's state,
+a whole training checkpoint, and an older or newer layout by name, never misreading one.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-STATE_VERSION = 1
+from meshfeed.protocols import FingerprintedSource
 
-#: Keys every loader state carries, with their types.
-REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "version": int,
-    "seed": int,
-    "epoch": int,
-    "position": int,
-    "global_batch_size": int,
-    "data_world_size": int,
-    "dataset_length": int,
-    "fingerprint": str,
-    "shuffle": bool,
-    "drop_last": bool,
-}
+__all__ = ["dataset_fingerprint", "envelope", "fingerprint_hash", "open_envelope"]
 
 
 def dataset_fingerprint(dataset: Any) -> str:
@@ -31,11 +24,12 @@ def dataset_fingerprint(dataset: Any) -> str:
     sizes and a header hash); otherwise it is the class name and length. Keep it cheap: it is
     computed once per loader.
     """
-    fp = getattr(dataset, "fingerprint", None)
-    if callable(fp):
-        fp = fp()
-    if isinstance(fp, str) and fp:
-        return fp
+    if isinstance(dataset, FingerprintedSource):
+        fp = dataset.fingerprint
+        if callable(fp):
+            fp = fp()
+        if isinstance(fp, str) and fp:
+            return fp
     cls = type(dataset)
     return f"{cls.__module__}.{cls.__qualname__}:{len(dataset)}"
 
@@ -45,49 +39,6 @@ def fingerprint_hash(fingerprint: str) -> int:
     return (
         int.from_bytes(hashlib.blake2b(fingerprint.encode(), digest_size=8).digest(), "little") >> 1
     )
-
-
-def validate_state(state: Any) -> dict[str, Any]:
-    """Check shape and types of a loader state; raise ValueError naming what is wrong."""
-    if not isinstance(state, Mapping):
-        raise ValueError(
-            f"a loader state must be a dict (got {type(state).__name__}); pass the dict that "
-            "DataLoader.state_dict() returned"
-        )
-    version = state.get("version")
-    if version != STATE_VERSION:
-        raise ValueError(
-            f"loader state has version={version!r}, this meshfeed reads version {STATE_VERSION}; "
-            "resume with the meshfeed version that wrote the checkpoint"
-        )
-    for key, kind in REQUIRED.items():
-        if key not in state:
-            raise ValueError(
-                f"loader state is missing {key!r} (keys: {sorted(state)}); the checkpoint is corrupted"
-            )
-        value = state[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(
-                f"loader state field {key!r} has {value!r} of type {type(value).__name__}, "
-                f"expected {getattr(kind, '__name__', kind)}; the checkpoint is corrupted"
-            )
-    for key in ("epoch", "position", "seed"):
-        if state[key] < 0:
-            raise ValueError(
-                f"loader state field {key!r} is negative ({state[key]}); the checkpoint is corrupted"
-            )
-    for key in ("global_batch_size", "data_world_size", "dataset_length"):
-        if state[key] < 1:
-            raise ValueError(
-                f"loader state field {key!r} must be >= 1 (got {state[key]}); the checkpoint is corrupted"
-            )
-    try:
-        json.dumps(dict(state))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"loader state is not JSON-serialisable ({exc}); the checkpoint is corrupted"
-        ) from exc
-    return dict(state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +60,7 @@ def open_envelope(
     version: int,
     fields: Mapping[str, type | tuple[type, ...]] = {},
     what: str | None = None,
+    legacy_kinds: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Check ``state`` is a ``kind`` envelope of ``version`` with ``fields`` of these types.
 
@@ -116,6 +68,8 @@ def open_envelope(
     a non-dict (or a whole training checkpoint), another kind, an older or newer version (never
     misread), a missing field, a wrong type (``bool`` is not an ``int``), a negative int, or a
     value that is not JSON-serialisable. ``what`` names the part in messages (default: kind).
+    A state of an older version that had no ``kind`` (or one of ``legacy_kinds``, the names
+    earlier releases wrote) is refused with the version message, not as another part's state.
     """
     name = what or f"{kind} state"
     if not isinstance(state, Mapping):
@@ -134,7 +88,13 @@ def open_envelope(
             f"not a {name}; pass the part that this object's state_dict() returned, e.g. "
             'load_state_dict(checkpoint["data"])'
         )
-    if got_kind != kind:
+    older_layout = (
+        isinstance(got_version, int)
+        and not isinstance(got_version, bool)
+        and got_version < version
+        and (got_kind is None or got_kind in legacy_kinds)
+    )
+    if got_kind != kind and not older_layout:
         raise ValueError(
             f"not a {name}: it has kind={got_kind!r}, expected kind={kind!r}; pass the dict "
             "that this object's state_dict() returned"

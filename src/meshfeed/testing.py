@@ -4,8 +4,10 @@
 the end, record its state after every item (the state must survive a JSON round trip), then for
 every recorded state restore a fresh object and check that the remaining output is identical.
 
-It understands the two state protocols of the code base: ``state_dict()`` /
-``load_state_dict(state)`` (loaders, stores) and ``get_state()`` / ``restore(state)`` (nodes).
+It speaks the one state protocol, :class:`meshfeed.protocols.Stateful` (``state_dict()`` /
+``load_state_dict(state)``). During the move of the pipeline nodes and ``BalancedBatches`` to
+that protocol it also accepts their older ``get_state()`` / ``restore(state)``; that bridge
+goes once they have moved.
 Objects that are iterables but not iterators (a DataLoader) are iterated epoch after epoch:
 when one epoch ends the harness calls ``iter()`` again, so runs cross epoch boundaries.
 """
@@ -15,10 +17,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+from meshfeed.protocols import Stateful
 
 __all__ = ["assert_resume_equivalence", "assert_same", "take"]
 
@@ -84,21 +88,36 @@ class _Cursor:
                 self.it = None
 
 
+@runtime_checkable
+class _LegacyStateful(Protocol):
+    """The nodes' older protocol (transition only; see the module docstring)."""
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+
 def _get_state(obj: Any) -> dict[str, Any]:
-    if hasattr(obj, "state_dict"):
+    if isinstance(obj, Stateful):
         return dict(obj.state_dict())
-    if hasattr(obj, "get_state"):
+    if isinstance(obj, _LegacyStateful):
         return dict(obj.get_state())
-    raise TypeError(f"{type(obj).__name__} has neither state_dict() nor get_state()")
+    raise TypeError(
+        f"{type(obj).__name__} is not Stateful: give it state_dict() and load_state_dict(state) "
+        "(meshfeed.protocols.Stateful)"
+    )
 
 
 def _load_state(obj: Any, state: dict[str, Any]) -> None:
-    if hasattr(obj, "load_state_dict"):
+    if isinstance(obj, Stateful):
         obj.load_state_dict(state)
-    elif hasattr(obj, "restore"):
+    elif isinstance(obj, _LegacyStateful):
         obj.restore(state)
     else:
-        raise TypeError(f"{type(obj).__name__} has neither load_state_dict() nor restore()")
+        raise TypeError(
+            f"{type(obj).__name__} is not Stateful: give it state_dict() and "
+            "load_state_dict(state) (meshfeed.protocols.Stateful)"
+        )
 
 
 def take(obj: Any, n: int, *, max_epochs: int = 1_000_000) -> list[Any]:

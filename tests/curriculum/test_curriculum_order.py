@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.curriculum import GatedOrder
-from meshfeed.order.plan import rank_bounds
+from meshfeed.order.batches import rank_bounds
 
 
 def _order(entry: list[int], *, g: int, per_epoch: int | None = None, seed: int = 0) -> GatedOrder:

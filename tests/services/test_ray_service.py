@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed import DataLoader, DataMesh, SampleError
-from meshfeed.order.plan import ShuffledOrder
+from meshfeed.order.batches import ShuffledOrder
+from meshfeed.protocols import GlobalService, Service
 from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 
@@ -134,8 +135,9 @@ def test_ray_service_rejects_bad_options_with_the_fix(kwargs, match):
 def test_ray_service_wants_a_callable_not_a_built_dataset():
     with pytest.raises(TypeError, match=r"functools.partial\(MyDataset, path\)"):
         RayService().prepare(Items(5))
-    with pytest.raises(TypeError, match="map_global"):
-        next(iter(RayService().map(iter([]))))
+    # It meets the protocol it is passed as: a GlobalService, never a per-rank Service.
+    assert isinstance(RayService(), GlobalService)
+    assert not isinstance(RayService(), Service)
 
 
 def test_binding_a_different_mesh_is_refused():

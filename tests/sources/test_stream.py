@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.sources.stream_loader import StreamLoader, StreamRankError
 from meshfeed.sources.stream_workers import StreamWorkerError
 from meshfeed.testing import assert_resume_equivalence, take
 from tests.dist_utils import run_distributed
@@ -185,7 +185,20 @@ def test_resume_with_another_configuration_is_refused():
         )
     with pytest.raises(ValueError, match="on_error="):
         StreamLoader(stream, batch_size=2, on_error="ignore")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="kind='stream'"):
+    with pytest.raises(ValueError, match="kind='loader', expected kind='stream_loader'"):
+        StreamLoader(stream, batch_size=2).load_state_dict({"kind": "loader", "version": 2})
+
+
+def test_a_version_1_stream_state_of_the_previous_release_is_refused_by_version():
+    stream, _ = _stream([8, 8], known=True)
+    lo = StreamLoader(stream, batch_size=2)
+    take(lo, 1)
+    old = {**lo.state_dict(), "kind": "stream", "version": 1}  # what meshfeed 0.1 wrote
+    with pytest.raises(
+        ValueError, match=r"version=1, this meshfeed reads version 2.*meshfeed 0\.1"
+    ):
+        StreamLoader(stream, batch_size=2).load_state_dict(old)
+    with pytest.raises(ValueError, match="version=1, this meshfeed reads version 2"):
         StreamLoader(stream, batch_size=2).load_state_dict({"version": 1})
 
 
@@ -213,6 +226,13 @@ def test_resume_with_another_shuffle_buffer_or_stream_seed_is_refused():
         {"steps": "3"},
         {"stats": {"skipped": -1}},
         {"stats": {"skipped": "2"}},
+        {"stats": {"skipped": 0, "extra": 1}},
+        {"epoch": 10**30},
+        {"steps": -1},
+        {"next_worker": 5},
+        {"exhausted": [1]},
+        {"workers": [5]},
+        {"workers": None},
     ],
 )
 def test_a_corrupted_stream_state_is_refused_with_value_error(change):
@@ -265,7 +285,8 @@ def test_skipped_counts_accumulate_across_epochs_and_survive_a_resume():
     )
 
 
-def test_a_stream_state_without_stats_counts_skips_from_its_own_epoch():
+def test_a_stream_state_without_stats_is_refused_naming_the_field():
+    """Version 2 states always carry stats; one without is corrupted, not silently reset."""
     lo = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
     list(lo)
     it = iter(lo)
@@ -273,8 +294,8 @@ def test_a_stream_state_without_stats_counts_skips_from_its_own_epoch():
     state = lo.state_dict()
     del state["stats"]
     resumed = StreamLoader(_rows_with_nones(), batch_size=2, shuffle=False)
-    resumed.load_state_dict(state)
-    assert resumed.stats()["skipped"] == 1
+    with pytest.raises(ValueError, match="missing 'stats'"):
+        resumed.load_state_dict(state)
 
 
 def test_len_is_known_only_with_row_counts():
@@ -368,3 +389,108 @@ def test_gloo_ranks_stop_together_read_only_their_shards_and_never_hang():
     assert max(reads.values()) == 1  # no row is read by two ranks
     for r in results[:-1]:
         assert "timeout=3" in r["timeout"]
+
+
+# ---------------------------------------------------------------------- arguments and errors
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"on_error": "skip"}, "on_error='skip'"),
+        ({"on_error": "substitute"}, "on_error='substitute'"),
+        ({"max_retries": 2}, "max_retries=2"),
+        ({"curriculum": object()}, "curriculum="),
+        ({"service": object()}, "service="),
+    ],
+)
+def test_arguments_a_stream_cannot_honour_are_refused_by_name(kwargs, name):
+    stream, _ = _stream([4, 4], known=True)
+    with pytest.raises(ValueError, match=f"StreamLoader does not support {name}"):
+        StreamLoader(stream, batch_size=2, **kwargs)
+    StreamLoader(stream, batch_size=2, on_error="raise", max_retries=0)  # what it does
+
+
+def _failing_stream(bad_shard: int | None) -> ShardedStream:
+    def shard(i: int) -> Any:
+        def rows() -> Any:
+            for r in range(6):
+                if i == bad_shard and r == 3:
+                    raise OSError(f"row {r} of shard {i} is unreadable")
+                yield i * 100 + r
+
+        return rows
+
+    return ShardedStream([shard(i) for i in range(4)])
+
+
+def _read_until_error(lo: StreamLoader) -> dict[str, Any]:
+    got = 0
+    try:
+        for _ in lo:
+            got += 1
+    except StreamRankError as exc:
+        return {"steps": got, "error": "StreamRankError", "message": str(exc)}
+    except OSError as exc:
+        return {"steps": got, "error": "OSError", "message": str(exc)}
+    return {"steps": got, "error": None, "message": ""}
+
+
+def _raise_rank(rank: int, world: int) -> dict[str, Any]:
+    # Shard 1 fails after three rows; whichever rank owns it, every rank must stop there.
+    stream = _failing_stream(bad_shard=1)
+    lo = StreamLoader(stream, batch_size=1, mesh={"dp": world}, shuffle=False, timeout=30)
+    return _read_until_error(lo)
+
+
+def _check_raised_together(results: list[dict[str, Any]]) -> None:
+    assert sorted(r["error"] for r in results) == ["OSError", "StreamRankError"]
+    assert len({r["steps"] for r in results}) == 1  # the same step on every rank
+    own = next(r for r in results if r["error"] == "OSError")
+    assert "shard 1 is unreadable" in own["message"]
+    other = next(r for r in results if r["error"] == "StreamRankError")
+    assert "another data rank failed" in other["message"]
+
+
+@pytest.mark.slow
+def test_gloo_a_failing_rank_makes_every_rank_raise_at_the_same_step():
+    _check_raised_together(run_distributed(_raise_rank, 2, timeout=120))
+
+
+@pytest.mark.parametrize("bad_shard", [1, None])
+def test_simulated_ranks_raise_at_the_same_step(monkeypatch, bad_shard):
+    """All ranks in one process: threads joined by an all-reduce(MIN) built on a barrier."""
+    import threading
+
+    import meshfeed.sources.stream_loader as stream_loader
+
+    world = 2
+    barrier = threading.Barrier(world, timeout=30)
+    slots: list[list[int]] = [[0], [0]]
+    local = threading.local()
+
+    def all_reduce(values: list[int], op: str, timeout: float) -> list[int]:
+        assert op == "min"
+        slots[local.rank] = list(values)
+        barrier.wait()
+        out = [min(col) for col in zip(*slots, strict=True)]
+        barrier.wait()  # everyone has read before the next round writes
+        return out
+
+    monkeypatch.setattr(stream_loader, "_all_reduce", all_reduce)
+    results: list[dict[str, Any]] = [{}, {}]
+
+    def run(rank: int) -> None:
+        local.rank = rank
+        stream = _failing_stream(bad_shard)
+        lo = StreamLoader(stream, batch_size=1, mesh={"dp": world}, rank=rank, shuffle=False)
+        results[rank] = _read_until_error(lo)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    if bad_shard is None:  # nobody fails: every rank reads its 12 rows, nobody raises
+        assert results == [{"steps": 12, "error": None, "message": ""}] * 2
+    else:
+        _check_raised_together(results)

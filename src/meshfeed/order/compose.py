@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshfeed.order.plan import Order, ShuffledOrder
+from meshfeed.order.batches import Order, ShuffledOrder
 
 
 def build_order(

@@ -1,27 +1,14 @@
-"""The contract of a reading service: where batches are made."""
+"""The in-process reading service; the :class:`Service` contract lives in meshfeed.protocols."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
+from meshfeed.protocols import GlobalService, Service
 
-
-@runtime_checkable
-class Service(Protocol):
-    """Runs a :class:`Fetcher` on a stream of tasks and yields results in task order.
-
-    ``map`` may run ahead (prefetch) but must yield exactly one result per task, in order;
-    a new ``map`` call discards whatever an abandoned earlier one left in flight.
-    ``shutdown`` is idempotent.
-    """
-
-    def start(self, fetcher: Fetcher) -> None: ...
-
-    def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]: ...
-
-    def shutdown(self) -> None: ...
+__all__ = ["GlobalService", "InProcessService", "Service"]
 
 
 class InProcessService:

@@ -195,6 +195,9 @@ class _InFlight:
 class RayService:
     """Makes global batches in ``num_actors`` Ray actors, ``prefetch`` global steps ahead.
 
+    A :class:`~meshfeed.protocols.GlobalService`: it makes every data rank's batch of a step
+    at once (there is no per-rank ``map``); the loader dispatches on that protocol.
+
     Pass it to ``DataLoader(create_dataset, ..., service=RayService(...))`` with a zero-argument
     callable (a class, a function, a ``functools.partial``) that builds the dataset: it runs in
     each actor, never in the driver. ``actor_options`` go to ``ray.remote(...).options`` (e.g.
@@ -317,12 +320,6 @@ class RayService:
                 "on_error": fetcher.on_error,
                 "max_retries": fetcher.max_retries,
             }
-        )
-
-    def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]:
-        raise TypeError(
-            "RayService serves whole global steps through map_global(); build a "
-            "meshfeed.DataLoader with service=RayService(...) instead of calling map()"
         )
 
     def map_global(

@@ -21,34 +21,49 @@ references (re-read on restore, so rows need not be JSON). Save each data rank's
 resume needs the same shards, data-parallel size and ``num_workers``.
 
 Rows that are None are skipped and counted in ``stats()["skipped"]``, cumulatively over epochs
-and carried through ``state_dict()`` (as ``meshfeed.DataLoader.stats()`` counts); ``on_error`` and
-``max_retries`` apply to map-style datasets only. ``len()`` is known only when the stream has
-row counts; then every rank also stops after exactly ``len()`` steps without communication.
+and carried through ``state_dict()`` (as ``meshfeed.DataLoader.stats()`` counts); the first
+skip of a run is logged as a warning on the ``"meshfeed"`` logger. ``len()`` is known only
+when the stream has row counts; then every rank also stops after exactly ``len()`` steps
+without communication.
+
+**Errors.** A stream cannot re-read or replace one row, so ``on_error`` is ``"raise"`` for
+streams (the default, ``None``, means it): a batch whose reading raises raises on its rank,
+and every other rank raises at the same step, because the per-batch all-reduce also carries
+"I failed". ``on_error="skip"`` / ``"substitute"``, ``max_retries > 0``, ``curriculum=`` and
+``service=`` are refused by name.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
-from types import TracebackType
 from typing import Any
 
-from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
-from meshfeed.options import check_loader_arguments
+from meshfeed.loader_base import LoaderBase, check_count, check_epoch, pin
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_sync import all_ranks_have_a_batch, check_agreement
+from meshfeed.sources.stream_sync import _all_reduce, check_agreement
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
-from meshfeed.state import fingerprint_hash
+from meshfeed.state import envelope, fingerprint_hash, open_envelope
 
-__all__ = ["STREAM_STATE_VERSION", "StreamLoader"]
+__all__ = ["STREAM_STATE_VERSION", "StreamLoader", "StreamRankError"]
 
-STREAM_STATE_VERSION = 1
+#: Version 2: the one envelope (``kind="stream_loader"``; version 1 wrote ``kind="stream"``).
+STREAM_STATE_VERSION = 2
 _BUFFER_OP = 0x5342
+# One int per batch in the all-reduce(MIN): every rank learns whether all have a batch and
+# whether any failed, in the same collective.
+_FAILED, _EXHAUSTED, _HAVE = 0, 1, 2
 
 
-class StreamLoader:
+class StreamRankError(RuntimeError):
+    """Another data rank failed to make its batch at this step; its own error says why."""
+
+
+class StreamLoader(LoaderBase):
     """A mesh-aware loader for sharded streams (see the module docstring)."""
+
+    name = "StreamLoader"
+    failures_hint = "loader.stats()['skipped'] (rows that were None)"
 
     def __init__(
         self,
@@ -65,7 +80,7 @@ class StreamLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         timeout: float = 300.0,
-        on_error: str = "substitute",
+        on_error: str | None = None,
         max_retries: int = 0,
         curriculum: Any = None,
         service: Any = None,
@@ -76,35 +91,41 @@ class StreamLoader:
                 f"StreamLoader reads a meshfeed.sources.ShardedStream (got "
                 f"{type(dataset).__name__}); use meshfeed.DataLoader for map-style datasets"
             )
-        check_loader_arguments(
+        super().__init__(
             batch_size=batch_size,
+            mesh=mesh,
+            rank=rank,
+            shuffle=shuffle,
             seed=seed,
+            drop_last=drop_last,
             num_workers=num_workers,
             prefetch=prefetch,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
             timeout=timeout,
             on_error=on_error,
             max_retries=max_retries,
+            multiprocessing_context=multiprocessing_context,
         )
-        if curriculum is not None or service is not None:
-            raise ValueError(
-                "a stream has no random access, so curriculum= and service= do not apply; "
-                "use a map-style dataset with meshfeed.DataLoader for them"
-            )
-        self.mesh: DataMesh = resolve_mesh(mesh)
-        self.rank = default_rank() if rank is None else rank
-        self.data_rank = self.mesh.data_rank(self.rank)
-        self.data_world_size = self.mesh.data_world_size
+        for name, value, default in (
+            ("on_error", on_error, "raise"),
+            ("max_retries", max_retries, 0),
+            ("curriculum", curriculum, None),
+            ("service", service, None),
+        ):
+            if value is not None and value != default:
+                raise ValueError(
+                    f"StreamLoader does not support {name}={value!r}: a stream has no random "
+                    "access, so a row cannot be retried, replaced, gated or fetched elsewhere "
+                    f"(errors raise on every rank at the same step); leave {name} at its "
+                    "default, or use a map-style dataset with meshfeed.DataLoader"
+                )
+        self.on_error = "raise"
         self.stream = dataset
-        self.batch_size, self.seed = batch_size, seed
-        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
-        self.num_workers, self.prefetch, self.timeout = num_workers, prefetch, float(timeout)
-        self.collate_fn, self.pin_memory = collate_fn, pin_memory
-        self.multiprocessing_context = multiprocessing_context
         self.slots = max(1, num_workers)
         self.fingerprint = dataset.fingerprint
         self._checked = False
         self._slots: InProcessSlots | ProcessSlots | None = None
-        self._epoch = 0
         self._skipped_done = 0
         self._worker_states: list[dict[str, Any] | None] = [None] * self.slots
         self._reset_epoch_state()
@@ -162,18 +183,10 @@ class StreamLoader:
             per_rank.append(steps)
         return min(per_rank)
 
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Move to the start of ``epoch``; a no-op when already in ``epoch`` (keeps a resume)."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int (got {epoch=!r})")
-        if epoch != self._epoch:
-            self._close_slots()
-            self._epoch = epoch
-            self._reset_epoch_state()
+    def _enter_epoch(self, epoch: int) -> None:
+        self._close_slots()
+        self._epoch = epoch
+        self._reset_epoch_state()
 
     # ------------------------------------------------------------------ iteration
     def _open_slots(self) -> InProcessSlots | ProcessSlots:
@@ -187,7 +200,7 @@ class StreamLoader:
                 configs,
                 states,
                 prefetch=self.prefetch,
-                timeout=self.timeout,
+                timeout=self.wait_timeout,
                 start_method=self.multiprocessing_context,
             )
         return self._slots
@@ -218,15 +231,32 @@ class StreamLoader:
         slots = self._open_slots()
         try:
             while True:
-                got = None if cap is not None and self._steps >= cap else self._next_local(slots)
-                if not all_ranks_have_a_batch(got is not None, self.timeout):
+                error: Exception | None = None
+                got = None
+                if cap is None or self._steps < cap:
+                    try:
+                        got = self._next_local(slots)
+                    except Exception as exc:  # raised on every rank at this step, below
+                        error = exc
+                mine = _FAILED if error else _HAVE if got is not None else _EXHAUSTED
+                status = _all_reduce([mine], "min", self.wait_timeout)[0]
+                if error is not None:
+                    raise error
+                if status == _FAILED:
+                    raise StreamRankError(
+                        f"another data rank failed to make its batch at step {self._steps} of "
+                        f"epoch {self._epoch} (this is data rank {self.data_rank}); see that "
+                        "rank's error. Every rank stops here so that none waits forever"
+                    )
+                if status == _EXHAUSTED or got is None:
                     break
-                assert got is not None  # every rank, this one included, has a batch
                 batch, w, state = got
+                before = self._epoch_skipped()
                 self._worker_states[w] = state
                 self._next_worker = (w + 1) % self.slots
                 self._steps += 1
-                yield _pin(batch) if self.pin_memory else batch
+                self._note_bad_samples(self._epoch_skipped() - before, None)
+                yield pin(batch) if self.pin_memory else batch
             if self._epoch == epoch:
                 self._epoch = epoch + 1
                 self._reset_epoch_state()
@@ -246,7 +276,7 @@ class StreamLoader:
                     "drop_last": int(self.drop_last),
                     "stream fingerprint": fingerprint_hash(self.fingerprint),
                 },
-                self.timeout,
+                self.wait_timeout,
             )
             self._checked = True
 
@@ -268,66 +298,77 @@ class StreamLoader:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """This data rank's state as of the last batch returned (JSON-serialisable)."""
-        return {
-            "version": STREAM_STATE_VERSION,
-            "kind": "stream",
+        return envelope(
+            "stream_loader",
+            STREAM_STATE_VERSION,
             **self._identity(),
-            "epoch": self._epoch,
-            "steps": self._steps,
-            "next_worker": self._next_worker,
-            "exhausted": list(self._exhausted),
-            "workers": list(self._worker_states),
-            "stats": {"skipped": self._skipped_done + self._epoch_skipped()},
-        }
+            epoch=self._epoch,
+            steps=self._steps,
+            next_worker=self._next_worker,
+            exhausted=list(self._exhausted),
+            workers=list(self._worker_states),
+            stats={"skipped": self._skipped_done + self._epoch_skipped()},
+        )
 
-    def load_state_dict(self, state: dict[str, Any], **_: Any) -> None:
-        """Continue exactly from ``state`` (this data rank's own, same configuration)."""
-        if not isinstance(state, dict) or state.get("kind") != "stream":
-            raise ValueError(
-                "not a stream loader state (missing kind='stream'); pass the dict that "
-                "StreamLoader.state_dict() returned"
-            )
-        if state.get("version") != STREAM_STATE_VERSION:
-            raise ValueError(
-                f"stream state has version={state.get('version')!r}, this meshfeed reads "
-                f"version {STREAM_STATE_VERSION}; resume with the meshfeed that wrote it"
-            )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly from ``state`` (this data rank's own, same configuration).
+
+        The loader-level fields are checked here; each worker's stream position is checked by
+        the stream when it is restored.
+        """
+        what = "stream loader state"
+        state = open_envelope(
+            state,
+            kind="stream_loader",
+            version=STREAM_STATE_VERSION,
+            fields={
+                "epoch": int,
+                "steps": int,
+                "next_worker": int,
+                "exhausted": list,
+                "workers": list,
+                "stats": dict,
+            },
+            what=what,
+            legacy_kinds=("stream",),
+        )
         for key, value in self._identity().items():
-            if state.get(key) != value:
+            if state.get(key) != value or type(state.get(key)) is not type(value):
                 raise ValueError(
                     f"checkpoint has {key}={state.get(key)!r} but this stream loader has "
                     f"{key}={value!r}; a stream resumes only with the same shards, seeds, "
                     "shuffle buffer, batch size, data rank, data-parallel size and num_workers"
                 )
-        workers, exhausted = state.get("workers"), state.get("exhausted")
-        counters = [state.get(k) for k in ("epoch", "steps", "next_worker")]
+        check_epoch(state["epoch"], what)
+        steps = check_count("steps", state["steps"], what)
+        workers, exhausted = state["workers"], state["exhausted"]
         if (
-            not isinstance(workers, list)
-            or len(workers) != self.slots
-            or not isinstance(exhausted, list)
+            len(workers) != self.slots
             or len(exhausted) != self.slots
-            or not all(isinstance(c, int) and c >= 0 for c in counters)
+            or not all(isinstance(x, bool) for x in exhausted)
+            or not all(w is None or isinstance(w, dict) for w in workers)
+            or not 0 <= state["next_worker"] < self.slots
         ):
             raise ValueError(
-                f"stream state has workers={workers!r}, exhausted={exhausted!r}, "
-                f"epoch/steps/next_worker={counters!r} for {self.slots} worker slot(s); the "
+                f"{what} has workers={workers!r}, exhausted={exhausted!r}, "
+                f"next_worker={state['next_worker']!r} for {self.slots} worker slot(s); the "
                 "checkpoint is corrupted"
             )
         this_epoch = sum(_skipped(w) for w in workers)
-        # Like DataLoader, stats are optional in a state (counting restarts at this epoch's).
-        stats = state.get("stats", {"skipped": this_epoch})
-        skipped = stats.get("skipped") if isinstance(stats, dict) else None
-        if not isinstance(skipped, int) or skipped < this_epoch:
+        stats = state["stats"]
+        skipped = stats.get("skipped")
+        if set(stats) != {"skipped"} or check_count("skipped", skipped, what) < this_epoch:
             raise ValueError(
-                f"stream state has stats={stats!r}, but its workers skipped {this_epoch} rows "
+                f"{what} has stats={stats!r}, but its workers skipped {this_epoch} rows "
                 "this epoch alone; the checkpoint is corrupted"
             )
         self._close_slots()
-        self._epoch, self._steps = int(state["epoch"]), int(state["steps"])
-        self._next_worker = int(state["next_worker"]) % self.slots
-        self._exhausted = [bool(x) for x in exhausted]
+        self._epoch, self._steps = state["epoch"], steps
+        self._next_worker = state["next_worker"]
+        self._exhausted = list(exhausted)
         self._worker_states = list(workers)
         self._skipped_done = skipped - this_epoch
+        self._resumed = True
 
     def _identity(self) -> dict[str, Any]:
         """What a resume must match: the configuration that decides which rows come when."""
@@ -347,39 +388,11 @@ class StreamLoader:
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         """Stop worker processes. Idempotent; the loader can be iterated again."""
-        self._close_slots()
-
-    def __enter__(self) -> StreamLoader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.shutdown()
+        if getattr(self, "_slots", None) is not None:  # __del__ of a half-built loader
+            self._close_slots()
 
 
 def _skipped(state: dict[str, Any] | None) -> int:
     while isinstance(state, dict) and "source" in state:
         state = state["source"]
     return int(state.get("skipped", 0)) if isinstance(state, dict) else 0
-
-
-def _pin(batch: Any) -> Any:
-    import torch
-
-    if not torch.cuda.is_available():
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: _pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_pin(v) for v in batch)
-    return batch

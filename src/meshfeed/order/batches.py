@@ -1,4 +1,4 @@
-"""The global-batch plan: which dataset indices each data rank reads at each step.
+"""Global batches: which dataset indices each data rank reads at each step.
 
 Everything here is a pure function of ``(seed, epoch, position)``. An epoch is a sequence of
 global sample *positions* ``0 .. epoch_length - 1``; an :class:`Order` maps positions to dataset
@@ -10,24 +10,27 @@ depends on ``D``, a run can resume on a different number of data ranks and see t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.protocols import Order, OrderBase
+
+__all__ = [
+    "BatchPlan",
+    "Order",
+    "OrderHooks",
+    "ShuffledOrder",
+    "Step",
+    "order_hooks",
+    "rank_bounds",
+]
 
 
-@runtime_checkable
-class Order(Protocol):
-    """Maps global sample positions of an epoch to dataset indices (a pure function)."""
-
-    def epoch_length(self, epoch: int) -> int: ...
-
-    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray: ...
-
-
-class ShuffledOrder:
+class ShuffledOrder(OrderBase):
     """The default order: a fresh :class:`Permutation` of the dataset per epoch.
 
     The permutation of epoch ``e`` is seeded by ``derive_seed(seed, e)``, so every rank and
@@ -137,7 +140,31 @@ class BatchPlan:
         return list(zip(slices, parts, strict=True))
 
 
-def describe_order(order: Any, epoch: int, position: int) -> dict[str, Any] | None:
-    """The order's own JSON facts for a checkpoint (curriculum step, mixture counts), if any."""
-    describe = getattr(order, "describe", None)
-    return None if describe is None else dict(describe(epoch, position))
+@dataclass(frozen=True, slots=True)
+class OrderHooks:
+    """An order's checkpoint hooks, resolved once when the loader is built."""
+
+    describe: Callable[[int, int], Mapping[str, Any] | None]
+    validate: Callable[[Mapping[str, Any]], None]
+
+
+def _nothing(epoch: int, position: int) -> None:
+    return None
+
+
+def _accept(described: Mapping[str, Any]) -> None:
+    return None
+
+
+def order_hooks(order: Order) -> OrderHooks:
+    """``describe(epoch, position)`` and ``validate(described)`` of ``order``, with defaults.
+
+    An :class:`~meshfeed.protocols.OrderBase` declares both. Orders written before the
+    protocol (``MixtureOrder``, ``GatedOrder``) define ``describe`` and the older name
+    ``validate_described``; they are accepted under either name until they adopt OrderBase.
+    """
+    if isinstance(order, OrderBase):
+        return OrderHooks(describe=order.describe, validate=order.validate)
+    describe = getattr(order, "describe", None) or _nothing
+    validate = getattr(order, "validate", None) or getattr(order, "validate_described", None)
+    return OrderHooks(describe=describe, validate=validate or _accept)

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfeed.order.plan import BatchPlan, ShuffledOrder, rank_bounds
+from meshfeed.order.batches import BatchPlan, ShuffledOrder, rank_bounds
 
 
 def test_rank_bounds_balanced_plus_minus_one():

@@ -1,0 +1,251 @@
+"""What every meshfeed loader shares: arguments, mesh -> rank, epochs, stats, lifecycle.
+
+:class:`LoaderBase` is the common base of :class:`meshfeed.DataLoader` (map-style data) and
+:class:`meshfeed.sources.StreamLoader` (sharded streams). It owns the argument checks (one
+function, :func:`meshfeed.options.check_loader_arguments`), turning the mesh into plain
+integers, the epoch API (``epoch``, ``set_epoch``, ``epochs``), the rate-limited warnings for
+bad samples and padding, pinning, and the lifecycle (``shutdown``, context manager).
+
+Resuming is written as ``for epoch in loader.epochs(num_epochs): for batch in loader: ...``:
+after ``load_state_dict`` the loop starts at the checkpoint's epoch and position. Going back
+with ``set_epoch`` after a resume is refused unless asked for (``allow_rewind=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any, Self
+
+from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
+from meshfeed.options import check_loader_arguments, resolve_timeout
+
+__all__ = ["MAX_EPOCH", "WARN_EVERY", "LoaderBase"]
+
+logger = logging.getLogger("meshfeed")
+
+#: Epochs are 32-bit: the order of epoch ``e`` is seeded by ``(seed, e)``.
+MAX_EPOCH = 2**32
+#: After the first bad sample of a run, at most one warning per this many bad samples.
+WARN_EVERY = 1000
+#: Counters in a state are below this (a larger one is a corrupted checkpoint).
+MAX_COUNT = 2**63
+
+
+class LoaderBase:
+    """The shared part of every loader (see the module docstring); not used on its own."""
+
+    #: The loader's name in messages.
+    name = "loader"
+    #: Where the user sees every bad sample (named in the warning).
+    failures_hint = "loader.stats()['failures']"
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        mesh: Any,
+        rank: int | None,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        num_workers: int,
+        prefetch: int,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        pin_memory: bool,
+        timeout: float,
+        on_error: str | None,
+        max_retries: int,
+        multiprocessing_context: str | None,
+    ) -> None:
+        check_loader_arguments(
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            prefetch=prefetch,
+            timeout=timeout,
+            on_error=on_error,
+            max_retries=max_retries,
+            multiprocessing_context=multiprocessing_context,
+        )
+        if num_workers and multiprocessing_context in ("spawn", "forkserver"):
+            _check_importable("collate_fn", collate_fn, multiprocessing_context)
+        self.mesh: DataMesh = resolve_mesh(mesh)
+        _check_world(self.mesh)
+        self.rank = default_rank() if rank is None else rank
+        self.data_rank = self.mesh.data_rank(self.rank)  # validates the rank
+        self.data_world_size = self.mesh.data_world_size
+        self.batch_size, self.seed = batch_size, seed
+        self.shuffle, self.drop_last, self.pin_memory = shuffle, drop_last, pin_memory
+        self.num_workers, self.prefetch = num_workers, prefetch
+        self.timeout = float(timeout)
+        #: What waits are given: ``math.inf`` and huge timeouts clamped (see options).
+        self.wait_timeout = resolve_timeout(timeout)
+        self.collate_fn = collate_fn
+        self.multiprocessing_context = multiprocessing_context
+        self._epoch = 0
+        self._resumed = False
+        self._bad_in_run = 0  # substitutions + skips seen by this object (not restored)
+        self._warned_padding = False
+
+    # ------------------------------------------------------------------ epochs
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` reads (after a resume: the checkpoint's)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int, *, allow_rewind: bool = False) -> None:
+        """Move to the start of ``epoch``; a no-op when already in ``epoch`` (keeps a resume).
+
+        After ``load_state_dict``, an epoch before the current one raises ``ValueError``
+        (usually a loop that restarts at 0 after resuming) unless ``allow_rewind=True``.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < MAX_EPOCH:
+            raise ValueError(f"epoch must be an int in [0, 2**32) (got {epoch=!r})")
+        if epoch < self._epoch and self._resumed and not allow_rewind:
+            raise ValueError(
+                f"set_epoch({epoch}) goes back from epoch {self._epoch}, where the loaded "
+                f"checkpoint resumes: start the epoch loop at loader.epoch (or write "
+                f"`for epoch in loader.epochs(num_epochs)`), or pass allow_rewind=True to "
+                f"really start over at epoch {epoch}"
+            )
+        if epoch != self._epoch:
+            self._enter_epoch(epoch)
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """Epoch numbers from the current epoch to ``num_epochs - 1``, positioning the loader.
+
+        >>> for epoch in loader.epochs(3):   # doctest: +SKIP
+        ...     for batch in loader: ...
+        """
+        if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
+            raise ValueError(f"num_epochs must be an int >= 0 (got {num_epochs=!r})")
+        epoch = self._epoch
+        while epoch < num_epochs:
+            self.set_epoch(epoch)  # a no-op when the loader is there already (keeps a resume)
+            yield epoch
+            # Iterated to its end, the loader is at epoch + 1 already; else move on.
+            epoch = max(epoch + 1, self._epoch)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch`` (subclasses reset their position)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ warnings
+    def _note_bad_samples(self, count: int, first: dict[str, Any] | None) -> None:
+        """Log the first substitution / skip of a run, then one per WARN_EVERY of them."""
+        if count <= 0:
+            return
+        before = self._bad_in_run
+        self._bad_in_run += count
+        if before and before // WARN_EVERY == self._bad_in_run // WARN_EVERY:
+            return
+        detail = (
+            f"first: index {first.get('index')} at epoch position {first.get('position')}: "
+            f"{first.get('error')}: {first.get('message')}"
+            if first
+            else "no details"
+        )
+        logger.warning(
+            "%s: %d bad sample(s) substituted or skipped so far in this run (%s); see all "
+            "of them in %s; this warning repeats at most once per %d bad samples",
+            type(self).__name__,
+            self._bad_in_run,
+            detail,
+            self.failures_hint,
+            WARN_EVERY,
+        )
+
+    def _note_padding(self, padded: int) -> None:
+        if padded > 0 and not self._warned_padding:
+            self._warned_padding = True
+            logger.warning(
+                "%s: the last global batch of epoch %d has fewer samples than data ranks; %d "
+                "sample(s) on this rank repeat the start of the epoch (drop_last=False). See "
+                "loader.stats()['padded']; use drop_last=True to never repeat samples",
+                type(self).__name__,
+                self._epoch,
+                padded,
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        """Stop worker processes or actors. Idempotent; the loader can be iterated again."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+
+def check_count(name: str, value: object, what: str) -> int:
+    """A counter read from a state: an int in [0, 2**63), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
+        raise ValueError(
+            f"{what} field {name!r} is {value!r}, not an int in [0, 2**63); the checkpoint is "
+            "corrupted"
+        )
+    return value
+
+
+def check_epoch(epoch: int, what: str) -> None:
+    if epoch >= MAX_EPOCH:
+        raise ValueError(
+            f"{what} has epoch={epoch}, beyond the largest epoch 2**32 - 1; the checkpoint is "
+            "corrupted"
+        )
+
+
+def _check_importable(name: str, fn: Any, method: str) -> None:
+    if fn is None:
+        return
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"{name}={fn!r} cannot be sent to {method!r} worker processes ({exc}); spawned "
+            f"workers need importable functions: define {name} at the top level of a module "
+            "(not a lambda or a local function), or use multiprocessing_context='fork'"
+        ) from None
+
+
+def _check_world(mesh: DataMesh) -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != mesh.world_size:
+        raise ValueError(
+            f"the mesh {mesh.sizes} has world size {mesh.world_size} but the process group has "
+            f"{dist.get_world_size()} ranks; make the mesh sizes multiply to the number of processes"
+        )
+
+
+def pin(batch: Any) -> Any:
+    """``batch`` with its tensors in pinned memory (unchanged without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(pin(v) for v in batch)
+    return batch
