@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import meshfeed
-
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TIMEOUT = 180.0
@@ -33,21 +31,10 @@ def test_readme_has_python_blocks() -> None:
     assert len(BLOCKS) >= 3
 
 
-def _needs(code: str) -> list[pytest.MarkDecorator]:
-    marks = []
-    if "loader.epochs(" in code and not hasattr(meshfeed.DataLoader, "epochs"):
-        marks.append(
-            pytest.mark.xfail(
-                strict=False, reason="DataLoader.epochs is not on this branch yet (engine work)"
-            )
-        )
-    return marks
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "line,code",
-    [pytest.param(line, code, id=f"line{line}", marks=_needs(code)) for line, code in BLOCKS],
+    [pytest.param(line, code, id=f"line{line}") for line, code in BLOCKS],
 )
 def test_readme_block_runs(line: int, code: str, tmp_path: Path) -> None:
     env = dict(os.environ)
