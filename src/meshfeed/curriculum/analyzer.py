@@ -2,15 +2,18 @@
 
 The dataset is cut into fixed chunks of ``chunk_size`` samples. Chunks are spread over
 torch.distributed ranks (contiguous ranges, when a process group is initialised) and, inside each
-rank, over ``num_workers`` worker processes; results are merged in chunk order, so per-sample
+rank, over ``num_workers`` worker processes (at most the cores this process may use: more
+would only add start-up and switching costs on CPU-bound metrics); results are merged in chunk order, so per-sample
 values are bit-identical for any number of workers or ranks. Accumulated metrics are summed in
 chunk order (integer histograms are exact; float sums can differ in the last bits between
 different *rank* counts, never between worker counts).
 
 Metrics that ``require`` accumulated ones (vocabulary rarity needs the token histogram) run in a
 second pass once the accumulated arrays are reduced on every rank. Their ``prepare`` runs once
-per rank, in the main process; its result reaches the workers through the pool initialiser
-(inherited under ``fork``, pickled once per worker under ``spawn``).
+per rank, in the main process; its result reaches the workers through the pool's per-worker
+start function (inherited under ``fork``, pickled once per worker under ``spawn``, so metric
+functions must then be importable). Workers are a :class:`~meshfeed.runtime.WorkerPool`: a
+stuck metric fails the run after ``timeout`` and a dead worker at once, never a hang.
 
 >>> from meshfeed.curriculum import analyze, seqlen
 >>> result = analyze([[1, 2], [3], [4, 5, 6]], [seqlen()], progress=False)
@@ -20,11 +23,8 @@ per rank, in the main process; its result reaches the workers through the pool i
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,14 @@ import numpy as np
 from meshfeed.curriculum.index import MetricIndex, fingerprint, save_accumulated
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
 from meshfeed.progress import Progress
+from meshfeed.runtime import WorkerPool, WorkerTimeout, available_cores
 
 __all__ = ["analyze"]
 
 Metric = SampleMetric | AccumulatedMetric
 _ChunkOut = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 
-# Set in each worker by the pool initialiser (inherited, not pickled, under fork).
+# Set in each worker by _start_worker (its arguments are inherited, not pickled, under fork).
 _WORK: tuple[Any, list[SampleMetric], list[AccumulatedMetric], dict[str, Any]] | None = None
 
 
@@ -50,8 +51,21 @@ def _init_worker(
     _WORK = (dataset, samples, accs, ctx)
 
 
-def _run_chunk(start: int, stop: int) -> _ChunkOut:
+def _start_worker(
+    worker: int,
+    num_workers: int,
+    dataset: Any,
+    samples: list[SampleMetric],
+    accs: list[AccumulatedMetric],
+    ctx: dict[str, Any],
+) -> Callable[[tuple[int, int]], _ChunkOut]:
+    _init_worker(dataset, samples, accs, ctx)
+    return _run_chunk
+
+
+def _run_chunk(chunk: tuple[int, int]) -> _ChunkOut:
     assert _WORK is not None  # internal invariant: set by _init_worker
+    start, stop = chunk
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
     sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
@@ -128,47 +142,29 @@ def _pass(
             sums[name] += part
         bar.update(size)
 
-    if num_workers <= 0:
+    workers = min(num_workers, available_cores(), len(chunks))
+    if workers <= 0:
         _init_worker(dataset, samples, accs, ctx)
         for start, stop in chunks:
-            merge(_run_chunk(start, stop), stop - start)
+            merge(_run_chunk((start, stop)), stop - start)
     else:
-        method = mp_context or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ProcessPoolExecutor(
-            max_workers=num_workers,
-            mp_context=mp.get_context(method),
-            initializer=_init_worker,
-            initargs=(dataset, samples, accs, ctx),
+        pool = WorkerPool(
+            workers, timeout=timeout, start_method=mp_context, name="meshfeed-analyzer-worker"
         )
-
-        def wait(size: int, fut: Future[_ChunkOut]) -> None:
-            try:
-                out = fut.result(timeout=timeout)
-            except TimeoutError as e:
-                raise TimeoutError(
-                    f"an analyzer worker spent more than timeout={timeout}s on a chunk of "
-                    f"{size} samples; a metric function is stuck, or raise timeout"
-                ) from e
-            merge(out, size)
-
+        pool.start(_start_worker, dataset, samples, accs, ctx)
         try:
             # A bounded window of chunks in flight keeps memory flat on long corpora.
-            window = 4 * num_workers
-            pending: deque[tuple[int, Future[_ChunkOut]]] = deque()
-            for start, stop in chunks:
-                pending.append((stop - start, pool.submit(_run_chunk, start, stop)))
-                if len(pending) >= window:
-                    wait(*pending.popleft())
-            while pending:
-                wait(*pending.popleft())
-        except BaseException:
-            # shutdown(wait=True) would wait for a stuck worker forever: stop the workers
-            # this call started, then leave without waiting.
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                proc.terminate()
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown(wait=True)
+            sizes = (stop - start for start, stop in chunks)
+            for size, out in zip(sizes, pool.map(chunks, window=4 * workers), strict=True):
+                merge(out, size)
+        except WorkerTimeout as e:
+            raise TimeoutError(
+                f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
+                f"{max(b - a for a, b in chunks)} samples; a metric function is stuck, or raise "
+                "timeout"
+            ) from e
+        finally:
+            pool.shutdown()
     empty = {m.name: np.empty(0, dtype=m.dtype) for m in samples}
     return {k: np.concatenate(v) if v else empty[k] for k, v in values.items()}, sums
 
