@@ -23,7 +23,9 @@ stuck metric fails the run after ``timeout`` and a dead worker at once, never a 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,16 +53,29 @@ def _init_worker(
     _WORK = (dataset, samples, accs, ctx)
 
 
+_Passes = list[tuple[list[SampleMetric], list[AccumulatedMetric]]]
+_PASSES: _Passes = []
+
+
 def _start_worker(
-    worker: int,
-    num_workers: int,
-    dataset: Any,
-    samples: list[SampleMetric],
-    accs: list[AccumulatedMetric],
-    ctx: dict[str, Any],
-) -> Callable[[tuple[int, int]], _ChunkOut]:
+    worker: int, num_workers: int, dataset: Any, passes: _Passes, first: int, ctx: dict[str, Any]
+) -> Callable[[Any], Any]:
+    # The metrics come with the start arguments (inherited under fork: local functions work).
+    global _PASSES
+    _PASSES = passes
+    samples, accs = passes[first]
     _init_worker(dataset, samples, accs, ctx)
-    return _run_chunk
+    return _handle
+
+
+def _handle(task: Any) -> _ChunkOut | None:
+    """A chunk ``(start, stop)``, or ``("pass", index, ctx)`` starting pass ``index``."""
+    if task[0] == "pass":
+        assert _WORK is not None  # internal invariant: set by _start_worker
+        samples, accs = _PASSES[task[1]]
+        _init_worker(_WORK[0], samples, accs, task[2])
+        return None
+    return _run_chunk(task)
 
 
 def _run_chunk(chunk: tuple[int, int]) -> _ChunkOut:
@@ -116,21 +131,46 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
+class _Workers:
+    """The analyzer's pool, started once and reused by every pass where it can be."""
+
+    def __init__(self, workers: int, dataset: Any, passes: _Passes, **pool_options: Any):
+        self.pool = WorkerPool(workers, name="meshfeed-analyzer-worker", **pool_options)
+        self.dataset, self.passes = dataset, passes
+
+    def begin(self, index: int, ctx: dict[str, Any]) -> WorkerPool:
+        pool = self.pool
+        if not pool.started:
+            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
+            return pool
+        try:
+            pickle.dumps(ctx)
+        except Exception:  # e.g. a local object from prepare: start workers that inherit it
+            pool.shutdown()
+            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
+            return pool
+        for w in range(pool.num_workers):
+            pool.send(w, ("pass", index, ctx))
+        for w in range(pool.num_workers):
+            pool.recv(w)
+        return pool
+
+
 def _pass(
+    workers: _Workers | None,
+    index: int,
     dataset: Any,
     chunks: list[tuple[int, int]],
     samples: list[SampleMetric],
     accs: list[AccumulatedMetric],
     ctx: dict[str, Any],
     *,
-    num_workers: int,
-    mp_context: str | None,
     timeout: float,
     bar: Progress,
 ) -> _ChunkOut:
     """Run one pass over ``chunks``: per-sample values concatenated, accumulations summed.
 
-    Both are merged in chunk order, so the result does not depend on ``num_workers``.
+    Both are merged in chunk order, so the result does not depend on the number of workers.
     """
     values: dict[str, list[np.ndarray]] = {m.name: [] for m in samples}
     sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
@@ -142,20 +182,17 @@ def _pass(
             sums[name] += part
         bar.update(size)
 
-    workers = min(num_workers, available_cores(), len(chunks))
-    if workers <= 0:
+    if workers is None:
         _init_worker(dataset, samples, accs, ctx)
         for start, stop in chunks:
             merge(_run_chunk((start, stop)), stop - start)
     else:
-        pool = WorkerPool(
-            workers, timeout=timeout, start_method=mp_context, name="meshfeed-analyzer-worker"
-        )
-        pool.start(_start_worker, dataset, samples, accs, ctx)
         try:
+            pool = workers.begin(index, ctx)
             # A bounded window of chunks in flight keeps memory flat on long corpora.
             sizes = (stop - start for start, stop in chunks)
-            for size, out in zip(sizes, pool.map(chunks, window=4 * workers), strict=True):
+            window = 4 * pool.num_workers
+            for size, out in zip(sizes, pool.map(chunks, window=window), strict=True):
                 merge(out, size)
         except WorkerTimeout as e:
             raise TimeoutError(
@@ -163,8 +200,6 @@ def _pass(
                 f"{max(b - a for a, b in chunks)} samples; a metric function is stuck, or raise "
                 "timeout"
             ) from e
-        finally:
-            pool.shutdown()
     empty = {m.name: np.empty(0, dtype=m.dtype) for m in samples}
     return {k: np.concatenate(v) if v else empty[k] for k, v in values.items()}, sums
 
@@ -221,20 +256,31 @@ def analyze(
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
     accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
     passes = [(first, accs), (second, [])] if second else [(first, accs)]
-    with Progress(
-        total=n * len(passes), desc="analyze", unit="samples", enabled=progress and rank == 0
-    ) as bar:
-        for pass_samples, pass_accs in passes:
+    # One pool for every pass: workers are started once. Never more than the cores: on
+    # CPU-bound metrics extra workers only add start-up and switching costs.
+    count = min(num_workers, available_cores(), len(mine))
+    workers = None
+    if count > 0:
+        workers = _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+    with (
+        Progress(
+            total=n * len(passes), desc="analyze", unit="samples", enabled=progress and rank == 0
+        ) as bar,
+        contextlib.ExitStack() as stack,
+    ):
+        if workers is not None:
+            stack.callback(workers.pool.shutdown)
+        for index, (pass_samples, pass_accs) in enumerate(passes):
             ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
             offsets = dict.fromkeys(values, 0)
             local = _pass(
+                workers,
+                index,
                 dataset,
                 mine,
                 pass_samples,
                 pass_accs,
                 ctx,
-                num_workers=num_workers,
-                mp_context=mp_context,
                 timeout=timeout,
                 bar=bar,
             )
