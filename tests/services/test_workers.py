@@ -237,3 +237,17 @@ def test_interpreter_exits_with_workers_that_ignore_sigterm(tmp_path):
     assert len(pids) == 2
     time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
+
+
+def test_lambda_collate_fn_under_spawn_says_spawned_workers_need_importable_functions():
+    lo = DataLoader(
+        Items(8),
+        batch_size=2,
+        num_workers=1,
+        multiprocessing_context="spawn",
+        collate_fn=lambda items: items,
+    )
+    with pytest.raises(TypeError, match="spawned workers need importable functions"):
+        next(iter(lo))
+    assert multiprocessing.active_children() == []
+    lo.shutdown()
