@@ -131,6 +131,25 @@ def test_received_batch_is_private_and_survives_the_worker():
     assert all(int(b["x"].abs().sum()) == 0 for b in got)
 
 
+def test_batch_sent_before_its_worker_died_is_still_delivered():
+    pool = WorkerPool(1, timeout=30)
+    pool.start(call)
+    for i in range(3):  # the first large result sizes the slots; the next ones use them
+        pool.submit((_batch, (i, 100_000)))
+        pool.result()
+    assert pool._state["readers"][0].slots  # the batch below travels through a slot
+    pool.submit((_batch, (7, 100_000)))
+    pool.submit((_kill_self, ()))
+    proc = pool._state["procs"][0]
+    proc.join(timeout=10)
+    assert proc.exitcode == -9  # dead before its batch is read
+    got = pool.result()
+    assert torch.equal(got["x"], torch.arange(100_000) + 7)
+    with pytest.raises(WorkerDied):
+        pool.result()
+    assert mp.active_children() == []
+
+
 def test_handler_exception_keeps_its_type_and_the_worker_traceback():
     with WorkerPool(2, timeout=30) as pool:
         pool.start(call)

@@ -135,12 +135,19 @@ def _reraise(exc_type: type[BaseException] | str, text: str, where: str) -> None
     raise exc
 
 
+def _writable(conn: Connection, timeout: float | None) -> bool:
+    """Whether ``conn`` takes a write within ``timeout`` s (poll: no FD_SETSIZE limit)."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLOUT)
+    return bool(poller.poll(None if timeout is None else math.ceil(timeout * 1000)))
+
+
 def _stop(procs: list[Any], tasks: list[Connection], grace: float, polite: bool) -> None:
     """Stop message (if ``polite``), SIGTERM, SIGKILL, each followed by at most ``grace`` s."""
     if polite:
         for conn in tasks:
             with contextlib.suppress(OSError, ValueError):
-                if select.select([], [conn], [], 0)[1]:
+                if _writable(conn, 0.0):
                     conn.send(None)
     signals = (None, signal.SIGTERM, signal.SIGKILL) if polite else (signal.SIGTERM, signal.SIGKILL)
     for sig in signals:
@@ -333,8 +340,7 @@ class WorkerPool:
         # A full pipe means the worker reads no more tasks (stopped or stuck): bounded wait.
         limit = None if math.isinf(self.timeout) else self.timeout
         try:
-            writable = select.select([], [conn], [], limit)[1]
-            if not writable:
+            if not _writable(conn, limit):
                 self._fail_timeout(w)
             conn.send((task, frees, added))
         except (OSError, ValueError):
