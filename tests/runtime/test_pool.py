@@ -288,3 +288,22 @@ def test_bad_arguments_are_refused_by_name():
 
 def test_available_cores_follows_the_affinity_mask():
     assert available_cores() == len(os.sched_getaffinity(0))
+
+
+_INITIALISED: list[str] = []
+
+
+def _remember(tag: str) -> None:
+    _INITIALISED.append(tag)
+
+
+def _initialised() -> list[str]:
+    return list(_INITIALISED)
+
+
+def test_call_runs_an_initializer_once_per_worker():
+    with WorkerPool(2, timeout=30) as pool:
+        pool.start(call, _remember, "store-connected")
+        for _ in range(4):
+            pool.submit((_initialised, ()))
+        assert [pool.result() for _ in range(4)] == [["store-connected"]] * 4

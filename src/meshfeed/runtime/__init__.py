@@ -13,7 +13,8 @@ results come back in request order, tensors and arrays through shared memory.
 ...     print([pool.result() for _ in range(4)])
 [0, 1, 4, 9]
 
-Per-worker state (a stream slot's reader, a dataset opened once per worker): pass an ``init``
+``pool.start(call, initializer, *initargs)`` runs ``initializer(*initargs)`` once per worker
+first. Per-worker state (a stream slot's reader, a dataset opened once per worker): pass an ``init``
 that builds it and returns the handler, and address workers with ``send(w, task)`` /
 ``recv(w)``. A worker that raises re-raises in the caller with its traceback; one that dies or
 stalls raises :class:`WorkerDied` / :class:`WorkerTimeout` (both :class:`WorkerError`) within
@@ -58,6 +59,17 @@ def _call_task(task: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
     return fn(*args)
 
 
-def call(worker: int, num_workers: int) -> Callable[[Any], Any]:
-    """An ``init`` whose handler runs tasks of the form ``(fn, args)`` as ``fn(*args)``."""
+def call(
+    worker: int,
+    num_workers: int,
+    initializer: Callable[..., Any] | None = None,
+    *initargs: Any,
+) -> Callable[[Any], Any]:
+    """An ``init`` whose handler runs tasks of the form ``(fn, args)`` as ``fn(*args)``.
+
+    ``pool.start(call, initializer, *initargs)`` first runs ``initializer(*initargs)`` once in
+    each worker (like ``ProcessPoolExecutor``'s initializer), e.g. to connect to a store.
+    """
+    if initializer is not None:
+        initializer(*initargs)
     return _call_task
