@@ -268,7 +268,13 @@ class WorkerPool:
         # Workers must share this process's tracker of shared memory: one they started
         # themselves would unlink the slots when they die.
         resource_tracker.ensure_running()
-        state: dict[str, Any] = {"procs": [], "tasks": [], "results": [], "readers": []}
+        state: dict[str, Any] = {
+            "procs": [],
+            "tasks": [],
+            "results": [],
+            "readers": [],
+            "pollers": [],
+        }
         state["grace"] = self.grace
         self._state = state
         self._finalizer = weakref.finalize(self, _shutdown_resources, state)
@@ -301,6 +307,10 @@ class WorkerPool:
             state["tasks"].append(task_send)
             state["results"].append(result_recv)
             state["readers"].append(SlotReader(self.ring))
+            poller = select.poll()
+            poller.register(result_recv.fileno(), select.POLLIN)
+            poller.register(proc.sentinel, select.POLLIN)
+            state["pollers"].append(poller)
         self._pending = [deque() for _ in range(self.num_workers)]
         self._free_at = [time.monotonic()] * self.num_workers
         self._order.clear()
@@ -352,17 +362,18 @@ class WorkerPool:
         if not self.pending(w):
             raise RuntimeError(f"{self.name}: recv({w}) with no task outstanding for it")
         conn: Connection = self._state["results"][w]
-        proc = self._state["procs"][w]
+        poller, result_fd = self._state["pollers"][w], conn.fileno()
         deadline = max(self._pending[w][0], self._free_at[w]) + self.timeout
-        while not conn.poll():
+        ready = poller.poll(0)  # one persistent poll set: no selector built per result
+        while not any(fd == result_fd for fd, _ in ready):
+            if ready:  # only the sentinel: the worker is gone (read what it sent first)
+                if not conn.poll(0.05):
+                    self._fail_died(w)
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 self._fail_timeout(w)
-            ready = wait([conn, proc.sentinel], timeout=None if math.isinf(left) else left)
-            if conn in ready:
-                break
-            if proc.sentinel in ready and not conn.poll(0.05):
-                self._fail_died(w)
+            ready = poller.poll(None if math.isinf(left) else math.ceil(left * 1000))
         try:
             header = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
