@@ -105,7 +105,7 @@ def _worker_main(
     try:
         while True:
             try:
-                message = tasks.recv()
+                message = pickle.loads(tasks.recv_bytes())
             except (EOFError, OSError, KeyboardInterrupt):
                 return
             if message is None:
@@ -135,6 +135,9 @@ def _reraise(exc_type: type[BaseException] | str, text: str, where: str) -> None
     raise exc
 
 
+_STOP = pickle.dumps(None)
+
+
 def _writable(conn: Connection, timeout: float | None) -> bool:
     """Whether ``conn`` takes a write within ``timeout`` s (poll: no FD_SETSIZE limit)."""
     poller = select.poll()
@@ -148,7 +151,7 @@ def _stop(procs: list[Any], tasks: list[Connection], grace: float, polite: bool)
         for conn in tasks:
             with contextlib.suppress(OSError, ValueError):
                 if _writable(conn, 0.0):
-                    conn.send(None)
+                    conn.send_bytes(_STOP)
     signals = (None, signal.SIGTERM, signal.SIGKILL) if polite else (signal.SIGTERM, signal.SIGKILL)
     for sig in signals:
         alive = [p for p in procs if p.exitcode is None]
@@ -352,7 +355,7 @@ class WorkerPool:
         try:
             if not _writable(conn, limit):
                 self._fail_timeout(w)
-            conn.send((task, frees, added))
+            conn.send_bytes(pickle.dumps((task, frees, added), 5))
         except (OSError, ValueError):
             self._fail_died(w)
         self._pending[w].append(time.monotonic())
