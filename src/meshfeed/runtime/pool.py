@@ -2,7 +2,7 @@
 
 Each worker runs ``handler = init(worker_id, num_workers, *args)`` once, then ``handler(task)``
 for every task sent to it, in order. The main process waits on the worker's result pipe *and*
-its process sentinel together (``multiprocessing.connection.wait``): a dead worker is noticed
+its process sentinel together (one ``poll`` set per worker): a dead worker is noticed
 at once, a stalled one after ``timeout`` seconds counted from the moment the worker could
 start the task (when it was sent, or when the worker's previous result arrived, whichever is
 later). Results travel through :mod:`meshfeed.runtime.transport` (shared-memory slots).
@@ -40,7 +40,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import resource_tracker
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -95,6 +95,8 @@ def _worker_main(
     # One thread per worker: the workers are the parallelism, and an OpenMP pool inherited
     # through fork deadlocks on its first parallel region.
     torch.set_num_threads(1)
+    # Ctrl-C reaches the whole process group: the main process handles it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_error: bytes | None = None
     handler: Callable[[Any], Any] | None = None
     try:
@@ -161,7 +163,6 @@ def _stop(procs: list[Any], tasks: list[Connection], grace: float, polite: bool)
             for p in alive:
                 with contextlib.suppress(OSError):
                     os.kill(p.pid, sig)
-        wait([p.sentinel for p in alive], timeout=grace)
         deadline = time.monotonic() + grace
         for p in alive:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
