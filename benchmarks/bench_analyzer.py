@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                 out = analyze(corpus, metrics, num_workers=j, progress=False)
                 times[j].append(time.perf_counter() - t0)
                 cpus[j].append(_cpu() - c0)
-                got = {k: getattr(v, "values", v).tobytes() for k, v in out.items()}
+                got = {k: np.asarray(getattr(v, "values", v)).tobytes() for k, v in out.items()}
                 if reference and got != reference:
                     raise AssertionError(f"-j {j} gave different values than -j {jobs[0]}")
                 reference = reference or got
