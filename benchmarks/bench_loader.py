@@ -261,6 +261,208 @@ def bench_throughput(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
     return rows
 
 
+# --------------------------------------------------------------------------- workers
+class NumpyWindows(MemmapWindows):
+    """The same windows as numpy arrays (Grain batches numpy, not torch tensors)."""
+
+    def __getitem__(self, i: int) -> Any:
+        return self.tokens[i * WINDOW : (i + 1) * WINDOW].astype(np.int64)
+
+
+def grain_stream(ds: Any, workers: int) -> tuple[Iterator[Any] | None, str]:
+    """Grain's dataset API with ``mp_prefetch`` over the same windows, or why not."""
+    try:
+        import grain
+    except ImportError as exc:
+        return None, f"grain is not installed ({exc}); pip install grain"
+    dataset = grain.MapDataset.source(ds).shuffle(seed=0).repeat().batch(BATCH)
+    options = grain.MultiprocessingOptions(num_workers=workers)
+    return iter(dataset.to_iter_dataset().mp_prefetch(options)), ""
+
+
+def bench_workers(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
+    """Cheap samples: in-process vs 2 workers, torch DataLoader and Grain with 2 workers.
+
+    Wall time of the main process per batch, interleaved; and this process's CPU time per
+    batch (time.process_time), which shows what the transport costs the training process
+    whatever the machine's load.
+    """
+    path = write_tokens(tmp, cfg.windows)
+    ds = MemmapWindows(path, cfg.windows)
+    inproc = meshfeed_loader(ds, workers=0)
+    workers = meshfeed_loader(ds, workers=2)
+    tl = torch_loader(ds, workers=2)
+    streams: dict[str, Iterator[Any]] = {
+        "meshfeed, 0 workers": forever(inproc),
+        "meshfeed, 2 workers": forever(workers),
+        "torch DataLoader, 2 workers": forever(tl),
+    }
+    grain_it, why = grain_stream(NumpyWindows(path, cfg.windows), 2)
+    if grain_it is not None:
+        streams["grain mp_prefetch, 2 workers"] = grain_it
+    else:
+        print(f"  grain row skipped: {why}", file=sys.stderr)
+    wall = interleaved_rates(streams, warmup=cfg.warmup, batches=cfg.batches, repeats=cfg.repeats)
+    cpu = interleaved_rates(
+        streams, warmup=0, batches=cfg.batches, repeats=cfg.repeats, clock=time.process_time
+    )
+    base = 1 / median(wall["meshfeed, 0 workers"])
+    rows: list[dict[str, Any]] = []
+    for name in streams:
+        rate = 1 / median(wall[name])
+        rows.append(
+            {
+                "loader": name,
+                "bps": rate,
+                "vs_inprocess": rate / base,
+                "main_cpu_us": 1e6 * median(cpu[name]),
+            }
+        )
+    mf2 = rows[1]["bps"]
+    for r in rows:
+        r["meshfeed_2w_over"] = mf2 / r["bps"]
+    if grain_it is None:
+        rows.append({"loader": "grain mp_prefetch, 2 workers", "skipped": why})
+    del streams, grain_it
+    workers.shutdown()
+    print(f"  workers: {rows}", file=sys.stderr)
+    return rows
+
+
+# --------------------------------------------------------------------------- transport
+_TRANSPORT_SRC = torch.arange(BATCH * WINDOW, dtype=torch.int64)  # 128 KiB
+
+
+def _ring_init(worker: int, num_workers: int) -> Callable[[Any], Any]:
+    return lambda _task: {"tokens": _TRANSPORT_SRC.clone()}
+
+
+def _torch_shm_worker(conn: Any) -> None:
+    import torch.multiprocessing  # registers torch's shared-memory reductions
+
+    torch.set_num_threads(1)
+    while conn.recv() is not None:
+        conn.send({"tokens": _TRANSPORT_SRC.clone().share_memory_()})
+
+
+def _pump(get: Callable[[], Any], put: Callable[[], None], n: int) -> tuple[float, float]:
+    """Wall and this process's CPU seconds per batch, 2 requests in flight."""
+    for _ in range(2):
+        put()
+    for _ in range(50):
+        get()
+        put()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        get()
+        put()
+    c1, t1 = time.process_time(), time.perf_counter()
+    for _ in range(2):
+        get()
+    return (t1 - t0) / n, (c1 - c0) / n
+
+
+def bench_transport(cfg: argparse.Namespace) -> list[dict[str, Any]]:
+    """One 128 KiB batch from a worker: the ring of slots vs torch's shared-memory storages,
+    and the ring's per-batch costs one by one (measured in this process)."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+
+    from meshfeed.runtime import WorkerPool
+    from meshfeed.runtime.transport import dumps, loads
+
+    n, reps = cfg.transport_batches, cfg.repeats
+    ring_runs, torch_runs = [], []
+    for _ in range(reps):
+        pool = WorkerPool(1, timeout=60, ring=4)
+        pool.start(_ring_init)
+        ring_runs.append(_pump(pool.result, partial(pool.submit, 0), n))
+        pool.shutdown()
+        ctx = mp.get_context("fork")
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_torch_shm_worker, args=(theirs,), daemon=True)
+        proc.start()
+        import torch.multiprocessing  # noqa: F401  (rebuilds shared tensors on receipt)
+
+        torch_runs.append(_pump(mine.recv, partial(mine.send, 0), n))
+        mine.send(None)
+        proc.join(5)
+    # the ring's parts, each timed alone in this process
+    batch = {"tokens": _TRANSPORT_SRC.clone()}
+    bufs: list[Any] = []
+    meta = dumps(batch, bufs)
+    header = pickle.dumps(("ok", 0, meta, [(0, 131072)], 131072, []), 5)
+    a, b = mp.Pipe(duplex=False)
+    shm = shared_memory.SharedMemory(create=True, size=1 << 18)
+    np.frombuffer(cast(Any, shm.buf), dtype=np.int64, count=BATCH * WINDOW)[:] = (
+        _TRANSPORT_SRC.numpy()
+    )
+
+    def per_call(fn: Callable[[], Any], k: int = 2000) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        return (time.perf_counter() - t0) / k
+
+    def pipe_message() -> None:
+        b.send_bytes(header)
+        a.recv_bytes()
+
+    def map_slot() -> None:
+        other = shared_memory.SharedMemory(name=shm.name)
+        other.close()
+
+    def one_copy() -> None:
+        own = np.empty(1 << 17, dtype=np.uint8).data
+        view = shm.buf
+        assert view is not None
+        own[:] = view[: 1 << 17]
+        del view
+
+    received = memoryview(bytearray(1 << 17))
+
+    def header_pickle() -> None:
+        dumps(batch, [])
+
+    def header_unpickle() -> None:
+        loads(meta, [received])
+
+    parts = {
+        "pipe message (header, send + receive)": median([per_call(pipe_message) for _ in range(3)]),
+        "shared-memory map (attach + close; once per slot, not per batch)": median(
+            [per_call(map_slot, 200) for _ in range(3)]
+        ),
+        "one copy (128 KiB out of the slot)": median([per_call(one_copy) for _ in range(3)]),
+        "header pickle (in the worker)": median([per_call(header_pickle) for _ in range(3)]),
+        "header unpickle (tensors rebuilt as views of the copy)": median(
+            [per_call(header_unpickle) for _ in range(3)]
+        ),
+    }
+    shm.close()
+    shm.unlink()
+    rows = [
+        {
+            "what": "ring of slots (meshfeed), per batch",
+            "wall_us": 1e6 * median([r[0] for r in ring_runs]),
+            "main_cpu_us": 1e6 * median([r[1] for r in ring_runs]),
+        },
+        {
+            "what": "torch share_memory_() + fd passing, per batch",
+            "wall_us": 1e6 * median([r[0] for r in torch_runs]),
+            "main_cpu_us": 1e6 * median([r[1] for r in torch_runs]),
+        },
+    ]
+    rows += [{"what": k, "part_us": 1e6 * v} for k, v in parts.items()]
+    main_side = sum(
+        v for k, v in parts.items() if not k.startswith(("shared-memory map", "header pickle"))
+    )
+    rows.append(
+        {"what": "main process per batch: pipe + copy + unpickle", "part_us": 1e6 * main_side}
+    )
+    print(f"  transport: {rows}", file=sys.stderr)
+    return rows
+
+
 # --------------------------------------------------------------------------- 2. overhead
 def bench_overhead(cfg: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
@@ -562,6 +764,45 @@ def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
             "0 workers only, where all work is in this process).",
             "",
         ]
+    if "workers" in results:
+        lines += [
+            f"## Worker processes, cheap samples: memmap windows of {WINDOW} tokens, batch "
+            f"{BATCH} (128 KiB of int64 per batch), {cfg.batches} batches per repeat",
+            "",
+            "| loader | batches/s | / meshfeed 0 workers | meshfeed 2 workers / this "
+            "| main process CPU us/batch |",
+            "|---|---|---|---|---|",
+        ]
+        for r in results["workers"]:
+            if "skipped" in r:
+                lines.append(f"| {r['loader']} | skipped: {r['skipped']} | | | |")
+                continue
+            lines.append(
+                f"| {r['loader']} | {fmt(r['bps'])} | {r['vs_inprocess']:.2f} "
+                f"| {r['meshfeed_2w_over']:.2f} | {fmt(r['main_cpu_us'])} |"
+            )
+        lines += [
+            "",
+            "Wall-time rates, interleaved; on 2 cores the workers compete with the main "
+            "process (and with other jobs) for the CPUs. Main-process CPU per batch is the "
+            "cost the training process pays to receive a batch.",
+            "",
+        ]
+    if "transport" in results:
+        lines += [
+            f"## Transport of one 128 KiB batch from a worker ({cfg.transport_batches} batches "
+            "per repeat, 2 in flight)",
+            "",
+            "| what | wall us/batch | main process CPU us/batch | part us |",
+            "|---|---|---|---|",
+        ]
+        for r in results["transport"]:
+            lines.append(
+                f"| {r['what']} | {fmt(r.get('wall_us', float('nan')))} "
+                f"| {fmt(r.get('main_cpu_us', float('nan')))} "
+                f"| {fmt(r.get('part_us', float('nan')))} |"
+            )
+        lines.append("")
     if "overhead" in results:
         lines += [
             f"## Per-batch overhead: ready tensors, batch {BATCH}, 0 workers, "
@@ -628,7 +869,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--only",
         nargs="*",
-        choices=["throughput", "overhead", "resume", "memory"],
+        choices=["throughput", "workers", "transport", "overhead", "resume", "memory"],
         help="run only these sections",
     )
     parser.add_argument("--memory-child", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
@@ -638,13 +879,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.windows, args.warmup, args.batches, args.repeats = 4096, 10, 60, 3
-        args.overhead_batches, args.resume_repeats = 1000, 1
+        args.overhead_batches, args.resume_repeats, args.transport_batches = 1000, 1, 500
         args.randperm_sizes, args.sampler_sizes = [10**7], [10**6]
     else:
         args.windows, args.warmup, args.batches, args.repeats = 32768, 30, 300, 5
-        args.overhead_batches, args.resume_repeats = 5000, 3
+        args.overhead_batches, args.resume_repeats, args.transport_batches = 5000, 3, 3000
         args.randperm_sizes, args.sampler_sizes = [10**7, 10**8], [10**6, 10**7]
-    sections = args.only or ["throughput", "overhead", "resume", "memory"]
+    sections = args.only or ["throughput", "workers", "transport", "overhead", "resume", "memory"]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="meshfeed-bench-") as tmp:
         for section in sections:
@@ -652,6 +893,10 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             if section == "throughput":
                 results[section] = bench_throughput(args, tmp)
+            elif section == "workers":
+                results[section] = bench_workers(args, tmp)
+            elif section == "transport":
+                results[section] = bench_transport(args)
             elif section == "overhead":
                 results[section] = bench_overhead(args)
             elif section == "resume":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import time
 
 import numpy as np
@@ -15,6 +18,7 @@ from meshfeed.curriculum import (
     seqlen,
     vocab_rarity,
 )
+from meshfeed.runtime import WorkerError
 
 VOCAB = 40
 
@@ -145,3 +149,64 @@ def test_a_stuck_worker_fails_the_run_within_the_timeout():
             progress=False,
         )
     assert time.monotonic() - begin < 20  # not the 60 s the stuck worker would take
+
+
+def _ignores_sigterm_on_three(doc: list[int]) -> int:
+    if doc[0] == 3:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(60)
+    return len(doc)
+
+
+def _stops_itself_on_three(doc: list[int]) -> int:
+    if doc[0] == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return len(doc)
+
+
+def _killed_on_three(doc: list[int]) -> int:
+    if doc[0] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return len(doc)
+
+
+@pytest.mark.parametrize(
+    ("fn", "error", "match"),
+    [
+        (_ignores_sigterm_on_three, TimeoutError, "timeout=1.5s"),
+        (_stops_itself_on_three, TimeoutError, "timeout=1.5s"),
+        (_killed_on_three, WorkerError, "exited unexpectedly with exit code -9"),
+    ],
+)
+def test_stuck_stopped_or_killed_worker_fails_within_timeout_plus_one_second(fn, error, match):
+    begin = time.monotonic()
+    with pytest.raises(error, match=match):
+        analyze(
+            [[i] for i in range(8)],
+            [SampleMetric(name="m", fn=fn)],
+            num_workers=2,
+            chunk_size=1,
+            timeout=1.5,
+            progress=False,
+        )
+    assert time.monotonic() - begin < 1.5 + 1.0 + 0.5  # + the workers' start
+    assert multiprocessing.active_children() == []
+
+
+def test_workers_beyond_the_cores_are_not_started(monkeypatch):
+    import meshfeed.curriculum.analyzer as analyzer_module
+
+    started = []
+    real = analyzer_module.WorkerPool
+
+    def spy(num_workers, **kwargs):
+        started.append(num_workers)
+        return real(num_workers, **kwargs)
+
+    monkeypatch.setattr(analyzer_module, "WorkerPool", spy)
+    monkeypatch.setattr(analyzer_module, "available_cores", lambda: 2)
+    docs = [[1] * (i % 5 + 1) for i in range(40)]
+    wide = analyze(docs, [seqlen()], num_workers=8, chunk_size=4, progress=False)
+    assert started == [2]
+    ref = analyze(docs, [seqlen()], num_workers=0, chunk_size=4, progress=False)
+    assert wide["seqlen"].values.tobytes() == ref["seqlen"].values.tobytes()

@@ -1,5 +1,10 @@
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +110,144 @@ def test_worker_service_validates_arguments():
         WorkerService(0)
     with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
         WorkerService(2, prefetch=0)
+
+
+# ---------------------------------------------------------------------- errors, restart, hangs
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class FailsOnce(Items):
+    """Sample 9 raises in the first worker process that reads it, then works."""
+
+    def __init__(self, n, flag):
+        super().__init__(n)
+        self.flag = flag
+
+    def __getitem__(self, i):
+        if i == 9 and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            raise ValueError("transient failure on sample 9")
+        return super().__getitem__(i)
+
+
+def test_loader_iterated_again_after_a_worker_error_restarts_and_continues(tmp_path):
+    ref = _without_pid(take(DataLoader(Items(24), batch_size=4, shuffle=False), 6))
+    lo = DataLoader(
+        FailsOnce(24, str(tmp_path / "flag")),
+        batch_size=4,
+        shuffle=False,
+        num_workers=2,
+        on_error="raise",
+    )
+    got = []
+    with pytest.raises(SampleError, match="transient failure on sample 9"):
+        for b in lo:
+            got.append(b)
+    assert len(got) == 2 and lo.position == 8
+    rest = list(lo)  # no "map() before start()": fresh workers, from the saved position
+    assert_same(ref, _without_pid(got + rest))
+    lo.shutdown()
+
+
+def test_worker_killed_mid_batch_fails_at_once_and_leaves_no_process():
+    lo = DataLoader(Items(32, die_at=9), batch_size=4, shuffle=False, num_workers=2, timeout=30)
+    got = []
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="exited unexpectedly"):
+        for b in lo:
+            got.append(b)
+    assert time.monotonic() - start < 5  # noticed through the sentinel, not the 30 s timeout
+    assert [int(b["i"][0]) for b in got] == [0, 4]
+    assert multiprocessing.active_children() == []
+    lo.shutdown()
+
+
+def _ignores_sigterm_and_hangs(i):
+    if i == 2:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    return i
+
+
+class Hangs(Items):
+    def __getitem__(self, i):
+        return _ignores_sigterm_and_hangs(i)
+
+
+@pytest.mark.parametrize("case", ["ignores_sigterm", "sigstop"])
+def test_stuck_or_stopped_worker_fails_within_timeout_plus_one_second(case):
+    dataset = Hangs(16) if case == "ignores_sigterm" else Items(16)
+    lo = DataLoader(dataset, batch_size=2, shuffle=False, num_workers=2, timeout=1.5)
+    it = iter(lo)
+    next(it)
+    pids = list(lo.service._pool.pids)
+    if case == "sigstop":
+        os.kill(pids[1], signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="produced nothing for step 1 within timeout=1.5s"):
+        next(it)
+    assert time.monotonic() - start < 1.5 + 1.0
+    assert multiprocessing.active_children() == []
+    assert not any(_alive(p) for p in pids)
+    lo.shutdown()
+
+
+_EXIT_SCRIPT = """
+import signal, time
+from meshfeed import DataLoader
+
+class Hangs:
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        if i >= 2:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                time.sleep(1)
+        return i
+
+lo = DataLoader(Hangs(), batch_size=2, shuffle=False, num_workers=2, timeout=60)
+it = iter(lo)
+print(next(it).tolist(), " ".join(map(str, lo.service._pool.pids)), flush=True)
+time.sleep(0.5)
+# leave with both workers stuck and ignoring SIGTERM, without shutdown()
+"""
+
+
+def test_interpreter_exits_with_workers_that_ignore_sigterm(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(_EXIT_SCRIPT)
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("[0, 1]")
+    pids = [int(p) for p in done.stdout.split("]")[1].split()]
+    assert len(pids) == 2
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_lambda_collate_fn_under_spawn_says_spawned_workers_need_importable_functions():
+    lo = DataLoader(
+        Items(8),
+        batch_size=2,
+        num_workers=1,
+        multiprocessing_context="spawn",
+        collate_fn=lambda items: items,
+    )
+    with pytest.raises(TypeError, match="spawned workers need importable functions"):
+        next(iter(lo))
+    assert multiprocessing.active_children() == []
+    lo.shutdown()

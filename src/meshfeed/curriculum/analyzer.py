@@ -2,15 +2,18 @@
 
 The dataset is cut into fixed chunks of ``chunk_size`` samples. Chunks are spread over
 torch.distributed ranks (contiguous ranges, when a process group is initialised) and, inside each
-rank, over ``num_workers`` worker processes; results are merged in chunk order, so per-sample
+rank, over ``num_workers`` worker processes (at most the cores this process may use: more
+would only add start-up and switching costs on CPU-bound metrics); results are merged in chunk order, so per-sample
 values are bit-identical for any number of workers or ranks. Accumulated metrics are summed in
 chunk order (integer histograms are exact; float sums can differ in the last bits between
 different *rank* counts, never between worker counts).
 
 Metrics that ``require`` accumulated ones (vocabulary rarity needs the token histogram) run in a
 second pass once the accumulated arrays are reduced on every rank. Their ``prepare`` runs once
-per rank, in the main process; its result reaches the workers through the pool initialiser
-(inherited under ``fork``, pickled once per worker under ``spawn``).
+per rank, in the main process; its result reaches the workers through the pool's per-worker
+start function (inherited under ``fork``, pickled once per worker under ``spawn``, so metric
+functions must then be importable). Workers are a :class:`~meshfeed.runtime.WorkerPool`: a
+stuck metric fails the run after ``timeout`` and a dead worker at once, never a hang.
 
 >>> from meshfeed.curriculum import analyze, seqlen
 >>> result = analyze([[1, 2], [3], [4, 5, 6]], [seqlen()], progress=False)
@@ -20,11 +23,10 @@ per rank, in the main process; its result reaches the workers through the pool i
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import contextlib
 import os
-from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+import pickle
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,14 @@ import numpy as np
 from meshfeed.curriculum.index import MetricIndex, fingerprint, save_accumulated
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
 from meshfeed.progress import Progress
+from meshfeed.runtime import WorkerPool, WorkerTimeout, available_cores
 
 __all__ = ["analyze"]
 
 Metric = SampleMetric | AccumulatedMetric
 _ChunkOut = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 
-# Set in each worker by the pool initialiser (inherited, not pickled, under fork).
+# Set in each worker by _start_worker (its arguments are inherited, not pickled, under fork).
 _WORK: tuple[Any, list[SampleMetric], list[AccumulatedMetric], dict[str, Any]] | None = None
 
 
@@ -50,8 +53,34 @@ def _init_worker(
     _WORK = (dataset, samples, accs, ctx)
 
 
-def _run_chunk(start: int, stop: int) -> _ChunkOut:
+_Passes = list[tuple[list[SampleMetric], list[AccumulatedMetric]]]
+_PASSES: _Passes = []
+
+
+def _start_worker(
+    worker: int, num_workers: int, dataset: Any, passes: _Passes, first: int, ctx: dict[str, Any]
+) -> Callable[[Any], Any]:
+    # The metrics come with the start arguments (inherited under fork: local functions work).
+    global _PASSES
+    _PASSES = passes
+    samples, accs = passes[first]
+    _init_worker(dataset, samples, accs, ctx)
+    return _handle
+
+
+def _handle(task: Any) -> _ChunkOut | None:
+    """A chunk ``(start, stop)``, or ``("pass", index, ctx)`` starting pass ``index``."""
+    if task[0] == "pass":
+        assert _WORK is not None  # internal invariant: set by _start_worker
+        samples, accs = _PASSES[task[1]]
+        _init_worker(_WORK[0], samples, accs, task[2])
+        return None
+    return _run_chunk(task)
+
+
+def _run_chunk(chunk: tuple[int, int]) -> _ChunkOut:
     assert _WORK is not None  # internal invariant: set by _init_worker
+    start, stop = chunk
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
     sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
@@ -102,21 +131,46 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
+class _Workers:
+    """The analyzer's pool, started once and reused by every pass where it can be."""
+
+    def __init__(self, workers: int, dataset: Any, passes: _Passes, **pool_options: Any):
+        self.pool = WorkerPool(workers, name="meshfeed-analyzer-worker", **pool_options)
+        self.dataset, self.passes = dataset, passes
+
+    def begin(self, index: int, ctx: dict[str, Any]) -> WorkerPool:
+        pool = self.pool
+        if not pool.started:
+            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
+            return pool
+        try:
+            pickle.dumps(ctx)
+        except Exception:  # e.g. a local object from prepare: start workers that inherit it
+            pool.shutdown()
+            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
+            return pool
+        for w in range(pool.num_workers):
+            pool.send(w, ("pass", index, ctx))
+        for w in range(pool.num_workers):
+            pool.recv(w)
+        return pool
+
+
 def _pass(
+    workers: _Workers | None,
+    index: int,
     dataset: Any,
     chunks: list[tuple[int, int]],
     samples: list[SampleMetric],
     accs: list[AccumulatedMetric],
     ctx: dict[str, Any],
     *,
-    num_workers: int,
-    mp_context: str | None,
     timeout: float,
     bar: Progress,
 ) -> _ChunkOut:
     """Run one pass over ``chunks``: per-sample values concatenated, accumulations summed.
 
-    Both are merged in chunk order, so the result does not depend on ``num_workers``.
+    Both are merged in chunk order, so the result does not depend on the number of workers.
     """
     values: dict[str, list[np.ndarray]] = {m.name: [] for m in samples}
     sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
@@ -128,47 +182,24 @@ def _pass(
             sums[name] += part
         bar.update(size)
 
-    if num_workers <= 0:
+    if workers is None:
         _init_worker(dataset, samples, accs, ctx)
         for start, stop in chunks:
-            merge(_run_chunk(start, stop), stop - start)
+            merge(_run_chunk((start, stop)), stop - start)
     else:
-        method = mp_context or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ProcessPoolExecutor(
-            max_workers=num_workers,
-            mp_context=mp.get_context(method),
-            initializer=_init_worker,
-            initargs=(dataset, samples, accs, ctx),
-        )
-
-        def wait(size: int, fut: Future[_ChunkOut]) -> None:
-            try:
-                out = fut.result(timeout=timeout)
-            except TimeoutError as e:
-                raise TimeoutError(
-                    f"an analyzer worker spent more than timeout={timeout}s on a chunk of "
-                    f"{size} samples; a metric function is stuck, or raise timeout"
-                ) from e
-            merge(out, size)
-
         try:
+            pool = workers.begin(index, ctx)
             # A bounded window of chunks in flight keeps memory flat on long corpora.
-            window = 4 * num_workers
-            pending: deque[tuple[int, Future[_ChunkOut]]] = deque()
-            for start, stop in chunks:
-                pending.append((stop - start, pool.submit(_run_chunk, start, stop)))
-                if len(pending) >= window:
-                    wait(*pending.popleft())
-            while pending:
-                wait(*pending.popleft())
-        except BaseException:
-            # shutdown(wait=True) would wait for a stuck worker forever: stop the workers
-            # this call started, then leave without waiting.
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                proc.terminate()
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown(wait=True)
+            sizes = (stop - start for start, stop in chunks)
+            window = 4 * pool.num_workers
+            for size, out in zip(sizes, pool.map(chunks, window=window), strict=True):
+                merge(out, size)
+        except WorkerTimeout as e:
+            raise TimeoutError(
+                f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
+                f"{max(b - a for a, b in chunks)} samples; a metric function is stuck, or raise "
+                "timeout"
+            ) from e
     empty = {m.name: np.empty(0, dtype=m.dtype) for m in samples}
     return {k: np.concatenate(v) if v else empty[k] for k, v in values.items()}, sums
 
@@ -225,20 +256,31 @@ def analyze(
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
     accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
     passes = [(first, accs), (second, [])] if second else [(first, accs)]
-    with Progress(
-        total=n * len(passes), desc="analyze", unit="samples", enabled=progress and rank == 0
-    ) as bar:
-        for pass_samples, pass_accs in passes:
+    # One pool for every pass: workers are started once. Never more than the cores: on
+    # CPU-bound metrics extra workers only add start-up and switching costs.
+    count = min(num_workers, available_cores(), len(mine))
+    workers = None
+    if count > 0:
+        workers = _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+    with (
+        Progress(
+            total=n * len(passes), desc="analyze", unit="samples", enabled=progress and rank == 0
+        ) as bar,
+        contextlib.ExitStack() as stack,
+    ):
+        if workers is not None:
+            stack.callback(workers.pool.shutdown)
+        for index, (pass_samples, pass_accs) in enumerate(passes):
             ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
             offsets = dict.fromkeys(values, 0)
             local = _pass(
+                workers,
+                index,
                 dataset,
                 mine,
                 pass_samples,
                 pass_accs,
                 ctx,
-                num_workers=num_workers,
-                mp_context=mp_context,
                 timeout=timeout,
                 bar=bar,
             )

@@ -1,214 +1,137 @@
 """Worker processes: batch i of a run is made by worker ``i % num_workers``.
 
 The main process computes every task (the order is cheap arithmetic) and hands task i to
-worker ``i % k``; results are read back in task order, so the output is exactly that of
-``num_workers=0`` and the loader's state is simply the position of the last batch returned.
+worker ``i % k`` of a :class:`~meshfeed.runtime.WorkerPool`; results are read back in task
+order, so the output is exactly that of ``num_workers=0`` and the loader's state is simply the
+position of the last batch returned. Tensors travel through the pool's shared-memory slots and
+are copied out before a batch is returned (see :mod:`meshfeed.runtime.transport`), so a batch
+already received survives the death of its worker and never aliases memory a worker writes.
 
-Batches travel as one pickled byte string per batch over the worker's pipe
-(:mod:`meshfeed.services.wire`), so a batch already sent survives the death of its worker.
-
-Each worker has its own task queue and result pipe. The main process waits on the pipe *and*
-the worker's process sentinel with ``multiprocessing.connection.wait``, so a worker that dies
-is noticed at once (no polling) and a worker that stalls is reported after ``timeout``.
+A worker that dies or stalls raises :class:`WorkerError` (within ``timeout`` + about one
+second); a sample error re-raises as its own type with the worker's traceback. After any
+error the workers are stopped, and the next ``map`` starts fresh ones: iterating the loader
+again continues from the position of the last batch it returned.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import random
-import traceback
 from collections import deque
-from collections.abc import Iterator
-from multiprocessing.connection import Connection, wait
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
 from meshfeed.order.permutation import derive_seed
-from meshfeed.services.wire import dumps, loads
+from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
+
+__all__ = ["WorkerError", "WorkerService"]
 
 
-class WorkerError(RuntimeError):
-    """A worker process died, stalled, or raised something that cannot be re-raised as is."""
-
-
-def _worker_main(
-    worker_id: int, num_workers: int, fetcher: Fetcher, tasks: Any, results: Connection
-) -> None:
-    torch.set_num_threads(1)
+def _start_fetcher(worker: int, num_workers: int, fetcher: Fetcher) -> Callable[[Any], Any]:
     # Global RNGs get a per-worker seed so code that uses them is at least reproducible;
     # per-sample randomness should use meshfeed.sample_rng, which does not depend on workers.
-    seed = derive_seed(fetcher.seed, 0x574B, worker_id)
+    seed = derive_seed(fetcher.seed, 0x574B, worker)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    fetcher.worker_id, fetcher.num_workers = worker_id, num_workers
-    while True:
-        try:
-            task = tasks.get()
-        except (EOFError, OSError, KeyboardInterrupt):
-            return
-        if task is None:
-            return
-        try:
-            out: tuple[Any, ...] = ("ok", fetcher(task))
-        except Exception as exc:
-            out = ("error", type(exc), str(exc), traceback.format_exc())
-        try:
-            payload = dumps(out)
-        except Exception as exc:  # the batch could not be pickled
-            payload = dumps(("error", type(exc), str(exc), traceback.format_exc()))
-        results.send_bytes(payload)
-
-
-def _reraise(
-    worker_id: int, step: int, exc_type: type[BaseException], message: str, tb: str
-) -> None:
-    text = f"{message}\n\n(raised in worker {worker_id} while making step {step}; worker traceback:)\n{tb}"
-    try:
-        exc = exc_type(text)
-    except Exception:
-        exc = WorkerError(f"{exc_type.__name__}: {text}")
-    raise exc
+    fetcher.worker_id, fetcher.num_workers = worker, num_workers
+    return fetcher
 
 
 class WorkerService:
-    """Makes batches in ``num_workers`` processes, ``prefetch`` batches ahead per worker."""
+    """Makes batches in ``num_workers`` processes, ``prefetch`` batches ahead per worker.
+
+    ``timeout`` bounds the wait for one batch, counted from when its worker could start it
+    (``None`` or ``math.inf``: no limit). Under ``start_method="spawn"`` the dataset, its
+    ``collate_fn`` and the rest of the fetcher are pickled, so they must be importable.
+    """
 
     def __init__(
         self,
         num_workers: int,
         *,
         prefetch: int = 2,
-        timeout: float = 300.0,
+        timeout: float | None = 300.0,
         start_method: str | None = None,
     ) -> None:
-        if not isinstance(num_workers, int) or num_workers < 1:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(
                 f"num_workers must be an int >= 1 for WorkerService (got {num_workers=})"
             )
-        if not isinstance(prefetch, int) or prefetch < 1:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=})")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds (got {timeout=})")
-        self.num_workers = num_workers
-        self.prefetch = prefetch
-        self.timeout = float(timeout)
-        methods = mp.get_all_start_methods()
-        self.start_method = start_method or ("fork" if "fork" in methods else "spawn")
-        self._procs: list[Any] = []
-        self._tasks: list[Any] = []
-        self._results: list[Connection] = []
-        self._pending: list[deque[int]] = []
+        self._pool = WorkerPool(
+            num_workers, timeout=timeout, start_method=start_method, ring=prefetch + 2
+        )
+        self.num_workers, self.prefetch = num_workers, prefetch
+        self.timeout, self.start_method = self._pool.timeout, self._pool.start_method
+        self._fetcher: Fetcher | None = None
 
     @property
     def started(self) -> bool:
-        return bool(self._procs)
+        return self._pool.started
 
     def start(self, fetcher: Fetcher) -> None:
-        if self._procs:
-            return
-        ctx: Any = mp.get_context(self.start_method)
-        for w in range(self.num_workers):
-            tasks = ctx.Queue()
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(w, self.num_workers, fetcher, tasks, send),
-                name=f"meshfeed-worker-{w}",
-                daemon=True,
-            )
-            proc.start()
-            send.close()
-            self._procs.append(proc)
-            self._tasks.append(tasks)
-            self._results.append(recv)
-            self._pending.append(deque())
-
-    def _receive(self, w: int) -> tuple[Any, FetchEvents]:
-        step = self._pending[w].popleft()
-        conn, proc = self._results[w], self._procs[w]
-        ready = wait([conn, proc.sentinel], timeout=self.timeout)
-        if conn not in ready:
-            if proc.sentinel in ready and not conn.poll(0.05):
-                self._died(w, step)
-            if not ready:
-                self.shutdown()
-                raise WorkerError(
-                    f"worker {w} (pid {proc.pid}) produced nothing for step {step} within "
-                    f"timeout={self.timeout}s; the dataset may be stuck on I/O. Raise timeout= if "
-                    "single batches legitimately take longer"
-                )
-        try:
-            message = loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            proc.join(timeout=1.0)
-            self._died(w, step)
-        if message[0] == "error":
-            _, exc_type, text, tb = message
-            _reraise(w, step, exc_type, text, tb)
-        return message[1]
-
-    def _died(self, w: int, step: int) -> NoReturn:
-        proc = self._procs[w]
-        pid, code = proc.pid, proc.exitcode
-        self.shutdown()
-        raise WorkerError(
-            f"worker {w} (pid {pid}) exited unexpectedly with exit code {code} while making "
-            f"step {step}; it may have run out of memory or been killed. The loader is shut "
-            "down; restore it from the last checkpoint"
-        )
+        self._fetcher = fetcher
+        self._pool.start(_start_fetcher, fetcher)
 
     def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]:
-        if not self._procs:
+        if self._fetcher is None:
             raise RuntimeError("WorkerService.map() before start(); call start(fetcher) first")
-        # Discard what an abandoned earlier iteration left in flight, so outputs stay aligned.
-        for w in range(self.num_workers):
-            while self._pending[w]:
-                self._receive(w)
-        inflight: deque[int] = deque()
-        counter = 0
-        source = iter(tasks)
-        exhausted = False
+        pool = self._pool
+        while pool.started and pool.outstanding():  # what an abandoned iteration left
+            try:
+                pool.result()
+            except Exception:
+                pool.shutdown()
+        pool.start(_start_fetcher, self._fetcher)  # a no-op unless stopped by an error
+        return self._run(pool, iter(tasks))
+
+    def _run(self, pool: WorkerPool, source: Iterator[FetchTask]) -> Iterator[Any]:
+        steps: deque[int] = deque()
 
         def submit() -> None:
-            nonlocal counter, exhausted
-            try:
-                task = next(source)
-            except StopIteration:
-                exhausted = True
-                return
-            w = counter % self.num_workers
-            counter += 1
-            self._tasks[w].put(task)
-            self._pending[w].append(task.step)
-            inflight.append(w)
+            task = next(source, None)
+            if task is not None:
+                pool.submit(task)
+                steps.append(task.step)
 
-        while not exhausted and len(inflight) < self.num_workers * self.prefetch:
-            submit()
-        while inflight:
-            w = inflight.popleft()
-            result = self._receive(w)
-            if not exhausted:
+        try:
+            for task in source:
+                pool.submit(task)
+                steps.append(task.step)
+                if len(steps) >= self.num_workers * self.prefetch:
+                    break
+            while steps:
+                result = self._result(pool, steps[0])
+                steps.popleft()
                 submit()
-            yield result
+                yield result
+        except GeneratorExit:  # abandoned: the next map() drains what is in flight
+            raise
+        except BaseException:
+            pool.shutdown()  # the next map() starts fresh workers
+            raise
+
+    def _result(self, pool: WorkerPool, step: int) -> Any:
+        try:
+            return pool.result()
+        except WorkerTimeout as e:
+            raise WorkerError(
+                f"worker {e.worker} (pid {e.pid}) produced nothing for step {step} within "
+                f"timeout={self.timeout}s; the dataset may be stuck on I/O. Raise timeout= if "
+                "single batches legitimately take longer"
+            ) from None
+        except WorkerDied as e:
+            raise WorkerError(
+                f"worker {e.worker} (pid {e.pid}) exited unexpectedly with exit code "
+                f"{e.exitcode} while making step {step}; it may have run out of memory or been "
+                "killed. Iterating the loader again restarts the workers from the last batch "
+                "returned"
+            ) from None
 
     def shutdown(self) -> None:
-        procs, self._procs = self._procs, []
-        for q in self._tasks:
-            with contextlib.suppress(OSError, ValueError):
-                q.put(None)
-        for p in procs:
-            p.join(timeout=2.0)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2.0)
-        for q in self._tasks:
-            q.cancel_join_thread()
-            q.close()
-        for c in self._results:
-            c.close()
-        self._tasks, self._results, self._pending = [], [], []
+        self._pool.shutdown()

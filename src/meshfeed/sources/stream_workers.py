@@ -4,32 +4,29 @@ A slot pipeline is ``PieceReader -> ShuffleBuffer -> Batcher -> collate`` over t
 assigned to one (data rank, worker). ``next()`` returns ``(batch, state after it)`` or
 ``(None, state)`` at the end, so the loader can record the state of the last batch it returned.
 
-:class:`ProcessSlots` runs each slot in its own process. The main process asks for batches
-(``prefetch`` requests outstanding per worker) over a duplex pipe and waits on the pipe *and*
-the process sentinel with a timeout: a dead worker is noticed at once and a stalled one after
-``timeout`` seconds, never a hang. Batches travel as :mod:`meshfeed.services.wire` bytes.
+:class:`ProcessSlots` runs each slot in its own process of a :class:`~meshfeed.runtime.WorkerPool`
+(``prefetch`` requests outstanding per worker): a dead worker is noticed at once and a stalled
+one after ``timeout`` seconds, never a hang, and the workers are stopped (SIGTERM, then
+SIGKILL) before :class:`StreamWorkerError` is raised. A worker's exception is raised as
+:class:`StreamWorkerError` chained to the original (``__cause__``), with its traceback.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from typing import Any, NoReturn
+from typing import Any
 
 from meshfeed.collate import default_collate
 from meshfeed.nodes.batch import Batcher
 from meshfeed.nodes.shuffle import ShuffleBuffer
-from meshfeed.services.wire import dumps, loads
+from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
 from meshfeed.sources.stream import Piece, PieceReader, ShardedStream
 
 __all__ = ["InProcessSlots", "ProcessSlots", "SlotConfig", "SlotPipeline", "StreamWorkerError"]
 
 
-class StreamWorkerError(RuntimeError):
+class StreamWorkerError(WorkerError):
     """A stream worker died, stalled or raised."""
 
 
@@ -87,37 +84,19 @@ class InProcessSlots:
         self.pipes = []
 
 
-def _worker_main(
-    config: SlotConfig, state: dict[str, Any] | None, conn: Connection, worker: int
-) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        pipe = SlotPipeline(config, state)
-    except Exception as exc:
-        conn.send_bytes(dumps(("error", type(exc).__name__, str(exc), traceback.format_exc())))
-        return
-    while True:
-        try:
-            request = conn.recv()
-        except (EOFError, OSError, KeyboardInterrupt):
-            return
-        if request is None:
-            return
-        try:
-            batch, state = pipe.next()
-            conn.send_bytes(dumps(("ok", batch, state)))
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                conn.send_bytes(
-                    dumps(("error", type(exc).__name__, str(exc), traceback.format_exc()))
-                )
-            return
+def _start_slot(
+    worker: int,
+    num_workers: int,
+    configs: list[SlotConfig],
+    states: list[dict[str, Any] | None],
+) -> Callable[[Any], tuple[Any, dict[str, Any]]]:
+    pipe = SlotPipeline(configs[worker], states[worker])
+    return lambda _request: pipe.next()
 
 
 class ProcessSlots:
-    """One process per slot; ``prefetch`` batches requested ahead per worker."""
+    """One worker process per slot (a :class:`~meshfeed.runtime.WorkerPool`); ``prefetch``
+    batches requested ahead per worker."""
 
     def __init__(
         self,
@@ -125,84 +104,58 @@ class ProcessSlots:
         states: list[dict[str, Any] | None],
         *,
         prefetch: int,
-        timeout: float,
+        timeout: float | None,
         start_method: str | None = None,
     ) -> None:
-        methods = mp.get_all_start_methods()
-        ctx: Any = mp.get_context(start_method or ("fork" if "fork" in methods else "spawn"))
-        self.timeout, self.prefetch = float(timeout), prefetch
-        self.procs: list[Any] = []
-        self.conns: list[Connection] = []
-        self.outstanding: list[int] = []
-        for w, (config, state) in enumerate(zip(configs, states, strict=True)):
-            mine, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(config, state, theirs, w),
-                name=f"meshfeed-stream-worker-{w}",
-                daemon=True,
-            )
-            proc.start()
-            theirs.close()
-            self.procs.append(proc)
-            self.conns.append(mine)
-            self.outstanding.append(0)
+        self.prefetch = prefetch
+        self.pool = WorkerPool(
+            len(configs),
+            timeout=timeout,
+            start_method=start_method,
+            name="meshfeed-stream-worker",
+            ring=prefetch + 2,
+        )
+        self.timeout = self.pool.timeout
+        self.pool.start(_start_slot, configs, states)
+        for w in range(len(configs)):
             for _ in range(prefetch):
                 self._request(w)
 
     def _request(self, w: int) -> None:
         try:
-            self.conns[w].send("next")
-        except OSError:
-            self._died(w)
-        self.outstanding[w] += 1
+            self.pool.send(w, "next")
+        except WorkerError as e:
+            raise self._translate(w, e) from None
 
-    def _died(self, w: int) -> NoReturn:
-        proc = self.procs[w]
-        proc.join(timeout=1.0)
-        self.close()
-        raise StreamWorkerError(
-            f"stream worker {w} (pid {proc.pid}) exited with exit code {proc.exitcode}; it may "
-            "have run out of memory or been killed. Restore from the last checkpoint"
-        )
-
-    def next(self, w: int) -> tuple[Any, dict[str, Any]]:
-        if self.outstanding[w] == 0:
-            self._request(w)
-        conn, proc = self.conns[w], self.procs[w]
-        ready = wait([conn, proc.sentinel], timeout=self.timeout)
-        if not ready:
-            self.close()
-            raise StreamWorkerError(
+    def _translate(self, w: int, error: WorkerError) -> StreamWorkerError:
+        if isinstance(error, WorkerTimeout):
+            return StreamWorkerError(
                 f"stream worker {w} produced no batch within timeout={self.timeout}s; the "
                 "reader may be stuck on I/O. Raise timeout= if a batch legitimately takes longer"
             )
+        if isinstance(error, WorkerDied):
+            return StreamWorkerError(
+                f"stream worker {w} (pid {error.pid}) exited with exit code {error.exitcode}; "
+                "it may have run out of memory or been killed. Restore from the last checkpoint"
+            )
+        return StreamWorkerError(str(error))
+
+    def next(self, w: int) -> tuple[Any, dict[str, Any]]:
+        if not self.pool.started:
+            raise StreamWorkerError("ProcessSlots.next() after close(); open new slots")
+        if self.pool.pending(w) == 0:
+            self._request(w)
         try:
-            if conn not in ready and not conn.poll(0.05):
-                self._died(w)
-            message = loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            self._died(w)
-        self.outstanding[w] -= 1
-        if message[0] == "error":
-            _, kind, text, tb = message
+            batch, state = self.pool.recv(w)
+        except WorkerError as e:
             self.close()
-            raise StreamWorkerError(f"{kind}: {text}\n\n(raised in stream worker {w}:)\n{tb}")
-        _, batch, state = message
+            raise self._translate(w, e) from None
+        except Exception as e:
+            self.close()
+            raise StreamWorkerError(f"{type(e).__name__}: {e}") from e
         if batch is not None:
             self._request(w)
         return batch, state
 
     def close(self) -> None:
-        procs, self.procs = self.procs, []
-        for c in self.conns:
-            with contextlib.suppress(OSError, ValueError, BrokenPipeError):
-                c.send(None)
-        for p in procs:
-            p.join(timeout=0.5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=2.0)
-        for c in self.conns:
-            c.close()
-        self.conns, self.outstanding = [], []
+        self.pool.shutdown()

@@ -1,0 +1,447 @@
+"""WorkerPool: k worker processes, one task pipe each, results in request order, never a hang.
+
+Each worker runs ``handler = init(worker_id, num_workers, *args)`` once, then ``handler(task)``
+for every task sent to it, in order. The main process waits on the worker's result pipe *and*
+its process sentinel together (one ``poll`` set per worker): a dead worker is noticed
+at once, a stalled one after ``timeout`` seconds counted from the moment the worker could
+start the task (when it was sent, or when the worker's previous result arrived, whichever is
+later). Results travel through :mod:`meshfeed.runtime.transport` (shared-memory slots).
+
+A handler that raises does not stop its worker: the exception is re-raised in the main
+process with the worker's traceback in its message, as the original type when that type can
+be built from one string, else as :class:`WorkerError`. A worker that dies or stalls raises
+:class:`WorkerDied` / :class:`WorkerTimeout` and shuts the whole pool down; ``start`` may be
+called again afterwards.
+
+``shutdown`` sends every worker the stop message, waits ``grace`` seconds, sends SIGTERM,
+waits ``grace`` again, sends SIGKILL and joins every child, so it returns within about
+``3 * grace`` seconds even when a worker ignores SIGTERM or is stopped (SIGSTOP). A pool that
+is never shut down is shut down when it is garbage-collected or at interpreter exit (before
+``multiprocessing``'s own exit handler, which would wait for such a worker forever).
+
+Under the ``spawn`` and ``forkserver`` start methods ``init`` and ``args`` are pickled, so they
+must be importable (defined at module top level, not lambdas or local functions); a pickling
+failure there is reported as a :class:`TypeError` saying so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import pickle
+import select
+import signal
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from meshfeed.runtime.transport import SlotReader, SlotWriter
+
+__all__ = ["WorkerDied", "WorkerError", "WorkerPool", "WorkerTimeout", "default_start_method"]
+
+
+class WorkerError(RuntimeError):
+    """A worker process died, stalled, or raised something that cannot be re-raised as is."""
+
+
+class WorkerDied(WorkerError):
+    """A worker process exited while a result of it was awaited."""
+
+    def __init__(self, message: str, *, worker: int, pid: int | None, exitcode: int | None):
+        super().__init__(message)
+        self.worker, self.pid, self.exitcode = worker, pid, exitcode
+
+
+class WorkerTimeout(WorkerError):
+    """A worker produced nothing within the pool's timeout."""
+
+    def __init__(self, message: str, *, worker: int, pid: int | None, timeout: float):
+        super().__init__(message)
+        self.worker, self.pid, self.timeout = worker, pid, timeout
+
+
+def default_start_method() -> str:
+    """``fork`` where the platform has it (cheap start, nothing pickled), else ``spawn``."""
+    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
+def _error_message(exc: BaseException) -> bytes:
+    tb = traceback.format_exc()
+    try:
+        exc_type: Any = pickle.loads(pickle.dumps(type(exc)))
+    except Exception:  # a local class: only its name can travel
+        exc_type = type(exc).__name__
+    return pickle.dumps(("error", exc_type, str(exc), tb), 5)
+
+
+def _worker_main(
+    worker: int,
+    num_workers: int,
+    init: Callable[..., Callable[[Any], Any]],
+    args: tuple[Any, ...],
+    tasks: Connection,
+    results: Connection,
+) -> None:
+    # One thread per worker: the workers are the parallelism, and an OpenMP pool inherited
+    # through fork deadlocks on its first parallel region.
+    torch.set_num_threads(1)
+    # Ctrl-C reaches the whole process group: the main process handles it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    init_error: bytes | None = None
+    handler: Callable[[Any], Any] | None = None
+    try:
+        handler = init(worker, num_workers, *args)
+    except Exception as exc:
+        init_error = _error_message(exc)
+    writer = SlotWriter()
+    try:
+        while True:
+            try:
+                message = pickle.loads(tasks.recv_bytes())
+            except (EOFError, OSError, KeyboardInterrupt):
+                return
+            if message is None:
+                return
+            task, frees, added = message
+            writer.update(frees, added)
+            if handler is None:
+                assert init_error is not None
+                results.send_bytes(init_error)
+                continue
+            try:
+                header = writer.encode(handler(task))
+            except Exception as exc:
+                header = _error_message(exc)
+            results.send_bytes(header)
+    finally:
+        writer.close()
+
+
+def _reraise(exc_type: type[BaseException] | str, text: str, where: str) -> None:
+    if isinstance(exc_type, str):
+        raise WorkerError(f"{exc_type}: {text}\n\n{where}")
+    try:
+        exc = exc_type(f"{text}\n\n{where}")
+    except Exception:
+        exc = WorkerError(f"{exc_type.__name__}: {text}\n\n{where}")
+    raise exc
+
+
+_STOP = pickle.dumps(None)
+
+
+def _writable(conn: Connection, timeout: float | None) -> bool:
+    """Whether ``conn`` takes a write within ``timeout`` s (poll: no FD_SETSIZE limit)."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLOUT)
+    return bool(poller.poll(None if timeout is None else math.ceil(timeout * 1000)))
+
+
+def _stop(procs: list[Any], tasks: list[Connection], grace: float, polite: bool) -> None:
+    """Stop message (if ``polite``), SIGTERM, SIGKILL, each followed by at most ``grace`` s."""
+    if polite:
+        for conn in tasks:
+            with contextlib.suppress(OSError, ValueError):
+                if _writable(conn, 0.0):
+                    conn.send_bytes(_STOP)
+    signals = (None, signal.SIGTERM, signal.SIGKILL) if polite else (signal.SIGTERM, signal.SIGKILL)
+    for sig in signals:
+        alive = [p for p in procs if p.exitcode is None]
+        if not alive:
+            break
+        if sig is not None:
+            for p in alive:
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, sig)
+        deadline = time.monotonic() + grace
+        for p in alive:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        p.join(timeout=1.0)  # reaped: SIGKILL cannot be ignored, even by a stopped process
+        with contextlib.suppress(ValueError):
+            p.close()
+
+
+def _shutdown_resources(state: dict[str, Any]) -> None:
+    procs, tasks, results, readers = (
+        state.pop("procs", []),
+        state.pop("tasks", []),
+        state.pop("results", []),
+        state.pop("readers", []),
+    )
+    _stop(procs, tasks, state.get("grace", 0.5), state.get("polite", True))
+    for conn in [*tasks, *results]:
+        conn.close()
+    for reader in readers:
+        reader.close()
+
+
+_LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+_AT_EXIT = False
+
+
+def _shutdown_live() -> None:
+    for pool in list(_LIVE):
+        pool._shutdown(polite=False)
+
+
+def _watch(pool: WorkerPool) -> None:
+    """Shut ``pool`` down at exit, before ``multiprocessing``'s handler (atexit runs in
+    reverse order of registration, and that one was registered when it was imported)."""
+    global _AT_EXIT
+    if not _AT_EXIT:
+        atexit.register(_shutdown_live)
+        _AT_EXIT = True
+    _LIVE.add(pool)
+
+
+class WorkerPool:
+    """``num_workers`` processes with ordered results; see the module docstring.
+
+    One thread drives a pool. Two styles, not to be mixed on one pool: ``send(w, task)`` /
+    ``recv(w)`` address worker ``w`` (results of one worker come back in the order sent), and
+    ``submit(task)`` / ``result()`` spread tasks round-robin and return results in submission
+    order. ``ring`` is the number of shared-memory slots per worker (0: results travel
+    through the pipe only); keep it above the results a worker may have outstanding.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        timeout: float | None = 300.0,
+        start_method: str | None = None,
+        name: str = "meshfeed-worker",
+        grace: float = 0.5,
+        ring: int = 4,
+    ) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1 (got {num_workers=!r})")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(
+                f"timeout must be positive seconds, or None / math.inf for no limit "
+                f"(got {timeout=!r})"
+            )
+        if not 0 < grace <= 1:
+            raise ValueError(f"grace must be in (0, 1] seconds (got {grace=!r})")
+        if start_method is not None and start_method not in mp.get_all_start_methods():
+            raise ValueError(
+                f"start_method={start_method!r} is not available here; use one of "
+                f"{mp.get_all_start_methods()}"
+            )
+        if not isinstance(ring, int) or ring < 0:
+            raise ValueError(f"ring must be an int >= 0 (got {ring=!r})")
+        self.num_workers = num_workers
+        self.timeout = math.inf if timeout is None else float(timeout)
+        self.start_method = start_method or default_start_method()
+        self.name, self.grace, self.ring = name, grace, ring
+        self._state: dict[str, Any] = {}
+        self._finalizer: weakref.finalize | None = None
+        self._pending: list[deque[float]] = []
+        self._free_at: list[float] = []
+        self._order: deque[int] = deque()
+        self._next = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        return bool(self._state.get("procs"))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._state.get("procs", [])]
+
+    def start(self, init: Callable[..., Callable[[Any], Any]], *args: Any) -> None:
+        """Start the workers; each runs ``init(worker_id, num_workers, *args)`` -> handler.
+
+        A no-op when already started.
+        """
+        if self.started:
+            return
+        ctx: Any = mp.get_context(self.start_method)
+        # Workers must share this process's tracker of shared memory: one they started
+        # themselves would unlink the slots when they die.
+        resource_tracker.ensure_running()
+        state: dict[str, Any] = {
+            "procs": [],
+            "tasks": [],
+            "results": [],
+            "readers": [],
+            "pollers": [],
+        }
+        state["grace"] = self.grace
+        self._state = state
+        self._finalizer = weakref.finalize(self, _shutdown_resources, state)
+        _watch(self)
+        for w in range(self.num_workers):
+            task_recv, task_send = ctx.Pipe(duplex=False)
+            result_recv, result_send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(w, self.num_workers, init, args, task_recv, result_send),
+                name=f"{self.name}-{w}",
+                daemon=True,
+            )
+            try:
+                proc.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                for conn in (task_recv, task_send, result_recv, result_send):
+                    conn.close()
+                self.shutdown()
+                raise TypeError(
+                    f"could not send the worker function {init!r} or its arguments to a "
+                    f"{self.start_method!r} worker ({type(exc).__name__}: {exc}); spawned "
+                    "workers need importable functions: define collate_fn / transform / "
+                    "dataset classes at module top level (not lambdas or local functions), "
+                    "or use start_method='fork'"
+                ) from exc
+            task_recv.close()
+            result_send.close()
+            state["procs"].append(proc)
+            state["tasks"].append(task_send)
+            state["results"].append(result_recv)
+            state["readers"].append(SlotReader(self.ring))
+            poller = select.poll()
+            poller.register(result_recv.fileno(), select.POLLIN)
+            poller.register(proc.sentinel, select.POLLIN)
+            state["pollers"].append(poller)
+        self._pending = [deque() for _ in range(self.num_workers)]
+        self._free_at = [time.monotonic()] * self.num_workers
+        self._order.clear()
+        self._next = 0
+
+    def shutdown(self) -> None:
+        """Stop every worker (stop message, SIGTERM, SIGKILL) and join them; idempotent."""
+        self._shutdown(polite=True)
+
+    def _shutdown(self, *, polite: bool) -> None:
+        _LIVE.discard(self)
+        self._state["polite"] = polite
+        if self._finalizer is not None:
+            self._finalizer()  # runs _shutdown_resources once
+            self._finalizer = None
+        self._state = {}
+        self._pending, self._free_at = [], []
+        self._order.clear()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ per-worker style
+    def pending(self, w: int) -> int:
+        """Results of worker ``w`` sent for and not yet received."""
+        return len(self._pending[w]) if self._pending else 0
+
+    def send(self, w: int, task: Any) -> None:
+        """Send ``task`` to worker ``w`` (tasks should be small: indices, not data)."""
+        if not self.started:
+            raise RuntimeError(f"{self.name}: send() before start(); call start(init) first")
+        conn = self._state["tasks"][w]
+        frees, added = self._state["readers"][w].take_updates()
+        # A full pipe means the worker reads no more tasks (stopped or stuck): bounded wait.
+        limit = None if math.isinf(self.timeout) else self.timeout
+        try:
+            if not _writable(conn, limit):
+                self._fail_timeout(w)
+            conn.send_bytes(pickle.dumps((task, frees, added), 5))
+        except (OSError, ValueError):
+            self._fail_died(w)
+        self._pending[w].append(time.monotonic())
+
+    def recv(self, w: int) -> Any:
+        """The oldest outstanding result of worker ``w`` (raises what the handler raised)."""
+        if not self.pending(w):
+            raise RuntimeError(f"{self.name}: recv({w}) with no task outstanding for it")
+        conn: Connection = self._state["results"][w]
+        poller, result_fd = self._state["pollers"][w], conn.fileno()
+        deadline = max(self._pending[w][0], self._free_at[w]) + self.timeout
+        ready = poller.poll(0)  # one persistent poll set: no selector built per result
+        while not any(fd == result_fd for fd, _ in ready):
+            if ready:  # only the sentinel: the worker is gone (read what it sent first)
+                if not conn.poll(0.05):
+                    self._fail_died(w)
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail_timeout(w)
+            ready = poller.poll(None if math.isinf(left) else math.ceil(left * 1000))
+        try:
+            header = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            self._fail_died(w)
+        self._pending[w].popleft()
+        self._free_at[w] = time.monotonic()
+        if header[0] == "error":
+            _, exc_type, text, tb = header
+            _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
+        return self._state["readers"][w].decode(header)
+
+    # ------------------------------------------------------------------ ordered style
+    def submit(self, task: Any) -> None:
+        """Send ``task`` to the next worker round-robin; :meth:`result` returns in this order."""
+        w = self._next
+        self.send(w, task)
+        self._order.append(w)
+        self._next = (w + 1) % self.num_workers
+
+    def result(self) -> Any:
+        """The result of the oldest submitted task not yet returned."""
+        if not self._order:
+            raise RuntimeError(f"{self.name}: result() with nothing submitted")
+        return self.recv(self._order.popleft())
+
+    def outstanding(self) -> int:
+        """Submitted tasks whose results were not returned yet."""
+        return len(self._order)
+
+    def map(self, tasks: Iterable[Any], *, window: int) -> Iterator[Any]:
+        """Results of ``tasks`` in order, with at most ``window`` tasks in flight."""
+        source = iter(tasks)
+        for task in source:
+            self.submit(task)
+            if self.outstanding() >= window:
+                break
+        for task in source:
+            yield self.result()
+            self.submit(task)
+        while self.outstanding():
+            yield self.result()
+
+    # ------------------------------------------------------------------ failures
+    def _fail_timeout(self, w: int) -> None:
+        pid = self._state["procs"][w].pid
+        self._shutdown(polite=False)
+        raise WorkerTimeout(
+            f"{self.name} {w} (pid {pid}) produced nothing within timeout={self.timeout}s; "
+            "it may be stuck on I/O or stopped. Raise timeout= if one task legitimately "
+            "takes longer",
+            worker=w,
+            pid=pid,
+            timeout=self.timeout,
+        )
+
+    def _fail_died(self, w: int) -> Any:
+        proc = self._state["procs"][w]
+        proc.join(timeout=1.0)
+        pid, code = proc.pid, proc.exitcode
+        self._shutdown(polite=False)
+        raise WorkerDied(
+            f"{self.name} {w} (pid {pid}) exited unexpectedly with exit code {code}; it may "
+            "have run out of memory or been killed",
+            worker=w,
+            pid=pid,
+            exitcode=code,
+        )

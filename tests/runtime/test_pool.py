@@ -1,0 +1,309 @@
+import math
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshfeed.runtime import (
+    WorkerDied,
+    WorkerError,
+    WorkerPool,
+    WorkerTimeout,
+    available_cores,
+    call,
+)
+from meshfeed.runtime.transport import SMALL
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _assert_no_children(pids: list[int]) -> None:
+    assert mp.active_children() == []
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _sleep_forever() -> None:
+    while True:
+        time.sleep(1)
+
+
+def _ignore_sigterm_and_hang() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _sleep_forever()
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _batch(i: int, n: int) -> dict:
+    return {
+        "i": i,
+        "name": f"batch-{i}",
+        "x": torch.arange(n, dtype=torch.int64) + i,
+        "h": torch.full((3, 5), i, dtype=torch.bfloat16),
+        "a": np.arange(n, dtype=np.float32) * i,
+    }
+
+
+class CustomError(Exception):
+    pass
+
+
+class NeedsTwoArgs(Exception):
+    def __init__(self, a, b):
+        super().__init__(a, b)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _raise_two_args() -> None:
+    raise NeedsTwoArgs("x", "y")
+
+
+def _scaled_init(worker: int, num_workers: int, factor: int):
+    def handler(task: int) -> tuple[int, int, int]:
+        return worker, num_workers, task * factor
+
+    return handler
+
+
+def _failing_init(worker: int, num_workers: int):
+    raise CustomError(f"cannot open the dataset in worker {worker}")
+
+
+@pytest.mark.parametrize("n", [10, SMALL, 300_000])
+def test_results_come_back_in_submission_order_with_exact_tensors(n):
+    with WorkerPool(2, timeout=30) as pool:
+        pool.start(call)
+        got = list(pool.map(((_batch, (i, n)) for i in range(12)), window=5))
+    for i, b in enumerate(got):
+        ref = _batch(i, n)
+        assert b["i"] == i and b["name"] == ref["name"]
+        assert torch.equal(b["x"], ref["x"]) and b["x"].dtype == torch.int64
+        assert b["h"].dtype == torch.bfloat16 and torch.equal(b["h"], ref["h"])
+        assert np.array_equal(b["a"], ref["a"])
+
+
+def test_per_worker_init_and_addressed_workers():
+    with WorkerPool(3, timeout=30) as pool:
+        pool.start(_scaled_init, 10)
+        for w in (2, 0, 1, 2):
+            pool.send(w, w + 1)
+        assert pool.recv(2) == (2, 3, 30)
+        assert pool.recv(0) == (0, 3, 10)
+        assert pool.recv(2) == (2, 3, 30)
+        assert pool.recv(1) == (1, 3, 20)
+
+
+def test_received_batch_is_private_and_survives_the_worker():
+    pool = WorkerPool(1, timeout=30)
+    pool.start(call)
+    got = []
+    for i in range(8):  # slots are reused many times over
+        pool.submit((_batch, (i, 100_000)))
+        got.append(pool.result())
+        got[-1]["x"].zero_()  # writing a received batch touches no slot
+    pool.submit((_batch, (99, 100_000)))
+    last = pool.result()
+    pids = pool.pids
+    pool.shutdown()
+    _assert_no_children(pids)
+    assert torch.equal(last["x"], torch.arange(100_000) + 99)
+    assert all(int(b["x"].abs().sum()) == 0 for b in got)
+
+
+def test_batch_sent_before_its_worker_died_is_still_delivered():
+    pool = WorkerPool(1, timeout=30)
+    pool.start(call)
+    for i in range(3):  # the first large result sizes the slots; the next ones use them
+        pool.submit((_batch, (i, 100_000)))
+        pool.result()
+    assert pool._state["readers"][0].slots  # the batch below travels through a slot
+    pool.submit((_batch, (7, 100_000)))
+    pool.submit((_kill_self, ()))
+    proc = pool._state["procs"][0]
+    proc.join(timeout=10)
+    assert proc.exitcode == -9  # dead before its batch is read
+    got = pool.result()
+    assert torch.equal(got["x"], torch.arange(100_000) + 7)
+    with pytest.raises(WorkerDied):
+        pool.result()
+    assert mp.active_children() == []
+
+
+def test_handler_exception_keeps_its_type_and_the_worker_traceback():
+    with WorkerPool(2, timeout=30) as pool:
+        pool.start(call)
+        pool.submit((_raise, (CustomError("bad sample 7"),)))
+        pool.submit((_raise_two_args, ()))
+        with pytest.raises(CustomError, match="bad sample 7") as info:
+            pool.result()
+        assert "worker traceback" in str(info.value) and "_raise" in str(info.value)
+        with pytest.raises(WorkerError, match="NeedsTwoArgs") as info2:
+            pool.result()
+        assert type(info2.value) is WorkerError
+        pool.submit((pow, (3, 2)))
+        assert pool.result() == 9  # a raising handler does not stop its worker
+
+
+def test_init_failure_is_reported_on_the_first_request():
+    with WorkerPool(1, timeout=30) as pool:
+        pool.start(_failing_init)
+        pool.send(0, 1)
+        with pytest.raises(CustomError, match="cannot open the dataset in worker 0"):
+            pool.recv(0)
+
+
+def test_unpicklable_init_under_spawn_names_importable_functions():
+    pool = WorkerPool(1, timeout=30, start_method="spawn")
+    with pytest.raises(TypeError, match="spawned workers need importable functions"):
+        pool.start(lambda w, k: lambda t: t)
+    assert not pool.started and mp.active_children() == []
+
+
+def test_killed_worker_mid_task_raises_at_once_and_pool_restarts():
+    pool = WorkerPool(2, timeout=30)
+    pool.start(call)
+    pids = pool.pids
+    pool.submit((pow, (2, 3)))
+    pool.submit((_kill_self, ()))
+    assert pool.result() == 8
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match="exited unexpectedly with exit code -9") as info:
+        pool.result()
+    assert time.monotonic() - start < 2
+    assert info.value.worker == 1 and info.value.exitcode == -9
+    _assert_no_children(pids)
+    assert not pool.started
+    pool.start(call)  # restartable
+    pool.submit((pow, (5, 2)))
+    assert pool.result() == 25
+    pool.shutdown()
+
+
+@pytest.mark.parametrize("case", ["ignores_sigterm", "sigstop"])
+def test_stuck_worker_times_out_within_timeout_plus_one_second(case):
+    pool = WorkerPool(2, timeout=1.5)
+    pool.start(call)
+    pids = pool.pids
+    if case == "ignores_sigterm":
+        pool.submit((_ignore_sigterm_and_hang, ()))
+    else:
+        pool.submit((time.sleep, (0.2,)))
+        os.kill(pids[0], signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout, match="produced nothing within timeout=1.5s"):
+        pool.result()
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.5 + 1.0
+    _assert_no_children(pids)
+
+
+def test_shutdown_escalates_to_sigkill_for_stuck_and_stopped_workers():
+    pool = WorkerPool(2, timeout=30, grace=0.3)
+    pool.start(call)
+    pids = pool.pids
+    pool.submit((_ignore_sigterm_and_hang, ()))
+    time.sleep(0.3)  # let it install the handler
+    os.kill(pids[1], signal.SIGSTOP)
+    start = time.monotonic()
+    pool.shutdown()
+    assert time.monotonic() - start < 3 * 0.3 + 1.0
+    _assert_no_children(pids)
+
+
+def test_no_timeout_means_no_limit():
+    for timeout in (None, math.inf):
+        with WorkerPool(1, timeout=timeout) as pool:
+            pool.start(call)
+            pool.submit((time.sleep, (0.1,)))
+            assert pool.result() is None
+
+
+_EXIT_SCRIPT = """
+import os, signal, time
+from meshfeed.runtime import WorkerPool, call
+
+def hang():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+
+pool = WorkerPool(2, timeout=60)
+pool.start(call)
+pool.submit((hang, ()))
+pool.submit((time.sleep, (0.1,)))
+time.sleep(0.5)
+os.kill(pool.pids[1], signal.SIGSTOP)
+print(" ".join(map(str, pool.pids)), flush=True)
+# leave without shutdown(): the interpreter must still exit
+"""
+
+
+def test_interpreter_exits_with_a_worker_ignoring_sigterm_and_one_stopped(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(textwrap.dedent(_EXIT_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": SRC}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=20, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 15
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
+        WorkerPool(0)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        WorkerPool(1, timeout=0)
+    with pytest.raises(ValueError, match="start_method='nope' is not available"):
+        WorkerPool(1, start_method="nope")
+    with pytest.raises(RuntimeError, match="send\\(\\) before start\\(\\)"):
+        WorkerPool(1).submit(1)
+
+
+def test_available_cores_follows_the_affinity_mask():
+    assert available_cores() == len(os.sched_getaffinity(0))
+
+
+_INITIALISED: list[str] = []
+
+
+def _remember(tag: str) -> None:
+    _INITIALISED.append(tag)
+
+
+def _initialised() -> list[str]:
+    return list(_INITIALISED)
+
+
+def test_call_runs_an_initializer_once_per_worker():
+    with WorkerPool(2, timeout=30) as pool:
+        pool.start(call, _remember, "store-connected")
+        for _ in range(4):
+            pool.submit((_initialised, ()))
+        assert [pool.result() for _ in range(4)] == [["store-connected"]] * 4

@@ -1,0 +1,121 @@
+"""Stream worker processes never hang: stuck, stopped or killed workers end in a clear error."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshfeed.runtime import WorkerError
+from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.sources.stream_workers import StreamWorkerError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _rows() -> Any:
+    yield from range(100)
+
+
+def _hangs_ignoring_sigterm() -> Any:
+    yield 1
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+
+
+def _killed_mid_batch() -> Any:
+    yield 1
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _raises_lookup() -> Any:
+    yield 1
+    raise LookupError("row 2 missing in shard a")
+
+
+def _worker_pids(lo: StreamLoader) -> list[int]:
+    return list(lo._slots.pool.pids)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("case", ["ignores_sigterm", "sigstop", "sigkill"])
+def test_stuck_stopped_or_killed_stream_worker_fails_within_timeout_plus_one_second(case):
+    first = {"ignores_sigterm": _hangs_ignoring_sigterm, "sigkill": _killed_mid_batch}
+    stream = ShardedStream([first.get(case, _rows), _rows])
+    lo = StreamLoader(stream, batch_size=1, num_workers=2, timeout=1.5, shuffle=False, prefetch=1)
+    it = iter(lo)
+    next(it)  # worker 0's first batch
+    if case == "sigstop":
+        os.kill(_worker_pids(lo)[0], signal.SIGSTOP)
+    pids = _worker_pids(lo)
+    start = time.monotonic()
+    match = "exited with exit code -9" if case == "sigkill" else "no batch within timeout=1.5s"
+    with pytest.raises(StreamWorkerError, match=match):
+        for _ in range(100):
+            next(it)
+    assert time.monotonic() - start < 1.5 + 1.0
+    assert multiprocessing.active_children() == []
+    assert not any(_alive(p) for p in pids)
+    lo.shutdown()
+
+
+def test_stream_worker_exception_keeps_the_original_as_cause():
+    lo = StreamLoader(ShardedStream([_raises_lookup, _rows]), batch_size=2, num_workers=2)
+    with pytest.raises(StreamWorkerError, match="row 2 missing in shard a") as info:
+        list(lo)
+    assert isinstance(info.value, WorkerError)
+    assert isinstance(info.value.__cause__, LookupError)
+    assert "worker traceback" in str(info.value)
+    assert multiprocessing.active_children() == []
+    lo.shutdown()
+
+
+_EXIT_SCRIPT = """
+import signal, time
+from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream_loader import StreamLoader
+
+def hang():
+    yield 1
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+
+lo = StreamLoader(ShardedStream([hang, hang]), batch_size=1, num_workers=2, timeout=60)
+it = iter(lo)
+next(it)
+time.sleep(0.5)
+print(" ".join(map(str, lo._slots.pool.pids)), flush=True)
+"""
+
+
+def test_interpreter_exits_with_stream_workers_that_ignore_sigterm(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(_EXIT_SCRIPT)
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
