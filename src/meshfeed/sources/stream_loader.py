@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
+from meshfeed.dist import all_ranks_have_a_batch, check_agreement
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
 from meshfeed.options import check_loader_arguments
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_sync import all_ranks_have_a_batch, check_agreement
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
 from meshfeed.state import fingerprint_hash
 
