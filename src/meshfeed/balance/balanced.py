@@ -2,7 +2,7 @@
 
 Per global batch, every rank of ``group``: takes its next packed sample from ``inner``; joins
 **one** all-gather of a header (has-data flag, dtype signature, document lengths);
-computes the same :func:`plan` as every other rank; joins **one** variable-size
+computes the same :func:`schedule_documents` as every other rank; joins **one** variable-size
 ``all_to_all_single`` carrying all keys of all documents fused; and yields its micro-steps.
 If any rank's inner iterator ends, every rank stops at the same batch (no hang).
 
@@ -14,7 +14,7 @@ Each yielded micro-step is a dict: the per-token keys (with this rank's zigzag c
 split document), ``cu_seqlens`` (int32, over the chunks this rank holds), ``doc_ids``,
 ``cp_group`` (global ranks running this micro-step together), ``cp_rank``, ``microstep`` and
 ``num_microsteps``. With tensor parallelism, build one instance per TP rank over that rank's
-DP x CP group: all of them compute the same plan.
+DP x CP group: all of them compute the same placement.
 
 State is the envelope ``{"kind": "balanced_batches", "version": 2, "inner", "skip"}``: the inner
 iterator's state before the current batch and how many of its micro-steps were yielded.
@@ -33,16 +33,9 @@ import torch
 
 from meshfeed import dist
 from meshfeed.balance.cost import CostModel
-from meshfeed.balance.plan import DEFAULT_COST, Plan, plan
-from meshfeed.balance.routing import (
-    DEFAULT_KEYS,
-    DEFAULT_PAD,
-    Layout,
-    build_send,
-    doc_lengths,
-    fields_signature,
-    unpack,
-)
+from meshfeed.balance.routing import Layout, build_send, doc_lengths, fields_signature, unpack
+from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_documents
+from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD
 from meshfeed.state import envelope, open_envelope
 
 __all__ = ["BalancedBatches"]
@@ -90,16 +83,16 @@ class _Batch:
     sample: Mapping[str, Any]
     counts: list[int]
     dtypes: list[torch.dtype]
-    plan: Future[Plan]
+    placement: Future[Placement]
 
 
 class BalancedBatches:
     """Iterator of balanced micro-steps over ``group`` (see the module doc).
 
     ``inner`` yields this rank's packed samples (dicts of 1-D tensors named by ``keys`` plus
-    ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`plan`.
+    ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`schedule_documents`.
     ``max_docs_per_rank`` sizes the fixed all-gather buffer (a sample with more documents is
-    an error naming it). ``timeout`` bounds the wait for a plan.
+    an error naming it). ``timeout`` bounds the wait for a placement.
     """
 
     def __init__(
@@ -135,7 +128,7 @@ class BalancedBatches:
             "tp": tp,
         }
         # Fail at construction, not at the first collective, on a bad configuration.
-        plan([], num_ranks=self._comm.size, **self._plan_kwargs)
+        schedule_documents([], num_ranks=self._comm.size, **self._plan_kwargs)
         self._keys, self._pad = tuple(keys), dict(pad)
         self._cap = int(max_docs_per_rank)
         self._timeout = float(timeout)
@@ -247,10 +240,10 @@ class BalancedBatches:
         dtypes = [sample[k].dtype for k in self._keys]
         kwargs = dict(self._plan_kwargs, num_ranks=self._comm.size)
         if self._pool is not None:
-            future = self._pool.submit(plan, all_lengths, **kwargs)
+            future = self._pool.submit(schedule_documents, all_lengths, **kwargs)
         else:
             future = Future()
-            future.set_result(plan(all_lengths, **kwargs))
+            future.set_result(schedule_documents(all_lengths, **kwargs))
         return _Batch(state, sample, counts.tolist(), dtypes, future)
 
     def _advance(self) -> None:
@@ -262,7 +255,7 @@ class BalancedBatches:
         if self._pool is not None:
             self._ahead = self._fetch()  # plan t+1 while batch t is rerouted and consumed
         try:
-            p = batch.plan.result(timeout=self._timeout)
+            p = batch.placement.result(timeout=self._timeout)
         except TimeoutError as e:
             raise TimeoutError(
                 f"planning a batch took longer than timeout={self._timeout}s; "
