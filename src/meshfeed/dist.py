@@ -36,6 +36,7 @@ __all__ = [
     "device_for_backend",
     "global_rank",
     "group_device",
+    "group_ranks",
     "is_distributed",
     "is_initialized",
     "rank",
@@ -102,6 +103,15 @@ def global_rank(group: Any, group_rank: int) -> int:
     if group is None or not is_initialized():
         return int(group_rank)
     return int(dist.get_global_rank(group, group_rank))
+
+
+def group_ranks(group: Any = None) -> list[int]:
+    """The global ranks of ``group``, in group-rank order (``[0]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not is_initialized():
+        return [0]
+    return [int(r) for r in dist.get_process_group_ranks(group or dist.group.WORLD)]
 
 
 def group_device(group: Any = None) -> torch.device:
