@@ -12,6 +12,7 @@ share (zigzag split, as Transformer Engine splits a document).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from types import SimpleNamespace
@@ -34,7 +35,7 @@ def packed_samples(replica: int, step: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1000 * step + replica)
     out = []
     for _ in range(2):
-        lengths = (torch.rand(4, generator=g) ** 3 * 700).long() + 1
+        lengths = (torch.rand(4, generator=g) ** 3 * 500).long() + 1  # up to 2 ranks x 256
         total = int(lengths.sum())
         doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
         tokens = torch.randint(0, 50_000, (total,), generator=g)
@@ -65,19 +66,30 @@ def train_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     data_iterator = HybridCPDataLoader(data_iterator, config, pg_collection)  # the one line
 
     tokens_run, docs_run = 0, []
-    for _ in range(steps):
+    for step in range(steps):
         samples, sample_id_groups = next(data_iterator)
+        every_doc = [d for r in range(dp) for d in documents(packed_samples(r, step))]
         for group in sample_id_groups:
             for gid in group[rank]:
                 sample = samples[gid]
                 local_cp_size = sum(gid in ids for ids in group)
-                n = sample["tokens"].numel()
-                assert torch.equal(sample["labels"][:-1], sample["tokens"][1:]), "one document"
-                assert int(sample["position_ids"][0]) == 0, "a document starts at position 0"
-                tokens_run += -(-n // local_cp_size)  # this rank's share of the document
-                docs_run.append((gid, local_cp_size))
+                for key, want in every_doc[gid].items():  # the document, unchanged
+                    assert torch.equal(sample[key], want), (step, gid, key)
+                tokens_run += -(-sample["tokens"].numel() // local_cp_size)  # this rank's share
+                docs_run.append((step, gid, local_cp_size))
             dist.barrier(timeout=60.0)  # Megatron's barrier at the end of every group
     return {"tokens": tokens_run, "docs": docs_run, "groups": sample_id_groups}
+
+
+def documents(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The non-empty documents of packed samples, in order (how Megatron numbers them)."""
+    out = []
+    for sample in batch:
+        cu = sample["cu_seqlens"].tolist()
+        for a, b in itertools.pairwise(cu):
+            if b > a:
+                out.append({k: v[a:b] for k, v in sample.items() if k != "cu_seqlens"})
+    return out
 
 
 def dist_new_group(ranks: list[int]) -> Any:
