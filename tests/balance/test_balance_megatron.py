@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshfeed.balance.megatron import HybridCPDataLoader
+from tests.dist_utils import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import megatron_hybrid_cp as example
@@ -81,3 +82,44 @@ def test_a_packed_sample_without_cu_seqlens_is_refused():
 def test_tp_ranks_without_a_data_iterator_get_none_as_in_megatron():
     it = HybridCPDataLoader(None, max_seqlen_per_dp_cp_rank=64)
     assert next(it) == (None, None)
+
+
+def _idle_rank(rank: int, world: int) -> str:
+    one_doc = {
+        "tokens": torch.arange(4),
+        "labels": torch.arange(4),
+        "cu_seqlens": torch.tensor([0, 4 if rank == 0 else 0], dtype=torch.int32),
+    }
+    it = HybridCPDataLoader(iter([[one_doc]]), max_seqlen_per_dp_cp_rank=64)
+    try:
+        next(it)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_rank_left_without_a_document_is_an_error_on_every_rank_not_a_crash_in_the_loop():
+    # 3 ranks: aligned power-of-two CP blocks are {0, 1} (and single ranks), so the one
+    # document goes to ranks 0-1 and rank 2 has nothing to run.
+    messages = run_distributed(_idle_rank, 3, timeout=120.0)
+    for m in messages:
+        assert m.startswith("ranks [2] get no document in the last group"), m
+
+
+def _empty_rank(rank: int, world: int) -> list[int]:
+    """Rank 1's documents are all empty; it still receives its share of rank 0's document."""
+    doc = {
+        "tokens": torch.arange(64),
+        "loss_mask": torch.ones(64, dtype=torch.float32),
+        "cu_seqlens": torch.tensor([0, 64 if rank == 0 else 0], dtype=torch.int32),
+    }
+    it = HybridCPDataLoader(iter([[doc]]), max_seqlen_per_dp_cp_rank=64)
+    samples, groups = next(it)
+    assert groups == [[[0], [0]]], groups
+    assert torch.equal(samples[0]["loss_mask"], torch.ones(64))
+    return samples[0]["tokens"].tolist()
+
+
+def test_a_rank_with_only_empty_documents_receives_its_share():
+    for tokens in run_distributed(_empty_rank, 2, timeout=120.0):
+        assert tokens == list(range(64))

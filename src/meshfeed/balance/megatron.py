@@ -98,7 +98,7 @@ class HybridCPDataLoader:
         if self.data_iterator is None:  # Megatron: TP ranks > 0 receive data by broadcast
             return None, None  # type: ignore[return-value]
         batch = next(self.data_iterator)
-        docs = _unpack_batch(batch)
+        docs, template = _unpack_batch(batch)
         lengths = np.asarray([_length(d) for d in docs], dtype=np.int64)
         per_dp = dist.all_gather_ints(lengths, timeout=self._timeout, group=self.dp_group)
         counts = [int(p.size) for p in per_dp]
@@ -113,12 +113,23 @@ class HybridCPDataLoader:
         )
         self.last_placement = placement
         groups = _sample_id_groups(placement, self._groups)
-        samples = self._reroute(docs, all_lengths, offsets, placement)
+        idle = [r for r in range(self.total_hdp_gpus) if not groups or not groups[-1][r]]
+        if idle:
+            # Megatron's loop runs the last sub-sample of the last group on every rank; every
+            # rank computed this same placement, so all of them raise here together.
+            raise ValueError(
+                f"ranks {idle[:8]} get no document in the last group of this global batch "
+                f"({all_lengths.size} documents over {self.total_hdp_gpus} ranks), which "
+                "Megatron's hybrid-CP loop cannot run; use more documents per global batch "
+                "(or groups='one', which leaves a rank idle only when it gets no document at all)"
+            )
+        samples = self._reroute(docs, template, all_lengths, offsets, placement)
         return samples, groups
 
     def _reroute(
         self,
         docs: list[dict[str, torch.Tensor]],
+        template: Mapping[str, torch.Tensor],
         lengths: np.ndarray,
         offsets: np.ndarray,
         placement: Placement,
@@ -130,8 +141,10 @@ class HybridCPDataLoader:
         needs: list[list[int]] = [[] for _ in range(world)]
         for r in range(world):
             needs[r] = sorted({d for step in placement.microsteps[r] for d, _ in step})
-        keys = [k for k in docs[0] if k not in _SKIPPED] if docs else []
-        dtypes = [docs[0][k].dtype for k in keys] if docs else []
+        # From the packed sample, not a document: a rank whose documents are all empty still
+        # knows the row layout it receives.
+        keys = [k for k in template if k not in _SKIPPED]
+        dtypes = [template[k].dtype for k in keys]
         send_rows = [0] * world
         pieces: list[torch.Tensor] = []
         for dest in self._dp_members:  # CP peers hold the same data: send within the DP group
@@ -184,10 +197,18 @@ def _groups(pg_collection: Any) -> tuple[Any, Any]:
     return None, None
 
 
-def _unpack_batch(batch: Any) -> list[dict[str, torch.Tensor]]:
-    """Megatron's ``unpack_batch``: the non-empty documents of a list of packed samples."""
+def _unpack_batch(batch: Any) -> tuple[list[dict[str, torch.Tensor]], Mapping[str, Any]]:
+    """Megatron's ``unpack_batch``: the non-empty documents of a list of packed samples.
+
+    Also returns the first packed sample, whose keys and dtypes every document shares.
+    """
     if isinstance(batch, Mapping):
         batch = [batch]
+    if not batch:
+        raise ValueError(
+            "the data iterator yielded an empty list; every rank needs at least one packed "
+            "sample per global batch (Megatron's wrapper needs it too)"
+        )
     docs = []
     for sample in batch:
         if "cu_seqlens" not in sample:
@@ -199,7 +220,7 @@ def _unpack_batch(batch: Any) -> list[dict[str, torch.Tensor]]:
         for a, b in itertools.pairwise(cu):
             if b > a:
                 docs.append({k: v[a:b] for k, v in sample.items() if k not in _SKIPPED})
-    return docs
+    return docs, batch[0]
 
 
 def _length(doc: Mapping[str, torch.Tensor]) -> int:
