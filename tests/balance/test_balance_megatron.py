@@ -123,3 +123,12 @@ def _empty_rank(rank: int, world: int) -> list[int]:
 def test_a_rank_with_only_empty_documents_receives_its_share():
     for tokens in run_distributed(_empty_rank, 2, timeout=120.0):
         assert tokens == list(range(64))
+
+
+def test_the_megatron_migration_guide_example_runs():
+    guide = Path(__file__).resolve().parents[2] / "docs" / "migrating" / "megatron.md"
+    blocks = guide.read_text().split("```python\n")[1:]
+    runnable = [b.split("```")[0] for b in blocks if "assert " in b]
+    assert runnable, "the guide must keep a runnable example"
+    for code in runnable:
+        exec(compile(code, str(guide), "exec"), {})
