@@ -8,7 +8,7 @@ bound) for
 
 - naive: equal-count contiguous slices per rank (every DP sampler's default),
 - tokens: longest document first to the rank with the fewest tokens,
-- meshfeed: ``meshfeed.balance.plan`` (CP degree chosen for balance and memory),
+- meshfeed: ``meshfeed.balance.schedule_documents`` (CP degree chosen for balance and memory),
 - meshfeed-pow2: the same restricted to ``cp_sizes="pow2_aligned"`` (Megatron / TE layouts).
 
 The baselines are priced generously: documents over the budget run on one rank as if memory
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshfeed.balance import CostModel, naive_slicing, plan, token_balancing
+from meshfeed.balance import CostModel, naive_slicing, schedule_documents, token_balancing
 from meshfeed.balance.synthetic import DISTRIBUTIONS, sample_batch, sample_lengths
 from meshfeed.progress import Progress
 
@@ -47,9 +47,9 @@ def ratios(kind: str, n_ranks: int, cost: CostModel, batches: int, seed: int) ->
     for b in range(batches):
         lengths = sample_batch(kind, tokens=4 * n_ranks * MAX_TOKENS, seed=seed * 1000 + b)
         t0 = time.perf_counter()
-        p = plan(lengths, num_ranks=n_ranks, max_tokens=MAX_TOKENS, cost=cost)
+        p = schedule_documents(lengths, num_ranks=n_ranks, max_tokens=MAX_TOKENS, cost=cost)
         out["ms"].append(1000 * (time.perf_counter() - t0))
-        p2 = plan(
+        p2 = schedule_documents(
             lengths, num_ranks=n_ranks, max_tokens=MAX_TOKENS, cost=cost, cp_sizes="pow2_aligned"
         )
         kw = {"num_ranks": n_ranks, "max_tokens": MAX_TOKENS, "cost": cost}
@@ -62,16 +62,16 @@ def ratios(kind: str, n_ranks: int, cost: CostModel, batches: int, seed: int) ->
 
 
 def planning_time(repeats: int) -> list[tuple[str, str, float, float, float, float]]:
-    """Wall and CPU (process) time of plan() on 4,096 documents over 64 ranks, in ms."""
+    """Wall and CPU (process) time of schedule_documents() on 4,096 documents over 64 ranks, in ms."""
     rows = []
     for kind in DISTRIBUTIONS:
         lengths = sample_lengths(kind, 4096, seed=7)
         for cname, cost in COSTS.items():
-            plan(lengths, num_ranks=64, max_tokens=MAX_TOKENS, cost=cost)  # warm up
+            schedule_documents(lengths, num_ranks=64, max_tokens=MAX_TOKENS, cost=cost)  # warm up
             wall, cpu = [], []
             for _ in range(repeats):
                 t0, c0 = time.perf_counter(), time.process_time()
-                plan(lengths, num_ranks=64, max_tokens=MAX_TOKENS, cost=cost)
+                schedule_documents(lengths, num_ranks=64, max_tokens=MAX_TOKENS, cost=cost)
                 wall.append(1000 * (time.perf_counter() - t0))
                 cpu.append(1000 * (time.process_time() - c0))
             rows.append(
@@ -123,7 +123,7 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines += [
         "",
-        f"plan() on 4,096 documents over 64 ranks (ms): target <= 50. {os.cpu_count()} CPUs, "
+        f"schedule_documents() on 4,096 documents over 64 ranks (ms): target <= 50. {os.cpu_count()} CPUs, "
         f"load average {load:.1f} while measuring: wall time includes waiting for a CPU, "
         "CPU time is the work itself.",
         "",

@@ -1,4 +1,4 @@
-"""Independent checks of a Plan, shared by the balance tests."""
+"""Independent checks of a Placement, shared by the balance tests."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import itertools
 
 import numpy as np
 
-from meshfeed.balance import CostModel, Plan
+from meshfeed.balance import CostModel, Placement
 
 
-def check_plan(p: Plan, lengths: np.ndarray, cost: CostModel, *, aligned: bool = False) -> None:
+def check_placement(
+    p: Placement, lengths: np.ndarray, cost: CostModel, *, aligned: bool = False
+) -> None:
     """Assert every contract of a plan, recomputing what can be recomputed from microsteps."""
     n, k_total = len(lengths), p.num_microsteps
     assert len(p.microsteps) == p.num_ranks
@@ -44,7 +46,7 @@ def check_plan(p: Plan, lengths: np.ndarray, cost: CostModel, *, aligned: bool =
     assert p.makespan >= p.lower_bound * (1 - 1e-9)
 
 
-def simulate(p: Plan, lengths: np.ndarray, cost: CostModel) -> float:
+def simulate(p: Placement, lengths: np.ndarray, cost: CostModel) -> float:
     """Step time of running the plan: micro-steps in order, CP groups wait for each other."""
     t = np.zeros(p.num_ranks)
     work = cost.work(lengths)
@@ -119,7 +121,7 @@ def make_sample(rank: int, batch: int, *, seed: int, max_len: int, docs: int = 6
     }
 
 
-def check_routing(samples: list[dict], p: Plan, outputs: list[list[dict]]) -> None:
+def check_routing(samples: list[dict], p: Placement, outputs: list[list[dict]]) -> None:
     """Rerouted micro-steps hold exactly the original documents, zigzag-split and padded."""
     from meshfeed.balance.zigzag import zigzag_positions
 

@@ -25,9 +25,9 @@ def _run(rank: int, seed: int, max_len: int, policy: str, group) -> dict:
         items = list(it)
     with _balanced(rank, seed, max_len, cp_sizes=policy, group=group) as it:
         head = take(it, 4)
-        state = it.get_state()
+        state = it.state_dict()
     with _balanced(rank, seed, max_len, cp_sizes=policy, group=group) as it:
-        it.restore(state)
+        it.load_state_dict(state)
         tail = list(it)
     return {"items": items, "head": head, "tail": tail, "state": state}
 
@@ -101,15 +101,30 @@ def test_balanced_batches_single_rank_splits_nothing_and_keeps_all_tokens():
 
 def test_balanced_batches_state_needs_a_stateful_inner_iterator():
     it = BalancedBatches(iter([make_sample(0, 0, seed=1, max_len=10)]), max_tokens=64, cost=S2)
-    with pytest.raises(TypeError, match="has no get_state"):
-        it.get_state()
+    with pytest.raises(TypeError, match="has no state_dict"):
+        it.state_dict()
     it.close()
 
 
 def test_balanced_batches_rejects_a_state_of_another_version():
     it = _balanced(0, 1, 100)
-    with pytest.raises(ValueError, match="state version 7 is not 1"):
-        it.restore({"version": 7, "inner": {}, "skip": 0})
+    with pytest.raises(ValueError, match="version=7, this meshfeed reads version 2"):
+        it.load_state_dict({"kind": "balanced_batches", "version": 7, "inner": {}, "skip": 0})
+    it.close()
+
+
+def test_balanced_batches_refuses_a_state_written_by_meshfeed_0_1_by_name():
+    it = _balanced(0, 1, 100)
+    with pytest.raises(ValueError, match="not a BalancedBatches state: it has kind=None"):
+        it.load_state_dict({"version": 1, "inner": {}, "skip": 0})
+    it.close()
+
+
+def test_balanced_batches_refuses_a_negative_skip():
+    it = _balanced(0, 1, 100)
+    state = dict(it.state_dict(), skip=-1)
+    with pytest.raises(ValueError, match="'skip' is negative"):
+        it.load_state_dict(state)
     it.close()
 
 

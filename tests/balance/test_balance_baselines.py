@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshfeed.balance import CostModel, naive_slicing, plan, token_balancing
+from meshfeed.balance import CostModel, naive_slicing, schedule_documents, token_balancing
 
 S2 = CostModel(quadratic=1.0)
 
@@ -30,7 +30,7 @@ def test_baselines_are_never_better_than_the_plan_lower_bound():
     rng = np.random.default_rng(0)
     for _ in range(10):
         lengths = rng.integers(1, 3000, 200)
-        lb = plan(lengths, num_ranks=8, max_tokens=4096, cost=S2).lower_bound
+        lb = schedule_documents(lengths, num_ranks=8, max_tokens=4096, cost=S2).lower_bound
         for base in (naive_slicing, token_balancing):
             assert base(lengths, num_ranks=8, max_tokens=4096, cost=S2).makespan >= lb * (1 - 1e-9)
 

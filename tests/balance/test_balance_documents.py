@@ -182,9 +182,9 @@ def _balanced_rank(rank: int, world: int, prefix: str) -> dict:
         items = list(it)
     with make() as it:
         head = take(it, 3)
-        state = it.get_state()
+        state = it.state_dict()
     with make() as it:
-        it.restore(state)
+        it.load_state_dict(state)
         tail = list(it)
     return {"items": items, "resumed": head + tail}
 

@@ -1,8 +1,8 @@
 """BalancedBatches: rebalance a per-rank iterator of packed samples over a DP x CP group.
 
 Per global batch, every rank of ``group``: takes its next packed sample from ``inner``; joins
-**one** all-gather of a fixed-size header (has-data flag, dtype signature, document lengths);
-computes the same :func:`plan` as every other rank; joins **one** variable-size
+**one** all-gather of a header (has-data flag, dtype signature, document lengths);
+computes the same :func:`schedule_documents` as every other rank; joins **one** variable-size
 ``all_to_all_single`` carrying all keys of all documents fused; and yields its micro-steps.
 If any rank's inner iterator ends, every rank stops at the same batch (no hang).
 
@@ -14,10 +14,11 @@ Each yielded micro-step is a dict: the per-token keys (with this rank's zigzag c
 split document), ``cu_seqlens`` (int32, over the chunks this rank holds), ``doc_ids``,
 ``cp_group`` (global ranks running this micro-step together), ``cp_rank``, ``microstep`` and
 ``num_microsteps``. With tensor parallelism, build one instance per TP rank over that rank's
-DP x CP group: all of them compute the same plan.
+DP x CP group: all of them compute the same placement.
 
-State is ``{"version", "inner", "skip"}``: the inner iterator's state before the current batch
-and how many of its micro-steps were yielded. Restoring refetches that batch and skips them.
+State is the envelope ``{"kind": "balanced_batches", "version": 2, "inner", "skip"}``: the inner
+iterator's state before the current batch and how many of its micro-steps were yielded.
+Restoring refetches that batch and skips them.
 """
 
 from __future__ import annotations
@@ -30,57 +31,50 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfeed import dist
 from meshfeed.balance.cost import CostModel
-from meshfeed.balance.plan import DEFAULT_COST, Plan, plan
-from meshfeed.balance.routing import (
-    DEFAULT_KEYS,
-    DEFAULT_PAD,
-    Layout,
-    build_send,
-    doc_lengths,
-    fields_signature,
-    unpack,
-)
+from meshfeed.balance.routing import Layout, build_send, doc_lengths, fields_signature, unpack
+from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_documents
+from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD
+from meshfeed.state import envelope, open_envelope
 
 __all__ = ["BalancedBatches"]
 
-_VERSION = 1
-_HEADER = 3  # has_data, dtype signature, number of documents
+_KIND = "balanced_batches"
+_VERSION = 2  # 1 had no kind; the header of the all-gather changed with it
+_HEADER = 2  # has_data, dtype signature; then the document lengths
 
 
 class _Comm:
-    """The two collectives this module needs, over a torch.distributed group (or one rank)."""
+    """The collectives this module makes, through :mod:`meshfeed.dist` (device rule, timeouts)."""
 
-    def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist if dist.is_available() and dist.is_initialized() else None
-        if self.dist is None and group is not None:
-            raise ValueError("group was given but torch.distributed is not initialised")
+    def __init__(self, group: Any, timeout: float) -> None:
+        if group is not None and not dist.is_initialized():
+            raise ValueError(
+                "group was given but torch.distributed is not initialised; call "
+                "init_process_group first or pass group=None for one process"
+            )
         self.group = group
-        self.rank = self.dist.get_rank(group) if self.dist else 0
-        self.size = self.dist.get_world_size(group) if self.dist else 1
+        self.timeout = timeout
+        self.rank = dist.rank(group)
+        self.size = dist.world_size(group)
+
+    def device(self) -> torch.device:
+        """Where the collectives' tensors live (CUDA for an NCCL group, else CPU)."""
+        return dist.group_device(self.group)
 
     def global_rank(self, r: int) -> int:
-        if self.dist is None or self.group is None:
-            return r
-        return int(self.dist.get_global_rank(self.group, r))
+        return dist.global_rank(self.group, r)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        if self.dist is None:
-            return [t]
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        self.dist.all_gather(out, t, group=self.group)
-        return out
+    def all_gather(self, header: np.ndarray, max_len: int) -> list[np.ndarray]:
+        return dist.all_gather_ints(header, max_len=max_len, timeout=self.timeout, group=self.group)
 
     def all_to_all(
         self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
     ) -> torch.Tensor:
-        recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype)
-        if self.dist is None:
-            return send.clone()
-        self.dist.all_to_all_single(recv, send, recv_rows, send_rows, group=self.group)
-        return recv
+        return dist.all_to_all_single(
+            send, send_rows, recv_rows, timeout=self.timeout, group=self.group
+        )
 
 
 @dataclass(slots=True)
@@ -89,16 +83,16 @@ class _Batch:
     sample: Mapping[str, Any]
     counts: list[int]
     dtypes: list[torch.dtype]
-    plan: Future[Plan]
+    placement: Future[Placement]
 
 
 class BalancedBatches:
     """Iterator of balanced micro-steps over ``group`` (see the module doc).
 
     ``inner`` yields this rank's packed samples (dicts of 1-D tensors named by ``keys`` plus
-    ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`plan`.
+    ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`schedule_documents`.
     ``max_docs_per_rank`` sizes the fixed all-gather buffer (a sample with more documents is
-    an error naming it). ``timeout`` bounds the wait for a plan.
+    an error naming it). ``timeout`` bounds the wait for a placement.
     """
 
     def __init__(
@@ -126,7 +120,7 @@ class BalancedBatches:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds (got {timeout=})")
         self._inner = _stateful_iterator(inner)
-        self._comm = _Comm(group)
+        self._comm = _Comm(group, float(timeout))
         self._plan_kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
             "cost": cost,
@@ -134,7 +128,7 @@ class BalancedBatches:
             "tp": tp,
         }
         # Fail at construction, not at the first collective, on a bad configuration.
-        plan([], num_ranks=self._comm.size, **self._plan_kwargs)
+        schedule_documents([], num_ranks=self._comm.size, **self._plan_kwargs)
         self._keys, self._pad = tuple(keys), dict(pad)
         self._cap = int(max_docs_per_rank)
         self._timeout = float(timeout)
@@ -158,37 +152,35 @@ class BalancedBatches:
         self._k += 1
         return item
 
-    def get_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The state as of the last micro-step returned (JSON-serialisable if inner's is)."""
         if self._base_state is None:
             raise TypeError(
-                f"the inner iterator {type(self._inner).__name__} has no get_state() or "
-                "state_dict(); wrap a stateful iterator to checkpoint BalancedBatches"
+                f"the inner iterator {type(self._inner).__name__} has no state_dict() or "
+                "get_state(); wrap a stateful iterator to checkpoint BalancedBatches"
             )
         if self._current and self._k >= len(self._current) and isinstance(self._ahead, _Batch):
-            return {"version": _VERSION, "inner": self._ahead.state, "skip": 0}
+            return envelope(_KIND, _VERSION, inner=self._ahead.state, skip=0)
         skip = self._k if self._current else self._skip
-        return {"version": _VERSION, "inner": self._base_state, "skip": skip}
+        return envelope(_KIND, _VERSION, inner=self._base_state, skip=skip)
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`get_state` output; every rank must restore the same step."""
-        if not isinstance(state, Mapping) or state.get("version") != _VERSION:
-            got = state.get("version") if isinstance(state, Mapping) else state
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` output; every rank must load the same step."""
+        fields = open_envelope(
+            state, kind=_KIND, version=_VERSION, fields={"skip": int}, what="BalancedBatches state"
+        )
+        if "inner" not in fields:
             raise ValueError(
-                f"BalancedBatches state version {got!r} is not {_VERSION}; "
-                "restore a state saved by this version of meshfeed"
+                "BalancedBatches state is missing 'inner'; the checkpoint is corrupted"
             )
-        skip = state.get("skip")
-        if not isinstance(skip, int) or skip < 0:
-            raise ValueError(f"state['skip'] must be an int >= 0 (got {skip!r})")
         inner = self._inner
         if hasattr(inner, "load_state_dict"):
-            inner.load_state_dict(state["inner"])
+            inner.load_state_dict(fields["inner"])
         elif hasattr(inner, "restore"):
-            inner.restore(state["inner"])
+            inner.restore(fields["inner"])
         else:
             raise TypeError(f"the inner iterator {type(inner).__name__} cannot restore state")
-        self._base_state, self._skip = state["inner"], skip
+        self._base_state, self._skip = fields["inner"], fields["skip"]
         self._reset()
 
     def close(self) -> None:
@@ -222,7 +214,7 @@ class BalancedBatches:
         """Take the next sample and all-gather its lengths; None if any rank has run out."""
         state = self._inner_state()
         sample = next(self._inner, None)
-        header = torch.zeros(_HEADER + self._cap, dtype=torch.int64)
+        header = np.zeros(_HEADER, dtype=np.int64)
         if sample is not None:
             lengths = doc_lengths(sample, self._keys)
             if lengths.size > self._cap:
@@ -230,26 +222,28 @@ class BalancedBatches:
                     f"a packed sample holds {lengths.size} documents, more than "
                     f"{self._cap=}; raise max_docs_per_rank"
                 )
-            header[0], header[1], header[2] = 1, fields_signature(sample, self._keys), lengths.size
-            header[_HEADER : _HEADER + lengths.size] = torch.from_numpy(lengths)
-        rows = torch.stack(self._comm.all_gather(header)).numpy()
-        if not rows[:, 0].all():
+            header = np.concatenate(
+                [np.asarray([1, fields_signature(sample, self._keys)], dtype=np.int64), lengths]
+            )
+        rows = self._comm.all_gather(header, _HEADER + self._cap)
+        if not all(int(row[0]) for row in rows):
             return None
-        if len(set(rows[:, 1].tolist())) > 1:
+        signatures = [int(row[1]) for row in rows]
+        if len(set(signatures)) > 1:
             raise ValueError(
-                f"ranks disagree on the packed keys' dtypes (signatures {rows[:, 1].tolist()}); "
+                f"ranks disagree on the packed keys' dtypes (signatures {signatures}); "
                 f"every rank must yield {list(self._keys)} with the same dtypes"
             )
-        counts = rows[:, 2].astype(np.int64)
-        all_lengths = np.concatenate([rows[r, _HEADER : _HEADER + c] for r, c in enumerate(counts)])
+        counts = np.asarray([row.size - _HEADER for row in rows], dtype=np.int64)
+        all_lengths = np.concatenate([row[_HEADER:] for row in rows])
         assert sample is not None  # every rank, this one included, has data
         dtypes = [sample[k].dtype for k in self._keys]
         kwargs = dict(self._plan_kwargs, num_ranks=self._comm.size)
         if self._pool is not None:
-            future = self._pool.submit(plan, all_lengths, **kwargs)
+            future = self._pool.submit(schedule_documents, all_lengths, **kwargs)
         else:
             future = Future()
-            future.set_result(plan(all_lengths, **kwargs))
+            future.set_result(schedule_documents(all_lengths, **kwargs))
         return _Batch(state, sample, counts.tolist(), dtypes, future)
 
     def _advance(self) -> None:
@@ -261,7 +255,7 @@ class BalancedBatches:
         if self._pool is not None:
             self._ahead = self._fetch()  # plan t+1 while batch t is rerouted and consumed
         try:
-            p = batch.plan.result(timeout=self._timeout)
+            p = batch.placement.result(timeout=self._timeout)
         except TimeoutError as e:
             raise TimeoutError(
                 f"planning a batch took longer than timeout={self._timeout}s; "

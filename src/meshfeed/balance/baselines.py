@@ -1,4 +1,4 @@
-"""What users do instead of :func:`plan`, scored with the same cost model and lower bound.
+"""What users do instead of :func:`schedule_documents`, scored with the same cost model and lower bound.
 
 - **naive slicing**: each rank takes an equal-count contiguous slice of the global batch (the
   default of every DP sampler) and packs it in order;
@@ -61,7 +61,7 @@ def token_balancing(
 
 
 def _check_ranks(num_ranks: Any) -> None:
-    # Same contract as plan(): 0 would divide by zero, a bool or float would pass silently.
+    # Same contract as schedule_documents(): 0 would divide by zero, a bool or float would pass silently.
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
 

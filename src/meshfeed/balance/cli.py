@@ -1,6 +1,6 @@
 """``meshfeed plan``: how balanced would training be on this mesh, these lengths, this budget?
 
-Prints, for meshfeed's :func:`plan` and for naive slicing (and token balancing), the step time
+Prints, for meshfeed's :func:`schedule_documents` and for naive slicing (and token balancing), the step time
 over its lower bound, micro-steps per rank and packing efficiency, and saves a PNG of per-rank
 load averaged over the batches when asked (``--plot PATH``). The ranks balanced are DP x CP (``--dp * --cp``); ``--tp`` with
 ``--sequence-parallel`` only changes padding. Lengths come from a synthetic distribution or a
@@ -24,7 +24,7 @@ import numpy as np
 
 from meshfeed.balance.baselines import naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
-from meshfeed.balance.plan import Plan, plan
+from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.synthetic import DISTRIBUTIONS, sample_batch
 from meshfeed.mesh import DataMesh
 from meshfeed.sources.indexed import TokenCorpus
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         batches = _batches(args, batch_tokens)
         kw: dict[str, Any] = {"num_ranks": ranks, "max_tokens": args.max_tokens, "cost": cost}
         plans = [
-            plan(
+            schedule_documents(
                 b,
                 cp_sizes=args.cp_sizes,
                 tp=args.tp if args.sequence_parallel else 1,
@@ -196,7 +196,9 @@ def _batches(args: argparse.Namespace, batch_tokens: int) -> list[np.ndarray]:
     return out or [corpus]
 
 
-def _plot(plans: list[Plan], batches: list[np.ndarray], kw: dict[str, Any], path: Path) -> None:
+def _plot(
+    plans: list[Placement], batches: list[np.ndarray], kw: dict[str, Any], path: Path
+) -> None:
     """Per-rank load over the lower bound, averaged over every planned batch."""
     import matplotlib
 

@@ -19,6 +19,9 @@ import numpy as np
 
 __all__ = ["pack", "packing_efficiency"]
 
+#: The largest per-rank budget accepted (2**40 tokens): far above any memory, far below int64.
+MAX_TOKENS_LIMIT = 2**40
+
 
 def _check_budget(max_tokens: int) -> int:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
@@ -26,6 +29,12 @@ def _check_budget(max_tokens: int) -> int:
     if max_tokens < 1:
         raise ValueError(
             f"max_tokens must be positive (got {max_tokens=}); pass the per-rank budget"
+        )
+    if max_tokens > MAX_TOKENS_LIMIT:
+        raise ValueError(
+            f"max_tokens must be at most 2**40 tokens per rank and micro-step (got "
+            f"{max_tokens=}); no accelerator holds more, and token counts beyond it overflow "
+            "the int64 arithmetic of the schedule; pass the real per-rank budget"
         )
     return int(max_tokens)
 
@@ -69,7 +78,7 @@ def _bfd(lengths: np.ndarray, ids: np.ndarray, budget: int) -> list[list[int]]:
         i = int(np.argmax(lengths))
         raise ValueError(
             f"document {int(ids[i])} has {int(lengths[i])} tokens > max_tokens={budget}; "
-            "split it with context parallelism (balance.plan) or raise max_tokens"
+            "split it with context parallelism (balance.schedule_documents) or raise max_tokens"
         )
     order = np.lexsort((ids, -lengths))
     bins: list[list[int]] = []

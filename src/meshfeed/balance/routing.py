@@ -1,12 +1,12 @@
-"""Reroute the documents of packed samples to the ranks a :class:`Plan` puts them on.
+"""Reroute the documents of packed samples to the ranks a :class:`Placement` puts them on.
 
 Pure functions, no collectives: :func:`build_send` turns this rank's packed sample into one
 uint8 buffer holding every key of every outgoing piece (a piece is what one destination rank
 keeps of one document: the whole padded document, or its two zigzag chunks), ordered by
 destination; :func:`unpack` turns the received buffer into this rank's micro-steps. Between
 them sits exactly one variable-size ``all_to_all_single`` (or :func:`route_local`, which runs
-every rank in one process). Both sides derive the same layout from the plan, so no sizes or
-offsets travel besides the lengths that built the plan.
+every rank in one process). Both sides derive the same layout from the placement, so no sizes or
+offsets travel besides the lengths that built the placement.
 
 A packed sample is a dict of 1-D tensors of equal length (``tokens``, ``labels``,
 ``loss_mask``, ``position_ids`` by default) plus ``cu_seqlens`` (document boundaries).
@@ -22,19 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshfeed.balance.plan import Plan, plan
+from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.zigzag import zigzag_positions
+from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD
 
-__all__ = ["DEFAULT_KEYS", "DEFAULT_PAD", "Layout", "build_send", "route_local", "unpack"]
-
-DEFAULT_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-#: Fill values for padding; ``None`` continues the document's positions (position ids).
-DEFAULT_PAD: Mapping[str, int | None] = {
-    "tokens": 0,
-    "labels": -100,
-    "loss_mask": 0,
-    "position_ids": None,
-}
+__all__ = ["Layout", "build_send", "route_local", "unpack"]
 
 
 def doc_lengths(sample: Mapping[str, Any], keys: Sequence[str]) -> np.ndarray:
@@ -69,14 +61,14 @@ def fields_signature(sample: Mapping[str, Any], keys: Sequence[str]) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
-    """Who sends which piece to whom: the plan plus where each document starts on its source.
+    """Who sends which piece to whom: the placement plus where each document starts on its source.
 
     Documents are numbered in (source rank, position in the sample) order, the order the
     all-gather of lengths produces. Piece ``p`` is part ``part[p]`` of document ``doc[p]``,
     held by rank ``dst[p]``, ``rows[p]`` tokens long.
     """
 
-    plan: Plan
+    placement: Placement
     src: np.ndarray
     offset: np.ndarray
     doc: np.ndarray
@@ -85,11 +77,11 @@ class Layout:
     rows: np.ndarray
 
     @classmethod
-    def build(cls, p: Plan, counts: Sequence[int]) -> Layout:
+    def build(cls, p: Placement, counts: Sequence[int]) -> Layout:
         counts_arr = np.asarray(counts, dtype=np.int64)
         if int(counts_arr.sum()) != p.lengths.size:
             raise ValueError(
-                f"counts sum to {int(counts_arr.sum())}, the plan has {p.lengths.size}"
+                f"counts sum to {int(counts_arr.sum())}, the placement has {p.lengths.size}"
             )
         src = np.repeat(np.arange(counts_arr.size), counts_arr)
         # Offset of each document inside its source's sample: global exclusive cumsum minus
@@ -99,7 +91,7 @@ class Layout:
         doc = np.repeat(np.arange(p.lengths.size), p.cp_size)
         part = np.arange(doc.size) - np.repeat(np.cumsum(p.cp_size) - p.cp_size, p.cp_size)
         return cls(
-            plan=p,
+            placement=p,
             src=src,
             offset=excl[:-1] - excl[first][src],
             doc=doc,
@@ -120,12 +112,16 @@ class Layout:
 
     def send_splits(self, rank: int) -> list[int]:
         out = self.outgoing(rank)
-        return np.bincount(self.dst[out], self.rows[out], self.plan.num_ranks).astype(int).tolist()
+        return (
+            np.bincount(self.dst[out], self.rows[out], self.placement.num_ranks)
+            .astype(int)
+            .tolist()
+        )
 
     def recv_splits(self, rank: int) -> list[int]:
         inc = self.incoming(rank)
         srcs = self.src[self.doc[inc]]
-        return np.bincount(srcs, self.rows[inc], self.plan.num_ranks).astype(int).tolist()
+        return np.bincount(srcs, self.rows[inc], self.placement.num_ranks).astype(int).tolist()
 
 
 def build_send(
@@ -136,7 +132,7 @@ def build_send(
     pad: Mapping[str, int | None] = DEFAULT_PAD,
 ) -> torch.Tensor:
     """One ``(rows, bytes_per_token)`` uint8 buffer: every key of every outgoing piece."""
-    p = layout.plan
+    p = layout.placement
     index, filler, heads = [], [], []
     for piece in layout.outgoing(rank).tolist():
         d = int(layout.doc[piece])
@@ -176,7 +172,7 @@ def unpack(
     keys: Sequence[str] = DEFAULT_KEYS,
 ) -> list[dict[str, Any]]:
     """This rank's micro-steps from the received buffer, each with its ``cu_seqlens``."""
-    p = layout.plan
+    p = layout.placement
     inc = layout.incoming(rank)
     starts = np.concatenate([[0], np.cumsum(layout.rows[inc])])
     where = {
@@ -218,11 +214,11 @@ def route_local(
     keys: Sequence[str] = DEFAULT_KEYS,
     pad: Mapping[str, int | None] = DEFAULT_PAD,
     **plan_kwargs: Any,
-) -> tuple[Plan, list[list[dict[str, Any]]]]:
+) -> tuple[Placement, list[list[dict[str, Any]]]]:
     """Run the whole reroute for every rank in one process (tests, simulation, the CLI).
 
-    ``samples[r]`` is rank r's packed sample; ``plan_kwargs`` go to :func:`plan` (its
-    ``num_ranks`` is ``len(samples)``). Returns the plan and every rank's micro-steps.
+    ``samples[r]`` is rank r's packed sample; ``plan_kwargs`` go to :func:`schedule_documents` (its
+    ``num_ranks`` is ``len(samples)``). Returns the placement and every rank's micro-steps.
     """
     counts, all_lengths = [], []
     for s in samples:
@@ -233,7 +229,7 @@ def route_local(
     if len(signatures) > 1:
         raise ValueError("ranks disagree on the dtypes of the packed keys; cast them the same")
     lengths = np.concatenate(all_lengths) if all_lengths else np.zeros(0, dtype=np.int64)
-    p = plan(lengths, num_ranks=len(samples), **plan_kwargs)
+    p = schedule_documents(lengths, num_ranks=len(samples), **plan_kwargs)
     layout = Layout.build(p, counts)
     sends = [build_send(s, r, layout, keys, pad) for r, s in enumerate(samples)]
     offsets = []

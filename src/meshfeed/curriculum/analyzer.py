@@ -208,11 +208,9 @@ def _gather(local: _ChunkOut, world: int) -> list[_ChunkOut]:
     """Every rank's pass output, in rank order (ranks own contiguous chunk ranges)."""
     if world == 1:
         return [local]
-    import torch.distributed as dist
+    from meshfeed.dist import all_gather_objects
 
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, local)
-    return parts
+    return all_gather_objects(local)
 
 
 def analyze(
@@ -303,7 +301,7 @@ def analyze(
             else:
                 save_accumulated(root / name, name, item, fp)
     if world > 1 and output_dir is not None:
-        import torch.distributed as dist
+        from meshfeed.dist import barrier
 
-        dist.barrier()
+        barrier()
     return result

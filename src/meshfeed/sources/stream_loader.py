@@ -38,10 +38,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from meshfeed.dist import all_min, check_agreement
 from meshfeed.loader_base import LoaderBase, check_count, check_epoch, pin
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_sync import _all_reduce, check_agreement
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
 from meshfeed.state import envelope, fingerprint_hash, open_envelope
 
@@ -239,7 +239,7 @@ class StreamLoader(LoaderBase):
                     except Exception as exc:  # raised on every rank at this step, below
                         error = exc
                 mine = _FAILED if error else _HAVE if got is not None else _EXHAUSTED
-                status = _all_reduce([mine], "min", self.wait_timeout)[0]
+                status = all_min([mine], timeout=self.wait_timeout)[0]
                 if error is not None:
                     raise error
                 if status == _FAILED:

@@ -1,6 +1,6 @@
-"""plan(): balanced schedule of variable-length documents over data x context-parallel ranks.
+"""schedule_documents(): place variable-length documents on data x context-parallel ranks.
 
-A pure numpy function: the same lengths give the same :class:`Plan` on every rank, so ranks
+A pure numpy function: the same lengths give the same :class:`Placement` on every rank, so ranks
 that all-gathered the lengths agree without talking again. Each document gets a CP degree
 ``c`` (chosen for memory *and* balance) and a block of ``c`` consecutive ranks; every rank gets
 a list of micro-steps of at most ``max_tokens`` tokens, all ranks the same number.
@@ -23,22 +23,27 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.balance._schedule import DegreeTable, Group, MicroStep, Schedule, place_split
+from meshfeed.balance._candidates import Candidate, DegreeTable, Group, MicroStep, place_split
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.packing import _check_budget, as_lengths
 from meshfeed.balance.zigzag import pad_unit
 
-__all__ = ["DEFAULT_COST", "Plan", "plan"]
+__all__ = ["DEFAULT_COST", "Placement", "schedule_documents"]
 
 #: A 7B-class transformer (hidden 4096, 32 layers, 32 heads), training FLOPs.
 DEFAULT_COST = CostModel.from_transformer(hidden_size=4096, num_layers=32, num_heads=32)
+
+#: The largest balanced group: the schedule costs O(documents x ranks) on every rank per batch.
+MAX_RANKS = 8192
+#: The largest ``num_ranks * min_microsteps``: the placement lists every (rank, micro-step).
+MAX_CELLS = 2**20
 
 #: Split thresholds tried, as multiples of the mean rank load; inf = split for memory only.
 _THETAS = (np.inf, 1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Plan:
+class Placement:
     """The schedule of one global batch. Rank indices are positions in the balanced group.
 
     ``microsteps[r][k]`` is the tuple of ``(document id, cp group)`` rank ``r`` runs at micro-step
@@ -69,7 +74,7 @@ class Plan:
 
     @property
     def imbalance(self) -> float:
-        """``makespan / lower_bound - 1``: 0 means provably optimal (0 for an empty plan)."""
+        """``makespan / lower_bound - 1``: 0 means provably optimal (0 for an empty placement)."""
         return self.makespan / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
 
     @property
@@ -93,7 +98,7 @@ class Plan:
         return out
 
 
-def plan(
+def schedule_documents(
     lengths: Any,
     *,
     num_ranks: int,
@@ -102,19 +107,28 @@ def plan(
     cp_sizes: str | Sequence[int] = "any",
     tp: int = 1,
     min_microsteps: int = 1,
-) -> Plan:
-    """Schedule documents of the given lengths over ``num_ranks`` ranks (see the module doc).
+) -> Placement:
+    """Candidate documents of the given lengths over ``num_ranks`` ranks (see the module doc).
 
     ``cp_sizes``: ``"any"`` (every degree 1..num_ranks, blocks anywhere), ``"pow2_aligned"``
     (powers of two on blocks aligned to their size, for Megatron / Transformer Engine), or an
     explicit sequence of allowed degrees including 1. ``tp`` > 1 pads split documents to a
     multiple of ``2*c*tp`` (sequence parallelism). Every rank gets at least ``min_microsteps``.
-    Raises ValueError when a document cannot fit even on the largest allowed group.
+    Raises ValueError when a document cannot fit even on the largest allowed group, and up
+    front for ``num_ranks > MAX_RANKS`` (8192), ``num_ranks * min_microsteps > 2**20`` or
+    ``max_tokens > 2**40``: sizes whose schedule would take seconds per batch or overflow.
     Cost: 7-27 ms of CPU for 4,096 documents on 64 ranks (benchmarks/bench_balance.py).
     """
     budget = _check_budget(max_tokens)
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
+    if num_ranks > MAX_RANKS:
+        raise ValueError(
+            f"num_ranks must be at most {MAX_RANKS} (got {num_ranks=}): every rank schedules "
+            "every global batch, at a cost that grows with documents x ranks (seconds beyond "
+            "this size); balance within each DP x CP group of a replica or pipeline stage "
+            "(one BalancedBatches per group) instead of over the whole job"
+        )
     if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(
             f"tp must be a positive int (got {tp=}); use 1 without sequence parallelism"
@@ -125,6 +139,13 @@ def plan(
         or min_microsteps < 0
     ):
         raise ValueError(f"min_microsteps must be an int >= 0 (got {min_microsteps=})")
+    if int(num_ranks) * int(min_microsteps) > MAX_CELLS:
+        raise ValueError(
+            f"num_ranks x min_microsteps must be at most 2**20 (got {num_ranks=}, "
+            f"{min_microsteps=}): a placement lists every micro-step of every rank and is "
+            "rebuilt on every rank for every global batch, so one this large is not a useful "
+            "schedule; use fewer, larger micro-steps (raise max_tokens) or a smaller group"
+        )
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a CostModel (got {type(cost).__name__})")
     n_ranks, tp = int(num_ranks), int(tp)
@@ -152,7 +173,7 @@ def plan(
     # water); only the best two get the full LPT, and only the winner is packed (unless
     # per_step makes packing part of the makespan).
     exact = ps > 0
-    ranked: list[tuple[float, int, Schedule]] = []
+    ranked: list[tuple[float, int, Candidate]] = []
     for table in tables:
         if not table.ok.all():
             continue
@@ -170,7 +191,7 @@ def plan(
         if ranked and min(r[0] for r in ranked) <= lower * (1 + 1e-3):
             break
     ranked.sort(key=lambda r: (r[0], r[1]))
-    best: Schedule | None = None
+    best: Candidate | None = None
     for _, _, sched in ranked[:2]:
         sched.assign_unsplit(budget, ps)
         if exact:
@@ -181,7 +202,7 @@ def plan(
     assert best is not None  # the first table always fits (checked above)
     if not exact:
         best.pack(budget, ps, int(min_microsteps))
-    return Plan(
+    return Placement(
         num_ranks=n_ranks,
         max_tokens=budget,
         tp=tp,

@@ -1,9 +1,9 @@
-"""The machinery behind :func:`meshfeed.balance.plan`: degree tables, placement, LPT, packing.
+"""The machinery behind :func:`meshfeed.balance.schedule_documents`: degree tables, placement, LPT, packing.
 
-Private: :mod:`meshfeed.balance.plan` chooses among candidate schedules built here. A schedule
+Private: :mod:`meshfeed.balance.schedule` chooses among candidate schedules built here. A schedule
 is built in three passes so candidates stay cheap: :func:`place_split` puts the documents
-split over several ranks on blocks (arrays only), :meth:`Schedule.assign_unsplit` gives the
-rest to ranks by LPT, and :meth:`Schedule.pack` packs micro-steps for the winner only.
+split over several ranks on blocks (arrays only), :meth:`Candidate.assign_unsplit` gives the
+rest to ranks by LPT, and :meth:`Candidate.pack` packs micro-steps for the winner only.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class DegreeTable:
 
 
 @dataclass(slots=True)
-class Schedule:
+class Candidate:
     c: np.ndarray
     padded: np.ndarray
     work: np.ndarray
@@ -153,7 +153,7 @@ def place_split(
     ps: float,
     aligned: bool,
     budget: int,
-) -> Schedule:
+) -> Candidate:
     """Place every split document on the block of ranks that finishes it soonest.
 
     A document either opens a new micro-step on a block (its ranks wait for each other) or
@@ -184,8 +184,8 @@ def place_split(
             busy = clock[:span].reshape(-1, ci).sum(axis=1)
             starts = np.arange(0, span, ci)
         else:
-            kmax = _windows(key, ci).max(axis=1)
-            cmax = _windows(count, ci).max(axis=1)
+            kmax = _sliding_max(key, ci)
+            cmax = _sliding_max(count, ci)
             csum = np.concatenate([[0.0], np.cumsum(clock)])
             busy = csum[ci:] - csum[:-ci]
             starts = np.arange(n_ranks - ci + 1)
@@ -195,11 +195,21 @@ def place_split(
         finish = float(begin[b]) + float(dur[i]) + ps
         tokens = int(padded[i]) // ci
         join = -1
-        for h in np.flatnonzero((last_size == ci) & (last_start == rank_ids)).tolist():
-            if last_tokens[h] + tokens <= budget and (last_start[h : h + ci] == h).all():
-                joined = float(clock[h]) + float(dur[i])
-                if joined <= finish:
-                    finish, join = joined, h
+        # Blocks of exactly this group whose last micro-step has room: a head h is still
+        # intact when all ci ranks it wrote still hold (h, ci) (vectorised; O(ranks) per doc).
+        heads = np.flatnonzero(
+            (last_size == ci) & (last_start == rank_ids) & (last_tokens + tokens <= budget)
+        )
+        if heads.size:
+            same = last_size == ci
+            held = np.bincount(last_start[same], minlength=n_ranks)
+            heads = heads[held[heads] == ci]
+            joined = clock[heads] + dur[i]
+            fits = np.flatnonzero(joined <= finish)
+            if fits.size:
+                best = joined[fits].min()
+                last = fits[joined[fits] == best][-1]  # ties: the last block, as before
+                finish, join = float(joined[last]), int(heads[last])
         if join >= 0:
             clock[join : join + ci] = finish
             last_tokens[join] += tokens
@@ -211,7 +221,7 @@ def place_split(
         last_start[r0 : r0 + ci], last_size[r0 : r0 + ci] = r0, ci
         last_tokens[r0] = tokens
         cp_start[i], microstep[i] = r0, k
-    return Schedule(
+    return Candidate(
         c=c.astype(np.int64),
         padded=padded.astype(np.int64),
         work=work,
@@ -222,6 +232,20 @@ def place_split(
         clock=clock,
         makespan=float(clock.max(initial=0.0)),
     )
+
+
+def _sliding_max(x: np.ndarray, width: int) -> np.ndarray:
+    """``max(x[i : i + width])`` for every start ``i``, in O(n log width) (doubling).
+
+    ``m`` holds maxima over runs of ``span`` elements; doubling ``span`` up to the largest power
+    of two <= width, two overlapping runs cover any window. Exact (max does not round), so it
+    equals the naive windows while a few wide CP groups on many ranks stay cheap.
+    """
+    m, span = x, 1
+    while span * 2 <= width:
+        m = np.maximum(m[:-span], m[span:])
+        span *= 2
+    return np.maximum(m[: x.size - width + 1], m[width - span :])
 
 
 def _windows(x: np.ndarray, width: int) -> np.ndarray:

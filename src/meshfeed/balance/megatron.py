@@ -1,0 +1,249 @@
+"""HybridCPDataLoader: a drop-in for Megatron-LM's ``HybridCPDataLoaderWrapper``.
+
+Megatron's training loop with ``hybrid_context_parallel=True`` wraps its data iterator::
+
+    data_iterator = HybridCPDataLoaderWrapper(data_iterator, config, pg_collection)
+
+and ``hybrid_context_parallel_forward_backward`` calls ``next()`` once per global batch. Swap
+that one line for ``HybridCPDataLoader(data_iterator, config, pg_collection)``: the input is
+the same (each rank's iterator yields a list of packed samples, dicts of 1-D tensors with
+``cu_seqlens``; CP peers of one DP replica hold the same samples) and so is the output of every
+``next()``: ``(samples, sample_id_groups)`` where ``samples`` maps a global sub-sample id to this
+rank's copy of that document (every key but ``cu_seqlens``, ``batch_idx``, ``max_seqlen``) and
+``sample_id_groups[g][r]`` lists the ids rank ``r`` of the DP x CP group runs in group ``g``
+(a document on several ranks is run by all of them with that CP size).
+
+What changes is the schedule: :func:`schedule_documents` (cost model, CP degrees on aligned
+power-of-two blocks as Megatron's hybrid CP groups need, LPT, equal group counts) instead of
+``BalancedCPScheduler``, and the collectives go through :mod:`meshfeed.dist` (the device rule
+and bounded waits). The ids are numbered as Megatron numbers them (DP rank order, then position
+in the batch, empty documents dropped), so ``samples`` keys and groups mean the same thing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfeed import dist
+from meshfeed.balance.cost import CostModel
+from meshfeed.balance.routing import _as_bytes
+from meshfeed.balance.schedule import Placement, schedule_documents
+
+__all__ = ["MEGATRON_COST", "HybridCPDataLoader"]
+
+#: Megatron's workload estimate (``seq_len**2 / cp_size``), so balance is judged as Megatron does.
+MEGATRON_COST = CostModel(quadratic=1.0)
+
+_SKIPPED = ("cu_seqlens", "batch_idx", "max_seqlen")  # the keys Megatron's unpack_batch drops
+
+
+class HybridCPDataLoader:
+    """Iterator of ``(samples, sample_id_groups)`` per global batch (see the module doc).
+
+    ``config`` needs ``max_seqlen_per_dp_cp_rank`` (or pass ``max_seqlen_per_dp_cp_rank=``).
+    ``pg_collection`` is Megatron's ``ProcessGroupCollection`` (``.dp_cp``, ``.dp``); ``None``
+    takes Megatron's ``parallel_state`` groups when it is initialised, else the default group as
+    both (every rank its own DP replica, no CP replication). ``cost`` defaults to Megatron's
+    ``s**2`` estimate; pass a :class:`CostModel` with a linear term to balance real step time.
+    ``groups="one"`` (default) returns the whole placement as one group in micro-step order
+    (no barrier between micro-steps, deadlock-free because every rank runs shared documents in
+    the same order); ``groups="microsteps"`` returns one group per micro-step.
+    """
+
+    def __init__(
+        self,
+        data_iterator: Any,
+        config: Any = None,
+        pg_collection: Any = None,
+        *,
+        max_seqlen_per_dp_cp_rank: int | None = None,
+        cost: CostModel = MEGATRON_COST,
+        groups: str = "one",
+        timeout: float = dist.DEFAULT_TIMEOUT,
+    ) -> None:
+        budget = max_seqlen_per_dp_cp_rank
+        if budget is None:
+            budget = getattr(config, "max_seqlen_per_dp_cp_rank", None)
+        if budget is None:
+            raise ValueError(
+                "HybridCPDataLoader needs the per-rank token budget; pass a Megatron config "
+                "with max_seqlen_per_dp_cp_rank set or max_seqlen_per_dp_cp_rank=..."
+            )
+        if groups not in ("one", "microsteps"):
+            raise ValueError(f"groups must be 'one' or 'microsteps' (got {groups=!r})")
+        self.data_iterator = data_iterator
+        self.config = config
+        self.dp_cp_group, self.dp_group = _groups(pg_collection)
+        self._budget, self._cost, self._groups = budget, cost, groups
+        self._timeout = float(timeout)
+        self.total_hdp_gpus = dist.world_size(self.dp_cp_group)
+        # Fail at construction on a bad budget or group size, not at the first batch.
+        schedule_documents(
+            [], num_ranks=self.total_hdp_gpus, max_tokens=budget, cost=cost, cp_sizes="pow2_aligned"
+        )
+        # Position in the DP x CP group of every member of this rank's DP group.
+        hdp = {g: i for i, g in enumerate(dist.group_ranks(self.dp_cp_group))}
+        self._dp_members = [hdp[g] for g in dist.group_ranks(self.dp_group)]
+        self.last_placement: Placement | None = None
+
+    def __iter__(self) -> HybridCPDataLoader:
+        return self
+
+    def __next__(self) -> tuple[dict[int, dict[str, torch.Tensor]], list[list[list[int]]]]:
+        if self.data_iterator is None:  # Megatron: TP ranks > 0 receive data by broadcast
+            return None, None  # type: ignore[return-value]
+        batch = next(self.data_iterator)
+        docs, template = _unpack_batch(batch)
+        lengths = np.asarray([_length(d) for d in docs], dtype=np.int64)
+        per_dp = dist.all_gather_ints(lengths, timeout=self._timeout, group=self.dp_group)
+        counts = [int(p.size) for p in per_dp]
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        all_lengths = np.concatenate(per_dp) if per_dp else lengths
+        placement = schedule_documents(
+            all_lengths,
+            num_ranks=self.total_hdp_gpus,
+            max_tokens=self._budget,
+            cost=self._cost,
+            cp_sizes="pow2_aligned",
+        )
+        self.last_placement = placement
+        groups = _sample_id_groups(placement, self._groups)
+        idle = [r for r in range(self.total_hdp_gpus) if not groups or not groups[-1][r]]
+        if idle:
+            # Megatron's loop runs the last sub-sample of the last group on every rank; every
+            # rank computed this same placement, so all of them raise here together.
+            raise ValueError(
+                f"ranks {idle[:8]} get no document in the last group of this global batch "
+                f"({all_lengths.size} documents over {self.total_hdp_gpus} ranks), which "
+                "Megatron's hybrid-CP loop cannot run; use more documents per global batch "
+                "(or groups='one', which leaves a rank idle only when it gets no document at all)"
+            )
+        samples = self._reroute(docs, template, all_lengths, offsets, placement)
+        return samples, groups
+
+    def _reroute(
+        self,
+        docs: list[dict[str, torch.Tensor]],
+        template: Mapping[str, torch.Tensor],
+        lengths: np.ndarray,
+        offsets: np.ndarray,
+        placement: Placement,
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Send every document to each rank that runs it, within this rank's DP group."""
+        world, me = self.total_hdp_gpus, dist.rank(self.dp_cp_group)
+        dp_rank = dist.rank(self.dp_group)
+        lo, hi = int(offsets[dp_rank]), int(offsets[dp_rank + 1])
+        needs: list[list[int]] = [[] for _ in range(world)]
+        for r in range(world):
+            needs[r] = sorted({d for step in placement.microsteps[r] for d, _ in step})
+        # From the packed sample, not a document: a rank whose documents are all empty still
+        # knows the row layout it receives.
+        keys = [k for k in template if k not in _SKIPPED]
+        dtypes = [template[k].dtype for k in keys]
+        send_rows = [0] * world
+        pieces: list[torch.Tensor] = []
+        for dest in self._dp_members:  # CP peers hold the same data: send within the DP group
+            mine = [g for g in needs[dest] if lo <= g < hi]
+            send_rows[dest] = int(lengths[mine].sum()) if mine else 0
+            pieces.extend(_fused(docs[g - lo], keys) for g in mine)
+        src_of = np.searchsorted(offsets, np.arange(lengths.size), side="right") - 1
+        recv_rows = [0] * world
+        incoming: list[int] = []
+        for j, member in enumerate(self._dp_members):
+            got = [g for g in needs[me] if src_of[g] == j]
+            recv_rows[member] = int(lengths[got].sum()) if got else 0
+        for member in range(world):  # wire order: by source rank, then id
+            if member in self._dp_members:
+                j = self._dp_members.index(member)
+                incoming.extend(g for g in needs[me] if src_of[g] == j)
+        width = sum(torch.empty(0, dtype=dt).element_size() for dt in dtypes)
+        send = torch.cat(pieces) if pieces else torch.zeros((0, width), dtype=torch.uint8)
+        recv = dist.all_to_all_single(
+            send, send_rows, recv_rows, timeout=self._timeout, group=self.dp_cp_group
+        )
+        widths = [torch.empty(0, dtype=dt).element_size() for dt in dtypes]
+        bounds = np.concatenate([[0], np.cumsum(widths)]).astype(int).tolist()
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        row = 0
+        for g in incoming:
+            n = int(lengths[g])
+            block = recv[row : row + n]
+            row += n
+            out[g] = {
+                k: block[:, a:b].reshape(-1).clone().view(dt)
+                for k, dt, a, b in zip(keys, dtypes, bounds[:-1], bounds[1:], strict=True)
+            }
+        return out
+
+
+def _groups(pg_collection: Any) -> tuple[Any, Any]:
+    if pg_collection is not None:
+        return pg_collection.dp_cp, pg_collection.dp
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return (
+                parallel_state.get_data_parallel_group(with_context_parallel=True),
+                parallel_state.get_data_parallel_group(),
+            )
+    except ImportError:
+        pass
+    return None, None
+
+
+def _unpack_batch(batch: Any) -> tuple[list[dict[str, torch.Tensor]], Mapping[str, Any]]:
+    """Megatron's ``unpack_batch``: the non-empty documents of a list of packed samples.
+
+    Also returns the first packed sample, whose keys and dtypes every document shares.
+    """
+    if isinstance(batch, Mapping):
+        batch = [batch]
+    if not batch:
+        raise ValueError(
+            "the data iterator yielded an empty list; every rank needs at least one packed "
+            "sample per global batch (Megatron's wrapper needs it too)"
+        )
+    docs = []
+    for sample in batch:
+        if "cu_seqlens" not in sample:
+            raise ValueError(
+                f"a packed sample needs 'cu_seqlens' (has {sorted(sample)}); yield Megatron's "
+                "packed samples: 1-D tensors plus cu_seqlens"
+            )
+        cu = torch.as_tensor(sample["cu_seqlens"]).reshape(-1).tolist()
+        for a, b in itertools.pairwise(cu):
+            if b > a:
+                docs.append({k: v[a:b] for k, v in sample.items() if k not in _SKIPPED})
+    return docs, batch[0]
+
+
+def _length(doc: Mapping[str, torch.Tensor]) -> int:
+    sizes = {int(v.numel()) for v in doc.values()}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"the per-token keys of a document differ in length ({sorted(sizes)}); every key "
+            "of a packed sample must hold one value per token"
+        )
+    return sizes.pop()
+
+
+def _fused(doc: Mapping[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+    return torch.cat([_as_bytes(doc[k]) for k in keys], dim=1)
+
+
+def _sample_id_groups(placement: Placement, mode: str) -> list[list[list[int]]]:
+    """Megatron's ``sample_id_groups[g][r]`` from the placement's micro-steps."""
+    n = placement.num_ranks
+    steps = [
+        [[int(d) for d, _ in placement.microsteps[r][k]] for r in range(n)]
+        for k in range(placement.num_microsteps)
+    ]
+    if mode == "microsteps":
+        return steps
+    return [[[d for step in steps for d in step[r]] for r in range(n)]]

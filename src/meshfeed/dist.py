@@ -1,0 +1,321 @@
+"""Every collective meshfeed makes, with the device rule written once and every wait bounded.
+
+The rest of the library never calls ``torch.distributed`` directly: it asks this module to
+check that ranks agree, to reduce a few ints, to gather int arrays of different lengths (or
+pickled objects), or to exchange rows with ``all_to_all_single``.
+
+- **Device rule** (:func:`device_for_backend`): an NCCL group gets tensors on the current CUDA
+  device, every other backend (gloo, mpi, ...) CPU tensors. Results come back on the CPU.
+- **Bounded waits**: every collective runs asynchronously and is waited on with
+  ``work.wait(timeout=...)`` where the backend supports it; a rank that stalled, died or
+  stopped iterating becomes a ``RuntimeError`` on the others, naming the timeout.
+- **One process**: without an initialised process group, or with one rank, every function is a
+  local no-op with the same result shape, so single-process simulations run the same code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+__all__ = [
+    "all_gather_ints",
+    "all_gather_objects",
+    "all_max",
+    "all_min",
+    "all_ranks_have_a_batch",
+    "all_to_all_single",
+    "barrier",
+    "check_agreement",
+    "device_for_backend",
+    "global_rank",
+    "group_device",
+    "group_ranks",
+    "is_distributed",
+    "is_initialized",
+    "rank",
+    "world_size",
+]
+
+#: Default bound on every wait, in seconds (torch.distributed's own default is 30 minutes).
+DEFAULT_TIMEOUT = 300.0
+
+
+def device_for_backend(backend: str, *, cuda_device: int | None = None) -> torch.device:
+    """The device a collective's tensors must live on for a group of this backend.
+
+    ``"nccl"`` → ``cuda:<cuda_device>`` (default: ``torch.cuda.current_device()``); any other
+    backend → CPU. A pure function of its arguments when ``cuda_device`` is given.
+
+    >>> device_for_backend("gloo")
+    device(type='cpu')
+    >>> device_for_backend("nccl", cuda_device=3)
+    device(type='cuda', index=3)
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str such as 'nccl' or 'gloo' (got {backend!r})")
+    if backend.lower() == "nccl":
+        index = torch.cuda.current_device() if cuda_device is None else int(cuda_device)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def is_distributed(group: Any = None) -> bool:
+    """True when a process group is initialised and ``group`` has more than one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return bool(dist.get_world_size(group) > 1)
+
+
+def is_initialized() -> bool:
+    """True when torch.distributed has a default process group."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 without a process group)."""
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group)) if is_initialized() else 0
+
+
+def world_size(group: Any = None) -> int:
+    """Ranks in ``group`` (1 without a process group)."""
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group)) if is_initialized() else 1
+
+
+def global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (itself for the default group)."""
+    import torch.distributed as dist
+
+    if group is None or not is_initialized():
+        return int(group_rank)
+    return int(dist.get_global_rank(group, group_rank))
+
+
+def group_ranks(group: Any = None) -> list[int]:
+    """The global ranks of ``group``, in group-rank order (``[0]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not is_initialized():
+        return [0]
+    return [int(r) for r in dist.get_process_group_ranks(group or dist.group.WORLD)]
+
+
+def group_device(group: Any = None) -> torch.device:
+    """:func:`device_for_backend` of ``group``'s backend (CPU without a process group)."""
+    import torch.distributed as dist
+
+    if not is_initialized():
+        return torch.device("cpu")
+    return device_for_backend(str(dist.get_backend(group)))
+
+
+def _check_timeout(timeout: float) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be seconds as a number (got {timeout!r})")
+    if math.isnan(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds (got {timeout=}); e.g. timeout=300")
+    # timedelta overflows near 1e9 days; a year is "no limit" for a collective.
+    return min(float(timeout), 365 * 86400.0)
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    """Wait for an async collective at most ``timeout`` seconds, or raise naming ``what``."""
+    import torch.distributed as dist
+
+    message = (
+        f"rank {dist.get_rank()} waited more than timeout={timeout}s for the other ranks in "
+        f"{what}; a rank has stalled, died or stopped iterating"
+    )
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise RuntimeError(message) from exc
+    if done is False:
+        raise RuntimeError(message)
+
+
+def _all_reduce(
+    values: Sequence[int], op: Literal["min", "max"], timeout: float, group: Any, what: str
+) -> list[int]:
+    timeout = _check_timeout(timeout)
+    ints = [int(v) for v in values]
+    if not is_distributed(group):
+        return ints
+    import torch.distributed as dist
+
+    t = torch.tensor(ints, dtype=torch.int64, device=group_device(group))
+    reduce_op = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX
+    _wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), timeout, what)
+    return [int(x) for x in t.cpu().tolist()]
+
+
+def all_min(
+    values: Sequence[int], *, timeout: float = DEFAULT_TIMEOUT, group: Any = None
+) -> list[int]:
+    """Element-wise minimum of a few ints over ``group`` (one all_reduce, bounded wait)."""
+    return _all_reduce(values, "min", timeout, group, "all_min")
+
+
+def all_max(
+    values: Sequence[int], *, timeout: float = DEFAULT_TIMEOUT, group: Any = None
+) -> list[int]:
+    """Element-wise maximum of a few ints over ``group`` (one all_reduce, bounded wait)."""
+    return _all_reduce(values, "max", timeout, group, "all_max")
+
+
+def all_ranks_have_a_batch(mine: bool, timeout: float, *, group: Any = None) -> bool:
+    """True when every rank has a next batch: one ``all_reduce(MIN)`` of one int.
+
+    torchdata's ``fullsync`` at one collective per batch: ranks of a stream of unknown length
+    stop at the same step.
+    """
+    return bool(_all_reduce([1 if mine else 0], "min", timeout, group, "the end-of-data check")[0])
+
+
+def barrier(*, timeout: float = DEFAULT_TIMEOUT, group: Any = None) -> None:
+    """Wait until every rank of ``group`` gets here (bounded, unlike ``dist.barrier``)."""
+    _all_reduce([0], "min", timeout, group, "a barrier")
+
+
+def _all_gather_fixed(t: torch.Tensor, timeout: float, group: Any, what: str) -> torch.Tensor:
+    """All-gather one same-shape tensor per rank; returns ``(world, *t.shape)`` on the CPU."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    t = t.to(group_device(group))
+    out = [torch.empty_like(t) for _ in range(world)]
+    _wait(dist.all_gather(out, t, group=group, async_op=True), timeout, what)
+    return torch.stack(out).cpu()
+
+
+def all_gather_ints(
+    values: Any,
+    *,
+    max_len: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    group: Any = None,
+) -> list[np.ndarray]:
+    """Every rank's 1-D int64 array (lengths may differ), in rank order.
+
+    With ``max_len`` (an upper bound on every rank's length) this is one collective of
+    ``max_len + 1`` ints; without it, two (the lengths, then the arrays padded to the longest).
+    """
+    timeout = _check_timeout(timeout)
+    arr = np.ascontiguousarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"values must be 1-D (got shape {arr.shape}); flatten them first")
+    if max_len is not None and arr.size > max_len:
+        raise ValueError(f"values hold {arr.size} ints, more than {max_len=}; raise max_len")
+    if not is_distributed(group):
+        return [arr.copy()]
+    if max_len is None:
+        sizes = _all_gather_fixed(
+            torch.tensor([arr.size], dtype=torch.int64), timeout, group, "all_gather_ints"
+        )
+        width = int(sizes.max())
+    else:
+        width = int(max_len)
+    buf = torch.zeros(width + 1, dtype=torch.int64)
+    buf[0] = arr.size
+    buf[1 : 1 + arr.size] = torch.from_numpy(arr)
+    rows = _all_gather_fixed(buf, timeout, group, "all_gather_ints").numpy()
+    return [rows[r, 1 : 1 + int(rows[r, 0])].copy() for r in range(rows.shape[0])]
+
+
+def all_gather_objects(
+    obj: Any, *, timeout: float = DEFAULT_TIMEOUT, group: Any = None
+) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (two collectives, bounded waits).
+
+    Like ``dist.all_gather_object`` but with the device rule and a timeout. Only for objects
+    this library made itself on the ranks of one job: it unpickles what the other ranks send.
+    """
+    if not is_distributed(group):
+        _check_timeout(timeout)
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    parts = all_gather_ints(data.astype(np.int64), timeout=timeout, group=group)
+    return [pickle.loads(p.astype(np.uint8).tobytes()) for p in parts]
+
+
+def check_agreement(
+    values: Mapping[str, int],
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    group: Any = None,
+    what: str = "data loaders",
+    fix: str = "every rank must build its DataLoader with the same dataset, seed and global "
+    "batch size",
+) -> None:
+    """Raise ``ValueError`` on every rank if any of these small ints differs across ranks.
+
+    One all-gather of ``len(values)`` int64s with a bounded wait. The message names the field
+    and the value each rank holds (``"data loaders disagree on seed: rank i holds [0, 1]"``),
+    so a misconfigured job stops at its first batch instead of hanging or training on
+    overlapping shards.
+    """
+    names = list(values)
+    mine = np.asarray([int(values[n]) for n in names], dtype=np.int64)
+    table = np.stack(all_gather_ints(mine, max_len=len(names), timeout=timeout, group=group))
+    for j, name in enumerate(names):
+        column = table[:, j].tolist()
+        if len(set(column)) > 1:
+            raise ValueError(f"{what} disagree on {name}: rank i holds {column}; {fix}")
+
+
+def all_to_all_single(
+    send: torch.Tensor,
+    send_rows: Sequence[int],
+    recv_rows: Sequence[int],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    group: Any = None,
+) -> torch.Tensor:
+    """Exchange rows: ``send_rows[r]`` rows of ``send`` go to rank r, ``recv_rows[r]`` come back.
+
+    ``send`` is 2-D (rows x columns, the same columns and dtype on every rank); it is moved to
+    the group's device and the received rows are returned on the CPU. One rank: the rows it
+    sends to itself.
+    """
+    timeout = _check_timeout(timeout)
+    if send.ndim != 2:
+        raise ValueError(f"send must be 2-D rows x columns (got shape {tuple(send.shape)})")
+    if sum(send_rows) != send.shape[0]:
+        raise ValueError(
+            f"send_rows must add up to the rows of send (got sum {sum(send_rows)} for "
+            f"{send.shape[0]} rows)"
+        )
+    if not is_distributed(group):
+        if list(send_rows) != list(recv_rows):
+            raise ValueError(
+                f"one rank receives what it sends (got {list(send_rows)=}, {list(recv_rows)=})"
+            )
+        return send.clone()
+    import torch.distributed as dist
+
+    device = group_device(group)
+    recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=device)
+    work = dist.all_to_all_single(
+        recv,
+        send.to(device),
+        [int(x) for x in recv_rows],
+        [int(x) for x in send_rows],
+        group=group,
+        async_op=True,
+    )
+    _wait(work, timeout, "all_to_all_single")
+    return recv.cpu()

@@ -1,0 +1,226 @@
+"""meshfeed.dist: the device rule as a pure function, one-process no-ops, real gloo collectives."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from meshfeed import dist
+from meshfeed.balance import BalancedBatches, CostModel
+from tests.dist_utils import run_distributed
+
+# ---------------------------------------------------------------- the device rule
+
+
+@pytest.mark.parametrize("backend", ["nccl", "NCCL"])
+def test_nccl_groups_get_tensors_on_the_given_cuda_device(backend):
+    assert dist.device_for_backend(backend, cuda_device=3) == torch.device("cuda", 3)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "fake", "cpu:gloo,cuda:nccl"])
+def test_every_other_backend_gets_cpu_tensors(backend):
+    assert dist.device_for_backend(backend, cuda_device=3) == torch.device("cpu")
+
+
+def test_nccl_without_a_cuda_index_asks_torch_for_the_current_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert dist.device_for_backend("nccl") == torch.device("cuda", 5)
+
+
+def test_the_device_rule_refuses_a_backend_that_is_not_a_name():
+    with pytest.raises(TypeError, match="backend must be a str"):
+        dist.device_for_backend(None)  # type: ignore[arg-type]
+
+
+class _FakeGroup:
+    """torch.distributed of an initialised 2-rank group with a chosen backend, without I/O."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+        import torch.distributed as tdist
+
+        self.devices: list[tuple[str, torch.device]] = []
+        monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+        monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
+        monkeypatch.setattr(tdist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(tdist, "all_gather", self.all_gather)
+        monkeypatch.setattr(tdist, "all_to_all_single", self.all_to_all_single)
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, **kw: Any) -> Any:
+        self.devices.append(("all_gather", t.device))
+        for o in out:
+            o.copy_(t)
+        return _Done()
+
+    def all_to_all_single(self, recv: torch.Tensor, send: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        self.devices.append(("all_to_all_single", send.device))
+        self.devices.append(("all_to_all_single recv", recv.device))
+        recv.copy_(torch.cat([send, send])[: recv.shape[0]])
+        return _Done()
+
+
+class _Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+def test_collectives_put_their_tensors_on_the_device_the_rule_names(monkeypatch):
+    fake = _FakeGroup(monkeypatch, "gloo")
+    asked: list[Any] = []
+    real = dist.device_for_backend
+
+    def spy(backend: str, **kw: Any) -> torch.device:
+        asked.append(backend)
+        return real(backend, **kw)
+
+    monkeypatch.setattr(dist, "device_for_backend", spy)
+    rows = dist.all_gather_ints([1, 2, 3])
+    assert [r.tolist() for r in rows] == [[1, 2, 3], [1, 2, 3]]
+    out = dist.all_to_all_single(torch.ones(2, 3), [1, 1], [1, 1])
+    assert out.device == torch.device("cpu") and out.shape == (2, 3)
+    assert asked and set(asked) == {"gloo"}
+    assert {d for _, d in fake.devices} == {torch.device("cpu")}
+
+
+def test_an_nccl_group_asks_for_the_current_cuda_device(monkeypatch):
+    """On an NCCL group the tensors go to cuda:<current>; checked without a GPU via the rule."""
+    _FakeGroup(monkeypatch, "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert dist.group_device() == torch.device("cuda", 1)
+
+
+def test_balanced_batches_collectives_ask_dist_for_the_groups_device(monkeypatch):
+    """BalancedBatches never picks a device itself: its collectives go through meshfeed.dist."""
+    _FakeGroup(monkeypatch, "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    asked: list[Any] = []
+
+    def group_device(group: Any = None) -> torch.device:
+        asked.append(group)
+        return torch.device("cpu")  # where a CPU-only test can run; the rule is tested above
+
+    monkeypatch.setattr(dist, "group_device", group_device)
+    sample = {
+        "tokens": torch.arange(6),
+        "labels": torch.arange(6),
+        "loss_mask": torch.ones(6, dtype=torch.int64),
+        "position_ids": torch.tensor([0, 1, 2, 0, 1, 2]),
+        "cu_seqlens": torch.tensor([0, 3, 6], dtype=torch.int32),
+    }
+    it = BalancedBatches(
+        iter([sample]), max_tokens=64, cost=CostModel(linear=1.0), plan_ahead=False
+    )
+    assert it._comm.device() == torch.device("cpu") and asked
+    asked.clear()
+    next(it)
+    assert len(asked) >= 2  # the header all-gather and the all-to-all
+    it.close()
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_without_a_process_group_a_rank_agrees_with_itself():
+    assert dist.all_ranks_have_a_batch(True, timeout=1.0) is True
+    assert dist.all_ranks_have_a_batch(False, timeout=1.0) is False
+
+
+def test_agreement_check_is_a_no_op_in_one_process():
+    dist.check_agreement({"seed": 3, "batch_size": 8}, timeout=1.0)
+
+
+def test_one_process_collectives_return_this_ranks_values():
+    assert dist.all_min([3, 1]) == [3, 1] and dist.all_max([3, 1]) == [3, 1]
+    assert [a.tolist() for a in dist.all_gather_ints([4, 5])] == [[4, 5]]
+    assert dist.all_gather_objects({"a": 1}) == [{"a": 1}]
+    send = torch.arange(6).reshape(3, 2)
+    assert torch.equal(dist.all_to_all_single(send, [3], [3]), send)
+    dist.barrier(timeout=1.0)
+    assert (dist.rank(), dist.world_size(), dist.global_rank(None, 0)) == (0, 1, 0)
+    assert dist.group_device() == torch.device("cpu") and not dist.is_distributed()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "5"])
+def test_collectives_refuse_a_timeout_that_is_not_positive_seconds(bad):
+    with pytest.raises((TypeError, ValueError), match="timeout"):
+        dist.all_min([1], timeout=bad)
+
+
+def test_all_gather_ints_refuses_more_values_than_max_len():
+    with pytest.raises(ValueError, match="more than max_len=2; raise max_len"):
+        dist.all_gather_ints([1, 2, 3], max_len=2)
+
+
+def test_all_to_all_refuses_split_sizes_that_do_not_add_up():
+    with pytest.raises(ValueError, match="send_rows must add up"):
+        dist.all_to_all_single(torch.zeros(3, 2), [2], [2])
+
+
+# ---------------------------------------------------------------- real gloo ranks
+
+
+def _collectives(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    out["min"] = dist.all_min([rank, 10 - rank])
+    out["max"] = dist.all_max([rank, 10 - rank])
+    out["have"] = dist.all_ranks_have_a_batch(rank != 1, timeout=30.0)
+    out["gather"] = [a.tolist() for a in dist.all_gather_ints(list(range(rank + 1)))]
+    out["gather_cap"] = [a.tolist() for a in dist.all_gather_ints([rank] * rank, max_len=4)]
+    out["objects"] = dist.all_gather_objects({"rank": rank, "name": "r" * rank})
+    # Rank r sends r+1 rows to every rank, each row [r, destination].
+    send = torch.tensor([[rank, d] for d in range(world) for _ in range(rank + 1)])
+    recv = dist.all_to_all_single(send, [rank + 1] * world, [s + 1 for s in range(world)])
+    out["a2a"] = recv.tolist()
+    dist.check_agreement({"seed": 7}, timeout=30.0)
+    try:
+        dist.check_agreement({"seed": 7, "rank parity": rank % 2}, timeout=30.0)
+    except ValueError as e:
+        out["disagree"] = str(e)
+    dist.barrier(timeout=30.0)
+    return out
+
+
+def test_collectives_on_3_gloo_ranks():
+    results = run_distributed(_collectives, 3, timeout=120.0)
+    for rank, out in enumerate(results):
+        assert out["min"] == [0, 8] and out["max"] == [2, 10]
+        assert out["have"] is False
+        assert out["gather"] == [[0], [0, 1], [0, 1, 2]]
+        assert out["gather_cap"] == [[], [1], [2, 2]]
+        assert out["objects"] == [{"rank": r, "name": "r" * r} for r in range(3)]
+        assert out["a2a"] == [[s, rank] for s in range(3) for _ in range(s + 1)]
+        assert out["disagree"].startswith("data loaders disagree on rank parity: rank i holds")
+        assert "[0, 1, 0]" in out["disagree"]
+
+
+def _stalled_peer(rank: int, world: int) -> tuple[str, float]:
+    if rank == 1:
+        time.sleep(4.0)  # never joins the collective in time
+        return "", 0.0
+    start = time.monotonic()
+    try:
+        dist.all_min([0], timeout=1.5)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "", time.monotonic() - start
+
+
+def test_a_stalled_rank_is_an_error_on_the_others_within_the_timeout():
+    results = run_distributed(_stalled_peer, 2, timeout=120.0)
+    message, waited = results[0]
+    assert "waited more than timeout=1.5s" in message, message
+    assert waited < 1.5 + 2.0
+
+
+def test_all_gather_objects_round_trips_numpy_arrays_on_gloo():
+    results = run_distributed(_gather_arrays, 2, timeout=120.0)
+    for parts in results:
+        assert [p.tolist() for p in parts] == [[0.0], [0.5, 1.0]]
+
+
+def _gather_arrays(rank: int, world: int) -> list[np.ndarray]:
+    return dist.all_gather_objects(np.arange(rank + 1, dtype=np.float64) * 0.5 + rank * 0.5)
