@@ -117,6 +117,19 @@ class DataLoader(LoaderBase):
                 "batches are made; configure workers on the service (e.g. "
                 "WorkerService(num_workers=...)) and leave num_workers at 0"
             )
+        if service is not None:
+            for name, value, default in (
+                ("prefetch", prefetch, 2),
+                ("timeout", timeout, 300.0),
+                ("multiprocessing_context", multiprocessing_context, None),
+            ):
+                if value != default:
+                    raise ValueError(
+                        f"{name}={value!r} would be ignored: with service="
+                        f"{type(service).__name__} the service decides it; configure it on "
+                        f"the service (e.g. {type(service).__name__}({name}=...)) and leave "
+                        f"the loader's {name} at its default"
+                    )
         self._global = isinstance(service, GlobalService)
         if service is not None and not self._global and not isinstance(service, Service):
             raise TypeError(

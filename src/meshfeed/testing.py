@@ -69,7 +69,7 @@ class _Cursor:
 
     def __init__(self, obj: Any, max_epochs: int) -> None:
         self.obj = obj
-        self.is_iterator = hasattr(obj, "__next__")
+        self.is_iterator = isinstance(obj, Iterator)
         self.epochs_left = max_epochs
         self.it: Iterator[Any] | None = None
 
