@@ -270,3 +270,19 @@ def test_loader_state_round_trips_through_torch_distributed_checkpoint(tmp_path)
     got = take(resumed, 6)
     assert [w.tolist() for w in want] == [g.tolist() for g in got]
     assert isinstance(want[0], torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"prefetch": 4}, "prefetch=4"),
+        ({"timeout": 5.0}, "timeout=5.0"),
+        ({"multiprocessing_context": "spawn"}, "multiprocessing_context='spawn'"),
+    ],
+)
+def test_arguments_a_given_service_decides_are_refused_not_ignored(kwargs, name):
+    from meshfeed.services import InProcessService
+
+    with pytest.raises(ValueError, match=f"{name} would be ignored"):
+        DataLoader(Squares(8), batch_size=2, service=InProcessService(), **kwargs)
+    DataLoader(Squares(8), batch_size=2, service=InProcessService())  # defaults are fine

@@ -7,6 +7,7 @@ from meshfeed.mesh import DataMesh
 from meshfeed.rng import FetchInfo, fetch_info, sample_generator, sample_rng
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture
+from meshfeed.sources.stream_loader import StreamLoader
 
 __all__ = [
     "DataLoader",
@@ -16,6 +17,7 @@ __all__ = [
     "LazyDataset",
     "Mixture",
     "SampleError",
+    "StreamLoader",
     "default_collate",
     "fetch_info",
     "sample_generator",

@@ -16,36 +16,27 @@ from typing import Any
 import numpy as np
 
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
-from meshfeed.loader_base import LoaderBase, check_count, check_epoch, pin
+from meshfeed.loader_base import LoaderBase, pin
+from meshfeed.loader_state import (
+    COUNTS,
+    LOADER_STATE_VERSION,
+    decode_stats,
+    encode_stats,
+    read_state,
+)
 from meshfeed.options import check_not_a_path
-from meshfeed.order.batches import BatchPlan, Step, order_hooks, rank_bounds
+from meshfeed.order.batches import BatchPlan, Step, order_hooks
 from meshfeed.order.compose import build_order
 from meshfeed.protocols import CurriculumHooks, GlobalService, PostProcess, Service
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
-from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash, open_envelope
+from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash
 
 __all__ = ["LOADER_STATE_VERSION", "DataLoader"]
 
-#: Version 2: the one envelope (``kind="loader"``); failures stored as rows.
-LOADER_STATE_VERSION = 2
 #: How many upcoming steps' indices are computed in one vectorised order call.
 _INDEX_BLOCK_STEPS = 256
-_COUNTS = ("retries", "substituted", "skipped", "padded")
-_FAILURE_KEYS = ("index", "position", "attempt", "error", "message")
-_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "seed": int,
-    "epoch": int,
-    "position": int,
-    "global_batch_size": int,
-    "data_world_size": int,
-    "dataset_length": int,
-    "fingerprint": str,
-    "shuffle": bool,
-    "drop_last": bool,
-    "stats": dict,
-}
 
 
 class DataLoader(LoaderBase):
@@ -126,6 +117,19 @@ class DataLoader(LoaderBase):
                 "batches are made; configure workers on the service (e.g. "
                 "WorkerService(num_workers=...)) and leave num_workers at 0"
             )
+        if service is not None:
+            for name, value, default in (
+                ("prefetch", prefetch, 2),
+                ("timeout", timeout, 300.0),
+                ("multiprocessing_context", multiprocessing_context, None),
+            ):
+                if value != default:
+                    raise ValueError(
+                        f"{name}={value!r} would be ignored: with service="
+                        f"{type(service).__name__} the service decides it; configure it on "
+                        f"the service (e.g. {type(service).__name__}({name}=...)) and leave "
+                        f"the loader's {name} at its default"
+                    )
         self._global = isinstance(service, GlobalService)
         if service is not None and not self._global and not isinstance(service, Service):
             raise TypeError(
@@ -159,7 +163,7 @@ class DataLoader(LoaderBase):
             seed=seed,
             shuffle=self.shuffle,
         )
-        self._hooks = order_hooks(self.order)
+        self.hooks = order_hooks(self.order)
         self.plan = BatchPlan(
             self.order, global_batch_size=self.global_batch_size, drop_last=drop_last
         )
@@ -190,7 +194,7 @@ class DataLoader(LoaderBase):
         )
         self._started = False
         self._position = 0
-        self._stats: dict[str, Any] = {key: 0 for key in _COUNTS}
+        self._stats: dict[str, Any] = {key: 0 for key in COUNTS}
         self._stats["failures"] = []
         self._index_cache: tuple[int, dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
 
@@ -236,25 +240,11 @@ class DataLoader(LoaderBase):
         self._epoch, self._position = epoch, 0
 
     def _block(self, step: Step) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """This rank's (positions, indices) for up to _INDEX_BLOCK_STEPS steps from ``step``.
-
-        Full global batches (all but possibly an epoch's last) are computed in one vectorised
-        shot: positions as a 2-D array, one order call, per-step rows as views.
-        """
+        """This rank's (positions, indices) for the next block of steps (cached)."""
         cache = self._index_cache
         if cache is not None and cache[0] == step.epoch and step.start in cache[1]:
             return cache[1]
-        G, D, d = self.global_batch_size, self.data_world_size, self.data_rank
-        full = min(_INDEX_BLOCK_STEPS, (self.order.epoch_length(step.epoch) - step.start) // G)
-        if full > 0:
-            lo, hi = rank_bounds(G, d, D)
-            starts = step.start + G * np.arange(full, dtype=np.int64)
-            positions = starts[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :]
-            indices = self.order.indices(step.epoch, positions.ravel()).reshape(positions.shape)
-            block = {s: (positions[k], indices[k]) for k, s in enumerate(starts.tolist())}
-        else:  # the short last batch of an epoch (drop_last=False): may wrap around
-            positions = self.plan.rank_positions(step, d, D)
-            block = {step.start: (positions, self.order.indices(step.epoch, positions))}
+        block = self.plan.rank_block(step, self.data_rank, self.data_world_size, _INDEX_BLOCK_STEPS)
         self._index_cache = (step.epoch, block)
         return block
 
@@ -335,7 +325,7 @@ class DataLoader(LoaderBase):
         """
         out = {k: (list(v) if isinstance(v, list) else v) for k, v in self._stats.items()}
         out["epoch"], out["position"] = self._epoch, self._position
-        described = self._hooks.describe(self._epoch, self._position)
+        described = self.hooks.describe(self._epoch, self._position)
         if described is not None:
             out["order"] = dict(described)
         return out
@@ -347,8 +337,7 @@ class DataLoader(LoaderBase):
         Also a ``torch.distributed.checkpoint`` ``Stateful``: every list in it is a leaf
         (failures are rows ``[index, position, attempt, error, message]``).
         """
-        stats: dict[str, Any] = {key: self._stats[key] for key in _COUNTS}
-        stats["failures"] = [[f[k] for k in _FAILURE_KEYS] for f in self._stats["failures"]]
+        stats = encode_stats(self._stats)
         fields: dict[str, Any] = {
             "seed": self.seed,
             "epoch": self._epoch,
@@ -361,7 +350,7 @@ class DataLoader(LoaderBase):
             "drop_last": self.drop_last,
             "stats": stats,
         }
-        described = self._hooks.describe(self._epoch, self._position)
+        described = self.hooks.describe(self._epoch, self._position)
         if described is not None:
             fields["order"] = dict(described)
         return envelope("loader", LOADER_STATE_VERSION, **fields)
@@ -376,64 +365,8 @@ class DataLoader(LoaderBase):
         same sample position. Afterwards ``set_epoch`` to an earlier epoch raises unless
         ``allow_rewind=True``.
         """
-        state = open_envelope(
-            state, kind="loader", version=LOADER_STATE_VERSION, fields=_FIELDS, what="loader state"
-        )
-        check_epoch(state["epoch"], "loader state")
-        for key, mine in (
-            ("seed", self.seed),
-            ("shuffle", self.shuffle),
-            ("drop_last", self.drop_last),
-        ):
-            if state[key] != mine:
-                raise ValueError(
-                    f"checkpoint has {key}={state[key]!r} but this loader has {key}={mine!r}; "
-                    f"build the loader with {key}={state[key]!r} to resume this run"
-                )
-        if (
-            state["dataset_length"] != self.dataset_length
-            or state["fingerprint"] != self.fingerprint
-        ):
-            raise ValueError(
-                f"checkpoint is from another dataset (length {state['dataset_length']}, "
-                f"fingerprint {state['fingerprint']!r}) than this loader's (length "
-                f"{self.dataset_length}, fingerprint {self.fingerprint!r}); resume with the same dataset"
-            )
-        for key in ("global_batch_size", "data_world_size"):
-            if state[key] < 1:
-                raise ValueError(
-                    f"loader state field {key!r} must be >= 1 (got {state[key]}); the "
-                    "checkpoint is corrupted"
-                )
-        if state["global_batch_size"] != self.global_batch_size and not allow_global_batch_change:
-            raise ValueError(
-                f"checkpoint global batch size {state['global_batch_size']} differs from this "
-                f"loader's {self.global_batch_size} (batch_size={self.batch_size} x "
-                f"data_world_size={self.data_world_size}); keep the global batch (e.g. "
-                f"batch_size={state['global_batch_size'] // self.data_world_size} if it divides) "
-                "or pass allow_global_batch_change=True to continue from the same sample position"
-            )
-        if state["position"] > self.order.epoch_length(state["epoch"]):
-            raise ValueError(
-                f"checkpoint position {state['position']} is beyond the epoch length "
-                f"{self.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
-            )
-        stats = _read_stats(state["stats"])
-        described = self._hooks.describe(state["epoch"], state["position"])
-        if (described is None) != ("order" not in state):
-            raise ValueError(
-                f"loader state {'lacks' if described is not None else 'has'} order facts "
-                f"({state.get('order')!r}) but this loader's order "
-                f"({type(self.order).__name__}) {'has' if described is not None else 'has none'}"
-                "; resume with the dataset and curriculum that wrote the checkpoint"
-            )
-        if "order" in state:
-            if not isinstance(state["order"], dict):
-                raise ValueError(
-                    f"loader state field 'order' is {state['order']!r}, not a dict; the "
-                    "checkpoint is corrupted"
-                )
-            self._hooks.validate(state["order"])
+        state = read_state(self, state, allow_global_batch_change=allow_global_batch_change)
+        stats = decode_stats(state["stats"])
         self._epoch, self._position = state["epoch"], state["position"]
         self._stats = stats
         self._resumed = True
@@ -444,38 +377,6 @@ class DataLoader(LoaderBase):
         if getattr(self, "_started", False):  # __del__ of a half-built loader
             self.service.shutdown()
             self._started = False
-
-
-def _read_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """The ``stats`` of a loader state, checked field by field (refused by name)."""
-    if set(stats) != {*_COUNTS, "failures"}:
-        raise ValueError(
-            f"loader state field 'stats' has keys {sorted(map(str, stats))}, expected "
-            f"{sorted([*_COUNTS, 'failures'])}; the checkpoint is corrupted"
-        )
-    out: dict[str, Any] = {key: check_count(key, stats[key], "loader stats") for key in _COUNTS}
-    rows = stats["failures"]
-    if not isinstance(rows, list) or len(rows) > MAX_REPORTED_FAILURES:
-        raise ValueError(
-            f"loader stats field 'failures' is {rows!r}, not a list of at most "
-            f"{MAX_REPORTED_FAILURES} rows; the checkpoint is corrupted"
-        )
-    failures = []
-    for row in rows:
-        ok = (
-            isinstance(row, list)
-            and len(row) == len(_FAILURE_KEYS)
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[:3])
-            and all(isinstance(x, str) for x in row[3:])
-        )
-        if not ok:
-            raise ValueError(
-                f"loader stats failure {row!r} is not [index, position, attempt, error, "
-                "message]; the checkpoint is corrupted"
-            )
-        failures.append(dict(zip(_FAILURE_KEYS, row, strict=True)))
-    out["failures"] = failures
-    return out
 
 
 def _refuse_stream(dataset: Any) -> None:

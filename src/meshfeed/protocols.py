@@ -37,6 +37,7 @@ __all__ = [
     "ItemsSource",
     "Order",
     "OrderBase",
+    "OrderedSource",
     "PostProcess",
     "Service",
     "Source",
@@ -122,6 +123,16 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class OrderedSource(Protocol):
+    """Optional: a source with an order of its own (e.g. a Mixture), used instead of a shuffle.
+
+    ``make_order(dataset_length=, global_batch_size=, seed=)`` returns the :class:`Order`.
+    """
+
+    def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> Any: ...
 
 
 @runtime_checkable

@@ -69,6 +69,7 @@ class _Cursor:
 
     def __init__(self, obj: Any, max_epochs: int) -> None:
         self.obj = obj
+        # __next__ alone marks a stream of items (some have no __iter__, so not an Iterator).
         self.is_iterator = hasattr(obj, "__next__")
         self.epochs_left = max_epochs
         self.it: Iterator[Any] | None = None

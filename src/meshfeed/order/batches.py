@@ -130,6 +130,26 @@ class BatchPlan:
     def rank_indices(self, step: Step, data_rank: int, data_world_size: int) -> np.ndarray:
         return self.order.indices(step.epoch, self.rank_positions(step, data_rank, data_world_size))
 
+    def rank_block(
+        self, step: Step, data_rank: int, data_world_size: int, max_steps: int
+    ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """``data_rank``'s (positions, indices) for up to ``max_steps`` steps from ``step``.
+
+        Keyed by each step's start position. Full global batches (all but possibly an epoch's
+        last) are computed in one vectorised shot: positions as a 2-D array, one order call,
+        per-step rows as views; a short last batch (``drop_last=False``) is computed alone.
+        """
+        G = self.global_batch_size
+        full = min(max_steps, (self.order.epoch_length(step.epoch) - step.start) // G)
+        if full > 0:
+            lo, hi = rank_bounds(G, data_rank, data_world_size)
+            starts = step.start + G * np.arange(full, dtype=np.int64)
+            positions = starts[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :]
+            indices = self.order.indices(step.epoch, positions.ravel()).reshape(positions.shape)
+            return {s: (positions[k], indices[k]) for k, s in enumerate(starts.tolist())}
+        positions = self.rank_positions(step, data_rank, data_world_size)
+        return {step.start: (positions, self.order.indices(step.epoch, positions))}
+
     def global_indices(
         self, step: Step, data_world_size: int = 1
     ) -> list[tuple[np.ndarray, np.ndarray]]:

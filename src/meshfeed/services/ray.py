@@ -33,6 +33,7 @@ import numpy as np
 from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
 from meshfeed.mesh import DataMesh
 from meshfeed.order.permutation import derive_seed
+from meshfeed.protocols import OrderedSource
 from meshfeed.state import dataset_fingerprint
 
 __all__ = ["LoaderActorError", "RayService", "RemoteBatch"]
@@ -123,7 +124,7 @@ class _LoaderActor:
         return {
             "length": length,
             "fingerprint": dataset_fingerprint(ds),
-            "has_make_order": callable(getattr(ds, "make_order", None)),
+            "has_make_order": isinstance(ds, OrderedSource),
             "pid": os.getpid(),
         }
 

@@ -7,7 +7,7 @@ from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture, MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
 from meshfeed.sources.stream import ShardedStream, default_reader
-from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.sources.stream_loader import StreamLoader, StreamRankError
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "ParquetSource",
     "ShardedStream",
     "StreamLoader",
+    "StreamRankError",
     "TokenCorpus",
     "TokenDocuments",
     "TokenWindows",

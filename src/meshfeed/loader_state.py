@@ -1,0 +1,148 @@
+"""The layout of a DataLoader state (``kind="loader"``, version 2) and its checks.
+
+Version 2 is the one envelope of :mod:`meshfeed.state`; every list in it is a leaf for
+``torch.distributed.checkpoint`` (failures are rows ``[index, position, attempt, error,
+message]``, not dicts), so a loader round-trips through DCP as a ``Stateful``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from meshfeed.fetch import MAX_REPORTED_FAILURES
+from meshfeed.loader_base import check_count, check_epoch
+from meshfeed.state import open_envelope
+
+if TYPE_CHECKING:
+    from meshfeed.loader import DataLoader
+
+__all__ = [
+    "COUNTS",
+    "FIELDS",
+    "LOADER_STATE_VERSION",
+    "decode_stats",
+    "encode_stats",
+    "read_state",
+]
+
+#: Version 2: the one envelope (``kind="loader"``); failures stored as rows.
+LOADER_STATE_VERSION = 2
+COUNTS = ("retries", "substituted", "skipped", "padded")
+FAILURE_KEYS = ("index", "position", "attempt", "error", "message")
+#: The loader state's fields and their types (checked by ``open_envelope``).
+FIELDS: dict[str, type | tuple[type, ...]] = {
+    "seed": int,
+    "epoch": int,
+    "position": int,
+    "global_batch_size": int,
+    "data_world_size": int,
+    "dataset_length": int,
+    "fingerprint": str,
+    "shuffle": bool,
+    "drop_last": bool,
+    "stats": dict,
+}
+
+
+def encode_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The loader's stats as stored in its state (failures as rows)."""
+    out: dict[str, Any] = {key: stats[key] for key in COUNTS}
+    out["failures"] = [[f[k] for k in FAILURE_KEYS] for f in stats["failures"]]
+    return out
+
+
+def decode_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``stats`` of a loader state, checked field by field (refused by name)."""
+    if set(stats) != {*COUNTS, "failures"}:
+        raise ValueError(
+            f"loader state field 'stats' has keys {sorted(map(str, stats))}, expected "
+            f"{sorted([*COUNTS, 'failures'])}; the checkpoint is corrupted"
+        )
+    out: dict[str, Any] = {key: check_count(key, stats[key], "loader stats") for key in COUNTS}
+    rows = stats["failures"]
+    if not isinstance(rows, list) or len(rows) > MAX_REPORTED_FAILURES:
+        raise ValueError(
+            f"loader stats field 'failures' is {rows!r}, not a list of at most "
+            f"{MAX_REPORTED_FAILURES} rows; the checkpoint is corrupted"
+        )
+    failures = []
+    for row in rows:
+        ok = (
+            isinstance(row, list)
+            and len(row) == len(FAILURE_KEYS)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[:3])
+            and all(isinstance(x, str) for x in row[3:])
+        )
+        if not ok:
+            raise ValueError(
+                f"loader stats failure {row!r} is not [index, position, attempt, error, "
+                "message]; the checkpoint is corrupted"
+            )
+        failures.append(dict(zip(FAILURE_KEYS, row, strict=True)))
+    out["failures"] = failures
+    return out
+
+
+def read_state(
+    loader: DataLoader, state: Any, *, allow_global_batch_change: bool
+) -> dict[str, Any]:
+    """``state`` checked field by field against ``loader``; ValueError names what differs."""
+    state = open_envelope(
+        state, kind="loader", version=LOADER_STATE_VERSION, fields=FIELDS, what="loader state"
+    )
+    check_epoch(state["epoch"], "loader state")
+    for key, mine in (
+        ("seed", loader.seed),
+        ("shuffle", loader.shuffle),
+        ("drop_last", loader.drop_last),
+    ):
+        if state[key] != mine:
+            raise ValueError(
+                f"checkpoint has {key}={state[key]!r} but this loader has {key}={mine!r}; "
+                f"build the loader with {key}={state[key]!r} to resume this run"
+            )
+    if (
+        state["dataset_length"] != loader.dataset_length
+        or state["fingerprint"] != loader.fingerprint
+    ):
+        raise ValueError(
+            f"checkpoint is from another dataset (length {state['dataset_length']}, "
+            f"fingerprint {state['fingerprint']!r}) than this loader's (length "
+            f"{loader.dataset_length}, fingerprint {loader.fingerprint!r}); resume with the same dataset"
+        )
+    for key in ("global_batch_size", "data_world_size"):
+        if state[key] < 1:
+            raise ValueError(
+                f"loader state field {key!r} must be >= 1 (got {state[key]}); the "
+                "checkpoint is corrupted"
+            )
+    if state["global_batch_size"] != loader.global_batch_size and not allow_global_batch_change:
+        raise ValueError(
+            f"checkpoint global batch size {state['global_batch_size']} differs from this "
+            f"loader's {loader.global_batch_size} (batch_size={loader.batch_size} x "
+            f"data_world_size={loader.data_world_size}); keep the global batch (e.g. "
+            f"batch_size={state['global_batch_size'] // loader.data_world_size} if it divides) "
+            "or pass allow_global_batch_change=True to continue from the same sample position"
+        )
+    if state["position"] > loader.order.epoch_length(state["epoch"]):
+        raise ValueError(
+            f"checkpoint position {state['position']} is beyond the epoch length "
+            f"{loader.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
+        )
+    decode_stats(state["stats"])  # checked here; the loader decodes it again
+    described = loader.hooks.describe(state["epoch"], state["position"])
+    if (described is None) != ("order" not in state):
+        raise ValueError(
+            f"loader state {'lacks' if described is not None else 'has'} order facts "
+            f"({state.get('order')!r}) but this loader's order "
+            f"({type(loader.order).__name__}) {'has' if described is not None else 'has none'}"
+            "; resume with the dataset and curriculum that wrote the checkpoint"
+        )
+    if "order" in state:
+        if not isinstance(state["order"], dict):
+            raise ValueError(
+                f"loader state field 'order' is {state['order']!r}, not a dict; the "
+                "checkpoint is corrupted"
+            )
+        loader.hooks.validate(state["order"])
+    return state
