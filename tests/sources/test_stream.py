@@ -467,15 +467,14 @@ def test_simulated_ranks_raise_at_the_same_step(monkeypatch, bad_shard):
     slots: list[list[int]] = [[0], [0]]
     local = threading.local()
 
-    def all_reduce(values: list[int], op: str, timeout: float) -> list[int]:
-        assert op == "min"
+    def all_min(values: list[int], *, timeout: float) -> list[int]:
         slots[local.rank] = list(values)
         barrier.wait()
         out = [min(col) for col in zip(*slots, strict=True)]
         barrier.wait()  # everyone has read before the next round writes
         return out
 
-    monkeypatch.setattr(stream_loader, "_all_reduce", all_reduce)
+    monkeypatch.setattr(stream_loader, "all_min", all_min)
     results: list[dict[str, Any]] = [{}, {}]
 
     def run(rank: int) -> None:
