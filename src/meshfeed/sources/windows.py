@@ -153,6 +153,7 @@ class TokenWindows:
         self._windows = _window_matrix(self._stream, self._len, self.seq_len)
         # the gather writes the corpus's bytes; widen (or narrow) only when dtype differs
         self._same_dtype = self.corpus.dtype == self._np_dtype
+        self._corpus_torch_dtype = torch.from_numpy(np.empty(0, self.corpus.dtype)).dtype
 
     def __getstate__(self) -> dict[str, Any]:
         # the corpus pickles as its prefix; the memmap slice and caches are rebuilt on load
@@ -217,8 +218,8 @@ class TokenWindows:
         if self._same_dtype:
             return gather if gather.dtype == self.dtype else gather.view(self.dtype)
         out = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
-        np.copyto(out.numpy(), gather.numpy().view(self.corpus.dtype), casting="unsafe")
-        return out
+        # torch's widening copy is about 30 % faster than numpy's cast here (bench_tokens.py)
+        return out.copy_(gather.view(self._corpus_torch_dtype))
 
     def document_starts(self, i: int) -> np.ndarray:
         """Offsets inside window ``i`` where a document begins (for position ids / doc masks).
