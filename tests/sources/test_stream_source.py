@@ -30,7 +30,7 @@ def _pipeline(stream: ShardedStream, pieces: list[Piece], *, size: int, batch: i
         size=size,
         seed=5,
         ref=lambda item: item[0],
-        load=lambda refs: list(zip(refs, stream.load_rows(refs), strict=True)),
+        load=stream.load_items,
     )
     return Batcher(shuffle, batch_size=batch, drop_last=False)
 

@@ -212,6 +212,12 @@ class ShardedStream:
         """The rows of ``piece`` from ``offset`` rows into it."""
         return iter(self.reader(self.shards[piece.shard], piece.start + offset, piece.stop))
 
+    def load_items(self, refs: list[Any]) -> list[tuple[tuple[int, int], Any]]:
+        """``((shard, row), row)`` items for ``[shard, row]`` references, as
+        :class:`PieceReader` yields them (the ``load=`` of a stream's shuffle buffer)."""
+        rows = self.load_rows(refs)
+        return [((int(a), int(b)), row) for (a, b), row in zip(refs, rows, strict=True)]
+
     def load_rows(self, refs: list[Any]) -> list[Any]:
         """Re-read rows given as ``[shard, row]`` references (restoring a shuffle buffer).
 
@@ -291,8 +297,8 @@ def _rows_taken(rows: list[int], batches: list[int], batch_size: int, steps: int
     return taken
 
 
-class PieceReader(Node[tuple[list[int], Any]]):
-    """Reads a slot's pieces in order, yielding ``([shard, row], row)``.
+class PieceReader(Node[tuple[tuple[int, int], Any]]):
+    """Reads a slot's pieces in order, yielding ``((shard, row), row)``.
 
     State: ``{"piece": i, "row": rows consumed in piece i, "skipped": rows that were None}``;
     loading re-opens piece ``i`` at that row through the reader (no re-reading of earlier
@@ -329,14 +335,14 @@ class PieceReader(Node[tuple[list[int], Any]]):
             )
         return it
 
-    def next(self) -> tuple[list[int], Any]:
+    def next(self) -> tuple[tuple[int, int], Any]:
         items = self.next_many(1)
         if not items:
             raise StopIteration
         return items[0]
 
-    def next_many(self, n: int) -> list[tuple[list[int], Any]]:
-        out: list[tuple[list[int], Any]] = []
+    def next_many(self, n: int) -> list[tuple[tuple[int, int], Any]]:
+        out: list[tuple[tuple[int, int], Any]] = []
         while len(out) < n and self.piece < len(self.pieces):
             p = self.pieces[self.piece]
             if self._it is None:
@@ -344,7 +350,9 @@ class PieceReader(Node[tuple[list[int], Any]]):
             want = n - len(out)
             chunk = list(itertools.islice(self._it, want))
             shard, base = p.shard, p.start + self.row
-            got = [([shard, base + i], r) for i, r in enumerate(chunk) if r is not None]
+            # (shard, row) tuples of ints, not lists: the cyclic GC untracks them, so a full
+            # shuffle buffer does not make every collection walk it (lists tripled the cost)
+            got = [((shard, base + i), r) for i, r in enumerate(chunk) if r is not None]
             self.skipped += len(chunk) - len(got)
             self.row += len(chunk)
             out.extend(got)
