@@ -350,8 +350,8 @@ class PieceReader(Node[tuple[tuple[int, int], Any]]):
             want = n - len(out)
             chunk = list(itertools.islice(self._it, want))
             shard, base = p.shard, p.start + self.row
-            # (shard, row) tuples of ints, not lists: the cyclic GC untracks them, so a full
-            # shuffle buffer does not make every collection walk it (lists tripled the cost)
+            # (shard, row) tuples of ints, not lists: the cyclic GC untracks such tuples, so
+            # the references a full shuffle buffer keeps alive add nothing to its collections
             got = [((shard, base + i), r) for i, r in enumerate(chunk) if r is not None]
             self.skipped += len(chunk) - len(got)
             self.row += len(chunk)
