@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.nodes import Batcher, ShuffleBuffer
-from meshfeed.sources.stream import Piece, PieceReader, ShardedStream
+from meshfeed.sources.stream import Piece, PieceReader, ShardedStream, slot_batches
 from meshfeed.sources.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence, take
 
@@ -209,3 +209,48 @@ def test_row_ranges_leave_only_the_drop_last_tails_unread():
     assert stream.unread_rows(0, 2, 2, seed=0, shuffle=True, batch_size=2, drop_last=False) == 0
     with pytest.raises(ValueError, match="batch_size"):
         stream.unread_rows(0, 2, 2, seed=0, shuffle=True, batch_size=0, drop_last=True)
+
+
+# ----------------------------------------------------------------------- slot_batches
+
+
+@pytest.mark.parametrize("size", [0, 1, 6])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_slot_batches_match_the_worker_pipeline_and_resume_exactly(size, drop_last):
+    from meshfeed.sources.stream_workers import SlotConfig, SlotPipeline
+
+    stream = _callable_stream([9, 0, 13, 4])
+    pieces = [Piece(0, 0, None), Piece(1, 0, None), Piece(2, 3, 11), Piece(3, 0, None)]
+
+    def make() -> Any:
+        return slot_batches(
+            stream, pieces, shuffle_buffer=size, seed=11, batch_size=3, drop_last=drop_last
+        )
+
+    config = SlotConfig(
+        stream=stream,
+        pieces=pieces,
+        batch_size=3,
+        drop_last=drop_last,
+        shuffle_buffer=size,
+        shuffle_seed=11,
+        collate_fn=list,
+    )
+    pipe, want = SlotPipeline(config, None), []
+    while (batch := pipe.next()[0]) is not None:
+        want.append(batch)
+    assert list(make()) == want
+    assert all(isinstance(row, int) for batch in want for row in batch)
+    assert_resume_equivalence(make, num_items=20)
+
+
+def test_slot_batches_state_nests_reader_and_buffer():
+    stream = _callable_stream([30, 30])
+    node = slot_batches(
+        stream, [Piece(0, 0, None)], shuffle_buffer=4, seed=0, batch_size=2, drop_last=True
+    )
+    next(node)
+    state = node.state_dict()
+    assert state["kind"] == "node.batcher" and state["source"]["kind"] == "node.shuffle"
+    assert state["source"]["source"]["kind"] == "stream.reader"
+    assert len(state["source"]["buffer"]) == 4

@@ -31,13 +31,16 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from meshfeed.nodes.base import MAX_COUNT, Node, check_count
+from meshfeed.nodes.batch import Batcher
+from meshfeed.nodes.shuffle import ShuffleBuffer
 from meshfeed.order.permutation import Permutation, derive_seed
 from meshfeed.state import envelope, open_envelope
 
-__all__ = ["Piece", "PieceReader", "ShardedStream", "default_reader"]
+__all__ = ["Piece", "PieceReader", "ShardedStream", "default_reader", "slot_batches"]
 
 Reader = Callable[[Any, int, "int | None"], Iterable[Any]]
 _SHARD_OP = 0x5348_4152
@@ -297,8 +300,9 @@ def _rows_taken(rows: list[int], batches: list[int], batch_size: int, steps: int
     return taken
 
 
-class PieceReader(Node[tuple[tuple[int, int], Any]]):
-    """Reads a slot's pieces in order, yielding ``((shard, row), row)``.
+class PieceReader(Node[Any]):
+    """Reads a slot's pieces in order, yielding ``((shard, row), row)`` (``refs=False``: the
+    rows alone, for pipelines that keep no references, such as one without shuffle buffer).
 
     State: ``{"piece": i, "row": rows consumed in piece i, "skipped": rows that were None}``;
     loading re-opens piece ``i`` at that row through the reader (no re-reading of earlier
@@ -310,8 +314,8 @@ class PieceReader(Node[tuple[tuple[int, int], Any]]):
 
     KIND, VERSION = "stream.reader", 1
 
-    def __init__(self, stream: ShardedStream, pieces: list[Piece]) -> None:
-        self.stream, self.pieces = stream, pieces
+    def __init__(self, stream: ShardedStream, pieces: list[Piece], *, refs: bool = True) -> None:
+        self.stream, self.pieces, self.refs = stream, pieces, refs
         self.piece, self.row = 0, 0
         self.skipped = 0
         self._it: Iterator[Any] | None = None
@@ -335,14 +339,14 @@ class PieceReader(Node[tuple[tuple[int, int], Any]]):
             )
         return it
 
-    def next(self) -> tuple[tuple[int, int], Any]:
+    def next(self) -> Any:
         items = self.next_many(1)
         if not items:
             raise StopIteration
         return items[0]
 
-    def next_many(self, n: int) -> list[tuple[tuple[int, int], Any]]:
-        out: list[tuple[tuple[int, int], Any]] = []
+    def next_many(self, n: int) -> list[Any]:
+        out: list[Any] = []
         while len(out) < n and self.piece < len(self.pieces):
             p = self.pieces[self.piece]
             if self._it is None:
@@ -352,7 +356,11 @@ class PieceReader(Node[tuple[tuple[int, int], Any]]):
             shard, base = p.shard, p.start + self.row
             # (shard, row) tuples of ints, not lists: the cyclic GC untracks such tuples, so
             # the references a full shuffle buffer keeps alive add nothing to its collections
-            got = [((shard, base + i), r) for i, r in enumerate(chunk) if r is not None]
+            got: list[Any] = (
+                [((shard, base + i), r) for i, r in enumerate(chunk) if r is not None]
+                if self.refs
+                else [r for r in chunk if r is not None]
+            )
             self.skipped += len(chunk) - len(got)
             self.row += len(chunk)
             out.extend(got)
@@ -396,3 +404,49 @@ class PieceReader(Node[tuple[tuple[int, int], Any]]):
 
 
 _END = object()
+
+
+def slot_batches(
+    stream: ShardedStream,
+    pieces: list[Piece],
+    *,
+    shuffle_buffer: int,
+    seed: int,
+    batch_size: int,
+    drop_last: bool,
+) -> Node[list[Any]]:
+    """The node of one (data rank, worker) slot: lists of ``batch_size`` rows, exact state.
+
+    ``PieceReader -> ShuffleBuffer -> Batcher`` when ``shuffle_buffer > 1`` (the buffer keeps
+    ``(shard, row)`` references and re-reads its rows on load), else ``PieceReader ->
+    Batcher`` with no per-row references at all. Batches are plain lists of rows, ready for
+    ``collate``; ``state_dict()`` nests reader (and buffer) states under ``"source"``.
+    """
+    if shuffle_buffer <= 1:
+        return Batcher(
+            PieceReader(stream, pieces, refs=False), batch_size=batch_size, drop_last=drop_last
+        )
+    shuffle = ShuffleBuffer(
+        PieceReader(stream, pieces),
+        size=shuffle_buffer,
+        seed=seed,
+        ref=itemgetter(0),
+        load=stream.load_items,
+    )
+    return _Rows(Batcher(shuffle, batch_size=batch_size, drop_last=drop_last))
+
+
+class _Rows(Node[list[Any]]):
+    """Batches of ``(ref, row)`` items as batches of rows; the state is the inner node's."""
+
+    def __init__(self, inner: Node[list[tuple[Any, Any]]]) -> None:
+        self.inner = inner
+
+    def next(self) -> list[Any]:
+        return [row for _, row in self.inner.next()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
