@@ -12,8 +12,10 @@ an optional per-epoch shard permutation (``shuffle``):
 - Without row counts, or when the number of shards divides ``R * W``: whole shards. Shard
   ``i`` goes to rank ``i % R``, worker ``(i // R) % W``. When the count does not divide, some
   slots hold one shard more than others; the ranks still stop together (the first rank to run
-  out ends the epoch for all), so up to one shard per slot of data is left unread each epoch.
-  Every rank needs at least one shard.
+  out ends the epoch for all), so up to one shard per slot of data is left unread each epoch,
+  and shards of unequal sizes leave rows unread even when the count divides.
+  :meth:`ShardedStream.unread_rows` says how many (given row counts). Every rank needs at
+  least one shard.
 - With ``rows=[rows of shard 0, ...]`` and a count that does not divide: the global row space
   (shards back to back) is cut into ``R * W`` contiguous ranges balanced to one row, and each
   slot reads its range (pieces of at most a few shards, through ``reader``'s row range).
