@@ -13,6 +13,7 @@ from meshfeed.nodes import Batcher, ShuffleBuffer
 from meshfeed.sources.stream import Piece, PieceReader, ShardedStream, slot_batches
 from meshfeed.sources.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence, take
+from tests.dist_utils import run_distributed
 
 
 def _callable_stream(rows: list[int], *, known: bool = True, buffer: int = 0) -> ShardedStream:
@@ -149,7 +150,9 @@ def test_the_loader_refuses_a_duplicated_buffer_reference_instead_of_repeating_a
 # ----------------------------------------------------------------------- unread rows
 
 
-def _read_per_epoch(stream: ShardedStream, R: int, W: int, B: int, drop_last: bool) -> int:
+def _read_per_epoch(
+    stream: ShardedStream, R: int, W: int, B: int, drop_last: bool, *, seed: int = 3
+) -> int:
     """Rows all R ranks read in epoch 0, simulated in one process."""
     total = 0
     for rank in range(R):
@@ -159,7 +162,7 @@ def _read_per_epoch(stream: ShardedStream, R: int, W: int, B: int, drop_last: bo
             mesh={"dp": R},
             rank=rank,
             num_workers=0,
-            seed=3,
+            seed=seed,
             drop_last=drop_last,
         )
         # W slots read in one process, round-robin: what W worker processes read, without them
@@ -254,3 +257,35 @@ def test_slot_batches_state_nests_reader_and_buffer():
     assert state["kind"] == "node.batcher" and state["source"]["kind"] == "node.shuffle"
     assert state["source"]["source"]["kind"] == "stream.reader"
     assert len(state["source"]["buffer"]) == 4
+
+
+# ---------------------------------------------------------------------- real processes
+_GLOO_ROWS = [81, 0, 12, 7]  # whole shards (4 divide 2 ranks x 2 workers); sizes unequal
+
+
+def _gloo_read_rows(rank: int, world: int) -> dict[str, Any]:
+    stream = ShardedStream(
+        [lambda n=n, s=s: [s * 1000 + r for r in range(n)] for s, n in enumerate(_GLOO_ROWS)],
+        rows=_GLOO_ROWS,
+    )
+    lo = StreamLoader(stream, batch_size=2, mesh={"dp": world}, num_workers=2, seed=4, timeout=60)
+    try:
+        read = sum(len(b) for b in take(lo, 10**6, max_epochs=1))
+    finally:
+        lo.shutdown()
+    unread = stream.unread_rows(0, world, 2, seed=4, shuffle=True, batch_size=2, drop_last=True)
+    return {"read": read, "unread": unread}
+
+
+@pytest.mark.slow
+def test_gloo_ranks_with_workers_leave_exactly_unread_rows_unread():
+    results = run_distributed(_gloo_read_rows, 2, timeout=120)
+    unread = {r["unread"] for r in results}
+    assert len(unread) == 1  # every rank computes the same number without communication
+    assert sum(r["read"] for r in results) + unread.pop() == sum(_GLOO_ROWS)
+    # and the single-process simulation of both ranks agrees
+    stream = ShardedStream(
+        [lambda n=n, s=s: [s * 1000 + r for r in range(n)] for s, n in enumerate(_GLOO_ROWS)],
+        rows=_GLOO_ROWS,
+    )
+    assert _read_per_epoch(stream, 2, 2, 2, True, seed=4) == sum(r["read"] for r in results)
