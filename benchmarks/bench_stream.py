@@ -12,9 +12,14 @@ For each format it measures, in the same run:
   lists of ``batch_size`` and collated with meshfeed's ``default_collate``, in one process;
 - ``meshfeed w=0``: ``StreamLoader(num_workers=0)``;
 - ``meshfeed w=0 +shuffle``: the same with a 1,024-row seeded shuffle buffer;
-- ``meshfeed w=2``: ``StreamLoader(num_workers=2)`` (worker start-up included).
+- ``meshfeed w=2``: ``StreamLoader(num_workers=2)`` (worker start-up included);
+- ``slot pipeline`` / ``slot pipeline +shuffle``: the per-slot node alone
+  (:func:`meshfeed.sources.stream.slot_batches`: reader -> buffer -> batcher, collated, with the
+  state taken after every batch as a loader does), without the loader around it.
 
-and prints samples/s, batches/s and the ratio to the plain loop (best of 5 interleaved rounds; 1 with ``--quick``).
+and prints samples/s, batches/s, the ratio to the plain loop and, for the shuffled rows, the
+cost of the shuffle buffer against the same path without it (median of 5 interleaved rounds,
+3 with ``--quick``; the range is the slowest..fastest round, since the machine may be shared).
 
     PYTHONPATH=src python benchmarks/bench_stream.py [--quick]
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +39,7 @@ import numpy as np
 import torch
 
 from meshfeed.collate import default_collate
-from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream import ShardedStream, slot_batches
 from meshfeed.sources.stream_loader import StreamLoader
 
 
@@ -89,20 +95,42 @@ def meshfeed_loop(stream: ShardedStream, batch_size: int, workers: int) -> int:
         return sum(1 for _ in lo)
 
 
+def slot_loop(stream: ShardedStream, batch_size: int) -> int:
+    """One slot's node over every shard (1 rank, 1 worker), as a loader drives it."""
+    pieces = stream.assign(0, 1, 1, seed=1, shuffle=True)[0][0]
+    node = slot_batches(
+        stream,
+        pieces,
+        shuffle_buffer=stream.shuffle_buffer,
+        seed=1,
+        batch_size=batch_size,
+        drop_last=True,
+    )
+    batches = 0
+    for rows in node:
+        default_collate(rows)
+        node.state_dict()
+        batches += 1
+    return batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small data, one repeat")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    shards, seq_len, repeats = (4, 128, 1) if args.quick else (8, 512, 5)
+    shards, seq_len, repeats = (4, 128, 3) if args.quick else (8, 512, 5)
     rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": 500 if args.quick else 2_500}
     readers = {"npy": npy_reader, "jsonl": jsonl_reader}
     print(
         f"streaming throughput: {shards} shards, seq_len {seq_len}, batch {args.batch_size}, "
-        f"best of {repeats}; {torch.get_num_threads()} torch thread(s)"
+        f"median of {repeats}; {torch.get_num_threads()} torch thread(s)"
     )
-    header = f"{'format':6} {'loader':24} {'samples/s':>11} {'batches/s':>10} {'vs plain':>9}"
+    header = (
+        f"{'format':6} {'loader':24} {'samples/s':>11} {'range':>17} {'batches/s':>10} "
+        f"{'vs plain':>9} {'buffer cost':>12}"
+    )
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,22 +146,35 @@ def main() -> None:
                 ("meshfeed w=0", lambda s=plain: meshfeed_loop(s, args.batch_size, 0)),
                 ("meshfeed w=0 +shuffle", lambda s=shuffled: meshfeed_loop(s, args.batch_size, 0)),
                 ("meshfeed w=2", lambda s=plain: meshfeed_loop(s, args.batch_size, 2)),
+                ("slot pipeline", lambda s=plain: slot_loop(s, args.batch_size)),
+                ("slot pipeline +shuffle", lambda s=shuffled: slot_loop(s, args.batch_size)),
             ]
             # Repeats are interleaved (every loader once per round) so that load drifting on
-            # a shared machine affects all loaders alike; the best round counts.
-            best = {name: float("inf") for name, _ in runs}
+            # a shared machine affects all loaders alike; the median round counts.
+            times: dict[str, list[float]] = {name: [] for name, _ in runs}
             counts = {}
             for _ in range(repeats):
                 for name, fn in runs:
                     t0 = time.perf_counter()
                     counts[name] = fn()
-                    best[name] = min(best[name], time.perf_counter() - t0)
-            base = counts["plain loop"] / best["plain loop"]
+                    times[name].append(time.perf_counter() - t0)
+
+            def rate(
+                name: str, t: float | None = None, counts: dict[str, int] = counts, times=times
+            ) -> float:
+                return counts[name] / (statistics.median(times[name]) if t is None else t)
+
+            base = rate("plain loop")
             for name, _ in runs:
-                bps = counts[name] / best[name]
+                bps = rate(name)
+                lo, hi = rate(name, max(times[name])), rate(name, min(times[name]))
+                cost = ""
+                if name.endswith(" +shuffle"):
+                    cost = f"{1 - bps / rate(name.removesuffix(' +shuffle')):11.0%}"
                 print(
-                    f"{fmt:6} {name:24} {bps * args.batch_size:11,.0f} {bps:10,.1f} "
-                    f"{bps / base:8.2f}x"
+                    f"{fmt:6} {name:24} {bps * args.batch_size:11,.0f} "
+                    f"{lo * args.batch_size / 1e3:>7,.0f}k..{hi * args.batch_size / 1e3:>6,.0f}k "
+                    f"{bps:10,.1f} {bps / base:8.2f}x {cost:>12}"
                 )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -79,21 +80,26 @@ def timed(batches: Iterator[Any], n: int, warmup: int) -> float:
     return time.perf_counter() - t0
 
 
-def _best_rate(fn: Any, reps: int) -> float:
-    """The shortest of ``reps`` timed runs of ``fn()`` (the machine may be shared)."""
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _interleaved_times(paths: list[tuple[str, Any]], reps: int) -> dict[str, list[float]]:
+    """``reps`` timed runs of every path, interleaved (every path once per round) so that load
+    drifting on a shared machine hits all paths alike; one untimed warm-up round first."""
+    times: dict[str, list[float]] = {name: [] for name, _ in paths}
+    for r in range(reps + 1):
+        for name, fn in paths:
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
-def bench_fetch(corpus: TokenCorpus, n_batches: int, reps: int) -> list[tuple[str, float, float]]:
-    """(name, windows/s, GB/s of corpus bytes) for the numpy copies and fetch_batch.
+def bench_fetch(
+    corpus: TokenCorpus, n_batches: int, reps: int
+) -> list[tuple[str, float, float, float, float]]:
+    """(name, windows/s, GB/s, slowest and fastest windows/s) per path, median of ``reps``.
 
-    Every path runs ``reps`` times over the same bytes (the first run also maps the pages);
-    the best run counts, for the copies and for meshfeed alike.
+    Every path runs ``reps`` times over the same bytes after one warm-up round that also maps
+    the pages; the median run counts, for the copies and for meshfeed alike.
     """
     window_bytes = (SEQ_LEN + 1) * corpus.dtype.itemsize
     stream = corpus.tokens
@@ -146,9 +152,17 @@ def bench_fetch(corpus: TokenCorpus, n_batches: int, reps: int) -> list[tuple[st
 
         paths.append((f"meshfeed fetch_batch -> {str(dtype).removeprefix('torch.')}", fetch))
     rows = []
-    for name, fn in paths:
-        dt = _best_rate(fn, reps)
-        rows.append((name, n_windows / dt, n_windows * window_bytes / dt / 1e9))
+    for name, ts in _interleaved_times(paths, reps).items():
+        dt = statistics.median(ts)
+        rows.append(
+            (
+                name,
+                n_windows / dt,
+                n_windows * window_bytes / dt / 1e9,
+                n_windows / max(ts),
+                n_windows / min(ts),
+            )
+        )
     return rows
 
 
@@ -191,6 +205,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="~100 MB corpus, fewer batches")
     parser.add_argument("--gb", type=float, default=None, help="corpus size in GB (default 1.05)")
     parser.add_argument("--dir", default=None, help="where to write the temporary corpus")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per path (median)")
+    parser.add_argument(
+        "--fetch-only", action="store_true", help="only section 1 (fetch_batch vs numpy copies)"
+    )
     args = parser.parse_args()
     gb = args.gb if args.gb is not None else (0.1 if args.quick else 1.05)
     fetch_batches = 3_000 if args.quick else 20_000
@@ -207,13 +225,25 @@ def main() -> None:
             f"batch {BATCH} x {SEQ_LEN + 1} tokens"
         )
         print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-        print(f"\n1. windows from the memory map ({fetch_batches} shuffled batches, best of 3)")
-        rows = bench_fetch(corpus, fetch_batches, reps=3)
+        reps = args.reps or (5 if args.quick else 7)
+        print(
+            f"\n1. windows from the memory map ({fetch_batches} shuffled batches, median of "
+            f"{reps} interleaved runs; range = slowest..fastest run)"
+        )
+        rows = bench_fetch(corpus, fetch_batches, reps=reps)
         limit = max(rows[0][2], rows[1][2])  # the faster sequential copy: the physical limit
-        floor = rows[2][2]
-        print(f"{'path':<34} {'windows/s':>12} {'GB/s':>8} {'vs copy':>8} {'vs same windows':>16}")
-        for name, wps, gbs in rows:
-            print(f"{name:<34} {wps:>12,.0f} {gbs:>8.2f} {gbs / limit:>7.0%} {gbs / floor:>15.0%}")
+        floor = rows[2][1]
+        print(
+            f"{'path':<34} {'windows/s':>12} {'range':>19} {'GB/s':>6} {'vs copy':>8} "
+            f"{'vs same windows':>16}"
+        )
+        for name, wps, gbs, lo, hi in rows:
+            print(
+                f"{name:<34} {wps:>12,.0f} {lo / 1e3:>8,.0f}k..{hi / 1e3:>6,.0f}k {gbs:>6.2f} "
+                f"{gbs / limit:>7.0%} {wps / floor:>15.0%}"
+            )
+        if args.fetch_only:
+            return
         print(f"\n2. loaders, data rank 0 of 2 ({loader_batches} batches after 20 warm-up)")
         lrows = bench_loaders(corpus, loader_batches, warmup=20)
         print(f"{'loader':<38} {'workers':>7} {'windows/s':>12} {'speed-up':>9}")

@@ -1,41 +1,60 @@
-"""Node protocol and ListNode / Batcher: explicit state, nested under "source"."""
+"""Node protocol and ListNode: explicit state in the one envelope of meshfeed.state."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from meshfeed.nodes import Batcher, ListNode, Node
+from meshfeed.nodes import ListNode, Node
+from meshfeed.protocols import Stateful
 from meshfeed.testing import assert_resume_equivalence
 
 
-def test_list_node_state_is_the_position():
+def test_list_node_state_is_the_position_in_an_envelope():
     node = ListNode("abc")
-    assert next(node) == "a" and node.get_state() == {"position": 1}
-    node.restore({"position": 3})
+    assert next(node) == "a"
+    assert node.state_dict() == {"kind": "node.list", "version": 1, "position": 1}
+    node.load_state_dict({"kind": "node.list", "version": 1, "position": 3})
     assert list(node) == []
-    with pytest.raises(ValueError, match="position=9"):
-        node.restore({"position": 9})
+    with pytest.raises(ValueError, match="'position' is 9, outside"):
+        node.load_state_dict({"kind": "node.list", "version": 1, "position": 9})
 
 
-def test_base_node_requires_the_three_methods():
+def test_nodes_speak_the_stateful_protocol():
+    assert isinstance(ListNode([1]), Stateful)
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"position": 1}, "kind=None"),
+        ({"kind": "node.list", "version": 0, "position": 1}, "version=0"),
+        ({"kind": "node.list", "version": 1, "position": -1}, "negative"),
+        ({"kind": "node.list", "version": 1, "position": True}, "'position'"),
+        ({"kind": "node.shuffle", "version": 1, "position": 1}, "kind='node.shuffle'"),
+    ],
+)
+def test_list_node_refuses_states_of_another_kind_version_or_type(state, match):
+    with pytest.raises(ValueError, match=match):
+        ListNode("abc").load_state_dict(state)
+
+
+def test_next_many_matches_next_and_resumes_exactly():
+    a, b = ListNode(list(range(10))), ListNode(list(range(10)))
+    assert a.next_many(4) + a.next_many(0) + a.next_many(100) == list(b)
+    assert a.next_many(3) == []
+    assert_resume_equivalence(lambda: ListNode(list(range(7))), num_items=7)
+
+
+def test_base_node_requires_next_and_the_state_methods():
     with pytest.raises(NotImplementedError):
         next(Node())
+    with pytest.raises(NotImplementedError):
+        Node().state_dict()
 
 
-@pytest.mark.parametrize("drop_last", [True, False])
-def test_batcher_groups_and_drops_or_keeps_the_short_tail(drop_last):
-    out = list(Batcher(ListNode(list(range(7))), batch_size=3, drop_last=drop_last))
-    expected = [[0, 1, 2], [3, 4, 5]] + ([] if drop_last else [[6]])
-    assert out == expected
-
-
-def test_batcher_nests_its_source_state_and_resumes_exactly():
-    node = Batcher(ListNode(list(range(10))), batch_size=2)
+def test_states_are_json():
+    node = ListNode([1, 2])
     next(node)
-    assert node.get_state() == {"source": {"position": 2}}
-    assert_resume_equivalence(lambda: Batcher(ListNode(list(range(11))), batch_size=2), num_items=5)
-
-
-def test_batcher_refuses_a_bad_batch_size():
-    with pytest.raises(ValueError, match="batch_size"):
-        Batcher(ListNode([1]), batch_size=0)
+    assert json.loads(json.dumps(node.state_dict())) == node.state_dict()

@@ -51,10 +51,10 @@ def test_references_are_stored_instead_of_items_when_asked():
 
     node = factory()
     [next(node) for _ in range(3)]
-    state = node.get_state()
+    state = node.state_dict()
     assert all(isinstance(x, int) for x in state["buffer"])
     other = factory()
-    other.restore(state)
+    other.load_state_dict(state)
     assert loads[-1] == state["buffer"]
     assert [r["x"] for r in other] == [r["x"] for r in node]
 
@@ -65,4 +65,79 @@ def test_bad_arguments_and_states_are_refused():
     with pytest.raises(ValueError, match="both ref= and load="):
         ShuffleBuffer(ListNode([1]), size=2, seed=0, ref=lambda x: x)
     with pytest.raises(ValueError, match="missing 'draws'"):
-        ShuffleBuffer(ListNode([1]), size=2, seed=0).restore({})
+        ShuffleBuffer(ListNode([1]), size=2, seed=0).load_state_dict(
+            {"kind": "node.shuffle", "version": 1}
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 80),
+    size=st.integers(0, 20),
+    seed=st.integers(0, 2**32),
+    chunks=st.lists(st.integers(0, 9), min_size=1, max_size=30),
+)
+def test_next_many_gives_the_same_items_as_next_whatever_the_chunking(n, size, seed, chunks):
+    one = list(ShuffleBuffer(ListNode(list(range(n))), size=size, seed=seed))
+    node = ShuffleBuffer(ListNode(list(range(n))), size=size, seed=seed)
+    out: list[int] = []
+    for k in chunks * 20:
+        out += node.next_many(k)
+        if k % 3 == 0:
+            out += node.next_many(1)
+    out += list(node)
+    assert out == one
+
+
+def _state_after(size: int, items: int, k: int) -> dict:
+    node = ShuffleBuffer(
+        ListNode(list(range(items))),
+        size=size,
+        seed=1,
+        ref=lambda x: x,
+        load=lambda refs: list(refs),
+    )
+    node.next_many(k)
+    return node.state_dict()
+
+
+def _fresh(size: int = 4, items: int = 20) -> ShuffleBuffer:
+    return ShuffleBuffer(
+        ListNode(list(range(items))), size=size, seed=1, ref=lambda x: x, load=lambda r: list(r)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: {**s, "buffer": [s["buffer"][0]] * 4}, "more than once"),
+        (lambda s: {**s, "buffer": s["buffer"] + [99]}, "holds 5 items but this buffer has size=4"),
+        (lambda s: {**s, "buffer": s["buffer"][:2]}, "holds 2 items of 4 while its source"),
+        (lambda s: {**s, "draws": 10**30}, "'draws' is 10{30}, outside"),
+        (lambda s: {**s, "draws": -1}, "negative"),
+        (lambda s: {**s, "source_done": 1}, "'source_done'"),
+        (lambda s: {**s, "kind": "node.batcher"}, "kind='node.shuffle'"),
+        (lambda s: {**s, "version": 0}, "version=0"),
+    ],
+)
+def test_a_corrupted_buffer_state_is_refused_by_name(change, match):
+    state = _state_after(4, 20, 3)
+    node = _fresh()
+    with pytest.raises(ValueError, match=match):
+        node.load_state_dict(change(state))
+
+
+def test_the_state_holds_one_reference_per_slot_and_stays_small():
+    calls = []
+
+    def ref(x: int) -> int:
+        calls.append(x)
+        return x
+
+    node = ShuffleBuffer(ListNode(list(range(100))), size=8, seed=0, ref=ref, load=list)
+    node.next_many(10)
+    state = node.state_dict()
+    assert len(state["buffer"]) == 8 and len(set(state["buffer"])) == 8
+    # ref() runs once per item entering the buffer, never per state
+    node.state_dict()
+    assert len(calls) == 18

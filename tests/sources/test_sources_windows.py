@@ -35,6 +35,10 @@ def test_window_i_is_the_token_range_from_i_times_seq_len(
     tmp_path_factory: pytest.TempPathFactory, lengths: list[int], seq_len: int
 ) -> None:
     corpus, flat = corpus_of(tmp_path_factory.mktemp("w"), lengths)
+    if flat.size < seq_len + 1:
+        with pytest.raises(ValueError, match=f"has {flat.size} tokens, shorter than one window"):
+            TokenWindows(corpus, seq_len=seq_len)
+        return
     windows = TokenWindows(corpus, seq_len=seq_len)
     assert len(windows) == max(0, (flat.size - 1) // seq_len)
     for i in range(len(windows)):
@@ -120,6 +124,8 @@ def test_document_starts_are_the_document_boundaries_inside_the_window(
     tmp_path_factory: pytest.TempPathFactory, lengths: list[int], seq_len: int
 ) -> None:
     corpus, _ = corpus_of(tmp_path_factory.mktemp("d"), lengths)
+    if sum(lengths) < seq_len + 1:
+        return  # shorter than one window: refused, see test_a_corpus_shorter_than_one_window_...
     windows = TokenWindows(corpus, seq_len=seq_len)
     starts = set(np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist())
     for i in range(len(windows)):
@@ -193,3 +199,61 @@ def test_spawned_loader_workers_reopen_the_corpus_and_match_in_process(tmp_path:
     with loader_factory(tmp_path / "c", num_workers=2, multiprocessing_context="spawn") as loader:
         spawned = [b.tolist() for b in loader]
     assert spawned == in_process
+
+
+def test_a_corpus_shorter_than_one_window_is_refused_with_both_numbers(tmp_path: Path) -> None:
+    # before: an empty TokenWindows, then "dataset is empty (len 0)" from the loader
+    corpus, _ = corpus_of(tmp_path, [30, 20])
+    with pytest.raises(
+        ValueError, match=r"has 50 tokens, shorter than one window of seq_len\+1 = 51"
+    ):
+        TokenWindows(corpus, seq_len=50)
+    assert len(TokenWindows(corpus, seq_len=49)) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_float_corpus_is_refused_where_tokens_are_expected(tmp_path: Path, dtype: str) -> None:
+    # before: TokenWindows over a float corpus silently returned int64
+    corpus = write_indexed(tmp_path / "f", [np.linspace(0, 1, 40)], dtype)
+    for make in (lambda: TokenWindows(corpus, seq_len=8), lambda: TokenDocuments(corpus)):
+        with pytest.raises(ValueError, match=f"stores {dtype} values.*integer dtype"):
+            make()
+
+
+def test_a_float_output_dtype_is_refused(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [50])
+    with pytest.raises(ValueError, match="must be an integer torch dtype"):
+        TokenWindows(corpus, seq_len=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="must be an integer torch dtype"):
+        TokenDocuments(corpus, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("corpus_dtype", ["uint16", "int32", "uint8"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint16])
+def test_fetch_batch_matches_getitem_for_every_dtype_pair(
+    tmp_path: Path, corpus_dtype: str, dtype: torch.dtype
+) -> None:
+    rng = np.random.default_rng(1)
+    high = {"uint16": 65_535, "int32": 60_000, "uint8": 255}[corpus_dtype]
+    docs = [rng.integers(0, high, n) for n in (70, 3, 55)]
+    corpus = write_indexed(tmp_path / "c", docs, corpus_dtype)
+    windows = TokenWindows(corpus, seq_len=9, dtype=dtype)
+    idx = rng.permutation(len(windows))
+    batch = windows.fetch_batch(idx)
+    assert batch.dtype == dtype and batch.shape == (len(windows), 10)
+    flat = np.concatenate(docs)
+    want = np.stack([flat[i * 9 : i * 9 + 10] for i in idx]).astype(np.int64)
+    assert batch.to(torch.int64).numpy().tolist() == want.tolist()
+    assert_same(batch, torch.stack([windows[int(i)] for i in idx]))
+
+
+def test_pin_memory_is_a_no_op_without_cuda_and_pins_with_it(tmp_path: Path) -> None:
+    corpus, _ = corpus_of(tmp_path, [80])
+    for dtype in (torch.int64, torch.uint16):
+        windows = TokenWindows(corpus, seq_len=8, dtype=dtype, pin_memory=True)
+        batch = windows.fetch_batch(np.array([3, 0, 5]))
+        assert batch.is_pinned() == torch.cuda.is_available()
+        assert_same(batch, TokenWindows(corpus, seq_len=8, dtype=dtype).fetch_batch([3, 0, 5]))
+        assert pickle.loads(pickle.dumps(windows)).pin_memory
+    with pytest.raises(TypeError, match="pin_memory"):
+        TokenWindows(corpus, seq_len=8, pin_memory="yes")  # type: ignore[arg-type]

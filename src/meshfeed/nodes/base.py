@@ -1,15 +1,22 @@
 """The node protocol of the streaming tier: explicit-state iterators.
 
-A node implements ``next()`` (raise ``StopIteration`` at the end), ``get_state()`` and
-``restore(state)``; the base class owns ``__iter__`` / ``__next__``. The state reported is the
-state as of the last item *returned*, as a small JSON-serialisable dict; a parent nests its
-source's state under the key ``"source"``. Iterators rather than generators, because a
-generator hides its state on its stack.
+A node implements ``next()`` (raise ``StopIteration`` at the end) and the one state protocol of
+meshfeed, ``state_dict()`` / ``load_state_dict(state)`` with the envelope of
+:mod:`meshfeed.state` (``{"kind": ..., "version": ..., **fields}``); the base class owns
+``__iter__`` / ``__next__`` and a default ``next_many(n)``. The state reported is the state as
+of the last item *returned*, a small JSON-serialisable dict; a parent nests its source's state
+under the key ``"source"``. Iterators rather than generators, because a generator hides its
+state on its stack.
+
+``next_many(n)`` returns up to ``n`` items (fewer only at the end, ``[]`` once exhausted). The
+default calls ``next()``; nodes on a hot path override it to do the per-item work in bulk
+(one reader call for many rows, one vectorised draw for many shuffle slots). Mixing ``next``
+and ``next_many`` gives the same items in the same order.
 
 >>> node = ListNode(["a", "b", "c"])
->>> next(node), node.get_state()
-('a', {'position': 1})
->>> node.restore({"position": 2}); next(node)
+>>> next(node), node.state_dict()["position"]
+('a', 1)
+>>> node.load_state_dict({**node.state_dict(), "position": 2}); next(node)
 'c'
 """
 
@@ -18,24 +25,58 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
+from meshfeed.state import envelope, open_envelope
+
 T = TypeVar("T")
 
-__all__ = ["ListNode", "Node"]
+__all__ = ["MAX_COUNT", "ListNode", "Node", "check_count"]
+
+#: Upper bound for any counter in a node state: a count beyond it is corruption, not progress.
+MAX_COUNT = 2**62
+
+
+def check_count(value: int, *, name: str, what: str, upper: int = MAX_COUNT) -> int:
+    """``value`` if ``0 <= value <= upper``; else ``ValueError`` naming the field and the bound."""
+    if not 0 <= value <= upper:
+        raise ValueError(
+            f"{what} field {name!r} is {value}, outside [0, {upper}]; the checkpoint is "
+            "corrupted or from another pipeline"
+        )
+    return value
 
 
 class Node(Generic[T]):
-    """Base of explicit-state iterators: subclasses write ``next``, ``get_state``, ``restore``."""
+    """Base of explicit-state iterators: subclasses write ``next``, ``state_dict`` and
+    ``load_state_dict`` (and may override ``next_many``)."""
 
     SOURCE_KEY = "source"
 
     def next(self) -> T:
         raise NotImplementedError
 
-    def get_state(self) -> dict[str, Any]:
+    def next_many(self, n: int) -> list[T]:
+        """Up to ``n`` items in order; fewer only when the node ends."""
+        out: list[T] = []
+        try:
+            while len(out) < n:
+                out.append(self.next())
+        except StopIteration:
+            pass
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    # TODO(remove at merge): forwards for callers not yet on state_dict/load_state_dict
+    # (sources/stream_workers.py, balance/balanced.py, testing.py). Not public API.
+    def get_state(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state)
 
     def __iter__(self) -> Iterator[T]:
         return self
@@ -47,6 +88,8 @@ class Node(Generic[T]):
 class ListNode(Node[T]):
     """Yields the items of a sequence; the state is the position."""
 
+    KIND, VERSION = "node.list", 1
+
     def __init__(self, items: Sequence[T]) -> None:
         self.items = items
         self.position = 0
@@ -57,14 +100,17 @@ class ListNode(Node[T]):
         self.position += 1
         return self.items[self.position - 1]
 
-    def get_state(self) -> dict[str, Any]:
-        return {"position": self.position}
+    def next_many(self, n: int) -> list[T]:
+        lo = self.position
+        self.position = min(len(self.items), lo + max(0, n))
+        return list(self.items[lo : self.position])
 
-    def restore(self, state: dict[str, Any]) -> None:
-        position = state.get("position")
-        if not isinstance(position, int) or not 0 <= position <= len(self.items):
-            raise ValueError(
-                f"ListNode state has position={position!r} for {len(self.items)} items; "
-                "restore a state saved by the same pipeline"
-            )
-        self.position = position
+    def state_dict(self) -> dict[str, Any]:
+        return envelope(self.KIND, self.VERSION, position=self.position)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        what = "ListNode state"
+        s = open_envelope(state, kind=self.KIND, version=self.VERSION, fields={"position": int})
+        self.position = check_count(
+            s["position"], name="position", what=what, upper=len(self.items)
+        )

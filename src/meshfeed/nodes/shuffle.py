@@ -1,49 +1,58 @@
 """A seeded shuffle buffer whose state is explicit, small and exact.
 
-The buffer fills to ``size`` items, then each output is drawn at slot ``u[draws] %
-len(buffer)`` and the slot is refilled from the source, where ``u`` is a counter-based
-SplitMix64 stream keyed on ``seed`` (computed 1,024 draws at a time with numpy). The
-randomness is a pure function of ``(seed, draws)``, so the checkpoint holds no RNG bytes.
+The buffer first fills to ``size`` items. Draw ``j`` takes slot ``u[j] % len(buffer)``, where
+``u`` is a counter-based SplitMix64 stream keyed on ``seed`` (computed with numpy, many draws
+at a time): while the source still has items, the drawn slot is refilled in place with the
+next item; once the source is exhausted, the last slot moves into the drawn one and the buffer
+shrinks. So the output is a pure function of ``(seed, the items read)``, the checkpoint holds
+no RNG bytes, and ``next_many(n)`` does one vectorised draw and one source call for ``n``
+items (the Python left per item is a list read and a list write).
 
-The buffer contents are in the state. By default the items themselves are stored (they must
-be JSON-serialisable); pass ``ref`` (item -> JSON reference, e.g. ``[shard, row]``) and
-``load`` (list of references -> items, in order) to store references instead and re-read the
-items on ``restore`` (rows of a stream are usually tensors or large dicts).
+The buffer contents are in the state, in slot order. By default the items themselves are
+stored (they must be JSON-serialisable); pass ``ref`` (item -> JSON reference, e.g.
+``[shard, row]``, called once per item as it enters the buffer) and ``load`` (list of
+references -> items, in order) to store references instead and re-read the items on
+``load_state_dict`` (rows of a stream are usually tensors or large dicts). References must be
+unique: a checkpoint that lists one twice is refused (it would deliver that item twice).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 
-from meshfeed.nodes.base import Node
+from meshfeed.nodes.base import MAX_COUNT, Node, check_count
 from meshfeed.order.permutation import derive_seed, splitmix64
+from meshfeed.state import envelope, open_envelope
 
 T = TypeVar("T")
 
 __all__ = ["ShuffleBuffer"]
 
 _SHUFFLE_OP = 0x5348
-_BLOCK = 1024
+_BLOCK = 4096
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-def _uniform_block(key: int, start: int) -> list[int]:
-    """``splitmix64(key + j * gamma)`` for ``j`` in ``[start, start + _BLOCK)``, vectorised."""
-    j = np.arange(start, start + _BLOCK, dtype=np.uint64)
+def _uniforms(key: int, start: int, count: int) -> np.ndarray:
+    """``splitmix64(key + (j + 1) * gamma) >> 1`` for ``j`` in ``[start, start + count)``."""
+    j = np.arange(start, start + count, dtype=np.uint64)
     with np.errstate(over="ignore"):
         x = np.uint64(key) + (j + np.uint64(1)) * _GAMMA
         x = (x ^ (x >> np.uint64(30))) * _C1
         x = (x ^ (x >> np.uint64(27))) * _C2
         x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(1)).tolist()
+    return x >> np.uint64(1)
 
 
 class ShuffleBuffer(Node[T]):
     """Shuffle ``source`` through a buffer of ``size`` items (``size <= 1``: pass-through)."""
+
+    KIND, VERSION = "node.shuffle", 1
 
     def __init__(
         self,
@@ -61,54 +70,125 @@ class ShuffleBuffer(Node[T]):
         self.source, self.size, self.seed = source, size, seed
         self.ref, self.load = ref, load
         self.buffer: list[T] = []
+        self._refs: list[Any] = []  # ref(item) per slot, kept in step with buffer
         self.draws = 0
         self._source_done = False
         self._key = splitmix64(derive_seed(_SHUFFLE_OP, seed))
-        self._block: tuple[int, list[int]] = (-1, [])
+        self._cache_start, self._cache = 0, np.empty(0, np.uint64)
+
+    def _u(self, start: int, count: int) -> np.ndarray:
+        lo = start - self._cache_start
+        if lo < 0 or lo + count > self._cache.shape[0]:
+            self._cache_start = start
+            self._cache = _uniforms(self._key, start, max(count, _BLOCK))
+            lo = 0
+        return self._cache[lo : lo + count]
+
+    def _take(self, n: int) -> list[T]:
+        """Up to ``n`` items from the source, marking it done when it returns fewer."""
+        items = self.source.next_many(n) if n > 0 else []
+        if len(items) < n:
+            self._source_done = True
+        return items
 
     def _fill(self) -> None:
-        while not self._source_done and len(self.buffer) < self.size:
-            try:
-                self.buffer.append(self.source.next())
-            except StopIteration:
-                self._source_done = True
+        if not self._source_done and len(self.buffer) < self.size:
+            items = self._take(self.size - len(self.buffer))
+            self.buffer.extend(items)
+            if self.ref is not None:
+                ref = self.ref
+                self._refs.extend([ref(x) for x in items])
 
     def next(self) -> T:
-        if self.size <= 1:
-            return self.source.next()
-        self._fill()
-        if not self.buffer:
+        items = self.next_many(1)
+        if not items:
             raise StopIteration
-        start = self.draws - self.draws % _BLOCK
-        if self._block[0] != start:
-            self._block = (start, _uniform_block(self._key, start))
-        slot = self._block[1][self.draws - start] % len(self.buffer)
-        self.draws += 1
-        item = self.buffer[slot]
-        last = self.buffer.pop()
-        if slot < len(self.buffer):
-            self.buffer[slot] = last
+        return items[0]
+
+    def next_many(self, n: int) -> list[T]:
+        if self.size <= 1:
+            return self.source.next_many(n)
+        out: list[T] = []
         self._fill()
-        return item
+        buf, refs, ref = self.buffer, self._refs, self.ref
+        if len(out) < n and not self._source_done:
+            # steady state: the buffer is full; each draw's slot takes the next source item
+            incoming = self._take(n)
+            m = len(incoming)
+            slots = (self._u(self.draws, m) % np.uint64(self.size)).tolist()
+            self.draws += m
+            if ref is None:
+                for s, x in zip(slots, incoming, strict=True):
+                    out.append(buf[s])
+                    buf[s] = x
+            else:
+                for s, x in zip(slots, incoming, strict=True):
+                    out.append(buf[s])
+                    buf[s] = x
+                    refs[s] = ref(x)
+        if len(out) < n and buf:
+            # drain: the source is exhausted, the buffer shrinks by one per draw
+            k = min(n - len(out), len(buf))
+            us = self._u(self.draws, k).tolist()
+            self.draws += k
+            for u in us:
+                s = u % len(buf)
+                out.append(buf[s])
+                buf[s] = buf[-1]
+                buf.pop()
+                if ref is not None:
+                    refs[s] = refs[-1]
+                    refs.pop()
+        return out
 
-    def get_state(self) -> dict[str, Any]:
-        items = [self.ref(x) for x in self.buffer] if self.ref is not None else list(self.buffer)
-        return {
-            "draws": self.draws,
-            "buffer": items,
-            "source_done": self._source_done,
-            self.SOURCE_KEY: self.source.get_state(),
-        }
+    def state_dict(self) -> dict[str, Any]:
+        items = list(self._refs) if self.ref is not None else list(self.buffer)
+        return envelope(
+            self.KIND,
+            self.VERSION,
+            draws=self.draws,
+            buffer=items,
+            source_done=self._source_done,
+            **{self.SOURCE_KEY: self.source.state_dict()},
+        )
 
-    def restore(self, state: dict[str, Any]) -> None:
-        for key in ("draws", "buffer", "source_done", self.SOURCE_KEY):
-            if key not in state:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        what = "shuffle buffer state"
+        s = open_envelope(
+            state,
+            kind=self.KIND,
+            version=self.VERSION,
+            fields={"draws": int, "buffer": list, "source_done": bool, self.SOURCE_KEY: dict},
+            what=what,
+        )
+        draws = check_count(s["draws"], name="draws", what=what, upper=MAX_COUNT)
+        items = s["buffer"]
+        cap = self.size if self.size > 1 else 0
+        if len(items) > cap:
+            raise ValueError(
+                f"{what} holds {len(items)} items but this buffer has size={self.size}; resume "
+                "with the shuffle buffer size that wrote the checkpoint"
+            )
+        if not s["source_done"] and items and len(items) != cap:
+            raise ValueError(
+                f"{what} holds {len(items)} items of {cap} while its source is not exhausted "
+                "(a buffer is full until its source ends); the checkpoint is corrupted"
+            )
+        if self.load is not None:
+            keys = [json.dumps(r) for r in items]
+            if len(set(keys)) != len(keys):
+                dup = next(k for k in keys if keys.count(k) > 1)
                 raise ValueError(
-                    f"shuffle buffer state is missing {key!r} (keys: {sorted(state)}); restore "
-                    "a state saved by a ShuffleBuffer"
+                    f"{what} lists the reference {dup} more than once (it would deliver that "
+                    "item twice); the checkpoint is corrupted"
                 )
-        self.source.restore(state[self.SOURCE_KEY])
-        self.draws = int(state["draws"])
-        self._source_done = bool(state["source_done"])
-        refs = list(state["buffer"])
-        self.buffer = self.load(refs) if self.load is not None else refs
+        self.source.load_state_dict(s[self.SOURCE_KEY])
+        loaded = self.load(list(items)) if self.load is not None else list(items)
+        if len(loaded) != len(items):
+            raise ValueError(
+                f"{what}: load() returned {len(loaded)} items for {len(items)} references"
+            )
+        self.buffer = loaded
+        self._refs = list(items) if self.ref is not None else []
+        self.draws = draws
+        self._source_done = s["source_done"]

@@ -12,8 +12,10 @@ an optional per-epoch shard permutation (``shuffle``):
 - Without row counts, or when the number of shards divides ``R * W``: whole shards. Shard
   ``i`` goes to rank ``i % R``, worker ``(i // R) % W``. When the count does not divide, some
   slots hold one shard more than others; the ranks still stop together (the first rank to run
-  out ends the epoch for all), so up to one shard per slot of data is left unread each epoch.
-  Every rank needs at least one shard.
+  out ends the epoch for all), so up to one shard per slot of data is left unread each epoch,
+  and shards of unequal sizes leave rows unread even when the count divides.
+  :meth:`ShardedStream.unread_rows` says how many (given row counts). Every rank needs at
+  least one shard.
 - With ``rows=[rows of shard 0, ...]`` and a count that does not divide: the global row space
   (shards back to back) is cut into ``R * W`` contiguous ranges balanced to one row, and each
   slot reads its range (pieces of at most a few shards, through ``reader``'s row range).
@@ -31,12 +33,16 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
-from meshfeed.nodes.base import Node
+from meshfeed.nodes.base import MAX_COUNT, Node, check_count
+from meshfeed.nodes.batch import Batcher
+from meshfeed.nodes.shuffle import ShuffleBuffer
 from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.state import envelope, open_envelope
 
-__all__ = ["Piece", "ShardedStream", "default_reader"]
+__all__ = ["Piece", "PieceReader", "ShardedStream", "default_reader", "slot_batches"]
 
 Reader = Callable[[Any, int, "int | None"], Iterable[Any]]
 _SHARD_OP = 0x5348_4152
@@ -165,16 +171,103 @@ class ShardedStream:
                     pieces.append(Piece(shard, a - starts[k], b - starts[k]))
         return out
 
+    def unread_rows(
+        self,
+        epoch: int,
+        data_world_size: int,
+        num_workers: int,
+        *,
+        seed: int,
+        shuffle: bool,
+        batch_size: int,
+        drop_last: bool,
+    ) -> int | None:
+        """Rows of ``epoch`` that no data rank reads, or None when ``rows`` are unknown.
+
+        Ranks stop together (the first rank to run out ends the epoch for all), so with
+        whole-shard assignment (no ``rows=``, or a shard count that divides ``ranks *
+        workers``) the rows that other ranks still hold when one runs out are never read
+        that epoch; ``drop_last`` also leaves each worker's last short batch unread. Pure
+        arithmetic over the row counts (cost O(ranks * workers) per epoch), for the loader's
+        ``stats()``. Without row counts the number is unknowable without reading the shards:
+        give ``rows=`` to have it (and to have shards split by row ranges instead).
+        """
+        if self.rows is None:
+            return None
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
+        assignment = self.assign(epoch, data_world_size, num_workers, seed=seed, shuffle=shuffle)
+        per_rank = [[self._piece_rows(pieces) for pieces in slots] for slots in assignment]
+        batches = [
+            [r // batch_size if drop_last else -(-r // batch_size) for r in rows]
+            for rows in per_rank
+        ]
+        steps = min(sum(b) for b in batches)
+        read = sum(
+            _rows_taken(rows, b, batch_size, steps)
+            for rows, b in zip(per_rank, batches, strict=True)
+        )
+        return sum(self.rows) - read
+
+    def _piece_rows(self, pieces: list[Piece]) -> int:
+        assert self.rows is not None
+        return sum((p.stop if p.stop is not None else self.rows[p.shard]) - p.start for p in pieces)
+
     def read(self, piece: Piece, offset: int = 0) -> Iterator[Any]:
         """The rows of ``piece`` from ``offset`` rows into it."""
-        stop = piece.stop
-        return iter(self.reader(self.shards[piece.shard], piece.start + offset, stop))
+        return iter(self.reader(self.shards[piece.shard], piece.start + offset, piece.stop))
 
-    def load_rows(self, refs: list[list[int]]) -> list[Any]:
-        """Re-read rows given as ``[shard, row]`` references (restoring a shuffle buffer)."""
+    def load_items(self, refs: list[Any]) -> list[tuple[tuple[int, int], Any]]:
+        """``((shard, row), row)`` items for ``[shard, row]`` references, as
+        :class:`PieceReader` yields them (the ``load=`` of a stream's shuffle buffer)."""
+        rows = self.load_rows(refs)
+        return [((int(a), int(b)), row) for (a, b), row in zip(refs, rows, strict=True)]
+
+    def load_rows(self, refs: list[Any]) -> list[Any]:
+        """Re-read rows given as ``[shard, row]`` references (restoring a shuffle buffer).
+
+        Every reference is checked against this stream first: a pair of non-negative ints, a
+        shard that exists, a row inside the shard (when row counts are known), no reference
+        twice; a row the reader no longer yields is refused too. Each is a ``ValueError``
+        naming the reference.
+        """
+        pairs: list[tuple[int, int]] = []
+        for ref in refs:
+            if (
+                not isinstance(ref, (list, tuple))
+                or len(ref) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in ref)
+                or ref[0] < 0
+                or ref[1] < 0
+            ):
+                raise ValueError(
+                    f"shuffle buffer reference {ref!r} is not a [shard, row] pair of "
+                    "non-negative ints; the checkpoint is corrupted"
+                )
+            shard, row = int(ref[0]), int(ref[1])
+            if shard >= len(self.shards):
+                raise ValueError(
+                    f"shuffle buffer reference {[shard, row]} names shard {shard}, but this "
+                    f"stream has {len(self.shards)} shards; resume with the shards that wrote "
+                    "the checkpoint"
+                )
+            if self.rows is not None and row >= self.rows[shard]:
+                raise ValueError(
+                    f"shuffle buffer reference {[shard, row]} names row {row} of shard {shard}, "
+                    f"which has {self.rows[shard]} rows; the checkpoint is corrupted or the "
+                    "stream changed"
+                )
+            pairs.append((shard, row))
+        if len(set(pairs)) != len(pairs):
+            seen: set[tuple[int, int]] = set()
+            dup = next(p for p in pairs if p in seen or seen.add(p))  # type: ignore[func-returns-value]
+            raise ValueError(
+                f"shuffle buffer lists the row {list(dup)} more than once (it would deliver it "
+                "twice); the checkpoint is corrupted"
+            )
         by_shard: dict[int, list[int]] = {}
-        for shard, row in refs:
-            by_shard.setdefault(int(shard), []).append(int(row))
+        for shard, row in pairs:
+            by_shard.setdefault(shard, []).append(row)
         found: dict[tuple[int, int], Any] = {}
         for shard, wanted in by_shard.items():
             lo, hi = min(wanted), max(wanted) + 1
@@ -182,53 +275,180 @@ class ShardedStream:
             for r, row in enumerate(self.reader(self.shards[shard], lo, hi), start=lo):
                 if r in want:
                     found[(shard, r)] = row
-        missing = [ref for ref in refs if (int(ref[0]), int(ref[1])) not in found]
+        missing = [list(p) for p in pairs if p not in found]
         if missing:
             raise ValueError(
                 f"rows {missing[:4]} of the checkpoint's shuffle buffer are no longer in their "
                 "shards; the stream changed since the checkpoint"
             )
-        return [found[(int(s), int(r))] for s, r in refs]
+        return [found[p] for p in pairs]
 
 
-class PieceReader(Node[tuple[list[int], Any]]):
-    """Reads a slot's pieces in order, yielding ``([shard, row], row)``.
+def _rows_taken(rows: list[int], batches: list[int], batch_size: int, steps: int) -> int:
+    """Rows a rank reads in ``steps`` round-robin batches over workers with ``rows`` each."""
+    taken, k, remaining = 0, 0, steps
+    while remaining > 0:
+        active = [w for w, b in enumerate(batches) if b > k]
+        if not active:
+            break
+        horizon = min(batches[w] for w in active)
+        rounds = min(horizon - k, remaining // len(active))
+        if rounds == 0:
+            active, rounds = active[:remaining], 1
+        for w in active:
+            taken += min((k + rounds) * batch_size, rows[w]) - min(k * batch_size, rows[w])
+        remaining -= rounds * len(active)
+        k += rounds
+    return taken
 
-    State: ``{"piece": i, "row": rows consumed in piece i}``; restore re-opens piece i at that
-    row through the reader (no re-reading of earlier pieces). Rows that are None are skipped
-    and counted in ``skipped``.
+
+class PieceReader(Node[Any]):
+    """Reads a slot's pieces in order, yielding ``((shard, row), row)`` (``refs=False``: the
+    rows alone, for pipelines that keep no references, such as one without shuffle buffer).
+
+    State: ``{"piece": i, "row": rows consumed in piece i, "skipped": rows that were None}``;
+    loading re-opens piece ``i`` at that row through the reader (no re-reading of earlier
+    pieces). Every field is checked against this slot's pieces: ``piece`` at most their
+    number, ``row`` inside its piece (checked arithmetically when the piece's length is known,
+    else by the reader yielding row ``row - 1`` on the first read), ``skipped`` at most the
+    rows of the pieces consumed. Rows that are None are skipped and counted.
     """
 
-    def __init__(self, stream: ShardedStream, pieces: list[Piece]) -> None:
-        self.stream, self.pieces = stream, pieces
+    KIND, VERSION = "stream.reader", 1
+
+    def __init__(self, stream: ShardedStream, pieces: list[Piece], *, refs: bool = True) -> None:
+        self.stream, self.pieces, self.refs = stream, pieces, refs
         self.piece, self.row = 0, 0
         self.skipped = 0
         self._it: Iterator[Any] | None = None
+        self._verify_row = False  # the first read after a restore checks the row exists
 
-    def next(self) -> tuple[list[int], Any]:
-        while self.piece < len(self.pieces):
+    def _length(self, p: Piece) -> int | None:
+        if p.stop is not None:
+            return p.stop - p.start
+        return None if self.stream.rows is None else self.stream.rows[p.shard] - p.start
+
+    def _open(self, p: Piece) -> Iterator[Any]:
+        if not (self._verify_row and self.row > 0):
+            return self.stream.read(p, self.row)
+        self._verify_row = False
+        it = self.stream.read(p, self.row - 1)
+        if next(it, _END) is _END:
+            raise ValueError(
+                f"stream reader state has row={self.row} in piece {self.piece} (shard "
+                f"{p.shard}, from row {p.start}), but the shard ends before it; the checkpoint "
+                "is corrupted or the shards changed"
+            )
+        return it
+
+    def next(self) -> Any:
+        items = self.next_many(1)
+        if not items:
+            raise StopIteration
+        return items[0]
+
+    def next_many(self, n: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < n and self.piece < len(self.pieces):
             p = self.pieces[self.piece]
             if self._it is None:
-                self._it = self.stream.read(p, self.row)
-            for row in self._it:
-                ref = [p.shard, p.start + self.row]
-                self.row += 1
-                if row is None:
-                    self.skipped += 1
-                    continue
-                return ref, row
-            self.piece, self.row, self._it = self.piece + 1, 0, None
-        raise StopIteration
-
-    def get_state(self) -> dict[str, Any]:
-        return {"piece": self.piece, "row": self.row, "skipped": self.skipped}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        piece, row = state.get("piece"), state.get("row")
-        if not isinstance(piece, int) or not isinstance(row, int) or piece > len(self.pieces):
-            raise ValueError(
-                f"stream reader state {state!r} does not fit this slot's {len(self.pieces)} "
-                "pieces; resume with the same shards, data-parallel size and num_workers"
+                self._it = self._open(p)
+            want = n - len(out)
+            chunk = list(itertools.islice(self._it, want))
+            shard, base = p.shard, p.start + self.row
+            # (shard, row) tuples of ints, not lists: the cyclic GC untracks such tuples, so
+            # the references a full shuffle buffer keeps alive add nothing to its collections
+            got: list[Any] = (
+                [((shard, base + i), r) for i, r in enumerate(chunk) if r is not None]
+                if self.refs
+                else [r for r in chunk if r is not None]
             )
+            self.skipped += len(chunk) - len(got)
+            self.row += len(chunk)
+            out.extend(got)
+            if len(chunk) < want:
+                self.piece, self.row, self._it = self.piece + 1, 0, None
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return envelope(
+            self.KIND, self.VERSION, piece=self.piece, row=self.row, skipped=self.skipped
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        what = "stream reader state"
+        s = open_envelope(
+            state,
+            kind=self.KIND,
+            version=self.VERSION,
+            fields={"piece": int, "row": int, "skipped": int},
+            what=what,
+        )
+        fix = "resume with the same shards, data-parallel size and num_workers"
+        piece, row = s["piece"], s["row"]
+        if piece > len(self.pieces):
+            raise ValueError(
+                f"{what} has piece={piece}, but this slot has {len(self.pieces)} pieces; {fix}"
+            )
+        length = self._length(self.pieces[piece]) if piece < len(self.pieces) else 0
+        if length is not None and row > length:
+            raise ValueError(
+                f"{what} has row={row} in piece {piece}, which has {length} rows; the "
+                f"checkpoint is corrupted, or {fix}"
+            )
+        check_count(row, name="row", what=what)
+        consumed = [self._length(p) for p in self.pieces[:piece]]
+        bound = MAX_COUNT if None in consumed else sum(c or 0 for c in consumed) + row
+        check_count(s["skipped"], name="skipped", what=what, upper=min(bound, MAX_COUNT))
         self.piece, self.row, self._it = piece, row, None
-        self.skipped = int(state.get("skipped", 0))
+        self.skipped = s["skipped"]
+        self._verify_row = True
+
+
+_END = object()
+
+
+def slot_batches(
+    stream: ShardedStream,
+    pieces: list[Piece],
+    *,
+    shuffle_buffer: int,
+    seed: int,
+    batch_size: int,
+    drop_last: bool,
+) -> Node[list[Any]]:
+    """The node of one (data rank, worker) slot: lists of ``batch_size`` rows, exact state.
+
+    ``PieceReader -> ShuffleBuffer -> Batcher`` when ``shuffle_buffer > 1`` (the buffer keeps
+    ``(shard, row)`` references and re-reads its rows on load), else ``PieceReader ->
+    Batcher`` with no per-row references at all. Batches are plain lists of rows, ready for
+    ``collate``; ``state_dict()`` nests reader (and buffer) states under ``"source"``.
+    """
+    if shuffle_buffer <= 1:
+        return Batcher(
+            PieceReader(stream, pieces, refs=False), batch_size=batch_size, drop_last=drop_last
+        )
+    shuffle = ShuffleBuffer(
+        PieceReader(stream, pieces),
+        size=shuffle_buffer,
+        seed=seed,
+        ref=itemgetter(0),
+        load=stream.load_items,
+    )
+    return _Rows(Batcher(shuffle, batch_size=batch_size, drop_last=drop_last))
+
+
+class _Rows(Node[list[Any]]):
+    """Batches of ``(ref, row)`` items as batches of rows; the state is the inner node's."""
+
+    def __init__(self, inner: Node[list[tuple[Any, Any]]]) -> None:
+        self.inner = inner
+
+    def next(self) -> list[Any]:
+        return [row for _, row in self.inner.next()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
