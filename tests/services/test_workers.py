@@ -180,9 +180,18 @@ class Hangs(Items):
         return _ignores_sigterm_and_hangs(i)
 
 
+class SlowAtStepOne(Items):
+    """Step 1 (indices 2 and 3) takes a second, so a SIGSTOP lands while it is being made."""
+
+    def __getitem__(self, i):
+        if i == 2:
+            time.sleep(1.0)
+        return super().__getitem__(i)
+
+
 @pytest.mark.parametrize("case", ["ignores_sigterm", "sigstop"])
 def test_stuck_or_stopped_worker_fails_within_timeout_plus_one_second(case):
-    dataset = Hangs(16) if case == "ignores_sigterm" else Items(16)
+    dataset = Hangs(16) if case == "ignores_sigterm" else SlowAtStepOne(16)
     lo = DataLoader(dataset, batch_size=2, shuffle=False, num_workers=2, timeout=1.5)
     it = iter(lo)
     next(it)
