@@ -104,8 +104,8 @@ def open_envelope(
         older = isinstance(got_version, int) and got_version < version
         hint = (
             f"it was written by {release or 'an older meshfeed'}, whose positions this version "
-            "does not read; resume it with that release, or start this loader fresh "
-            "(set_epoch) at the epoch you want"
+            "does not read; resume it with that release, or start this part fresh (a fresh "
+            "loader can begin at any epoch with set_epoch)"
             if older
             else "it was written by a newer meshfeed; upgrade meshfeed to resume it"
         )

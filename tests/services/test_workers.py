@@ -249,14 +249,13 @@ def test_interpreter_exits_with_workers_that_ignore_sigterm(tmp_path):
 
 
 def test_lambda_collate_fn_under_spawn_says_spawned_workers_need_importable_functions():
-    lo = DataLoader(
-        Items(8),
-        batch_size=2,
-        num_workers=1,
-        multiprocessing_context="spawn",
-        collate_fn=lambda items: items,
-    )
+    # Refused when the loader is built, before any worker process starts.
     with pytest.raises(TypeError, match="spawned workers need importable functions"):
-        next(iter(lo))
+        DataLoader(
+            Items(8),
+            batch_size=2,
+            num_workers=1,
+            multiprocessing_context="spawn",
+            collate_fn=lambda items: items,
+        )
     assert multiprocessing.active_children() == []
-    lo.shutdown()
