@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from meshfeed import DataMesh
+from meshfeed import DataLoader, DataMesh
+from meshfeed.mesh import default_rank
 
 
 def test_from_sizes_tp_innermost_and_replica_groups():
@@ -90,3 +91,49 @@ def test_env_world_not_divisible():
 def test_ranks_array_must_cover_world():
     with pytest.raises(ValueError, match="each of the global ranks"):
         DataMesh(axis_names=("dp",), axis_sizes=(2,), ranks=np.array([0, 0]))
+
+
+# ----------------------------------------------------------------- default rank (issue 11.1)
+
+
+def test_default_rank_reads_rank_from_the_environment():
+    assert default_rank(env={"RANK": "3", "WORLD_SIZE": "4"}) == 3
+    assert default_rank(env={}) == 0
+    assert default_rank(1, env={}) == 0
+
+
+@pytest.mark.parametrize(
+    ("world", "env", "source"),
+    [(None, {"WORLD_SIZE": "2"}, "from WORLD_SIZE"), (4, {}, "from the mesh")],
+)
+def test_default_rank_refuses_to_guess_in_a_larger_world(world, env, source):
+    with pytest.raises(ValueError, match=f"cannot tell this process's rank.*{source}.*torchrun"):
+        default_rank(world, env=env)
+
+
+@pytest.mark.parametrize(
+    ("env", "match"), [({"RANK": "one"}, "RANK='one'"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'")]
+)
+def test_bad_rank_environment_is_named(env, match):
+    with pytest.raises(ValueError, match=match):
+        default_rank(env=env)
+
+
+def test_torchrun_environment_gives_each_rank_its_own_data(monkeypatch):
+    # every rank of a torchrun world of 4, simulated in one process without a process group
+    batches = []
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        loader = DataLoader(list(range(64)), batch_size=4, mesh=None, seed=1)
+        assert (loader.rank, loader.data_rank, loader.data_world_size) == (rank, rank, 4)
+        batches.append(sorted(int(x) for b in loader for x in b))
+    flat = [x for b in batches for x in b]
+    assert sorted(flat) == list(range(64))  # exclusive and exhaustive across the 4 ranks
+
+
+def test_rank_beyond_a_single_process_world_is_an_error(monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="rank=5 is out of range"):
+        DataLoader(list(range(8)), batch_size=2)

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfeed.order import Permutation
+from meshfeed.order import Permutation, derive_seed
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 100, 255, 256, 257, 1000, 4097])
@@ -67,3 +67,31 @@ def test_invalid_sizes(bad):
 def test_out_of_range_positions():
     with pytest.raises(IndexError, match="out of range"):
         Permutation(10)[np.array([10])]
+
+
+@pytest.mark.parametrize("seed", [2**64, -1, 2**70])
+def test_permutation_refuses_seeds_outside_64_bits(seed):
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        Permutation(10, seed)
+
+
+@pytest.mark.parametrize("seed", [True, 1.0, "3", None])
+def test_permutation_refuses_non_int_seeds(seed):
+    with pytest.raises(TypeError, match="seed must be an int"):
+        Permutation(10, seed)
+
+
+def test_largest_seed_is_accepted_and_differs_from_zero():
+    top = Permutation(1000, 2**64 - 1)[np.arange(1000)]
+    assert sorted(top.tolist()) == list(range(1000))
+    assert not np.array_equal(top, Permutation(1000, 0)[np.arange(1000)])
+    assert Permutation(1000, np.uint64(2**64 - 1)).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize(
+    ("parts", "error"),
+    [((2**64,), ValueError), ((1, -1), ValueError), ((1.5,), TypeError), ((False,), TypeError)],
+)
+def test_derive_seed_refuses_bad_parts_by_position(parts, error):
+    with pytest.raises(error, match=f"derive_seed part {len(parts) - 1}"):
+        derive_seed(*parts)

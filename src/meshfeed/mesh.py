@@ -181,7 +181,7 @@ class DataMesh:
         axis takes the rest of the world.
         """
         env = os.environ if env is None else env
-        world = int(env.get("WORLD_SIZE", "1"))
+        world = _env_world_size(env)
         if "dp" not in sizes:
             rest = math.prod(sizes.values()) if sizes else 1
             if world % rest:
@@ -255,13 +255,53 @@ def _data_axes(data_axes: Iterable[str] | None) -> frozenset[str]:
     return DEFAULT_DATA_AXES if data_axes is None else frozenset(data_axes)
 
 
-def default_rank() -> int:
-    """``torch.distributed.get_rank()`` when a process group exists, else 0."""
+def default_rank(world_size: int | None = None, *, env: Mapping[str, str] | None = None) -> int:
+    """This process's global rank when the caller did not pass one.
+
+    From the process group when one is initialised, else from the ``RANK`` environment
+    variable (set by torchrun, by SLURM through torchrun and by Ray Train). Without either, a
+    world of one process is rank 0, and a larger world (``world_size``, e.g. the mesh's, or
+    ``WORLD_SIZE``) is an error: guessing rank 0 would make every process read the same data.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
+    env = os.environ if env is None else env
+    raw = env.get("RANK")
+    if raw is not None:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(
+                f"the RANK environment variable is not an integer (got RANK={raw!r}); launch "
+                "with torchrun, which sets it, or pass rank=... explicitly"
+            ) from None
+    world, source = world_size, "the mesh"
+    if world is None:
+        world, source = _env_world_size(env), "WORLD_SIZE"
+    if world > 1:
+        raise ValueError(
+            f"cannot tell this process's rank: the world has {world} processes (from {source}) "
+            "but there is no process group and no RANK environment variable; launch with "
+            "torchrun (it sets RANK), call torch.distributed.init_process_group first, or pass "
+            "rank=... explicitly"
+        )
     return 0
+
+
+def _env_world_size(env: Mapping[str, str]) -> int:
+    raw = env.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ValueError(
+            f"the WORLD_SIZE environment variable must be a positive integer (got "
+            f"WORLD_SIZE={raw!r}); launch with torchrun, which sets it, or unset it"
+        )
+    return world
 
 
 def resolve_mesh(mesh: Any) -> DataMesh:

@@ -245,15 +245,17 @@ def test_document_index_that_does_not_cover_the_sequences_is_reported(tmp_path: 
         TokenCorpus.open(tmp_path / "c")
 
 
-def test_non_contiguous_corpus_is_detected(tmp_path: Path) -> None:
+def test_non_contiguous_corpus_is_refused_on_open(tmp_path: Path) -> None:
     megatron_files(tmp_path / "c", [[1, 2], [3, 4]])
     raw = bytearray((tmp_path / "c.idx").read_bytes())
-    # point both sequences at the first one: valid to read, but not a concatenated stream
+    # point both sequences at the first one: document 1 would read document 0's tokens
     raw[HEADER_SIZE + 8 + 8 : HEADER_SIZE + 8 + 16] = struct.pack("<q", 0)
     (tmp_path / "c.idx").write_bytes(bytes(raw))
-    corpus = TokenCorpus.open(tmp_path / "c")
-    assert corpus.document(1).tolist() == [1, 2]
-    assert not corpus.is_contiguous
+    with pytest.raises(
+        IndexedFormatError,
+        match=r"c\.idx points document 1 at byte 0, but the documents before it end at byte 4",
+    ):
+        TokenCorpus.open(tmp_path / "c")
 
 
 def test_validate_catches_pointers_outside_the_bin(tmp_path: Path) -> None:
@@ -263,6 +265,9 @@ def test_validate_catches_pointers_outside_the_bin(tmp_path: Path) -> None:
     (tmp_path / "c.idx").write_bytes(bytes(raw))
     with pytest.raises(IndexedFormatError, match="pointers outside"):
         TokenCorpus.open(tmp_path / "c").validate()
+    # now refused on open already, naming the document
+    with pytest.raises(IndexedFormatError, match="document 0 starts at byte 1000"):
+        TokenCorpus.open(tmp_path / "c")
 
 
 def test_unpickling_refuses_a_corpus_rewritten_in_between(tmp_path: Path) -> None:
@@ -274,3 +279,126 @@ def test_unpickling_refuses_a_corpus_rewritten_in_between(tmp_path: Path) -> Non
     write_indexed(tmp_path / "c", [[1, 2, 4]])
     with pytest.raises(ValueError, match="changed since it was opened"):
         pickle.loads(blob)
+
+
+# ----------------------------------------------------------------- integrity (issue 11.2 / 11.7)
+def _documents(corpus: TokenCorpus) -> list[list[int]]:
+    return [corpus.document(i).tolist() for i in range(corpus.num_documents)]
+
+
+def test_negative_size_is_refused_naming_the_document(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1, 2], [3, 4], [5]])
+    raw = bytearray((tmp_path / "c.idx").read_bytes())
+    raw[HEADER_SIZE + 4 : HEADER_SIZE + 8] = struct.pack("<i", -2)
+    (tmp_path / "c.idx").write_bytes(bytes(raw))
+    with pytest.raises(IndexedFormatError, match=r"c\.idx gives document 1 the negative size -2"):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def test_shrunken_size_of_an_inner_document_is_refused(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1, 2], [3, 4], [5]])
+    raw = bytearray((tmp_path / "c.idx").read_bytes())
+    raw[HEADER_SIZE : HEADER_SIZE + 4] = struct.pack("<i", 1)  # document 0 would lose a token
+    (tmp_path / "c.idx").write_bytes(bytes(raw))
+    with pytest.raises(
+        IndexedFormatError, match="points document 1 at byte 4, but .* end at byte 2"
+    ):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def test_uint8_code_over_uint16_data_is_refused(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1, 2, 3], [300, 400]], dtype="uint16", code=1)
+    with pytest.raises(
+        IndexedFormatError, match=r"c\.idx has dtype code 1 \(uint8, 1 bytes.*fit 2-byte tokens"
+    ):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def test_decreasing_document_index_is_refused_on_open(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1], [2], [3]], document_indices=[0, 2, 1, 3])
+    with pytest.raises(
+        IndexedFormatError, match=r"decreasing document index at entry 2 \(2 then 1\)"
+    ):
+        TokenCorpus.open(tmp_path / "c")
+
+
+def test_new_bin_with_old_idx_is_refused(tmp_path: Path) -> None:
+    write_indexed(tmp_path / "old", [[1, 2, 3], [4, 5]])
+    write_indexed(tmp_path / "new", [[1, 2, 3], [4, 5], [6]])
+    shutil.copy(tmp_path / "new.bin", tmp_path / "old.bin")  # a reader between two renames
+    with pytest.raises(IndexedFormatError, match="accounts for 10 bytes"):
+        TokenCorpus.open(tmp_path / "old")
+
+
+def test_megatron_files_with_modes_still_open(tmp_path: Path) -> None:
+    megatron_files(tmp_path / "c", [[1, 2], [3]], modes=True)
+    assert _documents(TokenCorpus.open(tmp_path / "c")) == [[1, 2], [3]]
+
+
+def test_400_single_bit_flips_never_open_with_wrong_data(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    docs = [rng.integers(0, 60000, rng.integers(0, 40)).tolist() for _ in range(50)]
+    good = write_indexed(tmp_path / "good", docs)
+    want, want_dtype = _documents(good), good.dtype
+    raw = (tmp_path / "good.idx").read_bytes()
+    shutil.copy(tmp_path / "good.bin", tmp_path / "bad.bin")
+    outcomes = {"refused": 0, "identical": 0}
+    for _ in range(400):
+        bit = int(rng.integers(0, len(raw) * 8))
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        (tmp_path / "bad.idx").write_bytes(bytes(flipped))
+        try:
+            corpus = TokenCorpus.open(tmp_path / "bad")
+        except IndexedFormatError:
+            outcomes["refused"] += 1
+            continue
+        # anything else raised fails the test; an open must give exactly the original tokens
+        assert corpus.dtype == want_dtype and _documents(corpus) == want, f"bit {bit}"
+        outcomes["identical"] += 1
+    assert outcomes["refused"] + outcomes["identical"] == 400
+    assert outcomes["refused"] > 300  # most bits matter (the document index of 0..n can move)
+
+
+def test_writer_uses_unique_temp_names_and_creates_folders(tmp_path: Path) -> None:
+    prefix = tmp_path / "a" / "b" / "c"
+    one, two = IndexedWriter(prefix), IndexedWriter(prefix)
+    assert one._tmp_bin != two._tmp_bin and one._tmp_bin.parent == prefix.parent
+    one.add([1, 2])
+    two.add([3])
+    two.close()
+    assert _documents(one.close()) == [[1, 2]]
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["c.bin", "c.idx"]
+
+
+def test_failed_write_leaves_no_temp_files(tmp_path: Path) -> None:
+    def documents():
+        yield [1, 2]
+        raise RuntimeError("tokenizer failed")
+
+    with pytest.raises(RuntimeError, match="tokenizer failed"):
+        write_indexed(tmp_path / "c", documents())
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="token ids in"):
+        write_indexed(tmp_path / "c", [[1], [70000]])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_concurrent_writers_never_publish_a_mix(tmp_path: Path) -> None:
+    import threading
+
+    # same total size, different document boundaries: a mixed pair would pass a size check
+    corpora = {"a": [[1, 2], [3]], "b": [[4], [5, 6]]}
+    prefix = tmp_path / "c"
+    for _ in range(20):
+        writers = {k: IndexedWriter(prefix) for k in corpora}
+        for k, w in writers.items():
+            for doc in corpora[k]:
+                w.add(doc)
+        threads = [threading.Thread(target=w.close) for w in writers.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert _documents(TokenCorpus.open(prefix)) in list(corpora.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "c.idx"]

@@ -168,3 +168,60 @@ def test_arrow_source_reads_tables_and_memory_mapped_ipc_files(tmp_path: Path) -
     assert src.fingerprint == ArrowSource(table).fingerprint
     with pytest.raises(TypeError, match="pyarrow.Table or an Arrow IPC file path"):
         ArrowSource({"id": [1]})
+
+
+# ----------------------------------------------------------------- damaged files (issue 11.3)
+from meshfeed.errors import SourceError  # noqa: E402
+
+
+def _damaged_copy(tmp: Path, *, checksums: bool, at: str) -> Path:
+    table = pa.table({"id": list(range(64)), "text": [f"row {i}" for i in range(64)]})
+    good = tmp / "good.parquet"
+    pq.write_table(
+        table,
+        good,
+        row_group_size=16,
+        compression="none",
+        use_dictionary=False,
+        write_page_checksum=checksums,
+    )
+    raw = bytearray(good.read_bytes())
+    chunk = pq.ParquetFile(good).metadata.row_group(1).column(1)
+    if at == "page header":
+        start = chunk.data_page_offset
+        raw[start : start + 6] = b"\xff" * 6
+    elif at == "page data":
+        raw[chunk.data_page_offset + chunk.total_compressed_size - 3] ^= 0x01
+    else:  # the footer's thrift metadata, just before its length and the closing magic
+        footer = int.from_bytes(raw[-8:-4], "little")
+        mid = len(raw) - 8 - footer // 2
+        raw[mid - 8 : mid + 8] = b"\xff" * 16
+    bad = tmp / "bad.parquet"
+    bad.write_bytes(bytes(raw))
+    return bad
+
+
+@pytest.mark.parametrize(("checksums", "at"), [(False, "page header"), (True, "page data")])
+def test_damaged_row_group_raises_naming_file_and_row_group(
+    tmp_path: Path, checksums: bool, at: str
+) -> None:
+    source = ParquetSource(_damaged_copy(tmp_path, checksums=checksums, at=at))
+    assert source[0] == {"id": 0, "text": "row 0"}  # row group 0 is intact
+    with pytest.raises(
+        SourceError, match=r"cannot read row group 1 of .*bad\.parquet \(rows 16\.\.31\)"
+    ):
+        source.__getitems__([3, 20])
+
+
+def test_damaged_footer_raises_naming_the_file(tmp_path: Path) -> None:
+    bad = _damaged_copy(tmp_path, checksums=False, at="footer")
+    with pytest.raises(SourceError, match=r"cannot open the Parquet file .*bad\.parquet"):
+        ParquetSource(bad)
+
+
+def test_files_with_different_columns_are_refused_on_open(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"id": [1, 2], "text": ["a", "b"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": [3], "label": [1]}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"b\.parquet has columns \{id: int64, label: int64\}"):
+        ParquetSource(tmp_path)
+    assert len(ParquetSource(tmp_path, columns=["id"])) == 3

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,11 +135,22 @@ class MetricIndex:
         return np.floor(p * len(self) / 100.0 + 1e-9).astype(np.int64)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the index under ``path`` atomically: a reader sees the old or the new one.
+
+        Each array goes to a unique temporary file that is renamed into place; ``meta.json``
+        (renamed last) records each array's size and a hash of its ends, and :meth:`load`
+        refuses a directory whose arrays do not match it (an interrupted save).
+        """
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        np.save(out / "values.npy", np.asarray(self.values))
-        np.save(out / "order.npy", np.asarray(self.order))
-        np.save(out / "percentiles.npy", np.asarray(self.percentiles))
+        files = {}
+        for name, array in (
+            ("values.npy", self.values),
+            ("order.npy", self.order),
+            ("percentiles.npy", self.percentiles),
+        ):
+            _atomic_write(out / name, lambda f, a=array: np.save(f, np.asarray(a)))
+            files[name] = _file_id(out / name)
         meta = {
             "version": VERSION,
             "kind": "sample",
@@ -146,15 +158,21 @@ class MetricIndex:
             "dtype": np.asarray(self.values).dtype.str,
             "length": len(self),
             "fingerprint": self.fingerprint,
+            "files": files,
         }
-        (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        text = json.dumps(meta, indent=1, sort_keys=True).encode()
+        _atomic_write(out / "meta.json", lambda f: f.write(text))
         return out
 
     @classmethod
     def load(
         cls, path: str | os.PathLike[str], *, dataset: Any = None, mmap: bool = True
     ) -> MetricIndex:
-        """Load a saved index (memory-mapped); with ``dataset``, refuse a mismatched one."""
+        """Load a saved index (memory-mapped); with ``dataset``, refuse a mismatched one.
+
+        Checks that the arrays are the ones ``meta.json`` recorded and agree with each other
+        (lengths, dtype, percentiles of the sorted values); O(1) reads beyond the headers.
+        """
         src = Path(path)
         meta = read_meta(src)
         if meta.get("kind") != "sample":
@@ -164,12 +182,67 @@ class MetricIndex:
             )
         if dataset is not None:
             check_fingerprint(meta["fingerprint"], dataset, what=f"metric index {src}")
-        return cls(
+        for name, recorded in dict(meta.get("files", {})).items():
+            if _file_id(src / name) != recorded:
+                raise ValueError(
+                    f"{src / name} is not the file {src / 'meta.json'} recorded (a save was "
+                    "interrupted or the files were mixed); rerun `meshfeed analyze`"
+                )
+        index = cls(
             name=meta["name"],
             values=np.load(src / "values.npy", mmap_mode="r" if mmap else None),
             order=np.load(src / "order.npy", mmap_mode="r" if mmap else None),
             percentiles=np.load(src / "percentiles.npy"),
             fingerprint=meta["fingerprint"],
+        )
+        _check_consistent(index, src, meta)
+        return index
+
+
+def _atomic_write(target: Path, write: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _file_id(path: Path) -> list[Any]:
+    """Size and a hash of the first and last 4 KB: cheap, and different for another save."""
+    if not path.is_file():
+        return [None, None]
+    size = path.stat().st_size
+    h = hashlib.blake2b(digest_size=12)
+    with open(path, "rb") as f:
+        h.update(f.read(4096))
+        f.seek(max(0, size - 4096))
+        h.update(f.read())
+    return [size, h.hexdigest()]
+
+
+def _check_consistent(index: MetricIndex, src: Path, meta: dict[str, Any]) -> None:
+    n = len(index.values)
+    problem = None
+    if n != meta.get("length") or index.order.shape != (n,):
+        problem = f"{n} values, {index.order.shape[0]} order entries, length {meta.get('length')}"
+    elif np.asarray(index.values).dtype.str != meta.get("dtype"):
+        problem = f"values of dtype {np.asarray(index.values).dtype.str}, meta {meta.get('dtype')}"
+    elif index.percentiles.shape != (101,):
+        problem = f"{index.percentiles.shape[0]} percentiles instead of 101"
+    elif n:
+        # 101 reads, not N: the percentile ranks of the order must point at the recorded values
+        picks = np.asarray(index.order[np.minimum(np.arange(101) * n // 100, n - 1)])
+        if int(picks.min()) < 0 or int(picks.max()) >= n:
+            problem = "order entries outside the sample range"
+        elif not np.array_equal(np.asarray(index.values[picks]), index.percentiles):
+            problem = "percentiles that are not those of the values in their order"
+    if problem is not None:
+        raise ValueError(
+            f"the metric index {src} is inconsistent ({problem}); it was damaged or saved "
+            "partially: rerun `meshfeed analyze`"
         )
 
 

@@ -34,11 +34,35 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def check_seed(seed: object, *, name: str = "seed") -> int:
+    """``seed`` as an int in ``[0, 2**64)``; ``TypeError`` / ``ValueError`` naming it otherwise.
+
+    Seeds are reduced to 64 bits inside, so ``2**64`` would silently give the order of ``0``;
+    refusing it (and bools, floats, strings) keeps two different seeds from meaning one order.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(
+            f"{name} must be an int in [0, 2**64) (got {name}={seed!r} of type "
+            f"{type(seed).__name__}); pass an integer such as {name}=0"
+        )
+    value = int(seed)
+    if not 0 <= value <= _M64:
+        raise ValueError(
+            f"{name} must be in [0, 2**64) (got {name}={value!r}); larger or negative seeds "
+            "would alias others after 64-bit reduction; reduce it yourself, e.g. seed % 2**64"
+        )
+    return value
+
+
 def derive_seed(*parts: int) -> int:
-    """Hash a tuple of integers (seed, epoch, op, ...) into one 63-bit seed."""
+    """Hash a tuple of integers (seed, epoch, op, ...) into one 63-bit seed.
+
+    Every part must be an int (or numpy integer) in ``[0, 2**64)``: ``TypeError`` /
+    ``ValueError`` naming the part otherwise.
+    """
     h = 0x6A09E667F3BCC908
-    for p in parts:
-        h = splitmix64(h ^ (int(p) & _M64))
+    for k, p in enumerate(parts):
+        h = splitmix64(h ^ check_seed(p, name=f"derive_seed part {k}"))
     return h >> 1
 
 
@@ -50,7 +74,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class Permutation:
-    """A seeded bijection of ``range(n)`` for ``1 <= n < 2**63``.
+    """A seeded bijection of ``range(n)`` for ``1 <= n < 2**63`` and ``0 <= seed < 2**64``.
 
     ``perm[i]`` maps a position to an element, for an int or a numpy integer array (the
     array form is vectorised); ``perm.inverse(x)`` maps back. Memory is O(1) in ``n``; a
@@ -63,7 +87,7 @@ class Permutation:
         if not isinstance(n, (int, np.integer)) or not 1 <= n < 2**63:
             raise ValueError(f"Permutation needs 1 <= n < 2**63 (got {n=}); pass a positive size")
         self.n = int(n)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         bits = max(2, (self.n - 1).bit_length())
         # (left, right) widths; an unbalanced split keeps the domain under 2n, so cycle
         # walking needs fewer than two steps on average (a balanced one could need four).

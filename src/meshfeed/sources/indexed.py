@@ -15,19 +15,26 @@ The format, exactly as ``megatron/core/datasets/indexed_dataset.py`` writes it (
 ``document_indices`` (sentence-split corpora group several sequences into one document) are
 exposed unchanged as :attr:`TokenCorpus.document_index` for callers that need them.
 
-Everything is a read-only ``numpy`` view of a memory map: opening costs O(1) beyond reading the
-header, and :meth:`TokenCorpus.document` copies nothing. A corpus pickles as its prefix (worker
+Everything is a read-only ``numpy`` view of a memory map, and :meth:`TokenCorpus.document` copies
+nothing. Opening checks every size, pointer and document index against each other and against
+the ``.bin`` length (vectorised, O(documents), in bounded chunks): documents must lie back to
+back, as every Megatron and meshfeed writer stores them, and the last one must end exactly at
+the end of ``.bin``. So the ``.bin`` size is recorded in the ``.idx`` without changing a byte of
+the format, a dtype code that disagrees with the ``.bin`` (uint8 over uint16 data) and a
+``.bin`` from another index are refused by name, and a damaged index never yields wrong tokens. A corpus pickles as its prefix (worker
 processes re-open the files instead of receiving gigabytes).
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -35,6 +42,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
+from meshfeed.errors import SourceError
 from meshfeed.progress import Progress
 
 __all__ = ["IndexedFormatError", "IndexedWriter", "TokenCorpus", "write_indexed"]
@@ -59,8 +67,38 @@ _INT32_MAX = np.iinfo(np.int32).max
 _FINGERPRINT_PROBE = 4096  # bytes hashed at each end of each file
 
 
-class IndexedFormatError(ValueError):
-    """A ``.idx`` / ``.bin`` pair that is not a valid indexed corpus; the message names the file."""
+_CHUNK = 1 << 20  # documents checked per vectorised step on open (bounded temporary memory)
+
+
+class IndexedFormatError(SourceError, ValueError):
+    """A ``.idx`` / ``.bin`` pair that is not a valid indexed corpus; the message names the file.
+
+    A :class:`~meshfeed.errors.SourceError`: a damaged corpus is never treated as a bad sample.
+    """
+
+
+@contextlib.contextmanager
+def _publish_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
+    """Serialise meshfeed's two-file publish against meshfeed readers of the same folder.
+
+    A writer renames ``.bin`` then ``.idx`` under an exclusive ``flock`` of the folder; a reader
+    maps both under a shared one, so it never pairs one writer's ``.bin`` with another's
+    ``.idx``. Where ``flock`` is unavailable (no ``fcntl``, some network file systems) this
+    does nothing and the size checks on open are the remaining guard.
+    """
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -111,7 +149,9 @@ class TokenCorpus:
                 )
         self.prefix = os.fspath(idx_path)[: -len(".idx")]
         self.idx_path, self.bin_path = idx_path, bin_path
-        self._idx = _map(idx_path)
+        with _publish_lock(idx_path.parent, exclusive=False):
+            self._idx = _map(idx_path)
+            self._bin = _map(bin_path)
         idx_len = len(self._idx)
         if idx_len < HEADER_SIZE:
             raise IndexedFormatError(
@@ -159,7 +199,6 @@ class TokenCorpus:
                 f"{int(self.document_index[-1])}; it must run from 0 to the sequence count "
                 f"{n_seq}"
             )
-        self._bin = _map(bin_path)
         bin_len = len(self._bin)
         item = self.dtype.itemsize
         if bin_len % item:
@@ -167,14 +206,9 @@ class TokenCorpus:
                 f"{bin_path} is {bin_len} bytes, not a multiple of the {self.dtype} item size "
                 f"{item}; the file is truncated or corrupt"
             )
-        end = int(self.pointers[-1]) + item * int(self.sizes[-1]) if n_seq else 0
-        if end > bin_len:
-            raise IndexedFormatError(
-                f"{bin_path} is {bin_len} bytes but {idx_path} points up to byte {end}; the "
-                ".bin is truncated or belongs to another index"
-            )
+        self._check_layout(bin_len)
         self.tokens: np.ndarray = np.frombuffer(self._bin, self.dtype, bin_len // item)
-        self._contiguous: bool | None = None
+        self._contiguous: bool | None = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
 
@@ -222,40 +256,100 @@ class TokenCorpus:
 
     @property
     def is_contiguous(self) -> bool:
-        """True when documents are back to back in ``.bin`` in order (as every writer produces).
+        """True: documents lie back to back in ``.bin`` in order (checked on open).
 
-        Only then is the concatenated token stream the flat ``tokens`` array. Checked once,
-        vectorised, in chunks (O(documents) time, O(1) extra memory).
+        So the concatenated token stream is the flat ``tokens`` array.
         """
         if self._contiguous is None:
             self._contiguous = self._check_contiguous()
         return self._contiguous
 
-    def _check_contiguous(self, chunk: int = 1 << 20) -> bool:
+    def _check_contiguous(self) -> bool:
+        self._check_layout(len(self._bin))
+        return True
+
+    def _check_layout(self, bin_len: int, chunk: int = _CHUNK) -> None:
+        """Every size, pointer and document index consistent with each other and with ``.bin``.
+
+        Vectorised in chunks of ``chunk`` documents: O(documents) time, O(chunk) memory.
+        """
+        idx, bin_ = self.idx_path, self.bin_path
         item = self.dtype.itemsize
-        expected = 0
+        d = self.document_index
+        for lo in range(0, d.shape[0] - 1, chunk):
+            bad = np.flatnonzero(np.diff(d[lo : lo + chunk + 1]) < 0)
+            if bad.size:
+                k = lo + int(bad[0])
+                raise IndexedFormatError(
+                    f"{idx} has a decreasing document index at entry {k + 1} ({int(d[k])} "
+                    f"then {int(d[k + 1])}); the index is corrupt, rewrite it"
+                )
+        n = self.num_documents
+        if n and int(self.pointers[-1]) + item * int(self.sizes[-1]) != bin_len:
+            fits = [
+                k
+                for k in (1, 2, 4, 8)
+                if k != item and int(self.pointers[-1]) + k * int(self.sizes[-1]) == bin_len
+            ]
+            head = self.sizes[:_CHUNK].astype(np.int64)
+            fits = [
+                k
+                for k in fits
+                if np.array_equal(k * (np.cumsum(head) - head), self.pointers[: head.shape[0]])
+            ]
+            if fits:
+                raise IndexedFormatError(
+                    f"{idx} has dtype code {_CODE_OF[self.dtype]} ({self.dtype}, {item} bytes "
+                    f"per token), but its pointers and the {bin_len}-byte {bin_} fit "
+                    f"{fits[0]}-byte tokens; the dtype code disagrees with the .bin: re-export "
+                    "the corpus or fix the code"
+                )
+        expected = 0  # byte where the next document must start
         for lo in range(0, self.num_documents, chunk):
             sizes = self.sizes[lo : lo + chunk].astype(np.int64)
+            pointers = self.pointers[lo : lo + chunk]
+            if int(sizes.min()) < 0:
+                i = lo + int(np.argmax(sizes < 0))
+                raise IndexedFormatError(
+                    f"{idx} gives document {i} the negative size {int(self.sizes[i])}; the "
+                    "index is corrupt, rewrite it"
+                )
+            outside = (pointers < 0) | (pointers > bin_len)
+            if outside.any():
+                i = lo + int(np.argmax(outside))
+                raise IndexedFormatError(
+                    f"{idx} has pointers outside {bin_} ({bin_len} bytes): document {i} starts "
+                    f"at byte {int(self.pointers[i])}; the pair is corrupt or mismatched"
+                )
+            ends = pointers + item * sizes  # no overflow: pointers <= bin_len, sizes < 2**31
+            if int(ends.max()) > bin_len:
+                i = lo + int(np.argmax(ends > bin_len))
+                raise IndexedFormatError(
+                    f"{bin_} is {bin_len} bytes but {idx} points up to byte "
+                    f"{int(ends[i - lo])} (document {i}); the .bin is truncated or belongs to "
+                    "another index"
+                )
             starts = expected + item * (np.cumsum(sizes) - sizes)
-            if not np.array_equal(starts, self.pointers[lo : lo + chunk]):
-                return False
+            wrong = starts != pointers
+            if wrong.any():
+                i = lo + int(np.argmax(wrong))
+                raise IndexedFormatError(
+                    f"{idx} points document {i} at byte {int(self.pointers[i])}, but the "
+                    f"documents before it end at byte {int(starts[i - lo])}; documents must lie "
+                    "back to back (as every Megatron and meshfeed writer stores them), so the "
+                    "index is corrupt: rewrite it"
+                )
             expected = int(starts[-1] + item * sizes[-1])
-        return expected == self.tokens.shape[0] * item
+        if expected != bin_len:
+            raise IndexedFormatError(
+                f"{bin_} is {bin_len} bytes but {idx} accounts for {expected} bytes "
+                f"({self.num_documents} documents of {self.dtype}); the dtype code disagrees "
+                "with the .bin, or the .bin belongs to another index: write the pair together"
+            )
 
     def validate(self) -> None:
-        """Check every size and pointer against ``.bin``; raise :class:`IndexedFormatError`."""
-        if self.num_documents and int(self.sizes.min()) < 0:
-            raise IndexedFormatError(f"{self.idx_path} has negative sizes; the file is corrupt")
-        ends = self.pointers + self.dtype.itemsize * self.sizes.astype(np.int64)
-        if self.num_documents and (
-            int(self.pointers.min()) < 0 or int(ends.max()) > len(self._bin)
-        ):
-            raise IndexedFormatError(
-                f"{self.idx_path} has pointers outside {self.bin_path} ({len(self._bin)} bytes); "
-                "the pair is corrupt or mismatched"
-            )
-        if np.any(np.diff(self.document_index) < 0):
-            raise IndexedFormatError(f"{self.idx_path} has a decreasing document index")
+        """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`."""
+        self._check_layout(len(self._bin))
 
     @property
     def fingerprint(self) -> str:
@@ -294,10 +388,12 @@ def _reopen(
 class IndexedWriter:
     """Streams documents into ``PREFIX.bin`` / ``PREFIX.idx`` without holding the corpus in memory.
 
-    Memory is 8 bytes per document (the sizes). Files are written under temporary names and
-    renamed on :meth:`close`, so readers never see a half-written corpus; leaving the ``with``
-    block through an exception deletes them. Each document becomes one sequence and one
-    Megatron document (``document_indices = 0..n``).
+    Memory is 8 bytes per document (the sizes). Files are written under unique temporary names
+    in the target folder (created if missing) and renamed on :meth:`close`, ``.bin`` first, so
+    readers never see a half-written corpus; a failure (or leaving the ``with`` block through
+    an exception) deletes them. Two writers to one prefix each publish a complete pair under a
+    folder lock, so the result is one writer's corpus, never a mix. Each document becomes one
+    sequence and one Megatron document (``document_indices = 0..n``).
 
     >>> with IndexedWriter("/tmp/demo", dtype="uint16") as w:  # doctest: +SKIP
     ...     w.add([1, 2, 3])
@@ -308,11 +404,15 @@ class IndexedWriter:
         self._code = dtype_code(self.dtype)
         self.idx_path, self.bin_path = _paths(prefix)
         self.prefix = os.fspath(self.idx_path)[: -len(".idx")]
-        self._tmp_bin = self.bin_path.with_name(self.bin_path.name + ".tmp")
-        self._tmp_idx = self.idx_path.with_name(self.idx_path.name + ".tmp")
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in close()/abort()
+        folder = self.bin_path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.bin_path.name}.", suffix=".tmp")
+        self._tmp_bin = Path(tmp)
+        self._tmp_idx: Path | None = None
+        self._bin = os.fdopen(fd, "wb")
         self._sizes = array.array("q")
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        self._done = False
 
     @property
     def num_documents(self) -> int:
@@ -349,24 +449,42 @@ class IndexedWriter:
 
     def close(self) -> TokenCorpus:
         """Write the index, publish both files and return the opened corpus."""
-        self._bin.close()
-        sizes = np.frombuffer(self._sizes, np.int64) if self._sizes else np.zeros(0, np.int64)
-        pointers = (np.cumsum(sizes) - sizes) * self.dtype.itemsize
-        n = sizes.shape[0]
-        with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, self._code, n, n + 1))
-            f.write(sizes.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(np.arange(n + 1, dtype="<i8").tobytes())
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(self._tmp_idx, self.idx_path)
+        if self._done:
+            raise ValueError(f"the writer of {self.prefix} is already closed; make a new one")
+        try:
+            self._bin.close()
+            sizes = np.frombuffer(self._sizes, np.int64) if self._sizes else np.zeros(0, np.int64)
+            pointers = (np.cumsum(sizes) - sizes) * self.dtype.itemsize
+            n = sizes.shape[0]
+            fd, tmp = tempfile.mkstemp(
+                dir=self.idx_path.parent, prefix=f".{self.idx_path.name}.", suffix=".tmp"
+            )
+            self._tmp_idx = Path(tmp)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, VERSION, self._code, n, n + 1))
+                f.write(sizes.astype("<i4").tobytes())
+                f.write(pointers.astype("<i8").tobytes())
+                f.write(np.arange(n + 1, dtype="<i8").tobytes())
+            for path in (self._tmp_bin, self._tmp_idx):
+                os.chmod(path, 0o666 & ~_umask())  # mkstemp makes 0600; publish like open()
+            with _publish_lock(self.idx_path.parent, exclusive=True):
+                # .bin first: a reader without the lock that pairs the new .bin with the old
+                # .idx is refused by the size check on open
+                os.replace(self._tmp_bin, self.bin_path)
+                os.replace(self._tmp_idx, self.idx_path)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
         return TokenCorpus(self.prefix)
 
     def abort(self) -> None:
-        """Discard everything written so far."""
+        """Discard everything written so far (the temporary files are removed)."""
+        self._done = True
         self._bin.close()
         for p in (self._tmp_bin, self._tmp_idx):
-            p.unlink(missing_ok=True)
+            if p is not None:
+                p.unlink(missing_ok=True)
 
     def __enter__(self) -> IndexedWriter:
         return self
@@ -377,10 +495,25 @@ class IndexedWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._done:
+            return
         if exc_type is None:
             self.close()
         else:
             self.abort()
+
+
+def _umask() -> int:
+    try:  # Linux: read it without the process-wide set-and-restore race
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_indexed(
@@ -399,11 +532,13 @@ def write_indexed(
     >>> corpus.document(1).tolist()  # doctest: +SKIP
     [4, 5]
     """
-    with (
-        IndexedWriter(prefix, dtype=dtype) as writer,
-        Progress(desc=f"write {os.fspath(prefix)}", unit="doc", enabled=progress) as bar,
-    ):
-        for doc in documents:
-            writer.add(doc)
-            bar.update()
-    return TokenCorpus(writer.prefix)
+    writer = IndexedWriter(prefix, dtype=dtype)
+    try:
+        with Progress(desc=f"write {os.fspath(prefix)}", unit="doc", enabled=progress) as bar:
+            for doc in documents:
+                writer.add(doc)
+                bar.update()
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.errors import SourceError
+
 __all__ = ["ArrowSource", "ParquetSource"]
 
 Row = dict[str, Any]
@@ -51,6 +53,10 @@ def _as_index_array(indices: Any, n: int) -> np.ndarray:
     if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
         raise IndexError(f"indices span [{int(idx.min())}, {int(idx.max())}], outside [0, {n})")
     return np.where(idx < 0, idx + n, idx)
+
+
+def _describe(schema: Any) -> str:
+    return "{" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "}"
 
 
 def _rows(table: Any) -> list[Row]:
@@ -105,13 +111,28 @@ class ParquetSource:
         self.cache_row_groups = cache_row_groups
         files, groups, rows, schemas = [], [], [], []
         for f, path in enumerate(self.paths):
-            meta = pa.parquet.ParquetFile(path).metadata
-            schemas.append(meta.schema.to_arrow_schema())
+            try:
+                meta = pa.parquet.ParquetFile(path).metadata
+                schemas.append(meta.schema.to_arrow_schema())
+            except (OSError, pa.ArrowException) as e:
+                raise SourceError(
+                    f"cannot open the Parquet file {path}: {e}; the footer is damaged or it is "
+                    "not a Parquet file (re-export or remove it)"
+                ) from e
             for g in range(meta.num_row_groups):
                 files.append(f)
                 groups.append(g)
                 rows.append(meta.row_group(g).num_rows)
-        if self.columns is not None:
+        if self.columns is None:
+            # Rows of every file must have the same columns, or collate fails mid-epoch.
+            for path, schema in zip(self.paths[1:], schemas[1:], strict=True):
+                if schema.names != schemas[0].names:
+                    raise ValueError(
+                        f"{path} has columns {_describe(schema)}, but {self.paths[0]} has "
+                        f"{_describe(schemas[0])}; give files of one schema, or pick columns "
+                        "every file has with columns=[...]"
+                    )
+        else:
             # Every file, not just the first: a later file without a column would otherwise
             # fail only when one of its row groups is first read, mid-training.
             for path, schema in zip(self.paths, schemas, strict=True):
@@ -170,8 +191,24 @@ class ParquetSource:
         f = int(self._file_of[g])
         handle = self._handles.get(f)
         if handle is None:
-            handle = self._handles[f] = _pyarrow().parquet.ParquetFile(self.paths[f])
-        table = handle.read_row_group(int(self._group_of[g]), columns=self.columns)
+            try:
+                handle = self._handles[f] = _pyarrow().parquet.ParquetFile(
+                    self.paths[f], page_checksum_verification=True
+                )
+            except (OSError, _pyarrow().ArrowException) as e:
+                raise SourceError(
+                    f"cannot open the Parquet file {self.paths[f]}: {e}; it changed or was "
+                    "damaged since the source was built"
+                ) from e
+        try:
+            table = handle.read_row_group(int(self._group_of[g]), columns=self.columns)
+        except (OSError, _pyarrow().ArrowException) as e:
+            # a damaged file is not a bad sample: never let on_error substitute it
+            raise SourceError(
+                f"cannot read row group {int(self._group_of[g])} of {self.paths[f]} (rows "
+                f"{int(self._offsets[g])}..{int(self._offsets[g + 1]) - 1}): {e}; the file is "
+                "damaged, re-export it"
+            ) from e
         self._cache[g] = table
         while len(self._cache) > self.cache_row_groups:
             self._cache.popitem(last=False)

@@ -1,0 +1,223 @@
+"""Fuzz meshfeed's public constructors and state loading with hypothesis (issue #11, "Proof").
+
+For each target, hypothesis draws bad and good arguments; a call may succeed or raise a clear
+``TypeError`` / ``ValueError`` / ``OSError`` (and their subclasses), but a bare ``IndexError``,
+``KeyError``, ``ZeroDivisionError``, ``AttributeError`` or ``OverflowError`` escaping from the
+library, or a call running past 10 s (a per-call alarm), is a finding. A last target flips
+single bits of a ``.idx`` and requires each open to be refused or to return identical data.
+
+    python scripts/fuzz_constructors.py --quick     # 25 examples per target, 100 bit flips
+    python scripts/fuzz_constructors.py             # 300 examples per target, 400 bit flips
+
+Exit status 1 when anything is found; each finding is printed with its shrunk arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+FORBIDDEN = (IndexError, KeyError, ZeroDivisionError, AttributeError, OverflowError)
+LIMIT_S = 10.0
+
+ints = st.one_of(
+    st.integers(-3, 10),
+    st.sampled_from([0, 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**64), 10**30]),
+)
+anything = st.one_of(
+    ints,
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.lists(st.integers(-2, 5), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(-2, 5), max_size=2),
+)
+
+
+class TookTooLong(Exception):
+    pass
+
+
+def _expire(signum: int, frame: Any) -> None:
+    raise TookTooLong(f"call ran past {LIMIT_S}s")
+
+
+def call(fn: Callable[[], Any]) -> None:
+    """Run one call under the alarm; raise AssertionError for a forbidden escape or a hang."""
+    signal.setitimer(signal.ITIMER_REAL, LIMIT_S)
+    try:
+        fn()
+    except FORBIDDEN as e:
+        raise AssertionError(f"bare {type(e).__name__}: {e}") from e
+    except TookTooLong as e:
+        raise AssertionError(str(e)) from e
+    except Exception:
+        pass  # a clear, typed refusal is the expected outcome for bad arguments
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def targets() -> dict[str, Callable[..., Any]]:
+    from meshfeed import DataLoader, DataMesh, Mixture
+    from meshfeed.balance.plan import plan
+    from meshfeed.curriculum.schedule import fixed_linear
+    from meshfeed.order import Permutation
+
+    def loader_state(loader_kwargs: dict[str, Any], state: Any) -> None:
+        loader = DataLoader(list(range(16)), batch_size=2, **loader_kwargs)
+        loader.load_state_dict(state)
+        next(iter(loader))
+
+    return {
+        "Permutation": lambda n, seed: Permutation(n, seed)[0],
+        "DataMesh.from_sizes": lambda dp, tp: DataMesh.from_sizes(dp=dp, tp=tp),
+        "DataLoader": lambda bs, shuffle, seed, drop_last, timeout: next(
+            iter(
+                DataLoader(
+                    list(range(16)),
+                    batch_size=bs,
+                    shuffle=shuffle,
+                    seed=seed,
+                    drop_last=drop_last,
+                    timeout=timeout,
+                )
+            )
+        ),
+        "DataLoader.load_state_dict": loader_state,
+        "Mixture": lambda wa, wb: Mixture(
+            {"a": list(range(8)), "b": list(range(8))}, {"a": wa, "b": wb}
+        ),
+        "fixed_linear": lambda lo, hi, steps, at: fixed_linear(lo, hi, steps).difficulty(at),
+        "balance.plan": lambda lengths, ranks, tokens: plan(
+            lengths, num_ranks=ranks, max_tokens=tokens
+        ),
+    }
+
+
+def state_dicts() -> st.SearchStrategy[Any]:
+    from meshfeed import DataLoader
+
+    base = DataLoader(list(range(16)), batch_size=2).state_dict()
+
+    def mutate(key: str, value: Any) -> dict[str, Any]:
+        state = dict(base)
+        state[key] = value
+        return state
+
+    return st.one_of(
+        anything,
+        st.builds(mutate, st.sampled_from(sorted(base)), anything),
+    )
+
+
+STRATEGIES: dict[str, tuple[st.SearchStrategy[Any], ...]] = {
+    "Permutation": (ints, anything),
+    "DataMesh.from_sizes": (anything, anything),
+    "DataLoader": (anything, anything, anything, anything, anything),
+    "Mixture": (
+        st.one_of(anything, st.floats(1e-300, 1e300), st.sampled_from([1e-7, 10**400])),
+        st.one_of(anything, st.floats(1e-300, 1e300)),
+    ),
+    "fixed_linear": (anything, anything, anything, ints),
+    "balance.plan": (st.one_of(anything, st.lists(ints, max_size=5)), anything, anything),
+}
+
+
+def fuzz_target(name: str, fn: Callable[..., Any], examples: int) -> str | None:
+    strategies = (
+        (st.fixed_dictionaries({}), state_dicts())
+        if name == "DataLoader.load_state_dict"
+        else STRATEGIES[name]
+    )
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(st.tuples(*strategies))
+    def run(args: tuple[Any, ...]) -> None:
+        call(lambda: fn(*args))
+
+    try:
+        run()
+    except AssertionError as e:
+        return f"{name}: {e}"
+    except Exception as group:  # an exception group: hypothesis found several failures
+        parts = getattr(group, "exceptions", [group])
+        return f"{name}: " + "; ".join(str(e).splitlines()[0] for e in parts)
+    return None
+
+
+def bit_flips(trials: int, seed: int = 11) -> tuple[int, int, list[str]]:
+    from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus, write_indexed
+
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 60000, rng.integers(0, 40)).tolist() for _ in range(50)]
+    refused = identical = 0
+    wrong: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        good = write_indexed(Path(tmp) / "good", docs)
+        want = [good.document(i).tolist() for i in range(good.num_documents)]
+        raw = (Path(tmp) / "good.idx").read_bytes()
+        (Path(tmp) / "bad.bin").write_bytes((Path(tmp) / "good.bin").read_bytes())
+        for _ in range(trials):
+            bit = int(rng.integers(0, len(raw) * 8))
+            flipped = bytearray(raw)
+            flipped[bit // 8] ^= 1 << (bit % 8)
+            (Path(tmp) / "bad.idx").write_bytes(bytes(flipped))
+            try:
+                corpus = TokenCorpus.open(Path(tmp) / "bad")
+            except IndexedFormatError:
+                refused += 1
+                continue
+            except Exception as e:  # any other error is a finding too
+                wrong.append(f"bit {bit}: {type(e).__name__}: {e}")
+                continue
+            got = [corpus.document(i).tolist() for i in range(corpus.num_documents)]
+            if got == want:
+                identical += 1
+            else:
+                wrong.append(f"bit {bit}: opened with different tokens")
+    return refused, identical, wrong
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="25 examples per target")
+    parser.add_argument("--examples", type=int, default=None)
+    args = parser.parse_args()
+    examples = args.examples or (25 if args.quick else 300)
+    signal.signal(signal.SIGALRM, _expire)
+    findings = []
+    for name, fn in targets().items():
+        found = fuzz_target(name, fn, examples)
+        print(f"{name:28s} {examples} examples: {'FOUND ' + found if found else 'ok'}")
+        if found:
+            findings.append(found)
+    trials = 100 if args.quick else 400
+    refused, identical, wrong = bit_flips(trials)
+    print(
+        f"{'.idx single-bit flips':28s} {trials} trials: {refused} refused, {identical} "
+        f"identical, {len(wrong)} wrong"
+    )
+    findings.extend(wrong)
+    for f in findings:
+        print("finding:", f)
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,525 @@
+"""The fault matrix of issue #11: one parametrised case per (fault, trials, outcome) row.
+
+Each row injects one fault the way a user or an adversary would and checks the outcome the
+README's "Reliability" table promises: refused by name, raised (never substituted), or
+identical data. Rows whose fix lands with another area's change are marked ``xfail``
+(non-strict) until it is merged; every other row must pass.
+
+Reproduce: ``python -m pytest -q tests/test_fault_matrix.py -rxX``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshfeed import DataLoader
+from meshfeed.curriculum import MetricIndex
+from meshfeed.errors import NEVER_SUBSTITUTED, SourceError
+from meshfeed.mesh import default_rank
+from meshfeed.order import Permutation
+from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCorpus, write_indexed
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    fault: str
+    trials: int
+    outcome: str
+    run: Callable[[Path], None]
+    lands_with: str | None = None  # the area whose change makes the row pass
+
+
+class _TookTooLong(Exception):
+    pass
+
+
+def _bounded(seconds: float, fn: Callable[[], object]) -> object:
+    """Run ``fn`` with a hard wall-clock limit (a row that hangs fails, it does not stall)."""
+    import signal
+
+    def expire(signum: int, frame: object) -> None:
+        raise _TookTooLong(f"did not return within {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _documents(corpus: TokenCorpus) -> list[list[int]]:
+    return [corpus.document(i).tolist() for i in range(corpus.num_documents)]
+
+
+# ----------------------------------------------------------------- trust (this area)
+def rank_from_torchrun_env(tmp: Path) -> None:
+    mp = pytest.MonkeyPatch()
+    try:
+        seen = []
+        for rank in range(2):
+            mp.setenv("RANK", str(rank))
+            mp.setenv("WORLD_SIZE", "2")
+            loader = DataLoader(list(range(16)), batch_size=2, mesh={"dp": 2}, seed=0)
+            seen.append({int(x) for b in loader for x in b})
+        assert seen[0].isdisjoint(seen[1]) and seen[0] | seen[1] == set(range(16))
+    finally:
+        mp.undo()
+
+
+def rank_unknowable(tmp: Path) -> None:
+    with pytest.raises(ValueError, match="cannot tell this process's rank"):
+        default_rank(2, env={})
+
+
+def idx_bit_flips(tmp: Path) -> None:
+    rng = np.random.default_rng(2024)
+    docs = [rng.integers(0, 60000, rng.integers(0, 30)).tolist() for _ in range(40)]
+    want = _documents(write_indexed(tmp / "good", docs))
+    raw = (tmp / "good.idx").read_bytes()
+    shutil.copy(tmp / "good.bin", tmp / "bad.bin")
+    for _ in range(400):
+        bit = int(rng.integers(0, len(raw) * 8))
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        (tmp / "bad.idx").write_bytes(bytes(flipped))
+        try:
+            corpus = TokenCorpus.open(tmp / "bad")
+        except IndexedFormatError:
+            continue
+        assert _documents(corpus) == want, f"bit {bit} opened with wrong tokens"
+
+
+def idx_dtype_code_mismatch(tmp: Path) -> None:
+    write_indexed(tmp / "c", [[1, 2, 3], [300, 400]], np.uint16)
+    raw = bytearray((tmp / "c.idx").read_bytes())
+    raw[17] = 1  # the dtype code byte: uint8 over uint16 data
+    (tmp / "c.idx").write_bytes(bytes(raw))
+    with pytest.raises(IndexedFormatError, match="dtype code 1 .* fit 2-byte tokens"):
+        TokenCorpus.open(tmp / "c")
+
+
+def idx_negative_size(tmp: Path) -> None:
+    write_indexed(tmp / "c", [[1, 2], [3, 4]])
+    raw = bytearray((tmp / "c.idx").read_bytes())
+    raw[38:42] = struct.pack("<i", -1)
+    (tmp / "c.idx").write_bytes(bytes(raw))
+    with pytest.raises(IndexedFormatError, match="document 1 the negative size -1"):
+        TokenCorpus.open(tmp / "c")
+
+
+def bin_with_old_idx(tmp: Path) -> None:
+    write_indexed(tmp / "a", [[1, 2], [3]])
+    write_indexed(tmp / "b", [[1, 2], [3, 4, 5]])
+    shutil.copy(tmp / "b.bin", tmp / "a.bin")
+    with pytest.raises(IndexedFormatError, match=r"a\.bin is 10 bytes but .*accounts for 6"):
+        TokenCorpus.open(tmp / "a")
+
+
+def concurrent_writers(tmp: Path) -> None:
+    corpora = [[[1, 2], [3]], [[4], [5, 6]]]  # equal sizes: a mixed pair would pass size checks
+    import threading
+
+    for _ in range(20):
+        writers = [IndexedWriter(tmp / "c") for _ in corpora]
+        for w, docs in zip(writers, corpora, strict=True):
+            for d in docs:
+                w.add(d)
+        threads = [threading.Thread(target=w.close) for w in writers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert _documents(TokenCorpus.open(tmp / "c")) in corpora
+    assert sorted(p.name for p in tmp.iterdir()) == ["c.bin", "c.idx"]
+
+
+def failed_write(tmp: Path) -> None:
+    def docs():
+        yield [1]
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        write_indexed(tmp / "deep" / "c", docs())
+    assert list((tmp / "deep").iterdir()) == []  # parent created, no temp files left
+
+
+def metric_index_interrupted_save(tmp: Path) -> None:
+    fp = {"length": 5}
+    MetricIndex.from_values("m", np.array([5, 1, 4, 2, 3]), fingerprint=fp).save(tmp / "i")
+    other = tmp / "other"
+    MetricIndex.from_values("m", np.array([9, 8, 7, 6, 0]), fingerprint=fp).save(other)
+    shutil.copy(other / "values.npy", tmp / "i" / "values.npy")  # crash after one rename
+    with pytest.raises(ValueError, match=r"values\.npy is not the file .*meta\.json recorded"):
+        MetricIndex.load(tmp / "i")
+    (tmp / "i" / "meta.json").write_text(
+        (tmp / "i" / "meta.json").read_text().replace('"files"', '"old_files"')
+    )  # an index saved before file records: the consistency check still refuses the mix
+    with pytest.raises(ValueError, match="inconsistent"):
+        MetricIndex.load(tmp / "i")
+
+
+def seed_outside_64_bits(tmp: Path) -> None:
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        Permutation(100, 2**64)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        Permutation(100, "0")  # type: ignore[arg-type]
+
+
+def parquet_damaged_footer(tmp: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": list(range(32))}), tmp / "a.parquet")
+    raw = bytearray((tmp / "a.parquet").read_bytes())
+    footer = int.from_bytes(raw[-8:-4], "little")
+    raw[len(raw) - 8 - footer : len(raw) - 8] = b"\xff" * footer
+    (tmp / "a.parquet").write_bytes(bytes(raw))
+    from meshfeed.sources.parquet import ParquetSource
+
+    with pytest.raises(SourceError, match=r"a\.parquet"):
+        ParquetSource(tmp / "a.parquet")
+
+
+def parquet_different_schemas(tmp: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from meshfeed.sources.parquet import ParquetSource
+
+    pq.write_table(pa.table({"id": [1], "text": ["a"]}), tmp / "a.parquet")
+    pq.write_table(pa.table({"id": [2]}), tmp / "b.parquet")
+    with pytest.raises(ValueError, match=r"b\.parquet has columns \{id: int64\}"):
+        ParquetSource(tmp)
+
+
+# ----------------------------------------------------------------- engine (fetcher, loader)
+def _damaged_parquet_loader(tmp: Path) -> DataLoader:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from meshfeed.sources.parquet import ParquetSource
+
+    table = pa.table({"id": list(range(32))})
+    pq.write_table(table, tmp / "a.parquet", row_group_size=16, compression="none")
+    raw = bytearray((tmp / "a.parquet").read_bytes())
+    chunk = pq.ParquetFile(tmp / "a.parquet").metadata.row_group(1).column(0)
+    raw[chunk.data_page_offset : chunk.data_page_offset + 6] = b"\xff" * 6
+    (tmp / "a.parquet").write_bytes(bytes(raw))
+    return DataLoader(
+        ParquetSource(tmp / "a.parquet"), batch_size=8, shuffle=False, on_error="substitute"
+    )
+
+
+def damaged_parquet_not_substituted(tmp: Path) -> None:
+    with pytest.raises(SourceError, match=r"row group 1 of .*a\.parquet"):
+        list(_damaged_parquet_loader(tmp))
+
+
+class _Raises:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            raise self.exc
+        return i
+
+
+def _never_substituted(exc: BaseException) -> None:  # helper for the rows below
+    loader = DataLoader(_Raises(exc), batch_size=8, shuffle=False, on_error="substitute")
+    with pytest.raises(type(exc)):
+        list(loader)
+
+
+def memory_error_not_substituted(tmp: Path) -> None:
+    assert MemoryError in NEVER_SUBSTITUTED
+    _never_substituted(MemoryError())
+
+
+def keyboard_interrupt_not_substituted(tmp: Path) -> None:
+    _never_substituted(KeyboardInterrupt())
+
+
+def system_exit_not_substituted(tmp: Path) -> None:
+    _never_substituted(SystemExit(3))
+
+
+def _refused(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        DataLoader(list(range(8)), **{"batch_size": 2, **kwargs})  # type: ignore[arg-type]
+
+
+def loader_flag_strings(tmp: Path) -> None:
+    _refused({"shuffle": "False"}, TypeError, "shuffle")
+    _refused({"drop_last": "False"}, TypeError, "drop_last")
+
+
+def loader_timeout_bool_and_nan(tmp: Path) -> None:
+    _refused({"timeout": True}, TypeError, "timeout")
+    _refused({"timeout": math.nan}, ValueError, "timeout")
+
+
+def loader_seed_outside_64_bits(tmp: Path) -> None:
+    _refused({"seed": 2**64}, ValueError, "seed")
+
+
+def loader_path_string_dataset(tmp: Path) -> None:
+    with pytest.raises((TypeError, ValueError), match="data/corpus"):
+        DataLoader("data/corpus", batch_size=2)
+
+
+# ----------------------------------------------------------------- orders (mixture, curriculum)
+def mixture_tiny_weights(tmp: Path) -> None:
+    from meshfeed import Mixture
+
+    mix = Mixture({"a": list(range(10)), "b": list(range(10))}, {"a": 1e-7, "b": 3e-7})
+    assert mix is not None
+
+
+def mixture_huge_int_weights(tmp: Path) -> None:
+    from meshfeed import Mixture
+
+    Mixture({"a": list(range(10)), "b": list(range(10))}, {"a": 10**400, "b": 1})
+
+
+def pacing_never_negative(tmp: Path) -> None:
+    from meshfeed.curriculum.schedule import fixed_linear
+
+    assert fixed_linear(0, 2**63, 100).difficulty(100) >= 0
+
+
+# ----------------------------------------------------------------- balance
+def plan_huge_budget(tmp: Path) -> None:
+    from meshfeed.balance.plan import plan
+
+    with pytest.raises(ValueError, match="max_tokens"):
+        _bounded(10, lambda: plan([10, 20], num_ranks=2, max_tokens=2**63))
+
+
+def plan_too_many_ranks(tmp: Path) -> None:
+    from meshfeed.balance.plan import plan
+
+    with pytest.raises(ValueError, match="num_ranks"):
+        _bounded(10, lambda: plan([10, 20], num_ranks=10**6, max_tokens=100))
+
+
+# ----------------------------------------------------------------- store
+def store_timeout_nan(tmp: Path) -> None:
+    from meshfeed.queue import SampleStore
+
+    store = SampleStore(fields=["x"])
+    with pytest.raises(ValueError, match="timeout"):
+        _bounded(5, lambda: store.get("t", ["x"], 1, "p", timeout=math.nan))
+
+
+def store_sampler_not_a_sampler(tmp: Path) -> None:
+    from meshfeed.queue import SampleStore
+
+    store = SampleStore(fields=["x"])
+    with pytest.raises(TypeError, match="sampler"):
+        _bounded(5, lambda: store.get("t", ["x"], 1, "p", sampler=5, timeout=0.1))  # type: ignore[arg-type]
+
+
+ROWS = [
+    Row(
+        fault="RANK=k from torchrun, no process group",
+        trials=2,
+        outcome="each rank its own data",
+        run=rank_from_torchrun_env,
+    ),
+    Row(
+        fault="world > 1, no process group, no RANK",
+        trials=1,
+        outcome="ValueError naming the fix",
+        run=rank_unknowable,
+    ),
+    Row(
+        fault="single-bit flip anywhere in a .idx",
+        trials=400,
+        outcome="refused or identical data (0 wrong)",
+        run=idx_bit_flips,
+    ),
+    Row(
+        fault=".idx dtype code uint8 over uint16 .bin",
+        trials=1,
+        outcome="IndexedFormatError",
+        run=idx_dtype_code_mismatch,
+    ),
+    Row(
+        fault="negative document size in .idx",
+        trials=1,
+        outcome="IndexedFormatError naming the document",
+        run=idx_negative_size,
+    ),
+    Row(
+        fault="new .bin beside old .idx",
+        trials=1,
+        outcome="IndexedFormatError",
+        run=bin_with_old_idx,
+    ),
+    Row(
+        fault="two writers to one prefix",
+        trials=20,
+        outcome="one writer's corpus, no temp files",
+        run=concurrent_writers,
+    ),
+    Row(
+        fault="write_indexed fails mid-way, missing folder",
+        trials=1,
+        outcome="folder created, no temp files",
+        run=failed_write,
+    ),
+    Row(
+        fault="MetricIndex save interrupted between files",
+        trials=2,
+        outcome="ValueError on load",
+        run=metric_index_interrupted_save,
+    ),
+    Row(
+        fault="Permutation seed 2**64 / '0'",
+        trials=2,
+        outcome="ValueError / TypeError",
+        run=seed_outside_64_bits,
+    ),
+    Row(
+        fault="corrupt Parquet footer",
+        trials=1,
+        outcome="SourceError naming the file",
+        run=parquet_damaged_footer,
+    ),
+    Row(
+        fault="Parquet files of different columns",
+        trials=1,
+        outcome="ValueError on open",
+        run=parquet_different_schemas,
+    ),
+    Row(
+        fault="corrupt Parquet page, on_error=substitute",
+        trials=1,
+        outcome="SourceError, not substituted",
+        run=damaged_parquet_not_substituted,
+        lands_with="engine",
+    ),
+    Row(
+        fault="MemoryError in __getitem__",
+        trials=1,
+        outcome="raised, not substituted",
+        run=memory_error_not_substituted,
+        lands_with="engine",
+    ),
+    Row(
+        fault="KeyboardInterrupt in __getitem__",
+        trials=1,
+        outcome="raised, not substituted",
+        run=keyboard_interrupt_not_substituted,
+        lands_with="engine",
+    ),
+    Row(
+        fault="SystemExit in __getitem__",
+        trials=1,
+        outcome="raised, not substituted",
+        run=system_exit_not_substituted,
+        lands_with="engine",
+    ),
+    Row(
+        fault='shuffle="False", drop_last="False"',
+        trials=2,
+        outcome="TypeError",
+        run=loader_flag_strings,
+        lands_with="engine",
+    ),
+    Row(
+        fault="timeout=True, timeout=nan",
+        trials=2,
+        outcome="TypeError / ValueError",
+        run=loader_timeout_bool_and_nan,
+        lands_with="engine",
+    ),
+    Row(
+        fault="DataLoader seed=2**64",
+        trials=1,
+        outcome="ValueError",
+        run=loader_seed_outside_64_bits,
+        lands_with="engine",
+    ),
+    Row(
+        fault='DataLoader("data/corpus")',
+        trials=1,
+        outcome="error naming the path",
+        run=loader_path_string_dataset,
+        lands_with="engine",
+    ),
+    Row(
+        fault="mixture weights 1e-7 and 3e-7",
+        trials=1,
+        outcome="no ZeroDivisionError",
+        run=mixture_tiny_weights,
+        lands_with="orders",
+    ),
+    Row(
+        fault="mixture weight 10**400",
+        trials=1,
+        outcome="normalised, no OverflowError",
+        run=mixture_huge_int_weights,
+        lands_with="orders",
+    ),
+    Row(
+        fault="fixed_linear(0, 2**63, 100)",
+        trials=1,
+        outcome="difficulty >= 0",
+        run=pacing_never_negative,
+        lands_with="orders",
+    ),
+    Row(
+        fault="plan(max_tokens=2**63)",
+        trials=1,
+        outcome="ValueError",
+        run=plan_huge_budget,
+        lands_with="balance",
+    ),
+    Row(
+        fault="plan(num_ranks=10**6)",
+        trials=1,
+        outcome="ValueError up front",
+        run=plan_too_many_ranks,
+        lands_with="balance",
+    ),
+    Row(
+        fault="SampleStore.get(timeout=nan)",
+        trials=1,
+        outcome="ValueError",
+        run=store_timeout_nan,
+        lands_with="store",
+    ),
+    Row(
+        fault="SampleStore.get(sampler=5)",
+        trials=1,
+        outcome="TypeError",
+        run=store_sampler_not_a_sampler,
+        lands_with="store",
+    ),
+]
+
+
+def _param(row: Row) -> object:
+    marks = []
+    if row.lands_with is not None:
+        marks.append(
+            pytest.mark.xfail(strict=False, reason=f"lands with the {row.lands_with} change")
+        )
+    return pytest.param(row, id=row.run.__name__, marks=marks)
+
+
+@pytest.mark.parametrize("row", [_param(r) for r in ROWS])
+def test_fault_matrix(row: Row, tmp_path: Path) -> None:
+    row.run(tmp_path)
