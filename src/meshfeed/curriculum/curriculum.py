@@ -23,7 +23,7 @@ which increments its step before it samples (batch ``n`` gets the difficulty of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -249,26 +249,57 @@ class Curriculum:
 
     def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> GatedOrder:
         """The order the loader walks (called once per loader; O(N) or O(N log N))."""
+        per_epoch = self.bind(
+            global_batch_size=global_batch_size,
+            samples_per_epoch=self.samples_per_epoch
+            or max(1, dataset_length // max(global_batch_size, 1)) * global_batch_size,
+        )
+        pool_order, entry = self.pool(int(dataset_length))
+        return self.gate(
+            pool_order,
+            entry,
+            global_batch_size=global_batch_size,
+            seed=seed,
+            samples_per_epoch=per_epoch,
+        )
+
+    def bind(self, *, global_batch_size: int, samples_per_epoch: int) -> int:
+        """Fix the loader's epoch (whole global batches) for the post-processing hook."""
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be positive (got {global_batch_size=})")
-        per_epoch = self.samples_per_epoch
-        if per_epoch is None:
-            per_epoch = max(1, dataset_length // global_batch_size) * global_batch_size
-        if per_epoch % global_batch_size:
+        if samples_per_epoch % global_batch_size:
             raise ValueError(
                 f"samples_per_epoch must be a multiple of the global batch size (got "
-                f"{per_epoch=}, {global_batch_size=}) so curriculum steps are whole batches"
+                f"{samples_per_epoch=}, {global_batch_size=}) so curriculum steps are whole "
+                "batches"
             )
-        pool_order, entry = self._pool(int(dataset_length))
-        self._post.steps_per_epoch = per_epoch // global_batch_size
+        self._post.steps_per_epoch = samples_per_epoch // global_batch_size
+        return samples_per_epoch
+
+    def pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Eligible samples of an ``n``-sample dataset in entry order, and their entry steps."""
+        return self._pool(n)
+
+    def gate(
+        self,
+        pool_order: np.ndarray,
+        entry_steps: np.ndarray,
+        *,
+        global_batch_size: int,
+        seed: int,
+        samples_per_epoch: int,
+        batch_start: Callable[[int], int] | None = None,
+    ) -> GatedOrder:
+        """A :class:`GatedOrder` over ``pool_order`` with this curriculum's step rule."""
         return GatedOrder(
             pool_order=pool_order,
-            entry_steps=entry,
+            entry_steps=entry_steps,
             global_batch_size=global_batch_size,
-            samples_per_epoch=per_epoch,
+            samples_per_epoch=samples_per_epoch,
             seed=seed,
             difficulties=self.difficulties,
             first_step=self.first_step,
+            batch_start=batch_start,
         )
 
     @property

@@ -65,6 +65,7 @@ class GatedOrder(OrderBase):
         seed: int,
         difficulties: Callable[[int], dict[str, Any]] | None = None,
         first_step: int = 0,
+        batch_start: Callable[[int], int] | None = None,
     ) -> None:
         if global_batch_size < 1 or samples_per_epoch < 1:
             raise ValueError(
@@ -92,6 +93,7 @@ class GatedOrder(OrderBase):
         self.seed = int(seed)
         self.first_step = first_step
         self._difficulties = difficulties
+        self._batch_start = batch_start
         self._rounds = self._build_rounds()
         self._cache: dict[tuple[int, int], Permutation] = {}
 
@@ -99,11 +101,37 @@ class GatedOrder(OrderBase):
         """How many samples are eligible at curriculum ``step`` (O(log N))."""
         return int(np.searchsorted(self.entry_steps, step, side="right"))
 
+    def batch_start(self, batch: int) -> int:
+        """The stream position at which global batch ``batch`` starts drawing from this order.
+
+        ``batch * global_batch_size`` unless the order is one source of a mixture, whose draws
+        in a batch are given by the mixture (``batch_start=``).
+        """
+        if self._batch_start is None:
+            return batch * self.global_batch_size
+        return int(self._batch_start(batch))
+
+    def batch_of(self, g: int) -> int:
+        """The global batch whose draws include stream position ``g`` (O(log) calls)."""
+        if self._batch_start is None:
+            return g // self.global_batch_size
+        hi = 1
+        while self.batch_start(hi) <= g:
+            hi *= 2
+        lo = 0  # invariant: batch_start(lo) <= g < batch_start(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.batch_start(mid) <= g:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def _pool_at(self, g: int) -> int:
-        return self.pool_size(g // self.global_batch_size + self.first_step)
+        return self.pool_size(self.batch_of(g) + self.first_step)
 
     def _build_rounds(self) -> np.ndarray:
-        G, final = self.global_batch_size, len(self.entry_steps)
+        final = len(self.entry_steps)
         rows: list[list[int]] = []
         g = 0
         pending: tuple[int, int] | None = None  # (row, used) of a round a pool change stopped
@@ -118,7 +146,7 @@ class GatedOrder(OrderBase):
             if pool == final:
                 change = None
             else:  # the first batch whose step admits rank ``pool``
-                change = max(0, int(self.entry_steps[pool]) - self.first_step) * G
+                change = self.batch_start(max(0, int(self.entry_steps[pool]) - self.first_step))
             if pending is None:
                 full = _FOREVER if change is None else (change - g) // size
                 if full:
@@ -193,7 +221,11 @@ class GatedOrder(OrderBase):
     def ranks(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """Ranks into ``pool_order`` (the pool is ``[0, pool_size)``) for ``positions``."""
         g = self.global_position(epoch, positions)
-        flat = g.ravel()
+        return self.stream_ranks(g.ravel()).reshape(g.shape)
+
+    def stream_ranks(self, flat: np.ndarray) -> np.ndarray:
+        """Ranks into ``pool_order`` for stream positions (``epoch * samples_per_epoch + p``)."""
+        flat = np.asarray(flat, dtype=np.int64)
         table = self._rounds
         row = np.searchsorted(table[:, _START], flat, side="right") - 1
         rep, offset = np.divmod(flat - table[row, _START], table[row, _SIZE])
@@ -209,7 +241,7 @@ class GatedOrder(OrderBase):
             todo, offset = todo[up], table[row[up], _USED] + i[up]
             row = parent[up]
             rep = np.zeros_like(row)
-        return out.reshape(g.shape)
+        return out
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """Dataset indices (int64) at ``positions`` of ``epoch``: a pure function."""
