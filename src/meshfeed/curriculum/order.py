@@ -6,25 +6,27 @@ the prefix ``pool_order[:P(t)]`` with ``P(t) = searchsorted(entry_steps, t, "rig
 per difficulty change, whatever the number of metrics. Global batch ``b`` is curriculum step
 ``b + first_step`` (``first_step=1`` is DeepSpeed's sampler, which increments before it samples).
 
-The global positions ``g = epoch * samples_per_epoch + position`` are cut into *rounds*; a round
-walks a fresh :class:`Permutation` of its set of pool ranks:
+The global positions ``g = epoch * samples_per_epoch + position`` are cut into *rounds*, each
+over a set of pool ranks:
 
-- a *fresh* round is over the whole current pool ``[0, P)``; it starts at position 0 and
-  whenever the previous round was used up before the pool grew;
+- a *fresh* round walks a :class:`Permutation` of the whole current pool ``[0, P)``; it starts
+  at position 0 and whenever the previous round was used up before the pool grew;
 - when the pool grows (at a global batch boundary) in the middle of a round, that round stops
   (or ends exactly there) and a *continuation* round starts over its unused rest plus the newly
-  eligible ranks. So a new
-  sample can be drawn in the very batch at which it becomes eligible (the schedule never lags),
-  and still no sample repeats before every sample eligible at that moment has been used.
+  eligible ranks. So a new sample can be drawn in the very batch at which it becomes eligible
+  (the schedule never lags), and still no sample repeats before every sample eligible at that
+  moment has been used.
 
-A continuation's element ``i`` is either ``rest[i]`` (the element at offset ``used + i`` of the
-round it continues, found the same way) or a new rank ``lo + i - len(rest)``; a chain of
-continuations is as long as the number of pool changes since the last fresh round. Consecutive
+A continuation places its new ranks evenly among its positions (in their own permuted order,
+so every batch after a change draws new samples in proportion to their number, as DeepSpeed's
+cluster sampling does on average) and fills the other positions by continuing the stopped round
+from where it stopped; a chain of continuations is as long as the number of pool changes since
+the last fresh round, and each level costs a few integer operations. Consecutive
 fresh rounds over an unchanged pool are one table row with a repeat count, and the final pool
 repeats forever, so the table has at most three rows per pool change. It depends on the pool
 sizes and the global batch size only, so it is built once; every position is then a pure
-function of ``(seed, epoch, position)``: O(batch x chain) numpy work, independent of N, and a
-resume anywhere costs the same.
+function of ``(seed, epoch, position)``: one permutation per rank plus O(chain) integer steps,
+independent of N, and a resume anywhere costs the same.
 """
 
 from __future__ import annotations
@@ -44,6 +46,23 @@ _OP = 0xC022  # keeps the curriculum's permutation seeds apart from other uses o
 _FOREVER = 1 << 62
 #: Version of the facts a GatedOrder records (2: pool changes start continuation rounds).
 ORDER_VERSION = 2
+
+
+def _mul_div(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``a * b // c`` elementwise, exact also where ``a * b`` exceeds int64."""
+    if a.size == 0:
+        return a.copy()
+    if int(a.max()) * int(b.max()) < (1 << 62):
+        return a * b // c
+    return np.array(
+        [
+            int(p) * int(q) // int(r)
+            for p, q, r in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)
+        ],
+        dtype=np.int64,
+    )
+
+
 # Columns of the round table.
 _START, _SIZE, _REPS, _PARENT, _USED, _REST, _LO = range(7)
 
@@ -95,6 +114,15 @@ class GatedOrder(OrderBase):
         self._difficulties = difficulties
         self._batch_start = batch_start
         self._rounds = self._build_rounds()
+        t = self._rounds
+        self._columns = (
+            t[:, _START],
+            t[:, _SIZE],
+            t[:, _PARENT],
+            t[:, _USED],
+            t[:, _REST],
+            t[:, _LO],
+        )
         self._cache: dict[tuple[int, int], Permutation] = {}
 
     def pool_size(self, step: int) -> int:
@@ -199,12 +227,13 @@ class GatedOrder(OrderBase):
         return g // self.global_batch_size + self.first_step
 
     def _perm(self, row: int, rep: int) -> Permutation:
+        """The permutation of a fresh round, or of a continuation's new ranks (``rep`` 0)."""
         key = (row, rep)
         perm = self._cache.get(key)
         if perm is None:
-            if len(self._cache) > 64:
+            if len(self._cache) > 4096:  # a permutation is a few ints: keep a long chain's
                 self._cache.clear()
-            size = int(self._rounds[row, _SIZE])
+            size = int(self._rounds[row, _SIZE] - self._rounds[row, _REST])
             perm = self._cache[key] = Permutation(size, derive_seed(self.seed, _OP, row, rep))
         return perm
 
@@ -224,23 +253,49 @@ class GatedOrder(OrderBase):
         return self.stream_ranks(g.ravel()).reshape(g.shape)
 
     def stream_ranks(self, flat: np.ndarray) -> np.ndarray:
-        """Ranks into ``pool_order`` for stream positions (``epoch * samples_per_epoch + p``)."""
+        """Ranks into ``pool_order`` for stream positions (``epoch * samples_per_epoch + p``).
+
+        A continuation round of ``size`` positions with ``m`` new ranks places its new ranks
+        evenly (the ``x``-th position is new when ``floor((x + 1) m / size)`` grows) in their
+        own permuted order; its other positions continue the stopped round, in that round's
+        order, from where it stopped. So each level of a chain is a few integer operations and
+        a rank costs one permutation at the end of its chain.
+        """
         flat = np.asarray(flat, dtype=np.int64)
-        table = self._rounds
-        row = np.searchsorted(table[:, _START], flat, side="right") - 1
-        rep, offset = np.divmod(flat - table[row, _START], table[row, _SIZE])
+        start, sizes, parents, used, rests, los = self._columns
+        row = np.searchsorted(start, flat, side="right") - 1
+        rep, x = np.divmod(flat - start[row], sizes[row])
         out = np.empty_like(flat)
         todo = np.arange(flat.size)
+        fresh: list[tuple[np.ndarray, ...]] = []  # (row, repeat, offset, where) per level
+        new: list[tuple[np.ndarray, ...]] = []  # (row, index among new ranks, where)
         while todo.size:
-            i = self._permute(row, rep, offset)
-            parent, rest = table[row, _PARENT], table[row, _REST]
-            up = (parent >= 0) & (i < rest)
-            done = ~up
-            out[todo[done]] = table[row[done], _LO] + i[done] - rest[done]
-            # The rest of a stopped round: element ``used + i`` of that round (its only repeat).
-            todo, offset = todo[up], table[row[up], _USED] + i[up]
-            row = parent[up]
+            r0 = int(row[0])
+            if parents[r0] < 0 and (row == r0).all():  # the common case: one fresh round
+                fresh.append((row, rep, x, todo))
+                break
+            parent = parents[row]
+            done = parent < 0
+            if done.any():
+                fresh.append((row[done], rep[done], x[done], todo[done]))
+                cont = ~done
+                row, x, todo, parent = row[cont], x[cont], todo[cont], parent[cont]
+            size = sizes[row]
+            m = size - rests[row]
+            before = _mul_div(x, m, size)
+            is_new = _mul_div(x + 1, m, size) > before
+            new.append((row[is_new], before[is_new], todo[is_new]))
+            old = ~is_new  # continue the stopped round at its offset ``used + (x - before)``
+            row = row[old]
+            x = used[row] + x[old] - before[old]
+            row, todo = parent[old], todo[old]
             rep = np.zeros_like(row)
+        if fresh:
+            rows, reps, xs, at = (np.concatenate(c) for c in zip(*fresh, strict=True))
+            out[at] = self._permute(rows, reps, xs)
+        if new:
+            rows, idx, at = (np.concatenate(c) for c in zip(*new, strict=True))
+            out[at] = los[rows] + self._permute(rows, np.zeros_like(rows), idx)
         return out
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
