@@ -192,3 +192,38 @@ def test_unsupported_combinations_are_refused_by_name():
         )
     with pytest.raises(ValueError, match="not sources of the mixture"):
         DataLoader(mix, batch_size=4, curriculum={"z": cur})
+
+
+def _mixture_loader_on_rank(rank: int, world: int) -> list[list[tuple[str, int, int]]]:
+    mix, sources = _mixture({"a": 0.7, "b": 0.3}, sizes=(120, 80), seed=9)
+    loader = DataLoader(
+        mix, batch_size=6, seed=2, collate_fn=list, curriculum=_whole(mix, sources)
+    )  # mesh from the process group: 2 data ranks
+    batches = take(loader, 20)
+    loader.shutdown()
+    return batches
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_split_each_global_batch_of_a_gated_mixture():
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_mixture_loader_on_rank, 2)
+    mix, sources = _mixture({"a": 0.7, "b": 0.3}, sizes=(120, 80), seed=9)
+    single = take(
+        DataLoader(mix, batch_size=12, seed=2, collate_fn=list, curriculum=_whole(mix, sources)), 20
+    )
+    for step in range(20):
+        assert [tuple(s) for s in results[0][step] + results[1][step]] == single[step]
+    # The single-process simulation of both ranks gives the same slices.
+    for rank in range(2):
+        sim = DataLoader(
+            mix,
+            batch_size=6,
+            mesh={"dp": 2},
+            rank=rank,
+            seed=2,
+            collate_fn=list,
+            curriculum=_whole(mix, sources),
+        )
+        assert [[tuple(s) for s in b] for b in results[rank]] == take(sim, 20)
