@@ -9,7 +9,7 @@ per difficulty change, whatever the number of metrics. Global batch ``b`` is cur
 The global positions ``g = epoch * samples_per_epoch + position`` are cut into *rounds*, each
 over a set of pool ranks:
 
-- a *fresh* round walks a :class:`Permutation` of the whole current pool ``[0, P)``; it starts
+- a *fresh* round walks a seeded permutation of the whole current pool ``[0, P)``; it starts
   at position 0 and whenever the previous round was used up before the pool grew;
 - when the pool grows (at a global batch boundary) in the middle of a round, that round stops
   (or ends exactly there) and a *continuation* round starts over its unused rest plus the newly
@@ -31,12 +31,13 @@ independent of N, and a resume anywhere costs the same.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.order.permutation import derive_seed, splitmix64
 from meshfeed.protocols import OrderBase
 from meshfeed.state import envelope, open_envelope
 
@@ -61,6 +62,49 @@ def _mul_div(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
         ],
         dtype=np.int64,
     )
+
+
+_ROUNDS = 6
+_ONE = np.uint64(1)
+_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+@functools.lru_cache(maxsize=4096)
+def _round_keys(seed: int, row: int, rep: int) -> tuple[int, ...]:
+    base = derive_seed(seed, _OP, row, rep)
+    return tuple(splitmix64(derive_seed(base, r)) for r in range(_ROUNDS))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> _S30)) * _C1
+    x = (x ^ (x >> _S27)) * _C2
+    return x ^ (x >> _S31)
+
+
+def _feistel(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Per element, a bijection of ``range(n)``: a Feistel network over the smallest power of
+    two >= n (keys per element, unbalanced halves) with cycle walking back into range."""
+    # bit_length(n - 1), exact through float64 for the pool sizes here (n < 2**53).
+    bits = np.frexp((n - _ONE).astype(np.float64))[1].astype(np.uint64)
+    bits = np.maximum(bits, np.uint64(2))
+    wl0 = bits // np.uint64(2)
+    wr0 = bits - wl0
+
+    def encrypt(v: np.ndarray, wl: np.ndarray, wr: np.ndarray, k: np.ndarray) -> np.ndarray:
+        left, right = v >> wr, v & ((_ONE << wr) - _ONE)
+        for r in range(_ROUNDS):
+            f = _mix(right ^ k[:, r]) & ((_ONE << wl) - _ONE)
+            left, right = right, left ^ f
+            wl, wr = wr, wl
+        return (left << wr) | right
+
+    y = encrypt(x, wl0, wr0, keys)
+    out = np.flatnonzero(y >= n)
+    while out.size:
+        y[out] = encrypt(y[out], wl0[out], wr0[out], keys[out])
+        out = out[y[out] >= n[out]]
+    return y
 
 
 # Columns of the round table.
@@ -123,7 +167,6 @@ class GatedOrder(OrderBase):
             t[:, _REST],
             t[:, _LO],
         )
-        self._cache: dict[tuple[int, int], Permutation] = {}
 
     def pool_size(self, step: int) -> int:
         """How many samples are eligible at curriculum ``step`` (O(log N))."""
@@ -226,26 +269,24 @@ class GatedOrder(OrderBase):
         g = epoch * self.samples_per_epoch + int(position)
         return g // self.global_batch_size + self.first_step
 
-    def _perm(self, row: int, rep: int) -> Permutation:
-        """The permutation of a fresh round, or of a continuation's new ranks (``rep`` 0)."""
-        key = (row, rep)
-        perm = self._cache.get(key)
-        if perm is None:
-            if len(self._cache) > 4096:  # a permutation is a few ints: keep a long chain's
-                self._cache.clear()
-            size = int(self._rounds[row, _SIZE] - self._rounds[row, _REST])
-            perm = self._cache[key] = Permutation(size, derive_seed(self.seed, _OP, row, rep))
-        return perm
-
     def _permute(self, row: np.ndarray, rep: np.ndarray, offset: np.ndarray) -> np.ndarray:
-        out = np.empty_like(offset)
-        # A batch nearly always falls in one or two (row, repeat) groups.
-        for r in np.unique(row).tolist():
-            in_row = row == r
-            for k in np.unique(rep[in_row]).tolist():
-                mask = in_row & (rep == k)
-                out[mask] = self._perm(r, k)[offset[mask]]
-        return out
+        """Element ``offset`` of the permutation of each ``(row, rep)``, in one vectorised pass.
+
+        A fresh round's permutation is over its pool, a continuation's (``rep`` 0) over its
+        new ranks; each is a keyed Feistel network with cycle walking, seeded by
+        ``(seed, row, rep)``, so a batch touching many rows costs one pass, not one per row.
+        """
+        if offset.size == 0:
+            return offset.copy()
+        pairs, inv = np.unique(np.stack([row, rep], axis=1), axis=0, return_inverse=True)
+        inv = inv.ravel()
+        sizes = (self._rounds[pairs[:, 0], _SIZE] - self._rounds[pairs[:, 0], _REST]).astype(
+            np.uint64
+        )
+        keys = np.array(
+            [_round_keys(self.seed, int(r), int(k)) for r, k in pairs.tolist()], dtype=np.uint64
+        )
+        return _feistel(offset.astype(np.uint64), sizes[inv], keys[inv]).astype(np.int64)
 
     def ranks(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """Ranks into ``pool_order`` (the pool is ``[0, pool_size)``) for ``positions``."""
