@@ -10,8 +10,9 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
 - Stream position ``g`` belongs to source ``source_of(g)``, given by an exact interleave of
   the float weights (:mod:`meshfeed.order.interleave`): every prefix holds each source within
   +-1 of its share (:attr:`Mixture.max_deviation` < 1) for weights that are simple fractions,
-  for any weights of up to five sources, and for most weights of more; the rare rest falls back
-  to shares rounded to 1/65536 and reports its bound. Any position is O(K) integer arithmetic,
+  for any weights of up to three sources (proved), and for nearly all weights of four to eight
+  (the bound is checked per mixture); the rare rest falls back to shares rounded to 1/65536 and
+  reports its bound. Any position is O(K) integer arithmetic,
   no table of the stream's length; tiny weights keep their share, huge integers are normalised.
 - The ``k``-th draw from source ``s`` reads element ``k % len_s`` of a fresh permutation of that
   source for source epoch ``k // len_s``: each source is reshuffled with its own epoch when it
