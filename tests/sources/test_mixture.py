@@ -302,3 +302,12 @@ def test_a_checkpoint_of_the_rounded_interleave_is_refused_by_version():
     old["order"] = {k: v for k, v in old["order"].items() if k != "version"}
     with pytest.raises(ValueError, match="version=None"):
         _mixture_loader().load_state_dict(old)
+
+
+def test_a_checkpoint_with_inconsistent_consumption_is_refused():
+    lo = _mixture_loader()
+    take(lo, 2)
+    state = json.loads(json.dumps(lo.state_dict()))
+    state["order"]["consumed"] = {"a": 0, "b": 999}
+    with pytest.raises(ValueError, match="per-source consumption"):
+        _mixture_loader().load_state_dict(state)

@@ -394,6 +394,13 @@ class MixtureOrder(OrderBase):
                 f"one {self.samples_per_epoch}; pass samples_per_epoch="
                 f"{facts['samples_per_epoch']} to Mixture to resume exactly"
             )
+        expected = self.mixture.counts(facts["stream_position"], global_batch_size=self.G)
+        if facts.get("consumed") != expected:
+            raise ValueError(
+                f"the checkpoint's per-source consumption {facts.get('consumed')!r} is not what "
+                f"this mixture gives at stream position {facts['stream_position']} ({expected}); "
+                "the checkpoint is corrupted or from another mixture"
+            )
         self.planned_until = max(self.planned_until, facts["stream_position"])
 
     # The loader of this release still calls the old name; remove once it calls validate().
