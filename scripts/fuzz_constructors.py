@@ -68,8 +68,9 @@ def call(fn: Callable[[], Any]) -> None:
 
 
 def targets() -> dict[str, Callable[..., Any]]:
-    from meshfeed import DataLoader, DataMesh, Mixture
     from meshfeed.balance.plan import plan
+
+    from meshfeed import DataLoader, DataMesh, Mixture
     from meshfeed.curriculum.schedule import fixed_linear
     from meshfeed.order import Permutation
 

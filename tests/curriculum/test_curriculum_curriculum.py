@@ -251,7 +251,10 @@ def test_bad_curricula_are_refused_at_construction(build, message):
     ("kwargs", "message"),
     [
         ({"metrics": [_index("m", [1, 2])]}, "metrics must be CurriculumMetric objects"),
-        ({"transforms": [fixed_linear(1, 8, 3)]}, "transforms must be SeqlenTruncate or"),
+        (
+            {"transforms": [fixed_linear(1, 8, 3)]},
+            "transforms must be SeqlenTruncate, SeqlenReshape or",
+        ),
     ],
 )
 def test_curriculum_parts_of_the_wrong_type_are_refused(kwargs, message):

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from meshfeed.curriculum import (
+    Curriculum,
+    CurriculumMetric,
     MetricIndex,
+    ReportedDifficulty,
     SeqlenReshape,
     SeqlenTruncate,
     fixed_root,
@@ -169,3 +172,109 @@ def test_data_efficiency_switches_default_to_false_as_in_deepspeed(tmp_path, pat
         rf"{re.escape(switch)} is not true \(DeepSpeed defaults each to false\)",
     ):
         from_deepspeed_config(cfg, indexes={"vocabularyrarity": tmp_path / "vocabularyrarity"})
+
+
+def _seqlen_config(**schedule) -> dict:
+    metric = {
+        "index_to_sample_path": "unused",
+        "index_to_metric_path": "unused",
+        "difficulty_type": "value",
+        "clustering_type": "schedule_based",
+        "min_difficulty": 2,
+        "max_difficulty": 10,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 8, "difficulty_step": 2},
+    }
+    metric.update(schedule)
+    return {
+        "data_efficiency": {
+            "enabled": True,
+            "data_sampling": {
+                "enabled": True,
+                "curriculum_learning": {"enabled": True, "curriculum_metrics": {"seqlen": metric}},
+            },
+        }
+    }
+
+
+def _lengths(n: int = 6_000) -> MetricIndex:
+    values = np.random.default_rng(0).integers(1, 11, size=n)
+    return MetricIndex.from_values("seqlen", values, fingerprint={"length": n, "hash": "d"})
+
+
+def test_batch_n_gets_the_difficulty_of_step_n_plus_one_as_in_deepspeeds_sampler():
+    cur = from_deepspeed_config(_seqlen_config(), indexes={"seqlen": _lengths()})
+    order = cur.make_order(dataset_length=6_000, global_batch_size=4, seed=0)
+    # DeepSpeed: [2, 4, 4, 6, 6, 8] for the first six batches (its step starts at 1).
+    assert [order.describe(0, 4 * (n + 1))["difficulty"]["seqlen"] for n in range(6)] == [
+        2,
+        4,
+        4,
+        6,
+        6,
+        8,
+    ]
+    plain = Curriculum([CurriculumMetric(index=_lengths(), schedule=fixed_root(2, 10, 8, 2, 1))])
+    assert plain.first_step == 0 and cur.first_step == 1
+
+
+def test_percentile_pools_from_a_deepspeed_config_use_deepspeeds_count():
+    values = np.random.default_rng(3).random(250)
+    index = MetricIndex.from_values("rarity", values, fingerprint={"length": 250, "hash": "r"})
+    cfg = _seqlen_config(
+        difficulty_type="percentile",
+        min_difficulty=5,
+        max_difficulty=100,
+        schedule_config={"total_curriculum_step": 95, "difficulty_step": 1},
+    )
+    cur = from_deepspeed_config(cfg, indexes={"seqlen": index})
+    (metric,) = cur.metrics
+    # N=250, p=5: DeepSpeed (250 // 100) * 5 = 10; meshfeed's own rule floor(5 * 250 / 100) = 12.
+    assert metric.percentile_counts(np.array([5, 50, 99, 100])).tolist() == [10, 100, 198, 250]
+    own = CurriculumMetric(index=index, schedule=metric.schedule, difficulty_type="percentile")
+    assert own.percentile_counts(np.array([5])).tolist() == [12]
+    order = cur.make_order(dataset_length=250, global_batch_size=10, seed=0)
+    assert order.pool_size(0) == 10  # difficulty 5: (250 // 100) * 5
+    assert order.pool_size(1) == 12  # batch 0 is step 1: difficulty 6, (250 // 100) * 6
+
+
+def test_the_config_of_deepspeeds_own_curriculum_test_loads():
+    """tests/unit/runtime/test_data_efficiency.py::test_curriculum_learning (DeepSpeed)."""
+    cfg = {
+        "train_batch_size": 2,
+        "data_efficiency": {
+            "enabled": True,
+            "seed": 1234,
+            "data_sampling": {
+                "enabled": True,
+                "num_workers": 0,
+                "curriculum_learning": {
+                    "enabled": True,
+                    "data_cluster_path": "/tmp",
+                    "curriculum_metrics": {
+                        "dummy_metric": {
+                            "index_to_sample_path": "dummy",
+                            "index_to_metric_path": "dummy",
+                            "difficulty_type": "value",
+                            "clustering_type": "single_cluster",
+                            "min_difficulty": 2,
+                            "max_difficulty": 10,
+                            "schedule_type": "fixed_root",
+                            "schedule_config": {
+                                "total_curriculum_step": 8,
+                                "difficulty_step": 2,
+                                "root_degree": 1,
+                            },
+                        }
+                    },
+                },
+            },
+        },
+    }
+    cur = from_deepspeed_config(cfg)
+    (reported,) = cur.transforms
+    assert isinstance(reported, ReportedDifficulty) and reported.name == "dummy_metric"
+    assert not cur.metrics  # single_cluster gates nothing, as in DeepSpeed
+    assert [cur.difficulties(t)["dummy_metric"] for t in range(1, 7)] == [2, 4, 4, 6, 6, 8]
+    batch = {"x": np.zeros((2, 3))}
+    assert cur.postprocess(batch, step=0, epoch=0) is batch

@@ -120,3 +120,55 @@ def test_data_ranks_slice_the_global_batch_and_resume_elastically():
     for k in range(5):
         got = [i for r in range(4) for i in parts[r][k]["input_ids"][:, 0].tolist()]
         assert got == whole[7 + k]
+
+
+class _Tokens:
+    """The issue's corpus: 6,000 documents of 1-10 tokens."""
+
+    def __init__(self, n: int = 6_000) -> None:
+        self.lengths = np.random.default_rng(0).integers(1, 11, size=n)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.lengths[i])
+
+
+def test_the_pacing_schedule_is_honoured_at_every_batch_like_deepspeeds_sampler():
+    """fixed_linear(2, 10, 8, difficulty_step=2), global batch 256: the longest document per
+    batch must reach DeepSpeed's allowed maximum [2, 4, 4, 6, 6, 8, 8, 10, 10, 10] (main gave
+    [2, 2, 2, 2, 6, 6, 6, 6, 6, 6] by walking each pool to its end first)."""
+    from meshfeed.curriculum import from_deepspeed_config
+
+    ds = _Tokens()
+    index = MetricIndex.from_values("seqlen", ds.lengths, fingerprint={"length": 6000, "hash": "t"})
+    cfg = {
+        "data_efficiency": {
+            "enabled": True,
+            "data_sampling": {
+                "enabled": True,
+                "curriculum_learning": {
+                    "enabled": True,
+                    "curriculum_metrics": {
+                        "seqlen": {
+                            "difficulty_type": "value",
+                            "clustering_type": "schedule_based",
+                            "min_difficulty": 2,
+                            "max_difficulty": 10,
+                            "schedule_type": "fixed_linear",
+                            "schedule_config": {"total_curriculum_step": 8, "difficulty_step": 2},
+                        }
+                    },
+                },
+            },
+        }
+    }
+    cur = from_deepspeed_config(cfg, indexes={"seqlen": index}, samples_per_epoch=256 * 10)
+    loader = DataLoader(ds, batch_size=256, seed=0, collate_fn=list, curriculum=cur)
+    longest = [max(batch) for batch in take(loader, 10)]
+    assert longest == [2, 4, 4, 6, 6, 8, 8, 10, 10, 10]
+    # Without DeepSpeed's step rule the same schedule is one batch later, and still never lags.
+    plain = Curriculum([CurriculumMetric(index=index, schedule=fixed_linear(2, 10, 8, 2))])
+    loader = DataLoader(ds, batch_size=256, seed=0, collate_fn=list, curriculum=plain)
+    assert [max(b) for b in take(loader, 10)] == [2, 2, 4, 4, 6, 6, 8, 8, 10, 10]

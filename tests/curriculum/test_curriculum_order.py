@@ -115,7 +115,11 @@ def test_seeds_change_the_order_but_not_the_pool():
     a, b = _order(entry, g=5, seed=1), _order(entry, g=5, seed=2)
     pa, pb = _walk(a, 40), _walk(b, 40)
     assert pa.tolist() != pb.tolist()
-    assert sorted(pa[:10].tolist()) == sorted(pb[:10].tolist())
+    # Step 0 draws from the same 10-sample pool; the pool grows at step 1 and the first 20
+    # positions then use every eligible sample exactly once, whatever the seed.
+    first = set(a.pool_order[:10].tolist())
+    assert set(pa[:5].tolist()) <= first and set(pb[:5].tolist()) <= first
+    assert sorted(pa[:20].tolist()) == sorted(pb[:20].tolist()) == list(range(20))
 
 
 def test_no_eligible_sample_at_step_zero_is_refused():
@@ -145,11 +149,70 @@ def test_describe_reports_the_last_returned_step():
         difficulties=lambda step: {"m": step},
     )
     assert order.describe(0, 0) == {
-        "version": 1,
+        "kind": "curriculum_order",
+        "version": 2,
         "step": -1,
         "pool_size": 2,
         "difficulty": {"m": 0},
     }
     assert order.describe(0, 4)["step"] == 1
     facts = order.describe(1, 4)  # epoch 1 ends at global position 8: step 3 was last
-    assert facts == {"version": 1, "step": 3, "pool_size": 6, "difficulty": {"m": 3}}
+    assert facts == {
+        "kind": "curriculum_order",
+        "version": 2,
+        "step": 3,
+        "pool_size": 6,
+        "difficulty": {"m": 3},
+    }
+    order.validate(facts)
+    with pytest.raises(ValueError, match="version=1"):
+        order.validate(
+            {"version": 1, "step": 3, "pool_size": 6, "difficulty": {"m": 3}}
+            | {"kind": "curriculum_order"}
+        )
+
+
+@settings(max_examples=50, deadline=None)
+@given(entry=entries, g=st.integers(1, 9), seed=st.integers(0, 2**32))
+def test_newly_eligible_samples_are_drawn_before_older_ones_repeat_and_never_wait_a_round(
+    entry: list[int], g: int, seed: int
+):
+    """A pool change starts a round over the unused rest plus the new samples: no lag."""
+    order = _order(entry, g=g, seed=seed)
+    entry_of = dict(zip(order.pool_order.tolist(), np.sort(entry).tolist(), strict=True))
+    drawn = _walk(order, 4 * len(entry) + 40 * g).tolist()
+    unused: set[int] = set()
+    for p, x in enumerate(drawn):
+        step = p // g
+        eligible = {i for i, e in entry_of.items() if e <= step}
+        if p % g == 0 or not unused:
+            # The reference: the set a round draws from is everything eligible not yet used
+            # since the last time the pool was used up; new samples join it at once.
+            unused |= {i for i in eligible if entry_of[i] == step} if p % g == 0 else set()
+            if not unused:
+                unused = set(eligible)
+        assert x in unused, f"position {p}: {x} is not in the current round {sorted(unused)}"
+        unused.discard(x)
+
+
+def test_chains_of_pool_changes_stay_small_and_exact():
+    entry = np.repeat(np.arange(200), 50)  # the pool grows by 50 at every one of 200 steps
+    order = GatedOrder(
+        pool_order=np.arange(len(entry)),
+        entry_steps=entry,
+        global_batch_size=64,
+        samples_per_epoch=64 * 400,
+        seed=3,
+    )
+    assert order.num_segments <= 3 * 200 + 1
+    drawn = order.indices(0, np.arange(64 * 400))
+    for step in range(400):
+        batch = drawn[step * 64 : (step + 1) * 64]
+        assert batch.max() < 50 * (step + 1)  # never above the pool of its step
+    used: set[int] = set()
+    for p, x in enumerate(drawn.tolist()):
+        eligible = min(50 * (p // 64 + 1), 10_000)
+        if len(used) == eligible:  # everything eligible was used: a repeat may start
+            used = set()
+        assert x not in used, f"position {p}: {x} repeated with {eligible - len(used)} unused"
+        used.add(x)

@@ -1,4 +1,4 @@
-"""Pacing schedules against hand-computed tables (DeepSpeed's definitions, minus its bug)."""
+"""Pacing schedules against hand-computed tables and DeepSpeed 0.19.8's arithmetic."""
 
 from __future__ import annotations
 
@@ -12,11 +12,20 @@ from hypothesis import strategies as st
 from meshfeed.curriculum import custom, fixed_discrete, fixed_linear, fixed_root
 
 
-def _deepspeed_fixed_root(t: int, lo: int, hi: int, total: int, step: int, root: float) -> int:
-    """DeepSpeed's CurriculumScheduler.__fixed_root_get_difficulty, verbatim arithmetic."""
+def _deepspeed_before_0_19_8(t: int, lo: int, hi: int, total: int, step: int, root: float) -> int:
+    """CurriculumScheduler.__fixed_root_get_difficulty before DeepSpeed 0.19.8 (the arithmetic)."""
     d = (float(t) / total) ** (1.0 / root)
     d = math.floor(d * (hi - lo) + lo)
     d -= d % step
+    return min(d, hi)
+
+
+def _deepspeed_fixed_root(t, lo, hi, total, step, root):
+    """The same in DeepSpeed 0.19.8: the floor is raised to the first multiple of the step."""
+    d = (float(t) / total) ** (1.0 / root)
+    d = math.floor(d * (hi - lo) + lo)
+    d -= d % step
+    d = max(d, -(-lo // step) * step)
     return min(d, hi)
 
 
@@ -36,10 +45,11 @@ def test_fixed_root_matches_a_hand_table():
     assert s.saturation_step == 11
 
 
-def test_fixed_root_never_falls_below_min_difficulty_unlike_deepspeed():
+def test_fixed_root_never_falls_below_min_difficulty_unlike_deepspeed_before_0_19_8():
     s = fixed_root(1, 100, 10, 8, 2)
-    assert _deepspeed_fixed_root(0, 1, 100, 10, 8, 2) == 0  # DeepSpeed: an empty pool at step 0
-    assert s.difficulty(0) == 1
+    assert _deepspeed_before_0_19_8(0, 1, 100, 10, 8, 2) == 0  # an empty pool at step 0
+    assert s.difficulty(0) == 8 == _deepspeed_fixed_root(0, 1, 100, 10, 8, 2)  # aligned min
+    assert min(s.difficulties(np.arange(30)).tolist()) >= 1
 
 
 @settings(max_examples=50, deadline=None)
@@ -51,10 +61,10 @@ def test_fixed_root_never_falls_below_min_difficulty_unlike_deepspeed():
     root=st.sampled_from([1, 2, 3, 1.5]),
     t=st.integers(0, 400),
 )
-def test_fixed_root_equals_deepspeed_clamped_to_min(lo, span, total, step, root, t):
+def test_fixed_root_equals_deepspeed_0_19_8(lo, span, total, step, root, t):
     hi = lo + span
     s = fixed_root(lo, hi, total, step, root)
-    assert s.difficulty(t) == max(lo, _deepspeed_fixed_root(t, lo, hi, total, step, root))
+    assert s.difficulty(t) == _deepspeed_fixed_root(t, lo, hi, total, step, root) >= lo
 
 
 @settings(max_examples=25, deadline=None)
@@ -75,9 +85,13 @@ def test_fixed_discrete_matches_deepspeed_semantics():
     assert s.saturation_step == 11
 
 
-def test_float_difficulties_are_supported():
+def test_float_difficulties_follow_deepspeed_which_floors_to_an_integer_first():
     s = fixed_linear(0.5, 2.5, 4, 0.25)
-    assert [s.difficulty(t) for t in range(6)] == [0.5, 1.0, 1.5, 2.0, 2.5, 2.5]
+    assert [s.difficulty(t) for t in range(6)] == [0.5, 1.0, 1.0, 2.0, 2.0, 2.5]
+    assert [s.difficulty(t) for t in range(6)] == [
+        _deepspeed_fixed_root(t, 0.5, 2.5, 4, 0.25, 1) for t in range(6)
+    ]
+    assert fixed_linear(0.0, 1.0, 3, 0.1).difficulty(1) == 0.0  # the issue's case
     d = fixed_discrete(difficulty=[0.1, 0.7], max_step=[3])
     assert d.difficulty(4) == 0.7
 
@@ -104,6 +118,13 @@ def test_custom_wraps_a_function_and_saturates():
 def test_bad_schedule_configuration_is_refused(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+def test_difficulties_beyond_2_to_the_52_are_refused_not_wrapped_negative():
+    with pytest.raises(ValueError, match=r"max_difficulty must lie within \+-2\*\*52"):
+        fixed_linear(0, 2**63, 100)
+    big = fixed_linear(0, 2**52, 100)
+    assert big.difficulty(100) == 2**52 and big.difficulty(10**15) == 2**52
 
 
 def test_negative_steps_are_refused():

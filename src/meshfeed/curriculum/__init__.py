@@ -19,7 +19,7 @@ from meshfeed.curriculum.metrics import (
 )
 from meshfeed.curriculum.order import GatedOrder
 from meshfeed.curriculum.schedule import custom, fixed_discrete, fixed_linear, fixed_root
-from meshfeed.curriculum.transforms import SeqlenReshape, SeqlenTruncate
+from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
 
 __all__ = [
     "AccumulatedMetric",
@@ -27,6 +27,7 @@ __all__ = [
     "CurriculumMetric",
     "GatedOrder",
     "MetricIndex",
+    "ReportedDifficulty",
     "SampleMetric",
     "SeqlenReshape",
     "SeqlenTruncate",

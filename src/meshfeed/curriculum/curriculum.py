@@ -14,13 +14,16 @@ sorted) turns the pool at any step into a prefix, so a difficulty change costs o
 ``searchsorted`` instead of DeepSpeed's O(N) set intersection and difference; see
 :class:`~meshfeed.curriculum.order.GatedOrder` for how batches are drawn from it.
 
-The curriculum step is the global batch number ``epoch * steps_per_epoch + position // G``, so
-it is the step of the batch the training loop received, never a count of prefetched batches.
+The curriculum step of a batch is ``first_step`` plus its global batch number ``epoch *
+steps_per_epoch + position // G``, so it is the step of the batch the training loop received,
+never a count of prefetched batches. ``first_step=1`` is DeepSpeed's ``DeepSpeedDataSampler``,
+which increments its step before it samples (batch ``n`` gets the difficulty of step ``n + 1``);
+:func:`~meshfeed.curriculum.from_deepspeed_config` sets it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,12 +32,12 @@ import numpy as np
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.order import GatedOrder
 from meshfeed.curriculum.schedule import Schedule
-from meshfeed.curriculum.transforms import SeqlenReshape, SeqlenTruncate
+from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
 from meshfeed.rng import fetch_info
 
 __all__ = ["Curriculum", "CurriculumMetric"]
 
-Transform = SeqlenTruncate | SeqlenReshape
+Transform = SeqlenTruncate | SeqlenReshape | ReportedDifficulty
 _NEVER = np.iinfo(np.int64).max
 
 
@@ -44,16 +47,30 @@ def _plain(x: Any) -> int | float:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CurriculumMetric:
-    """One gating metric: its index, its pacing schedule and how the difficulty is read."""
+    """One gating metric: its index, its pacing schedule and how the difficulty is read.
+
+    With ``difficulty_type="percentile"`` the pool at difficulty ``p`` is the lowest
+    ``floor(p * N / 100)`` samples; with ``percentile_max`` set (DeepSpeed's rule, which
+    :func:`~meshfeed.curriculum.from_deepspeed_config` uses with the metric's
+    ``max_difficulty``) it is ``(N // percentile_max) * p`` samples, and all ``N`` at
+    ``p >= percentile_max``.
+    """
 
     index: MetricIndex
     schedule: Schedule
     difficulty_type: Literal["value", "percentile"] = "value"
+    percentile_max: int | None = None
 
     def __post_init__(self) -> None:
         if self.difficulty_type not in ("value", "percentile"):
             raise ValueError(
                 f"difficulty_type must be 'value' or 'percentile' (got {self.difficulty_type!r})"
+            )
+        pm = self.percentile_max
+        if pm is not None and (isinstance(pm, bool) or not isinstance(pm, int) or pm < 1):
+            raise ValueError(
+                f"percentile_max must be a positive int or None (got {pm!r}); DeepSpeed uses "
+                "the metric's max_difficulty, usually 100"
             )
         if not isinstance(self.index, MetricIndex):
             raise TypeError(
@@ -82,6 +99,15 @@ class CurriculumMetric:
             )
         return thr
 
+    def percentile_counts(self, percent: np.ndarray) -> np.ndarray:
+        """How many of the lowest samples the pool holds at each percentile difficulty."""
+        pm = self.percentile_max
+        if pm is None:
+            return self.index.percentile_count(percent)
+        n = len(self.index)
+        p = np.floor(np.asarray(percent, dtype=np.float64)).astype(np.int64)
+        return np.where(p >= pm, n, (n // pm) * np.clip(p, 0, pm)).astype(np.int64)
+
     def entry_steps(self, *, in_sorted_order: bool) -> np.ndarray:
         """Per sample, the first step at which this metric admits it (``_NEVER`` if never).
 
@@ -93,7 +119,7 @@ class CurriculumMetric:
             keys = self.index.sorted_values() if in_sorted_order else np.asarray(self.index.values)
             entry = np.searchsorted(thr, keys, side="left")
         else:
-            counts = self.index.percentile_count(thr)
+            counts = self.percentile_counts(thr)
             rank = np.arange(n, dtype=np.int64)
             if not in_sorted_order:
                 rank = np.empty(n, dtype=np.int64)
@@ -113,10 +139,11 @@ class BatchTransforms:
     epochs: ``epoch * steps_per_epoch + step``.
     """
 
-    __slots__ = ("steps_per_epoch", "transforms")
+    __slots__ = ("first_step", "steps_per_epoch", "transforms")
 
-    def __init__(self, transforms: tuple[Transform, ...]) -> None:
+    def __init__(self, transforms: tuple[Transform, ...], *, first_step: int = 0) -> None:
         self.transforms = transforms
+        self.first_step = first_step
         self.steps_per_epoch: int | None = None
 
     def __call__(self, batch: Any, *, step: int, epoch: int | None = None) -> Any:
@@ -129,6 +156,7 @@ class BatchTransforms:
             if self.steps_per_epoch is None:
                 raise ValueError("postprocess() past epoch 0 needs make_order() to have run first")
             step = epoch * self.steps_per_epoch + step
+        step += self.first_step
         for t in self.transforms:
             batch = t(batch, t.schedule.difficulty(step))
         return batch
@@ -149,7 +177,14 @@ class Curriculum:
         *,
         transforms: Sequence[Transform] = (),
         samples_per_epoch: int | None = None,
+        first_step: int = 0,
     ) -> None:
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ValueError(
+                f"first_step must be an int >= 0 (got {first_step=!r}); 0 gives batch n the "
+                "difficulty of step n, 1 that of step n + 1 (DeepSpeed's sampler)"
+            )
+        self.first_step = first_step
         self.metrics = tuple(metrics)
         self.transforms = tuple(transforms)
         for m in self.metrics:
@@ -159,10 +194,10 @@ class Curriculum:
                     "an index as CurriculumMetric(index=..., schedule=...)"
                 )
         for t in self.transforms:
-            if not isinstance(t, (SeqlenTruncate, SeqlenReshape)):
+            if not isinstance(t, (SeqlenTruncate, SeqlenReshape, ReportedDifficulty)):
                 raise TypeError(
-                    f"transforms must be SeqlenTruncate or SeqlenReshape (got "
-                    f"{type(t).__name__}); e.g. SeqlenTruncate(schedule=...)"
+                    f"transforms must be SeqlenTruncate, SeqlenReshape or ReportedDifficulty "
+                    f"(got {type(t).__name__}); e.g. SeqlenTruncate(schedule=...)"
                 )
         names = [m.name for m in self.metrics] + [t.name for t in self.transforms]
         if len(set(names)) != len(names):
@@ -170,7 +205,7 @@ class Curriculum:
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be positive (got {samples_per_epoch=})")
         self.samples_per_epoch = samples_per_epoch
-        self._post = BatchTransforms(self.transforms)
+        self._post = BatchTransforms(self.transforms, first_step=first_step)
 
     def __repr__(self) -> str:
         names = [m.name for m in self.metrics] + [t.name for t in self.transforms]
@@ -202,35 +237,69 @@ class Curriculum:
             order = np.argsort(entry, kind="stable").astype(np.int64)
             entry = entry[order]
         keep = int(np.searchsorted(entry, _NEVER, side="left"))
-        if keep == 0 or entry[0] > 0:
-            at0 = self.difficulties(0)
+        first = self.first_step
+        if keep == 0 or entry[0] > first:
+            at0 = self.difficulties(first)
             raise ValueError(
-                f"no sample is eligible at step 0 (difficulties {at0}); lower the schedules' "
-                "min_difficulty to at least the smallest metric value (see the index percentiles)"
+                f"no sample is eligible at step {first} (difficulties {at0}); lower the "
+                "schedules' min_difficulty to at least the smallest metric value (see the index "
+                "percentiles)"
             )
         return order[:keep], entry[:keep]
 
     def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> GatedOrder:
         """The order the loader walks (called once per loader; O(N) or O(N log N))."""
+        per_epoch = self.bind(
+            global_batch_size=global_batch_size,
+            samples_per_epoch=self.samples_per_epoch
+            or max(1, dataset_length // max(global_batch_size, 1)) * global_batch_size,
+        )
+        pool_order, entry = self.pool(int(dataset_length))
+        return self.gate(
+            pool_order,
+            entry,
+            global_batch_size=global_batch_size,
+            seed=seed,
+            samples_per_epoch=per_epoch,
+        )
+
+    def bind(self, *, global_batch_size: int, samples_per_epoch: int) -> int:
+        """Fix the loader's epoch (whole global batches) for the post-processing hook."""
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be positive (got {global_batch_size=})")
-        per_epoch = self.samples_per_epoch
-        if per_epoch is None:
-            per_epoch = max(1, dataset_length // global_batch_size) * global_batch_size
-        if per_epoch % global_batch_size:
+        if samples_per_epoch % global_batch_size:
             raise ValueError(
                 f"samples_per_epoch must be a multiple of the global batch size (got "
-                f"{per_epoch=}, {global_batch_size=}) so curriculum steps are whole batches"
+                f"{samples_per_epoch=}, {global_batch_size=}) so curriculum steps are whole "
+                "batches"
             )
-        pool_order, entry = self._pool(int(dataset_length))
-        self._post.steps_per_epoch = per_epoch // global_batch_size
+        self._post.steps_per_epoch = samples_per_epoch // global_batch_size
+        return samples_per_epoch
+
+    def pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Eligible samples of an ``n``-sample dataset in entry order, and their entry steps."""
+        return self._pool(n)
+
+    def gate(
+        self,
+        pool_order: np.ndarray,
+        entry_steps: np.ndarray,
+        *,
+        global_batch_size: int,
+        seed: int,
+        samples_per_epoch: int,
+        batch_start: Callable[[int], int] | None = None,
+    ) -> GatedOrder:
+        """A :class:`GatedOrder` over ``pool_order`` with this curriculum's step rule."""
         return GatedOrder(
             pool_order=pool_order,
-            entry_steps=entry,
+            entry_steps=entry_steps,
             global_batch_size=global_batch_size,
-            samples_per_epoch=per_epoch,
+            samples_per_epoch=samples_per_epoch,
             seed=seed,
             difficulties=self.difficulties,
+            first_step=self.first_step,
+            batch_start=batch_start,
         )
 
     @property

@@ -4,9 +4,16 @@ Understood: ``data_efficiency.data_sampling.curriculum_learning.curriculum_metri
 metric's ``difficulty_type``, ``clustering_type``, ``min_difficulty``, ``max_difficulty``,
 ``schedule_type`` and ``schedule_config``) and the legacy top-level ``curriculum_learning``
 (``curriculum_type: "seqlen"``). Metrics named ``seqlen_truncate`` / ``seqlen_reshape`` (or with
-``clustering_type: "single_cluster"``) become transforms; the others gate sampling and need a
-meshfeed metric index: pass ``indexes={name: MetricIndex or path}``, or let
+``clustering_type: "single_cluster"``) become transforms, other ``single_cluster`` metrics
+(e.g. the ``dummy_metric`` of DeepSpeed's own tests) become a :class:`ReportedDifficulty` (the
+value is reported, nothing is gated or cut, as in DeepSpeed); the others gate sampling and need
+a meshfeed metric index: pass ``indexes={name: MetricIndex or path}``, or let
 ``index_to_metric_path`` point at a directory written by ``meshfeed analyze``.
+
+What DeepSpeed's sampler does, the curriculum built here does too: batch ``n`` gets the
+difficulty of curriculum step ``n + 1`` (``first_step=1``; DeepSpeed increments before it
+samples), and a percentile pool at ``p`` holds ``(N // max_difficulty) * p`` samples
+(``percentile_max``), all ``N`` at ``max_difficulty``.
 
 Switches follow DeepSpeed's defaults (``DATA_EFFICIENCY_ENABLED_DEFAULT`` and the data-sampling
 and curriculum ones are all False): the data-efficiency curriculum applies only when
@@ -25,7 +32,7 @@ from typing import Any
 from meshfeed.curriculum.curriculum import Curriculum, CurriculumMetric, Transform
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.schedule import Schedule, fixed_discrete, fixed_linear, fixed_root
-from meshfeed.curriculum.transforms import SeqlenReshape, SeqlenTruncate
+from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
 
 __all__ = ["from_deepspeed_config", "schedule_from_deepspeed"]
 
@@ -102,19 +109,19 @@ def from_deepspeed_config(
         for name, m in _need(cl, "curriculum_metrics", "curriculum_learning").items():
             where = f"curriculum_metrics.{name}"
             schedule = schedule_from_deepspeed(m, where=where)
-            if name in _TRANSFORMS or m.get("clustering_type") == "single_cluster":
-                if name not in _TRANSFORMS:
-                    raise ValueError(
-                        f"{where}: single_cluster metrics other than {sorted(_TRANSFORMS)} "
-                        "transform the batch in model code; express them with postprocess"
-                    )
+            if name in _TRANSFORMS:
                 transforms.append(_TRANSFORMS[name](schedule=schedule))
                 continue
+            if m.get("clustering_type") == "single_cluster":
+                transforms.append(ReportedDifficulty(schedule=schedule, name=name))
+                continue
+            kind = m.get("difficulty_type", "value")
             metrics.append(
                 CurriculumMetric(
                     index=_index(name, m, indexes),
                     schedule=schedule,
-                    difficulty_type=m.get("difficulty_type", "value"),
+                    difficulty_type=kind,
+                    percentile_max=_percentile_max(m, where) if kind == "percentile" else None,
                 )
             )
     legacy = cfg.get("curriculum_learning", {})
@@ -138,4 +145,16 @@ def from_deepspeed_config(
             "data_sampling.enabled and curriculum_learning.enabled to true (or the legacy "
             "top-level curriculum_learning.enabled)"
         )
-    return Curriculum(metrics, transforms=transforms, samples_per_epoch=samples_per_epoch)
+    return Curriculum(
+        metrics, transforms=transforms, samples_per_epoch=samples_per_epoch, first_step=1
+    )
+
+
+def _percentile_max(cfg: Mapping[str, Any], where: str) -> int:
+    top = _need(cfg, "max_difficulty", where)
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(
+            f"DeepSpeed config {where}: a percentile metric needs an integer max_difficulty "
+            f">= 1 (got {top!r}); DeepSpeed divides the sample count by it, usually 100"
+        )
+    return top

@@ -1,17 +1,26 @@
 """Pacing schedules: the training step -> difficulty threshold, with DeepSpeed's definitions.
 
 ``fixed_root(min_difficulty, max_difficulty, total_curriculum_step, difficulty_step,
-root_degree)`` is DeepSpeed's ``fixed_root``: ``floor((t/T)**(1/r) * (max - min) + min)`` rounded
-down to a multiple of ``difficulty_step`` and capped at ``max`` (``t/T`` is not clamped, as in
-DeepSpeed, so with rounding ``max`` itself is reached a little after ``T``). Unlike DeepSpeed the result never
-falls below ``min_difficulty`` (DeepSpeed's rounding turns ``min=1, difficulty_step=8`` into 0 at
-step 0, an empty pool). ``fixed_linear`` is root degree 1; ``fixed_discrete`` is a step table;
-``custom`` wraps a function.
+root_degree)`` is the ``fixed_root`` of DeepSpeed's ``CurriculumScheduler`` as of DeepSpeed
+0.19.8, the reference: ``d = floor((t/T)**(1/r) * (max - min) + min)`` (an integer, also for
+float bounds), then ``d -= d % difficulty_step``, then raised to ``ceil(min / step) * step``
+(the first multiple of the step at or above ``min``) and capped at ``max``. ``t/T`` is not
+clamped, so with rounding ``max`` itself is reached a little after ``T``. ``fixed_linear`` is
+root degree 1; ``fixed_discrete`` is a step table; ``custom`` wraps a function.
+
+The one deliberate difference: the result is never below ``min_difficulty``. DeepSpeed before
+0.19.8 let the rounding fall below it (``min=1, difficulty_step=8`` gave 0 at step 0, an empty
+pool); 0.19.8 raises it to the aligned minimum as meshfeed does, and meshfeed adds a last
+``max(d, min)`` so float rounding of ``ceil(min / step) * step`` cannot undercut ``min`` either.
+Because DeepSpeed floors to an integer first, float difficulties between two integers do not
+move (``fixed_linear(0.0, 1.0, 3, 0.1)`` is 0.0 until step 3, as in DeepSpeed); scale a [0, 1]
+metric to integers (e.g. per mille) to pace it finely.
 
 Every schedule is vectorised (:meth:`Schedule.difficulties`); the scalar :meth:`difficulty` is
 the same code on a one-element array, so the two can never disagree. ``saturation_step`` is the
 first step from which the difficulty never changes (``None`` when unknown): the curriculum order
-evaluates schedules only up to it.
+evaluates schedules only up to it. Bounds are limited to ``|x| <= 2**52`` so the float
+arithmetic DeepSpeed uses is exact on them.
 
 >>> fixed_linear(min_difficulty=8, max_difficulty=64, total_curriculum_step=7,
 ...              difficulty_step=8).difficulty(3)
@@ -30,6 +39,7 @@ import numpy as np
 __all__ = ["Schedule", "custom", "fixed_discrete", "fixed_linear", "fixed_root"]
 
 Number = int | float
+_LIMIT = 2**52
 
 
 @runtime_checkable
@@ -90,6 +100,13 @@ class FixedRoot:
             )
         if not self.root_degree > 0:
             raise ValueError(f"root_degree must be positive (got {self.root_degree=})")
+        for name in ("min_difficulty", "max_difficulty", "difficulty_step"):
+            value = getattr(self, name)
+            if not abs(value) <= _LIMIT:
+                raise ValueError(
+                    f"{name} must lie within +-2**52 (got {name}={value!r}); the schedule's "
+                    "float arithmetic (DeepSpeed's) is exact only there, rescale the metric"
+                )
 
     @property
     def integral(self) -> bool:
@@ -119,10 +136,13 @@ class FixedRoot:
         t = _check_steps(steps)
         lo, hi, q = self.min_difficulty, self.max_difficulty, self.difficulty_step
         frac = (t / self.total_curriculum_step) ** (1.0 / self.root_degree)
-        # floor(x) rounded down to a multiple of q equals floor(x / q) * q for integer q, which
-        # is DeepSpeed's ``d = floor(x); d -= d % q`` and also works for float steps.
-        d = np.floor((frac * (hi - lo) + lo) / q) * q
-        d = np.clip(d, lo, hi)
+        # DeepSpeed 0.19.8: d = floor(x); d -= d % q; d = max(d, ceil(min / q) * q);
+        # d = min(d, max). The cap comes first here only so that huge t stays finite; the
+        # result is the same because every later step keeps d <= max.
+        d = np.minimum(np.floor(frac * (hi - lo) + lo), float(hi) + abs(q))
+        d = d - np.mod(d, q)
+        d = np.minimum(np.maximum(d, -(-lo // q) * q), hi)
+        d = np.maximum(d, lo)  # never below min_difficulty (see the module docstring)
         return d.astype(np.int64) if self.integral else d.astype(np.float64)
 
     def difficulty(self, step: int) -> Number:

@@ -5,6 +5,8 @@ to it after loading (``Curriculum.postprocess`` calls them with the difficulty o
 step). ``SeqlenTruncate`` keeps the first ``d`` positions of every sequence (DeepSpeed
 ``seqlen_truncate``); ``SeqlenReshape`` keeps every token by folding ``[B, S]`` into
 ``[B * (S // d), d]`` (DeepSpeed ``seqlen_reshape``; a tail of ``S % d`` tokens is dropped).
+``ReportedDifficulty`` changes nothing: it is a DeepSpeed ``single_cluster`` metric whose
+difficulty the model code reads (``Curriculum.difficulties(step)``, and the loader state).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from meshfeed.curriculum.schedule import Schedule
 
-__all__ = ["SeqlenReshape", "SeqlenTruncate"]
+__all__ = ["ReportedDifficulty", "SeqlenReshape", "SeqlenTruncate"]
 
 #: The batch keys cut by default when the batch is a mapping (those present are cut).
 DEFAULT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "loss_mask")
@@ -77,3 +79,19 @@ class SeqlenReshape:
             return x[:, :keep].reshape(x.shape[0] * (s // d), d, *x.shape[2:])
 
         return _apply(batch, self.keys, fold)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReportedDifficulty:
+    """A scheduled difficulty that gates and transforms nothing; it is only reported.
+
+    DeepSpeed's ``single_cluster`` metrics other than the seqlen ones (e.g. the ``dummy_metric``
+    of its own tests) work this way: the sampler's ``current_difficulties`` carries the value
+    and the model's post-processing uses it.
+    """
+
+    schedule: Schedule
+    name: str
+
+    def __call__(self, batch: Any, difficulty: int | float) -> Any:
+        return batch

@@ -7,15 +7,13 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
 - The mixture stream is infinite; loader epoch ``e`` covers stream positions
   ``[e * samples_per_epoch, (e + 1) * samples_per_epoch)``. ``samples_per_epoch`` defaults to
   the sum of the source lengths rounded down to a whole number of global batches.
-- Stream position ``g`` belongs to source ``source_of(g)``. In every prefix of the stream each
-  source's count is within +-1 of its share (strictly: between ``floor`` and ``ceil`` of
-  ``n * share``). The interleave is periodic with period ``M`` (the common denominator of the
-  normalised weights): one period is built once by the Balinski-Young quota method (the one
-  house-monotone apportionment that always stays within quota; divisor rules such as
-  Webster's do not), and any position is then answered in O(1) from ``g // M`` and ``g % M``.
-  Memory is O(M), never O(stream length). Weights are made rational with denominators up to
-  10**6 (so 0.3 means 3/10); when the common denominator exceeds ``MAX_PERIOD`` the shares are
-  rounded to multiples of ``1 / MAX_PERIOD`` (see :attr:`Mixture.shares`).
+- Stream position ``g`` belongs to source ``source_of(g)``, given by an exact interleave of
+  the float weights (:mod:`meshfeed.order.interleave`): every prefix holds each source within
+  +-1 of its share (:attr:`Mixture.max_deviation` < 1) for weights that are simple fractions,
+  for any weights of up to three sources (proved), and for nearly all weights of four to eight
+  (the bound is checked per mixture); the rare rest falls back to shares rounded to 1/65536 and
+  reports its bound. Any position is O(K) integer arithmetic,
+  no table of the stream's length; tiny weights keep their share, huge integers are normalised.
 - The ``k``-th draw from source ``s`` reads element ``k % len_s`` of a fresh permutation of that
   source for source epoch ``k // len_s``: each source is reshuffled with its own epoch when it
   is exhausted, independently of the others and of the loader epoch.
@@ -25,7 +23,8 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
   resume across a change is exact. The whole schedule is in ``describe``
   (``loader.state_dict()["order"]``, with the per-source consumption) and a resume with another
   schedule is refused; the fingerprint holds only the step-0 weights, so it does not change when
-  ``reweight`` is called after a loader has recorded it.
+  ``reweight`` is called after a loader has recorded it. The loader-specific state (global batch
+  size, how far it planned) lives in the :class:`MixtureOrder`, not in the mixture.
 - A substitute for a bad sample (see ``on_error``) is drawn from the whole concatenated index
   space, not per source.
 """
@@ -35,85 +34,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import weakref
 from collections.abc import Mapping
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
+from meshfeed.order.interleave import MAX_PERIOD, Interleave, interleave_period, make_interleave
 from meshfeed.order.permutation import Permutation, derive_seed
-from meshfeed.state import dataset_fingerprint
+from meshfeed.protocols import OrderBase
+from meshfeed.state import dataset_fingerprint, envelope, open_envelope
 
 __all__ = ["MAX_PERIOD", "Mixture", "MixtureOrder", "interleave_period"]
 
-#: Largest interleave period; beyond it the shares are rounded to multiples of 1 / MAX_PERIOD.
-MAX_PERIOD = 1 << 16
 _MIX_OP = 0x4D49
-
-
-def _quotas(weights: list[float]) -> list[int]:
-    """Integer quotas ``q`` (sum = period) proportional to ``weights``."""
-    fracs = [Fraction(w).limit_denominator(10**6) for w in weights]
-    total = sum(fracs, Fraction(0))
-    shares = [f / total for f in fracs]
-    period = math.lcm(*(s.denominator for s in shares))
-    if period <= MAX_PERIOD:
-        return [int(s * period) for s in shares]
-    # Largest remainder over MAX_PERIOD (deterministic tie-break by source order).
-    raw = [s * MAX_PERIOD for s in shares]
-    q = [math.floor(r) for r in raw]
-    order = sorted(range(len(q)), key=lambda i: (-(raw[i] - q[i]), i))
-    for i in order[: MAX_PERIOD - sum(q)]:
-        q[i] += 1
-    return q
-
-
-def interleave_period(quotas: list[int]) -> np.ndarray:
-    """One period of the quota-method interleave: the source of each of ``sum(quotas)`` slots.
-
-    At slot ``n`` (1-based) the seat goes, among sources still under their upper quota
-    (``n * q_s > c_s * M``), to the one with the largest ``q_s / (c_s + 1)`` (lowest index on
-    ties). Every prefix then holds between ``floor`` and ``ceil`` of ``n * q_s / M`` of source s.
-    """
-    M, K = sum(quotas), len(quotas)
-    out = np.empty(M, dtype=np.int32)
-    counts = [0] * K
-    for n in range(1, M + 1):
-        best = -1
-        for s in range(K):
-            q = quotas[s]
-            if (
-                q
-                and n * q > counts[s] * M
-                and (best < 0 or q * (counts[best] + 1) > quotas[best] * (counts[s] + 1))
-            ):
-                best = s
-        out[n - 1] = best
-        counts[best] += 1
-    return out
-
-
-class _Segment:
-    """One weight setting: its period table and per-source slot positions."""
-
-    def __init__(self, quotas: list[int]) -> None:
-        self.quotas = np.asarray(quotas, dtype=np.int64)
-        self.period = int(self.quotas.sum())
-        self.src = interleave_period(quotas)
-        # rank[r]: how many earlier slots of the period belong to src[r].
-        self.rank = np.zeros(self.period, dtype=np.int64)
-        self.slots: list[np.ndarray] = []
-        for s in range(len(quotas)):
-            where = np.flatnonzero(self.src == s)
-            self.rank[where] = np.arange(len(where))
-            self.slots.append(where)
-
-    def counts(self, length: int) -> np.ndarray:
-        """Per-source counts among the first ``length`` positions of the segment."""
-        full, rest = divmod(int(length), self.period)
-        return full * self.quotas + np.array(
-            [np.searchsorted(sl, rest) for sl in self.slots], dtype=np.int64
-        )
+#: Version of the facts a MixtureOrder records in a loader checkpoint (2: exact interleave).
+ORDER_VERSION = 2
 
 
 class Mixture:
@@ -163,9 +99,9 @@ class Mixture:
             )
         self.samples_per_epoch = samples_per_epoch
         self._schedule: list[tuple[int, list[float]]] = []
-        self._segments: list[_Segment] = []
-        self._frozen_until = 0  # global stream position up to which the order was served
-        self._global_batch_size: int | None = None
+        self._segments: list[Interleave] = []
+        # The loaders' orders over this mixture, asked before a reweight (they own their state).
+        self._orders: weakref.WeakSet[MixtureOrder] = weakref.WeakSet()
         table: Mapping[Any, Any] = weights
         if not isinstance(table, Mapping) or not table:
             raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
@@ -182,7 +118,7 @@ class Mixture:
             self._add(0, table)
 
     # ------------------------------------------------------------------ schedule
-    def _weights_vector(self, weights: Mapping[str, float]) -> list[float]:
+    def _weights_vector(self, weights: Mapping[str, float]) -> list[int | float]:
         if not isinstance(weights, Mapping):
             raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
         unknown = set(weights) - set(self.names)
@@ -192,8 +128,17 @@ class Mixture:
                 f"weights name {sorted(map(str, unknown))} which are not sources and miss "
                 f"{sorted(missing)}; give one weight per source {self.names}"
             )
-        vec = [float(weights[n]) for n in self.names]
-        if any(not math.isfinite(w) or w < 0 for w in vec) or sum(vec) <= 0:
+        vec: list[int | float] = []
+        for n in self.names:
+            w = weights[n]
+            if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
+                raise TypeError(f"weight of {n!r} must be a number (got {w!r}); e.g. 0.25")
+            vec.append(int(w) if isinstance(w, (int, np.integer)) else float(w))
+        if (
+            any(isinstance(w, float) and not math.isfinite(w) for w in vec)
+            or any(w < 0 for w in vec)
+            or not any(w > 0 for w in vec)
+        ):
             raise ValueError(
                 f"weights must be finite, >= 0 and not all zero (got {dict(weights)}); "
                 "use a positive weight for at least one source"
@@ -208,20 +153,14 @@ class Mixture:
                 f"{self._schedule[-1][0]}; give changes in increasing step order"
             )
         self._schedule.append((step, vec))
-        self._segments.append(_Segment(_quotas(vec)))
+        self._segments.append(make_interleave(vec))
 
     def reweight(self, step: int, weights: Mapping[str, float]) -> None:
         """Use ``weights`` from global step ``step`` on (declare it before iterating past it)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"step must be an int >= 1 (got {step=!r}); step 0 is the start")
-        G = self._global_batch_size
-        if G is not None and step * G < self._frozen_until:
-            raise ValueError(
-                f"reweight(step={step}) would change stream positions from {step * G} on, but "
-                f"the loader already planned positions up to {self._frozen_until}; declare "
-                "changes before iterating (or rebuild the loader from a checkpoint and reweight "
-                "a later step)"
-            )
+        for order in list(self._orders):
+            order.check_reweight(step)
         self._add(step, weights)
 
     @property
@@ -231,13 +170,23 @@ class Mixture:
 
     @property
     def shares(self) -> list[dict[str, float]]:
-        """The exact shares each schedule segment uses (quota / period)."""
+        """The shares each schedule segment holds (normalised weights; see the module doc)."""
         return [
-            {n: float(q) / seg.period for n, q in zip(self.names, seg.quotas.tolist(), strict=True)}
+            {n: float(q) for n, q in zip(self.names, seg.shares, strict=True)}
             for seg in self._segments
         ]
 
-    def _schedule_json(self) -> list[list[Any]]:
+    @property
+    def max_deviation(self) -> list[float]:
+        """Per segment, the proven bound on ``|count - n * share|`` of any source and prefix.
+
+        Below 1 means the +-1 promise holds (for every prefix, or up to 2**40 positions for
+        weights read as simple fractions); see :mod:`meshfeed.order.interleave`.
+        """
+        return [seg.max_deviation for seg in self._segments]
+
+    def schedule_json(self) -> list[list[Any]]:
+        """The weight schedule as JSON values (what a loader checkpoint records)."""
         return [[s, w] for s, w in self._schedule]
 
     # ------------------------------------------------------------------ map-style access
@@ -278,7 +227,7 @@ class Mixture:
 
         Later weight changes are left out: a loader records the fingerprint when it is built,
         and ``reweight`` may follow; the full schedule is checked on resume by
-        :meth:`MixtureOrder.validate_described`.
+        :meth:`MixtureOrder.validate`.
         """
         h = hashlib.blake2b(digest_size=10)
         for name, src in zip(self.names, self.sources, strict=True):
@@ -299,7 +248,7 @@ class Mixture:
         return bases
 
     def _resolve_g(self, global_batch_size: int | None) -> int:
-        G = global_batch_size or self._global_batch_size
+        G = global_batch_size
         if G is None:
             if len(self._schedule) > 1:
                 raise ValueError(
@@ -321,13 +270,10 @@ class Mixture:
         src = np.empty(g.shape, dtype=np.int64)
         k = np.empty(g.shape, dtype=np.int64)
         for j in np.unique(seg_of).tolist():
-            seg = self._segments[j]
             where = seg_of == j
-            local = g[where] - starts[j]
-            full, rest = np.divmod(local, seg.period)
-            s = seg.src[rest].astype(np.int64)
+            s, rank = self._segments[j].draws(g[where] - starts[j])
             src[where] = s
-            k[where] = bases[j][s] + full * seg.quotas[s] + seg.rank[rest]
+            k[where] = bases[j][s] + rank
         return src, k
 
     def source_of(
@@ -346,22 +292,39 @@ class Mixture:
 
     def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> MixtureOrder:
         """The loader hook: an :class:`MixtureOrder` for this global batch size and seed."""
-        return MixtureOrder(self, global_batch_size=global_batch_size, seed=seed)
+        order = MixtureOrder(self, global_batch_size=global_batch_size, seed=seed)
+        self._orders.add(order)
+        return order
 
 
-class MixtureOrder:
-    """The loader's order over a :class:`Mixture`: stream positions -> concatenated indices."""
+class MixtureOrder(OrderBase):
+    """The loader's order over a :class:`Mixture`: stream positions -> concatenated indices.
+
+    It owns the loader-specific state: the global batch size that places weight changes in the
+    stream, and ``planned_until``, the stream position up to which it has served indices (a
+    ``reweight`` before it is refused).
+    """
 
     def __init__(self, mixture: Mixture, *, global_batch_size: int, seed: int) -> None:
         self.mixture = mixture
         self.G = int(global_batch_size)
         self.seed = int(seed)
-        mixture._global_batch_size = self.G
+        self.planned_until = 0
         spe = mixture.samples_per_epoch
         if spe is None:
             spe = max(self.G, len(mixture) // self.G * self.G)
         self.samples_per_epoch = int(spe)
         self._perms: dict[tuple[int, int], Permutation] = {}
+
+    def check_reweight(self, step: int) -> None:
+        """Refuse a weight change at ``step`` if this order already served positions past it."""
+        if step * self.G < self.planned_until:
+            raise ValueError(
+                f"reweight(step={step}) would change stream positions from {step * self.G} on, "
+                f"but the loader already planned positions up to {self.planned_until}; declare "
+                "changes before iterating (or rebuild the loader from a checkpoint and reweight "
+                "a later step)"
+            )
 
     def epoch_length(self, epoch: int) -> int:
         return self.samples_per_epoch
@@ -376,39 +339,69 @@ class MixtureOrder:
             perm = self._perms[key] = Permutation(int(self.mixture.lengths[s]), seed)
         return perm
 
-    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+    def draws(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, k)`` of epoch positions: the k-th draw of that source."""
         g = epoch * self.samples_per_epoch + np.asarray(positions, dtype=np.int64)
         if g.size:
-            self.mixture._frozen_until = max(self.mixture._frozen_until, int(g.max()) + 1)
-        src, k = self.mixture.draws(g, global_batch_size=self.G)
+            self.planned_until = max(self.planned_until, int(g.max()) + 1)
+        return self.mixture.draws(g, global_batch_size=self.G)
+
+    def source_indices(self, src: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Concatenated indices of the ``k``-th draws of sources ``src`` (per-source reshuffle)."""
         lengths = self.mixture.lengths[src]
         src_epoch, within = np.divmod(k, lengths)
-        out = np.empty(g.shape, dtype=np.int64)
+        out = np.empty(src.shape, dtype=np.int64)
         for s, e in set(zip(src.tolist(), src_epoch.tolist(), strict=True)):
             where = (src == s) & (src_epoch == e)
             out[where] = self._perm(s, e)[within[where]] + self.mixture.offsets[s]
         return out
 
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        src, k = self.draws(epoch, positions)
+        return self.source_indices(src, k)
+
     def describe(self, epoch: int, position: int) -> dict[str, Any]:
         """Per-source consumption and the weight schedule (stored in the loader state)."""
         g = epoch * self.samples_per_epoch + int(position)
-        return {
-            "kind": "mixture",
-            "stream_position": g,
-            "samples_per_epoch": self.samples_per_epoch,
-            "consumed": self.mixture.counts(g, global_batch_size=self.G),
-            "schedule": self.mixture._schedule_json(),
-        }
+        return envelope(
+            "mixture",
+            ORDER_VERSION,
+            stream_position=g,
+            samples_per_epoch=self.samples_per_epoch,
+            consumed=self.mixture.counts(g, global_batch_size=self.G),
+            schedule=self.mixture.schedule_json(),
+        )
 
-    def validate_described(self, described: Mapping[str, Any]) -> None:
-        """Refuse to resume from a state whose schedule differs from this mixture's."""
-        mine = self.mixture._schedule_json()
-        theirs = json.loads(json.dumps(described.get("schedule")))
+    def validate(self, described: Mapping[str, Any]) -> None:
+        """Refuse to resume from facts whose kind, version or schedule differ from this order's."""
+        facts = open_envelope(
+            described,
+            kind="mixture",
+            version=ORDER_VERSION,
+            fields={"stream_position": int, "samples_per_epoch": int, "schedule": list},
+            what="mixture order state",
+        )
+        mine = self.mixture.schedule_json()
+        theirs = json.loads(json.dumps(facts["schedule"]))
         if theirs != json.loads(json.dumps(mine)):
             raise ValueError(
                 f"the checkpoint's mixture weight schedule {theirs} differs from this mixture's "
                 f"{mine}; build the Mixture with the checkpoint's schedule to resume exactly"
             )
-        self.mixture._frozen_until = max(
-            self.mixture._frozen_until, int(described.get("stream_position", 0))
-        )
+        if facts["samples_per_epoch"] != self.samples_per_epoch:
+            raise ValueError(
+                f"the checkpoint's mixture epoch has {facts['samples_per_epoch']} samples, this "
+                f"one {self.samples_per_epoch}; pass samples_per_epoch="
+                f"{facts['samples_per_epoch']} to Mixture to resume exactly"
+            )
+        expected = self.mixture.counts(facts["stream_position"], global_batch_size=self.G)
+        if facts.get("consumed") != expected:
+            raise ValueError(
+                f"the checkpoint's per-source consumption {facts.get('consumed')!r} is not what "
+                f"this mixture gives at stream position {facts['stream_position']} ({expected}); "
+                "the checkpoint is corrupted or from another mixture"
+            )
+        self.planned_until = max(self.planned_until, facts["stream_position"])
+
+    # The loader of this release still calls the old name; remove once it calls validate().
+    validate_described = validate
