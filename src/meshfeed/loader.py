@@ -10,7 +10,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -174,7 +174,9 @@ class DataLoader(LoaderBase):
                 "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
             )
         postprocess: PostProcess | None = None
-        if curriculum is not None:
+        # A dict of curricula per mixture source was checked by build_order; batches mix
+        # sources, so per-source batch transforms do not apply and there is no postprocess.
+        if curriculum is not None and not isinstance(curriculum, Mapping):
             if not isinstance(curriculum, CurriculumHooks):
                 raise TypeError(
                     f"curriculum={curriculum!r} lacks make_order() or postprocess; pass a "
