@@ -33,7 +33,15 @@ def test_rank_aware_replica_members_get_the_same_batch_and_data_ranks_disjoint_o
     flat0 = [k for ids in seen[0] for k in ids]
     flat2 = [k for ids in seen[2] for k in ids]
     assert not set(flat0) & set(flat2) and len(flat0) == len(flat2) == 8
-    assert store.stats()["cache_entries"] == 0  # every entry dropped once all members read it
+    # Only the last round is kept (a retry of it must get the same batch) ...
+    assert store.stats()["cache_entries"] == 1
+    assert store.get("actor", ["x"], 4, "p", sampler=samplers[2], batch_index=1).ids == seen[2][1]
+    store.close("p")
+    for r in range(4):  # ... until every member asked for the next round
+        with pytest.raises(PartitionClosed):
+            store.get("actor", ["x"], 4, "p", sampler=samplers[r], timeout=1, batch_index=2)
+    assert store.stats()["cache_entries"] == 0
+    assert store.stats()["redelivered"] == 4  # the retried batch, counted
 
 
 def test_rank_aware_cache_stays_bounded_while_members_lag(make_store):
@@ -46,7 +54,10 @@ def test_rank_aware_cache_stays_bounded_while_members_lag(make_store):
     assert store.stats()["cache_entries"] == 10  # one per step the lagging member has not read
     for step in range(10):
         store.get("t", ["x"], 2, "p", sampler=lag, timeout=1, batch_index=step)
-    assert store.stats()["cache_entries"] == 0
+    assert store.stats()["cache_entries"] == 1  # the last step, kept for a retry
+    got = [store.get("t", ["x"], 2, "p", sampler=s, timeout=1, batch_index=10) for s in (lead, lag)]
+    assert got[0].ids == got[1].ids
+    assert store.stats()["cache_entries"] == 1  # step 9 dropped once both asked for step 10
 
 
 def test_rank_aware_sampler_requires_a_batch_index():
@@ -161,6 +172,12 @@ def test_length_balanced_splits_a_global_batch_with_balanced_tokens_and_whole_gr
         assert all(b.ids[i] // 2 == b.ids[i + 1] // 2 for i in range(0, 6, 2))  # whole groups
     totals = [sum(b["n"]) for b in parts]
     assert abs(totals[0] - totals[1]) <= 30, totals  # 290 vs 320 is optimal here
+    assert store.stats()["cache_entries"] == 1  # kept until both ranks ask for the next batch
+    store.close("p")
+    for r in range(2):
+        s = LengthBalancedSampler(length_field="n", data_rank=r, data_world_size=2, group_size=2)
+        with pytest.raises(PartitionClosed):
+            store.get("t", ["x", "n"], 6, "p", sampler=s, timeout=1, batch_index=1)
     assert store.stats()["cache_entries"] == 0
 
 

@@ -111,6 +111,7 @@ class Entry:
 
 class Partition:
     __slots__ = (
+        "asked",
         "cache",
         "closed",
         "consumed",
@@ -127,6 +128,9 @@ class Partition:
         self.pending: dict[str, dict[Key, None]] = {}
         self.consumed: dict[str, set[Key]] = {}
         self.cache: dict[tuple[Any, ...], Entry] = {}
+        # Per (task, shared-key prefix): the highest batch index each reader asked for; a
+        # plan is dropped once every reader asked past it (a retry before that re-reads it).
+        self.asked: dict[tuple[Any, ...], dict[int, int]] = {}
         # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
         # every task, so a checkpoint taken meanwhile can still re-deliver them.
         self.held: dict[Key, int] = {}
