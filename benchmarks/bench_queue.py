@@ -197,7 +197,8 @@ def main() -> None:
     with Progress(total=len(configs), desc="bench_queue", unit="config") as bar:
         for backend, size, workers in configs:
             n = sizes[size][0 if backend == "embedded" else 1]
-            n -= n % (workers * args.batch * args.put_batch)
+            unit = workers * args.batch * args.put_batch  # whole puts and gets per thread
+            n = max(unit, n - n % unit)  # never 0: --quick once ran the large rows with none
             large = size == "large"
             if backend == "embedded":
                 store = SampleStore("embedded", capacity=256, tasks=["train"])

@@ -221,3 +221,42 @@ def test_samplers_reject_bad_configuration():
         RankAwareSampler(data_rank=0, replica_rank=2, replica_size=2)
     with pytest.raises(ValueError, match="data_rank=3 must be < data_world_size=2"):
         LengthBalancedSampler(length_field="n", data_rank=3, data_world_size=2)
+
+
+def test_consecutive_ids_groups_follow_transferqueues_window_rule(make_store):
+    store = make_store()
+    ready = [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11]  # 8 is missing: [6, 7] never forms a group
+    store.put("p", {"x": ready}, ids=ready)
+    sampler = GroupSampler(group_size=3, consecutive_ids=True)
+    assert store.get("t", ["x"], 6, "p", sampler=sampler, timeout=1).ids == [0, 1, 2, 3, 4, 5]
+    assert store.get("t", ["x"], 3, "p", sampler=sampler, timeout=1).ids == [9, 10, 11]
+    with pytest.raises(TimeoutError):
+        store.get("t", ["x"], 3, "p", sampler=sampler, timeout=0.05)
+    store.put("p", {"x": [8]}, ids=[8])
+    assert store.get("t", ["x"], 3, "p", sampler=sampler, timeout=1).ids == [6, 7, 8]
+
+
+def test_consecutive_ids_groups_need_int_ids_and_a_bool_flag():
+    with pytest.raises(TypeError, match="consecutive_ids must be True or False"):
+        GroupSampler(group_size=2, consecutive_ids="yes")
+    store = SampleStore()
+    store.put("p", {"x": [1, 2]}, ids=["a", "b"])
+    with pytest.raises(ValueError, match="groups int ids"):
+        store.get("t", ["x"], 2, "p", sampler=GroupSampler(group_size=2, consecutive_ids=True))
+
+
+def test_asking_again_for_the_same_batch_index_returns_the_same_batch(make_store):
+    store = make_store()
+    store.put("p", {"x": list(range(8))})
+    sampler = RankAwareSampler(data_rank=0)
+    first = store.get("t", ["x"], 2, "p", sampler=sampler, timeout=1, batch_index=0)
+    retry = store.get("t", ["x"], 2, "p", sampler=sampler, timeout=1, batch_index=0)
+    assert retry.ids == first.ids == [0, 1]  # a retried request is safe
+    assert store.get("t", ["x"], 2, "p", sampler=sampler, timeout=1, batch_index=1).ids == [2, 3]
+    stats = store.stats()
+    assert stats["consumed"] == {"t": 4} and stats["redelivered"] == 2
+    # Two data ranks, one round: each rank's retry returns its own part again.
+    ranks = [RankAwareSampler(data_rank=r, data_world_size=2) for r in range(2)]
+    parts = [store.get("u", ["x"], 2, "p", sampler=s, timeout=1, batch_index=0) for s in ranks]
+    again = [store.get("u", ["x"], 2, "p", sampler=s, timeout=1, batch_index=0) for s in ranks]
+    assert [b.ids for b in parts] == [b.ids for b in again] == [[0, 1], [2, 3]]

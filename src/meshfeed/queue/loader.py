@@ -508,6 +508,11 @@ class StoreLoader:
                 )
         pending = st["pending"]
         nxt = st["next"]
+        if nxt >= 1 << 53:  # beyond what JSON carries exactly; no stream reaches it
+            raise ValueError(
+                f"StoreLoader state field 'next' is {nxt}, beyond any real batch count "
+                f"(next={nxt}); the checkpoint is corrupted"
+            )
         seen: set[int] = set()
         for item in pending:
             ok = (
