@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.queue.columns import resolve
 from meshfeed.queue.core import KIND, VERSION, StoreCore
 from meshfeed.queue.records import Entry, Partition, Ref, Sample, StoreOptions, nbytes_of
 from meshfeed.state import envelope, open_envelope
@@ -82,7 +83,9 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
             }
         )
         if with_payload:
-            payload.append([dict(s.fields) for s in part.samples.values()])
+            payload.append(
+                [{f: resolve(v) for f, v in s.fields.items()} for s in part.samples.values()]
+            )
     meta = envelope(
         KIND,
         VERSION,

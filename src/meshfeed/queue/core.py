@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from meshfeed.queue.columns import Cell, Chunk, gather
 from meshfeed.queue.records import (
     SCALAR_TYPES,
     Entry,
@@ -109,6 +110,10 @@ class StoreCore:
                 sample.group = group
             fields = sample.fields
             for f, column in columns:
+                if type(column) is Chunk:  # a row of the put's column, not a copy of it
+                    fields[f] = Cell(column, i)
+                    sample.nbytes += column.row_nbytes
+                    continue
                 value = column[i]
                 fields[f] = value
                 if type(value) in SCALAR_TYPES:  # the common small sample: no size probing
@@ -283,7 +288,8 @@ class StoreCore:
         return sum(len(p.cache) for p in self.partitions.values())
 
     def _rows(self, part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, list]:
-        return {f: [part.samples[k].fields[f] for k in ids] for f in fields}
+        samples = part.samples
+        return {f: gather([samples[k].fields[f] for k in ids]) for f in fields}
 
     @staticmethod
     def _hold(part: Partition, ids: list[Key]) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from meshfeed.queue import checkpoint
+from meshfeed.queue.columns import Chunk
 from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
@@ -270,15 +271,27 @@ class RayBackend:
             return Ref(ray.put(value), size)
         return value
 
-    def _resolve(self, rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    def _wrap_column(self, column: Any) -> Any:
+        """A small-row chunk travels as one pickled column; rows of at least ``inline_bytes``
+        go to the object store one by one (the actor holds their references)."""
+        if isinstance(column, Chunk):
+            if column.row_nbytes < self.inline_bytes:
+                return column
+            column = list(column.data)
+        return [self._wrap(v) for v in column]
+
+    def _resolve(self, rows: dict[str, Any]) -> dict[str, Any]:
         import ray
 
-        refs = [v for col in rows.values() for v in col if isinstance(v, Ref)]
+        refs = [v for col in rows.values() if type(col) is list for v in col if isinstance(v, Ref)]
         if not refs:
             return rows
         fetched = iter(ray.get([r.ref for r in refs]))
         return {
-            f: [next(fetched) if isinstance(v, Ref) else v for v in col] for f, col in rows.items()
+            f: [next(fetched) if isinstance(v, Ref) else v for v in col]
+            if type(col) is list
+            else col
+            for f, col in rows.items()
         }
 
     def put(
@@ -289,7 +302,7 @@ class RayBackend:
         groups: Any,
         timeout: float | None,
     ) -> list[Key]:
-        wrapped = {f: [self._wrap(v) for v in col] for f, col in rows.items()}
+        wrapped = {f: self._wrap_column(col) for f, col in rows.items()}
         return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout))
 
     def get(

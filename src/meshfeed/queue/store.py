@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.queue import checkpoint
+from meshfeed.queue.columns import Chunk, Gathered
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.embedded import EmbeddedBackend
 from meshfeed.queue.samplers import Sampler, SequentialSampler
@@ -62,8 +63,11 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def collate(values: list[Any]) -> Any:
-    """Stack equal-shape tensors or arrays; anything else stays a list."""
+def collate(values: list[Any] | Gathered) -> Any:
+    """Stack equal-shape tensors or arrays; anything else stays a list. A column the store
+    gathered from chunks already is one tensor / array (a view when contiguous)."""
+    if isinstance(values, Gathered):
+        return values.data
     torch = _torch()
     if values and torch is not None and all(isinstance(v, torch.Tensor) for v in values):
         first = values[0]
@@ -76,7 +80,7 @@ def collate(values: list[Any]) -> Any:
     return list(values)
 
 
-def _rows(column: Any, name: str) -> list[Any]:
+def _rows(column: Any, name: str) -> list[Any] | Chunk:
     if type(column) is list:  # the common case; the store keeps the values, not the list
         return column
     torch = _torch()
@@ -86,7 +90,7 @@ def _rows(column: Any, name: str) -> list[Any]:
                 f"field {name!r} is a 0-d {type(column).__name__}; give a column with one "
                 "entry per sample (shape [n, ...])"
             )
-        return list(column) if isinstance(column, np.ndarray) else list(column.unbind(0))
+        return Chunk(column)  # one chunk per put; samples reference rows of it
     if isinstance(column, list | tuple):
         return list(column)
     raise TypeError(
