@@ -5,7 +5,9 @@ as threads of this process (with Ray, every call goes to the store actor in anot
 Latency is put-call start to get return, per sample. Baselines, measured in the same run:
 ``queue.Queue`` (embedded) and a plain async Ray actor wrapping an ``asyncio.Queue`` (Ray).
 Small samples are three scalars; large ones carry a 1 MiB float32 array. Rows "put xK" put K
-samples per call (the store's columnar API); the others put one sample per call.
+samples per call (the store's columnar API); the others put one sample per call. Rows
+"2 tensors x64" are the RL workload of issue #12: two small tensor fields per sample, one put
+and one get per 64 rows (a put's column stays one chunk; a get of contiguous rows is a view).
 
     PYTHONPATH=src python benchmarks/bench_queue.py           # full run (a few minutes)
     PYTHONPATH=src python benchmarks/bench_queue.py --quick   # small version
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from meshfeed.progress import Progress
 from meshfeed.queue import PartitionClosed, SampleStore
@@ -172,6 +175,64 @@ def bench_ray_actor(n: int, workers: int, large: bool, batch: int):
         ray.kill(actor)
 
 
+def bench_tensor_rows(
+    store: SampleStore, n: int, workers: int, batch: int = 64
+) -> tuple[float, list[float]]:
+    """The RL workload of issue #12: two small tensor fields per sample, put and got in
+    batches of ``batch`` rows (one put per batch, one get per batch). Latency is put start to
+    get return of each batch, counted once per sample."""
+    tokens = torch.arange(batch * 8, dtype=torch.int64).reshape(batch, 8)
+    logp = torch.zeros(batch, 8)
+    put_at: dict[int, float] = {}
+
+    def produce(i: int) -> None:
+        ids = list(range(i, i + batch))
+        put_at[i] = time.perf_counter()
+        store.put("tensors", {"tokens": tokens, "logp": logp}, ids=ids, timeout=120)
+
+    def consume() -> list[float]:
+        out: list[float] = []
+        while True:
+            try:
+                b = store.get("train", ["tokens", "logp"], batch, "tensors", timeout=120)
+            except PartitionClosed:
+                return out
+            now = time.perf_counter()
+            out.extend(now - put_at.get(k - k % batch, now) for k in b.ids)
+
+    return _run(n, workers, produce, consume, lambda: store.close("tensors"), step=batch)
+
+
+def tensor_rows(args: argparse.Namespace, ray_store: SampleStore | None) -> list[tuple[str, ...]]:
+    """Rows for the tensor workload: samples/s put+get and p99 latency, per backend (the Ray
+    rows reuse the warm store actor of the other rows)."""
+    rows: list[tuple[str, ...]] = []
+    n_by = {"embedded": 1024 if args.quick else 4096 * 4, "ray": 1024 if args.quick else 4096}
+    stores = {"embedded": SampleStore("embedded", capacity=256, tasks=["train"])}
+    if ray_store is not None:
+        stores["ray"] = ray_store
+    for backend, store in stores.items():
+        for workers in (1, 4):
+            n = n_by[backend] - n_by[backend] % (workers * 64)
+            store.clear("tensors")
+            elapsed, lat = bench_tensor_rows(store, n, workers)
+            ms = np.asarray(lat) * 1e3
+            rows.append(
+                (
+                    backend,
+                    "2 tensors x64",
+                    f"{workers}x{workers}",
+                    "SampleStore",
+                    str(n),
+                    f"{n / elapsed:,.0f}",
+                    f"{np.percentile(ms, 50):.2f}",
+                    f"{np.percentile(ms, 99):.2f}",
+                    "-",
+                )
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small, fast version")
@@ -197,7 +258,8 @@ def main() -> None:
     with Progress(total=len(configs), desc="bench_queue", unit="config") as bar:
         for backend, size, workers in configs:
             n = sizes[size][0 if backend == "embedded" else 1]
-            n -= n % (workers * args.batch * args.put_batch)
+            unit = workers * args.batch * args.put_batch  # whole puts and gets per thread
+            n = max(unit, n - n % unit)  # never 0: --quick once ran the large rows with none
             large = size == "large"
             if backend == "embedded":
                 store = SampleStore("embedded", capacity=256, tasks=["train"])
@@ -234,6 +296,7 @@ def main() -> None:
                     )
                 )
             bar.update()
+    rows.extend(tensor_rows(args, None if args.no_ray else ray_store))
     header = (
         "backend",
         "sample",

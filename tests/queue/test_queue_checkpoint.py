@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -14,7 +15,7 @@ from meshfeed.queue import (
     PartitionClosed,
     RankAwareSampler,
     SampleStore,
-    StreamingDataLoader,
+    StoreLoader,
 )
 from meshfeed.queue import checkpoint as ckpt
 from meshfeed.testing import assert_resume_equivalence
@@ -61,7 +62,7 @@ def test_load_rejects_another_version_and_foreign_files(tmp_path):
     meta, payload = ckpt.dump(store._backend.core)
     meta["version"] = 99
     ckpt.write_checkpoint(tmp_path / "v99", meta, payload)
-    with pytest.raises(ValueError, match="version 99 is not supported"):
+    with pytest.raises(ValueError, match="version=99, this meshfeed reads version 2"):
         SampleStore.load(tmp_path / "v99")
     torch.save({"weights": 1}, tmp_path / "other")
     with pytest.raises(ValueError, match="not a SampleStore checkpoint"):
@@ -94,7 +95,8 @@ def test_state_dict_is_plain_versioned_json():
     store.put("p", {"x": [1, 2]}, ids=["a", "b"], groups=[0, 0])
     store.get("t", ["x"], 1, "p", timeout=1)
     state = store.state_dict()
-    assert json.loads(json.dumps(state)) == state and state["version"] == 1
+    assert json.loads(json.dumps(state)) == state
+    assert (state["kind"], state["version"]) == ("sample_store", 2)
     other = SampleStore()
     with pytest.raises(ValueError, match="does not hold"):
         other.load_state_dict(state)
@@ -119,15 +121,17 @@ class _Members:
         self.store.close("p")
         inner = GroupSampler(group_size=3)
         self.loaders = [
-            StreamingDataLoader(
+            StoreLoader(
                 self.store,
-                "t",
-                ["x", "len"],
-                6,
-                "p",
+                task="t",
+                fields=["x", "len"],
+                batch_size=6,
+                partition="p",
                 mesh={"dp": 1, "tp": 2},
                 rank=r,
                 sampler=RankAwareSampler(data_rank=0, replica_rank=r, replica_size=2, inner=inner),
+                prefetch=1,
+                timeout=math.inf,
             )
             for r in range(2)
         ]

@@ -26,6 +26,11 @@ def test_pinned_samples_outlive_eviction_until_every_reader_has_read():
     ids, rows = core.try_get("t", ("x",), 2, "p", lead, {"batch_index": 0})
     assert core.held == 2  # consumed by every task but pinned by the shared entry
     assert core.try_get("t", ("x",), 2, "p", lag, {"batch_index": 0}) == (ids, rows)
+    # Kept until both readers moved on: a retry of batch 0 must get the same batch.
+    assert core.held == 2 and core.stats()["cache_entries"] == 1
+    assert core.try_get("t", ("x",), 2, "p", lead, {"batch_index": 1}) is None
+    assert core.held == 2  # the lagging reader may still retry batch 0
+    assert core.try_get("t", ("x",), 2, "p", lag, {"batch_index": 1}) is None
     assert core.held == 0 and core.stats()["cache_entries"] == 0
 
 

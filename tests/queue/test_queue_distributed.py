@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from meshfeed.mesh import DataMesh
-from meshfeed.queue import PartitionClosed, SampleStore, StreamingDataLoader
+from meshfeed.queue import PartitionClosed, SampleStore, StoreLoader
 from tests.dist_utils import run_distributed
 
 PRODUCERS, PER_PRODUCER = 4, 16
@@ -44,7 +44,16 @@ def _rank_main(rank: int, world: int, address: str, name: str) -> dict:
             assert all(batch["obs"][i, 0] == batch["reward"][i] for i in range(len(batch)))
             consumed.extend(batch.ids)
         mesh = DataMesh.from_env(tp=2)  # WORLD_SIZE=4 -> dp=2 x tp=2; rank from the process group
-        loader = StreamingDataLoader(store, "train", ["x"], 3, "q", mesh=mesh, timeout=60)
+        loader = StoreLoader(
+            store,
+            task="train",
+            fields=["x"],
+            batch_size=3,
+            partition="q",
+            mesh=mesh,
+            timeout=60,
+            prefetch=1,
+        )
         ids = [b.ids for b in loader]
         everyone: list = [None] * world
         dist.all_gather_object(everyone, ids)  # the ranks' views, compared in every process

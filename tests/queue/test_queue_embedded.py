@@ -1,4 +1,4 @@
-"""The embedded backend: condition-variable waits with deadlines, no polling."""
+"""The embedded backend: bounded waits on per-waiter conditions, targeted wake-ups, no polling."""
 
 from __future__ import annotations
 
@@ -7,21 +7,22 @@ import time
 
 import pytest
 
+from meshfeed.queue import RequestCancelled, SampleStore
 from meshfeed.queue.embedded import wait_for
+from meshfeed.queue.wakeups import Waiter, Waiters
 
 
-def test_wait_for_times_out_after_its_deadline_and_counts_the_waiter():
-    cond = threading.Condition()
-    waiting: list[int] = []
+def test_wait_for_times_out_after_its_deadline_and_unregisters_the_waiter():
+    lock, waiters = threading.Lock(), Waiters()
     start = time.monotonic()
-    with cond, pytest.raises(TimeoutError, match="demo timed out after 0.05s"):
-        wait_for(cond, lambda: None, 0.05, "demo", waiting.append)
+    with lock, pytest.raises(TimeoutError, match="demo timed out after 0.05s"):
+        wait_for(lock, waiters, lambda n: Waiter("consumer", n), lambda: None, 0.05, "demo")
     assert 0.04 <= time.monotonic() - start < 2
-    assert waiting == [1, -1]  # entered and left the waiting count
+    assert waiters.waiters == []
 
 
-def test_wait_for_wakes_on_notify_not_on_a_timer():
-    cond = threading.Condition()
+def test_wait_for_wakes_on_its_notification_not_on_a_timer():
+    lock, waiters = threading.Lock(), Waiters()
     box: list[int] = []
     attempts = 0
 
@@ -31,12 +32,95 @@ def test_wait_for_wakes_on_notify_not_on_a_timer():
         return box[0] if box else None
 
     def notify() -> None:
-        with cond:
+        with lock:
             box.append(7)
-            cond.notify_all()
+            waiters.wake_all()
 
     timer = threading.Timer(0.1, notify)
     timer.start()
-    with cond:
-        assert wait_for(cond, attempt, 10, "demo", lambda d: None) == 7
+    with lock:
+        got = wait_for(lock, waiters, lambda n: Waiter("consumer", n), attempt, 10, "demo")
+    assert got == 7
     assert attempts == 2  # once before waiting, once after the single notification
+
+
+def _waiting(store: SampleStore, kind: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while store.stats()[f"waiting_{kind}"] < n:
+        assert time.monotonic() < deadline, f"{n} {kind} never started waiting"
+        time.sleep(0.005)
+
+
+def test_a_put_wakes_only_the_consumers_it_may_serve():
+    store = SampleStore()
+    out: dict[str, list] = {}
+
+    def consume(name: str, partition: str, field: str) -> None:
+        out[name] = store.get("t", [field], 1, partition, timeout=10).ids
+
+    threads = [
+        threading.Thread(target=consume, args=args)
+        for args in (("x@p", "p", "x"), ("y@p", "p", "y"), ("x@q", "q", "x"))
+    ]
+    for t in threads:
+        t.start()
+    _waiting(store, "consumers", 3)
+    for _ in range(5):
+        store.put("p", {"x": [1]})  # serves x@p once, then concerns no waiter
+    threads[0].join(10)
+    waiters = {(w.partition, tuple(w.need)): w.woken for w in store._backend.waiters.waiters}
+    assert waiters == {("p", ("y",)): 0, ("q", ("x",)): 0}  # never woken by puts of others
+    store.put("p", {"y": [1]})
+    store.put("q", {"x": [1]})
+    for t in threads:
+        t.join(10)
+    assert out == {"x@p": [0], "y@p": [5], "x@q": [0]}
+
+
+@pytest.mark.parametrize("timeout", [None, float("inf"), 1e10])
+def test_close_wakes_consumers_blocked_without_a_deadline(timeout):
+    from meshfeed.queue import PartitionClosed
+
+    store = SampleStore()
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            store.get("t", ["x"], 1, "p", timeout=timeout)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    _waiting(store, "consumers", 3)
+    store.close("p")
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 3 and all(isinstance(e, PartitionClosed) for e in errors)
+
+
+def test_cancel_wakes_the_requests_of_one_token_and_consumes_nothing():
+    store = SampleStore()
+    errors: list[BaseException] = []
+
+    def consume(token: str) -> None:
+        try:
+            store.get("t", ["x"], 1, "p", token=token)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(t,), daemon=True) for t in ("a", "b")]
+    for t in threads:
+        t.start()
+    _waiting(store, "consumers", 2)
+    store.cancel("a")
+    threads[0].join(5)
+    assert not threads[0].is_alive() and isinstance(errors[0], RequestCancelled)
+    assert threads[1].is_alive()  # the other token's request still waits
+    store.put("p", {"x": [1]})
+    threads[1].join(5)
+    assert len(errors) == 1 and store.stats()["consumed"] == {"t": 1}
+    with pytest.raises(RequestCancelled):  # a cancelled token is refused from then on
+        store.get("t", ["x"], 1, "p", token="a", timeout=1)

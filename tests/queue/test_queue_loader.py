@@ -1,9 +1,10 @@
-"""StreamingDataLoader: mesh semantics, prefetch and worker processes without duplicates,
+"""StoreLoader: mesh semantics, prefetch and worker processes without duplicates,
 resumable state with batches in flight, data ranks ending together."""
 
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import uuid
@@ -11,7 +12,7 @@ import uuid
 import pytest
 
 from meshfeed.mesh import DataMesh
-from meshfeed.queue import Batch, SampleStore, StreamingDataLoader
+from meshfeed.queue import Batch, SampleStore, StoreLoader
 from meshfeed.testing import assert_resume_equivalence
 
 
@@ -20,16 +21,16 @@ def _tag(batch: Batch) -> tuple[int, list]:
     return os.getpid(), list(batch.ids)
 
 
-def _run_ranks(store: SampleStore, mesh: DataMesh, batch: int, prefetch: int = 0) -> dict:
+def _run_ranks(store: SampleStore, mesh: DataMesh, batch: int, prefetch: int = 1) -> dict:
     out: dict[int, list] = {}
 
     def rank(r: int) -> None:
-        loader = StreamingDataLoader(
+        loader = StoreLoader(
             store,
-            "actor",
-            ["x"],
-            batch,
-            "p",
+            task="actor",
+            fields=["x"],
+            batch_size=batch,
+            partition="p",
             mesh=mesh,
             rank=r,
             timeout=20,
@@ -50,7 +51,7 @@ def _finish(run: dict) -> dict[int, list]:
     return run["out"]
 
 
-@pytest.mark.parametrize("prefetch", [0, 3])
+@pytest.mark.parametrize("prefetch", [1, 4])
 def test_replica_peers_get_identical_batches_and_data_ranks_disjoint_ones(make_store, prefetch):
     store = make_store()
     mesh = DataMesh.from_sizes(dp=2, tp=2)
@@ -79,17 +80,18 @@ def test_worker_processes_deliver_every_sample_exactly_once_per_task():
     store.close("p")
     seen: dict[str, list] = {}
     for task in ("actor", "critic"):
-        loader = StreamingDataLoader(
+        loader = StoreLoader(
             store,
-            task,
-            ["x"],
-            7,
-            "p",
+            task=task,
+            fields=["x"],
+            batch_size=7,
+            partition="p",
             mesh={"dp": 1},
             rank=0,
             num_workers=2,
-            transform=_tag,
             timeout=60,
+            collate_fn=_tag,
+            prefetch=3,
         )
         out = list(loader)
         assert all(pid != os.getpid() for pid, _ in out)  # the transform ran in workers
@@ -111,17 +113,18 @@ def test_ray_worker_processes_fetch_each_sample_exactly_once_per_task(ray_sessio
         store.close("p")
         seen = {}
         for task in ("actor", "critic"):
-            loader = StreamingDataLoader(
+            loader = StoreLoader(
                 store,
-                task,
-                ["x"],
-                3,
-                "p",
+                task=task,
+                fields=["x"],
+                batch_size=3,
+                partition="p",
                 mesh={"dp": 1},
                 rank=0,
                 num_workers=2,
-                transform=_tag,
                 timeout=120,
+                collate_fn=_tag,
+                prefetch=3,
             )
             out = list(loader)
             assert all(pid != os.getpid() for pid, _ in out)  # fetched in worker processes
@@ -138,7 +141,17 @@ def test_prefetch_never_duplicates_a_sample():
     store = SampleStore()
     store.put("p", {"x": list(range(100))})
     store.close("p")
-    loader = StreamingDataLoader(store, "t", ["x"], 7, "p", mesh={"dp": 1}, rank=0, prefetch=3)
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=7,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        prefetch=4,
+        timeout=math.inf,
+    )
     ids = [k for b in loader for k in b.ids]
     assert sorted(ids) == list(range(100)) and len(ids) == 100
     with pytest.raises(StopIteration):
@@ -147,7 +160,17 @@ def test_prefetch_never_duplicates_a_sample():
 
 def test_loader_ends_when_the_partition_is_closed_and_drained():
     store = SampleStore()
-    loader = StreamingDataLoader(store, "t", ["x"], 4, "p", mesh={"dp": 1}, rank=0, timeout=5)
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=4,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        timeout=5,
+        prefetch=1,
+    )
     store.put("p", {"x": [1, 2, 3, 4, 5]})
     assert next(loader).ids == [0, 1, 2, 3]
     store.close("p")
@@ -156,7 +179,17 @@ def test_loader_ends_when_the_partition_is_closed_and_drained():
 
 def test_loader_wait_is_bounded_by_its_timeout():
     store = SampleStore()
-    loader = StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0, timeout=0.05)
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=1,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        timeout=0.05,
+        prefetch=1,
+    )
     with pytest.raises(TimeoutError):
         next(loader)
     store.put("p", {"x": [1]})
@@ -166,20 +199,94 @@ def test_loader_wait_is_bounded_by_its_timeout():
 def test_loader_rejects_bad_configuration():
     store = SampleStore()
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        StreamingDataLoader(store, "t", ["x"], 0, "p", mesh={"dp": 1}, rank=0)
+        StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            batch_size=0,
+            partition="p",
+            mesh={"dp": 1},
+            rank=0,
+            prefetch=1,
+            timeout=math.inf,
+        )
     with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
-        StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0, num_workers=-1)
-    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
-        StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0, prefetch=-1)
-    with pytest.raises(ValueError, match="pass transform="):
-        StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0, num_workers=2)
+        StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            batch_size=1,
+            partition="p",
+            mesh={"dp": 1},
+            rank=0,
+            num_workers=-1,
+            timeout=math.inf,
+        )
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            batch_size=1,
+            partition="p",
+            mesh={"dp": 1},
+            rank=0,
+            prefetch=-1,
+            timeout=math.inf,
+        )
+    with pytest.raises(ValueError, match="pass collate_fn="):
+        StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            batch_size=1,
+            partition="p",
+            mesh={"dp": 1},
+            rank=0,
+            num_workers=2,
+            prefetch=3,
+            timeout=math.inf,
+        )
     with pytest.raises(ValueError, match="rank=4 is out of range"):
-        StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 2, "tp": 2}, rank=4)
-    loader = StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0)
-    with pytest.raises(ValueError, match="version 1 is not 2"):
+        StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            batch_size=1,
+            partition="p",
+            mesh={"dp": 2, "tp": 2},
+            rank=4,
+            prefetch=1,
+            timeout=math.inf,
+        )
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=1,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        prefetch=1,
+        timeout=math.inf,
+    )
+    with pytest.raises(ValueError, match="kind=None, expected kind='store_loader'"):
         loader.load_state_dict({"version": 1, "index": [0], "turn": 0, "done": [False]})
     state = loader.state_dict()
-    other = StreamingDataLoader(store, "u", ["x"], 1, "p", mesh={"dp": 1}, rank=0)
+    assert (state["kind"], state["version"]) == ("store_loader", 3)
+    with pytest.raises(ValueError, match="version=2, this meshfeed reads version 3"):
+        loader.load_state_dict({**state, "version": 2})
+    other = StoreLoader(
+        store,
+        task="u",
+        fields=["x"],
+        batch_size=1,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        prefetch=1,
+        timeout=math.inf,
+    )
     with pytest.raises(ValueError, match="task='t' but this loader has task='u'"):
         other.load_state_dict(state)
 
@@ -191,8 +298,16 @@ class _Resumable:
         self.store = SampleStore()
         self.store.put("p", {"x": list(range(23))})
         self.store.close("p")
-        self.loader = StreamingDataLoader(
-            self.store, "t", ["x"], 3, "p", mesh={"dp": 1}, rank=0, prefetch=prefetch, timeout=20
+        self.loader = StoreLoader(
+            self.store,
+            task="t",
+            fields=["x"],
+            batch_size=3,
+            partition="p",
+            mesh={"dp": 1},
+            rank=0,
+            prefetch=prefetch,
+            timeout=20,
         )
 
     def __next__(self) -> list:
@@ -207,10 +322,10 @@ class _Resumable:
         self.loader.load_state_dict(state["loader"])
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 4])
+@pytest.mark.parametrize("prefetch", [1, 2, 5])
 def test_state_is_as_of_the_last_batch_returned_even_with_batches_in_flight(prefetch):
     reference = assert_resume_equivalence(
-        lambda: _Resumable(prefetch), num_items=10, cleanup=lambda r: r.loader.close()
+        lambda: _Resumable(prefetch), num_items=10, cleanup=lambda r: r.loader.shutdown()
     )
     assert [k for ids in reference for k in ids] == list(range(23))
 
@@ -219,14 +334,34 @@ def test_checkpoint_with_prefetch_keeps_fetched_ahead_samples_of_an_evicting_sto
     store = SampleStore(tasks=["t"])  # a sample is dropped once "t" consumed it ...
     store.put("p", {"x": list(range(20))})
     store.close("p")
-    loader = StreamingDataLoader(store, "t", ["x"], 2, "p", mesh={"dp": 1}, rank=0, prefetch=3)
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=2,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        prefetch=4,
+        timeout=math.inf,
+    )
     first = [next(loader).ids for _ in range(2)]
     state = loader.state_dict()  # ... but not while fetched ahead and not yet returned
     assert len(state["pending"]) == 3 and all(ids for _, ids in state["pending"])
     store.save(tmp_path / "store.pt")
     rest = [b.ids for b in loader]
     restored = SampleStore.load(tmp_path / "store.pt")
-    again = StreamingDataLoader(restored, "t", ["x"], 2, "p", mesh={"dp": 1}, rank=0, prefetch=3)
+    again = StoreLoader(
+        restored,
+        task="t",
+        fields=["x"],
+        batch_size=2,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        prefetch=4,
+        timeout=math.inf,
+    )
     again.load_state_dict(state)
     assert [b.ids for b in again] == rest
     assert [k for ids in first + rest for k in ids] == list(range(20))
@@ -234,7 +369,7 @@ def test_checkpoint_with_prefetch_keeps_fetched_ahead_samples_of_an_evicting_sto
 
 
 @pytest.mark.parametrize("n", range(1, 14))
-@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("prefetch", [1, 3])
 def test_data_ranks_end_at_the_same_step(n, prefetch):
     mesh = DataMesh.from_sizes(dp=3, tp=2)
     store = SampleStore()
@@ -284,22 +419,22 @@ class _FailFor:
         return list(batch.ids)
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("prefetch", [1, 3])
 def test_a_failing_transform_is_retried_on_the_same_batch_not_refetched(tmp_path, prefetch):
     store = SampleStore(tasks=["t"])
     store.put("p", {"x": list(range(20))})
     store.close("p")
-    loader = StreamingDataLoader(
+    loader = StoreLoader(
         store,
-        "t",
-        ["x"],
-        3,
-        "p",
+        task="t",
+        fields=["x"],
+        batch_size=3,
+        partition="p",
         mesh={"dp": 1},
         rank=0,
         prefetch=prefetch,
         timeout=20,
-        transform=_FailOnce(str(tmp_path)),
+        collate_fn=_FailOnce(str(tmp_path)),
     )
     out = []
     for _ in range(30):  # a caller that retries next() after an error must not lose data
@@ -317,17 +452,18 @@ def test_worker_processes_retry_a_failing_transform_without_losing_the_batch(tmp
     store = SampleStore()
     store.put("p", {"x": list(range(30))})
     store.close("p")
-    loader = StreamingDataLoader(
+    loader = StoreLoader(
         store,
-        "t",
-        ["x"],
-        4,
-        "p",
+        task="t",
+        fields=["x"],
+        batch_size=4,
+        partition="p",
         mesh={"dp": 1},
         rank=0,
         num_workers=2,
-        transform=_FailOnce(str(tmp_path)),
         timeout=60,
+        collate_fn=_FailOnce(str(tmp_path)),
+        prefetch=3,
     )
     out = list(loader)
     assert [k for ids in out for k in ids] == list(range(30))  # exactly once, in order
@@ -338,39 +474,68 @@ def test_a_replica_peer_whose_transform_fails_still_gets_the_batch_of_its_peers(
     store.put("p", {"x": list(range(12))})
     mesh = DataMesh.from_sizes(dp=1, tp=2)
     transform = _FailFor()
-    first = StreamingDataLoader(store, "t", ["x"], 3, "p", mesh=mesh, rank=0, timeout=5)
-    second = StreamingDataLoader(
-        store, "t", ["x"], 3, "p", mesh=mesh, rank=1, timeout=5, transform=transform,
-        transform_retries=0,
-    )  # fmt: skip
+    first = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=3,
+        partition="p",
+        mesh=mesh,
+        rank=0,
+        timeout=5,
+        prefetch=1,
+    )
+    second = StoreLoader(store, task="t", fields=["x"], batch_size=3, partition="p", mesh=mesh, rank=1, timeout=5, collate_fn=transform, collate_retries=0, prefetch=1)  # fmt: skip
     assert next(first).ids == [0, 1, 2]
     with pytest.raises(RuntimeError, match=r"sample ids \[0, 1, 2\]"):
         next(second)  # the last reader: the shared plan is gone once it has read it
     transform.fail = False
     assert next(second) == [0, 1, 2]  # the same batch as its peer, not a new plan
     assert [next(first).ids, next(second)] == [[3, 4, 5], [3, 4, 5]]
-    assert store.stats()["cache_entries"] == 0  # no plan left behind
+    # Only the last batch's plan is left, for a retry, until both peers ask for the next.
+    assert store.stats()["cache_entries"] == 1
+    assert [next(first).ids, next(second)] == [[6, 7, 8], [6, 7, 8]]
+    assert store.stats()["cache_entries"] == 1
 
 
 def test_a_transform_that_keeps_failing_names_the_batch_and_a_restore_redelivers_it(tmp_path):
-    from meshfeed.queue import TransformError
+    from meshfeed.queue import CollateError
 
     store = SampleStore(tasks=["t"])  # evicts consumed samples: the failed batch must be held
     store.put("p", {"x": list(range(10))})
     store.close("p")
     transform = _FailFor()
-    kwargs = dict(mesh={"dp": 1}, rank=0, timeout=5)
-    loader = StreamingDataLoader(
-        store, "t", ["x"], 4, "p", **kwargs, transform=transform, transform_retries=2
+    kwargs = dict(mesh={"dp": 1}, rank=0)
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=4,
+        partition="p",
+        collate_fn=transform,
+        collate_retries=2,
+        prefetch=1,
+        timeout=math.inf,
+        **kwargs,
     )
-    with pytest.raises(TransformError, match=r"failed 3 times on batch 0 .*\[0, 1, 2, 3\]") as e:
+    with pytest.raises(CollateError, match=r"failed 3 times on batch 0 .*\[0, 1, 2, 3\]") as e:
         next(loader)
     assert e.value.ids == [0, 1, 2, 3] and e.value.index == 0 and transform.calls == 3
     state = loader.state_dict()
     assert state["pending"] == [[0, [0, 1, 2, 3]]]
     store.save(tmp_path / "store.pt")
     restored = SampleStore.load(tmp_path / "store.pt")
-    again = StreamingDataLoader(restored, "t", ["x"], 4, "p", **kwargs, transform=list_ids)
+    again = StoreLoader(
+        restored,
+        task="t",
+        fields=["x"],
+        batch_size=4,
+        partition="p",
+        collate_fn=list_ids,
+        prefetch=1,
+        timeout=math.inf,
+        **kwargs,
+    )
     again.load_state_dict(state)
     assert list(again) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # nothing lost
     transform.fail = False
@@ -388,8 +553,18 @@ def list_ids(batch: Batch) -> list:
 def test_state_dict_never_hangs_on_batches_producers_have_not_made_yet():
     store = SampleStore()
     store.put("p", {"x": [0, 1]})
-    loader = StreamingDataLoader(store, "t", ["x"], 1, "p", mesh={"dp": 1}, rank=0, prefetch=2)
-    loader.STATE_WAIT = 0.2  # timeout=None: state_dict() waits this long (60 s by default)
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=1,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        prefetch=3,
+        timeout=math.inf,
+    )
+    loader.STATE_WAIT = 0.2  # timeout=inf: state_dict() waits this long (60 s by default)
     assert next(loader).ids == [0]  # batches 1 and 2 now in flight; 2 waits for producers
     outcome: list = []
 
@@ -405,7 +580,7 @@ def test_state_dict_never_hangs_on_batches_producers_have_not_made_yet():
     assert not thread.is_alive(), "state_dict() blocked"
     assert isinstance(outcome[0], TimeoutError)
     assert "state_dict() waited 0.2s for batch 2" in str(outcome[0])
-    assert "prefetch=0" in str(outcome[0])  # names the fix
+    assert "prefetch=1" in str(outcome[0])  # names the fix
     store.put("p", {"x": [2, 3, 4]})
     state = loader.state_dict()  # usable once producers ran
     assert state["pending"] == [[1, [1]], [2, [2]]] and state["next"] == 3
@@ -416,37 +591,65 @@ def test_state_dict_never_hangs_on_batches_producers_have_not_made_yet():
 # ---------------------------------------------------------------- replica peers must agree
 
 
-@pytest.mark.parametrize(("setting", "other"), [("prefetch", 2), ("batch_size", 2)])
+@pytest.mark.parametrize(("setting", "other"), [("prefetch", 3), ("batch_size", 2)])
 def test_replica_peers_with_different_prefetch_or_batch_size_are_refused(setting, other):
     store = SampleStore()
     store.put("p", {"x": list(range(20))})
     mesh = DataMesh.from_sizes(dp=1, tp=2)
-    base = {"batch_size": 3, "prefetch": 0}
-    first = StreamingDataLoader(store, "t", ["x"], mesh=mesh, rank=0, timeout=5, partition="p",
-                                **base)  # fmt: skip
-    second = StreamingDataLoader(store, "t", ["x"], mesh=mesh, rank=1, timeout=5, partition="p",
-                                 **{**base, setting: other})  # fmt: skip
+    base = {"batch_size": 3, "prefetch": 1}
+    first = StoreLoader(store, task="t", fields=["x"], mesh=mesh, rank=0, timeout=5, partition="p", **base)  # fmt: skip
+    second = StoreLoader(store, task="t", fields=["x"], mesh=mesh, rank=1, timeout=5, partition="p", **{**base, setting: other})  # fmt: skip
     assert next(first).ids == [0, 1, 2]
     with pytest.raises(ValueError, match="replica peers must share batch_size, prefetch"):
         next(second)
-    second.close()
+    second.shutdown()
 
 
 def test_replica_peers_agreement_survives_a_store_checkpoint(tmp_path):
     store = SampleStore()
     store.put("p", {"x": list(range(20))})
     mesh = DataMesh.from_sizes(dp=1, tp=2)
-    first = StreamingDataLoader(store, "t", ["x"], 3, "p", mesh=mesh, rank=0, timeout=5)
+    first = StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=3,
+        partition="p",
+        mesh=mesh,
+        rank=0,
+        timeout=5,
+        prefetch=1,
+    )
     assert next(first).ids == [0, 1, 2]  # the plan for batch 0 waits for rank 1
     store.save(tmp_path / "store.pt")
     restored = SampleStore.load(tmp_path / "store.pt")
-    ok = StreamingDataLoader(restored, "t", ["x"], 3, "p", mesh=mesh, rank=1, timeout=5)
+    ok = StoreLoader(
+        restored,
+        task="t",
+        fields=["x"],
+        batch_size=3,
+        partition="p",
+        mesh=mesh,
+        rank=1,
+        timeout=5,
+        prefetch=1,
+    )
     assert next(ok).ids == [0, 1, 2]
     again = SampleStore.load(tmp_path / "store.pt")
-    bad = StreamingDataLoader(again, "t", ["x"], 3, "p", mesh=mesh, rank=1, prefetch=1, timeout=5)
+    bad = StoreLoader(
+        again,
+        task="t",
+        fields=["x"],
+        batch_size=3,
+        partition="p",
+        mesh=mesh,
+        rank=1,
+        prefetch=2,
+        timeout=5,
+    )
     with pytest.raises(ValueError, match="prefetch"):
         next(bad)
-    bad.close()
+    bad.shutdown()
 
 
 # ---------------------------------------------------------------- construction checks
@@ -454,17 +657,30 @@ def test_replica_peers_agreement_survives_a_store_checkpoint(tmp_path):
 
 def test_loader_rejects_bool_workers_and_bad_timeouts_at_construction():
     store = SampleStore()
-    args = (store, "t", ["x"], 1, "p")
+    args = (store,)
+    kw = {"task": "t", "fields": ["x"], "batch_size": 1, "partition": "p"}
     with pytest.raises(ValueError, match="num_workers must be an int >= 0 .*num_workers=True"):
-        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, num_workers=True, transform=list_ids)
-    with pytest.raises(ValueError, match="prefetch must be an int >= 0 .*prefetch=True"):
-        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, prefetch=True)
-    with pytest.raises(TypeError, match="timeout must be seconds .*timeout='5'"):
-        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, timeout="5")
+        StoreLoader(
+            *args,
+            **kw,
+            mesh={"dp": 1},
+            rank=0,
+            num_workers=True,
+            collate_fn=list_ids,
+            timeout=math.inf,
+        )
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1 .*prefetch=True"):
+        StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, prefetch=True, timeout=math.inf)
+    with pytest.raises(ValueError, match="timeout must be positive seconds .*timeout='5'"):
+        StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, timeout="5", prefetch=1)
     with pytest.raises(ValueError, match="timeout must be >= 0 seconds or None .*timeout=-1"):
-        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, timeout=-1)
-    with pytest.raises(ValueError, match="transform_retries must be an int >= 0"):
-        StreamingDataLoader(*args, mesh={"dp": 1}, rank=0, transform_retries=-1)
+        StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, timeout=-1, prefetch=1)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds, not NaN"):
+        StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, timeout=math.nan)
+    with pytest.raises(ValueError, match="collate_retries must be an int >= 0"):
+        StoreLoader(
+            *args, **kw, mesh={"dp": 1}, rank=0, collate_retries=-1, prefetch=1, timeout=math.inf
+        )
 
 
 @pytest.mark.parametrize("steps", ["0", "1"])

@@ -33,7 +33,15 @@ def test_rank_aware_replica_members_get_the_same_batch_and_data_ranks_disjoint_o
     flat0 = [k for ids in seen[0] for k in ids]
     flat2 = [k for ids in seen[2] for k in ids]
     assert not set(flat0) & set(flat2) and len(flat0) == len(flat2) == 8
-    assert store.stats()["cache_entries"] == 0  # every entry dropped once all members read it
+    # Only the last round is kept (a retry of it must get the same batch) ...
+    assert store.stats()["cache_entries"] == 1
+    assert store.get("actor", ["x"], 4, "p", sampler=samplers[2], batch_index=1).ids == seen[2][1]
+    store.close("p")
+    for r in range(4):  # ... until every member asked for the next round
+        with pytest.raises(PartitionClosed):
+            store.get("actor", ["x"], 4, "p", sampler=samplers[r], timeout=1, batch_index=2)
+    assert store.stats()["cache_entries"] == 0
+    assert store.stats()["redelivered"] == 4  # the retried batch, counted
 
 
 def test_rank_aware_cache_stays_bounded_while_members_lag(make_store):
@@ -46,7 +54,10 @@ def test_rank_aware_cache_stays_bounded_while_members_lag(make_store):
     assert store.stats()["cache_entries"] == 10  # one per step the lagging member has not read
     for step in range(10):
         store.get("t", ["x"], 2, "p", sampler=lag, timeout=1, batch_index=step)
-    assert store.stats()["cache_entries"] == 0
+    assert store.stats()["cache_entries"] == 1  # the last step, kept for a retry
+    got = [store.get("t", ["x"], 2, "p", sampler=s, timeout=1, batch_index=10) for s in (lead, lag)]
+    assert got[0].ids == got[1].ids
+    assert store.stats()["cache_entries"] == 1  # step 9 dropped once both asked for step 10
 
 
 def test_rank_aware_sampler_requires_a_batch_index():
@@ -161,6 +172,12 @@ def test_length_balanced_splits_a_global_batch_with_balanced_tokens_and_whole_gr
         assert all(b.ids[i] // 2 == b.ids[i + 1] // 2 for i in range(0, 6, 2))  # whole groups
     totals = [sum(b["n"]) for b in parts]
     assert abs(totals[0] - totals[1]) <= 30, totals  # 290 vs 320 is optimal here
+    assert store.stats()["cache_entries"] == 1  # kept until both ranks ask for the next batch
+    store.close("p")
+    for r in range(2):
+        s = LengthBalancedSampler(length_field="n", data_rank=r, data_world_size=2, group_size=2)
+        with pytest.raises(PartitionClosed):
+            store.get("t", ["x", "n"], 6, "p", sampler=s, timeout=1, batch_index=1)
     assert store.stats()["cache_entries"] == 0
 
 
@@ -204,3 +221,42 @@ def test_samplers_reject_bad_configuration():
         RankAwareSampler(data_rank=0, replica_rank=2, replica_size=2)
     with pytest.raises(ValueError, match="data_rank=3 must be < data_world_size=2"):
         LengthBalancedSampler(length_field="n", data_rank=3, data_world_size=2)
+
+
+def test_consecutive_ids_groups_follow_transferqueues_window_rule(make_store):
+    store = make_store()
+    ready = [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11]  # 8 is missing: [6, 7] never forms a group
+    store.put("p", {"x": ready}, ids=ready)
+    sampler = GroupSampler(group_size=3, consecutive_ids=True)
+    assert store.get("t", ["x"], 6, "p", sampler=sampler, timeout=1).ids == [0, 1, 2, 3, 4, 5]
+    assert store.get("t", ["x"], 3, "p", sampler=sampler, timeout=1).ids == [9, 10, 11]
+    with pytest.raises(TimeoutError):
+        store.get("t", ["x"], 3, "p", sampler=sampler, timeout=0.05)
+    store.put("p", {"x": [8]}, ids=[8])
+    assert store.get("t", ["x"], 3, "p", sampler=sampler, timeout=1).ids == [6, 7, 8]
+
+
+def test_consecutive_ids_groups_need_int_ids_and_a_bool_flag():
+    with pytest.raises(TypeError, match="consecutive_ids must be True or False"):
+        GroupSampler(group_size=2, consecutive_ids="yes")
+    store = SampleStore()
+    store.put("p", {"x": [1, 2]}, ids=["a", "b"])
+    with pytest.raises(ValueError, match="groups int ids"):
+        store.get("t", ["x"], 2, "p", sampler=GroupSampler(group_size=2, consecutive_ids=True))
+
+
+def test_asking_again_for_the_same_batch_index_returns_the_same_batch(make_store):
+    store = make_store()
+    store.put("p", {"x": list(range(8))})
+    sampler = RankAwareSampler(data_rank=0)
+    first = store.get("t", ["x"], 2, "p", sampler=sampler, timeout=1, batch_index=0)
+    retry = store.get("t", ["x"], 2, "p", sampler=sampler, timeout=1, batch_index=0)
+    assert retry.ids == first.ids == [0, 1]  # a retried request is safe
+    assert store.get("t", ["x"], 2, "p", sampler=sampler, timeout=1, batch_index=1).ids == [2, 3]
+    stats = store.stats()
+    assert stats["consumed"] == {"t": 4} and stats["redelivered"] == 2
+    # Two data ranks, one round: each rank's retry returns its own part again.
+    ranks = [RankAwareSampler(data_rank=r, data_world_size=2) for r in range(2)]
+    parts = [store.get("u", ["x"], 2, "p", sampler=s, timeout=1, batch_index=0) for s in ranks]
+    again = [store.get("u", ["x"], 2, "p", sampler=s, timeout=1, batch_index=0) for s in ranks]
+    assert [b.ids for b in parts] == [b.ids for b in again] == [[0, 1], [2, 3]]

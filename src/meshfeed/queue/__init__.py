@@ -1,11 +1,11 @@
 """Streaming sample store for RL post-training: partitions, fields, per-task consumption.
 
 See :class:`SampleStore` (embedded or Ray backend), the samplers in
-:mod:`meshfeed.queue.samplers`, and :class:`StreamingDataLoader` for a per-rank iterator.
+:mod:`meshfeed.queue.samplers`, and :class:`StoreLoader` for a per-rank iterator.
 """
 
 from meshfeed.queue.core import PartitionClosed
-from meshfeed.queue.loader import StreamingDataLoader, TransformError
+from meshfeed.queue.loader import CollateError, StoreLoader
 from meshfeed.queue.samplers import (
     GroupSampler,
     LengthBalancedSampler,
@@ -13,15 +13,17 @@ from meshfeed.queue.samplers import (
     SequentialSampler,
 )
 from meshfeed.queue.store import Batch, SampleStore
+from meshfeed.queue.wakeups import RequestCancelled
 
 __all__ = [
     "Batch",
+    "CollateError",
     "GroupSampler",
     "LengthBalancedSampler",
     "PartitionClosed",
     "RankAwareSampler",
+    "RequestCancelled",
     "SampleStore",
     "SequentialSampler",
-    "StreamingDataLoader",
-    "TransformError",
+    "StoreLoader",
 ]

@@ -4,22 +4,48 @@
 its id, group and field names, per task the consumed ids, closed flags, shared-batch cache
 entries, counters; with ``format`` and ``version``) and a *payload* (per partition, one dict
 of field values per sample, in the metadata's order). ``restore`` rebuilds a core from both.
-A checkpoint file is ``torch.save({"meta": ..., "payload": ...})`` written to a temporary file
-in the target directory and renamed over the target with ``os.replace``, so a reader sees the
-old file or the new one, never half of one.
+
+Checkpoint files never need to unpickle arbitrary objects. A file is
+``torch.save({"format", "meta": <JSON text>, "values": <JSON text>, "tensors": [...]})`` and
+is read with ``torch.load(weights_only=True)``, which only rebuilds tensors and plain
+containers (a crafted pickle raises instead of running). Each stored value is a tensor, a
+numpy array (stored as a tensor, its dtype in the JSON), or a JSON value that reads back
+exactly (None, bool, int, float, str, lists, dicts with str keys: no tuples, no numpy
+scalars); anything else is refused at ``save`` naming the partition, sample and field, unless
+``allow_pickle=True`` is given to ``save`` *and* to ``load`` (the value is then pickled into a
+byte tensor: load such files only from a source you trust).
+
+Writes are atomic: a temporary file in the target directory, ``fsync``, then ``os.replace``,
+so a reader sees the old file or the new one, never half of one. Temporary files are named
+``.samplestore-<host>-<pid>-<random>.tmp``; a save removes the ones a killed save left in the
+same directory: those of this host whose process is gone, and any older than
+:data:`STALE_SECONDS` (a writer on another host, or a reused pid).
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import pickle
+import socket
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from meshfeed.queue.core import FORMAT, VERSION, StoreCore
-from meshfeed.queue.records import Entry, Partition, Ref, Sample, StoreOptions, nbytes_of
+import numpy as np
 
-__all__ = ["dump", "read_checkpoint", "restore", "write_checkpoint"]
+from meshfeed.queue.columns import resolve
+from meshfeed.queue.core import KIND, VERSION, StoreCore
+from meshfeed.queue.records import Entry, Partition, Ref, Sample, StoreOptions, nbytes_of
+from meshfeed.state import envelope, open_envelope
+
+__all__ = ["STALE_SECONDS", "dump", "read_checkpoint", "restore", "write_checkpoint"]
+
+#: Age after which any leftover ``.samplestore-*.tmp`` is removed by the next save.
+STALE_SECONDS = 24 * 3600.0
+_FILE_FORMAT = "meshfeed.queue.SampleStore/file"
 
 
 def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any], list[list[dict]]]:
@@ -38,6 +64,10 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
                     t: [k for k in part.samples if k in c] for t, c in part.consumed.items()
                 },
                 "held": [[k, n] for k, n in part.held.items()],
+                "asked": [
+                    [list(prefix), [[r, i] for r, i in asked.items()]]
+                    for prefix, asked in part.asked.items()
+                ],
                 "cache": [
                     {
                         "key": list(key),
@@ -53,30 +83,29 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
             }
         )
         if with_payload:
-            payload.append([dict(s.fields) for s in part.samples.values()])
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "options": core.options.to_dict(),
-        "produced": core.produced,
-        "consumed": dict(core.consumed_total),
-        "partitions": partitions,
-    }
+            payload.append(
+                [{f: resolve(v) for f, v in s.fields.items()} for s in part.samples.values()]
+            )
+    meta = envelope(
+        KIND,
+        VERSION,
+        options=core.options.to_dict(),
+        produced=core.produced,
+        consumed=dict(core.consumed_total),
+        partitions=partitions,
+    )
     return meta, payload
 
 
 def check_meta(meta: Any) -> None:
-    """Raise ``ValueError`` unless ``meta`` is store metadata of this version."""
-    if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
-        raise ValueError(
-            "not a meshfeed SampleStore checkpoint (missing format tag); pass a file written "
-            "by SampleStore.save"
-        )
-    if meta.get("version") != VERSION:
-        raise ValueError(
-            f"SampleStore checkpoint version {meta.get('version')!r} is not supported (this "
-            f"meshfeed reads version {VERSION}); load it with the meshfeed that wrote it"
-        )
+    """Raise ``ValueError`` unless ``meta`` is store state of this version (the one envelope)."""
+    open_envelope(
+        meta,
+        kind=KIND,
+        version=VERSION,
+        fields={"options": dict, "produced": int, "consumed": dict, "partitions": list},
+        what="SampleStore state",
+    )
 
 
 def _key(k: Any) -> Any:
@@ -129,6 +158,10 @@ def restore(
             part.consumed[task] = done
             part.pending[task] = {k: None for k in part.samples if k not in done}
         part.held = {k: int(n) for k, n in pm.get("held", []) if k in part.samples}
+        part.asked = {
+            tuple(_key(x) for x in prefix): {int(r): int(i) for r, i in asked}
+            for prefix, asked in pm.get("asked", [])
+        }
         for em in pm["cache"]:
             entry = Entry(
                 [list(p) for p in em["parts"]],
@@ -148,16 +181,134 @@ def restore(
     return core
 
 
-def write_checkpoint(path: str | os.PathLike[str], meta: dict[str, Any], payload: Any) -> None:
-    """Write ``{"meta", "payload"}`` atomically: temp file in the same directory + rename."""
+def _json_exact(value: Any) -> bool:
+    """Whether ``value`` reads back from JSON as itself (same types, same structure)."""
+    t = type(value)
+    if t in (str, int, bool, float) or value is None:
+        return True
+    if t is list:
+        return all(_json_exact(v) for v in value)
+    if t is dict:
+        return all(type(k) is str and _json_exact(v) for k, v in value.items())
+    return False
+
+
+def _encode(value: Any, tensors: list[Any], allow_pickle: bool, where: str) -> dict[str, Any]:
     import torch
 
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().cpu())
+        return {"t": len(tensors) - 1}
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        try:
+            tensors.append(torch.from_numpy(np.array(value, order="C", copy=True)))
+            return {"a": len(tensors) - 1, "dtype": value.dtype.str}
+        except TypeError:
+            pass  # a dtype torch cannot hold (strings, ...): JSON-exact check below
+    if _json_exact(value):
+        return {"j": value}
+    if allow_pickle:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        tensors.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return {"p": len(tensors) - 1}
+    raise ValueError(
+        f"{where} is a {type(value).__name__} ({value!r:.80}), which a SampleStore checkpoint "
+        "stores only as a tensor, a numpy array or a JSON value (None, bool, int, float, str, "
+        "list, dict with str keys); convert it (e.g. a tuple to a list), or pass "
+        "save(..., allow_pickle=True) and load(..., allow_pickle=True) for files you trust"
+    )
+
+
+def _decode(code: Mapping[str, Any], tensors: list[Any], allow_pickle: bool, path: str) -> Any:
+    if "j" in code:
+        return code["j"]
+    if "t" in code:
+        return tensors[code["t"]]
+    if "a" in code:
+        return tensors[code["a"]].numpy().view(np.dtype(code["dtype"]))
+    if not allow_pickle:
+        raise ValueError(
+            f"{path!r} holds pickled values (saved with allow_pickle=True); loading them runs "
+            "code from the file: pass SampleStore.load(..., allow_pickle=True) only for a file "
+            "you trust"
+        )
+    return pickle.loads(tensors[code["p"]].numpy().tobytes())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def clean_stale(directory: str, *, now: float | None = None) -> list[str]:
+    """Remove temporary files killed saves left in ``directory``; the removed paths.
+
+    Stale: written on this host by a process that no longer runs, or older than
+    :data:`STALE_SECONDS` whoever wrote it. A save in progress is never stale (its process
+    runs, and it is younger than a day)."""
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    removed = []
+    for tmp in glob.glob(os.path.join(glob.escape(directory), ".samplestore-*.tmp")):
+        parts = os.path.basename(tmp)[len(".samplestore-") :].rsplit("-", 2)
+        mine_dead = (
+            len(parts) == 3
+            and parts[0] == host
+            and parts[1].isdigit()
+            and not _alive(int(parts[1]))
+        )
+        try:
+            old = now - os.path.getmtime(tmp) > STALE_SECONDS
+            if mine_dead or old:
+                os.unlink(tmp)
+                removed.append(tmp)
+        except FileNotFoundError:
+            pass  # another save cleaned it meanwhile
+    return removed
+
+
+def write_checkpoint(
+    path: str | os.PathLike[str],
+    meta: dict[str, Any],
+    payload: list[list[dict]],
+    *,
+    allow_pickle: bool = False,
+) -> None:
+    """Write metadata and payload atomically (see the module docstring for the format)."""
+    import torch
+
+    tensors: list[Any] = []
+    names = [pm["name"] for pm in meta["partitions"]]
+    values = [
+        [
+            {
+                f: _encode(v, tensors, allow_pickle, f"field {f!r} of sample {sm[0]!r} of {name!r}")
+                for f, v in row.items()
+            }
+            for sm, row in zip(pm["samples"], rows, strict=True)
+        ]
+        for name, pm, rows in zip(names, meta["partitions"], payload, strict=True)
+    ]
+    blob = {
+        "format": _FILE_FORMAT,
+        "meta": json.dumps(meta),
+        "values": json.dumps(values),
+        "tensors": tensors,
+    }
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".samplestore-", suffix=".tmp", dir=directory)
+    os.makedirs(directory, exist_ok=True)
+    clean_stale(directory)
+    prefix = f".samplestore-{socket.gethostname().replace('-', '_')}-{os.getpid()}-"
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"meta": meta, "payload": payload}, f)
+            torch.save(blob, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -167,14 +318,30 @@ def write_checkpoint(path: str | os.PathLike[str], meta: dict[str, Any], payload
         raise
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[list[dict]]]:
-    """Read a checkpoint file; raises ``ValueError`` for another format or version."""
+def read_checkpoint(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False
+) -> tuple[dict[str, Any], list[list[dict]]]:
+    """Read a checkpoint file without unpickling objects; ``ValueError`` for anything else."""
     import torch
 
-    if not os.path.exists(path):
-        raise ValueError(f"no SampleStore checkpoint at {os.fspath(path)!r}; pass the save() path")
-    blob = torch.load(path, weights_only=False)
-    if not isinstance(blob, dict) or "meta" not in blob:
-        raise ValueError(f"{os.fspath(path)!r} is not a SampleStore checkpoint; pass a save() path")
-    check_meta(blob["meta"])
-    return blob["meta"], blob["payload"]
+    where = os.fspath(path)
+    if not os.path.exists(where):
+        raise ValueError(f"no SampleStore checkpoint at {where!r}; pass the save() path")
+    try:
+        blob = torch.load(where, weights_only=True, map_location="cpu")
+    except Exception as exc:  # a crafted pickle stops here, before any of it runs
+        raise ValueError(
+            f"{where!r} is not a SampleStore checkpoint this meshfeed can read safely "
+            f"({type(exc).__name__}: {str(exc)[:200]}); pass a file written by "
+            "SampleStore.save (older files are refused: they needed unsafe unpickling)"
+        ) from None
+    if not isinstance(blob, dict) or blob.get("format") != _FILE_FORMAT:
+        raise ValueError(f"{where!r} is not a SampleStore checkpoint; pass a save() path")
+    meta = json.loads(blob["meta"])
+    check_meta(meta)
+    tensors = blob["tensors"]
+    payload = [
+        [{f: _decode(c, tensors, allow_pickle, where) for f, c in row.items()} for row in rows]
+        for rows in json.loads(blob["values"])
+    ]
+    return meta, payload

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from meshfeed.queue.columns import Cell, Chunk, gather
 from meshfeed.queue.records import (
     SCALAR_TYPES,
     Entry,
@@ -27,13 +28,13 @@ from meshfeed.queue.records import (
     View,
     nbytes_of,
 )
-from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.samplers import Sampler, Share
 
-__all__ = ["FORMAT", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
+__all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
 Key = Hashable
-FORMAT = "meshfeed.queue.SampleStore"
-VERSION = 1
+KIND = "sample_store"  # the state envelope's kind
+VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indices
 
 
 class PartitionClosed(Exception):
@@ -51,6 +52,7 @@ class StoreCore:
         self.consumed_total: dict[str, int] = {}
         self.waiting_consumers = 0
         self.waiting_producers = 0
+        self.redelivered = 0  # samples handed out again to a retried request
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -108,6 +110,10 @@ class StoreCore:
                 sample.group = group
             fields = sample.fields
             for f, column in columns:
+                if type(column) is Chunk:  # a row of the put's column, not a copy of it
+                    fields[f] = Cell(column, i)
+                    sample.nbytes += column.row_nbytes
+                    continue
                 value = column[i]
                 fields[f] = value
                 if type(value) in SCALAR_TYPES:  # the common small sample: no size probing
@@ -171,9 +177,12 @@ class StoreCore:
         """
         part = self._partition(partition)
         share = sampler.share(context)
-        if share is not None and share.readers > 1:
+        if share is not None:
+            self._ack(part, task, share, context, last=False)
             entry = part.cache.get((task, *share.key))
             if entry is not None:
+                # A replica peer reading the shared plan, or a retry of the same batch index
+                # (idempotent: the same batch again, never the next one).
                 if entry.fields != fields:
                     raise ValueError(
                         f"replica members asked for different fields ({list(entry.fields)} vs "
@@ -190,26 +199,34 @@ class StoreCore:
                         f"batch_size={batch_size}, {agree}); replica peers must share "
                         "batch_size, prefetch and sampler, or they end at different steps"
                     )
+                again = share.reader in entry.read
                 entry.read.add(share.reader)
                 ids = [k for k in entry.parts[share.part] if k in part.samples]
+                if again:
+                    self.redelivered += len(ids)
                 rows = self._rows(part, ids, fields)
-                if hold:
+                if hold and not again:
                     self._hold(part, ids)
-                if len(entry.read) >= entry.readers:
-                    self._drop_entry(part, task, (task, *share.key))
+                if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
+                    self._sweep(part, task, (task, *share.key[:-1]), share.readers)
                 return ids, rows
         need = tuple(dict.fromkeys((*fields, *sampler.extra_fields)))
         if part.closed:
             missing = [f for f in need if f not in part.seen]
-            if missing:
-                raise ValueError(
-                    f"no sample of closed partition {partition!r} has field(s) {missing} "
-                    f"(fields: {sorted(part.seen)}); ask for produced fields"
+            if missing:  # nothing more can ever become ready: the stream has ended
+                if share is not None:
+                    self._ack(part, task, share, context, last=True)
+                raise PartitionClosed(
+                    f"partition {partition!r} is closed and no sample of it has field(s) "
+                    f"{missing} (fields produced: {sorted(part.seen)}); the stream has ended "
+                    "(check the field names if you expected data)"
                 )
         pending = part.task(task)
         parts = sampler.plan(View(part, pending, need), batch_size)
         if parts is None or not any(parts):
             if part.closed:
+                if share is not None:
+                    self._ack(part, task, share, context, last=True)
                 raise PartitionClosed(f"partition {partition!r} is closed and drained for {task!r}")
             return None
         consumed = part.consumed[task]
@@ -221,12 +238,12 @@ class StoreCore:
         index = 0
         if share is not None:
             index = share.part
-            if share.readers > 1:
-                entry = Entry(parts, fields, share.readers, batch_size, context.get("agree"))
-                entry.read.add(share.reader)
-                part.cache[(task, *share.key)] = entry
-                for k in every:
-                    part.samples[k].pins += 1
+            # Cached until every reader asked for a later index, so a retry gets this batch.
+            entry = Entry(parts, fields, share.readers, batch_size, context.get("agree"))
+            entry.read.add(share.reader)
+            part.cache[(task, *share.key)] = entry
+            for k in every:
+                part.samples[k].pins += 1
         ids = parts[index]
         rows = self._rows(part, ids, fields)
         if hold:
@@ -234,8 +251,45 @@ class StoreCore:
         self._evict(part, every)
         return ids, rows
 
+    def _ack(
+        self, part: Partition, task: str, share: Share, context: Mapping[str, Any], last: bool
+    ) -> None:
+        """Record that a reader asked for batch ``index`` (``last``: it found the end) and drop
+        the shared plans every reader has read and acknowledged.
+
+        A request for ``index`` acknowledges the reader's batches up to ``index - window``,
+        where ``window`` is the loader's prefetch (``agree={"prefetch": P}``; 1 otherwise):
+        with ``P`` requests in flight, out of order, a later index does not mean an earlier
+        one arrived. A reader that found the end acknowledges everything. So a retry of a
+        batch not yet acknowledged gets the same batch, and the cache stays bounded."""
+        prefix, index = (task, *share.key[:-1]), share.key[-1]
+        agree = context.get("agree")
+        window = agree.get("prefetch", 1) if isinstance(agree, Mapping) else 1
+        if not isinstance(window, int) or window < 1:
+            window = 1
+        upto = (1 << 62) if last else index - window
+        asked = part.asked.setdefault(prefix, {})
+        if asked.get(share.reader, -1) >= upto:
+            return
+        asked[share.reader] = upto
+        self._sweep(part, task, prefix, share.readers)
+
+    def _sweep(self, part: Partition, task: str, prefix: tuple[Any, ...], readers: int) -> None:
+        asked = part.asked.get(prefix, {})
+        if len(asked) < readers:
+            return
+        low = min(asked.values())
+        for key in [k for k in part.cache if k[:-1] == prefix and k[-1] <= low]:
+            entry = part.cache[key]
+            if len(entry.read) >= entry.readers:
+                self._drop_entry(part, task, key)
+
+    def stats_cache_entries(self) -> int:
+        return sum(len(p.cache) for p in self.partitions.values())
+
     def _rows(self, part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, list]:
-        return {f: [part.samples[k].fields[f] for k in ids] for f in fields}
+        samples = part.samples
+        return {f: gather([samples[k].fields[f] for k in ids]) for f in fields}
 
     @staticmethod
     def _hold(part: Partition, ids: list[Key]) -> None:
@@ -308,6 +362,8 @@ class StoreCore:
         part = self._partition(partition)
         for key in [c for c in part.cache if c[0] == task]:
             self._drop_entry(part, task, key)
+        for prefix in [a for a in part.asked if a[0] == task]:
+            del part.asked[prefix]
         part.pending[task] = dict.fromkeys(part.samples)
         part.consumed[task] = set()
 
@@ -351,5 +407,6 @@ class StoreCore:
             "bytes_held": held_bytes,
             "bytes_in_object_store": remote,
             "cache_entries": sum(p["cache_entries"] for p in parts.values()),
+            "redelivered": self.redelivered,
             "partitions": parts,
         }

@@ -1,8 +1,10 @@
-"""The embedded backend: one :class:`StoreCore` in this process behind a ``threading.Condition``.
+"""The embedded backend: one :class:`StoreCore` in this process behind one lock.
 
-Every state change (put, get, close, delete, clear, reset) notifies all waiters; a waiter
-re-tries its operation and otherwise waits again, up to its deadline. There is no polling: a
-blocked ``get`` costs nothing until something changes.
+Each blocked call waits on its own condition (sharing the store's lock) and is woken only by a
+change that may serve it (see :mod:`meshfeed.queue.wakeups`): a put wakes the consumers of
+that partition that need one of the fields put, a get that freed capacity wakes producers, an
+admin change wakes everyone. There is no polling: a blocked ``get`` costs nothing until a
+change that concerns it.
 """
 
 from __future__ import annotations
@@ -15,39 +17,42 @@ from typing import Any, TypeVar
 from meshfeed.queue import checkpoint
 from meshfeed.queue.core import StoreCore, StoreOptions
 from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
 T = TypeVar("T")
 Key = Hashable
 
 
 def wait_for(
-    cond: threading.Condition,
+    lock: threading.Lock,
+    waiters: Waiters,
+    make: Callable[[Callable[[], None]], Waiter],
     attempt: Callable[[], T | None],
     timeout: float | None,
     what: str,
-    on_wait: Callable[[int], None],
 ) -> T:
-    """Call ``attempt`` (under ``cond``) until it returns non-None; ``TimeoutError`` after
-    ``timeout`` seconds. ``on_wait(+1/-1)`` brackets the time spent waiting."""
+    """Call ``attempt`` (``lock`` held) until it returns non-None; ``TimeoutError`` after
+    ``timeout`` seconds. While waiting, the waiter ``make(notify)`` is registered in
+    ``waiters``; a cancelled waiter raises :class:`RequestCancelled`."""
+    cond = threading.Condition(lock)
+    waiter = make(cond.notify)
+    waiters.add(waiter)
     deadline = None if timeout is None else time.monotonic() + timeout
-    result = attempt()
-    if result is not None:
-        return result
-    on_wait(1)
     try:
         while True:
+            waiters.check(waiter)
+            result = attempt()
+            if result is not None:
+                return result
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(
                     f"{what} timed out after {timeout}s; the store is unchanged and usable "
                     "(retry, raise the timeout, or check that producers are running)"
                 )
-            cond.wait(remaining)
-            result = attempt()
-            if result is not None:
-                return result
+            cond.wait(MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK))
     finally:
-        on_wait(-1)
+        waiters.remove(waiter)
 
 
 class EmbeddedBackend:
@@ -55,19 +60,14 @@ class EmbeddedBackend:
 
     def __init__(self, options: StoreOptions, core: StoreCore | None = None) -> None:
         self.core = core if core is not None else StoreCore(options)
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.waiters = Waiters()
 
     def __getstate__(self) -> Any:
         raise TypeError(
             "an embedded SampleStore lives in one process and cannot be pickled; use "
             "SampleStore(backend='ray') to share a store with other processes"
         )
-
-    def _consumers(self, d: int) -> None:
-        self.core.waiting_consumers += d
-
-    def _producers(self, d: int) -> None:
-        self.core.waiting_producers += d
 
     def put(
         self,
@@ -77,17 +77,18 @@ class EmbeddedBackend:
         groups: list[Hashable] | None,
         timeout: float | None,
     ) -> list[Key]:
-        with self.cond:
-            out = self.core.try_put(partition, rows, ids, groups)  # fast path: no closure
+        with self.lock:
+            out = self.core.try_put(partition, rows, ids, groups)  # fast path: no waiter
             if out is None:
                 out = wait_for(
-                    self.cond,
+                    self.lock,
+                    self.waiters,
+                    lambda notify: Waiter("producer", notify),
                     lambda: self.core.try_put(partition, rows, ids, groups),
                     timeout,
                     f"put to {partition!r} (store at capacity {self.core.options.capacity})",
-                    self._producers,
                 )
-            self.cond.notify_all()
+            self.waiters.wake_consumers(partition, rows)
             return out
 
     def get(
@@ -100,40 +101,56 @@ class EmbeddedBackend:
         timeout: float | None,
         context: Mapping[str, Any],
         hold: bool = False,
+        token: Hashable | None = None,
     ) -> tuple[list[Key], dict[str, list[Any]]]:
-        with self.cond:
+        need = (*fields, *sampler.extra_fields)
+        with self.lock:
+            held, cached = self.core.held, self.core.stats_cache_entries()
             try:
                 return wait_for(
-                    self.cond,
+                    self.lock,
+                    self.waiters,
+                    lambda notify: Waiter(
+                        "consumer", notify, partition=partition, task=task, need=need, token=token
+                    ),
                     lambda: self.core.try_get(
                         task, fields, batch_size, partition, sampler, context, hold
                     ),
                     timeout,
                     f"get of {batch_size} samples with {list(fields)} for task {task!r} "
                     f"from {partition!r}",
-                    self._consumers,
                 )
             finally:
-                # Consumption frees capacity and cache entries; producers may be waiting.
-                self.cond.notify_all()
+                if self.core.held < held:  # consumption freed capacity
+                    self.waiters.wake_producers()
+                if self.core.stats_cache_entries() != cached:  # a plan replica peers may read
+                    self.waiters.wake_task(partition, task)
+
+    def cancel(self, token: Hashable) -> None:
+        with self.lock:
+            self.waiters.cancel(token)
 
     def _admin(self, fn: Callable[[], T]) -> T:
-        with self.cond:
+        with self.lock:
             try:
                 return fn()
             finally:
-                self.cond.notify_all()
+                self.waiters.wake_all()
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self._admin(lambda: self.core.reset_consumption(partition, task))
 
     def release(self, partition: str, ids: list[Key]) -> None:
-        self._admin(lambda: self.core.release(partition, ids))
+        with self.lock:
+            held = self.core.held
+            self.core.release(partition, ids)
+            if self.core.held < held:
+                self.waiters.wake_producers()
 
     def peek(
         self, partition: str, ids: list[Key], fields: tuple[str, ...]
     ) -> tuple[list[Key], dict[str, list[Any]]]:
-        with self.cond:
+        with self.lock:
             return self.core.peek(partition, ids, fields)
 
     def clear(self, partition: str) -> None:
@@ -146,22 +163,23 @@ class EmbeddedBackend:
         self._admin(lambda: self.core.close(partition))
 
     def stats(self) -> dict[str, Any]:
-        with self.cond:
+        with self.lock:
+            self.core.waiting_consumers = self.waiters.count("consumer")
+            self.core.waiting_producers = self.waiters.count("producer")
             return self.core.stats()
 
     def dump(self, with_payload: bool) -> tuple[dict[str, Any], list[list[dict]]]:
-        with self.cond:
+        with self.lock:
             return checkpoint.dump(self.core, with_payload=with_payload)
 
     def restore(self, meta: Mapping[str, Any], payload: list[list[dict]] | None) -> None:
         def swap() -> None:
             old = self.core
+            # Threads blocked in put/get keep waiting on the restored state (woken by _admin).
             self.core = checkpoint.restore(meta, payload, current=old, options=old.options)
-            # Threads blocked in put/get keep waiting on the restored state.
-            self.core.waiting_consumers = old.waiting_consumers
-            self.core.waiting_producers = old.waiting_producers
 
         self._admin(swap)
 
     def shutdown(self) -> None:
-        pass
+        with self.lock:
+            self.waiters.wake_all()

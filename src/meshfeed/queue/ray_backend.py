@@ -21,81 +21,88 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from meshfeed.queue import checkpoint
+from meshfeed.queue.columns import Chunk
 from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
 Key = Hashable
 NAMESPACE = "meshfeed.queue"  # named store actors live here
 
 
 class _StoreActor:
-    """Runs inside the Ray actor process; every public method returns ``(ok, value)``."""
+    """Runs inside the Ray actor process; every public method returns ``(ok, value)``.
+
+    Every method runs on the actor's one event loop, so the core needs no lock; a blocked
+    call awaits its own ``asyncio.Event``, set only by a change that may serve it (see
+    :mod:`meshfeed.queue.wakeups`)."""
 
     def __init__(self, options: dict[str, Any], meta: Any = None, payload: Any = None) -> None:
         opts = StoreOptions.from_dict(options)
         self.core = (
             StoreCore(opts) if meta is None else checkpoint.restore(meta, payload, options=opts)
         )
-        self._cond: asyncio.Condition | None = None
-
-    @property
-    def cond(self) -> asyncio.Condition:
-        if self._cond is None:  # created inside the actor's event loop
-            self._cond = asyncio.Condition()
-        return self._cond
+        self.waiters = Waiters()
 
     async def _run(
-        self, attempt: Callable[[], Any], timeout: float | None, what: str, kind: str
+        self,
+        attempt: Callable[[], Any],
+        timeout: float | None,
+        what: str,
+        make: Callable[[Callable[[], None]], Waiter] | None = None,
     ) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        async with self.cond:
-            try:
-                result = attempt()
-                if result is None:
-                    result = await self._wait(attempt, deadline, timeout, what, kind)
-                return True, result
-            except Exception as exc:  # re-raised by the client
-                return False, exc
-            finally:
-                self.cond.notify_all()
+        try:
+            result = attempt()
+            if result is None and make is not None:
+                result = await self._wait(attempt, timeout, what, make)
+            return True, result
+        except Exception as exc:  # re-raised by the client
+            return False, exc
 
     async def _wait(
         self,
         attempt: Callable[[], Any],
-        deadline: float | None,
         timeout: float | None,
         what: str,
-        kind: str,
+        make: Callable[[Callable[[], None]], Waiter],
     ) -> Any:
-        setattr(self.core, kind, getattr(self.core, kind) + 1)
+        event = asyncio.Event()
+        waiter = make(event.set)
+        self.waiters.add(waiter)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
+                self.waiters.check(waiter)
+                result = attempt()
+                if result is not None:
+                    return result
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(
                         f"{what} timed out after {timeout}s; the store is unchanged and usable "
                         "(retry, raise the timeout, or check that producers are running)"
                     )
+                chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
+                event.clear()
                 try:
-                    await asyncio.wait_for(self.cond.wait(), remaining)
+                    await asyncio.wait_for(event.wait(), chunk)
                 except asyncio.TimeoutError:
                     continue
-                result = attempt()
-                if result is not None:
-                    return result
         finally:
-            setattr(self.core, kind, getattr(self.core, kind) - 1)
+            self.waiters.remove(waiter)
 
     async def put(
         self, partition: str, rows: Any, ids: Any, groups: Any, timeout: float | None
     ) -> Any:
         what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
-        return await self._run(
+        out = await self._run(
             lambda: self.core.try_put(partition, rows, ids, groups),
             timeout,
             what,
-            "waiting_producers",
+            lambda notify: Waiter("producer", notify),
         )
+        self.waiters.wake_consumers(partition, rows)
+        return out
 
     async def get(
         self,
@@ -107,44 +114,68 @@ class _StoreActor:
         timeout: float | None,
         context: dict[str, Any],
         hold: bool = False,
+        token: Any = None,
     ) -> Any:
         what = (
             f"get of {batch_size} samples with {list(fields)} for task {task!r} from {partition!r}"
         )
-        return await self._run(
-            lambda: self.core.try_get(task, fields, batch_size, partition, sampler, context, hold),
-            timeout,
-            what,
-            "waiting_consumers",
-        )
+        need = (*fields, *sampler.extra_fields)
+        held, cached = self.core.held, self.core.stats_cache_entries()
+        try:
+            return await self._run(
+                lambda: self.core.try_get(
+                    task, fields, batch_size, partition, sampler, context, hold
+                ),
+                timeout,
+                what,
+                lambda notify: Waiter(
+                    "consumer", notify, partition=partition, task=task, need=need, token=token
+                ),
+            )
+        finally:
+            if self.core.held < held:
+                self.waiters.wake_producers()
+            if self.core.stats_cache_entries() != cached:
+                self.waiters.wake_task(partition, task)
+
+    async def cancel(self, token: Any) -> Any:
+        self.waiters.cancel(token)
+        return True, None
 
     async def call(self, name: str, *args: Any) -> Any:
         """An admin call that never waits: reset_consumption, clear, delete, close, stats."""
 
-        def attempt() -> Any:
-            out = getattr(self.core, name)(*args)
-            return (out,)  # never None, so _run does not wait
+        if name == "stats":
+            self.core.waiting_consumers = self.waiters.count("consumer")
+            self.core.waiting_producers = self.waiters.count("producer")
+        held = self.core.held
+        try:
+            return await self._run(lambda: getattr(self.core, name)(*args), 0, name)
+        finally:
+            if name == "release":
+                if self.core.held < held:
+                    self.waiters.wake_producers()
+            elif name not in ("stats", "peek"):
+                self.waiters.wake_all()
 
-        ok, value = await self._run(attempt, 0, name, "waiting_consumers")
-        return (ok, value[0]) if ok else (ok, value)
+    async def _admin(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return await self._run(fn, 0, "admin")
+        finally:
+            self.waiters.wake_all()
 
     async def dump(self, with_payload: bool) -> Any:
         return await self._run(
-            lambda: checkpoint.dump(self.core, with_payload=with_payload),
-            0,
-            "dump",
-            "waiting_consumers",
+            lambda: checkpoint.dump(self.core, with_payload=with_payload), 0, "dump"
         )
 
     async def restore(self, meta: Any, payload: Any) -> Any:
         def swap() -> bool:
             old = self.core
             self.core = checkpoint.restore(meta, payload, current=old, options=old.options)
-            self.core.waiting_consumers = old.waiting_consumers
-            self.core.waiting_producers = old.waiting_producers
             return True
 
-        return await self._run(swap, 0, "restore", "waiting_consumers")
+        return await self._admin(swap)
 
     async def options(self) -> Any:
         return True, self.core.options.to_dict()
@@ -156,7 +187,7 @@ class _StoreActor:
             self.core = StoreCore(StoreOptions.from_dict(options))
             return True
 
-        return await self._run(swap, 0, "reinit", "waiting_consumers")
+        return await self._admin(swap)
 
     async def held_types(self) -> list[str]:
         """Type names of every stored value (tests check large payloads stay references)."""
@@ -240,15 +271,27 @@ class RayBackend:
             return Ref(ray.put(value), size)
         return value
 
-    def _resolve(self, rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    def _wrap_column(self, column: Any) -> Any:
+        """A small-row chunk travels as one pickled column; rows of at least ``inline_bytes``
+        go to the object store one by one (the actor holds their references)."""
+        if isinstance(column, Chunk):
+            if column.row_nbytes < self.inline_bytes:
+                return column
+            column = list(column.data)
+        return [self._wrap(v) for v in column]
+
+    def _resolve(self, rows: dict[str, Any]) -> dict[str, Any]:
         import ray
 
-        refs = [v for col in rows.values() for v in col if isinstance(v, Ref)]
+        refs = [v for col in rows.values() if type(col) is list for v in col if isinstance(v, Ref)]
         if not refs:
             return rows
         fetched = iter(ray.get([r.ref for r in refs]))
         return {
-            f: [next(fetched) if isinstance(v, Ref) else v for v in col] for f, col in rows.items()
+            f: [next(fetched) if isinstance(v, Ref) else v for v in col]
+            if type(col) is list
+            else col
+            for f, col in rows.items()
         }
 
     def put(
@@ -259,7 +302,7 @@ class RayBackend:
         groups: Any,
         timeout: float | None,
     ) -> list[Key]:
-        wrapped = {f: [self._wrap(v) for v in col] for f, col in rows.items()}
+        wrapped = {f: self._wrap_column(col) for f, col in rows.items()}
         return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout))
 
     def get(
@@ -272,13 +315,17 @@ class RayBackend:
         timeout: float | None,
         context: Mapping[str, Any],
         hold: bool = False,
+        token: Any = None,
     ) -> tuple[list[Key], dict[str, list[Any]]]:
         ids, rows = self._call(
             self.actor.get.remote(
-                task, fields, batch_size, partition, sampler, timeout, dict(context), hold
+                task, fields, batch_size, partition, sampler, timeout, dict(context), hold, token
             )
         )
         return ids, self._resolve(rows)
+
+    def cancel(self, token: Any) -> None:
+        self._call(self.actor.cancel.remote(token))
 
     def release(self, partition: str, ids: list[Key]) -> None:
         self._call(self.actor.call.remote("release", partition, ids))
@@ -335,4 +382,4 @@ class RayBackend:
     def shutdown(self) -> None:
         import ray
 
-        ray.kill(self.actor)
+        ray.kill(self.actor)  # callers blocked in the actor get RayActorError at once

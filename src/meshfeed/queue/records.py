@@ -11,6 +11,8 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshfeed.queue.columns import Cell, resolve
+
 Key = Hashable
 
 
@@ -31,6 +33,8 @@ def nbytes_of(value: Any) -> int:
     """Payload bytes of one value (tensors, arrays, bytes, str); 8 for other objects."""
     if isinstance(value, Ref):
         return 0
+    if isinstance(value, Cell):
+        return value.chunk.row_nbytes
     if hasattr(value, "element_size") and hasattr(value, "numel"):
         return int(value.element_size() * value.numel())
     if hasattr(value, "nbytes"):
@@ -111,6 +115,7 @@ class Entry:
 
 class Partition:
     __slots__ = (
+        "asked",
         "cache",
         "closed",
         "consumed",
@@ -127,6 +132,9 @@ class Partition:
         self.pending: dict[str, dict[Key, None]] = {}
         self.consumed: dict[str, set[Key]] = {}
         self.cache: dict[tuple[Any, ...], Entry] = {}
+        # Per (task, shared-key prefix): the highest batch index each reader asked for; a
+        # plan is dropped once every reader asked past it (a retry before that re-reads it).
+        self.asked: dict[tuple[Any, ...], dict[int, int]] = {}
         # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
         # every task, so a checkpoint taken meanwhile can still re-deliver them.
         self.held: dict[Key, int] = {}
@@ -165,7 +173,7 @@ class View:
         return self._part.samples[key].group
 
     def value(self, key: Key, field: str) -> Any:
-        value = self._part.samples[key].fields[field]
+        value = resolve(self._part.samples[key].fields[field])
         if isinstance(value, Ref):
             raise ValueError(
                 f"field {field!r} of sample {key!r} is a large payload; a sampler can only "

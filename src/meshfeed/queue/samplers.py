@@ -108,22 +108,35 @@ class SequentialSampler:
 class GroupSampler:
     """Whole groups only: ``batch_size // group_size`` groups whose members are all ready.
 
-    Samples carry an explicit group id (``put(..., groups=...)``); a group is handed out once
-    all ``group_size`` members are ready, and never split. Groups still incomplete when the
-    partition closes are never handed out.
+    By default samples carry an explicit group id (``put(..., groups=...)``); a group is
+    handed out once all ``group_size`` members are ready, and never split. Groups still
+    incomplete when the partition closes are never handed out.
+
+    ``consecutive_ids=True`` is TransferQueue's ``GRPOGroupNSampler`` rule instead, so a
+    producer written for it works unchanged: no group ids; the ready (int) ids are sorted
+    and scanned with a window of ``group_size``: a window of consecutive ids
+    (``last - first == group_size - 1``) is a group and the scan jumps past it, otherwise it
+    moves by one id. Ready ``[0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11]`` with ``group_size=3`` gives
+    ``[0, 1, 2]``, ``[3, 4, 5]``, ``[9, 10, 11]``. Prefer explicit ids: with this rule two
+    half-ready prompts whose ids touch can be taken for one group.
     """
 
     group_size: int
     extra_fields: tuple[str, ...] = ()
+    consecutive_ids: bool = False
 
     def __post_init__(self) -> None:
         _check_int("group_size", self.group_size, 1)
+        if not isinstance(self.consecutive_ids, bool):
+            raise TypeError(f"consecutive_ids must be True or False (got {self.consecutive_ids!r})")
 
     def share(self, context: Mapping[str, Any]) -> Share | None:
         return None
 
     def complete_groups(self, view: ReadyView, limit: int | None) -> list[list[Key]]:
         """Complete groups in order of completion, at most ``limit`` of them."""
+        if self.consecutive_ids:
+            return self._consecutive_groups(view, limit)
         buckets: dict[Hashable, list[Key]] = {}
         done: list[list[Key]] = []
         for key in view.ready():
@@ -146,6 +159,25 @@ class GroupSampler:
                     break
         return done
 
+    def _consecutive_groups(self, view: ReadyView, limit: int | None) -> list[list[Key]]:
+        ready = list(view.ready())
+        bad = [k for k in ready if type(k) is not int]
+        if bad:
+            raise ValueError(
+                f"GroupSampler(consecutive_ids=True) groups int ids, but ready ids include "
+                f"{bad[:5]}; put with ids=None or int ids, or use explicit groups=[...]"
+            )
+        ids = sorted(ready)  # type: ignore[type-var]
+        n, i = self.group_size, 0
+        done: list[list[Key]] = []
+        while i + n <= len(ids) and (limit is None or len(done) < limit):
+            if ids[i + n - 1] - ids[i] == n - 1:  # type: ignore[operator]
+                done.append(ids[i : i + n])
+                i += n
+            else:
+                i += 1
+        return done
+
     def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
         if batch_size % self.group_size:
             raise ValueError(
@@ -164,8 +196,9 @@ class RankAwareSampler:
     """The ranks of one data-replica group receive the same batch.
 
     The first member asking for ``(task, data_rank, stream, batch_index)`` plans it with
-    ``inner``; the other ``replica_size - 1`` members read the cached plan, which is then
-    dropped. Build it with :meth:`from_mesh` and pass ``batch_index=`` (and ``stream=``, default
+    ``inner``; the other ``replica_size - 1`` members read the cached plan. Asking again for
+    the same ``batch_index`` returns the same batch (a retry after a timeout or a lost reply is
+    safe, as in TransferQueue); a plan is dropped once every reader asked for a later index. Build it with :meth:`from_mesh` and pass ``batch_index=`` (and ``stream=``, default
     0, when one rank reads several independent streams) to ``get``.
 
     With ``data_world_size=D > 1`` (what :meth:`from_mesh` sets) batch ``batch_index`` is one
@@ -222,11 +255,13 @@ class RankAwareSampler:
             key: tuple[Any, ...] = ("rank", self.data_rank, stream, index)
         else:
             key = ("round", stream, index)
+        if self.data_world_size == 1:  # the key names the data rank: only replicas share it
+            return Share(key=key, reader=self.replica_rank, readers=self.replica_size, part=0)
         return Share(
             key=key,
             reader=self.data_rank * self.replica_size + self.replica_rank,
             readers=self.data_world_size * self.replica_size,
-            part=self.data_rank if self.data_world_size > 1 else 0,
+            part=self.data_rank,
         )
 
     def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
@@ -237,15 +272,9 @@ class RankAwareSampler:
         if not planned or not planned[0]:
             return None
         ids = planned[0]
-        units: list[list[Key]] = []
-        if isinstance(self.inner, GroupSampler):  # whole groups, consecutive in the plan
-            for k in ids:
-                if units and view.group(units[-1][0]) == view.group(k):
-                    units[-1].append(k)
-                else:
-                    units.append([k])
-        else:
-            units = [[k] for k in ids]
+        # Whole groups come consecutive in the plan, group_size samples each.
+        size = self.inner.group_size if isinstance(self.inner, GroupSampler) else 1
+        units = [ids[i : i + size] for i in range(0, len(ids), size)]
         if len(units) < d:
             return None  # fewer units than data ranks: some rank would get an empty batch
         q, r = divmod(len(units), d)

@@ -26,9 +26,11 @@ from typing import Any
 import numpy as np
 
 from meshfeed.queue import checkpoint
+from meshfeed.queue.columns import Chunk, Gathered
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.embedded import EmbeddedBackend
 from meshfeed.queue.samplers import Sampler, SequentialSampler
+from meshfeed.queue.wakeups import check_timeout
 
 Key = Hashable
 _SEQUENTIAL = SequentialSampler()
@@ -61,8 +63,11 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def collate(values: list[Any]) -> Any:
-    """Stack equal-shape tensors or arrays; anything else stays a list."""
+def collate(values: list[Any] | Gathered) -> Any:
+    """Stack equal-shape tensors or arrays; anything else stays a list. A column the store
+    gathered from chunks already is one tensor / array (a view when contiguous)."""
+    if isinstance(values, Gathered):
+        return values.data
     torch = _torch()
     if values and torch is not None and all(isinstance(v, torch.Tensor) for v in values):
         first = values[0]
@@ -75,7 +80,7 @@ def collate(values: list[Any]) -> Any:
     return list(values)
 
 
-def _rows(column: Any, name: str) -> list[Any]:
+def _rows(column: Any, name: str) -> list[Any] | Chunk:
     if type(column) is list:  # the common case; the store keeps the values, not the list
         return column
     torch = _torch()
@@ -85,7 +90,7 @@ def _rows(column: Any, name: str) -> list[Any]:
                 f"field {name!r} is a 0-d {type(column).__name__}; give a column with one "
                 "entry per sample (shape [n, ...])"
             )
-        return list(column) if isinstance(column, np.ndarray) else list(column.unbind(0))
+        return Chunk(column)  # one chunk per put; samples reference rows of it
     if isinstance(column, list | tuple):
         return list(column)
     raise TypeError(
@@ -98,13 +103,18 @@ def _plain(value: Any) -> Any:
     return int(value) if isinstance(value, np.integer) else value
 
 
-def _check_timeout(timeout: Any) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"timeout must be seconds (a number) or None (got {timeout=!r})")
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds or None (got {timeout=})")
+def _check_sampler(sampler: Any) -> Sampler:
+    if sampler is None:
+        return _SEQUENTIAL
+    if not all(callable(getattr(sampler, m, None)) for m in ("share", "plan")) or not hasattr(
+        sampler, "extra_fields"
+    ):
+        raise TypeError(
+            f"sampler must be a sampler object with share(), plan() and extra_fields (got "
+            f"sampler={sampler!r}); use one of meshfeed.queue's samplers, e.g. "
+            "SequentialSampler() or RankAwareSampler.from_mesh(mesh, rank)"
+        )
+    return sampler
 
 
 def _check_key(value: Any, what: str) -> None:
@@ -220,7 +230,7 @@ class SampleStore:
         ``TimeoutError`` after ``timeout`` seconds. Returns the ids.
         """
         partition = self._partition(partition)
-        _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if not isinstance(fields, Mapping):
             raise TypeError(
                 f"fields must be a mapping of name -> column (got {type(fields).__name__})"
@@ -267,50 +277,61 @@ class SampleStore:
         partition: str,
         sampler: Sampler | None = None,
         timeout: float | None = None,
+        *,
+        hold: bool = False,
+        token: Hashable | None = None,
         **context: Any,
     ) -> Batch:
         """The next batch for ``task``: samples with every field in ``fields`` present, not yet
         consumed by ``task``; they are marked consumed for it.
 
         Waits (without polling) until the sampler can form a batch; ``TimeoutError`` after
-        ``timeout`` seconds (the store stays usable). Once the partition is closed, the rest
-        comes as a shorter batch, then :class:`PartitionClosed`. ``context`` goes to the sampler
-        (e.g. ``batch_index=`` for rank-aware samplers).
+        ``timeout`` seconds (``None`` or ``math.inf``: no limit; the store stays usable). Once
+        the partition is closed, the rest comes as a shorter batch, then
+        :class:`PartitionClosed` (also for a consumer arriving after the end). ``context`` goes
+        to the sampler (e.g. ``batch_index=`` for rank-aware samplers: asking again for the same
+        index returns the same batch, so a retry is safe).
+
+        For loaders: ``hold=True`` keeps the returned samples in the store (even once every
+        task consumed them) until :meth:`release`, so a checkpoint taken meanwhile can
+        re-deliver them with :meth:`peek`; ``token`` tags the request so :meth:`cancel` can
+        wake it (it then raises :class:`RequestCancelled` having consumed nothing).
         """
         if not isinstance(task, str) or not task:
             raise TypeError(f"task must be a non-empty string (got {task!r})")
         names = self._names(fields, "get fields")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
-        _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         partition = self._partition(partition)
-        chosen = sampler if sampler is not None else _SEQUENTIAL
-        return self._get(task, names, batch_size, partition, chosen, timeout, context, False)
-
-    def _get(
-        self,
-        task: str,
-        names: tuple[str, ...],
-        batch_size: int,
-        partition: str,
-        sampler: Sampler,
-        timeout: float | None,
-        context: Mapping[str, Any],
-        hold: bool,
-    ) -> Batch:
-        """``get`` after validation; ``hold`` keeps the samples until :meth:`_release`, so a
-        prefetching loader can re-deliver them after a checkpoint (see the loader)."""
+        chosen = _check_sampler(sampler)
+        if not isinstance(hold, bool):
+            raise TypeError(f"hold must be True or False (got {hold=!r})")
         ids, rows = self._backend.get(
-            task, names, batch_size, partition, sampler, timeout, context, hold
+            task, names, batch_size, partition, chosen, timeout, context, hold, token
         )
         return Batch(ids, {name: collate(rows[name]) for name in names})
 
-    def _release(self, partition: str, ids: list[Key]) -> None:
-        self._backend.release(partition, ids)
+    def release(self, partition: str, ids: Sequence[Key]) -> None:
+        """Undo one ``get(..., hold=True)`` of each of ``ids`` (unknown ids are ignored)."""
+        self._backend.release(self._partition(partition), list(ids))
 
-    def _peek(self, partition: str, ids: list[Key], names: tuple[str, ...]) -> Batch:
-        got, rows = self._backend.peek(partition, ids, names)
+    def peek(self, partition: str, ids: Sequence[Key], fields: Sequence[str]) -> Batch:
+        """The ``fields`` of samples ``ids`` without consuming them (a loader re-delivering
+        the batches a checkpoint names as fetched but not returned)."""
+        names = self._names(fields, "peek fields")
+        got, rows = self._backend.peek(self._partition(partition), list(ids), names)
         return Batch(got, {name: collate(rows[name]) for name in names})
+
+    def cancel(self, token: Hashable) -> None:
+        """Wake every request made with ``token`` (they raise :class:`RequestCancelled`
+        without consuming) and refuse later ones with it; tokens are never reused."""
+        self._backend.cancel(token)
+
+    @property
+    def name(self) -> str | None:
+        """The Ray actor's name (``SampleStore('ray', name=...)``), else ``None``."""
+        return getattr(self._backend, "name", None)
 
     # ----------------------------------------------------------------- admin
     def reset_consumption(self, partition: str, task: str) -> None:
@@ -348,17 +369,34 @@ class SampleStore:
         """Restore consumption over the same samples (e.g. a store rebuilt from the same puts)."""
         self._backend.restore(state, None)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write samples, fields and consumption to ``path`` atomically (temp file + rename)."""
+    def save(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
+        """Write samples, fields and consumption to ``path`` atomically (temp file + rename).
+
+        Values must be tensors, numpy arrays or JSON values (see
+        :mod:`meshfeed.queue.checkpoint`); others are refused naming the field, unless
+        ``allow_pickle=True`` (then ``load`` needs it too). Temporary files that killed saves
+        left in the folder are removed (same host and process gone, or older than a day)."""
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be True or False (got {allow_pickle=!r})")
         meta, payload = self._backend.dump(with_payload=True)
-        checkpoint.write_checkpoint(path, meta, payload)
+        checkpoint.write_checkpoint(path, meta, payload, allow_pickle=allow_pickle)
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike[str], *, backend: str = "embedded", **kwargs: Any
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        backend: str = "embedded",
+        allow_pickle: bool = False,
+        **kwargs: Any,
     ) -> SampleStore:
-        """A store restored from ``save(path)``; it continues with nothing lost or repeated."""
-        meta, payload = checkpoint.read_checkpoint(path)
+        """A store restored from ``save(path)``; it continues with nothing lost or repeated.
+
+        Never unpickles objects from the file, unless ``allow_pickle=True`` and the file was
+        saved with it (only for files you trust: unpickling runs code)."""
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be True or False (got {allow_pickle=!r})")
+        meta, payload = checkpoint.read_checkpoint(path, allow_pickle=allow_pickle)
         opts = meta["options"]
         kwargs.setdefault("capacity", opts["capacity"])
         kwargs.setdefault("fields", opts["fields"])
