@@ -26,8 +26,8 @@ from meshfeed.loader_state import (
 )
 from meshfeed.options import check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
-from meshfeed.order.compose import build_order
-from meshfeed.protocols import CurriculumHooks, GlobalService, PostProcess, Service
+from meshfeed.order.compose import build_order, curriculum_postprocess
+from meshfeed.protocols import GlobalService, Service
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
@@ -173,14 +173,7 @@ class DataLoader(LoaderBase):
                 f"({batch_size=} x data_world_size={self.data_world_size}); with drop_last=True "
                 "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
             )
-        postprocess: PostProcess | None = None
-        if curriculum is not None:
-            if not isinstance(curriculum, CurriculumHooks):
-                raise TypeError(
-                    f"curriculum={curriculum!r} lacks make_order() or postprocess; pass a "
-                    "meshfeed.curriculum.Curriculum (see meshfeed.protocols.CurriculumHooks)"
-                )
-            postprocess = curriculum.postprocess
+        postprocess = curriculum_postprocess(curriculum)
         self.fetcher = Fetcher(
             dataset,
             seed=seed,

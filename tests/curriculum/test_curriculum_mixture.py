@@ -194,6 +194,21 @@ def test_unsupported_combinations_are_refused_by_name():
         DataLoader(mix, batch_size=4, curriculum={"z": cur})
 
 
+def test_a_curriculum_that_is_not_a_meshfeed_curriculum_is_refused_by_name():
+    class LookAlike:
+        """Has the CurriculumHooks methods, but none of a Curriculum's gating or facts."""
+
+        postprocess = None
+
+        def make_order(self, **kwargs):
+            raise AssertionError("a foreign curriculum must not be asked for its order")
+
+    with pytest.raises(ValueError, match=r"LookAlike.*not a meshfeed Curriculum \(it has"):
+        DataLoader(list(range(10)), batch_size=2, curriculum=LookAlike())
+    with pytest.raises(ValueError, match=r"not a meshfeed Curriculum \(it lacks"):
+        DataLoader(list(range(10)), batch_size=2, curriculum=object())
+
+
 def _mixture_loader_on_rank(rank: int, world: int) -> list[list[tuple[str, int, int]]]:
     mix, sources = _mixture({"a": 0.7, "b": 0.3}, sizes=(120, 80), seed=9)
     loader = DataLoader(

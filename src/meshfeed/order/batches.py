@@ -179,12 +179,9 @@ def _accept(described: Mapping[str, Any]) -> None:
 def order_hooks(order: Order) -> OrderHooks:
     """``describe(epoch, position)`` and ``validate(described)`` of ``order``, with defaults.
 
-    An :class:`~meshfeed.protocols.OrderBase` declares both. Orders written before the
-    protocol (``MixtureOrder``, ``GatedOrder``) define ``describe`` and the older name
-    ``validate_described``; they are accepted under either name until they adopt OrderBase.
+    An :class:`~meshfeed.protocols.OrderBase` declares both; an order that only satisfies the
+    :class:`~meshfeed.protocols.Order` protocol records nothing and accepts any facts on resume.
     """
     if isinstance(order, OrderBase):
         return OrderHooks(describe=order.describe, validate=order.validate)
-    describe = getattr(order, "describe", None) or _nothing
-    validate = getattr(order, "validate", None) or getattr(order, "validate_described", None)
-    return OrderHooks(describe=describe, validate=validate or _accept)
+    return OrderHooks(describe=_nothing, validate=_accept)
