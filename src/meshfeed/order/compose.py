@@ -50,11 +50,26 @@ def build_order(
     seed: int,
     shuffle: bool,
 ) -> Order:
-    """The order of ``dataset`` under ``curriculum`` (None: no curriculum); see module doc."""
+    """The order of ``dataset`` under ``curriculum`` (None: no curriculum); see module doc.
+
+    ``shuffle=False`` is only meaningful for the default shuffled order: a Mixture or a
+    curriculum defines its own order, so combining either with ``shuffle=False`` raises.
+    """
     from meshfeed.curriculum.curriculum import Curriculum
     from meshfeed.sources.mixture import Mixture
 
     ordered = isinstance(dataset, OrderedSource)
+    if not shuffle and (ordered or curriculum is not None):
+        what = (
+            f"curriculum={type(curriculum).__name__}"
+            if curriculum is not None
+            else f"dataset={type(dataset).__name__} (it has its own order, make_order)"
+        )
+        raise ValueError(
+            f"shuffle=False with {what} would be ignored: that order is defined by the "
+            f"{'curriculum' if curriculum is not None else 'dataset'}, not by a shuffle; "
+            "drop shuffle=False (for an unshuffled walk use a plain dataset without curriculum)"
+        )
     if curriculum is None:
         if not ordered:
             return ShuffledOrder(dataset_length, seed=seed, shuffle=shuffle)
