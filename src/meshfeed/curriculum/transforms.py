@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.curriculum.schedule import Schedule
+from meshfeed.keys import DEFAULT_KEYS
 
-__all__ = ["ReportedDifficulty", "SeqlenReshape", "SeqlenTruncate"]
+__all__ = ["SEQLEN_KEYS", "ReportedDifficulty", "SeqlenReshape", "SeqlenTruncate"]
 
-#: The batch keys cut by default when the batch is a mapping (those present are cut).
-DEFAULT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "loss_mask")
+#: The batch keys cut by default when the batch is a mapping (those present are cut):
+#: meshfeed's per-token keys (:data:`meshfeed.keys.DEFAULT_KEYS`) plus the Hugging Face names
+#: ``input_ids`` and ``attention_mask`` of the batches DeepSpeed's seqlen metrics cut.
+SEQLEN_KEYS: tuple[str, ...] = (*DEFAULT_KEYS, "input_ids", "attention_mask")
 
 
 def _apply(batch: Any, keys: tuple[str, ...], fn: Any) -> Any:
@@ -47,7 +50,7 @@ class SeqlenTruncate:
     """Cut every ``[B, S, ...]`` tensor to ``[B, min(S, d), ...]`` with ``d`` from ``schedule``."""
 
     schedule: Schedule
-    keys: tuple[str, ...] = DEFAULT_KEYS
+    keys: tuple[str, ...] = SEQLEN_KEYS
     name: str = "seqlen_truncate"
 
     def __call__(self, batch: Any, difficulty: int | float) -> Any:
@@ -65,7 +68,7 @@ class SeqlenReshape:
     """Fold every ``[B, S, ...]`` tensor into ``[B * (S // d), d, ...]`` (drops ``S % d``)."""
 
     schedule: Schedule
-    keys: tuple[str, ...] = DEFAULT_KEYS
+    keys: tuple[str, ...] = SEQLEN_KEYS
     name: str = "seqlen_reshape"
 
     def __call__(self, batch: Any, difficulty: int | float) -> Any:
