@@ -186,7 +186,7 @@ def _state(**changes):
 
 def test_loader_state_is_the_one_envelope():
     state = _state()
-    assert (state["kind"], state["version"]) == ("loader", 2)
+    assert (state["kind"], state["version"]) == ("loader", 3)
     assert state["stats"] == {
         "retries": 0,
         "substituted": 0,
@@ -201,7 +201,7 @@ def test_a_version_1_loader_state_of_the_previous_release_is_refused_by_name():
     old["version"] = 1
     old["stats"]["failures"] = [{"index": 1}]  # the old layout, never misread
     with pytest.raises(
-        ValueError, match=r"version=1, this meshfeed reads version 2.*meshfeed 0\.1"
+        ValueError, match=r"version=1, this meshfeed reads version 3.*meshfeed 0\.1"
     ):
         DataLoader(Squares(16), batch_size=4, seed=1).load_state_dict(old)
 

@@ -65,6 +65,14 @@ class DataLoader(LoaderBase):
     ``"substitute"`` so that every rank keeps the same number of steps. A damaged file
     (:class:`~meshfeed.errors.SourceError`, ``MemoryError``) always raises.
 
+    ``drop_last=True`` (default) drops the last incomplete global batch of each epoch. With
+    ``drop_last=False`` it is served; when it does not divide among the data ranks,
+    ``pad_last=True`` (default) serves every sample and pads a last batch smaller than the
+    number of data ranks by wrapping around to the epoch's first samples (counted in
+    ``stats()["padded"]``), while ``pad_last=False`` truncates it to a multiple of the data
+    ranks so every rank reads the same number of samples, none twice (torchdata
+    ``DataLoader2``'s behaviour: 41 samples on 4 data ranks give 10 each, one left out).
+
     ``timeout`` bounds every wait for a worker, in seconds; ``math.inf`` waits without limit.
     """
 
@@ -80,6 +88,7 @@ class DataLoader(LoaderBase):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        pad_last: bool = True,
         num_workers: int = 0,
         prefetch: int = 2,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -93,6 +102,18 @@ class DataLoader(LoaderBase):
     ) -> None:
         check_not_a_path(dataset)
         _refuse_stream(dataset)
+        if not isinstance(pad_last, bool):
+            raise TypeError(
+                f"pad_last must be True or False (got {pad_last=!r} of type "
+                f"{type(pad_last).__name__}); pass a bool"
+            )
+        if drop_last is True and not pad_last:
+            raise ValueError(
+                "pad_last=False would be ignored with drop_last=True (the last incomplete batch "
+                "is dropped, nothing is padded); pass drop_last=False, pad_last=False to "
+                "truncate it to equal lengths per rank"
+            )
+        self.pad_last = pad_last
         super().__init__(
             batch_size=batch_size,
             mesh=mesh,
@@ -165,8 +186,18 @@ class DataLoader(LoaderBase):
         )
         self.hooks = order_hooks(self.order)
         self.plan = BatchPlan(
-            self.order, global_batch_size=self.global_batch_size, drop_last=drop_last
+            self.order,
+            global_batch_size=self.global_batch_size,
+            drop_last=drop_last,
+            pad_last=pad_last,
+            data_world_size=self.data_world_size,
         )
+        if not pad_last and self.plan.steps(0) == 0:
+            raise ValueError(
+                f"the dataset ({length} samples) has fewer samples than data ranks "
+                f"({self.data_world_size}); with pad_last=False no batch would ever be "
+                "produced. Use pad_last=True (pads by wrapping) or fewer data ranks"
+            )
         if self.drop_last and self.plan.steps(0) == 0:
             raise ValueError(
                 f"the dataset ({length} samples) is smaller than one global batch "
@@ -217,6 +248,7 @@ class DataLoader(LoaderBase):
             "dataset_fingerprint": fingerprint_hash(self.fingerprint),
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
+            "pad_last": int(self.pad_last),
         }
 
     # ------------------------------------------------------------------ iteration
@@ -341,6 +373,7 @@ class DataLoader(LoaderBase):
             "fingerprint": self.fingerprint,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "pad_last": self.pad_last,
             "stats": stats,
         }
         described = self.hooks.describe(self._epoch, self._position)

@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 #: Version 2: the one envelope (``kind="loader"``); failures stored as rows.
-LOADER_STATE_VERSION = 2
+#: Version 3: ``pad_last`` (how a last batch that does not divide among the ranks is served).
+LOADER_STATE_VERSION = 3
 COUNTS = ("retries", "substituted", "skipped", "padded")
 FAILURE_KEYS = ("index", "position", "attempt", "error", "message")
 #: The loader state's fields and their types (checked by ``open_envelope``).
@@ -40,6 +41,7 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "fingerprint": str,
     "shuffle": bool,
     "drop_last": bool,
+    "pad_last": bool,
     "stats": dict,
 }
 
@@ -95,6 +97,7 @@ def read_state(
         ("seed", loader.seed),
         ("shuffle", loader.shuffle),
         ("drop_last", loader.drop_last),
+        ("pad_last", loader.pad_last),
     ):
         if state[key] != mine:
             raise ValueError(
