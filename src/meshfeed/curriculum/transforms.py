@@ -29,7 +29,7 @@ SEQLEN_KEYS: tuple[str, ...] = (*DEFAULT_KEYS, "input_ids", "attention_mask")
 def _apply(batch: Any, keys: tuple[str, ...], fn: Any) -> Any:
     if isinstance(batch, Mapping):
         return {k: fn(v) if k in keys else v for k, v in batch.items()}
-    if hasattr(batch, "shape"):
+    if hasattr(batch, "shape"):  # one array (torch tensor or numpy), without importing torch
         return fn(batch)
     raise TypeError(
         f"seqlen transforms need a tensor or a mapping of tensors (got {type(batch).__name__}); "
@@ -58,7 +58,10 @@ class SeqlenTruncate:
 
         def cut(x: Any) -> Any:
             s = _check(x, d, self.name)
-            return x if d >= s else x[:, :d].contiguous() if hasattr(x, "contiguous") else x[:, :d]
+            cut = x[:, :d]
+            # A torch slice is a strided view: make it contiguous as the model expects; a numpy
+            # slice has no contiguous() and is returned as the view it is.
+            return x if d >= s else cut.contiguous() if hasattr(cut, "contiguous") else cut
 
         return _apply(batch, self.keys, cut)
 
