@@ -14,15 +14,18 @@ bound) for
 The baselines are priced generously: documents over the budget run on one rank as if memory
 allowed. It also times ``plan`` on 4,096 documents over 64 ranks (target: <= 50 ms).
 
-    PYTHONPATH=src python benchmarks/bench_balance.py [--quick]
+    PYTHONPATH=src python benchmarks/bench_balance.py [--quick] [--out DIR]
 
-Writes benchmarks/results/balance_ratios.png and balance_results.md.
+Writes balance_results.md and balance_ratios.png into ``--out`` (default: benchmarks/results
+for a full run; a fresh temporary folder for ``--quick``, so a smoke run leaves the checkout
+clean).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,7 +94,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="few batches, N <= 16")
     parser.add_argument("--batches", type=int, default=None, help="batches per configuration")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the report and plot (default: benchmarks/results; --quick: a temp dir)",
+    )
     args = parser.parse_args()
+    out = args.out
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="meshfeed-bench-balance-")) if args.quick else RESULTS
     batches = args.batches or (6 if args.quick else 40)
     ranks = (8, 16) if args.quick else (8, 16, 32, 64)
     configs = [(k, n, c) for k in DISTRIBUTIONS for c in COSTS for n in ranks]
@@ -148,12 +160,13 @@ def main() -> None:
     ]
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
-    (RESULTS / f"balance_results{suffix}.md").write_text(text + "\n")
-    png = _plot(results, ranks, RESULTS / f"balance_ratios{suffix}.png")
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / "balance_results.md"
+    report.write_text(text + "\n")
+    print(f"\nwrote {report}")
+    png = _plot(results, ranks, out / "balance_ratios.png")
     if png:
-        print(f"\nwrote {png}")
+        print(f"wrote {png}")
 
 
 def _plot(results: dict, ranks: tuple[int, ...], path: Path) -> Path | None:

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,3 +65,61 @@ def test_epochs_reshuffle():
     order = ShuffledOrder(100, seed=1)
     a, b = order.indices(0, np.arange(100)), order.indices(1, np.arange(100))
     assert not np.array_equal(a, b) and sorted(a) == sorted(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 500),
+    batch=st.integers(1, 16),
+    world=st.integers(1, 9),
+    seed=st.integers(0, 2**31),
+)
+def test_pad_last_false_truncates_to_equal_rank_lengths_and_reads_each_sample_at_most_once(
+    n, batch, world, seed
+):
+    G = batch * world
+    plan = BatchPlan(
+        ShuffledOrder(n, seed=seed),
+        global_batch_size=G,
+        drop_last=False,
+        pad_last=False,
+        data_world_size=world,
+    )
+    per_rank: list[list[int]] = [[] for _ in range(world)]
+    pos, steps = 0, 0
+    while (step := plan.step_at(0, pos)) is not None:
+        assert (step.end - step.start) % world == 0 and plan.padding(step, world) == 0
+        for d in range(world):
+            per_rank[d].extend(plan.rank_indices(step, d, world).tolist())
+        pos, steps = step.end, steps + 1
+    assert steps == plan.steps(0)
+    assert {len(r) for r in per_rank} == {n // world}  # equal lengths on every rank
+    flat = [i for r in per_rank for i in r]
+    assert len(set(flat)) == len(flat) == n - n % world  # exactly once, the rest left out
+
+
+def test_41_items_on_4_readers_pad_to_11_or_truncate_to_10_each():
+    # torchdata DataLoader2's distributed sharding: 2 ranks x 2 workers -> 10 items per reader.
+    def counts(pad_last: bool) -> list[int]:
+        plan = BatchPlan(
+            ShuffledOrder(41, seed=0),
+            global_batch_size=8,
+            drop_last=False,
+            pad_last=pad_last,
+            data_world_size=4,
+        )
+        out = [0] * 4
+        pos = 0
+        while (step := plan.step_at(0, pos)) is not None:
+            for d in range(4):
+                out[d] += len(plan.rank_positions(step, d, 4))
+            pos = step.end
+        return out
+
+    assert counts(pad_last=True) == [11, 11, 11, 11]  # 41 served, 3 wrapped repeats
+    assert counts(pad_last=False) == [10, 10, 10, 10]  # 40 served, 1 left out
+
+
+def test_bad_data_world_size_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"data_world_size=0"):
+        BatchPlan(ShuffledOrder(4), global_batch_size=4, data_world_size=0)

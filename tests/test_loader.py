@@ -131,7 +131,7 @@ def test_state_dict_is_small_json_with_required_fields():
     take(loader, 3)
     state = loader.state_dict()
     assert json.loads(json.dumps(state)) == state
-    assert state["kind"] == "loader" and state["version"] == 2
+    assert state["kind"] == "loader" and state["version"] == 2 and state["pad_last"] is True
     assert state["seed"] == 9 and state["epoch"] == 0
     assert state["position"] == 24 and state["global_batch_size"] == 8
     assert state["data_world_size"] == 2 and state["dataset_length"] == 50

@@ -10,7 +10,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -26,8 +26,8 @@ from meshfeed.loader_state import (
 )
 from meshfeed.options import check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
-from meshfeed.order.compose import build_order
-from meshfeed.protocols import CurriculumHooks, GlobalService, PostProcess, Service
+from meshfeed.order.compose import build_order, curriculum_postprocess
+from meshfeed.protocols import GlobalService, Service
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
@@ -65,6 +65,14 @@ class DataLoader(LoaderBase):
     ``"substitute"`` so that every rank keeps the same number of steps. A damaged file
     (:class:`~meshfeed.errors.SourceError`, ``MemoryError``) always raises.
 
+    ``drop_last=True`` (default) drops the last incomplete global batch of each epoch. With
+    ``drop_last=False`` it is served; when it does not divide among the data ranks,
+    ``pad_last=True`` (default) serves every sample and pads a last batch smaller than the
+    number of data ranks by wrapping around to the epoch's first samples (counted in
+    ``stats()["padded"]``), while ``pad_last=False`` truncates it to a multiple of the data
+    ranks so every rank reads the same number of samples, none twice (torchdata
+    ``DataLoader2``'s behaviour: 41 samples on 4 data ranks give 10 each, one left out).
+
     ``timeout`` bounds every wait for a worker, in seconds; ``math.inf`` waits without limit.
     """
 
@@ -80,6 +88,7 @@ class DataLoader(LoaderBase):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        pad_last: bool = True,
         num_workers: int = 0,
         prefetch: int = 2,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -93,6 +102,18 @@ class DataLoader(LoaderBase):
     ) -> None:
         check_not_a_path(dataset)
         _refuse_stream(dataset)
+        if not isinstance(pad_last, bool):
+            raise TypeError(
+                f"pad_last must be True or False (got {pad_last=!r} of type "
+                f"{type(pad_last).__name__}); pass a bool"
+            )
+        if drop_last is True and not pad_last:
+            raise ValueError(
+                "pad_last=False would be ignored with drop_last=True (the last incomplete batch "
+                "is dropped, nothing is padded); pass drop_last=False, pad_last=False to "
+                "truncate it to equal lengths per rank"
+            )
+        self.pad_last = pad_last
         super().__init__(
             batch_size=batch_size,
             mesh=mesh,
@@ -165,24 +186,25 @@ class DataLoader(LoaderBase):
         )
         self.hooks = order_hooks(self.order)
         self.plan = BatchPlan(
-            self.order, global_batch_size=self.global_batch_size, drop_last=drop_last
+            self.order,
+            global_batch_size=self.global_batch_size,
+            drop_last=drop_last,
+            pad_last=pad_last,
+            data_world_size=self.data_world_size,
         )
+        if not pad_last and self.plan.steps(0) == 0:
+            raise ValueError(
+                f"the dataset ({length} samples) has fewer samples than data ranks "
+                f"({self.data_world_size}); with pad_last=False no batch would ever be "
+                "produced. Use pad_last=True (pads by wrapping) or fewer data ranks"
+            )
         if self.drop_last and self.plan.steps(0) == 0:
             raise ValueError(
                 f"the dataset ({length} samples) is smaller than one global batch "
                 f"({batch_size=} x data_world_size={self.data_world_size}); with drop_last=True "
                 "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
             )
-        postprocess: PostProcess | None = None
-        # A dict of curricula per mixture source was checked by build_order; batches mix
-        # sources, so per-source batch transforms do not apply and there is no postprocess.
-        if curriculum is not None and not isinstance(curriculum, Mapping):
-            if not isinstance(curriculum, CurriculumHooks):
-                raise TypeError(
-                    f"curriculum={curriculum!r} lacks make_order() or postprocess; pass a "
-                    "meshfeed.curriculum.Curriculum (see meshfeed.protocols.CurriculumHooks)"
-                )
-            postprocess = curriculum.postprocess
+        postprocess = curriculum_postprocess(curriculum)
         self.fetcher = Fetcher(
             dataset,
             seed=seed,
@@ -226,6 +248,7 @@ class DataLoader(LoaderBase):
             "dataset_fingerprint": fingerprint_hash(self.fingerprint),
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
+            "pad_last": int(self.pad_last),
         }
 
     # ------------------------------------------------------------------ iteration
@@ -350,6 +373,7 @@ class DataLoader(LoaderBase):
             "fingerprint": self.fingerprint,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
+            "pad_last": self.pad_last,
             "stats": stats,
         }
         described = self.hooks.describe(self._epoch, self._position)

@@ -168,7 +168,8 @@ class LoaderBase:
             logger.warning(
                 "%s: the last global batch of epoch %d has fewer samples than data ranks; %d "
                 "sample(s) on this rank repeat the start of the epoch (drop_last=False). See "
-                "loader.stats()['padded']; use drop_last=True to never repeat samples",
+                "loader.stats()['padded']; use drop_last=True (or pad_last=False) to never repeat "
+                "samples",
                 type(self).__name__,
                 self._epoch,
                 padded,

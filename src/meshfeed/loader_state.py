@@ -25,7 +25,8 @@ __all__ = [
     "read_state",
 ]
 
-#: Version 2: the one envelope (``kind="loader"``); failures stored as rows.
+#: Version 2 (meshfeed 0.2): the one envelope (``kind="loader"``), failures stored as rows, and
+#: ``pad_last`` (how a last batch that does not divide among the ranks is served).
 LOADER_STATE_VERSION = 2
 COUNTS = ("retries", "substituted", "skipped", "padded")
 FAILURE_KEYS = ("index", "position", "attempt", "error", "message")
@@ -40,6 +41,7 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "fingerprint": str,
     "shuffle": bool,
     "drop_last": bool,
+    "pad_last": bool,
     "stats": dict,
 }
 
@@ -95,6 +97,7 @@ def read_state(
         ("seed", loader.seed),
         ("shuffle", loader.shuffle),
         ("drop_last", loader.drop_last),
+        ("pad_last", loader.pad_last),
     ):
         if state[key] != mine:
             raise ValueError(

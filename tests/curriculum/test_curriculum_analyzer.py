@@ -210,3 +210,14 @@ def test_workers_beyond_the_cores_are_not_started(monkeypatch):
     assert started == [2]
     ref = analyze(docs, [seqlen()], num_workers=0, chunk_size=4, progress=False)
     assert wide["seqlen"].values.tobytes() == ref["seqlen"].values.tobytes()
+
+
+def test_the_progress_bar_counts_each_sample_once_per_named_pass(capsys):
+    docs = _docs(50)
+    analyze(docs, [vocab_rarity(VOCAB)], chunk_size=16)  # two passes: histogram, then rarity
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert [line.split(":")[0] for line in lines] == ["analyze pass 1/2", "analyze pass 2/2"]
+    assert all(" 50/50 " in line for line in lines), lines
+    analyze(docs, [seqlen()], chunk_size=16)  # one pass: no pass number
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert line.startswith("analyze: ") and " 50/50 " in line, line

@@ -194,10 +194,10 @@ def test_seqlen_reshape_keeps_tokens_in_shorter_rows():
         transforms=[SeqlenReshape(schedule=fixed_discrete(difficulty=[2, 8], max_step=[0]))]
     )
     x = torch.arange(12).reshape(2, 6)
-    out = cur.postprocess({"input_ids": x, "other": x}, step=0)
+    out = cur.postprocess({"input_ids": x, "other": x}, epoch=0, step=0)
     assert out["input_ids"].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
     assert out["other"] is x
-    assert cur.postprocess(x, step=1) is x  # difficulty 8 >= seq 6: unchanged
+    assert cur.postprocess(x, epoch=0, step=1) is x  # difficulty 8 >= seq 6: unchanged
 
 
 def test_postprocess_with_an_epoch_counts_steps_across_epochs():
@@ -278,3 +278,11 @@ def test_the_postprocess_hook_ships_to_workers_without_the_metric_indexes():
     assert len(pickle.dumps(cur.postprocess)) < 2_000
     assert hook.steps_per_epoch == 200
     assert hook(torch.zeros(2, 9), step=3, epoch=0).shape == (2, 2)
+
+
+def test_postprocess_needs_the_epoch_from_its_caller():
+    cur = Curriculum([], transforms=[SeqlenTruncate(schedule=fixed_linear(1, 100, 100))])
+    with pytest.raises(TypeError, match="epoch"):
+        cur.postprocess(torch.zeros(1, 50), step=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match=r"epoch=2.*make_order\(\) has run"):
+        cur.postprocess(torch.zeros(1, 50), epoch=2, step=1)

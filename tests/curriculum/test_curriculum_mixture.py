@@ -194,6 +194,39 @@ def test_unsupported_combinations_are_refused_by_name():
         DataLoader(mix, batch_size=4, curriculum={"z": cur})
 
 
+def test_a_curriculum_that_is_not_a_meshfeed_curriculum_is_refused_by_name():
+    class LookAlike:
+        """Has the CurriculumHooks methods, but none of a Curriculum's gating or facts."""
+
+        postprocess = None
+
+        def make_order(self, **kwargs):
+            raise AssertionError("a foreign curriculum must not be asked for its order")
+
+    with pytest.raises(ValueError, match=r"LookAlike.*not a meshfeed Curriculum \(it has"):
+        DataLoader(list(range(10)), batch_size=2, curriculum=LookAlike())
+    with pytest.raises(ValueError, match=r"not a meshfeed Curriculum \(it lacks"):
+        DataLoader(list(range(10)), batch_size=2, curriculum=object())
+
+
+def test_shuffle_false_with_a_mixture_or_a_curriculum_is_refused_by_name():
+    mix, sources = _mixture({"a": 1, "b": 1})
+    with pytest.raises(ValueError, match=r"shuffle=False with dataset=Mixture .*would be ignored"):
+        DataLoader(mix, batch_size=4, shuffle=False)
+    with pytest.raises(ValueError, match=r"shuffle=False with curriculum=Curriculum.*ignored"):
+        DataLoader(mix, batch_size=4, shuffle=False, curriculum=_whole(mix, sources))
+    with pytest.raises(ValueError, match=r"shuffle=False with curriculum=dict.*ignored"):
+        DataLoader(mix, batch_size=4, shuffle=False, curriculum={"a": _whole(mix, sources)})
+    plain = _whole(mix, sources)
+    with pytest.raises(ValueError, match=r"shuffle=False with curriculum=Curriculum.*ignored"):
+        DataLoader(sources[0], batch_size=4, shuffle=False, curriculum=plain)
+    # shuffle=False stays meaningful (and accepted) for a plain dataset without curriculum
+    assert take(DataLoader(list(range(8)), batch_size=4, shuffle=False, collate_fn=list), 2) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
+
+
 def _mixture_loader_on_rank(rank: int, world: int) -> list[list[tuple[str, int, int]]]:
     mix, sources = _mixture({"a": 0.7, "b": 0.3}, sizes=(120, 80), seed=9)
     loader = DataLoader(

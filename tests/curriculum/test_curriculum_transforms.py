@@ -50,3 +50,18 @@ def test_reshape_keeps_trailing_feature_dimensions():
 def test_bad_batches_are_refused(batch, difficulty, message):
     with pytest.raises((ValueError, TypeError), match=message):
         SeqlenTruncate(schedule=SCHEDULE)(batch, difficulty)
+
+
+def test_default_keys_are_meshfeeds_token_keys_plus_the_hugging_face_names():
+    from meshfeed.curriculum.transforms import SEQLEN_KEYS
+    from meshfeed.keys import DEFAULT_KEYS
+
+    assert SEQLEN_KEYS[: len(DEFAULT_KEYS)] == DEFAULT_KEYS
+    assert {"input_ids", "attention_mask"} <= set(SEQLEN_KEYS)
+    row = torch.arange(10).reshape(1, 10)
+    batch = {k: row.clone() for k in (*DEFAULT_KEYS, "input_ids", "attention_mask", "doc_ids")}
+    out = SeqlenTruncate(schedule=SCHEDULE)(batch, 3)
+    assert {k: v.shape[1] for k, v in out.items()} == {
+        **dict.fromkeys((*DEFAULT_KEYS, "input_ids", "attention_mask"), 3),
+        "doc_ids": 10,
+    }

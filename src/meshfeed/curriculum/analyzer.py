@@ -260,29 +260,30 @@ def analyze(
     workers = None
     if count > 0:
         workers = _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
-    with (
-        Progress(
-            total=n * len(passes), desc="analyze", unit="samples", enabled=progress and rank == 0
-        ) as bar,
-        contextlib.ExitStack() as stack,
-    ):
+    with contextlib.ExitStack() as stack:
         if workers is not None:
             stack.callback(workers.pool.shutdown)
         for index, (pass_samples, pass_accs) in enumerate(passes):
             ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
             offsets = dict.fromkeys(values, 0)
-            local = _pass(
-                workers,
-                index,
-                dataset,
-                mine,
-                pass_samples,
-                pass_accs,
-                ctx,
-                timeout=timeout,
-                bar=bar,
-            )
-            bar.update((n - sum(b - a for a, b in mine)) if world > 1 else 0)
+            # One bar per pass, each counting the dataset's samples once (a metric that
+            # ``requires`` an accumulation reads every sample a second time).
+            desc = f"analyze pass {index + 1}/{len(passes)}" if len(passes) > 1 else "analyze"
+            with Progress(
+                total=n, desc=desc, unit="samples", enabled=progress and rank == 0
+            ) as bar:
+                local = _pass(
+                    workers,
+                    index,
+                    dataset,
+                    mine,
+                    pass_samples,
+                    pass_accs,
+                    ctx,
+                    timeout=timeout,
+                    bar=bar,
+                )
+                bar.update((n - sum(b - a for a, b in mine)) if world > 1 else 0)
             for part_values, part_sums in _gather(local, world):
                 for name, v in part_values.items():
                     values[name][offsets[name] : offsets[name] + len(v)] = v

@@ -50,6 +50,8 @@ def _resolve(spec: str, what: str) -> Any:
 def _dataset(spec: str) -> Any:
     if ":" in spec:
         made = _resolve(spec, "dataset")
+        # The spec names either a dataset object or a zero-argument factory (a class or a
+        # function); a map-style dataset is recognised by __getitem__ (meshfeed.protocols.Source).
         return made() if callable(made) and not hasattr(made, "__getitem__") else made
     from meshfeed.sources.indexed import TokenCorpus
 

@@ -33,7 +33,6 @@ from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.order import GatedOrder
 from meshfeed.curriculum.schedule import Schedule
 from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
-from meshfeed.rng import fetch_info
 
 __all__ = ["Curriculum", "CurriculumMetric"]
 
@@ -133,10 +132,9 @@ class CurriculumMetric:
 class BatchTransforms:
     """Applies transform-only metrics (seqlen truncation / reshape) for a batch's step.
 
-    Called as ``hook(batch, step=s)`` with ``s`` the batch's step within its epoch (what the
-    loader passes); the epoch comes from the loader's fetch context
-    (:func:`meshfeed.fetch_info`) unless given, so the curriculum step keeps growing across
-    epochs: ``epoch * steps_per_epoch + step``.
+    Called as ``hook(batch, epoch=e, step=s)`` (the :class:`~meshfeed.protocols.PostProcess`
+    contract the loader's fetcher follows) with ``s`` the batch's global step within epoch
+    ``e``; the curriculum step keeps growing across epochs: ``e * steps_per_epoch + s``.
     """
 
     __slots__ = ("first_step", "steps_per_epoch", "transforms")
@@ -146,15 +144,15 @@ class BatchTransforms:
         self.first_step = first_step
         self.steps_per_epoch: int | None = None
 
-    def __call__(self, batch: Any, *, step: int, epoch: int | None = None) -> Any:
+    def __call__(self, batch: Any, *, epoch: int, step: int) -> Any:
         if not self.transforms:
             return batch
-        if epoch is None:
-            info = fetch_info()
-            epoch = info.epoch if info is not None else 0
         if epoch:
             if self.steps_per_epoch is None:
-                raise ValueError("postprocess() past epoch 0 needs make_order() to have run first")
+                raise ValueError(
+                    f"postprocess() at {epoch=} needs the steps per epoch, known once "
+                    "make_order() has run; build the DataLoader with this curriculum first"
+                )
             step = epoch * self.steps_per_epoch + step
         step += self.first_step
         for t in self.transforms:
@@ -309,7 +307,7 @@ class Curriculum:
 
     @property
     def postprocess(self) -> BatchTransforms:
-        """The loader's hook: ``postprocess(batch, step=...)`` applies the transforms.
+        """The loader's hook: ``postprocess(batch, epoch=..., step=...)`` applies the transforms.
 
         A small object holding only the transforms, so shipping it to worker processes does
         not copy the metric indexes.

@@ -369,6 +369,3 @@ class GatedOrder(OrderBase):
                 f"curriculum order state has step={facts.get('step')!r}; the checkpoint is "
                 "corrupted"
             )
-
-    # The loader of this release still calls the old name; remove once it calls validate().
-    validate_described = validate

@@ -16,17 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.curriculum.schedule import Schedule
+from meshfeed.keys import DEFAULT_KEYS
 
-__all__ = ["ReportedDifficulty", "SeqlenReshape", "SeqlenTruncate"]
+__all__ = ["SEQLEN_KEYS", "ReportedDifficulty", "SeqlenReshape", "SeqlenTruncate"]
 
-#: The batch keys cut by default when the batch is a mapping (those present are cut).
-DEFAULT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "loss_mask")
+#: The batch keys cut by default when the batch is a mapping (those present are cut):
+#: meshfeed's per-token keys (:data:`meshfeed.keys.DEFAULT_KEYS`) plus the Hugging Face names
+#: ``input_ids`` and ``attention_mask`` of the batches DeepSpeed's seqlen metrics cut.
+SEQLEN_KEYS: tuple[str, ...] = (*DEFAULT_KEYS, "input_ids", "attention_mask")
 
 
 def _apply(batch: Any, keys: tuple[str, ...], fn: Any) -> Any:
     if isinstance(batch, Mapping):
         return {k: fn(v) if k in keys else v for k, v in batch.items()}
-    if hasattr(batch, "shape"):
+    if hasattr(batch, "shape"):  # one array (torch tensor or numpy), without importing torch
         return fn(batch)
     raise TypeError(
         f"seqlen transforms need a tensor or a mapping of tensors (got {type(batch).__name__}); "
@@ -47,7 +50,7 @@ class SeqlenTruncate:
     """Cut every ``[B, S, ...]`` tensor to ``[B, min(S, d), ...]`` with ``d`` from ``schedule``."""
 
     schedule: Schedule
-    keys: tuple[str, ...] = DEFAULT_KEYS
+    keys: tuple[str, ...] = SEQLEN_KEYS
     name: str = "seqlen_truncate"
 
     def __call__(self, batch: Any, difficulty: int | float) -> Any:
@@ -55,7 +58,10 @@ class SeqlenTruncate:
 
         def cut(x: Any) -> Any:
             s = _check(x, d, self.name)
-            return x if d >= s else x[:, :d].contiguous() if hasattr(x, "contiguous") else x[:, :d]
+            cut = x[:, :d]
+            # A torch slice is a strided view: make it contiguous as the model expects; a numpy
+            # slice has no contiguous() and is returned as the view it is.
+            return x if d >= s else cut.contiguous() if hasattr(cut, "contiguous") else cut
 
         return _apply(batch, self.keys, cut)
 
@@ -65,7 +71,7 @@ class SeqlenReshape:
     """Fold every ``[B, S, ...]`` tensor into ``[B * (S // d), d, ...]`` (drops ``S % d``)."""
 
     schedule: Schedule
-    keys: tuple[str, ...] = DEFAULT_KEYS
+    keys: tuple[str, ...] = SEQLEN_KEYS
     name: str = "seqlen_reshape"
 
     def __call__(self, batch: Any, difficulty: int | float) -> Any:

@@ -80,31 +80,61 @@ class BatchPlan:
     """Walks an :class:`Order` in global batches of ``global_batch_size`` positions.
 
     With ``drop_last=True`` the final incomplete global batch of an epoch is dropped. With
-    ``drop_last=False`` it is served split as evenly as possible; when it has fewer samples
-    than there are data ranks it is padded up to one sample per rank by wrapping around to the
-    start of the epoch order (:meth:`padding` counts those), so every rank takes the same number
-    of steps.
+    ``drop_last=False`` it is served split as evenly as possible (to within one sample per
+    rank), and what happens when it does not divide among the data ranks depends on
+    ``pad_last``:
+
+    - ``pad_last=True`` (default): every sample of the epoch is served. A final batch with
+      fewer samples than data ranks is padded up to one sample per rank by wrapping around to
+      the start of the epoch order (:meth:`padding` counts those), so every rank takes the
+      same number of steps.
+    - ``pad_last=False``: the final batch is truncated to a multiple of ``data_world_size`` (it
+      is dropped when fewer samples than ranks remain), so every rank reads the same number of
+      samples and none twice; up to ``data_world_size - 1`` samples are left out. This is
+      torchdata ``DataLoader2``'s distributed behaviour (41 items on 4 readers: 10 each). Only
+      the last batch depends on ``data_world_size`` then.
     """
 
-    def __init__(self, order: Order, *, global_batch_size: int, drop_last: bool = True) -> None:
+    def __init__(
+        self,
+        order: Order,
+        *,
+        global_batch_size: int,
+        drop_last: bool = True,
+        pad_last: bool = True,
+        data_world_size: int = 1,
+    ) -> None:
         self.order = order
         self.global_batch_size = int(global_batch_size)
         self.drop_last = bool(drop_last)
+        self.pad_last = bool(pad_last)
+        self.data_world_size = int(data_world_size)
+        if self.data_world_size < 1:
+            raise ValueError(f"data_world_size must be >= 1 (got {data_world_size=!r})")
+
+    def _last_len(self, remaining: int) -> int:
+        """Samples served by a final batch with ``remaining`` (< G) samples left."""
+        if self.drop_last:
+            return 0
+        if self.pad_last:
+            return remaining
+        return remaining - remaining % self.data_world_size
 
     def step_at(self, epoch: int, position: int) -> Step | None:
         """The global batch starting at ``position``, or None when the epoch is over."""
         length = self.order.epoch_length(epoch)
         end = min(position + self.global_batch_size, length)
-        if end <= position or (self.drop_last and end - position < self.global_batch_size):
+        if end - position < self.global_batch_size:
+            end = position + self._last_len(max(0, end - position))
+        if end <= position:
             return None
         return Step(epoch, position, end, position // self.global_batch_size)
 
     def steps(self, epoch: int, position: int = 0) -> int:
         """How many global batches remain in ``epoch`` from ``position``."""
         remaining = max(0, self.order.epoch_length(epoch) - position)
-        if self.drop_last:
-            return remaining // self.global_batch_size
-        return -(-remaining // self.global_batch_size)
+        full, rest = divmod(remaining, self.global_batch_size)
+        return full + (1 if self._last_len(rest) > 0 else 0)
 
     def padding(self, step: Step, data_world_size: int) -> int:
         """How many wrapped-around samples pad ``step`` (non-zero only for a tiny last batch)."""
@@ -179,12 +209,9 @@ def _accept(described: Mapping[str, Any]) -> None:
 def order_hooks(order: Order) -> OrderHooks:
     """``describe(epoch, position)`` and ``validate(described)`` of ``order``, with defaults.
 
-    An :class:`~meshfeed.protocols.OrderBase` declares both. Orders written before the
-    protocol (``MixtureOrder``, ``GatedOrder``) define ``describe`` and the older name
-    ``validate_described``; they are accepted under either name until they adopt OrderBase.
+    An :class:`~meshfeed.protocols.OrderBase` declares both; an order that only satisfies the
+    :class:`~meshfeed.protocols.Order` protocol records nothing and accepts any facts on resume.
     """
     if isinstance(order, OrderBase):
         return OrderHooks(describe=order.describe, validate=order.validate)
-    describe = getattr(order, "describe", None) or _nothing
-    validate = getattr(order, "validate", None) or getattr(order, "validate_described", None)
-    return OrderHooks(describe=describe, validate=validate or _accept)
+    return OrderHooks(describe=_nothing, validate=_accept)

@@ -3,7 +3,8 @@
 The loader calls :func:`build_order` once; nothing else decides the order. The combinations:
 
 - no curriculum, a plain dataset: a :class:`~meshfeed.order.plan.ShuffledOrder`;
-- no curriculum, a dataset with its own order (``make_order``, e.g. a
+- no curriculum, a dataset with its own order (an
+  :class:`~meshfeed.protocols.OrderedSource`, e.g. a
   :class:`~meshfeed.sources.Mixture`): that order;
 - a curriculum over a plain dataset: the curriculum's difficulty-gated order;
 - a curriculum over a ``Mixture``: a :class:`CurriculumMixtureOrder`. The mixture picks the
@@ -30,10 +31,10 @@ import numpy as np
 
 from meshfeed.order.batches import Order, ShuffledOrder
 from meshfeed.order.permutation import derive_seed
-from meshfeed.protocols import OrderBase
+from meshfeed.protocols import CurriculumHooks, OrderBase, OrderedSource, PostProcess
 from meshfeed.state import envelope, open_envelope
 
-__all__ = ["CurriculumMixtureOrder", "build_order"]
+__all__ = ["CurriculumMixtureOrder", "build_order", "curriculum_postprocess"]
 
 _GATE_OP = 0x6A7E
 #: Version of the facts a CurriculumMixtureOrder records in a loader checkpoint.
@@ -49,16 +50,33 @@ def build_order(
     seed: int,
     shuffle: bool,
 ) -> Order:
-    """The order of ``dataset`` under ``curriculum`` (None: no curriculum); see module doc."""
+    """The order of ``dataset`` under ``curriculum`` (None: no curriculum); see module doc.
+
+    ``shuffle=False`` is only meaningful for the default shuffled order: a Mixture or a
+    curriculum defines its own order, so combining either with ``shuffle=False`` raises.
+    """
     from meshfeed.curriculum.curriculum import Curriculum
     from meshfeed.sources.mixture import Mixture
 
-    own = getattr(dataset, "make_order", None)
+    ordered = isinstance(dataset, OrderedSource)
+    if not shuffle and (ordered or curriculum is not None):
+        what = (
+            f"curriculum={type(curriculum).__name__}"
+            if curriculum is not None
+            else f"dataset={type(dataset).__name__} (it has its own order, make_order)"
+        )
+        raise ValueError(
+            f"shuffle=False with {what} would be ignored: that order is defined by the "
+            f"{'curriculum' if curriculum is not None else 'dataset'}, not by a shuffle; "
+            "drop shuffle=False (for an unshuffled walk use a plain dataset without curriculum)"
+        )
     if curriculum is None:
-        if own is None:
+        if not ordered:
             return ShuffledOrder(dataset_length, seed=seed, shuffle=shuffle)
         return _checked(
-            own(dataset_length=dataset_length, global_batch_size=global_batch_size, seed=seed)
+            dataset.make_order(
+                dataset_length=dataset_length, global_batch_size=global_batch_size, seed=seed
+            )
         )
     if isinstance(dataset, Mixture):
         return CurriculumMixtureOrder(
@@ -70,22 +88,41 @@ def build_order(
             f"meshfeed Mixture as the dataset (got {type(dataset).__name__}); pass one "
             "Curriculum for a single dataset"
         )
-    if own is not None:
+    if ordered:
         raise ValueError(
             f"curriculum over {type(dataset).__name__}, a dataset with its own order "
             "(make_order), is not supported: the curriculum would replace that order; use a "
             "meshfeed Mixture (curriculum over a mixture gates each source) or drop one of them"
         )
     if not isinstance(curriculum, Curriculum):
+        hooks = "it has" if isinstance(curriculum, CurriculumHooks) else "it lacks"
         raise ValueError(
-            f"curriculum={curriculum!r} is not a meshfeed Curriculum; build one with "
-            "meshfeed.curriculum.Curriculum(...) or from_deepspeed_config(...)"
+            f"curriculum={curriculum!r} is not a meshfeed Curriculum ({hooks} make_order() and "
+            "postprocess, but the loader also needs the Curriculum's gating and checkpoint "
+            "facts); build one with meshfeed.curriculum.Curriculum(...) or "
+            "from_deepspeed_config(...)"
         )
     return _checked(
         curriculum.make_order(
             dataset_length=dataset_length, global_batch_size=global_batch_size, seed=seed
         )
     )
+
+
+def curriculum_postprocess(curriculum: Any) -> PostProcess | None:
+    """The batch hook of ``curriculum`` (None for none), once :func:`build_order` accepted it.
+
+    A dict of curricula per source has none: :class:`CurriculumMixtureOrder` refuses
+    per-source transforms, since a batch mixes sources.
+    """
+    if curriculum is None or isinstance(curriculum, Mapping):
+        return None
+    if not isinstance(curriculum, CurriculumHooks):
+        raise TypeError(
+            f"curriculum={curriculum!r} lacks make_order() or postprocess; pass a "
+            "meshfeed.curriculum.Curriculum (see meshfeed.protocols.CurriculumHooks)"
+        )
+    return curriculum.postprocess
 
 
 def _checked(order: Any) -> Order:
@@ -228,6 +265,3 @@ class CurriculumMixtureOrder(OrderBase):
                 f"the checkpoint gates sources {sorted(facts['sources'])}, this loader {mine}; "
                 "resume with the same curricula per source"
             )
-
-    # The loader of this release still calls the old name; remove once it calls validate().
-    validate_described = validate
