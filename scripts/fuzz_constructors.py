@@ -68,14 +68,19 @@ def call(fn: Callable[[], Any]) -> None:
 
 
 def targets() -> dict[str, Callable[..., Any]]:
-    from meshfeed.balance.plan import plan
-
     from meshfeed import DataLoader, DataMesh, Mixture
+    from meshfeed.balance import schedule_documents
     from meshfeed.curriculum.schedule import fixed_linear
     from meshfeed.order import Permutation
+    from meshfeed.sources import StreamLoader
 
     def loader_state(loader_kwargs: dict[str, Any], state: Any) -> None:
         loader = DataLoader(list(range(16)), batch_size=2, **loader_kwargs)
+        loader.load_state_dict(state)
+        next(iter(loader))
+
+    def stream_state(state: Any) -> None:
+        loader = StreamLoader(_stream(), batch_size=2, seed=1)
         loader.load_state_dict(state)
         next(iter(loader))
 
@@ -99,10 +104,54 @@ def targets() -> dict[str, Callable[..., Any]]:
             {"a": list(range(8)), "b": list(range(8))}, {"a": wa, "b": wb}
         ),
         "fixed_linear": lambda lo, hi, steps, at: fixed_linear(lo, hi, steps).difficulty(at),
-        "balance.plan": lambda lengths, ranks, tokens: plan(
+        "schedule_documents": lambda lengths, ranks, tokens: schedule_documents(
             lengths, num_ranks=ranks, max_tokens=tokens
         ),
+        "StreamLoader.load_state_dict": stream_state,
     }
+
+
+def _stream() -> Any:
+    from meshfeed.sources import ShardedStream
+
+    return ShardedStream(
+        [lambda: iter(range(10)), lambda: iter(range(100, 110))], shuffle_buffer=4, rows=[10, 10]
+    )
+
+
+def _paths(state: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key path into the nested dicts and lists of a state."""
+    out = [prefix] if prefix else []
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(state, list):
+        for i, v in enumerate(state):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def stream_state_dicts() -> st.SearchStrategy[Any]:
+    """A StreamLoader state two batches in, with one value anywhere in it replaced."""
+    import copy
+    import json
+
+    from meshfeed.sources import StreamLoader
+
+    loader = StreamLoader(_stream(), batch_size=2, seed=1)
+    it = iter(loader)
+    next(it), next(it)
+    base = json.loads(json.dumps(loader.state_dict()))
+
+    def mutate(path: tuple[Any, ...], value: Any) -> Any:
+        state = copy.deepcopy(base)
+        target = state
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        return state
+
+    return st.one_of(anything, st.builds(mutate, st.sampled_from(_paths(base)), anything))
 
 
 def state_dicts() -> st.SearchStrategy[Any]:
@@ -130,16 +179,17 @@ STRATEGIES: dict[str, tuple[st.SearchStrategy[Any], ...]] = {
         st.one_of(anything, st.floats(1e-300, 1e300)),
     ),
     "fixed_linear": (anything, anything, anything, ints),
-    "balance.plan": (st.one_of(anything, st.lists(ints, max_size=5)), anything, anything),
+    "schedule_documents": (st.one_of(anything, st.lists(ints, max_size=5)), anything, anything),
 }
 
 
 def fuzz_target(name: str, fn: Callable[..., Any], examples: int) -> str | None:
-    strategies = (
-        (st.fixed_dictionaries({}), state_dicts())
-        if name == "DataLoader.load_state_dict"
-        else STRATEGIES[name]
-    )
+    if name == "DataLoader.load_state_dict":
+        strategies: tuple[st.SearchStrategy[Any], ...] = (st.fixed_dictionaries({}), state_dicts())
+    elif name == "StreamLoader.load_state_dict":
+        strategies = (stream_state_dicts(),)
+    else:
+        strategies = STRATEGIES[name]
 
     @settings(
         max_examples=examples,

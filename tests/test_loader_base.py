@@ -111,6 +111,26 @@ def test_both_loaders_share_the_base_and_its_lifecycle():
         loader.shutdown()  # idempotent
 
 
+@pytest.mark.parametrize("loader", ["DataLoader", "StreamLoader"])
+def test_a_mesh_of_two_ranks_without_rank_or_process_group_is_refused(loader, monkeypatch):
+    """Guessing rank 0 would make every process read the same data."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    stream = ShardedStream([lambda: range(8), lambda: range(8)])
+
+    def build() -> LoaderBase:
+        if loader == "DataLoader":
+            return DataLoader(list(range(16)), batch_size=2, mesh={"dp": 2})
+        return StreamLoader(stream, batch_size=2, mesh={"dp": 2})
+
+    with pytest.raises(ValueError, match=r"the world has 2 processes \(from the mesh\)"):
+        build()
+    monkeypatch.setenv("RANK", "1")
+    assert build().data_rank == 1
+    monkeypatch.delenv("RANK")
+    assert DataLoader(list(range(16)), batch_size=2, mesh={"dp": 1}).data_rank == 0
+
+
 # ---------------------------------------------------------------------- epochs (#14)
 def _run(loader: DataLoader, num_epochs: int, stop_after: int | None = None) -> list:
     seen = []

@@ -129,6 +129,7 @@ class DataLoader(LoaderBase):
             on_error=on_error,
             max_retries=max_retries,
             multiprocessing_context=multiprocessing_context,
+            serves_every_rank=isinstance(service, GlobalService),
         )
         on_error = on_error or "substitute"
         self.on_error: OnError = on_error

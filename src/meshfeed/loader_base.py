@@ -60,7 +60,10 @@ class LoaderBase:
         on_error: str | None,
         max_retries: int,
         multiprocessing_context: str | None,
+        serves_every_rank: bool = False,
     ) -> None:
+        """``serves_every_rank``: this process makes the batches of every data rank (a Ray
+        driver), so a mesh of several ranks does not need this process's own rank."""
         check_loader_arguments(
             batch_size=batch_size,
             seed=seed,
@@ -78,7 +81,11 @@ class LoaderBase:
             _check_importable("collate_fn", collate_fn, multiprocessing_context)
         self.mesh: DataMesh = resolve_mesh(mesh)
         _check_world(self.mesh)
-        self.rank = default_rank() if rank is None else rank
+        if rank is None:
+            # A mesh of several ranks without RANK or a process group is refused by name:
+            # guessing rank 0 would make every process read the same data.
+            rank = default_rank(1 if serves_every_rank else self.mesh.world_size)
+        self.rank = rank
         self.data_rank = self.mesh.data_rank(self.rank)  # validates the rank
         self.data_world_size = self.mesh.data_world_size
         self.batch_size, self.seed = batch_size, seed

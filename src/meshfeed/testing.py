@@ -5,9 +5,7 @@ the end, record its state after every item (the state must survive a JSON round 
 every recorded state restore a fresh object and check that the remaining output is identical.
 
 It speaks the one state protocol, :class:`meshfeed.protocols.Stateful` (``state_dict()`` /
-``load_state_dict(state)``). During the move of the pipeline nodes and ``BalancedBatches`` to
-that protocol it also accepts their older ``get_state()`` / ``restore(state)``; that bridge
-goes once they have moved.
+``load_state_dict(state)``); an object without it is refused with ``TypeError``.
 Objects that are iterables but not iterators (a DataLoader) are iterated epoch after epoch:
 when one epoch ends the harness calls ``iter()`` again, so runs cross epoch boundaries.
 """
@@ -17,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,36 +87,13 @@ class _Cursor:
                 self.it = None
 
 
-@runtime_checkable
-class _LegacyStateful(Protocol):
-    """The nodes' older protocol (transition only; see the module docstring)."""
-
-    def get_state(self) -> dict[str, Any]: ...
-
-    def restore(self, state: dict[str, Any]) -> None: ...
-
-
-def _get_state(obj: Any) -> dict[str, Any]:
-    if isinstance(obj, Stateful):
-        return dict(obj.state_dict())
-    if isinstance(obj, _LegacyStateful):
-        return dict(obj.get_state())
-    raise TypeError(
-        f"{type(obj).__name__} is not Stateful: give it state_dict() and load_state_dict(state) "
-        "(meshfeed.protocols.Stateful)"
-    )
-
-
-def _load_state(obj: Any, state: dict[str, Any]) -> None:
-    if isinstance(obj, Stateful):
-        obj.load_state_dict(state)
-    elif isinstance(obj, _LegacyStateful):
-        obj.restore(state)
-    else:
+def _stateful(obj: Any) -> Stateful:
+    if not isinstance(obj, Stateful):
         raise TypeError(
             f"{type(obj).__name__} is not Stateful: give it state_dict() and "
             "load_state_dict(state) (meshfeed.protocols.Stateful)"
         )
+    return obj
 
 
 def take(obj: Any, n: int, *, max_epochs: int = 1_000_000) -> list[Any]:
@@ -157,7 +132,7 @@ def assert_resume_equivalence(
     try:
         for k in range(num_items + 1):
             if k % every == 0:
-                state = _get_state(ref_obj)
+                state = dict(_stateful(ref_obj).state_dict())
                 if json_roundtrip:
                     state = json.loads(json.dumps(state))
                 states.append((k, state))
@@ -176,7 +151,7 @@ def assert_resume_equivalence(
             break
         obj = factory()
         try:
-            _load_state(obj, state)
+            _stateful(obj).load_state_dict(state)
             resumed = take(obj, total - k, max_epochs=max_epochs)
         finally:
             if cleanup is not None:

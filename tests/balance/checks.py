@@ -91,10 +91,10 @@ class Samples:
         self.i += 1
         return out
 
-    def get_state(self) -> dict:
-        return {"version": 1, "i": self.i}
+    def state_dict(self) -> dict:
+        return {"kind": "test.samples", "version": 1, "i": self.i}
 
-    def restore(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         self.i = state["i"]
 
 

@@ -106,6 +106,30 @@ def test_balanced_batches_state_needs_a_stateful_inner_iterator():
     it.close()
 
 
+def test_balanced_batches_load_needs_a_stateful_inner_iterator():
+    it = BalancedBatches(iter([make_sample(0, 0, seed=1, max_len=10)]), max_tokens=64, cost=S2)
+    with pytest.raises(TypeError, match=r"list_iterator has no state_dict.*protocols\.Stateful"):
+        it.load_state_dict({"kind": "balanced_batches", "version": 2, "inner": {}, "skip": 0})
+    it.close()
+
+
+@pytest.mark.parametrize("method", ["state_dict", "load_state_dict"])
+def test_balanced_batches_refuses_an_inner_iterator_with_half_the_protocol(method):
+    class Half:
+        def __init__(self) -> None:
+            self.items = iter([make_sample(0, 0, seed=1, max_len=10)])
+
+        def __iter__(self) -> Half:
+            return self
+
+        def __next__(self) -> dict:
+            return next(self.items)
+
+    setattr(Half, method, lambda self, *args: {})
+    with pytest.raises(TypeError, match=f"Half has {method}\\(\\) but is not .*Stateful"):
+        BalancedBatches(Half(), max_tokens=64, cost=S2)
+
+
 def test_balanced_batches_rejects_a_state_of_another_version():
     it = _balanced(0, 1, 100)
     with pytest.raises(ValueError, match="version=7, this meshfeed reads version 2"):

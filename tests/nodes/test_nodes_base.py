@@ -54,6 +54,21 @@ def test_base_node_requires_next_and_the_state_methods():
         Node().state_dict()
 
 
+def test_the_harness_speaks_only_state_dict_and_load_state_dict():
+    class Counter:
+        """An iterator with no state protocol."""
+
+        def __init__(self) -> None:
+            self.i = 0
+
+        def __next__(self) -> int:
+            self.i += 1
+            return self.i
+
+    with pytest.raises(TypeError, match=r"Counter is not Stateful.*load_state_dict\(state\)"):
+        assert_resume_equivalence(Counter, num_items=3)
+
+
 def test_states_are_json():
     node = ListNode([1, 2])
     next(node)

@@ -55,7 +55,7 @@ def test_batch_i_is_made_by_worker_i_mod_k():
 
 def test_exact_resume_with_workers_across_epochs():
     def factory():
-        return DataLoader(Items(21), batch_size=2, mesh={"dp": 2}, num_workers=2, seed=1)
+        return DataLoader(Items(21), batch_size=2, mesh={"dp": 2}, rank=0, num_workers=2, seed=1)
 
     assert_resume_equivalence(
         factory,

@@ -227,6 +227,9 @@ def test_resume_with_another_shuffle_buffer_or_stream_seed_is_refused():
         {"stats": {"skipped": -1}},
         {"stats": {"skipped": "2"}},
         {"stats": {"skipped": 0, "extra": 1}},
+        {"stats": {"skipped": 0}},
+        {"stats": {"skipped": 0, "unread_rows": -1}},
+        {"stats": {"skipped": 0, "unread_rows": True}},
         {"epoch": 10**30},
         {"steps": -1},
         {"next_worker": 5},
@@ -240,6 +243,84 @@ def test_a_corrupted_stream_state_is_refused_with_value_error(change):
     state = {**StreamLoader(stream, batch_size=2).state_dict(), **change}
     with pytest.raises(ValueError, match="checkpoint is corrupted"):
         StreamLoader(stream, batch_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        (("source", "source", "piece"), 99, "piece"),
+        (("source", "source", "row"), 10**6, "row"),
+        (("source", "draws"), -1, "draws"),
+        (("source", "buffer"), [[0, 1]], "holds 1 items of 4"),
+        (("source", "source", "kind"), "node.list", "kind='node.list'"),
+    ],
+)
+def test_a_bad_worker_state_is_refused_at_load_not_at_the_first_batch(path, value, field):
+    stream, _ = _stream([10, 10], known=True, buffer=4)
+    lo = StreamLoader(stream, batch_size=3, seed=1)
+    take(lo, 2)
+    state = json.loads(json.dumps(lo.state_dict()))
+    target = state["workers"][0]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ValueError, match=f"worker 0: .*{field}"):
+        StreamLoader(stream, batch_size=3, seed=1).load_state_dict(state)
+
+
+def test_a_good_worker_state_still_loads_after_the_up_front_check():
+    stream, _ = _stream([10, 10], known=True, buffer=4)
+    lo = StreamLoader(stream, batch_size=3, seed=1)
+    take(lo, 2)
+    state = json.loads(json.dumps(lo.state_dict()))
+    rest = [b.tolist() for b in lo]
+    again = StreamLoader(stream, batch_size=3, seed=1)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == rest and rest
+
+
+def _zero_of_81(rank: int) -> StreamLoader:
+    """Whole-shard layout: 2 shards (81 rows and 0) on 2 ranks, so rank 1 holds nothing."""
+    stream, _ = _stream([81, 0], known=True)
+    return StreamLoader(stream, batch_size=4, mesh={"dp": 2}, rank=rank, shuffle=False)
+
+
+def test_rows_no_rank_reads_are_counted_in_stats_and_warned_about_once(caplog):
+    loaders = [_zero_of_81(r) for r in range(2)]  # every rank, simulated in one process
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        for lo in loaders:
+            assert [b.tolist() for b in lo] == []  # ranks stop together: rank 1 has nothing
+            assert lo.stats()["unread_rows"] == 81 and lo.stats()["epoch"] == 1
+            assert list(lo) == [] and lo.stats()["unread_rows"] == 162
+    warnings = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(warnings) == 2  # once per loader, not once per epoch
+    assert "81 rows of epoch 0" in warnings[0] and "rows=" in warnings[0]
+    assert "divides ranks x workers (2 x 1)" in warnings[0]
+
+
+def test_unread_rows_are_carried_through_state_and_not_warned_again(caplog):
+    lo = _zero_of_81(0)
+    list(lo)
+    state = json.loads(json.dumps(lo.state_dict()))
+    assert state["stats"] == {"skipped": 0, "unread_rows": 81}
+    again = _zero_of_81(0)
+    again.load_state_dict(state)
+    assert again.stats()["unread_rows"] == 81
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        list(again)
+    assert again.stats()["unread_rows"] == 162
+    assert not [r for r in caplog.records if "not read" in r.getMessage()]
+
+
+def test_rows_split_by_row_ranges_leave_nothing_unread(caplog):
+    stream, _ = _stream([40, 40], known=True)
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        for rank in range(2):
+            lo = StreamLoader(stream, batch_size=4, mesh={"dp": 2}, rank=rank)
+            assert len(list(lo)) == 10
+            assert lo.stats()["unread_rows"] == 0
+    assert not [r for r in caplog.records if "not read" in r.getMessage()]
 
 
 def test_default_reader_reads_callables_and_jsonl_files(tmp_path):
@@ -280,6 +361,7 @@ def test_skipped_counts_accumulate_across_epochs_and_survive_a_resume():
             "epoch": 2,
             "steps": 0,
             "skipped": 4,
+            "unread_rows": 0,
             "exhausted_workers": 0,
         }
     )

@@ -36,6 +36,7 @@ from meshfeed.balance.cost import CostModel
 from meshfeed.balance.routing import Layout, build_send, doc_lengths, fields_signature, unpack
 from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_documents
 from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD
+from meshfeed.protocols import Stateful
 from meshfeed.state import envelope, open_envelope
 
 __all__ = ["BalancedBatches"]
@@ -93,6 +94,11 @@ class BalancedBatches:
     ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`schedule_documents`.
     ``max_docs_per_rank`` sizes the fixed all-gather buffer (a sample with more documents is
     an error naming it). ``timeout`` bounds the wait for a placement.
+
+    To checkpoint, ``inner`` must be :class:`~meshfeed.protocols.Stateful` (``state_dict()`` /
+    ``load_state_dict(state)``; a meshfeed loader is, and is iterated epoch by epoch). A plain
+    iterator without state is accepted, and then ``state_dict()`` raises ``TypeError``; one
+    that has only half of the protocol is refused at construction, naming what it lacks.
     """
 
     def __init__(
@@ -120,6 +126,8 @@ class BalancedBatches:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds (got {timeout=})")
         self._inner = _stateful_iterator(inner)
+        if not isinstance(self._inner, Stateful):
+            _refuse_partial_state(self._inner)
         self._comm = _Comm(group, float(timeout))
         self._plan_kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -154,11 +162,7 @@ class BalancedBatches:
 
     def state_dict(self) -> dict[str, Any]:
         """The state as of the last micro-step returned (JSON-serialisable if inner's is)."""
-        if self._base_state is None:
-            raise TypeError(
-                f"the inner iterator {type(self._inner).__name__} has no state_dict() or "
-                "get_state(); wrap a stateful iterator to checkpoint BalancedBatches"
-            )
+        self._stateful_inner()
         if self._current and self._k >= len(self._current) and isinstance(self._ahead, _Batch):
             return envelope(_KIND, _VERSION, inner=self._ahead.state, skip=0)
         skip = self._k if self._current else self._skip
@@ -173,13 +177,7 @@ class BalancedBatches:
             raise ValueError(
                 "BalancedBatches state is missing 'inner'; the checkpoint is corrupted"
             )
-        inner = self._inner
-        if hasattr(inner, "load_state_dict"):
-            inner.load_state_dict(fields["inner"])
-        elif hasattr(inner, "restore"):
-            inner.restore(fields["inner"])
-        else:
-            raise TypeError(f"the inner iterator {type(inner).__name__} cannot restore state")
+        self._stateful_inner().load_state_dict(fields["inner"])
         self._base_state, self._skip = fields["inner"], fields["skip"]
         self._reset()
 
@@ -202,13 +200,18 @@ class BalancedBatches:
         self._done = False
         self._ahead: _Batch | bool | None = False  # False: not fetched; None: inner ended
 
+    def _stateful_inner(self) -> Stateful:
+        """The inner iterator, or TypeError naming the protocol it lacks."""
+        if not isinstance(self._inner, Stateful):
+            raise TypeError(
+                f"the inner iterator {type(self._inner).__name__} has no state_dict() / "
+                "load_state_dict(state) (meshfeed.protocols.Stateful); build BalancedBatches "
+                "over a stateful iterator (e.g. a meshfeed loader) to checkpoint it"
+            )
+        return self._inner
+
     def _inner_state(self) -> Any:
-        inner = self._inner
-        if hasattr(inner, "state_dict"):
-            return inner.state_dict()
-        if hasattr(inner, "get_state"):
-            return inner.get_state()
-        return None
+        return self._inner.state_dict() if isinstance(self._inner, Stateful) else None
 
     def _fetch(self) -> _Batch | None:
         """Take the next sample and all-gather its lengths; None if any rank has run out."""
@@ -301,6 +304,17 @@ class _LoaderEpoch:
 
 
 def _stateful_iterator(inner: Iterable[Any]) -> Iterator[Any]:
-    if not hasattr(inner, "__next__") and hasattr(inner, "state_dict"):
+    if not hasattr(inner, "__next__") and isinstance(inner, Stateful):
         return _LoaderEpoch(inner)
     return iter(inner)
+
+
+def _refuse_partial_state(inner: Any) -> None:
+    """An iterator with part of a state protocol would checkpoint wrongly: refuse it by name."""
+    has = [n for n in ("state_dict", "load_state_dict") if hasattr(inner, n)]
+    if has:
+        raise TypeError(
+            f"the inner iterator {type(inner).__name__} has {has[0]}() but is not "
+            "meshfeed.protocols.Stateful; give it both state_dict() and load_state_dict(state) "
+            "(the one state protocol), or pass an iterator without state and do not checkpoint"
+        )

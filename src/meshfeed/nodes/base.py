@@ -70,14 +70,6 @@ class Node(Generic[T]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    # TODO(remove at merge): forwards for callers not yet on state_dict/load_state_dict
-    # (sources/stream_workers.py, balance/balanced.py, testing.py). Not public API.
-    def get_state(self) -> dict[str, Any]:
-        return self.state_dict()
-
-    def restore(self, state: dict[str, Any]) -> None:
-        self.load_state_dict(state)
-
     def __iter__(self) -> Iterator[T]:
         return self
 

@@ -35,20 +35,24 @@ and every other rank raises at the same step, because the per-batch all-reduce a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshfeed.dist import all_min, check_agreement
 from meshfeed.loader_base import LoaderBase, check_count, check_epoch, pin
 from meshfeed.order.permutation import derive_seed
-from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream import ShardedStream, slot_batches
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
 from meshfeed.state import envelope, fingerprint_hash, open_envelope
 
 __all__ = ["STREAM_STATE_VERSION", "StreamLoader", "StreamRankError"]
 
-#: Version 2: the one envelope (``kind="stream_loader"``; version 1 wrote ``kind="stream"``).
+#: Version 2 (meshfeed 0.2): the one envelope (``kind="stream_loader"``; version 1 wrote
+#: ``kind="stream"``), ``stats`` carries ``unread_rows``, and a slot without shuffle buffer keeps
+#: no buffer state.
 STREAM_STATE_VERSION = 2
+_log = logging.getLogger("meshfeed")
 _BUFFER_OP = 0x5342
 # One int per batch in the all-reduce(MIN): every rank learns whether all have a batch and
 # whether any failed, in the same collective.
@@ -127,6 +131,8 @@ class StreamLoader(LoaderBase):
         self._checked = False
         self._slots: InProcessSlots | ProcessSlots | None = None
         self._skipped_done = 0
+        self._unread_rows = 0
+        self._warned_unread = False
         self._worker_states: list[dict[str, Any] | None] = [None] * self.slots
         self._reset_epoch_state()
         # Validate the assignment now: a wrong configuration fails at construction.
@@ -258,6 +264,7 @@ class StreamLoader(LoaderBase):
                 self._note_bad_samples(self._epoch_skipped() - before, None)
                 yield pin(batch) if self.pin_memory else batch
             if self._epoch == epoch:
+                self._count_unread(epoch)
                 self._epoch = epoch + 1
                 self._reset_epoch_state()
         finally:
@@ -280,18 +287,53 @@ class StreamLoader(LoaderBase):
             )
             self._checked = True
 
+    def _count_unread(self, epoch: int) -> None:
+        """Add the rows no rank read in ``epoch`` (known only with row counts); warn once."""
+        unread = self.stream.unread_rows(
+            epoch,
+            self.data_world_size,
+            self.slots,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
+        if not unread:
+            return
+        self._unread_rows += unread
+        if not self._warned_unread:
+            self._warned_unread = True
+            _log.warning(
+                "StreamLoader: %d rows of epoch %d were not read by any data rank (ranks stop "
+                "together when the first runs out, and drop_last drops short batches). Whole "
+                "shards are assigned when the stream has no rows= or its shard count divides "
+                "ranks x workers (%d x %d): pass rows= to ShardedStream so shards are split by "
+                "row ranges, or use equal-sized shards in a multiple of ranks x workers. "
+                "Counted in stats()['unread_rows']",
+                unread,
+                epoch,
+                self.data_world_size,
+                self.slots,
+            )
+
     def _epoch_skipped(self) -> int:
         return sum(_skipped(s) for s in self._worker_states)
 
     def stats(self) -> dict[str, Any]:
-        """Epoch, steps taken this epoch, per-worker exhaustion, and rows skipped (None).
+        """Epoch, steps taken this epoch, per-worker exhaustion, rows skipped (None) and rows
+        left unread.
 
-        ``skipped`` is cumulative: every epoch so far, carried through ``state_dict()``.
+        ``skipped`` and ``unread_rows`` are cumulative: every epoch so far, carried through
+        ``state_dict()``. ``unread_rows`` counts, per completed epoch, the rows no data rank
+        read because ranks stop together or ``drop_last`` dropped a short batch (see
+        :meth:`ShardedStream.unread_rows`); it stays 0 for a stream without ``rows=``, where the
+        number is unknowable without reading the shards.
         """
         return {
             "epoch": self._epoch,
             "steps": self._steps,
             "skipped": self._skipped_done + self._epoch_skipped(),
+            "unread_rows": self._unread_rows,
             "exhausted_workers": sum(self._exhausted),
         }
 
@@ -307,14 +349,18 @@ class StreamLoader(LoaderBase):
             next_worker=self._next_worker,
             exhausted=list(self._exhausted),
             workers=list(self._worker_states),
-            stats={"skipped": self._skipped_done + self._epoch_skipped()},
+            stats={
+                "skipped": self._skipped_done + self._epoch_skipped(),
+                "unread_rows": self._unread_rows,
+            },
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly from ``state`` (this data rank's own, same configuration).
 
-        The loader-level fields are checked here; each worker's stream position is checked by
-        the stream when it is restored.
+        Every field is checked here, each worker's state too (loaded into a fresh pipeline of
+        this epoch's pieces, so a shuffle buffer's rows are read once more): a bad state fails
+        now, naming the field, rather than at the first batch.
         """
         what = "stream loader state"
         state = open_envelope(
@@ -354,10 +400,17 @@ class StreamLoader(LoaderBase):
                 f"next_worker={state['next_worker']!r} for {self.slots} worker slot(s); the "
                 "checkpoint is corrupted"
             )
+        self._check_workers(state["epoch"], workers)
         this_epoch = sum(_skipped(w) for w in workers)
         stats = state["stats"]
-        skipped = stats.get("skipped")
-        if set(stats) != {"skipped"} or check_count("skipped", skipped, what) < this_epoch:
+        if set(stats) != {"skipped", "unread_rows"}:
+            raise ValueError(
+                f"{what} has stats={stats!r}, expected the counts 'skipped' and 'unread_rows'; "
+                "the checkpoint is corrupted"
+            )
+        skipped = check_count("skipped", stats["skipped"], what)
+        unread = check_count("unread_rows", stats["unread_rows"], what)
+        if skipped < this_epoch:
             raise ValueError(
                 f"{what} has stats={stats!r}, but its workers skipped {this_epoch} rows "
                 "this epoch alone; the checkpoint is corrupted"
@@ -368,7 +421,27 @@ class StreamLoader(LoaderBase):
         self._exhausted = list(exhausted)
         self._worker_states = list(workers)
         self._skipped_done = skipped - this_epoch
+        self._unread_rows = unread
+        self._warned_unread = unread > 0
         self._resumed = True
+
+    def _check_workers(self, epoch: int, workers: list[dict[str, Any] | None]) -> None:
+        """Load each worker state into a throwaway pipeline of ``epoch``'s pieces."""
+        for w, (config, ws) in enumerate(zip(self._configs(epoch), workers, strict=True)):
+            if ws is None:
+                continue
+            node = slot_batches(
+                config.stream,
+                config.pieces,
+                shuffle_buffer=config.shuffle_buffer,
+                seed=config.shuffle_seed,
+                batch_size=config.batch_size,
+                drop_last=config.drop_last,
+            )
+            try:
+                node.load_state_dict(ws)
+            except ValueError as e:
+                raise ValueError(f"stream loader state, worker {w}: {e}") from e
 
     def _identity(self) -> dict[str, Any]:
         """What a resume must match: the configuration that decides which rows come when."""

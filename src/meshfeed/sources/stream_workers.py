@@ -1,7 +1,7 @@
 """Where a stream slot's pipeline runs: in the calling process or in one worker process each.
 
-A slot pipeline is ``PieceReader -> ShuffleBuffer -> Batcher -> collate`` over the pieces
-assigned to one (data rank, worker). ``next()`` returns ``(batch, state after it)`` or
+A slot pipeline is :func:`~meshfeed.sources.stream.slot_batches` then ``collate``, over the
+pieces assigned to one (data rank, worker). ``next()`` returns ``(batch, state after it)`` or
 ``(None, state)`` at the end, so the loader can record the state of the last batch it returned.
 
 :class:`ProcessSlots` runs each slot in its own process of a :class:`~meshfeed.runtime.WorkerPool`
@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.collate import default_collate
-from meshfeed.nodes.batch import Batcher
-from meshfeed.nodes.shuffle import ShuffleBuffer
 from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
-from meshfeed.sources.stream import Piece, PieceReader, ShardedStream
+from meshfeed.sources.stream import Piece, ShardedStream, slot_batches
 
 __all__ = ["InProcessSlots", "ProcessSlots", "SlotConfig", "SlotPipeline", "StreamWorkerError"]
 
@@ -44,31 +42,28 @@ class SlotConfig:
 
 
 class SlotPipeline:
-    """The pipeline of one slot, with explicit state."""
+    """The pipeline of one slot (:func:`~meshfeed.sources.stream.slot_batches` then
+    ``collate``), with explicit state."""
 
     def __init__(self, config: SlotConfig, state: dict[str, Any] | None) -> None:
-        stream = config.stream
-        self.reader = PieceReader(stream, config.pieces)
-        self.shuffle = ShuffleBuffer(
-            self.reader,
-            size=config.shuffle_buffer,
+        self.node = slot_batches(
+            config.stream,
+            config.pieces,
+            shuffle_buffer=config.shuffle_buffer,
             seed=config.shuffle_seed,
-            ref=lambda item: item[0],
-            load=lambda refs: list(zip(refs, stream.load_rows(refs), strict=True)),
-        )
-        self.batcher = Batcher(
-            self.shuffle, batch_size=config.batch_size, drop_last=config.drop_last
+            batch_size=config.batch_size,
+            drop_last=config.drop_last,
         )
         self.collate = config.collate_fn or default_collate
         if state is not None:
-            self.batcher.restore(state)
+            self.node.load_state_dict(state)
 
     def next(self) -> tuple[Any, dict[str, Any]]:
         try:
-            rows = self.batcher.next()
+            rows = self.node.next()
         except StopIteration:
-            return None, self.batcher.get_state()
-        return self.collate([row for _, row in rows]), self.batcher.get_state()
+            return None, self.node.state_dict()
+        return self.collate(rows), self.node.state_dict()
 
 
 class InProcessSlots:

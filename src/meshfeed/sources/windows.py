@@ -105,7 +105,8 @@ class TokenWindows:
     there, so a window that spans documents is still one slice). Items are torch tensors of
     ``dtype`` (default ``torch.int64``, what embedding layers take; pass ``torch.int32`` or
     ``torch.uint16`` to move fewer bytes and widen on the device). The corpus must be an
-    integer corpus, contiguous (every writer produces one) and hold at least one window.
+    integer corpus (contiguous: ``TokenCorpus.open`` refuses any other) and hold at least one
+    window.
 
     ``pin_memory=True`` makes ``fetch_batch`` allocate its output in page-locked memory, so
     the gather writes there directly and the host-to-device copy can be asynchronous; the
@@ -130,13 +131,9 @@ class TokenWindows:
         if not isinstance(pin_memory, bool):
             raise TypeError(f"pin_memory must be a bool (got {pin_memory=!r})")
         self._np_dtype = _torch_dtype(dtype)
+        # Contiguity needs no check here: TokenCorpus proves it on open (IndexedFormatError
+        # otherwise), and is_contiguous can only be True.
         self.corpus = _integer_corpus(_as_corpus(corpus))
-        if not self.corpus.is_contiguous:
-            raise ValueError(
-                f"{self.corpus.bin_path} does not store documents back to back in index order, "
-                "so windows across documents are undefined; rewrite it with write_indexed or "
-                "meshfeed convert"
-            )
         self.seq_len = int(seq_len)
         self.dtype = dtype
         self.pin_memory = pin_memory
