@@ -324,7 +324,10 @@ class StoreLoader:
                 # Ray: a fetch waits in the store up to `timeout` and raises TimeoutError
                 # there; the pool's own limit (a stuck or stopped worker) comes just after.
                 timeout=None if wait is None else wait + (_MARGIN if store.backend == "ray" else 0),
-                start_method="spawn",  # fork is unsafe under Ray and the fetching threads
+                # Ray: spawn (fork is unsafe under Ray; each worker connects to the store,
+                # which counts against the first batch's timeout). Embedded: the platform's
+                # default, fork where it exists; the workers start before the fetch threads.
+                start_method="spawn" if store.backend == "ray" else None,
                 name="meshfeed-store-worker",
                 grace=0.25,
                 ring=prefetch + 2,
@@ -340,10 +343,11 @@ class StoreLoader:
             return batch
         return _apply(self.collate_fn, batch)
 
-    def _send(self, entry: _Entry, task: tuple[str, Any]) -> None:
+    def _start_pool(self) -> WorkerPool:
+        """The worker pool, started on first use or again after a worker failed."""
         pool = self._pool
         assert pool is not None
-        if not pool.started:  # first use, or restarted after a worker failed
+        if not pool.started:
             address = None
             if self.store.backend == "ray":
                 import ray
@@ -351,6 +355,10 @@ class StoreLoader:
                 address = ray.get_runtime_context().gcs_address
             pool.start(_start_worker, address, self.store.name, self._spec, self.collate_fn)
             self._sent = [deque() for _ in range(self.num_workers)]
+        return pool
+
+    def _send(self, entry: _Entry, task: tuple[str, Any]) -> None:
+        pool = self._start_pool()
         w = self._turn
         self._turn = (w + 1) % self.num_workers
         pool.send(w, task)
@@ -399,7 +407,9 @@ class StoreLoader:
         entry.worker = None
 
     def _progress(self) -> None:
-        """Without waiting: hand fetched batches to the workers and take in their results."""
+        """Without waiting: hand the batches fetched so far to the workers. Results are taken
+        only when their batch is next, so a worker failing on a later batch never costs one
+        already made."""
         for entry in self._ahead:
             if entry.fetch is not None and entry.fetch.done():
                 fut, entry.fetch = entry.fetch, None
@@ -407,10 +417,6 @@ class StoreLoader:
                     self._fetched(entry, fut.result())
                 except Exception as exc:
                     entry.failed = exc
-        if self._pool is not None and self._pool.started:
-            for w in range(self.num_workers):
-                while self._sent[w] and self._pool.ready(w):
-                    self._recv(w)
 
     def _wait(self, entry: _Entry, deadline: float | None = None, *, ids: bool = False) -> _Got:
         """Drive ``entry`` until its outcome is known (``ids``: until its sample ids are);
@@ -525,6 +531,8 @@ class StoreLoader:
                     raise StopIteration
                 self._ahead.append(_Entry(self._next, got=result))
                 self._next += 1
+            if self._pool is not None and not self._ended:
+                self._start_pool()  # before the fetch threads exist (fork)
             self._fill()
             self._progress()
             if not self._ahead:
