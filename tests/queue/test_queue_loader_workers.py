@@ -151,3 +151,46 @@ def test_interpreter_exits_with_store_workers_that_ignore_sigterm(tmp_path):
     assert len(pids) == 2
     time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
+
+
+def _ids(batch: Batch) -> list:
+    return list(batch.ids)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_state_dict_with_ray_workers_keeps_its_own_bound_under_an_unlimited_timeout(ray_session):
+    import math
+    import uuid
+
+    store = SampleStore("ray", name=f"loader-{uuid.uuid4().hex[:8]}")
+    try:
+        store.put("p", {"x": [0]})
+        loader = StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            batch_size=1,
+            partition="p",
+            mesh={"dp": 1},
+            rank=0,
+            num_workers=1,
+            prefetch=3,
+            timeout=math.inf,
+            collate_fn=_ids,
+        )
+        loader.STATE_WAIT = 0.5
+        assert next(loader) == [0]  # batches 1 and 2 wait in the worker for producers
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="state_dict\\(\\) waited 0.5s for batch 1"):
+            loader.state_dict()
+        assert time.monotonic() - start < 0.5 + 1.0
+        store.put("p", {"x": [1, 2, 3]})
+        state = loader.state_dict()  # usable once producers ran
+        assert state["pending"] == [[1, [1]], [2, [2]]] and state["next"] == 3
+        store.close("p")
+        assert list(loader) == [[1], [2], [3]]
+        loader.shutdown()
+    finally:
+        store.shutdown()
+    assert multiprocessing.active_children() == []

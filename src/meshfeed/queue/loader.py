@@ -36,6 +36,13 @@ A ``collate_fn`` that raises is retried on the batch already fetched (it is cons
 store; fetching again would plan another batch and lose this one); if it keeps failing,
 :class:`CollateError` names the batch, which stays first in line and in ``state_dict()``.
 
+Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
+the store once; embedded: the platform's default start method, fork where it exists). A worker
+that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
+:class:`~meshfeed.runtime.WorkerError` within about ``timeout`` + 1 s with every worker stopped;
+iterating the loader again starts fresh workers and continues with the batch that failed
+(embedded: collated again from the batch already fetched; Ray: requested again by its index).
+
 ``shutdown()`` cancels the requests still waiting in the store (threads and worker processes
 blocked without a deadline wake at once, consuming nothing) and stops the workers.
 
