@@ -655,6 +655,14 @@ def test_replica_peers_agreement_survives_a_store_checkpoint(tmp_path):
 # ---------------------------------------------------------------- construction checks
 
 
+def test_loader_refuses_a_world_larger_than_one_without_a_known_rank(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    kw = {"task": "t", "fields": ["x"], "batch_size": 1, "partition": "p", "prefetch": 1}
+    with pytest.raises(ValueError, match=r"world has 2 processes \(from the mesh\).*rank="):
+        StoreLoader(SampleStore(), **kw, mesh={"dp": 2})
+    assert StoreLoader(SampleStore(), **kw, mesh={"dp": 1}).rank == 0  # one process: rank 0
+
+
 def test_loader_rejects_bool_workers_and_bad_timeouts_at_construction():
     store = SampleStore()
     args = (store,)

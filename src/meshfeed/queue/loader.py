@@ -36,6 +36,13 @@ A ``collate_fn`` that raises is retried on the batch already fetched (it is cons
 store; fetching again would plan another batch and lose this one); if it keeps failing,
 :class:`CollateError` names the batch, which stays first in line and in ``state_dict()``.
 
+Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
+the store once; embedded: the platform's default start method, fork where it exists). A worker
+that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
+:class:`~meshfeed.runtime.WorkerError` within about ``timeout`` + 1 s with every worker stopped;
+iterating the loader again starts fresh workers and continues with the batch that failed
+(embedded: collated again from the batch already fetched; Ray: requested again by its index).
+
 ``shutdown()`` cancels the requests still waiting in the store (threads and worker processes
 blocked without a deadline wake at once, consuming nothing) and stops the workers.
 
@@ -50,14 +57,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import multiprocessing
 import pickle
 import time
 import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar
@@ -68,10 +73,16 @@ from meshfeed.queue.core import PartitionClosed
 from meshfeed.queue.samplers import RankAwareSampler, Sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.wakeups import check_timeout
+from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
 from meshfeed.state import envelope, open_envelope
 
 KIND = "store_loader"
 VERSION = 3  # 3: the one state envelope (kind + version); prefetch counts the batch returned
+_MARGIN = 0.25  # Ray workers: the store's own TimeoutError comes first, then the pool's
+
+
+class _Late(Exception):
+    """``state_dict()``'s own deadline passed while a batch was still on its way."""
 
 
 class CollateError(RuntimeError):
@@ -142,25 +153,9 @@ def _apply(transform: Callable[[Batch], Any] | None, batch: Batch) -> _Got:
         return _Got(batch.ids, batch=batch, error=exc)
 
 
-_WORKER_STORE: SampleStore | None = None
-
-
-def _ray_worker_init(address: str, name: str) -> None:
-    import ray
-
-    global _WORKER_STORE
-    ray.init(address=address, log_to_driver=False, configure_logging=False)
-    _WORKER_STORE = SampleStore.connect(name)
-
-
-def _ray_worker_fetch(spec: _Spec, index: int, transform: Callable[[Batch], Any] | None) -> _Got:
-    if _WORKER_STORE is None:
-        raise RuntimeError("store loader worker process started without a store connection")
-    batch = _fetch(_WORKER_STORE, spec, index)
-    if batch is None:
-        return _Got(None)
-    got = _apply(transform, batch)
-    if got.error is not None:  # the raw batch goes back so the loader can retry the transform
+def _portable(got: _Got) -> _Got:
+    """``got`` with an error that can travel back to the main process (else its traceback)."""
+    if got.error is not None:
         try:
             pickle.dumps(got.error)
         except Exception:
@@ -168,20 +163,55 @@ def _ray_worker_fetch(spec: _Spec, index: int, transform: Callable[[Batch], Any]
     return got
 
 
-class _Known:
-    """A result known already or computed on first use (a failed ``collate_fn``'s batch, or one
-    restored from a checkpoint); quacks like a future."""
+def _start_worker(
+    worker: int,
+    num_workers: int,
+    address: str | None,
+    name: str | None,
+    spec: _Spec,
+    collate_fn: Callable[[Batch], Any] | None,
+) -> Callable[[tuple[str, Any]], _Got]:
+    """A store-loader worker's handler: ``("fetch", index)`` (Ray: this worker fetches batch
+    ``index`` from the named store it connected to here, then collates it) or ``("collate",
+    batch)``. A failing ``collate_fn`` returns the raw batch with the error, so only the
+    collate step is retried; a failing fetch raises (the loader requests the batch again)."""
+    store: SampleStore | None = None
+    if address is not None and name is not None:
+        import ray
 
-    __slots__ = ("_fn", "_got")
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        store = SampleStore.connect(name)
 
-    def __init__(self, fn: Callable[[], _Got] | None = None, got: _Got | None = None) -> None:
-        self._fn, self._got = fn, got
+    def handle(task: tuple[str, Any]) -> _Got:
+        kind, arg = task
+        if kind == "fetch":
+            if store is None:
+                raise RuntimeError("store loader worker asked to fetch without a store")
+            batch = _fetch(store, spec, arg)
+            if batch is None:
+                return _Got(None)
+        else:
+            batch = arg
+        return _portable(_apply(collate_fn, batch))
 
-    def result(self, timeout: float | None = None) -> _Got:
-        if self._got is None:
-            assert self._fn is not None
-            self._got = self._fn()
-        return self._got
+    return handle
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """One requested batch on its way to the trainer. Exactly one of these is in progress:
+    ``got`` (known outcome), ``fetch`` (a thread fetching it here), ``lazy`` (a re-delivery
+    read on first use), ``worker`` (a task for it is outstanding on that worker), ``failed``
+    (the request failed: raised once, then requested again); with none of them, it is to be
+    requested (``batch`` set: fetched, to be collated in a worker)."""
+
+    index: int
+    got: _Got | None = None
+    fetch: cf.Future[Any] | None = None
+    lazy: Callable[[], Batch | None] | None = None
+    batch: Batch | None = None
+    worker: int | None = None
+    failed: BaseException | None = None
 
 
 class StoreLoader:
@@ -270,7 +300,7 @@ class StoreLoader:
                 "can connect; create it with SampleStore('ray', name=...)"
             )
         self.mesh: DataMesh = resolve_mesh(mesh)
-        self.rank = default_rank() if rank is None else rank
+        self.rank = default_rank(self.mesh.world_size) if rank is None else rank
         self.data_rank = self.mesh.data_rank(self.rank)
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = (
@@ -292,54 +322,172 @@ class StoreLoader:
         self._next = 0  # the next batch index to request
         self._ended = False  # a request found the stream ended: request nothing more
         self._shut = False
-        self._ahead: deque[tuple[int, Any]] = deque()  # (index, future) in index order
+        self._ahead: deque[_Entry] = deque()  # in index order
         self._threads: cf.ThreadPoolExecutor | None = None
-        self._procs: cf.ProcessPoolExecutor | None = None
+        self._pool: WorkerPool | None = None
+        if num_workers:
+            self._pool = WorkerPool(
+                num_workers,
+                # Ray: a fetch waits in the store up to `timeout` and raises TimeoutError
+                # there; the pool's own limit (a stuck or stopped worker) comes just after.
+                timeout=None if wait is None else wait + (_MARGIN if store.backend == "ray" else 0),
+                # Ray: spawn (fork is unsafe under Ray; each worker connects to the store,
+                # which counts against the first batch's timeout). Embedded: the platform's
+                # default, fork where it exists; the workers start before the fetch threads.
+                start_method="spawn" if store.backend == "ray" else None,
+                name="meshfeed-store-worker",
+                grace=0.25,
+                ring=prefetch + 2,
+            )
+        self._sent: list[deque[_Entry]] = [deque() for _ in range(num_workers)]
+        self._turn = 0  # the worker the next task goes to
 
     # ----------------------------------------------------------------- fetching
-    def _pools(self) -> None:
-        if self._procs is None and self.num_workers:
-            ctx = multiprocessing.get_context("spawn")  # fork is unsafe under Ray / threads
+    def _thread_job(self, index: int) -> _Got | Batch | None:
+        """Fetch here (in a thread); ``collate_fn`` too unless worker processes run it."""
+        batch = _fetch(self.store, self._spec, index)
+        if batch is None or self._pool is not None:
+            return batch
+        return _apply(self.collate_fn, batch)
+
+    def _start_pool(self) -> WorkerPool:
+        """The worker pool, started on first use or again after a worker failed."""
+        pool = self._pool
+        assert pool is not None
+        if not pool.started:
+            address = None
             if self.store.backend == "ray":
                 import ray
 
                 address = ray.get_runtime_context().gcs_address
-                init: Any = (_ray_worker_init, (address, self.store.name))
+            pool.start(_start_worker, address, self.store.name, self._spec, self.collate_fn)
+            self._sent = [deque() for _ in range(self.num_workers)]
+        return pool
+
+    def _send(self, entry: _Entry, task: tuple[str, Any]) -> None:
+        pool = self._start_pool()
+        w = self._turn
+        self._turn = (w + 1) % self.num_workers
+        pool.send(w, task)
+        entry.worker = w
+        self._sent[w].append(entry)
+
+    def _request(self, entry: _Entry) -> None:
+        """Start what ``entry`` needs next: its fetch, or the collate of its fetched batch."""
+        if entry.batch is not None:
+            if self._pool is None:
+                entry.got = _apply(self.collate_fn, entry.batch)
             else:
-                init = (None, ())
-            self._procs = cf.ProcessPoolExecutor(
-                self.num_workers, mp_context=ctx, initializer=init[0], initargs=init[1]
-            )
+                self._send(entry, ("collate", entry.batch))
+        elif self._pool is not None and self.store.backend == "ray":
+            self._send(entry, ("fetch", entry.index))
+        else:
+            if self._threads is None:  # requests wait in the store, so one thread per request
+                self._threads = cf.ThreadPoolExecutor(self._ahead_max, "meshfeed-loader")
+            entry.fetch = self._threads.submit(self._thread_job, entry.index)
 
-    def _transform(self, batch: Batch) -> _Got:
-        """``collate_fn`` in a worker process if there are any, else here; never raises."""
-        procs = self._procs  # a retry may replace a broken pool meanwhile
-        if procs is None or self.collate_fn is None:
-            return _apply(self.collate_fn, batch)
+    def _fetched(self, entry: _Entry, result: _Got | Batch | None) -> None:
+        if isinstance(result, _Got):
+            entry.got = result
+        elif result is None:
+            entry.got = _Got(None)
+        else:
+            entry.batch = result
+            self._request(entry)
+
+    def _recv(self, w: int) -> None:
+        """Receive worker ``w``'s oldest result into the entry it belongs to."""
+        assert self._pool is not None
+        entry = self._sent[w][0]
         try:
-            return _Got(batch.ids, procs.submit(self.collate_fn, batch).result())
-        except Exception as exc:
-            return _Got(batch.ids, batch=batch, error=exc)
+            got = self._pool.recv(w)
+        except WorkerError:
+            raise
+        except Exception as exc:  # the fetch failed in the worker (or the result could not travel)
+            if entry.batch is not None:
+                entry.got = _Got(entry.batch.ids, batch=entry.batch, error=exc)
+            else:
+                entry.failed = exc
+        else:
+            entry.got = got
+        self._sent[w].popleft()
+        entry.worker = None
 
-    def _local_job(self, index: int) -> _Got:
-        """Fetch in this process; ``collate_fn`` in a worker process if there are any."""
-        batch = _fetch(self.store, self._spec, index)
-        return _Got(None) if batch is None else self._transform(batch)
+    def _progress(self) -> None:
+        """Without waiting: hand the batches fetched so far to the workers. Results are taken
+        only when their batch is next, so a worker failing on a later batch never costs one
+        already made."""
+        for entry in self._ahead:
+            if entry.fetch is not None and entry.fetch.done():
+                fut, entry.fetch = entry.fetch, None
+                try:
+                    self._fetched(entry, fut.result())
+                except Exception as exc:
+                    entry.failed = exc
 
-    def _submit(self, index: int) -> Any:
-        self._pools()
-        if self.store.backend == "ray" and self._procs is not None:
-            return self._procs.submit(_ray_worker_fetch, self._spec, index, self.collate_fn)
-        if self._threads is None:  # requests wait in the store, so one thread per request
-            self._threads = cf.ThreadPoolExecutor(self._ahead_max, "meshfeed-loader")
-        return self._threads.submit(self._local_job, index)
+    def _wait(self, entry: _Entry, deadline: float | None = None, *, ids: bool = False) -> _Got:
+        """Drive ``entry`` until its outcome is known (``ids``: until its sample ids are);
+        ``deadline`` (``time.monotonic()``) raises :class:`_Late` past it, changing nothing."""
+        while entry.got is None and not (ids and entry.batch is not None):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if entry.failed is not None:  # raised once; the same batch is requested again
+                exc, entry.failed = entry.failed, None
+                self._request(entry)
+                raise exc
+            if entry.fetch is not None:
+                try:
+                    result = entry.fetch.result(left)
+                except cf.TimeoutError:
+                    raise _Late from None
+                except Exception as exc:
+                    entry.fetch, entry.failed = None, exc
+                    continue
+                entry.fetch = None
+                self._fetched(entry, result)
+            elif entry.lazy is not None:
+                fn, entry.lazy = entry.lazy, None
+                self._fetched(entry, fn())
+            elif entry.worker is not None:
+                assert self._pool is not None
+                if left is not None and not self._pool.ready(entry.worker, left):
+                    raise _Late
+                self._recv(entry.worker)
+            else:
+                self._request(entry)
+        if entry.got is None:
+            assert entry.batch is not None
+            return _Got(entry.batch.ids)
+        return entry.got
+
+    def _lost(self, error: WorkerError) -> WorkerError:
+        """The pool stopped after a worker died or stalled: what was sent to it is sent again
+        (to fresh workers) when next needed; the error to raise, saying so."""
+        for entry in self._ahead:
+            entry.worker = None
+        self._sent = [deque() for _ in range(self.num_workers)]
+        head = self._ahead[0].index if self._ahead else self._next
+        if isinstance(error, WorkerTimeout):
+            what = f"produced nothing within timeout={error.timeout}s (stuck or stopped)"
+        elif isinstance(error, WorkerDied):
+            what = f"exited with exit code {error.exitcode} (out of memory, or killed)"
+        else:
+            what = f"failed ({error})"
+        return WorkerError(
+            f"store loader worker {getattr(error, 'worker', '?')} (pid "
+            f"{getattr(error, 'pid', '?')}) of task {self.task!r} {what}; its workers were "
+            f"stopped. Iterating the loader again starts fresh workers and continues from batch "
+            f"{head} (nothing is lost or repeated); raise timeout= if a batch legitimately "
+            "takes longer"
+        )
 
     def _fill(self) -> None:
         while not self._ended and len(self._ahead) < self._ahead_max:
-            self._ahead.append((self._next, self._submit(self._next)))
+            entry = _Entry(self._next)
+            self._ahead.append(entry)
             self._next += 1
+            self._request(entry)
 
-    def _retry(self, index: int, got: _Got) -> Any:
+    def _retry(self, entry: _Entry, got: _Got) -> Any:
         """Retry only ``collate_fn`` on a fetched batch; :class:`CollateError` if it keeps
         failing, with the batch left at the head of the queue (``collate_retries + 1`` more
         attempts by the next ``next()``; recorded by ``state_dict()``)."""
@@ -347,22 +495,19 @@ class StoreLoader:
         assert ids is not None
         # A fresh failure had its first attempt already; a reported one gets all attempts.
         for _ in range(self.collate_retries + (1 if got.raised else 0)):
-            if isinstance(got.error, BrokenProcessPool) and self._procs is not None:
-                self._procs.shutdown(wait=False, cancel_futures=True)  # a worker died: restart
-                self._procs = None
-                self._pools()
-            got = self._transform(got.batch)
+            attempt = _Entry(entry.index, batch=got.batch)
+            got = self._wait(attempt)
             if got.error is None:
                 return got.item
         got.raised = True
-        self._ahead[0] = (index, _Known(got=got))
+        entry.got = got
         shown = f"{ids[:20]} ... ({len(ids)} samples)" if len(ids) > 20 else f"{ids}"
         raise CollateError(
-            f"collate_fn failed {self.collate_retries + 1} times on batch {index} of task "
-            f"{self.task!r} (sample ids {shown}): {got.error!r}. The batch is kept: next() "
-            "retries collate_fn on it and state_dict() records it, so a restored loader "
+            f"collate_fn failed {self.collate_retries + 1} times on batch {entry.index} of "
+            f"task {self.task!r} (sample ids {shown}): {got.error!r}. The batch is kept: "
+            "next() retries collate_fn on it and state_dict() records it, so a restored loader "
             "re-delivers it; fix collate_fn (or the samples) and call next() again",
-            index=index,
+            index=entry.index,
             ids=list(ids),
         ) from got.error
 
@@ -375,36 +520,40 @@ class StoreLoader:
                 f"this StoreLoader (task {self.task!r}) was shut down; build a new one (from "
                 "its state_dict() to continue where it stopped)"
             )
+        try:
+            return self._next_item()
+        except WorkerError as error:
+            if self._pool is None or self._pool.started:
+                raise  # not a failure of the pool (a collate_fn raising WorkerError itself)
+            raise self._lost(error) from None
+
+    def _next_item(self) -> Any:
         while True:
             if not self._ahead_max and not self._ahead:  # synchronous
                 if self._ended:
                     raise StopIteration
-                got = self._local_job(self._next)
-                if got.ids is None:
+                result = self._thread_job(self._next)
+                if not isinstance(result, _Got) or result.ids is None:  # no workers here
                     self._ended = True
                     raise StopIteration
-                self._ahead.append((self._next, _Known(got=got)))
+                self._ahead.append(_Entry(self._next, got=result))
                 self._next += 1
+            if self._pool is not None and not self._ended:
+                self._start_pool()  # before the fetch threads exist (fork)
             self._fill()
+            self._progress()
             if not self._ahead:
                 self._stop_workers()
                 raise StopIteration
-            index, fut = self._ahead[0]
-            try:
-                got = fut.result()
-            except BaseException:
-                # A request that failed fetched nothing (e.g. the store timed out): ask for the
-                # same batch again. One still running (an interrupted wait) is kept.
-                if isinstance(fut, cf.Future) and fut.done() and fut.exception() is not None:
-                    self._ahead[0] = (index, self._submit(index))
-                raise
+            entry = self._ahead[0]
+            got = self._wait(entry)
             if got.ids is None:
                 # Every later request also ends; those already in flight may still hold
                 # batches planned before the end, so they are drained, not dropped.
                 self._ahead.popleft()
                 self._ended = True
                 continue
-            item = got.item if got.error is None else self._retry(index, got)
+            item = got.item if got.error is None else self._retry(entry, got)
             self._ahead.popleft()
             if self._spec.hold:
                 self.store.release(self.partition, got.ids)
@@ -436,9 +585,11 @@ class StoreLoader:
         self.shutdown()
 
     def _stop_workers(self) -> None:
-        if self._procs is not None:
-            self._procs.shutdown(wait=False, cancel_futures=True)
-            self._procs = None
+        if self._pool is not None:
+            self._pool.shutdown()  # stop message, SIGTERM, SIGKILL: joins every worker
+            for entry in self._ahead:
+                entry.worker = None
+            self._sent = [deque() for _ in range(self.num_workers)]
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None
@@ -457,20 +608,23 @@ class StoreLoader:
         wait = self.STATE_WAIT if self._spec.timeout is None else self._spec.timeout
         deadline = time.monotonic() + wait
         pending = []
-        for index, fut in self._ahead:
-            try:
-                got = fut.result(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                if isinstance(fut, cf.Future) and fut.done():
-                    raise  # the request itself timed out in the store
-                raise TimeoutError(
-                    f"state_dict() waited {wait}s for batch {index} of task {self.task!r}, "
-                    f"still being fetched (prefetch={self.prefetch}); the state must name the "
-                    "batches fetched ahead. If producers wait for the trainer (e.g. a weight "
-                    "sync), take state_dict() once they can run again, or use prefetch=1; "
-                    "the loader is unchanged and usable"
-                ) from None
-            pending.append([index, got.ids])
+        try:
+            for entry in self._ahead:
+                try:
+                    got = self._wait(entry, deadline, ids=True)
+                except _Late:
+                    raise TimeoutError(
+                        f"state_dict() waited {wait}s for batch {entry.index} of task "
+                        f"{self.task!r}, still being fetched (prefetch={self.prefetch}); the "
+                        "state must name the batches fetched ahead. If producers wait for the "
+                        "trainer (e.g. a weight sync), take state_dict() once they can run "
+                        "again, or use prefetch=1; the loader is unchanged and usable"
+                    ) from None
+                pending.append([entry.index, got.ids])
+        except WorkerError as error:
+            if self._pool is None or self._pool.started:
+                raise
+            raise self._lost(error) from None
         return envelope(
             KIND,
             VERSION,
@@ -549,13 +703,12 @@ class StoreLoader:
         self._next = nxt
         self._ended = st["ended"]
         for index, ids in pending:
-            self._ahead.append((index, _Known(self._redeliver(ids))))
+            self._ahead.append(_Entry(index, lazy=self._redeliver(ids)))
 
-    def _redeliver(self, ids: list[Any] | None) -> Callable[[], _Got]:
-        def fn() -> _Got:
+    def _redeliver(self, ids: list[Any] | None) -> Callable[[], Batch | None]:
+        def fn() -> Batch | None:
             if ids is None:
-                return _Got(None)
-            self._pools()
-            return self._transform(self.store.peek(self.partition, list(ids), self._spec.fields))
+                return None
+            return self.store.peek(self.partition, list(ids), self._spec.fields)
 
         return fn

@@ -389,6 +389,15 @@ class WorkerPool:
             _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
         return self._state["readers"][w].decode(header)
 
+    def ready(self, w: int, timeout: float = 0.0) -> bool:
+        """Whether :meth:`recv` of worker ``w`` would return without waiting (a result is
+        there, or the worker is gone), after waiting at most ``timeout`` seconds; receives
+        nothing and never fails the pool (a caller's own shorter deadline)."""
+        if not self.pending(w):
+            return False
+        poller = self._state["pollers"][w]
+        return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+
     # ------------------------------------------------------------------ ordered style
     def submit(self, task: Any) -> None:
         """Send ``task`` to the next worker round-robin; :meth:`result` returns in this order."""

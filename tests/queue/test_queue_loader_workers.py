@@ -1,0 +1,196 @@
+"""StoreLoader worker processes never hang: a worker that ignores SIGTERM and stalls, a stopped
+(SIGSTOP) worker and a worker killed mid-batch each end in a clear error within timeout + 1 s,
+with no process left behind; iterating again restarts the workers and loses nothing; the
+interpreter exits with such workers still running."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshfeed.queue import Batch, SampleStore, StoreLoader
+from meshfeed.runtime import WorkerError
+
+TIMEOUT = 1.5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class _Misbehave:
+    """A picklable collate_fn that misbehaves once (a marker file, shared by every worker)
+    on the batch starting at sample ``at``: ``hang`` ignores SIGTERM and sleeps, ``kill``
+    kills its own process; otherwise returns the batch's ids."""
+
+    def __init__(self, directory: str, how: str, at: int) -> None:
+        self.directory, self.how, self.at = directory, how, at
+
+    def __call__(self, batch: Batch) -> list:
+        marker = os.path.join(self.directory, f"{self.how}-done")
+        if batch.ids[0] == self.at and self.how != "none" and not os.path.exists(marker):
+            open(marker, "w").close()
+            if self.how == "hang":
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                while True:
+                    time.sleep(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return list(batch.ids)
+
+
+def _loader(tmp_path: Path, how: str) -> StoreLoader:
+    store = SampleStore(tasks=["t"])  # evicts consumed samples: a lost batch cannot come back
+    store.put("p", {"x": list(range(24))})
+    store.close("p")
+    return StoreLoader(
+        store,
+        task="t",
+        fields=["x"],
+        batch_size=3,
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        num_workers=2,
+        prefetch=2,
+        timeout=TIMEOUT,
+        collate_fn=_Misbehave(str(tmp_path), how, at=6),  # batch 2
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ignores_sigterm", "sigstop", "sigkill"])
+def test_stuck_stopped_or_killed_store_worker_fails_within_timeout_plus_one_second(tmp_path, case):
+    how = {"ignores_sigterm": "hang", "sigstop": "none", "sigkill": "kill"}[case]
+    loader = _loader(tmp_path, how)
+    out = [next(loader), next(loader)]  # batches 0 and 1: both workers up
+    assert out == [[0, 1, 2], [3, 4, 5]]
+    pids = list(loader._pool.pids)  # type: ignore[union-attr]
+    assert len(pids) == 2
+    if case == "sigstop":
+        os.kill(pids[0], signal.SIGSTOP)
+    match = "exited with exit code -9" if case == "sigkill" else f"within timeout={TIMEOUT}s"
+    with pytest.raises(WorkerError, match=match) as info:
+        while True:  # the stopped worker may have made its next batch already
+            start = time.monotonic()
+            out.append(next(loader))
+    assert time.monotonic() - start < TIMEOUT + 1.0
+    assert f"continues from batch {len(out)}" in str(info.value)  # names what happens next
+    assert len(out) == 2 or case == "sigstop"
+    assert multiprocessing.active_children() == []
+    assert not any(_alive(p) for p in pids)
+    # Iterating again starts fresh workers and continues from the loader's state.
+    out += list(loader)
+    assert [k for ids in out for k in ids] == list(range(24))  # exactly once, in order
+    assert loader.store.stats()["held"] == 0
+    loader.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_a_checkpoint_after_a_worker_died_names_the_batches_still_to_deliver(tmp_path):
+    loader = _loader(tmp_path, "kill")
+    assert [next(loader), next(loader)] == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(WorkerError, match="exit code -9"):
+        next(loader)
+    state = loader.state_dict()  # fresh workers collate again; ids come from the fetch
+    assert state["next"] == 4 and state["pending"] == [[2, [6, 7, 8]], [3, [9, 10, 11]]]
+    assert [k for ids in loader for k in ids] == list(range(6, 24))
+    loader.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+_EXIT_SCRIPT = """
+import signal, sys, time
+from meshfeed.queue import SampleStore, StoreLoader
+
+def hang(batch):
+    if batch.ids[0] > 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    return list(batch.ids)
+
+if __name__ == "__main__":
+    store = SampleStore()
+    store.put("p", {"x": list(range(10))})
+    loader = StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=1,
+                         mesh={"dp": 1}, rank=0, num_workers=2, prefetch=3, timeout=60,
+                         collate_fn=hang)
+    assert next(loader) == [0]
+    time.sleep(0.5)  # the workers now hang on batches 1 and 2, ignoring SIGTERM
+    print(" ".join(map(str, loader._pool.pids)), flush=True)
+    # no shutdown(): the interpreter must still exit
+"""
+
+
+@pytest.mark.slow
+def test_interpreter_exits_with_store_workers_that_ignore_sigterm(tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(_EXIT_SCRIPT)
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def _ids(batch: Batch) -> list:
+    return list(batch.ids)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_state_dict_with_ray_workers_keeps_its_own_bound_under_an_unlimited_timeout(ray_session):
+    import math
+    import uuid
+
+    store = SampleStore("ray", name=f"loader-{uuid.uuid4().hex[:8]}")
+    try:
+        store.put("p", {"x": [0]})
+        loader = StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            batch_size=1,
+            partition="p",
+            mesh={"dp": 1},
+            rank=0,
+            num_workers=1,
+            prefetch=3,
+            timeout=math.inf,
+            collate_fn=_ids,
+        )
+        loader.STATE_WAIT = 0.5
+        assert next(loader) == [0]  # batches 1 and 2 wait in the worker for producers
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="state_dict\\(\\) waited 0.5s for batch 1"):
+            loader.state_dict()
+        assert time.monotonic() - start < 0.5 + 1.0
+        store.put("p", {"x": [1, 2, 3]})
+        state = loader.state_dict()  # usable once producers ran
+        assert state["pending"] == [[1, [1]], [2, [2]]] and state["next"] == 3
+        store.close("p")
+        assert list(loader) == [[1], [2], [3]]
+        loader.shutdown()
+    finally:
+        store.shutdown()
+    assert multiprocessing.active_children() == []
