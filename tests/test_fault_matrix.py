@@ -2,10 +2,9 @@
 
 Each row injects one fault the way a user or an adversary would and checks the outcome the
 README's "Reliability" table promises: refused by name, raised (never substituted), or
-identical data. Rows whose fix lands with another area's change are marked ``xfail``
-(non-strict) until it is merged; every other row must pass.
+identical data. Every row must pass.
 
-Reproduce: ``python -m pytest -q tests/test_fault_matrix.py -rxX``.
+Reproduce: ``python -m pytest -q tests/test_fault_matrix.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ class Row:
     trials: int
     outcome: str
     run: Callable[[Path], None]
-    lands_with: str | None = None  # the area whose change makes the row pass
 
 
 class _TookTooLong(Exception):
@@ -502,27 +500,16 @@ ROWS = [
         trials=1,
         outcome="ValueError",
         run=store_timeout_nan,
-        lands_with="store",
     ),
     Row(
         fault="SampleStore.get(sampler=5)",
         trials=1,
         outcome="TypeError",
         run=store_sampler_not_a_sampler,
-        lands_with="store",
     ),
 ]
 
 
-def _param(row: Row) -> object:
-    marks = []
-    if row.lands_with is not None:
-        marks.append(
-            pytest.mark.xfail(strict=False, reason=f"lands with the {row.lands_with} change")
-        )
-    return pytest.param(row, id=row.run.__name__, marks=marks)
-
-
-@pytest.mark.parametrize("row", [_param(r) for r in ROWS])
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.run.__name__) for r in ROWS])
 def test_fault_matrix(row: Row, tmp_path: Path) -> None:
     row.run(tmp_path)

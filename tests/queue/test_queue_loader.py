@@ -270,7 +270,9 @@ def test_loader_rejects_bad_configuration():
         prefetch=1,
         timeout=math.inf,
     )
-    with pytest.raises(ValueError, match="kind=None, expected kind='store_loader'"):
+    with pytest.raises(
+        ValueError, match="StoreLoader state has version=1, this meshfeed reads version 3"
+    ):
         loader.load_state_dict({"version": 1, "index": [0], "turn": 0, "done": [False]})
     state = loader.state_dict()
     assert (state["kind"], state["version"]) == ("store_loader", 3)
@@ -667,7 +669,9 @@ def test_loader_rejects_bool_workers_and_bad_timeouts_at_construction():
     store = SampleStore()
     args = (store,)
     kw = {"task": "t", "fields": ["x"], "batch_size": 1, "partition": "p"}
-    with pytest.raises(ValueError, match="num_workers must be an int >= 0 .*num_workers=True"):
+    # The argument checks are meshfeed.DataLoader's: a wrong type is a TypeError, a bad value a
+    # ValueError, each naming the argument.
+    with pytest.raises(TypeError, match="num_workers must be an int >= 0 .*num_workers=True"):
         StoreLoader(
             *args,
             **kw,
@@ -677,13 +681,13 @@ def test_loader_rejects_bool_workers_and_bad_timeouts_at_construction():
             collate_fn=list_ids,
             timeout=math.inf,
         )
-    with pytest.raises(ValueError, match="prefetch must be an int >= 1 .*prefetch=True"):
+    with pytest.raises(TypeError, match="prefetch must be an int >= 1 .*prefetch=True"):
         StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, prefetch=True, timeout=math.inf)
-    with pytest.raises(ValueError, match="timeout must be positive seconds .*timeout='5'"):
+    with pytest.raises(TypeError, match="timeout must be positive seconds .*timeout='5'"):
         StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, timeout="5", prefetch=1)
-    with pytest.raises(ValueError, match="timeout must be >= 0 seconds or None .*timeout=-1"):
+    with pytest.raises(ValueError, match="timeout must be positive seconds .*timeout=-1"):
         StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, timeout=-1, prefetch=1)
-    with pytest.raises(ValueError, match="timeout must be a number of seconds, not NaN"):
+    with pytest.raises(ValueError, match="timeout must be positive seconds .*timeout=nan"):
         StoreLoader(*args, **kw, mesh={"dp": 1}, rank=0, timeout=math.nan)
     with pytest.raises(ValueError, match="collate_retries must be an int >= 0"):
         StoreLoader(

@@ -262,9 +262,6 @@ class StoreLoader:
                 f"store must be a SampleStore (got {type(store).__name__}); build the store "
                 "with meshfeed.queue.SampleStore and pass it first"
             )
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise ValueError(f"timeout must be positive seconds (got {timeout=!r})")
-        check_timeout(timeout)  # NaN and negatives refused by name, inf means no limit
         check_loader_arguments(
             batch_size=batch_size,
             seed=0,  # the store decides the order: no seed, no retries of samples
