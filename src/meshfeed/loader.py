@@ -27,7 +27,7 @@ from meshfeed.loader_state import (
 from meshfeed.options import check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
 from meshfeed.order.compose import build_order, curriculum_postprocess
-from meshfeed.protocols import GlobalService, Service
+from meshfeed.protocols import GlobalService, Service, Source
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
@@ -74,6 +74,12 @@ class DataLoader(LoaderBase):
     ``DataLoader2``'s behaviour: 41 samples on 4 data ranks give 10 each, one left out).
 
     ``timeout`` bounds every wait for a worker, in seconds; ``math.inf`` waits without limit.
+
+    ``dataset`` may also be a function (or class) that builds the dataset, Twinkle's call shape:
+    it is called where batches are made (here, or inside every Ray actor with
+    ``service=RayService(...)``). ``device_mesh=`` is the same argument as ``mesh=`` under the
+    name torch and Twinkle users know; under torchrun neither is needed (the world size and rank
+    come from the environment).
     """
 
     name = "DataLoader"
@@ -84,6 +90,7 @@ class DataLoader(LoaderBase):
         *,
         batch_size: int,
         mesh: Any = None,
+        device_mesh: Any = None,
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -117,6 +124,7 @@ class DataLoader(LoaderBase):
         super().__init__(
             batch_size=batch_size,
             mesh=mesh,
+            device_mesh=device_mesh,
             rank=rank,
             shuffle=shuffle,
             seed=seed,
@@ -161,7 +169,11 @@ class DataLoader(LoaderBase):
             )
         if isinstance(service, GlobalService):
             service.bind_mesh(self.mesh)  # RayService: RemoteBatch.for_rank maps global ranks
-            dataset = service.prepare(dataset)
+            dataset = service.prepare(dataset)  # a callable is built inside the Ray actors
+        elif isinstance(dataset, type) or (callable(dataset) and not isinstance(dataset, Source)):
+            # A callable that makes the dataset (Twinkle's call shape) is built where the
+            # batches are made: here, or in every Ray actor with service=RayService(...).
+            dataset = _build_dataset(dataset)
         try:
             length = len(dataset)
         except TypeError:
@@ -414,3 +426,21 @@ def _refuse_stream(dataset: Any) -> None:
             "meshfeed.DataLoader reads map-style datasets; a ShardedStream has no random "
             "access: use meshfeed.sources.StreamLoader(stream, ...) with the same arguments"
         )
+
+
+def _build_dataset(make: Callable[[], Any]) -> Any:
+    """``make()``, the dataset a callable describes; refused by name if it is not one."""
+    name = getattr(make, "__qualname__", None) or repr(make)
+    try:
+        built = make()
+    except TypeError as exc:
+        raise TypeError(
+            f"dataset={name} is callable but not a dataset, and calling it with no arguments "
+            f"failed ({exc}); pass a map-style dataset or a function that builds one"
+        ) from exc
+    if not isinstance(built, Source):
+        raise TypeError(
+            f"dataset={name}() returned {type(built).__name__}, not a map-style dataset "
+            "(__len__ and __getitem__)"
+        )
+    return built

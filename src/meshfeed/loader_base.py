@@ -48,6 +48,7 @@ class LoaderBase:
         *,
         batch_size: int,
         mesh: Any,
+        device_mesh: Any = None,
         rank: int | None,
         shuffle: bool,
         seed: int,
@@ -79,7 +80,12 @@ class LoaderBase:
         )
         if num_workers and multiprocessing_context in ("spawn", "forkserver"):
             _check_importable("collate_fn", collate_fn, multiprocessing_context)
-        self.mesh: DataMesh = resolve_mesh(mesh)
+        if mesh is not None and device_mesh is not None:
+            raise ValueError(
+                "mesh= and device_mesh= both given; they are the same argument (device_mesh= is "
+                "the name torch and Twinkle users know): pass one of them"
+            )
+        self.mesh: DataMesh = resolve_mesh(device_mesh if mesh is None else mesh)
         _check_world(self.mesh)
         if rank is None:
             # A mesh of several ranks without RANK or a process group is refused by name:

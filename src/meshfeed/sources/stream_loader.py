@@ -75,6 +75,7 @@ class StreamLoader(LoaderBase):
         *,
         batch_size: int,
         mesh: Any = None,
+        device_mesh: Any = None,
         rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -98,6 +99,7 @@ class StreamLoader(LoaderBase):
         super().__init__(
             batch_size=batch_size,
             mesh=mesh,
+            device_mesh=device_mesh,
             rank=rank,
             shuffle=shuffle,
             seed=seed,
