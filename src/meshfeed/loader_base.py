@@ -13,13 +13,12 @@ with ``set_epoch`` after a resume is refused unless asked for (``allow_rewind=Tr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import pickle
 from collections.abc import Callable, Iterator
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
+from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
 from meshfeed.options import check_loader_arguments, resolve_timeout
 
@@ -35,7 +34,7 @@ WARN_EVERY = 1000
 MAX_COUNT = 2**63
 
 
-class LoaderBase:
+class LoaderBase(Lifecycle):
     """The shared part of every loader (see the module docstring); not used on its own."""
 
     #: The loader's name in messages.
@@ -192,21 +191,6 @@ class LoaderBase:
     def shutdown(self) -> None:
         """Stop worker processes or actors. Idempotent; the loader can be iterated again."""
         raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.shutdown()
 
 
 def check_count(name: str, value: object, what: str) -> int:

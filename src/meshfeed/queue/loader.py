@@ -64,9 +64,9 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, ClassVar
 
+from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
 from meshfeed.options import check_loader_arguments
 from meshfeed.queue.core import PartitionClosed
@@ -214,7 +214,7 @@ class _Entry:
     failed: BaseException | None = None
 
 
-class StoreLoader:
+class StoreLoader(Lifecycle):
     """Iterate batches of ``fields`` for ``task`` from ``partition`` of ``store``, as global
     ``rank`` of ``mesh`` (a :class:`DataMesh`, ``DeviceMesh``, dict of axis sizes, or
     ``None`` for the torchrun world); see the module docstring for workers and checkpoints.
@@ -569,17 +569,6 @@ class StoreLoader:
             with contextlib.suppress(Exception):
                 self.store.cancel(self._spec.token)
         self._stop_workers()
-
-    def __enter__(self) -> StoreLoader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown()
 
     def _stop_workers(self) -> None:
         if self._pool is not None:
