@@ -499,3 +499,33 @@ def test_a_reweight_restarts_the_earliest_deadline_from_the_counts_at_the_change
     assert at_change == dict(
         zip(names, np.bincount(src[: 100 * G], minlength=5).tolist(), strict=True)
     )
+
+
+# ---------------------------------------------------------------------- real processes
+def _edf_dist_loader(world: int) -> DataLoader:
+    names = [f"s{i}" for i in range(5)]
+    sources = {x: _src(x, 3 + 2 * i) for i, x in enumerate(names)}
+    mix = Mixture(sources, dict(zip(names, EDF_WEIGHTS[0], strict=True)), seed=5)
+    return DataLoader(mix, batch_size=8 // world, seed=2, collate_fn=list, timeout=60)
+
+
+def _edf_rank(rank: int, world: int, state: dict | None, steps: int) -> dict:
+    lo = _edf_dist_loader(world)  # data rank and world size from the gloo process group
+    if state is not None:
+        lo.load_state_dict(state)
+    out: dict = {"batches": take(lo, steps)}
+    out["state"] = json.loads(json.dumps(lo.state_dict()))
+    out["rest"] = take(lo, 9)
+    return out
+
+
+@pytest.mark.slow
+def test_four_gloo_ranks_resume_an_earliest_deadline_mixture_on_two():
+    from tests.dist_utils import run_distributed
+
+    first = run_distributed(_edf_rank, 4, None, 5, timeout=240)
+    then = run_distributed(_edf_rank, 2, first[3]["state"], 9, timeout=240)
+    reference = _edf_global_stream([_edf_loader(4, r) for r in range(4)], 14)  # one process
+    assert [sum((r["batches"][s] for r in first), []) for s in range(5)] == reference[:5]
+    assert [sum((r["rest"][s] for r in first), []) for s in range(9)] == reference[5:14]
+    assert [sum((r["batches"][s] for r in then), []) for s in range(9)] == reference[5:14]
