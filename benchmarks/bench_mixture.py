@@ -63,6 +63,13 @@ def _greedy(weights: list[float]) -> Callable[[int], np.ndarray]:
     return batch
 
 
+def _consecutive(mix: Mixture) -> Callable[[int], object]:
+    def draw(b: int) -> object:
+        return mix.draws(np.arange(b * BATCH, (b + 1) * BATCH))
+
+    return draw
+
+
 def _per_batch(draw: Callable[[int], object], batches: int) -> float:
     t0 = time.perf_counter()
     for b in range(batches):
@@ -83,11 +90,9 @@ def main() -> None:
         for kind, w in WEIGHTS.items():
             mix = _mixture(w)
             assert mix._segments[0].kind == kind, (kind, mix._segments[0].kind)
-            rows[kind].append(
-                _per_batch(lambda b, m=mix: m.draws(np.arange(b * BATCH, (b + 1) * BATCH)), batches)
-            )
+            rows[kind].append(_per_batch(_consecutive(mix), batches))
         greedy = _greedy(WEIGHTS["deadline"])
-        rows["greedy"].append(_per_batch(lambda b, g=greedy: g(BATCH), batches))
+        rows["greedy"].append(_per_batch(lambda b: greedy(BATCH), batches))  # noqa: B023
     base = statistics.median(rows["tree"])
     for kind, ts in rows.items():
         med = statistics.median(ts)
