@@ -1,4 +1,4 @@
-"""Weighted interleaves: which source each stream position belongs to, exactly, in O(1) per position.
+"""Weighted interleaves: which source each stream position belongs to, within +-1 of its share.
 
 An interleave of ``K`` sources with shares ``s_i`` (positive, summing to 1) gives every stream
 position ``p`` one source, so that the count ``c_i(n)`` of source ``i`` among the first ``n``
@@ -26,7 +26,7 @@ positions stays close to ``n * s_i``. :func:`make_interleave` builds one from th
   deadline (lowest index on ties). Tijdeman proved ``|c_i(n) - n s_i| <= D < 1`` for every ``n``
   (no drift, ever), in exact integer arithmetic here. It is sequential: a count at ``n`` costs a
   walk from the nearest known point (a cursor, marks every :data:`MARK_EVERY` positions, and
-  points seeded by :meth:`Interleave.seed` from a checkpoint), about 1-3 us per position.
+  points seeded by :meth:`Interleave.seed` from a checkpoint), about 1 us per position (benchmarks/bench_mixture.py).
 
 Floats are read exactly (``Fraction(0.1)``), so tiny weights (1e-7 beside 1) keep their share, a
 mixture of only tiny weights cannot divide by zero, and huge integer weights are normalised as

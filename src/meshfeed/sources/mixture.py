@@ -13,7 +13,7 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
   of sources, with no drift. Simple-fraction weights, any weights of up to three sources and
   most others are pure arithmetic (O(K) per position, no table); the rest (some weightings of
   four or more sources) use Tijdeman's earliest-deadline interleave, which is sequential: a
-  position costs a walk from the nearest known point (about 1-3 us per position). The loader
+  position costs a walk from the nearest known point (about 1 us per position). The loader
   walks forward batch by batch and its checkpoint carries the per-source counts, so resume
   stays O(1) in the position; random access far ahead of any known point (``counts(2**40)``)
   costs a walk of that length. Tiny weights keep their share, huge integers are normalised.
