@@ -469,6 +469,13 @@ def test_an_earliest_deadline_checkpoint_with_wrong_counts_is_refused():
         _edf_loader(dp=1, rank=0).load_state_dict(state)
 
 
+def test_a_walk_from_counts_that_are_not_the_interleaves_own_raises_by_name():
+    edf = _Deadline(_exact_shares(EDF_WEIGHTS[0]))
+    edf.seed(1000, [1000, 0, 0, 0, 0])  # seed() trusts its caller; the walk does not
+    with pytest.raises(ValueError, match="counts at position 1000 that are not its own"):
+        edf.draws(np.arange(1000, 1010))
+
+
 def test_far_earliest_deadline_counts_are_checked_against_the_bound_without_a_walk():
     """Beyond a cheap walk, carried counts are checked against the bound and then trusted."""
     exact = _exact_shares(EDF_WEIGHTS[0])

@@ -386,13 +386,21 @@ class _Deadline(Interleave):
             keep = sorted(self._marks)[::2]
             self._marks = {p: self._marks[p] for p in keep}
 
-    def check_counts(self, n: int, counts: Sequence[int]) -> str | None:
+    def check_bound(self, n: int, counts: Sequence[int]) -> str | None:
+        """Why ``counts`` break the deviation bound at ``n`` (None: they keep it)."""
         c = [int(x) for x in counts]
         if len(c) != len(self.shares) or sum(c) != n or min(c, default=0) < 0:
             return f"they must be {len(self.shares)} non-negative counts summing to {n}"
         for ci, s in zip(c, self.shares, strict=True):
             if abs(ci - n * s) > self.D:
                 return f"a count is more than {float(self.D):.4f} away from {n} x its share"
+        return None
+
+    def check_counts(self, n: int, counts: Sequence[int]) -> str | None:
+        c = [int(x) for x in counts]
+        why = self.check_bound(n, c)
+        if why is not None:
+            return why
         if n - self._start(n)[0] <= _VERIFY_WALK:  # cheap enough: check exactly
             mine = self.counts(n).tolist()
             if c != mine:
@@ -429,6 +437,8 @@ class _Deadline(Interleave):
                 slack[i] += em[i]
                 if slack[i] >= 0 and (best < 0 or key[i] * m[best] < key[best] * m[i]):
                     best = i
+            if best < 0:  # impossible from true counts (Tijdeman): the start was wrong
+                raise ValueError(self._wrong_start(pos, p))
             if p == next_want:
                 src[w], rank[w] = members[best], c[best]
                 w += 1
@@ -438,8 +448,18 @@ class _Deadline(Interleave):
             c[best] += 1
             if (p + 1) % MARK_EVERY == 0 and p + 1 not in self._marks:
                 self._remember(p + 1, self._full(c))
-        self._cursor = (end, self._full(c))
+        full = self._full(c)
+        if self.check_bound(end, full) is not None:
+            raise ValueError(self._wrong_start(pos, end))
+        self._cursor = (end, full)
         return src, rank
+
+    def _wrong_start(self, start: int, at: int) -> str:
+        return (
+            f"the earliest-deadline interleave walked from counts at position {start} that are "
+            f"not its own and broke its bound at position {at}; a checkpoint carried wrong "
+            "per-source counts: resume from another checkpoint"
+        )
 
     def _full(self, c: list[int]) -> tuple[int, ...]:
         out = [0] * len(self.shares)
