@@ -22,8 +22,9 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
   is exhausted, independently of the others and of the loader epoch.
 - Weights may change from a given global step on: pass ``weights={0: {...}, 1000: {...}}`` or
   call ``reweight(step, weights)`` before iterating. Step ``t`` starts at stream position
-  ``t * global_batch_size``; counts carry over arithmetically from the previous segment, so a
-  resume across a change is exact. The whole schedule is in ``describe``
+  ``t * global_batch_size``; each segment restarts its interleave at the change and adds the
+  counts reached there, so the +-1 promise holds per segment (for the positions since the
+  change, against the segment's shares) and a resume across a change is exact. The whole schedule is in ``describe``
   (``loader.state_dict()["order"]``, with the per-source consumption at the position and at
   each change before it) and a resume with another
   schedule is refused; the fingerprint holds only the step-0 weights, so it does not change when
