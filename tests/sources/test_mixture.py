@@ -204,7 +204,7 @@ def test_earliest_deadline_holds_within_its_bound_for_any_weights(weights, n):
     """Tijdeman's rule, forced for every weighting of 2..8 sources, checked at every prefix."""
     exact = _exact_shares(weights)
     edf = _Deadline(exact)
-    src, rank = edf.draws(np.arange(20_000))
+    src, rank = edf.draws(np.arange(100_000))
     _deviation_ok(src, exact, edf.max_deviation)
     for s in range(len(weights)):  # ranks count the earlier draws of the same source
         assert np.array_equal(rank[src == s], np.arange(int((src == s).sum())))
@@ -467,6 +467,19 @@ def test_an_earliest_deadline_checkpoint_with_wrong_counts_is_refused():
     state["order"]["bases"] = [[0, 0, 0, 0, 1]]
     with pytest.raises(ValueError, match="segment starts"):
         _edf_loader(dp=1, rank=0).load_state_dict(state)
+
+
+def test_earliest_deadline_memory_is_bounded():
+    """Marks thin out (every second one kept, the start always) and seeds are first-in-first-out."""
+    from meshfeed.order import interleave
+
+    edf = _Deadline(_exact_shares(EDF_WEIGHTS[0]))
+    for j in range(1, 3 * interleave._MAX_MARKS):
+        edf._remember(j * MARK_EVERY, (j, 0, 0, 0, 0))
+    assert len(edf._marks) <= interleave._MAX_MARKS and 0 in edf._marks
+    for j in range(3 * interleave._MAX_SEEDS):
+        edf.seed(j, [j, 0, 0, 0, 0])
+    assert sorted(edf._seeds) == list(range(2 * interleave._MAX_SEEDS, 3 * interleave._MAX_SEEDS))
 
 
 def test_a_walk_from_counts_that_are_not_the_interleaves_own_raises_by_name():
