@@ -133,6 +133,15 @@ def read_state(
             f"{loader.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
         )
     decode_stats(state["stats"])  # checked here; the loader decodes it again
+    if "order" in state:
+        if not isinstance(state["order"], dict):
+            raise ValueError(
+                f"loader state field 'order' is {state['order']!r}, not a dict; the "
+                "checkpoint is corrupted"
+            )
+        # Validate first: it re-seeds an order that walks (an earliest-deadline mixture) from
+        # the checkpoint's facts, so describing the position below costs O(1), not O(position).
+        loader.hooks.validate(state["order"])
     described = loader.hooks.describe(state["epoch"], state["position"])
     if (described is None) != ("order" not in state):
         raise ValueError(
@@ -141,11 +150,4 @@ def read_state(
             f"({type(loader.order).__name__}) {'has' if described is not None else 'has none'}"
             "; resume with the dataset and curriculum that wrote the checkpoint"
         )
-    if "order" in state:
-        if not isinstance(state["order"], dict):
-            raise ValueError(
-                f"loader state field 'order' is {state['order']!r}, not a dict; the "
-                "checkpoint is corrupted"
-            )
-        loader.hooks.validate(state["order"])
     return state
