@@ -8,8 +8,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,16 +15,9 @@ import pytest
 
 from meshfeed.queue import Batch, SampleStore, StoreLoader
 from meshfeed.runtime import WorkerError
+from tests.process_checks import alive, run_script_leaving_workers
 
 TIMEOUT = 1.5
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class _Misbehave:
@@ -88,7 +79,7 @@ def test_stuck_stopped_or_killed_store_worker_fails_within_timeout_plus_one_seco
     assert f"continues from batch {len(out)}" in str(info.value)  # names what happens next
     assert len(out) == 2 or case == "sigstop"
     assert multiprocessing.active_children() == []
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     # Iterating again starts fresh workers and continues from the loader's state.
     out += list(loader)
     assert [k for ids in out for k in ids] == list(range(24))  # exactly once, in order
@@ -136,21 +127,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_interpreter_exits_with_store_workers_that_ignore_sigterm(tmp_path):
-    script = tmp_path / "leave.py"
-    script.write_text(_EXIT_SCRIPT)
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": src},
-    )
-    assert done.returncode == 0, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
-    assert len(pids) == 2
-    time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    run_script_leaving_workers(_EXIT_SCRIPT, tmp_path, timeout=60)
 
 
 def _ids(batch: Batch) -> list:

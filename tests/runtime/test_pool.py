@@ -21,21 +21,14 @@ from meshfeed.runtime import (
     call,
 )
 from meshfeed.runtime.transport import SMALL
+from tests.process_checks import alive
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _assert_no_children(pids: list[int]) -> None:
     assert mp.active_children() == []
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def _sleep_forever() -> None:
@@ -272,7 +265,7 @@ def test_interpreter_exits_with_a_worker_ignoring_sigterm_and_one_stopped(tmp_pa
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
     time.sleep(0.2)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_bad_arguments_are_refused_by_name():

@@ -1,10 +1,7 @@
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +9,7 @@ import torch
 from meshfeed import DataLoader, SampleError
 from meshfeed.services import WorkerError, WorkerService
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
+from tests.process_checks import alive, run_script_leaving_workers
 
 
 class Items:
@@ -113,12 +111,6 @@ def test_worker_service_validates_arguments():
 
 
 # ---------------------------------------------------------------------- errors, restart, hangs
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class FailsOnce(Items):
@@ -203,7 +195,7 @@ def test_stuck_or_stopped_worker_fails_within_timeout_plus_one_second(case):
         next(it)
     assert time.monotonic() - start < 1.5 + 1.0
     assert multiprocessing.active_children() == []
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     lo.shutdown()
 
 
@@ -230,22 +222,8 @@ time.sleep(0.5)
 
 
 def test_interpreter_exits_with_workers_that_ignore_sigterm(tmp_path):
-    script = tmp_path / "leave.py"
-    script.write_text(_EXIT_SCRIPT)
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "PYTHONPATH": src},
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("[0, 1]")
-    pids = [int(p) for p in done.stdout.split("]")[1].split()]
-    assert len(pids) == 2
-    time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    stdout = run_script_leaving_workers(_EXIT_SCRIPT, tmp_path, timeout=30)
+    assert stdout.startswith("[0, 1]")
 
 
 def test_lambda_collate_fn_under_spawn_says_spawned_workers_need_importable_functions():

@@ -5,10 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,14 +14,7 @@ from meshfeed.runtime import WorkerError
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_loader import StreamLoader
 from meshfeed.sources.stream_workers import StreamWorkerError
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from tests.process_checks import alive, run_script_leaving_workers
 
 
 def _rows() -> Any:
@@ -69,7 +59,7 @@ def test_stuck_stopped_or_killed_stream_worker_fails_within_timeout_plus_one_sec
             next(it)
     assert time.monotonic() - start < 1.5 + 1.0
     assert multiprocessing.active_children() == []
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     lo.shutdown()
 
 
@@ -104,18 +94,4 @@ print(" ".join(map(str, lo._slots.pool.pids)), flush=True)
 
 
 def test_interpreter_exits_with_stream_workers_that_ignore_sigterm(tmp_path):
-    script = tmp_path / "leave.py"
-    script.write_text(_EXIT_SCRIPT)
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, "PYTHONPATH": src},
-    )
-    assert done.returncode == 0, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
-    assert len(pids) == 2
-    time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    run_script_leaving_workers(_EXIT_SCRIPT, tmp_path, timeout=30)
