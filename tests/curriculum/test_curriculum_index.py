@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from meshfeed.curriculum import MetricIndex, fingerprint, load_accumulated
+from meshfeed.curriculum import MetricIndex, content_fingerprint, load_accumulated
 from meshfeed.curriculum.index import save_accumulated
 
 
@@ -19,7 +19,7 @@ def _docs(n: int = 50, seed: int = 0) -> list[np.ndarray]:
 def test_index_sorts_stably_and_takes_percentiles_from_actual_values():
     docs = _docs()
     values = np.array([3, 1, 3, 2, 1] * 10)
-    index = MetricIndex.from_values("m", values, fingerprint=fingerprint(docs))
+    index = MetricIndex.from_values("m", values, fingerprint=content_fingerprint(docs))
     assert index.order[:10].tolist() == [1, 4, 6, 9, 11, 14, 16, 19, 21, 24]
     assert np.all(np.diff(index.sorted_values()) >= 0)
     assert index.percentiles[0] == 1 and index.percentiles[100] == 3
@@ -30,17 +30,19 @@ def test_index_sorts_stably_and_takes_percentiles_from_actual_values():
 def test_float_values_keep_their_dtype_through_save_and_load(tmp_path):
     docs = _docs()
     values = np.linspace(1.0, 0.0, 50).astype(np.float32)
-    MetricIndex.from_values("f", values, fingerprint=fingerprint(docs)).save(tmp_path / "f")
+    MetricIndex.from_values("f", values, fingerprint=content_fingerprint(docs)).save(tmp_path / "f")
     loaded = MetricIndex.load(tmp_path / "f", dataset=docs)
     assert loaded.values.dtype == np.float32 and isinstance(loaded.values, np.memmap)
     assert loaded.order.tolist() == list(range(49, -1, -1))
     meta = json.loads((tmp_path / "f" / "meta.json").read_text())
-    assert meta["version"] == 1 and meta["fingerprint"] == fingerprint(docs)
+    assert meta["version"] == 1 and meta["fingerprint"] == content_fingerprint(docs)
 
 
 def test_loading_an_index_against_another_dataset_is_refused(tmp_path):
     docs = _docs()
-    MetricIndex.from_values("m", np.arange(50), fingerprint=fingerprint(docs)).save(tmp_path / "m")
+    MetricIndex.from_values("m", np.arange(50), fingerprint=content_fingerprint(docs)).save(
+        tmp_path / "m"
+    )
     other = _docs(seed=1)
     with pytest.raises(ValueError, match="was built for another dataset"):
         MetricIndex.load(tmp_path / "m", dataset=other)
@@ -50,17 +52,17 @@ def test_loading_an_index_against_another_dataset_is_refused(tmp_path):
 
 def test_fingerprint_depends_on_length_and_content_not_identity():
     docs = _docs()
-    assert fingerprint(docs) == fingerprint([d.copy() for d in docs])
-    assert fingerprint(docs)["length"] == 50
+    assert content_fingerprint(docs) == content_fingerprint([d.copy() for d in docs])
+    assert content_fingerprint(docs)["length"] == 50
     changed = [d.copy() for d in docs]
     for d in changed:
         d += 1
-    assert fingerprint(changed) != fingerprint(docs)
+    assert content_fingerprint(changed) != content_fingerprint(docs)
 
 
 def test_accumulated_metrics_round_trip_and_are_checked(tmp_path):
     docs = _docs()
-    save_accumulated(tmp_path / "h", "h", np.arange(5), fingerprint(docs))
+    save_accumulated(tmp_path / "h", "h", np.arange(5), content_fingerprint(docs))
     assert load_accumulated(tmp_path / "h", dataset=docs).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="holds an accumulated metric"):
         MetricIndex.load(tmp_path / "h")

@@ -9,7 +9,7 @@ sampling, no files written during training and O(1) resume.
 from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.curriculum import Curriculum, CurriculumMetric
 from meshfeed.curriculum.deepspeed import from_deepspeed_config
-from meshfeed.curriculum.index import MetricIndex, fingerprint, load_accumulated
+from meshfeed.curriculum.index import MetricIndex, content_fingerprint, load_accumulated
 from meshfeed.curriculum.metrics import (
     AccumulatedMetric,
     SampleMetric,
@@ -33,7 +33,7 @@ __all__ = [
     "SeqlenTruncate",
     "analyze",
     "custom",
-    "fingerprint",
+    "content_fingerprint",
     "fixed_discrete",
     "fixed_linear",
     "fixed_root",

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.curriculum.index import MetricIndex, fingerprint, save_accumulated
+from meshfeed.curriculum.index import MetricIndex, content_fingerprint, save_accumulated
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
 from meshfeed.progress import Progress
 from meshfeed.runtime import WorkerPool, WorkerTimeout, available_cores
@@ -243,7 +243,7 @@ def analyze(
     n = len(dataset)
     if n == 0:
         raise ValueError("analyze() got an empty dataset; there is nothing to index")
-    fp = fingerprint(dataset)
+    fp = content_fingerprint(dataset)
     rank, world = _dist_info()
     all_chunks = [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
     lo, hi = rank * len(all_chunks) // world, (rank + 1) * len(all_chunks) // world

@@ -26,7 +26,7 @@ import numpy as np
 
 from meshfeed.order.permutation import Permutation
 
-__all__ = ["MetricIndex", "fingerprint", "load_accumulated"]
+__all__ = ["MetricIndex", "content_fingerprint", "load_accumulated"]
 
 VERSION = 1
 _FINGERPRINT_ITEMS = 16
@@ -54,7 +54,7 @@ def _feed(h: Any, item: Any) -> None:
         h.update(f"{type(item).__name__}:{item!r}".encode())
 
 
-def fingerprint(dataset: Any, *, num_items: int = _FINGERPRINT_ITEMS) -> dict[str, Any]:
+def content_fingerprint(dataset: Any, *, num_items: int = _FINGERPRINT_ITEMS) -> dict[str, Any]:
     """``{"length": n, "hash": hex}``: the length and a hash of ``num_items`` sampled items.
 
     The sampled indices are a fixed pseudo-random choice that depends only on the length, so
@@ -74,7 +74,7 @@ def fingerprint(dataset: Any, *, num_items: int = _FINGERPRINT_ITEMS) -> dict[st
 
 def check_fingerprint(expected: Mapping[str, Any], dataset: Any, *, what: str) -> None:
     """Raise ``ValueError`` when ``dataset`` does not match the fingerprint of ``what``."""
-    got = fingerprint(dataset)
+    got = content_fingerprint(dataset)
     if dict(expected) != got:
         raise ValueError(
             f"{what} was built for another dataset (index fingerprint {dict(expected)}, this "
