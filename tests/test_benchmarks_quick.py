@@ -18,26 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
 TIMEOUT = 600.0
 
-#: Known crashes, each with its open fix; remove the entry once the fix lands.
-KNOWN_CRASHES = {
-    "bench_queue": "the Ray rows crash with 'no sample of closed partition' then an IndexError "
-    "in the report (issue #12: a consumer arriving after a drained partition needs "
-    "PartitionClosed)",
-}
-
-
-def _marks(script: Path) -> list[pytest.MarkDecorator]:
-    reason = KNOWN_CRASHES.get(script.stem)
-    return [pytest.mark.xfail(strict=False, reason=reason)] if reason else []
-
 
 def test_every_benchmark_is_collected() -> None:
     # A renamed folder or glob must not turn the smoke runs below into zero tests.
-    assert len(SCRIPTS) >= 7, [s.name for s in SCRIPTS]
+    assert len(SCRIPTS) >= 10, [s.name for s in SCRIPTS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [pytest.param(s, id=s.stem, marks=_marks(s)) for s in SCRIPTS])
+@pytest.mark.parametrize("script", [pytest.param(s, id=s.stem) for s in SCRIPTS])
 def test_benchmark_quick_runs(script: Path, tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
