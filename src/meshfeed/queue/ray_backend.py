@@ -24,10 +24,35 @@ from meshfeed.queue import checkpoint
 from meshfeed.queue.columns import Chunk
 from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.samplers import Sampler
-from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
+from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 
 Key = Hashable
 NAMESPACE = "meshfeed.queue"  # named store actors live here
+
+
+#: Seconds between checks that a waiting caller, or a lease holder, is still alive.
+PROBE_INTERVAL = 1.0
+#: Longest wait for one liveness answer (no answer: assumed alive, asked again later).
+PROBE_TIMEOUT = 5.0
+
+_PROBE: dict[str, Any] = {}  # this process's liveness probe per Ray session (worker id)
+
+
+def _caller_probe() -> Any:
+    """An object this process owns, so the store actor can tell when the process is gone.
+
+    Ray keeps an object only as long as its owner (the process that ``ray.put`` it) lives,
+    and reading an object whose owner died raises ``OwnerDiedError``: this works on a local
+    Ray without the dashboard (which ``ray.util.state`` needs) and without naming the caller
+    (a task, an actor, a driver alike)."""
+    import ray
+
+    worker = ray.get_runtime_context().get_worker_id()
+    probe = _PROBE.get(worker)
+    if probe is None:
+        _PROBE.clear()  # a reference of an earlier session is useless
+        probe = _PROBE[worker] = ray.put(None)
+    return probe
 
 
 class _StoreActor:
@@ -43,6 +68,41 @@ class _StoreActor:
             StoreCore(opts) if meta is None else checkpoint.restore(meta, payload, options=opts)
         )
         self.waiters = Waiters()
+        self.abandoned = 0  # waiting gets whose caller died: given up, nothing consumed
+        self._watch: asyncio.Task[None] | None = None
+
+    async def _caller_alive(self, probe: Any) -> bool:
+        """Whether the process that owns ``probe`` (an object it ``ray.put``) still runs: Ray
+        fails reading an object whose owner died (``OwnerDiedError``), even one read before.
+        An answer that does not come within :data:`PROBE_TIMEOUT` counts as alive."""
+        import ray
+
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(probe.future())), PROBE_TIMEOUT
+            )
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayError):
+            return False
+        except asyncio.TimeoutError:
+            return True
+        return True
+
+    async def _watch_leases(self) -> None:
+        """While leases are outstanding: every :data:`PROBE_INTERVAL` seconds return those of
+        dead callers to ready and wake consumers for the returned (or expired) samples."""
+        try:
+            while len(self.core.leases):
+                await asyncio.sleep(PROBE_INTERVAL)
+                dead = [
+                    lease.id
+                    for lease in self.core.leases
+                    if lease.alive is not None and not await self._caller_alive(lease.alive)
+                ]
+                n = self.core.drop_leases(dead) + self.core.expire_leases(time.monotonic())
+                if n:
+                    self.waiters.wake_all()
+        finally:
+            self._watch = None
 
     async def _run(
         self,
@@ -50,11 +110,12 @@ class _StoreActor:
         timeout: float | None,
         what: str,
         make: Callable[[Callable[[], None]], Waiter] | None = None,
+        probe: Any = None,
     ) -> Any:
         try:
             result = attempt()
             if result is None and make is not None:
-                result = await self._wait(attempt, timeout, what, make)
+                result = await self._wait(attempt, timeout, what, make, probe)
             return True, result
         except Exception as exc:  # re-raised by the client
             return False, exc
@@ -65,6 +126,7 @@ class _StoreActor:
         timeout: float | None,
         what: str,
         make: Callable[[Callable[[], None]], Waiter],
+        probe: Any = None,
     ) -> Any:
         event = asyncio.Event()
         waiter = make(event.set)
@@ -83,11 +145,21 @@ class _StoreActor:
                         "(retry, raise the timeout, or check that producers are running)"
                     )
                 chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
+                if probe is not None:
+                    chunk = min(chunk, PROBE_INTERVAL)
+                due = self.core.next_lease_deadline()
+                if due is not None:
+                    chunk = max(0.0, min(chunk, due - time.monotonic()))
                 event.clear()
                 try:
                     await asyncio.wait_for(event.wait(), chunk)
                 except asyncio.TimeoutError:
-                    continue
+                    if probe is not None and not await self._caller_alive(probe):
+                        self.abandoned += 1
+                        raise RequestCancelled(
+                            f"{what}: the caller's process is gone; the wait was given up "
+                            "and nothing was consumed"
+                        ) from None
         finally:
             self.waiters.remove(waiter)
 
@@ -115,28 +187,63 @@ class _StoreActor:
         context: dict[str, Any],
         hold: bool = False,
         token: Any = None,
+        lease: str | None = None,
+        consumer: Any = None,
+        caller: list[Any] | None = None,
     ) -> Any:
         what = (
             f"get of {batch_size} samples with {list(fields)} for task {task!r} from {partition!r}"
         )
         need = (*fields, *sampler.extra_fields)
-        held, cached = self.core.held, self.core.stats_cache_entries()
+        probe = caller[0] if caller else None  # an object the caller owns (see _caller_alive)
+        core = self.core
+        held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
         try:
-            return await self._run(
+            ok, out = await self._run(
                 lambda: self.core.try_get(
-                    task, fields, batch_size, partition, sampler, context, hold
+                    task,
+                    fields,
+                    batch_size,
+                    partition,
+                    sampler,
+                    context,
+                    hold,
+                    lease=lease,
+                    consumer=consumer,
+                    alive=probe,
                 ),
                 timeout,
                 what,
                 lambda notify: Waiter(
                     "consumer", notify, partition=partition, task=task, need=need, token=token
                 ),
+                probe,
             )
+            if not ok:
+                return ok, out
+            leased = lease if lease in self.core.leases else None
+            if leased is not None and self._watch is None:
+                self._watch = asyncio.get_running_loop().create_task(self._watch_leases())
+            return True, (*out, leased)
+        finally:
+            core = self.core
+            if core.held < held:
+                self.waiters.wake_producers()
+            if core.stats_cache_entries() != cached:
+                self.waiters.wake_task(partition, task)
+            if core.lease_expired != expired:
+                self.waiters.wake_all()
+
+    async def ack(self, lease_id: str) -> Any:
+        held = self.core.held
+        try:
+            return await self._run(lambda: self.core.ack(lease_id), 0, "ack")
         finally:
             if self.core.held < held:
                 self.waiters.wake_producers()
-            if self.core.stats_cache_entries() != cached:
-                self.waiters.wake_task(partition, task)
+
+    async def drop_consumer(self, consumer: Any) -> Any:
+        return await self._admin(lambda: self.core.drop_consumer(consumer))
 
     async def cancel(self, token: Any) -> Any:
         self.waiters.cancel(token)
@@ -148,6 +255,10 @@ class _StoreActor:
         if name == "stats":
             self.core.waiting_consumers = self.waiters.count("consumer")
             self.core.waiting_producers = self.waiters.count("producer")
+            ok, out = await self._run(self.core.stats, 0, name)
+            if ok:
+                out["abandoned_waits"] = self.abandoned
+            return ok, out
         held = self.core.held
         try:
             return await self._run(lambda: getattr(self.core, name)(*args), 0, name)
@@ -316,13 +427,32 @@ class RayBackend:
         context: Mapping[str, Any],
         hold: bool = False,
         token: Any = None,
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
-        ids, rows = self._call(
+        lease: str | None = None,
+        consumer: Any = None,
+    ) -> tuple[list[Key], dict[str, list[Any]], str | None]:
+        ids, rows, leased = self._call(
             self.actor.get.remote(
-                task, fields, batch_size, partition, sampler, timeout, dict(context), hold, token
+                task,
+                fields,
+                batch_size,
+                partition,
+                sampler,
+                timeout,
+                dict(context),
+                hold,
+                token,
+                lease,
+                consumer,
+                [_caller_probe()],  # in a list: Ray passes the reference, unresolved
             )
         )
-        return ids, self._resolve(rows)
+        return ids, self._resolve(rows), leased
+
+    def ack(self, lease_id: str) -> None:
+        self._call(self.actor.ack.remote(lease_id))
+
+    def drop_consumer(self, consumer: Any) -> int:
+        return int(self._call(self.actor.drop_consumer.remote(consumer)))
 
     def cancel(self, token: Any) -> None:
         self._call(self.actor.cancel.remote(token))
