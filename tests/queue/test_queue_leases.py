@@ -69,7 +69,7 @@ def test_the_next_get_of_a_consumer_acknowledges_its_previous_batch(make_store):
     assert store.stats()["leases"] == 1
     time.sleep(0.5)  # b expires, a does not come back
     rest = store.get("t", ["x"], 4, "p", timeout=5, consumer="c1")
-    assert rest.ids == b.ids + [4, 5] and a.ids == [0, 1]
+    assert rest.ids == [*b.ids, 4, 5] and a.ids == [0, 1]
     assert store.stats()["lease_expired"] == 2
 
 
@@ -118,6 +118,7 @@ def test_core_expires_by_the_clock_it_is_given():
     core = StoreCore(StoreOptions(lease_timeout=10.0))
     core.try_put("p", {"x": [0, 1, 2]}, None, None)
     ids, _ = core.try_get("t", ("x",), 2, "p", SEQ, {}, lease="L1", now=100.0)
+    assert ids == [0, 1]
     assert core.next_lease_deadline() == 110.0
     assert core.expire_leases(109.9) == 0 and "L1" in core.leases
     assert core.expire_leases(110.0) == 2 and "L1" not in core.leases
