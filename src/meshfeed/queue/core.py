@@ -18,7 +18,7 @@ import time
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from meshfeed.queue.columns import Cell, Chunk, gather
+from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, gather
 from meshfeed.queue.leases import Lease, Leases
 from meshfeed.queue.records import (
     SCALAR_TYPES,
@@ -117,6 +117,10 @@ class StoreCore:
                 if type(column) is Chunk:  # a row of the put's column, not a copy of it
                     fields[f] = Cell(column, i)
                     sample.nbytes += column.row_nbytes
+                    continue
+                if type(column) is RemoteChunk:  # a row of a column in Ray's object store
+                    fields[f] = Cell(column, i)
+                    sample.remote += column.row_nbytes
                     continue
                 value = column[i]
                 fields[f] = value

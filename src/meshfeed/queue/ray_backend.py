@@ -2,26 +2,42 @@
 
 The actor wraps one :class:`StoreCore` under an ``asyncio.Condition``: a blocked ``get`` is a
 suspended coroutine, so puts and other gets keep flowing, and it wakes on the next state change
-(no polling). Payloads of at least ``inline_bytes`` (tensors, arrays) are ``ray.put`` by the
-producing client and handed to the actor as references inside a :class:`Ref` (Ray resolves
-only top-level arguments), so the actor never holds their bytes. Ray ties an object to the
-process that put it (Ray >= 2.56 removed ``ray.put(_owner=...)``), so a producer process must
-outlive the consumption of its large samples: produce from actors or long-lived drivers, not
-from short tasks whose workers Ray may reap; the consuming client fetches them with one ``ray.get``. Small
-values travel inline. Errors raised in the actor (``ValueError``, ``TimeoutError``,
-``PartitionClosed``) are re-raised in the caller as themselves.
+(no polling).
+
+Data plane apart from the control plane: a put's tensor / array column of at least
+``inline_bytes`` is ``ray.put`` once, by the producing client, and the actor receives only a
+:class:`~meshfeed.queue.columns.RemoteChunk` (its reference, length and row layout; Ray
+resolves only top-level arguments, so the reference stays one). A ``get`` returns which rows
+of which chunks; the consuming client fetches those chunks straight from the object store
+(one ``ray.get`` for the batch) and gathers the rows itself.
+
+Ownership: Ray frees an object when the process that put it (its owner) exits, and Ray >= 2.56
+removed ``ray.put(_owner=...)``. So before a put returns, the actor *adopts* each chunk: a
+thread of the actor process reads it from the object store (zero-copy for arrays) and puts it
+again, now owned by the actor (one memory copy inside the actor process, off its event loop,
+never pickled through a call), and the producer's object is released when the producer drops
+its reference. A producer task or process may then exit right after its put. The actor drops
+a chunk's reference when no held sample has a row of it (every declared task consumed it, or
+it was deleted / cleared), and Ray frees it. Smaller columns travel with the call.
+
+A caller that dies while its ``get`` waits in the actor is noticed (see
+:func:`_caller_probe`): the wait is given up, nothing consumed; leases of dead callers return
+to ready (see :mod:`meshfeed.queue.leases`). Errors raised in the actor (``ValueError``,
+``TimeoutError``, ``PartitionClosed``) are re-raised in the caller as themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from meshfeed.queue import checkpoint
-from meshfeed.queue.columns import Chunk
+from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, Runs, assemble, signature
 from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
@@ -55,6 +71,13 @@ def _caller_probe() -> Any:
     return probe
 
 
+def _adopt(ref: Any) -> Any:
+    """A copy of object ``ref`` owned by this process (run in a thread of the store actor)."""
+    import ray
+
+    return ray.put(ray.get(ref))
+
+
 class _StoreActor:
     """Runs inside the Ray actor process; every public method returns ``(ok, value)``.
 
@@ -69,6 +92,7 @@ class _StoreActor:
         )
         self.waiters = Waiters()
         self.abandoned = 0  # waiting gets whose caller died: given up, nothing consumed
+        self.chunks: weakref.WeakSet[RemoteChunk] = weakref.WeakSet()  # alive in this actor
         self._watch: asyncio.Task[None] | None = None
 
     async def _caller_alive(self, probe: Any) -> bool:
@@ -167,6 +191,15 @@ class _StoreActor:
         self, partition: str, rows: Any, ids: Any, groups: Any, timeout: float | None
     ) -> Any:
         what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
+        for column in rows.values():
+            if type(column) is RemoteChunk:
+                try:  # own it, so it outlives the producer (see the module docstring)
+                    column.ref = await asyncio.get_running_loop().run_in_executor(
+                        None, _adopt, column.ref
+                    )
+                except Exception as exc:  # re-raised by the client
+                    return False, exc
+                self.chunks.add(column)
         out = await self._run(
             lambda: self.core.try_put(partition, rows, ids, groups),
             timeout,
@@ -300,6 +333,24 @@ class _StoreActor:
 
         return await self._admin(swap)
 
+    async def live_chunks(self) -> int:
+        """How many object-store chunks this actor still references (tests check a chunk's
+        reference goes once no task can read it; Ray then frees the object)."""
+        gc.collect()
+        return len(self.chunks)
+
+    async def chunk_kinds(self) -> list[str]:
+        """Type names of the chunks behind every stored cell."""
+        return sorted(
+            {
+                type(v.chunk).__name__
+                for p in self.core.partitions.values()
+                for s in p.samples.values()
+                for v in s.fields.values()
+                if type(v) is Cell
+            }
+        )
+
     async def held_types(self) -> list[str]:
         """Type names of every stored value (tests check large payloads stay references)."""
         return sorted(
@@ -383,27 +434,53 @@ class RayBackend:
         return value
 
     def _wrap_column(self, column: Any) -> Any:
-        """A small-row chunk travels as one pickled column; rows of at least ``inline_bytes``
-        go to the object store one by one (the actor holds their references)."""
+        """A chunk of at least ``inline_bytes`` goes to Ray's object store once, owned by the
+        store actor (which adopts it: it outlives this process), and the actor gets its
+        reference only; a smaller chunk travels with the call (one pickled column,
+        cheaper than an object-store round trip). Values of a list column of at least
+        ``inline_bytes`` each go to the object store one by one."""
+        import ray
+
         if isinstance(column, Chunk):
-            if column.row_nbytes < self.inline_bytes:
+            if column.row_nbytes * len(column) < self.inline_bytes:
                 return column
-            column = list(column.data)
+            data = column.__reduce__()[1][0]  # contiguous, no view of a larger storage
+            ref = ray.put(data)  # the actor adopts it before the put returns
+            return RemoteChunk(ref, len(column), column.row_nbytes, signature(data))
         return [self._wrap(v) for v in column]
 
     def _resolve(self, rows: dict[str, Any]) -> dict[str, Any]:
+        """Fetch what the actor handed out by reference, straight from the object store: the
+        chunks of :class:`Runs` columns (each once) and single :class:`Ref` values."""
         import ray
 
-        refs = [v for col in rows.values() if type(col) is list for v in col if isinstance(v, Ref)]
-        if not refs:
+        refs = [
+            v.ref for col in rows.values() if type(col) is list for v in col if isinstance(v, Ref)
+        ]
+        chunk_refs = list(
+            {
+                id(ref): ref
+                for col in rows.values()
+                if type(col) is Runs
+                for ref, rows_ in col.runs
+                if rows_ is not None
+            }.values()
+        )
+        if not refs and not chunk_refs:
             return rows
-        fetched = iter(ray.get([r.ref for r in refs]))
-        return {
-            f: [next(fetched) if isinstance(v, Ref) else v for v in col]
-            if type(col) is list
-            else col
-            for f, col in rows.items()
-        }
+        values = ray.get(refs + chunk_refs)
+        fetched = iter(values[: len(refs)])
+        chunks = {id(r): v for r, v in zip(chunk_refs, values[len(refs) :], strict=True)}
+        out: dict[str, Any] = {}
+        for f, col in rows.items():
+            if type(col) is list:
+                out[f] = [next(fetched) if isinstance(v, Ref) else v for v in col]
+            elif type(col) is Runs:
+                keyed = Runs([(id(r) if n is not None else r, n) for r, n in col.runs], col.is_np)
+                out[f] = assemble(keyed, chunks)
+            else:
+                out[f] = col
+        return out
 
     def put(
         self,
@@ -503,6 +580,16 @@ class RayBackend:
 
     def reinit(self, options: StoreOptions) -> None:
         self._call(self.actor.reinit.remote(options.to_dict()))
+
+    def live_chunks(self) -> int:
+        import ray
+
+        return int(ray.get(self.actor.live_chunks.remote()))
+
+    def chunk_kinds(self) -> list[str]:
+        import ray
+
+        return list(ray.get(self.actor.chunk_kinds.remote()))
 
     def held_types(self) -> list[str]:
         import ray

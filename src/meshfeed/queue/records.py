@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshfeed.queue.columns import Cell, resolve
+from meshfeed.queue.columns import Cell, RemoteChunk, resolve
 
 Key = Hashable
 
@@ -35,7 +35,7 @@ def nbytes_of(value: Any) -> int:
     if isinstance(value, Ref):
         return 0
     if isinstance(value, Cell):
-        return value.chunk.row_nbytes
+        return 0 if type(value.chunk) is RemoteChunk else value.chunk.row_nbytes
     if hasattr(value, "element_size") and hasattr(value, "numel"):
         return int(value.element_size() * value.numel())
     if hasattr(value, "nbytes"):
