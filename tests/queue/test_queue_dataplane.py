@@ -108,3 +108,16 @@ def test_a_chunk_is_released_once_every_task_consumed_every_row(ray_store):
     store.clear("q")
     store.delete("r", list(range(ROWS)))
     assert store._backend.live_chunks() == 0
+
+
+def test_tensor_columns_come_back_as_writable_tensors_of_their_dtype(ray_store):
+    store = _fresh(ray_store)
+    halves = torch.arange(ROWS * WIDTH, dtype=torch.float32).reshape(ROWS, WIDTH)
+    store.put("p", {"f": _column(0), "b": halves.to(torch.bfloat16)})  # bf16: no numpy dtype
+    batch = store.get("t", ["f", "b"], 16, "p", timeout=10)
+    assert batch["f"].dtype == torch.float32 and batch["b"].dtype == torch.bfloat16
+    assert torch.equal(batch["f"], _column(0)[:16])
+    assert torch.equal(batch["b"], halves[:16].to(torch.bfloat16))
+    batch["f"][0, 0] = -1.0  # the consumer's own memory, not the object store's
+    again = store.peek("p", [0], ["f"])
+    assert again["f"][0, 0] == 0.0 and again["f"].dtype == torch.float32

@@ -31,6 +31,8 @@ __all__ = [
     "assemble",
     "gather",
     "resolve",
+    "signature",
+    "transportable",
 ]
 
 
@@ -85,9 +87,26 @@ class RemoteChunk:
         if self._small is not None:
             return self._small
         data = ray.get(self.ref)
+        if not self.sig[0] and isinstance(data, np.ndarray):  # a CPU tensor sent as an array
+            import torch
+
+            data = torch.from_numpy(data.copy())
         if self.row_nbytes <= 16:  # scalar rows a sampler reads one by one: fetch once
             self._small = data
         return data
+
+
+def transportable(data: Any) -> Any:
+    """What to ``ray.put`` for a chunk: a CPU tensor as the array sharing its memory (Ray
+    writes and reads arrays out-of-band, about 10x faster than a pickled tensor; measured
+    with 16 MiB float32), anything else (numpy, GPU, dtypes numpy lacks) as it is."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(data, torch.Tensor) and data.device.type == "cpu":
+        try:
+            return data.detach().numpy()
+        except (TypeError, RuntimeError):  # bfloat16 and others without a numpy dtype
+            return data
+    return data
 
 
 def signature(data: Any) -> tuple[Any, ...]:
@@ -108,11 +127,24 @@ class Runs:
 
 def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
     """The column of ``column`` given its chunks, ``fetched`` by ref (one ``index_select`` /
-    ``take`` per run, a view for one contiguous run)."""
-    pieces = [
-        piece if rows is None else _take(fetched[piece], rows, column.is_np)
-        for piece, rows in column.runs
-    ]
+    ``take`` per run, a view for one contiguous run of an array: read-only, it maps the object
+    store). A tensor column whose chunks travelled as arrays (see :func:`transportable`) is
+    copied out of the object store into a tensor of its own (writable)."""
+    pieces = []
+    for piece, rows in column.runs:
+        if rows is None:
+            pieces.append(piece)
+            continue
+        data = fetched[piece]
+        if not column.is_np and isinstance(data, np.ndarray):
+            import torch
+
+            part = _take(data, rows, True)
+            if not part.flags.writeable:
+                part = part.copy()
+            pieces.append(torch.from_numpy(part))
+        else:
+            pieces.append(_take(data, rows, column.is_np))
     if len(pieces) == 1:
         return Gathered(pieces[0])
     if column.is_np:

@@ -37,7 +37,15 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from meshfeed.queue import checkpoint
-from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, Runs, assemble, signature
+from meshfeed.queue.columns import (
+    Cell,
+    Chunk,
+    RemoteChunk,
+    Runs,
+    assemble,
+    signature,
+    transportable,
+)
 from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
@@ -445,7 +453,7 @@ class RayBackend:
             if column.row_nbytes * len(column) < self.inline_bytes:
                 return column
             data = column.__reduce__()[1][0]  # contiguous, no view of a larger storage
-            ref = ray.put(data)  # the actor adopts it before the put returns
+            ref = ray.put(transportable(data))  # the actor adopts it before the put returns
             return RemoteChunk(ref, len(column), column.row_nbytes, signature(data))
         return [self._wrap(v) for v in column]
 
