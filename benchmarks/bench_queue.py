@@ -176,12 +176,16 @@ def bench_ray_actor(n: int, workers: int, large: bool, batch: int):
 
 
 def bench_tensor_rows(
-    store: SampleStore, n: int, workers: int, batch: int = 64
+    store: SampleStore, n: int, workers: int, batch: int = 64, large: bool = False
 ) -> tuple[float, list[float]]:
-    """The RL workload of issue #12: two small tensor fields per sample, put and got in
-    batches of ``batch`` rows (one put per batch, one get per batch). Latency is put start to
-    get return of each batch, counted once per sample."""
-    tokens = torch.arange(batch * 8, dtype=torch.int64).reshape(batch, 8)
+    """The RL workload of issue #12: two tensor fields per sample (small: 8 tokens and 8
+    log-probs; ``large``: a 1 MiB float32 observation and 8 log-probs), put and got in batches
+    of ``batch`` rows (one put per batch, one get per batch). Latency is put start to get
+    return of each batch, counted once per sample."""
+    if large:
+        tokens = torch.ones(batch, LARGE.size)
+    else:
+        tokens = torch.arange(batch * 8, dtype=torch.int64).reshape(batch, 8)
     logp = torch.zeros(batch, 8)
     put_at: dict[int, float] = {}
 
@@ -228,6 +232,50 @@ def tensor_rows(args: argparse.Namespace, ray_store: SampleStore | None) -> list
                     f"{np.percentile(ms, 50):.2f}",
                     f"{np.percentile(ms, 99):.2f}",
                     "-",
+                )
+            )
+    return rows
+
+
+def dataplane_rows(args: argparse.Namespace, ray_store: SampleStore) -> list[tuple[str, ...]]:
+    """Ray data plane against the control plane carrying the bytes, one actor, same run: the
+    default client (columns of at least ``inline_bytes`` go to the object store, the actor
+    holds references, consumers fetch directly) and a client with ``inline_bytes`` out of
+    reach (every column pickled through the actor, as before the data plane); for small
+    columns, which the default keeps inline, also a client sending every column through the
+    object store (``inline_bytes=1``). Small: 4,096
+    samples (two small tensor fields) in batches of 64; large: 1 MiB samples in batches of
+    16. ``thr. vs baseline``: against the through-the-actor client."""
+    from meshfeed.queue.ray_backend import RayBackend
+
+    actor = ray_store._backend.actor
+    through = SampleStore._attach("ray", RayBackend(actor, 1 << 62), ray_store.options)
+    direct = SampleStore._attach("ray", RayBackend(actor, 1), ray_store.options)
+    rows: list[tuple[str, ...]] = []
+    cases = [("2 tensors x64", 64, False, 512 if args.quick else 4096)]
+    cases.append(("1 MiB+tensor x16", 16, True, 32 if args.quick else 512))
+    for label, batch, large, n in cases:
+        results = {}
+        clients = [("through the actor", through), ("SampleStore", ray_store)]
+        if not large:  # the default keeps small columns inline: also time the data plane
+            clients.append(("object store always", direct))
+        for impl, store in clients:
+            store.clear("tensors")
+            results[impl] = bench_tensor_rows(store, n, 1, batch, large)
+        base = results["through the actor"][0]
+        for impl, (elapsed, lat) in results.items():
+            ms = np.asarray(lat) * 1e3
+            rows.append(
+                (
+                    "ray",
+                    label,
+                    "1x1",
+                    impl,
+                    str(n),
+                    f"{n / elapsed:,.0f}",
+                    f"{np.percentile(ms, 50):.2f}",
+                    f"{np.percentile(ms, 99):.2f}",
+                    f"{base / elapsed:.2f}",
                 )
             )
     return rows
@@ -297,6 +345,8 @@ def main() -> None:
                 )
             bar.update()
     rows.extend(tensor_rows(args, None if args.no_ray else ray_store))
+    if not args.no_ray:
+        rows.extend(dataplane_rows(args, ray_store))
     header = (
         "backend",
         "sample",
@@ -311,6 +361,11 @@ def main() -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    print(
+        "TransferQueue is not measured here: it cannot be installed with its dependencies in "
+        "this environment (it pulls a ZMQ/Hydra stack and may move torch); its numbers on "
+        "this workload are in issue #12."
+    )
 
 
 if __name__ == "__main__":

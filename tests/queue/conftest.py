@@ -42,6 +42,7 @@ def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[..., SampleS
             capacity=kwargs.get("capacity"),
             fields=None if kwargs.get("fields") is None else tuple(kwargs["fields"]),
             tasks=None if kwargs.get("tasks") is None else tuple(kwargs["tasks"]),
+            lease_timeout=kwargs.get("lease_timeout"),
         )
         shared._backend.reinit(options)
         return SampleStore._attach("ray", shared._backend, options)

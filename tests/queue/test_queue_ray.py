@@ -25,7 +25,8 @@ def test_large_fields_travel_through_the_object_store_not_the_actor(ray_store):
     big = np.random.default_rng(0).random((4, 131072))  # 1 MiB per sample
     store.put("p", {"obs": big, "reward": [0.0, 1.0, 2.0, 3.0]})
     stats = store.stats()
-    assert store._backend.held_types() == ["Ref", "float"]  # the actor holds references only
+    assert store._backend.held_types() == ["Cell", "float"]  # rows of a chunk...
+    assert store._backend.chunk_kinds() == ["RemoteChunk"]  # ...the actor holds its reference only
     assert stats["bytes_in_object_store"] == big.nbytes
     assert stats["bytes_held"] < 1024
     batch = store.get("t", ["obs", "reward"], 4, "p", timeout=10)

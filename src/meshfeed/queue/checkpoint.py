@@ -49,8 +49,25 @@ _FILE_FORMAT = "meshfeed.queue.SampleStore/file"
 
 
 def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any], list[list[dict]]]:
-    """The core's metadata and (optionally) payload; values stay as stored (maybe ``Ref``)."""
+    """The core's metadata and (optionally) payload; values stay as stored (maybe ``Ref``).
+
+    Outstanding leases are not saved: their samples are written as not consumed by the
+    lease's task (so the restored store delivers them again, counted in ``lease_expired``), as
+    a consumer that has not acknowledged a batch may not have used it."""
     partitions = []
+    returned: dict[tuple[str, str], set[Any]] = {}
+    for lease in core.leases:
+        returned.setdefault((lease.partition, lease.task), set()).update(lease.ids)
+    consumed_total = dict(core.consumed_total)
+    lease_expired = core.lease_expired
+    for (name, task), ids in returned.items():
+        leased = core.partitions.get(name)
+        if leased is None:
+            continue
+        done = leased.consumed.get(task, set())
+        n = sum(1 for k in ids if k in done and k in leased.samples)
+        consumed_total[task] = consumed_total.get(task, 0) - n
+        lease_expired += n
     payload: list[list[dict]] = []
     for name, part in core.partitions.items():
         partitions.append(
@@ -61,7 +78,8 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
                 "seen": sorted(part.seen),
                 "samples": [[k, s.group, list(s.fields)] for k, s in part.samples.items()],
                 "consumed": {
-                    t: [k for k in part.samples if k in c] for t, c in part.consumed.items()
+                    t: [k for k in part.samples if k in c and k not in returned.get((name, t), ())]
+                    for t, c in part.consumed.items()
                 },
                 "held": [[k, n] for k, n in part.held.items()],
                 "asked": [
@@ -91,7 +109,8 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
         VERSION,
         options=core.options.to_dict(),
         produced=core.produced,
-        consumed=dict(core.consumed_total),
+        consumed=consumed_total,
+        lease_expired=lease_expired,
         partitions=partitions,
     )
     return meta, payload
@@ -125,6 +144,7 @@ def restore(
     core = StoreCore(options or StoreOptions.from_dict(meta["options"]))
     core.produced = int(meta["produced"])
     core.consumed_total = {str(t): int(n) for t, n in meta["consumed"].items()}
+    core.lease_expired = int(meta.get("lease_expired", 0))  # states before leases: none
     for i, pm in enumerate(meta["partitions"]):
         name = pm["name"]
         part = Partition()

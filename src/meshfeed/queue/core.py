@@ -14,10 +14,12 @@ which the checkpoint module reads and rebuilds without reaching into the core.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from meshfeed.queue.columns import Cell, Chunk, gather
+from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, gather
+from meshfeed.queue.leases import Lease, Leases
 from meshfeed.queue.records import (
     SCALAR_TYPES,
     Entry,
@@ -53,6 +55,8 @@ class StoreCore:
         self.waiting_consumers = 0
         self.waiting_producers = 0
         self.redelivered = 0  # samples handed out again to a retried request
+        self.leases = Leases()
+        self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -114,6 +118,10 @@ class StoreCore:
                     fields[f] = Cell(column, i)
                     sample.nbytes += column.row_nbytes
                     continue
+                if type(column) is RemoteChunk:  # a row of a column in Ray's object store
+                    fields[f] = Cell(column, i)
+                    sample.remote += column.row_nbytes
+                    continue
                 value = column[i]
                 fields[f] = value
                 if type(value) in SCALAR_TYPES:  # the common small sample: no size probing
@@ -169,13 +177,30 @@ class StoreCore:
         sampler: Sampler,
         context: Mapping[str, Any],
         hold: bool = False,
+        *,
+        lease: str | None = None,
+        consumer: Hashable | None = None,
+        alive: Any = None,
+        now: float | None = None,
     ) -> tuple[list[Key], dict[str, list[Any]]] | None:
         """Plan and consume a batch; ``None`` when not enough samples are ready yet.
 
         Raises :class:`PartitionClosed` when the partition is closed and nothing more can
         become ready for ``task``. ``hold``: keep the returned samples until :meth:`release`.
+        With ``options.lease_timeout`` set, a batch of a non-sharing sampler is handed out
+        under the lease ``lease`` (an id the caller chose; see :mod:`meshfeed.queue.leases`)
+        of ``consumer`` (whose earlier leases for this task and partition this get
+        acknowledges), expiring at ``now + lease_timeout``. ``now``: the caller's
+        ``time.monotonic()`` (default: read now), also used to expire overdue leases first.
         """
         part = self._partition(partition)
+        if now is None:
+            now = time.monotonic()
+        if self.leases:
+            self.expire_leases(now)
+            if consumer is not None:
+                for old in self.leases.of_consumer(consumer, task, partition):
+                    self._end_lease(old.id)
         share = sampler.share(context)
         if share is not None:
             self._ack(part, task, share, context, last=False)
@@ -248,8 +273,91 @@ class StoreCore:
         rows = self._rows(part, ids, fields)
         if hold:
             self._hold(part, ids)
+        timeout = self.options.lease_timeout
+        if timeout is not None and share is None:
+            if lease is None:
+                raise ValueError(
+                    "this store has lease_timeout set, so every get needs a lease id; use "
+                    "SampleStore.get, which makes one"
+                )
+            self.leases.add(Lease(lease, partition, task, ids, consumer, now + timeout, alive))
+            leased = part.leased
+            for k in ids:
+                leased[k] = leased.get(k, 0) + 1
         self._evict(part, every)
         return ids, rows
+
+    # ----------------------------------------------------------------- leases
+    def ack(self, lease_id: str) -> None:
+        """The consumer processed the batch of ``lease_id``: its samples stay consumed."""
+        if self._end_lease(lease_id) is None:
+            raise ValueError(
+                f"lease {lease_id!r} is not outstanding: acknowledged already, or it expired "
+                f"after lease_timeout={self.options.lease_timeout}s and its samples returned to "
+                "ready (they may have been delivered again); acknowledge each batch once, "
+                "before the timeout, or raise lease_timeout"
+            )
+
+    def _end_lease(self, lease_id: str) -> Lease | None:
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return None
+        part = self.partitions.get(lease.partition)
+        if part is not None:
+            self._unlease(part, lease.ids)
+            self._evict(part, lease.ids)
+        return lease
+
+    @staticmethod
+    def _unlease(part: Partition, ids: list[Key]) -> None:
+        leased = part.leased
+        for k in ids:
+            n = leased.get(k, 0)
+            if n > 1:
+                leased[k] = n - 1
+            elif n == 1:
+                del leased[k]
+
+    def expire_leases(self, now: float) -> int:
+        """Return the samples of leases past their deadline to ready; how many samples."""
+        return sum(self._return(lease) for lease in self.leases.expired(now))
+
+    def drop_consumer(self, consumer: Hashable) -> int:
+        """``consumer`` is known dead: its leases return to ready now; how many samples."""
+        n = 0
+        for lease in self.leases.of_consumer(consumer):
+            self.leases.pop(lease.id)
+            n += self._return(lease)
+        return n
+
+    def drop_leases(self, lease_ids: list[str]) -> int:
+        """Return these leases (their consumer is gone) to ready; how many samples."""
+        n = 0
+        for lease_id in lease_ids:
+            lease = self.leases.pop(lease_id)
+            if lease is not None:
+                n += self._return(lease)
+        return n
+
+    def next_lease_deadline(self) -> float | None:
+        return self.leases.next_deadline()
+
+    def _return(self, lease: Lease) -> int:
+        """Make a removed lease's samples ready again for its task, in production order."""
+        part = self.partitions.get(lease.partition)
+        if part is None:
+            return 0
+        self._unlease(part, lease.ids)
+        consumed = part.consumed.get(lease.task, set())
+        back = {k for k in lease.ids if k in part.samples and k in consumed}
+        if not back:
+            return 0
+        consumed -= back
+        pending = part.pending[lease.task]
+        part.pending[lease.task] = {k: None for k in part.samples if k in pending or k in back}
+        self.consumed_total[lease.task] = self.consumed_total.get(lease.task, 0) - len(back)
+        self.lease_expired += len(back)
+        return len(back)
 
     def _ack(
         self, part: Partition, task: str, share: Share, context: Mapping[str, Any], last: bool
@@ -342,6 +450,7 @@ class StoreCore:
             if k in part.samples
             and part.samples[k].pins == 0
             and k not in part.held
+            and k not in part.leased
             and all(k in part.consumed.get(t, ()) for t in tasks)
         ]
         self._remove(part, gone)
@@ -350,6 +459,7 @@ class StoreCore:
         for k in keys:
             sample = part.samples.pop(k)
             part.held.pop(k, None)
+            part.leased.pop(k, None)
             self.held -= 1
             for f in sample.fields:
                 part.field_counts[f] -= 1
@@ -371,6 +481,9 @@ class StoreCore:
         part = self.partitions.pop(partition, None)
         if part is not None:
             self.held -= len(part.samples)
+        for lease in self.leases:  # their samples are gone with the partition
+            if lease.partition == partition:
+                self.leases.pop(lease.id)
 
     def delete(self, partition: str, ids: list[Key]) -> None:
         part = self._partition(partition)
@@ -386,6 +499,8 @@ class StoreCore:
         self._partition(partition).closed = True
 
     def stats(self) -> dict[str, Any]:
+        if self.leases:
+            self.expire_leases(time.monotonic())
         parts = {}
         held_bytes = remote = 0
         for name, part in self.partitions.items():
@@ -408,5 +523,7 @@ class StoreCore:
             "bytes_in_object_store": remote,
             "cache_entries": sum(p["cache_entries"] for p in parts.values()),
             "redelivered": self.redelivered,
+            "lease_expired": self.lease_expired,
+            "leases": len(self.leases),
             "partitions": parts,
         }

@@ -30,10 +30,12 @@ def wait_for(
     attempt: Callable[[], T | None],
     timeout: float | None,
     what: str,
+    wake_by: Callable[[], float | None] = lambda: None,
 ) -> T:
     """Call ``attempt`` (``lock`` held) until it returns non-None; ``TimeoutError`` after
     ``timeout`` seconds. While waiting, the waiter ``make(notify)`` is registered in
-    ``waiters``; a cancelled waiter raises :class:`RequestCancelled`."""
+    ``waiters``; a cancelled waiter raises :class:`RequestCancelled`. ``wake_by()``: a
+    ``time.monotonic()`` by which to try again unprompted (a lease deadline), or ``None``."""
     cond = threading.Condition(lock)
     waiter = make(cond.notify)
     waiters.add(waiter)
@@ -50,7 +52,11 @@ def wait_for(
                     f"{what} timed out after {timeout}s; the store is unchanged and usable "
                     "(retry, raise the timeout, or check that producers are running)"
                 )
-            cond.wait(MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK))
+            chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
+            due = wake_by()
+            if due is not None:
+                chunk = max(0.0, min(chunk, due - time.monotonic()))
+            cond.wait(chunk)
     finally:
         waiters.remove(waiter)
 
@@ -102,29 +108,55 @@ class EmbeddedBackend:
         context: Mapping[str, Any],
         hold: bool = False,
         token: Hashable | None = None,
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        lease: str | None = None,
+        consumer: Hashable | None = None,
+    ) -> tuple[list[Key], dict[str, list[Any]], str | None]:
         need = (*fields, *sampler.extra_fields)
         with self.lock:
-            held, cached = self.core.held, self.core.stats_cache_entries()
+            core = self.core
+            held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
             try:
-                return wait_for(
+                ids, rows = wait_for(
                     self.lock,
                     self.waiters,
                     lambda notify: Waiter(
                         "consumer", notify, partition=partition, task=task, need=need, token=token
                     ),
                     lambda: self.core.try_get(
-                        task, fields, batch_size, partition, sampler, context, hold
+                        task,
+                        fields,
+                        batch_size,
+                        partition,
+                        sampler,
+                        context,
+                        hold,
+                        lease=lease,
+                        consumer=consumer,
                     ),
                     timeout,
                     f"get of {batch_size} samples with {list(fields)} for task {task!r} "
                     f"from {partition!r}",
+                    self.core.next_lease_deadline,
                 )
+                return ids, rows, (lease if lease in self.core.leases else None)
             finally:
-                if self.core.held < held:  # consumption freed capacity
+                core = self.core
+                if core.held < held:  # consumption (or an acknowledged lease) freed capacity
                     self.waiters.wake_producers()
-                if self.core.stats_cache_entries() != cached:  # a plan replica peers may read
+                if core.stats_cache_entries() != cached:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)
+                if core.lease_expired != expired:  # samples returned to ready
+                    self.waiters.wake_all()
+
+    def ack(self, lease_id: str) -> None:
+        with self.lock:
+            held = self.core.held
+            self.core.ack(lease_id)
+            if self.core.held < held:
+                self.waiters.wake_producers()
+
+    def drop_consumer(self, consumer: Hashable) -> int:
+        return self._admin(lambda: self.core.drop_consumer(consumer))
 
     def cancel(self, token: Hashable) -> None:
         with self.lock:

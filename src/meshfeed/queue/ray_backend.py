@@ -2,32 +2,88 @@
 
 The actor wraps one :class:`StoreCore` under an ``asyncio.Condition``: a blocked ``get`` is a
 suspended coroutine, so puts and other gets keep flowing, and it wakes on the next state change
-(no polling). Payloads of at least ``inline_bytes`` (tensors, arrays) are ``ray.put`` by the
-producing client and handed to the actor as references inside a :class:`Ref` (Ray resolves
-only top-level arguments), so the actor never holds their bytes. Ray ties an object to the
-process that put it (Ray >= 2.56 removed ``ray.put(_owner=...)``), so a producer process must
-outlive the consumption of its large samples: produce from actors or long-lived drivers, not
-from short tasks whose workers Ray may reap; the consuming client fetches them with one ``ray.get``. Small
-values travel inline. Errors raised in the actor (``ValueError``, ``TimeoutError``,
-``PartitionClosed``) are re-raised in the caller as themselves.
+(no polling).
+
+Data plane apart from the control plane: a put's tensor / array column of at least
+``inline_bytes`` is ``ray.put`` once, by the producing client, and the actor receives only a
+:class:`~meshfeed.queue.columns.RemoteChunk` (its reference, length and row layout; Ray
+resolves only top-level arguments, so the reference stays one). A ``get`` returns which rows
+of which chunks; the consuming client fetches those chunks straight from the object store
+(one ``ray.get`` for the batch) and gathers the rows itself.
+
+Ownership: Ray frees an object when the process that put it (its owner) exits, and Ray >= 2.56
+removed ``ray.put(_owner=...)``. So before a put returns, the actor *adopts* each chunk: a
+thread of the actor process reads it from the object store (zero-copy for arrays) and puts it
+again, now owned by the actor (one memory copy inside the actor process, off its event loop,
+never pickled through a call), and the producer's object is released when the producer drops
+its reference. A producer task or process may then exit right after its put. The actor drops
+a chunk's reference when no held sample has a row of it (every declared task consumed it, or
+it was deleted / cleared), and Ray frees it. Smaller columns travel with the call.
+
+A caller that dies while its ``get`` waits in the actor is noticed (see
+:func:`_caller_probe`): the wait is given up, nothing consumed; leases of dead callers return
+to ready (see :mod:`meshfeed.queue.leases`). Errors raised in the actor (``ValueError``,
+``TimeoutError``, ``PartitionClosed``) are re-raised in the caller as themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
+import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from meshfeed.queue import checkpoint
-from meshfeed.queue.columns import Chunk
+from meshfeed.queue.columns import (
+    Cell,
+    Chunk,
+    RemoteChunk,
+    Runs,
+    assemble,
+    signature,
+    transportable,
+)
 from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.samplers import Sampler
-from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
+from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 
 Key = Hashable
 NAMESPACE = "meshfeed.queue"  # named store actors live here
+
+
+#: Seconds between checks that a waiting caller, or a lease holder, is still alive.
+PROBE_INTERVAL = 1.0
+#: Longest wait for one liveness answer (no answer: assumed alive, asked again later).
+PROBE_TIMEOUT = 5.0
+
+_PROBE: dict[str, Any] = {}  # this process's liveness probe per Ray session (worker id)
+
+
+def _caller_probe() -> Any:
+    """An object this process owns, so the store actor can tell when the process is gone.
+
+    Ray keeps an object only as long as its owner (the process that ``ray.put`` it) lives,
+    and reading an object whose owner died raises ``OwnerDiedError``: this works on a local
+    Ray without the dashboard (which ``ray.util.state`` needs) and without naming the caller
+    (a task, an actor, a driver alike)."""
+    import ray
+
+    worker = ray.get_runtime_context().get_worker_id()
+    probe = _PROBE.get(worker)
+    if probe is None:
+        _PROBE.clear()  # a reference of an earlier session is useless
+        probe = _PROBE[worker] = ray.put(None)
+    return probe
+
+
+def _adopt(ref: Any) -> Any:
+    """A copy of object ``ref`` owned by this process (run in a thread of the store actor)."""
+    import ray
+
+    return ray.put(ray.get(ref))
 
 
 class _StoreActor:
@@ -43,6 +99,42 @@ class _StoreActor:
             StoreCore(opts) if meta is None else checkpoint.restore(meta, payload, options=opts)
         )
         self.waiters = Waiters()
+        self.abandoned = 0  # waiting gets whose caller died: given up, nothing consumed
+        self.chunks: weakref.WeakSet[RemoteChunk] = weakref.WeakSet()  # alive in this actor
+        self._watch: asyncio.Task[None] | None = None
+
+    async def _caller_alive(self, probe: Any) -> bool:
+        """Whether the process that owns ``probe`` (an object it ``ray.put``) still runs: Ray
+        fails reading an object whose owner died (``OwnerDiedError``), even one read before.
+        An answer that does not come within :data:`PROBE_TIMEOUT` counts as alive."""
+        import ray
+
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(probe.future())), PROBE_TIMEOUT
+            )
+        except (ray.exceptions.ObjectLostError, ray.exceptions.RayError):
+            return False
+        except asyncio.TimeoutError:
+            return True
+        return True
+
+    async def _watch_leases(self) -> None:
+        """While leases are outstanding: every :data:`PROBE_INTERVAL` seconds return those of
+        dead callers to ready and wake consumers for the returned (or expired) samples."""
+        try:
+            while len(self.core.leases):
+                await asyncio.sleep(PROBE_INTERVAL)
+                dead = [
+                    lease.id
+                    for lease in self.core.leases
+                    if lease.alive is not None and not await self._caller_alive(lease.alive)
+                ]
+                n = self.core.drop_leases(dead) + self.core.expire_leases(time.monotonic())
+                if n:
+                    self.waiters.wake_all()
+        finally:
+            self._watch = None
 
     async def _run(
         self,
@@ -50,11 +142,12 @@ class _StoreActor:
         timeout: float | None,
         what: str,
         make: Callable[[Callable[[], None]], Waiter] | None = None,
+        probe: Any = None,
     ) -> Any:
         try:
             result = attempt()
             if result is None and make is not None:
-                result = await self._wait(attempt, timeout, what, make)
+                result = await self._wait(attempt, timeout, what, make, probe)
             return True, result
         except Exception as exc:  # re-raised by the client
             return False, exc
@@ -65,6 +158,7 @@ class _StoreActor:
         timeout: float | None,
         what: str,
         make: Callable[[Callable[[], None]], Waiter],
+        probe: Any = None,
     ) -> Any:
         event = asyncio.Event()
         waiter = make(event.set)
@@ -83,11 +177,21 @@ class _StoreActor:
                         "(retry, raise the timeout, or check that producers are running)"
                     )
                 chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
+                if probe is not None:
+                    chunk = min(chunk, PROBE_INTERVAL)
+                due = self.core.next_lease_deadline()
+                if due is not None:
+                    chunk = max(0.0, min(chunk, due - time.monotonic()))
                 event.clear()
                 try:
                     await asyncio.wait_for(event.wait(), chunk)
                 except asyncio.TimeoutError:
-                    continue
+                    if probe is not None and not await self._caller_alive(probe):
+                        self.abandoned += 1
+                        raise RequestCancelled(
+                            f"{what}: the caller's process is gone; the wait was given up "
+                            "and nothing was consumed"
+                        ) from None
         finally:
             self.waiters.remove(waiter)
 
@@ -95,6 +199,15 @@ class _StoreActor:
         self, partition: str, rows: Any, ids: Any, groups: Any, timeout: float | None
     ) -> Any:
         what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
+        for column in rows.values():
+            if type(column) is RemoteChunk:
+                try:  # own it, so it outlives the producer (see the module docstring)
+                    column.ref = await asyncio.get_running_loop().run_in_executor(
+                        None, _adopt, column.ref
+                    )
+                except Exception as exc:  # re-raised by the client
+                    return False, exc
+                self.chunks.add(column)
         out = await self._run(
             lambda: self.core.try_put(partition, rows, ids, groups),
             timeout,
@@ -115,28 +228,63 @@ class _StoreActor:
         context: dict[str, Any],
         hold: bool = False,
         token: Any = None,
+        lease: str | None = None,
+        consumer: Any = None,
+        caller: list[Any] | None = None,
     ) -> Any:
         what = (
             f"get of {batch_size} samples with {list(fields)} for task {task!r} from {partition!r}"
         )
         need = (*fields, *sampler.extra_fields)
-        held, cached = self.core.held, self.core.stats_cache_entries()
+        probe = caller[0] if caller else None  # an object the caller owns (see _caller_alive)
+        core = self.core
+        held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
         try:
-            return await self._run(
+            ok, out = await self._run(
                 lambda: self.core.try_get(
-                    task, fields, batch_size, partition, sampler, context, hold
+                    task,
+                    fields,
+                    batch_size,
+                    partition,
+                    sampler,
+                    context,
+                    hold,
+                    lease=lease,
+                    consumer=consumer,
+                    alive=probe,
                 ),
                 timeout,
                 what,
                 lambda notify: Waiter(
                     "consumer", notify, partition=partition, task=task, need=need, token=token
                 ),
+                probe,
             )
+            if not ok:
+                return ok, out
+            leased = lease if lease in self.core.leases else None
+            if leased is not None and self._watch is None:
+                self._watch = asyncio.get_running_loop().create_task(self._watch_leases())
+            return True, (*out, leased)
+        finally:
+            core = self.core
+            if core.held < held:
+                self.waiters.wake_producers()
+            if core.stats_cache_entries() != cached:
+                self.waiters.wake_task(partition, task)
+            if core.lease_expired != expired:
+                self.waiters.wake_all()
+
+    async def ack(self, lease_id: str) -> Any:
+        held = self.core.held
+        try:
+            return await self._run(lambda: self.core.ack(lease_id), 0, "ack")
         finally:
             if self.core.held < held:
                 self.waiters.wake_producers()
-            if self.core.stats_cache_entries() != cached:
-                self.waiters.wake_task(partition, task)
+
+    async def drop_consumer(self, consumer: Any) -> Any:
+        return await self._admin(lambda: self.core.drop_consumer(consumer))
 
     async def cancel(self, token: Any) -> Any:
         self.waiters.cancel(token)
@@ -148,6 +296,10 @@ class _StoreActor:
         if name == "stats":
             self.core.waiting_consumers = self.waiters.count("consumer")
             self.core.waiting_producers = self.waiters.count("producer")
+            ok, out = await self._run(self.core.stats, 0, name)
+            if ok:
+                out["abandoned_waits"] = self.abandoned
+            return ok, out
         held = self.core.held
         try:
             return await self._run(lambda: getattr(self.core, name)(*args), 0, name)
@@ -188,6 +340,24 @@ class _StoreActor:
             return True
 
         return await self._admin(swap)
+
+    async def live_chunks(self) -> int:
+        """How many object-store chunks this actor still references (tests check a chunk's
+        reference goes once no task can read it; Ray then frees the object)."""
+        gc.collect()
+        return len(self.chunks)
+
+    async def chunk_kinds(self) -> list[str]:
+        """Type names of the chunks behind every stored cell."""
+        return sorted(
+            {
+                type(v.chunk).__name__
+                for p in self.core.partitions.values()
+                for s in p.samples.values()
+                for v in s.fields.values()
+                if type(v) is Cell
+            }
+        )
 
     async def held_types(self) -> list[str]:
         """Type names of every stored value (tests check large payloads stay references)."""
@@ -272,27 +442,53 @@ class RayBackend:
         return value
 
     def _wrap_column(self, column: Any) -> Any:
-        """A small-row chunk travels as one pickled column; rows of at least ``inline_bytes``
-        go to the object store one by one (the actor holds their references)."""
+        """A chunk of at least ``inline_bytes`` goes to Ray's object store once, owned by the
+        store actor (which adopts it: it outlives this process), and the actor gets its
+        reference only; a smaller chunk travels with the call (one pickled column,
+        cheaper than an object-store round trip). Values of a list column of at least
+        ``inline_bytes`` each go to the object store one by one."""
+        import ray
+
         if isinstance(column, Chunk):
-            if column.row_nbytes < self.inline_bytes:
+            if column.row_nbytes * len(column) < self.inline_bytes:
                 return column
-            column = list(column.data)
+            data = column.__reduce__()[1][0]  # contiguous, no view of a larger storage
+            ref = ray.put(transportable(data))  # the actor adopts it before the put returns
+            return RemoteChunk(ref, len(column), column.row_nbytes, signature(data))
         return [self._wrap(v) for v in column]
 
     def _resolve(self, rows: dict[str, Any]) -> dict[str, Any]:
+        """Fetch what the actor handed out by reference, straight from the object store: the
+        chunks of :class:`Runs` columns (each once) and single :class:`Ref` values."""
         import ray
 
-        refs = [v for col in rows.values() if type(col) is list for v in col if isinstance(v, Ref)]
-        if not refs:
+        refs = [
+            v.ref for col in rows.values() if type(col) is list for v in col if isinstance(v, Ref)
+        ]
+        chunk_refs = list(
+            {
+                id(ref): ref
+                for col in rows.values()
+                if type(col) is Runs
+                for ref, rows_ in col.runs
+                if rows_ is not None
+            }.values()
+        )
+        if not refs and not chunk_refs:
             return rows
-        fetched = iter(ray.get([r.ref for r in refs]))
-        return {
-            f: [next(fetched) if isinstance(v, Ref) else v for v in col]
-            if type(col) is list
-            else col
-            for f, col in rows.items()
-        }
+        values = ray.get(refs + chunk_refs)
+        fetched = iter(values[: len(refs)])
+        chunks = {id(r): v for r, v in zip(chunk_refs, values[len(refs) :], strict=True)}
+        out: dict[str, Any] = {}
+        for f, col in rows.items():
+            if type(col) is list:
+                out[f] = [next(fetched) if isinstance(v, Ref) else v for v in col]
+            elif type(col) is Runs:
+                keyed = Runs([(id(r) if n is not None else r, n) for r, n in col.runs], col.is_np)
+                out[f] = assemble(keyed, chunks)
+            else:
+                out[f] = col
+        return out
 
     def put(
         self,
@@ -316,13 +512,32 @@ class RayBackend:
         context: Mapping[str, Any],
         hold: bool = False,
         token: Any = None,
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
-        ids, rows = self._call(
+        lease: str | None = None,
+        consumer: Any = None,
+    ) -> tuple[list[Key], dict[str, list[Any]], str | None]:
+        ids, rows, leased = self._call(
             self.actor.get.remote(
-                task, fields, batch_size, partition, sampler, timeout, dict(context), hold, token
+                task,
+                fields,
+                batch_size,
+                partition,
+                sampler,
+                timeout,
+                dict(context),
+                hold,
+                token,
+                lease,
+                consumer,
+                [_caller_probe()],  # in a list: Ray passes the reference, unresolved
             )
         )
-        return ids, self._resolve(rows)
+        return ids, self._resolve(rows), leased
+
+    def ack(self, lease_id: str) -> None:
+        self._call(self.actor.ack.remote(lease_id))
+
+    def drop_consumer(self, consumer: Any) -> int:
+        return int(self._call(self.actor.drop_consumer.remote(consumer)))
 
     def cancel(self, token: Any) -> None:
         self._call(self.actor.cancel.remote(token))
@@ -373,6 +588,16 @@ class RayBackend:
 
     def reinit(self, options: StoreOptions) -> None:
         self._call(self.actor.reinit.remote(options.to_dict()))
+
+    def live_chunks(self) -> int:
+        import ray
+
+        return int(ray.get(self.actor.live_chunks.remote()))
+
+    def chunk_kinds(self) -> list[str]:
+        import ray
+
+        return list(ray.get(self.actor.chunk_kinds.remote()))
 
     def held_types(self) -> list[str]:
         import ray

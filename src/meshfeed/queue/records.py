@@ -7,11 +7,12 @@ changes them) and :mod:`meshfeed.queue.checkpoint` (which dumps and rebuilds the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshfeed.queue.columns import Cell, resolve
+from meshfeed.queue.columns import Cell, RemoteChunk, resolve
 
 Key = Hashable
 
@@ -34,7 +35,7 @@ def nbytes_of(value: Any) -> int:
     if isinstance(value, Ref):
         return 0
     if isinstance(value, Cell):
-        return value.chunk.row_nbytes
+        return 0 if type(value.chunk) is RemoteChunk else value.chunk.row_nbytes
     if hasattr(value, "element_size") and hasattr(value, "numel"):
         return int(value.element_size() * value.numel())
     if hasattr(value, "nbytes"):
@@ -48,22 +49,34 @@ def nbytes_of(value: Any) -> int:
 class StoreOptions:
     """``capacity``: most samples held at once (``put`` waits beyond it); ``fields``: the
     allowed field names (``None``: any); ``tasks``: consuming tasks, a sample is dropped once
-    all of them consumed it (``None``: keep until ``delete``/``clear``)."""
+    all of them consumed it (``None``: keep until ``delete``/``clear``); ``lease_timeout``:
+    seconds a consumer has to acknowledge a batch before its samples return to ready (see
+    :mod:`meshfeed.queue.leases`; ``None``, the default: no leases, a ``get`` consumes at once)."""
 
     capacity: int | None = None
     fields: tuple[str, ...] | None = None
     tasks: tuple[str, ...] | None = None
+    lease_timeout: float | None = None
 
     def __post_init__(self) -> None:
         cap = self.capacity
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise ValueError(f"capacity must be a positive number of samples or None (got {cap!r})")
+        lt = self.lease_timeout
+        if lt is not None and (
+            isinstance(lt, bool) or not isinstance(lt, int | float) or not 0 < lt < math.inf
+        ):
+            raise ValueError(
+                f"lease_timeout must be a positive, finite number of seconds or None (got "
+                f"lease_timeout={lt!r}); use None for no leases"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "capacity": self.capacity,
             "fields": None if self.fields is None else list(self.fields),
             "tasks": None if self.tasks is None else list(self.tasks),
+            "lease_timeout": self.lease_timeout,
         }
 
     @classmethod
@@ -73,6 +86,7 @@ class StoreOptions:
             capacity=d.get("capacity"),
             fields=None if f is None else tuple(f),
             tasks=None if t is None else tuple(t),
+            lease_timeout=d.get("lease_timeout"),
         )
 
 
@@ -121,6 +135,7 @@ class Partition:
         "consumed",
         "field_counts",
         "held",
+        "leased",
         "next_id",
         "pending",
         "samples",
@@ -138,6 +153,7 @@ class Partition:
         # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
         # every task, so a checkpoint taken meanwhile can still re-deliver them.
         self.held: dict[Key, int] = {}
+        self.leased: dict[Key, int] = {}  # samples under a lease (meshfeed.queue.leases)
         self.field_counts: dict[str, int] = {}
         self.seen: set[str] = set()  # every field ever produced here, even if evicted since
         self.closed = False

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,9 @@ class Batch:
 
     ids: list[Key]
     columns: dict[str, Any] = field(default_factory=dict)
+    #: The lease the samples were handed out under (a store with ``lease_timeout``), to pass
+    #: to :meth:`SampleStore.ack`; ``None`` when the get consumed them at once.
+    lease: str | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.columns[name]
@@ -117,6 +121,14 @@ def _check_sampler(sampler: Any) -> Sampler:
     return sampler
 
 
+def _check_consumer(consumer: Any) -> None:
+    if isinstance(consumer, bool) or not isinstance(consumer, int | str):
+        raise TypeError(
+            f"consumer must be an int or str id of one consumer (got {consumer=!r}); use e.g. "
+            'f"{socket.gethostname()}:{os.getpid()}:{rank}"'
+        )
+
+
 def _check_key(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
@@ -131,7 +143,10 @@ class SampleStore:
     names allowed. ``tasks``: if given, a sample is dropped once all these tasks consumed it
     (otherwise samples stay until ``delete`` / ``clear``). ``inline_bytes`` (Ray): values at
     least this large travel through Ray's object store. ``name`` (Ray): register the actor so
-    other drivers can :meth:`connect` to it.
+    other drivers can :meth:`connect` to it. ``lease_timeout``: seconds a consumer has to
+    :meth:`ack` a batch before its samples return to ready for another consumer (``None``: a
+    get consumes at once, and a consumer that dies holding a batch loses it); see
+    :mod:`meshfeed.queue.leases`.
     """
 
     def __init__(
@@ -143,6 +158,7 @@ class SampleStore:
         tasks: Sequence[str] | None = None,
         inline_bytes: int = 64 * 1024,
         name: str | None = None,
+        lease_timeout: float | None = None,
         _meta: Any = None,
         _payload: Any = None,
     ) -> None:
@@ -150,6 +166,7 @@ class SampleStore:
             capacity=capacity,
             fields=None if fields is None else tuple(fields),
             tasks=None if tasks is None else tuple(tasks),
+            lease_timeout=lease_timeout,
         )
         self.options = options
         if name is not None and backend != "ray":
@@ -280,6 +297,7 @@ class SampleStore:
         *,
         hold: bool = False,
         token: Hashable | None = None,
+        consumer: Hashable | None = None,
         **context: Any,
     ) -> Batch:
         """The next batch for ``task``: samples with every field in ``fields`` present, not yet
@@ -296,6 +314,13 @@ class SampleStore:
         task consumed them) until :meth:`release`, so a checkpoint taken meanwhile can
         re-deliver them with :meth:`peek`; ``token`` tags the request so :meth:`cancel` can
         wake it (it then raises :class:`RequestCancelled` having consumed nothing).
+
+        Leases (a store with ``lease_timeout``): the batch comes under ``Batch.lease``; call
+        :meth:`ack` once it is used, or pass the same ``consumer=`` id (one per consumer, e.g.
+        ``f"{host}:{pid}:{rank}"``) to every get: a get acknowledges that consumer's earlier
+        batches of the same task and partition. Unacknowledged batches return to ready after
+        ``lease_timeout`` seconds. A consumer with several gets in flight (prefetch) must ack
+        explicitly, not pass ``consumer=``.
         """
         if not isinstance(task, str) or not task:
             raise TypeError(f"task must be a non-empty string (got {task!r})")
@@ -307,10 +332,44 @@ class SampleStore:
         chosen = _check_sampler(sampler)
         if not isinstance(hold, bool):
             raise TypeError(f"hold must be True or False (got {hold=!r})")
-        ids, rows = self._backend.get(
-            task, names, batch_size, partition, chosen, timeout, context, hold, token
+        if consumer is not None:
+            _check_consumer(consumer)
+        lease = None if self.options.lease_timeout is None else uuid.uuid4().hex
+        ids, rows, lease = self._backend.get(
+            task,
+            names,
+            batch_size,
+            partition,
+            chosen,
+            timeout,
+            context,
+            hold,
+            token,
+            lease=lease,
+            consumer=consumer,
         )
-        return Batch(ids, {name: collate(rows[name]) for name in names})
+        return Batch(ids, {name: collate(rows[name]) for name in names}, lease)
+
+    def ack(self, lease: Batch | str) -> None:
+        """The batch (or lease id) a ``get`` returned was used: its samples stay consumed.
+
+        ``ValueError`` if the lease is not outstanding (acknowledged already, or expired and
+        its samples returned to ready). A batch without a lease (a store without
+        ``lease_timeout``, or a shared plan) needs no ack: this is then a no-op."""
+        if isinstance(lease, Batch):
+            if lease.lease is None:
+                return
+            lease = lease.lease
+        if not isinstance(lease, str):
+            raise TypeError(f"ack takes the Batch a get returned or its .lease id (got {lease!r})")
+        self._backend.ack(lease)
+
+    def drop_consumer(self, consumer: Hashable) -> int:
+        """``consumer`` (a ``consumer=`` id of ``get``) is known dead: its unacknowledged
+        batches return to ready now instead of at their lease deadline, counted in
+        ``stats()["lease_expired"]``. Returns the number of samples returned."""
+        _check_consumer(consumer)
+        return int(self._backend.drop_consumer(consumer))
 
     def release(self, partition: str, ids: Sequence[Key]) -> None:
         """Undo one ``get(..., hold=True)`` of each of ``ids`` (unknown ids are ignored)."""
@@ -353,7 +412,9 @@ class SampleStore:
     def stats(self) -> dict[str, Any]:
         """``produced``, ``held``, ``consumed`` per task, ``waiting_consumers``,
         ``waiting_producers``, ``bytes_held`` (in the store), ``bytes_in_object_store`` (Ray),
-        ``cache_entries`` and per-partition details."""
+        ``cache_entries``, ``redelivered`` (retried requests), ``leases`` (outstanding),
+        ``lease_expired`` (samples returned to ready by an expired or dropped lease, then
+        delivered again) and per-partition details."""
         return self._backend.stats()
 
     def shutdown(self) -> None:
@@ -401,4 +462,5 @@ class SampleStore:
         kwargs.setdefault("capacity", opts["capacity"])
         kwargs.setdefault("fields", opts["fields"])
         kwargs.setdefault("tasks", opts["tasks"])
+        kwargs.setdefault("lease_timeout", opts.get("lease_timeout"))
         return cls(backend, _meta=meta, _payload=payload, **kwargs)

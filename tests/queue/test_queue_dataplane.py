@@ -1,0 +1,123 @@
+"""Ray data plane: large columns go to the object store once per put, the store actor holds
+their references only, consumers fetch them directly, and a chunk lives exactly as long as a
+task may still read it, even after its producer exited."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from meshfeed.queue import SampleStore
+from meshfeed.queue.columns import Runs
+from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.samplers import SequentialSampler
+
+pytestmark = pytest.mark.ray
+
+ROWS, WIDTH = 64, 4096  # 16 KiB float32 rows: a 1 MiB chunk per put
+
+
+def _fresh(ray_store: SampleStore, **kwargs: Any) -> SampleStore:
+    options = StoreOptions(**kwargs)
+    ray_store._backend.reinit(options)
+    return SampleStore._attach("ray", ray_store._backend, options)
+
+
+def _column(seed: int) -> torch.Tensor:
+    return torch.arange(ROWS * WIDTH, dtype=torch.float32).reshape(ROWS, WIDTH) + seed
+
+
+class _Producer:
+    def produce(self, store: SampleStore) -> list:
+        return store.put("p", {"obs": _column(7), "r": list(range(ROWS))})
+
+
+class _Reader:
+    def read(self, store: SampleStore) -> tuple[list, float]:
+        batch = store.get("t", ["obs"], ROWS, "p", timeout=30)
+        return batch.ids, float((batch["obs"] - _column(7)).abs().sum())
+
+
+def test_a_chunk_outlives_the_producer_that_put_it(ray_store):
+    import ray
+
+    store = _fresh(ray_store)
+    producer = ray.remote(num_cpus=0)(_Producer).remote()
+    assert ray.get(producer.produce.remote(store), timeout=60) == list(range(ROWS))
+    ray.kill(producer)  # the process that put the column is gone
+    reader = ray.remote(num_cpus=0)(_Reader).remote()  # a consumer in a third process
+    try:
+        ids, diff = ray.get(reader.read.remote(store), timeout=60)
+    finally:
+        ray.kill(reader)
+    assert ids == list(range(ROWS)) and diff == 0.0
+
+
+def test_the_actor_hands_out_references_and_the_consumer_fetches_the_rows(ray_store):
+    import ray
+
+    store = _fresh(ray_store)
+    store.put("p", {"obs": _column(0)})
+    assert store._backend.chunk_kinds() == ["RemoteChunk"]
+    assert store.stats()["bytes_held"] == 0
+    assert store.stats()["bytes_in_object_store"] == ROWS * WIDTH * 4
+    reply = store._backend.actor.get.remote(
+        "peek", ("obs",), 8, "p", SequentialSampler(), 10, {}, False, None
+    )
+    ok, (ids, rows, lease) = ray.get(reply)
+    assert ok and ids == list(range(8)) and lease is None
+    column = rows["obs"]
+    assert type(column) is Runs  # no tensor bytes in the actor's reply...
+    assert [type(piece).__name__ for piece, _ in column.runs] == ["ObjectRef"]
+    assert column.runs[0][1] == list(range(8))  # ...only which rows of which chunk
+    batch = store.get("t", ["obs"], 8, "p", timeout=10)
+    assert torch.equal(batch["obs"], _column(0)[:8])
+
+
+def test_rows_of_several_chunks_and_of_small_inline_ones_gather_in_order(ray_store):
+    store = _fresh(ray_store)
+    small = np.full((2, WIDTH), -1.0, dtype=np.float32)  # 32 KiB: travels inline
+    big = _column(3).numpy()
+    store.put("p", {"obs": big[:32]}, ids=list(range(0, 64, 2)))
+    store.put("p", {"obs": small}, ids=[1, 3])
+    store.put("p", {"obs": big[32:]}, ids=list(range(5, 69, 2)))
+    batch = store.get("t", ["obs"], 6, "p", timeout=10)
+    assert batch.ids == [0, 2, 4, 6, 8, 10]  # sequential over production order: chunk 1 first
+    assert np.array_equal(batch["obs"], big[:6])
+    every = store.get("t", ["obs"], 58, "p", timeout=10)
+    expect = {**{2 * i: big[i] for i in range(32)}, 1: small[0], 3: small[1]}
+    expect.update({5 + 2 * i: big[32 + i] for i in range(32)})
+    assert all(np.array_equal(every["obs"][j], expect[k]) for j, k in enumerate(every.ids))
+
+
+def test_a_chunk_is_released_once_every_task_consumed_every_row(ray_store):
+    store = _fresh(ray_store, tasks=("actor", "critic"))
+    store.put("p", {"obs": _column(0)})
+    assert store._backend.live_chunks() == 1
+    store.get("actor", ["obs"], ROWS, "p", timeout=10)
+    store.get("critic", ["obs"], ROWS - 1, "p", timeout=10)
+    assert store._backend.live_chunks() == 1  # the critic may still read the last row
+    store.get("critic", ["obs"], 1, "p", timeout=10)
+    assert store._backend.live_chunks() == 0 and store.stats()["bytes_in_object_store"] == 0
+    store.put("q", {"obs": _column(1)})
+    store.put("r", {"obs": _column(2)})
+    assert store._backend.live_chunks() == 2
+    store.clear("q")
+    store.delete("r", list(range(ROWS)))
+    assert store._backend.live_chunks() == 0
+
+
+def test_tensor_columns_come_back_as_writable_tensors_of_their_dtype(ray_store):
+    store = _fresh(ray_store)
+    halves = torch.arange(ROWS * WIDTH, dtype=torch.float32).reshape(ROWS, WIDTH)
+    store.put("p", {"f": _column(0), "b": halves.to(torch.bfloat16)})  # bf16: no numpy dtype
+    batch = store.get("t", ["f", "b"], 16, "p", timeout=10)
+    assert batch["f"].dtype == torch.float32 and batch["b"].dtype == torch.bfloat16
+    assert torch.equal(batch["f"], _column(0)[:16])
+    assert torch.equal(batch["b"], halves[:16].to(torch.bfloat16))
+    batch["f"][0, 0] = -1.0  # the consumer's own memory, not the object store's
+    again = store.peek("p", [0], ["f"])
+    assert again["f"][0, 0] == 0.0 and again["f"].dtype == torch.float32
