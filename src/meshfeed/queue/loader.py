@@ -46,6 +46,11 @@ iterating the loader again starts fresh workers and continues with the batch tha
 ``shutdown()`` cancels the requests still waiting in the store (threads and worker processes
 blocked without a deadline wake at once, consuming nothing) and stops the workers.
 
+Recovery. Every request names its batch index, so the store plans it once and keeps the plan:
+a retried request gets the same batch, and a loader restored from ``state_dict()`` asks again
+for the batches it had not returned. Such shared plans take no lease (a store's
+``lease_timeout`` applies to direct ``get`` calls, whose consumer may die holding a batch).
+
 Checkpoints. ``state_dict()`` is the state as of the last batch returned: it waits for the
 batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records the ids of those fetched but not returned; after
 ``load_state_dict`` they are re-delivered first (read again from the store, not re-planned).
