@@ -247,7 +247,7 @@ class StoreCore:
                     "(check the field names if you expected data)"
                 )
         pending = part.task(task)
-        parts = sampler.plan(View(part, pending, need), batch_size)
+        parts = sampler.select(View(part, pending, need), batch_size)
         if parts is None or not any(parts):
             if part.closed:
                 if share is not None:

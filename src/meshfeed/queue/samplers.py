@@ -1,10 +1,10 @@
 """Samplers: which ready samples one ``SampleStore.get`` hands out, and to whom.
 
 A sampler is a small, picklable policy object (it travels to the Ray actor with each call);
-all state (consumption, the shared-batch cache) lives in the store. ``plan`` sees the samples
+all state (consumption, the shared-batch cache) lives in the store. ``select`` sees the samples
 that are ready for the task, in production order, and returns the batch as one or more
 *parts*, or ``None`` to wait for more. ``share`` says whether several callers read the same
-plan: the first caller for a key plans and consumes, the others read the cached plan, and the
+selection: the first caller for a key selects and consumes, the others read the cached plan, and the
 cache entry is dropped once all ``readers`` have read it, so the cache stays bounded.
 
 - :class:`SequentialSampler`: the first ``batch_size`` ready samples.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 Key = Hashable
 
@@ -59,6 +59,7 @@ class Share:
     part: int
 
 
+@runtime_checkable
 class Sampler(Protocol):
     """The policy protocol ``SampleStore.get`` calls (under the store's lock)."""
 
@@ -67,7 +68,7 @@ class Sampler(Protocol):
 
     def share(self, context: Mapping[str, Any]) -> Share | None: ...
 
-    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None: ...
+    def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None: ...
 
 
 def _batch_index(context: Mapping[str, Any], who: str) -> int:
@@ -95,7 +96,7 @@ class SequentialSampler:
     def share(self, context: Mapping[str, Any]) -> Share | None:
         return None
 
-    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+    def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
         ids: list[Key] = []
         for key in view.ready():
             ids.append(key)
@@ -178,7 +179,7 @@ class GroupSampler:
                 i += 1
         return done
 
-    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+    def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
         if batch_size % self.group_size:
             raise ValueError(
                 f"batch_size={batch_size} is not a multiple of group_size={self.group_size}; "
@@ -264,11 +265,11 @@ class RankAwareSampler:
             part=self.data_rank,
         )
 
-    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+    def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
         d = self.data_world_size
         if d == 1:
-            return self.inner.plan(view, batch_size)
-        planned = self.inner.plan(view, batch_size * d)
+            return self.inner.select(view, batch_size)
+        planned = self.inner.select(view, batch_size * d)
         if not planned or not planned[0]:
             return None
         ids = planned[0]
@@ -360,7 +361,7 @@ class LengthBalancedSampler:
                 "store an int token count or a sequence of tokens"
             ) from None
 
-    def plan(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+    def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
         if batch_size % self.group_size:
             raise ValueError(
                 f"batch_size={batch_size} is not a multiple of group_size={self.group_size}; "

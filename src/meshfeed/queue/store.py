@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.collate import collate_column
 from meshfeed.queue import checkpoint
 from meshfeed.queue.columns import Chunk, Gathered
 from meshfeed.queue.core import StoreOptions
@@ -68,20 +69,12 @@ def _torch() -> Any:
 
 
 def collate(values: list[Any] | Gathered) -> Any:
-    """Stack equal-shape tensors or arrays; anything else stays a list. A column the store
-    gathered from chunks already is one tensor / array (a view when contiguous)."""
+    """One field of a batch: a column the store gathered from chunks already is one tensor /
+    array (a view when contiguous); values from separate puts go through
+    :func:`meshfeed.collate.collate_column` (equal-shape tensors or arrays stacked, else a list)."""
     if isinstance(values, Gathered):
         return values.data
-    torch = _torch()
-    if values and torch is not None and all(isinstance(v, torch.Tensor) for v in values):
-        first = values[0]
-        if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
-            return torch.stack(values)
-    elif values and all(isinstance(v, np.ndarray) for v in values):
-        first = values[0]
-        if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
-            return np.stack(values)
-    return list(values)
+    return collate_column(values)
 
 
 def _rows(column: Any, name: str) -> list[Any] | Chunk:
@@ -110,11 +103,9 @@ def _plain(value: Any) -> Any:
 def _check_sampler(sampler: Any) -> Sampler:
     if sampler is None:
         return _SEQUENTIAL
-    if not all(callable(getattr(sampler, m, None)) for m in ("share", "plan")) or not hasattr(
-        sampler, "extra_fields"
-    ):
+    if not isinstance(sampler, Sampler):
         raise TypeError(
-            f"sampler must be a sampler object with share(), plan() and extra_fields (got "
+            f"sampler must be a sampler object with share(), select() and extra_fields (got "
             f"sampler={sampler!r}); use one of meshfeed.queue's samplers, e.g. "
             "SequentialSampler() or RankAwareSampler.from_mesh(mesh, rank)"
         )
