@@ -6,6 +6,8 @@ machine (CPU, gloo). Production jobs use torchrun; meshfeed reads the same envir
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import socket
 import tempfile
@@ -40,6 +42,11 @@ def _entry(
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        # No rank tears the group down while a peer may still be receiving from it (that
+        # aborted a peer's process now and then). Bounded; a group that ``fn`` left in a failed
+        # collective (a test of timeouts) cannot complete it, and that is not an error here.
+        with contextlib.suppress(RuntimeError):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
     finally:
         dist.destroy_process_group()
 
