@@ -30,8 +30,6 @@ logger = logging.getLogger("meshfeed")
 MAX_EPOCH = 2**32
 #: After the first bad sample of a run, at most one warning per this many bad samples.
 WARN_EVERY = 1000
-#: Counters in a state are below this (a larger one is a corrupted checkpoint).
-MAX_COUNT = 2**63
 
 
 class LoaderBase(Lifecycle):
@@ -186,21 +184,6 @@ class LoaderBase(Lifecycle):
                 self._epoch,
                 padded,
             )
-
-    # ------------------------------------------------------------------ lifecycle
-    def shutdown(self) -> None:
-        """Stop worker processes or actors. Idempotent; the loader can be iterated again."""
-        raise NotImplementedError
-
-
-def check_count(name: str, value: object, what: str) -> int:
-    """A counter read from a state: an int in [0, 2**63), else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
-        raise ValueError(
-            f"{what} field {name!r} is {value!r}, not an int in [0, 2**63); the checkpoint is "
-            "corrupted"
-        )
-    return value
 
 
 def check_epoch(epoch: int, what: str) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.fetch import MAX_REPORTED_FAILURES
-from meshfeed.loader_base import check_count, check_epoch
-from meshfeed.state import open_envelope
+from meshfeed.loader_base import check_epoch
+from meshfeed.state import check_count, open_envelope
 
 if TYPE_CHECKING:
     from meshfeed.loader import DataLoader
@@ -60,7 +60,9 @@ def decode_stats(stats: dict[str, Any]) -> dict[str, Any]:
             f"loader state field 'stats' has keys {sorted(map(str, stats))}, expected "
             f"{sorted([*COUNTS, 'failures'])}; the checkpoint is corrupted"
         )
-    out: dict[str, Any] = {key: check_count(key, stats[key], "loader stats") for key in COUNTS}
+    out: dict[str, Any] = {
+        key: check_count(stats[key], name=key, what="loader stats") for key in COUNTS
+    }
     rows = stats["failures"]
     if not isinstance(rows, list) or len(rows) > MAX_REPORTED_FAILURES:
         raise ValueError(

@@ -138,3 +138,23 @@ def open_envelope(
             f"{name} is not JSON-serialisable ({exc}); the checkpoint is corrupted"
         ) from exc
     return out
+
+
+#: Upper bound for any counter in a state: a count beyond it is corruption, not progress.
+MAX_COUNT = 2**62
+
+
+def check_count(value: object, *, name: str, what: str, upper: int = MAX_COUNT) -> int:
+    """A counter read from a state: an int in ``[0, upper]``, else ``ValueError`` naming the
+    field, the value and the bound."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{what} field {name!r} is {value!r} of type {type(value).__name__}, not an int; "
+            "the checkpoint is corrupted"
+        )
+    if not 0 <= value <= upper:
+        raise ValueError(
+            f"{what} field {name!r} is {value}, outside [0, {upper}]; the checkpoint is "
+            "corrupted or from another pipeline"
+        )
+    return value

@@ -25,24 +25,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-from meshfeed.state import envelope, open_envelope
+from meshfeed.state import check_count, envelope, open_envelope
 
 T = TypeVar("T")
 
-__all__ = ["MAX_COUNT", "ListNode", "Node", "check_count"]
-
-#: Upper bound for any counter in a node state: a count beyond it is corruption, not progress.
-MAX_COUNT = 2**62
-
-
-def check_count(value: int, *, name: str, what: str, upper: int = MAX_COUNT) -> int:
-    """``value`` if ``0 <= value <= upper``; else ``ValueError`` naming the field and the bound."""
-    if not 0 <= value <= upper:
-        raise ValueError(
-            f"{what} field {name!r} is {value}, outside [0, {upper}]; the checkpoint is "
-            "corrupted or from another pipeline"
-        )
-    return value
+__all__ = ["ListNode", "Node"]
 
 
 class Node(Generic[T]):

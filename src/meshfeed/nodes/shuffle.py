@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from meshfeed.nodes.base import MAX_COUNT, Node, check_count
+from meshfeed.nodes.base import Node
 from meshfeed.order.permutation import derive_seed, splitmix64
-from meshfeed.state import envelope, open_envelope
+from meshfeed.state import MAX_COUNT, check_count, envelope, open_envelope
 
 T = TypeVar("T")
 

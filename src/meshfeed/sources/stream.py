@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from meshfeed.nodes.base import MAX_COUNT, Node, check_count
+from meshfeed.nodes.base import Node
 from meshfeed.nodes.batch import Batcher
 from meshfeed.nodes.shuffle import ShuffleBuffer
 from meshfeed.order.permutation import Permutation, derive_seed
-from meshfeed.state import envelope, open_envelope
+from meshfeed.state import MAX_COUNT, check_count, envelope, open_envelope
 
 __all__ = ["Piece", "PieceReader", "ShardedStream", "default_reader", "slot_batches"]
 

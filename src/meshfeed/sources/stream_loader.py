@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshfeed.dist import all_min, check_agreement
-from meshfeed.loader_base import LoaderBase, check_count, check_epoch, pin
+from meshfeed.loader_base import LoaderBase, check_epoch, pin
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream, slot_batches
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
-from meshfeed.state import envelope, fingerprint_hash, open_envelope
+from meshfeed.state import check_count, envelope, fingerprint_hash, open_envelope
 
 __all__ = ["STREAM_STATE_VERSION", "StreamLoader", "StreamRankError"]
 
@@ -388,7 +388,7 @@ class StreamLoader(LoaderBase):
                     "shuffle buffer, batch size, data rank, data-parallel size and num_workers"
                 )
         check_epoch(state["epoch"], what)
-        steps = check_count("steps", state["steps"], what)
+        steps = check_count(state["steps"], name="steps", what=what)
         workers, exhausted = state["workers"], state["exhausted"]
         if (
             len(workers) != self.slots
@@ -410,8 +410,8 @@ class StreamLoader(LoaderBase):
                 f"{what} has stats={stats!r}, expected the counts 'skipped' and 'unread_rows'; "
                 "the checkpoint is corrupted"
             )
-        skipped = check_count("skipped", stats["skipped"], what)
-        unread = check_count("unread_rows", stats["unread_rows"], what)
+        skipped = check_count(stats["skipped"], name="skipped", what=what)
+        unread = check_count(stats["unread_rows"], name="unread_rows", what=what)
         if skipped < this_epoch:
             raise ValueError(
                 f"{what} has stats={stats!r}, but its workers skipped {this_epoch} rows "
