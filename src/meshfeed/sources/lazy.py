@@ -30,6 +30,7 @@ import numpy as np
 
 from meshfeed.fetch import Failed
 from meshfeed.order.permutation import derive_seed
+from meshfeed.protocols import ItemsSource, Source
 from meshfeed.rng import fetch_info, sample_rng
 from meshfeed.state import dataset_fingerprint
 
@@ -89,7 +90,7 @@ class LazyDataset:
     def __init__(self, source: Any, _ops: tuple[tuple[str, Any], ...] = ()) -> None:
         if isinstance(source, LazyDataset):
             source, _ops = source.source, source._ops + _ops
-        if not hasattr(source, "__getitem__") or not hasattr(source, "__len__"):
+        if not isinstance(source, Source):
             raise TypeError(
                 f"LazyDataset needs a map-style source with __len__ and __getitem__ (got "
                 f"{type(source).__name__}); wrap streams with meshfeed.sources.ShardedStream"
@@ -160,15 +161,14 @@ class LazyDataset:
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         out: list[Any] = []
-        getitems = getattr(self.source, "__getitems__", None)
-        if getitems is None:
+        if not isinstance(self.source, ItemsSource):
             for index in indices:
                 try:
                     out.append(self[index])
                 except Exception as exc:  # one bad item must not cost the rest of the batch
                     out.append(Failed(exc))
             return out
-        raw = getitems(indices)
+        raw = self.source.__getitems__(indices)
         for index, item in zip(indices, raw, strict=True):
             if isinstance(item, Failed):  # the source already reported it (e.g. a Mixture)
                 out.append(item)
