@@ -42,7 +42,7 @@ from typing import Any
 from meshfeed.dist import all_min, check_agreement
 from meshfeed.loader_base import LoaderBase, check_epoch, pin
 from meshfeed.order.permutation import derive_seed
-from meshfeed.sources.stream import ShardedStream, slot_batches
+from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
 from meshfeed.state import check_count, envelope, fingerprint_hash, open_envelope
 
@@ -432,14 +432,7 @@ class StreamLoader(LoaderBase):
         for w, (config, ws) in enumerate(zip(self._configs(epoch), workers, strict=True)):
             if ws is None:
                 continue
-            node = slot_batches(
-                config.stream,
-                config.pieces,
-                shuffle_buffer=config.shuffle_buffer,
-                seed=config.shuffle_seed,
-                batch_size=config.batch_size,
-                drop_last=config.drop_last,
-            )
+            node = config.rows()
             try:
                 node.load_state_dict(ws)
             except ValueError as e:

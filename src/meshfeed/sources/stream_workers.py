@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.collate import default_collate
+from meshfeed.nodes.base import Node
 from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
 from meshfeed.sources.stream import Piece, ShardedStream, slot_batches
 
@@ -40,20 +41,24 @@ class SlotConfig:
     shuffle_seed: int
     collate_fn: Callable[[list[Any]], Any] | None
 
+    def rows(self) -> Node[list[Any]]:
+        """A fresh node of this slot's batches of plain rows (before ``collate``)."""
+        return slot_batches(
+            self.stream,
+            self.pieces,
+            shuffle_buffer=self.shuffle_buffer,
+            seed=self.shuffle_seed,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+        )
+
 
 class SlotPipeline:
     """The pipeline of one slot (:func:`~meshfeed.sources.stream.slot_batches` then
     ``collate``), with explicit state."""
 
     def __init__(self, config: SlotConfig, state: dict[str, Any] | None) -> None:
-        self.node = slot_batches(
-            config.stream,
-            config.pieces,
-            shuffle_buffer=config.shuffle_buffer,
-            seed=config.shuffle_seed,
-            batch_size=config.batch_size,
-            drop_last=config.drop_last,
-        )
+        self.node = config.rows()
         self.collate = config.collate_fn or default_collate
         if state is not None:
             self.node.load_state_dict(state)
