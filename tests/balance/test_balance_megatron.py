@@ -132,3 +132,24 @@ def test_the_megatron_migration_guide_example_runs():
     assert runnable, "the guide must keep a runnable example"
     for code in runnable:
         exec(compile(code, str(guide), "exec"), {})
+
+
+def test_megatron_groups_come_from_an_initialised_parallel_state_without_importing_megatron(
+    monkeypatch,
+):
+    from meshfeed.balance.megatron import _groups
+
+    monkeypatch.delitem(sys.modules, "megatron.core.parallel_state", raising=False)
+    assert _groups(None) == (None, None)  # no Megatron in this program: the default group
+    assert "megatron.core.parallel_state" not in sys.modules  # and Megatron was not imported
+
+    def data_parallel_group(with_context_parallel: bool = False) -> str:
+        return "dp_cp" if with_context_parallel else "dp"
+
+    fake = SimpleNamespace(
+        model_parallel_is_initialized=lambda: True,
+        get_data_parallel_group=data_parallel_group,
+    )
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", fake)
+    assert _groups(None) == ("dp_cp", "dp")
+    assert _groups(SimpleNamespace(dp_cp="mine", dp="mine_dp")) == ("mine", "mine_dp")

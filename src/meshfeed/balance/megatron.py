@@ -23,6 +23,7 @@ in the batch, empty documents dropped), so ``samples`` keys and groups mean the 
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -184,16 +185,15 @@ class HybridCPDataLoader:
 def _groups(pg_collection: Any) -> tuple[Any, Any]:
     if pg_collection is not None:
         return pg_collection.dp_cp, pg_collection.dp
-    try:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            return (
-                parallel_state.get_data_parallel_group(with_context_parallel=True),
-                parallel_state.get_data_parallel_group(),
-            )
-    except ImportError:
-        pass
+    # A Megatron job has imported parallel_state to initialise it; importing Megatron here
+    # only to learn that nothing is initialised would load a whole framework (and its
+    # threads) into every process that uses the default group.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        return (
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+            parallel_state.get_data_parallel_group(),
+        )
     return None, None
 
 
