@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from meshfeed import DataLoader, DataMesh
+from meshfeed.queue import SampleStore, StoreLoader
 from meshfeed.testing import take
 from tests.dist_utils import run_distributed
 
@@ -79,16 +80,23 @@ def _misconfigurations(rank, world):
         messages.append("no error")
     except ValueError as exc:
         messages.append(str(exc))
-    try:
-        DataLoader(Items(40), batch_size=2, mesh={"dp": 2})
-        messages.append("no error")
-    except ValueError as exc:
-        messages.append(str(exc))
+    for build in (
+        lambda: DataLoader(Items(40), batch_size=2, mesh={"dp": 2}),
+        lambda: StoreLoader(
+            SampleStore(), task="t", fields=["x"], partition="p", batch_size=2, mesh={"dp": 2}
+        ),
+    ):
+        try:
+            build()
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
     return messages
 
 
 @pytest.mark.slow
 def test_misconfigured_ranks_fail_clearly_instead_of_hanging():
-    for seed_msg, world_msg in run_distributed(_misconfigurations, 4):
+    for seed_msg, world_msg, store_msg in run_distributed(_misconfigurations, 4):
         assert "data loaders disagree on seed: rank i holds [0, 1, 0, 1]" in seed_msg
         assert "has world size 2 but the process group has 4 ranks" in world_msg
+        assert "has world size 2 but the process group has 4 ranks" in store_msg

@@ -137,3 +137,42 @@ def test_rank_beyond_a_single_process_world_is_an_error(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="rank=5 is out of range"):
         DataLoader(list(range(8)), batch_size=2)
+
+
+def test_place_is_the_one_mesh_and_rank_rule_of_every_loader():
+    from meshfeed.mesh import place
+    from meshfeed.queue import SampleStore, StoreLoader
+
+    mesh, rank = place(None, {"dp": 2, "tp": 2}, 3)
+    assert (mesh.sizes, rank, mesh.data_rank(rank)) == ({"dp": 2, "tp": 2}, 3, 1)
+    with pytest.raises(ValueError, match="mesh= and device_mesh= both given"):
+        place({"dp": 1}, {"dp": 1}, 0)
+    with pytest.raises(ValueError, match="rank"):
+        place({"dp": 2}, None, 2)  # outside the mesh
+    # the store loader takes the same arguments as DataLoader and maps them the same way
+    store = SampleStore()
+    store.put("p", {"x": list(range(8))})
+    store.close("p")
+    for r in range(4):
+        loader = StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            partition="p",
+            batch_size=2,
+            device_mesh=DataMesh.from_sizes(dp=2, tp=2),
+            rank=r,
+        )
+        assert (loader.data_rank, loader.rank) == (r // 2, r)
+        loader.shutdown()
+    with pytest.raises(ValueError, match="mesh= and device_mesh= both given"):
+        StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            partition="p",
+            batch_size=2,
+            mesh={"dp": 1},
+            device_mesh={"dp": 1},
+            rank=0,
+        )

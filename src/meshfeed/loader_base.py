@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshfeed.lifecycle import Lifecycle
-from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
+from meshfeed.mesh import place
 from meshfeed.options import check_loader_arguments, resolve_timeout
 
 __all__ = ["MAX_EPOCH", "WARN_EVERY", "LoaderBase"]
@@ -77,19 +77,8 @@ class LoaderBase(Lifecycle):
         )
         if num_workers and multiprocessing_context in ("spawn", "forkserver"):
             _check_importable("collate_fn", collate_fn, multiprocessing_context)
-        if mesh is not None and device_mesh is not None:
-            raise ValueError(
-                "mesh= and device_mesh= both given; they are the same argument (device_mesh= is "
-                "the name torch and Twinkle users know): pass one of them"
-            )
-        self.mesh: DataMesh = resolve_mesh(device_mesh if mesh is None else mesh)
-        _check_world(self.mesh)
-        if rank is None:
-            # A mesh of several ranks without RANK or a process group is refused by name:
-            # guessing rank 0 would make every process read the same data.
-            rank = default_rank(1 if serves_every_rank else self.mesh.world_size)
-        self.rank = rank
-        self.data_rank = self.mesh.data_rank(self.rank)  # validates the rank
+        self.mesh, self.rank = place(mesh, device_mesh, rank, serves_every_rank=serves_every_rank)
+        self.data_rank = self.mesh.data_rank(self.rank)
         self.data_world_size = self.mesh.data_world_size
         self.batch_size, self.seed = batch_size, seed
         self.shuffle, self.drop_last, self.pin_memory = shuffle, drop_last, pin_memory
@@ -205,16 +194,6 @@ def _check_importable(name: str, fn: Any, method: str) -> None:
             f"workers need importable functions: define {name} at the top level of a module "
             "(not a lambda or a local function), or use multiprocessing_context='fork'"
         ) from None
-
-
-def _check_world(mesh: DataMesh) -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != mesh.world_size:
-        raise ValueError(
-            f"the mesh {mesh.sizes} has world size {mesh.world_size} but the process group has "
-            f"{dist.get_world_size()} ranks; make the mesh sizes multiply to the number of processes"
-        )
 
 
 def pin(batch: Any) -> Any:

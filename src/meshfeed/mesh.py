@@ -322,3 +322,39 @@ def resolve_mesh(mesh: Any) -> DataMesh:
         f"mesh={mesh!r} is not a DataMesh, DeviceMesh or dict of axis sizes; "
         "pass e.g. mesh={'dp': 4, 'tp': 2}"
     )
+
+
+def place(
+    mesh: Any, device_mesh: Any, rank: int | None, *, serves_every_rank: bool = False
+) -> tuple[DataMesh, int]:
+    """The loaders' ``(mesh, device_mesh, rank)`` arguments as ``(DataMesh, rank)``.
+
+    ``device_mesh=`` is another name for ``mesh=`` (the one torch and Twinkle users know);
+    both at once is an error. A mesh whose world size differs from an initialised process
+    group's is an error. Without ``rank`` it comes from :func:`default_rank`
+    (``serves_every_rank``: this process makes the batches of every data rank, a Ray driver,
+    so a mesh of several ranks does not need this process's own rank). The rank is validated
+    against the mesh.
+    """
+    if mesh is not None and device_mesh is not None:
+        raise ValueError(
+            "mesh= and device_mesh= both given; they are the same argument (device_mesh= is "
+            "the name torch and Twinkle users know): pass one of them"
+        )
+    resolved = resolve_mesh(device_mesh if mesh is None else mesh)
+    import torch.distributed as dist
+
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() != resolved.world_size
+    ):
+        raise ValueError(
+            f"the mesh {resolved.sizes} has world size {resolved.world_size} but the process "
+            f"group has {dist.get_world_size()} ranks; make the mesh sizes multiply to the "
+            "number of processes"
+        )
+    if rank is None:
+        rank = default_rank(1 if serves_every_rank else resolved.world_size)
+    resolved.data_rank(rank)  # validates the rank
+    return resolved, rank

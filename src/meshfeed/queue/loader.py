@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from meshfeed.lifecycle import Lifecycle
-from meshfeed.mesh import DataMesh, default_rank, resolve_mesh
+from meshfeed.mesh import place
 from meshfeed.options import check_loader_arguments
 from meshfeed.queue.core import PartitionClosed
 from meshfeed.queue.samplers import RankAwareSampler, Sampler
@@ -222,7 +222,8 @@ class _Entry:
 class StoreLoader(Lifecycle):
     """Iterate batches of ``fields`` for ``task`` from ``partition`` of ``store``, as global
     ``rank`` of ``mesh`` (a :class:`DataMesh`, ``DeviceMesh``, dict of axis sizes, or
-    ``None`` for the torchrun world); see the module docstring for workers and checkpoints.
+    ``None`` for the torchrun world; ``device_mesh=`` is the same argument under torch's
+    name); see the module docstring for workers and checkpoints.
 
     ``timeout`` (seconds, default 300 as ``DataLoader``; ``math.inf``: no limit) bounds each
     wait for a batch and ``state_dict()``'s wait for batches in flight (``TimeoutError``; the
@@ -254,6 +255,7 @@ class StoreLoader(Lifecycle):
         partition: str,
         batch_size: int,
         mesh: Any = None,
+        device_mesh: Any = None,
         rank: int | None = None,
         sampler: Sampler | None = None,
         num_workers: int = 0,
@@ -301,8 +303,7 @@ class StoreLoader(Lifecycle):
                 "num_workers > 0 with a Ray store needs a named store so worker processes "
                 "can connect; create it with SampleStore('ray', name=...)"
             )
-        self.mesh: DataMesh = resolve_mesh(mesh)
-        self.rank = default_rank(self.mesh.world_size) if rank is None else rank
+        self.mesh, self.rank = place(mesh, device_mesh, rank)
         self.data_rank = self.mesh.data_rank(self.rank)
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = (
