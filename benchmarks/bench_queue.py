@@ -420,6 +420,11 @@ def transferqueue_rows(args: argparse.Namespace, ray_store: SampleStore) -> list
     counts: dict[tuple[str, str], int] = {}
     tqb = TransferQueueBench(capacity=max(c[4 if args.quick else 3] for c in TQ_CASES), clients=4)
     try:
+        for _, batch, large, _, _ in TQ_CASES:  # warm-up, not timed: threads, first calls
+            for workers in (1, 4):
+                ray_store.clear("tensors")
+                bench_tensor_rows(ray_store, 2 * workers * batch, workers, batch, large)
+                tqb.run(2 * workers * batch, workers, batch, large)
         for _ in range(args.repeat):
             for label, batch, large, n_full, n_quick in TQ_CASES:
                 for workers in (1, 4):
@@ -492,6 +497,9 @@ def main() -> None:
         )
         ray_store = SampleStore("ray", capacity=256, tasks=["train"])
         ray_store.put("warm", {"x": [0]})
+        for workers in (1, 4):  # warm-up, not timed: the actor's and the threads' first calls
+            bench_tensor_rows(ray_store, 2 * workers * 64, workers)
+            ray_store.clear("tensors")
     with Progress(total=len(configs), desc="bench_queue", unit="config") as bar:
         for backend, size, workers in configs:
             n = sizes[size][0 if backend == "embedded" else 1]

@@ -12,13 +12,19 @@ of which chunks; the consuming client fetches those chunks straight from the obj
 (one ``ray.get`` for the batch) and gathers the rows itself.
 
 Ownership: Ray frees an object when the process that put it (its owner) exits, and Ray >= 2.56
-removed ``ray.put(_owner=...)``. So before a put returns, the actor *adopts* each chunk: a
-thread of the actor process reads it from the object store (zero-copy for arrays) and puts it
-again, now owned by the actor (one memory copy inside the actor process, off its event loop,
-never pickled through a call), and the producer's object is released when the producer drops
-its reference. A producer task or process may then exit right after its put. The actor drops
-a chunk's reference when no held sample has a row of it (every declared task consumed it, or
-it was deleted / cleared), and Ray frees it. Smaller columns travel with the call.
+removed ``ray.put(_owner=...)``. While the producer lives, the chunk stays the producer's
+object: the actor borrows its reference (so Ray keeps it) and, before the put returns,
+*pins* it: a thread of the actor process maps it from the object store (zero-copy for arrays,
+no byte copied). The actor watches each producer's liveness (:func:`_caller_probe`, every
+:data:`PROBE_INTERVAL` seconds while it has pinned chunks) and *adopts* the chunks of a
+producer seen dead: it puts the pinned bytes again, now owned by the actor, and hands out the
+new reference from then on. A consumer whose fetch fails because the producer died before the
+actor noticed asks the actor (:meth:`_StoreActor.refresh`), which adopts at once. So a
+producer task or process may exit right after its put, and a chunk's bytes are written once
+while its producer lives (adopting at every put wrote them twice: about half the put's time
+for 1 MiB rows). The actor drops a chunk's reference when no held sample has a row of it
+(every declared task consumed it, or it was deleted / cleared), and Ray frees it. Smaller
+columns travel with the call.
 
 A caller that dies while its ``get`` waits in the actor is noticed (see
 :func:`_caller_probe`): the wait is given up, nothing consumed; leases of dead callers return
@@ -79,11 +85,19 @@ def _caller_probe() -> Any:
     return probe
 
 
-def _adopt(ref: Any) -> Any:
-    """A copy of object ``ref`` owned by this process (run in a thread of the store actor)."""
+def _pin(refs: list[Any]) -> list[Any]:
+    """The values of ``refs``, mapped from the object store (zero-copy for arrays; run in a
+    thread of the store actor): they keep the bytes readable even after their owner exits."""
     import ray
 
-    return ray.put(ray.get(ref))
+    return list(ray.get(refs))
+
+
+def _own(values: list[Any]) -> list[Any]:
+    """References to copies of ``values`` owned by this process (a thread of the actor)."""
+    import ray
+
+    return [ray.put(v) for v in values]
 
 
 class _StoreActor:
@@ -101,7 +115,16 @@ class _StoreActor:
         self.waiters = Waiters()
         self.abandoned = 0  # waiting gets whose caller died: given up, nothing consumed
         self.chunks: weakref.WeakSet[RemoteChunk] = weakref.WeakSet()  # alive in this actor
+        # Chunks whose producer still owns them: the pinned value and the producer's probe.
+        self.pinned: weakref.WeakKeyDictionary[RemoteChunk, tuple[Any, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.by_ref: weakref.WeakValueDictionary[bytes, RemoteChunk] = (
+            weakref.WeakValueDictionary()
+        )  # a chunk by the reference it arrived with (see refresh)
+        self.adopted = 0  # chunks adopted because their producer died
         self._watch: asyncio.Task[None] | None = None
+        self._watch_owners: asyncio.Task[None] | None = None
 
     async def _caller_alive(self, probe: Any) -> bool:
         """Whether the process that owns ``probe`` (an object it ``ray.put``) still runs: Ray
@@ -135,6 +158,55 @@ class _StoreActor:
                     self.waiters.wake_all()
         finally:
             self._watch = None
+
+    async def _adopt(self, chunks: list[RemoteChunk]) -> None:
+        """Own ``chunks`` (pinned ones whose producer died): put their bytes again."""
+        chunks = [c for c in dict.fromkeys(chunks) if c in self.pinned]
+        if not chunks:
+            return
+        values = [self.pinned[c][0] for c in chunks]
+        refs = await asyncio.get_running_loop().run_in_executor(None, _own, values)
+        for chunk, ref in zip(chunks, refs, strict=True):
+            if chunk in self.pinned:  # not adopted by a concurrent call meanwhile
+                chunk.ref = ref
+                del self.pinned[chunk]
+                self.adopted += 1
+
+    async def _dead_owners(self, chunks: list[RemoteChunk] | None = None) -> list[RemoteChunk]:
+        """Those of the pinned ``chunks`` (``None``: all) whose producer is gone, one probe per
+        producer. No chunk is referenced across the probes' waits, so a chunk consumed
+        meanwhile is freed at once."""
+        pinned = self.pinned
+        probes = {
+            probe.binary(): probe
+            for c, (_, probe) in list(pinned.items())
+            if chunks is None or c in chunks
+        }
+        del chunks
+        dead = {key for key, probe in probes.items() if not await self._caller_alive(probe)}
+        return [c for c, (_, probe) in list(pinned.items()) if probe.binary() in dead]
+
+    async def _watch_producers(self) -> None:
+        """While chunks are pinned: every :data:`PROBE_INTERVAL` seconds adopt those whose
+        producer died (their bytes stay readable through the pin until then)."""
+        try:
+            while len(self.pinned):
+                await asyncio.sleep(PROBE_INTERVAL)
+                await self._adopt(await self._dead_owners())
+        finally:
+            self._watch_owners = None
+
+    async def refresh(self, refs: list[Any]) -> Any:
+        """The current references of the chunks handed out as ``refs``: a consumer could not
+        fetch them (their producer died), so the chunks of dead producers are adopted now.
+        A reference this actor does not know is returned as it is."""
+        try:
+            chunks = [self.by_ref.get(r.binary()) for r in refs]
+            known = [c for c in chunks if c is not None and c in self.pinned]
+            await self._adopt(await self._dead_owners(known))
+            return True, [r if c is None else c.ref for c, r in zip(chunks, refs, strict=True)]
+        except Exception as exc:  # re-raised by the client
+            return False, exc
 
     async def _run(
         self,
@@ -196,18 +268,32 @@ class _StoreActor:
             self.waiters.remove(waiter)
 
     async def put(
-        self, partition: str, rows: Any, ids: Any, groups: Any, timeout: float | None
+        self,
+        partition: str,
+        rows: Any,
+        ids: Any,
+        groups: Any,
+        timeout: float | None,
+        caller: list[Any] | None = None,
     ) -> Any:
         what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
-        for column in rows.values():
-            if type(column) is RemoteChunk:
-                try:  # own it, so it outlives the producer (see the module docstring)
-                    column.ref = await asyncio.get_running_loop().run_in_executor(
-                        None, _adopt, column.ref
-                    )
-                except Exception as exc:  # re-raised by the client
-                    return False, exc
-                self.chunks.add(column)
+        chunks = [column for column in rows.values() if type(column) is RemoteChunk]
+        if chunks:
+            probe = caller[0] if caller else None  # an object the producer owns
+            try:  # pin them, so they outlive the producer (see the module docstring)
+                views = await asyncio.get_running_loop().run_in_executor(
+                    None, _pin, [c.ref for c in chunks]
+                )
+            except Exception as exc:  # re-raised by the client
+                return False, exc
+            for chunk, view in zip(chunks, views, strict=True):
+                self.chunks.add(chunk)
+                self.by_ref[chunk.ref.binary()] = chunk
+                self.pinned[chunk] = (view, probe)
+            if probe is None:  # a producer that cannot be watched: own the chunks now
+                await self._adopt(chunks)
+            elif self._watch_owners is None:
+                self._watch_owners = asyncio.get_running_loop().create_task(self._watch_producers())
         out = await self._run(
             lambda: self.core.try_put(partition, rows, ids, groups),
             timeout,
@@ -299,6 +385,7 @@ class _StoreActor:
             ok, out = await self._run(self.core.stats, 0, name)
             if ok:
                 out["abandoned_waits"] = self.abandoned
+                out["adopted_chunks"] = self.adopted
             return ok, out
         held = self.core.held
         try:
@@ -442,9 +529,9 @@ class RayBackend:
         return value
 
     def _wrap_column(self, column: Any) -> Any:
-        """A chunk of at least ``inline_bytes`` goes to Ray's object store once, owned by the
-        store actor (which adopts it: it outlives this process), and the actor gets its
-        reference only; a smaller chunk travels with the call (one pickled column,
+        """A chunk of at least ``inline_bytes`` goes to Ray's object store once (the store
+        actor pins it, and adopts it if this process dies: it outlives this process), and the
+        actor gets its reference only; a smaller chunk travels with the call (one pickled column,
         cheaper than an object-store round trip). Values of a list column of at least
         ``inline_bytes`` each go to the object store one by one."""
         import ray
@@ -453,7 +540,7 @@ class RayBackend:
             if column.row_nbytes * len(column) < self.inline_bytes:
                 return column
             data = column.__reduce__()[1][0]  # contiguous, no view of a larger storage
-            ref = ray.put(transportable(data))  # the actor adopts it before the put returns
+            ref = ray.put(transportable(data))  # the actor pins it before the put returns
             return RemoteChunk(ref, len(column), column.row_nbytes, signature(data))
         return [self._wrap(v) for v in column]
 
@@ -476,7 +563,11 @@ class RayBackend:
         )
         if not refs and not chunk_refs:
             return rows
-        values = ray.get(refs + chunk_refs)
+        try:
+            values = ray.get(refs + chunk_refs)
+        except ray.exceptions.ObjectLostError:  # a producer died before the actor adopted
+            current = self._call(self.actor.refresh.remote(chunk_refs))
+            values = ray.get(refs + current)
         fetched = iter(values[: len(refs)])
         chunks = {id(r): v for r, v in zip(chunk_refs, values[len(refs) :], strict=True)}
         out: dict[str, Any] = {}
@@ -499,7 +590,10 @@ class RayBackend:
         timeout: float | None,
     ) -> list[Key]:
         wrapped = {f: self._wrap_column(col) for f, col in rows.items()}
-        return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout))
+        caller = None
+        if any(type(col) is RemoteChunk for col in wrapped.values()):
+            caller = [_caller_probe()]  # in a list: Ray passes the reference, unresolved
+        return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout, caller))
 
     def get(
         self,
@@ -588,6 +682,10 @@ class RayBackend:
 
     def reinit(self, options: StoreOptions) -> None:
         self._call(self.actor.reinit.remote(options.to_dict()))
+
+    def refresh(self, refs: list[Any]) -> list[Any]:
+        """The current references of chunks handed out as ``refs`` (see the actor's)."""
+        return list(self._call(self.actor.refresh.remote(list(refs))))
 
     def live_chunks(self) -> int:
         import ray
