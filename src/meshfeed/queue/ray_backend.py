@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Mapping
@@ -66,6 +67,8 @@ PROBE_INTERVAL = 1.0
 PROBE_TIMEOUT = 5.0
 
 _PROBE: dict[str, Any] = {}  # this process's liveness probe per Ray session (worker id)
+_TOLD: set[tuple[str, str]] = set()  # (store actor, worker id): the actor has our probe
+_TELL = threading.Lock()
 
 
 def _caller_probe() -> Any:
@@ -123,6 +126,7 @@ class _StoreActor:
             weakref.WeakValueDictionary()
         )  # a chunk by the reference it arrived with (see refresh)
         self.adopted = 0  # chunks adopted because their producer died
+        self.probes: dict[str, Any] = {}  # a caller's probe by its worker id (see register)
         self._watch: asyncio.Task[None] | None = None
         self._watch_owners: asyncio.Task[None] | None = None
 
@@ -158,6 +162,13 @@ class _StoreActor:
                     self.waiters.wake_all()
         finally:
             self._watch = None
+
+    async def register(self, worker: str, probe: list[Any]) -> Any:
+        """Remember the liveness probe of the process ``worker`` (its worker id), sent once
+        so that puts and gets name their caller by id (a reference argument costs every
+        call a round of Ray's borrower bookkeeping)."""
+        self.probes[worker] = probe[0]
+        return True, None
 
     async def _adopt(self, chunks: list[RemoteChunk]) -> None:
         """Own ``chunks`` (pinned ones whose producer died): put their bytes again."""
@@ -274,12 +285,12 @@ class _StoreActor:
         ids: Any,
         groups: Any,
         timeout: float | None,
-        caller: list[Any] | None = None,
+        caller: str | None = None,
     ) -> Any:
         what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
         chunks = [column for column in rows.values() if type(column) is RemoteChunk]
         if chunks:
-            probe = caller[0] if caller else None  # an object the producer owns
+            probe = self.probes.get(caller) if caller else None  # an object the producer owns
             try:  # pin them, so they outlive the producer (see the module docstring)
                 views = await asyncio.get_running_loop().run_in_executor(
                     None, _pin, [c.ref for c in chunks]
@@ -316,13 +327,13 @@ class _StoreActor:
         token: Any = None,
         lease: str | None = None,
         consumer: Any = None,
-        caller: list[Any] | None = None,
+        caller: str | None = None,
     ) -> Any:
         what = (
             f"get of {batch_size} samples with {list(fields)} for task {task!r} from {partition!r}"
         )
         need = (*fields, *sampler.extra_fields)
-        probe = caller[0] if caller else None  # an object the caller owns (see _caller_alive)
+        probe = self.probes.get(caller) if caller else None  # see register, _caller_alive
         core = self.core
         held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
         try:
@@ -592,8 +603,22 @@ class RayBackend:
         wrapped = {f: self._wrap_column(col) for f, col in rows.items()}
         caller = None
         if any(type(col) is RemoteChunk for col in wrapped.values()):
-            caller = [_caller_probe()]  # in a list: Ray passes the reference, unresolved
+            caller = self._caller()
         return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout, caller))
+
+    def _caller(self) -> str:
+        """This process's worker id; the first time per store actor, also tells the actor
+        this process's liveness probe (:func:`_caller_probe`)."""
+        import ray
+
+        worker = ray.get_runtime_context().get_worker_id()
+        key = (self.actor._actor_id.hex(), worker)
+        if key not in _TOLD:
+            with _TELL:
+                if key not in _TOLD:  # in a list: Ray passes the reference, unresolved
+                    self._call(self.actor.register.remote(worker, [_caller_probe()]))
+                    _TOLD.add(key)
+        return worker
 
     def get(
         self,
@@ -622,7 +647,7 @@ class RayBackend:
                 token,
                 lease,
                 consumer,
-                [_caller_probe()],  # in a list: Ray passes the reference, unresolved
+                self._caller(),
             )
         )
         return ids, self._resolve(rows), leased
