@@ -9,6 +9,11 @@ samples per call (the store's columnar API); the others put one sample per call.
 "2 tensors x64" are the RL workload of issue #12: two small tensor fields per sample, one put
 and one get per 64 rows (a put's column stays one chunk; a get of contiguous rows is a view).
 
+Rows "SampleStore" / "TransferQueue" put the same tensor workloads into meshfeed's Ray store
+and into TransferQueue 0.1.11 (its own API and default SimpleStorage backend; the ``bench``
+extra installs it), in turns, warm-up excluded, medians of ``--repeat`` turns; ``thr. vs
+baseline`` there is the ratio to TransferQueue (see :class:`TransferQueueBench`).
+
     PYTHONPATH=src python benchmarks/bench_queue.py           # full run (a few minutes)
     PYTHONPATH=src python benchmarks/bench_queue.py --quick   # small version
 """
@@ -472,9 +477,14 @@ def main() -> None:
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray rows")
     parser.add_argument("--no-tq", action="store_true", help="skip the TransferQueue rows")
     parser.add_argument(
-        "--repeat", type=int, default=3, help="turns of the meshfeed / TransferQueue rows"
+        "--repeat",
+        type=int,
+        default=None,
+        help="turns of the meshfeed / TransferQueue rows (default: 3, 1 with --quick)",
     )
     args = parser.parse_args()
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1 (got {args.repeat=}); use --repeat 1 or more")
     tq_missing = None if args.no_ray or args.no_tq else _transferqueue_missing()
