@@ -207,3 +207,35 @@ def test_refresh_hands_out_the_adopted_chunk_of_a_dead_producer(ray_store):
     assert np.array_equal(ray_get(new), _column(5).numpy())
     unknown = ray.put(0)
     assert store._backend.refresh([unknown]) == [unknown]  # not a chunk of this store
+
+
+def test_a_consumer_whose_fetch_fails_asks_the_actor_for_the_current_references(
+    ray_store, monkeypatch
+):
+    import ray
+
+    store = _fresh(ray_store)
+    store.put("p", {"obs": _column(2)})
+    real_get, failed, refreshed = ray.get, [], []
+
+    def get_once_lost(refs: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(refs) is list and not failed:  # the consumer's fetch of the chunks
+            failed.append(refs)
+            raise ray.exceptions.OwnerDiedError(refs[0].hex(), None, "")
+        return real_get(refs, *args, **kwargs)
+
+    actor = store._backend.actor
+    real_refresh = actor.refresh
+
+    class _Actor:  # the store actor, recording refresh calls
+        def __getattr__(self, name: str) -> Any:
+            if name == "refresh":
+                refreshed.append(name)
+                return real_refresh
+            return getattr(actor, name)
+
+    monkeypatch.setattr(ray, "get", get_once_lost)
+    monkeypatch.setattr(store._backend, "actor", _Actor())
+    batch = store.get("t", ["obs"], ROWS, "p", timeout=10)
+    assert failed and refreshed == ["refresh"]  # the fetch failed once, then asked the actor
+    assert torch.equal(batch["obs"], _column(2))  # the producer lives: the same chunk

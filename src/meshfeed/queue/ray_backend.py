@@ -191,11 +191,15 @@ class _StoreActor:
         probes = {
             probe.binary(): probe
             for c, (_, probe) in list(pinned.items())
-            if chunks is None or c in chunks
-        }
+            if probe is not None and (chunks is None or c in chunks)
+        }  # no probe: a put that adopts its chunks itself
         del chunks
         dead = {key for key, probe in probes.items() if not await self._caller_alive(probe)}
-        return [c for c, (_, probe) in list(pinned.items()) if probe.binary() in dead]
+        return [
+            c
+            for c, (_, probe) in list(pinned.items())
+            if probe is not None and probe.binary() in dead
+        ]
 
     async def _watch_producers(self) -> None:
         """While chunks are pinned: every :data:`PROBE_INTERVAL` seconds adopt those whose
