@@ -239,3 +239,24 @@ def test_a_consumer_whose_fetch_fails_asks_the_actor_for_the_current_references(
     batch = store.get("t", ["obs"], ROWS, "p", timeout=10)
     assert failed and refreshed == ["refresh"]  # the fetch failed once, then asked the actor
     assert torch.equal(batch["obs"], _column(2))  # the producer lives: the same chunk
+
+
+def test_small_tensor_columns_travel_inline_and_come_back_as_writable_tensors(ray_store):
+    import warnings
+
+    store = _fresh(ray_store)
+    tokens = torch.arange(64 * 8, dtype=torch.int64).reshape(64, 8)
+    wide = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    halves = torch.linspace(0, 1, 64 * 8).reshape(64, 8).to(torch.bfloat16)  # no numpy dtype
+    columns = {"tokens": tokens, "view": wide[:, ::2], "b": halves}  # a strided view too
+    store.put("p", columns)
+    assert store._backend.chunk_kinds() == ["Chunk"]  # all inline, none in the object store
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "non-writable NumPy array" warning
+        batch = store.get("t", ["tokens", "view", "b"], 64, "p", timeout=10)
+    for name, expected in columns.items():
+        got = batch[name]
+        assert type(got) is torch.Tensor and got.dtype == expected.dtype
+        assert torch.equal(got, expected), name
+    batch["tokens"][0, 0] = -1  # the consumer's own memory
+    assert store.peek("p", [0], ["tokens"])["tokens"][0, 0] == 0

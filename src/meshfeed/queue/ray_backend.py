@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import pickle
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
+
+import numpy as np
 
 from meshfeed.queue import checkpoint
 from meshfeed.queue.columns import (
@@ -88,6 +91,59 @@ def _caller_probe() -> Any:
     return probe
 
 
+def _as_array(value: Any) -> np.ndarray | None:
+    """A plain CPU tensor as the array sharing its memory, else ``None`` (keep the tensor)."""
+    torch = sys.modules.get("torch")
+    if (
+        torch is None
+        or type(value) is not torch.Tensor
+        or value.requires_grad
+        or value.layout != torch.strided
+        or value.device.type != "cpu"
+    ):
+        return None
+    array = transportable(value)
+    return array if isinstance(array, np.ndarray) else None
+
+
+def _tensor_out(value: Any) -> tuple[bool, Any]:
+    """Ray serializer for tensors leaving the store actor: an array when it can be one (numpy
+    pickles in about a fifteenth of the time of torch's tensor pickling, measured on 64x8
+    int64), else the tensor's own pickle."""
+    array = _as_array(value)
+    return (True, array) if array is not None else (False, pickle.dumps(value))
+
+
+def _tensor_in(payload: tuple[bool, Any]) -> Any:
+    """The tensor :func:`_tensor_out` sent (writable: a read-only received buffer is copied)."""
+    import torch
+
+    is_array, data = payload
+    if not is_array:
+        return pickle.loads(data)
+    return torch.from_numpy(data if data.flags.writeable else data.copy())
+
+
+def _tensor_chunk(array: np.ndarray) -> Chunk:
+    """The store actor's side of :class:`_ArrayChunk`: the chunk as a tensor again."""
+    import torch
+
+    return Chunk(torch.from_numpy(array if array.flags.writeable else array.copy()))
+
+
+class _ArrayChunk:
+    """An inline tensor chunk on its way to the store actor, pickled as its array (see
+    :func:`_tensor_out`); it arrives as a :class:`Chunk` of the tensor."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __reduce__(self) -> Any:
+        return (_tensor_chunk, (self.array,))
+
+
 def _pin(refs: list[Any]) -> list[Any]:
     """The values of ``refs``, mapped from the object store (zero-copy for arrays; run in a
     thread of the store actor): they keep the bytes readable even after their owner exits."""
@@ -111,6 +167,11 @@ class _StoreActor:
     :mod:`meshfeed.queue.wakeups`)."""
 
     def __init__(self, options: dict[str, Any], meta: Any = None, payload: Any = None) -> None:
+        import ray
+        import torch
+
+        # This process is the store's own: every tensor it sends travels as an array.
+        ray.util.register_serializer(torch.Tensor, serializer=_tensor_out, deserializer=_tensor_in)
         opts = StoreOptions.from_dict(options)
         self.core = (
             StoreCore(opts) if meta is None else checkpoint.restore(meta, payload, options=opts)
@@ -552,9 +613,10 @@ class RayBackend:
         import ray
 
         if isinstance(column, Chunk):
-            if column.row_nbytes * len(column) < self.inline_bytes:
-                return column
             data = column.__reduce__()[1][0]  # contiguous, no view of a larger storage
+            if column.row_nbytes * len(column) < self.inline_bytes:
+                array = _as_array(data)
+                return column if array is None else _ArrayChunk(array)
             ref = ray.put(transportable(data))  # the actor pins it before the put returns
             return RemoteChunk(ref, len(column), column.row_nbytes, signature(data))
         return [self._wrap(v) for v in column]
