@@ -24,7 +24,8 @@ producer task or process may exit right after its put, and a chunk's bytes are w
 while its producer lives (adopting at every put wrote them twice: about half the put's time
 for 1 MiB rows). The actor drops a chunk's reference when no held sample has a row of it
 (every declared task consumed it, or it was deleted / cleared), and Ray frees it. Smaller
-columns travel with the call.
+columns travel with the call, CPU tensors as the arrays sharing their memory both ways (see
+:func:`_tensor_out`): torch's own tensor pickling cost more than the rest of a small call.
 
 A caller that dies while its ``get`` waits in the actor is noticed (see
 :func:`_caller_probe`): the wait is given up, nothing consumed; leases of dead callers return
