@@ -305,12 +305,15 @@ def _tensor_columns(batch: int, large: bool) -> dict[str, torch.Tensor]:
 
 
 class TransferQueueBench:
-    """TransferQueue 0.1.11 (``pip install transferqueue``: the ``bench`` extra) as its own
-    perftest script configures it: ``tq.init`` with the default SimpleStorage backend (two
-    storage units; ``total_storage_size`` set to the samples of one run), one
-    ``TransferQueueClient`` per producer or consumer thread, ``client.put(TensorDict,
-    partition_id=...)`` to write and ``client.get_meta(..., task_name=...)`` +
-    ``client.get_data(meta)`` to read (each sample consumed once by the task).
+    """TransferQueue 0.1.11 (``pip install transferqueue``: the ``bench`` extra) with the
+    storage its own perftest script configures: ``tq.init`` with the default SimpleStorage
+    backend (two storage units; ``total_storage_size`` set to the samples of one run). One
+    ``TransferQueueClient`` per producer or consumer thread of this process (the perftest
+    runs its two clients in Ray actors; meshfeed's clients here are threads too),
+    ``client.put(TensorDict, partition_id=...)`` to write and ``client.get_meta(...,
+    task_name=...)`` + ``client.get_data(meta)`` to read (each sample consumed once by the
+    task). Unlike the SampleStore's, the TransferQueue consumers take a fixed share of the
+    samples each (it has no close that ends a waiting consumer).
 
     The controller runs in polling mode: without it a ``get_meta`` that finds too few ready
     samples sleeps 5 s inside the controller and then raises ``TimeoutError``, so a consumer
