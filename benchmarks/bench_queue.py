@@ -9,6 +9,11 @@ samples per call (the store's columnar API); the others put one sample per call.
 "2 tensors x64" are the RL workload of issue #12: two small tensor fields per sample, one put
 and one get per 64 rows (a put's column stays one chunk; a get of contiguous rows is a view).
 
+Rows "SampleStore" / "TransferQueue" put the same tensor workloads into meshfeed's Ray store
+and into TransferQueue 0.1.11 (its own API and default SimpleStorage backend; the ``bench``
+extra installs it), in turns, warm-up excluded, medians of ``--repeat`` turns; ``thr. vs
+baseline`` there is the ratio to TransferQueue (see :class:`TransferQueueBench`).
+
     PYTHONPATH=src python benchmarks/bench_queue.py           # full run (a few minutes)
     PYTHONPATH=src python benchmarks/bench_queue.py --quick   # small version
 """
@@ -281,13 +286,211 @@ def dataplane_rows(args: argparse.Namespace, ray_store: SampleStore) -> list[tup
     return rows
 
 
+# --- TransferQueue, measured on its own API in the same run as meshfeed's Ray store ---------
+
+#: The tensor workloads of issue #12: (label, rows per put and per get, 1 MiB rows?, samples
+#: in a full run, samples with --quick).
+TQ_CASES = (("2 tensors x64", 64, False, 4096, 512), ("1 MiB+tensor x16", 16, True, 512, 32))
+
+
+def _tensor_columns(batch: int, large: bool) -> dict[str, torch.Tensor]:
+    """The columns :func:`bench_tensor_rows` puts (small: 8 int64 tokens and 8 float32
+    log-probs per row; large: one 1 MiB float32 observation and 8 log-probs per row)."""
+    first = (
+        torch.ones(batch, LARGE.size)
+        if large
+        else torch.arange(batch * 8, dtype=torch.int64).reshape(batch, 8)
+    )
+    return {"tokens": first, "logp": torch.zeros(batch, 8)}
+
+
+class TransferQueueBench:
+    """TransferQueue 0.1.11 (``pip install transferqueue``: the ``bench`` extra) with the
+    storage its own perftest script configures: ``tq.init`` with the default SimpleStorage
+    backend (two storage units; ``total_storage_size`` set to the samples of one run). One
+    ``TransferQueueClient`` per producer or consumer thread of this process (the perftest
+    runs its two clients in Ray actors; meshfeed's clients here are threads too),
+    ``client.put(TensorDict, partition_id=...)`` to write and ``client.get_meta(...,
+    task_name=...)`` + ``client.get_data(meta)`` to read (each sample consumed once by the
+    task). Unlike the SampleStore's, the TransferQueue consumers take a fixed share of the
+    samples each (it has no close that ends a waiting consumer).
+
+    The controller runs in polling mode: without it a ``get_meta`` that finds too few ready
+    samples sleeps 5 s inside the controller and then raises ``TimeoutError``, so a consumer
+    cannot wait for a producer. An empty answer is asked again after 1 ms (TransferQueue's
+    own ``StreamingDataset`` sleeps 1 s), which favours TransferQueue."""
+
+    POLL = 0.001
+
+    def __init__(self, capacity: int, clients: int) -> None:
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
+
+        self.tq = tq
+        conf = {
+            "controller": {"polling_mode": True},
+            "backend": {"SimpleStorage": {"total_storage_size": capacity}},
+        }
+        self.conf = tq.init(OmegaConf.create(conf))
+        self.producers = [self._client(f"bench-producer-{w}") for w in range(clients)]
+        self.consumers = [self._client(f"bench-consumer-{w}") for w in range(clients)]
+        for prod, cons in zip(self.producers, self.consumers, strict=True):
+            for batch, large in ((64, False), (16, True)):  # warm-up: sockets, first transfers
+                self._put(prod, "warm-up", _tensor_columns(batch, large))
+                self._get(cons, "warm-up", batch)
+        self.producers[0].clear_partition("warm-up")
+
+    def _client(self, name: str) -> Any:
+        from transfer_queue import TransferQueueClient
+
+        client = TransferQueueClient(client_id=name, controller_info=self.conf.controller.zmq_info)
+        client.initialize_storage_manager(
+            manager_type="SimpleStorage", config=self.conf.backend.SimpleStorage
+        )
+        return client
+
+    def _put(self, client: Any, partition: str, columns: dict[str, torch.Tensor]) -> list[int]:
+        from tensordict import TensorDict
+
+        batch = len(next(iter(columns.values())))
+        meta = client.put(TensorDict(columns, batch_size=batch), partition_id=partition)
+        return list(meta.global_indexes)
+
+    def _get(self, client: Any, partition: str, batch: int) -> list[int]:
+        deadline = time.monotonic() + 120
+        while True:
+            meta = client.get_meta(
+                data_fields=["tokens", "logp"],
+                batch_size=batch,
+                partition_id=partition,
+                mode="fetch",
+                task_name="train",
+            )
+            if meta.size:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TransferQueue get of {batch} from {partition!r} timed out")
+            time.sleep(self.POLL)
+        data = client.get_data(meta)
+        if data.batch_size[0] != batch:
+            raise RuntimeError(f"TransferQueue returned {data.batch_size} rows, asked {batch}")
+        return list(meta.global_indexes)
+
+    def run(self, n: int, workers: int, batch: int, large: bool) -> tuple[float, list[float]]:
+        """``workers`` producers put ``n`` samples, ``batch`` per put; ``workers`` consumers
+        each get ``n / workers`` of them, ``batch`` per get. Latency is put start to get
+        return, per sample (as in :func:`bench_tensor_rows`)."""
+        columns = _tensor_columns(batch, large)
+        partition = f"bench-{workers}x{workers}-{batch}-{time.monotonic_ns()}"
+        put_at: dict[int, float] = {}
+        got: list[tuple[list[int], float]] = []
+        lock = threading.Lock()
+
+        def producer(w: int) -> None:
+            for _ in range(n // (workers * batch)):
+                start = time.perf_counter()
+                ids = self._put(self.producers[w], partition, columns)
+                with lock:
+                    put_at.update(dict.fromkeys(ids, start))
+
+        def consumer(w: int) -> None:
+            for _ in range(n // (workers * batch)):
+                ids = self._get(self.consumers[w], partition, batch)
+                now = time.perf_counter()
+                with lock:
+                    got.append((ids, now))
+
+        threads = [threading.Thread(target=producer, args=(w,)) for w in range(workers)]
+        threads += [threading.Thread(target=consumer, args=(w,)) for w in range(workers)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        elapsed = time.perf_counter() - start
+        self.producers[0].clear_partition(partition)
+        seen = [i for ids, _ in got for i in ids]
+        if len(seen) != n or len(set(seen)) != n or set(seen) != set(put_at):
+            raise RuntimeError(f"TransferQueue delivered {len(set(seen))} distinct of {n} samples")
+        return elapsed, [now - put_at[i] for ids, now in got for i in ids]
+
+    def close(self) -> None:
+        for client in self.producers + self.consumers:
+            client.close()
+        self.tq.close()
+
+
+def transferqueue_rows(args: argparse.Namespace, ray_store: SampleStore) -> list[tuple[str, ...]]:
+    """meshfeed's Ray store and TransferQueue on the same tensor workloads, 1x1 and 4x4, in
+    turns (each measured ``--repeat`` times, medians reported). ``thr. vs baseline`` is the
+    ratio to TransferQueue's median throughput on the same row."""
+    results: dict[tuple[str, str, str], list[tuple[float, list[float]]]] = {}
+    counts: dict[tuple[str, str], int] = {}
+    tqb = TransferQueueBench(capacity=max(c[4 if args.quick else 3] for c in TQ_CASES), clients=4)
+    try:
+        for _, batch, large, _, _ in TQ_CASES:  # warm-up, not timed: threads, first calls
+            for workers in (1, 4):
+                ray_store.clear("tensors")
+                bench_tensor_rows(ray_store, 2 * workers * batch, workers, batch, large)
+                tqb.run(2 * workers * batch, workers, batch, large)
+        for _ in range(args.repeat):
+            for label, batch, large, n_full, n_quick in TQ_CASES:
+                for workers in (1, 4):
+                    n = max(
+                        workers * batch,
+                        (n_quick if args.quick else n_full) // (workers * batch) * workers * batch,
+                    )
+                    counts[label, f"{workers}x{workers}"] = n
+                    ray_store.clear("tensors")
+                    ours = bench_tensor_rows(ray_store, n, workers, batch, large)
+                    theirs = tqb.run(n, workers, batch, large)
+                    for impl, res in (("SampleStore", ours), ("TransferQueue", theirs)):
+                        results.setdefault((label, f"{workers}x{workers}", impl), []).append(res)
+    finally:
+        tqb.close()
+    rows: list[tuple[str, ...]] = []
+    for (label, shape), n in counts.items():
+        med = {
+            impl: float(np.median([n / e for e, _ in results[label, shape, impl]]))
+            for impl in ("SampleStore", "TransferQueue")
+        }
+        for impl in ("SampleStore", "TransferQueue"):
+            ms = np.concatenate([np.asarray(lat) for _, lat in results[label, shape, impl]]) * 1e3
+            rows.append(
+                (
+                    "ray",
+                    label,
+                    shape,
+                    impl,
+                    str(n),
+                    f"{med[impl]:,.0f}",
+                    f"{np.percentile(ms, 50):.2f}",
+                    f"{np.percentile(ms, 99):.2f}",
+                    f"{med[impl] / med['TransferQueue']:.2f}",
+                )
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small, fast version")
     parser.add_argument("--batch", type=int, default=8, help="samples per get")
     parser.add_argument("--put-batch", type=int, default=8, help="samples per put (batched row)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray rows")
+    parser.add_argument("--no-tq", action="store_true", help="skip the TransferQueue rows")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="turns of the meshfeed / TransferQueue rows (default: 3, 1 with --quick)",
+    )
     args = parser.parse_args()
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1 (got {args.repeat=}); use --repeat 1 or more")
+    tq_missing = None if args.no_ray or args.no_tq else _transferqueue_missing()
     scale = 0.2 if args.quick else 1.0
     sizes = {  # samples per run: (embedded, ray)
         "small": (int(20000 * scale), int(1500 * scale)),
@@ -300,9 +503,16 @@ def main() -> None:
     else:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # TransferQueue's controller and its two storage units ask for one CPU each.
+        cpus = 2 if args.no_tq or tq_missing else 3
+        ray.init(
+            num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
+        )
         ray_store = SampleStore("ray", capacity=256, tasks=["train"])
         ray_store.put("warm", {"x": [0]})
+        for workers in (1, 4):  # warm-up, not timed: the actor's and the threads' first calls
+            bench_tensor_rows(ray_store, 2 * workers * 64, workers)
+            ray_store.clear("tensors")
     with Progress(total=len(configs), desc="bench_queue", unit="config") as bar:
         for backend, size, workers in configs:
             n = sizes[size][0 if backend == "embedded" else 1]
@@ -347,6 +557,8 @@ def main() -> None:
     rows.extend(tensor_rows(args, None if args.no_ray else ray_store))
     if not args.no_ray:
         rows.extend(dataplane_rows(args, ray_store))
+        if not args.no_tq and tq_missing is None:
+            rows.extend(transferqueue_rows(args, ray_store))
     header = (
         "backend",
         "sample",
@@ -361,11 +573,25 @@ def main() -> None:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    print(
-        "TransferQueue is not measured here: it cannot be installed with its dependencies in "
-        "this environment (it pulls a ZMQ/Hydra stack and may move torch); its numbers on "
-        "this workload are in issue #12."
-    )
+    if tq_missing is not None:
+        print(
+            f"TransferQueue is not measured: {tq_missing}; install the bench extra "
+            '(pip install "torch==<yours>" -e ".[bench]") to measure it beside the Ray store'
+        )
+    if not args.no_ray:
+        ray_store.shutdown()
+        ray.shutdown()
+
+
+def _transferqueue_missing() -> str | None:
+    """Why TransferQueue cannot be measured here (``None``: it can)."""
+    try:
+        import omegaconf  # noqa: F401
+        import tensordict  # noqa: F401
+        import transfer_queue  # noqa: F401
+    except ImportError as exc:
+        return f"{exc}"
+    return None
 
 
 if __name__ == "__main__":

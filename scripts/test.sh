@@ -4,10 +4,8 @@
 # meshfeed), lint, format check, type check, tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# torch is pinned in the same command: TransferQueue's stack (bench extra) must not move it.
 python -m pip install --quiet "torch==2.13.0" -e ".[test,bench,peers]"
-# TransferQueue's samplers are plain Python files; its controller's dependencies (a ZMQ and
-# Hydra stack) are not needed by the tests, which load the sampler modules directly.
-python -m pip install --quiet --no-deps "transferqueue==0.1.11"
 python -m ruff check --output-format concise .
 python -m ruff format --check .
 python -m mypy

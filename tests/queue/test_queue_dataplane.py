@@ -4,6 +4,7 @@ task may still read it, even after its producer exited."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from meshfeed.queue import SampleStore
 from meshfeed.queue.columns import Runs
 from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.ray_backend import PROBE_INTERVAL
 from meshfeed.queue.samplers import SequentialSampler
 
 pytestmark = pytest.mark.ray
@@ -36,9 +38,9 @@ class _Producer:
 
 
 class _Reader:
-    def read(self, store: SampleStore) -> tuple[list, float]:
+    def read(self, store: SampleStore, seed: int = 7) -> tuple[list, float]:
         batch = store.get("t", ["obs"], ROWS, "p", timeout=30)
-        return batch.ids, float((batch["obs"] - _column(7)).abs().sum())
+        return batch.ids, float((batch["obs"] - _column(seed)).abs().sum())
 
 
 def test_a_chunk_outlives_the_producer_that_put_it(ray_store):
@@ -121,3 +123,140 @@ def test_tensor_columns_come_back_as_writable_tensors_of_their_dtype(ray_store):
     batch["f"][0, 0] = -1.0  # the consumer's own memory, not the object store's
     again = store.peek("p", [0], ["f"])
     assert again["f"][0, 0] == 0.0 and again["f"].dtype == torch.float32
+
+
+class _Owner:
+    """A producer process that puts one chunk and reports the reference it handed over."""
+
+    def produce(self, store: SampleStore) -> list:
+        return store.put("p", {"obs": _column(5)})
+
+
+def _handed_out_ref(store: SampleStore) -> Any:
+    ok, (_, rows, _) = ray_get(
+        store._backend.actor.get.remote("peek", ("obs",), 1, "p", SequentialSampler(), 10, {})
+    )
+    assert ok
+    return rows["obs"].runs[0][0]
+
+
+def ray_get(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=60)
+
+
+def _wait_for(predicate: Any, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_live_producer_keeps_its_chunk_and_the_actor_copies_nothing(ray_store):
+    import ray
+
+    store = _fresh(ray_store)
+    producer = ray.remote(num_cpus=0)(_Owner).remote()
+    try:
+        adopted = store.stats()["adopted_chunks"]  # counts over the actor's life
+        ray_get(producer.produce.remote(store))
+        ref = _handed_out_ref(store)
+        time.sleep(PROBE_INTERVAL * 2.5)  # the watcher probed the producer at least twice
+        assert store.stats()["adopted_chunks"] == adopted  # written once: by the producer
+        assert _handed_out_ref(store) == ref
+        assert torch.equal(store.get("t", ["obs"], ROWS, "p", timeout=10)["obs"], _column(5))
+    finally:
+        ray.kill(producer)
+
+
+def test_the_chunk_of_a_producer_seen_dead_is_adopted_and_still_read(ray_store):
+    import ray
+
+    store = _fresh(ray_store)
+    producer = ray.remote(num_cpus=0)(_Owner).remote()
+    adopted = store.stats()["adopted_chunks"]
+    ray_get(producer.produce.remote(store))
+    before = _handed_out_ref(store)
+    ray.kill(producer)
+    assert _wait_for(lambda: store.stats()["adopted_chunks"] == adopted + 1)
+    after = _handed_out_ref(store)
+    assert after != before  # now the actor's own object
+    reader = ray.remote(num_cpus=0)(_Reader).remote()  # a consumer in a third process
+    try:
+        ids, diff = ray_get(reader.read.remote(store, 5))
+    finally:
+        ray.kill(reader)
+    assert ids == list(range(ROWS)) and diff == 0.0
+
+
+def test_refresh_hands_out_the_adopted_chunk_of_a_dead_producer(ray_store):
+    import ray
+
+    store = _fresh(ray_store)
+    producer = ray.remote(num_cpus=0)(_Owner).remote()
+    adopted = store.stats()["adopted_chunks"]
+    ray_get(producer.produce.remote(store))
+    old = _handed_out_ref(store)
+    ray.kill(producer)
+    assert _wait_for(lambda: store._backend.refresh([old])[0] != old)
+    (new,) = store._backend.refresh([old])
+    assert store.stats()["adopted_chunks"] == adopted + 1
+    assert np.array_equal(ray_get(new), _column(5).numpy())
+    unknown = ray.put(0)
+    assert store._backend.refresh([unknown]) == [unknown]  # not a chunk of this store
+
+
+def test_a_consumer_whose_fetch_fails_asks_the_actor_for_the_current_references(
+    ray_store, monkeypatch
+):
+    import ray
+
+    store = _fresh(ray_store)
+    store.put("p", {"obs": _column(2)})
+    real_get, failed, refreshed = ray.get, [], []
+
+    def get_once_lost(refs: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(refs) is list and not failed:  # the consumer's fetch of the chunks
+            failed.append(refs)
+            raise ray.exceptions.OwnerDiedError(refs[0].hex(), None, "")
+        return real_get(refs, *args, **kwargs)
+
+    actor = store._backend.actor
+    real_refresh = actor.refresh
+
+    class _Actor:  # the store actor, recording refresh calls
+        def __getattr__(self, name: str) -> Any:
+            if name == "refresh":
+                refreshed.append(name)
+                return real_refresh
+            return getattr(actor, name)
+
+    monkeypatch.setattr(ray, "get", get_once_lost)
+    monkeypatch.setattr(store._backend, "actor", _Actor())
+    batch = store.get("t", ["obs"], ROWS, "p", timeout=10)
+    assert failed and refreshed == ["refresh"]  # the fetch failed once, then asked the actor
+    assert torch.equal(batch["obs"], _column(2))  # the producer lives: the same chunk
+
+
+def test_small_tensor_columns_travel_inline_and_come_back_as_writable_tensors(ray_store):
+    import warnings
+
+    store = _fresh(ray_store)
+    tokens = torch.arange(64 * 8, dtype=torch.int64).reshape(64, 8)
+    wide = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    halves = torch.linspace(0, 1, 64 * 8).reshape(64, 8).to(torch.bfloat16)  # no numpy dtype
+    columns = {"tokens": tokens, "view": wide[:, ::2], "b": halves}  # a strided view too
+    store.put("p", columns)
+    assert store._backend.chunk_kinds() == ["Chunk"]  # all inline, none in the object store
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "non-writable NumPy array" warning
+        batch = store.get("t", ["tokens", "view", "b"], 64, "p", timeout=10)
+    for name, expected in columns.items():
+        got = batch[name]
+        assert type(got) is torch.Tensor and got.dtype == expected.dtype
+        assert torch.equal(got, expected), name
+    batch["tokens"][0, 0] = -1  # the consumer's own memory
+    assert store.peek("p", [0], ["tokens"])["tokens"][0, 0] == 0
