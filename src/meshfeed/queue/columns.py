@@ -30,6 +30,7 @@ __all__ = [
     "Runs",
     "assemble",
     "gather",
+    "gather_runs",
     "resolve",
     "signature",
     "transportable",
@@ -216,6 +217,75 @@ def gather(values: list[Any]) -> Any:
     import torch
 
     return Gathered(torch.cat(pieces))
+
+
+def gather_runs(records: list[Any], ids: list[Any], fields: tuple[str, ...]) -> Any:
+    """The batch columns of samples ``ids`` stored in runs (``records[i]`` holds ``ids[i]``;
+    see :class:`meshfeed.queue.records.Run`), as :func:`gather` would build them from their
+    cells, with O(runs) Python operations: a slice (a view) per contiguous block of a run,
+    one ``cat`` over the blocks. ``None`` when the samples are not in blocks of whole runs
+    (the caller gathers cell by cell)."""
+    kind = type(records[0])
+    n = len(ids)
+    blocks: list[tuple[Any, Any]] = []  # (run, slice of its rows, or a list of rows)
+    i = 0
+    while i < n:
+        run = records[i]
+        if type(run) is not kind:
+            return None
+        c = records.count(run)
+        if records[i : i + c].count(run) != c:  # the run's samples are not one block
+            return None
+        keys = ids[i : i + c]
+        if run.index is None:
+            lo = keys[0] - run.first
+            rows: Any = (
+                slice(lo, lo + c)
+                if keys == list(range(keys[0], keys[0] + c))
+                else [k - run.first for k in keys]
+            )
+        else:
+            rows = list(map(run.index.__getitem__, keys))
+            if rows == list(range(rows[0], rows[0] + c)):
+                rows = slice(rows[0], rows[0] + c)
+        blocks.append((run, rows))
+        i += c
+    return {f: _gather_blocks([(run.columns[f], rows) for run, rows in blocks]) for f in fields}
+
+
+def _gather_blocks(blocks: list[tuple[Any, Any]]) -> Any:
+    """One column from ``(chunk or list, rows)`` blocks; the rules of :func:`gather`."""
+    if all(type(c) is list for c, _ in blocks):
+        out: list[Any] = []
+        for column, rows in blocks:
+            out.extend(column[rows] if type(rows) is slice else map(column.__getitem__, rows))
+        return out
+    if all(type(c) is Chunk for c, _ in blocks):
+        first = blocks[0][0].data
+        is_np = isinstance(first, np.ndarray)
+        if len(blocks) == 1 or all(
+            isinstance(c.data, np.ndarray) == is_np
+            and c.data.dtype == first.dtype
+            and c.data.shape[1:] == first.shape[1:]
+            for c, _ in blocks
+        ):
+            pieces = [
+                c.data[rows] if type(rows) is slice else _take(c.data, rows, is_np)
+                for c, rows in blocks
+            ]
+            if len(pieces) == 1:
+                return Gathered(pieces[0])
+            if is_np:
+                return Gathered(np.concatenate(pieces))
+            import torch
+
+            return Gathered(torch.cat(pieces))
+    values: list[Any] = []  # mixed kinds or layouts: the plain values, as gather does
+    for column, rows in blocks:
+        data = column.data if type(column) is Chunk else column
+        picked = range(len(column))[rows] if type(rows) is slice else rows
+        values.extend(data[r] for r in picked)
+    return values
 
 
 def _gather_remote(values: list[Cell]) -> Any:
