@@ -116,6 +116,21 @@ class EmbeddedBackend:
             core = self.core
             held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
             try:
+                got = None
+                if token is None or token not in self.waiters.cancelled:  # no waiter needed
+                    got = core.try_get(
+                        task,
+                        fields,
+                        batch_size,
+                        partition,
+                        sampler,
+                        context,
+                        hold,
+                        lease=lease,
+                        consumer=consumer,
+                    )
+                if got is not None:
+                    return got[0], got[1], (lease if lease in core.leases else None)
                 ids, rows = wait_for(
                     self.lock,
                     self.waiters,
