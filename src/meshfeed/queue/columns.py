@@ -40,15 +40,15 @@ __all__ = [
 class Chunk:
     """One put's column (a tensor or array of shape ``[n, ...]``)."""
 
-    __slots__ = ("data", "row_nbytes")
+    __slots__ = ("data", "n", "row_nbytes")
 
     def __init__(self, data: Any) -> None:
         self.data = data
-        n = len(data)
+        self.n = n = int(data.shape[0])  # not len(): a tensor's __len__ is a Python call
         self.row_nbytes = int(data.nbytes if isinstance(data, np.ndarray) else _tbytes(data)) // n
 
     def __len__(self) -> int:
-        return len(self.data)
+        return self.n
 
     def __reduce__(self) -> Any:
         data = self.data
@@ -270,7 +270,7 @@ def _gather_blocks(blocks: list[tuple[Any, Any]]) -> Any:
             for c, _ in blocks
         ):
             pieces = [
-                c.data[rows] if type(rows) is slice else _take(c.data, rows, is_np)
+                _slice(c.data, rows, is_np) if type(rows) is slice else _take(c.data, rows, is_np)
                 for c, rows in blocks
             ]
             if len(pieces) == 1:
@@ -309,6 +309,14 @@ def _gather_remote(values: list[Cell]) -> Any:
         ],
         is_np,
     )
+
+
+def _slice(data: Any, rows: slice, is_np: bool) -> Any:
+    """Rows ``rows.start:rows.stop`` of a column, a view (``narrow``: a tensor's slicing
+    parses its index in Python)."""
+    if is_np:
+        return data[rows]
+    return data.narrow(0, rows.start, rows.stop - rows.start)
 
 
 def _take(data: Any, rows: list[int], is_np: bool) -> Any:

@@ -69,6 +69,7 @@ class StoreCore:
         self.redelivered = 0  # samples handed out again to a retried request
         self.leases = Leases()
         self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
+        self.planned = 0  # shared plans made (a backend wakes the replica peers on a change)
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -316,6 +317,7 @@ class StoreCore:
             index = share.part
             # Cached until every reader asked for a later index, so a retry gets this batch.
             entry = Entry(parts, fields, share.readers, batch_size, context.get("agree"))
+            self.planned += 1
             entry.read.add(share.reader)
             part.cache[(task, *share.key)] = entry
             for k in every:
@@ -457,7 +459,11 @@ class StoreCore:
             return None  # fewer pending than a batch, so fewer ready: wait
         if not keys:
             return None
-        for record in set(map(part.samples.__getitem__, keys)):
+        records = list(map(part.samples.__getitem__, keys))
+        first = records[0]
+        if records.count(first) == len(records):  # one run (or one sample)
+            return [keys] if first.has(need) else False
+        for record in set(records):
             if not record.has(need):
                 return False
         return [keys]
@@ -541,10 +547,12 @@ class StoreCore:
         """Drop samples ``keys`` (all held, no repeats): a few C-level passes over them."""
         if not keys:
             return
-        records = Counter(map(part.samples.pop, keys))
+        records = list(map(part.samples.pop, keys))
         self.held -= len(keys)
+        first = records[0]
+        one = records.count(first) == len(records)  # one run: no counting per record
         counts = part.field_counts
-        for record, n in records.items():
+        for record, n in ({first: len(records)} if one else Counter(records)).items():
             for f in record.names if type(record) is Run else record.fields:
                 counts[f] -= n
         for index in (part.held, part.leased):

@@ -114,7 +114,7 @@ class EmbeddedBackend:
         need = (*fields, *sampler.extra_fields)
         with self.lock:
             core = self.core
-            held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
+            held, planned, expired = core.held, core.planned, core.lease_expired
             try:
                 got = None
                 if token is None or token not in self.waiters.cancelled:  # no waiter needed
@@ -158,7 +158,7 @@ class EmbeddedBackend:
                 core = self.core
                 if core.held < held:  # consumption (or an acknowledged lease) freed capacity
                     self.waiters.wake_producers()
-                if core.stats_cache_entries() != cached:  # a plan replica peers may read
+                if core.planned != planned:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)
                 if core.lease_expired != expired:  # samples returned to ready
                     self.waiters.wake_all()
