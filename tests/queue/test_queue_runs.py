@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -182,3 +184,54 @@ def test_runs_match_a_per_sample_model_under_any_schedule(ops):
             check(batch, task, ("x", "y"))
             got.extend(batch.ids)
         assert got == ready
+
+
+def test_runs_are_delivered_exactly_once_by_four_producers_to_four_consumers_at_capacity():
+    """The benchmark's workload as a test: puts of 64 tensor rows (one run each) against a
+    capacity of four puts, two tasks with two consumer threads each; every row once per task,
+    with its own values, and nothing left held."""
+    store = SampleStore(capacity=256, tasks=["a", "b"])
+    producers, puts, rows = 4, 12, 64
+    got: dict[str, list] = {"a": [], "b": []}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def produce(p: int) -> None:
+        try:
+            for i in range(puts):
+                start = (p * puts + i) * rows
+                x = torch.arange(start, start + rows, dtype=torch.float64)
+                store.put(
+                    "p", {"x": x, "y": x * 2}, ids=list(range(start, start + rows)), timeout=20
+                )
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume(task: str) -> None:
+        try:
+            while True:
+                try:
+                    b = store.get(task, ["x", "y"], rows, "p", timeout=20)
+                except PartitionClosed:
+                    return
+                assert b["x"].tolist() == [float(k) for k in b.ids]
+                assert b["y"].tolist() == [2.0 * k for k in b.ids]
+                with lock:
+                    got[task].extend(b.ids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(t,)) for t in ["a", "b"] * 2]
+    threads += [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads[4:]:
+        t.join(60)
+    store.close("p")
+    for t in threads[:4]:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    for task in ("a", "b"):
+        assert sorted(got[task]) == list(range(producers * puts * rows))
+    assert store.stats()["held"] == 0
