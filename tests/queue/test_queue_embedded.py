@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshfeed.queue import RequestCancelled, SampleStore
+from meshfeed.queue import PartitionClosed, RequestCancelled, SampleStore
 from meshfeed.queue.embedded import wait_for
 from meshfeed.queue.wakeups import Waiter, Waiters
 
@@ -124,3 +124,51 @@ def test_cancel_wakes_the_requests_of_one_token_and_consumes_nothing():
     assert len(errors) == 1 and store.stats()["consumed"] == {"t": 1}
     with pytest.raises(RequestCancelled):  # a cancelled token is refused from then on
         store.get("t", ["x"], 1, "p", token="a", timeout=1)
+
+
+def test_targeted_wake_ups_lose_no_request_among_mixed_waiters_at_capacity():
+    """Grouped consumers (same task, batch size and sampler) are woken one at a time and
+    producers by the capacity freed; with consumers of other batch sizes and two producers
+    racing to create the same samples (one puts x, the other y), every request is still
+    served: each sample once, no get or put left waiting."""
+    store = SampleStore(capacity=8, tasks=["t"])
+    n, errors, got = 240, [], []
+    lock = threading.Lock()
+
+    def produce(field: str, order: list[int]) -> None:
+        try:
+            for i in range(0, n, 4):
+                ids = order[i : i + 4]
+                store.put("p", {field: [float(k) for k in ids]}, ids=ids, timeout=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume(size: int) -> None:
+        try:
+            while True:
+                try:
+                    batch = store.get("t", ["x", "y"], size, "p", timeout=20)
+                except PartitionClosed:
+                    return
+                assert batch["x"] == batch["y"] == [float(k) for k in batch.ids]
+                with lock:
+                    got.extend(batch.ids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ids = list(range(n))
+    producers = [
+        threading.Thread(target=produce, args=("x", ids)),
+        threading.Thread(target=produce, args=("y", ids)),
+    ]
+    consumers = [threading.Thread(target=consume, args=(size,)) for size in (4, 4, 4, 3, 1)]
+    for t in consumers + producers:
+        t.start()
+    for t in producers:
+        t.join(60)
+    store.close("p")
+    for t in consumers:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in consumers + producers)
+    assert sorted(got) == ids

@@ -70,6 +70,7 @@ class StoreCore:
         self.leases = Leases()
         self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
         self.planned = 0  # shared plans made (a backend wakes the replica peers on a change)
+        self.put_needs = 0  # new samples the last put refused for capacity needed
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -110,6 +111,7 @@ class StoreCore:
                     "put fewer samples at a time or raise the capacity"
                 )
             if self.held + n_new > cap:
+                self.put_needs = n_new
                 return None
         part.seen.update(rows)
         if n_new == n and groups is None and _run_columns(rows):
