@@ -114,7 +114,8 @@ class StoreCore:
                 self.put_needs = n_new
                 return None
         part.seen.update(rows)
-        if n_new == n and groups is None and _run_columns(rows):
+        # One sample gains nothing from a run (and costs more to gather from a row of runs).
+        if n_new == n > 1 and groups is None and _run_columns(rows):
             self._put_run(part, rows, ids, n)
         else:
             self._put_samples(part, rows, ids, groups)

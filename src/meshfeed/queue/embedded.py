@@ -145,58 +145,62 @@ class EmbeddedBackend:
                 part.closed or len(part.pending.get(task, ())) >= batch_size
             )
 
+        freed = False
+
+        def attempt() -> tuple[list[Key], dict[str, list[Any]]] | None:
+            # Capacity freed is judged per attempt: while this get waited, other puts and gets
+            # moved ``held`` both ways, so a comparison with its value at the call missed the
+            # eviction of a get that had waited through puts (producers then waited forever).
+            nonlocal freed
+            core = self.core
+            held = core.held
+            try:
+                return core.try_get(
+                    task,
+                    fields,
+                    batch_size,
+                    partition,
+                    sampler,
+                    context,
+                    hold,
+                    lease=lease,
+                    consumer=consumer,
+                )
+            finally:
+                if self.core.held < held:
+                    freed = True
+
         with self.lock:
             core = self.core
-            held, planned, expired = core.held, core.planned, core.lease_expired
+            planned, expired = core.planned, core.lease_expired
             try:
                 got = None
                 if token is None or token not in self.waiters.cancelled:  # no waiter needed
-                    got = core.try_get(
-                        task,
-                        fields,
-                        batch_size,
-                        partition,
-                        sampler,
-                        context,
-                        hold,
-                        lease=lease,
-                        consumer=consumer,
+                    got = attempt()
+                if got is None:
+                    got = wait_for(
+                        self.lock,
+                        self.waiters,
+                        lambda notify: Waiter(
+                            "consumer",
+                            notify,
+                            partition=partition,
+                            task=task,
+                            need=need,
+                            token=token,
+                            group=group,
+                            more=more,
+                        ),
+                        attempt,
+                        timeout,
+                        f"get of {batch_size} samples with {list(fields)} for task {task!r} "
+                        f"from {partition!r}",
+                        self.core.next_lease_deadline,
                     )
-                if got is not None:
-                    return got[0], got[1], (lease if lease in core.leases else None)
-                ids, rows = wait_for(
-                    self.lock,
-                    self.waiters,
-                    lambda notify: Waiter(
-                        "consumer",
-                        notify,
-                        partition=partition,
-                        task=task,
-                        need=need,
-                        token=token,
-                        group=group,
-                        more=more,
-                    ),
-                    lambda: self.core.try_get(
-                        task,
-                        fields,
-                        batch_size,
-                        partition,
-                        sampler,
-                        context,
-                        hold,
-                        lease=lease,
-                        consumer=consumer,
-                    ),
-                    timeout,
-                    f"get of {batch_size} samples with {list(fields)} for task {task!r} "
-                    f"from {partition!r}",
-                    self.core.next_lease_deadline,
-                )
-                return ids, rows, (lease if lease in self.core.leases else None)
+                return got[0], got[1], (lease if lease in self.core.leases else None)
             finally:
                 core = self.core
-                if core.held < held:  # consumption (or an acknowledged lease) freed capacity
+                if freed:  # consumption (or an acknowledged lease) freed capacity
                     self.waiters.wake_producers(self._free())
                 if core.planned != planned:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)
