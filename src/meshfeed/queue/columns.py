@@ -223,7 +223,8 @@ def gather_runs(records: list[Any], ids: list[Any], fields: tuple[str, ...]) -> 
     """The batch columns of samples ``ids`` stored in runs (``records[i]`` holds ``ids[i]``;
     see :class:`meshfeed.queue.records.Run`), as :func:`gather` would build them from their
     cells, with O(runs) Python operations: a slice (a view) per contiguous block of a run,
-    one ``cat`` over the blocks. ``None`` when the samples are not in blocks of whole runs
+    one ``cat`` over the blocks; a column of scalars as a :class:`Gathered` list (what
+    ``collate`` would make of it). ``None`` when the samples are not in blocks of whole runs
     (the caller gathers cell by cell)."""
     kind = type(records[0])
     n = len(ids)
@@ -259,7 +260,7 @@ def _gather_blocks(blocks: list[tuple[Any, Any]]) -> Any:
         out: list[Any] = []
         for column, rows in blocks:
             out.extend(column[rows] if type(rows) is slice else map(column.__getitem__, rows))
-        return out
+        return Gathered(out)  # a run's lists hold scalars: nothing to collate
     if all(type(c) is Chunk for c, _ in blocks):
         first = blocks[0][0].data
         is_np = isinstance(first, np.ndarray)
