@@ -1,7 +1,9 @@
 """The records a :class:`~meshfeed.queue.core.StoreCore` keeps: options, samples, partitions.
 
-Plain slotted containers with no behaviour beyond small accessors, shared by the core (which
+Slotted containers with no behaviour beyond small accessors, shared by the core (which
 changes them) and :mod:`meshfeed.queue.checkpoint` (which dumps and rebuilds them). A
+partition maps each sample id to its :class:`Sample`, or to the :class:`Run` of the put that
+made it (read through ``Partition.cells`` / ``Partition.sample``, never ``.fields`` values). A
 :class:`Ref` marks a payload held elsewhere (Ray's object store): counted, never held.
 """
 
