@@ -205,3 +205,33 @@ def test_a_get_that_waited_through_puts_wakes_the_producer_its_eviction_makes_ro
     producer.join(5)  # woken at once; before the fix it slept until its timeout
     assert not producer.is_alive(), "the producer was not woken when capacity was freed"
     assert results == {"get": [0, 1], "put": [2]}
+
+
+def test_like_consumers_are_woken_one_at_a_time_and_pass_the_wake_on_while_more_is_ready():
+    store = SampleStore()
+    got: list[list] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        batch = store.get("t", ["x"], 2, "p", timeout=10)
+        with lock:
+            got.append(batch.ids)
+
+    threads = [threading.Thread(target=consume) for _ in range(3)]
+    for t in threads:
+        t.start()
+    _waiting(store, "consumers", 3)
+    store.put("p", {"x": [0]})  # not a batch yet: wakes the first of the three only
+    time.sleep(0.05)
+    assert sorted(w.woken for w in store._backend.waiters.waiters) == [0, 0, 1]
+    store.put("p", {"x": [1, 2, 3]})  # two batches: the first passes the wake to the second
+    deadline = time.monotonic() + 10
+    while len(got) < 2:
+        assert time.monotonic() < deadline, "the second batch was not handed out"
+        time.sleep(0.005)
+    (last,) = store._backend.waiters.waiters
+    assert last.woken == 0  # nothing was left for it: never woken in vain
+    store.put("p", {"x": [4, 5]})
+    for t in threads:
+        t.join(10)
+    assert sorted(got) == [[0, 1], [2, 3], [4, 5]]

@@ -240,7 +240,7 @@ class SampleStore:
         """
         partition = self._partition(partition)
         timeout = check_timeout(timeout)
-        if not isinstance(fields, Mapping):
+        if type(fields) is not dict and not isinstance(fields, Mapping):  # dict: no ABC check
             raise TypeError(
                 f"fields must be a mapping of name -> column (got {type(fields).__name__})"
             )
