@@ -147,13 +147,6 @@ class Run:
         index = self.index
         return key - self.first if index is None else index[key]  # type: ignore[operator]
 
-    def rows(self, keys: list[Key]) -> list[int]:
-        index = self.index
-        if index is None:
-            first = self.first
-            return [k - first for k in keys]  # type: ignore[operator]
-        return list(map(index.__getitem__, keys))
-
     def has(self, need: tuple[str, ...]) -> bool:
         return self.names.issuperset(need)
 
