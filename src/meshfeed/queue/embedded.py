@@ -91,7 +91,15 @@ class EmbeddedBackend:
                 made: list[Waiter] = []
 
                 def make(notify: Callable[[], None]) -> Waiter:
-                    made.append(Waiter("producer", notify, size=self.core.put_needs, ids=ids))
+                    made.append(
+                        Waiter(
+                            "producer",
+                            notify,
+                            size=self.core.put_needs,
+                            ids=ids,
+                            room=self._free,
+                        )
+                    )
                     return made[0]
 
                 def attempt() -> list[Key] | None:

@@ -18,8 +18,9 @@ not the store's work):
   the others would fail the same way;
 - producers that wait for capacity with a known ``size`` (how many new samples their put
   needs, as of their last attempt) are woken in order while the freed capacity covers them; a
-  woken producer that fails, or leaves without trying, wakes every producer; and a put that
-  creates samples wakes the producers whose ``ids`` it created (their put may need less now).
+  woken producer that fails, or leaves without trying, wakes in the same way those that the
+  capacity free then (its ``room()``) covers, or every producer if it cannot tell; and a put
+  that creates samples wakes the producers whose ``ids`` it created (their put may need less).
 
 Waiters without a group or size (the Ray backend's, a custom sampler's) are woken by every
 change that may concern them, as before.
@@ -78,6 +79,7 @@ class Waiter:
         "need",
         "notify",
         "partition",
+        "room",
         "size",
         "task",
         "token",
@@ -97,12 +99,13 @@ class Waiter:
         more: Callable[[], bool] | None = None,
         size: int | None = None,
         ids: Collection[Hashable] | None = None,
+        room: Callable[[], int | None] | None = None,
     ) -> None:
         self.kind, self.notify = kind, notify
         self.partition, self.task, self.need = partition, task, frozenset(need)
         self.token = token
         self.group, self.more = group, more  # see the module docstring
-        self.size = size
+        self.size, self.room = size, room
         self.ids = None if ids is None else frozenset(ids)
         self.baton = False  # woken as the one of its group / budget, not yet tried
         self.cancelled = False
@@ -165,8 +168,9 @@ class Waiters:
                 w.wake()
             elif w.size <= free:
                 free -= w.size
-                w.baton = True
-                w.wake()
+                if not w.baton:  # else woken already and about to try
+                    w.baton = True
+                    w.wake()
 
     def wake_creators(self, ids: Collection[Hashable]) -> None:
         """A put created samples ``ids``: producers waiting to put to some of them need
@@ -182,7 +186,7 @@ class Waiters:
             if ok and waiter.group is not None and waiter.more is not None and waiter.more():
                 self._pass(waiter)
         elif baton and not ok:  # a producer woken for capacity another put took
-            self.wake_producers()
+            self.wake_producers(None if waiter.room is None else waiter.room())
 
     def leaving(self, waiter: Waiter) -> None:
         """``waiter`` stops waiting; if it was woken and did not try, wake who it stood for."""
@@ -191,7 +195,7 @@ class Waiters:
             if waiter.kind == "consumer":
                 self._pass(waiter)
             else:
-                self.wake_producers()
+                self.wake_producers(None if waiter.room is None else waiter.room())
 
     def _pass(self, waiter: Waiter) -> None:
         for w in self.waiters:
