@@ -256,6 +256,12 @@ def gather_runs(records: list[Any], ids: list[Any], fields: tuple[str, ...]) -> 
 
 def _gather_blocks(blocks: list[tuple[Any, Any]]) -> Any:
     """One column from ``(chunk or list, rows)`` blocks; the rules of :func:`gather`."""
+    if len(blocks) == 1 and type(blocks[0][1]) is slice:  # the common case: one view
+        column, rows = blocks[0]
+        if type(column) is list:
+            return Gathered(column[rows])
+        data = column.data
+        return Gathered(_slice(data, rows, isinstance(data, np.ndarray)))
     if all(type(c) is list for c, _ in blocks):
         out: list[Any] = []
         for column, rows in blocks:
