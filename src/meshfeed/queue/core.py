@@ -320,7 +320,20 @@ class StoreCore:
             return None
         every = parts[0] if len(parts) == 1 else [k for p in parts for k in p]
         deque(map(pending.pop, every), 0)  # C-level loops: no Python per sample
-        part.consumed[task].update(every)
+        # The only task consumed them and nothing keeps them (no plan, hold or lease): they
+        # go now, without passing through the consumed set and the eviction checks.
+        drop = (
+            share is None
+            and not hold
+            and self.options.lease_timeout is None
+            and self.options.tasks == (task,)
+            and len(part.pending) == 1
+            and not part.cache
+            and not part.held
+            and not part.leased
+        )
+        if not drop:
+            part.consumed[task].update(every)
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         index = 0
         if share is not None:
@@ -347,7 +360,10 @@ class StoreCore:
             leased = part.leased
             for k in ids:
                 leased[k] = leased.get(k, 0) + 1
-        self._evict(part, every)
+        if drop:
+            self._forget(part, every)
+        else:
+            self._evict(part, every)
         return ids, rows
 
     # ----------------------------------------------------------------- leases
@@ -557,6 +573,18 @@ class StoreCore:
         """Drop samples ``keys`` (all held, no repeats): a few C-level passes over them."""
         if not keys:
             return
+        self._forget(part, keys)
+        for index in (part.held, part.leased):
+            if index:
+                deque(map(index.pop, keys, repeat(None)), 0)
+        for task, pending in part.pending.items():
+            deque(map(pending.pop, keys, repeat(None)), 0)
+            part.consumed[task].difference_update(keys)
+
+    def _forget(self, part: Partition, keys: list[Key]) -> None:
+        """Drop the records of samples ``keys`` (held, no repeats, in no index any more)."""
+        if not keys:
+            return
         records = list(map(part.samples.pop, keys))
         self.held -= len(keys)
         first = records[0]
@@ -565,12 +593,6 @@ class StoreCore:
         for record, n in ({first: len(records)} if one else Counter(records)).items():
             for f in record.names if type(record) is Run else record.fields:
                 counts[f] -= n
-        for index in (part.held, part.leased):
-            if index:
-                deque(map(index.pop, keys, repeat(None)), 0)
-        for task, pending in part.pending.items():
-            deque(map(pending.pop, keys, repeat(None)), 0)
-            part.consumed[task].difference_update(keys)
 
     # ----------------------------------------------------------------- admin
     def reset_consumption(self, partition: str, task: str) -> None:
