@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from meshfeed.queue import RequestCancelled, SampleStore
+from meshfeed.queue import PartitionClosed, RequestCancelled, SampleStore
 from meshfeed.queue.embedded import wait_for
 from meshfeed.queue.wakeups import Waiter, Waiters
 
@@ -124,3 +124,114 @@ def test_cancel_wakes_the_requests_of_one_token_and_consumes_nothing():
     assert len(errors) == 1 and store.stats()["consumed"] == {"t": 1}
     with pytest.raises(RequestCancelled):  # a cancelled token is refused from then on
         store.get("t", ["x"], 1, "p", token="a", timeout=1)
+
+
+def test_targeted_wake_ups_lose_no_request_among_mixed_waiters_at_capacity():
+    """Grouped consumers (same task, batch size and sampler) are woken one at a time and
+    producers by the capacity freed; with consumers of other batch sizes and two producers
+    racing to create the same samples (one puts x, the other y), every request is still
+    served: each sample once, no get or put left waiting."""
+    store = SampleStore(capacity=8, tasks=["t"])
+    n, errors, got = 240, [], []
+    lock = threading.Lock()
+
+    def produce(field: str, order: list[int]) -> None:
+        try:
+            for i in range(0, n, 4):
+                ids = order[i : i + 4]
+                store.put("p", {field: [float(k) for k in ids]}, ids=ids, timeout=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consume(size: int) -> None:
+        try:
+            while True:
+                try:
+                    batch = store.get("t", ["x", "y"], size, "p", timeout=20)
+                except PartitionClosed:
+                    return
+                assert batch["x"] == batch["y"] == [float(k) for k in batch.ids]
+                with lock:
+                    got.extend(batch.ids)
+        except BaseException as exc:
+            errors.append(exc)
+
+    ids = list(range(n))
+    producers = [
+        threading.Thread(target=produce, args=("x", ids)),
+        threading.Thread(target=produce, args=("y", ids)),
+    ]
+    consumers = [threading.Thread(target=consume, args=(size,)) for size in (4, 4, 4, 3, 1)]
+    for t in consumers + producers:
+        t.start()
+    for t in producers:
+        t.join(60)
+    store.close("p")
+    for t in consumers:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in consumers + producers)
+    assert sorted(got) == ids
+
+
+def test_a_get_that_waited_through_puts_wakes_the_producer_its_eviction_makes_room_for():
+    """The get starts with the store empty, waits while a put fills it and a producer blocks
+    at capacity, then takes the batch: its eviction must wake that producer, although the
+    store holds no fewer samples than when the get began (which is what was compared)."""
+    store = SampleStore(capacity=2, tasks=["t"])
+    results: dict[str, object] = {}
+
+    def run(name: str, call) -> None:
+        try:
+            results[name] = call()
+        except BaseException as exc:
+            results[name] = exc
+
+    consumer = threading.Thread(
+        target=run, args=("get", lambda: store.get("t", ["x", "y"], 2, "p", timeout=10).ids)
+    )
+    consumer.start()
+    _waiting(store, "consumers", 1)
+    store.put("p", {"x": [0, 1]}, ids=[0, 1])  # the store is full; the get needs y too
+    producer = threading.Thread(
+        target=run,
+        args=("put", lambda: store.put("p", {"x": [2]}, ids=[2], timeout=60)),
+        daemon=True,
+    )
+    producer.start()
+    _waiting(store, "producers", 1)
+    store.put("p", {"y": [0, 1]}, ids=[0, 1])  # adds fields only: fits, serves the get
+    consumer.join(10)
+    producer.join(5)  # woken at once; before the fix it slept until its timeout
+    assert not producer.is_alive(), "the producer was not woken when capacity was freed"
+    assert results == {"get": [0, 1], "put": [2]}
+
+
+def test_like_consumers_are_woken_one_at_a_time_and_pass_the_wake_on_while_more_is_ready():
+    store = SampleStore()
+    got: list[list] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        batch = store.get("t", ["x"], 2, "p", timeout=10)
+        with lock:
+            got.append(batch.ids)
+
+    threads = [threading.Thread(target=consume) for _ in range(3)]
+    for t in threads:
+        t.start()
+    _waiting(store, "consumers", 3)
+    store.put("p", {"x": [0]})  # not a batch yet: wakes the first of the three only
+    time.sleep(0.05)
+    assert sorted(w.woken for w in store._backend.waiters.waiters) == [0, 0, 1]
+    store.put("p", {"x": [1, 2, 3]})  # two batches: the first passes the wake to the second
+    deadline = time.monotonic() + 10
+    while len(got) < 2:
+        assert time.monotonic() < deadline, "the second batch was not handed out"
+        time.sleep(0.005)
+    (last,) = store._backend.waiters.waiters
+    assert last.woken == 0  # nothing was left for it: never woken in vain
+    store.put("p", {"x": [4, 5]})
+    for t in threads:
+        t.join(10)
+    assert sorted(got) == [[0, 1], [2, 3], [4, 5]]

@@ -102,7 +102,7 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
         )
         if with_payload:
             payload.append(
-                [{f: resolve(v) for f, v in s.fields.items()} for s in part.samples.values()]
+                [{f: resolve(v) for f, v in s.cells(k).items()} for k, s in part.samples.items()]
             )
     meta = envelope(
         KIND,
@@ -164,7 +164,7 @@ def restore(
                     "restores consumption over the same puts; use SampleStore.load(path) to "
                     "restore the data as well"
                 )
-            rows = [dict(s.fields) for s in old.samples.values()]
+            rows = [dict(s.cells(k)) for k, s in old.samples.items()]
         for (key, group, names), values in zip(pm["samples"], rows, strict=True):
             sample = Sample(group)
             for f in names:

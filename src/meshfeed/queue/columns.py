@@ -30,6 +30,7 @@ __all__ = [
     "Runs",
     "assemble",
     "gather",
+    "gather_runs",
     "resolve",
     "signature",
     "transportable",
@@ -39,15 +40,15 @@ __all__ = [
 class Chunk:
     """One put's column (a tensor or array of shape ``[n, ...]``)."""
 
-    __slots__ = ("data", "row_nbytes")
+    __slots__ = ("data", "n", "row_nbytes")
 
     def __init__(self, data: Any) -> None:
         self.data = data
-        n = len(data)
+        self.n = n = int(data.shape[0])  # not len(): a tensor's __len__ is a Python call
         self.row_nbytes = int(data.nbytes if isinstance(data, np.ndarray) else _tbytes(data)) // n
 
     def __len__(self) -> int:
-        return len(self.data)
+        return self.n
 
     def __reduce__(self) -> Any:
         data = self.data
@@ -218,6 +219,82 @@ def gather(values: list[Any]) -> Any:
     return Gathered(torch.cat(pieces))
 
 
+def gather_runs(records: list[Any], ids: list[Any], fields: tuple[str, ...]) -> Any:
+    """The batch columns of samples ``ids`` stored in runs (``records[i]`` holds ``ids[i]``;
+    see :class:`meshfeed.queue.records.Run`), as :func:`gather` would build them from their
+    cells, with O(runs) Python operations: a slice (a view) per contiguous block of a run,
+    one ``cat`` over the blocks; a column of scalars as a :class:`Gathered` list (what
+    ``collate`` would make of it). ``None`` when the samples are not in blocks of whole runs
+    (the caller gathers cell by cell)."""
+    kind = type(records[0])
+    n = len(ids)
+    blocks: list[tuple[Any, Any]] = []  # (run, slice of its rows, or a list of rows)
+    i = 0
+    while i < n:
+        run = records[i]
+        if type(run) is not kind:
+            return None
+        c = records.count(run)
+        if records[i : i + c].count(run) != c:  # the run's samples are not one block
+            return None
+        keys = ids[i : i + c]
+        if run.index is None:
+            lo = keys[0] - run.first
+            rows: Any = (
+                slice(lo, lo + c)
+                if keys == list(range(keys[0], keys[0] + c))
+                else [k - run.first for k in keys]
+            )
+        else:
+            rows = list(map(run.index.__getitem__, keys))
+            if rows == list(range(rows[0], rows[0] + c)):
+                rows = slice(rows[0], rows[0] + c)
+        blocks.append((run, rows))
+        i += c
+    return {f: _gather_blocks([(run.columns[f], rows) for run, rows in blocks]) for f in fields}
+
+
+def _gather_blocks(blocks: list[tuple[Any, Any]]) -> Any:
+    """One column from ``(chunk or list, rows)`` blocks; the rules of :func:`gather`."""
+    if len(blocks) == 1 and type(blocks[0][1]) is slice:  # the common case: one view
+        column, rows = blocks[0]
+        if type(column) is list:
+            return Gathered(column[rows])
+        data = column.data
+        return Gathered(_slice(data, rows, isinstance(data, np.ndarray)))
+    if all(type(c) is list for c, _ in blocks):
+        out: list[Any] = []
+        for column, rows in blocks:
+            out.extend(column[rows] if type(rows) is slice else map(column.__getitem__, rows))
+        return Gathered(out)  # a run's lists hold scalars: nothing to collate
+    if all(type(c) is Chunk for c, _ in blocks):
+        first = blocks[0][0].data
+        is_np = isinstance(first, np.ndarray)
+        if len(blocks) == 1 or all(
+            isinstance(c.data, np.ndarray) == is_np
+            and c.data.dtype == first.dtype
+            and c.data.shape[1:] == first.shape[1:]
+            for c, _ in blocks
+        ):
+            pieces = [
+                _slice(c.data, rows, is_np) if type(rows) is slice else _take(c.data, rows, is_np)
+                for c, rows in blocks
+            ]
+            if len(pieces) == 1:
+                return Gathered(pieces[0])
+            if is_np:
+                return Gathered(np.concatenate(pieces))
+            import torch
+
+            return Gathered(torch.cat(pieces))
+    values: list[Any] = []  # mixed kinds or layouts: the plain values, as gather does
+    for column, rows in blocks:
+        data = column.data if type(column) is Chunk else column
+        picked = range(len(column))[rows] if type(rows) is slice else rows
+        values.extend(data[r] for r in picked)
+    return values
+
+
 def _gather_remote(values: list[Cell]) -> Any:
     """Runs of cells when some live in the object store: the consumer fetches them."""
     sigs = {
@@ -239,6 +316,14 @@ def _gather_remote(values: list[Cell]) -> Any:
         ],
         is_np,
     )
+
+
+def _slice(data: Any, rows: slice, is_np: bool) -> Any:
+    """Rows ``rows.start:rows.stop`` of a column, a view (``narrow``: a tensor's slicing
+    parses its index in Python)."""
+    if is_np:
+        return data[rows]
+    return data.narrow(0, rows.start, rows.stop - rows.start)
 
 
 def _take(data: Any, rows: list[int], is_np: bool) -> Any:

@@ -8,35 +8,54 @@ object store) so the store counts it but never holds its bytes.
 
 Per partition the core keeps samples in production order, and per task an ordered ``pending``
 set (not yet consumed), so a ``get`` scans only unconsumed samples. The records themselves
-(options, samples, partitions, shared-plan entries) live in :mod:`meshfeed.queue.records`,
+(options, samples, runs, partitions, shared-plan entries) live in :mod:`meshfeed.queue.records`,
 which the checkpoint module reads and rebuilds without reaching into the core.
+
+Cost: a put of ``n`` new samples whose columns are chunks or scalar lists is one
+:class:`~meshfeed.queue.records.Run` stored under its ``n`` ids, and the common get (a
+``SequentialSampler`` whose first pending samples are ready) selects, consumes, gathers (a view
+per contiguous block of a run) and evicts with C-level dict/set passes over the ids: O(runs)
+Python operations, not O(samples). Everything else (fields added to existing samples, groups,
+other samplers, pins, holds, leases) takes the per-sample path, which gives the same results.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter, deque
 from collections.abc import Hashable, Mapping
+from itertools import islice, repeat
 from typing import Any
 
-from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, gather
+from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, gather, gather_runs
 from meshfeed.queue.leases import Lease, Leases
 from meshfeed.queue.records import (
     SCALAR_TYPES,
     Entry,
     Partition,
     Ref,
+    Run,
     Sample,
     StoreOptions,
     View,
     nbytes_of,
 )
-from meshfeed.queue.samplers import Sampler, Share
+from meshfeed.queue.samplers import Sampler, SequentialSampler, Share
 
 __all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
 Key = Hashable
 KIND = "sample_store"  # the state envelope's kind
 VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indices
+
+
+def _run_columns(rows: Mapping[str, Any]) -> bool:
+    """Whether a put's columns can be stored as one :class:`Run`: chunks and scalar lists."""
+    for column in rows.values():
+        t = type(column)
+        if t is not Chunk and not (t is list and set(map(type, column)) <= SCALAR_TYPES):
+            return False
+    return True
 
 
 class PartitionClosed(Exception):
@@ -57,6 +76,8 @@ class StoreCore:
         self.redelivered = 0  # samples handed out again to a retried request
         self.leases = Leases()
         self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
+        self.planned = 0  # shared plans made (a backend wakes the replica peers on a change)
+        self.put_needs = 0  # new samples the last put refused for capacity needed
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -82,9 +103,10 @@ class StoreCore:
                 "to reuse the name, or put to a new partition)"
             )
         n = len(next(iter(rows.values())))
-        samples = part.samples
         if ids is None:  # fresh ids are above every int id ever put: all new, nothing to check
             ids = list(range(part.next_id, part.next_id + n))
+            n_new = n
+        elif part.samples.keys().isdisjoint(ids):  # all new: nothing to check per sample
             n_new = n
         else:
             n_new = self._check_put(partition, part, rows, ids, groups)
@@ -96,8 +118,50 @@ class StoreCore:
                     "put fewer samples at a time or raise the capacity"
                 )
             if self.held + n_new > cap:
+                self.put_needs = n_new
                 return None
         part.seen.update(rows)
+        # One sample gains nothing from a run (and costs more to gather from a row of runs).
+        if n_new == n > 1 and groups is None and _run_columns(rows):
+            self._put_run(part, rows, ids, n)
+        else:
+            self._put_samples(part, rows, ids, groups)
+        self.held += n_new
+        self.produced += n_new
+        counts = part.field_counts
+        for f in rows:  # each (sample, field) pair is new, checked above
+            counts[f] = counts.get(f, 0) + n
+        return ids
+
+    @staticmethod
+    def _put_run(part: Partition, rows: Mapping[str, Any], ids: list[Key], n: int) -> None:
+        """New samples with every column a chunk or scalars: one :class:`Run` for all."""
+        first = ids[0]
+        start = first if isinstance(first, int) else 0
+        consecutive = type(first) is int and ids == list(range(start, start + n))
+        # A list column is copied (the caller may reuse it); a chunk is the caller's column.
+        columns = {f: c if type(c) is Chunk else list(c) for f, c in rows.items()}
+        run = Run(columns, None if consecutive else ids, start)
+        part.samples.update(dict.fromkeys(ids, run))
+        for pending in part.pending.values():
+            pending.update(dict.fromkeys(ids))
+        if consecutive:
+            top = ids[-1]
+        else:
+            ints = [k for k in ids if type(k) is int]
+            top = max(ints) if ints else -1
+        if top >= part.next_id:  # type: ignore[operator]
+            part.next_id = top + 1  # type: ignore[operator]
+
+    @staticmethod
+    def _put_samples(
+        part: Partition,
+        rows: Mapping[str, list[Any]],
+        ids: list[Key],
+        groups: list[Hashable] | None,
+    ) -> None:
+        """The general put: a :class:`Sample` per sample, fields added to existing ones."""
+        samples = part.samples
         columns = list(rows.items())
         pendings = list(part.pending.values())
         next_id = part.next_id
@@ -110,8 +174,10 @@ class StoreCore:
                     pending[k] = None
                 if type(k) is int and k >= next_id:
                     next_id = k + 1
-            elif group is not None:
-                sample.group = group
+            else:
+                sample = part.sample(k)
+                if group is not None:
+                    sample.group = group
             fields = sample.fields
             for f, column in columns:
                 if type(column) is Chunk:  # a row of the put's column, not a copy of it
@@ -131,12 +197,6 @@ class StoreCore:
                 if isinstance(value, Ref):
                     sample.remote += value.nbytes
         part.next_id = next_id
-        self.held += n_new
-        self.produced += n_new
-        counts = part.field_counts
-        for f in rows:  # each (sample, field) pair is new, checked above
-            counts[f] = counts.get(f, 0) + n
-        return ids
 
     @staticmethod
     def _check_put(
@@ -247,28 +307,44 @@ class StoreCore:
                     "(check the field names if you expected data)"
                 )
         pending = part.task(task)
-        parts = sampler.select(View(part, pending, need), batch_size)
+        parts: list[list[Key]] | bool | None = False
+        if share is None and type(sampler) is SequentialSampler:
+            parts = self._select_runs(part, pending, need, batch_size)
+        if isinstance(parts, bool):
+            parts = sampler.select(View(part, pending, need), batch_size)
         if parts is None or not any(parts):
             if part.closed:
                 if share is not None:
                     self._ack(part, task, share, context, last=True)
                 raise PartitionClosed(f"partition {partition!r} is closed and drained for {task!r}")
             return None
-        consumed = part.consumed[task]
-        every = [k for p in parts for k in p]
-        for k in every:
-            del pending[k]
-            consumed.add(k)
+        every = parts[0] if len(parts) == 1 else [k for p in parts for k in p]
+        deque(map(pending.pop, every), 0)  # C-level loops: no Python per sample
+        # The only task consumed them and nothing keeps them (no plan, hold or lease): they
+        # go now, without passing through the consumed set and the eviction checks.
+        drop = (
+            share is None
+            and not hold
+            and self.options.lease_timeout is None
+            and self.options.tasks == (task,)
+            and len(part.pending) == 1
+            and not part.cache
+            and not part.held
+            and not part.leased
+        )
+        if not drop:
+            part.consumed[task].update(every)
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         index = 0
         if share is not None:
             index = share.part
             # Cached until every reader asked for a later index, so a retry gets this batch.
             entry = Entry(parts, fields, share.readers, batch_size, context.get("agree"))
+            self.planned += 1
             entry.read.add(share.reader)
             part.cache[(task, *share.key)] = entry
             for k in every:
-                part.samples[k].pins += 1
+                part.sample(k).pins += 1
         ids = parts[index]
         rows = self._rows(part, ids, fields)
         if hold:
@@ -284,7 +360,10 @@ class StoreCore:
             leased = part.leased
             for k in ids:
                 leased[k] = leased.get(k, 0) + 1
-        self._evict(part, every)
+        if drop:
+            self._forget(part, every)
+        else:
+            self._evict(part, every)
         return ids, rows
 
     # ----------------------------------------------------------------- leases
@@ -395,9 +474,35 @@ class StoreCore:
     def stats_cache_entries(self) -> int:
         return sum(len(p.cache) for p in self.partitions.values())
 
-    def _rows(self, part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, list]:
-        samples = part.samples
-        return {f: gather([samples[k].fields[f] for k in ids]) for f in fields}
+    @staticmethod
+    def _select_runs(
+        part: Partition, pending: dict[Key, None], need: tuple[str, ...], batch_size: int
+    ) -> list[list[Key]] | bool | None:
+        """:class:`SequentialSampler`'s choice in O(runs) when the first pending samples are
+        all ready (the common case); ``False``: some are not, scan them one by one."""
+        keys = list(islice(pending, batch_size))
+        if len(keys) < batch_size and not part.closed:
+            return None  # fewer pending than a batch, so fewer ready: wait
+        if not keys:
+            return None
+        records = list(map(part.samples.__getitem__, keys))
+        first = records[0]
+        if records.count(first) == len(records):  # one run (or one sample)
+            return [keys] if first.has(need) else False
+        for record in set(records):
+            if not record.has(need):
+                return False
+        return [keys]
+
+    @staticmethod
+    def _rows(part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, Any]:
+        records = list(map(part.samples.__getitem__, ids))
+        if records and type(records[0]) is Run:
+            rows = gather_runs(records, ids, fields)
+            if rows is not None:
+                return rows
+        cells = [r.cells(k) for r, k in zip(records, ids, strict=True)]
+        return {f: gather([c[f] for c in cells]) for f in fields}
 
     @staticmethod
     def _hold(part: Partition, ids: list[Key]) -> None:
@@ -437,12 +542,21 @@ class StoreCore:
         entry = part.cache.pop(key)
         every = [k for p in entry.parts for k in p if k in part.samples]
         for k in every:
-            part.samples[k].pins -= 1
+            part.sample(k).pins -= 1
         self._evict(part, every)
 
     def _evict(self, part: Partition, keys: list[Key]) -> None:
         tasks = self.options.tasks
         if not tasks:
+            return
+        consumed = part.consumed
+        if (
+            not part.cache  # so no sample is pinned
+            and not part.held
+            and not part.leased
+            and all(t in consumed and consumed[t].issuperset(keys) for t in tasks)
+        ):  # the common case, checked with set operations instead of per sample
+            self._remove(part, list(filter(part.samples.__contains__, keys)))
             return
         gone = [
             k
@@ -456,16 +570,29 @@ class StoreCore:
         self._remove(part, gone)
 
     def _remove(self, part: Partition, keys: list[Key]) -> None:
-        for k in keys:
-            sample = part.samples.pop(k)
-            part.held.pop(k, None)
-            part.leased.pop(k, None)
-            self.held -= 1
-            for f in sample.fields:
-                part.field_counts[f] -= 1
-            for task, pending in part.pending.items():
-                pending.pop(k, None)
-                part.consumed[task].discard(k)
+        """Drop samples ``keys`` (all held, no repeats): a few C-level passes over them."""
+        if not keys:
+            return
+        self._forget(part, keys)
+        for index in (part.held, part.leased):
+            if index:
+                deque(map(index.pop, keys, repeat(None)), 0)
+        for task, pending in part.pending.items():
+            deque(map(pending.pop, keys, repeat(None)), 0)
+            part.consumed[task].difference_update(keys)
+
+    def _forget(self, part: Partition, keys: list[Key]) -> None:
+        """Drop the records of samples ``keys`` (held, no repeats, in no index any more)."""
+        if not keys:
+            return
+        records = list(map(part.samples.pop, keys))
+        self.held -= len(keys)
+        first = records[0]
+        one = records.count(first) == len(records)  # one run: no counting per record
+        counts = part.field_counts
+        for record, n in ({first: len(records)} if one else Counter(records)).items():
+            for f in record.names if type(record) is Run else record.fields:
+                counts[f] -= n
 
     # ----------------------------------------------------------------- admin
     def reset_consumption(self, partition: str, task: str) -> None:

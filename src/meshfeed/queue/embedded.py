@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from meshfeed.queue import checkpoint
 from meshfeed.queue.core import StoreCore, StoreOptions
-from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.samplers import Sampler, SequentialSampler
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
 T = TypeVar("T")
@@ -44,6 +44,7 @@ def wait_for(
         while True:
             waiters.check(waiter)
             result = attempt()
+            waiters.tried(waiter, result is not None)
             if result is not None:
                 return result
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -59,6 +60,7 @@ def wait_for(
             cond.wait(chunk)
     finally:
         waiters.remove(waiter)
+        waiters.leaving(waiter)
 
 
 class EmbeddedBackend:
@@ -86,16 +88,44 @@ class EmbeddedBackend:
         with self.lock:
             out = self.core.try_put(partition, rows, ids, groups)  # fast path: no waiter
             if out is None:
+                made: list[Waiter] = []
+
+                def make(notify: Callable[[], None]) -> Waiter:
+                    made.append(
+                        Waiter(
+                            "producer",
+                            notify,
+                            size=self.core.put_needs,
+                            ids=ids,
+                            room=self._free,
+                        )
+                    )
+                    return made[0]
+
+                def attempt() -> list[Key] | None:
+                    got = self.core.try_put(partition, rows, ids, groups)
+                    if got is None:  # the capacity it needs, for targeted wake-ups
+                        made[0].size = self.core.put_needs
+                    return got
+
                 out = wait_for(
                     self.lock,
                     self.waiters,
-                    lambda notify: Waiter("producer", notify),
-                    lambda: self.core.try_put(partition, rows, ids, groups),
+                    make,
+                    attempt,
                     timeout,
                     f"put to {partition!r} (store at capacity {self.core.options.capacity})",
                 )
-            self.waiters.wake_consumers(partition, rows)
+            waiters = self.waiters
+            if waiters.waiters:
+                waiters.wake_consumers(partition, rows)
+                if ids is not None:
+                    waiters.wake_creators(out)
             return out
+
+    def _free(self) -> int | None:
+        cap = self.core.options.capacity
+        return None if cap is None else cap - self.core.held
 
     def get(
         self,
@@ -112,38 +142,75 @@ class EmbeddedBackend:
         consumer: Hashable | None = None,
     ) -> tuple[list[Key], dict[str, list[Any]], str | None]:
         need = (*fields, *sampler.extra_fields)
+        group = None
+        if type(sampler) is SequentialSampler and not context and lease is None:
+            # Like requests: on one state they all succeed or all fail (wakeups.py).
+            group = (partition, task, fields, batch_size, sampler)
+
+        def more() -> bool:
+            part = self.core.partitions.get(partition)
+            return part is not None and (
+                part.closed or len(part.pending.get(task, ())) >= batch_size
+            )
+
+        freed = False
+
+        def attempt() -> tuple[list[Key], dict[str, list[Any]]] | None:
+            # Capacity freed is judged per attempt: while this get waited, other puts and gets
+            # moved ``held`` both ways, so a comparison with its value at the call missed the
+            # eviction of a get that had waited through puts (producers then waited forever).
+            nonlocal freed
+            core = self.core
+            held = core.held
+            try:
+                return core.try_get(
+                    task,
+                    fields,
+                    batch_size,
+                    partition,
+                    sampler,
+                    context,
+                    hold,
+                    lease=lease,
+                    consumer=consumer,
+                )
+            finally:
+                if self.core.held < held:
+                    freed = True
+
         with self.lock:
             core = self.core
-            held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
+            planned, expired = core.planned, core.lease_expired
             try:
-                ids, rows = wait_for(
-                    self.lock,
-                    self.waiters,
-                    lambda notify: Waiter(
-                        "consumer", notify, partition=partition, task=task, need=need, token=token
-                    ),
-                    lambda: self.core.try_get(
-                        task,
-                        fields,
-                        batch_size,
-                        partition,
-                        sampler,
-                        context,
-                        hold,
-                        lease=lease,
-                        consumer=consumer,
-                    ),
-                    timeout,
-                    f"get of {batch_size} samples with {list(fields)} for task {task!r} "
-                    f"from {partition!r}",
-                    self.core.next_lease_deadline,
-                )
-                return ids, rows, (lease if lease in self.core.leases else None)
+                got = None
+                if token is None or token not in self.waiters.cancelled:  # no waiter needed
+                    got = attempt()
+                if got is None:
+                    got = wait_for(
+                        self.lock,
+                        self.waiters,
+                        lambda notify: Waiter(
+                            "consumer",
+                            notify,
+                            partition=partition,
+                            task=task,
+                            need=need,
+                            token=token,
+                            group=group,
+                            more=more,
+                        ),
+                        attempt,
+                        timeout,
+                        f"get of {batch_size} samples with {list(fields)} for task {task!r} "
+                        f"from {partition!r}",
+                        self.core.next_lease_deadline,
+                    )
+                return got[0], got[1], (lease if lease in self.core.leases else None)
             finally:
                 core = self.core
-                if core.held < held:  # consumption (or an acknowledged lease) freed capacity
-                    self.waiters.wake_producers()
-                if core.stats_cache_entries() != cached:  # a plan replica peers may read
+                if freed:  # consumption (or an acknowledged lease) freed capacity
+                    self.waiters.wake_producers(self._free())
+                if core.planned != planned:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)
                 if core.lease_expired != expired:  # samples returned to ready
                     self.waiters.wake_all()

@@ -1,7 +1,9 @@
 """The records a :class:`~meshfeed.queue.core.StoreCore` keeps: options, samples, partitions.
 
-Plain slotted containers with no behaviour beyond small accessors, shared by the core (which
+Slotted containers with no behaviour beyond small accessors, shared by the core (which
 changes them) and :mod:`meshfeed.queue.checkpoint` (which dumps and rebuilds them). A
+partition maps each sample id to its :class:`Sample`, or to the :class:`Run` of the put that
+made it (read through ``Partition.cells`` / ``Partition.sample``, never ``.fields`` values). A
 :class:`Ref` marks a payload held elsewhere (Ray's object store): counted, never held.
 """
 
@@ -12,7 +14,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshfeed.queue.columns import Cell, RemoteChunk, resolve
+from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, resolve
 
 Key = Hashable
 
@@ -91,6 +93,8 @@ class StoreOptions:
 
 
 class Sample:
+    """One sample's fields (stored values: a :class:`Cell`, a :class:`Ref` or a plain value)."""
+
     __slots__ = ("fields", "group", "nbytes", "pins", "remote")
 
     def __init__(self, group: Hashable | None) -> None:
@@ -99,6 +103,67 @@ class Sample:
         self.nbytes = 0
         self.remote = 0
         self.pins = 0
+
+    def has(self, need: tuple[str, ...]) -> bool:
+        fields = self.fields
+        return all(f in fields for f in need)
+
+    def cells(self, key: Key) -> dict[str, Any]:
+        return self.fields
+
+
+class Run:
+    """The samples one put created, all at once: one record shared by all of them.
+
+    A put of ``n`` new samples (no groups, every column a :class:`Chunk` or a list of
+    scalars) stores this one object under each of its ids instead of ``n`` :class:`Sample`
+    records with a :class:`Cell` per field, so the put, the readiness check, the consumption
+    and the gather of a batch cost O(1) Python operations per run, not per sample. A sample
+    that later changes (a field added by another put, a pin of a shared plan) is turned into
+    a :class:`Sample` of its own first (:meth:`Partition.sample`); so a key stored with a run
+    always has exactly the run's fields.
+
+    Read by the per-sample code as a sample of its own: ``nbytes`` / ``remote`` / ``group`` /
+    ``pins`` are per-row values, ``has(need)`` the readiness test, ``cells(key)`` the stored
+    values of one sample. ``fields`` (the names, each with the value of the run's first row)
+    is for introspection only; values come from :meth:`cells`.
+    """
+
+    __slots__ = ("columns", "first", "index", "names", "nbytes")
+
+    group = None
+    pins = 0
+    remote = 0
+
+    def __init__(self, columns: dict[str, Any], ids: list[Key] | None, first: int) -> None:
+        self.columns = columns  # field -> Chunk or list of scalars, one row per sample
+        self.names = frozenset(columns)
+        # Rows are ``key - first`` for consecutive int ids; else ``index[key]``.
+        self.first = first
+        self.index = None if ids is None else dict(zip(ids, range(len(ids)), strict=True))
+        self.nbytes = sum(c.row_nbytes if type(c) is Chunk else 8 for c in columns.values())
+
+    def row(self, key: Key) -> int:
+        index = self.index
+        return key - self.first if index is None else index[key]  # type: ignore[operator]
+
+    def has(self, need: tuple[str, ...]) -> bool:
+        return self.names.issuperset(need)
+
+    def cells(self, key: Key) -> dict[str, Any]:
+        row = self.row(key)
+        return {f: Cell(c, row) if type(c) is Chunk else c[row] for f, c in self.columns.items()}
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return self.cells(next(iter(self.index)) if self.index is not None else self.first)
+
+    def sample(self, key: Key) -> Sample:
+        """The sample ``key`` of this run as a record of its own."""
+        sample = Sample(None)
+        sample.fields = self.cells(key)
+        sample.nbytes = self.nbytes
+        return sample
 
 
 class Entry:
@@ -143,7 +208,7 @@ class Partition:
     )
 
     def __init__(self) -> None:
-        self.samples: dict[Key, Sample] = {}
+        self.samples: dict[Key, Sample | Run] = {}
         self.pending: dict[str, dict[Key, None]] = {}
         self.consumed: dict[str, set[Key]] = {}
         self.cache: dict[tuple[Any, ...], Entry] = {}
@@ -165,6 +230,18 @@ class Partition:
             self.consumed[task] = set()
         return self.pending[task]
 
+    def sample(self, key: Key) -> Sample:
+        """The record of ``key`` to change: a sample stored with its :class:`Run` gets a
+        :class:`Sample` of its own first."""
+        record = self.samples[key]
+        if type(record) is Run:
+            record = self.samples[key] = record.sample(key)
+        return record  # type: ignore[return-value]
+
+    def cells(self, key: Key) -> dict[str, Any]:
+        """The stored values of sample ``key``, by field."""
+        return self.samples[key].cells(key)
+
 
 class View:
     """The samples of one partition ready for one task (every needed field present)."""
@@ -181,15 +258,14 @@ class View:
     def ready(self) -> Iterator[Key]:
         samples, need = self._part.samples, self._need
         for key in self._pending:
-            fields = samples[key].fields
-            if all(f in fields for f in need):
+            if samples[key].has(need):
                 yield key
 
     def group(self, key: Key) -> Hashable | None:
         return self._part.samples[key].group
 
     def value(self, key: Key, field: str) -> Any:
-        value = resolve(self._part.samples[key].fields[field])
+        value = resolve(self._part.cells(key)[field])
         if isinstance(value, Ref):
             raise ValueError(
                 f"field {field!r} of sample {key!r} is a large payload; a sampler can only "

@@ -36,6 +36,7 @@ from meshfeed.queue.wakeups import check_timeout
 
 Key = Hashable
 _SEQUENTIAL = SequentialSampler()
+_KEY_TYPES = frozenset({int, str})  # ids and groups that need no conversion (not bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +240,7 @@ class SampleStore:
         """
         partition = self._partition(partition)
         timeout = check_timeout(timeout)
-        if not isinstance(fields, Mapping):
+        if type(fields) is not dict and not isinstance(fields, Mapping):  # dict: no ABC check
             raise TypeError(
                 f"fields must be a mapping of name -> column (got {type(fields).__name__})"
             )
@@ -254,13 +255,15 @@ class SampleStore:
             )
         id_list: list[Key] | None = None
         if ids is not None:
-            id_list = [_plain(k) for k in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+            id_list = list(ids.tolist() if hasattr(ids, "tolist") else ids)
             if len(id_list) != n:
                 raise ValueError(
                     f"put got {len(id_list)} ids for {n} samples; give one id per sample"
                 )
-            for k in id_list:
-                _check_key(k, "a sample id")
+            if not set(map(type, id_list)) <= _KEY_TYPES:  # numpy ints, or a bad id to name
+                id_list = [_plain(k) for k in id_list]
+                for k in id_list:
+                    _check_key(k, "a sample id")
             if len(set(id_list)) != n:
                 raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
         group_list: list[Hashable] | None = None
@@ -268,13 +271,14 @@ class SampleStore:
             if hasattr(groups, "tolist"):  # numpy / torch
                 groups = groups.tolist()
             group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
-            group_list = [_plain(g) for g in group_list]
             if len(group_list) != n:
                 raise ValueError(
                     f"put got {len(group_list)} groups for {n} samples; give one per sample"
                 )
-            for g in group_list:
-                _check_key(g, "a group id")
+            if not set(map(type, group_list)) <= _KEY_TYPES:
+                group_list = [_plain(g) for g in group_list]
+                for g in group_list:
+                    _check_key(g, "a group id")
         return self._backend.put(partition, rows, id_list, group_list, timeout)
 
     def get(

@@ -8,6 +8,23 @@ change (close, clear, delete, reset, restore) wakes every waiter, and :meth:`Wai
 wakes the waiters of one request token, which then raise :class:`RequestCancelled`. The
 backend supplies how to wake one waiter (a ``threading.Condition`` or an ``asyncio.Event``).
 
+Fewer wake-ups for crowds of like waiters (the cost of many threads is their context switches,
+not the store's work):
+
+- consumers with the same ``group`` (one task asking the same batch of the same sampler, so on
+  one state they all succeed or all fail) are woken one at a time: a change wakes the first;
+  it passes the wake to the next if it got a batch and more may be ready (``more()``), or if it
+  leaves without trying (cancelled, an error); one that tried and failed stops the chain, as
+  the others would fail the same way;
+- producers that wait for capacity with a known ``size`` (how many new samples their put
+  needs, as of their last attempt) are woken in order while the freed capacity covers them; a
+  woken producer that fails, or leaves without trying, wakes in the same way those that the
+  capacity free then (its ``room()``) covers, or every producer if it cannot tell; and a put
+  that creates samples wakes the producers whose ``ids`` it created (their put may need less).
+
+Waiters without a group or size (the Ray backend's, a custom sampler's) are woken by every
+change that may concern them, as before.
+
 Timeouts: :func:`check_timeout` refuses NaN, negative and non-numbers by name, turns
 ``inf`` into ``None`` (wait without limit), and every single wait is capped at
 :data:`MAX_WAIT_CHUNK` seconds, so a huge timeout (``1e10``) never overflows a wait call.
@@ -52,7 +69,22 @@ class Waiter:
     """One blocked call: ``kind`` is ``"consumer"`` or ``"producer"``; a consumer's
     ``partition``, ``task`` and ``need`` (fields) say which puts may serve it."""
 
-    __slots__ = ("cancelled", "kind", "need", "notify", "partition", "task", "token", "woken")
+    __slots__ = (
+        "baton",
+        "cancelled",
+        "group",
+        "ids",
+        "kind",
+        "more",
+        "need",
+        "notify",
+        "partition",
+        "room",
+        "size",
+        "task",
+        "token",
+        "woken",
+    )
 
     def __init__(
         self,
@@ -63,10 +95,19 @@ class Waiter:
         task: str | None = None,
         need: Collection[str] = (),
         token: Hashable | None = None,
+        group: Hashable | None = None,
+        more: Callable[[], bool] | None = None,
+        size: int | None = None,
+        ids: Collection[Hashable] | None = None,
+        room: Callable[[], int | None] | None = None,
     ) -> None:
         self.kind, self.notify = kind, notify
         self.partition, self.task, self.need = partition, task, frozenset(need)
         self.token = token
+        self.group, self.more = group, more  # see the module docstring
+        self.size, self.room = size, room
+        self.ids = None if ids is None else frozenset(ids)
+        self.baton = False  # woken as the one of its group / budget, not yet tried
         self.cancelled = False
         self.woken = 0  # how many times a change woke it (tests check wake-ups are targeted)
 
@@ -94,14 +135,22 @@ class Waiters:
         return sum(1 for w in self.waiters if w.kind == kind)
 
     def wake_consumers(self, partition: str, fields: Collection[str] | None = None) -> None:
-        """A put of ``fields`` (``None``: anything, e.g. a shared plan) to ``partition``."""
+        """A put of ``fields`` (``None``: anything, e.g. a shared plan) to ``partition``:
+        every consumer it concerns, but only the first of each group."""
+        groups: set[Hashable] = set()
         for w in self.waiters:
             if (
                 w.kind == "consumer"
                 and w.partition == partition
                 and (fields is None or not w.need or not w.need.isdisjoint(fields))
             ):
-                w.wake()
+                if w.group is None:
+                    w.wake()
+                elif w.group not in groups:
+                    groups.add(w.group)
+                    if not w.baton:  # else it is about to try, and passes the wake on
+                        w.baton = True
+                        w.wake()
 
     def wake_task(self, partition: str, task: str) -> None:
         """A get of ``task`` planned a batch other readers (replica peers) may now read."""
@@ -109,10 +158,52 @@ class Waiters:
             if w.kind == "consumer" and w.partition == partition and w.task == task:
                 w.wake()
 
-    def wake_producers(self) -> None:
+    def wake_producers(self, free: int | None = None) -> None:
+        """Capacity was freed: ``free`` samples fit now (``None``: no limit, or unknown).
+        Producers of known size are woken in order while ``free`` covers them."""
         for w in self.waiters:
-            if w.kind == "producer":
+            if w.kind != "producer":
+                continue
+            if free is None or w.size is None:
                 w.wake()
+            elif w.size <= free:
+                free -= w.size
+                if not w.baton:  # else woken already and about to try
+                    w.baton = True
+                    w.wake()
+
+    def wake_creators(self, ids: Collection[Hashable]) -> None:
+        """A put created samples ``ids``: producers waiting to put to some of them need
+        less capacity now."""
+        for w in self.waiters:
+            if w.kind == "producer" and w.ids is not None and not w.ids.isdisjoint(ids):
+                w.wake()
+
+    def tried(self, waiter: Waiter, ok: bool) -> None:
+        """``waiter`` tried (``ok``: and succeeded); pass the wake on as the module says."""
+        baton, waiter.baton = waiter.baton, False
+        if waiter.kind == "consumer":
+            if ok and waiter.group is not None and waiter.more is not None and waiter.more():
+                self._pass(waiter)
+        elif baton and not ok:  # a producer woken for capacity another put took
+            self.wake_producers(None if waiter.room is None else waiter.room())
+
+    def leaving(self, waiter: Waiter) -> None:
+        """``waiter`` stops waiting; if it was woken and did not try, wake who it stood for."""
+        if waiter.baton:
+            waiter.baton = False
+            if waiter.kind == "consumer":
+                self._pass(waiter)
+            else:
+                self.wake_producers(None if waiter.room is None else waiter.room())
+
+    def _pass(self, waiter: Waiter) -> None:
+        for w in self.waiters:
+            if w is not waiter and w.group == waiter.group and w.kind == waiter.kind:
+                if not w.baton:
+                    w.baton = True
+                    w.wake()
+                return
 
     def wake_all(self) -> None:
         for w in self.waiters:
