@@ -10,6 +10,7 @@ import pytest
 from meshfeed.queue import PartitionClosed, RequestCancelled, SampleStore
 from meshfeed.queue.embedded import wait_for
 from meshfeed.queue.wakeups import Waiter, Waiters
+from tests.queue.test_queue_store import waiting as _waiting
 
 
 def test_wait_for_times_out_after_its_deadline_and_unregisters_the_waiter():
@@ -42,13 +43,6 @@ def test_wait_for_wakes_on_its_notification_not_on_a_timer():
         got = wait_for(lock, waiters, lambda n: Waiter("consumer", n), attempt, 10, "demo")
     assert got == 7
     assert attempts == 2  # once before waiting, once after the single notification
-
-
-def _waiting(store: SampleStore, kind: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while store.stats()[f"waiting_{kind}"] < n:
-        assert time.monotonic() < deadline, f"{n} {kind} never started waiting"
-        time.sleep(0.005)
 
 
 def test_a_put_wakes_only_the_consumers_it_may_serve():
@@ -172,39 +166,6 @@ def test_targeted_wake_ups_lose_no_request_among_mixed_waiters_at_capacity():
     assert not errors, errors
     assert not any(t.is_alive() for t in consumers + producers)
     assert sorted(got) == ids
-
-
-def test_a_get_that_waited_through_puts_wakes_the_producer_its_eviction_makes_room_for():
-    """The get starts with the store empty, waits while a put fills it and a producer blocks
-    at capacity, then takes the batch: its eviction must wake that producer, although the
-    store holds no fewer samples than when the get began (which is what was compared)."""
-    store = SampleStore(capacity=2, tasks=["t"])
-    results: dict[str, object] = {}
-
-    def run(name: str, call) -> None:
-        try:
-            results[name] = call()
-        except BaseException as exc:
-            results[name] = exc
-
-    consumer = threading.Thread(
-        target=run, args=("get", lambda: store.get("t", ["x", "y"], 2, "p", timeout=10).ids)
-    )
-    consumer.start()
-    _waiting(store, "consumers", 1)
-    store.put("p", {"x": [0, 1]}, ids=[0, 1])  # the store is full; the get needs y too
-    producer = threading.Thread(
-        target=run,
-        args=("put", lambda: store.put("p", {"x": [2]}, ids=[2], timeout=60)),
-        daemon=True,
-    )
-    producer.start()
-    _waiting(store, "producers", 1)
-    store.put("p", {"y": [0, 1]}, ids=[0, 1])  # adds fields only: fits, serves the get
-    consumer.join(10)
-    producer.join(5)  # woken at once; before the fix it slept until its timeout
-    assert not producer.is_alive(), "the producer was not woken when capacity was freed"
-    assert results == {"get": [0, 1], "put": [2]}
 
 
 def test_like_consumers_are_woken_one_at_a_time_and_pass_the_wake_on_while_more_is_ready():

@@ -301,3 +301,46 @@ def test_a_rejected_put_changes_nothing():
     assert store.stats()["held"] == 2
     with pytest.raises(TimeoutError):
         store.get("t", ["b"], 1, "p", timeout=0.01)  # no field b was written
+
+
+def test_a_get_that_waited_through_puts_wakes_the_producer_its_eviction_makes_room_for(
+    make_store,
+):
+    """The get starts with the store empty, waits while a put fills it and a producer blocks
+    at capacity, then takes the batch: its eviction must wake that producer, although the
+    store holds no fewer samples than when the get began (which is what was compared)."""
+    store = make_store(capacity=2, tasks=["t"])
+    results: dict[str, object] = {}
+
+    def run(name: str, call) -> None:
+        try:
+            results[name] = call()
+        except BaseException as exc:
+            results[name] = exc
+
+    consumer = threading.Thread(
+        target=run, args=("get", lambda: store.get("t", ["x", "y"], 2, "p", timeout=10).ids)
+    )
+    consumer.start()
+    waiting(store, "consumers", 1)
+    store.put("p", {"x": [0, 1]}, ids=[0, 1])  # the store is full; the get needs y too
+    producer = threading.Thread(
+        target=run,
+        args=("put", lambda: store.put("p", {"x": [2]}, ids=[2], timeout=60)),
+        daemon=True,
+    )
+    producer.start()
+    waiting(store, "producers", 1)
+    store.put("p", {"y": [0, 1]}, ids=[0, 1])  # adds fields only: fits, serves the get
+    consumer.join(10)
+    producer.join(5)  # woken at once; before the fix it slept until its timeout
+    assert not producer.is_alive(), "the producer was not woken when capacity was freed"
+    assert results == {"get": [0, 1], "put": [2]}
+
+
+def waiting(store: SampleStore, kind: str, n: int) -> None:
+    """Return once ``n`` callers of ``kind`` wait in ``store`` (at most 10 s)."""
+    deadline = time.monotonic() + 10
+    while store.stats()[f"waiting_{kind}"] < n:
+        assert time.monotonic() < deadline, f"{n} {kind} never started waiting"
+        time.sleep(0.005)

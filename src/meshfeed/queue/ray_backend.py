@@ -401,10 +401,17 @@ class _StoreActor:
         need = (*fields, *sampler.extra_fields)
         probe = self.probes.get(caller) if caller else None  # see register, _caller_alive
         core = self.core
-        held, cached, expired = core.held, core.stats_cache_entries(), core.lease_expired
-        try:
-            ok, out = await self._run(
-                lambda: self.core.try_get(
+        cached, expired = core.stats_cache_entries(), core.lease_expired
+        freed = False
+
+        def attempt() -> Any:
+            # Capacity freed is judged per attempt: while this get waited, puts and other gets
+            # moved ``held`` both ways, so a comparison with its value at the call could miss
+            # this get's own eviction and leave a producer waiting for room that exists.
+            nonlocal freed
+            held = self.core.held
+            try:
+                return self.core.try_get(
                     task,
                     fields,
                     batch_size,
@@ -415,7 +422,14 @@ class _StoreActor:
                     lease=lease,
                     consumer=consumer,
                     alive=probe,
-                ),
+                )
+            finally:
+                if self.core.held < held:
+                    freed = True
+
+        try:
+            ok, out = await self._run(
+                attempt,
                 timeout,
                 what,
                 lambda notify: Waiter(
@@ -431,7 +445,7 @@ class _StoreActor:
             return True, (*out, leased)
         finally:
             core = self.core
-            if core.held < held:
+            if freed:
                 self.waiters.wake_producers()
             if core.stats_cache_entries() != cached:
                 self.waiters.wake_task(partition, task)
@@ -517,8 +531,8 @@ class _StoreActor:
             {
                 type(v.chunk).__name__
                 for p in self.core.partitions.values()
-                for s in p.samples.values()
-                for v in s.fields.values()
+                for k in p.samples
+                for v in p.cells(k).values()
                 if type(v) is Cell
             }
         )
@@ -529,8 +543,8 @@ class _StoreActor:
             {
                 type(v).__name__
                 for p in self.core.partitions.values()
-                for s in p.samples.values()
-                for v in s.fields.values()
+                for k in p.samples
+                for v in p.cells(k).values()
             }
         )
 
