@@ -109,7 +109,7 @@ def slot_loop(stream: ShardedStream, batch_size: int) -> int:
     batches = 0
     for rows in node:
         default_collate(rows)
-        node.state_dict()
+        node.snapshot()
         batches += 1
     return batches
 

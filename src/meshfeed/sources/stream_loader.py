@@ -41,6 +41,7 @@ from typing import Any
 
 from meshfeed.dist import all_min, check_agreement
 from meshfeed.loader_base import LoaderBase, check_epoch, pin
+from meshfeed.nodes.base import materialize
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
@@ -200,7 +201,7 @@ class StreamLoader(LoaderBase):
     def _open_slots(self) -> InProcessSlots | ProcessSlots:
         self._close_slots()
         configs = self._configs(self._epoch)
-        states = list(self._worker_states)
+        states = [materialize(s) for s in self._worker_states]
         if self.num_workers == 0:
             self._slots = InProcessSlots(configs, states)
         else:
@@ -259,11 +260,11 @@ class StreamLoader(LoaderBase):
                 if status == _EXHAUSTED or got is None:
                     break
                 batch, w, state = got
-                before = self._epoch_skipped()
+                before = _skipped(self._worker_states[w])
                 self._worker_states[w] = state
                 self._next_worker = (w + 1) % self.slots
                 self._steps += 1
-                self._note_bad_samples(self._epoch_skipped() - before, None)
+                self._note_bad_samples(_skipped(state) - before, None)
                 yield pin(batch) if self.pin_memory else batch
             if self._epoch == epoch:
                 self._count_unread(epoch)
@@ -350,7 +351,7 @@ class StreamLoader(LoaderBase):
             steps=self._steps,
             next_worker=self._next_worker,
             exhausted=list(self._exhausted),
-            workers=list(self._worker_states),
+            workers=[materialize(s) for s in self._worker_states],
             stats={
                 "skipped": self._skipped_done + self._epoch_skipped(),
                 "unread_rows": self._unread_rows,

@@ -64,11 +64,13 @@ class SlotPipeline:
             self.node.load_state_dict(state)
 
     def next(self) -> tuple[Any, dict[str, Any]]:
+        """``(batch, snapshot after it)``, or ``(None, snapshot)`` at the end; the snapshot
+        may hold :class:`~meshfeed.nodes.Deferred` fields (``materialize`` it to save it)."""
         try:
             rows = self.node.next()
         except StopIteration:
-            return None, self.node.state_dict()
-        return self.collate(rows), self.node.state_dict()
+            return None, self.node.snapshot()
+        return self.collate(rows), self.node.snapshot()
 
 
 class InProcessSlots:
