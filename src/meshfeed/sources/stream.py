@@ -114,6 +114,9 @@ class ShardedStream:
         self.shuffle_buffer = shuffle_buffer
         self.seed = int(seed)
         self.rows = rows
+        # assign() is a pure function of its arguments, asked for several times per epoch
+        # (loader start, len(), the unread count): a few recent answers are kept.
+        self._assigned: dict[tuple[int, ...], list[list[list[Piece]]]] = {}
 
     @property
     def num_rows(self) -> int | None:
@@ -140,6 +143,18 @@ class ShardedStream:
         self, epoch: int, data_world_size: int, num_slots_per_rank: int, *, seed: int, shuffle: bool
     ) -> list[list[list[Piece]]]:
         """``pieces[rank][worker]``: what each slot reads in ``epoch`` (pure arithmetic)."""
+        key = (epoch, data_world_size, num_slots_per_rank, seed, int(shuffle))
+        if key not in self._assigned:
+            if len(self._assigned) >= 8:
+                self._assigned.clear()
+            self._assigned[key] = self._assign(
+                epoch, data_world_size, num_slots_per_rank, seed=seed, shuffle=shuffle
+            )
+        return [[list(pieces) for pieces in slots] for slots in self._assigned[key]]
+
+    def _assign(
+        self, epoch: int, data_world_size: int, num_slots_per_rank: int, *, seed: int, shuffle: bool
+    ) -> list[list[list[Piece]]]:
         R, W = data_world_size, max(1, num_slots_per_rank)
         order = self.shard_order(epoch, seed=seed, shuffle=shuffle)
         out: list[list[list[Piece]]] = [[[] for _ in range(W)] for _ in range(R)]
