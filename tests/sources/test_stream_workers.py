@@ -95,3 +95,51 @@ print(" ".join(map(str, lo._slots.pool.pids)), flush=True)
 
 def test_interpreter_exits_with_stream_workers_that_ignore_sigterm(tmp_path):
     run_script_leaving_workers(_EXIT_SCRIPT, tmp_path, timeout=30)
+
+
+def _raises_at_row_7() -> Any:
+    yield from range(100, 107)
+    raise LookupError("row 7 missing in shard b")
+
+
+def _until_error(lo: StreamLoader) -> tuple[list[list[int]], str]:
+    got: list[list[int]] = []
+    try:
+        for batch in lo:
+            got.append(batch.tolist())
+    except StreamWorkerError as e:
+        return got, str(e).splitlines()[0]  # the message; tracebacks differ by a frame
+    return got, ""
+
+
+@pytest.mark.parametrize("prefetch", [2, 3, 5])
+def test_chunked_requests_raise_at_the_same_batch_as_single_batch_requests(prefetch):
+    """A worker answers a request with several batches; an error in the middle of a chunk is
+    held back, so the batches before it arrive and the error comes at the same step."""
+
+    def run(prefetch: int) -> tuple[list[list[int]], str]:
+        stream = ShardedStream([_rows, _raises_at_row_7])
+        with StreamLoader(
+            stream, batch_size=2, num_workers=2, shuffle=False, prefetch=prefetch
+        ) as lo:
+            return _until_error(lo)
+
+    want, error = run(1)
+    assert "row 7 missing in shard b" in error
+    assert len(want) == 7  # rows 100..105 in 3 batches of worker 1, interleaved with worker 0
+    assert run(prefetch) == (want, error)
+
+
+@pytest.mark.parametrize("prefetch", [1, 4])
+def test_chunked_requests_keep_batches_and_per_batch_states(prefetch):
+    stream = ShardedStream([_rows, _rows, _rows], shuffle_buffer=8, rows=[100] * 3)
+    with StreamLoader(stream, batch_size=4, num_workers=2, seed=3, prefetch=prefetch) as lo:
+        seen = [(b.tolist(), lo.state_dict()) for b in lo]
+    with StreamLoader(stream, batch_size=4, num_workers=2, seed=3, prefetch=1) as one:
+        ref_out = [(b.tolist(), one.state_dict()) for b in one]
+    assert seen == ref_out and len(seen) == 2 * (150 // 4)  # 300 rows split over 2 workers
+    # each recorded state resumes at the next batch
+    k = 23
+    with StreamLoader(stream, batch_size=4, num_workers=2, seed=3, prefetch=prefetch) as lo:
+        lo.load_state_dict(seen[k][1])
+        assert [b.tolist() for b in lo] == [b for b, _ in seen[k + 1 :]]

@@ -5,14 +5,15 @@ pieces assigned to one (data rank, worker). ``next()`` returns ``(batch, state a
 ``(None, state)`` at the end, so the loader can record the state of the last batch it returned.
 
 :class:`ProcessSlots` runs each slot in its own process of a :class:`~meshfeed.runtime.WorkerPool`
-(``prefetch`` requests outstanding per worker): a dead worker is noticed at once and a stalled
-one after ``timeout`` seconds, never a hang, and the workers are stopped (SIGTERM, then
+(requests of ``prefetch`` batches, two outstanding per worker): a dead worker is noticed at
+once and a stalled one after ``timeout`` seconds, never a hang, and the workers are stopped (SIGTERM, then
 SIGKILL) before :class:`StreamWorkerError` is raised. A worker's exception is raised as
 :class:`StreamWorkerError` chained to the original (``__cause__``), with its traceback.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,19 +87,59 @@ class InProcessSlots:
         self.pipes = []
 
 
+class _ChunkHandler:
+    """A worker's handler: request ``count`` -> up to ``count`` ``(batch, snapshot)`` pairs,
+    ending early after the end marker ``(None, snapshot)``.
+
+    An error after some batches of a chunk is held back: those batches are returned, and the
+    error is raised by the next request, so the main process sees it at the same batch as
+    without chunks (the step at which every rank stops does not depend on the chunk size).
+    """
+
+    def __init__(self, pipe: SlotPipeline) -> None:
+        self.pipe = pipe
+        self.error: Exception | None = None
+
+    def __call__(self, count: int) -> list[tuple[Any, dict[str, Any]]]:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        out: list[tuple[Any, dict[str, Any]]] = []
+        for _ in range(count):
+            try:
+                batch, snap = self.pipe.next()
+            except Exception as exc:
+                if not out:
+                    raise
+                self.error = exc
+                break
+            out.append((batch, snap))
+            if batch is None:
+                break
+        return out
+
+
 def _start_slot(
     worker: int,
     num_workers: int,
     configs: list[SlotConfig],
     states: list[dict[str, Any] | None],
-) -> Callable[[Any], tuple[Any, dict[str, Any]]]:
-    pipe = SlotPipeline(configs[worker], states[worker])
-    return lambda _request: pipe.next()
+) -> Callable[[int], list[tuple[Any, dict[str, Any]]]]:
+    return _ChunkHandler(SlotPipeline(configs[worker], states[worker]))
 
 
 class ProcessSlots:
-    """One worker process per slot (a :class:`~meshfeed.runtime.WorkerPool`); ``prefetch``
-    batches requested ahead per worker."""
+    """One worker process per slot (a :class:`~meshfeed.runtime.WorkerPool`).
+
+    Each request asks a worker for ``prefetch`` batches at once (one pipe message and one
+    shared-memory slot for all of them, so the main process pays its per-message cost once per
+    ``prefetch`` batches; the first request of a worker asks for one), and two requests are kept
+    outstanding per worker so it never waits for the main process: up to ``3 * prefetch``
+    batches per worker are made ahead of the one returned. ``timeout`` bounds the wait for one
+    request's batches.
+    """
+
+    _IN_FLIGHT = 2
 
     def __init__(
         self,
@@ -109,23 +150,28 @@ class ProcessSlots:
         timeout: float | None,
         start_method: str | None = None,
     ) -> None:
-        self.prefetch = prefetch
+        self.chunk = max(1, prefetch)
         self.pool = WorkerPool(
             len(configs),
             timeout=timeout,
             start_method=start_method,
             name="meshfeed-stream-worker",
-            ring=prefetch + 2,
+            ring=self._IN_FLIGHT + 2,
         )
         self.timeout = self.pool.timeout
+        self.ready: list[deque[tuple[Any, dict[str, Any]]]] = [deque() for _ in configs]
+        self.ended = [False] * len(configs)
         self.pool.start(_start_slot, configs, states)
         for w in range(len(configs)):
-            for _ in range(prefetch):
+            # The first request is for one batch, so the first batch is not held back while
+            # the rest of a chunk is made.
+            self._request(w, 1)
+            for _ in range(self._IN_FLIGHT - 1):
                 self._request(w)
 
-    def _request(self, w: int) -> None:
+    def _request(self, w: int, count: int | None = None) -> None:
         try:
-            self.pool.send(w, "next")
+            self.pool.send(w, count or self.chunk)
         except WorkerError as e:
             raise self._translate(w, e) from None
 
@@ -145,19 +191,26 @@ class ProcessSlots:
     def next(self, w: int) -> tuple[Any, dict[str, Any]]:
         if not self.pool.started:
             raise StreamWorkerError("ProcessSlots.next() after close(); open new slots")
-        if self.pool.pending(w) == 0:
-            self._request(w)
-        try:
-            batch, state = self.pool.recv(w)
-        except WorkerError as e:
-            self.close()
-            raise self._translate(w, e) from None
-        except Exception as e:
-            self.close()
-            raise StreamWorkerError(f"{type(e).__name__}: {e}") from e
-        if batch is not None:
-            self._request(w)
-        return batch, state
+        ready = self.ready[w]
+        if not ready:
+            if self.pool.pending(w) == 0:
+                self._request(w)
+            try:
+                chunk = self.pool.recv(w)
+            except WorkerError as e:
+                self.close()
+                raise self._translate(w, e) from None
+            except Exception as e:
+                self.close()
+                raise StreamWorkerError(f"{type(e).__name__}: {e}") from e
+            ready.extend(chunk)
+            self.ended[w] = bool(chunk) and chunk[-1][0] is None
+            if not self.ended[w]:
+                self._request(w)
+            if not ready:  # a worker answers every request with one pair at least
+                self.close()
+                raise StreamWorkerError(f"stream worker {w} returned an empty chunk")
+        return ready.popleft()
 
     def close(self) -> None:
         self.pool.shutdown()
