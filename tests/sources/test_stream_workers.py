@@ -143,3 +143,28 @@ def test_chunked_requests_keep_batches_and_per_batch_states(prefetch):
     with StreamLoader(stream, batch_size=4, num_workers=2, seed=3, prefetch=prefetch) as lo:
         lo.load_state_dict(seen[k][1])
         assert [b.tolist() for b in lo] == [b for b, _ in seen[k + 1 :]]
+
+
+def _none_tailed() -> Any:
+    """21 rows, the last two of them None: read only when the slot runs out."""
+    for r in range(21):
+        yield None if r % 5 == 4 or r > 18 else r
+
+
+@pytest.mark.parametrize("buffer", [0, 6])
+def test_in_process_and_worker_states_agree_after_every_batch_and_at_the_end(buffer):
+    """In-process slots record live states (no snapshot per batch) and worker slots send
+    snapshots; both give the same checkpoint at every step and the same counts at the end
+    (rows read while looking for a last batch count as read in both)."""
+    stream = ShardedStream([_none_tailed, _none_tailed], shuffle_buffer=buffer)
+
+    def states(workers: int) -> list[tuple[list[int], dict[str, Any], dict[str, Any]]]:
+        with StreamLoader(stream, batch_size=4, num_workers=workers, seed=2) as lo:
+            out = [(b.tolist(), lo.state_dict(), lo.stats()) for b in lo]
+            return [*out, ([], lo.state_dict(), lo.stats())]
+
+    in_process, worker = states(0), states(1)
+    assert len(in_process) == 8 + 1  # 32 rows that are not None: 8 batches, then the end
+    assert in_process[-1][2]["skipped"] == 2 * (3 + 2)  # every None row was read
+    for (b0, s0, st0), (b1, s1, st1) in zip(in_process, worker, strict=True):
+        assert (b0, s0, st0) == (b1, s1, st1)

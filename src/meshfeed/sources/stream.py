@@ -410,6 +410,8 @@ class PieceReader(Node[Any]):
         return rows, [(int(a) << _ROW_BITS) + int(b) for a, b in refs]
 
     def next_many(self, n: int) -> list[Any]:
+        if not self.refs:
+            return self._rows(n)
         out: list[Any] = []
         while len(out) < n and self.piece < len(self.pieces):
             p = self.pieces[self.piece]
@@ -428,6 +430,25 @@ class PieceReader(Node[Any]):
             self.skipped += len(chunk) - len(got)
             self.row += len(chunk)
             out.extend(got)
+            if len(chunk) < want:
+                self.piece, self.row, self._it = self.piece + 1, 0, None
+        return out
+
+    def _rows(self, n: int) -> list[Any]:
+        """``next_many`` without references: the per-batch hot path of an unshuffled slot."""
+        out: list[Any] = []
+        while len(out) < n and self.piece < len(self.pieces):
+            if self._it is None:
+                self._it = self._open(self.pieces[self.piece])
+            want = n - len(out)
+            chunk = list(itertools.islice(self._it, want))
+            got = [r for r in chunk if r is not None]
+            self.skipped += len(chunk) - len(got)
+            self.row += len(chunk)
+            if out:
+                out.extend(got)
+            else:
+                out = got
             if len(chunk) < want:
                 self.piece, self.row, self._it = self.piece + 1, 0, None
         return out

@@ -39,12 +39,12 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from meshfeed.dist import all_min, check_agreement
+from meshfeed.dist import all_min, check_agreement, is_distributed
 from meshfeed.loader_base import LoaderBase, check_epoch, pin
 from meshfeed.nodes.base import materialize
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
+from meshfeed.sources.stream_workers import InProcessSlots, LiveState, ProcessSlots, SlotConfig
 from meshfeed.state import check_count, envelope, fingerprint_hash, open_envelope
 
 __all__ = ["STREAM_STATE_VERSION", "StreamLoader", "StreamRankError"]
@@ -136,7 +136,7 @@ class StreamLoader(LoaderBase):
         self._skipped_done = 0
         self._unread_rows = 0
         self._warned_unread = False
-        self._worker_states: list[dict[str, Any] | None] = [None] * self.slots
+        self._worker_states: list[dict[str, Any] | LiveState | None] = [None] * self.slots
         self._reset_epoch_state()
         # Validate the assignment now: a wrong configuration fails at construction.
         self._configs(0)
@@ -221,13 +221,25 @@ class StreamLoader(LoaderBase):
 
     def _next_local(self, slots: InProcessSlots | ProcessSlots) -> tuple[Any, int, Any] | None:
         """The next batch of this rank in round-robin order, or None when every worker is done."""
+        if self.slots == 1:
+            if self._exhausted[0]:
+                return None
+            batch, state = slots.next(0)
+            if batch is None:
+                self._exhausted[0] = True
+                self._worker_states[0] = state
+                return None
+            return batch, 0, state
         for k in range(self.slots):
             w = (self._next_worker + k) % self.slots
             if self._exhausted[w]:
                 continue
             batch, state = slots.next(w)
             if batch is None:
+                # the slot's end state: rows read after its last batch (a short batch that
+                # drop_last dropped) count as read, whether the slot runs here or in a worker
                 self._exhausted[w] = True
+                self._worker_states[w] = state
                 continue
             return batch, w, state
         return None
@@ -238,6 +250,10 @@ class StreamLoader(LoaderBase):
         # Known row counts align the ranks by construction; the agreement stays as a guard.
         cap = len(self) if self.stream.rows is not None else None
         slots = self._open_slots()
+        # The per-batch agreement is a collective only where there are other ranks; alone,
+        # this rank's own status is the minimum (and costs no call per batch).
+        distributed = is_distributed()
+        skipped = [_skipped(st) for st in self._worker_states]
         try:
             while True:
                 error: Exception | None = None
@@ -248,7 +264,7 @@ class StreamLoader(LoaderBase):
                     except Exception as exc:  # raised on every rank at this step, below
                         error = exc
                 mine = _FAILED if error else _HAVE if got is not None else _EXHAUSTED
-                status = all_min([mine], timeout=self.wait_timeout)[0]
+                status = all_min([mine], timeout=self.wait_timeout)[0] if distributed else mine
                 if error is not None:
                     raise error
                 if status == _FAILED:
@@ -260,11 +276,13 @@ class StreamLoader(LoaderBase):
                 if status == _EXHAUSTED or got is None:
                     break
                 batch, w, state = got
-                before = _skipped(self._worker_states[w])
                 self._worker_states[w] = state
                 self._next_worker = (w + 1) % self.slots
                 self._steps += 1
-                self._note_bad_samples(_skipped(state) - before, None)
+                now = _skipped(state)
+                if now != skipped[w]:
+                    self._note_bad_samples(now - skipped[w], None)
+                    skipped[w] = now
                 yield pin(batch) if self.pin_memory else batch
             if self._epoch == epoch:
                 self._count_unread(epoch)
@@ -461,7 +479,9 @@ class StreamLoader(LoaderBase):
             self._close_slots()
 
 
-def _skipped(state: dict[str, Any] | None) -> int:
+def _skipped(state: dict[str, Any] | LiveState | None) -> int:
+    if isinstance(state, LiveState):
+        return state.skipped
     while isinstance(state, dict) and "source" in state:
         state = state["source"]
     return int(state.get("skipped", 0)) if isinstance(state, dict) else 0

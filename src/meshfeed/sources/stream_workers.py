@@ -19,11 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.collate import default_collate
-from meshfeed.nodes.base import Node
+from meshfeed.nodes.base import Deferred, Node
 from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
-from meshfeed.sources.stream import Piece, ShardedStream, slot_batches
+from meshfeed.sources.stream import Piece, PieceReader, ShardedStream, slot_batches
 
-__all__ = ["InProcessSlots", "ProcessSlots", "SlotConfig", "SlotPipeline", "StreamWorkerError"]
+__all__ = [
+    "InProcessSlots",
+    "LiveState",
+    "ProcessSlots",
+    "SlotConfig",
+    "SlotPipeline",
+    "StreamWorkerError",
+]
 
 
 class StreamWorkerError(WorkerError):
@@ -54,6 +61,13 @@ class SlotConfig:
         )
 
 
+def _reader_of(node: Any) -> PieceReader:
+    """The :class:`PieceReader` at the bottom of a slot's node chain."""
+    while not isinstance(node, PieceReader):
+        node = node.source
+    return node
+
+
 class SlotPipeline:
     """The pipeline of one slot (:func:`~meshfeed.sources.stream.slot_batches` then
     ``collate``), with explicit state."""
@@ -74,14 +88,41 @@ class SlotPipeline:
         return self.collate(rows), self.node.snapshot()
 
 
+def _state_of(node: Node[Any]) -> dict[str, Any]:
+    return node.state_dict()
+
+
+class LiveState(Deferred):
+    """The state of an in-process slot pipeline, written out only when materialised.
+
+    Exact as long as the pipeline has not moved on since: the loader replaces it with every
+    batch (and at the end of the slot) and materialises it before the pipeline is used again.
+    ``skipped`` is the slot's skip count at once (read per batch, without the state). Never
+    pickled: it refers to the live pipeline.
+    """
+
+    __slots__ = ("skipped",)
+
+    def __init__(self, node: Node[Any], skipped: int) -> None:
+        super().__init__(_state_of, node)
+        self.skipped = skipped
+
+
 class InProcessSlots:
-    """Every slot of this rank in the calling process."""
+    """Every slot of this rank in the calling process; states are :class:`LiveState`, so a
+    batch costs no state snapshot (the loader materialises one only when it saves)."""
 
     def __init__(self, configs: list[SlotConfig], states: list[dict[str, Any] | None]) -> None:
         self.pipes = [SlotPipeline(c, s) for c, s in zip(configs, states, strict=True)]
+        self._readers = [_reader_of(p.node) for p in self.pipes]
 
-    def next(self, w: int) -> tuple[Any, dict[str, Any]]:
-        return self.pipes[w].next()
+    def next(self, w: int) -> tuple[Any, LiveState]:
+        pipe = self.pipes[w]
+        try:
+            rows = pipe.node.next()
+        except StopIteration:
+            return None, LiveState(pipe.node, self._readers[w].skipped)
+        return pipe.collate(rows), LiveState(pipe.node, self._readers[w].skipped)
 
     def close(self) -> None:
         self.pipes = []
