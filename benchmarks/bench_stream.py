@@ -21,14 +21,15 @@ For each format it measures, in the same run:
   (:func:`meshfeed.sources.stream.slot_batches`: reader -> buffer -> batcher, collated, with the
   state taken after every batch as a loader does), without the loader around it.
 
-and prints samples/s, batches/s, the main process's CPU time per batch, the ratio to the plain
-loop and, for the shuffled rows, the cost of the shuffle buffer against the same path without
+and prints samples/s, batches/s, the main process's CPU time per batch, the cores the run
+used (CPU seconds of the main process and its finished workers per wall second), the ratio to
+the plain loop and, for the shuffled rows, the cost of the shuffle buffer against the same path without
 it (median of 5 interleaved rounds, 3 with ``--quick``; the range is the slowest..fastest
 round, since the machine may be shared). The header reports how many cores two busy processes
 actually got just before (``effective cores``): worker rows can beat the plain loop only by
 that much, and on a shared machine it may be far below the core count.
 
-    PYTHONPATH=src python benchmarks/bench_stream.py [--quick]
+    PYTHONPATH=src python benchmarks/bench_stream.py [--quick] [--jsonl-rows N]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -138,6 +140,11 @@ def _spin(seconds: float) -> float:
     return time.process_time() - t0
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def effective_cores(seconds: float = 0.3) -> float:
     """CPU seconds two busy processes got per wall second (2.0 on two idle cores)."""
     with mp.get_context("fork").Pool(2) as pool:
@@ -174,11 +181,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small data, one repeat")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--jsonl-rows",
+        type=int,
+        default=2_500,
+        help="rows per jsonl shard (more: the workers' start-up weighs less)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     shards, seq_len, repeats = (4, 128, 3) if args.quick else (8, 512, 5)
     # jsonl: enough rows that two workers' start (a fork each, ~10-40 ms) is not the whole run
-    rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": 2_500}
+    rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": args.jsonl_rows}
     readers = {"npy": npy_reader, "jsonl": jsonl_reader}
     print(
         f"streaming throughput: {shards} shards, seq_len {seq_len}, batch {args.batch_size}, "
@@ -187,7 +200,7 @@ def main() -> None:
     )
     header = (
         f"{'format':6} {'loader':24} {'samples/s':>11} {'range':>17} {'batches/s':>10} "
-        f"{'main us/b':>10} {'vs plain':>9} {'buffer cost':>12}"
+        f"{'main us/b':>10} {'cores':>6} {'vs plain':>9} {'buffer cost':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -215,13 +228,16 @@ def main() -> None:
             # a shared machine affects all loaders alike; the median round counts.
             times: dict[str, list[float]] = {name: [] for name, _ in runs}
             cpu: dict[str, list[float]] = {name: [] for name, _ in runs}
+            cores: dict[str, list[float]] = {name: [] for name, _ in runs}
             counts = {}
             for _ in range(repeats):
                 for name, fn in runs:
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu()
                     counts[name] = fn()
-                    times[name].append(time.perf_counter() - t0)
+                    wall = time.perf_counter() - t0
+                    times[name].append(wall)
                     cpu[name].append(time.process_time() - c0)
+                    cores[name].append((cpu[name][-1] + _children_cpu() - k0) / wall)
 
             def rate(
                 name: str, t: float | None = None, counts: dict[str, int] = counts, times=times
@@ -239,7 +255,8 @@ def main() -> None:
                 print(
                     f"{fmt:6} {name:24} {bps * args.batch_size:11,.0f} "
                     f"{lo * args.batch_size / 1e3:>7,.0f}k..{hi * args.batch_size / 1e3:>6,.0f}k "
-                    f"{bps:10,.1f} {main_us:10,.1f} {bps / base:8.2f}x {cost:>12}"
+                    f"{bps:10,.1f} {main_us:10,.1f} {statistics.median(cores[name]):6.2f} "
+                    f"{bps / base:8.2f}x {cost:>12}"
                 )
 
 
