@@ -100,6 +100,8 @@ class ShuffleBuffer(Node[T]):
         self._source_done = False
         self._key = splitmix64(derive_seed(_SHUFFLE_OP, seed))
         self._cache_start, self._cache = 0, np.empty(0, np.uint64)
+        # u % size of a block of draws, as ints (the steady state's slots)
+        self._slot_start, self._slot_cache = 0, list[int]()
 
     def _u(self, start: int, count: int) -> np.ndarray:
         lo = start - self._cache_start
@@ -108,6 +110,17 @@ class ShuffleBuffer(Node[T]):
             self._cache = _uniforms(self._key, start, max(count, _BLOCK))
             lo = 0
         return self._cache[lo : lo + count]
+
+    def _slots(self, start: int, count: int) -> list[int]:
+        """Steady-state slots ``u[j] % size`` for draws ``[start, start + count)``: one
+        numpy pass per block of draws, a list slice per call."""
+        lo = start - self._slot_start
+        if lo < 0 or lo + count > len(self._slot_cache):
+            block = max(count, _BLOCK)
+            self._slot_start = start
+            self._slot_cache = (_uniforms(self._key, start, block) % np.uint64(self.size)).tolist()
+            lo = 0
+        return self._slot_cache[lo : lo + count]
 
     def _take(self, n: int) -> list[T]:
         """Up to ``n`` items from the source, marking it done when it returns fewer."""
@@ -154,7 +167,7 @@ class ShuffleBuffer(Node[T]):
             else:
                 incoming = self._take(n)
             m = len(incoming)
-            slots = (self._u(self.draws, m) % np.uint64(self.size)).tolist()
+            slots = self._slots(self.draws, m)
             self.draws += m
             if self.source_refs:
                 for s, x, k in zip(slots, incoming, keys, strict=True):
