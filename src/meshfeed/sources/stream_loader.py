@@ -17,8 +17,11 @@ forever. The next ``iter()`` starts the next epoch (shards re-permuted when ``sh
 
 **State** is per data rank: the epoch, the steps taken, the round-robin cursor and, per worker,
 the shard cursor, the in-shard row offset and the shuffle buffer as ``[shard, row]``
-references (re-read on restore, so rows need not be JSON). Save each data rank's own state;
-resume needs the same shards, data-parallel size and ``num_workers``.
+references (re-read on restore, so rows need not be JSON); a worker that has run out keeps its
+end state (rows it read looking for one more batch count as read, with or without worker
+processes). Save each data rank's own state; resume needs the same shards, data-parallel size
+and ``num_workers``. Taking the state costs nothing per batch: without workers the loader keeps
+the live pipeline's state and writes it out only in ``state_dict()``.
 
 Rows that are None are skipped and counted in ``stats()["skipped"]``, cumulatively over epochs
 and carried through ``state_dict()`` (as ``meshfeed.DataLoader.stats()`` counts); the first
