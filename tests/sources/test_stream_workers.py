@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import time
+from functools import partial
 from typing import Any
 
 import pytest
@@ -168,3 +169,61 @@ def test_in_process_and_worker_states_agree_after_every_batch_and_at_the_end(buf
     assert in_process[-1][2]["skipped"] == 2 * (3 + 2)  # every None row was read
     for (b0, s0, st0), (b1, s1, st1) in zip(in_process, worker, strict=True):
         assert (b0, s0, st0) == (b1, s1, st1)
+
+
+_BROKEN = {"on": True}
+
+
+def _clean(rows: int) -> Any:
+    yield from range(100, 100 + rows)
+
+
+def _breaks_at_1() -> Any:
+    for r in range(20):
+        if r == 1 and _BROKEN["on"]:
+            raise LookupError("row 1 unreadable")
+        yield r
+
+
+# (buffer, rows of the first shard): the batch after the last good one takes the first
+# shard's last two rows, then fails on the second row of the next shard
+@pytest.mark.parametrize(("buffer", "first"), [(0, 18), (6, 16)])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_state_after_a_read_error_is_the_state_of_the_last_batch_returned(buffer, first, workers):
+    """The read that raises may have taken rows of a batch never returned (the last rows of
+    one shard, then the error in the next); the state saved after the error resumes right
+    after the last batch returned, in and out of process."""
+    stream = ShardedStream([partial(_clean, first), _breaks_at_1], shuffle_buffer=buffer)
+    assert stream.shard_order(0, seed=5, shuffle=True) == [0, 1]
+    _BROKEN["on"] = False
+    with StreamLoader(stream, batch_size=4, num_workers=workers, seed=5) as lo:
+        want = [b.tolist() for b in lo]
+    _BROKEN["on"] = True
+    got: list[list[int]] = []
+    with StreamLoader(stream, batch_size=4, num_workers=workers, seed=5) as lo:
+        with pytest.raises((LookupError, StreamWorkerError), match="row 1 unreadable"):
+            for b in lo:
+                got.append(b.tolist())
+        state = lo.state_dict()
+    assert 0 < len(got) < len(want) and got == want[: len(got)]
+    _BROKEN["on"] = False
+    with StreamLoader(stream, batch_size=4, num_workers=workers, seed=5) as lo:
+        lo.load_state_dict(state)
+        assert [b.tolist() for b in lo] == want[len(got) :]
+
+
+def test_state_after_a_collate_error_in_process_is_refused_not_guessed():
+    calls = {"n": 0}
+
+    def collate(rows: list[int]) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("collate failed")
+        return rows
+
+    stream = ShardedStream([_rows], shuffle_buffer=6)
+    with StreamLoader(stream, batch_size=4, num_workers=0, collate_fn=collate) as lo:
+        with pytest.raises(ValueError, match="collate failed"):
+            list(lo)
+        with pytest.raises(ValueError, match="no longer known exactly"):
+            lo.state_dict()

@@ -453,6 +453,17 @@ class PieceReader(Node[Any]):
                 self.piece, self.row, self._it = self.piece + 1, 0, None
         return out
 
+    def cursor(self) -> tuple[int, int, int]:
+        """Where the reader is: ``(piece, row, skipped)`` (cheap; see :meth:`rewind`)."""
+        return self.piece, self.row, self.skipped
+
+    def rewind(self, cursor: tuple[int, int, int]) -> None:
+        """Go back to ``cursor``, taken before a read that raised: the rows read since are
+        read again (the piece is re-opened at that row), so the state is again the one as of
+        the last rows returned."""
+        self.piece, self.row, self.skipped = cursor
+        self._it = None
+
     def state_dict(self) -> dict[str, Any]:
         return envelope(
             self.KIND, self.VERSION, piece=self.piece, row=self.row, skipped=self.skipped

@@ -92,6 +92,15 @@ def _state_of(node: Node[Any]) -> dict[str, Any]:
     return node.state_dict()
 
 
+def _moved_on(node: Node[Any]) -> dict[str, Any]:
+    raise ValueError(
+        "this stream loader's state is no longer known exactly: collate_fn raised on the batch "
+        "after it, and the slot's pipeline had already moved past that batch; restore from a "
+        "checkpoint saved before the error (or use num_workers >= 1, where the state of the "
+        "last batch returned is kept as sent)"
+    )
+
+
 class LiveState(Deferred):
     """The state of an in-process slot pipeline, written out only when materialised.
 
@@ -115,14 +124,34 @@ class InProcessSlots:
     def __init__(self, configs: list[SlotConfig], states: list[dict[str, Any] | None]) -> None:
         self.pipes = [SlotPipeline(c, s) for c, s in zip(configs, states, strict=True)]
         self._readers = [_reader_of(p.node) for p in self.pipes]
+        self._last: list[LiveState | None] = [None] * len(self.pipes)
 
     def next(self, w: int) -> tuple[Any, LiveState]:
-        pipe = self.pipes[w]
+        pipe, reader = self.pipes[w], self._readers[w]
+        cursor = reader.cursor()
         try:
             rows = pipe.node.next()
         except StopIteration:
-            return None, LiveState(pipe.node, self._readers[w].skipped)
-        return pipe.collate(rows), LiveState(pipe.node, self._readers[w].skipped)
+            return None, LiveState(pipe.node, reader.skipped)
+        except Exception:
+            # A read raised: the reader may have counted rows of the batch that was never
+            # returned. After a first batch the buffer is full and changes only after a read
+            # succeeds, so rewinding the reader makes the live state again the state as of
+            # the last batch returned. (Before one, the loader holds the state it started
+            # from, not a live one.)
+            if self._last[w] is not None:
+                reader.rewind(cursor)
+            raise
+        try:
+            batch = pipe.collate(rows)
+        except Exception:
+            # The pipeline moved past a batch that was never returned, and a buffer cannot
+            # be rewound: the last state returned must not be written out as if it were exact.
+            if self._last[w] is not None:
+                self._last[w].fn = _moved_on  # type: ignore[union-attr]
+            raise
+        self._last[w] = live = LiveState(pipe.node, reader.skipped)
+        return batch, live
 
     def close(self) -> None:
         self.pipes = []
