@@ -212,6 +212,25 @@ def test_state_after_a_read_error_is_the_state_of_the_last_batch_returned(buffer
         assert [b.tolist() for b in lo] == want[len(got) :]
 
 
+def test_state_after_a_collate_error_without_buffer_resumes_after_the_last_batch():
+    calls = {"n": 0}
+
+    def collate(rows: list[int]) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("collate failed")
+        return rows
+
+    stream = ShardedStream([_rows])
+    with StreamLoader(stream, batch_size=4, num_workers=0, collate_fn=collate) as lo:
+        with pytest.raises(ValueError, match="collate failed"):
+            list(lo)
+        state = lo.state_dict()
+    with StreamLoader(stream, batch_size=4, num_workers=0) as lo:
+        lo.load_state_dict(state)
+        assert next(iter(lo)).tolist() == [8, 9, 10, 11]
+
+
 def test_state_after_a_collate_error_in_process_is_refused_not_guessed():
     calls = {"n": 0}
 

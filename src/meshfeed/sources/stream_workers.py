@@ -95,7 +95,7 @@ def _state_of(node: Node[Any]) -> dict[str, Any]:
 def _moved_on(node: Node[Any]) -> dict[str, Any]:
     raise ValueError(
         "this stream loader's state is no longer known exactly: collate_fn raised on the batch "
-        "after it, and the slot's pipeline had already moved past that batch; restore from a "
+        "after it, and the slot's shuffle buffer had already moved past that batch; restore from a "
         "checkpoint saved before the error (or use num_workers >= 1, where the state of the "
         "last batch returned is kept as sent)"
     )
@@ -145,9 +145,12 @@ class InProcessSlots:
         try:
             batch = pipe.collate(rows)
         except Exception:
-            # The pipeline moved past a batch that was never returned, and a buffer cannot
-            # be rewound: the last state returned must not be written out as if it were exact.
-            if self._last[w] is not None:
+            # The pipeline moved past a batch that was never returned. Without a buffer the
+            # reader rewinds; a buffer cannot, so the last state returned must not be
+            # written out as if it were exact.
+            if getattr(pipe.node, "source", None) is reader:
+                reader.rewind(cursor)
+            elif self._last[w] is not None:
                 self._last[w].fn = _moved_on  # type: ignore[union-attr]
             raise
         self._last[w] = live = LiveState(pipe.node, reader.skipped)
