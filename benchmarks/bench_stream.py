@@ -10,6 +10,10 @@ For each format it measures, in the same run:
 
 - ``plain loop``: the physical limit: the same reader over every shard, rows grouped into
   lists of ``batch_size`` and collated with meshfeed's ``default_collate``, in one process;
+- ``plain loop +shuffle``: the same with the shuffle buffer a user would write (1,024 rows,
+  ``random.Random`` draws, swap-in-place, drained at the end): what a buffer costs on this
+  reader whoever writes it (rows kept alive for a thousand draws are slower to make, free and
+  collate than rows dropped at once);
 - ``meshfeed w=0``: ``StreamLoader(num_workers=0)``;
 - ``meshfeed w=0 +shuffle``: the same with a 1,024-row seeded shuffle buffer;
 - ``meshfeed w=2``: ``StreamLoader(num_workers=2)`` (worker start-up included);
@@ -17,17 +21,25 @@ For each format it measures, in the same run:
   (:func:`meshfeed.sources.stream.slot_batches`: reader -> buffer -> batcher, collated, with the
   state taken after every batch as a loader does), without the loader around it.
 
-and prints samples/s, batches/s, the ratio to the plain loop and, for the shuffled rows, the
-cost of the shuffle buffer against the same path without it (median of 5 interleaved rounds,
-3 with ``--quick``; the range is the slowest..fastest round, since the machine may be shared).
+and prints samples/s, batches/s, the main process's CPU time per batch, the cores the run
+used (CPU seconds of the main process and its finished workers per wall second), the ratio to
+the plain loop and, for the shuffled rows, the cost of the shuffle buffer against the same path without
+it (median of 5 interleaved rounds, 3 with ``--quick``; the range is the slowest..fastest
+round, since the machine may be shared). The header reports how many cores two busy processes
+actually got just before (``effective cores``): worker rows can beat the plain loop only by
+that much, and on a shared machine it may be far below the core count.
 
-    PYTHONPATH=src python benchmarks/bench_stream.py [--quick]
+    PYTHONPATH=src python benchmarks/bench_stream.py [--quick] [--jsonl-rows N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
+import random
+import resource
 import statistics
 import tempfile
 import time
@@ -90,6 +102,57 @@ def plain_loop(paths: list[str], reader: Callable[..., Iterator[Any]], batch_siz
     return batches
 
 
+def plain_shuffled_loop(
+    paths: list[str], reader: Callable[..., Iterator[Any]], batch_size: int, size: int
+) -> int:
+    rng = random.Random(1)
+    buffer: list[Any] = []
+    batches = 0
+    batch: list[Any] = []
+
+    def emit(row: Any) -> None:
+        nonlocal batch, batches
+        batch.append(row)
+        if len(batch) == batch_size:
+            default_collate(batch)
+            batches += 1
+            batch = []
+
+    for path in paths:
+        for row in reader(path, 0, None):
+            if len(buffer) < size:
+                buffer.append(row)
+                continue
+            j = rng.randrange(size)
+            emit(buffer[j])
+            buffer[j] = row
+    rng.shuffle(buffer)
+    for row in buffer:
+        emit(row)
+    return batches
+
+
+def _spin(seconds: float) -> float:
+    end, x = time.perf_counter() + seconds, 0
+    t0 = time.process_time()
+    while time.perf_counter() < end:
+        x += 1
+    return time.process_time() - t0
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def effective_cores(seconds: float = 0.3) -> float:
+    """CPU seconds two busy processes got per wall second (2.0 on two idle cores)."""
+    with mp.get_context("fork").Pool(2) as pool:
+        t0 = time.perf_counter()
+        cpu = sum(pool.map(_spin, [seconds, seconds]))
+        return cpu / (time.perf_counter() - t0)
+
+
 def meshfeed_loop(stream: ShardedStream, batch_size: int, workers: int) -> int:
     with StreamLoader(stream, batch_size=batch_size, num_workers=workers, seed=1) as lo:
         return sum(1 for _ in lo)
@@ -109,7 +172,7 @@ def slot_loop(stream: ShardedStream, batch_size: int) -> int:
     batches = 0
     for rows in node:
         default_collate(rows)
-        node.state_dict()
+        node.snapshot()
         batches += 1
     return batches
 
@@ -118,18 +181,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small data, one repeat")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--jsonl-rows",
+        type=int,
+        default=2_500,
+        help="rows per jsonl shard (more: the workers' start-up weighs less)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     shards, seq_len, repeats = (4, 128, 3) if args.quick else (8, 512, 5)
-    rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": 500 if args.quick else 2_500}
+    # jsonl: enough rows that two workers' start (a fork each, ~10-40 ms) is not the whole run
+    rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": args.jsonl_rows}
     readers = {"npy": npy_reader, "jsonl": jsonl_reader}
     print(
         f"streaming throughput: {shards} shards, seq_len {seq_len}, batch {args.batch_size}, "
-        f"median of {repeats}; {torch.get_num_threads()} torch thread(s)"
+        f"median of {repeats}; {torch.get_num_threads()} torch thread(s); effective cores "
+        f"for 2 processes: {effective_cores():.2f} of {len(os.sched_getaffinity(0))}"
     )
     header = (
         f"{'format':6} {'loader':24} {'samples/s':>11} {'range':>17} {'batches/s':>10} "
-        f"{'vs plain':>9} {'buffer cost':>12}"
+        f"{'main us/b':>10} {'cores':>6} {'vs plain':>9} {'buffer cost':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -143,6 +214,10 @@ def main() -> None:
             shuffled = ShardedStream(paths, reader, shuffle_buffer=1024, rows=[rows[fmt]] * shards)
             runs: list[tuple[str, Callable[[], int]]] = [
                 ("plain loop", lambda p=paths, r=reader: plain_loop(p, r, args.batch_size)),
+                (
+                    "plain loop +shuffle",
+                    lambda p=paths, r=reader: plain_shuffled_loop(p, r, args.batch_size, 1024),
+                ),
                 ("meshfeed w=0", lambda s=plain: meshfeed_loop(s, args.batch_size, 0)),
                 ("meshfeed w=0 +shuffle", lambda s=shuffled: meshfeed_loop(s, args.batch_size, 0)),
                 ("meshfeed w=2", lambda s=plain: meshfeed_loop(s, args.batch_size, 2)),
@@ -152,12 +227,17 @@ def main() -> None:
             # Repeats are interleaved (every loader once per round) so that load drifting on
             # a shared machine affects all loaders alike; the median round counts.
             times: dict[str, list[float]] = {name: [] for name, _ in runs}
+            cpu: dict[str, list[float]] = {name: [] for name, _ in runs}
+            cores: dict[str, list[float]] = {name: [] for name, _ in runs}
             counts = {}
             for _ in range(repeats):
                 for name, fn in runs:
-                    t0 = time.perf_counter()
+                    t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu()
                     counts[name] = fn()
-                    times[name].append(time.perf_counter() - t0)
+                    wall = time.perf_counter() - t0
+                    times[name].append(wall)
+                    cpu[name].append(time.process_time() - c0)
+                    cores[name].append((cpu[name][-1] + _children_cpu() - k0) / wall)
 
             def rate(
                 name: str, t: float | None = None, counts: dict[str, int] = counts, times=times
@@ -171,10 +251,12 @@ def main() -> None:
                 cost = ""
                 if name.endswith(" +shuffle"):
                     cost = f"{1 - bps / rate(name.removesuffix(' +shuffle')):11.0%}"
+                main_us = statistics.median(cpu[name]) / counts[name] * 1e6
                 print(
                     f"{fmt:6} {name:24} {bps * args.batch_size:11,.0f} "
                     f"{lo * args.batch_size / 1e3:>7,.0f}k..{hi * args.batch_size / 1e3:>6,.0f}k "
-                    f"{bps:10,.1f} {bps / base:8.2f}x {cost:>12}"
+                    f"{bps:10,.1f} {main_us:10,.1f} {statistics.median(cores[name]):6.2f} "
+                    f"{bps / base:8.2f}x {cost:>12}"
                 )
 
 

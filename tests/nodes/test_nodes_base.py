@@ -73,3 +73,20 @@ def test_states_are_json():
     node = ListNode([1, 2])
     next(node)
     assert json.loads(json.dumps(node.state_dict())) == node.state_dict()
+
+
+def test_materialize_writes_deferred_fields_in_nested_states_and_pickles():
+    import pickle
+
+    from meshfeed.nodes import Deferred, materialize
+
+    snap = {"kind": "k", "source": {"buffer": Deferred(sorted, [3, 1, 2]), "row": 4}}
+    want = {"kind": "k", "source": {"buffer": [1, 2, 3], "row": 4}}
+    assert materialize(snap) == want
+    assert materialize(pickle.loads(pickle.dumps(snap))) == want
+
+
+def test_a_nodes_default_snapshot_is_its_state():
+    node = ListNode([1, 2, 3])
+    next(node)
+    assert node.snapshot() == node.state_dict()

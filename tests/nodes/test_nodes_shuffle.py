@@ -141,3 +141,68 @@ def test_the_state_holds_one_reference_per_slot_and_stays_small():
     # ref() runs once per item entering the buffer, never per state
     node.state_dict()
     assert len(calls) == 18
+
+
+class _KeyedList(ListNode[str]):
+    """A RefSource over strings: keys are positions, JSON references are ``[position]``."""
+
+    json_refs = staticmethod(lambda keys: [[k] for k in keys])
+
+    def next_many_refs(self, n: int) -> tuple[list[str], list[int]]:
+        lo = self.position
+        items = self.next_many(n)
+        return items, list(range(lo, lo + len(items)))
+
+    def load_refs(self, refs: list) -> tuple[list[str], list[int]]:
+        keys = [r[0] for r in refs]
+        return [self.items[k] for k in keys], keys
+
+
+def _keyed(size: int, n: int = 23) -> ShuffleBuffer:
+    return ShuffleBuffer(
+        _KeyedList([f"r{i}" for i in range(n)]), size=size, seed=7, source_refs=True
+    )
+
+
+@pytest.mark.parametrize("size", [0, 1, 4, 30])
+def test_source_refs_give_the_same_order_as_per_item_refs(size):
+    items = [f"r{i}" for i in range(23)]
+    per_item = ShuffleBuffer(
+        ListNode(items), size=size, seed=7, ref=items.index, load=lambda r: [items[i] for i in r]
+    )
+    assert list(_keyed(size)) == list(per_item)
+
+
+@pytest.mark.parametrize("size", [0, 4, 30])
+def test_source_refs_resume_exactly_from_every_item(size):
+    assert_resume_equivalence(lambda: _keyed(size), num_items=23)
+
+
+def test_source_refs_snapshot_defers_the_buffer_until_materialised():
+    from meshfeed.nodes import Deferred, materialize
+
+    node = _keyed(4)
+    [next(node) for _ in range(6)]
+    snap = node.snapshot()
+    assert isinstance(snap["buffer"], Deferred)
+    state = node.state_dict()
+    assert materialize(snap) == state
+    assert sorted(state["buffer"]) == sorted([[k] for k in node._refs])
+    [next(node) for _ in range(3)]  # the snapshot is a copy: later draws leave it alone
+    assert materialize(snap) == state
+
+
+def test_source_refs_need_a_ref_source():
+    with pytest.raises(ValueError, match="source_refs=True takes the references"):
+        ShuffleBuffer(ListNode([1, 2]), size=2, seed=0, source_refs=True)
+
+
+def test_the_draw_sequence_is_pinned():
+    """The order for a fixed seed, as every release so far wrote it: changing it needs a new
+    state version (a checkpoint would resume into another order)."""
+    out = list(ShuffleBuffer(ListNode(list(range(20))), size=6, seed=11))
+    assert out == [5, 0, 4, 2, 8, 3, 11, 10, 1, 7, 13, 9, 12, 17, 14, 16, 18, 19, 6, 15]
+    keyed = ShuffleBuffer(
+        _KeyedList([str(i) for i in range(20)]), size=6, seed=11, source_refs=True
+    )
+    assert [int(x) for x in keyed] == out

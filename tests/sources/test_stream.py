@@ -557,6 +557,7 @@ def test_simulated_ranks_raise_at_the_same_step(monkeypatch, bad_shard):
         return out
 
     monkeypatch.setattr(stream_loader, "all_min", all_min)
+    monkeypatch.setattr(stream_loader, "is_distributed", lambda: True)
     results: list[dict[str, Any]] = [{}, {}]
 
     def run(rank: int) -> None:

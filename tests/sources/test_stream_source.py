@@ -288,3 +288,46 @@ def test_gloo_ranks_with_workers_leave_exactly_unread_rows_unread():
         rows=_GLOO_ROWS,
     )
     assert _read_per_epoch(stream, 2, 2, 2, True, seed=4) == sum(r["read"] for r in results)
+
+
+def test_reader_keys_pack_shard_and_row_and_skip_none_rows():
+    from meshfeed.sources.stream import json_refs
+
+    stream = _callable_stream([20, 15])
+    pieces = [Piece(0, 2, None), Piece(1, 0, 10)]
+    pairs = list(PieceReader(stream, pieces))
+    keyed = PieceReader(stream, pieces)
+    rows, keys = [], []
+    for n in (3, 7, 100):
+        r, k = keyed.next_many_refs(n)
+        rows += r
+        keys += k
+    assert rows == [row for _, row in pairs]
+    assert json_refs(keys) == [list(ref) for ref, _ in pairs]
+    assert keyed.state_dict() == PieceReader(stream, pieces).state_dict() | {
+        "piece": 2,
+        "row": 0,
+        "skipped": keyed.skipped,
+    }
+    assert keyed.skipped == sum(1 for r in range(2, 20) if r % 7 == 6) + sum(
+        1 for r in range(10) if (1000 + r) % 7 == 6
+    )
+
+
+@pytest.mark.parametrize("size", [2, 5, 64])
+def test_slot_batches_keep_the_order_and_checkpoint_of_per_row_references(size):
+    """Keys instead of per-row ``(shard, row)`` tuples change neither the rows nor the
+    checkpoint (so checkpoints of earlier releases still load: no version bump)."""
+    stream = _callable_stream([9, 0, 13, 4])
+    pieces = [Piece(0, 0, None), Piece(1, 0, None), Piece(2, 3, 11), Piece(3, 0, None)]
+    old = _pipeline(stream, pieces, size=size, batch=3)
+    new = slot_batches(stream, pieces, shuffle_buffer=size, seed=5, batch_size=3, drop_last=False)
+    for _ in range(4):
+        assert [row for _, row in old.next()] == new.next()
+        want = json.loads(json.dumps(old.state_dict()))
+        assert new.state_dict() == want
+    resumed = slot_batches(
+        stream, pieces, shuffle_buffer=size, seed=5, batch_size=3, drop_last=False
+    )
+    resumed.load_state_dict(want)
+    assert list(resumed) == [[row for _, row in b] for b in old]

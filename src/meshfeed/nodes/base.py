@@ -8,6 +8,11 @@ of the last item *returned*, a small JSON-serialisable dict; a parent nests its 
 under the key ``"source"``. Iterators rather than generators, because a generator hides its
 state on its stack.
 
+``snapshot()`` is ``state_dict()`` made cheap enough to take after every item: a field that is
+costly to write out (a shuffle buffer's references) may be a :class:`Deferred`, which
+:func:`materialize` turns into its JSON value only when the state is actually saved. A loader
+records snapshots per batch and materialises the one it is asked for.
+
 ``next_many(n)`` returns up to ``n`` items (fewer only at the end, ``[]`` once exhausted). The
 default calls ``next()``; nodes on a hot path override it to do the per-item work in bulk
 (one reader call for many rows, one vectorised draw for many shuffle slots). Mixing ``next``
@@ -22,14 +27,39 @@ and ``next_many`` gives the same items in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from meshfeed.state import check_count, envelope, open_envelope
 
 T = TypeVar("T")
 
-__all__ = ["ListNode", "Node"]
+__all__ = ["Deferred", "ListNode", "Node", "materialize"]
+
+
+class Deferred:
+    """A state field written out only when the state is saved: ``fn(arg)`` (a JSON value).
+
+    ``fn`` must be a module-level function (a snapshot may travel from a worker process) and
+    ``arg`` a private copy (the node keeps changing after the snapshot).
+    """
+
+    __slots__ = ("arg", "fn")
+
+    def __init__(self, fn: Callable[[Any], Any], arg: Any) -> None:
+        self.fn, self.arg = fn, arg
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Deferred, (self.fn, self.arg)
+
+
+def materialize(state: Any) -> Any:
+    """``state`` with every :class:`Deferred` field (in nested dicts) written out."""
+    if isinstance(state, Deferred):
+        return state.fn(state.arg)
+    if isinstance(state, dict):
+        return {k: materialize(v) for k, v in state.items()}
+    return state
 
 
 class Node(Generic[T]):
@@ -53,6 +83,11 @@ class Node(Generic[T]):
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state as of the last item returned, with costly fields :class:`Deferred`;
+        ``materialize(node.snapshot()) == node.state_dict()``."""
+        return self.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError

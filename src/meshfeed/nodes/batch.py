@@ -39,6 +39,9 @@ class Batcher(Node[list[T]]):
     def state_dict(self) -> dict[str, Any]:
         return envelope(self.KIND, self.VERSION, **{self.SOURCE_KEY: self.source.state_dict()})
 
+    def snapshot(self) -> dict[str, Any]:
+        return envelope(self.KIND, self.VERSION, **{self.SOURCE_KEY: self.source.snapshot()})
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = open_envelope(
             state, kind=self.KIND, version=self.VERSION, fields={self.SOURCE_KEY: dict}

@@ -20,17 +20,35 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from meshfeed.nodes.base import Node
+from meshfeed.nodes.base import Deferred, Node, materialize
 from meshfeed.order.permutation import derive_seed, splitmix64
 from meshfeed.state import MAX_COUNT, check_count, envelope, open_envelope
 
 T = TypeVar("T")
 
-__all__ = ["ShuffleBuffer"]
+__all__ = ["RefSource", "ShuffleBuffer"]
+
+
+@runtime_checkable
+class RefSource(Protocol):
+    """A node whose items carry cheap references, for ``ShuffleBuffer(source_refs=True)``.
+
+    ``next_many_refs(n)`` returns up to ``n`` items and their keys (fewer only at the end);
+    ``json_refs`` is a module-level function turning a list of keys into a list of JSON
+    references; ``load_refs(json_refs)`` re-reads those items and returns ``(items, keys)``,
+    refusing a reference that is malformed, repeated or no longer there (``ValueError``).
+    """
+
+    json_refs: Callable[[list[Any]], list[Any]]
+
+    def next_many_refs(self, n: int) -> tuple[list[Any], list[Any]]: ...
+
+    def load_refs(self, refs: list[Any]) -> tuple[list[Any], list[Any]]: ...
+
 
 _SHUFFLE_OP = 0x5348
 _BLOCK = 4096
@@ -62,19 +80,28 @@ class ShuffleBuffer(Node[T]):
         seed: int,
         ref: Callable[[T], Any] | None = None,
         load: Callable[[list[Any]], list[T]] | None = None,
+        source_refs: bool = False,
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"shuffle buffer size must be an int >= 0 (got {size=!r})")
         if (ref is None) != (load is None):
             raise ValueError("give both ref= and load= (store references) or neither")
+        if source_refs and (ref is not None or not isinstance(source, RefSource)):
+            raise ValueError(
+                f"source_refs=True takes the references from the source: give a source with "
+                f"next_many_refs / json_refs / load_refs (got {type(source).__name__}) and no "
+                "ref= / load="
+            )
         self.source, self.size, self.seed = source, size, seed
-        self.ref, self.load = ref, load
+        self.ref, self.load, self.source_refs = ref, load, source_refs
         self.buffer: list[T] = []
         self._refs: list[Any] = []  # ref(item) per slot, kept in step with buffer
         self.draws = 0
         self._source_done = False
         self._key = splitmix64(derive_seed(_SHUFFLE_OP, seed))
         self._cache_start, self._cache = 0, np.empty(0, np.uint64)
+        # u % size of a block of draws, as ints (the steady state's slots)
+        self._slot_start, self._slot_cache = 0, list[int]()
 
     def _u(self, start: int, count: int) -> np.ndarray:
         lo = start - self._cache_start
@@ -84,6 +111,17 @@ class ShuffleBuffer(Node[T]):
             lo = 0
         return self._cache[lo : lo + count]
 
+    def _slots(self, start: int, count: int) -> list[int]:
+        """Steady-state slots ``u[j] % size`` for draws ``[start, start + count)``: one
+        numpy pass per block of draws, a list slice per call."""
+        lo = start - self._slot_start
+        if lo < 0 or lo + count > len(self._slot_cache):
+            block = max(count, _BLOCK)
+            self._slot_start = start
+            self._slot_cache = (_uniforms(self._key, start, block) % np.uint64(self.size)).tolist()
+            lo = 0
+        return self._slot_cache[lo : lo + count]
+
     def _take(self, n: int) -> list[T]:
         """Up to ``n`` items from the source, marking it done when it returns fewer."""
         items = self.source.next_many(n) if n > 0 else []
@@ -91,8 +129,18 @@ class ShuffleBuffer(Node[T]):
             self._source_done = True
         return items
 
+    def _take_refs(self, n: int) -> tuple[list[T], list[Any]]:
+        items, keys = self.source.next_many_refs(n) if n > 0 else ([], [])  # type: ignore[attr-defined]
+        if len(items) < n:
+            self._source_done = True
+        return items, keys
+
     def _fill(self) -> None:
-        if not self._source_done and len(self.buffer) < self.size:
+        if self.source_refs and not self._source_done and len(self.buffer) < self.size:
+            items, keys = self._take_refs(self.size - len(self.buffer))
+            self.buffer.extend(items)
+            self._refs.extend(keys)
+        elif not self._source_done and len(self.buffer) < self.size:
             items = self._take(self.size - len(self.buffer))
             self.buffer.extend(items)
             if self.ref is not None:
@@ -113,11 +161,20 @@ class ShuffleBuffer(Node[T]):
         buf, refs, ref = self.buffer, self._refs, self.ref
         if len(out) < n and not self._source_done:
             # steady state: the buffer is full; each draw's slot takes the next source item
-            incoming = self._take(n)
+            keys: list[Any] = []
+            if self.source_refs:
+                incoming, keys = self._take_refs(n)
+            else:
+                incoming = self._take(n)
             m = len(incoming)
-            slots = (self._u(self.draws, m) % np.uint64(self.size)).tolist()
+            slots = self._slots(self.draws, m)
             self.draws += m
-            if ref is None:
+            if self.source_refs:
+                for s, x, k in zip(slots, incoming, keys, strict=True):
+                    out.append(buf[s])
+                    buf[s] = x
+                    refs[s] = k
+            elif ref is None:
                 for s, x in zip(slots, incoming, strict=True):
                     out.append(buf[s])
                     buf[s] = x
@@ -136,12 +193,14 @@ class ShuffleBuffer(Node[T]):
                 out.append(buf[s])
                 buf[s] = buf[-1]
                 buf.pop()
-                if ref is not None:
+                if ref is not None or self.source_refs:
                     refs[s] = refs[-1]
                     refs.pop()
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        if self.source_refs:
+            return materialize(self.snapshot())
         items = list(self._refs) if self.ref is not None else list(self.buffer)
         return envelope(
             self.KIND,
@@ -150,6 +209,18 @@ class ShuffleBuffer(Node[T]):
             buffer=items,
             source_done=self._source_done,
             **{self.SOURCE_KEY: self.source.state_dict()},
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        if not self.source_refs:
+            return self.state_dict()
+        return envelope(
+            self.KIND,
+            self.VERSION,
+            draws=self.draws,
+            buffer=Deferred(self.source.json_refs, list(self._refs)),  # type: ignore[attr-defined]
+            source_done=self._source_done,
+            **{self.SOURCE_KEY: self.source.snapshot()},
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -174,7 +245,7 @@ class ShuffleBuffer(Node[T]):
                 f"{what} holds {len(items)} items of {cap} while its source is not exhausted "
                 "(a buffer is full until its source ends); the checkpoint is corrupted"
             )
-        if self.load is not None:
+        if self.load is not None or self.source_refs:
             keys = [json.dumps(r) for r in items]
             if len(set(keys)) != len(keys):
                 dup = next(k for k in keys if keys.count(k) > 1)
@@ -183,6 +254,16 @@ class ShuffleBuffer(Node[T]):
                     "item twice); the checkpoint is corrupted"
                 )
         self.source.load_state_dict(s[self.SOURCE_KEY])
+        if self.source_refs:
+            loaded, found = self.source.load_refs(list(items))  # type: ignore[attr-defined]
+            if len(loaded) != len(items) or len(found) != len(items):
+                raise ValueError(
+                    f"{what}: load_refs() returned {len(loaded)} items for {len(items)} references"
+                )
+            self.buffer, self._refs = list(loaded), list(found)
+            self.draws = draws
+            self._source_done = s["source_done"]
+            return
         loaded = self.load(list(items)) if self.load is not None else list(items)
         if len(loaded) != len(items):
             raise ValueError(

@@ -30,10 +30,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Any
 
 from meshfeed.nodes.base import Node
@@ -114,6 +114,9 @@ class ShardedStream:
         self.shuffle_buffer = shuffle_buffer
         self.seed = int(seed)
         self.rows = rows
+        # assign() is a pure function of its arguments, asked for several times per epoch
+        # (loader start, len(), the unread count): a few recent answers are kept.
+        self._assigned: dict[tuple[int, ...], list[list[list[Piece]]]] = {}
 
     @property
     def num_rows(self) -> int | None:
@@ -140,6 +143,18 @@ class ShardedStream:
         self, epoch: int, data_world_size: int, num_slots_per_rank: int, *, seed: int, shuffle: bool
     ) -> list[list[list[Piece]]]:
         """``pieces[rank][worker]``: what each slot reads in ``epoch`` (pure arithmetic)."""
+        key = (epoch, data_world_size, num_slots_per_rank, seed, int(shuffle))
+        if key not in self._assigned:
+            if len(self._assigned) >= 8:
+                self._assigned.clear()
+            self._assigned[key] = self._assign(
+                epoch, data_world_size, num_slots_per_rank, seed=seed, shuffle=shuffle
+            )
+        return [[list(pieces) for pieces in slots] for slots in self._assigned[key]]
+
+    def _assign(
+        self, epoch: int, data_world_size: int, num_slots_per_rank: int, *, seed: int, shuffle: bool
+    ) -> list[list[list[Piece]]]:
         R, W = data_world_size, max(1, num_slots_per_rank)
         order = self.shard_order(epoch, seed=seed, shuffle=shuffle)
         out: list[list[list[Piece]]] = [[[] for _ in range(W)] for _ in range(R)]
@@ -302,6 +317,15 @@ def _rows_taken(rows: list[int], batches: list[int], batch_size: int, steps: int
     return taken
 
 
+_ROW_BITS = 40
+_ROW_MASK = (1 << _ROW_BITS) - 1
+
+
+def json_refs(keys: list[int]) -> list[list[int]]:
+    """``[shard, row]`` pairs of :meth:`PieceReader.next_many_refs` keys (for a checkpoint)."""
+    return [[k >> _ROW_BITS, k & _ROW_MASK] for k in keys]
+
+
 class PieceReader(Node[Any]):
     """Reads a slot's pieces in order, yielding ``((shard, row), row)`` (``refs=False``: the
     rows alone, for pipelines that keep no references, such as one without shuffle buffer).
@@ -347,7 +371,47 @@ class PieceReader(Node[Any]):
             raise StopIteration
         return items[0]
 
+    def next_many_refs(self, n: int) -> tuple[list[Any], list[int]]:
+        """Up to ``n`` rows and their keys ``shard << 40 | row`` (ints, made per chunk by
+        ``range``: no per-row tuple); :func:`json_refs` writes keys out as ``[shard, row]``."""
+        out: list[Any] = []
+        keys: list[int] = []
+        while len(out) < n and self.piece < len(self.pieces):
+            p = self.pieces[self.piece]
+            if self._it is None:
+                self._it = self._open(p)
+            want = n - len(out)
+            chunk = list(itertools.islice(self._it, want))
+            first = p.start + self.row
+            if first + len(chunk) > _ROW_MASK:
+                raise ValueError(
+                    f"shard {p.shard} has more than {_ROW_MASK} rows; split it into smaller shards"
+                )
+            base = (p.shard << _ROW_BITS) + first
+            if any(map(operator.is_, chunk, itertools.repeat(None))):
+                got = [(base + i, r) for i, r in enumerate(chunk) if r is not None]
+                out.extend(r for _, r in got)
+                keys.extend(k for k, _ in got)
+                self.skipped += len(chunk) - len(got)
+            else:
+                out.extend(chunk)
+                keys.extend(range(base, base + len(chunk)))
+            self.row += len(chunk)
+            if len(chunk) < want:
+                self.piece, self.row, self._it = self.piece + 1, 0, None
+        return out, keys
+
+    json_refs = staticmethod(json_refs)
+
+    def load_refs(self, refs: list[Any]) -> tuple[list[Any], list[int]]:
+        """Re-read the rows of ``[shard, row]`` references (checked by
+        :meth:`ShardedStream.load_rows`) and return them with their keys."""
+        rows = self.stream.load_rows(refs)
+        return rows, [(int(a) << _ROW_BITS) + int(b) for a, b in refs]
+
     def next_many(self, n: int) -> list[Any]:
+        if not self.refs:
+            return self._rows(n)
         out: list[Any] = []
         while len(out) < n and self.piece < len(self.pieces):
             p = self.pieces[self.piece]
@@ -369,6 +433,36 @@ class PieceReader(Node[Any]):
             if len(chunk) < want:
                 self.piece, self.row, self._it = self.piece + 1, 0, None
         return out
+
+    def _rows(self, n: int) -> list[Any]:
+        """``next_many`` without references: the per-batch hot path of an unshuffled slot."""
+        out: list[Any] = []
+        while len(out) < n and self.piece < len(self.pieces):
+            if self._it is None:
+                self._it = self._open(self.pieces[self.piece])
+            want = n - len(out)
+            chunk = list(itertools.islice(self._it, want))
+            got = [r for r in chunk if r is not None]
+            self.skipped += len(chunk) - len(got)
+            self.row += len(chunk)
+            if out:
+                out.extend(got)
+            else:
+                out = got
+            if len(chunk) < want:
+                self.piece, self.row, self._it = self.piece + 1, 0, None
+        return out
+
+    def cursor(self) -> tuple[int, int, int]:
+        """Where the reader is: ``(piece, row, skipped)`` (cheap; see :meth:`rewind`)."""
+        return self.piece, self.row, self.skipped
+
+    def rewind(self, cursor: tuple[int, int, int]) -> None:
+        """Go back to ``cursor``, taken before a read that raised: the rows read since are
+        read again (the piece is re-opened at that row), so the state is again the one as of
+        the last rows returned."""
+        self.piece, self.row, self.skipped = cursor
+        self._it = None
 
     def state_dict(self) -> dict[str, Any]:
         return envelope(
@@ -429,26 +523,6 @@ def slot_batches(
             PieceReader(stream, pieces, refs=False), batch_size=batch_size, drop_last=drop_last
         )
     shuffle = ShuffleBuffer(
-        PieceReader(stream, pieces),
-        size=shuffle_buffer,
-        seed=seed,
-        ref=itemgetter(0),
-        load=stream.load_items,
+        PieceReader(stream, pieces), size=shuffle_buffer, seed=seed, source_refs=True
     )
-    return _Rows(Batcher(shuffle, batch_size=batch_size, drop_last=drop_last))
-
-
-class _Rows(Node[list[Any]]):
-    """Batches of ``(ref, row)`` items as batches of rows; the state is the inner node's."""
-
-    def __init__(self, inner: Node[list[tuple[Any, Any]]]) -> None:
-        self.inner = inner
-
-    def next(self) -> list[Any]:
-        return [row for _, row in self.inner.next()]
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+    return Batcher(shuffle, batch_size=batch_size, drop_last=drop_last)

@@ -17,8 +17,11 @@ forever. The next ``iter()`` starts the next epoch (shards re-permuted when ``sh
 
 **State** is per data rank: the epoch, the steps taken, the round-robin cursor and, per worker,
 the shard cursor, the in-shard row offset and the shuffle buffer as ``[shard, row]``
-references (re-read on restore, so rows need not be JSON). Save each data rank's own state;
-resume needs the same shards, data-parallel size and ``num_workers``.
+references (re-read on restore, so rows need not be JSON); a worker that has run out keeps its
+end state (rows it read looking for one more batch count as read, with or without worker
+processes). Save each data rank's own state; resume needs the same shards, data-parallel size
+and ``num_workers``. Taking the state costs nothing per batch: without workers the loader keeps
+the live pipeline's state and writes it out only in ``state_dict()``.
 
 Rows that are None are skipped and counted in ``stats()["skipped"]``, cumulatively over epochs
 and carried through ``state_dict()`` (as ``meshfeed.DataLoader.stats()`` counts); the first
@@ -39,11 +42,12 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from meshfeed.dist import all_min, check_agreement
+from meshfeed.dist import all_min, check_agreement, is_distributed
 from meshfeed.loader_base import LoaderBase, check_epoch, pin
+from meshfeed.nodes.base import materialize
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_workers import InProcessSlots, ProcessSlots, SlotConfig
+from meshfeed.sources.stream_workers import InProcessSlots, LiveState, ProcessSlots, SlotConfig
 from meshfeed.state import check_count, envelope, fingerprint_hash, open_envelope
 
 __all__ = ["STREAM_STATE_VERSION", "StreamLoader", "StreamRankError"]
@@ -135,7 +139,7 @@ class StreamLoader(LoaderBase):
         self._skipped_done = 0
         self._unread_rows = 0
         self._warned_unread = False
-        self._worker_states: list[dict[str, Any] | None] = [None] * self.slots
+        self._worker_states: list[dict[str, Any] | LiveState | None] = [None] * self.slots
         self._reset_epoch_state()
         # Validate the assignment now: a wrong configuration fails at construction.
         self._configs(0)
@@ -200,7 +204,7 @@ class StreamLoader(LoaderBase):
     def _open_slots(self) -> InProcessSlots | ProcessSlots:
         self._close_slots()
         configs = self._configs(self._epoch)
-        states = list(self._worker_states)
+        states = [materialize(s) for s in self._worker_states]
         if self.num_workers == 0:
             self._slots = InProcessSlots(configs, states)
         else:
@@ -220,13 +224,25 @@ class StreamLoader(LoaderBase):
 
     def _next_local(self, slots: InProcessSlots | ProcessSlots) -> tuple[Any, int, Any] | None:
         """The next batch of this rank in round-robin order, or None when every worker is done."""
+        if self.slots == 1:
+            if self._exhausted[0]:
+                return None
+            batch, state = slots.next(0)
+            if batch is None:
+                self._exhausted[0] = True
+                self._worker_states[0] = state
+                return None
+            return batch, 0, state
         for k in range(self.slots):
             w = (self._next_worker + k) % self.slots
             if self._exhausted[w]:
                 continue
             batch, state = slots.next(w)
             if batch is None:
+                # the slot's end state: rows read after its last batch (a short batch that
+                # drop_last dropped) count as read, whether the slot runs here or in a worker
                 self._exhausted[w] = True
+                self._worker_states[w] = state
                 continue
             return batch, w, state
         return None
@@ -237,6 +253,10 @@ class StreamLoader(LoaderBase):
         # Known row counts align the ranks by construction; the agreement stays as a guard.
         cap = len(self) if self.stream.rows is not None else None
         slots = self._open_slots()
+        # The per-batch agreement is a collective only where there are other ranks; alone,
+        # this rank's own status is the minimum (and costs no call per batch).
+        distributed = is_distributed()
+        skipped = [_skipped(st) for st in self._worker_states]
         try:
             while True:
                 error: Exception | None = None
@@ -247,7 +267,7 @@ class StreamLoader(LoaderBase):
                     except Exception as exc:  # raised on every rank at this step, below
                         error = exc
                 mine = _FAILED if error else _HAVE if got is not None else _EXHAUSTED
-                status = all_min([mine], timeout=self.wait_timeout)[0]
+                status = all_min([mine], timeout=self.wait_timeout)[0] if distributed else mine
                 if error is not None:
                     raise error
                 if status == _FAILED:
@@ -259,11 +279,13 @@ class StreamLoader(LoaderBase):
                 if status == _EXHAUSTED or got is None:
                     break
                 batch, w, state = got
-                before = self._epoch_skipped()
                 self._worker_states[w] = state
                 self._next_worker = (w + 1) % self.slots
                 self._steps += 1
-                self._note_bad_samples(self._epoch_skipped() - before, None)
+                now = _skipped(state)
+                if now != skipped[w]:
+                    self._note_bad_samples(now - skipped[w], None)
+                    skipped[w] = now
                 yield pin(batch) if self.pin_memory else batch
             if self._epoch == epoch:
                 self._count_unread(epoch)
@@ -350,7 +372,7 @@ class StreamLoader(LoaderBase):
             steps=self._steps,
             next_worker=self._next_worker,
             exhausted=list(self._exhausted),
-            workers=list(self._worker_states),
+            workers=[materialize(s) for s in self._worker_states],
             stats={
                 "skipped": self._skipped_done + self._epoch_skipped(),
                 "unread_rows": self._unread_rows,
@@ -460,7 +482,9 @@ class StreamLoader(LoaderBase):
             self._close_slots()
 
 
-def _skipped(state: dict[str, Any] | None) -> int:
+def _skipped(state: dict[str, Any] | LiveState | None) -> int:
+    if isinstance(state, LiveState):
+        return state.skipped
     while isinstance(state, dict) and "source" in state:
         state = state["source"]
     return int(state.get("skipped", 0)) if isinstance(state, dict) else 0
