@@ -292,3 +292,24 @@ def test_a_slow_worker_takes_fewer_chunks_and_the_output_keeps_chunk_order(monke
     assert sum(per_worker) == 40
     # round-robin would give each 20; worker 0 sleeps 0.5 s a chunk, worker 1 does not
     assert per_worker[0] <= 10 < per_worker[1], per_worker
+
+
+def _add_big(acc: np.ndarray, doc: np.ndarray) -> None:
+    with np.errstate(over="ignore"):  # wraps past 2**63 within a few docs, on purpose
+        acc[int(doc[0]) % 3] += np.int64(2**61 + len(doc))
+
+
+def test_integer_accumulations_summed_per_worker_equal_the_in_process_bytes_even_when_they_wrap():
+    docs = _docs(500, seed=7)
+    big = AccumulatedMetric(name="big", fn=_add_big, size=3, dtype="int64")
+    runs = [
+        analyze(docs, [big, vocab_rarity(VOCAB)], num_workers=j, chunk_size=11, progress=False)
+        for j in (0, 1, 3)
+    ]
+    want = np.zeros(3, np.int64)
+    for d in docs:
+        _add_big(want, d)
+    for run in runs:
+        assert run["big"].tobytes() == want.tobytes()
+        assert run["token_histogram"].tobytes() == runs[0]["token_histogram"].tobytes()
+        assert run["vocab_rarity"].values.tobytes() == runs[0]["vocab_rarity"].values.tobytes()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -54,11 +55,27 @@ _MAX_CHUNK = 4096
 _WORK: tuple[Any, list[SampleMetric], list[AccumulatedMetric], dict[str, Any]] | None = None
 
 
+# A worker's running sums of its integer accumulations in the current pass: integer sums are
+# exact in any order, so each worker adds its chunks into one array and returns it once per
+# pass (on "flush") instead of one array per chunk. Float sums still travel per chunk, to be
+# added in chunk order.
+_LOCAL: dict[str, np.ndarray] = {}
+
+
+def _exact(acc: AccumulatedMetric) -> bool:
+    return np.dtype(acc.dtype).kind in "iub"
+
+
+def _zeros(accs: list[AccumulatedMetric]) -> dict[str, np.ndarray]:
+    return {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+
+
 def _init_worker(
     dataset: Any, samples: list[SampleMetric], accs: list[AccumulatedMetric], ctx: dict[str, Any]
 ) -> None:
-    global _WORK
+    global _WORK, _LOCAL
     _WORK = (dataset, samples, accs, ctx)
+    _LOCAL = _zeros([a for a in accs if _exact(a)])
 
 
 _Passes = list[tuple[list[SampleMetric], list[AccumulatedMetric]]]
@@ -76,22 +93,30 @@ def _start_worker(
     return _handle
 
 
-def _handle(task: Any) -> _ChunkOut | None:
-    """A chunk ``(start, stop)``, or ``("pass", index, ctx)`` starting pass ``index``."""
+def _handle(task: Any) -> _ChunkOut | dict[str, np.ndarray] | None:
+    """A chunk ``(start, stop)``; ``("pass", index, ctx)`` starting pass ``index``; or
+    ``("flush",)``, which returns the integer sums of this worker's chunks and resets them."""
+    global _LOCAL
     if task[0] == "pass":
         assert _WORK is not None  # internal invariant: set by _start_worker
         samples, accs = _PASSES[task[1]]
         _init_worker(_WORK[0], samples, accs, task[2])
         return None
-    return _run_chunk(task)
+    if task[0] == "flush":
+        out, _LOCAL = _LOCAL, {k: np.zeros_like(v) for k, v in _LOCAL.items()}
+        return out
+    return _run_chunk(task, _LOCAL)
 
 
-def _run_chunk(chunk: tuple[int, int]) -> _ChunkOut:
+def _run_chunk(chunk: tuple[int, int], into: dict[str, np.ndarray]) -> _ChunkOut:
+    """Values of the chunk's samples; its accumulations are added into ``into`` where that
+    has the metric's array, else returned (float sums: the caller adds them in chunk order)."""
     assert _WORK is not None  # internal invariant: set by _init_worker
     start, stop = chunk
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
-    sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+    sums = {a.name: into.get(a.name) for a in accs}
+    sums.update(_zeros([a for a in accs if sums[a.name] is None]))
     items = [dataset[i] for i in range(start, stop)]
     for m in samples:
         args = (ctx[m.name],) if m.requires else ()
@@ -100,12 +125,14 @@ def _run_chunk(chunk: tuple[int, int]) -> _ChunkOut:
         else:
             values[m.name][:] = [m.fn(item, *args) for item in items]
     for a in accs:
+        acc = sums[a.name]
+        assert acc is not None  # filled above
         if a.batch_fn is not None:
-            a.batch_fn(sums[a.name], items)
+            a.batch_fn(acc, items)
         else:
             for item in items:
-                a.fn(sums[a.name], item)
-    return values, sums
+                a.fn(acc, item)
+    return values, {k: v for k, v in sums.items() if v is not None and k not in into}
 
 
 def default_chunk_size(n: int) -> int:
@@ -271,15 +298,22 @@ def _pass(
             sums[name] += part
         bar.update(size)
 
+    exact = {a.name: sums[a.name] for a in accs if _exact(a)}
     if workers is None:
         _init_worker(dataset, samples, accs, ctx)
         for start, stop in chunks:
-            merge(_run_chunk((start, stop)), stop - start)
+            merge(_run_chunk((start, stop), exact), stop - start)
     else:
         try:
             pool = workers.begin(index, ctx)
             for k, out in _dispatch(pool, chunks):
                 merge(out, chunks[k][1] - chunks[k][0])
+            if exact:
+                for w in range(pool.num_workers):
+                    pool.send(w, ("flush",))
+                for w in range(pool.num_workers):
+                    for name, part in pool.recv(w).items():
+                        exact[name] += part
         except WorkerTimeout as e:
             raise TimeoutError(
                 f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
@@ -378,10 +412,18 @@ def analyze(
                     offsets[name] += len(v)
                 for name, part in part_sums.items():
                     accumulated[name] += part
-
-    result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
-    for m in samples:
-        result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
+        if workers is not None:
+            # The workers' exit (their address spaces are torn down: milliseconds each) runs
+            # while the indexes are sorted; shutdown is bounded (about 3 * grace) and joined
+            # before this returns, or raises.
+            stopper = threading.Thread(
+                target=workers.pool.shutdown, name="meshfeed-analyzer-stop", daemon=True
+            )
+            stopper.start()
+            stack.callback(stopper.join)
+        result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
+        for m in samples:
+            result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
     if output_dir is not None and rank == 0:
         root = Path(output_dir)
         for name, item in result.items():
