@@ -7,8 +7,10 @@ each rank, over worker processes: at most the cores this process may use
 (:func:`worker_count`), each given its next chunk as soon as it returns one, so a worker slowed
 by other load on the machine takes fewer chunks instead of holding the pass back. Results are
 merged in chunk order, so per-sample values are bit-identical for any number of workers or
-ranks. Accumulated metrics are summed in chunk order (integer histograms are exact; float sums
-can differ in the last bits between different *rank* counts, never between worker counts).
+ranks. Integer accumulations (token histograms) are exact in any order: each worker keeps one
+running sum per pass and returns it once. Float accumulations are returned per chunk and summed
+in chunk order (they can differ in the last bits between different *rank* counts, never
+between worker counts).
 
 Metrics that ``require`` accumulated ones (vocabulary rarity needs the token histogram) run in a
 second pass once the accumulated arrays are reduced on every rank. Their ``prepare`` runs once
