@@ -210,15 +210,17 @@ class _Workers:
         return pool
 
 
-# Chunks queued per worker: one running, one waiting, so a worker never idles while the
-# parent is busy or has not yet noticed its last result.
-_DEPTH = 2
+# Chunks queued per worker: one running, two waiting, so a worker never idles while the
+# parent is busy or has not yet noticed its last result (a default chunk can take as little
+# as a few milliseconds).
+_DEPTH = 3
 # How far (in chunks) dispatch may run ahead of the oldest chunk not merged yet: bounds the
 # results held for the in-order merge when one worker is slow.
 _AHEAD_PER_WORKER = 8
 # How long one wait on the worker expected to finish first lasts before every worker is
-# checked again: only the latency of noticing a result (each worker has _DEPTH chunks queued).
-_SLICE = 0.005
+# checked again: only the latency of noticing a result (each worker has _DEPTH chunks queued),
+# for about one wake-up per millisecond while every worker is busy.
+_SLICE = 0.001
 
 
 def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
