@@ -258,7 +258,9 @@ def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple
     while next_merge < len(chunks):
         busy = [w for w in range(k) if queued[w]]
         ready = [w for w in busy if pool.ready(w)]  # a result, or a dead worker to report
-        if not ready:
+        if not ready and len(busy) == 1:
+            ready = busy  # nothing to balance: recv blocks, bounded by the pool's timeout
+        elif not ready:
             oldest = min(busy, key=lambda v: queued[v][0])
             if not pool.ready(oldest, _SLICE):
                 now = time.monotonic()
