@@ -63,6 +63,31 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _runnable() -> int:
+    """Runnable processes on the machine other than this one (``procs_running``)."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("procs_running"):
+                return int(line.split()[1]) - 1
+    return 0
+
+
+def wait_idle(limit: float, *, settle: float = 2.0) -> bool:
+    """Wait (at most ``limit`` s) until no other process has been runnable for ``settle`` s,
+    sampled every 0.1 s; whether that happened. Not on Linux: returns False at once."""
+    if not os.path.exists("/proc/stat"):
+        return False
+    deadline = time.monotonic() + limit
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        if _runnable() > 0:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= settle:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def make_corpus(directory: str, documents: int) -> Corpus:
     rng = np.random.default_rng(0)
     lengths = rng.integers(50, 1000, size=documents)
@@ -79,6 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="40k documents, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--jobs", type=int, nargs="*", default=None, help="the -j values")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each round, wait up to S seconds for no other runnable process (Linux; "
+        "a shared machine's other load otherwise decides the speed-up)",
+    )
     args = parser.parse_args(argv)
     documents = 40_000 if args.quick else 200_000
     repeats = args.repeats or (3 if args.quick else 5)
@@ -91,7 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="meshfeed-bench-") as tmp:
         corpus = make_corpus(tmp, documents)
         load_before = os.getloadavg()[0]
+        waited = []
         for _ in range(repeats):
+            if args.wait_idle > 0:
+                waited.append(wait_idle(args.wait_idle))
             for j in jobs:
                 c0 = _cpu()
                 t0 = time.perf_counter()
@@ -111,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{documents:,} documents, metrics seqlen + vocab_rarity; {cores} cores available "
         f"(os.sched_getaffinity), load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} at the end; median of "
         f"{repeats} runs in turns. Values bit-identical across every -j (checked)."
+        + (
+            f" Each round waited up to {args.wait_idle:g}s for an idle machine: "
+            f"{sum(waited)} of {len(waited)} rounds started idle."
+            if waited
+            else ""
+        )
     )
     print()
     best1 = min(times[1]) if 1 in times else None
