@@ -244,7 +244,10 @@ def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple
         nonlocal next_chunk
         if not queued[w]:
             since[w] = time.monotonic()
-        while len(queued[w]) < _DEPTH and next_chunk < min(len(chunks), next_merge + ahead):
+        # near the end of the pass queue less, so no worker is left holding the last chunks
+        # while another runs dry
+        depth = _DEPTH if len(chunks) - next_chunk > k * _DEPTH else 2
+        while len(queued[w]) < depth and next_chunk < min(len(chunks), next_merge + ahead):
             pool.send(w, chunks[next_chunk])
             queued[w].append(next_chunk)
             next_chunk += 1
