@@ -9,7 +9,8 @@ metrics ``meshfeed analyze`` computes by default for curricula: ``seqlen`` and
 ``--repeats`` times in turns (0, 1, 2, ..., 0, 1, 2, ...) so that machine noise hits each alike;
 the median wall time is reported, with the ratio to ``-j 1`` (targets: ``-j 2`` >= 1.6x ``-j 1``
 on 2 cores; ``-j`` beyond the cores never slower than ``-j`` = cores, since the analyzer never
-starts more workers than :func:`meshfeed.runtime.available_cores`). The values are checked to
+starts more workers than :func:`meshfeed.runtime.available_cores`: see
+:func:`meshfeed.curriculum.analyzer.worker_count`). The values are checked to
 be bit-identical across every ``-j``.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.curriculum import analyze, seqlen, vocab_rarity
+from meshfeed.curriculum.analyzer import default_chunk_size, worker_count
 from meshfeed.runtime import available_cores
 
 VOCAB = 50_000
@@ -61,6 +63,31 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _runnable() -> int:
+    """Runnable processes on the machine other than this one (``procs_running``)."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("procs_running"):
+                return int(line.split()[1]) - 1
+    return 0
+
+
+def wait_idle(limit: float, *, settle: float = 2.0) -> bool:
+    """Wait (at most ``limit`` s) until no other process has been runnable for ``settle`` s,
+    sampled every 0.1 s; whether that happened. Not on Linux: returns False at once."""
+    if not os.path.exists("/proc/stat"):
+        return False
+    deadline = time.monotonic() + limit
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        if _runnable() > 0:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= settle:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def make_corpus(directory: str, documents: int) -> Corpus:
     rng = np.random.default_rng(0)
     lengths = rng.integers(50, 1000, size=documents)
@@ -77,6 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="40k documents, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--jobs", type=int, nargs="*", default=None, help="the -j values")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each round, wait up to S seconds for no other runnable process (Linux; "
+        "a shared machine's other load otherwise decides the speed-up)",
+    )
     args = parser.parse_args(argv)
     documents = 40_000 if args.quick else 200_000
     repeats = args.repeats or (3 if args.quick else 5)
@@ -88,7 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     reference: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="meshfeed-bench-") as tmp:
         corpus = make_corpus(tmp, documents)
+        load_before = os.getloadavg()[0]
+        waited = []
         for _ in range(repeats):
+            if args.wait_idle > 0:
+                waited.append(wait_idle(args.wait_idle))
             for j in jobs:
                 c0 = _cpu()
                 t0 = time.perf_counter()
@@ -106,26 +145,37 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"Command: `PYTHONPATH={os.environ.get('PYTHONPATH', '')} python {' '.join(sys.argv)}`; "
         f"{documents:,} documents, metrics seqlen + vocab_rarity; {cores} cores available "
-        f"(os.sched_getaffinity), load average at the end {os.getloadavg()[0]:.1f}; median of "
+        f"(os.sched_getaffinity), load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} at the end; median of "
         f"{repeats} runs in turns. Values bit-identical across every -j (checked)."
+        + (
+            f" Each round waited up to {args.wait_idle:g}s for an idle machine: "
+            f"{sum(waited)} of {len(waited)} rounds started idle."
+            if waited
+            else ""
+        )
     )
     print()
+    best1 = min(times[1]) if 1 in times else None
     print(
-        "| -j | workers started | median s | runs s | speed-up vs -j 1 "
-        "| CPU s, this process + workers (median) |"
+        "| -j | workers started | median s | runs s | speed-up vs -j 1 (medians) "
+        "| speed-up vs -j 1 (fastest runs) | CPU s, this process + workers (median) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
+    chunks = -(-documents // default_chunk_size(documents))
     for j in jobs:
         m = statistics.median(times[j])
         ratio = f"{base / m:.2f}" if base else "-"
+        best = f"{best1 / min(times[j]):.2f}" if best1 else "-"
         runs = ", ".join(f"{t:.2f}" for t in times[j])
         cpu = statistics.median(cpus[j])
-        print(f"| {j} | {min(j, cores)} | {m:.2f} | {runs} | {ratio} | {cpu:.2f} |")
+        started = worker_count(j, cores=cores, chunks=chunks)
+        print(f"| {j} | {started} | {m:.2f} | {runs} | {ratio} | {best} | {cpu:.2f} |")
     print()
     print(
         "CPU seconds show the work itself: equal CPU at every -j means the chunks parallelise "
         "without extra work, and the wall-time speed-up is then bounded by the cores the "
-        "machine actually gives this run (shared machines give fewer)."
+        "machine actually gives this run (shared machines give fewer). The fastest run of "
+        "each -j is the one least disturbed by other load; the medians are the headline."
     )
 
 

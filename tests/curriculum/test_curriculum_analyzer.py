@@ -221,3 +221,95 @@ def test_the_progress_bar_counts_each_sample_once_per_named_pass(capsys):
     analyze(docs, [seqlen()], chunk_size=16)  # one pass: no pass number
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert line.startswith("analyze: ") and " 50/50 " in line, line
+
+
+@pytest.mark.parametrize(
+    ("requested", "cores", "chunks", "started"),
+    [
+        (0, 2, 10, 0),  # -j 0: in this process
+        (1, 2, 10, 1),
+        (2, 2, 10, 2),
+        (3, 2, 10, 2),  # beyond the cores: clamped, so never slower than -j cores
+        (8, 2, 10, 2),
+        (64, 16, 10, 10),  # never more workers than chunks
+        (4, 1, 10, 1),
+    ],
+)
+def test_worker_count_is_clamped_to_the_cores_and_the_chunks(requested, cores, chunks, started):
+    from meshfeed.curriculum.analyzer import worker_count
+
+    assert worker_count(requested, cores=cores, chunks=chunks) == started
+
+
+def test_default_chunk_size_depends_on_the_length_only_and_stays_in_bounds():
+    from meshfeed.curriculum.analyzer import default_chunk_size
+
+    assert default_chunk_size(1) == 256
+    assert default_chunk_size(40_000) == 625  # 64 chunks
+    assert default_chunk_size(200_000) == 3125
+    assert default_chunk_size(10_000_000) == 4096
+    for n in (1, 255, 256, 16_383, 16_385, 40_000, 262_144, 10**9):
+        size = default_chunk_size(n)
+        assert 256 <= size <= 4096
+        assert -(-n // size) <= 64 or size == 4096
+
+
+def test_default_chunking_gives_identical_bytes_for_every_worker_count():
+    docs = _docs(3000, seed=5)
+    runs = [analyze(docs, METRICS, num_workers=j, progress=False) for j in (0, 1, 2, 5)]
+    for run in runs[1:]:
+        for name in ("mean", "seqlen", "vocab_rarity"):
+            assert run[name].values.tobytes() == runs[0][name].values.tobytes()
+            assert run[name].order.tobytes() == runs[0][name].order.tobytes()
+        assert run["token_histogram"].tobytes() == runs[0]["token_histogram"].tobytes()
+
+
+def _slow_in_worker_zero(doc: np.ndarray) -> int:
+    # worker 0 stands for a worker that the machine's other load keeps from running
+    if multiprocessing.current_process().name.endswith("-0"):
+        time.sleep(0.05)
+    return len(doc)
+
+
+def test_a_slow_worker_takes_fewer_chunks_and_the_output_keeps_chunk_order(monkeypatch):
+    import meshfeed.curriculum.analyzer as analyzer_module
+
+    taken: list[tuple[int, int]] = []
+    real = analyzer_module.WorkerPool.send
+
+    def spy(pool, w, task):
+        if task[0] != "pass":
+            taken.append((w, task[0]))
+        return real(pool, w, task)
+
+    monkeypatch.setattr(analyzer_module.WorkerPool, "send", spy)
+    monkeypatch.setattr(analyzer_module, "available_cores", lambda: 2)
+    docs = _docs(400, seed=2)
+    metric = SampleMetric(name="slow", fn=_slow_in_worker_zero)
+    out = analyze(docs, [metric], num_workers=2, chunk_size=10, progress=False)
+    assert out["slow"].values.tolist() == [len(d) for d in docs]
+    per_worker = [sum(1 for w, _ in taken if w == v) for v in (0, 1)]
+    assert sum(per_worker) == 40
+    # round-robin would give each 20; worker 0 sleeps 0.5 s a chunk, worker 1 does not
+    assert per_worker[0] <= 10 < per_worker[1], per_worker
+
+
+def _add_big(acc: np.ndarray, doc: np.ndarray) -> None:
+    with np.errstate(over="ignore"):  # wraps past 2**63 within a few docs, on purpose
+        acc[int(doc[0]) % 3] += np.int64(2**61 + len(doc))
+
+
+def test_integer_accumulations_summed_per_worker_equal_the_in_process_bytes_even_when_they_wrap():
+    docs = _docs(500, seed=7)
+    big = AccumulatedMetric(name="big", fn=_add_big, size=3, dtype="int64")
+    runs = [
+        analyze(docs, [big, vocab_rarity(VOCAB)], num_workers=j, chunk_size=11, progress=False)
+        for j in (0, 1, 3)
+    ]
+    want = np.zeros(3, np.int64)
+    for d in docs:
+        _add_big(want, d)
+    for run in runs:
+        assert run["big"].tobytes() == want.tobytes()
+        assert run["token_histogram"].tobytes() == runs[0]["token_histogram"].tobytes()
+        assert run["vocab_rarity"].values.tobytes() == runs[0]["vocab_rarity"].values.tobytes()

@@ -257,3 +257,47 @@ def test_pin_memory_is_a_no_op_without_cuda_and_pins_with_it(tmp_path: Path) -> 
         assert pickle.loads(pickle.dumps(windows)).pin_memory
     with pytest.raises(TypeError, match="pin_memory"):
         TokenWindows(corpus, seq_len=8, pin_memory="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint16])
+def test_every_fetch_batch_is_a_fresh_tensor_the_caller_may_keep(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # the training loop may hold a batch while it asks for the next: no batch may alias the
+    # memmap, a buffer of the source, or an earlier batch, whatever the batch sizes
+    corpus, flat = corpus_of(tmp_path, [300])
+    windows = TokenWindows(corpus, seq_len=7, dtype=dtype)
+    picks = [np.array([3, 1, 4]), np.array([1, 5, 9, 2, 6]), np.array([5, 3, 5]), np.array([8])]
+    kept = [windows.fetch_batch(idx) for idx in picks]
+    for idx, batch in zip(picks, kept, strict=True):
+        want = np.stack([flat[i * 7 : i * 7 + 8] for i in idx])
+        assert batch.to(torch.int64).tolist() == want.tolist()
+    before = [b.clone() for b in kept]
+    kept[0].fill_(7)
+    for b, want in zip(kept[1:], before[1:], strict=True):
+        assert_same(b, want)
+    assert_same(windows.fetch_batch(picks[0]), before[0])
+
+
+def test_fetch_batch_from_concurrent_threads_matches_serial(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    corpus, _ = corpus_of(tmp_path, [5000], seed=3)
+    windows = TokenWindows(corpus, seq_len=16, dtype=torch.int64)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, len(windows), 32) for _ in range(200)]
+    serial = [windows.fetch_batch(b) for b in batches]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(windows.fetch_batch, batches))
+    for a, b in zip(serial, threaded, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint16])
+def test_negative_int64_indices_are_refused_not_wrapped(tmp_path: Path, dtype: torch.dtype) -> None:
+    corpus, _ = corpus_of(tmp_path, [40])
+    windows = TokenWindows(corpus, seq_len=10, dtype=dtype)
+    with pytest.raises(IndexError, match=r"span \[-3, 1\]"):
+        windows.fetch_batch(np.array([1, -3], np.int64))
+    with pytest.raises(IndexError, match=r"span \[0, 3\], outside \[0, 3\)"):
+        windows.fetch_batch(np.array([0, 3], np.int64))

@@ -1,12 +1,16 @@
 """The offline analyzer: run metric functions over a dataset, in parallel, into metric indexes.
 
-The dataset is cut into fixed chunks of ``chunk_size`` samples. Chunks are spread over
-torch.distributed ranks (contiguous ranges, when a process group is initialised) and, inside each
-rank, over ``num_workers`` worker processes (at most the cores this process may use: more
-would only add start-up and switching costs on CPU-bound metrics); results are merged in chunk order, so per-sample
-values are bit-identical for any number of workers or ranks. Accumulated metrics are summed in
-chunk order (integer histograms are exact; float sums can differ in the last bits between
-different *rank* counts, never between worker counts).
+The dataset is cut into fixed chunks of ``chunk_size`` samples (by default
+:func:`default_chunk_size`, a function of the length only). Chunks are spread over
+torch.distributed ranks (contiguous ranges, when a process group is initialised) and, inside
+each rank, over worker processes: at most the cores this process may use
+(:func:`worker_count`), each given its next chunk as soon as it returns one, so a worker slowed
+by other load on the machine takes fewer chunks instead of holding the pass back. Results are
+merged in chunk order, so per-sample values are bit-identical for any number of workers or
+ranks. Integer accumulations (token histograms) are exact in any order: each worker keeps one
+running sum per pass and returns it once. Float accumulations are returned per chunk and summed
+in chunk order (they can differ in the last bits between different *rank* counts, never
+between worker counts).
 
 Metrics that ``require`` accumulated ones (vocabulary rarity needs the token histogram) run in a
 second pass once the accumulated arrays are reduced on every rank. Their ``prepare`` runs once
@@ -26,7 +30,10 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +44,40 @@ from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
 from meshfeed.progress import Progress
 from meshfeed.runtime import WorkerPool, WorkerTimeout, available_cores
 
-__all__ = ["analyze"]
+__all__ = ["analyze", "default_chunk_size", "worker_count"]
 
 Metric = SampleMetric | AccumulatedMetric
 _ChunkOut = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
+
+_CHUNKS_PER_PASS = 64
+_MIN_CHUNK = 256
+_MAX_CHUNK = 4096
 
 # Set in each worker by _start_worker (its arguments are inherited, not pickled, under fork).
 _WORK: tuple[Any, list[SampleMetric], list[AccumulatedMetric], dict[str, Any]] | None = None
 
 
+# A worker's running sums of its integer accumulations in the current pass: integer sums are
+# exact in any order, so each worker adds its chunks into one array and returns it once per
+# pass (on "flush") instead of one array per chunk. Float sums still travel per chunk, to be
+# added in chunk order.
+_LOCAL: dict[str, np.ndarray] = {}
+
+
+def _exact(acc: AccumulatedMetric) -> bool:
+    return np.dtype(acc.dtype).kind in "iub"
+
+
+def _zeros(accs: list[AccumulatedMetric]) -> dict[str, np.ndarray]:
+    return {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+
+
 def _init_worker(
     dataset: Any, samples: list[SampleMetric], accs: list[AccumulatedMetric], ctx: dict[str, Any]
 ) -> None:
-    global _WORK
+    global _WORK, _LOCAL
     _WORK = (dataset, samples, accs, ctx)
+    _LOCAL = _zeros([a for a in accs if _exact(a)])
 
 
 _Passes = list[tuple[list[SampleMetric], list[AccumulatedMetric]]]
@@ -68,22 +95,30 @@ def _start_worker(
     return _handle
 
 
-def _handle(task: Any) -> _ChunkOut | None:
-    """A chunk ``(start, stop)``, or ``("pass", index, ctx)`` starting pass ``index``."""
+def _handle(task: Any) -> _ChunkOut | dict[str, np.ndarray] | None:
+    """A chunk ``(start, stop)``; ``("pass", index, ctx)`` starting pass ``index``; or
+    ``("flush",)``, which returns the integer sums of this worker's chunks and resets them."""
+    global _LOCAL
     if task[0] == "pass":
         assert _WORK is not None  # internal invariant: set by _start_worker
         samples, accs = _PASSES[task[1]]
         _init_worker(_WORK[0], samples, accs, task[2])
         return None
-    return _run_chunk(task)
+    if task[0] == "flush":
+        out, _LOCAL = _LOCAL, {k: np.zeros_like(v) for k, v in _LOCAL.items()}
+        return out
+    return _run_chunk(task, _LOCAL)
 
 
-def _run_chunk(chunk: tuple[int, int]) -> _ChunkOut:
+def _run_chunk(chunk: tuple[int, int], into: dict[str, np.ndarray]) -> _ChunkOut:
+    """Values of the chunk's samples; its accumulations are added into ``into`` where that
+    has the metric's array, else returned (float sums: the caller adds them in chunk order)."""
     assert _WORK is not None  # internal invariant: set by _init_worker
     start, stop = chunk
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
-    sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+    sums = {a.name: into.get(a.name) for a in accs}
+    sums.update(_zeros([a for a in accs if sums[a.name] is None]))
     items = [dataset[i] for i in range(start, stop)]
     for m in samples:
         args = (ctx[m.name],) if m.requires else ()
@@ -92,12 +127,31 @@ def _run_chunk(chunk: tuple[int, int]) -> _ChunkOut:
         else:
             values[m.name][:] = [m.fn(item, *args) for item in items]
     for a in accs:
+        acc = sums[a.name]
+        assert acc is not None  # filled above
         if a.batch_fn is not None:
-            a.batch_fn(sums[a.name], items)
+            a.batch_fn(acc, items)
         else:
             for item in items:
-                a.fn(sums[a.name], item)
-    return values, sums
+                a.fn(acc, item)
+    return values, {k: v for k, v in sums.items() if v is not None and k not in into}
+
+
+def default_chunk_size(n: int) -> int:
+    """Samples per work item when ``chunk_size`` is not given: about 64 chunks per pass
+    (so work spreads evenly over the workers and the last chunk is a small tail), at least
+    256 samples (so a chunk outweighs its message and result) and at most 4,096 (so a chunk's
+    result stays small). A function of the dataset length only: the chunks, and with them
+    the output, are the same for every number of workers."""
+    return min(_MAX_CHUNK, max(_MIN_CHUNK, -(-n // _CHUNKS_PER_PASS)))
+
+
+def worker_count(requested: int, *, cores: int, chunks: int) -> int:
+    """Worker processes to start for ``-j requested``: never more than the ``cores`` this
+    process may run on (on CPU-bound metrics more workers only add start-up and switching
+    costs, so ``-j`` above the cores runs as ``-j cores``), nor more than there are chunks;
+    0 runs in this process."""
+    return max(0, min(requested, cores, chunks))
 
 
 def _split_metrics(metrics: Sequence[Metric]) -> tuple[list[SampleMetric], list[AccumulatedMetric]]:
@@ -156,6 +210,77 @@ class _Workers:
         return pool
 
 
+# Chunks queued per worker: one running, two waiting, so a worker never idles while the
+# parent is busy or has not yet noticed its last result (a default chunk can take as little
+# as a few milliseconds).
+_DEPTH = 3
+# How far (in chunks) dispatch may run ahead of the oldest chunk not merged yet: bounds the
+# results held for the in-order merge when one worker is slow.
+_AHEAD_PER_WORKER = 8
+# How long one wait on the worker expected to finish first lasts before every worker is
+# checked again: only the latency of noticing a result (each worker has _DEPTH chunks queued),
+# for about one wake-up per millisecond while every worker is busy.
+_SLICE = 0.001
+
+
+def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
+    """``(chunk index, result)`` in chunk order; each chunk goes to whichever worker is free.
+
+    Round-robin hands every worker the same number of chunks, so a pass lasts as long as the
+    slowest worker's share: on a machine whose cores are shared with other processes one
+    descheduled worker held the other back. Here a worker gets its next chunk as soon as one
+    of its results arrives, results are merged in chunk order (so the output does not depend
+    on who computed what), and the pool's ``timeout`` still bounds every wait: a worker with
+    no result for that long is received from, which raises ``WorkerTimeout``.
+    """
+    k = pool.num_workers
+    queued: list[deque[int]] = [deque() for _ in range(k)]
+    since = [0.0] * k  # when the worker's oldest queued chunk could start
+    done: dict[int, Any] = {}
+    next_chunk = next_merge = 0
+    ahead = _AHEAD_PER_WORKER * k
+
+    def refill(w: int) -> None:
+        nonlocal next_chunk
+        if not queued[w]:
+            since[w] = time.monotonic()
+        # near the end of the pass queue less, so no worker is left holding the last chunks
+        # while another runs dry
+        depth = _DEPTH if len(chunks) - next_chunk > k * _DEPTH else 2
+        while len(queued[w]) < depth and next_chunk < min(len(chunks), next_merge + ahead):
+            pool.send(w, chunks[next_chunk])
+            queued[w].append(next_chunk)
+            next_chunk += 1
+
+    def take(w: int) -> None:
+        done[queued[w].popleft()] = pool.recv(w)
+        since[w] = time.monotonic()
+
+    for w in range(k):
+        refill(w)
+    while next_merge < len(chunks):
+        busy = [w for w in range(k) if queued[w]]
+        ready = [w for w in busy if pool.ready(w)]  # a result, or a dead worker to report
+        if not ready and len(busy) == 1:
+            ready = busy  # nothing to balance: recv blocks, bounded by the pool's timeout
+        elif not ready:
+            oldest = min(busy, key=lambda v: queued[v][0])
+            if not pool.ready(oldest, _SLICE):
+                now = time.monotonic()
+                for w in busy:
+                    if now - since[w] > pool.timeout:
+                        take(w)  # waits out the pool's own deadline, then raises
+                continue
+            ready = [oldest]
+        for w in ready:
+            take(w)
+        while next_merge in done:
+            yield next_merge, done.pop(next_merge)
+            next_merge += 1
+        for w in range(k):
+            refill(w)
+
+
 def _pass(
     workers: _Workers | None,
     index: int,
@@ -182,18 +307,22 @@ def _pass(
             sums[name] += part
         bar.update(size)
 
+    exact = {a.name: sums[a.name] for a in accs if _exact(a)}
     if workers is None:
         _init_worker(dataset, samples, accs, ctx)
         for start, stop in chunks:
-            merge(_run_chunk((start, stop)), stop - start)
+            merge(_run_chunk((start, stop), exact), stop - start)
     else:
         try:
             pool = workers.begin(index, ctx)
-            # A bounded window of chunks in flight keeps memory flat on long corpora.
-            sizes = (stop - start for start, stop in chunks)
-            window = 4 * pool.num_workers
-            for size, out in zip(sizes, pool.map(chunks, window=window), strict=True):
-                merge(out, size)
+            for k, out in _dispatch(pool, chunks):
+                merge(out, chunks[k][1] - chunks[k][0])
+            if exact:
+                for w in range(pool.num_workers):
+                    pool.send(w, ("flush",))
+                for w in range(pool.num_workers):
+                    for name, part in pool.recv(w).items():
+                        exact[name] += part
         except WorkerTimeout as e:
             raise TimeoutError(
                 f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
@@ -219,7 +348,7 @@ def analyze(
     *,
     output_dir: str | os.PathLike[str] | None = None,
     num_workers: int = 0,
-    chunk_size: int = 4096,
+    chunk_size: int | None = None,
     progress: bool = True,
     mp_context: str | None = None,
     timeout: float = 3600.0,
@@ -229,13 +358,15 @@ def analyze(
     Returns ``{name: MetricIndex}`` for sample metrics and ``{name: array}`` for accumulated
     ones (including those pulled in by ``requires``). With ``output_dir`` each metric is saved
     to ``output_dir/<name>/`` (by rank 0 only under torch.distributed). ``num_workers=0`` runs
-    in this process. ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the
-    run instead of hanging it. Under torchrun every rank must call this with the same arguments.
+    in this process; more workers than the available cores start only as many as there are
+    cores. ``chunk_size=None`` picks :func:`default_chunk_size` of the dataset's length.
+    ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the run instead of
+    hanging it. Under torchrun every rank must call this with the same arguments.
     """
-    if num_workers < 0 or chunk_size < 1 or not timeout > 0:
+    if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
         raise ValueError(
-            f"need num_workers >= 0, chunk_size >= 1 and timeout > 0 (got {num_workers=}, "
-            f"{chunk_size=}, {timeout=})"
+            f"need num_workers >= 0, chunk_size >= 1 (or None: automatic) and timeout > 0 "
+            f"(got {num_workers=}, {chunk_size=}, {timeout=})"
         )
     samples, accs = _split_metrics(metrics)
     if not samples and not accs:
@@ -245,7 +376,8 @@ def analyze(
         raise ValueError("analyze() got an empty dataset; there is nothing to index")
     fp = content_fingerprint(dataset)
     rank, world = _dist_info()
-    all_chunks = [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+    size = default_chunk_size(n) if chunk_size is None else chunk_size
+    all_chunks = [(s, min(s + size, n)) for s in range(0, n, size)]
     lo, hi = rank * len(all_chunks) // world, (rank + 1) * len(all_chunks) // world
     mine = all_chunks[lo:hi]
 
@@ -254,9 +386,8 @@ def analyze(
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
     accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
     passes = [(first, accs), (second, [])] if second else [(first, accs)]
-    # One pool for every pass: workers are started once. Never more than the cores: on
-    # CPU-bound metrics extra workers only add start-up and switching costs.
-    count = min(num_workers, available_cores(), len(mine))
+    # One pool for every pass: workers are started once.
+    count = worker_count(num_workers, cores=available_cores(), chunks=len(mine))
     workers = None
     if count > 0:
         workers = _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
@@ -290,10 +421,18 @@ def analyze(
                     offsets[name] += len(v)
                 for name, part in part_sums.items():
                     accumulated[name] += part
-
-    result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
-    for m in samples:
-        result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
+        if workers is not None:
+            # The workers' exit (their address spaces are torn down: milliseconds each) runs
+            # while the indexes are sorted; shutdown is bounded (about 3 * grace) and joined
+            # before this returns, or raises.
+            stopper = threading.Thread(
+                target=workers.pool.shutdown, name="meshfeed-analyzer-stop", daemon=True
+            )
+            stopper.start()
+            stack.callback(stopper.join)
+        result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
+        for m in samples:
+            result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
     if output_dir is not None and rank == 0:
         root = Path(output_dir)
         for name, item in result.items():

@@ -142,6 +142,11 @@ def add_subcommand(subparsers: Any) -> None:
         default=cores,
         help=f"worker processes; 0 runs in this process (default: the {cores} core(s) available)",
     )
-    p.add_argument("--chunk-size", type=int, default=4096, help="samples per work item")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="samples per work item (default: about 64 items per pass, 256..4096 samples each)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_handler)

@@ -148,9 +148,16 @@ class TokenWindows:
         self._len = (num_tokens - 1) // self.seq_len
         self._doc_starts: np.ndarray | None = None
         self._windows = _window_matrix(self._stream, self._len, self.seq_len)
+        # the same windows as a read-only numpy view: numpy's fancy index gathers whole rows
+        # into a fresh array faster than index_select into from_numpy'd memory
+        self._rows = np.lib.stride_tricks.as_strided(
+            self._stream,
+            (self._len, self.seq_len + 1),
+            (self.seq_len * self._stream.itemsize, self._stream.itemsize),
+            writeable=False,
+        )
         # the gather writes the corpus's bytes; widen (or narrow) only when dtype differs
         self._same_dtype = self.corpus.dtype == self._np_dtype
-        self._corpus_torch_dtype = torch.from_numpy(np.empty(0, self.corpus.dtype)).dtype
 
     def __getstate__(self) -> dict[str, Any]:
         # the corpus pickles as its prefix; the memmap slice and caches are rebuilt on load
@@ -191,32 +198,42 @@ class TokenWindows:
         return list(self.fetch_batch(np.asarray(indices, dtype=np.int64)).unbind(0))
 
     def fetch_batch(self, indices: np.ndarray) -> torch.Tensor:
-        """The windows at ``indices`` as one ``[len(indices), seq_len + 1]`` tensor.
+        """The windows at ``indices`` as one fresh ``[len(indices), seq_len + 1]`` tensor.
 
-        One ``torch.index_select`` of whole rows from a strided view of the memmap (the
-        windows overlap by one token, so the view has stride ``seq_len``) straight into the
-        output when ``dtype`` is the corpus's (pinned when ``pin_memory``); for another dtype,
-        into a batch-sized buffer that is then widened into the output while it is still in
-        cache. No per-window Python; ``index_select`` bounds-checks every index.
+        Every call returns a new tensor that the caller may keep; no per-window Python. One
+        numpy fancy-index gather of whole rows from a strided view of the memmap (the windows
+        overlap by one token, so the view has stride ``seq_len``) makes the batch in the
+        corpus's dtype; another ``dtype`` is one cast of that batch while it is still in
+        cache. With ``pin_memory`` (and CUDA) the last step writes into pinned memory: a
+        ``torch.index_select`` straight from the memmap, or the widening copy.
         """
         idx = indices if isinstance(indices, np.ndarray) else np.asarray(indices)
         if idx.dtype != np.int64 or idx.ndim != 1:
             idx = _as_indices(idx, self._len)
-        if not (idx.flags.c_contiguous and idx.flags.writeable):
-            idx = idx.copy()  # torch.from_numpy wants positive strides and warns on read-only
-        pin = self.pin_memory and _pinning()
-        shape = (idx.shape[0], self.seq_len + 1)
-        gather = torch.empty(shape, dtype=self._windows.dtype, pin_memory=pin and self._same_dtype)
+        if idx.shape[0] and min(idx.tolist()) < 0:
+            _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
+        if self.pin_memory and _pinning():
+            return self._fetch_pinned(idx)
         try:
-            torch.index_select(self._windows, 0, torch.from_numpy(idx), out=gather)
-        except (IndexError, RuntimeError):
+            rows = self._rows[idx]
+        except IndexError:
             _as_indices(idx, self._len)  # raises the IndexError that names the range
             raise
-        if self._same_dtype:
-            return gather if gather.dtype == self.dtype else gather.view(self.dtype)
-        out = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
-        # torch's widening copy is about 30 % faster than numpy's cast here (bench_tokens.py)
-        return out.copy_(gather.view(self._corpus_torch_dtype))
+        if not self._same_dtype:
+            rows = rows.astype(self._np_dtype)
+        return torch.from_numpy(rows)
+
+    def _fetch_pinned(self, idx: np.ndarray) -> torch.Tensor:
+        idx = _as_indices(idx, self._len)  # names an index out of range before torch or numpy
+        shape = (idx.shape[0], self.seq_len + 1)
+        if not self._same_dtype:
+            out = torch.empty(shape, dtype=self.dtype, pin_memory=True)
+            return out.copy_(torch.from_numpy(self._rows[idx]))
+        if not (idx.flags.c_contiguous and idx.flags.writeable):
+            idx = idx.copy()  # torch.from_numpy wants positive strides and warns on read-only
+        out = torch.empty(shape, dtype=self._windows.dtype, pin_memory=True)
+        torch.index_select(self._windows, 0, torch.from_numpy(idx), out=out)
+        return out.view(self.dtype)
 
     def document_starts(self, i: int) -> np.ndarray:
         """Offsets inside window ``i`` where a document begins (for position ids / doc masks).
