@@ -107,6 +107,31 @@ def test_per_worker_init_and_addressed_workers():
         assert pool.recv(1) == (1, 3, 20)
 
 
+def _sleeping_init(worker: int, num_workers: int):
+    def handler(seconds: float) -> int:
+        time.sleep(seconds)
+        return worker
+
+    return handler
+
+
+def test_wait_any_returns_the_first_ready_workers_and_a_dead_one():
+    with WorkerPool(2, timeout=30) as pool:
+        pool.start(_sleeping_init)
+        assert pool.wait_any([0, 1], 0.01) == []  # nothing outstanding: nothing to wait for
+        pool.send(0, 5.0)
+        pool.send(1, 0.05)
+        began = time.monotonic()
+        assert pool.wait_any([0, 1], 10) == [1]  # woken by worker 1, not after worker 0
+        assert time.monotonic() - began < 4
+        assert pool.recv(1) == 1
+        assert pool.wait_any([0, 1], 0.05) == []  # worker 0 still sleeps
+        os.kill(pool.pids[0], signal.SIGKILL)
+        assert pool.wait_any([0], 10) == [0]  # a death is ready too: recv reports it
+        with pytest.raises(WorkerDied):
+            pool.recv(0)
+
+
 def test_received_batch_is_private_and_survives_the_worker():
     pool = WorkerPool(1, timeout=30)
     pool.start(call)

@@ -217,10 +217,9 @@ _DEPTH = 3
 # How far (in chunks) dispatch may run ahead of the oldest chunk not merged yet: bounds the
 # results held for the in-order merge when one worker is slow.
 _AHEAD_PER_WORKER = 8
-# How long one wait on the worker expected to finish first lasts before every worker is
-# checked again: only the latency of noticing a result (each worker has _DEPTH chunks queued),
-# for about one wake-up per millisecond while every worker is busy.
-_SLICE = 0.001
+# The longest single wait on the busy workers (one poll over all of them, woken by the first
+# result or death): an unlimited pool timeout still checks in hourly.
+_SLICE_MAX = 3600.0
 
 
 def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
@@ -264,14 +263,16 @@ def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple
         if not ready and len(busy) == 1:
             ready = busy  # nothing to balance: recv blocks, bounded by the pool's timeout
         elif not ready:
-            oldest = min(busy, key=lambda v: queued[v][0])
-            if not pool.ready(oldest, _SLICE):
+            # one wait on every busy worker at once, until the earliest pool deadline
+            now = time.monotonic()
+            late = min(since[w] for w in busy) + pool.timeout - now
+            ready = pool.wait_any(busy, max(0.0, min(late, _SLICE_MAX)))
+            if not ready:
                 now = time.monotonic()
                 for w in busy:
                     if now - since[w] > pool.timeout:
                         take(w)  # waits out the pool's own deadline, then raises
                 continue
-            ready = [oldest]
         for w in ready:
             take(w)
         while next_merge in done:

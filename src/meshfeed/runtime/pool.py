@@ -398,6 +398,23 @@ class WorkerPool:
         poller = self._state["pollers"][w]
         return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
 
+    def wait_any(self, workers: list[int], timeout: float) -> list[int]:
+        """The workers among ``workers`` (each with a task outstanding) whose :meth:`recv`
+        would return without waiting, after one wait of at most ``timeout`` seconds on all of
+        their result pipes and sentinels together; ``[]`` when none is ready by then. Receives
+        nothing and never fails the pool: the caller decides what a late worker means."""
+        workers = [w for w in workers if self.pending(w)]
+        if not workers:
+            return []
+        poller = select.poll()
+        owner: dict[int, int] = {}
+        for w in workers:
+            for fd in (self._state["results"][w].fileno(), self._state["procs"][w].sentinel):
+                poller.register(fd, select.POLLIN)
+                owner[fd] = w
+        events = poller.poll(max(0, math.ceil(timeout * 1000)))
+        return sorted({owner[fd] for fd, _ in events})
+
     # ------------------------------------------------------------------ ordered style
     def submit(self, task: Any) -> None:
         """Send ``task`` to the next worker round-robin; :meth:`result` returns in this order."""
