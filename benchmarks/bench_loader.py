@@ -281,7 +281,8 @@ def grain_stream(ds: Any, workers: int) -> tuple[Iterator[Any] | None, str]:
 
 
 def bench_workers(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
-    """Cheap samples: in-process vs 2 workers, torch DataLoader and Grain with 2 workers.
+    """Cheap samples: in-process vs 2 workers, torch DataLoader, torchdata's
+    StatefulDataLoader and Grain with 2 workers.
 
     Wall time of the main process per batch, interleaved; and this process's CPU time per
     batch (time.process_time), which shows what the transport costs the training process
@@ -297,6 +298,20 @@ def bench_workers(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
         "meshfeed, 2 workers": forever(workers),
         "torch DataLoader, 2 workers": forever(tl),
     }
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as exc:
+        print(f"  StatefulDataLoader row skipped: {exc}; pip install torchdata", file=sys.stderr)
+    else:
+        sdl = StatefulDataLoader(
+            ds,
+            batch_size=BATCH,
+            sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0),
+            drop_last=True,
+            num_workers=2,
+            persistent_workers=True,
+        )
+        streams["torchdata StatefulDataLoader, 2 workers"] = forever(sdl)
     grain_it, why = grain_stream(NumpyWindows(path, cfg.windows), 2)
     if grain_it is not None:
         streams["grain mp_prefetch, 2 workers"] = grain_it
