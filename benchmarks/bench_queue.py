@@ -56,21 +56,27 @@ def _run(
     consumer threads drain."""
     latencies: list[float] = []
     lock = threading.Lock()
+    # Every thread is started before the clock starts: a Thread.start() can wait tens of
+    # milliseconds for the interpreter lock, which is not the store's time.
+    ready = threading.Barrier(2 * workers + 1, timeout=60)
 
     def producer(w: int) -> None:
+        ready.wait()
         for i in range(w * step, n, workers * step):
             produce(i)
 
     def consumer() -> None:
+        ready.wait()
         got = consume()
         with lock:
             latencies.extend(got)
 
-    start = time.perf_counter()
     cons = [threading.Thread(target=consumer) for _ in range(workers)]
     prods = [threading.Thread(target=producer, args=(w,)) for w in range(workers)]
     for t in cons + prods:
         t.start()
+    ready.wait()
+    start = time.perf_counter()
     for t in prods:
         t.join(600)
     finish()
@@ -217,6 +223,33 @@ def bench_tensor_rows(
     return _run(n, workers, produce, consume, lambda: store.close("tensors"), step=batch)
 
 
+def bench_tensor_queue(n: int, workers: int, batch: int = 64, capacity: int = 256):
+    """The tensor workload through a ``queue.Queue`` of whole batches (one item per 64 rows,
+    ``capacity`` rows as ``capacity // batch`` items): the floor of a thread hand-off, with
+    none of the store's bookkeeping, to tell what 4x4 threads cost in this interpreter."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=max(1, capacity // batch))
+    tokens = torch.arange(batch * 8, dtype=torch.int64).reshape(batch, 8)
+    logp = torch.zeros(batch, 8)
+    stop = object()
+
+    def produce(i: int) -> None:
+        q.put((list(range(i, i + batch)), time.perf_counter(), tokens, logp), timeout=120)
+
+    def consume() -> list[float]:
+        out: list[float] = []
+        while True:
+            item = q.get(timeout=120)
+            if item is stop:
+                return out
+            out.extend([time.perf_counter() - item[1]] * len(item[0]))
+
+    def finish() -> None:
+        for _ in range(workers):
+            q.put(stop, timeout=120)
+
+    return _run(n, workers, produce, consume, finish, step=batch)
+
+
 def tensor_rows(args: argparse.Namespace, ray_store: SampleStore | None) -> list[tuple[str, ...]]:
     """Rows for the tensor workload: samples/s put+get and p99 latency, per backend (the Ray
     rows reuse the warm store actor of the other rows)."""
@@ -228,22 +261,27 @@ def tensor_rows(args: argparse.Namespace, ray_store: SampleStore | None) -> list
     for backend, store in stores.items():
         for workers in (1, 4):
             n = n_by[backend] - n_by[backend] % (workers * 64)
+            runs: dict[str, tuple[float, list[float]]] = {}
             store.clear("tensors")
-            elapsed, lat = bench_tensor_rows(store, n, workers)
-            ms = np.asarray(lat) * 1e3
-            rows.append(
-                (
-                    backend,
-                    "2 tensors x64",
-                    f"{workers}x{workers}",
-                    "SampleStore",
-                    str(n),
-                    f"{n / elapsed:,.0f}",
-                    f"{np.percentile(ms, 50):.2f}",
-                    f"{np.percentile(ms, 99):.2f}",
-                    "-",
+            runs["SampleStore"] = bench_tensor_rows(store, n, workers)
+            if backend == "embedded":  # in turns, same threads, same capacity
+                runs["queue.Queue of batches"] = bench_tensor_queue(n, workers)
+            base = n / runs["queue.Queue of batches"][0] if backend == "embedded" else None
+            for impl, (elapsed, lat) in runs.items():
+                ms = np.asarray(lat) * 1e3
+                rows.append(
+                    (
+                        backend,
+                        "2 tensors x64",
+                        f"{workers}x{workers}",
+                        impl,
+                        str(n),
+                        f"{n / elapsed:,.0f}",
+                        f"{np.percentile(ms, 50):.2f}",
+                        f"{np.percentile(ms, 99):.2f}",
+                        "-" if base is None else f"{n / elapsed / base:.2f}",
+                    )
                 )
-            )
     return rows
 
 
