@@ -69,6 +69,10 @@ class StoreCore:
         self.options = options
         self.partitions: dict[str, Partition] = {}
         self.held = 0
+        #: Samples ever dropped (consumed by every task, deleted, cleared): a backend compares
+        #: it before and after a call to know whether the call freed capacity, whatever other
+        #: calls did to ``held`` meanwhile.
+        self.dropped = 0
         self.produced = 0
         self.consumed_total: dict[str, int] = {}
         self.waiting_consumers = 0
@@ -587,6 +591,7 @@ class StoreCore:
             return
         records = list(map(part.samples.pop, keys))
         self.held -= len(keys)
+        self.dropped += len(keys)
         first = records[0]
         one = records.count(first) == len(records)  # one run: no counting per record
         counts = part.field_counts
@@ -608,6 +613,7 @@ class StoreCore:
         part = self.partitions.pop(partition, None)
         if part is not None:
             self.held -= len(part.samples)
+            self.dropped += len(part.samples)
         for lease in self.leases:  # their samples are gone with the partition
             if lease.partition == partition:
                 self.leases.pop(lease.id)

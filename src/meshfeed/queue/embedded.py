@@ -153,34 +153,24 @@ class EmbeddedBackend:
                 part.closed or len(part.pending.get(task, ())) >= batch_size
             )
 
-        freed = False
-
         def attempt() -> tuple[list[Key], dict[str, list[Any]]] | None:
-            # Capacity freed is judged per attempt: while this get waited, other puts and gets
-            # moved ``held`` both ways, so a comparison with its value at the call missed the
-            # eviction of a get that had waited through puts (producers then waited forever).
-            nonlocal freed
-            core = self.core
-            held = core.held
-            try:
-                return core.try_get(
-                    task,
-                    fields,
-                    batch_size,
-                    partition,
-                    sampler,
-                    context,
-                    hold,
-                    lease=lease,
-                    consumer=consumer,
-                )
-            finally:
-                if self.core.held < held:
-                    freed = True
+            return self.core.try_get(
+                task,
+                fields,
+                batch_size,
+                partition,
+                sampler,
+                context,
+                hold,
+                lease=lease,
+                consumer=consumer,
+            )
 
         with self.lock:
             core = self.core
-            planned, expired = core.planned, core.lease_expired
+            # ``dropped``, not ``held``: while this get waited, puts and other gets moved
+            # ``held`` both ways, and comparing it missed this get's own eviction
+            planned, expired, dropped = core.planned, core.lease_expired, core.dropped
             try:
                 got = None
                 if token is None or token not in self.waiters.cancelled:  # no waiter needed
@@ -208,7 +198,7 @@ class EmbeddedBackend:
                 return got[0], got[1], (lease if lease in self.core.leases else None)
             finally:
                 core = self.core
-                if freed:  # consumption (or an acknowledged lease) freed capacity
+                if core.dropped != dropped:  # consumption (or an acknowledged lease) freed room
                     self.waiters.wake_producers(self._free())
                 if core.planned != planned:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)
@@ -217,9 +207,9 @@ class EmbeddedBackend:
 
     def ack(self, lease_id: str) -> None:
         with self.lock:
-            held = self.core.held
+            dropped = self.core.dropped
             self.core.ack(lease_id)
-            if self.core.held < held:
+            if self.core.dropped != dropped:
                 self.waiters.wake_producers()
 
     def drop_consumer(self, consumer: Hashable) -> int:
@@ -241,9 +231,9 @@ class EmbeddedBackend:
 
     def release(self, partition: str, ids: list[Key]) -> None:
         with self.lock:
-            held = self.core.held
+            dropped = self.core.dropped
             self.core.release(partition, ids)
-            if self.core.held < held:
+            if self.core.dropped != dropped:
                 self.waiters.wake_producers()
 
     def peek(

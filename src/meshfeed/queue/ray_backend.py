@@ -401,31 +401,23 @@ class _StoreActor:
         need = (*fields, *sampler.extra_fields)
         probe = self.probes.get(caller) if caller else None  # see register, _caller_alive
         core = self.core
-        cached, expired = core.stats_cache_entries(), core.lease_expired
-        freed = False
+        # ``dropped``, not ``held``: while this get waited, puts and other gets moved ``held``
+        # both ways, and comparing it missed this get's own eviction
+        cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
 
         def attempt() -> Any:
-            # Capacity freed is judged per attempt: while this get waited, puts and other gets
-            # moved ``held`` both ways, so a comparison with its value at the call could miss
-            # this get's own eviction and leave a producer waiting for room that exists.
-            nonlocal freed
-            held = self.core.held
-            try:
-                return self.core.try_get(
-                    task,
-                    fields,
-                    batch_size,
-                    partition,
-                    sampler,
-                    context,
-                    hold,
-                    lease=lease,
-                    consumer=consumer,
-                    alive=probe,
-                )
-            finally:
-                if self.core.held < held:
-                    freed = True
+            return self.core.try_get(
+                task,
+                fields,
+                batch_size,
+                partition,
+                sampler,
+                context,
+                hold,
+                lease=lease,
+                consumer=consumer,
+                alive=probe,
+            )
 
         try:
             ok, out = await self._run(
@@ -445,7 +437,7 @@ class _StoreActor:
             return True, (*out, leased)
         finally:
             core = self.core
-            if freed:
+            if core.dropped != dropped:
                 self.waiters.wake_producers()
             if core.stats_cache_entries() != cached:
                 self.waiters.wake_task(partition, task)
@@ -453,11 +445,11 @@ class _StoreActor:
                 self.waiters.wake_all()
 
     async def ack(self, lease_id: str) -> Any:
-        held = self.core.held
+        dropped = self.core.dropped
         try:
             return await self._run(lambda: self.core.ack(lease_id), 0, "ack")
         finally:
-            if self.core.held < held:
+            if self.core.dropped != dropped:
                 self.waiters.wake_producers()
 
     async def drop_consumer(self, consumer: Any) -> Any:
@@ -478,12 +470,12 @@ class _StoreActor:
                 out["abandoned_waits"] = self.abandoned
                 out["adopted_chunks"] = self.adopted
             return ok, out
-        held = self.core.held
+        dropped = self.core.dropped
         try:
             return await self._run(lambda: getattr(self.core, name)(*args), 0, name)
         finally:
             if name == "release":
-                if self.core.held < held:
+                if self.core.dropped != dropped:
                     self.waiters.wake_producers()
             elif name not in ("stats", "peek"):
                 self.waiters.wake_all()
