@@ -223,11 +223,12 @@ def bench_tensor_rows(
     return _run(n, workers, produce, consume, lambda: store.close("tensors"), step=batch)
 
 
-def bench_tensor_queue(n: int, workers: int, batch: int = 64, capacity: int = 256):
+def bench_tensor_queue(n: int, workers: int, batch: int = 64, capacity: int | None = 256):
     """The tensor workload through a ``queue.Queue`` of whole batches (one item per 64 rows,
-    ``capacity`` rows as ``capacity // batch`` items): the floor of a thread hand-off, with
-    none of the store's bookkeeping, to tell what 4x4 threads cost in this interpreter."""
-    q: queue.Queue[Any] = queue.Queue(maxsize=max(1, capacity // batch))
+    ``capacity`` rows as ``capacity // batch`` items, ``None``: unbounded): the floor of a
+    thread hand-off, with none of the store's bookkeeping, to tell what 4x4 threads cost in
+    this interpreter."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=0 if capacity is None else max(1, capacity // batch))
     tokens = torch.arange(batch * 8, dtype=torch.int64).reshape(batch, 8)
     logp = torch.zeros(batch, 8)
     stop = object()
@@ -252,27 +253,43 @@ def bench_tensor_queue(n: int, workers: int, batch: int = 64, capacity: int = 25
 
 def tensor_rows(args: argparse.Namespace, ray_store: SampleStore | None) -> list[tuple[str, ...]]:
     """Rows for the tensor workload: samples/s put+get and p99 latency, per backend (the Ray
-    rows reuse the warm store actor of the other rows)."""
+    rows reuse the warm store actor of the other rows, capacity 256). The embedded store runs
+    twice: without a capacity (the workload of issue #12, which has no backpressure) and with
+    ``capacity=256`` (four batches: producers wait for room after every put), each in turns
+    with a ``queue.Queue`` of whole batches bounded the same way, medians of ``--repeat``."""
     rows: list[tuple[str, ...]] = []
     n_by = {"embedded": 1024 if args.quick else 4096 * 4, "ray": 1024 if args.quick else 4096}
-    stores = {"embedded": SampleStore("embedded", capacity=256, tasks=["train"])}
+    configs: list[tuple[str, str, int | None]] = [
+        ("embedded", "2 tensors x64", None),
+        ("embedded", "2 tensors x64 cap 256", 256),
+    ]
     if ray_store is not None:
-        stores["ray"] = ray_store
-    for backend, store in stores.items():
+        configs.append(("ray", "2 tensors x64", 256))
+    for backend, label, capacity in configs:
         for workers in (1, 4):
             n = n_by[backend] - n_by[backend] % (workers * 64)
-            runs: dict[str, tuple[float, list[float]]] = {}
-            store.clear("tensors")
-            runs["SampleStore"] = bench_tensor_rows(store, n, workers)
-            if backend == "embedded":  # in turns, same threads, same capacity
-                runs["queue.Queue of batches"] = bench_tensor_queue(n, workers)
+            turns: dict[str, list[tuple[float, list[float]]]] = {}
+            for _ in range(args.repeat if backend == "embedded" else 1):
+                if backend == "ray" and ray_store is not None:
+                    store = ray_store
+                    store.clear("tensors")
+                else:
+                    store = SampleStore("embedded", capacity=capacity, tasks=["train"])
+                turns.setdefault("SampleStore", []).append(bench_tensor_rows(store, n, workers))
+                if backend == "embedded":  # in turns, same threads, same bound
+                    turns.setdefault("queue.Queue of batches", []).append(
+                        bench_tensor_queue(n, workers, capacity=capacity)
+                    )
+            runs = {
+                impl: sorted(ts, key=lambda t: t[0])[len(ts) // 2] for impl, ts in turns.items()
+            }
             base = n / runs["queue.Queue of batches"][0] if backend == "embedded" else None
             for impl, (elapsed, lat) in runs.items():
                 ms = np.asarray(lat) * 1e3
                 rows.append(
                     (
                         backend,
-                        "2 tensors x64",
+                        label,
                         f"{workers}x{workers}",
                         impl,
                         str(n),
