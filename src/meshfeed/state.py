@@ -44,8 +44,10 @@ def fingerprint_hash(fingerprint: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # The one state envelope every stateful part uses: {"kind": ..., "version": ..., **fields}.
 
-#: Which meshfeed release wrote which envelope version (for the message when refusing one).
+#: Which meshfeed release wrote which envelope version (for the message when refusing one):
+#: meshfeed 0.1 wrote version 1 of every part except the store loader, which was at 2.
 _RELEASES = {1: "meshfeed 0.1"}
+_RELEASES_OF_KIND = {"store_loader": {2: "meshfeed 0.1"}}
 
 
 def envelope(kind: str, version: int, **fields: Any) -> dict[str, Any]:
@@ -100,7 +102,8 @@ def open_envelope(
             "that this object's state_dict() returned"
         )
     if got_version != version:
-        release = _RELEASES.get(got_version) if isinstance(got_version, int) else None
+        releases = _RELEASES_OF_KIND.get(kind, _RELEASES)
+        release = releases.get(got_version) if isinstance(got_version, int) else None
         older = isinstance(got_version, int) and got_version < version
         hint = (
             f"it was written by {release or 'an older meshfeed'}, whose positions this version "

@@ -272,8 +272,12 @@ def test_loader_rejects_bad_configuration():
     )
     with pytest.raises(
         ValueError, match="StoreLoader state has version=1, this meshfeed reads version 3"
-    ):
+    ) as refused:
         loader.load_state_dict({"version": 1, "index": [0], "turn": 0, "done": [False]})
+    assert "meshfeed 0.1" not in str(refused.value)  # 0.1 wrote version 2 of this part
+    zero_one = {"version": 2, "task": "t", "partition": "p", "data_rank": 0, "next": 1}
+    with pytest.raises(ValueError, match="version=2, .* written by meshfeed 0.1"):
+        loader.load_state_dict(zero_one)  # the layout meshfeed 0.1's loader wrote (no kind)
     state = loader.state_dict()
     assert (state["kind"], state["version"]) == ("store_loader", 3)
     with pytest.raises(ValueError, match="version=2, this meshfeed reads version 3"):
