@@ -393,13 +393,7 @@ class StoreCore:
 
     @staticmethod
     def _unlease(part: Partition, ids: list[Key]) -> None:
-        leased = part.leased
-        for k in ids:
-            n = leased.get(k, 0)
-            if n > 1:
-                leased[k] = n - 1
-            elif n == 1:
-                del leased[k]
+        _count_down(part.leased, ids)
 
     def expire_leases(self, now: float) -> int:
         """Return the samples of leases past their deadline to ready; how many samples."""
@@ -519,13 +513,7 @@ class StoreCore:
         part = self.partitions.get(partition)
         if part is None:
             return
-        held = part.held
-        for k in ids:
-            n = held.get(k, 0)
-            if n > 1:
-                held[k] = n - 1
-            elif n == 1:
-                del held[k]
+        _count_down(part.held, ids)
         self._evict(part, ids)
 
     def peek(
@@ -660,3 +648,14 @@ class StoreCore:
             "leases": len(self.leases),
             "partitions": parts,
         }
+
+
+def _count_down(counts: dict[Key, int], ids: list[Key]) -> None:
+    """Take one off the count of each of ``ids`` (a key reaching 0 leaves ``counts``; keys
+    not in it are ignored)."""
+    for k in ids:
+        n = counts.get(k, 0)
+        if n > 1:
+            counts[k] = n - 1
+        elif n == 1:
+            del counts[k]
