@@ -412,27 +412,10 @@ class PieceReader(Node[Any]):
     def next_many(self, n: int) -> list[Any]:
         if not self.refs:
             return self._rows(n)
-        out: list[Any] = []
-        while len(out) < n and self.piece < len(self.pieces):
-            p = self.pieces[self.piece]
-            if self._it is None:
-                self._it = self._open(p)
-            want = n - len(out)
-            chunk = list(itertools.islice(self._it, want))
-            shard, base = p.shard, p.start + self.row
-            # (shard, row) tuples of ints, not lists: the cyclic GC untracks such tuples, so
-            # the references a full shuffle buffer keeps alive add nothing to its collections
-            got: list[Any] = (
-                [((shard, base + i), r) for i, r in enumerate(chunk) if r is not None]
-                if self.refs
-                else [r for r in chunk if r is not None]
-            )
-            self.skipped += len(chunk) - len(got)
-            self.row += len(chunk)
-            out.extend(got)
-            if len(chunk) < want:
-                self.piece, self.row, self._it = self.piece + 1, 0, None
-        return out
+        rows, keys = self.next_many_refs(n)
+        # (shard, row) tuples of ints, not lists: the cyclic GC untracks such tuples, so the
+        # references a full shuffle buffer keeps alive add nothing to its collections
+        return [((k >> _ROW_BITS, k & _ROW_MASK), r) for k, r in zip(keys, rows, strict=True)]
 
     def _rows(self, n: int) -> list[Any]:
         """``next_many`` without references: the per-batch hot path of an unshuffled slot."""
