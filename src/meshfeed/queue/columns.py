@@ -203,13 +203,7 @@ def gather(values: list[Any]) -> Any:
             return [resolve(v) for v in values]
         if d.shape[1:] != first.shape[1:]:
             return [resolve(v) for v in values]
-    runs: list[tuple[Chunk, list[int]]] = []
-    for v in values:
-        if runs and runs[-1][0] is v.chunk:
-            runs[-1][1].append(v.row)
-        else:
-            runs.append((v.chunk, [v.row]))
-    pieces = [_take(chunk.data, rows, is_np) for chunk, rows in runs]
+    pieces = [_take(chunk.data, rows, is_np) for chunk, rows in _runs_of(values)]
     if len(pieces) == 1:
         return Gathered(pieces[0])
     if is_np:
@@ -302,12 +296,7 @@ def _gather_remote(values: list[Cell]) -> Any:
     }
     if len(sigs) != 1:  # mixed kinds or shapes: plain values (fetched here, rare)
         return [resolve(v) for v in values]
-    runs: list[tuple[Any, list[int]]] = []
-    for v in values:
-        if runs and runs[-1][0] is v.chunk:
-            runs[-1][1].append(v.row)
-        else:
-            runs.append((v.chunk, [v.row]))
+    runs = _runs_of(values)
     is_np = next(iter(sigs))[0]
     return Runs(
         [
@@ -335,3 +324,14 @@ def _take(data: Any, rows: list[int], is_np: bool) -> Any:
     import torch
 
     return data.index_select(0, torch.as_tensor(rows, device=data.device))
+
+
+def _runs_of(values: list[Cell]) -> list[tuple[Any, list[int]]]:
+    """``values`` grouped into runs of consecutive cells of one chunk: ``(chunk, rows)``."""
+    runs: list[tuple[Any, list[int]]] = []
+    for v in values:
+        if runs and runs[-1][0] is v.chunk:
+            runs[-1][1].append(v.row)
+        else:
+            runs.append((v.chunk, [v.row]))
+    return runs
