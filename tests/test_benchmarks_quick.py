@@ -7,12 +7,11 @@ stalling the suite.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.process_checks import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
@@ -27,20 +26,9 @@ def test_every_benchmark_is_collected() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [pytest.param(s, id=s.stem) for s in SCRIPTS])
 def test_benchmark_quick_runs(script: Path, tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env.setdefault("RAY_DEDUP_LOGS", "0")
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(script), "--quick"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-        )
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{script.name} --quick ran longer than {TIMEOUT}s") from e
+    proc = run_python(
+        script, "--quick", cwd=tmp_path, timeout=TIMEOUT, what=f"{script.name} --quick"
+    )
     assert proc.returncode == 0, (
         f"{script.name} --quick exited with {proc.returncode}:\n"
         f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

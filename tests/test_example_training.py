@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.process_checks import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tiny_transformer.py"
 
 
 def _run(*args: str, timeout: float = 400.0) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, str(EXAMPLE), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(EXAMPLE, *args, cwd=ROOT, timeout=timeout)
 
 
 @pytest.mark.slow

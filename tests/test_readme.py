@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.process_checks import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -37,21 +36,9 @@ def test_readme_has_python_blocks() -> None:
     [pytest.param(line, code, id=f"line{line}") for line, code in BLOCKS],
 )
 def test_readme_block_runs(line: int, code: str, tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     script = tmp_path / f"readme_line{line}.py"
     script.write_text(code)
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-        )
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"README block at line {line} ran longer than {TIMEOUT}s") from e
+    proc = run_python(script, cwd=tmp_path, timeout=TIMEOUT, what=f"README block at line {line}")
     assert proc.returncode == 0, (
         f"README block at line {line} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     )
