@@ -8,12 +8,26 @@ import math
 import os
 import threading
 import uuid
+from typing import Any
 
 import pytest
 
 from meshfeed.mesh import DataMesh
 from meshfeed.queue import Batch, SampleStore, StoreLoader
 from meshfeed.testing import assert_resume_equivalence
+
+
+def _loader(store: SampleStore, **kwargs: Any) -> StoreLoader:
+    """A StoreLoader of task "t" over field "x" of partition "p", rank 0 of a one-rank
+    mesh, with ``kwargs`` added or overriding."""
+    defaults: dict[str, Any] = {
+        "task": "t",
+        "fields": ["x"],
+        "partition": "p",
+        "mesh": {"dp": 1},
+        "rank": 0,
+    }
+    return StoreLoader(store, **{**defaults, **kwargs})
 
 
 def _tag(batch: Batch) -> tuple[int, list]:
@@ -25,16 +39,8 @@ def _run_ranks(store: SampleStore, mesh: DataMesh, batch: int, prefetch: int = 1
     out: dict[int, list] = {}
 
     def rank(r: int) -> None:
-        loader = StoreLoader(
-            store,
-            task="actor",
-            fields=["x"],
-            batch_size=batch,
-            partition="p",
-            mesh=mesh,
-            rank=r,
-            timeout=20,
-            prefetch=prefetch,
+        loader = _loader(
+            store, task="actor", batch_size=batch, mesh=mesh, rank=r, timeout=20, prefetch=prefetch
         )
         out[r] = [b.ids for b in loader]
 
@@ -80,18 +86,8 @@ def test_worker_processes_deliver_every_sample_exactly_once_per_task():
     store.close("p")
     seen: dict[str, list] = {}
     for task in ("actor", "critic"):
-        loader = StoreLoader(
-            store,
-            task=task,
-            fields=["x"],
-            batch_size=7,
-            partition="p",
-            mesh={"dp": 1},
-            rank=0,
-            num_workers=2,
-            timeout=60,
-            collate_fn=_tag,
-            prefetch=3,
+        loader = _loader(
+            store, task=task, batch_size=7, num_workers=2, timeout=60, collate_fn=_tag, prefetch=3
         )
         out = list(loader)
         assert all(pid != os.getpid() for pid, _ in out)  # the transform ran in workers
@@ -113,14 +109,10 @@ def test_ray_worker_processes_fetch_each_sample_exactly_once_per_task(ray_sessio
         store.close("p")
         seen = {}
         for task in ("actor", "critic"):
-            loader = StoreLoader(
+            loader = _loader(
                 store,
                 task=task,
-                fields=["x"],
                 batch_size=3,
-                partition="p",
-                mesh={"dp": 1},
-                rank=0,
                 num_workers=2,
                 timeout=120,
                 collate_fn=_tag,
@@ -141,17 +133,7 @@ def test_prefetch_never_duplicates_a_sample():
     store = SampleStore()
     store.put("p", {"x": list(range(100))})
     store.close("p")
-    loader = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=7,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        prefetch=4,
-        timeout=math.inf,
-    )
+    loader = _loader(store, batch_size=7, prefetch=4, timeout=math.inf)
     ids = [k for b in loader for k in b.ids]
     assert sorted(ids) == list(range(100)) and len(ids) == 100
     with pytest.raises(StopIteration):
@@ -160,17 +142,7 @@ def test_prefetch_never_duplicates_a_sample():
 
 def test_loader_ends_when_the_partition_is_closed_and_drained():
     store = SampleStore()
-    loader = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=4,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        timeout=5,
-        prefetch=1,
-    )
+    loader = _loader(store, batch_size=4, timeout=5, prefetch=1)
     store.put("p", {"x": [1, 2, 3, 4, 5]})
     assert next(loader).ids == [0, 1, 2, 3]
     store.close("p")
@@ -179,17 +151,7 @@ def test_loader_ends_when_the_partition_is_closed_and_drained():
 
 def test_loader_wait_is_bounded_by_its_timeout():
     store = SampleStore()
-    loader = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=1,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        timeout=0.05,
-        prefetch=1,
-    )
+    loader = _loader(store, batch_size=1, timeout=0.05, prefetch=1)
     with pytest.raises(TimeoutError):
         next(loader)
     store.put("p", {"x": [1]})
@@ -199,77 +161,16 @@ def test_loader_wait_is_bounded_by_its_timeout():
 def test_loader_rejects_bad_configuration():
     store = SampleStore()
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
-        StoreLoader(
-            store,
-            task="t",
-            fields=["x"],
-            batch_size=0,
-            partition="p",
-            mesh={"dp": 1},
-            rank=0,
-            prefetch=1,
-            timeout=math.inf,
-        )
+        _loader(store, batch_size=0, prefetch=1, timeout=math.inf)
     with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
-        StoreLoader(
-            store,
-            task="t",
-            fields=["x"],
-            batch_size=1,
-            partition="p",
-            mesh={"dp": 1},
-            rank=0,
-            num_workers=-1,
-            timeout=math.inf,
-        )
+        _loader(store, batch_size=1, num_workers=-1, timeout=math.inf)
     with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
-        StoreLoader(
-            store,
-            task="t",
-            fields=["x"],
-            batch_size=1,
-            partition="p",
-            mesh={"dp": 1},
-            rank=0,
-            prefetch=-1,
-            timeout=math.inf,
-        )
+        _loader(store, batch_size=1, prefetch=-1, timeout=math.inf)
     with pytest.raises(ValueError, match="pass collate_fn="):
-        StoreLoader(
-            store,
-            task="t",
-            fields=["x"],
-            batch_size=1,
-            partition="p",
-            mesh={"dp": 1},
-            rank=0,
-            num_workers=2,
-            prefetch=3,
-            timeout=math.inf,
-        )
+        _loader(store, batch_size=1, num_workers=2, prefetch=3, timeout=math.inf)
     with pytest.raises(ValueError, match="rank=4 is out of range"):
-        StoreLoader(
-            store,
-            task="t",
-            fields=["x"],
-            batch_size=1,
-            partition="p",
-            mesh={"dp": 2, "tp": 2},
-            rank=4,
-            prefetch=1,
-            timeout=math.inf,
-        )
-    loader = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=1,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        prefetch=1,
-        timeout=math.inf,
-    )
+        _loader(store, batch_size=1, mesh={"dp": 2, "tp": 2}, rank=4, prefetch=1, timeout=math.inf)
+    loader = _loader(store, batch_size=1, prefetch=1, timeout=math.inf)
     with pytest.raises(
         ValueError, match="StoreLoader state has version=1, this meshfeed reads version 3"
     ) as refused:
@@ -282,17 +183,7 @@ def test_loader_rejects_bad_configuration():
     assert (state["kind"], state["version"]) == ("store_loader", 3)
     with pytest.raises(ValueError, match="version=2, this meshfeed reads version 3"):
         loader.load_state_dict({**state, "version": 2})
-    other = StoreLoader(
-        store,
-        task="u",
-        fields=["x"],
-        batch_size=1,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        prefetch=1,
-        timeout=math.inf,
-    )
+    other = _loader(store, task="u", batch_size=1, prefetch=1, timeout=math.inf)
     with pytest.raises(ValueError, match="task='t' but this loader has task='u'"):
         other.load_state_dict(state)
 
@@ -304,17 +195,7 @@ class _Resumable:
         self.store = SampleStore()
         self.store.put("p", {"x": list(range(23))})
         self.store.close("p")
-        self.loader = StoreLoader(
-            self.store,
-            task="t",
-            fields=["x"],
-            batch_size=3,
-            partition="p",
-            mesh={"dp": 1},
-            rank=0,
-            prefetch=prefetch,
-            timeout=20,
-        )
+        self.loader = _loader(self.store, batch_size=3, prefetch=prefetch, timeout=20)
 
     def __next__(self) -> list:
         return next(self.loader).ids
@@ -340,34 +221,14 @@ def test_checkpoint_with_prefetch_keeps_fetched_ahead_samples_of_an_evicting_sto
     store = SampleStore(tasks=["t"])  # a sample is dropped once "t" consumed it ...
     store.put("p", {"x": list(range(20))})
     store.close("p")
-    loader = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=2,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        prefetch=4,
-        timeout=math.inf,
-    )
+    loader = _loader(store, batch_size=2, prefetch=4, timeout=math.inf)
     first = [next(loader).ids for _ in range(2)]
     state = loader.state_dict()  # ... but not while fetched ahead and not yet returned
     assert len(state["pending"]) == 3 and all(ids for _, ids in state["pending"])
     store.save(tmp_path / "store.pt")
     rest = [b.ids for b in loader]
     restored = SampleStore.load(tmp_path / "store.pt")
-    again = StoreLoader(
-        restored,
-        task="t",
-        fields=["x"],
-        batch_size=2,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        prefetch=4,
-        timeout=math.inf,
-    )
+    again = _loader(restored, batch_size=2, prefetch=4, timeout=math.inf)
     again.load_state_dict(state)
     assert [b.ids for b in again] == rest
     assert [k for ids in first + rest for k in ids] == list(range(20))
@@ -430,17 +291,8 @@ def test_a_failing_transform_is_retried_on_the_same_batch_not_refetched(tmp_path
     store = SampleStore(tasks=["t"])
     store.put("p", {"x": list(range(20))})
     store.close("p")
-    loader = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=3,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        prefetch=prefetch,
-        timeout=20,
-        collate_fn=_FailOnce(str(tmp_path)),
+    loader = _loader(
+        store, batch_size=3, prefetch=prefetch, timeout=20, collate_fn=_FailOnce(str(tmp_path))
     )
     out = []
     for _ in range(30):  # a caller that retries next() after an error must not lose data
@@ -458,14 +310,9 @@ def test_worker_processes_retry_a_failing_transform_without_losing_the_batch(tmp
     store = SampleStore()
     store.put("p", {"x": list(range(30))})
     store.close("p")
-    loader = StoreLoader(
+    loader = _loader(
         store,
-        task="t",
-        fields=["x"],
         batch_size=4,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
         num_workers=2,
         timeout=60,
         collate_fn=_FailOnce(str(tmp_path)),
@@ -480,18 +327,17 @@ def test_a_replica_peer_whose_transform_fails_still_gets_the_batch_of_its_peers(
     store.put("p", {"x": list(range(12))})
     mesh = DataMesh.from_sizes(dp=1, tp=2)
     transform = _FailFor()
-    first = StoreLoader(
+    first = _loader(store, batch_size=3, mesh=mesh, timeout=5, prefetch=1)
+    second = _loader(
         store,
-        task="t",
-        fields=["x"],
         batch_size=3,
-        partition="p",
         mesh=mesh,
-        rank=0,
+        rank=1,
         timeout=5,
+        collate_fn=transform,
+        collate_retries=0,
         prefetch=1,
     )
-    second = StoreLoader(store, task="t", fields=["x"], batch_size=3, partition="p", mesh=mesh, rank=1, timeout=5, collate_fn=transform, collate_retries=0, prefetch=1)  # fmt: skip
     assert next(first).ids == [0, 1, 2]
     with pytest.raises(RuntimeError, match=r"sample ids \[0, 1, 2\]"):
         next(second)  # the last reader: the shared plan is gone once it has read it
@@ -559,17 +405,7 @@ def list_ids(batch: Batch) -> list:
 def test_state_dict_never_hangs_on_batches_producers_have_not_made_yet():
     store = SampleStore()
     store.put("p", {"x": [0, 1]})
-    loader = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=1,
-        partition="p",
-        mesh={"dp": 1},
-        rank=0,
-        prefetch=3,
-        timeout=math.inf,
-    )
+    loader = _loader(store, batch_size=1, prefetch=3, timeout=math.inf)
     loader.STATE_WAIT = 0.2  # timeout=inf: state_dict() waits this long (60 s by default)
     assert next(loader).ids == [0]  # batches 1 and 2 now in flight; 2 waits for producers
     outcome: list = []
@@ -603,8 +439,8 @@ def test_replica_peers_with_different_prefetch_or_batch_size_are_refused(setting
     store.put("p", {"x": list(range(20))})
     mesh = DataMesh.from_sizes(dp=1, tp=2)
     base = {"batch_size": 3, "prefetch": 1}
-    first = StoreLoader(store, task="t", fields=["x"], mesh=mesh, rank=0, timeout=5, partition="p", **base)  # fmt: skip
-    second = StoreLoader(store, task="t", fields=["x"], mesh=mesh, rank=1, timeout=5, partition="p", **{**base, setting: other})  # fmt: skip
+    first = _loader(store, mesh=mesh, timeout=5, **base)
+    second = _loader(store, mesh=mesh, rank=1, timeout=5, **{**base, setting: other})
     assert next(first).ids == [0, 1, 2]
     with pytest.raises(ValueError, match="replica peers must share batch_size, prefetch"):
         next(second)
@@ -615,44 +451,14 @@ def test_replica_peers_agreement_survives_a_store_checkpoint(tmp_path):
     store = SampleStore()
     store.put("p", {"x": list(range(20))})
     mesh = DataMesh.from_sizes(dp=1, tp=2)
-    first = StoreLoader(
-        store,
-        task="t",
-        fields=["x"],
-        batch_size=3,
-        partition="p",
-        mesh=mesh,
-        rank=0,
-        timeout=5,
-        prefetch=1,
-    )
+    first = _loader(store, batch_size=3, mesh=mesh, timeout=5, prefetch=1)
     assert next(first).ids == [0, 1, 2]  # the plan for batch 0 waits for rank 1
     store.save(tmp_path / "store.pt")
     restored = SampleStore.load(tmp_path / "store.pt")
-    ok = StoreLoader(
-        restored,
-        task="t",
-        fields=["x"],
-        batch_size=3,
-        partition="p",
-        mesh=mesh,
-        rank=1,
-        timeout=5,
-        prefetch=1,
-    )
+    ok = _loader(restored, batch_size=3, mesh=mesh, rank=1, timeout=5, prefetch=1)
     assert next(ok).ids == [0, 1, 2]
     again = SampleStore.load(tmp_path / "store.pt")
-    bad = StoreLoader(
-        again,
-        task="t",
-        fields=["x"],
-        batch_size=3,
-        partition="p",
-        mesh=mesh,
-        rank=1,
-        prefetch=2,
-        timeout=5,
-    )
+    bad = _loader(again, batch_size=3, mesh=mesh, rank=1, prefetch=2, timeout=5)
     with pytest.raises(ValueError, match="prefetch"):
         next(bad)
     bad.shutdown()
