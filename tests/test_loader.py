@@ -293,16 +293,14 @@ def test_shutdown_is_idempotent_and_context_manager():
     loader.shutdown()
 
 
-def test_a_stream_given_to_dataloader_is_refused_naming_streamloader():
+def test_a_stream_given_to_dataloader_is_read_exactly_as_streamloader_reads_it():
     from meshfeed.sources import ShardedStream, StreamLoader
 
     stream = ShardedStream([lambda: iter(range(6)), lambda: iter(range(6, 12))])
-    with pytest.raises(TypeError, match=r"use meshfeed\.sources\.StreamLoader\(stream"):
-        DataLoader(stream, batch_size=3, shuffle=False)
+    plain = [b.tolist() for b in DataLoader(stream, batch_size=3, shuffle=False)]
     loader = StreamLoader(stream, batch_size=3, shuffle=False)
-    assert isinstance(loader, LoaderBase) and not isinstance(loader, DataLoader)
-    assert isinstance(DataLoader(Squares(8), batch_size=2), LoaderBase)
-    assert sorted(i for b in loader for i in b.tolist()) == list(range(12))
+    assert isinstance(loader, DataLoader) and isinstance(loader, LoaderBase)
+    assert [b.tolist() for b in loader] == plain == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
 
 
 def test_resume_refuses_a_mixture_reweighted_after_construction():

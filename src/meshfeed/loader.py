@@ -48,9 +48,10 @@ class DataLoader(LoaderBase):
     same slice, so no broadcast is needed. ``state_dict()`` is a small JSON dict; loading it
     continues exactly, also on a different data-parallel size with the same global batch.
 
-    A :class:`~meshfeed.sources.ShardedStream` is not map-style: read it with
-    :class:`~meshfeed.sources.StreamLoader`, which takes the same arguments (a TypeError says
-    so). A path is not a dataset: open it first (e.g. ``TokenWindows(path, seq_len=...)``).
+    A :class:`~meshfeed.sources.ShardedStream` is read the same way (it is a map-style source
+    with an order of its own; :class:`~meshfeed.sources.StreamLoader` is this loader under the
+    name stream users know). A path is not a dataset: open it first (e.g.
+    ``TokenWindows(path, seq_len=...)``).
 
     A new ``iter()`` continues from the current position (exact resumption); an epoch that
     was iterated to its end advances to the next epoch. ``set_epoch(e)`` with a different
@@ -108,7 +109,6 @@ class DataLoader(LoaderBase):
         multiprocessing_context: str | None = None,
     ) -> None:
         check_not_a_path(dataset)
-        _refuse_stream(dataset)
         if not isinstance(pad_last, bool):
             raise TypeError(
                 f"pad_last must be True or False (got {pad_last=!r} of type "
@@ -416,16 +416,6 @@ class DataLoader(LoaderBase):
         if getattr(self, "_started", False):  # __del__ of a half-built loader
             self.service.shutdown()
             self._started = False
-
-
-def _refuse_stream(dataset: Any) -> None:
-    from meshfeed.sources.stream import ShardedStream
-
-    if isinstance(dataset, ShardedStream):
-        raise TypeError(
-            "meshfeed.DataLoader reads map-style datasets; a ShardedStream has no random "
-            "access: use meshfeed.sources.StreamLoader(stream, ...) with the same arguments"
-        )
 
 
 def _build_dataset(make: Callable[[], Any]) -> Any:

@@ -110,10 +110,13 @@ def read_state(
         state["dataset_length"] != loader.dataset_length
         or state["fingerprint"] != loader.fingerprint
     ):
+        explain = getattr(loader.dataset, "explain_fingerprint", None)
+        why = f" ({explain(state['fingerprint'])})" if callable(explain) else ""
         raise ValueError(
             f"checkpoint is from another dataset (length {state['dataset_length']}, "
             f"fingerprint {state['fingerprint']!r}) than this loader's (length "
-            f"{loader.dataset_length}, fingerprint {loader.fingerprint!r}); resume with the same dataset"
+            f"{loader.dataset_length}, fingerprint {loader.fingerprint!r}){why}; resume with the "
+            "same dataset"
         )
     for key in ("global_batch_size", "data_world_size"):
         if state[key] < 1:

@@ -129,10 +129,14 @@ class Stateful(Protocol):
 class OrderedSource(Protocol):
     """Optional: a source with an order of its own (e.g. a Mixture), used instead of a shuffle.
 
-    ``make_order(dataset_length=, global_batch_size=, seed=)`` returns the :class:`Order`.
+    ``make_order(dataset_length=, global_batch_size=, seed=, shuffle=)`` returns the
+    :class:`Order` (a source that cannot walk unshuffled raises ``ValueError`` for
+    ``shuffle=False``).
     """
 
-    def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> Any: ...
+    def make_order(
+        self, *, dataset_length: int, global_batch_size: int, seed: int, shuffle: bool = True
+    ) -> Any: ...
 
 
 @runtime_checkable

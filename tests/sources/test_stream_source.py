@@ -1,333 +1,186 @@
-"""sources/stream.py: the slot reader's state, buffer references and unread rows."""
+"""The stream as a source: its order (a pure bijection per pass), its readers, its identity."""
 
 from __future__ import annotations
 
-import json
+import functools
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfeed.nodes import Batcher, ShuffleBuffer
-from meshfeed.sources.stream import Piece, PieceReader, ShardedStream, slot_batches
-from meshfeed.sources.stream_loader import StreamLoader
-from meshfeed.testing import assert_resume_equivalence, take
-from tests.dist_utils import run_distributed
+from meshfeed.sources.stream import ShardedStream, StreamOrder
+from meshfeed.sources.stream_readers import DefaultReader, callable_identity
 
 
-def _callable_stream(rows: list[int], *, known: bool = True, buffer: int = 0) -> ShardedStream:
-    shards = [
-        lambda s=s, n=n: (None if (s * 1000 + r) % 7 == 6 else s * 1000 + r for r in range(n))
-        for s, n in enumerate(rows)
-    ]
-    return ShardedStream(shards, shuffle_buffer=buffer, rows=rows if known else None)
-
-
-def _pipeline(stream: ShardedStream, pieces: list[Piece], *, size: int, batch: int) -> Batcher:
-    reader = PieceReader(stream, pieces)
-    shuffle = ShuffleBuffer(
-        reader,
-        size=size,
-        seed=5,
-        ref=lambda item: item[0],
-        load=stream.load_items,
-    )
-    return Batcher(shuffle, batch_size=batch, drop_last=False)
-
-
-def _values(batches: list) -> list[list[Any]]:
-    return [[row for _, row in b] for b in batches]
-
-
-@pytest.mark.parametrize("known", [True, False])
-@pytest.mark.parametrize("size", [0, 5])
-def test_the_slot_pipeline_resumes_exactly_from_every_batch(known, size):
-    stream = _callable_stream([9, 0, 13, 4], known=known)
-    pieces = [Piece(0, 0, None), Piece(1, 0, None), Piece(2, 3, 11), Piece(3, 0, None)]
-    assert_resume_equivalence(lambda: _pipeline(stream, pieces, size=size, batch=3), num_items=40)
-
-
-def test_reader_next_many_matches_next_and_counts_none_rows():
-    stream = _callable_stream([20, 15])
-    pieces = [Piece(0, 2, None), Piece(1, 0, 10)]
-    one = list(PieceReader(stream, pieces))
-    many = PieceReader(stream, pieces)
-    got = many.next_many(3) + many.next_many(7) + many.next_many(100)
-    assert got == one and many.next_many(5) == []
-    want = [r for r in range(2, 20) if r % 7 != 6] + [
-        1000 + r for r in range(10) if (1000 + r) % 7 != 6
-    ]
-    assert [row for _, row in one] == want
-    assert all(row == ref[0] * 1000 + ref[1] for ref, row in one)
-    assert many.skipped == 4  # rows 6, 13 of shard 0 and 0, 7 of shard 1
-
-
-def _reader_state(**fields: Any) -> dict[str, Any]:
-    return {"kind": "stream.reader", "version": 1, "piece": 0, "row": 0, "skipped": 0, **fields}
-
-
-@pytest.mark.parametrize("known", [True, False])
-def test_a_row_beyond_its_piece_is_refused_not_skipped(known):
-    # before: row=10**6 silently skipped the rest of the piece
-    stream = _callable_stream([10, 10], known=known)
-    reader = PieceReader(stream, [Piece(0, 0, None), Piece(1, 0, None)])
-    if known:
-        with pytest.raises(ValueError, match=r"row=1000000 in piece 0, which has 10 rows"):
-            reader.load_state_dict(_reader_state(row=10**6))
-    else:
-        reader.load_state_dict(_reader_state(row=10**6))
-        with pytest.raises(ValueError, match=r"row=1000000 in piece 0 .*ends before it"):
-            reader.next_many(1)
-
-
-def test_a_row_at_the_end_of_its_piece_is_a_valid_state():
-    stream = _callable_stream([10, 3], known=False)
-    reader = PieceReader(stream, [Piece(0, 0, None), Piece(1, 0, None)])
-    reader.load_state_dict(_reader_state(row=10))
-    assert [row for _, row in reader] == [1001, 1002]  # row 1000 is None: skipped
-
-
-@pytest.mark.parametrize(
-    ("fields", "match"),
-    [
-        ({"piece": 3}, "piece=3, but this slot has 2 pieces"),
-        ({"piece": -1}, "negative"),
-        ({"row": -5}, "negative"),
-        ({"skipped": 10**30}, "'skipped' is 10{30}, outside"),
-        ({"skipped": 11}, r"'skipped' is 11, outside \[0, 10\]"),
-        ({"row": "3"}, "'row'"),
-        ({"kind": "stream"}, "kind='stream.reader'"),
-    ],
-)
-def test_absurd_reader_counters_are_refused_by_name(fields, match):
-    # before: negative counters gave OverflowError, huge ones were accepted
-    stream = _callable_stream([10, 10])
-    reader = PieceReader(stream, [Piece(0, 0, None), Piece(1, 0, None)])
-    with pytest.raises(ValueError, match=match):
-        reader.load_state_dict(_reader_state(**{"piece": 1, "row": 0, **fields}))
-
-
-def _buffered_state() -> tuple[ShardedStream, list[Piece], dict[str, Any]]:
-    stream = _callable_stream([30, 30])
-    pieces = [Piece(0, 0, None), Piece(1, 0, None)]
-    pipe = _pipeline(stream, pieces, size=4, batch=3)
-    next(pipe)
-    return stream, pieces, json.loads(json.dumps(pipe.state_dict()))
-
-
-@pytest.mark.parametrize(
-    ("edit", "match"),
-    [
-        (lambda b: [[7, 1], *b[1:]], r"names shard 7, but this stream has 2 shards"),
-        (lambda b: [b[0], b[0], *b[2:]], "more than once"),
-        (lambda b: [[0, 99], *b[1:]], r"row 99 of shard 0, which has 30 rows"),
-        (lambda b: [[0], *b[1:]], "not a \\[shard, row\\] pair"),
-        (lambda b: [[0, -1], *b[1:]], "not a \\[shard, row\\] pair"),
-    ],
-)
-def test_a_bad_buffer_reference_is_refused_by_name(edit, match):
-    # before: a missing shard was a bare IndexError and a duplicate delivered a row twice
-    stream, pieces, state = _buffered_state()
-    state["source"]["buffer"] = edit(state["source"]["buffer"])
-    with pytest.raises(ValueError, match=match):
-        _pipeline(stream, pieces, size=4, batch=3).load_state_dict(state)
-
-
-def test_the_loader_refuses_a_duplicated_buffer_reference_instead_of_repeating_a_row():
-    stream = _callable_stream([12, 12], buffer=4)
-    lo = StreamLoader(stream, batch_size=2, seed=1)
-    take(lo, 1)
-    state = json.loads(json.dumps(lo.state_dict()))
-    buf = state["workers"][0]["source"]["buffer"]
-    buf[1] = buf[0]
-    fresh = StreamLoader(stream, batch_size=2, seed=1)
-    with pytest.raises(ValueError, match="worker 0: .*more than once"):
-        fresh.load_state_dict(state)  # refused at load, before any batch
-
-
-# ----------------------------------------------------------------------- unread rows
-
-
-def _read_per_epoch(
-    stream: ShardedStream, R: int, W: int, B: int, drop_last: bool, *, seed: int = 3
-) -> int:
-    """Rows all R ranks read in epoch 0, simulated in one process."""
-    total = 0
-    for rank in range(R):
-        lo = StreamLoader(
-            stream,
-            batch_size=B,
-            mesh={"dp": R},
-            rank=rank,
-            num_workers=0,
-            seed=seed,
-            drop_last=drop_last,
-        )
-        # W slots read in one process, round-robin: what W worker processes read, without them
-        lo.slots = W
-        lo._worker_states = [None] * W
-        lo._exhausted = [False] * W
-        total += sum(len(b) for b in take(lo, 10**6, max_epochs=1))
-    return total
-
-
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
-    rows=st.lists(st.integers(0, 25), min_size=1, max_size=8),
-    R=st.integers(1, 3),
-    W=st.integers(1, 3),
-    B=st.integers(1, 4),
-    drop_last=st.booleans(),
+    rows=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda r: sum(r) > 0),
+    window=st.sampled_from([0, 1, 3, 16, 1000]),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 2**64 - 1),
+    epoch=st.integers(0, 5),
 )
-def test_unread_rows_is_what_no_rank_reads(rows, R, W, B, drop_last):
-    stream = ShardedStream(
-        [lambda n=n, s=s: [s * 1000 + r for r in range(n)] for s, n in enumerate(rows)], rows=rows
-    )
-    try:
-        unread = stream.unread_rows(
-            0, R, W, seed=3, shuffle=True, batch_size=B, drop_last=drop_last
-        )
-    except ValueError:
-        return  # a layout the assignment refuses
-    assert unread is not None and 0 <= unread <= sum(rows)
-    assert sum(rows) - unread == _read_per_epoch(stream, R, W, B, drop_last)
+def test_each_pass_is_a_bijection_of_the_rows_and_windows_stay_in_place(
+    rows, window, shuffle, seed, epoch
+):
+    order = StreamOrder(rows, seed=seed, shuffle=shuffle, window=window, samples_per_epoch=None)
+    total = sum(rows)
+    idx = order.indices(epoch, np.arange(total))
+    assert sorted(idx.tolist()) == list(range(total))
+    np.testing.assert_array_equal(order.indices(epoch, np.arange(total)[::-1]), idx[::-1])
+    if not shuffle:
+        assert idx.tolist() == list(range(total))
+    # the rows of a window are the rows of the unshuffled walk (shards in pass order) there
+    plain = StreamOrder(rows, seed=seed, shuffle=shuffle, window=0, samples_per_epoch=None)
+    walk = plain.indices(epoch, np.arange(total))
+    w = max(window, 1) if shuffle else total
+    for lo in range(0, total, w):
+        assert sorted(idx[lo : lo + w].tolist()) == sorted(walk[lo : lo + w].tolist())
 
 
-def test_whole_shard_assignment_can_leave_a_rank_with_nothing_and_every_row_unread():
-    # 2 shards for 2 ranks (whole shards): rank 1's shard is empty, so no rank reads anything
-    stream = ShardedStream([lambda: range(81), lambda: range(0)], rows=[81, 0])
-    assert stream.unread_rows(0, 2, 1, seed=0, shuffle=False, batch_size=4, drop_last=True) == 81
-    assert _read_per_epoch(stream, 2, 1, 4, True) == 0
-    # without row counts the number cannot be known without reading the shards
-    blind = ShardedStream([lambda: range(81), lambda: range(0)])
-    assert blind.unread_rows(0, 2, 1, seed=0, shuffle=False, batch_size=4, drop_last=True) is None
+def test_shards_are_permuted_per_pass_and_rows_stay_in_order_without_a_window():
+    rows = [5] * 8
+    order = StreamOrder(rows, seed=1, shuffle=True, window=0, samples_per_epoch=None)
+    e0 = order.indices(0, np.arange(40)).reshape(8, 5)
+    e1 = order.indices(1, np.arange(40)).reshape(8, 5)
+    assert (np.diff(e0, axis=1) == 1).all()  # each shard read front to back
+    assert e0[:, 0].tolist() != e1[:, 0].tolist()  # another shard order next epoch
 
 
-def test_row_ranges_leave_only_the_drop_last_tails_unread():
-    stream = ShardedStream([lambda: range(10), lambda: range(7), lambda: range(5)], rows=[10, 7, 5])
-    # 22 rows split into 4 ranges of 5-6 rows; batch 2 drops one row of each 5-row range
-    assert stream.unread_rows(0, 2, 2, seed=0, shuffle=True, batch_size=2, drop_last=True) == 2
-    assert stream.unread_rows(0, 2, 2, seed=0, shuffle=True, batch_size=2, drop_last=False) == 0
-    with pytest.raises(ValueError, match="batch_size"):
-        stream.unread_rows(0, 2, 2, seed=0, shuffle=True, batch_size=0, drop_last=True)
+def test_samples_per_epoch_cuts_epochs_from_consecutive_passes():
+    order = StreamOrder([4, 6], seed=2, shuffle=True, window=4, samples_per_epoch=3)
+    full = StreamOrder([4, 6], seed=2, shuffle=True, window=4, samples_per_epoch=None)
+    walk = np.concatenate([full.indices(p, np.arange(10)) for p in range(3)])
+    got = np.concatenate([order.indices(e, np.arange(3)) for e in range(10)])
+    np.testing.assert_array_equal(got, walk[:30])
+    assert order.epoch_length(7) == 3
 
 
-# ----------------------------------------------------------------------- slot_batches
+def test_epochs_far_out_cost_the_same_and_do_not_overflow():
+    order = StreamOrder([10**9] * 4, seed=5, shuffle=True, window=4096, samples_per_epoch=10**11)
+    idx = order.indices(2**32 - 1, np.arange(0, 10**11, 10**9))
+    assert ((idx >= 0) & (idx < 4 * 10**9)).all()
 
 
-@pytest.mark.parametrize("size", [0, 1, 6])
-@pytest.mark.parametrize("drop_last", [True, False])
-def test_slot_batches_match_the_worker_pipeline_and_resume_exactly(size, drop_last):
-    from meshfeed.sources.stream_workers import SlotConfig, SlotPipeline
-
-    stream = _callable_stream([9, 0, 13, 4])
-    pieces = [Piece(0, 0, None), Piece(1, 0, None), Piece(2, 3, 11), Piece(3, 0, None)]
-
-    def make() -> Any:
-        return slot_batches(
-            stream, pieces, shuffle_buffer=size, seed=11, batch_size=3, drop_last=drop_last
-        )
-
-    config = SlotConfig(
-        stream=stream,
-        pieces=pieces,
-        batch_size=3,
-        drop_last=drop_last,
-        shuffle_buffer=size,
-        shuffle_seed=11,
-        collate_fn=list,
-    )
-    pipe, want = SlotPipeline(config, None), []
-    while (batch := pipe.next()[0]) is not None:
-        want.append(batch)
-    assert list(make()) == want
-    assert all(isinstance(row, int) for batch in want for row in batch)
-    assert_resume_equivalence(make, num_items=20)
-
-
-def test_slot_batches_state_nests_reader_and_buffer():
-    stream = _callable_stream([30, 30])
-    node = slot_batches(
-        stream, [Piece(0, 0, None)], shuffle_buffer=4, seed=0, batch_size=2, drop_last=True
-    )
-    next(node)
-    state = node.state_dict()
-    assert state["kind"] == "node.batcher" and state["source"]["kind"] == "node.shuffle"
-    assert state["source"]["source"]["kind"] == "stream.reader"
-    assert len(state["source"]["buffer"]) == 4
-
-
-# ---------------------------------------------------------------------- real processes
-_GLOO_ROWS = [81, 0, 12, 7]  # whole shards (4 divide 2 ranks x 2 workers); sizes unequal
-
-
-def _gloo_read_rows(rank: int, world: int) -> dict[str, Any]:
-    stream = ShardedStream(
-        [lambda n=n, s=s: [s * 1000 + r for r in range(n)] for s, n in enumerate(_GLOO_ROWS)],
-        rows=_GLOO_ROWS,
-    )
-    lo = StreamLoader(stream, batch_size=2, mesh={"dp": world}, num_workers=2, seed=4, timeout=60)
-    try:
-        read = sum(len(b) for b in take(lo, 10**6, max_epochs=1))
-    finally:
-        lo.shutdown()
-    unread = stream.unread_rows(0, world, 2, seed=4, shuffle=True, batch_size=2, drop_last=True)
-    return {"read": read, "unread": unread}
-
-
-@pytest.mark.slow
-def test_gloo_ranks_with_workers_leave_exactly_unread_rows_unread():
-    results = run_distributed(_gloo_read_rows, 2, timeout=120)
-    unread = {r["unread"] for r in results}
-    assert len(unread) == 1  # every rank computes the same number without communication
-    assert sum(r["read"] for r in results) + unread.pop() == sum(_GLOO_ROWS)
-    # and the single-process simulation of both ranks agrees
-    stream = ShardedStream(
-        [lambda n=n, s=s: [s * 1000 + r for r in range(n)] for s, n in enumerate(_GLOO_ROWS)],
-        rows=_GLOO_ROWS,
-    )
-    assert _read_per_epoch(stream, 2, 2, 2, True, seed=4) == sum(r["read"] for r in results)
-
-
-def test_reader_keys_pack_shard_and_row_and_skip_none_rows():
-    from meshfeed.sources.stream import json_refs
-
-    stream = _callable_stream([20, 15])
-    pieces = [Piece(0, 2, None), Piece(1, 0, 10)]
-    pairs = list(PieceReader(stream, pieces))
-    keyed = PieceReader(stream, pieces)
-    rows, keys = [], []
-    for n in (3, 7, 100):
-        r, k = keyed.next_many_refs(n)
-        rows += r
-        keys += k
-    assert rows == [row for _, row in pairs]
-    assert json_refs(keys) == [list(ref) for ref, _ in pairs]
-    assert keyed.state_dict() == PieceReader(stream, pieces).state_dict() | {
-        "piece": 2,
-        "row": 0,
-        "skipped": keyed.skipped,
+def test_describe_records_what_decides_the_order():
+    order = StreamOrder([3], seed=0, stream_seed=9, shuffle=True, window=8, samples_per_epoch=None)
+    assert order.describe(0, 0) == {
+        "kind": "stream",
+        "version": 1,
+        "window": 8,
+        "stream_seed": 9,
+        "samples_per_epoch": 3,
     }
-    assert keyed.skipped == sum(1 for r in range(2, 20) if r % 7 == 6) + sum(
-        1 for r in range(10) if (1000 + r) % 7 == 6
-    )
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        order.validate({**order.describe(0, 0), "window": 2})
 
 
-@pytest.mark.parametrize("size", [2, 5, 64])
-def test_slot_batches_keep_the_order_and_checkpoint_of_per_row_references(size):
-    """Keys instead of per-row ``(shard, row)`` tuples change neither the rows nor the
-    checkpoint (so checkpoints of earlier releases still load: no version bump)."""
-    stream = _callable_stream([9, 0, 13, 4])
-    pieces = [Piece(0, 0, None), Piece(1, 0, None), Piece(2, 3, 11), Piece(3, 0, None)]
-    old = _pipeline(stream, pieces, size=size, batch=3)
-    new = slot_batches(stream, pieces, shuffle_buffer=size, seed=5, batch_size=3, drop_last=False)
-    for _ in range(4):
-        assert [row for _, row in old.next()] == new.next()
-        want = json.loads(json.dumps(old.state_dict()))
-        assert new.state_dict() == want
-    resumed = slot_batches(
-        stream, pieces, shuffle_buffer=size, seed=5, batch_size=3, drop_last=False
-    )
-    resumed.load_state_dict(want)
-    assert list(resumed) == [[row for _, row in b] for b in old]
+# ---------------------------------------------------------------------- reading
+class RunReader:
+    """A reader without ``take``: records the runs it is asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int | None]] = []
+
+    def __call__(self, shard: str, start: int, stop: int | None) -> Any:
+        self.calls.append((shard, start, stop))
+        base = {"a": 0, "b": 100}[shard]
+        return [base + r for r in range(start, stop if stop is not None else 10)]
+
+
+def test_rows_are_read_per_shard_as_one_span_and_the_span_is_kept():
+    reader = RunReader()
+    stream = ShardedStream(["a", "b"], reader, rows=[10, 10])
+    assert stream.__getitems__([3, 4, 5, 12, 13, 8, 3]) == [3, 4, 5, 102, 103, 8, 3]
+    assert sorted(reader.calls) == [("a", 3, None), ("b", 2, None)]
+    assert stream.__getitems__([7, 4]) == [7, 4]  # inside the kept span: no read
+    assert stream.__getitems__([9, 5]) == [9, 5]  # the kept span and the iterator's next row
+    assert len(reader.calls) == 2
+    assert stream.__getitems__([1]) == [1]  # before both: the shard is opened there
+    assert reader.calls[-1] == ("a", 1, None)
+
+
+def test_a_shard_shorter_than_counted_is_named():
+    stream = ShardedStream(["a"], lambda s, a, b: range(a, min(b or 4, 4)), rows=[10])
+    with pytest.raises(IndexError, match="fewer rows than counted"):
+        stream.__getitems__([2, 3, 4, 5])
+
+
+def test_out_of_range_rows_are_refused():
+    stream = ShardedStream([lambda: range(3)])
+    with pytest.raises(IndexError, match="out of range"):
+        stream[3]
+
+
+def test_callable_shards_are_read_forward_without_starting_over():
+    opened = []
+
+    def shard() -> Any:
+        opened.append(1)
+        return iter(range(100))
+
+    reader = DefaultReader()
+    assert reader.take(shard, np.array([5, 2, 9])) == [5, 2, 9]
+    assert reader.take(shard, np.array([10, 40])) == [10, 40]
+    assert len(opened) == 1
+    assert reader.take(shard, np.array([1])) == [1]  # backwards: opened again
+    assert len(opened) == 2
+    assert reader.count(shard) == 100
+
+
+def test_default_reader_drops_its_caches_when_pickled(tmp_path):
+    import pickle
+
+    p = tmp_path / "x.txt"
+    p.write_text("a\nb\nc\n")
+    reader = DefaultReader()
+    assert reader.take(str(p), np.array([2, 0])) == ["c", "a"]
+    again = pickle.loads(pickle.dumps(reader))
+    assert again._offsets == {} and again.take(str(p), np.array([1])) == ["b"]
+
+
+def _rows(n: int, offset: int = 0) -> range:
+    return range(offset, offset + n)
+
+
+def test_callables_are_identified_by_name_code_and_arguments_not_by_address():
+    a = functools.partial(_rows, 3, offset=1)
+    b = functools.partial(_rows, 3, offset=1)
+    c = functools.partial(_rows, 3, offset=2)
+    assert callable_identity(a) == callable_identity(b) != callable_identity(c)
+    assert "0x" not in callable_identity(a)
+    f = [lambda i=i: range(i) for i in range(2)]
+    assert callable_identity(f[0]) == callable_identity(f[1])  # defaults are not closures
+
+    def make(k: int) -> Any:
+        return lambda: range(k)
+
+    assert callable_identity(make(1)) != callable_identity(make(2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"shards": []}, "non-empty list"),
+        ({"shards": "a.jsonl"}, "non-empty list"),
+        ({"shards": [3]}, "neither a path"),
+        ({"shards": ["a"], "rows": [1, 2]}, "one non-negative int row count per shard"),
+        ({"shards": ["a"], "rows": [-1]}, "one non-negative int row count per shard"),
+        ({"shards": ["a"], "shuffle_buffer": -1}, "shuffle_buffer must be an int >= 0"),
+        ({"shards": ["a"], "shuffle_buffer": True}, "shuffle_buffer must be an int >= 0"),
+        ({"shards": ["a"], "samples_per_epoch": 0}, "samples_per_epoch must be an int >= 1"),
+        ({"shards": ["a"], "reader": 5}, "not callable"),
+    ],
+)
+def test_bad_stream_configuration_is_refused(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ShardedStream(**kwargs)
+
+
+def test_an_empty_stream_is_refused_when_a_loader_plans_it():
+    from meshfeed.sources.stream_loader import StreamLoader
+
+    with pytest.raises(ValueError, match="empty"):
+        StreamLoader(ShardedStream([lambda: []]), batch_size=1)

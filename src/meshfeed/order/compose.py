@@ -52,30 +52,29 @@ def build_order(
 ) -> Order:
     """The order of ``dataset`` under ``curriculum`` (None: no curriculum); see module doc.
 
-    ``shuffle=False`` is only meaningful for the default shuffled order: a Mixture or a
-    curriculum defines its own order, so combining either with ``shuffle=False`` raises.
+    ``shuffle`` is passed to a dataset's own order (a stream walks its shards in order without
+    it; a Mixture refuses it); a curriculum defines its own order, so ``shuffle=False`` with
+    one raises.
     """
     from meshfeed.curriculum.curriculum import Curriculum
     from meshfeed.sources.mixture import Mixture
 
     ordered = isinstance(dataset, OrderedSource)
-    if not shuffle and (ordered or curriculum is not None):
-        what = (
-            f"curriculum={type(curriculum).__name__}"
-            if curriculum is not None
-            else f"dataset={type(dataset).__name__} (it has its own order, make_order)"
-        )
+    if not shuffle and curriculum is not None:
         raise ValueError(
-            f"shuffle=False with {what} would be ignored: that order is defined by the "
-            f"{'curriculum' if curriculum is not None else 'dataset'}, not by a shuffle; "
-            "drop shuffle=False (for an unshuffled walk use a plain dataset without curriculum)"
+            f"shuffle=False with curriculum={type(curriculum).__name__} would be ignored: that "
+            "order is defined by the curriculum, not by a shuffle; drop shuffle=False (for an "
+            "unshuffled walk use a plain dataset without curriculum)"
         )
     if curriculum is None:
         if not ordered:
             return ShuffledOrder(dataset_length, seed=seed, shuffle=shuffle)
         return _checked(
             dataset.make_order(
-                dataset_length=dataset_length, global_batch_size=global_batch_size, seed=seed
+                dataset_length=dataset_length,
+                global_batch_size=global_batch_size,
+                seed=seed,
+                shuffle=shuffle,
             )
         )
     if isinstance(dataset, Mixture):

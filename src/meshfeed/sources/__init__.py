@@ -6,12 +6,14 @@ from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCor
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture, MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
-from meshfeed.sources.stream import ShardedStream, default_reader
+from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_loader import StreamLoader, StreamRankError
+from meshfeed.sources.stream_readers import DefaultReader, default_reader
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 
 __all__ = [
     "ArrowSource",
+    "DefaultReader",
     "HFSource",
     "IndexedFormatError",
     "IndexedWriter",

@@ -47,7 +47,7 @@ import numpy as np
 
 from meshfeed.order.interleave import MAX_PERIOD, Interleave, interleave_period, make_interleave
 from meshfeed.order.permutation import Permutation, derive_seed
-from meshfeed.protocols import OrderBase
+from meshfeed.protocols import OrderBase, OrderedSource
 from meshfeed.state import dataset_fingerprint, envelope, open_envelope
 
 __all__ = ["MAX_PERIOD", "Mixture", "MixtureOrder", "interleave_period"]
@@ -302,8 +302,16 @@ class Mixture:
         c = self._bases(G)[j] + self._segments[j].counts(position - starts[j])
         return dict(zip(self.names, c.tolist(), strict=True))
 
-    def make_order(self, *, dataset_length: int, global_batch_size: int, seed: int) -> MixtureOrder:
+    def make_order(
+        self, *, dataset_length: int, global_batch_size: int, seed: int, shuffle: bool = True
+    ) -> MixtureOrder:
         """The loader hook: an :class:`MixtureOrder` for this global batch size and seed."""
+        if not shuffle:
+            raise ValueError(
+                "shuffle=False with dataset=Mixture (it has its own order, make_order) would be "
+                "ignored: that order is defined by the dataset, not by a shuffle; drop "
+                "shuffle=False (for an unshuffled walk use a plain dataset without curriculum)"
+            )
         order = MixtureOrder(self, global_batch_size=global_batch_size, seed=seed)
         self._orders.add(order)
         return order
@@ -327,6 +335,18 @@ class MixtureOrder(OrderBase):
             spe = max(self.G, len(mixture) // self.G * self.G)
         self.samples_per_epoch = int(spe)
         self._perms: dict[tuple[int, int], Permutation] = {}
+        # A source with an order of its own (a ShardedStream) is walked by it: its k-th draw is
+        # position k of that order, so a stream keeps reading locally inside a mixture.
+        self._own: dict[int, Any] = {
+            s: src.make_order(
+                dataset_length=int(mixture.lengths[s]),
+                global_batch_size=self.G,
+                seed=derive_seed(_MIX_OP, mixture.seed, self.seed, s),
+                shuffle=True,
+            )
+            for s, src in enumerate(mixture.sources)
+            if isinstance(src, OrderedSource) and not isinstance(src, Mixture)
+        }
 
     def check_reweight(self, step: int) -> None:
         """Refuse a weight change at ``step`` if this order already served positions past it."""
@@ -360,12 +380,17 @@ class MixtureOrder(OrderBase):
 
     def source_indices(self, src: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Concatenated indices of the ``k``-th draws of sources ``src`` (per-source reshuffle)."""
-        lengths = self.mixture.lengths[src]
-        src_epoch, within = np.divmod(k, lengths)
+        lengths = self.mixture.lengths.copy()
+        for s, order in self._own.items():
+            lengths[s] = order.epoch_length(0)
+        src_epoch, within = np.divmod(k, lengths[src])
         out = np.empty(src.shape, dtype=np.int64)
         for s, e in set(zip(src.tolist(), src_epoch.tolist(), strict=True)):
             where = (src == s) & (src_epoch == e)
-            out[where] = self._perm(s, e)[within[where]] + self.mixture.offsets[s]
+            walk = self._own[s].indices(e, within[where]) if s in self._own else None
+            if walk is None:
+                walk = self._perm(s, e)[within[where]]
+            out[where] = walk + self.mixture.offsets[s]
         return out
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:

@@ -1,0 +1,226 @@
+"""How a sharded stream reads its shards: the reader contract, the default reader, identities.
+
+A reader is any callable ``reader(shard, start_row, stop_row) -> iterable of rows`` (``stop_row``
+None: to the end of the shard). Three optional methods make it faster or stronger; the
+:class:`~meshfeed.sources.ShardedStream` uses each one the reader has:
+
+- ``take(shard, rows) -> list``: the rows at these indices (any order, repeats allowed), for
+  shards that can be read by index (memory-mapped arrays, indexed shard files). Without it the
+  stream groups the wanted rows into contiguous runs and calls the reader once per run.
+- ``count(shard) -> int``: the shard's number of rows without reading them all.
+- ``version(shard) -> str``: a cheap identity of the shard's content (e.g. size and hash of
+  its index); without it a file's identity is its size, mtime and a hash of its first and
+  last 64 KiB, and a callable's is its qualified name and arguments (never a ``repr`` holding
+  an address, which differs in every process).
+
+:class:`DefaultReader` reads callables (``itertools.islice`` over ``shard()``; an open iterator
+is kept per shard and process, so reading forward never starts over) and text files (one row
+per line; ``.jsonl`` lines are parsed as JSON), by index through a line-offset table built once
+per file and process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from meshfeed.errors import SourceError
+
+__all__ = ["DefaultReader", "Reader", "TakeReader", "default_reader", "shard_identity"]
+
+Reader = Callable[[Any, int, "int | None"], Iterable[Any]]
+_EDGE = 64 * 1024
+
+
+@runtime_checkable
+class TakeReader(Protocol):
+    """A reader that reads rows by index (see the module docstring)."""
+
+    def take(self, shard: Any, rows: np.ndarray) -> list[Any]: ...
+
+
+def callable_identity(fn: Any) -> str:
+    """A name for ``fn`` that is the same in every process: qualified name, code and
+    arguments (``functools.partial`` unwrapped), never an address."""
+    if isinstance(fn, functools.partial):
+        args = [_value_identity(a) for a in fn.args]
+        kwargs = {k: _value_identity(v) for k, v in sorted(fn.keywords.items())}
+        return f"partial({callable_identity(fn.func)}, {args}, {kwargs})"
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        h = hashlib.blake2b(code.co_code, digest_size=6)
+        h.update(
+            repr([c for c in code.co_consts if isinstance(c, (int, float, str, bytes))]).encode()
+        )
+        name += f"#{h.hexdigest()}"
+        cells = getattr(fn, "__closure__", None) or ()
+        values = [_value_identity(c.cell_contents) for c in cells if _has_contents(c)]
+        if values:
+            name += f"{values}"
+    return name
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def _value_identity(v: Any) -> str:
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return repr(v)
+    if isinstance(v, (os.PathLike,)):
+        return repr(os.fspath(v))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value_identity(x) for x in v) + "]"
+    if callable(v):
+        return callable_identity(v)
+    # An object without a stable value: its type, and its length where it has one.
+    size = len(v) if hasattr(v, "__len__") else ""
+    return f"<{type(v).__module__}.{type(v).__qualname__}{size}>"
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_identity(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as f:
+        h.update(f.read(_EDGE))
+        if size > _EDGE:
+            f.seek(max(_EDGE, size - _EDGE))
+            h.update(f.read(_EDGE))
+    return f"{size}:{h.hexdigest()}"
+
+
+def shard_identity(shard: Any, reader: Any = None) -> str:
+    """The identity of one shard's content (see the module docstring); cheap, cached."""
+    version = getattr(reader, "version", None)
+    if version is not None:
+        return str(version(shard))
+    if callable(shard):
+        return callable_identity(shard)
+    path = os.fspath(shard)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        # Not a local file: a name the reader resolves (a key, a URL); the reader's
+        # ``version`` is what identifies its content.
+        return f"name:{path}"
+    except OSError as exc:
+        raise SourceError(f"cannot read shard {path!r}: {exc}") from exc
+    try:
+        return _file_identity(path, st.st_size, st.st_mtime_ns)
+    except OSError as exc:
+        raise SourceError(f"cannot read shard {path!r}: {exc}") from exc
+
+
+def shard_mtime(shard: Any) -> int:
+    """The shard's modification time in ns (0 for a callable)."""
+    if callable(shard):
+        return 0
+    try:
+        return os.stat(os.fspath(shard)).st_mtime_ns
+    except OSError:
+        return 0
+
+
+class DefaultReader:
+    """Reads callables and text / JSON-lines files (see the module docstring). Picklable: the
+    per-process caches are dropped when it is sent to a worker."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[Iterator[Any], int]] = {}
+        self._offsets: dict[str, np.ndarray] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def __call__(self, shard: Any, start: int, stop: int | None) -> Iterator[Any]:
+        if callable(shard):
+            return itertools.islice(iter(shard()), start, stop)
+        return _read_lines(os.fspath(shard), start, stop)
+
+    def count(self, shard: Any) -> int:
+        if callable(shard):
+            return sum(1 for _ in shard())
+        return len(self._line_offsets(os.fspath(shard))) - 1
+
+    def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
+        if callable(shard):
+            return self._take_callable(shard, rows)
+        path = os.fspath(shard)
+        offsets = self._line_offsets(path)
+        parse = _parser(path)
+        out = []
+        with open(path, "rb") as f:
+            for r in rows.tolist():
+                f.seek(int(offsets[r]))
+                line = f.read(int(offsets[r + 1] - offsets[r]))
+                out.append(parse(line))
+        return out
+
+    def _take_callable(self, shard: Callable[[], Iterable[Any]], rows: np.ndarray) -> list[Any]:
+        """Rows of a callable shard, read forward from a kept iterator (started over only when
+        a row before its position is wanted)."""
+        found: dict[int, Any] = {}
+        key = id(shard)
+        it, at = self._open.get(key, (None, 0))
+        for r in np.unique(rows).tolist():
+            if it is None or r < at:
+                it, at = iter(shard()), 0
+            if r > at:
+                next(itertools.islice(it, r - at, r - at), None)
+                at = r
+            row = next(it, _END)
+            if row is _END:
+                raise IndexError(f"row {r} is past the end of shard {shard!r}")
+            found[r] = row
+            at = r + 1
+        self._open[key] = (it, at)  # type: ignore[assignment]
+        return [found[r] for r in rows.tolist()]
+
+    def _line_offsets(self, path: str) -> np.ndarray:
+        """Byte offsets of every line start, plus the file's end (one pass, cached)."""
+        st = os.stat(path)
+        key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+        if key not in self._offsets:
+            with open(path, "rb") as f:
+                data = np.frombuffer(f.read(), dtype=np.uint8)
+            ends = np.flatnonzero(data == ord("\n")) + 1
+            if data.size and data[-1] != ord("\n"):
+                ends = np.append(ends, data.size)
+            self._offsets[key] = np.concatenate([[0], ends]).astype(np.int64)
+        return self._offsets[key]
+
+
+_END = object()
+
+
+def _parser(path: str) -> Callable[[bytes], Any]:
+    if path.endswith(".jsonl"):
+        return json.loads
+    return lambda line: line.decode("utf-8").rstrip("\n")
+
+
+def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:
+    as_json = path.endswith(".jsonl")
+    with open(path, encoding="utf-8") as f:
+        for line in itertools.islice(f, start, stop):
+            yield json.loads(line) if as_json else line.rstrip("\n")
+
+
+def default_reader(shard: Any, start_row: int, stop_row: int | None) -> Iterator[Any]:
+    """Rows ``[start_row, stop_row)`` of a callable shard or a text / JSON-lines file."""
+    return DefaultReader()(shard, start_row, stop_row)
