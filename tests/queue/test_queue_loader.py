@@ -520,3 +520,61 @@ def test_ray_trainers_example_refuses_too_few_steps_with_a_clear_message(steps):
     )
     assert done.returncode == 2, done.stderr
     assert f"--steps must be >= 2 (got {steps})" in done.stderr
+
+
+# ---------------------------------------------------------------- samplers on a mesh
+@pytest.mark.parametrize("trial", range(3))
+def test_a_group_sampler_on_a_mesh_gives_every_data_rank_the_same_steps_and_whole_groups(trial):
+    from meshfeed.queue import GroupSampler
+
+    store = SampleStore()
+    mesh = DataMesh.from_sizes(dp=2)
+    out: dict[int, list] = {}
+
+    def rank(r: int) -> None:
+        loader = _loader(
+            store,
+            fields=["x"],
+            batch_size=4,
+            mesh=mesh,
+            rank=r,
+            timeout=20,
+            sampler=GroupSampler(group_size=4),
+        )
+        out[r] = [b["x"] for b in loader]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for g in range(16 + trial):  # a GRPO producer: one prompt, four answers at a time
+        store.put("p", {"x": [g] * 4}, ids=[f"{g}/{j}" for j in range(4)], groups=g)
+    store.close("p")
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert len(out[0]) == len(out[1]) == (16 + trial) // 2  # the same steps on both ranks
+    seen = [x for r in out for b in out[r] for x in b]
+    for batch in (b for r in out for b in out[r]):
+        assert len(batch) == 4 and len(set(batch)) == 1  # one whole group per batch
+    assert len(set(seen)) == len(seen) // 4
+
+
+def test_a_sampler_that_plans_per_rank_is_refused_on_a_mesh_naming_the_fix():
+    from meshfeed.queue import RankAwareSampler
+
+    class Mine:
+        extra_fields = ()
+
+        def share(self, context):
+            return None
+
+        def select(self, view, batch_size):
+            return None
+
+    mesh = DataMesh.from_sizes(dp=2)
+    with pytest.raises(ValueError, match=r"different numbers of batches.*RankAwareSampler"):
+        _loader(SampleStore(), batch_size=2, mesh=mesh, rank=0, sampler=Mine())
+    other = RankAwareSampler.from_mesh(mesh, 1)
+    with pytest.raises(ValueError, match=r"global rank 0 of the mesh.*from_mesh"):
+        _loader(SampleStore(), batch_size=2, mesh=mesh, rank=0, sampler=other)
+    assert _loader(SampleStore(), batch_size=2, sampler=Mine()).sampler.__class__ is Mine

@@ -1,10 +1,12 @@
 """StoreLoader: a per-rank iterator over a :class:`SampleStore` for a training loop.
 
 The mesh is touched here only: the loader turns ``(mesh, rank)`` into a data rank and a replica
-group, and (unless given another sampler) reads with a :class:`RankAwareSampler`, so tensor /
-context / pipeline peers of one data rank receive identical batches, data ranks receive
-disjoint ones, and all data ranks end at the same step (see the sampler for the last-round
-rule). Batch ``j`` of the loader is the store's shared key ``j``; batches are returned in order
+group, and reads with a :class:`RankAwareSampler` (a given ``SequentialSampler`` or
+``GroupSampler`` is wrapped in one for this rank; any other sampler must be rank-aware for this
+rank of this mesh, else it is refused: see :func:`~meshfeed.queue.samplers.mesh_sampler`), so
+tensor / context / pipeline peers of one data rank receive identical batches, data ranks
+receive disjoint ones, and all data ranks end at the same step, always (see the sampler for
+the last-round rule). Batch ``j`` of the loader is the store's shared key ``j``; batches are returned in order
 of ``j``.
 
 Arguments, defaults, checks and lifecycle are those of :class:`meshfeed.DataLoader`
@@ -75,7 +77,7 @@ from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import place
 from meshfeed.options import check_loader_arguments
 from meshfeed.queue.core import PartitionClosed
-from meshfeed.queue.samplers import RankAwareSampler, Sampler
+from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.wakeups import check_timeout
 from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
@@ -306,9 +308,7 @@ class StoreLoader(Lifecycle):
         self.mesh, self.rank = place(mesh, device_mesh, rank)
         self.data_rank = self.mesh.data_rank(self.rank)
         self.replica_group = self.mesh.replica_group(self.rank)
-        self.sampler = (
-            sampler if sampler is not None else RankAwareSampler.from_mesh(self.mesh, self.rank)
-        )
+        self.sampler = mesh_sampler(sampler, self.mesh, self.rank)
         self.store, self.task, self.fields = store, task, list(fields)
         self.batch_size, self.partition, self.timeout = batch_size, partition, timeout
         self.num_workers, self.prefetch, self.collate_fn = num_workers, prefetch, collate_fn

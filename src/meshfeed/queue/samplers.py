@@ -425,3 +425,47 @@ def karmarkar_karp(
         push([(a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)])
     parts = [sorted(items) for _, items in heap[0][2]]
     return sorted(parts, key=lambda p: (p[0] if p else n, len(p)))
+
+
+def mesh_sampler(sampler: Any, mesh: Any, rank: int) -> Any:
+    """The sampler a loader at global ``rank`` of ``mesh`` reads with (one rule for every door).
+
+    None: a :class:`RankAwareSampler` over a :class:`SequentialSampler`. A plain
+    :class:`SequentialSampler` or :class:`GroupSampler` is wrapped in a
+    :class:`RankAwareSampler` for this rank when the mesh has more than one rank, so every data
+    rank gets a batch at every index or none does (groups stay whole). A rank-aware sampler
+    must describe this rank of this mesh. Any other sampler on a mesh of several ranks is
+    refused: planned independently per rank, data ranks would get different numbers of batches
+    and a training step's collective would hang.
+    """
+    group = mesh.replica_group(rank)
+    facts = {
+        "data_rank": mesh.data_rank(rank),
+        "data_world_size": mesh.data_world_size,
+        "replica_rank": group.index(rank),
+        "replica_size": len(group),
+    }
+    if sampler is None:
+        return RankAwareSampler.from_mesh(mesh, rank)
+    if isinstance(sampler, (SequentialSampler, GroupSampler)):
+        if facts["data_world_size"] == 1 and facts["replica_size"] == 1:
+            return sampler
+        return RankAwareSampler.from_mesh(mesh, rank, inner=sampler)
+    if isinstance(sampler, (RankAwareSampler, LengthBalancedSampler)):
+        theirs = {k: getattr(sampler, k) for k in facts}
+        if theirs != facts:
+            raise ValueError(
+                f"sampler={type(sampler).__name__} describes {theirs}, but this loader is "
+                f"global rank {rank} of the mesh, which is {facts}; build it with "
+                f"{type(sampler).__name__}.from_mesh(mesh, rank, ...) for this rank"
+            )
+        return sampler
+    if facts["data_world_size"] == 1 and facts["replica_size"] == 1:
+        return sampler
+    raise ValueError(
+        f"sampler={type(sampler).__name__} plans each rank on its own, so on a mesh of "
+        f"{facts['data_world_size']} data rank(s) x {facts['replica_size']} replica(s) the "
+        "ranks would get different numbers of batches (a hang at the next collective); pass "
+        "a SequentialSampler or GroupSampler (wrapped rank-aware for you), or build "
+        "RankAwareSampler.from_mesh(mesh, rank, inner=...) / LengthBalancedSampler.from_mesh"
+    )
