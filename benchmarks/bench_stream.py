@@ -3,8 +3,11 @@
 Two shard formats, written once to a temp directory:
 
 - ``npy``: token rows (``int32[seq_len]``) in ``.npy`` shards, read through a memory map (cheap
-  per row: the loop measures per-row and per-batch overhead);
-- ``jsonl``: JSON lines ``{"id": ..., "tokens": [...]}`` (parsing dominates: CPU-bound).
+  per row: the loop measures per-row and per-batch overhead); meshfeed reads them with a
+  reader of a dozen lines that has ``take`` (rows by index: one gather per batch);
+- ``jsonl``: JSON lines ``{"id": ..., "tokens": [...]}`` (parsing dominates: CPU-bound);
+  meshfeed reads them with its default reader (no user code: rows by index through a
+  line-offset table), the plain loop line by line; both collate with the same function.
 
 For each format it measures, in the same run:
 
@@ -15,11 +18,13 @@ For each format it measures, in the same run:
   reader whoever writes it (rows kept alive for a thousand draws are slower to make, free and
   collate than rows dropped at once);
 - ``meshfeed w=0``: ``StreamLoader(num_workers=0)``;
-- ``meshfeed w=0 +shuffle``: the same with a 1,024-row seeded shuffle buffer;
+- ``meshfeed w=0 +shuffle``: the same with 1,024-row shuffle windows (an arithmetic
+  permutation per window: the counterpart of a 1,024-row shuffle buffer, with no rows held);
 - ``meshfeed w=2``: ``StreamLoader(num_workers=2)`` (worker start-up included);
-- ``slot pipeline`` / ``slot pipeline +shuffle``: the per-slot node alone
-  (:func:`meshfeed.sources.stream.slot_batches`: reader -> buffer -> batcher, collated, with the
-  state taken after every batch as a loader does), without the loader around it.
+
+then, per format, the cost of a checkpoint: the state's size in bytes and the time from a new
+loader to its first batch after ``load_state_dict`` of a state taken half-way through the
+epoch (0 and 2 workers; median of the rounds).
 
 and prints samples/s, batches/s, the main process's CPU time per batch, the cores the run
 used (CPU seconds of the main process and its finished workers per wall second), the ratio to
@@ -52,25 +57,57 @@ import numpy as np
 import torch
 
 from meshfeed.collate import default_collate
-from meshfeed.sources.stream import ShardedStream, slot_batches
+from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.sources.stream_readers import DefaultReader
 
 
-def npy_reader(path: str, start: int, stop: int | None) -> Iterator[np.ndarray]:
+class NpyReader:
+    """``.npy`` shards through a memory map kept per file: rows by index (``take``) or by range."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, np.ndarray] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._maps = {}
+
+    def _map(self, path: str) -> np.ndarray:
+        if path not in self._maps:
+            self._maps[path] = np.load(path, mmap_mode="r")
+        return self._maps[path]
+
+    def __call__(self, path: str, start: int, stop: int | None) -> Iterator[np.ndarray]:
+        arr = self._map(path)
+        for i in range(start, len(arr) if stop is None else stop):
+            yield np.asarray(arr[i])
+
+    def take(self, path: str, rows: np.ndarray) -> list[np.ndarray]:
+        return list(self._map(path)[np.sort(rows)][np.argsort(np.argsort(rows))])
+
+    def count(self, path: str) -> int:
+        return len(self._map(path))
+
+
+def npy_rows(path: str) -> Iterator[np.ndarray]:
     arr = np.load(path, mmap_mode="r")
-    for i in range(start, len(arr) if stop is None else stop):
+    for i in range(len(arr)):
         yield np.asarray(arr[i])
 
 
-def jsonl_reader(path: str, start: int, stop: int | None) -> Iterator[dict[str, Any]]:
+def jsonl_rows(path: str) -> Iterator[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if i < start:
-                continue
-            if stop is not None and i >= stop:
-                break
-            row = json.loads(line)
-            yield {"id": row["id"], "tokens": np.asarray(row["tokens"], dtype=np.int32)}
+        for line in f:
+            yield json.loads(line)
+
+
+def collate_jsonl(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {
+        "id": torch.tensor([r["id"] for r in rows]),
+        "tokens": torch.tensor(np.array([r["tokens"] for r in rows], dtype=np.int32)),
+    }
 
 
 def write_shards(root: Path, fmt: str, shards: int, rows: int, seq_len: int) -> list[str]:
@@ -90,21 +127,30 @@ def write_shards(root: Path, fmt: str, shards: int, rows: int, seq_len: int) -> 
     return paths
 
 
-def plain_loop(paths: list[str], reader: Callable[..., Iterator[Any]], batch_size: int) -> int:
+def plain_loop(
+    paths: list[str],
+    rows: Callable[[str], Iterator[Any]],
+    collate: Callable[..., Any],
+    batch_size: int,
+) -> int:
     batches = 0
     batch: list[Any] = []
     for path in paths:
-        for row in reader(path, 0, None):
+        for row in rows(path):
             batch.append(row)
             if len(batch) == batch_size:
-                default_collate(batch)
+                collate(batch)
                 batches += 1
                 batch = []
     return batches
 
 
 def plain_shuffled_loop(
-    paths: list[str], reader: Callable[..., Iterator[Any]], batch_size: int, size: int
+    paths: list[str],
+    rows: Callable[[str], Iterator[Any]],
+    collate: Callable[..., Any],
+    batch_size: int,
+    size: int,
 ) -> int:
     rng = random.Random(1)
     buffer: list[Any] = []
@@ -115,12 +161,12 @@ def plain_shuffled_loop(
         nonlocal batch, batches
         batch.append(row)
         if len(batch) == batch_size:
-            default_collate(batch)
+            collate(batch)
             batches += 1
             batch = []
 
     for path in paths:
-        for row in reader(path, 0, None):
+        for row in rows(path):
             if len(buffer) < size:
                 buffer.append(row)
                 continue
@@ -154,28 +200,30 @@ def effective_cores(seconds: float = 0.3) -> float:
         return cpu / (time.perf_counter() - t0)
 
 
-def meshfeed_loop(stream: ShardedStream, batch_size: int, workers: int) -> int:
-    with StreamLoader(stream, batch_size=batch_size, num_workers=workers, seed=1) as lo:
+def meshfeed_loop(stream: ShardedStream, batch_size: int, workers: int, collate: Any) -> int:
+    with StreamLoader(
+        stream, batch_size=batch_size, num_workers=workers, seed=1, collate_fn=collate
+    ) as lo:
         return sum(1 for _ in lo)
 
 
-def slot_loop(stream: ShardedStream, batch_size: int) -> int:
-    """One slot's node over every shard (1 rank, 1 worker), as a loader drives it."""
-    pieces = stream.assign(0, 1, 1, seed=1, shuffle=True)[0][0]
-    node = slot_batches(
-        stream,
-        pieces,
-        shuffle_buffer=stream.shuffle_buffer,
-        seed=1,
-        batch_size=batch_size,
-        drop_last=True,
-    )
-    batches = 0
-    for rows in node:
-        default_collate(rows)
-        node.snapshot()
-        batches += 1
-    return batches
+def resume_cost(
+    stream: ShardedStream, batch_size: int, workers: int, collate: Any
+) -> tuple[float, int]:
+    """(seconds from a new loader to its first batch after loading a half-epoch state,
+    bytes of that state as JSON)."""
+    lo = StreamLoader(stream, batch_size=batch_size, seed=1, collate_fn=collate)
+    half = len(lo) // 2
+    state = json.loads(json.dumps(lo.state_dict()))
+    state["position"] = half * batch_size
+    t0 = time.perf_counter()
+    with StreamLoader(
+        stream, batch_size=batch_size, num_workers=workers, seed=1, collate_fn=collate
+    ) as again:
+        again.load_state_dict(state)
+        next(iter(again))
+        took = time.perf_counter() - t0
+    return took, len(json.dumps(state))
 
 
 def main() -> None:
@@ -196,7 +244,8 @@ def main() -> None:
     shards, seq_len, repeats = (4, 128, 3) if args.quick else (8, 512, 5)
     # jsonl: enough rows that two workers' start (a fork each, ~10-40 ms) is not the whole run
     rows = {"npy": 2_000 if args.quick else 12_000, "jsonl": args.jsonl_rows}
-    readers = {"npy": npy_reader, "jsonl": jsonl_reader}
+    row_fns = {"npy": npy_rows, "jsonl": jsonl_rows}
+    collates: dict[str, Any] = {"npy": default_collate, "jsonl": collate_jsonl}
     print(
         f"streaming throughput: {shards} shards, seq_len {seq_len}, batch {args.batch_size}, "
         f"median of {repeats}; {torch.get_num_threads()} torch thread(s); effective cores "
@@ -213,20 +262,27 @@ def main() -> None:
             root = Path(tmp) / fmt
             root.mkdir()
             paths = write_shards(root, fmt, shards, rows[fmt], seq_len)
-            reader = readers[fmt]
+            rows_of, collate = row_fns[fmt], collates[fmt]
+            reader = NpyReader() if fmt == "npy" else DefaultReader()
             plain = ShardedStream(paths, reader, rows=[rows[fmt]] * shards)
             shuffled = ShardedStream(paths, reader, shuffle_buffer=1024, rows=[rows[fmt]] * shards)
+            # a collate_fn for the stream only where rows need one (npy rows are arrays)
+            mcol = None if fmt == "npy" else collate
+            B = args.batch_size
             runs: list[tuple[str, Callable[[], int]]] = [
-                ("plain loop", lambda p=paths, r=reader: plain_loop(p, r, args.batch_size)),
+                ("plain loop", lambda p=paths, r=rows_of, c=collate, B=B: plain_loop(p, r, c, B)),
                 (
                     "plain loop +shuffle",
-                    lambda p=paths, r=reader: plain_shuffled_loop(p, r, args.batch_size, 1024),
+                    lambda p=paths, r=rows_of, c=collate, B=B: plain_shuffled_loop(
+                        p, r, c, B, 1024
+                    ),
                 ),
-                ("meshfeed w=0", lambda s=plain: meshfeed_loop(s, args.batch_size, 0)),
-                ("meshfeed w=0 +shuffle", lambda s=shuffled: meshfeed_loop(s, args.batch_size, 0)),
-                ("meshfeed w=2", lambda s=plain: meshfeed_loop(s, args.batch_size, 2)),
-                ("slot pipeline", lambda s=plain: slot_loop(s, args.batch_size)),
-                ("slot pipeline +shuffle", lambda s=shuffled: slot_loop(s, args.batch_size)),
+                ("meshfeed w=0", lambda s=plain, c=mcol, B=B: meshfeed_loop(s, B, 0, c)),
+                (
+                    "meshfeed w=0 +shuffle",
+                    lambda s=shuffled, c=mcol, B=B: meshfeed_loop(s, B, 0, c),
+                ),
+                ("meshfeed w=2", lambda s=plain, c=mcol, B=B: meshfeed_loop(s, B, 2, c)),
             ]
             # Repeats are interleaved (every loader once per round) so that load drifting on
             # a shared machine affects all loaders alike; the median round counts.
@@ -261,6 +317,13 @@ def main() -> None:
                     f"{lo * args.batch_size / 1e3:>7,.0f}k..{hi * args.batch_size / 1e3:>6,.0f}k "
                     f"{bps:10,.1f} {main_us:10,.1f} {statistics.median(cores[name]):6.2f} "
                     f"{bps / base:8.2f}x {cost:>12}"
+                )
+            for workers in (0, 2):
+                costs = [resume_cost(shuffled, B, workers, mcol) for _ in range(repeats)]
+                print(
+                    f"{fmt:6} resume at half the epoch, {workers} workers: first batch after "
+                    f"{statistics.median(c[0] for c in costs) * 1e3:.1f} ms; state "
+                    f"{costs[0][1]} bytes"
                 )
 
 

@@ -116,6 +116,7 @@ class ShardedStream:
         self.shards = list(shards)
         self.reader: Any = reader or DefaultReader()
         self._cursors: dict[int, _Cursor] = {}
+        self._reader_takes = isinstance(self.reader, TakeReader)  # decided once, not per batch
 
     # ------------------------------------------------------------------ sizes
     @cached_property
@@ -168,7 +169,7 @@ class ShardedStream:
         return out
 
     def _take(self, s: int, rows: np.ndarray) -> list[Any]:
-        if isinstance(self.reader, TakeReader):
+        if self._reader_takes:
             return list(self.reader.take(self.shards[s], rows))
         cursor = self._cursors.get(s)
         if cursor is None:

@@ -140,6 +140,7 @@ class DefaultReader:
     def __init__(self) -> None:
         self._open: dict[int, tuple[Iterator[Any], int]] = {}
         self._offsets: dict[str, np.ndarray] = {}
+        self._files: dict[str, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -155,21 +156,38 @@ class DefaultReader:
     def count(self, shard: Any) -> int:
         if callable(shard):
             return sum(1 for _ in shard())
-        return len(self._line_offsets(os.fspath(shard))) - 1
+        return len(self._line_offsets(os.fspath(shard))[1]) - 1
 
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         if callable(shard):
             return self._take_callable(shard, rows)
         path = os.fspath(shard)
-        offsets = self._line_offsets(path)
+        key, offsets = self._line_offsets(path)
         parse = _parser(path)
-        out = []
-        with open(path, "rb") as f:
-            for r in rows.tolist():
-                f.seek(int(offsets[r]))
-                line = f.read(int(offsets[r + 1] - offsets[r]))
-                out.append(parse(line))
-        return out
+        f = self._handle(key, path)
+        uniq = np.unique(rows)
+        # one read per contiguous run of wanted rows, then one split
+        breaks = np.flatnonzero(np.diff(uniq) != 1) + 1
+        found: dict[int, Any] = {}
+        for run in np.split(uniq, breaks):
+            a, b = int(run[0]), int(run[-1]) + 1
+            f.seek(int(offsets[a]))
+            block = f.read(int(offsets[b] - offsets[a]))
+            cuts = (offsets[a : b + 1] - offsets[a]).tolist()
+            for r, lo, hi in zip(range(a, b), cuts, cuts[1:], strict=False):
+                found[r] = parse(block[lo:hi])
+        return [found[r] for r in rows.tolist()]
+
+    def _handle(self, key: str, path: str) -> Any:
+        """An open file per (path, size, mtime): a rewritten file is opened anew."""
+        f = self._files.get(key)
+        if f is None:
+            if len(self._files) >= 16:
+                for old in self._files.values():
+                    old.close()
+                self._files.clear()
+            f = self._files[key] = open(path, "rb")  # noqa: SIM115 (kept open, closed above)
+        return f
 
     def _take_callable(self, shard: Callable[[], Iterable[Any]], rows: np.ndarray) -> list[Any]:
         """Rows of a callable shard, read forward from a kept iterator (started over only when
@@ -191,7 +209,7 @@ class DefaultReader:
         self._open[key] = (it, at)  # type: ignore[assignment]
         return [found[r] for r in rows.tolist()]
 
-    def _line_offsets(self, path: str) -> np.ndarray:
+    def _line_offsets(self, path: str) -> tuple[str, np.ndarray]:
         """Byte offsets of every line start, plus the file's end (one pass, cached)."""
         st = os.stat(path)
         key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
@@ -202,7 +220,7 @@ class DefaultReader:
             if data.size and data[-1] != ord("\n"):
                 ends = np.append(ends, data.size)
             self._offsets[key] = np.concatenate([[0], ends]).astype(np.int64)
-        return self._offsets[key]
+        return key, self._offsets[key]
 
 
 _END = object()
