@@ -58,8 +58,8 @@ import torch
 
 from meshfeed.collate import default_collate
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_loader import StreamLoader
 from meshfeed.sources.stream_readers import DefaultReader
+from meshfeed.stream_loader import StreamLoader
 
 
 class NpyReader:

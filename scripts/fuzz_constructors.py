@@ -68,11 +68,10 @@ def call(fn: Callable[[], Any]) -> None:
 
 
 def targets() -> dict[str, Callable[..., Any]]:
-    from meshfeed import DataLoader, DataMesh, Mixture
+    from meshfeed import DataLoader, DataMesh, Mixture, StreamLoader
     from meshfeed.balance import schedule_documents
     from meshfeed.curriculum.schedule import fixed_linear
     from meshfeed.order import Permutation
-    from meshfeed.sources import StreamLoader
 
     def loader_state(loader_kwargs: dict[str, Any], state: Any) -> None:
         loader = DataLoader(list(range(16)), batch_size=2, **loader_kwargs)
@@ -136,7 +135,7 @@ def stream_state_dicts() -> st.SearchStrategy[Any]:
     import copy
     import json
 
-    from meshfeed.sources import StreamLoader
+    from meshfeed import StreamLoader
 
     loader = StreamLoader(_stream(), batch_size=2, seed=1)
     it = iter(loader)

@@ -294,7 +294,8 @@ def test_shutdown_is_idempotent_and_context_manager():
 
 
 def test_a_stream_given_to_dataloader_is_read_exactly_as_streamloader_reads_it():
-    from meshfeed.sources import ShardedStream, StreamLoader
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
 
     stream = ShardedStream([lambda: iter(range(6)), lambda: iter(range(6, 12))])
     plain = [b.tolist() for b in DataLoader(stream, batch_size=3, shuffle=False)]

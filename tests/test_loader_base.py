@@ -9,10 +9,10 @@ import pathlib
 import pytest
 import torch
 
-from meshfeed import DataLoader
+from meshfeed import DataLoader, StreamLoader
 from meshfeed.loader_base import LoaderBase
 from meshfeed.options import MAX_TIMEOUT, check_loader_arguments, resolve_timeout
-from meshfeed.sources import ShardedStream, StreamLoader
+from meshfeed.sources import ShardedStream
 from meshfeed.testing import take
 
 

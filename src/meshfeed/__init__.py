@@ -7,7 +7,7 @@ from meshfeed.mesh import DataMesh
 from meshfeed.rng import FetchInfo, fetch_info, sample_generator, sample_rng
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture
-from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.stream_loader import StreamLoader
 
 __all__ = [
     "DataLoader",

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
-
-import numpy as np
 
 from meshfeed.collate import default_collate
 from meshfeed.errors import NEVER_SUBSTITUTED
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import BatchSource, ItemsSource, PostProcess
 from meshfeed.rng import FetchInfo, fetching
+from meshfeed.tasks import FetchEvents, FetchTask
 
 OnError = Literal["raise", "skip", "substitute"]
 _SUBSTITUTE_OP = 0x5B57
@@ -47,29 +46,6 @@ MAX_REPORTED_FAILURES = 8
 
 class SampleError(RuntimeError):
     """A sample could not be fetched and the policy says to raise."""
-
-
-@dataclass(frozen=True, slots=True)
-class FetchTask:
-    """One batch for one data rank: dataset ``indices`` at epoch ``positions``."""
-
-    epoch: int
-    step: int
-    indices: np.ndarray
-    positions: np.ndarray
-
-
-@dataclass(slots=True)
-class FetchEvents:
-    """Counts of what went wrong while making one batch (merged into the loader's stats)."""
-
-    retries: int = 0
-    substituted: int = 0
-    skipped: int = 0
-    failures: list[dict[str, Any]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.retries or self.substituted or self.skipped or self.failures)
 
 
 _MISSING = object()  # a sample that is rejected or failed for good

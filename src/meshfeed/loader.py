@@ -26,7 +26,7 @@ from meshfeed.loader_state import (
 )
 from meshfeed.options import check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
-from meshfeed.order.compose import build_order, curriculum_postprocess
+from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
@@ -49,7 +49,7 @@ class DataLoader(LoaderBase):
     continues exactly, also on a different data-parallel size with the same global batch.
 
     A :class:`~meshfeed.sources.ShardedStream` is read the same way (it is a map-style source
-    with an order of its own; :class:`~meshfeed.sources.StreamLoader` is this loader under the
+    with an order of its own; :class:`~meshfeed.StreamLoader` is this loader under the
     name stream users know). A path is not a dataset: open it first (e.g.
     ``TokenWindows(path, seq_len=...)``).
 

@@ -1,7 +1,7 @@
 """What every meshfeed loader shares: arguments, mesh -> rank, epochs, stats, lifecycle.
 
 :class:`LoaderBase` is the common base of :class:`meshfeed.DataLoader` (map-style data) and
-:class:`meshfeed.sources.StreamLoader` (sharded streams). It owns the argument checks (one
+:class:`meshfeed.StreamLoader` (sharded streams). It owns the argument checks (one
 function, :func:`meshfeed.options.check_loader_arguments`), turning the mesh into plain
 integers, the epoch API (``epoch``, ``set_epoch``, ``epochs``), the rate-limited warnings for
 bad samples and padding, pinning, and the lifecycle (``shutdown``, context manager).

@@ -7,14 +7,31 @@ message]``, not dicts), so a loader round-trips through DCP as a ``Stateful``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from meshfeed.fetch import MAX_REPORTED_FAILURES
 from meshfeed.loader_base import check_epoch
+from meshfeed.order.batches import OrderHooks
+from meshfeed.protocols import Order
 from meshfeed.state import check_count, open_envelope
 
-if TYPE_CHECKING:
-    from meshfeed.loader import DataLoader
+
+class ReadingLoader(Protocol):
+    """What :func:`read_state` checks a state against (a :class:`meshfeed.DataLoader`)."""
+
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    pad_last: bool
+    batch_size: int
+    data_world_size: int
+    global_batch_size: int
+    dataset: Any
+    dataset_length: int
+    fingerprint: str
+    order: Order
+    hooks: OrderHooks
+
 
 __all__ = [
     "COUNTS",
@@ -88,7 +105,7 @@ def decode_stats(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_state(
-    loader: DataLoader, state: Any, *, allow_global_batch_change: bool
+    loader: ReadingLoader, state: Any, *, allow_global_batch_change: bool
 ) -> dict[str, Any]:
     """``state`` checked field by field against ``loader``; ValueError names what differs."""
     state = open_envelope(

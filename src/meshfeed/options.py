@@ -1,7 +1,7 @@
 """Validation of the arguments every loader front door shares (one check, one set of names).
 
 :func:`check_loader_arguments` is called by :class:`meshfeed.DataLoader`,
-:class:`meshfeed.sources.StreamLoader` and the store loader, with the same keyword names, so
+:class:`meshfeed.StreamLoader` and the store loader, with the same keyword names, so
 the same bad value gets the same message whichever loader it is given to.
 """
 

@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from meshfeed.tasks import FetchEvents, FetchTask
+
 if TYPE_CHECKING:
-    from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
     from meshfeed.mesh import DataMesh
 
 __all__ = [
     "BatchSource",
     "CurriculumHooks",
+    "Fetch",
     "FingerprintedSource",
     "GlobalService",
     "ItemsSource",
@@ -129,9 +131,9 @@ class Stateful(Protocol):
 class OrderedSource(Protocol):
     """Optional: a source with an order of its own (e.g. a Mixture), used instead of a shuffle.
 
-    ``make_order(dataset_length=, global_batch_size=, seed=, shuffle=)`` returns the
-    :class:`Order` (a source that cannot walk unshuffled raises ``ValueError`` for
-    ``shuffle=False``).
+    ``make_order(dataset_length=, global_batch_size=, seed=)`` returns the :class:`Order`.
+    ``shuffle=False`` is passed only to a ``make_order`` that declares a ``shuffle`` parameter
+    (a stream walks its shards in order); for one that does not, ``shuffle=False`` is refused.
     """
 
     def make_order(
@@ -164,16 +166,28 @@ class CurriculumHooks(Protocol):
     def postprocess(self) -> PostProcess | None: ...
 
 
+class Fetch(Protocol):
+    """Makes one batch where it runs: ``fetch(task) -> (batch, FetchEvents)`` (the loader's
+    :class:`meshfeed.fetch.Fetcher`). A service tells it which worker it runs in, so per-sample
+    randomness can be keyed on it."""
+
+    seed: int
+    worker_id: int
+    num_workers: int
+
+    def __call__(self, task: FetchTask) -> tuple[Any, FetchEvents]: ...
+
+
 @runtime_checkable
 class Service(Protocol):
-    """Makes one data rank's batches: runs a Fetcher on a stream of tasks, results in order.
+    """Makes one data rank's batches: runs a :class:`Fetch` on a stream of tasks, in order.
 
     ``map`` may run ahead (prefetch) but must yield exactly one ``(batch, FetchEvents)`` per
     task, in order; a new ``map`` call discards whatever an abandoned earlier one left in
     flight. ``shutdown`` is idempotent; ``start`` after ``shutdown`` starts again.
     """
 
-    def start(self, fetcher: Fetcher) -> None: ...
+    def start(self, fetcher: Fetch) -> None: ...
 
     def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]: ...
 
@@ -195,7 +209,7 @@ class GlobalService(Protocol):
 
     def prepare(self, dataset: Any) -> Any: ...
 
-    def start(self, fetcher: Fetcher) -> None: ...
+    def start(self, fetcher: Fetch) -> None: ...
 
     def map_global(
         self, step_task_lists: Iterator[list[FetchTask]]

@@ -17,7 +17,7 @@ from meshfeed.curriculum import (
     SeqlenTruncate,
     fixed_linear,
 )
-from meshfeed.order.compose import CurriculumMixtureOrder, build_order
+from meshfeed.ordering import CurriculumMixtureOrder, build_order
 from meshfeed.sources.mixture import Mixture
 from meshfeed.testing import assert_resume_equivalence, take
 
@@ -194,18 +194,24 @@ def test_unsupported_combinations_are_refused_by_name():
         DataLoader(mix, batch_size=4, curriculum={"z": cur})
 
 
-def test_a_curriculum_that_is_not_a_meshfeed_curriculum_is_refused_by_name():
-    class LookAlike:
-        """Has the CurriculumHooks methods, but none of a Curriculum's gating or facts."""
+def test_any_curriculum_hooks_object_is_an_extension_point_and_other_objects_are_refused():
+    from meshfeed.order.batches import ShuffledOrder
+
+    class Reversed:
+        """A curriculum of one's own: CurriculumHooks (make_order, postprocess), nothing else."""
 
         postprocess = None
 
-        def make_order(self, **kwargs):
-            raise AssertionError("a foreign curriculum must not be asked for its order")
+        def make_order(self, *, dataset_length, global_batch_size, seed):
+            class Backwards(ShuffledOrder):
+                def indices(self, epoch, positions):
+                    return dataset_length - 1 - positions
 
-    with pytest.raises(ValueError, match=r"LookAlike.*not a meshfeed Curriculum \(it has"):
-        DataLoader(list(range(10)), batch_size=2, curriculum=LookAlike())
-    with pytest.raises(ValueError, match=r"not a meshfeed Curriculum \(it lacks"):
+            return Backwards(dataset_length, seed=seed, shuffle=False)
+
+    loader = DataLoader(list(range(10)), batch_size=2, curriculum=Reversed())
+    assert [b.tolist() for b in loader] == [[9, 8], [7, 6], [5, 4], [3, 2], [1, 0]]
+    with pytest.raises(ValueError, match=r"lacks make_order\(\) or postprocess.*CurriculumHooks"):
         DataLoader(list(range(10)), batch_size=2, curriculum=object())
 
 

@@ -22,7 +22,7 @@ from meshfeed.fetch import SampleError
 from meshfeed.runtime.pool import WorkerError
 from meshfeed.sources import Mixture
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_loader import StreamLoader
+from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence, take
 from tests.dist_utils import run_distributed
 from tests.process_checks import SRC

@@ -180,7 +180,7 @@ def test_bad_stream_configuration_is_refused(kwargs, match):
 
 
 def test_an_empty_stream_is_refused_when_a_loader_plans_it():
-    from meshfeed.sources.stream_loader import StreamLoader
+    from meshfeed.stream_loader import StreamLoader
 
     with pytest.raises(ValueError, match="empty"):
         StreamLoader(ShardedStream([lambda: []]), batch_size=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
-from meshfeed.protocols import GlobalService, Service
+from meshfeed.protocols import Fetch, GlobalService, Service
+from meshfeed.tasks import FetchEvents, FetchTask
 
 __all__ = ["GlobalService", "InProcessService", "Service"]
 
@@ -15,9 +15,9 @@ class InProcessService:
     """Makes every batch in the calling thread, when it is asked for (no prefetch)."""
 
     def __init__(self) -> None:
-        self._fetcher: Fetcher | None = None
+        self._fetcher: Fetch | None = None
 
-    def start(self, fetcher: Fetcher) -> None:
+    def start(self, fetcher: Fetch) -> None:
         self._fetcher = fetcher
 
     def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]:

@@ -9,8 +9,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from meshfeed.dist import check_agreement
-from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
+from meshfeed.protocols import Fetch
 from meshfeed.services.base import Service
+from meshfeed.tasks import FetchEvents, FetchTask
 
 __all__ = ["DistributedService", "check_agreement"]
 
@@ -24,7 +25,7 @@ class DistributedService:
         self.group = group
         self._checked = False
 
-    def start(self, fetcher: Fetcher) -> None:
+    def start(self, fetcher: Fetch) -> None:
         if not self._checked:
             check_agreement(self.agreement, group=self.group)
             self._checked = True

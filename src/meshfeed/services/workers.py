@@ -23,14 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
 from meshfeed.order.permutation import derive_seed
+from meshfeed.protocols import Fetch
 from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
+from meshfeed.tasks import FetchEvents, FetchTask
 
 __all__ = ["WorkerError", "WorkerService"]
 
 
-def _start_fetcher(worker: int, num_workers: int, fetcher: Fetcher) -> Callable[[Any], Any]:
+def _start_fetcher(worker: int, num_workers: int, fetcher: Fetch) -> Callable[[Any], Any]:
     # Global RNGs get a per-worker seed so code that uses them is at least reproducible;
     # per-sample randomness should use meshfeed.sample_rng, which does not depend on workers.
     seed = derive_seed(fetcher.seed, 0x574B, worker)
@@ -68,13 +69,13 @@ class WorkerService:
         )
         self.num_workers, self.prefetch = num_workers, prefetch
         self.timeout, self.start_method = self._pool.timeout, self._pool.start_method
-        self._fetcher: Fetcher | None = None
+        self._fetcher: Fetch | None = None
 
     @property
     def started(self) -> bool:
         return self._pool.started
 
-    def start(self, fetcher: Fetcher) -> None:
+    def start(self, fetcher: Fetch) -> None:
         self._fetcher = fetcher
         self._pool.start(_start_fetcher, fetcher)
 

@@ -7,7 +7,6 @@ from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture, MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
 from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_loader import StreamLoader, StreamRankError
 from meshfeed.sources.stream_readers import DefaultReader, default_reader
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 
@@ -22,8 +21,6 @@ __all__ = [
     "MixtureOrder",
     "ParquetSource",
     "ShardedStream",
-    "StreamLoader",
-    "StreamRankError",
     "TokenCorpus",
     "TokenDocuments",
     "TokenWindows",

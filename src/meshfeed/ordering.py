@@ -24,14 +24,17 @@ The loader calls :func:`build_order` once; nothing else decides the order. The c
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from meshfeed.curriculum.curriculum import Curriculum
 from meshfeed.order.batches import Order, ShuffledOrder
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import CurriculumHooks, OrderBase, OrderedSource, PostProcess
+from meshfeed.sources.mixture import Mixture
 from meshfeed.state import envelope, open_envelope
 
 __all__ = ["CurriculumMixtureOrder", "build_order", "curriculum_postprocess"]
@@ -56,9 +59,6 @@ def build_order(
     it; a Mixture refuses it); a curriculum defines its own order, so ``shuffle=False`` with
     one raises.
     """
-    from meshfeed.curriculum.curriculum import Curriculum
-    from meshfeed.sources.mixture import Mixture
-
     ordered = isinstance(dataset, OrderedSource)
     if not shuffle and curriculum is not None:
         raise ValueError(
@@ -69,12 +69,21 @@ def build_order(
     if curriculum is None:
         if not ordered:
             return ShuffledOrder(dataset_length, seed=seed, shuffle=shuffle)
+        kwargs: dict[str, Any] = {}
+        if not shuffle:  # asked only when not shuffling: make_order(shuffle=) is optional
+            params = inspect.signature(dataset.make_order).parameters.values()
+            if not any(p.name == "shuffle" or p.kind is p.VAR_KEYWORD for p in params):
+                raise ValueError(
+                    f"shuffle=False with dataset={type(dataset).__name__} (it has its own order, "
+                    "make_order, which takes no shuffle=) would be ignored: drop shuffle=False"
+                )
+            kwargs["shuffle"] = False
         return _checked(
             dataset.make_order(
                 dataset_length=dataset_length,
                 global_batch_size=global_batch_size,
                 seed=seed,
-                shuffle=shuffle,
+                **kwargs,
             )
         )
     if isinstance(dataset, Mixture):
@@ -93,13 +102,11 @@ def build_order(
             "(make_order), is not supported: the curriculum would replace that order; use a "
             "meshfeed Mixture (curriculum over a mixture gates each source) or drop one of them"
         )
-    if not isinstance(curriculum, Curriculum):
-        hooks = "it has" if isinstance(curriculum, CurriculumHooks) else "it lacks"
+    if not isinstance(curriculum, CurriculumHooks):
         raise ValueError(
-            f"curriculum={curriculum!r} is not a meshfeed Curriculum ({hooks} make_order() and "
-            "postprocess, but the loader also needs the Curriculum's gating and checkpoint "
-            "facts); build one with meshfeed.curriculum.Curriculum(...) or "
-            "from_deepspeed_config(...)"
+            f"curriculum={curriculum!r} lacks make_order() or postprocess (see "
+            "meshfeed.protocols.CurriculumHooks); build one with "
+            "meshfeed.curriculum.Curriculum(...) or from_deepspeed_config(...)"
         )
     return _checked(
         curriculum.make_order(
@@ -134,7 +141,6 @@ class CurriculumMixtureOrder(OrderBase):
     """A mixture whose sources are each walked by a difficulty-gated sub-order (module doc)."""
 
     def __init__(self, mixture: Any, curriculum: Any, *, global_batch_size: int, seed: int) -> None:
-        from meshfeed.curriculum.curriculum import Curriculum
 
         self.mixture = mixture
         self.mixture_order = mixture.make_order(

@@ -1,0 +1,34 @@
+"""What travels between the loader, its services and the fetcher: one batch's task and what
+went wrong making it. Plain data, picklable to worker processes and Ray actors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FetchEvents", "FetchTask"]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchTask:
+    """One batch for one data rank: dataset ``indices`` at epoch ``positions``."""
+
+    epoch: int
+    step: int
+    indices: np.ndarray
+    positions: np.ndarray
+
+
+@dataclass(slots=True)
+class FetchEvents:
+    """Counts of what went wrong while making one batch (merged into the loader's stats)."""
+
+    retries: int = 0
+    substituted: int = 0
+    skipped: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.retries or self.substituted or self.skipped or self.failures)
