@@ -43,7 +43,8 @@ class StreamLoader(DataLoader):
     def __init__(self, dataset: Any, **kwargs: Any) -> None:
         if not _is_stream(dataset):
             raise TypeError(
-                f"StreamLoader reads a meshfeed.sources.ShardedStream or a Mixture of them (got "
+                f"StreamLoader reads a meshfeed.sources.ShardedStream, a Mixture of them or a "
+                f"function that builds one (got "
                 f"{type(dataset).__name__}); use meshfeed.DataLoader for map-style datasets"
             )
         self._warned_unread = False
@@ -99,6 +100,8 @@ def _is_stream(dataset: Any) -> bool:
 
     if isinstance(dataset, ShardedStream):
         return True
+    if isinstance(dataset, type) or (callable(dataset) and not hasattr(dataset, "__len__")):
+        return True  # a function that builds the stream where batches are made (Ray actors)
     return isinstance(dataset, Mixture) and all(
         isinstance(s, ShardedStream) for s in dataset.sources
     )

@@ -501,3 +501,28 @@ def test_rank_batches_of_simulated_ranks_concatenate_to_the_global_batches():
     whole = [b.tolist() for b in StreamLoader(stream, batch_size=6)]
     assert [a + b for a, b in zip(*per_rank, strict=True)] == whole
     np.testing.assert_array_equal(np.array(whole).shape, (len(whole), 6))
+
+
+def _ray_stream() -> ShardedStream:
+    """Built inside each Ray actor (Twinkle's call shape): the driver never reads a shard."""
+    return _stream([11, 20, 7, 14], buffer=6)[0]
+
+
+@pytest.mark.ray
+def test_a_stream_on_ray_actors_gives_every_data_rank_the_batches_it_gets_in_process(ray_session):
+    import ray
+
+    from meshfeed.services.ray import RayService
+
+    lo = StreamLoader(
+        _ray_stream, batch_size=3, mesh={"dp": 2}, service=RayService(num_actors=2), seed=5
+    )
+    with lo:
+        remote = list(lo)
+        got = {
+            rank: [b.tolist() for b in ray.get([rb.for_rank(rank) for rb in remote])]
+            for rank in range(2)
+        }
+    for rank in range(2):
+        here = StreamLoader(_ray_stream(), batch_size=3, mesh={"dp": 2}, rank=rank, seed=5)
+        assert got[rank] == [b.tolist() for b in here]
