@@ -306,3 +306,26 @@ def test_arguments_a_given_service_decides_are_refused_not_ignored(kwargs, name)
     with pytest.raises(ValueError, match=f"{name} would be ignored"):
         DataLoader(Squares(8), batch_size=2, service=InProcessService(), **kwargs)
     DataLoader(Squares(8), batch_size=2, service=InProcessService())  # defaults are fine
+
+
+def test_loader_options_are_validated_once_and_kept_on_the_loader():
+    from meshfeed.options import LoaderOptions
+
+    loader = DataLoader(Squares(16), batch_size=2, seed=3, drop_last=False)
+    assert loader.options == LoaderOptions(batch_size=2, seed=3, drop_last=False)
+    assert loader.options.on_error == "substitute"  # None means the default
+    with pytest.raises(ValueError, match="pad_last=False would be ignored with drop_last=True"):
+        LoaderOptions(batch_size=2, pad_last=False)
+    with pytest.raises(TypeError, match="pad_last must be True or False"):
+        LoaderOptions(batch_size=2, pad_last="no")
+    with pytest.raises(AttributeError):
+        loader.options.batch_size = 4  # type: ignore[misc]
+
+
+def test_workers_are_asked_for_one_way_and_a_service_refuses_what_it_would_ignore():
+    from meshfeed.services import InProcessService
+
+    with pytest.raises(ValueError, match="num_workers=2 and service=InProcessService both say"):
+        DataLoader(Squares(8), batch_size=2, num_workers=2, service=InProcessService())
+    with pytest.raises(ValueError, match=r"prefetch=4 would be ignored: with service="):
+        DataLoader(Squares(8), batch_size=2, prefetch=4, service=InProcessService())

@@ -31,12 +31,12 @@ from typing import Any, Literal
 
 from meshfeed.collate import default_collate
 from meshfeed.errors import NEVER_SUBSTITUTED
+from meshfeed.options import OnError
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import BatchSource, ItemsSource, PostProcess
 from meshfeed.rng import FetchInfo, fetching
 from meshfeed.tasks import FetchEvents, FetchTask
 
-OnError = Literal["raise", "skip", "substitute"]
 _SUBSTITUTE_OP = 0x5B57
 # A filter that rejects a fraction f of the items fails all k substitutes with probability f**k
 # per rejected sample: at k=16 and f=0.5 that is one crash per ~130k samples; at 64, never.

@@ -24,7 +24,7 @@ from meshfeed.loader_state import (
     encode_stats,
     read_state,
 )
-from meshfeed.options import check_not_a_path
+from meshfeed.options import LoaderOptions, check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
@@ -109,26 +109,12 @@ class DataLoader(LoaderBase):
         multiprocessing_context: str | None = None,
     ) -> None:
         check_not_a_path(dataset)
-        if not isinstance(pad_last, bool):
-            raise TypeError(
-                f"pad_last must be True or False (got {pad_last=!r} of type "
-                f"{type(pad_last).__name__}); pass a bool"
-            )
-        if drop_last is True and not pad_last:
-            raise ValueError(
-                "pad_last=False would be ignored with drop_last=True (the last incomplete batch "
-                "is dropped, nothing is padded); pass drop_last=False, pad_last=False to "
-                "truncate it to equal lengths per rank"
-            )
-        self.pad_last = pad_last
-        super().__init__(
+        options = LoaderOptions(
             batch_size=batch_size,
-            mesh=mesh,
-            device_mesh=device_mesh,
-            rank=rank,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            pad_last=pad_last,
             num_workers=num_workers,
             prefetch=prefetch,
             collate_fn=collate_fn,
@@ -137,35 +123,22 @@ class DataLoader(LoaderBase):
             on_error=on_error,
             max_retries=max_retries,
             multiprocessing_context=multiprocessing_context,
+        )
+        options.check_service(service)
+        super().__init__(
+            options,
+            mesh=mesh,
+            device_mesh=device_mesh,
+            rank=rank,
             serves_every_rank=isinstance(service, GlobalService),
         )
-        on_error = on_error or "substitute"
-        self.on_error: OnError = on_error
-        if service is not None and num_workers:
-            raise ValueError(
-                f"num_workers={num_workers} and service={type(service).__name__} both say where "
-                "batches are made; configure workers on the service (e.g. "
-                "WorkerService(num_workers=...)) and leave num_workers at 0"
-            )
-        if service is not None:
-            for name, value, default in (
-                ("prefetch", prefetch, 2),
-                ("timeout", timeout, 300.0),
-                ("multiprocessing_context", multiprocessing_context, None),
-            ):
-                if value != default:
-                    raise ValueError(
-                        f"{name}={value!r} would be ignored: with service="
-                        f"{type(service).__name__} the service decides it; configure it on "
-                        f"the service (e.g. {type(service).__name__}({name}=...)) and leave "
-                        f"the loader's {name} at its default"
-                    )
+        self.on_error: OnError = options.on_error or "substitute"
         self._global = isinstance(service, GlobalService)
         if service is not None and not self._global and not isinstance(service, Service):
             raise TypeError(
                 f"service={type(service).__name__} is neither a meshfeed.protocols.Service "
                 "(start, map, shutdown) nor a GlobalService (bind_mesh, prepare, start, "
-                "map_global, shutdown); pass e.g. WorkerService(...) or RayService(...)"
+                "map_global, shutdown); pass e.g. RayService(...), or num_workers=N for worker processes"
             )
         if isinstance(service, GlobalService):
             service.bind_mesh(self.mesh)  # RayService: RemoteBatch.for_rank maps global ranks
@@ -223,7 +196,7 @@ class DataLoader(LoaderBase):
             seed=seed,
             collate_fn=collate_fn,
             postprocess=postprocess,
-            on_error=on_error,
+            on_error=self.on_error,
             max_retries=max_retries,
         )
         self.service: Service | GlobalService = service or self._default_service(

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import place
-from meshfeed.options import check_loader_arguments, resolve_timeout
+from meshfeed.options import LoaderOptions
 
 __all__ = ["MAX_EPOCH", "WARN_EVERY", "LoaderBase"]
 
@@ -42,52 +42,32 @@ class LoaderBase(Lifecycle):
 
     def __init__(
         self,
+        options: LoaderOptions,
         *,
-        batch_size: int,
         mesh: Any,
         device_mesh: Any = None,
         rank: int | None,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        num_workers: int,
-        prefetch: int,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        pin_memory: bool,
-        timeout: float,
-        on_error: str | None,
-        max_retries: int,
-        multiprocessing_context: str | None,
         serves_every_rank: bool = False,
     ) -> None:
-        """``serves_every_rank``: this process makes the batches of every data rank (a Ray
+        """``options`` are validated already (:class:`~meshfeed.options.LoaderOptions`);
+        ``serves_every_rank``: this process makes the batches of every data rank (a Ray
         driver), so a mesh of several ranks does not need this process's own rank."""
-        check_loader_arguments(
-            batch_size=batch_size,
-            seed=seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            pin_memory=pin_memory,
-            num_workers=num_workers,
-            prefetch=prefetch,
-            timeout=timeout,
-            on_error=on_error,
-            max_retries=max_retries,
-            multiprocessing_context=multiprocessing_context,
-        )
-        if num_workers and multiprocessing_context in ("spawn", "forkserver"):
-            _check_importable("collate_fn", collate_fn, multiprocessing_context)
+        if options.num_workers and options.multiprocessing_context in ("spawn", "forkserver"):
+            _check_importable("collate_fn", options.collate_fn, options.multiprocessing_context)
+        self.options = options
         self.mesh, self.rank = place(mesh, device_mesh, rank, serves_every_rank=serves_every_rank)
         self.data_rank = self.mesh.data_rank(self.rank)
         self.data_world_size = self.mesh.data_world_size
-        self.batch_size, self.seed = batch_size, seed
-        self.shuffle, self.drop_last, self.pin_memory = shuffle, drop_last, pin_memory
-        self.num_workers, self.prefetch = num_workers, prefetch
-        self.timeout = float(timeout)
+        # The options, as attributes (read everywhere; the options object is the one truth).
+        self.batch_size, self.seed = options.batch_size, options.seed
+        self.shuffle, self.drop_last = options.shuffle, options.drop_last
+        self.pad_last, self.pin_memory = options.pad_last, options.pin_memory
+        self.num_workers, self.prefetch = options.num_workers, options.prefetch
+        self.timeout = float(options.timeout)
         #: What waits are given: ``math.inf`` and huge timeouts clamped (see options).
-        self.wait_timeout = resolve_timeout(timeout)
-        self.collate_fn = collate_fn
-        self.multiprocessing_context = multiprocessing_context
+        self.wait_timeout = options.wait_timeout
+        self.collate_fn = options.collate_fn
+        self.multiprocessing_context = options.multiprocessing_context
         self._epoch = 0
         self._resumed = False
         self._bad_in_run = 0  # substitutions + skips seen by this object (not restored)

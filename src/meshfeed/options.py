@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 __all__ = [
     "MAX_SEED",
+    "LoaderOptions",
+    "OnError",
     "MAX_TIMEOUT",
     "check_loader_arguments",
     "check_not_a_path",
@@ -24,6 +29,8 @@ MAX_SEED = 2**64
 #: ``poll`` accepts (2**31 - 1 milliseconds); larger values raise OverflowError there.
 MAX_TIMEOUT = 24.0 * 24 * 3600
 _ON_ERROR = ("raise", "skip", "substitute")
+#: What a loader does with a sample that still fails after its retries.
+OnError = Literal["raise", "skip", "substitute"]
 
 
 def _int(name: str, value: object, low: int, what: str) -> None:
@@ -107,3 +114,81 @@ def check_not_a_path(dataset: object) -> None:
             "characters); open it first, e.g. meshfeed.sources.TokenWindows(path, seq_len=...) "
             "for a token corpus or ParquetSource(path) for Parquet files"
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoaderOptions:
+    """Every option of a loader, validated once, here (the loader keeps it as ``options``).
+
+    The same options mean the same thing for map-style data and streams; a bad value is a
+    ``TypeError`` / ``ValueError`` naming it and the fix (see :func:`check_loader_arguments`).
+    ``on_error`` None means the default, ``"substitute"``.
+    """
+
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = True
+    pad_last: bool = True
+    num_workers: int = 0
+    prefetch: int = 2
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    pin_memory: bool = False
+    timeout: float = 300.0
+    on_error: OnError | None = None
+    max_retries: int = 0
+    multiprocessing_context: str | None = None
+
+    def __post_init__(self) -> None:
+        check_loader_arguments(
+            batch_size=self.batch_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            pin_memory=self.pin_memory,
+            num_workers=self.num_workers,
+            prefetch=self.prefetch,
+            timeout=self.timeout,
+            on_error=self.on_error,
+            max_retries=self.max_retries,
+            multiprocessing_context=self.multiprocessing_context,
+        )
+        _flag("pad_last", self.pad_last)
+        if self.drop_last and not self.pad_last:
+            raise ValueError(
+                "pad_last=False would be ignored with drop_last=True (the last incomplete batch "
+                "is dropped, nothing is padded); pass drop_last=False, pad_last=False to "
+                "truncate it to equal lengths per rank"
+            )
+        if self.on_error is None:
+            object.__setattr__(self, "on_error", "substitute")
+
+    @property
+    def wait_timeout(self) -> float:
+        """What waits are given: ``math.inf`` and huge timeouts clamped (see resolve_timeout)."""
+        return resolve_timeout(self.timeout)
+
+    def check_service(self, service: object) -> None:
+        """Refuse options a ``service`` would silently ignore: it decides where batches are
+        made, so workers are asked for with ``num_workers`` only when there is no service."""
+        if service is None:
+            return
+        name = type(service).__name__
+        if self.num_workers:
+            raise ValueError(
+                f"num_workers={self.num_workers} and service={name} both say where batches are "
+                f"made; num_workers asks for worker processes of this loader, service={name} "
+                "makes the batches elsewhere: pass one of them"
+            )
+        for field, default in (
+            ("prefetch", 2),
+            ("timeout", 300.0),
+            ("multiprocessing_context", None),
+        ):
+            value = getattr(self, field)
+            if value != default:
+                raise ValueError(
+                    f"{field}={value!r} would be ignored: with service={name} the service "
+                    f"decides it; configure it on the service (e.g. {name}({field}=...)) and "
+                    f"leave the loader's {field} at its default"
+                )
