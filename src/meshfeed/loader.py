@@ -10,7 +10,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -269,7 +269,18 @@ class DataLoader(LoaderBase):
         if not self._started:
             self.service.start(self.fetcher)
             self._started = True
-        epoch, position = self._epoch, self._position
+        epoch = self._epoch
+        # A walk ends early when the order was re-planned at a step not yet returned (a
+        # reweighted mixture): what was planned or prefetched from there is dropped and the
+        # walk starts again at the first batch not returned.
+        while (yield from self._walk(epoch, self._position)):
+            pass
+        # The epoch was iterated to its end: the next iter() starts the next epoch.
+        if self._epoch == epoch:
+            self._epoch, self._position = epoch + 1, 0
+
+    def _walk(self, epoch: int, position: int) -> Generator[Any, None, bool]:
+        """Yield the batches of ``epoch`` from ``position``; True when re-planned (see above)."""
         steps: list[Step] = []
         results: Iterator[tuple[Any, Any]]
         if isinstance(self.service, GlobalService):
@@ -282,17 +293,23 @@ class DataLoader(LoaderBase):
                     yield task
 
             results = self.service.map(tasks())
+        stale_from: int | None = None
         for batch, events in results:
             step = steps.pop(0)
+            changed = self.hooks.replanned(epoch)
+            if changed is not None:
+                self._index_cache = None
+                stale_from = changed if stale_from is None else min(stale_from, changed)
+            if stale_from is not None and step.end > stale_from:
+                return True
             for e in events if isinstance(events, list) else [events]:
                 self._record(step, e)
             self._position = step.end
+            self.hooks.returned(epoch, step.end)
             if self.pin_memory:
                 batch = pin(batch)
             yield batch
-        # The epoch was iterated to its end: the next iter() starts the next epoch.
-        if self._epoch == epoch:
-            self._epoch, self._position = epoch + 1, 0
+        return False
 
     def _run_global(
         self, service: GlobalService, epoch: int, position: int, steps: list[Step]

@@ -221,6 +221,12 @@ class CurriculumMixtureOrder(OrderBase):
     def planned_until(self) -> int:
         return int(self.mixture_order.planned_until)
 
+    def returned(self, epoch: int, position: int) -> None:
+        self.mixture_order.returned(epoch, position)
+
+    def replanned(self, epoch: int) -> int | None:
+        return self.mixture_order.replanned(epoch)
+
     def epoch_length(self, epoch: int) -> int:
         return int(self.mixture_order.samples_per_epoch)
 

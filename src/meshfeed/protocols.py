@@ -101,13 +101,25 @@ class OrderBase:
 
     ``describe(epoch, position)`` returns the order's JSON facts for a checkpoint (None: the
     order has nothing to record beyond the loader's epoch and position); ``validate(described)``
-    checks such facts on resume and raises ``ValueError`` naming what differs.
+    checks such facts on resume and raises ``ValueError`` naming what differs. An order whose
+    plan can change while the loader runs (a mixture reweighted at a step not yet returned)
+    hears of returned batches through ``returned`` and reports changes through ``replanned``.
     """
 
     def describe(self, epoch: int, position: int) -> dict[str, Any] | None:
         return None
 
     def validate(self, described: Mapping[str, Any]) -> None:
+        return None
+
+    def returned(self, epoch: int, position: int) -> None:
+        """The loader returned the batches of ``epoch`` up to ``position`` to the training loop
+        (an order whose plan can change later, a reweighted mixture, refuses changes before)."""
+        return None
+
+    def replanned(self, epoch: int) -> int | None:
+        """The first position of ``epoch`` whose indices changed since the last call (the
+        loader drops what it planned or prefetched from there and walks again), or None."""
         return None
 
 

@@ -319,13 +319,19 @@ def test_resume_is_exact_across_a_reweight_and_epochs():
     assert len(ref) == 10  # 18 samples per epoch / global batch 6 = 3 steps: crosses epochs
 
 
-def test_resume_with_a_different_schedule_is_refused():
-    state = json.loads(json.dumps(_mixture_loader().state_dict()))
-    other = _mixture_loader(schedule=False)
+def test_resume_restores_the_checkpoint_schedule_and_refuses_a_conflicting_one():
+    source = _mixture_loader()
+    take(source, 2)
+    state = json.loads(json.dumps(source.state_dict()))
+    assert state["order"]["schedule"] == [[0, [1, 1]], [4, [1, 4]]]  # readable back
+    other = _mixture_loader(schedule=False)  # built with the initial weights only
+    other.load_state_dict(state)
+    assert other.dataset.schedule == source.dataset.schedule
+    assert take(other, 5) == take(source, 5)
+    clash = _mixture_loader(schedule=False)
+    clash.dataset.reweight(1, {"a": 5, "b": 1})  # a change the run never made, before its position
     with pytest.raises(ValueError, match="weight schedule"):
-        other.load_state_dict(state)
-    with pytest.raises(ValueError, match="weight schedule"):
-        other.order.validate(state["order"])  # type: ignore[attr-defined]
+        clash.load_state_dict(state)
     sources = {"a": _src("a", 7), "b": _src("b", 11)}
     assert (
         Mixture(sources, {"a": 2, "b": 1}).fingerprint
@@ -348,12 +354,25 @@ def test_a_checkpoint_taken_after_reweight_resumes_with_the_schedule_in_the_cons
     assert take(fresh, 6) == rest
 
 
-def test_reweight_of_already_planned_steps_is_refused():
-    mix = Mixture({"a": _src("a", 40), "b": _src("b", 40)}, {"a": 1, "b": 1})
-    lo = DataLoader(mix, batch_size=2, collate_fn=list)
-    next(iter(lo))
-    with pytest.raises(ValueError, match="already planned"):
-        mix.reweight(1, {"a": 1, "b": 2})
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_reweight_at_a_step_not_yet_returned_replans_what_was_prefetched(num_workers):
+    def build() -> tuple[Mixture, DataLoader]:
+        mix = Mixture({"a": _src("a", 40), "b": _src("b", 40)}, {"a": 1, "b": 1})
+        return mix, DataLoader(mix, batch_size=2, collate_fn=list, num_workers=num_workers)
+
+    declared, ref = build()
+    declared.reweight(3, {"a": 1, "b": 3})
+    want = take(ref, 12)
+    mix, lo = build()
+    it = iter(lo)
+    got = [next(it) for _ in range(3)]  # steps 0-2 returned; later ones planned, prefetched
+    mix.reweight(3, {"a": 1, "b": 3})  # step 3 is not returned yet: it is re-planned
+    got += [next(it) for _ in range(9)]
+    assert got == want
+    with pytest.raises(ValueError, match=r"already returned batches up to .*step 12"):
+        mix.reweight(5, {"a": 2, "b": 1})
+    lo.shutdown()
+    ref.shutdown()
 
 
 @pytest.mark.parametrize(

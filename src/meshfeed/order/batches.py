@@ -192,10 +192,12 @@ class BatchPlan:
 
 @dataclass(frozen=True, slots=True)
 class OrderHooks:
-    """An order's checkpoint hooks, resolved once when the loader is built."""
+    """An order's checkpoint and re-planning hooks, resolved once when the loader is built."""
 
     describe: Callable[[int, int], Mapping[str, Any] | None]
     validate: Callable[[Mapping[str, Any]], None]
+    returned: Callable[[int, int], None]
+    replanned: Callable[[int], int | None]
 
 
 def _nothing(epoch: int, position: int) -> None:
@@ -206,6 +208,10 @@ def _accept(described: Mapping[str, Any]) -> None:
     return None
 
 
+def _never(epoch: int) -> None:
+    return None
+
+
 def order_hooks(order: Order) -> OrderHooks:
     """``describe(epoch, position)`` and ``validate(described)`` of ``order``, with defaults.
 
@@ -213,5 +219,10 @@ def order_hooks(order: Order) -> OrderHooks:
     :class:`~meshfeed.protocols.Order` protocol records nothing and accepts any facts on resume.
     """
     if isinstance(order, OrderBase):
-        return OrderHooks(describe=order.describe, validate=order.validate)
-    return OrderHooks(describe=_nothing, validate=_accept)
+        return OrderHooks(
+            describe=order.describe,
+            validate=order.validate,
+            returned=order.returned,
+            replanned=order.replanned,
+        )
+    return OrderHooks(describe=_nothing, validate=_accept, returned=_nothing, replanned=_never)

@@ -330,6 +330,8 @@ class MixtureOrder(OrderBase):
         self.G = int(global_batch_size)
         self.seed = int(seed)
         self.planned_until = 0
+        self.returned_until = 0  # stream position of the last batch the loader returned
+        self._replanned_from: int | None = None
         spe = mixture.samples_per_epoch
         if spe is None:
             spe = max(self.G, len(mixture) // self.G * self.G)
@@ -349,14 +351,30 @@ class MixtureOrder(OrderBase):
         }
 
     def check_reweight(self, step: int) -> None:
-        """Refuse a weight change at ``step`` if this order already served positions past it."""
-        if step * self.G < self.planned_until:
+        """Refuse a weight change at ``step`` if the loader returned batches past it; else
+        note it, so the loader re-plans what it planned or prefetched from there."""
+        g = step * self.G
+        if g < self.returned_until:
             raise ValueError(
-                f"reweight(step={step}) would change stream positions from {step * self.G} on, "
-                f"but the loader already planned positions up to {self.planned_until}; declare "
-                "changes before iterating (or rebuild the loader from a checkpoint and reweight "
-                "a later step)"
+                f"reweight(step={step}) would change stream positions from {g} on, but the "
+                f"loader already returned batches up to stream position {self.returned_until} "
+                f"(step {-(-self.returned_until // self.G)}) to the training loop; reweight a "
+                "step not yet returned"
             )
+        if g < self.planned_until:
+            self._replanned_from = (
+                g if self._replanned_from is None else min(self._replanned_from, g)
+            )
+
+    def returned(self, epoch: int, position: int) -> None:
+        self.returned_until = max(self.returned_until, epoch * self.samples_per_epoch + position)
+
+    def replanned(self, epoch: int) -> int | None:
+        if self._replanned_from is None:
+            return None
+        changed, self._replanned_from = self._replanned_from, None
+        self.planned_until = min(self.planned_until, changed)
+        return max(0, changed - epoch * self.samples_per_epoch)
 
     def epoch_length(self, epoch: int) -> int:
         return self.samples_per_epoch
@@ -431,13 +449,7 @@ class MixtureOrder(OrderBase):
             },
             what="mixture order state",
         )
-        mine = self.mixture.schedule_json()
-        theirs = json.loads(json.dumps(facts["schedule"]))
-        if theirs != json.loads(json.dumps(mine)):
-            raise ValueError(
-                f"the checkpoint's mixture weight schedule {theirs} differs from this mixture's "
-                f"{mine}; build the Mixture with the checkpoint's schedule to resume exactly"
-            )
+        self._adopt_schedule(facts["schedule"], facts["stream_position"])
         if facts["samples_per_epoch"] != self.samples_per_epoch:
             raise ValueError(
                 f"the checkpoint's mixture epoch has {facts['samples_per_epoch']} samples, this "
@@ -456,6 +468,42 @@ class MixtureOrder(OrderBase):
         for _, segment, n, counts in self._carried_points(facts):
             self.mixture._segments[segment].seed(n, counts)
         self.planned_until = max(self.planned_until, g)
+
+    def _adopt_schedule(self, recorded: Any, position: int) -> None:
+        """Make this mixture's weight schedule the checkpoint's: the changes it lacks are
+        added (a resume needs no hand-rebuilt schedule); changes of its own after the
+        checkpoint's position are kept (declared for the rest of the run). A change that
+        disagrees with the checkpoint at or before its position is refused."""
+        mine = json.loads(json.dumps(self.mixture.schedule_json()))
+        theirs = json.loads(json.dumps(recorded))
+        ok = isinstance(theirs, list) and all(
+            isinstance(c, list)
+            and len(c) == 2
+            and isinstance(c[0], int)
+            and isinstance(c[1], list)
+            and len(c[1]) == len(self.mixture.names)
+            for c in theirs
+        )
+        if not ok or not theirs or theirs[0][0] != 0:
+            raise ValueError(
+                f"the checkpoint's mixture weight schedule {theirs!r} is not a list of [step, "
+                f"weights per source {self.mixture.names}] from step 0; the checkpoint is "
+                "corrupted"
+            )
+        done = [c for c in theirs if c[0] * self.G <= position]
+        ours = [c for c in mine if c[0] * self.G <= position]
+        if ours != done[: len(ours)] or (len(ours) < len(done) and len(mine) > len(ours)):
+            raise ValueError(
+                f"the checkpoint's mixture weight schedule {theirs} differs from this mixture's "
+                f"{mine} up to its stream position {position}; build the Mixture with the "
+                "checkpoint's initial weights (its schedule is restored from the checkpoint) to "
+                "resume exactly"
+            )
+        future_mine = [c for c in mine if c[0] * self.G > position]
+        future_theirs = [c for c in theirs if c[0] * self.G > position]
+        adopt = done[len(ours) :] + (future_theirs if not future_mine else [])
+        for step, weights in adopt:
+            self.mixture._add(step, dict(zip(self.mixture.names, weights, strict=True)))
 
     def _carried_points(self, facts: Mapping[str, Any]) -> list[tuple[Any, int, int, list[int]]]:
         """``(as recorded, segment, position in it, counts in it)`` of every carried count."""
