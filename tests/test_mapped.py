@@ -27,14 +27,14 @@ def test_in_memory_arrays_and_whole_files_pass(tmp_path: Path) -> None:
     assert int(mapped[4999]) == 4999
 
 
-def test_truncated_npy_under_an_index_and_a_curriculum_order_is_a_source_error(
+def test_truncated_npy_under_an_index_an_order_and_convert_is_a_source_error(
     tmp_path: Path,
 ) -> None:
     script = tmp_path / "truncate.py"
     script.write_text(
         textwrap.dedent(
             """
-            import os
+            import os, sys
             import numpy as np
             from meshfeed.curriculum import MetricIndex
             from meshfeed.curriculum.order import GatedOrder
@@ -64,9 +64,20 @@ def test_truncated_npy_under_an_index_and_a_curriculum_order_is_a_source_error(
             os.truncate("pool.npy", 4096)
             expect("GatedOrder.indices", lambda: order.indices(0, np.arange(n - 20, n - 12)),
                    "pool.npy")
+
+            import meshfeed.sources.convert
+            conv = sys.modules["meshfeed.sources.convert"]
+            conv._NPY_BLOCK_BYTES = 4096  # several blocks of 64-byte rows
+            np.save("ids.npy", np.arange(64_000, dtype=np.int64).reshape(4000, 16))
+            records = conv._records(__import__("pathlib").Path("ids.npy"), "npy", "text")
+            assert next(records)[1].tolist() == list(range(16))
+            os.truncate("ids.npy", 8192)
+            expect("convert .npy", lambda: list(records), "ids.npy")
             """
         )
     )
     done = run_python(script, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
-    assert done.stdout.split() == ["sorted_values", "ok", "GatedOrder.indices", "ok"]
+    assert done.stdout.split() == [
+        *("sorted_values", "ok", "GatedOrder.indices", "ok", "convert", ".npy", "ok")
+    ]

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
+from meshfeed.mapped import check_mapped
 from meshfeed.progress import Progress
 from meshfeed.sources.indexed import DTYPE_CODES, IndexedWriter, TokenCorpus
 
@@ -35,6 +36,9 @@ __all__ = ["add_subcommand", "convert", "load_tokenizer"]
 
 Tokenizer = Callable[[str], Any]
 FORMATS = ("auto", "jsonl", "parquet", "npy")
+
+#: Bytes of a .npy input copied out of its memory map per size check.
+_NPY_BLOCK_BYTES = 8 << 20
 
 
 def _byte_tokenizer(text: str) -> np.ndarray:
@@ -137,8 +141,14 @@ def _records(path: Path, fmt: str, field: str) -> Iterator[tuple[str, Any]]:
                 "integer array (one document per row) or a 1-D one (one document)"
             )
         rows = arr[None, :] if arr.ndim == 1 else arr
-        for r in range(rows.shape[0]):
-            yield f"{path} row {r}", rows[r]
+        step = max(1, _NPY_BLOCK_BYTES // max(1, rows[:1].nbytes))
+        for lo in range(0, rows.shape[0], step):
+            # one size check, then one copy out of the map: a file truncated meanwhile is a
+            # SourceError naming it, not SIGBUS in the middle of a row
+            check_mapped(rows)
+            block = np.array(rows[lo : lo + step])
+            for r, row in enumerate(block, start=lo):
+                yield f"{path} row {r}", row
     else:
         raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
 
