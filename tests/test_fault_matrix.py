@@ -468,6 +468,10 @@ def mesh_and_counts_beyond_plannable(tmp: Path) -> None:
     _refused({"num_workers": 10**6}, ValueError, "MAX_WORKERS = 1024")
     with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
         Mixture({"a": [1], "b": [2]}, {"a": 1, "b": 1}, seed=2**64)
+    from meshfeed.balance import BalancedBatches
+
+    with pytest.raises(ValueError, match="MAX_DOCS_PER_RANK"):
+        BalancedBatches(iter([]), max_tokens=64, max_docs_per_rank=10**12)
 
 
 def state_without_version(tmp: Path) -> None:
@@ -659,8 +663,8 @@ ROWS = [
         run=bin_truncated_while_open,
     ),
     Row(
-        fault="DataMesh dp=10**8, num_workers=10**6, Mixture seed=2**64",
-        trials=3,
+        fault="DataMesh dp=10**8, num_workers=10**6, Mixture seed=2**64, max_docs 10**12",
+        trials=4,
         outcome="ValueError naming the limit, up front",
         run=mesh_and_counts_beyond_plannable,
     ),
