@@ -37,6 +37,10 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, _ID_TYPES) and not isinstance(value, bool)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -155,7 +159,7 @@ def _check_cache(pm: Mapping[str, Any], where: str) -> None:
             prefix, asked = prefix_asked
             ok = _key_ok(prefix) and isinstance(asked, list)
             ok = ok and all(isinstance(a, list) and len(a) == 2 for a in asked)
-            ok = ok and all(_is_count(x) for a in asked for x in a)
+            ok = ok and all(_is_int(x) for a in asked for x in a)
         if not ok:
             _fail(where, f"partition {name!r} has an 'asked' record {prefix_asked!r:.80}")
     for em in pm["cache"]:
@@ -165,7 +169,7 @@ def _check_cache(pm: Mapping[str, Any], where: str) -> None:
         ok = ok and _key_ok(em["key"]) and _names(em["fields"])
         ok = ok and isinstance(em["parts"], list)
         ok = ok and all(isinstance(p, list) and all(map(_is_id, p)) for p in em["parts"])
-        ok = ok and isinstance(em["read"], list) and all(map(_is_count, em["read"]))
+        ok = ok and isinstance(em["read"], list) and all(map(_is_int, em["read"]))
         ok = ok and _is_count(em["readers"]) and em["readers"] >= 1
         ok = ok and (em.get("batch_size") is None or _is_count(em["batch_size"]))
         if not ok:
