@@ -52,6 +52,10 @@ def _lower_next_id(meta, values, blob):
     _part(meta)["next_id"] = 2
 
 
+def _negative_next_id(meta, values, blob):
+    _part(meta)["next_id"] = -1
+
+
 def _duplicate_id(meta, values, blob):
     samples = _part(meta)["samples"]
     samples[1][0] = samples[0][0]
@@ -107,6 +111,7 @@ def _tensors_missing(meta, values, blob):
 
 CASES = [
     (_lower_next_id, "holds sample id 2 but its next_id is 2"),
+    (_negative_next_id, "partition 'p' has a negative next_id -1"),
     (_duplicate_id, "lists sample id 0 twice"),
     (_tensor_out_of_range, "field 'x' of sample 0 .* names tensor 99, outside the file's 8"),
     (_negative_tensor_index, "field 'y' of sample 1 .* names tensor -1"),

@@ -89,6 +89,8 @@ def _check_fields(pm: Any, i: int, where: str) -> None:
             _fail(where, f"partition {i} ({pm.get('name')!r}) lacks field {key!r}")
         if not isinstance(pm[key], types) or (isinstance(pm[key], bool) and types is int):
             _fail(where, f"partition {i} field {key!r} is {pm[key]!r:.80}, of the wrong type")
+    if pm["next_id"] < 0:
+        _fail(where, f"partition {pm['name']!r} has a negative next_id {pm['next_id']}")
     for key in ("held", "asked"):
         if not isinstance(pm.get(key, []), list):
             _fail(where, f"partition {pm['name']!r} field {key!r} is not a list")
