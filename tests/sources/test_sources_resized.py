@@ -108,3 +108,24 @@ def test_a_file_that_grew_in_place_is_refused(tmp_path: Path) -> None:
         f.write(b"\0" * 400)
     with pytest.raises(SourceError, match=r"c\.bin changed size while open \(400 bytes .*, 800"):
         documents.fetch_batch(np.array([0]))
+
+
+def test_a_truncated_arrow_file_is_a_source_error_naming_it(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    out = _run(
+        tmp_path,
+        """
+        import pyarrow as pa
+        from meshfeed.sources.parquet import ArrowSource
+
+        table = pa.table({"a": list(range(100_000)), "b": [float(i) for i in range(100_000)]})
+        with pa.ipc.new_file("t.arrow", table.schema) as w:
+            w.write_table(table)
+        source = ArrowSource("t.arrow")
+        assert source[5] == {"a": 5, "b": 5.0}
+        os.truncate("t.arrow", 1024)
+        expect("arrow getitems", lambda: source.__getitems__([99_999, 0]), "t.arrow")
+        expect("arrow getitem", lambda: source[99_000], "t.arrow")
+        """,
+    )
+    assert out.split() == ["arrow", "getitems", "ok", "arrow", "getitem", "ok"]
