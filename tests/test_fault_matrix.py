@@ -460,6 +460,41 @@ def bin_truncated_while_open(tmp: Path) -> None:
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 would be SIGBUS
 
 
+_TRUNCATE_MAPPED = """
+import os, sys
+import numpy as np
+import pyarrow as pa
+from meshfeed.curriculum import MetricIndex
+from meshfeed.errors import SourceError
+from meshfeed.sources.parquet import ArrowSource
+
+MetricIndex.from_values("m", np.arange(10**5), fingerprint={"length": 10**5}).save("i")
+index = MetricIndex.load("i")
+table = pa.table({"a": list(range(10**5))})
+with pa.ipc.new_file("t.arrow", table.schema) as w:
+    w.write_table(table)
+arrow = ArrowSource("t.arrow")
+os.truncate("i/values.npy", 128)
+os.truncate("t.arrow", 1024)
+for name, read in (("values.npy", index.sorted_values), ("t.arrow", lambda: arrow[99_999])):
+    try:
+        read()
+    except SourceError as exc:
+        assert name in str(exc) and "changed size while open" in str(exc), exc
+        continue
+    sys.exit(f"{name}: no SourceError")
+"""
+
+
+def mapped_files_truncated_while_open(tmp: Path) -> None:
+    pytest.importorskip("pyarrow")
+    from tests.process_checks import run_python
+
+    (tmp / "truncate.py").write_text(_TRUNCATE_MAPPED)
+    done = run_python(tmp / "truncate.py", cwd=tmp, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 would be SIGBUS
+
+
 def mesh_and_counts_beyond_plannable(tmp: Path) -> None:
     from meshfeed import DataMesh, Mixture
 
@@ -661,6 +696,12 @@ ROWS = [
         trials=2,
         outcome="SourceError naming the file, no SIGBUS",
         run=bin_truncated_while_open,
+    ),
+    Row(
+        fault="metric index .npy / Arrow file truncated while open",
+        trials=2,
+        outcome="SourceError naming the file, no SIGBUS",
+        run=mapped_files_truncated_while_open,
     ),
     Row(
         fault="DataMesh dp=10**8, num_workers=10**6, Mixture seed=2**64, max_docs 10**12",
