@@ -1,10 +1,12 @@
-"""Fuzz meshfeed's public constructors and state loading with hypothesis (issue #11, "Proof").
+"""Fuzz meshfeed's public constructors and state loading with hypothesis (issues #11 and #20).
 
 For each target, hypothesis draws bad and good arguments; a call may succeed or raise a clear
 ``TypeError`` / ``ValueError`` / ``OSError`` (and their subclasses), but a bare ``IndexError``,
 ``KeyError``, ``ZeroDivisionError``, ``AttributeError`` or ``OverflowError`` escaping from the
 library, or a call running past 10 s (a per-call alarm), is a finding. A last target flips
 single bits of a ``.idx`` and requires each open to be refused or to return identical data.
+``SampleStore.load`` is held to more: an edited checkpoint file is refused with ``ValueError``
+only, or loads into a store whose next put adds a sample (never overwrites one).
 
     python scripts/fuzz_constructors.py --quick     # 25 examples per target, 100 bit flips
     python scripts/fuzz_constructors.py             # 300 examples per target, 400 bit flips
@@ -26,7 +28,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-FORBIDDEN = (IndexError, KeyError, ZeroDivisionError, AttributeError, OverflowError)
+
+class Finding(Exception):
+    """Raised by a target that holds itself to a stricter rule than the typed refusals."""
+
+
+FORBIDDEN = (IndexError, KeyError, ZeroDivisionError, AttributeError, OverflowError, Finding)
 LIMIT_S = 10.0
 
 ints = st.one_of(
@@ -57,6 +64,8 @@ def call(fn: Callable[[], Any]) -> None:
     signal.setitimer(signal.ITIMER_REAL, LIMIT_S)
     try:
         fn()
+    except Finding as e:
+        raise AssertionError(str(e)) from e
     except FORBIDDEN as e:
         raise AssertionError(f"bare {type(e).__name__}: {e}") from e
     except TookTooLong as e:
@@ -107,7 +116,74 @@ def targets() -> dict[str, Callable[..., Any]]:
             lengths, num_ranks=ranks, max_tokens=tokens
         ),
         "StreamLoader.load_state_dict": stream_state,
+        "SampleStore.load": store_file,
     }
+
+
+def _store_file() -> tuple[Path, Any, dict[str, Any]]:
+    """A saved store (two partitions, groups, a hold, a shared plan, a consumed sample): its
+    path, the file's blob and its parsed metadata and value codes."""
+    import json
+
+    import torch
+
+    from meshfeed.queue import RankAwareSampler, SampleStore
+
+    store = SampleStore()
+    store.put("p", {"x": torch.arange(8).reshape(4, 2), "y": [np.arange(2)] * 4})
+    store.put("p", {"z": [1, 2]}, ids=["a", "b"], groups=[0, 0])
+    store.get("t", ["x"], 1, "p", timeout=1)
+    store.get("t", ["x"], 1, "p", timeout=1, hold=True)
+    lead = RankAwareSampler(data_rank=0, replica_rank=0, replica_size=2)
+    store.get("r", ["z"], 1, "p", sampler=lead, timeout=1, batch_index=0)
+    store.put("q", {"x": [1]})
+    path = Path(tempfile.mkdtemp()) / "store"
+    store.save(path)
+    blob = torch.load(path, weights_only=True)
+    return path, blob, {"meta": json.loads(blob["meta"]), "values": json.loads(blob["values"])}
+
+
+_STORE: list[Any] = []
+
+
+def store_file(path: tuple[Any, ...], value: Any) -> None:
+    """Load a saved store with one value of its metadata or value codes replaced: refused
+    with ``ValueError`` (anything else is a finding), or loaded, and then a put of a fresh
+    sample adds one sample (never overwrites a held one)."""
+    import copy
+    import json
+
+    import torch
+
+    from meshfeed.queue import SampleStore
+
+    file, blob, base = _store()
+    parts = copy.deepcopy(base)
+    target = parts
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    meta, values = json.dumps(parts["meta"]), json.dumps(parts["values"])
+    torch.save({**blob, "meta": meta, "values": values}, file)
+    try:
+        store = SampleStore.load(file)
+    except ValueError:
+        return
+    except Exception as exc:
+        raise Finding(f"{type(exc).__name__} (not ValueError): {exc}") from exc
+    held = store.stats()["held"]
+    try:
+        store.put("p", {"x": [torch.zeros(2)], "y": [np.zeros(2)], "z": [0]}, timeout=0.05)
+    except (TimeoutError, ValueError):
+        return  # a full or closed partition: the put is refused, nothing changed
+    if store.stats()["held"] != held + 1:
+        raise Finding(f"a fresh put after the load did not add one sample (held {held})")
+
+
+def _store() -> tuple[Path, Any, dict[str, Any]]:
+    if not _STORE:
+        _STORE.append(_store_file())
+    return _STORE[0]  # type: ignore[no-any-return]
 
 
 def _stream() -> Any:
@@ -187,6 +263,8 @@ def fuzz_target(name: str, fn: Callable[..., Any], examples: int) -> str | None:
         strategies: tuple[st.SearchStrategy[Any], ...] = (st.fixed_dictionaries({}), state_dicts())
     elif name == "StreamLoader.load_state_dict":
         strategies = (stream_state_dicts(),)
+    elif name == "SampleStore.load":
+        strategies = (st.sampled_from(_paths(_store()[2])), anything)
     else:
         strategies = STRATEGIES[name]
 

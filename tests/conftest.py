@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray runtime per test session, started only if a test asks."""
+"""Shared fixtures: one local Ray runtime per test session, started only if a test asks; tests
+marked ``gpu`` are skipped, naming the reason, where CUDA is missing."""
 
 from __future__ import annotations
 
@@ -18,3 +19,17 @@ def ray_session() -> Iterator[object]:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests without CUDA (never deselected: where CUDA is, they run)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False here")
+    for item in gpu:
+        item.add_marker(skip)

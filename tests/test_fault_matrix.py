@@ -1,4 +1,4 @@
-"""The fault matrix of issue #11: one parametrised case per (fault, trials, outcome) row.
+"""The fault matrix of issues #11 and #20: one parametrised case per (fault, trials, outcome) row.
 
 Each row injects one fault the way a user or an adversary would and checks the outcome the
 README's "Reliability" table promises: refused by name, raised (never substituted), or
@@ -344,6 +344,178 @@ def store_sampler_not_a_sampler(tmp: Path) -> None:
         _bounded(5, lambda: store.get("t", ["x"], 1, "p", sampler=5, timeout=0.1))  # type: ignore[arg-type]
 
 
+# ----------------------------------------------------------------- files and bounds (issue #20)
+def _doctored_store(tmp: Path, change: Callable[[dict], None]) -> Path:
+    import json
+
+    import torch
+
+    from meshfeed.queue import SampleStore
+
+    store = SampleStore()
+    store.put("p", {"x": torch.arange(6).reshape(3, 2)})
+    path = tmp / f"store-{change.__name__}.ckpt"
+    store.save(path)
+    blob = torch.load(path, weights_only=True)
+    parts = {"meta": json.loads(blob["meta"]), "values": json.loads(blob["values"])}
+    change(parts)
+    blob["meta"], blob["values"] = json.dumps(parts["meta"]), json.dumps(parts["values"])
+    torch.save(blob, path)
+    return path
+
+
+def _lower_next_id(parts: dict) -> None:
+    parts["meta"]["partitions"][0]["next_id"] = 1
+
+
+def _repeated_id(parts: dict) -> None:
+    parts["meta"]["partitions"][0]["samples"][2][0] = 0
+
+
+def _tensor_index_out_of_range(parts: dict) -> None:
+    parts["values"][0][1]["x"]["t"] = 7
+
+
+def _field_missing(parts: dict) -> None:
+    del parts["values"][0][1]["x"]
+
+
+def _counts_inconsistent(parts: dict) -> None:
+    parts["meta"]["produced"] = 2
+
+
+def store_file_bookkeeping(tmp: Path) -> None:
+    from meshfeed.queue import SampleStore
+
+    for change, message in [
+        (_lower_next_id, "holds sample id 1 but its next_id is 1"),
+        (_repeated_id, "lists sample id 0 twice"),
+        (_tensor_index_out_of_range, "names tensor 7, outside the file's 3 tensors"),
+        (_field_missing, r"lists fields \['x'\] but has values for \[\]"),
+        (_counts_inconsistent, "holds 3 samples but counts only 2 produced"),
+    ]:
+        path = _doctored_store(tmp, change)
+        with pytest.raises(ValueError, match=message) as info:
+            SampleStore.load(path)
+        assert str(path) in str(info.value)
+
+
+def store_killed_save_on_dashed_host(tmp: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from meshfeed.queue import SampleStore
+
+    script = (
+        "import os, socket, torch\n"
+        "socket.gethostname = lambda: 'gpu-node-07'\n"
+        "from meshfeed.queue import SampleStore\n"
+        "def stop(*a, **k): os._exit(9)\n"
+        "torch.save = stop\n"
+        f"s = SampleStore(); s.put('p', {{'x': [1]}}); s.save({str(tmp / 's')!r})\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    assert subprocess.run([sys.executable, "-c", script], env=env, timeout=120).returncode == 9
+    assert len([n for n in os.listdir(tmp) if n.endswith(".tmp")]) == 1  # killed mid-write
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(socket, "gethostname", lambda: "gpu-node-07")
+        store = SampleStore()
+        store.put("p", {"x": [1]})
+        store.save(tmp / "s")
+    finally:
+        mp.undo()
+    assert os.listdir(tmp) == ["s"]
+
+
+_TRUNCATE = """
+import os, sys, time
+from meshfeed import DataLoader
+from meshfeed.errors import SourceError
+from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.windows import TokenWindows
+for workers in (0, 1):
+    name = f"c{workers}"
+    windows = TokenWindows(write_indexed(name, [list(range(3000))] * 64, "int32"), seq_len=128)
+    it = iter(DataLoader(windows, batch_size=4, shuffle=False, num_workers=workers, timeout=60))
+    next(it)
+    time.sleep(0.5)  # a worker has filled its prefetch: no read in flight
+    os.truncate(name + ".bin", 4096)
+    try:
+        list(it)
+    except SourceError as exc:
+        assert name + ".bin changed size while open" in str(exc), exc
+        continue
+    sys.exit(f"num_workers={workers}: no SourceError")
+"""
+
+
+def bin_truncated_while_open(tmp: Path) -> None:
+    from tests.process_checks import run_python
+
+    (tmp / "truncate.py").write_text(_TRUNCATE)
+    done = run_python(tmp / "truncate.py", cwd=tmp, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 would be SIGBUS
+
+
+_TRUNCATE_MAPPED = """
+import os, sys
+import numpy as np
+import pyarrow as pa
+from meshfeed.curriculum import MetricIndex
+from meshfeed.errors import SourceError
+from meshfeed.sources.parquet import ArrowSource
+
+MetricIndex.from_values("m", np.arange(10**5), fingerprint={"length": 10**5}).save("i")
+index = MetricIndex.load("i")
+table = pa.table({"a": list(range(10**5))})
+with pa.ipc.new_file("t.arrow", table.schema) as w:
+    w.write_table(table)
+arrow = ArrowSource("t.arrow")
+os.truncate("i/values.npy", 128)
+os.truncate("t.arrow", 1024)
+for name, read in (("values.npy", index.sorted_values), ("t.arrow", lambda: arrow[99_999])):
+    try:
+        read()
+    except SourceError as exc:
+        assert name in str(exc) and "changed size while open" in str(exc), exc
+        continue
+    sys.exit(f"{name}: no SourceError")
+"""
+
+
+def mapped_files_truncated_while_open(tmp: Path) -> None:
+    pytest.importorskip("pyarrow")
+    from tests.process_checks import run_python
+
+    (tmp / "truncate.py").write_text(_TRUNCATE_MAPPED)
+    done = run_python(tmp / "truncate.py", cwd=tmp, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 would be SIGBUS
+
+
+def mesh_and_counts_beyond_plannable(tmp: Path) -> None:
+    from meshfeed import DataMesh, Mixture
+
+    with pytest.raises(ValueError, match=r"MAX_WORLD_SIZE = 2\*\*20"):
+        _bounded(1, lambda: DataMesh.from_sizes(dp=10**8))
+    _refused({"num_workers": 10**6}, ValueError, "MAX_WORKERS = 1024")
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        Mixture({"a": [1], "b": [2]}, {"a": 1, "b": 1}, seed=2**64)
+    from meshfeed.balance import BalancedBatches
+
+    with pytest.raises(ValueError, match="MAX_DOCS_PER_RANK"):
+        BalancedBatches(iter([]), max_tokens=64, max_docs_per_rank=10**12)
+
+
+def state_without_version(tmp: Path) -> None:
+    state = DataLoader(list(range(16)), batch_size=2).state_dict()
+    del state["version"]
+    with pytest.raises(ValueError, match="malformed: it has no int 'version'"):
+        DataLoader(list(range(16)), batch_size=2).load_state_dict(state)
+
+
 ROWS = [
     Row(
         fault="RANK=k from torchrun, no process group",
@@ -506,6 +678,42 @@ ROWS = [
         trials=1,
         outcome="TypeError",
         run=store_sampler_not_a_sampler,
+    ),
+    Row(
+        fault="SampleStore file: lower next_id, repeated id, tensor index, field, counts",
+        trials=5,
+        outcome="ValueError naming the fault and the file",
+        run=store_file_bookkeeping,
+    ),
+    Row(
+        fault="SampleStore.save killed on a host named with '-'",
+        trials=1,
+        outcome="next save removes the temp file",
+        run=store_killed_save_on_dashed_host,
+    ),
+    Row(
+        fault=".bin truncated while open (num_workers 0 and 1)",
+        trials=2,
+        outcome="SourceError naming the file, no SIGBUS",
+        run=bin_truncated_while_open,
+    ),
+    Row(
+        fault="metric index .npy / Arrow file truncated while open",
+        trials=2,
+        outcome="SourceError naming the file, no SIGBUS",
+        run=mapped_files_truncated_while_open,
+    ),
+    Row(
+        fault="DataMesh dp=10**8, num_workers=10**6, Mixture seed=2**64, max_docs 10**12",
+        trials=4,
+        outcome="ValueError naming the limit, up front",
+        run=mesh_and_counts_beyond_plannable,
+    ),
+    Row(
+        fault="loader state without version",
+        trials=1,
+        outcome="ValueError: malformed",
+        run=state_without_version,
     ),
 ]
 

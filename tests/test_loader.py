@@ -218,6 +218,7 @@ def test_state_that_is_not_a_dict_is_refused():
         ({"batch_size": -2}, "batch_size must be a positive int"),
         ({"batch_size": 2, "mesh": {"dp": 2}, "rank": 2}, "rank=2 is out of range"),
         ({"batch_size": 2, "num_workers": -1}, "num_workers must be an int >= 0"),
+        ({"batch_size": 2, "num_workers": 10**6}, r"num_workers=1000000 .*MAX_WORKERS = 1024"),
         ({"batch_size": 2, "seed": -1}, "seed must be a non-negative int"),
         ({"batch_size": 2, "mesh": "dp=2"}, "is not a DataMesh"),
         ({"batch_size": 2, "on_error": "ignore"}, "on_error='ignore'"),

@@ -68,6 +68,11 @@ def test_from_device_mesh_uses_names_and_layout():
         ({"dp": 2, "xp": 2}, "unknown mesh axis"),
         ({"dp": 6, "ulysses": 4}, "ulysses=4 must be a positive divisor"),
         ({"dp": 0}, "sizes must be integers >= 1"),
+        ({"dp": True}, "axis 'dp' has size True"),
+        ({"dp": 4, "ulysses": True}, "ulysses=True must be a positive divisor"),
+        ({"dp": 10**8}, r"100000000 ranks, more than meshfeed plans \(MAX_WORLD_SIZE = 2\*\*20"),
+        ({"dp": 2**19, "tp": 4}, "2097152 ranks"),
+        ({"dp": 2**40, "tp": 2**40}, "ranks, more than meshfeed plans"),
     ],
 )
 def test_invalid_meshes_name_the_values(kwargs, match):
@@ -176,3 +181,17 @@ def test_place_is_the_one_mesh_and_rank_rule_of_every_loader():
             device_mesh={"dp": 1},
             rank=0,
         )
+
+
+def test_the_largest_plannable_world_is_built_and_a_larger_one_refused_at_once():
+    import time
+
+    from meshfeed.mesh import MAX_WORLD_SIZE
+
+    mesh = DataMesh.from_sizes(dp=MAX_WORLD_SIZE // 8, tp=8)
+    assert mesh.data_world_size == MAX_WORLD_SIZE // 8
+    assert mesh.replica_group(MAX_WORLD_SIZE - 1) == list(range(MAX_WORLD_SIZE - 8, MAX_WORLD_SIZE))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="MAX_WORLD_SIZE"):
+        DataMesh.from_sizes(dp=MAX_WORLD_SIZE // 8 + 1, tp=8)
+    assert time.perf_counter() - start < 0.1

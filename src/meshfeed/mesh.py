@@ -35,6 +35,12 @@ DEFAULT_AXIS_ORDER: tuple[str, ...] = (
     "tp",
 )
 
+#: The largest world a mesh plans: a mesh holds a rank table and the coordinates of every rank
+#: (about 500 bytes per rank in Python), so 2**20 ranks cost about 1 s and 0.5 GiB per process,
+#: and larger worlds would take minutes and end in MemoryError. The largest training jobs run
+#: 10**5 ranks; a bigger size is a typo (``dp=10**8``) or a unit mix-up.
+MAX_WORLD_SIZE = 2**20
+
 #: Axes whose ranks see different data. Every other axis replicates the data.
 DEFAULT_DATA_AXES: frozenset[str] = frozenset({"dp", "fsdp", "dp_replicate", "dp_shard"})
 
@@ -66,8 +72,16 @@ class DataMesh:
         if len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(f"axis names repeat ({self.axis_names=}); name each axis once")
         for name, size in zip(self.axis_names, self.axis_sizes, strict=True):
-            if not isinstance(size, (int, np.integer)) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
                 raise ValueError(f"axis {name!r} has size {size!r}; sizes must be integers >= 1")
+        world = math.prod(int(s) for s in self.axis_sizes)
+        if world > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"the mesh {dict(zip(self.axis_names, self.axis_sizes, strict=True))} has "
+                f"{world} ranks, more than meshfeed plans (MAX_WORLD_SIZE = 2**20 = "
+                f"{MAX_WORLD_SIZE}: a mesh keeps a table of every rank, so larger worlds cost "
+                "minutes and gigabytes); check the axis sizes"
+            )
         unknown = set(self.data_axes) - set(self.axis_names) - set(DEFAULT_AXIS_ORDER)
         if unknown:
             raise ValueError(
@@ -89,7 +103,8 @@ class DataMesh:
             self, "_coords_of", {r: tuple(int(x) for x in c) for r, c in coords.items()}
         )
         raw = self._raw_data_world_size()
-        if not isinstance(self.ulysses, int) or self.ulysses < 1 or raw % self.ulysses:
+        u = self.ulysses
+        if isinstance(u, bool) or not isinstance(u, int) or u < 1 or raw % u:
             raise ValueError(
                 f"ulysses={self.ulysses!r} must be a positive divisor of the data-sharding size "
                 f"{raw} (axes {self._data_axis_names()}); choose ulysses from "

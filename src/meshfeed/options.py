@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 __all__ = [
     "MAX_SEED",
+    "MAX_WORKERS",
     "LoaderOptions",
     "OnError",
     "MAX_TIMEOUT",
@@ -28,6 +29,10 @@ MAX_SEED = 2**64
 #: Longer waits (and ``math.inf``) are clamped to this many seconds, 24 days: the longest wait
 #: ``poll`` accepts (2**31 - 1 milliseconds); larger values raise OverflowError there.
 MAX_TIMEOUT = 24.0 * 24 * 3600
+#: Most worker processes per rank: far more than any host has cores to feed them. A larger
+#: count is a typo, and would fork processes (each with its pipes) until the process or
+#: open-file limit fails part-way through starting them.
+MAX_WORKERS = 1024
 _ON_ERROR = ("raise", "skip", "substitute")
 #: What a loader does with a sample that still fails after its retries.
 OnError = Literal["raise", "skip", "substitute"]
@@ -84,6 +89,12 @@ def check_loader_arguments(
     for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
         _flag(name, flag)
     _int("num_workers", num_workers, 0, "an int >= 0")
+    if num_workers > MAX_WORKERS:  # type: ignore[operator]
+        raise ValueError(
+            f"num_workers={num_workers} is more worker processes than meshfeed starts per rank "
+            f"(MAX_WORKERS = {MAX_WORKERS}: each is a process with its pipes, so the process "
+            "or open-file limit would fail part-way); use at most a few per CPU core"
+        )
     _int("prefetch", prefetch, 1, "an int >= 1")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be positive seconds (got {timeout=!r})")

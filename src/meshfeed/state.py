@@ -67,8 +67,8 @@ def open_envelope(
     """Check ``state`` is a ``kind`` envelope of ``version`` with ``fields`` of these types.
 
     Returns a plain dict copy. Raises ``ValueError`` naming the field, the value and the fix:
-    a non-dict (or a whole training checkpoint), another kind, an older or newer version (never
-    misread), a missing field, a wrong type (``bool`` is not an ``int``), a negative int, or a
+    a non-dict (or a whole training checkpoint), another kind, a missing or non-int version
+    (malformed), an older or newer version (never misread), a missing field, a wrong type (``bool`` is not an ``int``), a negative int, or a
     value that is not JSON-serialisable. ``what`` names the part in messages (default: kind).
     A state of an older version that had no ``kind`` (or one of ``legacy_kinds``, the names
     earlier releases wrote) is refused with the version message, not as another part's state.
@@ -100,6 +100,11 @@ def open_envelope(
         raise ValueError(
             f"not a {name}: it has kind={got_kind!r}, expected kind={kind!r}; pass the dict "
             "that this object's state_dict() returned"
+        )
+    if isinstance(got_version, bool) or not isinstance(got_version, int):
+        raise ValueError(
+            f"{name} is malformed: it has no int 'version' (got version={got_version!r}); pass "
+            "the whole dict that state_dict() returned (a version is never missing from it)"
         )
     if got_version != version:
         releases = _RELEASES_OF_KIND.get(kind, _RELEASES)

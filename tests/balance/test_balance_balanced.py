@@ -168,3 +168,15 @@ def test_balanced_batches_rejects_too_many_documents_for_the_gather_buffer():
 def test_balanced_batches_rejects_a_max_docs_per_rank_that_is_not_a_positive_int(bad):
     with pytest.raises(ValueError, match=r"max_docs_per_rank must be a positive int \(got"):
         BalancedBatches(iter([]), max_tokens=64, cost=S2, max_docs_per_rank=bad)
+
+
+def test_balanced_batches_refuses_a_gather_buffer_beyond_what_it_plans():
+    with pytest.raises(ValueError, match=r"max_docs_per_rank=1000000000000 .*MAX_DOCS_PER_RANK"):
+        BalancedBatches(iter([]), max_tokens=64, cost=S2, max_docs_per_rank=10**12)
+    BalancedBatches(iter([]), max_tokens=64, cost=S2, max_docs_per_rank=2**20).close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0, -1.0, True, "10"])
+def test_balanced_batches_refuses_a_timeout_that_is_not_positive_seconds(bad):
+    with pytest.raises(ValueError, match="timeout must be positive seconds"):
+        BalancedBatches(iter([]), max_tokens=64, cost=S2, timeout=bad)

@@ -390,6 +390,16 @@ def test_bad_configuration_is_refused_with_the_fix(sources, weights, match):
         Mixture(sources, weights)
 
 
+@pytest.mark.parametrize(
+    ("seed", "error", "match"),
+    [(2**64, ValueError, r"seed must be in \[0, 2\*\*64\)"), (-1, ValueError, "seed must be in"),
+     (True, TypeError, "seed must be an int")],
+)  # fmt: skip
+def test_a_seed_beyond_64_bits_is_refused_at_construction(seed, error, match):
+    with pytest.raises(error, match=match):
+        Mixture({"a": [1], "b": [2]}, {"a": 1, "b": 1}, seed=seed)
+
+
 def test_loader_state_lives_in_the_order_not_in_the_mixture():
     mix = Mixture(
         {"a": _src("a", 40), "b": _src("b", 40)}, {0: {"a": 1, "b": 1}, 3: {"a": 1, "b": 3}}

@@ -23,6 +23,7 @@ Restoring refetches that batch and skips them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ __all__ = ["BalancedBatches"]
 _KIND = "balanced_batches"
 _VERSION = 2  # 1 had no kind; the header of the all-gather changed with it
 _HEADER = 2  # has_data, dtype signature; then the document lengths
+#: Most documents one rank's packed sample may hold: the all-gather buffer has a slot per
+#: document on every rank (8 bytes each), allocated at every batch.
+MAX_DOCS_PER_RANK = 2**20
 
 
 class _Comm:
@@ -123,8 +127,20 @@ class BalancedBatches:
         ):
             # A float would be truncated by int() below and a bool would mean 1 document.
             raise ValueError(f"max_docs_per_rank must be a positive int (got {max_docs_per_rank=})")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive seconds (got {timeout=})")
+        if max_docs_per_rank > MAX_DOCS_PER_RANK:
+            raise ValueError(
+                f"max_docs_per_rank={max_docs_per_rank} is more than BalancedBatches plans "
+                f"(MAX_DOCS_PER_RANK = 2**20 = {MAX_DOCS_PER_RANK}): every rank all-gathers 8 "
+                "bytes per slot from every rank at each batch; size it to the most documents "
+                "one packed sample holds"
+            )
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or math.isnan(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(f"timeout must be positive seconds (got {timeout=!r})")
         self._inner = _stateful_iterator(inner)
         if not isinstance(self._inner, Stateful):
             _refuse_partial_state(self._inner)

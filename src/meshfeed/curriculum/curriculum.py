@@ -113,6 +113,7 @@ class CurriculumMetric:
         Indexed by dataset index, or along ``index.order`` when ``in_sorted_order``.
         """
         thr = self.thresholds()
+        self.index.check_unchanged()
         n = len(self.index)
         if self.difficulty_type == "value":
             keys = self.index.sorted_values() if in_sorted_order else np.asarray(self.index.values)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.mapped import check_mapped
 from meshfeed.order.permutation import derive_seed, splitmix64
 from meshfeed.protocols import OrderBase
 from meshfeed.state import envelope, open_envelope
@@ -341,6 +342,7 @@ class GatedOrder(OrderBase):
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """Dataset indices (int64) at ``positions`` of ``epoch``: a pure function."""
+        check_mapped(self.pool_order, what="the curriculum's pool order")  # SIGBUS otherwise
         return np.asarray(self.pool_order[self.ranks(epoch, positions)], dtype=np.int64)
 
     def describe(self, epoch: int, position: int) -> dict[str, Any]:

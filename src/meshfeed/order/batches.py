@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.order.permutation import Permutation, check_seed, derive_seed
 from meshfeed.protocols import Order, OrderBase
 
 __all__ = [
@@ -39,7 +39,7 @@ class ShuffledOrder(OrderBase):
 
     def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
         self.num_samples = int(num_samples)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.shuffle = bool(shuffle)
         self._perm: tuple[int, Permutation] | None = None
 

@@ -13,7 +13,10 @@ numpy array (stored as a tensor, its dtype in the JSON), or a JSON value that re
 exactly (None, bool, int, float, str, lists, dicts with str keys: no tuples, no numpy
 scalars); anything else is refused at ``save`` naming the partition, sample and field, unless
 ``allow_pickle=True`` is given to ``save`` *and* to ``load`` (the value is then pickled into a
-byte tensor: load such files only from a source you trust).
+byte tensor: load such files only from a source you trust). Loading checks the file's
+bookkeeping before rebuilding anything (:mod:`meshfeed.queue.bookkeeping`): unique ids,
+``next_id`` above every id, every field and tensor index present and in range, consistent
+counts; ``ValueError`` naming the fault and the file otherwise.
 
 Writes are atomic: a temporary file in the target directory, ``fsync``, then ``os.replace``,
 so a reader sees the old file or the new one, never half of one. Temporary files are named
@@ -36,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.queue.bookkeeping import check_state, check_values
 from meshfeed.queue.columns import resolve
 from meshfeed.queue.core import KIND, VERSION, StoreCore
 from meshfeed.queue.records import Entry, Partition, Ref, Sample, StoreOptions, nbytes_of
@@ -116,15 +120,17 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
     return meta, payload
 
 
-def check_meta(meta: Any) -> None:
-    """Raise ``ValueError`` unless ``meta`` is store state of this version (the one envelope)."""
+def check_meta(meta: Any, *, what: str = "SampleStore state") -> None:
+    """Raise ``ValueError`` unless ``meta`` is store state of this version (the one envelope)
+    whose bookkeeping holds together (:func:`meshfeed.queue.bookkeeping.check_state`)."""
     open_envelope(
         meta,
         kind=KIND,
         version=VERSION,
         fields={"options": dict, "produced": int, "consumed": dict, "partitions": list},
-        what="SampleStore state",
+        what=what,
     )
+    check_state(meta, where=what)
 
 
 def _key(k: Any) -> Any:
@@ -265,6 +271,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def host_tag() -> str:
+    """This host's name as temporary file names carry it: ``-`` (the names' separator)
+    becomes ``_``. Writer and cleanup both call this, so they always agree."""
+    return socket.gethostname().replace("-", "_")
+
+
 def clean_stale(directory: str, *, now: float | None = None) -> list[str]:
     """Remove temporary files killed saves left in ``directory``; the removed paths.
 
@@ -272,7 +284,7 @@ def clean_stale(directory: str, *, now: float | None = None) -> list[str]:
     :data:`STALE_SECONDS` whoever wrote it. A save in progress is never stale (its process
     runs, and it is younger than a day)."""
     now = time.time() if now is None else now
-    host = socket.gethostname()
+    host = host_tag()
     removed = []
     for tmp in glob.glob(os.path.join(glob.escape(directory), ".samplestore-*.tmp")):
         parts = os.path.basename(tmp)[len(".samplestore-") :].rsplit("-", 2)
@@ -324,7 +336,7 @@ def write_checkpoint(
     directory = os.path.dirname(os.path.abspath(target))
     os.makedirs(directory, exist_ok=True)
     clean_stale(directory)
-    prefix = f".samplestore-{socket.gethostname().replace('-', '_')}-{os.getpid()}-"
+    prefix = f".samplestore-{host_tag()}-{os.getpid()}-"
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -357,11 +369,29 @@ def read_checkpoint(
         ) from None
     if not isinstance(blob, dict) or blob.get("format") != _FILE_FORMAT:
         raise ValueError(f"{where!r} is not a SampleStore checkpoint; pass a save() path")
-    meta = json.loads(blob["meta"])
-    check_meta(meta)
-    tensors = blob["tensors"]
+    meta, values, tensors = _parts(blob, where)
+    check_meta(meta, what=f"SampleStore checkpoint {where!r}")
+    check_values(meta, values, tensors, where=f"SampleStore checkpoint {where!r}")
     payload = [
         [{f: _decode(c, tensors, allow_pickle, where) for f, c in row.items()} for row in rows]
-        for rows in json.loads(blob["values"])
+        for rows in values
     ]
     return meta, payload
+
+
+def _parts(blob: dict[str, Any], where: str) -> tuple[Any, Any, list[Any]]:
+    """The metadata, value codes and tensors of a checkpoint file's blob, or ``ValueError``."""
+    missing = [k for k in ("meta", "values", "tensors") if k not in blob]
+    if missing or not isinstance(blob["tensors"], list):
+        raise ValueError(
+            f"SampleStore checkpoint {where!r} lacks {missing or 'a tensor list'}; the file is "
+            "corrupted or was edited, restore an intact checkpoint"
+        )
+    try:
+        meta, values = json.loads(blob["meta"]), json.loads(blob["values"])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"SampleStore checkpoint {where!r} has unreadable metadata ({exc}); the file is "
+            "corrupted or was edited, restore an intact checkpoint"
+        ) from None
+    return meta, values, blob["tensors"]

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
+from meshfeed.mapped import check_mapped
 from meshfeed.progress import Progress
 from meshfeed.sources.indexed import DTYPE_CODES, IndexedWriter, TokenCorpus
 
@@ -35,6 +36,9 @@ __all__ = ["add_subcommand", "convert", "load_tokenizer"]
 
 Tokenizer = Callable[[str], Any]
 FORMATS = ("auto", "jsonl", "parquet", "npy")
+
+#: Bytes of a .npy input copied out of its memory map per size check.
+_NPY_BLOCK_BYTES = 8 << 20
 
 
 def _byte_tokenizer(text: str) -> np.ndarray:
@@ -130,17 +134,28 @@ def _records(path: Path, fmt: str, field: str) -> Iterator[tuple[str, Any]]:
                 yield f"{path} row {row}", value
                 row += 1
     elif fmt == "npy":
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
-            raise ValueError(
-                f"{path} holds a {arr.ndim}-D {arr.dtype} array; .npy input must be a 2-D "
-                "integer array (one document per row) or a 1-D one (one document)"
-            )
-        rows = arr[None, :] if arr.ndim == 1 else arr
-        for r in range(rows.shape[0]):
-            yield f"{path} row {r}", rows[r]
+        yield from _npy_records(path)
     else:
         raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+
+
+def _npy_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """The rows of a .npy input, copied out of its memory map a block at a time."""
+    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
+        raise ValueError(
+            f"{path} holds a {arr.ndim}-D {arr.dtype} array; .npy input must be a 2-D "
+            "integer array (one document per row) or a 1-D one (one document)"
+        )
+    rows = arr[None, :] if arr.ndim == 1 else arr
+    step = max(1, _NPY_BLOCK_BYTES // max(1, rows[:1].nbytes))
+    for lo in range(0, rows.shape[0], step):
+        # one size check, then one copy out of the map: a file truncated meanwhile is a
+        # SourceError naming it, not SIGBUS in the middle of a row
+        check_mapped(rows)
+        block = np.array(rows[lo : lo + step])
+        for r, row in enumerate(block, start=lo):
+            yield f"{path} row {r}", row
 
 
 def _count(path: Path, fmt: str) -> int | None:

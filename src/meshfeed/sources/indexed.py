@@ -21,8 +21,11 @@ the ``.bin`` length (vectorised, O(documents), in bounded chunks): documents mus
 back, as every Megatron and meshfeed writer stores them, and the last one must end exactly at
 the end of ``.bin``. So the ``.bin`` size is recorded in the ``.idx`` without changing a byte of
 the format, a dtype code that disagrees with the ``.bin`` (uint8 over uint16 data) and a
-``.bin`` from another index are refused by name, and a damaged index never yields wrong tokens. A corpus pickles as its prefix (worker
-processes re-open the files instead of receiving gigabytes).
+``.bin`` from another index are refused by name, and a damaged index never yields wrong tokens.
+A file that changes size after opening (truncated or rewritten in place) is a
+:class:`~meshfeed.errors.SourceError` at the next batch read (:meth:`TokenCorpus.check_unchanged`),
+not SIGBUS. A corpus pickles as its prefix (worker processes re-open the files instead of
+receiving gigabytes).
 """
 
 from __future__ import annotations
@@ -207,10 +210,37 @@ class TokenCorpus:
                 f"{item}; the file is truncated or corrupt"
             )
         self._check_layout(bin_len)
+        # (mapping, size when opened, path) of each mapped file: an empty one maps nothing
+        self._watch = [
+            (buf, len(buf), path)
+            for buf, path in ((self._idx, idx_path), (self._bin, bin_path))
+            if isinstance(buf, mmap.mmap)
+        ]
         self.tokens: np.ndarray = np.frombuffer(self._bin, self.dtype, bin_len // item)
         self._contiguous: bool | None = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`SourceError` naming the file if ``.idx`` or ``.bin`` no longer has the
+        size it had when opened.
+
+        Reading a mapped page past the end of a file truncated in place kills the process with
+        ``SIGBUS`` (no Python exception, no message); the readers of this module call this
+        before each batch read, so a corpus rewritten under a running loader is an error that
+        names the file. Cost: one ``fstat`` per file (about 1 µs each) on the mappings' own
+        descriptors, so a file replaced by rename (the old one still mapped, still whole) is
+        not a change. A truncation between this check and the read still faults: rewrite a
+        corpus only under a new name, or by rename (as :func:`write_indexed` does).
+        """
+        for buf, size, path in self._watch:
+            if buf.size() != size:
+                now = buf.size()
+                raise SourceError(
+                    f"{path} changed size while open ({size} bytes when opened, {now} now): it "
+                    "was truncated or rewritten in place under a running reader; write corpora "
+                    "under a new prefix or by rename (write_indexed does), then reopen"
+                )
 
     @classmethod
     def open(cls, prefix: str | os.PathLike[str]) -> TokenCorpus:
@@ -348,7 +378,9 @@ class TokenCorpus:
             )
 
     def validate(self) -> None:
-        """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`."""
+        """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`
+        (or :class:`SourceError` if a file changed size since it was opened)."""
+        self.check_unchanged()
         self._check_layout(len(self._bin))
 
     @property
@@ -359,6 +391,7 @@ class TokenCorpus:
         almost surely does not. Checkpoints store it to refuse a state from another corpus.
         """
         if self._fingerprint is None:
+            self.check_unchanged()  # it reads the last bytes of each file
             h = hashlib.blake2b(digest_size=12)
             for buf in (self._idx, self._bin):
                 h.update(len(buf).to_bytes(8, "little"))

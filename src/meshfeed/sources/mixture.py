@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.order.interleave import MAX_PERIOD, Interleave, interleave_period, make_interleave
-from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.order.permutation import Permutation, check_seed, derive_seed
 from meshfeed.protocols import OrderBase, OrderedSource
 from meshfeed.state import dataset_fingerprint, envelope, open_envelope
 
@@ -94,9 +94,7 @@ class Mixture:
             lengths.append(n)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int (got {seed=!r})")
-        self.seed = seed
+        self.seed = check_seed(seed)  # [0, 2**64): refused now, not at the first batch
         if samples_per_epoch is not None and (
             not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
         ):

@@ -9,7 +9,9 @@
 
 Both implement ``__len__``, ``__getitem__``, ``__getitems__`` (torch's batched protocol) and
 ``fetch_batch(indices)``, meshfeed's already-collated batch hook: one preallocated array filled
-by one memmap slice per sample and handed to torch without a further copy.
+by one memmap slice per sample and handed to torch without a further copy. Every read first
+checks that the corpus files kept their size (:meth:`TokenCorpus.check_unchanged`, ~1 µs per
+file): a ``.bin`` truncated under a running loader is a ``SourceError`` naming it, not SIGBUS.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class TokenWindows:
     def __getitem__(self, i: int) -> torch.Tensor:
         if not -self._len <= i < self._len:
             raise IndexError(f"window index {i} out of range for {self._len} windows")
+        self.corpus.check_unchanged()
         start = (i % self._len) * self.seq_len
         return torch.from_numpy(
             self._stream[start : start + self.seq_len + 1].astype(self._np_dtype)
@@ -212,6 +215,7 @@ class TokenWindows:
             idx = _as_indices(idx, self._len)
         if idx.shape[0] and min(idx.tolist()) < 0:
             _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
+        self.corpus.check_unchanged()  # a truncated .bin would fault (SIGBUS) in the gather
         if self.pin_memory and _pinning():
             return self._fetch_pinned(idx)
         try:
@@ -283,15 +287,18 @@ class TokenDocuments:
         return f"documents:{self.corpus.fingerprint}"
 
     def __getitem__(self, i: int) -> np.ndarray:
+        self.corpus.check_unchanged()
         return self.corpus.document(i)
 
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray]:
         idx = _as_indices(np.asarray(indices, dtype=np.int64), len(self))
+        self.corpus.check_unchanged()
         return [self.corpus.document(i) for i in idx.tolist()]
 
     def fetch_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """The documents at ``indices`` concatenated, with their lengths and cumulative offsets."""
         idx = _as_indices(indices, len(self))
+        self.corpus.check_unchanged()
         lengths = self.corpus.sizes[idx].astype(np.int64)
         cu = np.zeros(idx.shape[0] + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])

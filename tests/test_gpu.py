@@ -1,0 +1,284 @@
+"""The GPU path on a GPU: NCCL collectives, pinned memory, DCP under an NCCL process group.
+
+Every test here is marked ``gpu``: skipped (with the reason) where CUDA is missing, run by the
+default test command where it is there. On one GPU the process group has one rank, and
+meshfeed skips collectives for a group of one (a rank alone needs no agreement); the
+``collectives_on_one_rank`` fixture turns that shortcut off, so every all-gather, all-reduce
+and all-to-all really runs on NCCL with tensors on ``cuda:<current>`` (the device rule of
+:func:`meshfeed.dist.device_for_backend`), and the results must equal the shortcut's. With two
+or more GPUs the same flows run on two real NCCL ranks (one GPU each).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as tdist
+
+from meshfeed import DataLoader, dist
+from meshfeed.balance import BalancedBatches, CostModel
+from meshfeed.balance.routing import route_local
+from meshfeed.services import DistributedService, InProcessService
+from meshfeed.sources import ShardedStream, StreamLoader
+from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.windows import TokenWindows
+from meshfeed.testing import assert_same
+from tests.balance.checks import Samples, make_sample
+
+pytestmark = pytest.mark.gpu
+
+S2 = CostModel(quadratic=1.0)
+TWO_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 or more CUDA devices (one NCCL rank per GPU)",
+)
+
+
+# ----------------------------------------------------------------- fixtures
+@pytest.fixture
+def nccl_group(tmp_path: Path) -> Iterator[None]:
+    """An NCCL default process group of one rank on cuda:0 (a file store, no network)."""
+    torch.cuda.set_device(0)
+    tdist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture
+def collectives_on_one_rank(
+    nccl_group: None, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[torch.device]]:
+    """Make a one-rank group count as distributed, and record the device of every tensor
+    meshfeed hands to an NCCL collective."""
+
+    def initialised(group: Any = None) -> bool:
+        return dist.is_initialized()
+
+    monkeypatch.setattr(dist, "is_distributed", initialised)
+    devices: list[torch.device] = []
+    for name, arg in (("all_reduce", 0), ("all_gather", 1), ("all_to_all_single", 1)):
+        real = getattr(tdist, name)
+
+        def spy(*args: Any, _real: Callable[..., Any] = real, _arg: int = arg, **kw: Any) -> Any:
+            devices.append(args[_arg].device)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(tdist, name, spy)
+    yield devices
+
+
+def _on_cuda(devices: list[torch.device], at_least: int) -> None:
+    assert len(devices) >= at_least, f"only {len(devices)} collectives ran"
+    assert {d.type for d in devices} == {"cuda"}, devices
+
+
+# ----------------------------------------------------------------- 1 GPU, NCCL group of one
+def _balanced_items(max_len: int = 250) -> list[dict[str, Any]]:
+    with BalancedBatches(
+        Samples(0, seed=3, batches=3, max_len=max_len, docs=8), max_tokens=256, cost=S2
+    ) as it:
+        return list(it)
+
+
+def test_balanced_batches_on_nccl_match_the_one_rank_result(nccl_group, monkeypatch):
+    alone = _balanced_items()  # the one-rank shortcut (no collective)
+    with monkeypatch.context() as m:
+        m.setattr(dist, "is_distributed", lambda group=None: True)
+        devices: list[torch.device] = []
+        real = tdist.all_to_all_single
+
+        def spy(out: torch.Tensor, inp: torch.Tensor, *a: Any, **k: Any) -> Any:
+            devices.append(inp.device)
+            return real(out, inp, *a, **k)
+
+        m.setattr(tdist, "all_to_all_single", spy)
+        on_nccl = _balanced_items()
+    _on_cuda(devices, 3)
+    assert_same(on_nccl, alone)
+    assert all(i["tokens"].device.type == "cpu" for i in on_nccl)  # results come back on CPU
+
+
+def test_balanced_batches_resume_on_nccl(collectives_on_one_rank):
+    def make() -> BalancedBatches:
+        return BalancedBatches(
+            Samples(0, seed=4, batches=3, max_len=250, docs=8), max_tokens=256, cost=S2
+        )
+
+    with make() as it:
+        items = list(it)
+    with make() as it:
+        head = [next(it) for _ in range(3)]
+        state = it.state_dict()
+    with make() as it:
+        it.load_state_dict(state)
+        tail = list(it)
+    assert_same(head + tail, items)
+    _on_cuda(collectives_on_one_rank, 6)
+
+
+def _stream(shards: int = 3, rows: int = 10) -> ShardedStream:
+    return ShardedStream(
+        [lambda s=s: iter(range(100 * s, 100 * s + rows)) for s in range(shards)],
+        shuffle_buffer=4,
+        seed=5,
+    )
+
+
+def test_a_stream_agrees_on_nccl_and_reads_what_it_reads_alone(collectives_on_one_rank):
+    alone = [b.tolist() for b in StreamLoader(_stream(), batch_size=4, seed=1)]
+    agreement = {"seed": 1, "global_batch_size": 4, "dataset_length": 30}
+    service = DistributedService(InProcessService(), agreement=agreement)
+    on_nccl = [b.tolist() for b in StreamLoader(_stream(), batch_size=4, seed=1, service=service)]
+    assert on_nccl == alone and len(alone) >= 5
+    _on_cuda(collectives_on_one_rank, 1)
+
+
+def test_distributed_service_agreement_runs_on_nccl(collectives_on_one_rank):
+    data = np.arange(32, dtype=np.float32)
+    agreement = {"seed": 7, "global_batch_size": 4, "dataset_length": 32}
+    service = DistributedService(InProcessService(), agreement=agreement)
+    loader = DataLoader(data, batch_size=4, seed=7, service=service)
+    got = [b.tolist() for b in loader]
+    want = [b.tolist() for b in DataLoader(data, batch_size=4, seed=7)]
+    assert got == want
+    _on_cuda(collectives_on_one_rank, 1)
+    assert dist.group_device() == torch.device("cuda", torch.cuda.current_device())
+
+
+def test_check_agreement_and_all_gather_objects_round_trip_on_nccl(collectives_on_one_rank):
+    dist.check_agreement({"a": 1, "b": 2**62})
+    assert dist.all_gather_objects({"x": [1, "two"]}) == [{"x": [1, "two"]}]
+    assert dist.all_min([5, -3]) == [5, -3] and dist.all_max([2**62]) == [2**62]
+    _on_cuda(collectives_on_one_rank, 4)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pin_memory_delivers_pinned_batches(num_workers):
+    data = np.arange(64, dtype=np.float32).reshape(32, 2)
+    loader = DataLoader(data, batch_size=4, pin_memory=True, num_workers=num_workers, seed=0)
+    batches = list(loader)
+    assert batches and all(b.is_pinned() for b in batches)
+    plain = list(DataLoader(data, batch_size=4, num_workers=num_workers, seed=0))
+    assert all(torch.equal(a, b) for a, b in zip(batches, plain, strict=True))
+
+
+def test_stream_loader_pin_memory_delivers_pinned_batches():
+    batches = list(StreamLoader(_stream(), batch_size=4, seed=1, pin_memory=True))
+    assert batches and all(b.is_pinned() for b in batches)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.int32, torch.int64])
+def test_pinned_token_windows_fetch_batch_is_pinned_and_equal(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    corpus = write_indexed(
+        tmp_path / "c", [rng.integers(0, 60000, 300) for _ in range(20)], "uint16"
+    )
+    idx = np.array([0, 7, 3, 40, 41], dtype=np.int64)
+    pinned = TokenWindows(corpus, seq_len=64, dtype=dtype, pin_memory=True).fetch_batch(idx)
+    plain = TokenWindows(corpus, seq_len=64, dtype=dtype).fetch_batch(idx)
+    assert pinned.is_pinned() and not plain.is_pinned()
+    assert pinned.dtype == dtype and torch.equal(pinned, plain)
+    on_gpu = pinned.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), plain)
+
+
+def test_dcp_saves_and_loads_a_loader_under_an_nccl_group(nccl_group, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    data = np.arange(96, dtype=np.float32)
+    loader = DataLoader(data, batch_size=4, seed=7)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    dcp.save({"data": loader}, checkpoint_id=str(tmp_path / "ckpt"))
+    rest = [b.tolist() for b in it]
+    fresh = DataLoader(data, batch_size=4, seed=7)
+    dcp.load({"data": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert fresh.position == 20
+    assert [b.tolist() for b in fresh] == rest
+
+
+# ----------------------------------------------------------------- 2+ GPUs, one NCCL rank each
+def _nccl_entry(rank: int, world: int, init: str, fn: Callable[..., Any], out: str) -> None:
+    torch.cuda.set_device(rank)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    tdist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world), os.path.join(out, f"{rank}.pt"))
+    finally:
+        tdist.destroy_process_group()
+
+
+def _run_nccl(fn: Callable[[int, int], Any], world: int = 2, timeout: float = 240.0) -> list[Any]:
+    """``fn(rank, world)`` on ``world`` spawned NCCL ranks, GPU ``rank`` each; the results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        init = f"file://{out}/store"
+        ctx = mp.start_processes(
+            _nccl_entry, args=(world, init, fn, out), nprocs=world, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=5.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world} NCCL ranks did not finish within {timeout}s")
+        return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _balanced_rank(rank: int, world: int) -> list[dict[str, Any]]:
+    with BalancedBatches(
+        Samples(rank, seed=9, batches=3, max_len=450, docs=8), max_tokens=256, cost=S2
+    ) as it:
+        return list(it)
+
+
+@TWO_GPUS
+def test_balanced_batches_on_two_nccl_ranks_match_the_simulation():
+    results = _run_nccl(_balanced_rank)
+    want: list[list[dict[str, Any]]] = [[], []]
+    for b in range(3):
+        samples = [make_sample(r, b, seed=9, max_len=450, docs=8) for r in range(2)]
+        _, outputs = route_local(samples, max_tokens=256, cost=S2, cp_sizes="any")
+        for r in range(2):
+            want[r] += outputs[r]
+    for r in range(2):
+        assert_same(results[r], want[r], f"rank {r}")
+
+
+def _stream_rank(rank: int, world: int) -> dict[str, Any]:
+    stream = ShardedStream(
+        [lambda s=s: iter(range(100 * s, 100 * s + 7 + 5 * s)) for s in range(4)], seed=2
+    )
+    loader = StreamLoader(stream, batch_size=2, seed=1)
+    batches = [b.tolist() for b in loader]
+    try:
+        DataLoader(np.arange(16), batch_size=2, seed=rank).__iter__().__next__()
+        disagreement = ""
+    except ValueError as exc:
+        disagreement = str(exc)
+    return {"batches": batches, "disagreement": disagreement}
+
+
+@TWO_GPUS
+def test_stream_ranks_stop_together_and_disagreement_is_refused_on_two_nccl_ranks():
+    results = _run_nccl(_stream_rank)
+    assert len(results[0]["batches"]) == len(results[1]["batches"]) > 0
+    seen = [{x for b in r["batches"] for x in b} for r in results]
+    assert not seen[0] & seen[1]
+    for r in results:
+        assert "disagree on seed" in r["disagreement"]
