@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from meshfeed import DataLoader, dist
+from meshfeed import DataLoader, StreamLoader, dist
 from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.balance.routing import route_local
 from meshfeed.services import DistributedService, InProcessService
-from meshfeed.sources import ShardedStream, StreamLoader
+from meshfeed.sources import ShardedStream
 from meshfeed.sources.indexed import write_indexed
 from meshfeed.sources.windows import TokenWindows
 from meshfeed.testing import assert_same

@@ -104,11 +104,13 @@ class ShardedStream:
         self.samples_per_epoch = samples_per_epoch
         if rows is not None:
             if len(rows) != len(shards) or any(
-                isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0 for r in rows
+                isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < 2**40
+                for r in rows
             ):
                 raise ValueError(
-                    f"rows must give one non-negative int row count per shard ({len(shards)} "
-                    f"shards, got {list(rows)!r}); omit rows= to have them counted"
+                    f"rows must give one int row count in [0, 2**40) per shard ({len(shards)} "
+                    f"shards, got {list(rows)[:8]!r}); omit rows= to have them counted, and "
+                    "split larger shards"
                 )
             self._given_rows: list[int] | None = [int(r) for r in rows]
         else:
