@@ -1,0 +1,547 @@
+"""The node-local shard cache: each remote file downloads once per node, atomically, within a limit.
+
+Layout of ``cache_dir``: one folder per remote folder (a hash of its URL and endpoint), holding
+for each file ``NAME`` (the remote base name, so ``corpus.bin`` and ``corpus.idx`` stay side by
+side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, blake2b checksum)
+and a lock file ``NAME.meshfeed.lock``.
+
+The protocol, for every process of the node that shares ``cache_dir``:
+
+- An entry is valid only with its sidecar and a data file of the sidecar's size. A download
+  writes a temporary file in the same folder under the entry's exclusive lock, checks its size
+  against the server's (and its MD5 against a single-part ETag), fsyncs, renames the data, then
+  the sidecar; a process killed at any point leaves no valid entry, only a temporary file the
+  next writer (or a new ``ShardCache``) removes.
+- A reader holds the entry's shared lock from :meth:`ShardCache.local_path` until
+  :meth:`ShardCache.release` (or :meth:`ShardCache.close`, or its death); eviction takes the
+  exclusive lock without waiting, so a held entry is never evicted.
+- Over ``cache_limit``, the least recently used unheld entries go (sidecar first); a
+  download-ahead that cannot make room is skipped, a demanded file is downloaded anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from meshfeed.errors import SourceError
+from meshfeed.storage._lock import FileLock
+from meshfeed.storage.retry import RetryPolicy
+from meshfeed.storage.urls import (
+    StorageOptions,
+    filesystem,
+    is_url,
+    local_path_of,
+    remote_info,
+)
+
+__all__ = ["ShardCache", "default_cache_dir", "resolve"]
+
+_SIDE = ".meshfeed.json"
+_LOCK = ".meshfeed.lock"
+_TMP = ".meshfeed.tmp"
+_HASH_BLOCK = 1 << 22
+
+
+def default_cache_dir() -> str:
+    """``$MESHFEED_CACHE_DIR``, else ``~/.cache/meshfeed/shards``."""
+    env = os.environ.get("MESHFEED_CACHE_DIR")
+    return env or os.path.join(os.path.expanduser("~"), ".cache", "meshfeed", "shards")
+
+
+class _Incomplete(ConnectionError):
+    """A download that ended short or whose bytes disagree with the server's: retried."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    url: str
+    data: Path
+
+    @property
+    def sidecar(self) -> Path:
+        return self.data.with_name(self.data.name + _SIDE)
+
+    @property
+    def lock(self) -> Path:
+        return self.data.with_name(self.data.name + _LOCK)
+
+    def temp(self, suffix: str = "") -> Path:
+        return self.data.with_name(f".{self.data.name}{suffix}.{uuid.uuid4().hex[:12]}{_TMP}")
+
+
+def _endpoint(options: StorageOptions) -> str:
+    client = options.get("client_kwargs") or {}
+    return str(options.get("endpoint_url") or client.get("endpoint_url") or "")
+
+
+def _digest(path: Path, want_md5: bool) -> tuple[str, str | None]:
+    blake = hashlib.blake2b(digest_size=16)
+    md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            blake.update(block)
+            if md5 is not None:
+                md5.update(block)
+    return blake.hexdigest(), None if md5 is None else md5.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardCache:
+    """Local copies of remote files, shared by every process of a node through ``cache_dir``.
+
+    ``local_path(url)`` returns a local path to the complete file, downloading it first if no
+    process of the node has (one download however many processes ask at once: the others wait
+    for it, at most ``lock_timeout`` seconds). The entry stays held (never evicted) until
+    ``release(url)`` or ``close()``. ``cache_limit`` bounds the bytes kept (None: no bound).
+    ``verify="checksum"`` re-hashes an entry this object did not download on its first use
+    (a full read); the default trusts a published entry's size. Transient network failures
+    are retried for ``retry_timeout`` seconds, then :class:`~meshfeed.errors.SourceError`
+    names the URL. The object pickles as its settings (worker processes get their own).
+
+    >>> cache = ShardCache("/tmp/shards", cache_limit=20 << 30)  # doctest: +SKIP
+    >>> path = cache.local_path("s3://bucket/corpus.idx")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        cache_limit: int | None = None,
+        storage_options: StorageOptions | None = None,
+        retry_timeout: float = 60.0,
+        lock_timeout: float = 600.0,
+        prefetch_workers: int = 2,
+        verify: Literal["size", "checksum"] = "size",
+    ) -> None:
+        if cache_limit is not None and (
+            isinstance(cache_limit, bool) or not isinstance(cache_limit, int) or cache_limit < 1
+        ):
+            raise ValueError(
+                f"cache_limit must be a positive number of bytes or None (got {cache_limit=})"
+            )
+        if verify not in ("size", "checksum"):
+            raise ValueError(f"verify must be 'size' or 'checksum' (got {verify=!r})")
+        if not isinstance(prefetch_workers, int) or prefetch_workers < 1:
+            raise ValueError(f"prefetch_workers must be a positive int (got {prefetch_workers=})")
+        if lock_timeout <= 0:
+            raise ValueError(f"lock_timeout must be positive seconds (got {lock_timeout=})")
+        self.cache_dir = Path(cache_dir if cache_dir is not None else default_cache_dir())
+        self.cache_limit = cache_limit
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.retry = RetryPolicy(timeout=retry_timeout)
+        self.lock_timeout = float(lock_timeout)
+        self.prefetch_workers = prefetch_workers
+        self.verify = verify
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._init_process_state()
+        self._sweep()
+
+    def _init_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._held: dict[str, FileLock] = {}
+        self._verified: set[str] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._stats = dict.fromkeys(
+            ("downloads", "hits", "bytes", "gets", "heads", "range_reads", "retries",
+             "evictions", "waits", "skipped_prefetch"),
+            0,
+        )  # fmt: skip
+
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:  # a forked child: the parent's locks and threads are not ours
+            for lock in self._held.values():
+                lock.close()  # the parent still holds its own descriptor, and so its lock
+            self._init_process_state()
+
+    # -- pickling: settings only ------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "cache_dir": str(self.cache_dir),
+            "cache_limit": self.cache_limit,
+            "storage_options": self.storage_options,
+            "retry_timeout": self.retry.timeout,
+            "lock_timeout": self.lock_timeout,
+            "prefetch_workers": self.prefetch_workers,
+            "verify": self.verify,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("cache_dir"), **state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"ShardCache({str(self.cache_dir)!r}, cache_limit={self.cache_limit})"
+
+    # -- public API --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this process: downloads, hits, bytes downloaded, GET requests (``gets``,
+        ranged ones included), metadata requests (``heads``), ``range_reads``, ``retries``,
+        ``evictions``, ``waits`` (times another process held an entry we wanted) and
+        ``skipped_prefetch`` (download-ahead skipped for lack of room)."""
+        with self._mutex:
+            return dict(self._stats)
+
+    def entry_path(self, url: str) -> str:
+        """Where ``url`` is (or would be) cached; it is only safe to read via :meth:`local_path`."""
+        return str(self._entry(url).data)
+
+    def local_path(self, url: str, *, version: str | None = None) -> str:
+        """A local path to the complete file at ``url``, held until :meth:`release`.
+
+        ``version``: the remote version the caller expects (from :func:`version_of`, e.g.
+        stored in a checkpoint); a cached or remote copy of another version raises
+        :class:`SourceError` naming the URL. A ``file://`` URL returns its path uncached.
+        """
+        self._check_fork()
+        local = local_path_of(url)
+        if local is not None:
+            return local
+        entry = self._entry(url)
+        with self._mutex:
+            held = url in self._held
+        if held:
+            meta = self._read_meta(entry, deep=False)
+            if meta is not None:
+                self._expect(url, meta, version)
+                self._count("hits")
+                self._touch(entry)
+                return str(entry.data)
+        lock = self._lock_of(entry)
+        try:
+            self._acquire(entry, lock, version, demanded=True)
+        except BaseException:
+            lock.close()
+            raise
+        with self._mutex:
+            old = self._held.pop(url, None)
+            self._held[url] = lock
+        if old is not None:
+            old.close()
+        return str(entry.data)
+
+    def release(self, url: str) -> None:
+        """Let ``url``'s entry be evicted again (this process no longer reads it)."""
+        self._check_fork()
+        with self._mutex:
+            lock = self._held.pop(url, None)
+        if lock is not None:
+            lock.close()
+
+    @contextlib.contextmanager
+    def hold(self, url: str, *, version: str | None = None) -> Iterator[str]:
+        """``with cache.hold(url) as path:`` — :meth:`local_path`, released on exit."""
+        path = self.local_path(url, version=version)
+        try:
+            yield path
+        finally:
+            self.release(url)
+
+    def prefetch(self, urls: Iterable[str]) -> list[Future[bool]]:
+        """Download ``urls`` ahead in background threads; each future says if the file is cached.
+
+        Bounded by ``cache_limit``: a file that would need a held entry evicted is skipped
+        (its future gives False, ``stats()["skipped_prefetch"]`` counts it). Errors land in
+        the futures; a later :meth:`local_path` retries them.
+        """
+        self._check_fork()
+        with self._mutex:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.prefetch_workers, thread_name_prefix="meshfeed-prefetch"
+                )
+            pool = self._pool
+        return [pool.submit(self._prefetch_one, url) for url in urls if local_path_of(url) is None]
+
+    def open_range(self, url: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one, else one
+        ranged GET (retried), without downloading the whole file."""
+        if isinstance(start, bool) or isinstance(stop, bool) or not 0 <= start <= stop:
+            raise ValueError(f"need 0 <= start <= stop (got {start=}, {stop=}) to read {url}")
+        self._check_fork()
+        entry = self._entry(url)
+        meta = self._read_meta(entry, deep=False)
+        if meta is not None:
+            with contextlib.suppress(FileNotFoundError), open(entry.data, "rb") as f:
+                # an eviction after open unlinks the name only; these bytes stay readable
+                f.seek(start)
+                data = f.read(stop - start)
+                self._count("hits")
+                return data
+        fs, path = filesystem(url, self.storage_options)
+
+        def get() -> bytes:
+            self._count("gets")
+            return bytes(fs.cat_file(path, start=start, end=stop))
+
+        data = self.retry.call(get, url=url, action="read a range of", on_retry=self._on_retry)
+        self._count("range_reads")
+        self._count("bytes", len(data))
+        return data
+
+    def close(self) -> None:
+        """Release every held entry and stop the download-ahead threads."""
+        with self._mutex:
+            held, self._held = self._held, {}
+            pool, self._pool = self._pool, None
+        if os.getpid() != self._pid:
+            return
+        for lock in held.values():
+            lock.close()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ShardCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- entries ------------------------------------------------------------------------------
+
+    def _entry(self, url: str) -> _Entry:
+        if not is_url(url):
+            raise ValueError(f"{url!r} is not a URL; local files need no cache")
+        folder, _, name = url.rstrip("/").rpartition("/")
+        key = hashlib.blake2b(
+            f"{folder}\0{_endpoint(self.storage_options)}".encode(), digest_size=8
+        ).hexdigest()
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "object"
+        return _Entry(url, self.cache_dir / key / name)
+
+    def _lock_of(self, entry: _Entry) -> FileLock:
+        entry.data.parent.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(entry.lock))
+
+    def _read_meta(self, entry: _Entry, *, deep: bool) -> dict[str, Any] | None:
+        """The sidecar of a complete entry of ``entry.url``; None when there is none."""
+        try:
+            meta = json.loads(entry.sidecar.read_text())
+            size = entry.data.stat().st_size
+        except (OSError, ValueError):
+            return None
+        if not isinstance(meta, dict) or meta.get("url") != entry.url or meta.get("size") != size:
+            return None
+        if deep and entry.url not in self._verified:
+            if _digest(entry.data, False)[0] != meta.get("blake2b"):
+                return None
+            self._verified.add(entry.url)
+        return meta
+
+    def _expect(self, url: str, meta: dict[str, Any], version: str | None) -> None:
+        if version is not None and meta["version"] != version:
+            raise SourceError(
+                f"{url} changed: the cached copy is version {meta['version']!r} but this job "
+                f"expects {version!r} (recorded when it started); the object was rewritten, "
+                "so resuming would read other data: restore the object or start a new run"
+            )
+
+    def _touch(self, entry: _Entry) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(entry.sidecar)  # the sidecar's mtime is the entry's last use (LRU)
+
+    def _acquire(
+        self, entry: _Entry, lock: FileLock, version: str | None, *, demanded: bool
+    ) -> bool:
+        """Take the shared lock of a complete entry, downloading it first if needed.
+
+        False only for a download-ahead (``demanded=False``) that found no room.
+        """
+        deadline = time.monotonic() + self.lock_timeout
+        deep = self.verify == "checksum"
+        what = f"caching {entry.url}"
+        fetched = False
+        for _ in range(8):  # a concurrent eviction between our two locks sends us round again
+            if lock.acquire(exclusive=False, deadline=deadline, what=what):
+                self._count("waits")
+            meta = self._read_meta(entry, deep=deep)
+            if meta is not None:
+                self._expect(entry.url, meta, version)
+                if not fetched:
+                    self._count("hits")
+                self._touch(entry)
+                return True
+            lock.release()
+            if lock.acquire(exclusive=True, deadline=deadline, what=what):
+                self._count("waits")
+            if self._read_meta(entry, deep=deep) is None:
+                self._clean(entry)
+                if not self._download(entry, version, demanded=demanded):
+                    lock.release()
+                    return False
+                fetched = True
+            lock.acquire(exclusive=False, deadline=deadline, what=what)  # downgrade
+        raise SourceError(
+            f"{entry.url} kept disappearing from {self.cache_dir} while being cached; is the cache limit far below one file?"
+        )
+
+    def _clean(self, entry: _Entry) -> None:
+        """Under the entry's exclusive lock: remove every trace of an incomplete entry."""
+        entry.sidecar.unlink(missing_ok=True)
+        entry.data.unlink(missing_ok=True)
+        for tmp in entry.data.parent.glob(f".{entry.data.name}*{_TMP}"):
+            tmp.unlink(missing_ok=True)
+
+    def _sweep(self) -> None:
+        """Remove temporary files (and data without a sidecar) that no writer holds."""
+        for tmp in self.cache_dir.glob(f"*/.*{_TMP}"):
+            # .NAME[.meshfeed.json].RANDOM.meshfeed.tmp -> NAME
+            name = tmp.name[1 : -len(_TMP)].rsplit(".", 1)[0].removesuffix(_SIDE)
+            lock = FileLock(str(tmp.with_name(name + _LOCK)))
+            try:
+                if lock.try_acquire(exclusive=True):
+                    entry = _Entry("", tmp.with_name(name))
+                    if not entry.sidecar.exists():
+                        entry.data.unlink(missing_ok=True)
+                    tmp.unlink(missing_ok=True)
+            finally:
+                lock.close()
+
+    # -- download and eviction ----------------------------------------------------------------
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._mutex:
+            self._stats[key] += n
+
+    def _on_retry(self, _: BaseException) -> None:
+        self._count("retries")
+
+    def _download(self, entry: _Entry, version: str | None, *, demanded: bool) -> bool:
+        """Under the entry's exclusive lock: fetch, check and publish ``entry.url``."""
+        url = entry.url
+        fs, path = filesystem(url, self.storage_options)
+        entry.data.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.temp()
+        kwargs = {"max_concurrency": 1} if "s3" in fs.protocol else {}  # one GET per file
+        room_checked = False
+
+        def attempt() -> dict[str, Any] | None:
+            nonlocal room_checked
+            self._count("heads")
+            info = remote_info(url, self.storage_options, retry=None)
+            if version is not None and info.version != version:
+                raise SourceError(
+                    f"{url} changed: the bucket holds version {info.version!r} but this job "
+                    f"expects {version!r} (recorded when it started); the object was "
+                    "rewritten, so resuming would read other data: restore the object or "
+                    "start a new run"
+                )
+            if not room_checked:
+                if not self._make_room(info.size, keep=entry) and not demanded:
+                    return None
+                room_checked = True
+            self._count("gets")
+            fs.get_file(path, str(tmp), **kwargs)
+            got = tmp.stat().st_size
+            if got != info.size:
+                raise _Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
+            blake, md5 = _digest(tmp, info.md5 is not None)
+            if md5 != info.md5:
+                raise _Incomplete(f"the MD5 of the download of {url} is {md5}, its ETag {info.md5}")
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            return {"url": url, "size": got, "version": info.version, "blake2b": blake}
+
+        try:
+            meta = self.retry.call(attempt, url=url, action="download", on_retry=self._on_retry)
+            if meta is None:
+                self._count("skipped_prefetch")
+                return False
+            side_tmp = entry.temp(_SIDE)
+            with open(side_tmp, "w") as f:
+                json.dump(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, entry.data)
+            os.replace(side_tmp, entry.sidecar)  # the entry is complete from here on
+            _fsync_dir(entry.data.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._verified.add(url)
+        self._count("downloads")
+        self._count("bytes", int(meta["size"]))
+        return True
+
+    def _entries(self) -> list[tuple[float, int, Path]]:
+        out = []
+        for side in self.cache_dir.glob(f"*/*{_SIDE}"):
+            try:
+                t = side.stat().st_mtime
+                size = int(json.loads(side.read_text())["size"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            out.append((t, size, side))
+        return out
+
+    def _make_room(self, need: int, *, keep: _Entry) -> bool:
+        """Evict least recently used unheld entries until ``need`` more bytes fit the limit."""
+        if self.cache_limit is None:
+            return True
+        entries = sorted(self._entries())
+        total = sum(size for _, size, _ in entries)
+        for _, size, side in entries:
+            if total + need <= self.cache_limit:
+                break
+            data = side.with_name(side.name[: -len(_SIDE)])
+            if data == keep.data:
+                continue
+            lock = FileLock(str(data.with_name(data.name + _LOCK)))
+            try:
+                if lock.try_acquire(exclusive=True) and side.exists():
+                    side.unlink()  # first: without its sidecar the entry is gone for everyone
+                    data.unlink(missing_ok=True)
+                    total -= size
+                    self._count("evictions")
+            finally:
+                lock.close()
+        return total + need <= self.cache_limit
+
+    def _prefetch_one(self, url: str) -> bool:
+        entry = self._entry(url)
+        lock = self._lock_of(entry)
+        try:
+            return self._acquire(entry, lock, None, demanded=False)
+        finally:
+            lock.close()
+
+
+def resolve(
+    path_or_url: str | os.PathLike[str], *, cache: ShardCache | None, version: str | None = None
+) -> str:
+    """A local path for ``path_or_url``: a local path or ``file://`` URL as is, any other URL
+    through ``cache`` (downloaded once per node, held until ``cache.release(url)``).
+
+    ``version``: as in :meth:`ShardCache.local_path`. A URL without a cache raises ValueError.
+    """
+    p = os.fspath(path_or_url)
+    if not is_url(p):
+        return p
+    local = local_path_of(p)
+    if local is not None:
+        return local
+    if cache is None:
+        raise ValueError(
+            f"{p} is a URL, so it needs a local cache: pass cache=ShardCache(cache_dir=...) "
+            "(or cache_dir= where the reader takes one)"
+        )
+    return cache.local_path(p, version=version)
