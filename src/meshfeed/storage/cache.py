@@ -51,6 +51,7 @@ __all__ = ["ShardCache", "default_cache_dir", "resolve"]
 _SIDE = ".meshfeed.json"
 _LOCK = ".meshfeed.lock"
 _TMP = ".meshfeed.tmp"
+_BOOKING = ".booking"
 _HASH_BLOCK = 1 << 22
 
 
@@ -407,6 +408,7 @@ class ShardCache:
         for tmp in self.cache_dir.glob(f"*/.*{_TMP}"):
             # .NAME[.meshfeed.json].RANDOM.meshfeed.tmp -> NAME
             name = tmp.name[1 : -len(_TMP)].rsplit(".", 1)[0].removesuffix(_SIDE)
+            name = name.removesuffix(_BOOKING)
             lock = FileLock(str(tmp.with_name(name + _LOCK)))
             try:
                 if lock.try_acquire(exclusive=True):
@@ -433,10 +435,10 @@ class ShardCache:
         entry.data.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.temp()
         kwargs = {"max_concurrency": 1} if "s3" in fs.protocol else {}  # one GET per file
-        room_checked = False
+        reserved: Path | None = None
 
         def attempt() -> dict[str, Any] | None:
-            nonlocal room_checked
+            nonlocal reserved
             self._count("heads")
             info = remote_info(url, self.storage_options, retry=None)
             if version is not None and info.version != version:
@@ -446,10 +448,10 @@ class ShardCache:
                     "rewritten, so resuming would read other data: restore the object or "
                     "start a new run"
                 )
-            if not room_checked:
-                if not self._make_room(info.size, keep=entry) and not demanded:
+            if reserved is None:
+                reserved = self._reserve(entry, info.size, demanded=demanded)
+                if reserved is None:
                     return None
-                room_checked = True
             self._count("gets")
             fs.get_file(path, str(tmp), **kwargs)
             got = tmp.stat().st_size
@@ -477,13 +479,41 @@ class ShardCache:
             _fsync_dir(entry.data.parent)
         finally:
             tmp.unlink(missing_ok=True)
+            if reserved is not None:
+                reserved.unlink(missing_ok=True)
         self._verified.add(url)
         self._count("downloads")
         self._count("bytes", int(meta["size"]))
         return True
 
+    def _reserve(self, entry: _Entry, size: int, *, demanded: bool) -> Path | None:
+        """Make room for ``size`` bytes and book them (None: no room for a download-ahead).
+
+        The booking is a sparse file of that size beside the entry, counted by every
+        process's room check until the download is published or abandoned; checks and
+        bookings are serialised by one lock for the whole cache.
+        """
+        lock = FileLock(str(self.cache_dir / f"cache{_LOCK}"))
+        try:
+            lock.acquire(
+                exclusive=True,
+                deadline=time.monotonic() + self.lock_timeout,
+                what="the cache-wide lock, to make room",
+            )
+            if not self._make_room(size, keep=entry) and not demanded:
+                return None
+            booking = entry.temp(_BOOKING)
+            with open(booking, "wb") as f:
+                f.truncate(size)
+            return booking
+        finally:
+            lock.close()
+
     def _entries(self) -> list[tuple[float, int, Path]]:
-        out = []
+        out = [
+            (float("inf"), p.stat().st_size, p)  # bookings: never evicted
+            for p in self.cache_dir.glob(f"*/.*{_BOOKING}.*{_TMP}")
+        ]
         for side in self.cache_dir.glob(f"*/*{_SIDE}"):
             try:
                 t = side.stat().st_mtime
@@ -499,8 +529,8 @@ class ShardCache:
             return True
         entries = sorted(self._entries())
         total = sum(size for _, size, _ in entries)
-        for _, size, side in entries:
-            if total + need <= self.cache_limit:
+        for t, size, side in entries:
+            if total + need <= self.cache_limit or t == float("inf"):
                 break
             data = side.with_name(side.name[: -len(_SIDE)])
             if data == keep.data:
