@@ -54,3 +54,6 @@ class FileLock:
         if self._fd is not None:
             os.close(self._fd)  # releases the lock
             self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
