@@ -52,7 +52,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
         proxy = self.server.proxy
         body = self._body()
-        fail, delay = proxy._on_request(self.command)
+        fail, delay = proxy._on_request(self.command, self.path)
         try:
             if delay:
                 time.sleep(delay)
@@ -108,7 +108,7 @@ class FaultProxy:
     ``fail_next``: answer the next k requests with 500 InternalError. ``slow_next`` with
     ``delay``: hold the next k requests that long before answering. ``throttle``: seconds to
     sleep after each 64 KiB of a body. ``counts``: requests per method since the last
-    :meth:`reset`. :meth:`stop` closes the listening socket and every open connection (the
+    :meth:`reset`, ``object_gets``: GETs of objects (listings excluded) per path. :meth:`stop` closes the listening socket and every open connection (the
     endpoint is down); :meth:`start` listens again on the same port.
     """
 
@@ -120,6 +120,7 @@ class FaultProxy:
         self.delay = 0.0
         self.throttle = 0.0
         self.counts: Counter[str] = Counter()
+        self.object_gets: Counter[str] = Counter()  # GETs of objects (not listings), per path
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._server: _Server | None = None
@@ -133,9 +134,11 @@ class FaultProxy:
         with self._lock:
             (self._conns.add if add else self._conns.discard)(conn)
 
-    def _on_request(self, method: str) -> tuple[bool, float]:
+    def _on_request(self, method: str, path: str) -> tuple[bool, float]:
         with self._lock:
             self.counts[method] += 1
+            if method == "GET" and "?" not in path:
+                self.object_gets[path] += 1
             fail = self.fail_next > 0
             self.fail_next -= fail
             slow = self.slow_next > 0
@@ -145,6 +148,7 @@ class FaultProxy:
     def reset(self) -> None:
         with self._lock:
             self.counts.clear()
+            self.object_gets.clear()
             self.fail_next = self.slow_next = 0
             self.delay = self.throttle = 0.0
 
