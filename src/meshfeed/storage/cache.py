@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -300,6 +301,41 @@ class ShardCache:
         self._count("bytes", len(data))
         return data
 
+    def adopt(self, url: str, local: str | os.PathLike[str]) -> str:
+        """Make ``local``, a file just uploaded to ``url``, the cached copy of ``url``.
+
+        The file is moved (a rename when it lies on the cache's file system), after its size
+        and, for a single-part ETag, its MD5 are checked against the server's (one HEAD). So a
+        writer that uploads a corpus leaves it cached for the readers of its node. Returns the
+        entry's path (not held).
+        """
+        self._check_fork()
+        entry = self._entry(url)
+        lock = self._lock_of(entry)
+        try:
+            lock.acquire(
+                exclusive=True,
+                deadline=time.monotonic() + self.lock_timeout,
+                what=f"adopting {url}",
+            )
+            self._count("heads")
+            info = remote_info(url, self.storage_options, retry=self.retry)
+            blake, md5 = _digest(Path(local), info.md5 is not None)
+            size = os.path.getsize(local)
+            if size != info.size or md5 != info.md5:
+                raise SourceError(
+                    f"{url} is not the file {os.fspath(local)} ({info.size} bytes there, {size} "
+                    "here, or another MD5); upload it again before adopting it"
+                )
+            self._clean(entry)
+            tmp = entry.temp()
+            shutil.move(os.fspath(local), tmp)
+            meta = {"url": url, "size": size, "version": info.version, "blake2b": blake}
+            self._publish(entry, tmp, meta)
+        finally:
+            lock.close()
+        return str(entry.data)
+
     def close(self) -> None:
         """Release every held entry and stop the download-ahead threads."""
         with self._mutex:
@@ -460,8 +496,6 @@ class ShardCache:
             blake, md5 = _digest(tmp, info.md5 is not None)
             if md5 != info.md5:
                 raise _Incomplete(f"the MD5 of the download of {url} is {md5}, its ETag {info.md5}")
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
             return {"url": url, "size": got, "version": info.version, "blake2b": blake}
 
         try:
@@ -469,14 +503,7 @@ class ShardCache:
             if meta is None:
                 self._count("skipped_prefetch")
                 return False
-            side_tmp = entry.temp(_SIDE)
-            with open(side_tmp, "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, entry.data)
-            os.replace(side_tmp, entry.sidecar)  # the entry is complete from here on
-            _fsync_dir(entry.data.parent)
+            self._publish(entry, tmp, meta)
         finally:
             tmp.unlink(missing_ok=True)
             if reserved is not None:
@@ -508,6 +535,19 @@ class ShardCache:
             return booking
         finally:
             lock.close()
+
+    def _publish(self, entry: _Entry, tmp: Path, meta: dict[str, Any]) -> None:
+        """Under the entry's exclusive lock: data, then sidecar, each renamed into place."""
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        side_tmp = entry.temp(_SIDE)
+        with open(side_tmp, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, entry.data)
+        os.replace(side_tmp, entry.sidecar)  # the entry is complete from here on
+        _fsync_dir(entry.data.parent)
 
     def _entries(self) -> list[tuple[float, int, Path]]:
         out = [
