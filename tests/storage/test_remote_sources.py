@@ -107,3 +107,46 @@ def test_parquet_files_from_a_url_folder(s3: S3, tmp_path: Path) -> None:
     assert [r["x"] for r in one.__getitems__([0, 9])] == [10, 19]
     gets = s3.proxy.object_gets  # each file once (the folder listing aside)
     assert sorted(gets.values()) == [1, 1] and all(p.endswith(".parquet") for p in gets)
+
+
+def test_convert_writes_a_corpus_to_a_url_and_leaves_it_cached(s3: S3, tmp_path: Path) -> None:
+    from meshfeed.sources.convert import convert
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "hello"}\n{"text": "object storage"}\n')
+    local = convert(src, tmp_path / "local" / "c", tokenizer="bytes", progress=False)
+    url = s3.url("out/corpus")
+    cache = tmp_path / "cache"
+    written = convert(
+        src, url, tokenizer="bytes", progress=False, cache_dir=cache, storage_options=s3.options
+    )
+    assert written.fingerprint == local.fingerprint
+    for ext in (".bin", ".idx"):
+        body = s3.client.get_object(Bucket=s3.bucket, Key="out/corpus" + ext)["Body"].read()
+        assert body == Path(str(local.prefix) + ext).read_bytes()
+    assert not s3.proxy.object_gets  # uploaded and adopted: the node never downloads it
+    assert not list(cache.glob(".convert-*"))  # the staging folder is gone
+    fresh = TokenCorpus.open(url, cache_dir=tmp_path / "other", storage_options=s3.options)
+    assert fresh.fingerprint == local.fingerprint
+
+
+def test_the_convert_command_takes_a_url_output(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfeed.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "abc"}\n')
+    for k, v in {
+        "AWS_ENDPOINT_URL": s3.proxy.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    url = s3.url("cli/corpus")
+    argv = ["convert", str(src), "-o", url, "--tokenizer", "bytes", "-q"]
+    assert main([*argv, "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert s3.proxy.counts["PUT"] == 2
+    corpus = TokenCorpus.open(url, cache_dir=tmp_path / "c2", storage_options=s3.options)
+    assert corpus.document(0).tolist() == list(b"abc")
