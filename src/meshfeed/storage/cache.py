@@ -1,17 +1,13 @@
 """The node-local shard cache: each remote file downloads once per node, atomically, within a limit.
 
-Layout of ``cache_dir``: one folder per remote folder (a hash of its URL and endpoint), holding
-for each file ``NAME`` (the remote base name, so ``corpus.bin`` and ``corpus.idx`` stay side by
-side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, blake2b checksum)
-and a lock file ``NAME.meshfeed.lock``.
+The protocol, for every process of the node that shares ``cache_dir`` (files: see
+:mod:`meshfeed.storage._layout`):
 
-The protocol, for every process of the node that shares ``cache_dir``:
-
-- An entry is valid only with its sidecar and a data file of the sidecar's size. A download
-  writes a temporary file in the same folder under the entry's exclusive lock, checks its size
-  against the server's (and its MD5 against a single-part ETag), fsyncs, renames the data, then
-  the sidecar; a process killed at any point leaves no valid entry, only a temporary file the
-  next writer (or a new ``ShardCache``) removes.
+- A download runs under the entry's exclusive lock (``flock``): a temporary file in the same
+  folder, its size checked against the server's (and its MD5 against a single-part ETag),
+  fsynced, renamed, then the sidecar; a process killed at any point leaves no valid entry, only
+  a temporary file that the next writer (or a new ``ShardCache``) removes. The others wait for
+  the lock (at most ``lock_timeout``) and then reuse the entry.
 - A reader holds the entry's shared lock from :meth:`ShardCache.local_path` until
   :meth:`ShardCache.release` (or :meth:`ShardCache.close`, or its death); eviction takes the
   exclusive lock without waiting, so a held entry is never evicted.
@@ -22,21 +18,17 @@ The protocol, for every process of the node that shares ``cache_dir``:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
-import re
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from meshfeed.errors import SourceError
+from meshfeed.storage._layout import Entry, book, digest, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
@@ -49,12 +41,6 @@ from meshfeed.storage.urls import (
 
 __all__ = ["ShardCache", "default_cache_dir", "resolve"]
 
-_SIDE = ".meshfeed.json"
-_LOCK = ".meshfeed.lock"
-_TMP = ".meshfeed.tmp"
-_BOOKING = ".booking"
-_HASH_BLOCK = 1 << 22
-
 
 def default_cache_dir() -> str:
     """``$MESHFEED_CACHE_DIR``, else ``~/.cache/meshfeed/shards``."""
@@ -64,47 +50,6 @@ def default_cache_dir() -> str:
 
 class _Incomplete(ConnectionError):
     """A download that ended short or whose bytes disagree with the server's: retried."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    url: str
-    data: Path
-
-    @property
-    def sidecar(self) -> Path:
-        return self.data.with_name(self.data.name + _SIDE)
-
-    @property
-    def lock(self) -> Path:
-        return self.data.with_name(self.data.name + _LOCK)
-
-    def temp(self, suffix: str = "") -> Path:
-        return self.data.with_name(f".{self.data.name}{suffix}.{uuid.uuid4().hex[:12]}{_TMP}")
-
-
-def _endpoint(options: StorageOptions) -> str:
-    client = options.get("client_kwargs") or {}
-    return str(options.get("endpoint_url") or client.get("endpoint_url") or "")
-
-
-def _digest(path: Path, want_md5: bool) -> tuple[str, str | None]:
-    blake = hashlib.blake2b(digest_size=16)
-    md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            blake.update(block)
-            if md5 is not None:
-                md5.update(block)
-    return blake.hexdigest(), None if md5 is None else md5.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardCache:
@@ -155,7 +100,7 @@ class ShardCache:
         self.verify = verify
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._init_process_state()
-        self._sweep()
+        sweep(self.cache_dir)
 
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
@@ -229,7 +174,7 @@ class ShardCache:
                 self._count("hits")
                 self._touch(entry)
                 return str(entry.data)
-        lock = self._lock_of(entry)
+        lock = entry.open_lock()
         try:
             self._acquire(entry, lock, version, demanded=True)
         except BaseException:
@@ -311,7 +256,7 @@ class ShardCache:
         """
         self._check_fork()
         entry = self._entry(url)
-        lock = self._lock_of(entry)
+        lock = entry.open_lock()
         try:
             lock.acquire(
                 exclusive=True,
@@ -320,18 +265,18 @@ class ShardCache:
             )
             self._count("heads")
             info = remote_info(url, self.storage_options, retry=self.retry)
-            blake, md5 = _digest(Path(local), info.md5 is not None)
+            blake, md5 = digest(Path(local), info.md5 is not None)
             size = os.path.getsize(local)
             if size != info.size or md5 != info.md5:
                 raise SourceError(
                     f"{url} is not the file {os.fspath(local)} ({info.size} bytes there, {size} "
                     "here, or another MD5); upload it again before adopting it"
                 )
-            self._clean(entry)
+            entry.clean()
             tmp = entry.temp()
             shutil.move(os.fspath(local), tmp)
             meta = {"url": url, "size": size, "version": info.version, "blake2b": blake}
-            self._publish(entry, tmp, meta)
+            entry.publish(tmp, meta)
         finally:
             lock.close()
         return str(entry.data)
@@ -356,31 +301,16 @@ class ShardCache:
 
     # -- entries ------------------------------------------------------------------------------
 
-    def _entry(self, url: str) -> _Entry:
+    def _entry(self, url: str) -> Entry:
         if not is_url(url):
             raise ValueError(f"{url!r} is not a URL; local files need no cache")
-        folder, _, name = url.rstrip("/").rpartition("/")
-        key = hashlib.blake2b(
-            f"{folder}\0{_endpoint(self.storage_options)}".encode(), digest_size=8
-        ).hexdigest()
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "object"
-        return _Entry(url, self.cache_dir / key / name)
+        return Entry.of(self.cache_dir, url, self.storage_options)
 
-    def _lock_of(self, entry: _Entry) -> FileLock:
-        entry.data.parent.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(entry.lock))
-
-    def _read_meta(self, entry: _Entry, *, deep: bool) -> dict[str, Any] | None:
-        """The sidecar of a complete entry of ``entry.url``; None when there is none."""
-        try:
-            meta = json.loads(entry.sidecar.read_text())
-            size = entry.data.stat().st_size
-        except (OSError, ValueError):
-            return None
-        if not isinstance(meta, dict) or meta.get("url") != entry.url or meta.get("size") != size:
-            return None
-        if deep and entry.url not in self._verified:
-            if _digest(entry.data, False)[0] != meta.get("blake2b"):
+    def _read_meta(self, entry: Entry, *, deep: bool) -> dict[str, Any] | None:
+        """The sidecar of a complete entry; with ``deep``, its checksum checked once here."""
+        meta = entry.read_meta()
+        if meta is not None and deep and entry.url not in self._verified:
+            if digest(entry.data, False)[0] != meta.get("blake2b"):
                 return None
             self._verified.add(entry.url)
         return meta
@@ -393,12 +323,12 @@ class ShardCache:
                 "so resuming would read other data: restore the object or start a new run"
             )
 
-    def _touch(self, entry: _Entry) -> None:
+    def _touch(self, entry: Entry) -> None:
         with contextlib.suppress(OSError):
             os.utime(entry.sidecar)  # the sidecar's mtime is the entry's last use (LRU)
 
     def _acquire(
-        self, entry: _Entry, lock: FileLock, version: str | None, *, demanded: bool
+        self, entry: Entry, lock: FileLock, version: str | None, *, demanded: bool
     ) -> bool:
         """Take the shared lock of a complete entry, downloading it first if needed.
 
@@ -422,38 +352,16 @@ class ShardCache:
             if lock.acquire(exclusive=True, deadline=deadline, what=what):
                 self._count("waits")
             if self._read_meta(entry, deep=deep) is None:
-                self._clean(entry)
+                entry.clean()
                 if not self._download(entry, version, demanded=demanded):
                     lock.release()
                     return False
                 fetched = True
             lock.acquire(exclusive=False, deadline=deadline, what=what)  # downgrade
         raise SourceError(
-            f"{entry.url} kept disappearing from {self.cache_dir} while being cached; is the cache limit far below one file?"
+            f"{entry.url} kept disappearing from {self.cache_dir} while being cached (evicted "
+            "by other processes each time); raise cache_limit well above the largest file"
         )
-
-    def _clean(self, entry: _Entry) -> None:
-        """Under the entry's exclusive lock: remove every trace of an incomplete entry."""
-        entry.sidecar.unlink(missing_ok=True)
-        entry.data.unlink(missing_ok=True)
-        for tmp in entry.data.parent.glob(f".{entry.data.name}*{_TMP}"):
-            tmp.unlink(missing_ok=True)
-
-    def _sweep(self) -> None:
-        """Remove temporary files (and data without a sidecar) that no writer holds."""
-        for tmp in self.cache_dir.glob(f"*/.*{_TMP}"):
-            # .NAME[.meshfeed.json].RANDOM.meshfeed.tmp -> NAME
-            name = tmp.name[1 : -len(_TMP)].rsplit(".", 1)[0].removesuffix(_SIDE)
-            name = name.removesuffix(_BOOKING)
-            lock = FileLock(str(tmp.with_name(name + _LOCK)))
-            try:
-                if lock.try_acquire(exclusive=True):
-                    entry = _Entry("", tmp.with_name(name))
-                    if not entry.sidecar.exists():
-                        entry.data.unlink(missing_ok=True)
-                    tmp.unlink(missing_ok=True)
-            finally:
-                lock.close()
 
     # -- download and eviction ----------------------------------------------------------------
 
@@ -464,7 +372,7 @@ class ShardCache:
     def _on_retry(self, _: BaseException) -> None:
         self._count("retries")
 
-    def _download(self, entry: _Entry, version: str | None, *, demanded: bool) -> bool:
+    def _download(self, entry: Entry, version: str | None, *, demanded: bool) -> bool:
         """Under the entry's exclusive lock: fetch, check and publish ``entry.url``."""
         url = entry.url
         fs, path = filesystem(url, self.storage_options)
@@ -485,7 +393,15 @@ class ShardCache:
                     "start a new run"
                 )
             if reserved is None:
-                reserved = self._reserve(entry, info.size, demanded=demanded)
+                reserved, evicted = book(
+                    self.cache_dir,
+                    entry,
+                    info.size,
+                    limit=self.cache_limit,
+                    demanded=demanded,
+                    deadline=time.monotonic() + self.lock_timeout,
+                )
+                self._count("evictions", evicted)
                 if reserved is None:
                     return None
             self._count("gets")
@@ -493,9 +409,9 @@ class ShardCache:
             got = tmp.stat().st_size
             if got != info.size:
                 raise _Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
-            blake, md5 = _digest(tmp, info.md5 is not None)
+            blake, md5 = digest(tmp, info.md5 is not None)
             if md5 != info.md5:
-                raise _Incomplete(f"the MD5 of the download of {url} is {md5}, its ETag {info.md5}")
+                raise _Incomplete(f"the download of {url} has MD5 {md5}, its ETag {info.md5}")
             return {"url": url, "size": got, "version": info.version, "blake2b": blake}
 
         try:
@@ -503,7 +419,7 @@ class ShardCache:
             if meta is None:
                 self._count("skipped_prefetch")
                 return False
-            self._publish(entry, tmp, meta)
+            entry.publish(tmp, meta)
         finally:
             tmp.unlink(missing_ok=True)
             if reserved is not None:
@@ -513,82 +429,9 @@ class ShardCache:
         self._count("bytes", int(meta["size"]))
         return True
 
-    def _reserve(self, entry: _Entry, size: int, *, demanded: bool) -> Path | None:
-        """Make room for ``size`` bytes and book them (None: no room for a download-ahead).
-
-        The booking is a sparse file of that size beside the entry, counted by every
-        process's room check until the download is published or abandoned; checks and
-        bookings are serialised by one lock for the whole cache.
-        """
-        lock = FileLock(str(self.cache_dir / f"cache{_LOCK}"))
-        try:
-            lock.acquire(
-                exclusive=True,
-                deadline=time.monotonic() + self.lock_timeout,
-                what="the cache-wide lock, to make room",
-            )
-            if not self._make_room(size, keep=entry) and not demanded:
-                return None
-            booking = entry.temp(_BOOKING)
-            with open(booking, "wb") as f:
-                f.truncate(size)
-            return booking
-        finally:
-            lock.close()
-
-    def _publish(self, entry: _Entry, tmp: Path, meta: dict[str, Any]) -> None:
-        """Under the entry's exclusive lock: data, then sidecar, each renamed into place."""
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        side_tmp = entry.temp(_SIDE)
-        with open(side_tmp, "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, entry.data)
-        os.replace(side_tmp, entry.sidecar)  # the entry is complete from here on
-        _fsync_dir(entry.data.parent)
-
-    def _entries(self) -> list[tuple[float, int, Path]]:
-        out = [
-            (float("inf"), p.stat().st_size, p)  # bookings: never evicted
-            for p in self.cache_dir.glob(f"*/.*{_BOOKING}.*{_TMP}")
-        ]
-        for side in self.cache_dir.glob(f"*/*{_SIDE}"):
-            try:
-                t = side.stat().st_mtime
-                size = int(json.loads(side.read_text())["size"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            out.append((t, size, side))
-        return out
-
-    def _make_room(self, need: int, *, keep: _Entry) -> bool:
-        """Evict least recently used unheld entries until ``need`` more bytes fit the limit."""
-        if self.cache_limit is None:
-            return True
-        entries = sorted(self._entries())
-        total = sum(size for _, size, _ in entries)
-        for t, size, side in entries:
-            if total + need <= self.cache_limit or t == float("inf"):
-                break
-            data = side.with_name(side.name[: -len(_SIDE)])
-            if data == keep.data:
-                continue
-            lock = FileLock(str(data.with_name(data.name + _LOCK)))
-            try:
-                if lock.try_acquire(exclusive=True) and side.exists():
-                    side.unlink()  # first: without its sidecar the entry is gone for everyone
-                    data.unlink(missing_ok=True)
-                    total -= size
-                    self._count("evictions")
-            finally:
-                lock.close()
-        return total + need <= self.cache_limit
-
     def _prefetch_one(self, url: str) -> bool:
         entry = self._entry(url)
-        lock = self._lock_of(entry)
+        lock = entry.open_lock()
         try:
             return self._acquire(entry, lock, None, demanded=False)
         finally:
