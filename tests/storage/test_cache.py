@@ -276,3 +276,33 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
         ShardCache(tmp_path, cache_limit=0)
     with pytest.raises(ValueError, match="verify"):
         ShardCache(tmp_path, verify="md5")  # type: ignore[arg-type]
+
+
+def test_a_waiter_gives_up_after_lock_timeout_naming_the_url(s3: S3, tmp_path: Path) -> None:
+    from meshfeed.storage._layout import Entry
+
+    url = s3.put("w/x.bin", b"abc")
+    writer = Entry.of(tmp_path, url, s3.options).open_lock()  # another process mid-download
+    assert writer.try_acquire(exclusive=True)
+    t0 = time.monotonic()
+    with (
+        ShardCache(tmp_path, storage_options=s3.options, lock_timeout=0.3) as cache,
+        pytest.raises(SourceError, match=r"timed out waiting.*caching s3://.*/w/x.bin"),
+    ):
+        cache.local_path(url)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert s3.proxy.counts["GET"] == 0
+    writer.close()
+
+
+def test_importing_the_readers_does_not_import_fsspec() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, meshfeed.sources.windows, meshfeed.sources.parquet, meshfeed.storage; "
+        "print('fsspec' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "False", out.stderr
