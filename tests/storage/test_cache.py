@@ -295,6 +295,7 @@ def test_a_waiter_gives_up_after_lock_timeout_naming_the_url(s3: S3, tmp_path: P
     writer.close()
 
 
+@pytest.mark.slow
 def test_importing_the_readers_does_not_import_fsspec() -> None:
     import subprocess
     import sys

@@ -18,6 +18,7 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import shutil
 import threading
@@ -50,6 +51,16 @@ def default_cache_dir() -> str:
 
 class _Incomplete(ConnectionError):
     """A download that ended short or whose bytes disagree with the server's: retried."""
+
+
+def _one_request(fs: Any) -> dict[str, Any]:
+    """get_file arguments for one streamed GET per file (s3fs would split big files)."""
+    get = getattr(fs, "_get_file", None)
+    try:
+        takes = get is not None and "max_concurrency" in inspect.signature(get).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"max_concurrency": 1} if takes else {}
 
 
 class ShardCache:
@@ -378,7 +389,7 @@ class ShardCache:
         fs, path = filesystem(url, self.storage_options)
         entry.data.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.temp()
-        kwargs = {"max_concurrency": 1} if "s3" in fs.protocol else {}  # one GET per file
+        kwargs = _one_request(fs)
         reserved: Path | None = None
 
         def attempt() -> dict[str, Any] | None:
