@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -28,9 +29,11 @@ def _temps(cache_dir: Path) -> list[Path]:
 
 
 def _wait_for_partial(cache_dir: Path, timeout: float = 10.0) -> None:
+    """Until a download has written bytes (a booking, full-size from the start, is not one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(p.stat().st_size > 0 for p in _temps(cache_dir) if p.exists()):
+        downloads = [p for p in _temps(cache_dir) if ".booking." not in p.name]
+        if any(p.stat().st_size > 0 for p in downloads if p.exists()):
             return
         time.sleep(0.005)
     raise AssertionError("the download never started writing")
@@ -48,6 +51,7 @@ def test_a_file_downloads_once_and_is_then_a_hit(s3: S3, tmp_path: Path) -> None
     assert stats["gets"] == 1 and s3.proxy.counts["GET"] == 1  # one GET for the whole file
     meta = json.loads(Path(p1 + ".meshfeed.json").read_text())
     assert meta["url"] == url and meta["size"] == 200_000
+    assert meta["checksum"] == "md5:" + hashlib.md5(data).hexdigest()  # = the ETag, checked
     assert meta["version"] == version_of(url, storage_options=s3.options)
 
 
@@ -181,9 +185,9 @@ def test_slow_answers_within_the_timeout_just_take_longer(s3: S3, tmp_path: Path
 
 
 def test_the_endpoint_stopped_mid_download_and_restarted(s3: S3, tmp_path: Path) -> None:
-    data = os.urandom(1_000_000)
+    data = os.urandom(2_000_000)
     url = s3.put("d/big.bin", data)
-    s3.proxy.throttle = 0.02  # ~16 chunks of 64 KiB: about 0.3 s per download
+    s3.proxy.throttle = 0.05  # ~31 chunks of 64 KiB: about 1.5 s per download
     cache = ShardCache(tmp_path, storage_options=s3.options, retry_timeout=15)
     result: dict[str, object] = {}
 
@@ -198,6 +202,7 @@ def test_the_endpoint_stopped_mid_download_and_restarted(s3: S3, tmp_path: Path)
     _wait_for_partial(tmp_path)
     s3.proxy.stop()  # mid-download: the connection drops, new ones are refused
     time.sleep(0.5)
+    s3.proxy.throttle = 0.0
     s3.proxy.start()
     t.join(timeout=30)
     assert "error" not in result, result.get("error")

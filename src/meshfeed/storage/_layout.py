@@ -2,7 +2,7 @@
 
 Layout of ``cache_dir``: one folder per remote folder (a hash of its URL and endpoint), holding
 for each file ``NAME`` (the remote base name, so ``corpus.bin`` and ``corpus.idx`` stay side by
-side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, blake2b checksum)
+side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, checksum)
 and a lock file ``NAME.meshfeed.lock``. Temporary files (downloads in flight, and "bookings":
 sparse files as large as a download in flight, counted against the limit) are named
 ``.NAME[...].RANDOM.meshfeed.tmp``.
@@ -100,16 +100,16 @@ class Entry:
             tmp.unlink(missing_ok=True)
 
 
-def digest(path: Path, want_md5: bool) -> tuple[str, str | None]:
-    """(blake2b, MD5 or None) of a file, in one pass."""
-    blake = hashlib.blake2b(digest_size=16)
-    md5 = hashlib.md5(usedforsecurity=False) if want_md5 else None
+def checksum(path: Path, *, md5: bool) -> str:
+    """``md5:HEX`` (comparable with a single-part ETag) or ``blake2b:HEX`` of a file.
+
+    One hash, one pass: where the server's ETag is an MD5 that is the one worth computing.
+    """
+    h = hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):
-            blake.update(block)
-            if md5 is not None:
-                md5.update(block)
-    return blake.hexdigest(), None if md5 is None else md5.hexdigest()
+            h.update(block)
+    return f"{h.name}:{h.hexdigest()}"
 
 
 def sweep(cache_dir: Path) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from meshfeed.errors import SourceError
-from meshfeed.storage._layout import Entry, book, digest, sweep
+from meshfeed.storage._layout import Entry, book, checksum, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
@@ -276,9 +276,9 @@ class ShardCache:
             )
             self._count("heads")
             info = remote_info(url, self.storage_options, retry=self.retry)
-            blake, md5 = digest(Path(local), info.md5 is not None)
+            digest = checksum(Path(local), md5=info.md5 is not None)
             size = os.path.getsize(local)
-            if size != info.size or md5 != info.md5:
+            if size != info.size or (info.md5 is not None and digest != f"md5:{info.md5}"):
                 raise SourceError(
                     f"{url} is not the file {os.fspath(local)} ({info.size} bytes there, {size} "
                     "here, or another MD5); upload it again before adopting it"
@@ -286,7 +286,7 @@ class ShardCache:
             entry.clean()
             tmp = entry.temp()
             shutil.move(os.fspath(local), tmp)
-            meta = {"url": url, "size": size, "version": info.version, "blake2b": blake}
+            meta = {"url": url, "size": size, "version": info.version, "checksum": digest}
             entry.publish(tmp, meta)
         finally:
             lock.close()
@@ -321,7 +321,8 @@ class ShardCache:
         """The sidecar of a complete entry; with ``deep``, its checksum checked once here."""
         meta = entry.read_meta()
         if meta is not None and deep and entry.url not in self._verified:
-            if digest(entry.data, False)[0] != meta.get("blake2b"):
+            recorded = str(meta.get("checksum", ""))
+            if checksum(entry.data, md5=recorded.startswith("md5:")) != recorded:
                 return None
             self._verified.add(entry.url)
         return meta
@@ -420,10 +421,10 @@ class ShardCache:
             got = tmp.stat().st_size
             if got != info.size:
                 raise _Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
-            blake, md5 = digest(tmp, info.md5 is not None)
-            if md5 != info.md5:
-                raise _Incomplete(f"the download of {url} has MD5 {md5}, its ETag {info.md5}")
-            return {"url": url, "size": got, "version": info.version, "blake2b": blake}
+            digest = checksum(tmp, md5=info.md5 is not None)
+            if info.md5 is not None and digest != f"md5:{info.md5}":
+                raise _Incomplete(f"the download of {url} has {digest}, its ETag {info.md5}")
+            return {"url": url, "size": got, "version": info.version, "checksum": digest}
 
         try:
             meta = self.retry.call(attempt, url=url, action="download", on_retry=self._on_retry)
