@@ -105,6 +105,28 @@ def test_the_limit_evicts_least_recently_used_entries_but_never_a_held_one(
     cache.close()
 
 
+def test_holds_are_counted_per_call_and_the_last_release_frees_the_entry(
+    s3: S3, tmp_path: Path
+) -> None:
+    files = _put_many(s3, 3, 40_000)
+    a, b, c = files
+    cache = ShardCache(tmp_path, cache_limit=90_000, storage_options=s3.options)
+    cache.local_path(a)
+    cache.local_path(a)  # a second reader of the same file in this process
+    cache.release(a)
+    with cache.hold(b):
+        cache.local_path(c)  # a and b held: nothing can go, the demanded file goes over
+    assert cache.stats()["evictions"] == 0 and Path(cache.entry_path(a)).exists()
+    cache.release(a)
+    cache.release(c)
+    with cache.hold(b):
+        ShardCache(tmp_path, cache_limit=90_000, storage_options=s3.options).local_path(
+            s3.put("shards/extra.bin", os.urandom(40_000))
+        )
+    assert not Path(cache.entry_path(a)).exists()  # released and least recently used: evicted
+    cache.close()
+
+
 def test_prefetch_downloads_ahead_within_the_limit(s3: S3, tmp_path: Path) -> None:
     files = _put_many(s3, 4, 40_000)
     urls = list(files)

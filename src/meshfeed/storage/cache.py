@@ -23,6 +23,7 @@ import os
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -68,8 +69,9 @@ class ShardCache:
 
     ``local_path(url)`` returns a local path to the complete file, downloading it first if no
     process of the node has (one download however many processes ask at once: the others wait
-    for it, at most ``lock_timeout`` seconds). The entry stays held (never evicted) until
-    ``release(url)`` or ``close()``. ``cache_limit`` bounds the bytes kept (None: no bound).
+    for it, at most ``lock_timeout`` seconds). The entry stays held (never evicted) until as
+    many ``release(url)`` calls, or ``close()``. ``cache_limit`` bounds the bytes kept (None:
+    no bound).
     ``verify="checksum"`` re-hashes an entry this object did not download on its first use
     (a full read); the default trusts a published entry's size. Transient network failures
     are retried for ``retry_timeout`` seconds, then :class:`~meshfeed.errors.SourceError`
@@ -116,7 +118,8 @@ class ShardCache:
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
         self._mutex = threading.Lock()
-        self._held: dict[str, FileLock] = {}
+        self._held: dict[str, FileLock] = {}  # one shared lock per held URL
+        self._holds: Counter[str] = Counter()  # local_path calls not yet released, per URL
         self._verified: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._stats = dict.fromkeys(
@@ -178,10 +181,12 @@ class ShardCache:
         entry = self._entry(url)
         with self._mutex:
             held = url in self._held
-        if held:
+        if held:  # our shared lock keeps the entry: no eviction can have removed it
             meta = self._read_meta(entry, deep=False)
             if meta is not None:
                 self._expect(url, meta, version)
+                with self._mutex:
+                    self._holds[url] += 1
                 self._count("hits")
                 self._touch(entry)
                 return str(entry.data)
@@ -194,14 +199,20 @@ class ShardCache:
         with self._mutex:
             old = self._held.pop(url, None)
             self._held[url] = lock
+            self._holds[url] += 1
         if old is not None:
             old.close()
         return str(entry.data)
 
     def release(self, url: str) -> None:
-        """Let ``url``'s entry be evicted again (this process no longer reads it)."""
+        """End one hold of ``url`` (one :meth:`local_path` call); after the last, its entry may
+        be evicted again."""
         self._check_fork()
         with self._mutex:
+            self._holds[url] -= 1
+            if self._holds[url] > 0:
+                return
+            del self._holds[url]
             lock = self._held.pop(url, None)
         if lock is not None:
             lock.close()
@@ -296,6 +307,7 @@ class ShardCache:
         """Release every held entry and stop the download-ahead threads."""
         with self._mutex:
             held, self._held = self._held, {}
+            self._holds.clear()
             pool, self._pool = self._pool, None
         if os.getpid() != self._pid:
             return
