@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
+from meshfeed.errors import SourceError
 from meshfeed.mapped import check_mapped
 from meshfeed.progress import Progress
 from meshfeed.sources.indexed import DTYPE_CODES, IndexedWriter, TokenCorpus
+from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of, upload_file
 
 __all__ = ["add_subcommand", "convert", "load_tokenizer"]
 
@@ -179,13 +182,33 @@ def convert(
     append_eod: int | None = None,
     fmt: str = "auto",
     progress: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: StorageOptions | None = None,
 ) -> TokenCorpus:
     """Convert ``inputs`` (in order) into ``output.bin`` / ``output.idx``; return the corpus.
 
     ``append_eod`` appends that token id to every document (the usual end-of-document marker
     that lets windows cross document boundaries). Text records need ``tokenizer``. On any
     error the partial output is deleted and the exception names the file and record.
+
+    ``output`` may be a URL prefix (``s3://bucket/corpus``): the corpus is written locally
+    (in the shard cache at ``cache_dir``), then uploaded, ``.bin`` before ``.idx``; each
+    object appears only once complete, and the local files stay as the node's cached copies.
     """
+    out = os.fspath(output)
+    if is_url(out) and local_path_of(out) is None:
+        return _convert_to_url(
+            inputs,
+            out,
+            ShardCache(cache_dir, storage_options=storage_options),
+            field=field,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            append_eod=append_eod,
+            fmt=fmt,
+            progress=progress,
+        )
+    output = local_path_of(out) or output
     paths = [Path(inputs)] if isinstance(inputs, (str, os.PathLike)) else [Path(p) for p in inputs]
     if not paths:
         raise ValueError("no inputs given; pass at least one JSONL, Parquet or .npy file")
@@ -228,6 +251,24 @@ def convert(
     return TokenCorpus(writer.prefix)
 
 
+def _convert_to_url(
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    url: str,
+    cache: ShardCache,
+    **kw: Any,
+) -> TokenCorpus:
+    for ext in (".bin", ".idx"):
+        url = url.removesuffix(ext)
+    # staged inside the cache, so adopting the uploaded files is a rename
+    with tempfile.TemporaryDirectory(dir=cache.cache_dir, prefix=".convert-") as staging:
+        convert(inputs, Path(staging, "corpus"), **kw)
+        for ext in (".bin", ".idx"):  # .idx last: a reader finds the pair once the index is up
+            local = Path(staging, "corpus" + ext)
+            upload_file(local, url + ext, storage_options=cache.storage_options)
+            cache.adopt(url + ext, local)
+    return TokenCorpus.open(url, cache_dir=cache.cache_dir, storage_options=cache.storage_options)
+
+
 def _handler(args: argparse.Namespace) -> int:
     try:
         corpus = convert(
@@ -239,8 +280,9 @@ def _handler(args: argparse.Namespace) -> int:
             append_eod=args.append_eod,
             fmt=args.format,
             progress=not args.quiet,
+            cache_dir=args.cache_dir,
         )
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError, SourceError) as e:
         print(f"meshfeed convert: error: {e}", file=sys.stderr)
         return 2
     print(
@@ -262,7 +304,18 @@ def add_subcommand(subparsers: Any) -> None:
         epilog="example: meshfeed convert data.jsonl -o out/corpus --tokenizer bytes --append-eod 0",
     )
     p.add_argument("inputs", nargs="+", help="input files, converted in order")
-    p.add_argument("-o", "--output", required=True, help="output prefix (writes PREFIX.bin/.idx)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="output prefix (writes PREFIX.bin/.idx); a URL (s3://bucket/corpus) is written "
+        "locally, then uploaded (credentials and endpoint from the environment)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="shard cache for a URL output (default: $MESHFEED_CACHE_DIR or ~/.cache/meshfeed)",
+    )
     p.add_argument(
         "--format", choices=FORMATS, default="auto", help="input format (default: by suffix)"
     )

@@ -47,6 +47,7 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from meshfeed.errors import SourceError
 from meshfeed.progress import Progress
+from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of
 
 __all__ = ["IndexedFormatError", "IndexedWriter", "TokenCorpus", "write_indexed"]
 
@@ -142,7 +143,26 @@ class TokenCorpus:
     every pointer (O(number of documents)).
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        prefix: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        storage_options: StorageOptions | None = None,
+    ) -> None:
+        # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: both
+        # files are downloaded whole (once per node) and held while this object lives
+        self._remote: dict[str, Any] | None = None
+        self._cache: ShardCache | None = None
+        prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
+        if is_url(os.fspath(prefix)):
+            remote: dict[str, Any] = dict(
+                cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
+            )
+            self._remote = {"url": os.fspath(prefix), **remote}
+            self._cache = ShardCache(**remote)
+            prefix = _fetch_remote(os.fspath(prefix), self._cache)
         idx_path, bin_path = _paths(prefix)
         for path in (idx_path, bin_path):
             if not path.is_file():
@@ -243,14 +263,21 @@ class TokenCorpus:
                 )
 
     @classmethod
-    def open(cls, prefix: str | os.PathLike[str]) -> TokenCorpus:
-        """Open ``PREFIX.idx`` and ``PREFIX.bin`` (a path ending in either also works)."""
-        return cls(prefix)
+    def open(cls, prefix: str | os.PathLike[str], **remote: Any) -> TokenCorpus:
+        """Open ``PREFIX.idx`` and ``PREFIX.bin`` (a path ending in either also works).
+
+        A URL prefix (``s3://bucket/corpus``, any fsspec URL) takes ``cache_dir=``,
+        ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`).
+        """
+        return cls(prefix, **remote)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # a prefix and the facts already checked, never the mapped data; the fingerprint
-        # makes the receiving process refuse files that changed in between
-        return (_reopen, (self.prefix, self.fingerprint, self._contiguous, self._num_tokens))
+        # a prefix (or URL) and the facts already checked, never the mapped data; the
+        # fingerprint makes the receiving process refuse files that changed in between
+        return (
+            _reopen,
+            (self.prefix, self.fingerprint, self._contiguous, self._num_tokens, self._remote),
+        )
 
     def __repr__(self) -> str:
         return (
@@ -404,10 +431,26 @@ class TokenCorpus:
         return self._fingerprint
 
 
+def _fetch_remote(url: str, cache: ShardCache) -> str:
+    """The local prefix of the cached ``URL.idx`` / ``URL.bin`` (one cache folder holds both)."""
+    for ext in (".bin", ".idx"):
+        url = url.removesuffix(ext)
+    idx = cache.local_path(url + ".idx")
+    cache.local_path(url + ".bin")
+    return idx[: -len(".idx")]
+
+
 def _reopen(
-    prefix: str, fingerprint: str, contiguous: bool | None, num_tokens: int | None
+    prefix: str,
+    fingerprint: str,
+    contiguous: bool | None,
+    num_tokens: int | None,
+    remote: dict[str, Any] | None = None,
 ) -> TokenCorpus:
-    corpus = TokenCorpus(prefix)
+    if remote is not None:
+        remote = dict(remote)
+        prefix = remote.pop("url")
+    corpus = TokenCorpus(prefix, **(remote or {}))
     if corpus.fingerprint != fingerprint:
         raise ValueError(
             f"the indexed corpus at {prefix} changed since it was opened (fingerprint "

@@ -18,13 +18,14 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from meshfeed.errors import SourceError
+from meshfeed.storage import ShardCache, StorageOptions, is_url, list_files, local_path_of
 
 __all__ = ["ArrowSource", "ParquetSource"]
 
@@ -63,11 +64,21 @@ def _rows(table: Any) -> list[Row]:
     return list(table.to_pylist())
 
 
-def _expand(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+def _expand(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    cache: Callable[[], ShardCache],
+) -> list[Path]:
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     out: list[Path] = []
     for item in items:
-        p = Path(item)
+        if is_url(os.fspath(item)) and local_path_of(os.fspath(item)) is None:
+            # a file or a folder of *.parquet files in object storage: cached whole, held
+            urls = list_files(
+                os.fspath(item), suffix=".parquet", storage_options=cache().storage_options
+            )
+            out.extend(Path(cache().local_path(url)) for url in urls)
+            continue
+        p = Path(local_path_of(os.fspath(item)) or item)
         if p.is_dir():
             found = sorted(p.glob("*.parquet"))
             if not found:
@@ -91,6 +102,10 @@ class ParquetSource:
     sorted). ``columns`` selects columns (all by default). The object pickles without its open
     file handles and cache, so worker processes re-open the files.
 
+    A URL (``s3://bucket/train/`` or a file's URL) is listed and each file downloaded whole
+    into the node's shard cache at ``cache_dir`` (``storage_options`` go to fsspec); the
+    local copies are held while this object lives, and worker processes read them.
+
     >>> src = ParquetSource(["a.parquet", "b.parquet"], columns=["text"])  # doctest: +SKIP
     >>> src.__getitems__([0, 10_000, 1])  # doctest: +SKIP
     [{'text': ...}, {'text': ...}, {'text': ...}]
@@ -102,11 +117,20 @@ class ParquetSource:
         *,
         columns: Sequence[str] | None = None,
         cache_row_groups: int = 4,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: StorageOptions | None = None,
     ) -> None:
         if not isinstance(cache_row_groups, int) or cache_row_groups < 1:
             raise ValueError(f"cache_row_groups must be a positive int (got {cache_row_groups=})")
         pa = _pyarrow()
-        self.paths = _expand(paths)
+        self._shard_cache: ShardCache | None = None
+
+        def shard_cache() -> ShardCache:
+            if self._shard_cache is None:
+                self._shard_cache = ShardCache(cache_dir, storage_options=storage_options)
+            return self._shard_cache
+
+        self.paths = _expand(paths, shard_cache)
         self.columns = list(columns) if columns is not None else None
         self.cache_row_groups = cache_row_groups
         files, groups, rows, schemas = [], [], [], []
@@ -155,6 +179,7 @@ class ParquetSource:
     def __getstate__(self) -> dict[str, Any]:
         state = {k: getattr(self, k) for k in self.__dict__}
         state["_handles"], state["_cache"] = {}, OrderedDict()
+        state["_shard_cache"] = None  # the local copies stay held by the original object
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

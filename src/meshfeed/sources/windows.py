@@ -25,17 +25,18 @@ import numpy as np
 import torch
 
 from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.storage import StorageOptions
 
 __all__ = ["TokenDocuments", "TokenWindows"]
 
 CorpusLike = TokenCorpus | str | os.PathLike[str]
 
 
-def _as_corpus(corpus: CorpusLike) -> TokenCorpus:
+def _as_corpus(corpus: CorpusLike, **remote: Any) -> TokenCorpus:
     if isinstance(corpus, TokenCorpus):
         return corpus
     if isinstance(corpus, (str, os.PathLike)):
-        return TokenCorpus.open(corpus)
+        return TokenCorpus.open(corpus, **remote)
     raise TypeError(
         f"corpus must be a TokenCorpus or a PREFIX path (got {type(corpus).__name__}); "
         "open it with TokenCorpus.open(prefix)"
@@ -115,6 +116,10 @@ class TokenWindows:
     loader's own pinning step then has nothing left to copy. Without CUDA it is a no-op
     (ordinary memory; CPU builds of torch cannot pin).
 
+    ``corpus`` may be a URL prefix (``s3://bucket/corpus``): both files are downloaded whole
+    into the node's shard cache at ``cache_dir`` (once per node; ``storage_options`` go to
+    fsspec), see :mod:`meshfeed.storage`.
+
     >>> windows = TokenWindows(corpus, seq_len=2048)  # doctest: +SKIP
     >>> windows.fetch_batch(np.array([0, 5, 9])).shape  # doctest: +SKIP
     torch.Size([3, 2049])
@@ -127,6 +132,8 @@ class TokenWindows:
         seq_len: int,
         dtype: torch.dtype = torch.int64,
         pin_memory: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: StorageOptions | None = None,
     ) -> None:
         if not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer (got {seq_len=})")
@@ -135,7 +142,9 @@ class TokenWindows:
         self._np_dtype = _torch_dtype(dtype)
         # Contiguity needs no check here: TokenCorpus proves it on open (IndexedFormatError
         # otherwise), and is_contiguous can only be True.
-        self.corpus = _integer_corpus(_as_corpus(corpus))
+        self.corpus = _integer_corpus(
+            _as_corpus(corpus, cache_dir=cache_dir, storage_options=storage_options)
+        )
         self.seq_len = int(seq_len)
         self.dtype = dtype
         self.pin_memory = pin_memory
@@ -266,9 +275,18 @@ class TokenDocuments:
     documents back to back, "lengths": int64 [B], "cu_seqlens": int32 [B + 1]}``.
     """
 
-    def __init__(self, corpus: CorpusLike, *, dtype: torch.dtype = torch.int64) -> None:
+    def __init__(
+        self,
+        corpus: CorpusLike,
+        *,
+        dtype: torch.dtype = torch.int64,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: StorageOptions | None = None,
+    ) -> None:
         self._np_dtype = _torch_dtype(dtype)
-        self.corpus = _integer_corpus(_as_corpus(corpus))
+        self.corpus = _integer_corpus(
+            _as_corpus(corpus, cache_dir=cache_dir, storage_options=storage_options)
+        )
         self.dtype = dtype
 
     def __len__(self) -> int:

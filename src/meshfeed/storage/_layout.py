@@ -1,0 +1,195 @@
+"""The shard cache on disk: one entry's files, publishing them, and the folder's usage and eviction.
+
+Layout of ``cache_dir``: one folder per remote folder (a hash of its URL and endpoint), holding
+for each file ``NAME`` (the remote base name, so ``corpus.bin`` and ``corpus.idx`` stay side by
+side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, checksum)
+and a lock file ``NAME.meshfeed.lock``. Temporary files (downloads in flight, and "bookings":
+sparse files as large as a download in flight, counted against the limit) are named
+``.NAME[...].RANDOM.meshfeed.tmp``.
+
+An entry is valid only with its sidecar and a data file of the sidecar's size; the data is
+renamed into place before the sidecar, and eviction removes the sidecar first, so no reader
+ever takes a partial file for a complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshfeed.storage._lock import FileLock
+from meshfeed.storage.urls import StorageOptions
+
+SIDE = ".meshfeed.json"
+LOCK = ".meshfeed.lock"
+TMP = ".meshfeed.tmp"
+BOOKING = ".booking"
+_HASH_BLOCK = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """The files of one cached URL."""
+
+    url: str
+    data: Path
+
+    @classmethod
+    def of(cls, cache_dir: Path, url: str, options: StorageOptions) -> Entry:
+        folder, _, name = url.rstrip("/").rpartition("/")
+        client = options.get("client_kwargs") or {}
+        endpoint = options.get("endpoint_url") or client.get("endpoint_url") or ""
+        key = hashlib.blake2b(f"{folder}\0{endpoint}".encode(), digest_size=8).hexdigest()
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "object"
+        return cls(url, cache_dir / key / name)
+
+    @property
+    def sidecar(self) -> Path:
+        return self.data.with_name(self.data.name + SIDE)
+
+    @property
+    def lock(self) -> Path:
+        return self.data.with_name(self.data.name + LOCK)
+
+    def temp(self, suffix: str = "") -> Path:
+        return self.data.with_name(f".{self.data.name}{suffix}.{uuid.uuid4().hex[:12]}{TMP}")
+
+    def open_lock(self) -> FileLock:
+        self.data.parent.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.lock))
+
+    def read_meta(self) -> dict[str, Any] | None:
+        """The sidecar of a complete entry of this URL; None when there is none."""
+        try:
+            meta = json.loads(self.sidecar.read_text())
+            size = self.data.stat().st_size
+        except (OSError, ValueError):
+            return None
+        if not isinstance(meta, dict) or meta.get("url") != self.url or meta.get("size") != size:
+            return None
+        return meta
+
+    def publish(self, tmp: Path, meta: dict[str, Any]) -> None:
+        """Under the entry's exclusive lock: data, then sidecar, each fsynced and renamed."""
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        side_tmp = self.temp(SIDE)
+        with open(side_tmp, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.data)
+        os.replace(side_tmp, self.sidecar)  # the entry is complete from here on
+        fd = os.open(self.data.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def clean(self) -> None:
+        """Under the entry's exclusive lock: remove every trace of an incomplete entry."""
+        self.sidecar.unlink(missing_ok=True)
+        self.data.unlink(missing_ok=True)
+        for tmp in self.data.parent.glob(f".{self.data.name}*{TMP}"):
+            tmp.unlink(missing_ok=True)
+
+
+def checksum(path: Path, *, md5: bool) -> str:
+    """``md5:HEX`` (comparable with a single-part ETag) or ``blake2b:HEX`` of a file.
+
+    One hash, one pass: where the server's ETag is an MD5 that is the one worth computing.
+    """
+    h = hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            h.update(block)
+    return f"{h.name}:{h.hexdigest()}"
+
+
+def sweep(cache_dir: Path) -> None:
+    """Remove temporary files (and data without a sidecar) that no writer holds."""
+    for tmp in cache_dir.glob(f"*/.*{TMP}"):
+        # .NAME[.meshfeed.json|.booking].RANDOM.meshfeed.tmp -> NAME
+        name = tmp.name[1 : -len(TMP)].rsplit(".", 1)[0].removesuffix(SIDE).removesuffix(BOOKING)
+        lock = FileLock(str(tmp.with_name(name + LOCK)))
+        try:
+            if lock.try_acquire(exclusive=True):
+                entry = Entry("", tmp.with_name(name))
+                if not entry.sidecar.exists():
+                    entry.data.unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
+        finally:
+            lock.close()
+
+
+def _usage(cache_dir: Path) -> list[tuple[float, int, Path]]:
+    """(last use, bytes, sidecar) of every entry, and (inf, bytes, booking) of every booking."""
+    out = [
+        (float("inf"), p.stat().st_size, p)  # bookings: never evicted
+        for p in cache_dir.glob(f"*/.*{BOOKING}.*{TMP}")
+    ]
+    for side in cache_dir.glob(f"*/*{SIDE}"):
+        try:
+            t = side.stat().st_mtime
+            size = int(json.loads(side.read_text())["size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out.append((t, size, side))
+    return out
+
+
+def _evict(cache_dir: Path, need: int, limit: int, keep: Entry) -> tuple[bool, int]:
+    """Evict least recently used unheld entries until ``need`` more bytes fit ``limit``.
+
+    Returns (whether they fit, entries evicted). A held entry (a shared lock anywhere on the
+    node) cannot be locked exclusively without waiting, so it stays.
+    """
+    entries = sorted(_usage(cache_dir))
+    total = sum(size for _, size, _ in entries)
+    evicted = 0
+    for t, size, side in entries:
+        if total + need <= limit or t == float("inf"):
+            break
+        data = side.with_name(side.name[: -len(SIDE)])
+        if data == keep.data:
+            continue
+        lock = FileLock(str(data.with_name(data.name + LOCK)))
+        try:
+            if lock.try_acquire(exclusive=True) and side.exists():
+                side.unlink()  # first: without its sidecar the entry is gone for everyone
+                data.unlink(missing_ok=True)
+                total -= size
+                evicted += 1
+        finally:
+            lock.close()
+    return total + need <= limit, evicted
+
+
+def book(
+    cache_dir: Path, entry: Entry, size: int, *, limit: int | None, demanded: bool, deadline: float
+) -> tuple[Path | None, int]:
+    """Make room for ``size`` bytes and book them: (the booking or None, entries evicted).
+
+    None only where room could not be made and the download is not ``demanded``. The booking
+    is a sparse file of ``size`` bytes beside the entry, counted by every process's room
+    check until the download is published or abandoned; checks and bookings are serialised
+    by one lock for the whole cache.
+    """
+    lock = FileLock(str(cache_dir / f"cache{LOCK}"))
+    try:
+        lock.acquire(exclusive=True, deadline=deadline, what="the cache-wide lock, to make room")
+        fits, evicted = (True, 0) if limit is None else _evict(cache_dir, size, limit, entry)
+        if not fits and not demanded:
+            return None, evicted
+        booking = entry.temp(BOOKING)
+        with open(booking, "wb") as f:
+            f.truncate(size)
+        return booking, evicted
+    finally:
+        lock.close()

@@ -1,0 +1,59 @@
+"""A file lock (``flock``) with a bounded wait, shared by the processes of one node."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+
+from meshfeed.errors import SourceError
+
+
+class FileLock:
+    """``flock`` on one lock file: shared (readers of an entry) or exclusive (its writer).
+
+    Locks belong to the open file description, so two ``FileLock`` objects on the same file
+    exclude each other even inside one process (threads of one process are safe). The kernel
+    drops the lock when the process dies, however it dies. Waits poll with a growing pause and
+    end at ``deadline`` with a :class:`SourceError` that says what was waited for.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+
+    def try_acquire(self, *, exclusive: bool) -> bool:
+        if self._fd is None:
+            raise ValueError(f"the lock on {self.path} is closed")
+        try:
+            fcntl.flock(self._fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def acquire(self, *, exclusive: bool, deadline: float, what: str) -> bool:
+        """Take the lock before ``deadline`` (``time.monotonic``); True if it had to wait."""
+        pause = 0.002
+        waited = False
+        while not self.try_acquire(exclusive=exclusive):
+            waited = True
+            if time.monotonic() >= deadline:
+                raise SourceError(
+                    f"timed out waiting for the cache lock {self.path} ({what}); another process "
+                    "holds it: wait for it to finish, or raise lock_timeout"
+                )
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.1)
+        return waited
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,484 @@
+"""The node-local shard cache: each remote file downloads once per node, atomically, within a limit.
+
+The protocol, for every process of the node that shares ``cache_dir`` (files: see
+:mod:`meshfeed.storage._layout`):
+
+- A download runs under the entry's exclusive lock (``flock``): a temporary file in the same
+  folder, its size checked against the server's (and its MD5 against a single-part ETag),
+  fsynced, renamed, then the sidecar; a process killed at any point leaves no valid entry, only
+  a temporary file that the next writer (or a new ``ShardCache``) removes. The others wait for
+  the lock (at most ``lock_timeout``) and then reuse the entry.
+- A reader holds the entry's shared lock from :meth:`ShardCache.local_path` until
+  :meth:`ShardCache.release` (or :meth:`ShardCache.close`, or its death); eviction takes the
+  exclusive lock without waiting, so a held entry is never evicted.
+- Over ``cache_limit``, the least recently used unheld entries go (sidecar first); a
+  download-ahead that cannot make room is skipped, a demanded file is downloaded anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+from meshfeed.errors import SourceError
+from meshfeed.storage._layout import Entry, book, checksum, sweep
+from meshfeed.storage._lock import FileLock
+from meshfeed.storage.retry import RetryPolicy
+from meshfeed.storage.urls import (
+    StorageOptions,
+    filesystem,
+    is_url,
+    local_path_of,
+    remote_info,
+)
+
+__all__ = ["ShardCache", "default_cache_dir", "resolve"]
+
+
+def default_cache_dir() -> str:
+    """``$MESHFEED_CACHE_DIR``, else ``~/.cache/meshfeed/shards``."""
+    env = os.environ.get("MESHFEED_CACHE_DIR")
+    return env or os.path.join(os.path.expanduser("~"), ".cache", "meshfeed", "shards")
+
+
+class _Incomplete(ConnectionError):
+    """A download that ended short or whose bytes disagree with the server's: retried."""
+
+
+def _one_request(fs: Any) -> dict[str, Any]:
+    """get_file arguments for one streamed GET per file (s3fs would split big files)."""
+    get = getattr(fs, "_get_file", None)
+    try:
+        takes = get is not None and "max_concurrency" in inspect.signature(get).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"max_concurrency": 1} if takes else {}
+
+
+class ShardCache:
+    """Local copies of remote files, shared by every process of a node through ``cache_dir``.
+
+    ``local_path(url)`` returns a local path to the complete file, downloading it first if no
+    process of the node has (one download however many processes ask at once: the others wait
+    for it, at most ``lock_timeout`` seconds). The entry stays held (never evicted) until as
+    many ``release(url)`` calls, or ``close()``. ``cache_limit`` bounds the bytes kept (None:
+    no bound).
+    ``verify="checksum"`` re-hashes an entry this object did not download on its first use
+    (a full read); the default trusts a published entry's size. Transient network failures
+    are retried for ``retry_timeout`` seconds, then :class:`~meshfeed.errors.SourceError`
+    names the URL. The object pickles as its settings (worker processes get their own).
+
+    >>> cache = ShardCache("/tmp/shards", cache_limit=20 << 30)  # doctest: +SKIP
+    >>> path = cache.local_path("s3://bucket/corpus.idx")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        cache_limit: int | None = None,
+        storage_options: StorageOptions | None = None,
+        retry_timeout: float = 60.0,
+        lock_timeout: float = 600.0,
+        prefetch_workers: int = 2,
+        verify: Literal["size", "checksum"] = "size",
+    ) -> None:
+        if cache_limit is not None and (
+            isinstance(cache_limit, bool) or not isinstance(cache_limit, int) or cache_limit < 1
+        ):
+            raise ValueError(
+                f"cache_limit must be a positive number of bytes or None (got {cache_limit=})"
+            )
+        if verify not in ("size", "checksum"):
+            raise ValueError(f"verify must be 'size' or 'checksum' (got {verify=!r})")
+        if not isinstance(prefetch_workers, int) or prefetch_workers < 1:
+            raise ValueError(f"prefetch_workers must be a positive int (got {prefetch_workers=})")
+        if lock_timeout <= 0:
+            raise ValueError(f"lock_timeout must be positive seconds (got {lock_timeout=})")
+        self.cache_dir = Path(cache_dir if cache_dir is not None else default_cache_dir())
+        self.cache_limit = cache_limit
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.retry = RetryPolicy(timeout=retry_timeout)
+        self.lock_timeout = float(lock_timeout)
+        self.prefetch_workers = prefetch_workers
+        self.verify = verify
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._init_process_state()
+        sweep(self.cache_dir)
+
+    def _init_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._mutex = threading.Lock()
+        self._held: dict[str, FileLock] = {}  # one shared lock per held URL
+        self._holds: Counter[str] = Counter()  # local_path calls not yet released, per URL
+        self._verified: set[str] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._stats = dict.fromkeys(
+            ("downloads", "hits", "bytes", "gets", "heads", "range_reads", "retries",
+             "evictions", "waits", "skipped_prefetch"),
+            0,
+        )  # fmt: skip
+
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:  # a forked child: the parent's locks and threads are not ours
+            for lock in self._held.values():
+                lock.close()  # the parent still holds its own descriptor, and so its lock
+            self._init_process_state()
+
+    # -- pickling: settings only ------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "cache_dir": str(self.cache_dir),
+            "cache_limit": self.cache_limit,
+            "storage_options": self.storage_options,
+            "retry_timeout": self.retry.timeout,
+            "lock_timeout": self.lock_timeout,
+            "prefetch_workers": self.prefetch_workers,
+            "verify": self.verify,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("cache_dir"), **state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"ShardCache({str(self.cache_dir)!r}, cache_limit={self.cache_limit})"
+
+    # -- public API --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this process: downloads, hits, bytes downloaded, GET requests (``gets``,
+        ranged ones included), metadata requests (``heads``), ``range_reads``, ``retries``,
+        ``evictions``, ``waits`` (times another process held an entry we wanted) and
+        ``skipped_prefetch`` (download-ahead skipped for lack of room)."""
+        with self._mutex:
+            return dict(self._stats)
+
+    def entry_path(self, url: str) -> str:
+        """Where ``url`` is (or would be) cached; it is only safe to read via :meth:`local_path`."""
+        return str(self._entry(url).data)
+
+    def local_path(self, url: str, *, version: str | None = None) -> str:
+        """A local path to the complete file at ``url``, held until :meth:`release`.
+
+        ``version``: the remote version the caller expects (from :func:`version_of`, e.g.
+        stored in a checkpoint); a cached or remote copy of another version raises
+        :class:`SourceError` naming the URL. A ``file://`` URL returns its path uncached.
+        """
+        self._check_fork()
+        local = local_path_of(url)
+        if local is not None:
+            return local
+        entry = self._entry(url)
+        with self._mutex:
+            held = url in self._held
+        if held:  # our shared lock keeps the entry: no eviction can have removed it
+            meta = self._read_meta(entry, deep=False)
+            if meta is not None:
+                self._expect(url, meta, version)
+                with self._mutex:
+                    self._holds[url] += 1
+                self._count("hits")
+                self._touch(entry)
+                return str(entry.data)
+        lock = entry.open_lock()
+        try:
+            self._acquire(entry, lock, version, demanded=True)
+        except BaseException:
+            lock.close()
+            raise
+        with self._mutex:
+            old = self._held.pop(url, None)
+            self._held[url] = lock
+            self._holds[url] += 1
+        if old is not None:
+            old.close()
+        return str(entry.data)
+
+    def release(self, url: str) -> None:
+        """End one hold of ``url`` (one :meth:`local_path` call); after the last, its entry may
+        be evicted again."""
+        self._check_fork()
+        with self._mutex:
+            self._holds[url] -= 1
+            if self._holds[url] > 0:
+                return
+            del self._holds[url]
+            lock = self._held.pop(url, None)
+        if lock is not None:
+            lock.close()
+
+    @contextlib.contextmanager
+    def hold(self, url: str, *, version: str | None = None) -> Iterator[str]:
+        """``with cache.hold(url) as path:`` — :meth:`local_path`, released on exit."""
+        path = self.local_path(url, version=version)
+        try:
+            yield path
+        finally:
+            self.release(url)
+
+    def prefetch(self, urls: Iterable[str]) -> list[Future[bool]]:
+        """Download ``urls`` ahead in background threads; each future says if the file is cached.
+
+        Bounded by ``cache_limit``: a file that would need a held entry evicted is skipped
+        (its future gives False, ``stats()["skipped_prefetch"]`` counts it). Errors land in
+        the futures; a later :meth:`local_path` retries them.
+        """
+        self._check_fork()
+        with self._mutex:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.prefetch_workers, thread_name_prefix="meshfeed-prefetch"
+                )
+            pool = self._pool
+        return [pool.submit(self._prefetch_one, url) for url in urls if local_path_of(url) is None]
+
+    def open_range(self, url: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one, else one
+        ranged GET (retried), without downloading the whole file."""
+        if isinstance(start, bool) or isinstance(stop, bool) or not 0 <= start <= stop:
+            raise ValueError(f"need 0 <= start <= stop (got {start=}, {stop=}) to read {url}")
+        self._check_fork()
+        entry = self._entry(url)
+        meta = self._read_meta(entry, deep=False)
+        if meta is not None:
+            with contextlib.suppress(FileNotFoundError), open(entry.data, "rb") as f:
+                # an eviction after open unlinks the name only; these bytes stay readable
+                f.seek(start)
+                data = f.read(stop - start)
+                self._count("hits")
+                return data
+        fs, path = filesystem(url, self.storage_options)
+
+        def get() -> bytes:
+            self._count("gets")
+            return bytes(fs.cat_file(path, start=start, end=stop))
+
+        data = self.retry.call(get, url=url, action="read a range of", on_retry=self._on_retry)
+        self._count("range_reads")
+        self._count("bytes", len(data))
+        return data
+
+    def adopt(self, url: str, local: str | os.PathLike[str]) -> str:
+        """Make ``local``, a file just uploaded to ``url``, the cached copy of ``url``.
+
+        The file is moved (a rename when it lies on the cache's file system), after its size
+        and, for a single-part ETag, its MD5 are checked against the server's (one HEAD). So a
+        writer that uploads a corpus leaves it cached for the readers of its node. Returns the
+        entry's path (not held).
+        """
+        self._check_fork()
+        entry = self._entry(url)
+        lock = entry.open_lock()
+        try:
+            lock.acquire(
+                exclusive=True,
+                deadline=time.monotonic() + self.lock_timeout,
+                what=f"adopting {url}",
+            )
+            self._count("heads")
+            info = remote_info(url, self.storage_options, retry=self.retry)
+            digest = checksum(Path(local), md5=info.md5 is not None)
+            size = os.path.getsize(local)
+            if size != info.size or (info.md5 is not None and digest != f"md5:{info.md5}"):
+                raise SourceError(
+                    f"{url} is not the file {os.fspath(local)} ({info.size} bytes there, {size} "
+                    "here, or another MD5); upload it again before adopting it"
+                )
+            entry.clean()
+            tmp = entry.temp()
+            shutil.move(os.fspath(local), tmp)
+            meta = {"url": url, "size": size, "version": info.version, "checksum": digest}
+            entry.publish(tmp, meta)
+        finally:
+            lock.close()
+        return str(entry.data)
+
+    def close(self) -> None:
+        """Release every held entry and stop the download-ahead threads."""
+        with self._mutex:
+            held, self._held = self._held, {}
+            self._holds.clear()
+            pool, self._pool = self._pool, None
+        if os.getpid() != self._pid:
+            return
+        for lock in held.values():
+            lock.close()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ShardCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- entries ------------------------------------------------------------------------------
+
+    def _entry(self, url: str) -> Entry:
+        if not is_url(url):
+            raise ValueError(f"{url!r} is not a URL; local files need no cache")
+        return Entry.of(self.cache_dir, url, self.storage_options)
+
+    def _read_meta(self, entry: Entry, *, deep: bool) -> dict[str, Any] | None:
+        """The sidecar of a complete entry; with ``deep``, its checksum checked once here."""
+        meta = entry.read_meta()
+        if meta is not None and deep and entry.url not in self._verified:
+            recorded = str(meta.get("checksum", ""))
+            if checksum(entry.data, md5=recorded.startswith("md5:")) != recorded:
+                return None
+            self._verified.add(entry.url)
+        return meta
+
+    def _expect(self, url: str, meta: dict[str, Any], version: str | None) -> None:
+        if version is not None and meta["version"] != version:
+            raise SourceError(
+                f"{url} changed: the cached copy is version {meta['version']!r} but this job "
+                f"expects {version!r} (recorded when it started); the object was rewritten, "
+                "so resuming would read other data: restore the object or start a new run"
+            )
+
+    def _touch(self, entry: Entry) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(entry.sidecar)  # the sidecar's mtime is the entry's last use (LRU)
+
+    def _acquire(
+        self, entry: Entry, lock: FileLock, version: str | None, *, demanded: bool
+    ) -> bool:
+        """Take the shared lock of a complete entry, downloading it first if needed.
+
+        False only for a download-ahead (``demanded=False``) that found no room.
+        """
+        deadline = time.monotonic() + self.lock_timeout
+        deep = self.verify == "checksum"
+        what = f"caching {entry.url}"
+        fetched = False
+        for _ in range(8):  # a concurrent eviction between our two locks sends us round again
+            if lock.acquire(exclusive=False, deadline=deadline, what=what):
+                self._count("waits")
+            meta = self._read_meta(entry, deep=deep)
+            if meta is not None:
+                self._expect(entry.url, meta, version)
+                if not fetched:
+                    self._count("hits")
+                self._touch(entry)
+                return True
+            lock.release()
+            if lock.acquire(exclusive=True, deadline=deadline, what=what):
+                self._count("waits")
+            if self._read_meta(entry, deep=deep) is None:
+                entry.clean()
+                if not self._download(entry, version, demanded=demanded):
+                    lock.release()
+                    return False
+                fetched = True
+            lock.acquire(exclusive=False, deadline=deadline, what=what)  # downgrade
+        raise SourceError(
+            f"{entry.url} kept disappearing from {self.cache_dir} while being cached (evicted "
+            "by other processes each time); raise cache_limit well above the largest file"
+        )
+
+    # -- download and eviction ----------------------------------------------------------------
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._mutex:
+            self._stats[key] += n
+
+    def _on_retry(self, _: BaseException) -> None:
+        self._count("retries")
+
+    def _download(self, entry: Entry, version: str | None, *, demanded: bool) -> bool:
+        """Under the entry's exclusive lock: fetch, check and publish ``entry.url``."""
+        url = entry.url
+        fs, path = filesystem(url, self.storage_options)
+        entry.data.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.temp()
+        kwargs = _one_request(fs)
+        reserved: Path | None = None
+
+        def attempt() -> dict[str, Any] | None:
+            nonlocal reserved
+            self._count("heads")
+            info = remote_info(url, self.storage_options, retry=None)
+            if version is not None and info.version != version:
+                raise SourceError(
+                    f"{url} changed: the bucket holds version {info.version!r} but this job "
+                    f"expects {version!r} (recorded when it started); the object was "
+                    "rewritten, so resuming would read other data: restore the object or "
+                    "start a new run"
+                )
+            if reserved is None:
+                reserved, evicted = book(
+                    self.cache_dir,
+                    entry,
+                    info.size,
+                    limit=self.cache_limit,
+                    demanded=demanded,
+                    deadline=time.monotonic() + self.lock_timeout,
+                )
+                self._count("evictions", evicted)
+                if reserved is None:
+                    return None
+            self._count("gets")
+            fs.get_file(path, str(tmp), **kwargs)
+            got = tmp.stat().st_size
+            if got != info.size:
+                raise _Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
+            digest = checksum(tmp, md5=info.md5 is not None)
+            if info.md5 is not None and digest != f"md5:{info.md5}":
+                raise _Incomplete(f"the download of {url} has {digest}, its ETag {info.md5}")
+            return {"url": url, "size": got, "version": info.version, "checksum": digest}
+
+        try:
+            meta = self.retry.call(attempt, url=url, action="download", on_retry=self._on_retry)
+            if meta is None:
+                self._count("skipped_prefetch")
+                return False
+            entry.publish(tmp, meta)
+        finally:
+            tmp.unlink(missing_ok=True)
+            if reserved is not None:
+                reserved.unlink(missing_ok=True)
+        self._verified.add(url)
+        self._count("downloads")
+        self._count("bytes", int(meta["size"]))
+        return True
+
+    def _prefetch_one(self, url: str) -> bool:
+        entry = self._entry(url)
+        lock = entry.open_lock()
+        try:
+            return self._acquire(entry, lock, None, demanded=False)
+        finally:
+            lock.close()
+
+
+def resolve(
+    path_or_url: str | os.PathLike[str], *, cache: ShardCache | None, version: str | None = None
+) -> str:
+    """A local path for ``path_or_url``: a local path or ``file://`` URL as is, any other URL
+    through ``cache`` (downloaded once per node, held until ``cache.release(url)``).
+
+    ``version``: as in :meth:`ShardCache.local_path`. A URL without a cache raises ValueError.
+    """
+    p = os.fspath(path_or_url)
+    if not is_url(p):
+        return p
+    local = local_path_of(p)
+    if local is not None:
+        return local
+    if cache is None:
+        raise ValueError(
+            f"{p} is a URL, so it needs a local cache: pass cache=ShardCache(cache_dir=...) "
+            "(or cache_dir= where the reader takes one)"
+        )
+    return cache.local_path(p, version=version)

@@ -1,0 +1,336 @@
+"""ShardCache against moto's S3 server (through a fault-injecting proxy), in one process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from meshfeed.errors import SourceError
+from meshfeed.storage import ShardCache, version_of
+from tests.storage.conftest import S3, options_for
+
+
+def _put_many(s3: S3, n: int, size: int) -> dict[str, bytes]:
+    out = {}
+    for i in range(n):
+        data = os.urandom(size)
+        out[s3.put(f"shards/s{i:03d}.bin", data)] = data
+    return out
+
+
+def _temps(cache_dir: Path) -> list[Path]:
+    return list(cache_dir.glob("*/.*.meshfeed.tmp"))
+
+
+def _wait_for_partial(cache_dir: Path, timeout: float = 10.0) -> None:
+    """Until a download has written bytes (a booking, full-size from the start, is not one)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        downloads = [p for p in _temps(cache_dir) if ".booking." not in p.name]
+        if any(p.stat().st_size > 0 for p in downloads if p.exists()):
+            return
+        time.sleep(0.005)
+    raise AssertionError("the download never started writing")
+
+
+def test_a_file_downloads_once_and_is_then_a_hit(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(200_000)
+    url = s3.put("a/x.bin", data)
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        p1 = cache.local_path(url)
+        p2 = cache.local_path(url)
+        assert p1 == p2 and Path(p1).read_bytes() == data
+        stats = cache.stats()
+    assert stats["downloads"] == 1 and stats["hits"] == 1 and stats["bytes"] == 200_000
+    assert stats["gets"] == 1 and s3.proxy.counts["GET"] == 1  # one GET for the whole file
+    meta = json.loads(Path(p1 + ".meshfeed.json").read_text())
+    assert meta["url"] == url and meta["size"] == 200_000
+    assert meta["checksum"] == "md5:" + hashlib.md5(data).hexdigest()  # = the ETag, checked
+    assert meta["version"] == version_of(url, storage_options=s3.options)
+
+
+def test_a_restart_reuses_the_cache_without_a_request(s3: S3, tmp_path: Path) -> None:
+    files = _put_many(s3, 3, 50_000)
+    with ShardCache(tmp_path, storage_options=s3.options) as first:
+        for url in files:
+            first.local_path(url)
+    s3.proxy.reset()
+    with ShardCache(tmp_path, storage_options=s3.options, verify="checksum") as again:
+        for url, data in files.items():
+            assert Path(again.local_path(url)).read_bytes() == data
+        stats = again.stats()
+    assert stats["downloads"] == 0 and stats["hits"] == 3 and stats["gets"] == 0
+    assert sum(s3.proxy.counts.values()) == 0  # not a GET, not even a HEAD
+
+
+def test_a_corrupted_entry_is_downloaded_again_under_checksum_verification(
+    s3: S3, tmp_path: Path
+) -> None:
+    data = os.urandom(30_000)
+    url = s3.put("c/x.bin", data)
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        path = Path(cache.local_path(url))
+    with open(path, "r+b") as f:  # same size, other bytes: only a checksum notices
+        f.write(b"\0" * 100)
+    with ShardCache(tmp_path, storage_options=s3.options, verify="checksum") as cache:
+        assert Path(cache.local_path(url)).read_bytes() == data
+        assert cache.stats()["downloads"] == 1
+
+
+def test_the_limit_evicts_least_recently_used_entries_but_never_a_held_one(
+    s3: S3, tmp_path: Path
+) -> None:
+    files = _put_many(s3, 6, 40_000)
+    urls = list(files)
+    cache = ShardCache(tmp_path, cache_limit=100_000, storage_options=s3.options)
+    held = cache.local_path(urls[0])  # held through the whole pass
+    for url in urls[1:]:
+        with cache.hold(url) as path:
+            assert Path(path).read_bytes() == files[url]
+        on_disk = sum(p.stat().st_size for p in tmp_path.glob("*/s*.bin"))
+        assert on_disk <= 100_000
+    assert Path(held).read_bytes() == files[urls[0]], "a held entry was evicted"
+    stats = cache.stats()
+    assert stats["evictions"] >= 3 and stats["downloads"] == 6
+    # the evicted ones come back by downloading again; the held one is still a hit
+    s3.proxy.reset()
+    cache.local_path(urls[0])
+    assert s3.proxy.counts["GET"] == 0
+    cache.close()
+
+
+def test_holds_are_counted_per_call_and_the_last_release_frees_the_entry(
+    s3: S3, tmp_path: Path
+) -> None:
+    files = _put_many(s3, 3, 40_000)
+    a, b, c = files
+    cache = ShardCache(tmp_path, cache_limit=90_000, storage_options=s3.options)
+    cache.local_path(a)
+    cache.local_path(a)  # a second reader of the same file in this process
+    cache.release(a)
+    with cache.hold(b):
+        cache.local_path(c)  # a and b held: nothing can go, the demanded file goes over
+    assert cache.stats()["evictions"] == 0 and Path(cache.entry_path(a)).exists()
+    cache.release(a)
+    cache.release(c)
+    with cache.hold(b):
+        ShardCache(tmp_path, cache_limit=90_000, storage_options=s3.options).local_path(
+            s3.put("shards/extra.bin", os.urandom(40_000))
+        )
+    assert not Path(cache.entry_path(a)).exists()  # released and least recently used: evicted
+    cache.close()
+
+
+def test_prefetch_downloads_ahead_within_the_limit(s3: S3, tmp_path: Path) -> None:
+    files = _put_many(s3, 4, 40_000)
+    urls = list(files)
+    with ShardCache(tmp_path, cache_limit=130_000, storage_options=s3.options) as cache:
+        pinned = cache.local_path(urls[0])
+        other = ShardCache(tmp_path, storage_options=s3.options)  # another process's hold
+        other.local_path(urls[1])
+        results = [f.result(timeout=30) for f in cache.prefetch(urls[2:])]
+        # 80 kB held of 130 kB: one download-ahead fits, the other (concurrent) cannot make room
+        assert sorted(results) == [False, True]
+        assert cache.stats()["skipped_prefetch"] == 1
+        other.close()  # urls[1] may go now
+        assert [f.result(timeout=30) for f in cache.prefetch(urls[2:])] == [True, True]
+        assert cache.stats()["evictions"] == 1
+        assert Path(pinned).read_bytes() == files[urls[0]]
+        s3.proxy.reset()
+        for url in urls[2:]:
+            assert Path(cache.local_path(url)).read_bytes() == files[url]
+        assert s3.proxy.counts["GET"] == 0  # served by the download-ahead
+        assert not list(tmp_path.glob("*/.*.meshfeed.tmp"))  # no booking left behind
+
+
+def test_open_range_reads_part_of_a_file_with_one_ranged_get(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(100_000)
+    url = s3.put("r/x.bin", data)
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        assert cache.open_range(url, 1000, 1500) == data[1000:1500]
+        assert s3.proxy.counts["GET"] == 1 and cache.stats()["range_reads"] == 1
+        assert not Path(cache.entry_path(url)).exists()  # no whole-file download
+        cache.local_path(url)
+        s3.proxy.reset()
+        assert cache.open_range(url, 99_000, 100_000) == data[99_000:]
+        assert s3.proxy.counts["GET"] == 0  # cached: read locally
+
+
+def test_injected_500s_are_retried(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(50_000)
+    url = s3.put("f/x.bin", data)
+    s3.proxy.fail_next = 3
+    with ShardCache(tmp_path, storage_options=s3.options, retry_timeout=10) as cache:
+        assert Path(cache.local_path(url)).read_bytes() == data
+        assert cache.stats()["retries"] == 3
+    assert s3.proxy.counts["GET"] == 1
+
+
+def test_500s_past_the_bound_name_the_url(s3: S3, tmp_path: Path) -> None:
+    url = s3.put("f/y.bin", b"x" * 1000)
+    s3.proxy.fail_next = 10_000
+    t0 = time.monotonic()
+    with (
+        ShardCache(tmp_path, storage_options=s3.options, retry_timeout=0.5) as cache,
+        pytest.raises(SourceError, match=rf"cannot download {url}.*OSError"),
+    ):
+        cache.local_path(url)
+    assert time.monotonic() - t0 < 3.0
+    assert not Path(cache.entry_path(url)).exists() and not _temps(tmp_path)
+
+
+def test_slow_answers_past_the_client_timeout_are_retried(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(20_000)
+    url = s3.put("s/x.bin", data)
+    opts = options_for(s3.proxy.endpoint, read_timeout=0.5)
+    s3.proxy.slow_next, s3.proxy.delay = 1, 1.5  # the first answer comes after the timeout
+    t0 = time.monotonic()
+    with ShardCache(tmp_path, storage_options=opts, retry_timeout=10) as cache:
+        assert Path(cache.local_path(url)).read_bytes() == data
+    assert time.monotonic() - t0 < 8.0
+    assert s3.proxy.counts["HEAD"] + s3.proxy.counts["GET"] >= 3  # one slow, then HEAD + GET
+
+
+def test_slow_answers_within_the_timeout_just_take_longer(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(20_000)
+    url = s3.put("s/y.bin", data)
+    s3.proxy.slow_next, s3.proxy.delay = 2, 0.3
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        assert Path(cache.local_path(url)).read_bytes() == data
+        assert cache.stats()["retries"] == 0
+
+
+def test_the_endpoint_stopped_mid_download_and_restarted(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(2_000_000)
+    url = s3.put("d/big.bin", data)
+    s3.proxy.throttle = 0.05  # ~31 chunks of 64 KiB: about 1.5 s per download
+    cache = ShardCache(tmp_path, storage_options=s3.options, retry_timeout=15)
+    result: dict[str, object] = {}
+
+    def fetch() -> None:
+        try:
+            result["path"] = cache.local_path(url)
+        except BaseException as e:
+            result["error"] = e
+
+    t = threading.Thread(target=fetch)
+    t.start()
+    _wait_for_partial(tmp_path)
+    s3.proxy.stop()  # mid-download: the connection drops, new ones are refused
+    time.sleep(0.5)
+    s3.proxy.throttle = 0.0
+    s3.proxy.start()
+    t.join(timeout=30)
+    assert "error" not in result, result.get("error")
+    assert Path(str(result["path"])).read_bytes() == data
+    assert cache.stats()["downloads"] == 1
+    assert s3.proxy.counts["GET"] >= 2  # the cut one and the retry
+    assert not _temps(tmp_path)
+    cache.close()
+
+
+def test_the_endpoint_down_past_the_bound_gives_a_source_error(s3: S3, tmp_path: Path) -> None:
+    url = s3.put("d/x.bin", b"x" * 1000)
+    s3.proxy.stop()
+    t0 = time.monotonic()
+    with (
+        ShardCache(tmp_path, storage_options=s3.options, retry_timeout=1.0) as cache,
+        pytest.raises(SourceError, match=rf"{url}.*retry_timeout=1 s.*last error"),
+    ):
+        cache.local_path(url)
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_changed_object_is_refused_by_name_on_resume(s3: S3, tmp_path: Path) -> None:
+    url = s3.put("v/x.bin", b"first version")
+    with ShardCache(tmp_path / "a", storage_options=s3.options) as cache:
+        cache.local_path(url)
+    recorded = version_of(url, storage_options=s3.options)  # what a checkpoint stores
+    s3.put("v/x.bin", b"other version")
+    assert version_of(url, storage_options=s3.options) != recorded
+    # a node without a copy: the bucket's object is not the recorded one
+    with (
+        ShardCache(tmp_path / "b", storage_options=s3.options) as fresh,
+        pytest.raises(SourceError, match=rf"{url} changed.*{recorded}"),
+    ):
+        fresh.local_path(url, version=recorded)
+    assert not Path(fresh.entry_path(url)).exists()
+    # a node with the old copy serves it to a resume that expects it, and refuses a mismatch
+    with ShardCache(tmp_path / "a", storage_options=s3.options) as kept:
+        assert Path(kept.local_path(url, version=recorded)).read_bytes() == b"first version"
+        with pytest.raises(SourceError, match=rf"{url} changed"):
+            kept.local_path(url, version="13-somethingelse")
+
+
+def test_a_leftover_temporary_file_is_removed_and_never_read(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    url = s3.put("t/x.bin", data)
+    cache = ShardCache(tmp_path, storage_options=s3.options)
+    entry = Path(cache.entry_path(url))
+    entry.parent.mkdir(parents=True)
+    leftover = entry.with_name(f".{entry.name}.deadbeef0000.meshfeed.tmp")
+    leftover.write_bytes(data[:1000])  # what a killed writer leaves
+    entry.write_bytes(data[:1000])  # even a renamed half file, without its sidecar
+    ShardCache(tmp_path, storage_options=s3.options)  # a new cache sweeps it
+    assert not leftover.exists() and not entry.exists()
+    assert Path(cache.local_path(url)).read_bytes() == data
+    cache.close()
+
+
+def test_the_cache_pickles_as_its_settings(s3: S3, tmp_path: Path) -> None:
+    import pickle
+
+    url = s3.put("p/x.bin", b"abc")
+    cache = ShardCache(tmp_path, cache_limit=10_000, storage_options=s3.options, retry_timeout=3)
+    cache.local_path(url)
+    clone = pickle.loads(pickle.dumps(cache))
+    assert (clone.cache_dir, clone.cache_limit, clone.retry.timeout) == (tmp_path, 10_000, 3)
+    assert clone.stats()["hits"] == 0
+    assert Path(clone.local_path(url)).read_bytes() == b"abc"
+    assert clone.stats()["hits"] == 1
+    cache.close()
+    clone.close()
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cache_limit"):
+        ShardCache(tmp_path, cache_limit=0)
+    with pytest.raises(ValueError, match="verify"):
+        ShardCache(tmp_path, verify="md5")  # type: ignore[arg-type]
+
+
+def test_a_waiter_gives_up_after_lock_timeout_naming_the_url(s3: S3, tmp_path: Path) -> None:
+    from meshfeed.storage._layout import Entry
+
+    url = s3.put("w/x.bin", b"abc")
+    writer = Entry.of(tmp_path, url, s3.options).open_lock()  # another process mid-download
+    assert writer.try_acquire(exclusive=True)
+    t0 = time.monotonic()
+    with (
+        ShardCache(tmp_path, storage_options=s3.options, lock_timeout=0.3) as cache,
+        pytest.raises(SourceError, match=r"timed out waiting.*caching s3://.*/w/x.bin"),
+    ):
+        cache.local_path(url)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert s3.proxy.counts["GET"] == 0
+    writer.close()
+
+
+@pytest.mark.slow
+def test_importing_the_readers_does_not_import_fsspec() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, meshfeed.sources.windows, meshfeed.sources.parquet, meshfeed.storage; "
+        "print('fsspec' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.strip() == "False", out.stderr

@@ -1,0 +1,104 @@
+"""ShardCache shared by real processes of one node, against moto's S3 server."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from meshfeed.storage import ShardCache
+from tests.storage import _procs
+from tests.storage.conftest import S3
+
+
+def _partial(cache_dir: Path) -> list[Path]:
+    return [p for p in cache_dir.glob("*/.*.meshfeed.tmp") if ".booking." not in p.name]
+
+
+@pytest.mark.slow
+def test_four_processes_download_a_file_once_per_node(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(1_000_000)
+    url = s3.put("p/shared.bin", data)
+    s3.proxy.throttle = 0.03  # the download lasts ~0.5 s, so the four requests overlap
+    ctx = mp.get_context("fork")  # children use only the cache and HTTP; spawn re-imports torch
+    barrier, out = ctx.Barrier(4), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_procs.fetch_after_barrier,
+            args=(str(tmp_path), url, s3.options, barrier, out),
+        )
+        for _ in range(4)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert {digest for digest, _ in results} == {hashlib.sha256(data).hexdigest()}
+    stats = [s for _, s in results]
+    assert sum(s["downloads"] for s in stats) == 1
+    assert sum(s["hits"] for s in stats) == 3
+    assert sum(s["waits"] for s in stats) >= 1  # the others waited for the one download
+    assert s3.proxy.counts["GET"] == 1  # counted by the server side too
+
+
+@pytest.mark.slow
+def test_a_writer_killed_mid_download_leaves_nothing_readable(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(1_000_000)
+    url = s3.put("k/big.bin", data)
+    s3.proxy.throttle = 0.1  # ~1.6 s per download: the kill lands mid-way
+    ctx = mp.get_context("fork")  # children use only the cache and HTTP; spawn re-imports torch
+    writer = ctx.Process(target=_procs.fetch, args=(str(tmp_path), url, s3.options))
+    writer.start()
+    deadline = time.monotonic() + 60
+    while not any(p.stat().st_size > 0 for p in _partial(tmp_path) if p.exists()):
+        assert time.monotonic() < deadline and writer.is_alive(), "the download never started"
+        time.sleep(0.005)
+    os.kill(writer.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    writer.join(timeout=30)
+    assert writer.exitcode == -signal.SIGKILL
+    s3.proxy.throttle = 0.0
+    entry = Path(ShardCache(tmp_path).entry_path(url))  # its sweep runs here
+    assert not entry.exists() and not Path(f"{entry}.meshfeed.json").exists()
+    assert not _partial(tmp_path), "a new cache removes the dead writer's temporary file"
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        assert Path(cache.local_path(url)).read_bytes() == data
+        assert cache.stats()["downloads"] == 1
+    assert not list(tmp_path.glob("*/.*.meshfeed.tmp"))
+
+
+@pytest.mark.slow
+def test_a_waiter_takes_over_when_the_writer_is_killed(s3: S3, tmp_path: Path) -> None:
+    import threading
+
+    data = os.urandom(1_000_000)
+    url = s3.put("k/other.bin", data)
+    s3.proxy.throttle = 0.1
+    ctx = mp.get_context("fork")  # children use only the cache and HTTP; spawn re-imports torch
+    writer = ctx.Process(target=_procs.fetch, args=(str(tmp_path), url, s3.options))
+    writer.start()
+    deadline = time.monotonic() + 60
+    while not any(p.stat().st_size > 0 for p in _partial(tmp_path) if p.exists()):
+        assert time.monotonic() < deadline and writer.is_alive(), "the download never started"
+        time.sleep(0.005)
+    waiter = ShardCache(tmp_path, storage_options=s3.options)
+    got: dict[str, object] = {}
+    t = threading.Thread(target=lambda: got.update(path=waiter.local_path(url)))
+    t.start()
+    time.sleep(0.2)  # the waiter is blocked on the writer's lock
+    assert "path" not in got
+    s3.proxy.throttle = 0.0
+    os.kill(writer.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    writer.join(timeout=30)
+    t.join(timeout=30)
+    assert Path(str(got["path"])).read_bytes() == data
+    stats = waiter.stats()
+    assert stats["downloads"] == 1 and stats["waits"] >= 1
+    assert not list(tmp_path.glob("*/.*.meshfeed.tmp"))
+    waiter.close()
