@@ -73,6 +73,12 @@ class ShardedStream:
     together with the loader's seed. ``rows``: row counts per shard, if known (else counted).
     ``samples_per_epoch``: rows per epoch (default: every row once); fewer or more rows than
     the shards hold walk on through the endless sequence of reshuffled passes.
+
+    Shards may be URLs (``s3://``, ``gs://``, any fsspec protocol; ``pip install
+    "meshfeed[remote]"``): each is downloaded once per node into the shard cache at
+    ``cache_dir`` (default ``$MESHFEED_CACHE_DIR`` or ``~/.cache/meshfeed/shards``), bounded by
+    ``cache_limit`` bytes, with ``storage_options`` passed to fsspec (endpoint, credentials);
+    see :mod:`meshfeed.sources.stream_remote`.
     """
 
     def __init__(
@@ -84,6 +90,9 @@ class ShardedStream:
         seed: int = 0,
         rows: Sequence[int] | None = None,
         samples_per_epoch: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence) or not shards:
             raise ValueError(
@@ -116,7 +125,9 @@ class ShardedStream:
         else:
             self._given_rows = None
         self.shards = list(shards)
-        self.reader: Any = reader or DefaultReader()
+        self.reader: Any = _remote(
+            reader or DefaultReader(), self.shards, cache_dir, cache_limit, storage_options
+        )
         self._cursors: dict[int, _Cursor] = {}
         self._reader_takes = isinstance(self.reader, TakeReader)  # decided once, not per batch
 
@@ -178,6 +189,14 @@ class ShardedStream:
             cursor = self._cursors[s] = _Cursor(self.reader, self.shards[s])
         return cursor.take(rows)
 
+    def close(self) -> None:
+        """Release what this process holds of the shards (URL shards held in the node's
+        cache); reading again re-opens them."""
+        close = getattr(self.reader, "close", None)
+        if close is not None:
+            close()
+        self._cursors.clear()
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_cursors"] = {}  # open iterators stay in the process that opened them
@@ -215,8 +234,12 @@ class ShardedStream:
         h = hashlib.blake2b(
             json.dumps([names, self._identities, self.rows, reader]).encode(), digest_size=10
         )
-        newest = max(shard_mtime(s) for s in self.shards)
+        newest = max(self._modified(s) for s in self.shards)
         return f"stream:{len(self.shards)}:{h.hexdigest()}:{newest}"
+
+    def _modified(self, shard: Any) -> int:
+        modified = getattr(self.reader, "modified", None)
+        return int(modified(shard)) if modified is not None else shard_mtime(shard)
 
     def explain_fingerprint(self, old: str) -> str:
         """Why ``old`` (a checkpoint's fingerprint) differs from this stream's: the shards
@@ -230,13 +253,41 @@ class ShardedStream:
             newest = int(parts[3])
         except ValueError:
             return "the checkpoint's stream fingerprint is malformed"
-        changed = [_name(s) for s in self.shards if shard_mtime(s) > newest]
+        changed = [_name(s) for s in self.shards if self._modified(s) > newest]
         if changed:
             shown = ", ".join(changed[:4]) + (
                 f" and {len(changed) - 4} more" if len(changed) > 4 else ""
             )
             return f"shard(s) {shown} changed after the checkpoint was written"
         return "a shard's content, a shard name, the reader or the row counts changed"
+
+
+def _remote(
+    reader: Any,
+    shards: list[Any],
+    cache_dir: Any,
+    cache_limit: int | None,
+    storage_options: Mapping[str, Any] | None,
+) -> Any:
+    """``reader``, wrapped to read URL shards through the node's shard cache when any shard
+    is a URL (see :mod:`meshfeed.sources.stream_remote`)."""
+    from meshfeed.storage import ShardCache, default_cache_dir, is_url
+
+    if not any(isinstance(s, str) and is_url(s) for s in shards):
+        if cache_dir is not None or storage_options is not None:
+            raise ValueError(
+                "cache_dir= / storage_options= are for shards given as URLs (s3://, gs://, ...); "
+                "these shards are local: leave both out"
+            )
+        return reader
+    from meshfeed.sources.stream_remote import CachedReader
+
+    cache = ShardCache(
+        cache_dir if cache_dir is not None else default_cache_dir(),
+        cache_limit=cache_limit,
+        storage_options=storage_options,
+    )
+    return CachedReader(reader, cache, shards=shards)
 
 
 class _Cursor:

@@ -366,8 +366,7 @@ class ShardCache:
             if lock.acquire(exclusive=False, deadline=deadline, what=what):
                 self._count("waits")
             meta = self._read_meta(entry, deep=deep)
-            if meta is not None:
-                self._expect(entry.url, meta, version)
+            if meta is not None and _fits(meta, version):
                 if not fetched:
                     self._count("hits")
                 self._touch(entry)
@@ -375,7 +374,11 @@ class ShardCache:
             lock.release()
             if lock.acquire(exclusive=True, deadline=deadline, what=what):
                 self._count("waits")
-            if self._read_meta(entry, deep=deep) is None:
+            meta = self._read_meta(entry, deep=deep)
+            if meta is None or not _fits(meta, version):
+                # missing, or a copy of another version of the object: once nobody holds it
+                # (this exclusive lock), it is replaced by the version the caller expects (a
+                # bucket that no longer holds that version is refused by name in _download)
                 entry.clean()
                 if not self._download(entry, version, demanded=demanded):
                     lock.release()
@@ -482,3 +485,8 @@ def resolve(
             "(or cache_dir= where the reader takes one)"
         )
     return cache.local_path(p, version=version)
+
+
+def _fits(meta: dict[str, Any], version: str | None) -> bool:
+    """Whether a cached copy is of the object version the caller expects (None: any)."""
+    return version is None or meta["version"] == version

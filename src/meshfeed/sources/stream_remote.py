@@ -1,0 +1,122 @@
+"""Streams whose shards are URLs: each shard read as a local file of the node's shard cache.
+
+:class:`CachedReader` wraps any reader. A shard that is a URL (``s3://``, ``gs://``, any fsspec
+protocol) is resolved through a :class:`~meshfeed.storage.ShardCache` to a local file,
+downloaded once per node however many ranks and workers read it, and held while this process
+reads it: at most ``keep`` shards per process, the least recently used released first, so the
+cache may evict what no process reads any more. The wrapped reader then reads the local file
+as it reads any file. A local path passes through untouched.
+
+When a shard is first opened in a process, the next ``ahead`` shards of the list are
+downloaded in the background (bounded by the cache limit): the order a stream walks reads a
+window of one or two shards at a time, so the next shards are the likely next reads.
+
+A shard's identity is its remote version (size and ETag / version id), asked once per process;
+a shard rewritten in the bucket after a checkpoint is refused on resume, naming it (its local
+copy is checked against the version too, so a stale copy is never read as the new object).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from meshfeed.sources.stream_readers import TakeReader, shard_identity, shard_mtime
+from meshfeed.storage import ShardCache, is_url, version_of
+from meshfeed.storage.urls import filesystem
+
+__all__ = ["CachedReader"]
+
+
+class CachedReader:
+    """``inner`` over URL shards through ``cache`` (see the module docstring). Picklable: a
+    worker process gets the settings and opens its own holds."""
+
+    def __init__(
+        self, inner: Any, cache: ShardCache, *, shards: list[Any], keep: int = 4, ahead: int = 2
+    ) -> None:
+        self.inner, self.cache, self.keep, self.ahead = inner, cache, keep, ahead
+        self.order = [str(s) for s in shards]
+        self._held: OrderedDict[str, str] = OrderedDict()
+        self._versions: dict[str, str] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_held", "_versions")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._held, self._versions = OrderedDict(), {}
+
+    def _local(self, shard: Any) -> Any:
+        if not (isinstance(shard, str) and is_url(shard)):
+            return shard
+        path = self._held.get(shard)
+        if path is not None:
+            self._held.move_to_end(shard)
+            return path
+        path = self.cache.local_path(shard, version=self.version(shard))
+        self._held[shard] = path
+        while len(self._held) > self.keep:
+            old, _ = self._held.popitem(last=False)
+            self.cache.release(old)
+        self._download_ahead(shard)
+        return path
+
+    def _download_ahead(self, shard: str) -> None:
+        if self.ahead < 1 or shard not in self.order:
+            return
+        i = self.order.index(shard)
+        nxt = [u for u in self.order[i + 1 : i + 1 + self.ahead] if is_url(u)]
+        if nxt:
+            self.cache.prefetch(nxt)
+
+    def version(self, shard: Any) -> str:
+        if not (isinstance(shard, str) and is_url(shard)):
+            return shard_identity(shard, None)
+        if shard not in self._versions:
+            self._versions[shard] = version_of(shard, storage_options=self.cache.storage_options)
+        return self._versions[shard]
+
+    def modified(self, shard: Any) -> int:
+        """When the object was last written, in ns since the epoch (0 where unknown): names
+        a shard rewritten after a checkpoint."""
+        if not (isinstance(shard, str) and is_url(shard)):
+            return shard_mtime(shard)
+        fs, path = filesystem(shard, self.cache.storage_options)
+        try:
+            info = fs.info(path)
+        except OSError:
+            return 0
+        for key in ("mtime", "LastModified", "last_modified", "updated", "modified"):
+            value = info.get(key)
+            if hasattr(value, "timestamp"):
+                return int(value.timestamp() * 1e9)
+            if isinstance(value, (int, float)):
+                return int(value * 1e9)
+        return 0
+
+    def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
+        return self.inner(self._local(shard), start, stop)
+
+    def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
+        local = self._local(shard)
+        if isinstance(self.inner, TakeReader):
+            return list(self.inner.take(local, rows))
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        span = list(self.inner(local, lo, hi))
+        return [span[r - lo] for r in rows.tolist()]
+
+    def count(self, shard: Any) -> int:
+        count = getattr(self.inner, "count", None)
+        local = self._local(shard)
+        if count is not None:
+            return int(count(local))
+        return sum(1 for _ in self.inner(local, 0, None))
+
+    def close(self) -> None:
+        """Release every shard this process holds."""
+        while self._held:
+            url, _ = self._held.popitem(last=False)
+            self.cache.release(url)

@@ -1,0 +1,117 @@
+"""Sharded streams whose shards are URLs, read from a real S3 API (moto) through the cache."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshfeed import StreamLoader
+from meshfeed.sources import ShardedStream
+from meshfeed.testing import take
+from tests.dist_utils import run_distributed
+from tests.storage.conftest import S3
+
+ROWS = [30, 7, 52, 11, 20]
+
+
+def _upload(s3: S3, rows: list[int] = ROWS, key: str = "stream") -> list[str]:
+    urls = []
+    for s, n in enumerate(rows):
+        body = "".join(json.dumps({"id": s * 1000 + r}) + "\n" for r in range(n))
+        urls.append(s3.put(f"{key}/part-{s:05d}.jsonl", body.encode()))
+    return urls
+
+
+def _ids(rows: list[dict[str, int]]) -> list[int]:
+    return [r["id"] for r in rows]
+
+
+def _loader(urls: list[str], remote: dict[str, Any], **kw: Any) -> StreamLoader:
+    stream = ShardedStream(urls, shuffle_buffer=8, **remote)
+    return StreamLoader(stream, seed=2, collate_fn=_ids, **kw)
+
+
+def test_a_stream_of_urls_serves_every_row_once_and_downloads_each_shard_once(
+    s3: S3, tmp_path: Path
+) -> None:
+    urls = _upload(s3)
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    s3.proxy.reset()
+    served = []
+    for rank in range(2):
+        with _loader(urls, remote, batch_size=4, mesh={"dp": 2}, rank=rank) as lo:
+            served += [i for b in lo for i in b]
+    assert len(served) == len(set(served)) == sum(ROWS) // 8 * 8
+    assert len(s3.proxy.object_gets) == len(urls)  # every shard fetched ...
+    assert all(n == 1 for n in s3.proxy.object_gets.values())  # ... once for the node
+    local = [tmp_path / f"part-{s}.jsonl" for s in range(len(ROWS))]
+    for p, u in zip(local, urls, strict=True):
+        p.write_bytes(s3.client.get_object(Bucket=s3.bucket, Key=u.split("/", 3)[3])["Body"].read())
+    from_disk = []
+    for rank in range(2):
+        lo = StreamLoader(
+            ShardedStream(local, shuffle_buffer=8),
+            seed=2,
+            collate_fn=_ids,
+            batch_size=4,
+            mesh={"dp": 2},
+            rank=rank,
+        )
+        from_disk += [i for b in lo for i in b]
+    assert served == from_disk  # the same rows in the same order as the local copy
+
+
+def test_a_shard_rewritten_in_the_bucket_is_refused_on_resume_by_name(
+    s3: S3, tmp_path: Path
+) -> None:
+    urls = _upload(s3)
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    lo = _loader(urls, remote, batch_size=4)
+    take(lo, 3)
+    state = lo.state_dict()
+    lo.dataset.close()  # the job ends: its holds on the cached shards go
+    time.sleep(1.1)  # S3 modification times have one-second resolution
+    body = "".join(json.dumps({"id": 9000 + r}) + "\n" for r in range(ROWS[2]))
+    s3.put("stream/part-00002.jsonl", body.encode())
+    with pytest.raises(ValueError, match=r"part-00002\.jsonl changed after the checkpoint"):
+        _loader(urls, remote, batch_size=4).load_state_dict(state)
+
+
+def test_a_restarted_job_reuses_the_cache_without_a_download(s3: S3, tmp_path: Path) -> None:
+    urls = _upload(s3)
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    first = [b for b in _loader(urls, remote, batch_size=4)]
+    s3.proxy.reset()
+    again = [b for b in _loader(urls, remote, batch_size=4)]
+    assert again == first
+    assert sum(s3.proxy.object_gets.values()) == 0  # metadata requests only
+
+
+def _gloo_rank(rank: int, world: int, urls: list[str], remote: dict[str, Any]) -> list[int]:
+    with _loader(urls, remote, batch_size=2, mesh={"dp": world}, num_workers=2) as lo:
+        return [i for b in lo for i in b]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_with_two_workers_read_a_stream_from_s3_every_row_once(
+    s3: S3, tmp_path: Path
+) -> None:
+    urls = _upload(s3)
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    s3.proxy.reset()
+    results = run_distributed(_gloo_rank, 2, urls, remote)
+    served = [i for r in results for i in r]
+    assert len(served) == len(set(served)) == sum(ROWS) // 4 * 4
+    assert all(n == 1 for n in s3.proxy.object_gets.values())  # once per node
+    assert len(s3.proxy.object_gets) == len(urls)
+
+
+def test_cache_options_for_local_shards_are_refused(tmp_path: Path) -> None:
+    p = tmp_path / "a.txt"
+    p.write_text("x\n")
+    with pytest.raises(ValueError, match="for shards given as URLs"):
+        ShardedStream([str(p)], cache_dir=str(tmp_path))
