@@ -15,7 +15,7 @@ from meshfeed.queue import SampleStore
 from meshfeed.queue.columns import Runs
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.ray_backend import PROBE_INTERVAL
-from meshfeed.queue.samplers import SequentialSampler
+from meshfeed.queue.request import GetRequest
 
 pytestmark = pytest.mark.ray
 
@@ -66,9 +66,8 @@ def test_the_actor_hands_out_references_and_the_consumer_fetches_the_rows(ray_st
     assert store._backend.chunk_kinds() == ["RemoteChunk"]
     assert store.stats()["bytes_held"] == 0
     assert store.stats()["bytes_in_object_store"] == ROWS * WIDTH * 4
-    reply = store._backend.actor.get.remote(
-        "peek", ("obs",), 8, "p", SequentialSampler(), 10, {}, False, None
-    )
+    request = GetRequest(task="peek", fields=("obs",), batch_size=8, partition="p", timeout=10)
+    reply = store._backend.actor.get.remote(request, None)
     ok, (ids, rows, lease) = ray.get(reply)
     assert ok and ids == list(range(8)) and lease is None
     column = rows["obs"]
@@ -134,7 +133,9 @@ class _Owner:
 
 def _handed_out_ref(store: SampleStore) -> Any:
     ok, (_, rows, _) = ray_get(
-        store._backend.actor.get.remote("peek", ("obs",), 1, "p", SequentialSampler(), 10, {})
+        store._backend.actor.get.remote(
+            GetRequest(task="peek", fields=("obs",), batch_size=1, partition="p", timeout=10)
+        )
     )
     assert ok
     return rows["obs"].runs[0][0]

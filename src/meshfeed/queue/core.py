@@ -24,10 +24,11 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Hashable, Mapping
-from itertools import islice, repeat
+from itertools import repeat
 from typing import Any
 
 from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, gather, gather_runs
+from meshfeed.queue.fastpath import select_fast
 from meshfeed.queue.leases import Lease, Leases
 from meshfeed.queue.records import (
     SCALAR_TYPES,
@@ -40,7 +41,8 @@ from meshfeed.queue.records import (
     View,
     nbytes_of,
 )
-from meshfeed.queue.samplers import Sampler, SequentialSampler, Share
+from meshfeed.queue.request import GetRequest
+from meshfeed.queue.samplers import Share
 
 __all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
@@ -233,142 +235,199 @@ class StoreCore:
 
     # ----------------------------------------------------------------- consuming
     def try_get(
-        self,
-        task: str,
-        fields: tuple[str, ...],
-        batch_size: int,
-        partition: str,
-        sampler: Sampler,
-        context: Mapping[str, Any],
-        hold: bool = False,
-        *,
-        lease: str | None = None,
-        consumer: Hashable | None = None,
-        alive: Any = None,
-        now: float | None = None,
+        self, request: GetRequest, *, alive: Any = None, now: float | None = None
     ) -> tuple[list[Key], dict[str, list[Any]]] | None:
         """Plan and consume a batch; ``None`` when not enough samples are ready yet.
 
-        Raises :class:`PartitionClosed` when the partition is closed and nothing more can
-        become ready for ``task``. ``hold``: keep the returned samples until :meth:`release`.
-        With ``options.lease_timeout`` set, a batch of a non-sharing sampler is handed out
-        under the lease ``lease`` (an id the caller chose; see :mod:`meshfeed.queue.leases`)
-        of ``consumer`` (whose earlier leases for this task and partition this get
-        acknowledges), expiring at ``now + lease_timeout``. ``now``: the caller's
-        ``time.monotonic()`` (default: read now), also used to expire overdue leases first.
+        In order: overdue leases expire and the consumer's earlier leases are acknowledged;
+        a shared plan already made for this request's key is read (replica peers, retries);
+        a closed partition with nothing more for the task ends the stream
+        (:class:`PartitionClosed`); else the sampler plans a batch and it is consumed.
+        ``request.hold``: keep the returned samples until :meth:`release`. With
+        ``options.lease_timeout`` set, a batch of a non-sharing sampler is handed out under
+        ``request.lease`` of ``request.consumer``, expiring at ``now + lease_timeout``
+        (``alive``: the consumer's liveness probe, see :mod:`meshfeed.queue.leases`).
+        ``now``: the caller's ``time.monotonic()`` (default: read now).
         """
-        part = self._partition(partition)
-        if now is None:
-            now = time.monotonic()
+        part = self._partition(request.partition)
+        now = time.monotonic() if now is None else now
         if self.leases:
-            self.expire_leases(now)
-            if consumer is not None:
-                for old in self.leases.of_consumer(consumer, task, partition):
-                    self._end_lease(old.id)
-        share = sampler.share(context)
+            self._settle_leases(request, now)
+        share = request.sampler.share(request.sampler_context())
         if share is not None:
-            self._ack(part, task, share, context, last=False)
-            entry = part.cache.get((task, *share.key))
+            self._ack(part, request.task, share, request.prefetch, last=False)
+            entry = part.cache.get((request.task, *share.key))
             if entry is not None:
-                # A replica peer reading the shared plan, or a retry of the same batch index
-                # (idempotent: the same batch again, never the next one).
-                if entry.fields != fields:
-                    raise ValueError(
-                        f"replica members asked for different fields ({list(entry.fields)} vs "
-                        f"{list(fields)}) for the same batch; ask for the same fields"
-                    )
-                agree = context.get("agree")
-                if entry.batch_size is not None and (entry.batch_size, entry.agree) != (
-                    batch_size,
-                    agree,
-                ):
-                    raise ValueError(
-                        f"readers of one shared batch asked with different settings "
-                        f"(batch_size={entry.batch_size}, {entry.agree} vs "
-                        f"batch_size={batch_size}, {agree}); replica peers must share "
-                        "batch_size, prefetch and sampler, or they end at different steps"
-                    )
-                again = share.reader in entry.read
-                entry.read.add(share.reader)
-                ids = [k for k in entry.parts[share.part] if k in part.samples]
-                if again:
-                    self.redelivered += len(ids)
-                rows = self._rows(part, ids, fields)
-                if hold and not again:
-                    self._hold(part, ids)
-                if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
-                    self._sweep(part, task, (task, *share.key[:-1]), share.readers)
-                return ids, rows
-        need = tuple(dict.fromkeys((*fields, *sampler.extra_fields)))
+                return self._read_plan(part, request, share, entry)
+        parts = self._plan(part, request, share)
+        if parts is None:
+            return None
+        return self._consume(part, request, share, parts, alive, now)
+
+    def _settle_leases(self, request: GetRequest, now: float) -> None:
+        """Expire overdue leases; a get of ``consumer`` acknowledges its earlier batches of
+        the same task and partition."""
+        self.expire_leases(now)
+        if request.consumer is not None:
+            for old in self.leases.of_consumer(request.consumer, request.task, request.partition):
+                self._end_lease(old.id)
+
+    def _read_plan(
+        self, part: Partition, request: GetRequest, share: Share, entry: Entry
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        """A replica peer reading the shared plan, or a retry of the same batch index
+        (idempotent: the same batch again, never the next one); peers must agree."""
+        fields, batch_size, agree = request.fields, request.batch_size, request.agree
+        if entry.fields != fields:
+            raise ValueError(
+                f"replica members asked for different fields ({list(entry.fields)} vs "
+                f"{list(fields)}) for the same batch; ask for the same fields"
+            )
+        if entry.batch_size is not None and (entry.batch_size, entry.agree) != (batch_size, agree):
+            raise ValueError(
+                f"readers of one shared batch asked with different settings "
+                f"(batch_size={entry.batch_size}, {entry.agree} vs "
+                f"batch_size={batch_size}, {agree}); replica peers must share "
+                "batch_size, prefetch and sampler, or they end at different steps"
+            )
+        again = share.reader in entry.read
+        entry.read.add(share.reader)
+        ids = [k for k in entry.parts[share.part] if k in part.samples]
+        if again:
+            self.redelivered += len(ids)
+        rows = self._rows(part, ids, fields)
+        if request.hold and not again:
+            self._hold(part, ids)
+        if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
+            task = request.task
+            self._sweep(part, task, (task, *share.key[:-1]), share.readers)
+        return ids, rows
+
+    def _plan(
+        self, part: Partition, request: GetRequest, share: Share | None
+    ) -> list[list[Key]] | None:
+        """The sampler's batch (as parts), ``None`` to wait; at the end of the stream (a
+        closed partition with nothing more for the task) :class:`PartitionClosed`."""
+        need = request.need
         if part.closed:
             missing = [f for f in need if f not in part.seen]
             if missing:  # nothing more can ever become ready: the stream has ended
-                if share is not None:
-                    self._ack(part, task, share, context, last=True)
-                raise PartitionClosed(
-                    f"partition {partition!r} is closed and no sample of it has field(s) "
-                    f"{missing} (fields produced: {sorted(part.seen)}); the stream has ended "
-                    "(check the field names if you expected data)"
+                self._end(
+                    part,
+                    request,
+                    share,
+                    f"partition {request.partition!r} is closed and no sample of it has "
+                    f"field(s) {missing} (fields produced: {sorted(part.seen)}); the stream "
+                    "has ended (check the field names if you expected data)",
                 )
-        pending = part.task(task)
-        parts: list[list[Key]] | bool | None = False
-        if share is None and type(sampler) is SequentialSampler:
-            parts = self._select_runs(part, pending, need, batch_size)
+        pending = part.task(request.task)
+        parts = select_fast(part, pending, request) if share is None else False
         if isinstance(parts, bool):
-            parts = sampler.select(View(part, pending, need), batch_size)
+            parts = request.sampler.select(View(part, pending, need), request.batch_size)
         if parts is None or not any(parts):
             if part.closed:
-                if share is not None:
-                    self._ack(part, task, share, context, last=True)
-                raise PartitionClosed(f"partition {partition!r} is closed and drained for {task!r}")
+                self._end(
+                    part,
+                    request,
+                    share,
+                    f"partition {request.partition!r} is closed and drained for {request.task!r}",
+                )
             return None
+        return parts
+
+    def _end(self, part: Partition, request: GetRequest, share: Share | None, why: str) -> None:
+        """The stream has ended for this reader: it acknowledges every plan, then stops."""
+        if share is not None:
+            self._ack(part, request.task, share, request.prefetch, last=True)
+        raise PartitionClosed(why)
+
+    def _consume(
+        self,
+        part: Partition,
+        request: GetRequest,
+        share: Share | None,
+        parts: list[list[Key]],
+        alive: Any,
+        now: float,
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        """Mark the planned samples consumed for the task, record a shared plan, and hand
+        out this reader's part (held and leased as the request says)."""
+        task = request.task
         every = parts[0] if len(parts) == 1 else [k for p in parts for k in p]
-        deque(map(pending.pop, every), 0)  # C-level loops: no Python per sample
-        # The only task consumed them and nothing keeps them (no plan, hold or lease): they
-        # go now, without passing through the consumed set and the eviction checks.
-        drop = (
-            share is None
-            and not hold
-            and self.options.lease_timeout is None
-            and self.options.tasks == (task,)
-            and len(part.pending) == 1
-            and not part.cache
-            and not part.held
-            and not part.leased
-        )
+        deque(map(part.task(task).pop, every), 0)  # C-level loops: no Python per sample
+        drop = share is None and not request.hold and self._sole_reader(part, task)
         if not drop:
             part.consumed[task].update(every)
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         index = 0
         if share is not None:
             index = share.part
-            # Cached until every reader asked for a later index, so a retry gets this batch.
-            entry = Entry(parts, fields, share.readers, batch_size, context.get("agree"))
-            self.planned += 1
-            entry.read.add(share.reader)
-            part.cache[(task, *share.key)] = entry
-            for k in every:
-                part.sample(k).pins += 1
+            self._record_plan(part, request, share, parts, every)
         ids = parts[index]
-        rows = self._rows(part, ids, fields)
-        if hold:
+        rows = self._rows(part, ids, request.fields)
+        if request.hold:
             self._hold(part, ids)
-        timeout = self.options.lease_timeout
-        if timeout is not None and share is None:
-            if lease is None:
-                raise ValueError(
-                    "this store has lease_timeout set, so every get needs a lease id; use "
-                    "SampleStore.get, which makes one"
-                )
-            self.leases.add(Lease(lease, partition, task, ids, consumer, now + timeout, alive))
-            leased = part.leased
-            for k in ids:
-                leased[k] = leased.get(k, 0) + 1
-        if drop:
+        if self.options.lease_timeout is not None and share is None:
+            self._lease(part, request, ids, alive, now)
+        if drop:  # fast path: nothing else keeps them, so they go without eviction checks
             self._forget(part, every)
         else:
             self._evict(part, every)
         return ids, rows
+
+    def _sole_reader(self, part: Partition, task: str) -> bool:
+        """Whether ``task`` is the only one to consume and nothing keeps a consumed sample
+        (no plan, hold or lease): then consumed samples can go at once."""
+        return (
+            self.options.lease_timeout is None
+            and self.options.tasks == (task,)
+            and len(part.pending) == 1
+            and not part.cache
+            and not part.held
+            and not part.leased
+        )
+
+    def _record_plan(
+        self,
+        part: Partition,
+        request: GetRequest,
+        share: Share,
+        parts: list[list[Key]],
+        every: list[Key],
+    ) -> None:
+        """Cache a shared plan until every reader asked for a later index, so a retry gets
+        this batch; its samples are pinned meanwhile."""
+        entry = Entry(parts, request.fields, share.readers, request.batch_size, request.agree)
+        self.planned += 1
+        entry.read.add(share.reader)
+        part.cache[(request.task, *share.key)] = entry
+        for k in every:
+            part.sample(k).pins += 1
+
+    def _lease(
+        self, part: Partition, request: GetRequest, ids: list[Key], alive: Any, now: float
+    ) -> None:
+        timeout = self.options.lease_timeout
+        assert timeout is not None
+        if request.lease is None:
+            raise ValueError(
+                "this store has lease_timeout set, so every get needs a lease id; use "
+                "SampleStore.get, which makes one"
+            )
+        self.leases.add(
+            Lease(
+                request.lease,
+                request.partition,
+                request.task,
+                ids,
+                request.consumer,
+                now + timeout,
+                alive,
+            )
+        )
+        leased = part.leased
+        for k in ids:
+            leased[k] = leased.get(k, 0) + 1
 
     # ----------------------------------------------------------------- leases
     def ack(self, lease_id: str) -> None:
@@ -437,21 +496,18 @@ class StoreCore:
         return len(back)
 
     def _ack(
-        self, part: Partition, task: str, share: Share, context: Mapping[str, Any], last: bool
+        self, part: Partition, task: str, share: Share, prefetch: int | None, last: bool
     ) -> None:
         """Record that a reader asked for batch ``index`` (``last``: it found the end) and drop
         the shared plans every reader has read and acknowledged.
 
         A request for ``index`` acknowledges the reader's batches up to ``index - window``,
-        where ``window`` is the loader's prefetch (``agree={"prefetch": P}``; 1 otherwise):
-        with ``P`` requests in flight, out of order, a later index does not mean an earlier
-        one arrived. A reader that found the end acknowledges everything. So a retry of a
-        batch not yet acknowledged gets the same batch, and the cache stays bounded."""
+        where ``window`` is the loader's ``prefetch`` (1 when not given): with ``P`` requests
+        in flight, out of order, a later index does not mean an earlier one arrived. A reader
+        that found the end acknowledges everything. So a retry of a batch not yet
+        acknowledged gets the same batch, and the cache stays bounded."""
         prefix, index = (task, *share.key[:-1]), share.key[-1]
-        agree = context.get("agree")
-        window = agree.get("prefetch", 1) if isinstance(agree, Mapping) else 1
-        if not isinstance(window, int) or window < 1:
-            window = 1
+        window = prefetch or 1
         upto = (1 << 62) if last else index - window
         asked = part.asked.setdefault(prefix, {})
         if asked.get(share.reader, -1) >= upto:
@@ -471,26 +527,6 @@ class StoreCore:
 
     def stats_cache_entries(self) -> int:
         return sum(len(p.cache) for p in self.partitions.values())
-
-    @staticmethod
-    def _select_runs(
-        part: Partition, pending: dict[Key, None], need: tuple[str, ...], batch_size: int
-    ) -> list[list[Key]] | bool | None:
-        """:class:`SequentialSampler`'s choice in O(runs) when the first pending samples are
-        all ready (the common case); ``False``: some are not, scan them one by one."""
-        keys = list(islice(pending, batch_size))
-        if len(keys) < batch_size and not part.closed:
-            return None  # fewer pending than a batch, so fewer ready: wait
-        if not keys:
-            return None
-        records = list(map(part.samples.__getitem__, keys))
-        first = records[0]
-        if records.count(first) == len(records):  # one run (or one sample)
-            return [keys] if first.has(need) else False
-        for record in set(records):
-            if not record.has(need):
-                return False
-        return [keys]
 
     @staticmethod
     def _rows(part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def _fetch(store: SampleStore, spec: _Spec, index: int) -> Batch | None:
             hold=spec.hold,
             token=spec.token,
             batch_index=index,
-            agree={"prefetch": spec.prefetch},
+            prefetch=spec.prefetch,
         )
     except PartitionClosed:
         return None

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.queue import checkpoint
+from meshfeed.queue.backend import Got
 from meshfeed.queue.columns import (
     Cell,
     Chunk,
@@ -58,7 +59,7 @@ from meshfeed.queue.columns import (
     transportable,
 )
 from meshfeed.queue.core import Ref, StoreCore, StoreOptions, nbytes_of
-from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.request import GetRequest
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 
 Key = Hashable
@@ -380,25 +381,8 @@ class _StoreActor:
         self.waiters.wake_consumers(partition, rows)
         return out
 
-    async def get(
-        self,
-        task: str,
-        fields: tuple[str, ...],
-        batch_size: int,
-        partition: str,
-        sampler: Sampler,
-        timeout: float | None,
-        context: dict[str, Any],
-        hold: bool = False,
-        token: Any = None,
-        lease: str | None = None,
-        consumer: Any = None,
-        caller: str | None = None,
-    ) -> Any:
-        what = (
-            f"get of {batch_size} samples with {list(fields)} for task {task!r} from {partition!r}"
-        )
-        need = (*fields, *sampler.extra_fields)
+    async def get(self, request: GetRequest, caller: str | None = None) -> Any:
+        partition, task = request.partition, request.task
         probe = self.probes.get(caller) if caller else None  # see register, _caller_alive
         core = self.core
         # ``dropped``, not ``held``: while this get waited, puts and other gets moved ``held``
@@ -406,32 +390,26 @@ class _StoreActor:
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
 
         def attempt() -> Any:
-            return self.core.try_get(
-                task,
-                fields,
-                batch_size,
-                partition,
-                sampler,
-                context,
-                hold,
-                lease=lease,
-                consumer=consumer,
-                alive=probe,
-            )
+            return self.core.try_get(request, alive=probe)
 
         try:
             ok, out = await self._run(
                 attempt,
-                timeout,
-                what,
+                request.timeout,
+                request.describe(),
                 lambda notify: Waiter(
-                    "consumer", notify, partition=partition, task=task, need=need, token=token
+                    "consumer",
+                    notify,
+                    partition=partition,
+                    task=task,
+                    need=request.need,
+                    token=request.token,
                 ),
                 probe,
             )
             if not ok:
                 return ok, out
-            leased = lease if lease in self.core.leases else None
+            leased = request.lease if request.lease in self.core.leases else None
             if leased is not None and self._watch is None:
                 self._watch = asyncio.get_running_loop().create_task(self._watch_leases())
             return True, (*out, leased)
@@ -693,36 +671,8 @@ class RayBackend:
                     _TOLD.add(key)
         return worker
 
-    def get(
-        self,
-        task: str,
-        fields: tuple[str, ...],
-        batch_size: int,
-        partition: str,
-        sampler: Sampler,
-        timeout: float | None,
-        context: Mapping[str, Any],
-        hold: bool = False,
-        token: Any = None,
-        lease: str | None = None,
-        consumer: Any = None,
-    ) -> tuple[list[Key], dict[str, list[Any]], str | None]:
-        ids, rows, leased = self._call(
-            self.actor.get.remote(
-                task,
-                fields,
-                batch_size,
-                partition,
-                sampler,
-                timeout,
-                dict(context),
-                hold,
-                token,
-                lease,
-                consumer,
-                self._caller(),
-            )
-        )
+    def get(self, request: GetRequest) -> Got:
+        ids, rows, leased = self._call(self.actor.get.remote(request, self._caller()))
         return ids, self._resolve(rows), leased
 
     def ack(self, lease_id: str) -> None:

@@ -28,9 +28,11 @@ import numpy as np
 
 from meshfeed.collate import collate_column
 from meshfeed.queue import checkpoint
+from meshfeed.queue.backend import Backend
 from meshfeed.queue.columns import Chunk, Gathered
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.embedded import EmbeddedBackend
+from meshfeed.queue.request import GetRequest
 from meshfeed.queue.samplers import Sampler, SequentialSampler
 from meshfeed.queue.wakeups import check_timeout
 
@@ -113,12 +115,59 @@ def _check_sampler(sampler: Any) -> Sampler:
     return sampler
 
 
-def _check_consumer(consumer: Any) -> None:
+def _check_consumer(consumer: Any) -> Hashable:
     if isinstance(consumer, bool) or not isinstance(consumer, int | str):
         raise TypeError(
             f"consumer must be an int or str id of one consumer (got {consumer=!r}); use e.g. "
             'f"{socket.gethostname()}:{os.getpid()}:{rank}"'
         )
+    return consumer
+
+
+def _check_task(task: Any) -> str:
+    if not isinstance(task, str) or not task:
+        raise TypeError(f"task must be a non-empty string (got {task!r})")
+    return task
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
+    return batch_size
+
+
+def _check_hold(hold: Any) -> bool:
+    if not isinstance(hold, bool):
+        raise TypeError(f"hold must be True or False (got {hold=!r})")
+    return hold
+
+
+def _check_index(value: Any, name: str, low: int) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise ValueError(
+            f"{name} must be an int >= {low} (got {name}={value!r}); every replica member "
+            "passes the same value for the same step"
+        )
+    return value
+
+
+def _check_stream(stream: Any) -> Hashable:
+    if stream is not None and not isinstance(stream, Hashable):
+        raise TypeError(f"stream must be hashable, e.g. an int or str (got {stream=!r})")
+    return stream
+
+
+def _prefetch(context: dict[str, Any]) -> int | None:
+    """The reader's prefetch, given as ``prefetch=P`` (or the older ``agree={"prefetch": P}``)."""
+    prefetch = context.pop("prefetch", None)
+    agree = context.pop("agree", None)
+    if agree is not None:
+        if not isinstance(agree, Mapping) or set(agree) - {"prefetch"}:
+            raise ValueError(
+                f'agree= takes {{"prefetch": P}} only (got {agree=!r}); pass prefetch=P instead'
+            )
+        prefetch = agree.get("prefetch", prefetch)
+    return _check_index(prefetch, "prefetch", 1)
 
 
 def _check_key(value: Any, what: str) -> None:
@@ -163,7 +212,7 @@ class SampleStore:
         self.options = options
         if name is not None and backend != "ray":
             raise ValueError(f"name={name!r} names a Ray store actor; pass backend='ray'")
-        self._backend: Any
+        self._backend: Backend
         if backend == "embedded":
             core = None if _meta is None else checkpoint.restore(_meta, _payload, options=options)
             self._backend = EmbeddedBackend(options, core)
@@ -187,7 +236,7 @@ class SampleStore:
         return cls._attach("ray", backend, options)
 
     @classmethod
-    def _attach(cls, backend: str, backend_obj: Any, options: StoreOptions) -> SampleStore:
+    def _attach(cls, backend: str, backend_obj: Backend, options: StoreOptions) -> SampleStore:
         """A store object over an existing backend (tests reuse one Ray actor this way)."""
         store = cls.__new__(cls)
         store.options, store._backend, store.backend = options, backend_obj, backend
@@ -302,8 +351,11 @@ class SampleStore:
         ``timeout`` seconds (``None`` or ``math.inf``: no limit; the store stays usable). Once
         the partition is closed, the rest comes as a shorter batch, then
         :class:`PartitionClosed` (also for a consumer arriving after the end). ``context`` goes
-        to the sampler (e.g. ``batch_index=`` for rank-aware samplers: asking again for the same
-        index returns the same batch, so a retry is safe).
+        to the sampler: ``batch_index=`` (an int >= 0) and ``stream=`` for rank-aware samplers
+        (asking again for the same index returns the same batch, so a retry is safe),
+        ``prefetch=`` (an int >= 1: this reader's requests in flight; replica peers must pass
+        the same), and any keyword a custom sampler reads. The call travels as one
+        :class:`~meshfeed.queue.request.GetRequest`, validated here.
 
         For loaders: ``hold=True`` keeps the returned samples in the store (even once every
         task consumed them) until :meth:`release`, so a checkpoint taken meanwhile can
@@ -317,32 +369,24 @@ class SampleStore:
         ``lease_timeout`` seconds. A consumer with several gets in flight (prefetch) must ack
         explicitly, not pass ``consumer=``.
         """
-        if not isinstance(task, str) or not task:
-            raise TypeError(f"task must be a non-empty string (got {task!r})")
-        names = self._names(fields, "get fields")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
-        timeout = check_timeout(timeout)
-        partition = self._partition(partition)
-        chosen = _check_sampler(sampler)
-        if not isinstance(hold, bool):
-            raise TypeError(f"hold must be True or False (got {hold=!r})")
-        if consumer is not None:
-            _check_consumer(consumer)
-        lease = None if self.options.lease_timeout is None else uuid.uuid4().hex
-        ids, rows, lease = self._backend.get(
-            task,
-            names,
-            batch_size,
-            partition,
-            chosen,
-            timeout,
-            context,
-            hold,
-            token,
-            lease=lease,
-            consumer=consumer,
+        request = GetRequest(
+            task=_check_task(task),
+            fields=self._names(fields, "get fields"),
+            batch_size=_check_batch_size(batch_size),
+            partition=self._partition(partition),
+            sampler=_check_sampler(sampler),
+            timeout=check_timeout(timeout),
+            batch_index=_check_index(context.pop("batch_index", None), "batch_index", 0),
+            stream=_check_stream(context.pop("stream", None)),
+            prefetch=_prefetch(context),
+            consumer=None if consumer is None else _check_consumer(consumer),
+            hold=_check_hold(hold),
+            token=token,
+            lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
+            context=context,
         )
+        ids, rows, lease = self._backend.get(request)
+        names = request.fields
         return Batch(ids, {name: collate(rows[name]) for name in names}, lease)
 
     def ack(self, lease: Batch | str) -> None:
@@ -385,7 +429,7 @@ class SampleStore:
     @property
     def name(self) -> str | None:
         """The Ray actor's name (``SampleStore('ray', name=...)``), else ``None``."""
-        return getattr(self._backend, "name", None)
+        return self._backend.name
 
     # ----------------------------------------------------------------- admin
     def reset_consumption(self, partition: str, task: str) -> None:
