@@ -18,27 +18,35 @@ applies backpressure to ``put``, and ``save`` / ``SampleStore.load`` checkpoint 
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from meshfeed.collate import collate_column
 from meshfeed.queue import checkpoint
 from meshfeed.queue.backend import Backend
-from meshfeed.queue.columns import Chunk, Gathered
+from meshfeed.queue.columns import Gathered
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.embedded import EmbeddedBackend
 from meshfeed.queue.request import GetRequest
-from meshfeed.queue.samplers import Sampler, SequentialSampler
+from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.validate import (
+    check_batch_size,
+    check_consumer,
+    check_hold,
+    check_index,
+    check_sampler,
+    check_stream,
+    check_task,
+    columns,
+    prefetch_of,
+    put_groups,
+    put_ids,
+)
 from meshfeed.queue.wakeups import check_timeout
 
 Key = Hashable
-_SEQUENTIAL = SequentialSampler()
-_KEY_TYPES = frozenset({int, str})  # ids and groups that need no conversion (not bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +73,6 @@ class Batch:
         return iter(self.columns)
 
 
-def _torch() -> Any:
-    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
-    # workers and actors that never see one.
-    return sys.modules.get("torch")
-
-
 def collate(values: list[Any] | Gathered) -> Any:
     """One field of a batch: a column the store gathered from chunks already is one tensor /
     array (a view when contiguous); values from separate puts go through
@@ -78,101 +80,6 @@ def collate(values: list[Any] | Gathered) -> Any:
     if isinstance(values, Gathered):
         return values.data
     return collate_column(values)
-
-
-def _rows(column: Any, name: str) -> list[Any] | Chunk:
-    if type(column) is list:  # the common case; the store keeps the values, not the list
-        return column
-    torch = _torch()
-    if isinstance(column, np.ndarray) or (torch is not None and isinstance(column, torch.Tensor)):
-        if column.ndim == 0:
-            raise ValueError(
-                f"field {name!r} is a 0-d {type(column).__name__}; give a column with one "
-                "entry per sample (shape [n, ...])"
-            )
-        return Chunk(column)  # one chunk per put; samples reference rows of it
-    if isinstance(column, list | tuple):
-        return list(column)
-    raise TypeError(
-        f"field {name!r} is a {type(column).__name__}; give a column per field: a list, "
-        "tuple, tensor or array with one entry per sample"
-    )
-
-
-def _plain(value: Any) -> Any:
-    return int(value) if isinstance(value, np.integer) else value
-
-
-def _check_sampler(sampler: Any) -> Sampler:
-    if sampler is None:
-        return _SEQUENTIAL
-    if not isinstance(sampler, Sampler):
-        raise TypeError(
-            f"sampler must be a sampler object with share(), select() and extra_fields (got "
-            f"sampler={sampler!r}); use one of meshfeed.queue's samplers, e.g. "
-            "SequentialSampler() or RankAwareSampler.from_mesh(mesh, rank)"
-        )
-    return sampler
-
-
-def _check_consumer(consumer: Any) -> Hashable:
-    if isinstance(consumer, bool) or not isinstance(consumer, int | str):
-        raise TypeError(
-            f"consumer must be an int or str id of one consumer (got {consumer=!r}); use e.g. "
-            'f"{socket.gethostname()}:{os.getpid()}:{rank}"'
-        )
-    return consumer
-
-
-def _check_task(task: Any) -> str:
-    if not isinstance(task, str) or not task:
-        raise TypeError(f"task must be a non-empty string (got {task!r})")
-    return task
-
-
-def _check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
-    return batch_size
-
-
-def _check_hold(hold: Any) -> bool:
-    if not isinstance(hold, bool):
-        raise TypeError(f"hold must be True or False (got {hold=!r})")
-    return hold
-
-
-def _check_index(value: Any, name: str, low: int) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-        raise ValueError(
-            f"{name} must be an int >= {low} (got {name}={value!r}); every replica member "
-            "passes the same value for the same step"
-        )
-    return value
-
-
-def _check_stream(stream: Any) -> Hashable:
-    if stream is not None and not isinstance(stream, Hashable):
-        raise TypeError(f"stream must be hashable, e.g. an int or str (got {stream=!r})")
-    return stream
-
-
-def _prefetch(context: dict[str, Any]) -> int | None:
-    """The reader's prefetch, given as ``prefetch=P`` (or the older ``agree={"prefetch": P}``)."""
-    prefetch = context.pop("prefetch", None)
-    agree = context.pop("agree", None)
-    if agree is not None:
-        if not isinstance(agree, Mapping) or set(agree) - {"prefetch"}:
-            raise ValueError(
-                f'agree= takes {{"prefetch": P}} only (got {agree=!r}); pass prefetch=P instead'
-            )
-        prefetch = agree.get("prefetch", prefetch)
-    return _check_index(prefetch, "prefetch", 1)
-
-
-def _check_key(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
 
 
 class SampleStore:
@@ -294,7 +201,7 @@ class SampleStore:
                 f"fields must be a mapping of name -> column (got {type(fields).__name__})"
             )
         self._names(list(fields), "put fields")
-        rows = {name: _rows(col, name) for name, col in fields.items()}
+        rows = {name: columns(col, name) for name, col in fields.items()}
         n = len(next(iter(rows.values())))
         if n == 0 or any(len(r) != n for r in rows.values()):
             lengths = {name: len(r) for name, r in rows.items()}
@@ -302,32 +209,8 @@ class SampleStore:
                 f"put columns must all hold the same, non-zero number of samples "
                 f"(got lengths {lengths}); give one entry per sample in every field"
             )
-        id_list: list[Key] | None = None
-        if ids is not None:
-            id_list = list(ids.tolist() if hasattr(ids, "tolist") else ids)
-            if len(id_list) != n:
-                raise ValueError(
-                    f"put got {len(id_list)} ids for {n} samples; give one id per sample"
-                )
-            if not set(map(type, id_list)) <= _KEY_TYPES:  # numpy ints, or a bad id to name
-                id_list = [_plain(k) for k in id_list]
-                for k in id_list:
-                    _check_key(k, "a sample id")
-            if len(set(id_list)) != n:
-                raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
-        group_list: list[Hashable] | None = None
-        if groups is not None:
-            if hasattr(groups, "tolist"):  # numpy / torch
-                groups = groups.tolist()
-            group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
-            if len(group_list) != n:
-                raise ValueError(
-                    f"put got {len(group_list)} groups for {n} samples; give one per sample"
-                )
-            if not set(map(type, group_list)) <= _KEY_TYPES:
-                group_list = [_plain(g) for g in group_list]
-                for g in group_list:
-                    _check_key(g, "a group id")
+        id_list = None if ids is None else put_ids(ids, n)
+        group_list = None if groups is None else put_groups(groups, n)
         return self._backend.put(partition, rows, id_list, group_list, timeout)
 
     def get(
@@ -370,17 +253,17 @@ class SampleStore:
         explicitly, not pass ``consumer=``.
         """
         request = GetRequest(
-            task=_check_task(task),
+            task=check_task(task),
             fields=self._names(fields, "get fields"),
-            batch_size=_check_batch_size(batch_size),
+            batch_size=check_batch_size(batch_size),
             partition=self._partition(partition),
-            sampler=_check_sampler(sampler),
+            sampler=check_sampler(sampler),
             timeout=check_timeout(timeout),
-            batch_index=_check_index(context.pop("batch_index", None), "batch_index", 0),
-            stream=_check_stream(context.pop("stream", None)),
-            prefetch=_prefetch(context),
-            consumer=None if consumer is None else _check_consumer(consumer),
-            hold=_check_hold(hold),
+            batch_index=check_index(context.pop("batch_index", None), "batch_index", 0),
+            stream=check_stream(context.pop("stream", None)),
+            prefetch=prefetch_of(context),
+            consumer=None if consumer is None else check_consumer(consumer),
+            hold=check_hold(hold),
             token=token,
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
@@ -407,7 +290,7 @@ class SampleStore:
         """``consumer`` (a ``consumer=`` id of ``get``) is known dead: its unacknowledged
         batches return to ready now instead of at their lease deadline, counted in
         ``stats()["lease_expired"]``. Returns the number of samples returned."""
-        _check_consumer(consumer)
+        check_consumer(consumer)
         return int(self._backend.drop_consumer(consumer))
 
     def release(self, partition: str, ids: Sequence[Key]) -> None:
