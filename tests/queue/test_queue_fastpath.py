@@ -112,7 +112,7 @@ def test_select_runs_chooses_what_the_sequential_sampler_chooses(seed):
     fields = ("x",) if rng.random() < 0.5 else ("x", "y")
     for batch_size in range(1, 12):
         request = GetRequest(task="t", fields=fields, batch_size=batch_size, partition="p")
-        fast = select_fast(part, pending, request)
+        fast = select_fast(part, pending, request, request.need)
         assert fast == select_runs(part, pending, request.need, batch_size)
         general = SEQ.select(View(part, pending, request.need), batch_size)
         if fast is not False:  # False: the fast path does not apply here
@@ -130,10 +130,10 @@ def test_select_fast_leaves_other_samplers_to_the_general_path():
         partition="p",
         sampler=SequentialSampler(extra_fields=("x",)),
     )
-    assert select_fast(part, part.task("t"), request) == [[0, 1]]
+    assert select_fast(part, part.task("t"), request, request.need) == [[0, 1]]
 
     class Custom(SequentialSampler):
         pass
 
     other = GetRequest(task="t", fields=("x",), batch_size=2, partition="p", sampler=Custom())
-    assert select_fast(part, part.task("t"), other) is False
+    assert select_fast(part, part.task("t"), other, other.need) is False

@@ -198,7 +198,7 @@ class StoreCore:
                     "has ended (check the field names if you expected data)",
                 )
         pending = part.task(request.task)
-        parts = select_fast(part, pending, request) if share is None else False
+        parts = select_fast(part, pending, request, need) if share is None else False
         if isinstance(parts, bool):
             parts = request.sampler.select(View(part, pending, need), request.batch_size)
         if parts is None or not any(parts):

@@ -23,13 +23,14 @@ Key = Hashable
 
 
 def select_fast(
-    part: Partition, pending: dict[Key, None], request: GetRequest
+    part: Partition, pending: dict[Key, None], request: GetRequest, need: tuple[str, ...]
 ) -> list[list[Key]] | bool | None:
-    """The batch the request's sampler would select, when a fast path knows it: ``False``
-    when none applies (ask the sampler), ``None``: wait."""
+    """The batch the request's sampler would select from the samples with fields ``need``
+    (``request.need``), when a fast path knows it: ``False`` when none applies (ask the
+    sampler), ``None``: wait."""
     if type(request.sampler) is not SequentialSampler:
         return False
-    return select_runs(part, pending, request.need, request.batch_size)
+    return select_runs(part, pending, need, request.batch_size)
 
 
 def select_runs(
