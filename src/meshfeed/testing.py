@@ -164,3 +164,85 @@ def assert_resume_equivalence(
         for j, (want, got) in enumerate(zip(reference[k:], resumed, strict=True)):
             equal(want, got, f"resume@{k} item {k + j}")
     return reference
+
+
+# ----------------------------------------------------------------- Ray sample-store diagnostics
+# Tests look inside a Ray store's actor through its one ``inspect`` method; the functions run
+# there (they must be importable: module-level functions of this module).
+
+
+def _actor_chunk_kinds(actor: Any) -> list[str]:
+    from meshfeed.queue.columns import Cell
+
+    return sorted(
+        {
+            type(v.chunk).__name__
+            for p in actor.core.partitions.values()
+            for k in p.samples
+            for v in p.cells(k).values()
+            if type(v) is Cell
+        }
+    )
+
+
+def _actor_held_types(actor: Any) -> list[str]:
+    return sorted(
+        {
+            type(v).__name__
+            for p in actor.core.partitions.values()
+            for k in p.samples
+            for v in p.cells(k).values()
+        }
+    )
+
+
+def _actor_live_chunks(actor: Any) -> int:
+    import gc
+
+    gc.collect()
+    return len(actor.plane.live)
+
+
+def _actor_reinit(actor: Any, options: dict[str, Any]) -> None:
+    from meshfeed.queue.core import StoreCore, StoreOptions
+
+    actor.core = StoreCore(StoreOptions.from_dict(options))
+    actor.waiters.wake_all()
+
+
+def _inspect(store: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    backend = store._backend
+    return backend._call(backend.actor.inspect.remote(fn, *args))
+
+
+def store_chunk_kinds(store: Any) -> list[str]:
+    """Type names of the chunks behind every cell a Ray store holds (``RemoteChunk``: the
+    actor holds only a reference into the object store)."""
+    return list(_inspect(store, _actor_chunk_kinds))
+
+
+def store_held_types(store: Any) -> list[str]:
+    """Type names of every value a Ray store holds (large payloads stay references)."""
+    return list(_inspect(store, _actor_held_types))
+
+
+def store_live_chunks(store: Any) -> int:
+    """How many object-store chunks a Ray store's actor still references (a chunk's reference
+    goes once no task can read it; Ray then frees the object)."""
+    return int(_inspect(store, _actor_live_chunks))
+
+
+def reset_store(store: Any, options: Any) -> Any:
+    """A Ray store over the same actor, emptied and with ``options`` (a ``StoreOptions``):
+    tests reuse one actor process instead of starting one per test."""
+    from meshfeed.queue.store import SampleStore
+
+    _inspect(store, _actor_reinit, options.to_dict())
+    return SampleStore._attach("ray", store._backend, options)
+
+
+def refresh_chunks(store: Any, refs: list[Any]) -> list[Any]:
+    """The current references of the chunks a Ray store handed out as ``refs`` (those of a
+    dead producer are adopted by the actor first)."""
+    backend = store._backend
+    return list(backend._call(backend.actor.refresh.remote(list(refs))))

@@ -13,6 +13,7 @@ import pytest
 
 from meshfeed.queue import SampleStore
 from meshfeed.queue.core import StoreOptions
+from meshfeed.testing import reset_store
 
 BACKENDS = [pytest.param("embedded"), pytest.param("ray", marks=pytest.mark.ray)]
 
@@ -44,7 +45,6 @@ def make_store(request: pytest.FixtureRequest) -> Iterator[Callable[..., SampleS
             tasks=None if kwargs.get("tasks") is None else tuple(kwargs["tasks"]),
             lease_timeout=kwargs.get("lease_timeout"),
         )
-        shared._backend.reinit(options)
-        return SampleStore._attach("ray", shared._backend, options)
+        return reset_store(shared, options)
 
     yield factory

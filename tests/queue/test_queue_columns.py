@@ -57,11 +57,11 @@ def test_gather_takes_one_index_select_per_run_and_keeps_plain_values_as_lists()
 @pytest.mark.ray
 def test_ray_store_ships_a_small_row_column_as_one_chunk(ray_store):
     from meshfeed.queue.core import StoreOptions
+    from meshfeed.testing import reset_store, store_held_types
 
-    ray_store._backend.reinit(StoreOptions())
-    store = SampleStore._attach("ray", ray_store._backend, StoreOptions())
+    store = reset_store(ray_store, StoreOptions())
     column = torch.arange(64 * 4, dtype=torch.float32).reshape(64, 4)
     store.put("p", {"x": column, "y": list(range(64))})
-    assert store._backend.held_types() == ["Cell", "int"]  # rows of one chunk, no tensors
+    assert store_held_types(store) == ["Cell", "int"]  # rows of one chunk, no tensors
     batch = store.get("t", ["x", "y"], 64, "p", timeout=30)
     assert torch.equal(batch["x"], column) and batch["y"] == list(range(64))

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from meshfeed.queue.core import PartitionClosed, Ref, StoreCore, StoreOptions, nbytes_of
-from meshfeed.queue.samplers import RankAwareSampler, SequentialSampler
+from meshfeed.queue.request import GetRequest
+from meshfeed.queue.samplers import RankAwareSampler, Sampler, SequentialSampler
 
 SEQ = SequentialSampler()
+
+
+def _req(batch_size: int, sampler: Sampler = SEQ, **kwargs: Any) -> GetRequest:
+    return GetRequest(
+        task="t", fields=("x",), batch_size=batch_size, partition="p", sampler=sampler, **kwargs
+    )
 
 
 def test_try_methods_return_none_instead_of_blocking():
     core = StoreCore(StoreOptions(capacity=2))
     assert core.try_put("p", {"x": [1, 2]}, None, None) == [0, 1]
     assert core.try_put("p", {"x": [3]}, None, None) is None  # full: the caller waits
-    assert core.try_get("t", ("x",), 3, "p", SEQ, {}) is None  # not enough ready yet
+    assert core.try_get(_req(3)) is None  # not enough ready yet
     assert core.try_put("p", {"y": [5]}, [0], None) == [0]  # new fields need no space
 
 
@@ -23,14 +32,14 @@ def test_pinned_samples_outlive_eviction_until_every_reader_has_read():
     core.try_put("p", {"x": [1, 2]}, None, None)
     lead = RankAwareSampler(data_rank=0, replica_rank=0, replica_size=2)
     lag = RankAwareSampler(data_rank=0, replica_rank=1, replica_size=2)
-    ids, rows = core.try_get("t", ("x",), 2, "p", lead, {"batch_index": 0})
+    ids, rows = core.try_get(_req(2, lead, batch_index=0))
     assert core.held == 2  # consumed by every task but pinned by the shared entry
-    assert core.try_get("t", ("x",), 2, "p", lag, {"batch_index": 0}) == (ids, rows)
+    assert core.try_get(_req(2, lag, batch_index=0)) == (ids, rows)
     # Kept until both readers moved on: a retry of batch 0 must get the same batch.
     assert core.held == 2 and core.stats()["cache_entries"] == 1
-    assert core.try_get("t", ("x",), 2, "p", lead, {"batch_index": 1}) is None
+    assert core.try_get(_req(2, lead, batch_index=1)) is None
     assert core.held == 2  # the lagging reader may still retry batch 0
-    assert core.try_get("t", ("x",), 2, "p", lag, {"batch_index": 1}) is None
+    assert core.try_get(_req(2, lag, batch_index=1)) is None
     assert core.held == 0 and core.stats()["cache_entries"] == 0
 
 
@@ -38,9 +47,9 @@ def test_closed_and_drained_raises_partition_closed():
     core = StoreCore(StoreOptions())
     core.try_put("p", {"x": [1]}, None, None)
     core.close("p")
-    assert core.try_get("t", ("x",), 5, "p", SEQ, {})[0] == [0]
+    assert core.try_get(_req(5))[0] == [0]
     with pytest.raises(PartitionClosed):
-        core.try_get("t", ("x",), 5, "p", SEQ, {})
+        core.try_get(_req(5))
 
 
 def test_refs_count_as_object_store_bytes_not_held_bytes():

@@ -15,7 +15,8 @@ from meshfeed.queue import SampleStore
 from meshfeed.queue.columns import Runs
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.ray_backend import PROBE_INTERVAL
-from meshfeed.queue.samplers import SequentialSampler
+from meshfeed.queue.request import GetRequest
+from meshfeed.testing import refresh_chunks, reset_store, store_chunk_kinds, store_live_chunks
 
 pytestmark = pytest.mark.ray
 
@@ -24,8 +25,7 @@ ROWS, WIDTH = 64, 4096  # 16 KiB float32 rows: a 1 MiB chunk per put
 
 def _fresh(ray_store: SampleStore, **kwargs: Any) -> SampleStore:
     options = StoreOptions(**kwargs)
-    ray_store._backend.reinit(options)
-    return SampleStore._attach("ray", ray_store._backend, options)
+    return reset_store(ray_store, options)
 
 
 def _column(seed: int) -> torch.Tensor:
@@ -63,12 +63,11 @@ def test_the_actor_hands_out_references_and_the_consumer_fetches_the_rows(ray_st
 
     store = _fresh(ray_store)
     store.put("p", {"obs": _column(0)})
-    assert store._backend.chunk_kinds() == ["RemoteChunk"]
+    assert store_chunk_kinds(store) == ["RemoteChunk"]
     assert store.stats()["bytes_held"] == 0
     assert store.stats()["bytes_in_object_store"] == ROWS * WIDTH * 4
-    reply = store._backend.actor.get.remote(
-        "peek", ("obs",), 8, "p", SequentialSampler(), 10, {}, False, None
-    )
+    request = GetRequest(task="peek", fields=("obs",), batch_size=8, partition="p", timeout=10)
+    reply = store._backend.actor.get.remote(request, None)
     ok, (ids, rows, lease) = ray.get(reply)
     assert ok and ids == list(range(8)) and lease is None
     column = rows["obs"]
@@ -98,18 +97,18 @@ def test_rows_of_several_chunks_and_of_small_inline_ones_gather_in_order(ray_sto
 def test_a_chunk_is_released_once_every_task_consumed_every_row(ray_store):
     store = _fresh(ray_store, tasks=("actor", "critic"))
     store.put("p", {"obs": _column(0)})
-    assert store._backend.live_chunks() == 1
+    assert store_live_chunks(store) == 1
     store.get("actor", ["obs"], ROWS, "p", timeout=10)
     store.get("critic", ["obs"], ROWS - 1, "p", timeout=10)
-    assert store._backend.live_chunks() == 1  # the critic may still read the last row
+    assert store_live_chunks(store) == 1  # the critic may still read the last row
     store.get("critic", ["obs"], 1, "p", timeout=10)
-    assert store._backend.live_chunks() == 0 and store.stats()["bytes_in_object_store"] == 0
+    assert store_live_chunks(store) == 0 and store.stats()["bytes_in_object_store"] == 0
     store.put("q", {"obs": _column(1)})
     store.put("r", {"obs": _column(2)})
-    assert store._backend.live_chunks() == 2
+    assert store_live_chunks(store) == 2
     store.clear("q")
     store.delete("r", list(range(ROWS)))
-    assert store._backend.live_chunks() == 0
+    assert store_live_chunks(store) == 0
 
 
 def test_tensor_columns_come_back_as_writable_tensors_of_their_dtype(ray_store):
@@ -134,7 +133,9 @@ class _Owner:
 
 def _handed_out_ref(store: SampleStore) -> Any:
     ok, (_, rows, _) = ray_get(
-        store._backend.actor.get.remote("peek", ("obs",), 1, "p", SequentialSampler(), 10, {})
+        store._backend.actor.get.remote(
+            GetRequest(task="peek", fields=("obs",), batch_size=1, partition="p", timeout=10)
+        )
     )
     assert ok
     return rows["obs"].runs[0][0]
@@ -201,12 +202,12 @@ def test_refresh_hands_out_the_adopted_chunk_of_a_dead_producer(ray_store):
     ray_get(producer.produce.remote(store))
     old = _handed_out_ref(store)
     ray.kill(producer)
-    assert _wait_for(lambda: store._backend.refresh([old])[0] != old)
-    (new,) = store._backend.refresh([old])
+    assert _wait_for(lambda: refresh_chunks(store, [old])[0] != old)
+    (new,) = refresh_chunks(store, [old])
     assert store.stats()["adopted_chunks"] == adopted + 1
     assert np.array_equal(ray_get(new), _column(5).numpy())
     unknown = ray.put(0)
-    assert store._backend.refresh([unknown]) == [unknown]  # not a chunk of this store
+    assert refresh_chunks(store, [unknown]) == [unknown]  # not a chunk of this store
 
 
 def test_a_consumer_whose_fetch_fails_asks_the_actor_for_the_current_references(
@@ -250,7 +251,7 @@ def test_small_tensor_columns_travel_inline_and_come_back_as_writable_tensors(ra
     halves = torch.linspace(0, 1, 64 * 8).reshape(64, 8).to(torch.bfloat16)  # no numpy dtype
     columns = {"tokens": tokens, "view": wide[:, ::2], "b": halves}  # a strided view too
     store.put("p", columns)
-    assert store._backend.chunk_kinds() == ["Chunk"]  # all inline, none in the object store
+    assert store_chunk_kinds(store) == ["Chunk"]  # all inline, none in the object store
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. torch's "non-writable NumPy array" warning
         batch = store.get("t", ["tokens", "view", "b"], 64, "p", timeout=10)

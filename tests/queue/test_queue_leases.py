@@ -6,6 +6,7 @@ test_queue_leases_ray.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -13,9 +14,12 @@ import pytest
 
 from meshfeed.queue import SampleStore
 from meshfeed.queue.core import StoreCore, StoreOptions
+from meshfeed.queue.request import GetRequest
 from meshfeed.queue.samplers import SequentialSampler
 
 SEQ = SequentialSampler()
+_ARGS = {"task": "t", "fields": ("x",), "batch_size": 2, "partition": "p", "sampler": SEQ}
+_REQ = GetRequest(**_ARGS)
 
 
 def test_without_lease_timeout_a_get_consumes_at_once_and_has_no_lease(make_store):
@@ -117,14 +121,14 @@ def test_lease_options_are_refused_by_name():
 def test_core_expires_by_the_clock_it_is_given():
     core = StoreCore(StoreOptions(lease_timeout=10.0))
     core.try_put("p", {"x": [0, 1, 2]}, None, None)
-    ids, _ = core.try_get("t", ("x",), 2, "p", SEQ, {}, lease="L1", now=100.0)
+    ids, _ = core.try_get(dataclasses.replace(_REQ, lease="L1"), now=100.0)
     assert ids == [0, 1]
     assert core.next_lease_deadline() == 110.0
     assert core.expire_leases(109.9) == 0 and "L1" in core.leases
     assert core.expire_leases(110.0) == 2 and "L1" not in core.leases
     assert core.stats()["consumed"] == {"t": 0}
     with pytest.raises(ValueError, match="needs a lease id"):
-        core.try_get("t", ("x",), 2, "p", SEQ, {}, now=200.0)
+        core.try_get(_REQ, now=200.0)
 
 
 def test_a_checkpoint_with_outstanding_leases_loads_them_as_ready(tmp_path):

@@ -14,14 +14,14 @@ import pytest
 
 from meshfeed.queue import SampleStore
 from meshfeed.queue.core import StoreOptions
+from meshfeed.testing import reset_store
 
 pytestmark = pytest.mark.ray
 
 
 def _fresh(ray_store: SampleStore, **kwargs: Any) -> SampleStore:
     options = StoreOptions(**kwargs)
-    ray_store._backend.reinit(options)
-    return SampleStore._attach("ray", ray_store._backend, options)
+    return reset_store(ray_store, options)
 
 
 class _Consumer:

@@ -66,7 +66,7 @@ def test_stuck_stopped_or_killed_store_worker_fails_within_timeout_plus_one_seco
     loader = _loader(tmp_path, how)
     out = [next(loader), next(loader)]  # batches 0 and 1: both workers up
     assert out == [[0, 1, 2], [3, 4, 5]]
-    pids = list(loader._pool.pids)  # type: ignore[union-attr]
+    pids = list(loader._flight.pool.pids)  # type: ignore[union-attr]
     assert len(pids) == 2
     if case == "sigstop":
         os.kill(pids[0], signal.SIGSTOP)
@@ -120,7 +120,7 @@ if __name__ == "__main__":
                          collate_fn=hang)
     assert next(loader) == [0]
     time.sleep(0.5)  # the workers now hang on batches 1 and 2, ignoring SIGTERM
-    print(" ".join(map(str, loader._pool.pids)), flush=True)
+    print(" ".join(map(str, loader._flight.pool.pids)), flush=True)
     # no shutdown(): the interpreter must still exit
 """
 

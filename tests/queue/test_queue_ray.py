@@ -11,12 +11,12 @@ import pytest
 
 from meshfeed.queue import SampleStore
 from meshfeed.queue.core import StoreOptions
+from meshfeed.testing import reset_store, store_chunk_kinds, store_held_types
 
 
 def _fresh(ray_store: SampleStore, **kwargs) -> SampleStore:
     options = StoreOptions(**kwargs)
-    ray_store._backend.reinit(options)
-    return SampleStore._attach("ray", ray_store._backend, options)
+    return reset_store(ray_store, options)
 
 
 @pytest.mark.ray
@@ -25,8 +25,8 @@ def test_large_fields_travel_through_the_object_store_not_the_actor(ray_store):
     big = np.random.default_rng(0).random((4, 131072))  # 1 MiB per sample
     store.put("p", {"obs": big, "reward": [0.0, 1.0, 2.0, 3.0]})
     stats = store.stats()
-    assert store._backend.held_types() == ["Cell", "float"]  # rows of a chunk...
-    assert store._backend.chunk_kinds() == ["RemoteChunk"]  # ...the actor holds its reference only
+    assert store_held_types(store) == ["Cell", "float"]  # rows of a chunk...
+    assert store_chunk_kinds(store) == ["RemoteChunk"]  # ...the actor holds its reference only
     assert stats["bytes_in_object_store"] == big.nbytes
     assert stats["bytes_held"] < 1024
     batch = store.get("t", ["obs", "reward"], 4, "p", timeout=10)
@@ -54,7 +54,7 @@ def test_a_checkpoint_restores_into_a_ray_store_and_continues(ray_store, tmp_pat
     source.save(tmp_path / "s.ckpt")
     store = _fresh(ray_store)
     store._backend.restore(*read_checkpoint(tmp_path / "s.ckpt"))  # what load(backend="ray") does
-    assert store._backend.held_types() == ["Ref", "int"]  # large fields went to the object store
+    assert store_held_types(store) == ["Ref", "int"]  # large fields went to the object store
     store.close("p")
     rest = store.get("t", ["obs", "r"], 10, "p", timeout=10)
     assert first.ids + rest.ids == list(range(6))

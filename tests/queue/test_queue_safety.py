@@ -161,7 +161,7 @@ def test_store_loader_shutdown_wakes_its_requests_blocked_without_a_deadline():
     loader = StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=1,
                          mesh={"dp": 1}, rank=0, prefetch=3, timeout=math.inf)  # fmt: skip
     with loader:
-        loader._fill()  # three requests now wait in the store, without a deadline
+        loader._flight.fill()  # three requests now wait in the store, without a deadline
         deadline = time.monotonic() + 10
         while store.stats()["waiting_consumers"] < 3:
             assert time.monotonic() < deadline

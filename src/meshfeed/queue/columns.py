@@ -195,15 +195,26 @@ def gather(values: list[Any]) -> Any:
         return [resolve(v) for v in values]
     if any(type(v.chunk) is RemoteChunk for v in values):
         return _gather_remote(values)
-    first = values[0].chunk.data
+    if not _same_layout([v.chunk.data for v in values]):
+        return [resolve(v) for v in values]
+    is_np = isinstance(values[0].chunk.data, np.ndarray)
+    return _concat([_take(chunk.data, rows, is_np) for chunk, rows in _runs_of(values)], is_np)
+
+
+def _same_layout(datas: list[Any]) -> bool:
+    """Whether arrays / tensors ``datas`` are of one kind, dtype and row shape (stackable)."""
+    first = datas[0]
     is_np = isinstance(first, np.ndarray)
-    for v in values:
-        d = v.chunk.data
-        if isinstance(d, np.ndarray) != is_np or d.dtype != first.dtype:
-            return [resolve(v) for v in values]
-        if d.shape[1:] != first.shape[1:]:
-            return [resolve(v) for v in values]
-    pieces = [_take(chunk.data, rows, is_np) for chunk, rows in _runs_of(values)]
+    return all(
+        isinstance(d, np.ndarray) == is_np
+        and d.dtype == first.dtype
+        and d.shape[1:] == first.shape[1:]
+        for d in datas
+    )
+
+
+def _concat(pieces: list[Any], is_np: bool) -> Gathered:
+    """One column from row blocks of one layout (the block itself when there is one)."""
     if len(pieces) == 1:
         return Gathered(pieces[0])
     if is_np:
@@ -257,36 +268,30 @@ def _gather_blocks(blocks: list[tuple[Any, Any]]) -> Any:
         data = column.data
         return Gathered(_slice(data, rows, isinstance(data, np.ndarray)))
     if all(type(c) is list for c, _ in blocks):
-        out: list[Any] = []
-        for column, rows in blocks:
-            out.extend(column[rows] if type(rows) is slice else map(column.__getitem__, rows))
-        return Gathered(out)  # a run's lists hold scalars: nothing to collate
-    if all(type(c) is Chunk for c, _ in blocks):
-        first = blocks[0][0].data
-        is_np = isinstance(first, np.ndarray)
-        if len(blocks) == 1 or all(
-            isinstance(c.data, np.ndarray) == is_np
-            and c.data.dtype == first.dtype
-            and c.data.shape[1:] == first.shape[1:]
-            for c, _ in blocks
-        ):
-            pieces = [
-                _slice(c.data, rows, is_np) if type(rows) is slice else _take(c.data, rows, is_np)
-                for c, rows in blocks
-            ]
-            if len(pieces) == 1:
-                return Gathered(pieces[0])
-            if is_np:
-                return Gathered(np.concatenate(pieces))
-            import torch
+        return Gathered(_plain_rows(blocks))  # a run's lists hold scalars: nothing to collate
+    if all(type(c) is Chunk for c, _ in blocks) and (
+        len(blocks) == 1 or _same_layout([c.data for c, _ in blocks])
+    ):
+        is_np = isinstance(blocks[0][0].data, np.ndarray)
+        return _concat([_pick(c.data, rows, is_np) for c, rows in blocks], is_np)
+    return _plain_rows(blocks)  # mixed kinds or layouts: the plain values, as gather does
 
-            return Gathered(torch.cat(pieces))
-    values: list[Any] = []  # mixed kinds or layouts: the plain values, as gather does
+
+def _plain_rows(blocks: list[tuple[Any, Any]]) -> list[Any]:
+    """The values of the blocks' rows, one by one (a list column's own values)."""
+    values: list[Any] = []
     for column, rows in blocks:
-        data = column.data if type(column) is Chunk else column
+        if type(column) is list:
+            values.extend(column[rows] if type(rows) is slice else map(column.__getitem__, rows))
+            continue
+        data = column.data
         picked = range(len(column))[rows] if type(rows) is slice else rows
         values.extend(data[r] for r in picked)
     return values
+
+
+def _pick(data: Any, rows: slice | list[int], is_np: bool) -> Any:
+    return _slice(data, rows, is_np) if type(rows) is slice else _take(data, rows, is_np)
 
 
 def _gather_remote(values: list[Cell]) -> Any:

@@ -7,9 +7,10 @@ knows about threads. Values are opaque; a :class:`Ref` marks a payload held else
 object store) so the store counts it but never holds its bytes.
 
 Per partition the core keeps samples in production order, and per task an ordered ``pending``
-set (not yet consumed), so a ``get`` scans only unconsumed samples. The records themselves
-(options, samples, runs, partitions, shared-plan entries) live in :mod:`meshfeed.queue.records`,
-which the checkpoint module reads and rebuilds without reaching into the core.
+set (not yet consumed), so a ``get`` scans only unconsumed samples. Around it: the records
+(:mod:`~meshfeed.queue.records`, which the checkpoint reads and rebuilds), puts
+(:mod:`~meshfeed.queue.puts`), shared plans (:mod:`~meshfeed.queue.plans`), eviction
+(:mod:`~meshfeed.queue.eviction`) and the fast selection (:mod:`~meshfeed.queue.fastpath`).
 
 Cost: a put of ``n`` new samples whose columns are chunks or scalar lists is one
 :class:`~meshfeed.queue.records.Run` stored under its ``n`` ids, and the common get (a
@@ -22,40 +23,25 @@ other samplers, pins, holds, leases) takes the per-sample path, which gives the 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Hashable, Mapping
-from itertools import islice, repeat
 from typing import Any
 
-from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, gather, gather_runs
+from meshfeed.queue.columns import gather, gather_runs
+from meshfeed.queue.eviction import evict, forget, remove
+from meshfeed.queue.fastpath import select_fast
 from meshfeed.queue.leases import Lease, Leases
-from meshfeed.queue.records import (
-    SCALAR_TYPES,
-    Entry,
-    Partition,
-    Ref,
-    Run,
-    Sample,
-    StoreOptions,
-    View,
-    nbytes_of,
-)
-from meshfeed.queue.samplers import Sampler, SequentialSampler, Share
+from meshfeed.queue.plans import acknowledge, check_agreement, finished, record, unpin
+from meshfeed.queue.puts import check_put, put_run, put_samples, run_columns
+from meshfeed.queue.records import Entry, Partition, Ref, Run, StoreOptions, View, nbytes_of
+from meshfeed.queue.request import GetRequest
+from meshfeed.queue.samplers import Share
 
 __all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
 Key = Hashable
 KIND = "sample_store"  # the state envelope's kind
 VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indices
-
-
-def _run_columns(rows: Mapping[str, Any]) -> bool:
-    """Whether a put's columns can be stored as one :class:`Run`: chunks and scalar lists."""
-    for column in rows.values():
-        t = type(column)
-        if t is not Chunk and not (t is list and set(map(type, column)) <= SCALAR_TYPES):
-            return False
-    return True
 
 
 class PartitionClosed(Exception):
@@ -113,7 +99,7 @@ class StoreCore:
         elif part.samples.keys().isdisjoint(ids):  # all new: nothing to check per sample
             n_new = n
         else:
-            n_new = self._check_put(partition, part, rows, ids, groups)
+            n_new = check_put(partition, part, rows, ids, groups)
         cap = self.options.capacity
         if cap is not None:
             if n_new > cap:
@@ -126,10 +112,10 @@ class StoreCore:
                 return None
         part.seen.update(rows)
         # One sample gains nothing from a run (and costs more to gather from a row of runs).
-        if n_new == n > 1 and groups is None and _run_columns(rows):
-            self._put_run(part, rows, ids, n)
+        if n_new == n > 1 and groups is None and run_columns(rows):
+            put_run(part, rows, ids, n)
         else:
-            self._put_samples(part, rows, ids, groups)
+            put_samples(part, rows, ids, groups)
         self.held += n_new
         self.produced += n_new
         counts = part.field_counts
@@ -137,238 +123,172 @@ class StoreCore:
             counts[f] = counts.get(f, 0) + n
         return ids
 
-    @staticmethod
-    def _put_run(part: Partition, rows: Mapping[str, Any], ids: list[Key], n: int) -> None:
-        """New samples with every column a chunk or scalars: one :class:`Run` for all."""
-        first = ids[0]
-        start = first if isinstance(first, int) else 0
-        consecutive = type(first) is int and ids == list(range(start, start + n))
-        # A list column is copied (the caller may reuse it); a chunk is the caller's column.
-        columns = {f: c if type(c) is Chunk else list(c) for f, c in rows.items()}
-        run = Run(columns, None if consecutive else ids, start)
-        part.samples.update(dict.fromkeys(ids, run))
-        for pending in part.pending.values():
-            pending.update(dict.fromkeys(ids))
-        if consecutive:
-            top = ids[-1]
-        else:
-            ints = [k for k in ids if type(k) is int]
-            top = max(ints) if ints else -1
-        if top >= part.next_id:  # type: ignore[operator]
-            part.next_id = top + 1  # type: ignore[operator]
-
-    @staticmethod
-    def _put_samples(
-        part: Partition,
-        rows: Mapping[str, list[Any]],
-        ids: list[Key],
-        groups: list[Hashable] | None,
-    ) -> None:
-        """The general put: a :class:`Sample` per sample, fields added to existing ones."""
-        samples = part.samples
-        columns = list(rows.items())
-        pendings = list(part.pending.values())
-        next_id = part.next_id
-        for i, k in enumerate(ids):
-            sample = samples.get(k)
-            group = None if groups is None else groups[i]
-            if sample is None:
-                sample = samples[k] = Sample(group)
-                for pending in pendings:
-                    pending[k] = None
-                if type(k) is int and k >= next_id:
-                    next_id = k + 1
-            else:
-                sample = part.sample(k)
-                if group is not None:
-                    sample.group = group
-            fields = sample.fields
-            for f, column in columns:
-                if type(column) is Chunk:  # a row of the put's column, not a copy of it
-                    fields[f] = Cell(column, i)
-                    sample.nbytes += column.row_nbytes
-                    continue
-                if type(column) is RemoteChunk:  # a row of a column in Ray's object store
-                    fields[f] = Cell(column, i)
-                    sample.remote += column.row_nbytes
-                    continue
-                value = column[i]
-                fields[f] = value
-                if type(value) in SCALAR_TYPES:  # the common small sample: no size probing
-                    sample.nbytes += 8
-                    continue
-                sample.nbytes += nbytes_of(value)
-                if isinstance(value, Ref):
-                    sample.remote += value.nbytes
-        part.next_id = next_id
-
-    @staticmethod
-    def _check_put(
-        partition: str,
-        part: Partition,
-        rows: Mapping[str, list[Any]],
-        ids: list[Key],
-        groups: list[Hashable] | None,
-    ) -> int:
-        """Validate a put to given ids before changing anything; the number of new ids."""
-        n_new = 0
-        for i, k in enumerate(ids):
-            sample = part.samples.get(k)
-            if sample is None:
-                n_new += 1
-                continue
-            again = sorted(f for f in rows if f in sample.fields)
-            if again:
-                raise ValueError(
-                    f"sample {k!r} of partition {partition!r} already has fields {again}; "
-                    "each field of a sample is produced once (delete the sample to redo it)"
-                )
-            group = None if groups is None else groups[i]
-            if group is not None and sample.group is not None and sample.group != group:
-                raise ValueError(
-                    f"sample {k!r} was put with group {sample.group!r}, now with {group!r}; "
-                    "a sample belongs to one group"
-                )
-        return n_new
-
     # ----------------------------------------------------------------- consuming
     def try_get(
-        self,
-        task: str,
-        fields: tuple[str, ...],
-        batch_size: int,
-        partition: str,
-        sampler: Sampler,
-        context: Mapping[str, Any],
-        hold: bool = False,
-        *,
-        lease: str | None = None,
-        consumer: Hashable | None = None,
-        alive: Any = None,
-        now: float | None = None,
+        self, request: GetRequest, *, alive: Any = None, now: float | None = None
     ) -> tuple[list[Key], dict[str, list[Any]]] | None:
         """Plan and consume a batch; ``None`` when not enough samples are ready yet.
 
-        Raises :class:`PartitionClosed` when the partition is closed and nothing more can
-        become ready for ``task``. ``hold``: keep the returned samples until :meth:`release`.
-        With ``options.lease_timeout`` set, a batch of a non-sharing sampler is handed out
-        under the lease ``lease`` (an id the caller chose; see :mod:`meshfeed.queue.leases`)
-        of ``consumer`` (whose earlier leases for this task and partition this get
-        acknowledges), expiring at ``now + lease_timeout``. ``now``: the caller's
-        ``time.monotonic()`` (default: read now), also used to expire overdue leases first.
+        In order: overdue leases expire and the consumer's earlier leases are acknowledged;
+        a shared plan already made for this request's key is read (replica peers, retries);
+        a closed partition with nothing more for the task ends the stream
+        (:class:`PartitionClosed`); else the sampler plans a batch and it is consumed.
+        ``request.hold``: keep the returned samples until :meth:`release`. With
+        ``options.lease_timeout`` set, a batch of a non-sharing sampler is handed out under
+        ``request.lease`` of ``request.consumer``, expiring at ``now + lease_timeout``
+        (``alive``: the consumer's liveness probe, see :mod:`meshfeed.queue.leases`).
+        ``now``: the caller's ``time.monotonic()`` (default: read now).
         """
-        part = self._partition(partition)
-        if now is None:
-            now = time.monotonic()
+        part = self._partition(request.partition)
+        now = time.monotonic() if now is None else now
         if self.leases:
-            self.expire_leases(now)
-            if consumer is not None:
-                for old in self.leases.of_consumer(consumer, task, partition):
-                    self._end_lease(old.id)
-        share = sampler.share(context)
+            self._settle_leases(request, now)
+        share = request.sampler.share(request.sampler_context())
         if share is not None:
-            self._ack(part, task, share, context, last=False)
-            entry = part.cache.get((task, *share.key))
+            self._ack(part, request.task, share, request.prefetch, last=False)
+            entry = part.cache.get((request.task, *share.key))
             if entry is not None:
-                # A replica peer reading the shared plan, or a retry of the same batch index
-                # (idempotent: the same batch again, never the next one).
-                if entry.fields != fields:
-                    raise ValueError(
-                        f"replica members asked for different fields ({list(entry.fields)} vs "
-                        f"{list(fields)}) for the same batch; ask for the same fields"
-                    )
-                agree = context.get("agree")
-                if entry.batch_size is not None and (entry.batch_size, entry.agree) != (
-                    batch_size,
-                    agree,
-                ):
-                    raise ValueError(
-                        f"readers of one shared batch asked with different settings "
-                        f"(batch_size={entry.batch_size}, {entry.agree} vs "
-                        f"batch_size={batch_size}, {agree}); replica peers must share "
-                        "batch_size, prefetch and sampler, or they end at different steps"
-                    )
-                again = share.reader in entry.read
-                entry.read.add(share.reader)
-                ids = [k for k in entry.parts[share.part] if k in part.samples]
-                if again:
-                    self.redelivered += len(ids)
-                rows = self._rows(part, ids, fields)
-                if hold and not again:
-                    self._hold(part, ids)
-                if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
-                    self._sweep(part, task, (task, *share.key[:-1]), share.readers)
-                return ids, rows
-        need = tuple(dict.fromkeys((*fields, *sampler.extra_fields)))
+                return self._read_plan(part, request, share, entry)
+        parts = self._plan(part, request, share)
+        if parts is None:
+            return None
+        return self._consume(part, request, share, parts, alive, now)
+
+    def _settle_leases(self, request: GetRequest, now: float) -> None:
+        """Expire overdue leases; a get of ``consumer`` acknowledges its earlier batches of
+        the same task and partition."""
+        self.expire_leases(now)
+        if request.consumer is not None:
+            for old in self.leases.of_consumer(request.consumer, request.task, request.partition):
+                self._end_lease(old.id)
+
+    def _read_plan(
+        self, part: Partition, request: GetRequest, share: Share, entry: Entry
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        """A replica peer reading the shared plan, or a retry of the same batch index
+        (idempotent: the same batch again, never the next one); peers must agree."""
+        check_agreement(entry, request)
+        again = share.reader in entry.read
+        entry.read.add(share.reader)
+        ids = [k for k in entry.parts[share.part] if k in part.samples]
+        if again:
+            self.redelivered += len(ids)
+        rows = self._rows(part, ids, request.fields)
+        if request.hold and not again:
+            self._hold(part, ids)
+        if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
+            self._drop_plans(part, finished(part, (request.task, *share.key[:-1]), share.readers))
+        return ids, rows
+
+    def _plan(
+        self, part: Partition, request: GetRequest, share: Share | None
+    ) -> list[list[Key]] | None:
+        """The sampler's batch (as parts), ``None`` to wait; at the end of the stream (a
+        closed partition with nothing more for the task) :class:`PartitionClosed`."""
+        need = request.need
         if part.closed:
             missing = [f for f in need if f not in part.seen]
             if missing:  # nothing more can ever become ready: the stream has ended
-                if share is not None:
-                    self._ack(part, task, share, context, last=True)
-                raise PartitionClosed(
-                    f"partition {partition!r} is closed and no sample of it has field(s) "
-                    f"{missing} (fields produced: {sorted(part.seen)}); the stream has ended "
-                    "(check the field names if you expected data)"
+                self._end(
+                    part,
+                    request,
+                    share,
+                    f"partition {request.partition!r} is closed and no sample of it has "
+                    f"field(s) {missing} (fields produced: {sorted(part.seen)}); the stream "
+                    "has ended (check the field names if you expected data)",
                 )
-        pending = part.task(task)
-        parts: list[list[Key]] | bool | None = False
-        if share is None and type(sampler) is SequentialSampler:
-            parts = self._select_runs(part, pending, need, batch_size)
+        pending = part.task(request.task)
+        parts = select_fast(part, pending, request, need) if share is None else False
         if isinstance(parts, bool):
-            parts = sampler.select(View(part, pending, need), batch_size)
+            parts = request.sampler.select(View(part, pending, need), request.batch_size)
         if parts is None or not any(parts):
             if part.closed:
-                if share is not None:
-                    self._ack(part, task, share, context, last=True)
-                raise PartitionClosed(f"partition {partition!r} is closed and drained for {task!r}")
+                self._end(
+                    part,
+                    request,
+                    share,
+                    f"partition {request.partition!r} is closed and drained for {request.task!r}",
+                )
             return None
+        return parts
+
+    def _end(self, part: Partition, request: GetRequest, share: Share | None, why: str) -> None:
+        """The stream has ended for this reader: it acknowledges every plan, then stops."""
+        if share is not None:
+            self._ack(part, request.task, share, request.prefetch, last=True)
+        raise PartitionClosed(why)
+
+    def _consume(
+        self,
+        part: Partition,
+        request: GetRequest,
+        share: Share | None,
+        parts: list[list[Key]],
+        alive: Any,
+        now: float,
+    ) -> tuple[list[Key], dict[str, list[Any]]]:
+        """Mark the planned samples consumed for the task, record a shared plan, and hand
+        out this reader's part (held and leased as the request says)."""
+        task = request.task
         every = parts[0] if len(parts) == 1 else [k for p in parts for k in p]
-        deque(map(pending.pop, every), 0)  # C-level loops: no Python per sample
-        # The only task consumed them and nothing keeps them (no plan, hold or lease): they
-        # go now, without passing through the consumed set and the eviction checks.
-        drop = (
-            share is None
-            and not hold
-            and self.options.lease_timeout is None
-            and self.options.tasks == (task,)
-            and len(part.pending) == 1
-            and not part.cache
-            and not part.held
-            and not part.leased
-        )
+        deque(map(part.task(task).pop, every), 0)  # C-level loops: no Python per sample
+        drop = share is None and not request.hold and self._sole_reader(part, task)
         if not drop:
             part.consumed[task].update(every)
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         index = 0
         if share is not None:
             index = share.part
-            # Cached until every reader asked for a later index, so a retry gets this batch.
-            entry = Entry(parts, fields, share.readers, batch_size, context.get("agree"))
+            record(part, request, share, parts, every)
             self.planned += 1
-            entry.read.add(share.reader)
-            part.cache[(task, *share.key)] = entry
-            for k in every:
-                part.sample(k).pins += 1
         ids = parts[index]
-        rows = self._rows(part, ids, fields)
-        if hold:
+        rows = self._rows(part, ids, request.fields)
+        if request.hold:
             self._hold(part, ids)
-        timeout = self.options.lease_timeout
-        if timeout is not None and share is None:
-            if lease is None:
-                raise ValueError(
-                    "this store has lease_timeout set, so every get needs a lease id; use "
-                    "SampleStore.get, which makes one"
-                )
-            self.leases.add(Lease(lease, partition, task, ids, consumer, now + timeout, alive))
-            leased = part.leased
-            for k in ids:
-                leased[k] = leased.get(k, 0) + 1
-        if drop:
+        if self.options.lease_timeout is not None and share is None:
+            self._lease(part, request, ids, alive, now)
+        if drop:  # fast path: nothing else keeps them, so they go without eviction checks
             self._forget(part, every)
         else:
             self._evict(part, every)
         return ids, rows
+
+    def _sole_reader(self, part: Partition, task: str) -> bool:
+        """Whether ``task`` is the only one to consume and nothing keeps a consumed sample
+        (no plan, hold or lease): then consumed samples can go at once."""
+        return (
+            self.options.lease_timeout is None
+            and self.options.tasks == (task,)
+            and len(part.pending) == 1
+            and not part.cache
+            and not part.held
+            and not part.leased
+        )
+
+    def _lease(
+        self, part: Partition, request: GetRequest, ids: list[Key], alive: Any, now: float
+    ) -> None:
+        timeout = self.options.lease_timeout
+        assert timeout is not None
+        if request.lease is None:
+            raise ValueError(
+                "this store has lease_timeout set, so every get needs a lease id; use "
+                "SampleStore.get, which makes one"
+            )
+        self.leases.add(
+            Lease(
+                request.lease,
+                request.partition,
+                request.task,
+                ids,
+                request.consumer,
+                now + timeout,
+                alive,
+            )
+        )
+        leased = part.leased
+        for k in ids:
+            leased[k] = leased.get(k, 0) + 1
 
     # ----------------------------------------------------------------- leases
     def ack(self, lease_id: str) -> None:
@@ -437,60 +357,18 @@ class StoreCore:
         return len(back)
 
     def _ack(
-        self, part: Partition, task: str, share: Share, context: Mapping[str, Any], last: bool
+        self, part: Partition, task: str, share: Share, prefetch: int | None, last: bool
     ) -> None:
-        """Record that a reader asked for batch ``index`` (``last``: it found the end) and drop
-        the shared plans every reader has read and acknowledged.
+        """A reader asked for a batch (``last``: it found the end); see
+        :func:`~meshfeed.queue.plans.acknowledge`."""
+        self._drop_plans(part, acknowledge(part, task, share, prefetch, last))
 
-        A request for ``index`` acknowledges the reader's batches up to ``index - window``,
-        where ``window`` is the loader's prefetch (``agree={"prefetch": P}``; 1 otherwise):
-        with ``P`` requests in flight, out of order, a later index does not mean an earlier
-        one arrived. A reader that found the end acknowledges everything. So a retry of a
-        batch not yet acknowledged gets the same batch, and the cache stays bounded."""
-        prefix, index = (task, *share.key[:-1]), share.key[-1]
-        agree = context.get("agree")
-        window = agree.get("prefetch", 1) if isinstance(agree, Mapping) else 1
-        if not isinstance(window, int) or window < 1:
-            window = 1
-        upto = (1 << 62) if last else index - window
-        asked = part.asked.setdefault(prefix, {})
-        if asked.get(share.reader, -1) >= upto:
-            return
-        asked[share.reader] = upto
-        self._sweep(part, task, prefix, share.readers)
-
-    def _sweep(self, part: Partition, task: str, prefix: tuple[Any, ...], readers: int) -> None:
-        asked = part.asked.get(prefix, {})
-        if len(asked) < readers:
-            return
-        low = min(asked.values())
-        for key in [k for k in part.cache if k[:-1] == prefix and k[-1] <= low]:
-            entry = part.cache[key]
-            if len(entry.read) >= entry.readers:
-                self._drop_entry(part, task, key)
+    def _drop_plans(self, part: Partition, keys: list[tuple[Any, ...]]) -> None:
+        for key in keys:
+            self._evict(part, unpin(part, key))
 
     def stats_cache_entries(self) -> int:
         return sum(len(p.cache) for p in self.partitions.values())
-
-    @staticmethod
-    def _select_runs(
-        part: Partition, pending: dict[Key, None], need: tuple[str, ...], batch_size: int
-    ) -> list[list[Key]] | bool | None:
-        """:class:`SequentialSampler`'s choice in O(runs) when the first pending samples are
-        all ready (the common case); ``False``: some are not, scan them one by one."""
-        keys = list(islice(pending, batch_size))
-        if len(keys) < batch_size and not part.closed:
-            return None  # fewer pending than a batch, so fewer ready: wait
-        if not keys:
-            return None
-        records = list(map(part.samples.__getitem__, keys))
-        first = records[0]
-        if records.count(first) == len(records):  # one run (or one sample)
-            return [keys] if first.has(need) else False
-        for record in set(records):
-            if not record.has(need):
-                return False
-        return [keys]
 
     @staticmethod
     def _rows(part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, Any]:
@@ -530,68 +408,23 @@ class StoreCore:
             )
         return list(ids), self._rows(part, list(ids), fields)
 
-    def _drop_entry(self, part: Partition, task: str, key: tuple[Any, ...]) -> None:
-        entry = part.cache.pop(key)
-        every = [k for p in entry.parts for k in p if k in part.samples]
-        for k in every:
-            part.sample(k).pins -= 1
-        self._evict(part, every)
-
     def _evict(self, part: Partition, keys: list[Key]) -> None:
-        tasks = self.options.tasks
-        if not tasks:
-            return
-        consumed = part.consumed
-        if (
-            not part.cache  # so no sample is pinned
-            and not part.held
-            and not part.leased
-            and all(t in consumed and consumed[t].issuperset(keys) for t in tasks)
-        ):  # the common case, checked with set operations instead of per sample
-            self._remove(part, list(filter(part.samples.__contains__, keys)))
-            return
-        gone = [
-            k
-            for k in keys
-            if k in part.samples
-            and part.samples[k].pins == 0
-            and k not in part.held
-            and k not in part.leased
-            and all(k in part.consumed.get(t, ()) for t in tasks)
-        ]
-        self._remove(part, gone)
+        self._dropped(evict(part, keys, self.options.tasks))
 
     def _remove(self, part: Partition, keys: list[Key]) -> None:
-        """Drop samples ``keys`` (all held, no repeats): a few C-level passes over them."""
-        if not keys:
-            return
-        self._forget(part, keys)
-        for index in (part.held, part.leased):
-            if index:
-                deque(map(index.pop, keys, repeat(None)), 0)
-        for task, pending in part.pending.items():
-            deque(map(pending.pop, keys, repeat(None)), 0)
-            part.consumed[task].difference_update(keys)
+        self._dropped(remove(part, keys))
 
     def _forget(self, part: Partition, keys: list[Key]) -> None:
-        """Drop the records of samples ``keys`` (held, no repeats, in no index any more)."""
-        if not keys:
-            return
-        records = list(map(part.samples.pop, keys))
-        self.held -= len(keys)
-        self.dropped += len(keys)
-        first = records[0]
-        one = records.count(first) == len(records)  # one run: no counting per record
-        counts = part.field_counts
-        for record, n in ({first: len(records)} if one else Counter(records)).items():
-            for f in record.names if type(record) is Run else record.fields:
-                counts[f] -= n
+        self._dropped(forget(part, keys))
+
+    def _dropped(self, n: int) -> None:
+        self.held -= n
+        self.dropped += n
 
     # ----------------------------------------------------------------- admin
     def reset_consumption(self, partition: str, task: str) -> None:
         part = self._partition(partition)
-        for key in [c for c in part.cache if c[0] == task]:
-            self._drop_entry(part, task, key)
+        self._drop_plans(part, [c for c in part.cache if c[0] == task])
         for prefix in [a for a in part.asked if a[0] == task]:
             del part.asked[prefix]
         part.pending[task] = dict.fromkeys(part.samples)

@@ -15,8 +15,9 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
 from meshfeed.queue import checkpoint
+from meshfeed.queue.backend import Got
 from meshfeed.queue.core import StoreCore, StoreOptions
-from meshfeed.queue.samplers import Sampler, SequentialSampler
+from meshfeed.queue.request import GetRequest
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
 T = TypeVar("T")
@@ -65,6 +66,8 @@ def wait_for(
 
 class EmbeddedBackend:
     """In-process, thread-safe; the default backend."""
+
+    name = None  # only a Ray store has a registered name
 
     def __init__(self, options: StoreOptions, core: StoreCore | None = None) -> None:
         self.core = core if core is not None else StoreCore(options)
@@ -127,25 +130,14 @@ class EmbeddedBackend:
         cap = self.core.options.capacity
         return None if cap is None else cap - self.core.held
 
-    def get(
-        self,
-        task: str,
-        fields: tuple[str, ...],
-        batch_size: int,
-        partition: str,
-        sampler: Sampler,
-        timeout: float | None,
-        context: Mapping[str, Any],
-        hold: bool = False,
-        token: Hashable | None = None,
-        lease: str | None = None,
-        consumer: Hashable | None = None,
-    ) -> tuple[list[Key], dict[str, list[Any]], str | None]:
-        need = (*fields, *sampler.extra_fields)
-        group = None
-        if type(sampler) is SequentialSampler and not context and lease is None:
-            # Like requests: on one state they all succeed or all fail (wakeups.py).
-            group = (partition, task, fields, batch_size, sampler)
+    def get(self, request: GetRequest) -> Got:
+        partition, task, batch_size = request.partition, request.task, request.batch_size
+        # Like requests: on one state they all succeed or all fail (wakeups.py).
+        group = (
+            (partition, task, request.fields, batch_size, request.sampler)
+            if request.plain
+            else None
+        )
 
         def more() -> bool:
             part = self.core.partitions.get(partition)
@@ -154,16 +146,18 @@ class EmbeddedBackend:
             )
 
         def attempt() -> tuple[list[Key], dict[str, list[Any]]] | None:
-            return self.core.try_get(
-                task,
-                fields,
-                batch_size,
-                partition,
-                sampler,
-                context,
-                hold,
-                lease=lease,
-                consumer=consumer,
+            return self.core.try_get(request)
+
+        def make(notify: Callable[[], None]) -> Waiter:
+            return Waiter(
+                "consumer",
+                notify,
+                partition=partition,
+                task=task,
+                need=request.need,
+                token=request.token,
+                group=group,
+                more=more,
             )
 
         with self.lock:
@@ -173,28 +167,19 @@ class EmbeddedBackend:
             planned, expired, dropped = core.planned, core.lease_expired, core.dropped
             try:
                 got = None
-                if token is None or token not in self.waiters.cancelled:  # no waiter needed
-                    got = attempt()
+                if request.token is None or request.token not in self.waiters.cancelled:
+                    got = attempt()  # no waiter needed
                 if got is None:
                     got = wait_for(
                         self.lock,
                         self.waiters,
-                        lambda notify: Waiter(
-                            "consumer",
-                            notify,
-                            partition=partition,
-                            task=task,
-                            need=need,
-                            token=token,
-                            group=group,
-                            more=more,
-                        ),
+                        make,
                         attempt,
-                        timeout,
-                        f"get of {batch_size} samples with {list(fields)} for task {task!r} "
-                        f"from {partition!r}",
+                        request.timeout,
+                        request.describe(),
                         self.core.next_lease_deadline,
                     )
+                lease = request.lease
                 return got[0], got[1], (lease if lease in self.core.leases else None)
             finally:
                 core = self.core

@@ -45,6 +45,11 @@ that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
 iterating the loader again starts fresh workers and continues with the batch that failed
 (embedded: collated again from the batch already fetched; Ray: requested again by its index).
 
+``stats()`` counts the batches and samples returned, timeouts and failures, next to the store's
+view of the task; ``epochs(1)`` yields the one epoch a store stream is (see
+:meth:`StoreLoader.epochs`). The batches in flight (threads, worker processes) are
+:class:`~meshfeed.queue.loader_fetch.InFlight`.
+
 ``shutdown()`` cancels the requests still waiting in the store (threads and worker processes
 blocked without a deadline wake at once, consuming nothing) and stops the workers.
 
@@ -62,34 +67,24 @@ Take ``state_dict()`` of every loader, then save the store, before the next batc
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
-import pickle
 import time
-import traceback
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import place
 from meshfeed.options import check_loader_arguments
-from meshfeed.queue.core import PartitionClosed
+from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec, check_pending
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.wakeups import check_timeout
-from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
+from meshfeed.runtime import WorkerError
 from meshfeed.state import envelope, open_envelope
 
 KIND = "store_loader"
 VERSION = 3  # 3: the one state envelope (kind + version); prefetch counts the batch returned
-_MARGIN = 0.25  # Ray workers: the store's own TimeoutError comes first, then the pool's
-
-
-class _Late(Exception):
-    """``state_dict()``'s own deadline passed while a batch was still on its way."""
 
 
 class CollateError(RuntimeError):
@@ -104,121 +99,64 @@ class CollateError(RuntimeError):
         self.index, self.ids = index, ids
 
 
-@dataclass(slots=True)
-class _Got:
-    """One request's outcome: ``ids`` (``None``: the stream ended) and the transformed
-    ``item``; while ``collate_fn`` has not succeeded, the raw ``batch`` and the ``error``, so
-    only ``collate_fn`` is retried (the samples are already consumed in the store)."""
-
-    ids: list[Any] | None
-    item: Any = None
-    batch: Any = None
-    error: BaseException | None = None
-    raised: bool = False  # the failure was reported (CollateError): retry it afresh
-
-
-@dataclass(frozen=True, slots=True)
-class _Spec:
-    """One loader's request, picklable for worker processes."""
-
-    task: str
-    fields: tuple[str, ...]
-    batch_size: int
-    partition: str
-    sampler: Sampler
-    timeout: float | None
-    hold: bool
-    prefetch: int  # replica peers must share it (the store checks; see _fetch)
-    token: str  # the loader's requests, cancelled together by shutdown()
-
-
-def _fetch(store: SampleStore, spec: _Spec, index: int) -> Batch | None:
-    try:
-        return store.get(
-            spec.task,
-            spec.fields,
-            spec.batch_size,
-            spec.partition,
-            spec.sampler,
-            spec.timeout,
-            hold=spec.hold,
-            token=spec.token,
-            batch_index=index,
-            agree={"prefetch": spec.prefetch},
+def _check_arguments(
+    store: Any,
+    *,
+    task: Any,
+    fields: Any,
+    partition: Any,
+    batch_size: Any,
+    num_workers: Any,
+    prefetch: Any,
+    collate_fn: Any,
+    collate_retries: Any,
+    timeout: Any,
+) -> None:
+    """Refuse a bad StoreLoader argument by name (before anything starts)."""
+    if not isinstance(store, SampleStore):
+        raise TypeError(
+            f"store must be a SampleStore (got {type(store).__name__}); build the store "
+            "with meshfeed.queue.SampleStore and pass it first"
         )
-    except PartitionClosed:
-        return None
+    check_loader_arguments(
+        batch_size=batch_size,
+        seed=0,  # the store decides the order: no seed, no retries of samples
+        num_workers=num_workers,
+        prefetch=prefetch,
+        timeout=timeout,
+        on_error="raise",
+        max_retries=0,
+    )
+    if (
+        isinstance(collate_retries, bool)
+        or not isinstance(collate_retries, int)
+        or collate_retries < 0
+    ):
+        raise ValueError(f"collate_retries must be an int >= 0 (got {collate_retries=!r})")
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
+    if not isinstance(task, str) or not task:
+        raise TypeError(f"task must be a non-empty string (got {task=!r})")
+    if not isinstance(partition, str) or not partition:
+        raise TypeError(f"partition must be a non-empty string (got {partition=!r})")
+    if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
+        raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
+    _check_workers(store, num_workers, collate_fn)
 
 
-def _apply(transform: Callable[[Batch], Any] | None, batch: Batch) -> _Got:
-    """``transform(batch)``; a failure keeps the raw batch for a retry of the transform alone."""
-    if transform is None:
-        return _Got(batch.ids, batch)
-    try:
-        return _Got(batch.ids, transform(batch))
-    except Exception as exc:
-        return _Got(batch.ids, batch=batch, error=exc)
-
-
-def _portable(got: _Got) -> _Got:
-    """``got`` with an error that can travel back to the main process (else its traceback)."""
-    if got.error is not None:
-        try:
-            pickle.dumps(got.error)
-        except Exception:
-            got.error = RuntimeError("".join(traceback.format_exception(got.error)))
-    return got
-
-
-def _start_worker(
-    worker: int,
-    num_workers: int,
-    address: str | None,
-    name: str | None,
-    spec: _Spec,
-    collate_fn: Callable[[Batch], Any] | None,
-) -> Callable[[tuple[str, Any]], _Got]:
-    """A store-loader worker's handler: ``("fetch", index)`` (Ray: this worker fetches batch
-    ``index`` from the named store it connected to here, then collates it) or ``("collate",
-    batch)``. A failing ``collate_fn`` returns the raw batch with the error, so only the
-    collate step is retried; a failing fetch raises (the loader requests the batch again)."""
-    store: SampleStore | None = None
-    if address is not None and name is not None:
-        import ray
-
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-        store = SampleStore.connect(name)
-
-    def handle(task: tuple[str, Any]) -> _Got:
-        kind, arg = task
-        if kind == "fetch":
-            if store is None:
-                raise RuntimeError("store loader worker asked to fetch without a store")
-            batch = _fetch(store, spec, arg)
-            if batch is None:
-                return _Got(None)
-        else:
-            batch = arg
-        return _portable(_apply(collate_fn, batch))
-
-    return handle
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """One requested batch on its way to the trainer. Exactly one of these is in progress:
-    ``got`` (known outcome), ``fetch`` (a thread fetching it here), ``lazy`` (a re-delivery
-    read on first use), ``worker`` (a task for it is outstanding on that worker), ``failed``
-    (the request failed: raised once, then requested again); with none of them, it is to be
-    requested (``batch`` set: fetched, to be collated in a worker)."""
-
-    index: int
-    got: _Got | None = None
-    fetch: cf.Future[Any] | None = None
-    lazy: Callable[[], Batch | None] | None = None
-    batch: Batch | None = None
-    worker: int | None = None
-    failed: BaseException | None = None
+def _check_workers(store: SampleStore, num_workers: int, collate_fn: Any) -> None:
+    """Worker processes need a ``collate_fn`` (embedded store) or a named store (Ray)."""
+    if num_workers and store.backend == "embedded" and collate_fn is None:
+        raise ValueError(
+            "num_workers > 0 with the embedded store only runs `collate_fn` in worker "
+            "processes (the store cannot be shared with them); pass collate_fn=..., or "
+            "use num_workers=0 with prefetch=N for fetching ahead in threads"
+        )
+    if num_workers and store.backend == "ray" and store.name is None:
+        raise ValueError(
+            "num_workers > 0 with a Ray store needs a named store so worker processes "
+            "can connect; create it with SampleStore('ray', name=...)"
+        )
 
 
 class StoreLoader(Lifecycle):
@@ -266,45 +204,18 @@ class StoreLoader(Lifecycle):
         collate_retries: int = 2,
         timeout: float = 300.0,
     ) -> None:
-        if not isinstance(store, SampleStore):
-            raise TypeError(
-                f"store must be a SampleStore (got {type(store).__name__}); build the store "
-                "with meshfeed.queue.SampleStore and pass it first"
-            )
-        check_loader_arguments(
+        _check_arguments(
+            store,
+            task=task,
+            fields=fields,
+            partition=partition,
             batch_size=batch_size,
-            seed=0,  # the store decides the order: no seed, no retries of samples
             num_workers=num_workers,
             prefetch=prefetch,
+            collate_fn=collate_fn,
+            collate_retries=collate_retries,
             timeout=timeout,
-            on_error="raise",
-            max_retries=0,
         )
-        if (
-            isinstance(collate_retries, bool)
-            or not isinstance(collate_retries, int)
-            or collate_retries < 0
-        ):
-            raise ValueError(f"collate_retries must be an int >= 0 (got {collate_retries=!r})")
-        if collate_fn is not None and not callable(collate_fn):
-            raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
-        if not isinstance(task, str) or not task:
-            raise TypeError(f"task must be a non-empty string (got {task=!r})")
-        if not isinstance(partition, str) or not partition:
-            raise TypeError(f"partition must be a non-empty string (got {partition=!r})")
-        if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
-            raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
-        if num_workers and store.backend == "embedded" and collate_fn is None:
-            raise ValueError(
-                "num_workers > 0 with the embedded store only runs `collate_fn` in worker "
-                "processes (the store cannot be shared with them); pass collate_fn=..., or "
-                "use num_workers=0 with prefetch=N for fetching ahead in threads"
-            )
-        if num_workers and store.backend == "ray" and store.name is None:
-            raise ValueError(
-                "num_workers > 0 with a Ray store needs a named store so worker processes "
-                "can connect; create it with SampleStore('ray', name=...)"
-            )
         self.mesh, self.rank = place(mesh, device_mesh, rank)
         self.data_rank = self.mesh.data_rank(self.rank)
         self.replica_group = self.mesh.replica_group(self.rank)
@@ -318,179 +229,19 @@ class StoreLoader(Lifecycle):
         # Holding matters only when samples can be evicted while fetched but not returned:
         # fetched ahead, or kept after a failed collate_fn.
         hold = store.options.tasks is not None and (bool(self._ahead_max) or collate_fn is not None)
-        self._spec = _Spec(
+        self._spec = Spec(
             task, tuple(fields), batch_size, partition, self.sampler, wait, hold, prefetch,
             uuid.uuid4().hex,
         )  # fmt: skip
-        self._next = 0  # the next batch index to request
-        self._ended = False  # a request found the stream ended: request nothing more
         self._shut = False
-        self._ahead: deque[_Entry] = deque()  # in index order
-        self._threads: cf.ThreadPoolExecutor | None = None
-        self._pool: WorkerPool | None = None
-        if num_workers:
-            self._pool = WorkerPool(
-                num_workers,
-                # Ray: a fetch waits in the store up to `timeout` and raises TimeoutError
-                # there; the pool's own limit (a stuck or stopped worker) comes just after.
-                timeout=None if wait is None else wait + (_MARGIN if store.backend == "ray" else 0),
-                # Ray: spawn (fork is unsafe under Ray; each worker connects to the store,
-                # which counts against the first batch's timeout). Embedded: the platform's
-                # default, fork where it exists; the workers start before the fetch threads.
-                start_method="spawn" if store.backend == "ray" else None,
-                name="meshfeed-store-worker",
-                grace=0.25,
-                ring=prefetch + 2,
-            )
-        self._sent: list[deque[_Entry]] = [deque() for _ in range(num_workers)]
-        self._turn = 0  # the worker the next task goes to
-
-    # ----------------------------------------------------------------- fetching
-    def _thread_job(self, index: int) -> _Got | Batch | None:
-        """Fetch here (in a thread); ``collate_fn`` too unless worker processes run it."""
-        batch = _fetch(self.store, self._spec, index)
-        if batch is None or self._pool is not None:
-            return batch
-        return _apply(self.collate_fn, batch)
-
-    def _start_pool(self) -> WorkerPool:
-        """The worker pool, started on first use or again after a worker failed."""
-        pool = self._pool
-        assert pool is not None
-        if not pool.started:
-            address = None
-            if self.store.backend == "ray":
-                import ray
-
-                address = ray.get_runtime_context().gcs_address
-            pool.start(_start_worker, address, self.store.name, self._spec, self.collate_fn)
-            self._sent = [deque() for _ in range(self.num_workers)]
-        return pool
-
-    def _send(self, entry: _Entry, task: tuple[str, Any]) -> None:
-        pool = self._start_pool()
-        w = self._turn
-        self._turn = (w + 1) % self.num_workers
-        pool.send(w, task)
-        entry.worker = w
-        self._sent[w].append(entry)
-
-    def _request(self, entry: _Entry) -> None:
-        """Start what ``entry`` needs next: its fetch, or the collate of its fetched batch."""
-        if entry.batch is not None:
-            if self._pool is None:
-                entry.got = _apply(self.collate_fn, entry.batch)
-            else:
-                self._send(entry, ("collate", entry.batch))
-        elif self._pool is not None and self.store.backend == "ray":
-            self._send(entry, ("fetch", entry.index))
-        else:
-            if self._threads is None:  # requests wait in the store, so one thread per request
-                self._threads = cf.ThreadPoolExecutor(self._ahead_max, "meshfeed-loader")
-            entry.fetch = self._threads.submit(self._thread_job, entry.index)
-
-    def _fetched(self, entry: _Entry, result: _Got | Batch | None) -> None:
-        if isinstance(result, _Got):
-            entry.got = result
-        elif result is None:
-            entry.got = _Got(None)
-        else:
-            entry.batch = result
-            self._request(entry)
-
-    def _recv(self, w: int) -> None:
-        """Receive worker ``w``'s oldest result into the entry it belongs to."""
-        assert self._pool is not None
-        entry = self._sent[w][0]
-        try:
-            got = self._pool.recv(w)
-        except WorkerError:
-            raise
-        except Exception as exc:  # the fetch failed in the worker (or the result could not travel)
-            if entry.batch is not None:
-                entry.got = _Got(entry.batch.ids, batch=entry.batch, error=exc)
-            else:
-                entry.failed = exc
-        else:
-            entry.got = got
-        self._sent[w].popleft()
-        entry.worker = None
-
-    def _progress(self) -> None:
-        """Without waiting: hand the batches fetched so far to the workers. Results are taken
-        only when their batch is next, so a worker failing on a later batch never costs one
-        already made."""
-        for entry in self._ahead:
-            if entry.fetch is not None and entry.fetch.done():
-                fut, entry.fetch = entry.fetch, None
-                try:
-                    self._fetched(entry, fut.result())
-                except Exception as exc:
-                    entry.failed = exc
-
-    def _wait(self, entry: _Entry, deadline: float | None = None, *, ids: bool = False) -> _Got:
-        """Drive ``entry`` until its outcome is known (``ids``: until its sample ids are);
-        ``deadline`` (``time.monotonic()``) raises :class:`_Late` past it, changing nothing."""
-        while entry.got is None and not (ids and entry.batch is not None):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if entry.failed is not None:  # raised once; the same batch is requested again
-                exc, entry.failed = entry.failed, None
-                self._request(entry)
-                raise exc
-            if entry.fetch is not None:
-                try:
-                    result = entry.fetch.result(left)
-                except cf.TimeoutError:
-                    raise _Late from None
-                except Exception as exc:
-                    entry.fetch, entry.failed = None, exc
-                    continue
-                entry.fetch = None
-                self._fetched(entry, result)
-            elif entry.lazy is not None:
-                fn, entry.lazy = entry.lazy, None
-                self._fetched(entry, fn())
-            elif entry.worker is not None:
-                assert self._pool is not None
-                if left is not None and not self._pool.ready(entry.worker, left):
-                    raise _Late
-                self._recv(entry.worker)
-            else:
-                self._request(entry)
-        if entry.got is None:
-            assert entry.batch is not None
-            return _Got(entry.batch.ids)
-        return entry.got
-
-    def _lost(self, error: WorkerError) -> WorkerError:
-        """The pool stopped after a worker died or stalled: what was sent to it is sent again
-        (to fresh workers) when next needed; the error to raise, saying so."""
-        for entry in self._ahead:
-            entry.worker = None
-        self._sent = [deque() for _ in range(self.num_workers)]
-        head = self._ahead[0].index if self._ahead else self._next
-        if isinstance(error, WorkerTimeout):
-            what = f"produced nothing within timeout={error.timeout}s (stuck or stopped)"
-        elif isinstance(error, WorkerDied):
-            what = f"exited with exit code {error.exitcode} (out of memory, or killed)"
-        else:
-            what = f"failed ({error})"
-        return WorkerError(
-            f"store loader worker {getattr(error, 'worker', '?')} (pid "
-            f"{getattr(error, 'pid', '?')}) of task {self.task!r} {what}; its workers were "
-            f"stopped. Iterating the loader again starts fresh workers and continues from batch "
-            f"{head} (nothing is lost or repeated); raise timeout= if a batch legitimately "
-            "takes longer"
+        self._flight = InFlight(store, self._spec, collate_fn, num_workers, self._ahead_max)
+        # What stats() reports (since this object was built; not part of the state).
+        self._counts = dict.fromkeys(
+            ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
         )
+        self._next_seconds = 0.0
 
-    def _fill(self) -> None:
-        while not self._ended and len(self._ahead) < self._ahead_max:
-            entry = _Entry(self._next)
-            self._ahead.append(entry)
-            self._next += 1
-            self._request(entry)
-
-    def _retry(self, entry: _Entry, got: _Got) -> Any:
+    def _retry(self, entry: Entry, got: Got) -> Any:
         """Retry only ``collate_fn`` on a fetched batch; :class:`CollateError` if it keeps
         failing, with the batch left at the head of the queue (``collate_retries + 1`` more
         attempts by the next ``next()``; recorded by ``state_dict()``)."""
@@ -498,8 +249,8 @@ class StoreLoader(Lifecycle):
         assert ids is not None
         # A fresh failure had its first attempt already; a reported one gets all attempts.
         for _ in range(self.collate_retries + (1 if got.raised else 0)):
-            attempt = _Entry(entry.index, batch=got.batch)
-            got = self._wait(attempt)
+            attempt = Entry(entry.index, batch=got.batch)
+            got = self._flight.wait(attempt)
             if got.error is None:
                 return got.item
         got.raised = True
@@ -523,44 +274,101 @@ class StoreLoader(Lifecycle):
                 f"this StoreLoader (task {self.task!r}) was shut down; build a new one (from "
                 "its state_dict() to continue where it stopped)"
             )
+        start = time.perf_counter()
         try:
             return self._next_item()
+        except TimeoutError:
+            self._counts["timeouts"] += 1
+            raise
+        except CollateError:
+            self._counts["collate_errors"] += 1
+            raise
         except WorkerError as error:
-            if self._pool is None or self._pool.started:
+            self._counts["worker_errors"] += 1
+            if self._flight.pool is None or self._flight.pool.started:
                 raise  # not a failure of the pool (a collate_fn raising WorkerError itself)
-            raise self._lost(error) from None
+            raise self._flight.lost(error, self.task) from None
+        finally:
+            self._next_seconds += time.perf_counter() - start
 
     def _next_item(self) -> Any:
         while True:
-            if not self._ahead_max and not self._ahead:  # synchronous
-                if self._ended:
+            if not self._ahead_max and not self._flight.ahead:  # synchronous
+                if self._flight.ended:
                     raise StopIteration
-                result = self._thread_job(self._next)
-                if not isinstance(result, _Got) or result.ids is None:  # no workers here
-                    self._ended = True
+                result = self._flight.thread_job(self._flight.next)
+                if not isinstance(result, Got) or result.ids is None:  # no workers here
+                    self._flight.ended = True
                     raise StopIteration
-                self._ahead.append(_Entry(self._next, got=result))
-                self._next += 1
-            if self._pool is not None and not self._ended:
-                self._start_pool()  # before the fetch threads exist (fork)
-            self._fill()
-            self._progress()
-            if not self._ahead:
-                self._stop_workers()
+                self._flight.ahead.append(Entry(self._flight.next, got=result))
+                self._flight.next += 1
+            if self._flight.pool is not None and not self._flight.ended:
+                self._flight.start_pool()  # before the fetch threads exist (fork)
+            self._flight.fill()
+            self._flight.progress()
+            if not self._flight.ahead:
+                self._flight.stop_workers()
                 raise StopIteration
-            entry = self._ahead[0]
-            got = self._wait(entry)
+            entry = self._flight.ahead[0]
+            got = self._flight.wait(entry)
             if got.ids is None:
                 # Every later request also ends; those already in flight may still hold
                 # batches planned before the end, so they are drained, not dropped.
-                self._ahead.popleft()
-                self._ended = True
+                self._flight.ahead.popleft()
+                self._flight.ended = True
                 continue
             item = got.item if got.error is None else self._retry(entry, got)
-            self._ahead.popleft()
+            self._flight.ahead.popleft()
             if self._spec.hold:
                 self.store.release(self.partition, got.ids)
+            self._counts["batches"] += 1
+            self._counts["samples"] += len(got.ids)
             return item
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """A store stream is one epoch: the producers decide its length, and the loader ends
+        once the partition is closed and drained. ``epochs(1)`` yields ``0`` once (nothing if
+        this loader already reached the end, e.g. restored from a state taken there), so a
+        loop written for ``DataLoader.epochs`` runs unchanged; ``epochs(0)`` yields nothing.
+        More epochs are refused: another pass needs new samples (a new partition and a fresh
+        ``StoreLoader``, or ``SampleStore.reset_consumption``)."""
+        if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
+            raise ValueError(f"num_epochs must be an int >= 0 (got {num_epochs=!r})")
+        if num_epochs > 1:
+            raise ValueError(
+                f"a StoreLoader reads one stream, which is one epoch (got {num_epochs=}); use "
+                "epochs(1), and for another pass put the samples to a new partition and build "
+                "a new StoreLoader (or reset_consumption() on the store)"
+            )
+        if num_epochs == 1 and not (self._flight.ended and not self._flight.ahead):
+            yield 0
+
+    def stats(self) -> dict[str, Any]:
+        """What this loader object did since it was built, and the store's view of its task.
+
+        ``batches`` / ``samples`` returned, ``timeouts`` (``TimeoutError`` raised by
+        ``next()``), ``collate_errors`` (:class:`CollateError` raised), ``worker_errors``,
+        ``redelivered`` (batches a restored state re-delivers), ``next_seconds`` (time spent in
+        ``next()``: waiting for the store, and ``collate_fn`` when it runs here), ``in_flight``
+        (batches requested, not yet returned), ``ended``, ``epoch`` (always 0: see
+        :meth:`epochs`), and ``store``: the task's ``consumed`` count, ``redelivered`` and
+        ``waiting_consumers`` of the store, and this partition's ``samples`` held and
+        ``closed``. Counts are not part of ``state_dict()``."""
+        out: dict[str, Any] = dict(self._counts)
+        out["next_seconds"] = self._next_seconds
+        out["in_flight"] = len(self._flight.ahead)
+        out["ended"] = self._flight.ended and not self._flight.ahead
+        out["epoch"] = 0
+        store = self.store.stats()
+        part = store["partitions"].get(self.partition, {})
+        out["store"] = {
+            "consumed": store["consumed"].get(self.task, 0),
+            "redelivered": store["redelivered"],
+            "waiting_consumers": store["waiting_consumers"],
+            "samples": part.get("samples", 0),
+            "closed": part.get("closed", False),
+        }
+        return out
 
     def shutdown(self) -> None:
         """Cancel the requests waiting in the store (they consume nothing) and stop worker
@@ -574,17 +382,7 @@ class StoreLoader(Lifecycle):
             # The store may be gone already (a killed Ray actor): nothing waits in it then.
             with contextlib.suppress(Exception):
                 self.store.cancel(self._spec.token)
-        self._stop_workers()
-
-    def _stop_workers(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()  # stop message, SIGTERM, SIGKILL: joins every worker
-            for entry in self._ahead:
-                entry.worker = None
-            self._sent = [deque() for _ in range(self.num_workers)]
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
-            self._threads = None
+        self._flight.stop_workers()
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -601,10 +399,10 @@ class StoreLoader(Lifecycle):
         deadline = time.monotonic() + wait
         pending = []
         try:
-            for entry in self._ahead:
+            for entry in self._flight.ahead:
                 try:
-                    got = self._wait(entry, deadline, ids=True)
-                except _Late:
+                    got = self._flight.wait(entry, deadline, ids=True)
+                except Late:
                     raise TimeoutError(
                         f"state_dict() waited {wait}s for batch {entry.index} of task "
                         f"{self.task!r}, still being fetched (prefetch={self.prefetch}); the "
@@ -614,17 +412,17 @@ class StoreLoader(Lifecycle):
                     ) from None
                 pending.append([entry.index, got.ids])
         except WorkerError as error:
-            if self._pool is None or self._pool.started:
+            if self._flight.pool is None or self._flight.pool.started:
                 raise
-            raise self._lost(error) from None
+            raise self._flight.lost(error, self.task) from None
         return envelope(
             KIND,
             VERSION,
             task=self.task,
             partition=self.partition,
             data_rank=self.data_rank,
-            next=self._next,
-            ended=self._ended,
+            next=self._flight.next,
+            ended=self._flight.ended,
             pending=pending,
         )
 
@@ -659,43 +457,21 @@ class StoreLoader(Lifecycle):
                 f"StoreLoader state field 'next' is {nxt}, beyond any real batch count "
                 f"(next={nxt}); the checkpoint is corrupted"
             )
-        seen: set[int] = set()
-        for item in pending:
-            ok = (
-                isinstance(item, list)
-                and len(item) == 2
-                and type(item[0]) is int
-                and 0 <= item[0] < nxt
-                and item[0] not in seen
-                and (
-                    item[1] is None
-                    or (
-                        isinstance(item[1], list)
-                        and all(type(k) in (int, str) for k in item[1])
-                        and len(set(item[1])) == len(item[1])
-                    )
-                )
-            )
-            if not ok:
-                raise ValueError(
-                    f"StoreLoader state field 'pending' has a bad entry {item!r:.120} (each is "
-                    f"[batch index < next={nxt}, distinct sample ids or None], indices "
-                    "distinct); the checkpoint is corrupted"
-                )
-            seen.add(item[0])
+        check_pending(pending, nxt)
         if len(pending) > max(self._ahead_max, 1):
             raise ValueError(
                 f"StoreLoader state names {len(pending)} batches in flight, more than this "
                 f"loader keeps (prefetch={self.prefetch}); resume with the same prefetch"
             )
-        if self._ahead or self._next or self._shut:
+        if self._flight.ahead or self._flight.next or self._shut:
             raise ValueError(
                 "load_state_dict must come before iteration starts; build a fresh loader"
             )
-        self._next = nxt
-        self._ended = st["ended"]
+        self._flight.next = nxt
+        self._flight.ended = st["ended"]
         for index, ids in pending:
-            self._ahead.append(_Entry(index, lazy=self._redeliver(ids)))
+            self._flight.ahead.append(Entry(index, lazy=self._redeliver(ids)))
+        self._counts["redelivered"] += sum(ids is not None for _, ids in pending)
 
     def _redeliver(self, ids: list[Any] | None) -> Callable[[], Batch | None]:
         def fn() -> Batch | None:

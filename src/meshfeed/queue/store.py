@@ -18,25 +18,35 @@ applies backpressure to ``put``, and ``save`` / ``SampleStore.load`` checkpoint 
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from meshfeed.collate import collate_column
 from meshfeed.queue import checkpoint
-from meshfeed.queue.columns import Chunk, Gathered
+from meshfeed.queue.backend import Backend
+from meshfeed.queue.columns import Gathered
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.embedded import EmbeddedBackend
-from meshfeed.queue.samplers import Sampler, SequentialSampler
+from meshfeed.queue.request import GetRequest
+from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.validate import (
+    check_batch_size,
+    check_consumer,
+    check_hold,
+    check_index,
+    check_sampler,
+    check_stream,
+    check_task,
+    columns,
+    prefetch_of,
+    put_groups,
+    put_ids,
+)
 from meshfeed.queue.wakeups import check_timeout
 
 Key = Hashable
-_SEQUENTIAL = SequentialSampler()
-_KEY_TYPES = frozenset({int, str})  # ids and groups that need no conversion (not bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +73,6 @@ class Batch:
         return iter(self.columns)
 
 
-def _torch() -> Any:
-    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
-    # workers and actors that never see one.
-    return sys.modules.get("torch")
-
-
 def collate(values: list[Any] | Gathered) -> Any:
     """One field of a batch: a column the store gathered from chunks already is one tensor /
     array (a view when contiguous); values from separate puts go through
@@ -76,54 +80,6 @@ def collate(values: list[Any] | Gathered) -> Any:
     if isinstance(values, Gathered):
         return values.data
     return collate_column(values)
-
-
-def _rows(column: Any, name: str) -> list[Any] | Chunk:
-    if type(column) is list:  # the common case; the store keeps the values, not the list
-        return column
-    torch = _torch()
-    if isinstance(column, np.ndarray) or (torch is not None and isinstance(column, torch.Tensor)):
-        if column.ndim == 0:
-            raise ValueError(
-                f"field {name!r} is a 0-d {type(column).__name__}; give a column with one "
-                "entry per sample (shape [n, ...])"
-            )
-        return Chunk(column)  # one chunk per put; samples reference rows of it
-    if isinstance(column, list | tuple):
-        return list(column)
-    raise TypeError(
-        f"field {name!r} is a {type(column).__name__}; give a column per field: a list, "
-        "tuple, tensor or array with one entry per sample"
-    )
-
-
-def _plain(value: Any) -> Any:
-    return int(value) if isinstance(value, np.integer) else value
-
-
-def _check_sampler(sampler: Any) -> Sampler:
-    if sampler is None:
-        return _SEQUENTIAL
-    if not isinstance(sampler, Sampler):
-        raise TypeError(
-            f"sampler must be a sampler object with share(), select() and extra_fields (got "
-            f"sampler={sampler!r}); use one of meshfeed.queue's samplers, e.g. "
-            "SequentialSampler() or RankAwareSampler.from_mesh(mesh, rank)"
-        )
-    return sampler
-
-
-def _check_consumer(consumer: Any) -> None:
-    if isinstance(consumer, bool) or not isinstance(consumer, int | str):
-        raise TypeError(
-            f"consumer must be an int or str id of one consumer (got {consumer=!r}); use e.g. "
-            'f"{socket.gethostname()}:{os.getpid()}:{rank}"'
-        )
-
-
-def _check_key(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
 
 
 class SampleStore:
@@ -163,7 +119,7 @@ class SampleStore:
         self.options = options
         if name is not None and backend != "ray":
             raise ValueError(f"name={name!r} names a Ray store actor; pass backend='ray'")
-        self._backend: Any
+        self._backend: Backend
         if backend == "embedded":
             core = None if _meta is None else checkpoint.restore(_meta, _payload, options=options)
             self._backend = EmbeddedBackend(options, core)
@@ -187,7 +143,7 @@ class SampleStore:
         return cls._attach("ray", backend, options)
 
     @classmethod
-    def _attach(cls, backend: str, backend_obj: Any, options: StoreOptions) -> SampleStore:
+    def _attach(cls, backend: str, backend_obj: Backend, options: StoreOptions) -> SampleStore:
         """A store object over an existing backend (tests reuse one Ray actor this way)."""
         store = cls.__new__(cls)
         store.options, store._backend, store.backend = options, backend_obj, backend
@@ -245,7 +201,7 @@ class SampleStore:
                 f"fields must be a mapping of name -> column (got {type(fields).__name__})"
             )
         self._names(list(fields), "put fields")
-        rows = {name: _rows(col, name) for name, col in fields.items()}
+        rows = {name: columns(col, name) for name, col in fields.items()}
         n = len(next(iter(rows.values())))
         if n == 0 or any(len(r) != n for r in rows.values()):
             lengths = {name: len(r) for name, r in rows.items()}
@@ -253,32 +209,8 @@ class SampleStore:
                 f"put columns must all hold the same, non-zero number of samples "
                 f"(got lengths {lengths}); give one entry per sample in every field"
             )
-        id_list: list[Key] | None = None
-        if ids is not None:
-            id_list = list(ids.tolist() if hasattr(ids, "tolist") else ids)
-            if len(id_list) != n:
-                raise ValueError(
-                    f"put got {len(id_list)} ids for {n} samples; give one id per sample"
-                )
-            if not set(map(type, id_list)) <= _KEY_TYPES:  # numpy ints, or a bad id to name
-                id_list = [_plain(k) for k in id_list]
-                for k in id_list:
-                    _check_key(k, "a sample id")
-            if len(set(id_list)) != n:
-                raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
-        group_list: list[Hashable] | None = None
-        if groups is not None:
-            if hasattr(groups, "tolist"):  # numpy / torch
-                groups = groups.tolist()
-            group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
-            if len(group_list) != n:
-                raise ValueError(
-                    f"put got {len(group_list)} groups for {n} samples; give one per sample"
-                )
-            if not set(map(type, group_list)) <= _KEY_TYPES:
-                group_list = [_plain(g) for g in group_list]
-                for g in group_list:
-                    _check_key(g, "a group id")
+        id_list = None if ids is None else put_ids(ids, n)
+        group_list = None if groups is None else put_groups(groups, n)
         return self._backend.put(partition, rows, id_list, group_list, timeout)
 
     def get(
@@ -302,8 +234,11 @@ class SampleStore:
         ``timeout`` seconds (``None`` or ``math.inf``: no limit; the store stays usable). Once
         the partition is closed, the rest comes as a shorter batch, then
         :class:`PartitionClosed` (also for a consumer arriving after the end). ``context`` goes
-        to the sampler (e.g. ``batch_index=`` for rank-aware samplers: asking again for the same
-        index returns the same batch, so a retry is safe).
+        to the sampler: ``batch_index=`` (an int >= 0) and ``stream=`` for rank-aware samplers
+        (asking again for the same index returns the same batch, so a retry is safe),
+        ``prefetch=`` (an int >= 1: this reader's requests in flight; replica peers must pass
+        the same), and any keyword a custom sampler reads. The call travels as one
+        :class:`~meshfeed.queue.request.GetRequest`, validated here.
 
         For loaders: ``hold=True`` keeps the returned samples in the store (even once every
         task consumed them) until :meth:`release`, so a checkpoint taken meanwhile can
@@ -317,32 +252,24 @@ class SampleStore:
         ``lease_timeout`` seconds. A consumer with several gets in flight (prefetch) must ack
         explicitly, not pass ``consumer=``.
         """
-        if not isinstance(task, str) or not task:
-            raise TypeError(f"task must be a non-empty string (got {task!r})")
-        names = self._names(fields, "get fields")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
-        timeout = check_timeout(timeout)
-        partition = self._partition(partition)
-        chosen = _check_sampler(sampler)
-        if not isinstance(hold, bool):
-            raise TypeError(f"hold must be True or False (got {hold=!r})")
-        if consumer is not None:
-            _check_consumer(consumer)
-        lease = None if self.options.lease_timeout is None else uuid.uuid4().hex
-        ids, rows, lease = self._backend.get(
-            task,
-            names,
-            batch_size,
-            partition,
-            chosen,
-            timeout,
-            context,
-            hold,
-            token,
-            lease=lease,
-            consumer=consumer,
+        request = GetRequest(
+            task=check_task(task),
+            fields=self._names(fields, "get fields"),
+            batch_size=check_batch_size(batch_size),
+            partition=self._partition(partition),
+            sampler=check_sampler(sampler),
+            timeout=check_timeout(timeout),
+            batch_index=check_index(context.pop("batch_index", None), "batch_index", 0),
+            stream=check_stream(context.pop("stream", None)),
+            prefetch=prefetch_of(context),
+            consumer=None if consumer is None else check_consumer(consumer),
+            hold=check_hold(hold),
+            token=token,
+            lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
+            context=context,
         )
+        ids, rows, lease = self._backend.get(request)
+        names = request.fields
         return Batch(ids, {name: collate(rows[name]) for name in names}, lease)
 
     def ack(self, lease: Batch | str) -> None:
@@ -363,7 +290,7 @@ class SampleStore:
         """``consumer`` (a ``consumer=`` id of ``get``) is known dead: its unacknowledged
         batches return to ready now instead of at their lease deadline, counted in
         ``stats()["lease_expired"]``. Returns the number of samples returned."""
-        _check_consumer(consumer)
+        check_consumer(consumer)
         return int(self._backend.drop_consumer(consumer))
 
     def release(self, partition: str, ids: Sequence[Key]) -> None:
@@ -385,7 +312,7 @@ class SampleStore:
     @property
     def name(self) -> str | None:
         """The Ray actor's name (``SampleStore('ray', name=...)``), else ``None``."""
-        return getattr(self._backend, "name", None)
+        return self._backend.name
 
     # ----------------------------------------------------------------- admin
     def reset_consumption(self, partition: str, task: str) -> None:

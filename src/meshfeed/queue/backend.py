@@ -1,0 +1,69 @@
+"""Backend: what :class:`SampleStore` needs from where the store lives.
+
+Two implementations: :class:`~meshfeed.queue.embedded.EmbeddedBackend` (this process, one
+lock) and :class:`~meshfeed.queue.ray_backend.RayBackend` (a Ray actor; the client side is
+picklable). Both wrap one :class:`~meshfeed.queue.core.StoreCore`; arguments arrive validated
+(``SampleStore`` checks them once), so a backend only moves them and waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any, Protocol
+
+from meshfeed.queue.request import GetRequest
+
+__all__ = ["Backend", "Got"]
+
+Key = Hashable
+#: A get's result: the ids, one column per field (as the core gathered them), and the lease
+#: the batch is handed out under (``None``: consumed at once).
+Got = tuple[list[Key], dict[str, Any], str | None]
+
+
+class Backend(Protocol):
+    """The store's operations; blocking ones wait without polling and honour ``timeout``."""
+
+    @property
+    def name(self) -> str | None:
+        """The Ray actor's registered name, else ``None``."""
+        ...
+
+    def put(
+        self,
+        partition: str,
+        rows: Mapping[str, Any],
+        ids: list[Key] | None,
+        groups: list[Hashable] | None,
+        timeout: float | None,
+    ) -> list[Key]: ...
+
+    def get(self, request: GetRequest) -> Got: ...
+
+    def ack(self, lease_id: str) -> None: ...
+
+    def drop_consumer(self, consumer: Hashable) -> int: ...
+
+    def cancel(self, token: Hashable) -> None: ...
+
+    def release(self, partition: str, ids: list[Key]) -> None: ...
+
+    def peek(
+        self, partition: str, ids: list[Key], fields: tuple[str, ...]
+    ) -> tuple[list[Key], dict[str, Any]]: ...
+
+    def reset_consumption(self, partition: str, task: str) -> None: ...
+
+    def clear(self, partition: str) -> None: ...
+
+    def delete(self, partition: str, ids: list[Key]) -> None: ...
+
+    def close(self, partition: str) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def dump(self, with_payload: bool) -> tuple[dict[str, Any], list[list[dict]]]: ...
+
+    def restore(self, meta: Mapping[str, Any], payload: list[list[dict]] | None) -> None: ...
+
+    def shutdown(self) -> None: ...

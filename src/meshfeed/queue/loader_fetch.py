@@ -1,0 +1,387 @@
+"""The store loader's requests on their way: fetch, collate, worker processes.
+
+:class:`StoreLoader <meshfeed.queue.loader.StoreLoader>` keeps its batches in flight as
+:class:`Entry` records; here is what one request does (:func:`fetch` from the store, then
+``collate_fn`` through :func:`apply`), the worker-process handler (:func:`start_worker`) and
+the pool that runs it, :class:`InFlight` (the batches between request and return: threads,
+workers, order), the message for a lost worker, and the check of the batches a saved state
+names as in flight.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import pickle
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from meshfeed.queue.core import PartitionClosed
+from meshfeed.queue.samplers import Sampler
+from meshfeed.queue.store import Batch, SampleStore
+from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
+
+_MARGIN = 0.25  # Ray workers: the store's own TimeoutError comes first, then the pool's
+
+
+class Late(Exception):
+    """A wait's own deadline (``state_dict()``'s) passed while a batch was still on its way."""
+
+
+@dataclass(slots=True)
+class Got:
+    """One request's outcome: ``ids`` (``None``: the stream ended) and the transformed
+    ``item``; while ``collate_fn`` has not succeeded, the raw ``batch`` and the ``error``, so
+    only ``collate_fn`` is retried (the samples are already consumed in the store)."""
+
+    ids: list[Any] | None
+    item: Any = None
+    batch: Any = None
+    error: BaseException | None = None
+    raised: bool = False  # the failure was reported (CollateError): retry it afresh
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One loader's request, picklable for worker processes."""
+
+    task: str
+    fields: tuple[str, ...]
+    batch_size: int
+    partition: str
+    sampler: Sampler
+    timeout: float | None
+    hold: bool
+    prefetch: int  # replica peers must share it (the store checks; see fetch)
+    token: str  # the loader's requests, cancelled together by shutdown()
+
+
+def fetch(store: SampleStore, spec: Spec, index: int) -> Batch | None:
+    try:
+        return store.get(
+            spec.task,
+            spec.fields,
+            spec.batch_size,
+            spec.partition,
+            spec.sampler,
+            spec.timeout,
+            hold=spec.hold,
+            token=spec.token,
+            batch_index=index,
+            prefetch=spec.prefetch,
+        )
+    except PartitionClosed:
+        return None
+
+
+def apply(transform: Callable[[Batch], Any] | None, batch: Batch) -> Got:
+    """``transform(batch)``; a failure keeps the raw batch for a retry of the transform alone."""
+    if transform is None:
+        return Got(batch.ids, batch)
+    try:
+        return Got(batch.ids, transform(batch))
+    except Exception as exc:
+        return Got(batch.ids, batch=batch, error=exc)
+
+
+def portable(got: Got) -> Got:
+    """``got`` with an error that can travel back to the main process (else its traceback)."""
+    if got.error is not None:
+        try:
+            pickle.dumps(got.error)
+        except Exception:
+            got.error = RuntimeError("".join(traceback.format_exception(got.error)))
+    return got
+
+
+def start_worker(
+    worker: int,
+    num_workers: int,
+    address: str | None,
+    name: str | None,
+    spec: Spec,
+    collate_fn: Callable[[Batch], Any] | None,
+) -> Callable[[tuple[str, Any]], Got]:
+    """A store-loader worker's handler: ``("fetch", index)`` (Ray: this worker fetches batch
+    ``index`` from the named store it connected to here, then collates it) or ``("collate",
+    batch)``. A failing ``collate_fn`` returns the raw batch with the error, so only the
+    collate step is retried; a failing fetch raises (the loader requests the batch again)."""
+    store: SampleStore | None = None
+    if address is not None and name is not None:
+        import ray
+
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        store = SampleStore.connect(name)
+
+    def handle(task: tuple[str, Any]) -> Got:
+        kind, arg = task
+        if kind == "fetch":
+            if store is None:
+                raise RuntimeError("store loader worker asked to fetch without a store")
+            batch = fetch(store, spec, arg)
+            if batch is None:
+                return Got(None)
+        else:
+            batch = arg
+        return portable(apply(collate_fn, batch))
+
+    return handle
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One requested batch on its way to the trainer. Exactly one of these is in progress:
+    ``got`` (known outcome), ``fetch`` (a thread fetching it here), ``lazy`` (a re-delivery
+    read on first use), ``worker`` (a task for it is outstanding on that worker), ``failed``
+    (the request failed: raised once, then requested again); with none of them, it is to be
+    requested (``batch`` set: fetched, to be collated in a worker)."""
+
+    index: int
+    got: Got | None = None
+    fetch: cf.Future[Any] | None = None
+    lazy: Callable[[], Batch | None] | None = None
+    batch: Batch | None = None
+    worker: int | None = None
+    failed: BaseException | None = None
+
+
+def make_pool(num_workers: int, wait: float | None, backend: str, prefetch: int) -> WorkerPool:
+    """The (not yet started) worker pool of a loader with ``num_workers`` workers."""
+    ray = backend == "ray"
+    return WorkerPool(
+        num_workers,
+        # Ray: a fetch waits in the store up to `timeout` and raises TimeoutError
+        # there; the pool's own limit (a stuck or stopped worker) comes just after.
+        timeout=None if wait is None else wait + (_MARGIN if ray else 0),
+        # Ray: spawn (fork is unsafe under Ray; each worker connects to the store,
+        # which counts against the first batch's timeout). Embedded: the platform's
+        # default, fork where it exists; the workers start before the fetch threads.
+        start_method="spawn" if ray else None,
+        name="meshfeed-store-worker",
+        grace=0.25,
+        ring=prefetch + 2,
+    )
+
+
+def lost_error(error: WorkerError, task: str, head: int) -> WorkerError:
+    """The error to raise once the pool stopped after a worker died or stalled, saying that
+    iterating again continues from batch ``head``."""
+    if isinstance(error, WorkerTimeout):
+        what = f"produced nothing within timeout={error.timeout}s (stuck or stopped)"
+    elif isinstance(error, WorkerDied):
+        what = f"exited with exit code {error.exitcode} (out of memory, or killed)"
+    else:
+        what = f"failed ({error})"
+    return WorkerError(
+        f"store loader worker {getattr(error, 'worker', '?')} (pid "
+        f"{getattr(error, 'pid', '?')}) of task {task!r} {what}; its workers were "
+        f"stopped. Iterating the loader again starts fresh workers and continues from batch "
+        f"{head} (nothing is lost or repeated); raise timeout= if a batch legitimately "
+        "takes longer"
+    )
+
+
+def _pending_ok(item: Any, nxt: int, seen: set[int]) -> bool:
+    if not (isinstance(item, list) and len(item) == 2):
+        return False
+    index, ids = item
+    if type(index) is not int or not 0 <= index < nxt or index in seen:
+        return False
+    if ids is None:
+        return True
+    return (
+        isinstance(ids, list)
+        and all(type(k) in (int, str) for k in ids)
+        and len(set(ids)) == len(ids)
+    )
+
+
+def check_pending(pending: list[Any], nxt: int) -> None:
+    """The batches a saved state names as in flight: ``[index, ids]`` with distinct indices
+    below ``nxt`` and distinct int/str ids (or ``None``: the end); ``ValueError`` otherwise."""
+    seen: set[int] = set()
+    for item in pending:
+        if not _pending_ok(item, nxt, seen):
+            raise ValueError(
+                f"StoreLoader state field 'pending' has a bad entry {item!r:.120} (each is "
+                f"[batch index < next={nxt}, distinct sample ids or None], indices "
+                "distinct); the checkpoint is corrupted"
+            )
+        seen.add(item[0])
+
+
+class InFlight:
+    """A loader's batches between request and return, in index order (``ahead``): fetched by
+    threads here (one per request: requests wait in the store) or by worker processes (a
+    named Ray store), collated here or in the workers. ``next``: the next batch index to
+    request; ``ended``: a request found the stream ended, request nothing more."""
+
+    def __init__(
+        self,
+        store: SampleStore,
+        spec: Spec,
+        collate_fn: Callable[[Batch], Any] | None,
+        num_workers: int,
+        ahead_max: int,
+    ) -> None:
+        self.store, self.spec, self.collate_fn = store, spec, collate_fn
+        self.num_workers, self.ahead_max = num_workers, ahead_max
+        self.next = 0
+        self.ended = False
+        self.ahead: deque[Entry] = deque()
+        self.threads: cf.ThreadPoolExecutor | None = None
+        self.pool: WorkerPool | None = None
+        if num_workers:
+            self.pool = make_pool(num_workers, spec.timeout, store.backend, spec.prefetch)
+        self.sent: list[deque[Entry]] = [deque() for _ in range(num_workers)]
+        self.turn = 0  # the worker the next task goes to
+
+    def thread_job(self, index: int) -> Got | Batch | None:
+        """Fetch here (in a thread); ``collate_fn`` too unless worker processes run it."""
+        batch = fetch(self.store, self.spec, index)
+        if batch is None or self.pool is not None:
+            return batch
+        return apply(self.collate_fn, batch)
+
+    def start_pool(self) -> WorkerPool:
+        """The worker pool, started on first use or again after a worker failed."""
+        pool = self.pool
+        assert pool is not None
+        if not pool.started:
+            address = None
+            if self.store.backend == "ray":
+                import ray
+
+                address = ray.get_runtime_context().gcs_address
+            pool.start(start_worker, address, self.store.name, self.spec, self.collate_fn)
+            self.sent = [deque() for _ in range(self.num_workers)]
+        return pool
+
+    def send(self, entry: Entry, task: tuple[str, Any]) -> None:
+        pool = self.start_pool()
+        w = self.turn
+        self.turn = (w + 1) % self.num_workers
+        pool.send(w, task)
+        entry.worker = w
+        self.sent[w].append(entry)
+
+    def request(self, entry: Entry) -> None:
+        """Start what ``entry`` needs next: its fetch, or the collate of its fetched batch."""
+        if entry.batch is not None:
+            if self.pool is None:
+                entry.got = apply(self.collate_fn, entry.batch)
+            else:
+                self.send(entry, ("collate", entry.batch))
+        elif self.pool is not None and self.store.backend == "ray":
+            self.send(entry, ("fetch", entry.index))
+        else:
+            if self.threads is None:  # requests wait in the store, so one thread per request
+                self.threads = cf.ThreadPoolExecutor(self.ahead_max, "meshfeed-loader")
+            entry.fetch = self.threads.submit(self.thread_job, entry.index)
+
+    def fetched(self, entry: Entry, result: Got | Batch | None) -> None:
+        if isinstance(result, Got):
+            entry.got = result
+        elif result is None:
+            entry.got = Got(None)
+        else:
+            entry.batch = result
+            self.request(entry)
+
+    def recv(self, w: int) -> None:
+        """Receive worker ``w``'s oldest result into the entry it belongs to."""
+        assert self.pool is not None
+        entry = self.sent[w][0]
+        try:
+            got = self.pool.recv(w)
+        except WorkerError:
+            raise
+        except Exception as exc:  # the fetch failed in the worker (or the result could not travel)
+            if entry.batch is not None:
+                entry.got = Got(entry.batch.ids, batch=entry.batch, error=exc)
+            else:
+                entry.failed = exc
+        else:
+            entry.got = got
+        self.sent[w].popleft()
+        entry.worker = None
+
+    def progress(self) -> None:
+        """Without waiting: hand the batches fetched so far to the workers. Results are taken
+        only when their batch is next, so a worker failing on a later batch never costs one
+        already made."""
+        for entry in self.ahead:
+            if entry.fetch is not None and entry.fetch.done():
+                fut, entry.fetch = entry.fetch, None
+                try:
+                    self.fetched(entry, fut.result())
+                except Exception as exc:
+                    entry.failed = exc
+
+    def wait(self, entry: Entry, deadline: float | None = None, *, ids: bool = False) -> Got:
+        """Drive ``entry`` until its outcome is known (``ids``: until its sample ids are);
+        ``deadline`` (``time.monotonic()``) raises :class:`Late` past it, changing nothing."""
+        while entry.got is None and not (ids and entry.batch is not None):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if entry.failed is not None:  # raised once; the same batch is requested again
+                exc, entry.failed = entry.failed, None
+                self.request(entry)
+                raise exc
+            self.advance(entry, left)
+        if entry.got is None:
+            assert entry.batch is not None
+            return Got(entry.batch.ids)
+        return entry.got
+
+    def advance(self, entry: Entry, left: float | None) -> None:
+        """One step of :meth:`wait`: take the outcome of what is in progress for ``entry``
+        (waiting at most ``left`` seconds, else :class:`Late`), or request it."""
+        if entry.fetch is not None:
+            try:
+                result = entry.fetch.result(left)
+            except cf.TimeoutError:
+                raise Late from None
+            except Exception as exc:
+                entry.fetch, entry.failed = None, exc
+                return
+            entry.fetch = None
+            self.fetched(entry, result)
+        elif entry.lazy is not None:
+            fn, entry.lazy = entry.lazy, None
+            self.fetched(entry, fn())
+        elif entry.worker is not None:
+            assert self.pool is not None
+            if left is not None and not self.pool.ready(entry.worker, left):
+                raise Late
+            self.recv(entry.worker)
+        else:
+            self.request(entry)
+
+    def lost(self, error: WorkerError, task: str) -> WorkerError:
+        """The pool stopped after a worker died or stalled: what was sent to it is sent again
+        (to fresh workers) when next needed; the error to raise, saying so."""
+        for entry in self.ahead:
+            entry.worker = None
+        self.sent = [deque() for _ in range(self.num_workers)]
+        head = self.ahead[0].index if self.ahead else self.next
+        return lost_error(error, task, head)
+
+    def fill(self) -> None:
+        while not self.ended and len(self.ahead) < self.ahead_max:
+            entry = Entry(self.next)
+            self.ahead.append(entry)
+            self.next += 1
+            self.request(entry)
+
+    def stop_workers(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()  # stop message, SIGTERM, SIGKILL: joins every worker
+            for entry in self.ahead:
+                entry.worker = None
+            self.sent = [deque() for _ in range(self.num_workers)]
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+            self.threads = None

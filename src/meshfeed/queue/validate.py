@@ -1,0 +1,147 @@
+"""Validation of a store call's arguments, done once by :class:`SampleStore` before any
+backend sees them: each check names the value and the fix, and returns the value in the form
+the layers below use."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from meshfeed.queue.columns import Chunk
+from meshfeed.queue.samplers import Sampler, SequentialSampler
+
+Key = Hashable
+_SEQUENTIAL = SequentialSampler()
+_KEY_TYPES = frozenset({int, str})  # ids and groups that need no conversion (not bool)
+
+
+def _torch() -> Any:
+    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
+    # workers and actors that never see one.
+    return sys.modules.get("torch")
+
+
+def columns(column: Any, name: str) -> list[Any] | Chunk:
+    if type(column) is list:  # the common case; the store keeps the values, not the list
+        return column
+    torch = _torch()
+    if isinstance(column, np.ndarray) or (torch is not None and isinstance(column, torch.Tensor)):
+        if column.ndim == 0:
+            raise ValueError(
+                f"field {name!r} is a 0-d {type(column).__name__}; give a column with one "
+                "entry per sample (shape [n, ...])"
+            )
+        return Chunk(column)  # one chunk per put; samples reference rows of it
+    if isinstance(column, list | tuple):
+        return list(column)
+    raise TypeError(
+        f"field {name!r} is a {type(column).__name__}; give a column per field: a list, "
+        "tuple, tensor or array with one entry per sample"
+    )
+
+
+def _plain(value: Any) -> Any:
+    return int(value) if isinstance(value, np.integer) else value
+
+
+def check_sampler(sampler: Any) -> Sampler:
+    if sampler is None:
+        return _SEQUENTIAL
+    if not isinstance(sampler, Sampler):
+        raise TypeError(
+            f"sampler must be a sampler object with share(), select() and extra_fields (got "
+            f"sampler={sampler!r}); use one of meshfeed.queue's samplers, e.g. "
+            "SequentialSampler() or RankAwareSampler.from_mesh(mesh, rank)"
+        )
+    return sampler
+
+
+def check_consumer(consumer: Any) -> Hashable:
+    if isinstance(consumer, bool) or not isinstance(consumer, int | str):
+        raise TypeError(
+            f"consumer must be an int or str id of one consumer (got {consumer=!r}); use e.g. "
+            'f"{socket.gethostname()}:{os.getpid()}:{rank}"'
+        )
+    return consumer
+
+
+def check_task(task: Any) -> str:
+    if not isinstance(task, str) or not task:
+        raise TypeError(f"task must be a non-empty string (got {task!r})")
+    return task
+
+
+def check_batch_size(batch_size: Any) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int (got {batch_size=!r})")
+    return batch_size
+
+
+def check_hold(hold: Any) -> bool:
+    if not isinstance(hold, bool):
+        raise TypeError(f"hold must be True or False (got {hold=!r})")
+    return hold
+
+
+def check_index(value: Any, name: str, low: int) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise ValueError(
+            f"{name} must be an int >= {low} (got {name}={value!r}); every replica member "
+            "passes the same value for the same step"
+        )
+    return value
+
+
+def check_stream(stream: Any) -> Hashable:
+    if stream is not None and not isinstance(stream, Hashable):
+        raise TypeError(f"stream must be hashable, e.g. an int or str (got {stream=!r})")
+    return stream
+
+
+def prefetch_of(context: dict[str, Any]) -> int | None:
+    """The reader's prefetch, given as ``prefetch=P`` (or the older ``agree={"prefetch": P}``)."""
+    prefetch = context.pop("prefetch", None)
+    agree = context.pop("agree", None)
+    if agree is not None:
+        if not isinstance(agree, Mapping) or set(agree) - {"prefetch"}:
+            raise ValueError(
+                f'agree= takes {{"prefetch": P}} only (got {agree=!r}); pass prefetch=P instead'
+            )
+        prefetch = agree.get("prefetch", prefetch)
+    return check_index(prefetch, "prefetch", 1)
+
+
+def _check_key(value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
+
+
+def put_ids(ids: Any, n: int) -> list[Key]:
+    """A put's ``ids`` as a list of ``n`` distinct int / str ids (numpy ints converted)."""
+    id_list = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+    if len(id_list) != n:
+        raise ValueError(f"put got {len(id_list)} ids for {n} samples; give one id per sample")
+    if not set(map(type, id_list)) <= _KEY_TYPES:  # numpy ints, or a bad id to name
+        id_list = [_plain(k) for k in id_list]
+        for k in id_list:
+            _check_key(k, "a sample id")
+    if len(set(id_list)) != n:
+        raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
+    return id_list
+
+
+def put_groups(groups: Any, n: int) -> list[Hashable]:
+    """A put's ``groups`` (one per sample, or one for all) as a list of ``n`` int / str ids."""
+    if hasattr(groups, "tolist"):  # numpy / torch
+        groups = groups.tolist()
+    group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
+    if len(group_list) != n:
+        raise ValueError(f"put got {len(group_list)} groups for {n} samples; give one per sample")
+    if not set(map(type, group_list)) <= _KEY_TYPES:
+        group_list = [_plain(g) for g in group_list]
+        for g in group_list:
+            _check_key(g, "a group id")
+    return group_list
