@@ -1,0 +1,219 @@
+"""Process faults the tests share: kill a loader's process mid-epoch and time how long its
+process tree takes to go; start gloo ranks as plain subprocesses, let one kill itself, and time
+how long the survivors take to raise and to exit. Every wait is bounded and every process
+started here is killed (by its pid) in a ``finally``, so a regression fails, never hangs.
+
+The scripts of :data:`TREE_SCRIPTS` print ``READY`` once their workers run mid-epoch; the rank
+scripts of :func:`run_ranks` print one JSON line with what they saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.process_checks import SRC
+
+#: The bound of issue #20: no process of a killed loader's tree alive this long after the kill.
+TREE_BOUND = 2.0
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every descendant of it (read from ``/proc/*/stat``)."""
+    children, tree, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an exited process not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        if running(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, str(Path(SRC).parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _read_line(proc: subprocess.Popen[str], prefix: str, deadline: float) -> str:
+    """The first line of ``proc``'s output starting with ``prefix`` (bounded by ``deadline``)."""
+    assert proc.stdout is not None
+    seen = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(prefix):
+            return line
+        seen.append(line)
+    raise AssertionError(f"no {prefix!r} line from the script in time; it wrote {seen}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TreeDeath:
+    tree: list[int]  # the killed process and its descendants, as collected before the kill
+    gone_after: float  # seconds from SIGKILL until none of them ran; inf if some still ran
+    left: list[int]  # pids still running at the end of the wait
+
+
+def kill_tree(script: str, tmp_path: Path, *, wait: float = 5.0) -> TreeDeath:
+    """Run ``script``; once it prints ``READY``, SIGKILL it and time its whole tree's end."""
+    path = tmp_path / "victim.py"
+    path.write_text(textwrap.dedent(script))
+    proc = subprocess.Popen(
+        [sys.executable, str(path)],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    tree = [proc.pid]
+    try:
+        _read_line(proc, "READY", time.monotonic() + 60)
+        time.sleep(0.2)  # let the workers get on with the next batches (mid-epoch)
+        tree = process_tree(proc.pid)
+        start = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+        while time.monotonic() - start < wait:
+            left = [p for p in tree if running(p)]
+            if not left:
+                return TreeDeath(tree=tree, gone_after=time.monotonic() - start, left=[])
+            time.sleep(0.01)
+        return TreeDeath(tree=tree, gone_after=float("inf"), left=left)
+    finally:
+        _kill_all([proc.pid, *tree])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+# One script per runtime that starts worker processes; each prints READY mid-epoch and sleeps.
+_SLOW = """
+    import os, sys, time
+
+    def slow(i):
+        time.sleep(0.005)
+        return i
+"""
+
+TREE_SCRIPTS = {
+    "DataLoader": _SLOW
+    + """
+    from meshfeed import DataLoader
+
+    class Slow:
+        def __len__(self):
+            return 100_000
+
+        def __getitem__(self, i):
+            return slow(i)
+
+    if __name__ == "__main__":
+        it = iter(DataLoader(Slow(), batch_size=4, num_workers=1, timeout=30))
+        for _ in range(3):
+            next(it)
+        print("READY", flush=True)
+        time.sleep(60)
+    """,
+    "StreamLoader": _SLOW
+    + """
+    from meshfeed.sources import ShardedStream, StreamLoader
+
+    def shard():
+        return (slow(i) for i in range(100_000))
+
+    if __name__ == "__main__":
+        stream = ShardedStream([shard, shard])
+        it = iter(StreamLoader(stream, batch_size=4, num_workers=1, timeout=30))
+        for _ in range(3):
+            next(it)
+        print("READY", flush=True)
+        time.sleep(60)
+    """,
+    "StoreLoader": _SLOW
+    + """
+    from meshfeed.queue import SampleStore, StoreLoader
+
+    def collate(batch):
+        slow(0)
+        return list(batch.ids)
+
+    if __name__ == "__main__":
+        store = SampleStore(tasks=["t"])
+        store.put("p", {"x": list(range(10_000))})
+        loader = StoreLoader(
+            store, task="t", fields=["x"], batch_size=2, partition="p", mesh={"dp": 1},
+            rank=0, num_workers=1, timeout=30, collate_fn=collate,
+        )
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        print("READY", flush=True)
+        time.sleep(60)
+    """,
+    # The analyzer's command line with -j 2: READY comes from a worker's first sample.
+    "analyze -j 2": _SLOW
+    + """
+    from meshfeed.curriculum import SampleMetric
+
+    def data():
+        return list(range(100_000))
+
+    _told = []
+
+    def slow_metric(sample):
+        if not _told:
+            _told.append(1)
+            print("READY", flush=True)
+        return slow(sample)
+
+    metric = SampleMetric(name="slow", fn=slow_metric)
+
+    if __name__ == "__main__":
+        from meshfeed.cli import main
+        sys.path.insert(0, os.getcwd())
+        sys.exit(main(["analyze", "victim:data", "-o", "out", "-m", "victim:metric", "-j", "2",
+                       "-q"]))
+    """,
+}
