@@ -10,6 +10,7 @@ scripts of :func:`run_ranks` print one JSON line with what they saw.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import signal
@@ -217,3 +218,167 @@ TREE_SCRIPTS = {
                        "-q"]))
     """,
 }
+
+
+# ----------------------------------------------------------------- ranks
+#: A rank of a gloo job reading one loader. argv: loader ("stream" | "map" | "map-raise":
+#: on_error="raise"), fault ("kill": rank 1 SIGKILLs itself at step 3; "stop": SIGSTOP;
+#: "late": rank 1 sleeps before its first batch; "raise": rank 1's sample 2 raises), timeout,
+#: num_workers. Each rank prints one JSON line: what it raised (or how many steps it read) and
+#: when, in time.time().
+RANK_SCRIPT = """
+import json, os, signal, sys, time
+
+import torch.distributed as torch_dist
+
+from meshfeed import DataLoader
+from meshfeed.sources import ShardedStream, StreamLoader
+
+RANK = int(os.environ["RANK"])
+
+
+def slow(i):
+    time.sleep(0.002)
+    return i
+
+
+def shard():
+    return (slow(i) for i in range(10_000))
+
+
+class Items:
+    def __init__(self, bad_rank):
+        self.bad_rank = bad_rank
+
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        if RANK == self.bad_rank and i == 2:
+            raise ValueError(f"sample {i} is bad on rank {RANK}")
+        return slow(i)
+
+
+def build(kind, fault, timeout, workers):
+    common = dict(batch_size=2, num_workers=workers, timeout=timeout, shuffle=False)
+    if kind == "stream":
+        return StreamLoader(ShardedStream([shard] * 6), **common)
+    bad = 1 if fault == "raise" else -1
+    on_error = "raise" if kind == "map-raise" else "substitute"
+    return DataLoader(Items(bad), on_error=on_error, **common)
+
+
+def main():
+    kind, fault, timeout, workers = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+    torch_dist.init_process_group("gloo")  # the default group keeps torch's 30-minute timeout
+    loader = build(kind, fault, timeout, workers)
+    out = {"rank": RANK, "steps": 0}
+    if fault == "late" and RANK == 1:
+        print(json.dumps({**out, "fault_at": time.time()}), flush=True)
+        time.sleep(3600)
+    try:
+        for step, _ in enumerate(loader):
+            out["steps"] = step + 1
+            if step == 3 and RANK == 1 and fault in ("kill", "stop"):
+                print(json.dumps({**out, "fault_at": time.time()}), flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            if step >= 200:
+                break
+    except Exception as exc:
+        out.update(error=type(exc).__name__, module=type(exc).__module__, message=str(exc))
+        out["raised_at"] = time.time()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankRun:
+    reports: dict[int, dict]  # rank -> its JSON line (the faulty rank: when it failed)
+    exited_at: dict[int, float]  # rank -> time.time() its process ended (absent: killed by us)
+    fault_at: float | None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(
+    kind: str,
+    fault: str,
+    tmp_path: Path,
+    *,
+    world: int = 3,
+    timeout: float = 5.0,
+    workers: int = 1,
+    bound: float,
+) -> RankRun:
+    """Run ``world`` gloo ranks of :data:`RANK_SCRIPT`; wait at most ``bound`` s for them all
+    to exit, then kill what is left (the faulty rank's whole tree, every straggler)."""
+    path = tmp_path / "rank.py"
+    path.write_text(RANK_SCRIPT)
+    env = _env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(path), kind, fault, str(timeout), str(workers)],
+            cwd=tmp_path,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    exited: dict[int, float] = {}
+    trees: dict[int, list[int]] = {r: [p.pid] for r, p in enumerate(procs)}
+    try:
+        deadline = time.monotonic() + bound
+        while len(exited) < world and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if r not in exited:
+                    if p.poll() is None:
+                        trees[r] = sorted(set(trees[r]) | set(process_tree(p.pid)))
+                    else:
+                        exited[r] = time.time()
+            time.sleep(0.02)
+    finally:
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                _kill_all(trees[r])
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+    reports: dict[int, dict] = {}
+    fault_at = None
+    for r, p in enumerate(procs):
+        assert p.stdout is not None
+        for line in p.stdout.read().splitlines():
+            if line.startswith("{"):
+                report = json.loads(line)
+                fault_at = report.get("fault_at", fault_at)
+                reports[r] = report
+    return RankRun(reports=reports, exited_at=exited, fault_at=fault_at)
+
+
+def survivor_times(run: RankRun, *, faulty: int = 1) -> dict[int, tuple[float, float]]:
+    """Per surviving rank: (seconds from the fault to its meshfeed error, to its exit).
+
+    Fails naming the rank when a survivor raised nothing of meshfeed's, or never exited."""
+    assert run.fault_at is not None, f"the faulty rank never reported: {run.reports}"
+    times = {}
+    for r, report in sorted(run.reports.items()):
+        if r == faulty:
+            continue
+        assert report.get("module") == "meshfeed.errors", f"rank {r}: {report}"
+        assert r in run.exited_at, f"rank {r} raised but did not exit: {report}"
+        times[r] = (report["raised_at"] - run.fault_at, run.exited_at[r] - run.fault_at)
+    assert len(times) == len(run.reports) - 1 >= 1, run.reports
+    return times

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshfeed.dist import all_min, check_agreement, is_distributed
+from meshfeed.errors import RankError
 from meshfeed.loader_base import LoaderBase, check_epoch, pin
 from meshfeed.nodes.base import materialize
 from meshfeed.order.permutation import derive_seed
@@ -63,8 +64,9 @@ _BUFFER_OP = 0x5342
 _FAILED, _EXHAUSTED, _HAVE = 0, 1, 2
 
 
-class StreamRankError(RuntimeError):
-    """Another data rank failed to make its batch at this step; its own error says why."""
+#: Another data rank failed to make its batch at this step; its own error says why. The
+#: same class as the map-style loader's (one error for every door).
+StreamRankError = RankError
 
 
 class StreamLoader(LoaderBase):
@@ -274,7 +276,8 @@ class StreamLoader(LoaderBase):
                     raise StreamRankError(
                         f"another data rank failed to make its batch at step {self._steps} of "
                         f"epoch {self._epoch} (this is data rank {self.data_rank}); see that "
-                        "rank's error. Every rank stops here so that none waits forever"
+                        "rank's error. Every rank stops here so that none waits forever",
+                        step=self._steps,
                     )
                 if status == _EXHAUSTED or got is None:
                     break
