@@ -15,17 +15,13 @@ import pytest
 
 from meshfeed.runtime import WorkerPool, call
 from meshfeed.runtime.lifeline import Parent, parent_alive
-from tests.process_faults import TREE_BOUND, TREE_SCRIPTS, kill_tree
+from tests.process_faults import TREE_SCRIPTS, assert_tree_dies
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", list(TREE_SCRIPTS))
 def test_killed_loader_leaves_no_process_behind(runtime: str, tmp_path: Path) -> None:
-    death = kill_tree(TREE_SCRIPTS[runtime], tmp_path)
-    # the loader's process, at least one worker and the resource tracker
-    assert len(death.tree) >= 3, death
-    assert not death.left, f"{runtime}: {death.left} of {death.tree} still running"
-    assert death.gone_after < TREE_BOUND, death
+    assert_tree_dies(runtime, tmp_path)
 
 
 def test_parent_here_arms_the_signal_only_from_a_long_lived_thread() -> None:
