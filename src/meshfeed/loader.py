@@ -74,7 +74,10 @@ class DataLoader(LoaderBase):
     ranks so every rank reads the same number of samples, none twice (torchdata
     ``DataLoader2``'s behaviour: 41 samples on 4 data ranks give 10 each, one left out).
 
-    ``timeout`` bounds every wait for a worker, in seconds; ``math.inf`` waits without limit.
+    ``timeout`` bounds every wait for a worker and for the other ranks (the plan agreement
+    before the first batch, the per-step check of ``on_error="raise"``), in seconds; a rank that
+    died or stalled is a :class:`~meshfeed.errors.CollectiveError` here within about
+    ``timeout``. ``math.inf`` waits without limit.
 
     ``dataset`` may also be a function (or class) that builds the dataset, Twinkle's call shape:
     it is called where batches are made (here, or inside every Ray actor with
