@@ -73,8 +73,8 @@ def parent_alive(parent: Parent, ppid: int) -> bool:
         os.kill(parent.pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, but another user's: a recycled pid
-        return False
+    except PermissionError:  # it runs (as another user, e.g. after a setuid): not a death
+        return True
     return True
 
 
