@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from meshfeed import DataLoader, SampleError
-from meshfeed.errors import SourceError
+from meshfeed.errors import RankError, SourceError
 from meshfeed.fetch import Failed, Fetcher, FetchTask
 from meshfeed.order.permutation import derive_seed
 from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus, write_indexed
@@ -219,7 +219,8 @@ def _bad_samples_rank(rank: int, world: int) -> dict[str, Any]:
     raising = DataLoader(Flaky(), batch_size=10, shuffle=False, on_error="raise", timeout=60)
     try:
         out["raise_steps"] = len(list(raising))
-    except SampleError as exc:
+    except (SampleError, RankError) as exc:
+        out["raise_error"] = type(exc).__name__
         out["raise_message"] = str(exc).splitlines()[0]
     return out
 
@@ -233,12 +234,22 @@ def test_four_gloo_ranks_complete_an_epoch_with_identical_steps_and_substitutes(
         assert sum((r["batches"][step] for r in results), []) == batch
     assert sum(r["stats"]["substituted"] for r in results) >= len(BAD)
     # Without shuffling rank r reads positions [10r, 10r + 10) of every global batch of 40.
+    # on_error="raise": every rank stops at the first step where any rank has a bad sample;
+    # the ranks that have one there raise it, the others RankError naming the lowest of them.
+    first = {r: min([i // 40 for i in BAD if (i % 40) // 10 == r] + [N // 40]) for r in range(4)}
+    stop = min(first.values())
+    assert stop < N // 40
+    failed = min(r for r in range(4) if first[r] == stop)
     for r, res in enumerate(results):
-        mine = [i for i in BAD if (i % 40) // 10 == r]
-        if mine:
-            assert f"sample {mine[0]} (epoch position {mine[0]})" in res["raise_message"]
+        if first[r] == stop:
+            bad = min(i for i in BAD if (i % 40) // 10 == r)
+            assert res["raise_error"] == "SampleError", res
+            assert f"sample {bad} (epoch position {bad})" in res["raise_message"]
         else:
-            assert res["raise_steps"] == N // 40
+            assert res["raise_error"] == "RankError", res
+            assert res["raise_message"].startswith(
+                f"rank {failed} failed to make its batch at step {stop} of epoch 0"
+            )
 
 
 class _OneGoodItem:

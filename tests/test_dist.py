@@ -11,6 +11,7 @@ import torch
 
 from meshfeed import dist
 from meshfeed.balance import BalancedBatches, CostModel
+from meshfeed.errors import CollectiveError, RankError
 from tests.dist_utils import run_distributed
 
 # ---------------------------------------------------------------- the device rule
@@ -43,12 +44,22 @@ class _FakeGroup:
         import torch.distributed as tdist
 
         self.devices: list[tuple[str, torch.device]] = []
+        self.own = object()  # meshfeed's own control group (a gloo group)
+        self.created: list[dict[str, Any]] = []
+        monkeypatch.setattr(dist, "_OWN_GROUPS", {})
         monkeypatch.setattr(tdist, "is_initialized", lambda: True)
         monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
-        monkeypatch.setattr(tdist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(
+            tdist, "get_backend", lambda group=None: "gloo" if group is self.own else backend
+        )
+        monkeypatch.setattr(tdist, "new_group", self.new_group)
         monkeypatch.setattr(tdist, "all_gather", self.all_gather)
         monkeypatch.setattr(tdist, "all_to_all_single", self.all_to_all_single)
+
+    def new_group(self, **kw: Any) -> Any:
+        self.created.append(kw)
+        return self.own
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, **kw: Any) -> Any:
         self.devices.append(("all_gather", t.device))
@@ -84,6 +95,34 @@ def test_collectives_put_their_tensors_on_the_device_the_rule_names(monkeypatch)
     assert out.device == torch.device("cpu") and out.shape == (2, 3)
     assert asked and set(asked) == {"gloo"}
     assert {d for _, d in fake.devices} == {torch.device("cpu")}
+
+
+def test_control_collectives_run_on_a_gloo_group_of_their_own_per_timeout(monkeypatch):
+    """Without a group, reductions and gathers go to meshfeed's gloo group whose timeout is
+    the caller's (created once per timeout); the data exchange stays on the caller's group."""
+    import datetime
+
+    fake = _FakeGroup(monkeypatch, "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    groups: list[Any] = []
+
+    def gather(t: torch.Tensor, timeout: float, group: Any, what: str) -> torch.Tensor:
+        groups.append(group)
+        return torch.stack([t, t])
+
+    monkeypatch.setattr(dist, "_all_gather_fixed", gather)
+    dist.all_gather_ints([1], timeout=7)
+    dist.check_agreement({"seed": 1}, timeout=7)
+    dist.all_gather_ints([1], timeout=9)
+    assert len(groups) == 5 and all(g is fake.own for g in groups)
+    assert [c["timeout"] for c in fake.created] == [
+        datetime.timedelta(seconds=7),
+        datetime.timedelta(seconds=9),
+    ]
+    assert {c["backend"] for c in fake.created} == {"gloo"}
+    explicit = object()
+    dist.all_gather_ints([1], timeout=7, group=explicit)
+    assert groups[-1] is explicit and len(fake.created) == 2
 
 
 def test_an_nccl_group_asks_for_the_current_cuda_device(monkeypatch):
@@ -224,3 +263,99 @@ def test_all_gather_objects_round_trips_numpy_arrays_on_gloo():
 
 def _gather_arrays(rank: int, world: int) -> list[np.ndarray]:
     return dist.all_gather_objects(np.arange(rank + 1, dtype=np.float64) * 0.5 + rank * 0.5)
+
+
+# ---------------------------------------------------------------- failures (#20)
+def test_a_failed_collective_says_whether_a_peer_closed_or_time_ran_out(monkeypatch):
+    _FakeGroup(monkeypatch, "gloo")
+    closed = dist._failure(
+        RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:41"), 0.1, 5.0, "all_min"
+    )
+    assert isinstance(closed, CollectiveError) and closed.reason == "closed"
+    assert str(closed).startswith(
+        "rank 0 of 2: a peer rank's connection closed after 0.1s in all_min"
+    )
+    assert "Connection closed by peer [127.0.0.1]:41" in str(closed)
+    for exc, waited in ((None, 5.0), (RuntimeError("Timed out waiting 5000ms for recv"), 4.0)):
+        late = dist._failure(exc, waited, 5.0, "all_min")
+        assert late.reason == "timeout" and late.this_rank == 0
+        assert "rank 0 of 2 waited more than timeout=5.0s for the other ranks in all_min" in str(
+            late
+        )
+
+
+class _FailingWork:
+    def wait(self, timeout: Any = None) -> bool:
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_wait_turns_a_backend_error_into_a_collective_error_at_once(monkeypatch):
+    _FakeGroup(monkeypatch, "gloo")
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match="connection closed after 0.0s in a barrier") as e:
+        dist._wait(_FailingWork(), 30.0, "a barrier")
+    assert e.value.reason == "closed" and time.monotonic() - start < 1.0
+    assert isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_first_failed_rank_alone_is_this_rank_or_none():
+    assert dist.first_failed_rank(True) == 0
+    assert dist.first_failed_rank(False) is None
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        dist.first_failed_rank(False, timeout=0)
+
+
+def test_fail_together_alone_passes_items_and_raises_an_items_own_error():
+    assert list(dist.fail_together(iter([1, 2]))) == [1, 2]
+
+    def items() -> Any:
+        yield 1
+        raise KeyError("bad item")
+
+    it = dist.fail_together(items())
+    assert next(it) == 1
+    with pytest.raises(KeyError, match="bad item"):
+        next(it)
+
+
+def test_fail_together_stops_every_rank_at_the_step_a_peer_failed(monkeypatch):
+    """Rank 0 of 2, simulated: the peer (rank 1) fails at its third item; rank 0 raises
+    RankError naming rank 1 at that item, not later, and the source is closed."""
+    _FakeGroup(monkeypatch, "gloo")
+    calls: list[list[int]] = []
+
+    def all_reduce(values: Any, op: str, timeout: float, group: Any, what: str) -> list[int]:
+        peer = 1 if len(calls) == 2 else 2  # rank 1 says "I failed" at the third step
+        calls.append(list(values))
+        return [min(values[0], peer)]
+
+    monkeypatch.setattr(dist, "_all_reduce", all_reduce)
+    closed: list[bool] = []
+
+    def source() -> Any:
+        try:
+            yield from range(10)
+        finally:
+            closed.append(True)
+
+    got: list[int] = []
+    with pytest.raises(RankError, match="rank 1 failed to make its batch at step 2") as e:
+        for x in dist.fail_together(source(), timeout=3.0, where=lambda: f"step {len(got)}"):
+            got.append(x)
+    assert got == [0, 1] and e.value.rank == 1 and closed == [True]
+    assert calls == [[2], [2], [2]]  # "no failure here" is the world size
+
+
+def test_the_plan_agreement_waits_the_loaders_timeout(monkeypatch):
+    from meshfeed import DataLoader
+    from meshfeed.services import distributed
+
+    _FakeGroup(monkeypatch, "gloo")
+    seen: list[float] = []
+    monkeypatch.setattr(
+        distributed, "check_agreement", lambda values, timeout, group=None: seen.append(timeout)
+    )
+    loader = DataLoader(list(range(8)), batch_size=2, mesh={"dp": 2}, rank=0, timeout=7.0)
+    assert isinstance(loader.service, distributed.DistributedService)
+    loader.service.start(loader.fetcher)
+    assert seen == [7.0]

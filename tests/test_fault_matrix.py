@@ -2,7 +2,8 @@
 
 Each row injects one fault the way a user or an adversary would and checks the outcome the
 README's "Reliability" table promises: refused by name, raised (never substituted), or
-identical data. Every row must pass.
+identical data. Every row must pass. Process faults (a killed loader, a killed, stopped or
+late peer rank, a bad sample on one rank) run real processes (:mod:`tests.process_faults`).
 
 Reproduce: ``python -m pytest -q tests/test_fault_matrix.py``.
 """
@@ -25,6 +26,11 @@ from meshfeed.errors import NEVER_SUBSTITUTED, SourceError
 from meshfeed.mesh import default_rank
 from meshfeed.order import Permutation
 from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCorpus, write_indexed
+from tests.process_faults import (
+    assert_raise_on_every_rank,
+    assert_survivors_stop,
+    assert_tree_dies,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +39,7 @@ class Row:
     trials: int
     outcome: str
     run: Callable[[Path], None]
+    slow: bool = False  # real processes
 
 
 class _TookTooLong(Exception):
@@ -516,6 +523,27 @@ def state_without_version(tmp: Path) -> None:
         DataLoader(list(range(16)), batch_size=2).load_state_dict(state)
 
 
+# ----------------------------------------------------------------- process faults (#20)
+def loader_process_killed(tmp: Path) -> None:
+    assert_tree_dies("DataLoader", tmp)
+
+
+def peer_killed_mid_epoch(tmp: Path) -> None:
+    assert_survivors_stop("stream", "kill", tmp)
+
+
+def peer_stopped_mid_epoch(tmp: Path) -> None:
+    assert_survivors_stop("stream", "stop", tmp)
+
+
+def peer_never_reaches_first_batch(tmp: Path) -> None:
+    assert_survivors_stop("map", "late", tmp)
+
+
+def on_error_raise_on_one_rank(tmp: Path) -> None:
+    assert_raise_on_every_rank(tmp)
+
+
 ROWS = [
     Row(
         fault="RANK=k from torchrun, no process group",
@@ -715,9 +743,47 @@ ROWS = [
         outcome="ValueError: malformed",
         run=state_without_version,
     ),
+    Row(
+        fault="loader process SIGKILLed mid-epoch, num_workers=1 (fork)",
+        trials=1,
+        outcome="whole process tree gone within 2 s",
+        run=loader_process_killed,
+        slow=True,
+    ),
+    Row(
+        fault="peer rank SIGKILLed mid-epoch (3 gloo ranks)",
+        trials=1,
+        outcome="CollectiveError 'connection closed'; survivors exit within timeout + 5 s",
+        run=peer_killed_mid_epoch,
+        slow=True,
+    ),
+    Row(
+        fault="peer rank stopped (SIGSTOP) mid-epoch",
+        trials=1,
+        outcome="CollectiveError 'timed out' at timeout; survivors exit within timeout + 5 s",
+        run=peer_stopped_mid_epoch,
+        slow=True,
+    ),
+    Row(
+        fault="peer rank never reaches its first batch",
+        trials=1,
+        outcome="CollectiveError at timeout (not 300 s); survivors exit",
+        run=peer_never_reaches_first_batch,
+        slow=True,
+    ),
+    Row(
+        fault='on_error="raise", bad sample on 1 of 4 ranks',
+        trials=1,
+        outcome="its error there, RankError on the others, all at step 0",
+        run=on_error_raise_on_one_rank,
+        slow=True,
+    ),
 ]
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.run.__name__) for r in ROWS])
+@pytest.mark.parametrize(
+    "row",
+    [pytest.param(r, id=r.run.__name__, marks=[pytest.mark.slow] if r.slow else []) for r in ROWS],
+)
 def test_fault_matrix(row: Row, tmp_path: Path) -> None:
     row.run(tmp_path)

@@ -7,22 +7,35 @@ pickled objects), or to exchange rows with ``all_to_all_single``.
 - **Device rule** (:func:`device_for_backend`): an NCCL group gets tensors on the current CUDA
   device, every other backend (gloo, mpi, ...) CPU tensors. Results come back on the CPU.
 - **Bounded waits**: every collective runs asynchronously and is waited on with
-  ``work.wait(timeout=...)`` where the backend supports it; a rank that stalled, died or
-  stopped iterating becomes a ``RuntimeError`` on the others, naming the timeout.
+  ``work.wait(timeout=...)``; a rank that stalled, died or stopped iterating becomes a
+  :class:`~meshfeed.errors.CollectiveError` on the others, saying whether a peer's connection
+  closed (at once) or ``timeout`` passed, and naming this rank.
+- **A group of its own**: without an explicit ``group``, the control collectives (reductions,
+  gathers, agreements, barriers) run on a gloo group of meshfeed's own whose timeout is the
+  caller's ``timeout`` (:func:`control_group`), not on the default group, whose timeout is the
+  job's (30 minutes by default). So a collective abandoned after ``timeout`` also ends inside
+  the backend at ``timeout``, and a survivor of a dead peer can exit: a collective still pending
+  on a group blocks the process's exit until that group's timeout. ``all_to_all_single`` moves
+  data and stays on the caller's group (NCCL for GPU tensors).
 - **One process**: without an initialised process group, or with one rank, every function is a
   local no-op with the same result shape, so single-process simulations run the same code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import pickle
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
+
+from meshfeed.errors import CollectiveError, RankError
 
 __all__ = [
     "all_gather_ints",
@@ -33,7 +46,10 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "check_agreement",
+    "control_group",
     "device_for_backend",
+    "fail_together",
+    "first_failed_rank",
     "global_rank",
     "group_device",
     "group_ranks",
@@ -132,20 +148,80 @@ def _check_timeout(timeout: float) -> float:
     return min(float(timeout), 365 * 86400.0)
 
 
-def _wait(work: Any, timeout: float, what: str) -> None:
-    """Wait for an async collective at most ``timeout`` seconds, or raise naming ``what``."""
+def control_group(timeout: float, group: Any = None) -> Any:
+    """The group meshfeed's control collectives run on: ``group`` when one is given, else a
+    gloo group over every rank whose timeout is ``timeout`` (see the module docstring).
+
+    Created on first use, once per timeout value and default group; creating it is itself a
+    collective of every rank (``torch.distributed.new_group``), which the first collective of
+    that timeout is on every rank in the same order. A rank that never arrives makes it a
+    :class:`~meshfeed.errors.CollectiveError` within about ``timeout``.
+    """
+    if group is not None or not is_distributed():
+        return group
     import torch.distributed as dist
 
-    message = (
-        f"rank {dist.get_rank()} waited more than timeout={timeout}s for the other ranks in "
-        f"{what}; a rank has stalled, died or stopped iterating"
+    timeout = _check_timeout(timeout)
+    with _OWN_LOCK:
+        if _OWN_WORLD[0] is not dist.group.WORLD:  # a new default group: new groups too
+            _OWN_GROUPS.clear()
+            _OWN_WORLD[0] = dist.group.WORLD
+        if timeout not in _OWN_GROUPS:
+            start = time.monotonic()
+            try:
+                _OWN_GROUPS[timeout] = dist.new_group(
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=timeout),
+                    group_desc="meshfeed",
+                )
+            except RuntimeError as exc:  # gloo's rendezvous: a rank never came
+                what = "setting up meshfeed's process group (its first collective)"
+                raise _failure(exc, time.monotonic() - start, timeout, what) from exc
+        return _OWN_GROUPS[timeout]
+
+
+_OWN_GROUPS: dict[float, Any] = {}
+_OWN_WORLD: list[Any] = [None]
+_OWN_LOCK = threading.Lock()
+
+
+def _failure(exc: BaseException | None, elapsed: float, timeout: float, what: str) -> Exception:
+    """The error of a collective that failed after ``elapsed`` s: closed, or timed out."""
+    import torch.distributed as dist
+
+    me = f"rank {dist.get_rank()} of {dist.get_world_size()}"
+    text = "" if exc is None else " ".join(str(exc).split())[:300]
+    timed_out = exc is None or "timed out" in text.lower() or elapsed >= 0.95 * timeout
+    if timed_out:
+        message = (
+            f"{me} waited more than timeout={timeout}s for the other ranks in {what}; a rank "
+            "has stalled, stopped or is busy elsewhere (raise the loader's timeout= if a step "
+            "legitimately takes longer)"
+        )
+    else:
+        message = (
+            f"{me}: a peer rank's connection closed after {elapsed:.1f}s in {what}: it died or "
+            "exited without joining; see the failed rank's own log"
+        )
+    if text:
+        message += f" (backend: {text})"
+    return CollectiveError(
+        message,
+        this_rank=int(dist.get_rank()),
+        reason="timeout" if timed_out else "closed",
+        elapsed=elapsed,
     )
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    """Wait for an async collective at most ``timeout`` seconds, or raise naming ``what``."""
+    start = time.monotonic()
     try:
         done = work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise RuntimeError(message) from exc
+    except RuntimeError as exc:  # the backend's own error: a closed connection, or a timeout
+        raise _failure(exc, time.monotonic() - start, timeout, what) from exc
     if done is False:
-        raise RuntimeError(message)
+        raise _failure(None, time.monotonic() - start, timeout, what)
 
 
 def _all_reduce(
@@ -157,6 +233,7 @@ def _all_reduce(
         return ints
     import torch.distributed as dist
 
+    group = control_group(timeout, group)
     t = torch.tensor(ints, dtype=torch.int64, device=group_device(group))
     reduce_op = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX
     _wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), timeout, what)
@@ -184,6 +261,67 @@ def all_ranks_have_a_batch(mine: bool, timeout: float, *, group: Any = None) -> 
     stop at the same step.
     """
     return bool(_all_reduce([1 if mine else 0], "min", timeout, group, "the end-of-data check")[0])
+
+
+def first_failed_rank(
+    failed: bool, *, timeout: float = DEFAULT_TIMEOUT, group: Any = None
+) -> int | None:
+    """The lowest rank of ``group`` that says it ``failed`` at this step, else None.
+
+    One ``all_reduce(MIN)`` of one int: every rank calls it once per step, failed or not, so
+    all of them learn of a failure at the same step and none is left waiting in its next
+    collective. Without a process group, or alone: ``0`` if ``failed``, else None (no call).
+    """
+    if not is_distributed(group):
+        _check_timeout(timeout)
+        return 0 if failed else None
+    size = world_size(group)
+    mine = rank(group) if failed else size
+    lowest = _all_reduce([mine], "min", timeout, group, "the per-step error check")[0]
+    return None if lowest >= size else lowest
+
+
+T = TypeVar("T")
+
+
+def fail_together(
+    items: Iterable[T],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    where: Callable[[], str] = lambda: "this step",
+    group: Any = None,
+) -> Iterator[T]:
+    """``items``, with one :func:`first_failed_rank` per item: an item that raises on one rank
+    raises there and :class:`~meshfeed.errors.RankError` on every other rank, at the same item.
+
+    Every rank must take the same number of items (the map-style loader's steps are equal by
+    construction); ``where()`` names the item in the message (e.g. ``"step 3 of epoch 0"``).
+    """
+    source = iter(items)
+    try:
+        while True:
+            try:
+                item = next(source)
+            except StopIteration:
+                return
+            except Exception as exc:
+                # Tell the others first (a dead peer must not hide this rank's own error).
+                with contextlib.suppress(CollectiveError):
+                    first_failed_rank(True, timeout=timeout, group=group)
+                raise exc
+            failed = first_failed_rank(False, timeout=timeout, group=group)
+            if failed is not None:
+                raise RankError(
+                    f"rank {failed} failed to make its batch at {where()} (this is rank "
+                    f"{rank(group)}); see that rank's error. Every rank stops here so that none "
+                    "waits in its next collective",
+                    rank=failed,
+                )
+            yield item
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
 
 
 def barrier(*, timeout: float = DEFAULT_TIMEOUT, group: Any = None) -> None:
@@ -222,6 +360,7 @@ def all_gather_ints(
         raise ValueError(f"values hold {arr.size} ints, more than {max_len=}; raise max_len")
     if not is_distributed(group):
         return [arr.copy()]
+    group = control_group(timeout, group)
     if max_len is None:
         sizes = _all_gather_fixed(
             torch.tensor([arr.size], dtype=torch.int64), timeout, group, "all_gather_ints"

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.dist import fail_together, is_distributed
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.loader_base import LoaderBase, pin
 from meshfeed.loader_state import (
@@ -60,11 +61,11 @@ class DataLoader(LoaderBase):
 
     ``on_error`` (default ``"substitute"``) handles samples that raise or are rejected (see
     :mod:`meshfeed.fetch`); the first such sample of a run is logged as a warning on the
-    ``"meshfeed"`` logger. With ``on_error="raise"`` and several ranks, a rank that raises
-    leaves the other ranks waiting in their next collective (e.g. the training step's
-    all-reduce) until the process group's timeout: catch the error and abort the job, or use
-    ``"substitute"`` so that every rank keeps the same number of steps. A damaged file
-    (:class:`~meshfeed.errors.SourceError`, ``MemoryError``) always raises.
+    ``"meshfeed"`` logger. With ``on_error="raise"`` and a process group of several ranks, a
+    rank whose batch raises raises its error and every other rank raises
+    :class:`~meshfeed.errors.RankError` at the same step (one ``all_reduce`` of one int per
+    step, made only in this case), so none is left waiting in its next collective. A damaged
+    file (:class:`~meshfeed.errors.SourceError`, ``MemoryError``) always raises.
 
     ``drop_last=True`` (default) drops the last incomplete global batch of each epoch. With
     ``drop_last=False`` it is served; when it does not divide among the data ranks,
@@ -74,7 +75,10 @@ class DataLoader(LoaderBase):
     ranks so every rank reads the same number of samples, none twice (torchdata
     ``DataLoader2``'s behaviour: 41 samples on 4 data ranks give 10 each, one left out).
 
-    ``timeout`` bounds every wait for a worker, in seconds; ``math.inf`` waits without limit.
+    ``timeout`` bounds every wait for a worker and for the other ranks (the plan agreement
+    before the first batch, the per-step check of ``on_error="raise"``), in seconds; a rank that
+    died or stalled is a :class:`~meshfeed.errors.CollectiveError` here within about
+    ``timeout``. ``math.inf`` waits without limit.
 
     ``dataset`` may also be a function (or class) that builds the dataset, Twinkle's call shape:
     it is called where batches are made (here, or inside every Ray actor with
@@ -223,7 +227,7 @@ class DataLoader(LoaderBase):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return DistributedService(inner, agreement=self._agreement())
+            return DistributedService(inner, agreement=self._agreement(), timeout=self.wait_timeout)
         return inner
 
     def _agreement(self) -> dict[str, int]:
@@ -293,6 +297,12 @@ class DataLoader(LoaderBase):
                     yield task
 
             results = self.service.map(tasks())
+        if self.on_error == "raise" and is_distributed():  # one rank raises: every rank does
+            results = fail_together(
+                results,
+                timeout=self.wait_timeout,
+                where=lambda: f"step {steps[0].index} of epoch {epoch}",
+            )
         stale_from: int | None = None
         for batch, events in results:
             step = steps.pop(0)

@@ -23,6 +23,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from meshfeed.errors import RankError
 from meshfeed.loader import DataLoader
 from meshfeed.sources.stream import ShardedStream
 
@@ -31,8 +32,9 @@ __all__ = ["StreamLoader", "StreamRankError"]
 _log = logging.getLogger("meshfeed")
 
 
-class StreamRankError(RuntimeError):
-    """Another data rank failed to make its batch at this step; its own error says why."""
+#: The error of the other ranks when one rank's batch fails (``on_error="raise"``): every
+#: loader's :class:`~meshfeed.errors.RankError`, under the name stream users know.
+StreamRankError = RankError
 
 
 class StreamLoader(DataLoader):

@@ -19,6 +19,8 @@ that builds it and returns the handler, and address workers with ``send(w, task)
 ``recv(w)``. A worker that raises re-raises in the caller with its traceback; one that dies or
 stalls raises :class:`WorkerDied` / :class:`WorkerTimeout` (both :class:`WorkerError`) within
 ``timeout`` + about one second, and the pool is shut down; ``start`` again to continue.
+Workers never outlive the process that started them, however it dies (SIGKILL included):
+see :mod:`meshfeed.runtime.lifeline`.
 """
 
 from __future__ import annotations

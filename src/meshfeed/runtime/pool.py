@@ -17,7 +17,9 @@ called again afterwards.
 waits ``grace`` again, sends SIGKILL and joins every child, so it returns within about
 ``3 * grace`` seconds even when a worker ignores SIGTERM or is stopped (SIGSTOP). A pool that
 is never shut down is shut down when it is garbage-collected or at interpreter exit (before
-``multiprocessing``'s own exit handler, which would wait for such a worker forever).
+``multiprocessing``'s own exit handler, which would wait for such a worker forever). A pool's
+process that is killed outright takes its workers with it within about a quarter of a second
+(see :mod:`meshfeed.runtime.lifeline`).
 
 Under the ``spawn`` and ``forkserver`` start methods ``init`` and ``args`` are pickled, so they
 must be importable (defined at module top level, not lambdas or local functions); a pickling
@@ -45,6 +47,7 @@ from typing import Any
 
 import torch
 
+from meshfeed.runtime.lifeline import Parent, close_borrowed, tie_to_parent
 from meshfeed.runtime.transport import SlotReader, SlotWriter
 
 __all__ = ["WorkerDied", "WorkerError", "WorkerPool", "WorkerTimeout", "default_start_method"]
@@ -91,7 +94,12 @@ def _worker_main(
     args: tuple[Any, ...],
     tasks: Connection,
     results: Connection,
+    parent: Parent,
+    borrowed: tuple[Connection, ...],
 ) -> None:
+    # Die with the parent, however it dies (see meshfeed.runtime.lifeline).
+    tie_to_parent(parent)
+    close_borrowed(borrowed)
     # One thread per worker: the workers are the parallelism, and an OpenMP pool inherited
     # through fork deadlocks on its first parallel region.
     torch.set_num_threads(1)
@@ -283,12 +291,19 @@ class WorkerPool:
         self._state = state
         self._finalizer = weakref.finalize(self, _shutdown_resources, state)
         _watch(self)
+        parent = Parent.here(self.start_method)
         for w in range(self.num_workers):
             task_recv, task_send = ctx.Pipe(duplex=False)
             result_recv, result_send = ctx.Pipe(duplex=False)
+            # A forked worker holds copies of this process's pipe ends (not pickled: fork).
+            borrowed = (
+                (*state["tasks"], *state["results"], task_send, result_recv)
+                if self.start_method == "fork"
+                else ()
+            )
             proc = ctx.Process(
                 target=_worker_main,
-                args=(w, self.num_workers, init, args, task_recv, result_send),
+                args=(w, self.num_workers, init, args, task_recv, result_send, parent, borrowed),
                 name=f"{self.name}-{w}",
                 daemon=True,
             )
