@@ -159,13 +159,14 @@ TREE_SCRIPTS = {
     """,
     "StreamLoader": _SLOW
     + """
-    from meshfeed.sources import ShardedStream, StreamLoader
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
 
     def shard():
         return (slow(i) for i in range(100_000))
 
     if __name__ == "__main__":
-        stream = ShardedStream([shard, shard])
+        stream = ShardedStream([shard, shard], rows=[100_000] * 2)
         it = iter(StreamLoader(stream, batch_size=4, num_workers=1, timeout=30))
         for _ in range(3):
             next(it)
@@ -231,8 +232,8 @@ import json, os, signal, sys, time
 
 import torch.distributed as torch_dist
 
-from meshfeed import DataLoader
-from meshfeed.sources import ShardedStream, StreamLoader
+from meshfeed import DataLoader, StreamLoader
+from meshfeed.sources import ShardedStream
 
 RANK = int(os.environ["RANK"])
 
@@ -261,8 +262,8 @@ class Items:
 
 def build(kind, fault, timeout, workers):
     common = dict(batch_size=2, num_workers=workers, timeout=timeout, shuffle=False)
-    if kind == "stream":
-        return StreamLoader(ShardedStream([shard] * 6), **common)
+    if kind == "stream":  # rows counted up front, so only on_error="raise" checks per step
+        return StreamLoader(ShardedStream([shard] * 6, rows=[10_000] * 6), on_error="raise", **common)
     bad = 1 if fault == "raise" else -1
     on_error = "raise" if kind == "map-raise" else "substitute"
     return DataLoader(Items(bad), on_error=on_error, **common)

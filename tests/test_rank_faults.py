@@ -5,8 +5,9 @@ timeout, as in a training job; workers use fork, the default start method), each
 wall clock and killed in a ``finally`` (see :mod:`tests.process_faults`):
 
 - a rank SIGKILLed mid-epoch: the survivors' next collective fails at once ("connection
-  closed"), for a ``StreamLoader`` (one agreement per batch) and a ``DataLoader`` with
-  ``on_error="raise"`` (one status check per step); both exit;
+  closed"), for a ``StreamLoader`` and a ``DataLoader`` with ``on_error="raise"`` (one status
+  check per step); both exit. (With the default ``on_error`` a loader makes no collective per
+  step: its ranks are aligned by construction, so a dead peer is the training step's concern);
 - ``on_error="raise"`` on 4 ranks, one bad sample on rank 1: rank 1 raises its error, every
   other rank :class:`~meshfeed.errors.RankError` naming rank 1, all at step 0.
 

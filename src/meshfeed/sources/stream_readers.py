@@ -141,6 +141,7 @@ class DefaultReader:
         self._open: dict[int, tuple[Iterator[Any], int]] = {}
         self._offsets: dict[str, np.ndarray] = {}
         self._files: dict[str, Any] = {}
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -179,7 +180,11 @@ class DefaultReader:
         return [found[r] for r in rows.tolist()]
 
     def _handle(self, key: str, path: str) -> Any:
-        """An open file per (path, size, mtime): a rewritten file is opened anew."""
+        """An open file per (path, size, mtime) and process: a rewritten file is opened anew,
+        and a forked worker opens its own (a file inherited through fork shares its offset
+        with the parent, so seeks in one process would move the other's reads)."""
+        if self._pid != os.getpid():
+            self._files, self._pid = {}, os.getpid()
         f = self._files.get(key)
         if f is None:
             if len(self._files) >= 16:
