@@ -1,7 +1,7 @@
 """Writes MDS datasets with MosaicML Streaming's own MDSWriter and reads them back with its own
 reader (run by tests/sources/test_sources_mds.py under a Python that has ``streaming``).
 
-usage: python mds_peer.py OUT write        -> OUT/{plain,zstd,gz}/ and OUT/expected.pkl
+usage: python mds_peer.py OUT write        -> OUT/{plain,zstd,gz,images}/ and OUT/expected.pkl
        python mds_peer.py OUT dataset NAME -> OUT/dataset-NAME.pkl (StreamingDataset's samples)
 """
 
@@ -74,9 +74,15 @@ def write(out: str) -> None:
     from streaming.base.format.mds.writer import MDSWriter
 
     expected = {}
-    for name, compression, hashes in (("plain", None, ["sha1"]), ("zstd", "zstd", []), ("gz", "gz", ["xxh64"])):
+    for name, compression, hashes in (
+        ("plain", None, ["sha1"]),
+        ("zstd", "zstd", []),
+        ("gz", "gz", ["xxh64"]),
+    ):
         local = os.path.join(out, name)
-        with MDSWriter(columns=COLUMNS, out=local, compression=compression, hashes=hashes, size_limit=2048) as w:
+        with MDSWriter(
+            columns=COLUMNS, out=local, compression=compression, hashes=hashes, size_limit=2048
+        ) as w:
             for i in range(90):
                 w.write(sample(i))
         with open(os.path.join(local, "index.json")) as f:
@@ -90,10 +96,30 @@ def write(out: str) -> None:
                     with open(os.path.join(raw, obj["raw_data"]["basename"]), "wb") as f:
                         f.write(data)
                 reader = MDSReader.from_json(raw if obj["zip_data"] else local, None, obj)
-                rows.extend(reader.decode_sample(reader.get_sample_data(j)) for j in range(obj["samples"]))
+                rows.extend(
+                    reader.decode_sample(reader.get_sample_data(j)) for j in range(obj["samples"])
+                )
         expected[name] = rows
+    expected["images"] = images(os.path.join(out, "images"))
     with open(os.path.join(out, "expected.pkl"), "wb") as f:
         pickle.dump(expected, f)
+
+
+def images(local: str) -> list[dict]:
+    """A dataset of image columns; returns the bytes MDS stored for each (what meshfeed
+    hands back for image encodings)."""
+    from PIL import Image
+    from streaming.base.format.mds.encodings import mds_encode
+    from streaming.base.format.mds.writer import MDSWriter
+
+    columns = {"png": "png", "pil": "pil", "label": "int"}
+    rows = []
+    with MDSWriter(columns=columns, out=local, size_limit=4096) as w:
+        for i in range(6):
+            img = Image.fromarray(np.full((4 + i, 5, 3), i * 40, dtype=np.uint8))
+            w.write({"png": img, "pil": img, "label": i})
+            rows.append({"png": mds_encode("png", img), "pil": mds_encode("pil", img), "label": i})
+    return rows
 
 
 def dataset(out: str, name: str) -> None:
