@@ -74,13 +74,18 @@ def shard_version(shard: str, open_file: OpenFile) -> str:
 
 
 class HandleCache:
-    """Open files by shard name, at most ``limit`` at once, per process (never pickled)."""
+    """Open files by shard name, at most ``limit`` at once, per process: a forked worker
+    inherits the parent's handles, whose file offset the two processes would share (a seek in
+    one moves the other's reads), so a process opens its own (never pickled either)."""
 
     def __init__(self, open_file: OpenFile, limit: int = 16) -> None:
         self.open_file, self.limit = open_file, limit
         self._files: dict[str, Any] = {}
+        self._pid = os.getpid()
 
     def get(self, shard: str) -> BinaryIO:
+        if self._pid != os.getpid():
+            self._files, self._pid = {}, os.getpid()  # the parent's stay open in the parent
         f = self._files.get(shard)
         if f is None:
             if len(self._files) >= self.limit:
