@@ -26,6 +26,7 @@ from meshfeed.sources.files import open_local
 from meshfeed.sources.mds import MDSReader, mds_stream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence
+from tests.sources.range_server import serve
 
 PEER = Path(__file__).with_name("mds_peer.py")
 PEERS_PYTHON = Path("/tmp/shards-peers/bin/python")
@@ -261,3 +262,15 @@ def test_an_unknown_shard_or_index_version_is_refused(peer, tmp_path):
         MDSReader(root)
     with pytest.raises(SourceError, match="cannot read MDS index"):
         MDSReader(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("name", ["plain", "zstd"])
+def test_a_dataset_read_over_http_byte_ranges_is_the_same(peer, name):
+    expected = peer["expected"][name]
+    with serve(str(peer["root"])) as (base, log):
+        stream = mds_stream(f"{base}/{name}", shuffle_buffer=30)
+        got = [s for b in StreamLoader(stream, batch_size=9, collate_fn=list) for s in b]
+        assert len(got) == 90
+        for s in got:
+            _same(s, expected[_index(s)], f"{name} over HTTP")
+        assert all("bytes=" in r or r.startswith("HEAD") for r in log[1:])  # log[0]: the index

@@ -20,6 +20,7 @@ from meshfeed.sources.stream_readers import shard_identity
 from meshfeed.sources.webdataset import TarReader, expand_shards, wds_stream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence
+from tests.sources.range_server import serve
 
 SIZES = (7, 12, 1, 9)  # samples per shard
 
@@ -233,3 +234,21 @@ def test_a_forked_worker_reads_through_its_own_file_handles(shards):
     child.join(30)
     assert child.exitcode == 0
     assert os.lseek(fd, 0, os.SEEK_CUR) == before
+
+
+def test_shards_read_over_http_byte_ranges_are_the_same(shards):
+    root = str(Path(shards[0]).parent)
+    with serve(root) as (base, log):
+        stream = wds_stream(base + "/train-{000000..000003}.tar", shuffle_buffer=6)
+        assert stream.rows == list(SIZES)
+        rows = np.random.default_rng(1).permutation(len(stream)).tolist()
+        assert stream.__getitems__(rows) == [_all()[i] for i in rows]
+        assert stream.reader.version(stream.shards[0]).split(":")[0] == str(
+            os.path.getsize(shards[0])
+        )
+        assert any("Range" not in r and r.startswith("HEAD") for r in log)
+        assert all(r.startswith("HEAD") or "bytes=" in r for r in log)  # never a whole file
+    with serve(root) as (base, _):  # a server that lost a shard: the error names it
+        os.remove(shards[3])
+        with pytest.raises(SourceError, match="train-000003.tar"):
+            TarReader().count(base + "/train-000003.tar")

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.files import HandleCache, OpenFile, file_size, open_local, read_at
+from meshfeed.sources.files import HandleCache, OpenFile, file_size, open_shard, read_at
 from meshfeed.sources.files import shard_version as _file_version
 from meshfeed.sources.stream import ShardedStream
 
@@ -219,7 +219,7 @@ class MDSReader:
         root = os.fspath(root)
         index = root if root.endswith(".json") else _join(root, "index.json")
         self.root = posixpath.dirname(index) if "://" in index else os.path.dirname(index)
-        self.open_file = open_file or open_local
+        self.open_file = open_file or open_shard
         self.cache_shards = max(1, int(cache_shards))
         try:
             with self.open_file(index) as f:

@@ -43,7 +43,7 @@ from meshfeed.sources.files import (
     HandleCache,
     OpenFile,
     file_size,
-    open_local,
+    open_shard,
     read_at,
     shard_version,
 )
@@ -106,7 +106,7 @@ class TarReader:
     docstring. Picklable: open files and tar indexes stay in the process that made them."""
 
     def __init__(self, *, open_file: OpenFile | None = None, decode: bool = False) -> None:
-        self.open_file = open_file or open_local
+        self.open_file = open_file or open_shard
         self.decode = bool(decode)
         self.__setstate__(self.__getstate__())
 
