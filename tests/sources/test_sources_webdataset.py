@@ -20,6 +20,7 @@ from meshfeed.sources.stream_readers import shard_identity
 from meshfeed.sources.webdataset import TarReader, expand_shards, wds_stream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence
+from tests.dist_utils import run_distributed
 from tests.sources.range_server import serve
 
 SIZES = (7, 12, 1, 9)  # samples per shard
@@ -252,3 +253,24 @@ def test_shards_read_over_http_byte_ranges_are_the_same(shards):
         os.remove(shards[3])
         with pytest.raises(SourceError, match="train-000003.tar"):
             TarReader().count(base + "/train-000003.tar")
+
+
+def _gloo_rank(rank: int, world: int, shards: list[str]) -> dict[str, Any]:
+    stream = wds_stream(shards, shuffle_buffer=8, seed=2)
+    lo = StreamLoader(
+        stream, batch_size=3, mesh={"dp": world}, collate_fn=list, drop_last=False, num_workers=1
+    )
+    try:
+        batches = [[s["__key__"] for s in b] for b in lo]
+    finally:
+        lo.shutdown()
+    return {"batches": batches, "padded": lo.stats()["padded"]}
+
+
+@pytest.mark.slow
+def test_gloo_ranks_read_every_sample_once(shards):
+    results = run_distributed(_gloo_rank, 2, shards, timeout=180)
+    assert len({len(r["batches"]) for r in results}) == 1  # the ranks stop together
+    served = [k for r in results for b in r["batches"] for k in b]
+    assert set(served) == {s["__key__"] for s in _all()}
+    assert len(served) == sum(SIZES) + sum(r["padded"] for r in results)
