@@ -274,3 +274,24 @@ def test_a_dataset_read_over_http_byte_ranges_is_the_same(peer, name):
         for s in got:
             _same(s, expected[_index(s)], f"{name} over HTTP")
         assert all("bytes=" in r or r.startswith("HEAD") for r in log[1:])  # log[0]: the index
+
+
+def test_a_damaged_sample_is_a_source_error_naming_shard_row_and_column(peer, tmp_path):
+    root = _copy(peer, "plain", tmp_path)
+    reader = MDSReader(root)
+    shard = reader.shards[0]
+    offsets = reader._layout(reader._info(shard))
+    data = bytearray(Path(shard).read_bytes())
+    # sample 1: the 'any' column (ndarray, dynamic dtype) comes first after the size header;
+    # an unknown dtype code there cannot be decoded
+    nvar = sum(s is None for s in reader._info(shard).sizes)
+    data[int(offsets[1]) + 4 * nvar] = 250
+    # sample 2: a variable size that overruns the sample
+    data[int(offsets[2]) : int(offsets[2]) + 4] = np.uint32(10**6).tobytes()
+    Path(shard).write_bytes(bytes(data))
+    fresh = MDSReader(root)
+    assert _index(fresh.take(shard, np.array([0]))[0]) == 0
+    with pytest.raises(SourceError, match=r"column 'any' \(ndarray\) of sample 1 .*shard\.00000"):
+        fresh.take(shard, np.array([1]))
+    with pytest.raises(SourceError, match=r"sample 2 of MDS shard .*shard\.00000.* do not add up"):
+        fresh.take(shard, np.array([2]))

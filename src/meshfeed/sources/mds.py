@@ -31,15 +31,13 @@ per contiguous run of wanted rows. All I/O goes through ``open_file`` (see
 from __future__ import annotations
 
 import bz2
-import functools
 import gzip
 import json
 import os
 import posixpath
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -47,67 +45,12 @@ import numpy as np
 from meshfeed.errors import SourceError
 from meshfeed.sources.files import HandleCache, OpenFile, file_size, open_shard, read_at
 from meshfeed.sources.files import shard_version as _file_version
+from meshfeed.sources.mds_encodings import decoder
 from meshfeed.sources.stream import ShardedStream
 
 __all__ = ["MDSReader", "mds_stream"]
 
-Decoder = Callable[[memoryview], Any]
-_SCALARS = {n: np.dtype(n) for n in ("int8", "int16", "int32", "int64", "uint8", "uint16")}
-_SCALARS |= {n: np.dtype(n) for n in ("uint32", "uint64", "float16", "float32", "float64")}
-_IMAGES = {"pil", "jpeg", "png", "jpeg_array", "jpegarray", "list[pil]", "list[jpeg]", "list[png]"}
-_SIMPLE: dict[str, Decoder] = {
-    "bytes": bytes,
-    "str": lambda m: str(m, "utf-8"),
-    "int": lambda m: int(np.frombuffer(m, np.int64)[0]),
-    "json": lambda m: json.loads(bytes(m)),
-    "str_int": lambda m: int(str(m, "utf-8")),
-    "str_float": lambda m: float(str(m, "utf-8")),
-    "str_decimal": lambda m: Decimal(str(m, "utf-8")),
-}
-# MDS's ndarray header codes: value dtype (one byte), shape dtype (low two bits of the ndim byte).
-_VALUE_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32"}
-_VALUE_DTYPES |= {33: "int32", 34: "float32", 64: "uint64", 65: "int64", 66: "float64"}
-_SHAPE_DTYPES = ("uint8", "uint16", "uint32", "uint64")
 _COMPRESSIONS = ("zstd", "gz", "bz2")
-
-
-def _ndarray(spec: str) -> Decoder:
-    """The decoder of ``ndarray[:dtype[:shape]]`` (MDS's NDArray layout: [dtype byte] [ndim<<2 |
-    shape-dtype byte, shape] values)."""
-    parts = spec.split(":")[1:]
-    dtype = np.dtype(parts[0]) if parts and parts[0] else None
-    shape = tuple(int(x) for x in parts[1].split(",")) if len(parts) > 1 else None
-
-    def decode(m: memoryview) -> np.ndarray:
-        at, dt, sh = 0, dtype, shape
-        if dt is None:
-            dt, at = np.dtype(_VALUE_DTYPES[m[0]]), 1
-        if sh is None:
-            ndim, code = m[at] >> 2, m[at] & 3
-            sh = tuple(np.frombuffer(m, _SHAPE_DTYPES[code], ndim, at + 1).tolist())
-            at += 1 + ndim * 2**code
-        return np.frombuffer(m, dt, offset=at).reshape(sh)
-
-    return decode
-
-
-@functools.lru_cache(maxsize=256)
-def _decoder(encoding: str, column: str) -> Decoder:
-    if encoding in _SCALARS:
-        dt = _SCALARS[encoding]
-        return lambda m: np.frombuffer(m, dt)[0]
-    if encoding in _SIMPLE:
-        return _SIMPLE[encoding]
-    if encoding == "ndarray" or encoding.startswith("ndarray:"):
-        return _ndarray(encoding)
-    if encoding in _IMAGES:
-        return bytes  # raw, as stored: see the module docstring
-    if encoding == "pkl":
-        raise ValueError(
-            f"MDS column {column!r} is encoded 'pkl': unpickling runs arbitrary code, so meshfeed "
-            "does not read it; rewrite that column as 'json' or 'bytes'"
-        )
-    raise ValueError(f"MDS column {column!r} has an unknown encoding {encoding!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +87,7 @@ def _parse_shard(obj: dict[str, Any], root: str) -> _Shard:
         )
     names, encodings = obj["column_names"], obj["column_encodings"]
     for e, c in zip(encodings, names, strict=True):
-        _decoder(e, c)  # refuses pkl and unknown encodings up front
+        decoder(e, c)  # refuses pkl and unknown encodings up front
     stored = obj["zip_data"] if algo else obj["raw_data"]
     hashes = stored.get("hashes") or {}
     recorded = ",".join(f"{k}={v}" for k, v in sorted(hashes.items())) if hashes else None
@@ -332,18 +275,23 @@ class MDSReader:
 
     def _sample(self, info: _Shard, m: memoryview, row: int) -> dict[str, Any]:
         nvar = sum(s is None for s in info.sizes)
-        head = np.frombuffer(m, np.uint32, nvar).tolist() if len(m) >= 4 * nvar else None
-        at, var, out = 4 * nvar, iter(head or ()), {}
-        if head is not None:
-            for col, enc, size in zip(info.columns, info.encodings, info.sizes, strict=True):
-                n = size if size is not None else next(var)
-                out[col] = _decoder(enc, col)(m[at : at + n])
-                at += n
-        if head is None or at != len(m):
+        var = iter(np.frombuffer(m, np.uint32, nvar).tolist() if len(m) >= 4 * nvar else ())
+        sizes = [s if s is not None else next(var, -1) for s in info.sizes]
+        if min(sizes, default=0) < 0 or 4 * nvar + sum(sizes) != len(m):
             raise SourceError(
                 f"sample {row} of MDS shard {info.name!r} is damaged: its column sizes do not "
                 f"add up to its {len(m)} bytes"
             )
+        at, out = 4 * nvar, {}
+        for col, enc, n in zip(info.columns, info.encodings, sizes, strict=True):
+            try:
+                out[col] = decoder(enc, col)(m[at : at + n])
+            except Exception as exc:  # the decoders are exact: a failure is damaged bytes
+                raise SourceError(
+                    f"column {col!r} ({enc}) of sample {row} of MDS shard {info.name!r} is "
+                    f"damaged: {type(exc).__name__}: {exc}"
+                ) from exc
+            at += n
         return out
 
 
