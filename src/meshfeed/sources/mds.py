@@ -25,7 +25,8 @@ Column encodings and what a sample holds for them:
 Compressed shards (``zstd``, ``gz``, ``bz2``) are decompressed whole on first use and kept per
 process (the last ``cache_shards`` of them); uncompressed shards are read by seeking, one read
 per contiguous run of wanted rows. All I/O goes through ``open_file`` (see
-:mod:`meshfeed.sources.files`), so shards can be read from a URL or object store.
+:mod:`meshfeed.sources.files`): ``http(s)://`` roots are read by byte ranges by default; pass
+an ``open_file`` to read from an object store.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def _member_key(info: tarfile.TarInfo) -> tuple[str, str] | None:
 def _group(shard: str, tf: tarfile.TarFile) -> list[_Sample]:
     """The samples of an open tar: runs of consecutive members that share a key."""
     samples: list[_Sample] = []
-    key, members = None, list[tuple[str, int, int]]()
+    key: str | None = None
+    members: list[tuple[str, int, int]] = []
     for info in tf:
         split = _member_key(info)
         if split is None:
