@@ -2,7 +2,7 @@
 reader (run by tests/sources/test_sources_mds.py under a Python that has ``streaming``).
 
 usage: python mds_peer.py OUT write        -> OUT/{plain,zstd,gz,images}/ and OUT/expected.pkl
-       python mds_peer.py OUT dataset NAME -> OUT/dataset-NAME.pkl (StreamingDataset's samples)
+       python mds_peer.py OUT dataset NAME... -> OUT/dataset-NAME.pkl (StreamingDataset's samples)
 """
 
 from __future__ import annotations
@@ -122,17 +122,18 @@ def images(local: str) -> list[dict]:
     return rows
 
 
-def dataset(out: str, name: str) -> None:
+def dataset(out: str, names: list[str]) -> None:
     _import_streaming(base_too=False)
     from streaming.base import StreamingDataset
 
-    ds = StreamingDataset(local=os.path.join(out, name), shuffle=False, batch_size=1)
-    with open(os.path.join(out, f"dataset-{name}.pkl"), "wb") as f:
-        pickle.dump([ds.get_item(i) for i in range(len(ds))], f)
+    for name in names:
+        ds = StreamingDataset(local=os.path.join(out, name), shuffle=False, batch_size=1)
+        with open(os.path.join(out, f"dataset-{name}.pkl"), "wb") as f:
+            pickle.dump([ds.get_item(i) for i in range(len(ds))], f)
 
 
 if __name__ == "__main__":
     if sys.argv[2] == "write":
         write(sys.argv[1])
     else:
-        dataset(sys.argv[1], sys.argv[3])
+        dataset(sys.argv[1], sys.argv[3:])

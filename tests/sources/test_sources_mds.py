@@ -63,7 +63,8 @@ def peer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     dataset = {}
     for name in ("plain", "zstd"):
         shutil.copytree(root / name, copy / name)
-        _run_peer(python, str(copy), "dataset", name)
+    _run_peer(python, str(copy), "dataset", "plain", "zstd")
+    for name in ("plain", "zstd"):
         with open(copy / f"dataset-{name}.pkl", "rb") as f:
             dataset[name] = pickle.load(f)
     return {"root": root, "expected": expected, "dataset": dataset}
