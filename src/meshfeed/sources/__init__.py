@@ -1,13 +1,16 @@
-"""Where samples come from: token corpora, Parquet / Arrow, HF datasets, streams, mixtures."""
+"""Where samples come from: token corpora, Parquet / Arrow, HF datasets, streams (MDS and
+WebDataset shards among them), mixtures."""
 
 from meshfeed.sources.convert import convert
 from meshfeed.sources.hf import HFSource
 from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCorpus, write_indexed
 from meshfeed.sources.lazy import LazyDataset
+from meshfeed.sources.mds import MDSReader, mds_stream
 from meshfeed.sources.mixture import Mixture, MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_readers import DefaultReader, default_reader
+from meshfeed.sources.webdataset import TarReader, wds_stream
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 
 __all__ = [
@@ -17,14 +20,18 @@ __all__ = [
     "IndexedFormatError",
     "IndexedWriter",
     "LazyDataset",
+    "MDSReader",
     "Mixture",
     "MixtureOrder",
     "ParquetSource",
     "ShardedStream",
+    "TarReader",
     "TokenCorpus",
     "TokenDocuments",
     "TokenWindows",
     "convert",
     "default_reader",
+    "mds_stream",
+    "wds_stream",
     "write_indexed",
 ]

@@ -1,0 +1,172 @@
+"""The file-opening seam of the shard-format readers (MDS, WebDataset tar).
+
+A reader does all of its I/O through one ``open_file(name) -> BinaryIO`` callable: a readable,
+seekable binary file object for a shard name. The default, :func:`open_shard`, opens
+``http://`` and ``https://`` URLs with :func:`open_url` (HTTP range requests) and anything else
+with the builtin ``open(name, "rb")``; pass another function to read from an object store.
+The readers keep a few handles open per process and drop them when they are pickled to a
+worker, so ``open_file`` must be picklable too (a module-level function or a
+``functools.partial`` of one, not a lambda).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+from meshfeed.errors import SourceError
+from meshfeed.sources.stream_readers import shard_identity
+
+__all__ = ["OpenFile", "open_local", "open_shard", "open_url", "read_at", "shard_version"]
+
+#: Opens a shard name for binary reading; the returned object must support ``seek``/``read``.
+OpenFile = Callable[[str], BinaryIO]
+_EDGE = 64 * 1024
+
+
+def open_local(name: str) -> BinaryIO:
+    """The builtin ``open(name, "rb")``."""
+    return open(name, "rb")
+
+
+def open_shard(name: str) -> BinaryIO:
+    """The default ``open_file``: :func:`open_url` for ``http(s)://`` names, else
+    :func:`open_local`."""
+    if name.startswith(("http://", "https://")):
+        return open_url(name)
+    return open_local(name)
+
+
+def open_url(url: str, *, timeout: float = 60.0, buffer_size: int = 256 * 1024) -> BinaryIO:
+    """A seekable binary file over HTTP(S): each read is one range request (``Range:
+    bytes=a-b``), buffered by ``buffer_size``; the server must serve byte ranges (HTTP 206),
+    as static file servers and object stores do. ``timeout`` bounds every request."""
+    return io.BufferedReader(_HTTPFile(url, timeout), buffer_size)
+
+
+class _HTTPFile(io.RawIOBase):
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url, self.timeout, self.pos = url, timeout, 0
+        self._size: int | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def size(self) -> int:
+        if self._size is None:
+            req = urllib.request.Request(self.url, method="HEAD")
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                self._size = int(r.headers["Content-Length"])
+        return self._size
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos}.get(whence)
+        self.pos = max(0, (self.size() if base is None else base) + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if not len(view):
+            return 0
+        rng = f"bytes={self.pos}-{self.pos + len(view) - 1}"
+        req = urllib.request.Request(self.url, headers={"Range": rng})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                if r.status != 206:
+                    raise SourceError(
+                        f"{self.url} answered a range request with HTTP {r.status}; meshfeed "
+                        "reads shards over HTTP by byte ranges, so serve them from a server "
+                        "that supports Range (or copy them locally)"
+                    )
+                data = r.read(len(view))
+        except urllib.error.HTTPError as exc:
+            if exc.code == 416:  # past the end
+                return 0
+            raise
+        view[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def read_at(f: BinaryIO, offset: int, size: int, *, shard: str, what: str) -> bytes:
+    """Exactly ``size`` bytes at ``offset`` of an open shard, else a :class:`SourceError`
+    naming the shard and what was being read (a truncated or rewritten file)."""
+    try:
+        f.seek(offset)
+        data = f.read(size)
+    except OSError as exc:
+        raise SourceError(f"cannot read {what} of shard {shard!r}: {exc}") from exc
+    if len(data) != size:
+        raise SourceError(
+            f"shard {shard!r} ends early: {what} wants bytes [{offset}, {offset + size}) but "
+            f"the file holds {offset + len(data)}; it is truncated or was rewritten, so "
+            "rewrite it (and its index) from the source"
+        )
+    return data
+
+
+def file_size(f: BinaryIO, *, shard: str) -> int:
+    """The size in bytes of an open shard (seeks to its end)."""
+    try:
+        return int(f.seek(0, os.SEEK_END))
+    except OSError as exc:
+        raise SourceError(f"cannot read shard {shard!r}: {exc}") from exc
+
+
+def shard_version(shard: str, open_file: OpenFile) -> str:
+    """A cheap identity of a shard's content: for a local file meshfeed's usual one (size,
+    mtime and a hash of its first and last 64 KiB); for another name the size and the same
+    edge hash, read through ``open_file``."""
+    if open_file in (open_local, open_shard) and os.path.exists(shard):
+        return shard_identity(shard, None)
+    try:
+        with open_file(shard) as f:
+            size = file_size(f, shard=shard)
+            h = hashlib.blake2b(digest_size=8)
+            h.update(read_at(f, 0, min(size, _EDGE), shard=shard, what="its head"))
+            if size > _EDGE:
+                tail = max(_EDGE, size - _EDGE)
+                h.update(read_at(f, tail, size - tail, shard=shard, what="its tail"))
+    except OSError as exc:
+        raise SourceError(f"cannot read shard {shard!r}: {exc}") from exc
+    return f"{size}:{h.hexdigest()}"
+
+
+class HandleCache:
+    """Open files by shard name, at most ``limit`` at once, per process: a forked worker
+    inherits the parent's handles, whose file offset the two processes would share (a seek in
+    one moves the other's reads), so a process opens its own (never pickled either)."""
+
+    def __init__(self, open_file: OpenFile, limit: int = 16) -> None:
+        self.open_file, self.limit = open_file, limit
+        self._files: dict[str, Any] = {}
+        self._pid = os.getpid()
+
+    def get(self, shard: str) -> BinaryIO:
+        if self._pid != os.getpid():
+            self._files, self._pid = {}, os.getpid()  # the parent's stay open in the parent
+        f = self._files.get(shard)
+        if f is None:
+            if len(self._files) >= self.limit:
+                self.close()
+            try:
+                f = self._files[shard] = self.open_file(shard)
+            except OSError as exc:
+                raise SourceError(f"cannot open shard {shard!r}: {exc}") from exc
+        return f
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
