@@ -6,6 +6,9 @@ from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCor
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture, MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
+from meshfeed.sources.shards_format import ShardIndex, read_index
+from meshfeed.sources.shards_read import ShardFormatReader
+from meshfeed.sources.shards_write import write_shards
 from meshfeed.sources.stream import ShardedStream, default_reader
 from meshfeed.sources.stream_loader import StreamLoader, StreamRankError
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
@@ -19,6 +22,8 @@ __all__ = [
     "Mixture",
     "MixtureOrder",
     "ParquetSource",
+    "ShardFormatReader",
+    "ShardIndex",
     "ShardedStream",
     "StreamLoader",
     "StreamRankError",
@@ -27,5 +32,7 @@ __all__ = [
     "TokenWindows",
     "convert",
     "default_reader",
+    "read_index",
     "write_indexed",
+    "write_shards",
 ]

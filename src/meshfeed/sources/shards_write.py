@@ -1,0 +1,444 @@
+"""Writing meshfeed shards: :func:`write_shards` (the format is in :mod:`.shards_format`).
+
+The parent process checks every sample against the schema of the first one and cuts the
+stream into shards (by rows and/or bytes), so the shards do not depend on ``num_workers``;
+workers (processes) encode whole shards: columns, zstd blocks, the hash, the file. The bytes
+are a function of the samples and the options alone: no timestamps, JSON with sorted keys, a
+fixed zstd level, single-threaded frames.
+
+The write is atomic: everything goes into a hidden temporary directory beside ``out_dir``
+(each file fsynced, ``index.json`` last), which is then renamed into place. A write that
+raises (a bad sample, a failing iterator, a full disk) removes the temporary directory, so no
+half-written dataset is ever seen as complete. A process killed mid-write can leave a
+``.<name>.tmp-*`` directory behind; it is never mistaken for a dataset.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfeed.sources.shards_format import (
+    ALIGN,
+    FORMAT,
+    INDEX_NAME,
+    MAGIC,
+    PREAMBLE,
+    VERSION,
+    FieldSpec,
+)
+
+__all__ = ["write_shards"]
+
+ZSTD_LEVEL = 3
+_BLOCK_BYTES = 1 << 20  # automatic block_rows: about this many raw bytes per block
+_SCALARS: dict[type, tuple[str, str]] = {
+    bool: ("bool", "bool"),
+    int: ("int", "int64"),
+    float: ("float", "float64"),
+}
+_SUPPORTED = (
+    "torch tensors, numpy arrays and scalars of numeric dtype, int, float, bool, str and bytes"
+)
+
+
+def _refuse(name: str, row: int, what: str) -> TypeError:
+    return TypeError(f"row {row} field {name!r}: {what}")
+
+
+def _normalize(name: str, row: int, value: Any) -> tuple[str, str, int, Any]:
+    """``(kind, dtype, ndim, payload)``: payload is an ndarray, bytes or a Python scalar."""
+    t = type(value)
+    if t in _SCALARS:
+        kind, dtype = _SCALARS[t]
+        return kind, dtype, 0, value
+    if isinstance(value, str):
+        try:
+            return "str", "uint8", 1, value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise _refuse(name, row, f"str is not encodable as UTF-8 ({e})") from e
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes", "uint8", 1, bytes(value)
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        if tensor.dtype == torch.bfloat16:
+            return "tensor", "bfloat16", tensor.ndim, tensor.view(torch.uint16).numpy()
+        try:
+            arr = tensor.numpy()
+        except TypeError as e:
+            raise _refuse(name, row, f"tensor of dtype {tensor.dtype} has no numpy dtype") from e
+        return "tensor", _numeric(name, row, arr.dtype), arr.ndim, arr
+    if isinstance(value, (np.ndarray, np.generic)):
+        arr = np.asarray(value)  # (ascontiguousarray would make a 0-d array 1-d)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        kind = "ndarray" if isinstance(value, np.ndarray) else "npscalar"
+        return kind, _numeric(name, row, arr.dtype), arr.ndim, arr
+    raise _refuse(
+        name,
+        row,
+        f"{t.__module__}.{t.__qualname__} is not supported; shards hold {_SUPPORTED} "
+        "(nothing is pickled, so shards are safe to read): convert it, e.g. json.dumps a "
+        "nested object into a str field",
+    )
+
+
+def _numeric(name: str, row: int, dtype: np.dtype[Any]) -> str:
+    if dtype.kind not in "biufc":
+        raise _refuse(name, row, f"dtype {dtype} is not numeric; store text as str fields")
+    return dtype.name
+
+
+def _nbytes(payload: Any) -> int:
+    if isinstance(payload, np.ndarray):
+        return payload.nbytes
+    return len(payload) if isinstance(payload, bytes) else 8
+
+
+class _Schema:
+    """The fields of the first sample; every later one must match them."""
+
+    def __init__(self, sample: Any) -> None:
+        self.bare = not isinstance(sample, dict)
+        names = [""] if self.bare else list(sample)
+        for n in names:
+            if not isinstance(n, str):
+                raise TypeError(f"row 0: sample keys must be str (got {n!r}); rename the field")
+        self.names = names
+        self.fields = [
+            FieldSpec(name=n, kind=k, dtype=d, ndim=nd)
+            for n, (k, d, nd, _) in zip(names, self._row(0, sample, first=True), strict=True)
+        ]
+
+    def _row(
+        self, row: int, sample: Any, *, first: bool = False
+    ) -> list[tuple[str, str, int, Any]]:
+        if self.bare:
+            if isinstance(sample, dict):
+                raise TypeError(f"row {row} is a dict but row 0 was a bare value")
+            return [_normalize("", row, sample)]
+        if not isinstance(sample, dict) or (not first and sample.keys() != set(self.names)):
+            got = sorted(sample) if isinstance(sample, dict) else type(sample).__name__
+            raise TypeError(
+                f"row {row} has fields {got}, but row 0 had {sorted(self.names)}: every sample "
+                "needs the same fields"
+            )
+        return [_normalize(n, row, sample[n]) for n in self.names]
+
+    def check(self, row: int, sample: Any) -> tuple[list[Any], int]:
+        """The row's payloads and byte size; a field of another kind/dtype/rank is refused."""
+        out, size = [], 0
+        for spec, (kind, dtype, ndim, payload) in zip(
+            self.fields, self._row(row, sample), strict=True
+        ):
+            if (kind, dtype, ndim) != (spec.kind, spec.dtype, spec.ndim):
+                raise TypeError(
+                    f"row {row} field {spec.name!r} is {kind} {dtype} of {ndim} dims, but row 0 "
+                    f"had {spec.kind} {spec.dtype} of {spec.ndim} dims: cast it to match"
+                )
+            out.append(payload)
+            size += _nbytes(payload)
+        return out, size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Task:
+    """One shard to encode, as sent to a worker."""
+
+    path: str
+    fields: tuple[FieldSpec, ...]
+    columns: list[list[Any]]
+    compression: str | None
+    block_rows: int | None
+
+
+def _column_arrays(spec: FieldSpec, values: list[Any]) -> tuple[dict[str, Any], np.ndarray, Any]:
+    """``(column layout without segments, data, (offsets, shapes) or None)``."""
+    if spec.kind in ("int", "float", "bool"):
+        try:
+            return {"store": "fixed", "shape": []}, np.asarray(values, dtype=spec.dtype), None
+        except OverflowError as e:
+            raise TypeError(f"field {spec.name!r}: an int outside int64 ({e})") from e
+    if spec.kind in ("str", "bytes"):
+        lengths = np.fromiter((len(v) for v in values), np.int64, len(values))
+        data = np.frombuffer(b"".join(values), np.uint8)
+        return {"store": "var"}, data, (lengths, None)
+    first = values[0].shape
+    if all(v.shape == first for v in values):
+        return {"store": "fixed", "shape": list(first)}, np.stack(values), None
+    lengths = np.fromiter((v.size for v in values), np.int64, len(values))
+    data = np.concatenate([v.reshape(-1) for v in values])
+    shapes = None if spec.ndim == 1 else np.asarray([v.shape for v in values], np.int64)
+    return {"store": "var"}, data, (lengths, shapes)
+
+
+def _block_rows(task: _Task, rows: int, raw_bytes: int) -> int:
+    if task.block_rows is not None:
+        return task.block_rows
+    return max(1, min(rows, _BLOCK_BYTES * rows // max(1, raw_bytes)))
+
+
+class _Payload:
+    """Segments appended at aligned offsets, compressed per block when asked."""
+
+    def __init__(self, compression: str | None) -> None:
+        self.parts: list[bytes | memoryview] = []
+        self.size = 0
+        self.cctx = None
+        if compression == "zstd":
+            from meshfeed.sources.shards_read import _zstd
+
+            self.cctx = _zstd().ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+
+    def _block(self, raw: memoryview) -> list[int]:
+        stored: bytes | memoryview = raw if self.cctx is None else self.cctx.compress(raw)
+        block = [self.size, len(stored), len(raw)]
+        self.parts.append(stored)
+        self.size += len(stored)
+        return block
+
+    def segment(self, raw: np.ndarray, cuts: list[int]) -> list[list[int]]:
+        """Blocks of ``raw`` cut at byte offsets ``cuts`` (0 .. its length), back to back
+        from the next aligned offset (so uncompressed blocks tile one aligned segment)."""
+        pad = -self.size % ALIGN
+        if pad:
+            self.parts.append(b"\0" * pad)
+            self.size += pad
+        view = memoryview(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).data)
+        return [self._block(view[a:b]) for a, b in itertools.pairwise(cuts)]
+
+
+def _encode(task: _Task) -> dict[str, Any]:
+    """Write one shard file (fsynced) and return its index entry."""
+    rows = len(task.columns[0])
+    encoded = [_column_arrays(f, v) for f, v in zip(task.fields, task.columns, strict=True)]
+    per = _block_rows(task, rows, sum(data.nbytes for _, data, _ in encoded))
+    starts = [*range(0, rows, per), rows]
+    payload = _Payload(task.compression)
+    columns = []
+    for layout, data, var in encoded:
+        if var is None:
+            row_bytes = data.nbytes // max(1, rows)
+            segments = {"data": payload.segment(data, [r * row_bytes for r in starts])}
+        else:
+            lengths, shapes = var
+            offsets = np.zeros(rows + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            cuts = (offsets[starts] * data.dtype.itemsize).tolist()
+            segments = {"offsets": payload.segment(offsets, [0, offsets.nbytes])}
+            if shapes is not None:
+                segments["shapes"] = payload.segment(shapes, [0, shapes.nbytes])
+            segments["data"] = payload.segment(data, cuts)
+        columns.append({**layout, "segments": segments})
+    layout = {"rows": rows, "block_rows": per, "columns": columns}
+    header = json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()
+    head = PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
+    head += b"\0" * (-len(head) % ALIGN)
+    digest = hashlib.blake2b(digest_size=16)
+    with open(task.path, "wb") as f:
+        for part in [head, *payload.parts]:
+            digest.update(part)
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    return {
+        "file": os.path.basename(task.path),
+        "rows": rows,
+        "bytes": len(head) + payload.size,
+        "hash": digest.hexdigest(),
+        "payload": len(head),
+        "layout": layout,
+    }
+
+
+def _chunks(
+    samples: Iterable[Any], rows_per_shard: int | None, bytes_per_shard: int | None
+) -> Iterator[tuple[_Schema, list[list[Any]]]]:
+    """Cut the samples into shards (columns of payloads), checking each against the schema."""
+    schema: _Schema | None = None
+    columns: list[list[Any]] = []
+    size = rows = 0
+    for i, sample in enumerate(samples):
+        if schema is None:
+            schema = _Schema(sample)
+            columns = [[] for _ in schema.fields]
+        payloads, nbytes = schema.check(i, sample)
+        for col, p in zip(columns, payloads, strict=True):
+            col.append(p)
+        rows, size = rows + 1, size + nbytes
+        if (rows_per_shard is not None and rows >= rows_per_shard) or (
+            bytes_per_shard is not None and size >= bytes_per_shard
+        ):
+            yield schema, columns
+            columns = [[] for _ in schema.fields]
+            size = rows = 0
+    if schema is None:
+        raise ValueError("no samples to write; write_shards needs at least one sample")
+    if rows:
+        yield schema, columns
+
+
+def _check_options(
+    rows_per_shard: int | None,
+    bytes_per_shard: int | None,
+    compression: str | None,
+    block_rows: int | None,
+    num_workers: int,
+) -> None:
+    if rows_per_shard is None and bytes_per_shard is None:
+        raise ValueError("give rows_per_shard, bytes_per_shard or both (a shard ends at either)")
+    for name, v in (
+        ("rows_per_shard", rows_per_shard),
+        ("bytes_per_shard", bytes_per_shard),
+        ("block_rows", block_rows),
+    ):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive int or None (got {v!r})")
+    if compression not in (None, "zstd"):
+        raise ValueError(f"compression must be None or 'zstd' (got {compression!r})")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1 (got {num_workers!r})")
+
+
+def _prepare(out: Path, overwrite: bool) -> None:
+    taken = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    if taken and not (overwrite and (out / INDEX_NAME).is_file()):
+        raise FileExistsError(
+            f"{out} exists and is not an empty directory; pass overwrite=True to replace "
+            "a shard dataset (one with an index.json), or choose another directory"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` into ``out`` (replacing an empty dir or an old dataset)."""
+    old = None
+    if out.exists() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex}")
+        os.rename(out, old)
+    os.rename(tmp, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _encode_all(
+    chunks: Iterator[tuple[_Schema, list[list[Any]]]],
+    tmp: Path,
+    compression: str | None,
+    block_rows: int | None,
+    num_workers: int,
+) -> tuple[_Schema | None, list[dict[str, Any]]]:
+    schema: _Schema | None = None
+    entries: list[dict[str, Any]] = []
+
+    def tasks() -> Iterator[_Task]:
+        nonlocal schema
+        for n, (schema, columns) in enumerate(chunks):
+            yield _Task(
+                path=str(tmp / f"shard-{n:05d}.mfs"),
+                fields=tuple(schema.fields),
+                columns=columns,
+                compression=compression,
+                block_rows=block_rows,
+            )
+
+    if num_workers == 1:
+        entries = [_encode(t) for t in tasks()]
+        return schema, entries
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with cf.ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method)) as pool:
+        pending: list[cf.Future[dict[str, Any]]] = []
+        try:
+            for task in tasks():
+                pending.append(pool.submit(_encode, task))
+                while len(pending) > 2 * num_workers:  # bound the shards held in memory
+                    entries.append(pending.pop(0).result())
+            entries.extend(f.result() for f in pending)
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+    return schema, entries
+
+
+def write_shards(
+    samples: Iterable[Any],
+    out_dir: str | os.PathLike[str],
+    *,
+    rows_per_shard: int | None = None,
+    bytes_per_shard: int | None = 64 << 20,
+    compression: str | None = None,
+    block_rows: int | None = None,
+    num_workers: int = 1,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``samples`` as meshfeed shards into ``out_dir``; return the ``index.json`` path.
+
+    A sample is a dict of fields (the same names and kinds in every sample) or one bare value;
+    a field is a torch tensor or numpy array of a numeric dtype (any shape, varying from row to
+    row or not), a numpy scalar, ``int`` (int64), ``float``, ``bool``, ``str`` or ``bytes``.
+    Anything else raises ``TypeError`` naming the row and field (nothing is pickled). A shard
+    ends after ``rows_per_shard`` rows or once it holds ``bytes_per_shard`` raw bytes,
+    whichever comes first. ``compression="zstd"`` (needs ``meshfeed[shards]``) compresses
+    blocks of ``block_rows`` rows per column (default: about 1 MiB of raw data per block);
+    ``num_workers`` processes encode shards in parallel, with the same bytes whatever the
+    count. ``out_dir`` must be absent or empty, or a shard dataset with ``overwrite=True``.
+
+        >>> write_shards(({"ids": np.arange(n), "text": "x" * n} for n in range(1, 9)),
+        ...              tmp / "ds", rows_per_shard=4)                       # doctest: +SKIP
+    """
+    _check_options(rows_per_shard, bytes_per_shard, compression, block_rows, num_workers)
+    if compression is not None:
+        from meshfeed.sources.shards_read import _zstd
+
+        _zstd()  # fail before writing anything when zstandard is missing
+    out = Path(out_dir)
+    _prepare(out, overwrite)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
+    tmp.mkdir()
+    try:
+        chunks = _chunks(samples, rows_per_shard, bytes_per_shard)
+        schema, entries = _encode_all(chunks, tmp, compression, block_rows, num_workers)
+        assert schema is not None  # _chunks raises on no samples
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "sample": "bare" if schema.bare else "dict",
+            "fields": [f.to_json() for f in schema.fields],
+            "compression": compression,
+            "shards": entries,
+        }
+        with open(tmp / INDEX_NAME, "w", encoding="utf-8") as f:
+            json.dump(index, f, sort_keys=True, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / INDEX_NAME
