@@ -16,6 +16,7 @@ naming the shard: never a numpy crash or silent garbage. Content hashes are chec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -103,27 +104,21 @@ class _Shard:
 
     def block(self, col: int, name: str, b: int) -> np.ndarray:
         """Block ``b`` of a segment, raw (``uint8``): a view, or decoded through the LRU."""
-        segment = self.entry.layout["columns"][col]["segments"][name]
-        off, stored, raw = segment[b]
-        if not self.compressed:
-            return np.frombuffer(self.map, np.uint8, raw, self.base + off)
         key = (self.path, col, name, b)
         hit = self.reader._cached(key)
         if hit is not None:
             return hit
+        off, stored, raw = self.entry.layout["columns"][col]["segments"][name][b]
+        if not self.compressed:
+            return np.frombuffer(self.map, np.uint8, raw, self.base + off)
+        start = self.base + off
+        arr = np.empty(raw, np.uint8)  # decoded straight into a writable array
         try:
-            out = (
-                _zstd()
-                .ZstdDecompressor()
-                .decompress(
-                    self.map[self.base + off : self.base + off + stored], max_output_size=raw
-                )
-            )
+            got = _decode_into(self.map[start : start + stored], arr)
         except Exception as e:  # zstd raises ZstdError on a damaged or truncated frame
             raise self.fail(f"block {b} of {name!r} in column {col} does not decode ({e})") from e
-        if len(out) != raw:
-            raise self.fail(f"block {b} of {name!r} in column {col} decodes to {len(out)} bytes")
-        arr = np.frombuffer(bytearray(out), np.uint8)
+        if got != raw:
+            raise self.fail(f"block {b} of {name!r} in column {col} decodes to {got} bytes")
         self.reader._store(key, arr)
         return arr
 
@@ -148,13 +143,16 @@ class _FixedColumn:
     def gather(self, rows: np.ndarray) -> np.ndarray:
         if self.array is not None:
             return self.array[rows]
-        per = self.shard.block_rows
+        per, block = self.shard.block_rows, self.shard.block
         out = np.empty((len(rows), *self.shape), self.dtype)
-        blocks = rows // per
-        for b in np.unique(blocks).tolist():
-            sel = blocks == b
-            arr = self.shard.block(self.col, "data", b).view(self.dtype).reshape(-1, *self.shape)
-            out[sel] = arr[rows[sel] - b * per]
+        decoded: dict[int, np.ndarray] = {}  # the blocks this call touches, typed
+        for j, r in enumerate(rows.tolist()):
+            b = r // per
+            arr = decoded.get(b)
+            if arr is None:
+                arr = decoded[b] = block(self.col, "data", b).view(self.dtype)
+                arr = decoded[b] = arr.reshape(-1, *self.shape)
+            out[j] = arr[r - b * per]
         return out
 
     def values(self, rows: np.ndarray) -> list[Any]:
@@ -209,12 +207,18 @@ class _VarColumn:
             data = self.data
             out = [data[a:e] for a, e in zip(starts, ends, strict=True)]
         else:
-            per, o = self.shard.block_rows, self.offsets
+            per, o, block = self.shard.block_rows, self.offsets, self.shard.block
+            decoded: dict[int, tuple[int, np.ndarray]] = {}  # block -> (first element, data)
             out = []
             for r, a, e in zip(rows.tolist(), starts, ends, strict=True):
                 b = r // per
-                base = int(o[b * per])
-                blk = self.shard.block(self.col, "data", b).view(self.dtype)
+                hit = decoded.get(b)
+                if hit is None:
+                    hit = decoded[b] = (
+                        int(o[b * per]),
+                        block(self.col, "data", b).view(self.dtype),
+                    )
+                base, blk = hit
                 out.append(blk[a - base : e - base])
         if self.shapes is not None:
             shapes = self.shapes
@@ -331,11 +335,13 @@ class ShardFormatReader:
             return opened
 
     def _cached(self, key: _BlockKey) -> np.ndarray | None:
-        with self._lock:
-            hit = self._blocks.get(key)
-            if hit is not None:
+        # No lock on this path: get and move_to_end are single C calls under the GIL; a
+        # block evicted by another thread in between is just decoded again.
+        hit = self._blocks.get(key)
+        if hit is not None:
+            with contextlib.suppress(KeyError):
                 self._blocks.move_to_end(key)
-            return hit
+        return hit
 
     def _store(self, key: _BlockKey, arr: np.ndarray) -> None:
         with self._lock:
@@ -381,6 +387,17 @@ class ShardFormatReader:
         step = max(1, int(self._entry(shard)[1].layout.get("block_rows", 256)))
         for lo in range(max(0, start_row), stop, step):
             yield from self.take(shard, np.arange(lo, min(lo + step, stop), dtype=np.int64))
+
+
+def _decode_into(frame: bytes, out: np.ndarray) -> int:
+    """Decode one zstd frame into ``out``; the bytes written (checksum checked at the end)."""
+    view, n = memoryview(out), 0
+    with _zstd().ZstdDecompressor().stream_reader(frame) as src:
+        while n < len(view) and (k := src.readinto(view[n:])):
+            n += k
+        if src.read(1):
+            return n + 1  # more data than the index records
+    return n
 
 
 def _zstd() -> Any:
