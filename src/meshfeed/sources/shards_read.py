@@ -391,7 +391,7 @@ class ShardFormatReader:
 
 def _decode_into(frame: bytes, out: np.ndarray) -> int:
     """Decode one zstd frame into ``out``; the bytes written (checksum checked at the end)."""
-    view, n = memoryview(out), 0
+    view, n = out.data, 0
     with _zstd().ZstdDecompressor().stream_reader(frame) as src:
         while n < len(view) and (k := src.readinto(view[n:])):
             n += k
