@@ -214,6 +214,10 @@ def convert(
 
 
 def _handler(args: argparse.Namespace) -> int:
+    if args.to == "shards":
+        from meshfeed.sources.shards_convert import handler
+
+        return handler(args)
     try:
         corpus = convert(
             args.inputs,
@@ -247,7 +251,17 @@ def add_subcommand(subparsers: Any) -> None:
         epilog="example: meshfeed convert data.jsonl -o out/corpus --tokenizer bytes --append-eod 0",
     )
     p.add_argument("inputs", nargs="+", help="input files, converted in order")
-    p.add_argument("-o", "--output", required=True, help="output prefix (writes PREFIX.bin/.idx)")
+    p.add_argument(
+        "-o", "--output", required=True, help="output prefix (PREFIX.bin/.idx), or a directory"
+    )
+    p.add_argument(
+        "--to",
+        choices=("corpus", "shards"),
+        default="corpus",
+        help="corpus: a .bin/.idx token corpus (default); shards: meshfeed shards of whole "
+        "JSONL records (write_shards)",
+    )
+    p.add_argument("--compression", choices=("zstd",), default=None, help="--to shards only")
     p.add_argument(
         "--format", choices=FORMATS, default="auto", help="input format (default: by suffix)"
     )
