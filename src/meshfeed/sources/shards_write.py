@@ -62,6 +62,8 @@ def _refuse(name: str, row: int, what: str) -> TypeError:
 def _normalize(name: str, row: int, value: Any) -> tuple[str, str, int, Any]:
     """``(kind, dtype, ndim, payload)``: payload is an ndarray, bytes or a Python scalar."""
     t = type(value)
+    if t is np.ndarray and value.flags.c_contiguous and value.dtype.byteorder != ">":
+        return "ndarray", _numeric(name, row, value.dtype), value.ndim, value  # the common case
     if t in _SCALARS:
         kind, dtype = _SCALARS[t]
         return kind, dtype, 0, value
@@ -98,9 +100,16 @@ def _normalize(name: str, row: int, value: Any) -> tuple[str, str, int, Any]:
     )
 
 
+_NAMES: dict[np.dtype[Any], str] = {}  # dtype.name is slow (Python) and asked per value
+
+
 def _numeric(name: str, row: int, dtype: np.dtype[Any]) -> str:
+    known = _NAMES.get(dtype)
+    if known is not None:
+        return known
     if dtype.kind not in "biufc":
         raise _refuse(name, row, f"dtype {dtype} is not numeric; store text as str fields")
+    _NAMES[dtype] = dtype.name
     return dtype.name
 
 
@@ -119,7 +128,7 @@ class _Schema:
         for n in names:
             if not isinstance(n, str):
                 raise TypeError(f"row 0: sample keys must be str (got {n!r}); rename the field")
-        self.names = names
+        self.names, self._keys = names, set(names)
         self.fields = [
             FieldSpec(name=n, kind=k, dtype=d, ndim=nd)
             for n, (k, d, nd, _) in zip(names, self._row(0, sample, first=True), strict=True)
@@ -132,7 +141,7 @@ class _Schema:
             if isinstance(sample, dict):
                 raise TypeError(f"row {row} is a dict but row 0 was a bare value")
             return [_normalize("", row, sample)]
-        if not isinstance(sample, dict) or (not first and sample.keys() != set(self.names)):
+        if not isinstance(sample, dict) or (not first and sample.keys() != self._keys):
             got = sorted(sample) if isinstance(sample, dict) else type(sample).__name__
             raise TypeError(
                 f"row {row} has fields {got}, but row 0 had {sorted(self.names)}: every sample "
@@ -167,24 +176,49 @@ class _Task:
     block_rows: int | None
 
 
-def _column_arrays(spec: FieldSpec, values: list[Any]) -> tuple[dict[str, Any], np.ndarray, Any]:
-    """``(column layout without segments, data, (offsets, shapes) or None)``."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Column:
+    """A column ready to lay out: one array (scalars), or one byte buffer per row."""
+
+    layout: dict[str, Any]
+    array: np.ndarray | None = None
+    rows: list[Any] | None = None  # bytes-like, one per row (never concatenated: no copy)
+    lengths: np.ndarray | None = None  # elements per row (var)
+    shapes: np.ndarray | None = None  # per-row shapes (var, ndim >= 2)
+    itemsize: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes if self.array is not None else sum(map(len, self.rows or []))
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return arr.reshape(-1).view(np.uint8).data
+
+
+def _column(spec: FieldSpec, values: list[Any]) -> _Column:
     if spec.kind in ("int", "float", "bool"):
         try:
-            return {"store": "fixed", "shape": []}, np.asarray(values, dtype=spec.dtype), None
+            array = np.asarray(values, dtype=spec.dtype)
         except OverflowError as e:
             raise TypeError(f"field {spec.name!r}: an int outside int64 ({e})") from e
+        return _Column(layout={"store": "fixed", "shape": []}, array=array)
     if spec.kind in ("str", "bytes"):
-        lengths = np.fromiter((len(v) for v in values), np.int64, len(values))
-        data = np.frombuffer(b"".join(values), np.uint8)
-        return {"store": "var"}, data, (lengths, None)
+        lengths = np.fromiter(map(len, values), np.int64, len(values))
+        return _Column(layout={"store": "var"}, rows=values, lengths=lengths)
     first = values[0].shape
+    if not first:  # 0-d arrays and numpy scalars: one small array
+        return _Column(layout={"store": "fixed", "shape": []}, array=np.stack(values))
+    rows = [memoryview(v).cast("B") for v in values]  # C-contiguous, ndim >= 1
     if all(v.shape == first for v in values):
-        return {"store": "fixed", "shape": list(first)}, np.stack(values), None
-    lengths = np.fromiter((v.size for v in values), np.int64, len(values))
-    data = np.concatenate([v.reshape(-1) for v in values])
-    shapes = None if spec.ndim == 1 else np.asarray([v.shape for v in values], np.int64)
-    return {"store": "var"}, data, (lengths, shapes)
+        return _Column(layout={"store": "fixed", "shape": list(first)}, rows=rows)
+    return _Column(
+        layout={"store": "var"},
+        rows=rows,
+        lengths=np.fromiter((v.size for v in values), np.int64, len(values)),
+        shapes=None if spec.ndim == 1 else np.asarray([v.shape for v in values], np.int64),
+        itemsize=values[0].itemsize,
+    )
 
 
 def _block_rows(task: _Task, rows: int, raw_bytes: int) -> int:
@@ -212,39 +246,49 @@ class _Payload:
         self.size += len(stored)
         return block
 
-    def segment(self, raw: np.ndarray, cuts: list[int]) -> list[list[int]]:
-        """Blocks of ``raw`` cut at byte offsets ``cuts`` (0 .. its length), back to back
-        from the next aligned offset (so uncompressed blocks tile one aligned segment)."""
+    def _align(self) -> None:
         pad = -self.size % ALIGN
         if pad:
             self.parts.append(b"\0" * pad)
             self.size += pad
-        view = memoryview(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).data)
+
+    def segment(self, raw: np.ndarray, cuts: list[int]) -> list[list[int]]:
+        """Blocks of ``raw`` cut at byte offsets ``cuts`` (0 .. its length), back to back
+        from the next aligned offset (so uncompressed blocks tile one aligned segment)."""
+        self._align()
+        view = _bytes_of(np.ascontiguousarray(raw))
         return [self._block(view[a:b]) for a, b in itertools.pairwise(cuts)]
+
+    def rows(self, rows: list[Any], starts: list[int]) -> list[list[int]]:
+        """Blocks of the row buffers ``rows[a:b]`` for consecutive ``a, b`` of ``starts``.
+
+        Rows are joined a block at a time (one copy of about a block, never of the shard)."""
+        self._align()
+        return [self._block(memoryview(b"".join(rows[a:b]))) for a, b in itertools.pairwise(starts)]
 
 
 def _encode(task: _Task) -> dict[str, Any]:
     """Write one shard file (fsynced) and return its index entry."""
     rows = len(task.columns[0])
-    encoded = [_column_arrays(f, v) for f, v in zip(task.fields, task.columns, strict=True)]
-    per = _block_rows(task, rows, sum(data.nbytes for _, data, _ in encoded))
+    encoded = [_column(f, v) for f, v in zip(task.fields, task.columns, strict=True)]
+    per = _block_rows(task, rows, sum(c.nbytes for c in encoded))
     starts = [*range(0, rows, per), rows]
     payload = _Payload(task.compression)
     columns = []
-    for layout, data, var in encoded:
-        if var is None:
-            row_bytes = data.nbytes // max(1, rows)
-            segments = {"data": payload.segment(data, [r * row_bytes for r in starts])}
-        else:
-            lengths, shapes = var
+    for col in encoded:
+        segments: dict[str, list[list[int]]] = {}
+        if col.lengths is not None:
             offsets = np.zeros(rows + 1, np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            cuts = (offsets[starts] * data.dtype.itemsize).tolist()
-            segments = {"offsets": payload.segment(offsets, [0, offsets.nbytes])}
-            if shapes is not None:
-                segments["shapes"] = payload.segment(shapes, [0, shapes.nbytes])
-            segments["data"] = payload.segment(data, cuts)
-        columns.append({**layout, "segments": segments})
+            np.cumsum(col.lengths, out=offsets[1:])
+            segments["offsets"] = payload.segment(offsets, [0, offsets.nbytes])
+            if col.shapes is not None:
+                segments["shapes"] = payload.segment(col.shapes, [0, col.shapes.nbytes])
+        if col.array is not None:
+            row_bytes = col.array.nbytes // rows
+            segments["data"] = payload.segment(col.array, [r * row_bytes for r in starts])
+        else:
+            segments["data"] = payload.rows(col.rows or [], starts)
+        columns.append({**col.layout, "segments": segments})
     layout = {"rows": rows, "block_rows": per, "columns": columns}
     header = json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()
     head = PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
@@ -366,16 +410,20 @@ def _encode_all(
                 block_rows=block_rows,
             )
 
+    pool: cf.Executor
     if num_workers == 1:
-        entries = [_encode(t) for t in tasks()]
-        return schema, entries
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with cf.ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method)) as pool:
+        # One encoder thread: zstd, blake2b and the file write release the GIL, so a shard is
+        # encoded while the next one is cut from the samples; nothing is pickled.
+        pool = cf.ThreadPoolExecutor(1, thread_name_prefix="meshfeed-shards")
+    else:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        pool = cf.ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method))
+    with pool:
         pending: list[cf.Future[dict[str, Any]]] = []
         try:
             for task in tasks():
                 pending.append(pool.submit(_encode, task))
-                while len(pending) > 2 * num_workers:  # bound the shards held in memory
+                while len(pending) > max(2, 2 * num_workers) - 1:  # bound shards in memory
                     entries.append(pending.pop(0).result())
             entries.extend(f.result() for f in pending)
         except BaseException:
@@ -405,8 +453,11 @@ def write_shards(
     ends after ``rows_per_shard`` rows or once it holds ``bytes_per_shard`` raw bytes,
     whichever comes first. ``compression="zstd"`` (needs ``meshfeed[shards]``) compresses
     blocks of ``block_rows`` rows per column (default: about 1 MiB of raw data per block);
-    ``num_workers`` processes encode shards in parallel, with the same bytes whatever the
-    count. ``out_dir`` must be absent or empty, or a shard dataset with ``overwrite=True``.
+    ``num_workers=1`` encodes in one background thread (overlapping the next shard's
+    samples); more start that many processes, with the same bytes whatever the count (they
+    pay for pickling each shard's samples across). Arrays are referenced, not copied, until
+    their shard is written: do not mutate a sample after yielding it. ``out_dir`` must be
+    absent or empty, or a shard dataset with ``overwrite=True``.
 
         >>> write_shards(({"ids": np.arange(n), "text": "x" * n} for n in range(1, 9)),
         ...              tmp / "ds", rows_per_shard=4)                       # doctest: +SKIP
