@@ -44,6 +44,9 @@ from meshfeed.sources.shards_format import (
 __all__ = ["ShardFormatReader"]
 
 _BlockKey = tuple[str, int, str, int]  # shard path, column, segment, block
+#: Default bound of the decoded-block LRU (per reader and process): about 8 shards of 64 MiB
+#: compressed at 2:1, i.e. a window of a few raw shards.
+CACHE_BYTES = 512 << 20
 
 
 class _Shard:
@@ -255,13 +258,15 @@ class ShardFormatReader:
     A shard path finds its ``index.json`` in its own directory (read once per directory and
     process); :meth:`from_index` reads one up front. The reader pickles small: open maps and
     decoded blocks stay behind and are reopened lazily in the worker that unpickles it.
-    ``cache_bytes`` bounds the decoded-block LRU of compressed shards; ``max_open`` the maps
-    kept open. ``verify=True`` hashes each shard on its first open in each process (reads the
+    ``cache_bytes`` bounds the decoded-block LRU of compressed shards: size it to the raw bytes
+    of the rows a worker reads in random order at once (its window of shards); rows drawn
+    uniformly from a window larger than the cache re-decode blocks (a window 7 % over the
+    cache decoded 5x its bytes). ``max_open`` bounds the maps kept open. ``verify=True`` hashes each shard on its first open in each process (reads the
     whole file: about 1 GB/s per core); by default only sizes, headers and offsets are checked.
     """
 
     def __init__(
-        self, *, verify: bool = False, cache_bytes: int = 256 << 20, max_open: int = 64
+        self, *, verify: bool = False, cache_bytes: int = CACHE_BYTES, max_open: int = 64
     ) -> None:
         if cache_bytes < 0 or max_open < 1:
             raise ValueError(
@@ -281,7 +286,7 @@ class ShardFormatReader:
 
     @classmethod
     def from_index(
-        cls, path: str | os.PathLike[str], *, verify: bool = False, cache_bytes: int = 256 << 20
+        cls, path: str | os.PathLike[str], *, verify: bool = False, cache_bytes: int = CACHE_BYTES
     ) -> ShardFormatReader:
         """A reader with ``path``'s index read and checked now (sizes; hashes if ``verify``)."""
         reader = cls(verify=verify, cache_bytes=cache_bytes)
