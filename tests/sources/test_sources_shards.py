@@ -394,3 +394,18 @@ def test_convert_jsonl_to_shards(
     assert main(["convert", str(src), "--to", "shards", "-o", str(tmp_path / "o2")]) == 2
     assert "row 0 field 'a': builtins.dict is not supported" in capsys.readouterr().err
     assert not (tmp_path / "o2").exists()
+
+
+def test_zstd_levels_read_the_same_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    samples = [f"line {n} " * 50 for n in range(100)]
+    fast = write_shards(samples, tmp_path / "fast", rows_per_shard=100, compression="zstd")
+    slow = write_shards(samples, tmp_path / "slow", rows_per_shard=100, compression="zstd:19")
+    assert read_index(fast).compression == read_index(slow).compression == "zstd"
+    assert fast.parent.joinpath("shard-00000.mfs").read_bytes() != (
+        slow.parent.joinpath("shard-00000.mfs").read_bytes()
+    )
+    assert read_all(ShardFormatReader.from_index(slow)) == samples
+    assert read_all(ShardFormatReader.from_index(fast)) == samples
+    for bad in ("zstd:0", "zstd:x", "lz4"):
+        with pytest.raises(ValueError, match="compression must be None, 'zstd'"):
+            write_shards(samples, tmp_path / "bad", compression=bad)
