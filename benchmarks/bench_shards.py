@@ -78,6 +78,15 @@ def _sample(i: int) -> dict[str, np.ndarray]:
     return DATA[i]
 
 
+def remove(path: Path) -> None:
+    """rmtree that outlasts a peer's background thread still writing into ``path``."""
+    for _ in range(20):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.5)
+
+
 def disk_mib(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
 
@@ -307,11 +316,11 @@ def main() -> None:
                         it = "-" if native is None else f"{measure(native, out, plan, rounds):.0f}"
                         row += f"{it:>10}"
                     print(row, flush=True)
-                    shutil.rmtree(out)
-                    shutil.rmtree(root / "ld-cache", ignore_errors=True)
+                    remove(out)
+                    remove(root / "ld-cache")
     finally:
         if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
+            remove(root)
 
 
 if __name__ == "__main__":
