@@ -58,15 +58,20 @@ class _Shard:
         check_file(Path(path), entry, verify=reader.verify)
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._check_header()
         self.base = entry.payload
-        self.block_rows = int(entry.layout["block_rows"])
-        self._check_segments()
-        cols = entry.layout["columns"]
-        self.columns = [
-            (_FixedColumn if cols[i]["store"] == "fixed" else _VarColumn)(self, i, spec, cols[i])
-            for i, spec in enumerate(index.fields)
-        ]
+        self._check_header()
+        try:
+            self.block_rows = int(entry.layout["block_rows"])
+            self._check_segments()
+            cols = entry.layout["columns"]
+            if len(cols) != len(index.fields) or self.block_rows < 1:
+                raise ValueError(f"{len(cols)} columns for {len(index.fields)} fields")
+            self.columns = [
+                (_FixedColumn if cols[i]["store"] == "fixed" else _VarColumn)(self, i, f, cols[i])
+                for i, f in enumerate(index.fields)
+            ]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise self.fail(f"its layout is malformed ({e!r})") from e
 
     def fail(self, what: str) -> SourceError:
         return SourceError(f"shard {self.path} is damaged: {what}; rewrite the dataset")
@@ -79,8 +84,8 @@ class _Shard:
             raise self.fail(f"wrong magic {magic!r} (not a meshfeed shard)")
         if version != VERSION:
             raise self.fail(f"format version {version}, this meshfeed reads {VERSION}")
-        if PREAMBLE.size + size > len(self.map):
-            raise self.fail(f"header length {size} runs past the end of the file")
+        if PREAMBLE.size + size > min(len(self.map), self.base):
+            raise self.fail(f"header length {size} runs past its payload or the file")
         try:
             header = json.loads(self.map[PREAMBLE.size : PREAMBLE.size + size])
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -94,11 +99,13 @@ class _Shard:
         room = len(self.map) - self.base
         for col in self.entry.layout["columns"]:
             for seg in col["segments"].values():
+                end = seg[0][0] if seg else 0
                 for off, stored, raw in seg:
                     if off < 0 or stored < 0 or raw < 0 or off + stored > room:
                         raise self.fail(f"a block [{off}, {stored}] lies outside the file")
-                    if not self.compressed and stored != raw:
-                        raise self.fail("an uncompressed block with two sizes")
+                    if not self.compressed and (stored != raw or off != end):
+                        raise self.fail("uncompressed blocks that do not tile their segment")
+                    end = off + stored
 
     def whole(self, segment: list[list[int]]) -> np.ndarray:
         """An uncompressed segment as one ``uint8`` view (its blocks tile it)."""
