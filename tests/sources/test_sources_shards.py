@@ -409,3 +409,18 @@ def test_zstd_levels_read_the_same_and_bad_ones_are_refused(tmp_path: Path) -> N
     for bad in ("zstd:0", "zstd:x", "lz4"):
         with pytest.raises(ValueError, match="compression must be None, 'zstd'"):
             write_shards(samples, tmp_path / "bad", compression=bad)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_decode_threads_give_the_same_rows(tmp_path: Path, threads: int) -> None:
+    samples = mixed_samples(80, seed=3)
+    index = write_shards(
+        samples, tmp_path / "ds", rows_per_shard=80, block_rows=3, compression="zstd"
+    )
+    reader = ShardFormatReader(threads=threads)
+    rows = np.random.default_rng(threads).integers(0, 80, 60)
+    for r, got in zip(
+        rows.tolist(), reader.take(index.parent / "shard-00000.mfs", rows), strict=True
+    ):
+        assert_same(samples[r], got)
+    assert (reader._threads is None) == (threads == 1)

@@ -16,6 +16,7 @@ naming the shard: never a numpy crash or silent garbage. Content hashes are chec
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import json
 import mmap
@@ -124,13 +125,29 @@ class _Shard:
         start = self.base + off
         arr = np.empty(raw, np.uint8)  # decoded straight into a writable array
         try:
-            got = _decode_into(self.map[start : start + stored], arr)
+            got = _decode_into(memoryview(self.map)[start : start + stored], arr)
         except Exception as e:  # zstd raises ZstdError on a damaged or truncated frame
             raise self.fail(f"block {b} of {name!r} in column {col} does not decode ({e})") from e
         if got != raw:
             raise self.fail(f"block {b} of {name!r} in column {col} decodes to {got} bytes")
         self.reader._store(key, arr)
         return arr
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """Decode the data blocks ``rows`` need and the cache lacks, in the reader's threads
+        (zstd drops the GIL, so a batch touching many blocks decodes them side by side)."""
+        blocks = np.unique(rows // self.block_rows).tolist()
+        cached = self.reader._blocks
+        missing = [
+            (c, b)
+            for c in range(len(self.columns))
+            for b in blocks
+            if (self.path, c, "data", b) not in cached
+        ]
+        pool = self.reader._pool() if len(missing) > 1 else None
+        if pool is not None:
+            for _ in pool.map(lambda cb: self.block(cb[0], "data", cb[1]), missing):
+                pass
 
 
 class _FixedColumn:
@@ -268,18 +285,26 @@ class ShardFormatReader:
     ``cache_bytes`` bounds the decoded-block LRU of compressed shards: size it to the raw bytes
     of the rows a worker reads in random order at once (its window of shards); rows drawn
     uniformly from a window larger than the cache re-decode blocks (a window 7 % over the
-    cache decoded 5x its bytes). ``max_open`` bounds the maps kept open. ``verify=True`` hashes each shard on its first open in each process (reads the
+    cache decoded 5x its bytes). ``max_open`` bounds the maps kept open; ``threads`` decode
+    the blocks one batch needs side by side (1: decode in the calling thread only). ``verify=True`` hashes each shard on its first open in each process (reads the
     whole file: about 1 GB/s per core); by default only sizes, headers and offsets are checked.
     """
 
     def __init__(
-        self, *, verify: bool = False, cache_bytes: int = CACHE_BYTES, max_open: int = 64
+        self,
+        *,
+        verify: bool = False,
+        cache_bytes: int = CACHE_BYTES,
+        max_open: int = 64,
+        threads: int = 2,
     ) -> None:
-        if cache_bytes < 0 or max_open < 1:
+        if cache_bytes < 0 or max_open < 1 or threads < 1:
             raise ValueError(
-                f"cache_bytes must be >= 0 and max_open >= 1 (got {cache_bytes=}, {max_open=})"
+                "cache_bytes must be >= 0, max_open and threads >= 1 (got "
+                f"{cache_bytes=}, {max_open=}, {threads=})"
             )
         self.verify, self.cache_bytes, self.max_open = verify, cache_bytes, max_open
+        self.threads = threads
         self.index: ShardIndex | None = None
         self._indexes: dict[str, ShardIndex] = {}
         self._reset()
@@ -290,6 +315,7 @@ class ShardFormatReader:
         self._blocks: OrderedDict[_BlockKey, np.ndarray] = OrderedDict()
         self._held = 0
         self._lock = threading.RLock()
+        self._threads: cf.ThreadPoolExecutor | None = None
 
     @classmethod
     def from_index(
@@ -309,7 +335,7 @@ class ShardFormatReader:
         return self.index.paths
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("verify", "cache_bytes", "max_open", "index", "_indexes")
+        keep = ("verify", "cache_bytes", "max_open", "threads", "index", "_indexes")
         return {k: getattr(self, k) for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -345,6 +371,15 @@ class ShardFormatReader:
             while len(self._open) > self.max_open:
                 self._open.popitem(last=False)  # maps close once their views are gone
             return opened
+
+    def _pool(self) -> cf.ThreadPoolExecutor | None:
+        """The decode threads (made on first need, in the process that uses them)."""
+        if self.threads < 2:
+            return None
+        with self._lock:
+            if self._threads is None:
+                self._threads = cf.ThreadPoolExecutor(self.threads, "meshfeed-shard-decode")
+            return self._threads
 
     def _cached(self, key: _BlockKey) -> np.ndarray | None:
         # No lock on this path: get and move_to_end are single C calls under the GIL; a
@@ -384,6 +419,8 @@ class ShardFormatReader:
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
             bad = int(idx[(idx < 0) | (idx >= n)][0])
             raise IndexError(f"row {bad} is outside shard {os.fspath(shard)} ({n} rows)")
+        if opened.compressed and idx.size > 1:
+            opened.prefetch(idx)
         cols = [c.values(idx) for c in opened.columns]
         if len(cols) == 1 and self._entry(shard)[0].sample == "bare":
             return cols[0]
@@ -401,7 +438,7 @@ class ShardFormatReader:
             yield from self.take(shard, np.arange(lo, min(lo + step, stop), dtype=np.int64))
 
 
-def _decode_into(frame: bytes, out: np.ndarray) -> int:
+def _decode_into(frame: bytes | memoryview, out: np.ndarray) -> int:
     """Decode one zstd frame into ``out``; the bytes written (checksum checked at the end)."""
     view, n = out.data, 0
     with _zstd().ZstdDecompressor().stream_reader(frame) as src:
