@@ -318,11 +318,10 @@ class ShardFormatReader:
         self._threads: cf.ThreadPoolExecutor | None = None
 
     @classmethod
-    def from_index(
-        cls, path: str | os.PathLike[str], *, verify: bool = False, cache_bytes: int = CACHE_BYTES
-    ) -> ShardFormatReader:
-        """A reader with ``path``'s index read and checked now (sizes; hashes if ``verify``)."""
-        reader = cls(verify=verify, cache_bytes=cache_bytes)
+    def from_index(cls, path: str | os.PathLike[str], **options: Any) -> ShardFormatReader:
+        """A reader with ``path``'s index read and checked now (shard sizes; ``verify=True``
+        hashes each shard on its first open); ``options`` as for the constructor."""
+        reader = cls(**options)
         reader.index = read_index(path)
         reader._indexes[os.path.abspath(reader.index.root)] = reader.index
         return reader
