@@ -424,3 +424,20 @@ def test_decode_threads_give_the_same_rows(tmp_path: Path, threads: int) -> None
     ):
         assert_same(samples[r], got)
     assert (reader._threads is None) == (threads == 1)
+
+
+def _take_in_worker(args: tuple[ShardFormatReader, str, list[int]]) -> list[int]:
+    reader, shard, rows = args
+    return [int(s["y"]) for s in reader.take(shard, np.asarray(rows))]
+
+
+@pytest.mark.slow
+def test_a_pickled_reader_reads_in_another_process(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    index = write_shards(mixed_samples(40), tmp_path / "ds", rows_per_shard=20, compression="zstd")
+    reader = ShardFormatReader.from_index(index)
+    reader.take(reader.shards[1], np.array([0]))  # open maps and threads stay in this process
+    with mp.get_context("spawn").Pool(1) as pool:
+        got = pool.map(_take_in_worker, [(reader, reader.shards[1], [19, 0, 5, 5])])
+    assert got == [[(i + 20) * 7 - 50 for i in (19, 0, 5, 5)]]
