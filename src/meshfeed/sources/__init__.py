@@ -8,6 +8,9 @@ from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mds import MDSReader, mds_stream
 from meshfeed.sources.mixture import Mixture, MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
+from meshfeed.sources.shards_format import ShardIndex, read_index
+from meshfeed.sources.shards_read import ShardFormatReader
+from meshfeed.sources.shards_write import write_shards
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_readers import DefaultReader, default_reader
 from meshfeed.sources.webdataset import TarReader, wds_stream
@@ -24,6 +27,8 @@ __all__ = [
     "Mixture",
     "MixtureOrder",
     "ParquetSource",
+    "ShardFormatReader",
+    "ShardIndex",
     "ShardedStream",
     "TarReader",
     "TokenCorpus",
@@ -33,5 +38,7 @@ __all__ = [
     "default_reader",
     "mds_stream",
     "wds_stream",
+    "read_index",
     "write_indexed",
+    "write_shards",
 ]

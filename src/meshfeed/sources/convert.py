@@ -270,6 +270,10 @@ def _convert_to_url(
 
 
 def _handler(args: argparse.Namespace) -> int:
+    if args.to == "shards":
+        from meshfeed.sources.shards_convert import handler
+
+        return handler(args)
     try:
         corpus = convert(
             args.inputs,
@@ -316,6 +320,14 @@ def add_subcommand(subparsers: Any) -> None:
         default=None,
         help="shard cache for a URL output (default: $MESHFEED_CACHE_DIR or ~/.cache/meshfeed)",
     )
+    p.add_argument(
+        "--to",
+        choices=("corpus", "shards"),
+        default="corpus",
+        help="corpus: a .bin/.idx token corpus (default); shards: meshfeed shards of whole "
+        "JSONL records (write_shards), written to the directory -o names",
+    )
+    p.add_argument("--compression", choices=("zstd",), default=None, help="--to shards only")
     p.add_argument(
         "--format", choices=FORMATS, default="auto", help="input format (default: by suffix)"
     )

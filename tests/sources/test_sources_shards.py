@@ -1,0 +1,443 @@
+"""meshfeed shards: write_shards, read_index and ShardFormatReader, round trip and faults."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from meshfeed.errors import SourceError
+from meshfeed.sources import ShardFormatReader, read_index, write_shards
+from meshfeed.sources.shards_format import PREAMBLE, file_hash
+
+COMPRESSIONS = [None, "zstd"]
+
+
+def mixed_samples(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Every supported kind; ``tok`` / ``m`` / ``s`` / ``b`` vary in length, the rest do not."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "tok": rng.integers(0, 50_000, int(rng.integers(0, 40))).astype(np.int32),
+            "img": torch.randn(3, 4, generator=gen),
+            "y": i * 7 - 50,
+            "f": i / 3,
+            "ok": i % 2 == 0,
+            "s": "héllo ✓" * (i % 3),
+            "b": bytes([i % 256]) * (i % 5),
+            "m": torch.randn(2, i % 4 + 1, generator=gen).to(torch.bfloat16),
+            "grid": rng.random((i % 3 + 1, 2)),
+            "z": np.array(i, dtype=np.int16),
+            "sc": np.float32(i) / 2,
+            "mask": torch.tensor([i % 2 == 0, True]),
+        }
+        for i in range(n)
+    ]
+
+
+def assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, (np.ndarray, np.generic)):
+        assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a, b)
+    else:
+        assert type(a) is type(b) and a == b
+
+
+def read_all(reader: ShardFormatReader) -> list[Any]:
+    return [row for path in reader.shards for row in reader(path)]
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_round_trip_of_every_kind(tmp_path: Path, compression: str | None) -> None:
+    samples = mixed_samples(60)
+    index = write_shards(
+        samples, tmp_path / "ds", rows_per_shard=25, compression=compression, block_rows=7
+    )
+    reader = ShardFormatReader.from_index(index)
+    assert [reader.count(p) for p in reader.shards] == [25, 25, 10]
+    got = read_all(reader)
+    assert len(got) == len(samples)
+    for a, b in zip(samples, got, strict=True):
+        assert_same(a, b)
+    raw = json.loads(index.read_text())
+    columns = raw["shards"][0]["layout"]["columns"]
+    stores = {f["name"]: c["store"] for f, c in zip(raw["fields"], columns, strict=True)}
+    assert stores["img"] == stores["y"] == stores["z"] == "fixed"
+    assert stores["tok"] == stores["s"] == stores["m"] == stores["grid"] == "var"
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [torch.arange(n, dtype=torch.int64) for n in range(30)],
+        [np.full((2, 3), n, np.float16) for n in range(30)],
+        list(range(-15, 15)),
+        [f"doc {n} " * n for n in range(30)],
+        [bytes(range(n)) for n in range(30)],
+    ],
+    ids=["var-tensors", "fixed-arrays", "ints", "str", "bytes"],
+)
+def test_bare_values_round_trip(
+    tmp_path: Path, samples: list[Any], compression: str | None
+) -> None:
+    index = write_shards(samples, tmp_path / "ds", rows_per_shard=11, compression=compression)
+    got = read_all(ShardFormatReader.from_index(index))
+    assert len(got) == len(samples)
+    for a, b in zip(samples, got, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_take_gives_rows_in_the_order_asked_with_repeats_across_blocks(
+    tmp_path: Path, compression: str | None, seed: int
+) -> None:
+    samples = mixed_samples(50, seed)
+    index = write_shards(
+        samples, tmp_path / "ds", rows_per_shard=50, block_rows=4, compression=compression
+    )
+    reader = ShardFormatReader.from_index(index)
+    rows = np.random.default_rng(seed).integers(0, 50, 80)
+    rows[:3] = [49, 0, 49]
+    got = reader.take(reader.shards[0], rows)
+    assert len(got) == len(rows)
+    for r, b in zip(rows.tolist(), got, strict=True):
+        assert_same(samples[r], b)
+    assert reader.take(reader.shards[0], np.empty(0, np.int64)) == []
+    with pytest.raises(IndexError, match="row 50 is outside shard"):
+        reader.take(reader.shards[0], np.array([3, 50]))
+
+
+def test_range_form_and_count_and_version(tmp_path: Path) -> None:
+    samples = [{"x": np.arange(n % 5, dtype=np.int32), "n": n} for n in range(40)]
+    index = write_shards(samples, tmp_path / "ds", rows_per_shard=20, block_rows=3)
+    reader = ShardFormatReader()  # finds index.json beside each shard
+    paths = [str(tmp_path / "ds" / f"shard-0000{i}.mfs") for i in range(2)]
+    assert [reader.count(p) for p in paths] == [20, 20]
+    assert [r["n"] for r in reader(paths[1], 5, 17)] == list(range(25, 37))
+    assert [r["n"] for r in reader(paths[1], 18, None)] == [38, 39]
+    assert list(reader(paths[0], 20, 30)) == []
+    versions = [reader.version(p) for p in paths]
+    assert versions == [f"blake2b-128:{file_hash(p)}" for p in paths]
+    assert versions[0] != versions[1]
+    assert read_index(index).num_rows == 40
+
+
+def test_bytes_per_shard_cuts_shards_by_raw_size(tmp_path: Path) -> None:
+    samples = [np.zeros(1000, np.uint8) for _ in range(25)]
+    index = write_shards(samples, tmp_path / "ds", bytes_per_shard=10_000)
+    assert [s.rows for s in read_index(index).shards] == [10, 10, 5]
+    index = write_shards(samples, tmp_path / "ds2", bytes_per_shard=10_000, rows_per_shard=4)
+    assert [s.rows for s in read_index(index).shards] == [4] * 6 + [1]
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_same_input_writes_the_same_bytes(tmp_path: Path, compression: str | None) -> None:
+    samples = mixed_samples(40)
+    a = write_shards(samples, tmp_path / "a", rows_per_shard=16, compression=compression)
+    b = write_shards(samples, tmp_path / "b", rows_per_shard=16, compression=compression)
+    files = sorted(p.name for p in a.parent.iterdir())
+    assert files == sorted(p.name for p in b.parent.iterdir())
+    for name in files:
+        assert (a.parent / name).read_bytes() == (b.parent / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_num_workers_do_not_change_the_bytes(tmp_path: Path) -> None:
+    samples = mixed_samples(90)
+    kw: dict[str, Any] = {"rows_per_shard": 16, "compression": "zstd"}
+    one = write_shards(samples, tmp_path / "one", num_workers=1, **kw)
+    two = write_shards(samples, tmp_path / "two", num_workers=2, **kw)
+    files = sorted(p.name for p in one.parent.iterdir())
+    assert len(files) == 7 and files == sorted(p.name for p in two.parent.iterdir())
+    for name in files:
+        assert (one.parent / name).read_bytes() == (two.parent / name).read_bytes()
+
+
+def failing(n: int) -> Any:
+    yield from mixed_samples(n)
+    raise RuntimeError("source died")
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_failed_write_leaves_no_index_and_no_temp_files(tmp_path: Path, workers: int) -> None:
+    with pytest.raises(RuntimeError, match="source died"):
+        write_shards(failing(70), tmp_path / "ds", rows_per_shard=8, num_workers=workers)
+    assert list(tmp_path.iterdir()) == []
+    bad = [*mixed_samples(20), {**mixed_samples(1)[0], "y": 1.5}]
+    with pytest.raises(TypeError, match=r"row 20 field 'y' is float float64.*row 0 had int"):
+        write_shards(bad, tmp_path / "ds", rows_per_shard=8, num_workers=workers)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ([1, 2], "field 'v': builtins.list is not supported"),
+        (None, "field 'v': builtins.NoneType is not supported"),
+        ({"a": 1}, "field 'v': builtins.dict is not supported"),
+        (np.array(["a"]), "field 'v': dtype <U1 is not numeric"),
+        (np.array([object()]), "field 'v': dtype object is not numeric"),
+    ],
+)
+def test_unsupported_types_are_refused_by_name(tmp_path: Path, value: Any, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        write_shards([{"v": value}], tmp_path / "ds", rows_per_shard=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fields_must_match_the_first_sample(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"row 1 has fields \['a', 'b'\], but row 0 had \['a'\]"):
+        write_shards([{"a": 1}, {"a": 1, "b": 2}], tmp_path / "ds", rows_per_shard=2)
+    with pytest.raises(TypeError, match="row 1 field 'a' is ndarray int32 of 2 dims"):
+        write_shards(
+            [{"a": np.zeros(3, np.int32)}, {"a": np.zeros((1, 3), np.int32)}],
+            tmp_path / "ds",
+            rows_per_shard=2,
+        )
+    with pytest.raises(ValueError, match="no samples to write"):
+        write_shards([], tmp_path / "ds")
+
+
+def test_existing_output_is_refused_unless_overwriting_a_dataset(tmp_path: Path) -> None:
+    write_shards(range(10), tmp_path / "ds", rows_per_shard=4)
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        write_shards(range(5), tmp_path / "ds", rows_per_shard=4)
+    index = write_shards(range(5), tmp_path / "ds", rows_per_shard=4, overwrite=True)
+    assert read_all(ShardFormatReader.from_index(index)) == list(range(5))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        write_shards(range(5), tmp_path / "other", rows_per_shard=4, overwrite=True)
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_compressed_and_uncompressed_hold_the_same_samples(
+    tmp_path: Path, compression: str | None
+) -> None:
+    rng = np.random.default_rng(0)
+    samples = [{"t": rng.integers(0, 1000, 500).astype(np.int32), "n": i} for i in range(200)]
+    plain = write_shards(samples, tmp_path / "plain", rows_per_shard=64)
+    packed = write_shards(samples, tmp_path / "packed", rows_per_shard=64, compression="zstd")
+    a, b = ShardFormatReader.from_index(plain), ShardFormatReader.from_index(packed)
+    rows = rng.integers(0, 64, 100)
+    for pa, pb in zip(a.shards, b.shards, strict=True):
+        for x, y in zip(
+            a.take(pa, rows % a.count(pa)), b.take(pb, rows % b.count(pb)), strict=True
+        ):
+            assert_same(x, y)
+    size = {
+        name: sum(s.bytes for s in read_index(i).shards)
+        for name, i in (("a", plain), ("b", packed))
+    }
+    assert size["b"] < 0.75 * size["a"]
+
+
+def test_reader_pickles_without_its_maps_and_reopens(tmp_path: Path) -> None:
+    index = write_shards(mixed_samples(30), tmp_path / "ds", rows_per_shard=10, compression="zstd")
+    reader = ShardFormatReader.from_index(index)
+    before = reader.take(reader.shards[2], np.array([3, 1]))
+    blob = pickle.dumps(reader)
+    assert len(blob) < 20_000
+    clone = pickle.loads(blob)
+    assert not clone._open and not clone._blocks
+    for a, b in zip(before, clone.take(clone.shards[2], np.array([3, 1])), strict=True):
+        assert_same(a, b)
+
+
+def test_decoded_blocks_stay_within_cache_bytes(tmp_path: Path) -> None:
+    samples = [np.full(1024, i, np.int64) for i in range(64)]  # 8 KiB rows
+    index = write_shards(
+        samples, tmp_path / "ds", rows_per_shard=64, block_rows=2, compression="zstd"
+    )
+    reader = ShardFormatReader.from_index(index, cache_bytes=40_000)
+    got = reader.take(reader.shards[0], np.arange(64)[::-1])
+    assert [int(g[0]) for g in got] == list(range(63, -1, -1))
+    assert 0 < reader._held <= 40_000 and len(reader._blocks) == 2
+
+
+# --- damaged files ------------------------------------------------------------------------
+
+
+def dataset(tmp_path: Path, compression: str | None = None) -> tuple[Path, Path]:
+    index = write_shards(
+        mixed_samples(30), tmp_path / "ds", rows_per_shard=15, block_rows=5, compression=compression
+    )
+    return index, tmp_path / "ds" / "shard-00001.mfs"
+
+
+def test_a_truncated_shard_is_refused_by_name(tmp_path: Path) -> None:
+    index, shard = dataset(tmp_path)
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(SourceError, match=r"shard .*shard-00001.mfs has \d+ bytes but its index"):
+        read_index(index)
+    with pytest.raises(SourceError, match="shard-00001.mfs has"):
+        ShardFormatReader().take(shard, np.array([0]))
+    shard.unlink()
+    with pytest.raises(SourceError, match="shard-00001.mfs is missing"):
+        read_index(index)
+
+
+def test_wrong_magic_is_refused_by_name(tmp_path: Path) -> None:
+    index, shard = dataset(tmp_path)
+    raw = bytearray(shard.read_bytes())
+    raw[:8] = b"PAR1\x00\x00\x00\x00"
+    shard.write_bytes(bytes(raw))
+    reader = ShardFormatReader.from_index(index)  # same size: only the open sees it
+    with pytest.raises(SourceError, match=r"shard-00001.mfs is damaged: wrong magic"):
+        reader.take(shard, np.array([0]))
+    reader.take(reader.shards[0], np.array([0]))  # the other shard still reads
+
+
+def flip(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_compressed_block_is_refused_by_name(tmp_path: Path) -> None:
+    index, shard = dataset(tmp_path, "zstd")
+    entry = read_index(index).shards[1]
+    off, stored, _ = entry.layout["columns"][0]["segments"]["data"][1]  # tok, block 1
+    flip(shard, entry.payload + off + stored // 2)
+    reader = ShardFormatReader.from_index(index)
+    reader.take(shard, np.array([0, 14]))  # blocks 0 and 2 are intact
+    with pytest.raises(SourceError, match=r"shard-00001.mfs is damaged: block 1 of 'data'"):
+        reader.take(shard, np.array([6]))
+
+
+def test_damaged_offsets_are_refused_not_read_as_garbage(tmp_path: Path) -> None:
+    index, shard = dataset(tmp_path)
+    entry = read_index(index).shards[1]
+    off = entry.layout["columns"][0]["segments"]["offsets"][0][0]
+    flip(shard, entry.payload + off + 8 * 3 + 7)  # the high byte of offsets[3]
+    with pytest.raises(SourceError, match=r"shard-00001.mfs is damaged: column 'tok' offsets"):
+        ShardFormatReader.from_index(index).take(shard, np.array([0]))
+
+
+def test_a_header_that_disagrees_with_the_index_is_refused(tmp_path: Path) -> None:
+    index, shard = dataset(tmp_path)
+    raw = bytearray(shard.read_bytes())
+    _, _, size = PREAMBLE.unpack_from(raw, 0)
+    header = raw[PREAMBLE.size : PREAMBLE.size + size]
+    raw[PREAMBLE.size : PREAMBLE.size + size] = header.replace(b'"rows":15', b'"rows":16')
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(SourceError, match="shard-00001.mfs is damaged: its header disagrees"):
+        ShardFormatReader.from_index(index).take(shard, np.array([0]))
+
+
+def test_verify_hashes_each_shard_on_first_open(tmp_path: Path) -> None:
+    index, shard = dataset(tmp_path)
+    entry = read_index(index).shards[1]
+    off = entry.layout["columns"][1]["segments"]["data"][0][0]  # img, a fixed float column
+    flip(shard, entry.payload + off + 1)
+    ShardFormatReader.from_index(index).take(shard, np.array([0]))  # sizes only: unseen
+    with pytest.raises(SourceError, match="shard-00001.mfs has content hash"):
+        ShardFormatReader.from_index(index, verify=True).take(shard, np.array([0]))
+    with pytest.raises(SourceError, match="shard-00001.mfs has content hash"):
+        read_index(index, verify=True)
+
+
+def test_a_bad_index_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="index.json does not exist"):
+        read_index(tmp_path)
+    index, _ = dataset(tmp_path)
+    raw = json.loads(index.read_text())
+    index.write_text(json.dumps({**raw, "version": 99}))
+    with pytest.raises(SourceError, match="version 99; this meshfeed reads version 1"):
+        read_index(index)
+    index.write_text(json.dumps({**raw, "shards": [{**raw["shards"][0], "file": "../x"}]}))
+    with pytest.raises(SourceError, match="must be a plain name"):
+        read_index(index)
+    index.write_text("{not json")
+    with pytest.raises(SourceError, match="not a readable meshfeed shard index"):
+        read_index(index)
+
+
+# --- meshfeed convert --to shards ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", [[], ["--compression", "zstd"]])
+def test_convert_jsonl_to_shards(
+    tmp_path: Path, compression: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshfeed.cli import main
+
+    src = tmp_path / "in.jsonl"
+    lines = [{"text": "é" * n, "ids": list(range(n)), "score": n / 2} for n in range(1, 6)]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out"
+    assert main(["convert", str(src), "--to", "shards", "-o", str(out), *compression]) == 0
+    assert "5 samples in 1 shards" in capsys.readouterr().out
+    reader = ShardFormatReader.from_index(out)
+    got = read_all(reader)
+    assert [g["text"] for g in got] == [x["text"] for x in lines]
+    assert [g["ids"].tolist() for g in got] == [x["ids"] for x in lines]
+    assert got[0]["ids"].dtype == np.int64 and got[2]["score"] == 1.5
+    assert reader.index is not None and reader.index.compression == (compression or [None])[-1]
+    src.write_text('{"a": {"nested": 1}}\n')
+    assert main(["convert", str(src), "--to", "shards", "-o", str(tmp_path / "o2")]) == 2
+    assert "row 0 field 'a': builtins.dict is not supported" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
+
+
+def test_zstd_levels_read_the_same_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    samples = [f"line {n} " * 50 for n in range(100)]
+    fast = write_shards(samples, tmp_path / "fast", rows_per_shard=100, compression="zstd")
+    slow = write_shards(samples, tmp_path / "slow", rows_per_shard=100, compression="zstd:19")
+    assert read_index(fast).compression == read_index(slow).compression == "zstd"
+    assert fast.parent.joinpath("shard-00000.mfs").read_bytes() != (
+        slow.parent.joinpath("shard-00000.mfs").read_bytes()
+    )
+    assert read_all(ShardFormatReader.from_index(slow)) == samples
+    assert read_all(ShardFormatReader.from_index(fast)) == samples
+    for bad in ("zstd:0", "zstd:x", "lz4"):
+        with pytest.raises(ValueError, match="compression must be None, 'zstd'"):
+            write_shards(samples, tmp_path / "bad", compression=bad)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_decode_threads_give_the_same_rows(tmp_path: Path, threads: int) -> None:
+    samples = mixed_samples(80, seed=3)
+    index = write_shards(
+        samples, tmp_path / "ds", rows_per_shard=80, block_rows=3, compression="zstd"
+    )
+    reader = ShardFormatReader(threads=threads)
+    rows = np.random.default_rng(threads).integers(0, 80, 60)
+    for r, got in zip(
+        rows.tolist(), reader.take(index.parent / "shard-00000.mfs", rows), strict=True
+    ):
+        assert_same(samples[r], got)
+    assert (reader._threads is None) == (threads == 1)
+
+
+def _take_in_worker(args: tuple[ShardFormatReader, str, list[int]]) -> list[int]:
+    reader, shard, rows = args
+    return [int(s["y"]) for s in reader.take(shard, np.asarray(rows))]
+
+
+@pytest.mark.slow
+def test_a_pickled_reader_reads_in_another_process(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    index = write_shards(mixed_samples(40), tmp_path / "ds", rows_per_shard=20, compression="zstd")
+    reader = ShardFormatReader.from_index(index)
+    reader.take(reader.shards[1], np.array([0]))  # open maps and threads stay in this process
+    with mp.get_context("spawn").Pool(1) as pool:
+        got = pool.map(_take_in_worker, [(reader, reader.shards[1], [19, 0, 5, 5])])
+    assert got == [[(i + 20) * 7 - 50 for i in (19, 0, 5, 5)]]
