@@ -27,8 +27,11 @@ def test_convert_refuses_a_float_dtype_for_a_token_corpus(dtype, tmp_path, capsy
         main(["convert", str(data), "-o", str(tmp_path / "out"), "--dtype", dtype])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert f"--dtype {dtype} is not an integer type" in err and "--dtype uint16" in err
+    assert f"invalid choice: '{dtype}'" in err and "uint16" in err
     assert not (tmp_path / "out.bin").exists()
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    assert "float" not in capsys.readouterr().out  # --help offers only what convert takes
 
 
 def test_convert_accepts_an_integer_dtype(tmp_path):

@@ -11,8 +11,6 @@ import importlib
 import logging
 import sys
 
-import numpy as np
-
 #: Subcommand modules; each exposes ``add_subcommand(subparsers)``.
 _SUBCOMMANDS = (
     "meshfeed.demo",
@@ -44,24 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Token corpora hold token ids: windows, documents and vocab metrics read them as integers.
-    dtype = np.dtype(args.dtype)
-    if not np.issubdtype(dtype, np.integer):
-        parser.error(
-            f"convert: --dtype {args.dtype} is not an integer type; a token corpus holds token "
-            "ids, use --dtype uint16 (vocabularies up to 65536), int32 or int64"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if args.command == "convert":
-        _check_convert(parser, args)
     configure_logging()
     return int(args.func(args) or 0)
 
