@@ -48,8 +48,8 @@ TOKEN_DTYPES = tuple(
     sorted(str(np.dtype(d)) for d in DTYPE_CODES.values() if np.dtype(d).kind in "iu")
 )
 #: Input bytes (JSONL) or records per work item; a few per worker keep every worker busy.
-CHUNK_BYTES = 1 << 18
-CHUNK_RECORDS = 2048
+CHUNK_BYTES = 1 << 16
+CHUNK_RECORDS = 1024
 
 
 def _detect(path: Path, fmt: str) -> str:
@@ -234,7 +234,7 @@ def _encoded(
         pending: deque[tuple[_Chunk, Any]] = deque()
         for chunk in chunks:
             pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
-            if len(pending) >= 3 * workers:  # bounded read-ahead: memory stays a few chunks
+            if len(pending) >= 4 * workers:  # bounded read-ahead: memory stays a few chunks
                 done, result = pending.popleft()
                 yield done, result.get()
         while pending:
