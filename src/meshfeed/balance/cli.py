@@ -40,7 +40,7 @@ def add_subcommand(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="balance of a DP x CP schedule for a length distribution or corpus",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mesh = p.add_argument_group("mesh")
