@@ -157,3 +157,8 @@ def test_lazy_dataset_encodes_with_an_hf_tokenizer(bpe) -> None:
 
     assert LazyDataset(["abc"]).encode(Wrapped())[0].tolist() == [3, 1]
     assert token_ids({"input_ids": [4, 5]}).tolist() == [4, 5]
+
+
+def test_a_class_that_needs_arguments_is_explained() -> None:
+    with pytest.raises(ValueError, match=r"'tokenizers:Tokenizer' names a class .*tokenizer\.json"):
+        load_tokenizer("tokenizers:Tokenizer")

@@ -156,8 +156,15 @@ def _from_module(spec: str) -> TextTokenizer:
                 f"module {module_name!r} has no attribute {attr!r} (tokenizer {spec!r})"
             )
         obj = getattr(obj, part)
-    if isinstance(obj, type):
-        obj = obj()  # a class: a tokenizer made with no arguments
+    if isinstance(obj, type):  # a class: a tokenizer made with no arguments
+        try:
+            obj = obj()
+        except Exception as e:  # the class's own error, whatever its type: give it context
+            raise ValueError(
+                f"tokenizer {spec!r} names a class that cannot be made with no arguments ({e}); "
+                "name a function text -> ids or a ready tokenizer object, or pass the path of "
+                "a tokenizer.json"
+            ) from e
     if not callable(obj) and not hasattr(obj, "encode"):
         raise ValueError(
             f"tokenizer {spec!r} is not callable; name a function text -> list[int] or an "
