@@ -29,6 +29,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,7 +301,9 @@ def convert(
     job = _Job(field, tok, _eod(append_eod, eod_id, tok))
     total = sum(p.stat().st_size for p in paths)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
+    encoded = _encoded(_chunks(paths, formats, field), job, num_workers)
     with (
+        closing(encoded),  # an error stops the worker processes now, not when collected
         IndexedWriter(output, dtype=dtype) as writer,
         Progress(
             total,
@@ -311,7 +314,7 @@ def convert(
         ) as bar,
     ):
         shown = 0
-        for chunk, docs in _encoded(_chunks(paths, formats, field), job, num_workers):
+        for chunk, docs in encoded:
             for i, ids in enumerate(docs):
                 try:
                     writer.add(ids)
