@@ -28,7 +28,7 @@ import multiprocessing as mp
 import os
 import sys
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,7 +222,7 @@ def _encode_chunk(chunk: _Chunk) -> list[np.ndarray]:
 
 def _encoded(
     chunks: Iterator[_Chunk], job: _Job, workers: int
-) -> Iterator[tuple[_Chunk, list[np.ndarray]]]:
+) -> Generator[tuple[_Chunk, list[np.ndarray]], None, None]:
     """(chunk, its documents) in input order; ``workers > 1`` encodes in worker processes."""
     if workers <= 1:
         for chunk in chunks:
