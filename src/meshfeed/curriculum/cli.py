@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,8 @@ def _resolve(spec: str, what: str) -> Any:
     module, _, attr = spec.partition(":")
     if not module or not attr:
         raise ValueError(f"{what} {spec!r} must look like 'package.module:name'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module in the current folder, as python -m finds it
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:

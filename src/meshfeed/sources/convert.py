@@ -46,7 +46,11 @@ __all__ = ["add_subcommand", "convert", "load_tokenizer"]
 FORMATS = ("auto", "jsonl", "parquet", "npy")
 #: Integer dtypes a token corpus may hold (the format also codes floats; convert refuses them).
 TOKEN_DTYPES = tuple(
-    sorted(str(np.dtype(d)) for d in DTYPE_CODES.values() if np.dtype(d).kind in "iu")
+    str(d)
+    for d in sorted(
+        (np.dtype(d) for d in DTYPE_CODES.values() if np.dtype(d).kind in "iu"),
+        key=lambda d: (d.kind, d.itemsize),
+    )
 )
 #: Input bytes (JSONL) or records per work item; a few per worker keep every worker busy.
 CHUNK_BYTES = 1 << 16
