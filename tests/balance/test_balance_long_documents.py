@@ -96,3 +96,42 @@ def test_truncate_keeps_the_first_tokens(prefix):
         if d == LONG
     ]
     assert len(long) == 1 and long[0].tolist() == list(range(1000 * LONG, 1000 * LONG + 128))
+
+
+def _two_ranks(rank: int, world: int, prefix: str, policy: str) -> dict:
+    import torch.distributed as tdist
+
+    loader = packed_document_loader(prefix, batch_size=6, mesh={"dp": 2}, rank=rank, seed=0)
+    try:
+        with BalancedBatches(
+            loader, max_tokens=64, group=tdist.group.WORLD, long_documents=policy
+        ) as it:
+            return {
+                "steps": [
+                    (s["document_ids"], s["tokens"], s["labels"], s["cu_seqlens"]) for s in it
+                ]
+            }
+    except ValueError as e:  # every rank must reach the same verdict: none waits for the other
+        return {"error": str(e)}
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_split_a_long_document_and_refuse_it_alike(prefix):
+    from tests.dist_utils import run_distributed
+
+    # 2 ranks x 64 tokens hold 128; corpus document 5 has 499 predictions
+    refused = run_distributed(_two_ranks, 2, prefix, "refuse", timeout=240.0)
+    assert all(r["error"].startswith(f"corpus document {LONG} has 499 tokens") for r in refused)
+    split = run_distributed(_two_ranks, 2, prefix, "split", timeout=240.0)
+    pieces, seen = [], set()
+    for r in split:
+        for ids, tokens, labels, cu in r["steps"]:
+            seen |= set(ids.tolist())
+            for k, doc in enumerate(ids.tolist()):
+                if doc == LONG:
+                    span = slice(int(cu[k]), int(cu[k + 1]))
+                    pieces.append(tokens[span][labels[span] != -100])  # padding left out
+    assert seen == set(range(12))
+    # every token of the long document, once (a piece may be zigzag-split over both ranks)
+    got = sorted(torch.cat(pieces).tolist())
+    assert got == list(range(1000 * LONG, 1000 * LONG + 499))
