@@ -5,7 +5,10 @@ text nobody here wrote), writes a few MB of it as JSONL, and times ``convert`` w
 ``tokenizer.json`` and ``--append-eod`` at ``-j 1`` and ``-j 2`` (medians of ``--repeat``
 runs), checking that both write the same bytes. Prints the speedup of 2 workers over 1, and
 beside it the speedup the machine gives pure CPU work in 2 processes in the same run (on a
-shared machine the second core is not always free: read the first against the second).
+shared machine the second core is not always free: read the first against the second), and
+the CPU seconds each run spent (this process and its workers), which do not depend on how busy
+the machine is: with both cores free, -j 2 takes about the larger of (workers' CPU / 2) and
+this process's CPU.
 
     python benchmarks/bench_convert.py            # about 8 MB of text
     python benchmarks/bench_convert.py --quick    # about 3 MB
@@ -17,6 +20,7 @@ import argparse
 import filecmp
 import json
 import multiprocessing as mp
+import resource
 import statistics
 import tempfile
 import time
@@ -86,12 +90,24 @@ def cpu_ceiling(n: int = 3_000_000) -> float:
     return serial / parallel
 
 
-def timed(src: Path, out: Path, tokenizer: Path, workers: int) -> float:
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(src: Path, out: Path, tokenizer: Path, workers: int) -> tuple[float, float, float]:
+    """Wall seconds, this process's CPU seconds, its (finished) workers' CPU seconds."""
+    own, children = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     convert(
         src, out, tokenizer=str(tokenizer), append_eod=True, num_workers=workers, progress=False
     )
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return (
+        wall,
+        _cpu(resource.RUSAGE_SELF) - own,
+        _cpu(resource.RUSAGE_CHILDREN) - children,
+    )
 
 
 def main() -> None:
@@ -107,7 +123,7 @@ def main() -> None:
         texts = stdlib_texts()
         train_bpe(texts, folder / "tokenizer.json", vocab_size=8000)
         docs = write_jsonl(texts, folder / "d.jsonl", megabytes)
-        times: dict[int, list[float]] = {1: [], 2: []}
+        times: dict[int, list[tuple[float, float, float]]] = {1: [], 2: []}
         ceilings = []
         for _ in range(repeat):  # interleaved, so load from others hits both alike
             ceilings.append(cpu_ceiling())
@@ -124,7 +140,8 @@ def main() -> None:
             filecmp.cmp(folder / f"j1.{ext}", folder / f"j2.{ext}", shallow=False)
             for ext in ("bin", "idx")
         )
-        one, two = (statistics.median(times[w]) for w in (1, 2))
+        one, two = (statistics.median(t[0] for t in times[w]) for w in (1, 2))
+        cpu = {w: [statistics.median(t[k] for t in times[w]) for k in (1, 2)] for w in times}
         print(
             f"convert {megabytes:.1f} MB ({docs} documents) with a BPE tokenizer.json, "
             f"--append-eod, medians of {repeat}:"
@@ -133,6 +150,11 @@ def main() -> None:
         print(
             f"  pure CPU work in 2 processes on this machine now: "
             f"{statistics.median(ceilings):.2f}x (the most -j 2 can reach)"
+        )
+        print(
+            f"  CPU seconds: -j 1 {cpu[1][0]:.2f} in this process; -j 2 {cpu[2][1]:.2f} in 2 "
+            f"workers + {cpu[2][0]:.2f} here -> on 2 free cores about "
+            f"{cpu[1][0] / max(cpu[2][1] / 2, cpu[2][0]):.2f}x"
         )
         print(f"  same .bin/.idx bytes for -j 1 and -j 2: {same}")
         if not same:
