@@ -162,3 +162,15 @@ def test_lazy_dataset_encodes_with_an_hf_tokenizer(bpe) -> None:
 def test_a_class_that_needs_arguments_is_explained() -> None:
     with pytest.raises(ValueError, match=r"'tokenizers:Tokenizer' names a class .*tokenizer\.json"):
         load_tokenizer("tokenizers:Tokenizer")
+
+
+def test_workers_leave_the_callers_tokenizers_parallelism_alone(
+    tmp_path: Path, bpe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    path, _, texts = bpe
+    src = write_jsonl(tmp_path / "d.jsonl", texts[:4])
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    convert(src, tmp_path / "c", tokenizer=str(path), num_workers=2, progress=False)
+    assert "TOKENIZERS_PARALLELISM" not in os.environ

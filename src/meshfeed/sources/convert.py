@@ -29,7 +29,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,6 +224,27 @@ def _encode_chunk(chunk: _Chunk) -> list[np.ndarray]:
     return _encode_chunk_with(chunk, _WORKER_JOB)
 
 
+@contextmanager
+def _pool(method: str, workers: int, job: _Job) -> Iterator[Any]:
+    """A process pool whose workers run HF tokenizers single-threaded, without its fork warning.
+
+    The variable is set while the workers start (they inherit it) and restored after, so the
+    caller's own tokenizers keep their threads.
+    """
+    key = "TOKENIZERS_PARALLELISM"
+    before = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        pool = mp.get_context(method).Pool(workers, _init_worker, (job,))
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+    with pool:
+        yield pool
+
+
 def _encoded(
     chunks: Iterator[_Chunk], job: _Job, workers: int
 ) -> Generator[tuple[_Chunk, list[np.ndarray]], None, None]:
@@ -234,8 +255,7 @@ def _encoded(
         return
     # fork shares the loaded tokenizer with the workers (no pickling, no re-import of torch)
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers after fork
-    with mp.get_context(method).Pool(workers, _init_worker, (job,)) as pool:
+    with _pool(method, workers, job) as pool:
         pending: deque[tuple[_Chunk, Any]] = deque()
         for chunk in chunks:
             pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
