@@ -1,13 +1,17 @@
-"""The ``meshfeed`` front: subcommands registered, convert's dtype checked while parsing."""
+"""The ``meshfeed`` front: subcommands, one-line user errors with exit code 2, help, version."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from meshfeed.cli import build_parser, main
+from meshfeed.cli import build_parser, main, version
 from meshfeed.sources.indexed import TokenCorpus
 
 
@@ -27,8 +31,11 @@ def test_convert_refuses_a_float_dtype_for_a_token_corpus(dtype, tmp_path, capsy
         main(["convert", str(data), "-o", str(tmp_path / "out"), "--dtype", dtype])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert f"--dtype {dtype} is not an integer type" in err and "--dtype uint16" in err
+    assert f"invalid choice: '{dtype}'" in err and "uint16" in err
     assert not (tmp_path / "out.bin").exists()
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    assert "float" not in capsys.readouterr().out  # --help offers only what convert takes
 
 
 def test_convert_accepts_an_integer_dtype(tmp_path):
@@ -37,3 +44,93 @@ def test_convert_accepts_an_integer_dtype(tmp_path):
     assert main(["convert", str(data), "-o", str(tmp_path / "out"), "--dtype", "int32", "-q"]) == 0
     corpus = TokenCorpus(tmp_path / "out")
     assert corpus.dtype == np.int32 and corpus.num_documents == 2
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_meshfeed(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The installed entry point's code, in a fresh interpreter (what a user runs)."""
+    return subprocess.run(
+        [sys.executable, "-m", "meshfeed.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+
+
+# Errors reported through the logger (demo, analyze) are checked in a fresh interpreter, where
+# the command configures its own stderr; the rest in this one.
+ONE_LINE_ERRORS = [
+    (["plan", "--plot", "nodir/x.png"], "meshfeed plan: error: --plot nodir/x.png: folder"),
+    (["plan", "--plot", "x.txt"], "meshfeed plan: error: --plot x.txt: cannot tell"),
+    (["plan", "--lengths", "l.txt"], "meshfeed plan: error: --lengths l.txt: 'a' is not"),
+    (["convert", "x.jsonl", "-o", "o", "--dtype", "float32"], "invalid choice: 'float32'"),
+    (["convert", "missing.jsonl", "-o", "o"], "meshfeed convert: error: input missing"),
+    (["convert", "x.jsonl", "-o", "o", "--tokenizer", "nope.json"], "does not exist"),
+    (["plan", "--dp", "x"], "argument --dp: invalid int value: 'x'"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+]
+
+
+def _inputs(folder: Path) -> None:
+    (folder / "l.txt").write_text("12\na\n")
+    (folder / "x.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), ONE_LINE_ERRORS)
+def test_every_user_error_is_one_line_and_exit_code_2(argv, message, tmp_path, monkeypatch, capsys):
+    _inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert out == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--workdir", "/proc/nope"], "meshfeed demo: error: cannot use --workdir"),
+        (["analyze", "absent", "-o", "m"], "meshfeed analyze: error:"),
+        (["plan", "--plot", "x.txt"], "meshfeed plan: error: --plot x.txt: cannot tell"),
+    ],
+)
+def test_user_errors_from_the_command_line(argv, message, tmp_path):
+    _inputs(tmp_path)
+    proc = run_meshfeed(*argv, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"meshfeed {version()}"
+
+
+@pytest.mark.parametrize("command", ["demo", "plan", "analyze", "convert"])
+def test_help_is_plain_words_with_true_defaults(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out  # no reStructuredText markup
+    assert "(default: None)" not in out
+    assert "default" in out
+
+
+def test_plan_help_shows_the_max_tokens_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "(default: 32768)" in " ".join(capsys.readouterr().out.split())

@@ -1,6 +1,6 @@
 """meshfeed: the data layer for large-model training."""
 
-from meshfeed.collate import default_collate
+from meshfeed.collate import default_collate, pad_collate
 from meshfeed.fetch import Failed, SampleError
 from meshfeed.loader import DataLoader
 from meshfeed.mesh import DataMesh
@@ -20,6 +20,7 @@ __all__ = [
     "StreamLoader",
     "default_collate",
     "fetch_info",
+    "pad_collate",
     "sample_generator",
     "sample_rng",
 ]

@@ -1,7 +1,9 @@
 """The ``meshfeed`` command: demo | plan | analyze | convert.
 
 Result tables go to stdout; progress and messages go to stderr through
-``logging.getLogger("meshfeed")`` (configured here only if the application has not).
+``logging.getLogger("meshfeed")`` (configured here only if the application has not). A user
+error (bad arguments, a missing file, a refused input) is one line on stderr and exit code 2,
+without a traceback; ``MESHFEED_DEBUG=1`` re-raises it to show one.
 """
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
-
-import numpy as np
+from importlib import metadata
+from typing import NoReturn
 
 #: Subcommand modules; each exposes ``add_subcommand(subparsers)``.
 _SUBCOMMANDS = (
@@ -33,25 +36,37 @@ def configure_logging(level: int = logging.INFO) -> None:
     logger.setLevel(level)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line: the problem and where help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    """The installed meshfeed version (``unknown`` when run from a source tree only)."""
+    try:
+        return metadata.version("meshfeed")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its message with line breaks folded."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="meshfeed",
         description="The data layer for large-model training: plan, analyze, convert, demo.",
     )
+    parser.add_argument("--version", action="version", version=f"meshfeed {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
         importlib.import_module(name).add_subcommand(subparsers)
     return parser
-
-
-def _check_convert(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Token corpora hold token ids: windows, documents and vocab metrics read them as integers.
-    dtype = np.dtype(args.dtype)
-    if not np.issubdtype(dtype, np.integer):
-        parser.error(
-            f"convert: --dtype {args.dtype} is not an integer type; a token corpus holds token "
-            "ids, use --dtype uint16 (vocabularies up to 65536), int32 or int64"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,10 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if args.command == "convert":
-        _check_convert(parser, args)
     configure_logging()
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError, ImportError) as e:
+        if os.environ.get("MESHFEED_DEBUG"):
+            raise
+        print(f"meshfeed {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"meshfeed {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

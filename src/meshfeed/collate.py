@@ -1,15 +1,35 @@
-"""Collation, in one place: samples -> a batch (:func:`default_collate`, what loaders use) and
+"""Collation, in one place: samples -> a batch (:func:`default_collate`, what loaders use),
+variable-length samples -> a padded batch with its attention mask (:func:`pad_collate`), and
 one field of many samples -> a column (:func:`collate_column`, what the sample store uses)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["collate_column", "default_collate"]
+__all__ = ["PadCollate", "collate_column", "default_collate", "pad_collate"]
+
+_PAD_HINT = (
+    "pad variable-length items with collate_fn=meshfeed.pad_collate(pad_id=...), or make "
+    "them one length in the dataset"
+)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(getattr(x, "shape", ()))
+
+
+def _mismatch(items: Sequence[Any], path: str) -> ValueError:
+    shapes = sorted({_shape(x) for x in items})
+    where = f"key {path!r}" if path else "the samples"
+    return ValueError(
+        f"cannot stack {where}: shapes differ across the batch ({', '.join(map(str, shapes[:4]))}"
+        f"{', ...' if len(shapes) > 4 else ''}); {_PAD_HINT}"
+    )
 
 
 def default_collate(items: Sequence[Any]) -> Any:
@@ -19,13 +39,21 @@ def default_collate(items: Sequence[Any]) -> Any:
     and bools become a 1-D tensor; mappings and tuples/lists are collated field by field;
     anything else (strings, objects) is returned as a list.
 
+    Items of different shapes are refused naming the key; :func:`pad_collate` pads them.
+
     >>> import torch
     >>> default_collate([{"x": torch.ones(2)}, {"x": torch.zeros(2)}])["x"].shape
     torch.Size([2, 2])
     """
+    return _collate(items, "")
+
+
+def _collate(items: Sequence[Any], path: str) -> Any:
     import torch  # imported here so that collate_column users never pay for it
 
     first = items[0]
+    if isinstance(first, (torch.Tensor, np.ndarray)) and len({_shape(x) for x in items}) > 1:
+        raise _mismatch(items, path)
     if isinstance(first, torch.Tensor):
         return torch.stack(list(items))
     if isinstance(first, np.ndarray):
@@ -37,19 +65,31 @@ def default_collate(items: Sequence[Any]) -> Any:
     if isinstance(first, (str, bytes)):
         return list(items)
     if isinstance(first, Mapping):
-        return {key: default_collate([item[key] for item in items]) for key in first}
+        return {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
     if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
-        return type(first)(*(default_collate(field) for field in zip(*items, strict=True)))
+        return type(first)(
+            *(
+                _collate(list(f), _join(path, name))
+                for name, f in zip(first._fields, zip(*items, strict=True), strict=True)
+            )
+        )
     if isinstance(first, (tuple, list)):
         lengths = {len(item) for item in items}
         if len(lengths) != 1:
+            where = f"key {path!r}" if path else "the samples"
             raise ValueError(
-                f"cannot collate sequences of different lengths {sorted(lengths)}; "
-                "pad them in the dataset or pass a collate_fn"
+                f"cannot collate {where}: sequences of different lengths {sorted(lengths)}; "
+                f"{_PAD_HINT}"
             )
-        fields = [default_collate(list(field)) for field in zip(*items, strict=True)]
+        fields = [
+            _collate(list(f), _join(path, str(i))) for i, f in enumerate(zip(*items, strict=True))
+        ]
         return tuple(fields) if isinstance(first, tuple) else fields
     return list(items)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
 def collate_column(values: Sequence[Any]) -> Any:
@@ -77,3 +117,162 @@ def collate_column(values: Sequence[Any]) -> Any:
     ):
         return np.stack(values)
     return values
+
+
+#: Default fill of a padded key: labels are ignored by ``torch.nn.CrossEntropyLoss`` at -100.
+DEFAULT_PAD_VALUES: Mapping[str, int] = {"labels": -100, "attention_mask": 0, "loss_mask": 0}
+#: Keys whose length sets ``attention_mask`` and ``position_ids``, first found first.
+MAIN_KEYS = ("input_ids", "tokens")
+
+
+def _is_sequence(x: Any) -> bool:
+    import torch
+
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.ndim >= 1
+    return isinstance(x, (list, tuple)) and all(
+        isinstance(v, (int, float, bool, np.generic)) for v in x
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PadCollate:
+    """The collate :func:`pad_collate` returns (picklable, so worker processes can use it)."""
+
+    pad_id: int = 0
+    max_len: int | None = None
+    truncate: bool = False
+    side: str = "right"
+    pad_values: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.side not in ("right", "left"):
+            raise ValueError(f"side must be 'right' or 'left' (got {self.side!r})")
+        if self.max_len is not None and (
+            isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 1
+        ):
+            raise ValueError(f"max_len must be a positive int or None (got {self.max_len!r})")
+
+    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+        if not items:
+            raise ValueError("cannot collate an empty batch")
+        first = items[0]
+        if not isinstance(first, Mapping):
+            return self([{"input_ids": x} for x in items])
+        items = list(items)
+        seq_keys = [k for k in first if _is_sequence(first[k])]
+        if not seq_keys:
+            raise ValueError(
+                f"pad_collate found no variable-length field in items with keys {sorted(first)}; "
+                "give 1-D token sequences (tensors, arrays or lists of ints)"
+            )
+        main = next((k for k in MAIN_KEYS if k in seq_keys), seq_keys[0])
+        tensors = {k: [self._tensor(item[k], k) for item in items] for k in seq_keys}
+        lengths = [t.shape[0] for t in tensors[main]]
+        width = self._width(tensors, lengths, main)
+        out: dict[str, Any] = {}
+        for key in first:
+            if key in tensors:
+                out[key] = self._pad(tensors[key], width, self._fill(key), key)
+            else:
+                out[key] = _collate([item[key] for item in items], key)
+        if "attention_mask" not in out:
+            out["attention_mask"] = self._pad(
+                [_ones(n) for n in lengths], width, 0, "attention_mask"
+            )
+        if "position_ids" not in out:
+            out["position_ids"] = self._pad([_arange(n) for n in lengths], width, 0, "position_ids")
+        return out
+
+    def _fill(self, key: str) -> int:
+        if key in self.pad_values:
+            return int(self.pad_values[key])
+        return int(DEFAULT_PAD_VALUES.get(key, self.pad_id))
+
+    def _tensor(self, x: Any, key: str) -> Any:
+        import torch
+
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+        if self.max_len is not None and t.shape[0] > self.max_len:
+            if not self.truncate:
+                raise ValueError(
+                    f"an item's {key!r} has {t.shape[0]} entries, more than max_len="
+                    f"{self.max_len}; raise max_len or pass truncate=True to cut items"
+                )
+            t = t[: self.max_len]
+        return t
+
+    def _width(self, tensors: Mapping[str, list[Any]], lengths: list[int], main: str) -> int:
+        for key, ts in tensors.items():
+            if key != main and [t.shape[0] for t in ts] != lengths:
+                raise ValueError(
+                    f"pad_collate: {key!r} and {main!r} differ in length within an item; "
+                    "every variable-length field of an item must be as long as its tokens"
+                )
+        return self.max_len if self.max_len is not None else max(lengths)
+
+    def _pad(self, ts: list[Any], width: int, fill: int, key: str) -> Any:
+        import torch
+
+        rest = {tuple(t.shape[1:]) for t in ts}
+        if len(rest) > 1:
+            raise _mismatch(ts, key)
+        out = torch.full((len(ts), width, *ts[0].shape[1:]), fill, dtype=ts[0].dtype)
+        for i, t in enumerate(ts):
+            n = t.shape[0]
+            if self.side == "right":
+                out[i, :n] = t
+            elif n:
+                out[i, width - n :] = t
+        return out
+
+
+def _ones(n: int) -> Any:
+    import torch
+
+    return torch.ones(n, dtype=torch.int64)
+
+
+def _arange(n: int) -> Any:
+    import torch
+
+    return torch.arange(n, dtype=torch.int64)
+
+
+def pad_collate(
+    *,
+    pad_id: int = 0,
+    max_len: int | None = None,
+    truncate: bool = False,
+    side: str = "right",
+    pad_values: Mapping[str, int] | None = None,
+) -> PadCollate:
+    """A collate for variable-length items: pads them into one batch, as language models expect.
+
+    Items are 1-D token sequences (tensors, numpy arrays or lists of ints) or dicts of them.
+    Returns a dict of tensors, each ``[batch, length]``:
+
+    - the item's keys (a bare sequence becomes ``input_ids``), padded with ``pad_id`` (``labels``
+      with -100, ``loss_mask`` and ``attention_mask`` with 0; ``pad_values`` overrides per key);
+      fields that are not sequences (scalars, strings) are collated by :func:`default_collate`;
+    - ``attention_mask``: 1 on real tokens, 0 on padding (int64);
+    - ``position_ids``: ``0 .. n-1`` on each item's tokens, 0 on padding (int64).
+
+    The length is the longest item, or ``max_len`` for every batch (fixed shapes); an item
+    longer than ``max_len`` is an error unless ``truncate=True`` keeps its first ``max_len``.
+    ``side="left"`` pads on the left (generation). Lengths come from ``input_ids`` (or
+    ``tokens``); every sequence field of an item must be that long.
+
+    >>> batch = pad_collate(pad_id=0)([[5, 6, 7], [8]])
+    >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist()
+    ([[5, 6, 7], [8, 0, 0]], [[1, 1, 1], [1, 0, 0]])
+    >>> batch["position_ids"].tolist()
+    [[0, 1, 2], [0, 0, 0]]
+    """
+    return PadCollate(
+        pad_id=pad_id,
+        max_len=max_len,
+        truncate=truncate,
+        side=side,
+        pad_values=dict(pad_values or {}),
+    )

@@ -199,6 +199,13 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             return f"{name} must be at least {least} (got {value})"
     if args.resume_dp is not None and args.resume_dp < 1:
         return f"--resume-dp must be at least 1 (got {args.resume_dp})"
+    if args.workdir is not None:
+        try:
+            os.makedirs(args.workdir, exist_ok=True)
+        except OSError as e:
+            return (
+                f"cannot use --workdir {args.workdir} ({e.strerror or e}); pick a writable folder"
+            )
     global_batch = args.batch_size * args.dp
     new_dp = args.resume_dp or 2 * args.dp
     if global_batch % new_dp:
@@ -238,7 +245,6 @@ def run(args: argparse.Namespace) -> int:
     world = dp * tp
     with tempfile.TemporaryDirectory(prefix="meshfeed-demo-") as tmp:
         workdir = args.workdir or tmp
-        os.makedirs(workdir, exist_ok=True)
         prefix = os.path.join(workdir, "corpus")
         rng = np.random.default_rng(args.seed)
         lengths = rng.integers(16, 4 * args.seq_len, size=args.documents)
@@ -326,11 +332,15 @@ def add_subcommand(subparsers: Any) -> None:
             "and part of the next, checkpoint mid-epoch, resume on the same mesh and on "
             "--resume-dp data ranks, and verify every batch. About a minute on 2 cores."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--dp", type=int, default=2, help="data-parallel size of the reference run")
     p.add_argument(
-        "--tp", type=int, default=2, help="tensor-parallel size (replicas of each shard)"
+        "--dp", type=int, default=2, help="data-parallel size of the reference run (default: 2)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=2,
+        help="tensor-parallel size, replicas of each shard (default: 2)",
     )
     p.add_argument(
         "--resume-dp",
@@ -339,11 +349,21 @@ def add_subcommand(subparsers: Any) -> None:
         help="data-parallel size of the elastic resume; must divide the global batch "
         "(default: 2 x dp)",
     )
-    p.add_argument("--batch-size", type=int, default=4, help="samples per data rank per step")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (plus one)")
-    p.add_argument("--documents", type=int, default=3000, help="documents in the corpus")
-    p.add_argument("--num-workers", type=int, default=1, help="worker processes per rank")
-    p.add_argument("--seed", type=int, default=0, help="seed of the corpus and the order")
+    p.add_argument(
+        "--batch-size", type=int, default=4, help="samples per data rank per step (default: 4)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=256, help="tokens per window, plus one (default: 256)"
+    )
+    p.add_argument(
+        "--documents", type=int, default=3000, help="documents in the corpus (default: 3000)"
+    )
+    p.add_argument(
+        "--num-workers", type=int, default=1, help="worker processes per rank (default: 1)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the corpus and the order (default: 0)"
+    )
     p.add_argument(
         "--workdir", default=None, help="keep the corpus and checkpoint here (default: a temp dir)"
     )

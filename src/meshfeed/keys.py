@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["DEFAULT_KEYS", "DEFAULT_PAD"]
+__all__ = ["DEFAULT_KEYS", "DEFAULT_PAD", "DOCUMENT_IDS"]
 
 #: The per-token keys of a (packed) sample, in the order meshfeed writes them.
 DEFAULT_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids")
@@ -21,3 +21,7 @@ DEFAULT_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids"
 DEFAULT_PAD: Mapping[str, int | None] = MappingProxyType(
     {"tokens": 0, "labels": -100, "loss_mask": 0, "position_ids": None}
 )
+
+#: Per-document key of a packed sample and of a balanced micro-step: the corpus id of each
+#: document (aligned with ``cu_seqlens``; every piece of a split document carries its id).
+DOCUMENT_IDS = "document_ids"

@@ -34,6 +34,7 @@ class Progress:
         *,
         desc: str = "",
         unit: str = "it",
+        unit_scale: bool = False,
         enabled: bool = True,
         stream: TextIO | None = None,
         interval: float = 0.25,
@@ -48,6 +49,7 @@ class Progress:
         self.total = total
         self.desc = desc
         self.unit = unit
+        self.unit_scale = unit_scale
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.interval = interval
@@ -63,6 +65,7 @@ class Progress:
                 total=total,
                 desc=desc,
                 unit=unit,
+                unit_scale=unit_scale,
                 initial=initial,
                 file=self.stream,
                 mininterval=interval,
@@ -95,6 +98,7 @@ class Progress:
             elapsed,
             prefix=self.desc,
             unit=self.unit,
+            unit_scale=self.unit_scale,
             rate=(self.count - self._initial) / elapsed,
             initial=self._initial,
             ncols=0,

@@ -66,13 +66,36 @@ def test_plan_cli_reads_document_lengths_from_npy(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--dp", "0"], "sizes must be integers >= 1"),
-        (["--max-tokens", "16", "--dist", "longtail"], "raise max_tokens"),
+        (["--dp", "0"], "--dp must be a positive integer (got 0)"),
+        (["--max-tokens", "16", "--long-documents", "refuse"], "--long-documents split"),
+        (["--plot", "nodir/x.png"], "folder nodir does not exist"),
+        (["--plot", "x.txt"], "end the name in .png, .svg, .pdf"),
+        (["--lengths", "absent.txt"], "--lengths absent.txt: no such file"),
     ],
 )
-def test_plan_cli_exits_2_with_a_message_on_bad_input(argv, message, capsys):
-    assert _main(["plan", "--no-png", "--batches", "1", *argv]) == 2
-    assert message in capsys.readouterr().err
+def test_plan_cli_exits_2_with_a_message_on_bad_input(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _main(["plan", "--batches", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dp", range(1, 9))
+def test_plan_cli_defaults_work_on_every_dp(dp, capsys):
+    # the default longtail lengths reach 131072 tokens: longer than 1..3 ranks x 32768 hold
+    assert _main(["plan", "--dp", str(dp), "--batches", "1"]) == 0
+    assert f"-> {dp} balanced ranks" in capsys.readouterr().out
+
+
+def test_plan_cli_reads_lengths_from_a_text_file(tmp_path, capsys):
+    (tmp_path / "l.txt").write_text("100\n200\n300\n")
+    assert _main(["plan", "--dp", "2", "--lengths", str(tmp_path / "l.txt")]) == 0
+    assert "3 documents, ~600 tokens each" in capsys.readouterr().out
+    (tmp_path / "bad.txt").write_text("100\nabc\n")
+    assert _main(["plan", "--dp", "2", "--lengths", str(tmp_path / "bad.txt")]) == 2
+    assert "'abc' is not an integer" in capsys.readouterr().err
 
 
 def test_plan_cli_writes_no_png_unless_asked(tmp_path, capsys, monkeypatch):
@@ -110,6 +133,14 @@ def test_plan_cli_plot_title_counts_the_documents_of_the_table(tmp_path, capsys,
         return original(self, label, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title", spy)
+    ticks: list[list[float]] = []
+    set_xticks = matplotlib.axes.Axes.set_xticks
+
+    def spy_ticks(self, values, *args, **kwargs):
+        ticks.append([float(v) for v in values])
+        return set_xticks(self, values, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks", spy_ticks)
     png = tmp_path / "load.png"
     argv = ["plan", "--dp", "4", "--batches", "3", "--plot", str(png)]
     assert _main(argv) == 0
@@ -117,3 +148,4 @@ def test_plan_cli_plot_title_counts_the_documents_of_the_table(tmp_path, capsys,
     docs = int(out.split(" documents,")[0].rsplit(" ", 1)[1])
     assert png.exists()
     assert len(titles) == 1 and f"{docs} documents" in titles[0] and "3 batches" in titles[0]
+    assert ticks == [[0.0, 1.0, 2.0, 3.0]]  # one tick per rank, at whole numbers

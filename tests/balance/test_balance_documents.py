@@ -86,8 +86,15 @@ def test_packed_document_loader_resumes_exactly_across_epochs(prefix):
     ref = assert_resume_equivalence(factory, num_items=10)  # 4 steps per epoch
     assert len(ref) == 10
     docs = TokenDocuments(prefix)
-    assert set(ref[0]) == {"tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"}
+    keys = {"tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "document_ids"}
+    assert set(ref[0]) == keys
     assert int(ref[0]["cu_seqlens"][-1]) <= int(docs.lengths.sum())
+    for step in ref:  # each packed document is the corpus document its id names
+        cu = step["cu_seqlens"].tolist()
+        assert len(step["document_ids"]) == len(cu) - 1
+        for k, doc_id in enumerate(step["document_ids"].tolist()):
+            want = docs[doc_id].astype(np.int64)
+            assert step["tokens"][cu[k] : cu[k + 1]].tolist() == want[:-1].tolist()
 
 
 def test_packed_document_loader_gives_cp_peers_distinct_documents(prefix):

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from meshfeed.curriculum import MetricIndex, SampleMetric
 from meshfeed.curriculum.cli import add_subcommand, available_cores
+from meshfeed.curriculum.index import load_accumulated
 from meshfeed.sources.indexed import TokenCorpus, write_indexed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(argv: list[str]) -> int:
@@ -92,3 +98,49 @@ def test_analyze_workers_default_to_the_available_cores(capsys):
         parser.parse_args(["analyze", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"(default: the {available_cores()} core(s) available)" in help_text
+
+
+def windows_dataset() -> object:
+    """A dataset whose samples are tensors (what TokenWindows gives), for module:callable."""
+    import torch
+
+    return [torch.tensor([3, 1, 4]), torch.tensor([1, 5, 9, 2])]
+
+
+def test_vocab_rarity_without_vocab_size_on_tensor_samples(tmp_path, capsys):
+    spec = f"{__name__}:windows_dataset"
+    assert _run(["analyze", spec, "-o", str(tmp_path / "m"), "-m", "vocab_rarity", "-j", "0"]) == 0
+    hist = load_accumulated(tmp_path / "m" / "token_histogram")
+    assert hist.size == 10 and hist.tolist() == [0, 2, 1, 1, 1, 1, 0, 0, 0, 1]
+
+
+def test_a_small_vocab_size_is_refused_in_cli_terms_without_a_traceback(tmp_path, capsys):
+    write_indexed(tmp_path / "c", _docs(), np.uint16)
+    argv = ["analyze", str(tmp_path / "c"), "-o", str(tmp_path / "m"), "-q", "-j", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshfeed.cli", *argv, "-m", "vocab_rarity", "--vocab-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert proc.returncode == 2
+    top = max(int(d.max()) for d in _docs())
+    assert f"pass --vocab-size {top + 1} or more" in proc.stderr
+    assert "Traceback" not in proc.stderr and "token_histogram()" not in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_windows_index_one_value_per_token_window_in_its_order(tmp_path, capsys):
+    from meshfeed.sources.windows import TokenWindows
+
+    write_indexed(tmp_path / "c", _docs(), np.uint16)
+    out = tmp_path / "m"
+    argv = ["analyze", str(tmp_path / "c"), "--windows", "8", "-o", str(out), "-q", "-j", "0"]
+    assert _run([*argv, "-m", "vocab_rarity", "-m", f"{__name__}:first_token"]) == 0
+    windows = TokenWindows(str(tmp_path / "c"), seq_len=8)
+    first = MetricIndex.load(out / "first")
+    assert len(first.values) == len(windows) > 1
+    assert first.values.tolist() == [int(windows[i][0]) for i in range(len(windows))]
+    assert len(MetricIndex.load(out / "vocab_rarity").values) == len(windows)
+    assert _run(["analyze", f"{__name__}:windows_dataset", "--windows", "8", "-o", str(out)]) == 2

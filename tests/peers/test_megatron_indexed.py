@@ -72,3 +72,38 @@ def test_both_writers_produce_the_same_bytes(tmp_path, dtype):
     _megatron_write(tmp_path / "mg", docs, dtype)
     assert filecmp.cmp(tmp_path / "mf.bin", tmp_path / "mg.bin", shallow=False)
     assert filecmp.cmp(tmp_path / "mf.idx", tmp_path / "mg.idx", shallow=False)
+
+
+def test_convert_writes_what_megatron_preprocess_data_writes(tmp_path):
+    """``meshfeed convert --tokenizer tokenizer.json --append-eod -j 2`` against the bytes of
+    Megatron's builder fed as ``tools/preprocess_data.py`` feeds it (one sentence per document,
+    eod appended to the document and counted in its last sentence)."""
+    import json
+
+    pytest.importorskip("tokenizers", reason="pip install tokenizers (the test extra)")
+    from meshfeed.sources.convert import convert
+    from tests.sources.test_convert_tokenizers import EOD, stdlib_texts, train_bpe
+
+    texts = stdlib_texts(80)
+    tok = train_bpe(texts, tmp_path / "tokenizer.json")
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    convert(
+        src,
+        tmp_path / "mf",
+        tokenizer=str(tmp_path / "tokenizer.json"),
+        append_eod=True,
+        num_workers=2,
+        progress=False,
+    )
+    eod = tok.token_to_id(EOD)
+    builder = indexed_dataset.IndexedDatasetBuilder(str(tmp_path / "mg.bin"), dtype=np.uint16)
+    for text in texts:
+        doc_ids = list(tok.encode(text).ids)
+        sentence_lens = [len(doc_ids)]
+        doc_ids.append(eod)
+        sentence_lens[-1] += 1
+        builder.add_document(doc_ids, sentence_lens)
+    builder.finalize(str(tmp_path / "mg.idx"))
+    assert filecmp.cmp(tmp_path / "mf.bin", tmp_path / "mg.bin", shallow=False)
+    assert filecmp.cmp(tmp_path / "mf.idx", tmp_path / "mg.idx", shallow=False)

@@ -77,11 +77,14 @@ def test_several_inputs_are_concatenated_in_order(tmp_path: Path) -> None:
     assert [corpus.document(i).tolist() for i in range(2)] == [[97], [7, 8]]
 
 
-def test_module_callable_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_callable_tokenizer_from_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "mytok.py").write_text(
         "def encode(text):\n    return [len(w) for w in text.split()]\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # importable from the current folder, no PYTHONPATH
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     src = write_jsonl(tmp_path / "d.jsonl", [{"text": "a bb ccc"}])
     assert (
         run_cli("convert", str(src), "-o", str(tmp_path / "c"), "--tokenizer", "mytok:encode", "-q")
@@ -92,8 +95,10 @@ def test_module_callable_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_bad_tokenizer_specs_are_explained() -> None:
-    with pytest.raises(ValueError, match="'bytes' or 'module:callable'"):
+    with pytest.raises(ValueError, match="is not 'bytes', a tokenizer.json"):
         load_tokenizer("nocolon")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer("missing/tokenizer.json")
     with pytest.raises(ValueError, match="cannot import tokenizer module"):
         load_tokenizer("no_such_module_xyz:encode")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
@@ -109,7 +114,7 @@ def test_text_without_tokenizer_fails_naming_the_line_and_leaves_no_output(
     assert run_cli("convert", str(src), "-o", str(tmp_path / "c"), "-q") == 2
     err = capsys.readouterr().err
     assert "d.jsonl:2 is text but no tokenizer was given" in err
-    assert "--tokenizer bytes" in err
+    assert "pass --tokenizer" in err
     assert not (tmp_path / "c.bin").exists() and not (tmp_path / "c.bin.tmp").exists()
 
 
@@ -135,10 +140,15 @@ def _touch(path: Path) -> Path:
     return path
 
 
-def test_progress_bar_reports_documents(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_counts_input_bytes_with_a_total_and_eta(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     np.save(tmp_path / "ids.npy", np.ones((5, 2), dtype=np.int64))
-    convert(tmp_path / "ids.npy", tmp_path / "c", progress=True)
-    assert "5/5" in capsys.readouterr().err
+    src = write_jsonl(tmp_path / "d.jsonl", [{"text": "x" * 50}] * 3)
+    convert([tmp_path / "ids.npy", src], tmp_path / "c", tokenizer="bytes", progress=True)
+    size = (tmp_path / "ids.npy").stat().st_size + src.stat().st_size
+    err = capsys.readouterr().err
+    assert f"100% {size}/{size} [" in err and "<00:00" in err  # done/total [elapsed<eta]
 
 
 def test_gzipped_jsonl_is_read_as_jsonl(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ micro-step for every document); :class:`BalancedBatches` runs it inside a traini
 all-gather of lengths, the same placement on every rank, one fused all-to-all to reroute the
 documents, zigzag CP split.
 :func:`packed_document_loader` feeds it the documents of a token corpus, packed per rank by
-:func:`pack_documents`. :class:`HybridCPDataLoader` is the drop-in for Megatron-LM's
+:func:`pack_documents`; documents longer than the group holds (:func:`max_document_tokens`) are
+refused, truncated or split (``long_documents=``). :class:`HybridCPDataLoader` is the drop-in for Megatron-LM's
 ``HybridCPDataLoaderWrapper`` (same input and output, meshfeed's schedule).
 """
 
@@ -13,6 +14,7 @@ from meshfeed.balance.balanced import BalancedBatches
 from meshfeed.balance.baselines import BaselineResult, naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.documents import pack_documents, packed_document_loader
+from meshfeed.balance.long_documents import max_document_tokens
 from meshfeed.balance.megatron import HybridCPDataLoader
 from meshfeed.balance.packing import pack, packing_efficiency
 from meshfeed.balance.schedule import Placement, schedule_documents
@@ -23,6 +25,7 @@ __all__ = [
     "CostModel",
     "HybridCPDataLoader",
     "Placement",
+    "max_document_tokens",
     "naive_slicing",
     "pack",
     "pack_documents",

@@ -11,9 +11,16 @@ before batch t is rerouted), so it is off the critical path; collectives stay on
 thread, in the same order on every rank.
 
 Each yielded micro-step is a dict: the per-token keys (with this rank's zigzag chunks of a
-split document), ``cu_seqlens`` (int32, over the chunks this rank holds), ``doc_ids``,
+split document), ``cu_seqlens`` (int32, over the chunks this rank holds), ``doc_ids`` (each
+document's position in the global batch: source rank order, then position in its sample),
+``document_ids`` (each document's corpus id, aligned with ``cu_seqlens``; present when every
+rank's packed sample carries ``document_ids``, as :func:`packed_document_loader`'s do),
 ``cp_group`` (global ranks running this micro-step together), ``cp_rank``, ``microstep`` and
-``num_microsteps``. With tensor parallelism, build one instance per TP rank over that rank's
+``num_microsteps``.
+
+A document longer than the group can hold (every rank of the largest CP group at
+``max_tokens``) follows ``long_documents``: ``"refuse"`` (an error naming its corpus id),
+``"truncate"`` or ``"split"`` (see :mod:`meshfeed.balance.long_documents`). With tensor parallelism, build one instance per TP rank over that rank's
 DP x CP group: all of them compute the same placement.
 
 State is the envelope ``{"kind": "balanced_batches", "version": 2, "inner", "skip"}``: the inner
@@ -34,9 +41,10 @@ import torch
 
 from meshfeed import dist
 from meshfeed.balance.cost import CostModel
+from meshfeed.balance.long_documents import check_policy, fit_sample, max_document_tokens
 from meshfeed.balance.routing import Layout, build_send, doc_lengths, fields_signature, unpack
 from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_documents
-from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD
+from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD, DOCUMENT_IDS
 from meshfeed.protocols import Stateful
 from meshfeed.state import envelope, open_envelope
 
@@ -44,9 +52,9 @@ __all__ = ["BalancedBatches"]
 
 _KIND = "balanced_batches"
 _VERSION = 2  # 1 had no kind; the header of the all-gather changed with it
-_HEADER = 2  # has_data, dtype signature; then the document lengths
-#: Most documents one rank's packed sample may hold: the all-gather buffer has a slot per
-#: document on every rank (8 bytes each), allocated at every batch.
+_HEADER = 3  # has_data, dtype signature, documents; then their lengths and corpus ids (-1: none)
+#: Most documents one rank's packed sample may hold: the all-gather buffer has two slots per
+#: document on every rank (8 bytes each: length and corpus id), allocated at every batch.
 MAX_DOCS_PER_RANK = 2**20
 
 
@@ -87,6 +95,9 @@ class _Batch:
     state: Any
     sample: Mapping[str, Any]
     counts: list[int]
+    ids: (
+        np.ndarray | None
+    )  # corpus id of every document of the global batch, if all ranks sent them
     dtypes: list[torch.dtype]
     placement: Future[Placement]
 
@@ -97,7 +108,9 @@ class BalancedBatches:
     ``inner`` yields this rank's packed samples (dicts of 1-D tensors named by ``keys`` plus
     ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`schedule_documents`.
     ``max_docs_per_rank`` sizes the fixed all-gather buffer (a sample with more documents is
-    an error naming it). ``timeout`` bounds the wait for a placement.
+    an error naming it). ``timeout`` bounds the wait for a placement. ``long_documents``
+    (``"refuse"``, ``"truncate"`` or ``"split"``) decides what happens to a document longer
+    than the group can hold; pieces of a split document keep their order.
 
     To checkpoint, ``inner`` must be :class:`~meshfeed.protocols.Stateful` (``state_dict()`` /
     ``load_state_dict(state)``; a meshfeed loader is, and is iterated epoch by epoch). A plain
@@ -119,6 +132,7 @@ class BalancedBatches:
         max_docs_per_rank: int = 4096,
         plan_ahead: bool = True,
         timeout: float = 300.0,
+        long_documents: str = "refuse",
     ) -> None:
         if (
             isinstance(max_docs_per_rank, bool)
@@ -153,6 +167,10 @@ class BalancedBatches:
         }
         # Fail at construction, not at the first collective, on a bad configuration.
         schedule_documents([], num_ranks=self._comm.size, **self._plan_kwargs)
+        self._policy = check_policy(long_documents)
+        self._limit = max_document_tokens(
+            num_ranks=self._comm.size, max_tokens=max_tokens, cp_sizes=cp_sizes, tp=tp
+        )
         self._keys, self._pad = tuple(keys), dict(pad)
         self._cap = int(max_docs_per_rank)
         self._timeout = float(timeout)
@@ -235,16 +253,10 @@ class BalancedBatches:
         sample = next(self._inner, None)
         header = np.zeros(_HEADER, dtype=np.int64)
         if sample is not None:
-            lengths = doc_lengths(sample, self._keys)
-            if lengths.size > self._cap:
-                raise ValueError(
-                    f"a packed sample holds {lengths.size} documents, more than "
-                    f"{self._cap=}; raise max_docs_per_rank"
-                )
-            header = np.concatenate(
-                [np.asarray([1, fields_signature(sample, self._keys)], dtype=np.int64), lengths]
-            )
-        rows = self._comm.all_gather(header, _HEADER + self._cap)
+            if "cu_seqlens" in sample:  # else _header names what the sample lacks
+                sample = fit_sample(sample, self._keys, self._limit, self._policy)
+            header = self._header(sample)
+        rows = self._comm.all_gather(header, _HEADER + 2 * self._cap)
         if not all(int(row[0]) for row in rows):
             return None
         signatures = [int(row[1]) for row in rows]
@@ -253,8 +265,15 @@ class BalancedBatches:
                 f"ranks disagree on the packed keys' dtypes (signatures {signatures}); "
                 f"every rank must yield {list(self._keys)} with the same dtypes"
             )
-        counts = np.asarray([row.size - _HEADER for row in rows], dtype=np.int64)
-        all_lengths = np.concatenate([row[_HEADER:] for row in rows])
+        counts = [int(row[2]) for row in rows]
+        all_lengths = np.concatenate(
+            [row[_HEADER : _HEADER + n] for row, n in zip(rows, counts, strict=True)]
+        )
+        all_ids = np.concatenate(
+            [row[_HEADER + n : _HEADER + 2 * n] for row, n in zip(rows, counts, strict=True)]
+        )
+        ids = all_ids if bool(np.all(all_ids >= 0)) else None
+        self._refuse_long(all_lengths, ids, counts)  # the same error on every rank: no hang
         assert sample is not None  # every rank, this one included, has data
         dtypes = [sample[k].dtype for k in self._keys]
         kwargs = dict(self._plan_kwargs, num_ranks=self._comm.size)
@@ -263,7 +282,44 @@ class BalancedBatches:
         else:
             future = Future()
             future.set_result(schedule_documents(all_lengths, **kwargs))
-        return _Batch(state, sample, counts.tolist(), dtypes, future)
+        return _Batch(state, sample, counts, ids, dtypes, future)
+
+    def _header(self, sample: Mapping[str, Any]) -> np.ndarray:
+        """has_data, dtype signature, documents, their lengths, their corpus ids (or -1s)."""
+        lengths = doc_lengths(sample, self._keys)
+        if lengths.size > self._cap:
+            raise ValueError(
+                f"a packed sample holds {lengths.size} documents, more than "
+                f"{self._cap=}; raise max_docs_per_rank"
+            )
+        ids = np.full(lengths.size, -1, dtype=np.int64)
+        if DOCUMENT_IDS in sample:
+            given = np.asarray(torch.as_tensor(sample[DOCUMENT_IDS]).cpu(), dtype=np.int64)
+            if given.shape != lengths.shape:
+                raise ValueError(
+                    f"sample[{DOCUMENT_IDS!r}] holds {given.size} ids for {lengths.size} "
+                    "documents; give one corpus id per document of cu_seqlens"
+                )
+            ids = given
+        signature = fields_signature(sample, self._keys)
+        return np.concatenate([np.asarray([1, signature, lengths.size], np.int64), lengths, ids])
+
+    def _refuse_long(self, lengths: np.ndarray, ids: np.ndarray | None, counts: list[int]) -> None:
+        over = np.flatnonzero(lengths > self._limit)
+        if over.size == 0:
+            return
+        i = int(over[0])
+        rank = int(np.searchsorted(np.cumsum(counts), i, side="right"))
+        name = (
+            f"corpus document {int(ids[i])}"
+            if ids is not None
+            else f"document {i - sum(counts[:rank])} of rank {rank}'s sample"
+        )
+        raise ValueError(
+            f"{name} has {int(lengths[i])} tokens, more than this group of {self._comm.size} "
+            f"ranks can hold ({self._limit} at max_tokens={self._plan_kwargs['max_tokens']}); "
+            "pass long_documents='split' or 'truncate', raise max_tokens or add ranks"
+        )
 
     def _advance(self) -> None:
         batch = self._fetch() if self._ahead is False else self._ahead
@@ -287,6 +343,8 @@ class BalancedBatches:
         steps = unpack(recv, rank, layout, batch.dtypes, self._keys)
         for step in steps:
             step["cp_group"] = tuple(self._comm.global_rank(r) for r in step["cp_group"])
+            if batch.ids is not None:
+                step[DOCUMENT_IDS] = torch.from_numpy(batch.ids[step["doc_ids"].numpy()])
         self._base_state, self._current = batch.state, steps
         self._k, self._skip = min(self._skip, len(steps)), 0
 

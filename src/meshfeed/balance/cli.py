@@ -1,11 +1,13 @@
 """``meshfeed plan``: how balanced would training be on this mesh, these lengths, this budget?
 
-Prints, for meshfeed's :func:`schedule_documents` and for naive slicing (and token balancing), the step time
-over its lower bound, micro-steps per rank and packing efficiency, and saves a PNG of per-rank
-load averaged over the batches when asked (``--plot PATH``). The ranks balanced are DP x CP (``--dp * --cp``); ``--tp`` with
-``--sequence-parallel`` only changes padding. Lengths come from a synthetic distribution or a
-``.npy`` file of document lengths or a Megatron-format token corpus (``--corpus PREFIX``, the
-sizes of its ``.idx``), read in order as consecutive global batches.
+Prints, for meshfeed's balanced schedule and for naive slicing (and token balancing), the
+step time over its lower bound, micro-steps per rank and packing efficiency, and saves a plot
+of per-rank load averaged over the batches when asked (--plot PATH). The ranks balanced are
+DP x CP (--dp times --cp); --tp with --sequence-parallel only changes padding. Lengths come
+from a synthetic distribution, a file of document lengths (.npy, or text with one length per
+line) or a Megatron-format token corpus (--corpus PREFIX, the sizes of its .idx), read in
+order as consecutive global batches. Documents longer than all ranks can hold are split into
+pieces by default (--long-documents).
 
     meshfeed plan --dp 8 --cp 2 --max-tokens 32768 --dist longtail --batches 8
     meshfeed plan --dp 16 --lengths doc_lengths.npy --cost s2 --plot load.png
@@ -24,6 +26,7 @@ import numpy as np
 
 from meshfeed.balance.baselines import naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
+from meshfeed.balance.long_documents import LONG_DOCUMENT_POLICIES, fit_lengths, max_document_tokens
 from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.synthetic import DISTRIBUTIONS, sample_batch
 from meshfeed.mesh import DataMesh
@@ -37,46 +40,79 @@ def add_subcommand(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="balance of a DP x CP schedule for a length distribution or corpus",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mesh = p.add_argument_group("mesh")
-    mesh.add_argument("--dp", type=int, default=8, help="data-parallel size (default 8)")
-    mesh.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
-    mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    mesh.add_argument("--dp", type=int, default=8, help="data-parallel size (default: 8)")
+    mesh.add_argument("--cp", type=int, default=1, help="context-parallel size (default: 1)")
+    mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
     mesh.add_argument(
-        "--sequence-parallel", action="store_true", help="pad split documents to 2*c*tp"
+        "--sequence-parallel", action="store_true", help="pad split documents to 2 x c x tp"
     )
-    mesh.add_argument("--cp-sizes", choices=("any", "pow2_aligned"), default="any")
+    mesh.add_argument(
+        "--cp-sizes",
+        choices=("any", "pow2_aligned"),
+        default="any",
+        help="group sizes a document may span: any, or powers of two on aligned blocks "
+        "(default: any)",
+    )
     data = p.add_argument_group("lengths")
     src = data.add_mutually_exclusive_group()
-    src.add_argument("--dist", choices=DISTRIBUTIONS, default="longtail")
-    src.add_argument("--lengths", type=Path, help=".npy file of document lengths (a corpus)")
+    src.add_argument(
+        "--dist",
+        choices=DISTRIBUTIONS,
+        default="longtail",
+        help="synthetic length distribution (default: longtail)",
+    )
+    src.add_argument(
+        "--lengths",
+        type=Path,
+        metavar="FILE",
+        help="document lengths: a .npy integer array, or text with one length per line",
+    )
     src.add_argument(
         "--corpus", metavar="PREFIX", help="token corpus PREFIX(.bin/.idx): its document lengths"
     )
     data.add_argument(
-        "--batch-tokens", type=int, help="tokens per global batch (default 4 x ranks x budget)"
+        "--batch-tokens",
+        type=int,
+        metavar="N",
+        help="tokens per global batch (default: 4 x ranks x --max-tokens)",
     )
-    data.add_argument("--batches", type=int, default=8, help="global batches to plan (default 8)")
-    data.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=32768, help="tokens per rank per micro-step")
+    data.add_argument("--batches", type=int, default=8, help="global batches to plan (default: 8)")
+    data.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic lengths (default: 0)"
+    )
+    data.add_argument(
+        "--long-documents",
+        choices=LONG_DOCUMENT_POLICIES,
+        default="split",
+        help="a document longer than all ranks hold is refused, truncated or split into "
+        "pieces (default: split)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32768,
+        help="tokens per rank per micro-step (default: 32768)",
+    )
     cost = p.add_argument_group("cost model")
     cost.add_argument(
         "--cost",
         choices=("transformer", "s2", "tokens"),
         default="transformer",
-        help="transformer FLOPs (default), s^2 only, or tokens only",
+        help="transformer FLOPs, s^2 only, or tokens only (default: transformer)",
     )
     cost.add_argument(
         "--per-step",
         type=float,
         default=0.0,
-        help="fixed cost of one micro-step, in the cost model's units (default 0)",
+        help="fixed cost of one micro-step, in the cost model's units (default: 0)",
     )
-    cost.add_argument("--hidden-size", type=int, default=4096)
-    cost.add_argument("--num-layers", type=int, default=32)
-    cost.add_argument("--num-heads", type=int, default=32)
+    cost.add_argument("--hidden-size", type=int, default=4096, help="(default: 4096)")
+    cost.add_argument("--num-layers", type=int, default=32, help="(default: 32)")
+    cost.add_argument("--num-heads", type=int, default=32, help="(default: 32)")
     p.add_argument(
         "--plot",
         "--png",
@@ -84,36 +120,58 @@ def add_subcommand(subparsers: Any) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help="write a PNG of per-rank load here (default: no plot; needs matplotlib)",
+        help="write a plot of per-rank load here, as .png, .svg or .pdf (needs matplotlib)",
     )
-    p.add_argument("--no-png", action="store_true", help="no plot, even with --plot (the default)")
+    p.add_argument("--no-png", action="store_true", help="no plot, even with --plot")
     p.set_defaults(func=run)
+
+
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def _check_plot(path: Path | None) -> None:
+    """Refuse a plot path that cannot be written before any work is done."""
+    if path is None:
+        return
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise ValueError(
+            f"--plot {path}: cannot tell the image format from {path.suffix or 'no suffix'!r}; "
+            f"end the name in {', '.join(PLOT_FORMATS)}"
+        )
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--plot {path}: folder {parent} does not exist; create it first")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
 
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``meshfeed plan``; returns the exit code (2 for bad input)."""
     try:
+        for name in ("dp", "cp", "tp", "max_tokens", "batches"):
+            if getattr(args, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be a positive integer (got {getattr(args, name)})")
+        if not args.no_png:
+            _check_plot(args.plot)
         mesh = DataMesh.from_sizes(dp=args.dp, cp=args.cp, tp=args.tp)
-        if args.max_tokens < 1 or args.batches < 1:
-            raise ValueError(
-                f"--max-tokens and --batches must be positive (got {args.max_tokens}, {args.batches})"
-            )
         ranks = mesh.data_world_size * mesh.sizes.get("cp", 1)
         cost = _cost(args)
         batch_tokens = args.batch_tokens or 4 * ranks * args.max_tokens
-        batches = _batches(args, batch_tokens)
+        tp = args.tp if args.sequence_parallel else 1
+        limit = max_document_tokens(
+            num_ranks=ranks, max_tokens=args.max_tokens, cp_sizes=args.cp_sizes, tp=tp
+        )
+        batches = [fit_lengths(b, limit, args.long_documents) for b in _batches(args, batch_tokens)]
         kw: dict[str, Any] = {"num_ranks": ranks, "max_tokens": args.max_tokens, "cost": cost}
-        plans = [
-            schedule_documents(
-                b,
-                cp_sizes=args.cp_sizes,
-                tp=args.tp if args.sequence_parallel else 1,
-                **kw,
-            )
-            for b in batches
-        ]
+        plans = [schedule_documents(b, cp_sizes=args.cp_sizes, tp=tp, **kw) for b in batches]
     except (ValueError, TypeError, OSError) as e:
-        print(f"meshfeed plan: {e}", file=sys.stderr)
+        hint = ""
+        if "more than" in str(e) and args.long_documents == "refuse":
+            hint = " (or pass --long-documents split)"
+        print(f"meshfeed plan: error: {e}{hint}", file=sys.stderr)
         return 2
     rows: dict[str, list[tuple[float, int, float]]] = {
         "meshfeed": [],
@@ -155,9 +213,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and not args.no_png:
         try:
             _plot(plans, batches, kw, args.plot)
-            print(f"wrote {args.plot}")
-        except ImportError:
-            print("matplotlib is not installed; no PNG written (pip install matplotlib)")
+        except OSError as e:
+            print(f"meshfeed plan: error: cannot write --plot {args.plot} ({e})", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -180,11 +239,7 @@ def _batches(args: argparse.Namespace, batch_tokens: int) -> list[np.ndarray]:
         if corpus.size == 0:
             raise ValueError(f"corpus {args.corpus} has no documents; nothing to plan")
     elif args.lengths is not None:
-        corpus = np.load(args.lengths, allow_pickle=False).ravel()
-        if corpus.size == 0 or not np.issubdtype(corpus.dtype, np.integer):
-            raise ValueError(
-                f"{args.lengths} must hold a non-empty integer array of document lengths"
-            )
+        corpus = _read_lengths(args.lengths)
     else:
         return [
             sample_batch(args.dist, tokens=batch_tokens, seed=args.seed * 100_003 + b)
@@ -194,6 +249,32 @@ def _batches(args: argparse.Namespace, batch_tokens: int) -> list[np.ndarray]:
     cuts = np.unique(np.minimum(np.concatenate([[0], ends + 1]), corpus.size))
     out = [corpus[a:b] for a, b in itertools.pairwise(cuts.tolist()) if b > a]
     return out or [corpus]
+
+
+def _read_lengths(path: Path) -> np.ndarray:
+    """Document lengths from a .npy array or a text file (whitespace-separated integers)."""
+    if not path.is_file():
+        raise ValueError(f"--lengths {path}: no such file")
+    if path.suffix == ".npy":
+        try:
+            lengths = np.load(path, allow_pickle=False).ravel()
+        except ValueError as e:
+            raise ValueError(f"--lengths {path} is not a numeric .npy array ({e})") from None
+    else:
+        text = path.read_text(encoding="utf-8", errors="replace").split()
+        try:
+            lengths = np.asarray([int(v) for v in text], dtype=np.int64)
+        except ValueError:
+            bad = next(v for v in text if not v.lstrip("-").isdigit())
+            raise ValueError(
+                f"--lengths {path}: {bad[:20]!r} is not an integer; give one document length "
+                "per line (or a .npy integer array)"
+            ) from None
+    if lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer) or lengths.min() < 0:
+        raise ValueError(
+            f"--lengths {path} must hold a non-empty list of non-negative integer lengths"
+        )
+    return lengths.astype(np.int64)
 
 
 def _plot(
@@ -213,7 +294,7 @@ def _plot(
     mine = np.mean([q.rank_time / q.lower_bound for q in plans], axis=0)
     step = float(np.median([q.makespan / q.lower_bound for q in plans]))
     docs = sum(b.size for b in batches)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * p.num_ranks + 3), 4))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.25 * p.num_ranks + 3), 4.5))
     width = 0.28
     ax.bar(ranks - width, naive, width, label="naive slicing", color="#bbbbbb")
     ax.bar(ranks, tokens, width, label="token balancing", color="#7a9cc6")
@@ -221,11 +302,14 @@ def _plot(
     ax.axhline(1.0, color="black", lw=0.8, ls=":", label="lower bound")
     ax.set_xlabel("rank (DP x CP)")
     ax.set_ylabel("load / lower bound")
+    ax.set_xticks(ranks[:: max(1, p.num_ranks // 16)])  # integer ranks, at most ~16 labels
+    ax.set_xlim(-0.6, p.num_ranks - 0.4)
     ax.set_title(
-        f"per-rank load, mean of {len(batches)} batches, {docs} documents, "
-        f"meshfeed step = {step:.3f} x LB (median)"
+        f"Per-rank load, mean of {len(batches)} batches ({docs} documents)\n"
+        f"meshfeed step = {step:.3f} x lower bound (median)",
+        fontsize=10,
     )
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfeed.keys import DOCUMENT_IDS
 from meshfeed.loader import DataLoader
 from meshfeed.mesh import DEFAULT_DATA_AXES, DataMesh, resolve_mesh
 from meshfeed.sources.windows import CorpusLike, TokenDocuments
@@ -28,6 +29,10 @@ __all__ = ["pack_documents", "packed_document_loader"]
 def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     """Pack documents (1-D token arrays or tensors) into one next-token-prediction sample.
 
+    An item may also be a ``(corpus_id, tokens)`` pair (what :func:`packed_document_loader`
+    reads); the sample then carries ``document_ids`` (int64, one per packed document), which
+    :class:`~meshfeed.balance.BalancedBatches` hands on to its micro-steps.
+
     Per document of ``n`` tokens: ``tokens`` gets ``doc[:-1]``, ``labels`` gets ``doc[1:]``
     (int64), ``loss_mask`` ones (float32), ``position_ids`` ``0 .. n-2`` (int64);
     ``cu_seqlens`` (int32) holds the ``n - 1``-token boundaries. Documents with fewer than two
@@ -36,6 +41,10 @@ def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     >>> pack_documents([np.array([5, 6, 7]), np.array([8, 9])])["cu_seqlens"].tolist()
     [0, 2, 3]
     """
+    ids = None
+    if docs and isinstance(docs[0], tuple):
+        ids = np.asarray([int(i) for i, _ in docs], dtype=np.int64)
+        docs = [d for _, d in docs]
     arrays = [np.asarray(d) for d in docs]
     bad = next((a.shape for a in arrays if a.ndim != 1), None)
     if bad is not None:
@@ -52,13 +61,37 @@ def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     cu = np.unique(np.concatenate([[0], np.cumsum(np.maximum(lengths - 1, 0))]))
     sizes = np.diff(cu)
     tokens = torch.from_numpy(flat[~is_last])
-    return {
+    out = {
         "tokens": tokens,
         "labels": torch.from_numpy(flat[~is_first]),
         "loss_mask": torch.ones(tokens.shape[0], dtype=torch.float32),
         "position_ids": torch.from_numpy(np.arange(cu[-1]) - np.repeat(cu[:-1], sizes)),
         "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
     }
+    if ids is not None:
+        out[DOCUMENT_IDS] = torch.from_numpy(ids[lengths > 1])
+    return out
+
+
+class NumberedDocuments:
+    """``documents[i]`` as ``(i, tokens)``: packed samples then know their corpus ids."""
+
+    def __init__(self, documents: TokenDocuments) -> None:
+        self.documents = documents
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    @property
+    def fingerprint(self) -> str:
+        return f"numbered:{self.documents.fingerprint}"
+
+    def __getitem__(self, i: int) -> tuple[int, np.ndarray]:
+        return int(i), self.documents[i]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[int, np.ndarray]]:
+        docs = self.documents.__getitems__(indices)
+        return [(int(i), d) for i, d in zip(indices, docs, strict=True)]
 
 
 def packed_document_loader(
@@ -73,7 +106,9 @@ def packed_document_loader(
     """A DataLoader yielding one :func:`pack_documents` sample of ``batch_size`` documents per step.
 
     Made for ``BalancedBatches(packed_document_loader(...), max_tokens=...)``, which
-    checkpoints and restores through the loader's ``state_dict`` / ``load_state_dict``. Every rank BalancedBatches balances must read distinct documents, so a mesh
+    checkpoints and restores through the loader's ``state_dict`` / ``load_state_dict``. Each
+    sample carries the corpus ids of its documents (``document_ids``), which BalancedBatches
+    puts on its micro-steps and names in its errors. Every rank BalancedBatches balances must read distinct documents, so a mesh
     given as a dict shards over ``cp`` too (``{"dp": 4, "cp": 2}`` is 8 data ranks); a
     ``DataMesh`` with a ``cp`` axis must list it in ``data_axes``. One epoch per ``iter()``.
     """
@@ -92,7 +127,7 @@ def packed_document_loader(
             "and BalancedBatches would train them twice; build it with data_axes including 'cp'"
         )
     return DataLoader(
-        documents,
+        NumberedDocuments(documents),
         batch_size=batch_size,
         mesh=resolved,
         rank=rank,

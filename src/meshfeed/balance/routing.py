@@ -24,7 +24,7 @@ import torch
 
 from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.zigzag import zigzag_positions
-from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD
+from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD, DOCUMENT_IDS
 
 __all__ = ["Layout", "build_send", "route_local", "unpack"]
 
@@ -236,10 +236,17 @@ def route_local(
     for r in range(len(samples)):
         offsets.append(np.concatenate([[0], np.cumsum(layout.send_splits(r))]).tolist())
     dtypes = [samples[0][k].dtype for k in keys] if samples else []
+    ids = None
+    if samples and all(DOCUMENT_IDS in s for s in samples):
+        ids = torch.cat([torch.as_tensor(s[DOCUMENT_IDS]).long() for s in samples])
     out = []
     for r in range(len(samples)):
         recv = torch.cat([sends[s][offsets[s][r] : offsets[s][r + 1]] for s in range(len(samples))])
-        out.append(unpack(recv, r, layout, dtypes, keys))
+        steps = unpack(recv, r, layout, dtypes, keys)
+        if ids is not None:
+            for step in steps:
+                step[DOCUMENT_IDS] = ids[step["doc_ids"]]
+        out.append(steps)
     return p, out
 
 

@@ -1,13 +1,16 @@
 """``meshfeed analyze``: build curriculum metric indexes for a token corpus or any dataset.
 
-The dataset is a Megatron/DeepSpeed ``.bin/.idx`` token corpus (give its prefix) or
-``module:callable`` returning a map-style dataset. Metrics are ``seqlen``, ``vocab_rarity``
-(two passes; ``--vocab-size`` defaults to the largest token id + 1) or ``module:attr`` naming a
-``SampleMetric`` / ``AccumulatedMetric`` (or a no-argument callable returning one). Each metric
-is written to ``OUTPUT/<name>/``; under torchrun every rank takes a share of the work. ``-j``
-defaults to the cores this process may use (more workers than cores only adds overhead).
+The dataset is a Megatron/DeepSpeed .bin/.idx token corpus (give its prefix), its windows
+(--windows SEQ_LEN: one value per window of TokenWindows(PREFIX, seq_len=SEQ_LEN), in the
+order of its indices, for a curriculum over windows), or module:callable returning a
+map-style dataset. Metrics are seqlen, vocab_rarity (two passes; --vocab-size defaults to the
+largest token id + 1) or module:attr naming a SampleMetric / AccumulatedMetric (or a
+no-argument callable returning one). Each metric is written to OUTPUT/<name>/; under torchrun
+every rank takes a share of the work. -j defaults to the cores this process may use (more
+workers than cores only add overhead).
 
     meshfeed analyze data/corpus_text_document -o data/metrics -m seqlen -m vocab_rarity
+    meshfeed analyze data/corpus_text_document --windows 2048 -o data/window_metrics -m vocab_rarity
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import argparse
 import importlib
 import logging
 import os
+import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -41,13 +46,23 @@ def _resolve(spec: str, what: str) -> Any:
     module, _, attr = spec.partition(":")
     if not module or not attr:
         raise ValueError(f"{what} {spec!r} must look like 'package.module:name'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module in the current folder, as python -m finds it
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load {what} {spec!r}: {exc}") from exc
 
 
-def _dataset(spec: str) -> Any:
+def _dataset(spec: str, windows: int | None = None) -> Any:
+    if windows is not None:
+        if windows < 1:
+            raise ValueError(f"--windows must be a positive window length (got {windows})")
+        if ":" in spec:
+            raise ValueError(
+                f"--windows takes a token corpus prefix, not {spec!r}; give PREFIX of "
+                "PREFIX.bin/.idx (or leave --windows out for a module:callable dataset)"
+            )
     if ":" in spec:
         made = _resolve(spec, "dataset")
         # The spec names either a dataset object or a zero-argument factory (a class or a
@@ -59,9 +74,26 @@ def _dataset(spec: str) -> Any:
     if not np.issubdtype(corpus.dtype, np.integer):
         raise ValueError(
             f"corpus {spec} holds {corpus.dtype} values, not token ids; a token corpus is an "
-            "integer corpus: rewrite it with `meshfeed convert --dtype uint16` (or int32 / int64)"
+            "integer corpus: rewrite it with meshfeed convert --dtype uint16 (or int32 / int64)"
         )
+    if windows is not None:
+        from meshfeed.sources.windows import TokenWindows
+
+        return TokenWindows(corpus, seq_len=windows)
     return corpus
+
+
+def _vocab_size(dataset: Any) -> int:
+    """The largest token id + 1 of a token corpus, its windows, or any dataset of token ids."""
+    from meshfeed.sources.indexed import TokenCorpus
+
+    corpus = getattr(dataset, "corpus", dataset)
+    if isinstance(corpus, TokenCorpus):
+        return int(np.max(corpus.tokens, initial=0)) + 1
+    top = 0
+    for i in range(len(dataset)):
+        top = max(top, int(np.max(np.asarray(dataset[i]), initial=0)))
+    return top + 1
 
 
 def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | AccumulatedMetric:
@@ -69,7 +101,9 @@ def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | A
         return seqlen()
     if spec == "vocab_rarity":
         if vocab_size is None:
-            vocab_size = int(max(int(np.max(dataset[i])) for i in range(len(dataset)))) + 1
+            vocab_size = _vocab_size(dataset)
+        elif vocab_size < 1:
+            raise ValueError(f"--vocab-size must be positive (got {vocab_size})")
         return vocab_rarity(vocab_size)
     if ":" not in spec:
         raise ValueError(
@@ -84,9 +118,25 @@ def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | A
     return made
 
 
+_LIBRARY_ADVICE = re.compile(r"pass vocab_size > (\d+) to token_histogram\(\) / vocab_rarity\(\)")
+
+
+def _cli_message(exc: BaseException) -> str:
+    """An analyzer error in the command's terms: its first part, with the CLI flag to pass."""
+    text = str(exc).split("\n\n(raised in", 1)[0]  # no worker traceback for a CLI user
+    text = _LIBRARY_ADVICE.sub(
+        lambda m: (
+            f"pass --vocab-size {int(m.group(1)) + 1} or more, or leave it out "
+            "(the largest token id + 1)"
+        ),
+        text,
+    )
+    return " ".join(text.split())
+
+
 def _handler(args: argparse.Namespace) -> int:
     try:
-        dataset = _dataset(args.dataset)
+        dataset = _dataset(args.dataset, args.windows)
         metrics = [_metric(m, dataset, args.vocab_size) for m in args.metric or ["seqlen"]]
         result = analyze(
             dataset,
@@ -97,7 +147,7 @@ def _handler(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
     except (ValueError, TypeError, OSError) as exc:
-        log.error("meshfeed analyze: error: %s", exc)
+        log.error("meshfeed analyze: error: %s", _cli_message(exc))
         return 2
     print(f"{'metric':<20} {'dtype':<8} {'min':>12} {'p50':>12} {'p90':>12} {'max':>12}")
     for name, item in result.items():
@@ -123,17 +173,29 @@ def add_subcommand(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "analyze",
         help="compute curriculum metric indexes (seqlen, vocab_rarity, custom) for a dataset",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description=(__doc__ or "").replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dataset", help="token corpus prefix (PREFIX.bin/.idx) or 'module:callable'")
-    p.add_argument("-o", "--output", required=True, help="output directory (one subdir per metric)")
+    p.add_argument("dataset", help="token corpus prefix (PREFIX.bin/.idx) or module:callable")
+    p.add_argument(
+        "--windows",
+        type=int,
+        metavar="SEQ_LEN",
+        help="index the windows of TokenWindows(PREFIX, seq_len=SEQ_LEN), not the documents",
+    )
+    p.add_argument("-o", "--output", required=True, help="output folder (one subfolder per metric)")
     p.add_argument(
         "-m",
         "--metric",
         action="append",
         help="seqlen | vocab_rarity | module:attr (repeatable; default: seqlen)",
     )
-    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for vocab_rarity")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary size for vocab_rarity (default: the largest token id + 1)",
+    )
     cores = available_cores()
     p.add_argument(
         "-j",

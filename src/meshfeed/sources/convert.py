@@ -1,28 +1,37 @@
 """``meshfeed convert``: JSONL / Parquet text or token-id lists -> a Megatron indexed corpus.
 
-Inputs are read and written one document at a time (the writer holds 8 bytes per document),
-so corpora larger than memory convert fine. Each input record becomes one document:
+Inputs are read and written a chunk of documents at a time (the writer holds 8 bytes per
+document), so corpora larger than memory convert fine. Each input record becomes one document:
 
-- JSONL: one JSON value per line; an object's ``field`` (default ``"text"``) or a bare list.
+- JSONL (optionally gzipped): one JSON value per line; an object's ``field`` (default
+  ``"text"``) or a bare list of token ids.
 - Parquet: the ``field`` column, read in record batches.
 - ``.npy``: a 2-D integer array (one document per row) or a 1-D one (a single document).
 
-A string is tokenized with ``tokenizer``: ``"bytes"`` (UTF-8 bytes, ids 0-255: for tests and
-demos) or ``"module:callable"`` naming a function ``str -> list[int]``. A list of ints is
-taken as token ids as is.
+A string is tokenized with ``tokenizer`` (see :func:`meshfeed.sources.tokenizer.load_tokenizer`:
+a ``tokenizer.json``, a saved HF tokenizer folder, a tiktoken encoding name, ``"bytes"`` or
+``"module:callable"``); a list of ints is taken as token ids as is. ``num_workers > 1``
+tokenizes (and parses JSON) in that many worker processes; chunks are written in input order,
+so the output is byte-identical for every ``num_workers``. ``append_eod`` appends the
+end-of-document id to every document, as Megatron-LM's ``tools/preprocess_data.py
+--append-eod`` does, and the ``.bin/.idx`` bytes are those Megatron's own writer produces
+for the same ids.
 
-    meshfeed convert data.jsonl -o out/corpus --tokenizer bytes --append-eod 0
+    meshfeed convert data.jsonl -o out/corpus --tokenizer tokenizer.json --append-eod -j 4
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import multiprocessing as mp
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,48 +42,23 @@ from meshfeed.errors import SourceError
 from meshfeed.mapped import check_mapped
 from meshfeed.progress import Progress
 from meshfeed.sources.indexed import DTYPE_CODES, IndexedWriter, TokenCorpus
+from meshfeed.sources.tokenizer import TextTokenizer, load_tokenizer
 from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of, upload_file
 
 __all__ = ["add_subcommand", "convert", "load_tokenizer"]
 
-Tokenizer = Callable[[str], Any]
 FORMATS = ("auto", "jsonl", "parquet", "npy")
-
-#: Bytes of a .npy input copied out of its memory map per size check.
-_NPY_BLOCK_BYTES = 8 << 20
-
-
-def _byte_tokenizer(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-
-def load_tokenizer(spec: str | Tokenizer | None) -> Tokenizer | None:
-    """Resolve ``"bytes"``, ``"module:callable"`` or a callable into a ``str -> ids`` function."""
-    if spec is None or callable(spec):
-        return spec
-    if spec == "bytes":
-        return _byte_tokenizer
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"tokenizer must be 'bytes' or 'module:callable' (got {spec!r}); e.g. "
-            "'mytok:encode' for a function encode(text) -> list[int]"
-        )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"cannot import tokenizer module {module_name!r} ({e}); check PYTHONPATH"
-        ) from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(
-                f"module {module_name!r} has no attribute {attr!r} (tokenizer {spec!r})"
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"tokenizer {spec!r} is not callable; name a function text -> list[int]")
-    return obj
+#: Integer dtypes a token corpus may hold (the format also codes floats; convert refuses them).
+TOKEN_DTYPES = tuple(
+    str(d)
+    for d in sorted(
+        (np.dtype(d) for d in DTYPE_CODES.values() if np.dtype(d).kind in "iu"),
+        key=lambda d: (d.kind, d.itemsize),
+    )
+)
+#: Input bytes (JSONL) or records per work item; a few per worker keep every worker busy.
+CHUNK_BYTES = 1 << 16
+CHUNK_RECORDS = 1024
 
 
 def _detect(path: Path, fmt: str) -> str:
@@ -93,57 +77,68 @@ def _detect(path: Path, fmt: str) -> str:
     )
 
 
-def _records(path: Path, fmt: str, field: str) -> Iterator[tuple[str, Any]]:
-    """(location, record) pairs; the location names file and line/row for error messages."""
-    if fmt == "jsonl":
-        opener: Any = open
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """Consecutive records of one file: JSONL ``(line_no, raw line)`` or ``(row, value)``."""
+
+    path: str
+    fmt: str
+    items: list[tuple[int, Any]]
+    done_bytes: int  # how far into the file (in its size on disk) this chunk reaches
+
+    def where(self, i: int) -> str:
+        number = self.items[i][0]
+        return f"{self.path}:{number}" if self.fmt == "jsonl" else f"{self.path} row {number}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What a worker needs to turn a chunk into token-id arrays."""
+
+    field: str
+    tokenizer: TextTokenizer | None
+    eod: np.ndarray | None
+
+
+def _jsonl_chunks(path: Path) -> Iterator[_Chunk]:
+    with open(path, "rb") as raw:
+        stream: Any = raw
         if path.suffix == ".gz":
             import gzip
 
-            opener = gzip.open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where} is not valid JSON ({e})") from e
-                if isinstance(value, dict):
-                    if field not in value:
-                        raise ValueError(
-                            f"{where} has no field {field!r} (keys: {sorted(value)}); pass "
-                            "--field NAME"
-                        )
-                    value = value[field]
-                yield where, value
-    elif fmt == "parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ImportError(
-                "converting Parquet needs pyarrow: pip install meshfeed[parquet]"
-            ) from e
-        pf = pq.ParquetFile(path)
-        if field not in pf.schema_arrow.names:
-            raise ValueError(
-                f"{path} has no column {field!r} (columns: {pf.schema_arrow.names}); pass "
-                "--field NAME"
-            )
-        row = 0
-        for batch in pf.iter_batches(columns=[field], batch_size=4096):
-            for value in batch.column(0).to_pylist():
-                yield f"{path} row {row}", value
-                row += 1
-    elif fmt == "npy":
-        yield from _npy_records(path)
-    else:
-        raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+            stream = gzip.GzipFile(fileobj=raw)
+        items: list[tuple[int, Any]] = []
+        size = 0
+        for line_no, line in enumerate(stream, 1):
+            if line.strip():
+                items.append((line_no, line))
+                size += len(line)
+            if size >= CHUNK_BYTES or len(items) >= CHUNK_RECORDS:
+                yield _Chunk(str(path), "jsonl", items, raw.tell())
+                items, size = [], 0
+        if items:
+            yield _Chunk(str(path), "jsonl", items, raw.tell())
 
 
-def _npy_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """The rows of a .npy input, copied out of its memory map a block at a time."""
+def _parquet_chunks(path: Path, field: str) -> Iterator[_Chunk]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("converting Parquet needs pyarrow: pip install meshfeed[parquet]") from e
+    pf = pq.ParquetFile(path)
+    if field not in pf.schema_arrow.names:
+        raise ValueError(
+            f"{path} has no column {field!r} (columns: {pf.schema_arrow.names}); pass --field NAME"
+        )
+    total, size, row = max(1, pf.metadata.num_rows), path.stat().st_size, 0
+    for batch in pf.iter_batches(columns=[field], batch_size=CHUNK_RECORDS):
+        values = batch.column(0).to_pylist()
+        items = list(enumerate(values, row))
+        row += len(values)
+        yield _Chunk(str(path), "parquet", items, size * row // total)
+
+
+def _npy_chunks(path: Path) -> Iterator[_Chunk]:
     arr = np.load(path, mmap_mode="r", allow_pickle=False)
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
         raise ValueError(
@@ -151,25 +146,160 @@ def _npy_records(path: Path) -> Iterator[tuple[str, Any]]:
             "integer array (one document per row) or a 1-D one (one document)"
         )
     rows = arr[None, :] if arr.ndim == 1 else arr
-    step = max(1, _NPY_BLOCK_BYTES // max(1, rows[:1].nbytes))
-    for lo in range(0, rows.shape[0], step):
+    size, n = path.stat().st_size, max(1, rows.shape[0])
+    for start in range(0, rows.shape[0], CHUNK_RECORDS):
+        stop = min(start + CHUNK_RECORDS, rows.shape[0])
         # one size check, then one copy out of the map: a file truncated meanwhile is a
         # SourceError naming it, not SIGBUS in the middle of a row
         check_mapped(rows)
-        block = np.array(rows[lo : lo + step])
-        for r, row in enumerate(block, start=lo):
-            yield f"{path} row {r}", row
+        block = np.array(rows[start:stop])
+        items = [(r, block[r - start]) for r in range(start, stop)]
+        yield _Chunk(str(path), "npy", items, size * stop // n)
 
 
-def _count(path: Path, fmt: str) -> int | None:
+def _file_chunks(path: Path, fmt: str, field: str) -> Iterator[_Chunk]:
+    if fmt == "jsonl":
+        return _jsonl_chunks(path)
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(path).metadata.num_rows)
+        return _parquet_chunks(path, field)
     if fmt == "npy":
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        return 1 if arr.ndim == 1 else int(arr.shape[0])
-    return None
+        return _npy_chunks(path)
+    raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+
+
+def _chunks(paths: list[Path], formats: list[str], field: str) -> Iterator[_Chunk]:
+    """Every file's chunks in order; ``done_bytes`` counts from the start of the first file."""
+    base = 0
+    for path, fmt in zip(paths, formats, strict=True):
+        for chunk in _file_chunks(path, fmt, field):
+            yield _Chunk(chunk.path, chunk.fmt, chunk.items, base + chunk.done_bytes)
+        base += path.stat().st_size
+
+
+def _json_value(chunk: _Chunk, i: int, field: str) -> Any:
+    try:
+        value = json.loads(chunk.items[i][1])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{chunk.where(i)} is not valid JSON ({e})") from e
+    if isinstance(value, dict):
+        if field not in value:
+            raise ValueError(
+                f"{chunk.where(i)} has no field {field!r} (keys: {sorted(value)}); pass "
+                "--field NAME"
+            )
+        value = value[field]
+    return value
+
+
+def _encode_chunk_with(chunk: _Chunk, job: _Job) -> list[np.ndarray]:
+    """The documents of ``chunk``, tokenized; the same code in this process and in workers."""
+    out: list[np.ndarray] = []
+    for i, (_, value) in enumerate(chunk.items):
+        if chunk.fmt == "jsonl":
+            value = _json_value(chunk, i, job.field)
+        if isinstance(value, str):
+            if job.tokenizer is None:
+                raise ValueError(
+                    f"{chunk.where(i)} is text but no tokenizer was given; pass --tokenizer "
+                    "(a tokenizer.json, a tokenizer folder, bytes, ...)"
+                )
+            try:
+                ids = job.tokenizer(value)
+            except Exception as e:  # a user's tokenizer may raise anything: name the record
+                raise ValueError(
+                    f"{chunk.where(i)}: tokenizer {job.tokenizer.name} failed ({e})"
+                ) from e
+        else:
+            ids = np.asarray(value)
+            if ids.size == 0:
+                ids = ids.astype(np.int64)
+        if job.eod is not None:
+            ids = np.concatenate([ids, job.eod])
+        out.append(ids)
+    return out
+
+
+_WORKER_JOB: _Job | None = None
+
+
+def _init_worker(job: _Job) -> None:
+    global _WORKER_JOB
+    _WORKER_JOB = job
+
+
+def _encode_chunk(chunk: _Chunk) -> list[np.ndarray]:
+    assert _WORKER_JOB is not None, "worker started without _init_worker"
+    return _encode_chunk_with(chunk, _WORKER_JOB)
+
+
+@contextmanager
+def _pool(method: str, workers: int, job: _Job) -> Iterator[Any]:
+    """A process pool whose workers run HF tokenizers single-threaded, without its fork warning.
+
+    The variable is set while the workers start (they inherit it) and restored after, so the
+    caller's own tokenizers keep their threads.
+    """
+    key = "TOKENIZERS_PARALLELISM"
+    before = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        pool = mp.get_context(method).Pool(workers, _init_worker, (job,))
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+    with pool:
+        yield pool
+
+
+def _encoded(
+    chunks: Iterator[_Chunk], job: _Job, workers: int
+) -> Generator[tuple[_Chunk, list[np.ndarray]], None, None]:
+    """(chunk, its documents) in input order; ``workers > 1`` encodes in worker processes."""
+    if workers <= 1:
+        for chunk in chunks:
+            yield chunk, _encode_chunk_with(chunk, job)
+        return
+    # fork shares the loaded tokenizer with the workers (no pickling, no re-import of torch)
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with _pool(method, workers, job) as pool:
+        pending: deque[tuple[_Chunk, Any]] = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.apply_async(_encode_chunk, (chunk,))))
+            if len(pending) >= 4 * workers:  # bounded read-ahead: memory stays a few chunks
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+
+
+def _paths(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+    paths = [Path(inputs)] if isinstance(inputs, (str, os.PathLike)) else [Path(p) for p in inputs]
+    if not paths:
+        raise ValueError("no inputs given; pass at least one JSONL, Parquet or .npy file")
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"input {p} does not exist")
+    return paths
+
+
+def _eod(
+    append_eod: bool | int, eod_id: int | None, tok: TextTokenizer | None
+) -> np.ndarray | None:
+    if not isinstance(append_eod, bool):  # an int is the id itself
+        eod_id, append_eod = int(append_eod), True
+    if not append_eod and eod_id is None:
+        return None
+    if eod_id is None:
+        eod_id = None if tok is None else tok.eod_id
+    if eod_id is None:
+        name = "no tokenizer" if tok is None else f"tokenizer {tok.name}"
+        raise ValueError(
+            f"--append-eod needs an end-of-document id and {name} names none; pass --eod-id N"
+        )
+    return np.asarray([eod_id], dtype=np.int64)
 
 
 def convert(
@@ -177,19 +307,23 @@ def convert(
     output: str | os.PathLike[str],
     *,
     field: str = "text",
-    tokenizer: str | Tokenizer | None = None,
+    tokenizer: Any = None,
     dtype: DTypeLike = np.uint16,
-    append_eod: int | None = None,
+    append_eod: bool | int = False,
+    eod_id: int | None = None,
     fmt: str = "auto",
+    num_workers: int = 1,
     progress: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
     storage_options: StorageOptions | None = None,
 ) -> TokenCorpus:
     """Convert ``inputs`` (in order) into ``output.bin`` / ``output.idx``; return the corpus.
 
-    ``append_eod`` appends that token id to every document (the usual end-of-document marker
-    that lets windows cross document boundaries). Text records need ``tokenizer``. On any
-    error the partial output is deleted and the exception names the file and record.
+    ``append_eod=True`` appends the end-of-document id to every document: ``eod_id`` if given,
+    else the tokenizer's (its ``<|endoftext|>`` / ``</s>`` / eos token); an int is taken as
+    the id itself. Text records need ``tokenizer``. ``num_workers`` processes tokenize; the
+    bytes written do not depend on it. Progress counts input bytes (total and ETA known). On
+    any error the partial output is deleted and the exception names the file and record.
 
     ``output`` may be a URL prefix (``s3://bucket/corpus``): the corpus is written locally
     (in the shard cache at ``cache_dir``), then uploaded, ``.bin`` before ``.idx``; each
@@ -205,49 +339,44 @@ def convert(
             tokenizer=tokenizer,
             dtype=dtype,
             append_eod=append_eod,
+            eod_id=eod_id,
             fmt=fmt,
+            num_workers=num_workers,
             progress=progress,
         )
     output = local_path_of(out) or output
-    paths = [Path(inputs)] if isinstance(inputs, (str, os.PathLike)) else [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("no inputs given; pass at least one JSONL, Parquet or .npy file")
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"input {p} does not exist")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an int >= 1 (got {num_workers!r})")
+    paths = _paths(inputs)
     formats = [_detect(p, fmt) for p in paths]
-    tok = load_tokenizer(tokenizer)
-    counts = [_count(p, f) for p, f in zip(paths, formats, strict=True)]
-    total = None if any(c is None for c in counts) else sum(c or 0 for c in counts)
-    eod = None if append_eod is None else np.asarray([append_eod])
+    tok = None if tokenizer is None else load_tokenizer(tokenizer)
+    job = _Job(field, tok, _eod(append_eod, eod_id, tok))
+    total = sum(p.stat().st_size for p in paths)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
+    encoded = _encoded(_chunks(paths, formats, field), job, num_workers)
     with (
+        closing(encoded),  # an error stops the worker processes now, not when collected
         IndexedWriter(output, dtype=dtype) as writer,
         Progress(
-            total, desc=f"convert -> {os.fspath(output)}", unit="doc", enabled=progress
+            total,
+            desc=f"convert -> {os.fspath(output)}",
+            unit="B",
+            unit_scale=True,
+            enabled=progress,
         ) as bar,
     ):
-        for path, f in zip(paths, formats, strict=True):
-            for where, value in _records(path, f, field):
-                if isinstance(value, str):
-                    if tok is None:
-                        raise ValueError(
-                            f"{where} is text but no tokenizer was given; pass --tokenizer "
-                            "bytes or --tokenizer module:callable"
-                        )
-                    value = tok(value)
+        shown = 0
+        for chunk, docs in encoded:
+            for i, ids in enumerate(docs):
                 try:
-                    ids = np.asarray(value)
-                    if ids.size == 0:
-                        ids = ids.astype(np.int64)
-                    if eod is not None:
-                        ids = np.concatenate([ids, eod])
                     writer.add(ids)
                 except (TypeError, ValueError) as e:
-                    raise ValueError(f"{where}: {e}") from e
-                bar.update()
+                    raise ValueError(f"{chunk.where(i)}: {e}") from e
+            bar.update(chunk.done_bytes - shown)
+            shown = chunk.done_bytes
+        bar.update(total - shown)
     return TokenCorpus(writer.prefix)
 
 
@@ -282,11 +411,13 @@ def _handler(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             dtype=args.dtype,
             append_eod=args.append_eod,
+            eod_id=args.eod_id,
             fmt=args.format,
+            num_workers=args.num_workers,
             progress=not args.quiet,
             cache_dir=args.cache_dir,
         )
-    except (ValueError, TypeError, FileNotFoundError, ImportError, SourceError) as e:
+    except (ValueError, TypeError, OSError, ImportError, SourceError) as e:
         print(f"meshfeed convert: error: {e}", file=sys.stderr)
         return 2
     print(
@@ -305,15 +436,29 @@ def add_subcommand(subparsers: Any) -> None:
             "Write a Megatron-LM indexed corpus (PREFIX.bin + PREFIX.idx) from JSONL or "
             "Parquet text (tokenized) or token-id lists (JSONL lists, 2-D .npy), streamed."
         ),
-        epilog="example: meshfeed convert data.jsonl -o out/corpus --tokenizer bytes --append-eod 0",
+        epilog=(
+            "example: meshfeed convert data.jsonl -o out/corpus --tokenizer tokenizer.json "
+            "--append-eod -j 4"
+        ),
     )
     p.add_argument("inputs", nargs="+", help="input files, converted in order")
     p.add_argument(
         "-o",
         "--output",
         required=True,
-        help="output prefix (writes PREFIX.bin/.idx); a URL (s3://bucket/corpus) is written "
-        "locally, then uploaded (credentials and endpoint from the environment)",
+        help="output prefix (writes PREFIX.bin/.idx; with --to shards, a directory); a URL "
+        "(s3://bucket/corpus) is written locally, then uploaded (credentials and endpoint from "
+        "the environment)",
+    )
+    p.add_argument(
+        "--to",
+        choices=("corpus", "shards"),
+        default="corpus",
+        help="corpus: a .bin/.idx token corpus (default); shards: meshfeed shards of whole "
+        "JSONL records (write_shards)",
+    )
+    p.add_argument(
+        "--compression", choices=("zstd",), default=None, help="--to shards only (default: none)"
     )
     p.add_argument(
         "--cache-dir",
@@ -321,30 +466,46 @@ def add_subcommand(subparsers: Any) -> None:
         help="shard cache for a URL output (default: $MESHFEED_CACHE_DIR or ~/.cache/meshfeed)",
     )
     p.add_argument(
-        "--to",
-        choices=("corpus", "shards"),
-        default="corpus",
-        help="corpus: a .bin/.idx token corpus (default); shards: meshfeed shards of whole "
-        "JSONL records (write_shards), written to the directory -o names",
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="input format (default: auto, from the file name)",
     )
-    p.add_argument("--compression", choices=("zstd",), default=None, help="--to shards only")
-    p.add_argument(
-        "--format", choices=FORMATS, default="auto", help="input format (default: by suffix)"
-    )
-    p.add_argument("--field", default="text", help="JSON field / Parquet column (default: text)")
+    p.add_argument("--field", default="text", help="JSON field or Parquet column (default: text)")
     p.add_argument(
         "--tokenizer",
-        default=None,
-        help="'bytes' (UTF-8 bytes) or 'module:callable' (str -> list[int]); needed for text",
+        metavar="SPEC",
+        help=(
+            "needed for text: a tokenizer.json file, a saved Hugging Face tokenizer folder, a "
+            "tiktoken encoding name (if tiktoken is installed), 'bytes' (UTF-8 bytes) or "
+            "'module:callable' importable from the current folder"
+        ),
     )
     p.add_argument(
         "--dtype",
         default="uint16",
-        choices=sorted(str(d) for d in DTYPE_CODES.values()),
-        help="token dtype on disk (default uint16: vocabularies up to 65536)",
+        choices=TOKEN_DTYPES,
+        help="token id type on disk (default: uint16, vocabularies up to 65536)",
     )
     p.add_argument(
-        "--append-eod", type=int, default=None, help="token id appended to every document"
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to every document, as Megatron's "
+        "preprocess_data.py does (its id from the tokenizer, or --eod-id)",
+    )
+    p.add_argument(
+        "--eod-id",
+        type=int,
+        metavar="ID",
+        help="end-of-document id to append (implies --append-eod)",
+    )
+    p.add_argument(
+        "-j",
+        "--num-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokenize in N worker processes; the output is the same for every N (default: 1)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_handler)

@@ -32,6 +32,7 @@ from meshfeed.fetch import Failed
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import ItemsSource, Source
 from meshfeed.rng import fetch_info, sample_rng
+from meshfeed.sources.tokenizer import token_ids
 from meshfeed.state import dataset_fingerprint
 
 __all__ = ["LazyDataset"]
@@ -40,17 +41,15 @@ _RANDOM_OP = 0x524D
 
 
 class _Encode:
-    """Tokenise text with ``tokenizer`` (``.encode(text)`` or ``tokenizer(text)["input_ids"]``)."""
+    """Tokenise text with ``tokenizer``: ``.encode(text)`` or ``tokenizer(text)``, returning ids,
+    an object with ``.ids`` (HF ``tokenizers.Encoding``) or a mapping with ``"input_ids"``."""
 
     def __init__(self, tokenizer: Any, field: str, output: str) -> None:
         self.tokenizer, self.field, self.output = tokenizer, field, output
 
     def _ids(self, text: Any) -> np.ndarray:
         tok = self.tokenizer
-        ids = tok.encode(text) if hasattr(tok, "encode") else tok(text)
-        if isinstance(ids, Mapping):
-            ids = ids["input_ids"]
-        return np.asarray(ids, dtype=np.int64)
+        return token_ids(tok.encode(text) if hasattr(tok, "encode") else tok(text))
 
     def __call__(self, item: Any) -> Any:
         if isinstance(item, (str, bytes)):
