@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 
 import numpy as np
-import pytest
 
 from meshfeed.sources.stream_readers import DefaultReader
 
@@ -17,12 +16,6 @@ def _take_in_child(reader: DefaultReader, path: str) -> None:
     assert [r["i"] for r in reader.take(path, np.array([350, 7]))] == [350, 7]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DefaultReader._handle keeps the parent's open files in forked workers (shared "
-    "offsets: wrong rows, substituted as bad samples); fix: reopen when os.getpid() changes, "
-    "as meshfeed.sources.files.HandleCache does",
-)
 def test_default_reader_in_a_forked_worker_opens_its_own_files(tmp_path):
     path = str(tmp_path / "rows.jsonl")
     with open(path, "w") as f:

@@ -153,6 +153,10 @@ class MDSReader:
     Picklable: open files and decompressed shards stay in the process that made them.
     """
 
+    #: Shards may be URLs: this reader reads them itself (HTTP byte ranges through
+    #: ``open_file``), so a ShardedStream does not route them through the shard cache.
+    reads_urls = True
+
     def __init__(
         self,
         root: str | os.PathLike[str],

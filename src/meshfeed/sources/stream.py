@@ -270,9 +270,12 @@ def _remote(
     storage_options: Mapping[str, Any] | None,
 ) -> Any:
     """``reader``, wrapped to read URL shards through the node's shard cache when any shard
-    is a URL (see :mod:`meshfeed.sources.stream_remote`)."""
+    is a URL (see :mod:`meshfeed.sources.stream_remote`), unless the reader declares
+    ``reads_urls = True`` (it reads them itself, e.g. by byte ranges)."""
     from meshfeed.storage import ShardCache, default_cache_dir, is_url
 
+    if getattr(reader, "reads_urls", False):  # a reader that reads URLs itself (ranges)
+        return reader
     if not any(isinstance(s, str) and is_url(s) for s in shards):
         if cache_dir is not None or storage_options is not None:
             raise ValueError(

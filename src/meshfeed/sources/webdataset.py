@@ -106,6 +106,10 @@ class TarReader:
     ``take``, ``count``, ``version`` and ``reader(shard, start, stop)``); see the module
     docstring. Picklable: open files and tar indexes stay in the process that made them."""
 
+    #: Shards may be URLs: this reader reads them itself (HTTP byte ranges through
+    #: ``open_file``), so a ShardedStream does not route them through the shard cache.
+    reads_urls = True
+
     def __init__(self, *, open_file: OpenFile | None = None, decode: bool = False) -> None:
         self.open_file = open_file or open_shard
         self.decode = bool(decode)

@@ -122,7 +122,15 @@ def _version_of_info(url: str, info: Mapping[str, Any]) -> tuple[str, str | None
     for key in ("crc32c", "checksum"):
         if info.get(key):
             return f"{size}-{info[key]}", None
-    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+    for key in (
+        "mtime",
+        "LastModified",
+        "Last-Modified",
+        "last_modified",
+        "updated",
+        "modified",
+        "created",
+    ):
         if info.get(key):
             return f"{size}-t{_stamp(info[key])}", None
     raise SourceError(
