@@ -119,29 +119,44 @@ class Fetcher:
         return (self.collate_fn or default_collate)(items)
 
     def _fetch(self, task: FetchTask, events: FetchEvents) -> Any:
+        """The collated batch of ``task``, read the way the dataset supports best; any bad
+        sample sends the batch through :meth:`_repair`."""
+        if self.mode == "fetch_batch":
+            return self._fetch_batch(task, events)
+        if self.mode == "getitem":
+            return self._fetch_getitem(task, events)
+        return self._fetch_getitems(task, events)
+
+    def _fetch_batch(self, task: FetchTask, events: FetchEvents) -> Any:
+        """One ``fetch_batch`` call; if it raises, every sample is read again one by one."""
+        try:
+            return self.dataset.fetch_batch(task.indices)
+        except NEVER_SUBSTITUTED:
+            raise
+        except Exception:
+            return self._repair(task, [_UNREAD] * len(task.indices), events)
+
+    def _fetch_getitem(self, task: FetchTask, events: FetchEvents) -> Any:
+        """``dataset[i]`` for each index, in order, until one raises."""
+        indices = task.indices.tolist()
+        items = []
+        try:
+            for i in indices:
+                items.append(self.dataset[i])
+        except NEVER_SUBSTITUTED:
+            raise
+        except Exception as exc:
+            # Keep what was read; the failed item is attempt one; the rest is still unread.
+            rest = [_UNREAD] * (len(indices) - len(items) - 1)
+            return self._repair(task, [*items, Failed(exc), *rest], events)
+        if any(item is None for item in items):
+            return self._repair(task, items, events)
+        return self._collate(items)
+
+    def _fetch_getitems(self, task: FetchTask, events: FetchEvents) -> Any:
+        """One ``__getitems__`` call, which may mark single items None or Failed."""
         ds = self.dataset
         indices = task.indices.tolist()
-        if self.mode == "fetch_batch":
-            try:
-                return ds.fetch_batch(task.indices)
-            except NEVER_SUBSTITUTED:
-                raise
-            except Exception:
-                return self._repair(task, [_UNREAD] * len(indices), events)
-        if self.mode == "getitem":
-            items = []
-            try:
-                for i in indices:
-                    items.append(ds[i])
-            except NEVER_SUBSTITUTED:
-                raise
-            except Exception as exc:
-                # Keep what was read; the failed item is attempt one; the rest is still unread.
-                rest = [_UNREAD] * (len(indices) - len(items) - 1)
-                return self._repair(task, [*items, Failed(exc), *rest], events)
-            if any(item is None for item in items):
-                return self._repair(task, items, events)
-            return self._collate(items)
         try:
             items = list(ds.__getitems__(indices))
         except NEVER_SUBSTITUTED:
@@ -160,6 +175,15 @@ class Fetcher:
             return self._repair(task, items, events)
         return self._collate(items)
 
+    def _read(self, index: int) -> Any:
+        """``dataset[index]``, or :class:`Failed` for any exception a bad sample raises."""
+        try:
+            return self.dataset[index]
+        except NEVER_SUBSTITUTED:
+            raise
+        except Exception as exc:  # a bad sample: any exception the dataset raises
+            return Failed(exc)
+
     def _try(
         self, index: int, position: int, events: FetchEvents, attempt: int, first: Any = _UNREAD
     ) -> Any:
@@ -173,15 +197,7 @@ class Fetcher:
         for retry in range(self.max_retries + 1):
             if retry:
                 events.retries += 1
-            if retry == 0 and first is not _UNREAD:
-                outcome = first
-            else:
-                try:
-                    outcome = self.dataset[index]
-                except NEVER_SUBSTITUTED:
-                    raise
-                except Exception as exc:  # a bad sample: any exception the dataset raises
-                    outcome = Failed(exc)
+            outcome = first if retry == 0 and first is not _UNREAD else self._read(index)
             if isinstance(outcome, Failed):
                 if isinstance(outcome.error, NEVER_SUBSTITUTED):
                     raise outcome.error
@@ -191,7 +207,21 @@ class Fetcher:
             if outcome is not None:
                 item = outcome
             break  # an item, or a deterministic rejection (None) that retrying cannot change
-        if item is _MISSING and len(events.failures) < MAX_REPORTED_FAILURES:
+        if item is _MISSING:
+            self._missing(index, position, events, attempt, error)
+        return item
+
+    def _missing(
+        self,
+        index: int,
+        position: int,
+        events: FetchEvents,
+        attempt: int,
+        error: BaseException | None,
+    ) -> None:
+        """Record a sample that stayed missing (up to ``MAX_REPORTED_FAILURES``), and raise
+        :class:`SampleError` when ``on_error="raise"``; ``error`` None means rejected (None)."""
+        if len(events.failures) < MAX_REPORTED_FAILURES:
             kind, message = (type(error).__name__, str(error)) if error else ("Rejected", "None")
             events.failures.append(
                 {
@@ -202,19 +232,19 @@ class Fetcher:
                     "message": message[:200],
                 }
             )
-        if item is _MISSING and self.on_error == "raise":
-            if error is None:
-                raise SampleError(
-                    f"sample {index} (epoch position {position}) was rejected (returned None); "
-                    "use on_error='substitute' or 'skip' to replace or drop rejected samples"
-                )
+        if self.on_error != "raise":
+            return
+        if error is None:
             raise SampleError(
-                f"sample {index} (epoch position {position}) failed after "
-                f"{self.max_retries + 1} attempt(s): {type(error).__name__}: {error}; use "
-                "on_error='substitute' or 'skip' to continue past bad samples\n"
-                + "".join(traceback.format_exception(error))
-            ) from error
-        return item
+                f"sample {index} (epoch position {position}) was rejected (returned None); "
+                "use on_error='substitute' or 'skip' to replace or drop rejected samples"
+            )
+        raise SampleError(
+            f"sample {index} (epoch position {position}) failed after "
+            f"{self.max_retries + 1} attempt(s): {type(error).__name__}: {error}; use "
+            "on_error='substitute' or 'skip' to continue past bad samples\n"
+            + "".join(traceback.format_exception(error))
+        ) from error
 
     def substitute_index(self, epoch: int, position: int, attempt: int) -> int:
         """The index that replaces the sample at ``position`` on its ``attempt``-th substitution."""

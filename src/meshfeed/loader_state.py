@@ -104,14 +104,8 @@ def decode_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_state(
-    loader: ReadingLoader, state: Any, *, allow_global_batch_change: bool
-) -> dict[str, Any]:
-    """``state`` checked field by field against ``loader``; ValueError names what differs."""
-    state = open_envelope(
-        state, kind="loader", version=LOADER_STATE_VERSION, fields=FIELDS, what="loader state"
-    )
-    check_epoch(state["epoch"], "loader state")
+def _check_settings(loader: ReadingLoader, state: dict[str, Any]) -> None:
+    """The seed and the shuffle, drop_last and pad_last switches match the loader's."""
     for key, mine in (
         ("seed", loader.seed),
         ("shuffle", loader.shuffle),
@@ -123,18 +117,31 @@ def read_state(
                 f"checkpoint has {key}={state[key]!r} but this loader has {key}={mine!r}; "
                 f"build the loader with {key}={state[key]!r} to resume this run"
             )
+
+
+def _check_dataset(loader: ReadingLoader, state: dict[str, Any]) -> None:
+    """The dataset length and fingerprint match the loader's (the dataset explains a
+    differing fingerprint if it can)."""
     if (
-        state["dataset_length"] != loader.dataset_length
-        or state["fingerprint"] != loader.fingerprint
+        state["dataset_length"] == loader.dataset_length
+        and state["fingerprint"] == loader.fingerprint
     ):
-        explain = getattr(loader.dataset, "explain_fingerprint", None)
-        why = f" ({explain(state['fingerprint'])})" if callable(explain) else ""
-        raise ValueError(
-            f"checkpoint is from another dataset (length {state['dataset_length']}, "
-            f"fingerprint {state['fingerprint']!r}) than this loader's (length "
-            f"{loader.dataset_length}, fingerprint {loader.fingerprint!r}){why}; resume with the "
-            "same dataset"
-        )
+        return
+    explain = getattr(loader.dataset, "explain_fingerprint", None)
+    why = f" ({explain(state['fingerprint'])})" if callable(explain) else ""
+    raise ValueError(
+        f"checkpoint is from another dataset (length {state['dataset_length']}, "
+        f"fingerprint {state['fingerprint']!r}) than this loader's (length "
+        f"{loader.dataset_length}, fingerprint {loader.fingerprint!r}){why}; resume with the "
+        "same dataset"
+    )
+
+
+def _check_global_batch(
+    loader: ReadingLoader, state: dict[str, Any], *, allow_global_batch_change: bool
+) -> None:
+    """The global batch size and data world size are >= 1, and the global batch is the
+    loader's unless a change is allowed."""
     for key in ("global_batch_size", "data_world_size"):
         if state[key] < 1:
             raise ValueError(
@@ -149,12 +156,11 @@ def read_state(
             f"batch_size={state['global_batch_size'] // loader.data_world_size} if it divides) "
             "or pass allow_global_batch_change=True to continue from the same sample position"
         )
-    if state["position"] > loader.order.epoch_length(state["epoch"]):
-        raise ValueError(
-            f"checkpoint position {state['position']} is beyond the epoch length "
-            f"{loader.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
-        )
-    decode_stats(state["stats"])  # checked here; the loader decodes it again
+
+
+def _check_order_facts(loader: ReadingLoader, state: dict[str, Any]) -> None:
+    """The order facts, if any, are a dict the loader's order accepts, and are present exactly
+    when the loader's order describes its position."""
     if "order" in state:
         if not isinstance(state["order"], dict):
             raise ValueError(
@@ -172,4 +178,24 @@ def read_state(
             f"({type(loader.order).__name__}) {'has' if described is not None else 'has none'}"
             "; resume with the dataset and curriculum that wrote the checkpoint"
         )
+
+
+def read_state(
+    loader: ReadingLoader, state: Any, *, allow_global_batch_change: bool
+) -> dict[str, Any]:
+    """``state`` checked field by field against ``loader``; ValueError names what differs."""
+    state = open_envelope(
+        state, kind="loader", version=LOADER_STATE_VERSION, fields=FIELDS, what="loader state"
+    )
+    check_epoch(state["epoch"], "loader state")
+    _check_settings(loader, state)
+    _check_dataset(loader, state)
+    _check_global_batch(loader, state, allow_global_batch_change=allow_global_batch_change)
+    if state["position"] > loader.order.epoch_length(state["epoch"]):
+        raise ValueError(
+            f"checkpoint position {state['position']} is beyond the epoch length "
+            f"{loader.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
+        )
+    decode_stats(state["stats"])  # checked here; the loader decodes it again
+    _check_order_facts(loader, state)
     return state

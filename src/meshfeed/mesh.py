@@ -64,6 +64,14 @@ class DataMesh:
     _coords_of: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_axes()
+        self._check_world_size()
+        self._check_data_axes()
+        self._set_ranks()
+        self._check_ulysses()
+
+    def _check_axes(self) -> None:
+        """One size per axis, each name once, each size an integer >= 1."""
         if len(self.axis_names) != len(self.axis_sizes):
             raise ValueError(
                 f"axis_names and axis_sizes differ in length ({self.axis_names=}, "
@@ -74,6 +82,9 @@ class DataMesh:
         for name, size in zip(self.axis_names, self.axis_sizes, strict=True):
             if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
                 raise ValueError(f"axis {name!r} has size {size!r}; sizes must be integers >= 1")
+
+    def _check_world_size(self) -> None:
+        """At most :data:`MAX_WORLD_SIZE` ranks."""
         world = math.prod(int(s) for s in self.axis_sizes)
         if world > MAX_WORLD_SIZE:
             raise ValueError(
@@ -82,12 +93,19 @@ class DataMesh:
                 f"{MAX_WORLD_SIZE}: a mesh keeps a table of every rank, so larger worlds cost "
                 "minutes and gigabytes); check the axis sizes"
             )
+
+    def _check_data_axes(self) -> None:
+        """``data_axes`` names axes of this mesh or of :data:`DEFAULT_AXIS_ORDER`."""
         unknown = set(self.data_axes) - set(self.axis_names) - set(DEFAULT_AXIS_ORDER)
         if unknown:
             raise ValueError(
                 f"data_axes names unknown axes {sorted(unknown)} (mesh axes: "
                 f"{list(self.axis_names)}); name axes of the mesh"
             )
+
+    def _set_ranks(self) -> None:
+        """Store the rank table (row-major 0..world-1 by default), refused unless it holds
+        each global rank once, and the coordinates of each rank."""
         ranks = self.ranks
         if ranks is None:
             ranks = np.arange(math.prod(self.axis_sizes), dtype=np.int64).reshape(self.axis_sizes)
@@ -102,6 +120,9 @@ class DataMesh:
         object.__setattr__(
             self, "_coords_of", {r: tuple(int(x) for x in c) for r, c in coords.items()}
         )
+
+    def _check_ulysses(self) -> None:
+        """``ulysses`` is a positive int dividing the data-sharding size."""
         raw = self._raw_data_world_size()
         u = self.ulysses
         if isinstance(u, bool) or not isinstance(u, int) or u < 1 or raw % u:
@@ -128,21 +149,7 @@ class DataMesh:
         innermost). Axes not in the default order are allowed when ``order`` names them.
         ``world_size``, when given, must equal the product of the sizes.
         """
-        axis_order = tuple(order) if order is not None else DEFAULT_AXIS_ORDER
-        unknown = [name for name in sizes if name not in axis_order]
-        if unknown:
-            raise ValueError(
-                f"unknown mesh axis {unknown} (known: {list(axis_order)}); "
-                "pass order=[...] naming every axis to use custom axis names"
-            )
-        if order is not None:
-            missing = [name for name in axis_order if name not in sizes]
-            if missing:
-                raise ValueError(f"order names axes without a size: {missing}; give their sizes")
-        names: tuple[str, ...] = tuple(name for name in axis_order if name in sizes)
-        axis_sizes: tuple[int, ...] = tuple(sizes[n] for n in names)
-        if not names:
-            names, axis_sizes = ("dp",), (1,)
+        names, axis_sizes = _axis_layout(order, sizes)
         mesh = cls(
             axis_names=names,
             axis_sizes=axis_sizes,
@@ -264,6 +271,35 @@ class DataMesh:
                 f"rank={rank!r} is out of range for a mesh of world size {self.world_size} "
                 f"({self.sizes}); pass a rank in [0, {self.world_size})"
             )
+
+
+def _axis_layout(
+    order: Iterable[str] | None, sizes: Mapping[str, int]
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The axis names (in ``order``, default :data:`DEFAULT_AXIS_ORDER`) and their sizes for
+    :meth:`DataMesh.from_sizes`; ``("dp",), (1,)`` when no axis is given."""
+    axis_order = tuple(order) if order is not None else DEFAULT_AXIS_ORDER
+    _check_axis_names(axis_order, sizes, order_given=order is not None)
+    names = tuple(name for name in axis_order if name in sizes)
+    if not names:
+        return ("dp",), (1,)
+    return names, tuple(sizes[n] for n in names)
+
+
+def _check_axis_names(
+    axis_order: tuple[str, ...], sizes: Mapping[str, int], *, order_given: bool
+) -> None:
+    """Every sized axis is in ``axis_order``; an order the caller gave names only sized axes."""
+    unknown = [name for name in sizes if name not in axis_order]
+    if unknown:
+        raise ValueError(
+            f"unknown mesh axis {unknown} (known: {list(axis_order)}); "
+            "pass order=[...] naming every axis to use custom axis names"
+        )
+    if order_given:
+        missing = [name for name in axis_order if name not in sizes]
+        if missing:
+            raise ValueError(f"order names axes without a size: {missing}; give their sizes")
 
 
 def _data_axes(data_axes: Iterable[str] | None) -> frozenset[str]:

@@ -137,6 +137,48 @@ def _checked(order: Any) -> Order:
     return order
 
 
+def _per_source_curricula(curriculum: Any, names: list[str]) -> dict[str, Any]:
+    """The dict source name -> Curriculum, or ``{}`` for one Curriculum over the whole
+    mixture; refused unless every key is a source and every value a transform-free Curriculum."""
+    if isinstance(curriculum, Mapping):
+        unknown = sorted(set(map(str, curriculum)) - set(names))
+        if unknown:
+            raise ValueError(
+                f"curricula for {unknown}, which are not sources of the mixture {names}; "
+                "key the dict by source name"
+            )
+        per_source = {str(k): v for k, v in curriculum.items()}
+    elif isinstance(curriculum, Curriculum):
+        per_source = {}
+    else:
+        raise ValueError(
+            f"curriculum={curriculum!r} is neither a Curriculum nor a dict source name -> "
+            "Curriculum; build one with meshfeed.curriculum.Curriculum(...)"
+        )
+    for name, cur in per_source.items():
+        if not isinstance(cur, Curriculum):
+            raise ValueError(f"curriculum for source {name!r} is not a Curriculum ({cur!r})")
+        if cur.transforms:
+            raise ValueError(
+                f"curriculum for source {name!r} has transforms {cur!r}: a batch mixes "
+                "sources, so per-source transforms are not supported; put them in one "
+                "Curriculum over the whole mixture"
+            )
+    return per_source
+
+
+def _check_eligible_at_start(name: str, cur: Any, src_pool: Any, src_entry: Any) -> None:
+    """The mixture draws from every source from the start: some sample of source ``name``
+    must be eligible at the curriculum's first step."""
+    if len(src_pool) == 0 or int(src_entry[0]) > cur.first_step:
+        raise ValueError(
+            f"no sample of source {name!r} is eligible at step {cur.first_step} "
+            f"(difficulties {cur.difficulties(cur.first_step)}), but the mixture draws "
+            "from it from the start; lower that source's min_difficulty or give it "
+            "weight 0 until its samples are eligible"
+        )
+
+
 class CurriculumMixtureOrder(OrderBase):
     """A mixture whose sources are each walked by a difficulty-gated sub-order (module doc)."""
 
@@ -149,58 +191,21 @@ class CurriculumMixtureOrder(OrderBase):
         self.G = int(global_batch_size)
         spe = self.mixture_order.samples_per_epoch
         names = mixture.names
-        if isinstance(curriculum, Mapping):
-            unknown = sorted(set(map(str, curriculum)) - set(names))
-            if unknown:
-                raise ValueError(
-                    f"curricula for {unknown}, which are not sources of the mixture {names}; "
-                    "key the dict by source name"
-                )
-            per_source = {str(k): v for k, v in curriculum.items()}
-        elif isinstance(curriculum, Curriculum):
-            per_source = {}
-        else:
-            raise ValueError(
-                f"curriculum={curriculum!r} is neither a Curriculum nor a dict source name -> "
-                "Curriculum; build one with meshfeed.curriculum.Curriculum(...)"
-            )
-        for name, cur in per_source.items():
-            if not isinstance(cur, Curriculum):
-                raise ValueError(f"curriculum for source {name!r} is not a Curriculum ({cur!r})")
-            if cur.transforms:
-                raise ValueError(
-                    f"curriculum for source {name!r} has transforms {cur!r}: a batch mixes "
-                    "sources, so per-source transforms are not supported; put them in one "
-                    "Curriculum over the whole mixture"
-                )
+        per_source = _per_source_curricula(curriculum, names)
         self.curricula: dict[str, Any] = {}
         self.gates: list[Any] = []
         whole = None if per_source else curriculum
+        whole_pool = None
         if whole is not None:
             whole.bind(global_batch_size=self.G, samples_per_epoch=spe)
-            pool, entry = whole.pool(len(mixture))
+            whole_pool = whole.pool(len(mixture))
         for s, name in enumerate(names):
             cur = whole if whole is not None else per_source.get(name)
             if cur is None:
                 self.gates.append(None)
                 continue
-            lo, n = int(mixture.offsets[s]), int(mixture.lengths[s])
-            if whole is not None:
-                mask = (pool >= lo) & (pool < lo + n)
-                src_pool, src_entry = pool[mask] - lo, entry[mask]
-            else:
-                cur.bind(global_batch_size=self.G, samples_per_epoch=spe)
-                try:
-                    src_pool, src_entry = cur.pool(n)
-                except ValueError as exc:
-                    raise ValueError(f"curriculum of source {name!r}: {exc}") from exc
-            if len(src_pool) == 0 or int(src_entry[0]) > cur.first_step:
-                raise ValueError(
-                    f"no sample of source {name!r} is eligible at step {cur.first_step} "
-                    f"(difficulties {cur.difficulties(cur.first_step)}), but the mixture draws "
-                    "from it from the start; lower that source's min_difficulty or give it "
-                    "weight 0 until its samples are eligible"
-                )
+            src_pool, src_entry = self._source_pool(s, cur, whole_pool, samples_per_epoch=spe)
+            _check_eligible_at_start(name, cur, src_pool, src_entry)
             self.curricula[name] = cur
             self.gates.append(
                 cur.gate(
@@ -212,6 +217,22 @@ class CurriculumMixtureOrder(OrderBase):
                     batch_start=self._starts(s),
                 )
             )
+
+    def _source_pool(
+        self, s: int, cur: Any, whole_pool: tuple[Any, Any] | None, *, samples_per_epoch: int
+    ) -> tuple[Any, Any]:
+        """Source ``s``'s eligible samples (local indices) and the step each enters: its part
+        of the whole mixture's pool, or the pool of its own curriculum ``cur``."""
+        lo, n = int(self.mixture.offsets[s]), int(self.mixture.lengths[s])
+        if whole_pool is not None:
+            pool, entry = whole_pool
+            mask = (pool >= lo) & (pool < lo + n)
+            return pool[mask] - lo, entry[mask]
+        cur.bind(global_batch_size=self.G, samples_per_epoch=samples_per_epoch)
+        try:
+            return cur.pool(n)
+        except ValueError as exc:
+            raise ValueError(f"curriculum of source {self.mixture.names[s]!r}: {exc}") from exc
 
     def _starts(self, s: int) -> Any:
         mixture, G, name = self.mixture, self.G, self.mixture.names[s]

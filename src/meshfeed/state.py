@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from meshfeed.protocols import FingerprintedSource
 
@@ -55,6 +55,108 @@ def envelope(kind: str, version: int, **fields: Any) -> dict[str, Any]:
     return {"kind": kind, "version": version, **fields}
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    """``value`` is an int and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_is_part_state(state: Any, name: str) -> None:
+    """Refuse a non-dict and a whole training checkpoint (no kind, no version, nested dicts)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"a {name} must be a dict (got {type(state).__name__}); pass the dict that "
+            "state_dict() returned"
+        )
+    if (
+        state.get("kind") is None
+        and state.get("version") is None
+        and any(isinstance(v, Mapping) for v in state.values())
+    ):
+        raise ValueError(
+            f"this looks like a whole training checkpoint (keys {sorted(map(str, state))[:8]}), "
+            f"not a {name}; pass the part that this object's state_dict() returned, e.g. "
+            'load_state_dict(checkpoint["data"])'
+        )
+
+
+def _check_kind(
+    state: Mapping[str, Any],
+    name: str,
+    *,
+    kind: str,
+    version: int,
+    legacy_kinds: tuple[str, ...],
+) -> None:
+    """Refuse another part's state; an older layout (no kind, or a legacy kind) passes on to
+    the version check, which refuses it with the version message."""
+    got_kind, got_version = state.get("kind"), state.get("version")
+    older_layout = (
+        _is_int(got_version)
+        and got_version < version
+        and (got_kind is None or got_kind in legacy_kinds)
+    )
+    if got_kind != kind and not older_layout:
+        raise ValueError(
+            f"not a {name}: it has kind={got_kind!r}, expected kind={kind!r}; pass the dict "
+            "that this object's state_dict() returned"
+        )
+
+
+def _check_version(got_version: Any, name: str, *, kind: str, version: int) -> None:
+    """Refuse a missing or non-int version (malformed) and an older or newer one."""
+    if not _is_int(got_version):
+        raise ValueError(
+            f"{name} is malformed: it has no int 'version' (got version={got_version!r}); pass "
+            "the whole dict that state_dict() returned (a version is never missing from it)"
+        )
+    if got_version == version:
+        return
+    if got_version < version:
+        release = _RELEASES_OF_KIND.get(kind, _RELEASES).get(got_version)
+        hint = (
+            f"it was written by {release or 'an older meshfeed'}, whose positions this version "
+            "does not read; resume it with that release, or start this part fresh (a fresh "
+            "loader can begin at any epoch with set_epoch)"
+        )
+    else:
+        hint = "it was written by a newer meshfeed; upgrade meshfeed to resume it"
+    raise ValueError(
+        f"{name} has version={got_version!r}, this meshfeed reads version {version}; {hint}"
+    )
+
+
+def _check_field(
+    out: Mapping[str, Any], key: str, types: type | tuple[type, ...], name: str
+) -> None:
+    """Refuse a missing field, a value of the wrong type (a bool is not an int unless ``bool``
+    is named) and a negative int."""
+    if key not in out:
+        raise ValueError(
+            f"{name} is missing {key!r} (keys: {sorted(map(str, out))}); the checkpoint is "
+            "corrupted or from another part"
+        )
+    value = out[key]
+    expected = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+        names = "/".join(t.__name__ for t in expected)
+        raise ValueError(
+            f"{name} field {key!r} has {value!r} of type {type(value).__name__}, expected "
+            f"{names}; the checkpoint is corrupted"
+        )
+    if _is_int(value) and value < 0:
+        raise ValueError(f"{name} field {key!r} is negative ({value}); the checkpoint is corrupted")
+
+
+def _check_json(out: dict[str, Any], name: str) -> None:
+    """Refuse a state that is not JSON-serialisable."""
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{name} is not JSON-serialisable ({exc}); the checkpoint is corrupted"
+        ) from exc
+
+
 def open_envelope(
     state: Any,
     *,
@@ -74,77 +176,13 @@ def open_envelope(
     earlier releases wrote) is refused with the version message, not as another part's state.
     """
     name = what or f"{kind} state"
-    if not isinstance(state, Mapping):
-        raise ValueError(
-            f"a {name} must be a dict (got {type(state).__name__}); pass the dict that "
-            "state_dict() returned"
-        )
-    got_kind, got_version = state.get("kind"), state.get("version")
-    if (
-        got_kind is None
-        and got_version is None
-        and any(isinstance(v, Mapping) for v in state.values())
-    ):
-        raise ValueError(
-            f"this looks like a whole training checkpoint (keys {sorted(map(str, state))[:8]}), "
-            f"not a {name}; pass the part that this object's state_dict() returned, e.g. "
-            'load_state_dict(checkpoint["data"])'
-        )
-    older_layout = (
-        isinstance(got_version, int)
-        and not isinstance(got_version, bool)
-        and got_version < version
-        and (got_kind is None or got_kind in legacy_kinds)
-    )
-    if got_kind != kind and not older_layout:
-        raise ValueError(
-            f"not a {name}: it has kind={got_kind!r}, expected kind={kind!r}; pass the dict "
-            "that this object's state_dict() returned"
-        )
-    if isinstance(got_version, bool) or not isinstance(got_version, int):
-        raise ValueError(
-            f"{name} is malformed: it has no int 'version' (got version={got_version!r}); pass "
-            "the whole dict that state_dict() returned (a version is never missing from it)"
-        )
-    if got_version != version:
-        releases = _RELEASES_OF_KIND.get(kind, _RELEASES)
-        release = releases.get(got_version) if isinstance(got_version, int) else None
-        older = isinstance(got_version, int) and got_version < version
-        hint = (
-            f"it was written by {release or 'an older meshfeed'}, whose positions this version "
-            "does not read; resume it with that release, or start this part fresh (a fresh "
-            "loader can begin at any epoch with set_epoch)"
-            if older
-            else "it was written by a newer meshfeed; upgrade meshfeed to resume it"
-        )
-        raise ValueError(
-            f"{name} has version={got_version!r}, this meshfeed reads version {version}; {hint}"
-        )
+    _check_is_part_state(state, name)
+    _check_kind(state, name, kind=kind, version=version, legacy_kinds=legacy_kinds)
+    _check_version(state.get("version"), name, kind=kind, version=version)
     out = dict(state)
     for key, types in fields.items():
-        if key not in out:
-            raise ValueError(
-                f"{name} is missing {key!r} (keys: {sorted(map(str, out))}); the checkpoint is "
-                "corrupted or from another part"
-            )
-        value = out[key]
-        expected = types if isinstance(types, tuple) else (types,)
-        if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
-            names = "/".join(t.__name__ for t in expected)
-            raise ValueError(
-                f"{name} field {key!r} has {value!r} of type {type(value).__name__}, expected "
-                f"{names}; the checkpoint is corrupted"
-            )
-        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-            raise ValueError(
-                f"{name} field {key!r} is negative ({value}); the checkpoint is corrupted"
-            )
-    try:
-        json.dumps(out)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"{name} is not JSON-serialisable ({exc}); the checkpoint is corrupted"
-        ) from exc
+        _check_field(out, key, types, name)
+    _check_json(out, name)
     return out
 
 

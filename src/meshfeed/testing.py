@@ -27,39 +27,68 @@ __all__ = ["assert_resume_equivalence", "assert_same", "take"]
 
 def assert_same(a: Any, b: Any, path: str = "item") -> None:
     """Recursively assert two outputs are identical (tensors, arrays, mappings, sequences)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            raise AssertionError(
-                f"{path}: tensor vs {type(b).__name__ if isinstance(a, torch.Tensor) else type(a).__name__}"
-            )
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            raise AssertionError(f"{path}: tensors differ\n{a}\n!=\n{b}")
-        return
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        a_arr, b_arr = np.asarray(a), np.asarray(b)
-        if a_arr.shape != b_arr.shape or not np.array_equal(a_arr, b_arr):
-            raise AssertionError(f"{path}: arrays differ\n{a_arr}\n!=\n{b_arr}")
-        return
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if set(a) != set(b):
-            raise AssertionError(
-                f"{path}: keys differ {sorted(map(str, a))} != {sorted(map(str, b))}"
-            )
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-        return
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            raise AssertionError(
-                f"{path}: {type(a).__name__}[{len(a)}] != {type(b).__name__}[{len(b)}]"
-            )
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{i}]")
-        return
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return
-    if a != b:
+    if _either_is(a, b, torch.Tensor):
+        _assert_same_tensors(a, b, path)
+    elif _either_is(a, b, np.ndarray):
+        _assert_same_arrays(a, b, path)
+    elif _both_are(a, b, Mapping):
+        _assert_same_mappings(a, b, path)
+    elif _both_are(a, b, (list, tuple)):
+        _assert_same_sequences(a, b, path)
+    elif not _both_nan(a, b) and a != b:
         raise AssertionError(f"{path}: {a!r} != {b!r}")
+
+
+def _either_is(a: Any, b: Any, cls: type | tuple[type, ...]) -> bool:
+    """At least one of ``a`` and ``b`` is a ``cls``."""
+    return isinstance(a, cls) or isinstance(b, cls)
+
+
+def _both_are(a: Any, b: Any, cls: type | tuple[type, ...]) -> bool:
+    """Both ``a`` and ``b`` are a ``cls``."""
+    return isinstance(a, cls) and isinstance(b, cls)
+
+
+def _assert_same_tensors(a: Any, b: Any, path: str) -> None:
+    """Both must be tensors of one dtype and shape with equal values."""
+    if not isinstance(a, torch.Tensor):
+        raise AssertionError(f"{path}: tensor vs {type(a).__name__}")
+    if not isinstance(b, torch.Tensor):
+        raise AssertionError(f"{path}: tensor vs {type(b).__name__}")
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+        raise AssertionError(f"{path}: tensors differ\n{a}\n!=\n{b}")
+
+
+def _assert_same_arrays(a: Any, b: Any, path: str) -> None:
+    """Both, as numpy arrays, must have one shape and equal values."""
+    a_arr, b_arr = np.asarray(a), np.asarray(b)
+    if a_arr.shape != b_arr.shape or not np.array_equal(a_arr, b_arr):
+        raise AssertionError(f"{path}: arrays differ\n{a_arr}\n!=\n{b_arr}")
+
+
+def _assert_same_mappings(a: Mapping[Any, Any], b: Mapping[Any, Any], path: str) -> None:
+    """Same keys, and the same value under each key."""
+    if set(a) != set(b):
+        raise AssertionError(f"{path}: keys differ {sorted(map(str, a))} != {sorted(map(str, b))}")
+    for k in a:
+        assert_same(a[k], b[k], f"{path}[{k!r}]")
+
+
+def _assert_same_sequences(
+    a: list[Any] | tuple[Any, ...], b: list[Any] | tuple[Any, ...], path: str
+) -> None:
+    """Same type (list or tuple), same length, and the same item at each position."""
+    if type(a) is not type(b) or len(a) != len(b):
+        raise AssertionError(
+            f"{path}: {type(a).__name__}[{len(a)}] != {type(b).__name__}[{len(b)}]"
+        )
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert_same(x, y, f"{path}[{i}]")
+
+
+def _both_nan(a: Any, b: Any) -> bool:
+    """Both are float NaN (which compare unequal yet are the same output)."""
+    return isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
 
 
 class _Cursor:

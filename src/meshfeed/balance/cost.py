@@ -118,36 +118,59 @@ class CostModel:
         """
         s = np.asarray(lengths, dtype=np.float64).ravel()
         t = np.asarray(times, dtype=np.float64).ravel()
-        if s.shape != t.shape:
+        columns = _calibration_columns(s, t, fit_per_step=fit_per_step)
+        fitted = _nonnegative_fit(columns, t)
+        if fitted is None:
             raise ValueError(
-                f"lengths and times must pair up (got {s.size} lengths, {t.size} times); "
-                "give one time per measured length"
+                "the measured times do not grow with length, so no cost model fits; "
+                "check that times are per micro-step and lengths vary"
             )
-        if not (np.all(np.isfinite(s)) and np.all(np.isfinite(t)) and np.all(s > 0)):
-            raise ValueError("lengths must be positive and times finite; drop broken samples")
-        columns = {"linear": s, "quadratic": s * s}
-        if fit_per_step:
-            columns["per_step"] = np.ones_like(s)
-        if s.size < len(columns) or np.unique(s).size < 2:
-            raise ValueError(
-                f"calibrate needs >= {len(columns)} measurements at >= 2 distinct lengths "
-                f"(got {s.size} at {np.unique(s).size}); measure more lengths"
-            )
-        # Scale columns so the normal equations are well conditioned at s ~ 1e5.
-        active = list(columns)
-        while active:
-            a = np.stack([columns[k] for k in active], axis=1)
-            scale = np.abs(a).max(axis=0)
-            coef, *_ = np.linalg.lstsq(a / scale, t, rcond=None)
-            coef = coef / scale
-            negative = [k for k, c in zip(active, coef, strict=True) if c < 0]
-            if not negative:
-                fitted = dict(zip(active, (float(c) for c in coef), strict=True))
-                if fitted.get("linear", 0.0) == 0 and fitted.get("quadratic", 0.0) == 0:
-                    break
-                return cls(**fitted)
-            active = [k for k in active if k not in negative]
+        return cls(**fitted)
+
+
+def _calibration_columns(
+    s: np.ndarray, t: np.ndarray, *, fit_per_step: bool
+) -> dict[str, np.ndarray]:
+    """The design columns of :meth:`CostModel.calibrate` by term name, refused unless the
+    measurements pair up, are valid and are enough for the terms."""
+    if s.shape != t.shape:
         raise ValueError(
-            "the measured times do not grow with length, so no cost model fits; "
-            "check that times are per micro-step and lengths vary"
+            f"lengths and times must pair up (got {s.size} lengths, {t.size} times); "
+            "give one time per measured length"
         )
+    if not (np.all(np.isfinite(s)) and np.all(np.isfinite(t)) and np.all(s > 0)):
+        raise ValueError("lengths must be positive and times finite; drop broken samples")
+    columns = {"linear": s, "quadratic": s * s}
+    if fit_per_step:
+        columns["per_step"] = np.ones_like(s)
+    if s.size < len(columns) or np.unique(s).size < 2:
+        raise ValueError(
+            f"calibrate needs >= {len(columns)} measurements at >= 2 distinct lengths "
+            f"(got {s.size} at {np.unique(s).size}); measure more lengths"
+        )
+    return columns
+
+
+def _scaled_lstsq(columns: dict[str, np.ndarray], active: list[str], t: np.ndarray) -> np.ndarray:
+    """Least-squares coefficients of the ``active`` columns, each column scaled to max 1 so
+    the normal equations are well conditioned at lengths ~ 1e5."""
+    a = np.stack([columns[k] for k in active], axis=1)
+    scale = np.abs(a).max(axis=0)
+    coef, *_ = np.linalg.lstsq(a / scale, t, rcond=None)
+    return np.asarray(coef / scale)
+
+
+def _nonnegative_fit(columns: dict[str, np.ndarray], t: np.ndarray) -> dict[str, float] | None:
+    """The fit with every coefficient >= 0 (negative terms dropped and the rest refitted), or
+    None when no length-dependent term is left positive."""
+    active = list(columns)
+    while active:
+        coef = _scaled_lstsq(columns, active, t)
+        negative = [k for k, c in zip(active, coef, strict=True) if c < 0]
+        if not negative:
+            fitted = dict(zip(active, (float(c) for c in coef), strict=True))
+            if fitted.get("linear", 0.0) == 0 and fitted.get("quadratic", 0.0) == 0:
+                return None
+            return fitted
+        active = [k for k in active if k not in negative]
+    return None

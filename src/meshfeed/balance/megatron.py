@@ -139,47 +139,92 @@ class HybridCPDataLoader:
         world, me = self.total_hdp_gpus, dist.rank(self.dp_cp_group)
         dp_rank = dist.rank(self.dp_group)
         lo, hi = int(offsets[dp_rank]), int(offsets[dp_rank + 1])
-        needs: list[list[int]] = [[] for _ in range(world)]
-        for r in range(world):
-            needs[r] = sorted({d for step in placement.microsteps[r] for d, _ in step})
+        needs = _needs(placement, world)
         # From the packed sample, not a document: a rank whose documents are all empty still
         # knows the row layout it receives.
         keys = [k for k in template if k not in _SKIPPED]
         dtypes = [template[k].dtype for k in keys]
-        send_rows = [0] * world
-        pieces: list[torch.Tensor] = []
-        for dest in self._dp_members:  # CP peers hold the same data: send within the DP group
-            mine = [g for g in needs[dest] if lo <= g < hi]
-            send_rows[dest] = int(lengths[mine].sum()) if mine else 0
-            pieces.extend(_fused(docs[g - lo], keys) for g in mine)
+        # CP peers hold the same data: send within the DP group.
+        send, send_rows = _send_buffer(docs, keys, dtypes, needs, lengths, lo, hi, self._dp_members)
         src_of = np.searchsorted(offsets, np.arange(lengths.size), side="right") - 1
-        recv_rows = [0] * world
-        incoming: list[int] = []
-        for j, member in enumerate(self._dp_members):
-            got = [g for g in needs[me] if src_of[g] == j]
-            recv_rows[member] = int(lengths[got].sum()) if got else 0
-        for member in range(world):  # wire order: by source rank, then id
-            if member in self._dp_members:
-                j = self._dp_members.index(member)
-                incoming.extend(g for g in needs[me] if src_of[g] == j)
-        width = sum(torch.empty(0, dtype=dt).element_size() for dt in dtypes)
-        send = torch.cat(pieces) if pieces else torch.zeros((0, width), dtype=torch.uint8)
+        recv_rows, incoming = _receive_plan(needs[me], lengths, src_of, self._dp_members, world)
         recv = dist.all_to_all_single(
             send, send_rows, recv_rows, timeout=self._timeout, group=self.dp_cp_group
         )
-        widths = [torch.empty(0, dtype=dt).element_size() for dt in dtypes]
-        bounds = np.concatenate([[0], np.cumsum(widths)]).astype(int).tolist()
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        row = 0
-        for g in incoming:
-            n = int(lengths[g])
-            block = recv[row : row + n]
-            row += n
-            out[g] = {
-                k: block[:, a:b].reshape(-1).clone().view(dt)
-                for k, dt, a, b in zip(keys, dtypes, bounds[:-1], bounds[1:], strict=True)
-            }
-        return out
+        return _split_received(recv, incoming, lengths, keys, dtypes)
+
+
+def _needs(placement: Placement, world: int) -> list[list[int]]:
+    """The sorted document ids each rank runs in any micro-step."""
+    return [sorted({d for step in placement.microsteps[r] for d, _ in step}) for r in range(world)]
+
+
+def _row_width(dtypes: list[torch.dtype]) -> list[int]:
+    """The byte width of each key's column in a fused row."""
+    return [torch.empty(0, dtype=dt).element_size() for dt in dtypes]
+
+
+def _send_buffer(
+    docs: list[dict[str, torch.Tensor]],
+    keys: list[str],
+    dtypes: list[torch.dtype],
+    needs: list[list[int]],
+    lengths: np.ndarray,
+    lo: int,
+    hi: int,
+    members: list[int],
+) -> tuple[torch.Tensor, list[int]]:
+    """The fused rows this rank sends (its documents ``[lo, hi)`` that each member needs, by
+    member then id) and the row count for each destination rank (0 outside ``members``)."""
+    send_rows = [0] * len(needs)
+    pieces: list[torch.Tensor] = []
+    for dest in members:
+        mine = [g for g in needs[dest] if lo <= g < hi]
+        send_rows[dest] = int(lengths[mine].sum()) if mine else 0
+        pieces.extend(_fused(docs[g - lo], keys) for g in mine)
+    if pieces:
+        return torch.cat(pieces), send_rows
+    return torch.zeros((0, sum(_row_width(dtypes))), dtype=torch.uint8), send_rows
+
+
+def _receive_plan(
+    wanted: list[int], lengths: np.ndarray, src_of: np.ndarray, members: list[int], world: int
+) -> tuple[list[int], list[int]]:
+    """The row count this rank receives from each rank, and the document ids in wire order
+    (by source rank, then id); ``src_of[g]`` is the index in ``members`` of the document's
+    sender."""
+    recv_rows = [0] * world
+    for j, member in enumerate(members):
+        got = [g for g in wanted if src_of[g] == j]
+        recv_rows[member] = int(lengths[got].sum()) if got else 0
+    incoming: list[int] = []
+    for member in range(world):
+        if member in members:
+            j = members.index(member)
+            incoming.extend(g for g in wanted if src_of[g] == j)
+    return recv_rows, incoming
+
+
+def _split_received(
+    recv: torch.Tensor,
+    incoming: list[int],
+    lengths: np.ndarray,
+    keys: list[str],
+    dtypes: list[torch.dtype],
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Cut the received fused rows back into one document (key -> tensor) per incoming id."""
+    bounds = np.concatenate([[0], np.cumsum(_row_width(dtypes))]).astype(int).tolist()
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    row = 0
+    for g in incoming:
+        n = int(lengths[g])
+        block = recv[row : row + n]
+        row += n
+        out[g] = {
+            k: block[:, a:b].reshape(-1).clone().view(dt)
+            for k, dt, a, b in zip(keys, dtypes, bounds[:-1], bounds[1:], strict=True)
+        }
+    return out
 
 
 def _groups(pg_collection: Any) -> tuple[Any, Any]:

@@ -27,7 +27,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from meshfeed.curriculum.curriculum import Curriculum, CurriculumMetric, Transform
 from meshfeed.curriculum.index import MetricIndex
@@ -93,8 +93,24 @@ def from_deepspeed_config(
         config if isinstance(config, Mapping) else json.loads(Path(config).read_text())
     )
     indexes = dict(indexes or {})
+    cl, off = _curriculum_section(cfg)
     metrics: list[CurriculumMetric] = []
     transforms: list[Transform] = []
+    if not off:
+        metrics, transforms = _read_metrics(cl, indexes)
+    legacy = _legacy_transform(cfg)
+    if legacy is not None:
+        transforms.append(legacy)
+    if not metrics and not transforms:
+        _refuse_no_curriculum(cl, off)
+    return Curriculum(
+        metrics, transforms=transforms, samples_per_epoch=samples_per_epoch, first_step=1
+    )
+
+
+def _curriculum_section(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[str]]:
+    """The ``curriculum_learning`` section under ``data_efficiency.data_sampling`` (``{}``
+    when absent) and the names of the switches above it that are not true."""
     de = cfg.get("data_efficiency", cfg if "data_sampling" in cfg else {})
     sampling = de.get("data_sampling", {})
     cl = sampling.get("curriculum_learning", {})
@@ -105,16 +121,23 @@ def from_deepspeed_config(
         ("data_efficiency.data_sampling.curriculum_learning.enabled", cl),
     ]
     off = [name for name, section in switches if not section.get("enabled", False)]
-    if not off:
-        for name, m in _need(cl, "curriculum_metrics", "curriculum_learning").items():
-            where = f"curriculum_metrics.{name}"
-            schedule = schedule_from_deepspeed(m, where=where)
-            if name in _TRANSFORMS:
-                transforms.append(_TRANSFORMS[name](schedule=schedule))
-                continue
-            if m.get("clustering_type") == "single_cluster":
-                transforms.append(ReportedDifficulty(schedule=schedule, name=name))
-                continue
+    return cl, off
+
+
+def _read_metrics(
+    cl: Mapping[str, Any], indexes: Mapping[str, Any]
+) -> tuple[list[CurriculumMetric], list[Transform]]:
+    """The metrics (filtered through an index) and transforms of ``curriculum_metrics``."""
+    metrics: list[CurriculumMetric] = []
+    transforms: list[Transform] = []
+    for name, m in _need(cl, "curriculum_metrics", "curriculum_learning").items():
+        where = f"curriculum_metrics.{name}"
+        schedule = schedule_from_deepspeed(m, where=where)
+        if name in _TRANSFORMS:
+            transforms.append(_TRANSFORMS[name](schedule=schedule))
+        elif m.get("clustering_type") == "single_cluster":
+            transforms.append(ReportedDifficulty(schedule=schedule, name=name))
+        else:
             kind = m.get("difficulty_type", "value")
             metrics.append(
                 CurriculumMetric(
@@ -124,29 +147,35 @@ def from_deepspeed_config(
                     percentile_max=_percentile_max(m, where) if kind == "percentile" else None,
                 )
             )
+    return metrics, transforms
+
+
+def _legacy_transform(cfg: Mapping[str, Any]) -> Transform | None:
+    """The seqlen truncation of a legacy top-level ``curriculum_learning``, if enabled."""
     legacy = cfg.get("curriculum_learning", {})
-    if legacy.get("enabled", False):
-        kind = legacy.get("curriculum_type", "seqlen")
-        if kind != "seqlen":
-            raise ValueError(
-                f"legacy curriculum_learning.curriculum_type {kind!r} is not supported; only "
-                "'seqlen' (truncation) exists in DeepSpeed's legacy curriculum"
-            )
-        transforms.append(SeqlenTruncate(schedule=schedule_from_deepspeed(legacy)))
-    if not metrics and not transforms:
-        why = ""
-        if cl and off:
-            why = (
-                f"; its curriculum_learning section is ignored because {', '.join(off)} "
-                f"{'is' if len(off) == 1 else 'are'} not true (DeepSpeed defaults each to false)"
-            )
+    if not legacy.get("enabled", False):
+        return None
+    kind = legacy.get("curriculum_type", "seqlen")
+    if kind != "seqlen":
         raise ValueError(
-            f"the DeepSpeed config enables no curriculum{why}; set data_efficiency.enabled, "
-            "data_sampling.enabled and curriculum_learning.enabled to true (or the legacy "
-            "top-level curriculum_learning.enabled)"
+            f"legacy curriculum_learning.curriculum_type {kind!r} is not supported; only "
+            "'seqlen' (truncation) exists in DeepSpeed's legacy curriculum"
         )
-    return Curriculum(
-        metrics, transforms=transforms, samples_per_epoch=samples_per_epoch, first_step=1
+    return SeqlenTruncate(schedule=schedule_from_deepspeed(legacy))
+
+
+def _refuse_no_curriculum(cl: Mapping[str, Any], off: list[str]) -> NoReturn:
+    """Raise for a config that enables no curriculum, naming the switches that are off."""
+    why = ""
+    if cl and off:
+        why = (
+            f"; its curriculum_learning section is ignored because {', '.join(off)} "
+            f"{'is' if len(off) == 1 else 'are'} not true (DeepSpeed defaults each to false)"
+        )
+    raise ValueError(
+        f"the DeepSpeed config enables no curriculum{why}; set data_efficiency.enabled, "
+        "data_sampling.enabled and curriculum_learning.enabled to true (or the legacy "
+        "top-level curriculum_learning.enabled)"
     )
 
 

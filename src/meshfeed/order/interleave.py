@@ -422,14 +422,12 @@ class _Deadline(Interleave):
         end = int(want[-1]) + 1
         pos, full = self._start(int(want[0]))
         members, m, E, M = self.members, self.m, self.E, self.M
-        c = [full[i] for i in members]
-        em = [E * mi for mi in m]
-        # slack >= 0 <=> released at the next position; key / m = deadline (times E).
-        slack = [pos * emi - (E * ci + 1) * M for emi, ci in zip(em, c, strict=True)]
-        key = [E * ci + E - 1 for ci in c]
+        c, em, slack, key = self._walk_state(pos, full)
         span = range(len(m))
+        # The wanted positions from ``pos`` on, then -1: never equal to a position walked.
         w = int(np.searchsorted(want, pos))
-        next_want = int(want[w])
+        targets = [*want[w:].tolist(), -1]
+        t = 0
         EM = E * M
         for p in range(pos, end):
             best = -1
@@ -439,20 +437,42 @@ class _Deadline(Interleave):
                     best = i
             if best < 0:  # impossible from true counts (Tijdeman): the start was wrong
                 raise ValueError(self._wrong_start(pos, p))
-            if p == next_want:
-                src[w], rank[w] = members[best], c[best]
-                w += 1
-                next_want = int(want[w]) if w < want.size else -1
+            if p == targets[t]:
+                src[w + t], rank[w + t] = members[best], c[best]
+                t += 1
             slack[best] -= EM
             key[best] += E
             c[best] += 1
-            if (p + 1) % MARK_EVERY == 0 and p + 1 not in self._marks:
-                self._remember(p + 1, self._full(c))
+            if (p + 1) % MARK_EVERY == 0:
+                self._mark(p + 1, c)
+        self._finish_walk(pos, end, c)
+        return src, rank
+
+    def _walk_state(
+        self, pos: int, full: tuple[int, ...]
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Per member at position ``pos`` with counts ``full``: its count, ``E m_i``, its
+        slack (>= 0 <=> released at the next position) and its key (key / m = deadline,
+        times E)."""
+        E, M = self.E, self.M
+        c = [full[i] for i in self.members]
+        em = [E * mi for mi in self.m]
+        slack = [pos * emi - (E * ci + 1) * M for emi, ci in zip(em, c, strict=True)]
+        key = [E * ci + E - 1 for ci in c]
+        return c, em, slack, key
+
+    def _mark(self, pos: int, c: list[int]) -> None:
+        """Remember the counts at ``pos`` unless known already."""
+        if pos not in self._marks:
+            self._remember(pos, self._full(c))
+
+    def _finish_walk(self, start: int, end: int, c: list[int]) -> None:
+        """Check the counts at ``end`` keep the bound (else the walk started from wrong
+        counts) and move the cursor there."""
         full = self._full(c)
         if self.check_bound(end, full) is not None:
-            raise ValueError(self._wrong_start(pos, end))
+            raise ValueError(self._wrong_start(start, end))
         self._cursor = (end, full)
-        return src, rank
 
     def _wrong_start(self, start: int, at: int) -> str:
         return (

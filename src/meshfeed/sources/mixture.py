@@ -58,6 +58,97 @@ _MIX_OP = 0x4D49
 ORDER_VERSION = 3
 
 
+def _source_lengths(names: list[str], sources: list[Any]) -> np.ndarray:
+    """The length of each source, refused unless each is map-style and non-empty."""
+    lengths = []
+    for name, src in zip(names, sources, strict=True):
+        try:
+            n = len(src)
+        except TypeError:
+            raise TypeError(
+                f"source {name!r} ({type(src).__name__}) has no len(); mixture sources must "
+                "be map-style (__len__ and __getitem__)"
+            ) from None
+        if n < 1:
+            raise ValueError(f"source {name!r} is empty; remove it or give it samples")
+        lengths.append(n)
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def _check_samples_per_epoch(samples_per_epoch: int | None) -> int | None:
+    """``samples_per_epoch`` if it is None or a positive int, else ``ValueError``."""
+    if samples_per_epoch is not None and (
+        not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
+    ):
+        raise ValueError(
+            f"samples_per_epoch must be a positive int or None (got {samples_per_epoch=!r})"
+        )
+    return samples_per_epoch
+
+
+def _weight_number(name: str, w: object) -> int | float:
+    """One source's weight as an int (for int and numpy integer weights) or a float."""
+    if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
+        raise TypeError(f"weight of {name!r} must be a number (got {w!r}); e.g. 0.25")
+    return int(w) if isinstance(w, (int, np.integer)) else float(w)
+
+
+def _weights_usable(vec: list[int | float]) -> bool:
+    """Every weight finite and >= 0, and at least one positive."""
+    finite = all(not isinstance(w, float) or math.isfinite(w) for w in vec)
+    return finite and all(w >= 0 for w in vec) and any(w > 0 for w in vec)
+
+
+def _is_schedule_change(change: Any, num_sources: int) -> bool:
+    """``change`` is ``[step, [one weight per source]]`` with an int step."""
+    return (
+        isinstance(change, list)
+        and len(change) == 2
+        and isinstance(change[0], int)
+        and isinstance(change[1], list)
+        and len(change[1]) == num_sources
+    )
+
+
+def _is_schedule(schedule: Any, num_sources: int) -> bool:
+    """``schedule`` is a non-empty list of changes (see :func:`_is_schedule_change`) whose
+    first is at step 0."""
+    if not isinstance(schedule, list) or not schedule:
+        return False
+    if not all(_is_schedule_change(c, num_sources) for c in schedule):
+        return False
+    return bool(schedule[0][0] == 0)
+
+
+def _schedules_disagree(ours: list[Any], done: list[Any], future_mine: list[Any]) -> bool:
+    """This mixture's changes up to the checkpoint's position (``ours``) contradict the
+    checkpoint's (``done``): they are not its prefix, or the checkpoint has changes there that
+    this mixture lacks while it declares changes of its own after the position."""
+    if ours != done[: len(ours)]:
+        return True
+    return len(ours) < len(done) and bool(future_mine)
+
+
+def _carried_counts_fit(
+    g: int, consumed: Mapping[str, Any], bases: list[Any], names: list[str], *, num_segments: int
+) -> bool:
+    """A checkpoint's counts have the right shape: a non-negative position, one int per
+    source consumed, and one list of an int per source at each segment start, the first all 0.
+    """
+    if g < 0 or sorted(consumed) != sorted(names) or len(bases) != num_segments:
+        return False
+    if not all(isinstance(b, list) and len(b) == len(names) for b in bases):
+        return False
+    if not _all_ints([*consumed.values(), *(x for b in bases for x in b)]):
+        return False
+    return not any(bases[0])
+
+
+def _all_ints(values: list[Any]) -> bool:
+    """Every value is an int (a bool is not)."""
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
 class Mixture:
     """A weighted, deterministic mixture of map-style sources (see the module docstring).
 
@@ -80,50 +171,39 @@ class Mixture:
             )
         self.names = [str(n) for n in sources]
         self.sources = [sources[n] for n in sources]
-        lengths = []
-        for name, src in zip(self.names, self.sources, strict=True):
-            try:
-                n = len(src)
-            except TypeError:
-                raise TypeError(
-                    f"source {name!r} ({type(src).__name__}) has no len(); mixture sources must "
-                    "be map-style (__len__ and __getitem__)"
-                ) from None
-            if n < 1:
-                raise ValueError(f"source {name!r} is empty; remove it or give it samples")
-            lengths.append(n)
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.lengths = _source_lengths(self.names, self.sources)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         self.seed = check_seed(seed)  # [0, 2**64): refused now, not at the first batch
-        if samples_per_epoch is not None and (
-            not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
-        ):
-            raise ValueError(
-                f"samples_per_epoch must be a positive int or None (got {samples_per_epoch=!r})"
-            )
-        self.samples_per_epoch = samples_per_epoch
+        self.samples_per_epoch = _check_samples_per_epoch(samples_per_epoch)
         self._schedule: list[tuple[int, list[float]]] = []
         self._segments: list[Interleave] = []
         self._bases_cache: dict[int, np.ndarray] = {}
         # The loaders' orders over this mixture, asked before a reweight (they own their state).
         self._orders: weakref.WeakSet[MixtureOrder] = weakref.WeakSet()
+        self._add_table(weights)
+
+    # ------------------------------------------------------------------ schedule
+    def _add_table(self, weights: Mapping[str, float] | Mapping[int, Mapping[str, float]]) -> None:
+        """Add the constructor's weights: one dict name -> weight, or a schedule step -> dict
+        that starts at step 0."""
         table: Mapping[Any, Any] = weights
         if not isinstance(table, Mapping) or not table:
             raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
-        if all(isinstance(k, int) and not isinstance(k, bool) for k in table):
-            steps = sorted(table)
-            if steps[0] != 0:
-                raise ValueError(
-                    f"a weight schedule must start at step 0 (got steps {steps}); add the "
-                    "weights for step 0"
-                )
-            for step in steps:
-                self._add(int(step), table[step])
-        else:
+        if not all(isinstance(k, int) and not isinstance(k, bool) for k in table):
             self._add(0, table)
+            return
+        steps = sorted(table)
+        if steps[0] != 0:
+            raise ValueError(
+                f"a weight schedule must start at step 0 (got steps {steps}); add the "
+                "weights for step 0"
+            )
+        for step in steps:
+            self._add(int(step), table[step])
 
-    # ------------------------------------------------------------------ schedule
     def _weights_vector(self, weights: Mapping[str, float]) -> list[int | float]:
+        """The weights in source order (ints stay ints), refused unless one number per source,
+        finite, >= 0 and not all zero."""
         if not isinstance(weights, Mapping):
             raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
         unknown = set(weights) - set(self.names)
@@ -133,17 +213,8 @@ class Mixture:
                 f"weights name {sorted(map(str, unknown))} which are not sources and miss "
                 f"{sorted(missing)}; give one weight per source {self.names}"
             )
-        vec: list[int | float] = []
-        for n in self.names:
-            w = weights[n]
-            if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)):
-                raise TypeError(f"weight of {n!r} must be a number (got {w!r}); e.g. 0.25")
-            vec.append(int(w) if isinstance(w, (int, np.integer)) else float(w))
-        if (
-            any(isinstance(w, float) and not math.isfinite(w) for w in vec)
-            or any(w < 0 for w in vec)
-            or not any(w > 0 for w in vec)
-        ):
+        vec = [_weight_number(n, weights[n]) for n in self.names]
+        if not _weights_usable(vec):
             raise ValueError(
                 f"weights must be finite, >= 0 and not all zero (got {dict(weights)}); "
                 "use a positive weight for at least one source"
@@ -474,34 +545,30 @@ class MixtureOrder(OrderBase):
         disagrees with the checkpoint at or before its position is refused."""
         mine = json.loads(json.dumps(self.mixture.schedule_json()))
         theirs = json.loads(json.dumps(recorded))
-        ok = isinstance(theirs, list) and all(
-            isinstance(c, list)
-            and len(c) == 2
-            and isinstance(c[0], int)
-            and isinstance(c[1], list)
-            and len(c[1]) == len(self.mixture.names)
-            for c in theirs
-        )
-        if not ok or not theirs or theirs[0][0] != 0:
+        if not _is_schedule(theirs, len(self.mixture.names)):
             raise ValueError(
                 f"the checkpoint's mixture weight schedule {theirs!r} is not a list of [step, "
                 f"weights per source {self.mixture.names}] from step 0; the checkpoint is "
                 "corrupted"
             )
-        done = [c for c in theirs if c[0] * self.G <= position]
-        ours = [c for c in mine if c[0] * self.G <= position]
-        if ours != done[: len(ours)] or (len(ours) < len(done) and len(mine) > len(ours)):
+        done, future_theirs = self._split_schedule(theirs, position)
+        ours, future_mine = self._split_schedule(mine, position)
+        if _schedules_disagree(ours, done, future_mine):
             raise ValueError(
                 f"the checkpoint's mixture weight schedule {theirs} differs from this mixture's "
                 f"{mine} up to its stream position {position}; build the Mixture with the "
                 "checkpoint's initial weights (its schedule is restored from the checkpoint) to "
                 "resume exactly"
             )
-        future_mine = [c for c in mine if c[0] * self.G > position]
-        future_theirs = [c for c in theirs if c[0] * self.G > position]
         adopt = done[len(ours) :] + (future_theirs if not future_mine else [])
         for step, weights in adopt:
             self.mixture._add(step, dict(zip(self.mixture.names, weights, strict=True)))
+
+    def _split_schedule(self, schedule: list[Any], position: int) -> tuple[list[Any], list[Any]]:
+        """The changes of ``schedule`` at or before stream ``position``, and those after it."""
+        before = [c for c in schedule if c[0] * self.G <= position]
+        after = [c for c in schedule if c[0] * self.G > position]
+        return before, after
 
     def _carried_points(self, facts: Mapping[str, Any]) -> list[tuple[Any, int, int, list[int]]]:
         """``(as recorded, segment, position in it, counts in it)`` of every carried count."""
@@ -510,17 +577,7 @@ class MixtureOrder(OrderBase):
         j = int(np.searchsorted(starts, g, side="right") - 1)
         names = self.mixture.names
         consumed, bases = facts["consumed"], facts["bases"]
-        ok = (
-            g >= 0
-            and sorted(consumed) == sorted(names)
-            and len(bases) == j + 1
-            and all(isinstance(b, list) and len(b) == len(names) for b in bases)
-            and all(
-                isinstance(v, int) and not isinstance(v, bool)
-                for v in [*consumed.values(), *(x for b in bases for x in b)]
-            )
-        )
-        if not ok or any(bases[0]):
+        if not _carried_counts_fit(g, consumed, bases, names, num_segments=j + 1):
             raise ValueError(
                 f"the checkpoint's per-source consumption {consumed!r} (at the weight changes: "
                 f"{bases!r}) is not one int per source {names} at stream position {g} and at "

@@ -65,6 +65,33 @@ def _check_int(name: str, value: object, low: int) -> int:
     return int(value)
 
 
+def _check_shards(shards: object) -> None:
+    """``shards`` is a non-empty sequence (not a string) of paths or zero-arg callables."""
+    if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence) or not shards:
+        raise ValueError(
+            f"shards must be a non-empty list of file paths or zero-arg callables (got {shards!r})"
+        )
+    for s in shards:
+        if not (callable(s) or isinstance(s, (str, os.PathLike))):
+            raise TypeError(f"shard {s!r} is neither a path nor a zero-arg callable")
+
+
+def _is_row_count(r: object) -> bool:
+    """``r`` is an int (not a bool) in ``[0, 2**40)``."""
+    return not isinstance(r, bool) and isinstance(r, (int, np.integer)) and bool(0 <= r < 2**40)
+
+
+def _check_rows(rows: Sequence[int], shards: Sequence[Any]) -> list[int]:
+    """The given row counts as ints, refused unless one valid count per shard."""
+    if len(rows) != len(shards) or not all(_is_row_count(r) for r in rows):
+        raise ValueError(
+            f"rows must give one int row count in [0, 2**40) per shard ({len(shards)} "
+            f"shards, got {list(rows)[:8]!r}); omit rows= to have them counted, and "
+            "split larger shards"
+        )
+    return [int(r) for r in rows]
+
+
 class ShardedStream:
     """Shards plus a reader, read as a map-style source (see the module docstring).
 
@@ -94,14 +121,7 @@ class ShardedStream:
         cache_limit: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence) or not shards:
-            raise ValueError(
-                f"shards must be a non-empty list of file paths or zero-arg callables (got "
-                f"{shards!r})"
-            )
-        for s in shards:
-            if not (callable(s) or isinstance(s, (str, os.PathLike))):
-                raise TypeError(f"shard {s!r} is neither a path nor a zero-arg callable")
+        _check_shards(shards)
         if reader is not None and not callable(reader):
             raise TypeError(
                 f"reader={reader!r} is not callable; pass reader(shard, start_row, stop_row)"
@@ -111,19 +131,7 @@ class ShardedStream:
         if samples_per_epoch is not None:
             samples_per_epoch = _check_int("samples_per_epoch", samples_per_epoch, 1)
         self.samples_per_epoch = samples_per_epoch
-        if rows is not None:
-            if len(rows) != len(shards) or any(
-                isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < 2**40
-                for r in rows
-            ):
-                raise ValueError(
-                    f"rows must give one int row count in [0, 2**40) per shard ({len(shards)} "
-                    f"shards, got {list(rows)[:8]!r}); omit rows= to have them counted, and "
-                    "split larger shards"
-                )
-            self._given_rows: list[int] | None = [int(r) for r in rows]
-        else:
-            self._given_rows = None
+        self._given_rows: list[int] | None = None if rows is None else _check_rows(rows, shards)
         self.shards = list(shards)
         self.reader: Any = _remote(
             reader or DefaultReader(), self.shards, cache_dir, cache_limit, storage_options
