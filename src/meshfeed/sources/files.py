@@ -1,9 +1,10 @@
 """The file-opening seam of the shard-format readers (MDS, WebDataset tar).
 
 A reader does all of its I/O through one ``open_file(name) -> BinaryIO`` callable: a readable,
-seekable binary file object for a shard name. The default, :func:`open_shard`, opens
-``http://`` and ``https://`` URLs with :func:`open_url` (HTTP range requests) and anything else
-with the builtin ``open(name, "rb")``; pass another function to read from an object store.
+seekable binary file object for a shard name. The default, :func:`open_shard`, opens URLs
+(``http(s)://``, ``s3://``, any fsspec protocol) through :func:`meshfeed.storage.open_url`,
+whose reads are byte ranges, and anything else with the builtin ``open(name, "rb")``; pass
+another function (e.g. a ``functools.partial`` with ``storage_options``) to change either.
 The readers keep a few handles open per process and drop them when they are pickled to a
 worker, so ``open_file`` must be picklable too (a module-level function or a
 ``functools.partial`` of one, not a lambda).
@@ -12,17 +13,14 @@ worker, so ``open_file`` must be picklable too (a module-level function or a
 from __future__ import annotations
 
 import hashlib
-import io
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from meshfeed.errors import SourceError
 from meshfeed.sources.stream_readers import shard_identity
 
-__all__ = ["OpenFile", "open_local", "open_shard", "open_url", "read_at", "shard_version"]
+__all__ = ["OpenFile", "open_local", "open_shard", "read_at", "shard_version"]
 
 #: Opens a shard name for binary reading; the returned object must support ``seek``/``read``.
 OpenFile = Callable[[str], BinaryIO]
@@ -35,68 +33,14 @@ def open_local(name: str) -> BinaryIO:
 
 
 def open_shard(name: str) -> BinaryIO:
-    """The default ``open_file``: :func:`open_url` for ``http(s)://`` names, else
-    :func:`open_local`."""
-    if name.startswith(("http://", "https://")):
-        return open_url(name)
+    """The default ``open_file``: a URL (``http(s)://``, ``s3://``, any fsspec protocol)
+    through :func:`meshfeed.storage.open_url` (byte ranges, retries; credentials and endpoint
+    from the environment), anything else with :func:`open_local`."""
+    from meshfeed.storage import is_url, open_url
+
+    if is_url(name):
+        return open_url(name)  # type: ignore[return-value]
     return open_local(name)
-
-
-def open_url(url: str, *, timeout: float = 60.0, buffer_size: int = 256 * 1024) -> BinaryIO:
-    """A seekable binary file over HTTP(S): each read is one range request (``Range:
-    bytes=a-b``), buffered by ``buffer_size``; the server must serve byte ranges (HTTP 206),
-    as static file servers and object stores do. ``timeout`` bounds every request."""
-    return io.BufferedReader(_HTTPFile(url, timeout), buffer_size)
-
-
-class _HTTPFile(io.RawIOBase):
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url, self.timeout, self.pos = url, timeout, 0
-        self._size: int | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def size(self) -> int:
-        if self._size is None:
-            req = urllib.request.Request(self.url, method="HEAD")
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                self._size = int(r.headers["Content-Length"])
-        return self._size
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos}.get(whence)
-        self.pos = max(0, (self.size() if base is None else base) + offset)
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if not len(view):
-            return 0
-        rng = f"bytes={self.pos}-{self.pos + len(view) - 1}"
-        req = urllib.request.Request(self.url, headers={"Range": rng})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                if r.status != 206:
-                    raise SourceError(
-                        f"{self.url} answered a range request with HTTP {r.status}; meshfeed "
-                        "reads shards over HTTP by byte ranges, so serve them from a server "
-                        "that supports Range (or copy them locally)"
-                    )
-                data = r.read(len(view))
-        except urllib.error.HTTPError as exc:
-            if exc.code == 416:  # past the end
-                return 0
-            raise
-        view[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
 
 
 def read_at(f: BinaryIO, offset: int, size: int, *, shard: str, what: str) -> bytes:
