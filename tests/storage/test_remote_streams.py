@@ -115,3 +115,23 @@ def test_cache_options_for_local_shards_are_refused(tmp_path: Path) -> None:
     p.write_text("x\n")
     with pytest.raises(ValueError, match="for shards given as URLs"):
         ShardedStream([str(p)], cache_dir=str(tmp_path))
+
+
+def test_a_shard_dataset_streams_from_s3_through_its_index(s3: S3, tmp_path: Path) -> None:
+    import numpy as np
+
+    from meshfeed.sources import write_shards
+
+    samples = [{"id": i, "x": np.arange(i % 7 + 1)} for i in range(120)]
+    index = write_shards(samples, tmp_path / "ds", rows_per_shard=25, compression="zstd")
+    for f in sorted(index.parent.iterdir()):
+        s3.put(f"ds/{f.name}", f.read_bytes())
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    s3.proxy.reset()
+    stream = ShardedStream.from_index(s3.url("ds"), shuffle_buffer=10, **remote)
+    assert stream.rows == [25] * 4 + [20]
+    local = ShardedStream.from_index(index, shuffle_buffer=10)
+    got = [i for b in StreamLoader(stream, batch_size=8, seed=1, collate_fn=_ids) for i in b]
+    want = [i for b in StreamLoader(local, batch_size=8, seed=1, collate_fn=_ids) for i in b]
+    assert got == want and len(set(got)) == 120
+    assert all(n == 1 for n in s3.proxy.object_gets.values())  # each file fetched once

@@ -193,13 +193,17 @@ def _parse_shard(raw: Any, where: Path) -> ShardEntry:
     return entry
 
 
-def read_index(path: str | os.PathLike[str], *, verify: bool = False) -> ShardIndex:
+def read_index(
+    path: str | os.PathLike[str], *, verify: bool = False, check_files: bool = True
+) -> ShardIndex:
     """Read and check ``index.json`` (``path`` is the file or its dataset directory).
 
     Checks the format name and version, the schema, and that every shard file exists with the
     recorded size (one ``stat`` per shard). ``verify=True`` also hashes every shard now (reads
     every byte: about 1 GB/s per core); a reader can instead verify each shard on first open.
     Any fault raises :class:`~meshfeed.errors.SourceError` naming the file.
+    ``check_files=False`` reads the index alone (its shards are elsewhere, e.g. still in object
+    storage; the reader checks each shard when it opens it).
     """
     p = Path(path)
     index_path = p / INDEX_NAME if p.is_dir() else p
@@ -232,7 +236,7 @@ def read_index(path: str | os.PathLike[str], *, verify: bool = False) -> ShardIn
         compression=raw["compression"],
         shards=shards,
     )
-    for entry in shards:
+    for entry in shards if check_files else ():
         check_file(index.root / entry.file, entry, verify=verify)
     return index
 

@@ -139,6 +139,54 @@ class ShardedStream:
         self._cursors: dict[int, _Cursor] = {}
         self._reader_takes = isinstance(self.reader, TakeReader)  # decided once, not per batch
 
+    @classmethod
+    def from_index(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        **stream: Any,
+    ) -> ShardedStream:
+        """The stream of a meshfeed shard dataset (:func:`~meshfeed.sources.write_shards`):
+        ``path`` is its ``index.json`` or folder, local or a URL. Row counts and content
+        hashes come from the index (nothing is counted or hashed up front); a URL dataset's
+        shards are downloaded once per node into the shard cache as the stream reaches them.
+        ``stream``: ``shuffle_buffer``, ``seed``, ``samples_per_epoch``."""
+        from meshfeed.sources.shards_format import INDEX_NAME, read_index
+        from meshfeed.sources.shards_read import ShardFormatReader
+        from meshfeed.storage import ShardCache, default_cache_dir, is_url
+
+        where = os.fspath(path)
+        if not is_url(where):
+            reader = ShardFormatReader.from_index(where, verify=verify)
+            rows = [e.rows for e in reader.index.shards]  # type: ignore[union-attr]
+            return cls(reader.shards, reader, rows=rows, **stream)
+        base = where.removesuffix(INDEX_NAME).rstrip("/")
+        cache = ShardCache(
+            cache_dir if cache_dir is not None else default_cache_dir(),
+            cache_limit=cache_limit,
+            storage_options=storage_options,
+        )
+        local_index = cache.local_path(f"{base}/{INDEX_NAME}")
+        index = read_index(local_index, check_files=False)
+        reader = ShardFormatReader(verify=verify)
+        # the cache keeps the files of one URL folder in one local folder: the shards land
+        # beside this index, where the reader looks for it
+        reader._indexes[os.path.abspath(index.root)] = index
+        shards = [f"{base}/{e.file}" for e in index.shards]
+        return cls(
+            shards,
+            reader,
+            rows=[e.rows for e in index.shards],
+            cache_dir=cache.cache_dir,
+            cache_limit=cache_limit,
+            storage_options=storage_options,
+            **stream,
+        )
+
     # ------------------------------------------------------------------ sizes
     @cached_property
     def rows(self) -> list[int]:
