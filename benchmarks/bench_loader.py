@@ -52,6 +52,7 @@ from torch.utils.data import DistributedSampler
 
 import meshfeed
 from meshfeed import DataLoader, DataMesh
+from meshfeed.sources import TokenWindows, write_indexed
 
 WINDOW = 2048
 BATCH = 8
@@ -293,9 +294,18 @@ def bench_workers(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
     inproc = meshfeed_loader(ds, workers=0)
     workers = meshfeed_loader(ds, workers=2)
     tl = torch_loader(ds, workers=2)
+    # The same tokens as a .bin/.idx corpus read by TokenWindows.fetch_batch: one gather per
+    # batch, the cheapest batches meshfeed makes (what the worker path must keep up with).
+    corpus = os.path.join(tmp, "corpus")
+    write_indexed(corpus, [np.memmap(path, dtype=np.uint16, mode="r")], np.uint16)
+    windows = TokenWindows(corpus, seq_len=WINDOW - 1)
+    tw0 = meshfeed_loader(windows, workers=0)
+    tw2 = meshfeed_loader(windows, workers=2)
     streams: dict[str, Iterator[Any]] = {
         "meshfeed, 0 workers": forever(inproc),
         "meshfeed, 2 workers": forever(workers),
+        "meshfeed TokenWindows.fetch_batch, 0 workers": forever(tw0),
+        "meshfeed TokenWindows.fetch_batch, 2 workers": forever(tw2),
         "torch DataLoader, 2 workers": forever(tl),
     }
     try:
@@ -338,8 +348,12 @@ def bench_workers(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
         r["meshfeed_2w_over"] = mf2 / r["bps"]
     if grain_it is None:
         rows.append({"loader": "grain mp_prefetch, 2 workers", "skipped": why})
+    for r in rows:  # the fetch_batch rows against their own in-process rate
+        if r["loader"].startswith("meshfeed TokenWindows"):
+            r["vs_inprocess"] = r["bps"] / rows[2]["bps"]
     del streams, grain_it
     workers.shutdown()
+    tw2.shutdown()
     print(f"  workers: {rows}", file=sys.stderr)
     return rows
 
@@ -784,7 +798,8 @@ def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
             f"## Worker processes, cheap samples: memmap windows of {WINDOW} tokens, batch "
             f"{BATCH} (128 KiB of int64 per batch), {cfg.batches} batches per repeat",
             "",
-            "| loader | batches/s | / meshfeed 0 workers | meshfeed 2 workers / this "
+            "| loader | batches/s | / meshfeed 0 workers (TokenWindows rows: / its 0 workers) "
+            "| meshfeed 2 workers / this "
             "| main process CPU us/batch |",
             "|---|---|---|---|---|",
         ]

@@ -20,6 +20,25 @@ class FetchTask:
     indices: np.ndarray
     positions: np.ndarray
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Sent to a worker for every batch: raw int64 bytes pickle several times faster than
+        # two numpy arrays.
+        return _task, (
+            self.epoch,
+            self.step,
+            np.ascontiguousarray(self.indices, dtype=np.int64).tobytes(),
+            np.ascontiguousarray(self.positions, dtype=np.int64).tobytes(),
+        )
+
+
+def _task(epoch: int, step: int, indices: bytes, positions: bytes) -> FetchTask:
+    return FetchTask(
+        epoch,
+        step,
+        np.frombuffer(indices, dtype=np.int64),
+        np.frombuffer(positions, dtype=np.int64),
+    )
+
 
 @dataclass(slots=True)
 class FetchEvents:

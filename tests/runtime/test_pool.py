@@ -325,3 +325,51 @@ def test_call_runs_an_initializer_once_per_worker():
         for _ in range(4):
             pool.submit((_initialised, ()))
         assert [pool.result() for _ in range(4)] == [["store-connected"]] * 4
+
+
+def test_a_kept_result_views_a_slot_that_is_never_reused_while_it_lives():
+    import gc
+
+    pool = WorkerPool(1, timeout=30, ring=3)
+    pool.start(call)
+    for i in range(3):  # the first large result sizes the slots
+        pool.submit((_batch, (i, 100_000)))
+        pool.result()
+    pool.submit((_batch, (5, 100_000)))
+    kept = pool.result()
+    reader = pool._state["readers"][0]
+    assert reader.lent  # viewed in place, not copied
+    for i in range(40):  # every other slot cycles many times over meanwhile
+        pool.submit((_batch, (100 + i, 100_000)))
+        pool.result()
+    assert torch.equal(kept["x"], torch.arange(100_000) + 5)
+    assert len(reader.slots) <= 3
+    del kept
+    gc.collect()
+    assert not reader.lent  # back to the worker once the last view is gone
+    held = []
+    for i in range(10):  # results kept beyond the ring are copied out, so slots still cycle
+        pool.submit((_batch, (200 + i, 100_000)))
+        held.append(pool.result())
+    # at most `ring` slots lent, and `ring` more for the worker to write into
+    assert len(reader.lent) <= 3 and len(reader.slots) <= 6
+    pids = pool.pids
+    pool.shutdown()  # slots unlinked while results still view some of them
+    _assert_no_children(pids)
+    assert all(torch.equal(b["x"], torch.arange(100_000) + 200 + i) for i, b in enumerate(held))
+
+
+def test_many_tasks_in_one_message_come_back_one_by_one_with_their_errors_in_place():
+    pool = WorkerPool(2, timeout=30)
+    pool.start(call)
+    tasks = [(_batch, (i, 50_000)) for i in range(6)]
+    tasks[3] = (_raise, (CustomError("task 3 is bad"),))
+    pool.submit_many(tasks)
+    for i in range(6):
+        if i == 3:
+            with pytest.raises(CustomError, match="task 3 is bad"):
+                pool.result()
+            continue
+        assert torch.equal(pool.result()["x"], torch.arange(50_000) + i)
+    assert pool.outstanding() == 0 and pool.task_seconds > 0
+    pool.shutdown()

@@ -105,12 +105,12 @@ def _worker_main(
     torch.set_num_threads(1)
     # Ctrl-C reaches the whole process group: the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    init_error: bytes | None = None
+    init_error: tuple[Any, str, str] | None = None
     handler: Callable[[Any], Any] | None = None
     try:
         handler = init(worker, num_workers, *args)
     except Exception as exc:
-        init_error = _error_message(exc)
+        init_error = _error_entry(exc)
     writer = SlotWriter()
     try:
         while True:
@@ -120,19 +120,40 @@ def _worker_main(
                 return
             if message is None:
                 return
-            task, frees, added = message
+            todo, frees, added = message
             writer.update(frees, added)
-            if handler is None:
-                assert init_error is not None
-                results.send_bytes(init_error)
+            if handler is None:  # every task fails with the error of init
+                results.send_bytes(writer.encode(([(False, init_error)] * len(todo), 0.0)))
                 continue
-            try:
-                header = writer.encode(handler(task))
-            except Exception as exc:
-                header = _error_message(exc)
-            results.send_bytes(header)
+            results.send_bytes(_run_tasks(handler, todo, writer))
     finally:
         writer.close()
+
+
+def _run_tasks(handler: Callable[[Any], Any], tasks: list[Any], writer: SlotWriter) -> bytes:
+    """One reply for a message of ``tasks``: per task ``(True, result)`` or ``(False, error)``
+    (a task that raises does not stop the rest), and the seconds they took together; the
+    results' buffers share one slot."""
+    start = time.perf_counter()
+    entries: list[tuple[bool, Any]] = []
+    for task in tasks:
+        try:
+            entries.append((True, handler(task)))
+        except Exception as exc:
+            entries.append((False, _error_entry(exc)))
+    try:
+        return writer.encode((entries, time.perf_counter() - start))
+    except Exception as exc:  # a result that cannot be pickled: every task of it fails
+        return _error_message(exc)
+
+
+def _error_entry(exc: BaseException) -> tuple[Any, str, str]:
+    tb = traceback.format_exc()
+    try:
+        exc_type: Any = pickle.loads(pickle.dumps(type(exc)))
+    except Exception:  # a local class: only its name can travel
+        exc_type = type(exc).__name__
+    return exc_type, str(exc), tb
 
 
 def _reraise(exc_type: type[BaseException] | str, text: str, where: str) -> None:
@@ -259,6 +280,10 @@ class WorkerPool:
         self._free_at: list[float] = []
         self._order: deque[int] = deque()
         self._next = 0
+        self._ready: list[deque[tuple[bool, Any]]] = []  # received, not yet returned, per worker
+        #: Seconds a worker spends per task (moving average over the replies): what a caller
+        #: sizes its messages by (cheap tasks travel several to a message).
+        self.task_seconds = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -332,6 +357,7 @@ class WorkerPool:
             state["pollers"].append(poller)
         self._pending = [deque() for _ in range(self.num_workers)]
         self._free_at = [time.monotonic()] * self.num_workers
+        self._ready = [deque() for _ in range(self.num_workers)]
         self._order.clear()
         self._next = 0
 
@@ -346,7 +372,7 @@ class WorkerPool:
             self._finalizer()  # runs _shutdown_resources once
             self._finalizer = None
         self._state = {}
-        self._pending, self._free_at = [], []
+        self._pending, self._free_at, self._ready = [], [], []
         self._order.clear()
 
     def __enter__(self) -> WorkerPool:
@@ -362,6 +388,13 @@ class WorkerPool:
 
     def send(self, w: int, task: Any) -> None:
         """Send ``task`` to worker ``w`` (tasks should be small: indices, not data)."""
+        self.send_many(w, [task])
+
+    def send_many(self, w: int, tasks: list[Any]) -> None:
+        """Send ``tasks`` to worker ``w`` in one message; it answers them in one reply (one
+        pipe message and one copy for all), and :meth:`recv` returns them one by one."""
+        if not tasks:
+            return
         if not self.started:
             raise RuntimeError(f"{self.name}: send() before start(); call start(init) first")
         conn = self._state["tasks"][w]
@@ -371,15 +404,27 @@ class WorkerPool:
         try:
             if not _writable(conn, limit):
                 self._fail_timeout(w)
-            conn.send_bytes(pickle.dumps((task, frees, added), 5))
+            conn.send_bytes(pickle.dumps((tasks, frees, added), 5))
         except (OSError, ValueError):
             self._fail_died(w)
-        self._pending[w].append(time.monotonic())
+        now = time.monotonic()
+        self._pending[w].extend([now] * len(tasks))
 
     def recv(self, w: int) -> Any:
         """The oldest outstanding result of worker ``w`` (raises what the handler raised)."""
         if not self.pending(w):
             raise RuntimeError(f"{self.name}: recv({w}) with no task outstanding for it")
+        if not self._ready[w]:
+            self._receive(w)
+        ok, value = self._ready[w].popleft()
+        self._pending[w].popleft()
+        if not ok:
+            exc_type, text, tb = value
+            _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
+        return value
+
+    def _receive(self, w: int) -> None:
+        """Wait (bounded) for worker ``w``'s next reply and queue its results."""
         conn: Connection = self._state["results"][w]
         poller, result_fd = self._state["pollers"][w], conn.fileno()
         deadline = max(self._pending[w][0], self._free_at[w]) + self.timeout
@@ -397,12 +442,17 @@ class WorkerPool:
             header = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             self._fail_died(w)
-        self._pending[w].popleft()
         self._free_at[w] = time.monotonic()
-        if header[0] == "error":
+        if header[0] == "error":  # init failed, or a reply could not be encoded
             _, exc_type, text, tb = header
+            self._pending[w].popleft()
             _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
-        return self._state["readers"][w].decode(header)
+        entries, seconds = self._state["readers"][w].decode(header)
+        per_task = seconds / max(1, len(entries))
+        self.task_seconds = (
+            per_task if not self.task_seconds else 0.8 * self.task_seconds + 0.2 * per_task
+        )
+        self._ready[w].extend(entries)
 
     def ready(self, w: int, timeout: float = 0.0) -> bool:
         """Whether :meth:`recv` of worker ``w`` would return without waiting (a result is
@@ -410,6 +460,8 @@ class WorkerPool:
         nothing and never fails the pool (a caller's own shorter deadline)."""
         if not self.pending(w):
             return False
+        if self._ready[w]:
+            return True
         poller = self._state["pollers"][w]
         return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
 
@@ -421,6 +473,9 @@ class WorkerPool:
         workers = [w for w in workers if self.pending(w)]
         if not workers:
             return []
+        done = [w for w in workers if self._ready[w]]
+        if done:
+            return done
         poller = select.poll()
         owner: dict[int, int] = {}
         for w in workers:
@@ -433,10 +488,17 @@ class WorkerPool:
     # ------------------------------------------------------------------ ordered style
     def submit(self, task: Any) -> None:
         """Send ``task`` to the next worker round-robin; :meth:`result` returns in this order."""
-        w = self._next
-        self.send(w, task)
-        self._order.append(w)
-        self._next = (w + 1) % self.num_workers
+        self.submit_many([task])
+
+    def submit_many(self, tasks: list[Any]) -> None:
+        """Submit ``tasks`` as :meth:`submit` would one by one (task ``j`` to the next worker
+        round-robin), but each worker's share in one message."""
+        k, first = self.num_workers, self._next
+        owners = [(first + j) % k for j in range(len(tasks))]
+        for w in range(k):
+            self.send_many(w, [t for t, o in zip(tasks, owners, strict=True) if o == w])
+        self._order.extend(owners)
+        self._next = (first + len(tasks)) % k
 
     def result(self) -> Any:
         """The result of the oldest submitted task not yet returned."""

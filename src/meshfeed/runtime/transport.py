@@ -4,17 +4,19 @@ tensor and array bytes through a ring of shared-memory slots owned by the main p
 Encoding is pickle protocol 5 with out-of-band buffers: every contiguous CPU tensor (as a
 numpy view, bfloat16 as int16 bits) and numpy array becomes one raw buffer; everything else
 (dicts, lists, strings, ints, the tensors' shapes and dtypes) stays in the pickled header.
-A worker writes the buffers of one result into one free slot (64-byte aligned) and sends the
-header. The main process copies the used part of the slot into a fresh buffer of its own
-(one ``memcpy``), rebuilds the tensors as views of that buffer and hands the slot back to
-the worker with the next task message.
+A worker writes the buffers of one result (or of one message's results, when several cheap
+tasks travel together) into one free slot (64-byte aligned) and sends the header. The main
+process rebuilds the tensors as views of the slot, through a mapping of its own, and *lends*
+the slot to them: it goes back to the worker (with a later task message) only once the last
+tensor viewing it is gone. When the training loop keeps more than ``ring`` results alive, a
+further result is copied out of its slot instead (one ``memcpy``), so slots keep cycling; a
+worker never has more than ``2 * ring`` slots.
 
-**The reuse guarantee is exact:** the training loop never sees slot memory. What it gets is
-the main process's private copy, made before :meth:`SlotReader.decode` returns; a slot is
-marked free only after that copy, and the worker learns so only through a later task
-message. So a batch can be kept, modified or sent elsewhere for as long as the caller likes,
-and it survives the death of its worker once its header was read (the slots belong to the
-main process, which unlinks them at shutdown).
+**The reuse guarantee is exact:** no slot is written while any tensor the training loop holds
+views it, so a batch can be kept, modified or sent elsewhere for as long as the caller likes.
+It survives the death of its worker once its header was read, and the pool's shutdown: the
+slots belong to the main process, which unlinks them at shutdown, and a lent slot's memory
+stays mapped until its last view is gone.
 
 Why a ring and not torch's shared-memory storages (``tensor.share_memory_()`` and passing
 file descriptors): torch creates, maps and later unmaps one new shared-memory file per tensor
@@ -24,8 +26,9 @@ a shared 2-core machine, load average 11-15): the ring costs the receiving proce
 CPU per batch (pipe message ~7 us, one copy ~4 us, header unpickle ~8-14 us), torch's storages
 187-239 us; wall time per batch 129-210 us against 1,270-1,949 us. The ring also leaves the
 received batch independent of the worker (torch's tensor stays mapped to a file the worker
-made). The ring maps each slot once per pool (attach ~35-55 us, not per batch) and pays one
-copy per batch.
+made). The ring maps each slot once per pool (attach ~35-55 us, not per batch); those figures
+are of the copy-per-batch protocol, which lending replaced (see ``bench_loader.py --only
+workers`` for the main process's CPU per batch now).
 
 Slots grow to fit: a result too large for every free slot (or sent before any slot exists)
 travels in-band through the pipe once, with its size; the main process then creates slots of
@@ -36,8 +39,11 @@ than a slot for them).
 
 from __future__ import annotations
 
+import contextlib
 import io
+import mmap
 import pickle
+import weakref
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -151,8 +157,10 @@ class SlotReader:
         self.ring = ring
         self.slots: dict[int, shared_memory.SharedMemory] = {}
         self.next_id = 0
-        self.frees: list[int] = []  # slots copied out, to hand back with the next task
+        self.frees: list[int] = []  # slots done with, to hand back with the next task
         self.added: list[tuple[int, str]] = []
+        self.lent: set[int] = set()  # slots the returned results still view
+        self._lend_maps: dict[int, Any] = {}
         self.enabled = ring > 0
 
     def take_updates(self) -> tuple[list[int], list[tuple[int, str]]]:
@@ -163,9 +171,7 @@ class SlotReader:
     def decode(self, kind_slot_meta: tuple[Any, ...]) -> Any:
         _, sid, meta, layout, total, retired = kind_slot_meta
         for r in retired:
-            shm = self.slots.pop(r)
-            shm.close()
-            shm.unlink()
+            self._drop(r)
         if sid is None:
             obj = loads(meta, [bytearray(b) for b in layout])
             if total and self.enabled:
@@ -173,6 +179,17 @@ class SlotReader:
             return obj
         shm_view = self.slots[sid].buf
         assert shm_view is not None  # an open segment always has a buffer
+        if len(self.lent) < self.ring:
+            # Lend the slot: the result's tensors view it, and it goes back to the worker
+            # once the last of them is gone (never while one is alive). The views hold a
+            # mapping of their own, so the slot can be unlinked (and its first mapping closed)
+            # at shutdown while results still live; the memory goes with the last of them.
+            del shm_view
+            base = np.frombuffer(self._lendable(sid), dtype=np.uint8, count=total)
+            self.lent.add(sid)
+            weakref.finalize(base, self._returned, sid)
+            return loads(meta, [base.data[o : o + n] for o, n in layout])
+        # The training loop keeps many results alive: copy this one out, so the slot cycles.
         view = np.empty(total, dtype=np.uint8).data  # not zero-filled: it is overwritten
         view[:] = shm_view[:total]  # the one copy
         del shm_view
@@ -180,9 +197,34 @@ class SlotReader:
         self.frees.append(sid)
         return obj
 
+    def _lendable(self, sid: int) -> Any:
+        """A second mapping of slot ``sid`` for lent views (one per slot, made once)."""
+        mapped = self._lend_maps.get(sid)
+        if mapped is None:
+            shm = self.slots[sid]
+            mapped = self._lend_maps[sid] = mmap.mmap(shm._fd, shm.size)  # type: ignore[attr-defined]
+        return mapped
+
+    def _returned(self, sid: int) -> None:
+        # Runs where the last view of a lent slot died (any thread): list and set operations
+        # are atomic under the GIL.
+        self.lent.discard(sid)
+        if sid in self.slots:
+            self.frees.append(sid)
+
+    def _drop(self, sid: int) -> None:
+        """Unlink a slot; unmap it now unless results still view it (then when they go)."""
+        shm = self.slots.pop(sid)
+        self._lend_maps.pop(sid, None)  # unmapped when the last view of it is gone
+        shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+
     def _grow(self, nbytes: int) -> None:
         size = _slot_size(nbytes)
-        big_enough = sum(1 for s in self.slots.values() if s.size >= size)
+        big_enough = sum(
+            1 for sid, s in self.slots.items() if s.size >= size and sid not in self.lent
+        )
         for _ in range(self.ring - big_enough):
             try:
                 shm = shared_memory.SharedMemory(create=True, size=size)
@@ -194,8 +236,7 @@ class SlotReader:
             self.next_id += 1
 
     def close(self) -> None:
-        """Unmap and unlink every slot (call once the worker is gone)."""
-        for shm in self.slots.values():
-            shm.close()
-            shm.unlink()
-        self.slots = {}
+        """Unlink every slot (call once the worker is gone); a slot that results still view
+        stays mapped until they are gone."""
+        for sid in list(self.slots):
+            self._drop(sid)

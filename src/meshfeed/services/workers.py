@@ -15,6 +15,7 @@ again continues from the position of the last batch it returned.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -30,6 +31,10 @@ from meshfeed.tasks import FetchEvents, FetchTask
 
 __all__ = ["WorkerError", "WorkerService"]
 
+#: Worker time one message should carry: batches cheaper than this travel together.
+_CHUNK_SECONDS = 1e-3
+_MAX_CHUNK = 16
+
 
 def _start_fetcher(worker: int, num_workers: int, fetcher: Fetch) -> Callable[[Any], Any]:
     # Global RNGs get a per-worker seed so code that uses them is at least reproducible;
@@ -43,9 +48,14 @@ def _start_fetcher(worker: int, num_workers: int, fetcher: Fetch) -> Callable[[A
 
 
 class WorkerService:
-    """Makes batches in ``num_workers`` processes, ``prefetch`` batches ahead per worker.
+    """Makes batches in ``num_workers`` processes, ``prefetch`` messages ahead per worker.
 
-    ``timeout`` bounds the wait for one batch, counted from when its worker could start it
+    A message carries one batch, or several consecutive batches of that worker when batches
+    are cheap (under about a millisecond of worker time: up to 16 per message, sized from
+    what the workers measure), so the main process pays one pipe message and one copy for
+    all of them. Batch ``i`` is made by worker ``i % num_workers`` either way.
+
+    ``timeout`` bounds the wait for one message, counted from when its worker could start it
     (``None`` or ``math.inf``: no limit). Under ``start_method="spawn"`` the dataset, its
     ``collate_fn`` and the rest of the fetcher are pickled, so they must be importable.
     """
@@ -93,29 +103,42 @@ class WorkerService:
 
     def _run(self, pool: WorkerPool, source: Iterator[FetchTask]) -> Iterator[Any]:
         steps: deque[int] = deque()
+        k = self.num_workers
 
-        def submit() -> None:
-            task = next(source, None)
-            if task is not None:
-                pool.submit(task)
-                steps.append(task.step)
+        def fill() -> None:
+            # Up to `prefetch` messages per worker in flight. Cheap batches travel several to
+            # a message (one pipe message and one copy for all of them); a round hands every
+            # worker its share, so batch i is still made by worker i % k.
+            chunk = self._chunk(pool)
+            step = k * chunk if chunk > 1 else 1
+            while len(steps) + step <= k * self.prefetch * chunk:
+                tasks = list(itertools.islice(source, step))
+                if not tasks:
+                    return
+                pool.submit_many(tasks)
+                steps.extend(t.step for t in tasks)
 
         try:
-            for task in source:
-                pool.submit(task)
-                steps.append(task.step)
-                if len(steps) >= self.num_workers * self.prefetch:
-                    break
+            fill()
             while steps:
                 result = self._result(pool, steps[0])
                 steps.popleft()
-                submit()
+                fill()
                 yield result
         except GeneratorExit:  # abandoned: the next map() drains what is in flight
             raise
         except BaseException:
             pool.shutdown()  # the next map() starts fresh workers
             raise
+
+    @staticmethod
+    def _chunk(pool: WorkerPool) -> int:
+        """Batches per message: enough for about a millisecond of a worker's time (at most
+        16), one while batches cost more than that or nothing is measured yet."""
+        seconds = pool.task_seconds
+        if seconds <= 0:
+            return 1
+        return max(1, min(_MAX_CHUNK, int(_CHUNK_SECONDS / seconds)))
 
     def _result(self, pool: WorkerPool, step: int) -> Any:
         try:
