@@ -67,10 +67,10 @@ def test_truncated_npy_under_an_index_an_order_and_convert_is_a_source_error(
 
             import meshfeed.sources.convert
             conv = sys.modules["meshfeed.sources.convert"]
-            conv._NPY_BLOCK_BYTES = 4096  # several blocks of 64-byte rows
+            conv.CHUNK_RECORDS = 64  # several chunks of 64-byte rows
             np.save("ids.npy", np.arange(64_000, dtype=np.int64).reshape(4000, 16))
-            records = conv._records(__import__("pathlib").Path("ids.npy"), "npy", "text")
-            assert next(records)[1].tolist() == list(range(16))
+            records = conv._npy_chunks(__import__("pathlib").Path("ids.npy"))
+            assert next(records).items[0][1].tolist() == list(range(16))
             os.truncate("ids.npy", 8192)
             expect("convert .npy", lambda: list(records), "ids.npy")
             """
