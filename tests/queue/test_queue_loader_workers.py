@@ -70,7 +70,11 @@ def test_stuck_stopped_or_killed_store_worker_fails_within_timeout_plus_one_seco
     assert len(pids) == 2
     if case == "sigstop":
         os.kill(pids[0], signal.SIGSTOP)
-    match = "exited with exit code -9" if case == "sigkill" else f"within timeout={TIMEOUT}s"
+    match = (
+        "exited unexpectedly with exit code -9"
+        if case == "sigkill"
+        else f"within timeout={TIMEOUT}s"
+    )
     with pytest.raises(WorkerError, match=match) as info:
         while True:  # the stopped worker may have made its next batch already
             start = time.monotonic()

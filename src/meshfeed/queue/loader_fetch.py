@@ -22,7 +22,8 @@ from typing import Any
 from meshfeed.queue.core import PartitionClosed
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.store import Batch, SampleStore
-from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
+from meshfeed.runtime import WorkerError, WorkerPool
+from meshfeed.runtime.pool import failure_message
 
 _MARGIN = 0.25  # Ray workers: the store's own TimeoutError comes first, then the pool's
 
@@ -169,18 +170,14 @@ def make_pool(num_workers: int, wait: float | None, backend: str, prefetch: int)
 def lost_error(error: WorkerError, task: str, head: int) -> WorkerError:
     """The error to raise once the pool stopped after a worker died or stalled, saying that
     iterating again continues from batch ``head``."""
-    if isinstance(error, WorkerTimeout):
-        what = f"produced nothing within timeout={error.timeout}s (stuck or stopped)"
-    elif isinstance(error, WorkerDied):
-        what = f"exited with exit code {error.exitcode} (out of memory, or killed)"
-    else:
-        what = f"failed ({error})"
     return WorkerError(
-        f"store loader worker {getattr(error, 'worker', '?')} (pid "
-        f"{getattr(error, 'pid', '?')}) of task {task!r} {what}; its workers were "
-        f"stopped. Iterating the loader again starts fresh workers and continues from batch "
-        f"{head} (nothing is lost or repeated); raise timeout= if a batch legitimately "
-        "takes longer"
+        failure_message(
+            error,
+            who=f"store loader (task {task!r})",
+            what=f"batch {head} or one after it",
+            then=f"Its workers were stopped; iterating the loader again starts fresh workers "
+            f"and continues from batch {head} (nothing is lost or repeated)",
+        )
     )
 
 

@@ -50,7 +50,15 @@ import torch
 from meshfeed.runtime.lifeline import Parent, close_borrowed, tie_to_parent
 from meshfeed.runtime.transport import SlotReader, SlotWriter
 
-__all__ = ["WorkerDied", "WorkerError", "WorkerPool", "WorkerTimeout", "default_start_method"]
+__all__ = [
+    "WorkerDied",
+    "WorkerError",
+    "WorkerPool",
+    "WorkerTimeout",
+    "default_start_method",
+    "exit_reason",
+    "failure_message",
+]
 
 
 class WorkerError(RuntimeError):
@@ -71,6 +79,40 @@ class WorkerTimeout(WorkerError):
     def __init__(self, message: str, *, worker: int, pid: int | None, timeout: float):
         super().__init__(message)
         self.worker, self.pid, self.timeout = worker, pid, timeout
+
+
+def exit_reason(code: int | None) -> str:
+    """What a worker's exit code says, in words (a signal's name and its usual cause)."""
+    causes = {
+        signal.SIGKILL: "killed: out of memory (the kernel's OOM killer), or by a user",
+        signal.SIGBUS: "a memory-mapped file shrank underneath it, or a bad memory page",
+        signal.SIGSEGV: "a crash in native code",
+        signal.SIGTERM: "terminated",
+    }
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"exit code {code}"
+    cause = causes.get(signal.Signals(-code))
+    return f"exit code {code}, {name}" + (f": {cause}" if cause else "")
+
+
+def failure_message(error: WorkerError, *, who: str, what: str, then: str) -> str:
+    """The one message for a worker of ``who`` that died or stalled while making ``what``
+    (e.g. ``"step 7"``); ``then`` says what iterating again does."""
+    worker, pid = getattr(error, "worker", "?"), getattr(error, "pid", "?")
+    if isinstance(error, WorkerTimeout):
+        why = (
+            f"produced nothing for {what} within timeout={error.timeout}s (stuck, e.g. on I/O, "
+            "or stopped); raise timeout= if that legitimately takes longer"
+        )
+    elif isinstance(error, WorkerDied):
+        why = f"exited unexpectedly with {exit_reason(error.exitcode)}, while making {what}"
+    else:
+        why = f"failed while making {what} ({error})"
+    return f"{who} worker {worker} (pid {pid}) {why}. {then}"
 
 
 def default_start_method() -> str:
@@ -542,8 +584,7 @@ class WorkerPool:
         pid, code = proc.pid, proc.exitcode
         self._shutdown(polite=False)
         raise WorkerDied(
-            f"{self.name} {w} (pid {pid}) exited unexpectedly with exit code {code}; it may "
-            "have run out of memory or been killed",
+            f"{self.name} {w} (pid {pid}) exited unexpectedly with {exit_reason(code)}",
             worker=w,
             pid=pid,
             exitcode=code,

@@ -27,6 +27,7 @@ import torch
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import Fetch
 from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
+from meshfeed.runtime.pool import failure_message
 from meshfeed.tasks import FetchEvents, FetchTask
 
 __all__ = ["WorkerError", "WorkerService"]
@@ -143,18 +144,15 @@ class WorkerService:
     def _result(self, pool: WorkerPool, step: int) -> Any:
         try:
             return pool.result()
-        except WorkerTimeout as e:
+        except (WorkerTimeout, WorkerDied) as e:
             raise WorkerError(
-                f"worker {e.worker} (pid {e.pid}) produced nothing for step {step} within "
-                f"timeout={self.timeout}s; the dataset may be stuck on I/O. Raise timeout= if "
-                "single batches legitimately take longer"
-            ) from None
-        except WorkerDied as e:
-            raise WorkerError(
-                f"worker {e.worker} (pid {e.pid}) exited unexpectedly with exit code "
-                f"{e.exitcode} while making step {step}; it may have run out of memory or been "
-                "killed. Iterating the loader again restarts the workers from the last batch "
-                "returned"
+                failure_message(
+                    e,
+                    who="loader",
+                    what=f"step {step}",
+                    then="Iterating the loader again restarts the workers from the last batch "
+                    "returned",
+                )
             ) from None
 
     def shutdown(self) -> None:
