@@ -25,8 +25,9 @@ Column encodings and what a sample holds for them:
 Compressed shards (``zstd``, ``gz``, ``bz2``) are decompressed whole on first use and kept per
 process (the last ``cache_shards`` of them); uncompressed shards are read by seeking, one read
 per contiguous run of wanted rows. All I/O goes through ``open_file`` (see
-:mod:`meshfeed.sources.files`): ``http(s)://`` roots are read by byte ranges by default; pass
-an ``open_file`` to read from an object store.
+:mod:`meshfeed.sources.files`): URL roots (``http(s)://``, ``s3://``, any fsspec protocol)
+are read by byte ranges through :func:`meshfeed.storage.open_url` by default; pass an
+``open_file`` to read them another way.
 """
 
 from __future__ import annotations
