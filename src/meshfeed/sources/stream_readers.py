@@ -244,6 +244,20 @@ def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:
             yield json.loads(line) if as_json else line.rstrip("\n")
 
 
+def rows_by_take(
+    take: Callable[[Any, np.ndarray], list[Any]],
+    shard: Any,
+    start: int,
+    stop: int,
+    *,
+    step: int = 256,
+) -> Iterator[Any]:
+    """The range form of a reader that reads by index: rows ``[start, stop)`` of ``shard``,
+    ``step`` rows per ``take``."""
+    for a in range(start, stop, step):
+        yield from take(shard, np.arange(a, min(a + step, stop), dtype=np.int64))
+
+
 def default_reader(shard: Any, start_row: int, stop_row: int | None) -> Iterator[Any]:
     """Rows ``[start_row, stop_row)`` of a callable shard or a text / JSON-lines file."""
     return DefaultReader()(shard, start_row, stop_row)

@@ -48,6 +48,7 @@ from meshfeed.sources.files import (
     shard_version,
 )
 from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.stream_readers import rows_by_take
 
 __all__ = ["TarReader", "expand_shards", "wds_stream"]
 
@@ -132,9 +133,7 @@ class TarReader:
 
     def __call__(self, shard: Any, start: int, stop: int | None) -> Iterator[dict[str, Any]]:
         n = self.count(shard)
-        stop = n if stop is None else min(stop, n)
-        for a in range(start, stop, 256):
-            yield from self.take(shard, np.arange(a, min(a + 256, stop)))
+        return rows_by_take(self.take, shard, start, n if stop is None else min(stop, n))
 
     def take(self, shard: Any, rows: np.ndarray | Sequence[int]) -> list[dict[str, Any]]:
         """The samples at these row indices of ``shard`` (any order, repeats allowed): one
