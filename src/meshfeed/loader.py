@@ -138,30 +138,8 @@ class DataLoader(LoaderBase):
         )
         self.on_error: OnError = options.on_error or "substitute"
         self._global = isinstance(service, GlobalService)
-        if service is not None and not self._global and not isinstance(service, Service):
-            raise TypeError(
-                f"service={type(service).__name__} is neither a meshfeed.protocols.Service "
-                "(start, map, shutdown) nor a GlobalService (bind_mesh, prepare, start, "
-                "map_global, shutdown); pass e.g. RayService(...), or num_workers=N for worker processes"
-            )
-        if isinstance(service, GlobalService):
-            service.bind_mesh(self.mesh)  # RayService: RemoteBatch.for_rank maps global ranks
-            dataset = service.prepare(dataset)  # a callable is built inside the Ray actors
-        elif isinstance(dataset, type) or (callable(dataset) and not isinstance(dataset, Source)):
-            # A callable that makes the dataset (Twinkle's call shape) is built where the
-            # batches are made: here, or in every Ray actor with service=RayService(...).
-            dataset = _build_dataset(dataset)
-        try:
-            length = len(dataset)
-        except TypeError:
-            raise ValueError(
-                f"dataset of type {type(dataset).__name__} has no len(); meshfeed.DataLoader "
-                "needs a map-style dataset (__len__ and __getitem__)"
-            ) from None
-        if length < 1:
-            raise ValueError(
-                f"dataset is empty (len {length}); give the loader at least one sample"
-            )
+        dataset = self._where_batches_are_made(dataset, service)
+        length = _length(dataset)
         self.dataset = dataset
         self.global_batch_size = batch_size * self.data_world_size
         self.dataset_length = length
@@ -182,18 +160,7 @@ class DataLoader(LoaderBase):
             pad_last=pad_last,
             data_world_size=self.data_world_size,
         )
-        if not pad_last and self.plan.steps(0) == 0:
-            raise ValueError(
-                f"the dataset ({length} samples) has fewer samples than data ranks "
-                f"({self.data_world_size}); with pad_last=False no batch would ever be "
-                "produced. Use pad_last=True (pads by wrapping) or fewer data ranks"
-            )
-        if self.drop_last and self.plan.steps(0) == 0:
-            raise ValueError(
-                f"the dataset ({length} samples) is smaller than one global batch "
-                f"({batch_size=} x data_world_size={self.data_world_size}); with drop_last=True "
-                "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
-            )
+        self._check_some_batch(length)
         postprocess = curriculum_postprocess(curriculum)
         self.fetcher = Fetcher(
             dataset,
@@ -213,6 +180,41 @@ class DataLoader(LoaderBase):
         self._index_cache: tuple[int, dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
 
     # ------------------------------------------------------------------ construction helpers
+    def _where_batches_are_made(self, dataset: Any, service: Any) -> Any:
+        """The dataset the loader measures: a Ray service's stand-in (the dataset is built in
+        its actors), a callable's product (Twinkle's call shape), or ``dataset`` itself."""
+        if service is not None and not self._global and not isinstance(service, Service):
+            raise TypeError(
+                f"service={type(service).__name__} is neither a meshfeed.protocols.Service "
+                "(start, map, shutdown) nor a GlobalService (bind_mesh, prepare, start, "
+                "map_global, shutdown); pass e.g. RayService(...), or num_workers=N for worker "
+                "processes"
+            )
+        if isinstance(service, GlobalService):
+            service.bind_mesh(self.mesh)  # RayService: RemoteBatch.for_rank maps global ranks
+            return service.prepare(dataset)  # a callable is built inside the Ray actors
+        if isinstance(dataset, type) or (callable(dataset) and not isinstance(dataset, Source)):
+            # A callable that makes the dataset (Twinkle's call shape) is built where the
+            # batches are made: here, or in every Ray actor with service=RayService(...).
+            return _build_dataset(dataset)
+        return dataset
+
+    def _check_some_batch(self, length: int) -> None:
+        """Refuse a configuration under which no batch would ever be produced."""
+        if not self.pad_last and self.plan.steps(0) == 0:
+            raise ValueError(
+                f"the dataset ({length} samples) has fewer samples than data ranks "
+                f"({self.data_world_size}); with pad_last=False no batch would ever be "
+                "produced. Use pad_last=True (pads by wrapping) or fewer data ranks"
+            )
+        if self.drop_last and self.plan.steps(0) == 0:
+            batch_size = self.batch_size
+            raise ValueError(
+                f"the dataset ({length} samples) is smaller than one global batch "
+                f"({batch_size=} x data_world_size={self.data_world_size}); with drop_last=True "
+                "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
+            )
+
     def _default_service(self, start_method: str | None) -> Service:
         inner: Service = (
             WorkerService(
@@ -416,6 +418,19 @@ class DataLoader(LoaderBase):
         if getattr(self, "_started", False):  # __del__ of a half-built loader
             self.service.shutdown()
             self._started = False
+
+
+def _length(dataset: Any) -> int:
+    try:
+        length = len(dataset)
+    except TypeError:
+        raise ValueError(
+            f"dataset of type {type(dataset).__name__} has no len(); meshfeed.DataLoader "
+            "needs a map-style dataset (__len__ and __getitem__)"
+        ) from None
+    if length < 1:
+        raise ValueError(f"dataset is empty (len {length}); give the loader at least one sample")
+    return int(length)
 
 
 def _build_dataset(make: Callable[[], Any]) -> Any:
