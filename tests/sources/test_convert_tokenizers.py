@@ -79,7 +79,7 @@ def test_output_is_byte_identical_for_every_worker_count(
 ) -> None:
     path, _, texts = bpe
     # many small chunks, so workers finish out of order
-    monkeypatch.setattr(sys.modules["meshfeed.sources.convert"], "CHUNK_RECORDS", 7)
+    monkeypatch.setattr(sys.modules["meshfeed.sources.convert_input"], "CHUNK_RECORDS", 7)
     src = write_jsonl(tmp_path / "d.jsonl", texts[:60])
     kw = {"tokenizer": str(path), "append_eod": True, "progress": False}
     convert(src, tmp_path / "j1", num_workers=1, **kw)

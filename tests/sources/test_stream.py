@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from meshfeed.errors import SourceError
 from meshfeed.fetch import SampleError
-from meshfeed.runtime.pool import WorkerError
+from meshfeed.runtime.failures import WorkerError
 from meshfeed.sources import Mixture
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.stream_loader import StreamLoader

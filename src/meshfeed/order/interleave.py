@@ -35,13 +35,24 @@ integers (no ``OverflowError``).
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from collections.abc import Sequence
 from fractions import Fraction
 
 import numpy as np
+
+from meshfeed.order.rational import (
+    HORIZON,
+    MAX_PERIOD,
+    Interleave,
+    _best_tree,
+    _leaf_bounds,
+    _Period,
+    _RoundingTree,
+    _simple_rationals,
+    _to_fraction,
+    interleave_period,
+)
 
 __all__ = [
     "HORIZON",
@@ -52,14 +63,6 @@ __all__ = [
     "make_interleave",
 ]
 
-#: Largest period table built for the exact-period interleave.
-MAX_PERIOD = 1 << 16
-#: Prefix length up to which a rational reading of float weights must be indistinguishable.
-HORIZON = 1 << 40
-#: Above this many sources the tree search is skipped (it costs about 3**K).
-_MAX_TREE_SEARCH = 8
-#: float64 is trusted for ``N * t + 1/2`` only when the fraction is this far from an integer.
-_FLOAT_MARGIN = 1e-3
 #: The earliest-deadline interleave remembers its counts every this many positions.
 MARK_EVERY = 1 << 16
 #: At most this many marks are kept (then every second one is dropped) and this many seeds.
@@ -68,259 +71,6 @@ _MAX_SEEDS = 64
 #: Carried counts this close to a known point are checked exactly (a walk); farther ones only
 #: against the deviation bound, since a walk from the start would cost O(position).
 _VERIFY_WALK = 1 << 18
-
-
-def interleave_period(quotas: list[int]) -> np.ndarray:
-    """One period of the quota-method interleave: the source of each of ``sum(quotas)`` slots.
-
-    At slot ``n`` (1-based) the seat goes, among sources still under their upper quota
-    (``n * q_s > c_s * M``), to the one with the largest ``q_s / (c_s + 1)`` (lowest index on
-    ties). Every prefix then holds between ``floor`` and ``ceil`` of ``n * q_s / M`` of source s.
-    """
-    M, K = sum(quotas), len(quotas)
-    out = np.empty(M, dtype=np.int32)
-    counts = [0] * K
-    for n in range(1, M + 1):
-        best = -1
-        for s in range(K):
-            q = quotas[s]
-            if (
-                q
-                and n * q > counts[s] * M
-                and (best < 0 or q * (counts[best] + 1) > quotas[best] * (counts[s] + 1))
-            ):
-                best = s
-        out[n - 1] = best
-        counts[best] += 1
-    return out
-
-
-class Interleave:
-    """Position -> source for fixed shares (see the module docstring); built by
-    :func:`make_interleave`.
-
-    ``counts(n)``: per-source counts among the first ``n`` positions. ``draws(p)``: for each
-    position, its source and how many earlier positions belong to that source.
-    """
-
-    kind: str
-    shares: list[Fraction]
-    max_deviation: float
-
-    def counts(self, n: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
-
-    def check_counts(self, n: int, counts: Sequence[int]) -> str | None:
-        """Why ``counts`` cannot be this interleave's counts at ``n`` (None: they can be)."""
-        mine = self.counts(n).tolist()
-        return None if list(counts) == mine else f"expected {mine}"
-
-    def seed(self, n: int, counts: Sequence[int]) -> None:
-        """Remember checked counts at ``n`` (from a checkpoint); arithmetic interleaves ignore it."""
-
-
-class _Period(Interleave):
-    def __init__(self, quotas: list[int], *, kind: str, max_deviation: float) -> None:
-        self.kind = kind
-        self.quotas = np.asarray(quotas, dtype=np.int64)
-        self.period = int(self.quotas.sum())
-        self.shares = [Fraction(q, self.period) for q in quotas]
-        self.max_deviation = max_deviation
-        self.src = interleave_period(quotas)
-        self.rank = np.zeros(self.period, dtype=np.int64)
-        self.slots: list[np.ndarray] = []
-        for s in range(len(quotas)):
-            where = np.flatnonzero(self.src == s)
-            self.rank[where] = np.arange(len(where))
-            self.slots.append(where)
-
-    def counts(self, n: int) -> np.ndarray:
-        full, rest = divmod(int(n), self.period)
-        return full * self.quotas + np.array(
-            [np.searchsorted(sl, rest) for sl in self.slots], dtype=np.int64
-        )
-
-    def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        full, rest = np.divmod(np.asarray(positions, dtype=np.int64), self.period)
-        src = self.src[rest].astype(np.int64)
-        return src, full * self.quotas[src] + self.rank[rest]
-
-
-def _round_share(n: np.ndarray, t: Fraction) -> np.ndarray:
-    """``floor(n * t + 1/2)`` elementwise, exact for any int64 ``n`` >= 0 and fraction ``t``."""
-    num, den = t.numerator, t.denominator
-    if n.size == 0:
-        return n.copy()
-    top = int(n.max())
-    if 2 * top * num + den < (1 << 62):  # fits int64: exact integer arithmetic
-        return (2 * n * num + den) // (2 * den)
-    if top < (1 << 45):  # float64 is accurate to ~2**-8 here; recheck values near a boundary
-        x = n.astype(np.float64) * (num / den) + 0.5
-        out = np.floor(x).astype(np.int64)
-        near = np.flatnonzero(np.abs(x - np.round(x)) < _FLOAT_MARGIN)
-        for i in near.tolist():
-            out[i] = (2 * int(n[i]) * num + den) // (2 * den)
-        return out
-    return np.array([(2 * int(v) * num + den) // (2 * den) for v in n.tolist()], dtype=np.int64)
-
-
-# A tree is a leaf (source number) or (left, right, share of left within the node).
-_Tree = int | tuple["_Tree", "_Tree", Fraction]
-
-
-class _RoundingTree(Interleave):
-    def __init__(self, shares: list[Fraction], tree: _Tree, bound: Fraction) -> None:
-        self.kind = "tree"
-        self.shares = shares
-        self.tree = tree
-        self.max_deviation = float(bound)
-
-    def counts(self, n: int) -> np.ndarray:
-        out = np.zeros(len(self.shares), dtype=np.int64)
-        stack: list[tuple[_Tree, int]] = [(self.tree, int(n))]
-        while stack:
-            node, total = stack.pop()
-            if isinstance(node, int):
-                out[node] = total
-                continue
-            left, right, t = node
-            k = (2 * total * t.numerator + t.denominator) // (2 * t.denominator)
-            stack += [(left, k), (right, total - k)]
-        return out
-
-    def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        p = np.asarray(positions, dtype=np.int64).ravel()
-        src = np.empty(p.shape, dtype=np.int64)
-        rank = np.empty(p.shape, dtype=np.int64)
-        # (node, where, count of the node before each position): position p is the
-        # before-th item of the node; it goes left when the left count grows at it.
-        stack: list[tuple[_Tree, np.ndarray, np.ndarray]] = [(self.tree, np.arange(p.size), p)]
-        while stack:
-            node, where, before = stack.pop()
-            if isinstance(node, int):
-                src[where], rank[where] = node, before
-                continue
-            left, right, t = node
-            k0, k1 = _round_share(before, t), _round_share(before + 1, t)
-            go_left = k1 > k0
-            stack.append((left, where[go_left], k0[go_left]))
-            stack.append((right, where[~go_left], (before - k0)[~go_left]))
-        shape = np.shape(positions)
-        return src.reshape(shape), rank.reshape(shape)
-
-
-def _leaf_bounds(tree: _Tree, shares: Sequence[Fraction]) -> dict[int, Fraction]:
-    """Per leaf, ``1/2 * (1 + sum of s_leaf / s_A over ancestors A below the root)``."""
-    out: dict[int, Fraction] = {}
-
-    def walk(node: _Tree, ancestors: list[Fraction]) -> None:
-        if isinstance(node, int):
-            out[node] = Fraction(1, 2) * (1 + sum((shares[node] / a for a in ancestors[1:]), 0))
-            return
-        left, right, _ = node
-        total = _subtotal(node, shares)
-        walk(left, [*ancestors, total])
-        walk(right, [*ancestors, total])
-
-    walk(tree, [])
-    return out
-
-
-def _subtotal(node: _Tree, shares: Sequence[Fraction]) -> Fraction:
-    if isinstance(node, int):
-        return shares[node]
-    return _subtotal(node[0], shares) + _subtotal(node[1], shares)
-
-
-def _best_tree(shares: list[Fraction], members: list[int]) -> _Tree:
-    """A tree over ``members`` with a small deviation bound (exhaustive search up to 8 leaves).
-
-    The search runs on floats and is only a heuristic: the bound of the tree it returns is
-    computed exactly by :func:`_leaf_bounds`, and that is what is checked.
-    """
-    if len(members) > _MAX_TREE_SEARCH:
-        return _greedy_tree(shares, members)
-
-    def splits(subset: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        first, rest = subset[0], subset[1:]
-        out = []
-        for r in range(len(rest)):
-            for pick in itertools.combinations(rest, r):
-                out.append(((first, *pick), tuple(i for i in rest if i not in pick)))
-        return out
-
-    @functools.cache
-    def solve(subset: tuple[int, ...]) -> tuple[_Tree, tuple[tuple[int, float], ...]]:
-        # Per leaf: sum of s_leaf / s_A over the ancestors A within this subtree (its root too).
-        if len(subset) == 1:
-            return subset[0], ((subset[0], 0.0),)
-        total = sum((shares[i] for i in subset), Fraction(0))
-        best: tuple[float, _Tree, tuple[tuple[int, float], ...]] | None = None
-        for left, right in splits(subset):
-            (tl, cl), (tr, cr) = solve(left), solve(right)
-            costs = tuple((i, c + float(shares[i] / total)) for i, c in (*cl, *cr))
-            worst = max(c for _, c in costs)
-            if best is None or worst < best[0]:
-                best = (worst, _node(tl, tr, shares), costs)
-        assert best is not None  # two or more leaves have at least one split
-        return best[1], best[2]
-
-    top: tuple[float, _Tree] | None = None
-    for left, right in splits(tuple(members)):
-        (tl, cl), (tr, cr) = solve(left), solve(right)
-        worst = max(c for _, c in (*cl, *cr))
-        if top is None or worst < top[0]:
-            top = (worst, _node(tl, tr, shares))
-    assert top is not None
-    return top[1]
-
-
-def _node(left: _Tree, right: _Tree, shares: Sequence[Fraction]) -> _Tree:
-    share_left = _subtotal(left, shares)
-    return (left, right, share_left / (share_left + _subtotal(right, shares)))
-
-
-def _greedy_tree(shares: list[Fraction], members: list[int]) -> _Tree:
-    if len(members) == 1:
-        return members[0]
-    ordered = sorted(members, key=lambda i: (-shares[i], i))
-    left: list[int] = []
-    right: list[int] = []
-    sl = sr = Fraction(0)
-    for i in ordered:
-        if sl <= sr:
-            left.append(i)
-            sl += shares[i]
-        else:
-            right.append(i)
-            sr += shares[i]
-    return _node(_greedy_tree(shares, left), _greedy_tree(shares, right), shares)
-
-
-def _simple_rationals(weights: list[Fraction]) -> list[Fraction] | None:
-    """The weights as small-denominator shares if that is invisible within ``HORIZON``."""
-    total = sum(weights, Fraction(0))
-    exact = [w / total for w in weights]
-    approx = [w.limit_denominator(10**6) for w in weights]
-    if sum(approx, Fraction(0)) == 0:
-        return None
-    approx_total = sum(approx, Fraction(0))
-    shares = [a / approx_total for a in approx]
-    period = math.lcm(*(s.denominator for s in shares))
-    if period > MAX_PERIOD:
-        return None
-    # The quota method stays within (n*s - 1 + 1/M, n*s + 1 - 1/M); the rational reading may
-    # move n*s by at most HORIZON * |error| < 1/M, so the float shares hold within 1 too.
-    if any(HORIZON * abs(s - e) * period >= 1 for s, e in zip(shares, exact, strict=True)):
-        return None
-    return shares
-
-
-def _to_fraction(w: int | float) -> Fraction:
-    return Fraction(w) if isinstance(w, int) else Fraction(float(w))
 
 
 def make_interleave(weights: Sequence[int | float]) -> Interleave:

@@ -23,7 +23,7 @@ from meshfeed.queue.core import PartitionClosed
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.runtime import WorkerError, WorkerPool
-from meshfeed.runtime.pool import failure_message
+from meshfeed.runtime.failures import failure_message
 
 _MARGIN = 0.25  # Ray workers: the store's own TimeoutError comes first, then the pool's
 

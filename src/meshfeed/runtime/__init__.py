@@ -29,13 +29,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from meshfeed.runtime.pool import (
-    WorkerDied,
-    WorkerError,
-    WorkerPool,
-    WorkerTimeout,
-    default_start_method,
-)
+from meshfeed.runtime.failures import WorkerDied, WorkerError, WorkerTimeout
+from meshfeed.runtime.pool import WorkerPool, default_start_method
 
 __all__ = [
     "WorkerDied",

@@ -37,7 +37,6 @@ import pickle
 import select
 import signal
 import time
-import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -45,167 +44,17 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
+from meshfeed.runtime.failures import WorkerDied, WorkerTimeout, _reraise, exit_reason
+from meshfeed.runtime.lifeline import Parent
+from meshfeed.runtime.transport import SlotReader
+from meshfeed.runtime.worker import _worker_main
 
-from meshfeed.runtime.lifeline import Parent, close_borrowed, tie_to_parent
-from meshfeed.runtime.transport import SlotReader, SlotWriter
-
-__all__ = [
-    "WorkerDied",
-    "WorkerError",
-    "WorkerPool",
-    "WorkerTimeout",
-    "default_start_method",
-    "exit_reason",
-    "failure_message",
-]
-
-
-class WorkerError(RuntimeError):
-    """A worker process died, stalled, or raised something that cannot be re-raised as is."""
-
-
-class WorkerDied(WorkerError):
-    """A worker process exited while a result of it was awaited."""
-
-    def __init__(self, message: str, *, worker: int, pid: int | None, exitcode: int | None):
-        super().__init__(message)
-        self.worker, self.pid, self.exitcode = worker, pid, exitcode
-
-
-class WorkerTimeout(WorkerError):
-    """A worker produced nothing within the pool's timeout."""
-
-    def __init__(self, message: str, *, worker: int, pid: int | None, timeout: float):
-        super().__init__(message)
-        self.worker, self.pid, self.timeout = worker, pid, timeout
-
-
-def exit_reason(code: int | None) -> str:
-    """What a worker's exit code says, in words (a signal's name and its usual cause)."""
-    causes = {
-        signal.SIGKILL: "killed: out of memory (the kernel's OOM killer), or by a user",
-        signal.SIGBUS: "a memory-mapped file shrank underneath it, or a bad memory page",
-        signal.SIGSEGV: "a crash in native code",
-        signal.SIGTERM: "terminated",
-    }
-    if code is None or code >= 0:
-        return f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        return f"exit code {code}"
-    cause = causes.get(signal.Signals(-code))
-    return f"exit code {code}, {name}" + (f": {cause}" if cause else "")
-
-
-def failure_message(error: WorkerError, *, who: str, what: str, then: str) -> str:
-    """The one message for a worker of ``who`` that died or stalled while making ``what``
-    (e.g. ``"step 7"``); ``then`` says what iterating again does."""
-    worker, pid = getattr(error, "worker", "?"), getattr(error, "pid", "?")
-    if isinstance(error, WorkerTimeout):
-        why = (
-            f"produced nothing for {what} within timeout={error.timeout}s (stuck, e.g. on I/O, "
-            "or stopped); raise timeout= if that legitimately takes longer"
-        )
-    elif isinstance(error, WorkerDied):
-        why = f"exited unexpectedly with {exit_reason(error.exitcode)}, while making {what}"
-    else:
-        why = f"failed while making {what} ({error})"
-    return f"{who} worker {worker} (pid {pid}) {why}. {then}"
+__all__ = ["WorkerPool", "default_start_method"]
 
 
 def default_start_method() -> str:
     """``fork`` where the platform has it (cheap start, nothing pickled), else ``spawn``."""
     return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-
-
-def _error_message(exc: BaseException) -> bytes:
-    tb = traceback.format_exc()
-    try:
-        exc_type: Any = pickle.loads(pickle.dumps(type(exc)))
-    except Exception:  # a local class: only its name can travel
-        exc_type = type(exc).__name__
-    return pickle.dumps(("error", exc_type, str(exc), tb), 5)
-
-
-def _worker_main(
-    worker: int,
-    num_workers: int,
-    init: Callable[..., Callable[[Any], Any]],
-    args: tuple[Any, ...],
-    tasks: Connection,
-    results: Connection,
-    parent: Parent,
-    borrowed: tuple[Connection, ...],
-) -> None:
-    # Die with the parent, however it dies (see meshfeed.runtime.lifeline).
-    tie_to_parent(parent)
-    close_borrowed(borrowed)
-    # One thread per worker: the workers are the parallelism, and an OpenMP pool inherited
-    # through fork deadlocks on its first parallel region.
-    torch.set_num_threads(1)
-    # Ctrl-C reaches the whole process group: the main process handles it and stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    init_error: tuple[Any, str, str] | None = None
-    handler: Callable[[Any], Any] | None = None
-    try:
-        handler = init(worker, num_workers, *args)
-    except Exception as exc:
-        init_error = _error_entry(exc)
-    writer = SlotWriter()
-    try:
-        while True:
-            try:
-                message = pickle.loads(tasks.recv_bytes())
-            except (EOFError, OSError, KeyboardInterrupt):
-                return
-            if message is None:
-                return
-            todo, frees, added = message
-            writer.update(frees, added)
-            if handler is None:  # every task fails with the error of init
-                results.send_bytes(writer.encode(([(False, init_error)] * len(todo), 0.0)))
-                continue
-            results.send_bytes(_run_tasks(handler, todo, writer))
-    finally:
-        writer.close()
-
-
-def _run_tasks(handler: Callable[[Any], Any], tasks: list[Any], writer: SlotWriter) -> bytes:
-    """One reply for a message of ``tasks``: per task ``(True, result)`` or ``(False, error)``
-    (a task that raises does not stop the rest), and the seconds they took together; the
-    results' buffers share one slot."""
-    start = time.perf_counter()
-    entries: list[tuple[bool, Any]] = []
-    for task in tasks:
-        try:
-            entries.append((True, handler(task)))
-        except Exception as exc:
-            entries.append((False, _error_entry(exc)))
-    try:
-        return writer.encode((entries, time.perf_counter() - start))
-    except Exception as exc:  # a result that cannot be pickled: every task of it fails
-        return _error_message(exc)
-
-
-def _error_entry(exc: BaseException) -> tuple[Any, str, str]:
-    tb = traceback.format_exc()
-    try:
-        exc_type: Any = pickle.loads(pickle.dumps(type(exc)))
-    except Exception:  # a local class: only its name can travel
-        exc_type = type(exc).__name__
-    return exc_type, str(exc), tb
-
-
-def _reraise(exc_type: type[BaseException] | str, text: str, where: str) -> None:
-    if isinstance(exc_type, str):
-        raise WorkerError(f"{exc_type}: {text}\n\n{where}")
-    try:
-        exc = exc_type(f"{text}\n\n{where}")
-    except Exception:
-        exc = WorkerError(f"{exc_type.__name__}: {text}\n\n{where}")
-    raise exc
 
 
 _STOP = pickle.dumps(None)

@@ -21,7 +21,6 @@ restarted actor and nothing is lost or duplicated; without restarts the death is
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -32,13 +31,9 @@ import numpy as np
 
 from meshfeed.fetch import Fetcher, FetchEvents, FetchTask
 from meshfeed.mesh import DataMesh
-from meshfeed.order.permutation import derive_seed
-from meshfeed.protocols import OrderedSource
-from meshfeed.state import dataset_fingerprint
+from meshfeed.services.ray_actor import _LoaderActor
 
 __all__ = ["LoaderActorError", "RayService", "RemoteBatch"]
-
-_ACTOR_SEED_OP = 0x5241
 
 
 class LoaderActorError(RuntimeError):
@@ -92,77 +87,6 @@ class RemoteBatch:
                 f"data ranks; pass a data rank in [0, {len(self.refs)})"
             )
         return self.refs[int(data_rank)]
-
-
-class _LoaderActor:
-    """Runs inside a Ray actor: builds the dataset from the callable, then makes batches."""
-
-    def __init__(self, create_dataset: Callable[[], Any], index: int, count: int) -> None:
-        self.index, self.count = index, count
-        self.dataset: Any = None
-        self.error: BaseException | None = None
-        self.fetcher: Fetcher | None = None
-        self.config_id: str | None = None
-        try:
-            self.dataset = create_dataset()
-        except Exception as exc:  # re-raised by describe() with its own type and traceback
-            self.error = exc
-
-    def describe(self) -> dict[str, Any]:
-        import os
-
-        if self.error is not None:
-            raise self.error
-        ds = self.dataset
-        try:
-            length = len(ds)
-        except TypeError:
-            raise TypeError(
-                f"create_dataset() returned {type(ds).__name__}, which has no len(); "
-                "RayService needs a callable that returns a map-style dataset"
-            ) from None
-        return {
-            "length": length,
-            "fingerprint": dataset_fingerprint(ds),
-            "has_make_order": isinstance(ds, OrderedSource),
-            "pid": os.getpid(),
-        }
-
-    def make_order(self, kwargs: dict[str, Any]) -> Any:
-        return self.dataset.make_order(**kwargs)
-
-    def ping(self) -> int:
-        import os
-
-        return os.getpid()
-
-    def fetch_step(self, config: list[Any], tasks: list[FetchTask]) -> tuple[Any, ...]:
-        """Every data rank's batch of one step, then (first return) their FetchEvents."""
-        fetcher = self._fetcher(config[0])
-        batches, events = [], []
-        for task in tasks:
-            batch, ev = fetcher(task)
-            batches.append(batch)
-            events.append(ev)
-        return (events, *batches)
-
-    def _fetcher(self, config_ref: Any) -> Fetcher:
-        # The configuration travels as a nested reference with every call, so an actor that
-        # Ray restarted (which re-runs only __init__) configures itself on its first task.
-        key = config_ref.hex()
-        if self.fetcher is None or self.config_id != key:
-            import ray
-            import torch
-
-            config = ray.get(config_ref)
-            seed = derive_seed(config["seed"], _ACTOR_SEED_OP, self.index)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
-            fetcher = Fetcher(self.dataset, **config)
-            fetcher.worker_id, fetcher.num_workers = self.index, self.count
-            self.fetcher, self.config_id = fetcher, key
-        return self.fetcher
 
 
 class _RemoteDataset:

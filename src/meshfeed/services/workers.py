@@ -27,7 +27,7 @@ import torch
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import Fetch
 from meshfeed.runtime import WorkerDied, WorkerError, WorkerPool, WorkerTimeout
-from meshfeed.runtime.pool import failure_message
+from meshfeed.runtime.failures import failure_message
 from meshfeed.tasks import FetchEvents, FetchTask
 
 __all__ = ["WorkerError", "WorkerService"]

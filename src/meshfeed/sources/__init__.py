@@ -6,7 +6,8 @@ from meshfeed.sources.hf import HFSource
 from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCorpus, write_indexed
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mds import MDSReader, mds_stream
-from meshfeed.sources.mixture import Mixture, MixtureOrder
+from meshfeed.sources.mixture import Mixture
+from meshfeed.sources.mixture_order import MixtureOrder
 from meshfeed.sources.parquet import ArrowSource, ParquetSource
 from meshfeed.sources.shards_format import ShardIndex, read_index
 from meshfeed.sources.shards_read import ShardFormatReader

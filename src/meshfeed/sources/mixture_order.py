@@ -1,0 +1,307 @@
+"""The loader's order over a :class:`~meshfeed.sources.mixture.Mixture` and the facts it
+records in a loader checkpoint.
+
+A :class:`MixtureOrder` maps loader epoch positions to concatenated indices of the mixture (the
+``k``-th draw of a source reads its own reshuffled epoch, or the source's own order), notes how
+far it planned so a ``reweight`` before that is refused or re-planned, and describes / validates
+the per-source consumption and the weight schedule that a resume needs (see the mixture module's
+docstring for the stream and its +-1 promise).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from meshfeed.order.interleave import Interleave
+from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.protocols import OrderBase
+from meshfeed.state import envelope, open_envelope
+
+__all__ = ["ORDER_VERSION", "MixtureOrder"]
+
+_MIX_OP = 0x4D49
+#: Version of the facts a MixtureOrder records in a loader checkpoint (2: exact interleave;
+#: 3: counts at each weight change, for the sequential earliest-deadline interleave).
+ORDER_VERSION = 3
+
+
+def _is_schedule_change(change: Any, num_sources: int) -> bool:
+    """``change`` is ``[step, [one weight per source]]`` with an int step."""
+    return (
+        isinstance(change, list)
+        and len(change) == 2
+        and isinstance(change[0], int)
+        and isinstance(change[1], list)
+        and len(change[1]) == num_sources
+    )
+
+
+def _is_schedule(schedule: Any, num_sources: int) -> bool:
+    """``schedule`` is a non-empty list of changes (see :func:`_is_schedule_change`) whose
+    first is at step 0."""
+    if not isinstance(schedule, list) or not schedule:
+        return False
+    if not all(_is_schedule_change(c, num_sources) for c in schedule):
+        return False
+    return bool(schedule[0][0] == 0)
+
+
+def _schedules_disagree(ours: list[Any], done: list[Any], future_mine: list[Any]) -> bool:
+    """This mixture's changes up to the checkpoint's position (``ours``) contradict the
+    checkpoint's (``done``): they are not its prefix, or the checkpoint has changes there that
+    this mixture lacks while it declares changes of its own after the position."""
+    if ours != done[: len(ours)]:
+        return True
+    return len(ours) < len(done) and bool(future_mine)
+
+
+def _carried_counts_fit(
+    g: int, consumed: Mapping[str, Any], bases: list[Any], names: list[str], *, num_segments: int
+) -> bool:
+    """A checkpoint's counts have the right shape: a non-negative position, one int per
+    source consumed, and one list of an int per source at each segment start, the first all 0.
+    """
+    if g < 0 or sorted(consumed) != sorted(names) or len(bases) != num_segments:
+        return False
+    if not all(isinstance(b, list) and len(b) == len(names) for b in bases):
+        return False
+    if not _all_ints([*consumed.values(), *(x for b in bases for x in b)]):
+        return False
+    return not any(bases[0])
+
+
+def _all_ints(values: list[Any]) -> bool:
+    """Every value is an int (a bool is not)."""
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+class _Mixed(Protocol):
+    """What a :class:`MixtureOrder` reads of its :class:`~meshfeed.sources.mixture.Mixture`
+    (named here so that this module need not import the mixture, which builds its orders)."""
+
+    names: list[str]
+    sources: list[Any]
+    lengths: np.ndarray
+    offsets: np.ndarray
+    seed: int
+    samples_per_epoch: int | None
+    _segments: list[Interleave]
+
+    def __len__(self) -> int: ...
+    def _add(self, step: int, weights: Mapping[str, float]) -> None: ...
+    def schedule_json(self) -> list[list[Any]]: ...
+    def _segment_starts(self, G: int) -> np.ndarray: ...
+    def _bases(self, G: int) -> np.ndarray: ...
+    def _ordered_sources(self) -> dict[int, Any]: ...
+    def draws(
+        self, positions: np.ndarray, *, global_batch_size: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def counts(self, position: int, *, global_batch_size: int | None = None) -> dict[str, int]: ...
+
+
+class MixtureOrder(OrderBase):
+    """The loader's order over a :class:`Mixture`: stream positions -> concatenated indices.
+
+    It owns the loader-specific state: the global batch size that places weight changes in the
+    stream, and ``planned_until``, the stream position up to which it has served indices (a
+    ``reweight`` before it is refused).
+    """
+
+    def __init__(self, mixture: _Mixed, *, global_batch_size: int, seed: int) -> None:
+        self.mixture = mixture
+        self.G = int(global_batch_size)
+        self.seed = int(seed)
+        self.planned_until = 0
+        self.returned_until = 0  # stream position of the last batch the loader returned
+        self._replanned_from: int | None = None
+        spe = mixture.samples_per_epoch
+        if spe is None:
+            spe = max(self.G, len(mixture) // self.G * self.G)
+        self.samples_per_epoch = int(spe)
+        self._perms: dict[tuple[int, int], Permutation] = {}
+        # A source with an order of its own (a ShardedStream) is walked by it: its k-th draw is
+        # position k of that order, so a stream keeps reading locally inside a mixture.
+        self._own: dict[int, Any] = {
+            s: src.make_order(
+                dataset_length=int(mixture.lengths[s]),
+                global_batch_size=self.G,
+                seed=derive_seed(_MIX_OP, mixture.seed, self.seed, s),
+                shuffle=True,
+            )
+            for s, src in mixture._ordered_sources().items()
+        }
+
+    def check_reweight(self, step: int) -> None:
+        """Refuse a weight change at ``step`` if the loader returned batches past it; else
+        note it, so the loader re-plans what it planned or prefetched from there."""
+        g = step * self.G
+        if g < self.returned_until:
+            raise ValueError(
+                f"reweight(step={step}) would change stream positions from {g} on, but the "
+                f"loader already returned batches up to stream position {self.returned_until} "
+                f"(step {-(-self.returned_until // self.G)}) to the training loop; reweight a "
+                "step not yet returned"
+            )
+        if g < self.planned_until:
+            self._replanned_from = (
+                g if self._replanned_from is None else min(self._replanned_from, g)
+            )
+
+    def returned(self, epoch: int, position: int) -> None:
+        self.returned_until = max(self.returned_until, epoch * self.samples_per_epoch + position)
+
+    def replanned(self, epoch: int) -> int | None:
+        if self._replanned_from is None:
+            return None
+        changed, self._replanned_from = self._replanned_from, None
+        self.planned_until = min(self.planned_until, changed)
+        return max(0, changed - epoch * self.samples_per_epoch)
+
+    def epoch_length(self, epoch: int) -> int:
+        return self.samples_per_epoch
+
+    def _perm(self, s: int, source_epoch: int) -> Permutation:
+        key = (s, source_epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            seed = derive_seed(_MIX_OP, self.mixture.seed, self.seed, s, source_epoch)
+            perm = self._perms[key] = Permutation(int(self.mixture.lengths[s]), seed)
+        return perm
+
+    def draws(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, k)`` of epoch positions: the k-th draw of that source."""
+        g = epoch * self.samples_per_epoch + np.asarray(positions, dtype=np.int64)
+        if g.size:
+            self.planned_until = max(self.planned_until, int(g.max()) + 1)
+        return self.mixture.draws(g, global_batch_size=self.G)
+
+    def source_indices(self, src: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Concatenated indices of the ``k``-th draws of sources ``src`` (per-source reshuffle)."""
+        lengths = self.mixture.lengths.copy()
+        for s, order in self._own.items():
+            lengths[s] = order.epoch_length(0)
+        src_epoch, within = np.divmod(k, lengths[src])
+        out = np.empty(src.shape, dtype=np.int64)
+        for s, e in set(zip(src.tolist(), src_epoch.tolist(), strict=True)):
+            where = (src == s) & (src_epoch == e)
+            walk = self._own[s].indices(e, within[where]) if s in self._own else None
+            if walk is None:
+                walk = self._perm(s, e)[within[where]]
+            out[where] = walk + self.mixture.offsets[s]
+        return out
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        src, k = self.draws(epoch, positions)
+        return self.source_indices(src, k)
+
+    def describe(self, epoch: int, position: int) -> dict[str, Any]:
+        """Per-source consumption at the position and at each weight change before it, and the
+        weight schedule (stored in the loader state; the counts re-seed a sequential interleave).
+        """
+        g = epoch * self.samples_per_epoch + int(position)
+        starts = self.mixture._segment_starts(self.G)
+        j = int(np.searchsorted(starts, g, side="right") - 1)
+        return envelope(
+            "mixture",
+            ORDER_VERSION,
+            stream_position=g,
+            samples_per_epoch=self.samples_per_epoch,
+            consumed=self.mixture.counts(g, global_batch_size=self.G),
+            bases=self.mixture._bases(self.G)[: j + 1].tolist(),
+            schedule=self.mixture.schedule_json(),
+        )
+
+    def validate(self, described: Mapping[str, Any]) -> None:
+        """Refuse to resume from facts whose kind, version, schedule or counts do not fit this
+        order; then remember the checked counts, so a sequential interleave resumes from them.
+        """
+        facts = open_envelope(
+            described,
+            kind="mixture",
+            version=ORDER_VERSION,
+            fields={
+                "stream_position": int,
+                "samples_per_epoch": int,
+                "schedule": list,
+                "consumed": dict,
+                "bases": list,
+            },
+            what="mixture order state",
+        )
+        self._adopt_schedule(facts["schedule"], facts["stream_position"])
+        if facts["samples_per_epoch"] != self.samples_per_epoch:
+            raise ValueError(
+                f"the checkpoint's mixture epoch has {facts['samples_per_epoch']} samples, this "
+                f"one {self.samples_per_epoch}; pass samples_per_epoch="
+                f"{facts['samples_per_epoch']} to Mixture to resume exactly"
+            )
+        g = facts["stream_position"]
+        for point, segment, n, counts in self._carried_points(facts):
+            why = self.mixture._segments[segment].check_counts(n, counts)
+            if why is not None:
+                raise ValueError(
+                    f"the checkpoint's per-source consumption {point!r} does not fit this "
+                    f"mixture at stream position {g} ({why}); the checkpoint is corrupted or "
+                    "from another mixture"
+                )
+        for _, segment, n, counts in self._carried_points(facts):
+            self.mixture._segments[segment].seed(n, counts)
+        self.planned_until = max(self.planned_until, g)
+
+    def _adopt_schedule(self, recorded: Any, position: int) -> None:
+        """Make this mixture's weight schedule the checkpoint's: the changes it lacks are
+        added (a resume needs no hand-rebuilt schedule); changes of its own after the
+        checkpoint's position are kept (declared for the rest of the run). A change that
+        disagrees with the checkpoint at or before its position is refused."""
+        mine = json.loads(json.dumps(self.mixture.schedule_json()))
+        theirs = json.loads(json.dumps(recorded))
+        if not _is_schedule(theirs, len(self.mixture.names)):
+            raise ValueError(
+                f"the checkpoint's mixture weight schedule {theirs!r} is not a list of [step, "
+                f"weights per source {self.mixture.names}] from step 0; the checkpoint is "
+                "corrupted"
+            )
+        done, future_theirs = self._split_schedule(theirs, position)
+        ours, future_mine = self._split_schedule(mine, position)
+        if _schedules_disagree(ours, done, future_mine):
+            raise ValueError(
+                f"the checkpoint's mixture weight schedule {theirs} differs from this mixture's "
+                f"{mine} up to its stream position {position}; build the Mixture with the "
+                "checkpoint's initial weights (its schedule is restored from the checkpoint) to "
+                "resume exactly"
+            )
+        adopt = done[len(ours) :] + (future_theirs if not future_mine else [])
+        for step, weights in adopt:
+            self.mixture._add(step, dict(zip(self.mixture.names, weights, strict=True)))
+
+    def _split_schedule(self, schedule: list[Any], position: int) -> tuple[list[Any], list[Any]]:
+        """The changes of ``schedule`` at or before stream ``position``, and those after it."""
+        before = [c for c in schedule if c[0] * self.G <= position]
+        after = [c for c in schedule if c[0] * self.G > position]
+        return before, after
+
+    def _carried_points(self, facts: Mapping[str, Any]) -> list[tuple[Any, int, int, list[int]]]:
+        """``(as recorded, segment, position in it, counts in it)`` of every carried count."""
+        g = facts["stream_position"]
+        starts = self.mixture._segment_starts(self.G).tolist()
+        j = int(np.searchsorted(starts, g, side="right") - 1)
+        names = self.mixture.names
+        consumed, bases = facts["consumed"], facts["bases"]
+        if not _carried_counts_fit(g, consumed, bases, names, num_segments=j + 1):
+            raise ValueError(
+                f"the checkpoint's per-source consumption {consumed!r} (at the weight changes: "
+                f"{bases!r}) is not one int per source {names} at stream position {g} and at "
+                f"each of its {j + 1} segment starts (the first all 0); the checkpoint is corrupted"
+            )
+        ends = [*bases[1:], [consumed[x] for x in names]]
+        lengths = [*(starts[i + 1] - starts[i] for i in range(j)), g - starts[j]]
+        return [
+            (end, i, lengths[i], [e - b for e, b in zip(end, bases[i], strict=True)])
+            for i, end in enumerate(ends)
+        ]
