@@ -82,7 +82,7 @@ def test_convert_writes_what_megatron_preprocess_data_writes(tmp_path):
 
     pytest.importorskip("tokenizers", reason="pip install tokenizers (the test extra)")
     from meshfeed.sources.convert import convert
-    from tests.sources.test_convert_tokenizers import EOD, stdlib_texts, train_bpe
+    from tests.sources.test_sources_tokenizer import EOD, stdlib_texts, train_bpe
 
     texts = stdlib_texts(80)
     tok = train_bpe(texts, tmp_path / "tokenizer.json")

@@ -382,7 +382,7 @@ def test_partial_shards_have_the_same_fingerprint_in_every_process():
     code = (
         "import functools, sys\n"
         "from meshfeed.sources import ShardedStream\n"
-        "from tests.sources.test_stream import _rows_of\n"
+        "from tests.sources.test_sources_stream import _rows_of\n"
         "s = ShardedStream([functools.partial(_rows_of, 5, offset=i) for i in range(3)])\n"
         "print(s.fingerprint.rsplit(':', 1)[0])\n"
     )
