@@ -102,3 +102,28 @@ def test_a_waiter_takes_over_when_the_writer_is_killed(s3: S3, tmp_path: Path) -
     assert stats["downloads"] == 1 and stats["waits"] >= 1
     assert not list(tmp_path.glob("*/.*.meshfeed.tmp"))
     waiter.close()
+
+
+@pytest.mark.slow
+def test_a_process_waiting_to_download_takes_the_copy_another_still_holds(
+    s3: S3, tmp_path: Path
+) -> None:
+    url = s3.put("h/held.bin", os.urandom(4_000_000))
+    ctx = mp.get_context("fork")
+    for _ in range(2):  # the race (both ask before either published) needs a few tries
+        cache_dir = tmp_path / f"cache-{_}"
+        barrier, out = ctx.Barrier(2), ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_procs.fetch_and_hold,
+                args=(str(cache_dir), url, s3.options, barrier, out, 4.0),
+            )
+            for _ in range(2)
+        ]
+        for p in procs:
+            p.start()
+        waits = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0  # neither timed out on the lock the other keeps
+        assert max(waits) < 3  # not bounded only by the hold (4 s) or lock_timeout (9 s)

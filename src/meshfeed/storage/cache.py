@@ -372,8 +372,9 @@ class ShardCache:
                 self._touch(entry)
                 return True
             lock.release()
-            if lock.acquire(exclusive=True, deadline=deadline, what=what):
-                self._count("waits")
+            if self._exclusive_or_ready(entry, lock, version, deadline, what):
+                self._touch(entry)  # another process cached it meanwhile: held shared now
+                return True
             meta = self._read_meta(entry, deep=deep)
             if meta is None or not _fits(meta, version):
                 # missing, or a copy of another version of the object: once nobody holds it
@@ -389,6 +390,29 @@ class ShardCache:
             f"{entry.url} kept disappearing from {self.cache_dir} while being cached (evicted "
             "by other processes each time); raise cache_limit well above the largest file"
         )
+
+    def _exclusive_or_ready(
+        self, entry: Entry, lock: FileLock, version: str | None, deadline: float, what: str
+    ) -> bool:
+        """Take ``entry``'s exclusive lock (False), or find it complete meanwhile and hold it
+        shared (True). Waiting for the exclusive lock alone could wait forever: the process
+        that downloads the entry keeps a shared hold on it while it reads."""
+        pause = 0.002
+        while not lock.try_acquire(exclusive=True):
+            self._count("waits")
+            if lock.try_acquire(exclusive=False):
+                meta = self._read_meta(entry, deep=self.verify == "checksum")
+                if meta is not None and _fits(meta, version):
+                    return True
+                lock.release()
+            if time.monotonic() >= deadline:
+                raise SourceError(
+                    f"timed out waiting for the cache lock {entry.lock} ({what}); another "
+                    "process holds it: wait for it to finish, or raise lock_timeout"
+                )
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.1)
+        return False
 
     # -- download and eviction ----------------------------------------------------------------
 
