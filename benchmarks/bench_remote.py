@@ -221,6 +221,13 @@ def mosaic_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> t
 
 def litdata_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
     import litdata
+    import litdata.streaming.downloader as ld_downloader
+
+    # litdata's async downloads (obstore) refuse a plain-http endpoint without this; a real
+    # bucket is https, so this only adapts litdata to the local test server
+    options = getattr(ld_downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if isinstance(options, dict):
+        ld_downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": "true"}  # type: ignore[attr-defined]
 
     ds = litdata.StreamingDataset(
         url,
@@ -329,6 +336,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=None, help="samples (default 40k; 3k --quick)")
     p.add_argument("--shard-mib", type=int, default=None, help="shard size (32; 8 --quick)")
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
+    p.add_argument("--only", default=None, help="run only the systems whose name contains this")
     args = p.parse_args()
     logging.getLogger("meshfeed").setLevel(logging.ERROR)
     logging.getLogger("concurrent.futures").setLevel(logging.CRITICAL)
@@ -393,6 +401,8 @@ def main() -> None:
         if peers["litdata"]:
             systems.append(("litdata", litdata_epoch, "ld"))
         for name, read, key in systems:
+            if args.only and args.only not in name:
+                continue
             exp = expect
             mb = payload_mb
             if key == "idx":
