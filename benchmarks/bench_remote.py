@@ -168,6 +168,19 @@ def tally_corpus(batches: Iterable[Any]) -> tuple[int, int]:
     return samples, tokens
 
 
+def plain_get(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+    """The transport's ceiling: every file of the meshfeed upload fetched whole, one after the
+    other, with s3fs into ``cache`` (no decoding; the counts are the data's, for the check)."""
+    import s3fs
+
+    assert bench_shards.DATA is not None
+    fs = s3fs.S3FileSystem(**opts)
+    cache.mkdir(parents=True, exist_ok=True)
+    for i, key in enumerate(sorted(fs.ls(url.removeprefix("s3://")))):
+        fs.get_file(key, str(cache / str(i)))
+    return bench_shards.DATA.rows, int(bench_shards.DATA.offsets[-1])
+
+
 def meshfeed_shards(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
     from meshfeed import StreamLoader
     from meshfeed.sources import ShardedStream
@@ -308,10 +321,11 @@ def run_system(
     payload_mb: float,
     workers_list: list[int],
 ) -> None:
-    for workers in workers_list:
+    plain = name.startswith("plain")  # a transport baseline: one row
+    for workers in workers_list[:1] if plain else workers_list:
         cache = root / f"cache-{name.replace(' ', '-')}-{workers}"
         remove(cache)
-        for temp in ("cold", "warm"):
+        for temp in ("cold",) if plain else ("cold", "warm"):
             proxy.reset()
             t0 = time.perf_counter()
             try:
@@ -337,6 +351,12 @@ def main() -> None:
     p.add_argument("--shard-mib", type=int, default=None, help="shard size (32; 8 --quick)")
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
     p.add_argument("--only", default=None, help="run only the systems whose name contains this")
+    p.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=30.0,
+        help="meshfeed's shard-cache lock timeout (default 600 s): a stalled epoch fails then",
+    )
     args = p.parse_args()
     logging.getLogger("meshfeed").setLevel(logging.ERROR)
     logging.getLogger("concurrent.futures").setLevel(logging.CRITICAL)
@@ -344,6 +364,14 @@ def main() -> None:
     rows = args.rows or (3_000 if args.quick else 40_000)
     shard_mib = args.shard_mib or (8 if args.quick else 32)
     workers_list = [int(w) for w in args.workers.split(",")]
+    from meshfeed.storage.cache import ShardCache
+
+    # Two workers that ask for one uncached shard at once can stall until the lock timeout
+    # (one waits for an exclusive lock while the other holds the published copy): shorten it
+    # so such an epoch shows as failed instead of stopping the run for ten minutes
+    kwdefaults = ShardCache.__init__.__kwdefaults__
+    if kwdefaults is not None:
+        kwdefaults["lock_timeout"] = args.lock_timeout
     try:
         server, client, proxy = start_s3()
     except Exception as e:
@@ -393,6 +421,7 @@ def main() -> None:
             f"{'ranged':>8}{'HEADs':>7}{'MB sent':>9}{'s':>8}  epoch"
         )
         systems: list[tuple[str, Reader, str]] = [
+            ("plain GET (s3fs)", plain_get, "mf"),
             ("meshfeed shards", meshfeed_shards, "mf"),
             ("meshfeed .bin/.idx*", meshfeed_corpus, "idx"),
         ]
