@@ -34,7 +34,21 @@ round, since the machine may be shared). The header reports how many cores two b
 actually got just before (``effective cores``): worker rows can beat the plain loop only by
 that much, and on a shared machine it may be far below the core count.
 
-    PYTHONPATH=src python benchmarks/bench_stream.py [--quick] [--jsonl-rows N]
+Then the shard formats with an index, on bench_shards' samples (``{"tokens": int32[128..2048],
+"pixels": uint8[4096]}``, fixed seed; 40,000 samples, 4,000 with ``--quick``), each written
+into ~``--shard-mib`` MiB shards in this process and read for one shuffled epoch, batches of
+32 kept as lists (the rows are ragged), by each system's own loader at 0 and 2 workers:
+meshfeed shards (``write_shards``, raw and zstd; ``ShardedStream.from_index`` with 4,096-row
+shuffle windows + ``StreamLoader``), MosaicML Streaming (``MDSWriter``; ``StreamingDataset``
+in a torch ``DataLoader``), litdata (``optimize``; ``StreamingDataset`` in its
+``StreamingDataLoader``) and WebDataset (``ShardWriter`` of ``.npy`` fields; ``WebDataset``
+with shard shuffle and a 1,000-sample buffer, decoded, in a torch ``DataLoader``). Reported:
+write seconds, MiB on disk, samples/s (worker start-up included) and a check that the epoch
+served every sample once (row and token counts). A peer that does not import is skipped with
+the reason (MosaicML Streaming and litdata pin an older numpy: run the script in their
+environment with ``PYTHONPATH=src``).
+
+    PYTHONPATH=src python benchmarks/bench_stream.py [--quick] [--jsonl-rows N] [--shard-rows N]
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ import os
 import random
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +71,8 @@ from typing import Any
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_shards
 from meshfeed.collate import default_collate
 from meshfeed.sources.stream import ShardedStream
 from meshfeed.sources.stream_readers import DefaultReader
@@ -226,6 +243,162 @@ def resume_cost(
     return took, len(json.dumps(state))
 
 
+# --- shard formats with an index: meshfeed shards vs the peers -------------------------------
+
+
+def keep(batch: list[Any]) -> list[Any]:
+    """Every shard-format loader's collate: ragged rows, so a batch stays a list of samples."""
+    return batch
+
+
+def tally(batches: Any, tokens_key: str = "tokens") -> tuple[int, int]:
+    samples = tokens = 0
+    for batch in batches:
+        samples += len(batch)
+        tokens += sum(len(s[tokens_key]) for s in batch)
+    return samples, tokens
+
+
+def mf_write(out: Path, compression: str | None) -> None:
+    from meshfeed.sources import write_shards as write
+
+    assert bench_shards.DATA is not None
+    write(
+        iter(bench_shards.DATA),
+        out,
+        bytes_per_shard=bench_shards.SHARD_BYTES,
+        compression=compression,
+    )
+
+
+def mf_read(out: Path, workers: int) -> tuple[int, int]:
+    stream = ShardedStream.from_index(out, shuffle_buffer=4096)
+    with StreamLoader(
+        stream, batch_size=32, num_workers=workers, seed=1, drop_last=False, collate_fn=keep
+    ) as loader:
+        return tally(loader)
+
+
+def mosaic_read(out: Path, workers: int) -> tuple[int, int]:
+    ds = bench_shards.mosaic_dataset(out, shuffle=True)
+    return tally(
+        torch.utils.data.DataLoader(ds, batch_size=32, num_workers=workers, collate_fn=keep)
+    )
+
+
+def litdata_read(out: Path, workers: int) -> tuple[int, int]:
+    import litdata
+
+    ds = bench_shards.litdata_dataset(out, shuffle=True)
+    return tally(
+        litdata.StreamingDataLoader(ds, batch_size=32, num_workers=workers, collate_fn=keep)
+    )
+
+
+def wds_write(out: Path, compression: str | None) -> None:
+    import webdataset as wds
+
+    assert bench_shards.DATA is not None
+    out.mkdir(parents=True)
+    with wds.ShardWriter(
+        str(out / "shard-%06d.tar"), maxsize=bench_shards.SHARD_BYTES, maxcount=10**9, verbose=0
+    ) as sink:
+        for i, s in enumerate(bench_shards.DATA):
+            sink.write(
+                {"__key__": f"{i:09d}", "tokens.npy": s["tokens"], "pixels.npy": s["pixels"]}
+            )
+
+
+def wds_read(out: Path, workers: int) -> tuple[int, int]:
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in out.glob("*.tar"))
+    ds = (
+        wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, seed=1)
+        .shuffle(1000)
+        .decode()
+    )
+    return tally(
+        torch.utils.data.DataLoader(ds, batch_size=32, num_workers=workers, collate_fn=keep),
+        "tokens.npy",
+    )
+
+
+def import_wds() -> tuple[Any, str]:
+    try:
+        import webdataset
+    except ImportError as e:
+        return None, f"not installed ({e}); pip install webdataset"
+    return webdataset, getattr(webdataset, "__version__", "?")
+
+
+def shard_formats(rows: int, shard_mib: int) -> None:
+    """The table of the shard formats with an index (module docstring)."""
+    logging.getLogger("concurrent.futures").setLevel(logging.CRITICAL)
+    data = bench_shards.Data(rows)
+    bench_shards.DATA = data
+    bench_shards.SHARD_BYTES = shard_mib << 20
+    expect = (rows, int(data.offsets[-1]))
+    raw = (data.tokens.nbytes + data.pixels.nbytes) / 2**20
+    print(
+        f"\nshard formats: {rows} samples, {raw:.0f} MiB raw, {shard_mib} MiB shards, batch 32, "
+        "shuffled, one epoch each"
+    )
+    systems: list[tuple[str, Any, Any, tuple[str | None, ...]]] = [
+        ("meshfeed shards", mf_write, mf_read, (None, "zstd"))
+    ]
+    for name, imp, write, read, comps in (
+        (
+            "mosaic",
+            bench_shards.import_mosaic,
+            lambda o, c: bench_shards.mosaic_write(o, c),
+            mosaic_read,
+            (None, "zstd"),
+        ),
+        (
+            "litdata",
+            bench_shards.import_litdata,
+            lambda o, c: bench_shards.litdata_write(o, c),
+            litdata_read,
+            (None, "zstd"),
+        ),
+        ("webdataset", import_wds, wds_write, wds_read, (None,)),
+    ):
+        mod, note = imp()
+        print(f"  {name}: {note}" if mod is not None else f"  {name}: skipped, {note}")
+        if mod is not None:
+            systems.append((name, write, read, comps))
+    header = f"{'system':<22}{'write s':>8}{'MiB':>7}{'w=0 /s':>10}{'w=2 /s':>10}  epoch"
+    print(header)
+    print("-" * len(header))
+    root = Path(tempfile.mkdtemp(prefix="bench-stream-shards-"))
+    try:
+        for name, write, read, comps in systems:
+            for comp in comps:
+                out = root / f"{name.replace(' ', '-')}-{comp}"
+                t0 = time.perf_counter()
+                write(out, comp)
+                t_write = time.perf_counter() - t0
+                row = f"{name + ' ' + (comp or 'raw'):<22}{t_write:>8.1f}"
+                row += f"{bench_shards.disk_mib(out):>7.1f}"
+                checks = []
+                for workers in (0, 2):
+                    t0 = time.perf_counter()
+                    try:
+                        got = read(out, workers)
+                    except Exception as e:  # a peer's failure is a result, not the end
+                        row += f"{'failed':>10}"
+                        checks.append(f"w={workers}: {type(e).__name__}: {e}"[:200])
+                        continue
+                    row += f"{got[0] / (time.perf_counter() - t0):>10,.0f}"
+                    checks.append("ok" if got == expect else f"w={workers} got {got}")
+                print(row + "  " + ", ".join(dict.fromkeys(checks)), flush=True)
+                bench_shards.remove(out)
+                bench_shards.remove(out.parent / "ld-cache")
+    finally:
+        bench_shards.remove(root)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small data, one repeat")
@@ -236,7 +409,19 @@ def main() -> None:
         default=2_500,
         help="rows per jsonl shard (more: the workers' start-up weighs less)",
     )
+    parser.add_argument(
+        "--shard-rows", type=int, default=None, help="samples of the shard formats (40k; 4k quick)"
+    )
+    parser.add_argument("--shard-mib", type=int, default=None, help="shard size (32; 8 quick)")
+    parser.add_argument("--only-shards", action="store_true", help="only the shard-format table")
     args = parser.parse_args()
+    shard_rows = args.shard_rows or (4_000 if args.quick else 40_000)
+    shard_mib = args.shard_mib or (8 if args.quick else 32)
+    if args.only_shards:
+        torch.set_num_threads(1)
+        logging.getLogger("meshfeed").setLevel(logging.ERROR)
+        shard_formats(shard_rows, shard_mib)
+        return
     torch.set_num_threads(1)
     # Every loader made here drops the same short tail batches the plain loop drops, and would
     # say so once per loader (the unread-rows warning); the table is the output here.
@@ -325,6 +510,7 @@ def main() -> None:
                     f"{statistics.median(c[0] for c in costs) * 1e3:.1f} ms; state "
                     f"{costs[0][1]} bytes"
                 )
+    shard_formats(shard_rows, shard_mib)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,452 @@
+"""Reading from an S3 API: meshfeed vs MosaicML Streaming and litdata, same data, same server.
+
+moto's S3 server runs on 127.0.0.1 with a request-counting HTTP proxy in front of it; every
+reader reaches the bucket through the proxy, so the GET requests and bytes of an epoch are
+counted where the server sees them. The samples are bench_shards' (``{"tokens":
+int32[128..2048], "pixels": uint8[4096]}``, fixed seed), written locally in each system's
+format (uncompressed, ``--shard-mib`` shards) and uploaded:
+
+- ``meshfeed shards``: :func:`~meshfeed.sources.write_shards`, read with
+  ``ShardedStream.from_index("s3://...", cache_dir=...)`` + ``StreamLoader`` (shards
+  downloaded whole into the node cache as the stream reaches them);
+- ``meshfeed mds``: the Mosaic MDS upload read by ``mds_stream`` (byte ranges, no cache:
+  cold and warm are alike);
+- ``meshfeed .bin/.idx``: the tokens only (no pixels) as a Megatron corpus, read with
+  ``TokenDocuments("s3://...", cache_dir=...)`` + ``meshfeed.DataLoader`` (map-style);
+- ``mosaic``: ``StreamingDataset(remote=s3://..., local=cache, shuffle=True)`` in a torch
+  ``DataLoader``;
+- ``litdata``: ``StreamingDataset("s3://...", cache_dir=cache, shuffle=True)`` in its
+  ``StreamingDataLoader``.
+
+One shuffled epoch, batches of 32 (a collate that keeps the samples as they come, the rows
+being ragged), per system and worker count: ``cold`` with an empty cache, then ``warm`` with
+the cache the cold epoch left. Reported: samples/s, MB/s of sample payload, GET requests
+(object GETs, of which ranged) and MB sent by the server for the epoch, and a check that the
+epoch served every sample once (row count and total token count). Time includes opening
+the dataset (index download) and the workers' start.
+
+A peer that does not import is skipped with the reason (MosaicML Streaming and litdata pin an
+older numpy; here they live in their own virtualenv, where meshfeed imports with
+``PYTHONPATH=src``).
+
+    PYTHONPATH=src python benchmarks/bench_remote.py [--quick] [--rows 40000] [--shard-mib 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.client
+import http.server
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_shards
+from bench_shards import Data, disk_mib, import_litdata, import_mosaic, remove
+
+BATCH = 32
+BUCKET = "bench"
+_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "expect"}
+
+
+# --- the counting proxy ---------------------------------------------------------------------
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _ProxyServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _forward(self) -> None:
+        proxy = self.server.proxy
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        ranged = "range" in {k.lower() for k in self.headers}
+        proxy.count(self.command, self.path, ranged)
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in _HOP | {"date", "server"}:
+                self.send_header(k, v)
+        if resp.getheader("Content-Length") is None:
+            data = resp.read()
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            proxy.add_bytes(len(data))
+        else:
+            self.end_headers()
+            while self.command != "HEAD" and (chunk := resp.read(1 << 20)):
+                self.wfile.write(chunk)
+                proxy.add_bytes(len(chunk))
+        conn.close()
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+
+class _ProxyServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    proxy: CountingProxy
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a reader that hangs up early (a stopped epoch) is not the benchmark's error
+
+
+class CountingProxy:
+    """HTTP proxy on 127.0.0.1 in front of ``upstream_port``: requests per method, object GETs
+    (listings excluded), ranged GETs and bytes sent since the last :meth:`reset`."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.methods: Counter[str] = Counter()
+        self.gets = self.ranged = self.bytes = 0
+        self._lock = threading.Lock()
+        self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
+        self._server.proxy = self
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def count(self, method: str, path: str, ranged: bool) -> None:
+        with self._lock:
+            self.methods[method] += 1
+            if method == "GET" and "?" not in path:
+                self.gets += 1
+                self.ranged += ranged
+
+    def add_bytes(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
+    def reset(self) -> None:
+        with self._lock:
+            self.methods.clear()
+            self.gets = self.ranged = self.bytes = 0
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+# --- readers: each returns (samples, tokens) of one epoch -----------------------------------
+
+
+def keep(batch: list[Any]) -> list[Any]:
+    """The collate of every loader here: the rows are ragged, so a batch stays a list."""
+    return batch
+
+
+def tally(batches: Iterable[Any]) -> tuple[int, int]:
+    samples = tokens = 0
+    for batch in batches:
+        samples += len(batch)
+        tokens += sum(len(s["tokens"]) for s in batch)
+    return samples, tokens
+
+
+def tally_corpus(batches: Iterable[Any]) -> tuple[int, int]:
+    samples = tokens = 0
+    for batch in batches:
+        samples += len(batch["lengths"])
+        tokens += len(batch["tokens"])
+    return samples, tokens
+
+
+def plain_get(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+    """The transport's ceiling: every file of the meshfeed upload fetched whole, one after the
+    other, with s3fs into ``cache`` (no decoding; the counts are the data's, for the check)."""
+    import s3fs
+
+    assert bench_shards.DATA is not None
+    fs = s3fs.S3FileSystem(**opts)
+    cache.mkdir(parents=True, exist_ok=True)
+    for i, key in enumerate(sorted(fs.ls(url.removeprefix("s3://")))):
+        fs.get_file(key, str(cache / str(i)))
+    return bench_shards.DATA.rows, int(bench_shards.DATA.offsets[-1])
+
+
+def meshfeed_shards(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
+
+    stream = ShardedStream.from_index(
+        f"{url}/index.json", cache_dir=cache, storage_options=opts, shuffle_buffer=4096
+    )
+    with StreamLoader(
+        stream, batch_size=BATCH, num_workers=workers, seed=1, drop_last=False, collate_fn=keep
+    ) as loader:
+        return tally(loader)
+
+
+def meshfeed_mds(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+    from meshfeed import StreamLoader
+    from meshfeed.sources.mds import mds_stream
+    from meshfeed.storage import open_url
+
+    stream = mds_stream(
+        url, open_file=functools.partial(open_url, storage_options=opts), shuffle_buffer=4096
+    )
+    with StreamLoader(
+        stream, batch_size=BATCH, num_workers=workers, seed=1, drop_last=False, collate_fn=keep
+    ) as loader:
+        return tally(loader)
+
+
+def meshfeed_corpus(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+    from meshfeed import DataLoader
+    from meshfeed.sources.windows import TokenDocuments
+
+    docs = TokenDocuments(f"{url}/corpus", cache_dir=cache, storage_options=opts)
+    with DataLoader(
+        docs, batch_size=BATCH, num_workers=workers, seed=1, drop_last=False, shuffle=True
+    ) as loader:
+        return tally_corpus(loader)
+
+
+def mosaic_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+    import streaming
+    import torch.utils.data
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    ds = streaming.StreamingDataset(
+        remote=url, local=str(cache), shuffle=True, batch_size=BATCH, shuffle_seed=1
+    )
+    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=keep)
+    return tally(loader)
+
+
+def litdata_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+    import litdata
+    import litdata.streaming.downloader as ld_downloader
+
+    # litdata's async downloads (obstore) refuse a plain-http endpoint without this; a real
+    # bucket is https, so this only adapts litdata to the local test server
+    options = getattr(ld_downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if isinstance(options, dict):
+        ld_downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": "true"}  # type: ignore[attr-defined]
+
+    ds = litdata.StreamingDataset(
+        url,
+        cache_dir=str(cache),
+        shuffle=True,
+        seed=1,
+        storage_options={
+            "endpoint_url": opts["endpoint_url"],
+            "aws_access_key_id": opts["key"],
+            "aws_secret_access_key": opts["secret"],
+            "region_name": "us-east-1",
+        },
+    )
+    loader = litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=keep)
+    return tally(loader)
+
+
+# --- writing and uploading ------------------------------------------------------------------
+
+
+def write_all(root: Path, data: Data, shard_bytes: int, peers: dict[str, bool]) -> dict[str, Path]:
+    """Each format's local folder (only what the run reads)."""
+    from meshfeed.sources import write_indexed, write_shards
+
+    bench_shards.SHARD_BYTES = shard_bytes
+    out = {"mf": root / "mf", "idx": root / "idx"}
+    write_shards(iter(data), out["mf"], bytes_per_shard=shard_bytes)
+    out["idx"].mkdir()
+    docs = (data.tokens[data.offsets[i] : data.offsets[i + 1]] for i in range(data.rows))
+    write_indexed(out["idx"] / "corpus", docs, dtype=np.int32)
+    if peers["mosaic"]:
+        out["mds"] = root / "mds"
+        bench_shards.mosaic_write(out["mds"], None)
+    if peers["litdata"]:
+        out["ld"] = root / "ld"
+        bench_shards.litdata_write(out["ld"], None)
+    return out
+
+
+def upload(client: Any, local: Path, prefix: str) -> int:
+    files = [p for p in sorted(local.rglob("*")) if p.is_file()]
+    for p in files:
+        client.upload_file(str(p), BUCKET, f"{prefix}/{p.relative_to(local).as_posix()}")
+    return len(files)
+
+
+def start_s3() -> tuple[Any, Any, CountingProxy]:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    client = boto3.client(
+        "s3",
+        endpoint_url=f"http://{host}:{port}",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=BUCKET)
+    return server, client, CountingProxy(port)
+
+
+# --- the run --------------------------------------------------------------------------------
+
+Reader = Callable[[str, Path, dict[str, Any], int], tuple[int, int]]
+
+
+def run_system(
+    name: str,
+    read: Reader,
+    url: str,
+    proxy: CountingProxy,
+    opts: dict[str, Any],
+    root: Path,
+    expect: tuple[int, int],
+    payload_mb: float,
+    workers_list: list[int],
+) -> None:
+    plain = name.startswith("plain")  # a transport baseline: one row
+    for workers in workers_list[:1] if plain else workers_list:
+        cache = root / f"cache-{name.replace(' ', '-')}-{workers}"
+        remove(cache)
+        for temp in ("cold",) if plain else ("cold", "warm"):
+            proxy.reset()
+            t0 = time.perf_counter()
+            try:
+                got = read(url, cache, opts, workers)
+            except Exception as e:  # a peer's failure is a result, not the end of the run
+                print(f"{name:<20}{workers:>3} {temp:<5}  failed: {type(e).__name__}: {e}")
+                break
+            t = time.perf_counter() - t0
+            ok = "ok" if got == expect else f"MISMATCH {got} != {expect}"
+            frac = payload_mb * got[0] / expect[0]
+            print(
+                f"{name:<20}{workers:>3} {temp:<5}{got[0] / t:>10,.0f}{frac / t:>8.1f}"
+                f"{proxy.gets:>7}{proxy.ranged:>8}{proxy.methods['HEAD']:>7}{proxy.bytes / 1e6:>9.1f}{t:>8.1f}  {ok}",
+                flush=True,
+            )
+        remove(cache)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="3,000 samples, meshfeed shards only")
+    p.add_argument("--rows", type=int, default=None, help="samples (default 40k; 3k --quick)")
+    p.add_argument("--shard-mib", type=int, default=None, help="shard size (32; 8 --quick)")
+    p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
+    p.add_argument("--only", default=None, help="run only the systems whose name contains this")
+    p.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=30.0,
+        help="meshfeed's shard-cache lock timeout (default 600 s): a stalled epoch fails then",
+    )
+    args = p.parse_args()
+    logging.getLogger("meshfeed").setLevel(logging.ERROR)
+    logging.getLogger("concurrent.futures").setLevel(logging.CRITICAL)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    rows = args.rows or (3_000 if args.quick else 40_000)
+    shard_mib = args.shard_mib or (8 if args.quick else 32)
+    workers_list = [int(w) for w in args.workers.split(",")]
+    from meshfeed.storage.cache import ShardCache
+
+    # Two workers that ask for one uncached shard at once can stall until the lock timeout
+    # (one waits for an exclusive lock while the other holds the published copy): shorten it
+    # so such an epoch shows as failed instead of stopping the run for ten minutes
+    kwdefaults = ShardCache.__init__.__kwdefaults__
+    if kwdefaults is not None:
+        kwdefaults["lock_timeout"] = args.lock_timeout
+    try:
+        server, client, proxy = start_s3()
+    except Exception as e:
+        print(
+            f"skipped: no S3 server on 127.0.0.1 ({type(e).__name__}: {e}); pip install "
+            "'moto[server]' boto3 s3fs"
+        )
+        return
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=proxy.endpoint,
+        S3_ENDPOINT_URL=proxy.endpoint,
+    )
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": proxy.endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    data = Data(rows)
+    bench_shards.DATA = data
+    expect = (rows, int(data.offsets[-1]))
+    payload_mb = (data.tokens.nbytes + data.pixels.nbytes) / 1e6
+    peers = {}
+    for name, imp in (("mosaic", import_mosaic), ("litdata", import_litdata)):
+        if args.quick:
+            peers[name] = False
+            print(f"{name}: skipped (--quick reads meshfeed only)")
+            continue
+        mod, note = imp()
+        peers[name] = mod is not None
+        print(f"{name}: {note}" if mod is not None else f"{name}: skipped, {note}")
+    root = Path(tempfile.mkdtemp(prefix="bench-remote-"))
+    try:
+        t0 = time.perf_counter()
+        local = write_all(root / "data", data, shard_mib << 20, peers)
+        sizes = {k: f"{upload(client, v, k)} files {disk_mib(v):.0f} MiB" for k, v in local.items()}
+        shutil.rmtree(root / "data")
+        print(
+            f"{rows} samples, {payload_mb:.0f} MB payload, {shard_mib} MiB shards; written and "
+            f"uploaded in {time.perf_counter() - t0:.0f} s: {sizes}; cpus {os.cpu_count()}"
+        )
+        print(
+            f"\n{'system':<20}{'w':>3} {'cache':<5}{'samples/s':>10}{'MB/s':>8}{'GETs':>7}"
+            f"{'ranged':>8}{'HEADs':>7}{'MB sent':>9}{'s':>8}  epoch"
+        )
+        systems: list[tuple[str, Reader, str]] = [
+            ("plain GET (s3fs)", plain_get, "mf"),
+            ("meshfeed shards", meshfeed_shards, "mf"),
+            ("meshfeed .bin/.idx*", meshfeed_corpus, "idx"),
+        ]
+        if peers["mosaic"]:
+            systems += [("meshfeed mds", meshfeed_mds, "mds"), ("mosaic", mosaic_epoch, "mds")]
+        if peers["litdata"]:
+            systems.append(("litdata", litdata_epoch, "ld"))
+        for name, read, key in systems:
+            if args.only and args.only not in name:
+                continue
+            exp = expect
+            mb = payload_mb
+            if key == "idx":
+                mb = data.tokens.nbytes / 1e6
+            run_system(name, read, f"s3://{BUCKET}/{key}", proxy, opts, root, exp, mb, workers_list)
+        print(
+            "\n* tokens only (no 4 KiB field), map-style DataLoader; MB/s of its own payload."
+            "\nGETs: object GETs of the epoch (listings excluded), ranged: those with a Range"
+            " header; MB sent: bytes the server sent for the epoch."
+        )
+    finally:
+        proxy.stop()
+        server.stop()
+        remove(root)
+
+
+if __name__ == "__main__":
+    main()
