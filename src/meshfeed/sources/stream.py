@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -263,6 +263,7 @@ class ShardedStream:
         self, *, dataset_length: int, global_batch_size: int, seed: int, shuffle: bool = True
     ) -> StreamOrder:
         """The order a loader walks (see :class:`StreamOrder`)."""
+        plan = getattr(self.reader, "plan", None)
         return StreamOrder(
             self.rows,
             seed=seed,
@@ -270,6 +271,7 @@ class ShardedStream:
             shuffle=shuffle,
             window=self.shuffle_buffer,
             samples_per_epoch=self.samples_per_epoch,
+            on_plan=None if plan is None else lambda ids: plan([self.shards[i] for i in ids]),
         )
 
     # ------------------------------------------------------------------ identity
@@ -412,8 +414,10 @@ class StreamOrder(OrderBase):
         shuffle: bool,
         window: int,
         samples_per_epoch: int | None,
+        on_plan: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.rows = np.asarray(rows, dtype=np.int64)
+        self.on_plan = on_plan  # told the shards each planned block reads (download-ahead)
         self.stream_seed = stream_seed
         self.total = int(self.rows.sum())
         if self.total < 1:
@@ -466,6 +470,8 @@ class StreamOrder(OrderBase):
         order, starts = self._pass(p)
         k = np.searchsorted(starts, offset, side="right") - 1
         shard = order[k]
+        if self.on_plan is not None and shard.size:
+            self.on_plan(list(dict.fromkeys(shard.tolist())))  # in the order they are read
         return self._canon[shard] + (offset - starts[k])
 
     def describe(self, epoch: int, position: int) -> dict[str, Any]:

@@ -7,9 +7,10 @@ reads it: at most ``keep`` shards per process, the least recently used released 
 cache may evict what no process reads any more. The wrapped reader then reads the local file
 as it reads any file. A local path passes through untouched.
 
-When a shard is first opened in a process, the next ``ahead`` shards of the list are
-downloaded in the background (bounded by the cache limit): the order a stream walks reads a
-window of one or two shards at a time, so the next shards are the likely next reads.
+Download-ahead follows the stream's own order: when the loader plans its next steps (a block
+of them at a time, in the main process), the stream hands the shards they read to
+:meth:`CachedReader.plan`, which downloads them in the background (bounded by the cache
+limit), so workers find them cached.
 
 A shard's identity is its remote version (size and ETag / version id), asked once per process;
 a shard rewritten in the bucket after a checkpoint is refused on resume, naming it (its local
@@ -34,20 +35,19 @@ class CachedReader:
     """``inner`` over URL shards through ``cache`` (see the module docstring). Picklable: a
     worker process gets the settings and opens its own holds."""
 
-    def __init__(
-        self, inner: Any, cache: ShardCache, *, shards: list[Any], keep: int = 4, ahead: int = 2
-    ) -> None:
-        self.inner, self.cache, self.keep, self.ahead = inner, cache, keep, ahead
+    def __init__(self, inner: Any, cache: ShardCache, *, shards: list[Any], keep: int = 4) -> None:
+        self.inner, self.cache, self.keep = inner, cache, keep
         self.order = [str(s) for s in shards]
         self._held: OrderedDict[str, str] = OrderedDict()
         self._versions: dict[str, str] = {}
+        self._asked: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_held", "_versions")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_held", "_versions", "_asked")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._held, self._versions = OrderedDict(), {}
+        self._held, self._versions, self._asked = OrderedDict(), {}, set()
 
     def _local(self, shard: Any) -> Any:
         if not (isinstance(shard, str) and is_url(shard)):
@@ -61,16 +61,17 @@ class CachedReader:
         while len(self._held) > self.keep:
             old, _ = self._held.popitem(last=False)
             self.cache.release(old)
-        self._download_ahead(shard)
         return path
 
-    def _download_ahead(self, shard: str) -> None:
-        if self.ahead < 1 or shard not in self.order:
-            return
-        i = self.order.index(shard)
-        nxt = [u for u in self.order[i + 1 : i + 1 + self.ahead] if is_url(u)]
-        if nxt:
-            self.cache.prefetch(nxt)
+    def plan(self, shards: list[Any]) -> None:
+        """The stream's order will read ``shards`` next: download them ahead in the
+        background (each once; bounded by the cache limit)."""
+        todo = [s for s in shards if isinstance(s, str) and is_url(s) and s not in self._asked]
+        if todo:
+            if len(self._asked) > 4 * len(self.order):
+                self._asked.clear()
+            self._asked.update(todo)
+            self.cache.prefetch(todo)
 
     def version(self, shard: Any) -> str:
         if not (isinstance(shard, str) and is_url(shard)):
