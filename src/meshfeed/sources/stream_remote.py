@@ -40,14 +40,17 @@ class CachedReader:
         self.order = [str(s) for s in shards]
         self._held: OrderedDict[str, str] = OrderedDict()
         self._versions: dict[str, str] = {}
+        self._modified: dict[str, int] = {}
         self._asked: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_held", "_versions", "_asked")}
+        # The versions travel: a worker expects the version the job started with (and asks
+        # the bucket no second time).
+        return {k: v for k, v in self.__dict__.items() if k not in ("_held", "_asked")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._held, self._versions, self._asked = OrderedDict(), {}, set()
+        self._held, self._asked = OrderedDict(), set()
 
     def _local(self, shard: Any) -> Any:
         if not (isinstance(shard, str) and is_url(shard)):
@@ -85,18 +88,9 @@ class CachedReader:
         a shard rewritten after a checkpoint."""
         if not (isinstance(shard, str) and is_url(shard)):
             return shard_mtime(shard)
-        fs, path = filesystem(shard, self.cache.storage_options)
-        try:
-            info = fs.info(path)
-        except OSError:
-            return 0
-        for key in ("mtime", "LastModified", "last_modified", "updated", "modified"):
-            value = info.get(key)
-            if hasattr(value, "timestamp"):
-                return int(value.timestamp() * 1e9)
-            if isinstance(value, (int, float)):
-                return int(value * 1e9)
-        return 0
+        if shard not in self._modified:
+            self._modified[shard] = _modified(shard, self.cache.storage_options)
+        return self._modified[shard]
 
     def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
         return self.inner(self._local(shard), start, stop)
@@ -121,3 +115,19 @@ class CachedReader:
         while self._held:
             url, _ = self._held.popitem(last=False)
             self.cache.release(url)
+
+
+def _modified(url: str, storage_options: Any) -> int:
+    fs, path = filesystem(url, storage_options)
+    try:
+        fs.invalidate_cache(path)  # the listing cache would hide a rewritten object
+        info = fs.info(path)
+    except OSError:
+        return 0
+    for key in ("mtime", "LastModified", "Last-Modified", "last_modified", "updated", "modified"):
+        value = info.get(key)
+        if hasattr(value, "timestamp"):
+            return int(value.timestamp() * 1e9)
+        if isinstance(value, (int, float)):
+            return int(value * 1e9)
+    return 0
