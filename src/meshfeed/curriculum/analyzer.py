@@ -432,6 +432,21 @@ def _plan_passes(samples: list[SampleMetric], accs: list[AccumulatedMetric]) -> 
     return [(first, accs), (second, [])] if second else [(first, accs)]
 
 
+def _make_workers(
+    num_workers: int,
+    chunks: int,
+    dataset: Any,
+    passes: _Passes,
+    timeout: float,
+    mp_context: str | None,
+) -> _Workers | None:
+    """One pool for every pass (workers are started once); None to run in this process."""
+    count = worker_count(num_workers, cores=available_cores(), chunks=chunks)
+    if count == 0:
+        return None
+    return _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+
+
 def _merge_ranks(
     parts: list[_ChunkOut], values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
 ) -> None:
@@ -559,11 +574,7 @@ def analyze(
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
     accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
     passes = _plan_passes(samples, accs)
-    # One pool for every pass: workers are started once.
-    count = worker_count(num_workers, cores=available_cores(), chunks=len(mine))
-    workers = None
-    if count > 0:
-        workers = _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+    workers = _make_workers(num_workers, len(mine), dataset, passes, timeout, mp_context)
     with contextlib.ExitStack() as stack:
         if workers is not None:
             stack.callback(workers.pool.shutdown)
