@@ -52,6 +52,22 @@ def _collate(items: Sequence[Any], path: str) -> Any:
     import torch  # imported here so that collate_column users never pay for it
 
     first = items[0]
+    if isinstance(first, (torch.Tensor, np.ndarray, np.generic, bool, int, float)):
+        return _collate_numbers(items, path)
+    if isinstance(first, (str, bytes)):
+        return list(items)
+    if isinstance(first, Mapping):
+        return {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
+    if isinstance(first, (tuple, list)):
+        return _collate_sequences(items, path)
+    return list(items)
+
+
+def _collate_numbers(items: Sequence[Any], path: str) -> Any:
+    """Tensors, arrays, numpy scalars or Python numbers, stacked into one tensor."""
+    import torch
+
+    first = items[0]
     if isinstance(first, (torch.Tensor, np.ndarray)) and len({_shape(x) for x in items}) > 1:
         raise _mismatch(items, path)
     if isinstance(first, torch.Tensor):
@@ -60,12 +76,12 @@ def _collate(items: Sequence[Any], path: str) -> Any:
         return torch.from_numpy(np.stack(items))
     if isinstance(first, np.generic):
         return torch.from_numpy(np.asarray(items))
-    if isinstance(first, (bool, int, float)) and not isinstance(first, np.generic):
-        return torch.tensor(items)
-    if isinstance(first, (str, bytes)):
-        return list(items)
-    if isinstance(first, Mapping):
-        return {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
+    return torch.tensor(items)
+
+
+def _collate_sequences(items: Sequence[Any], path: str) -> Any:
+    """Namedtuples, tuples or lists, collated position by position."""
+    first = items[0]
     if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
         return type(first)(
             *(
@@ -73,19 +89,16 @@ def _collate(items: Sequence[Any], path: str) -> Any:
                 for name, f in zip(first._fields, zip(*items, strict=True), strict=True)
             )
         )
-    if isinstance(first, (tuple, list)):
-        lengths = {len(item) for item in items}
-        if len(lengths) != 1:
-            where = f"key {path!r}" if path else "the samples"
-            raise ValueError(
-                f"cannot collate {where}: sequences of different lengths {sorted(lengths)}; "
-                f"{_PAD_HINT}"
-            )
-        fields = [
-            _collate(list(f), _join(path, str(i))) for i, f in enumerate(zip(*items, strict=True))
-        ]
-        return tuple(fields) if isinstance(first, tuple) else fields
-    return list(items)
+    lengths = {len(item) for item in items}
+    if len(lengths) != 1:
+        where = f"key {path!r}" if path else "the samples"
+        raise ValueError(
+            f"cannot collate {where}: sequences of different lengths {sorted(lengths)}; {_PAD_HINT}"
+        )
+    fields = [
+        _collate(list(f), _join(path, str(i))) for i, f in enumerate(zip(*items, strict=True))
+    ]
+    return tuple(fields) if isinstance(first, tuple) else fields
 
 
 def _join(path: str, key: Any) -> str:
@@ -160,29 +173,36 @@ class PadCollate:
         if not isinstance(first, Mapping):
             return self([{"input_ids": x} for x in items])
         items = list(items)
-        seq_keys = [k for k in first if _is_sequence(first[k])]
-        if not seq_keys:
-            raise ValueError(
-                f"pad_collate found no variable-length field in items with keys {sorted(first)}; "
-                "give 1-D token sequences (tensors, arrays or lists of ints)"
-            )
+        seq_keys = _sequence_keys(first)
         main = next((k for k in MAIN_KEYS if k in seq_keys), seq_keys[0])
         tensors = {k: [self._tensor(item[k], k) for item in items] for k in seq_keys}
         lengths = [t.shape[0] for t in tensors[main]]
         width = self._width(tensors, lengths, main)
+        out = self._fields(items, tensors, width)
+        self._add_defaults(out, lengths, width)
+        return out
+
+    def _fields(
+        self, items: list[Any], tensors: Mapping[str, list[Any]], width: int
+    ) -> dict[str, Any]:
+        """Every field of the items: variable-length ones padded to ``width``, the rest
+        collated as :func:`default_collate` does."""
         out: dict[str, Any] = {}
-        for key in first:
+        for key in items[0]:
             if key in tensors:
                 out[key] = self._pad(tensors[key], width, self._fill(key), key)
             else:
                 out[key] = _collate([item[key] for item in items], key)
+        return out
+
+    def _add_defaults(self, out: dict[str, Any], lengths: list[int], width: int) -> None:
+        """An attention mask and position ids where the items gave none."""
         if "attention_mask" not in out:
             out["attention_mask"] = self._pad(
                 [_ones(n) for n in lengths], width, 0, "attention_mask"
             )
         if "position_ids" not in out:
             out["position_ids"] = self._pad([_arange(n) for n in lengths], width, 0, "position_ids")
-        return out
 
     def _fill(self, key: str) -> int:
         if key in self.pad_values:
@@ -225,6 +245,17 @@ class PadCollate:
             elif n:
                 out[i, width - n :] = t
         return out
+
+
+def _sequence_keys(first: Mapping[str, Any]) -> list[str]:
+    """The item's variable-length fields; raises when it has none."""
+    seq_keys = [k for k in first if _is_sequence(first[k])]
+    if not seq_keys:
+        raise ValueError(
+            f"pad_collate found no variable-length field in items with keys {sorted(first)}; "
+            "give 1-D token sequences (tensors, arrays or lists of ints)"
+        )
+    return seq_keys
 
 
 def _ones(n: int) -> Any:

@@ -150,29 +150,58 @@ def _check_plot(path: Path | None) -> None:
 def run(args: argparse.Namespace) -> int:
     """Handler of ``meshfeed plan``; returns the exit code (2 for bad input)."""
     try:
-        for name in ("dp", "cp", "tp", "max_tokens", "batches"):
-            if getattr(args, name) < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be a positive integer (got {getattr(args, name)})")
-        if not args.no_png:
-            _check_plot(args.plot)
-        mesh = DataMesh.from_sizes(dp=args.dp, cp=args.cp, tp=args.tp)
-        ranks = mesh.data_world_size * mesh.sizes.get("cp", 1)
-        cost = _cost(args)
-        batch_tokens = args.batch_tokens or 4 * ranks * args.max_tokens
-        tp = args.tp if args.sequence_parallel else 1
-        limit = max_document_tokens(
-            num_ranks=ranks, max_tokens=args.max_tokens, cp_sizes=args.cp_sizes, tp=tp
-        )
-        batches = [fit_lengths(b, limit, args.long_documents) for b in _batches(args, batch_tokens)]
-        kw: dict[str, Any] = {"num_ranks": ranks, "max_tokens": args.max_tokens, "cost": cost}
-        plans = [schedule_documents(b, cp_sizes=args.cp_sizes, tp=tp, **kw) for b in batches]
+        mesh, ranks, batches, kw, plans = _plan(args)
     except (ValueError, TypeError, OSError) as e:
         hint = ""
         if "more than" in str(e) and args.long_documents == "refuse":
             hint = " (or pass --long-documents split)"
         print(f"meshfeed plan: error: {e}{hint}", file=sys.stderr)
         return 2
+    rows = _compare(batches, plans, kw)
+    docs = sum(b.size for b in batches)
+    # What was planned, not what was asked: a short corpus gives fewer, smaller batches.
+    per_batch = round(float(np.mean([int(b.sum()) for b in batches])))
+    print(
+        f"mesh {mesh.sizes} -> {ranks} balanced ranks (DP x CP); budget {args.max_tokens} "
+        f"tokens/rank/micro-step; {len(batches)} batches, {docs} documents, "
+        f"~{per_batch} tokens each; cost {args.cost}"
+    )
+    _print_table(rows)
+    _print_degrees(plans, ranks, args.cp)
+    if args.plot is not None and not args.no_png:
+        return _write_plot(plans, batches, kw, args.plot)
+    return 0
+
+
+def _plan(
+    args: argparse.Namespace,
+) -> tuple[DataMesh, int, list[np.ndarray], dict[str, Any], list[Placement]]:
+    """Check the arguments and schedule every batch: the mesh, its balanced ranks, the
+    batches, the scheduling keywords and one placement per batch."""
+    for name in ("dp", "cp", "tp", "max_tokens", "batches"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be a positive integer (got {getattr(args, name)})")
+    if not args.no_png:
+        _check_plot(args.plot)
+    mesh = DataMesh.from_sizes(dp=args.dp, cp=args.cp, tp=args.tp)
+    ranks = mesh.data_world_size * mesh.sizes.get("cp", 1)
+    cost = _cost(args)
+    batch_tokens = args.batch_tokens or 4 * ranks * args.max_tokens
+    tp = args.tp if args.sequence_parallel else 1
+    limit = max_document_tokens(
+        num_ranks=ranks, max_tokens=args.max_tokens, cp_sizes=args.cp_sizes, tp=tp
+    )
+    batches = [fit_lengths(b, limit, args.long_documents) for b in _batches(args, batch_tokens)]
+    kw: dict[str, Any] = {"num_ranks": ranks, "max_tokens": args.max_tokens, "cost": cost}
+    plans = [schedule_documents(b, cp_sizes=args.cp_sizes, tp=tp, **kw) for b in batches]
+    return mesh, ranks, batches, kw, plans
+
+
+def _compare(
+    batches: list[np.ndarray], plans: list[Placement], kw: dict[str, Any]
+) -> dict[str, list[tuple[float, int, float]]]:
+    """Per method, each batch's (makespan / lower bound, micro-steps, packing efficiency)."""
     rows: dict[str, list[tuple[float, int, float]]] = {
         "meshfeed": [],
         "naive slicing": [],
@@ -185,14 +214,10 @@ def run(args: argparse.Namespace) -> int:
         for name, fn in (("naive slicing", naive_slicing), ("token balancing", token_balancing)):
             r = fn(b, **kw)
             rows[name].append((r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency))
-    docs = sum(b.size for b in batches)
-    # What was planned, not what was asked: a short corpus gives fewer, smaller batches.
-    per_batch = round(float(np.mean([int(b.sum()) for b in batches])))
-    print(
-        f"mesh {mesh.sizes} -> {ranks} balanced ranks (DP x CP); budget {args.max_tokens} "
-        f"tokens/rank/micro-step; {len(batches)} batches, {docs} documents, "
-        f"~{per_batch} tokens each; cost {args.cost}"
-    )
+    return rows
+
+
+def _print_table(rows: dict[str, list[tuple[float, int, float]]]) -> None:
     print(f"{'method':<16} {'makespan/LB med':>16} {'p90':>7} {'micro-steps':>12} {'packing':>8}")
     for name, vals in rows.items():
         arr = np.asarray(vals)
@@ -200,23 +225,30 @@ def run(args: argparse.Namespace) -> int:
             f"{name:<16} {np.median(arr[:, 0]):>16.3f} {np.percentile(arr[:, 0], 90):>7.3f} "
             f"{np.median(arr[:, 1]):>12.1f} {np.median(arr[:, 2]):>8.1%}"
         )
-    cp = np.concatenate([p.cp_size for p in plans])
+
+
+def _print_degrees(plans: list[Placement], ranks: int, cp: int) -> None:
+    cp_size = np.concatenate([p.cp_size for p in plans])
     degrees = ", ".join(
-        f"{c}: {n}" for c, n in zip(*np.unique(cp, return_counts=True), strict=True)
+        f"{c}: {n}" for c, n in zip(*np.unique(cp_size, return_counts=True), strict=True)
     )
     # meshfeed groups any of the DP x CP ranks for a long document (hybrid CP), so a document
     # may span more ranks than --cp; say so rather than call it the mesh's CP degree.
     print(
         f"meshfeed split degree (ranks a document spans: documents; groups are formed from "
-        f"all {ranks} DP x CP ranks, not only --cp {args.cp}): {degrees}"
+        f"all {ranks} DP x CP ranks, not only --cp {cp}): {degrees}"
     )
-    if args.plot is not None and not args.no_png:
-        try:
-            _plot(plans, batches, kw, args.plot)
-        except OSError as e:
-            print(f"meshfeed plan: error: cannot write --plot {args.plot} ({e})", file=sys.stderr)
-            return 2
-        print(f"wrote {args.plot}")
+
+
+def _write_plot(
+    plans: list[Placement], batches: list[np.ndarray], kw: dict[str, Any], path: Path
+) -> int:
+    try:
+        _plot(plans, batches, kw, path)
+    except OSError as e:
+        print(f"meshfeed plan: error: cannot write --plot {path} ({e})", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
     return 0
 
 

@@ -220,15 +220,7 @@ def route_local(
     ``samples[r]`` is rank r's packed sample; ``plan_kwargs`` go to :func:`schedule_documents` (its
     ``num_ranks`` is ``len(samples)``). Returns the placement and every rank's micro-steps.
     """
-    counts, all_lengths = [], []
-    for s in samples:
-        lengths = doc_lengths(s, keys)
-        counts.append(lengths.size)
-        all_lengths.append(lengths)
-    signatures = {fields_signature(s, keys) for s in samples}
-    if len(signatures) > 1:
-        raise ValueError("ranks disagree on the dtypes of the packed keys; cast them the same")
-    lengths = np.concatenate(all_lengths) if all_lengths else np.zeros(0, dtype=np.int64)
+    counts, lengths = _local_lengths(samples, keys)
     p = schedule_documents(lengths, num_ranks=len(samples), **plan_kwargs)
     layout = Layout.build(p, counts)
     sends = [build_send(s, r, layout, keys, pad) for r, s in enumerate(samples)]
@@ -236,9 +228,7 @@ def route_local(
     for r in range(len(samples)):
         offsets.append(np.concatenate([[0], np.cumsum(layout.send_splits(r))]).tolist())
     dtypes = [samples[0][k].dtype for k in keys] if samples else []
-    ids = None
-    if samples and all(DOCUMENT_IDS in s for s in samples):
-        ids = torch.cat([torch.as_tensor(s[DOCUMENT_IDS]).long() for s in samples])
+    ids = _local_document_ids(samples)
     out = []
     for r in range(len(samples)):
         recv = torch.cat([sends[s][offsets[s][r] : offsets[s][r + 1]] for s in range(len(samples))])
@@ -248,6 +238,30 @@ def route_local(
                 step[DOCUMENT_IDS] = ids[step["doc_ids"]]
         out.append(steps)
     return p, out
+
+
+def _local_lengths(
+    samples: Sequence[Mapping[str, Any]], keys: Sequence[str]
+) -> tuple[list[int], np.ndarray]:
+    """Every rank's document count, and all ranks' document lengths in rank order; raises
+    when the ranks' packed keys differ in dtype."""
+    counts, all_lengths = [], []
+    for s in samples:
+        lengths = doc_lengths(s, keys)
+        counts.append(lengths.size)
+        all_lengths.append(lengths)
+    signatures = {fields_signature(s, keys) for s in samples}
+    if len(signatures) > 1:
+        raise ValueError("ranks disagree on the dtypes of the packed keys; cast them the same")
+    lengths = np.concatenate(all_lengths) if all_lengths else np.zeros(0, dtype=np.int64)
+    return counts, lengths
+
+
+def _local_document_ids(samples: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
+    """All ranks' document ids in rank order, where every rank's sample has them."""
+    if samples and all(DOCUMENT_IDS in s for s in samples):
+        return torch.cat([torch.as_tensor(s[DOCUMENT_IDS]).long() for s in samples])
+    return None
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

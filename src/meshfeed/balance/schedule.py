@@ -120,6 +120,43 @@ def schedule_documents(
     Cost: 7-27 ms of CPU for 4,096 documents on 64 ranks (benchmarks/bench_balance.py).
     """
     budget = _check_budget(max_tokens)
+    _check_num_ranks(num_ranks)
+    _check_tp_and_microsteps(tp, min_microsteps, num_ranks)
+    if not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a CostModel (got {type(cost).__name__})")
+    n_ranks, tp = int(num_ranks), int(tp)
+    s = as_lengths(lengths)
+    work = cost.work(s)
+    ps = float(cost.per_step)
+
+    tables = [DegreeTable(s, sz, al, tp, budget) for sz, al in _candidate_sizes(cp_sizes, n_ranks)]
+    largest = int(tables[0].sizes[-1])  # the first table allows every degree the caller does
+    _check_documents_fit(tables[0], s, largest, budget, tp)
+
+    k_min = max(int(min_microsteps), -(-int(s.sum()) // (n_ranks * budget)))
+    mean_load = float(work.sum()) / n_ranks
+    single = float(work.max(initial=0.0)) / largest + ps if s.size else 0.0
+    lower = max(mean_load + ps * k_min, single)
+
+    ranked = _ranked_candidates(tables, work, mean_load, lower, n_ranks, ps, budget)
+    best = _best_candidate(ranked, budget, ps, int(min_microsteps))
+    return Placement(
+        num_ranks=n_ranks,
+        max_tokens=budget,
+        tp=tp,
+        lengths=s,
+        cp_size=best.c,
+        cp_start=best.cp_start,
+        microstep=best.microstep,
+        padded=best.padded,
+        microsteps=best.microsteps(),
+        rank_time=best.clock,
+        makespan=best.makespan,
+        lower_bound=lower,
+    )
+
+
+def _check_num_ranks(num_ranks: Any) -> None:
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
     if num_ranks > MAX_RANKS:
@@ -129,6 +166,9 @@ def schedule_documents(
             "this size); balance within each DP x CP group of a replica or pipeline stage "
             "(one BalancedBatches per group) instead of over the whole job"
         )
+
+
+def _check_tp_and_microsteps(tp: Any, min_microsteps: Any, num_ranks: int) -> None:
     if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(
             f"tp must be a positive int (got {tp=}); use 1 without sequence parallelism"
@@ -146,16 +186,13 @@ def schedule_documents(
             "rebuilt on every rank for every global batch, so one this large is not a useful "
             "schedule; use fewer, larger micro-steps (raise max_tokens) or a smaller group"
         )
-    if not isinstance(cost, CostModel):
-        raise TypeError(f"cost must be a CostModel (got {type(cost).__name__})")
-    n_ranks, tp = int(num_ranks), int(tp)
-    s = as_lengths(lengths)
-    work = cost.work(s)
-    ps = float(cost.per_step)
 
-    tables = [DegreeTable(s, sz, al, tp, budget) for sz, al in _candidate_sizes(cp_sizes, n_ranks)]
-    largest = int(tables[0].sizes[-1])  # the first table allows every degree the caller does
-    bad = ~tables[0].ok
+
+def _check_documents_fit(
+    table: DegreeTable, s: np.ndarray, largest: int, budget: int, tp: int
+) -> None:
+    """Raise for the first document that does not fit on the largest allowed group."""
+    bad = ~table.ok
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(
@@ -164,58 +201,73 @@ def schedule_documents(
             f"{pad_unit(largest, tp)}); raise max_tokens, add ranks, or truncate the document"
         )
 
-    k_min = max(int(min_microsteps), -(-int(s.sum()) // (n_ranks * budget)))
-    mean_load = float(work.sum()) / n_ranks
-    single = float(work.max(initial=0.0)) / largest + ps if s.size else 0.0
-    lower = max(mean_load + ps * k_min, single)
 
-    # Candidates are ranked by a cheap estimate (split documents placed, the rest poured in as
-    # water); only the best two get the full LPT, and only the winner is packed (unless
-    # per_step makes packing part of the makespan).
-    exact = ps > 0
+def _ranked_candidates(
+    tables: list[DegreeTable],
+    work: np.ndarray,
+    mean_load: float,
+    lower: float,
+    n_ranks: int,
+    ps: float,
+    budget: int,
+) -> list[tuple[float, int, Candidate]]:
+    """Candidates ranked by a cheap estimate (split documents placed, the rest poured in as
+    water), best first; stops early once one reaches the lower bound."""
     ranked: list[tuple[float, int, Candidate]] = []
     for table in tables:
         if not table.ok.all():
             continue
-        seen: list[np.ndarray] = []
-        for theta in _THETAS:
-            idx = table.degrees(work, theta * mean_load)
-            if any(np.array_equal(idx, prev) for prev in seen):
-                continue
-            seen.append(idx)
-            c, padded = table.sizes[idx], table.padded(idx)
-            sched = place_split(work, c, padded, n_ranks, ps, table.aligned, budget)
-            ranked.append((sched.estimate(budget, ps), len(ranked), sched))
-            if ranked[-1][0] <= lower * (1 + 1e-3):
-                break
+        _add_table_candidates(table, ranked, work, mean_load, lower, n_ranks, ps, budget)
         if ranked and min(r[0] for r in ranked) <= lower * (1 + 1e-3):
             break
     ranked.sort(key=lambda r: (r[0], r[1]))
+    return ranked
+
+
+def _add_table_candidates(
+    table: DegreeTable,
+    ranked: list[tuple[float, int, Candidate]],
+    work: np.ndarray,
+    mean_load: float,
+    lower: float,
+    n_ranks: int,
+    ps: float,
+    budget: int,
+) -> None:
+    """Append the table's distinct candidates (one per split threshold) to ``ranked``."""
+    seen: list[np.ndarray] = []
+    for theta in _THETAS:
+        idx = table.degrees(work, theta * mean_load)
+        if any(np.array_equal(idx, prev) for prev in seen):
+            continue
+        seen.append(idx)
+        c, padded = table.sizes[idx], table.padded(idx)
+        sched = place_split(work, c, padded, n_ranks, ps, table.aligned, budget)
+        ranked.append((sched.estimate(budget, ps), len(ranked), sched))
+        if ranked[-1][0] <= lower * (1 + 1e-3):
+            break
+
+
+def _best_candidate(
+    ranked: list[tuple[float, int, Candidate]], budget: int, ps: float, min_microsteps: int
+) -> Candidate:
+    """Of the best two ranked candidates, the one with the shorter full schedule, packed.
+
+    Only the best two get the full LPT, and only the winner is packed (unless per_step makes
+    packing part of the makespan)."""
+    exact = ps > 0
     best: Candidate | None = None
     for _, _, sched in ranked[:2]:
         sched.assign_unsplit(budget, ps)
         if exact:
-            sched.pack(budget, ps, int(min_microsteps))
+            sched.pack(budget, ps, min_microsteps)
         # Prefer the earlier (less split) candidate unless the later one is clearly better.
         if best is None or sched.makespan < best.makespan * (1 - 1e-3):
             best = sched
     assert best is not None  # the first table always fits (checked above)
     if not exact:
-        best.pack(budget, ps, int(min_microsteps))
-    return Placement(
-        num_ranks=n_ranks,
-        max_tokens=budget,
-        tp=tp,
-        lengths=s,
-        cp_size=best.c,
-        cp_start=best.cp_start,
-        microstep=best.microstep,
-        padded=best.padded,
-        microsteps=best.microsteps(),
-        rank_time=best.clock,
-        makespan=best.makespan,
-        lower_bound=lower,
-    )
+        best.pack(budget, ps, min_microsteps)
+    return best
 
 
 def _candidate_sizes(cp_sizes: str | Sequence[int], n: int) -> list[tuple[np.ndarray, bool]]:

@@ -117,24 +117,37 @@ def _run_chunk(chunk: tuple[int, int], into: dict[str, np.ndarray]) -> _ChunkOut
     start, stop = chunk
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
-    sums = {a.name: into.get(a.name) for a in accs}
-    sums.update(_zeros([a for a in accs if sums[a.name] is None]))
+    sums = _chunk_sums(accs, into)
     items = [dataset[i] for i in range(start, stop)]
     for m in samples:
-        args = (ctx[m.name],) if m.requires else ()
-        if m.batch_fn is not None:
-            values[m.name][:] = m.batch_fn(items, *args)
-        else:
-            values[m.name][:] = [m.fn(item, *args) for item in items]
+        values[m.name][:] = _sample_values(m, items, ctx)
     for a in accs:
-        acc = sums[a.name]
-        assert acc is not None  # filled above
-        if a.batch_fn is not None:
-            a.batch_fn(acc, items)
-        else:
-            for item in items:
-                a.fn(acc, item)
-    return values, {k: v for k, v in sums.items() if v is not None and k not in into}
+        _accumulate(a, sums[a.name], items)
+    return values, {k: v for k, v in sums.items() if k not in into}
+
+
+def _chunk_sums(
+    accs: list[AccumulatedMetric], into: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Each accumulation's array for a chunk: the one in ``into`` where it has it, else zeros."""
+    return {a.name: into[a.name] if a.name in into else _zeros([a])[a.name] for a in accs}
+
+
+def _sample_values(m: SampleMetric, items: list[Any], ctx: dict[str, Any]) -> Any:
+    """The metric's values of ``items`` (its batch function where it has one)."""
+    args = (ctx[m.name],) if m.requires else ()
+    if m.batch_fn is not None:
+        return m.batch_fn(items, *args)
+    return [m.fn(item, *args) for item in items]
+
+
+def _accumulate(a: AccumulatedMetric, acc: np.ndarray, items: list[Any]) -> None:
+    """Add ``items`` into the accumulation ``acc`` (its batch function where it has one)."""
+    if a.batch_fn is not None:
+        a.batch_fn(acc, items)
+        return
+    for item in items:
+        a.fn(acc, item)
 
 
 def default_chunk_size(n: int) -> int:
@@ -222,6 +235,68 @@ _AHEAD_PER_WORKER = 8
 _SLICE_MAX = 3600.0
 
 
+class _Dispatch:
+    """The state of one :func:`_dispatch`: each worker's queued chunks, the results not
+    merged yet, and the next chunk to send and to merge."""
+
+    def __init__(self, pool: WorkerPool, chunks: list[tuple[int, int]]):
+        k = pool.num_workers
+        self.pool, self.chunks, self.k = pool, chunks, k
+        self.queued: list[deque[int]] = [deque() for _ in range(k)]
+        self.since = [0.0] * k  # when the worker's oldest queued chunk could start
+        self.done: dict[int, Any] = {}
+        self.next_chunk = self.next_merge = 0
+        self.ahead = _AHEAD_PER_WORKER * k
+
+    def refill_all(self) -> None:
+        for w in range(self.k):
+            self.refill(w)
+
+    def refill(self, w: int) -> None:
+        if not self.queued[w]:
+            self.since[w] = time.monotonic()
+        # near the end of the pass queue less, so no worker is left holding the last chunks
+        # while another runs dry
+        depth = _DEPTH if len(self.chunks) - self.next_chunk > self.k * _DEPTH else 2
+        limit = min(len(self.chunks), self.next_merge + self.ahead)
+        while len(self.queued[w]) < depth and self.next_chunk < limit:
+            self.pool.send(w, self.chunks[self.next_chunk])
+            self.queued[w].append(self.next_chunk)
+            self.next_chunk += 1
+
+    def take(self, w: int) -> None:
+        self.done[self.queued[w].popleft()] = self.pool.recv(w)
+        self.since[w] = time.monotonic()
+
+    def ready(self) -> list[int] | None:
+        """The workers to receive from now; None when a wait ran out with none ready."""
+        busy = [w for w in range(self.k) if self.queued[w]]
+        ready = [w for w in busy if self.pool.ready(w)]  # a result, or a dead worker to report
+        if ready:
+            return ready
+        if len(busy) == 1:
+            return busy  # nothing to balance: recv blocks, bounded by the pool's timeout
+        return self._wait(busy)
+
+    def _wait(self, busy: list[int]) -> list[int] | None:
+        # one wait on every busy worker at once, until the earliest pool deadline
+        pool = self.pool
+        late = min(self.since[w] for w in busy) + pool.timeout - time.monotonic()
+        ready = pool.wait_any(busy, max(0.0, min(late, _SLICE_MAX)))
+        if ready:
+            return ready
+        now = time.monotonic()
+        for w in busy:
+            if now - self.since[w] > pool.timeout:
+                self.take(w)  # waits out the pool's own deadline, then raises
+        return None
+
+    def merged(self) -> Iterator[tuple[int, Any]]:
+        while self.next_merge in self.done:
+            yield self.next_merge, self.done.pop(self.next_merge)
+            self.next_merge += 1
+
+
 def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
     """``(chunk index, result)`` in chunk order; each chunk goes to whichever worker is free.
 
@@ -232,54 +307,69 @@ def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple
     on who computed what), and the pool's ``timeout`` still bounds every wait: a worker with
     no result for that long is received from, which raises ``WorkerTimeout``.
     """
-    k = pool.num_workers
-    queued: list[deque[int]] = [deque() for _ in range(k)]
-    since = [0.0] * k  # when the worker's oldest queued chunk could start
-    done: dict[int, Any] = {}
-    next_chunk = next_merge = 0
-    ahead = _AHEAD_PER_WORKER * k
-
-    def refill(w: int) -> None:
-        nonlocal next_chunk
-        if not queued[w]:
-            since[w] = time.monotonic()
-        # near the end of the pass queue less, so no worker is left holding the last chunks
-        # while another runs dry
-        depth = _DEPTH if len(chunks) - next_chunk > k * _DEPTH else 2
-        while len(queued[w]) < depth and next_chunk < min(len(chunks), next_merge + ahead):
-            pool.send(w, chunks[next_chunk])
-            queued[w].append(next_chunk)
-            next_chunk += 1
-
-    def take(w: int) -> None:
-        done[queued[w].popleft()] = pool.recv(w)
-        since[w] = time.monotonic()
-
-    for w in range(k):
-        refill(w)
-    while next_merge < len(chunks):
-        busy = [w for w in range(k) if queued[w]]
-        ready = [w for w in busy if pool.ready(w)]  # a result, or a dead worker to report
-        if not ready and len(busy) == 1:
-            ready = busy  # nothing to balance: recv blocks, bounded by the pool's timeout
-        elif not ready:
-            # one wait on every busy worker at once, until the earliest pool deadline
-            now = time.monotonic()
-            late = min(since[w] for w in busy) + pool.timeout - now
-            ready = pool.wait_any(busy, max(0.0, min(late, _SLICE_MAX)))
-            if not ready:
-                now = time.monotonic()
-                for w in busy:
-                    if now - since[w] > pool.timeout:
-                        take(w)  # waits out the pool's own deadline, then raises
-                continue
+    d = _Dispatch(pool, chunks)
+    d.refill_all()
+    while d.next_merge < len(chunks):
+        ready = d.ready()
+        if ready is None:
+            continue
         for w in ready:
-            take(w)
-        while next_merge in done:
-            yield next_merge, done.pop(next_merge)
-            next_merge += 1
-        for w in range(k):
-            refill(w)
+            d.take(w)
+        yield from d.merged()
+        d.refill_all()
+
+
+class _PassOutput:
+    """One pass's per-sample values and accumulated sums, merged in chunk order."""
+
+    def __init__(self, samples: list[SampleMetric], accs: list[AccumulatedMetric], bar: Progress):
+        self.samples, self.bar = samples, bar
+        self.values: dict[str, list[np.ndarray]] = {m.name: [] for m in samples}
+        self.sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+
+    def merge(self, out: _ChunkOut, size: int) -> None:
+        for name, v in out[0].items():
+            self.values[name].append(v)
+        for name, part in out[1].items():
+            self.sums[name] += part
+        self.bar.update(size)
+
+    def result(self) -> _ChunkOut:
+        empty = {m.name: np.empty(0, dtype=m.dtype) for m in self.samples}
+        values = {k: np.concatenate(v) if v else empty[k] for k, v in self.values.items()}
+        return values, self.sums
+
+
+def _flush(pool: WorkerPool, exact: dict[str, np.ndarray]) -> None:
+    """Add every worker's integer sums of this pass into ``exact``."""
+    for w in range(pool.num_workers):
+        pool.send(w, ("flush",))
+    for w in range(pool.num_workers):
+        for name, part in pool.recv(w).items():
+            exact[name] += part
+
+
+def _pass_on_workers(
+    workers: _Workers,
+    index: int,
+    chunks: list[tuple[int, int]],
+    ctx: dict[str, Any],
+    exact: dict[str, np.ndarray],
+    out: _PassOutput,
+    timeout: float,
+) -> None:
+    try:
+        pool = workers.begin(index, ctx)
+        for k, part in _dispatch(pool, chunks):
+            out.merge(part, chunks[k][1] - chunks[k][0])
+        if exact:
+            _flush(pool, exact)
+    except WorkerTimeout as e:
+        raise TimeoutError(
+            f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
+            f"{max(b - a for a, b in chunks)} samples; a metric function is stuck, or raise "
+            "timeout"
+        ) from e
 
 
 def _pass(
@@ -298,40 +388,15 @@ def _pass(
 
     Both are merged in chunk order, so the result does not depend on the number of workers.
     """
-    values: dict[str, list[np.ndarray]] = {m.name: [] for m in samples}
-    sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
-
-    def merge(out: _ChunkOut, size: int) -> None:
-        for name, v in out[0].items():
-            values[name].append(v)
-        for name, part in out[1].items():
-            sums[name] += part
-        bar.update(size)
-
-    exact = {a.name: sums[a.name] for a in accs if _exact(a)}
+    out = _PassOutput(samples, accs, bar)
+    exact = {a.name: out.sums[a.name] for a in accs if _exact(a)}
     if workers is None:
         _init_worker(dataset, samples, accs, ctx)
         for start, stop in chunks:
-            merge(_run_chunk((start, stop), exact), stop - start)
+            out.merge(_run_chunk((start, stop), exact), stop - start)
     else:
-        try:
-            pool = workers.begin(index, ctx)
-            for k, out in _dispatch(pool, chunks):
-                merge(out, chunks[k][1] - chunks[k][0])
-            if exact:
-                for w in range(pool.num_workers):
-                    pool.send(w, ("flush",))
-                for w in range(pool.num_workers):
-                    for name, part in pool.recv(w).items():
-                        exact[name] += part
-        except WorkerTimeout as e:
-            raise TimeoutError(
-                f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
-                f"{max(b - a for a, b in chunks)} samples; a metric function is stuck, or raise "
-                "timeout"
-            ) from e
-    empty = {m.name: np.empty(0, dtype=m.dtype) for m in samples}
-    return {k: np.concatenate(v) if v else empty[k] for k, v in values.items()}, sums
+        _pass_on_workers(workers, index, chunks, ctx, exact, out, timeout)
+    return out.result()
 
 
 def _gather(local: _ChunkOut, world: int) -> list[_ChunkOut]:
@@ -341,6 +406,137 @@ def _gather(local: _ChunkOut, world: int) -> list[_ChunkOut]:
     from meshfeed.dist import all_gather_objects
 
     return all_gather_objects(local)
+
+
+def _check_options(num_workers: int, chunk_size: int | None, timeout: float) -> None:
+    if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
+        raise ValueError(
+            f"need num_workers >= 0, chunk_size >= 1 (or None: automatic) and timeout > 0 "
+            f"(got {num_workers=}, {chunk_size=}, {timeout=})"
+        )
+
+
+def _rank_chunks(n: int, chunk_size: int | None, rank: int, world: int) -> list[tuple[int, int]]:
+    """This rank's contiguous share of the dataset's fixed chunks."""
+    size = default_chunk_size(n) if chunk_size is None else chunk_size
+    all_chunks = [(s, min(s + size, n)) for s in range(0, n, size)]
+    lo, hi = rank * len(all_chunks) // world, (rank + 1) * len(all_chunks) // world
+    return all_chunks[lo:hi]
+
+
+def _plan_passes(samples: list[SampleMetric], accs: list[AccumulatedMetric]) -> _Passes:
+    """The first pass computes what needs no accumulation; a second one, when needed, the
+    sample metrics that ``require`` an accumulation."""
+    first = [m for m in samples if not m.requires]
+    second = [m for m in samples if m.requires]
+    return [(first, accs), (second, [])] if second else [(first, accs)]
+
+
+def _make_workers(
+    num_workers: int,
+    chunks: int,
+    dataset: Any,
+    passes: _Passes,
+    timeout: float,
+    mp_context: str | None,
+) -> _Workers | None:
+    """One pool for every pass (workers are started once); None to run in this process."""
+    count = worker_count(num_workers, cores=available_cores(), chunks=chunks)
+    if count == 0:
+        return None
+    return _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+
+
+def _merge_ranks(
+    parts: list[_ChunkOut], values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
+) -> None:
+    """Write every rank's pass output (in rank order) into ``values`` and ``accumulated``."""
+    offsets = dict.fromkeys(values, 0)
+    for part_values, part_sums in parts:
+        for name, v in part_values.items():
+            values[name][offsets[name] : offsets[name] + len(v)] = v
+            offsets[name] += len(v)
+        for name, part in part_sums.items():
+            accumulated[name] += part
+
+
+def _analyze_pass(
+    workers: _Workers | None,
+    index: int,
+    passes: _Passes,
+    dataset: Any,
+    mine: list[tuple[int, int]],
+    accumulated: dict[str, np.ndarray],
+    *,
+    n: int,
+    world: int,
+    timeout: float,
+    show: bool,
+) -> _ChunkOut:
+    """Pass ``index`` over this rank's chunks, under its own progress bar."""
+    pass_samples, pass_accs = passes[index]
+    ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
+    # One bar per pass, each counting the dataset's samples once (a metric that
+    # ``requires`` an accumulation reads every sample a second time).
+    desc = f"analyze pass {index + 1}/{len(passes)}" if len(passes) > 1 else "analyze"
+    with Progress(total=n, desc=desc, unit="samples", enabled=show) as bar:
+        local = _pass(
+            workers,
+            index,
+            dataset,
+            mine,
+            pass_samples,
+            pass_accs,
+            ctx,
+            timeout=timeout,
+            bar=bar,
+        )
+        bar.update((n - sum(b - a for a, b in mine)) if world > 1 else 0)
+    return local
+
+
+def _results(
+    samples: list[SampleMetric],
+    values: dict[str, np.ndarray],
+    accumulated: dict[str, np.ndarray],
+    fp: dict[str, Any],
+) -> dict[str, MetricIndex | np.ndarray]:
+    result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
+    for m in samples:
+        result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
+    return result
+
+
+def _stop_in_background(stack: contextlib.ExitStack, pool: WorkerPool) -> None:
+    # The workers' exit (their address spaces are torn down: milliseconds each) runs while
+    # the indexes are sorted; shutdown is bounded (about 3 * grace) and joined before the
+    # stack closes, or raises.
+    stopper = threading.Thread(target=pool.shutdown, name="meshfeed-analyzer-stop", daemon=True)
+    stopper.start()
+    stack.callback(stopper.join)
+
+
+def _save_results(
+    result: dict[str, MetricIndex | np.ndarray],
+    output_dir: str | os.PathLike[str] | None,
+    fp: dict[str, Any],
+    rank: int,
+    world: int,
+) -> None:
+    """Rank 0 saves every metric under ``output_dir``; the other ranks wait for it."""
+    if output_dir is None:
+        return
+    if rank == 0:
+        root = Path(output_dir)
+        for name, item in result.items():
+            if isinstance(item, MetricIndex):
+                item.save(root / name)
+            else:
+                save_accumulated(root / name, name, item, fp)
+    if world > 1:
+        from meshfeed.dist import barrier
+
+        barrier()
 
 
 def analyze(
@@ -364,11 +560,7 @@ def analyze(
     ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the run instead of
     hanging it. Under torchrun every rank must call this with the same arguments.
     """
-    if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
-        raise ValueError(
-            f"need num_workers >= 0, chunk_size >= 1 (or None: automatic) and timeout > 0 "
-            f"(got {num_workers=}, {chunk_size=}, {timeout=})"
-        )
+    _check_options(num_workers, chunk_size, timeout)
     samples, accs = _split_metrics(metrics)
     if not samples and not accs:
         raise ValueError("analyze() needs at least one metric, e.g. metrics=[seqlen()]")
@@ -377,72 +569,31 @@ def analyze(
         raise ValueError("analyze() got an empty dataset; there is nothing to index")
     fp = content_fingerprint(dataset)
     rank, world = _dist_info()
-    size = default_chunk_size(n) if chunk_size is None else chunk_size
-    all_chunks = [(s, min(s + size, n)) for s in range(0, n, size)]
-    lo, hi = rank * len(all_chunks) // world, (rank + 1) * len(all_chunks) // world
-    mine = all_chunks[lo:hi]
+    mine = _rank_chunks(n, chunk_size, rank, world)
 
-    first = [m for m in samples if not m.requires]
-    second = [m for m in samples if m.requires]
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
     accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
-    passes = [(first, accs), (second, [])] if second else [(first, accs)]
-    # One pool for every pass: workers are started once.
-    count = worker_count(num_workers, cores=available_cores(), chunks=len(mine))
-    workers = None
-    if count > 0:
-        workers = _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+    passes = _plan_passes(samples, accs)
+    workers = _make_workers(num_workers, len(mine), dataset, passes, timeout, mp_context)
     with contextlib.ExitStack() as stack:
         if workers is not None:
             stack.callback(workers.pool.shutdown)
-        for index, (pass_samples, pass_accs) in enumerate(passes):
-            ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
-            offsets = dict.fromkeys(values, 0)
-            # One bar per pass, each counting the dataset's samples once (a metric that
-            # ``requires`` an accumulation reads every sample a second time).
-            desc = f"analyze pass {index + 1}/{len(passes)}" if len(passes) > 1 else "analyze"
-            with Progress(
-                total=n, desc=desc, unit="samples", enabled=progress and rank == 0
-            ) as bar:
-                local = _pass(
-                    workers,
-                    index,
-                    dataset,
-                    mine,
-                    pass_samples,
-                    pass_accs,
-                    ctx,
-                    timeout=timeout,
-                    bar=bar,
-                )
-                bar.update((n - sum(b - a for a, b in mine)) if world > 1 else 0)
-            for part_values, part_sums in _gather(local, world):
-                for name, v in part_values.items():
-                    values[name][offsets[name] : offsets[name] + len(v)] = v
-                    offsets[name] += len(v)
-                for name, part in part_sums.items():
-                    accumulated[name] += part
-        if workers is not None:
-            # The workers' exit (their address spaces are torn down: milliseconds each) runs
-            # while the indexes are sorted; shutdown is bounded (about 3 * grace) and joined
-            # before this returns, or raises.
-            stopper = threading.Thread(
-                target=workers.pool.shutdown, name="meshfeed-analyzer-stop", daemon=True
+        for index in range(len(passes)):
+            local = _analyze_pass(
+                workers,
+                index,
+                passes,
+                dataset,
+                mine,
+                accumulated,
+                n=n,
+                world=world,
+                timeout=timeout,
+                show=progress and rank == 0,
             )
-            stopper.start()
-            stack.callback(stopper.join)
-        result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
-        for m in samples:
-            result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
-    if output_dir is not None and rank == 0:
-        root = Path(output_dir)
-        for name, item in result.items():
-            if isinstance(item, MetricIndex):
-                item.save(root / name)
-            else:
-                save_accumulated(root / name, name, item, fp)
-    if world > 1 and output_dir is not None:
-        from meshfeed.dist import barrier
-
-        barrier()
+            _merge_ranks(_gather(local, world), values, accumulated)
+        if workers is not None:
+            _stop_in_background(stack, workers.pool)
+        result = _results(samples, values, accumulated, fp)
+    _save_results(result, output_dir, fp, rank, world)
     return result

@@ -156,26 +156,38 @@ def _key_ok(key: Any) -> bool:
 def _check_cache(pm: Mapping[str, Any], where: str) -> None:
     name = pm["name"]
     for prefix_asked in pm.get("asked", []):
-        ok = isinstance(prefix_asked, list) and len(prefix_asked) == 2
-        if ok:
-            prefix, asked = prefix_asked
-            ok = _key_ok(prefix) and isinstance(asked, list)
-            ok = ok and all(isinstance(a, list) and len(a) == 2 for a in asked)
-            ok = ok and all(_is_int(x) for a in asked for x in a)
-        if not ok:
+        if not _asked_ok(prefix_asked):
             _fail(where, f"partition {name!r} has an 'asked' record {prefix_asked!r:.80}")
     for em in pm["cache"]:
-        ok = isinstance(em, Mapping) and all(
-            k in em for k in ("key", "parts", "fields", "read", "readers")
-        )
-        ok = ok and _key_ok(em["key"]) and _names(em["fields"])
-        ok = ok and isinstance(em["parts"], list)
-        ok = ok and all(isinstance(p, list) and all(map(_is_id, p)) for p in em["parts"])
-        ok = ok and isinstance(em["read"], list) and all(map(_is_int, em["read"]))
-        ok = ok and _is_count(em["readers"]) and em["readers"] >= 1
-        ok = ok and (em.get("batch_size") is None or _is_count(em["batch_size"]))
-        if not ok:
+        if not _entry_ok(em):
             _fail(where, f"partition {name!r} has a malformed shared-batch entry {em!r:.120}")
+
+
+def _asked_ok(prefix_asked: Any) -> bool:
+    """Whether an 'asked' record is ``[key prefix, [[rank, index], ...]]``."""
+    if not (isinstance(prefix_asked, list) and len(prefix_asked) == 2):
+        return False
+    prefix, asked = prefix_asked
+    ok = _key_ok(prefix) and isinstance(asked, list)
+    ok = ok and all(isinstance(a, list) and len(a) == 2 for a in asked)
+    return ok and all(_is_int(x) for a in asked for x in a)
+
+
+def _entry_ok(em: Any) -> bool:
+    """Whether a shared-batch entry has every field, each of its type."""
+    ok = isinstance(em, Mapping) and all(
+        k in em for k in ("key", "parts", "fields", "read", "readers")
+    )
+    ok = ok and _key_ok(em["key"]) and _names(em["fields"])
+    return ok and _entry_parts_ok(em)
+
+
+def _entry_parts_ok(em: Mapping[str, Any]) -> bool:
+    ok = isinstance(em["parts"], list)
+    ok = ok and all(isinstance(p, list) and all(map(_is_id, p)) for p in em["parts"])
+    ok = ok and isinstance(em["read"], list) and all(map(_is_int, em["read"]))
+    ok = ok and _is_count(em["readers"]) and em["readers"] >= 1
+    return ok and (em.get("batch_size") is None or _is_count(em["batch_size"]))
 
 
 def check_state(meta: Mapping[str, Any], *, where: str) -> None:

@@ -58,52 +58,11 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
     Outstanding leases are not saved: their samples are written as not consumed by the
     lease's task (so the restored store delivers them again, counted in ``lease_expired``), as
     a consumer that has not acknowledged a batch may not have used it."""
+    returned, consumed_total, lease_expired = _return_leases(core)
     partitions = []
-    returned: dict[tuple[str, str], set[Any]] = {}
-    for lease in core.leases:
-        returned.setdefault((lease.partition, lease.task), set()).update(lease.ids)
-    consumed_total = dict(core.consumed_total)
-    lease_expired = core.lease_expired
-    for (name, task), ids in returned.items():
-        leased = core.partitions.get(name)
-        if leased is None:
-            continue
-        done = leased.consumed.get(task, set())
-        n = sum(1 for k in ids if k in done and k in leased.samples)
-        consumed_total[task] = consumed_total.get(task, 0) - n
-        lease_expired += n
     payload: list[list[dict]] = []
     for name, part in core.partitions.items():
-        partitions.append(
-            {
-                "name": name,
-                "closed": part.closed,
-                "next_id": part.next_id,
-                "seen": sorted(part.seen),
-                "samples": [[k, s.group, list(s.fields)] for k, s in part.samples.items()],
-                "consumed": {
-                    t: [k for k in part.samples if k in c and k not in returned.get((name, t), ())]
-                    for t, c in part.consumed.items()
-                },
-                "held": [[k, n] for k, n in part.held.items()],
-                "asked": [
-                    [list(prefix), [[r, i] for r, i in asked.items()]]
-                    for prefix, asked in part.asked.items()
-                ],
-                "cache": [
-                    {
-                        "key": list(key),
-                        "parts": e.parts,
-                        "fields": list(e.fields),
-                        "read": sorted(e.read),
-                        "readers": e.readers,
-                        "batch_size": e.batch_size,
-                        "agree": e.agree,
-                    }
-                    for key, e in part.cache.items()
-                ],
-            }
-        )
+        partitions.append(_partition_meta(name, part, returned))
         if with_payload:
             payload.append(
                 [{f: resolve(v) for f, v in s.cells(k).items()} for k, s in part.samples.items()]
@@ -118,6 +77,62 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
         partitions=partitions,
     )
     return meta, payload
+
+
+def _return_leases(
+    core: StoreCore,
+) -> tuple[dict[tuple[str, str], set[Any]], dict[str, int], int]:
+    """The outstanding leases' ids by ``(partition, task)``, and the consumption and
+    ``lease_expired`` counts as if those leases had expired."""
+    returned: dict[tuple[str, str], set[Any]] = {}
+    for lease in core.leases:
+        returned.setdefault((lease.partition, lease.task), set()).update(lease.ids)
+    consumed_total = dict(core.consumed_total)
+    lease_expired = core.lease_expired
+    for (name, task), ids in returned.items():
+        leased = core.partitions.get(name)
+        if leased is None:
+            continue
+        done = leased.consumed.get(task, set())
+        n = sum(1 for k in ids if k in done and k in leased.samples)
+        consumed_total[task] = consumed_total.get(task, 0) - n
+        lease_expired += n
+    return returned, consumed_total, lease_expired
+
+
+def _partition_meta(
+    name: str, part: Partition, returned: dict[tuple[str, str], set[Any]]
+) -> dict[str, Any]:
+    """One partition's metadata, its leased samples written as not consumed."""
+    return {
+        "name": name,
+        "closed": part.closed,
+        "next_id": part.next_id,
+        "seen": sorted(part.seen),
+        "samples": [[k, s.group, list(s.fields)] for k, s in part.samples.items()],
+        "consumed": {
+            t: [k for k in part.samples if k in c and k not in returned.get((name, t), ())]
+            for t, c in part.consumed.items()
+        },
+        "held": [[k, n] for k, n in part.held.items()],
+        "asked": [
+            [list(prefix), [[r, i] for r, i in asked.items()]]
+            for prefix, asked in part.asked.items()
+        ],
+        "cache": [_entry_meta(key, e) for key, e in part.cache.items()],
+    }
+
+
+def _entry_meta(key: tuple[Any, ...], e: Entry) -> dict[str, Any]:
+    return {
+        "key": list(key),
+        "parts": e.parts,
+        "fields": list(e.fields),
+        "read": sorted(e.read),
+        "readers": e.readers,
+        "batch_size": e.batch_size,
+        "agree": e.agree,
+    }
 
 
 def check_meta(meta: Any, *, what: str = "SampleStore state") -> None:
@@ -157,54 +172,71 @@ def restore(
         part.closed = bool(pm["closed"])
         part.next_id = int(pm["next_id"])
         part.seen = set(pm["seen"])
-        if payload is not None:
-            rows = payload[i]
-        else:
-            old = current.partitions.get(name) if current is not None else None
-            old_ids = list(old.samples) if old is not None else []
-            new_ids = [s[0] for s in pm["samples"]]
-            if old is None or old_ids != new_ids:
-                raise ValueError(
-                    f"the state names samples of partition {name!r} this store does not hold "
-                    f"({len(new_ids)} in the state, {len(old_ids)} here); load_state_dict "
-                    "restores consumption over the same puts; use SampleStore.load(path) to "
-                    "restore the data as well"
-                )
-            rows = [dict(s.cells(k)) for k, s in old.samples.items()]
-        for (key, group, names), values in zip(pm["samples"], rows, strict=True):
-            sample = Sample(group)
-            for f in names:
-                sample.fields[f] = values[f]
-                part.field_counts[f] = part.field_counts.get(f, 0) + 1
-            sample.nbytes = sum(nbytes_of(v) for v in sample.fields.values())
-            sample.remote = sum(v.nbytes for v in sample.fields.values() if isinstance(v, Ref))
-            part.samples[key] = sample
-        for task, consumed in pm["consumed"].items():
-            done = set(consumed)
-            part.consumed[task] = done
-            part.pending[task] = {k: None for k in part.samples if k not in done}
-        part.held = {k: int(n) for k, n in pm.get("held", []) if k in part.samples}
-        part.asked = {
-            tuple(_key(x) for x in prefix): {int(r): int(i) for r, i in asked}
-            for prefix, asked in pm.get("asked", [])
-        }
-        for em in pm["cache"]:
-            entry = Entry(
-                [list(p) for p in em["parts"]],
-                tuple(em["fields"]),
-                int(em["readers"]),
-                em.get("batch_size"),
-                em.get("agree"),
-            )
-            entry.read = set(em["read"])
-            part.cache[tuple(_key(x) for x in em["key"])] = entry
-            for p in entry.parts:
-                for k in p:
-                    if k in part.samples:
-                        part.samples[k].pins += 1
+        rows = payload[i] if payload is not None else _current_rows(current, name, pm)
+        _restore_samples(part, pm, rows)
+        _restore_progress(part, pm)
+        _restore_cache(part, pm)
         core.partitions[name] = part
         core.held += len(part.samples)
     return core
+
+
+def _current_rows(current: StoreCore | None, name: str, pm: Mapping[str, Any]) -> list[dict]:
+    """The values ``current`` holds for partition ``name``; they must be exactly the samples
+    the state names."""
+    old = current.partitions.get(name) if current is not None else None
+    old_ids = list(old.samples) if old is not None else []
+    new_ids = [s[0] for s in pm["samples"]]
+    if old is None or old_ids != new_ids:
+        raise ValueError(
+            f"the state names samples of partition {name!r} this store does not hold "
+            f"({len(new_ids)} in the state, {len(old_ids)} here); load_state_dict "
+            "restores consumption over the same puts; use SampleStore.load(path) to "
+            "restore the data as well"
+        )
+    return [dict(s.cells(k)) for k, s in old.samples.items()]
+
+
+def _restore_samples(part: Partition, pm: Mapping[str, Any], rows: list[dict]) -> None:
+    for (key, group, names), values in zip(pm["samples"], rows, strict=True):
+        sample = Sample(group)
+        for f in names:
+            sample.fields[f] = values[f]
+            part.field_counts[f] = part.field_counts.get(f, 0) + 1
+        sample.nbytes = sum(nbytes_of(v) for v in sample.fields.values())
+        sample.remote = sum(v.nbytes for v in sample.fields.values() if isinstance(v, Ref))
+        part.samples[key] = sample
+
+
+def _restore_progress(part: Partition, pm: Mapping[str, Any]) -> None:
+    """Each task's consumed and pending samples, the held counts and the asked positions."""
+    for task, consumed in pm["consumed"].items():
+        done = set(consumed)
+        part.consumed[task] = done
+        part.pending[task] = {k: None for k in part.samples if k not in done}
+    part.held = {k: int(n) for k, n in pm.get("held", []) if k in part.samples}
+    part.asked = {
+        tuple(_key(x) for x in prefix): {int(r): int(i) for r, i in asked}
+        for prefix, asked in pm.get("asked", [])
+    }
+
+
+def _restore_cache(part: Partition, pm: Mapping[str, Any]) -> None:
+    """The partition's cached batches, each pinning the samples it names."""
+    for em in pm["cache"]:
+        entry = Entry(
+            [list(p) for p in em["parts"]],
+            tuple(em["fields"]),
+            int(em["readers"]),
+            em.get("batch_size"),
+            em.get("agree"),
+        )
+        entry.read = set(em["read"])
+        part.cache[tuple(_key(x) for x in em["key"])] = entry
+        for p in entry.parts:
+            for k in p:
+                if k in part.samples:
+                    part.samples[k].pins += 1
 
 
 def _json_exact(value: Any) -> bool:

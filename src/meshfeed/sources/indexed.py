@@ -157,58 +157,15 @@ class TokenCorpus:
         self._cache: ShardCache | None = None
         prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
         if is_url(os.fspath(prefix)):
-            remote: dict[str, Any] = dict(
-                cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
-            )
-            self._remote = {"url": os.fspath(prefix), **remote}
-            self._cache = ShardCache(**remote)
-            prefix = _fetch_remote(os.fspath(prefix), self._cache)
+            prefix = self._fetch(os.fspath(prefix), cache_dir, cache_limit, storage_options)
         idx_path, bin_path = _paths(prefix)
-        for path in (idx_path, bin_path):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"indexed corpus file {path} does not exist; pass the prefix shared by "
-                    f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
-                )
+        self._check_files_exist(idx_path, bin_path, prefix)
         self.prefix = os.fspath(idx_path)[: -len(".idx")]
         self.idx_path, self.bin_path = idx_path, bin_path
         with _publish_lock(idx_path.parent, exclusive=False):
             self._idx = _map(idx_path)
             self._bin = _map(bin_path)
-        idx_len = len(self._idx)
-        if idx_len < HEADER_SIZE:
-            raise IndexedFormatError(
-                f"{idx_path} is truncated: {idx_len} bytes, shorter than the {HEADER_SIZE}-byte "
-                "header; rewrite it (meshfeed convert or write_indexed)"
-            )
-        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(self._idx, 0)
-        if magic != MAGIC:
-            raise IndexedFormatError(
-                f"{idx_path} has bad magic {magic!r} (expected {MAGIC!r}); it is not a "
-                "Megatron MMIDIDX index (old lazy/cached formats are not supported)"
-            )
-        if version != VERSION:
-            raise IndexedFormatError(
-                f"{idx_path} has index version {version} (expected {VERSION}); re-export it "
-                "with Megatron-LM or meshfeed convert"
-            )
-        if code not in DTYPE_CODES:
-            raise IndexedFormatError(
-                f"{idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})"
-            )
-        self.dtype: np.dtype[Any] = DTYPE_CODES[code]
-        body = HEADER_SIZE + 12 * n_seq + 8 * n_doc
-        if idx_len not in (body, body + n_seq):  # + n_seq: multimodal int8 modes
-            raise IndexedFormatError(
-                f"{idx_path} is {idx_len} bytes but its header ({n_seq} sequences, {n_doc} "
-                f"document indices) implies {body} (or {body + n_seq} with modes); the file is "
-                "truncated or corrupt"
-            )
-        if n_doc < 1:
-            raise IndexedFormatError(
-                f"{idx_path} has an empty document index (document count 0); a valid index "
-                "starts with 0"
-            )
+        n_seq, n_doc = self._read_header(idx_path)
         self.sizes: np.ndarray = np.frombuffer(self._idx, np.int32, n_seq, HEADER_SIZE)
         self.pointers: np.ndarray = np.frombuffer(
             self._idx, np.int64, n_seq, HEADER_SIZE + 4 * n_seq
@@ -321,6 +278,69 @@ class TokenCorpus:
             self._contiguous = self._check_contiguous()
         return self._contiguous
 
+    def _fetch(
+        self,
+        url: str,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        storage_options: StorageOptions | None,
+    ) -> str | os.PathLike[str]:
+        """Download both files of the URL prefix into the node's shard cache; the local prefix."""
+        remote: dict[str, Any] = dict(
+            cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
+        )
+        self._remote = {"url": url, **remote}
+        self._cache = ShardCache(**remote)
+        return _fetch_remote(url, self._cache)
+
+    @staticmethod
+    def _check_files_exist(idx_path: Path, bin_path: Path, prefix: str | os.PathLike[str]) -> None:
+        for path in (idx_path, bin_path):
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"indexed corpus file {path} does not exist; pass the prefix shared by "
+                    f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
+                )
+
+    def _read_header(self, idx_path: Path) -> tuple[int, int]:
+        """Check the ``.idx`` header and length and set ``dtype``; the sequence and
+        document-index counts."""
+        idx_len = len(self._idx)
+        if idx_len < HEADER_SIZE:
+            raise IndexedFormatError(
+                f"{idx_path} is truncated: {idx_len} bytes, shorter than the {HEADER_SIZE}-byte "
+                "header; rewrite it (meshfeed convert or write_indexed)"
+            )
+        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(self._idx, 0)
+        if magic != MAGIC:
+            raise IndexedFormatError(
+                f"{idx_path} has bad magic {magic!r} (expected {MAGIC!r}); it is not a "
+                "Megatron MMIDIDX index (old lazy/cached formats are not supported)"
+            )
+        if version != VERSION:
+            raise IndexedFormatError(
+                f"{idx_path} has index version {version} (expected {VERSION}); re-export it "
+                "with Megatron-LM or meshfeed convert"
+            )
+        if code not in DTYPE_CODES:
+            raise IndexedFormatError(
+                f"{idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})"
+            )
+        self.dtype: np.dtype[Any] = DTYPE_CODES[code]
+        body = HEADER_SIZE + 12 * n_seq + 8 * n_doc
+        if idx_len not in (body, body + n_seq):  # + n_seq: multimodal int8 modes
+            raise IndexedFormatError(
+                f"{idx_path} is {idx_len} bytes but its header ({n_seq} sequences, {n_doc} "
+                f"document indices) implies {body} (or {body + n_seq} with modes); the file is "
+                "truncated or corrupt"
+            )
+        if n_doc < 1:
+            raise IndexedFormatError(
+                f"{idx_path} has an empty document index (document count 0); a valid index "
+                "starts with 0"
+            )
+        return n_seq, n_doc
+
     def _check_contiguous(self) -> bool:
         self._check_layout(len(self._bin))
         return True
@@ -330,79 +350,96 @@ class TokenCorpus:
 
         Vectorised in chunks of ``chunk`` documents: O(documents) time, O(chunk) memory.
         """
-        idx, bin_ = self.idx_path, self.bin_path
-        item = self.dtype.itemsize
+        self._check_document_order(chunk)
+        self._check_dtype_fits(bin_len)
+        expected = 0  # byte where the next document must start
+        for lo in range(0, self.num_documents, chunk):
+            expected = self._check_pointers(lo, chunk, expected, bin_len)
+        if expected != bin_len:
+            raise IndexedFormatError(
+                f"{self.bin_path} is {bin_len} bytes but {self.idx_path} accounts for "
+                f"{expected} bytes ({self.num_documents} documents of {self.dtype}); the dtype "
+                "code disagrees with the .bin, or the .bin belongs to another index: write the "
+                "pair together"
+            )
+
+    def _check_document_order(self, chunk: int) -> None:
+        """The document index never decreases."""
         d = self.document_index
         for lo in range(0, d.shape[0] - 1, chunk):
             bad = np.flatnonzero(np.diff(d[lo : lo + chunk + 1]) < 0)
             if bad.size:
                 k = lo + int(bad[0])
                 raise IndexedFormatError(
-                    f"{idx} has a decreasing document index at entry {k + 1} ({int(d[k])} "
-                    f"then {int(d[k + 1])}); the index is corrupt, rewrite it"
+                    f"{self.idx_path} has a decreasing document index at entry {k + 1} "
+                    f"({int(d[k])} then {int(d[k + 1])}); the index is corrupt, rewrite it"
                 )
+
+    def _check_dtype_fits(self, bin_len: int) -> None:
+        """Raise when the last document ends short of or past the .bin's end but another
+        token size would fit it exactly: the dtype code is wrong."""
+        item = self.dtype.itemsize
         n = self.num_documents
-        if n and int(self.pointers[-1]) + item * int(self.sizes[-1]) != bin_len:
-            fits = [
-                k
-                for k in (1, 2, 4, 8)
-                if k != item and int(self.pointers[-1]) + k * int(self.sizes[-1]) == bin_len
-            ]
-            head = self.sizes[:_CHUNK].astype(np.int64)
-            fits = [
-                k
-                for k in fits
-                if np.array_equal(k * (np.cumsum(head) - head), self.pointers[: head.shape[0]])
-            ]
-            if fits:
-                raise IndexedFormatError(
-                    f"{idx} has dtype code {_CODE_OF[self.dtype]} ({self.dtype}, {item} bytes "
-                    f"per token), but its pointers and the {bin_len}-byte {bin_} fit "
-                    f"{fits[0]}-byte tokens; the dtype code disagrees with the .bin: re-export "
-                    "the corpus or fix the code"
-                )
-        expected = 0  # byte where the next document must start
-        for lo in range(0, self.num_documents, chunk):
-            sizes = self.sizes[lo : lo + chunk].astype(np.int64)
-            pointers = self.pointers[lo : lo + chunk]
-            if int(sizes.min()) < 0:
-                i = lo + int(np.argmax(sizes < 0))
-                raise IndexedFormatError(
-                    f"{idx} gives document {i} the negative size {int(self.sizes[i])}; the "
-                    "index is corrupt, rewrite it"
-                )
-            outside = (pointers < 0) | (pointers > bin_len)
-            if outside.any():
-                i = lo + int(np.argmax(outside))
-                raise IndexedFormatError(
-                    f"{idx} has pointers outside {bin_} ({bin_len} bytes): document {i} starts "
-                    f"at byte {int(self.pointers[i])}; the pair is corrupt or mismatched"
-                )
-            ends = pointers + item * sizes  # no overflow: pointers <= bin_len, sizes < 2**31
-            if int(ends.max()) > bin_len:
-                i = lo + int(np.argmax(ends > bin_len))
-                raise IndexedFormatError(
-                    f"{bin_} is {bin_len} bytes but {idx} points up to byte "
-                    f"{int(ends[i - lo])} (document {i}); the .bin is truncated or belongs to "
-                    "another index"
-                )
-            starts = expected + item * (np.cumsum(sizes) - sizes)
-            wrong = starts != pointers
-            if wrong.any():
-                i = lo + int(np.argmax(wrong))
-                raise IndexedFormatError(
-                    f"{idx} points document {i} at byte {int(self.pointers[i])}, but the "
-                    f"documents before it end at byte {int(starts[i - lo])}; documents must lie "
-                    "back to back (as every Megatron and meshfeed writer stores them), so the "
-                    "index is corrupt: rewrite it"
-                )
-            expected = int(starts[-1] + item * sizes[-1])
-        if expected != bin_len:
+        if not n or int(self.pointers[-1]) + item * int(self.sizes[-1]) == bin_len:
+            return
+        fits = [
+            k
+            for k in (1, 2, 4, 8)
+            if k != item and int(self.pointers[-1]) + k * int(self.sizes[-1]) == bin_len
+        ]
+        head = self.sizes[:_CHUNK].astype(np.int64)
+        fits = [
+            k
+            for k in fits
+            if np.array_equal(k * (np.cumsum(head) - head), self.pointers[: head.shape[0]])
+        ]
+        if fits:
             raise IndexedFormatError(
-                f"{bin_} is {bin_len} bytes but {idx} accounts for {expected} bytes "
-                f"({self.num_documents} documents of {self.dtype}); the dtype code disagrees "
-                "with the .bin, or the .bin belongs to another index: write the pair together"
+                f"{self.idx_path} has dtype code {_CODE_OF[self.dtype]} ({self.dtype}, {item} "
+                f"bytes per token), but its pointers and the {bin_len}-byte {self.bin_path} fit "
+                f"{fits[0]}-byte tokens; the dtype code disagrees with the .bin: re-export "
+                "the corpus or fix the code"
             )
+
+    def _check_pointers(self, lo: int, chunk: int, expected: int, bin_len: int) -> int:
+        """Check documents ``lo`` to ``lo + chunk`` (sizes, pointers, back to back from byte
+        ``expected``); return the byte where the next document must start."""
+        idx, bin_ = self.idx_path, self.bin_path
+        item = self.dtype.itemsize
+        sizes = self.sizes[lo : lo + chunk].astype(np.int64)
+        pointers = self.pointers[lo : lo + chunk]
+        if int(sizes.min()) < 0:
+            i = lo + int(np.argmax(sizes < 0))
+            raise IndexedFormatError(
+                f"{idx} gives document {i} the negative size {int(self.sizes[i])}; the "
+                "index is corrupt, rewrite it"
+            )
+        outside = (pointers < 0) | (pointers > bin_len)
+        if outside.any():
+            i = lo + int(np.argmax(outside))
+            raise IndexedFormatError(
+                f"{idx} has pointers outside {bin_} ({bin_len} bytes): document {i} starts "
+                f"at byte {int(self.pointers[i])}; the pair is corrupt or mismatched"
+            )
+        ends = pointers + item * sizes  # no overflow: pointers <= bin_len, sizes < 2**31
+        if int(ends.max()) > bin_len:
+            i = lo + int(np.argmax(ends > bin_len))
+            raise IndexedFormatError(
+                f"{bin_} is {bin_len} bytes but {idx} points up to byte "
+                f"{int(ends[i - lo])} (document {i}); the .bin is truncated or belongs to "
+                "another index"
+            )
+        starts = expected + item * (np.cumsum(sizes) - sizes)
+        wrong = starts != pointers
+        if wrong.any():
+            i = lo + int(np.argmax(wrong))
+            raise IndexedFormatError(
+                f"{idx} points document {i} at byte {int(self.pointers[i])}, but the "
+                f"documents before it end at byte {int(starts[i - lo])}; documents must lie "
+                "back to back (as every Megatron and meshfeed writer stores them), so the "
+                "index is corrupt: rewrite it"
+            )
+        return int(starts[-1] + item * sizes[-1])
 
     def validate(self) -> None:
         """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`
