@@ -68,12 +68,17 @@ def _collate_numbers(items: Sequence[Any], path: str) -> Any:
     import torch
 
     first = items[0]
-    if isinstance(first, (torch.Tensor, np.ndarray)) and len({_shape(x) for x in items}) > 1:
-        raise _mismatch(items, path)
-    if isinstance(first, torch.Tensor):
-        return torch.stack(list(items))
-    if isinstance(first, np.ndarray):
-        return torch.from_numpy(np.stack(items))
+    # Stack first, and look at the shapes only when stacking fails: comparing every item's
+    # shape up front costs more than the stack of a small batch.
+    try:
+        if isinstance(first, torch.Tensor):
+            return torch.stack(list(items))
+        if isinstance(first, np.ndarray):
+            return torch.from_numpy(np.stack(items))
+    except (RuntimeError, ValueError):
+        if len({_shape(x) for x in items}) > 1:
+            raise _mismatch(items, path) from None
+        raise
     if isinstance(first, np.generic):
         return torch.from_numpy(np.asarray(items))
     return torch.tensor(items)

@@ -306,18 +306,21 @@ class DataLoader(LoaderBase):
                 where=lambda: f"step {steps[0].index} of epoch {epoch}",
             )
         stale_from: int | None = None
+        replanned, returned = self.hooks.replanned, self.hooks.returned
         for batch, events in results:
             step = steps.pop(0)
-            changed = self.hooks.replanned(epoch)
-            if changed is not None:
-                self._index_cache = None
-                stale_from = changed if stale_from is None else min(stale_from, changed)
-            if stale_from is not None and step.end > stale_from:
-                return True
+            if replanned is not None:
+                changed = replanned(epoch)
+                if changed is not None:
+                    self._index_cache = None
+                    stale_from = changed if stale_from is None else min(stale_from, changed)
+                if stale_from is not None and step.end > stale_from:
+                    return True
             for e in events if isinstance(events, list) else [events]:
                 self._record(step, e)
             self._position = step.end
-            self.hooks.returned(epoch, step.end)
+            if returned is not None:
+                returned(epoch, step.end)
             if self.pin_memory:
                 batch = pin(batch)
             yield batch

@@ -196,8 +196,9 @@ class OrderHooks:
 
     describe: Callable[[int, int], Mapping[str, Any] | None]
     validate: Callable[[Mapping[str, Any]], None]
-    returned: Callable[[int, int], None]
-    replanned: Callable[[int], int | None]
+    #: None for an order whose plan never changes (the loader then skips both per batch).
+    returned: Callable[[int, int], None] | None
+    replanned: Callable[[int], int | None] | None
 
 
 def _nothing(epoch: int, position: int) -> None:
@@ -208,10 +209,6 @@ def _accept(described: Mapping[str, Any]) -> None:
     return None
 
 
-def _never(epoch: int) -> None:
-    return None
-
-
 def order_hooks(order: Order) -> OrderHooks:
     """``describe(epoch, position)`` and ``validate(described)`` of ``order``, with defaults.
 
@@ -219,10 +216,11 @@ def order_hooks(order: Order) -> OrderHooks:
     :class:`~meshfeed.protocols.Order` protocol records nothing and accepts any facts on resume.
     """
     if isinstance(order, OrderBase):
+        replans = type(order).replanned is not OrderBase.replanned
         return OrderHooks(
             describe=order.describe,
             validate=order.validate,
-            returned=order.returned,
-            replanned=order.replanned,
+            returned=order.returned if replans else None,
+            replanned=order.replanned if replans else None,
         )
-    return OrderHooks(describe=_nothing, validate=_accept, returned=_nothing, replanned=_never)
+    return OrderHooks(describe=_nothing, validate=_accept, returned=None, replanned=None)
