@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import numpy as np
@@ -185,3 +186,23 @@ def test_an_empty_stream_is_refused_when_a_loader_plans_it():
 
     with pytest.raises(ValueError, match="empty"):
         StreamLoader(ShardedStream([lambda: []]), batch_size=1)
+
+
+def test_jsonl_rows_holding_unicode_line_separators_stay_one_row_each(tmp_path):
+    p = tmp_path / "u.jsonl"
+    rows = [{"t": f"a\u2028b\u0085c{i}"} for i in range(5)]  # legal unescaped in JSON strings
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    reader = DefaultReader()
+    assert reader.count(str(p)) == 5
+    assert reader.take(str(p), np.array([4, 0, 2])) == [rows[4], rows[0], rows[2]]
+
+
+def test_a_kept_span_never_serves_a_row_past_its_end(tmp_path, monkeypatch):
+    import meshfeed.sources.stream_readers as readers
+
+    monkeypatch.setattr(readers, "_SPAN_BYTES", 40)  # a few lines per span
+    p = tmp_path / "n.jsonl"
+    p.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(30)))
+    reader = DefaultReader()
+    for rows in ([0, 1], [2, 3], [3, 4, 5], [7], [6, 8], [29], [0, 29], [12, 11, 13]):
+        assert reader.take(str(p), np.array(rows)) == [{"i": r} for r in rows]

@@ -188,6 +188,7 @@ class TokenCorpus:
             )
         self._check_layout(bin_len)
         # (mapping, size when opened, path) of each mapped file: an empty one maps nothing
+        # (the .bin last: check_unchanged(tokens_only=True) looks at the last entry)
         self._watch = [
             (buf, len(buf), path)
             for buf, path in ((self._idx, idx_path), (self._bin, bin_path))
@@ -198,9 +199,10 @@ class TokenCorpus:
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
 
-    def check_unchanged(self) -> None:
+    def check_unchanged(self, *, tokens_only: bool = False) -> None:
         """Raise :class:`SourceError` naming the file if ``.idx`` or ``.bin`` no longer has the
-        size it had when opened.
+        size it had when opened (``tokens_only``: the ``.bin`` alone, for a read that touches
+        nothing of the ``.idx``, such as a batch of windows).
 
         Reading a mapped page past the end of a file truncated in place kills the process with
         ``SIGBUS`` (no Python exception, no message); the readers of this module call this
@@ -210,7 +212,7 @@ class TokenCorpus:
         not a change. A truncation between this check and the read still faults: rewrite a
         corpus only under a new name, or by rename (as :func:`write_indexed` does).
         """
-        for buf, size, path in self._watch:
+        for buf, size, path in self._watch[-1:] if tokens_only else self._watch:
             if buf.size() != size:
                 now = buf.size()
                 raise SourceError(

@@ -37,6 +37,8 @@ __all__ = ["DefaultReader", "Reader", "TakeReader", "default_reader", "shard_ide
 
 Reader = Callable[[Any, int, "int | None"], Iterable[Any]]
 _EDGE = 64 * 1024
+#: Bytes of a text shard read at once around the rows a step wants (and kept for the next).
+_SPAN_BYTES = 1 << 20
 
 
 @runtime_checkable
@@ -141,6 +143,7 @@ class DefaultReader:
         self._open: dict[int, tuple[Iterator[Any], int]] = {}
         self._offsets: dict[str, np.ndarray] = {}
         self._files: dict[str, Any] = {}
+        self._spans: dict[str, tuple[int, list[str]]] = {}
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -165,19 +168,42 @@ class DefaultReader:
         path = os.fspath(shard)
         key, offsets = self._line_offsets(path)
         parse = _parser(path)
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        if offsets[hi] - offsets[lo] <= _SPAN_BYTES:
+            # One read of the span the rows lie in (a shuffle window's), kept: the next steps
+            # drawing from the same window parse from memory.
+            first, text = self._span(key, path, offsets, lo, hi)
+            return [parse(text[r - first]) for r in rows.tolist()]
         f = self._handle(key, path)
         uniq = np.unique(rows)
-        # one read per contiguous run of wanted rows, then one split
+        # one read per contiguous run of wanted rows
         breaks = np.flatnonzero(np.diff(uniq) != 1) + 1
         found: dict[int, Any] = {}
         for run in np.split(uniq, breaks):
             a, b = int(run[0]), int(run[-1]) + 1
             f.seek(int(offsets[a]))
-            block = f.read(int(offsets[b] - offsets[a]))
-            cuts = (offsets[a : b + 1] - offsets[a]).tolist()
-            for r, lo, hi in zip(range(a, b), cuts, cuts[1:], strict=False):
-                found[r] = parse(block[lo:hi])
+            lines = f.read(int(offsets[b] - offsets[a])).decode("utf-8").split("\n")
+            found.update(zip(range(a, b), map(parse, lines), strict=False))
         return [found[r] for r in rows.tolist()]
+
+    def _span(
+        self, key: str, path: str, offsets: np.ndarray, lo: int, hi: int
+    ) -> tuple[int, list[str]]:
+        """Lines ``[lo, hi)`` of ``path`` as text: from the span read last when it holds
+        them, else read (from ``lo`` to at least ``hi``, up to ``_SPAN_BYTES``) and kept."""
+        held = self._spans.get(key)
+        if held is not None and held[0] <= lo and hi <= held[0] + len(held[1]):
+            return held
+        stop = int(np.searchsorted(offsets, offsets[lo] + _SPAN_BYTES, side="right")) - 1
+        stop = min(max(hi, stop), len(offsets) - 1)
+        f = self._handle(key, path)
+        f.seek(int(offsets[lo]))
+        text = f.read(int(offsets[stop] - offsets[lo])).decode("utf-8").split("\n")
+        del text[stop - lo :]  # the empty piece after the last newline is no line
+        if len(self._spans) >= 4:
+            self._spans.clear()
+        self._spans[key] = (lo, text)
+        return lo, text
 
     def _handle(self, key: str, path: str) -> Any:
         """An open file per (path, size, mtime) and process: a rewritten file is opened anew,
@@ -231,10 +257,14 @@ class DefaultReader:
 _END = object()
 
 
-def _parser(path: str) -> Callable[[bytes], Any]:
+def _parser(path: str) -> Callable[[str], Any]:
     if path.endswith(".jsonl"):
         return json.loads
-    return lambda line: line.decode("utf-8").rstrip("\n")
+    return _text_line
+
+
+def _text_line(line: str) -> str:
+    return line
 
 
 def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:

@@ -200,7 +200,7 @@ class TokenWindows:
     def __getitem__(self, i: int) -> torch.Tensor:
         if not -self._len <= i < self._len:
             raise IndexError(f"window index {i} out of range for {self._len} windows")
-        self.corpus.check_unchanged()
+        self.corpus.check_unchanged(tokens_only=True)
         start = (i % self._len) * self.seq_len
         return torch.from_numpy(
             self._stream[start : start + self.seq_len + 1].astype(self._np_dtype)
@@ -224,7 +224,8 @@ class TokenWindows:
             idx = _as_indices(idx, self._len)
         if idx.shape[0] and min(idx.tolist()) < 0:
             _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
-        self.corpus.check_unchanged()  # a truncated .bin would fault (SIGBUS) in the gather
+        # a truncated .bin would fault (SIGBUS) in the gather; windows read nothing of the .idx
+        self.corpus.check_unchanged(tokens_only=True)
         if self.pin_memory and _pinning():
             return self._fetch_pinned(idx)
         try:
