@@ -351,6 +351,29 @@ def bench_workers(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
     for r in rows:  # the fetch_batch rows against their own in-process rate
         if r["loader"].startswith("meshfeed TokenWindows"):
             r["vs_inprocess"] = r["bps"] / rows[2]["bps"]
+    # The same two loaders alone, one after the other (a long run each, no interleaving that
+    # lets the workers idle while another loader runs): the worker path's steady state.
+    steady: dict[int, tuple[float, float]] = {}
+    for w, loader in ((0, tw0), (2, tw2)):
+        it = forever(loader)
+        for _ in range(cfg.warmup + 200):
+            next(it)
+        n = 20 * cfg.batches
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            next(it)
+        steady[w] = (n / (time.perf_counter() - t0), 1e6 * (time.process_time() - c0) / n)
+    for w in (0, 2):
+        rate, cpu_us = steady[w]
+        rows.append(
+            {
+                "loader": f"meshfeed TokenWindows.fetch_batch, {w} workers, steady",
+                "bps": rate,
+                "vs_inprocess": rate / steady[0][0],
+                "main_cpu_us": cpu_us,
+                "meshfeed_2w_over": mf2 / rate,
+            }
+        )
     del streams, grain_it
     workers.shutdown()
     tw2.shutdown()
