@@ -5,8 +5,12 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from meshfeed.errors import SourceError
+
+T = TypeVar("T")
 
 
 class FileLock:
@@ -33,9 +37,19 @@ class FileLock:
 
     def acquire(self, *, exclusive: bool, deadline: float, what: str) -> bool:
         """Take the lock before ``deadline`` (``time.monotonic``); True if it had to wait."""
-        pause = 0.002
-        waited = False
-        while not self.try_acquire(exclusive=exclusive):
+        _, waited = self.wait_for(
+            lambda: True if self.try_acquire(exclusive=exclusive) else None, deadline, what
+        )
+        return waited
+
+    def wait_for(
+        self, attempt: Callable[[], T | None], deadline: float, what: str
+    ) -> tuple[T, bool]:
+        """Call ``attempt`` until it returns something other than None, pausing a growing
+        while between calls; return that and whether it had to wait. Past ``deadline`` a
+        :class:`SourceError` says what was waited for."""
+        pause, waited = 0.002, False
+        while (result := attempt()) is None:
             waited = True
             if time.monotonic() >= deadline:
                 raise SourceError(
@@ -44,7 +58,7 @@ class FileLock:
                 )
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
-        return waited
+        return result, waited
 
     def release(self) -> None:
         if self._fd is not None:

@@ -397,22 +397,21 @@ class ShardCache:
         """Take ``entry``'s exclusive lock (False), or find it complete meanwhile and hold it
         shared (True). Waiting for the exclusive lock alone could wait forever: the process
         that downloads the entry keeps a shared hold on it while it reads."""
-        pause = 0.002
-        while not lock.try_acquire(exclusive=True):
-            self._count("waits")
+
+        def attempt() -> bool | None:
+            if lock.try_acquire(exclusive=True):
+                return False
             if lock.try_acquire(exclusive=False):
                 meta = self._read_meta(entry, deep=self.verify == "checksum")
                 if meta is not None and _fits(meta, version):
                     return True
                 lock.release()
-            if time.monotonic() >= deadline:
-                raise SourceError(
-                    f"timed out waiting for the cache lock {entry.lock} ({what}); another "
-                    "process holds it: wait for it to finish, or raise lock_timeout"
-                )
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.1)
-        return False
+            return None
+
+        ready, waited = lock.wait_for(attempt, deadline, what)
+        if waited:
+            self._count("waits")
+        return ready
 
     # -- download and eviction ----------------------------------------------------------------
 
