@@ -31,7 +31,6 @@ the reader's ``count``, or one pass over each shard when the stream is first mea
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -45,10 +44,12 @@ from meshfeed.protocols import OrderBase
 from meshfeed.sources.stream_readers import (
     DefaultReader,
     Reader,
+    RowCursor,
     TakeReader,
     callable_identity,
     shard_identity,
     shard_mtime,
+    shard_name,
 )
 
 __all__ = ["ShardedStream", "StreamOrder"]
@@ -136,7 +137,7 @@ class ShardedStream:
         self.reader: Any = _remote(
             reader or DefaultReader(), self.shards, cache_dir, cache_limit, storage_options
         )
-        self._cursors: dict[int, _Cursor] = {}
+        self._cursors: dict[int, RowCursor] = {}
         self._reader_takes = isinstance(self.reader, TakeReader)  # decided once, not per batch
 
     @classmethod
@@ -242,7 +243,7 @@ class ShardedStream:
             return list(self.reader.take(self.shards[s], rows))
         cursor = self._cursors.get(s)
         if cursor is None:
-            cursor = self._cursors[s] = _Cursor(self.reader, self.shards[s])
+            cursor = self._cursors[s] = RowCursor(self.reader, self.shards[s])
         return cursor.take(rows)
 
     def close(self) -> None:
@@ -351,50 +352,8 @@ def _remote(
     return CachedReader(reader, cache, shards=shards)
 
 
-class _Cursor:
-    """Reads one shard through a reader without ``take``: one call ``reader(shard, start,
-    None)`` per span of wanted rows, read on while the next span starts where the last one
-    ended (a rank reading on through its rows opens the shard once), and the span read last
-    kept, so the steps that draw from one shuffle window read it once. (Each data rank reads
-    the spans it draws from whole: give the reader ``take`` to read only its own rows.)
-    """
-
-    def __init__(self, reader: Any, shard: Any) -> None:
-        self.reader, self.shard = reader, shard
-        self.it: Any = None
-        self.at = 0
-        self.span_start = 0
-        self.span: list[Any] = []
-
-    def take(self, rows: np.ndarray) -> list[Any]:
-        lo0, hi0 = self.span_start, self.span_start + len(self.span)
-        wanted = rows.tolist()
-        missing = [r for r in wanted if not lo0 <= r < hi0]
-        if not missing:
-            return [self.span[r - lo0] for r in wanted]
-        lo, hi = min(missing), max(missing) + 1
-        if self.it is None or lo != self.at:
-            # The reader seeks (its contract): rows other ranks read are never read here.
-            self.it, self.at = iter(self.reader(self.shard, lo, None)), lo
-        try:
-            span = list(itertools.islice(self.it, hi - lo))
-        except BaseException:
-            self.it = None  # a reader that raised is not read on
-            raise
-        self.at = lo + len(span)
-        if len(span) != hi - lo:
-            self.it = None
-            raise IndexError(
-                f"shard {_name(self.shard)} yielded {lo + len(span)} rows, but row {hi - 1} was "
-                "asked for; it has fewer rows than counted, so it changed or rows= is wrong"
-            )
-        out = [span[r - lo] if lo <= r < hi else self.span[r - lo0] for r in wanted]
-        self.span_start, self.span = lo, span
-        return out
-
-
 def _name(shard: Any) -> str:
-    return callable_identity(shard) if callable(shard) else os.fspath(shard)
+    return shard_name(shard)
 
 
 class StreamOrder(OrderBase):

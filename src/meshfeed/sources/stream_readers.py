@@ -33,7 +33,15 @@ import numpy as np
 
 from meshfeed.errors import SourceError
 
-__all__ = ["DefaultReader", "Reader", "TakeReader", "default_reader", "shard_identity"]
+__all__ = [
+    "DefaultReader",
+    "Reader",
+    "RowCursor",
+    "TakeReader",
+    "default_reader",
+    "shard_identity",
+    "shard_name",
+]
 
 Reader = Callable[[Any, int, "int | None"], Iterable[Any]]
 _EDGE = 64 * 1024
@@ -140,7 +148,7 @@ class DefaultReader:
     per-process caches are dropped when it is sent to a worker."""
 
     def __init__(self) -> None:
-        self._open: dict[int, tuple[Iterator[Any], int]] = {}
+        self._cursors: dict[int, RowCursor] = {}  # a callable shard's rows, read forward
         self._offsets: dict[str, np.ndarray] = {}
         self._files: dict[str, Any] = {}
         self._spans: dict[str, tuple[int, list[str]]] = {}
@@ -164,7 +172,10 @@ class DefaultReader:
 
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         if callable(shard):
-            return self._take_callable(shard, rows)
+            cursor = self._cursors.get(id(shard))
+            if cursor is None:
+                cursor = self._cursors[id(shard)] = RowCursor(self, shard, seeks=False)
+            return cursor.take(rows)
         path = os.fspath(shard)
         key, offsets = self._line_offsets(path)
         parse = _parser(path)
@@ -220,26 +231,6 @@ class DefaultReader:
             f = self._files[key] = open(path, "rb")  # noqa: SIM115 (kept open, closed above)
         return f
 
-    def _take_callable(self, shard: Callable[[], Iterable[Any]], rows: np.ndarray) -> list[Any]:
-        """Rows of a callable shard, read forward from a kept iterator (started over only when
-        a row before its position is wanted)."""
-        found: dict[int, Any] = {}
-        key = id(shard)
-        it, at = self._open.get(key, (None, 0))
-        for r in np.unique(rows).tolist():
-            if it is None or r < at:
-                it, at = iter(shard()), 0
-            if r > at:
-                next(itertools.islice(it, r - at, r - at), None)
-                at = r
-            row = next(it, _END)
-            if row is _END:
-                raise IndexError(f"row {r} is past the end of shard {shard!r}")
-            found[r] = row
-            at = r + 1
-        self._open[key] = (it, at)  # type: ignore[assignment]
-        return [found[r] for r in rows.tolist()]
-
     def _line_offsets(self, path: str) -> tuple[str, np.ndarray]:
         """Byte offsets of every line start, plus the file's end (one pass, cached)."""
         st = os.stat(path)
@@ -252,9 +243,6 @@ class DefaultReader:
                 ends = np.append(ends, data.size)
             self._offsets[key] = np.concatenate([[0], ends]).astype(np.int64)
         return key, self._offsets[key]
-
-
-_END = object()
 
 
 def _parser(path: str) -> Callable[[str], Any]:
@@ -286,6 +274,60 @@ def rows_by_take(
     ``step`` rows per ``take``."""
     for a in range(start, stop, step):
         yield from take(shard, np.arange(a, min(a + step, stop), dtype=np.int64))
+
+
+def shard_name(shard: Any) -> str:
+    """How messages name a shard: its path, or a callable's identity."""
+    return callable_identity(shard) if callable(shard) else os.fspath(shard)
+
+
+class RowCursor:
+    """Reads one shard through a range reader: one call ``reader(shard, start, None)`` per
+    span of wanted rows, read on while the next span starts where the last one ended (a rank
+    reading on through its rows opens the shard once), and the span read last kept, so the
+    steps that draw from one shuffle window read it once. (Each data rank reads the spans it
+    draws from whole: give the reader ``take`` to read only its own rows.)
+
+    ``seeks``: the reader opens a shard at any row cheaply (its contract), so a span further
+    on is opened there; without it (a callable shard, read from its start) the kept iterator
+    is read forward to the span, and started over only for a row before its position.
+    """
+
+    def __init__(self, reader: Any, shard: Any, *, seeks: bool = True) -> None:
+        self.reader, self.shard, self.seeks = reader, shard, seeks
+        self.it: Any = None
+        self.at = 0
+        self.span_start = 0
+        self.span: list[Any] = []
+
+    def take(self, rows: np.ndarray) -> list[Any]:
+        lo0, hi0 = self.span_start, self.span_start + len(self.span)
+        wanted = rows.tolist()
+        missing = [r for r in wanted if not lo0 <= r < hi0]
+        if not missing:
+            return [self.span[r - lo0] for r in wanted]
+        lo, hi = min(missing), max(missing) + 1
+        if self.it is None or lo < self.at or (lo > self.at and self.seeks):
+            # A seeking reader opens at lo: rows other ranks read are never read here.
+            self.it, self.at = iter(self.reader(self.shard, lo, None)), lo
+        elif lo > self.at:  # read on to lo
+            next(itertools.islice(self.it, lo - self.at, lo - self.at), None)
+            self.at = lo
+        try:
+            span = list(itertools.islice(self.it, hi - lo))
+        except BaseException:
+            self.it = None  # a reader that raised is not read on
+            raise
+        self.at = lo + len(span)
+        if len(span) != hi - lo:
+            self.it = None
+            raise IndexError(
+                f"shard {shard_name(self.shard)} yielded {lo + len(span)} rows, but row {hi - 1} was "
+                "asked for; it has fewer rows than counted, so it changed or rows= is wrong"
+            )
+        out = [span[r - lo] if lo <= r < hi else self.span[r - lo0] for r in wanted]
+        self.span_start, self.span = lo, span
+        return out
 
 
 def default_reader(shard: Any, start_row: int, stop_row: int | None) -> Iterator[Any]:
