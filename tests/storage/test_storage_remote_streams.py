@@ -88,7 +88,8 @@ def test_a_restarted_job_reuses_the_cache_without_a_download(s3: S3, tmp_path: P
     s3.proxy.reset()
     again = [b for b in _loader(urls, remote, batch_size=4)]
     assert again == first
-    assert sum(s3.proxy.object_gets.values()) == 0  # metadata requests only
+    assert sum(s3.proxy.object_gets.values()) == 0  # metadata requests only ...
+    assert s3.proxy.counts["HEAD"] == len(urls)  # ... one per shard: version and mtime at once
 
 
 def _gloo_rank(rank: int, world: int, urls: list[str], remote: dict[str, Any]) -> list[int]:

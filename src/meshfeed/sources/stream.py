@@ -278,6 +278,9 @@ class ShardedStream:
     # ------------------------------------------------------------------ identity
     @cached_property
     def _identities(self) -> list[str]:
+        ask = getattr(self.reader, "ask", None)
+        if ask is not None:  # URL shards: every shard's metadata in one concurrent round
+            ask(self.shards)
         return [shard_identity(s, self.reader) for s in self.shards]
 
     @property

@@ -20,13 +20,15 @@ copy is checked against the version too, so a stale copy is never read as the ne
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from meshfeed.sources.stream_readers import TakeReader, shard_identity, shard_mtime
-from meshfeed.storage import ShardCache, is_url, version_of
-from meshfeed.storage.urls import filesystem
+from meshfeed.storage import ShardCache, is_url
+from meshfeed.storage.retry import RetryPolicy
+from meshfeed.storage.urls import remote_info
 
 __all__ = ["CachedReader"]
 
@@ -42,6 +44,8 @@ class CachedReader:
         self._versions: dict[str, str] = {}
         self._modified: dict[str, int] = {}
         self._asked: set[str] = set()
+        # Decided once: a runtime protocol check costs microseconds per batch.
+        self._takes = isinstance(inner, TakeReader)
 
     def __getstate__(self) -> dict[str, Any]:
         # The versions travel: a worker expects the version the job started with (and asks
@@ -80,7 +84,7 @@ class CachedReader:
         if not (isinstance(shard, str) and is_url(shard)):
             return shard_identity(shard, None)
         if shard not in self._versions:
-            self._versions[shard] = version_of(shard, storage_options=self.cache.storage_options)
+            self._ask(shard)
         return self._versions[shard]
 
     def modified(self, shard: Any) -> int:
@@ -89,15 +93,29 @@ class CachedReader:
         if not (isinstance(shard, str) and is_url(shard)):
             return shard_mtime(shard)
         if shard not in self._modified:
-            self._modified[shard] = _modified(shard, self.cache.storage_options)
+            self._ask(shard)
         return self._modified[shard]
+
+    def ask(self, shards: list[Any]) -> None:
+        """Ask the bucket for the versions of all URL ``shards`` at once (concurrent metadata
+        requests, instead of one after another as the stream first names each shard)."""
+        todo = [s for s in dict.fromkeys(shards) if isinstance(s, str) and is_url(s)]
+        todo = [s for s in todo if s not in self._versions]
+        if len(todo) > 1:
+            with ThreadPoolExecutor(min(16, len(todo)), thread_name_prefix="meshfeed-head") as ex:
+                list(ex.map(self._ask, todo))
+
+    def _ask(self, url: str) -> None:
+        """One metadata request gives both the version and the modification time."""
+        info = remote_info(url, self.cache.storage_options, retry=RetryPolicy(timeout=30.0))
+        self._versions[url], self._modified[url] = info.version, info.modified
 
     def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
         return self.inner(self._local(shard), start, stop)
 
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         local = self._local(shard)
-        if isinstance(self.inner, TakeReader):
+        if self._takes:
             return list(self.inner.take(local, rows))
         lo, hi = int(rows.min()), int(rows.max()) + 1
         span = list(self.inner(local, lo, hi))
@@ -116,18 +134,3 @@ class CachedReader:
             url, _ = self._held.popitem(last=False)
             self.cache.release(url)
 
-
-def _modified(url: str, storage_options: Any) -> int:
-    fs, path = filesystem(url, storage_options)
-    try:
-        fs.invalidate_cache(path)  # the listing cache would hide a rewritten object
-        info = fs.info(path)
-    except OSError:
-        return 0
-    for key in ("mtime", "LastModified", "Last-Modified", "last_modified", "updated", "modified"):
-        value = info.get(key)
-        if hasattr(value, "timestamp"):
-            return int(value.timestamp() * 1e9)
-        if isinstance(value, (int, float)):
-            return int(value * 1e9)
-    return 0

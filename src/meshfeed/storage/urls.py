@@ -93,6 +93,7 @@ class RemoteInfo:
     size: int
     version: str
     md5: str | None  # the content's MD5 where the ETag is one (single-part uploads)
+    modified: int = 0  # when the object was last written, ns since the epoch (0: unknown)
 
 
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
@@ -157,7 +158,22 @@ def remote_info(
     if info.get("type") == "directory":
         raise IsADirectoryError(f"{url} is a directory; pass a file URL")
     version, md5 = _version_of_info(url, info)
-    return RemoteInfo(url=url, size=int(info["size"]), version=version, md5=md5)
+    return RemoteInfo(
+        url=url, size=int(info["size"]), version=version, md5=md5, modified=_modified_ns(info)
+    )
+
+
+def _modified_ns(info: Mapping[str, Any]) -> int:
+    """When the object was last written, in ns since the epoch, from an fsspec ``info`` dict
+    (0 where the backend does not say)."""
+    for key in ("mtime", "LastModified", "Last-Modified", "last_modified", "updated", "modified"):
+        value = info.get(key)
+        stamp = getattr(value, "timestamp", None)
+        if stamp is not None:
+            return int(stamp() * 1e9)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value * 1e9)
+    return 0
 
 
 def file_size(
