@@ -133,4 +133,3 @@ class CachedReader:
         while self._held:
             url, _ = self._held.popitem(last=False)
             self.cache.release(url)
-
