@@ -149,16 +149,7 @@ class EmbeddedBackend:
             return self.core.try_get(request)
 
         def make(notify: Callable[[], None]) -> Waiter:
-            return Waiter(
-                "consumer",
-                notify,
-                partition=partition,
-                task=task,
-                need=request.need,
-                token=request.token,
-                group=group,
-                more=more,
-            )
+            return Waiter.consumer(notify, request, group=group, more=more)
 
         with self.lock:
             core = self.core

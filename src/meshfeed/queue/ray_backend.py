@@ -207,14 +207,7 @@ class _StoreActor:
                 attempt,
                 request.timeout,
                 request.describe(),
-                lambda notify: Waiter(
-                    "consumer",
-                    notify,
-                    partition=partition,
-                    task=task,
-                    need=request.need,
-                    token=request.token,
-                ),
+                lambda notify: Waiter.consumer(notify, request),
                 probe,
             )
             if not ok:

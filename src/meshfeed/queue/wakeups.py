@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshfeed.queue.request import GetRequest
 
 __all__ = ["MAX_WAIT_CHUNK", "RequestCancelled", "Waiter", "Waiters", "check_timeout"]
 
@@ -110,6 +113,27 @@ class Waiter:
         self.baton = False  # woken as the one of its group / budget, not yet tried
         self.cancelled = False
         self.woken = 0  # how many times a change woke it (tests check wake-ups are targeted)
+
+    @classmethod
+    def consumer(
+        cls,
+        notify: Callable[[], None],
+        request: GetRequest,
+        *,
+        group: Hashable | None = None,
+        more: Callable[[], bool] | None = None,
+    ) -> Waiter:
+        """The waiter of a blocked ``get``: which puts may serve ``request``."""
+        return cls(
+            "consumer",
+            notify,
+            partition=request.partition,
+            task=request.task,
+            need=request.need,
+            token=request.token,
+            group=group,
+            more=more,
+        )
 
     def wake(self) -> None:
         self.woken += 1
