@@ -138,7 +138,10 @@ def schedule_documents(
     single = float(work.max(initial=0.0)) / largest + ps if s.size else 0.0
     lower = max(mean_load + ps * k_min, single)
 
-    ranked = _ranked_candidates(tables, work, mean_load, lower, n_ranks, ps, budget)
+    problem = _Problem(
+        work=work, mean_load=mean_load, lower=lower, n_ranks=n_ranks, ps=ps, budget=budget
+    )
+    ranked = _ranked_candidates(tables, problem)
     best = _best_candidate(ranked, budget, ps, int(min_microsteps))
     return Placement(
         num_ranks=n_ranks,
@@ -202,14 +205,26 @@ def _check_documents_fit(
         )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Problem:
+    """What every candidate of one schedule is measured against: the documents' ``work``,
+    its mean per rank, the ``lower`` bound on the makespan, the ranks, the per-step cost
+    ``ps`` and the token ``budget`` per micro-step."""
+
+    work: np.ndarray
+    mean_load: float
+    lower: float
+    n_ranks: int
+    ps: float
+    budget: int
+
+    def reached(self, estimate: float) -> bool:
+        """Whether ``estimate`` is at the lower bound (no better candidate can exist)."""
+        return estimate <= self.lower * (1 + 1e-3)
+
+
 def _ranked_candidates(
-    tables: list[DegreeTable],
-    work: np.ndarray,
-    mean_load: float,
-    lower: float,
-    n_ranks: int,
-    ps: float,
-    budget: int,
+    tables: list[DegreeTable], problem: _Problem
 ) -> list[tuple[float, int, Candidate]]:
     """Candidates ranked by a cheap estimate (split documents placed, the rest poured in as
     water), best first; stops early once one reaches the lower bound."""
@@ -217,34 +232,28 @@ def _ranked_candidates(
     for table in tables:
         if not table.ok.all():
             continue
-        _add_table_candidates(table, ranked, work, mean_load, lower, n_ranks, ps, budget)
-        if ranked and min(r[0] for r in ranked) <= lower * (1 + 1e-3):
+        _add_table_candidates(table, ranked, problem)
+        if ranked and problem.reached(min(r[0] for r in ranked)):
             break
     ranked.sort(key=lambda r: (r[0], r[1]))
     return ranked
 
 
 def _add_table_candidates(
-    table: DegreeTable,
-    ranked: list[tuple[float, int, Candidate]],
-    work: np.ndarray,
-    mean_load: float,
-    lower: float,
-    n_ranks: int,
-    ps: float,
-    budget: int,
+    table: DegreeTable, ranked: list[tuple[float, int, Candidate]], problem: _Problem
 ) -> None:
     """Append the table's distinct candidates (one per split threshold) to ``ranked``."""
+    p = problem
     seen: list[np.ndarray] = []
     for theta in _THETAS:
-        idx = table.degrees(work, theta * mean_load)
+        idx = table.degrees(p.work, theta * p.mean_load)
         if any(np.array_equal(idx, prev) for prev in seen):
             continue
         seen.append(idx)
         c, padded = table.sizes[idx], table.padded(idx)
-        sched = place_split(work, c, padded, n_ranks, ps, table.aligned, budget)
-        ranked.append((sched.estimate(budget, ps), len(ranked), sched))
-        if ranked[-1][0] <= lower * (1 + 1e-3):
+        sched = place_split(p.work, c, padded, p.n_ranks, p.ps, table.aligned, p.budget)
+        ranked.append((sched.estimate(p.budget, p.ps), len(ranked), sched))
+        if p.reached(ranked[-1][0]):
             break
 
 
