@@ -31,16 +31,17 @@ import contextlib
 import os
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from meshfeed.curriculum.analyzer_workers import ChunkOut, Passes, Workers, run_pass
-from meshfeed.curriculum.index import MetricIndex, content_fingerprint, save_accumulated
+from meshfeed.curriculum.index import MetricIndex, content_fingerprint
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
+from meshfeed.curriculum.output import check_output, save_results
 from meshfeed.progress import Progress
 from meshfeed.runtime import WorkerPool, available_cores
+from meshfeed.storage import StorageOptions
 
 __all__ = ["analyze", "default_chunk_size", "worker_count"]
 
@@ -222,17 +223,14 @@ def _save_results(
     fp: dict[str, Any],
     rank: int,
     world: int,
+    storage_options: StorageOptions | None,
 ) -> None:
-    """Rank 0 saves every metric under ``output_dir``; the other ranks wait for it."""
+    """Rank 0 saves every metric under ``output_dir`` (a folder or a URL); the other ranks
+    wait for it."""
     if output_dir is None:
         return
     if rank == 0:
-        root = Path(output_dir)
-        for name, item in result.items():
-            if isinstance(item, MetricIndex):
-                item.save(root / name)
-            else:
-                save_accumulated(root / name, name, item, fp)
+        save_results(result, output_dir, fp, storage_options=storage_options)
     if world > 1:
         from meshfeed.dist import barrier
 
@@ -249,12 +247,17 @@ def analyze(
     progress: bool = True,
     mp_context: str | None = None,
     timeout: float = 3600.0,
+    storage_options: StorageOptions | None = None,
 ) -> dict[str, MetricIndex | np.ndarray]:
     """Compute ``metrics`` over ``dataset`` (``len`` + ``__getitem__``); return and save them.
 
     Returns ``{name: MetricIndex}`` for sample metrics and ``{name: array}`` for accumulated
     ones (including those pulled in by ``requires``). With ``output_dir`` each metric is saved
-    to ``output_dir/<name>/`` (by rank 0 only under torch.distributed). ``num_workers=0`` runs
+    to ``output_dir/<name>/`` (by rank 0 only under torch.distributed); ``output_dir`` may be
+    a URL (``s3://bucket/metrics``, any fsspec protocol, credentials from ``storage_options``
+    or the environment): written locally, then uploaded file by file, each metric's
+    ``meta.json`` last, and checked before the analysis starts (see
+    :mod:`meshfeed.curriculum.output`). ``num_workers=0`` runs
     in this process; more workers than the available cores start only as many as there are
     cores. ``chunk_size=None`` picks :func:`default_chunk_size` of the dataset's length.
     ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the run instead of
@@ -267,6 +270,8 @@ def analyze(
     n = len(dataset)
     if n == 0:
         raise ValueError("analyze() got an empty dataset; there is nothing to index")
+    if output_dir is not None:
+        check_output(output_dir, storage_options)  # a bad URL fails now, not after the passes
     fp = content_fingerprint(dataset)
     rank, world = _dist_info()
     mine = _rank_chunks(n, chunk_size, rank, world)
@@ -295,5 +300,5 @@ def analyze(
         if workers is not None:
             _stop_in_background(stack, workers.pool)
         result = _results(samples, values, accumulated, fp)
-    _save_results(result, output_dir, fp, rank, world)
+    _save_results(result, output_dir, fp, rank, world, storage_options)
     return result

@@ -7,6 +7,11 @@ percent, taken from the sorted values, so every percentile is an actual value) a
 memory-maps the arrays, so a 10**9-sample index costs no RAM until read. An accumulated metric
 (a token histogram) is saved the same way with ``accumulated.npy`` instead.
 
+Both load from a URL too (``s3://bucket/metrics/seqlen``, any fsspec protocol), through the
+node's shard cache (:class:`~meshfeed.storage.ShardCache`): ``meta.json`` first, then the files
+it records, each downloaded once per node; a memory-mapped index holds its files in the cache
+(never evicted) while it lives.
+
 The fingerprint is the dataset length plus a hash of a fixed set of sampled items; loading an
 index against another dataset raises ``ValueError`` instead of silently gating the wrong data.
 """
@@ -24,12 +29,17 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.errors import SourceError
 from meshfeed.mapped import check_mapped
 from meshfeed.order.permutation import Permutation
+from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of
 
 __all__ = ["MetricIndex", "content_fingerprint", "load_accumulated"]
 
 VERSION = 1
+META = "meta.json"
+_SAMPLE_FILES = ("values.npy", "order.npy", "percentiles.npy")
+_ACCUMULATED = "accumulated.npy"
 _FINGERPRINT_ITEMS = 16
 
 
@@ -96,6 +106,8 @@ class MetricIndex:
     order: np.ndarray = field(repr=False)
     percentiles: np.ndarray = field(repr=False)
     fingerprint: dict[str, Any]
+    # the shard cache holding the files of an index loaded from a URL (memory-mapped)
+    _cache: ShardCache | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_values(
@@ -175,28 +187,50 @@ class MetricIndex:
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike[str], *, dataset: Any = None, mmap: bool = True
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dataset: Any = None,
+        mmap: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        storage_options: StorageOptions | None = None,
     ) -> MetricIndex:
         """Load a saved index (memory-mapped); with ``dataset``, refuse a mismatched one.
 
         Checks that the arrays are the ones ``meta.json`` recorded and agree with each other
         (lengths, dtype, percentiles of the sorted values); O(1) reads beyond the headers.
+        ``path`` may be a URL (``s3://bucket/metrics/seqlen``): it is read through the shard
+        cache at ``cache_dir`` (``cache_limit``, ``storage_options``: see
+        :class:`~meshfeed.storage.ShardCache`), and the index holds its cached files while it
+        lives.
         """
-        src = Path(path)
-        meta = read_meta(src)
+        folder = _Folder(
+            path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options
+        )
+        try:
+            index = cls._load(folder, dataset=dataset, mmap=mmap)
+        except BaseException:
+            folder.close()
+            raise
+        if mmap and folder.cache is not None:
+            object.__setattr__(index, "_cache", folder.cache)  # holds the mapped files
+        else:
+            folder.close()
+        return index
+
+    @classmethod
+    def _load(cls, folder: _Folder, *, dataset: Any, mmap: bool) -> MetricIndex:
+        meta = folder.meta()
+        where = folder.where
         if meta.get("kind") != "sample":
             raise ValueError(
-                f"{src} holds an accumulated metric ({meta.get('name')!r}), not per-sample "
+                f"{where} holds an accumulated metric ({meta.get('name')!r}), not per-sample "
                 "values; load it with load_accumulated()"
             )
         if dataset is not None:
-            check_fingerprint(meta["fingerprint"], dataset, what=f"metric index {src}")
-        for name, recorded in dict(meta.get("files", {})).items():
-            if _file_id(src / name) != recorded:
-                raise ValueError(
-                    f"{src / name} is not the file {src / 'meta.json'} recorded (a save was "
-                    "interrupted or the files were mixed); rerun `meshfeed analyze`"
-                )
+            check_fingerprint(meta["fingerprint"], dataset, what=f"metric index {where}")
+        src = folder.files(meta, _SAMPLE_FILES)
         index = cls(
             name=meta["name"],
             values=np.load(src / "values.npy", mmap_mode="r" if mmap else None),
@@ -204,8 +238,85 @@ class MetricIndex:
             percentiles=np.load(src / "percentiles.npy"),
             fingerprint=meta["fingerprint"],
         )
-        _check_consistent(index, src, meta)
+        _check_consistent(index, where, meta)
         return index
+
+
+class _Folder:
+    """A saved metric's folder: a local path as is, a URL through the node's shard cache."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        options: StorageOptions | None,
+    ) -> None:
+        p = os.fspath(path)
+        p = (local_path_of(p) or p) if is_url(p) else p
+        self.where = p.rstrip("/") or p
+        self.cache: ShardCache | None = None
+        self.root = Path(p)
+        if is_url(p):
+            self.cache = ShardCache(cache_dir, cache_limit=cache_limit, storage_options=options)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    def meta(self) -> dict[str, Any]:
+        if self.cache is not None:
+            self.root = Path(self._fetch(META)).parent  # the cache keeps a folder's files together
+        return read_meta(self.root, where=self.where)
+
+    def files(self, meta: dict[str, Any], names: tuple[str, ...]) -> Path:
+        """The local folder holding ``names`` and the files ``meta.json`` records, each checked
+        against its record (an interrupted save or upload is refused, naming the file)."""
+        recorded = dict(meta.get("files", {}))
+        if self.cache is not None:
+            for name in sorted(set(names) | set(recorded)):
+                self._fetch(name)
+        for name, expected in recorded.items():
+            if _file_id(self.root / name) != expected:
+                raise ValueError(
+                    f"{self.where}/{name} is not the file {self.where}/{META} recorded (a save "
+                    f"or upload was interrupted or is under way, or the files were mixed"
+                    f"{self._cache_hint()}); rerun `meshfeed analyze`"
+                )
+        return self.root
+
+    def _cache_hint(self) -> str:
+        if self.cache is None:
+            return ""
+        return (
+            f"; the shard cache at {self.cache.cache_dir} keeps the copies it downloaded "
+            "first, so write each analysis under a new URL"
+        )
+
+    def _fetch(self, name: str) -> str:
+        assert self.cache is not None  # internal invariant: only for URLs
+        url = f"{self.where}/{name}"
+        try:
+            return self.cache.local_path(url)
+        except FileNotFoundError as e:
+            if name == META:
+                raise ValueError(
+                    f"{self.where} is not a meshfeed metric index ({url} does not exist); "
+                    "create one with `meshfeed analyze -o URL` or meshfeed.curriculum.analyze"
+                ) from e
+            raise FileNotFoundError(
+                f"{url} does not exist though {self.where}/{META} records it: the analysis "
+                "was deleted in part or is being rewritten; rerun `meshfeed analyze`"
+            ) from e
+        except (SourceError, ImportError):
+            raise
+        except Exception as e:  # credentials, endpoint, a denied request: name the URL
+            raise SourceError(
+                f"cannot read the metric index {self.where}: {type(e).__name__}: {e}; check "
+                "the URL and the credentials and endpoint (storage_options= or the client's "
+                "environment variables, e.g. AWS_ACCESS_KEY_ID / AWS_ENDPOINT_URL)"
+            ) from e
 
 
 def _atomic_write(target: Path, write: Any) -> None:
@@ -232,7 +343,7 @@ def _file_id(path: Path) -> list[Any]:
     return [size, h.hexdigest()]
 
 
-def _check_consistent(index: MetricIndex, src: Path, meta: dict[str, Any]) -> None:
+def _check_consistent(index: MetricIndex, src: str, meta: dict[str, Any]) -> None:
     n = len(index.values)
     problem = None
     if n != meta.get("length") or index.order.shape != (n,):
@@ -264,17 +375,19 @@ def percentile_table(sorted_values: np.ndarray) -> np.ndarray:
     return np.asarray(sorted_values[ranks])
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    meta_path = path / "meta.json"
+def read_meta(path: Path, *, where: str | None = None) -> dict[str, Any]:
+    """The ``meta.json`` of the metric folder ``path`` (``where``: how errors name it)."""
+    where = where or str(path)
+    meta_path = path / META
     if not meta_path.is_file():
         raise ValueError(
-            f"{path} is not a meshfeed metric index (no meta.json); create one with "
+            f"{where} is not a meshfeed metric index (no {META}); create one with "
             "`meshfeed analyze` or meshfeed.curriculum.analyze(...)"
         )
     meta: dict[str, Any] = json.loads(meta_path.read_text())
     if meta.get("version") != VERSION:
         raise ValueError(
-            f"{path} has metric index version {meta.get('version')!r}; this meshfeed reads "
+            f"{where} has metric index version {meta.get('version')!r}; this meshfeed reads "
             f"version {VERSION}; rerun `meshfeed analyze`"
         )
     return meta
@@ -283,20 +396,46 @@ def read_meta(path: Path) -> dict[str, Any]:
 def save_accumulated(
     path: str | os.PathLike[str], name: str, array: np.ndarray, fp: dict[str, Any]
 ) -> Path:
+    """Write an accumulated metric under ``path`` atomically, as :meth:`MetricIndex.save` does
+    (``meta.json`` last, recording the array file)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    np.save(out / "accumulated.npy", np.asarray(array))
-    meta = {"version": VERSION, "kind": "accumulated", "name": name, "fingerprint": fp}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    _atomic_write(out / _ACCUMULATED, lambda f: np.save(f, np.asarray(array)))
+    meta = {
+        "version": VERSION,
+        "kind": "accumulated",
+        "name": name,
+        "fingerprint": fp,
+        "files": {_ACCUMULATED: _file_id(out / _ACCUMULATED)},
+    }
+    text = json.dumps(meta, indent=1, sort_keys=True).encode()
+    _atomic_write(out / META, lambda f: f.write(text))
     return out
 
 
-def load_accumulated(path: str | os.PathLike[str], *, dataset: Any = None) -> np.ndarray:
-    """Load an accumulated metric (e.g. the token histogram) saved by the analyzer."""
-    src = Path(path)
-    meta = read_meta(src)
-    if meta.get("kind") != "accumulated":
-        raise ValueError(f"{src} holds per-sample values; load it with MetricIndex.load()")
-    if dataset is not None:
-        check_fingerprint(meta["fingerprint"], dataset, what=f"accumulated metric {src}")
-    return np.load(src / "accumulated.npy")
+def load_accumulated(
+    path: str | os.PathLike[str],
+    *,
+    dataset: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
+    storage_options: StorageOptions | None = None,
+) -> np.ndarray:
+    """Load an accumulated metric (e.g. the token histogram) saved by the analyzer.
+
+    ``path`` may be a URL, read through the shard cache as in :meth:`MetricIndex.load`.
+    """
+    folder = _Folder(path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options)
+    try:
+        meta = folder.meta()
+        if meta.get("kind") != "accumulated":
+            raise ValueError(
+                f"{folder.where} holds per-sample values; load it with MetricIndex.load()"
+            )
+        if dataset is not None:
+            check_fingerprint(
+                meta["fingerprint"], dataset, what=f"accumulated metric {folder.where}"
+            )
+        return np.load(folder.files(meta, (_ACCUMULATED,)) / _ACCUMULATED)
+    finally:
+        folder.close()
