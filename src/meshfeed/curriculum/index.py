@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,15 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.errors import SourceError
+from meshfeed.curriculum.index_files import (
+    META,
+    VERSION,
+    Folder,
+    atomic_write,
+    file_id,
+)
 from meshfeed.mapped import check_mapped
 from meshfeed.order.permutation import Permutation
-from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of
+from meshfeed.storage import ShardCache, StorageOptions
 
 __all__ = ["MetricIndex", "content_fingerprint", "load_accumulated"]
 
-VERSION = 1
-META = "meta.json"
 _SAMPLE_FILES = ("values.npy", "order.npy", "percentiles.npy")
 _ACCUMULATED = "accumulated.npy"
 _FINGERPRINT_ITEMS = 16
@@ -170,8 +173,8 @@ class MetricIndex:
             ("order.npy", self.order),
             ("percentiles.npy", self.percentiles),
         ):
-            _atomic_write(out / name, lambda f, a=array: np.save(f, np.asarray(a)))
-            files[name] = _file_id(out / name)
+            atomic_write(out / name, lambda f, a=array: np.save(f, np.asarray(a)))
+            files[name] = file_id(out / name)
         meta = {
             "version": VERSION,
             "kind": "sample",
@@ -182,7 +185,7 @@ class MetricIndex:
             "files": files,
         }
         text = json.dumps(meta, indent=1, sort_keys=True).encode()
-        _atomic_write(out / "meta.json", lambda f: f.write(text))
+        atomic_write(out / "meta.json", lambda f: f.write(text))
         return out
 
     @classmethod
@@ -205,9 +208,7 @@ class MetricIndex:
         :class:`~meshfeed.storage.ShardCache`), and the index holds its cached files while it
         lives.
         """
-        folder = _Folder(
-            path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options
-        )
+        folder = Folder(path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options)
         try:
             index = cls._load(folder, dataset=dataset, mmap=mmap)
         except BaseException:
@@ -220,7 +221,7 @@ class MetricIndex:
         return index
 
     @classmethod
-    def _load(cls, folder: _Folder, *, dataset: Any, mmap: bool) -> MetricIndex:
+    def _load(cls, folder: Folder, *, dataset: Any, mmap: bool) -> MetricIndex:
         meta = folder.meta()
         where = folder.where
         if meta.get("kind") != "sample":
@@ -240,107 +241,6 @@ class MetricIndex:
         )
         _check_consistent(index, where, meta)
         return index
-
-
-class _Folder:
-    """A saved metric's folder: a local path as is, a URL through the node's shard cache."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        cache_dir: str | os.PathLike[str] | None,
-        cache_limit: int | None,
-        options: StorageOptions | None,
-    ) -> None:
-        p = os.fspath(path)
-        p = (local_path_of(p) or p) if is_url(p) else p
-        self.where = p.rstrip("/") or p
-        self.cache: ShardCache | None = None
-        self.root = Path(p)
-        if is_url(p):
-            self.cache = ShardCache(cache_dir, cache_limit=cache_limit, storage_options=options)
-
-    def close(self) -> None:
-        if self.cache is not None:
-            self.cache.close()
-
-    def meta(self) -> dict[str, Any]:
-        if self.cache is not None:
-            self.root = Path(self._fetch(META)).parent  # the cache keeps a folder's files together
-        return read_meta(self.root, where=self.where)
-
-    def files(self, meta: dict[str, Any], names: tuple[str, ...]) -> Path:
-        """The local folder holding ``names`` and the files ``meta.json`` records, each checked
-        against its record (an interrupted save or upload is refused, naming the file)."""
-        recorded = dict(meta.get("files", {}))
-        if self.cache is not None:
-            for name in sorted(set(names) | set(recorded)):
-                self._fetch(name)
-        for name, expected in recorded.items():
-            if _file_id(self.root / name) != expected:
-                raise ValueError(
-                    f"{self.where}/{name} is not the file {self.where}/{META} recorded (a save "
-                    f"or upload was interrupted or is under way, or the files were mixed"
-                    f"{self._cache_hint()}); rerun `meshfeed analyze`"
-                )
-        return self.root
-
-    def _cache_hint(self) -> str:
-        if self.cache is None:
-            return ""
-        return (
-            f"; the shard cache at {self.cache.cache_dir} keeps the copies it downloaded "
-            "first, so write each analysis under a new URL"
-        )
-
-    def _fetch(self, name: str) -> str:
-        assert self.cache is not None  # internal invariant: only for URLs
-        url = f"{self.where}/{name}"
-        try:
-            return self.cache.local_path(url)
-        except FileNotFoundError as e:
-            if name == META:
-                raise ValueError(
-                    f"{self.where} is not a meshfeed metric index ({url} does not exist); "
-                    "create one with `meshfeed analyze -o URL` or meshfeed.curriculum.analyze"
-                ) from e
-            raise FileNotFoundError(
-                f"{url} does not exist though {self.where}/{META} records it: the analysis "
-                "was deleted in part or is being rewritten; rerun `meshfeed analyze`"
-            ) from e
-        except (SourceError, ImportError):
-            raise
-        except Exception as e:  # credentials, endpoint, a denied request: name the URL
-            raise SourceError(
-                f"cannot read the metric index {self.where}: {type(e).__name__}: {e}; check "
-                "the URL and the credentials and endpoint (storage_options= or the client's "
-                "environment variables, e.g. AWS_ACCESS_KEY_ID / AWS_ENDPOINT_URL)"
-            ) from e
-
-
-def _atomic_write(target: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _file_id(path: Path) -> list[Any]:
-    """Size and a hash of the first and last 4 KB: cheap, and different for another save."""
-    if not path.is_file():
-        return [None, None]
-    size = path.stat().st_size
-    h = hashlib.blake2b(digest_size=12)
-    with open(path, "rb") as f:
-        h.update(f.read(4096))
-        f.seek(max(0, size - 4096))
-        h.update(f.read())
-    return [size, h.hexdigest()]
 
 
 def _check_consistent(index: MetricIndex, src: str, meta: dict[str, Any]) -> None:
@@ -375,24 +275,6 @@ def percentile_table(sorted_values: np.ndarray) -> np.ndarray:
     return np.asarray(sorted_values[ranks])
 
 
-def read_meta(path: Path, *, where: str | None = None) -> dict[str, Any]:
-    """The ``meta.json`` of the metric folder ``path`` (``where``: how errors name it)."""
-    where = where or str(path)
-    meta_path = path / META
-    if not meta_path.is_file():
-        raise ValueError(
-            f"{where} is not a meshfeed metric index (no {META}); create one with "
-            "`meshfeed analyze` or meshfeed.curriculum.analyze(...)"
-        )
-    meta: dict[str, Any] = json.loads(meta_path.read_text())
-    if meta.get("version") != VERSION:
-        raise ValueError(
-            f"{where} has metric index version {meta.get('version')!r}; this meshfeed reads "
-            f"version {VERSION}; rerun `meshfeed analyze`"
-        )
-    return meta
-
-
 def save_accumulated(
     path: str | os.PathLike[str], name: str, array: np.ndarray, fp: dict[str, Any]
 ) -> Path:
@@ -400,16 +282,16 @@ def save_accumulated(
     (``meta.json`` last, recording the array file)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / _ACCUMULATED, lambda f: np.save(f, np.asarray(array)))
+    atomic_write(out / _ACCUMULATED, lambda f: np.save(f, np.asarray(array)))
     meta = {
         "version": VERSION,
         "kind": "accumulated",
         "name": name,
         "fingerprint": fp,
-        "files": {_ACCUMULATED: _file_id(out / _ACCUMULATED)},
+        "files": {_ACCUMULATED: file_id(out / _ACCUMULATED)},
     }
     text = json.dumps(meta, indent=1, sort_keys=True).encode()
-    _atomic_write(out / META, lambda f: f.write(text))
+    atomic_write(out / META, lambda f: f.write(text))
     return out
 
 
@@ -425,7 +307,7 @@ def load_accumulated(
 
     ``path`` may be a URL, read through the shard cache as in :meth:`MetricIndex.load`.
     """
-    folder = _Folder(path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options)
+    folder = Folder(path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options)
     try:
         meta = folder.meta()
         if meta.get("kind") != "accumulated":

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.curriculum.index import META, MetricIndex, save_accumulated
+from meshfeed.curriculum.index import MetricIndex, save_accumulated
+from meshfeed.curriculum.index_files import META
 from meshfeed.errors import SourceError
 from meshfeed.storage import StorageOptions, is_url, local_path_of, upload_file
 from meshfeed.storage.retry import RetryPolicy
