@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,8 @@ def test_analyze_to_a_url_gives_the_curriculum_the_order_of_a_local_analysis(
     there = MetricIndex.load(tmp_path / "metrics" / "vocab_rarity")
     assert index.values.tobytes() == there.values.tobytes()
     assert index.order.tobytes() == there.order.tobytes()
+    clone = pickle.loads(pickle.dumps(index))  # the values travel, the cache's holds do not
+    assert clone.values.tobytes() == there.values.tobytes() and clone._cache is None
     histogram = load_accumulated(f"{out}/token_histogram", dataset=local_windows, **cache)
     assert (
         histogram.tobytes() == load_accumulated(tmp_path / "metrics" / "token_histogram").tobytes()

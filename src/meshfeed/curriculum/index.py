@@ -44,6 +44,7 @@ __all__ = ["MetricIndex", "content_fingerprint", "load_accumulated"]
 _SAMPLE_FILES = ("values.npy", "order.npy", "percentiles.npy")
 _ACCUMULATED = "accumulated.npy"
 _FINGERPRINT_ITEMS = 16
+_STATE = ("name", "values", "order", "percentiles", "fingerprint")
 
 
 def _feed(h: Any, item: Any) -> None:
@@ -111,6 +112,16 @@ class MetricIndex:
     fingerprint: dict[str, Any]
     # the shard cache holding the files of an index loaded from a URL (memory-mapped)
     _cache: ShardCache | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the values and their facts, never the shard cache holding a URL index's files: the
+        # receiving process has its own, and may not reach this one's cache_dir
+        return {k: getattr(self, k) for k in _STATE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in _STATE:
+            object.__setattr__(self, k, state[k])
+        object.__setattr__(self, "_cache", None)
 
     @classmethod
     def from_values(
