@@ -19,6 +19,10 @@ start function (inherited under ``fork``, pickled once per worker under ``spawn`
 functions must then be importable). Workers are a :class:`~meshfeed.runtime.WorkerPool`: a
 stuck metric fails the run after ``timeout`` and a dead worker at once, never a hang.
 
+This module plans the passes and merges the ranks; :mod:`meshfeed.curriculum.analyzer_workers`
+runs a pass (in this process or on the workers) and :mod:`meshfeed.curriculum.output` saves the
+results, to a folder or a URL.
+
 >>> from meshfeed.curriculum import analyze, seqlen
 >>> result = analyze([[1, 2], [3], [4, 5, 6]], [seqlen()], progress=False)
 >>> result["seqlen"].values.tolist(), result["seqlen"].order.tolist()
