@@ -84,3 +84,13 @@ def test_bad_values_are_refused(values, message):
 def test_a_directory_without_an_index_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a meshfeed metric index"):
         MetricIndex.load(tmp_path)
+
+
+def test_an_accumulated_array_that_is_not_the_one_its_meta_recorded_is_refused(tmp_path):
+    docs = [[1], [2, 3]]
+    save_accumulated(tmp_path / "old", "h", np.arange(5), content_fingerprint(docs))
+    save_accumulated(tmp_path / "new", "h", np.arange(5) * 7, content_fingerprint(docs))
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["accumulated.npy", "meta.json"]
+    (tmp_path / "new" / "meta.json").replace(tmp_path / "old" / "meta.json")  # half rewritten
+    with pytest.raises(ValueError, match=r"old/accumulated.npy is not the file .*meta.json"):
+        load_accumulated(tmp_path / "old")

@@ -19,6 +19,10 @@ start function (inherited under ``fork``, pickled once per worker under ``spawn`
 functions must then be importable). Workers are a :class:`~meshfeed.runtime.WorkerPool`: a
 stuck metric fails the run after ``timeout`` and a dead worker at once, never a hang.
 
+This module plans the passes and merges the ranks; :mod:`meshfeed.curriculum.analyzer_workers`
+runs a pass (in this process or on the workers) and :mod:`meshfeed.curriculum.output` saves the
+results, to a folder or a URL.
+
 >>> from meshfeed.curriculum import analyze, seqlen
 >>> result = analyze([[1, 2], [3], [4, 5, 6]], [seqlen()], progress=False)
 >>> result["seqlen"].values.tolist(), result["seqlen"].order.tolist()
@@ -29,125 +33,27 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from meshfeed.curriculum.index import MetricIndex, content_fingerprint, save_accumulated
+from meshfeed.curriculum.analyzer_workers import ChunkOut, Passes, Workers, run_pass
+from meshfeed.curriculum.index import MetricIndex, content_fingerprint
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
+from meshfeed.curriculum.output import check_output, save_results
 from meshfeed.progress import Progress
-from meshfeed.runtime import WorkerPool, WorkerTimeout, available_cores
+from meshfeed.runtime import WorkerPool, available_cores
+from meshfeed.storage import StorageOptions
 
 __all__ = ["analyze", "default_chunk_size", "worker_count"]
 
 Metric = SampleMetric | AccumulatedMetric
-_ChunkOut = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 
 _CHUNKS_PER_PASS = 64
 _MIN_CHUNK = 256
 _MAX_CHUNK = 4096
-
-# Set in each worker by _start_worker (its arguments are inherited, not pickled, under fork).
-_WORK: tuple[Any, list[SampleMetric], list[AccumulatedMetric], dict[str, Any]] | None = None
-
-
-# A worker's running sums of its integer accumulations in the current pass: integer sums are
-# exact in any order, so each worker adds its chunks into one array and returns it once per
-# pass (on "flush") instead of one array per chunk. Float sums still travel per chunk, to be
-# added in chunk order.
-_LOCAL: dict[str, np.ndarray] = {}
-
-
-def _exact(acc: AccumulatedMetric) -> bool:
-    return np.dtype(acc.dtype).kind in "iub"
-
-
-def _zeros(accs: list[AccumulatedMetric]) -> dict[str, np.ndarray]:
-    return {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
-
-
-def _init_worker(
-    dataset: Any, samples: list[SampleMetric], accs: list[AccumulatedMetric], ctx: dict[str, Any]
-) -> None:
-    global _WORK, _LOCAL
-    _WORK = (dataset, samples, accs, ctx)
-    _LOCAL = _zeros([a for a in accs if _exact(a)])
-
-
-_Passes = list[tuple[list[SampleMetric], list[AccumulatedMetric]]]
-_PASSES: _Passes = []
-
-
-def _start_worker(
-    worker: int, num_workers: int, dataset: Any, passes: _Passes, first: int, ctx: dict[str, Any]
-) -> Callable[[Any], Any]:
-    # The metrics come with the start arguments (inherited under fork: local functions work).
-    global _PASSES
-    _PASSES = passes
-    samples, accs = passes[first]
-    _init_worker(dataset, samples, accs, ctx)
-    return _handle
-
-
-def _handle(task: Any) -> _ChunkOut | dict[str, np.ndarray] | None:
-    """A chunk ``(start, stop)``; ``("pass", index, ctx)`` starting pass ``index``; or
-    ``("flush",)``, which returns the integer sums of this worker's chunks and resets them."""
-    global _LOCAL
-    if task[0] == "pass":
-        assert _WORK is not None  # internal invariant: set by _start_worker
-        samples, accs = _PASSES[task[1]]
-        _init_worker(_WORK[0], samples, accs, task[2])
-        return None
-    if task[0] == "flush":
-        out, _LOCAL = _LOCAL, {k: np.zeros_like(v) for k, v in _LOCAL.items()}
-        return out
-    return _run_chunk(task, _LOCAL)
-
-
-def _run_chunk(chunk: tuple[int, int], into: dict[str, np.ndarray]) -> _ChunkOut:
-    """Values of the chunk's samples; its accumulations are added into ``into`` where that
-    has the metric's array, else returned (float sums: the caller adds them in chunk order)."""
-    assert _WORK is not None  # internal invariant: set by _init_worker
-    start, stop = chunk
-    dataset, samples, accs, ctx = _WORK
-    values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
-    sums = _chunk_sums(accs, into)
-    items = [dataset[i] for i in range(start, stop)]
-    for m in samples:
-        values[m.name][:] = _sample_values(m, items, ctx)
-    for a in accs:
-        _accumulate(a, sums[a.name], items)
-    return values, {k: v for k, v in sums.items() if k not in into}
-
-
-def _chunk_sums(
-    accs: list[AccumulatedMetric], into: dict[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """Each accumulation's array for a chunk: the one in ``into`` where it has it, else zeros."""
-    return {a.name: into[a.name] if a.name in into else _zeros([a])[a.name] for a in accs}
-
-
-def _sample_values(m: SampleMetric, items: list[Any], ctx: dict[str, Any]) -> Any:
-    """The metric's values of ``items`` (its batch function where it has one)."""
-    args = (ctx[m.name],) if m.requires else ()
-    if m.batch_fn is not None:
-        return m.batch_fn(items, *args)
-    return [m.fn(item, *args) for item in items]
-
-
-def _accumulate(a: AccumulatedMetric, acc: np.ndarray, items: list[Any]) -> None:
-    """Add ``items`` into the accumulation ``acc`` (its batch function where it has one)."""
-    if a.batch_fn is not None:
-        a.batch_fn(acc, items)
-        return
-    for item in items:
-        a.fn(acc, item)
 
 
 def default_chunk_size(n: int) -> int:
@@ -198,208 +104,7 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
-class _Workers:
-    """The analyzer's pool, started once and reused by every pass where it can be."""
-
-    def __init__(self, workers: int, dataset: Any, passes: _Passes, **pool_options: Any):
-        self.pool = WorkerPool(workers, name="meshfeed-analyzer-worker", **pool_options)
-        self.dataset, self.passes = dataset, passes
-
-    def begin(self, index: int, ctx: dict[str, Any]) -> WorkerPool:
-        pool = self.pool
-        if not pool.started:
-            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
-            return pool
-        try:
-            pickle.dumps(ctx)
-        except Exception:  # e.g. a local object from prepare: start workers that inherit it
-            pool.shutdown()
-            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
-            return pool
-        for w in range(pool.num_workers):
-            pool.send(w, ("pass", index, ctx))
-        for w in range(pool.num_workers):
-            pool.recv(w)
-        return pool
-
-
-# Chunks queued per worker: one running, two waiting, so a worker never idles while the
-# parent is busy or has not yet noticed its last result (a default chunk can take as little
-# as a few milliseconds).
-_DEPTH = 3
-# How far (in chunks) dispatch may run ahead of the oldest chunk not merged yet: bounds the
-# results held for the in-order merge when one worker is slow.
-_AHEAD_PER_WORKER = 8
-# The longest single wait on the busy workers (one poll over all of them, woken by the first
-# result or death): an unlimited pool timeout still checks in hourly.
-_SLICE_MAX = 3600.0
-
-
-class _Dispatch:
-    """The state of one :func:`_dispatch`: each worker's queued chunks, the results not
-    merged yet, and the next chunk to send and to merge."""
-
-    def __init__(self, pool: WorkerPool, chunks: list[tuple[int, int]]):
-        k = pool.num_workers
-        self.pool, self.chunks, self.k = pool, chunks, k
-        self.queued: list[deque[int]] = [deque() for _ in range(k)]
-        self.since = [0.0] * k  # when the worker's oldest queued chunk could start
-        self.done: dict[int, Any] = {}
-        self.next_chunk = self.next_merge = 0
-        self.ahead = _AHEAD_PER_WORKER * k
-
-    def refill_all(self) -> None:
-        for w in range(self.k):
-            self.refill(w)
-
-    def refill(self, w: int) -> None:
-        if not self.queued[w]:
-            self.since[w] = time.monotonic()
-        # near the end of the pass queue less, so no worker is left holding the last chunks
-        # while another runs dry
-        depth = _DEPTH if len(self.chunks) - self.next_chunk > self.k * _DEPTH else 2
-        limit = min(len(self.chunks), self.next_merge + self.ahead)
-        while len(self.queued[w]) < depth and self.next_chunk < limit:
-            self.pool.send(w, self.chunks[self.next_chunk])
-            self.queued[w].append(self.next_chunk)
-            self.next_chunk += 1
-
-    def take(self, w: int) -> None:
-        self.done[self.queued[w].popleft()] = self.pool.recv(w)
-        self.since[w] = time.monotonic()
-
-    def ready(self) -> list[int] | None:
-        """The workers to receive from now; None when a wait ran out with none ready."""
-        busy = [w for w in range(self.k) if self.queued[w]]
-        ready = [w for w in busy if self.pool.ready(w)]  # a result, or a dead worker to report
-        if ready:
-            return ready
-        if len(busy) == 1:
-            return busy  # nothing to balance: recv blocks, bounded by the pool's timeout
-        return self._wait(busy)
-
-    def _wait(self, busy: list[int]) -> list[int] | None:
-        # one wait on every busy worker at once, until the earliest pool deadline
-        pool = self.pool
-        late = min(self.since[w] for w in busy) + pool.timeout - time.monotonic()
-        ready = pool.wait_any(busy, max(0.0, min(late, _SLICE_MAX)))
-        if ready:
-            return ready
-        now = time.monotonic()
-        for w in busy:
-            if now - self.since[w] > pool.timeout:
-                self.take(w)  # waits out the pool's own deadline, then raises
-        return None
-
-    def merged(self) -> Iterator[tuple[int, Any]]:
-        while self.next_merge in self.done:
-            yield self.next_merge, self.done.pop(self.next_merge)
-            self.next_merge += 1
-
-
-def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
-    """``(chunk index, result)`` in chunk order; each chunk goes to whichever worker is free.
-
-    Round-robin hands every worker the same number of chunks, so a pass lasts as long as the
-    slowest worker's share: on a machine whose cores are shared with other processes one
-    descheduled worker held the other back. Here a worker gets its next chunk as soon as one
-    of its results arrives, results are merged in chunk order (so the output does not depend
-    on who computed what), and the pool's ``timeout`` still bounds every wait: a worker with
-    no result for that long is received from, which raises ``WorkerTimeout``.
-    """
-    d = _Dispatch(pool, chunks)
-    d.refill_all()
-    while d.next_merge < len(chunks):
-        ready = d.ready()
-        if ready is None:
-            continue
-        for w in ready:
-            d.take(w)
-        yield from d.merged()
-        d.refill_all()
-
-
-class _PassOutput:
-    """One pass's per-sample values and accumulated sums, merged in chunk order."""
-
-    def __init__(self, samples: list[SampleMetric], accs: list[AccumulatedMetric], bar: Progress):
-        self.samples, self.bar = samples, bar
-        self.values: dict[str, list[np.ndarray]] = {m.name: [] for m in samples}
-        self.sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
-
-    def merge(self, out: _ChunkOut, size: int) -> None:
-        for name, v in out[0].items():
-            self.values[name].append(v)
-        for name, part in out[1].items():
-            self.sums[name] += part
-        self.bar.update(size)
-
-    def result(self) -> _ChunkOut:
-        empty = {m.name: np.empty(0, dtype=m.dtype) for m in self.samples}
-        values = {k: np.concatenate(v) if v else empty[k] for k, v in self.values.items()}
-        return values, self.sums
-
-
-def _flush(pool: WorkerPool, exact: dict[str, np.ndarray]) -> None:
-    """Add every worker's integer sums of this pass into ``exact``."""
-    for w in range(pool.num_workers):
-        pool.send(w, ("flush",))
-    for w in range(pool.num_workers):
-        for name, part in pool.recv(w).items():
-            exact[name] += part
-
-
-def _pass_on_workers(
-    workers: _Workers,
-    index: int,
-    chunks: list[tuple[int, int]],
-    ctx: dict[str, Any],
-    exact: dict[str, np.ndarray],
-    out: _PassOutput,
-    timeout: float,
-) -> None:
-    try:
-        pool = workers.begin(index, ctx)
-        for k, part in _dispatch(pool, chunks):
-            out.merge(part, chunks[k][1] - chunks[k][0])
-        if exact:
-            _flush(pool, exact)
-    except WorkerTimeout as e:
-        raise TimeoutError(
-            f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
-            f"{max(b - a for a, b in chunks)} samples; a metric function is stuck, or raise "
-            "timeout"
-        ) from e
-
-
-def _pass(
-    workers: _Workers | None,
-    index: int,
-    dataset: Any,
-    chunks: list[tuple[int, int]],
-    samples: list[SampleMetric],
-    accs: list[AccumulatedMetric],
-    ctx: dict[str, Any],
-    *,
-    timeout: float,
-    bar: Progress,
-) -> _ChunkOut:
-    """Run one pass over ``chunks``: per-sample values concatenated, accumulations summed.
-
-    Both are merged in chunk order, so the result does not depend on the number of workers.
-    """
-    out = _PassOutput(samples, accs, bar)
-    exact = {a.name: out.sums[a.name] for a in accs if _exact(a)}
-    if workers is None:
-        _init_worker(dataset, samples, accs, ctx)
-        for start, stop in chunks:
-            out.merge(_run_chunk((start, stop), exact), stop - start)
-    else:
-        _pass_on_workers(workers, index, chunks, ctx, exact, out, timeout)
-    return out.result()
-
-
-def _gather(local: _ChunkOut, world: int) -> list[_ChunkOut]:
+def _gather(local: ChunkOut, world: int) -> list[ChunkOut]:
     """Every rank's pass output, in rank order (ranks own contiguous chunk ranges)."""
     if world == 1:
         return [local]
@@ -424,7 +129,7 @@ def _rank_chunks(n: int, chunk_size: int | None, rank: int, world: int) -> list[
     return all_chunks[lo:hi]
 
 
-def _plan_passes(samples: list[SampleMetric], accs: list[AccumulatedMetric]) -> _Passes:
+def _plan_passes(samples: list[SampleMetric], accs: list[AccumulatedMetric]) -> Passes:
     """The first pass computes what needs no accumulation; a second one, when needed, the
     sample metrics that ``require`` an accumulation."""
     first = [m for m in samples if not m.requires]
@@ -436,19 +141,19 @@ def _make_workers(
     num_workers: int,
     chunks: int,
     dataset: Any,
-    passes: _Passes,
+    passes: Passes,
     timeout: float,
     mp_context: str | None,
-) -> _Workers | None:
+) -> Workers | None:
     """One pool for every pass (workers are started once); None to run in this process."""
     count = worker_count(num_workers, cores=available_cores(), chunks=chunks)
     if count == 0:
         return None
-    return _Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+    return Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
 
 
 def _merge_ranks(
-    parts: list[_ChunkOut], values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
+    parts: list[ChunkOut], values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
 ) -> None:
     """Write every rank's pass output (in rank order) into ``values`` and ``accumulated``."""
     offsets = dict.fromkeys(values, 0)
@@ -461,9 +166,9 @@ def _merge_ranks(
 
 
 def _analyze_pass(
-    workers: _Workers | None,
+    workers: Workers | None,
     index: int,
-    passes: _Passes,
+    passes: Passes,
     dataset: Any,
     mine: list[tuple[int, int]],
     accumulated: dict[str, np.ndarray],
@@ -472,7 +177,7 @@ def _analyze_pass(
     world: int,
     timeout: float,
     show: bool,
-) -> _ChunkOut:
+) -> ChunkOut:
     """Pass ``index`` over this rank's chunks, under its own progress bar."""
     pass_samples, pass_accs = passes[index]
     ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
@@ -480,7 +185,7 @@ def _analyze_pass(
     # ``requires`` an accumulation reads every sample a second time).
     desc = f"analyze pass {index + 1}/{len(passes)}" if len(passes) > 1 else "analyze"
     with Progress(total=n, desc=desc, unit="samples", enabled=show) as bar:
-        local = _pass(
+        local = run_pass(
             workers,
             index,
             dataset,
@@ -522,17 +227,14 @@ def _save_results(
     fp: dict[str, Any],
     rank: int,
     world: int,
+    storage_options: StorageOptions | None,
 ) -> None:
-    """Rank 0 saves every metric under ``output_dir``; the other ranks wait for it."""
+    """Rank 0 saves every metric under ``output_dir`` (a folder or a URL); the other ranks
+    wait for it."""
     if output_dir is None:
         return
     if rank == 0:
-        root = Path(output_dir)
-        for name, item in result.items():
-            if isinstance(item, MetricIndex):
-                item.save(root / name)
-            else:
-                save_accumulated(root / name, name, item, fp)
+        save_results(result, output_dir, fp, storage_options=storage_options)
     if world > 1:
         from meshfeed.dist import barrier
 
@@ -549,12 +251,17 @@ def analyze(
     progress: bool = True,
     mp_context: str | None = None,
     timeout: float = 3600.0,
+    storage_options: StorageOptions | None = None,
 ) -> dict[str, MetricIndex | np.ndarray]:
     """Compute ``metrics`` over ``dataset`` (``len`` + ``__getitem__``); return and save them.
 
     Returns ``{name: MetricIndex}`` for sample metrics and ``{name: array}`` for accumulated
     ones (including those pulled in by ``requires``). With ``output_dir`` each metric is saved
-    to ``output_dir/<name>/`` (by rank 0 only under torch.distributed). ``num_workers=0`` runs
+    to ``output_dir/<name>/`` (by rank 0 only under torch.distributed); ``output_dir`` may be
+    a URL (``s3://bucket/metrics``, any fsspec protocol, credentials from ``storage_options``
+    or the environment): written locally, then uploaded file by file, each metric's
+    ``meta.json`` last, and checked before the analysis starts (see
+    :mod:`meshfeed.curriculum.output`). ``num_workers=0`` runs
     in this process; more workers than the available cores start only as many as there are
     cores. ``chunk_size=None`` picks :func:`default_chunk_size` of the dataset's length.
     ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the run instead of
@@ -567,6 +274,8 @@ def analyze(
     n = len(dataset)
     if n == 0:
         raise ValueError("analyze() got an empty dataset; there is nothing to index")
+    if output_dir is not None:
+        check_output(output_dir, storage_options)  # a bad URL fails now, not after the passes
     fp = content_fingerprint(dataset)
     rank, world = _dist_info()
     mine = _rank_chunks(n, chunk_size, rank, world)
@@ -595,5 +304,5 @@ def analyze(
         if workers is not None:
             _stop_in_background(stack, workers.pool)
         result = _results(samples, values, accumulated, fp)
-    _save_results(result, output_dir, fp, rank, world)
+    _save_results(result, output_dir, fp, rank, world, storage_options)
     return result

@@ -9,8 +9,14 @@ no-argument callable returning one). Each metric is written to OUTPUT/<name>/; u
 every rank takes a share of the work. -j defaults to the cores this process may use (more
 workers than cores only add overhead).
 
+The corpus PREFIX and OUTPUT may be URLs (s3://bucket/corpus, any fsspec protocol; credentials
+and endpoint from the client's environment variables, e.g. AWS_ENDPOINT_URL): the corpus is
+read through the shard cache (--cache-dir), the output written locally and then uploaded, each
+metric's meta.json last; the output URL is checked before the analysis starts.
+
     meshfeed analyze data/corpus_text_document -o data/metrics -m seqlen -m vocab_rarity
     meshfeed analyze data/corpus_text_document --windows 2048 -o data/window_metrics -m vocab_rarity
+    meshfeed analyze s3://bucket/corpus --windows 2048 -o s3://bucket/window_metrics -m seqlen
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric, seqlen, vocab_rarity
+from meshfeed.storage import is_url
 
 __all__ = ["add_subcommand", "available_cores"]
 
@@ -54,23 +61,24 @@ def _resolve(spec: str, what: str) -> Any:
         raise ValueError(f"cannot load {what} {spec!r}: {exc}") from exc
 
 
-def _dataset(spec: str, windows: int | None = None) -> Any:
+def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None) -> Any:
+    factory = ":" in spec and not is_url(spec)
     if windows is not None:
         if windows < 1:
             raise ValueError(f"--windows must be a positive window length (got {windows})")
-        if ":" in spec:
+        if factory:
             raise ValueError(
                 f"--windows takes a token corpus prefix, not {spec!r}; give PREFIX of "
                 "PREFIX.bin/.idx (or leave --windows out for a module:callable dataset)"
             )
-    if ":" in spec:
+    if factory:
         made = _resolve(spec, "dataset")
         # The spec names either a dataset object or a zero-argument factory (a class or a
         # function); a map-style dataset is recognised by __getitem__ (meshfeed.protocols.Source).
         return made() if callable(made) and not hasattr(made, "__getitem__") else made
     from meshfeed.sources.indexed import TokenCorpus
 
-    corpus = TokenCorpus(spec)
+    corpus = TokenCorpus(spec, cache_dir=cache_dir)
     if not np.issubdtype(corpus.dtype, np.integer):
         raise ValueError(
             f"corpus {spec} holds {corpus.dtype} values, not token ids; a token corpus is an "
@@ -136,7 +144,7 @@ def _cli_message(exc: BaseException) -> str:
 
 def _handler(args: argparse.Namespace) -> int:
     try:
-        dataset = _dataset(args.dataset, args.windows)
+        dataset = _dataset(args.dataset, args.windows, args.cache_dir)
         metrics = [_metric(m, dataset, args.vocab_size) for m in args.metric or ["seqlen"]]
         result = analyze(
             dataset,
@@ -146,9 +154,14 @@ def _handler(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             progress=not args.quiet,
         )
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, TypeError, OSError, ImportError) as exc:
         log.error("meshfeed analyze: error: %s", _cli_message(exc))
         return 2
+    _report(result, len(dataset), args.output)
+    return 0
+
+
+def _report(result: dict[str, MetricIndex | np.ndarray], n: int, output: str) -> None:
     print(f"{'metric':<20} {'dtype':<8} {'min':>12} {'p50':>12} {'p90':>12} {'max':>12}")
     for name, item in result.items():
         if isinstance(item, MetricIndex):
@@ -164,8 +177,7 @@ def _handler(args: argparse.Namespace) -> int:
     written = f"{len(indexes)} metric index(es) ({', '.join(indexes)})"
     if arrays:
         written += f" and {len(arrays)} accumulated array(s) ({', '.join(arrays)})"
-    print(f"wrote {written} for {len(dataset)} samples to {args.output}")
-    return 0
+    print(f"wrote {written} for {n} samples to {output}")
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -176,14 +188,29 @@ def add_subcommand(subparsers: Any) -> None:
         description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dataset", help="token corpus prefix (PREFIX.bin/.idx) or module:callable")
+    p.add_argument(
+        "dataset",
+        help="token corpus prefix (PREFIX.bin/.idx, or a URL such as s3://bucket/corpus) or "
+        "module:callable",
+    )
     p.add_argument(
         "--windows",
         type=int,
         metavar="SEQ_LEN",
         help="index the windows of TokenWindows(PREFIX, seq_len=SEQ_LEN), not the documents",
     )
-    p.add_argument("-o", "--output", required=True, help="output folder (one subfolder per metric)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="output folder or URL (s3://bucket/metrics: written locally, then uploaded); one "
+        "subfolder per metric",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="shard cache for a URL corpus (default: $MESHFEED_CACHE_DIR or ~/.cache/meshfeed)",
+    )
     p.add_argument(
         "-m",
         "--metric",

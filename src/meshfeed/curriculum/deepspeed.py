@@ -8,7 +8,9 @@ metric's ``difficulty_type``, ``clustering_type``, ``min_difficulty``, ``max_dif
 (e.g. the ``dummy_metric`` of DeepSpeed's own tests) become a :class:`ReportedDifficulty` (the
 value is reported, nothing is gated or cut, as in DeepSpeed); the others gate sampling and need
 a meshfeed metric index: pass ``indexes={name: MetricIndex or path}``, or let
-``index_to_metric_path`` point at a directory written by ``meshfeed analyze``.
+``index_to_metric_path`` point at a directory written by ``meshfeed analyze``. A path may be a
+URL (``s3://bucket/metrics/vocab_rarity``), read through the shard cache at ``cache_dir=``
+with ``storage_options=`` (see :meth:`MetricIndex.load`).
 
 What DeepSpeed's sampler does, the curriculum built here does too: batch ``n`` gets the
 difficulty of curriculum step ``n + 1`` (``first_step=1``; DeepSpeed increments before it
@@ -33,6 +35,7 @@ from meshfeed.curriculum.curriculum import Curriculum, CurriculumMetric, Transfo
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.schedule import Schedule, fixed_discrete, fixed_linear, fixed_root
 from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
+from meshfeed.storage import StorageOptions, is_url
 
 __all__ = ["from_deepspeed_config", "schedule_from_deepspeed"]
 
@@ -69,11 +72,15 @@ def schedule_from_deepspeed(cfg: Mapping[str, Any], *, where: str = "curriculum"
     return fixed_root(lo, hi, total, step, _need(sc, "root_degree", where))
 
 
-def _index(name: str, cfg: Mapping[str, Any], indexes: Mapping[str, Any]) -> MetricIndex:
+def _index(
+    name: str, cfg: Mapping[str, Any], indexes: Mapping[str, Any], remote: Mapping[str, Any]
+) -> MetricIndex:
     given = indexes.get(name)
     if isinstance(given, MetricIndex):
         return given
     path = given if given is not None else cfg.get("index_to_metric_path")
+    if path is not None and is_url(os.fspath(path)):
+        return MetricIndex.load(path, **remote)  # its errors name the URL
     if path is not None and (Path(path) / "meta.json").is_file():
         return MetricIndex.load(path)
     raise ValueError(
@@ -87,8 +94,14 @@ def from_deepspeed_config(
     *,
     indexes: Mapping[str, MetricIndex | str | os.PathLike[str]] | None = None,
     samples_per_epoch: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
+    storage_options: StorageOptions | None = None,
 ) -> Curriculum:
-    """A :class:`Curriculum` from a DeepSpeed config dict or JSON file (see module doc)."""
+    """A :class:`Curriculum` from a DeepSpeed config dict or JSON file (see module doc).
+
+    ``cache_dir``, ``cache_limit`` and ``storage_options`` serve index paths that are URLs.
+    """
     cfg: Mapping[str, Any] = (
         config if isinstance(config, Mapping) else json.loads(Path(config).read_text())
     )
@@ -97,7 +110,8 @@ def from_deepspeed_config(
     metrics: list[CurriculumMetric] = []
     transforms: list[Transform] = []
     if not off:
-        metrics, transforms = _read_metrics(cl, indexes)
+        remote = dict(cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
+        metrics, transforms = _read_metrics(cl, indexes, remote)
     legacy = _legacy_transform(cfg)
     if legacy is not None:
         transforms.append(legacy)
@@ -125,7 +139,7 @@ def _curriculum_section(cfg: Mapping[str, Any]) -> tuple[Mapping[str, Any], list
 
 
 def _read_metrics(
-    cl: Mapping[str, Any], indexes: Mapping[str, Any]
+    cl: Mapping[str, Any], indexes: Mapping[str, Any], remote: Mapping[str, Any]
 ) -> tuple[list[CurriculumMetric], list[Transform]]:
     """The metrics (filtered through an index) and transforms of ``curriculum_metrics``."""
     metrics: list[CurriculumMetric] = []
@@ -141,7 +155,7 @@ def _read_metrics(
             kind = m.get("difficulty_type", "value")
             metrics.append(
                 CurriculumMetric(
-                    index=_index(name, m, indexes),
+                    index=_index(name, m, indexes, remote),
                     schedule=schedule,
                     difficulty_type=kind,
                     percentile_max=_percentile_max(m, where) if kind == "percentile" else None,

@@ -7,6 +7,11 @@ percent, taken from the sorted values, so every percentile is an actual value) a
 memory-maps the arrays, so a 10**9-sample index costs no RAM until read. An accumulated metric
 (a token histogram) is saved the same way with ``accumulated.npy`` instead.
 
+Both load from a URL too (``s3://bucket/metrics/seqlen``, any fsspec protocol), through the
+node's shard cache (:class:`~meshfeed.storage.ShardCache`): ``meta.json`` first, then the files
+it records, each downloaded once per node; a memory-mapped index holds its files in the cache
+(never evicted) while it lives.
+
 The fingerprint is the dataset length plus a hash of a fixed set of sampled items; loading an
 index against another dataset raises ``ValueError`` instead of silently gating the wrong data.
 """
@@ -16,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +28,23 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.curriculum.index_files import (
+    META,
+    VERSION,
+    Folder,
+    atomic_write,
+    file_id,
+)
 from meshfeed.mapped import check_mapped
 from meshfeed.order.permutation import Permutation
+from meshfeed.storage import ShardCache, StorageOptions
 
 __all__ = ["MetricIndex", "content_fingerprint", "load_accumulated"]
 
-VERSION = 1
+_SAMPLE_FILES = ("values.npy", "order.npy", "percentiles.npy")
+_ACCUMULATED = "accumulated.npy"
 _FINGERPRINT_ITEMS = 16
+_STATE = ("name", "values", "order", "percentiles", "fingerprint")
 
 
 def _feed(h: Any, item: Any) -> None:
@@ -96,6 +110,18 @@ class MetricIndex:
     order: np.ndarray = field(repr=False)
     percentiles: np.ndarray = field(repr=False)
     fingerprint: dict[str, Any]
+    # the shard cache holding the files of an index loaded from a URL (memory-mapped)
+    _cache: ShardCache | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the values and their facts, never the shard cache holding a URL index's files: the
+        # receiving process has its own, and may not reach this one's cache_dir
+        return {k: getattr(self, k) for k in _STATE}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in _STATE:
+            object.__setattr__(self, k, state[k])
+        object.__setattr__(self, "_cache", None)
 
     @classmethod
     def from_values(
@@ -158,8 +184,8 @@ class MetricIndex:
             ("order.npy", self.order),
             ("percentiles.npy", self.percentiles),
         ):
-            _atomic_write(out / name, lambda f, a=array: np.save(f, np.asarray(a)))
-            files[name] = _file_id(out / name)
+            atomic_write(out / name, lambda f, a=array: np.save(f, np.asarray(a)))
+            files[name] = file_id(out / name)
         meta = {
             "version": VERSION,
             "kind": "sample",
@@ -170,33 +196,53 @@ class MetricIndex:
             "files": files,
         }
         text = json.dumps(meta, indent=1, sort_keys=True).encode()
-        _atomic_write(out / "meta.json", lambda f: f.write(text))
+        atomic_write(out / "meta.json", lambda f: f.write(text))
         return out
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike[str], *, dataset: Any = None, mmap: bool = True
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dataset: Any = None,
+        mmap: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        storage_options: StorageOptions | None = None,
     ) -> MetricIndex:
         """Load a saved index (memory-mapped); with ``dataset``, refuse a mismatched one.
 
         Checks that the arrays are the ones ``meta.json`` recorded and agree with each other
         (lengths, dtype, percentiles of the sorted values); O(1) reads beyond the headers.
+        ``path`` may be a URL (``s3://bucket/metrics/seqlen``): it is read through the shard
+        cache at ``cache_dir`` (``cache_limit``, ``storage_options``: see
+        :class:`~meshfeed.storage.ShardCache`), and the index holds its cached files while it
+        lives.
         """
-        src = Path(path)
-        meta = read_meta(src)
+        folder = Folder(path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options)
+        try:
+            index = cls._load(folder, dataset=dataset, mmap=mmap)
+        except BaseException:
+            folder.close()
+            raise
+        if mmap and folder.cache is not None:
+            object.__setattr__(index, "_cache", folder.cache)  # holds the mapped files
+        else:
+            folder.close()
+        return index
+
+    @classmethod
+    def _load(cls, folder: Folder, *, dataset: Any, mmap: bool) -> MetricIndex:
+        meta = folder.meta()
+        where = folder.where
         if meta.get("kind") != "sample":
             raise ValueError(
-                f"{src} holds an accumulated metric ({meta.get('name')!r}), not per-sample "
+                f"{where} holds an accumulated metric ({meta.get('name')!r}), not per-sample "
                 "values; load it with load_accumulated()"
             )
         if dataset is not None:
-            check_fingerprint(meta["fingerprint"], dataset, what=f"metric index {src}")
-        for name, recorded in dict(meta.get("files", {})).items():
-            if _file_id(src / name) != recorded:
-                raise ValueError(
-                    f"{src / name} is not the file {src / 'meta.json'} recorded (a save was "
-                    "interrupted or the files were mixed); rerun `meshfeed analyze`"
-                )
+            check_fingerprint(meta["fingerprint"], dataset, what=f"metric index {where}")
+        src = folder.files(meta, _SAMPLE_FILES)
         index = cls(
             name=meta["name"],
             values=np.load(src / "values.npy", mmap_mode="r" if mmap else None),
@@ -204,35 +250,11 @@ class MetricIndex:
             percentiles=np.load(src / "percentiles.npy"),
             fingerprint=meta["fingerprint"],
         )
-        _check_consistent(index, src, meta)
+        _check_consistent(index, where, meta)
         return index
 
 
-def _atomic_write(target: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _file_id(path: Path) -> list[Any]:
-    """Size and a hash of the first and last 4 KB: cheap, and different for another save."""
-    if not path.is_file():
-        return [None, None]
-    size = path.stat().st_size
-    h = hashlib.blake2b(digest_size=12)
-    with open(path, "rb") as f:
-        h.update(f.read(4096))
-        f.seek(max(0, size - 4096))
-        h.update(f.read())
-    return [size, h.hexdigest()]
-
-
-def _check_consistent(index: MetricIndex, src: Path, meta: dict[str, Any]) -> None:
+def _check_consistent(index: MetricIndex, src: str, meta: dict[str, Any]) -> None:
     n = len(index.values)
     problem = None
     if n != meta.get("length") or index.order.shape != (n,):
@@ -264,39 +286,49 @@ def percentile_table(sorted_values: np.ndarray) -> np.ndarray:
     return np.asarray(sorted_values[ranks])
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    meta_path = path / "meta.json"
-    if not meta_path.is_file():
-        raise ValueError(
-            f"{path} is not a meshfeed metric index (no meta.json); create one with "
-            "`meshfeed analyze` or meshfeed.curriculum.analyze(...)"
-        )
-    meta: dict[str, Any] = json.loads(meta_path.read_text())
-    if meta.get("version") != VERSION:
-        raise ValueError(
-            f"{path} has metric index version {meta.get('version')!r}; this meshfeed reads "
-            f"version {VERSION}; rerun `meshfeed analyze`"
-        )
-    return meta
-
-
 def save_accumulated(
     path: str | os.PathLike[str], name: str, array: np.ndarray, fp: dict[str, Any]
 ) -> Path:
+    """Write an accumulated metric under ``path`` atomically, as :meth:`MetricIndex.save` does
+    (``meta.json`` last, recording the array file)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    np.save(out / "accumulated.npy", np.asarray(array))
-    meta = {"version": VERSION, "kind": "accumulated", "name": name, "fingerprint": fp}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    atomic_write(out / _ACCUMULATED, lambda f: np.save(f, np.asarray(array)))
+    meta = {
+        "version": VERSION,
+        "kind": "accumulated",
+        "name": name,
+        "fingerprint": fp,
+        "files": {_ACCUMULATED: file_id(out / _ACCUMULATED)},
+    }
+    text = json.dumps(meta, indent=1, sort_keys=True).encode()
+    atomic_write(out / META, lambda f: f.write(text))
     return out
 
 
-def load_accumulated(path: str | os.PathLike[str], *, dataset: Any = None) -> np.ndarray:
-    """Load an accumulated metric (e.g. the token histogram) saved by the analyzer."""
-    src = Path(path)
-    meta = read_meta(src)
-    if meta.get("kind") != "accumulated":
-        raise ValueError(f"{src} holds per-sample values; load it with MetricIndex.load()")
-    if dataset is not None:
-        check_fingerprint(meta["fingerprint"], dataset, what=f"accumulated metric {src}")
-    return np.load(src / "accumulated.npy")
+def load_accumulated(
+    path: str | os.PathLike[str],
+    *,
+    dataset: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
+    storage_options: StorageOptions | None = None,
+) -> np.ndarray:
+    """Load an accumulated metric (e.g. the token histogram) saved by the analyzer.
+
+    ``path`` may be a URL, read through the shard cache as in :meth:`MetricIndex.load`.
+    """
+    folder = Folder(path, cache_dir=cache_dir, cache_limit=cache_limit, options=storage_options)
+    try:
+        meta = folder.meta()
+        if meta.get("kind") != "accumulated":
+            raise ValueError(
+                f"{folder.where} holds per-sample values; load it with MetricIndex.load()"
+            )
+        if dataset is not None:
+            check_fingerprint(
+                meta["fingerprint"], dataset, what=f"accumulated metric {folder.where}"
+            )
+        return np.load(folder.files(meta, (_ACCUMULATED,)) / _ACCUMULATED)
+    finally:
+        folder.close()
