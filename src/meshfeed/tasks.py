@@ -51,3 +51,10 @@ class FetchEvents:
 
     def __bool__(self) -> bool:
         return bool(self.retries or self.substituted or self.skipped or self.failures)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Sent back with every batch a worker makes, nearly always empty: a plain reduce
+        # pickles and unpickles in about two thirds of the dataclass's default time.
+        if not self:
+            return FetchEvents, ()
+        return FetchEvents, (self.retries, self.substituted, self.skipped, self.failures)

@@ -52,6 +52,8 @@ def _batch(i: int, n: int) -> dict:
         "x": torch.arange(n, dtype=torch.int64) + i,
         "h": torch.full((3, 5), i, dtype=torch.bfloat16),
         "a": np.arange(n, dtype=np.float32) * i,
+        "t": (torch.arange(2 * n, dtype=torch.int32) + i).reshape(2, n).t(),  # not contiguous
+        "m": torch.arange(n) % 3 == i % 3,  # bool
     }
 
 
@@ -94,6 +96,8 @@ def test_results_come_back_in_submission_order_with_exact_tensors(n):
         assert torch.equal(b["x"], ref["x"]) and b["x"].dtype == torch.int64
         assert b["h"].dtype == torch.bfloat16 and torch.equal(b["h"], ref["h"])
         assert np.array_equal(b["a"], ref["a"])
+        assert torch.equal(b["t"], ref["t"]) and b["t"].shape == (n, 2)
+        assert torch.equal(b["m"], ref["m"]) and b["m"].dtype == torch.bool
 
 
 def test_per_worker_init_and_addressed_workers():

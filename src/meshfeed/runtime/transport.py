@@ -63,8 +63,16 @@ def _tensor_from_numpy(array: np.ndarray, dtype: str | None) -> torch.Tensor:
     return tensor if dtype is None else tensor.view(getattr(torch, dtype))
 
 
+def _tensor_from_buffer(
+    buffer: Any, np_dtype: str, shape: tuple[int, ...], dtype: str | None
+) -> torch.Tensor:
+    array = np.frombuffer(buffer, dtype=np_dtype).reshape(shape)
+    return _tensor_from_numpy(array, dtype)
+
+
 class _BatchPickler(pickle.Pickler):
-    """Pickles CPU tensors as numpy arrays, so protocol 5 can move their bytes out of band."""
+    """Pickles CPU tensors as their raw bytes (one out-of-band buffer under protocol 5) plus
+    dtype and shape; a tensor that is not contiguous goes through numpy's own pickling."""
 
     def reducer_override(self, obj: Any) -> Any:
         if (
@@ -75,11 +83,21 @@ class _BatchPickler(pickle.Pickler):
             and not obj.is_conj()
             and not obj.is_neg()
         ):
+            dtype = None
             if obj.dtype == torch.bfloat16:  # numpy has no bfloat16: move its bits
-                return _tensor_from_numpy, (obj.view(torch.int16).numpy(), "bfloat16")
-            if obj.dtype in (torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2):
+                obj, dtype = obj.view(torch.int16), "bfloat16"
+            elif obj.dtype in (torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2):
                 return NotImplemented
-            return _tensor_from_numpy, (obj.numpy(), None)
+            array = obj.numpy()
+            if not array.flags.c_contiguous:
+                return _tensor_from_numpy, (array, dtype)
+            # Straight to a PickleBuffer: numpy's reduce of an array costs twice as much.
+            return _tensor_from_buffer, (
+                pickle.PickleBuffer(array),
+                array.dtype.str,
+                array.shape,
+                dtype,
+            )
         return NotImplemented
 
 
@@ -140,8 +158,11 @@ class SlotWriter:
         self.free.discard(sid)
         view = self.slots[sid].buf
         assert view is not None  # an open segment always has a buffer
+        slot = np.frombuffer(view, dtype=np.uint8, count=total)
         for (offset, nbytes), raw in zip(layout, raws, strict=True):
-            view[offset : offset + nbytes] = raw.cast("B")
+            # numpy's copy: about 1.5x the speed of a memoryview slice assignment
+            np.copyto(slot[offset : offset + nbytes], np.frombuffer(raw, dtype=np.uint8))
+        del slot, view
         return pickle.dumps(("ok", sid, meta, layout, total, retired), 5)
 
     def close(self) -> None:
