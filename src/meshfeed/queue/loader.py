@@ -11,8 +11,10 @@ of ``j``.
 
 Arguments, defaults, checks and lifecycle are those of :class:`meshfeed.DataLoader`
 (``batch_size``, ``mesh``, ``rank``, ``num_workers``, ``prefetch``, ``timeout``,
-``collate_fn``; ``shutdown()`` and ``with``), checked by the same
-:func:`meshfeed.options.check_loader_arguments`. ``collate_fn`` is the last step before the
+``collate_fn``; ``shutdown()`` and ``with``): the loader is a
+:class:`~meshfeed.loader_base.LoaderBase` configured by one validated
+:class:`~meshfeed.options.LoaderOptions` (``loader.options``), with the base's mesh placement,
+``epoch`` / ``set_epoch`` (only epoch 0 exists) and rate-limited warnings. ``collate_fn`` is the last step before the
 trainer, as in ``DataLoader``; its input is the :class:`Batch` the store already assembled
 (columns stacked), not a list of samples, since the store hands out batches, not items.
 
@@ -73,9 +75,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from meshfeed.lifecycle import Lifecycle
-from meshfeed.mesh import place
-from meshfeed.options import check_loader_arguments
+from meshfeed.loader_base import LoaderBase, check_num_epochs
+from meshfeed.options import LoaderOptions
 from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec, check_pending
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
@@ -100,48 +101,30 @@ class CollateError(RuntimeError):
 
 
 def _check_arguments(
-    store: Any,
-    *,
-    task: Any,
-    fields: Any,
-    partition: Any,
-    batch_size: Any,
-    num_workers: Any,
-    prefetch: Any,
-    collate_fn: Any,
-    collate_retries: Any,
-    timeout: Any,
+    store: Any, *, task: Any, fields: Any, partition: Any, collate_retries: Any
 ) -> None:
-    """Refuse a bad StoreLoader argument by name (before anything starts)."""
-    if not isinstance(store, SampleStore):
-        raise TypeError(
-            f"store must be a SampleStore (got {type(store).__name__}); build the store "
-            "with meshfeed.queue.SampleStore and pass it first"
-        )
-    check_loader_arguments(
-        batch_size=batch_size,
-        seed=0,  # the store decides the order: no seed, no retries of samples
-        num_workers=num_workers,
-        prefetch=prefetch,
-        timeout=timeout,
-        on_error="raise",
-        max_retries=0,
-    )
+    """Refuse a bad store-only argument by name (the shared ones are checked by
+    :class:`~meshfeed.options.LoaderOptions`)."""
     if (
         isinstance(collate_retries, bool)
         or not isinstance(collate_retries, int)
         or collate_retries < 0
     ):
         raise ValueError(f"collate_retries must be an int >= 0 (got {collate_retries=!r})")
-    if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
     if not isinstance(task, str) or not task:
         raise TypeError(f"task must be a non-empty string (got {task=!r})")
     if not isinstance(partition, str) or not partition:
         raise TypeError(f"partition must be a non-empty string (got {partition=!r})")
     if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
         raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
-    _check_workers(store, num_workers, collate_fn)
+
+
+def _check_store(store: Any) -> None:
+    if not isinstance(store, SampleStore):
+        raise TypeError(
+            f"store must be a SampleStore (got {type(store).__name__}); build the store "
+            "with meshfeed.queue.SampleStore and pass it first"
+        )
 
 
 def _check_workers(store: SampleStore, num_workers: int, collate_fn: Any) -> None:
@@ -159,7 +142,15 @@ def _check_workers(store: SampleStore, num_workers: int, collate_fn: Any) -> Non
         )
 
 
-class StoreLoader(Lifecycle):
+def _one_epoch(got: str, use: str) -> str:
+    return (
+        f"a StoreLoader reads one stream, which is one epoch (got {got}); {use}, and for "
+        "another pass put the samples to a new partition and build a new StoreLoader (or "
+        "reset_consumption() on the store)"
+    )
+
+
+class StoreLoader(LoaderBase):
     """Iterate batches of ``fields`` for ``task`` from ``partition`` of ``store``, as global
     ``rank`` of ``mesh`` (a :class:`DataMesh`, ``DeviceMesh``, dict of axis sizes, or
     ``None`` for the torchrun world; ``device_mesh=`` is the same argument under torch's
@@ -185,6 +176,7 @@ class StoreLoader(Lifecycle):
 
     #: How long ``state_dict()`` waits for batches in flight when ``timeout`` is unlimited.
     STATE_WAIT: ClassVar[float] = 60.0
+    name = "StoreLoader"
 
     def __init__(
         self,
@@ -204,26 +196,27 @@ class StoreLoader(Lifecycle):
         collate_retries: int = 2,
         timeout: float = 300.0,
     ) -> None:
-        _check_arguments(
-            store,
-            task=task,
-            fields=fields,
-            partition=partition,
+        _check_store(store)
+        options = LoaderOptions(
             batch_size=batch_size,
+            shuffle=False,  # the store decides the order: no seed, no shuffle
             num_workers=num_workers,
             prefetch=prefetch,
             collate_fn=collate_fn,
-            collate_retries=collate_retries,
             timeout=timeout,
+            on_error="raise",
         )
-        self.mesh, self.rank = place(mesh, device_mesh, rank)
-        self.data_rank = self.mesh.data_rank(self.rank)
+        _check_arguments(
+            store, task=task, fields=fields, partition=partition, collate_retries=collate_retries
+        )
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
+        _check_workers(store, num_workers, collate_fn)
+        super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = mesh_sampler(sampler, self.mesh, self.rank)
         self.store, self.task, self.fields = store, task, list(fields)
-        self.batch_size, self.partition, self.timeout = batch_size, partition, timeout
-        self.num_workers, self.prefetch, self.collate_fn = num_workers, prefetch, collate_fn
-        self.collate_retries = collate_retries
+        self.partition, self.collate_retries = partition, collate_retries
         wait = check_timeout(timeout)
         self._ahead_max = prefetch if (prefetch > 1 or num_workers) else 0
         # Holding matters only when samples can be evicted while fetched but not returned:
@@ -332,16 +325,15 @@ class StoreLoader(Lifecycle):
         loop written for ``DataLoader.epochs`` runs unchanged; ``epochs(0)`` yields nothing.
         More epochs are refused: another pass needs new samples (a new partition and a fresh
         ``StoreLoader``, or ``SampleStore.reset_consumption``)."""
-        if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
-            raise ValueError(f"num_epochs must be an int >= 0 (got {num_epochs=!r})")
+        check_num_epochs(num_epochs)
         if num_epochs > 1:
-            raise ValueError(
-                f"a StoreLoader reads one stream, which is one epoch (got {num_epochs=}); use "
-                "epochs(1), and for another pass put the samples to a new partition and build "
-                "a new StoreLoader (or reset_consumption() on the store)"
-            )
+            raise ValueError(_one_epoch(f"{num_epochs=}", "use epochs(1)"))
         if num_epochs == 1 and not (self._flight.ended and not self._flight.ahead):
             yield 0
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
+        raise ValueError(_one_epoch(f"set_epoch({epoch})", "stay at epoch 0"))
 
     def stats(self) -> dict[str, Any]:
         """What this loader object did since it was built, and the store's view of its task.
