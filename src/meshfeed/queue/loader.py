@@ -61,10 +61,22 @@ for the batches it had not returned. Such shared plans take no lease (a store's
 ``lease_timeout`` applies to direct ``get`` calls, whose consumer may die holding a batch).
 
 Checkpoints. ``state_dict()`` is the state as of the last batch returned: it waits for the
-batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records the ids of those fetched but not returned; after
-``load_state_dict`` they are re-delivered first (read again from the store, not re-planned).
-Take ``state_dict()`` of every loader, then save the store, before the next batch; a store with
+batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records, for each
+batch fetched but not returned, its whole *round* (every data rank's ids, in data-rank order,
+as the store's shared plan holds it: :attr:`Batch.parts`); after ``load_state_dict`` they are
+re-delivered first (read again from the store, not re-planned). The state names the global
+batch (``data_world_size``, ``batch_size``, ``unit``: the sampler's group size), not a data
+rank, so every data rank's state is the same and one of them can be saved. Take
+``state_dict()`` of every loader, then save the store, before the next batch; a store with
 ``tasks=`` keeps such fetched-ahead samples until the loader returned them.
+
+Elastic resume. A state loads on another number of data ranks ``D'`` with the same global
+batch (``D * batch_size == D' * batch_size'``): each new rank takes its contiguous part of
+each pending round (the sampler's split rule, so groups stay whole), then continues with the
+rounds from ``next``; every sample is served once. Refused, naming the values and the fix: a
+different global batch or group size, a ``batch_size'`` that would split a group, and a
+pending last (short) round with fewer units than ``D'`` (a rank would get an empty batch). See
+:mod:`meshfeed.queue.loader_resume`.
 """
 
 from __future__ import annotations
@@ -77,7 +89,8 @@ from typing import Any, ClassVar
 
 from meshfeed.loader_base import LoaderBase, check_num_epochs
 from meshfeed.options import LoaderOptions
-from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec, check_pending
+from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
+from meshfeed.queue.loader_resume import check_pending, check_resize, resplit, unit_of
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.wakeups import check_timeout
@@ -85,7 +98,11 @@ from meshfeed.runtime import WorkerError
 from meshfeed.state import envelope, open_envelope
 
 KIND = "store_loader"
-VERSION = 3  # 3: the one state envelope (kind + version); prefetch counts the batch returned
+#: 3: the one state envelope (kind + version); prefetch counts the batch returned.
+#: 4: pending batches name their whole round (every data rank's ids) and the state names the
+#: global batch (data_world_size, batch_size, unit), not a data rank: resumable on another
+#: data-parallel size.
+VERSION = 4
 
 
 class CollateError(RuntimeError):
@@ -215,6 +232,7 @@ class StoreLoader(LoaderBase):
         super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = mesh_sampler(sampler, self.mesh, self.rank)
+        self._unit = unit_of(self.sampler)
         self.store, self.task, self.fields = store, task, list(fields)
         self.partition, self.collate_retries = partition, collate_retries
         wait = check_timeout(timeout)
@@ -402,7 +420,8 @@ class StoreLoader(LoaderBase):
                         "trainer (e.g. a weight sync), take state_dict() once they can run "
                         "again, or use prefetch=1; the loader is unchanged and usable"
                     ) from None
-                pending.append([entry.index, got.ids])
+                parts = got.parts if got.parts is not None or got.ids is None else [got.ids]
+                pending.append([entry.index, parts])
         except WorkerError as error:
             if self._flight.pool is None or self._flight.pool.started:
                 raise
@@ -412,7 +431,9 @@ class StoreLoader(LoaderBase):
             VERSION,
             task=self.task,
             partition=self.partition,
-            data_rank=self.data_rank,
+            data_world_size=self.data_world_size,
+            batch_size=self.batch_size,
+            unit=self._unit,
             next=self._flight.next,
             ended=self._flight.ended,
             pending=pending,
@@ -420,8 +441,10 @@ class StoreLoader(LoaderBase):
 
     def load_state_dict(self, state: Any) -> None:
         """Continue from ``state``; the store must be restored to the same moment. Every
-        field is checked against this loader (task, partition, data rank) and itself
-        (pending batches: distinct indices below ``next``, lists of int/str ids)."""
+        field is checked against this loader (task, partition, global batch, groups) and
+        itself (pending rounds: distinct indices below ``next``, one list of int/str ids per
+        data rank). On another number of data ranks with the same global batch, this rank
+        takes its part of each pending round (see :mod:`meshfeed.queue.loader_resume`)."""
         st = open_envelope(
             state,
             kind=KIND,
@@ -429,27 +452,37 @@ class StoreLoader(LoaderBase):
             fields={
                 "task": str,
                 "partition": str,
-                "data_rank": int,
+                "data_world_size": int,
+                "batch_size": int,
+                "unit": int,
                 "next": int,
                 "ended": bool,
                 "pending": list,
             },
             what="StoreLoader state",
         )
-        for key in ("task", "partition", "data_rank"):
+        for key in ("task", "partition"):
             if st[key] != getattr(self, key):
                 raise ValueError(
                     f"the StoreLoader state is for {key}={st[key]!r} but this loader has "
                     f"{key}={getattr(self, key)!r}; resume with the same configuration"
                 )
-        pending = st["pending"]
-        nxt = st["next"]
-        if nxt >= 1 << 53:  # beyond what JSON carries exactly; no stream reaches it
+        ranks, nxt, pending = st["data_world_size"], st["next"], st["pending"]
+        if nxt >= 1 << 53 or ranks < 1 or st["batch_size"] < 1 or st["unit"] < 1:
             raise ValueError(
-                f"StoreLoader state field 'next' is {nxt}, beyond any real batch count "
-                f"(next={nxt}); the checkpoint is corrupted"
+                f"StoreLoader state has next={nxt}, data_world_size={ranks}, batch_size="
+                f"{st['batch_size']}, unit={st['unit']}: beyond any real stream, or not "
+                "positive; the checkpoint is corrupted"
             )
-        check_pending(pending, nxt)
+        check_resize(
+            ranks=ranks,
+            batch_size=st["batch_size"],
+            unit=st["unit"],
+            new_ranks=self.data_world_size,
+            new_batch_size=self.batch_size,
+            new_unit=self._unit,
+        )
+        check_pending(pending, nxt, ranks)
         if len(pending) > max(self._ahead_max, 1):
             raise ValueError(
                 f"StoreLoader state names {len(pending)} batches in flight, more than this "
@@ -459,16 +492,25 @@ class StoreLoader(LoaderBase):
             raise ValueError(
                 "load_state_dict must come before iteration starts; build a fresh loader"
             )
+        rounds = [
+            (i, None if parts is None else resplit(i, parts, self.data_world_size, self._unit))
+            for i, parts in pending
+        ]
+        if ranks != self.data_world_size:
+            # The old layout's plans are never read again (their batches come from the state).
+            self.store.drop_plans(self.partition, self.task, nxt)
         self._flight.next = nxt
         self._flight.ended = st["ended"]
-        for index, ids in pending:
-            self._flight.ahead.append(Entry(index, lazy=self._redeliver(ids)))
-        self._counts["redelivered"] += sum(ids is not None for _, ids in pending)
+        for index, parts in rounds:
+            self._flight.ahead.append(Entry(index, lazy=self._redeliver(parts)))
+        self._counts["redelivered"] += sum(parts is not None for _, parts in rounds)
 
-    def _redeliver(self, ids: list[Any] | None) -> Callable[[], Batch | None]:
+    def _redeliver(self, parts: list[list[Any]] | None) -> Callable[[], Batch | None]:
         def fn() -> Batch | None:
-            if ids is None:
+            if parts is None:
                 return None
-            return self.store.peek(self.partition, list(ids), self._spec.fields)
+            ids = parts[self.data_rank]
+            batch = self.store.peek(self.partition, list(ids), self._spec.fields)
+            return Batch(batch.ids, batch.columns, parts=parts)
 
         return fn

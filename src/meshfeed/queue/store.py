@@ -62,6 +62,10 @@ class Batch:
     #: The lease the samples were handed out under (a store with ``lease_timeout``), to pass
     #: to :meth:`SampleStore.ack`; ``None`` when the get consumed them at once.
     lease: str | None = None
+    #: The parts of the shared plan this batch is one part of, in part order: with a
+    #: rank-aware sampler over ``D`` data ranks, the whole round (every data rank's ids, in
+    #: data-rank order); ``None`` for a batch planned for this caller alone.
+    parts: list[list[Key]] | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.columns[name]
@@ -268,9 +272,9 @@ class SampleStore:
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
         )
-        ids, rows, lease = self._backend.get(request)
+        ids, rows, lease, parts = self._backend.get(request)
         names = request.fields
-        return Batch(ids, {name: collate(rows[name]) for name in names}, lease)
+        return Batch(ids, {name: collate(rows[name]) for name in names}, lease, parts)
 
     def ack(self, lease: Batch | str) -> None:
         """The batch (or lease id) a ``get`` returned was used: its samples stay consumed.
@@ -315,6 +319,14 @@ class SampleStore:
         return self._backend.name
 
     # ----------------------------------------------------------------- admin
+    def drop_plans(self, partition: str, task: str, below: int) -> None:
+        """Forget ``task``'s shared plans of batch indices below ``below`` (their samples are
+        no longer pinned by them). A loader resumed on another number of data ranks calls it:
+        it re-delivers the batches its state names and asks for no earlier index."""
+        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
+            raise ValueError(f"below must be a batch index, an int >= 0 (got {below=!r})")
+        self._backend.drop_plans(self._partition(partition), check_task(task), below)
+
     def reset_consumption(self, partition: str, task: str) -> None:
         """Make every held sample of ``partition`` unconsumed again for ``task``."""
         self._backend.reset_consumption(self._partition(partition), task)
