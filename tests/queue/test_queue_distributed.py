@@ -155,3 +155,32 @@ def test_a_store_loader_state_of_dp2_tp2_gloo_ranks_resumes_on_dp4_serving_every
     served = first + [k for r in results for ids in r["rest"] for k in ids]
     assert sorted(served) == list(range(40))  # none twice, none lost
     assert stats["cache_entries"] == 0  # neither layout's plans left pinned
+
+
+# ---------------------------------------------------------------- on_error="skip" agreed by ranks
+def _fails_on_4(batch) -> list:
+    if 4 in batch.ids:  # round 1 is [4, 5] on data rank 0 and [6, 7] on data rank 1
+        raise ValueError("cannot collate sample 4")
+    return list(batch.ids)
+
+
+def _skip_rank(rank: int, world: int) -> dict:
+    store = SampleStore()  # each process its own store, same puts: the same rounds
+    store.put("p", {"x": list(range(16))})
+    store.close("p")
+    with StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=2,
+                     mesh=DataMesh.from_env(), collate_fn=_fails_on_4, on_error="skip",
+                     prefetch=2, timeout=30) as loader:  # fmt: skip
+        return {"ids": list(loader), "stats": loader.stats()}
+
+
+@pytest.mark.slow
+def test_skip_on_gloo_ranks_drops_a_round_one_rank_could_not_collate_on_every_rank():
+    results = run_distributed(_skip_rank, 2, timeout=120)
+    assert results[0]["ids"] == [[0, 1], [8, 9], [12, 13]]
+    assert results[1]["ids"] == [[2, 3], [10, 11], [14, 15]]  # its round 1 dropped too
+    assert results[0]["stats"]["failures"] == [[1, [4, 5], "ValueError", "cannot collate sample 4"]]
+    assert results[1]["stats"]["failures"] == [
+        [1, [6, 7], "RankError", "rank 0 could not collate its part of this round"]
+    ]
+    assert [r["stats"]["skipped"] for r in results] == [1, 1]

@@ -38,7 +38,13 @@ peer sees the end of the stream.
 
 A ``collate_fn`` that raises is retried on the batch already fetched (it is consumed in the
 store; fetching again would plan another batch and lose this one); if it keeps failing,
-:class:`CollateError` names the batch, which stays first in line and in ``state_dict()``.
+``on_error`` decides (see :mod:`meshfeed.queue.loader_errors`): ``"raise"`` (the default)
+raises :class:`CollateError` naming the batch, which stays first in line and in
+``state_dict()``; ``"skip"`` drops it (its samples stay consumed), counted in
+``stats()["skipped"]`` / ``stats()["failures"]`` and warned at the base's rate, with every
+rank of a process group agreeing per batch (one ``all_reduce`` of one int) so that all skip
+the same rounds and take the same number of steps; ``"substitute"`` is refused (a store batch
+has no deterministic substitute).
 
 Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
 the store once; embedded: the platform's default start method, fork where it exists). A worker
@@ -88,7 +94,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from meshfeed.loader_base import LoaderBase, check_num_epochs
-from meshfeed.options import LoaderOptions
+from meshfeed.options import LoaderOptions, OnError
+from meshfeed.queue.loader_errors import SkipLog, check_on_error, round_failed
 from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
 from meshfeed.queue.loader_resume import check_pending, check_resize, resplit, unit_of
 from meshfeed.queue.samplers import Sampler, mesh_sampler
@@ -103,6 +110,10 @@ KIND = "store_loader"
 #: global batch (data_world_size, batch_size, unit), not a data rank: resumable on another
 #: data-parallel size.
 VERSION = 4
+
+
+#: What ``_retry`` returns for a batch ``on_error="skip"`` drops.
+_FAILED: Any = object()
 
 
 class CollateError(RuntimeError):
@@ -178,7 +189,9 @@ class StoreLoader(LoaderBase):
     loader stays usable). ``collate_fn``: a picklable function of a :class:`Batch` applied to
     every batch (in worker processes when ``num_workers > 0``), retried on the same fetched
     batch ``collate_retries`` more times, never by fetching again; if it keeps failing,
-    :class:`CollateError` names the batch's ids and the loader keeps the batch. Replica peers
+    ``on_error="raise"`` (default) raises :class:`CollateError` naming the batch's ids and
+    the loader keeps the batch, ``on_error="skip"`` drops it, agreed by every rank (needs the
+    process group on a mesh of several ranks; see the module docstring). Replica peers
     must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
     ``batch_size`` and ``prefetch``). ``shutdown()`` (or leaving a ``with`` block) cancels
     waiting requests and stops workers.
@@ -212,6 +225,7 @@ class StoreLoader(LoaderBase):
         collate_fn: Callable[[Batch], Any] | None = None,
         collate_retries: int = 2,
         timeout: float = 300.0,
+        on_error: OnError | None = None,
     ) -> None:
         _check_store(store)
         options = LoaderOptions(
@@ -221,7 +235,7 @@ class StoreLoader(LoaderBase):
             prefetch=prefetch,
             collate_fn=collate_fn,
             timeout=timeout,
-            on_error="raise",
+            on_error=on_error or "raise",
         )
         _check_arguments(
             store, task=task, fields=fields, partition=partition, collate_retries=collate_retries
@@ -230,6 +244,8 @@ class StoreLoader(LoaderBase):
             raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
         _check_workers(store, num_workers, collate_fn)
         super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
+        self.on_error: OnError = check_on_error(options.on_error, self.mesh.world_size)
+        self._skips = SkipLog()
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = mesh_sampler(sampler, self.mesh, self.rank)
         self._unit = unit_of(self.sampler)
@@ -266,6 +282,8 @@ class StoreLoader(LoaderBase):
                 return got.item
         got.raised = True
         entry.got = got
+        if self.on_error == "skip":
+            return _FAILED
         shown = f"{ids[:20]} ... ({len(ids)} samples)" if len(ids) > 20 else f"{ids}"
         raise CollateError(
             f"collate_fn failed {self.collate_retries + 1} times on batch {entry.index} of "
@@ -332,9 +350,22 @@ class StoreLoader(LoaderBase):
             self._flight.ahead.popleft()
             if self._spec.hold:
                 self.store.release(self.partition, got.ids)
+            if self.on_error == "skip" and self._skip(entry.index, got, item is _FAILED):
+                continue
             self._counts["batches"] += 1
             self._counts["samples"] += len(got.ids)
             return item
+
+    def _skip(self, index: int, got: Got, failed: bool) -> bool:
+        """``on_error="skip"``: whether batch ``index`` is dropped, agreed by every rank (a
+        round one rank could not collate is dropped by all of them); counted and warned."""
+        rank = round_failed(failed, self.wait_timeout)
+        if rank is None:
+            return False
+        assert got.ids is not None
+        first = self._skips.record(index, got.ids, got.error if failed else None, rank)
+        self._note_bad_samples(len(got.ids), first)
+        return True
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """A store stream is one epoch: the producers decide its length, and the loader ends
@@ -358,13 +389,17 @@ class StoreLoader(LoaderBase):
 
         ``batches`` / ``samples`` returned, ``timeouts`` (``TimeoutError`` raised by
         ``next()``), ``collate_errors`` (:class:`CollateError` raised), ``worker_errors``,
-        ``redelivered`` (batches a restored state re-delivers), ``next_seconds`` (time spent in
+        ``redelivered`` (batches a restored state re-delivers), ``skipped`` /
+        ``skipped_samples`` (batches dropped by ``on_error="skip"``) and ``failures`` (the first
+        of them as rows ``[index, ids, error, message]``), ``next_seconds`` (time spent in
         ``next()``: waiting for the store, and ``collate_fn`` when it runs here), ``in_flight``
         (batches requested, not yet returned), ``ended``, ``epoch`` (always 0: see
         :meth:`epochs`), and ``store``: the task's ``consumed`` count, ``redelivered`` and
         ``waiting_consumers`` of the store, and this partition's ``samples`` held and
         ``closed``. Counts are not part of ``state_dict()``."""
         out: dict[str, Any] = dict(self._counts)
+        out["skipped"], out["skipped_samples"] = self._skips.skipped, self._skips.samples
+        out["failures"] = [list(row) for row in self._skips.failures]
         out["next_seconds"] = self._next_seconds
         out["in_flight"] = len(self._flight.ahead)
         out["ended"] = self._flight.ended and not self._flight.ahead
