@@ -97,20 +97,12 @@ from meshfeed.loader_base import LoaderBase, check_num_epochs
 from meshfeed.options import LoaderOptions, OnError
 from meshfeed.queue.loader_errors import SkipLog, check_on_error, round_failed
 from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
-from meshfeed.queue.loader_resume import check_pending, check_resize, resplit, unit_of
+from meshfeed.queue.loader_resume import KIND, VERSION, open_state, resplit, unit_of
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.wakeups import check_timeout
 from meshfeed.runtime import WorkerError
-from meshfeed.state import envelope, open_envelope
-
-KIND = "store_loader"
-#: 3: the one state envelope (kind + version); prefetch counts the batch returned.
-#: 4: pending batches name their whole round (every data rank's ids) and the state names the
-#: global batch (data_world_size, batch_size, unit), not a data rank: resumable on another
-#: data-parallel size.
-VERSION = 4
-
+from meshfeed.state import envelope
 
 #: What ``_retry`` returns for a batch ``on_error="skip"`` drops.
 _FAILED: Any = object()
@@ -480,44 +472,15 @@ class StoreLoader(LoaderBase):
         itself (pending rounds: distinct indices below ``next``, one list of int/str ids per
         data rank). On another number of data ranks with the same global batch, this rank
         takes its part of each pending round (see :mod:`meshfeed.queue.loader_resume`)."""
-        st = open_envelope(
+        st = open_state(
             state,
-            kind=KIND,
-            version=VERSION,
-            fields={
-                "task": str,
-                "partition": str,
-                "data_world_size": int,
-                "batch_size": int,
-                "unit": int,
-                "next": int,
-                "ended": bool,
-                "pending": list,
-            },
-            what="StoreLoader state",
+            task=self.task,
+            partition=self.partition,
+            ranks=self.data_world_size,
+            batch_size=self.batch_size,
+            unit=self._unit,
         )
-        for key in ("task", "partition"):
-            if st[key] != getattr(self, key):
-                raise ValueError(
-                    f"the StoreLoader state is for {key}={st[key]!r} but this loader has "
-                    f"{key}={getattr(self, key)!r}; resume with the same configuration"
-                )
         ranks, nxt, pending = st["data_world_size"], st["next"], st["pending"]
-        if nxt >= 1 << 53 or ranks < 1 or st["batch_size"] < 1 or st["unit"] < 1:
-            raise ValueError(
-                f"StoreLoader state has next={nxt}, data_world_size={ranks}, batch_size="
-                f"{st['batch_size']}, unit={st['unit']}: beyond any real stream, or not "
-                "positive; the checkpoint is corrupted"
-            )
-        check_resize(
-            ranks=ranks,
-            batch_size=st["batch_size"],
-            unit=st["unit"],
-            new_ranks=self.data_world_size,
-            new_batch_size=self.batch_size,
-            new_unit=self._unit,
-        )
-        check_pending(pending, nxt, ranks)
         if len(pending) > max(self._ahead_max, 1):
             raise ValueError(
                 f"StoreLoader state names {len(pending)} batches in flight, more than this "

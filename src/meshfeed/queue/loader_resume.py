@@ -1,4 +1,5 @@
-"""A store loader's checkpoint on another number of data ranks (elastic resume).
+"""A store loader's checkpoint: its state's layout and checks, and resuming it on another
+number of data ranks (elastic resume).
 
 With a rank-aware sampler over ``D`` data ranks, batch index ``j`` of a
 :class:`~meshfeed.queue.loader.StoreLoader` is one *round* the store planned once for all of
@@ -16,7 +17,25 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-__all__ = ["check_pending", "check_resize", "resplit", "split_round", "unit_of"]
+from meshfeed.state import open_envelope
+
+__all__ = [
+    "KIND",
+    "VERSION",
+    "check_pending",
+    "check_resize",
+    "open_state",
+    "resplit",
+    "split_round",
+    "unit_of",
+]
+
+KIND = "store_loader"
+#: 3: the one state envelope (kind + version); prefetch counts the batch returned.
+#: 4: pending batches name their whole round (every data rank's ids) and the state names the
+#: global batch (data_world_size, batch_size, unit), not a data rank: resumable on another
+#: data-parallel size.
+VERSION = 4
 
 Key = Hashable
 #: A pending batch in a state: ``[index, parts]`` (``parts`` None: the stream ended there).
@@ -129,3 +148,50 @@ def resplit(index: int, parts: list[list[Key]], new_ranks: int, unit: int) -> li
             f"{len(parts)} the state was taken on)"
         )
     return split_round(ids, new_ranks, unit)
+
+
+def open_state(
+    state: Any, *, task: str, partition: str, ranks: int, batch_size: int, unit: int
+) -> dict[str, Any]:
+    """The fields of a StoreLoader ``state``, every one checked: the envelope (kind, version),
+    against the loading loader (``task``, ``partition``; its ``ranks`` x ``batch_size`` and
+    group ``unit``: :func:`check_resize`) and itself (:func:`check_pending`)."""
+    st = open_envelope(
+        state,
+        kind=KIND,
+        version=VERSION,
+        fields={
+            "task": str,
+            "partition": str,
+            "data_world_size": int,
+            "batch_size": int,
+            "unit": int,
+            "next": int,
+            "ended": bool,
+            "pending": list,
+        },
+        what="StoreLoader state",
+    )
+    for key, mine in (("task", task), ("partition", partition)):
+        if st[key] != mine:
+            raise ValueError(
+                f"the StoreLoader state is for {key}={st[key]!r} but this loader has "
+                f"{key}={mine!r}; resume with the same configuration"
+            )
+    nxt, old_ranks = st["next"], st["data_world_size"]
+    if nxt >= 1 << 53 or old_ranks < 1 or st["batch_size"] < 1 or st["unit"] < 1:
+        raise ValueError(
+            f"StoreLoader state has next={nxt}, data_world_size={old_ranks}, batch_size="
+            f"{st['batch_size']}, unit={st['unit']}: beyond any real stream, or not "
+            "positive; the checkpoint is corrupted"
+        )
+    check_resize(
+        ranks=old_ranks,
+        batch_size=st["batch_size"],
+        unit=st["unit"],
+        new_ranks=ranks,
+        new_batch_size=batch_size,
+        new_unit=unit,
+    )
+    check_pending(st["pending"], nxt, old_ranks)
+    return st
