@@ -138,8 +138,8 @@ class StoreCore:
         self, request: GetRequest, *, alive: Any = None, now: float | None = None
     ) -> Taken | None:
         """Plan and consume a batch; ``None`` when not enough samples are ready yet. The
-        batch's ids and rows, and the parts of the shared plan it belongs to (``None`` without
-        one): every reader's ids in part order (a rank-aware round: the data ranks' batches
+        batch's ids and rows, and (``request.parts``) the parts of the shared plan it belongs
+        to (``None`` without one, or not asked for): every reader's ids in part order (a rank-aware round: the data ranks' batches
         in data-rank order), so a loader's checkpoint can name the whole round.
 
         In order: overdue leases expire and the consumer's earlier leases are acknowledged;
@@ -161,12 +161,13 @@ class StoreCore:
             self._ack(part, request.task, share, request.prefetch, last=False)
             entry = part.cache.get((request.task, *share.key))
             if entry is not None:
-                return (*self._read_plan(part, request, share, entry), _copy(entry.parts))
+                ids, rows = self._read_plan(part, request, share, entry)
+                return ids, rows, _copy(entry.parts) if request.parts else None
         parts = self._plan(part, request, share)
         if parts is None:
             return None
         ids, rows = self._consume(part, request, share, parts, alive, now)
-        return ids, rows, None if share is None else _copy(parts)
+        return ids, rows, _copy(parts) if share is not None and request.parts else None
 
     def _settle_leases(self, request: GetRequest, now: float) -> None:
         """Expire overdue leases; a get of ``consumer`` acknowledges its earlier batches of

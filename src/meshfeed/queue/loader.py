@@ -14,9 +14,10 @@ Arguments, defaults, checks and lifecycle are those of :class:`meshfeed.DataLoad
 ``collate_fn``; ``shutdown()`` and ``with``): the loader is a
 :class:`~meshfeed.loader_base.LoaderBase` configured by one validated
 :class:`~meshfeed.options.LoaderOptions` (``loader.options``), with the base's mesh placement,
-``epoch`` / ``set_epoch`` (only epoch 0 exists) and rate-limited warnings. ``collate_fn`` is the last step before the
-trainer, as in ``DataLoader``; its input is the :class:`Batch` the store already assembled
-(columns stacked), not a list of samples, since the store hands out batches, not items.
+``epoch`` / ``set_epoch`` (only epoch 0 exists) and rate-limited warnings. ``collate_fn`` is
+the last step before the trainer, as in ``DataLoader``; its input is the :class:`Batch` the
+store already assembled (columns stacked), not a list of samples, since the store hands out
+batches, not items.
 
 Prefetching and worker processes. ``prefetch=P`` (>= 1) keeps up to ``P`` batches requested,
 the one being returned included: ``prefetch=1`` with ``num_workers=0`` fetches synchronously
@@ -227,7 +228,7 @@ class StoreLoader(LoaderBase):
             prefetch=prefetch,
             collate_fn=collate_fn,
             timeout=timeout,
-            on_error=on_error or "raise",
+            on_error="raise" if on_error is None else on_error,
         )
         _check_arguments(
             store, task=task, fields=fields, partition=partition, collate_retries=collate_retries

@@ -33,9 +33,10 @@ class Late(Exception):
 
 @dataclass(slots=True)
 class Got:
-    """One request's outcome: ``ids`` (``None``: the stream ended) and the transformed
-    ``item``, and its round (``parts``); while ``collate_fn`` has not succeeded, the raw ``batch`` and the ``error``, so
-    only ``collate_fn`` is retried (the samples are already consumed in the store)."""
+    """One request's outcome: ``ids`` (``None``: the stream ended), the transformed ``item``
+    and the round it is one part of (``parts``); while ``collate_fn`` has not succeeded, the
+    raw ``batch`` and the ``error``, so only ``collate_fn`` is retried (the samples are
+    already consumed in the store)."""
 
     ids: list[Any] | None
     item: Any = None
@@ -71,6 +72,7 @@ def fetch(store: SampleStore, spec: Spec, index: int) -> Batch | None:
             spec.sampler,
             spec.timeout,
             hold=spec.hold,
+            parts=True,  # the whole round, which state_dict() names
             token=spec.token,
             batch_index=index,
             prefetch=spec.prefetch,
