@@ -159,3 +159,44 @@ def test_a_state_of_the_previous_version_is_refused_by_version():
     with pytest.raises(ValueError, match="StoreLoader state has version=3, this meshfeed reads "
                        "version 4"):  # fmt: skip
         loader.load_state_dict(v3)
+
+
+def _mesh_loaders(store: SampleStore, mesh: dict, prefetch: int) -> list[StoreLoader]:
+    dp = mesh["dp"]
+    size = dp * mesh.get("tp", 1)
+    kwargs = {"task": "t", "fields": ["x"], "partition": "p", "batch_size": GLOBAL // dp}
+    return [
+        StoreLoader(store, **kwargs, mesh=mesh, rank=r, prefetch=prefetch, timeout=20)
+        for r in range(size)
+    ]
+
+
+def test_replica_peers_may_change_with_the_data_parallel_size():
+    store = _store(40, 1)
+    old = _mesh_loaders(store, {"dp": 1, "tp": 2}, 2)  # two peers of one data rank
+    before = _run(old, 2)
+    assert all(step[0] == step[1] for step in before)  # peers: the same batch
+    states = [loader.state_dict() for loader in old]
+    assert states[0] == states[1] and states[0]["replica_size"] == 2
+    new = _loaders(store, 2, 1, 2)
+    for loader in new:
+        loader.load_state_dict(states[0])
+    after = _run(new)
+    served = [k for step in before for k in step[0]] + [k for s in after for i in s for k in i]
+    assert sorted(served) == list(range(40))
+    assert store.stats()["cache_entries"] == 0
+
+
+def test_another_number_of_replica_peers_is_refused_when_the_store_drops_consumed_samples():
+    store = SampleStore(tasks=["t"])
+    store.put("p", {"x": list(range(16))})
+    old = _mesh_loaders(store, {"dp": 1, "tp": 2}, 2)
+    _run(old, 1)
+    state = old[0].state_dict()
+    new = _loaders(store, 2, 1, 2)
+    with pytest.raises(ValueError, match=r"taken with 2 rank\(s\) per data rank \(replica "
+                       r"peers\) and this loader has 1.*tasks=.*resume with 2 rank"):  # fmt: skip
+        new[0].load_state_dict(state)
+    same = _mesh_loaders(store, {"dp": 2, "tp": 2}, 2)  # dp 1 -> 2, two peers each: fine
+    for loader in same:
+        loader.load_state_dict(state)

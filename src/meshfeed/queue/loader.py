@@ -72,8 +72,9 @@ batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and recor
 batch fetched but not returned, its whole *round* (every data rank's ids, in data-rank order,
 as the store's shared plan holds it: :attr:`Batch.parts`); after ``load_state_dict`` they are
 re-delivered first (read again from the store, not re-planned). The state names the global
-batch (``data_world_size``, ``batch_size``, ``unit``: the sampler's group size), not a data
-rank, so every data rank's state is the same and one of them can be saved. Take
+batch (``data_world_size``, ``batch_size``, ``unit``: the sampler's group size) and
+``replica_size``, not a data rank, so every rank's state is the same and one of them can be
+saved. Take
 ``state_dict()`` of every loader, then save the store, before the next batch; a store with
 ``tasks=`` keeps such fetched-ahead samples until the loader returned them.
 
@@ -81,8 +82,10 @@ Elastic resume. A state loads on another number of data ranks ``D'`` with the sa
 batch (``D * batch_size == D' * batch_size'``): each new rank takes its contiguous part of
 each pending round (the sampler's split rule, so groups stay whole), then continues with the
 rounds from ``next``; every sample is served once. Refused, naming the values and the fix: a
-different global batch or group size, a ``batch_size'`` that would split a group, and a
-pending last (short) round with fewer units than ``D'`` (a rank would get an empty batch). See
+different global batch or group size, a ``batch_size'`` that would split a group, a
+pending last (short) round with fewer units than ``D'`` (a rank would get an empty batch),
+and, with a store that drops consumed samples (``tasks=``), another number of replica peers
+per data rank (fetched-ahead samples are held once per peer). See
 :mod:`meshfeed.queue.loader_resume`.
 """
 
@@ -462,6 +465,7 @@ class StoreLoader(LoaderBase):
             data_world_size=self.data_world_size,
             batch_size=self.batch_size,
             unit=self._unit,
+            replica_size=len(self.replica_group),
             next=self._flight.next,
             ended=self._flight.ended,
             pending=pending,
@@ -480,6 +484,8 @@ class StoreLoader(LoaderBase):
             ranks=self.data_world_size,
             batch_size=self.batch_size,
             unit=self._unit,
+            replicas=len(self.replica_group),
+            evicting=self.store.options.tasks is not None,
         )
         ranks, nxt, pending = st["data_world_size"], st["next"], st["pending"]
         if len(pending) > max(self._ahead_max, 1):

@@ -151,11 +151,21 @@ def resplit(index: int, parts: list[list[Key]], new_ranks: int, unit: int) -> li
 
 
 def open_state(
-    state: Any, *, task: str, partition: str, ranks: int, batch_size: int, unit: int
+    state: Any,
+    *,
+    task: str,
+    partition: str,
+    ranks: int,
+    batch_size: int,
+    unit: int,
+    replicas: int,
+    evicting: bool,
 ) -> dict[str, Any]:
     """The fields of a StoreLoader ``state``, every one checked: the envelope (kind, version),
     against the loading loader (``task``, ``partition``; its ``ranks`` x ``batch_size`` and
-    group ``unit``: :func:`check_resize`) and itself (:func:`check_pending`)."""
+    group ``unit``: :func:`check_resize`; its ``replicas`` per data rank when the store is
+    ``evicting``: samples fetched ahead are held once per replica) and itself
+    (:func:`check_pending`)."""
     st = open_envelope(
         state,
         kind=KIND,
@@ -166,6 +176,7 @@ def open_state(
             "data_world_size": int,
             "batch_size": int,
             "unit": int,
+            "replica_size": int,
             "next": int,
             "ended": bool,
             "pending": list,
@@ -179,11 +190,12 @@ def open_state(
                 f"{key}={mine!r}; resume with the same configuration"
             )
     nxt, old_ranks = st["next"], st["data_world_size"]
-    if nxt >= 1 << 53 or old_ranks < 1 or st["batch_size"] < 1 or st["unit"] < 1:
+    sizes = (old_ranks, st["batch_size"], st["unit"], st["replica_size"])
+    if nxt >= 1 << 53 or min(sizes) < 1:
         raise ValueError(
             f"StoreLoader state has next={nxt}, data_world_size={old_ranks}, batch_size="
-            f"{st['batch_size']}, unit={st['unit']}: beyond any real stream, or not "
-            "positive; the checkpoint is corrupted"
+            f"{st['batch_size']}, unit={st['unit']}, replica_size={st['replica_size']}: beyond "
+            "any real stream, or not positive; the checkpoint is corrupted"
         )
     check_resize(
         ranks=old_ranks,
@@ -193,5 +205,13 @@ def open_state(
         new_batch_size=batch_size,
         new_unit=unit,
     )
+    if evicting and st["replica_size"] != replicas:
+        raise ValueError(
+            f"the StoreLoader state was taken with {st['replica_size']} rank(s) per data rank "
+            f"(replica peers) and this loader has {replicas}; its store drops consumed samples "
+            "(tasks=...), so the batches fetched ahead are held once per peer and another "
+            "number of peers would free them too early or never: resume with "
+            f"{st['replica_size']} rank(s) per data rank (the data-parallel size may change)"
+        )
     check_pending(st["pending"], nxt, old_ranks)
     return st
