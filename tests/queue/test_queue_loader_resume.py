@@ -9,6 +9,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshfeed.queue import GroupSampler, SampleStore, StoreLoader
 from meshfeed.queue.loader_resume import split_round
@@ -63,16 +65,13 @@ def _run(loaders: list[StoreLoader], steps: float = math.inf) -> list[list[list[
 
 def _resume(
     n: int, dp: int, new_dp: int, group: int, prefetch: int, stop: int
-) -> tuple[list, list, SampleStore]:
+) -> tuple[list, list, SampleStore, dict]:
     """``stop`` steps on ``dp`` ranks, a checkpoint, the rest on ``new_dp`` ranks."""
     store = _store(n, group)
     old = _loaders(store, dp, group, prefetch)
     before = _run(old, stop)
     states = [loader.state_dict() for loader in old]
     assert all(json.loads(json.dumps(s)) == states[0] for s in states)  # one state, any rank
-    if 0 < stop < 5 and prefetch > 1:
-        assert len(states[0]["pending"]) == prefetch - 1  # whole rounds fetched ahead
-        assert [len(p) for p in states[0]["pending"][0][1]] == [GLOBAL // dp] * dp
     saved = store.state_dict()
     _run(old, 1)  # progress after the checkpoint is lost with the crash
     for loader in old:
@@ -81,7 +80,7 @@ def _resume(
     new = _loaders(store, new_dp, group, prefetch)
     for loader in new:
         loader.load_state_dict(states[0])
-    return before, _run(new), store
+    return before, _run(new), store, states[0]
 
 
 @pytest.mark.parametrize(("dp", "new_dp"), [(2, 4), (4, 2), (2, 1), (2, 2)])
@@ -91,7 +90,10 @@ def test_a_resume_on_another_dp_serves_every_sample_once_and_keeps_groups_whole(
     dp, new_dp, group, prefetch, stop
 ):
     n = 5 * GLOBAL
-    before, after, store = _resume(n, dp, new_dp, group, prefetch, stop)
+    before, after, store, state = _resume(n, dp, new_dp, group, prefetch, stop)
+    if 0 < stop < 5 and prefetch > 1:
+        assert len(state["pending"]) == prefetch - 1  # whole rounds fetched ahead
+        assert [len(p) for p in state["pending"][0][1]] == [GLOBAL // dp] * dp
     assert len(before) == stop and len(after) == 5 - stop  # the same rounds, every rank
     served = [k for step in before + after for ids in step for k in ids]
     assert sorted(served) == list(range(n))  # none twice, none lost
@@ -106,14 +108,14 @@ def test_a_resume_on_another_dp_serves_every_sample_once_and_keeps_groups_whole(
 
 def test_on_the_same_dp_a_resume_gives_each_rank_exactly_its_uninterrupted_batches():
     reference = _run(_loaders(_store(44, 2), 2, 2, 3))
-    before, after, _ = _resume(44, 2, 2, 2, 3, 2)
+    before, after, _, _ = _resume(44, 2, 2, 2, 3, 2)
     assert before + after == reference
     assert [len(ids) for ids in reference[-1]] == [2, 2]  # the short last round, split evenly
 
 
 def test_a_short_last_round_is_resplit_by_the_samplers_rule():
     # 44 samples = 5 rounds of 8 and one of 4 (pending at the checkpoint with prefetch=2).
-    before, after, _ = _resume(44, 4, 2, 1, 2, 5)
+    before, after, _, _ = _resume(44, 4, 2, 1, 2, 5)
     assert [len(ids) for ids in after[0]] == [2, 2]
     assert sorted(k for step in before + after for ids in step for k in ids) == list(range(44))
     assert split_round(list(range(7)), 3, 1) == [[0, 1, 2], [3, 4], [5, 6]]
@@ -200,3 +202,28 @@ def test_another_number_of_replica_peers_is_refused_when_the_store_drops_consume
     same = _mesh_loaders(store, {"dp": 2, "tp": 2}, 2)  # dp 1 -> 2, two peers each: fine
     for loader in same:
         loader.load_state_dict(state)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    dp=st.sampled_from([1, 2, 4]),
+    new_dp=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2]),
+    prefetch=st.integers(1, 3),
+    stop=st.integers(0, 8),
+)
+def test_any_resume_serves_each_sample_at_most_once_in_lockstep_and_leaves_only_a_short_tail(
+    n, dp, new_dp, group, prefetch, stop
+):
+    try:
+        before, after, store, _ = _resume(n, dp, new_dp, group, prefetch, stop)
+    except ValueError as refused:  # only a short last round too small for the new ranks
+        assert "fewer than the" in str(refused) and new_dp > dp
+        return
+    served = [k for step in before + after for ids in step for k in ids]
+    assert len(served) == len(set(served))  # never twice (_step checked the lockstep)
+    unserved = sorted(set(range(n)) - set(served))
+    assert all(k > max(served, default=-1) for k in unserved)  # only the stream's tail
+    assert len(unserved) < max(dp, new_dp) * group  # fewer units than data ranks
+    assert store.stats()["cache_entries"] == 0
