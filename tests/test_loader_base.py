@@ -111,6 +111,41 @@ def test_both_loaders_share_the_base_and_its_lifecycle():
         loader.shutdown()  # idempotent
 
 
+def _every_door(**kwargs):
+    """The three doors (map-style, stream, store) built with the same shared arguments."""
+    from meshfeed.queue import SampleStore, StoreLoader
+
+    yield from _both(**kwargs)
+    store = SampleStore()
+    yield lambda: StoreLoader(store, task="t", fields=["x"], partition="p", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, r"batch_size must be a positive int per data rank \(got"),
+        ({"batch_size": 2, "prefetch": True}, TypeError, "prefetch must be an int >= 1"),
+        ({"batch_size": 2, "timeout": math.nan}, ValueError, "timeout must be positive seconds"),
+        ({"batch_size": 2, "on_error": "ignore"}, ValueError, "on_error='ignore' is not one of"),
+    ],
+)
+def test_every_door_refuses_a_bad_shared_argument_with_the_same_message(kwargs, error, match):
+    messages = set()
+    for build in _every_door(**kwargs):
+        with pytest.raises(error, match=match) as refused:
+            build()
+        messages.add(str(refused.value))
+    assert len(messages) == 1  # one options object validates every door
+
+
+def test_every_door_is_a_loader_base_with_its_options():
+    for build in _every_door(batch_size=2, prefetch=3):
+        with build() as loader:
+            assert isinstance(loader, LoaderBase)
+            assert (loader.options.batch_size, loader.options.prefetch) == (2, 3)
+            assert loader.epoch == 0
+
+
 @pytest.mark.parametrize("loader", ["DataLoader", "StreamLoader"])
 def test_a_mesh_of_two_ranks_without_rank_or_process_group_is_refused(loader, monkeypatch):
     """Guessing rank 0 would make every process read the same data."""

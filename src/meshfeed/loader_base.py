@@ -1,7 +1,8 @@
 """What every meshfeed loader shares: arguments, mesh -> rank, epochs, stats, lifecycle.
 
-:class:`LoaderBase` is the common base of :class:`meshfeed.DataLoader` (map-style data) and
-:class:`meshfeed.StreamLoader` (sharded streams). It owns the argument checks (one
+:class:`LoaderBase` is the common base of :class:`meshfeed.DataLoader` (map-style data),
+:class:`meshfeed.StreamLoader` (sharded streams) and :class:`meshfeed.queue.StoreLoader` (an
+RL sample store; its stream is one epoch, see its ``epochs``). It owns the argument checks (one
 function, :func:`meshfeed.options.check_loader_arguments`), turning the mesh into plain
 integers, the epoch API (``epoch``, ``set_epoch``, ``epochs``), the rate-limited warnings for
 bad samples and padding, pinning, and the lifecycle (``shutdown``, context manager).
@@ -103,8 +104,7 @@ class LoaderBase(Lifecycle):
         >>> for epoch in loader.epochs(3):   # doctest: +SKIP
         ...     for batch in loader: ...
         """
-        if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
-            raise ValueError(f"num_epochs must be an int >= 0 (got {num_epochs=!r})")
+        check_num_epochs(num_epochs)
         epoch = self._epoch
         while epoch < num_epochs:
             self.set_epoch(epoch)  # a no-op when the loader is there already (keeps a resume)
@@ -118,19 +118,23 @@ class LoaderBase(Lifecycle):
 
     # ------------------------------------------------------------------ warnings
     def _note_bad_samples(self, count: int, first: dict[str, Any] | None) -> None:
-        """Log the first substitution / skip of a run, then one per WARN_EVERY of them."""
+        """Log the first substitution / skip of a run, then one per WARN_EVERY of them.
+
+        ``first``: the first failure, as ``index`` / ``position`` / ``error`` / ``message``,
+        or with ``where`` (how the loader names it, e.g. a store batch) instead of ``index``
+        and ``position``."""
         if count <= 0:
             return
         before = self._bad_in_run
         self._bad_in_run += count
         if before and before // WARN_EVERY == self._bad_in_run // WARN_EVERY:
             return
-        detail = (
-            f"first: index {first.get('index')} at epoch position {first.get('position')}: "
-            f"{first.get('error')}: {first.get('message')}"
-            if first
-            else "no details"
-        )
+        detail = "no details"
+        if first:
+            where = first.get("where") or (
+                f"index {first.get('index')} at epoch position {first.get('position')}"
+            )
+            detail = f"first: {where}: {first.get('error')}: {first.get('message')}"
         logger.warning(
             "%s: %d bad sample(s) substituted or skipped so far in this run (%s); see all "
             "of them in %s; this warning repeats at most once per %d bad samples",
@@ -153,6 +157,12 @@ class LoaderBase(Lifecycle):
                 self._epoch,
                 padded,
             )
+
+
+def check_num_epochs(num_epochs: object) -> None:
+    """Refuse a ``num_epochs`` of ``epochs()`` that is not an int >= 0."""
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
+        raise ValueError(f"num_epochs must be an int >= 0 (got {num_epochs=!r})")
 
 
 def check_epoch(epoch: int, what: str) -> None:

@@ -1,8 +1,9 @@
 """Validation of the arguments every loader front door shares (one check, one set of names).
 
-:func:`check_loader_arguments` is called by :class:`meshfeed.DataLoader`,
-:class:`meshfeed.StreamLoader` and the store loader, with the same keyword names, so
-the same bad value gets the same message whichever loader it is given to.
+:class:`LoaderOptions` is what :class:`meshfeed.DataLoader`, :class:`meshfeed.StreamLoader` and
+:class:`meshfeed.queue.StoreLoader` build (validated once, by :func:`check_loader_arguments`),
+with the same keyword names, so the same bad value gets the same message whichever loader it
+is given to.
 """
 
 from __future__ import annotations
@@ -143,7 +144,9 @@ class LoaderOptions:
     pad_last: bool = True
     num_workers: int = 0
     prefetch: int = 2
-    collate_fn: Callable[[list[Any]], Any] | None = None
+    #: A function of the batch's items (map-style and streams: a list of samples; the store:
+    #: the :class:`~meshfeed.queue.Batch` it assembled).
+    collate_fn: Callable[[Any], Any] | None = None
     pin_memory: bool = False
     timeout: float = 300.0
     on_error: OnError | None = None

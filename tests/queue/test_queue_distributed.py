@@ -98,3 +98,89 @@ def test_four_producer_and_four_consumer_processes_exactly_once_and_replicas_agr
     assert ids[0] == ids[1] and ids[2] == ids[3]  # tp peers: identical batches
     assert all(r["everyone"] == ids for r in results)
     assert sorted(k for batch in ids[0] + ids[2] for k in batch) == list(range(24))
+
+
+# ---------------------------------------------------------------- elastic resume on gloo ranks
+def _resume_rank(rank: int, world: int, address: str, name: str) -> dict:
+    """Two steps as dp=2 x tp=2 and the state (every rank's the same); then the rest of the
+    stream from rank 0's state as dp=4."""
+    import ray
+    import torch.distributed as dist
+
+    ray.init(address=address, log_to_driver=False, configure_logging=False)
+    try:
+        store = SampleStore.connect(name)
+
+        def loader(mesh: DataMesh) -> StoreLoader:
+            return StoreLoader(store, task="train", fields=["x"], partition="r",
+                               batch_size=8 // mesh.data_world_size, mesh=mesh, prefetch=2,
+                               timeout=60)  # fmt: skip
+
+        with loader(DataMesh.from_env(tp=2)) as old:
+            first = [next(old).ids for _ in range(2)]
+            state = old.state_dict()
+        states: list = [None] * world
+        dist.all_gather_object(states, state)  # the checkpoint: the store is at it already
+        with loader(DataMesh.from_env()) as new:
+            new.load_state_dict(states[0])
+            rest = [b.ids for b in new]
+        return {"first": first, "rest": rest, "states": states}
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_store_loader_state_of_dp2_tp2_gloo_ranks_resumes_on_dp4_serving_every_sample_once(
+    ray_session,
+):
+    ray = ray_session
+    name = f"store-{uuid.uuid4().hex[:8]}"
+    store = SampleStore("ray", name=name)
+    try:
+        store.put("r", {"x": list(range(40))})  # 5 rounds of a global batch of 8
+        store.close("r")
+        address = ray.get_runtime_context().gcs_address
+        results = run_distributed(_resume_rank, 4, address, name, timeout=120)
+        stats = store.stats()
+    finally:
+        store.shutdown()
+    states = results[0]["states"]
+    assert all(s == states[0] for s in states)  # one state for every rank
+    assert len(states[0]["pending"]) == 1  # round 2 was fetched ahead, not returned
+    assert results[0]["first"] == results[1]["first"] != results[2]["first"]  # tp peers
+    assert [len(r["rest"]) for r in results] == [3] * 4  # rounds 2, 3, 4 on every new rank
+    assert all(len(ids) == 2 for r in results for ids in r["rest"])
+    first = [k for r in results[::2] for ids in r["first"] for k in ids]  # one per tp group
+    served = first + [k for r in results for ids in r["rest"] for k in ids]
+    assert sorted(served) == list(range(40))  # none twice, none lost
+    assert stats["cache_entries"] == 0  # neither layout's plans left pinned
+
+
+# ---------------------------------------------------------------- on_error="skip" agreed by ranks
+def _fails_on_4(batch) -> list:
+    if 4 in batch.ids:  # round 1 is [4, 5] on data rank 0 and [6, 7] on data rank 1
+        raise ValueError("cannot collate sample 4")
+    return list(batch.ids)
+
+
+def _skip_rank(rank: int, world: int) -> dict:
+    store = SampleStore()  # each process its own store, same puts: the same rounds
+    store.put("p", {"x": list(range(16))})
+    store.close("p")
+    with StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=2,
+                     mesh=DataMesh.from_env(), collate_fn=_fails_on_4, on_error="skip",
+                     prefetch=2, timeout=30) as loader:  # fmt: skip
+        return {"ids": list(loader), "stats": loader.stats()}
+
+
+@pytest.mark.slow
+def test_skip_on_gloo_ranks_drops_a_round_one_rank_could_not_collate_on_every_rank():
+    results = run_distributed(_skip_rank, 2, timeout=120)
+    assert results[0]["ids"] == [[0, 1], [8, 9], [12, 13]]
+    assert results[1]["ids"] == [[2, 3], [10, 11], [14, 15]]  # its round 1 dropped too
+    assert results[0]["stats"]["failures"] == [[1, [4, 5], "ValueError", "cannot collate sample 4"]]
+    assert results[1]["stats"]["failures"] == [
+        [1, [6, 7], "RankError", "rank 0 could not collate its part of this round"]
+    ]
+    assert [r["stats"]["skipped"] for r in results] == [1, 1]

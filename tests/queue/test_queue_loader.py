@@ -172,7 +172,7 @@ def test_loader_rejects_bad_configuration():
         _loader(store, batch_size=1, mesh={"dp": 2, "tp": 2}, rank=4, prefetch=1, timeout=math.inf)
     loader = _loader(store, batch_size=1, prefetch=1, timeout=math.inf)
     with pytest.raises(
-        ValueError, match="StoreLoader state has version=1, this meshfeed reads version 3"
+        ValueError, match="StoreLoader state has version=1, this meshfeed reads version 4"
     ) as refused:
         loader.load_state_dict({"version": 1, "index": [0], "turn": 0, "done": [False]})
     assert "meshfeed 0.1" not in str(refused.value)  # 0.1 wrote version 2 of this part
@@ -180,8 +180,8 @@ def test_loader_rejects_bad_configuration():
     with pytest.raises(ValueError, match="version=2, .* written by meshfeed 0.1"):
         loader.load_state_dict(zero_one)  # the layout meshfeed 0.1's loader wrote (no kind)
     state = loader.state_dict()
-    assert (state["kind"], state["version"]) == ("store_loader", 3)
-    with pytest.raises(ValueError, match="version=2, this meshfeed reads version 3"):
+    assert (state["kind"], state["version"]) == ("store_loader", 4)
+    with pytest.raises(ValueError, match="version=2, this meshfeed reads version 4"):
         loader.load_state_dict({**state, "version": 2})
     other = _loader(store, task="u", batch_size=1, prefetch=1, timeout=math.inf)
     with pytest.raises(ValueError, match="task='t' but this loader has task='u'"):
@@ -374,7 +374,7 @@ def test_a_transform_that_keeps_failing_names_the_batch_and_a_restore_redelivers
         next(loader)
     assert e.value.ids == [0, 1, 2, 3] and e.value.index == 0 and transform.calls == 3
     state = loader.state_dict()
-    assert state["pending"] == [[0, [0, 1, 2, 3]]]
+    assert state["pending"] == [[0, [[0, 1, 2, 3]]]]  # the round: one data rank's ids
     store.save(tmp_path / "store.pt")
     restored = SampleStore.load(tmp_path / "store.pt")
     again = StoreLoader(
@@ -425,7 +425,7 @@ def test_state_dict_never_hangs_on_batches_producers_have_not_made_yet():
     assert "prefetch=1" in str(outcome[0])  # names the fix
     store.put("p", {"x": [2, 3, 4]})
     state = loader.state_dict()  # usable once producers ran
-    assert state["pending"] == [[1, [1]], [2, [2]]] and state["next"] == 3
+    assert state["pending"] == [[1, [[1]]], [2, [[2]]]] and state["next"] == 3
     store.close("p")
     assert [b.ids for b in loader] == [[1], [2], [3], [4]]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from meshfeed.loader_base import LoaderBase
+from meshfeed.options import LoaderOptions
 from meshfeed.queue import CollateError, SampleStore, StoreLoader
 
 
@@ -74,3 +76,21 @@ def test_epochs_yields_the_one_epoch_of_a_stream_and_refuses_more():
         list(loader.epochs(2))
     with pytest.raises(ValueError, match="num_epochs must be an int >= 0"):
         list(loader.epochs(-1))
+
+
+def test_the_store_loader_is_a_loader_base_with_one_validated_options_object():
+    store = SampleStore()
+    loader = _loader(store, batch_size=2, prefetch=3, timeout=7)
+    assert isinstance(loader, LoaderBase)
+    assert isinstance(loader.options, LoaderOptions)
+    assert (loader.options.batch_size, loader.options.prefetch) == (2, 3)
+    assert loader.options.on_error == "raise" and loader.timeout == 7.0
+    assert loader.data_world_size == 1 and loader.epoch == 0
+    loader.set_epoch(0)  # the one epoch: a no-op
+    with pytest.raises(ValueError, match=r"one epoch \(got set_epoch\(1\)\)"):
+        loader.set_epoch(1)
+    with loader:
+        pass
+    with pytest.raises(RuntimeError, match="was shut down"):
+        next(loader)
+    loader.shutdown()  # idempotent

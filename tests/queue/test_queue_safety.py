@@ -180,13 +180,16 @@ def test_store_loader_shutdown_wakes_its_requests_blocked_without_a_deadline():
     [
         ({"next": -1}, "negative"),
         ({"next": 10**30}, "next=10"),
-        ({"pending": [[5, [0]]]}, "bad entry"),
-        ({"pending": [[0, [0]], [0, [1]]]}, "bad entry"),
-        ({"pending": [[0, [0, 0]]]}, "bad entry"),
-        ({"pending": [[0, [1.5]]]}, "bad entry"),
+        ({"pending": [[5, [[0]]]]}, "bad entry"),
+        ({"pending": [[0, [[0]]], [0, [[1]]]]}, "bad entry"),
+        ({"pending": [[0, [[0, 0]]]]}, "bad entry"),
+        ({"pending": [[0, [[1.5]]]]}, "bad entry"),
+        ({"pending": [[0, [0]]]}, "bad entry"),  # a round is one list of ids per data rank
+        ({"pending": [[0, [[0], [1]]]]}, "bad entry"),  # two data ranks' parts, one rank
         ({"pending": "x"}, "'pending' has 'x'"),
         ({"ended": 1}, "'ended' has 1"),
-        ({"data_rank": 3}, "data_rank=3"),
+        ({"data_world_size": 3}, r"global batch of 3 samples \(3 data ranks"),
+        ({"unit": 2}, "groups of 2 samples"),
     ],
 )
 def test_store_loader_state_fields_are_each_validated(change, message):

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfeed.queue import PartitionClosed, SampleStore
+from meshfeed.queue import PartitionClosed, RankAwareSampler, SampleStore
 
 FIELDS = ["prompt", "response", "reward"]
 
@@ -344,3 +344,18 @@ def waiting(store: SampleStore, kind: str, n: int) -> None:
     while store.stats()[f"waiting_{kind}"] < n:
         assert time.monotonic() < deadline, f"{n} {kind} never started waiting"
         time.sleep(0.005)
+
+
+def test_get_with_parts_names_the_whole_round_of_a_rank_aware_sampler(make_store):
+    store = make_store()
+    store.put("p", {"x": list(range(6))})
+    store.close("p")
+    ranks = [RankAwareSampler(data_rank=d, data_world_size=2) for d in range(2)]
+    first = store.get("t", ["x"], 2, "p", ranks[0], timeout=5, batch_index=0, parts=True)
+    assert first.ids == [0, 1] and first.parts == [[0, 1], [2, 3]]
+    second = store.get("t", ["x"], 2, "p", ranks[1], timeout=5, batch_index=0, parts=True)
+    assert second.ids == [2, 3] and second.parts == [[0, 1], [2, 3]]  # read from the plan
+    plain = store.get("t", ["x"], 2, "p", ranks[0], timeout=5, batch_index=1)
+    assert plain.ids == [4] and plain.parts is None  # not asked for
+    with pytest.raises(TypeError, match="parts must be True or False"):
+        store.get("t", ["x"], 2, "p", ranks[1], timeout=5, batch_index=1, parts=1)

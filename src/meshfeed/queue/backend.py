@@ -16,9 +16,10 @@ from meshfeed.queue.request import GetRequest
 __all__ = ["Backend", "Got"]
 
 Key = Hashable
-#: A get's result: the ids, one column per field (as the core gathered them), and the lease
-#: the batch is handed out under (``None``: consumed at once).
-Got = tuple[list[Key], dict[str, Any], str | None]
+#: A get's result: the ids, one column per field (as the core gathered them), the lease the
+#: batch is handed out under (``None``: consumed at once), and the parts of the shared plan
+#: the batch is one part of (``None`` without a shared plan; see ``StoreCore.try_take``).
+Got = tuple[list[Key], dict[str, Any], str | None, list[list[Key]] | None]
 
 
 class Backend(Protocol):
@@ -53,6 +54,8 @@ class Backend(Protocol):
     ) -> tuple[list[Key], dict[str, Any]]: ...
 
     def reset_consumption(self, partition: str, task: str) -> None: ...
+
+    def drop_plans(self, partition: str, task: str, below: int) -> None: ...
 
     def clear(self, partition: str) -> None: ...
 

@@ -40,6 +40,8 @@ from meshfeed.queue.samplers import Share
 __all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
 Key = Hashable
+#: What :meth:`StoreCore.try_take` hands out: ids, rows, and the shared plan's parts (or None).
+Taken = tuple[list[Key], dict[str, list[Any]], list[list[Key]] | None]
 KIND = "sample_store"  # the state envelope's kind
 VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indices
 
@@ -127,7 +129,18 @@ class StoreCore:
     def try_get(
         self, request: GetRequest, *, alive: Any = None, now: float | None = None
     ) -> tuple[list[Key], dict[str, list[Any]]] | None:
-        """Plan and consume a batch; ``None`` when not enough samples are ready yet.
+        """Plan and consume a batch (see :meth:`try_take`): its ids and rows, ``None`` when
+        not enough samples are ready yet."""
+        taken = self.try_take(request, alive=alive, now=now)
+        return None if taken is None else (taken[0], taken[1])
+
+    def try_take(
+        self, request: GetRequest, *, alive: Any = None, now: float | None = None
+    ) -> Taken | None:
+        """Plan and consume a batch; ``None`` when not enough samples are ready yet. The
+        batch's ids and rows, and (``request.parts``) the parts of the shared plan it belongs
+        to (``None`` without one, or not asked for): every reader's ids in part order (a rank-aware round: the data ranks' batches
+        in data-rank order), so a loader's checkpoint can name the whole round.
 
         In order: overdue leases expire and the consumer's earlier leases are acknowledged;
         a shared plan already made for this request's key is read (replica peers, retries);
@@ -148,11 +161,13 @@ class StoreCore:
             self._ack(part, request.task, share, request.prefetch, last=False)
             entry = part.cache.get((request.task, *share.key))
             if entry is not None:
-                return self._read_plan(part, request, share, entry)
+                ids, rows = self._read_plan(part, request, share, entry)
+                return ids, rows, _copy(entry.parts) if request.parts else None
         parts = self._plan(part, request, share)
         if parts is None:
             return None
-        return self._consume(part, request, share, parts, alive, now)
+        ids, rows = self._consume(part, request, share, parts, alive, now)
+        return ids, rows, _copy(parts) if share is not None and request.parts else None
 
     def _settle_leases(self, request: GetRequest, now: float) -> None:
         """Expire overdue leases; a get of ``consumer`` acknowledges its earlier batches of
@@ -422,6 +437,16 @@ class StoreCore:
         self.dropped += n
 
     # ----------------------------------------------------------------- admin
+    def drop_plans(self, partition: str, task: str, below: int) -> None:
+        """Drop ``task``'s shared plans of batch indices below ``below`` (unpinning their
+        samples): a loader resumed on another number of data ranks re-delivers those batches
+        from its state and asks for no index below ``below``, so no reader reads them again."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return
+        stale = [c for c in part.cache if c[0] == task and type(c[-1]) is int and c[-1] < below]
+        self._drop_plans(part, stale)
+
     def reset_consumption(self, partition: str, task: str) -> None:
         part = self._partition(partition)
         self._drop_plans(part, [c for c in part.cache if c[0] == task])
@@ -481,6 +506,10 @@ class StoreCore:
             "leases": len(self.leases),
             "partitions": parts,
         }
+
+
+def _copy(parts: list[list[Key]]) -> list[list[Key]]:
+    return [list(p) for p in parts]
 
 
 def _count_down(counts: dict[Key, int], ids: list[Key]) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from meshfeed.queue import checkpoint
 from meshfeed.queue.backend import Got
-from meshfeed.queue.core import StoreCore, StoreOptions
+from meshfeed.queue.core import StoreCore, StoreOptions, Taken
 from meshfeed.queue.request import GetRequest
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
@@ -145,8 +145,8 @@ class EmbeddedBackend:
                 part.closed or len(part.pending.get(task, ())) >= batch_size
             )
 
-        def attempt() -> tuple[list[Key], dict[str, list[Any]]] | None:
-            return self.core.try_get(request)
+        def attempt() -> Taken | None:
+            return self.core.try_take(request)
 
         def make(notify: Callable[[], None]) -> Waiter:
             return Waiter.consumer(notify, request, group=group, more=more)
@@ -171,7 +171,7 @@ class EmbeddedBackend:
                         self.core.next_lease_deadline,
                     )
                 lease = request.lease
-                return got[0], got[1], (lease if lease in self.core.leases else None)
+                return got[0], got[1], (lease if lease in self.core.leases else None), got[2]
             finally:
                 core = self.core
                 if core.dropped != dropped:  # consumption (or an acknowledged lease) freed room
@@ -204,6 +204,9 @@ class EmbeddedBackend:
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self._admin(lambda: self.core.reset_consumption(partition, task))
+
+    def drop_plans(self, partition: str, task: str, below: int) -> None:
+        self._admin(lambda: self.core.drop_plans(partition, task, below))
 
     def release(self, partition: str, ids: list[Key]) -> None:
         with self.lock:

@@ -11,10 +11,13 @@ of ``j``.
 
 Arguments, defaults, checks and lifecycle are those of :class:`meshfeed.DataLoader`
 (``batch_size``, ``mesh``, ``rank``, ``num_workers``, ``prefetch``, ``timeout``,
-``collate_fn``; ``shutdown()`` and ``with``), checked by the same
-:func:`meshfeed.options.check_loader_arguments`. ``collate_fn`` is the last step before the
-trainer, as in ``DataLoader``; its input is the :class:`Batch` the store already assembled
-(columns stacked), not a list of samples, since the store hands out batches, not items.
+``collate_fn``; ``shutdown()`` and ``with``): the loader is a
+:class:`~meshfeed.loader_base.LoaderBase` configured by one validated
+:class:`~meshfeed.options.LoaderOptions` (``loader.options``), with the base's mesh placement,
+``epoch`` / ``set_epoch`` (only epoch 0 exists) and rate-limited warnings. ``collate_fn`` is
+the last step before the trainer, as in ``DataLoader``; its input is the :class:`Batch` the
+store already assembled (columns stacked), not a list of samples, since the store hands out
+batches, not items.
 
 Prefetching and worker processes. ``prefetch=P`` (>= 1) keeps up to ``P`` batches requested,
 the one being returned included: ``prefetch=1`` with ``num_workers=0`` fetches synchronously
@@ -36,7 +39,13 @@ peer sees the end of the stream.
 
 A ``collate_fn`` that raises is retried on the batch already fetched (it is consumed in the
 store; fetching again would plan another batch and lose this one); if it keeps failing,
-:class:`CollateError` names the batch, which stays first in line and in ``state_dict()``.
+``on_error`` decides (see :mod:`meshfeed.queue.loader_errors`): ``"raise"`` (the default)
+raises :class:`CollateError` naming the batch, which stays first in line and in
+``state_dict()``; ``"skip"`` drops it (its samples stay consumed), counted in
+``stats()["skipped"]`` / ``stats()["failures"]`` and warned at the base's rate, with every
+rank of a process group agreeing per batch (one ``all_reduce`` of one int) so that all skip
+the same rounds and take the same number of steps; ``"substitute"`` is refused (a store batch
+has no deterministic substitute).
 
 Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
 the store once; embedded: the platform's default start method, fork where it exists). A worker
@@ -59,10 +68,25 @@ for the batches it had not returned. Such shared plans take no lease (a store's
 ``lease_timeout`` applies to direct ``get`` calls, whose consumer may die holding a batch).
 
 Checkpoints. ``state_dict()`` is the state as of the last batch returned: it waits for the
-batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records the ids of those fetched but not returned; after
-``load_state_dict`` they are re-delivered first (read again from the store, not re-planned).
-Take ``state_dict()`` of every loader, then save the store, before the next batch; a store with
+batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records, for each
+batch fetched but not returned, its whole *round* (every data rank's ids, in data-rank order,
+as the store's shared plan holds it: :attr:`Batch.parts`); after ``load_state_dict`` they are
+re-delivered first (read again from the store, not re-planned). The state names the global
+batch (``data_world_size``, ``batch_size``, ``unit``: the sampler's group size) and
+``replica_size``, not a data rank, so every rank's state is the same and one of them can be
+saved. Take
+``state_dict()`` of every loader, then save the store, before the next batch; a store with
 ``tasks=`` keeps such fetched-ahead samples until the loader returned them.
+
+Elastic resume. A state loads on another number of data ranks ``D'`` with the same global
+batch (``D * batch_size == D' * batch_size'``): each new rank takes its contiguous part of
+each pending round (the sampler's split rule, so groups stay whole), then continues with the
+rounds from ``next``; every sample is served once. Refused, naming the values and the fix: a
+different global batch or group size, a ``batch_size'`` that would split a group, a
+pending last (short) round with fewer units than ``D'`` (a rank would get an empty batch),
+and, with a store that drops consumed samples (``tasks=``), another number of replica peers
+per data rank (fetched-ahead samples are held once per peer). See
+:mod:`meshfeed.queue.loader_resume`.
 """
 
 from __future__ import annotations
@@ -73,18 +97,19 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from meshfeed.lifecycle import Lifecycle
-from meshfeed.mesh import place
-from meshfeed.options import check_loader_arguments
-from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec, check_pending
+from meshfeed.loader_base import LoaderBase, check_num_epochs
+from meshfeed.options import LoaderOptions, OnError
+from meshfeed.queue.loader_errors import SkipLog, check_on_error, round_failed
+from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
+from meshfeed.queue.loader_resume import KIND, VERSION, open_state, resplit, unit_of
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.wakeups import check_timeout
 from meshfeed.runtime import WorkerError
-from meshfeed.state import envelope, open_envelope
+from meshfeed.state import envelope
 
-KIND = "store_loader"
-VERSION = 3  # 3: the one state envelope (kind + version); prefetch counts the batch returned
+#: What ``_retry`` returns for a batch ``on_error="skip"`` drops.
+_FAILED: Any = object()
 
 
 class CollateError(RuntimeError):
@@ -100,48 +125,30 @@ class CollateError(RuntimeError):
 
 
 def _check_arguments(
-    store: Any,
-    *,
-    task: Any,
-    fields: Any,
-    partition: Any,
-    batch_size: Any,
-    num_workers: Any,
-    prefetch: Any,
-    collate_fn: Any,
-    collate_retries: Any,
-    timeout: Any,
+    store: Any, *, task: Any, fields: Any, partition: Any, collate_retries: Any
 ) -> None:
-    """Refuse a bad StoreLoader argument by name (before anything starts)."""
-    if not isinstance(store, SampleStore):
-        raise TypeError(
-            f"store must be a SampleStore (got {type(store).__name__}); build the store "
-            "with meshfeed.queue.SampleStore and pass it first"
-        )
-    check_loader_arguments(
-        batch_size=batch_size,
-        seed=0,  # the store decides the order: no seed, no retries of samples
-        num_workers=num_workers,
-        prefetch=prefetch,
-        timeout=timeout,
-        on_error="raise",
-        max_retries=0,
-    )
+    """Refuse a bad store-only argument by name (the shared ones are checked by
+    :class:`~meshfeed.options.LoaderOptions`)."""
     if (
         isinstance(collate_retries, bool)
         or not isinstance(collate_retries, int)
         or collate_retries < 0
     ):
         raise ValueError(f"collate_retries must be an int >= 0 (got {collate_retries=!r})")
-    if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
     if not isinstance(task, str) or not task:
         raise TypeError(f"task must be a non-empty string (got {task=!r})")
     if not isinstance(partition, str) or not partition:
         raise TypeError(f"partition must be a non-empty string (got {partition=!r})")
     if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
         raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
-    _check_workers(store, num_workers, collate_fn)
+
+
+def _check_store(store: Any) -> None:
+    if not isinstance(store, SampleStore):
+        raise TypeError(
+            f"store must be a SampleStore (got {type(store).__name__}); build the store "
+            "with meshfeed.queue.SampleStore and pass it first"
+        )
 
 
 def _check_workers(store: SampleStore, num_workers: int, collate_fn: Any) -> None:
@@ -159,7 +166,15 @@ def _check_workers(store: SampleStore, num_workers: int, collate_fn: Any) -> Non
         )
 
 
-class StoreLoader(Lifecycle):
+def _one_epoch(got: str, use: str) -> str:
+    return (
+        f"a StoreLoader reads one stream, which is one epoch (got {got}); {use}, and for "
+        "another pass put the samples to a new partition and build a new StoreLoader (or "
+        "reset_consumption() on the store)"
+    )
+
+
+class StoreLoader(LoaderBase):
     """Iterate batches of ``fields`` for ``task`` from ``partition`` of ``store``, as global
     ``rank`` of ``mesh`` (a :class:`DataMesh`, ``DeviceMesh``, dict of axis sizes, or
     ``None`` for the torchrun world; ``device_mesh=`` is the same argument under torch's
@@ -170,7 +185,9 @@ class StoreLoader(Lifecycle):
     loader stays usable). ``collate_fn``: a picklable function of a :class:`Batch` applied to
     every batch (in worker processes when ``num_workers > 0``), retried on the same fetched
     batch ``collate_retries`` more times, never by fetching again; if it keeps failing,
-    :class:`CollateError` names the batch's ids and the loader keeps the batch. Replica peers
+    ``on_error="raise"`` (default) raises :class:`CollateError` naming the batch's ids and
+    the loader keeps the batch, ``on_error="skip"`` drops it, agreed by every rank (needs the
+    process group on a mesh of several ranks; see the module docstring). Replica peers
     must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
     ``batch_size`` and ``prefetch``). ``shutdown()`` (or leaving a ``with`` block) cancels
     waiting requests and stops workers.
@@ -185,6 +202,7 @@ class StoreLoader(Lifecycle):
 
     #: How long ``state_dict()`` waits for batches in flight when ``timeout`` is unlimited.
     STATE_WAIT: ClassVar[float] = 60.0
+    name = "StoreLoader"
 
     def __init__(
         self,
@@ -203,27 +221,32 @@ class StoreLoader(Lifecycle):
         collate_fn: Callable[[Batch], Any] | None = None,
         collate_retries: int = 2,
         timeout: float = 300.0,
+        on_error: OnError | None = None,
     ) -> None:
-        _check_arguments(
-            store,
-            task=task,
-            fields=fields,
-            partition=partition,
+        _check_store(store)
+        options = LoaderOptions(
             batch_size=batch_size,
+            shuffle=False,  # the store decides the order: no seed, no shuffle
             num_workers=num_workers,
             prefetch=prefetch,
             collate_fn=collate_fn,
-            collate_retries=collate_retries,
             timeout=timeout,
+            on_error="raise" if on_error is None else on_error,
         )
-        self.mesh, self.rank = place(mesh, device_mesh, rank)
-        self.data_rank = self.mesh.data_rank(self.rank)
+        _check_arguments(
+            store, task=task, fields=fields, partition=partition, collate_retries=collate_retries
+        )
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
+        _check_workers(store, num_workers, collate_fn)
+        super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
+        self.on_error: OnError = check_on_error(options.on_error, self.mesh.world_size)
+        self._skips = SkipLog()
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = mesh_sampler(sampler, self.mesh, self.rank)
+        self._unit = unit_of(self.sampler)
         self.store, self.task, self.fields = store, task, list(fields)
-        self.batch_size, self.partition, self.timeout = batch_size, partition, timeout
-        self.num_workers, self.prefetch, self.collate_fn = num_workers, prefetch, collate_fn
-        self.collate_retries = collate_retries
+        self.partition, self.collate_retries = partition, collate_retries
         wait = check_timeout(timeout)
         self._ahead_max = prefetch if (prefetch > 1 or num_workers) else 0
         # Holding matters only when samples can be evicted while fetched but not returned:
@@ -255,6 +278,8 @@ class StoreLoader(Lifecycle):
                 return got.item
         got.raised = True
         entry.got = got
+        if self.on_error == "skip":
+            return _FAILED
         shown = f"{ids[:20]} ... ({len(ids)} samples)" if len(ids) > 20 else f"{ids}"
         raise CollateError(
             f"collate_fn failed {self.collate_retries + 1} times on batch {entry.index} of "
@@ -321,9 +346,22 @@ class StoreLoader(Lifecycle):
             self._flight.ahead.popleft()
             if self._spec.hold:
                 self.store.release(self.partition, got.ids)
+            if self.on_error == "skip" and self._skip(entry.index, got, item is _FAILED):
+                continue
             self._counts["batches"] += 1
             self._counts["samples"] += len(got.ids)
             return item
+
+    def _skip(self, index: int, got: Got, failed: bool) -> bool:
+        """``on_error="skip"``: whether batch ``index`` is dropped, agreed by every rank (a
+        round one rank could not collate is dropped by all of them); counted and warned."""
+        rank = round_failed(failed, self.wait_timeout)
+        if rank is None:
+            return False
+        assert got.ids is not None
+        first = self._skips.record(index, got.ids, got.error if failed else None, rank)
+        self._note_bad_samples(len(got.ids), first)
+        return True
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """A store stream is one epoch: the producers decide its length, and the loader ends
@@ -332,29 +370,32 @@ class StoreLoader(Lifecycle):
         loop written for ``DataLoader.epochs`` runs unchanged; ``epochs(0)`` yields nothing.
         More epochs are refused: another pass needs new samples (a new partition and a fresh
         ``StoreLoader``, or ``SampleStore.reset_consumption``)."""
-        if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
-            raise ValueError(f"num_epochs must be an int >= 0 (got {num_epochs=!r})")
+        check_num_epochs(num_epochs)
         if num_epochs > 1:
-            raise ValueError(
-                f"a StoreLoader reads one stream, which is one epoch (got {num_epochs=}); use "
-                "epochs(1), and for another pass put the samples to a new partition and build "
-                "a new StoreLoader (or reset_consumption() on the store)"
-            )
+            raise ValueError(_one_epoch(f"{num_epochs=}", "use epochs(1)"))
         if num_epochs == 1 and not (self._flight.ended and not self._flight.ahead):
             yield 0
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
+        raise ValueError(_one_epoch(f"set_epoch({epoch})", "stay at epoch 0"))
 
     def stats(self) -> dict[str, Any]:
         """What this loader object did since it was built, and the store's view of its task.
 
         ``batches`` / ``samples`` returned, ``timeouts`` (``TimeoutError`` raised by
         ``next()``), ``collate_errors`` (:class:`CollateError` raised), ``worker_errors``,
-        ``redelivered`` (batches a restored state re-delivers), ``next_seconds`` (time spent in
+        ``redelivered`` (batches a restored state re-delivers), ``skipped`` /
+        ``skipped_samples`` (batches dropped by ``on_error="skip"``) and ``failures`` (the first
+        of them as rows ``[index, ids, error, message]``), ``next_seconds`` (time spent in
         ``next()``: waiting for the store, and ``collate_fn`` when it runs here), ``in_flight``
         (batches requested, not yet returned), ``ended``, ``epoch`` (always 0: see
         :meth:`epochs`), and ``store``: the task's ``consumed`` count, ``redelivered`` and
         ``waiting_consumers`` of the store, and this partition's ``samples`` held and
         ``closed``. Counts are not part of ``state_dict()``."""
         out: dict[str, Any] = dict(self._counts)
+        out["skipped"], out["skipped_samples"] = self._skips.skipped, self._skips.samples
+        out["failures"] = [list(row) for row in self._skips.failures]
         out["next_seconds"] = self._next_seconds
         out["in_flight"] = len(self._flight.ahead)
         out["ended"] = self._flight.ended and not self._flight.ahead
@@ -410,7 +451,8 @@ class StoreLoader(Lifecycle):
                         "trainer (e.g. a weight sync), take state_dict() once they can run "
                         "again, or use prefetch=1; the loader is unchanged and usable"
                     ) from None
-                pending.append([entry.index, got.ids])
+                parts = got.parts if got.parts is not None or got.ids is None else [got.ids]
+                pending.append([entry.index, parts])
         except WorkerError as error:
             if self._flight.pool is None or self._flight.pool.started:
                 raise
@@ -420,7 +462,10 @@ class StoreLoader(Lifecycle):
             VERSION,
             task=self.task,
             partition=self.partition,
-            data_rank=self.data_rank,
+            data_world_size=self.data_world_size,
+            batch_size=self.batch_size,
+            unit=self._unit,
+            replica_size=len(self.replica_group),
             next=self._flight.next,
             ended=self._flight.ended,
             pending=pending,
@@ -428,36 +473,21 @@ class StoreLoader(Lifecycle):
 
     def load_state_dict(self, state: Any) -> None:
         """Continue from ``state``; the store must be restored to the same moment. Every
-        field is checked against this loader (task, partition, data rank) and itself
-        (pending batches: distinct indices below ``next``, lists of int/str ids)."""
-        st = open_envelope(
+        field is checked against this loader (task, partition, global batch, groups) and
+        itself (pending rounds: distinct indices below ``next``, one list of int/str ids per
+        data rank). On another number of data ranks with the same global batch, this rank
+        takes its part of each pending round (see :mod:`meshfeed.queue.loader_resume`)."""
+        st = open_state(
             state,
-            kind=KIND,
-            version=VERSION,
-            fields={
-                "task": str,
-                "partition": str,
-                "data_rank": int,
-                "next": int,
-                "ended": bool,
-                "pending": list,
-            },
-            what="StoreLoader state",
+            task=self.task,
+            partition=self.partition,
+            ranks=self.data_world_size,
+            batch_size=self.batch_size,
+            unit=self._unit,
+            replicas=len(self.replica_group),
+            evicting=self.store.options.tasks is not None,
         )
-        for key in ("task", "partition", "data_rank"):
-            if st[key] != getattr(self, key):
-                raise ValueError(
-                    f"the StoreLoader state is for {key}={st[key]!r} but this loader has "
-                    f"{key}={getattr(self, key)!r}; resume with the same configuration"
-                )
-        pending = st["pending"]
-        nxt = st["next"]
-        if nxt >= 1 << 53:  # beyond what JSON carries exactly; no stream reaches it
-            raise ValueError(
-                f"StoreLoader state field 'next' is {nxt}, beyond any real batch count "
-                f"(next={nxt}); the checkpoint is corrupted"
-            )
-        check_pending(pending, nxt)
+        ranks, nxt, pending = st["data_world_size"], st["next"], st["pending"]
         if len(pending) > max(self._ahead_max, 1):
             raise ValueError(
                 f"StoreLoader state names {len(pending)} batches in flight, more than this "
@@ -467,16 +497,25 @@ class StoreLoader(Lifecycle):
             raise ValueError(
                 "load_state_dict must come before iteration starts; build a fresh loader"
             )
+        rounds = [
+            (i, None if parts is None else resplit(i, parts, self.data_world_size, self._unit))
+            for i, parts in pending
+        ]
+        if ranks != self.data_world_size:
+            # The old layout's plans are never read again (their batches come from the state).
+            self.store.drop_plans(self.partition, self.task, nxt)
         self._flight.next = nxt
         self._flight.ended = st["ended"]
-        for index, ids in pending:
-            self._flight.ahead.append(Entry(index, lazy=self._redeliver(ids)))
-        self._counts["redelivered"] += sum(ids is not None for _, ids in pending)
+        for index, parts in rounds:
+            self._flight.ahead.append(Entry(index, lazy=self._redeliver(parts)))
+        self._counts["redelivered"] += sum(parts is not None for _, parts in rounds)
 
-    def _redeliver(self, ids: list[Any] | None) -> Callable[[], Batch | None]:
+    def _redeliver(self, parts: list[list[Any]] | None) -> Callable[[], Batch | None]:
         def fn() -> Batch | None:
-            if ids is None:
+            if parts is None:
                 return None
-            return self.store.peek(self.partition, list(ids), self._spec.fields)
+            ids = parts[self.data_rank]
+            batch = self.store.peek(self.partition, list(ids), self._spec.fields)
+            return Batch(batch.ids, batch.columns, parts=parts)
 
         return fn

@@ -4,8 +4,7 @@
 :class:`Entry` records; here is what one request does (:func:`fetch` from the store, then
 ``collate_fn`` through :func:`apply`), the worker-process handler (:func:`start_worker`) and
 the pool that runs it, :class:`InFlight` (the batches between request and return: threads,
-workers, order), the message for a lost worker, and the check of the batches a saved state
-names as in flight.
+workers, order) and the message for a lost worker.
 """
 
 from __future__ import annotations
@@ -34,15 +33,18 @@ class Late(Exception):
 
 @dataclass(slots=True)
 class Got:
-    """One request's outcome: ``ids`` (``None``: the stream ended) and the transformed
-    ``item``; while ``collate_fn`` has not succeeded, the raw ``batch`` and the ``error``, so
-    only ``collate_fn`` is retried (the samples are already consumed in the store)."""
+    """One request's outcome: ``ids`` (``None``: the stream ended), the transformed ``item``
+    and the round it is one part of (``parts``); while ``collate_fn`` has not succeeded, the
+    raw ``batch`` and the ``error``, so only ``collate_fn`` is retried (the samples are
+    already consumed in the store)."""
 
     ids: list[Any] | None
     item: Any = None
     batch: Any = None
     error: BaseException | None = None
     raised: bool = False  # the failure was reported (CollateError): retry it afresh
+    #: The round the batch is one part of (``Batch.parts``): every data rank's ids.
+    parts: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ def fetch(store: SampleStore, spec: Spec, index: int) -> Batch | None:
             spec.sampler,
             spec.timeout,
             hold=spec.hold,
+            parts=True,  # the whole round, which state_dict() names
             token=spec.token,
             batch_index=index,
             prefetch=spec.prefetch,
@@ -81,11 +84,11 @@ def fetch(store: SampleStore, spec: Spec, index: int) -> Batch | None:
 def apply(transform: Callable[[Batch], Any] | None, batch: Batch) -> Got:
     """``transform(batch)``; a failure keeps the raw batch for a retry of the transform alone."""
     if transform is None:
-        return Got(batch.ids, batch)
+        return Got(batch.ids, batch, parts=batch.parts)
     try:
-        return Got(batch.ids, transform(batch))
+        return Got(batch.ids, transform(batch), parts=batch.parts)
     except Exception as exc:
-        return Got(batch.ids, batch=batch, error=exc)
+        return Got(batch.ids, batch=batch, error=exc, parts=batch.parts)
 
 
 def portable(got: Got) -> Got:
@@ -181,35 +184,6 @@ def lost_error(error: WorkerError, task: str, head: int) -> WorkerError:
     )
 
 
-def _pending_ok(item: Any, nxt: int, seen: set[int]) -> bool:
-    if not (isinstance(item, list) and len(item) == 2):
-        return False
-    index, ids = item
-    if type(index) is not int or not 0 <= index < nxt or index in seen:
-        return False
-    if ids is None:
-        return True
-    return (
-        isinstance(ids, list)
-        and all(type(k) in (int, str) for k in ids)
-        and len(set(ids)) == len(ids)
-    )
-
-
-def check_pending(pending: list[Any], nxt: int) -> None:
-    """The batches a saved state names as in flight: ``[index, ids]`` with distinct indices
-    below ``nxt`` and distinct int/str ids (or ``None``: the end); ``ValueError`` otherwise."""
-    seen: set[int] = set()
-    for item in pending:
-        if not _pending_ok(item, nxt, seen):
-            raise ValueError(
-                f"StoreLoader state field 'pending' has a bad entry {item!r:.120} (each is "
-                f"[batch index < next={nxt}, distinct sample ids or None], indices "
-                "distinct); the checkpoint is corrupted"
-            )
-        seen.add(item[0])
-
-
 class InFlight:
     """A loader's batches between request and return, in index order (``ahead``): fetched by
     threads here (one per request: requests wait in the store) or by worker processes (a
@@ -298,7 +272,8 @@ class InFlight:
             raise
         except Exception as exc:  # the fetch failed in the worker (or the result could not travel)
             if entry.batch is not None:
-                entry.got = Got(entry.batch.ids, batch=entry.batch, error=exc)
+                batch = entry.batch
+                entry.got = Got(batch.ids, batch=batch, error=exc, parts=batch.parts)
             else:
                 entry.failed = exc
         else:
@@ -330,7 +305,7 @@ class InFlight:
             self.advance(entry, left)
         if entry.got is None:
             assert entry.batch is not None
-            return Got(entry.batch.ids)
+            return Got(entry.batch.ids, parts=entry.batch.parts)
         return entry.got
 
     def advance(self, entry: Entry, left: float | None) -> None:

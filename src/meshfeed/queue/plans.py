@@ -73,11 +73,15 @@ def acknowledge(
 
 
 def finished(part: Partition, prefix: tuple[Any, ...], readers: int) -> list[CacheKey]:
-    """The plans under ``prefix`` that every one of ``readers`` read and acknowledged."""
+    """The plans under ``prefix`` that every one of ``readers`` read and acknowledged.
+
+    Only readers ``0 .. readers - 1`` count: after a resume on fewer data ranks the store's
+    checkpoint still names the readers that are gone, whose positions never move again."""
     asked = part.asked.get(prefix, {})
-    if len(asked) < readers:
+    current = [at for reader, at in asked.items() if reader < readers]
+    if len(current) < readers:
         return []
-    low = min(asked.values())
+    low = min(current)
     return [
         key
         for key, entry in part.cache.items()

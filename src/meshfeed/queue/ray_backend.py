@@ -200,7 +200,7 @@ class _StoreActor:
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
 
         def attempt() -> Any:
-            return self.core.try_get(request, alive=probe)
+            return self.core.try_take(request, alive=probe)
 
         try:
             ok, out = await self._run(
@@ -215,7 +215,8 @@ class _StoreActor:
             leased = request.lease if request.lease in self.core.leases else None
             if leased is not None and self._watch is None:
                 self._watch = asyncio.get_running_loop().create_task(self._watch_leases())
-            return True, (*out, leased)
+            ids, rows, parts = out
+            return True, (ids, rows, leased, parts)
         finally:
             core = self.core
             if core.dropped != dropped:
@@ -380,8 +381,8 @@ class RayBackend:
         return worker
 
     def get(self, request: GetRequest) -> Got:
-        ids, rows, leased = self._call(self.actor.get.remote(request, self._caller()))
-        return ids, self._resolve(rows), leased
+        ids, rows, leased, parts = self._call(self.actor.get.remote(request, self._caller()))
+        return ids, self._resolve(rows), leased, parts
 
     def ack(self, lease_id: str) -> None:
         self._call(self.actor.ack.remote(lease_id))
@@ -403,6 +404,9 @@ class RayBackend:
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self._call(self.actor.call.remote("reset_consumption", partition, task))
+
+    def drop_plans(self, partition: str, task: str, below: int) -> None:
+        self._call(self.actor.call.remote("drop_plans", partition, task, below))
 
     def clear(self, partition: str) -> None:
         self._call(self.actor.call.remote("clear", partition))

@@ -24,8 +24,9 @@ class GetRequest:
     same index gets the same batch). ``prefetch``: how many requests of this reader may be
     in flight; replica peers must agree on it, and it bounds which plans an index
     acknowledges. ``lease``: the lease id the batch is handed out under (a store with
-    ``lease_timeout``; the client makes it). ``context``: any other keyword a custom sampler
-    reads. Build it through ``SampleStore.get``, which validates it.
+    ``lease_timeout``; the client makes it). ``parts``: also hand out the parts of the shared
+    plan the batch belongs to (``Batch.parts``). ``context``: any other keyword a custom
+    sampler reads. Build it through ``SampleStore.get``, which validates it.
     """
 
     task: str
@@ -39,6 +40,7 @@ class GetRequest:
     prefetch: int | None = None
     consumer: Hashable | None = None
     hold: bool = False
+    parts: bool = False
     token: Hashable | None = None
     lease: str | None = None
     context: Mapping[str, Any] = field(default_factory=dict)

@@ -62,6 +62,11 @@ class Batch:
     #: The lease the samples were handed out under (a store with ``lease_timeout``), to pass
     #: to :meth:`SampleStore.ack`; ``None`` when the get consumed them at once.
     lease: str | None = None
+    #: With ``get(..., parts=True)``: the parts of the shared plan this batch is one part of,
+    #: in part order: with a rank-aware sampler over ``D`` data ranks, the whole round (every
+    #: data rank's ids, in data-rank order); ``None`` for a batch planned for this caller
+    #: alone, or not asked for.
+    parts: list[list[Key]] | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.columns[name]
@@ -223,6 +228,7 @@ class SampleStore:
         timeout: float | None = None,
         *,
         hold: bool = False,
+        parts: bool = False,
         token: Hashable | None = None,
         consumer: Hashable | None = None,
         **context: Any,
@@ -243,7 +249,10 @@ class SampleStore:
         For loaders: ``hold=True`` keeps the returned samples in the store (even once every
         task consumed them) until :meth:`release`, so a checkpoint taken meanwhile can
         re-deliver them with :meth:`peek`; ``token`` tags the request so :meth:`cancel` can
-        wake it (it then raises :class:`RequestCancelled` having consumed nothing).
+        wake it (it then raises :class:`RequestCancelled` having consumed nothing);
+        ``parts=True`` sets :attr:`Batch.parts` (the whole round of a rank-aware sampler over
+        several data ranks, which a checkpoint names to resume on another number of them; it
+        costs the round's ids in every reply).
 
         Leases (a store with ``lease_timeout``): the batch comes under ``Batch.lease``; call
         :meth:`ack` once it is used, or pass the same ``consumer=`` id (one per consumer, e.g.
@@ -264,13 +273,14 @@ class SampleStore:
             prefetch=prefetch_of(context),
             consumer=None if consumer is None else check_consumer(consumer),
             hold=check_hold(hold),
+            parts=check_hold(parts, "parts"),
             token=token,
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
         )
-        ids, rows, lease = self._backend.get(request)
+        ids, rows, lease, plan = self._backend.get(request)
         names = request.fields
-        return Batch(ids, {name: collate(rows[name]) for name in names}, lease)
+        return Batch(ids, {name: collate(rows[name]) for name in names}, lease, plan)
 
     def ack(self, lease: Batch | str) -> None:
         """The batch (or lease id) a ``get`` returned was used: its samples stay consumed.
@@ -315,6 +325,14 @@ class SampleStore:
         return self._backend.name
 
     # ----------------------------------------------------------------- admin
+    def drop_plans(self, partition: str, task: str, below: int) -> None:
+        """Forget ``task``'s shared plans of batch indices below ``below`` (their samples are
+        no longer pinned by them). A loader resumed on another number of data ranks calls it:
+        it re-delivers the batches its state names and asks for no earlier index."""
+        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
+            raise ValueError(f"below must be a batch index, an int >= 0 (got {below=!r})")
+        self._backend.drop_plans(self._partition(partition), check_task(task), below)
+
     def reset_consumption(self, partition: str, task: str) -> None:
         """Make every held sample of ``partition`` unconsumed again for ``task``."""
         self._backend.reset_consumption(self._partition(partition), task)

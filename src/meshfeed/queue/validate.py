@@ -80,9 +80,9 @@ def check_batch_size(batch_size: Any) -> int:
     return batch_size
 
 
-def check_hold(hold: Any) -> bool:
+def check_hold(hold: Any, name: str = "hold") -> bool:
     if not isinstance(hold, bool):
-        raise TypeError(f"hold must be True or False (got {hold=!r})")
+        raise TypeError(f"{name} must be True or False (got {name}={hold!r})")
     return hold
 
 
