@@ -171,12 +171,32 @@ def _skip_rank(rank: int, world: int) -> dict:
     with StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=2,
                      mesh=DataMesh.from_env(), collate_fn=_fails_on_4, on_error="skip",
                      prefetch=2, timeout=30) as loader:  # fmt: skip
-        return {"ids": list(loader), "stats": loader.stats()}
+        out = {"ids": list(loader), "stats": loader.stats()}
+    # on_error="raise": the rank whose batch fails raises it, the other raises RankError at the
+    # same batch (which it keeps first in line), so neither goes on to a later collective
+    store = SampleStore()
+    store.put("p", {"x": list(range(16))})
+    store.close("p")
+    with StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=2,
+                     mesh=DataMesh.from_env(), collate_fn=_fails_on_4, on_error="raise",
+                     collate_retries=0, prefetch=2, timeout=30) as loader:  # fmt: skip
+        got = [next(loader)]
+        try:
+            got.append(next(loader))
+        except Exception as e:  # the test reports which error each rank saw
+            out["raised"] = (type(e).__name__, getattr(e, "rank", None))
+        out["before_error"] = got
+        out["pending"] = [index for index, _ in loader.state_dict()["pending"]][:1]
+    return out
 
 
 @pytest.mark.slow
-def test_skip_on_gloo_ranks_drops_a_round_one_rank_could_not_collate_on_every_rank():
+def test_on_error_on_gloo_ranks_skip_drops_a_round_on_every_rank_and_raise_stops_every_rank():
     results = run_distributed(_skip_rank, 2, timeout=120)
+    assert [r["before_error"] for r in results] == [[[0, 1]], [[2, 3]]]
+    assert results[0]["raised"] == ("CollateError", None)
+    assert results[1]["raised"] == ("RankError", 0)  # its own batch 1 was fine
+    assert [r["pending"] for r in results] == [[1], [1]]  # batch 1 stays first in line
     assert results[0]["ids"] == [[0, 1], [8, 9], [12, 13]]
     assert results[1]["ids"] == [[2, 3], [10, 11], [14, 15]]  # its round 1 dropped too
     assert results[0]["stats"]["failures"] == [[1, [4, 5], "ValueError", "cannot collate sample 4"]]

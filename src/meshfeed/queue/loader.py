@@ -37,15 +37,11 @@ Replica peers must use the same ``batch_size``, ``prefetch`` and sampler (the st
 peer whose batch_size or prefetch differs): the batches requested ahead decide at which step a
 peer sees the end of the stream.
 
-A ``collate_fn`` that raises is retried on the batch already fetched (it is consumed in the
-store; fetching again would plan another batch and lose this one); if it keeps failing,
-``on_error`` decides (see :mod:`meshfeed.queue.loader_errors`): ``"raise"`` (the default)
-raises :class:`CollateError` naming the batch, which stays first in line and in
-``state_dict()``; ``"skip"`` drops it (its samples stay consumed), counted in
-``stats()["skipped"]`` / ``stats()["failures"]`` and warned at the base's rate, with every
-rank of a process group agreeing per batch (one ``all_reduce`` of one int) so that all skip
-the same rounds and take the same number of steps; ``"substitute"`` is refused (a store batch
-has no deterministic substitute).
+A ``collate_fn`` that raises is retried on the batch already fetched (fetching again would
+plan another batch and lose this one); if it keeps failing, ``on_error`` decides:
+``"raise"`` (default; :class:`CollateError`, the batch kept first in line) or ``"skip"``,
+each agreed by every rank of a process group at the same batch. See
+:mod:`meshfeed.queue.loader_errors`.
 
 Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
 the store once; embedded: the platform's default start method, fork where it exists). A worker
@@ -68,25 +64,11 @@ for the batches it had not returned. Such shared plans take no lease (a store's
 ``lease_timeout`` applies to direct ``get`` calls, whose consumer may die holding a batch).
 
 Checkpoints. ``state_dict()`` is the state as of the last batch returned: it waits for the
-batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records, for each
-batch fetched but not returned, its whole *round* (every data rank's ids, in data-rank order,
-as the store's shared plan holds it: :attr:`Batch.parts`); after ``load_state_dict`` they are
-re-delivered first (read again from the store, not re-planned). The state names the global
-batch (``data_world_size``, ``batch_size``, ``unit``: the sampler's group size) and
-``replica_size``, not a data rank, so every rank's state is the same and one of them can be
-saved. Take
-``state_dict()`` of every loader, then save the store, before the next batch; a store with
-``tasks=`` keeps such fetched-ahead samples until the loader returned them.
-
-Elastic resume. A state loads on another number of data ranks ``D'`` with the same global
-batch (``D * batch_size == D' * batch_size'``): each new rank takes its contiguous part of
-each pending round (the sampler's split rule, so groups stay whole), then continues with the
-rounds from ``next``; every sample is served once. Refused, naming the values and the fix: a
-different global batch or group size, a ``batch_size'`` that would split a group, a
-pending last (short) round with fewer units than ``D'`` (a rank would get an empty batch),
-and, with a store that drops consumed samples (``tasks=``), another number of replica peers
-per data rank (fetched-ahead samples are held once per peer). See
-:mod:`meshfeed.queue.loader_resume`.
+batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records each batch
+fetched but not returned as its whole round (:attr:`Batch.parts`), re-delivered first after
+``load_state_dict``. Every rank's state is the same, and it loads on another number of data
+ranks with the same global batch (elastic resume: :mod:`meshfeed.queue.loader_resume`). Take
+``state_dict()`` of every loader, then save the store, before the next batch.
 """
 
 from __future__ import annotations
@@ -97,13 +79,16 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
+from meshfeed.dist import is_distributed
+from meshfeed.errors import CollectiveError, RankError
 from meshfeed.loader_base import LoaderBase, check_num_epochs
 from meshfeed.options import LoaderOptions, OnError
-from meshfeed.queue.loader_errors import SkipLog, check_on_error, round_failed
+from meshfeed.queue.loader_errors import CollateError, SkipLog, check_on_error, round_failed
 from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
 from meshfeed.queue.loader_resume import KIND, VERSION, open_state, resplit, unit_of
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
+from meshfeed.queue.validate import check_loader_arguments, check_loader_workers
 from meshfeed.queue.wakeups import check_timeout
 from meshfeed.runtime import WorkerError
 from meshfeed.state import envelope
@@ -112,57 +97,11 @@ from meshfeed.state import envelope
 _FAILED: Any = object()
 
 
-class CollateError(RuntimeError):
-    """``collate_fn`` kept failing on a fetched batch; ``ids`` names its samples.
-
-    The batch is not lost: the loader keeps it, the next ``next()`` retries ``collate_fn`` on
-    it, and ``state_dict()`` records it so a restored loader re-delivers it.
-    """
-
-    def __init__(self, message: str, *, index: int, ids: list[Any]) -> None:
-        super().__init__(message)
-        self.index, self.ids = index, ids
-
-
-def _check_arguments(
-    store: Any, *, task: Any, fields: Any, partition: Any, collate_retries: Any
-) -> None:
-    """Refuse a bad store-only argument by name (the shared ones are checked by
-    :class:`~meshfeed.options.LoaderOptions`)."""
-    if (
-        isinstance(collate_retries, bool)
-        or not isinstance(collate_retries, int)
-        or collate_retries < 0
-    ):
-        raise ValueError(f"collate_retries must be an int >= 0 (got {collate_retries=!r})")
-    if not isinstance(task, str) or not task:
-        raise TypeError(f"task must be a non-empty string (got {task=!r})")
-    if not isinstance(partition, str) or not partition:
-        raise TypeError(f"partition must be a non-empty string (got {partition=!r})")
-    if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
-        raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
-
-
 def _check_store(store: Any) -> None:
     if not isinstance(store, SampleStore):
         raise TypeError(
             f"store must be a SampleStore (got {type(store).__name__}); build the store "
             "with meshfeed.queue.SampleStore and pass it first"
-        )
-
-
-def _check_workers(store: SampleStore, num_workers: int, collate_fn: Any) -> None:
-    """Worker processes need a ``collate_fn`` (embedded store) or a named store (Ray)."""
-    if num_workers and store.backend == "embedded" and collate_fn is None:
-        raise ValueError(
-            "num_workers > 0 with the embedded store only runs `collate_fn` in worker "
-            "processes (the store cannot be shared with them); pass collate_fn=..., or "
-            "use num_workers=0 with prefetch=N for fetching ahead in threads"
-        )
-    if num_workers and store.backend == "ray" and store.name is None:
-        raise ValueError(
-            "num_workers > 0 with a Ray store needs a named store so worker processes "
-            "can connect; create it with SampleStore('ray', name=...)"
         )
 
 
@@ -233,12 +172,12 @@ class StoreLoader(LoaderBase):
             timeout=timeout,
             on_error="raise" if on_error is None else on_error,
         )
-        _check_arguments(
-            store, task=task, fields=fields, partition=partition, collate_retries=collate_retries
+        check_loader_arguments(
+            task=task, fields=fields, partition=partition, collate_retries=collate_retries
         )
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
-        _check_workers(store, num_workers, collate_fn)
+        check_loader_workers(store, num_workers, collate_fn)
         super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
         self.on_error: OnError = check_on_error(options.on_error, self.mesh.world_size)
         self._skips = SkipLog()
@@ -342,7 +281,7 @@ class StoreLoader(LoaderBase):
                 self._flight.ahead.popleft()
                 self._flight.ended = True
                 continue
-            item = got.item if got.error is None else self._retry(entry, got)
+            item = self._collated(entry, got)
             self._flight.ahead.popleft()
             if self._spec.hold:
                 self.store.release(self.partition, got.ids)
@@ -351,6 +290,32 @@ class StoreLoader(LoaderBase):
             self._counts["batches"] += 1
             self._counts["samples"] += len(got.ids)
             return item
+
+    def _collated(self, entry: Entry, got: Got) -> Any:
+        """The batch's ``collate_fn`` output (:meth:`_retry` when it failed). With
+        ``on_error="raise"`` and a process group of several ranks, the ranks agree on every
+        batch (one ``all_reduce`` of one int): a rank whose batch raises raises its
+        :class:`CollateError` and every other rank :class:`~meshfeed.errors.RankError` at the
+        same batch, which stays first in line, so none waits in its next collective."""
+        if self.on_error != "raise" or not is_distributed():
+            return got.item if got.error is None else self._retry(entry, got)
+        try:
+            item = got.item if got.error is None else self._retry(entry, got)
+        except Exception:
+            with contextlib.suppress(CollectiveError):  # a dead peer must not hide our error
+                round_failed(True, self.wait_timeout)
+            raise
+        failed = round_failed(False, self.wait_timeout)
+        if failed is not None:
+            entry.got = got  # kept first in line: next() returns it once the ranks go on
+            raise RankError(
+                f"rank {failed} could not collate its part of batch {entry.index} of task "
+                f"{self.task!r} (this is rank {self.rank}); see that rank's error. Every rank "
+                "stops here so that none waits in its next collective",
+                rank=failed,
+                step=entry.index,
+            )
+        return item
 
     def _skip(self, index: int, got: Got, failed: bool) -> bool:
         """``on_error="skip"``: whether batch ``index`` is dropped, agreed by every rank (a

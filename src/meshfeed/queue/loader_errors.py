@@ -4,7 +4,11 @@ A :class:`~meshfeed.queue.loader.StoreLoader` retries ``collate_fn`` on the batc
 fetched (the store handed its samples out once). After ``collate_retries``:
 
 - ``"raise"`` (the default): :class:`~meshfeed.queue.loader.CollateError`; the loader keeps
-  the batch (the next ``next()`` retries it, ``state_dict()`` records it).
+  the batch (the next ``next()`` retries it, ``state_dict()`` records it). With a process
+  group of several ranks the ranks agree on every batch (one ``all_reduce`` of one int, as
+  ``DataLoader`` does with ``on_error="raise"``): the others raise
+  :class:`~meshfeed.errors.RankError` at the same batch, so none goes on to a collective the
+  failed rank never reaches.
 - ``"skip"``: the batch is dropped (its samples stay consumed in the store), counted in
   ``stats()["skipped"]`` and listed in ``stats()["failures"]``, with a rate-limited warning.
   Every rank must still take the same number of steps, so with a process group of several
@@ -25,7 +29,19 @@ from meshfeed.dist import first_failed_rank, is_distributed
 from meshfeed.fetch import MAX_REPORTED_FAILURES
 from meshfeed.options import OnError
 
-__all__ = ["SkipLog", "check_on_error", "round_failed"]
+__all__ = ["CollateError", "SkipLog", "check_on_error", "round_failed"]
+
+
+class CollateError(RuntimeError):
+    """``collate_fn`` kept failing on a fetched batch; ``ids`` names its samples.
+
+    The batch is not lost: the loader keeps it, the next ``next()`` retries ``collate_fn`` on
+    it, and ``state_dict()`` records it so a restored loader re-delivers it.
+    """
+
+    def __init__(self, message: str, *, index: int, ids: list[Any]) -> None:
+        super().__init__(message)
+        self.index, self.ids = index, ids
 
 
 def check_on_error(on_error: OnError | None, world_size: int) -> OnError:

@@ -1,11 +1,12 @@
 """Validation of a store call's arguments, done once by :class:`SampleStore` before any
-backend sees them: each check names the value and the fix, and returns the value in the form
-the layers below use."""
+backend sees them, and of a :class:`~meshfeed.queue.StoreLoader`'s store-only arguments (the
+shared ones are :class:`~meshfeed.options.LoaderOptions`'): each check names the value and the
+fix, and returns the value in the form the layers below use."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -145,3 +146,35 @@ def put_groups(groups: Any, n: int) -> list[Hashable]:
         for g in group_list:
             _check_key(g, "a group id")
     return group_list
+
+
+def check_loader_arguments(*, task: Any, fields: Any, partition: Any, collate_retries: Any) -> None:
+    """Refuse a bad store-only argument by name (the shared ones are checked by
+    :class:`~meshfeed.options.LoaderOptions`)."""
+    if (
+        isinstance(collate_retries, bool)
+        or not isinstance(collate_retries, int)
+        or collate_retries < 0
+    ):
+        raise ValueError(f"collate_retries must be an int >= 0 (got {collate_retries=!r})")
+    if not isinstance(task, str) or not task:
+        raise TypeError(f"task must be a non-empty string (got {task=!r})")
+    if not isinstance(partition, str) or not partition:
+        raise TypeError(f"partition must be a non-empty string (got {partition=!r})")
+    if isinstance(fields, str) or not isinstance(fields, Sequence) or not fields:
+        raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
+
+
+def check_loader_workers(store: Any, num_workers: int, collate_fn: Any) -> None:
+    """Worker processes need a ``collate_fn`` (embedded store) or a named store (Ray)."""
+    if num_workers and store.backend == "embedded" and collate_fn is None:
+        raise ValueError(
+            "num_workers > 0 with the embedded store only runs `collate_fn` in worker "
+            "processes (the store cannot be shared with them); pass collate_fn=..., or "
+            "use num_workers=0 with prefetch=N for fetching ahead in threads"
+        )
+    if num_workers and store.backend == "ray" and store.name is None:
+        raise ValueError(
+            "num_workers > 0 with a Ray store needs a named store so worker processes "
+            "can connect; create it with SampleStore('ray', name=...)"
+        )
