@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
+from meshfeed.queue.samplers import split_round
 from meshfeed.state import open_envelope
 
 __all__ = [
@@ -50,20 +51,6 @@ def unit_of(sampler: Any) -> int:
     if size is None:
         size = getattr(sampler, "group_size", 1)
     return size if type(size) is int and size >= 1 else 1
-
-
-def split_round(ids: list[Key], parts: int, unit: int) -> list[list[Key]]:
-    """``ids`` (whole units of ``unit`` samples, in order) split into ``parts`` contiguous
-    parts whose unit counts differ by at most one, the larger first: the rule of
-    :class:`~meshfeed.queue.samplers.RankAwareSampler` (its docstring: the last round)."""
-    units = [ids[i : i + unit] for i in range(0, len(ids), unit)]
-    q, r = divmod(len(units), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + q + (1 if i < r else 0)
-        out.append([k for u in units[start:end] for k in u])
-        start = end
-    return out
 
 
 def _round_ok(parts: Any, ranks: int) -> bool:

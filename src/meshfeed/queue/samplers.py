@@ -33,6 +33,7 @@ __all__ = [
     "SequentialSampler",
     "Share",
     "karmarkar_karp",
+    "split_round",
 ]
 
 
@@ -192,6 +193,21 @@ class GroupSampler:
         return None
 
 
+def split_round(ids: list[Key], parts: int, unit: int) -> list[list[Key]]:
+    """``ids`` (whole units of ``unit`` samples, in order) split into ``parts`` contiguous
+    parts whose unit counts differ by at most one, the larger first: how
+    :class:`RankAwareSampler` splits a round (its docstring: the last round), and how a
+    store loader's state is split again on another number of data ranks."""
+    units = [ids[i : i + unit] for i in range(0, len(ids), unit)]
+    q, r = divmod(len(units), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + q + (1 if i < r else 0)
+        out.append([k for u in units[start:end] for k in u])
+        start = end
+    return out
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankAwareSampler:
     """The ranks of one data-replica group receive the same batch.
@@ -275,16 +291,9 @@ class RankAwareSampler:
         ids = planned[0]
         # Whole groups come consecutive in the plan, group_size samples each.
         size = self.inner.group_size if isinstance(self.inner, GroupSampler) else 1
-        units = [ids[i : i + size] for i in range(0, len(ids), size)]
-        if len(units) < d:
+        if -(-len(ids) // size) < d:
             return None  # fewer units than data ranks: some rank would get an empty batch
-        q, r = divmod(len(units), d)
-        parts, start = [], 0
-        for i in range(d):
-            end = start + q + (1 if i < r else 0)
-            parts.append([k for u in units[start:end] for k in u])
-            start = end
-        return parts
+        return split_round(ids, d, size)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
