@@ -54,8 +54,9 @@ from meshfeed.sources.indexed_format import (
 from meshfeed.sources.indexed_format import (
     dtype_code as dtype_code,  # re-exported: it was defined here
 )
+from meshfeed.sources.indexed_ranged import Ranged, RangedTokens, check_ranged, open_remote
 from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
-from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of
+from meshfeed.storage import RangedFile, ShardCache, StorageOptions, is_url, local_path_of
 
 __all__ = ["IndexedFormatError", "IndexedWriter", "TokenCorpus", "write_indexed"]
 
@@ -77,6 +78,15 @@ class TokenCorpus:
     contiguous token range (a training window across document boundaries) is a single slice.
     Opening validates the header and the file lengths; :meth:`validate` additionally checks
     every pointer (O(number of documents)).
+
+    A URL prefix (``s3://bucket/corpus``) is read through the node's shard cache (``cache_dir``,
+    ``cache_limit``, ``storage_options``): the ``.idx`` cached whole, the ``.bin`` too unless
+    ``ranged`` says otherwise (see :mod:`meshfeed.sources.indexed_ranged`): ``None`` (default)
+    whole unless larger than ``cache_limit``, ``True`` or a :class:`~meshfeed.storage.RangeReads`
+    always by ranged GETs of blocks, ``False`` always whole. By ranges, :attr:`ranged` is True,
+    ``tokens`` is a :class:`~meshfeed.sources.indexed_ranged.RangedTokens` (slices are fresh
+    arrays) and :meth:`document` returns a fresh array. ``version``: the ``.bin``'s remote
+    version a job recorded (:attr:`version`); another one is refused by name.
     """
 
     def __init__(
@@ -86,21 +96,31 @@ class TokenCorpus:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
         storage_options: StorageOptions | None = None,
+        ranged: Ranged = None,
+        version: str | None = None,
     ) -> None:
-        # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: both
-        # files are downloaded whole (once per node) and held while this object lives
+        # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: the files
+        # cached whole are held while this object lives; a .bin read by ranges is not cached
         self._remote: dict[str, Any] | None = None
         self._cache: ShardCache | None = None
+        self._ranged: RangedFile | None = None
+        check_ranged(ranged)
         prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
         if is_url(os.fspath(prefix)):
-            prefix = self._fetch(os.fspath(prefix), cache_dir, cache_limit, storage_options)
+            remote = dict(
+                cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
+            )
+            prefix = self._fetch(os.fspath(prefix), remote, ranged, version)
         idx_path, bin_path = _paths(prefix)
-        self._check_files_exist(idx_path, bin_path, prefix)
+        self._check_files_exist(idx_path, bin_path if self._ranged is None else None, prefix)
         self.prefix = os.fspath(idx_path)[: -len(".idx")]
-        self.idx_path, self.bin_path = idx_path, bin_path
+        self.idx_path = idx_path
+        self.bin_path: Path | str = bin_path
         with _publish_lock(idx_path.parent, exclusive=False):
             self._idx = _map(idx_path)
-            self._bin = _map(bin_path)
+            self._bin = _map(bin_path) if self._ranged is None else self._ranged
+        if self._ranged is not None:
+            self.bin_path = self._ranged.url  # named in errors: there is no local .bin
         n_seq, n_doc = self._read_header(idx_path)
         self.sizes: np.ndarray = np.frombuffer(self._idx, np.int32, n_seq, HEADER_SIZE)
         self.pointers: np.ndarray = np.frombuffer(
@@ -123,14 +143,19 @@ class TokenCorpus:
                 f"{item}; the file is truncated or corrupt"
             )
         self._check_layout(bin_len)
-        # (mapping, size when opened, path) of each mapped file: an empty one maps nothing
-        # (the .bin last: check_unchanged(tokens_only=True) looks at the last entry)
+        # (mapping, size when opened, path) of each mapped file: an empty one maps nothing,
+        # a .bin read by ranges is checked by its version and read lengths instead
         self._watch = [
             (buf, len(buf), path)
             for buf, path in ((self._idx, idx_path), (self._bin, bin_path))
             if isinstance(buf, mmap.mmap)
         ]
-        self.tokens: np.ndarray = np.frombuffer(self._bin, self.dtype, bin_len // item)
+        self._watch_tokens = [w for w in self._watch if w[2] == bin_path]
+        self.tokens: np.ndarray | RangedTokens = (
+            np.frombuffer(self._bin, self.dtype, bin_len // item)
+            if self._ranged is None
+            else RangedTokens(self._ranged, self.dtype)
+        )
         self._contiguous: bool | None = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
@@ -148,7 +173,7 @@ class TokenCorpus:
         not a change. A truncation between this check and the read still faults: rewrite a
         corpus only under a new name, or by rename (as :func:`write_indexed` does).
         """
-        for buf, size, path in self._watch[-1:] if tokens_only else self._watch:
+        for buf, size, path in self._watch_tokens if tokens_only else self._watch:
             if buf.size() != size:
                 now = buf.size()
                 raise SourceError(
@@ -162,7 +187,8 @@ class TokenCorpus:
         """Open ``PREFIX.idx`` and ``PREFIX.bin`` (a path ending in either also works).
 
         A URL prefix (``s3://bucket/corpus``, any fsspec URL) takes ``cache_dir=``,
-        ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`).
+        ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`),
+        ``ranged=`` and ``version=`` (see the class docstring).
         """
         return cls(prefix, **remote)
 
@@ -201,7 +227,11 @@ class TokenCorpus:
         if not -n <= i < n:
             raise IndexError(f"document index {i} out of range for {n} documents")
         i %= n
-        return np.frombuffer(self._bin, self.dtype, int(self.sizes[i]), int(self.pointers[i]))
+        buf = self._bin
+        if isinstance(buf, RangedFile):
+            start = int(self.pointers[i]) // self.dtype.itemsize
+            return self.tokens[start : start + int(self.sizes[i])]
+        return np.frombuffer(buf, self.dtype, int(self.sizes[i]), int(self.pointers[i]))
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.document(i)
@@ -216,25 +246,31 @@ class TokenCorpus:
             self._contiguous = self._check_contiguous()
         return self._contiguous
 
-    def _fetch(
-        self,
-        url: str,
-        cache_dir: str | os.PathLike[str] | None,
-        cache_limit: int | None,
-        storage_options: StorageOptions | None,
-    ) -> str | os.PathLike[str]:
-        """Download both files of the URL prefix into the node's shard cache; the local prefix."""
-        remote: dict[str, Any] = dict(
-            cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
-        )
+    def _fetch(self, url: str, remote: dict[str, Any], ranged: Ranged, version: str | None) -> str:
+        """Cache the ``.idx`` (and the ``.bin`` unless read by ranges); the local prefix."""
         self._remote = {"url": url, **remote}
         self._cache = ShardCache(**remote)
-        return _fetch_remote(url, self._cache)
+        prefix, self._ranged = open_remote(url, self._cache, ranged, version)
+        if self._ranged is not None:  # a worker reads by ranges too, and the same version
+            self._remote.update(ranged=self._ranged.reads, version=self._ranged.version)
+        return prefix
+
+    @property
+    def ranged(self) -> bool:
+        """True where the ``.bin`` is read by ranged GETs (a URL corpus), not a local file."""
+        return self._ranged is not None
+
+    @property
+    def version(self) -> str | None:
+        """The remote ``.bin``'s version when read by ranges (size and ETag), else None."""
+        return None if self._ranged is None else self._ranged.version
 
     @staticmethod
-    def _check_files_exist(idx_path: Path, bin_path: Path, prefix: str | os.PathLike[str]) -> None:
+    def _check_files_exist(
+        idx_path: Path, bin_path: Path | None, prefix: str | os.PathLike[str]
+    ) -> None:
         for path in (idx_path, bin_path):
-            if not path.is_file():
+            if path is not None and not path.is_file():
                 raise FileNotFoundError(
                     f"indexed corpus file {path} does not exist; pass the prefix shared by "
                     f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
@@ -404,15 +440,6 @@ class TokenCorpus:
                 f"{len(self._bin)}:{h.hexdigest()}"
             )
         return self._fingerprint
-
-
-def _fetch_remote(url: str, cache: ShardCache) -> str:
-    """The local prefix of the cached ``URL.idx`` / ``URL.bin`` (one cache folder holds both)."""
-    for ext in (".bin", ".idx"):
-        url = url.removesuffix(ext)
-    idx = cache.local_path(url + ".idx")
-    cache.local_path(url + ".bin")
-    return idx[: -len(".idx")]
 
 
 def _reopen(
