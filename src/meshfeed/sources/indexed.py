@@ -54,9 +54,17 @@ from meshfeed.sources.indexed_format import (
 from meshfeed.sources.indexed_format import (
     dtype_code as dtype_code,  # re-exported: it was defined here
 )
-from meshfeed.sources.indexed_ranged import Ranged, RangedTokens, check_ranged, open_remote
+from meshfeed.sources.indexed_ranged import RangedTokens, open_remote
 from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
-from meshfeed.storage import RangedFile, ShardCache, StorageOptions, is_url, local_path_of
+from meshfeed.storage import (
+    Ranged,
+    RangedFile,
+    ShardCache,
+    StorageOptions,
+    is_url,
+    local_path_of,
+)
+from meshfeed.storage.ranged import check_ranged
 
 __all__ = ["IndexedFormatError", "IndexedWriter", "TokenCorpus", "write_indexed"]
 

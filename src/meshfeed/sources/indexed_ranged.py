@@ -17,21 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.storage import RangedFile, RangeReads, ShardCache, TooLargeForCache
+from meshfeed.storage import Ranged, RangedFile, ShardCache, local_or_ranged
 
-__all__ = ["Ranged", "RangedTokens", "open_remote"]
-
-#: ``None``: whole files unless the ``.bin`` exceeds ``cache_limit``; ``True`` / a
-#: :class:`RangeReads`: always by ranges (with those settings); ``False``: always whole.
-Ranged = bool | RangeReads | None
-
-
-def check_ranged(ranged: object) -> None:
-    if ranged is not None and not isinstance(ranged, (bool, RangeReads)):
-        raise TypeError(
-            f"ranged must be None (whole files unless larger than cache_limit), True, False or "
-            f"a RangeReads(block_size=..., max_blocks=...) (got {ranged!r})"
-        )
+__all__ = ["RangedTokens", "open_remote"]
 
 
 def open_remote(
@@ -39,19 +27,11 @@ def open_remote(
 ) -> tuple[str, RangedFile | None]:
     """The local prefix of the cached ``.idx`` (with the ``.bin`` beside it when cached whole),
     and the ``.bin`` as a :class:`RangedFile` when it is read by ranges."""
-    check_ranged(ranged)
     for ext in (".bin", ".idx"):
         url = url.removesuffix(ext)
     prefix = cache.local_path(url + ".idx")[: -len(".idx")]
-    if ranged is None or ranged is False:
-        try:
-            cache.local_path(url + ".bin", version=version)
-            return prefix, None
-        except TooLargeForCache:
-            if ranged is False:
-                raise
-    reads = ranged if isinstance(ranged, RangeReads) else None
-    return prefix, RangedFile(url + ".bin", cache=cache, reads=reads, version=version)
+    bin_ = local_or_ranged(url + ".bin", cache, ranged, version=version)
+    return prefix, bin_ if isinstance(bin_, RangedFile) else None
 
 
 class RangedTokens:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.indexed_ranged import Ranged, RangedTokens
-from meshfeed.storage import StorageOptions
+from meshfeed.sources.indexed_ranged import RangedTokens
+from meshfeed.storage import Ranged, StorageOptions
 
 __all__ = ["TokenDocuments", "TokenWindows"]
 

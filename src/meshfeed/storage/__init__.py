@@ -33,7 +33,7 @@ helpers :func:`open_url`, :func:`file_size`, :func:`file_version`, :func:`read_r
 """
 
 from meshfeed.storage.cache import ShardCache, TooLargeForCache, default_cache_dir, resolve
-from meshfeed.storage.ranged import RangedFile, RangeReads
+from meshfeed.storage.ranged import Ranged, RangedFile, RangeReads, local_or_ranged
 from meshfeed.storage.retry import RetryPolicy, is_transient
 from meshfeed.storage.urls import (
     StorageOptions,
@@ -50,6 +50,7 @@ from meshfeed.storage.urls import (
 
 __all__ = [
     "RangeReads",
+    "Ranged",
     "RangedFile",
     "RetryPolicy",
     "ShardCache",
@@ -61,6 +62,7 @@ __all__ = [
     "is_transient",
     "is_url",
     "list_files",
+    "local_or_ranged",
     "local_path_of",
     "open_url",
     "read_range",

@@ -31,12 +31,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.errors import SourceError
+from meshfeed.storage._download import TooLargeForCache
 from meshfeed.storage.urls import changed, remote_info
 
 if TYPE_CHECKING:
     from meshfeed.storage.cache import ShardCache
 
-__all__ = ["RangeReads", "RangedFile"]
+__all__ = ["Ranged", "RangeReads", "RangedFile", "check_ranged", "local_or_ranged"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +55,37 @@ class RangeReads:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int (got {name}={value!r})")
+
+
+#: How a reader takes a remote file: ``None``, whole (cached) unless larger than ``cache_limit``;
+#: ``True`` or a :class:`RangeReads`, by ranges (with those settings); ``False``, always whole.
+Ranged = bool | RangeReads | None
+
+
+def check_ranged(ranged: object) -> None:
+    """Raise TypeError naming ``ranged`` unless it is a :data:`Ranged`."""
+    if ranged is not None and not isinstance(ranged, (bool, RangeReads)):
+        raise TypeError(
+            f"ranged must be None (whole files unless larger than cache_limit), True, False or "
+            f"a RangeReads(block_size=..., max_blocks=...) (got {ranged!r})"
+        )
+
+
+def local_or_ranged(
+    url: str, cache: ShardCache, ranged: Ranged, *, version: str | None = None
+) -> str | RangedFile:
+    """``url`` as ``ranged`` says: the path of its whole cached copy (held, as
+    :meth:`ShardCache.local_path`), or a :class:`RangedFile` (by request, or with ``ranged=None``
+    where the file is larger than ``cache_limit``)."""
+    check_ranged(ranged)
+    if ranged is None or ranged is False:
+        try:
+            return cache.local_path(url, version=version)
+        except TooLargeForCache:
+            if ranged is False:
+                raise
+    reads = ranged if isinstance(ranged, RangeReads) else None
+    return RangedFile(url, cache=cache, reads=reads, version=version)
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -116,6 +148,9 @@ class RangedFile:
     def __repr__(self) -> str:
         return f"RangedFile({self.url!r}, size={self.size}, version={self.version!r})"
 
+    def __str__(self) -> str:
+        return self.url
+
     def __len__(self) -> int:
         return self.size
 
@@ -163,9 +198,11 @@ class RangedFile:
                 out.append(memoryview(joined)[a - first * bs : b - first * bs])
         return out
 
-    def open(self) -> io.BufferedReader:
-        """A seekable binary file object over this object (for pyarrow and other readers)."""
-        return io.BufferedReader(_RawRanged(self), buffer_size=1 << 16)
+    def open(self) -> io.RawIOBase:
+        """A seekable binary file object over this object (for pyarrow and other readers).
+
+        Unbuffered: each read is the span asked for, served from blocks."""
+        return _RawRanged(self)
 
     def close(self) -> None:
         """Drop the blocks in memory and stop this process's fetch threads."""
