@@ -26,6 +26,10 @@ A file that changes size after opening (truncated or rewritten in place) is a
 :class:`~meshfeed.errors.SourceError` at the next batch read (:meth:`TokenCorpus.check_unchanged`),
 not SIGBUS. A corpus pickles as its prefix (worker processes re-open the files instead of
 receiving gigabytes).
+
+A URL prefix is read through the node's shard cache; a ``.bin`` too large to cache (or any,
+with ``ranged=True``) is read by ranged GETs of blocks instead, at the cost of refetching
+blocks that a shuffled read misses (see :mod:`meshfeed.sources.indexed_ranged`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Both implement ``__len__``, ``__getitem__``, ``__getitems__`` (torch's batched p
 by one memmap slice per sample and handed to torch without a further copy. Every read first
 checks that the corpus files kept their size (:meth:`TokenCorpus.check_unchanged`, ~1 µs per
 file): a ``.bin`` truncated under a running loader is a ``SourceError`` naming it, not SIGBUS.
+A corpus whose ``.bin`` is read by ranges (``ranged=``, or a ``.bin`` larger than
+``cache_limit``) gathers a batch from blocks fetched once for the batch (a shuffled epoch
+refetches blocks; whole files are one GET per file per node); a rewritten or truncated object
+is a ``SourceError`` naming it.
 """
 
 from __future__ import annotations
