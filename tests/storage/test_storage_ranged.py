@@ -107,29 +107,3 @@ def test_a_file_larger_than_the_cache_limit_is_refused_not_downloaded(
 def test_range_reads_are_validated() -> None:
     with pytest.raises(ValueError, match="block_size"):
         RangeReads(block_size=0)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_worker_reads_by_ranges_and_leaves_the_parent_connections_alone(
-    s3: S3, tmp_path: Path
-) -> None:
-    from meshfeed.storage import urls
-    from meshfeed.storage.urls import filesystem
-
-    data, f = _file(s3, tmp_path, 8000, block_size=1000, max_blocks=2)
-    assert f.read_many([(0, 10), (3000, 3010), (6000, 6010)])[1] == data[3000:3010]  # threads
-    parent_fs, _ = filesystem(f.url, f.cache.storage_options)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its own blocks and connections, the parent's kept unfinalized
-        ok = any(fs is parent_fs for fs in urls._INHERITED)
-        ok = ok and f.read(7000, 7010) == data[7000:7010] and f.read(10, 20) == data[10:20]
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.waitpid(pid, 0)
-    os.close(read)
-    f._blocks.clear()
-    assert f.read(4000, 4010) == data[4000:4010]  # the parent's connections still work

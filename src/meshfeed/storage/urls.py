@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any
@@ -71,33 +70,6 @@ def _fsspec() -> Any:
             f"reading URLs needs fsspec (and s3fs for s3://); install them: {_REMOTE_EXTRA}"
         ) from e
     return fsspec
-
-
-#: The parent's fsspec file systems, held in a forked child (see _keep_inherited_filesystems).
-_INHERITED: list[Any] = []
-
-
-def _keep_inherited_filesystems() -> None:
-    """In a forked child: keep the parent's fsspec instances alive.
-
-    fsspec starts a new instance cache in each process and drops the inherited instances;
-    their finalizers would then close the parent's connections here, through the parent's
-    event loop, whose epoll descriptor both processes share (seen as "attached to a different
-    loop" errors and a read failing with EBADF in a worker). Held, they are never finalized
-    (a worker leaves through ``os._exit``).
-    """
-    fsspec = sys.modules.get("fsspec")
-    if fsspec is None:
-        return
-    todo = [fsspec.AbstractFileSystem]
-    while todo:
-        cls = todo.pop()
-        todo.extend(cls.__subclasses__())
-        _INHERITED.extend(getattr(cls, "__dict__", {}).get("_cache", {}).values())
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_keep_inherited_filesystems)
 
 
 def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple[Any, str]:
