@@ -15,8 +15,7 @@ format (uncompressed, ``--shard-mib`` shards) and uploaded:
   ``TokenDocuments("s3://...", cache_dir=...)`` + ``meshfeed.DataLoader`` (map-style);
 - ``meshfeed windows`` / ``meshfeed windows ranged``: the same corpus as ``TokenWindows``
   (``seq_len`` 2048, shuffled), its ``.bin`` downloaded whole into the node cache, or read by
-  ranged GETs of blocks (1 MiB blocks, 8 kept per process: a fifth of the 10k-sample corpus)
-  and never cached;
+  ranged GETs of blocks (``--block-kib``, default 1 MiB; 8 kept per process) and never cached;
 - ``mosaic``: ``StreamingDataset(remote=s3://..., local=cache, shuffle=True)`` in a torch
   ``DataLoader``;
 - ``litdata``: ``StreamingDataset("s3://...", cache_dir=cache, shuffle=True)`` in its
@@ -384,6 +383,9 @@ def main() -> None:
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
     p.add_argument("--only", default=None, help="run only the systems whose name contains this")
     p.add_argument(
+        "--block-kib", type=int, default=1024, help="block size of the ranged windows row (KiB)"
+    )
+    p.add_argument(
         "--lock-timeout",
         type=float,
         default=30.0,
@@ -400,7 +402,7 @@ def main() -> None:
     from meshfeed.storage.cache import ShardCache
 
     global RANGES
-    RANGES = RangeReads(block_size=1 << 20, max_blocks=8)  # 8 MiB kept: a fifth of the corpus
+    RANGES = RangeReads(block_size=args.block_kib << 10, max_blocks=8)  # 8 kept per process
 
     # Two workers that ask for one uncached shard at once can stall until the lock timeout
     # (one waits for an exclusive lock while the other holds the published copy): shorten it

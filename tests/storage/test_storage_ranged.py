@@ -107,3 +107,49 @@ def test_a_file_larger_than_the_cache_limit_is_refused_not_downloaded(
 def test_range_reads_are_validated() -> None:
     with pytest.raises(ValueError, match="block_size"):
         RangeReads(block_size=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_threads_of_a_forked_child_close_each_inherited_lock_once(s3: S3, tmp_path: Path) -> None:
+    import threading
+    import time
+
+    data, f = _file(s3, tmp_path, 8000, block_size=1000)
+    held = f.cache.local_path(s3.put("r/held.bin", b"x" * 100))  # the parent holds an entry
+    assert Path(held).read_bytes() == b"x" * 100
+    fds = {lock._fd for lock in f.cache._held.values()}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: eight threads reach the cache's fork check at once
+        closed: list[int] = []
+        real_close = os.close
+
+        def counting_close(fd: int) -> None:
+            closed.append(fd)
+            time.sleep(0.02)  # a thread switch in the middle of a close
+            real_close(fd)
+
+        os.close = counting_close  # type: ignore[assignment]
+        barrier = threading.Barrier(8)
+        results: list[bytes] = []
+
+        def read_one(k: int) -> None:
+            barrier.wait()
+            results.append(f.cache.open_range(f.url, k * 1000, k * 1000 + 10))
+
+        threads = [threading.Thread(target=read_one, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        os.close = real_close
+        once = all(closed.count(fd) == 1 for fd in fds)
+        ok = once and sorted(results) == sorted(data[k * 1000 : k * 1000 + 10] for k in range(8))
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert f.read(4000, 4010) == data[4000:4010]  # the parent's state is untouched

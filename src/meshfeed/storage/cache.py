@@ -120,8 +120,11 @@ class ShardCache:
 
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # a forked child: the parent's locks and threads are not ours
-            for lock in self._held.values():
-                lock.close()  # the parent still holds its own descriptor, and so its lock
+            # popitem: threads of the child that get here at once close each descriptor once (a
+            # second close would hit whatever the number was reused for, e.g. a socket)
+            with contextlib.suppress(KeyError):
+                while True:
+                    self._held.popitem()[1].close()  # the parent keeps its own descriptor
             self._init_process_state()
 
     # -- pickling: settings only ------------------------------------------------------------
