@@ -13,6 +13,9 @@ format (uncompressed, ``--shard-mib`` shards) and uploaded:
   cold and warm are alike);
 - ``meshfeed .bin/.idx``: the tokens only (no pixels) as a Megatron corpus, read with
   ``TokenDocuments("s3://...", cache_dir=...)`` + ``meshfeed.DataLoader`` (map-style);
+- ``meshfeed windows`` / ``meshfeed windows ranged``: the same corpus as ``TokenWindows``
+  (``seq_len`` 2048, shuffled), its ``.bin`` downloaded whole into the node cache, or read by
+  ranged GETs of blocks (``--block-kib``, default 1 MiB; 8 kept per process) and never cached;
 - ``mosaic``: ``StreamingDataset(remote=s3://..., local=cache, shuffle=True)`` in a torch
   ``DataLoader``;
 - ``litdata``: ``StreamingDataset("s3://...", cache_dir=cache, shuffle=True)`` in its
@@ -219,6 +222,34 @@ def meshfeed_corpus(url: str, cache: Path, opts: dict[str, Any], workers: int) -
         return tally_corpus(loader)
 
 
+SEQ_LEN = 2048
+RANGES: Any = None  # the RangeReads of the ranged row, set in main (meshfeed imports late)
+
+
+def meshfeed_windows(
+    url: str, cache: Path, opts: dict[str, Any], workers: int, ranged: Any = False
+) -> tuple[int, int]:
+    from meshfeed import DataLoader
+    from meshfeed.sources.windows import TokenWindows
+
+    windows = TokenWindows(
+        f"{url}/corpus", seq_len=SEQ_LEN, cache_dir=cache, storage_options=opts, ranged=ranged
+    )
+    samples = tokens = 0
+    with DataLoader(
+        windows,  # type: ignore[arg-type]
+        batch_size=BATCH,
+        num_workers=workers,
+        seed=1,
+        drop_last=False,
+        shuffle=True,
+    ) as loader:
+        for batch in loader:
+            samples += batch.shape[0]
+            tokens += batch.numel()
+    return samples, tokens
+
+
 def mosaic_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
     import streaming
     import torch.utils.data
@@ -352,6 +383,9 @@ def main() -> None:
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
     p.add_argument("--only", default=None, help="run only the systems whose name contains this")
     p.add_argument(
+        "--block-kib", type=int, default=1024, help="block size of the ranged windows row (KiB)"
+    )
+    p.add_argument(
         "--lock-timeout",
         type=float,
         default=30.0,
@@ -364,7 +398,11 @@ def main() -> None:
     rows = args.rows or (3_000 if args.quick else 40_000)
     shard_mib = args.shard_mib or (8 if args.quick else 32)
     workers_list = [int(w) for w in args.workers.split(",")]
+    from meshfeed.storage import RangeReads
     from meshfeed.storage.cache import ShardCache
+
+    global RANGES
+    RANGES = RangeReads(block_size=args.block_kib << 10, max_blocks=8)  # 8 kept per process
 
     # Two workers that ask for one uncached shard at once can stall until the lock timeout
     # (one waits for an exclusive lock while the other holds the published copy): shorten it
@@ -424,6 +462,8 @@ def main() -> None:
             ("plain GET (s3fs)", plain_get, "mf"),
             ("meshfeed shards", meshfeed_shards, "mf"),
             ("meshfeed .bin/.idx*", meshfeed_corpus, "idx"),
+            ("meshfeed windows*", meshfeed_windows, "win"),
+            ("mf windows ranged*", functools.partial(meshfeed_windows, ranged=RANGES), "win"),
         ]
         if peers["mosaic"]:
             systems += [("meshfeed mds", meshfeed_mds, "mds"), ("mosaic", mosaic_epoch, "mds")]
@@ -436,9 +476,13 @@ def main() -> None:
             mb = payload_mb
             if key == "idx":
                 mb = data.tokens.nbytes / 1e6
+            if key == "win":  # the windows of the same corpus: (windows, their tokens)
+                n = (int(data.offsets[-1]) - 1) // SEQ_LEN
+                exp, mb, key = (n, n * (SEQ_LEN + 1)), n * SEQ_LEN * 4 / 1e6, "idx"
             run_system(name, read, f"s3://{BUCKET}/{key}", proxy, opts, root, exp, mb, workers_list)
         print(
-            "\n* tokens only (no 4 KiB field), map-style DataLoader; MB/s of its own payload."
+            "\n* tokens only (no 4 KiB field), map-style DataLoader; MB/s of its own payload"
+            " (windows: int32 windows of 2048 tokens, shuffled)."
             "\nGETs: object GETs of the epoch (listings excluded), ranged: those with a Range"
             " header; MB sent: bytes the server sent for the epoch."
         )

@@ -26,107 +26,56 @@ A file that changes size after opening (truncated or rewritten in place) is a
 :class:`~meshfeed.errors.SourceError` at the next batch read (:meth:`TokenCorpus.check_unchanged`),
 not SIGBUS. A corpus pickles as its prefix (worker processes re-open the files instead of
 receiving gigabytes).
+
+A URL prefix is read through the node's shard cache; a ``.bin`` too large to cache (or any,
+with ``ranged=True``) is read by ranged GETs of blocks instead, at the cost of refetching
+blocks that a shuffled read misses (see :mod:`meshfeed.sources.indexed_ranged`).
 """
 
 from __future__ import annotations
 
-import array
-import contextlib
 import hashlib
 import mmap
 import os
-import struct
-import tempfile
-from collections.abc import Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike, DTypeLike
 
 from meshfeed.errors import SourceError
-from meshfeed.progress import Progress
-from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of
+from meshfeed.sources.indexed_format import (
+    _CODE_OF,
+    _HEADER,
+    DTYPE_CODES,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    IndexedFormatError,
+    _map,
+    _paths,
+    _publish_lock,
+)
+from meshfeed.sources.indexed_format import (
+    dtype_code as dtype_code,  # re-exported: it was defined here
+)
+from meshfeed.sources.indexed_ranged import RangedTokens, open_remote
+from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
+from meshfeed.storage import (
+    Ranged,
+    RangedFile,
+    ShardCache,
+    StorageOptions,
+    is_url,
+    local_path_of,
+)
+from meshfeed.storage.ranged import check_ranged
 
 __all__ = ["IndexedFormatError", "IndexedWriter", "TokenCorpus", "write_indexed"]
 
-MAGIC = b"MMIDIDX\x00\x00"
-VERSION = 1
-_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
-HEADER_SIZE = _HEADER.size  # 34 bytes
-
-DTYPE_CODES: dict[int, np.dtype[Any]] = {
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.int8),
-    3: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    5: np.dtype(np.int64),
-    6: np.dtype(np.float64),
-    7: np.dtype(np.float32),
-    8: np.dtype(np.uint16),
-}
-_CODE_OF = {dt: code for code, dt in DTYPE_CODES.items()}
-_INT32_MAX = np.iinfo(np.int32).max
 _FINGERPRINT_PROBE = 4096  # bytes hashed at each end of each file
 
 
 _CHUNK = 1 << 20  # documents checked per vectorised step on open (bounded temporary memory)
-
-
-class IndexedFormatError(SourceError, ValueError):
-    """A ``.idx`` / ``.bin`` pair that is not a valid indexed corpus; the message names the file.
-
-    A :class:`~meshfeed.errors.SourceError`: a damaged corpus is never treated as a bad sample.
-    """
-
-
-@contextlib.contextmanager
-def _publish_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
-    """Serialise meshfeed's two-file publish against meshfeed readers of the same folder.
-
-    A writer renames ``.bin`` then ``.idx`` under an exclusive ``flock`` of the folder; a reader
-    maps both under a shared one, so it never pairs one writer's ``.bin`` with another's
-    ``.idx``. Where ``flock`` is unavailable (no ``fcntl``, some network file systems) this
-    does nothing and the size checks on open are the remaining guard.
-    """
-    try:
-        import fcntl
-
-        fd = os.open(folder, os.O_RDONLY)
-    except (ImportError, OSError):
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
-    p = os.fspath(prefix)
-    for ext in (".bin", ".idx"):
-        if p.endswith(ext):  # accept either file name as well as the bare prefix
-            p = p[: -len(ext)]
-    return Path(p + ".idx"), Path(p + ".bin")
-
-
-def dtype_code(dtype: DTypeLike) -> int:
-    """The Megatron dtype code of ``dtype``; raises ``ValueError`` for unsupported dtypes."""
-    dt = np.dtype(dtype)
-    if dt not in _CODE_OF:
-        names = ", ".join(str(d) for d in DTYPE_CODES.values())
-        raise ValueError(f"dtype {dt} has no Megatron code (got {dtype=}); use one of {names}")
-    return _CODE_OF[dt]
-
-
-def _map(path: Path) -> mmap.mmap | bytes:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return b""  # mmap refuses empty files; an empty buffer behaves the same
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 class TokenCorpus:
@@ -141,6 +90,15 @@ class TokenCorpus:
     contiguous token range (a training window across document boundaries) is a single slice.
     Opening validates the header and the file lengths; :meth:`validate` additionally checks
     every pointer (O(number of documents)).
+
+    A URL prefix (``s3://bucket/corpus``) is read through the node's shard cache (``cache_dir``,
+    ``cache_limit``, ``storage_options``): the ``.idx`` cached whole, the ``.bin`` too unless
+    ``ranged`` says otherwise (see :mod:`meshfeed.sources.indexed_ranged`): ``None`` (default)
+    whole unless larger than ``cache_limit``, ``True`` or a :class:`~meshfeed.storage.RangeReads`
+    always by ranged GETs of blocks, ``False`` always whole. By ranges, :attr:`ranged` is True,
+    ``tokens`` is a :class:`~meshfeed.sources.indexed_ranged.RangedTokens` (slices are fresh
+    arrays) and :meth:`document` returns a fresh array. ``version``: the ``.bin``'s remote
+    version a job recorded (:attr:`version`); another one is refused by name.
     """
 
     def __init__(
@@ -150,21 +108,31 @@ class TokenCorpus:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | None = None,
         storage_options: StorageOptions | None = None,
+        ranged: Ranged = None,
+        version: str | None = None,
     ) -> None:
-        # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: both
-        # files are downloaded whole (once per node) and held while this object lives
+        # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: the files
+        # cached whole are held while this object lives; a .bin read by ranges is not cached
         self._remote: dict[str, Any] | None = None
         self._cache: ShardCache | None = None
+        self._ranged: RangedFile | None = None
+        check_ranged(ranged)
         prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
         if is_url(os.fspath(prefix)):
-            prefix = self._fetch(os.fspath(prefix), cache_dir, cache_limit, storage_options)
+            remote = dict(
+                cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
+            )
+            prefix = self._fetch(os.fspath(prefix), remote, ranged, version)
         idx_path, bin_path = _paths(prefix)
-        self._check_files_exist(idx_path, bin_path, prefix)
+        self._check_files_exist(idx_path, bin_path if self._ranged is None else None, prefix)
         self.prefix = os.fspath(idx_path)[: -len(".idx")]
-        self.idx_path, self.bin_path = idx_path, bin_path
+        self.idx_path = idx_path
+        self.bin_path: Path | str = bin_path
         with _publish_lock(idx_path.parent, exclusive=False):
             self._idx = _map(idx_path)
-            self._bin = _map(bin_path)
+            self._bin = _map(bin_path) if self._ranged is None else self._ranged
+        if self._ranged is not None:
+            self.bin_path = self._ranged.url  # named in errors: there is no local .bin
         n_seq, n_doc = self._read_header(idx_path)
         self.sizes: np.ndarray = np.frombuffer(self._idx, np.int32, n_seq, HEADER_SIZE)
         self.pointers: np.ndarray = np.frombuffer(
@@ -187,14 +155,19 @@ class TokenCorpus:
                 f"{item}; the file is truncated or corrupt"
             )
         self._check_layout(bin_len)
-        # (mapping, size when opened, path) of each mapped file: an empty one maps nothing
-        # (the .bin last: check_unchanged(tokens_only=True) looks at the last entry)
+        # (mapping, size when opened, path) of each mapped file: an empty one maps nothing,
+        # a .bin read by ranges is checked by its version and read lengths instead
         self._watch = [
             (buf, len(buf), path)
             for buf, path in ((self._idx, idx_path), (self._bin, bin_path))
             if isinstance(buf, mmap.mmap)
         ]
-        self.tokens: np.ndarray = np.frombuffer(self._bin, self.dtype, bin_len // item)
+        self._watch_tokens = [w for w in self._watch if w[2] == bin_path]
+        self.tokens: np.ndarray | RangedTokens = (
+            np.frombuffer(self._bin, self.dtype, bin_len // item)
+            if self._ranged is None
+            else RangedTokens(self._ranged, self.dtype)
+        )
         self._contiguous: bool | None = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
@@ -212,7 +185,7 @@ class TokenCorpus:
         not a change. A truncation between this check and the read still faults: rewrite a
         corpus only under a new name, or by rename (as :func:`write_indexed` does).
         """
-        for buf, size, path in self._watch[-1:] if tokens_only else self._watch:
+        for buf, size, path in self._watch_tokens if tokens_only else self._watch:
             if buf.size() != size:
                 now = buf.size()
                 raise SourceError(
@@ -226,7 +199,8 @@ class TokenCorpus:
         """Open ``PREFIX.idx`` and ``PREFIX.bin`` (a path ending in either also works).
 
         A URL prefix (``s3://bucket/corpus``, any fsspec URL) takes ``cache_dir=``,
-        ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`).
+        ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`),
+        ``ranged=`` and ``version=`` (see the class docstring).
         """
         return cls(prefix, **remote)
 
@@ -265,7 +239,11 @@ class TokenCorpus:
         if not -n <= i < n:
             raise IndexError(f"document index {i} out of range for {n} documents")
         i %= n
-        return np.frombuffer(self._bin, self.dtype, int(self.sizes[i]), int(self.pointers[i]))
+        buf = self._bin
+        if isinstance(buf, RangedFile):
+            start = int(self.pointers[i]) // self.dtype.itemsize
+            return self.tokens[start : start + int(self.sizes[i])]
+        return np.frombuffer(buf, self.dtype, int(self.sizes[i]), int(self.pointers[i]))
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.document(i)
@@ -280,25 +258,31 @@ class TokenCorpus:
             self._contiguous = self._check_contiguous()
         return self._contiguous
 
-    def _fetch(
-        self,
-        url: str,
-        cache_dir: str | os.PathLike[str] | None,
-        cache_limit: int | None,
-        storage_options: StorageOptions | None,
-    ) -> str | os.PathLike[str]:
-        """Download both files of the URL prefix into the node's shard cache; the local prefix."""
-        remote: dict[str, Any] = dict(
-            cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
-        )
+    def _fetch(self, url: str, remote: dict[str, Any], ranged: Ranged, version: str | None) -> str:
+        """Cache the ``.idx`` (and the ``.bin`` unless read by ranges); the local prefix."""
         self._remote = {"url": url, **remote}
         self._cache = ShardCache(**remote)
-        return _fetch_remote(url, self._cache)
+        prefix, self._ranged = open_remote(url, self._cache, ranged, version)
+        if self._ranged is not None:  # a worker reads by ranges too, and the same version
+            self._remote.update(ranged=self._ranged.reads, version=self._ranged.version)
+        return prefix
+
+    @property
+    def ranged(self) -> bool:
+        """True where the ``.bin`` is read by ranged GETs (a URL corpus), not a local file."""
+        return self._ranged is not None
+
+    @property
+    def version(self) -> str | None:
+        """The remote ``.bin``'s version when read by ranges (size and ETag), else None."""
+        return None if self._ranged is None else self._ranged.version
 
     @staticmethod
-    def _check_files_exist(idx_path: Path, bin_path: Path, prefix: str | os.PathLike[str]) -> None:
+    def _check_files_exist(
+        idx_path: Path, bin_path: Path | None, prefix: str | os.PathLike[str]
+    ) -> None:
         for path in (idx_path, bin_path):
-            if not path.is_file():
+            if path is not None and not path.is_file():
                 raise FileNotFoundError(
                     f"indexed corpus file {path} does not exist; pass the prefix shared by "
                     f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
@@ -470,15 +454,6 @@ class TokenCorpus:
         return self._fingerprint
 
 
-def _fetch_remote(url: str, cache: ShardCache) -> str:
-    """The local prefix of the cached ``URL.idx`` / ``URL.bin`` (one cache folder holds both)."""
-    for ext in (".bin", ".idx"):
-        url = url.removesuffix(ext)
-    idx = cache.local_path(url + ".idx")
-    cache.local_path(url + ".bin")
-    return idx[: -len(".idx")]
-
-
 def _reopen(
     prefix: str,
     fingerprint: str,
@@ -498,162 +473,3 @@ def _reopen(
         )
     corpus._contiguous, corpus._num_tokens = contiguous, num_tokens
     return corpus
-
-
-class IndexedWriter:
-    """Streams documents into ``PREFIX.bin`` / ``PREFIX.idx`` without holding the corpus in memory.
-
-    Memory is 8 bytes per document (the sizes). Files are written under unique temporary names
-    in the target folder (created if missing) and renamed on :meth:`close`, ``.bin`` first, so
-    readers never see a half-written corpus; a failure (or leaving the ``with`` block through
-    an exception) deletes them. Two writers to one prefix each publish a complete pair under a
-    folder lock, so the result is one writer's corpus, never a mix. Each document becomes one
-    sequence and one Megatron document (``document_indices = 0..n``).
-
-    >>> with IndexedWriter("/tmp/demo", dtype="uint16") as w:  # doctest: +SKIP
-    ...     w.add([1, 2, 3])
-    """
-
-    def __init__(self, prefix: str | os.PathLike[str], *, dtype: DTypeLike = np.uint16) -> None:
-        self.dtype = np.dtype(dtype)
-        self._code = dtype_code(self.dtype)
-        self.idx_path, self.bin_path = _paths(prefix)
-        self.prefix = os.fspath(self.idx_path)[: -len(".idx")]
-        folder = self.bin_path.parent
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.bin_path.name}.", suffix=".tmp")
-        self._tmp_bin = Path(tmp)
-        self._tmp_idx: Path | None = None
-        self._bin = os.fdopen(fd, "wb")
-        self._sizes = array.array("q")
-        self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
-        self._done = False
-
-    @property
-    def num_documents(self) -> int:
-        return len(self._sizes)
-
-    def add(self, tokens: ArrayLike) -> None:
-        """Append one document (any 1-D array-like of token ids that fits the dtype)."""
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise ValueError(
-                f"document {len(self._sizes)} has shape {arr.shape}; pass a 1-D sequence of "
-                "token ids per document"
-            )
-        if arr.size > _INT32_MAX:
-            raise ValueError(
-                f"document {len(self._sizes)} has {arr.size} tokens, more than the int32 size "
-                "field of the format allows; split it"
-            )
-        if self._limits is not None and arr.size:
-            if arr.dtype.kind not in "iub":
-                raise TypeError(
-                    f"document {len(self._sizes)} has dtype {arr.dtype}; token ids must be "
-                    f"integers for a {self.dtype} corpus"
-                )
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < self._limits.min or hi > self._limits.max:
-                raise ValueError(
-                    f"document {len(self._sizes)} has token ids in [{lo}, {hi}], outside "
-                    f"{self.dtype} [{self._limits.min}, {self._limits.max}]; choose a wider "
-                    "dtype (e.g. int32)"
-                )
-        self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
-        self._sizes.append(arr.size)
-
-    def close(self) -> TokenCorpus:
-        """Write the index, publish both files and return the opened corpus."""
-        if self._done:
-            raise ValueError(f"the writer of {self.prefix} is already closed; make a new one")
-        try:
-            self._bin.close()
-            sizes = np.frombuffer(self._sizes, np.int64) if self._sizes else np.zeros(0, np.int64)
-            pointers = (np.cumsum(sizes) - sizes) * self.dtype.itemsize
-            n = sizes.shape[0]
-            fd, tmp = tempfile.mkstemp(
-                dir=self.idx_path.parent, prefix=f".{self.idx_path.name}.", suffix=".tmp"
-            )
-            self._tmp_idx = Path(tmp)
-            with os.fdopen(fd, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, VERSION, self._code, n, n + 1))
-                f.write(sizes.astype("<i4").tobytes())
-                f.write(pointers.astype("<i8").tobytes())
-                f.write(np.arange(n + 1, dtype="<i8").tobytes())
-            for path in (self._tmp_bin, self._tmp_idx):
-                os.chmod(path, 0o666 & ~_umask())  # mkstemp makes 0600; publish like open()
-            with _publish_lock(self.idx_path.parent, exclusive=True):
-                # .bin first: a reader without the lock that pairs the new .bin with the old
-                # .idx is refused by the size check on open
-                os.replace(self._tmp_bin, self.bin_path)
-                os.replace(self._tmp_idx, self.idx_path)
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-        return TokenCorpus(self.prefix)
-
-    def abort(self) -> None:
-        """Discard everything written so far (the temporary files are removed)."""
-        self._done = True
-        self._bin.close()
-        for p in (self._tmp_bin, self._tmp_idx):
-            if p is not None:
-                p.unlink(missing_ok=True)
-
-    def __enter__(self) -> IndexedWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._done:
-            return
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
-def _umask() -> int:
-    try:  # Linux: read it without the process-wide set-and-restore race
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_indexed(
-    prefix: str | os.PathLike[str],
-    documents: Iterable[ArrayLike],
-    dtype: DTypeLike = np.uint16,
-    *,
-    progress: bool = False,
-) -> TokenCorpus:
-    """Write ``documents`` (an iterable of 1-D token-id sequences) as a Megatron indexed corpus.
-
-    Streams: only the current document and 8 bytes per document are held in memory. Returns
-    the opened :class:`TokenCorpus`. Token ids must fit ``dtype`` (``ValueError`` otherwise).
-
-    >>> corpus = write_indexed("/tmp/tiny", [[1, 2, 3], [4, 5]], "uint16")  # doctest: +SKIP
-    >>> corpus.document(1).tolist()  # doctest: +SKIP
-    [4, 5]
-    """
-    writer = IndexedWriter(prefix, dtype=dtype)
-    try:
-        with Progress(desc=f"write {os.fspath(prefix)}", unit="doc", enabled=progress) as bar:
-            for doc in documents:
-                writer.add(doc)
-                bar.update()
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.close()

@@ -25,11 +25,23 @@ from typing import Any
 import numpy as np
 
 from meshfeed.errors import SourceError
-from meshfeed.storage import ShardCache, StorageOptions, is_url, list_files, local_path_of
+from meshfeed.storage import (
+    Ranged,
+    RangedFile,
+    ShardCache,
+    StorageOptions,
+    is_url,
+    list_files,
+    local_or_ranged,
+    local_path_of,
+)
+from meshfeed.storage.ranged import check_ranged
 
 __all__ = ["ArrowSource", "ParquetSource"]
 
 Row = dict[str, Any]
+#: A Parquet file: a local path, or a remote one read by ranges.
+Source = Path | RangedFile
 
 
 def _pyarrow() -> Any:
@@ -67,16 +79,20 @@ def _rows(table: Any) -> list[Row]:
 def _expand(
     paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     cache: Callable[[], ShardCache],
-) -> list[Path]:
+    ranged: Ranged,
+) -> list[Source]:
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    out: list[Path] = []
+    out: list[Source] = []
     for item in items:
         if is_url(os.fspath(item)) and local_path_of(os.fspath(item)) is None:
-            # a file or a folder of *.parquet files in object storage: cached whole, held
+            # a file or a folder of *.parquet files in object storage: cached whole and held,
+            # or read by ranges
             urls = list_files(
                 os.fspath(item), suffix=".parquet", storage_options=cache().storage_options
             )
-            out.extend(Path(cache().local_path(url)) for url in urls)
+            for url in urls:
+                got = local_or_ranged(url, cache(), ranged)
+                out.append(got if isinstance(got, RangedFile) else Path(got))
             continue
         p = Path(local_path_of(os.fspath(item)) or item)
         if p.is_dir():
@@ -95,6 +111,25 @@ def _expand(
     return out
 
 
+def _parquet_file(source: Source, **options: Any) -> Any:
+    """A ``pyarrow.parquet.ParquetFile``: a path, or a remote file whose footer and row
+    groups are read by ranged GETs (only the byte ranges pyarrow asks for)."""
+    pq = _pyarrow().parquet
+    if isinstance(source, RangedFile):
+        return pq.ParquetFile(source.open(), **options)
+    return pq.ParquetFile(source, **options)
+
+
+def _size_and_tail(source: Source, n: int) -> tuple[int, bytes]:
+    """The file's size and its last ``n`` bytes (one small ranged GET for a remote file)."""
+    if isinstance(source, RangedFile):
+        return len(source), source[max(0, len(source) - n) :]
+    size = source.stat().st_size
+    with open(source, "rb") as f:
+        f.seek(max(0, size - n))
+        return size, f.read()
+
+
 class ParquetSource:
     """Map-style rows (``dict`` column -> Python value) over one or more Parquet files.
 
@@ -104,7 +139,12 @@ class ParquetSource:
 
     A URL (``s3://bucket/train/`` or a file's URL) is listed and each file downloaded whole
     into the node's shard cache at ``cache_dir`` (``storage_options`` go to fsspec); the
-    local copies are held while this object lives, and worker processes read them.
+    local copies are held while this object lives, and worker processes read them. With
+    ``ranged=True`` (or a :class:`~meshfeed.storage.RangeReads`), and by itself for a file
+    larger than ``cache_limit``, a remote file is read by ranged GETs instead: its footer,
+    then only the row groups (and columns) read, in blocks held in a bounded per-process
+    LRU (:class:`~meshfeed.storage.RangedFile`) beside the ``cache_row_groups`` decoded ones;
+    the same rows, but row groups read again after eviction are fetched again.
 
     >>> src = ParquetSource(["a.parquet", "b.parquet"], columns=["text"])  # doctest: +SKIP
     >>> src.__getitems__([0, 10_000, 1])  # doctest: +SKIP
@@ -118,25 +158,30 @@ class ParquetSource:
         columns: Sequence[str] | None = None,
         cache_row_groups: int = 4,
         cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
         storage_options: StorageOptions | None = None,
+        ranged: Ranged = None,
     ) -> None:
         if not isinstance(cache_row_groups, int) or cache_row_groups < 1:
             raise ValueError(f"cache_row_groups must be a positive int (got {cache_row_groups=})")
+        check_ranged(ranged)
         pa = _pyarrow()
         self._shard_cache: ShardCache | None = None
 
         def shard_cache() -> ShardCache:
             if self._shard_cache is None:
-                self._shard_cache = ShardCache(cache_dir, storage_options=storage_options)
+                self._shard_cache = ShardCache(
+                    cache_dir, cache_limit=cache_limit, storage_options=storage_options
+                )
             return self._shard_cache
 
-        self.paths = _expand(paths, shard_cache)
+        self.paths = _expand(paths, shard_cache, ranged)
         self.columns = list(columns) if columns is not None else None
         self.cache_row_groups = cache_row_groups
         files, groups, rows, schemas = [], [], [], []
         for f, path in enumerate(self.paths):
             try:
-                meta = pa.parquet.ParquetFile(path).metadata
+                meta = _parquet_file(path).metadata
                 schemas.append(meta.schema.to_arrow_schema())
             except (OSError, pa.ArrowException) as e:
                 raise SourceError(
@@ -200,11 +245,9 @@ class ParquetSource:
             h.update(self._offsets.tobytes())
             h.update(self._schema_text.encode())
             for path in self.paths:
-                size = path.stat().st_size
+                size, tail = _size_and_tail(path, 4096)
                 h.update(size.to_bytes(8, "little"))
-                with open(path, "rb") as f:
-                    f.seek(max(0, size - 4096))
-                    h.update(f.read())
+                h.update(tail)
             self._fingerprint = f"parquet:{len(self)}:{self.columns}:{h.hexdigest()}"
         return self._fingerprint
 
@@ -217,7 +260,7 @@ class ParquetSource:
         handle = self._handles.get(f)
         if handle is None:
             try:
-                handle = self._handles[f] = _pyarrow().parquet.ParquetFile(
+                handle = self._handles[f] = _parquet_file(
                     self.paths[f], page_checksum_verification=True
                 )
             except (OSError, _pyarrow().ArrowException) as e:

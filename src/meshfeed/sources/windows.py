@@ -12,6 +12,10 @@ Both implement ``__len__``, ``__getitem__``, ``__getitems__`` (torch's batched p
 by one memmap slice per sample and handed to torch without a further copy. Every read first
 checks that the corpus files kept their size (:meth:`TokenCorpus.check_unchanged`, ~1 µs per
 file): a ``.bin`` truncated under a running loader is a ``SourceError`` naming it, not SIGBUS.
+A corpus whose ``.bin`` is read by ranges (``ranged=``, or a ``.bin`` larger than
+``cache_limit``) gathers a batch from blocks fetched once for the batch (a shuffled epoch
+refetches blocks; whole files are one GET per file per node); a rewritten or truncated object
+is a ``SourceError`` naming it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import numpy as np
 import torch
 
 from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.storage import StorageOptions
+from meshfeed.sources.indexed_ranged import RangedTokens
+from meshfeed.storage import Ranged, StorageOptions
 
 __all__ = ["TokenDocuments", "TokenWindows"]
 
@@ -118,7 +123,11 @@ class TokenWindows:
 
     ``corpus`` may be a URL prefix (``s3://bucket/corpus``): both files are downloaded whole
     into the node's shard cache at ``cache_dir`` (once per node; ``storage_options`` go to
-    fsspec), see :mod:`meshfeed.storage`.
+    fsspec), see :mod:`meshfeed.storage`, unless ``ranged`` (or a ``.bin`` larger than
+    ``cache_limit``) has the ``.bin`` read by ranged GETs of blocks, held in a bounded
+    per-process LRU (:mod:`meshfeed.sources.indexed_ranged`): the same tokens, but a shuffled
+    epoch then fetches about one block per window that misses, every epoch, where whole files
+    are one GET per file per node.
 
     >>> windows = TokenWindows(corpus, seq_len=2048)  # doctest: +SKIP
     >>> windows.fetch_batch(np.array([0, 5, 9])).shape  # doctest: +SKIP
@@ -133,7 +142,9 @@ class TokenWindows:
         dtype: torch.dtype = torch.int64,
         pin_memory: bool = False,
         cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
         storage_options: StorageOptions | None = None,
+        ranged: Ranged = None,
     ) -> None:
         if not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer (got {seq_len=})")
@@ -143,7 +154,13 @@ class TokenWindows:
         # Contiguity needs no check here: TokenCorpus proves it on open (IndexedFormatError
         # otherwise), and is_contiguous can only be True.
         self.corpus = _integer_corpus(
-            _as_corpus(corpus, cache_dir=cache_dir, storage_options=storage_options)
+            _as_corpus(
+                corpus,
+                cache_dir=cache_dir,
+                cache_limit=cache_limit,
+                storage_options=storage_options,
+                ranged=ranged,
+            )
         )
         self.seq_len = int(seq_len)
         self.dtype = dtype
@@ -155,15 +172,20 @@ class TokenWindows:
                 f"window of seq_len+1 = {self.seq_len + 1}; use a smaller seq_len or a larger "
                 "corpus"
             )
-        self._stream = self.corpus.tokens[:num_tokens]
         self._len = (num_tokens - 1) // self.seq_len
         self._doc_starts: np.ndarray | None = None
-        self._windows = _window_matrix(self._stream, self._len, self.seq_len)
+        tokens = self.corpus.tokens
+        # by ranges, windows are read through the block cache; the local views stay empty
+        self._ranged = tokens if isinstance(tokens, RangedTokens) else None
+        local = self._ranged is None
+        self._stream = tokens[:num_tokens] if local else np.empty(0, self.corpus.dtype)
+        views = self._len if local else 0
+        self._windows = _window_matrix(self._stream, views, self.seq_len)
         # the same windows as a read-only numpy view: numpy's fancy index gathers whole rows
         # into a fresh array faster than index_select into from_numpy'd memory
         self._rows = np.lib.stride_tricks.as_strided(
             self._stream,
-            (self._len, self.seq_len + 1),
+            (views, self.seq_len + 1),
             (self.seq_len * self._stream.itemsize, self._stream.itemsize),
             writeable=False,
         )
@@ -202,9 +224,8 @@ class TokenWindows:
             raise IndexError(f"window index {i} out of range for {self._len} windows")
         self.corpus.check_unchanged(tokens_only=True)
         start = (i % self._len) * self.seq_len
-        return torch.from_numpy(
-            self._stream[start : start + self.seq_len + 1].astype(self._np_dtype)
-        )
+        stream = self._stream if self._ranged is None else self._ranged
+        return torch.from_numpy(stream[start : start + self.seq_len + 1].astype(self._np_dtype))
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
         return list(self.fetch_batch(np.asarray(indices, dtype=np.int64)).unbind(0))
@@ -226,6 +247,8 @@ class TokenWindows:
             _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
         # a truncated .bin would fault (SIGBUS) in the gather; windows read nothing of the .idx
         self.corpus.check_unchanged(tokens_only=True)
+        if self._ranged is not None:
+            return self._fetch_ranged(self._ranged, idx)
         if self.pin_memory and _pinning():
             return self._fetch_pinned(idx)
         try:
@@ -236,6 +259,15 @@ class TokenWindows:
         if not self._same_dtype:
             rows = rows.astype(self._np_dtype)
         return torch.from_numpy(rows)
+
+    def _fetch_ranged(self, tokens: RangedTokens, idx: np.ndarray) -> torch.Tensor:
+        """The batch by ranges: the blocks its windows touch, fetched once for the batch."""
+        idx = _as_indices(idx, self._len)
+        rows = tokens.windows(idx * self.seq_len, self.seq_len + 1)
+        if self.pin_memory and _pinning():
+            out = torch.empty(rows.shape, dtype=self.dtype, pin_memory=True)
+            return out.copy_(torch.from_numpy(rows.astype(self._np_dtype, copy=False)))
+        return torch.from_numpy(rows if self._same_dtype else rows.astype(self._np_dtype))
 
     def _fetch_pinned(self, idx: np.ndarray) -> torch.Tensor:
         idx = _as_indices(idx, self._len)  # names an index out of range before torch or numpy
@@ -274,6 +306,10 @@ class TokenDocuments:
     concatenate slices themselves; ``torch.from_numpy`` would warn on the read-only memmap.
     ``fetch_batch`` returns the varlen-attention layout: ``{"tokens": 1-D tensor of all
     documents back to back, "lengths": int64 [B], "cu_seqlens": int32 [B + 1]}``.
+
+    A URL ``corpus`` takes ``cache_dir``, ``cache_limit``, ``storage_options`` and ``ranged`` as
+    :class:`TokenWindows` does; by ranges, items are fresh arrays and a batch's documents are
+    read with one pass over the blocks they touch.
     """
 
     def __init__(
@@ -282,11 +318,19 @@ class TokenDocuments:
         *,
         dtype: torch.dtype = torch.int64,
         cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
         storage_options: StorageOptions | None = None,
+        ranged: Ranged = None,
     ) -> None:
         self._np_dtype = _torch_dtype(dtype)
         self.corpus = _integer_corpus(
-            _as_corpus(corpus, cache_dir=cache_dir, storage_options=storage_options)
+            _as_corpus(
+                corpus,
+                cache_dir=cache_dir,
+                cache_limit=cache_limit,
+                storage_options=storage_options,
+                ranged=ranged,
+            )
         )
         self.dtype = dtype
 
@@ -312,7 +356,15 @@ class TokenDocuments:
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray]:
         idx = _as_indices(np.asarray(indices, dtype=np.int64), len(self))
         self.corpus.check_unchanged()
+        tokens = self.corpus.tokens
+        if isinstance(tokens, RangedTokens):
+            return self._ranged_spans(tokens, idx)
         return [self.corpus.document(i) for i in idx.tolist()]
+
+    def _ranged_spans(self, tokens: RangedTokens, idx: np.ndarray) -> list[np.ndarray]:
+        item = self.corpus.dtype.itemsize
+        starts = (self.corpus.pointers[idx] // item).tolist()
+        return tokens.spans(starts, self.corpus.sizes[idx].tolist())
 
     def fetch_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """The documents at ``indices`` concatenated, with their lengths and cumulative offsets."""
@@ -323,12 +375,18 @@ class TokenDocuments:
         np.cumsum(lengths, out=cu[1:])
         out = np.empty(int(cu[-1]), dtype=self._np_dtype)
         tokens = self.corpus.tokens
-        item = self.corpus.dtype.itemsize
-        starts = (self.corpus.pointers[idx] // item).tolist()
-        for k, (start, lo, hi) in enumerate(
-            zip(starts, cu[:-1].tolist(), cu[1:].tolist(), strict=True)
-        ):
-            out[lo:hi] = tokens[start : start + int(lengths[k])]
+        if isinstance(tokens, RangedTokens):
+            for doc, lo, hi in zip(
+                self._ranged_spans(tokens, idx), cu[:-1].tolist(), cu[1:].tolist(), strict=True
+            ):
+                out[lo:hi] = doc
+        else:
+            item = self.corpus.dtype.itemsize
+            starts = (self.corpus.pointers[idx] // item).tolist()
+            for k, (start, lo, hi) in enumerate(
+                zip(starts, cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+            ):
+                out[lo:hi] = tokens[start : start + int(lengths[k])]
         return {
             "tokens": torch.from_numpy(out),
             "lengths": torch.from_numpy(lengths),

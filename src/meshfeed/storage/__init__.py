@@ -20,7 +20,10 @@ For readers and the stream engine, two calls carry everything:
 (``prefetch(urls)``), ranged reads without the whole file (``open_range(url, start, stop)``),
 LRU eviction of entries no process holds, retries with backoff and jitter bounded by
 ``retry_timeout`` (then :class:`~meshfeed.errors.SourceError` naming the URL), and counters
-(``stats()``: downloads, hits, bytes, GET requests, retries, evictions). The single-object
+(``stats()``: downloads, hits, bytes, GET requests, retries, evictions); a file larger than
+``cache_limit`` itself is refused (:class:`TooLargeForCache`). :class:`RangedFile` reads one
+object by blocks of ranged GETs with a bounded in-memory LRU (:class:`RangeReads`), for files
+that cannot or need not be cached whole. The single-object
 helpers :func:`open_url`, :func:`file_size`, :func:`file_version`, :func:`read_range`,
 :func:`list_files` and :func:`upload_file` talk to the server directly, with the same retries.
 
@@ -29,7 +32,8 @@ helpers :func:`open_url`, :func:`file_size`, :func:`file_version`, :func:`read_r
 >>> path = resolve("s3://bucket/train/shard-00000.bin", cache=cache)  # doctest: +SKIP
 """
 
-from meshfeed.storage.cache import ShardCache, default_cache_dir, resolve
+from meshfeed.storage.cache import ShardCache, TooLargeForCache, default_cache_dir, resolve
+from meshfeed.storage.ranged import Ranged, RangedFile, RangeReads, local_or_ranged
 from meshfeed.storage.retry import RetryPolicy, is_transient
 from meshfeed.storage.urls import (
     StorageOptions,
@@ -45,15 +49,20 @@ from meshfeed.storage.urls import (
 )
 
 __all__ = [
+    "RangeReads",
+    "Ranged",
+    "RangedFile",
     "RetryPolicy",
     "ShardCache",
     "StorageOptions",
+    "TooLargeForCache",
     "default_cache_dir",
     "file_size",
     "file_version",
     "is_transient",
     "is_url",
     "list_files",
+    "local_or_ranged",
     "local_path_of",
     "open_url",
     "read_range",

@@ -12,13 +12,15 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
   :meth:`ShardCache.release` (or :meth:`ShardCache.close`, or its death); eviction takes the
   exclusive lock without waiting, so a held entry is never evicted.
 - Over ``cache_limit``, the least recently used unheld entries go (sidecar first); a
-  download-ahead that cannot make room is skipped, a demanded file is downloaded anyway.
+  download-ahead that cannot make room is skipped, a demanded file is downloaded anyway
+  (held entries may keep the total over the limit for a while). A file larger than
+  ``cache_limit`` itself is never downloaded: :class:`TooLargeForCache` names it (a
+  download-ahead skips it); the token corpus and Parquet readers then read it by ranges.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import shutil
 import threading
@@ -30,38 +32,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 from meshfeed.errors import SourceError
+from meshfeed.storage._download import TooLargeForCache, get_checked, one_request
 from meshfeed.storage._layout import Entry, book, checksum, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
     StorageOptions,
+    changed,
     filesystem,
     is_url,
     local_path_of,
     remote_info,
 )
 
-__all__ = ["ShardCache", "default_cache_dir", "resolve"]
+__all__ = ["ShardCache", "TooLargeForCache", "default_cache_dir", "resolve"]
 
 
 def default_cache_dir() -> str:
     """``$MESHFEED_CACHE_DIR``, else ``~/.cache/meshfeed/shards``."""
     env = os.environ.get("MESHFEED_CACHE_DIR")
     return env or os.path.join(os.path.expanduser("~"), ".cache", "meshfeed", "shards")
-
-
-class _Incomplete(ConnectionError):
-    """A download that ended short or whose bytes disagree with the server's: retried."""
-
-
-def _one_request(fs: Any) -> dict[str, Any]:
-    """get_file arguments for one streamed GET per file (s3fs would split big files)."""
-    get = getattr(fs, "_get_file", None)
-    try:
-        takes = get is not None and "max_concurrency" in inspect.signature(get).parameters
-    except (TypeError, ValueError):
-        takes = False
-    return {"max_concurrency": 1} if takes else {}
 
 
 class ShardCache:
@@ -130,8 +120,11 @@ class ShardCache:
 
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # a forked child: the parent's locks and threads are not ours
-            for lock in self._held.values():
-                lock.close()  # the parent still holds its own descriptor, and so its lock
+            # popitem: threads of the child that get here at once close each descriptor once (a
+            # second close would hit whatever the number was reused for, e.g. a socket)
+            with contextlib.suppress(KeyError):
+                while True:
+                    self._held.popitem()[1].close()  # the parent keeps its own descriptor
             self._init_process_state()
 
     # -- pickling: settings only ------------------------------------------------------------
@@ -242,15 +235,16 @@ class ShardCache:
             pool = self._pool
         return [pool.submit(self._prefetch_one, url) for url in urls if local_path_of(url) is None]
 
-    def open_range(self, url: str, start: int, stop: int) -> bytes:
-        """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one, else one
-        ranged GET (retried), without downloading the whole file."""
+    def open_range(self, url: str, start: int, stop: int, *, version: str | None = None) -> bytes:
+        """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one (of
+        ``version``, when given), else one ranged GET (retried), without downloading the whole
+        file. The GET checks no version: the caller asks :func:`remote_info` once."""
         if isinstance(start, bool) or isinstance(stop, bool) or not 0 <= start <= stop:
             raise ValueError(f"need 0 <= start <= stop (got {start=}, {stop=}) to read {url}")
         self._check_fork()
         entry = self._entry(url)
         meta = self._read_meta(entry, deep=False)
-        if meta is not None:
+        if meta is not None and _fits(meta, version):
             with contextlib.suppress(FileNotFoundError), open(entry.data, "rb") as f:
                 # an eviction after open unlinks the name only; these bytes stay readable
                 f.seek(start)
@@ -341,11 +335,7 @@ class ShardCache:
 
     def _expect(self, url: str, meta: dict[str, Any], version: str | None) -> None:
         if version is not None and meta["version"] != version:
-            raise SourceError(
-                f"{url} changed: the cached copy is version {meta['version']!r} but this job "
-                f"expects {version!r} (recorded when it started); the object was rewritten, "
-                "so resuming would read other data: restore the object or start a new run"
-            )
+            raise changed(url, found=meta["version"], expected=version, cached=True)
 
     def _touch(self, entry: Entry) -> None:
         with contextlib.suppress(OSError):
@@ -428,7 +418,7 @@ class ShardCache:
         fs, path = filesystem(url, self.storage_options)
         entry.data.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.temp()
-        kwargs = _one_request(fs)
+        kwargs = one_request(fs)
         reserved: Path | None = None
 
         def attempt() -> dict[str, Any] | None:
@@ -436,12 +426,11 @@ class ShardCache:
             self._count("heads")
             info = remote_info(url, self.storage_options, retry=None)
             if version is not None and info.version != version:
-                raise SourceError(
-                    f"{url} changed: the bucket holds version {info.version!r} but this job "
-                    f"expects {version!r} (recorded when it started); the object was "
-                    "rewritten, so resuming would read other data: restore the object or "
-                    "start a new run"
-                )
+                raise changed(url, found=info.version, expected=version)
+            if self.cache_limit is not None and info.size > self.cache_limit:
+                if not demanded:
+                    return None  # a download-ahead: skipped, like one that finds no room
+                raise TooLargeForCache(url, info.size, self.cache_limit)
             if reserved is None:
                 reserved, evicted = book(
                     self.cache_dir,
@@ -455,14 +444,7 @@ class ShardCache:
                 if reserved is None:
                     return None
             self._count("gets")
-            fs.get_file(path, str(tmp), **kwargs)
-            got = tmp.stat().st_size
-            if got != info.size:
-                raise _Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
-            digest = checksum(tmp, md5=info.md5 is not None)
-            if info.md5 is not None and digest != f"md5:{info.md5}":
-                raise _Incomplete(f"the download of {url} has {digest}, its ETag {info.md5}")
-            return {"url": url, "size": got, "version": info.version, "checksum": digest}
+            return get_checked(fs, path, tmp, info, **kwargs)
 
         try:
             meta = self.retry.call(attempt, url=url, action="download", on_retry=self._on_retry)

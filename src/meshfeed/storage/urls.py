@@ -176,6 +176,16 @@ def _modified_ns(info: Mapping[str, Any]) -> int:
     return 0
 
 
+def changed(url: str, *, found: str, expected: str, cached: bool = False) -> SourceError:
+    """The error for an object whose version is not the one a job recorded when it started."""
+    where = "the cached copy is" if cached else "the bucket holds"
+    return SourceError(
+        f"{url} changed: {where} version {found!r} but this job expects {expected!r} "
+        "(recorded when it started); the object was rewritten, so resuming would read other "
+        "data: restore the object or start a new run"
+    )
+
+
 def file_size(
     url: str, *, storage_options: StorageOptions | None = None, retry_timeout: float = 30.0
 ) -> int:
