@@ -32,9 +32,9 @@ def test_pinned_samples_outlive_eviction_until_every_reader_has_read():
     core.try_put("p", {"x": [1, 2]}, None, None)
     lead = RankAwareSampler(data_rank=0, replica_rank=0, replica_size=2)
     lag = RankAwareSampler(data_rank=0, replica_rank=1, replica_size=2)
-    ids, rows = core.try_get(_req(2, lead, batch_index=0))
+    ids, rows, _ = core.try_get(_req(2, lead, batch_index=0))
     assert core.held == 2  # consumed by every task but pinned by the shared entry
-    assert core.try_get(_req(2, lag, batch_index=0)) == (ids, rows)
+    assert core.try_get(_req(2, lag, batch_index=0)) == (ids, rows, None)
     # Kept until both readers moved on: a retry of batch 0 must get the same batch.
     assert core.held == 2 and core.stats()["cache_entries"] == 1
     assert core.try_get(_req(2, lead, batch_index=1)) is None

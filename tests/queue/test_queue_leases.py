@@ -121,7 +121,7 @@ def test_lease_options_are_refused_by_name():
 def test_core_expires_by_the_clock_it_is_given():
     core = StoreCore(StoreOptions(lease_timeout=10.0))
     core.try_put("p", {"x": [0, 1, 2]}, None, None)
-    ids, _ = core.try_get(dataclasses.replace(_REQ, lease="L1"), now=100.0)
+    ids, _, _ = core.try_get(dataclasses.replace(_REQ, lease="L1"), now=100.0)
     assert ids == [0, 1]
     assert core.next_lease_deadline() == 110.0
     assert core.expire_leases(109.9) == 0 and "L1" in core.leases

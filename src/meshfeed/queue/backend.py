@@ -18,7 +18,7 @@ __all__ = ["Backend", "Got"]
 Key = Hashable
 #: A get's result: the ids, one column per field (as the core gathered them), the lease the
 #: batch is handed out under (``None``: consumed at once), and the parts of the shared plan
-#: the batch is one part of (``None`` without a shared plan; see ``StoreCore.try_take``).
+#: the batch is one part of (``None`` without a shared plan; see ``StoreCore.try_get``).
 Got = tuple[list[Key], dict[str, Any], str | None, list[list[Key]] | None]
 
 

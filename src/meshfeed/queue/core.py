@@ -33,14 +33,23 @@ from meshfeed.queue.fastpath import select_fast
 from meshfeed.queue.leases import Lease, Leases
 from meshfeed.queue.plans import acknowledge, check_agreement, finished, record, unpin
 from meshfeed.queue.puts import check_put, put_run, put_samples, run_columns
-from meshfeed.queue.records import Entry, Partition, Ref, Run, StoreOptions, View, nbytes_of
+from meshfeed.queue.records import (
+    Entry,
+    Partition,
+    Ref,
+    Run,
+    StoreOptions,
+    View,
+    count_down,
+    nbytes_of,
+)
 from meshfeed.queue.request import GetRequest
 from meshfeed.queue.samplers import Share
 
 __all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
 Key = Hashable
-#: What :meth:`StoreCore.try_take` hands out: ids, rows, and the shared plan's parts (or None).
+#: What :meth:`StoreCore.try_get` hands out: ids, rows, and the shared plan's parts (or None).
 Taken = tuple[list[Key], dict[str, list[Any]], list[list[Key]] | None]
 KIND = "sample_store"  # the state envelope's kind
 VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indices
@@ -128,19 +137,12 @@ class StoreCore:
     # ----------------------------------------------------------------- consuming
     def try_get(
         self, request: GetRequest, *, alive: Any = None, now: float | None = None
-    ) -> tuple[list[Key], dict[str, list[Any]]] | None:
-        """Plan and consume a batch (see :meth:`try_take`): its ids and rows, ``None`` when
-        not enough samples are ready yet."""
-        taken = self.try_take(request, alive=alive, now=now)
-        return None if taken is None else (taken[0], taken[1])
-
-    def try_take(
-        self, request: GetRequest, *, alive: Any = None, now: float | None = None
     ) -> Taken | None:
         """Plan and consume a batch; ``None`` when not enough samples are ready yet. The
         batch's ids and rows, and (``request.parts``) the parts of the shared plan it belongs
-        to (``None`` without one, or not asked for): every reader's ids in part order (a rank-aware round: the data ranks' batches
-        in data-rank order), so a loader's checkpoint can name the whole round.
+        to (``None`` without one, or not asked for): every reader's ids in part order (a
+        rank-aware round: the data ranks' batches in data-rank order), so a loader's
+        checkpoint can name the whole round.
 
         In order: overdue leases expire and the consumer's earlier leases are acknowledged;
         a shared plan already made for this request's key is read (replica peers, retries);
@@ -285,22 +287,13 @@ class StoreCore:
     ) -> None:
         timeout = self.options.lease_timeout
         assert timeout is not None
-        if request.lease is None:
+        r, lease = request, request.lease
+        if lease is None:
             raise ValueError(
                 "this store has lease_timeout set, so every get needs a lease id; use "
                 "SampleStore.get, which makes one"
             )
-        self.leases.add(
-            Lease(
-                request.lease,
-                request.partition,
-                request.task,
-                ids,
-                request.consumer,
-                now + timeout,
-                alive,
-            )
-        )
+        self.leases.add(Lease(lease, r.partition, r.task, ids, r.consumer, now + timeout, alive))
         leased = part.leased
         for k in ids:
             leased[k] = leased.get(k, 0) + 1
@@ -322,13 +315,9 @@ class StoreCore:
             return None
         part = self.partitions.get(lease.partition)
         if part is not None:
-            self._unlease(part, lease.ids)
+            count_down(part.leased, lease.ids)
             self._evict(part, lease.ids)
         return lease
-
-    @staticmethod
-    def _unlease(part: Partition, ids: list[Key]) -> None:
-        _count_down(part.leased, ids)
 
     def expire_leases(self, now: float) -> int:
         """Return the samples of leases past their deadline to ready; how many samples."""
@@ -336,11 +325,7 @@ class StoreCore:
 
     def drop_consumer(self, consumer: Hashable) -> int:
         """``consumer`` is known dead: its leases return to ready now; how many samples."""
-        n = 0
-        for lease in self.leases.of_consumer(consumer):
-            self.leases.pop(lease.id)
-            n += self._return(lease)
-        return n
+        return self.drop_leases([lease.id for lease in self.leases.of_consumer(consumer)])
 
     def drop_leases(self, lease_ids: list[str]) -> int:
         """Return these leases (their consumer is gone) to ready; how many samples."""
@@ -359,7 +344,7 @@ class StoreCore:
         part = self.partitions.get(lease.partition)
         if part is None:
             return 0
-        self._unlease(part, lease.ids)
+        count_down(part.leased, lease.ids)
         consumed = part.consumed.get(lease.task, set())
         back = {k for k in lease.ids if k in part.samples and k in consumed}
         if not back:
@@ -406,7 +391,7 @@ class StoreCore:
         part = self.partitions.get(partition)
         if part is None:
             return
-        _count_down(part.held, ids)
+        count_down(part.held, ids)
         self._evict(part, ids)
 
     def peek(
@@ -485,13 +470,7 @@ class StoreCore:
         for name, part in self.partitions.items():
             held_bytes += sum(s.nbytes for s in part.samples.values())
             remote += sum(s.remote for s in part.samples.values())
-            parts[name] = {
-                "samples": len(part.samples),
-                "fields": dict(part.field_counts),
-                "consumed": {t: len(c) for t, c in part.consumed.items()},
-                "closed": part.closed,
-                "cache_entries": len(part.cache),
-            }
+            parts[name] = part.stats()
         return {
             "produced": self.produced,
             "held": self.held,
@@ -510,14 +489,3 @@ class StoreCore:
 
 def _copy(parts: list[list[Key]]) -> list[list[Key]]:
     return [list(p) for p in parts]
-
-
-def _count_down(counts: dict[Key, int], ids: list[Key]) -> None:
-    """Take one off the count of each of ``ids`` (a key reaching 0 leaves ``counts``; keys
-    not in it are ignored)."""
-    for k in ids:
-        n = counts.get(k, 0)
-        if n > 1:
-            counts[k] = n - 1
-        elif n == 1:
-            del counts[k]

@@ -146,7 +146,7 @@ class EmbeddedBackend:
             )
 
         def attempt() -> Taken | None:
-            return self.core.try_take(request)
+            return self.core.try_get(request)
 
         def make(notify: Callable[[], None]) -> Waiter:
             return Waiter.consumer(notify, request, group=group, more=more)

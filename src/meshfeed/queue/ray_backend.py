@@ -200,7 +200,7 @@ class _StoreActor:
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
 
         def attempt() -> Any:
-            return self.core.try_take(request, alive=probe)
+            return self.core.try_get(request, alive=probe)
 
         try:
             ok, out = await self._run(

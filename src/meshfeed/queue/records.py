@@ -224,6 +224,16 @@ class Partition:
         self.closed = False
         self.next_id = 0
 
+    def stats(self) -> dict[str, Any]:
+        """What ``SampleStore.stats()["partitions"]`` says about this partition."""
+        return {
+            "samples": len(self.samples),
+            "fields": dict(self.field_counts),
+            "consumed": {t: len(c) for t, c in self.consumed.items()},
+            "closed": self.closed,
+            "cache_entries": len(self.cache),
+        }
+
     def task(self, task: str) -> dict[Key, None]:
         if task not in self.pending:
             self.pending[task] = dict.fromkeys(self.samples)
@@ -272,3 +282,14 @@ class View:
                 "read small fields (store token counts as ints)"
             )
         return value
+
+
+def count_down(counts: dict[Key, int], ids: list[Key]) -> None:
+    """Take one off the count of each of ``ids`` (a key reaching 0 leaves ``counts``; keys
+    not in it are ignored)."""
+    for k in ids:
+        n = counts.get(k, 0)
+        if n > 1:
+            counts[k] = n - 1
+        elif n == 1:
+            del counts[k]
