@@ -227,3 +227,13 @@ def test_any_resume_serves_each_sample_at_most_once_in_lockstep_and_leaves_only_
     assert all(k > max(served, default=-1) for k in unserved)  # only the stream's tail
     assert len(unserved) < max(dp, new_dp) * group  # fewer units than data ranks
     assert store.stats()["cache_entries"] == 0
+
+
+def test_a_short_last_round_the_old_ranks_could_not_share_is_served_on_fewer_ranks():
+    # 33 samples on dp=2 x 4: round 4 holds one sample, too few for two ranks, so the old
+    # ranks saw the end there; resumed on dp=1 the new rank asks again and serves it, then
+    # finds the end itself (so no plan of the new layout stays pinned).
+    before, after, store, _ = _resume(33, 2, 1, 1, 2, 4)
+    served = [k for step in before + after for ids in step for k in ids]
+    assert sorted(served) == list(range(33))
+    assert store.stats()["cache_entries"] == 0

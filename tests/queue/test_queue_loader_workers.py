@@ -98,8 +98,10 @@ def test_a_checkpoint_after_a_worker_died_names_the_batches_still_to_deliver(tmp
     assert [next(loader), next(loader)] == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(WorkerError, match="exit code -9"):
         next(loader)
-    state = loader.state_dict()  # fresh workers collate again; ids come from the fetch
-    assert state["next"] == 4 and state["pending"] == [[2, [6, 7, 8]], [3, [9, 10, 11]]]
+    # fresh workers collate again; ids come from the fetch (each pending batch names its
+    # whole round: one part per data rank, here one)
+    state = loader.state_dict()
+    assert state["next"] == 4 and state["pending"] == [[2, [[6, 7, 8]]], [3, [[9, 10, 11]]]]
     assert [k for ids in loader for k in ids] == list(range(6, 24))
     loader.shutdown()
     assert multiprocessing.active_children() == []
@@ -168,7 +170,7 @@ def test_state_dict_with_ray_workers_keeps_its_own_bound_under_an_unlimited_time
         assert time.monotonic() - start < 0.5 + 1.0
         store.put("p", {"x": [1, 2, 3]})
         state = loader.state_dict()  # usable once producers ran
-        assert state["pending"] == [[1, [1]], [2, [2]]] and state["next"] == 3
+        assert state["pending"] == [[1, [[1]]], [2, [[2]]]] and state["next"] == 3
         store.close("p")
         assert list(loader) == [[1], [2], [3]]
         loader.shutdown()

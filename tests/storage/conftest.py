@@ -87,3 +87,8 @@ def s3(moto_endpoint: str) -> Iterator[S3]:
         yield S3(endpoint=moto_endpoint, bucket=bucket, client=client, proxy=proxy)
     finally:
         proxy.stop()
+        # fsspec keeps one S3FileSystem per set of arguments; one built from the environment
+        # (AWS_ENDPOINT_URL, as the CLI tests set it) would keep this test's proxy port
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()

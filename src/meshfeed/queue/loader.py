@@ -466,11 +466,18 @@ class StoreLoader(LoaderBase):
             (i, None if parts is None else resplit(i, parts, self.data_world_size, self._unit))
             for i, parts in pending
         ]
+        ended = st["ended"]
         if ranks != self.data_world_size:
+            # Where the old ranks saw the end, the new ones ask again: a short last round too
+            # small for the old ranks may be served on fewer (and the store then ends the
+            # stream for this layout, acknowledging its plans).
+            ends = [i for i, parts in rounds if parts is None]
+            rounds = [(i, parts) for i, parts in rounds if parts is not None]
+            nxt, ended = (min(ends) if ends else nxt), False
             # The old layout's plans are never read again (their batches come from the state).
             self.store.drop_plans(self.partition, self.task, nxt)
         self._flight.next = nxt
-        self._flight.ended = st["ended"]
+        self._flight.ended = ended
         for index, parts in rounds:
             self._flight.ahead.append(Entry(index, lazy=self._redeliver(parts)))
         self._counts["redelivered"] += sum(parts is not None for _, parts in rounds)

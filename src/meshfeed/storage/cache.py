@@ -363,7 +363,9 @@ class ShardCache:
                 return True
             lock.release()
             if self._exclusive_or_ready(entry, lock, version, deadline, what):
-                self._touch(entry)  # another process cached it meanwhile: held shared now
+                if not fetched:  # another process cached it meanwhile: held shared now
+                    self._count("hits")
+                self._touch(entry)
                 return True
             meta = self._read_meta(entry, deep=deep)
             if meta is None or not _fits(meta, version):
