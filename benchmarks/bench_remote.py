@@ -13,7 +13,7 @@ format (uncompressed, ``--shard-mib`` shards) and uploaded:
   cold and warm are alike);
 - ``meshfeed .bin/.idx``: the tokens only (no pixels) as a Megatron corpus, read with
   ``TokenDocuments("s3://...", cache_dir=...)`` + ``meshfeed.DataLoader`` (map-style);
-- ``meshfeed windows`` / ``meshfeed windows ranged``: the same corpus as ``TokenWindows``
+- ``meshfeed windows`` / ``mf windows ranged`` (``--ranged``): the same corpus as ``TokenWindows``
   (``seq_len`` 2048, shuffled), its ``.bin`` downloaded whole into the node cache, or read by
   ranged GETs of blocks (``--block-kib``, default 1 MiB; 8 kept per process) and never cached;
 - ``mosaic``: ``StreamingDataset(remote=s3://..., local=cache, shuffle=True)`` in a torch
@@ -383,6 +383,12 @@ def main() -> None:
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
     p.add_argument("--only", default=None, help="run only the systems whose name contains this")
     p.add_argument(
+        "--ranged",
+        action="store_true",
+        help="add the ranged windows row (slow: every window that misses is a GET; use with "
+        "--rows 10000 --only windows)",
+    )
+    p.add_argument(
         "--block-kib", type=int, default=1024, help="block size of the ranged windows row (KiB)"
     )
     p.add_argument(
@@ -463,8 +469,11 @@ def main() -> None:
             ("meshfeed shards", meshfeed_shards, "mf"),
             ("meshfeed .bin/.idx*", meshfeed_corpus, "idx"),
             ("meshfeed windows*", meshfeed_windows, "win"),
-            ("mf windows ranged*", functools.partial(meshfeed_windows, ranged=RANGES), "win"),
         ]
+        if args.ranged:
+            systems.append(
+                ("mf windows ranged*", functools.partial(meshfeed_windows, ranged=RANGES), "win")
+            )
         if peers["mosaic"]:
             systems += [("meshfeed mds", meshfeed_mds, "mds"), ("mosaic", mosaic_epoch, "mds")]
         if peers["litdata"]:
