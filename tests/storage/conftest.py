@@ -92,3 +92,14 @@ def s3(moto_endpoint: str) -> Iterator[S3]:
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def use_env_endpoint(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials and endpoint through the environment, as the command line takes them."""
+    for k, v in {
+        "AWS_ENDPOINT_URL": s3.proxy.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)

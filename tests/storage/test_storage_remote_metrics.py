@@ -21,7 +21,7 @@ from meshfeed.curriculum import (
 from meshfeed.errors import SourceError
 from meshfeed.sources.indexed import write_indexed
 from meshfeed.sources.windows import TokenWindows
-from tests.storage.conftest import S3
+from tests.storage.conftest import S3, use_env_endpoint
 
 VOCAB = 64
 
@@ -209,13 +209,7 @@ def test_the_analyze_command_reads_and_writes_urls(
     from meshfeed.cli import main
 
     local, corpus_url = _corpus(s3, tmp_path, key="cli/corpus")
-    for k, v in {
-        "AWS_ENDPOINT_URL": s3.proxy.endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
+    use_env_endpoint(s3, monkeypatch)
     out = s3.url("cli/metrics")
     argv = ["analyze", corpus_url, "--windows", "8", "-o", out, "-m", "vocab_rarity", "-q"]
     argv += ["--vocab-size", str(VOCAB)]

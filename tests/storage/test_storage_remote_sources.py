@@ -13,7 +13,7 @@ from meshfeed import DataLoader
 from meshfeed.sources.indexed import TokenCorpus, write_indexed
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 from tests.dist_utils import run_distributed
-from tests.storage.conftest import S3
+from tests.storage.conftest import S3, use_env_endpoint
 
 
 def _corpus(tmp: Path, lengths: list[int], seed: int = 0) -> tuple[Path, list[np.ndarray]]:
@@ -137,13 +137,7 @@ def test_the_convert_command_takes_a_url_output(
 
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "abc"}\n')
-    for k, v in {
-        "AWS_ENDPOINT_URL": s3.proxy.endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
+    use_env_endpoint(s3, monkeypatch)
     url = s3.url("cli/corpus")
     argv = ["convert", str(src), "-o", url, "--tokenizer", "bytes", "-q"]
     assert main([*argv, "--cache-dir", str(tmp_path / "cache")]) == 0

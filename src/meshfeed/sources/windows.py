@@ -74,7 +74,10 @@ def _torch_dtype(dtype: torch.dtype) -> np.dtype[Any]:
     return np_dtype
 
 
-def _integer_corpus(corpus: TokenCorpus) -> TokenCorpus:
+def _integer_corpus(corpus: CorpusLike, **remote: Any) -> TokenCorpus:
+    """``corpus`` opened (a prefix path or URL, with ``remote`` options) and checked to hold
+    integer token ids."""
+    corpus = _as_corpus(corpus, **remote)
     if corpus.dtype.kind not in "iu":
         raise ValueError(
             f"{corpus.bin_path} stores {corpus.dtype} values, but token corpora are integer "
@@ -154,13 +157,11 @@ class TokenWindows:
         # Contiguity needs no check here: TokenCorpus proves it on open (IndexedFormatError
         # otherwise), and is_contiguous can only be True.
         self.corpus = _integer_corpus(
-            _as_corpus(
-                corpus,
-                cache_dir=cache_dir,
-                cache_limit=cache_limit,
-                storage_options=storage_options,
-                ranged=ranged,
-            )
+            corpus,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+            storage_options=storage_options,
+            ranged=ranged,
         )
         self.seq_len = int(seq_len)
         self.dtype = dtype
@@ -324,13 +325,11 @@ class TokenDocuments:
     ) -> None:
         self._np_dtype = _torch_dtype(dtype)
         self.corpus = _integer_corpus(
-            _as_corpus(
-                corpus,
-                cache_dir=cache_dir,
-                cache_limit=cache_limit,
-                storage_options=storage_options,
-                ranged=ranged,
-            )
+            corpus,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+            storage_options=storage_options,
+            ranged=ranged,
         )
         self.dtype = dtype
 
