@@ -36,7 +36,8 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from meshfeed.loader import DataLoader
 from meshfeed.order.permutation import Permutation
-from meshfeed.sources.indexed import TokenCorpus, write_indexed
+from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenWindows
 
 SEQ_LEN = 2048

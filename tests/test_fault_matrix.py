@@ -25,7 +25,8 @@ from meshfeed.curriculum import MetricIndex
 from meshfeed.errors import NEVER_SUBSTITUTED, SourceError
 from meshfeed.mesh import default_rank
 from meshfeed.order import Permutation
-from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCorpus, write_indexed
+from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus
+from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
 from tests.process_faults import (
     assert_raise_on_every_rank,
     assert_survivors_stop,
@@ -441,7 +442,7 @@ _TRUNCATE = """
 import os, sys, time
 from meshfeed import DataLoader
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenWindows
 for workers in (0, 1):
     name = f"c{workers}"

@@ -28,7 +28,7 @@ from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.balance.routing import route_local
 from meshfeed.services import DistributedService, InProcessService
 from meshfeed.sources import ShardedStream
-from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenWindows
 from meshfeed.testing import assert_same
 from tests.balance.checks import Samples, make_sample

@@ -28,7 +28,7 @@ from meshfeed.launch import run_distributed
 from meshfeed.loader import DataLoader
 from meshfeed.mesh import DataMesh
 from meshfeed.progress import Progress
-from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenWindows
 
 log = logging.getLogger("meshfeed")

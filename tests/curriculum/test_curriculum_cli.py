@@ -14,7 +14,8 @@ import pytest
 from meshfeed.curriculum import MetricIndex, SampleMetric
 from meshfeed.curriculum.cli import add_subcommand, available_cores
 from meshfeed.curriculum.index import load_accumulated
-from meshfeed.sources.indexed import TokenCorpus, write_indexed
+from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.sources.indexed_write import write_indexed
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -402,3 +402,13 @@ def test_concurrent_writers_never_publish_a_mix(tmp_path: Path) -> None:
             t.join(timeout=30)
         assert _documents(TokenCorpus.open(prefix)) in list(corpora.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "c.idx"]
+
+
+def test_the_writer_stays_importable_where_it_was_defined_before_the_split() -> None:
+    from meshfeed.sources import indexed, indexed_write
+    from meshfeed.sources.indexed import IndexedWriter, write_indexed
+
+    assert IndexedWriter is indexed_write.IndexedWriter
+    assert write_indexed is indexed_write.write_indexed
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        indexed.nope

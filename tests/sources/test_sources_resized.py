@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 from tests.process_checks import run_python
 
@@ -23,7 +23,7 @@ import os, sys, time
 import numpy as np
 from meshfeed import DataLoader
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 
 def corpus(name):

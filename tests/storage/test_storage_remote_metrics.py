@@ -19,7 +19,7 @@ from meshfeed.curriculum import (
     vocab_rarity,
 )
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed import write_indexed
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenWindows
 from tests.storage.conftest import S3, use_env_endpoint
 

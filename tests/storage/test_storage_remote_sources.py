@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from meshfeed import DataLoader
-from meshfeed.sources.indexed import TokenCorpus, write_indexed
+from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenDocuments, TokenWindows
 from tests.dist_utils import run_distributed
 from tests.storage.conftest import S3, use_env_endpoint

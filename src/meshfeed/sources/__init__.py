@@ -3,7 +3,8 @@ WebDataset shards among them), mixtures."""
 
 from meshfeed.sources.convert import convert
 from meshfeed.sources.hf import HFSource
-from meshfeed.sources.indexed import IndexedFormatError, IndexedWriter, TokenCorpus, write_indexed
+from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus
+from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mds import MDSReader, mds_stream
 from meshfeed.sources.mixture import Mixture

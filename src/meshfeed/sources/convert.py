@@ -40,7 +40,8 @@ from numpy.typing import DTypeLike
 from meshfeed.errors import SourceError
 from meshfeed.progress import Progress
 from meshfeed.sources.convert_input import FORMATS, _Chunk, _chunks, _detect, _json_value
-from meshfeed.sources.indexed import DTYPE_CODES, IndexedWriter, TokenCorpus
+from meshfeed.sources.indexed import DTYPE_CODES, TokenCorpus
+from meshfeed.sources.indexed_write import IndexedWriter
 from meshfeed.sources.tokenizer import TextTokenizer, load_tokenizer
 from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of, upload_file
 

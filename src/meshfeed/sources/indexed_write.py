@@ -12,12 +12,12 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from meshfeed.progress import Progress
+from meshfeed.sources.indexed import TokenCorpus
 from meshfeed.sources.indexed_format import (
     _HEADER,
     _INT32_MAX,
@@ -27,9 +27,6 @@ from meshfeed.sources.indexed_format import (
     _publish_lock,
     dtype_code,
 )
-
-if TYPE_CHECKING:
-    from meshfeed.sources.indexed import TokenCorpus
 
 __all__ = ["IndexedWriter", "write_indexed"]
 
@@ -125,8 +122,6 @@ class IndexedWriter:
             self.abort()
             raise
         self._done = True
-        from meshfeed.sources.indexed import TokenCorpus  # the reader imports this module
-
         return TokenCorpus(self.prefix)
 
     def abort(self) -> None:
