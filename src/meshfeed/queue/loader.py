@@ -297,15 +297,15 @@ class StoreLoader(LoaderBase):
         batch (one ``all_reduce`` of one int): a rank whose batch raises raises its
         :class:`CollateError` and every other rank :class:`~meshfeed.errors.RankError` at the
         same batch, which stays first in line, so none waits in its next collective."""
-        if self.on_error != "raise" or not is_distributed():
-            return got.item if got.error is None else self._retry(entry, got)
+        agree = self.on_error == "raise" and is_distributed()
         try:
             item = got.item if got.error is None else self._retry(entry, got)
         except Exception:
-            with contextlib.suppress(CollectiveError):  # a dead peer must not hide our error
-                round_failed(True, self.wait_timeout)
+            if agree:
+                with contextlib.suppress(CollectiveError):  # a dead peer must not hide ours
+                    round_failed(True, self.wait_timeout)
             raise
-        failed = round_failed(False, self.wait_timeout)
+        failed = round_failed(False, self.wait_timeout) if agree else None
         if failed is not None:
             entry.got = got  # kept first in line: next() returns it once the ranks go on
             raise RankError(

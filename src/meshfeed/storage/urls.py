@@ -107,6 +107,10 @@ def _stamp(value: Any) -> str:
     return str(value)
 
 
+#: Where fsspec backends report an object's modification time.
+_MODIFIED_KEYS = ("mtime", "LastModified", "Last-Modified", "last_modified", "updated", "modified")
+
+
 def _version_of_info(url: str, info: Mapping[str, Any]) -> tuple[str, str | None]:
     """(version string, md5 or None) from an fsspec ``info`` dict, whatever the backend."""
     size = info.get("size")
@@ -123,15 +127,7 @@ def _version_of_info(url: str, info: Mapping[str, Any]) -> tuple[str, str | None
     for key in ("crc32c", "checksum"):
         if info.get(key):
             return f"{size}-{info[key]}", None
-    for key in (
-        "mtime",
-        "LastModified",
-        "Last-Modified",
-        "last_modified",
-        "updated",
-        "modified",
-        "created",
-    ):
+    for key in (*_MODIFIED_KEYS, "created"):
         if info.get(key):
             return f"{size}-t{_stamp(info[key])}", None
     raise SourceError(
@@ -166,7 +162,7 @@ def remote_info(
 def _modified_ns(info: Mapping[str, Any]) -> int:
     """When the object was last written, in ns since the epoch, from an fsspec ``info`` dict
     (0 where the backend does not say)."""
-    for key in ("mtime", "LastModified", "Last-Modified", "last_modified", "updated", "modified"):
+    for key in _MODIFIED_KEYS:
         value = info.get(key)
         stamp = getattr(value, "timestamp", None)
         if stamp is not None:
