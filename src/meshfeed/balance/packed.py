@@ -1,0 +1,228 @@
+"""PackedSamples: a dataset of packed rows planned from the samples' lengths alone.
+
+The plan is pure: samples are visited in a seeded permutation, cut into windows of ``window``
+consecutive positions, and each window is packed (best fit decreasing or first fit) into rows
+of at most ``max_tokens`` tokens, or of at most ``max_cost`` under a :class:`CostModel` (the
+token-budget batches RL trainers use). Row ``r`` is a function of ``(seed, lengths, r)``; no
+sample is ever buffered. So a :class:`~meshfeed.DataLoader` over it keeps its state a position,
+resumes exactly mid-epoch, with workers, and on another data-parallel size with the same global
+batch of rows (the same global token budget), and it reshuffles the rows every epoch.
+
+A sample longer than a row follows ``long_samples`` (see :mod:`meshfeed.balance.long_documents`):
+``"refuse"`` names it, ``"truncate"`` keeps its head, ``"split"`` cuts it into pieces packed as
+samples of their own (position ids keep counting). Samples without tokens are left out.
+
+>>> rows = PackedSamples(samples, max_tokens=4096, lengths=lengths)  # doctest: +SKIP
+>>> loader = DataLoader(rows, batch_size=1, collate_fn=merge_rows, mesh={"dp": 8})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from meshfeed.balance.cost import CostModel
+from meshfeed.balance.long_documents import check_policy
+from meshfeed.balance.packing import _check_budget, as_lengths, check_method, pack_windows
+from meshfeed.balance.samples import SampleFields, pack_samples
+from meshfeed.order.permutation import Permutation, check_seed, derive_seed
+from meshfeed.protocols import FingerprintedSource, ItemsSource
+
+__all__ = ["PackedSamples", "SampleLengths"]
+
+
+@runtime_checkable
+class SampleLengths(Protocol):
+    """A dataset that reports its samples' token counts cheaply (e.g. ``TokenDocuments``)."""
+
+    @property
+    def lengths(self) -> Any: ...
+
+
+def _resolve_lengths(dataset: Any, lengths: Any) -> np.ndarray:
+    n = len(dataset)
+    if lengths is None:
+        if not isinstance(dataset, SampleLengths):
+            raise ValueError(
+                f"PackedSamples plans from the samples' lengths and {type(dataset).__name__} "
+                "reports none; pass lengths=<array of tokens per sample> or lengths=<callable "
+                "index -> tokens>, or give the dataset a .lengths property"
+            )
+        lengths = dataset.lengths
+    elif callable(lengths):
+        lengths = np.fromiter((int(lengths(i)) for i in range(n)), np.int64, n)
+    arr = as_lengths(lengths, "lengths")
+    if arr.size != n:
+        raise ValueError(
+            f"lengths has {arr.size} entries for a dataset of {n} samples; give one per sample"
+        )
+    return arr
+
+
+def _longest_within(cost: CostModel, max_cost: float, max_tokens: int) -> int:
+    """The longest sample whose cost is at most ``max_cost`` (capped at ``max_tokens``)."""
+    a, q = cost.linear, cost.quadratic
+    guess = max_cost / a if q == 0 else (-a + math.sqrt(a * a + 4 * q * max_cost)) / (2 * q)
+    n = min(int(guess) + 1, max_tokens)
+    while n > 0 and float(cost.work(np.array([n]))[0]) > max_cost:
+        n -= 1
+    return n
+
+
+def _units(lengths: np.ndarray, order: np.ndarray, limit: int, policy: str) -> tuple[Any, ...]:
+    """The pieces to pack, in visiting order: (sample, start, length, position of the sample)."""
+    s = lengths[order]
+    over = np.flatnonzero(s > limit)
+    if over.size and policy == "refuse":
+        i = int(order[over[0]])
+        raise ValueError(
+            f"sample {i} has {int(lengths[i])} tokens, more than a row holds ({limit}); "
+            "pass long_samples='split' or 'truncate', or raise the budget (max_tokens / max_cost)"
+        )
+    if policy == "truncate":
+        s = np.minimum(s, limit)
+    n = np.maximum(1, -(-s // limit)) if policy == "split" else np.ones(s.size, np.int64)
+    n[s == 0] = 0  # samples without tokens are left out
+    first = np.repeat(np.cumsum(n) - n, n)
+    k = np.arange(int(n.sum()), dtype=np.int64) - first
+    pos = np.repeat(np.arange(s.size, dtype=np.int64), n)
+    start = k * limit
+    size = np.minimum(np.repeat(s, n) - start, limit)
+    return order[pos], start, size, pos
+
+
+class PackedSamples:
+    """Packed rows of ``dataset``'s samples, planned at construction (see the module doc).
+
+    ``dataset`` is map-style (``__len__``, ``__getitem__``, optionally ``__getitems__``) and
+    yields mappings of fields named by ``fields``. Lengths come from ``lengths`` (an array or a
+    callable ``index -> tokens``, called once per sample here) or the dataset's ``.lengths``;
+    a sample whose first token field disagrees with them is an error naming it. ``window``
+    samples are packed together (larger: fuller rows, more planning); ``method`` is
+    ``"best_fit"`` (best fit decreasing) or ``"first_fit"`` (in order). With ``cost`` (a
+    :class:`CostModel`) and ``max_cost``, rows hold samples whose summed cost fits ``max_cost``
+    (``max_tokens`` then only bounds one sample). Planning costs O(n log window) once; an item costs
+    one read of its samples and one concatenation per field.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        max_tokens: int,
+        fields: SampleFields | None = None,
+        lengths: Sequence[int] | np.ndarray | Callable[[int], int] | None = None,
+        window: int = 1024,
+        method: str = "best_fit",
+        seed: int = 0,
+        shuffle: bool = True,
+        long_samples: str = "refuse",
+        cost: CostModel | None = None,
+        max_cost: float | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.fields = SampleFields() if fields is None else fields
+        self.max_tokens = _check_budget(max_tokens)
+        self.method = check_method(method)
+        self.policy = check_policy(long_samples)
+        if self.fields.carried and self.policy != "refuse":
+            raise ValueError(
+                f"long_samples={long_samples!r} would cut samples away from their per-sample "
+                f"fields {list(self.fields.sample_fields + self.fields.concat_fields)}; use "
+                "long_samples='refuse' and a max_tokens that holds the longest sample"
+            )
+        self.seed = check_seed(seed)
+        self.window = window
+        self.lengths = _resolve_lengths(dataset, lengths)
+        if (cost is None) != (max_cost is None):
+            raise ValueError(
+                f"cost and max_cost go together (got {cost=}, {max_cost=}); pass both for a "
+                "cost budget, or neither for a token budget"
+            )
+        limit = self.max_tokens
+        if cost is not None and max_cost is not None:
+            limit = _longest_within(cost, float(max_cost), self.max_tokens)
+            if limit < 1:
+                raise ValueError(f"max_cost={max_cost} is less than one token costs; raise it")
+        order = np.arange(self.lengths.size, dtype=np.int64)
+        if shuffle and order.size:
+            order = Permutation(order.size, derive_seed(self.seed, 0))[order]
+        self._sample, self._start, size, pos = _units(self.lengths, order, limit, self.policy)
+        self._size = size
+        weights = size if cost is None else cost.work(size)
+        bounds = np.searchsorted(pos, np.arange(0, order.size, window, dtype=np.int64))
+        self._rows, self._members = pack_windows(
+            weights,
+            budget=self.max_tokens if max_cost is None else float(max_cost),
+            window=window,
+            method=method,
+            bounds=np.append(bounds, size.size) if size.size else [0],
+        )
+        digest = zlib.crc32(self.lengths.tobytes())
+        self._key = (
+            f"{self.max_tokens}:{window}:{method}:{self.seed}:{shuffle}:{self.policy}:"
+            f"{cost}:{max_cost}:{digest:08x}"
+        )
+
+    def __len__(self) -> int:
+        return int(self._rows.size - 1)
+
+    def __repr__(self) -> str:
+        return f"PackedSamples({len(self)} rows of {self.lengths.size} samples, {self._key})"
+
+    @property
+    def fingerprint(self) -> str:
+        inner = self.dataset
+        base = (
+            inner.fingerprint
+            if isinstance(inner, FingerprintedSource)
+            else f"{type(inner).__name__}:{len(inner)}"
+        )
+        return f"packed:{base}:{self._key}"
+
+    def row_units(self, r: int) -> np.ndarray:
+        """The pieces of row ``r`` (indices into the plan), in packing order."""
+        if not 0 <= r < len(self):
+            raise IndexError(f"row {r} is out of range for {len(self)} packed rows")
+        return self._members[self._rows[r] : self._rows[r + 1]]
+
+    def row_samples(self, r: int) -> list[tuple[int, int, int]]:
+        """Row ``r`` as ``(sample index, first token, end token)`` triples (no sample read)."""
+        u = self.row_units(r)
+        starts, sizes = self._start[u], self._size[u]
+        return list(
+            zip(self._sample[u].tolist(), starts.tolist(), (starts + sizes).tolist(), strict=True)
+        )
+
+    def __getitem__(self, r: int) -> dict[str, Any]:
+        return self.__getitems__([r])[0]
+
+    def __getitems__(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        plans = [self.row_samples(int(r)) for r in rows]
+        wanted = sorted({i for plan in plans for i, _, _ in plan})
+        read = (
+            self.dataset.__getitems__(wanted)
+            if isinstance(self.dataset, ItemsSource)
+            else [self.dataset[i] for i in wanted]
+        )
+        samples = dict(zip(wanted, read, strict=True))
+        for i, sample in samples.items():
+            n = self.fields.length(sample, i)
+            if n != int(self.lengths[i]):
+                raise ValueError(
+                    f"sample {i} has {n} tokens in {self.fields.token_fields[0]!r} but its "
+                    f"length says {int(self.lengths[i])}; the lengths must count that field"
+                )
+        return [
+            pack_samples(
+                [samples[i] for i, _, _ in plan],
+                self.fields,
+                ids=[i for i, _, _ in plan],
+                spans=[(a, b) for _, a, b in plan],
+            )
+            for plan in plans
+        ]

@@ -1,0 +1,188 @@
+"""Any sample, packed: per-token fields concatenated, per-sample tensors carried with offsets.
+
+A sample is a mapping of fields. :class:`SampleFields` names them: ``token_fields`` have one
+entry per token along their first dimension (``input_ids``, ``labels``, ``loss_mask``, any
+other) and are concatenated; ``sample_fields`` (an image's ``pixel_values``, its grid size)
+travel as one list entry per sample; ``concat_fields`` are concatenated along their first
+dimension and get ``<name>_offsets`` (int64, one more than the samples) saying where each
+sample's part starts. :func:`pack_samples` builds one packed row; :func:`merge_rows` joins
+rows into the one packed sample a step of :class:`~meshfeed.balance.BalancedBatches` takes.
+
+>>> import torch
+>>> row = pack_samples([{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([-100, 2, 3])},
+...                     {"input_ids": torch.tensor([4, 5]), "labels": torch.tensor([-100, 5])}],
+...                    SampleFields(token_fields=("input_ids", "labels")))
+>>> row["cu_seqlens"].tolist(), row["position_ids"].tolist()
+([0, 3, 5], [0, 1, 2, 0, 1])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshfeed.keys import DOCUMENT_IDS
+
+__all__ = ["SampleFields", "merge_rows", "pack_samples"]
+
+POSITION_IDS = "position_ids"
+CU_SEQLENS = "cu_seqlens"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleFields:
+    """Which fields of a sample are per token, and which per sample (see the module doc).
+
+    The first token field counts the sample's tokens; every token field must have that many
+    rows. ``position_ids`` is made (restarting at 0 per sample) unless it is a token field.
+    """
+
+    token_fields: tuple[str, ...] = ("input_ids", "labels")
+    sample_fields: tuple[str, ...] = ()
+    concat_fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("token_fields", "sample_fields", "concat_fields"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise TypeError(
+                    f"SampleFields.{name} must be a tuple of field names (got {value!r}); "
+                    f'e.g. {name}=("{value if isinstance(value, str) else "input_ids"}",)'
+                )
+            object.__setattr__(self, name, tuple(value))
+        if not self.token_fields:
+            raise ValueError("SampleFields.token_fields is empty; name the per-token fields")
+        names = self.token_fields + self.sample_fields + self.concat_fields
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"fields {twice} are named more than once in SampleFields")
+        reserved = {CU_SEQLENS, DOCUMENT_IDS} & set(names)
+        if reserved:
+            raise ValueError(f"fields {sorted(reserved)} are written by packing; rename them")
+
+    @property
+    def carried(self) -> bool:
+        """Whether samples carry per-sample tensors (which cannot be cut into pieces)."""
+        return bool(self.sample_fields or self.concat_fields)
+
+    def length(self, sample: Any, index: int) -> int:
+        """Tokens of ``sample`` (dataset index ``index``), after checking every field by name."""
+        if not isinstance(sample, Mapping):
+            raise TypeError(
+                f"sample {index} is a {type(sample).__name__}, not a mapping of fields; "
+                f"return a dict with the token fields {list(self.token_fields)}"
+            )
+        missing = [
+            n
+            for n in self.token_fields + self.sample_fields + self.concat_fields
+            if n not in sample
+        ]
+        if missing:
+            raise KeyError(
+                f"sample {index} has no field {missing[0]!r} (it has {sorted(sample)}); "
+                "give every sample every field named in SampleFields"
+            )
+        sizes = {n: _rows(sample[n], n, index) for n in self.token_fields}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"sample {index} has fields of unequal length {sizes}; every token field "
+                "needs one entry per token"
+            )
+        return sizes[self.token_fields[0]]
+
+
+def _rows(value: Any, name: str, index: int) -> int:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        try:
+            return len(value)
+        except TypeError:
+            raise TypeError(
+                f"sample {index}'s field {name!r} is a {type(value).__name__} without a "
+                "length; give per-token fields as tensors, arrays or lists"
+            ) from None
+    if len(shape) == 0:
+        raise ValueError(f"sample {index}'s field {name!r} is a scalar; it needs one row per token")
+    return int(shape[0])
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+
+
+def pack_samples(
+    samples: Sequence[Mapping[str, Any]],
+    fields: SampleFields,
+    *,
+    ids: Sequence[int] | None = None,
+    spans: Sequence[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """One packed row of ``samples``: token fields concatenated, ``cu_seqlens``, ``position_ids``.
+
+    ``ids`` (the samples' dataset indices, default ``0..n-1``) become ``document_ids`` and name
+    a bad sample in errors. ``spans`` takes tokens ``[start, stop)`` of each sample (a piece of
+    a split sample; its position ids keep counting from ``start``). Per-sample fields follow
+    the module doc. Every field is checked first: a missing or short field is an error naming
+    the sample.
+    """
+    ids = list(range(len(samples))) if ids is None else [int(i) for i in ids]
+    lengths = [fields.length(s, i) for s, i in zip(samples, ids, strict=True)]
+    if spans is None:
+        spans = [(0, n) for n in lengths]
+    sizes = np.asarray([b - a for a, b in spans], dtype=np.int64)
+    cu = np.zeros(len(samples) + 1, np.int64)
+    np.cumsum(sizes, out=cu[1:])
+    out: dict[str, Any] = {}
+    for name in fields.token_fields:
+        parts = [_tensor(s[name])[a:b] for s, (a, b) in zip(samples, spans, strict=True)]
+        out[name] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    if POSITION_IDS not in out:
+        starts = np.asarray([a for a, _ in spans], dtype=np.int64)
+        pos = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, sizes)
+        out[POSITION_IDS] = torch.from_numpy(pos)
+    out[CU_SEQLENS] = torch.from_numpy(cu.astype(np.int32))
+    out[DOCUMENT_IDS] = torch.tensor(ids, dtype=torch.int64)
+    for name in fields.sample_fields:
+        out[name] = [s[name] for s in samples]
+    for name in fields.concat_fields:
+        parts = [_tensor(s[name]) for s in samples]
+        offsets = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([int(p.shape[0]) if p.ndim else 1 for p in parts], out=offsets[1:])
+        out[name] = torch.cat([p.reshape(-1, *p.shape[1:]) for p in parts]) if parts else parts
+        out[f"{name}_offsets"] = torch.from_numpy(offsets)
+    return out
+
+
+def merge_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Packed rows joined into one packed sample (a collate for a loader of packed rows).
+
+    Per-token tensors and ``document_ids`` are concatenated, ``cu_seqlens`` shifted and joined,
+    lists extended, ``<name>_offsets`` shifted and joined with their ``<name>`` tensors. One
+    row comes back as it is. This is what :class:`~meshfeed.balance.BalancedBatches` takes.
+    """
+    if len(rows) == 1:
+        return dict(rows[0])
+    if not rows:
+        raise ValueError("merge_rows got no rows; a loader step holds at least one")
+    out: dict[str, Any] = {}
+    for key, first in rows[0].items():
+        values = [r[key] for r in rows]
+        if key == CU_SEQLENS or key.endswith("_offsets"):
+            out[key] = _join_offsets([torch.as_tensor(v) for v in values])
+        elif isinstance(first, list):
+            out[key] = [x for v in values for x in v]
+        else:
+            out[key] = torch.cat([torch.as_tensor(v) for v in values])
+    return out
+
+
+def _join_offsets(parts: list[torch.Tensor]) -> torch.Tensor:
+    shift, pieces = 0, [parts[0][:1]]
+    for p in parts:
+        pieces.append(p[1:] + shift)
+        shift += int(p[-1])
+    return torch.cat(pieces).to(parts[0].dtype)

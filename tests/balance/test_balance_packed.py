@@ -1,0 +1,216 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from meshfeed import DataLoader
+from meshfeed.balance import CostModel, PackedSamples, SampleFields, merge_rows
+from meshfeed.testing import assert_resume_equivalence
+
+FIELDS = SampleFields(token_fields=("input_ids", "labels", "weight"))
+SPAN = 10_000  # input_ids = sample * SPAN + offset: every token of every sample is unique
+
+
+def _samples(lengths) -> list[dict[str, torch.Tensor]]:
+    return [
+        {
+            "input_ids": torch.arange(i * SPAN, i * SPAN + n),
+            "labels": -torch.arange(i * SPAN, i * SPAN + n),
+            "weight": torch.full((n,), float(i), dtype=torch.float64),
+        }
+        for i, n in enumerate(lengths)
+    ]
+
+
+def _all_tokens(lengths) -> list[int]:
+    return sorted(i * SPAN + k for i, n in enumerate(lengths) for k in range(n))
+
+
+def _check_row(row: dict, max_tokens: int) -> None:
+    cu = row["cu_seqlens"].tolist()
+    assert row["cu_seqlens"].dtype == torch.int32 and cu[0] == 0
+    assert cu[-1] == len(row["input_ids"]) <= max_tokens
+    assert torch.equal(row["labels"], -row["input_ids"])  # fields stay aligned
+    assert torch.equal(row["weight"], (row["input_ids"] // SPAN).double())
+    for k, doc in enumerate(row["document_ids"].tolist()):
+        ids = row["input_ids"][cu[k] : cu[k + 1]]
+        assert (ids // SPAN == doc).all()
+        # positions restart per sample (a split piece keeps counting from its offset)
+        assert torch.equal(row["position_ids"][cu[k] : cu[k + 1]], ids % SPAN)
+
+
+def _loaders(rows: PackedSamples, global_rows: int, dp: int, seed: int) -> list[DataLoader]:
+    return [
+        DataLoader(
+            rows,
+            batch_size=global_rows // dp,
+            mesh={"dp": dp},
+            rank=d,
+            seed=seed,
+            drop_last=False,
+            collate_fn=merge_rows,
+        )
+        for d in range(dp)
+    ]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 90), min_size=1, max_size=60),
+    max_tokens=st.integers(40, 120),
+    window=st.integers(1, 40),
+    method=st.sampled_from(["best_fit", "first_fit"]),
+    dp=st.sampled_from([(1, 2), (2, 4), (4, 1), (2, 2)]),
+    stop=st.integers(0, 30),
+    seed=st.integers(0, 3),
+)
+def test_every_token_trained_once_per_epoch_with_resume_on_another_dp_size(
+    lengths, max_tokens, window, method, dp, stop, seed
+):
+    rows = PackedSamples(
+        _samples(lengths),
+        max_tokens=max_tokens,
+        fields=FIELDS,
+        lengths=lengths,
+        window=window,
+        method=method,
+        seed=seed,
+        long_samples="split",
+    )
+    global_rows = 4
+    last = len(rows) % global_rows
+    assume(
+        len(rows) > 0 and (last == 0 or last >= max(dp))
+    )  # no wrap-around padding of a tiny last batch
+    before = _loaders(rows, global_rows, dp[0], seed)
+    its = [iter(loader) for loader in before]
+    served: list[int] = []
+    for _ in range(stop):
+        batches = [next(it, None) for it in its]
+        if batches[0] is None:
+            assert sorted(served) == _all_tokens(lengths)
+            return
+        for b in batches:
+            _check_row(b, max_tokens * global_rows)
+            served += b["input_ids"].tolist()
+    state = before[0].state_dict()
+    assert all(loader.state_dict() == state for loader in before)  # one position for all ranks
+    after = _loaders(rows, global_rows, dp[1], seed)
+    for loader in after:
+        loader.load_state_dict(state)
+    for batches in zip(*after, strict=True):
+        for b in batches:
+            served += b["input_ids"].tolist()
+    assert sorted(served) == _all_tokens(lengths)
+
+
+def test_rows_hold_whole_samples_within_the_budget_and_pack_tightly():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, 500)
+    rows = PackedSamples(_samples(lengths), max_tokens=512, fields=FIELDS, lengths=lengths)
+    seen = Counter()
+    for r in range(len(rows)):
+        row = rows[r]
+        _check_row(row, 512)
+        seen.update(row["document_ids"].tolist())
+    assert seen == Counter(range(500))
+    assert lengths.sum() / (len(rows) * 512) > 0.97
+
+
+def test_the_plan_is_a_pure_function_of_seed_and_lengths():
+    lengths = np.random.default_rng(1).integers(1, 60, 300)
+    a = PackedSamples(_samples(lengths), max_tokens=128, fields=FIELDS, lengths=lengths, seed=3)
+    b = PackedSamples(list(range(300)), max_tokens=128, lengths=lengths.tolist(), seed=3)
+    c = PackedSamples(list(range(300)), max_tokens=128, lengths=lengths, seed=4)
+    assert [a.row_samples(r) for r in range(len(a))] == [b.row_samples(r) for r in range(len(b))]
+    assert [a.row_samples(r) for r in range(len(a))] != [c.row_samples(r) for r in range(len(c))]
+    assert a.fingerprint != c.fingerprint
+
+
+def test_a_loader_of_packed_rows_resumes_exactly_across_epochs():
+    lengths = np.random.default_rng(2).integers(0, 50, 64)
+
+    def factory() -> DataLoader:
+        rows = PackedSamples(
+            _samples(lengths), max_tokens=64, fields=FIELDS, lengths=lengths, window=16
+        )
+        return DataLoader(rows, batch_size=2, collate_fn=merge_rows, seed=5)
+
+    assert_resume_equivalence(factory, num_items=2 * len(factory()) + 3)
+
+
+def test_a_loader_of_packed_rows_resumes_exactly_with_worker_processes():
+    lengths = np.random.default_rng(3).integers(1, 50, 48)
+
+    def factory() -> DataLoader:
+        rows = PackedSamples(_samples(lengths), max_tokens=64, fields=FIELDS, lengths=lengths)
+        return DataLoader(rows, batch_size=2, collate_fn=merge_rows, num_workers=2)
+
+    steps = len(factory())
+    reference = assert_resume_equivalence(factory, num_items=steps + 2, every=3)
+    served = [t for b in reference[:steps] for t in b["input_ids"].tolist()]
+    assert len(served) == len(set(served)) > 0  # no token twice in an epoch
+    assert set(served) <= set(_all_tokens(lengths))
+
+
+def test_lengths_come_from_a_callable_or_the_dataset():
+    class WithLengths(list):
+        @property
+        def lengths(self) -> np.ndarray:
+            return np.array([len(s["input_ids"]) for s in self])
+
+    data = _samples([3, 5, 2])
+    by_call = PackedSamples(data, max_tokens=8, lengths=lambda i: [3, 5, 2][i])
+    by_data = PackedSamples(WithLengths(data), max_tokens=8)
+    assert by_call.row_samples(0) == by_data.row_samples(0)
+    with pytest.raises(ValueError, match="reports none; pass lengths="):
+        PackedSamples(data, max_tokens=8)
+    with pytest.raises(ValueError, match="lengths has 2 entries for a dataset of 3 samples"):
+        PackedSamples(data, max_tokens=8, lengths=[3, 5])
+
+
+def test_a_sample_disagreeing_with_its_length_is_refused_by_name():
+    rows = PackedSamples(_samples([3, 5]), max_tokens=8, fields=FIELDS, lengths=[3, 4])
+    with pytest.raises(ValueError, match="sample 1 has 5 tokens in 'input_ids' but its length"):
+        [rows[r] for r in range(len(rows))]
+
+
+def test_a_budget_smaller_than_one_sample_is_refused_naming_the_sample():
+    with pytest.raises(ValueError, match="sample 1 has 9 tokens, more than a row holds \\(8\\)"):
+        PackedSamples(_samples([3, 9]), max_tokens=8, fields=FIELDS, lengths=[3, 9])
+
+
+def test_long_samples_are_truncated_or_split():
+    data, lengths = _samples([3, 20]), [3, 20]
+    cut = PackedSamples(data, max_tokens=8, fields=FIELDS, lengths=lengths, long_samples="truncate")
+    kept = sorted(t for r in range(len(cut)) for t in cut[r]["input_ids"].tolist())
+    assert kept == [0, 1, 2, *range(SPAN, SPAN + 8)]
+    split = PackedSamples(data, max_tokens=8, fields=FIELDS, lengths=lengths, long_samples="split")
+    pieces = [s for r in range(len(split)) for s in split.row_samples(r) if s[0] == 1]
+    assert sorted(pieces) == [(1, 0, 8), (1, 8, 16), (1, 16, 20)]
+
+
+def test_per_sample_fields_cannot_be_cut_into_pieces():
+    fields = SampleFields(token_fields=("input_ids",), sample_fields=("pixels",))
+    with pytest.raises(ValueError, match="would cut samples away from their per-sample fields"):
+        PackedSamples([], max_tokens=8, fields=fields, lengths=[], long_samples="split")
+
+
+def test_a_cost_budget_bounds_the_sum_of_squares_per_row():
+    lengths = np.random.default_rng(4).integers(1, 40, 200)
+    cost = CostModel(quadratic=1.0)
+    rows = PackedSamples(
+        _samples(lengths), max_tokens=4096, fields=FIELDS, lengths=lengths, cost=cost, max_cost=2000
+    )
+    sizes = [np.diff(rows[r]["cu_seqlens"].numpy()) for r in range(len(rows))]
+    assert all(int((s.astype(np.int64) ** 2).sum()) <= 2000 for s in sizes)
+    assert sorted(np.concatenate(sizes).tolist()) == sorted(lengths.tolist())
+    with pytest.raises(ValueError, match="cost and max_cost go together"):
+        PackedSamples([], max_tokens=8, lengths=[], cost=cost)
+    with pytest.raises(ValueError, match="sample 0 has 50 tokens, more than a row holds \\(44\\)"):
+        PackedSamples([{}], max_tokens=4096, lengths=[50], cost=cost, max_cost=2000)
