@@ -1,6 +1,7 @@
 """Where samples come from: token corpora, Parquet / Arrow, HF datasets, streams (MDS and
-WebDataset shards among them), mixtures."""
+WebDataset shards among them), mixtures, and SFT samples from chat data."""
 
+from meshfeed.sources.chat import ChatSamples, ChatTemplate, JinjaChatTemplate, chat_sample
 from meshfeed.sources.convert import convert
 from meshfeed.sources.hf import HFSource
 from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus
@@ -20,10 +21,13 @@ from meshfeed.sources.windows import TokenDocuments, TokenWindows
 
 __all__ = [
     "ArrowSource",
+    "ChatSamples",
+    "ChatTemplate",
     "DefaultReader",
     "HFSource",
     "IndexedFormatError",
     "IndexedWriter",
+    "JinjaChatTemplate",
     "LazyDataset",
     "MDSReader",
     "Mixture",
@@ -36,6 +40,7 @@ __all__ = [
     "TokenCorpus",
     "TokenDocuments",
     "TokenWindows",
+    "chat_sample",
     "convert",
     "default_reader",
     "mds_stream",

@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from meshfeed.balance import PackedSamples, SampleFields
+from meshfeed.sources.chat import ChatSamples, ChatTemplate, JinjaChatTemplate, chat_sample
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "And three plus three?"},
+    {"role": "assistant", "content": "Six."},
+]
+
+
+def _bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([m["content"] for m in CHAT] * 20, trainer)
+    return tok
+
+
+def _trained_text(sample, decode) -> str:
+    return decode(sample["input_ids"][sample["loss_mask"] > 0].tolist())
+
+
+def test_plain_template_trains_only_the_assistant_turns():
+    s = chat_sample(CHAT, "bytes")
+    assert s["input_ids"].shape == s["labels"].shape == s["loss_mask"].shape
+    text = bytes(s["input_ids"].tolist()).decode()
+    assert text == ChatTemplate().render(CHAT)
+    assert bytes(s["input_ids"][s["loss_mask"] > 0].tolist()) == b"Four.<|end|>\nSix.<|end|>\n"
+    assert (s["labels"][s["loss_mask"] == 0] == -100).all()
+    assert torch.equal(s["labels"][s["loss_mask"] > 0], s["input_ids"][s["loss_mask"] > 0])
+
+
+def test_jinja_template_with_a_trained_bpe_tokenizer_masks_the_prompt():
+    tok = _bpe()
+    s = chat_sample(CHAT, tok, template=JinjaChatTemplate(CHATML))
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+    assert _trained_text(s, decode) == "Four.<|im_end|>\nSix.<|im_end|>\n"
+    header = tok.encode("<|im_start|>assistant\n").ids
+    ids = s["input_ids"].tolist()
+    first = next(k for k in range(len(ids)) if ids[k : k + len(header)] == header)
+    assert s["loss_mask"][: first + len(header)].sum() == 0  # the header is not trained
+
+
+def test_a_tokenizer_folder_brings_its_chat_template(tmp_path):
+    tok = _bpe()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"chat_template": CHATML, "bos_token": "", "eos_token": "<|im_end|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    by_folder = chat_sample(CHAT, str(tmp_path))
+    by_template = chat_sample(CHAT, tok, template=JinjaChatTemplate(CHATML))
+    assert torch.equal(by_folder["input_ids"], by_template["input_ids"])
+    assert torch.equal(by_folder["loss_mask"], by_template["loss_mask"])
+
+
+class _ChatTokenizer:
+    """Stands in for a transformers tokenizer (not installed here): encode + apply_chat_template."""
+
+    def __init__(self) -> None:
+        self.template = JinjaChatTemplate(CHATML)
+        self.calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def apply_chat_template(self, conversation, *, tokenize, add_generation_prompt):
+        assert tokenize is False
+        self.calls += 1
+        return self.template.render(conversation, add_generation_prompt)
+
+
+def test_a_tokenizer_with_apply_chat_template_renders_its_own_template():
+    tok = _ChatTokenizer()
+    s = chat_sample(CHAT, tok)
+    assert tok.calls > 0
+    assert _trained_text(s, lambda ids: bytes(ids).decode()) == (
+        "Four.<|im_end|>\nSix.<|im_end|>\n"
+    )
+
+
+def test_a_message_without_a_role_is_refused_naming_the_sample():
+    with pytest.raises(ValueError, match="message 1 of sample 4 has no 'role'"):
+        chat_sample([CHAT[0], {"content": "hi"}], "bytes", index=4)
+    with pytest.raises(ValueError, match="message 0 \\(role 'user'\\) has no text 'content'"):
+        chat_sample([{"role": "user"}], "bytes")
+    with pytest.raises(ValueError, match="role 'tool' is not in this template's roles"):
+        chat_sample([{"role": "tool", "content": "x"}], "bytes")
+
+
+def test_a_template_that_rewrites_earlier_messages_is_refused():
+    last_only = JinjaChatTemplate("{{ messages[-1]['content'] if messages else '' }}")
+    with pytest.raises(ValueError, match="does not render message 1 as an extension"):
+        chat_sample(CHAT[:3], "bytes", template=last_only)
+
+
+def test_chat_samples_pack_with_no_loss_on_prompt_tokens():
+    conversations = [{"messages": CHAT[: 1 + k % 5]} for k in range(40)]
+    conversations = [c for c in conversations if c["messages"]]
+    samples = ChatSamples(conversations, "bytes", template=JinjaChatTemplate(CHATML))
+    samples = pickle.loads(pickle.dumps(samples))  # worker processes get a copy
+    rows = PackedSamples(
+        samples,
+        max_tokens=512,
+        fields=SampleFields(token_fields=("input_ids", "labels", "loss_mask")),
+    )
+    trained = 0
+    for r in range(len(rows)):
+        row = rows[r]
+        mask = row["loss_mask"] > 0
+        assert (row["labels"][~mask] == -100).all()
+        assert torch.equal(row["labels"][mask], row["input_ids"][mask])
+        trained += int(mask.sum())
+    want = sum(int(samples[i]["loss_mask"].sum()) for i in range(len(samples)))
+    assert trained == want > 0
+    assert samples.lengths.tolist() == [len(samples[i]["input_ids"]) for i in range(len(samples))]
+    assert np.array_equal(ChatSamples(conversations, "bytes", lengths=[1] * 40).lengths, [1] * 40)
