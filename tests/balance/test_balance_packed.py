@@ -9,8 +9,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from meshfeed import DataLoader
-from meshfeed.balance import CostModel, PackedSamples, SampleFields, merge_rows
+from meshfeed.balance import BalancedBatches, CostModel, PackedSamples, SampleFields, merge_rows
 from meshfeed.testing import assert_resume_equivalence
+from tests.dist_utils import run_distributed
 
 FIELDS = SampleFields(token_fields=("input_ids", "labels", "weight"))
 SPAN = 10_000  # input_ids = sample * SPAN + offset: every token of every sample is unique
@@ -214,3 +215,52 @@ def test_a_cost_budget_bounds_the_sum_of_squares_per_row():
         PackedSamples([], max_tokens=8, lengths=[], cost=cost)
     with pytest.raises(ValueError, match="sample 0 has 50 tokens, more than a row holds \\(44\\)"):
         PackedSamples([{}], max_tokens=4096, lengths=[50], cost=cost, max_cost=2000)
+
+
+BALANCE_KEYS = ("input_ids", "labels", "weight", "position_ids")
+BALANCE_PAD = {"input_ids": -1, "labels": 1, "weight": 0, "position_ids": None}
+FEED_LENGTHS = (
+    np.random.default_rng(11).integers(1, 150, 90).tolist()
+)  # 59 rows: no wrap-around padding
+
+
+def _balanced_tokens(rank: int, world: int, group) -> list[list[int]]:
+    rows = PackedSamples(
+        _samples(FEED_LENGTHS),
+        max_tokens=128,
+        fields=FIELDS,
+        lengths=FEED_LENGTHS,
+        window=32,
+        long_samples="split",
+    )
+    loader = DataLoader(
+        rows, batch_size=2, mesh={"dp": world}, rank=rank, drop_last=False, collate_fn=merge_rows
+    )
+    steps = []
+    with BalancedBatches(
+        loader, max_tokens=128, group=group, keys=BALANCE_KEYS, pad=BALANCE_PAD
+    ) as micro:
+        for step in micro:
+            assert len(step["input_ids"]) <= 128
+            assert step["num_microsteps"] >= 1
+            ids = step["input_ids"]
+            steps.append(ids[ids >= 0].tolist())
+    return steps
+
+
+def _balanced_rank(rank: int, world: int) -> list[list[int]]:
+    import torch.distributed as dist
+
+    return _balanced_tokens(rank, world, dist.group.WORLD)
+
+
+def test_packed_rows_feed_balanced_batches_in_one_process():
+    steps = _balanced_tokens(0, 1, None)
+    assert sorted(t for s in steps for t in s) == _all_tokens(FEED_LENGTHS)
+
+
+def test_packed_rows_feed_balanced_batches_on_2_gloo_ranks_every_token_once():
+    ranks = run_distributed(_balanced_rank, 2, timeout=120.0)
+    assert len(ranks[0]) == len(ranks[1])  # equal micro-steps on every rank
+    served = sorted(t for steps in ranks for s in steps for t in s)
+    assert served == _all_tokens(FEED_LENGTHS)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshfeed.balance.samples import SampleFields, merge_rows, pack_samples
+from meshfeed.balance.samples import PackCollate, SampleFields, merge_rows, pack_samples
 
 FIELDS = SampleFields(token_fields=("input_ids", "labels", "loss_mask"))
 
@@ -91,3 +91,34 @@ def test_merge_rows_joins_rows_into_one_packed_sample():
     assert merged["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
     assert merged["pixels"].shape == (9, 2) and merged["pixels_offsets"].tolist() == [0, 3, 5, 9]
     assert merge_rows(rows[:1])["cu_seqlens"].tolist() == [0, 3]
+
+
+def test_pack_collate_packs_a_step_without_document_ids_and_pickles():
+    import pickle
+
+    collate = pickle.loads(pickle.dumps(PackCollate(FIELDS)))
+    packed = collate([_sample(2, 0), _sample(3, 5)])
+    assert packed["cu_seqlens"].tolist() == [0, 2, 5] and "document_ids" not in packed
+    with pytest.raises(ValueError, match="sample 1 has fields of unequal length"):
+        collate([_sample(2, 0), _sample(3, 5) | {"labels": torch.arange(1)}])
+
+
+def _stream_rows(s: int):
+    return iter([_sample(1 + (7 * s + k) % 9, 100 * s + 10 * k) for k in range(6)])
+
+
+def test_a_stream_packed_per_step_resumes_exactly():
+    from functools import partial
+
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
+    from meshfeed.testing import assert_resume_equivalence
+
+    def factory() -> StreamLoader:
+        shards = [partial(_stream_rows, s) for s in range(4)]
+        stream = ShardedStream(shards, shuffle_buffer=3, seed=2)
+        return StreamLoader(stream, batch_size=4, seed=1, collate_fn=PackCollate(FIELDS))
+
+    reference = assert_resume_equivalence(factory, num_items=9)
+    for packed in reference:
+        assert packed["cu_seqlens"][-1] == len(packed["input_ids"]) == len(packed["position_ids"])

@@ -20,7 +20,7 @@ from meshfeed.balance.long_documents import max_document_tokens
 from meshfeed.balance.megatron import HybridCPDataLoader
 from meshfeed.balance.packed import PackedSamples, SampleLengths
 from meshfeed.balance.packing import pack, pack_windows, packing_efficiency
-from meshfeed.balance.samples import SampleFields, merge_rows, pack_samples
+from meshfeed.balance.samples import PackCollate, SampleFields, merge_rows, pack_samples
 from meshfeed.balance.schedule import Placement, schedule_documents
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "BaselineResult",
     "CostModel",
     "HybridCPDataLoader",
+    "PackCollate",
     "PackedSamples",
     "Placement",
     "SampleFields",

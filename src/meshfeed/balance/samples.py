@@ -27,7 +27,7 @@ import torch
 
 from meshfeed.keys import DOCUMENT_IDS
 
-__all__ = ["SampleFields", "merge_rows", "pack_samples"]
+__all__ = ["PackCollate", "SampleFields", "merge_rows", "pack_samples"]
 
 POSITION_IDS = "position_ids"
 CU_SEQLENS = "cu_seqlens"
@@ -123,12 +123,13 @@ def pack_samples(
 ) -> dict[str, Any]:
     """One packed row of ``samples``: token fields concatenated, ``cu_seqlens``, ``position_ids``.
 
-    ``ids`` (the samples' dataset indices, default ``0..n-1``) become ``document_ids`` and name
-    a bad sample in errors. ``spans`` takes tokens ``[start, stop)`` of each sample (a piece of
+    ``ids`` (the samples' dataset indices) become ``document_ids`` and name a bad sample in
+    errors (without them: no ``document_ids``, and the sample's place in the list is named). ``spans`` takes tokens ``[start, stop)`` of each sample (a piece of
     a split sample; its position ids keep counting from ``start``). Per-sample fields follow
     the module doc. Every field is checked first: a missing or short field is an error naming
     the sample.
     """
+    given = ids is not None
     ids = list(range(len(samples))) if ids is None else [int(i) for i in ids]
     lengths = [fields.length(s, i) for s, i in zip(samples, ids, strict=True)]
     if spans is None:
@@ -145,7 +146,8 @@ def pack_samples(
         pos = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, sizes)
         out[POSITION_IDS] = torch.from_numpy(pos)
     out[CU_SEQLENS] = torch.from_numpy(cu.astype(np.int32))
-    out[DOCUMENT_IDS] = torch.tensor(ids, dtype=torch.int64)
+    if given:
+        out[DOCUMENT_IDS] = torch.tensor(ids, dtype=torch.int64)
     for name in fields.sample_fields:
         out[name] = [s[name] for s in samples]
     for name in fields.concat_fields:
@@ -155,6 +157,22 @@ def pack_samples(
         out[name] = torch.cat([p.reshape(-1, *p.shape[1:]) for p in parts]) if parts else parts
         out[f"{name}_offsets"] = torch.from_numpy(offsets)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class PackCollate:
+    """A loader's collate that packs a step's samples into one packed sample (picklable).
+
+    For streams and any loader whose samples have no lengths up front: the step's samples are
+    the window, so the loader's state (a position) is the packing's state too. The packed
+    sample is what :class:`~meshfeed.balance.BalancedBatches` takes; it plans micro-steps of
+    ``max_tokens`` with equal counts on every rank.
+    """
+
+    fields: SampleFields = SampleFields()
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return pack_samples(samples, self.fields)
 
 
 def merge_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
