@@ -70,3 +70,35 @@ def test_pack_refuses_an_unknown_method_and_bad_windows():
         pack_windows([1], budget=8, window=0)
     with pytest.raises(ValueError, match="bounds must run from 0 to 2"):
         pack_windows([1, 1], budget=8, window=1, bounds=[0, 1])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 100), max_size=80),
+    budget=st.integers(100, 300),
+    method=st.sampled_from(["best_fit", "first_fit"]),
+    window=st.integers(1, 30),
+)
+def test_pack_windows_carrying_the_emptiest_bin_places_every_item_once(
+    lengths, budget, method, window
+):
+    row_ptr, members = pack_windows(lengths, budget=budget, window=window, method=method, carry=True)
+    assert sorted(members.tolist()) == list(range(len(lengths)))
+    rows = [members[row_ptr[b] : row_ptr[b + 1]].tolist() for b in range(row_ptr.size - 1)]
+    assert all(row == sorted(row) and sum(lengths[i] for i in row) <= budget for row in rows)
+    # a prefix of the items is packed alike whatever follows it (the plan is a left fold)
+    cut = (len(lengths) // window) * window
+    if cut and cut < len(lengths):
+        head_ptr, head = pack_windows(
+            lengths[:cut] + [0] * window, budget=budget, window=window, method=method, carry=True
+        )
+        k = sum(1 for row in rows if row and row[-1] < cut - window)
+        assert [head[head_ptr[b] : head_ptr[b + 1]].tolist() for b in range(k)] == rows[:k]
+
+
+def test_carrying_leaves_only_the_last_window_partly_filled():
+    lengths = [70, 20, 30, 80]
+    plain = pack_windows(lengths, budget=100, window=2)
+    carried = pack_windows(lengths, budget=100, window=2, carry=True)
+    assert plain[0].tolist() == [0, 2, 3, 4]  # {70, 20} | {30} {80}: window 1 leaves {30}
+    assert carried[0].tolist() == [0, 2, 4] and carried[1].tolist() == [1, 3, 0, 2]

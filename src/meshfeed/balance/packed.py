@@ -2,7 +2,8 @@
 
 The plan is pure: samples are visited in a seeded permutation, cut into windows of ``window``
 consecutive positions, and each window is packed (best fit decreasing or first fit) into rows
-of at most ``max_tokens`` tokens, or of at most ``max_cost`` under a :class:`CostModel` (the
+of at most ``max_tokens`` tokens (the emptiest row of a window is packed again with the next
+window, so only the last window leaves a partly filled row), or of at most ``max_cost`` under a :class:`CostModel` (the
 token-budget batches RL trainers use). Row ``r`` is a function of ``(seed, lengths, r)``; no
 sample is ever buffered. So a :class:`~meshfeed.DataLoader` over it keeps its state a position,
 resumes exactly mid-epoch, with workers, and on another data-parallel size with the same global
@@ -161,6 +162,7 @@ class PackedSamples:
             window=window,
             method=method,
             bounds=np.append(bounds, size.size) if size.size else [0],
+            carry=True,
         )
         digest = zlib.crc32(self.lengths.tobytes())
         self._key = (

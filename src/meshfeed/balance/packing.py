@@ -100,14 +100,17 @@ def pack_windows(
     window: int,
     method: str = "best_fit",
     bounds: Any = None,
+    carry: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pack consecutive windows of ``window`` items into bins of total weight at most ``budget``.
 
     Item ``i`` is in window ``i // window`` (or, given ``bounds``, ascending item offsets from
-    0 to ``len(weights)``, window ``k`` holds items ``bounds[k]:bounds[k + 1]``); no bin spans
-    two windows, so the bins of a window
-    are a pure function of that window's weights. Weights may be token counts or any additive
-    cost (floats). Returns CSR arrays ``(row_ptr, members)``: bin ``b`` holds items
+    0 to ``len(weights)``, window ``k`` holds items ``bounds[k]:bounds[k + 1]``). Without
+    ``carry`` no bin spans two windows, so the bins of a window are a pure function of that
+    window's weights; with ``carry`` the emptiest bin of each window but the last is packed again
+    with the next window (so only the last window leaves a partly filled bin behind), and the
+    bins are a pure function of the weights up to their window. Weights may be token counts or
+    any additive cost (floats). Returns CSR arrays ``(row_ptr, members)``: bin ``b`` holds items
     ``members[row_ptr[b]:row_ptr[b + 1]]`` (ascending), bins in window order, then in the
     order the method opened them.
 
@@ -125,8 +128,16 @@ def pack_windows(
     edges = _window_edges(w.size, int(window), bounds)
     sizes: list[int] = []
     members: list[int] = []
-    for lo, hi in itertools.pairwise(edges):
-        for b in fit(w[lo:hi], np.arange(lo, hi), budget):
+    held = np.zeros(0, np.int64)
+    last = len(edges) - 2
+    for k, (lo, hi) in enumerate(itertools.pairwise(edges)):
+        ids = np.concatenate([held, np.arange(lo, hi, dtype=np.int64)])
+        bins = fit(w[ids], ids, budget)
+        held = np.zeros(0, np.int64)
+        if carry and k < last and bins:
+            emptiest = min(range(len(bins)), key=lambda j: (float(w[bins[j]].sum()), j))
+            held = np.asarray(sorted(bins.pop(emptiest)), dtype=np.int64)
+        for b in bins:
             b.sort()
             sizes.append(len(b))
             members.extend(b)
