@@ -82,7 +82,9 @@ def test_pack_refuses_an_unknown_method_and_bad_windows():
 def test_pack_windows_carrying_the_emptiest_bin_places_every_item_once(
     lengths, budget, method, window
 ):
-    row_ptr, members = pack_windows(lengths, budget=budget, window=window, method=method, carry=True)
+    row_ptr, members = pack_windows(
+        lengths, budget=budget, window=window, method=method, carry=True
+    )
     assert sorted(members.tolist()) == list(range(len(lengths)))
     rows = [members[row_ptr[b] : row_ptr[b + 1]].tolist() for b in range(row_ptr.size - 1)]
     assert all(row == sorted(row) and sum(lengths[i] for i in row) <= budget for row in rows)
