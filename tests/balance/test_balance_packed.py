@@ -264,3 +264,38 @@ def test_packed_rows_feed_balanced_batches_on_2_gloo_ranks_every_token_once():
     assert len(ranks[0]) == len(ranks[1])  # equal micro-steps on every rank
     served = sorted(t for steps in ranks for s in steps for t in s)
     assert served == _all_tokens(FEED_LENGTHS)
+
+
+def test_token_budget_batches_give_every_rank_the_same_steps_within_the_budget():
+    lengths = np.random.default_rng(5).integers(1, 300, 400)
+    cost = CostModel(linear=1.0, quadratic=1 / 256)  # tokens plus an attention term
+    rows = PackedSamples(
+        _samples(lengths),
+        max_tokens=1024,
+        fields=FIELDS,
+        lengths=lengths,
+        cost=cost,
+        max_cost=2048,
+        output="padded",
+    )
+    loaders = [
+        DataLoader(rows, batch_size=1, mesh={"dp": 4}, rank=d, collate_fn=merge_rows)
+        for d in range(4)
+    ]
+    per_rank = [list(loader) for loader in loaders]
+    assert len({len(steps) for steps in per_rank}) == 1  # the same number of steps per epoch
+    sizes = set()
+    for steps in per_rank:
+        for batch in steps:
+            n = batch["attention_mask"].sum(dim=1).numpy()
+            assert float(cost.work(n).sum()) <= 2048
+            assert torch.equal(
+                batch["labels"][batch["attention_mask"] == 1],
+                -batch["input_ids"][batch["attention_mask"] == 1],
+            )
+            assert (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+            sizes.add(batch["input_ids"].shape[0])
+    assert len(sizes) > 3  # the batch size varies with the samples' lengths
+    with pytest.raises(ValueError, match="output='padded' pads token fields only"):
+        fields = SampleFields(token_fields=("input_ids",), sample_fields=("pixels",))
+        PackedSamples([], max_tokens=8, fields=fields, lengths=[], output="padded")

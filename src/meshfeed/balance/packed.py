@@ -25,15 +25,23 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+import torch
 
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.long_documents import check_policy
 from meshfeed.balance.packing import _check_budget, as_lengths, check_method, pack_windows
-from meshfeed.balance.samples import SampleFields, pack_samples
+from meshfeed.balance.samples import SampleFields, assemble
+from meshfeed.collate import PadCollate
+from meshfeed.keys import DOCUMENT_IDS
 from meshfeed.order.permutation import Permutation, check_seed, derive_seed
 from meshfeed.protocols import FingerprintedSource, ItemsSource
 
-__all__ = ["PackedSamples", "SampleLengths"]
+__all__ = ["OUTPUTS", "PackedSamples", "SampleLengths"]
+
+#: ``"packed"``: one row, fields concatenated with ``cu_seqlens``; ``"padded"``: the row's
+#: samples as a ``[samples, longest]`` batch (:func:`~meshfeed.pad_collate`), for models without
+#: variable-length attention.
+OUTPUTS: tuple[str, ...] = ("packed", "padded")
 
 
 @runtime_checkable
@@ -106,8 +114,10 @@ class PackedSamples:
     samples are packed together (larger: fuller rows, more planning); ``method`` is
     ``"best_fit"`` (best fit decreasing) or ``"first_fit"`` (in order). With ``cost`` (a
     :class:`CostModel`) and ``max_cost``, rows hold samples whose summed cost fits ``max_cost``
-    (``max_tokens`` then only bounds one sample). Planning costs O(n log window) once; an item costs
-    one read of its samples and one concatenation per field.
+    (``max_tokens`` then only bounds one sample). ``output="padded"`` gives each row as a
+    padded batch of its samples instead (token fields only; one per loader step, as widths
+    differ): a token-budget batch whose size varies. Planning costs O(n log window) once; an
+    item costs one read of its samples and one concatenation per field.
     """
 
     def __init__(
@@ -124,9 +134,18 @@ class PackedSamples:
         long_samples: str = "refuse",
         cost: CostModel | None = None,
         max_cost: float | None = None,
+        output: str = "packed",
     ) -> None:
         self.dataset = dataset
         self.fields = SampleFields() if fields is None else fields
+        if output not in OUTPUTS:
+            raise ValueError(f"output={output!r} is not one of {OUTPUTS}")
+        if output == "padded" and self.fields.carried:
+            raise ValueError(
+                "output='padded' pads token fields only; use output='packed' to carry "
+                f"{list(self.fields.sample_fields + self.fields.concat_fields)}"
+            )
+        self.output = output
         self.max_tokens = _check_budget(max_tokens)
         self.method = check_method(method)
         self.policy = check_policy(long_samples)
@@ -167,7 +186,7 @@ class PackedSamples:
         digest = zlib.crc32(self.lengths.tobytes())
         self._key = (
             f"{self.max_tokens}:{window}:{method}:{self.seed}:{shuffle}:{self.policy}:"
-            f"{cost}:{max_cost}:{digest:08x}"
+            f"{cost}:{max_cost}:{output}:{digest:08x}"
         )
 
     def __len__(self) -> int:
@@ -219,8 +238,10 @@ class PackedSamples:
                     f"sample {i} has {n} tokens in {self.fields.token_fields[0]!r} but its "
                     f"length says {int(self.lengths[i])}; the lengths must count that field"
                 )
+        if self.output == "padded":
+            return [self._padded(samples, plan) for plan in plans]
         return [
-            pack_samples(
+            assemble(
                 [samples[i] for i, _, _ in plan],
                 self.fields,
                 ids=[i for i, _, _ in plan],
@@ -228,3 +249,12 @@ class PackedSamples:
             )
             for plan in plans
         ]
+
+    def _padded(self, samples: dict[int, Any], plan: list[tuple[int, int, int]]) -> dict[str, Any]:
+        items = [
+            {k: torch.as_tensor(samples[i][k])[a:b] for k in self.fields.token_fields}
+            for i, a, b in plan
+        ]
+        out = PadCollate()(items)
+        out[DOCUMENT_IDS] = torch.tensor([i for i, _, _ in plan], dtype=torch.int64)
+        return out

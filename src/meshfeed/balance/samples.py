@@ -124,39 +124,57 @@ def pack_samples(
     """One packed row of ``samples``: token fields concatenated, ``cu_seqlens``, ``position_ids``.
 
     ``ids`` (the samples' dataset indices) become ``document_ids`` and name a bad sample in
-    errors (without them: no ``document_ids``, and the sample's place in the list is named). ``spans`` takes tokens ``[start, stop)`` of each sample (a piece of
-    a split sample; its position ids keep counting from ``start``). Per-sample fields follow
-    the module doc. Every field is checked first: a missing or short field is an error naming
-    the sample.
+    errors (without them: no ``document_ids``, and the sample's place in the list is named).
+    ``spans`` takes tokens ``[start, stop)`` of each sample (a piece of a split sample; its
+    position ids keep counting from ``start``). Per-sample fields follow the module doc. Every
+    field is checked first: a missing or short field is an error naming the sample.
     """
-    given = ids is not None
-    ids = list(range(len(samples))) if ids is None else [int(i) for i in ids]
-    lengths = [fields.length(s, i) for s, i in zip(samples, ids, strict=True)]
+    named = list(range(len(samples))) if ids is None else [int(i) for i in ids]
+    lengths = [fields.length(s, i) for s, i in zip(samples, named, strict=True)]
     if spans is None:
         spans = [(0, n) for n in lengths]
+    return assemble(samples, fields, ids=ids, spans=spans)
+
+
+def assemble(
+    samples: Sequence[Mapping[str, Any]],
+    fields: SampleFields,
+    *,
+    ids: Sequence[int] | None,
+    spans: Sequence[tuple[int, int]],
+) -> dict[str, Any]:
+    """:func:`pack_samples` of samples already checked (``fields.length``), spans given."""
     sizes = np.asarray([b - a for a, b in spans], dtype=np.int64)
     cu = np.zeros(len(samples) + 1, np.int64)
     np.cumsum(sizes, out=cu[1:])
     out: dict[str, Any] = {}
     for name in fields.token_fields:
-        parts = [_tensor(s[name])[a:b] for s, (a, b) in zip(samples, spans, strict=True)]
-        out[name] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        out[name] = _concat([s[name][a:b] for s, (a, b) in zip(samples, spans, strict=True)])
     if POSITION_IDS not in out:
         starts = np.asarray([a for a, _ in spans], dtype=np.int64)
         pos = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, sizes)
         out[POSITION_IDS] = torch.from_numpy(pos)
     out[CU_SEQLENS] = torch.from_numpy(cu.astype(np.int32))
-    if given:
-        out[DOCUMENT_IDS] = torch.tensor(ids, dtype=torch.int64)
+    if ids is not None:
+        out[DOCUMENT_IDS] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
     for name in fields.sample_fields:
         out[name] = [s[name] for s in samples]
     for name in fields.concat_fields:
         parts = [_tensor(s[name]) for s in samples]
         offsets = np.zeros(len(parts) + 1, np.int64)
         np.cumsum([int(p.shape[0]) if p.ndim else 1 for p in parts], out=offsets[1:])
-        out[name] = torch.cat([p.reshape(-1, *p.shape[1:]) for p in parts]) if parts else parts
+        out[name] = _concat([p.reshape(-1, *p.shape[1:]) for p in parts])
         out[f"{name}_offsets"] = torch.from_numpy(offsets)
     return out
+
+
+def _concat(parts: list[Any]) -> torch.Tensor:
+    """One tensor of ``parts`` (numpy arrays join in numpy: no tensor per part)."""
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64)
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return torch.from_numpy(np.concatenate(parts))
+    return torch.cat([_tensor(p) for p in parts])
 
 
 @dataclass(frozen=True, slots=True)
