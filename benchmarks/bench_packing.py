@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if importlib.util.find_spec("trl") is None:
         report.append("TRL: not installed, skipped")
+    chat = chat_lengths(n)
     bench(
-        "chat (stdlib docstrings, BPE 4k)", chat_lengths(n), 2048, args.window, report, args.quick
+        "chat (stdlib docstrings, BPE 4k)", chat, 2048, args.window, report, args.quick, args.repeat
     )
     synthetic = np.minimum(sample_lengths("lognormal", n, median=512, sigma=1.0), 4096)
     bench(

@@ -17,22 +17,26 @@ FIELDS = SampleFields(token_fields=("input_ids", "labels", "weight"))
 SPAN = 10_000  # input_ids = sample * SPAN + offset: every token of every sample is unique
 
 
-def _samples(lengths) -> list[dict[str, torch.Tensor]]:
-    return [
-        {
-            "input_ids": torch.arange(i * SPAN, i * SPAN + n),
-            "labels": -torch.arange(i * SPAN, i * SPAN + n),
-            "weight": torch.full((n,), float(i), dtype=torch.float64),
-        }
-        for i, n in enumerate(lengths)
-    ]
+def _samples(lengths, extra=(), as_numpy=False) -> list[dict]:
+    """Samples whose every field is a function of its tokens' ids; ``extra`` adds token fields
+    ``f0``, ``f1``, ... of those numpy dtypes (``input_ids % 7``), as numpy arrays or tensors."""
+    out = []
+    for i, n in enumerate(lengths):
+        ids = np.arange(i * SPAN, i * SPAN + n)
+        fields = {"input_ids": ids, "labels": -ids, "weight": np.full(n, float(i))}
+        fields |= {f"f{k}": (ids % 7).astype(dtype) for k, dtype in enumerate(extra)}
+        out.append(fields if as_numpy else {k: torch.from_numpy(v) for k, v in fields.items()})
+    return out
 
 
 def _all_tokens(lengths) -> list[int]:
     return sorted(i * SPAN + k for i, n in enumerate(lengths) for k in range(n))
 
 
-def _check_row(row: dict, max_tokens: int) -> None:
+def _check_row(row: dict, max_tokens: int, extra=()) -> None:
+    for k, dtype in enumerate(extra):
+        want = torch.from_numpy((row["input_ids"].numpy() % 7).astype(dtype))
+        assert torch.equal(row[f"f{k}"], want)
     cu = row["cu_seqlens"].tolist()
     assert row["cu_seqlens"].dtype == torch.int32 and cu[0] == 0
     assert cu[-1] == len(row["input_ids"]) <= max_tokens
@@ -69,14 +73,17 @@ def _loaders(rows: PackedSamples, global_rows: int, dp: int, seed: int) -> list[
     dp=st.sampled_from([(1, 2), (2, 4), (4, 1), (2, 2)]),
     stop=st.integers(0, 30),
     seed=st.integers(0, 3),
+    extra=st.lists(st.sampled_from(["int16", "float32", "bool"]), max_size=2),
+    as_numpy=st.booleans(),
 )
 def test_every_token_trained_once_per_epoch_with_resume_on_another_dp_size(
-    lengths, max_tokens, window, method, dp, stop, seed
+    lengths, max_tokens, window, method, dp, stop, seed, extra, as_numpy
 ):
+    names = tuple(f"f{k}" for k in range(len(extra)))
     rows = PackedSamples(
-        _samples(lengths),
+        _samples(lengths, extra, as_numpy),
         max_tokens=max_tokens,
-        fields=FIELDS,
+        fields=SampleFields(token_fields=(*FIELDS.token_fields, *names)),
         lengths=lengths,
         window=window,
         method=method,
@@ -97,7 +104,7 @@ def test_every_token_trained_once_per_epoch_with_resume_on_another_dp_size(
             assert sorted(served) == _all_tokens(lengths)
             return
         for b in batches:
-            _check_row(b, max_tokens * global_rows)
+            _check_row(b, max_tokens * global_rows, extra)
             served += b["input_ids"].tolist()
     state = before[0].state_dict()
     assert all(loader.state_dict() == state for loader in before)  # one position for all ranks
@@ -106,6 +113,7 @@ def test_every_token_trained_once_per_epoch_with_resume_on_another_dp_size(
         loader.load_state_dict(state)
     for batches in zip(*after, strict=True):
         for b in batches:
+            _check_row(b, max_tokens * global_rows, extra)
             served += b["input_ids"].tolist()
     assert sorted(served) == _all_tokens(lengths)
 
