@@ -307,3 +307,22 @@ def test_token_budget_batches_give_every_rank_the_same_steps_within_the_budget()
     with pytest.raises(ValueError, match="output='padded' pads token fields only"):
         fields = SampleFields(token_fields=("input_ids",), sample_fields=("pixels",))
         PackedSamples([], max_tokens=8, fields=fields, lengths=[], output="padded")
+
+
+def test_documents_of_a_token_corpus_pack_with_the_corpus_lengths(tmp_path):
+    from meshfeed.sources import TokenDocuments, write_indexed
+
+    rng = np.random.default_rng(6)
+    docs = [rng.integers(1, 999, int(n)) for n in rng.integers(1, 90, 50)]
+    write_indexed(tmp_path / "corpus", iter(docs), np.uint16)
+    rows = PackedSamples(
+        TokenDocuments(tmp_path / "corpus"),  # reports .lengths: nothing read to plan
+        max_tokens=128,
+        fields=SampleFields(token_fields=("tokens",)),
+    )
+    for r in range(len(rows)):
+        row = rows[r]
+        cu = row["cu_seqlens"].tolist()
+        for k, doc in enumerate(row["document_ids"].tolist()):
+            assert row["tokens"][cu[k] : cu[k + 1]].tolist() == docs[doc].tolist()
+    assert sorted(i for r in range(len(rows)) for i, _, _ in rows.row_samples(r)) == list(range(50))

@@ -230,7 +230,7 @@ class PackedSamples:
             if isinstance(self.dataset, ItemsSource)
             else [self.dataset[i] for i in wanted]
         )
-        samples = dict(zip(wanted, read, strict=True))
+        samples = {i: self.fields.as_mapping(x, i) for i, x in zip(wanted, read, strict=True)}
         for i, sample in samples.items():
             n = self.fields.length(sample, i)
             if n != int(self.lengths[i]):

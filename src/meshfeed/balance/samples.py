@@ -69,13 +69,22 @@ class SampleFields:
         """Whether samples carry per-sample tensors (which cannot be cut into pieces)."""
         return bool(self.sample_fields or self.concat_fields)
 
+    def as_mapping(self, sample: Any, index: int) -> Mapping[str, Any]:
+        """``sample`` as a mapping of fields: a bare 1-D array or tensor (a token corpus's
+        document) is the one token field when only one is named."""
+        if isinstance(sample, Mapping):
+            return sample
+        one = len(self.token_fields) == 1 and not self.carried
+        if one and isinstance(sample, (np.ndarray, torch.Tensor)) and sample.ndim == 1:
+            return {self.token_fields[0]: sample}
+        raise TypeError(
+            f"sample {index} is a {type(sample).__name__}, not a mapping of fields; "
+            f"return a dict with the token fields {list(self.token_fields)}"
+        )
+
     def length(self, sample: Any, index: int) -> int:
         """Tokens of ``sample`` (dataset index ``index``), after checking every field by name."""
-        if not isinstance(sample, Mapping):
-            raise TypeError(
-                f"sample {index} is a {type(sample).__name__}, not a mapping of fields; "
-                f"return a dict with the token fields {list(self.token_fields)}"
-            )
+        sample = self.as_mapping(sample, index)
         missing = [
             n
             for n in self.token_fields + self.sample_fields + self.concat_fields
@@ -130,6 +139,7 @@ def pack_samples(
     field is checked first: a missing or short field is an error naming the sample.
     """
     named = list(range(len(samples))) if ids is None else [int(i) for i in ids]
+    samples = [fields.as_mapping(s, i) for s, i in zip(samples, named, strict=True)]
     lengths = [fields.length(s, i) for s, i in zip(samples, named, strict=True)]
     if spans is None:
         spans = [(0, n) for n in lengths]
