@@ -2,12 +2,14 @@
 
 The plan is pure: samples are visited in a seeded permutation, cut into windows of ``window``
 consecutive positions, and each window is packed (best fit decreasing or first fit) into rows
-of at most ``max_tokens`` tokens (the emptiest row of a window is packed again with the next
-window, so only the last window leaves a partly filled row), or of at most ``max_cost`` under a :class:`CostModel` (the
-token-budget batches RL trainers use). Row ``r`` is a function of ``(seed, lengths, r)``; no
-sample is ever buffered. So a :class:`~meshfeed.DataLoader` over it keeps its state a position,
-resumes exactly mid-epoch, with workers, and on another data-parallel size with the same global
-batch of rows (the same global token budget), and it reshuffles the rows every epoch.
+of at most ``max_tokens`` tokens, or of at most ``max_cost`` under a :class:`CostModel` (the
+token-budget batches RL trainers use). The emptiest row of a window is packed again with the
+next window, so only the last window leaves a partly filled row. Row ``r`` is a function of
+``(seed, lengths, r)`` and the options; no sample is ever buffered. So a
+:class:`~meshfeed.DataLoader` over it keeps its state a position, resumes exactly mid-epoch,
+with workers, and on another data-parallel size with the same global batch of rows (the same
+global token budget). The loader reshuffles the rows every epoch; which samples share a row
+is the same every epoch (it depends on ``seed``, not on the epoch).
 
 A sample longer than a row follows ``long_samples`` (see :mod:`meshfeed.balance.long_documents`):
 ``"refuse"`` names it, ``"truncate"`` keeps its head, ``"split"`` cuts it into pieces packed as
