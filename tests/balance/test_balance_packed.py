@@ -326,3 +326,34 @@ def test_documents_of_a_token_corpus_pack_with_the_corpus_lengths(tmp_path):
         for k, doc in enumerate(row["document_ids"].tolist()):
             assert row["tokens"][cu[k] : cu[k + 1]].tolist() == docs[doc].tolist()
     assert sorted(i for r in range(len(rows)) for i, _, _ in rows.row_samples(r)) == list(range(50))
+
+
+def _feed_rows() -> PackedSamples:
+    return PackedSamples(
+        _samples(FEED_LENGTHS),
+        max_tokens=128,
+        fields=FIELDS,
+        lengths=FEED_LENGTHS,
+        window=32,
+        long_samples="split",
+    )
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_packed_rows_on_the_ray_service_match_each_rank_read_alone(ray_session):
+    from meshfeed.services.ray import RayService
+    from meshfeed.testing import take
+
+    kwargs = {"batch_size": 2, "mesh": {"dp": 2}, "seed": 3, "collate_fn": merge_rows}
+    loader = DataLoader(_feed_rows, service=RayService(), **kwargs)
+    try:
+        remote = take(loader, 3)
+        for rank in range(2):
+            local = take(DataLoader(_feed_rows(), rank=rank, **kwargs), 3)
+            got = ray_session.get([rb.for_rank(rank) for rb in remote])
+            for want, have in zip(local, got, strict=True):
+                assert torch.equal(want["input_ids"], have["input_ids"])
+                assert torch.equal(want["cu_seqlens"], have["cu_seqlens"])
+    finally:
+        loader.shutdown()
