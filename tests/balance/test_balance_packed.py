@@ -357,3 +357,14 @@ def test_packed_rows_on_the_ray_service_match_each_rank_read_alone(ray_session):
                 assert torch.equal(want["cu_seqlens"], have["cu_seqlens"])
     finally:
         loader.shutdown()
+
+
+def test_balanced_micro_steps_of_packed_rows_resume_exactly_from_every_step():
+    def factory() -> BalancedBatches:
+        loader = DataLoader(_feed_rows(), batch_size=3, collate_fn=merge_rows, drop_last=False)
+        return BalancedBatches(
+            loader, max_tokens=128, keys=BALANCE_KEYS, pad=BALANCE_PAD, plan_ahead=False
+        )
+
+    steps = assert_resume_equivalence(factory, num_items=30, every=4, cleanup=lambda b: b.close())
+    assert all(len(s["input_ids"]) <= 128 for s in steps)
