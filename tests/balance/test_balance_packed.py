@@ -323,6 +323,7 @@ def test_documents_of_a_token_corpus_pack_with_the_corpus_lengths(tmp_path):
     for r in range(len(rows)):
         row = rows[r]
         cu = row["cu_seqlens"].tolist()
+        assert row["tokens"].dtype == torch.int64  # as pack_documents gives a corpus's tokens
         for k, doc in enumerate(row["document_ids"].tolist()):
             assert row["tokens"][cu[k] : cu[k + 1]].tolist() == docs[doc].tolist()
     assert sorted(i for r in range(len(rows)) for i, _, _ in rows.row_samples(r)) == list(range(50))

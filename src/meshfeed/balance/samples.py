@@ -71,12 +71,15 @@ class SampleFields:
 
     def as_mapping(self, sample: Any, index: int) -> Mapping[str, Any]:
         """``sample`` as a mapping of fields: a bare 1-D array or tensor (a token corpus's
-        document) is the one token field when only one is named."""
+        document) is the one token field, as int64 (what ``pack_documents`` gives), when only
+        one is named."""
         if isinstance(sample, Mapping):
             return sample
         one = len(self.token_fields) == 1 and not self.carried
-        if one and isinstance(sample, (np.ndarray, torch.Tensor)) and sample.ndim == 1:
-            return {self.token_fields[0]: sample}
+        if one and isinstance(sample, np.ndarray) and sample.ndim == 1:
+            return {self.token_fields[0]: sample.astype(np.int64)}
+        if one and isinstance(sample, torch.Tensor) and sample.ndim == 1:
+            return {self.token_fields[0]: sample.to(torch.int64)}
         raise TypeError(
             f"sample {index} is a {type(sample).__name__}, not a mapping of fields; "
             f"return a dict with the token fields {list(self.token_fields)}"
