@@ -6,6 +6,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshfeed.balance import PackedSamples, SampleFields
@@ -134,3 +136,22 @@ def test_chat_samples_pack_with_no_loss_on_prompt_tokens():
     assert trained == want > 0
     assert samples.lengths.tolist() == [len(samples[i]["input_ids"]) for i in range(len(samples))]
     assert np.array_equal(ChatSamples(conversations, "bytes", lengths=[1] * 40).lengths, [1] * 40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=12)),
+        max_size=6,
+    ),
+    jinja=st.booleans(),
+)
+def test_exactly_the_assistant_turns_are_trained(turns, jinja):
+    messages = [{"role": r, "content": c} for r, c in turns]
+    template = JinjaChatTemplate(CHATML) if jinja else ChatTemplate()
+    s = chat_sample(messages, "bytes", template=template)
+    end = "<|im_end|>\n" if jinja else "<|end|>\n"
+    want = "".join(m["content"] + end for m in messages if m["role"] == "assistant")
+    assert bytes(s["input_ids"][s["loss_mask"] > 0].tolist()).decode() == want
+    assert bytes(s["input_ids"].tolist()).decode() == template.render(messages)
+    assert (s["labels"][s["loss_mask"] == 0] == -100).all()
