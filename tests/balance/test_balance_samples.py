@@ -122,3 +122,31 @@ def test_a_stream_packed_per_step_resumes_exactly():
     reference = assert_resume_equivalence(factory, num_items=9)
     for packed in reference:
         assert packed["cu_seqlens"][-1] == len(packed["input_ids"]) == len(packed["position_ids"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_sample_store_packs_its_batches_of_columns(workers):
+    from meshfeed.queue import SampleStore, StoreLoader
+
+    lengths = [1 + (5 * i) % 11 for i in range(30)]
+    store = SampleStore(tasks=["t"])
+    samples = [_sample(n, 100 * i) for i, n in enumerate(lengths)]
+    store.put("p", {k: [s[k] for s in samples] for k in FIELDS.token_fields})
+    store.close("p")
+    loader = StoreLoader(
+        store,
+        task="t",
+        fields=list(FIELDS.token_fields),
+        partition="p",
+        mesh={"dp": 1},
+        rank=0,
+        batch_size=4,
+        num_workers=workers,
+        timeout=60,
+        collate_fn=PackCollate(FIELDS),
+    )
+    served = []
+    for packed in loader:
+        assert packed["cu_seqlens"][-1] == len(packed["input_ids"]) == len(packed["labels"])
+        served += packed["input_ids"].tolist()
+    assert sorted(served) == sorted(t for s in samples for t in s["input_ids"].tolist())

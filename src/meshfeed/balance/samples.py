@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -190,19 +190,32 @@ def _concat(parts: list[Any]) -> torch.Tensor:
     return torch.cat([_tensor(p) for p in parts])
 
 
+@runtime_checkable
+class ColumnBatch(Protocol):
+    """A batch handed out as columns, one entry per sample (the sample store's ``Batch``)."""
+
+    @property
+    def columns(self) -> Mapping[str, Any]: ...
+
+    def __len__(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class PackCollate:
     """A loader's collate that packs a step's samples into one packed sample (picklable).
 
-    For streams and any loader whose samples have no lengths up front: the step's samples are
-    the window, so the loader's state (a position) is the packing's state too. The packed
-    sample is what :class:`~meshfeed.balance.BalancedBatches` takes; it plans micro-steps of
-    ``max_tokens`` with equal counts on every rank.
+    For streams, the sample store (its batches of columns) and any loader whose samples have
+    no lengths up front: the step's samples are the window, so the loader's state is the
+    packing's state too. The packed sample is what :class:`~meshfeed.balance.BalancedBatches`
+    takes; it plans micro-steps of ``max_tokens`` with equal counts on every rank.
     """
 
     fields: SampleFields = SampleFields()
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def __call__(self, samples: Sequence[Mapping[str, Any]] | ColumnBatch) -> dict[str, Any]:
+        if isinstance(samples, ColumnBatch):
+            columns = samples.columns
+            samples = [{k: col[i] for k, col in columns.items()} for i in range(len(samples))]
         return pack_samples(samples, self.fields)
 
 
