@@ -10,6 +10,7 @@ True
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from meshfeed.dist import fail_together, is_distributed
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
-from meshfeed.loader_base import LoaderBase, pin
+from meshfeed.loader_base import LoaderBase
 from meshfeed.loader_state import (
     COUNTS,
     LOADER_STATE_VERSION,
@@ -33,6 +34,7 @@ from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
 from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash
+from meshfeed.telemetry import StepTiming
 
 __all__ = ["LOADER_STATE_VERSION", "DataLoader"]
 
@@ -111,6 +113,10 @@ class DataLoader(LoaderBase):
         curriculum: Any = None,
         service: Service | GlobalService | None = None,
         multiprocessing_context: str | None = None,
+        device: Any = None,
+        device_prefetch: int = 2,
+        on_step: Callable[[StepTiming], Any] | None = None,
+        warn_wait_share: float | None = 0.25,
     ) -> None:
         check_not_a_path(dataset)
         options = LoaderOptions(
@@ -127,6 +133,10 @@ class DataLoader(LoaderBase):
             on_error=on_error,
             max_retries=max_retries,
             multiprocessing_context=multiprocessing_context,
+            device=device,
+            device_prefetch=device_prefetch,
+            on_step=on_step,
+            warn_wait_share=warn_wait_share,
         )
         options.check_service(service)
         super().__init__(
@@ -266,8 +276,14 @@ class DataLoader(LoaderBase):
         return block
 
     def _tasks(self, epoch: int, position: int) -> Iterator[tuple[Step, FetchTask]]:
-        while (step := self.plan.step_at(epoch, position)) is not None:
+        telemetry = self.telemetry
+        while True:
+            start = time.perf_counter()
+            step = self.plan.step_at(epoch, position)
+            if step is None:
+                return
             positions, indices = self._block(step)[step.start]
+            telemetry.add("plan", time.perf_counter() - start)
             yield step, FetchTask(epoch, step.index, indices, positions)
             position = step.end
 
@@ -305,9 +321,19 @@ class DataLoader(LoaderBase):
                 timeout=self.wait_timeout,
                 where=lambda: f"step {steps[0].index} of epoch {epoch}",
             )
+        delivered = self.delivery.stage(results)  # pinned / on the device, timed
+        try:
+            return (yield from self._returned(epoch, steps, delivered))
+        finally:
+            delivered.close()
+
+    def _returned(
+        self, epoch: int, steps: list[Step], delivered: Iterator[tuple[Any, Any]]
+    ) -> Generator[Any, None, bool]:
+        """Count each delivered batch as returned (position, stats, order hooks), yield it."""
         stale_from: int | None = None
         replanned, returned = self.hooks.replanned, self.hooks.returned
-        for batch, events in results:
+        for batch, events in delivered:
             step = steps.pop(0)
             if replanned is not None:
                 changed = replanned(epoch)
@@ -321,8 +347,6 @@ class DataLoader(LoaderBase):
             self._position = step.end
             if returned is not None:
                 returned(epoch, step.end)
-            if self.pin_memory:
-                batch = pin(batch)
             yield batch
         return False
 
@@ -364,10 +388,12 @@ class DataLoader(LoaderBase):
         """Counts of retries, substitutions, skips and padded samples, and the first failures.
 
         ``failures`` lists the first :data:`~meshfeed.fetch.MAX_REPORTED_FAILURES` bad
-        samples as dicts (index, position, attempt, error, message).
+        samples as dicts (index, position, attempt, error, message); ``delivery`` the loop's
+        waits and where batch time went (:meth:`delivery_stats`).
         """
         out = {k: (list(v) if isinstance(v, list) else v) for k, v in self._stats.items()}
         out["epoch"], out["position"] = self._epoch, self._position
+        out["delivery"] = self.delivery_stats()
         described = self.hooks.describe(self._epoch, self._position)
         if described is not None:
             out["order"] = dict(described)
