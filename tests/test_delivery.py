@@ -133,6 +133,15 @@ def test_to_device_and_pin_keep_nested_structure():
         assert pin(batch) is batch  # without CUDA nothing is pinned
 
 
+def test_dataclasses_are_walked_and_rebuilt():
+    from meshfeed.queue import Batch
+
+    batch = Batch(ids=[1, 2], columns={"x": torch.arange(2), "s": ["a", "b"]})
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved, Batch) and moved is not batch
+    assert moved.ids == [1, 2] and moved["s"] == ["a", "b"] and torch.equal(moved["x"], batch["x"])
+
+
 def test_bad_device_and_delivery_options_are_refused_by_name():
     with pytest.raises(TypeError, match="device must be None, a str or a torch.device"):
         check_device(3)

@@ -26,6 +26,7 @@ may be any torch device; ``"cpu"`` runs the same thread and ordering (tested wit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -45,7 +46,8 @@ _POLL = 0.05  # seconds between checks of a stop flag or a dead thread
 
 
 def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``batch`` with ``fn`` applied to every tensor of nested dicts, lists and tuples."""
+    """``batch`` with ``fn`` applied to every tensor of nested dicts, lists, tuples and
+    dataclasses (other values are kept as they are)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, dict):
@@ -55,6 +57,9 @@ def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(batch, tuple):
         items = [_map(v, fn) for v in batch]
         return tuple(items) if type(batch) is tuple else type(batch)(*items)  # namedtuples
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # e.g. a store Batch
+        fields = {f.name: _map(getattr(batch, f.name), fn) for f in dataclasses.fields(batch)}
+        return dataclasses.replace(batch, **fields)
     return batch
 
 
@@ -71,7 +76,8 @@ def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -
 
 
 def check_device(device: object) -> torch.device | None:
-    """``device`` as a ``torch.device`` (None stays None); a clear error for a bad one."""
+    """``device`` as a ``torch.device`` (None stays None; ``"cuda"`` is the current CUDA
+    device when this is called, i.e. when the loader is built); a clear error for a bad one."""
     if device is None:
         return None
     if not isinstance(device, (str, torch.device)):
@@ -87,6 +93,9 @@ def check_device(device: object) -> torch.device | None:
             f"device={device!r} needs CUDA, which this process does not have; use device=None "
             "(batches stay on the CPU) or device='cpu'"
         )
+    if out.type == "cuda" and out.index is None:
+        # The delivery thread has a current device of its own: name the caller's.
+        out = torch.device("cuda", torch.cuda.current_device())
     return out
 
 
