@@ -135,32 +135,30 @@ class Delivery:
         """``make()``'s batch delivered on this thread (a door that cannot read ahead)."""
         tel = self.telemetry
         asked = time.perf_counter()
-        tel.asked(asked)
         batch = make()
-        tel.add("produce", time.perf_counter() - asked)
         if self.ahead:
+            tel.add("produce", time.perf_counter() - asked)
             consumer = self._consumer()
             batch, event = self._prepare(batch, consumer)
             if event is not None:
                 consumer.wait_event(event)
-        tel.returned(asked, time.perf_counter())
+            tel.returned(asked, time.perf_counter())
+        else:
+            tel.returned(asked, time.perf_counter(), produced=True)
         return batch
 
     # ------------------------------------------------------------------ the loop's side
     def _timed(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
-        tel = self.telemetry
+        returned, clock = self.telemetry.returned, time.perf_counter
         source = iter(items)
         try:
             while True:
-                asked = time.perf_counter()
-                tel.asked(asked)
+                asked = clock()
                 try:
                     item = next(source)
                 except StopIteration:
                     return
-                done = time.perf_counter()
-                tel.add("produce", done - asked)
-                tel.returned(asked, done)
+                returned(asked, clock(), produced=True)
                 yield item
         finally:
             _close(source)
@@ -185,7 +183,6 @@ class Delivery:
         try:
             while True:
                 asked = time.perf_counter()
-                tel.asked(asked)
                 kind, payload = _take(ready, thread)
                 if kind == "end":
                     return

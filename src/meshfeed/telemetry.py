@@ -34,6 +34,7 @@ PHASES = ("plan", "produce", "pin", "device_copy")
 WARN_AFTER = 50
 _PER_DECADE = 20
 _LOW, _DECADES = 1e-7, 10  # 100 ns to 1000 s
+_LAST = _PER_DECADE * _DECADES + 1  # the last bucket: everything beyond 1000 s
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class WaitHistogram:
     """Seconds in log-scale buckets (5 % wide): bounded memory, quantiles within 6 %."""
 
     def __init__(self) -> None:
-        self.counts = [0] * (_PER_DECADE * _DECADES + 2)
+        self.counts = [0] * (_LAST + 1)
         self.count = 0
         self.total = 0.0
 
@@ -58,7 +59,7 @@ class WaitHistogram:
         self.count += 1
         self.total += seconds
         bucket = 0 if seconds <= _LOW else 1 + int(math.log10(seconds / _LOW) * _PER_DECADE)
-        self.counts[min(bucket, len(self.counts) - 1)] += 1
+        self.counts[min(bucket, _LAST)] += 1
 
     def quantile(self, q: float) -> float:
         """The upper edge of the bucket holding quantile ``q`` (0 when nothing was added)."""
@@ -99,20 +100,25 @@ class Telemetry:
         """Add ``seconds`` to ``phase`` (one of :data:`PHASES`; any thread)."""
         self.phases[phase] += seconds
 
-    def asked(self, now: float) -> None:
-        """The loop asked for a batch at ``now`` (``time.perf_counter()``)."""
-        if self._first_ask is None:
-            self._first_ask = now
+    def returned(self, asked: float, now: float, *, produced: bool = False) -> None:
+        """A batch asked for at ``asked`` was returned at ``now`` (``time.perf_counter()``);
+        ``produced``: the loop's thread made it meanwhile (its wait is the ``produce`` phase).
 
-    def returned(self, asked: float, now: float) -> None:
-        """A batch asked for at ``asked`` was returned at ``now``."""
+        One call per step, kept small: it runs on the loop's thread for every batch."""
         wait = now - asked
-        step = None if self._last_return is None else now - self._last_return
-        self._last_return = now
-        self.waits.add(wait)
+        if produced:
+            self.phases["produce"] += wait
+        last, self._last_return = self._last_return, now
+        if last is None:
+            self._first_ask = asked
+        waits = self.waits
+        waits.count += 1
+        waits.total += wait
+        bucket = 0 if wait <= _LOW else 1 + int(math.log10(wait / _LOW) * _PER_DECADE)
+        waits.counts[min(bucket, _LAST)] += 1
         if self.on_step is not None:
-            self.on_step(StepTiming(self.waits.count, wait, step))
-        if not self._warned and self.waits.count >= WARN_AFTER:
+            self.on_step(StepTiming(waits.count, wait, None if last is None else now - last))
+        if not self._warned and waits.count >= WARN_AFTER:
             self._judge()
 
     def wait_share(self) -> float:
