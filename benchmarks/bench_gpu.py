@@ -69,7 +69,7 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def meshfeed_loader(ds: Busy, batch: int, workers: int, pin: bool, **kw: Any) -> Any:
+def meshfeed_loader(ds: Busy, batch: int, workers: int | str, pin: bool, **kw: Any) -> Any:
     # No stall warning: a benchmark loop that does nothing waits for every batch by design.
     return DataLoader(
         ds, batch_size=batch, num_workers=workers, pin_memory=pin, seed=0, warn_wait_share=None,
@@ -110,25 +110,36 @@ def forever(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def measure(make: Callable[[], Any], seconds: float, warmup: int) -> dict[str, float]:
-    """Time to the first batch, then batches/s of ``for batch in loader`` for ~``seconds``."""
-    start = time.perf_counter()
-    loader = make()
-    it = forever(loader)
-    next(it)
-    first = time.perf_counter() - start
-    for _ in range(warmup):
+def measure(
+    makers: dict[str, Callable[[], Any]], seconds: float, warmup: int, repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Per loader, one at a time (a loader's background threads or processes must not run
+    while another is timed): time to its first batch, then the median batches/s of
+    ``for batch in loader`` over ``repeats`` windows of ``seconds / repeats``."""
+    out = {}
+    for name, make in makers.items():
+        start = time.perf_counter()
+        loader = make()
+        it = forever(loader)
         next(it)
-    n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or n < 3:
-        next(it)
-        n += 1
-    rate = n / elapsed
-    del it
-    shutdown = getattr(loader, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    return {"rate": rate, "first_s": first}
+        first = time.perf_counter() - start
+        for _ in range(warmup):
+            next(it)
+        rates = []
+        for _ in range(repeats):
+            n, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds / repeats or n < 3:
+                next(it)
+                n += 1
+            rates.append(n / elapsed)
+        chosen = getattr(getattr(loader, "service", None), "chosen", None)  # num_workers="auto"
+        it.close()
+        shutdown = getattr(loader, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del loader, it
+        out[name] = {"first_s": first, "rate": statistics.median(rates), "chosen": chosen}
+    return out
 
 
 def grid(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
@@ -159,7 +170,7 @@ def grid(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                     # Grain's worker start takes ~14 s on 2 loaded cores: in --quick, 0 workers.
                     if has_grain and not pin and not (cfg.quick and workers):
                         makers["grain"] = partial(grain_loader, ds, samples, workers)
-                    got = {k: measure(m, cfg.seconds, warmup) for k, m in makers.items()}
+                    got = measure(makers, cfg.seconds, warmup, cfg.repeats)
                     for name, m in got.items():
                         rows.append(
                             {
@@ -174,7 +185,38 @@ def grid(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                         + ", ".join(f"{k} {v['rate']:,.0f}/s" for k, v in got.items()),
                         file=sys.stderr,
                     )
+    rows += auto_cells(cfg, rows, pins)
     return rows, notes
+
+
+def auto_cells(
+    cfg: argparse.Namespace, rows: list[dict[str, Any]], pins: list[bool]
+) -> list[dict[str, Any]]:
+    """meshfeed with ``num_workers="auto"`` per (cost, batch, pin), against the best
+    hand-picked worker count of the grid (meshfeed's and torch's)."""
+    out = []
+    for cost in cfg.costs:
+        for label in cfg.batches:
+            samples = BATCH_BYTES[label]
+            ds = Busy(max(4096, samples * 64), cost)
+            warmup = 2 if samples * cost > 50_000 else 5
+            for pin in pins:
+                make = partial(meshfeed_loader, ds, samples, "auto", pin)
+                m = measure({"auto": make}, cfg.seconds, warmup, cfg.repeats)["auto"]
+                same = [
+                    r for r in rows if (r["cost_us"], r["batch"], r["pin"]) == (cost, label, pin)
+                ]
+                best = max(r["rate"] for r in same)
+                torch_best = max(r["rate"] for r in same if r["loader"] == "torch")
+                out.append(
+                    {
+                        "loader": f"meshfeed auto ({m['chosen']})", "workers": "auto",
+                        "cost_us": cost, "batch": label, "pin": pin, "rate": m["rate"],
+                        "limit_share": float("nan"), "first_s": m["first_s"],
+                        "vs_torch": m["rate"] / torch_best, "vs_best": m["rate"] / best,
+                    }
+                )  # fmt: skip
+    return out
 
 
 # --------------------------------------------------------------------------- the GPU loop
@@ -268,6 +310,13 @@ def report(
             f"meshfeed / torch over {len(meshfeed)} cells: min {min(meshfeed):.2f}, median "
             f"{statistics.median(meshfeed):.2f}, max {max(meshfeed):.2f}",
         ]
+    auto = [r["vs_best"] for r in grid_rows if "vs_best" in r]
+    if auto:
+        lines.append(
+            f"num_workers='auto' / the best hand-picked loader and worker count of its cells "
+            f"(the / torch column: against torch's best worker count): min {min(auto):.2f}, "
+            f"median {statistics.median(auto):.2f} over {len(auto)} (cost, batch, pin) groups"
+        )
     lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines)
 
@@ -277,15 +326,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny CPU subset (< 30 s)")
     parser.add_argument("--seconds", type=float, default=None, help="timed seconds per cell")
     parser.add_argument("--out", type=Path, default=None, help="where the report is written")
+    parser.add_argument("--repeats", type=int, default=3, help="turns per cell (median)")
     cfg = parser.parse_args()
     n = cores()
     if cfg.quick:
         cfg.workers, cfg.costs, cfg.batches = [0, 2], [200], ["128 KiB"]
-        cfg.seconds = cfg.seconds or 0.5
+        cfg.seconds = cfg.seconds or 0.6
     else:
         cfg.workers = sorted({w for w in (0, 2, 8, n - 2) if w >= 0})
         cfg.costs, cfg.batches = [50, 200, 1000], list(BATCH_BYTES)
-        cfg.seconds = cfg.seconds or 1.0
+        cfg.seconds = cfg.seconds or 0.9
     torch.set_num_threads(1)
     grid_rows, notes = grid(cfg)
     loop_rows, loop_notes = gpu_loop(cfg)

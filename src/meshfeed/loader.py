@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from meshfeed.options import LoaderOptions, check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
+from meshfeed.services.auto import AutoService
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
@@ -103,7 +104,7 @@ class DataLoader(LoaderBase):
         seed: int = 0,
         drop_last: bool = True,
         pad_last: bool = True,
-        num_workers: int = 0,
+        num_workers: int | Literal["auto"] = 0,
         prefetch: int = 2,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
@@ -226,16 +227,20 @@ class DataLoader(LoaderBase):
             )
 
     def _default_service(self, start_method: str | None) -> Service:
-        inner: Service = (
-            WorkerService(
+        inner: Service
+        if self.num_workers == "auto":
+            inner = AutoService(
+                prefetch=self.prefetch, timeout=self.wait_timeout, start_method=start_method
+            )
+        elif self.num_workers > 0:
+            inner = WorkerService(
                 self.num_workers,
                 prefetch=self.prefetch,
                 timeout=self.wait_timeout,
                 start_method=start_method,
             )
-            if self.num_workers > 0
-            else InProcessService()
-        )
+        else:
+            inner = InProcessService()
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -90,8 +90,16 @@ def check_loader_arguments(
         )
     for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
         _flag(name, flag)
-    _int("num_workers", num_workers, 0, "an int >= 0")
-    if num_workers > MAX_WORKERS:  # type: ignore[operator]
+    if num_workers == "auto":
+        pass  # chosen when the first batches were timed (meshfeed.services.auto)
+    elif isinstance(num_workers, str):
+        raise ValueError(
+            f"num_workers must be an int >= 0 or 'auto' (got {num_workers=!r}); 'auto' picks "
+            "it from the cost of a batch and the cores this process may use"
+        )
+    else:
+        _int("num_workers", num_workers, 0, "an int >= 0 or 'auto'")
+    if isinstance(num_workers, int) and num_workers > MAX_WORKERS:
         raise ValueError(
             f"num_workers={num_workers} is more worker processes than meshfeed starts per rank "
             f"(MAX_WORKERS = {MAX_WORKERS}: each is a process with its pipes, so the process "
@@ -166,7 +174,8 @@ class LoaderOptions:
     seed: int = 0
     drop_last: bool = True
     pad_last: bool = True
-    num_workers: int = 0
+    #: Worker processes, or ``"auto"`` (see :mod:`meshfeed.services.auto`).
+    num_workers: int | Literal["auto"] = 0
     prefetch: int = 2
     #: A function of the batch's items (map-style and streams: a list of samples; the store:
     #: the :class:`~meshfeed.queue.Batch` it assembled).
