@@ -32,6 +32,7 @@ import torch.distributed as tdist
 from meshfeed import DataLoader, StreamLoader, dist
 from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.balance.routing import route_local
+from meshfeed.delivered import Delivered
 from meshfeed.delivery import to_device
 from meshfeed.queue import SampleStore, StoreLoader
 from meshfeed.services import DistributedService, InProcessService
@@ -298,6 +299,23 @@ def test_store_loader_delivers_pinned_and_on_cuda():
         batches = [b["x"] for b in loader]
     assert all(b.is_cuda for b in batches)  # the store's Batch (a dataclass) is walked too
     assert [b.cpu()[:, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_balanced_batches_delivered_pinned_and_on_cuda_equal_the_cpu_path():
+    with _make_balanced() as plain:
+        want = list(plain)
+    inner = _make_balanced()
+    with Delivered(inner, pin_memory=True, device="cuda") as it:
+        got = list(it)
+    inner.close()
+    assert got and all(i["tokens"].is_cuda for i in got)
+    assert_same([_cpu(i) for i in got], want)
+
+
+def _make_balanced() -> BalancedBatches:
+    return BalancedBatches(
+        Samples(0, seed=4, batches=3, max_len=250, docs=8), max_tokens=256, cost=S2
+    )
 
 
 def test_dcp_saves_and_loads_a_loader_under_an_nccl_group(nccl_group, tmp_path):
