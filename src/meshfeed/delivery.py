@@ -138,10 +138,8 @@ class Delivery:
         batch = make()
         if self.ahead:
             tel.add("produce", time.perf_counter() - asked)
-            consumer = self._consumer()
-            batch, event = self._prepare(batch, consumer)
-            if event is not None:
-                consumer.wait_event(event)
+            batch, event = self._prepare(batch, self._streams())
+            self._hand_over(batch, event)
             tel.returned(asked, time.perf_counter())
         else:
             tel.returned(asked, time.perf_counter(), produced=True)
@@ -163,19 +161,28 @@ class Delivery:
         finally:
             _close(source)
 
-    def _consumer(self) -> Any:
+    def _streams(self) -> bool:
+        """Whether copies go through the side CUDA stream (made here, on first use)."""
         if self.device is None or self.device.type != "cuda":
-            return None
+            return False
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        return torch.cuda.current_stream(self.device)
+        return True
+
+    def _hand_over(self, batch: Any, event: Any) -> None:
+        """On the loop's thread: its *current* stream waits for the batch's copy, and the
+        batch's memory is marked as used by that stream (not reused before its kernels ran)."""
+        if event is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        _map(batch, lambda t: t.record_stream(current) if t.is_cuda else None)
 
     def _ahead(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
         ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        consumer = self._consumer()
         thread = threading.Thread(
-            target=self._run, args=(items, ready, stop, consumer), name="meshfeed-delivery"
+            target=self._run, args=(items, ready, stop, self._streams()), name="meshfeed-delivery"
         )
         thread.daemon = True
         thread.start()
@@ -189,8 +196,7 @@ class Delivery:
                 if kind == "error":
                     raise payload
                 item, event = payload
-                if event is not None:
-                    consumer.wait_event(event)  # the loop's kernels start after the copy
+                self._hand_over(item[0], event)  # the loop's kernels start after the copy
                 tel.returned(asked, time.perf_counter())
                 yield item
         finally:
@@ -216,7 +222,7 @@ class Delivery:
         items: Iterator[tuple[Any, T]],
         ready: queue.Queue[tuple[str, Any]],
         stop: threading.Event,
-        consumer: Any,
+        streams: bool,
     ) -> None:
         source = iter(items)
         tel = self.telemetry
@@ -229,14 +235,14 @@ class Delivery:
                     _put(ready, stop, ("end", None))
                     return
                 tel.add("produce", time.perf_counter() - start)
-                batch, event = self._prepare(batch, consumer)
+                batch, event = self._prepare(batch, streams)
                 _put(ready, stop, ("item", ((batch, meta), event)))
         except BaseException as exc:  # handed to the loop, raised there
             _put(ready, stop, ("error", exc))
         finally:
             _close(source)  # the generator runs on this thread: closed here
 
-    def _prepare(self, batch: Any, consumer: Any) -> tuple[Any, Any]:
+    def _prepare(self, batch: Any, streams: bool) -> tuple[Any, Any]:
         """``batch`` pinned and copied (on the side stream); the copy's event or None."""
         tel = self.telemetry
         if self.pin:
@@ -248,13 +254,11 @@ class Delivery:
             return batch, None
         start = time.perf_counter()
         event = None
-        if consumer is None:
+        if not streams:
             batch = to_device(batch, device)
         else:
             with torch.cuda.stream(self._side):
                 batch = to_device(batch, device, non_blocking=True)
-                # Freed by the loop, the memory is reused only after the loop's kernels ran.
-                _map(batch, lambda t: t.record_stream(consumer))
                 event = torch.cuda.Event()
                 event.record(self._side)
         tel.add("device_copy", time.perf_counter() - start)
