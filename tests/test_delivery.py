@@ -16,6 +16,7 @@ from meshfeed.delivery import check_device, pin, to_device
 from meshfeed.fetch import SampleError
 from meshfeed.sources import ShardedStream
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
+from tests.dist_utils import run_distributed
 
 Pair = namedtuple("Pair", "a b")
 
@@ -157,3 +158,28 @@ def test_bad_device_and_delivery_options_are_refused_by_name():
     with pytest.raises(TypeError, match="on_step must be a function"):
         DataLoader(list(range(8)), batch_size=2, on_step="print")
     assert check_device(None) is None and check_device("cpu") == torch.device("cpu")
+
+
+def _ranks_ahead(rank, world):
+    # The plan agreement and the per-step error check (on_error="raise") run on the delivery
+    # thread, on meshfeed's gloo group: the ranks still agree and resume exactly.
+    def make(**kw):
+        return DataLoader(Counted(40), batch_size=2, seed=1, on_error="raise", **kw)
+
+    ahead = make(device="cpu", device_prefetch=3)
+    first = [b.view(-1).tolist() for b in take(ahead, 4)]
+    state = ahead.state_dict()
+    rest = [b.view(-1).tolist() for b in ahead]
+    plain = [b.view(-1).tolist() for b in make()]
+    again = make()
+    again.load_state_dict(state)
+    resumed = [b.view(-1).tolist() for b in again]
+    return {"ahead": first + rest, "plain": plain, "rest": rest, "resumed": resumed}
+
+
+def test_two_gloo_ranks_with_device_prefetch_agree_and_resume():
+    results = run_distributed(_ranks_ahead, 2)
+    for r in results:
+        assert r["ahead"] == r["plain"] and r["rest"] == r["resumed"]
+    seen = [v for r in results for b in r["ahead"] for v in b]
+    assert sorted(seen) == list(range(40))  # each sample once, over the two ranks
