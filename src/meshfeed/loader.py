@@ -276,19 +276,15 @@ class DataLoader(LoaderBase):
         cache = self._index_cache
         if cache is not None and cache[0] == step.epoch and step.start in cache[1]:
             return cache[1]
+        start = time.perf_counter()  # the plan's work: once per block of steps
         block = self.plan.rank_block(step, self.data_rank, self.data_world_size, _INDEX_BLOCK_STEPS)
+        self.telemetry.add("plan", time.perf_counter() - start)
         self._index_cache = (step.epoch, block)
         return block
 
     def _tasks(self, epoch: int, position: int) -> Iterator[tuple[Step, FetchTask]]:
-        telemetry = self.telemetry
-        while True:
-            start = time.perf_counter()
-            step = self.plan.step_at(epoch, position)
-            if step is None:
-                return
+        while (step := self.plan.step_at(epoch, position)) is not None:
             positions, indices = self._block(step)[step.start]
-            telemetry.add("plan", time.perf_counter() - start)
             yield step, FetchTask(epoch, step.index, indices, positions)
             position = step.end
 

@@ -11,8 +11,8 @@ wall time since the first batch was asked for that the loop spent waiting.
 
 ``on_step`` (a loader option) is called after every batch with a :class:`StepTiming`, for
 dashboards (Prometheus, OpenTelemetry, a logger): keep it cheap, it runs on the loop's thread.
-Once at least :data:`WARN_AFTER` steps were taken, a loop that waits more than
-``warn_wait_share`` of its time gets one warning on the ``"meshfeed"`` logger naming the
+Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
+time so far gets a warning (once per loader) on the ``"meshfeed"`` logger naming the
 likely fix.
 """
 
@@ -115,10 +115,10 @@ class Telemetry:
         waits.count += 1
         waits.total += wait
         bucket = 0 if wait <= _LOW else 1 + int(math.log10(wait / _LOW) * _PER_DECADE)
-        waits.counts[min(bucket, _LAST)] += 1
+        waits.counts[bucket if bucket < _LAST else _LAST] += 1
         if self.on_step is not None:
             self.on_step(StepTiming(waits.count, wait, None if last is None else now - last))
-        if not self._warned and waits.count >= WARN_AFTER:
+        if not waits.count % WARN_AFTER and not self._warned:
             self._judge()
 
     def wait_share(self) -> float:
@@ -130,8 +130,11 @@ class Telemetry:
 
     def _judge(self) -> None:
         limit = self.warn_wait_share
+        if limit is None:
+            self._warned = True  # never: stop asking
+            return
         share = self.wait_share()
-        if limit is None or share <= limit:
+        if share <= limit:
             return
         self._warned = True
         logger.warning(
