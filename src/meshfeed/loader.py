@@ -83,6 +83,10 @@ class DataLoader(LoaderBase):
     died or stalled is a :class:`~meshfeed.errors.CollectiveError` here within about
     ``timeout``. ``math.inf`` waits without limit.
 
+    ``pin_memory`` / ``device`` deliver batches pinned / on the device, copied ahead on a
+    delivery thread (:mod:`meshfeed.delivery`); ``stats()["delivery"]`` times the loop's waits,
+    ``on_step`` sees every step. ``num_workers="auto"``: see :mod:`meshfeed.services.auto`.
+
     ``dataset`` may also be a function (or class) that builds the dataset, Twinkle's call shape:
     it is called where batches are made (here, or inside every Ray actor with
     ``service=RayService(...)``). ``device_mesh=`` is the same argument as ``mesh=`` under the
