@@ -51,17 +51,28 @@ def test_wait_share_on_step_and_one_warning_naming_the_fix(caplog):
         warn_wait_share=0.05,
     )
     with caplog.at_level(logging.WARNING, logger="meshfeed"):
-        n = sum(1 for _ in loader)
+        n = 0
+        for _ in loader:
+            time.sleep(0.0003)  # the loop's own work: a training step waiting for data
+            n += 1
     stats = loader.stats()["delivery"]
     assert stats["steps"] == n == len(seen) and all(isinstance(s, StepTiming) for s in seen)
     assert seen[0].step_s is None and all(s.step_s >= s.wait_s for s in seen[1:])
     assert [s.steps for s in seen] == list(range(1, n + 1))
-    assert stats["wait_share"] > 0.5  # the loop does nothing: it waits for every read
+    assert stats["wait_share"] > 0.5  # reading a batch takes longer than the step
     assert stats["wait_p50_s"] >= 0.002 * 0.9 and stats["wait_p99_s"] >= stats["wait_p50_s"]
     assert stats["phases"]["produce"] >= 0.002 * n * 0.9 and stats["phases"]["plan"] > 0
     assert set(stats["phases"]) == set(PHASES)
     warnings = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert len(warnings) == 1 and "more workers (num_workers)" in warnings[0]
+
+
+def test_a_loop_that_only_collects_batches_is_not_warned(caplog):
+    loader = DataLoader(Slow(WARN_AFTER * 2 + 8, 0.0005), batch_size=2, warn_wait_share=0.05)
+    with caplog.at_level(logging.WARNING, logger="meshfeed"):
+        assert len(list(loader)) == WARN_AFTER + 4
+    assert loader.stats()["delivery"]["wait_share"] > 0.5
+    assert not [r for r in caplog.records if "waited" in r.getMessage()]
 
 
 def test_a_loop_slower_than_its_data_does_not_warn(caplog):

@@ -12,7 +12,8 @@ wall time since the first batch was asked for that the loop spent waiting.
 ``on_step`` (a loader option) is called after every batch with a :class:`StepTiming`, for
 dashboards (Prometheus, OpenTelemetry, a logger): keep it cheap, it runs on the loop's thread.
 Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
-time so far gets a warning (once per loader) on the ``"meshfeed"`` logger naming the
+time so far, while doing at least :data:`MIN_LOOP_SECONDS` of its own work per step, gets a
+warning (once per loader) on the ``"meshfeed"`` logger naming the
 likely fix.
 """
 
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PHASES", "WARN_AFTER", "StepTiming", "Telemetry", "WaitHistogram"]
+__all__ = ["MIN_LOOP_SECONDS", "PHASES", "WARN_AFTER", "StepTiming", "Telemetry", "WaitHistogram"]
 
 logger = logging.getLogger("meshfeed")
 
@@ -32,6 +33,9 @@ logger = logging.getLogger("meshfeed")
 PHASES = ("plan", "produce", "pin", "device_copy")
 #: Steps before the wait share is judged (the first batches include starting the workers).
 WARN_AFTER = 50
+#: The loop's own time per step (between batches) below which it is not judged: a loop that
+#: only collects batches (``list(loader)``) is not a training loop waiting for data.
+MIN_LOOP_SECONDS = 1e-4
 _PER_DECADE = 20
 _LOW, _DECADES = 1e-7, 10  # 100 ns to 1000 s
 _LAST = _PER_DECADE * _DECADES + 1  # the last bucket: everything beyond 1000 s
@@ -134,7 +138,10 @@ class Telemetry:
             self._warned = True  # never: stop asking
             return
         share = self.wait_share()
-        if share <= limit:
+        wall = (self._last_return or 0.0) - (self._first_ask or 0.0)
+        # Only a loop that works between batches: list(loader) or a benchmark that only
+        # iterates waits for every batch by design, and is not told to add workers.
+        if share <= limit or (wall - self.waits.total) / self.waits.count < MIN_LOOP_SECONDS:
             return
         self._warned = True
         logger.warning(
