@@ -3,10 +3,16 @@
 Every test here is marked ``gpu``: skipped (with the reason) where CUDA is missing, run by the
 default test command where it is there. On one GPU the process group has one rank, and
 meshfeed skips collectives for a group of one (a rank alone needs no agreement); the
-``collectives_on_one_rank`` fixture turns that shortcut off, so every all-gather, all-reduce
-and all-to-all really runs on NCCL with tensors on ``cuda:<current>`` (the device rule of
-:func:`meshfeed.dist.device_for_backend`), and the results must equal the shortcut's. With two
-or more GPUs the same flows run on two real NCCL ranks (one GPU each).
+``collectives_on_one_rank`` fixture turns that shortcut off, so every collective really runs,
+and the results must equal the shortcut's. Which device each collective uses is the design of
+:mod:`meshfeed.dist`, and each test says it: the *control* collectives (the plan agreement,
+all-gathers of ints and objects, the min / max reductions) run on meshfeed's own gloo group
+with CPU tensors, so they never queue behind the model's NCCL kernels and their timeout is the
+loader's; the *data* collective (``all_to_all_single`` of BalancedBatches' tokens) runs on the
+caller's group, here NCCL, with tensors on ``cuda:<current>`` (the device rule of
+:func:`meshfeed.dist.device_for_backend`). With two or more GPUs the same flows run on two real
+NCCL ranks (one GPU each). Delivery (pinned batches, ``device="cuda"`` prefetch on a side
+stream) is checked against the CPU path.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ import torch.distributed as tdist
 from meshfeed import DataLoader, StreamLoader, dist
 from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.balance.routing import route_local
+from meshfeed.delivered import Delivered
+from meshfeed.delivery import to_device
+from meshfeed.queue import SampleStore, StoreLoader
 from meshfeed.services import DistributedService, InProcessService
 from meshfeed.sources import ShardedStream
 from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenWindows
-from meshfeed.testing import assert_same
+from meshfeed.testing import assert_resume_equivalence, assert_same
 from tests.balance.checks import Samples, make_sample
 
 pytestmark = pytest.mark.gpu
@@ -59,24 +68,45 @@ def nccl_group(tmp_path: Path) -> Iterator[None]:
 @pytest.fixture
 def collectives_on_one_rank(
     nccl_group: None, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[list[torch.device]]:
-    """Make a one-rank group count as distributed, and record the device of every tensor
-    meshfeed hands to an NCCL collective."""
+) -> Iterator[list[tuple[str, str, str]]]:
+    """Make a one-rank group count as distributed, and record every collective meshfeed makes
+    as ``(name, device type of its tensor, backend of its group)``."""
 
     def initialised(group: Any = None) -> bool:
         return dist.is_initialized()
 
     monkeypatch.setattr(dist, "is_distributed", initialised)
-    devices: list[torch.device] = []
+    calls: list[tuple[str, str, str]] = []
     for name, arg in (("all_reduce", 0), ("all_gather", 1), ("all_to_all_single", 1)):
         real = getattr(tdist, name)
 
-        def spy(*args: Any, _real: Callable[..., Any] = real, _arg: int = arg, **kw: Any) -> Any:
-            devices.append(args[_arg].device)
+        def spy(
+            *args: Any,
+            _real: Callable[..., Any] = real,
+            _arg: int = arg,
+            _name: str = name,
+            **kw: Any,
+        ) -> Any:
+            backend = str(tdist.get_backend(kw.get("group")))
+            calls.append((_name, args[_arg].device.type, backend))
             return _real(*args, **kw)
 
         monkeypatch.setattr(tdist, name, spy)
-    yield devices
+    yield calls
+
+
+def _control_on_gloo_cpu(calls: list[tuple[str, str, str]], at_least: int) -> None:
+    """The control collectives ran on meshfeed's own gloo group, with CPU tensors."""
+    control = [c for c in calls if c[0] != "all_to_all_single"]
+    assert len(control) >= at_least, f"only {len(control)} control collectives ran: {calls}"
+    assert {(d, b) for _, d, b in control} == {("cpu", "gloo")}, control
+
+
+def _data_on_nccl_cuda(calls: list[tuple[str, str, str]], at_least: int) -> None:
+    """The data collective ran on the caller's NCCL group, with CUDA tensors."""
+    data = [c for c in calls if c[0] == "all_to_all_single"]
+    assert len(data) >= at_least, f"only {len(data)} all_to_all_single ran: {calls}"
+    assert {(d, b) for _, d, b in data} == {("cuda", "nccl")}, data
 
 
 def _on_cuda(devices: list[torch.device], at_least: int) -> None:
@@ -125,7 +155,9 @@ def test_balanced_batches_resume_on_nccl(collectives_on_one_rank):
         it.load_state_dict(state)
         tail = list(it)
     assert_same(head + tail, items)
-    _on_cuda(collectives_on_one_rank, 6)
+    # Tokens move over NCCL on the GPU; the per-batch headers are gathered on gloo (CPU).
+    _data_on_nccl_cuda(collectives_on_one_rank, 3)
+    _control_on_gloo_cpu(collectives_on_one_rank, 3)
 
 
 def _stream(shards: int = 3, rows: int = 10) -> ShardedStream:
@@ -142,7 +174,7 @@ def test_a_stream_agrees_on_nccl_and_reads_what_it_reads_alone(collectives_on_on
     service = DistributedService(InProcessService(), agreement=agreement)
     on_nccl = [b.tolist() for b in StreamLoader(_stream(), batch_size=4, seed=1, service=service)]
     assert on_nccl == alone and len(alone) >= 5
-    _on_cuda(collectives_on_one_rank, 1)
+    _control_on_gloo_cpu(collectives_on_one_rank, 1)  # the plan agreement: a control collective
 
 
 def test_distributed_service_agreement_runs_on_nccl(collectives_on_one_rank):
@@ -153,7 +185,8 @@ def test_distributed_service_agreement_runs_on_nccl(collectives_on_one_rank):
     got = [b.tolist() for b in loader]
     want = [b.tolist() for b in DataLoader(data, batch_size=4, seed=7)]
     assert got == want
-    _on_cuda(collectives_on_one_rank, 1)
+    _control_on_gloo_cpu(collectives_on_one_rank, 1)  # the agreement runs on meshfeed's group
+    # The default (NCCL) group's device is where data collectives put their tensors.
     assert dist.group_device() == torch.device("cuda", torch.cuda.current_device())
 
 
@@ -161,7 +194,7 @@ def test_check_agreement_and_all_gather_objects_round_trip_on_nccl(collectives_o
     dist.check_agreement({"a": 1, "b": 2**62})
     assert dist.all_gather_objects({"x": [1, "two"]}) == [{"x": [1, "two"]}]
     assert dist.all_min([5, -3]) == [5, -3] and dist.all_max([2**62]) == [2**62]
-    _on_cuda(collectives_on_one_rank, 4)
+    _control_on_gloo_cpu(collectives_on_one_rank, 4)  # all four are control collectives
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
@@ -193,6 +226,96 @@ def test_pinned_token_windows_fetch_batch_is_pinned_and_equal(tmp_path, dtype):
     on_gpu = pinned.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_gpu.cpu(), plain)
+
+
+class _Dicts:
+    """Nested batches: a dict of a tensor, a tuple and a list (the shapes delivery walks)."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self.n, self.width = n, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = torch.full((self.width,), i, dtype=torch.int64)
+        return {"tokens": row, "pair": (row + 1, [row.float()])}
+
+
+def _cpu(batch: Any) -> Any:
+    return to_device(batch, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_device_prefetch_delivers_the_cpu_batches_on_the_current_cuda_device(num_workers):
+    data = _Dicts(48, 64 * 1024)  # 512 KiB of int64 per sample and key: 2 MiB batches
+    kwargs = {"batch_size": 4, "seed": 3, "num_workers": num_workers}
+    plain = list(DataLoader(data, **kwargs))
+    loader = DataLoader(data, device="cuda", pin_memory=True, device_prefetch=3, **kwargs)
+    side = torch.cuda.Stream()
+    got = []
+    with torch.cuda.stream(side):  # the loop runs on a stream of its own: delivery waits on it
+        for batch in loader:
+            assert batch["tokens"].device == torch.device("cuda", torch.cuda.current_device())
+            # Used at once on the loop's stream: a read before the copy finished would differ.
+            got.append({"tokens": batch["tokens"] * 1, "pair": batch["pair"]})
+    torch.cuda.synchronize()
+    assert_same([_cpu(b) for b in got], plain)
+    phases = loader.stats()["delivery"]["phases"]
+    assert phases["pin"] > 0 and phases["device_copy"] > 0
+
+
+def test_device_prefetch_resume_is_exact_on_cuda():
+    def factory() -> DataLoader:
+        return DataLoader(
+            _Dicts(30, 16), batch_size=4, seed=5, device="cuda", pin_memory=True, drop_last=False
+        )
+
+    out = assert_resume_equivalence(factory, num_items=10, every=2)
+    assert all(b["tokens"].is_cuda for b in out)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_pinned_delivery_costs_the_loop_little_per_512_kib_batch(num_workers):
+    # The loop's wait per batch when the data is ready: the delivery thread pins ahead, the
+    # loop only takes the batch (#27: 4.7 ms per batch when pinning ran on the loop's thread).
+    data = np.zeros((4096, 16 * 1024 // 8), dtype=np.int64)  # 16 KiB samples, 512 KiB batches
+    loader = DataLoader(data, batch_size=32, pin_memory=True, num_workers=num_workers)
+    for batch in loader:
+        assert batch.is_pinned()
+        time.sleep(0.004)  # the step: longer than making a batch
+    stats = loader.stats()["delivery"]
+    assert stats["wait_p50_s"] < 3e-4, stats
+
+
+def test_store_loader_delivers_pinned_and_on_cuda():
+    store = SampleStore()
+    store.put("p", {"x": [torch.full((1024,), i) for i in range(8)]})
+    store.close("p")
+    with StoreLoader(
+        store, task="t", fields=["x"], partition="p", batch_size=4, mesh={"dp": 1}, rank=0,
+        pin_memory=True, device="cuda",
+    ) as loader:  # fmt: skip
+        batches = [b["x"] for b in loader]
+    assert all(b.is_cuda for b in batches)  # the store's Batch (a dataclass) is walked too
+    assert [b.cpu()[:, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_balanced_batches_delivered_pinned_and_on_cuda_equal_the_cpu_path():
+    with _make_balanced() as plain:
+        want = list(plain)
+    inner = _make_balanced()
+    with Delivered(inner, pin_memory=True, device="cuda") as it:
+        got = list(it)
+    inner.close()
+    assert got and all(i["tokens"].is_cuda for i in got)
+    assert_same([_cpu(i) for i in got], want)
+
+
+def _make_balanced() -> BalancedBatches:
+    return BalancedBatches(
+        Samples(0, seed=4, batches=3, max_len=250, docs=8), max_tokens=256, cost=S2
+    )
 
 
 def test_dcp_saves_and_loads_a_loader_under_an_nccl_group(nccl_group, tmp_path):

@@ -10,14 +10,15 @@ True
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from meshfeed.dist import fail_together, is_distributed
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
-from meshfeed.loader_base import LoaderBase, pin
+from meshfeed.loader_base import LoaderBase
 from meshfeed.loader_state import (
     COUNTS,
     LOADER_STATE_VERSION,
@@ -29,10 +30,12 @@ from meshfeed.options import LoaderOptions, check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
+from meshfeed.services.auto import AutoService
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
 from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash
+from meshfeed.telemetry import StepTiming
 
 __all__ = ["LOADER_STATE_VERSION", "DataLoader"]
 
@@ -80,6 +83,10 @@ class DataLoader(LoaderBase):
     died or stalled is a :class:`~meshfeed.errors.CollectiveError` here within about
     ``timeout``. ``math.inf`` waits without limit.
 
+    ``pin_memory`` / ``device`` deliver batches pinned / on the device, copied ahead on a
+    delivery thread (:mod:`meshfeed.delivery`); ``stats()["delivery"]`` times the loop's waits,
+    ``on_step`` sees every step. ``num_workers="auto"``: see :mod:`meshfeed.services.auto`.
+
     ``dataset`` may also be a function (or class) that builds the dataset, Twinkle's call shape:
     it is called where batches are made (here, or inside every Ray actor with
     ``service=RayService(...)``). ``device_mesh=`` is the same argument as ``mesh=`` under the
@@ -101,7 +108,7 @@ class DataLoader(LoaderBase):
         seed: int = 0,
         drop_last: bool = True,
         pad_last: bool = True,
-        num_workers: int = 0,
+        num_workers: int | Literal["auto"] = 0,
         prefetch: int = 2,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
@@ -111,6 +118,10 @@ class DataLoader(LoaderBase):
         curriculum: Any = None,
         service: Service | GlobalService | None = None,
         multiprocessing_context: str | None = None,
+        device: Any = None,
+        device_prefetch: int = 2,
+        on_step: Callable[[StepTiming], Any] | None = None,
+        warn_wait_share: float | None = 0.25,
     ) -> None:
         check_not_a_path(dataset)
         options = LoaderOptions(
@@ -127,6 +138,10 @@ class DataLoader(LoaderBase):
             on_error=on_error,
             max_retries=max_retries,
             multiprocessing_context=multiprocessing_context,
+            device=device,
+            device_prefetch=device_prefetch,
+            on_step=on_step,
+            warn_wait_share=warn_wait_share,
         )
         options.check_service(service)
         super().__init__(
@@ -216,16 +231,20 @@ class DataLoader(LoaderBase):
             )
 
     def _default_service(self, start_method: str | None) -> Service:
-        inner: Service = (
-            WorkerService(
+        inner: Service
+        if self.num_workers == "auto":
+            inner = AutoService(
+                prefetch=self.prefetch, timeout=self.wait_timeout, start_method=start_method
+            )
+        elif self.num_workers > 0:
+            inner = WorkerService(
                 self.num_workers,
                 prefetch=self.prefetch,
                 timeout=self.wait_timeout,
                 start_method=start_method,
             )
-            if self.num_workers > 0
-            else InProcessService()
-        )
+        else:
+            inner = InProcessService()
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -261,7 +280,9 @@ class DataLoader(LoaderBase):
         cache = self._index_cache
         if cache is not None and cache[0] == step.epoch and step.start in cache[1]:
             return cache[1]
+        start = time.perf_counter()  # the plan's work: once per block of steps
         block = self.plan.rank_block(step, self.data_rank, self.data_world_size, _INDEX_BLOCK_STEPS)
+        self.telemetry.add("plan", time.perf_counter() - start)
         self._index_cache = (step.epoch, block)
         return block
 
@@ -305,9 +326,19 @@ class DataLoader(LoaderBase):
                 timeout=self.wait_timeout,
                 where=lambda: f"step {steps[0].index} of epoch {epoch}",
             )
+        delivered = self.delivery.stage(results)  # pinned / on the device, timed
+        try:
+            return (yield from self._returned(epoch, steps, delivered))
+        finally:
+            delivered.close()
+
+    def _returned(
+        self, epoch: int, steps: list[Step], delivered: Iterator[tuple[Any, Any]]
+    ) -> Generator[Any, None, bool]:
+        """Count each delivered batch as returned (position, stats, order hooks), yield it."""
         stale_from: int | None = None
         replanned, returned = self.hooks.replanned, self.hooks.returned
-        for batch, events in results:
+        for batch, events in delivered:
             step = steps.pop(0)
             if replanned is not None:
                 changed = replanned(epoch)
@@ -321,8 +352,6 @@ class DataLoader(LoaderBase):
             self._position = step.end
             if returned is not None:
                 returned(epoch, step.end)
-            if self.pin_memory:
-                batch = pin(batch)
             yield batch
         return False
 
@@ -364,10 +393,12 @@ class DataLoader(LoaderBase):
         """Counts of retries, substitutions, skips and padded samples, and the first failures.
 
         ``failures`` lists the first :data:`~meshfeed.fetch.MAX_REPORTED_FAILURES` bad
-        samples as dicts (index, position, attempt, error, message).
+        samples as dicts (index, position, attempt, error, message); ``delivery`` the loop's
+        waits and where batch time went (:meth:`delivery_stats`).
         """
         out = {k: (list(v) if isinstance(v, list) else v) for k, v in self._stats.items()}
         out["epoch"], out["position"] = self._epoch, self._position
+        out["delivery"] = self.delivery_stats()
         described = self.hooks.describe(self._epoch, self._position)
         if described is not None:
             out["order"] = dict(described)

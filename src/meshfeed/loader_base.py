@@ -5,7 +5,8 @@
 RL sample store; its stream is one epoch, see its ``epochs``). It owns the argument checks (one
 function, :func:`meshfeed.options.check_loader_arguments`), turning the mesh into plain
 integers, the epoch API (``epoch``, ``set_epoch``, ``epochs``), the rate-limited warnings for
-bad samples and padding, pinning, and the lifecycle (``shutdown``, context manager).
+bad samples and padding, delivery (pinning, ``device`` prefetch and the stall telemetry of
+:mod:`meshfeed.delivery`), and the lifecycle (``shutdown``, context manager).
 
 Resuming is written as ``for epoch in loader.epochs(num_epochs): for batch in loader: ...``:
 after ``load_state_dict`` the loop starts at the checkpoint's epoch and position. Going back
@@ -19,9 +20,11 @@ import pickle
 from collections.abc import Iterator
 from typing import Any
 
+from meshfeed.delivery import Delivery, check_device
 from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import place
 from meshfeed.options import LoaderOptions
+from meshfeed.telemetry import Telemetry
 
 __all__ = ["MAX_EPOCH", "WARN_EVERY", "LoaderBase"]
 
@@ -73,6 +76,44 @@ class LoaderBase(Lifecycle):
         self._resumed = False
         self._bad_in_run = 0  # substitutions + skips seen by this object (not restored)
         self._warned_padding = False
+        #: The loop's waits and where batch time went (``stats()["delivery"]``).
+        self.telemetry = Telemetry(
+            type(self).__name__,
+            warn_wait_share=options.warn_wait_share,
+            on_step=options.on_step,
+        )
+        #: Pinning and device copies ahead of the loop (see :mod:`meshfeed.delivery`).
+        self.delivery = Delivery(
+            pin_memory=options.pin_memory,
+            device=check_device(options.device),
+            depth=options.device_prefetch,
+            timeout=self.wait_timeout,
+            telemetry=self.telemetry,
+        )
+
+    def delivery_stats(self, *, across_ranks: bool = False) -> dict[str, Any]:
+        """The loop's waits per step (mean, p50, p99, total, share of wall time) and the
+        seconds of each phase (:mod:`meshfeed.telemetry`); ``stats()["delivery"]`` is this.
+
+        ``across_ranks=True`` (every rank of the process group must call it, e.g. at a log
+        step) adds ``slowest``: the rank that waited the largest share, its share and p99 (one
+        all-gather on meshfeed's own group; never made unless asked).
+        """
+        out = self.telemetry.report()
+        if across_ranks:
+            from meshfeed.dist import all_gather_objects
+
+            mine = (out["wait_share"], out["wait_p99_s"], out["wait_mean_s"])
+            rows = all_gather_objects(mine, timeout=self.wait_timeout)
+            rank = max(range(len(rows)), key=lambda r: rows[r][0])
+            share, p99, mean = rows[rank]
+            out["slowest"] = {
+                "rank": rank,
+                "wait_share": share,
+                "wait_p99_s": p99,
+                "wait_mean_s": mean,
+            }
+        return out
 
     # ------------------------------------------------------------------ epochs
     @property
@@ -184,18 +225,3 @@ def _check_importable(name: str, fn: Any, method: str) -> None:
             f"workers need importable functions: define {name} at the top level of a module "
             "(not a lambda or a local function), or use multiprocessing_context='fork'"
         ) from None
-
-
-def pin(batch: Any) -> Any:
-    """``batch`` with its tensors in pinned memory (unchanged without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(pin(v) for v in batch)
-    return batch

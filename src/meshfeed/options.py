@@ -20,6 +20,7 @@ __all__ = [
     "LoaderOptions",
     "OnError",
     "MAX_TIMEOUT",
+    "check_delivery",
     "check_loader_arguments",
     "check_not_a_path",
     "resolve_timeout",
@@ -89,8 +90,16 @@ def check_loader_arguments(
         )
     for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
         _flag(name, flag)
-    _int("num_workers", num_workers, 0, "an int >= 0")
-    if num_workers > MAX_WORKERS:  # type: ignore[operator]
+    if num_workers == "auto":
+        pass  # chosen when the first batches were timed (meshfeed.services.auto)
+    elif isinstance(num_workers, str):
+        raise ValueError(
+            f"num_workers must be an int >= 0 or 'auto' (got {num_workers=!r}); 'auto' picks "
+            "it from the cost of a batch and the cores this process may use"
+        )
+    else:
+        _int("num_workers", num_workers, 0, "an int >= 0 or 'auto'")
+    if isinstance(num_workers, int) and num_workers > MAX_WORKERS:
         raise ValueError(
             f"num_workers={num_workers} is more worker processes than meshfeed starts per rank "
             f"(MAX_WORKERS = {MAX_WORKERS}: each is a process with its pipes, so the process "
@@ -118,6 +127,29 @@ def check_loader_arguments(
         )
 
 
+def check_delivery(
+    device: object, device_prefetch: object, on_step: object, warn_wait_share: object
+) -> None:
+    """Refuse a bad ``device``, ``device_prefetch``, ``on_step`` or ``warn_wait_share``."""
+    from meshfeed.delivery import check_device
+
+    check_device(device)
+    _int("device_prefetch", device_prefetch, 1, "an int >= 1")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be a function of a StepTiming or None (got {on_step=!r})")
+    if warn_wait_share is None:
+        return
+    if isinstance(warn_wait_share, bool) or not isinstance(warn_wait_share, (int, float)):
+        raise TypeError(
+            f"warn_wait_share must be a share in (0, 1] or None (got {warn_wait_share=!r})"
+        )
+    if not 0 < warn_wait_share <= 1:
+        raise ValueError(
+            f"warn_wait_share must be a share in (0, 1] (got {warn_wait_share=!r}); use None to "
+            "never warn"
+        )
+
+
 def check_not_a_path(dataset: object) -> None:
     """Refuse a path given where a dataset object is expected (a str would be its characters)."""
     if isinstance(dataset, (str, bytes, os.PathLike)):
@@ -142,7 +174,8 @@ class LoaderOptions:
     seed: int = 0
     drop_last: bool = True
     pad_last: bool = True
-    num_workers: int = 0
+    #: Worker processes, or ``"auto"`` (see :mod:`meshfeed.services.auto`).
+    num_workers: int | Literal["auto"] = 0
     prefetch: int = 2
     #: A function of the batch's items (map-style and streams: a list of samples; the store:
     #: the :class:`~meshfeed.queue.Batch` it assembled).
@@ -152,6 +185,15 @@ class LoaderOptions:
     on_error: OnError | None = None
     max_retries: int = 0
     multiprocessing_context: str | None = None
+    #: Where batches are delivered (see :mod:`meshfeed.delivery`): None keeps them where the
+    #: loader makes them; ``"cuda"`` copies them ahead on a side stream.
+    device: Any = None
+    #: Batches the delivery thread may hold ready (pinned / on ``device``) ahead of the loop.
+    device_prefetch: int = 2
+    #: Called after every batch with a :class:`meshfeed.telemetry.StepTiming` (dashboards).
+    on_step: Callable[[Any], Any] | None = None
+    #: Warn once when the loop waits more than this share of its time (None: never).
+    warn_wait_share: float | None = 0.25
 
     def __post_init__(self) -> None:
         check_loader_arguments(
@@ -176,6 +218,7 @@ class LoaderOptions:
             )
         if self.on_error is None:
             object.__setattr__(self, "on_error", "substitute")
+        check_delivery(self.device, self.device_prefetch, self.on_step, self.warn_wait_share)
 
     @property
     def wait_timeout(self) -> float:

@@ -95,7 +95,8 @@ def test_module_callable_tokenizer_from_the_current_folder(
 
 
 def test_bad_tokenizer_specs_are_explained() -> None:
-    with pytest.raises(ValueError, match="is not 'bytes', a tokenizer.json"):
+    # The message differs with tiktoken installed (it was asked, and has no such encoding).
+    with pytest.raises(ValueError, match="tokenizer 'nocolon' is not 'bytes', a "):
         load_tokenizer("nocolon")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer("missing/tokenizer.json")

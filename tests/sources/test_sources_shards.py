@@ -14,8 +14,9 @@ import torch
 from meshfeed.errors import SourceError
 from meshfeed.sources import ShardFormatReader, read_index, write_shards
 from meshfeed.sources.shards_format import PREAMBLE, file_hash
+from tests.optional import NEEDS_ZSTD, ZSTD
 
-COMPRESSIONS = [None, "zstd"]
+COMPRESSIONS = [None, ZSTD]
 
 
 def mixed_samples(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -156,6 +157,7 @@ def test_same_input_writes_the_same_bytes(tmp_path: Path, compression: str | Non
         assert (a.parent / name).read_bytes() == (b.parent / name).read_bytes()
 
 
+@NEEDS_ZSTD
 @pytest.mark.slow
 def test_num_workers_do_not_change_the_bytes(tmp_path: Path) -> None:
     samples = mixed_samples(90)
@@ -226,6 +228,7 @@ def test_existing_output_is_refused_unless_overwriting_a_dataset(tmp_path: Path)
         write_shards(range(5), tmp_path / "other", rows_per_shard=4, overwrite=True)
 
 
+@NEEDS_ZSTD
 @pytest.mark.parametrize("compression", COMPRESSIONS)
 def test_compressed_and_uncompressed_hold_the_same_samples(
     tmp_path: Path, compression: str | None
@@ -248,6 +251,7 @@ def test_compressed_and_uncompressed_hold_the_same_samples(
     assert size["b"] < 0.75 * size["a"]
 
 
+@NEEDS_ZSTD
 def test_reader_pickles_without_its_maps_and_reopens(tmp_path: Path) -> None:
     index = write_shards(mixed_samples(30), tmp_path / "ds", rows_per_shard=10, compression="zstd")
     reader = ShardFormatReader.from_index(index)
@@ -260,6 +264,7 @@ def test_reader_pickles_without_its_maps_and_reopens(tmp_path: Path) -> None:
         assert_same(a, b)
 
 
+@NEEDS_ZSTD
 def test_decoded_blocks_stay_within_cache_bytes(tmp_path: Path) -> None:
     samples = [np.full(1024, i, np.int64) for i in range(64)]  # 8 KiB rows
     index = write_shards(
@@ -310,6 +315,7 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(raw))
 
 
+@NEEDS_ZSTD
 def test_a_damaged_compressed_block_is_refused_by_name(tmp_path: Path) -> None:
     index, shard = dataset(tmp_path, "zstd")
     entry = read_index(index).shards[1]
@@ -372,7 +378,9 @@ def test_a_bad_index_is_refused_by_name(tmp_path: Path) -> None:
 # --- meshfeed convert --to shards ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("compression", [[], ["--compression", "zstd"]])
+@pytest.mark.parametrize(
+    "compression", [[], pytest.param(["--compression", "zstd"], marks=NEEDS_ZSTD)]
+)
 def test_convert_jsonl_to_shards(
     tmp_path: Path, compression: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -396,6 +404,7 @@ def test_convert_jsonl_to_shards(
     assert not (tmp_path / "o2").exists()
 
 
+@NEEDS_ZSTD
 def test_zstd_levels_read_the_same_and_bad_ones_are_refused(tmp_path: Path) -> None:
     samples = [f"line {n} " * 50 for n in range(100)]
     fast = write_shards(samples, tmp_path / "fast", rows_per_shard=100, compression="zstd")
@@ -411,6 +420,7 @@ def test_zstd_levels_read_the_same_and_bad_ones_are_refused(tmp_path: Path) -> N
             write_shards(samples, tmp_path / "bad", compression=bad)
 
 
+@NEEDS_ZSTD
 @pytest.mark.parametrize("threads", [1, 2, 8])
 def test_decode_threads_give_the_same_rows(tmp_path: Path, threads: int) -> None:
     samples = mixed_samples(80, seed=3)
@@ -431,6 +441,7 @@ def _take_in_worker(args: tuple[ShardFormatReader, str, list[int]]) -> list[int]
     return [int(s["y"]) for s in reader.take(shard, np.asarray(rows))]
 
 
+@NEEDS_ZSTD
 @pytest.mark.slow
 def test_a_pickled_reader_reads_in_another_process(tmp_path: Path) -> None:
     import multiprocessing as mp

@@ -12,6 +12,7 @@ from meshfeed import StreamLoader
 from meshfeed.errors import SourceError
 from meshfeed.sources import Mixture, ShardedStream, write_shards
 from meshfeed.testing import assert_resume_equivalence, take
+from tests.optional import ZSTD
 
 
 def _samples(n: int, offset: int = 0) -> list[dict]:
@@ -26,7 +27,7 @@ def _ids(rows: list[dict]) -> list[int]:
     return [int(r["id"]) for r in rows]
 
 
-@pytest.fixture(params=[None, "zstd"], ids=["raw", "zstd"])
+@pytest.fixture(params=[pytest.param(None, id="raw"), ZSTD])
 def dataset(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     return write_shards(
         _samples(203), tmp_path / "ds", rows_per_shard=37, compression=request.param

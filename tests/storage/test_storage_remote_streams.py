@@ -13,6 +13,7 @@ from meshfeed import StreamLoader
 from meshfeed.sources import ShardedStream
 from meshfeed.testing import take
 from tests.dist_utils import run_distributed
+from tests.optional import NEEDS_ZSTD
 from tests.storage.conftest import S3
 
 ROWS = [30, 7, 52, 11, 20]
@@ -118,6 +119,7 @@ def test_cache_options_for_local_shards_are_refused(tmp_path: Path) -> None:
         ShardedStream([str(p)], cache_dir=str(tmp_path))
 
 
+@NEEDS_ZSTD
 def test_a_shard_dataset_streams_from_s3_through_its_index(s3: S3, tmp_path: Path) -> None:
     import numpy as np
 

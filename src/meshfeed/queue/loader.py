@@ -161,6 +161,9 @@ class StoreLoader(LoaderBase):
         collate_retries: int = 2,
         timeout: float = 300.0,
         on_error: OnError | None = None,
+        pin_memory: bool = False,
+        device: Any = None,
+        on_step: Callable[[Any], Any] | None = None,
     ) -> None:
         _check_store(store)
         options = LoaderOptions(
@@ -171,6 +174,9 @@ class StoreLoader(LoaderBase):
             collate_fn=collate_fn,
             timeout=timeout,
             on_error="raise" if on_error is None else on_error,
+            pin_memory=pin_memory,
+            device=device,
+            on_step=on_step,
         )
         check_loader_arguments(
             task=task, fields=fields, partition=partition, collate_retries=collate_retries
@@ -240,7 +246,7 @@ class StoreLoader(LoaderBase):
             )
         start = time.perf_counter()
         try:
-            return self._next_item()
+            return self.delivery.one(self._next_item)  # pinned / on device, timed (#27)
         except TimeoutError:
             self._counts["timeouts"] += 1
             raise
@@ -355,8 +361,9 @@ class StoreLoader(LoaderBase):
         of them as rows ``[index, ids, error, message]``), ``next_seconds`` (time spent in
         ``next()``: waiting for the store, and ``collate_fn`` when it runs here), ``in_flight``
         (batches requested, not yet returned), ``ended``, ``epoch`` (always 0: see
-        :meth:`epochs`), and ``store``: the task's ``consumed`` count, ``redelivered`` and
-        ``waiting_consumers`` of the store, and this partition's ``samples`` held and
+        :meth:`epochs`), ``delivery`` (the loop's waits: :meth:`delivery_stats`), and
+        ``store``: the task's ``consumed`` count, ``redelivered`` and ``waiting_consumers`` of
+        the store, and this partition's ``samples`` held and
         ``closed``. Counts are not part of ``state_dict()``."""
         out: dict[str, Any] = dict(self._counts)
         out["skipped"], out["skipped_samples"] = self._skips.skipped, self._skips.samples
@@ -364,7 +371,7 @@ class StoreLoader(LoaderBase):
         out["next_seconds"] = self._next_seconds
         out["in_flight"] = len(self._flight.ahead)
         out["ended"] = self._flight.ended and not self._flight.ahead
-        out["epoch"] = 0
+        out["epoch"], out["delivery"] = 0, self.delivery_stats()
         store = self.store.stats()
         part = store["partitions"].get(self.partition, {})
         out["store"] = {

@@ -1,11 +1,13 @@
 """Where a pipeline runs: in-process, worker processes, distributed (and Ray)."""
 
+from meshfeed.services.auto import AutoService
 from meshfeed.services.base import InProcessService, Service
 from meshfeed.services.distributed import DistributedService, check_agreement
 from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
 from meshfeed.services.workers import WorkerError, WorkerService
 
 __all__ = [
+    "AutoService",
     "DistributedService",
     "InProcessService",
     "LoaderActorError",

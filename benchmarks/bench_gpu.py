@@ -1,0 +1,352 @@
+"""Feeding a GPU: meshfeed.DataLoader against torch's DataLoader (and Grain where installed)
+over a grid of workers x per-sample CPU cost x batch size x pinning, and a GPU training loop.
+
+    PYTHONPATH=src:. python benchmarks/bench_gpu.py            # the full grid (GPU machine)
+    PYTHONPATH=src:. python benchmarks/bench_gpu.py --quick    # a tiny CPU subset (< 30 s)
+
+Needs only torch and numpy (Grain is measured where it is installed). What is measured, every
+number in one run:
+
+1. The grid: a map-style dataset whose ``__getitem__`` spends ``cost`` microseconds of CPU
+   (a busy loop holding the GIL, like Python-side tokenising) and returns 2,048 int64 tokens
+   (16 KiB); batches of 128 KiB, 512 KiB and 4 MiB (8, 32 and 256 samples). Each cell is
+   ``for batch in loader`` after a warm-up, for about ``--seconds``: batches/s, and the share
+   of the CPU limit, ``workers x 10**6 / cost / samples per batch`` (one core for 0 workers):
+   what the workers could deliver if they only ran the dataset. torch runs with its
+   recommended settings (``persistent_workers=True``, its own pin-memory thread); Grain with
+   ``mp_prefetch`` (it has no pinning: unpinned cells only). The time to the first batch of a
+   fresh loader (workers starting) is a column of its own. Pinned cells need CUDA.
+2. The GPU loop (CUDA only): a fixed amount of GPU work per step (matmuls, calibrated so the
+   GPU alone consumes 1 / 1.5 of what the workers can make), the batch copied to the GPU,
+   synchronised every step. Reported: steps/s as a share of the GPU-alone rate, and the share
+   of wall time the loop waited for data. meshfeed runs with ``pin_memory=True,
+   device="cuda"`` (copies on a side stream ahead of the loop); torch with
+   ``pin_memory=True`` and ``batch.to("cuda", non_blocking=True)`` in the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+
+from meshfeed import DataLoader
+
+TOKENS = 2048  # int64 tokens per sample: 16 KiB
+BATCH_BYTES = {"128 KiB": 8, "512 KiB": 32, "4 MiB": 256}  # samples per batch
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Busy:
+    """``n`` samples of TOKENS int64 tokens, each costing ``cost_us`` of CPU to make."""
+
+    def __init__(self, n: int, cost_us: float) -> None:
+        self.n, self.cost = n, cost_us * 1e-6
+        self.base = np.arange(TOKENS, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        end = time.perf_counter() + self.cost
+        while time.perf_counter() < end:
+            pass
+        return torch.from_numpy(self.base + i)
+
+
+def cores() -> int:
+    """The cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def meshfeed_loader(ds: Busy, batch: int, workers: int | str, pin: bool, **kw: Any) -> Any:
+    # No stall warning: a benchmark loop that does nothing waits for every batch by design.
+    return DataLoader(
+        ds, batch_size=batch, num_workers=workers, pin_memory=pin, seed=0, warn_wait_share=None,
+        **kw,
+    )  # fmt: skip
+
+
+def torch_loader(ds: Busy, batch: int, workers: int, pin: bool) -> Any:
+    return TorchDataLoader(
+        ds,
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=workers > 0,
+        drop_last=True,
+    )
+
+
+def grain_loader(ds: Busy, batch: int, workers: int) -> Any:
+    import grain
+
+    class Numpy:
+        def __len__(self) -> int:
+            return len(ds)
+
+        def __getitem__(self, i: int) -> Any:
+            return ds[i].numpy()
+
+    dataset = grain.MapDataset.source(Numpy()).shuffle(seed=0).repeat().batch(batch)
+    if not workers:
+        return dataset.to_iter_dataset()
+    return dataset.to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+
+
+def forever(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def measure(
+    makers: dict[str, Callable[[], Any]], seconds: float, warmup: int, repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Per loader, one at a time (a loader's background threads or processes must not run
+    while another is timed): time to its first batch, then the median batches/s of
+    ``for batch in loader`` over ``repeats`` windows of ``seconds / repeats``."""
+    out = {}
+    for name, make in makers.items():
+        start = time.perf_counter()
+        loader = make()
+        it = forever(loader)
+        next(it)
+        first = time.perf_counter() - start
+        for _ in range(warmup):
+            next(it)
+        rates = []
+        for _ in range(repeats):
+            n, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < seconds / repeats or n < 3:
+                next(it)
+                n += 1
+            rates.append(n / elapsed)
+        chosen = getattr(getattr(loader, "service", None), "chosen", None)  # num_workers="auto"
+        it.close()
+        shutdown = getattr(loader, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del loader, it
+        out[name] = {"first_s": first, "rate": statistics.median(rates), "chosen": chosen}
+    return out
+
+
+def grid(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    notes: list[str] = []
+    pins = [False, True] if torch.cuda.is_available() else [False]
+    if not torch.cuda.is_available():
+        notes.append("pin_memory=True cells skipped: this machine has no CUDA (pinning needs it)")
+    try:
+        import grain  # noqa: F401
+
+        has_grain = True
+    except ImportError as exc:
+        has_grain = False
+        notes.append(f"Grain not measured: not installed ({exc})")
+    rows = []
+    for workers in cfg.workers:
+        for cost in cfg.costs:
+            for label in cfg.batches:
+                samples = BATCH_BYTES[label]
+                limit = max(workers, 1) * 1e6 / cost / samples
+                ds = Busy(max(4096, samples * 64), cost)
+                warmup = 2 if samples * cost > 50_000 else 5
+                for pin in pins:
+                    makers: dict[str, Callable[[], Any]] = {
+                        "meshfeed": partial(meshfeed_loader, ds, samples, workers, pin),
+                        "torch": partial(torch_loader, ds, samples, workers, pin),
+                    }
+                    # Grain's worker start takes ~14 s on 2 loaded cores: in --quick, 0 workers.
+                    if has_grain and not pin and not (cfg.quick and workers):
+                        makers["grain"] = partial(grain_loader, ds, samples, workers)
+                    got = measure(makers, cfg.seconds, warmup, cfg.repeats)
+                    for name, m in got.items():
+                        rows.append(
+                            {
+                                "loader": name, "workers": workers, "cost_us": cost,
+                                "batch": label, "pin": pin, "rate": m["rate"],
+                                "limit_share": m["rate"] / limit, "first_s": m["first_s"],
+                                "vs_torch": m["rate"] / got["torch"]["rate"],
+                            }
+                        )  # fmt: skip
+                    print(
+                        f"  workers={workers} cost={cost}us batch={label} pin={pin}: "
+                        + ", ".join(f"{k} {v['rate']:,.0f}/s" for k, v in got.items()),
+                        file=sys.stderr,
+                    )
+    rows += auto_cells(cfg, rows, pins)
+    return rows, notes
+
+
+def auto_cells(
+    cfg: argparse.Namespace, rows: list[dict[str, Any]], pins: list[bool]
+) -> list[dict[str, Any]]:
+    """meshfeed with ``num_workers="auto"`` per (cost, batch, pin), against the best
+    hand-picked worker count of the grid (meshfeed's and torch's)."""
+    out = []
+    for cost in cfg.costs:
+        for label in cfg.batches:
+            samples = BATCH_BYTES[label]
+            ds = Busy(max(4096, samples * 64), cost)
+            warmup = 2 if samples * cost > 50_000 else 5
+            for pin in pins:
+                make = partial(meshfeed_loader, ds, samples, "auto", pin)
+                m = measure({"auto": make}, cfg.seconds, warmup, cfg.repeats)["auto"]
+                same = [
+                    r for r in rows if (r["cost_us"], r["batch"], r["pin"]) == (cost, label, pin)
+                ]
+                best = max(r["rate"] for r in same)
+                torch_best = max(r["rate"] for r in same if r["loader"] == "torch")
+                out.append(
+                    {
+                        "loader": f"meshfeed auto ({m['chosen']})", "workers": "auto",
+                        "cost_us": cost, "batch": label, "pin": pin, "rate": m["rate"],
+                        "limit_share": float("nan"), "first_s": m["first_s"],
+                        "vs_torch": m["rate"] / torch_best, "vs_best": m["rate"] / best,
+                    }
+                )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- the GPU loop
+def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    if not torch.cuda.is_available():
+        return [], ["GPU training-loop rows skipped: no CUDA on this machine (run on a GPU)"]
+    device = torch.device("cuda", torch.cuda.current_device())
+    workers = max(2, cores() - 2)
+    cost, samples = 200, BATCH_BYTES["512 KiB"]
+    capacity = workers * 1e6 / cost / samples  # batches/s the workers can make
+    target = 1.5 / capacity  # GPU step time: the workers make 1.5x what the GPU consumes
+    x = torch.randn(1024, 1024, device=device)
+
+    def step(batch: torch.Tensor, k: int) -> None:
+        y = x
+        for _ in range(k):
+            y = torch.tanh(y @ x)
+        (y[0, 0] + batch[0, 0].float()).item()  # uses the batch; synchronises the step
+
+    const = torch.zeros(samples, TOKENS, dtype=torch.int64, device=device)
+
+    def alone(k: int, n: int) -> float:
+        step(const, k)
+        start = time.perf_counter()
+        for _ in range(n):
+            step(const, k)
+        return n / (time.perf_counter() - start)
+
+    k = 1
+    while 1 / alone(k, 20) < target and k < 10_000:
+        k *= 2
+    k = max(1, round(k * target * alone(k, 20)))
+    steps = 200 if cfg.quick else 2000
+    gpu_rate = alone(k, steps)
+    ds = Busy(samples * (steps + 64), cost)
+    rows = [{"loop": "GPU alone", "rate": gpu_rate, "share": 1.0, "wait": 0.0}]
+    for name in ("meshfeed", "torch"):
+        if name == "meshfeed":
+            loader: Any = meshfeed_loader(ds, samples, workers, True, device="cuda")
+        else:
+            loader = torch_loader(ds, samples, workers, True)
+        it = iter(loader)
+        for _ in range(20):  # workers started, queues full
+            step(next(it).to(device, non_blocking=True), k)
+        waited, start = 0.0, time.perf_counter()
+        for _ in range(steps):
+            asked = time.perf_counter()
+            batch = next(it)
+            waited += time.perf_counter() - asked
+            step(batch.to(device, non_blocking=True), k)
+        wall = time.perf_counter() - start
+        rows.append(
+            {"loop": name, "rate": steps / wall, "share": steps / wall / gpu_rate, "wait": waited / wall}
+        )  # fmt: skip
+        del it
+        if name == "meshfeed":
+            loader.shutdown()
+    note = (
+        f"GPU loop: {workers} workers, {cost} us/sample, 512 KiB batches; workers' capacity "
+        f"{capacity:,.0f} batches/s, GPU step {1e3 / gpu_rate:.2f} ms ({k} matmul+tanh of 1024^2)"
+    )
+    return rows, [note]
+
+
+def report(
+    grid_rows: list[dict[str, Any]], loop_rows: list[dict[str, Any]], notes: list[str]
+) -> str:
+    lines = [
+        "| loader | workers | cost us/sample | batch | pin | batches/s | share of CPU limit "
+        "| / torch | first batch s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in grid_rows:
+        lines.append(
+            f"| {r['loader']} | {r['workers']} | {r['cost_us']} | {r['batch']} | "
+            f"{'on' if r['pin'] else 'off'} | {r['rate']:,.1f} | {r['limit_share']:.2f} | "
+            f"{r['vs_torch']:.2f} | {r['first_s']:.2f} |"
+        )
+    if loop_rows:
+        lines += [
+            "",
+            "| GPU loop | steps/s | share of GPU-alone rate | data wait share |",
+            "|---|---|---|---|",
+        ]
+        for r in loop_rows:
+            lines.append(f"| {r['loop']} | {r['rate']:,.1f} | {r['share']:.2f} | {r['wait']:.3f} |")
+    meshfeed = [r["vs_torch"] for r in grid_rows if r["loader"] == "meshfeed"]
+    if meshfeed:
+        lines += [
+            "",
+            f"meshfeed / torch over {len(meshfeed)} cells: min {min(meshfeed):.2f}, median "
+            f"{statistics.median(meshfeed):.2f}, max {max(meshfeed):.2f}",
+        ]
+    auto = [r["vs_best"] for r in grid_rows if "vs_best" in r]
+    if auto:
+        lines.append(
+            f"num_workers='auto' / the best hand-picked loader and worker count of its cells "
+            f"(the / torch column: against torch's best worker count): min {min(auto):.2f}, "
+            f"median {statistics.median(auto):.2f} over {len(auto)} (cost, batch, pin) groups"
+        )
+    lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny CPU subset (< 30 s)")
+    parser.add_argument("--seconds", type=float, default=None, help="timed seconds per cell")
+    parser.add_argument("--out", type=Path, default=None, help="where the report is written")
+    parser.add_argument("--repeats", type=int, default=3, help="turns per cell (median)")
+    cfg = parser.parse_args()
+    n = cores()
+    if cfg.quick:
+        cfg.workers, cfg.costs, cfg.batches = [0, 2], [200], ["128 KiB"]
+        cfg.seconds = cfg.seconds or 0.6
+    else:
+        cfg.workers = sorted({w for w in (0, 2, 8, n - 2) if w >= 0})
+        cfg.costs, cfg.batches = [50, 200, 1000], list(BATCH_BYTES)
+        cfg.seconds = cfg.seconds or 0.9
+    torch.set_num_threads(1)
+    grid_rows, notes = grid(cfg)
+    loop_rows, loop_notes = gpu_loop(cfg)
+    text = report(
+        grid_rows, loop_rows, [f"{n} cores usable; torch {torch.__version__}", *notes, *loop_notes]
+    )
+    print(text)
+    out = cfg.out or RESULTS / ("gpu_quick.md" if cfg.quick else "gpu.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

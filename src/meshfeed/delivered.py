@@ -1,0 +1,122 @@
+"""Delivery for any resumable iterator: pinned / on the device ahead of the loop, with the
+stall telemetry of the loaders, and a state that stays exact.
+
+The loaders deliver their own batches (``pin_memory=``, ``device=``); :class:`Delivered` gives
+the same to an iterator built on top of one, e.g. :class:`meshfeed.balance.BalancedBatches`,
+whose micro-steps are made after the loader's delivery:
+
+>>> it = Delivered(iter([{"x": torch.ones(2)}] * 3), device="cpu")   # doctest: +SKIP
+
+The delivery thread takes items of ``inner`` ahead of the loop and, right after each, asks
+``inner.state_dict()``: the state of the item the loop got last is the one ``state_dict()``
+returns, so a checkpoint never counts an item read ahead but not returned. The state is
+``inner``'s own (its ``kind`` and ``version``); ``load_state_dict`` stops the thread, hands the
+state to ``inner`` and starts again from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+from meshfeed.delivery import Delivery, check_device
+from meshfeed.lifecycle import Lifecycle
+from meshfeed.options import check_delivery
+from meshfeed.protocols import Stateful
+from meshfeed.telemetry import StepTiming, Telemetry
+
+__all__ = ["Delivered"]
+
+
+class Delivered(Lifecycle):
+    """``inner``'s items delivered pinned (``pin_memory=True`` with CUDA) and / or on
+    ``device``, ``device_prefetch`` ahead, off the loop's thread (module docstring).
+
+    ``inner`` must have ``state_dict`` / ``load_state_dict`` when those are used here; the
+    other arguments mean what they mean on :class:`meshfeed.DataLoader`. ``stats()`` is the
+    telemetry (``DataLoader.stats()["delivery"]``); ``timeout`` bounds closing the thread.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        pin_memory: bool = False,
+        device: Any = None,
+        device_prefetch: int = 2,
+        on_step: Callable[[StepTiming], Any] | None = None,
+        warn_wait_share: float | None = 0.25,
+        timeout: float = 300.0,
+    ) -> None:
+        if not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be True or False (got {pin_memory=!r})")
+        check_delivery(device, device_prefetch, on_step, warn_wait_share)
+        self.inner = inner
+        self.telemetry = Telemetry(
+            f"Delivered({type(inner).__name__})", warn_wait_share=warn_wait_share, on_step=on_step
+        )
+        self.delivery = Delivery(
+            pin_memory=pin_memory,
+            device=check_device(device),
+            depth=device_prefetch,
+            timeout=timeout,
+            telemetry=self.telemetry,
+        )
+        self._stream: Generator[tuple[Any, Any], None, None] | None = None
+        self._state: dict[str, Any] | None = None
+
+    def __iter__(self) -> Delivered:
+        return self
+
+    def __next__(self) -> Any:
+        if self._stream is None:
+            if self._state is None and isinstance(self.inner, Stateful):
+                self._state = dict(self.inner.state_dict())  # before the thread touches it
+            self._stream = self.delivery.stage(self._items())
+        try:
+            item, state = next(self._stream)
+        except StopIteration:
+            self._stream = None
+            raise
+        self._state = state
+        return item
+
+    def _items(self) -> Iterator[tuple[Any, Any]]:
+        """On the delivery thread: each item with ``inner``'s state right after it."""
+        inner = self.inner
+        stateful = isinstance(inner, Stateful)
+        for item in inner:
+            yield item, dict(inner.state_dict()) if stateful else None
+
+    def _stateful(self) -> Stateful:
+        if not isinstance(self.inner, Stateful):
+            raise TypeError(
+                f"{type(self.inner).__name__} has no state_dict/load_state_dict; Delivered "
+                "checkpoints what its inner iterator checkpoints"
+            )
+        return self.inner
+
+    def state_dict(self) -> dict[str, Any]:
+        """``inner``'s state as of the last item returned (not of items read ahead)."""
+        inner = self._stateful()
+        return dict(self._state) if self._state is not None else dict(inner.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Stop reading ahead, and continue ``inner`` from ``state``."""
+        inner = self._stateful()
+        self._stop()
+        inner.load_state_dict(state)
+        self._state = dict(state)
+
+    def stats(self) -> dict[str, Any]:
+        """The loop's waits per step and where time went (see :mod:`meshfeed.telemetry`)."""
+        return self.telemetry.report()
+
+    def _stop(self) -> None:
+        if self._stream is not None:
+            self._stream.close()  # joins the delivery thread
+            self._stream = None
+
+    def shutdown(self) -> None:
+        """Stop the delivery thread (not ``inner``); idempotent."""
+        self._stop()

@@ -1,0 +1,292 @@
+"""The last step of every loader: batches into page-locked memory and onto the device, off the
+training loop's thread, with stall telemetry (:mod:`meshfeed.telemetry`).
+
+Without ``pin_memory`` (or without CUDA) and without ``device``, a loader hands its batches over
+as they come, timing only the loop's wait. Otherwise a *delivery thread* takes the batches from
+the service ahead of the loop, ``device_prefetch`` of them at most: it copies each into pinned
+memory (``pin_memory=True`` with CUDA), then, with ``device="cuda"``, issues its copy to the
+device on a side CUDA stream and records an event. The loop's thread only takes the next batch
+from a bounded queue and makes its current stream wait for that batch's event, so a kernel never
+reads a batch before its copy finished, and the device memory is marked as used by the loop's
+stream (``record_stream``), so it is not reused before the loop's kernels are done with it.
+Pinned memory comes from torch's caching host allocator, which holds a block until the copies
+issued from it completed; the pinning copy leaves the worker's shared-memory slot at once, so
+slots keep cycling under the reuse guarantee of :mod:`meshfeed.runtime.transport`.
+
+Why a thread: ``Tensor.pin_memory()`` is a copy (~21-35 us per 512 KiB) when torch's host
+allocator has a free cached block, but a page-locking ``cudaHostAlloc`` (milliseconds) when it
+has none, e.g. while the blocks of earlier batches wait for their copies' events. On the loop's
+thread that cost is the accelerator's idle time; on the delivery thread it overlaps the step.
+
+The state stays exact: the loaders update their position when a batch leaves this stage, not
+when the thread takes it, so a batch copied ahead but not returned is not consumed. ``device``
+may be any torch device; ``"cpu"`` runs the same thread and ordering (tested without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from meshfeed.telemetry import Telemetry
+
+__all__ = ["Delivery", "check_device", "pin", "to_device"]
+
+logger = logging.getLogger("meshfeed")
+T = TypeVar("T")
+_POLL = 0.05  # seconds between checks of a stop flag or a dead thread
+
+
+def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor of nested dicts, lists, tuples and
+    dataclasses (other values are kept as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map(v, fn) for k, v in batch.items()}
+    if isinstance(batch, list):
+        return [_map(v, fn) for v in batch]
+    if isinstance(batch, tuple):
+        items = [_map(v, fn) for v in batch]
+        return tuple(items) if type(batch) is tuple else type(batch)(*items)  # namedtuples
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # e.g. a store Batch
+        fields = {f.name: _map(getattr(batch, f.name), fn) for f in dataclasses.fields(batch)}
+        return dataclasses.replace(batch, **fields)
+    return batch
+
+
+def pin(batch: Any) -> Any:
+    """``batch`` with its tensors in pinned memory (unchanged without CUDA)."""
+    if not torch.cuda.is_available():
+        return batch
+    return _map(batch, lambda t: t if t.is_pinned() else t.pin_memory())
+
+
+def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+    """``batch`` with its tensors on ``device`` (nested dicts, lists, tuples)."""
+    return _map(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None; ``"cuda"`` is the current CUDA
+    device when this is called, i.e. when the loader is built); a clear error for a bad one."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be None, a str or a torch.device (got {device=!r})")
+    try:
+        out = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"device={device!r} is not a torch device ({exc}); use e.g. 'cuda', 'cuda:1' or 'cpu'"
+        ) from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} needs CUDA, which this process does not have; use device=None "
+            "(batches stay on the CPU) or device='cpu'"
+        )
+    if out.type == "cuda" and out.index is None:
+        # The delivery thread has a current device of its own: name the caller's.
+        out = torch.device("cuda", torch.cuda.current_device())
+    return out
+
+
+class Delivery:
+    """Pins and copies batches to ``device`` ahead of the loop (module docstring).
+
+    ``depth``: batches the thread may hold ready; ``timeout``: how long closing waits for the
+    thread to finish the batch it is taking.
+    """
+
+    def __init__(
+        self,
+        *,
+        pin_memory: bool,
+        device: torch.device | None,
+        depth: int,
+        timeout: float,
+        telemetry: Telemetry,
+    ) -> None:
+        self.pin = pin_memory and torch.cuda.is_available()
+        self.device = device
+        self.depth = depth
+        self.timeout = timeout
+        self.telemetry = telemetry
+        self._side: Any = None  # the side CUDA stream, made on first use
+
+    @property
+    def ahead(self) -> bool:
+        """Whether batches go through the delivery thread."""
+        return self.pin or self.device is not None
+
+    def stage(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
+        """``(batch, meta)`` pairs of ``items`` with each batch delivered; timed per step."""
+        return self._ahead(items) if self.ahead else self._timed(items)
+
+    def one(self, make: Callable[[], Any]) -> Any:
+        """``make()``'s batch delivered on this thread (a door that cannot read ahead)."""
+        tel = self.telemetry
+        asked = time.perf_counter()
+        batch = make()
+        if self.ahead:
+            tel.add("produce", time.perf_counter() - asked)
+            batch, event = self._prepare(batch, self._streams())
+            self._hand_over(batch, event)
+            tel.returned(asked, time.perf_counter())
+        else:
+            tel.returned(asked, time.perf_counter(), produced=True)
+        return batch
+
+    # ------------------------------------------------------------------ the loop's side
+    def _timed(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
+        returned, clock = self.telemetry.returned, time.perf_counter
+        source = iter(items)
+        try:
+            while True:
+                asked = clock()
+                try:
+                    item = next(source)
+                except StopIteration:
+                    return
+                returned(asked, clock(), produced=True)
+                yield item
+        finally:
+            _close(source)
+
+    def _streams(self) -> bool:
+        """Whether copies go through the side CUDA stream (made here, on first use)."""
+        if self.device is None or self.device.type != "cuda":
+            return False
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return True
+
+    def _hand_over(self, batch: Any, event: Any) -> None:
+        """On the loop's thread: its *current* stream waits for the batch's copy, and the
+        batch's memory is marked as used by that stream (not reused before its kernels ran)."""
+        if event is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        _map(batch, lambda t: t.record_stream(current) if t.is_cuda else None)
+
+    def _ahead(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
+        ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._run, args=(items, ready, stop, self._streams()), name="meshfeed-delivery"
+        )
+        thread.daemon = True
+        thread.start()
+        tel = self.telemetry
+        try:
+            while True:
+                asked = time.perf_counter()
+                kind, payload = _take(ready, thread)
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise payload
+                item, event = payload
+                self._hand_over(item[0], event)  # the loop's kernels start after the copy
+                tel.returned(asked, time.perf_counter())
+                yield item
+        finally:
+            stop.set()
+            self._join(ready, thread)
+
+    def _join(self, ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> None:
+        deadline = time.monotonic() + self.timeout
+        while thread.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                ready.get_nowait()  # a thread blocked in put() sees the stop flag
+            thread.join(_POLL)
+        if thread.is_alive():
+            logger.warning(
+                "meshfeed: the delivery thread did not stop within timeout=%.0f s (it waits for "
+                "a batch being made); it ends once that batch arrives",
+                self.timeout,
+            )
+
+    # ------------------------------------------------------------------ the thread's side
+    def _run(
+        self,
+        items: Iterator[tuple[Any, T]],
+        ready: queue.Queue[tuple[str, Any]],
+        stop: threading.Event,
+        streams: bool,
+    ) -> None:
+        source = iter(items)
+        tel = self.telemetry
+        try:
+            while not stop.is_set():
+                start = time.perf_counter()
+                try:
+                    batch, meta = next(source)
+                except StopIteration:
+                    _put(ready, stop, ("end", None))
+                    return
+                tel.add("produce", time.perf_counter() - start)
+                batch, event = self._prepare(batch, streams)
+                _put(ready, stop, ("item", ((batch, meta), event)))
+        except BaseException as exc:  # handed to the loop, raised there
+            _put(ready, stop, ("error", exc))
+        finally:
+            _close(source)  # the generator runs on this thread: closed here
+
+    def _prepare(self, batch: Any, streams: bool) -> tuple[Any, Any]:
+        """``batch`` pinned and copied (on the side stream); the copy's event or None."""
+        tel = self.telemetry
+        if self.pin:
+            start = time.perf_counter()
+            batch = pin(batch)
+            tel.add("pin", time.perf_counter() - start)
+        device = self.device
+        if device is None:
+            return batch, None
+        start = time.perf_counter()
+        event = None
+        if not streams:
+            batch = to_device(batch, device)
+        else:
+            with torch.cuda.stream(self._side):
+                batch = to_device(batch, device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._side)
+        tel.add("device_copy", time.perf_counter() - start)
+        return batch, event
+
+
+def _put(ready: queue.Queue[tuple[str, Any]], stop: threading.Event, item: tuple[str, Any]) -> None:
+    while not stop.is_set():
+        try:
+            ready.put(item, timeout=_POLL)
+            return
+        except queue.Full:
+            continue
+
+
+def _take(ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> tuple[str, Any]:
+    """The thread's next message; an error if the thread is gone without one."""
+    while True:
+        try:
+            return ready.get(timeout=_POLL)
+        except queue.Empty:
+            if not thread.is_alive() and ready.empty():
+                raise RuntimeError(
+                    "meshfeed: the delivery thread ended without a batch or an error; this is a "
+                    "bug, please report it with the loader's options"
+                ) from None
+
+
+def _close(source: Iterator[Any]) -> None:
+    if isinstance(source, Generator):
+        source.close()

@@ -1,0 +1,169 @@
+"""Stall telemetry: how long the training loop waited for each batch, and where time went.
+
+Every loader keeps one :class:`Telemetry` (``loader.stats()["delivery"]``). Per step it records
+the loop's *wait* (the time ``next(loader)`` took: zero when the batch was ready) in a bounded
+log-scale histogram (mean, p50, p99 without keeping a list), the *step* (time between two
+batches returned: the loop's own work plus the wait), and the seconds spent in each *phase* of
+making batches: ``plan`` (the batch plan), ``produce`` (waiting for the service: in-process this
+is fetch + collate, with workers the wait for their transfer), ``pin`` (copying into page-locked
+memory), ``device_copy`` (issuing the copy to the device). ``wait_share`` is the share of the
+wall time since the first batch was asked for that the loop spent waiting.
+
+``on_step`` (a loader option) is called after every batch with a :class:`StepTiming`, for
+dashboards (Prometheus, OpenTelemetry, a logger): keep it cheap, it runs on the loop's thread.
+Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
+time so far, while doing at least :data:`MIN_LOOP_SECONDS` of its own work per step, gets a
+warning (once per loader) on the ``"meshfeed"`` logger naming the
+likely fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MIN_LOOP_SECONDS", "PHASES", "WARN_AFTER", "StepTiming", "Telemetry", "WaitHistogram"]
+
+logger = logging.getLogger("meshfeed")
+
+#: The phases of making a batch whose seconds ``stats()["delivery"]["phases"]`` adds up.
+PHASES = ("plan", "produce", "pin", "device_copy")
+#: Steps before the wait share is judged (the first batches include starting the workers).
+WARN_AFTER = 50
+#: The loop's own time per step (between batches) below which it is not judged: a loop that
+#: only collects batches (``list(loader)``) is not a training loop waiting for data.
+MIN_LOOP_SECONDS = 1e-4
+_PER_DECADE = 20
+_LOW, _DECADES = 1e-7, 10  # 100 ns to 1000 s
+_LAST = _PER_DECADE * _DECADES + 1  # the last bucket: everything beyond 1000 s
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One step as ``on_step`` sees it: ``wait_s`` the loop waited for this batch, ``step_s``
+    since the previous batch was returned (None for the first), ``steps`` returned so far."""
+
+    steps: int
+    wait_s: float
+    step_s: float | None
+
+
+class WaitHistogram:
+    """Seconds in log-scale buckets (5 % wide): bounded memory, quantiles within 6 %."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (_LAST + 1)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total += seconds
+        bucket = 0 if seconds <= _LOW else 1 + int(math.log10(seconds / _LOW) * _PER_DECADE)
+        self.counts[min(bucket, _LAST)] += 1
+
+    def quantile(self, q: float) -> float:
+        """The upper edge of the bucket holding quantile ``q`` (0 when nothing was added)."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        seen = 0
+        for bucket, n in enumerate(self.counts):
+            seen += n
+            if n and seen >= rank:
+                return 0.0 if bucket == 0 else _LOW * 10 ** (bucket / _PER_DECADE)
+        return _LOW * 10**_DECADES
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+class Telemetry:
+    """The per-loader record (module docstring); ``name`` appears in the warning."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        warn_wait_share: float | None = 0.25,
+        on_step: Callable[[StepTiming], Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.warn_wait_share = warn_wait_share
+        self.on_step = on_step
+        self.waits = WaitHistogram()
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self._first_ask: float | None = None
+        self._last_return: float | None = None
+        self._warned = False
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Add ``seconds`` to ``phase`` (one of :data:`PHASES`; any thread)."""
+        self.phases[phase] += seconds
+
+    def returned(self, asked: float, now: float, *, produced: bool = False) -> None:
+        """A batch asked for at ``asked`` was returned at ``now`` (``time.perf_counter()``);
+        ``produced``: the loop's thread made it meanwhile (its wait is the ``produce`` phase).
+
+        One call per step, kept small: it runs on the loop's thread for every batch."""
+        wait = now - asked
+        if produced:
+            self.phases["produce"] += wait
+        last, self._last_return = self._last_return, now
+        if last is None:
+            self._first_ask = asked
+        waits = self.waits
+        waits.count += 1
+        waits.total += wait
+        bucket = 0 if wait <= _LOW else 1 + int(math.log10(wait / _LOW) * _PER_DECADE)
+        waits.counts[bucket if bucket < _LAST else _LAST] += 1
+        if self.on_step is not None:
+            self.on_step(StepTiming(waits.count, wait, None if last is None else now - last))
+        if not waits.count % WARN_AFTER and not self._warned:
+            self._judge()
+
+    def wait_share(self) -> float:
+        """Share of the wall time since the first ask that the loop spent waiting."""
+        if self._first_ask is None or self._last_return is None:
+            return 0.0
+        wall = self._last_return - self._first_ask
+        return min(1.0, self.waits.total / wall) if wall > 0 else 0.0
+
+    def _judge(self) -> None:
+        limit = self.warn_wait_share
+        if limit is None:
+            self._warned = True  # never: stop asking
+            return
+        share = self.wait_share()
+        wall = (self._last_return or 0.0) - (self._first_ask or 0.0)
+        # Only a loop that works between batches: list(loader) or a benchmark that only
+        # iterates waits for every batch by design, and is not told to add workers.
+        if share <= limit or (wall - self.waits.total) / self.waits.count < MIN_LOOP_SECONDS:
+            return
+        self._warned = True
+        logger.warning(
+            "%s: the training loop waited %.0f%% of its time for data over %d steps (more than "
+            "warn_wait_share=%.2f); likely fix: more workers (num_workers), less work per sample "
+            "(or a faster collate_fn), or device= to copy batches ahead; see "
+            "loader.stats()['delivery']",
+            self.name,
+            100 * share,
+            self.waits.count,
+            limit,
+        )
+
+    def report(self) -> dict[str, Any]:
+        """The JSON-able summary ``stats()["delivery"]`` shows (seconds)."""
+        waits = self.waits
+        return {
+            "steps": waits.count,
+            "wait_mean_s": waits.mean(),
+            "wait_p50_s": waits.quantile(0.5),
+            "wait_p99_s": waits.quantile(0.99),
+            "wait_total_s": waits.total,
+            "wait_share": self.wait_share(),
+            "phases": dict(self.phases),
+        }

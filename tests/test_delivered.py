@@ -1,0 +1,85 @@
+"""Delivered: any resumable iterator (BalancedBatches here) delivered ahead, state exact."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from meshfeed.balance import BalancedBatches, CostModel
+from meshfeed.delivered import Delivered
+from meshfeed.testing import assert_resume_equivalence, assert_same
+from tests.balance.checks import Samples
+
+S2 = CostModel(quadratic=1.0)
+
+
+def _balanced():
+    return BalancedBatches(
+        Samples(0, seed=4, batches=4, max_len=250, docs=8), max_tokens=256, cost=S2
+    )
+
+
+def test_balanced_batches_delivered_ahead_are_the_same_micro_steps():
+    with _balanced() as plain:
+        want = list(plain)
+    inner = _balanced()
+    with Delivered(inner, device="cpu", device_prefetch=3) as it:
+        got = list(it)
+        assert it.stats()["steps"] == len(got) == len(want)
+    inner.close()
+    assert_same(got, want)
+    assert not [t for t in threading.enumerate() if t.name == "meshfeed-delivery"]
+
+
+def test_balanced_batches_resume_exactly_through_delivered():
+    def factory():
+        return Delivered(_balanced(), device="cpu", device_prefetch=2)
+
+    def cleanup(it):
+        it.shutdown()
+        it.inner.close()
+
+    assert_resume_equivalence(factory, num_items=8, every=2, cleanup=cleanup)
+
+
+def test_the_state_is_of_the_item_returned_not_of_items_read_ahead():
+    class Counter:
+        def __init__(self):
+            self.i = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if self.i >= 20:
+                raise StopIteration
+            self.i += 1
+            return torch.tensor([self.i - 1])
+
+        def state_dict(self):
+            return {"kind": "counter", "version": 1, "i": self.i}
+
+        def load_state_dict(self, state):
+            self.i = state["i"]
+
+    inner = Counter()
+    it = Delivered(inner, device="cpu", device_prefetch=4)
+    assert [next(it).item() for _ in range(3)] == [0, 1, 2]
+    deadline = time.monotonic() + 10
+    while inner.i < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert inner.i >= 7  # read ahead
+    assert it.state_dict()["i"] == 3
+    it.load_state_dict({"kind": "counter", "version": 1, "i": 10})
+    assert next(it).item() == 10
+    it.shutdown()
+
+
+def test_an_iterator_without_state_is_delivered_and_refuses_checkpoints():
+    it = Delivered(iter([torch.zeros(1)] * 3), device="cpu")
+    assert len(list(it)) == 3
+    with pytest.raises(TypeError, match="has no state_dict/load_state_dict"):
+        it.state_dict()
+    with pytest.raises(ValueError, match="device_prefetch must be an int >= 1"):
+        Delivered(iter([]), device="cpu", device_prefetch=0)

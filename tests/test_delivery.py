@@ -1,0 +1,185 @@
+"""Delivery on CPU: ``device="cpu"`` runs the delivery thread and its ordering like ``"cuda"``.
+
+The CUDA parts (pinned memory, the side stream and its event) are in tests/test_gpu.py.
+"""
+
+import threading
+import time
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+
+from meshfeed import DataLoader, StreamLoader
+from meshfeed.delivery import check_device, pin, to_device
+from meshfeed.fetch import SampleError
+from meshfeed.sources import ShardedStream
+from meshfeed.testing import assert_resume_equivalence, assert_same, take
+from tests.dist_utils import run_distributed
+
+Pair = namedtuple("Pair", "a b")
+
+
+class Counted:
+    """Items 0..n-1 as 1-element tensors; counts the reads (the delivery thread reads ahead)."""
+
+    def __init__(self, n, fail_at=None):
+        self.n, self.reads, self.fail_at = n, 0, fail_at
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if i == self.fail_at:
+            raise KeyError(f"sample {i} is broken")
+        return torch.tensor([i])
+
+
+def _delivery_threads():
+    return [t for t in threading.enumerate() if t.name == "meshfeed-delivery"]
+
+
+def _stream():
+    return ShardedStream([lambda: range(0, 9), lambda: range(20, 31)])
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_device_cpu_delivers_the_same_batches_in_the_same_order(num_workers):
+    data = np.arange(80, dtype=np.float32).reshape(40, 2)
+    kwargs = {"batch_size": 4, "seed": 2, "num_workers": num_workers}
+    ahead = list(DataLoader(data, device="cpu", device_prefetch=3, **kwargs))
+    plain = list(DataLoader(data, **kwargs))
+    assert len(ahead) == 10
+    assert_same(ahead, plain)
+
+
+def test_a_batch_delivered_ahead_but_not_returned_is_not_consumed():
+    data = Counted(64)
+    loader = DataLoader(data, batch_size=4, shuffle=False, device="cpu", device_prefetch=4)
+    it = iter(loader)
+    got = [next(it), next(it)]
+    deadline = time.monotonic() + 10
+    while data.reads < 4 * 6 and time.monotonic() < deadline:  # the thread fills its queue
+        time.sleep(0.01)
+    assert data.reads >= 4 * 6, data.reads  # read 4 batches past the 2 returned
+    assert loader.position == 8 and loader.state_dict()["position"] == 8
+    assert [b.tolist() for b in got] == [[[0], [1], [2], [3]], [[4], [5], [6], [7]]]
+    again = DataLoader(Counted(64), batch_size=4, shuffle=False)
+    again.load_state_dict(loader.state_dict())
+    assert next(iter(again)).view(-1).tolist() == [8, 9, 10, 11]
+    it.close()
+    assert not _delivery_threads()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_is_exact_with_device_prefetch(num_workers):
+    def factory():
+        return DataLoader(
+            Counted(30),
+            batch_size=4,
+            seed=5,
+            num_workers=num_workers,
+            device="cpu",
+            device_prefetch=3,
+            drop_last=False,
+        )
+
+    out = assert_resume_equivalence(factory, num_items=12, every=3)
+    assert len(out) == 12
+
+
+def test_stream_loader_resume_is_exact_with_device_prefetch():
+    def factory():
+        return StreamLoader(_stream(), batch_size=3, seed=1, device="cpu", device_prefetch=2)
+
+    assert_resume_equivalence(factory, num_items=9, every=2)
+
+
+def test_an_error_made_ahead_is_raised_at_its_batch_and_the_thread_stops():
+    loader = DataLoader(Counted(40, fail_at=9), batch_size=4, shuffle=False, on_error="raise")
+    loader_ahead = DataLoader(
+        Counted(40, fail_at=9), batch_size=4, shuffle=False, on_error="raise", device="cpu"
+    )
+    for each in (loader, loader_ahead):
+        it = iter(each)
+        assert next(it).view(-1).tolist() == [0, 1, 2, 3]
+        assert next(it).view(-1).tolist() == [4, 5, 6, 7]
+        with pytest.raises(SampleError, match="sample 9 is broken"):
+            next(it)
+        assert each.position == 8
+    assert not _delivery_threads()
+
+
+def test_breaking_out_stops_the_thread_and_iter_continues_where_it_stopped():
+    loader = DataLoader(Counted(40), batch_size=4, shuffle=False, device="cpu", device_prefetch=5)
+    first = take(loader, 3)
+    assert not _delivery_threads()
+    rest = list(loader)
+    flat = [v for b in first + rest for v in b.view(-1).tolist()]
+    assert flat == list(range(40))
+
+
+def test_to_device_and_pin_keep_nested_structure():
+    batch = {
+        "x": torch.arange(4),
+        "pair": Pair(torch.ones(2), [torch.zeros(1), "label"]),
+        "t": (torch.tensor([1.5]), 3),
+    }
+    moved = to_device(batch, torch.device("cpu"))
+    assert_same(moved, batch)
+    assert isinstance(moved["pair"], Pair) and moved["pair"].b[1] == "label"
+    if not torch.cuda.is_available():
+        assert pin(batch) is batch  # without CUDA nothing is pinned
+
+
+def test_dataclasses_are_walked_and_rebuilt():
+    from meshfeed.queue import Batch
+
+    batch = Batch(ids=[1, 2], columns={"x": torch.arange(2), "s": ["a", "b"]})
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved, Batch) and moved is not batch
+    assert moved.ids == [1, 2] and moved["s"] == ["a", "b"] and torch.equal(moved["x"], batch["x"])
+
+
+def test_bad_device_and_delivery_options_are_refused_by_name():
+    with pytest.raises(TypeError, match="device must be None, a str or a torch.device"):
+        check_device(3)
+    with pytest.raises(ValueError, match="device='gpu!' is not a torch device"):
+        DataLoader(list(range(8)), batch_size=2, device="gpu!")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            DataLoader(list(range(8)), batch_size=2, device="cuda")
+    with pytest.raises(ValueError, match="device_prefetch must be an int >= 1"):
+        DataLoader(list(range(8)), batch_size=2, device="cpu", device_prefetch=0)
+    with pytest.raises(ValueError, match=r"warn_wait_share must be a share in \(0, 1\]"):
+        DataLoader(list(range(8)), batch_size=2, warn_wait_share=1.5)
+    with pytest.raises(TypeError, match="on_step must be a function"):
+        DataLoader(list(range(8)), batch_size=2, on_step="print")
+    assert check_device(None) is None and check_device("cpu") == torch.device("cpu")
+
+
+def _ranks_ahead(rank, world):
+    # The plan agreement and the per-step error check (on_error="raise") run on the delivery
+    # thread, on meshfeed's gloo group: the ranks still agree and resume exactly.
+    def make(**kw):
+        return DataLoader(Counted(40), batch_size=2, seed=1, on_error="raise", **kw)
+
+    ahead = make(device="cpu", device_prefetch=3)
+    first = [b.view(-1).tolist() for b in take(ahead, 4)]
+    state = ahead.state_dict()
+    rest = [b.view(-1).tolist() for b in ahead]
+    plain = [b.view(-1).tolist() for b in make()]
+    again = make()
+    again.load_state_dict(state)
+    resumed = [b.view(-1).tolist() for b in again]
+    return {"ahead": first + rest, "plain": plain, "rest": rest, "resumed": resumed}
+
+
+def test_two_gloo_ranks_with_device_prefetch_agree_and_resume():
+    results = run_distributed(_ranks_ahead, 2)
+    for r in results:
+        assert r["ahead"] == r["plain"] and r["rest"] == r["resumed"]
+    seen = [v for r in results for b in r["ahead"] for v in b]
+    assert sorted(seen) == list(range(40))  # each sample once, over the two ranks
