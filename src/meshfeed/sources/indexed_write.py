@@ -27,6 +27,8 @@ from meshfeed.sources.indexed_format import (
     _publish_lock,
     dtype_code,
 )
+from meshfeed.sources.url_output import Upload, upload_target
+from meshfeed.storage import StorageOptions, local_path_of
 
 __all__ = ["IndexedWriter", "write_indexed"]
 
@@ -46,6 +48,11 @@ class IndexedWriter:
     """
 
     def __init__(self, prefix: str | os.PathLike[str], *, dtype: DTypeLike = np.uint16) -> None:
+        if upload_target(prefix) is not None:
+            raise ValueError(
+                f"IndexedWriter writes local files (got prefix={os.fspath(prefix)!r}); for a URL "
+                "use write_indexed(url, documents) or meshfeed convert -o URL, which upload"
+            )
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
         self.idx_path, self.bin_path = _paths(prefix)
@@ -78,10 +85,10 @@ class IndexedWriter:
                 "field of the format allows; split it"
             )
         if self._limits is not None and arr.size:
-            if arr.dtype.kind not in "iub":
+            if arr.dtype.kind not in "iu":
                 raise TypeError(
                     f"document {len(self._sizes)} has dtype {arr.dtype}; token ids must be "
-                    f"integers for a {self.dtype} corpus"
+                    f"integers (not booleans) for a {self.dtype} corpus"
                 )
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._limits.min or hi > self._limits.max:
@@ -168,6 +175,8 @@ def write_indexed(
     dtype: DTypeLike = np.uint16,
     *,
     progress: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: StorageOptions | None = None,
 ) -> TokenCorpus:
     """Write ``documents`` (an iterable of 1-D token-id sequences) as a Megatron indexed corpus.
 
@@ -177,8 +186,21 @@ def write_indexed(
     >>> corpus = write_indexed("/tmp/tiny", [[1, 2, 3], [4, 5]], "uint16")  # doctest: +SKIP
     >>> corpus.document(1).tolist()  # doctest: +SKIP
     [4, 5]
+
+    ``prefix`` may be a URL (``s3://bucket/corpus``): the corpus is written in the shard cache
+    at ``cache_dir``, then uploaded, ``.bin`` before ``.idx``, and kept as the node's cached
+    copy; the corpus returned reads it from the URL.
     """
-    writer = IndexedWriter(prefix, dtype=dtype)
+    url = upload_target(prefix)
+    if url is not None:
+        for ext in (".bin", ".idx"):
+            url = url.removesuffix(ext)
+        with Upload(cache_dir, storage_options) as upload:
+            write_indexed(upload.staging / "corpus", documents, dtype, progress=progress)
+            upload_corpus(upload, upload.staging / "corpus", url)
+        options = upload.cache.storage_options
+        return TokenCorpus.open(url, cache_dir=upload.cache.cache_dir, storage_options=options)
+    writer = IndexedWriter(local_path_of(os.fspath(prefix)) or prefix, dtype=dtype)
     try:
         with Progress(desc=f"write {os.fspath(prefix)}", unit="doc", enabled=progress) as bar:
             for doc in documents:
@@ -188,3 +210,10 @@ def write_indexed(
         writer.abort()
         raise
     return writer.close()
+
+
+def upload_corpus(upload: Upload, local: str | os.PathLike[str], url: str) -> None:
+    """Publish the corpus at local prefix ``local`` to the URL prefix ``url``: ``.bin`` first,
+    ``.idx`` last, so a reader that finds the index finds its ``.bin`` complete."""
+    for ext in (".bin", ".idx"):
+        upload.publish(f"{os.fspath(local)}{ext}", url + ext)

@@ -1,0 +1,94 @@
+"""Writers whose output is a URL: write locally, then upload one file at a time.
+
+:func:`upload_target` tells a URL that needs uploading from a local path (``file://`` URLs are
+local). :class:`Upload` stages files in a hidden folder inside the shard cache and publishes
+each one: uploaded (an object appears only once complete, so a reader never sees part of one),
+then adopted as the node's cached copy (a rename, so the readers of this node never download
+what it wrote). Writers publish their metadata file last (``index.json``, ``.idx``), so a
+reader that finds it finds every file it names. :func:`~meshfeed.sources.convert.convert`,
+:func:`~meshfeed.sources.write_indexed` and :func:`~meshfeed.sources.write_shards` share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+from meshfeed.errors import SourceError
+from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of, upload_file
+from meshfeed.storage.urls import filesystem
+
+__all__ = ["Upload", "upload_target"]
+
+
+def upload_target(output: str | os.PathLike[str]) -> str | None:
+    """The URL ``output`` names when writing there means uploading; None for a local path."""
+    out = os.fspath(output)
+    return out.rstrip("/") if is_url(out) and local_path_of(out) is None else None
+
+
+class Upload:
+    """A staging folder in the shard cache whose files are published to URLs one at a time.
+
+    ``with Upload(cache_dir, storage_options) as up: ...; up.publish(local, url)``. The staging
+    folder (``cache_dir/.upload-*``) is removed on exit, whatever happened; nothing is uploaded
+    that was not published, so a writer that fails before its metadata file leaves no object a
+    reader would take for a dataset.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        storage_options: StorageOptions | None = None,
+    ) -> None:
+        self.cache = ShardCache(cache_dir, storage_options=storage_options)
+        self.staging = Path(tempfile.mkdtemp(dir=self.cache.cache_dir, prefix=".upload-"))
+
+    def __enter__(self) -> Upload:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def publish(self, local: str | os.PathLike[str], url: str) -> None:
+        """Upload ``local`` to ``url``, then keep it as the cached copy of ``url``."""
+        try:
+            upload_file(local, url, storage_options=self.cache.storage_options)
+        except (SourceError, OSError, ImportError):
+            raise
+        except Exception as e:  # the client's own errors (credentials, endpoint): name the URL
+            raise SourceError(
+                f"cannot upload {url}: {type(e).__name__}: {e}; check the URL, the credentials "
+                "and the endpoint (storage_options= or the client's environment variables, "
+                "e.g. AWS_ENDPOINT_URL)"
+            ) from e
+        self.cache.adopt(url, local)
+
+    def exists(self, url: str) -> bool:
+        """Whether an object is at ``url`` (one metadata request)."""
+        fs, path = filesystem(url, self.cache.storage_options)
+        return bool(fs.exists(path))
+
+    def holds_anything(self, url: str) -> bool:
+        """Whether any object lies under the prefix ``url`` (one listing request)."""
+        fs, path = filesystem(url, self.cache.storage_options)
+        try:
+            return bool(fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return False
+
+    def remove(self, url: str) -> None:
+        """Delete the object at ``url`` if it is there."""
+        fs, path = filesystem(url, self.cache.storage_options)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(path)
+        fs.invalidate_cache(path)

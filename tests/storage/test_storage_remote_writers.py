@@ -1,0 +1,120 @@
+"""Writers with a URL output, against moto's S3 server: shards and corpora are uploaded (#28, #29).
+
+``write_shards`` / ``write_indexed`` / ``meshfeed convert`` to ``s3://`` upload each file once
+complete, the metadata file last, and never leave a local folder named after the URL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshfeed.sources import ShardedStream, write_shards
+from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
+from tests.storage.conftest import S3, use_env_endpoint
+
+
+def _keys(s3: S3, prefix: str) -> set[str]:
+    found = s3.client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"] for o in found}
+
+
+def test_write_shards_uploads_shard_by_shard_with_the_index_last(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    seen: list[set[str]] = []
+
+    def samples() -> Iterator[dict[str, Any]]:
+        for i in range(50):
+            if i == 40:  # shard 4 is being cut: shards 0..2 are up, the index is not
+                seen.append(_keys(s3, "ds/"))
+            yield {"ids": np.arange(i % 7, dtype=np.int32), "i": i}
+
+    url = s3.url("ds")
+    remote = {"cache_dir": tmp_path / "cache", "storage_options": s3.options}
+    got = write_shards(samples(), url, rows_per_shard=10, **remote)
+    assert got == f"{url}/index.json"
+    assert {"ds/shard-00000.mfs", "ds/shard-00002.mfs"} <= seen[0]
+    assert "ds/index.json" not in seen[0]
+    assert _keys(s3, "ds/") == {"ds/index.json"} | {f"ds/shard-{n:05d}.mfs" for n in range(5)}
+    assert not Path("s3:").exists() and not list((tmp_path / "cache").glob(".upload-*"))
+    s3.proxy.reset()
+    fresh = ShardedStream.from_index(url, cache_dir=tmp_path / "other", storage_options=s3.options)
+    rows = fresh.__getitems__(list(range(50)))
+    assert [int(r["i"]) for r in rows] == list(range(50))
+    assert [r["ids"].tolist() for r in rows[:8]] == [list(range(i % 7)) for i in range(8)]
+    fresh.close()
+
+
+def test_a_failed_write_uploads_no_index_and_a_second_write_needs_overwrite(
+    s3: S3, tmp_path: Path
+) -> None:
+    remote = {"cache_dir": tmp_path / "cache", "storage_options": s3.options}
+    url = s3.url("ds")
+
+    def bad() -> Iterator[Any]:
+        yield from range(25)
+        yield "text"  # another kind than row 0: refused
+
+    with pytest.raises(TypeError, match="row 25"):
+        write_shards(bad(), url, rows_per_shard=10, **remote)
+    assert "ds/index.json" not in _keys(s3, "ds/")  # no reader takes the prefix for a dataset
+    assert not list((tmp_path / "cache").glob(".upload-*"))
+    with pytest.raises(FileExistsError, match="holds objects but no index.json"):
+        write_shards(range(5), url, **remote)  # the failed write's shards are there
+    write_shards(range(5), s3.url("ok"), **remote)
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        write_shards(range(3), s3.url("ok"), **remote)
+    write_shards(range(3), s3.url("ok"), overwrite=True, **remote)
+    index = json.loads(s3.client.get_object(Bucket=s3.bucket, Key="ok/index.json")["Body"].read())
+    assert sum(s["rows"] for s in index["shards"]) == 3
+
+
+def test_convert_to_shards_with_a_url_output_uploads(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshfeed.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    use_env_endpoint(s3, monkeypatch)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"ids": [n, 300], "t": "x" * n}) + "\n" for n in range(40)))
+    url = s3.url("cli/shards")
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    argv = ["convert", str(src), "--to", "shards", "-o", url, "--rows-per-shard", "16", *cache]
+    assert main(argv) == 0
+    assert f"wrote {url}/index.json: 40 samples in 3 shards" in capsys.readouterr().out
+    assert "cli/shards/index.json" in _keys(s3, "cli/")
+    assert not Path("s3:").exists()  # today's fault: a local folder named after the URL
+    stream = ShardedStream.from_index(url, cache_dir=tmp_path / "c2", storage_options=s3.options)
+    rows = stream.__getitems__(list(range(40)))
+    assert [r["ids"].tolist() for r in rows] == [[n, 300] for n in range(40)]
+    assert rows[0]["ids"].dtype == np.uint16  # the narrowest type that holds 0..300
+    stream.close()
+    assert main(argv) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main([*argv, "--overwrite"]) == 0
+
+
+def test_write_indexed_to_a_url_uploads_and_the_streaming_writer_refuses_one(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = s3.url("corpora/c")
+    corpus = write_indexed(
+        url, [[1, 2, 3], [4]], "uint16", cache_dir=tmp_path / "cache", storage_options=s3.options
+    )
+    assert corpus.document(1).tolist() == [4]
+    assert _keys(s3, "corpora/") == {"corpora/c.bin", "corpora/c.idx"}
+    fresh = TokenCorpus.open(url, cache_dir=tmp_path / "other", storage_options=s3.options)
+    assert fresh.fingerprint == corpus.fingerprint
+    with pytest.raises(ValueError, match="IndexedWriter writes local files.*write_indexed"):
+        IndexedWriter(url)
+    assert not Path("s3:").exists()
