@@ -72,6 +72,10 @@ ONE_LINE_ERRORS = [
     (["convert", "x.jsonl", "-o", "o", "--tokenizer", "nope.json"], "does not exist"),
     (["plan", "--dp", "x"], "argument --dp: invalid int value: 'x'"),
     (["nosuch"], "invalid choice: 'nosuch'"),
+    # a URL where only a local file works is refused by name, never made a folder "s3:" (#28)
+    (["plan", "--plot", "s3://b/load.png"], "s3://b/load.png is a URL; --plot takes a local"),
+    (["plan", "--lengths", "s3://b/l.npy"], "s3://b/l.npy is a URL; --lengths takes a local"),
+    (["convert", "x.jsonl", "-o", "o", "--rows-per-shard", "0"], "'0' is not a positive number"),
 ]
 
 
@@ -93,6 +97,7 @@ def test_every_user_error_is_one_line_and_exit_code_2(argv, message, tmp_path, m
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert out == ""
+    assert not (tmp_path / "s3:").exists()
 
 
 @pytest.mark.slow

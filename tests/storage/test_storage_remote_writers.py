@@ -118,3 +118,22 @@ def test_write_indexed_to_a_url_uploads_and_the_streaming_writer_refuses_one(
     with pytest.raises(ValueError, match="IndexedWriter writes local files.*write_indexed"):
         IndexedWriter(url)
     assert not Path("s3:").exists()
+
+
+def test_local_writers_refuse_a_url_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfeed.curriculum import MetricIndex
+    from meshfeed.curriculum.index import save_accumulated
+    from meshfeed.queue import SampleStore
+
+    monkeypatch.chdir(tmp_path)
+    index = MetricIndex.from_values("m", np.arange(5.0), fingerprint={"length": 5, "hash": "t"})
+    with pytest.raises(ValueError, match="MetricIndex.save takes a local path .*output_dir=URL"):
+        index.save("s3://bucket/metrics/m")
+    with pytest.raises(ValueError, match="save_accumulated takes a local path"):
+        save_accumulated("s3://bucket/a", "a", np.zeros(3), {"length": 3, "hash": "t"})
+    with pytest.raises(ValueError, match="SampleStore.save takes a local path"):
+        SampleStore().save("s3://bucket/store.pt")
+    assert list(tmp_path.iterdir()) == []  # no folder named after the URL
+    assert index.save(f"file://{tmp_path}/m") == tmp_path / "m"  # a file:// URL is local

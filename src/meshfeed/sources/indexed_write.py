@@ -28,7 +28,8 @@ from meshfeed.sources.indexed_format import (
     dtype_code,
 )
 from meshfeed.sources.url_output import Upload, upload_target
-from meshfeed.storage import StorageOptions, local_path_of
+from meshfeed.storage import StorageOptions
+from meshfeed.storage.urls import local_only
 
 __all__ = ["IndexedWriter", "write_indexed"]
 
@@ -48,11 +49,12 @@ class IndexedWriter:
     """
 
     def __init__(self, prefix: str | os.PathLike[str], *, dtype: DTypeLike = np.uint16) -> None:
-        if upload_target(prefix) is not None:
-            raise ValueError(
-                f"IndexedWriter writes local files (got prefix={os.fspath(prefix)!r}); for a URL "
-                "use write_indexed(url, documents) or meshfeed convert -o URL, which upload"
-            )
+        prefix = local_only(
+            prefix,
+            what="IndexedWriter",
+            fix="for a URL use write_indexed(url, documents) or meshfeed convert -o URL, "
+            "which upload",
+        )
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
         self.idx_path, self.bin_path = _paths(prefix)
@@ -200,7 +202,7 @@ def write_indexed(
             upload_corpus(upload, upload.staging / "corpus", url)
         options = upload.cache.storage_options
         return TokenCorpus.open(url, cache_dir=upload.cache.cache_dir, storage_options=options)
-    writer = IndexedWriter(local_path_of(os.fspath(prefix)) or prefix, dtype=dtype)
+    writer = IndexedWriter(prefix, dtype=dtype)
     try:
         with Progress(desc=f"write {os.fspath(prefix)}", unit="doc", enabled=progress) as bar:
             for doc in documents:
