@@ -76,6 +76,8 @@ ONE_LINE_ERRORS = [
     (["plan", "--plot", "s3://b/load.png"], "s3://b/load.png is a URL; --plot takes a local"),
     (["plan", "--lengths", "s3://b/l.npy"], "s3://b/l.npy is a URL; --lengths takes a local"),
     (["convert", "x.jsonl", "-o", "o", "--rows-per-shard", "0"], "'0' is not a positive number"),
+    (["convert", "s3://b/x.jsonl", "-o", "o"], "convert takes a local path (got 's3://b/x.jsonl'"),
+    (["convert", "s3://b/x.jsonl", "--to", "shards", "-o", "o"], "got 's3://b/x.jsonl', a URL"),
 ]
 
 

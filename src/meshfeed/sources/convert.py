@@ -44,6 +44,7 @@ from meshfeed.sources.convert_input import (
     _chunks,
     _detect,
     _json_value,
+    input_paths,
     token_ids,
 )
 from meshfeed.sources.indexed import DTYPE_CODES, TokenCorpus
@@ -162,16 +163,6 @@ def _encoded(
             yield done, result.get()
 
 
-def _paths(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
-    paths = [Path(inputs)] if isinstance(inputs, (str, os.PathLike)) else [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("no inputs given; pass at least one JSONL, Parquet or .npy file")
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"input {p} does not exist")
-    return paths
-
-
 def _eod(
     append_eod: bool | int, eod_id: int | None, tok: TextTokenizer | None
 ) -> np.ndarray | None:
@@ -236,7 +227,7 @@ def convert(
         raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be an int >= 1 (got {num_workers!r})")
-    paths = _paths(inputs)
+    paths = input_paths(inputs)
     formats = [_detect(p, fmt) for p in paths]
     tok = None if tokenizer is None else load_tokenizer(tokenizer)
     job = _Job(field, tok, _eod(append_eod, eod_id, tok))

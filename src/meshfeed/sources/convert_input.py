@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -19,13 +20,37 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from meshfeed.mapped import check_mapped
+from meshfeed.storage.urls import local_only
 
-__all__ = ["CHUNK_BYTES", "CHUNK_RECORDS", "FORMATS", "jsonl_lines", "parse_json", "token_ids"]
+__all__ = [
+    "CHUNK_BYTES",
+    "CHUNK_RECORDS",
+    "FORMATS",
+    "input_paths",
+    "jsonl_lines",
+    "parse_json",
+    "token_ids",
+]
 
 FORMATS = ("auto", "jsonl", "parquet", "npy")
 #: Input bytes (JSONL) or records per work item; a few per worker keep every worker busy.
 CHUNK_BYTES = 1 << 16
 CHUNK_RECORDS = 1024
+
+
+def input_paths(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The input files of a conversion, each checked to exist; a URL is refused by name."""
+    items = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    if not items:
+        raise ValueError("no inputs given; pass at least one JSONL, Parquet or .npy file")
+    paths = [
+        local_only(p, what="meshfeed convert", fix="download the input first, then convert it")
+        for p in items
+    ]
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"input {p} does not exist")
+    return paths
 
 
 def _detect(path: Path, fmt: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.convert_input import jsonl_lines, parse_json
+from meshfeed.sources.convert_input import input_paths, jsonl_lines, parse_json
 from meshfeed.sources.shards_format import read_index
 from meshfeed.sources.shards_write import write_shards
 from meshfeed.sources.url_output import upload_target
@@ -189,12 +189,7 @@ def convert_to_shards(
 ) -> Path | str:
     """Write the JSONL ``inputs`` (in order) as shards into ``output`` (a folder or a URL
     prefix, see :func:`write_shards`); return the path or URL of ``index.json``."""
-    paths = [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("no inputs given; pass at least one JSONL file")
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"input {p} does not exist")
+    paths = input_paths(inputs)
     samples = _scan(paths)
     try:
         return write_shards(
