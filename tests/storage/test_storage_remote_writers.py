@@ -115,7 +115,7 @@ def test_write_indexed_to_a_url_uploads_and_the_streaming_writer_refuses_one(
     assert _keys(s3, "corpora/") == {"corpora/c.bin", "corpora/c.idx"}
     fresh = TokenCorpus.open(url, cache_dir=tmp_path / "other", storage_options=s3.options)
     assert fresh.fingerprint == corpus.fingerprint
-    with pytest.raises(ValueError, match="IndexedWriter writes local files.*write_indexed"):
+    with pytest.raises(ValueError, match="IndexedWriter takes a local path.*write_indexed"):
         IndexedWriter(url)
     assert not Path("s3:").exists()
 
@@ -137,3 +137,29 @@ def test_local_writers_refuse_a_url_by_name(
         SampleStore().save("s3://bucket/store.pt")
     assert list(tmp_path.iterdir()) == []  # no folder named after the URL
     assert index.save(f"file://{tmp_path}/m") == tmp_path / "m"  # a file:// URL is local
+
+
+def test_a_missing_bucket_fails_before_any_work_naming_the_url(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfeed.sources.convert import convert
+
+    remote = {"cache_dir": tmp_path / "cache", "storage_options": s3.options}
+    read: list[int] = []
+
+    def samples() -> Iterator[int]:
+        read.append(1)
+        yield 1
+
+    missing = "s3://no-such-bucket-here/ds"
+    with pytest.raises(
+        FileNotFoundError, match=f"cannot write the shards to {missing}: the bucket"
+    ):
+        write_shards(samples(), missing, **remote)
+    with pytest.raises(FileNotFoundError, match="cannot write the corpus to s3://no-such-bucket"):
+        write_indexed(missing, samples(), **remote)
+    src = tmp_path / "in.jsonl"
+    src.write_text("[1, 2]\n")
+    with pytest.raises(FileNotFoundError, match="cannot write the corpus to s3://no-such-bucket"):
+        convert(src, missing, progress=False, **remote)
+    assert read == [] and not list((tmp_path / "cache").glob(".upload-*"))

@@ -267,6 +267,7 @@ def _convert_to_url(
     for ext in (".bin", ".idx"):
         url = url.removesuffix(ext)
     with upload:
+        upload.check(url, "the corpus")
         convert(inputs, upload.staging / "corpus", **kw)
         upload_corpus(upload, upload.staging / "corpus", url)
     cache = upload.cache

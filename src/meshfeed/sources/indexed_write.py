@@ -198,6 +198,7 @@ def write_indexed(
         for ext in (".bin", ".idx"):
             url = url.removesuffix(ext)
         with Upload(cache_dir, storage_options) as upload:
+            upload.check(url, "the corpus")
             write_indexed(upload.staging / "corpus", documents, dtype, progress=progress)
             upload_corpus(upload, upload.staging / "corpus", url)
         options = upload.cache.storage_options

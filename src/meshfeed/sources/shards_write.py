@@ -425,6 +425,7 @@ def _write_to_url(
 ) -> str:
     index_url = f"{url}/{INDEX_NAME}"
     with upload:
+        upload.check(url, "the shards")
         if upload.exists(index_url):
             if not overwrite:
                 raise FileExistsError(

@@ -17,18 +17,86 @@ import shutil
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from meshfeed.errors import SourceError
 from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of, upload_file
+from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import filesystem
 
-__all__ = ["Upload", "upload_target"]
+__all__ = ["Upload", "check_writable", "upload", "upload_target"]
 
 
 def upload_target(output: str | os.PathLike[str]) -> str | None:
     """The URL ``output`` names when writing there means uploading; None for a local path."""
     out = os.fspath(output)
     return out.rstrip("/") if is_url(out) and local_path_of(out) is None else None
+
+
+_ADVICE = (
+    "check the URL (bucket and prefix) and the credentials and endpoint (storage_options= or "
+    "the client's environment variables, e.g. AWS_ACCESS_KEY_ID / AWS_ENDPOINT_URL)"
+)
+# object stores whose first path component is a bucket (checked to exist before a write)
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+
+
+def upload(local: str | os.PathLike[str], url: str, storage_options: StorageOptions | None) -> None:
+    """Upload one file (retried); a failure raises :class:`SourceError` naming ``url``."""
+    try:
+        upload_file(local, url, storage_options=storage_options)
+    except (SourceError, ImportError):
+        raise
+    except Exception as e:  # the client's own errors (no bucket, credentials, endpoint)
+        raise SourceError(f"cannot upload {url}: {type(e).__name__}: {e}; {_ADVICE}") from e
+
+
+def check_writable(
+    url: str,
+    storage_options: StorageOptions | None = None,
+    *,
+    what: str,
+    retry_timeout: float = 30.0,
+) -> None:
+    """Fail now, naming ``url``, if files could not be uploaded there (``what``: "the shards").
+
+    One or two metadata requests: an unknown protocol, a missing client library, missing
+    credentials, an unreachable endpoint or (on object stores) a missing bucket raise here, so
+    a writer fails in seconds rather than after its work. A denied request is let through
+    (write-only credentials); the upload then says what it finds.
+    """
+    try:
+        fs, path = filesystem(url, storage_options)
+    except ValueError as e:  # fsspec: "Protocol not known: ..."
+        raise ValueError(
+            f"cannot write {what} to {url}: {e}; give a local folder or a URL of an installed "
+            "fsspec protocol (s3://, gs://, file://, ...)"
+        ) from e
+    retry = RetryPolicy(timeout=retry_timeout)
+    try:
+        if retry.call(lambda: fs.exists(path), url=url, action="reach") or not _bucketed(fs):
+            return
+        bucket = path.split("/", 1)[0]
+        found = retry.call(lambda: fs.exists(bucket), url=url, action="reach")
+    except PermissionError:
+        return  # write-only credentials may not list: the upload says what it finds
+    except SourceError:
+        raise
+    except Exception as e:
+        raise SourceError(
+            f"cannot write {what} to {url}: {type(e).__name__}: {e}; {_ADVICE}"
+        ) from e
+    if not found:
+        raise FileNotFoundError(
+            f"cannot write {what} to {url}: the bucket {bucket!r} does not exist (or these "
+            "credentials cannot see it); create it, or fix the URL or the endpoint"
+        )
+
+
+def _bucketed(fs: Any) -> bool:
+    """Whether the first component of ``fs``'s paths is a bucket that writes do not create."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & _BUCKETED)
 
 
 class Upload:
@@ -61,17 +129,12 @@ class Upload:
 
     def publish(self, local: str | os.PathLike[str], url: str) -> None:
         """Upload ``local`` to ``url``, then keep it as the cached copy of ``url``."""
-        try:
-            upload_file(local, url, storage_options=self.cache.storage_options)
-        except (SourceError, OSError, ImportError):
-            raise
-        except Exception as e:  # the client's own errors (credentials, endpoint): name the URL
-            raise SourceError(
-                f"cannot upload {url}: {type(e).__name__}: {e}; check the URL, the credentials "
-                "and the endpoint (storage_options= or the client's environment variables, "
-                "e.g. AWS_ENDPOINT_URL)"
-            ) from e
+        upload(local, url, self.cache.storage_options)
         self.cache.adopt(url, local)
+
+    def check(self, url: str, what: str) -> None:
+        """:func:`check_writable` with this upload's storage options: fail before the work."""
+        check_writable(url, self.cache.storage_options, what=what)
 
     def exists(self, url: str) -> bool:
         """Whether an object is at ``url`` (one metadata request)."""
