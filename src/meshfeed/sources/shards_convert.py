@@ -3,8 +3,8 @@
 Each JSON line is one sample: an object becomes a dict sample, any other value a bare sample.
 ``str`` / ``int`` / ``float`` / ``bool`` stay as they are (a field holding ints and floats is
 stored as float); a list of numbers becomes an array: of floats if any row of its field holds a
-float, else of the narrowest integer type that holds every row's values (``uint8``,
-``uint16``, ``int32``, ...: token ids below 65,536 take 2 bytes each, not 8), and a list of
+float, else of the narrowest integer type of at least 16 bits that holds every row's values
+(``uint16``, ``int16``, ``int32``, ...: token ids below 65,536 take 2 bytes each, not 8), and a list of
 booleans a ``bool`` array. The inputs are read twice: once to check every record and find each
 field's type, once to write. Anything else (``null``, nested objects or lists, lists mixing
 kinds, fields that differ between records) is refused naming the file and line (serialise it
@@ -35,10 +35,9 @@ from meshfeed.storage import ShardCache, StorageOptions
 __all__ = ["convert_to_shards", "jsonl_samples"]
 
 _INT64 = np.iinfo(np.int64)
-#: Narrowest first; int32 before uint32 (as narrow, and torch's embedding and index ops take it).
-_INT_TYPES = tuple(
-    np.dtype(t) for t in ("uint8", "int8", "uint16", "int16", "int32", "uint32", "int64")
-)
+#: Narrowest first, from 16 bits: torch takes a uint8 tensor used as an index for a boolean
+#: mask (silently other rows); int32 before uint32 (as narrow, and embeddings take it).
+_INT_TYPES = tuple(np.dtype(t) for t in ("uint16", "int16", "int32", "uint32", "int64"))
 _SCALARS = {str: "str", int: "int", float: "float", bool: "bool"}
 _LISTS = {frozenset({int}): "ints", frozenset({float}): "floats", frozenset({int, float}): "floats"}
 
@@ -61,7 +60,7 @@ class _Field:
         if self.kind == "bools":
             return np.dtype(np.bool_)
         if self.lo > self.hi:
-            return np.dtype(np.uint8)
+            return _INT_TYPES[0]
         return next(
             d for d in _INT_TYPES if np.iinfo(d).min <= self.lo and self.hi <= np.iinfo(d).max
         )
@@ -243,6 +242,12 @@ def handler(args: argparse.Namespace) -> int:
         f"wrote {index_path}: {index.num_rows} samples in {len(index.shards)} shards, "
         f"{size} bytes, fields {dtypes}"
     )
+    if len(index.shards) == 1 and index.num_rows > 1 and not args.quiet:
+        print(
+            "meshfeed convert: one shard holds every sample; for several data ranks or workers "
+            "pass --rows-per-shard N or --bytes-per-shard B so each reads its own shards",
+            file=sys.stderr,
+        )
     return 0
 
 
