@@ -237,7 +237,11 @@ def handler(args: argparse.Namespace) -> int:
         print(f"meshfeed convert: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     size = sum(s.bytes for s in index.shards)
-    dtypes = ", ".join(f"{f.name or 'sample'}: {f.dtype}" for f in index.fields)
+    arrays = ("ndarray", "tensor")
+    dtypes = ", ".join(
+        f"{f.name or 'sample'}: {f'{f.dtype} array' if f.kind in arrays else f.kind}"
+        for f in index.fields
+    )
     print(
         f"wrote {index_path}: {index.num_rows} samples in {len(index.shards)} shards, "
         f"{size} bytes, fields {dtypes}"
