@@ -78,6 +78,11 @@ ONE_LINE_ERRORS = [
     (["convert", "x.jsonl", "-o", "o", "--rows-per-shard", "0"], "'0' is not a positive number"),
     (["convert", "s3://b/x.jsonl", "-o", "o"], "convert takes a local path (got 's3://b/x.jsonl'"),
     (["convert", "s3://b/x.jsonl", "--to", "shards", "-o", "o"], "got 's3://b/x.jsonl', a URL"),
+    (["convert", "x.jsonl", "-o", "s3://b/c", "--cache-dir", "s3://b/cache"], "cache_dir takes"),
+    (
+        ["convert", "x.jsonl", "-o", "o", "--tokenizer", "s3://b/t.json"],
+        "a tokenizer takes a local",
+    ),
 ]
 
 

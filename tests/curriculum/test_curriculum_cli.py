@@ -158,3 +158,12 @@ def test_seqlen_over_windows_is_refused_and_windows_default_to_vocab_rarity(
     assert not out.exists()
     assert _run(argv) == 0
     assert "wrote 1 metric index(es) (vocab_rarity)" in capsys.readouterr().out
+
+
+def test_a_url_cache_dir_is_refused_by_name(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_indexed(tmp_path / "c", _docs(), np.uint16)
+    argv = ["analyze", str(tmp_path / "c"), "-o", str(tmp_path / "m"), "-q", "-j", "0"]
+    assert _run([*argv, "--cache-dir", "s3://b/cache"]) == 2
+    assert "--cache-dir takes a local path (got 's3://b/cache', a URL)" in caplog.text
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "m").exists()

@@ -35,6 +35,7 @@ from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric, seqlen, vocab_rarity
 from meshfeed.storage import is_url
+from meshfeed.storage.urls import local_only
 
 __all__ = ["add_subcommand", "available_cores"]
 
@@ -78,6 +79,8 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
         return made() if callable(made) and not hasattr(made, "__getitem__") else made
     from meshfeed.sources.indexed import TokenCorpus
 
+    if cache_dir is not None:
+        local_only(cache_dir, what="--cache-dir", fix="give a local folder for the shard cache")
     corpus = TokenCorpus(spec, cache_dir=cache_dir)
     if not np.issubdtype(corpus.dtype, np.integer):
         raise ValueError(

@@ -22,7 +22,7 @@ from typing import Any
 from meshfeed.errors import SourceError
 from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of, upload_file
 from meshfeed.storage.retry import RetryPolicy
-from meshfeed.storage.urls import filesystem
+from meshfeed.storage.urls import filesystem, local_only
 
 __all__ = ["Upload", "check_writable", "upload", "upload_target"]
 
@@ -113,6 +113,8 @@ class Upload:
         cache_dir: str | os.PathLike[str] | None = None,
         storage_options: StorageOptions | None = None,
     ) -> None:
+        if cache_dir is not None:  # the staging folder lives there: never a folder "s3:"
+            cache_dir = local_only(cache_dir, what="cache_dir", fix="give a local folder")
         self.cache = ShardCache(cache_dir, storage_options=storage_options)
         self.staging = Path(tempfile.mkdtemp(dir=self.cache.cache_dir, prefix=".upload-"))
 
