@@ -83,6 +83,13 @@ ONE_LINE_ERRORS = [
         ["convert", "x.jsonl", "-o", "o", "--tokenizer", "s3://b/t.json"],
         "a tokenizer takes a local",
     ),
+    # an option the chosen --to would ignore is refused, not dropped without a word
+    (["convert", "x.jsonl", "-o", "o", "--rows-per-shard", "9"], "--rows-per-shard applies to"),
+    (
+        ["convert", "x.jsonl", "--to", "shards", "-o", "o", "--tokenizer", "b"],
+        "--tokenizer applies",
+    ),
+    (["convert", "x.jsonl", "--to", "shards", "-o", "o", "--dtype", "int32"], "--dtype applies"),
 ]
 
 

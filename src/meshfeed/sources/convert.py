@@ -274,7 +274,41 @@ def _convert_to_url(
     return TokenCorpus.open(url, cache_dir=cache.cache_dir, storage_options=cache.storage_options)
 
 
+#: Options of one --to only, with their defaults: given with the other, they are refused.
+_ONLY: dict[str, dict[str, tuple[str, object]]] = {
+    "corpus": {
+        "--field": ("field", "text"),
+        "--tokenizer": ("tokenizer", None),
+        "--dtype": ("dtype", "uint16"),
+        "--append-eod": ("append_eod", False),
+        "--eod-id": ("eod_id", None),
+        "--format": ("format", "auto"),
+    },
+    "shards": {
+        "--compression": ("compression", None),
+        "--rows-per-shard": ("rows_per_shard", None),
+        "--bytes-per-shard": ("bytes_per_shard", None),
+        "--overwrite": ("overwrite", False),
+    },
+}
+
+
+def _misplaced(args: argparse.Namespace) -> str | None:
+    """The first option given that the chosen --to ignores (it would be silently dropped)."""
+    for to, options in _ONLY.items():
+        if to == args.to:
+            continue
+        for flag, (name, default) in options.items():
+            if getattr(args, name) != default:
+                return f"{flag} applies to --to {to} only (got --to {args.to}); leave it out"
+    return None
+
+
 def _handler(args: argparse.Namespace) -> int:
+    misplaced = _misplaced(args)
+    if misplaced is not None:
+        print(f"meshfeed convert: error: {misplaced}", file=sys.stderr)
+        return 2
     if args.to == "shards":
         from meshfeed.sources.shards_convert import handler
 
