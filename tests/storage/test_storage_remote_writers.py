@@ -100,7 +100,12 @@ def test_convert_to_shards_with_a_url_output_uploads(
     stream.close()
     assert main(argv) == 2
     assert "pass --overwrite" in capsys.readouterr().err
-    assert main([*argv, "--overwrite"]) == 0
+    assert main([*argv, "--overwrite", "-j", "2"]) == 0  # encoded in 2 processes, uploaded here
+    again = ShardedStream.from_index(url, cache_dir=tmp_path / "c3", storage_options=s3.options)
+    assert [r["ids"].tolist() for r in again.__getitems__(list(range(40)))] == [
+        [n, 300] for n in range(40)
+    ]
+    again.close()
 
 
 def test_write_indexed_to_a_url_uploads_and_the_streaming_writer_refuses_one(
