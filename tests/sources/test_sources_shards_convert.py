@@ -72,7 +72,7 @@ def test_number_lists_keep_the_narrowest_type_and_their_values(
 def test_a_field_of_ints_and_floats_is_stored_as_floats_and_bare_records_work(
     tmp_path: Path,
 ) -> None:
-    src = write_jsonl(tmp_path / "d.jsonl", [{"x": 1, "s": "a"}, {"x": 2.5, "s": "b"}])
+    src = write_jsonl(tmp_path / "d.jsonl", [{"x": 1, "s": "a"}, {"s": "b", "x": 2.5}])
     got = read_all(convert_to_shards([src], tmp_path / "a"))
     assert [g["x"] for g in got] == [1.0, 2.5] and [g["s"] for g in got] == ["a", "b"]
     bare = write_jsonl(tmp_path / "b.jsonl", [[1, 2], [3]])

@@ -4,8 +4,8 @@ Each JSON line is one sample: an object becomes a dict sample, any other value a
 ``str`` / ``int`` / ``float`` / ``bool`` stay as they are (a field holding ints and floats is
 stored as float); a list of numbers becomes an array: of floats if any row of its field holds a
 float, else of the narrowest integer type of at least 16 bits that holds every row's values
-(``uint16``, ``int16``, ``int32``, ...: token ids below 65,536 take 2 bytes each, not 8), and a list of
-booleans a ``bool`` array. The inputs are read twice: once to check every record and find each
+(``uint16``, ``int16``, ``int32``, ...: token ids below 65,536 take 2 bytes each, not 8), and
+a list of booleans a ``bool`` array. The inputs are read twice: once to check every record and find each
 field's type, once to write. Anything else (``null``, nested objects or lists, lists mixing
 kinds, fields that differ between records) is refused naming the file and line (serialise it
 into a ``str`` first); a broken ``.gz`` or too deep JSON names the file as well.
@@ -131,11 +131,11 @@ def _scan(paths: Sequence[Path]) -> _Samples:
             first = where
             fields = {n: _Field() for n in (names if names is not None else [""])}
             bare = names is None
-        if bare != (names is None) or (names is not None and names != list(fields)):
+        if bare != (names is None) or (names is not None and set(names) != set(fields)):
+            had = "none (a bare value)" if bare else sorted(fields)
             raise ValueError(
-                f"{where} has fields {names or 'none (a bare value)'}, but {first} had "
-                f"{'none (a bare value)' if bare else list(fields)}: every record needs the same "
-                "fields, in the same order"
+                f"{where} has fields {'none (a bare value)' if names is None else sorted(names)}"
+                f", but {first} had {had}: every record needs the same fields"
             )
         for n, field in fields.items():
             _merge(field, record[n] if names is not None else record, where, n)
