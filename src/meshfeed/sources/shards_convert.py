@@ -27,7 +27,7 @@ import numpy as np
 
 from meshfeed.errors import SourceError
 from meshfeed.sources.convert_input import input_paths, jsonl_lines, parse_json
-from meshfeed.sources.shards_format import read_index
+from meshfeed.sources.shards_format import ShardIndex, read_index
 from meshfeed.sources.shards_write import write_shards
 from meshfeed.sources.url_output import upload_target
 from meshfeed.storage import ShardCache, StorageOptions
@@ -210,11 +210,7 @@ def convert_to_shards(
 
 def handler(args: argparse.Namespace) -> int:
     """``meshfeed convert ... --to shards``: write, then print what was written."""
-    sizes = (args.rows_per_shard, args.bytes_per_shard)
-    try:
-        for flag, v in zip(("--rows-per-shard", "--bytes-per-shard"), sizes, strict=True):
-            if v is not None and v < 1:
-                raise ValueError(f"{flag} must be a positive number (got {v})")
+    try:  # --rows-per-shard / --bytes-per-shard are positive: argparse checked them
         index_path = convert_to_shards(
             args.inputs,
             args.output,
@@ -255,7 +251,7 @@ def handler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_written(index_path: Path | str, cache_dir: str | None) -> Any:
+def _read_written(index_path: Path | str, cache_dir: str | None) -> ShardIndex:
     url = upload_target(index_path)
     if url is None:
         return read_index(index_path)
