@@ -5,8 +5,11 @@ local). :class:`Upload` stages files in a hidden folder inside the shard cache a
 each one: uploaded (an object appears only once complete, so a reader never sees part of one),
 then adopted as the node's cached copy (a rename, so the readers of this node never download
 what it wrote). Writers publish their metadata file last (``index.json``, ``.idx``), so a
-reader that finds it finds every file it names. :func:`~meshfeed.sources.convert.convert`,
-:func:`~meshfeed.sources.write_indexed` and :func:`~meshfeed.sources.write_shards` share it.
+reader that finds it finds every file it names. :func:`check_writable` fails in seconds, naming
+the URL, where an upload could not succeed (unknown protocol, no credentials, no bucket), so a
+writer checks before its work; :func:`upload` names the URL when an upload fails.
+:func:`~meshfeed.sources.convert.convert`, :func:`~meshfeed.sources.write_indexed`,
+:func:`~meshfeed.sources.write_shards` and ``meshfeed analyze``'s output share this code.
 """
 
 from __future__ import annotations
