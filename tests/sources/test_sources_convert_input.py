@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from meshfeed.cli import main
@@ -79,3 +80,49 @@ def test_token_ids_refuse_what_numpy_would_coerce(tmp_path: Path) -> None:
             token_ids(bad, "f:1")
     with pytest.raises(ValueError, match="outside int64"):
         token_ids([2**70], "f:1")
+
+
+def _corrupt_page(path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({"text": [[i, i + 1] for i in range(5000)]})
+    pq.write_table(table, path, compression="snappy", row_group_size=2500)
+    data = bytearray(path.read_bytes())
+    for at in range(200, 2000, 7):  # inside the first data page
+        data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+CORPUS_ONLY: list[tuple[str, Callable[[Path], None], str]] = [
+    (
+        "o.npy",
+        lambda p: np.save(p, np.array([[1, 2], [3]], dtype=object), allow_pickle=True),
+        r"o\.npy is not a readable \.npy integer array",
+    ),
+    ("h.npy", lambda p: p.write_bytes(b"\x93NUMPY garbage"), r"h\.npy is not a readable \.npy"),
+    (
+        "s.npy",
+        lambda p: (np.save(p, np.ones((64, 64), np.int32)), p.write_bytes(p.read_bytes()[:300])),
+        r"s\.npy is not a readable \.npy",
+    ),
+    ("f.parquet", lambda p: p.write_bytes(b"PAR1 garbage"), r"f\.parquet is not a readable"),
+    ("p.parquet", _corrupt_page, r"p\.parquet row 0: a corrupt Parquet page"),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "message"), CORPUS_ONLY, ids=[m[0] for m in CORPUS_ONLY])
+def test_malformed_npy_and_parquet_name_the_file(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    make: Callable[[Path], None],
+    message: str,
+) -> None:
+    import re
+
+    make(tmp_path / name)
+    out = tmp_path / "out" / "o"
+    assert main(["convert", str(tmp_path / name), "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
+    assert not out.parent.exists() or not any(out.parent.iterdir())

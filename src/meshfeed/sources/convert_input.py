@@ -141,13 +141,25 @@ def _parquet_chunks(path: Path, field: str) -> Iterator[_Chunk]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError("converting Parquet needs pyarrow: pip install meshfeed[parquet]") from e
-    pf = pq.ParquetFile(path)
+    import pyarrow as pa
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{path} is not a readable Parquet file ({e}); check or rewrite it") from e
     if field not in pf.schema_arrow.names:
         raise ValueError(
             f"{path} has no column {field!r} (columns: {pf.schema_arrow.names}); pass --field NAME"
         )
     total, size, row = max(1, pf.metadata.num_rows), path.stat().st_size, 0
-    for batch in pf.iter_batches(columns=[field], batch_size=CHUNK_RECORDS):
+    batches = pf.iter_batches(columns=[field], batch_size=CHUNK_RECORDS)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as e:  # a corrupt page: the rows after `row`
+            raise ValueError(f"{path} row {row}: a corrupt Parquet page ({e})") from e
+        if batch is None:
+            return
         values = batch.column(0).to_pylist()
         items = list(enumerate(values, row))
         row += len(values)
@@ -155,7 +167,13 @@ def _parquet_chunks(path: Path, field: str) -> Iterator[_Chunk]:
 
 
 def _npy_chunks(path: Path) -> Iterator[_Chunk]:
-    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # a bad header, objects, a short file
+        raise ValueError(
+            f"{path} is not a readable .npy integer array ({e}); save it with np.save from an "
+            "integer array"
+        ) from e
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
         raise ValueError(
             f"{path} holds a {arr.ndim}-D {arr.dtype} array; .npy input must be a 2-D "
