@@ -65,16 +65,30 @@ def test_a_failed_write_uploads_no_index_and_a_second_write_needs_overwrite(
 
     with pytest.raises(TypeError, match="row 25"):
         write_shards(bad(), url, rows_per_shard=10, **remote)
-    assert "ds/index.json" not in _keys(s3, "ds/")  # no reader takes the prefix for a dataset
+    assert _keys(s3, "ds/") == set()  # its two uploaded shards removed: nothing left behind
     assert not list((tmp_path / "cache").glob(".upload-*"))
+    s3.put("other/notes.txt", b"a user's file")
     with pytest.raises(FileExistsError, match="holds objects but no index.json"):
-        write_shards(range(5), url, **remote)  # the failed write's shards are there
+        write_shards(range(5), s3.url("other"), **remote)
     write_shards(range(5), s3.url("ok"), **remote)
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
         write_shards(range(3), s3.url("ok"), **remote)
-    write_shards(range(3), s3.url("ok"), overwrite=True, **remote)
+    with pytest.raises(TypeError, match="row 25"):  # a rewrite that fails: the old one stays
+        write_shards(bad(), s3.url("ok"), rows_per_shard=10, overwrite=True, **remote)
+    fresh = {"cache_dir": tmp_path / "fresh", "storage_options": s3.options}
+    old = ShardedStream.from_index(s3.url("ok"), **fresh)
+    assert old.__getitems__(list(range(5))) == list(range(5))
+    old.close()
+    write_shards(range(100, 103), s3.url("ok"), overwrite=True, **remote)
     index = json.loads(s3.client.get_object(Bucket=s3.bucket, Key="ok/index.json")["Body"].read())
     assert sum(s["rows"] for s in index["shards"]) == 3
+    # the new shards (new names) and the index only: old shards and the failed rewrite's gone
+    assert _keys(s3, "ok/") == {f"ok/{e['file']}" for e in index["shards"]} | {"ok/index.json"}
+    new = ShardedStream.from_index(
+        s3.url("ok"), cache_dir=tmp_path / "f2", storage_options=s3.options
+    )
+    assert new.__getitems__([0, 1, 2]) == [100, 101, 102]
+    new.close()
 
 
 def test_convert_to_shards_with_a_url_output_uploads(

@@ -16,6 +16,7 @@ half-written dataset is ever seen as complete. A process killed mid-write can le
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import itertools
 import json
@@ -24,7 +25,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +281,7 @@ def _encode_all(
     block_rows: int | None,
     num_workers: int,
     on_shard: Callable[[Path], None] | None,
+    stem: str = "shard",
 ) -> tuple[Schema | None, list[dict[str, Any]]]:
     schema: Schema | None = None
     entries: list[dict[str, Any]] = []
@@ -288,7 +290,7 @@ def _encode_all(
         nonlocal schema
         for n, (schema, columns) in enumerate(cut):
             yield _Task(
-                path=str(tmp / f"shard-{n:05d}.mfs"),
+                path=str(tmp / f"{stem}-{n:05d}.mfs"),
                 fields=tuple(schema.fields),
                 columns=columns,
                 compression=compression,
@@ -351,9 +353,9 @@ def write_shards(
     ``storage_options`` or the client's environment): each shard is uploaded as soon as it is
     written (from a staging folder in the shard cache at ``cache_dir``, where it stays as the
     node's cached copy), ``index.json`` last, so a reader never takes a partial upload for a
-    dataset; the URL of ``index.json`` is returned. With ``overwrite=True`` the old
-    ``index.json`` is deleted first, so readers of the old dataset fail by name rather than
-    read a mix.
+    dataset; the URL of ``index.json`` is returned. With ``overwrite=True`` the new shards
+    get new names, the old dataset stays whole until the new ``index.json`` replaces its
+    index (a failed rewrite loses nothing), then the old shards are deleted.
 
         >>> write_shards(({"ids": np.arange(n), "text": "x" * n} for n in range(1, 9)),
         ...              tmp / "ds", rows_per_shard=4)                       # doctest: +SKIP
@@ -395,6 +397,7 @@ class _Options:
     compression: str | None
     block_rows: int | None
     num_workers: int
+    stem: str = "shard"  # shard files are STEM-00000.mfs, ...
 
 
 def _write(
@@ -402,7 +405,9 @@ def _write(
 ) -> None:
     """Every shard, then ``index.json``, into the folder ``tmp`` (each file fsynced)."""
     cut = chunks(samples, o.rows_per_shard, o.bytes_per_shard)
-    schema, entries = _encode_all(cut, tmp, o.compression, o.block_rows, o.num_workers, on_shard)
+    schema, entries = _encode_all(
+        cut, tmp, o.compression, o.block_rows, o.num_workers, on_shard, o.stem
+    )
     if schema is None:  # chunks() raises first on no samples; kept for the type
         raise ValueError("no samples to write")
     index = {
@@ -423,7 +428,11 @@ def _write(
 def _write_to_url(
     samples: Iterable[Any], url: str, o: _Options, overwrite: bool, upload: Upload
 ) -> str:
+    """Upload each shard once written, then ``index.json``. Replacing a dataset, the new shards
+    get new names: the old ``index.json`` and its shards stay valid until the new index
+    replaces it in one write (a failed rewrite loses nothing), then the old shards go."""
     index_url = f"{url}/{INDEX_NAME}"
+    old: list[str] = []
     with upload:
         upload.check(url, "the shards")
         if upload.exists(index_url):
@@ -432,16 +441,28 @@ def _write_to_url(
                     f"{url} holds a shard dataset ({INDEX_NAME}); pass overwrite=True to "
                     "replace it, or choose another prefix"
                 )
-            upload.remove(index_url)  # from now on no reader takes the prefix for a dataset
+            old = [e["file"] for e in json.loads(upload.read(index_url))["shards"]]
+            o = replace(o, stem=f"shard-{uuid.uuid4().hex[:8]}")
         elif upload.holds_anything(url):
             raise FileExistsError(
                 f"{url} holds objects but no {INDEX_NAME} (not a shard dataset); choose "
                 "another prefix (overwrite=True replaces only a shard dataset)"
             )
 
-        def publish(shard: Path) -> None:
-            upload.publish(shard, f"{url}/{shard.name}")
+        published: list[str] = []
 
-        _write(samples, upload.staging, o, publish)
-        upload.publish(upload.staging / INDEX_NAME, index_url)
+        def publish(shard: Path) -> None:
+            published.append(f"{url}/{shard.name}")
+            upload.publish(shard, published[-1])
+
+        try:
+            _write(samples, upload.staging, o, publish)
+            upload.publish(upload.staging / INDEX_NAME, index_url)
+        except BaseException:
+            for done in published:  # no index names them: leave nothing behind
+                with contextlib.suppress(Exception):
+                    upload.remove(done)
+            raise
+        for name in old:  # no index names them any more
+            upload.remove(f"{url}/{name}")
     return index_url

@@ -146,6 +146,12 @@ class Upload:
         fs, path = filesystem(url, self.cache.storage_options)
         return bool(fs.exists(path))
 
+    def read(self, url: str) -> bytes:
+        """The bytes of the (small) object at ``url``, read past the cache."""
+        fs, path = filesystem(url, self.cache.storage_options)
+        fs.invalidate_cache(path)
+        return bytes(fs.cat_file(path))
+
     def holds_anything(self, url: str) -> bool:
         """Whether any object lies under the prefix ``url`` (one listing request)."""
         fs, path = filesystem(url, self.cache.storage_options)
