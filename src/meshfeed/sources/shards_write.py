@@ -16,7 +16,6 @@ half-written dataset is ever seen as complete. A process killed mid-write can le
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import hashlib
 import itertools
 import json
@@ -25,7 +24,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -374,7 +373,9 @@ def write_shards(
     )
     url = upload_target(out_dir)
     if url is not None:
-        return _write_to_url(samples, url, options, overwrite, Upload(cache_dir, storage_options))
+        from meshfeed.sources.shards_upload import write_to_url
+
+        return write_to_url(samples, url, options, overwrite, Upload(cache_dir, storage_options))
     out = Path(local_path_of(os.fspath(out_dir)) or out_dir)
     _prepare(out, overwrite)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
@@ -423,46 +424,3 @@ def _write(
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-
-
-def _write_to_url(
-    samples: Iterable[Any], url: str, o: _Options, overwrite: bool, upload: Upload
-) -> str:
-    """Upload each shard once written, then ``index.json``. Replacing a dataset, the new shards
-    get new names: the old ``index.json`` and its shards stay valid until the new index
-    replaces it in one write (a failed rewrite loses nothing), then the old shards go."""
-    index_url = f"{url}/{INDEX_NAME}"
-    old: list[str] = []
-    with upload:
-        upload.check(url, "the shards")
-        if upload.exists(index_url):
-            if not overwrite:
-                raise FileExistsError(
-                    f"{url} holds a shard dataset ({INDEX_NAME}); pass overwrite=True to "
-                    "replace it, or choose another prefix"
-                )
-            old = [e["file"] for e in json.loads(upload.read(index_url))["shards"]]
-            o = replace(o, stem=f"shard-{uuid.uuid4().hex[:8]}")
-        elif upload.holds_anything(url):
-            raise FileExistsError(
-                f"{url} holds objects but no {INDEX_NAME} (not a shard dataset); choose "
-                "another prefix (overwrite=True replaces only a shard dataset)"
-            )
-
-        published: list[str] = []
-
-        def publish(shard: Path) -> None:
-            published.append(f"{url}/{shard.name}")
-            upload.publish(shard, published[-1])
-
-        try:
-            _write(samples, upload.staging, o, publish)
-            upload.publish(upload.staging / INDEX_NAME, index_url)
-        except BaseException:
-            for done in published:  # no index names them: leave nothing behind
-                with contextlib.suppress(Exception):
-                    upload.remove(done)
-            raise
-        for name in old:  # no index names them any more
-            upload.remove(f"{url}/{name}")
-    return index_url
