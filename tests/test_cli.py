@@ -72,6 +72,24 @@ ONE_LINE_ERRORS = [
     (["convert", "x.jsonl", "-o", "o", "--tokenizer", "nope.json"], "does not exist"),
     (["plan", "--dp", "x"], "argument --dp: invalid int value: 'x'"),
     (["nosuch"], "invalid choice: 'nosuch'"),
+    # a URL where only a local file works is refused by name, never made a folder "s3:" (#28)
+    (["plan", "--plot", "s3://b/load.png"], "s3://b/load.png is a URL; --plot takes a local"),
+    (["plan", "--lengths", "s3://b/l.npy"], "s3://b/l.npy is a URL; --lengths takes a local"),
+    (["convert", "x.jsonl", "-o", "o", "--rows-per-shard", "0"], "'0' is not a positive number"),
+    (["convert", "s3://b/x.jsonl", "-o", "o"], "convert takes a local path (got 's3://b/x.jsonl'"),
+    (["convert", "s3://b/x.jsonl", "--to", "shards", "-o", "o"], "got 's3://b/x.jsonl', a URL"),
+    (["convert", "x.jsonl", "-o", "s3://b/c", "--cache-dir", "s3://b/cache"], "cache_dir takes"),
+    (
+        ["convert", "x.jsonl", "-o", "o", "--tokenizer", "s3://b/t.json"],
+        "a tokenizer takes a local",
+    ),
+    # an option the chosen --to would ignore is refused, not dropped without a word
+    (["convert", "x.jsonl", "-o", "o", "--rows-per-shard", "9"], "--rows-per-shard applies to"),
+    (
+        ["convert", "x.jsonl", "--to", "shards", "-o", "o", "--tokenizer", "b"],
+        "--tokenizer applies",
+    ),
+    (["convert", "x.jsonl", "--to", "shards", "-o", "o", "--dtype", "int32"], "--dtype applies"),
 ]
 
 
@@ -93,6 +111,7 @@ def test_every_user_error_is_one_line_and_exit_code_2(argv, message, tmp_path, m
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert out == ""
+    assert not (tmp_path / "s3:").exists()
 
 
 @pytest.mark.slow

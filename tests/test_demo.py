@@ -19,9 +19,13 @@ from meshfeed.cli import main
         (["--num-workers", "-2"], "--num-workers must be at least 0 (got -2)"),
         (["--resume-dp", "0"], "--resume-dp must be at least 1 (got 0)"),
         (["--resume-dp", "3"], "--resume-dp 3 must divide the global batch 8"),
+        (["--workdir", "s3://b/demo"], "--workdir s3://b/demo is a URL; pick a local folder"),
     ],
 )
-def test_demo_refuses_bad_arguments_before_any_phase(argv, message, caplog, capsys):
+def test_demo_refuses_bad_arguments_before_any_phase(
+    argv, message, caplog, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.INFO, logger="meshfeed"):
         code = main(["demo", *argv])
     assert code == 2
@@ -30,6 +34,7 @@ def test_demo_refuses_bad_arguments_before_any_phase(argv, message, caplog, caps
     assert "writing a synthetic corpus" not in caplog.text
     assert "starting" not in caplog.text
     assert "summary" not in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # no folder named after a URL
 
 
 def test_demo_refuses_a_corpus_with_fewer_than_two_global_batches(caplog):

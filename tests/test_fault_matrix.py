@@ -524,6 +524,108 @@ def state_without_version(tmp: Path) -> None:
         DataLoader(list(range(16)), batch_size=2).load_state_dict(state)
 
 
+# ----------------------------------------------------------------- convert and writers (#28)
+def _convert_cli(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from meshfeed.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def convert_malformed_input(tmp: Path) -> None:
+    import re
+
+    from tests.sources.test_sources_convert_input import MALFORMED
+
+    for to in ("corpus", "shards"):
+        for name, make, message in MALFORMED:
+            make(tmp / name)
+            out = tmp / f"out-{to}-{name}" / "o"
+            code, err = _convert_cli(["convert", str(tmp / name), "--to", to, "-o", str(out), "-q"])
+            assert code == 2 and err.count("\n") == 1 and re.search(message, err), err
+            assert not out.parent.exists() or not any(out.parent.iterdir())
+
+
+def convert_to_shards_at_an_s3_url(tmp: Path) -> None:
+    boto3 = pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    mp = pytest.MonkeyPatch()
+    try:
+        host, port = server.get_host_and_port()
+        env = {
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.chdir(tmp)
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+        client.create_bucket(Bucket="bucket")
+        (tmp / "in.jsonl").write_text("".join(f'{{"ids": [{n}, 7]}}\n' for n in range(50)))
+        argv = ["convert", "in.jsonl", "--to", "shards", "-o", "s3://bucket/prefix"]
+        code, err = _convert_cli([*argv, "--rows-per-shard", "20", "--cache-dir", str(tmp / "c")])
+        assert code == 0, err
+        keys = {o["Key"] for o in client.list_objects_v2(Bucket="bucket")["Contents"]}
+        assert keys == {"prefix/index.json"} | {f"prefix/shard-0000{n}.mfs" for n in range(3)}
+        assert not (tmp / "s3:").exists()
+    finally:
+        mp.undo()
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def local_writers_given_a_url(tmp: Path) -> None:
+    from meshfeed.queue import SampleStore
+
+    mp = pytest.MonkeyPatch()
+    mp.chdir(tmp)
+    try:
+        for argv in (["plan", "--plot", "s3://b/p.png"], ["plan", "--lengths", "s3://b/l.npy"]):
+            with pytest.raises(SystemExit) as exit_:
+                _convert_cli(argv)
+            assert exit_.value.code == 2
+        fp = {"length": 3, "hash": "t"}
+        with pytest.raises(ValueError, match="takes a local path"):
+            MetricIndex.from_values("m", np.arange(3), fingerprint=fp).save("s3://b/m")
+        with pytest.raises(ValueError, match="takes a local path"):
+            SampleStore().save("s3://b/store")
+        with pytest.raises(ValueError, match="takes a local path"):
+            IndexedWriter("s3://b/corpus")
+        assert list(tmp.iterdir()) == []
+    finally:
+        mp.undo()
+
+
+def analyze_seqlen_over_windows(tmp: Path) -> None:
+    import logging
+
+    write_indexed(tmp / "c", [np.arange(1, 40) % 7] * 5, "uint16")
+    argv = ["analyze", str(tmp / "c"), "--windows", "8", "-o", str(tmp / "m"), "-m", "seqlen"]
+    logger = logging.getLogger("meshfeed")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        code, _ = _convert_cli([*argv, "-q", "-j", "0"])
+    finally:
+        logger.removeHandler(handler)
+    assert code == 2 and "gives every window the same value" in " ".join(seen)
+    assert not (tmp / "m").exists()
+
+
 # ----------------------------------------------------------------- process faults (#20)
 def loader_process_killed(tmp: Path) -> None:
     assert_tree_dies("DataLoader", tmp)
@@ -743,6 +845,30 @@ ROWS = [
         trials=1,
         outcome="ValueError: malformed",
         run=state_without_version,
+    ),
+    Row(
+        fault="meshfeed convert: truncated / CRC / not-gzip .gz, deep JSON, booleans, ragged",
+        trials=12,
+        outcome="one line naming the file (and line), exit 2, no output",
+        run=convert_malformed_input,
+    ),
+    Row(
+        fault="meshfeed convert --to shards -o s3://bucket/prefix",
+        trials=1,
+        outcome="uploaded (index.json last), no local folder named s3:",
+        run=convert_to_shards_at_an_s3_url,
+    ),
+    Row(
+        fault="a URL given to a local writer (plan --plot/--lengths, MetricIndex, store, .idx)",
+        trials=5,
+        outcome="refused naming the URL, no folder made",
+        run=local_writers_given_a_url,
+    ),
+    Row(
+        fault="meshfeed analyze -m seqlen --windows N",
+        trials=1,
+        outcome="refused by name (a constant metric), nothing written",
+        run=analyze_seqlen_over_windows,
     ),
     Row(
         fault="loader process SIGKILLed mid-epoch, num_workers=1 (fork)",

@@ -30,6 +30,7 @@ from meshfeed.mesh import DataMesh
 from meshfeed.progress import Progress
 from meshfeed.sources.indexed_write import write_indexed
 from meshfeed.sources.windows import TokenWindows
+from meshfeed.storage import is_url
 
 log = logging.getLogger("meshfeed")
 
@@ -200,6 +201,8 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     if args.resume_dp is not None and args.resume_dp < 1:
         return f"--resume-dp must be at least 1 (got {args.resume_dp})"
     if args.workdir is not None:
+        if is_url(args.workdir):
+            return f"--workdir {args.workdir} is a URL; pick a local folder (the demo writes there)"
         try:
             os.makedirs(args.workdir, exist_ok=True)
         except OSError as e:

@@ -149,3 +149,9 @@ def test_plan_cli_plot_title_counts_the_documents_of_the_table(tmp_path, capsys,
     assert png.exists()
     assert len(titles) == 1 and f"{docs} documents" in titles[0] and "3 batches" in titles[0]
     assert ticks == [[0.0, 1.0, 2.0, 3.0]]  # one tick per rank, at whole numbers
+
+
+def test_plan_takes_q_as_every_command_does(capsys):
+    assert _main(["plan", "--dp", "2", "--batches", "1", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert "-> 2 balanced ranks" in out and err == ""

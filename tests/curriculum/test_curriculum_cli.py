@@ -145,3 +145,25 @@ def test_windows_index_one_value_per_token_window_in_its_order(tmp_path, capsys)
     assert first.values.tolist() == [int(windows[i][0]) for i in range(len(windows))]
     assert len(MetricIndex.load(out / "vocab_rarity").values) == len(windows)
     assert _run(["analyze", f"{__name__}:windows_dataset", "--windows", "8", "-o", str(out)]) == 2
+
+
+def test_seqlen_over_windows_is_refused_and_windows_default_to_vocab_rarity(
+    tmp_path, capsys, caplog
+):
+    write_indexed(tmp_path / "c", _docs(), np.uint16)
+    out = tmp_path / "m"
+    argv = ["analyze", str(tmp_path / "c"), "--windows", "8", "-o", str(out), "-q", "-j", "0"]
+    assert _run([*argv, "-m", "seqlen"]) == 2  # every window has 9 tokens: a constant metric
+    assert "-m seqlen with --windows 8 gives every window the same value" in caplog.text
+    assert not out.exists()
+    assert _run(argv) == 0
+    assert "wrote 1 metric index(es) (vocab_rarity)" in capsys.readouterr().out
+
+
+def test_a_url_cache_dir_is_refused_by_name(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_indexed(tmp_path / "c", _docs(), np.uint16)
+    argv = ["analyze", str(tmp_path / "c"), "-o", str(tmp_path / "m"), "-q", "-j", "0"]
+    assert _run([*argv, "--cache-dir", "s3://b/cache"]) == 2
+    assert "--cache-dir takes a local path (got 's3://b/cache', a URL)" in caplog.text
+    assert not (tmp_path / "s3:").exists() and not (tmp_path / "m").exists()

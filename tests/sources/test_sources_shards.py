@@ -375,35 +375,6 @@ def test_a_bad_index_is_refused_by_name(tmp_path: Path) -> None:
         read_index(index)
 
 
-# --- meshfeed convert --to shards ---------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "compression", [[], pytest.param(["--compression", "zstd"], marks=NEEDS_ZSTD)]
-)
-def test_convert_jsonl_to_shards(
-    tmp_path: Path, compression: list[str], capsys: pytest.CaptureFixture[str]
-) -> None:
-    from meshfeed.cli import main
-
-    src = tmp_path / "in.jsonl"
-    lines = [{"text": "é" * n, "ids": list(range(n)), "score": n / 2} for n in range(1, 6)]
-    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    out = tmp_path / "out"
-    assert main(["convert", str(src), "--to", "shards", "-o", str(out), *compression]) == 0
-    assert "5 samples in 1 shards" in capsys.readouterr().out
-    reader = ShardFormatReader.from_index(out)
-    got = read_all(reader)
-    assert [g["text"] for g in got] == [x["text"] for x in lines]
-    assert [g["ids"].tolist() for g in got] == [x["ids"] for x in lines]
-    assert got[0]["ids"].dtype == np.int64 and got[2]["score"] == 1.5
-    assert reader.index is not None and reader.index.compression == (compression or [None])[-1]
-    src.write_text('{"a": {"nested": 1}}\n')
-    assert main(["convert", str(src), "--to", "shards", "-o", str(tmp_path / "o2")]) == 2
-    assert "row 0 field 'a': builtins.dict is not supported" in capsys.readouterr().err
-    assert not (tmp_path / "o2").exists()
-
-
 @NEEDS_ZSTD
 def test_zstd_levels_read_the_same_and_bad_ones_are_refused(tmp_path: Path) -> None:
     samples = [f"line {n} " * 50 for n in range(100)]

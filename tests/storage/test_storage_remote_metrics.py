@@ -53,7 +53,7 @@ def _ds_config(path: str) -> dict[str, Any]:
 
 def _uploads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The URLs analyze uploads, in order (the real upload still runs)."""
-    import meshfeed.curriculum.output as output_module
+    import meshfeed.sources.url_output as output_module  # every writer's uploads go through it
 
     seen: list[str] = []
     real = output_module.upload_file
@@ -147,7 +147,9 @@ def test_a_bad_output_url_fails_before_the_analysis_naming_the_url(
     calls: list[int] = []
     metric = SampleMetric(name="m", fn=lambda d: calls.append(1) or len(d))
     docs = [[1, 2], [3]]
-    with pytest.raises(ValueError, match=r"analyze output nope://bucket/m: .*Protocol not known"):
+    with pytest.raises(
+        ValueError, match=r"cannot write the analysis to nope://bucket/m: .*Protocol not known"
+    ):
         analyze(docs, [metric], output_dir="nope://bucket/m", progress=False)
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(var, raising=False)

@@ -126,7 +126,7 @@ def test_convert_writes_a_corpus_to_a_url_and_leaves_it_cached(s3: S3, tmp_path:
         body = s3.client.get_object(Bucket=s3.bucket, Key="out/corpus" + ext)["Body"].read()
         assert body == Path(str(local.prefix) + ext).read_bytes()
     assert not s3.proxy.object_gets  # uploaded and adopted: the node never downloads it
-    assert not list(cache.glob(".convert-*"))  # the staging folder is gone
+    assert not list(cache.glob(".upload-*"))  # the staging folder is gone
     fresh = TokenCorpus.open(url, cache_dir=tmp_path / "other", storage_options=s3.options)
     assert fresh.fingerprint == local.fingerprint
 

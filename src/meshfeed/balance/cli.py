@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.synthetic import DISTRIBUTIONS, sample_batch
 from meshfeed.mesh import DataMesh
 from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.storage import is_url, local_path_of
 
 __all__ = ["add_subcommand", "run"]
 
@@ -67,7 +69,7 @@ def add_subcommand(subparsers: Any) -> None:
     )
     src.add_argument(
         "--lengths",
-        type=Path,
+        type=_local_path("--lengths", "download it first, or give --corpus URL"),
         metavar="FILE",
         help="document lengths: a .npy integer array, or text with one length per line",
     )
@@ -117,13 +119,27 @@ def add_subcommand(subparsers: Any) -> None:
         "--plot",
         "--png",
         dest="plot",
-        type=Path,
+        type=_local_path("--plot", "write it locally, then copy it"),
         default=None,
         metavar="PATH",
         help="write a plot of per-rank load here, as .png, .svg or .pdf (needs matplotlib)",
     )
     p.add_argument("--no-png", action="store_true", help="no plot, even with --plot")
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress (plan shows none; as every command)"
+    )
     p.set_defaults(func=run)
+
+
+def _local_path(flag: str, fix: str) -> Callable[[str], Path]:
+    """An argparse type for a local file: a URL is refused by name (never made a local folder)."""
+
+    def parse(text: str) -> Path:
+        if is_url(text) and local_path_of(text) is None:
+            raise argparse.ArgumentTypeError(f"{text} is a URL; {flag} takes a local file: {fix}")
+        return Path(local_path_of(text) or text)
+
+    return parse
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")

@@ -35,6 +35,7 @@ from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric, seqlen, vocab_rarity
 from meshfeed.storage import is_url
+from meshfeed.storage.urls import local_only
 
 __all__ = ["add_subcommand", "available_cores"]
 
@@ -78,6 +79,8 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
         return made() if callable(made) and not hasattr(made, "__getitem__") else made
     from meshfeed.sources.indexed import TokenCorpus
 
+    if cache_dir is not None:
+        local_only(cache_dir, what="--cache-dir", fix="give a local folder for the shard cache")
     corpus = TokenCorpus(spec, cache_dir=cache_dir)
     if not np.issubdtype(corpus.dtype, np.integer):
         raise ValueError(
@@ -105,6 +108,14 @@ def _vocab_size(dataset: Any) -> int:
 
 
 def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | AccumulatedMetric:
+    from meshfeed.sources.windows import TokenWindows
+
+    if spec == "seqlen" and isinstance(dataset, TokenWindows):
+        raise ValueError(
+            f"-m seqlen with --windows {dataset.seq_len} gives every window the same value (the "
+            "windows are fixed-length), which orders nothing; use -m vocab_rarity or a "
+            "module:attr metric over windows, or leave out --windows to index document lengths"
+        )
     if spec == "seqlen":
         return seqlen()
     if spec == "vocab_rarity":
@@ -145,7 +156,8 @@ def _cli_message(exc: BaseException) -> str:
 def _handler(args: argparse.Namespace) -> int:
     try:
         dataset = _dataset(args.dataset, args.windows, args.cache_dir)
-        metrics = [_metric(m, dataset, args.vocab_size) for m in args.metric or ["seqlen"]]
+        default = ["vocab_rarity" if args.windows is not None else "seqlen"]
+        metrics = [_metric(m, dataset, args.vocab_size) for m in args.metric or default]
         result = analyze(
             dataset,
             metrics,
@@ -215,7 +227,8 @@ def add_subcommand(subparsers: Any) -> None:
         "-m",
         "--metric",
         action="append",
-        help="seqlen | vocab_rarity | module:attr (repeatable; default: seqlen)",
+        help="seqlen | vocab_rarity | module:attr (repeatable; default: seqlen, or vocab_rarity "
+        "with --windows, where seqlen is the same for every window)",
     )
     p.add_argument(
         "--vocab-size",

@@ -38,12 +38,14 @@ from meshfeed.curriculum.index_files import (
 from meshfeed.mapped import check_mapped
 from meshfeed.order.permutation import Permutation
 from meshfeed.storage import ShardCache, StorageOptions
+from meshfeed.storage.urls import local_only
 
 __all__ = ["MetricIndex", "content_fingerprint", "load_accumulated"]
 
 _SAMPLE_FILES = ("values.npy", "order.npy", "percentiles.npy")
 _ACCUMULATED = "accumulated.npy"
 _FINGERPRINT_ITEMS = 16
+_URL_FIX = "for a URL use analyze(..., output_dir=URL), which uploads, or save locally and copy"
 _STATE = ("name", "values", "order", "percentiles", "fingerprint")
 
 
@@ -176,7 +178,7 @@ class MetricIndex:
         (renamed last) records each array's size and a hash of its ends, and :meth:`load`
         refuses a directory whose arrays do not match it (an interrupted save).
         """
-        out = Path(path)
+        out = local_only(path, what="MetricIndex.save", fix=_URL_FIX)
         out.mkdir(parents=True, exist_ok=True)
         files = {}
         for name, array in (
@@ -291,7 +293,7 @@ def save_accumulated(
 ) -> Path:
     """Write an accumulated metric under ``path`` atomically, as :meth:`MetricIndex.save` does
     (``meta.json`` last, recording the array file)."""
-    out = Path(path)
+    out = local_only(path, what="save_accumulated", fix=_URL_FIX)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / _ACCUMULATED, lambda f: np.save(f, np.asarray(array)))
     meta = {

@@ -45,6 +45,7 @@ from meshfeed.queue.validate import (
     put_ids,
 )
 from meshfeed.queue.wakeups import check_timeout
+from meshfeed.storage.urls import local_only
 
 Key = Hashable
 
@@ -379,6 +380,7 @@ class SampleStore:
         left in the folder are removed (same host and process gone, or older than a day)."""
         if not isinstance(allow_pickle, bool):
             raise TypeError(f"allow_pickle must be True or False (got {allow_pickle=!r})")
+        path = local_only(path, what="SampleStore.save", fix="save locally, then copy the file")
         meta, payload = self._backend.dump(with_payload=True)
         checkpoint.write_checkpoint(path, meta, payload, allow_pickle=allow_pickle)
 

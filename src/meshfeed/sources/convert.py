@@ -26,7 +26,6 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -39,11 +38,20 @@ from numpy.typing import DTypeLike
 
 from meshfeed.errors import SourceError
 from meshfeed.progress import Progress
-from meshfeed.sources.convert_input import FORMATS, _Chunk, _chunks, _detect, _json_value
+from meshfeed.sources.convert_input import (
+    FORMATS,
+    _Chunk,
+    _chunks,
+    _detect,
+    _json_value,
+    input_paths,
+    token_ids,
+)
 from meshfeed.sources.indexed import DTYPE_CODES, TokenCorpus
-from meshfeed.sources.indexed_write import IndexedWriter
+from meshfeed.sources.indexed_write import IndexedWriter, upload_corpus
 from meshfeed.sources.tokenizer import TextTokenizer, load_tokenizer
-from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of, upload_file
+from meshfeed.sources.url_output import Upload, upload_target
+from meshfeed.storage import StorageOptions, local_path_of
 
 __all__ = ["add_subcommand", "convert", "load_tokenizer"]
 
@@ -84,10 +92,15 @@ def _encode_chunk_with(chunk: _Chunk, job: _Job) -> list[np.ndarray]:
                 raise ValueError(
                     f"{chunk.where(i)}: tokenizer {job.tokenizer.name} failed ({e})"
                 ) from e
-        else:
+        elif isinstance(value, list):
+            ids = token_ids(value, chunk.where(i))
+        elif chunk.fmt == "npy":
             ids = np.asarray(value)
-            if ids.size == 0:
-                ids = ids.astype(np.int64)
+        else:
+            raise ValueError(
+                f"{chunk.where(i)} holds {type(value).__name__} {value!r:.40}; a record is text "
+                f"or a list of token ids: fix it, or pass --field NAME"
+            )
         if job.eod is not None:
             ids = np.concatenate([ids, job.eod])
         out.append(ids)
@@ -150,16 +163,6 @@ def _encoded(
             yield done, result.get()
 
 
-def _paths(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
-    paths = [Path(inputs)] if isinstance(inputs, (str, os.PathLike)) else [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("no inputs given; pass at least one JSONL, Parquet or .npy file")
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"input {p} does not exist")
-    return paths
-
-
 def _eod(
     append_eod: bool | int, eod_id: int | None, tok: TextTokenizer | None
 ) -> np.ndarray | None:
@@ -204,12 +207,12 @@ def convert(
     (in the shard cache at ``cache_dir``), then uploaded, ``.bin`` before ``.idx``; each
     object appears only once complete, and the local files stay as the node's cached copies.
     """
-    out = os.fspath(output)
-    if is_url(out) and local_path_of(out) is None:
+    url = upload_target(output)
+    if url is not None:
         return _convert_to_url(
             inputs,
-            out,
-            ShardCache(cache_dir, storage_options=storage_options),
+            url,
+            Upload(cache_dir, storage_options),
             field=field,
             tokenizer=tokenizer,
             dtype=dtype,
@@ -219,12 +222,12 @@ def convert(
             num_workers=num_workers,
             progress=progress,
         )
-    output = local_path_of(out) or output
+    output = local_path_of(os.fspath(output)) or output
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be an int >= 1 (got {num_workers!r})")
-    paths = _paths(inputs)
+    paths = input_paths(inputs)
     formats = [_detect(p, fmt) for p in paths]
     tok = None if tokenizer is None else load_tokenizer(tokenizer)
     job = _Job(field, tok, _eod(append_eod, eod_id, tok))
@@ -258,22 +261,54 @@ def convert(
 def _convert_to_url(
     inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     url: str,
-    cache: ShardCache,
+    upload: Upload,
     **kw: Any,
 ) -> TokenCorpus:
     for ext in (".bin", ".idx"):
         url = url.removesuffix(ext)
-    # staged inside the cache, so adopting the uploaded files is a rename
-    with tempfile.TemporaryDirectory(dir=cache.cache_dir, prefix=".convert-") as staging:
-        convert(inputs, Path(staging, "corpus"), **kw)
-        for ext in (".bin", ".idx"):  # .idx last: a reader finds the pair once the index is up
-            local = Path(staging, "corpus" + ext)
-            upload_file(local, url + ext, storage_options=cache.storage_options)
-            cache.adopt(url + ext, local)
+    with upload:
+        upload.check(url, "the corpus")
+        convert(inputs, upload.staging / "corpus", **kw)
+        upload_corpus(upload, upload.staging / "corpus", url)
+    cache = upload.cache
     return TokenCorpus.open(url, cache_dir=cache.cache_dir, storage_options=cache.storage_options)
 
 
+#: Options of one --to only, with their defaults: given with the other, they are refused.
+_ONLY: dict[str, dict[str, tuple[str, object]]] = {
+    "corpus": {
+        "--field": ("field", "text"),
+        "--tokenizer": ("tokenizer", None),
+        "--dtype": ("dtype", "uint16"),
+        "--append-eod": ("append_eod", False),
+        "--eod-id": ("eod_id", None),
+        "--format": ("format", "auto"),
+    },
+    "shards": {
+        "--compression": ("compression", None),
+        "--rows-per-shard": ("rows_per_shard", None),
+        "--bytes-per-shard": ("bytes_per_shard", None),
+        "--overwrite": ("overwrite", False),
+    },
+}
+
+
+def _misplaced(args: argparse.Namespace) -> str | None:
+    """The first option given that the chosen --to ignores (it would be silently dropped)."""
+    for to, options in _ONLY.items():
+        if to == args.to:
+            continue
+        for flag, (name, default) in options.items():
+            if getattr(args, name) != default:
+                return f"{flag} applies to --to {to} only (got --to {args.to}); leave it out"
+    return None
+
+
 def _handler(args: argparse.Namespace) -> int:
+    misplaced = _misplaced(args)
+    if misplaced is not None:
+        print(f"meshfeed convert: error: {misplaced}", file=sys.stderr)
+        return 2
     if args.to == "shards":
         from meshfeed.sources.shards_convert import handler
 
@@ -300,6 +335,17 @@ def _handler(args: argparse.Namespace) -> int:
         f"{corpus.num_tokens} tokens, {corpus.dtype}"
     )
     return 0
+
+
+def _size(text: str) -> int:
+    """A positive count, with an optional K/M/G suffix (binary: 64M is 64 << 20)."""
+    shift = {"K": 10, "M": 20, "G": 30}.get(text[-1:].upper(), 0)
+    digits = text[:-1] if shift else text
+    if not digits.isdigit() or int(digits) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive number; give e.g. 4096, 256K or 64M"
+        )
+    return int(digits) << shift
 
 
 def add_subcommand(subparsers: Any) -> None:
@@ -332,8 +378,27 @@ def add_subcommand(subparsers: Any) -> None:
         help="corpus: a .bin/.idx token corpus (default); shards: meshfeed shards of whole "
         "JSONL records (write_shards)",
     )
-    p.add_argument(
-        "--compression", choices=("zstd",), default=None, help="--to shards only (default: none)"
+    shards = p.add_argument_group("--to shards")
+    shards.add_argument(
+        "--compression", choices=("zstd",), default=None, help="compress blocks (default: none)"
+    )
+    shards.add_argument(
+        "--rows-per-shard",
+        type=_size,
+        metavar="N",
+        help="end a shard after N samples (default: none; shards end by bytes)",
+    )
+    shards.add_argument(
+        "--bytes-per-shard",
+        type=_size,
+        metavar="B",
+        help="end a shard once it holds B raw bytes; K/M/G suffixes (default: 64M, or none "
+        "with --rows-per-shard)",
+    )
+    shards.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the shard dataset at -o (one with an index.json; default: refuse)",
     )
     p.add_argument(
         "--cache-dir",
@@ -380,7 +445,8 @@ def add_subcommand(subparsers: Any) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="tokenize in N worker processes; the output is the same for every N (default: 1)",
+        help="tokenize (--to shards: encode shards) in N worker processes; the output is the "
+        "same for every N (default: 1)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_handler)

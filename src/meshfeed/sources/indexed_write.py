@@ -27,6 +27,9 @@ from meshfeed.sources.indexed_format import (
     _publish_lock,
     dtype_code,
 )
+from meshfeed.sources.url_output import Upload, upload_target
+from meshfeed.storage import StorageOptions
+from meshfeed.storage.urls import local_only
 
 __all__ = ["IndexedWriter", "write_indexed"]
 
@@ -46,6 +49,12 @@ class IndexedWriter:
     """
 
     def __init__(self, prefix: str | os.PathLike[str], *, dtype: DTypeLike = np.uint16) -> None:
+        prefix = local_only(
+            prefix,
+            what="IndexedWriter",
+            fix="for a URL use write_indexed(url, documents) or meshfeed convert -o URL, "
+            "which upload",
+        )
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
         self.idx_path, self.bin_path = _paths(prefix)
@@ -78,10 +87,10 @@ class IndexedWriter:
                 "field of the format allows; split it"
             )
         if self._limits is not None and arr.size:
-            if arr.dtype.kind not in "iub":
+            if arr.dtype.kind not in "iu":
                 raise TypeError(
                     f"document {len(self._sizes)} has dtype {arr.dtype}; token ids must be "
-                    f"integers for a {self.dtype} corpus"
+                    f"integers (not booleans) for a {self.dtype} corpus"
                 )
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._limits.min or hi > self._limits.max:
@@ -168,6 +177,8 @@ def write_indexed(
     dtype: DTypeLike = np.uint16,
     *,
     progress: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: StorageOptions | None = None,
 ) -> TokenCorpus:
     """Write ``documents`` (an iterable of 1-D token-id sequences) as a Megatron indexed corpus.
 
@@ -177,7 +188,21 @@ def write_indexed(
     >>> corpus = write_indexed("/tmp/tiny", [[1, 2, 3], [4, 5]], "uint16")  # doctest: +SKIP
     >>> corpus.document(1).tolist()  # doctest: +SKIP
     [4, 5]
+
+    ``prefix`` may be a URL (``s3://bucket/corpus``): the corpus is written in the shard cache
+    at ``cache_dir``, then uploaded, ``.bin`` before ``.idx``, and kept as the node's cached
+    copy; the corpus returned reads it from the URL.
     """
+    url = upload_target(prefix)
+    if url is not None:
+        for ext in (".bin", ".idx"):
+            url = url.removesuffix(ext)
+        with Upload(cache_dir, storage_options) as upload:
+            upload.check(url, "the corpus")
+            write_indexed(upload.staging / "corpus", documents, dtype, progress=progress)
+            upload_corpus(upload, upload.staging / "corpus", url)
+        options = upload.cache.storage_options
+        return TokenCorpus.open(url, cache_dir=upload.cache.cache_dir, storage_options=options)
     writer = IndexedWriter(prefix, dtype=dtype)
     try:
         with Progress(desc=f"write {os.fspath(prefix)}", unit="doc", enabled=progress) as bar:
@@ -188,3 +213,10 @@ def write_indexed(
         writer.abort()
         raise
     return writer.close()
+
+
+def upload_corpus(upload: Upload, local: str | os.PathLike[str], url: str) -> None:
+    """Publish the corpus at local prefix ``local`` to the URL prefix ``url``: ``.bin`` first,
+    ``.idx`` last, so a reader that finds the index finds its ``.bin`` complete."""
+    for ext in (".bin", ".idx"):
+        upload.publish(f"{os.fspath(local)}{ext}", url + ext)

@@ -23,7 +23,7 @@ import multiprocessing as mp
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,8 @@ from meshfeed.sources.shards_format import (
     FieldSpec,
 )
 from meshfeed.sources.shards_samples import Schema, chunks
+from meshfeed.sources.url_output import Upload, upload_target
+from meshfeed.storage import StorageOptions, local_path_of
 
 __all__ = ["write_shards"]
 
@@ -261,12 +263,24 @@ def _install(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _done(
+    future: cf.Future[dict[str, Any]], tmp: Path, on_shard: Callable[[Path], None] | None
+) -> dict[str, Any]:
+    """The index entry of a written shard, handed to ``on_shard`` first (in shard order)."""
+    entry = future.result()
+    if on_shard is not None:
+        on_shard(tmp / entry["file"])
+    return entry
+
+
 def _encode_all(
     cut: Iterator[tuple[Schema, list[list[Any]]]],
     tmp: Path,
     compression: str | None,
     block_rows: int | None,
     num_workers: int,
+    on_shard: Callable[[Path], None] | None,
+    stem: str = "shard",
 ) -> tuple[Schema | None, list[dict[str, Any]]]:
     schema: Schema | None = None
     entries: list[dict[str, Any]] = []
@@ -275,7 +289,7 @@ def _encode_all(
         nonlocal schema
         for n, (schema, columns) in enumerate(cut):
             yield _Task(
-                path=str(tmp / f"shard-{n:05d}.mfs"),
+                path=str(tmp / f"{stem}-{n:05d}.mfs"),
                 fields=tuple(schema.fields),
                 columns=columns,
                 compression=compression,
@@ -296,8 +310,8 @@ def _encode_all(
             for task in tasks():
                 pending.append(pool.submit(_encode, task))
                 while len(pending) > max(2, 2 * num_workers) - 1:  # bound shards in memory
-                    entries.append(pending.pop(0).result())
-            entries.extend(f.result() for f in pending)
+                    entries.append(_done(pending.pop(0), tmp, on_shard))
+            entries.extend(_done(f, tmp, on_shard) for f in pending)
         except BaseException:
             for f in pending:
                 f.cancel()
@@ -315,7 +329,9 @@ def write_shards(
     block_rows: int | None = None,
     num_workers: int = 1,
     overwrite: bool = False,
-) -> Path:
+    cache_dir: str | os.PathLike[str] | None = None,
+    storage_options: StorageOptions | None = None,
+) -> Path | str:
     """Write ``samples`` as meshfeed shards into ``out_dir``; return the ``index.json`` path.
 
     A sample is a dict of fields (the same names and kinds in every sample) or one bare value;
@@ -332,6 +348,14 @@ def write_shards(
     their shard is written: do not mutate a sample after yielding it. ``out_dir`` must be
     absent or empty, or a shard dataset with ``overwrite=True``.
 
+    ``out_dir`` may be a URL prefix (``s3://bucket/shards``; credentials and endpoint from
+    ``storage_options`` or the client's environment): each shard is uploaded as soon as it is
+    written (from a staging folder in the shard cache at ``cache_dir``, where it stays as the
+    node's cached copy), ``index.json`` last, so a reader never takes a partial upload for a
+    dataset; the URL of ``index.json`` is returned. With ``overwrite=True`` the new shards
+    get new names, the old dataset stays whole until the new ``index.json`` replaces its
+    index (a failed rewrite loses nothing), then the old shards are deleted.
+
         >>> write_shards(({"ids": np.arange(n), "text": "x" * n} for n in range(1, 9)),
         ...              tmp / "ds", rows_per_shard=4)                       # doctest: +SKIP
     """
@@ -340,30 +364,63 @@ def write_shards(
         from meshfeed.sources.shards_read import _zstd
 
         _zstd()  # fail before writing anything when zstandard is missing
-    out = Path(out_dir)
+    options = _Options(
+        rows_per_shard=rows_per_shard,
+        bytes_per_shard=bytes_per_shard,
+        compression=compression,
+        block_rows=block_rows,
+        num_workers=num_workers,
+    )
+    url = upload_target(out_dir)
+    if url is not None:
+        from meshfeed.sources.shards_upload import write_to_url
+
+        return write_to_url(samples, url, options, overwrite, Upload(cache_dir, storage_options))
+    out = Path(local_path_of(os.fspath(out_dir)) or out_dir)
     _prepare(out, overwrite)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()
     try:
-        cut = chunks(samples, rows_per_shard, bytes_per_shard)
-        schema, entries = _encode_all(cut, tmp, compression, block_rows, num_workers)
-        if schema is None:  # chunks() raises first on no samples; kept for the type
-            raise ValueError("no samples to write")
-        index = {
-            "format": FORMAT,
-            "version": VERSION,
-            "sample": "bare" if schema.bare else "dict",
-            "fields": [f.to_json() for f in schema.fields],
-            "compression": None if compression is None else "zstd",
-            "shards": entries,
-        }
-        with open(tmp / INDEX_NAME, "w", encoding="utf-8") as f:
-            json.dump(index, f, sort_keys=True, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        _write(samples, tmp, options, None)
         _install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out / INDEX_NAME
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Options:
+    """write_shards' options, checked."""
+
+    rows_per_shard: int | None
+    bytes_per_shard: int | None
+    compression: str | None
+    block_rows: int | None
+    num_workers: int
+    stem: str = "shard"  # shard files are STEM-00000.mfs, ...
+
+
+def _write(
+    samples: Iterable[Any], tmp: Path, o: _Options, on_shard: Callable[[Path], None] | None
+) -> None:
+    """Every shard, then ``index.json``, into the folder ``tmp`` (each file fsynced)."""
+    cut = chunks(samples, o.rows_per_shard, o.bytes_per_shard)
+    schema, entries = _encode_all(
+        cut, tmp, o.compression, o.block_rows, o.num_workers, on_shard, o.stem
+    )
+    if schema is None:  # chunks() raises first on no samples; kept for the type
+        raise ValueError("no samples to write")
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "sample": "bare" if schema.bare else "dict",
+        "fields": [f.to_json() for f in schema.fields],
+        "compression": None if o.compression is None else "zstd",
+        "shards": entries,
+    }
+    with open(tmp / INDEX_NAME, "w", encoding="utf-8") as f:
+        json.dump(index, f, sort_keys=True, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)

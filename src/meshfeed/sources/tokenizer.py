@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.storage.urls import local_only
+
 __all__ = ["TextTokenizer", "load_tokenizer", "token_ids"]
 
 #: End-of-document tokens looked up in a ``tokenizer.json``, most usual first.
@@ -182,7 +184,7 @@ def load_tokenizer(spec: Any) -> TextTokenizer:
     text = os.fspath(spec)
     if text == "bytes":
         return TextTokenizer("bytes", _byte_encode, None)
-    path = Path(text)
+    path = local_only(text, what="a tokenizer", fix="download its tokenizer.json (or folder) first")
     if path.exists():
         return _from_path(path, text)
     if ":" in text:

@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 from meshfeed.errors import SourceError
@@ -280,3 +281,12 @@ def upload_file(
         lambda: fs.put_file(os.fspath(local), path), url=url, action="upload to"
     )
     fs.invalidate_cache(path)
+
+
+def local_only(path: str | os.PathLike[str], *, what: str, fix: str) -> Path:
+    """``path`` as a local ``Path`` (``file://`` URLs too); any other URL raises ``ValueError``
+    naming ``what`` and ``fix``, so a local writer never makes a folder named ``s3:``."""
+    text = os.fspath(path)
+    if is_url(text) and local_path_of(text) is None:
+        raise ValueError(f"{what} takes a local path (got {text!r}, a URL); {fix}")
+    return Path(local_path_of(text) or text)
