@@ -32,6 +32,7 @@ from meshfeed.protocols import GlobalService, Service, Source
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
+from meshfeed.sources.stream_count import wait_limit
 from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash
 
 __all__ = ["LOADER_STATE_VERSION", "DataLoader"]
@@ -139,7 +140,8 @@ class DataLoader(LoaderBase):
         self.on_error: OnError = options.on_error or "substitute"
         self._global = isinstance(service, GlobalService)
         dataset = self._where_batches_are_made(dataset, service)
-        length = _length(dataset)
+        with wait_limit(self.wait_timeout):  # a stream counting its rows waits within timeout
+            length = _length(dataset)
         self.dataset = dataset
         self.global_batch_size = batch_size * self.data_world_size
         self.dataset_length = length
