@@ -29,6 +29,7 @@ from meshfeed.options import LoaderOptions, check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
+from meshfeed.relayout import relayout
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
@@ -289,6 +290,7 @@ class DataLoader(LoaderBase):
 
     def _walk(self, epoch: int, position: int) -> Generator[Any, None, bool]:
         """Yield the batches of ``epoch`` from ``position``; True when re-planned (see above)."""
+        layout = self._layout
         steps: list[Step] = []
         results: Iterator[tuple[Any, Any]]
         if isinstance(self.service, GlobalService):
@@ -326,6 +328,7 @@ class DataLoader(LoaderBase):
             if self.pin_memory:
                 batch = pin(batch)
             yield batch
+            self._check_layout(layout)  # resize() between batches: this walk is stale
         return False
 
     def _run_global(
@@ -416,6 +419,9 @@ class DataLoader(LoaderBase):
         self._epoch, self._position = state["epoch"], state["position"]
         self._stats = stats
         self._resumed = True
+
+    def _relayout(self, mesh: Any, rank: int) -> None:
+        relayout(self, mesh, rank)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
