@@ -51,8 +51,7 @@ def test_dp_4_to_3_to_4_mid_epoch_serves_every_sample_once(kind, num_workers):
     got += _phase(loaders[:3], 3)
     state = loaders[0].state_dict()
     for r in range(4):  # it comes back, and takes the position from a peer
-        loaders[r].resize({"dp": 4}, rank=r)
-    loaders[3].load_state_dict(state)
+        loaders[r].resize({"dp": 4}, rank=r, state=state if r == 3 else None)
     got += _phase(loaders, 4)
     for ld in loaders:
         ld.shutdown()
@@ -105,9 +104,8 @@ def _gloo_resize(rank: int, world: int, tmp: str) -> list[list[int]]:
         state = [loader.state_dict()]
         dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{tmp}/four", rank=rank, world_size=4)
-    loader.resize()
     dist.broadcast_object_list(state, src=0)  # the rank that rejoins takes the position
-    loader.load_state_dict(state[0])
+    loader.resize(state=state[0] if rank == 3 else None)
     got += [b.tolist() for b in take(loader, 4)]
     loader.shutdown()
     return got
@@ -125,3 +123,53 @@ def test_dp_4_to_3_to_4_on_gloo_ranks_without_a_restart(tmp_path):
         got.append(sum((per_rank[r][s - 3 if r == 3 else s] for r in range(4)), []))
     assert got == want
     assert sorted(x for b in got for x in b) == list(range(N))
+
+
+def _store_loaders(store: Any, dp: int, prefetch: int) -> list[Any]:
+    from meshfeed.queue import StoreLoader
+
+    return [
+        StoreLoader(
+            store,
+            task="t",
+            fields=["x"],
+            partition="p",
+            batch_size=G // dp,
+            mesh={"dp": dp},
+            rank=r,
+            prefetch=prefetch,
+            timeout=20,
+        )
+        for r in range(dp)
+    ]
+
+
+def _store_phase(loaders: list[Any], steps: int) -> list[list[int]]:
+    return [sum((list(next(ld).ids) for ld in loaders), []) for _ in range(steps)]
+
+
+def test_the_store_door_resizes_4_to_3_to_4_through_its_elastic_resume():
+    from meshfeed.queue import SampleStore
+
+    store = SampleStore()
+    store.put("p", {"x": list(range(N))})
+    store.close("p")
+    ahead = _store_loaders(store, 1, 2)[0]
+    with pytest.raises(ValueError, match="prefetch=2: batches fetched ahead"):
+        ahead.resize({"dp": 2}, rank=0)
+    loaders = _store_loaders(store, 4, 1)
+    got = _store_phase(loaders, 3)
+    loaders[3].shutdown()  # its replica group leaves
+    for r in range(3):
+        loaders[r].resize({"dp": 3}, rank=r)
+    assert loaders[0].batch_size == 4
+    got += _store_phase(loaders[:3], 3)
+    state = loaders[0].state_dict()
+    for r in range(4):
+        loaders[r].resize({"dp": 4}, rank=r, state=state if r == 3 else None)
+    got += _store_phase(loaders, 4)
+    assert all(next(ld, None) is None for ld in loaders)
+    for ld in loaders:
+        ld.shutdown()
+    assert [len(b) for b in got] == [G] * 10
+    assert sorted(x for b in got for x in b) == list(range(N))  # every sample exactly once

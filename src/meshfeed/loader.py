@@ -420,8 +420,10 @@ class DataLoader(LoaderBase):
         self._stats = stats
         self._resumed = True
 
-    def _relayout(self, mesh: Any, rank: int) -> None:
+    def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
         relayout(self, mesh, rank)
+        if state is not None:  # a rank that rejoins continues from a peer's position
+            self.load_state_dict(state)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:

@@ -119,23 +119,32 @@ class LoaderBase(Lifecycle):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ live resizing
-    def resize(self, mesh: Any = None, *, device_mesh: Any = None, rank: int | None = None) -> None:
+    def resize(
+        self,
+        mesh: Any = None,
+        *,
+        device_mesh: Any = None,
+        rank: int | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
         """Continue on a new data-parallel layout from the next global batch (#32).
 
         ``mesh`` / ``device_mesh`` / ``rank`` as the constructor's; with none, the current
         process group (or the torchrun environment). Call it between batches; the global batch
         stays, each rank's share becomes ``global_batch_size / data ranks``, and every sample
-        is still served once. Iterate anew afterwards (``for batch in loader``): an iterator
-        taken before raises. See :mod:`meshfeed.relayout`.
+        is still served once. ``state``: a peer's ``state_dict()`` to continue from instead of
+        this loader's own position (a rank that rejoins). Iterate anew afterwards
+        (``for batch in loader``): an iterator taken before raises. See
+        :mod:`meshfeed.relayout`.
         """
         new_mesh, new_rank = place(
             mesh, device_mesh, rank, serves_every_rank=self._serves_every_rank
         )
-        self._relayout(new_mesh, new_rank)
+        self._relayout(new_mesh, new_rank, state)
         self._layout += 1
 
-    def _relayout(self, mesh: Any, rank: int) -> None:
-        """Move to ``mesh`` / ``rank`` at the current position (each door its own)."""
+    def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
+        """Move to ``mesh`` / ``rank`` at the current position or ``state`` (each door)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be resized while it runs")
 
     def _check_layout(self, layout: int) -> None:
