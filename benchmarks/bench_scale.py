@@ -8,7 +8,8 @@ reports, after its imports:
 
 - ``first_ms``: time to build the loader and get its first batch;
 - ``rss_mb``: growth of the process's peak RSS over that build (``ru_maxrss``);
-- ``alloc_mb``: peak Python allocations (``tracemalloc``) of a second, identical build;
+- ``alloc_mb``: peak Python allocations (``tracemalloc``) of a second, identical build (for
+  the store: of a third data rank's first batch);
 - ``state_b``: ``len(json.dumps(loader.state_dict()))``;
 - ``step_us``: mean time of each of the next 20 batches (planning plus a trivial fetch); for
   the store, the first batch of the next data rank (the store plans each round once, for every
@@ -210,10 +211,17 @@ def child(kind: str, dp: int, group_dp: int, exact_steps: int) -> dict[str, Any]
             next(it)
         out["step_us"] = (time.perf_counter() - t1) / 20 * 1e6
     else:  # the store plans a round once for every rank: what the next data rank pays
-        other, t1 = _store_loader(dp, loader.store, rank=_rank(dp) + MESH["cp"] * MESH["tp"])
+        step = MESH["cp"] * MESH["tp"]  # the next data ranks
+        other, t1 = _store_loader(dp, loader.store, rank=_rank(dp) + step)
         next(iter(other))
         out["step_us"] = (time.perf_counter() - t1) * 1e6
         other.shutdown()
+        tracemalloc.start()
+        third, _ = _store_loader(dp, loader.store, rank=_rank(dp) + 2 * step)
+        next(iter(third))
+        out["alloc_mb"] = tracemalloc.get_traced_memory()[1] / 1e6
+        tracemalloc.stop()
+        third.shutdown()
     state = json.dumps(loader.state_dict())
     out["state_b"] = len(state)
     out["state_shape"] = json.dumps(_shape(loader.state_dict()))

@@ -311,6 +311,7 @@ class ShardFormatReader:
 
     def _reset(self) -> None:
         self._entries: dict[str, tuple[ShardIndex, ShardEntry]] = {}
+        self._by_name: dict[str, dict[str, ShardEntry]] = {}  # per folder: file -> entry
         self._open: OrderedDict[str, _Shard] = OrderedDict()
         self._blocks: OrderedDict[_BlockKey, np.ndarray] = OrderedDict()
         self._held = 0
@@ -319,10 +320,11 @@ class ShardFormatReader:
 
     @classmethod
     def from_index(cls, path: str | os.PathLike[str], **options: Any) -> ShardFormatReader:
-        """A reader with ``path``'s index read and checked now (shard sizes; ``verify=True``
-        hashes each shard on its first open); ``options`` as for the constructor."""
+        """A reader with ``path``'s index read and checked now; each shard's size (and with
+        ``verify=True`` its hash) is checked when it is first opened, so a rank touches only
+        the files it reads (#32); ``options`` as for the constructor."""
         reader = cls(**options)
-        reader.index = read_index(path)
+        reader.index = read_index(path, check_files=False)
         reader._indexes[os.path.abspath(reader.index.root)] = reader.index
         return reader
 
@@ -352,7 +354,10 @@ class ShardFormatReader:
                 index = self._indexes.get(folder)
                 if index is None:
                     index = self._indexes[folder] = read_index(folder)
-            entry = next((s for s in index.shards if s.file == name), None)
+                by_name = self._by_name.get(folder)
+                if by_name is None:  # one dict per index, not a scan per shard (#32)
+                    by_name = self._by_name[folder] = {s.file: s for s in index.shards}
+            entry = by_name.get(name)
             if entry is None:
                 raise SourceError(f"shard {key} is not listed in {folder}/index.json")
             found = self._entries[key] = (index, entry)
