@@ -135,7 +135,8 @@ class ShardIndex:
 
     @property
     def paths(self) -> list[str]:
-        return [str(self.root / s.file) for s in self.shards]
+        root = str(self.root)  # os.path.join: a Path per shard costs ~20 us at 10,000 shards
+        return [os.path.join(root, s.file) for s in self.shards]
 
     @property
     def num_rows(self) -> int:

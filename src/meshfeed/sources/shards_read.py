@@ -32,6 +32,7 @@ import torch
 
 from meshfeed.errors import SourceError
 from meshfeed.sources.shards_format import (
+    INDEX_NAME,
     MAGIC,
     PREAMBLE,
     VERSION,
@@ -312,6 +313,7 @@ class ShardFormatReader:
     def _reset(self) -> None:
         self._entries: dict[str, tuple[ShardIndex, ShardEntry]] = {}
         self._by_name: dict[str, dict[str, ShardEntry]] = {}  # per folder: file -> entry
+        self._index_mtimes: dict[str, int] = {}
         self._open: OrderedDict[str, _Shard] = OrderedDict()
         self._blocks: OrderedDict[_BlockKey, np.ndarray] = OrderedDict()
         self._held = 0
@@ -407,6 +409,17 @@ class ShardFormatReader:
     def count(self, shard: Any) -> int:
         """Rows in ``shard``, from its index (no shard I/O)."""
         return self._entry(shard)[1].rows
+
+    def modified(self, shard: Any) -> int:
+        """When the dataset of ``shard`` was written: its ``index.json``'s mtime in ns (one
+        ``stat`` per dataset, not per shard, #32; write_shards writes the index last, and a
+        shard changed in place is refused when it is opened)."""
+        index, _ = self._entry(shard)
+        folder = os.path.abspath(index.root)
+        mtime = self._index_mtimes.get(folder)
+        if mtime is None:
+            mtime = self._index_mtimes[folder] = os.stat(Path(folder) / INDEX_NAME).st_mtime_ns
+        return mtime
 
     def version(self, shard: Any) -> str:
         """The shard's content hash as its index records it: ``"blake2b-128:<hex>"``."""

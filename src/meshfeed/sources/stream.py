@@ -293,7 +293,15 @@ class ShardedStream:
     @property
     def fingerprint(self) -> str:
         """The shards' names and content identities, the reader's name and the row counts,
-        hashed; the newest shard's mtime follows, to name a rewritten shard on resume."""
+        hashed; the newest shard's mtime follows, to name a rewritten shard on resume.
+
+        Computed once per stream object, like the identities it hashes (one pass over the
+        shards: at 10,000 shards every extra pass shows at start, #32); a shard changed
+        later is refused when it is read (its size, or its hash with ``verify``)."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
         import hashlib
 
         names = [_name(s) for s in self.shards]
