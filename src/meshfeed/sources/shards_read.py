@@ -326,8 +326,11 @@ class ShardFormatReader:
         ``verify=True`` its hash) is checked when it is first opened, so a rank touches only
         the files it reads (#32); ``options`` as for the constructor."""
         reader = cls(**options)
-        reader.index = read_index(path, check_files=False)
-        reader._indexes[os.path.abspath(reader.index.root)] = reader.index
+        index = reader.index = read_index(path, check_files=False)
+        reader._indexes[os.path.abspath(index.root)] = index
+        # Its own shards are found by the path it hands out, without a path walk per shard.
+        paths = zip(index.paths, index.shards, strict=True)
+        reader._entries.update((p, (index, e)) for p, e in paths)
         return reader
 
     @property
