@@ -69,14 +69,14 @@ def test_an_iterator_taken_before_a_resize_refuses_to_go_on():
     assert next(iter(loader)).tolist() == _global_batches("map", 2)[1][:4]
 
 
-def test_a_layout_the_global_batch_does_not_divide_is_refused_by_name():
-    loader = _loader("map", 4, 0)
+@pytest.mark.parametrize("kind", ["map", "stream"])
+def test_a_layout_the_global_batch_does_not_divide_is_refused_by_name(kind):
+    loader = _loader(kind, 4, 0)
     take(loader, 1)
     with pytest.raises(ValueError, match=r"global batch of 12 samples does not divide among 5"):
         loader.resize({"dp": 5}, rank=0)
-    assert (
-        loader.batch_size == 3 and take(loader, 1)[0].tolist() == _global_batches("map", 2)[1][:3]
-    )
+    assert loader.batch_size == 3
+    assert take(loader, 1)[0].tolist() == _global_batches(kind, 2)[1][:3]
 
 
 def test_a_resized_loader_resumes_exactly_on_the_new_layout():
@@ -164,6 +164,8 @@ def test_the_store_door_resizes_4_to_3_to_4_through_its_elastic_resume():
         loaders[r].resize({"dp": 3}, rank=r)
     assert loaders[0].batch_size == 4
     got += _store_phase(loaders[:3], 3)
+    with pytest.raises(ValueError, match="global batch of 12 samples does not divide among 5"):
+        loaders[0].resize({"dp": 5}, rank=0)  # refused before anything changes
     state = loaders[0].state_dict()
     for r in range(4):
         loaders[r].resize({"dp": 4}, rank=r, state=state if r == 3 else None)
