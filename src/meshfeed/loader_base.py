@@ -5,7 +5,8 @@
 RL sample store; its stream is one epoch, see its ``epochs``). It owns the argument checks (one
 function, :func:`meshfeed.options.check_loader_arguments`), turning the mesh into plain
 integers, the epoch API (``epoch``, ``set_epoch``, ``epochs``), the rate-limited warnings for
-bad samples and padding, pinning, and the lifecycle (``shutdown``, context manager).
+bad samples and padding, pinning, the lifecycle (``shutdown``, context manager), and live
+resizing (``resize``: each door moves itself, see :mod:`meshfeed.relayout`).
 
 Resuming is written as ``for epoch in loader.epochs(num_epochs): for batch in loader: ...``:
 after ``load_state_dict`` the loop starts at the checkpoint's epoch and position. Going back
