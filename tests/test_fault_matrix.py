@@ -506,7 +506,7 @@ def mapped_files_truncated_while_open(tmp: Path) -> None:
 def mesh_and_counts_beyond_plannable(tmp: Path) -> None:
     from meshfeed import DataMesh, Mixture
 
-    with pytest.raises(ValueError, match=r"MAX_WORLD_SIZE = 2\*\*20"):
+    with pytest.raises(ValueError, match=r"MAX_WORLD_SIZE = 2\*\*24"):
         _bounded(1, lambda: DataMesh.from_sizes(dp=10**8))
     _refused({"num_workers": 10**6}, ValueError, "MAX_WORKERS = 1024")
     with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):

@@ -70,8 +70,8 @@ def test_from_device_mesh_uses_names_and_layout():
         ({"dp": 0}, "sizes must be integers >= 1"),
         ({"dp": True}, "axis 'dp' has size True"),
         ({"dp": 4, "ulysses": True}, "ulysses=True must be a positive divisor"),
-        ({"dp": 10**8}, r"100000000 ranks, more than meshfeed plans \(MAX_WORLD_SIZE = 2\*\*20"),
-        ({"dp": 2**19, "tp": 4}, "2097152 ranks"),
+        ({"dp": 10**8}, r"100000000 ranks, more than meshfeed plans \(MAX_WORLD_SIZE = 2\*\*24"),
+        ({"dp": 2**23, "tp": 4}, "33554432 ranks"),
         ({"dp": 2**40, "tp": 2**40}, "ranks, more than meshfeed plans"),
     ],
 )
@@ -195,3 +195,47 @@ def test_the_largest_plannable_world_is_built_and_a_larger_one_refused_at_once()
     with pytest.raises(ValueError, match="MAX_WORLD_SIZE"):
         DataMesh.from_sizes(dp=MAX_WORLD_SIZE // 8 + 1, tp=8)
     assert time.perf_counter() - start < 0.1
+
+
+def test_a_mesh_of_axis_sizes_costs_the_same_at_any_world_size():
+    """#32: no per-rank table; coordinates, data rank and replica group are arithmetic."""
+    import time
+    import tracemalloc
+
+    def build(dp: int) -> tuple[float, int, DataMesh]:
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        mesh = DataMesh.from_sizes(pp=4, dp=dp, cp=4, tp=8)
+        rank = mesh.world_size - 1
+        assert mesh.data_rank(rank) == (dp - 1) % dp and len(mesh.replica_group(rank)) == 128
+        took = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return took, peak, mesh
+
+    _, small_peak, _ = build(16)
+    _, big_peak, big = build(2**15)  # 4 million ranks
+    assert big_peak < 2 * small_peak + 100_000
+    assert big.coords(big.world_size - 1) == {"pp": 3, "dp": 2**15 - 1, "cp": 3, "tp": 7}
+
+
+@pytest.mark.parametrize("ulysses", [1, 2])
+def test_replica_groups_are_those_of_a_rank_by_rank_scan(ulysses):
+    mesh = DataMesh.from_sizes(pp=2, dp=4, cp=2, tp=3, ulysses=ulysses)
+    for rank in range(mesh.world_size):
+        want = [r for r in range(mesh.world_size) if mesh.data_rank(r) == mesh.data_rank(rank)]
+        assert mesh.replica_group(rank) == want
+    shuffled = np.random.default_rng(0).permutation(mesh.world_size).reshape(2, 4, 2, 3)
+    custom = DataMesh(
+        axis_names=("pp", "dp", "cp", "tp"),
+        axis_sizes=(2, 4, 2, 3),
+        ranks=shuffled,
+        ulysses=ulysses,
+    )
+    for rank in range(custom.world_size):
+        want = [
+            r for r in range(custom.world_size) if custom.data_rank(r) == custom.data_rank(rank)
+        ]
+        assert custom.replica_group(rank) == want
+        c = custom.coords(rank)
+        assert shuffled[c["pp"], c["dp"], c["cp"], c["tp"]] == rank

@@ -30,10 +30,12 @@ from meshfeed.options import LoaderOptions, check_not_a_path
 from meshfeed.order.batches import BatchPlan, Step, order_hooks
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
+from meshfeed.relayout import relayout
 from meshfeed.services.auto import AutoService
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
+from meshfeed.sources.stream_count import wait_limit
 from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash
 from meshfeed.telemetry import StepTiming
 
@@ -154,7 +156,8 @@ class DataLoader(LoaderBase):
         self.on_error: OnError = options.on_error or "substitute"
         self._global = isinstance(service, GlobalService)
         dataset = self._where_batches_are_made(dataset, service)
-        length = _length(dataset)
+        with wait_limit(self.wait_timeout):  # a stream counting its rows waits within timeout
+            length = _length(dataset)
         self.dataset = dataset
         self.global_batch_size = batch_size * self.data_world_size
         self.dataset_length = length
@@ -308,6 +311,7 @@ class DataLoader(LoaderBase):
 
     def _walk(self, epoch: int, position: int) -> Generator[Any, None, bool]:
         """Yield the batches of ``epoch`` from ``position``; True when re-planned (see above)."""
+        layout = self._layout
         steps: list[Step] = []
         results: Iterator[tuple[Any, Any]]
         if isinstance(self.service, GlobalService):
@@ -328,12 +332,16 @@ class DataLoader(LoaderBase):
             )
         delivered = self.delivery.stage(results)  # pinned / on the device, timed
         try:
-            return (yield from self._returned(epoch, steps, delivered))
+            return (yield from self._returned(epoch, steps, delivered, layout))
         finally:
             delivered.close()
 
     def _returned(
-        self, epoch: int, steps: list[Step], delivered: Iterator[tuple[Any, Any]]
+        self,
+        epoch: int,
+        steps: list[Step],
+        delivered: Iterator[tuple[Any, Any]],
+        layout: int,
     ) -> Generator[Any, None, bool]:
         """Count each delivered batch as returned (position, stats, order hooks), yield it."""
         stale_from: int | None = None
@@ -353,6 +361,7 @@ class DataLoader(LoaderBase):
             if returned is not None:
                 returned(epoch, step.end)
             yield batch
+            self._check_layout(layout)  # resize() between batches: this walk is stale
         return False
 
     def _run_global(
@@ -445,6 +454,11 @@ class DataLoader(LoaderBase):
         self._epoch, self._position = state["epoch"], state["position"]
         self._stats = stats
         self._resumed = True
+
+    def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
+        relayout(self, mesh, rank)
+        if state is not None:  # a rank that rejoins continues from a peer's position
+            self.load_state_dict(state)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:

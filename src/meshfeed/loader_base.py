@@ -6,7 +6,8 @@ RL sample store; its stream is one epoch, see its ``epochs``). It owns the argum
 function, :func:`meshfeed.options.check_loader_arguments`), turning the mesh into plain
 integers, the epoch API (``epoch``, ``set_epoch``, ``epochs``), the rate-limited warnings for
 bad samples and padding, delivery (pinning, ``device`` prefetch and the stall telemetry of
-:mod:`meshfeed.delivery`), and the lifecycle (``shutdown``, context manager).
+:mod:`meshfeed.delivery`), the lifecycle (``shutdown``, context manager), and live resizing
+(``resize``: each door moves itself, see :mod:`meshfeed.relayout`).
 
 Resuming is written as ``for epoch in loader.epochs(num_epochs): for batch in loader: ...``:
 after ``load_state_dict`` the loop starts at the checkpoint's epoch and position. Going back
@@ -60,6 +61,8 @@ class LoaderBase(Lifecycle):
             _check_importable("collate_fn", options.collate_fn, options.multiprocessing_context)
         self.options = options
         self.mesh, self.rank = place(mesh, device_mesh, rank, serves_every_rank=serves_every_rank)
+        self._serves_every_rank = serves_every_rank
+        self._layout = 0  # counts resize() calls: an iterator of an older layout stops
         self.data_rank = self.mesh.data_rank(self.rank)
         self.data_world_size = self.mesh.data_world_size
         # The options, as attributes (read everywhere; the options object is the one truth).
@@ -156,6 +159,44 @@ class LoaderBase(Lifecycle):
     def _enter_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch`` (subclasses reset their position)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ live resizing
+    def resize(
+        self,
+        mesh: Any = None,
+        *,
+        device_mesh: Any = None,
+        rank: int | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        """Continue on a new data-parallel layout from the next global batch (#32).
+
+        ``mesh`` / ``device_mesh`` / ``rank`` as the constructor's; with none, the current
+        process group (or the torchrun environment). Call it between batches; the global batch
+        stays, each rank's share becomes ``global_batch_size / data ranks``, and every sample
+        is still served once. ``state``: a peer's ``state_dict()`` to continue from instead of
+        this loader's own position (a rank that rejoins). Iterate anew afterwards
+        (``for batch in loader``): an iterator taken before raises. See
+        :mod:`meshfeed.relayout`.
+        """
+        new_mesh, new_rank = place(
+            mesh, device_mesh, rank, serves_every_rank=self._serves_every_rank
+        )
+        self._relayout(new_mesh, new_rank, state)
+        self._layout += 1
+
+    def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
+        """Move to ``mesh`` / ``rank`` at the current position or ``state`` (each door)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be resized while it runs")
+
+    def _check_layout(self, layout: int) -> None:
+        """Refuse to go on with an iterator taken before a :meth:`resize`."""
+        if layout != self._layout:
+            raise RuntimeError(
+                f"{self.name} was resized after this iterator was taken; its batches were "
+                "planned for the old layout. Iterate the loader again (for batch in loader) "
+                "to continue on the new one"
+            )
 
     # ------------------------------------------------------------------ warnings
     def _note_bad_samples(self, count: int, first: dict[str, Any] | None) -> None:

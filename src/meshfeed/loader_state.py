@@ -148,6 +148,16 @@ def _check_global_batch(
                 f"loader state field {key!r} must be >= 1 (got {state[key]}); the "
                 "checkpoint is corrupted"
             )
+    gbs, dp = state["global_batch_size"], loader.data_world_size
+    if loader.global_batch_size != gbs and not allow_global_batch_change and gbs % dp:
+        # The global batch is the unit: ranks with unequal shares would take unequal steps (#32).
+        raise ValueError(
+            f"checkpoint global batch size {gbs} does not divide among this loader's {dp} data "
+            f"ranks, so it cannot resume exactly here; resume on a data-parallel size in "
+            f"{[d for d in range(1, gbs + 1) if gbs % d == 0][:16]} with batch_size=G/dp, or pass "
+            "allow_global_batch_change=True to continue from the same sample position with "
+            f"this loader's global batch {loader.global_batch_size}"
+        )
     if state["global_batch_size"] != loader.global_batch_size and not allow_global_batch_change:
         raise ValueError(
             f"checkpoint global batch size {state['global_batch_size']} differs from this "

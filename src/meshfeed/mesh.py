@@ -35,11 +35,12 @@ DEFAULT_AXIS_ORDER: tuple[str, ...] = (
     "tp",
 )
 
-#: The largest world a mesh plans: a mesh holds a rank table and the coordinates of every rank
-#: (about 500 bytes per rank in Python), so 2**20 ranks cost about 1 s and 0.5 GiB per process,
-#: and larger worlds would take minutes and end in MemoryError. The largest training jobs run
-#: 10**5 ranks; a bigger size is a typo (``dp=10**8``) or a unit mix-up.
-MAX_WORLD_SIZE = 2**20
+#: The largest world a mesh plans. A mesh of axis sizes is arithmetic (no per-rank table: a
+#: rank's coordinates, data rank and replica group cost the same at 8 ranks and at 8 million,
+#: #32); one built from a ``DeviceMesh`` keeps torch's rank table (8 bytes per rank) and its
+#: inverse. The largest training jobs run about 10**6 ranks; a bigger size is a typo
+#: (``dp=10**8``) or a unit mix-up.
+MAX_WORLD_SIZE = 2**24
 
 #: Axes whose ranks see different data. Every other axis replicates the data.
 DEFAULT_DATA_AXES: frozenset[str] = frozenset({"dp", "fsdp", "dp_replicate", "dp_shard"})
@@ -50,8 +51,8 @@ class DataMesh:
     """A device mesh reduced to what data loading needs.
 
     ``axis_names`` and ``axis_sizes`` describe the mesh outermost first; ``ranks`` maps mesh
-    coordinates to global ranks (row-major ``arange`` unless built from a ``DeviceMesh`` with a
-    custom layout). ``data_axes`` shard the data, every other axis replicates it, and
+    coordinates to global ranks (None: row-major, computed, no table; a ``DeviceMesh``'s own
+    table otherwise). ``data_axes`` shard the data, every other axis replicates it, and
     ``ulysses=k`` folds k consecutive data ranks into one (sequence parallelism that splits one
     sample across ranks).
     """
@@ -61,7 +62,8 @@ class DataMesh:
     data_axes: frozenset[str] = DEFAULT_DATA_AXES
     ulysses: int = 1
     ranks: np.ndarray | None = field(default=None, compare=False, repr=False)
-    _coords_of: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
+    #: For a custom ``ranks`` table: the position in it of each global rank (its inverse).
+    _position_of: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_axes()
@@ -89,9 +91,9 @@ class DataMesh:
         if world > MAX_WORLD_SIZE:
             raise ValueError(
                 f"the mesh {dict(zip(self.axis_names, self.axis_sizes, strict=True))} has "
-                f"{world} ranks, more than meshfeed plans (MAX_WORLD_SIZE = 2**20 = "
-                f"{MAX_WORLD_SIZE}: a mesh keeps a table of every rank, so larger worlds cost "
-                "minutes and gigabytes); check the axis sizes"
+                f"{world} ranks, more than meshfeed plans (MAX_WORLD_SIZE = 2**24 = "
+                f"{MAX_WORLD_SIZE}: larger than any training job, so likely a typo or a unit "
+                "mix-up); check the axis sizes"
             )
 
     def _check_data_axes(self) -> None:
@@ -104,22 +106,22 @@ class DataMesh:
             )
 
     def _set_ranks(self) -> None:
-        """Store the rank table (row-major 0..world-1 by default), refused unless it holds
-        each global rank once, and the coordinates of each rank."""
-        ranks = self.ranks
-        if ranks is None:
-            ranks = np.arange(math.prod(self.axis_sizes), dtype=np.int64).reshape(self.axis_sizes)
-        ranks = np.asarray(ranks, dtype=np.int64).reshape(self.axis_sizes)
-        if sorted(ranks.ravel().tolist()) != list(range(ranks.size)):
+        """Check a given rank table holds each global rank once and keep its inverse; without
+        one the layout is row-major and nothing is stored (O(1) memory in the world size)."""
+        if self.ranks is None:
+            return
+        ranks = np.asarray(self.ranks, dtype=np.int64).reshape(self.axis_sizes)
+        flat = ranks.ravel()
+        position = np.full(flat.size, -1, dtype=np.int64)
+        inside = (flat >= 0) & (flat < flat.size)
+        position[flat[inside]] = np.arange(flat.size, dtype=np.int64)[inside]
+        if not inside.all() or (position < 0).any():
             raise ValueError(
-                f"the mesh must hold each of the global ranks 0..{ranks.size - 1} once; "
+                f"the mesh must hold each of the global ranks 0..{flat.size - 1} once; "
                 "build it from the DeviceMesh of the whole world"
             )
         object.__setattr__(self, "ranks", ranks)
-        coords = {int(r): c for c, r in np.ndenumerate(ranks)}
-        object.__setattr__(
-            self, "_coords_of", {r: tuple(int(x) for x in c) for r, c in coords.items()}
-        )
+        object.__setattr__(self, "_position_of", position)
 
     def _check_ulysses(self) -> None:
         """``ulysses`` is a positive int dividing the data-sharding size."""
@@ -232,12 +234,12 @@ class DataMesh:
     def coords(self, rank: int) -> dict[str, int]:
         """The coordinate of ``rank`` on every axis."""
         self._check_rank(rank)
-        return dict(zip(self.axis_names, self._coords_of[int(rank)], strict=True))
+        return dict(zip(self.axis_names, self._coords(int(rank)), strict=True))
 
     def data_rank(self, rank: int) -> int:
         """Which data shard ``rank`` reads: data axes flattened row-major, then Ulysses-folded."""
         self._check_rank(rank)
-        c = self._coords_of[int(rank)]
+        c = self._coords(int(rank))
         flat = 0
         for i, name in enumerate(self.axis_names):
             if name in self.data_axes:
@@ -245,12 +247,31 @@ class DataMesh:
         return flat // self.ulysses
 
     def replica_group(self, rank: int) -> list[int]:
-        """The global ranks (sorted, including ``rank``) that receive the same data as ``rank``."""
-        mine = self.data_rank(rank)
-        return [r for r in range(self.world_size) if self.data_rank(r) == mine]
+        """The global ranks (sorted, including ``rank``) that receive the same data as ``rank``.
+
+        Cost: the size of the group (the product of the replicating axes, times ``ulysses``),
+        not the world.
+        """
+        mine, u = self.data_rank(rank), self.ulysses
+        sizes = self.axis_sizes
+        data = [i for i, n in enumerate(self.axis_names) if n in self.data_axes]
+        other = [i for i, n in enumerate(self.axis_names) if n not in self.data_axes]
+        m = math.prod(sizes[i] for i in other)
+        raw = np.arange(mine * u, (mine + 1) * u, dtype=np.int64)  # the folded data coordinates
+        coords: list[Any] = [None] * len(sizes)
+        if data:
+            for i, c in zip(data, np.unravel_index(raw, [sizes[i] for i in data]), strict=True):
+                coords[i] = np.repeat(c, m)
+        if other:
+            every = np.arange(m, dtype=np.int64)
+            for i, c in zip(other, np.unravel_index(every, [sizes[i] for i in other]), strict=True):
+                coords[i] = np.tile(c, u)
+        flat = np.ravel_multi_index(tuple(coords), sizes)
+        ranks = flat if self.ranks is None else self.ranks.ravel()[flat]
+        return sorted(int(r) for r in ranks)
 
     def replica_groups(self) -> list[list[int]]:
-        """All replica groups, indexed by data rank."""
+        """All replica groups, indexed by data rank (cost: the world size)."""
         groups: list[list[int]] = [[] for _ in range(self.data_world_size)]
         for r in range(self.world_size):
             groups[self.data_rank(r)].append(r)
@@ -264,6 +285,11 @@ class DataMesh:
         return math.prod(
             s for n, s in zip(self.axis_names, self.axis_sizes, strict=True) if n in self.data_axes
         )
+
+    def _coords(self, rank: int) -> tuple[int, ...]:
+        """The mesh coordinates of a valid ``rank``: arithmetic, or through the table."""
+        position = rank if self._position_of is None else int(self._position_of[rank])
+        return tuple(int(x) for x in np.unravel_index(position, self.axis_sizes))
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:

@@ -17,6 +17,9 @@ The loader calls :func:`build_order` once; nothing else decides the order. The c
   value per concatenated index; each source is gated by the values of its own samples), or a
   dict ``{source name: Curriculum}`` with per-source indexes and schedules (sources left out are
   not gated). Every source must have an eligible sample at the first step.
+- a :class:`~meshfeed.sources.LazyDataset` over any of these datasets is planned as the
+  dataset under it (its per-item operations run at fetch time on the same indices), so a
+  lazy map over a mixture keeps the mixture's weights, schedule and state (#28).
 - anything else with a curriculum (another self-ordering dataset, a dict of curricula over a
   plain dataset, per-source transforms) raises ``ValueError`` naming the combination: an order
   is never dropped silently.
@@ -34,6 +37,7 @@ from meshfeed.curriculum.curriculum import Curriculum
 from meshfeed.order.batches import Order, ShuffledOrder
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import CurriculumHooks, OrderBase, OrderedSource, PostProcess
+from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture
 from meshfeed.state import envelope, open_envelope
 
@@ -59,6 +63,8 @@ def build_order(
     it; a Mixture refuses it); a curriculum defines its own order, so ``shuffle=False`` with
     one raises.
     """
+    # A LazyDataset serves its source's indices, so it is planned as its source.
+    dataset = dataset.source if isinstance(dataset, LazyDataset) else dataset
     ordered = isinstance(dataset, OrderedSource)
     if not shuffle and curriculum is not None:
         raise ValueError(

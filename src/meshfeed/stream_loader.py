@@ -45,8 +45,8 @@ class StreamLoader(DataLoader):
     def __init__(self, dataset: Any, **kwargs: Any) -> None:
         if not _is_stream(dataset):
             raise TypeError(
-                f"StreamLoader reads a meshfeed.sources.ShardedStream, a Mixture of them or a "
-                f"function that builds one (got "
+                f"StreamLoader reads a meshfeed.sources.ShardedStream, a Mixture of them, a "
+                f"LazyDataset over either or a function that builds one (got "
                 f"{type(dataset).__name__}); use meshfeed.DataLoader for map-style datasets"
             )
         self._warned_unread = False
@@ -98,12 +98,13 @@ class StreamLoader(DataLoader):
 
 
 def _is_stream(dataset: Any) -> bool:
+    from meshfeed.sources.lazy import LazyDataset
     from meshfeed.sources.mixture import Mixture
 
+    if isinstance(dataset, LazyDataset):  # per-row operations over a stream or a mixture
+        dataset = dataset.source
     if isinstance(dataset, ShardedStream):
         return True
     if isinstance(dataset, type) or (callable(dataset) and not hasattr(dataset, "__len__")):
         return True  # a function that builds the stream where batches are made (Ray actors)
-    return isinstance(dataset, Mixture) and all(
-        isinstance(s, ShardedStream) for s in dataset.sources
-    )
+    return isinstance(dataset, Mixture) and all(_is_stream(s) for s in dataset.sources)

@@ -14,6 +14,8 @@ from meshfeed import DataLoader, DataMesh, SampleError
 from meshfeed.order.batches import ShuffledOrder
 from meshfeed.protocols import GlobalService, Service
 from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
+from meshfeed.sources.lazy import LazyDataset
+from meshfeed.sources.mixture import Mixture
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 
 
@@ -242,6 +244,31 @@ def test_a_dataset_order_built_in_the_actor_drives_the_driver_plan(ray_session):
         assert isinstance(loader.order, ShuffledOrder) and not loader.order.shuffle
     assert [b["i"].tolist() for b in _resolve(got, 0)] == [[0, 1], [4, 5]]
     assert [b["i"].tolist() for b in _resolve(got, 1)] == [[2, 3], [6, 7]]
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+def _lazy_mixture() -> LazyDataset:
+    """#28: a lazy map over a 3:1 mixture, built in the actor, must keep the mixture's order."""
+    mix = Mixture({"a": list(range(100)), "b": list(range(1000, 1100))}, {"a": 3, "b": 1})
+    return LazyDataset(mix).map(_double)
+
+
+@pytest.mark.ray
+def test_a_lazy_map_over_a_mixture_built_in_the_actor_keeps_the_weights(ray_session):
+    with _ray_loader(_lazy_mixture, mesh={"dp": 2}, batch_size=4, seed=3) as loader:
+        got = take(loader, 5)
+    local = [
+        DataLoader(_lazy_mixture(), mesh={"dp": 2}, rank=r, batch_size=4, seed=3) for r in (0, 1)
+    ]
+    for r in (0, 1):
+        assert [b.tolist() for b in ray_session.get([rb.for_rank(r) for rb in got])] == [
+            b.tolist() for b in take(local[r], 5)
+        ]
+    values = [v for rb in got for r in (0, 1) for v in ray_session.get(rb.for_rank(r)).tolist()]
+    assert sum(v < 2000 for v in values) == 30  # 3:1 of 40, exactly (the interleave is +-1)
 
 
 @pytest.mark.ray

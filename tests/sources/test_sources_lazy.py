@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -180,3 +181,95 @@ def test_a_failure_reported_by_an_inner_source_passes_through_the_outer_ops():
     out = outer.__getitems__([1, 2, 3])
     assert out[0] == "1" and out[2] == "3"
     assert isinstance(out[1], Failed) and str(out[1].error) == "bad item 2"
+
+
+def _three_to_one() -> Mixture:
+    return Mixture({"a": list(range(1000)), "b": list(range(10_000, 11_000))}, {"a": 3, "b": 1})
+
+
+def _values(batches: list) -> np.ndarray:
+    return np.concatenate([np.asarray(b) for b in batches])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_lazy_map_over_a_mixture_keeps_its_weights_order_and_state(num_workers):
+    """#28: LazyDataset(Mixture(3:1)).map(f) served the sources uniformly, with no order state."""
+    plain = take(DataLoader(_three_to_one(), batch_size=40, seed=5), 20)
+    lazy = DataLoader(
+        LazyDataset(_three_to_one()).map(double), batch_size=40, seed=5, num_workers=num_workers
+    )
+    got = take(lazy, 20)
+    assert _values(got).tolist() == (2 * _values(plain)).tolist()
+    assert (_values(got) < 20_000).mean() == pytest.approx(0.75, abs=1 / 800)
+    order = lazy.stats()["order"]
+    assert order["kind"] == "mixture" and order["consumed"] == {"a": 600, "b": 200}
+
+
+def test_reweight_of_a_mixture_under_a_lazy_map_takes_effect():
+    mix = _three_to_one()
+    lazy = DataLoader(LazyDataset(mix).map(double), batch_size=40, seed=1)
+    mix.reweight(5, {"a": 1, "b": 3})
+    got = _values(take(lazy, 10))
+    assert (got[:200] < 20_000).mean() == pytest.approx(0.75, abs=1 / 200)
+    assert (got[200:] < 20_000).mean() == pytest.approx(0.25, abs=1 / 200)
+    assert lazy.state_dict()["order"]["schedule"] == [[0, [3, 1]], [5, [1, 3]]]
+
+
+def test_a_lazy_map_over_a_mixture_resumes_exactly_and_adopts_the_schedule():
+    def factory(reweight: bool = True) -> DataLoader:
+        mix = Mixture({"a": list(range(9)), "b": list(range(100, 105))}, {0: {"a": 2, "b": 1}})
+        if reweight:
+            mix.reweight(3, {"a": 1, "b": 2})
+        return DataLoader(LazyDataset(mix).map(double), batch_size=4, mesh={"dp": 2}, rank=1)
+
+    assert_resume_equivalence(factory, num_items=8)
+    ref = factory()
+    take(ref, 2)
+    state = ref.state_dict()
+    other = factory(reweight=False)  # a resume takes the checkpoint's schedule, as a mixture's
+    other.load_state_dict(state)
+    assert other.state_dict()["order"]["schedule"] == [[0, [2, 1]], [3, [1, 2]]]
+    assert [b.tolist() for b in take(other, 4)] == [b.tolist() for b in take(ref, 4)]
+
+
+def test_a_curriculum_over_a_lazy_mixture_gates_each_source_like_over_the_mixture():
+    from meshfeed.curriculum import Curriculum, CurriculumMetric, MetricIndex, fixed_linear
+
+    def loader(wrap: bool) -> DataLoader:
+        mix = Mixture({"a": list(range(40)), "b": list(range(100, 140))}, {"a": 1, "b": 1})
+        values = np.arange(80) % 40
+        index = MetricIndex.from_values("d", values, fingerprint={"length": 80, "hash": "d"})
+        cur = Curriculum([CurriculumMetric(index=index, schedule=fixed_linear(10, 39, 4, 1))])
+        ds = LazyDataset(mix).map(double) if wrap else mix
+        return DataLoader(ds, batch_size=4, curriculum=cur, seed=2)
+
+    got, want = take(loader(True), 6), take(loader(False), 6)
+    assert _values(got).tolist() == (2 * _values(want)).tolist()
+
+
+def _rows(start: int, stop: int) -> Any:
+    return lambda: range(start, stop)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stream_loader_takes_a_lazy_map_over_a_mixture_of_streams(num_workers):
+    """#28: StreamLoader refused LazyDataset(Mixture of streams) with a TypeError."""
+    from meshfeed.sources.stream import ShardedStream
+    from meshfeed.stream_loader import StreamLoader
+
+    def mix() -> Mixture:
+        a = ShardedStream([_rows(0, 300), _rows(300, 600)])
+        b = ShardedStream([_rows(1000, 1200)])
+        return Mixture({"a": a, "b": b}, {"a": 3, "b": 1})
+
+    want = _values(take(StreamLoader(mix(), batch_size=16), 10))
+    lazy = StreamLoader(LazyDataset(mix()).map(double), batch_size=16, num_workers=num_workers)
+    got = _values(take(lazy, 10))
+    assert got.tolist() == (2 * want).tolist()
+    assert (got < 2000).mean() == pytest.approx(0.75, abs=1 / 160)
+    assert lazy.stats()["order"]["kind"] == "mixture"
+    one = StreamLoader(LazyDataset(ShardedStream([_rows(0, 8)])).map(double), batch_size=4)
+    assert [b.tolist() for b in one] in (
+        [[0, 2, 4, 6], [8, 10, 12, 14]],
+        [[8, 10, 12, 14], [0, 2, 4, 6]],
+    )

@@ -423,3 +423,19 @@ def test_a_pickled_reader_reads_in_another_process(tmp_path: Path) -> None:
     with mp.get_context("spawn").Pool(1) as pool:
         got = pool.map(_take_in_worker, [(reader, reader.shards[1], [19, 0, 5, 5])])
     assert got == [[(i + 20) * 7 - 50 for i in (19, 0, 5, 5)]]
+
+
+def test_a_reader_from_an_index_touches_only_the_shards_it_reads(tmp_path: Path) -> None:
+    """#32: opening 10,000 shards cost a stat per shard and a scan of the index per shard; a
+    rank now touches the files it reads, and a changed one is refused by name when read."""
+    write_shards(({"x": np.int64(i)} for i in range(40)), tmp_path / "d", rows_per_shard=10)
+    (tmp_path / "d" / "shard-00002.mfs").unlink()  # not read below: not looked at
+    shard = tmp_path / "d" / "shard-00001.mfs"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    reader = ShardFormatReader.from_index(tmp_path / "d")
+    assert [reader.count(s) for s in reader.shards] == [10, 10, 10, 10]
+    assert [int(r["x"]) for r in reader.take(reader.shards[3], np.array([0, 9]))] == [30, 39]
+    with pytest.raises(SourceError, match=r"shard-00001.mfs has \d+ bytes but its index"):
+        reader.take(reader.shards[1], np.array([0]))
+    with pytest.raises(SourceError, match="shard-00002.mfs is missing"):
+        reader.take(reader.shards[2], np.array([0]))

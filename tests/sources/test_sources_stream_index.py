@@ -83,3 +83,19 @@ def test_a_truncated_shard_is_a_source_error_naming_it(tmp_path: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(SourceError, match=shard.name):
         list(StreamLoader(stream, batch_size=5, collate_fn=_ids))
+
+
+def test_a_rank_touches_only_the_shards_it_reads_and_a_changed_one_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    """#32: start-up stat'ed every shard (twice) and scanned the index per shard; now the
+    index alone is read at start, and each shard is checked when it is opened."""
+    write_shards(({"x": np.int64(i)} for i in range(200)), tmp_path / "d", rows_per_shard=4)
+    for k in range(2, 50):  # 48 of the 50 shards are gone: the first batches never read them
+        (tmp_path / "d" / f"shard-{k:05d}.mfs").unlink()
+    loader = StreamLoader(ShardedStream.from_index(tmp_path / "d"), batch_size=4, shuffle=False)
+    batches = iter(loader)
+    assert [int(v) for v in next(batches)["x"]] == [0, 1, 2, 3]
+    assert [int(v) for v in next(batches)["x"]] == [4, 5, 6, 7]
+    with pytest.raises(SourceError, match="shard-00002.mfs is missing"):
+        next(batches)

@@ -90,6 +90,7 @@ from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.validate import check_loader_arguments, check_loader_workers
 from meshfeed.queue.wakeups import check_timeout
+from meshfeed.relayout import rebuild
 from meshfeed.runtime import WorkerError
 from meshfeed.state import envelope
 
@@ -166,6 +167,9 @@ class StoreLoader(LoaderBase):
         on_step: Callable[[Any], Any] | None = None,
     ) -> None:
         _check_store(store)
+        self._arguments: dict[str, Any] = dict(task=task, fields=fields, partition=partition,  # resize()
+            sampler=sampler, num_workers=num_workers, prefetch=prefetch, collate_fn=collate_fn,
+            collate_retries=collate_retries, timeout=timeout, on_error=on_error)  # fmt: skip
         options = LoaderOptions(
             batch_size=batch_size,
             shuffle=False,  # the store decides the order: no seed, no shuffle
@@ -396,6 +400,8 @@ class StoreLoader(LoaderBase):
             with contextlib.suppress(Exception):
                 self.store.cancel(self._spec.token)
         self._flight.stop_workers()
+
+    _relayout = rebuild  # resize(): the elastic resume, on the same object (meshfeed.relayout)
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -16,6 +16,10 @@ shards, resumes and mixes (as a :class:`~meshfeed.Mixture` source) like any othe
 - ``__getitems__`` reads the source in one batched call when the source supports it and
   reports an item whose operation raised as :class:`~meshfeed.fetch.Failed`, so the rest of
   the batch is kept and no sample is read twice.
+- Over a source with an order of its own (a :class:`~meshfeed.Mixture`, a
+  :class:`~meshfeed.sources.ShardedStream`) the LazyDataset walks that order: the loader gets
+  the source's ``make_order``, so a mixture keeps its weights, schedule, ``reweight`` and
+  checkpointed state, and a stream keeps its shard order (#28).
 - Functions must be picklable for ``spawn`` workers and Ray (module-level functions or
   ``functools.partial``); with the default ``fork`` workers lambdas work too.
 """
@@ -30,12 +34,12 @@ import numpy as np
 
 from meshfeed.fetch import Failed
 from meshfeed.order.permutation import derive_seed
-from meshfeed.protocols import ItemsSource, Source
+from meshfeed.protocols import ItemsSource, OrderedSource, Source
 from meshfeed.rng import fetch_info, sample_rng
 from meshfeed.sources.tokenizer import token_ids
 from meshfeed.state import dataset_fingerprint
 
-__all__ = ["LazyDataset"]
+__all__ = ["LazyDataset", "OrderedLazyDataset"]
 
 _RANDOM_OP = 0x524D
 
@@ -85,6 +89,14 @@ class LazyDataset:
     __slots__ = ("_ops", "source")
     source: Any
     _ops: tuple[tuple[str, Any], ...]
+
+    def __new__(cls, source: Any = None, _ops: tuple[tuple[str, Any], ...] = ()) -> LazyDataset:
+        # Over a source with its own order the dataset is an OrderedLazyDataset, so every
+        # caller that asks for an order (loaders, mixtures, Ray actors) gets the source's.
+        inner = source.source if isinstance(source, LazyDataset) else source
+        if cls is LazyDataset and isinstance(inner, OrderedSource):
+            cls = OrderedLazyDataset
+        return object.__new__(cls)
 
     def __init__(self, source: Any, _ops: tuple[tuple[str, Any], ...] = ()) -> None:
         if isinstance(source, LazyDataset):
@@ -183,6 +195,21 @@ class LazyDataset:
         h = hashlib.blake2b(dataset_fingerprint(self.source).encode(), digest_size=8)
         h.update(";".join(self.ops).encode())
         return f"lazy:{len(self)}:{h.hexdigest()}"
+
+
+class OrderedLazyDataset(LazyDataset):
+    """A :class:`LazyDataset` over a source with an order of its own: it walks that order.
+
+    ``LazyDataset(source)`` returns one when ``source`` is an
+    :class:`~meshfeed.protocols.OrderedSource`; the indices that order yields are the source's,
+    which this dataset serves transformed.
+    """
+
+    __slots__ = ()
+
+    def make_order(self, **kwargs: Any) -> Any:
+        """The source's order (the loader's ``shuffle=False`` check reads the source's own)."""
+        return self.source.make_order(**kwargs)
 
 
 def _rng(key: int) -> np.random.Generator:

@@ -135,7 +135,8 @@ class ShardIndex:
 
     @property
     def paths(self) -> list[str]:
-        return [str(self.root / s.file) for s in self.shards]
+        root = str(self.root)  # os.path.join: a Path per shard costs ~20 us at 10,000 shards
+        return [os.path.join(root, s.file) for s in self.shards]
 
     @property
     def num_rows(self) -> int:
@@ -173,7 +174,8 @@ def _parse_field(raw: Any, where: Path) -> FieldSpec:
 
 
 def _parse_shard(raw: Any, where: Path) -> ShardEntry:
-    _need(isinstance(raw, dict), where, f"shard entry {raw!r} is not an object")
+    if not isinstance(raw, dict):  # the message (a repr) only when it is needed: 10,000 shards
+        _need(False, where, f"shard entry {raw!r} is not an object")
     try:
         entry = ShardEntry(
             file=str(raw["file"]),
@@ -185,11 +187,12 @@ def _parse_shard(raw: Any, where: Path) -> ShardEntry:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise SourceError(f"{where} is not a valid meshfeed shard index: shard {e}") from e
-    _need(
-        "/" not in entry.file and entry.file not in ("", ".", ".."),
-        where,
-        f"shard file name {entry.file!r} must be a plain name inside the dataset directory",
-    )
+    if "/" in entry.file or entry.file in ("", ".", ".."):
+        _need(
+            False,
+            where,
+            f"shard file name {entry.file!r} must be a plain name inside the dataset directory",
+        )
     return entry
 
 

@@ -32,6 +32,7 @@ import torch
 
 from meshfeed.errors import SourceError
 from meshfeed.sources.shards_format import (
+    INDEX_NAME,
     MAGIC,
     PREAMBLE,
     VERSION,
@@ -311,6 +312,8 @@ class ShardFormatReader:
 
     def _reset(self) -> None:
         self._entries: dict[str, tuple[ShardIndex, ShardEntry]] = {}
+        self._by_name: dict[str, dict[str, ShardEntry]] = {}  # per folder: file -> entry
+        self._index_mtimes: dict[str, int] = {}
         self._open: OrderedDict[str, _Shard] = OrderedDict()
         self._blocks: OrderedDict[_BlockKey, np.ndarray] = OrderedDict()
         self._held = 0
@@ -319,11 +322,15 @@ class ShardFormatReader:
 
     @classmethod
     def from_index(cls, path: str | os.PathLike[str], **options: Any) -> ShardFormatReader:
-        """A reader with ``path``'s index read and checked now (shard sizes; ``verify=True``
-        hashes each shard on its first open); ``options`` as for the constructor."""
+        """A reader with ``path``'s index read and checked now; each shard's size (and with
+        ``verify=True`` its hash) is checked when it is first opened, so a rank touches only
+        the files it reads (#32); ``options`` as for the constructor."""
         reader = cls(**options)
-        reader.index = read_index(path)
-        reader._indexes[os.path.abspath(reader.index.root)] = reader.index
+        index = reader.index = read_index(path, check_files=False)
+        reader._indexes[os.path.abspath(index.root)] = index
+        # Its own shards are found by the path it hands out, without a path walk per shard.
+        paths = zip(index.paths, index.shards, strict=True)
+        reader._entries.update((p, (index, e)) for p, e in paths)
         return reader
 
     @property
@@ -352,7 +359,10 @@ class ShardFormatReader:
                 index = self._indexes.get(folder)
                 if index is None:
                     index = self._indexes[folder] = read_index(folder)
-            entry = next((s for s in index.shards if s.file == name), None)
+                by_name = self._by_name.get(folder)
+                if by_name is None:  # one dict per index, not a scan per shard (#32)
+                    by_name = self._by_name[folder] = {s.file: s for s in index.shards}
+            entry = by_name.get(name)
             if entry is None:
                 raise SourceError(f"shard {key} is not listed in {folder}/index.json")
             found = self._entries[key] = (index, entry)
@@ -402,6 +412,17 @@ class ShardFormatReader:
     def count(self, shard: Any) -> int:
         """Rows in ``shard``, from its index (no shard I/O)."""
         return self._entry(shard)[1].rows
+
+    def modified(self, shard: Any) -> int:
+        """When the dataset of ``shard`` was written: its ``index.json``'s mtime in ns (one
+        ``stat`` per dataset, not per shard, #32; write_shards writes the index last, and a
+        shard changed in place is refused when it is opened)."""
+        index, _ = self._entry(shard)
+        folder = os.path.abspath(index.root)
+        mtime = self._index_mtimes.get(folder)
+        if mtime is None:
+            mtime = self._index_mtimes[folder] = os.stat(Path(folder) / INDEX_NAME).st_mtime_ns
+        return mtime
 
     def version(self, shard: Any) -> str:
         """The shard's content hash as its index records it: ``"blake2b-128:<hex>"``."""

@@ -26,7 +26,8 @@ shards): by index where the reader has ``take`` (the default reader over files, 
 formats), else forward through one open iterator per shard, keeping the span of rows read last
 so a window is read once (on each data rank). Without ``shuffle_buffer`` the rows of a step
 are one contiguous run. Row counts come from ``rows=``,
-the reader's ``count``, or one pass over each shard when the stream is first measured.
+the reader's ``count``, or one pass over each shard when the stream is first measured, each
+shard within the measuring loader's ``timeout`` (:mod:`meshfeed.sources.stream_count`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 
 from meshfeed.order.permutation import Permutation, derive_seed
 from meshfeed.protocols import OrderBase
+from meshfeed.sources.stream_count import count_rows
 from meshfeed.sources.stream_readers import (
     DefaultReader,
     Reader,
@@ -195,9 +197,14 @@ class ShardedStream:
         if self._given_rows is not None:
             return self._given_rows
         count = getattr(self.reader, "count", None)
-        if count is not None:
-            return [int(count(s)) for s in self.shards]
-        return [sum(1 for _ in self.reader(s, 0, None)) for s in self.shards]
+        if count is None:
+            reader = self.reader
+
+            def count(shard: Any) -> int:
+                return sum(1 for _ in reader(shard, 0, None))
+
+        # each shard within the loader's timeout: a stalled reader must not hang the job (#28)
+        return count_rows(count, self.shards)
 
     @cached_property
     def _starts(self) -> np.ndarray:
@@ -286,7 +293,15 @@ class ShardedStream:
     @property
     def fingerprint(self) -> str:
         """The shards' names and content identities, the reader's name and the row counts,
-        hashed; the newest shard's mtime follows, to name a rewritten shard on resume."""
+        hashed; the newest shard's mtime follows, to name a rewritten shard on resume.
+
+        Computed once per stream object, like the identities it hashes (one pass over the
+        shards: at 10,000 shards every extra pass shows at start, #32); a shard changed
+        later is refused when it is read (its size, or its hash with ``verify``)."""
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
         import hashlib
 
         names = [_name(s) for s in self.shards]

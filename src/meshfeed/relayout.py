@@ -1,0 +1,114 @@
+"""Live resizing: a reading loader moves to a new data-parallel layout at a step boundary.
+
+A job whose data-parallel size changes while it runs (a replica group leaves or joins, as
+torchft and elastic launchers do) keeps its :class:`~meshfeed.DataLoader` /
+:class:`~meshfeed.StreamLoader` object: ``loader.resize(mesh)`` (or ``loader.resize()`` to read
+the new process group) re-slices from the next global batch. The global batch is the unit
+(see :mod:`meshfeed.order.batches`): the sequence of global batches does not depend on the
+number of data ranks, so the layout can change between any two of them and every sample is
+still served once: the batches already returned are behind the position, the next global
+batch is cut among the new data ranks. What the old layout prefetched is dropped (its workers
+are stopped and start again on the next ``iter()``), and the per-rank batch becomes
+``global_batch_size / new data ranks``.
+
+The sample store's :class:`~meshfeed.queue.StoreLoader` resizes through its elastic resume
+(:func:`rebuild`): its ``state_dict()``, then the same object built again on the new layout
+from its arguments and the state loaded (see :mod:`meshfeed.queue.loader_resume`). It needs
+``prefetch=1``: rounds fetched ahead live in the running store, and a layout change could lose
+them (refused by name).
+
+A rank that joins has not followed the position; it takes a peer's ``state_dict()`` with
+``load_state_dict`` after resizing (what a torchft replica does with the model's state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from meshfeed.mesh import DataMesh
+from meshfeed.order.batches import BatchPlan
+from meshfeed.protocols import GlobalService
+from meshfeed.services.distributed import DistributedService
+
+if TYPE_CHECKING:
+    from meshfeed.loader import DataLoader
+
+__all__ = ["check_divides", "rebuild", "relayout"]
+
+
+def check_divides(global_batch_size: int, mesh: DataMesh, what: str) -> int:
+    """The per-rank batch of ``global_batch_size`` over ``mesh``'s data ranks, refused by name
+    when they do not divide it."""
+    dp = mesh.data_world_size
+    if global_batch_size % dp:
+        fits = [d for d in range(1, global_batch_size + 1) if global_batch_size % d == 0]
+        raise ValueError(
+            f"{what}: the global batch of {global_batch_size} samples does not divide among "
+            f"{dp} data ranks (mesh {mesh.sizes}), so ranks would get unequal batches; use a "
+            f"data-parallel size in {fits[:16]} or a global batch that {dp} divides"
+        )
+    return global_batch_size // dp
+
+
+def relayout(loader: DataLoader, mesh: DataMesh, rank: int) -> None:
+    """Move ``loader`` to ``mesh`` / ``rank`` at its position (see the module docstring).
+
+    The epoch and position stay (they count global samples); the rank's slice, per-rank batch
+    and plan are recomputed, and the service is stopped so nothing planned for the old layout
+    is served. A :class:`~meshfeed.services.distributed.DistributedService` is rebuilt over the
+    current process group (its agreement is checked again before the next first batch).
+    """
+    batch = check_divides(loader.global_batch_size, mesh, f"resize of {loader.name}")
+    loader.shutdown()
+    loader.mesh, loader.rank = mesh, rank
+    loader.data_rank, loader.data_world_size = mesh.data_rank(rank), mesh.data_world_size
+    loader.batch_size = batch
+    loader.options = dataclasses.replace(loader.options, batch_size=batch)
+    loader.plan = BatchPlan(
+        loader.order,
+        global_batch_size=loader.global_batch_size,
+        drop_last=loader.drop_last,
+        pad_last=loader.pad_last,
+        data_world_size=mesh.data_world_size,
+    )
+    loader._index_cache = None
+    service = loader.service
+    if isinstance(service, GlobalService):
+        service.bind_mesh(mesh)
+        return
+    inner = service.inner if isinstance(service, DistributedService) else service
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        loader.service = DistributedService(
+            inner, agreement=loader._agreement(), timeout=loader.wait_timeout
+        )
+    else:
+        loader.service = inner
+
+
+def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None) -> None:
+    """Move a :class:`~meshfeed.queue.StoreLoader` to ``mesh`` / ``rank``: its state (or
+    ``state``, a peer's), the same object built again from its arguments
+    (``loader._arguments``) on the new layout, the state loaded (the store's elastic resume)."""
+    batch = check_divides(
+        loader.batch_size * loader.data_world_size, mesh, f"resize of {loader.name}"
+    )
+    if loader.prefetch > 1:
+        # Measured: rounds fetched ahead by the old layout's threads could be consumed in the
+        # live store after the state was taken, and a round was lost; refused until exact.
+        raise ValueError(
+            f"resize of {loader.name} with prefetch={loader.prefetch}: batches fetched ahead "
+            "are taken from the live store and a leaving rank's are lost; build the loader "
+            "with prefetch=1 to resize it live, or resume elastically (restore the store and "
+            "the loader from one checkpoint on the new layout)"
+        )
+    state = loader.state_dict() if state is None else state
+    loader.shutdown()
+    layout = loader._layout
+    type(loader).__init__(
+        loader, loader.store, batch_size=batch, mesh=mesh, rank=rank, **loader._arguments
+    )
+    loader._layout = layout
+    loader.load_state_dict(state)
