@@ -20,9 +20,9 @@ def _req(batch_size: int, sampler: Sampler = SEQ, **kwargs: Any) -> GetRequest:
 
 
 def test_try_methods_return_none_instead_of_blocking():
-    core = StoreCore(StoreOptions(capacity=2))
+    core = StoreCore(StoreOptions(capacity=3))
     assert core.try_put("p", {"x": [1, 2]}, None, None) == [0, 1]
-    assert core.try_put("p", {"x": [3]}, None, None) is None  # full: the caller waits
+    assert core.try_put("p", {"x": [3, 4]}, None, None) is None  # full: the caller waits
     assert core.try_get(_req(3)) is None  # not enough ready yet
     assert core.try_put("p", {"y": [5]}, [0], None) == [0]  # new fields need no space
 

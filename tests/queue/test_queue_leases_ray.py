@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from meshfeed.queue import SampleStore
+from meshfeed.queue import PartitionClosed, SampleStore
 from meshfeed.queue.core import StoreOptions
 from meshfeed.testing import reset_store
 
@@ -88,3 +88,34 @@ def test_a_living_consumer_keeps_its_lease_and_acknowledges_from_another_process
         assert first + second == list(range(6)) and store.stats()["leases"] == 1
     finally:
         ray.kill(consumer)
+
+
+class _Producer:
+    """A rollout producer in its own process (a Ray actor), killed by the test."""
+
+    def put(self, store: SampleStore, value: int, timeout: float) -> list:
+        return store.put("p", {"x": [value]}, timeout=timeout)
+
+
+def test_a_producer_that_dies_while_its_put_waits_for_capacity_stores_nothing(ray_store):
+    """A put blocked at capacity whose producer is killed must not land once room is freed:
+    the restarted producer puts the sample again, and it is delivered once (#28)."""
+    import ray
+
+    store = _fresh(ray_store, capacity=1, tasks=("t",))
+    store.put("p", {"x": [0]})
+    producer = ray.remote(num_cpus=0)(_Producer).remote()
+    pending = producer.put.remote(store, 1, 120.0)
+    _until(lambda: store.stats()["waiting_producers"] == 1, "the producer's put waiting")
+    ray.kill(producer)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(pending, timeout=30)
+    assert store.get("t", ["x"], 1, "p", timeout=10)["x"] == [0]  # frees the room it waits for
+    _until(lambda: store.stats()["waiting_producers"] == 0, "the actor giving the put up")
+    assert store.stats()["produced"] == 1 and store.stats()["held"] == 0  # nothing landed
+    store.put("p", {"x": [1]}, timeout=10)  # the restarted producer
+    store.close("p")
+    assert store.get("t", ["x"], 1, "p", timeout=10)["x"] == [1]
+    with pytest.raises(PartitionClosed):  # once, not twice
+        store.get("t", ["x"], 1, "p", timeout=10)
+    assert store.stats()["abandoned_waits"] >= 1

@@ -11,7 +11,8 @@ What holds for every state :func:`meshfeed.queue.checkpoint.dump` writes: option
 right types; per partition a unique name, unique sample ids (ints or strs), ``next_id`` above
 every int id, sample fields among the partition's ``seen`` fields, consumed and held ids among
 the held samples; no more samples held than ``produced``; per task no more consumed samples
-held than its ``consumed`` count. Cost: O(samples), a few dict/set operations per sample.
+held than its ``consumed`` count; with declared ``tasks``, no sample consumed by all of them
+unless a loader holds it or a shared plan pins it. Cost: O(samples), a few dict/set operations per sample.
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ def check_state(meta: Mapping[str, Any], *, where: str) -> None:
             _fail(where, f"partition {name!r} has a malformed 'held' list {held!r:.80}")
         _check_ids(name, ids, [h[0] for h in held], "the held list", where)
         _check_cache(pm, where)
+        _check_undelivered(pm, meta["options"].get("tasks"), where)
     if held_total > meta["produced"]:
         _fail(where, f"it holds {held_total} samples but counts only {meta['produced']} produced")
     for task, n in consumed_held.items():
@@ -223,6 +225,29 @@ def check_state(meta: Mapping[str, Any], *, where: str) -> None:
                 f"task {task!r} has {n} held samples marked consumed but a consumed count of "
                 f"{total}",
             )
+
+
+def _check_undelivered(pm: Mapping[str, Any], tasks: Any, where: str) -> None:
+    """With declared tasks, a sample every one of them consumed is dropped unless a loader
+    holds it or a shared plan pins it: a state that keeps one otherwise marks a sample
+    consumed that no task received (a crafted or damaged file), so it would never be
+    delivered (#28)."""
+    if not tasks:
+        return
+    done = set.intersection(*(set(pm["consumed"].get(t, ())) for t in tasks))
+    if not done:
+        return
+    kept = {h[0] for h in pm.get("held", [])}
+    for em in pm["cache"]:
+        kept.update(k for part in em["parts"] for k in part)
+    stray = sorted(map(repr, done - kept))
+    if stray:
+        _fail(
+            where,
+            f"partition {pm['name']!r} holds samples {stray[:10]} marked consumed by every "
+            f"task {list(tasks)} but neither held by a loader nor pinned by a plan; a store "
+            "drops such samples, so these were never delivered",
+        )
 
 
 def check_values(meta: Mapping[str, Any], values: Any, tensors: list[Any], *, where: str) -> None:

@@ -45,6 +45,7 @@ from meshfeed.queue.records import (
 )
 from meshfeed.queue.request import GetRequest
 from meshfeed.queue.samplers import Share
+from meshfeed.queue.stall import check_fits
 
 __all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
@@ -155,6 +156,8 @@ class StoreCore:
         ``now``: the caller's ``time.monotonic()`` (default: read now).
         """
         part = self._partition(request.partition)
+        if self.options.capacity is not None and not part.closed:  # else it waits forever
+            check_fits(self.options, request.sampler, request.batch_size)
         now = time.monotonic() if now is None else now
         if self.leases:
             self._settle_leases(request, now)

@@ -18,6 +18,7 @@ from meshfeed.queue import checkpoint
 from meshfeed.queue.backend import Got
 from meshfeed.queue.core import StoreCore, StoreOptions, Taken
 from meshfeed.queue.request import GetRequest
+from meshfeed.queue.stall import describe_stall, log_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
 T = TypeVar("T")
@@ -32,15 +33,19 @@ def wait_for(
     timeout: float | None,
     what: str,
     wake_by: Callable[[], float | None] = lambda: None,
+    stall: Callable[[], str | None] = lambda: None,
 ) -> T:
     """Call ``attempt`` (``lock`` held) until it returns non-None; ``TimeoutError`` after
     ``timeout`` seconds. While waiting, the waiter ``make(notify)`` is registered in
     ``waiters``; a cancelled waiter raises :class:`RequestCancelled`. ``wake_by()``: a
-    ``time.monotonic()`` by which to try again unprompted (a lease deadline), or ``None``."""
+    ``time.monotonic()`` by which to try again unprompted (a lease deadline), or ``None``.
+    ``stall()``: why the waiters wait on each other (:mod:`meshfeed.queue.stall`), logged
+    when this wait starts in that state and added to its ``TimeoutError``."""
     cond = threading.Condition(lock)
     waiter = make(cond.notify)
     waiters.add(waiter)
     deadline = None if timeout is None else time.monotonic() + timeout
+    first = True
     try:
         while True:
             waiters.check(waiter)
@@ -48,12 +53,12 @@ def wait_for(
             waiters.tried(waiter, result is not None)
             if result is not None:
                 return result
+            if first:
+                log_stall(stall())
+                first = False
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise TimeoutError(
-                    f"{what} timed out after {timeout}s; the store is unchanged and usable "
-                    "(retry, raise the timeout, or check that producers are running)"
-                )
+                raise TimeoutError(timed_out(what, timeout, stall()))
             chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
             due = wake_by()
             if due is not None:
@@ -118,6 +123,7 @@ class EmbeddedBackend:
                     attempt,
                     timeout,
                     f"put to {partition!r} (store at capacity {self.core.options.capacity})",
+                    stall=self._stall,
                 )
             waiters = self.waiters
             if waiters.waiters:
@@ -125,6 +131,9 @@ class EmbeddedBackend:
                 if ids is not None:
                     waiters.wake_creators(out)
             return out
+
+    def _stall(self) -> str | None:
+        return describe_stall(self.core.held, self.core.options.capacity, self.waiters)
 
     def _free(self) -> int | None:
         cap = self.core.options.capacity
@@ -169,6 +178,7 @@ class EmbeddedBackend:
                         request.timeout,
                         request.describe(),
                         self.core.next_lease_deadline,
+                        self._stall,
                     )
                 lease = request.lease
                 return got[0], got[1], (lease if lease in self.core.leases else None), got[2]

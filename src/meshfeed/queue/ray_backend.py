@@ -7,9 +7,10 @@ suspended coroutine, so puts and other gets keep flowing, and it wakes on the ne
 The data plane (large columns through Ray's object store, pinned and adopted chunks) is
 :mod:`meshfeed.queue.ray_dataplane`; this module is the control plane.
 
-A caller that dies while its ``get`` waits in the actor is noticed (see
-:func:`~meshfeed.queue.ray_dataplane.caller_probe`): the wait is given up, nothing consumed; leases of dead callers return
-to ready (see :mod:`meshfeed.queue.leases`). Errors raised in the actor (``ValueError``,
+A caller that dies while its ``get`` or ``put`` waits in the actor is noticed (see
+:func:`~meshfeed.queue.ray_dataplane.caller_probe`): the wait is given up, nothing consumed or
+stored (a put waits for room in its client, then puts again: one whose producer died never
+lands, so a restarted producer's put of the same sample is the only one; #28); leases of dead callers return to ready (see :mod:`meshfeed.queue.leases`). Errors raised in the actor (``ValueError``,
 ``TimeoutError``, ``PartitionClosed``) are re-raised in the caller as themselves.
 """
 
@@ -39,6 +40,7 @@ from meshfeed.queue.ray_dataplane import (
     wrap_column,
 )
 from meshfeed.queue.request import GetRequest
+from meshfeed.queue.stall import describe_stall, log_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 
 __all__ = ["NAMESPACE", "PROBE_INTERVAL", "PROBE_TIMEOUT", "RayBackend"]
@@ -91,6 +93,9 @@ class _StoreActor:
         finally:
             self._watch = None
 
+    def _stall(self) -> str | None:
+        return describe_stall(self.core.held, self.core.options.capacity, self.waiters)
+
     async def register(self, worker: str, probe: list[Any]) -> Any:
         """Remember the liveness probe of the process ``worker`` (its worker id), sent once
         so that puts and gets name their caller by id (a reference argument costs every
@@ -134,18 +139,19 @@ class _StoreActor:
         waiter = make(event.set)
         self.waiters.add(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
+        first = True
         try:
             while True:
                 self.waiters.check(waiter)
                 result = attempt()
                 if result is not None:
                     return result
+                if first:  # see meshfeed.queue.stall
+                    log_stall(self._stall())
+                    first = False
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"{what} timed out after {timeout}s; the store is unchanged and usable "
-                        "(retry, raise the timeout, or check that producers are running)"
-                    )
+                    raise TimeoutError(timed_out(what, timeout, self._stall()))
                 chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
                 if probe is not None:
                     chunk = min(chunk, PROBE_INTERVAL)
@@ -153,15 +159,17 @@ class _StoreActor:
                 if due is not None:
                     chunk = max(0.0, min(chunk, due - time.monotonic()))
                 event.clear()
+                woken = True
                 try:
                     await asyncio.wait_for(event.wait(), chunk)
                 except asyncio.TimeoutError:
-                    if probe is not None and not await caller_alive(probe):
-                        self.abandoned += 1
-                        raise RequestCancelled(
-                            f"{what}: the caller's process is gone; the wait was given up "
-                            "and nothing was consumed"
-                        ) from None
+                    woken = False
+                if probe is not None and not woken and not await caller_alive(probe):
+                    self.abandoned += 1
+                    raise RequestCancelled(
+                        f"{what}: the caller's process is gone; the wait was given up "
+                        "and nothing was stored or consumed"
+                    ) from None
         finally:
             self.waiters.remove(waiter)
 
@@ -171,10 +179,11 @@ class _StoreActor:
         rows: Any,
         ids: Any,
         groups: Any,
-        timeout: float | None,
         caller: str | None = None,
     ) -> Any:
-        what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
+        """Store the rows now, or answer ``("full", needed)`` without waiting: the client
+        waits for room with :meth:`wait_room` and puts again, so a put whose producer died
+        while it waited is never stored (#28)."""
         chunks = [column for column in rows.values() if type(column) is RemoteChunk]
         if chunks:
             probe = self.probes.get(caller) if caller else None  # an object the producer owns
@@ -182,14 +191,25 @@ class _StoreActor:
                 await self.plane.keep(chunks, probe)
             except Exception as exc:  # re-raised by the client
                 return False, exc
-        out = await self._run(
-            lambda: self.core.try_put(partition, rows, ids, groups),
-            timeout,
-            what,
-            lambda notify: Waiter("producer", notify),
-        )
+        ok, out = await self._run(lambda: self.core.try_put(partition, rows, ids, groups), 0, "")
+        if ok and out is None:
+            return True, ("full", self.core.put_needs)
         self.waiters.wake_consumers(partition, rows)
-        return out
+        return ok, out
+
+    async def wait_room(
+        self, partition: str, need: int, timeout: float | None, caller: str | None = None
+    ) -> Any:
+        """Wait until ``need`` new samples fit (no more than ``timeout`` seconds); the wait is
+        given up if the caller's process dies."""
+        cap = self.core.options.capacity
+        return await self._run(
+            lambda: True if cap is None or self.core.held + need <= cap else None,
+            timeout,
+            f"put to {partition!r} (store at capacity {cap})",
+            lambda notify: Waiter("producer", notify, size=need),
+            self.probes.get(caller) if caller else None,
+        )
 
     async def get(self, request: GetRequest, caller: str | None = None) -> Any:
         partition, task = request.partition, request.task
@@ -361,10 +381,14 @@ class RayBackend:
         timeout: float | None,
     ) -> list[Key]:
         wrapped = {f: wrap_column(col, self.inline_bytes) for f, col in rows.items()}
-        caller = None
-        if any(type(col) is RemoteChunk for col in wrapped.values()):
-            caller = self._caller()
-        return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout, caller))
+        caller = self._caller()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # waits here, not in the actor: a dead producer's put never lands (#28)
+            out = self._call(self.actor.put.remote(partition, wrapped, ids, groups, caller))
+            if not (type(out) is tuple and out[0] == "full"):
+                return out
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._call(self.actor.wait_room.remote(partition, out[1], left, caller))
 
     def _caller(self) -> str:
         """This process's worker id; the first time per store actor, also tells the actor

@@ -260,6 +260,11 @@ class SampleStore:
         batches of the same task and partition. Unacknowledged batches return to ready after
         ``lease_timeout`` seconds. A consumer with several gets in flight (prefetch) must ack
         explicitly, not pass ``consumer=``.
+
+        A get that needs more samples at once than ``capacity`` (``batch_size``, or the
+        round of a rank-aware sampler) from an open partition is refused with ``ValueError``; one that waits while
+        producers wait for the room it holds is logged and named in its ``TimeoutError`` (see
+        :mod:`meshfeed.queue.stall`).
         """
         request = GetRequest(
             task=check_task(task),

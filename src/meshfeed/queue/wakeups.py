@@ -86,6 +86,7 @@ class Waiter:
         "size",
         "task",
         "token",
+        "what",
         "woken",
     )
 
@@ -103,8 +104,9 @@ class Waiter:
         size: int | None = None,
         ids: Collection[Hashable] | None = None,
         room: Callable[[], int | None] | None = None,
+        what: str = "",
     ) -> None:
-        self.kind, self.notify = kind, notify
+        self.kind, self.notify, self.what = kind, notify, what
         self.partition, self.task, self.need = partition, task, frozenset(need)
         self.token = token
         self.group, self.more = group, more  # see the module docstring
@@ -133,6 +135,7 @@ class Waiter:
             token=request.token,
             group=group,
             more=more,
+            what=request.describe(),
         )
 
     def wake(self) -> None:
