@@ -13,6 +13,7 @@ from meshfeed.queue.samplers import (
     SequentialSampler,
 )
 from meshfeed.queue.store import Batch, SampleStore
+from meshfeed.queue.versions import StaleVersion
 from meshfeed.queue.wakeups import RequestCancelled
 
 __all__ = [
@@ -25,5 +26,6 @@ __all__ = [
     "RequestCancelled",
     "SampleStore",
     "SequentialSampler",
+    "StaleVersion",
     "StoreLoader",
 ]

@@ -215,6 +215,7 @@ def check_state(meta: Mapping[str, Any], *, where: str) -> None:
         _check_ids(name, ids, [h[0] for h in held], "the held list", where)
         _check_cache(pm, where)
         _check_undelivered(pm, meta["options"].get("tasks"), where)
+        _check_book(pm, where)
     if held_total > meta["produced"]:
         _fail(where, f"it holds {held_total} samples but counts only {meta['produced']} produced")
     for task, n in consumed_held.items():
@@ -225,6 +226,40 @@ def check_state(meta: Mapping[str, Any], *, where: str) -> None:
                 f"task {task!r} has {n} held samples marked consumed but a consumed count of "
                 f"{total}",
             )
+
+
+def _check_book(pm: Mapping[str, Any], where: str) -> None:
+    """The partition's policy versions (:mod:`meshfeed.queue.versions`), if any: well formed."""
+    book = pm.get("book")
+    if book is None:
+        return
+    name = pm["name"]
+    ok = (
+        isinstance(book, Mapping)
+        and all(isinstance(book.get(k), list) for k in ("versions", "groups"))
+        and all(isinstance(book.get(k), Mapping) for k in ("trainers", "stale", "filtered"))
+        and all(
+            isinstance(r, list)
+            and len(r) == 3
+            and _is_id(r[0])
+            and _is_count(r[1])
+            and _is_count(r[2])
+            and r[1] <= r[2]
+            for r in book["versions"]
+        )
+        and all(
+            isinstance(t, list)
+            and len(t) == 3
+            and _is_count(t[0])
+            and _is_count(t[2])
+            and (t[1] is None or _is_count(t[1]))
+            for t in book["trainers"].values()
+        )
+        and all(_is_count(n) for k in ("stale", "filtered") for n in book[k].values())
+        and all(isinstance(g, list) and len(g) == 2 and _is_count(g[1]) for g in book["groups"])
+    )
+    if not ok:
+        _fail(where, f"partition {name!r} has malformed policy versions {book!r:.120}")
 
 
 def _check_undelivered(pm: Mapping[str, Any], tasks: Any, where: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from meshfeed.queue import checkpoint
 from meshfeed.queue.backend import Got
 from meshfeed.queue.core import StoreCore, StoreOptions, Taken
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.stall import describe_stall, log_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
@@ -85,16 +85,10 @@ class EmbeddedBackend:
             "SampleStore(backend='ray') to share a store with other processes"
         )
 
-    def put(
-        self,
-        partition: str,
-        rows: Mapping[str, list[Any]],
-        ids: list[Key] | None,
-        groups: list[Hashable] | None,
-        timeout: float | None,
-    ) -> list[Key]:
+    def put(self, request: PutRequest) -> list[Key]:
+        partition, rows, ids = request.partition, request.rows, request.ids
         with self.lock:
-            out = self.core.try_put(partition, rows, ids, groups)  # fast path: no waiter
+            out = self.core.try_put(request)  # fast path: no waiter
             if out is None:
                 made: list[Waiter] = []
 
@@ -111,7 +105,7 @@ class EmbeddedBackend:
                     return made[0]
 
                 def attempt() -> list[Key] | None:
-                    got = self.core.try_put(partition, rows, ids, groups)
+                    got = self.core.try_put(request)
                     if got is None:  # the capacity it needs, for targeted wake-ups
                         made[0].size = self.core.put_needs
                     return got
@@ -121,8 +115,9 @@ class EmbeddedBackend:
                     self.waiters,
                     make,
                     attempt,
-                    timeout,
-                    f"put to {partition!r} (store at capacity {self.core.options.capacity})",
+                    request.timeout,
+                    f"put to {partition!r} (store at capacity {self.core.options.capacity}, or "
+                    "waiting for admission of a versioned put)",
                     stall=self._stall,
                 )
             waiters = self.waiters
@@ -165,6 +160,7 @@ class EmbeddedBackend:
             # ``dropped``, not ``held``: while this get waited, puts and other gets moved
             # ``held`` both ways, and comparing it missed this get's own eviction
             planned, expired, dropped = core.planned, core.lease_expired, core.dropped
+            taken = core.taken
             try:
                 got = None
                 if request.token is None or request.token not in self.waiters.cancelled:
@@ -181,11 +177,14 @@ class EmbeddedBackend:
                         self._stall,
                     )
                 lease = request.lease
-                return got[0], got[1], (lease if lease in self.core.leases else None), got[2]
+                leased = lease if lease in self.core.leases else None
+                return got[0], got[1], leased, got[2], got[3]
             finally:
                 core = self.core
                 if core.dropped != dropped:  # consumption (or an acknowledged lease) freed room
                     self.waiters.wake_producers(self._free())
+                elif core.taken != taken and core.versioned(partition):
+                    self.waiters.wake_producers()  # room for versioned puts to be admitted
                 if core.planned != planned:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)
                 if core.lease_expired != expired:  # samples returned to ready

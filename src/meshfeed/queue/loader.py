@@ -86,6 +86,7 @@ from meshfeed.options import LoaderOptions, OnError
 from meshfeed.queue.loader_errors import CollateError, SkipLog, check_on_error, round_failed
 from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
 from meshfeed.queue.loader_resume import KIND, VERSION, open_state, resplit, unit_of
+from meshfeed.queue.loader_versions import LoaderVersion, check_store, one_epoch
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.validate import check_loader_arguments, check_loader_workers
@@ -95,22 +96,6 @@ from meshfeed.state import envelope
 
 #: What ``_retry`` returns for a batch ``on_error="skip"`` drops.
 _FAILED: Any = object()
-
-
-def _check_store(store: Any) -> None:
-    if not isinstance(store, SampleStore):
-        raise TypeError(
-            f"store must be a SampleStore (got {type(store).__name__}); build the store "
-            "with meshfeed.queue.SampleStore and pass it first"
-        )
-
-
-def _one_epoch(got: str, use: str) -> str:
-    return (
-        f"a StoreLoader reads one stream, which is one epoch (got {got}); {use}, and for "
-        "another pass put the samples to a new partition and build a new StoreLoader (or "
-        "reset_consumption() on the store)"
-    )
 
 
 class StoreLoader(LoaderBase):
@@ -161,8 +146,9 @@ class StoreLoader(LoaderBase):
         collate_retries: int = 2,
         timeout: float = 300.0,
         on_error: OnError | None = None,
+        max_staleness: int | None = None,
     ) -> None:
-        _check_store(store)
+        check_store(store)
         options = LoaderOptions(
             batch_size=batch_size,
             shuffle=False,  # the store decides the order: no seed, no shuffle
@@ -196,7 +182,9 @@ class StoreLoader(LoaderBase):
             uuid.uuid4().hex,
         )  # fmt: skip
         self._shut = False
+        self._version = LoaderVersion(max_staleness)
         self._flight = InFlight(store, self._spec, collate_fn, num_workers, self._ahead_max)
+        self._flight.version = self._version
         # What stats() reports (since this object was built; not part of the state).
         self._counts = dict.fromkeys(
             ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
@@ -337,13 +325,13 @@ class StoreLoader(LoaderBase):
         ``StoreLoader``, or ``SampleStore.reset_consumption``)."""
         check_num_epochs(num_epochs)
         if num_epochs > 1:
-            raise ValueError(_one_epoch(f"{num_epochs=}", "use epochs(1)"))
+            raise ValueError(one_epoch(f"{num_epochs=}", "use epochs(1)"))
         if num_epochs == 1 and not (self._flight.ended and not self._flight.ahead):
             yield 0
 
     def _enter_epoch(self, epoch: int) -> None:
         """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
-        raise ValueError(_one_epoch(f"set_epoch({epoch})", "stay at epoch 0"))
+        raise ValueError(one_epoch(f"set_epoch({epoch})", "stay at epoch 0"))
 
     def stats(self) -> dict[str, Any]:
         """What this loader object did since it was built, and the store's view of its task.
@@ -366,6 +354,7 @@ class StoreLoader(LoaderBase):
         out["ended"] = self._flight.ended and not self._flight.ahead
         out["epoch"] = 0
         store = self.store.stats()
+        out["versions"] = self._version.stats(store, self.task, self.partition)
         part = store["partitions"].get(self.partition, {})
         out["store"] = {
             "consumed": store["consumed"].get(self.task, 0),
@@ -375,6 +364,12 @@ class StoreLoader(LoaderBase):
             "closed": part.get("closed", False),
         }
         return out
+
+    def set_version(self, version: int) -> None:
+        """The trainer's weights are now at policy ``version`` (an int, never lower): later
+        requests serve no sample older than ``version - max_staleness`` (see
+        :mod:`meshfeed.queue.loader_versions` for prefetching)."""
+        self._version.set(version)
 
     def shutdown(self) -> None:
         """Cancel the requests waiting in the store (they consume nothing) and stop worker

@@ -20,6 +20,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from meshfeed.queue import checkpoint
@@ -39,7 +40,7 @@ from meshfeed.queue.ray_dataplane import (
     wrap,
     wrap_column,
 )
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.stall import describe_stall, log_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 
@@ -173,17 +174,11 @@ class _StoreActor:
         finally:
             self.waiters.remove(waiter)
 
-    async def put(
-        self,
-        partition: str,
-        rows: Any,
-        ids: Any,
-        groups: Any,
-        caller: str | None = None,
-    ) -> Any:
+    async def put(self, request: PutRequest, caller: str | None = None) -> Any:
         """Store the rows now, or answer ``("full", needed)`` without waiting: the client
         waits for room with :meth:`wait_room` and puts again, so a put whose producer died
         while it waited is never stored (#28)."""
+        partition, rows = request.partition, request.rows
         chunks = [column for column in rows.values() if type(column) is RemoteChunk]
         if chunks:
             probe = self.probes.get(caller) if caller else None  # an object the producer owns
@@ -191,22 +186,39 @@ class _StoreActor:
                 await self.plane.keep(chunks, probe)
             except Exception as exc:  # re-raised by the client
                 return False, exc
-        ok, out = await self._run(lambda: self.core.try_put(partition, rows, ids, groups), 0, "")
+        ok, out = await self._run(lambda: self.core.try_put(request), 0, "")
         if ok and out is None:
-            return True, ("full", self.core.put_needs)
+            return True, ("full", self.core.put_needs, self._room_stamp())
         self.waiters.wake_consumers(partition, rows)
         return ok, out
 
+    def _room_stamp(self) -> tuple[int, int, int]:
+        """Changes whenever room may have been freed: samples dropped or consumed, a new core."""
+        return self.core.dropped, self.core.taken, id(self.core)
+
     async def wait_room(
-        self, partition: str, need: int, timeout: float | None, caller: str | None = None
+        self,
+        partition: str,
+        need: int,
+        stamp: tuple[int, int, int],
+        timeout: float | None,
+        caller: str | None = None,
     ) -> Any:
-        """Wait until ``need`` new samples fit (no more than ``timeout`` seconds); the wait is
-        given up if the caller's process dies."""
+        """Wait (no more than ``timeout`` seconds) until room may have been freed for a put
+        of ``need`` new samples refused at ``stamp``, or the partition closed; given up if
+        the caller's process dies."""
+
+        def attempt() -> bool | None:
+            part = self.core.partitions.get(partition)
+            changed = self._room_stamp() != tuple(stamp) or (part is not None and part.closed)
+            return True if changed else None
+
         cap = self.core.options.capacity
         return await self._run(
-            lambda: True if cap is None or self.core.held + need <= cap else None,
+            attempt,
             timeout,
-            f"put to {partition!r} (store at capacity {cap})",
+            f"put to {partition!r} (store at capacity {cap}, or waiting for admission of a "
+            "versioned put)",
             lambda notify: Waiter("producer", notify, size=need),
             self.probes.get(caller) if caller else None,
         )
@@ -218,6 +230,7 @@ class _StoreActor:
         # ``dropped``, not ``held``: while this get waited, puts and other gets moved ``held``
         # both ways, and comparing it missed this get's own eviction
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
+        taken = core.taken
 
         def attempt() -> Any:
             return self.core.try_get(request, alive=probe)
@@ -235,11 +248,11 @@ class _StoreActor:
             leased = request.lease if request.lease in self.core.leases else None
             if leased is not None and self._watch is None:
                 self._watch = asyncio.get_running_loop().create_task(self._watch_leases())
-            ids, rows, parts = out
-            return True, (ids, rows, leased, parts)
+            ids, rows, parts, versions = out
+            return True, (ids, rows, leased, parts, versions)
         finally:
             core = self.core
-            if core.dropped != dropped:
+            if core.dropped != dropped or (core.taken != taken and core.versioned(partition)):
                 self.waiters.wake_producers()
             if core.stats_cache_entries() != cached:
                 self.waiters.wake_task(partition, task)
@@ -372,23 +385,19 @@ class RayBackend:
     def _resolve(self, rows: dict[str, Any]) -> dict[str, Any]:
         return resolve(rows, lambda refs: self._call(self.actor.refresh.remote(refs)))
 
-    def put(
-        self,
-        partition: str,
-        rows: Mapping[str, list[Any]],
-        ids: Any,
-        groups: Any,
-        timeout: float | None,
-    ) -> list[Key]:
-        wrapped = {f: wrap_column(col, self.inline_bytes) for f, col in rows.items()}
+    def put(self, request: PutRequest) -> list[Key]:
+        rows = {f: wrap_column(col, self.inline_bytes) for f, col in request.rows.items()}
+        request = replace(request, rows=rows)
         caller = self._caller()
+        timeout = request.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # waits here, not in the actor: a dead producer's put never lands (#28)
-            out = self._call(self.actor.put.remote(partition, wrapped, ids, groups, caller))
+            out = self._call(self.actor.put.remote(request, caller))
             if not (type(out) is tuple and out[0] == "full"):
                 return out
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._call(self.actor.wait_room.remote(partition, out[1], left, caller))
+            wait = self.actor.wait_room.remote(request.partition, out[1], out[2], left, caller)
+            self._call(wait)
 
     def _caller(self) -> str:
         """This process's worker id; the first time per store actor, also tells the actor
@@ -405,8 +414,8 @@ class RayBackend:
         return worker
 
     def get(self, request: GetRequest) -> Got:
-        ids, rows, leased, parts = self._call(self.actor.get.remote(request, self._caller()))
-        return ids, self._resolve(rows), leased, parts
+        ids, rows, leased, parts, vs = self._call(self.actor.get.remote(request, self._caller()))
+        return ids, self._resolve(rows), leased, parts, vs
 
     def ack(self, lease_id: str) -> None:
         self._call(self.actor.ack.remote(lease_id))

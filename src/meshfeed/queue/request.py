@@ -13,7 +13,7 @@ from typing import Any
 
 from meshfeed.queue.samplers import Sampler, SequentialSampler
 
-__all__ = ["GetRequest"]
+__all__ = ["GetRequest", "PutRequest"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,7 +26,9 @@ class GetRequest:
     acknowledges. ``lease``: the lease id the batch is handed out under (a store with
     ``lease_timeout``; the client makes it). ``parts``: also hand out the parts of the shared
     plan the batch belongs to (``Batch.parts``). ``context``: any other keyword a custom
-    sampler reads. Build it through ``SampleStore.get``, which validates it.
+    sampler reads. ``version`` / ``max_staleness`` / ``version_of``: the trainer's policy
+    version and the staleness it accepts (:mod:`meshfeed.queue.versions`). Build it through
+    ``SampleStore.get``, which validates it.
     """
 
     task: str
@@ -44,6 +46,9 @@ class GetRequest:
     token: Hashable | None = None
     lease: str | None = None
     context: Mapping[str, Any] = field(default_factory=dict)
+    version: int | None = None
+    max_staleness: int | None = None
+    version_of: str = "oldest"
 
     @property
     def need(self) -> tuple[str, ...]:
@@ -67,6 +72,7 @@ class GetRequest:
             and self.prefetch is None
             and not self.context
             and self.lease is None
+            and self.version is None
         )
 
     def sampler_context(self) -> dict[str, Any]:
@@ -83,3 +89,18 @@ class GetRequest:
             f"get of {self.batch_size} samples with {list(self.fields)} for task "
             f"{self.task!r} from {self.partition!r}"
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PutRequest:
+    """What one ``put`` stores: ``rows`` (field -> column, validated), the samples' ``ids``
+    (``None``: fresh ints) and ``groups``, the ``timeout`` of a wait for room, and the
+    policy ``version`` of the weights that produced them (``None``: unversioned). Built by
+    ``SampleStore.put``, which validates it; it travels to the Ray actor as one argument."""
+
+    partition: str
+    rows: Mapping[str, Any]
+    ids: list[Hashable] | None = None
+    groups: list[Hashable] | None = None
+    timeout: float | None = None
+    version: int | None = None

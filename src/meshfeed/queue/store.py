@@ -29,7 +29,7 @@ from meshfeed.queue.backend import Backend
 from meshfeed.queue.columns import Gathered
 from meshfeed.queue.core import StoreOptions
 from meshfeed.queue.embedded import EmbeddedBackend
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.validate import (
     check_batch_size,
@@ -44,6 +44,7 @@ from meshfeed.queue.validate import (
     put_groups,
     put_ids,
 )
+from meshfeed.queue.versions import check_staleness, check_version
 from meshfeed.queue.wakeups import check_timeout
 
 Key = Hashable
@@ -67,6 +68,9 @@ class Batch:
     #: data rank's ids, in data-rank order); ``None`` for a batch planned for this caller
     #: alone, or not asked for.
     parts: list[list[Key]] | None = None
+    #: Each sample's policy version (as the get's ``version_of`` names it; ``None`` for an
+    #: unversioned sample), or ``None`` when the partition has no versions.
+    versions: list[int | None] | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.columns[name]
@@ -191,6 +195,7 @@ class SampleStore:
         *,
         groups: Sequence[Hashable] | Hashable | None = None,
         timeout: float | None = None,
+        version: int | None = None,
     ) -> list[Key]:
         """Store ``fields`` (name -> column of one entry per sample) for samples ``ids``.
 
@@ -198,6 +203,14 @@ class SampleStore:
         given fields (each field of a sample is produced once). ``groups``: one group id per
         sample (or one for all) for group samplers. Waits while the store is at capacity;
         ``TimeoutError`` after ``timeout`` seconds. Returns the ids.
+
+        ``version``: the policy version (an int >= 0) of the weights that produced these
+        fields. Fields added to a sample later (a partial rollout continued) may carry a
+        newer version, never an older one; a group's samples are created under one version.
+        A versioned put waits while a task that bounds staleness has ``(max_staleness + 1)``
+        of its gets unconsumed already, and is refused with
+        :class:`~meshfeed.queue.versions.StaleVersion` when it is too old for every reader
+        (see :mod:`meshfeed.queue.versions`).
         """
         partition = self._partition(partition)
         timeout = check_timeout(timeout)
@@ -214,9 +227,15 @@ class SampleStore:
                 f"put columns must all hold the same, non-zero number of samples "
                 f"(got lengths {lengths}); give one entry per sample in every field"
             )
-        id_list = None if ids is None else put_ids(ids, n)
-        group_list = None if groups is None else put_groups(groups, n)
-        return self._backend.put(partition, rows, id_list, group_list, timeout)
+        request = PutRequest(
+            partition=partition,
+            rows=rows,
+            ids=None if ids is None else put_ids(ids, n),
+            groups=None if groups is None else put_groups(groups, n),
+            timeout=timeout,
+            version=check_version(version),
+        )
+        return self._backend.put(request)
 
     def get(
         self,
@@ -231,6 +250,9 @@ class SampleStore:
         parts: bool = False,
         token: Hashable | None = None,
         consumer: Hashable | None = None,
+        version: int | None = None,
+        max_staleness: int | None = None,
+        version_of: str = "oldest",
         **context: Any,
     ) -> Batch:
         """The next batch for ``task``: samples with every field in ``fields`` present, not yet
@@ -265,6 +287,13 @@ class SampleStore:
         round of a rank-aware sampler) from an open partition is refused with ``ValueError``; one that waits while
         producers wait for the room it holds is logged and named in its ``TimeoutError`` (see
         :mod:`meshfeed.queue.stall`).
+
+        Policy versions: ``version`` is the trainer's (an int >= 0 that never goes backwards
+        for a task) and ``max_staleness`` (an int >= 0, with ``version``) the most versions a
+        served sample may lag it: older pending samples of the task are dropped for it
+        before the batch is planned, counted in ``stats()["stale"]``. A sample written under
+        several versions is judged by its oldest field (``version_of="oldest"``) or its
+        newest (``"newest"``). ``Batch.versions`` names each sample's version.
         """
         request = GetRequest(
             task=check_task(task),
@@ -282,10 +311,11 @@ class SampleStore:
             token=token,
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
+            **check_staleness(version, max_staleness, version_of),
         )
-        ids, rows, lease, plan = self._backend.get(request)
+        ids, rows, lease, plan, versions = self._backend.get(request)
         names = request.fields
-        return Batch(ids, {name: collate(rows[name]) for name in names}, lease, plan)
+        return Batch(ids, {name: collate(rows[name]) for name in names}, lease, plan, versions)
 
     def ack(self, lease: Batch | str) -> None:
         """The batch (or lease id) a ``get`` returned was used: its samples stay consumed.
@@ -359,7 +389,10 @@ class SampleStore:
         ``waiting_producers``, ``bytes_held`` (in the store), ``bytes_in_object_store`` (Ray),
         ``cache_entries``, ``redelivered`` (retried requests), ``leases`` (outstanding),
         ``lease_expired`` (samples returned to ready by an expired or dropped lease, then
-        delivered again) and per-partition details."""
+        delivered again), ``stale`` (per task: samples dropped as older than its
+        ``max_staleness``; also counted consumed), ``filtered`` (per task: groups a filter
+        dropped) and per-partition details (with policy versions: ``trainer_versions``,
+        ``held_versions``)."""
         return self._backend.stats()
 
     def shutdown(self) -> None:
