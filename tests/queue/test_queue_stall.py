@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from meshfeed.queue import PartitionClosed, RankAwareSampler, SampleStore
+from meshfeed.queue import PartitionClosed, RankAwareSampler, SampleStore, stall
 
 
 def test_a_get_larger_than_the_capacity_is_refused_at_once(make_store):
@@ -23,9 +23,11 @@ def test_a_get_larger_than_the_capacity_is_refused_at_once(make_store):
     assert store.stats()["waiting_consumers"] == 0
 
 
-def test_a_put_and_a_get_that_wait_on_each_other_are_named(make_store, caplog):
-    """capacity 4, 3 held: a get of 4 waits for one more sample, a put of 4 for room; both
-    time out naming the stall (the audit's 120-180 s silent stall), the store unchanged."""
+def test_a_put_and_a_get_that_wait_on_each_other_are_named(make_store, caplog, monkeypatch):
+    """capacity 4, 3 held: a get of 4 waits for one more sample, a put of 4 for room; the
+    stall is logged once it lasts STALL_WARN seconds and both time out naming it (the audit's
+    120-180 s silent stall), the store unchanged."""
+    monkeypatch.setattr(stall, "STALL_WARN", 0.5)
     store = make_store(capacity=4, tasks=["t"])
     store.put("p", {"x": [0, 1, 2]})
     errors: list[BaseException] = []

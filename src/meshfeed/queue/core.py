@@ -29,6 +29,7 @@ from typing import Any
 
 from meshfeed.queue.columns import gather, gather_runs
 from meshfeed.queue.core_admin import StoreAdmin
+from meshfeed.queue.dynamic import rejected
 from meshfeed.queue.eviction import evict, forget, remove
 from meshfeed.queue.fastpath import select_fast
 from meshfeed.queue.leases import Lease, Leases
@@ -111,9 +112,9 @@ class StoreCore(StoreAdmin):
             n_new = n
         else:
             n_new = check_put(partition, part, rows, ids, groups)
-        book = part.book
-        if request.version is not None:
-            book = part.book = book or Book()
+        version = request.version
+        if version is not None:
+            book = part.book = part.book or Book()
             if not book.admit(partition, part, request, ids, n_new):
                 self.put_needs = n_new
                 return None
@@ -138,7 +139,7 @@ class StoreCore(StoreAdmin):
         counts = part.field_counts
         for f in rows:  # each (sample, field) pair is new, checked above
             counts[f] = counts.get(f, 0) + n
-        if book is not None:
+        if version is not None:
             book.record(request, ids)
         return ids
 
@@ -163,8 +164,6 @@ class StoreCore(StoreAdmin):
         ``now``: the caller's ``time.monotonic()`` (default: read now).
         """
         part = self._partition(request.partition)
-        if self.options.capacity is not None and not part.closed:  # else it waits forever
-            check_fits(self.options, request.sampler, request.batch_size)
         now = time.monotonic() if now is None else now
         if self.leases:
             self._settle_leases(request, now)
@@ -196,15 +195,19 @@ class StoreCore(StoreAdmin):
         book = part.book = part.book or Book()
         book.observe(part, request, round_size(request.sampler, request.batch_size))
         task = request.task
-        pending = part.task(task)
-        stale = book.stale_keys(pending, request)
+        stale = book.stale_keys(part.task(task), request)
         if stale:
-            deque(map(pending.pop, stale), 0)
-            part.consumed[task].update(stale)
-            self.consumed_total[task] = self.consumed_total.get(task, 0) + len(stale)
             book.stale[task] = book.stale.get(task, 0) + len(stale)
-            self.taken += len(stale)
-            self._evict(part, stale)
+            self._unserved(part, task, stale)
+
+    def _unserved(self, part: Partition, task: str, keys: list[Key]) -> None:
+        """Consume ``keys`` for ``task`` without delivering them (stale, or filtered)."""
+        if keys:
+            deque(map(part.pending[task].pop, keys), 0)
+            part.consumed[task].update(keys)
+            self.consumed_total[task] = self.consumed_total.get(task, 0) + len(keys)
+            self.taken += len(keys)
+            self._evict(part, keys)
 
     def _settle_leases(self, request: GetRequest, now: float) -> None:
         """Expire overdue leases; a get of ``consumer`` acknowledges its earlier batches of
@@ -250,6 +253,8 @@ class StoreCore(StoreAdmin):
                     "has ended (check the field names if you expected data)",
                 )
         pending = part.task(request.task)
+        if request.group_filter is not None:
+            self._unserved(part, request.task, rejected(part, request, pending))
         parts = select_fast(part, pending, request, need) if share is None else False
         if isinstance(parts, bool):
             parts = request.sampler.select(View(part, pending, need), request.batch_size)
@@ -261,6 +266,8 @@ class StoreCore(StoreAdmin):
                     share,
                     f"partition {request.partition!r} is closed and drained for {request.task!r}",
                 )
+            if self.options.capacity is not None:  # about to wait: one that never fits
+                check_fits(self.options, request.sampler, request.batch_size)
             return None
         return parts
 

@@ -18,7 +18,7 @@ from meshfeed.queue import checkpoint
 from meshfeed.queue.backend import Got
 from meshfeed.queue.core import StoreCore, StoreOptions, Taken
 from meshfeed.queue.request import GetRequest, PutRequest
-from meshfeed.queue.stall import describe_stall, log_stall, timed_out
+from meshfeed.queue.stall import StallWatch, describe_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
 T = TypeVar("T")
@@ -40,12 +40,13 @@ def wait_for(
     ``waiters``; a cancelled waiter raises :class:`RequestCancelled`. ``wake_by()``: a
     ``time.monotonic()`` by which to try again unprompted (a lease deadline), or ``None``.
     ``stall()``: why the waiters wait on each other (:mod:`meshfeed.queue.stall`), logged
-    when this wait starts in that state and added to its ``TimeoutError``."""
+    once this wait has lasted ``STALL_WARN`` seconds in that state, and added to its
+    ``TimeoutError``."""
     cond = threading.Condition(lock)
     waiter = make(cond.notify)
     waiters.add(waiter)
     deadline = None if timeout is None else time.monotonic() + timeout
-    first = True
+    watch = StallWatch()
     try:
         while True:
             waiters.check(waiter)
@@ -53,9 +54,7 @@ def wait_for(
             waiters.tried(waiter, result is not None)
             if result is not None:
                 return result
-            if first:
-                log_stall(stall())
-                first = False
+            watch.check(stall)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(timed_out(what, timeout, stall()))
@@ -63,7 +62,7 @@ def wait_for(
             due = wake_by()
             if due is not None:
                 chunk = max(0.0, min(chunk, due - time.monotonic()))
-            cond.wait(chunk)
+            cond.wait(watch.cap(chunk))
     finally:
         waiters.remove(waiter)
         waiters.leaving(waiter)
@@ -86,10 +85,10 @@ class EmbeddedBackend:
         )
 
     def put(self, request: PutRequest) -> list[Key]:
-        partition, rows, ids = request.partition, request.rows, request.ids
         with self.lock:
             out = self.core.try_put(request)  # fast path: no waiter
             if out is None:
+                partition, ids = request.partition, request.ids
                 made: list[Waiter] = []
 
                 def make(notify: Callable[[], None]) -> Waiter:
@@ -122,8 +121,8 @@ class EmbeddedBackend:
                 )
             waiters = self.waiters
             if waiters.waiters:
-                waiters.wake_consumers(partition, rows)
-                if ids is not None:
+                waiters.wake_consumers(request.partition, request.rows)
+                if request.ids is not None:
                     waiters.wake_creators(out)
             return out
 

@@ -114,7 +114,9 @@ class StoreLoader(LoaderBase):
     process group on a mesh of several ranks; see the module docstring). Replica peers
     must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
     ``batch_size`` and ``prefetch``). ``shutdown()`` (or leaving a ``with`` block) cancels
-    waiting requests and stops workers.
+    waiting requests and stops workers. ``max_staleness`` with :meth:`set_version` and
+    ``group_filter`` go to every request (policy versions and dynamic sampling, applied by
+    the store: :mod:`meshfeed.queue.versions`, :mod:`meshfeed.queue.dynamic`).
 
     >>> store = SampleStore()
     >>> _ = store.put("p", {"x": [1, 2, 3, 4]}); store.close("p")
@@ -147,6 +149,7 @@ class StoreLoader(LoaderBase):
         timeout: float = 300.0,
         on_error: OnError | None = None,
         max_staleness: int | None = None,
+        group_filter: Callable[[dict[str, list[Any]]], bool] | None = None,
     ) -> None:
         check_store(store)
         options = LoaderOptions(
@@ -179,7 +182,7 @@ class StoreLoader(LoaderBase):
         hold = store.options.tasks is not None and (bool(self._ahead_max) or collate_fn is not None)
         self._spec = Spec(
             task, tuple(fields), batch_size, partition, self.sampler, wait, hold, prefetch,
-            uuid.uuid4().hex,
+            uuid.uuid4().hex, group_filter,
         )  # fmt: skip
         self._shut = False
         self._version = LoaderVersion(max_staleness)

@@ -61,6 +61,7 @@ class Spec:
     hold: bool
     prefetch: int  # replica peers must share it (the store checks; see fetch)
     token: str  # the loader's requests, cancelled together by shutdown()
+    group_filter: Callable[[dict[str, list[Any]]], bool] | None = None  # see queue.dynamic
 
 
 def fetch(
@@ -81,6 +82,7 @@ def fetch(
             token=spec.token,
             batch_index=index,
             prefetch=spec.prefetch,
+            group_filter=spec.group_filter,
             **(version or {}),
         )
     except PartitionClosed:

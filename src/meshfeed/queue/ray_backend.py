@@ -20,7 +20,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import replace
 from typing import Any
 
 from meshfeed.queue import checkpoint
@@ -41,7 +40,7 @@ from meshfeed.queue.ray_dataplane import (
     wrap_column,
 )
 from meshfeed.queue.request import GetRequest, PutRequest
-from meshfeed.queue.stall import describe_stall, log_stall, timed_out
+from meshfeed.queue.stall import StallWatch, describe_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 
 __all__ = ["NAMESPACE", "PROBE_INTERVAL", "PROBE_TIMEOUT", "RayBackend"]
@@ -140,16 +139,14 @@ class _StoreActor:
         waiter = make(event.set)
         self.waiters.add(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
-        first = True
+        watch = StallWatch()
         try:
             while True:
                 self.waiters.check(waiter)
                 result = attempt()
                 if result is not None:
                     return result
-                if first:  # see meshfeed.queue.stall
-                    log_stall(self._stall())
-                    first = False
+                watch.check(self._stall)  # see meshfeed.queue.stall
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(timed_out(what, timeout, self._stall()))
@@ -159,6 +156,7 @@ class _StoreActor:
                 due = self.core.next_lease_deadline()
                 if due is not None:
                     chunk = max(0.0, min(chunk, due - time.monotonic()))
+                chunk = watch.cap(chunk)
                 event.clear()
                 woken = True
                 try:
@@ -387,7 +385,7 @@ class RayBackend:
 
     def put(self, request: PutRequest) -> list[Key]:
         rows = {f: wrap_column(col, self.inline_bytes) for f, col in request.rows.items()}
-        request = replace(request, rows=rows)
+        request = request._replace(rows=rows)
         caller = self._caller()
         timeout = request.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

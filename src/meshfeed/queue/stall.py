@@ -7,21 +7,26 @@ once by :func:`check_fits`. A get that fits can still wait on a put that waits o
 samples too few for the waiting consumers' batches, but too many to leave room for the waiting
 producers' puts (e.g. ``C=4``, 3 held, a get of 4 and a put of 4). Only a newcomer (another
 task's consumer, a ``close``, a ``delete``) can end that, so :func:`describe_stall` names it:
-the backends log it as a warning when a wait starts in that state and add it to the
-``TimeoutError``, so a stall is never silent (#28).
+the backends log it as a warning when a wait has lasted :data:`STALL_WARN` seconds in that
+state and add it to the ``TimeoutError``, so a stall is never silent (#28).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from meshfeed.queue.records import StoreOptions
 from meshfeed.queue.samplers import LengthBalancedSampler, RankAwareSampler, Sampler
 from meshfeed.queue.wakeups import Waiters
 
-__all__ = ["check_fits", "describe_stall", "log_stall", "timed_out"]
+__all__ = ["STALL_WARN", "StallWatch", "check_fits", "describe_stall", "timed_out"]
 
 log = logging.getLogger("meshfeed")
+#: Seconds a put or get waits in a stall before it is logged (a stall often passes: a
+#: producer completes held samples); the TimeoutError names it whenever it ends a wait.
+STALL_WARN = 10.0
 
 
 def round_size(sampler: Sampler, batch_size: int) -> int:
@@ -50,22 +55,38 @@ def describe_stall(held: int, capacity: int | None, waiters: Waiters) -> str | N
         return None
     free = capacity - held
     short = [w.size for w in waiters.waiters if w.kind == "producer" and (w.size or 0) > free]
-    consumers = [w.what for w in waiters.waiters if w.kind == "consumer"]
+    consumers = [w.request.describe() for w in waiters.waiters if w.request is not None]
     if not short or not consumers or len(short) < waiters.count("producer"):
         return None
     return (
         f"the store holds {held} samples of capacity={capacity} ({free} free): "
         f"{len(short)} put(s) wait for room for {short} new samples while "
         f"{len(consumers)} get(s) wait for samples ({'; '.join(sorted(set(consumers)))}); "
-        "they wait on each other until another consumer, a close() or a delete() frees "
-        "room. Keep batch_size + samples per put <= capacity + 1 (per task), raise "
-        "capacity, or put fewer samples at a time"
+        "unless a producer completes held samples, another consumer takes some, or a "
+        "close() or delete() frees room, they wait on each other. Keep batch_size + "
+        "samples per put <= capacity + 1 (per task), raise capacity, or put fewer samples "
+        "at a time"
     )
 
 
-def log_stall(why: str | None) -> None:
-    if why is not None:
-        log.warning("sample store stalled: %s", why)
+class StallWatch:
+    """One wait's stall warning: once it has waited :data:`STALL_WARN` seconds, ``check``
+    logs the stall if the store is in one (waits are cut to wake up for it)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = time.monotonic() + STALL_WARN
+
+    def cap(self, chunk: float) -> float:
+        return chunk if self.at is None else max(0.0, min(chunk, self.at - time.monotonic()))
+
+    def check(self, why: Callable[[], str | None]) -> None:
+        if self.at is not None and time.monotonic() >= self.at:
+            self.at = None
+            reason = why()
+            if reason is not None:
+                log.warning("sample store stalled: %s", reason)
 
 
 def timed_out(what: str, timeout: float | None, why: str | None) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from meshfeed.queue import checkpoint
 from meshfeed.queue.backend import Backend
 from meshfeed.queue.columns import Gathered
 from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.dynamic import check_group_filter
 from meshfeed.queue.embedded import EmbeddedBackend
 from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import Sampler
@@ -44,7 +45,7 @@ from meshfeed.queue.validate import (
     put_groups,
     put_ids,
 )
-from meshfeed.queue.versions import check_staleness, check_version
+from meshfeed.queue.versions import check_staleness, check_version, check_version_of
 from meshfeed.queue.wakeups import check_timeout
 
 Key = Hashable
@@ -227,13 +228,13 @@ class SampleStore:
                 f"put columns must all hold the same, non-zero number of samples "
                 f"(got lengths {lengths}); give one entry per sample in every field"
             )
-        request = PutRequest(
-            partition=partition,
-            rows=rows,
-            ids=None if ids is None else put_ids(ids, n),
-            groups=None if groups is None else put_groups(groups, n),
-            timeout=timeout,
-            version=check_version(version),
+        request = PutRequest(  # positional: the named tuple's fastest form (hot path)
+            partition,
+            rows,
+            None if ids is None else put_ids(ids, n),
+            None if groups is None else put_groups(groups, n),
+            timeout,
+            None if version is None else check_version(version),
         )
         return self._backend.put(request)
 
@@ -253,6 +254,7 @@ class SampleStore:
         version: int | None = None,
         max_staleness: int | None = None,
         version_of: str = "oldest",
+        group_filter: Callable[[dict[str, list[Any]]], bool] | None = None,
         **context: Any,
     ) -> Batch:
         """The next batch for ``task``: samples with every field in ``fields`` present, not yet
@@ -294,13 +296,19 @@ class SampleStore:
         before the batch is planned, counted in ``stats()["stale"]``. A sample written under
         several versions is judged by its oldest field (``version_of="oldest"``) or its
         newest (``"newest"``). ``Batch.versions`` names each sample's version.
+
+        Dynamic sampling: ``group_filter`` (with a group sampler) is called with each complete
+        group's ``fields`` as ``{field: [value per sample]}``; a group it returns False for is
+        dropped for the task, counted in ``stats()["filtered"]``, and the batch is filled from
+        later groups (see :mod:`meshfeed.queue.dynamic`).
         """
+        sampler = check_sampler(sampler)
         request = GetRequest(
             task=check_task(task),
             fields=self._names(fields, "get fields"),
             batch_size=check_batch_size(batch_size),
             partition=self._partition(partition),
-            sampler=check_sampler(sampler),
+            sampler=sampler,
             timeout=check_timeout(timeout),
             batch_index=check_index(context.pop("batch_index", None), "batch_index", 0),
             stream=check_stream(context.pop("stream", None)),
@@ -311,7 +319,12 @@ class SampleStore:
             token=token,
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
-            **check_staleness(version, max_staleness, version_of),
+            version=None if version is None else check_version(version),
+            max_staleness=check_staleness(version, max_staleness),
+            version_of=check_version_of(version_of),
+            group_filter=None
+            if group_filter is None
+            else check_group_filter(group_filter, sampler),
         )
         ids, rows, lease, plan, versions = self._backend.get(request)
         names = request.fields

@@ -34,7 +34,14 @@ if TYPE_CHECKING:
     from meshfeed.queue.records import Partition
     from meshfeed.queue.request import GetRequest, PutRequest
 
-__all__ = ["VERSION_OF", "Book", "StaleVersion", "check_staleness", "check_version"]
+__all__ = [
+    "VERSION_OF",
+    "Book",
+    "StaleVersion",
+    "check_staleness",
+    "check_version",
+    "check_version_of",
+]
 
 Key = Hashable
 VERSION_OF = ("oldest", "newest")
@@ -55,24 +62,29 @@ def check_version(value: Any, what: str = "version") -> int | None:
     return value
 
 
-def check_staleness(version: Any, max_staleness: Any, version_of: Any) -> dict[str, Any]:
-    """A get's version arguments, checked, as :class:`GetRequest` keywords."""
-    version = check_version(version)
+def check_staleness(version: Any, max_staleness: Any) -> int | None:
+    """A get's ``max_staleness``, checked (it needs the trainer's ``version``)."""
+    if max_staleness is None:
+        return None
     max_staleness = check_version(max_staleness, "max_staleness")
-    if max_staleness is not None and version is None:
+    if version is None:
         raise ValueError(
             f"max_staleness={max_staleness} bounds the lag behind the trainer's version; "
             "pass version= (the trainer's current policy version) with it"
         )
-    if version_of not in VERSION_OF:
+    return max_staleness
+
+
+def check_version_of(version_of: Any) -> str:
+    if version_of != "oldest" and version_of not in VERSION_OF:
         raise ValueError(f"version_of must be one of {VERSION_OF} (got {version_of=!r})")
-    return {"version": version, "max_staleness": max_staleness, "version_of": version_of}
+    return version_of
 
 
 class Book:
     """The version bookkeeping of one partition (see the module docstring)."""
 
-    __slots__ = ("filtered", "groups", "stale", "trainers", "versions")
+    __slots__ = ("filtered", "groups", "kept", "stale", "trainers", "versions")
 
     def __init__(self) -> None:
         self.versions: dict[Key, tuple[int, int]] = {}  # sample -> (oldest, newest)
@@ -80,6 +92,7 @@ class Book:
         self.stale: dict[str, int] = {}
         self.filtered: dict[str, int] = {}
         self.groups: dict[Hashable, int] = {}  # a group's version, from its first put
+        self.kept: dict[str, set[Hashable]] = {}  # per task, groups a group filter kept
 
     # ----------------------------------------------------------------- puts
     def admit(

@@ -82,11 +82,11 @@ class Waiter:
         "need",
         "notify",
         "partition",
+        "request",
         "room",
         "size",
         "task",
         "token",
-        "what",
         "woken",
     )
 
@@ -104,9 +104,9 @@ class Waiter:
         size: int | None = None,
         ids: Collection[Hashable] | None = None,
         room: Callable[[], int | None] | None = None,
-        what: str = "",
+        request: GetRequest | None = None,
     ) -> None:
-        self.kind, self.notify, self.what = kind, notify, what
+        self.kind, self.notify, self.request = kind, notify, request
         self.partition, self.task, self.need = partition, task, frozenset(need)
         self.token = token
         self.group, self.more = group, more  # see the module docstring
@@ -135,7 +135,7 @@ class Waiter:
             token=request.token,
             group=group,
             more=more,
-            what=request.describe(),
+            request=request,
         )
 
     def wake(self) -> None:
