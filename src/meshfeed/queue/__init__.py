@@ -5,6 +5,7 @@ See :class:`SampleStore` (embedded or Ray backend), the samplers in
 """
 
 from meshfeed.queue.core import PartitionClosed
+from meshfeed.queue.dynamic import Varies
 from meshfeed.queue.loader import CollateError, StoreLoader
 from meshfeed.queue.samplers import (
     GroupSampler,
@@ -28,4 +29,5 @@ __all__ = [
     "SequentialSampler",
     "StaleVersion",
     "StoreLoader",
+    "Varies",
 ]

@@ -17,6 +17,7 @@ per group.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.queue.records import Partition, View
@@ -24,9 +25,23 @@ from meshfeed.queue.request import GetRequest
 from meshfeed.queue.samplers import GroupSampler, RankAwareSampler, Sampler
 from meshfeed.queue.versions import Book
 
-__all__ = ["check_group_filter", "rejected"]
+__all__ = ["Varies", "check_group_filter", "rejected"]
 
 Key = Hashable
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Varies:
+    """DAPO's filter: keep a group whose ``field`` (e.g. the rewards) is not the same for
+    every sample, i.e. one with a GRPO advantage. Importable, so it pickles by reference to
+    a Ray store (a function of a script's ``__main__`` does not)."""
+
+    field: str = "reward"
+
+    def __call__(self, group: Mapping[str, list[Any]]) -> bool:
+        values = group[self.field]
+        first = values[0]
+        return any(bool(v != first) for v in values[1:])
 
 
 def _groups_of(sampler: Sampler) -> GroupSampler | None:
