@@ -191,3 +191,31 @@ def _run_schedule(store: SampleStore, staleness: int, batch: int, steps: list) -
 def test_no_sample_older_than_max_staleness_is_ever_served(fresh, schedule):
     staleness, batch, steps = schedule
     _run_schedule(fresh(), staleness, batch, steps)
+
+
+def test_a_get_that_drops_stale_samples_and_then_waits_admits_the_waiting_put(fresh):
+    """The trainer's get drops the stale round, then waits for fresh samples: the producer
+    waiting for admission must be woken by the drop, not by the end of that get (a missed
+    wake-up there stalled both until their timeouts)."""
+    store = fresh()
+    store.put("p", {"x": [0, 1]}, version=0)
+    store.get("t", ["x"], 2, "p", version=0, max_staleness=0, timeout=5)  # 2 ahead at most
+    store.put("p", {"x": [2, 3]}, version=0)
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            store.put("p", {"x": [4, 5]}, version=1, timeout=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    producer = threading.Thread(target=put)
+    producer.start()
+    deadline = time.monotonic() + 20
+    while store.stats()["waiting_producers"] != 1:
+        assert time.monotonic() < deadline, "the put did not wait for admission"
+        time.sleep(0.02)
+    batch = store.get("t", ["x"], 2, "p", version=1, max_staleness=0, timeout=5)
+    producer.join(20)
+    assert batch["x"] == [4, 5] and batch.versions == [1, 1] and not errors
+    assert store.stats()["stale"] == {"t": 2}

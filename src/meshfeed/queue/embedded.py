@@ -149,7 +149,13 @@ class EmbeddedBackend:
             )
 
         def attempt() -> Taken | None:
-            return self.core.try_get(request)
+            core = self.core
+            taken, dropped = core.taken, core.dropped
+            got = core.try_get(request)
+            if got is None and (core.taken != taken or core.dropped != dropped):
+                # It dropped stale or filtered samples, then waits: that freed room now.
+                self.waiters.wake_producers()
+            return got
 
         def make(notify: Callable[[], None]) -> Waiter:
             return Waiter.consumer(notify, request, group=group, more=more)

@@ -231,7 +231,12 @@ class _StoreActor:
         taken = core.taken
 
         def attempt() -> Any:
-            return self.core.try_get(request, alive=probe)
+            core = self.core
+            taken, dropped = core.taken, core.dropped
+            got = core.try_get(request, alive=probe)
+            if got is None and (core.taken != taken or core.dropped != dropped):
+                self.waiters.wake_producers()  # it dropped samples, then waits: room now
+            return got
 
         try:
             ok, out = await self._run(
