@@ -440,7 +440,7 @@ class StoreCore(StoreAdmin):
 
     def peek(
         self, partition: str, ids: list[Key], fields: tuple[str, ...]
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
+    ) -> tuple[list[Key], dict[str, list[Any]], list[int | None] | None]:
         """The ``fields`` of samples ``ids`` without consuming them (re-delivery on resume)."""
         part = self.partitions.get(partition)
         missing = [k for k in ids if part is None or k not in part.samples]
@@ -450,7 +450,7 @@ class StoreCore(StoreAdmin):
                 "checkpoint names as fetched but not returned; restore the store saved with "
                 "that loader state (SampleStore.load)"
             )
-        return list(ids), self._rows(part, list(ids), fields)
+        return list(ids), self._rows(part, list(ids), fields), _vs(part, list(ids))
 
     def _evict(self, part: Partition, keys: list[Key]) -> None:
         self._dropped(evict(part, keys, self.options.tasks))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
 from meshfeed.queue import checkpoint
-from meshfeed.queue.backend import Got
+from meshfeed.queue.backend import Got, Peeked
 from meshfeed.queue.core import StoreCore, StoreOptions, Taken
 from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.stall import StallWatch, describe_stall, timed_out
@@ -229,9 +229,7 @@ class EmbeddedBackend:
             if self.core.dropped != dropped:
                 self.waiters.wake_producers()
 
-    def peek(
-        self, partition: str, ids: list[Key], fields: tuple[str, ...]
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
+    def peek(self, partition: str, ids: list[Key], fields: tuple[str, ...]) -> Peeked:
         with self.lock:
             return self.core.peek(partition, ids, fields)
 

@@ -251,7 +251,7 @@ class StoreLoader(LoaderBase):
             if not self._ahead_max and not self._flight.ahead:  # synchronous
                 if self._flight.ended:
                     raise StopIteration
-                result = self._flight.thread_job(self._flight.next)
+                result = self._flight.thread_job(self._flight.next, self._version.request())
                 if not isinstance(result, Got) or result.ids is None:  # no workers here
                     self._flight.ended = True
                     raise StopIteration
@@ -432,6 +432,7 @@ class StoreLoader(LoaderBase):
             next=self._flight.next,
             ended=self._flight.ended,
             pending=pending,
+            policy_version=self._version.version,  # set_version's (loader_versions)
         )
 
     def load_state_dict(self, state: Any) -> None:
@@ -474,6 +475,7 @@ class StoreLoader(LoaderBase):
             nxt, ended = (min(ends) if ends else nxt), False
             # The old layout's plans are never read again (their batches come from the state).
             self.store.drop_plans(self.partition, self.task, nxt)
+        self._version.restore(state.get("policy_version"))
         self._flight.next = nxt
         self._flight.ended = ended
         for index, parts in rounds:
@@ -486,6 +488,6 @@ class StoreLoader(LoaderBase):
                 return None
             ids = parts[self.data_rank]
             batch = self.store.peek(self.partition, list(ids), self._spec.fields)
-            return Batch(batch.ids, batch.columns, parts=parts)
+            return Batch(batch.ids, batch.columns, parts=parts, versions=batch.versions)
 
         return fn

@@ -222,9 +222,9 @@ class InFlight:
     def _version_args(self) -> dict[str, Any] | None:
         return None if self.version is None else self.version.request()
 
-    def thread_job(self, index: int) -> Got | Batch | None:
+    def thread_job(self, index: int, version: dict[str, Any] | None) -> Got | Batch | None:
         """Fetch here (in a thread); ``collate_fn`` too unless worker processes run it."""
-        batch = fetch(self.store, self.spec, index, self._version_args())
+        batch = fetch(self.store, self.spec, index, version)
         if batch is None or self.pool is not None:
             return batch
         return apply(self.collate_fn, batch)
@@ -263,7 +263,8 @@ class InFlight:
         else:
             if self.threads is None:  # requests wait in the store, so one thread per request
                 self.threads = cf.ThreadPoolExecutor(self.ahead_max, "meshfeed-loader")
-            entry.fetch = self.threads.submit(self.thread_job, entry.index)
+            # The version as of the request, not of when the thread runs: deterministic.
+            entry.fetch = self.threads.submit(self.thread_job, entry.index, self._version_args())
 
     def fetched(self, entry: Entry, result: Got | Batch | None) -> None:
         if isinstance(result, Got):

@@ -30,8 +30,7 @@ class LoaderVersion:
 
     def set(self, version: Any) -> None:
         """The trainer's weights are now at ``version`` (never lower than before)."""
-        version = check_version(version)
-        if version is None:
+        if version is None or check_version(version) is None:
             raise ValueError("set_version takes the trainer's policy version, an int >= 0")
         if self.version is not None and version < self.version:
             raise ValueError(
@@ -39,6 +38,12 @@ class LoaderVersion:
                 "version never goes backwards (pass the current optimizer step)"
             )
         self.version = version
+
+    def restore(self, version: Any) -> None:
+        """The version a loader state names (``None``: a state without one)."""
+        if version is not None:
+            self.version = None  # a resumed loader may be at any version the state names
+            self.set(check_version(version, "the state's policy_version"))
 
     def request(self) -> dict[str, int | None]:
         """The keywords of the next ``SampleStore.get``."""

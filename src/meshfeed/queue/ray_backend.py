@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from meshfeed.queue import checkpoint
-from meshfeed.queue.backend import Got
+from meshfeed.queue.backend import Got, Peeked
 from meshfeed.queue.columns import RemoteChunk
 from meshfeed.queue.core import StoreCore, StoreOptions
 from meshfeed.queue.ray_dataplane import (
@@ -432,11 +432,9 @@ class RayBackend:
     def release(self, partition: str, ids: list[Key]) -> None:
         self._call(self.actor.call.remote("release", partition, ids))
 
-    def peek(
-        self, partition: str, ids: list[Key], fields: tuple[str, ...]
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
-        out, rows = self._call(self.actor.call.remote("peek", partition, ids, fields))
-        return out, self._resolve(rows)
+    def peek(self, partition: str, ids: list[Key], fields: tuple[str, ...]) -> Peeked:
+        out, rows, versions = self._call(self.actor.call.remote("peek", partition, ids, fields))
+        return out, self._resolve(rows), versions
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self._call(self.actor.call.remote("reset_consumption", partition, task))

@@ -359,8 +359,8 @@ class SampleStore:
         """The ``fields`` of samples ``ids`` without consuming them (a loader re-delivering
         the batches a checkpoint names as fetched but not returned)."""
         names = self._names(fields, "peek fields")
-        got, rows = self._backend.peek(self._partition(partition), list(ids), names)
-        return Batch(got, {name: collate(rows[name]) for name in names})
+        got, rows, versions = self._backend.peek(self._partition(partition), list(ids), names)
+        return Batch(got, {name: collate(rows[name]) for name in names}, versions=versions)
 
     def cancel(self, token: Hashable) -> None:
         """Wake every request made with ``token`` (they raise :class:`RequestCancelled`
