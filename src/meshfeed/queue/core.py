@@ -84,6 +84,7 @@ class StoreCore(StoreAdmin):
         self.planned = 0  # shared plans made (a backend wakes the replica peers on a change)
         self.put_needs = 0  # new samples the last put refused for capacity needed
         self.taken = 0  # samples ever consumed (delivered or stale): frees admission room
+        self.admitting = False  # a versioned put may wait for admission (versions.py)
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -114,6 +115,7 @@ class StoreCore(StoreAdmin):
             n_new = check_put(partition, part, rows, ids, groups)
         version = request.version
         if version is not None:
+            self.admitting = True
             book = part.book = part.book or Book()
             if not book.admit(partition, part, request, ids, n_new):
                 self.put_needs = n_new

@@ -188,7 +188,7 @@ class EmbeddedBackend:
                 core = self.core
                 if core.dropped != dropped:  # consumption (or an acknowledged lease) freed room
                     self.waiters.wake_producers(self._free())
-                elif core.taken != taken and core.versioned(partition):
+                elif core.admitting and core.taken != taken and core.versioned(partition):
                     self.waiters.wake_producers()  # room for versioned puts to be admitted
                 if core.planned != planned:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)

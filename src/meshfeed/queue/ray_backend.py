@@ -255,7 +255,8 @@ class _StoreActor:
             return True, (ids, rows, leased, parts, versions)
         finally:
             core = self.core
-            if core.dropped != dropped or (core.taken != taken and core.versioned(partition)):
+            taken_any = core.admitting and core.taken != taken and core.versioned(partition)
+            if core.dropped != dropped or taken_any:
                 self.waiters.wake_producers()
             if core.stats_cache_entries() != cached:
                 self.waiters.wake_task(partition, task)
