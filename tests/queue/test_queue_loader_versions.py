@@ -87,3 +87,54 @@ def test_a_versioned_filtered_loader_resumes_exactly_from_every_step(prefetch):
         lambda: _Versioned(prefetch), num_items=7, cleanup=lambda r: r.loader.shutdown()
     )
     assert len(reference) == 7 and all(len(ids) == 2 for ids, _ in reference)
+
+
+def _ranks(store: SampleStore, dp: int) -> list[StoreLoader]:
+    """Every data rank of a dp mesh over one store, the global batch 2 groups of 2."""
+    options: dict[str, Any] = {
+        "task": "t", "fields": ["reward"], "partition": "p", "batch_size": 4 // dp,
+        "mesh": {"dp": dp}, "sampler": GroupSampler(group_size=2), "max_staleness": 1,
+        "group_filter": Varies(field="reward"), "prefetch": 2, "timeout": 20,
+    }  # fmt: skip
+    return [StoreLoader(store, rank=r, **options) for r in range(dp)]
+
+
+def _steps(loaders: list[StoreLoader], version: int, limit: int) -> tuple[list, int]:
+    """Steps of every rank in lockstep, bumping the version after each: (batches, version)."""
+    out = []
+    while len(out) < limit:
+        got = [next(loader, None) for loader in loaders]
+        if got[0] is None:
+            assert all(b is None for b in got), "ranks desynced"
+            break
+        out.append([(list(b.ids), list(b.versions)) for b in got])
+        version += 1
+        for loader in loaders:
+            loader.set_version(version)
+    return out, version
+
+
+def test_a_versioned_filtered_state_resumes_on_another_data_parallel_size():
+    """2 steps on dp=2, the state, the rest on dp=1 (same global batch): the version
+    continues from the state, every kept group is served once, whole, within the bound."""
+    store = _store()
+    old = _ranks(store, 2)
+    first, version = _steps(old, 0, 2)
+    state = old[0].state_dict()
+    for loader in old:
+        loader.shutdown()
+    (new,) = _ranks(store, 1)
+    new.load_state_dict(state)
+    assert new.stats()["versions"]["version"] == version == 2
+    rest, _ = _steps([new], version, 100)
+    served = [ids for step in first + rest for ids, _ in step]
+    groups = [g.split("/")[0] for ids in served for g in ids[::2]]
+    assert len(groups) == len(set(groups))  # each group once
+    assert all(ids[0].split("/")[0] == ids[1].split("/")[0] for ids in served)  # whole
+    steps = first + rest
+    for index, step in enumerate(steps):  # within the bound of the version it was asked at
+        for _, versions in step:
+            assert all(v >= index - 1 - 1 for v in versions)  # prefetch=2: one step early
+    stats = store.stats()
+    assert stats["filtered"]["t"] == 3
+    assert len(groups) + stats["filtered"]["t"] + stats["stale"].get("t", 0) // 2 == 12

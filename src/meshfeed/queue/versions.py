@@ -7,8 +7,10 @@ versioned call, so unversioned stores pay nothing) keeps:
 - each versioned sample's ``(oldest, newest)`` version over the puts that wrote its fields (a
   partial rollout continued under newer weights widens it); a get judges a sample by the one
   it names (``version_of="oldest"``, the default, or ``"newest"``);
-- per task the trainer's last ``version``, its ``max_staleness`` and how many samples one get
-  plans (a rank-aware round): a trainer version that goes backwards is refused by name;
+- per task the trainer's newest ``version``, its ``max_staleness`` and how many samples one
+  get plans (a rank-aware round): a plain get whose version goes backwards is refused by name
+  (a loader's requests, fetched ahead by several ranks, may arrive out of order: each is
+  served by its own version's bound, and ``StoreLoader.set_version`` refuses going back);
 - per task the stale samples dropped and the groups a filter dropped (``stats()``).
 
 Rules, applied in the store under its lock, so every data rank and both backends see the same:
@@ -168,16 +170,21 @@ class Book:
 
     # ----------------------------------------------------------------- gets
     def observe(self, part: Partition, request: GetRequest, size: int) -> None:
-        """Note the trainer's version of a get (refusing one that goes backwards)."""
+        """Note the trainer's version of a get (refusing one that goes backwards). Requests
+        with a ``batch_index`` (a loader's, fetched ahead, several ranks) may arrive out of
+        order: an older one is served by its own version's bound, and the newest is kept;
+        the loader refuses a version that goes backwards (``set_version``)."""
         v = request.version
         if v is None:
             return
         last = self.trainers.get(request.task)
         if last is not None and v < last[0]:
-            raise ValueError(
-                f"task {request.task!r} asked with version={v} after version={last[0]}; a "
-                "trainer's version never goes backwards (pass the current optimizer step)"
-            )
+            if request.batch_index is None:
+                raise ValueError(
+                    f"task {request.task!r} asked with version={v} after version={last[0]}; "
+                    "a trainer's version never goes backwards (pass the current optimizer step)"
+                )
+            v = last[0]
         self.trainers[request.task] = (v, request.max_staleness, size)
 
     def stale_keys(self, pending: Mapping[Key, None], request: GetRequest) -> list[Key]:
