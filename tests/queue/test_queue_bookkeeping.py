@@ -202,3 +202,26 @@ def test_the_temp_name_and_the_cleanup_agree_on_a_host_with_dashes(tmp_path, mon
     store.put("p", {"x": [1]})
     store.save(tmp_path / "s")
     assert os.listdir(tmp_path) == ["s"]
+
+
+def test_a_held_sample_marked_consumed_by_every_task_is_refused(tmp_path: Path) -> None:
+    """A crafted file that lists a held sample as consumed (count bumped to match) would keep
+    it in the store, never delivered; with declared tasks no store writes that (#28)."""
+    store = SampleStore(tasks=["t"])
+    store.put("p", {"x": [0, 1, 2, 3]})
+    store.get("t", ["x"], 2, "p", timeout=1)  # 0 and 1 consumed and dropped
+    path = tmp_path / "store.ckpt"
+    store.save(path)
+    intact = SampleStore.load(path)
+    assert intact.get("t", ["x"], 2, "p", timeout=1).ids == [2, 3]
+
+    def consume_held(meta, values, blob):
+        _part(meta)["consumed"]["t"].append(2)
+
+    _doctor(path, consume_held)
+    with pytest.raises(ValueError, match=r"samples \['2'\] marked consumed by every task"):
+        SampleStore.load(path)
+    # A sample a loader holds (fetched ahead, not yet returned) is kept, consumed: it loads.
+    store.get("t", ["x"], 1, "p", timeout=1, hold=True)
+    store.save(path)
+    assert SampleStore.load(path).get("t", ["x"], 1, "p", timeout=1).ids == [3]

@@ -7,8 +7,13 @@ from typing import Any
 import pytest
 
 from meshfeed.queue.core import PartitionClosed, Ref, StoreCore, StoreOptions, nbytes_of
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import RankAwareSampler, Sampler, SequentialSampler
+
+
+def _put(core: StoreCore, partition: str, rows: dict, ids: Any, groups: Any) -> Any:
+    return core.try_put(PutRequest(partition=partition, rows=rows, ids=ids, groups=groups))
+
 
 SEQ = SequentialSampler()
 
@@ -20,21 +25,21 @@ def _req(batch_size: int, sampler: Sampler = SEQ, **kwargs: Any) -> GetRequest:
 
 
 def test_try_methods_return_none_instead_of_blocking():
-    core = StoreCore(StoreOptions(capacity=2))
-    assert core.try_put("p", {"x": [1, 2]}, None, None) == [0, 1]
-    assert core.try_put("p", {"x": [3]}, None, None) is None  # full: the caller waits
+    core = StoreCore(StoreOptions(capacity=3))
+    assert _put(core, "p", {"x": [1, 2]}, None, None) == [0, 1]
+    assert _put(core, "p", {"x": [3, 4]}, None, None) is None  # full: the caller waits
     assert core.try_get(_req(3)) is None  # not enough ready yet
-    assert core.try_put("p", {"y": [5]}, [0], None) == [0]  # new fields need no space
+    assert _put(core, "p", {"y": [5]}, [0], None) == [0]  # new fields need no space
 
 
 def test_pinned_samples_outlive_eviction_until_every_reader_has_read():
     core = StoreCore(StoreOptions(tasks=("t",)))
-    core.try_put("p", {"x": [1, 2]}, None, None)
+    _put(core, "p", {"x": [1, 2]}, None, None)
     lead = RankAwareSampler(data_rank=0, replica_rank=0, replica_size=2)
     lag = RankAwareSampler(data_rank=0, replica_rank=1, replica_size=2)
-    ids, rows, _ = core.try_get(_req(2, lead, batch_index=0))
+    ids, rows, _, _ = core.try_get(_req(2, lead, batch_index=0))
     assert core.held == 2  # consumed by every task but pinned by the shared entry
-    assert core.try_get(_req(2, lag, batch_index=0)) == (ids, rows, None)
+    assert core.try_get(_req(2, lag, batch_index=0)) == (ids, rows, None, None)
     # Kept until both readers moved on: a retry of batch 0 must get the same batch.
     assert core.held == 2 and core.stats()["cache_entries"] == 1
     assert core.try_get(_req(2, lead, batch_index=1)) is None
@@ -45,7 +50,7 @@ def test_pinned_samples_outlive_eviction_until_every_reader_has_read():
 
 def test_closed_and_drained_raises_partition_closed():
     core = StoreCore(StoreOptions())
-    core.try_put("p", {"x": [1]}, None, None)
+    _put(core, "p", {"x": [1]}, None, None)
     core.close("p")
     assert core.try_get(_req(5))[0] == [0]
     with pytest.raises(PartitionClosed):
@@ -54,7 +59,7 @@ def test_closed_and_drained_raises_partition_closed():
 
 def test_refs_count_as_object_store_bytes_not_held_bytes():
     core = StoreCore(StoreOptions())
-    core.try_put("p", {"x": [Ref("ref", 1000), Ref("ref", 24)]}, None, None)
+    _put(core, "p", {"x": [Ref("ref", 1000), Ref("ref", 24)]}, None, None)
     stats = core.stats()
     assert stats["bytes_held"] == 0 and stats["bytes_in_object_store"] == 1024
     assert nbytes_of(b"abc") == 3

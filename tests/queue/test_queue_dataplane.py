@@ -68,8 +68,8 @@ def test_the_actor_hands_out_references_and_the_consumer_fetches_the_rows(ray_st
     assert store.stats()["bytes_in_object_store"] == ROWS * WIDTH * 4
     request = GetRequest(task="peek", fields=("obs",), batch_size=8, partition="p", timeout=10)
     reply = store._backend.actor.get.remote(request, None)
-    ok, (ids, rows, lease, parts) = ray.get(reply)
-    assert ok and ids == list(range(8)) and lease is None and parts is None
+    ok, (ids, rows, lease, parts, versions) = ray.get(reply)
+    assert ok and ids == list(range(8)) and lease is None and parts is versions is None
     column = rows["obs"]
     assert type(column) is Runs  # no tensor bytes in the actor's reply...
     assert [type(piece).__name__ for piece, _ in column.runs] == ["ObjectRef"]
@@ -132,7 +132,7 @@ class _Owner:
 
 
 def _handed_out_ref(store: SampleStore) -> Any:
-    ok, (_, rows, _, _) = ray_get(
+    ok, (_, rows, _, _, _) = ray_get(
         store._backend.actor.get.remote(
             GetRequest(task="peek", fields=("obs",), batch_size=1, partition="p", timeout=10)
         )

@@ -17,8 +17,13 @@ from meshfeed.queue import core as core_module
 from meshfeed.queue.core import PartitionClosed, StoreCore, StoreOptions
 from meshfeed.queue.fastpath import select_fast, select_runs
 from meshfeed.queue.records import View
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import SequentialSampler
+
+
+def _put(core: StoreCore, partition: str, rows: dict, ids: Any, groups: Any) -> Any:
+    return core.try_put(PutRequest(partition=partition, rows=rows, ids=ids, groups=groups))
+
 
 SEQ = SequentialSampler()
 
@@ -52,15 +57,15 @@ def _play(core: StoreCore, ops: list[tuple[str, Any]]) -> list[Any]:
     missing: list[int] = []
     for op, arg in ops:
         if op == "put":
-            out.append(core.try_put("p", arg, None, None))
+            out.append(_put(core, "p", arg, None, None))
         elif op == "put_x":
-            ids = core.try_put("p", {"x": [0.5] * arg}, None, None)
+            ids = _put(core, "p", {"x": [0.5] * arg}, None, None)
             assert ids is not None
             missing.extend(ids)  # type: ignore[arg-type]
             out.append(ids)
         elif op == "add_y" and missing:
             k = missing.pop(0)
-            out.append(core.try_put("p", {"y": [k]}, [k], None))
+            out.append(_put(core, "p", {"y": [k]}, [k], None))
         elif op == "close":
             core.close("p")
         elif op == "get":
@@ -101,10 +106,10 @@ def test_select_runs_chooses_what_the_sequential_sampler_chooses(seed):
     core = StoreCore(StoreOptions())
     for _ in range(rng.randint(1, 6)):
         n = rng.randint(1, 5)
-        ids = core.try_put("p", {"x": list(range(n))}, None, None)
+        ids = _put(core, "p", {"x": list(range(n))}, None, None)
         assert ids is not None
         if rng.random() < 0.3:
-            core.try_put("p", {"y": [1]}, [ids[0]], None)
+            _put(core, "p", {"y": [1]}, [ids[0]], None)
     if rng.random() < 0.5:
         core.close("p")
     part = core.partitions["p"]
@@ -121,7 +126,7 @@ def test_select_runs_chooses_what_the_sequential_sampler_chooses(seed):
 
 def test_select_fast_leaves_other_samplers_to_the_general_path():
     core = StoreCore(StoreOptions())
-    core.try_put("p", {"x": [1, 2, 3]}, None, None)
+    _put(core, "p", {"x": [1, 2, 3]}, None, None)
     part = core.partitions["p"]
     request = GetRequest(
         task="t",

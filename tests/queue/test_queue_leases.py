@@ -9,13 +9,19 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Any
 
 import pytest
 
 from meshfeed.queue import SampleStore
 from meshfeed.queue.core import StoreCore, StoreOptions
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import SequentialSampler
+
+
+def _put(core: StoreCore, partition: str, rows: dict, ids: Any, groups: Any) -> Any:
+    return core.try_put(PutRequest(partition=partition, rows=rows, ids=ids, groups=groups))
+
 
 SEQ = SequentialSampler()
 _ARGS = {"task": "t", "fields": ("x",), "batch_size": 2, "partition": "p", "sampler": SEQ}
@@ -120,8 +126,8 @@ def test_lease_options_are_refused_by_name():
 
 def test_core_expires_by_the_clock_it_is_given():
     core = StoreCore(StoreOptions(lease_timeout=10.0))
-    core.try_put("p", {"x": [0, 1, 2]}, None, None)
-    ids, _, _ = core.try_get(dataclasses.replace(_REQ, lease="L1"), now=100.0)
+    _put(core, "p", {"x": [0, 1, 2]}, None, None)
+    ids, _, _, _ = core.try_get(dataclasses.replace(_REQ, lease="L1"), now=100.0)
     assert ids == [0, 1]
     assert core.next_lease_deadline() == 110.0
     assert core.expire_leases(109.9) == 0 and "L1" in core.leases

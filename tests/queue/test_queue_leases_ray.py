@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from meshfeed.queue import SampleStore
+from meshfeed.queue import PartitionClosed, SampleStore
 from meshfeed.queue.core import StoreOptions
 from meshfeed.testing import reset_store
 
@@ -88,3 +88,71 @@ def test_a_living_consumer_keeps_its_lease_and_acknowledges_from_another_process
         assert first + second == list(range(6)) and store.stats()["leases"] == 1
     finally:
         ray.kill(consumer)
+
+
+class _Producer:
+    """A rollout producer in its own process (a Ray actor), killed by the test."""
+
+    def put(self, store: SampleStore, value: int, timeout: float) -> list:
+        return store.put("p", {"x": [value]}, timeout=timeout)
+
+
+def test_a_producer_that_dies_while_its_put_waits_for_capacity_stores_nothing(ray_store):
+    """A put blocked at capacity whose producer is killed must not land once room is freed:
+    the restarted producer puts the sample again, and it is delivered once (#28)."""
+    import ray
+
+    store = _fresh(ray_store, capacity=1, tasks=("t",))
+    store.put("p", {"x": [0]})
+    producer = ray.remote(num_cpus=0)(_Producer).remote()
+    pending = producer.put.remote(store, 1, 120.0)
+    _until(lambda: store.stats()["waiting_producers"] == 1, "the producer's put waiting")
+    ray.kill(producer)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(pending, timeout=30)
+    assert store.get("t", ["x"], 1, "p", timeout=10)["x"] == [0]  # frees the room it waits for
+    _until(lambda: store.stats()["waiting_producers"] == 0, "the actor giving the put up")
+    assert store.stats()["produced"] == 1 and store.stats()["held"] == 0  # nothing landed
+    store.put("p", {"x": [1]}, timeout=10)  # the restarted producer
+    store.close("p")
+    assert store.get("t", ["x"], 1, "p", timeout=10)["x"] == [1]
+    with pytest.raises(PartitionClosed):  # once, not twice
+        store.get("t", ["x"], 1, "p", timeout=10)
+    assert store.stats()["abandoned_waits"] >= 1
+
+
+class _Rollout:
+    """A rollout worker writing a sample's fields one put at a time (a partial rollout)."""
+
+    def prompt(self, store: SampleStore, ids: list, version: int) -> None:
+        store.put("p", {"prompt": [f"q{k}" for k in ids]}, ids=ids, version=version)
+
+    def finish(self, store: SampleStore, ids: list, version: int) -> None:
+        store.put("p", {"answer": [f"a{k}" for k in ids]}, ids=ids, version=version)
+
+
+def test_a_producer_killed_between_two_field_writes_loses_nothing(ray_store):
+    """Partial rollouts (#30): a producer writes the prompts, dies before the answers; nothing
+    half-written is served; a restarted producer finishes the samples under newer weights and
+    each is served once, complete, with the version of its oldest field."""
+    import ray
+
+    store = _fresh(ray_store, tasks=("t",))
+    first = ray.remote(num_cpus=0)(_Rollout).remote()
+    ray.get(first.prompt.remote(store, [0, 1, 2, 3], 0))
+    ray.kill(first)  # dies between the two writes
+    with pytest.raises(TimeoutError):  # nothing half-written is served
+        store.get("t", ["prompt", "answer"], 1, "p", timeout=0.5)
+    second = ray.remote(num_cpus=0)(_Rollout).remote()
+    try:
+        ray.get(second.finish.remote(store, [3, 2, 1, 0], 1))
+    finally:
+        ray.kill(second)
+    store.close("p")
+    batch = store.get("t", ["prompt", "answer"], 8, "p", timeout=10)
+    assert batch.ids == [0, 1, 2, 3] and batch["answer"] == ["a0", "a1", "a2", "a3"]
+    assert batch.versions == [0, 0, 0, 0]
+    newest = store.stats()["partitions"]["p"]
+    assert newest["samples"] == 0  # served once, then dropped
+    with pytest.raises(PartitionClosed):
+        store.get("t", ["prompt", "answer"], 1, "p", timeout=5)

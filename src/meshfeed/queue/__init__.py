@@ -5,6 +5,7 @@ See :class:`SampleStore` (embedded or Ray backend), the samplers in
 """
 
 from meshfeed.queue.core import PartitionClosed
+from meshfeed.queue.dynamic import Varies
 from meshfeed.queue.loader import CollateError, StoreLoader
 from meshfeed.queue.samplers import (
     GroupSampler,
@@ -13,6 +14,7 @@ from meshfeed.queue.samplers import (
     SequentialSampler,
 )
 from meshfeed.queue.store import Batch, SampleStore
+from meshfeed.queue.versions import StaleVersion
 from meshfeed.queue.wakeups import RequestCancelled
 
 __all__ = [
@@ -25,5 +27,7 @@ __all__ = [
     "RequestCancelled",
     "SampleStore",
     "SequentialSampler",
+    "StaleVersion",
     "StoreLoader",
+    "Varies",
 ]

@@ -11,15 +11,20 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any, Protocol
 
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 
-__all__ = ["Backend", "Got"]
+__all__ = ["Backend", "Got", "Peeked"]
 
 Key = Hashable
 #: A get's result: the ids, one column per field (as the core gathered them), the lease the
 #: batch is handed out under (``None``: consumed at once), and the parts of the shared plan
 #: the batch is one part of (``None`` without a shared plan; see ``StoreCore.try_get``).
-Got = tuple[list[Key], dict[str, Any], str | None, list[list[Key]] | None]
+#: The last item: the samples' policy versions (``None`` in a partition without versions).
+Got = tuple[list[Key], dict[str, Any], str | None, list[list[Key]] | None, list[int | None] | None]
+
+
+#: A peek's result: the ids, their columns, their policy versions (``None``: no versions).
+Peeked = tuple[list[Key], dict[str, Any], list[int | None] | None]
 
 
 class Backend(Protocol):
@@ -30,14 +35,7 @@ class Backend(Protocol):
         """The Ray actor's registered name, else ``None``."""
         ...
 
-    def put(
-        self,
-        partition: str,
-        rows: Mapping[str, Any],
-        ids: list[Key] | None,
-        groups: list[Hashable] | None,
-        timeout: float | None,
-    ) -> list[Key]: ...
+    def put(self, request: PutRequest) -> list[Key]: ...
 
     def get(self, request: GetRequest) -> Got: ...
 
@@ -49,9 +47,7 @@ class Backend(Protocol):
 
     def release(self, partition: str, ids: list[Key]) -> None: ...
 
-    def peek(
-        self, partition: str, ids: list[Key], fields: tuple[str, ...]
-    ) -> tuple[list[Key], dict[str, Any]]: ...
+    def peek(self, partition: str, ids: list[Key], fields: tuple[str, ...]) -> Peeked: ...
 
     def reset_consumption(self, partition: str, task: str) -> None: ...
 

@@ -11,7 +11,8 @@ What holds for every state :func:`meshfeed.queue.checkpoint.dump` writes: option
 right types; per partition a unique name, unique sample ids (ints or strs), ``next_id`` above
 every int id, sample fields among the partition's ``seen`` fields, consumed and held ids among
 the held samples; no more samples held than ``produced``; per task no more consumed samples
-held than its ``consumed`` count. Cost: O(samples), a few dict/set operations per sample.
+held than its ``consumed`` count; with declared ``tasks``, no sample consumed by all of them
+unless a loader holds it or a shared plan pins it. Cost: O(samples), a few dict/set operations per sample.
 """
 
 from __future__ import annotations
@@ -213,6 +214,8 @@ def check_state(meta: Mapping[str, Any], *, where: str) -> None:
             _fail(where, f"partition {name!r} has a malformed 'held' list {held!r:.80}")
         _check_ids(name, ids, [h[0] for h in held], "the held list", where)
         _check_cache(pm, where)
+        _check_undelivered(pm, meta["options"].get("tasks"), where)
+        _check_book(pm, where)
     if held_total > meta["produced"]:
         _fail(where, f"it holds {held_total} samples but counts only {meta['produced']} produced")
     for task, n in consumed_held.items():
@@ -223,6 +226,63 @@ def check_state(meta: Mapping[str, Any], *, where: str) -> None:
                 f"task {task!r} has {n} held samples marked consumed but a consumed count of "
                 f"{total}",
             )
+
+
+def _check_book(pm: Mapping[str, Any], where: str) -> None:
+    """The partition's policy versions (:mod:`meshfeed.queue.versions`), if any: well formed."""
+    book = pm.get("book")
+    if book is None:
+        return
+    name = pm["name"]
+    ok = (
+        isinstance(book, Mapping)
+        and all(isinstance(book.get(k), list) for k in ("versions", "groups"))
+        and all(isinstance(book.get(k), Mapping) for k in ("trainers", "stale", "filtered"))
+        and all(
+            isinstance(r, list)
+            and len(r) == 3
+            and _is_id(r[0])
+            and _is_count(r[1])
+            and _is_count(r[2])
+            and r[1] <= r[2]
+            for r in book["versions"]
+        )
+        and all(
+            isinstance(t, list)
+            and len(t) == 3
+            and _is_count(t[0])
+            and _is_count(t[2])
+            and (t[1] is None or _is_count(t[1]))
+            for t in book["trainers"].values()
+        )
+        and all(_is_count(n) for k in ("stale", "filtered") for n in book[k].values())
+        and all(isinstance(g, list) and len(g) == 2 and _is_count(g[1]) for g in book["groups"])
+    )
+    if not ok:
+        _fail(where, f"partition {name!r} has malformed policy versions {book!r:.120}")
+
+
+def _check_undelivered(pm: Mapping[str, Any], tasks: Any, where: str) -> None:
+    """With declared tasks, a sample every one of them consumed is dropped unless a loader
+    holds it or a shared plan pins it: a state that keeps one otherwise marks a sample
+    consumed that no task received (a crafted or damaged file), so it would never be
+    delivered (#28)."""
+    if not tasks:
+        return
+    done = set.intersection(*(set(pm["consumed"].get(t, ())) for t in tasks))
+    if not done:
+        return
+    kept = {h[0] for h in pm.get("held", [])}
+    for em in pm["cache"]:
+        kept.update(k for part in em["parts"] for k in part)
+    stray = sorted(map(repr, done - kept))
+    if stray:
+        _fail(
+            where,
+            f"partition {pm['name']!r} holds samples {stray[:10]} marked consumed by every "
+            f"task {list(tasks)} but neither held by a loader nor pinned by a plan; a store "
+            "drops such samples, so these were never delivered",
+        )
 
 
 def check_values(meta: Mapping[str, Any], values: Any, tensors: list[Any], *, where: str) -> None:

@@ -43,6 +43,7 @@ from meshfeed.queue.bookkeeping import check_state, check_values
 from meshfeed.queue.columns import resolve
 from meshfeed.queue.core import KIND, VERSION, StoreCore
 from meshfeed.queue.records import Entry, Partition, Ref, Sample, StoreOptions, nbytes_of
+from meshfeed.queue.versions import Book
 from meshfeed.state import envelope, open_envelope
 
 __all__ = ["STALE_SECONDS", "dump", "read_checkpoint", "restore", "write_checkpoint"]
@@ -120,6 +121,7 @@ def _partition_meta(
             for prefix, asked in part.asked.items()
         ],
         "cache": [_entry_meta(key, e) for key, e in part.cache.items()],
+        "book": None if part.book is None else part.book.to_meta(),
     }
 
 
@@ -176,6 +178,8 @@ def restore(
         _restore_samples(part, pm, rows)
         _restore_progress(part, pm)
         _restore_cache(part, pm)
+        if pm.get("book") is not None:  # states before policy versions have none
+            part.book = Book.from_meta(pm["book"], part.samples)
         core.partitions[name] = part
         core.held += len(part.samples)
     return core

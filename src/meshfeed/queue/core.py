@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable
 from typing import Any
 
 from meshfeed.queue.columns import gather, gather_runs
+from meshfeed.queue.core_admin import StoreAdmin
+from meshfeed.queue.dynamic import rejected
 from meshfeed.queue.eviction import evict, forget, remove
 from meshfeed.queue.fastpath import select_fast
 from meshfeed.queue.leases import Lease, Leases
@@ -43,14 +45,16 @@ from meshfeed.queue.records import (
     count_down,
     nbytes_of,
 )
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import Share
+from meshfeed.queue.stall import check_fits, round_size
+from meshfeed.queue.versions import Book
 
 __all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
 
 Key = Hashable
 #: What :meth:`StoreCore.try_get` hands out: ids, rows, and the shared plan's parts (or None).
-Taken = tuple[list[Key], dict[str, list[Any]], list[list[Key]] | None]
+Taken = tuple[list[Key], dict[str, list[Any]], list[list[Key]] | None, list[int | None] | None]
 KIND = "sample_store"  # the state envelope's kind
 VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indices
 
@@ -59,7 +63,7 @@ class PartitionClosed(Exception):
     """``get`` on a closed partition with nothing left for the task: the stream has ended."""
 
 
-class StoreCore:
+class StoreCore(StoreAdmin):
     """All store state; see the module docstring. Not thread-safe: the backend locks it."""
 
     def __init__(self, options: StoreOptions) -> None:
@@ -79,6 +83,8 @@ class StoreCore:
         self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
         self.planned = 0  # shared plans made (a backend wakes the replica peers on a change)
         self.put_needs = 0  # new samples the last put refused for capacity needed
+        self.taken = 0  # samples ever consumed (delivered or stale): frees admission room
+        self.admitting = False  # a versioned put may wait for admission (versions.py)
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -89,14 +95,10 @@ class StoreCore:
                 part.task(task)
         return part
 
-    def try_put(
-        self,
-        partition: str,
-        rows: Mapping[str, list[Any]],
-        ids: list[Key] | None,
-        groups: list[Hashable] | None,
-    ) -> list[Key] | None:
-        """Store rows; ``None`` when the new samples do not fit under ``capacity`` yet."""
+    def try_put(self, request: PutRequest) -> list[Key] | None:
+        """Store rows; ``None`` when the new samples do not fit under ``capacity`` yet, or
+        a versioned put is not admitted yet (:mod:`meshfeed.queue.versions`)."""
+        partition, rows, ids, groups = request.partition, request.rows, request.ids, request.groups
         part = self._partition(partition)
         if part.closed:
             raise ValueError(
@@ -111,6 +113,13 @@ class StoreCore:
             n_new = n
         else:
             n_new = check_put(partition, part, rows, ids, groups)
+        version = request.version
+        if version is not None:
+            self.admitting = True
+            book = part.book = part.book or Book()
+            if not book.admit(partition, part, request, ids, n_new):
+                self.put_needs = n_new
+                return None
         cap = self.options.capacity
         if cap is not None:
             if n_new > cap:
@@ -132,6 +141,8 @@ class StoreCore:
         counts = part.field_counts
         for f in rows:  # each (sample, field) pair is new, checked above
             counts[f] = counts.get(f, 0) + n
+        if version is not None:
+            book.record(request, ids)
         return ids
 
     # ----------------------------------------------------------------- consuming
@@ -158,18 +169,47 @@ class StoreCore:
         now = time.monotonic() if now is None else now
         if self.leases:
             self._settle_leases(request, now)
+        if request.version is not None:
+            self._drop_stale(part, request)
         share = request.sampler.share(request.sampler_context())
         if share is not None:
             self._ack(part, request.task, share, request.prefetch, last=False)
             entry = part.cache.get((request.task, *share.key))
-            if entry is not None:
+            if entry is not None:  # versions first: the last reader's read may evict
+                held = [k for k in entry.parts[share.part] if k in part.samples]
+                versions = _vs(part, held, request.version_of)
                 ids, rows = self._read_plan(part, request, share, entry)
-                return ids, rows, _copy(entry.parts) if request.parts else None
+                return ids, rows, _copy(entry.parts) if request.parts else None, versions
         parts = self._plan(part, request, share)
         if parts is None:
             return None
-        ids, rows = self._consume(part, request, share, parts, alive, now)
-        return ids, rows, _copy(parts) if share is not None and request.parts else None
+        ids, rows, versions = self._consume(part, request, share, parts, alive, now)
+        return ids, rows, _copy(parts) if share is not None and request.parts else None, versions
+
+    def versioned(self, partition: str) -> bool:
+        """Whether ``partition`` has policy versions (its puts may wait for admission)."""
+        part = self.partitions.get(partition)
+        return part is not None and part.book is not None
+
+    def _drop_stale(self, part: Partition, request: GetRequest) -> None:
+        """Note the trainer's version; consume (undelivered, counted) the task's samples
+        older than ``request.max_staleness`` allows (:mod:`meshfeed.queue.versions`)."""
+        book = part.book = part.book or Book()
+        book.observe(part, request, round_size(request.sampler, request.batch_size))
+        task = request.task
+        stale = book.stale_keys(part.task(task), request)
+        if stale:
+            book.stale[task] = book.stale.get(task, 0) + len(stale)
+            self._unserved(part, task, stale)
+
+    def _unserved(self, part: Partition, task: str, keys: list[Key]) -> None:
+        """Consume ``keys`` for ``task`` without delivering them (stale, or filtered)."""
+        if keys:
+            deque(map(part.pending[task].pop, keys), 0)
+            part.consumed[task].update(keys)
+            self.consumed_total[task] = self.consumed_total.get(task, 0) + len(keys)
+            self.taken += len(keys)
+            self._evict(part, keys)
 
     def _settle_leases(self, request: GetRequest, now: float) -> None:
         """Expire overdue leases; a get of ``consumer`` acknowledges its earlier batches of
@@ -215,6 +255,8 @@ class StoreCore:
                     "has ended (check the field names if you expected data)",
                 )
         pending = part.task(request.task)
+        if request.group_filter is not None:
+            self._unserved(part, request.task, rejected(part, request, pending))
         parts = select_fast(part, pending, request, need) if share is None else False
         if isinstance(parts, bool):
             parts = request.sampler.select(View(part, pending, need), request.batch_size)
@@ -226,6 +268,8 @@ class StoreCore:
                     share,
                     f"partition {request.partition!r} is closed and drained for {request.task!r}",
                 )
+            if self.options.capacity is not None:  # about to wait: one that never fits
+                check_fits(self.options, request.sampler, request.batch_size)
             return None
         return parts
 
@@ -243,7 +287,7 @@ class StoreCore:
         parts: list[list[Key]],
         alive: Any,
         now: float,
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
+    ) -> tuple[list[Key], dict[str, list[Any]], list[int | None] | None]:
         """Mark the planned samples consumed for the task, record a shared plan, and hand
         out this reader's part (held and leased as the request says)."""
         task = request.task
@@ -253,6 +297,7 @@ class StoreCore:
         if not drop:
             part.consumed[task].update(every)
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
+        self.taken += len(every)
         index = 0
         if share is not None:
             index = share.part
@@ -264,11 +309,12 @@ class StoreCore:
             self._hold(part, ids)
         if self.options.lease_timeout is not None and share is None:
             self._lease(part, request, ids, alive, now)
+        versions = _vs(part, ids, request.version_of)  # before they go
         if drop:  # fast path: nothing else keeps them, so they go without eviction checks
             self._forget(part, every)
         else:
             self._evict(part, every)
-        return ids, rows
+        return ids, rows, versions
 
     def _sole_reader(self, part: Partition, task: str) -> bool:
         """Whether ``task`` is the only one to consume and nothing keeps a consumed sample
@@ -396,7 +442,7 @@ class StoreCore:
 
     def peek(
         self, partition: str, ids: list[Key], fields: tuple[str, ...]
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
+    ) -> tuple[list[Key], dict[str, list[Any]], list[int | None] | None]:
         """The ``fields`` of samples ``ids`` without consuming them (re-delivery on resume)."""
         part = self.partitions.get(partition)
         missing = [k for k in ids if part is None or k not in part.samples]
@@ -406,7 +452,7 @@ class StoreCore:
                 "checkpoint names as fetched but not returned; restore the store saved with "
                 "that loader state (SampleStore.load)"
             )
-        return list(ids), self._rows(part, list(ids), fields)
+        return list(ids), self._rows(part, list(ids), fields), _vs(part, list(ids))
 
     def _evict(self, part: Partition, keys: list[Key]) -> None:
         self._dropped(evict(part, keys, self.options.tasks))
@@ -421,71 +467,12 @@ class StoreCore:
         self.held -= n
         self.dropped += n
 
-    # ----------------------------------------------------------------- admin
-    def drop_plans(self, partition: str, task: str, below: int) -> None:
-        """Drop ``task``'s shared plans of batch indices below ``below`` (unpinning their
-        samples): a loader resumed on another number of data ranks re-delivers those batches
-        from its state and asks for no index below ``below``, so no reader reads them again."""
-        part = self.partitions.get(partition)
-        if part is None:
-            return
-        stale = [c for c in part.cache if c[0] == task and type(c[-1]) is int and c[-1] < below]
-        self._drop_plans(part, stale)
-
-    def reset_consumption(self, partition: str, task: str) -> None:
-        part = self._partition(partition)
-        self._drop_plans(part, [c for c in part.cache if c[0] == task])
-        for prefix in [a for a in part.asked if a[0] == task]:
-            del part.asked[prefix]
-        part.pending[task] = dict.fromkeys(part.samples)
-        part.consumed[task] = set()
-
-    def clear(self, partition: str) -> None:
-        part = self.partitions.pop(partition, None)
-        if part is not None:
-            self.held -= len(part.samples)
-            self.dropped += len(part.samples)
-        for lease in self.leases:  # their samples are gone with the partition
-            if lease.partition == partition:
-                self.leases.pop(lease.id)
-
-    def delete(self, partition: str, ids: list[Key]) -> None:
-        part = self._partition(partition)
-        missing = [k for k in ids if k not in part.samples]
-        if missing:
-            raise ValueError(
-                f"partition {partition!r} holds no samples {missing[:10]}; delete ids that "
-                "exist (a sample dropped after all tasks consumed it is already gone)"
-            )
-        self._remove(part, list(dict.fromkeys(ids)))
-
-    def close(self, partition: str) -> None:
-        self._partition(partition).closed = True
-
-    def stats(self) -> dict[str, Any]:
-        if self.leases:
-            self.expire_leases(time.monotonic())
-        parts = {}
-        held_bytes = remote = 0
-        for name, part in self.partitions.items():
-            held_bytes += sum(s.nbytes for s in part.samples.values())
-            remote += sum(s.remote for s in part.samples.values())
-            parts[name] = part.stats()
-        return {
-            "produced": self.produced,
-            "held": self.held,
-            "consumed": dict(self.consumed_total),
-            "waiting_consumers": self.waiting_consumers,
-            "waiting_producers": self.waiting_producers,
-            "bytes_held": held_bytes,
-            "bytes_in_object_store": remote,
-            "cache_entries": sum(p["cache_entries"] for p in parts.values()),
-            "redelivered": self.redelivered,
-            "lease_expired": self.lease_expired,
-            "leases": len(self.leases),
-            "partitions": parts,
-        }
-
 
 def _copy(parts: list[list[Key]]) -> list[list[Key]]:
     return [list(p) for p in parts]
+
+
+def _vs(part: Partition, ids: list[Key], version_of: str = "oldest") -> list[int | None] | None:
+    """The versions of a batch's samples, or ``None`` in a partition with no versions."""
+    book = part.book
+    return None if book is None or not book.versions else book.of(ids, version_of)

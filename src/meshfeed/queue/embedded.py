@@ -15,9 +15,10 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
 from meshfeed.queue import checkpoint
-from meshfeed.queue.backend import Got
+from meshfeed.queue.backend import Got, Peeked
 from meshfeed.queue.core import StoreCore, StoreOptions, Taken
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
+from meshfeed.queue.stall import StallWatch, describe_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
 
 T = TypeVar("T")
@@ -32,15 +33,20 @@ def wait_for(
     timeout: float | None,
     what: str,
     wake_by: Callable[[], float | None] = lambda: None,
+    stall: Callable[[], str | None] = lambda: None,
 ) -> T:
     """Call ``attempt`` (``lock`` held) until it returns non-None; ``TimeoutError`` after
     ``timeout`` seconds. While waiting, the waiter ``make(notify)`` is registered in
     ``waiters``; a cancelled waiter raises :class:`RequestCancelled`. ``wake_by()``: a
-    ``time.monotonic()`` by which to try again unprompted (a lease deadline), or ``None``."""
+    ``time.monotonic()`` by which to try again unprompted (a lease deadline), or ``None``.
+    ``stall()``: why the waiters wait on each other (:mod:`meshfeed.queue.stall`), logged
+    once this wait has lasted ``STALL_WARN`` seconds in that state, and added to its
+    ``TimeoutError``."""
     cond = threading.Condition(lock)
     waiter = make(cond.notify)
     waiters.add(waiter)
     deadline = None if timeout is None else time.monotonic() + timeout
+    watch = StallWatch()
     try:
         while True:
             waiters.check(waiter)
@@ -48,17 +54,15 @@ def wait_for(
             waiters.tried(waiter, result is not None)
             if result is not None:
                 return result
+            watch.check(stall)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise TimeoutError(
-                    f"{what} timed out after {timeout}s; the store is unchanged and usable "
-                    "(retry, raise the timeout, or check that producers are running)"
-                )
+                raise TimeoutError(timed_out(what, timeout, stall()))
             chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
             due = wake_by()
             if due is not None:
                 chunk = max(0.0, min(chunk, due - time.monotonic()))
-            cond.wait(chunk)
+            cond.wait(watch.cap(chunk))
     finally:
         waiters.remove(waiter)
         waiters.leaving(waiter)
@@ -80,17 +84,11 @@ class EmbeddedBackend:
             "SampleStore(backend='ray') to share a store with other processes"
         )
 
-    def put(
-        self,
-        partition: str,
-        rows: Mapping[str, list[Any]],
-        ids: list[Key] | None,
-        groups: list[Hashable] | None,
-        timeout: float | None,
-    ) -> list[Key]:
+    def put(self, request: PutRequest) -> list[Key]:
         with self.lock:
-            out = self.core.try_put(partition, rows, ids, groups)  # fast path: no waiter
+            out = self.core.try_put(request)  # fast path: no waiter
             if out is None:
+                partition, ids = request.partition, request.ids
                 made: list[Waiter] = []
 
                 def make(notify: Callable[[], None]) -> Waiter:
@@ -106,7 +104,7 @@ class EmbeddedBackend:
                     return made[0]
 
                 def attempt() -> list[Key] | None:
-                    got = self.core.try_put(partition, rows, ids, groups)
+                    got = self.core.try_put(request)
                     if got is None:  # the capacity it needs, for targeted wake-ups
                         made[0].size = self.core.put_needs
                     return got
@@ -116,15 +114,20 @@ class EmbeddedBackend:
                     self.waiters,
                     make,
                     attempt,
-                    timeout,
-                    f"put to {partition!r} (store at capacity {self.core.options.capacity})",
+                    request.timeout,
+                    f"put to {partition!r} (store at capacity {self.core.options.capacity}, or "
+                    "waiting for admission of a versioned put)",
+                    stall=self._stall,
                 )
             waiters = self.waiters
             if waiters.waiters:
-                waiters.wake_consumers(partition, rows)
-                if ids is not None:
+                waiters.wake_consumers(request.partition, request.rows)
+                if request.ids is not None:
                     waiters.wake_creators(out)
             return out
+
+    def _stall(self) -> str | None:
+        return describe_stall(self.core.held, self.core.options.capacity, self.waiters)
 
     def _free(self) -> int | None:
         cap = self.core.options.capacity
@@ -146,7 +149,13 @@ class EmbeddedBackend:
             )
 
         def attempt() -> Taken | None:
-            return self.core.try_get(request)
+            core = self.core
+            taken, dropped = core.taken, core.dropped
+            got = core.try_get(request)
+            if got is None and (core.taken != taken or core.dropped != dropped):
+                # It dropped stale or filtered samples, then waits: that freed room now.
+                self.waiters.wake_producers()
+            return got
 
         def make(notify: Callable[[], None]) -> Waiter:
             return Waiter.consumer(notify, request, group=group, more=more)
@@ -156,6 +165,7 @@ class EmbeddedBackend:
             # ``dropped``, not ``held``: while this get waited, puts and other gets moved
             # ``held`` both ways, and comparing it missed this get's own eviction
             planned, expired, dropped = core.planned, core.lease_expired, core.dropped
+            taken = core.taken
             try:
                 got = None
                 if request.token is None or request.token not in self.waiters.cancelled:
@@ -169,13 +179,17 @@ class EmbeddedBackend:
                         request.timeout,
                         request.describe(),
                         self.core.next_lease_deadline,
+                        self._stall,
                     )
                 lease = request.lease
-                return got[0], got[1], (lease if lease in self.core.leases else None), got[2]
+                leased = lease if lease in self.core.leases else None
+                return got[0], got[1], leased, got[2], got[3]
             finally:
                 core = self.core
                 if core.dropped != dropped:  # consumption (or an acknowledged lease) freed room
                     self.waiters.wake_producers(self._free())
+                elif core.admitting and core.taken != taken and core.versioned(partition):
+                    self.waiters.wake_producers()  # room for versioned puts to be admitted
                 if core.planned != planned:  # a plan replica peers may read
                     self.waiters.wake_task(partition, task)
                 if core.lease_expired != expired:  # samples returned to ready
@@ -215,9 +229,7 @@ class EmbeddedBackend:
             if self.core.dropped != dropped:
                 self.waiters.wake_producers()
 
-    def peek(
-        self, partition: str, ids: list[Key], fields: tuple[str, ...]
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
+    def peek(self, partition: str, ids: list[Key], fields: tuple[str, ...]) -> Peeked:
         with self.lock:
             return self.core.peek(partition, ids, fields)
 

@@ -71,6 +71,8 @@ def forget(part: Partition, keys: list[Key]) -> int:
     if not keys:
         return 0
     records = list(map(part.samples.pop, keys))
+    if part.book is not None:
+        part.book.forget(keys)
     first = records[0]
     one = records.count(first) == len(records)  # one run: no counting per record
     counts = part.field_counts

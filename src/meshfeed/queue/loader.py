@@ -33,16 +33,6 @@ one batch ahead. ``num_workers=K`` starts ``K`` worker processes:
   only run ``collate_fn`` on the fetched batches. ``num_workers > 0`` therefore needs a
   ``collate_fn``.
 
-Replica peers must use the same ``batch_size``, ``prefetch`` and sampler (the store refuses a
-peer whose batch_size or prefetch differs): the batches requested ahead decide at which step a
-peer sees the end of the stream.
-
-A ``collate_fn`` that raises is retried on the batch already fetched (fetching again would
-plan another batch and lose this one); if it keeps failing, ``on_error`` decides:
-``"raise"`` (default; :class:`CollateError`, the batch kept first in line) or ``"skip"``,
-each agreed by every rank of a process group at the same batch. See
-:mod:`meshfeed.queue.loader_errors`.
-
 Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
 the store once; embedded: the platform's default start method, fork where it exists). A worker
 that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
@@ -86,6 +76,7 @@ from meshfeed.options import LoaderOptions, OnError
 from meshfeed.queue.loader_errors import CollateError, SkipLog, check_on_error, round_failed
 from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
 from meshfeed.queue.loader_resume import KIND, VERSION, open_state, resplit, unit_of
+from meshfeed.queue.loader_versions import LoaderVersion, check_store, one_epoch
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.validate import check_loader_arguments, check_loader_workers
@@ -96,22 +87,6 @@ from meshfeed.state import envelope
 
 #: What ``_retry`` returns for a batch ``on_error="skip"`` drops.
 _FAILED: Any = object()
-
-
-def _check_store(store: Any) -> None:
-    if not isinstance(store, SampleStore):
-        raise TypeError(
-            f"store must be a SampleStore (got {type(store).__name__}); build the store "
-            "with meshfeed.queue.SampleStore and pass it first"
-        )
-
-
-def _one_epoch(got: str, use: str) -> str:
-    return (
-        f"a StoreLoader reads one stream, which is one epoch (got {got}); {use}, and for "
-        "another pass put the samples to a new partition and build a new StoreLoader (or "
-        "reset_consumption() on the store)"
-    )
 
 
 class StoreLoader(LoaderBase):
@@ -129,8 +104,11 @@ class StoreLoader(LoaderBase):
     the loader keeps the batch, ``on_error="skip"`` drops it, agreed by every rank (needs the
     process group on a mesh of several ranks; see the module docstring). Replica peers
     must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
-    ``batch_size`` and ``prefetch``). ``shutdown()`` (or leaving a ``with`` block) cancels
-    waiting requests and stops workers.
+    ``batch_size`` and ``prefetch``: the batches requested ahead decide at which step a peer
+    sees the end of the stream; ``on_error``: :mod:`meshfeed.queue.loader_errors`). ``shutdown()`` (or leaving a ``with`` block) cancels
+    waiting requests and stops workers. ``max_staleness`` with :meth:`set_version` and
+    ``group_filter`` go to every request (policy versions and dynamic sampling, applied by
+    the store: :mod:`meshfeed.queue.versions`, :mod:`meshfeed.queue.dynamic`).
 
     >>> store = SampleStore()
     >>> _ = store.put("p", {"x": [1, 2, 3, 4]}); store.close("p")
@@ -165,11 +143,15 @@ class StoreLoader(LoaderBase):
         pin_memory: bool = False,
         device: Any = None,
         on_step: Callable[[Any], Any] | None = None,
+        max_staleness: int | None = None,
+        group_filter: Callable[[dict[str, list[Any]]], bool] | None = None,
     ) -> None:
-        _check_store(store)
+        check_store(store)
         self._arguments: dict[str, Any] = dict(task=task, fields=fields, partition=partition,  # resize()
             sampler=sampler, num_workers=num_workers, prefetch=prefetch, collate_fn=collate_fn,
-            collate_retries=collate_retries, timeout=timeout, on_error=on_error)  # fmt: skip
+            collate_retries=collate_retries, timeout=timeout, on_error=on_error,
+            pin_memory=pin_memory, device=device, on_step=on_step, max_staleness=max_staleness,
+            group_filter=group_filter)  # fmt: skip
         options = LoaderOptions(
             batch_size=batch_size,
             shuffle=False,  # the store decides the order: no seed, no shuffle
@@ -203,10 +185,12 @@ class StoreLoader(LoaderBase):
         hold = store.options.tasks is not None and (bool(self._ahead_max) or collate_fn is not None)
         self._spec = Spec(
             task, tuple(fields), batch_size, partition, self.sampler, wait, hold, prefetch,
-            uuid.uuid4().hex,
+            uuid.uuid4().hex, group_filter,
         )  # fmt: skip
         self._shut = False
+        self._version = LoaderVersion(max_staleness)
         self._flight = InFlight(store, self._spec, collate_fn, num_workers, self._ahead_max)
+        self._flight.version = self._version
         # What stats() reports (since this object was built; not part of the state).
         self._counts = dict.fromkeys(
             ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
@@ -270,7 +254,7 @@ class StoreLoader(LoaderBase):
             if not self._ahead_max and not self._flight.ahead:  # synchronous
                 if self._flight.ended:
                     raise StopIteration
-                result = self._flight.thread_job(self._flight.next)
+                result = self._flight.thread_job(self._flight.next, self._version.request())
                 if not isinstance(result, Got) or result.ids is None:  # no workers here
                     self._flight.ended = True
                     raise StopIteration
@@ -347,13 +331,13 @@ class StoreLoader(LoaderBase):
         ``StoreLoader``, or ``SampleStore.reset_consumption``)."""
         check_num_epochs(num_epochs)
         if num_epochs > 1:
-            raise ValueError(_one_epoch(f"{num_epochs=}", "use epochs(1)"))
+            raise ValueError(one_epoch(f"{num_epochs=}", "use epochs(1)"))
         if num_epochs == 1 and not (self._flight.ended and not self._flight.ahead):
             yield 0
 
     def _enter_epoch(self, epoch: int) -> None:
         """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
-        raise ValueError(_one_epoch(f"set_epoch({epoch})", "stay at epoch 0"))
+        raise ValueError(one_epoch(f"set_epoch({epoch})", "stay at epoch 0"))
 
     def stats(self) -> dict[str, Any]:
         """What this loader object did since it was built, and the store's view of its task.
@@ -377,6 +361,7 @@ class StoreLoader(LoaderBase):
         out["ended"] = self._flight.ended and not self._flight.ahead
         out["epoch"], out["delivery"] = 0, self.delivery_stats()
         store = self.store.stats()
+        out["versions"] = self._version.stats(store, self.task, self.partition)
         part = store["partitions"].get(self.partition, {})
         out["store"] = {
             "consumed": store["consumed"].get(self.task, 0),
@@ -386,6 +371,12 @@ class StoreLoader(LoaderBase):
             "closed": part.get("closed", False),
         }
         return out
+
+    def set_version(self, version: int) -> None:
+        """The trainer's weights are now at policy ``version`` (an int, never lower): later
+        requests serve no sample older than ``version - max_staleness`` (see
+        :mod:`meshfeed.queue.loader_versions` for prefetching)."""
+        self._version.set(version)
 
     def shutdown(self) -> None:
         """Cancel the requests waiting in the store (they consume nothing) and stop worker
@@ -447,6 +438,7 @@ class StoreLoader(LoaderBase):
             next=self._flight.next,
             ended=self._flight.ended,
             pending=pending,
+            policy_version=self._version.version,  # set_version's (loader_versions)
         )
 
     def load_state_dict(self, state: Any) -> None:
@@ -489,6 +481,7 @@ class StoreLoader(LoaderBase):
             nxt, ended = (min(ends) if ends else nxt), False
             # The old layout's plans are never read again (their batches come from the state).
             self.store.drop_plans(self.partition, self.task, nxt)
+        self._version.restore(state.get("policy_version"))
         self._flight.next = nxt
         self._flight.ended = ended
         for index, parts in rounds:
@@ -501,6 +494,6 @@ class StoreLoader(LoaderBase):
                 return None
             ids = parts[self.data_rank]
             batch = self.store.peek(self.partition, list(ids), self._spec.fields)
-            return Batch(batch.ids, batch.columns, parts=parts)
+            return Batch(batch.ids, batch.columns, parts=parts, versions=batch.versions)
 
         return fn

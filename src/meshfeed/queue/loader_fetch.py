@@ -14,11 +14,12 @@ import pickle
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.queue.core import PartitionClosed
+from meshfeed.queue.loader_versions import LoaderVersion
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.runtime import WorkerError, WorkerPool
@@ -60,9 +61,14 @@ class Spec:
     hold: bool
     prefetch: int  # replica peers must share it (the store checks; see fetch)
     token: str  # the loader's requests, cancelled together by shutdown()
+    group_filter: Callable[[dict[str, list[Any]]], bool] | None = None  # see queue.dynamic
 
 
-def fetch(store: SampleStore, spec: Spec, index: int) -> Batch | None:
+def fetch(
+    store: SampleStore, spec: Spec, index: int, version: Mapping[str, Any] | None = None
+) -> Batch | None:
+    """Batch ``index`` of the loader's stream (``None``: it ended); ``version``: the
+    trainer's version keywords (:mod:`meshfeed.queue.loader_versions`)."""
     try:
         return store.get(
             spec.task,
@@ -76,6 +82,8 @@ def fetch(store: SampleStore, spec: Spec, index: int) -> Batch | None:
             token=spec.token,
             batch_index=index,
             prefetch=spec.prefetch,
+            group_filter=spec.group_filter,
+            **(version or {}),
         )
     except PartitionClosed:
         return None
@@ -125,7 +133,7 @@ def start_worker(
         if kind == "fetch":
             if store is None:
                 raise RuntimeError("store loader worker asked to fetch without a store")
-            batch = fetch(store, spec, arg)
+            batch = fetch(store, spec, *arg)
             if batch is None:
                 return Got(None)
         else:
@@ -209,10 +217,14 @@ class InFlight:
             self.pool = make_pool(num_workers, spec.timeout, store.backend, spec.prefetch)
         self.sent: list[deque[Entry]] = [deque() for _ in range(num_workers)]
         self.turn = 0  # the worker the next task goes to
+        self.version: LoaderVersion | None = None  # the loader's, set after construction
 
-    def thread_job(self, index: int) -> Got | Batch | None:
+    def _version_args(self) -> dict[str, Any] | None:
+        return None if self.version is None else self.version.request()
+
+    def thread_job(self, index: int, version: dict[str, Any] | None) -> Got | Batch | None:
         """Fetch here (in a thread); ``collate_fn`` too unless worker processes run it."""
-        batch = fetch(self.store, self.spec, index)
+        batch = fetch(self.store, self.spec, index, version)
         if batch is None or self.pool is not None:
             return batch
         return apply(self.collate_fn, batch)
@@ -247,11 +259,12 @@ class InFlight:
             else:
                 self.send(entry, ("collate", entry.batch))
         elif self.pool is not None and self.store.backend == "ray":
-            self.send(entry, ("fetch", entry.index))
+            self.send(entry, ("fetch", (entry.index, self._version_args())))
         else:
             if self.threads is None:  # requests wait in the store, so one thread per request
                 self.threads = cf.ThreadPoolExecutor(self.ahead_max, "meshfeed-loader")
-            entry.fetch = self.threads.submit(self.thread_job, entry.index)
+            # The version as of the request, not of when the thread runs: deterministic.
+            entry.fetch = self.threads.submit(self.thread_job, entry.index, self._version_args())
 
     def fetched(self, entry: Entry, result: Got | Batch | None) -> None:
         if isinstance(result, Got):

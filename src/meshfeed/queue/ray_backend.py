@@ -7,9 +7,10 @@ suspended coroutine, so puts and other gets keep flowing, and it wakes on the ne
 The data plane (large columns through Ray's object store, pinned and adopted chunks) is
 :mod:`meshfeed.queue.ray_dataplane`; this module is the control plane.
 
-A caller that dies while its ``get`` waits in the actor is noticed (see
-:func:`~meshfeed.queue.ray_dataplane.caller_probe`): the wait is given up, nothing consumed; leases of dead callers return
-to ready (see :mod:`meshfeed.queue.leases`). Errors raised in the actor (``ValueError``,
+A caller that dies while its ``get`` or ``put`` waits in the actor is noticed (see
+:func:`~meshfeed.queue.ray_dataplane.caller_probe`): the wait is given up, nothing consumed or
+stored (a put waits for room in its client, then puts again: one whose producer died never
+lands, so a restarted producer's put of the same sample is the only one; #28); leases of dead callers return to ready (see :mod:`meshfeed.queue.leases`). Errors raised in the actor (``ValueError``,
 ``TimeoutError``, ``PartitionClosed``) are re-raised in the caller as themselves.
 """
 
@@ -22,7 +23,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from meshfeed.queue import checkpoint
-from meshfeed.queue.backend import Got
+from meshfeed.queue.backend import Got, Peeked
 from meshfeed.queue.columns import RemoteChunk
 from meshfeed.queue.core import StoreCore, StoreOptions
 from meshfeed.queue.ray_dataplane import (
@@ -38,7 +39,8 @@ from meshfeed.queue.ray_dataplane import (
     wrap,
     wrap_column,
 )
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
+from meshfeed.queue.stall import StallWatch, describe_stall, timed_out
 from meshfeed.queue.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 
 __all__ = ["NAMESPACE", "PROBE_INTERVAL", "PROBE_TIMEOUT", "RayBackend"]
@@ -91,6 +93,9 @@ class _StoreActor:
         finally:
             self._watch = None
 
+    def _stall(self) -> str | None:
+        return describe_stall(self.core.held, self.core.options.capacity, self.waiters)
+
     async def register(self, worker: str, probe: list[Any]) -> Any:
         """Remember the liveness probe of the process ``worker`` (its worker id), sent once
         so that puts and gets name their caller by id (a reference argument costs every
@@ -134,47 +139,44 @@ class _StoreActor:
         waiter = make(event.set)
         self.waiters.add(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
+        watch = StallWatch()
         try:
             while True:
                 self.waiters.check(waiter)
                 result = attempt()
                 if result is not None:
                     return result
+                watch.check(self._stall)  # see meshfeed.queue.stall
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"{what} timed out after {timeout}s; the store is unchanged and usable "
-                        "(retry, raise the timeout, or check that producers are running)"
-                    )
+                    raise TimeoutError(timed_out(what, timeout, self._stall()))
                 chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
                 if probe is not None:
                     chunk = min(chunk, PROBE_INTERVAL)
                 due = self.core.next_lease_deadline()
                 if due is not None:
                     chunk = max(0.0, min(chunk, due - time.monotonic()))
+                chunk = watch.cap(chunk)
                 event.clear()
+                woken = True
                 try:
                     await asyncio.wait_for(event.wait(), chunk)
                 except asyncio.TimeoutError:
-                    if probe is not None and not await caller_alive(probe):
-                        self.abandoned += 1
-                        raise RequestCancelled(
-                            f"{what}: the caller's process is gone; the wait was given up "
-                            "and nothing was consumed"
-                        ) from None
+                    woken = False
+                if probe is not None and not woken and not await caller_alive(probe):
+                    self.abandoned += 1
+                    raise RequestCancelled(
+                        f"{what}: the caller's process is gone; the wait was given up "
+                        "and nothing was stored or consumed"
+                    ) from None
         finally:
             self.waiters.remove(waiter)
 
-    async def put(
-        self,
-        partition: str,
-        rows: Any,
-        ids: Any,
-        groups: Any,
-        timeout: float | None,
-        caller: str | None = None,
-    ) -> Any:
-        what = f"put to {partition!r} (store at capacity {self.core.options.capacity})"
+    async def put(self, request: PutRequest, caller: str | None = None) -> Any:
+        """Store the rows now, or answer ``("full", needed)`` without waiting: the client
+        waits for room with :meth:`wait_room` and puts again, so a put whose producer died
+        while it waited is never stored (#28)."""
+        partition, rows = request.partition, request.rows
         chunks = [column for column in rows.values() if type(column) is RemoteChunk]
         if chunks:
             probe = self.probes.get(caller) if caller else None  # an object the producer owns
@@ -182,14 +184,42 @@ class _StoreActor:
                 await self.plane.keep(chunks, probe)
             except Exception as exc:  # re-raised by the client
                 return False, exc
-        out = await self._run(
-            lambda: self.core.try_put(partition, rows, ids, groups),
-            timeout,
-            what,
-            lambda notify: Waiter("producer", notify),
-        )
+        ok, out = await self._run(lambda: self.core.try_put(request), 0, "")
+        if ok and out is None:
+            return True, ("full", self.core.put_needs, self._room_stamp())
         self.waiters.wake_consumers(partition, rows)
-        return out
+        return ok, out
+
+    def _room_stamp(self) -> tuple[int, int, int]:
+        """Changes whenever room may have been freed: samples dropped or consumed, a new core."""
+        return self.core.dropped, self.core.taken, id(self.core)
+
+    async def wait_room(
+        self,
+        partition: str,
+        need: int,
+        stamp: tuple[int, int, int],
+        timeout: float | None,
+        caller: str | None = None,
+    ) -> Any:
+        """Wait (no more than ``timeout`` seconds) until room may have been freed for a put
+        of ``need`` new samples refused at ``stamp``, or the partition closed; given up if
+        the caller's process dies."""
+
+        def attempt() -> bool | None:
+            part = self.core.partitions.get(partition)
+            changed = self._room_stamp() != tuple(stamp) or (part is not None and part.closed)
+            return True if changed else None
+
+        cap = self.core.options.capacity
+        return await self._run(
+            attempt,
+            timeout,
+            f"put to {partition!r} (store at capacity {cap}, or waiting for admission of a "
+            "versioned put)",
+            lambda notify: Waiter("producer", notify, size=need),
+            self.probes.get(caller) if caller else None,
+        )
 
     async def get(self, request: GetRequest, caller: str | None = None) -> Any:
         partition, task = request.partition, request.task
@@ -198,9 +228,15 @@ class _StoreActor:
         # ``dropped``, not ``held``: while this get waited, puts and other gets moved ``held``
         # both ways, and comparing it missed this get's own eviction
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
+        taken = core.taken
 
         def attempt() -> Any:
-            return self.core.try_get(request, alive=probe)
+            core = self.core
+            taken, dropped = core.taken, core.dropped
+            got = core.try_get(request, alive=probe)
+            if got is None and (core.taken != taken or core.dropped != dropped):
+                self.waiters.wake_producers()  # it dropped samples, then waits: room now
+            return got
 
         try:
             ok, out = await self._run(
@@ -215,11 +251,12 @@ class _StoreActor:
             leased = request.lease if request.lease in self.core.leases else None
             if leased is not None and self._watch is None:
                 self._watch = asyncio.get_running_loop().create_task(self._watch_leases())
-            ids, rows, parts = out
-            return True, (ids, rows, leased, parts)
+            ids, rows, parts, versions = out
+            return True, (ids, rows, leased, parts, versions)
         finally:
             core = self.core
-            if core.dropped != dropped:
+            taken_any = core.admitting and core.taken != taken and core.versioned(partition)
+            if core.dropped != dropped or taken_any:
                 self.waiters.wake_producers()
             if core.stats_cache_entries() != cached:
                 self.waiters.wake_task(partition, task)
@@ -352,19 +389,19 @@ class RayBackend:
     def _resolve(self, rows: dict[str, Any]) -> dict[str, Any]:
         return resolve(rows, lambda refs: self._call(self.actor.refresh.remote(refs)))
 
-    def put(
-        self,
-        partition: str,
-        rows: Mapping[str, list[Any]],
-        ids: Any,
-        groups: Any,
-        timeout: float | None,
-    ) -> list[Key]:
-        wrapped = {f: wrap_column(col, self.inline_bytes) for f, col in rows.items()}
-        caller = None
-        if any(type(col) is RemoteChunk for col in wrapped.values()):
-            caller = self._caller()
-        return self._call(self.actor.put.remote(partition, wrapped, ids, groups, timeout, caller))
+    def put(self, request: PutRequest) -> list[Key]:
+        rows = {f: wrap_column(col, self.inline_bytes) for f, col in request.rows.items()}
+        request = request._replace(rows=rows)
+        caller = self._caller()
+        timeout = request.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # waits here, not in the actor: a dead producer's put never lands (#28)
+            out = self._call(self.actor.put.remote(request, caller))
+            if not (type(out) is tuple and out[0] == "full"):
+                return out
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = self.actor.wait_room.remote(request.partition, out[1], out[2], left, caller)
+            self._call(wait)
 
     def _caller(self) -> str:
         """This process's worker id; the first time per store actor, also tells the actor
@@ -381,8 +418,8 @@ class RayBackend:
         return worker
 
     def get(self, request: GetRequest) -> Got:
-        ids, rows, leased, parts = self._call(self.actor.get.remote(request, self._caller()))
-        return ids, self._resolve(rows), leased, parts
+        ids, rows, leased, parts, vs = self._call(self.actor.get.remote(request, self._caller()))
+        return ids, self._resolve(rows), leased, parts, vs
 
     def ack(self, lease_id: str) -> None:
         self._call(self.actor.ack.remote(lease_id))
@@ -396,11 +433,9 @@ class RayBackend:
     def release(self, partition: str, ids: list[Key]) -> None:
         self._call(self.actor.call.remote("release", partition, ids))
 
-    def peek(
-        self, partition: str, ids: list[Key], fields: tuple[str, ...]
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
-        out, rows = self._call(self.actor.call.remote("peek", partition, ids, fields))
-        return out, self._resolve(rows)
+    def peek(self, partition: str, ids: list[Key], fields: tuple[str, ...]) -> Peeked:
+        out, rows, versions = self._call(self.actor.call.remote("peek", partition, ids, fields))
+        return out, self._resolve(rows), versions
 
     def reset_consumption(self, partition: str, task: str) -> None:
         self._call(self.actor.call.remote("reset_consumption", partition, task))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, resolve
+from meshfeed.queue.versions import Book
 
 Key = Hashable
 
@@ -195,6 +196,7 @@ class Entry:
 class Partition:
     __slots__ = (
         "asked",
+        "book",
         "cache",
         "closed",
         "consumed",
@@ -223,6 +225,7 @@ class Partition:
         self.seen: set[str] = set()  # every field ever produced here, even if evicted since
         self.closed = False
         self.next_id = 0
+        self.book: Book | None = None  # policy versions, made by the first versioned call
 
     def stats(self) -> dict[str, Any]:
         """What ``SampleStore.stats()["partitions"]`` says about this partition."""

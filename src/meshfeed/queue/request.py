@@ -7,13 +7,13 @@ re-validates or re-orders ten positional values.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from meshfeed.queue.samplers import Sampler, SequentialSampler
 
-__all__ = ["GetRequest"]
+__all__ = ["GetRequest", "PutRequest"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,7 +26,10 @@ class GetRequest:
     acknowledges. ``lease``: the lease id the batch is handed out under (a store with
     ``lease_timeout``; the client makes it). ``parts``: also hand out the parts of the shared
     plan the batch belongs to (``Batch.parts``). ``context``: any other keyword a custom
-    sampler reads. Build it through ``SampleStore.get``, which validates it.
+    sampler reads. ``version`` / ``max_staleness`` / ``version_of``: the trainer's policy
+    version and the staleness it accepts (:mod:`meshfeed.queue.versions`); ``group_filter``:
+    keep a complete group or drop it (:mod:`meshfeed.queue.dynamic`). Build it through
+    ``SampleStore.get``, which validates it.
     """
 
     task: str
@@ -44,6 +47,10 @@ class GetRequest:
     token: Hashable | None = None
     lease: str | None = None
     context: Mapping[str, Any] = field(default_factory=dict)
+    version: int | None = None
+    max_staleness: int | None = None
+    version_of: str = "oldest"
+    group_filter: Callable[[dict[str, list[Any]]], bool] | None = None
 
     @property
     def need(self) -> tuple[str, ...]:
@@ -67,6 +74,8 @@ class GetRequest:
             and self.prefetch is None
             and not self.context
             and self.lease is None
+            and self.version is None
+            and self.group_filter is None
         )
 
     def sampler_context(self) -> dict[str, Any]:
@@ -83,3 +92,24 @@ class GetRequest:
             f"get of {self.batch_size} samples with {list(self.fields)} for task "
             f"{self.task!r} from {self.partition!r}"
         )
+
+
+class PutRequest(NamedTuple):
+    """What one ``put`` stores: ``rows`` (field -> column, validated), the samples' ``ids``
+    (``None``: fresh ints) and ``groups``, the ``timeout`` of a wait for room, and the
+    policy ``version`` of the weights that produced them (``None``: unversioned). Built by
+    ``SampleStore.put``, which validates it; it travels to the Ray actor as one argument.
+
+    Immutable like :class:`GetRequest`, but a named tuple: a put of one sample costs about
+    10 us, and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field)
+    added a third of that."""
+
+    partition: str
+    rows: Mapping[str, Any]
+    ids: list[Hashable] | None = None
+    groups: list[Hashable] | None = None
+    timeout: float | None = None
+    version: int | None = None
+
+    def describe(self) -> str:
+        return f"put to {self.partition!r}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,9 @@ from meshfeed.queue import checkpoint
 from meshfeed.queue.backend import Backend
 from meshfeed.queue.columns import Gathered
 from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.dynamic import check_group_filter
 from meshfeed.queue.embedded import EmbeddedBackend
-from meshfeed.queue.request import GetRequest
+from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.validate import (
     check_batch_size,
@@ -44,6 +45,7 @@ from meshfeed.queue.validate import (
     put_groups,
     put_ids,
 )
+from meshfeed.queue.versions import check_staleness, check_version, check_version_of
 from meshfeed.queue.wakeups import check_timeout
 from meshfeed.storage.urls import local_only
 
@@ -68,6 +70,9 @@ class Batch:
     #: data rank's ids, in data-rank order); ``None`` for a batch planned for this caller
     #: alone, or not asked for.
     parts: list[list[Key]] | None = None
+    #: Each sample's policy version (as the get's ``version_of`` names it; ``None`` for an
+    #: unversioned sample), or ``None`` when the partition has no versions.
+    versions: list[int | None] | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.columns[name]
@@ -192,6 +197,7 @@ class SampleStore:
         *,
         groups: Sequence[Hashable] | Hashable | None = None,
         timeout: float | None = None,
+        version: int | None = None,
     ) -> list[Key]:
         """Store ``fields`` (name -> column of one entry per sample) for samples ``ids``.
 
@@ -199,6 +205,14 @@ class SampleStore:
         given fields (each field of a sample is produced once). ``groups``: one group id per
         sample (or one for all) for group samplers. Waits while the store is at capacity;
         ``TimeoutError`` after ``timeout`` seconds. Returns the ids.
+
+        ``version``: the policy version (an int >= 0) of the weights that produced these
+        fields. Fields added to a sample later (a partial rollout continued) may carry a
+        newer version, never an older one; a group's samples are created under one version.
+        A versioned put waits while a task that bounds staleness has ``(max_staleness + 1)``
+        of its gets unconsumed already, and is refused with
+        :class:`~meshfeed.queue.versions.StaleVersion` when it is too old for every reader
+        (see :mod:`meshfeed.queue.versions`).
         """
         partition = self._partition(partition)
         timeout = check_timeout(timeout)
@@ -215,9 +229,15 @@ class SampleStore:
                 f"put columns must all hold the same, non-zero number of samples "
                 f"(got lengths {lengths}); give one entry per sample in every field"
             )
-        id_list = None if ids is None else put_ids(ids, n)
-        group_list = None if groups is None else put_groups(groups, n)
-        return self._backend.put(partition, rows, id_list, group_list, timeout)
+        request = PutRequest(  # positional: the named tuple's fastest form (hot path)
+            partition,
+            rows,
+            None if ids is None else put_ids(ids, n),
+            None if groups is None else put_groups(groups, n),
+            timeout,
+            None if version is None else check_version(version),
+        )
+        return self._backend.put(request)
 
     def get(
         self,
@@ -232,6 +252,10 @@ class SampleStore:
         parts: bool = False,
         token: Hashable | None = None,
         consumer: Hashable | None = None,
+        version: int | None = None,
+        max_staleness: int | None = None,
+        version_of: str = "oldest",
+        group_filter: Callable[[dict[str, list[Any]]], bool] | None = None,
         **context: Any,
     ) -> Batch:
         """The next batch for ``task``: samples with every field in ``fields`` present, not yet
@@ -261,13 +285,31 @@ class SampleStore:
         batches of the same task and partition. Unacknowledged batches return to ready after
         ``lease_timeout`` seconds. A consumer with several gets in flight (prefetch) must ack
         explicitly, not pass ``consumer=``.
+
+        A get that needs more samples at once than ``capacity`` (``batch_size``, or the
+        round of a rank-aware sampler) from an open partition is refused with ``ValueError``; one that waits while
+        producers wait for the room it holds is logged and named in its ``TimeoutError`` (see
+        :mod:`meshfeed.queue.stall`).
+
+        Policy versions: ``version`` is the trainer's (an int >= 0 that never goes backwards
+        for a task) and ``max_staleness`` (an int >= 0, with ``version``) the most versions a
+        served sample may lag it: older pending samples of the task are dropped for it
+        before the batch is planned, counted in ``stats()["stale"]``. A sample written under
+        several versions is judged by its oldest field (``version_of="oldest"``) or its
+        newest (``"newest"``). ``Batch.versions`` names each sample's version.
+
+        Dynamic sampling: ``group_filter`` (with a group sampler) is called with each complete
+        group's ``fields`` as ``{field: [value per sample]}``; a group it returns False for is
+        dropped for the task, counted in ``stats()["filtered"]``, and the batch is filled from
+        later groups (see :mod:`meshfeed.queue.dynamic`).
         """
+        sampler = check_sampler(sampler)
         request = GetRequest(
             task=check_task(task),
             fields=self._names(fields, "get fields"),
             batch_size=check_batch_size(batch_size),
             partition=self._partition(partition),
-            sampler=check_sampler(sampler),
+            sampler=sampler,
             timeout=check_timeout(timeout),
             batch_index=check_index(context.pop("batch_index", None), "batch_index", 0),
             stream=check_stream(context.pop("stream", None)),
@@ -278,10 +320,18 @@ class SampleStore:
             token=token,
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
+            version=None if version is None else check_version(version),
+            max_staleness=None
+            if max_staleness is None
+            else check_staleness(version, max_staleness),
+            version_of=version_of if version_of == "oldest" else check_version_of(version_of),
+            group_filter=None
+            if group_filter is None
+            else check_group_filter(group_filter, sampler),
         )
-        ids, rows, lease, plan = self._backend.get(request)
+        ids, rows, lease, plan, versions = self._backend.get(request)
         names = request.fields
-        return Batch(ids, {name: collate(rows[name]) for name in names}, lease, plan)
+        return Batch(ids, {name: collate(rows[name]) for name in names}, lease, plan, versions)
 
     def ack(self, lease: Batch | str) -> None:
         """The batch (or lease id) a ``get`` returned was used: its samples stay consumed.
@@ -312,8 +362,8 @@ class SampleStore:
         """The ``fields`` of samples ``ids`` without consuming them (a loader re-delivering
         the batches a checkpoint names as fetched but not returned)."""
         names = self._names(fields, "peek fields")
-        got, rows = self._backend.peek(self._partition(partition), list(ids), names)
-        return Batch(got, {name: collate(rows[name]) for name in names})
+        got, rows, versions = self._backend.peek(self._partition(partition), list(ids), names)
+        return Batch(got, {name: collate(rows[name]) for name in names}, versions=versions)
 
     def cancel(self, token: Hashable) -> None:
         """Wake every request made with ``token`` (they raise :class:`RequestCancelled`
@@ -355,7 +405,10 @@ class SampleStore:
         ``waiting_producers``, ``bytes_held`` (in the store), ``bytes_in_object_store`` (Ray),
         ``cache_entries``, ``redelivered`` (retried requests), ``leases`` (outstanding),
         ``lease_expired`` (samples returned to ready by an expired or dropped lease, then
-        delivered again) and per-partition details."""
+        delivered again), ``stale`` (per task: samples dropped as older than its
+        ``max_staleness``; also counted consumed), ``filtered`` (per task: groups a filter
+        dropped) and per-partition details (with policy versions: ``trainer_versions``,
+        ``held_versions``)."""
         return self._backend.stats()
 
     def shutdown(self) -> None:

@@ -82,6 +82,7 @@ class Waiter:
         "need",
         "notify",
         "partition",
+        "request",
         "room",
         "size",
         "task",
@@ -103,8 +104,9 @@ class Waiter:
         size: int | None = None,
         ids: Collection[Hashable] | None = None,
         room: Callable[[], int | None] | None = None,
+        request: GetRequest | None = None,
     ) -> None:
-        self.kind, self.notify = kind, notify
+        self.kind, self.notify, self.request = kind, notify, request
         self.partition, self.task, self.need = partition, task, frozenset(need)
         self.token = token
         self.group, self.more = group, more  # see the module docstring
@@ -133,6 +135,7 @@ class Waiter:
             token=request.token,
             group=group,
             more=more,
+            request=request,
         )
 
     def wake(self) -> None:

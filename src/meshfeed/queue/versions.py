@@ -1,0 +1,238 @@
+"""Policy versions in the sample store: bounded staleness, admission control, partial rollouts.
+
+A put may carry the ``version`` of the weights that produced it; a get may carry the trainer's
+``version`` and a ``max_staleness``. Per partition a :class:`Book` (made on the first
+versioned call, so unversioned stores pay nothing) keeps:
+
+- each versioned sample's ``(oldest, newest)`` version over the puts that wrote its fields (a
+  partial rollout continued under newer weights widens it); a get judges a sample by the one
+  it names (``version_of="oldest"``, the default, or ``"newest"``);
+- per task the trainer's newest ``version``, its ``max_staleness`` and how many samples one
+  get plans (a rank-aware round): a plain get whose version goes backwards is refused by name
+  (a loader's requests, fetched ahead by several ranks, may arrive out of order: each is
+  served by its own version's bound, and ``StoreLoader.set_version`` refuses going back);
+- per task the stale samples dropped and the groups a filter dropped (``stats()``).
+
+Rules, applied in the store under its lock, so every data rank and both backends see the same:
+
+- **bounded staleness**: before a get with ``max_staleness=s`` plans, every pending versioned
+  sample of its task whose version is below ``version - s`` is consumed for the task without
+  being delivered and counted in ``stale`` (no sample older than ``s`` is ever served);
+- **admission**: a versioned put is refused by name (:class:`StaleVersion`) when every task
+  that reads the partition bounds staleness and the put is already too old for all of them
+  (waiting cannot make it fresher), and a put of new samples waits while a bounded task has
+  ``(s + 1) * round`` unconsumed samples ahead already (what the trainer can take before they
+  go stale; a put that overshoots is admitted, so it never waits on a get waiting on it);
+- **groups**: the new samples of a group are all of one version (a put that splits a group
+  across versions is refused by name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshfeed.queue.records import Partition
+    from meshfeed.queue.request import GetRequest, PutRequest
+
+__all__ = [
+    "VERSION_OF",
+    "Book",
+    "StaleVersion",
+    "check_staleness",
+    "check_version",
+    "check_version_of",
+]
+
+Key = Hashable
+VERSION_OF = ("oldest", "newest")
+
+
+class StaleVersion(ValueError):
+    """A versioned put that every bounded reader of its partition would drop as stale: the
+    producer's weights are too old; load newer ones and generate again."""
+
+
+def check_version(value: Any, what: str = "version") -> int | None:
+    """``value`` as a policy version (an int >= 0) or ``None``; refused by name otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(
+            f"{what} must be a policy version, an int >= 0, or None (got {what}={value!r}); "
+            "pass the number of optimizer steps of the weights"
+        )
+    return value
+
+
+def check_staleness(version: Any, max_staleness: Any) -> int | None:
+    """A get's ``max_staleness``, checked (it needs the trainer's ``version``)."""
+    if max_staleness is None:
+        return None
+    max_staleness = check_version(max_staleness, "max_staleness")
+    if version is None:
+        raise ValueError(
+            f"max_staleness={max_staleness} bounds the lag behind the trainer's version; "
+            "pass version= (the trainer's current policy version) with it"
+        )
+    return max_staleness
+
+
+def check_version_of(version_of: Any) -> str:
+    if version_of != "oldest" and version_of not in VERSION_OF:
+        raise ValueError(f"version_of must be one of {VERSION_OF} (got {version_of=!r})")
+    return version_of
+
+
+class Book:
+    """The version bookkeeping of one partition (see the module docstring)."""
+
+    __slots__ = ("filtered", "groups", "kept", "stale", "trainers", "versions")
+
+    def __init__(self) -> None:
+        self.versions: dict[Key, tuple[int, int]] = {}  # sample -> (oldest, newest)
+        self.trainers: dict[str, tuple[int, int | None, int]] = {}  # version, staleness, round
+        self.stale: dict[str, int] = {}
+        self.filtered: dict[str, int] = {}
+        self.groups: dict[Hashable, int] = {}  # a group's version, from its first put
+        self.kept: dict[str, set[Hashable]] = {}  # per task, groups a group filter kept
+
+    # ----------------------------------------------------------------- puts
+    def admit(
+        self, partition: str, part: Partition, request: PutRequest, ids: list[Key], n_new: int
+    ) -> bool:
+        """Whether the put may land now (``False``: wait for the trainer to consume);
+        raises for a put that never can (stale, too large, backwards, a split group)."""
+        v = request.version
+        if v is None:
+            return True
+        self._check_rewrite(partition, ids, v)
+        self._check_groups(partition, part, request, ids, v)
+        bounded = {t: tr for t, tr in self.trainers.items() if tr[1] is not None}
+        if bounded and set(bounded) >= set(part.pending):
+            floors = {t: tr[0] - tr[1] for t, tr in bounded.items()}  # type: ignore[operator]
+            if v < min(floors.values()):
+                raise StaleVersion(
+                    f"a put of version={v} to {partition!r} is older than every reader "
+                    f"accepts (trainer version - max_staleness per task: {floors}); load "
+                    "newer weights and generate again"
+                )
+        # Waits only while the task has (s + 1) rounds unconsumed already: a put that
+        # overshoots is admitted, so a put never waits on a get that waits on it (#28).
+        return not n_new or all(
+            len(part.pending.get(task, ())) < (tr[1] + 1) * tr[2]  # type: ignore[operator]
+            for task, tr in bounded.items()
+        )
+
+    def _check_rewrite(self, partition: str, ids: list[Key], v: int) -> None:
+        versions = self.versions
+        for k in ids:
+            old = versions.get(k)
+            if old is not None and v < old[1]:
+                raise ValueError(
+                    f"sample {k!r} of {partition!r} has fields of version {old[1]}; a put of "
+                    f"version={v} goes backwards (a partial rollout continues under the same "
+                    "or newer weights)"
+                )
+
+    def _check_groups(
+        self, partition: str, part: Partition, request: PutRequest, ids: list[Key], v: int
+    ) -> None:
+        if request.groups is None:
+            return
+        for k, g in zip(ids, request.groups, strict=True):
+            if k in part.samples:
+                continue
+            first = self.groups.get(g, v)
+            if first != v:
+                raise ValueError(
+                    f"group {g!r} of {partition!r} has samples of version {first}; a put of "
+                    f"its sample {k!r} with version={v} would split it across versions "
+                    "(generate a group's answers with one set of weights)"
+                )
+
+    def record(self, request: PutRequest, ids: list[Key]) -> None:
+        """A versioned put landed: widen each sample's versions, note its groups'."""
+        v = request.version
+        if v is None:
+            return
+        versions = self.versions
+        for k in ids:
+            old = versions.get(k)
+            versions[k] = (v, v) if old is None else (min(old[0], v), max(old[1], v))
+        if request.groups is not None:
+            for g in request.groups:
+                self.groups.setdefault(g, v)
+
+    def forget(self, keys: list[Key]) -> None:
+        versions = self.versions
+        for k in keys:
+            versions.pop(k, None)
+
+    # ----------------------------------------------------------------- gets
+    def observe(self, part: Partition, request: GetRequest, size: int) -> None:
+        """Note the trainer's version of a get (refusing one that goes backwards). Requests
+        with a ``batch_index`` (a loader's, fetched ahead, several ranks) may arrive out of
+        order: an older one is served by its own version's bound, and the newest is kept;
+        the loader refuses a version that goes backwards (``set_version``)."""
+        v = request.version
+        if v is None:
+            return
+        last = self.trainers.get(request.task)
+        if last is not None and v < last[0]:
+            if request.batch_index is None:
+                raise ValueError(
+                    f"task {request.task!r} asked with version={v} after version={last[0]}; "
+                    "a trainer's version never goes backwards (pass the current optimizer step)"
+                )
+            v = last[0]
+        self.trainers[request.task] = (v, request.max_staleness, size)
+
+    def stale_keys(self, pending: Mapping[Key, None], request: GetRequest) -> list[Key]:
+        """The pending samples of the request's task older than it accepts."""
+        if request.max_staleness is None or request.version is None:
+            return []
+        floor = request.version - request.max_staleness
+        at = 0 if request.version_of == "oldest" else 1
+        return [k for k, vv in self.versions.items() if vv[at] < floor and k in pending]
+
+    def of(self, ids: list[Key], version_of: str) -> list[int | None]:
+        """The versions of ``ids`` (``None``: unversioned), as the request names them."""
+        at = 0 if version_of == "oldest" else 1
+        get = self.versions.get
+        return [None if (vv := get(k)) is None else vv[at] for k in ids]
+
+    # ----------------------------------------------------------------- state
+    def stats(self) -> dict[str, Any]:
+        """What ``stats()["partitions"][name]`` adds: counts per task, trainer versions and
+        the held samples per version."""
+        per_version: dict[int, int] = {}
+        for lo, _ in self.versions.values():
+            per_version[lo] = per_version.get(lo, 0) + 1
+        return {
+            "stale": dict(self.stale),
+            "filtered": dict(self.filtered),
+            "trainer_versions": {t: tr[0] for t, tr in self.trainers.items()},
+            "held_versions": dict(sorted(per_version.items())),
+        }
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "versions": [[k, lo, hi] for k, (lo, hi) in self.versions.items()],
+            "trainers": {t: list(tr) for t, tr in self.trainers.items()},
+            "stale": dict(self.stale),
+            "filtered": dict(self.filtered),
+            "groups": [[g, v] for g, v in self.groups.items()],
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any], held: Mapping[Key, Any]) -> Book:
+        book = cls()
+        book.versions = {k: (int(lo), int(hi)) for k, lo, hi in meta["versions"] if k in held}
+        book.trainers = {
+            str(t): (int(v), None if s is None else int(s), int(n))
+            for t, (v, s, n) in meta["trainers"].items()
+        }
+        book.stale = {str(t): int(n) for t, n in meta["stale"].items()}
+        book.filtered = {str(t): int(n) for t, n in meta["filtered"].items()}
+        book.groups = {g: int(v) for g, v in meta["groups"]}
+        return book
