@@ -88,8 +88,9 @@ def test_a_restarted_job_reuses_the_cache_without_a_download(s3: S3, tmp_path: P
     s3.proxy.reset()
     again = [b for b in _loader(urls, remote, batch_size=4)]
     assert again == first
-    assert sum(s3.proxy.object_gets.values()) == 0  # metadata requests only ...
-    assert s3.proxy.counts["HEAD"] == len(urls)  # ... one per shard: version and mtime at once
+    assert sum(s3.proxy.object_gets.values()) == 0  # no download ...
+    # ... and the job's identity check is one listing of the shards' folder: no HEAD per shard
+    assert s3.proxy.counts["HEAD"] == 0 and s3.proxy.counts["GET"] == 1
 
 
 def _gloo_rank(rank: int, world: int, urls: list[str], remote: dict[str, Any]) -> list[int]:

@@ -111,7 +111,8 @@ class CachedReader:
             if len(self._asked) > 4 * len(self.order):
                 self._asked.clear()
             self._asked.update(todo)
-            self.cache.prefetch(todo)
+            versions = None if self._by_index else {s: self.version(s) for s in todo}
+            self.cache.prefetch(todo, versions=versions)
 
     def version(self, shard: Any) -> str:
         if not (isinstance(shard, str) and is_url(shard)):
@@ -138,12 +139,14 @@ class CachedReader:
             self._learn(todo)
 
     def _ask(self, url: str) -> None:
-        self._learn([url])
+        # the first shard asked for: every shard of the stream at once (one listing per folder)
+        self._learn([url, *(s for s in self.order if s not in self._modified and is_url(s))])
 
     def _learn(self, urls: list[str]) -> None:
         infos = remote_infos(
             urls, self.cache.storage_options, retry=RetryPolicy(timeout=self.cache.retry.timeout)
         )
+        self.cache.remember(infos.values())
         for url, info in infos.items():
             self._modified[url] = info.modified
             if not self._by_index:

@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,13 @@ class Fill:
             self._infos[url] = info
         self._current[url] = info.version
         return info
+
+    def remember(self, infos: Iterable[RemoteInfo]) -> None:
+        """What a listing said about objects (size, version, MD5): a download of one of them
+        at that version then needs no metadata request first."""
+        with self._mutex:
+            for info in infos:
+                self._infos[info.url] = info
 
     def _want(self, url: str, version: str | None) -> Want:
         """What this job accepts as ``url``: the given version, the registered digest, or
@@ -222,8 +229,9 @@ class Fill:
             )
         size = int(want.size if info is None else info.size)  # type: ignore[arg-type]
         if self.cache_limit is not None and size > self.cache_limit:
-            if not demanded:
-                return False  # a download-ahead: skipped, like one that finds no room
+            if not demanded:  # a download-ahead: skipped, like one that finds no room
+                self._count("skipped_prefetch")
+                return False
             raise TooLargeForCache(url, size, self.cache_limit)
         reserved = self._reserve(entry, size, demanded=demanded, make_room=make_room)
         if reserved is None:
@@ -299,11 +307,11 @@ class Fill:
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
 
-    def _prefetch_one(self, url: str) -> bool:
+    def _prefetch_one(self, url: str, version: str | None = None) -> bool:
         entry = self._entry(url)
         with on_disk(self.cache_dir, f"hold {url}"):
             lock = entry.open_lock()
         try:
-            return self._acquire(entry, lock, self._want(url, None), demanded=False)
+            return self._acquire(entry, lock, self._want(url, version), demanded=False)
         finally:
             lock.close()

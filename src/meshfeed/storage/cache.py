@@ -34,7 +34,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -268,7 +268,9 @@ class ShardCache(Fill):
         finally:
             self.release(url)
 
-    def prefetch(self, urls: Iterable[str]) -> list[Future[bool]]:
+    def prefetch(
+        self, urls: Iterable[str], *, versions: Mapping[str, str] | None = None
+    ) -> list[Future[bool]]:
         """Download ``urls`` ahead in background threads; each future says if the file is cached.
 
         Bounded by ``cache_limit``: a file that would need a held entry evicted is skipped
@@ -283,7 +285,8 @@ class ShardCache(Fill):
                 )
             pool = self._pool
         todo = [url for url in urls if local_path_of(url) is None]
-        return [pool.submit(self._prefetch_one, url) for url in todo]
+        known = versions or {}
+        return [pool.submit(self._prefetch_one, url, known.get(url)) for url in todo]
 
     def open_range(self, url: str, start: int, stop: int, *, version: str | None = None) -> bytes:
         """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one (of
