@@ -134,7 +134,7 @@ class CachedReader:
         """Ask the bucket for the versions of all URL ``shards`` at once: one listing per
         folder (a metadata request only for what a listing lacks)."""
         todo = [s for s in dict.fromkeys(shards) if isinstance(s, str) and is_url(s)]
-        todo = [s for s in todo if s not in self._versions or s not in self._modified]
+        todo = [s for s in todo if s not in self._versions]
         if todo:
             self._learn(todo)
 
