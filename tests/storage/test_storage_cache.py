@@ -8,12 +8,13 @@ import os
 import pickle
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from meshfeed.errors import SourceError
-from meshfeed.storage import ShardCache, version_of
+from meshfeed.storage import CacheDiskError, ShardCache, version_of
 from tests.storage.conftest import S3, options_for
 
 
@@ -386,3 +387,44 @@ def test_importing_the_readers_does_not_import_fsspec() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_full_cache_disk_raises_by_name_and_is_never_a_bad_sample(s3: S3, tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    from tests.storage._procs import read_stream_on_a_full_disk
+
+    urls = [s3.put(f"full/p{i}.jsonl", b'{"id": 1}\n' * 2000) for i in range(3)]  # 20 kB
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(
+        target=read_stream_on_a_full_disk,
+        args=(urls, s3.options, str(tmp_path / "cache"), 8_000, out),
+    )
+    p.start()
+    kind, what = out.get(timeout=120)
+    p.join(timeout=30)
+    assert kind == "raised", what  # not an epoch of substituted rows
+    assert what.startswith("CacheDiskError: the shard cache at ") and str(tmp_path) in what
+    assert "the disk is full" in what and "cache_dir=" in what
+
+
+def test_an_unwritable_cache_dir_is_refused_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(CacheDiskError, match=rf"{blocker}/cache cannot be created.*writable"):
+        ShardCache(blocker / "cache")
+    with pytest.raises(CacheDiskError, match="/sys/meshfeed-cache cannot be created"):
+        ShardCache("/sys/meshfeed-cache")  # a read-only file system on Linux
+
+
+def test_a_lock_that_cannot_open_leaves_nothing_for_exit(tmp_path: Path) -> None:
+    import gc
+
+    from meshfeed.storage._lock import FileLock
+
+    with pytest.raises(FileNotFoundError):
+        FileLock(str(tmp_path / "missing" / "x.lock"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an exception in __del__ is reported as a warning
+        gc.collect()
