@@ -63,3 +63,30 @@ def read_stream_on_a_full_disk(
         out.put(("served", len(rows)))
     except Exception as e:
         out.put(("raised", f"{type(e).__name__}: {e}"))
+
+
+def read_dataset_within_a_limit(
+    rank: int,
+    world: int,
+    url: str,
+    options: dict[str, Any],
+    cache_dir: str,
+    limit: int,
+    workers: int,
+) -> list[int]:
+    """One gloo rank's epoch of a shard dataset from ``url`` through a cache of ``limit`` bytes."""
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
+
+    stream = ShardedStream.from_index(
+        url, cache_dir=cache_dir, cache_limit=limit, storage_options=options, shuffle_buffer=64
+    )
+    with StreamLoader(
+        stream,
+        batch_size=8,
+        seed=1,
+        mesh={"dp": world},
+        num_workers=workers,
+        collate_fn=lambda rows: [r["id"] for r in rows],
+    ) as loader:
+        return [i for b in loader for i in b]

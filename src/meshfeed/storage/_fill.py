@@ -129,14 +129,19 @@ class Fill:
     ) -> bool:
         """Take the shared lock of a complete entry, downloading it first if needed.
 
-        False only for a download-ahead (``demanded=False``) that found no room.
+        False only for a download-ahead (``demanded=False``) that found no room. Before any
+        wait (for another process's download, or for room), ``make_room`` releases what the
+        caller holds: a reader that waits holding entries could wait for itself.
         """
+        make_room = _once(make_room)
         deadline = time.monotonic() + self.lock_timeout
         deep = self.verify == "checksum"
         what = f"caching {entry.url}"
         fetched = False
         for _ in range(8):  # a concurrent eviction between our two locks sends us round again
-            if lock.acquire(exclusive=False, deadline=deadline, what=what):
+            if not lock.try_acquire(exclusive=False):
+                make_room()
+                lock.acquire(exclusive=False, deadline=deadline, what=what)
                 self._count("waits")
             meta = self._read_meta(entry, deep=deep)
             if meta is not None and want.fits(meta):
@@ -145,7 +150,7 @@ class Fill:
                 self._touch(entry)
                 return True
             lock.release()
-            if self._exclusive_or_ready(entry, lock, want, deadline, what):
+            if self._exclusive_or_ready(entry, lock, want, deadline, what, make_room):
                 if not fetched:  # another process cached it meanwhile: held shared now
                     self._count("hits")
                 self._touch(entry)
@@ -169,7 +174,13 @@ class Fill:
         )
 
     def _exclusive_or_ready(
-        self, entry: Entry, lock: FileLock, want: Want, deadline: float, what: str
+        self,
+        entry: Entry,
+        lock: FileLock,
+        want: Want,
+        deadline: float,
+        what: str,
+        make_room: Callable[[], None],
     ) -> bool:
         """Take ``entry``'s exclusive lock (False), or find it complete meanwhile and hold it
         shared (True). Waiting for the exclusive lock alone could wait forever: the process
@@ -183,6 +194,7 @@ class Fill:
                 if meta is not None and want.fits(meta):
                     return True
                 lock.release()
+            make_room()  # about to wait for another process's download
             return None
 
         ready, waited = lock.wait_for(attempt, deadline, what)
@@ -315,3 +327,16 @@ class Fill:
             return self._acquire(entry, lock, self._want(url, version), demanded=False)
         finally:
             lock.close()
+
+
+def _once(fn: Callable[[], None] | None) -> Callable[[], None]:
+    """``fn`` callable any number of times, run the first time only (None: nothing)."""
+    done = fn is None
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()  # type: ignore[misc]
+
+    return call
