@@ -87,6 +87,7 @@ def read_dataset_within_a_limit(
         seed=1,
         mesh={"dp": world},
         num_workers=workers,
+        drop_last=False,
         collate_fn=lambda rows: [r["id"] for r in rows],
     ) as loader:
         return [i for b in loader for i in b]
