@@ -96,7 +96,10 @@ class CachedReader:
     def _release(self, n: int) -> None:
         """Release the ``n`` least recently used holds, and the inner reader's maps of them
         (a map would keep an evicted file's blocks on disk)."""
-        forget = getattr(self.inner, "forget", None)
+        # without a limit nothing is evicted: the inner reader keeps its maps (reopening a
+        # shard per batch would cost more than the read)
+        limited = self.cache.cache_limit is not None
+        forget = getattr(self.inner, "forget", None) if limited else None
         for _ in range(max(0, n)):
             old, local = self._held.popitem(last=False)
             if forget is not None:
@@ -153,22 +156,38 @@ class CachedReader:
                 self._versions[url] = info.version
 
     def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
-        return self.inner(self._local(shard), start, stop)
+        try:
+            yield from self.inner(self._local(shard), start, stop)
+        finally:
+            self._done()
 
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         local = self._local(shard)
-        if self._takes:
-            return list(self.inner.take(local, rows))
-        lo, hi = int(rows.min()), int(rows.max()) + 1
-        span = list(self.inner(local, lo, hi))
-        return [span[r - lo] for r in rows.tolist()]
+        try:
+            if self._takes:
+                return list(self.inner.take(local, rows))
+            lo, hi = int(rows.min()), int(rows.max()) + 1
+            span = list(self.inner(local, lo, hi))
+            return [span[r - lo] for r in rows.tolist()]
+        finally:
+            self._done()
 
     def count(self, shard: Any) -> int:
         count = getattr(self.inner, "count", None)
         local = self._local(shard)
-        if count is not None:
-            return int(count(local))
-        return sum(1 for _ in self.inner(local, 0, None))
+        try:
+            if count is not None:
+                return int(count(local))
+            return sum(1 for _ in self.inner(local, 0, None))
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        """After each read, under a ``cache_limit``: hold nothing between reads, so an idle
+        reader (a worker waiting for its next batch) never keeps another from the room it
+        needs; its map goes too (an evicted file's blocks would stay on disk under it)."""
+        if self.cache.cache_limit is not None:
+            self._release(len(self._held))
 
     def close(self) -> None:
         """Release every shard this process holds."""
