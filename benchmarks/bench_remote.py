@@ -394,7 +394,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=None, help="samples (default 40k; 3k --quick)")
     p.add_argument("--shard-mib", type=int, default=None, help="shard size (16; 2 --quick)")
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
-    p.add_argument("--only", default=None, help="run only the systems whose name contains this")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="run only the systems whose name contains one of these (comma-separated)",
+    )
     p.add_argument(
         "--ranged",
         action="store_true",
@@ -511,7 +515,7 @@ def main() -> None:
                 systems.append(("litdata lim", functools.partial(litdata_epoch, limit=limit), "ld"))
         rounds = [systems] * args.rounds  # interleaved: every system once per round
         for name, read, key in [row for r in rounds for row in r]:
-            if args.only and args.only not in name:
+            if args.only and not any(o in name for o in args.only.split(",")):
                 continue
             exp = expect
             mb = payload_mb
