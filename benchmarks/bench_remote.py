@@ -1,8 +1,8 @@
 """Reading from an S3 API: meshfeed vs MosaicML Streaming and litdata, same data, same server.
 
-moto's S3 server runs on 127.0.0.1 with a request-counting HTTP proxy in front of it; every
-reader reaches the bucket through the proxy, so the GET requests and bytes of an epoch are
-counted where the server sees them. The samples are bench_shards' (``{"tokens":
+moto's S3 server runs on 127.0.0.1 and counts the requests it answers inside its own WSGI
+application (no proxy in the data path: every reader talks straight to the server), so the
+requests and bytes of an epoch are counted where the server sees them. The samples are bench_shards' (``{"tokens":
 int32[128..2048], "pixels": uint8[4096]}``, fixed seed), written locally in each system's
 format (uncompressed, ``--shard-mib`` shards) and uploaded:
 
@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import http.client
-import http.server
 import logging
 import os
 import shutil
@@ -56,95 +54,67 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contextlib
+
 import bench_shards
 from bench_shards import Data, disk_mib, import_litdata, import_mosaic, remove
 
 BATCH = 32
+LIMIT_WINDOW = 4096  # rows in a shuffle window of the cache-limit rows (set from the data)
 BUCKET = "bench"
-_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "expect"}
 
 
-# --- the counting proxy ---------------------------------------------------------------------
+# --- the server's own counters -----------------------------------------------------------
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _ProxyServer
+class ServerCounts:
+    """Requests moto's S3 server answered since the last :meth:`reset`: per method, object
+    GETs (listings excluded), ranged GETs and body bytes sent. Counted inside the server's own
+    WSGI application (a wrapper around moto's app in the same server): nothing stands between
+    a reader and the server, so no reader is slowed or changed by the counting."""
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _forward(self) -> None:
-        proxy = self.server.proxy
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else None
-        ranged = "range" in {k.lower() for k in self.headers}
-        proxy.count(self.command, self.path, ranged)
-        conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-        conn.request(self.command, self.path, body=body, headers=headers)
-        resp = conn.getresponse()
-        self.send_response(resp.status)
-        for k, v in resp.getheaders():
-            if k.lower() not in _HOP | {"date", "server"}:
-                self.send_header(k, v)
-        if resp.getheader("Content-Length") is None:
-            data = resp.read()
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            proxy.add_bytes(len(data))
-        else:
-            self.end_headers()
-            while self.command != "HEAD" and (chunk := resp.read(1 << 20)):
-                self.wfile.write(chunk)
-                proxy.add_bytes(len(chunk))
-        conn.close()
-
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
-
-
-class _ProxyServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    proxy: CountingProxy
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a reader that hangs up early (a stopped epoch) is not the benchmark's error
-
-
-class CountingProxy:
-    """HTTP proxy on 127.0.0.1 in front of ``upstream_port``: requests per method, object GETs
-    (listings excluded), ranged GETs and bytes sent since the last :meth:`reset`."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
+    def __init__(self) -> None:
         self.methods: Counter[str] = Counter()
         self.gets = self.ranged = self.bytes = 0
         self._lock = threading.Lock()
-        self._server = _ProxyServer(("127.0.0.1", 0), _Handler)
-        self._server.proxy = self
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
-    def count(self, method: str, path: str, ranged: bool) -> None:
-        with self._lock:
-            self.methods[method] += 1
-            if method == "GET" and "?" not in path:
-                self.gets += 1
-                self.ranged += ranged
+    def app(self, inner: Any) -> Any:
+        def counted(environ: dict[str, Any], start_response: Any) -> Any:
+            method = environ.get("REQUEST_METHOD", "")
+            key = environ.get("PATH_INFO", "").strip("/").partition("/")[2]
+            with self._lock:
+                self.methods[method] += 1
+                if method == "GET" and key and not environ.get("QUERY_STRING"):
+                    self.gets += 1
+                    self.ranged += "HTTP_RANGE" in environ
+            for chunk in inner(environ, start_response):
+                with self._lock:
+                    self.bytes += len(chunk)
+                yield chunk
 
-    def add_bytes(self, n: int) -> None:
-        with self._lock:
-            self.bytes += n
+        return counted
 
     def reset(self) -> None:
         with self._lock:
             self.methods.clear()
             self.gets = self.ranged = self.bytes = 0
 
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1 (threaded werkzeug, as ``ThreadedMotoServer``), counting."""
+
+    def __init__(self) -> None:
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        self.counts = ServerCounts()
+        app = self.counts.app(DomainDispatcherApplication(create_backend_app))
+        self._server = make_server("127.0.0.1", 0, app, threaded=True)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
     def stop(self) -> None:
         self._server.shutdown()
-        self._server.server_close()
 
 
 # --- readers: each returns (samples, tokens) of one epoch -----------------------------------
@@ -184,12 +154,20 @@ def plain_get(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tupl
     return bench_shards.DATA.rows, int(bench_shards.DATA.offsets[-1])
 
 
-def meshfeed_shards(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+def meshfeed_shards(
+    url: str, cache: Path, opts: dict[str, Any], workers: int, limit: int | None = None
+) -> tuple[int, int]:
     from meshfeed import StreamLoader
     from meshfeed.sources import ShardedStream
 
     stream = ShardedStream.from_index(
-        f"{url}/index.json", cache_dir=cache, storage_options=opts, shuffle_buffer=4096
+        f"{url}/index.json",
+        cache_dir=cache,
+        cache_limit=limit,
+        storage_options=opts,
+        # under a limit, a window of rows that fits in it (as litdata shuffles within chunks):
+        # a window wider than the limit would re-download its shards every batch
+        shuffle_buffer=4096 if limit is None else max(64, LIMIT_WINDOW),
     )
     with StreamLoader(
         stream, batch_size=BATCH, num_workers=workers, seed=1, drop_last=False, collate_fn=keep
@@ -263,7 +241,9 @@ def mosaic_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> t
     return tally(loader)
 
 
-def litdata_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
+def litdata_epoch(
+    url: str, cache: Path, opts: dict[str, Any], workers: int, limit: int | None = None
+) -> tuple[int, int]:
     import litdata
     import litdata.streaming.downloader as ld_downloader
 
@@ -284,6 +264,7 @@ def litdata_epoch(url: str, cache: Path, opts: dict[str, Any], workers: int) -> 
             "aws_secret_access_key": opts["secret"],
             "region_name": "us-east-1",
         },
+        **({} if limit is None else {"max_cache_size": limit}),
     )
     loader = litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=keep)
     return tally(loader)
@@ -318,25 +299,53 @@ def upload(client: Any, local: Path, prefix: str) -> int:
     return len(files)
 
 
-def start_s3() -> tuple[Any, Any, CountingProxy]:
+def start_s3() -> tuple[S3Server, Any]:
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    server = S3Server()
     client = boto3.client(
         "s3",
-        endpoint_url=f"http://{host}:{port}",
+        endpoint_url=server.endpoint,
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
         region_name="us-east-1",
     )
     client.create_bucket(Bucket=BUCKET)
-    return server, client, CountingProxy(port)
+    return server, client
 
 
 # --- the run --------------------------------------------------------------------------------
+
+
+class PeakDisk:
+    """The peak bytes of the files under ``folder`` (a cache), sampled every few ms by a
+    thread until :meth:`stop` (sparse booking placeholders, which take no blocks, excluded)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.peak = folder, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _used(self) -> int:
+        total = 0
+        for root, _, files in os.walk(self.folder):
+            for name in files:
+                if ".booking." not in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        total += os.stat(os.path.join(root, name)).st_size
+        return total
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, self._used())
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._used())
+
 
 Reader = Callable[[str, Path, dict[str, Any], int], tuple[int, int]]
 
@@ -345,7 +354,7 @@ def run_system(
     name: str,
     read: Reader,
     url: str,
-    proxy: CountingProxy,
+    counts: ServerCounts,
     opts: dict[str, Any],
     root: Path,
     expect: tuple[int, int],
@@ -357,19 +366,23 @@ def run_system(
         cache = root / f"cache-{name.replace(' ', '-')}-{workers}"
         remove(cache)
         for temp in ("cold",) if plain else ("cold", "warm"):
-            proxy.reset()
+            counts.reset()
+            peak = PeakDisk(cache)
             t0 = time.perf_counter()
             try:
                 got = read(url, cache, opts, workers)
             except Exception as e:  # a peer's failure is a result, not the end of the run
                 print(f"{name:<20}{workers:>3} {temp:<5}  failed: {type(e).__name__}: {e}")
                 break
+            finally:
+                peak.stop()
             t = time.perf_counter() - t0
             ok = "ok" if got == expect else f"MISMATCH {got} != {expect}"
             frac = payload_mb * got[0] / expect[0]
             print(
                 f"{name:<20}{workers:>3} {temp:<5}{got[0] / t:>10,.0f}{frac / t:>8.1f}"
-                f"{proxy.gets:>7}{proxy.ranged:>8}{proxy.methods['HEAD']:>7}{proxy.bytes / 1e6:>9.1f}{t:>8.1f}  {ok}",
+                f"{counts.gets:>7}{counts.ranged:>8}{counts.methods['HEAD']:>7}{counts.bytes / 1e6:>9.1f}{t:>8.1f}"
+                f"{peak.peak / 2**20:>9.1f}  {ok}",
                 flush=True,
             )
         remove(cache)
@@ -379,9 +392,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="3,000 samples, meshfeed shards only")
     p.add_argument("--rows", type=int, default=None, help="samples (default 40k; 3k --quick)")
-    p.add_argument("--shard-mib", type=int, default=None, help="shard size (32; 8 --quick)")
+    p.add_argument("--shard-mib", type=int, default=None, help="shard size (16; 2 --quick)")
     p.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
-    p.add_argument("--only", default=None, help="run only the systems whose name contains this")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="run only the systems whose name contains one of these (comma-separated)",
+    )
     p.add_argument(
         "--ranged",
         action="store_true",
@@ -397,12 +414,19 @@ def main() -> None:
         default=30.0,
         help="meshfeed's shard-cache lock timeout (default 600 s): a stalled epoch fails then",
     )
+    p.add_argument(
+        "--limit-pct",
+        type=float,
+        default=40.0,
+        help="cache-limit rows with a limit of this %% of the data (0: none; default 40)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (report medians)")
     args = p.parse_args()
     logging.getLogger("meshfeed").setLevel(logging.ERROR)
     logging.getLogger("concurrent.futures").setLevel(logging.CRITICAL)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
     rows = args.rows or (3_000 if args.quick else 40_000)
-    shard_mib = args.shard_mib or (8 if args.quick else 32)
+    shard_mib = args.shard_mib or (2 if args.quick else 16)
     workers_list = [int(w) for w in args.workers.split(",")]
     from meshfeed.storage import RangeReads
     from meshfeed.storage.cache import ShardCache
@@ -417,7 +441,7 @@ def main() -> None:
     if kwdefaults is not None:
         kwdefaults["lock_timeout"] = args.lock_timeout
     try:
-        server, client, proxy = start_s3()
+        server, client = start_s3()
     except Exception as e:
         print(
             f"skipped: no S3 server on 127.0.0.1 ({type(e).__name__}: {e}); pip install "
@@ -428,13 +452,13 @@ def main() -> None:
         AWS_ACCESS_KEY_ID="testing",
         AWS_SECRET_ACCESS_KEY="testing",
         AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=proxy.endpoint,
-        S3_ENDPOINT_URL=proxy.endpoint,
+        AWS_ENDPOINT_URL=server.endpoint,
+        S3_ENDPOINT_URL=server.endpoint,
     )
     opts = {
         "key": "testing",
         "secret": "testing",
-        "endpoint_url": proxy.endpoint,
+        "endpoint_url": server.endpoint,
         "client_kwargs": {"region_name": "us-east-1"},
     }
     data = Data(rows)
@@ -454,6 +478,7 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         local = write_all(root / "data", data, shard_mib << 20, peers)
+        disk_bytes = {k: int(disk_mib(v) * 2**20) for k, v in local.items()}
         sizes = {k: f"{upload(client, v, k)} files {disk_mib(v):.0f} MiB" for k, v in local.items()}
         shutil.rmtree(root / "data")
         print(
@@ -462,7 +487,7 @@ def main() -> None:
         )
         print(
             f"\n{'system':<20}{'w':>3} {'cache':<5}{'samples/s':>10}{'MB/s':>8}{'GETs':>7}"
-            f"{'ranged':>8}{'HEADs':>7}{'MB sent':>9}{'s':>8}  epoch"
+            f"{'ranged':>8}{'HEADs':>7}{'MB sent':>9}{'s':>8}{'peak MiB':>9}  epoch"
         )
         systems: list[tuple[str, Reader, str]] = [
             ("plain GET (s3fs)", plain_get, "mf"),
@@ -478,8 +503,19 @@ def main() -> None:
             systems += [("meshfeed mds", meshfeed_mds, "mds"), ("mosaic", mosaic_epoch, "mds")]
         if peers["litdata"]:
             systems.append(("litdata", litdata_epoch, "ld"))
-        for name, read, key in systems:
-            if args.only and args.only not in name:
+        if args.limit_pct:
+            limit = int(disk_bytes["mf"] * args.limit_pct / 100)
+            global LIMIT_WINDOW
+            LIMIT_WINDOW = int(rows * limit / disk_bytes["mf"] / 2)  # half the limit's rows
+            print(f"cache limit rows: {limit / 2**20:.1f} MiB ({args.limit_pct} % of the shards)")
+            systems.append(
+                ("meshfeed shards lim", functools.partial(meshfeed_shards, limit=limit), "mf")
+            )
+            if peers["litdata"]:
+                systems.append(("litdata lim", functools.partial(litdata_epoch, limit=limit), "ld"))
+        rounds = [systems] * args.rounds  # interleaved: every system once per round
+        for name, read, key in [row for r in rounds for row in r]:
+            if args.only and not any(o in name for o in args.only.split(",")):
                 continue
             exp = expect
             mb = payload_mb
@@ -488,7 +524,9 @@ def main() -> None:
             if key == "win":  # the windows of the same corpus: (windows, their tokens)
                 n = (int(data.offsets[-1]) - 1) // SEQ_LEN
                 exp, mb, key = (n, n * (SEQ_LEN + 1)), n * SEQ_LEN * 4 / 1e6, "idx"
-            run_system(name, read, f"s3://{BUCKET}/{key}", proxy, opts, root, exp, mb, workers_list)
+            run_system(
+                name, read, f"s3://{BUCKET}/{key}", server.counts, opts, root, exp, mb, workers_list
+            )
         print(
             "\n* tokens only (no 4 KiB field), map-style DataLoader; MB/s of its own payload"
             " (windows: int32 windows of 2048 tokens, shuffled)."
@@ -496,7 +534,6 @@ def main() -> None:
             " header; MB sent: bytes the server sent for the epoch."
         )
     finally:
-        proxy.stop()
         server.stop()
         remove(root)
 

@@ -39,3 +39,55 @@ def fetch_and_hold(
     out.put(time.monotonic() - start)
     time.sleep(hold)
     cache.close()
+
+
+def read_stream_on_a_full_disk(
+    urls: list[str], options: dict[str, Any], cache_dir: str, max_file: int, out: Any
+) -> None:
+    """Read a URL stream (on_error="substitute", the default) in a process whose files cannot
+    grow past ``max_file`` bytes (``RLIMIT_FSIZE``: the kernel refuses the write, as a full
+    disk does); report the rows served or the error raised."""
+    import resource
+    import signal
+
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a refused write, not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, resource.RLIM_INFINITY))
+    try:
+        rows = [2000] * len(urls)  # given: the first download happens inside a batch fetch
+        stream = ShardedStream(urls, rows=rows, cache_dir=cache_dir, storage_options=options)
+        loader = StreamLoader(stream, batch_size=4, seed=0, collate_fn=list)
+        rows = [r for b in loader for r in b]
+        out.put(("served", len(rows)))
+    except Exception as e:
+        out.put(("raised", f"{type(e).__name__}: {e}"))
+
+
+def read_dataset_within_a_limit(
+    rank: int,
+    world: int,
+    url: str,
+    options: dict[str, Any],
+    cache_dir: str,
+    limit: int,
+    workers: int,
+) -> list[int]:
+    """One gloo rank's epoch of a shard dataset from ``url`` through a cache of ``limit`` bytes."""
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
+
+    stream = ShardedStream.from_index(
+        url, cache_dir=cache_dir, cache_limit=limit, storage_options=options, shuffle_buffer=64
+    )
+    with StreamLoader(
+        stream,
+        batch_size=8,
+        seed=1,
+        mesh={"dp": world},
+        num_workers=workers,
+        drop_last=False,
+        collate_fn=lambda rows: [r["id"] for r in rows],
+    ) as loader:
+        return [i for b in loader for i in b]

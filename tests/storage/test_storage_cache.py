@@ -5,14 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from meshfeed.errors import SourceError
-from meshfeed.storage import ShardCache, version_of
+from meshfeed.storage import CacheDiskError, ShardCache, version_of
 from tests.storage.conftest import S3, options_for
 
 
@@ -55,18 +57,59 @@ def test_a_file_downloads_once_and_is_then_a_hit(s3: S3, tmp_path: Path) -> None
     assert meta["version"] == version_of(url, storage_options=s3.options)
 
 
-def test_a_restart_reuses_the_cache_without_a_request(s3: S3, tmp_path: Path) -> None:
+def test_a_restart_reuses_the_cache_after_one_identity_check_per_file(
+    s3: S3, tmp_path: Path
+) -> None:
     files = _put_many(s3, 3, 50_000)
     with ShardCache(tmp_path, storage_options=s3.options) as first:
         for url in files:
             first.local_path(url)
     s3.proxy.reset()
     with ShardCache(tmp_path, storage_options=s3.options, verify="checksum") as again:
-        for url, data in files.items():
-            assert Path(again.local_path(url)).read_bytes() == data
+        for _ in range(2):
+            for url, data in files.items():
+                assert Path(again.local_path(url)).read_bytes() == data
+                again.release(url)
         stats = again.stats()
-    assert stats["downloads"] == 0 and stats["hits"] == 3 and stats["gets"] == 0
-    assert sum(s3.proxy.counts.values()) == 0  # not a GET, not even a HEAD
+    assert stats["downloads"] == 0 and stats["hits"] == 6 and stats["gets"] == 0
+    # the cached copies are checked against the bucket once per job: one HEAD per file
+    assert s3.proxy.counts["HEAD"] == 3 and sum(s3.proxy.counts.values()) == 3
+
+
+def test_a_file_rewritten_in_the_bucket_is_not_served_from_a_stale_cache(
+    s3: S3, tmp_path: Path
+) -> None:
+    url = s3.put("a/index.json", b'{"old": 1}')
+    with ShardCache(tmp_path, storage_options=s3.options) as first:
+        assert Path(first.local_path(url)).read_bytes() == b'{"old": 1}'
+    s3.put("a/index.json", b'{"new": 22}')  # a new job, the same cache_dir
+    with ShardCache(tmp_path, storage_options=s3.options) as again:
+        assert Path(again.local_path(url)).read_bytes() == b'{"new": 22}'
+        assert again.stats()["downloads"] == 1
+
+
+def test_an_expected_file_needs_no_request_and_is_checked_as_it_enters(
+    s3: S3, tmp_path: Path
+) -> None:
+    data = os.urandom(40_000)
+    url = s3.put("a/shard.mfs", data)
+    digest = "blake2b:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+    s3.proxy.reset()
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        cache.expect(url, digest=digest, size=len(data))
+        assert Path(cache.local_path(url)).read_bytes() == data
+        cache.release(url)
+        worker = pickle.loads(pickle.dumps(cache))  # expectations travel to workers
+        assert Path(worker.local_path(url)).read_bytes() == data
+        worker.close()
+    assert s3.proxy.counts["HEAD"] == 0 and s3.proxy.counts["GET"] == 1
+    s3.put("a/shard.mfs", os.urandom(40_000))  # rewritten behind its index's back
+    with ShardCache(tmp_path / "fresh", storage_options=s3.options) as cache:
+        cache.expect(url, digest=digest, size=len(data))
+        with pytest.raises(SourceError, match=r"shard s3://.*a/shard\.mfs does not match"):
+            cache.local_path(url)
+    with pytest.raises(ValueError, match="digest='blake2b:HEX'"):
+        cache.expect(url, digest="md5:00", size=1)
 
 
 def test_a_corrupted_entry_is_downloaded_again_under_checksum_verification(
@@ -114,11 +157,15 @@ def test_holds_are_counted_per_call_and_the_last_release_frees_the_entry(
     cache.local_path(a)
     cache.local_path(a)  # a second reader of the same file in this process
     cache.release(a)
-    with cache.hold(b):
-        cache.local_path(c)  # a and b held: nothing can go, the demanded file goes over
+    with cache.hold(b), pytest.raises(SourceError, match="this reader itself holds 2 files"):
+        cache.local_path(c)  # a and b held by this reader: the limit is a limit, by name
     assert cache.stats()["evictions"] == 0 and Path(cache.entry_path(a)).exists()
     cache.release(a)
+    cache.local_path(c)  # a released: evicted to make room
+    assert not Path(cache.entry_path(a)).exists()
     cache.release(c)
+    cache.local_path(a)
+    cache.release(a)
     with cache.hold(b):
         ShardCache(tmp_path, cache_limit=90_000, storage_options=s3.options).local_path(
             s3.put("shards/extra.bin", os.urandom(40_000))
@@ -178,7 +225,7 @@ def test_500s_past_the_bound_name_the_url(s3: S3, tmp_path: Path) -> None:
     t0 = time.monotonic()
     with (
         ShardCache(tmp_path, storage_options=s3.options, retry_timeout=0.5) as cache,
-        pytest.raises(SourceError, match=rf"cannot download {url}.*OSError"),
+        pytest.raises(SourceError, match=rf"cannot (stat|download) {url}.*OSError"),
     ):
         cache.local_path(url)
     assert time.monotonic() - t0 < 3.0
@@ -235,16 +282,22 @@ def test_the_endpoint_stopped_mid_download_and_restarted(s3: S3, tmp_path: Path)
     cache.close()
 
 
-def test_the_endpoint_down_past_the_bound_gives_a_source_error(s3: S3, tmp_path: Path) -> None:
+def test_a_wrong_endpoint_fails_fast_naming_the_url_and_the_endpoint(
+    s3: S3, tmp_path: Path
+) -> None:
     url = s3.put("d/x.bin", b"x" * 1000)
-    s3.proxy.stop()
+    s3.proxy.stop()  # nothing listens there any more: every connection is refused
     t0 = time.monotonic()
     with (
-        ShardCache(tmp_path, storage_options=s3.options, retry_timeout=1.0) as cache,
-        pytest.raises(SourceError, match=rf"{url}.*retry_timeout=1 s.*last error"),
+        ShardCache(tmp_path, storage_options=s3.options) as cache,  # retry_timeout=60 s
+        pytest.raises(
+            SourceError,
+            match=rf"{url}: the server at {s3.proxy.endpoint} refused every connection.*"
+            "check the endpoint",
+        ),
     ):
         cache.local_path(url)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 10.0  # not the 60 s of retry_timeout
 
 
 def test_a_changed_object_is_refused_by_name_on_resume(s3: S3, tmp_path: Path) -> None:
@@ -334,3 +387,44 @@ def test_importing_the_readers_does_not_import_fsspec() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_full_cache_disk_raises_by_name_and_is_never_a_bad_sample(s3: S3, tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    from tests.storage._procs import read_stream_on_a_full_disk
+
+    urls = [s3.put(f"full/p{i}.jsonl", b'{"id": 1}\n' * 2000) for i in range(3)]  # 20 kB
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(
+        target=read_stream_on_a_full_disk,
+        args=(urls, s3.options, str(tmp_path / "cache"), 8_000, out),
+    )
+    p.start()
+    kind, what = out.get(timeout=120)
+    p.join(timeout=30)
+    assert kind == "raised", what  # not an epoch of substituted rows
+    assert what.startswith("CacheDiskError: the shard cache at ") and str(tmp_path) in what
+    assert "the disk is full" in what and "cache_dir=" in what
+
+
+def test_an_unwritable_cache_dir_is_refused_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(CacheDiskError, match=rf"{blocker}/cache cannot be created.*writable"):
+        ShardCache(blocker / "cache")
+    with pytest.raises(CacheDiskError, match="/sys/meshfeed-cache cannot be created"):
+        ShardCache("/sys/meshfeed-cache")  # a read-only file system on Linux
+
+
+def test_a_lock_that_cannot_open_leaves_nothing_for_exit(tmp_path: Path) -> None:
+    import gc
+
+    from meshfeed.storage._lock import FileLock
+
+    with pytest.raises(FileNotFoundError):
+        FileLock(str(tmp_path / "missing" / "x.lock"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an exception in __del__ is reported as a warning
+        gc.collect()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from meshfeed.storage import ShardCache
@@ -127,3 +131,74 @@ def test_a_process_waiting_to_download_takes_the_copy_another_still_holds(
             p.join(timeout=30)
             assert p.exitcode == 0  # neither timed out on the lock the other keeps
         assert max(waits) < 3  # not bounded only by the hold (4 s) or lock_timeout (9 s)
+
+
+def _disk_use(folder: Path) -> int:
+    """Bytes the cache's files take (bookings are sparse placeholders: no blocks)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if ".booking." in name:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+def _peak_while(folder: Path, run: Any) -> tuple[Any, int]:
+    """``run()``'s result and the peak disk use of ``folder`` sampled every few ms meanwhile."""
+    peak, done = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _disk_use(folder))
+            time.sleep(0.002)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        return run(), peak
+    finally:
+        done.set()
+        t.join()
+
+
+@pytest.mark.parametrize(
+    ("world", "workers"),
+    [
+        (1, 0),
+        pytest.param(2, 2, marks=pytest.mark.slow),
+        pytest.param(4, 0, marks=pytest.mark.slow),
+    ],
+)
+def test_peak_cache_disk_stays_within_the_limit_across_processes(
+    s3: S3, tmp_path: Path, world: int, workers: int
+) -> None:
+    from meshfeed.sources import write_shards
+    from tests.dist_utils import run_distributed
+    from tests.storage._procs import read_dataset_within_a_limit
+
+    samples = [{"id": i, "x": np.full(500, i, np.int32)} for i in range(1200)]
+    index = write_shards(samples, tmp_path / "ds", rows_per_shard=100)  # 12 shards of ~200 kB
+    sizes = []
+    for f in sorted(index.parent.iterdir()):
+        s3.put(f"ds/{f.name}", f.read_bytes())
+        sizes.append(f.stat().st_size)
+    limit = int(0.4 * sum(sizes))  # 40 % of the data
+    cache = tmp_path / "cache"
+    results, peak = _peak_while(
+        cache,
+        lambda: run_distributed(
+            read_dataset_within_a_limit,
+            world,
+            s3.url("ds"),
+            s3.options,
+            str(cache),
+            limit,
+            workers,
+        ),
+    )
+    served = [i for r in results for i in r]
+    assert sorted(served) == list(range(1200))  # every row once, across ranks and workers
+    assert 0 < peak <= limit + max(sizes), (peak, limit, max(sizes))

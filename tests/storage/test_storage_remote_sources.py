@@ -183,3 +183,16 @@ def test_parquet_files_read_by_ranges_give_the_same_rows(s3: S3, tmp_path: Path)
     assert isinstance(auto.paths[0], RangedFile) and auto[5]["x"] == 20_005
     whole = ParquetSource(s3.url("pq/part-1.parquet"), **remote)
     assert isinstance(whole.paths[0], Path) and whole[5] == auto[5]
+
+
+def test_a_corpus_rewritten_in_the_bucket_is_not_served_from_the_old_cached_copy(
+    s3: S3, tmp_path: Path
+) -> None:
+    old, _ = _corpus(tmp_path / "old", [30, 17, 52], seed=0)
+    url = _upload_corpus(s3, old, "corpora/r")
+    cache = tmp_path / "cache"
+    TokenCorpus.open(url, cache_dir=cache, storage_options=s3.options).document(0)
+    new, docs = _corpus(tmp_path / "new", [30, 17, 52], seed=1)  # same sizes, other tokens
+    _upload_corpus(s3, new, "corpora/r")
+    again = TokenCorpus.open(url, cache_dir=cache, storage_options=s3.options)  # a new job
+    assert [again.document(i).tolist() for i in range(3)] == [d.tolist() for d in docs]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from meshfeed import StreamLoader
+from meshfeed.errors import SourceError
 from meshfeed.sources import ShardedStream
 from meshfeed.testing import take
 from tests.dist_utils import run_distributed
@@ -89,8 +90,9 @@ def test_a_restarted_job_reuses_the_cache_without_a_download(s3: S3, tmp_path: P
     s3.proxy.reset()
     again = [b for b in _loader(urls, remote, batch_size=4)]
     assert again == first
-    assert sum(s3.proxy.object_gets.values()) == 0  # metadata requests only ...
-    assert s3.proxy.counts["HEAD"] == len(urls)  # ... one per shard: version and mtime at once
+    assert sum(s3.proxy.object_gets.values()) == 0  # no download ...
+    # ... and the job's identity check is one listing of the shards' folder: no HEAD per shard
+    assert s3.proxy.counts["HEAD"] == 0 and s3.proxy.counts["GET"] == 1
 
 
 def _gloo_rank(rank: int, world: int, urls: list[str], remote: dict[str, Any]) -> list[int]:
@@ -152,3 +154,84 @@ def test_download_ahead_follows_the_streams_own_shuffled_order(s3: S3, tmp_path:
     read_order = list(dict.fromkeys(urls[i // 1000] for i in ids))
     assert planned[: len(read_order)] == read_order  # asked for in the order it reads them
     assert read_order != urls  # (the shards were shuffled: list order would be wrong)
+
+
+def _shard_dataset(s3: S3, tmp: Path, ids: range, *, key: str = "ds", only: str = "") -> None:
+    """Write the rows ``ids`` as a shard dataset and upload it (index.json last), or only the
+    files whose names contain ``only`` and the index."""
+    import shutil
+
+    from meshfeed.sources import write_shards
+
+    out = tmp / f"w{ids.start}-{ids.stop}"
+    shutil.rmtree(out, ignore_errors=True)
+    index = write_shards([{"id": i} for i in ids], out, rows_per_shard=100)
+    for f in sorted(index.parent.iterdir()):
+        if f.name != "index.json" and only in f.name:
+            s3.put(f"{key}/{f.name}", f.read_bytes())
+    s3.put(f"{key}/index.json", index.read_bytes())
+
+
+def _from_index(s3: S3, cache: Path, **kw: Any) -> StreamLoader:
+    stream = ShardedStream.from_index(
+        s3.url("ds"), cache_dir=cache, storage_options=s3.options, shuffle_buffer=50
+    )
+    return StreamLoader(stream, seed=3, collate_fn=_ids, batch_size=4, drop_last=False, **kw)
+
+
+def test_a_dataset_rewritten_in_the_bucket_is_read_anew_by_a_job_with_the_same_cache(
+    s3: S3, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    _shard_dataset(s3, tmp_path, range(500))
+    assert sorted(i for b in _from_index(s3, cache) for i in b) == list(range(500))
+    _shard_dataset(s3, tmp_path, range(1000, 1800))  # more shards: the cached index is stale
+    assert sorted(i for b in _from_index(s3, cache) for i in b) == list(range(1000, 1800))
+    _shard_dataset(s3, tmp_path, range(5000, 5800))  # the same shard names and count
+    assert sorted(i for b in _from_index(s3, cache) for i in b) == list(range(5000, 5800))
+
+
+def test_a_warm_shard_dataset_epoch_makes_one_request_the_index_check(
+    s3: S3, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    _shard_dataset(s3, tmp_path, range(800))
+    first = [b for b in _from_index(s3, cache)]
+    assert s3.proxy.counts["HEAD"] == 1  # cold: the index's identity, then one GET per file
+    assert sum(s3.proxy.object_gets.values()) == 9 and max(s3.proxy.object_gets.values()) == 1
+    s3.proxy.reset()
+    with _from_index(s3, cache, num_workers=2) as lo:
+        again = [b for b in lo]
+        lo.state_dict()  # the fingerprint too: no request per shard
+    assert again == first
+    assert s3.proxy.counts["HEAD"] == 1 and sum(s3.proxy.counts.values()) == 1
+
+
+def test_a_shard_rewritten_behind_its_index_is_refused_by_name(s3: S3, tmp_path: Path) -> None:
+    _shard_dataset(s3, tmp_path, range(800))
+    lo = _from_index(s3, tmp_path / "cache")
+    take(lo, 3)
+    state = lo.state_dict()
+    lo.dataset.close()
+    body = s3.client.get_object(Bucket=s3.bucket, Key="ds/shard-00002.mfs")["Body"].read()
+    flipped = bytearray(body)
+    flipped[-5] ^= 0x10  # one bit of a row's payload, same size: the index's hash catches it
+    s3.put("ds/shard-00002.mfs", bytes(flipped))
+    resumed = _from_index(s3, tmp_path / "fresh")  # a new node: nothing cached
+    resumed.load_state_dict(state)
+    with pytest.raises(SourceError, match=r"shard s3://.*/ds/shard-00002\.mfs does not match"):
+        [b for b in resumed]
+
+
+def test_a_dataset_partly_rewritten_after_a_checkpoint_is_refused_naming_the_shard(
+    s3: S3, tmp_path: Path
+) -> None:
+    _shard_dataset(s3, tmp_path, range(800))
+    lo = _from_index(s3, tmp_path / "cache")
+    take(lo, 3)
+    state = lo.state_dict()
+    lo.dataset.close()
+    time.sleep(1.1)  # S3 modification times have one-second resolution
+    _shard_dataset(s3, tmp_path, range(800, 1600), only="00002")  # one shard and the index
+    with pytest.raises(ValueError, match=r"shard\(s\) s3://\S+/ds/shard-00002\.mfs changed after"):
+        _from_index(s3, tmp_path / "cache").load_state_dict(state)

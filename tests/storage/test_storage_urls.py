@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from meshfeed.errors import SourceError
 from meshfeed.storage import (
+    RetryPolicy,
     ShardCache,
     file_size,
     file_version,
@@ -103,8 +105,34 @@ def test_list_files_and_upload(s3: S3, tmp_path: Path) -> None:
 def test_a_down_endpoint_gives_a_source_error_naming_the_url_within_the_bound(s3: S3) -> None:
     url = s3.put("k.bin", b"x")
     s3.proxy.stop()
-    with pytest.raises(SourceError, match=rf"{url}.*retry_timeout=0.5"):
+    with pytest.raises(SourceError, match=rf"{url}: the server at {s3.proxy.endpoint} refused"):
         file_size(url, storage_options=s3.options, retry_timeout=0.5)
+
+
+def test_refused_connections_get_little_time_other_transient_failures_the_whole_bound() -> None:
+    policy = RetryPolicy(timeout=30.0, refused=0.3, base=0.01, cap=0.05)
+    calls = 0
+
+    def refused() -> None:
+        nonlocal calls
+        calls += 1
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    t0 = time.monotonic()
+    with pytest.raises(
+        SourceError, match="cannot read s3://b/k: the server at http://h:1 refused every"
+    ):
+        policy.call(refused, url="s3://b/k", endpoint="http://h:1")
+    assert time.monotonic() - t0 < 2.0 and calls > 1  # retried, briefly
+    flaky = iter([ConnectionRefusedError(111, "refused"), TimeoutError("slow"), None])
+
+    def then_timeout() -> str:
+        e = next(flaky)
+        if e is not None:
+            raise e
+        return "ok"
+
+    assert policy.call(then_timeout, url="s3://b/k") == "ok"
 
 
 def test_resolve_downloads_a_url_through_the_cache(s3: S3, tmp_path: Path) -> None:

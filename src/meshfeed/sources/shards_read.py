@@ -426,7 +426,19 @@ class ShardFormatReader:
 
     def version(self, shard: Any) -> str:
         """The shard's content hash as its index records it: ``"blake2b-128:<hex>"``."""
-        return "blake2b-128:" + self._entry(shard)[1].hash
+        return self.version_of_entry(self._entry(shard)[1])
+
+    @staticmethod
+    def version_of_entry(entry: ShardEntry) -> str:
+        """:meth:`version` of an index entry."""
+        return "blake2b-128:" + entry.hash
+
+    def forget(self, shard: Any) -> None:
+        """Drop this reader's map of ``shard`` (its cached copy is being released, and may be
+        evicted: a map would keep its blocks on disk); values already read stay valid."""
+        key = os.fspath(shard)
+        with self._lock:
+            self._open.pop(key, None)
 
     def take(self, shard: Any, rows: Any) -> list[Any]:
         """The samples at ``rows`` of ``shard``, in the order given (repeats allowed)."""

@@ -157,9 +157,14 @@ class ShardedStream:
         ``path`` is its ``index.json`` or folder, local or a URL. Row counts and content
         hashes come from the index (nothing is counted or hashed up front); a URL dataset's
         shards are downloaded once per node into the shard cache as the stream reaches them.
-        ``stream``: ``shuffle_buffer``, ``seed``, ``samples_per_epoch``."""
+        For a URL, the ``index.json``'s version is the job's one identity check (one metadata
+        request; a cached index of another version is replaced); each shard is then known by
+        the size and hash its index records: no request per shard, and each copy is hashed
+        once as it enters the cache (a shard that does not match its index is refused by
+        name). ``stream``: ``shuffle_buffer``, ``seed``, ``samples_per_epoch``."""
         from meshfeed.sources.shards_format import INDEX_NAME, read_index
         from meshfeed.sources.shards_read import ShardFormatReader
+        from meshfeed.sources.stream_remote import CachedReader
         from meshfeed.storage import ShardCache, default_cache_dir, is_url
 
         where = os.fspath(path)
@@ -173,22 +178,27 @@ class ShardedStream:
             cache_limit=cache_limit,
             storage_options=storage_options,
         )
-        local_index = cache.local_path(f"{base}/{INDEX_NAME}")
-        index = read_index(local_index, check_files=False)
+        index_url = f"{base}/{INDEX_NAME}"
+        info = cache.identify(index_url)
+        with cache.hold(index_url) as local_index:
+            index = read_index(local_index, check_files=False)
         reader = ShardFormatReader(verify=verify)
         # the cache keeps the files of one URL folder in one local folder: the shards land
         # beside this index, where the reader looks for it
         reader._indexes[os.path.abspath(index.root)] = index
         shards = [f"{base}/{e.file}" for e in index.shards]
-        return cls(
-            shards,
+        for url, e in zip(shards, index.shards, strict=True):
+            cache.expect(url, digest=f"blake2b:{e.hash}", size=e.bytes)
+        cached = CachedReader(
             reader,
-            rows=[e.rows for e in index.shards],
-            cache_dir=cache.cache_dir,
-            cache_limit=cache_limit,
-            storage_options=storage_options,
-            **stream,
+            cache,
+            shards=shards,
+            identities={
+                u: reader.version_of_entry(e) for u, e in zip(shards, index.shards, strict=True)
+            },
+            newest=None if info is None else info.modified,
         )
+        return cls(shards, cached, rows=[e.rows for e in index.shards], **stream)
 
     # ------------------------------------------------------------------ sizes
     @cached_property
@@ -311,7 +321,9 @@ class ShardedStream:
         h = hashlib.blake2b(
             json.dumps([names, self._identities, self.rows, reader]).encode(), digest_size=10
         )
-        newest = max(self._modified(s) for s in self.shards)
+        newest = getattr(self.reader, "newest", None)  # a URL dataset index's write time
+        if newest is None:
+            newest = max(self._modified(s) for s in self.shards)
         return f"stream:{len(self.shards)}:{h.hexdigest()}:{newest}"
 
     def _modified(self, shard: Any) -> int:

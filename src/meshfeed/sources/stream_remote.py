@@ -12,15 +12,22 @@ of them at a time, in the main process), the stream hands the shards they read t
 :meth:`CachedReader.plan`, which downloads them in the background (bounded by the cache
 limit), so workers find them cached.
 
-A shard's identity is its remote version (size and ETag / version id), asked once per process;
-a shard rewritten in the bucket after a checkpoint is refused on resume, naming it (its local
-copy is checked against the version too, so a stale copy is never read as the new object).
+A shard's identity is its content hash where a dataset index records one (``identities``,
+from :meth:`ShardedStream.from_index`: no request per shard at all; the cache checks each copy
+against it as it enters), else its remote version (size and ETag / version id), asked once per
+job with one listing per folder (a HEAD only for what the listing lacks), in the process that
+starts the job; workers get the answers with the reader. A shard rewritten in the bucket after
+a checkpoint is refused on resume, naming it (its local copy is checked against the version
+too, so a stale copy is never read as the new object).
+
+With a ``cache_limit``, a reader that needs a shard while the cache is full of held ones first
+releases its own holds (and the inner reader's maps of them), so the readers of a node never
+need more than the limit at once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -28,7 +35,7 @@ import numpy as np
 from meshfeed.sources.stream_readers import TakeReader, shard_identity, shard_mtime
 from meshfeed.storage import ShardCache, is_url
 from meshfeed.storage.retry import RetryPolicy
-from meshfeed.storage.urls import remote_info
+from meshfeed.storage.urls import remote_infos
 
 __all__ = ["CachedReader"]
 
@@ -37,11 +44,26 @@ class CachedReader:
     """``inner`` over URL shards through ``cache`` (see the module docstring). Picklable: a
     worker process gets the settings and opens its own holds."""
 
-    def __init__(self, inner: Any, cache: ShardCache, *, shards: list[Any], keep: int = 4) -> None:
+    #: URL shards are resolved here; the stream must not wrap this reader again.
+    reads_urls = True
+
+    def __init__(
+        self,
+        inner: Any,
+        cache: ShardCache,
+        *,
+        shards: list[Any],
+        keep: int = 4,
+        identities: dict[str, str] | None = None,
+        newest: int | None = None,
+    ) -> None:
         self.inner, self.cache, self.keep = inner, cache, keep
         self.order = [str(s) for s in shards]
         self._held: OrderedDict[str, str] = OrderedDict()
-        self._versions: dict[str, str] = {}
+        # content identities an index records (no request per shard), and its write time
+        self._versions: dict[str, str] = dict(identities or {})
+        self._by_index = bool(identities)
+        self.newest = newest
         self._modified: dict[str, int] = {}
         self._asked: set[str] = set()
         # Decided once: a runtime protocol check costs microseconds per batch.
@@ -63,12 +85,26 @@ class CachedReader:
         if path is not None:
             self._held.move_to_end(shard)
             return path
-        path = self.cache.local_path(shard, version=self.version(shard))
+        version = None if self._by_index else self.version(shard)
+        path = self.cache.local_path(
+            shard, version=version, make_room=lambda: self._release(len(self._held))
+        )
         self._held[shard] = path
-        while len(self._held) > self.keep:
-            old, _ = self._held.popitem(last=False)
-            self.cache.release(old)
+        self._release(len(self._held) - self.keep)
         return path
+
+    def _release(self, n: int) -> None:
+        """Release the ``n`` least recently used holds, and the inner reader's maps of them
+        (a map would keep an evicted file's blocks on disk)."""
+        # without a limit nothing is evicted: the inner reader keeps its maps (reopening a
+        # shard per batch would cost more than the read)
+        limited = self.cache.cache_limit is not None
+        forget = getattr(self.inner, "forget", None) if limited else None
+        for _ in range(max(0, n)):
+            old, local = self._held.popitem(last=False)
+            if forget is not None:
+                forget(local)
+            self.cache.release(old)
 
     def plan(self, shards: list[Any]) -> None:
         """The stream's order will read ``shards`` next: download them ahead in the
@@ -78,7 +114,8 @@ class CachedReader:
             if len(self._asked) > 4 * len(self.order):
                 self._asked.clear()
             self._asked.update(todo)
-            self.cache.prefetch(todo)
+            versions = None if self._by_index else {s: self.version(s) for s in todo}
+            self.cache.prefetch(todo, versions=versions)
 
     def version(self, shard: Any) -> str:
         if not (isinstance(shard, str) and is_url(shard)):
@@ -97,36 +134,60 @@ class CachedReader:
         return self._modified[shard]
 
     def ask(self, shards: list[Any]) -> None:
-        """Ask the bucket for the versions of all URL ``shards`` at once (concurrent metadata
-        requests, instead of one after another as the stream first names each shard)."""
+        """Ask the bucket for the versions of all URL ``shards`` at once: one listing per
+        folder (a metadata request only for what a listing lacks)."""
         todo = [s for s in dict.fromkeys(shards) if isinstance(s, str) and is_url(s)]
         todo = [s for s in todo if s not in self._versions]
-        if len(todo) > 1:
-            with ThreadPoolExecutor(min(16, len(todo)), thread_name_prefix="meshfeed-head") as ex:
-                list(ex.map(self._ask, todo))
+        if todo:
+            self._learn(todo)
 
     def _ask(self, url: str) -> None:
-        """One metadata request gives both the version and the modification time."""
-        info = remote_info(url, self.cache.storage_options, retry=RetryPolicy(timeout=30.0))
-        self._versions[url], self._modified[url] = info.version, info.modified
+        # the first shard asked for: every shard of the stream at once (one listing per folder)
+        self._learn([url, *(s for s in self.order if s not in self._modified and is_url(s))])
+
+    def _learn(self, urls: list[str]) -> None:
+        infos = remote_infos(
+            urls, self.cache.storage_options, retry=RetryPolicy(timeout=self.cache.retry.timeout)
+        )
+        self.cache.remember(infos.values())
+        for url, info in infos.items():
+            self._modified[url] = info.modified
+            if not self._by_index:
+                self._versions[url] = info.version
 
     def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
-        return self.inner(self._local(shard), start, stop)
+        try:
+            yield from self.inner(self._local(shard), start, stop)
+        finally:
+            self._done()
 
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         local = self._local(shard)
-        if self._takes:
-            return list(self.inner.take(local, rows))
-        lo, hi = int(rows.min()), int(rows.max()) + 1
-        span = list(self.inner(local, lo, hi))
-        return [span[r - lo] for r in rows.tolist()]
+        try:
+            if self._takes:
+                return list(self.inner.take(local, rows))
+            lo, hi = int(rows.min()), int(rows.max()) + 1
+            span = list(self.inner(local, lo, hi))
+            return [span[r - lo] for r in rows.tolist()]
+        finally:
+            self._done()
 
     def count(self, shard: Any) -> int:
         count = getattr(self.inner, "count", None)
         local = self._local(shard)
-        if count is not None:
-            return int(count(local))
-        return sum(1 for _ in self.inner(local, 0, None))
+        try:
+            if count is not None:
+                return int(count(local))
+            return sum(1 for _ in self.inner(local, 0, None))
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        """After each read, under a ``cache_limit``: hold nothing between reads, so an idle
+        reader (a worker waiting for its next batch) never keeps another from the room it
+        needs; its map goes too (an evicted file's blocks would stay on disk under it)."""
+        if self.cache.cache_limit is not None:
+            self._release(len(self._held))
 
     def close(self) -> None:
         """Release every shard this process holds."""

@@ -32,7 +32,13 @@ helpers :func:`open_url`, :func:`file_size`, :func:`file_version`, :func:`read_r
 >>> path = resolve("s3://bucket/train/shard-00000.bin", cache=cache)  # doctest: +SKIP
 """
 
-from meshfeed.storage.cache import ShardCache, TooLargeForCache, default_cache_dir, resolve
+from meshfeed.storage.cache import (
+    CacheDiskError,
+    ShardCache,
+    TooLargeForCache,
+    default_cache_dir,
+    resolve,
+)
 from meshfeed.storage.ranged import Ranged, RangedFile, RangeReads, local_or_ranged
 from meshfeed.storage.retry import RetryPolicy, is_transient
 from meshfeed.storage.urls import (
@@ -49,6 +55,7 @@ from meshfeed.storage.urls import (
 )
 
 __all__ = [
+    "CacheDiskError",
     "RangeReads",
     "Ranged",
     "RangedFile",

@@ -1,9 +1,15 @@
-"""One download of the shard cache: a single streamed GET, checked against the server's size and
-MD5, and the refusal of a file that could never fit the cache."""
+"""One download of the shard cache: a single streamed GET, checked against what the caller
+expects (the server's size and MD5, or an index's size and content hash), the refusal of a file
+that could never fit the cache, and the errors of the cache's own disk."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import inspect
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,78 @@ class TooLargeForCache(SourceError):
         self.url, self.size, self.limit = url, size, limit
 
 
+class CacheDiskError(SourceError):
+    """The cache's own disk failed (full, read-only, not writable): a storage fault, never a
+    bad sample, so the loader raises it instead of substituting (see :mod:`meshfeed.errors`)."""
+
+
+#: errno values that only the local disk gives (a remote client reports its own as other errors).
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_UNWRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
+
+
+def disk_error(cache_dir: Path, doing: str, e: OSError) -> CacheDiskError | None:
+    """The clear error for ``e`` if it is a fault of the cache's disk, else None."""
+    name = errno.errorcode.get(e.errno or 0, "")
+    if e.errno in _FULL:
+        fix = (
+            "the disk is full: free space there, set cache_limit below the free space, or "
+            "choose another cache_dir= (or MESHFEED_CACHE_DIR)"
+        )
+    elif e.errno in _UNWRITABLE:
+        fix = "it is not writable: choose a writable cache_dir= (or set MESHFEED_CACHE_DIR)"
+    else:
+        return None
+    return CacheDiskError(
+        f"the shard cache at {cache_dir} cannot {doing} ({name}: {e.strerror or e}); {fix}"
+    )
+
+
+@contextlib.contextmanager
+def on_disk(cache_dir: Path, doing: str) -> Iterator[None]:
+    """Turn a fault of the cache's disk inside the block into :class:`CacheDiskError`."""
+    try:
+        yield
+    except SourceError:
+        raise
+    except OSError as e:
+        err = disk_error(cache_dir, doing, e)
+        if err is None:
+            raise
+        raise err from e
+
+
+def check_writable(cache_dir: Path) -> None:
+    """Create ``cache_dir`` if needed and refuse one this process cannot write, by name."""
+    with on_disk(cache_dir, "be created"):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        err = disk_error(cache_dir, "be written", PermissionError(errno.EACCES, "not writable"))
+        if err is not None:
+            raise err
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What a caller accepts as the file at a URL: a remote ``version`` (``SIZE-ETAG`` ...), or
+    a content ``digest`` (``blake2b:HEX``, as an index records it) with its ``size``; None: any."""
+
+    version: str | None = None
+    digest: str | None = None
+    size: int | None = None
+
+    def fits(self, meta: dict[str, Any]) -> bool:
+        """Whether a cached entry's sidecar is a copy of what the caller wants."""
+        if self.version is not None and meta.get("version") != self.version:
+            return False
+        return self.digest is None or meta.get("checksum") == self.digest
+
+    @property
+    def known(self) -> bool:
+        """Size and content are known: the download needs no metadata request first."""
+        return self.digest is not None and self.size is not None
+
+
 class Incomplete(ConnectionError):
     """A download that ended short or whose bytes disagree with the server's: retried."""
 
@@ -38,11 +116,27 @@ def one_request(fs: Any) -> dict[str, Any]:
     return {"max_concurrency": 1} if takes else {}
 
 
-def get_checked(fs: Any, path: str, tmp: Path, info: RemoteInfo, **kwargs: Any) -> dict[str, Any]:
-    """Download ``path`` to ``tmp`` and check it; the entry's sidecar (raises :class:`Incomplete`)."""
-    url = info.url
+def get_checked(
+    fs: Any, path: str, tmp: Path, url: str, info: RemoteInfo | None, want: Want, **kwargs: Any
+) -> dict[str, Any]:
+    """Download ``path`` to ``tmp`` and check it; the entry's sidecar.
+
+    Against ``info`` (a HEAD: size, and MD5 where the ETag is one; a mismatch raises
+    :class:`Incomplete`, retried), or without one against ``want``'s size and digest: a
+    mismatch there is the object itself disagreeing with its index, refused by name.
+    """
     fs.get_file(path, str(tmp), **kwargs)
     got = tmp.stat().st_size
+    if info is None:
+        digest = checksum(tmp, md5=False)
+        if got != want.size or digest != want.digest:
+            raise SourceError(
+                f"shard {url} does not match its index.json: {got} bytes, {digest} in the "
+                f"bucket, where the index records {want.size} bytes, {want.digest}; the object "
+                "was rewritten or damaged after its index was written: restore it or rewrite "
+                "the dataset (index.json last)"
+            )
+        return {"url": url, "size": got, "version": f"{got}-{digest}", "checksum": digest}
     if got != info.size:
         raise Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
     digest = checksum(tmp, md5=info.md5 is not None)

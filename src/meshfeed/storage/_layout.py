@@ -172,20 +172,20 @@ def _evict(cache_dir: Path, need: int, limit: int, keep: Entry) -> tuple[bool, i
 
 
 def book(
-    cache_dir: Path, entry: Entry, size: int, *, limit: int | None, demanded: bool, deadline: float
+    cache_dir: Path, entry: Entry, size: int, *, limit: int | None, deadline: float
 ) -> tuple[Path | None, int]:
     """Make room for ``size`` bytes and book them: (the booking or None, entries evicted).
 
-    None only where room could not be made and the download is not ``demanded``. The booking
-    is a sparse file of ``size`` bytes beside the entry, counted by every process's room
-    check until the download is published or abandoned; checks and bookings are serialised
-    by one lock for the whole cache.
+    None where room could not be made (held entries fill the limit). The booking is a sparse
+    file of ``size`` bytes beside the entry, counted by every process's room check until the
+    download is published or abandoned; checks and bookings are serialised by one lock for
+    the whole cache.
     """
     lock = FileLock(str(cache_dir / f"cache{LOCK}"))
     try:
         lock.acquire(exclusive=True, deadline=deadline, what="the cache-wide lock, to make room")
         fits, evicted = (True, 0) if limit is None else _evict(cache_dir, size, limit, entry)
-        if not fits and not demanded:
+        if not fits:
             return None, evicted
         booking = entry.temp(BOOKING)
         with open(booking, "wb") as f:
@@ -193,3 +193,8 @@ def book(
         return booking, evicted
     finally:
         lock.close()
+
+
+def held_bytes(cache_dir: Path) -> int:
+    """Bytes of the cache's entries and bookings (what the limit counts)."""
+    return sum(size for _, size, _ in _usage(cache_dir))

@@ -24,7 +24,8 @@ class FileLock:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._fd: int | None = None  # set first: __del__ runs even when the open below fails
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
 
     def try_acquire(self, *, exclusive: bool) -> bool:
         if self._fd is None:

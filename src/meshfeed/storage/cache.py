@@ -11,11 +11,19 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
 - A reader holds the entry's shared lock from :meth:`ShardCache.local_path` until
   :meth:`ShardCache.release` (or :meth:`ShardCache.close`, or its death); eviction takes the
   exclusive lock without waiting, so a held entry is never evicted.
-- Over ``cache_limit``, the least recently used unheld entries go (sidecar first); a
-  download-ahead that cannot make room is skipped, a demanded file is downloaded anyway
-  (held entries may keep the total over the limit for a while). A file larger than
-  ``cache_limit`` itself is never downloaded: :class:`TooLargeForCache` names it (a
-  download-ahead skips it); the token corpus and Parquet readers then read it by ranges.
+- ``cache_limit`` is a limit: every download first books its size (under a lock for the whole
+  cache), evicting the least recently used unheld entries (sidecar first) to make room. A
+  download-ahead that finds no room is skipped; a demanded file asks its caller to release
+  what it holds (``make_room``) and then waits for other processes' readers to release theirs
+  (at most ``lock_timeout``, then an error that says how much the held entries take). So the
+  files of the cache never take more than the limit (plus the one file being renamed into
+  place). A file larger than ``cache_limit`` itself is never downloaded:
+  :class:`TooLargeForCache` names it (a download-ahead skips it); the token corpus and
+  Parquet readers then read it by ranges.
+- Each cached file is checked against its source once per job: against an index's size and
+  content hash where the caller registered them (:meth:`ShardCache.expect`: no metadata request
+  at all, the bytes hashed once as they enter the cache), else against the object's version
+  asked once per job (one metadata request; a cached copy of another version is replaced).
 """
 
 from __future__ import annotations
@@ -26,26 +34,34 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
 from meshfeed.errors import SourceError
-from meshfeed.storage._download import TooLargeForCache, get_checked, one_request
-from meshfeed.storage._layout import Entry, book, checksum, sweep
+from meshfeed.storage._download import (
+    CacheDiskError,
+    TooLargeForCache,
+    Want,
+    check_writable,
+    on_disk,
+)
+from meshfeed.storage._fill import Fill
+from meshfeed.storage._layout import checksum, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
+    RemoteInfo,
     StorageOptions,
-    changed,
+    endpoint_of,
     filesystem,
     is_url,
     local_path_of,
     remote_info,
 )
 
-__all__ = ["ShardCache", "TooLargeForCache", "default_cache_dir", "resolve"]
+__all__ = ["CacheDiskError", "ShardCache", "TooLargeForCache", "default_cache_dir", "resolve"]
 
 
 def default_cache_dir() -> str:
@@ -54,7 +70,7 @@ def default_cache_dir() -> str:
     return env or os.path.join(os.path.expanduser("~"), ".cache", "meshfeed", "shards")
 
 
-class ShardCache:
+class ShardCache(Fill):
     """Local copies of remote files, shared by every process of a node through ``cache_dir``.
 
     ``local_path(url)`` returns a local path to the complete file, downloading it first if no
@@ -101,9 +117,13 @@ class ShardCache:
         self.lock_timeout = float(lock_timeout)
         self.prefetch_workers = prefetch_workers
         self.verify = verify
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self.cache_dir)
+        # what this job checked or was told about its files (travels to worker processes)
+        self._expected: dict[str, Want] = {}
+        self._current: dict[str, str] = {}  # URL -> the version the bucket holds, asked once
         self._init_process_state()
-        sweep(self.cache_dir)
+        with on_disk(self.cache_dir, "remove stale temporary files"):
+            sweep(self.cache_dir)
 
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
@@ -111,6 +131,7 @@ class ShardCache:
         self._held: dict[str, FileLock] = {}  # one shared lock per held URL
         self._holds: Counter[str] = Counter()  # local_path calls not yet released, per URL
         self._verified: set[str] = set()
+        self._infos: dict[str, RemoteInfo] = {}  # the identity check's answers, for the download
         self._pool: ThreadPoolExecutor | None = None
         self._stats = dict.fromkeys(
             ("downloads", "hits", "bytes", "gets", "heads", "range_reads", "retries",
@@ -138,10 +159,14 @@ class ShardCache:
             "lock_timeout": self.lock_timeout,
             "prefetch_workers": self.prefetch_workers,
             "verify": self.verify,
+            "expected": self._expected,
+            "current": self._current,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        expected, current = state.pop("expected", {}), state.pop("current", {})
         self.__init__(state.pop("cache_dir"), **state)  # type: ignore[misc]
+        self._expected, self._current = dict(expected), dict(current)
 
     def __repr__(self) -> str:
         return f"ShardCache({str(self.cache_dir)!r}, cache_limit={self.cache_limit})"
@@ -160,32 +185,45 @@ class ShardCache:
         """Where ``url`` is (or would be) cached; it is only safe to read via :meth:`local_path`."""
         return str(self._entry(url).data)
 
-    def local_path(self, url: str, *, version: str | None = None) -> str:
+    def local_path(
+        self,
+        url: str,
+        *,
+        version: str | None = None,
+        make_room: Callable[[], None] | None = None,
+    ) -> str:
         """A local path to the complete file at ``url``, held until :meth:`release`.
 
-        ``version``: the remote version the caller expects (from :func:`version_of`, e.g.
-        stored in a checkpoint); a cached or remote copy of another version raises
-        :class:`SourceError` naming the URL. A ``file://`` URL returns its path uncached.
+        The file is checked against its source once per job: ``version`` (from
+        :func:`version_of`, e.g. stored in a checkpoint) where given, else the size and
+        digest registered by :meth:`expect`, else the version the bucket holds, asked once per
+        job; a cached copy of another version is replaced, and a bucket that holds another
+        ``version`` raises :class:`SourceError` naming the URL. ``make_room``: called (once)
+        when the cache is full of held entries, to release what the caller holds; then the
+        call waits for other processes to release theirs (at most ``lock_timeout``). A
+        ``file://`` URL returns its path uncached.
         """
         self._check_fork()
         local = local_path_of(url)
         if local is not None:
             return local
         entry = self._entry(url)
+        want = self._want(url, version)
         with self._mutex:
             held = url in self._held
         if held:  # our shared lock keeps the entry: no eviction can have removed it
             meta = self._read_meta(entry, deep=False)
             if meta is not None:
-                self._expect(url, meta, version)
+                self._expect(url, meta, want)
                 with self._mutex:
                     self._holds[url] += 1
                 self._count("hits")
                 self._touch(entry)
                 return str(entry.data)
-        lock = entry.open_lock()
+        with on_disk(self.cache_dir, f"hold {url}"):
+            lock = entry.open_lock()
         try:
-            self._acquire(entry, lock, version, demanded=True)
+            self._acquire(entry, lock, want, demanded=True, make_room=make_room)
         except BaseException:
             lock.close()
             raise
@@ -196,6 +234,17 @@ class ShardCache:
         if old is not None:
             old.close()
         return str(entry.data)
+
+    def expect(self, url: str, *, digest: str, size: int) -> None:
+        """The file at ``url`` is ``size`` bytes with content ``digest`` (``"blake2b:HEX"``,
+        blake2b-128 of the bytes, as a dataset index records it): its copy is checked against
+        them as it enters the cache (a mismatch names the URL), and no metadata request is
+        made for it. The expectations travel with the cache to worker processes."""
+        if not digest.startswith("blake2b:") or isinstance(size, bool) or size < 0:
+            raise ValueError(
+                f"expect takes digest='blake2b:HEX' and a size in bytes (got {digest=}, {size=})"
+            )
+        self._expected[url] = Want(digest=digest, size=int(size))
 
     def release(self, url: str) -> None:
         """End one hold of ``url`` (one :meth:`local_path` call); after the last, its entry may
@@ -219,7 +268,9 @@ class ShardCache:
         finally:
             self.release(url)
 
-    def prefetch(self, urls: Iterable[str]) -> list[Future[bool]]:
+    def prefetch(
+        self, urls: Iterable[str], *, versions: Mapping[str, str] | None = None
+    ) -> list[Future[bool]]:
         """Download ``urls`` ahead in background threads; each future says if the file is cached.
 
         Bounded by ``cache_limit``: a file that would need a held entry evicted is skipped
@@ -233,7 +284,9 @@ class ShardCache:
                     self.prefetch_workers, thread_name_prefix="meshfeed-prefetch"
                 )
             pool = self._pool
-        return [pool.submit(self._prefetch_one, url) for url in urls if local_path_of(url) is None]
+        todo = [url for url in urls if local_path_of(url) is None]
+        known = versions or {}
+        return [pool.submit(self._prefetch_one, url, known.get(url)) for url in todo]
 
     def open_range(self, url: str, start: int, stop: int, *, version: str | None = None) -> bytes:
         """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one (of
@@ -244,7 +297,7 @@ class ShardCache:
         self._check_fork()
         entry = self._entry(url)
         meta = self._read_meta(entry, deep=False)
-        if meta is not None and _fits(meta, version):
+        if meta is not None and Want(version).fits(meta):
             with contextlib.suppress(FileNotFoundError), open(entry.data, "rb") as f:
                 # an eviction after open unlinks the name only; these bytes stay readable
                 f.seek(start)
@@ -257,7 +310,13 @@ class ShardCache:
             self._count("gets")
             return bytes(fs.cat_file(path, start=start, end=stop))
 
-        data = self.retry.call(get, url=url, action="read a range of", on_retry=self._on_retry)
+        data = self.retry.call(
+            get,
+            url=url,
+            action="read a range of",
+            on_retry=self._on_retry,
+            endpoint=endpoint_of(url, self.storage_options),
+        )
         self._count("range_reads")
         self._count("bytes", len(data))
         return data
@@ -281,6 +340,7 @@ class ShardCache:
             )
             self._count("heads")
             info = remote_info(url, self.storage_options, retry=self.retry)
+            self._current[url] = info.version
             digest = checksum(Path(local), md5=info.md5 is not None)
             size = os.path.getsize(local)
             if size != info.size or (info.md5 is not None and digest != f"md5:{info.md5}"):
@@ -316,161 +376,6 @@ class ShardCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- entries ------------------------------------------------------------------------------
-
-    def _entry(self, url: str) -> Entry:
-        if not is_url(url):
-            raise ValueError(f"{url!r} is not a URL; local files need no cache")
-        return Entry.of(self.cache_dir, url, self.storage_options)
-
-    def _read_meta(self, entry: Entry, *, deep: bool) -> dict[str, Any] | None:
-        """The sidecar of a complete entry; with ``deep``, its checksum checked once here."""
-        meta = entry.read_meta()
-        if meta is not None and deep and entry.url not in self._verified:
-            recorded = str(meta.get("checksum", ""))
-            if checksum(entry.data, md5=recorded.startswith("md5:")) != recorded:
-                return None
-            self._verified.add(entry.url)
-        return meta
-
-    def _expect(self, url: str, meta: dict[str, Any], version: str | None) -> None:
-        if version is not None and meta["version"] != version:
-            raise changed(url, found=meta["version"], expected=version, cached=True)
-
-    def _touch(self, entry: Entry) -> None:
-        with contextlib.suppress(OSError):
-            os.utime(entry.sidecar)  # the sidecar's mtime is the entry's last use (LRU)
-
-    def _acquire(
-        self, entry: Entry, lock: FileLock, version: str | None, *, demanded: bool
-    ) -> bool:
-        """Take the shared lock of a complete entry, downloading it first if needed.
-
-        False only for a download-ahead (``demanded=False``) that found no room.
-        """
-        deadline = time.monotonic() + self.lock_timeout
-        deep = self.verify == "checksum"
-        what = f"caching {entry.url}"
-        fetched = False
-        for _ in range(8):  # a concurrent eviction between our two locks sends us round again
-            if lock.acquire(exclusive=False, deadline=deadline, what=what):
-                self._count("waits")
-            meta = self._read_meta(entry, deep=deep)
-            if meta is not None and _fits(meta, version):
-                if not fetched:
-                    self._count("hits")
-                self._touch(entry)
-                return True
-            lock.release()
-            if self._exclusive_or_ready(entry, lock, version, deadline, what):
-                if not fetched:  # another process cached it meanwhile: held shared now
-                    self._count("hits")
-                self._touch(entry)
-                return True
-            meta = self._read_meta(entry, deep=deep)
-            if meta is None or not _fits(meta, version):
-                # missing, or a copy of another version of the object: once nobody holds it
-                # (this exclusive lock), it is replaced by the version the caller expects (a
-                # bucket that no longer holds that version is refused by name in _download)
-                entry.clean()
-                if not self._download(entry, version, demanded=demanded):
-                    lock.release()
-                    return False
-                fetched = True
-            lock.acquire(exclusive=False, deadline=deadline, what=what)  # downgrade
-        raise SourceError(
-            f"{entry.url} kept disappearing from {self.cache_dir} while being cached (evicted "
-            "by other processes each time); raise cache_limit well above the largest file"
-        )
-
-    def _exclusive_or_ready(
-        self, entry: Entry, lock: FileLock, version: str | None, deadline: float, what: str
-    ) -> bool:
-        """Take ``entry``'s exclusive lock (False), or find it complete meanwhile and hold it
-        shared (True). Waiting for the exclusive lock alone could wait forever: the process
-        that downloads the entry keeps a shared hold on it while it reads."""
-
-        def attempt() -> bool | None:
-            if lock.try_acquire(exclusive=True):
-                return False
-            if lock.try_acquire(exclusive=False):
-                meta = self._read_meta(entry, deep=self.verify == "checksum")
-                if meta is not None and _fits(meta, version):
-                    return True
-                lock.release()
-            return None
-
-        ready, waited = lock.wait_for(attempt, deadline, what)
-        if waited:
-            self._count("waits")
-        return ready
-
-    # -- download and eviction ----------------------------------------------------------------
-
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._mutex:
-            self._stats[key] += n
-
-    def _on_retry(self, _: BaseException) -> None:
-        self._count("retries")
-
-    def _download(self, entry: Entry, version: str | None, *, demanded: bool) -> bool:
-        """Under the entry's exclusive lock: fetch, check and publish ``entry.url``."""
-        url = entry.url
-        fs, path = filesystem(url, self.storage_options)
-        entry.data.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.temp()
-        kwargs = one_request(fs)
-        reserved: Path | None = None
-
-        def attempt() -> dict[str, Any] | None:
-            nonlocal reserved
-            self._count("heads")
-            info = remote_info(url, self.storage_options, retry=None)
-            if version is not None and info.version != version:
-                raise changed(url, found=info.version, expected=version)
-            if self.cache_limit is not None and info.size > self.cache_limit:
-                if not demanded:
-                    return None  # a download-ahead: skipped, like one that finds no room
-                raise TooLargeForCache(url, info.size, self.cache_limit)
-            if reserved is None:
-                reserved, evicted = book(
-                    self.cache_dir,
-                    entry,
-                    info.size,
-                    limit=self.cache_limit,
-                    demanded=demanded,
-                    deadline=time.monotonic() + self.lock_timeout,
-                )
-                self._count("evictions", evicted)
-                if reserved is None:
-                    return None
-            self._count("gets")
-            return get_checked(fs, path, tmp, info, **kwargs)
-
-        try:
-            meta = self.retry.call(attempt, url=url, action="download", on_retry=self._on_retry)
-            if meta is None:
-                self._count("skipped_prefetch")
-                return False
-            entry.publish(tmp, meta)
-        finally:
-            tmp.unlink(missing_ok=True)
-            if reserved is not None:
-                reserved.unlink(missing_ok=True)
-        self._verified.add(url)
-        self._count("downloads")
-        self._count("bytes", int(meta["size"]))
-        return True
-
-    def _prefetch_one(self, url: str) -> bool:
-        entry = self._entry(url)
-        lock = entry.open_lock()
-        try:
-            return self._acquire(entry, lock, None, demanded=False)
-        finally:
-            lock.close()
-
 
 def resolve(
     path_or_url: str | os.PathLike[str], *, cache: ShardCache | None, version: str | None = None
@@ -492,8 +397,3 @@ def resolve(
             "(or cache_dir= where the reader takes one)"
         )
     return cache.local_path(p, version=version)
-
-
-def _fits(meta: dict[str, Any], version: str | None) -> bool:
-    """Whether a cached copy is of the object version the caller expects (None: any)."""
-    return version is None or meta["version"] == version

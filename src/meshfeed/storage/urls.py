@@ -33,6 +33,7 @@ __all__ = [
     "local_path_of",
     "open_url",
     "read_range",
+    "remote_infos",
     "upload_file",
     "version_of",
 ]
@@ -71,6 +72,22 @@ def _fsspec() -> Any:
             f"reading URLs needs fsspec (and s3fs for s3://); install them: {_REMOTE_EXTRA}"
         ) from e
     return fsspec
+
+
+def endpoint_of(url: str, storage_options: StorageOptions | None = None) -> str:
+    """The server a URL's requests go to, for error messages: the ``endpoint_url`` of
+    ``storage_options`` (or its ``client_kwargs``), else the environment's, else the scheme's
+    default."""
+    options = dict(storage_options or {})
+    client = options.get("client_kwargs") or {}
+    found = options.get("endpoint_url") or client.get("endpoint_url")
+    if found:
+        return str(found)
+    scheme = url.split("://", 1)[0].split("::", 1)[-1]
+    env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if scheme in ("s3", "s3a") and env:
+        return env
+    return f"the default endpoint of {scheme}://"
 
 
 def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple[Any, str]:
@@ -149,7 +166,13 @@ def remote_info(
         return dict(fs.info(path))
 
     try:
-        info = head() if retry is None else retry.call(head, url=url, action="stat")
+        info = (
+            head()
+            if retry is None
+            else retry.call(
+                head, url=url, action="stat", endpoint=endpoint_of(url, storage_options)
+            )
+        )
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{url} does not exist ({e}); check the bucket and key") from e
     if info.get("type") == "directory":
@@ -158,6 +181,62 @@ def remote_info(
     return RemoteInfo(
         url=url, size=int(info["size"]), version=version, md5=md5, modified=_modified_ns(info)
     )
+
+
+def remote_infos(
+    urls: list[str], storage_options: StorageOptions | None = None, *, retry: RetryPolicy
+) -> dict[str, RemoteInfo]:
+    """:func:`remote_info` of many objects: one listing per folder holding several of them
+    (a listing page answers for up to a thousand objects), concurrent HEADs for the rest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    by_folder: dict[str, list[str]] = {}
+    for url in dict.fromkeys(urls):
+        by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
+    found: dict[str, RemoteInfo] = {}
+    for folder, members in by_folder.items():
+        if len(members) >= 4:
+            found.update(_listed(folder, members, storage_options, retry))
+    rest = [u for u in dict.fromkeys(urls) if u not in found]
+    if len(rest) == 1:
+        found[rest[0]] = remote_info(rest[0], storage_options, retry=retry)
+    elif rest:
+        with ThreadPoolExecutor(min(16, len(rest)), thread_name_prefix="meshfeed-head") as ex:
+            infos = list(ex.map(lambda u: remote_info(u, storage_options, retry=retry), rest))
+        found.update(zip(rest, infos, strict=True))
+    return found
+
+
+def _listed(
+    folder: str, members: list[str], storage_options: StorageOptions | None, retry: RetryPolicy
+) -> dict[str, RemoteInfo]:
+    """The infos a listing of ``folder`` gives for ``members`` (those it names as files)."""
+    fs, path = filesystem(folder, storage_options)
+
+    def ls() -> list[dict[str, Any]]:
+        fs.invalidate_cache(path)  # a cached listing would hide a changed object
+        return list(fs.ls(path, detail=True))
+
+    try:
+        listing = retry.call(
+            ls, url=folder, action="list", endpoint=endpoint_of(folder, storage_options)
+        )
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    names = {fs.unstrip_protocol(str(i.get("name", ""))): i for i in listing}
+    out = {}
+    for url in members:
+        info = names.get(url)
+        if info is None or info.get("type") == "directory" or info.get("size") is None:
+            continue
+        try:
+            version, md5 = _version_of_info(url, info)
+        except SourceError:
+            continue  # the HEAD may say more
+        out[url] = RemoteInfo(
+            url=url, size=int(info["size"]), version=version, md5=md5, modified=_modified_ns(info)
+        )
+    return out
 
 
 def _modified_ns(info: Mapping[str, Any]) -> int:
@@ -229,7 +308,10 @@ def open_url(
     """An fsspec file object for ``url`` (opening retried; reads through it are not)."""
     fs, path = filesystem(url, storage_options)
     return RetryPolicy(timeout=retry_timeout).call(
-        lambda: fs.open(path, mode), url=url, action="open"
+        lambda: fs.open(path, mode),
+        url=url,
+        action="open",
+        endpoint=endpoint_of(url, storage_options),
     )
 
 
@@ -248,7 +330,10 @@ def read_range(
         return b""
     fs, path = filesystem(url, storage_options)
     data = RetryPolicy(timeout=retry_timeout).call(
-        lambda: fs.cat_file(path, start=start, end=stop), url=url, action="read a range of"
+        lambda: fs.cat_file(path, start=start, end=stop),
+        url=url,
+        action="read a range of",
+        endpoint=endpoint_of(url, storage_options),
     )
     return bytes(data)
 
@@ -278,7 +363,10 @@ def upload_file(
     complete, so readers never see part of it."""
     fs, path = filesystem(url, storage_options)
     RetryPolicy(timeout=retry_timeout).call(
-        lambda: fs.put_file(os.fspath(local), path), url=url, action="upload to"
+        lambda: fs.put_file(os.fspath(local), path),
+        url=url,
+        action="upload to",
+        endpoint=endpoint_of(url, storage_options),
     )
     fs.invalidate_cache(path)
 

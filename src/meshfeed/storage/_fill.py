@@ -1,0 +1,342 @@
+"""Getting a complete entry into the shard cache: locks, the identity check, the download and
+room within the limit (see :mod:`meshfeed.storage.cache` for the protocol)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from meshfeed.errors import SourceError
+from meshfeed.storage._download import TooLargeForCache, Want, get_checked, on_disk, one_request
+from meshfeed.storage._layout import Entry, book, checksum, held_bytes
+from meshfeed.storage._lock import FileLock
+from meshfeed.storage.retry import RetryPolicy
+from meshfeed.storage.urls import (
+    RemoteInfo,
+    changed,
+    endpoint_of,
+    filesystem,
+    is_url,
+    remote_info,
+)
+
+
+class Fill:
+    """The entry-filling half of :class:`~meshfeed.storage.ShardCache` (its settings and
+    per-process state are set by the cache's constructor)."""
+
+    cache_dir: Path
+    cache_limit: int | None
+    storage_options: dict[str, Any]
+    retry: RetryPolicy
+    lock_timeout: float
+    verify: str
+    _mutex: threading.Lock
+    _stats: dict[str, int]
+    _verified: set[str]
+    _held: dict[str, FileLock]
+    _infos: dict[str, RemoteInfo]
+    _expected: dict[str, Want]
+    _current: dict[str, str]
+
+    # -- entries ------------------------------------------------------------------------------
+
+    def _entry(self, url: str) -> Entry:
+        if not is_url(url):
+            raise ValueError(f"{url!r} is not a URL; local files need no cache")
+        return Entry.of(self.cache_dir, url, self.storage_options)
+
+    def _read_meta(self, entry: Entry, *, deep: bool) -> dict[str, Any] | None:
+        """The sidecar of a complete entry; with ``deep``, its checksum checked once here."""
+        meta = entry.read_meta()
+        if meta is not None and deep and entry.url not in self._verified:
+            recorded = str(meta.get("checksum", ""))
+            if checksum(entry.data, md5=recorded.startswith("md5:")) != recorded:
+                return None
+            self._verified.add(entry.url)
+        return meta
+
+    def _expect(self, url: str, meta: dict[str, Any], want: Want) -> None:
+        if want.version is not None and meta["version"] != want.version:
+            raise changed(url, found=meta["version"], expected=want.version, cached=True)
+        if not want.fits(meta):
+            raise SourceError(
+                f"{url}: this process holds a cached copy with {meta.get('checksum')}, but the "
+                f"job expects {want.digest}; the dataset was rewritten while this job ran: "
+                "start a new run"
+            )
+
+    def identify(self, url: str) -> RemoteInfo | None:
+        """The job's identity check of ``url``: the version the bucket holds, asked once per
+        job (one metadata request, remembered; the answer travels to worker processes, which
+        then get None here: they ask nothing)."""
+        if url in self._current:
+            with self._mutex:
+                return self._infos.get(url)
+
+        def head() -> RemoteInfo:
+            self._count("heads")
+            return remote_info(url, self.storage_options, retry=None)
+
+        info = self.retry.call(
+            head,
+            url=url,
+            action="stat",
+            on_retry=self._on_retry,
+            endpoint=endpoint_of(url, self.storage_options),
+        )
+        with self._mutex:
+            self._infos[url] = info
+        self._current[url] = info.version
+        return info
+
+    def remember(self, infos: Iterable[RemoteInfo]) -> None:
+        """What a listing said about objects (size, version, MD5): a download of one of them
+        at that version then needs no metadata request first."""
+        with self._mutex:
+            for info in infos:
+                self._infos[info.url] = info
+
+    def _want(self, url: str, version: str | None) -> Want:
+        """What this job accepts as ``url``: the given version, the registered digest, or
+        the version the bucket holds now (the identity check)."""
+        if version is not None:
+            return Want(version)
+        expected = self._expected.get(url)
+        if expected is not None:
+            return expected
+        if url not in self._current:
+            self.identify(url)
+        return Want(self._current[url])
+
+    def _touch(self, entry: Entry) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(entry.sidecar)  # the sidecar's mtime is the entry's last use (LRU)
+
+    def _acquire(
+        self,
+        entry: Entry,
+        lock: FileLock,
+        want: Want,
+        *,
+        demanded: bool,
+        make_room: Callable[[], None] | None = None,
+    ) -> bool:
+        """Take the shared lock of a complete entry, downloading it first if needed.
+
+        False only for a download-ahead (``demanded=False``) that found no room. Before any
+        wait (for another process's download, or for room), ``make_room`` releases what the
+        caller holds: a reader that waits holding entries could wait for itself.
+        """
+        make_room = _once(make_room)
+        deadline = time.monotonic() + self.lock_timeout
+        deep = self.verify == "checksum"
+        what = f"caching {entry.url}"
+        fetched = False
+        for _ in range(8):  # a concurrent eviction between our two locks sends us round again
+            if not lock.try_acquire(exclusive=False):
+                make_room()
+                lock.acquire(exclusive=False, deadline=deadline, what=what)
+                self._count("waits")
+            meta = self._read_meta(entry, deep=deep)
+            if meta is not None and want.fits(meta):
+                if not fetched:
+                    self._count("hits")
+                self._touch(entry)
+                return True
+            lock.release()
+            if self._exclusive_or_ready(entry, lock, want, deadline, what, make_room):
+                if not fetched:  # another process cached it meanwhile: held shared now
+                    self._count("hits")
+                self._touch(entry)
+                return True
+            meta = self._read_meta(entry, deep=deep)
+            if meta is None or not want.fits(meta):
+                # missing, or a copy of another version of the object: once nobody holds it
+                # (this exclusive lock), it is replaced by the version the caller expects (a
+                # bucket that no longer holds that version is refused by name in _download)
+                with on_disk(self.cache_dir, f"store {entry.url}"):
+                    entry.clean()
+                    done = self._download(entry, want, demanded=demanded, make_room=make_room)
+                if not done:
+                    lock.release()
+                    return False
+                fetched = True
+            lock.acquire(exclusive=False, deadline=deadline, what=what)  # downgrade
+        raise SourceError(
+            f"{entry.url} kept disappearing from {self.cache_dir} while being cached (evicted "
+            "by other processes each time); raise cache_limit well above the largest file"
+        )
+
+    def _exclusive_or_ready(
+        self,
+        entry: Entry,
+        lock: FileLock,
+        want: Want,
+        deadline: float,
+        what: str,
+        make_room: Callable[[], None],
+    ) -> bool:
+        """Take ``entry``'s exclusive lock (False), or find it complete meanwhile and hold it
+        shared (True). Waiting for the exclusive lock alone could wait forever: the process
+        that downloads the entry keeps a shared hold on it while it reads."""
+
+        def attempt() -> bool | None:
+            if lock.try_acquire(exclusive=True):
+                return False
+            if lock.try_acquire(exclusive=False):
+                meta = self._read_meta(entry, deep=self.verify == "checksum")
+                if meta is not None and want.fits(meta):
+                    return True
+                lock.release()
+            make_room()  # about to wait for another process's download
+            return None
+
+        ready, waited = lock.wait_for(attempt, deadline, what)
+        if waited:
+            self._count("waits")
+        return ready
+
+    # -- download and eviction ----------------------------------------------------------------
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._mutex:
+            self._stats[key] += n
+
+    def _on_retry(self, _: BaseException) -> None:
+        self._count("retries")
+
+    def _download(
+        self,
+        entry: Entry,
+        want: Want,
+        *,
+        demanded: bool,
+        make_room: Callable[[], None] | None = None,
+    ) -> bool:
+        """Under the entry's exclusive lock: book room, fetch, check and publish ``entry.url``."""
+        url = entry.url
+        fs, path = filesystem(url, self.storage_options)
+        endpoint = endpoint_of(url, self.storage_options)
+        with self._mutex:
+            info = None if want.known else self._infos.get(url)
+        if info is not None and info.version != want.version:
+            info = None
+
+        def head() -> RemoteInfo:
+            self._count("heads")
+            found = remote_info(url, self.storage_options, retry=None)
+            if want.version is not None and found.version != want.version:
+                raise changed(url, found=found.version, expected=want.version)
+            return found
+
+        if info is None and not want.known:
+            info = self.retry.call(
+                head, url=url, action="stat", on_retry=self._on_retry, endpoint=endpoint
+            )
+        size = int(want.size if info is None else info.size)  # type: ignore[arg-type]
+        if self.cache_limit is not None and size > self.cache_limit:
+            if not demanded:  # a download-ahead: skipped, like one that finds no room
+                self._count("skipped_prefetch")
+                return False
+            raise TooLargeForCache(url, size, self.cache_limit)
+        reserved = self._reserve(entry, size, demanded=demanded, make_room=make_room)
+        if reserved is None:
+            self._count("skipped_prefetch")
+            return False
+        entry.data.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.temp()
+        kwargs = one_request(fs)
+
+        def get() -> dict[str, Any]:
+            nonlocal info
+            self._count("gets")
+            try:
+                return get_checked(fs, path, tmp, url, info, want, **kwargs)
+            except ConnectionError:
+                if info is not None:  # the object may have changed: ask again next time
+                    info = head()
+                raise
+
+        try:
+            meta = self.retry.call(
+                get, url=url, action="download", on_retry=self._on_retry, endpoint=endpoint
+            )
+            entry.publish(tmp, meta)
+        finally:
+            tmp.unlink(missing_ok=True)
+            reserved.unlink(missing_ok=True)
+        self._verified.add(url)
+        self._count("downloads")
+        self._count("bytes", int(meta["size"]))
+        return True
+
+    def _reserve(
+        self, entry: Entry, size: int, *, demanded: bool, make_room: Callable[[], None] | None
+    ) -> Path | None:
+        """Book ``size`` bytes within the limit (None: a download-ahead found no room).
+
+        A demanded file first asks its caller to release what it holds (``make_room``), then
+        waits for other processes' readers to release theirs, at most ``lock_timeout``.
+        """
+        deadline = time.monotonic() + self.lock_timeout
+        pause = 0.005
+        while True:
+            booked, evicted = book(
+                self.cache_dir, entry, size, limit=self.cache_limit, deadline=deadline
+            )
+            self._count("evictions", evicted)
+            if booked is not None or not demanded:
+                return booked
+            if make_room is not None:
+                make_room()
+                make_room = None
+                continue
+            with self._mutex:
+                mine = [self._entry(u) for u in self._held]
+            mine_bytes = sum(int((e.read_meta() or {}).get("size", 0)) for e in mine)
+            if mine_bytes + size > int(self.cache_limit or 0):
+                raise SourceError(
+                    f"no room in the shard cache at {self.cache_dir} for {entry.url} ({size} "
+                    f"bytes) within cache_limit={self.cache_limit}: this reader itself holds "
+                    f"{len(mine)} files ({mine_bytes} bytes); release some first "
+                    "(ShardCache.release), or raise cache_limit"
+                )
+            if time.monotonic() >= deadline:
+                raise SourceError(
+                    f"no room in the shard cache at {self.cache_dir} for {entry.url} ({size} "
+                    f"bytes) within cache_limit={self.cache_limit} after {self.lock_timeout:g} s: "
+                    f"readers of this node hold {held_bytes(self.cache_dir)} bytes of it; raise "
+                    "cache_limit (to at least the largest shard times the readers sharing the "
+                    "cache), or use fewer readers per node"
+                )
+            self._count("waits")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.1)
+
+    def _prefetch_one(self, url: str, version: str | None = None) -> bool:
+        entry = self._entry(url)
+        with on_disk(self.cache_dir, f"hold {url}"):
+            lock = entry.open_lock()
+        try:
+            return self._acquire(entry, lock, self._want(url, version), demanded=False)
+        finally:
+            lock.close()
+
+
+def _once(fn: Callable[[], None] | None) -> Callable[[], None]:
+    """``fn`` callable any number of times, run the first time only (None: nothing)."""
+    done = fn is None
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()  # type: ignore[misc]
+
+    return call
