@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -302,7 +303,7 @@ def test_wrong_magic_is_refused_by_name(tmp_path: Path) -> None:
     index, shard = dataset(tmp_path)
     raw = bytearray(shard.read_bytes())
     raw[:8] = b"PAR1\x00\x00\x00\x00"
-    shard.write_bytes(bytes(raw))
+    rewrite_keeping_mtime(shard, bytes(raw))
     reader = ShardFormatReader.from_index(index)  # same size: only the open sees it
     with pytest.raises(SourceError, match=r"shard-00001.mfs is damaged: wrong magic"):
         reader.take(shard, np.array([0]))
@@ -310,9 +311,17 @@ def test_wrong_magic_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def flip(path: Path, offset: int) -> None:
+    """Damage one byte in place, keeping the mtime (bit rot, not a rewrite: the structural
+    checks are what see it, not the hash of a shard newer than its index)."""
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    rewrite_keeping_mtime(path, bytes(raw))
+
+
+def rewrite_keeping_mtime(path: Path, data: bytes) -> None:
+    st = path.stat()
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @NEEDS_ZSTD
@@ -342,7 +351,7 @@ def test_a_header_that_disagrees_with_the_index_is_refused(tmp_path: Path) -> No
     _, _, size = PREAMBLE.unpack_from(raw, 0)
     header = raw[PREAMBLE.size : PREAMBLE.size + size]
     raw[PREAMBLE.size : PREAMBLE.size + size] = header.replace(b'"rows":15', b'"rows":16')
-    shard.write_bytes(bytes(raw))
+    rewrite_keeping_mtime(shard, bytes(raw))
     with pytest.raises(SourceError, match="shard-00001.mfs is damaged: its header disagrees"):
         ShardFormatReader.from_index(index).take(shard, np.array([0]))
 
@@ -351,7 +360,7 @@ def test_verify_hashes_each_shard_on_first_open(tmp_path: Path) -> None:
     index, shard = dataset(tmp_path)
     entry = read_index(index).shards[1]
     off = entry.layout["columns"][1]["segments"]["data"][0][0]  # img, a fixed float column
-    flip(shard, entry.payload + off + 1)
+    flip(shard, entry.payload + off + 1)  # keeps the mtime: bit rot, not a rewrite
     ShardFormatReader.from_index(index).take(shard, np.array([0]))  # sizes only: unseen
     with pytest.raises(SourceError, match="shard-00001.mfs has content hash"):
         ShardFormatReader.from_index(index, verify=True).take(shard, np.array([0]))
@@ -439,3 +448,31 @@ def test_a_reader_from_an_index_touches_only_the_shards_it_reads(tmp_path: Path)
         reader.take(reader.shards[1], np.array([0]))
     with pytest.raises(SourceError, match="shard-00002.mfs is missing"):
         reader.take(reader.shards[2], np.array([0]))
+
+
+def test_a_shard_changed_after_its_index_is_hashed_on_open_and_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard rewritten in place (same size) after write_shards wrote the index is newer
+    than index.json: it is hashed when opened, without verify=True, and refused by name;
+    untouched shards are not hashed."""
+    from meshfeed.sources import shards_format
+
+    write_shards(({"x": np.int64(i)} for i in range(40)), tmp_path / "d", rows_per_shard=10)
+    written = (tmp_path / "d" / "index.json").stat().st_mtime_ns
+    for f in (tmp_path / "d").glob("shard-*.mfs"):
+        os.utime(f, ns=(written, written))  # as write_shards leaves them: not newer
+    hashed: list[str] = []
+    real = shards_format.file_hash
+    monkeypatch.setattr(shards_format, "file_hash", lambda p: hashed.append(str(p)) or real(p))
+    reader = ShardFormatReader.from_index(tmp_path / "d")
+    assert [int(r["x"]) for r in reader.take(reader.shards[0], np.array([0, 9]))] == [0, 9]
+    assert hashed == []  # nothing suspect: no read of a whole file
+    shard = tmp_path / "d" / "shard-00003.mfs"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01  # same size: only the hash tells
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(written + 10**9, written + 10**9))
+    with pytest.raises(SourceError, match="shard-00003.mfs has content hash"):
+        ShardFormatReader.from_index(tmp_path / "d").take(shard, np.array([0]))
+    assert hashed == [str(shard)]

@@ -244,18 +244,25 @@ def read_index(
     return index
 
 
-def check_file(path: Path, entry: ShardEntry, *, verify: bool) -> None:
-    """Refuse a missing shard, one of another size, or (``verify``) one of another hash."""
+def check_file(
+    path: Path, entry: ShardEntry, *, verify: bool, written_ns: int | None = None
+) -> None:
+    """Refuse a missing shard, one of another size, or (``verify``) one of another hash.
+
+    ``written_ns``: when the shard's ``index.json`` was written. ``write_shards`` writes the
+    index last, so a shard modified after it (changed in place, same size) is hashed here
+    even without ``verify``: one read of a suspect file, none of the others."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError as e:
         raise SourceError(f"shard {path} is missing (listed in its index.json)") from e
-    if size != entry.bytes:
+    if st.st_size != entry.bytes:
         raise SourceError(
-            f"shard {path} has {size} bytes but its index.json records {entry.bytes}: the file "
-            "is truncated or was replaced; rewrite the dataset"
+            f"shard {path} has {st.st_size} bytes but its index.json records {entry.bytes}: "
+            "the file is truncated or was replaced; rewrite the dataset"
         )
-    if verify and (got := file_hash(path)) != entry.hash:
+    changed = written_ns is not None and st.st_mtime_ns > written_ns
+    if (verify or changed) and (got := file_hash(path)) != entry.hash:
         raise SourceError(
             f"shard {path} has content hash {got} but its index.json records {entry.hash}: "
             "the file is damaged; rewrite the dataset"

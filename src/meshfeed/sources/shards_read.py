@@ -57,7 +57,8 @@ class _Shard:
     def __init__(self, reader: ShardFormatReader, path: str, index: ShardIndex, entry: ShardEntry):
         self.path, self.entry, self.reader = path, entry, reader
         self.compressed = index.compression is not None
-        check_file(Path(path), entry, verify=reader.verify)
+        written = reader._written.get(os.path.abspath(index.root))
+        check_file(Path(path), entry, verify=reader.verify, written_ns=written)
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.base = entry.payload
@@ -308,6 +309,8 @@ class ShardFormatReader:
         self.threads = threads
         self.index: ShardIndex | None = None
         self._indexes: dict[str, ShardIndex] = {}
+        # A local dataset's index.json mtime: a shard changed after it is hashed on open.
+        self._written: dict[str, int] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -327,7 +330,9 @@ class ShardFormatReader:
         the files it reads (#32); ``options`` as for the constructor."""
         reader = cls(**options)
         index = reader.index = read_index(path, check_files=False)
-        reader._indexes[os.path.abspath(index.root)] = index
+        root = os.path.abspath(index.root)
+        reader._indexes[root] = index
+        reader._written[root] = os.stat(Path(root) / INDEX_NAME).st_mtime_ns
         # Its own shards are found by the path it hands out, without a path walk per shard.
         paths = zip(index.paths, index.shards, strict=True)
         reader._entries.update((p, (index, e)) for p, e in paths)
@@ -341,7 +346,7 @@ class ShardFormatReader:
         return self.index.paths
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("verify", "cache_bytes", "max_open", "threads", "index", "_indexes")
+        keep = ("verify", "cache_bytes", "max_open", "threads", "index", "_indexes", "_written")
         return {k: getattr(self, k) for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
