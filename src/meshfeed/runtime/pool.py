@@ -172,9 +172,14 @@ class WorkerPool:
         self._order: deque[int] = deque()
         self._next = 0
         self._ready: list[deque[tuple[bool, Any]]] = []  # received, not yet returned, per worker
-        #: Seconds a worker spends per task (moving average over the replies): what a caller
-        #: sizes its messages by (cheap tasks travel several to a message).
+        #: Seconds a worker spends per task: what a caller sizes its messages by (cheap tasks
+        #: travel several to a message). It follows a cheaper reply at once and a dearer one
+        #: as a moving average: a worker's first tasks run cold (first touch of the data, first
+        #: calls), and averaging them in would keep messages small for hundreds of tasks.
         self.task_seconds = 0.0
+        #: Result bytes per task (of the last reply that carried any): a message of n tasks
+        #: finds slots of n times this waiting, instead of growing them through the pipe.
+        self.task_bytes = 0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -289,7 +294,9 @@ class WorkerPool:
         if not self.started:
             raise RuntimeError(f"{self.name}: send() before start(); call start(init) first")
         conn = self._state["tasks"][w]
-        frees, added = self._state["readers"][w].take_updates()
+        reader = self._state["readers"][w]
+        reader.reserve(len(tasks) * self.task_bytes)
+        frees, added = reader.take_updates()
         # A full pipe means the worker reads no more tasks (stopped or stuck): bounded wait.
         limit = None if math.isinf(self.timeout) else self.timeout
         try:
@@ -339,11 +346,17 @@ class WorkerPool:
             self._pending[w].popleft()
             _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
         entries, seconds = self._state["readers"][w].decode(header)
-        per_task = seconds / max(1, len(entries))
-        self.task_seconds = (
-            per_task if not self.task_seconds else 0.8 * self.task_seconds + 0.2 * per_task
-        )
+        self._measure(seconds, header[4], len(entries))
         self._ready[w].extend(entries)
+
+    def _measure(self, seconds: float, nbytes: int, tasks: int) -> None:
+        per_task = seconds / max(1, tasks)
+        if not self.task_seconds or per_task < self.task_seconds:
+            self.task_seconds = per_task
+        else:
+            self.task_seconds = 0.8 * self.task_seconds + 0.2 * per_task
+        if nbytes:
+            self.task_bytes = -(-nbytes // max(1, tasks))
 
     def ready(self, w: int, timeout: float = 0.0) -> bool:
         """Whether :meth:`recv` of worker ``w`` would return without waiting (a result is
