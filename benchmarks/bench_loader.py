@@ -58,6 +58,7 @@ WINDOW = 2048
 BATCH = 8
 RESUME_SAMPLES = 8 * 10**6 + 512
 RESUME_STEPS = (10, 10**4, 10**6)
+FIRST_BATCHES = 300
 HOT_PATH = (
     "src/meshfeed/loader.py",
     "src/meshfeed/fetch.py",
@@ -208,6 +209,23 @@ def first_batch_seconds(make: Callable[[], Any]) -> float:
     if hasattr(loader, "shutdown"):
         loader.shutdown()
     return elapsed
+
+
+def first_batches(make: Callable[[], Any], n: int) -> tuple[float, float]:
+    """Fresh loader -> seconds to its first batch (worker start-up included), and seconds
+    from there to batch ``n`` (the first batches' rate, while message sizes adapt)."""
+    loader = make()
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        next(it)
+    t2 = time.perf_counter()
+    del it
+    if hasattr(loader, "shutdown"):
+        loader.shutdown()
+    return t1 - t0, t2 - t1
 
 
 # --------------------------------------------------------------------------- 1. throughput
@@ -374,10 +392,42 @@ def bench_workers(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
                 "meshfeed_2w_over": mf2 / rate,
             }
         )
+    rows += first_batch_rows(windows, FIRST_BATCHES, max(5, cfg.repeats), mf2)
     del streams, grain_it
     workers.shutdown()
     tw2.shutdown()
     print(f"  workers: {rows}", file=sys.stderr)
+    return rows
+
+
+def first_batch_rows(ds: Any, n: int, repeats: int, mf2: float) -> list[dict[str, Any]]:
+    """The first ``n`` batches of fresh loaders over ``ds``, 0 and 2 workers alternating,
+    medians: from the first batch on, and with the time to the first batch included."""
+    times: dict[int, list[tuple[float, float]]] = {0: [], 2: []}
+    for _ in range(repeats):
+        for w in (0, 2):
+            times[w].append(first_batches(partial(meshfeed_loader, ds, workers=w), n))
+    rates = {
+        (w, start): median([(n - (not start)) / (a * start + b) for a, b in times[w]])
+        for w in (0, 2)
+        for start in (False, True)
+    }
+    rows = []
+    for start in (False, True):
+        for w in (0, 2):
+            what = "start-up included" if start else "from the first batch on"
+            rows.append(
+                {
+                    "loader": f"meshfeed TokenWindows.fetch_batch, {w} workers, first {n} "
+                    f"batches ({what})",
+                    "bps": rates[w, start],
+                    "vs_inprocess": rates[w, start] / rates[0, start],
+                    "main_cpu_us": float("nan"),
+                    "meshfeed_2w_over": mf2 / rates[w, start],
+                }
+            )
+    for w, row in zip((0, 2), rows[:2], strict=True):
+        row["workers"], row["first_s"] = w, median([a for a, _ in times[w]])
     return rows
 
 
@@ -750,7 +800,7 @@ def bench_memory(cfg: argparse.Namespace) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- report
 def fmt(x: float, digits: int = 1) -> str:
-    return f"{x:,.{digits}f}"
+    return "-" if x != x else f"{x:,.{digits}f}"  # NaN: not measured
 
 
 def mib(b: float) -> str:
@@ -838,7 +888,16 @@ def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
             "",
             "Wall-time rates, interleaved; on 2 cores the workers compete with the main "
             "process (and with other jobs) for the CPUs. Main-process CPU per batch is the "
-            "cost the training process pays to receive a batch.",
+            "cost the training process pays to receive a batch. The first-batches rows time "
+            f"{FIRST_BATCHES} batches of fresh loaders (0 and 2 workers alternating, medians); "
+            "the time to the first batch (forking the workers included): "
+            + ", ".join(
+                f"{w} workers {1e3 * r['first_s']:.1f} ms"
+                for r in results["workers"]
+                if "first_s" in r
+                for w in (r["workers"],)
+            )
+            + ".",
             "",
         ]
     if "transport" in results:

@@ -377,3 +377,48 @@ def test_many_tasks_in_one_message_come_back_one_by_one_with_their_errors_in_pla
         assert torch.equal(pool.result()["x"], torch.arange(50_000) + i)
     assert pool.outstanding() == 0 and pool.task_seconds > 0
     pool.shutdown()
+
+
+def test_task_seconds_follows_a_cheaper_reply_at_once_and_a_dearer_one_slowly():
+    # A worker's first tasks run cold; averaging them in kept messages small for hundreds of
+    # cheap tasks (#27).
+    pool = WorkerPool(1, timeout=30)
+    pool.start(call)
+    pool.submit((time.sleep, (0.2,)))
+    pool.result()
+    assert pool.task_seconds >= 0.2
+    pool.submit((int, (1,)))
+    pool.result()
+    assert pool.task_seconds < 0.05
+    cheap = pool.task_seconds
+    pool.submit((time.sleep, (0.2,)))
+    pool.result()
+    assert cheap < pool.task_seconds < 0.2 * 0.2 + cheap + 0.05
+    pool.shutdown()
+
+
+def test_slots_for_a_larger_message_are_made_before_it_is_sent():
+    pool = WorkerPool(1, timeout=30, ring=2)
+    pool.start(call)
+    pool.submit((_batch, (0, 50_000)))  # 400 KB: in-band once, then slots of 512 KiB
+    pool.result()
+    assert pool.task_bytes >= 400_000
+    pool.submit_many([(_batch, (i, 50_000)) for i in range(8)])
+    reader = pool._state["readers"][0]
+    assert max(s.size for s in reader.slots.values()) >= 8 * 400_000  # made before the reply
+    assert [int(pool.result()["x"][0]) for _ in range(8)] == list(range(8))
+    pool.shutdown()
+
+
+def test_first_messages_are_submitted_as_the_workers_start_in_submission_order():
+    pool = WorkerPool(3, timeout=30)
+    groups = [[(_batch, (0, 10))], [(_batch, (i, 10)) for i in range(1, 8)], [(_batch, (8, 10))]]
+    pool.start(call, first=groups)
+    assert [pool.pending(w) for w in range(3)] == [3, 3, 3]  # task j to worker j % 3
+    assert pool.outstanding() == 9
+    pool.submit((_batch, (9, 10)))  # round-robin goes on after the first messages
+    assert pool.pending(0) == 4
+    assert [pool.result()["i"] for _ in range(10)] == list(range(10))
+    pool.start(call, first=groups)  # already started: a no-op, nothing sent
+    assert pool.outstanding() == 0
+    pool.shutdown()

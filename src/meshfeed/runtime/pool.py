@@ -125,6 +125,15 @@ def _watch(pool: WorkerPool) -> None:
     _LIVE.add(pool)
 
 
+def _owners(groups: list[list[Any]], k: int) -> list[list[int]]:
+    """The worker of each task of ``groups``, submitted in turn from worker 0 round-robin."""
+    out, j = [], 0
+    for group in groups:
+        out.append([(j + i) % k for i in range(len(group))])
+        j += len(group)
+    return out
+
+
 class WorkerPool:
     """``num_workers`` processes with ordered results; see the module docstring.
 
@@ -172,9 +181,14 @@ class WorkerPool:
         self._order: deque[int] = deque()
         self._next = 0
         self._ready: list[deque[tuple[bool, Any]]] = []  # received, not yet returned, per worker
-        #: Seconds a worker spends per task (moving average over the replies): what a caller
-        #: sizes its messages by (cheap tasks travel several to a message).
+        #: Seconds a worker spends per task: what a caller sizes its messages by (cheap tasks
+        #: travel several to a message). It follows a cheaper reply at once and a dearer one
+        #: as a moving average: a worker's first tasks run cold (first touch of the data, first
+        #: calls), and averaging them in would keep messages small for hundreds of tasks.
         self.task_seconds = 0.0
+        #: Result bytes per task (of the last reply that carried any): a message of n tasks
+        #: finds slots of n times this waiting, instead of growing them through the pipe.
+        self.task_bytes = 0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -185,10 +199,18 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._state.get("procs", [])]
 
-    def start(self, init: Callable[..., Callable[[Any], Any]], *args: Any) -> None:
+    def start(
+        self,
+        init: Callable[..., Callable[[Any], Any]],
+        *args: Any,
+        first: list[list[Any]] | None = None,
+    ) -> None:
         """Start the workers; each runs ``init(worker_id, num_workers, *args)`` -> handler.
 
-        A no-op when already started.
+        ``first``: messages to :meth:`submit_many` as the workers start, each worker's share
+        sent as soon as it is forked, so the first workers work while the others are being
+        forked (a fork of a process that has imported torch takes tens of milliseconds).
+        A no-op when already started (``first`` is then not sent).
         """
         if self.started:
             return
@@ -208,6 +230,11 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown_resources, state)
         _watch(self)
         parent = Parent.here(self.start_method)
+        self._pending, self._free_at, self._ready = [], [], []
+        self._order.clear()
+        self._next = 0
+        groups = first or []
+        owners = _owners(groups, self.num_workers)
         for w in range(self.num_workers):
             task_recv, task_send = ctx.Pipe(duplex=False)
             result_recv, result_send = ctx.Pipe(duplex=False)
@@ -246,11 +273,14 @@ class WorkerPool:
             poller.register(result_recv.fileno(), select.POLLIN)
             poller.register(proc.sentinel, select.POLLIN)
             state["pollers"].append(poller)
-        self._pending = [deque() for _ in range(self.num_workers)]
-        self._free_at = [time.monotonic()] * self.num_workers
-        self._ready = [deque() for _ in range(self.num_workers)]
-        self._order.clear()
-        self._next = 0
+            self._pending.append(deque())
+            self._free_at.append(time.monotonic())
+            self._ready.append(deque())
+            for group, owned in zip(groups, owners, strict=True):
+                self.send_many(w, [t for t, o in zip(group, owned, strict=True) if o == w])
+        for owned in owners:
+            self._order.extend(owned)
+        self._next = sum(len(g) for g in groups) % self.num_workers
 
     def shutdown(self) -> None:
         """Stop every worker (stop message, SIGTERM, SIGKILL) and join them; idempotent."""
@@ -289,7 +319,9 @@ class WorkerPool:
         if not self.started:
             raise RuntimeError(f"{self.name}: send() before start(); call start(init) first")
         conn = self._state["tasks"][w]
-        frees, added = self._state["readers"][w].take_updates()
+        reader = self._state["readers"][w]
+        reader.reserve(len(tasks) * self.task_bytes)
+        frees, added = reader.take_updates()
         # A full pipe means the worker reads no more tasks (stopped or stuck): bounded wait.
         limit = None if math.isinf(self.timeout) else self.timeout
         try:
@@ -339,11 +371,17 @@ class WorkerPool:
             self._pending[w].popleft()
             _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
         entries, seconds = self._state["readers"][w].decode(header)
-        per_task = seconds / max(1, len(entries))
-        self.task_seconds = (
-            per_task if not self.task_seconds else 0.8 * self.task_seconds + 0.2 * per_task
-        )
+        self._measure(seconds, header[4], len(entries))
         self._ready[w].extend(entries)
+
+    def _measure(self, seconds: float, nbytes: int, tasks: int) -> None:
+        per_task = seconds / max(1, tasks)
+        if not self.task_seconds or per_task < self.task_seconds:
+            self.task_seconds = per_task
+        else:
+            self.task_seconds = 0.8 * self.task_seconds + 0.2 * per_task
+        if nbytes:
+            self.task_bytes = -(-nbytes // max(1, tasks))
 
     def ready(self, w: int, timeout: float = 0.0) -> bool:
         """Whether :meth:`recv` of worker ``w`` would return without waiting (a result is

@@ -183,6 +183,7 @@ class SlotReader:
         self.lent: set[int] = set()  # slots the returned results still view
         self._lend_maps: dict[int, Any] = {}
         self.enabled = ring > 0
+        self._largest = 0  # the largest slot made (so reserve() is one comparison)
 
     def take_updates(self) -> tuple[list[int], list[tuple[int, str]]]:
         frees, added = self.frees, self.added
@@ -241,6 +242,13 @@ class SlotReader:
         with contextlib.suppress(FileNotFoundError):
             shm.unlink()
 
+    def reserve(self, nbytes: int) -> None:
+        """Make slots for results of ``nbytes`` now, when none is that large, so that they
+        go to the worker with the next task message (a result too large for every slot
+        would otherwise travel through the pipe once, and only then grow the slots)."""
+        if self.enabled and nbytes >= SMALL and nbytes > self._largest:
+            self._grow(nbytes)
+
     def _grow(self, nbytes: int) -> None:
         size = _slot_size(nbytes)
         big_enough = sum(
@@ -253,6 +261,7 @@ class SlotReader:
                 self.enabled = False
                 return
             self.slots[self.next_id] = shm
+            self._largest = max(self._largest, size)
             self.added.append((self.next_id, shm.name))
             self.next_id += 1
 
