@@ -408,17 +408,3 @@ def test_slots_for_a_larger_message_are_made_before_it_is_sent():
     assert max(s.size for s in reader.slots.values()) >= 8 * 400_000  # made before the reply
     assert [int(pool.result()["x"][0]) for _ in range(8)] == list(range(8))
     pool.shutdown()
-
-
-def test_first_messages_are_submitted_as_the_workers_start_in_submission_order():
-    pool = WorkerPool(3, timeout=30)
-    groups = [[(_batch, (0, 10))], [(_batch, (i, 10)) for i in range(1, 8)], [(_batch, (8, 10))]]
-    pool.start(call, first=groups)
-    assert [pool.pending(w) for w in range(3)] == [3, 3, 3]  # task j to worker j % 3
-    assert pool.outstanding() == 9
-    pool.submit((_batch, (9, 10)))  # round-robin goes on after the first messages
-    assert pool.pending(0) == 4
-    assert [pool.result()["i"] for _ in range(10)] == list(range(10))
-    pool.start(call, first=groups)  # already started: a no-op, nothing sent
-    assert pool.outstanding() == 0
-    pool.shutdown()

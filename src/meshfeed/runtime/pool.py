@@ -125,15 +125,6 @@ def _watch(pool: WorkerPool) -> None:
     _LIVE.add(pool)
 
 
-def _owners(groups: list[list[Any]], k: int) -> list[list[int]]:
-    """The worker of each task of ``groups``, submitted in turn from worker 0 round-robin."""
-    out, j = [], 0
-    for group in groups:
-        out.append([(j + i) % k for i in range(len(group))])
-        j += len(group)
-    return out
-
-
 class WorkerPool:
     """``num_workers`` processes with ordered results; see the module docstring.
 
@@ -199,18 +190,10 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._state.get("procs", [])]
 
-    def start(
-        self,
-        init: Callable[..., Callable[[Any], Any]],
-        *args: Any,
-        first: list[list[Any]] | None = None,
-    ) -> None:
+    def start(self, init: Callable[..., Callable[[Any], Any]], *args: Any) -> None:
         """Start the workers; each runs ``init(worker_id, num_workers, *args)`` -> handler.
 
-        ``first``: messages to :meth:`submit_many` as the workers start, each worker's share
-        sent as soon as it is forked, so the first workers work while the others are being
-        forked (a fork of a process that has imported torch takes tens of milliseconds).
-        A no-op when already started (``first`` is then not sent).
+        A no-op when already started.
         """
         if self.started:
             return
@@ -230,11 +213,6 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown_resources, state)
         _watch(self)
         parent = Parent.here(self.start_method)
-        self._pending, self._free_at, self._ready = [], [], []
-        self._order.clear()
-        self._next = 0
-        groups = first or []
-        owners = _owners(groups, self.num_workers)
         for w in range(self.num_workers):
             task_recv, task_send = ctx.Pipe(duplex=False)
             result_recv, result_send = ctx.Pipe(duplex=False)
@@ -273,14 +251,11 @@ class WorkerPool:
             poller.register(result_recv.fileno(), select.POLLIN)
             poller.register(proc.sentinel, select.POLLIN)
             state["pollers"].append(poller)
-            self._pending.append(deque())
-            self._free_at.append(time.monotonic())
-            self._ready.append(deque())
-            for group, owned in zip(groups, owners, strict=True):
-                self.send_many(w, [t for t, o in zip(group, owned, strict=True) if o == w])
-        for owned in owners:
-            self._order.extend(owned)
-        self._next = sum(len(g) for g in groups) % self.num_workers
+        self._pending = [deque() for _ in range(self.num_workers)]
+        self._free_at = [time.monotonic()] * self.num_workers
+        self._ready = [deque() for _ in range(self.num_workers)]
+        self._order.clear()
+        self._next = 0
 
     def shutdown(self) -> None:
         """Stop every worker (stop message, SIGTERM, SIGKILL) and join them; idempotent."""

@@ -87,9 +87,8 @@ class WorkerService:
         return self._pool.started
 
     def start(self, fetcher: Fetch) -> None:
-        """Take ``fetcher``; the workers start with the first ``map`` (each worker's first
-        tasks are sent as soon as it is forked, while the next one is being forked)."""
         self._fetcher = fetcher
+        self._pool.start(_start_fetcher, fetcher)
 
     def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]:
         if self._fetcher is None:
@@ -100,9 +99,10 @@ class WorkerService:
                 pool.result()
             except Exception:
                 pool.shutdown()
-        return self._run(pool, self._fetcher, iter(tasks))
+        pool.start(_start_fetcher, self._fetcher)  # a no-op unless stopped by an error
+        return self._run(pool, iter(tasks))
 
-    def _run(self, pool: WorkerPool, fetcher: Fetch, source: Iterator[FetchTask]) -> Iterator[Any]:
+    def _run(self, pool: WorkerPool, source: Iterator[FetchTask]) -> Iterator[Any]:
         steps: deque[int] = deque()
         k = self.num_workers
 
@@ -112,18 +112,12 @@ class WorkerService:
             # worker its share, so batch i is still made by worker i % k.
             chunk = self._chunk(pool)
             step = k * chunk if chunk > 1 else 1
-            messages: list[list[FetchTask]] = []
             while len(steps) + step <= k * self.prefetch * chunk:
                 tasks = list(itertools.islice(source, step))
                 if not tasks:
-                    break
-                messages.append(tasks)
-                steps.extend(t.step for t in tasks)
-            if not pool.started:  # first run, or stopped by an error: start with these
-                pool.start(_start_fetcher, fetcher, first=messages)
-                return
-            for tasks in messages:
+                    return
                 pool.submit_many(tasks)
+                steps.extend(t.step for t in tasks)
 
         try:
             fill()
