@@ -92,6 +92,7 @@ def test_a_waiter_takes_over_when_the_writer_is_killed(s3: S3, tmp_path: Path) -
         assert time.monotonic() < deadline and writer.is_alive(), "the download never started"
         time.sleep(0.005)
     waiter = ShardCache(tmp_path, storage_options=s3.options)
+    waiter.identify(url)  # the job's identity check first: the thread below waits on the lock
     got: dict[str, object] = {}
     t = threading.Thread(target=lambda: got.update(path=waiter.local_path(url)))
     t.start()
