@@ -223,6 +223,7 @@ def _collectives(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_collectives_on_3_gloo_ranks():
     results = run_distributed(_collectives, 3, timeout=120.0)
     for rank, out in enumerate(results):
@@ -248,6 +249,7 @@ def _stalled_peer(rank: int, world: int) -> tuple[str, float]:
     return "", time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_an_error_on_the_others_within_the_timeout():
     results = run_distributed(_stalled_peer, 2, timeout=120.0)
     message, waited = results[0]

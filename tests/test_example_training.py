@@ -29,6 +29,7 @@ def test_tiny_transformer_resumes_from_dcp_with_an_identical_loss_curve():
     assert "identical to the uninterrupted run (3 steps after the checkpoint)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_tiny_transformer_refuses_a_checkpoint_step_outside_the_run():
     proc = _run("--steps", "4", "--save-at", "4", timeout=120.0)
     assert proc.returncode == 2

@@ -111,6 +111,7 @@ def _gloo_resize(rank: int, world: int, tmp: str) -> list[list[int]]:
     return got
 
 
+@pytest.mark.slow
 def test_dp_4_to_3_to_4_on_gloo_ranks_without_a_restart(tmp_path):
     per_rank = run_distributed(_gloo_resize, 4, str(tmp_path), timeout=240)
     want = _global_batches("map", 10)

@@ -152,6 +152,7 @@ def _slowest(rank, world):
     return quiet, loader.delivery_stats(across_ranks=True)
 
 
+@pytest.mark.slow
 def test_slowest_rank_wait_on_two_gloo_ranks():
     results = run_distributed(_slowest, 2)
     for quiet, asked in results:

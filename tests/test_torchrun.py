@@ -33,6 +33,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("mesh", ["none", "dp2"])
+@pytest.mark.slow
 def test_torchrun_processes_read_different_data(tmp_path: Path, mesh: str) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

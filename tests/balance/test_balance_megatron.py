@@ -18,6 +18,7 @@ import megatron_hybrid_cp as example
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_the_megatron_example_runs_every_document_once_on_its_cp_ranks(world):
     steps = 3
     results = example.main(["--world", str(world), "--steps", str(steps)])
@@ -98,6 +99,7 @@ def _idle_rank(rank: int, world: int) -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_a_rank_left_without_a_document_is_an_error_on_every_rank_not_a_crash_in_the_loop():
     # 3 ranks: aligned power-of-two CP blocks are {0, 1} (and single ranks), so the one
     # document goes to ranks 0-1 and rank 2 has nothing to run.
@@ -120,6 +122,7 @@ def _empty_rank(rank: int, world: int) -> list[int]:
     return samples[0]["tokens"].tolist()
 
 
+@pytest.mark.slow
 def test_a_rank_with_only_empty_documents_receives_its_share():
     for tokens in run_distributed(_empty_rank, 2, timeout=120.0):
         assert tokens == list(range(64))

@@ -272,6 +272,7 @@ def _slow_in_worker_zero(doc: np.ndarray) -> int:
     return len(doc)
 
 
+@pytest.mark.slow
 def test_a_slow_worker_takes_fewer_chunks_and_the_output_keeps_chunk_order(monkeypatch):
     import meshfeed.curriculum.analyzer as analyzer_module
     import meshfeed.curriculum.analyzer_workers as workers_module

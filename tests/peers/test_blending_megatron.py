@@ -50,6 +50,7 @@ def _max_error(src: np.ndarray, shares: list[float]) -> float:
 
 
 @pytest.mark.parametrize("weights", WEIGHTS, ids=lambda w: f"{len(w)}-sources")
+@pytest.mark.slow
 def test_every_prefix_is_within_one_where_megatron_is_within_its_greedy_bound(weights):
     n = 300_000
     names = [f"s{i}" for i in range(len(weights))]

@@ -43,6 +43,7 @@ class _Reader:
         return batch.ids, float((batch["obs"] - _column(seed)).abs().sum())
 
 
+@pytest.mark.slow
 def test_a_chunk_outlives_the_producer_that_put_it(ray_store):
     import ray
 
@@ -156,6 +157,7 @@ def _wait_for(predicate: Any, seconds: float = 20.0) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_live_producer_keeps_its_chunk_and_the_actor_copies_nothing(ray_store):
     import ray
 
@@ -173,6 +175,7 @@ def test_a_live_producer_keeps_its_chunk_and_the_actor_copies_nothing(ray_store)
         ray.kill(producer)
 
 
+@pytest.mark.slow
 def test_the_chunk_of_a_producer_seen_dead_is_adopted_and_still_read(ray_store):
     import ray
 
@@ -193,6 +196,7 @@ def test_the_chunk_of_a_producer_seen_dead_is_adopted_and_still_read(ray_store):
     assert ids == list(range(ROWS)) and diff == 0.0
 
 
+@pytest.mark.slow
 def test_refresh_hands_out_the_adopted_chunk_of_a_dead_producer(ray_store):
     import ray
 

@@ -39,6 +39,7 @@ def _until(check: Any, what: str, limit: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_consumer_that_dies_while_its_get_waits_in_the_actor_loses_nothing(ray_store):
     import ray
 
@@ -57,6 +58,7 @@ def test_a_consumer_that_dies_while_its_get_waits_in_the_actor_loses_nothing(ray
         ray.get(pending, timeout=30)
 
 
+@pytest.mark.slow
 def test_a_consumer_that_dies_holding_a_leased_batch_is_reclaimed(ray_store):
     import ray
 
@@ -74,6 +76,7 @@ def test_a_consumer_that_dies_holding_a_leased_batch_is_reclaimed(ray_store):
     assert store.stats()["leases"] == 0
 
 
+@pytest.mark.slow
 def test_a_living_consumer_keeps_its_lease_and_acknowledges_from_another_process(ray_store):
     import ray
 
@@ -97,6 +100,7 @@ class _Producer:
         return store.put("p", {"x": [value]}, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_a_producer_that_dies_while_its_put_waits_for_capacity_stores_nothing(ray_store):
     """A put blocked at capacity whose producer is killed must not land once room is freed:
     the restarted producer puts the sample again, and it is delivered once (#28)."""
@@ -131,6 +135,7 @@ class _Rollout:
         store.put("p", {"answer": [f"a{k}" for k in ids]}, ids=ids, version=version)
 
 
+@pytest.mark.slow
 def test_a_producer_killed_between_two_field_writes_loses_nothing(ray_store):
     """Partial rollouts (#30): a producer writes the prompts, dies before the answers; nothing
     half-written is served; a restarted producer finishes the samples under newer weights and

@@ -508,6 +508,7 @@ def test_loader_rejects_bool_workers_and_bad_timeouts_at_construction():
 
 @pytest.mark.skipif(not importable("ray"), reason="the example imports ray, which is not installed")
 @pytest.mark.parametrize("steps", ["0", "1"])
+@pytest.mark.slow
 def test_ray_trainers_example_refuses_too_few_steps_with_a_clear_message(steps):
     import subprocess
     import sys

@@ -23,6 +23,7 @@ def test_a_get_larger_than_the_capacity_is_refused_at_once(make_store):
     assert store.stats()["waiting_consumers"] == 0
 
 
+@pytest.mark.slow
 def test_a_put_and_a_get_that_wait_on_each_other_are_named(make_store, caplog, monkeypatch):
     """capacity 4, 3 held: a get of 4 waits for one more sample, a put of 4 for room; the
     stall is logged once it lasts STALL_WARN seconds and both time out naming it (the audit's

@@ -281,6 +281,7 @@ print(" ".join(map(str, pool.pids)), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_interpreter_exits_with_a_worker_ignoring_sigterm_and_one_stopped(tmp_path):
     script = tmp_path / "leave.py"
     script.write_text(textwrap.dedent(_EXIT_SCRIPT))

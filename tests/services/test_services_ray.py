@@ -238,6 +238,7 @@ def test_bad_samples_are_substituted_in_the_actor_as_in_process(ray_session):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_dataset_order_built_in_the_actor_drives_the_driver_plan(ray_session):
     with _ray_loader(Sequential, mesh={"dp": 2}, batch_size=2) as loader:
         got = take(loader, 2)
@@ -257,6 +258,7 @@ def _lazy_mixture() -> LazyDataset:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_lazy_map_over_a_mixture_built_in_the_actor_keeps_the_weights(ray_session):
     with _ray_loader(_lazy_mixture, mesh={"dp": 2}, batch_size=4, seed=3) as loader:
         got = take(loader, 5)
@@ -272,6 +274,7 @@ def test_a_lazy_map_over_a_mixture_built_in_the_actor_keeps_the_weights(ray_sess
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_errors_raised_in_the_actor_reach_the_driver_as_themselves(ray_session):
     with (
         _ray_loader(_failing, mesh={"dp": 1}, batch_size=30, on_error="raise") as loader,
@@ -283,6 +286,7 @@ def test_errors_raised_in_the_actor_reach_the_driver_as_themselves(ray_session):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_failing_create_dataset_leaves_no_loader_actor_running(ray_session):
     service = RayService(num_actors=2)
     with pytest.raises(FileNotFoundError, match="shard-00007"):
@@ -291,6 +295,7 @@ def test_a_failing_create_dataset_leaves_no_loader_actor_running(ray_session):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_dead_loader_actor_is_reported_by_name(ray_session):
     service = RayService(prefetch=2)
     with _ray_loader(Items, mesh={"dp": 1}, service=service, batch_size=2) as loader:
@@ -304,6 +309,7 @@ def test_a_dead_loader_actor_is_reported_by_name(ray_session):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_stalled_loader_actor_is_reported_after_the_timeout(ray_session):
     service = RayService(timeout=1.0)
     with _ray_loader(_stalled, mesh={"dp": 1}, service=service, batch_size=1) as loader:

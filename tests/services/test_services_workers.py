@@ -221,6 +221,7 @@ time.sleep(0.5)
 """
 
 
+@pytest.mark.slow
 def test_interpreter_exits_with_workers_that_ignore_sigterm(tmp_path):
     stdout = run_script_leaving_workers(_EXIT_SCRIPT, tmp_path, timeout=30)
     assert stdout.startswith("[0, 1]")

@@ -90,6 +90,7 @@ def _index(sample: dict[str, Any]) -> int:
 
 # ---------------------------------------------------------------------- the same samples
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_the_loader_yields_exactly_the_samples_mosaicml_reads(peer, name):
     expected = peer["expected"][name]
     stream = mds_stream(peer["root"] / name, shuffle_buffer=16, seed=3)
@@ -152,6 +153,7 @@ def test_every_row_once_over_two_data_ranks(peer, name):
 
 
 @pytest.mark.parametrize(("name", "workers"), [("plain", 0), ("zstd", 0), ("gz", 2), ("plain", 2)])
+@pytest.mark.slow
 def test_exact_resume_from_every_batch(peer, name, workers):
     stream = mds_stream(peer["root"] / name, shuffle_buffer=24, seed=1)
     stream.__getitems__([0, 40, 89])  # files opened here, then workers forked: own handles

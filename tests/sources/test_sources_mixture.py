@@ -130,6 +130,7 @@ def _far(mix: Mixture, n: int) -> int:
 
 @settings(max_examples=60, deadline=None)
 @given(weights=positive_weights(8).filter(lambda w: len(w) >= 4), n=st.integers(0, 2**40))
+@pytest.mark.slow
 def test_any_positive_weights_of_four_to_eight_sources_hold_within_one(weights, n):
     names = [f"s{i}" for i in range(len(weights))]
     mix = Mixture({x: [0] for x in names}, dict(zip(names, weights, strict=True)))
@@ -142,6 +143,7 @@ def test_any_positive_weights_of_four_to_eight_sources_hold_within_one(weights, 
     weights=st.lists(st.floats(1e-6, 1e6, allow_subnormal=False), min_size=6, max_size=8),
     n=st.integers(0, 2**40),
 )
+@pytest.mark.slow
 def test_more_sources_stay_within_one(weights, n):
     names = [f"s{i}" for i in range(len(weights))]
     mix = Mixture({x: [0] for x in names}, dict(zip(names, weights, strict=True)))
@@ -176,6 +178,7 @@ def _deviation_ok(src: np.ndarray, shares: list[Fraction], bound: float) -> None
 
 
 @pytest.mark.parametrize("weights", EDF_WEIGHTS, ids=lambda w: f"{len(w)}-sources")
+@pytest.mark.slow
 def test_weights_that_defeat_the_tree_use_earliest_deadline_and_hold_within_one(weights):
     names = [f"s{i}" for i in range(len(weights))]
     mix = Mixture({x: [0] for x in names}, dict(zip(names, weights, strict=True)))
@@ -200,6 +203,7 @@ def test_weights_that_defeat_the_tree_use_earliest_deadline_and_hold_within_one(
     ),
     n=st.integers(0, 10**5),
 )
+@pytest.mark.slow
 def test_earliest_deadline_holds_within_its_bound_for_any_weights(weights, n):
     """Tijdeman's rule, forced for every weighting of 2..8 sources, checked at every prefix."""
     exact = _exact_shares(weights)

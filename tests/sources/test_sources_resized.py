@@ -110,6 +110,7 @@ def test_a_file_that_grew_in_place_is_refused(tmp_path: Path) -> None:
         documents.fetch_batch(np.array([0]))
 
 
+@pytest.mark.slow
 def test_a_truncated_arrow_file_is_a_source_error_naming_it(tmp_path: Path) -> None:
     pytest.importorskip("pyarrow")
     out = _run(

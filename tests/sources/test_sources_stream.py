@@ -162,6 +162,7 @@ def test_len_is_known_for_every_stream_and_counts_without_rows():
 # ---------------------------------------------------------------------- resume
 @pytest.mark.parametrize("buffer", [0, 5])
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.slow
 def test_exact_resume_from_every_batch_across_epochs(buffer, num_workers):
     stream, _ = _stream([7, 5, 9, 3], buffer=buffer)
 
@@ -378,6 +379,7 @@ def _rows_of(n: int, offset: int = 0) -> range:
     return range(offset, offset + n)
 
 
+@pytest.mark.slow
 def test_partial_shards_have_the_same_fingerprint_in_every_process():
     code = (
         "import functools, sys\n"
@@ -509,6 +511,7 @@ def _ray_stream() -> ShardedStream:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_stream_on_ray_actors_gives_every_data_rank_the_batches_it_gets_in_process(ray_session):
     import ray
 

@@ -110,6 +110,7 @@ def test_append_eod_without_an_eod_token_asks_for_eod_id(tmp_path: Path) -> None
     assert corpus.document(0)[-1] == 7 and corpus.document(1)[-1] == 7
 
 
+@pytest.mark.slow
 def test_cli_with_workers_and_append_eod(tmp_path: Path, bpe) -> None:
     path, tok, texts = bpe
     src = write_jsonl(tmp_path / "d.jsonl", texts[:10])

@@ -389,6 +389,7 @@ def test_importing_the_readers_does_not_import_fsspec() -> None:
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow
 def test_a_full_cache_disk_raises_by_name_and_is_never_a_bad_sample(s3: S3, tmp_path: Path) -> None:
     import multiprocessing as mp
 

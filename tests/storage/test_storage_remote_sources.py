@@ -147,6 +147,7 @@ def test_the_convert_command_takes_a_url_output(
     assert corpus.document(0).tolist() == list(b"abc")
 
 
+@pytest.mark.slow
 def test_parquet_files_read_by_ranges_give_the_same_rows(s3: S3, tmp_path: Path) -> None:
     pq = pytest.importorskip("pyarrow.parquet")
     pa = pytest.importorskip("pyarrow")

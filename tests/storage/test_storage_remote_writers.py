@@ -91,6 +91,7 @@ def test_a_failed_write_uploads_no_index_and_a_second_write_needs_overwrite(
     new.close()
 
 
+@pytest.mark.slow
 def test_convert_to_shards_with_a_url_output_uploads(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
