@@ -27,7 +27,8 @@ from meshfeed.loader_state import (
     read_state,
 )
 from meshfeed.options import LoaderOptions, check_not_a_path
-from meshfeed.order.batches import BatchPlan, Step, order_hooks
+from meshfeed.order.batches import Step, order_hooks
+from meshfeed.order.rampup import make_plan
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
 from meshfeed.relayout import relayout
@@ -94,6 +95,9 @@ class DataLoader(LoaderBase):
     ``service=RayService(...)``). ``device_mesh=`` is the same argument as ``mesh=`` under the
     name torch and Twinkle users know; under torchrun neither is needed (the world size and rank
     come from the environment).
+
+    ``rampup=(start, increment, samples)`` grows the global batch as Megatron's
+    ``--rampup-batch-size`` does, equal steps on every rank (:mod:`meshfeed.order.rampup`).
     """
 
     name = "DataLoader"
@@ -124,6 +128,7 @@ class DataLoader(LoaderBase):
         device_prefetch: int = 2,
         on_step: Callable[[StepTiming], Any] | None = None,
         warn_wait_share: float | None = 0.25,
+        rampup: Any = None,
     ) -> None:
         check_not_a_path(dataset)
         options = LoaderOptions(
@@ -144,6 +149,7 @@ class DataLoader(LoaderBase):
             device_prefetch=device_prefetch,
             on_step=on_step,
             warn_wait_share=warn_wait_share,
+            rampup=rampup,
         )
         options.check_service(service)
         super().__init__(
@@ -169,15 +175,10 @@ class DataLoader(LoaderBase):
             global_batch_size=self.global_batch_size,
             seed=seed,
             shuffle=self.shuffle,
+            rampup=options.rampup,
         )
         self.hooks = order_hooks(self.order)
-        self.plan = BatchPlan(
-            self.order,
-            global_batch_size=self.global_batch_size,
-            drop_last=drop_last,
-            pad_last=pad_last,
-            data_world_size=self.data_world_size,
-        )
+        self.plan = make_plan(self.order, options, data_world_size=self.data_world_size)
         self._check_some_batch(length)
         postprocess = curriculum_postprocess(curriculum)
         self.fetcher = Fetcher(
@@ -226,10 +227,9 @@ class DataLoader(LoaderBase):
                 "produced. Use pad_last=True (pads by wrapping) or fewer data ranks"
             )
         if self.drop_last and self.plan.steps(0) == 0:
-            batch_size = self.batch_size
             raise ValueError(
                 f"the dataset ({length} samples) is smaller than one global batch "
-                f"({batch_size=} x data_world_size={self.data_world_size}); with drop_last=True "
+                f"(batch_size={self.batch_size} x data_world_size={self.data_world_size}); with drop_last=True "
                 "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
             )
 
@@ -248,9 +248,7 @@ class DataLoader(LoaderBase):
             )
         else:
             inner = InProcessService()
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if is_distributed():
             return DistributedService(inner, agreement=self._agreement(), timeout=self.wait_timeout)
         return inner
 
@@ -263,6 +261,7 @@ class DataLoader(LoaderBase):
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
             "pad_last": int(self.pad_last),
+            **self.plan.facts(),
         }
 
     # ------------------------------------------------------------------ iteration
@@ -433,6 +432,7 @@ class DataLoader(LoaderBase):
             "drop_last": self.drop_last,
             "pad_last": self.pad_last,
             "stats": stats,
+            **self.plan.facts(),
         }
         described = self.hooks.describe(self._epoch, self._position)
         if described is not None:

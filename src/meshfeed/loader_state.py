@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from meshfeed.fetch import MAX_REPORTED_FAILURES
 from meshfeed.loader_base import check_epoch
-from meshfeed.order.batches import OrderHooks
+from meshfeed.order.batches import BatchPlan, OrderHooks
 from meshfeed.protocols import Order
 from meshfeed.state import check_count, open_envelope
 
@@ -31,6 +31,7 @@ class ReadingLoader(Protocol):
     fingerprint: str
     order: Order
     hooks: OrderHooks
+    plan: BatchPlan
 
 
 __all__ = [
@@ -168,6 +169,26 @@ def _check_global_batch(
         )
 
 
+def _check_rampup(
+    loader: ReadingLoader, state: dict[str, Any], *, allow_global_batch_change: bool
+) -> None:
+    """The batch-size ramp (``rampup_*`` fields, absent without one) is the loader's, and a
+    rounded ramp rounds the same on this loader's data ranks (#32)."""
+    mine = loader.plan.facts()
+    theirs = {key: value for key, value in state.items() if key.startswith("rampup_")}
+    if theirs != mine and not allow_global_batch_change:
+        raise ValueError(
+            f"checkpoint has batch-size ramp {theirs or None} but this loader has "
+            f"{mine or None}; build the loader with the checkpoint's rampup (its batch sizes "
+            "depend on it), or pass allow_global_batch_change=True to continue from the same "
+            "sample position with this loader's"
+        )
+    if mine and theirs == mine and state["data_world_size"] != loader.data_world_size:
+        # The samples consumed so far were counted with the sizes rounded on the old ranks.
+        was = loader.plan.with_ranks(state["data_world_size"])
+        was.with_ranks(loader.data_world_size)
+
+
 def _check_order_facts(loader: ReadingLoader, state: dict[str, Any]) -> None:
     """The order facts, if any, are a dict the loader's order accepts, and are present exactly
     when the loader's order describes its position."""
@@ -201,6 +222,7 @@ def read_state(
     _check_settings(loader, state)
     _check_dataset(loader, state)
     _check_global_batch(loader, state, allow_global_batch_change=allow_global_batch_change)
+    _check_rampup(loader, state, allow_global_batch_change=allow_global_batch_change)
     if state["position"] > loader.order.epoch_length(state["epoch"]):
         raise ValueError(
             f"checkpoint position {state['position']} is beyond the epoch length "

@@ -194,6 +194,9 @@ class LoaderOptions:
     on_step: Callable[[Any], Any] | None = None
     #: Warn once when the loop waits more than this share of its time (None: never).
     warn_wait_share: float | None = 0.25
+    #: A batch-size ramp (:class:`~meshfeed.order.rampup.BatchRampup`, or Megatron's triple
+    #: ``(start, increment, samples)``); the final global batch is ``batch_size`` x data ranks.
+    rampup: Any = None
 
     def __post_init__(self) -> None:
         check_loader_arguments(
@@ -219,6 +222,9 @@ class LoaderOptions:
         if self.on_error is None:
             object.__setattr__(self, "on_error", "substitute")
         check_delivery(self.device, self.device_prefetch, self.on_step, self.warn_wait_share)
+        from meshfeed.order.rampup import as_rampup
+
+        object.__setattr__(self, "rampup", as_rampup(self.rampup))
 
     @property
     def wait_timeout(self) -> float:

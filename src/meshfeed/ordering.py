@@ -56,15 +56,24 @@ def build_order(
     global_batch_size: int,
     seed: int,
     shuffle: bool,
+    rampup: Any = None,
 ) -> Order:
     """The order of ``dataset`` under ``curriculum`` (None: no curriculum); see module doc.
 
     ``shuffle`` is passed to a dataset's own order (a stream walks its shards in order without
     it; a Mixture refuses it); a curriculum defines its own order, so ``shuffle=False`` with
-    one raises.
+    one raises. A batch-size ``rampup`` is refused with an order that counts steps of a fixed
+    global batch (a curriculum, a Mixture).
     """
     # A LazyDataset serves its source's indices, so it is planned as its source.
     dataset = dataset.source if isinstance(dataset, LazyDataset) else dataset
+    if rampup is not None and (curriculum is not None or isinstance(dataset, Mixture)):
+        what = "curriculum" if curriculum is not None else "Mixture dataset"
+        raise ValueError(
+            f"rampup={rampup!r} with a {what}: its schedule counts steps of a fixed global "
+            "batch (pacing, weights per global batch), so a growing batch would move it; "
+            "drop rampup, or the curriculum / mixture, for this run"
+        )
     ordered = isinstance(dataset, OrderedSource)
     if not shuffle and curriculum is not None:
         raise ValueError(

@@ -27,7 +27,6 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.mesh import DataMesh
-from meshfeed.order.batches import BatchPlan
 from meshfeed.protocols import GlobalService
 from meshfeed.services.distributed import DistributedService
 
@@ -60,18 +59,13 @@ def relayout(loader: DataLoader, mesh: DataMesh, rank: int) -> None:
     current process group (its agreement is checked again before the next first batch).
     """
     batch = check_divides(loader.global_batch_size, mesh, f"resize of {loader.name}")
+    plan = loader.plan.with_ranks(mesh.data_world_size)  # a ramp that does not divide: refused
     loader.shutdown()
     loader.mesh, loader.rank = mesh, rank
     loader.data_rank, loader.data_world_size = mesh.data_rank(rank), mesh.data_world_size
     loader.batch_size = batch
     loader.options = dataclasses.replace(loader.options, batch_size=batch)
-    loader.plan = BatchPlan(
-        loader.order,
-        global_batch_size=loader.global_batch_size,
-        drop_last=loader.drop_last,
-        pad_last=loader.pad_last,
-        data_world_size=mesh.data_world_size,
-    )
+    loader.plan = plan
     loader._index_cache = None
     service = loader.service
     if isinstance(service, GlobalService):

@@ -56,9 +56,10 @@ class StreamLoader(DataLoader):
         """Rows of the epochs before ``epoch`` (default: the current one) that no data rank
         was served because ``drop_last`` dropped the last incomplete global batch."""
         epochs = self._epoch if epoch is None else epoch
-        length = self.order.epoch_length(0)
-        served = min(length, self.plan.steps(0) * self.global_batch_size)
-        return epochs * (length - served) if self.drop_last else 0
+        if not self.drop_last:
+            return 0
+        # Per epoch: under a batch-size ramp each epoch's dropped rest has its own size.
+        return sum(self.order.epoch_length(e) - self.plan.consumed(e) for e in range(epochs))
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self._epoch

@@ -136,6 +136,12 @@ class BatchPlan:
         full, rest = divmod(remaining, self.global_batch_size)
         return full + (1 if self._last_len(rest) > 0 else 0)
 
+    def consumed(self, epoch: int) -> int:
+        """Samples the steps of ``epoch`` cover (its full batches and its last batch's real
+        samples; a batch dropped by ``drop_last`` is not consumed)."""
+        full, rest = divmod(self.order.epoch_length(epoch), self.global_batch_size)
+        return full * self.global_batch_size + self._last_len(rest)
+
     def padding(self, step: Step, data_world_size: int) -> int:
         """How many wrapped-around samples pad ``step`` (non-zero only for a tiny last batch)."""
         return max(0, data_world_size - (step.end - step.start))
@@ -179,6 +185,21 @@ class BatchPlan:
             return {s: (positions[k], indices[k]) for k, s in enumerate(starts.tolist())}
         positions = self.rank_positions(step, data_rank, data_world_size)
         return {step.start: (positions, self.order.indices(step.epoch, positions))}
+
+    def facts(self) -> dict[str, int]:
+        """What a loader's state and the ranks' agreement record of the plan beyond the global
+        batch (a ramp's numbers; none here)."""
+        return {}
+
+    def with_ranks(self, data_world_size: int) -> BatchPlan:
+        """This plan over ``data_world_size`` data ranks (a live resize)."""
+        return BatchPlan(
+            self.order,
+            global_batch_size=self.global_batch_size,
+            drop_last=self.drop_last,
+            pad_last=self.pad_last,
+            data_world_size=data_world_size,
+        )
 
     def global_indices(
         self, step: Step, data_world_size: int = 1
