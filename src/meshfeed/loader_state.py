@@ -183,10 +183,8 @@ def _check_rampup(
             "depend on it), or pass allow_global_batch_change=True to continue from the same "
             "sample position with this loader's"
         )
-    if mine and theirs == mine and state["data_world_size"] != loader.data_world_size:
-        # The samples consumed so far were counted with the sizes rounded on the old ranks.
-        was = loader.plan.with_ranks(state["data_world_size"])
-        was.with_ranks(loader.data_world_size)
+    if theirs == mine:
+        loader.plan.check_resume_from(state["data_world_size"])
 
 
 def _check_order_facts(loader: ReadingLoader, state: dict[str, Any]) -> None:

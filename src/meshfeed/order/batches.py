@@ -201,6 +201,10 @@ class BatchPlan:
             data_world_size=data_world_size,
         )
 
+    def check_resume_from(self, data_world_size: int) -> None:
+        """Refuse a checkpoint of ``data_world_size`` data ranks this plan cannot continue
+        (none here: the global batch was checked; a rounded ramp refuses some)."""
+
     def global_indices(
         self, step: Step, data_world_size: int = 1
     ) -> list[tuple[np.ndarray, np.ndarray]]:

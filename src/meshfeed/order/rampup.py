@@ -290,6 +290,12 @@ class RampupPlan(BatchPlan):
         """The ramp, as ``rampup_*`` ints of a loader's state and of the ranks' agreement."""
         return {f"rampup_{key}": value for key, value in self.rampup.facts().items()}
 
+    def check_resume_from(self, data_world_size: int) -> None:
+        """Refuse a checkpoint of ``data_world_size`` ranks whose rounding differs from ours."""
+        if data_world_size != self.data_world_size:
+            was = _Sizes(self.rampup, self.global_batch_size, data_world_size)
+            check_same_sizes(was, self.sizes)
+
     def with_ranks(self, data_world_size: int) -> RampupPlan:
         """This plan over ``data_world_size`` data ranks: refused where the ramp does not divide,
         or where round_down would round the sizes otherwise (the consumed counts would move)."""
