@@ -223,6 +223,9 @@ def test_bad_ramps_are_refused_by_name(value, match):
 def test_ramp_options_are_refused_where_they_cannot_be_exact():
     with pytest.raises(ValueError, match="drop_last=False, pad_last=False"):
         _loader(rampup=(4, 4, 60), drop_last=False, pad_last=False)
+    with pytest.raises(ValueError, match="do not split into micro-batches"):
+        BatchRampup(start=4, increment=4, samples=6, micro_batch_size=2, uneven=True)
+    assert "rampup_start" in _loader()._agreement()  # ranks with another ramp are refused
     with pytest.raises(ValueError, match="two answers to one question"):
         BatchRampup(start=4, increment=4, samples=6, round_down=True, uneven=True)
     assert as_rampup((4, 4, 60)) == BatchRampup(start=4, increment=4, samples=60)
@@ -288,6 +291,24 @@ def test_three_gloo_ranks_serve_every_sample_once_over_a_ramp():
         for r in range(3)
     ]
     assert [[b.view(-1).tolist() for b in lo] for lo in sim] == per_rank
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 8), st.integers(1, 200))
+def test_next_change_is_the_first_consumed_count_with_another_size(start, inc, climbs, samples):
+    plan = RampupPlan(
+        ShuffledOrder(10, seed=0),
+        rampup=BatchRampup(start=start, increment=inc, samples=samples, uneven=True),
+        global_batch_size=start + climbs * inc,
+    )
+    sizes = plan.sizes
+    for c in range(samples + 3):
+        brute = next((x for x in range(c + 1, samples + 2) if sizes.raw(x) != sizes.raw(c)), None)
+        change = sizes.next_change(c)
+        if brute is None:  # constant from here: no change, or a harmless boundary past samples
+            assert change is None or change > samples
+        else:
+            assert change == brute
 
 
 def test_sizes_are_megatrons_float_formula_at_awkward_boundaries():

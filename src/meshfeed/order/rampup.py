@@ -66,6 +66,12 @@ class BatchRampup:
         for name in ("round_down", "uneven"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BatchRampup {name} must be True or False")
+        if self.uneven and self.micro_batch_size > 1:
+            raise ValueError(
+                f"BatchRampup uneven=True gives per-rank batches differing by one sample, which "
+                f"do not split into micro-batches (got micro_batch_size={self.micro_batch_size}); "
+                "use round_down=True, or micro_batch_size=1"
+            )
         if self.round_down and self.uneven:
             raise ValueError(
                 "BatchRampup round_down=True and uneven=True are two answers to one question "
