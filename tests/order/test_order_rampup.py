@@ -90,7 +90,7 @@ def test_exactly_once_and_equal_steps_for_any_divisible_ramp(dp, climbs, s, i, s
     for epoch in range(2):
         step, steps, flat = plan.step_at(epoch, 0), 0, []
         while step is not None:
-            assert step.index == steps
+            assert step.index == steps == plan._steps_before(epoch, step.start)  # walk = count
             parts = [plan.rank_positions(step, d, dp).tolist() for d in range(dp)]
             union, real = [p for part in parts for p in part], step.end - step.start
             lens = [len(p) for p in parts]  # equal, or within one in an epoch's short last batch

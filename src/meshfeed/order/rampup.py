@@ -12,8 +12,10 @@ Consumed samples count across epochs: the positions each epoch walked (a last ba
 epoch and a position and the schedule never depends on the number of data ranks.
 
 Every global batch must divide into ``micro_batch_size`` x data ranks (Megatron's rule), or it
-cannot be cut into equal per-rank batches. Where it does not, the loader refuses by name
-unless asked for one of two exact alternatives: ``round_down=True`` (Megatron's
+cannot be cut into equal per-rank batches. Every size the schedule can take is checked when the
+loader is built (Megatron asserts at the first step that reaches one; a ramp whose steps outgrow
+its increments may skip a size, but where epochs end moves that). Where one does not divide, the
+loader refuses by name unless asked for one of two exact alternatives: ``round_down=True`` (Megatron's
 ``--decrease-batch-size-if-needed``: each batch is rounded down to a multiple, and the rounded
 size is what is consumed) or ``uneven=True`` (the batch is served whole, ranks' shares differ by
 at most one sample: steps stay equal on every rank, but a trainer that averages per-rank mean
@@ -187,7 +189,9 @@ class RampupPlan(BatchPlan):
 
     Step sizes are a pure function of the samples consumed before them (module docstring);
     the walk over an epoch takes one segment per ramp increment, so counting steps or the
-    samples an epoch consumed costs O(increments), never O(steps). Epoch bases are cached.
+    samples an epoch consumed costs O(increments), never O(steps); a step's index too, unless
+    it follows the step asked for before (a walk), which is O(1). The samples consumed before
+    an epoch are summed once over the epochs before it, then cached.
     """
 
     def __init__(
@@ -216,6 +220,7 @@ class RampupPlan(BatchPlan):
         self.rampup = rampup
         self.sizes = _Sizes(rampup, self.global_batch_size, self.data_world_size)
         self._bases: dict[int, int] = {0: 0}
+        self._next: tuple[int, int, int] | None = None  # (epoch, position, index) of a walk
 
     def base(self, epoch: int) -> int:
         """Samples consumed before ``epoch``."""
@@ -261,7 +266,14 @@ class RampupPlan(BatchPlan):
             end = position + self._last_len(max(0, end - position))
         if end <= position:
             return None
-        return Step(epoch, position, end, self._steps_before(epoch, position))
+        # A walk asks for the step after the last one: its index is the next, no recount.
+        known = self._next
+        if known is not None and known[:2] == (epoch, position):
+            index = known[2]
+        else:
+            index = self._steps_before(epoch, position)
+        self._next = (epoch, end, index + 1)
+        return Step(epoch, position, end, index)
 
     def _steps_before(self, epoch: int, position: int) -> int:
         """How many steps of ``epoch`` end at or before ``position`` (a step boundary)."""
@@ -286,8 +298,7 @@ class RampupPlan(BatchPlan):
         while current is not None and len(starts) < max_steps:
             starts.append(current.start)
             slices.append(self.rank_positions(current, data_rank, data_world_size))
-            nxt = self.step_at(current.epoch, current.end)
-            current = None if nxt is None else Step(nxt.epoch, nxt.start, nxt.end, 0)
+            current = self.step_at(current.epoch, current.end)
         flat = self.order.indices(step.epoch, np.concatenate(slices))
         parts = np.split(flat, np.cumsum([len(s) for s in slices])[:-1])
         return dict(zip(starts, zip(slices, parts, strict=True), strict=True))
