@@ -224,6 +224,8 @@ class RampupPlan(BatchPlan):
 
     def base(self, epoch: int) -> int:
         """Samples consumed before ``epoch``."""
+        if epoch in self._bases:
+            return self._bases[epoch]
         known = max(e for e in self._bases if e <= epoch)
         consumed = self._bases[known]
         for e in range(known, epoch):
