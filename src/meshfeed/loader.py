@@ -28,7 +28,7 @@ from meshfeed.loader_state import (
 )
 from meshfeed.options import LoaderOptions, check_not_a_path
 from meshfeed.order.batches import Step, order_hooks
-from meshfeed.order.rampup import make_plan
+from meshfeed.order.rampup_plan import make_plan
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
 from meshfeed.relayout import relayout

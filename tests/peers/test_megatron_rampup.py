@@ -24,7 +24,8 @@ with warnings.catch_warnings():
 
 from meshfeed import DataLoader
 from meshfeed.order.batches import ShuffledOrder
-from meshfeed.order.rampup import BatchRampup, RampupPlan
+from meshfeed.order.rampup import BatchRampup
+from meshfeed.order.rampup_plan import RampupPlan
 
 
 def megatron_sizes(G, mbs, dp, start, inc, samples, *, decrease=False, steps=60, check=True):

@@ -1,0 +1,201 @@
+"""The plan of a loader with a batch-size ramp: :class:`RampupPlan`, and :func:`make_plan`.
+
+A :class:`~meshfeed.order.batches.BatchPlan` whose global batch follows a
+:class:`~meshfeed.order.rampup.BatchRampup` (see :mod:`meshfeed.order.rampup` for the schedule):
+the step at a position is cut from the size the samples consumed before it give, and each data
+rank takes its contiguous slice of it, as without a ramp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+
+from meshfeed.order.batches import BatchPlan, Step
+from meshfeed.order.rampup import BatchRampup, RampSizes, check_same_sizes
+from meshfeed.protocols import Order
+
+__all__ = ["PlanOptions", "RampupPlan", "make_plan"]
+
+
+class RampupPlan(BatchPlan):
+    """A :class:`BatchPlan` whose global batch follows a :class:`BatchRampup`.
+
+    Step sizes are a pure function of the samples consumed before them (module docstring);
+    the walk over an epoch takes one segment per ramp increment, so counting steps or the
+    samples an epoch consumed costs O(increments), never O(steps); a step's index too, unless
+    it follows the step asked for before (a walk), which is O(1). The samples consumed before
+    an epoch are summed once over the epochs before it, then cached.
+    """
+
+    def __init__(
+        self,
+        order: Order,
+        *,
+        rampup: BatchRampup,
+        global_batch_size: int,
+        drop_last: bool = True,
+        pad_last: bool = True,
+        data_world_size: int = 1,
+    ) -> None:
+        super().__init__(
+            order,
+            global_batch_size=global_batch_size,
+            drop_last=drop_last,
+            pad_last=pad_last,
+            data_world_size=data_world_size,
+        )
+        if not self.drop_last and not self.pad_last:
+            raise ValueError(
+                "rampup with drop_last=False, pad_last=False: the truncated last batch depends "
+                "on the number of data ranks and the ramp counts consumed samples, so later "
+                "batch sizes would too; use drop_last=True or pad_last=True"
+            )
+        self.rampup = rampup
+        self.sizes = RampSizes(rampup, self.global_batch_size, self.data_world_size)
+        self._bases: dict[int, int] = {0: 0}
+        self._next: tuple[int, int, int] | None = None  # (epoch, position, index) of a walk
+
+    def base(self, epoch: int) -> int:
+        """Samples consumed before ``epoch``."""
+        if epoch in self._bases:
+            return self._bases[epoch]
+        known = max(e for e in self._bases if e <= epoch)
+        consumed = self._bases[known]
+        for e in range(known, epoch):
+            consumed += self.consumed(e)
+            self._bases[e + 1] = consumed
+        return consumed
+
+    def _runs(self, epoch: int, position: int) -> Iterator[tuple[int, int, int]]:
+        """``(position, size, count)``: runs of full batches from ``position`` to the last."""
+        length, base = self.order.epoch_length(epoch), self.base(epoch)
+        p = position
+        while True:
+            size = self.sizes.size(base + p)
+            change = self.sizes.next_change(base + p)
+            count = (length - p) // size
+            if change is not None:
+                count = min(count, -(-(change - base - p) // size))
+            if count == 0:
+                return
+            yield p, size, count
+            p += count * size
+
+    def _tail(self, epoch: int, position: int) -> tuple[int, int]:
+        """Full steps from ``position`` and the position where the short rest begins."""
+        steps, p = 0, position
+        for start, size, count in self._runs(epoch, position):
+            steps, p = steps + count, start + size * count
+        return steps, p
+
+    def consumed(self, epoch: int) -> int:
+        """Samples ``epoch`` consumes: its full batches and what its last batch serves."""
+        _, p = self._tail(epoch, 0)
+        return p + self._last_len(self.order.epoch_length(epoch) - p)
+
+    def step_at(self, epoch: int, position: int) -> Step | None:
+        length = self.order.epoch_length(epoch)
+        size = self.sizes.size(self.base(epoch) + position)
+        end = min(position + size, length)
+        if end - position < size:
+            end = position + self._last_len(max(0, end - position))
+        if end <= position:
+            return None
+        # A walk asks for the step after the last one: its index is the next, no recount.
+        known = self._next
+        if known is not None and known[:2] == (epoch, position):
+            index = known[2]
+        else:
+            index = self._steps_before(epoch, position)
+        self._next = (epoch, end, index + 1)
+        return Step(epoch, position, end, index)
+
+    def _steps_before(self, epoch: int, position: int) -> int:
+        """How many steps of ``epoch`` end at or before ``position`` (a step boundary)."""
+        steps = 0
+        for start, size, count in self._runs(epoch, 0):
+            if start + size * count > position:
+                return steps + (position - start) // size
+            steps += count
+        return steps
+
+    def steps(self, epoch: int, position: int = 0) -> int:
+        full, p = self._tail(epoch, position)
+        return full + (1 if self._last_len(self.order.epoch_length(epoch) - p) > 0 else 0)
+
+    def rank_block(
+        self, step: Step, data_rank: int, data_world_size: int, max_steps: int
+    ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """As :meth:`BatchPlan.rank_block`: ``max_steps`` steps' positions, one order call."""
+        starts: list[int] = []
+        slices: list[np.ndarray] = []
+        current: Step | None = step
+        while current is not None and len(starts) < max_steps:
+            starts.append(current.start)
+            slices.append(self.rank_positions(current, data_rank, data_world_size))
+            current = self.step_at(current.epoch, current.end)
+        flat = self.order.indices(step.epoch, np.concatenate(slices))
+        parts = np.split(flat, np.cumsum([len(s) for s in slices])[:-1])
+        return dict(zip(starts, zip(slices, parts, strict=True), strict=True))
+
+    def facts(self) -> dict[str, int]:
+        """The ramp, as ``rampup_*`` ints of a loader's state and of the ranks' agreement."""
+        return {f"rampup_{key}": value for key, value in self.rampup.facts().items()}
+
+    def check_resume_from(self, data_world_size: int) -> None:
+        """Refuse a checkpoint of ``data_world_size`` ranks whose rounding differs from ours."""
+        if data_world_size != self.data_world_size:
+            was = RampSizes(self.rampup, self.global_batch_size, data_world_size)
+            check_same_sizes(was, self.sizes)
+
+    def with_ranks(self, data_world_size: int) -> RampupPlan:
+        """This plan over ``data_world_size`` data ranks: refused where the ramp does not divide,
+        or where round_down would round the sizes otherwise (the consumed counts would move)."""
+        plan = RampupPlan(
+            self.order,
+            rampup=self.rampup,
+            global_batch_size=self.global_batch_size,
+            drop_last=self.drop_last,
+            pad_last=self.pad_last,
+            data_world_size=data_world_size,
+        )
+        check_same_sizes(self.sizes, plan.sizes)
+        return plan
+
+
+class PlanOptions(Protocol):
+    """What :func:`make_plan` reads of a loader's options (a :class:`~meshfeed.LoaderOptions`)."""
+
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def drop_last(self) -> bool: ...
+    @property
+    def pad_last(self) -> bool: ...
+    @property
+    def rampup(self) -> BatchRampup | None: ...
+
+
+def make_plan(order: Order, options: PlanOptions, *, data_world_size: int) -> BatchPlan:
+    """The loader's plan: a :class:`BatchPlan` of ``batch_size`` x ``data_world_size``, or a
+    :class:`RampupPlan` ramping up to it when ``options.rampup`` is given."""
+    G, drop, pad = options.batch_size * data_world_size, options.drop_last, options.pad_last
+    if options.rampup is None:
+        return BatchPlan(
+            order,
+            global_batch_size=G,
+            drop_last=drop,
+            pad_last=pad,
+            data_world_size=data_world_size,
+        )
+    return RampupPlan(
+        order,
+        rampup=options.rampup,
+        global_batch_size=G,
+        drop_last=drop,
+        pad_last=pad,
+        data_world_size=data_world_size,
+    )
