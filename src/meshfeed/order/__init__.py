@@ -1,5 +1,6 @@
-"""Pure index arithmetic: permutations and global-batch plans."""
+"""Pure index arithmetic: permutations, global-batch plans and batch-size ramps."""
 
 from meshfeed.order.permutation import Permutation, derive_seed, splitmix64
+from meshfeed.order.rampup import BatchRampup
 
-__all__ = ["Permutation", "derive_seed", "splitmix64"]
+__all__ = ["BatchRampup", "Permutation", "derive_seed", "splitmix64"]
