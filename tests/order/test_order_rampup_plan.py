@@ -275,3 +275,23 @@ def test_make_plan_ramps_only_when_asked_and_moves_to_other_ranks():
     assert ramped.with_ranks(1).steps(0) == ramped.steps(0)  # the steps never depend on dp
     with pytest.raises(ValueError, match="global batch 2 of the ramp"):
         ramped.with_ranks(4)
+
+
+def test_a_later_epoch_is_the_same_whether_walked_to_or_jumped_to():
+    walked = _loader(n=70, rampup=(4, 4, 150))
+    for _ in range(3):
+        _epoch([walked])
+    jumped = _loader(n=70, rampup=(4, 4, 150))
+    jumped.set_epoch(3)  # the samples consumed before epoch 3 are computed, not replayed
+    assert _epoch([jumped]) == _epoch([walked])
+
+
+def test_worker_processes_serve_the_ramp_exactly_once():
+    loaders = [_loader(n=90, rank=r, rampup=(4, 4, 60), num_workers=2) for r in range(2)]
+    try:
+        out = _epoch(loaders)
+    finally:
+        for lo in loaders:
+            lo.shutdown()
+    _check_exactly_once(out)
+    assert out == _epoch([_loader(n=90, rank=r, rampup=(4, 4, 60)) for r in range(2)])
