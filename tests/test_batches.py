@@ -123,3 +123,25 @@ def test_41_items_on_4_readers_pad_to_11_or_truncate_to_10_each():
 def test_bad_data_world_size_is_refused_by_name():
     with pytest.raises(ValueError, match=r"data_world_size=0"):
         BatchPlan(ShuffledOrder(4), global_batch_size=4, data_world_size=0)
+
+
+@pytest.mark.parametrize(
+    ("drop_last", "pad_last", "consumed"), [(True, True, 40), (False, True, 41), (False, False, 40)]
+)
+def test_consumed_and_unserved_count_what_the_steps_cover(drop_last, pad_last, consumed):
+    plan = BatchPlan(
+        ShuffledOrder(41, seed=0),
+        global_batch_size=8,
+        drop_last=drop_last,
+        pad_last=pad_last,
+        data_world_size=4,
+    )
+    steps, step = [], plan.step_at(0, 0)
+    while step is not None:
+        steps.append(step)
+        step = plan.step_at(0, step.end)
+    assert plan.consumed(0) == steps[-1].end == consumed
+    assert plan.unserved(3) == 3 * (41 - consumed)
+    assert plan.facts() == {}  # nothing beyond the global batch to record
+    wide = plan.with_ranks(8)
+    assert (wide.data_world_size, wide.global_batch_size, wide.drop_last) == (8, 8, drop_last)

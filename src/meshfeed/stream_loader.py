@@ -56,10 +56,7 @@ class StreamLoader(DataLoader):
         """Rows of the epochs before ``epoch`` (default: the current one) that no data rank
         was served because ``drop_last`` dropped the last incomplete global batch."""
         epochs = self._epoch if epoch is None else epoch
-        if not self.drop_last:
-            return 0
-        # Per epoch: under a batch-size ramp each epoch's dropped rest has its own size.
-        return sum(self.order.epoch_length(e) - self.plan.consumed(e) for e in range(epochs))
+        return self.plan.unserved(epochs) if self.drop_last else 0
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self._epoch

@@ -295,3 +295,10 @@ def test_worker_processes_serve_the_ramp_exactly_once():
             lo.shutdown()
     _check_exactly_once(out)
     assert out == _epoch([_loader(n=90, rank=r, rampup=(4, 4, 60)) for r in range(2)])
+
+
+def test_unserved_counts_each_epochs_dropped_rest_under_the_ramp():
+    plan = _loader(n=70, rampup=(4, 4, 150)).plan
+    rests = [70 - plan.consumed(e) for e in range(4)]
+    assert len(set(rests)) > 1  # the batch size at an epoch's end differs along the ramp
+    assert plan.unserved(4) == sum(rests)

@@ -142,6 +142,11 @@ class BatchPlan:
         full, rest = divmod(self.order.epoch_length(epoch), self.global_batch_size)
         return full * self.global_batch_size + self._last_len(rest)
 
+    def unserved(self, epochs: int) -> int:
+        """Samples of epochs ``0 .. epochs - 1`` no step served (a dropped last batch, or one
+        truncated to the data ranks); every epoch has epoch 0's length here."""
+        return epochs * (self.order.epoch_length(0) - self.consumed(0))
+
     def padding(self, step: Step, data_world_size: int) -> int:
         """How many wrapped-around samples pad ``step`` (non-zero only for a tiny last batch)."""
         return max(0, data_world_size - (step.end - step.start))

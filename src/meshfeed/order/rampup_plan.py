@@ -96,6 +96,10 @@ class RampupPlan(BatchPlan):
         _, p = self._tail(epoch, 0)
         return p + self._last_len(self.order.epoch_length(epoch) - p)
 
+    def unserved(self, epochs: int) -> int:
+        """As :meth:`BatchPlan.unserved`; each epoch's dropped rest has its own size here."""
+        return sum(self.order.epoch_length(e) for e in range(epochs)) - self.base(epochs)
+
     def step_at(self, epoch: int, position: int) -> Step | None:
         length = self.order.epoch_length(epoch)
         size = self.sizes.size(self.base(epoch) + position)
