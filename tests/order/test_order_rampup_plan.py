@@ -243,7 +243,16 @@ def _ramp_rank(rank, world):
     rest = [b.view(-1).tolist() for b in loader]
     again = DataLoader(Items(), batch_size=4, mesh=mesh, seed=SEED, rampup=(3, 3, 45))
     again.load_state_dict(state)
-    return {"epoch0": first, "resume_ok": [b.view(-1).tolist() for b in again] == rest}
+    resume_ok = [b.view(-1).tolist() for b in again] == rest
+    # A rank built with another ramp is refused on every rank before the first batch.
+    ramp = (3, 3, 45) if rank else (6, 3, 45)
+    odd = DataLoader(Items(), batch_size=4, mesh=mesh, seed=SEED, rampup=ramp, timeout=60)
+    try:
+        next(iter(odd))
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    return {"epoch0": first, "resume_ok": resume_ok, "refused": refused}
 
 
 @pytest.mark.slow
@@ -254,6 +263,7 @@ def test_three_gloo_ranks_serve_every_sample_once_over_a_ramp():
     assert 0 <= 150 - len(seen) < 12  # only the last incomplete global batch dropped
     assert [sum(len(r[k]) for r in per_rank) for k in range(6)] == [3, 3, 3, 3, 3, 6]
     assert all(r["resume_ok"] for r in results)
+    assert all("disagree on rampup_start: rank i holds [6, 3, 3]" in r["refused"] for r in results)
     sim = [
         DataLoader(Items(), batch_size=4, mesh={"dp": 3}, rank=r, seed=SEED, rampup=(3, 3, 45))
         for r in range(3)
