@@ -20,7 +20,6 @@ def _loader(rampup, **kw):
     [
         ((0, 4, 60), "start must be an int >= 1"),
         ((4, 4, 0), "samples must be an int >= 1"),
-        ((4, 4.0, 60), "increment must be an int >= 1"),
         ((4, 4), "rampup must be None, a BatchRampup or"),
         ((4, 8, 60), "whole increments"),
         ((20, 4, 60), "start <= 16"),
@@ -29,6 +28,13 @@ def _loader(rampup, **kw):
 def test_bad_ramps_are_refused_by_name(value, match):
     with pytest.raises(ValueError, match=match):
         _loader(value)
+
+
+def test_ramp_values_of_the_wrong_type_are_a_type_error_naming_them():
+    with pytest.raises(TypeError, match=r"increment must be an int >= 1 \(got increment=4.0"):
+        _loader((4, 4.0, 60))
+    with pytest.raises(TypeError, match="round_down must be True or False .got round_down='no'"):
+        BatchRampup(start=4, increment=4, samples=6, round_down="no")
 
 
 def test_ramp_options_are_refused_where_they_cannot_be_exact():

@@ -14,12 +14,12 @@ epoch and a position and the schedule never depends on the number of data ranks.
 Every global batch must divide into ``micro_batch_size`` x data ranks (Megatron's rule), or it
 cannot be cut into equal per-rank batches. Every size the schedule can take is checked when the
 loader is built (Megatron asserts at the first step that reaches one; a ramp whose steps outgrow
-its increments may skip a size, but where epochs end moves that). Where one does not divide, the
-loader refuses by name unless asked for one of two exact alternatives: ``round_down=True`` (Megatron's
-``--decrease-batch-size-if-needed``: each batch is rounded down to a multiple, and the rounded
-size is what is consumed) or ``uneven=True`` (the batch is served whole, ranks' shares differ by
-at most one sample: steps stay equal on every rank, but a trainer that averages per-rank mean
-losses then weights samples unequally; most trainers cannot accept that).
+its increments may skip a size, but where epochs end moves that). Where one does not divide,
+the loader refuses by name unless asked for one of two exact alternatives: ``round_down=True``
+(Megatron's ``--decrease-batch-size-if-needed``: each batch is rounded down to a multiple, and
+the rounded size is what is consumed) or ``uneven=True`` (the batch is served whole, ranks'
+shares differ by at most one sample: steps stay equal on every rank, but a trainer that averages
+per-rank mean losses then weights samples unequally; most trainers cannot accept that).
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ __all__ = ["BatchRampup", "RampSizes", "as_rampup", "check_same_sizes"]
 
 
 def _positive(name: str, value: object, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"BatchRampup {name} must be an int >= {low} (got {name}={value!r} of type "
+            f"{type(value).__name__}); see Megatron's --rampup-batch-size START INCREMENT SAMPLES"
+        )
+    if value < low:
         raise ValueError(
             f"BatchRampup {name} must be an int >= {low} (got {name}={value!r}); "
             "see Megatron's --rampup-batch-size START INCREMENT SAMPLES"
@@ -60,7 +65,10 @@ class BatchRampup:
         _positive("micro_batch_size", self.micro_batch_size)
         for name in ("round_down", "uneven"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"BatchRampup {name} must be True or False")
+                raise TypeError(
+                    f"BatchRampup {name} must be True or False (got {name}="
+                    f"{getattr(self, name)!r}); a string such as 'False' is truthy, pass a bool"
+                )
         if self.uneven and self.micro_batch_size > 1:
             raise ValueError(
                 f"BatchRampup uneven=True gives per-rank batches differing by one sample, which "
