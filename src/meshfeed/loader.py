@@ -228,8 +228,8 @@ class DataLoader(LoaderBase):
             )
         if self.drop_last and self.plan.steps(0) == 0:
             raise ValueError(
-                f"the dataset ({length} samples) is smaller than one global batch "
-                f"(batch_size={self.batch_size} x data_world_size={self.data_world_size}); with drop_last=True "
+                f"the dataset ({length} samples) is smaller than one global batch (batch_size="
+                f"{self.batch_size} x data_world_size={self.data_world_size}); with drop_last=True "
                 "no batch would ever be produced. Use a smaller batch_size or drop_last=False"
             )
 

@@ -1,4 +1,4 @@
-"""meshfeed's batch-size ramp against Megatron-LM's own ``RampupBatchsizeNumMicroBatchesCalculator``.
+"""meshfeed's batch-size ramp against Megatron-LM's RampupBatchsizeNumMicroBatchesCalculator.
 
 Megatron's calculator runs as shipped in megatron-core, driven the way its training loop drives
 it: before every step ``update(consumed_train_samples, consistency_check=True)``, after it
