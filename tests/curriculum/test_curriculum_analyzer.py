@@ -195,16 +195,15 @@ def test_stuck_stopped_or_killed_worker_fails_within_timeout_plus_one_second(fn,
 
 def test_workers_beyond_the_cores_are_not_started(monkeypatch):
     import meshfeed.curriculum.analyzer as analyzer_module
-    import meshfeed.curriculum.analyzer_workers as workers_module
 
     started = []
-    real = workers_module.WorkerPool
+    real = analyzer_module.PassService
 
     def spy(num_workers, **kwargs):
         started.append(num_workers)
         return real(num_workers, **kwargs)
 
-    monkeypatch.setattr(workers_module, "WorkerPool", spy)
+    monkeypatch.setattr(analyzer_module, "PassService", spy)
     monkeypatch.setattr(analyzer_module, "available_cores", lambda: 2)
     docs = [[1] * (i % 5 + 1) for i in range(40)]
     wide = analyze(docs, [seqlen()], num_workers=8, chunk_size=4, progress=False)
@@ -275,17 +274,17 @@ def _slow_in_worker_zero(doc: np.ndarray) -> int:
 @pytest.mark.slow
 def test_a_slow_worker_takes_fewer_chunks_and_the_output_keeps_chunk_order(monkeypatch):
     import meshfeed.curriculum.analyzer as analyzer_module
-    import meshfeed.curriculum.analyzer_workers as workers_module
+    import meshfeed.services.passes as passes_module
 
     taken: list[tuple[int, int]] = []
-    real = workers_module.WorkerPool.send
+    real = passes_module.WorkerPool.send
 
     def spy(pool, w, task):
         if task[0] != "pass":
             taken.append((w, task[0]))
         return real(pool, w, task)
 
-    monkeypatch.setattr(workers_module.WorkerPool, "send", spy)
+    monkeypatch.setattr(passes_module.WorkerPool, "send", spy)
     monkeypatch.setattr(analyzer_module, "available_cores", lambda: 2)
     docs = _docs(400, seed=2)
     metric = SampleMetric(name="slow", fn=_slow_in_worker_zero)
