@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed import dist
 from meshfeed.curriculum.analyzer_workers import ChunkOut, Passes, Workers, run_pass
 from meshfeed.curriculum.index import MetricIndex, content_fingerprint
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
@@ -95,23 +96,9 @@ def _split_metrics(metrics: Sequence[Metric]) -> tuple[list[SampleMetric], list[
     return samples, list(accs.values())
 
 
-def _dist_info() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return 0, 1
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _gather(local: ChunkOut, world: int) -> list[ChunkOut]:
     """Every rank's pass output, in rank order (ranks own contiguous chunk ranges)."""
-    if world == 1:
-        return [local]
-    from meshfeed.dist import all_gather_objects
-
-    return all_gather_objects(local)
+    return [local] if world == 1 else dist.all_gather_objects(local)
 
 
 def _check_options(num_workers: int, chunk_size: int | None, timeout: float) -> None:
@@ -240,9 +227,7 @@ def _save_results(
     if rank == 0:
         save_results(result, output_dir, fp, storage_options=storage_options)
     if world > 1:
-        from meshfeed.dist import barrier
-
-        barrier()
+        dist.barrier()
 
 
 def analyze(
@@ -281,7 +266,7 @@ def analyze(
     if output_dir is not None:
         check_output(output_dir, storage_options)  # a bad URL fails now, not after the passes
     fp = content_fingerprint(dataset)
-    rank, world = _dist_info()
+    rank, world = dist.rank(), dist.world_size()
     mine = _rank_chunks(n, chunk_size, rank, world)
 
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}

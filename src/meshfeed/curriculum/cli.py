@@ -34,20 +34,13 @@ import numpy as np
 from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric, seqlen, vocab_rarity
+from meshfeed.runtime import available_cores
 from meshfeed.storage import is_url
 from meshfeed.storage.urls import local_only
 
-__all__ = ["add_subcommand", "available_cores"]
+__all__ = ["add_subcommand"]
 
 log = logging.getLogger("meshfeed")
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _resolve(spec: str, what: str) -> Any:
@@ -97,8 +90,9 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
 def _vocab_size(dataset: Any) -> int:
     """The largest token id + 1 of a token corpus, its windows, or any dataset of token ids."""
     from meshfeed.sources.indexed import TokenCorpus
+    from meshfeed.sources.windows import TokenWindows
 
-    corpus = getattr(dataset, "corpus", dataset)
+    corpus = dataset.corpus if isinstance(dataset, TokenWindows) else dataset
     if isinstance(corpus, TokenCorpus):
         return int(np.max(corpus.tokens, initial=0)) + 1
     top = 0

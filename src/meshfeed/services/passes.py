@@ -1,20 +1,12 @@
 """Passes over independent tasks on worker processes: each task to whichever worker is free.
 
-:class:`~meshfeed.services.WorkerService` makes a loader's batches, batch ``i`` by worker
-``i % k``, because a batch's worker is part of its determinism (per-worker randomness, a
-resumed run making the same batches). A pass of the metric analyzer has no such tie: its tasks
-(chunks of a dataset) are independent and their results are merged in task order, so the output
-does not depend on who computed what. :class:`PassService` hands the next task to whichever
-worker returns a result first, so a worker slowed by other load on the machine takes fewer tasks
-instead of holding the pass back; round-robin would make a pass last as long as the slowest
-worker's share.
-
-Workers keep state between tasks and passes: they start with ``start(init, *args)`` (the
-:class:`~meshfeed.runtime.WorkerPool` contract: ``init(worker, num_workers, *args)`` returns
-the handler), and :meth:`PassService.broadcast` sends every worker one message (a new pass,
-"return your running sums") and collects their answers. Every wait is bounded by ``timeout``,
-counted from when the worker could start the task: a stuck task raises
-:class:`~meshfeed.runtime.WorkerTimeout`, a dead worker :class:`~meshfeed.runtime.WorkerDied`,
+:class:`~meshfeed.services.WorkerService` makes batch ``i`` on worker ``i % k`` (a batch's worker
+is part of its determinism). The analyzer's tasks (chunks) are independent and merged in task
+order, so :class:`PassService` gives the next task to whichever worker answers first: a worker
+slowed by other load takes fewer tasks instead of holding the pass back. Workers keep state
+across tasks and passes (``start(init, *args)``, the :class:`~meshfeed.runtime.WorkerPool`
+contract); :meth:`PassService.broadcast` asks each one thing. Every wait is bounded by
+``timeout``: :class:`~meshfeed.runtime.WorkerTimeout` or :class:`~meshfeed.runtime.WorkerDied`,
 never a hang.
 """
 
