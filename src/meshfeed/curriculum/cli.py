@@ -34,6 +34,7 @@ import numpy as np
 from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric, seqlen, vocab_rarity
+from meshfeed.protocols import Source
 from meshfeed.runtime import available_cores
 from meshfeed.storage import is_url
 from meshfeed.storage.urls import local_only
@@ -68,8 +69,8 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
     if factory:
         made = _resolve(spec, "dataset")
         # The spec names either a dataset object or a zero-argument factory (a class or a
-        # function); a map-style dataset is recognised by __getitem__ (meshfeed.protocols.Source).
-        return made() if callable(made) and not hasattr(made, "__getitem__") else made
+        # function); a map-style dataset is a meshfeed.protocols.Source.
+        return made() if callable(made) and not isinstance(made, Source) else made
     from meshfeed.sources.indexed import TokenCorpus
 
     if cache_dir is not None:
