@@ -76,6 +76,33 @@ def test_a_stuck_or_dead_worker_raises_within_the_timeout_and_stops_the_workers(
         service.shutdown()
 
 
+def _fails_on_three(worker, num_workers):
+    def handle(task):
+        if task == 3:
+            raise KeyError(f"bad task {task}")
+        return task
+
+    return handle
+
+
+def test_a_map_that_stops_early_stops_the_workers_so_no_stale_result_answers_the_next():
+    service = PassService(2, timeout=30)
+    try:
+        service.start(_fails_on_three)
+        with pytest.raises(KeyError, match="bad task 3"):
+            list(service.map(list(range(8))))
+        assert not service.started  # tasks 4.. were in flight: their workers are gone
+        service.start(_fails_on_three)
+        it = service.map([0, 1, 2, 4, 5, 6])
+        assert next(it) == (0, 0)
+        it.close()  # abandoned with tasks in flight
+        assert not service.started
+        service.start(_fails_on_three)
+        assert list(service.map([7, 8])) == [(0, 7), (1, 8)]
+    finally:
+        service.shutdown()
+
+
 def test_bad_worker_counts_are_refused():
     with pytest.raises(ValueError, match="num_workers must be an int >= 1"):
         PassService(0, timeout=1.0)

@@ -70,17 +70,22 @@ class PassService:
         """``(task index, result)`` in task order; each task runs on whichever worker is free.
 
         A worker with no result for ``timeout`` seconds is received from, which raises
-        :class:`~meshfeed.runtime.WorkerTimeout` (and stops the workers)."""
+        :class:`~meshfeed.runtime.WorkerTimeout`. A map that does not run to its end (an error,
+        or abandoned) stops the workers, so no task left in flight answers the next one."""
         d = _Dispatch(self._pool, tasks)
-        d.refill_all()
-        while d.next_merge < len(tasks):
-            ready = d.ready()
-            if ready is None:
-                continue
-            for w in ready:
-                d.take(w)
-            yield from d.merged()
+        try:
             d.refill_all()
+            while d.next_merge < len(tasks):
+                ready = d.ready()
+                if ready is None:
+                    continue
+                for w in ready:
+                    d.take(w)
+                yield from d.merged()
+                d.refill_all()
+        except BaseException:
+            self._pool.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Stop the workers (within about ``3 * grace`` seconds, however they are stuck)."""
