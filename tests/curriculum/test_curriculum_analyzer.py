@@ -315,3 +315,15 @@ def test_integer_accumulations_summed_per_worker_equal_the_in_process_bytes_even
         assert run["big"].tobytes() == want.tobytes()
         assert run["token_histogram"].tobytes() == runs[0]["token_histogram"].tobytes()
         assert run["vocab_rarity"].values.tobytes() == runs[0]["vocab_rarity"].values.tobytes()
+
+
+@pytest.mark.slow
+def test_spawned_workers_run_both_passes_and_agree_with_the_in_process_bytes():
+    # under spawn the metrics and the dataset are pickled to each worker (importable functions)
+    docs = _docs(300, seed=3)
+    ref = analyze(docs, METRICS, num_workers=0, chunk_size=32, progress=False)
+    got = analyze(docs, METRICS, num_workers=2, chunk_size=32, progress=False, mp_context="spawn")
+    for name in ("mean", "seqlen", "vocab_rarity"):
+        assert got[name].values.tobytes() == ref[name].values.tobytes()
+    assert got["token_histogram"].tobytes() == ref["token_histogram"].tobytes()
+    assert multiprocessing.active_children() == []
