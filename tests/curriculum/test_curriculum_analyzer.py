@@ -327,3 +327,25 @@ def test_spawned_workers_run_both_passes_and_agree_with_the_in_process_bytes():
         assert got[name].values.tobytes() == ref[name].values.tobytes()
     assert got["token_histogram"].tobytes() == ref["token_histogram"].tobytes()
     assert multiprocessing.active_children() == []
+
+
+def _closure_context(hist: np.ndarray):
+    top = int(hist.argmax())
+    return lambda doc: int((np.asarray(doc) == top).sum())  # not picklable: a local function
+
+
+def test_a_context_that_cannot_be_pickled_reaches_fresh_workers_of_the_second_pass():
+    from meshfeed.curriculum.metrics import token_histogram
+
+    docs = _docs(200, seed=4)
+    metric = SampleMetric(
+        name="top_count",
+        fn=lambda doc, count: count(doc),
+        requires=(token_histogram(VOCAB),),
+        prepare=_closure_context,
+    )
+    ref = analyze(docs, [metric], num_workers=0, chunk_size=16, progress=False)
+    got = analyze(docs, [metric], num_workers=2, chunk_size=16, progress=False)
+    assert got["top_count"].values.tobytes() == ref["top_count"].values.tobytes()
+    top = int(ref["token_histogram"].argmax())
+    assert ref["top_count"].values.tolist() == [int((d == top).sum()) for d in docs]
