@@ -78,7 +78,7 @@ def test_a_stuck_or_dead_worker_raises_within_the_timeout_and_stops_the_workers(
 
 def _fails_on_three(worker, num_workers):
     def handle(task):
-        if task == 3:
+        if task == 3 or task == ("raise in", worker):
             raise KeyError(f"bad task {task}")
         return task
 
@@ -96,6 +96,10 @@ def test_a_map_that_stops_early_stops_the_workers_so_no_stale_result_answers_the
         it = service.map([0, 1, 2, 4, 5, 6])
         assert next(it) == (0, 0)
         it.close()  # abandoned with tasks in flight
+        assert not service.started
+        service.start(_fails_on_three)
+        with pytest.raises(KeyError, match="bad task"):
+            service.broadcast(("raise in", 0))  # worker 1's answer is left unread
         assert not service.started
         service.start(_fails_on_three)
         assert list(service.map([7, 8])) == [(0, 7), (1, 8)]

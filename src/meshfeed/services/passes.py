@@ -60,11 +60,16 @@ class PassService:
         self._pool.start(init, *args)
 
     def broadcast(self, message: Any) -> list[Any]:
-        """Every worker's answer to ``message``, in worker order."""
+        """Every worker's answer to ``message``, in worker order (an error stops the workers,
+        as in :meth:`map`)."""
         pool = self._pool
-        for w in range(self.num_workers):
-            pool.send(w, message)
-        return [pool.recv(w) for w in range(self.num_workers)]
+        try:
+            for w in range(self.num_workers):
+                pool.send(w, message)
+            return [pool.recv(w) for w in range(self.num_workers)]
+        except BaseException:
+            pool.shutdown()
+            raise
 
     def map(self, tasks: Sequence[Any]) -> Iterator[tuple[int, Any]]:
         """``(task index, result)`` in task order; each task runs on whichever worker is free.
