@@ -242,3 +242,20 @@ def test_a_dataset_partly_rewritten_after_a_checkpoint_is_refused_naming_the_sha
     _shard_dataset(s3, tmp_path, range(800, 1600), only="00002")  # one shard and the index
     with pytest.raises(ValueError, match=r"shard\(s\) s3://\S+/ds/shard-00002\.mfs changed after"):
         _from_index(s3, tmp_path / "cache").load_state_dict(state)
+
+
+def _json_lines(shard: Any, start: int, stop: int | None) -> Any:
+    """A reader with the required call alone (no take, count or version)."""
+    with open(shard) as f:
+        rows = [json.loads(line) for line in f]
+    return iter(rows[start:stop])
+
+
+def test_url_shards_through_a_reader_with_only_the_required_call(s3: S3, tmp_path: Path) -> None:
+    urls = _upload(s3, key="plain")
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    stream = ShardedStream(urls, _json_lines, shuffle_buffer=8, **remote)
+    assert stream.rows == ROWS  # counted through the cache by reading each shard
+    with StreamLoader(stream, seed=2, collate_fn=_ids, batch_size=4, drop_last=False) as lo:
+        served = [i for b in lo for i in b]
+    assert sorted(served) == [s * 1000 + r for s, n in enumerate(ROWS) for r in range(n)]
