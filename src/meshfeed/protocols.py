@@ -58,6 +58,7 @@ __all__ = [
     "Source",
     "Stateful",
     "TakeReader",
+    "TextEncoder",
     "UrlReader",
     "VersionReader",
 ]
@@ -109,6 +110,14 @@ class ExplainedSource(Protocol):
     differs from the source's (which shards changed), for the loader's refusal to resume."""
 
     def explain_fingerprint(self, old: str) -> str: ...
+
+
+@runtime_checkable
+class TextEncoder(Protocol):
+    """A tokenizer object: ``encode(text)`` gives token ids (a list, an array, an object with
+    ``ids`` or a mapping with ``input_ids``); where meshfeed takes one, a callable serves too."""
+
+    def encode(self, text: Any) -> Any: ...
 
 
 @runtime_checkable
