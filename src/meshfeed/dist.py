@@ -29,7 +29,7 @@ import math
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -319,9 +319,8 @@ def fail_together(
                 )
             yield item
     finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
+        if isinstance(source, Generator):  # a service's map: stop what it has in flight
+            source.close()
 
 
 def barrier(*, timeout: float = DEFAULT_TIMEOUT, group: Any = None) -> None:

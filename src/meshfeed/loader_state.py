@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from meshfeed.fetch import MAX_REPORTED_FAILURES
 from meshfeed.loader_base import check_epoch
 from meshfeed.order.batches import BatchPlan, OrderHooks
-from meshfeed.protocols import Order
+from meshfeed.protocols import ExplainedSource, Order
 from meshfeed.state import check_count, open_envelope
 
 
@@ -128,8 +128,10 @@ def _check_dataset(loader: ReadingLoader, state: dict[str, Any]) -> None:
         and state["fingerprint"] == loader.fingerprint
     ):
         return
-    explain = getattr(loader.dataset, "explain_fingerprint", None)
-    why = f" ({explain(state['fingerprint'])})" if callable(explain) else ""
+    dataset = loader.dataset
+    why = ""
+    if isinstance(dataset, ExplainedSource):
+        why = f" ({dataset.explain_fingerprint(state['fingerprint'])})"
     raise ValueError(
         f"checkpoint is from another dataset (length {state['dataset_length']}, "
         f"fingerprint {state['fingerprint']!r}) than this loader's (length "

@@ -16,6 +16,11 @@ other ``getattr``/``hasattr`` probing of user objects is needed.
   called as ``postprocess(batch, epoch=..., step=...)``.
 - :class:`Stateful`: ``state_dict()`` / ``load_state_dict(state)`` with the one envelope of
   :mod:`meshfeed.state` (``{"kind": ..., "version": ..., **fields}``).
+- A sharded stream's reader is a callable ``reader(shard, start_row, stop_row)``; each optional
+  hook it may have is one protocol here (:class:`TakeReader`, :class:`CountReader`,
+  :class:`VersionReader`, :class:`ModifiedReader`, :class:`PlanReader`, :class:`AskReader`,
+  :class:`ForgetReader`, :class:`ClosingReader`, :class:`UrlReader`, :class:`DatedReader`),
+  resolved once when the stream is built (:class:`meshfeed.sources.stream_readers.ReaderHooks`).
 """
 
 from __future__ import annotations
@@ -31,19 +36,31 @@ if TYPE_CHECKING:
     from meshfeed.mesh import DataMesh
 
 __all__ = [
+    "AskReader",
     "BatchSource",
+    "ClosingReader",
+    "CountReader",
     "CurriculumHooks",
+    "DatedReader",
+    "ExplainedSource",
     "Fetch",
     "FingerprintedSource",
+    "ForgetReader",
     "GlobalService",
     "ItemsSource",
+    "ModifiedReader",
     "Order",
     "OrderBase",
     "OrderedSource",
+    "PlanReader",
     "PostProcess",
     "Service",
     "Source",
     "Stateful",
+    "TakeReader",
+    "TextEncoder",
+    "UrlReader",
+    "VersionReader",
 ]
 
 
@@ -85,6 +102,22 @@ class FingerprintedSource(Protocol):
 
     @property
     def fingerprint(self) -> Any: ...
+
+
+@runtime_checkable
+class ExplainedSource(Protocol):
+    """Optional: ``explain_fingerprint(old)`` says why a checkpoint's fingerprint ``old``
+    differs from the source's (which shards changed), for the loader's refusal to resume."""
+
+    def explain_fingerprint(self, old: str) -> str: ...
+
+
+@runtime_checkable
+class TextEncoder(Protocol):
+    """A tokenizer object: ``encode(text)`` gives token ids (a list, an array, an object with
+    ``ids`` or a mapping with ``input_ids``); where meshfeed takes one, a callable serves too."""
+
+    def encode(self, text: Any) -> Any: ...
 
 
 @runtime_checkable
@@ -228,3 +261,74 @@ class GlobalService(Protocol):
     ) -> Iterator[tuple[Any, list[FetchEvents]]]: ...
 
     def shutdown(self) -> None: ...
+
+
+# ---------------------------------------------------------------- a sharded stream's reader hooks
+@runtime_checkable
+class TakeReader(Protocol):
+    """``take(shard, rows)``: the rows at these indices (any order, repeats allowed)."""
+
+    def take(self, shard: Any, rows: np.ndarray) -> list[Any]: ...
+
+
+@runtime_checkable
+class CountReader(Protocol):
+    """``count(shard)``: the shard's rows without reading them all (else one pass counts)."""
+
+    def count(self, shard: Any) -> int: ...
+
+
+@runtime_checkable
+class VersionReader(Protocol):
+    """``version(shard)``: a cheap identity of the shard's content (else its bytes hashed)."""
+
+    def version(self, shard: Any) -> str: ...
+
+
+@runtime_checkable
+class ModifiedReader(Protocol):
+    """``modified(shard)``: when the shard was written, in ns (else the file's mtime)."""
+
+    def modified(self, shard: Any) -> int: ...
+
+
+@runtime_checkable
+class PlanReader(Protocol):
+    """``plan(shards)``: the stream's order reads these shards next (e.g. download ahead)."""
+
+    def plan(self, shards: list[Any]) -> None: ...
+
+
+@runtime_checkable
+class AskReader(Protocol):
+    """``ask(shards)``: learn every shard's ``version`` in one round (one bucket listing)."""
+
+    def ask(self, shards: list[Any]) -> None: ...
+
+
+@runtime_checkable
+class ForgetReader(Protocol):
+    """``forget(shard)``: drop what the reader holds open of a file about to be evicted."""
+
+    def forget(self, shard: Any) -> None: ...
+
+
+@runtime_checkable
+class ClosingReader(Protocol):
+    """``close()``: release what this process holds of the shards; reading again re-opens."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class UrlReader(Protocol):
+    """``reads_urls``: true when the reader reads URL shards itself (not through the cache)."""
+
+    reads_urls: bool
+
+
+@runtime_checkable
+class DatedReader(Protocol):
+    """``newest``: the dataset's write time in ns (None: unknown; else the newest shard's)."""
+
+    newest: int | None

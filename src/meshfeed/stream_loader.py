@@ -20,7 +20,7 @@ over the completed epochs, nothing stored) and warned about once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import Any
 
 from meshfeed.errors import RankError
@@ -103,6 +103,6 @@ def _is_stream(dataset: Any) -> bool:
         dataset = dataset.source
     if isinstance(dataset, ShardedStream):
         return True
-    if isinstance(dataset, type) or (callable(dataset) and not hasattr(dataset, "__len__")):
+    if isinstance(dataset, type) or (callable(dataset) and not isinstance(dataset, Sized)):
         return True  # a function that builds the stream where batches are made (Ray actors)
     return isinstance(dataset, Mixture) and all(_is_stream(s) for s in dataset.sources)

@@ -195,16 +195,15 @@ def test_stuck_stopped_or_killed_worker_fails_within_timeout_plus_one_second(fn,
 
 def test_workers_beyond_the_cores_are_not_started(monkeypatch):
     import meshfeed.curriculum.analyzer as analyzer_module
-    import meshfeed.curriculum.analyzer_workers as workers_module
 
     started = []
-    real = workers_module.WorkerPool
+    real = analyzer_module.PassService
 
     def spy(num_workers, **kwargs):
         started.append(num_workers)
         return real(num_workers, **kwargs)
 
-    monkeypatch.setattr(workers_module, "WorkerPool", spy)
+    monkeypatch.setattr(analyzer_module, "PassService", spy)
     monkeypatch.setattr(analyzer_module, "available_cores", lambda: 2)
     docs = [[1] * (i % 5 + 1) for i in range(40)]
     wide = analyze(docs, [seqlen()], num_workers=8, chunk_size=4, progress=False)
@@ -275,17 +274,17 @@ def _slow_in_worker_zero(doc: np.ndarray) -> int:
 @pytest.mark.slow
 def test_a_slow_worker_takes_fewer_chunks_and_the_output_keeps_chunk_order(monkeypatch):
     import meshfeed.curriculum.analyzer as analyzer_module
-    import meshfeed.curriculum.analyzer_workers as workers_module
+    import meshfeed.services.passes as passes_module
 
     taken: list[tuple[int, int]] = []
-    real = workers_module.WorkerPool.send
+    real = passes_module.WorkerPool.send
 
     def spy(pool, w, task):
         if task[0] != "pass":
             taken.append((w, task[0]))
         return real(pool, w, task)
 
-    monkeypatch.setattr(workers_module.WorkerPool, "send", spy)
+    monkeypatch.setattr(passes_module.WorkerPool, "send", spy)
     monkeypatch.setattr(analyzer_module, "available_cores", lambda: 2)
     docs = _docs(400, seed=2)
     metric = SampleMetric(name="slow", fn=_slow_in_worker_zero)
@@ -316,3 +315,37 @@ def test_integer_accumulations_summed_per_worker_equal_the_in_process_bytes_even
         assert run["big"].tobytes() == want.tobytes()
         assert run["token_histogram"].tobytes() == runs[0]["token_histogram"].tobytes()
         assert run["vocab_rarity"].values.tobytes() == runs[0]["vocab_rarity"].values.tobytes()
+
+
+@pytest.mark.slow
+def test_spawned_workers_run_both_passes_and_agree_with_the_in_process_bytes():
+    # under spawn the metrics and the dataset are pickled to each worker (importable functions)
+    docs = _docs(300, seed=3)
+    ref = analyze(docs, METRICS, num_workers=0, chunk_size=32, progress=False)
+    got = analyze(docs, METRICS, num_workers=2, chunk_size=32, progress=False, mp_context="spawn")
+    for name in ("mean", "seqlen", "vocab_rarity"):
+        assert got[name].values.tobytes() == ref[name].values.tobytes()
+    assert got["token_histogram"].tobytes() == ref["token_histogram"].tobytes()
+    assert multiprocessing.active_children() == []
+
+
+def _closure_context(hist: np.ndarray):
+    top = int(hist.argmax())
+    return lambda doc: int((np.asarray(doc) == top).sum())  # not picklable: a local function
+
+
+def test_a_context_that_cannot_be_pickled_reaches_fresh_workers_of_the_second_pass():
+    from meshfeed.curriculum.metrics import token_histogram
+
+    docs = _docs(200, seed=4)
+    metric = SampleMetric(
+        name="top_count",
+        fn=lambda doc, count: count(doc),
+        requires=(token_histogram(VOCAB),),
+        prepare=_closure_context,
+    )
+    ref = analyze(docs, [metric], num_workers=0, chunk_size=16, progress=False)
+    got = analyze(docs, [metric], num_workers=2, chunk_size=16, progress=False)
+    assert got["top_count"].values.tobytes() == ref["top_count"].values.tobytes()
+    top = int(ref["token_histogram"].argmax())
+    assert ref["top_count"].values.tolist() == [int((d == top).sum()) for d in docs]

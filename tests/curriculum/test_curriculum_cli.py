@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from meshfeed.curriculum import MetricIndex, SampleMetric
-from meshfeed.curriculum.cli import add_subcommand, available_cores
+from meshfeed.curriculum.cli import add_subcommand
 from meshfeed.curriculum.index import load_accumulated
+from meshfeed.runtime import available_cores
 from meshfeed.sources.indexed import TokenCorpus
 from meshfeed.sources.indexed_write import write_indexed
 

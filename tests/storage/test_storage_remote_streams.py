@@ -142,13 +142,20 @@ def test_a_shard_dataset_streams_from_s3_through_its_index(s3: S3, tmp_path: Pat
     assert all(n == 1 for n in s3.proxy.object_gets.values())  # each file fetched once
 
 
-def test_download_ahead_follows_the_streams_own_shuffled_order(s3: S3, tmp_path: Path) -> None:
+def test_download_ahead_follows_the_streams_own_shuffled_order(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfeed.sources.stream_remote import CachedReader
+
     urls = _upload(s3, rows=[10] * 8, key="ahead")
     remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
-    stream = ShardedStream(urls, shuffle_buffer=4, rows=[10] * 8, **remote)
     planned: list[str] = []
-    real = stream.reader.plan
-    stream.reader.plan = lambda shards: (planned.extend(shards), real(shards))  # type: ignore[method-assign]
+    real = CachedReader.plan
+    # the stream resolves its reader's hooks when it is built: spy on the class before that
+    monkeypatch.setattr(
+        CachedReader, "plan", lambda self, shards: (planned.extend(shards), real(self, shards))
+    )
+    stream = ShardedStream(urls, shuffle_buffer=4, rows=[10] * 8, **remote)
     lo = StreamLoader(stream, seed=5, collate_fn=_ids, batch_size=4)
     ids = [i for b in lo for i in b]
     read_order = list(dict.fromkeys(urls[i // 1000] for i in ids))
@@ -235,3 +242,20 @@ def test_a_dataset_partly_rewritten_after_a_checkpoint_is_refused_naming_the_sha
     _shard_dataset(s3, tmp_path, range(800, 1600), only="00002")  # one shard and the index
     with pytest.raises(ValueError, match=r"shard\(s\) s3://\S+/ds/shard-00002\.mfs changed after"):
         _from_index(s3, tmp_path / "cache").load_state_dict(state)
+
+
+def _json_lines(shard: Any, start: int, stop: int | None) -> Any:
+    """A reader with the required call alone (no take, count or version)."""
+    with open(shard) as f:
+        rows = [json.loads(line) for line in f]
+    return iter(rows[start:stop])
+
+
+def test_url_shards_through_a_reader_with_only_the_required_call(s3: S3, tmp_path: Path) -> None:
+    urls = _upload(s3, key="plain")
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    stream = ShardedStream(urls, _json_lines, shuffle_buffer=8, **remote)
+    assert stream.rows == ROWS  # counted through the cache by reading each shard
+    with StreamLoader(stream, seed=2, collate_fn=_ids, batch_size=4, drop_last=False) as lo:
+        served = [i for b in lo for i in b]
+    assert sorted(served) == [s * 1000 + r for s, n in enumerate(ROWS) for r in range(n)]

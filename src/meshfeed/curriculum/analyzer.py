@@ -14,10 +14,10 @@ between worker counts).
 
 Metrics that ``require`` accumulated ones (vocabulary rarity needs the token histogram) run in a
 second pass once the accumulated arrays are reduced on every rank. Their ``prepare`` runs once
-per rank, in the main process; its result reaches the workers through the pool's per-worker
-start function (inherited under ``fork``, pickled once per worker under ``spawn``, so metric
-functions must then be importable). Workers are a :class:`~meshfeed.runtime.WorkerPool`: a
-stuck metric fails the run after ``timeout`` and a dead worker at once, never a hang.
+per rank, in the main process; its result reaches the workers through their start function
+(inherited under ``fork``, pickled once per worker under ``spawn``, so metric functions must
+then be importable). Workers are a :class:`~meshfeed.services.PassService`: a stuck metric
+fails the run after ``timeout`` and a dead worker at once, never a hang.
 
 This module plans the passes and merges the ranks; :mod:`meshfeed.curriculum.analyzer_workers`
 runs a pass (in this process or on the workers) and :mod:`meshfeed.curriculum.output` saves the
@@ -39,12 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed import dist
 from meshfeed.curriculum.analyzer_workers import ChunkOut, Passes, Workers, run_pass
 from meshfeed.curriculum.index import MetricIndex, content_fingerprint
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
 from meshfeed.curriculum.output import check_output, save_results
 from meshfeed.progress import Progress
-from meshfeed.runtime import WorkerPool, available_cores
+from meshfeed.runtime import available_cores
+from meshfeed.services.passes import PassService
 from meshfeed.storage import StorageOptions
 
 __all__ = ["analyze", "default_chunk_size", "worker_count"]
@@ -94,23 +96,9 @@ def _split_metrics(metrics: Sequence[Metric]) -> tuple[list[SampleMetric], list[
     return samples, list(accs.values())
 
 
-def _dist_info() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return 0, 1
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _gather(local: ChunkOut, world: int) -> list[ChunkOut]:
     """Every rank's pass output, in rank order (ranks own contiguous chunk ranges)."""
-    if world == 1:
-        return [local]
-    from meshfeed.dist import all_gather_objects
-
-    return all_gather_objects(local)
+    return [local] if world == 1 else dist.all_gather_objects(local)
 
 
 def _check_options(num_workers: int, chunk_size: int | None, timeout: float) -> None:
@@ -145,11 +133,14 @@ def _make_workers(
     timeout: float,
     mp_context: str | None,
 ) -> Workers | None:
-    """One pool for every pass (workers are started once); None to run in this process."""
+    """One service for every pass (workers are started once); None to run in this process."""
     count = worker_count(num_workers, cores=available_cores(), chunks=chunks)
     if count == 0:
         return None
-    return Workers(count, dataset, passes, timeout=timeout, start_method=mp_context)
+    service = PassService(
+        count, timeout=timeout, start_method=mp_context, name="meshfeed-analyzer-worker"
+    )
+    return Workers(service, dataset, passes)
 
 
 def _merge_ranks(
@@ -212,11 +203,11 @@ def _results(
     return result
 
 
-def _stop_in_background(stack: contextlib.ExitStack, pool: WorkerPool) -> None:
+def _stop_in_background(stack: contextlib.ExitStack, service: PassService) -> None:
     # The workers' exit (their address spaces are torn down: milliseconds each) runs while
     # the indexes are sorted; shutdown is bounded (about 3 * grace) and joined before the
     # stack closes, or raises.
-    stopper = threading.Thread(target=pool.shutdown, name="meshfeed-analyzer-stop", daemon=True)
+    stopper = threading.Thread(target=service.shutdown, name="meshfeed-analyzer-stop", daemon=True)
     stopper.start()
     stack.callback(stopper.join)
 
@@ -236,9 +227,7 @@ def _save_results(
     if rank == 0:
         save_results(result, output_dir, fp, storage_options=storage_options)
     if world > 1:
-        from meshfeed.dist import barrier
-
-        barrier()
+        dist.barrier()
 
 
 def analyze(
@@ -277,7 +266,7 @@ def analyze(
     if output_dir is not None:
         check_output(output_dir, storage_options)  # a bad URL fails now, not after the passes
     fp = content_fingerprint(dataset)
-    rank, world = _dist_info()
+    rank, world = dist.rank(), dist.world_size()
     mine = _rank_chunks(n, chunk_size, rank, world)
 
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
@@ -286,7 +275,7 @@ def analyze(
     workers = _make_workers(num_workers, len(mine), dataset, passes, timeout, mp_context)
     with contextlib.ExitStack() as stack:
         if workers is not None:
-            stack.callback(workers.pool.shutdown)
+            stack.callback(workers.service.shutdown)
         for index in range(len(passes)):
             local = _analyze_pass(
                 workers,
@@ -302,7 +291,7 @@ def analyze(
             )
             _merge_ranks(_gather(local, world), values, accumulated)
         if workers is not None:
-            _stop_in_background(stack, workers.pool)
+            _stop_in_background(stack, workers.service)
         result = _results(samples, values, accumulated, fp)
     _save_results(result, output_dir, fp, rank, world, storage_options)
     return result

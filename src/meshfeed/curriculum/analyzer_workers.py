@@ -1,29 +1,29 @@
 """The analyzer's passes: chunk execution, in this process or on a pool of worker processes.
 
 A pass runs the metrics of one analysis pass over a rank's chunks. Without workers each chunk
-runs here; with a :class:`Workers` pool each chunk goes to whichever worker is free (a slowed
-worker takes fewer chunks) and results are merged in chunk order, so the output does not depend
+runs here; with :class:`Workers` (a :class:`~meshfeed.services.PassService`) each chunk goes to
+whichever worker is free (a slowed worker takes fewer chunks) and results are merged in chunk
+order, so the output does not depend
 on who computed what. Integer accumulations are summed in each worker and returned once per
 pass (exact in any order); float ones travel per chunk, to be added in chunk order. Every wait
-on a worker is bounded by the pool's ``timeout``: a stuck metric fails the pass, never hangs it.
+on a worker is bounded by the service's ``timeout``: a stuck metric fails the pass, never hangs it.
 
-Worker state lives in module globals set by the pool's start function (inherited under
+Worker state lives in module globals set by the workers' start function (inherited under
 ``fork``; under ``spawn`` this module is imported in the worker and the metrics pickled).
 """
 
 from __future__ import annotations
 
 import pickle
-import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
 from meshfeed.progress import Progress
-from meshfeed.runtime import WorkerPool, WorkerTimeout
+from meshfeed.runtime import WorkerTimeout
+from meshfeed.services.passes import PassService
 
 __all__ = ["ChunkOut", "Passes", "Workers", "run_pass"]
 
@@ -127,124 +127,25 @@ def _accumulate(a: AccumulatedMetric, acc: np.ndarray, items: list[Any]) -> None
 
 
 class Workers:
-    """The analyzer's pool, started once and reused by every pass where it can be."""
+    """The analyzer's workers (a :class:`~meshfeed.services.PassService`), started once and
+    reused by every pass where they can be."""
 
-    def __init__(self, workers: int, dataset: Any, passes: Passes, **pool_options: Any):
-        self.pool = WorkerPool(workers, name="meshfeed-analyzer-worker", **pool_options)
-        self.dataset, self.passes = dataset, passes
+    def __init__(self, service: PassService, dataset: Any, passes: Passes):
+        self.service, self.dataset, self.passes = service, dataset, passes
 
-    def begin(self, index: int, ctx: dict[str, Any]) -> WorkerPool:
-        pool = self.pool
-        if not pool.started:
-            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
-            return pool
+    def begin(self, index: int, ctx: dict[str, Any]) -> PassService:
+        service = self.service
+        if not service.started:
+            service.start(_start_worker, self.dataset, self.passes, index, ctx)
+            return service
         try:
             pickle.dumps(ctx)
         except Exception:  # e.g. a local object from prepare: start workers that inherit it
-            pool.shutdown()
-            pool.start(_start_worker, self.dataset, self.passes, index, ctx)
-            return pool
-        for w in range(pool.num_workers):
-            pool.send(w, ("pass", index, ctx))
-        for w in range(pool.num_workers):
-            pool.recv(w)
-        return pool
-
-
-# Chunks queued per worker: one running, two waiting, so a worker never idles while the
-# parent is busy or has not yet noticed its last result (a default chunk can take as little
-# as a few milliseconds).
-_DEPTH = 3
-# How far (in chunks) dispatch may run ahead of the oldest chunk not merged yet: bounds the
-# results held for the in-order merge when one worker is slow.
-_AHEAD_PER_WORKER = 8
-# The longest single wait on the busy workers (one poll over all of them, woken by the first
-# result or death): an unlimited pool timeout still checks in hourly.
-_SLICE_MAX = 3600.0
-
-
-class _Dispatch:
-    """The state of one :func:`_dispatch`: each worker's queued chunks, the results not
-    merged yet, and the next chunk to send and to merge."""
-
-    def __init__(self, pool: WorkerPool, chunks: list[tuple[int, int]]):
-        k = pool.num_workers
-        self.pool, self.chunks, self.k = pool, chunks, k
-        self.queued: list[deque[int]] = [deque() for _ in range(k)]
-        self.since = [0.0] * k  # when the worker's oldest queued chunk could start
-        self.done: dict[int, Any] = {}
-        self.next_chunk = self.next_merge = 0
-        self.ahead = _AHEAD_PER_WORKER * k
-
-    def refill_all(self) -> None:
-        for w in range(self.k):
-            self.refill(w)
-
-    def refill(self, w: int) -> None:
-        if not self.queued[w]:
-            self.since[w] = time.monotonic()
-        # near the end of the pass queue less, so no worker is left holding the last chunks
-        # while another runs dry
-        depth = _DEPTH if len(self.chunks) - self.next_chunk > self.k * _DEPTH else 2
-        limit = min(len(self.chunks), self.next_merge + self.ahead)
-        while len(self.queued[w]) < depth and self.next_chunk < limit:
-            self.pool.send(w, self.chunks[self.next_chunk])
-            self.queued[w].append(self.next_chunk)
-            self.next_chunk += 1
-
-    def take(self, w: int) -> None:
-        self.done[self.queued[w].popleft()] = self.pool.recv(w)
-        self.since[w] = time.monotonic()
-
-    def ready(self) -> list[int] | None:
-        """The workers to receive from now; None when a wait ran out with none ready."""
-        busy = [w for w in range(self.k) if self.queued[w]]
-        ready = [w for w in busy if self.pool.ready(w)]  # a result, or a dead worker to report
-        if ready:
-            return ready
-        if len(busy) == 1:
-            return busy  # nothing to balance: recv blocks, bounded by the pool's timeout
-        return self._wait(busy)
-
-    def _wait(self, busy: list[int]) -> list[int] | None:
-        # one wait on every busy worker at once, until the earliest pool deadline
-        pool = self.pool
-        late = min(self.since[w] for w in busy) + pool.timeout - time.monotonic()
-        ready = pool.wait_any(busy, max(0.0, min(late, _SLICE_MAX)))
-        if ready:
-            return ready
-        now = time.monotonic()
-        for w in busy:
-            if now - self.since[w] > pool.timeout:
-                self.take(w)  # waits out the pool's own deadline, then raises
-        return None
-
-    def merged(self) -> Iterator[tuple[int, Any]]:
-        while self.next_merge in self.done:
-            yield self.next_merge, self.done.pop(self.next_merge)
-            self.next_merge += 1
-
-
-def _dispatch(pool: WorkerPool, chunks: list[tuple[int, int]]) -> Iterator[tuple[int, Any]]:
-    """``(chunk index, result)`` in chunk order; each chunk goes to whichever worker is free.
-
-    Round-robin hands every worker the same number of chunks, so a pass lasts as long as the
-    slowest worker's share: on a machine whose cores are shared with other processes one
-    descheduled worker held the other back. Here a worker gets its next chunk as soon as one
-    of its results arrives, results are merged in chunk order (so the output does not depend
-    on who computed what), and the pool's ``timeout`` still bounds every wait: a worker with
-    no result for that long is received from, which raises ``WorkerTimeout``.
-    """
-    d = _Dispatch(pool, chunks)
-    d.refill_all()
-    while d.next_merge < len(chunks):
-        ready = d.ready()
-        if ready is None:
-            continue
-        for w in ready:
-            d.take(w)
-        yield from d.merged()
-        d.refill_all()
+            service.shutdown()
+            service.start(_start_worker, self.dataset, self.passes, index, ctx)
+            return service
+        service.broadcast(("pass", index, ctx))
+        return service
 
 
 class _PassOutput:
@@ -268,12 +169,10 @@ class _PassOutput:
         return values, self.sums
 
 
-def _flush(pool: WorkerPool, exact: dict[str, np.ndarray]) -> None:
+def _flush(service: PassService, exact: dict[str, np.ndarray]) -> None:
     """Add every worker's integer sums of this pass into ``exact``."""
-    for w in range(pool.num_workers):
-        pool.send(w, ("flush",))
-    for w in range(pool.num_workers):
-        for name, part in pool.recv(w).items():
+    for sums in service.broadcast(("flush",)):
+        for name, part in sums.items():
             exact[name] += part
 
 
@@ -287,11 +186,11 @@ def _pass_on_workers(
     timeout: float,
 ) -> None:
     try:
-        pool = workers.begin(index, ctx)
-        for k, part in _dispatch(pool, chunks):
+        service = workers.begin(index, ctx)
+        for k, part in service.map(chunks):
             out.merge(part, chunks[k][1] - chunks[k][0])
         if exact:
-            _flush(pool, exact)
+            _flush(service, exact)
     except WorkerTimeout as e:
         raise TimeoutError(
             f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "

@@ -34,20 +34,14 @@ import numpy as np
 from meshfeed.curriculum.analyzer import analyze
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric, seqlen, vocab_rarity
+from meshfeed.protocols import Source
+from meshfeed.runtime import available_cores
 from meshfeed.storage import is_url
 from meshfeed.storage.urls import local_only
 
-__all__ = ["add_subcommand", "available_cores"]
+__all__ = ["add_subcommand"]
 
 log = logging.getLogger("meshfeed")
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _resolve(spec: str, what: str) -> Any:
@@ -75,8 +69,8 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
     if factory:
         made = _resolve(spec, "dataset")
         # The spec names either a dataset object or a zero-argument factory (a class or a
-        # function); a map-style dataset is recognised by __getitem__ (meshfeed.protocols.Source).
-        return made() if callable(made) and not hasattr(made, "__getitem__") else made
+        # function); a map-style dataset is a meshfeed.protocols.Source.
+        return made() if callable(made) and not isinstance(made, Source) else made
     from meshfeed.sources.indexed import TokenCorpus
 
     if cache_dir is not None:
@@ -97,8 +91,9 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
 def _vocab_size(dataset: Any) -> int:
     """The largest token id + 1 of a token corpus, its windows, or any dataset of token ids."""
     from meshfeed.sources.indexed import TokenCorpus
+    from meshfeed.sources.windows import TokenWindows
 
-    corpus = getattr(dataset, "corpus", dataset)
+    corpus = dataset.corpus if isinstance(dataset, TokenWindows) else dataset
     if isinstance(corpus, TokenCorpus):
         return int(np.max(corpus.tokens, initial=0)) + 1
     top = 0

@@ -3,6 +3,7 @@
 from meshfeed.services.auto import AutoService
 from meshfeed.services.base import InProcessService, Service
 from meshfeed.services.distributed import DistributedService, check_agreement
+from meshfeed.services.passes import PassService
 from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
 from meshfeed.services.workers import WorkerError, WorkerService
 
@@ -11,6 +12,7 @@ __all__ = [
     "DistributedService",
     "InProcessService",
     "LoaderActorError",
+    "PassService",
     "RayService",
     "RemoteBatch",
     "Service",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,7 +216,7 @@ class RayService:
                 "this RayService already serves a DataLoader; create a new RayService(...) "
                 "for each DataLoader"
             )
-        built = not isinstance(create_dataset, type) and hasattr(create_dataset, "__len__")
+        built = not isinstance(create_dataset, type) and isinstance(create_dataset, Sized)
         if not callable(create_dataset) or built:
             raise TypeError(
                 f"RayService needs a zero-argument callable that builds the dataset inside the "

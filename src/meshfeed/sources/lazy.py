@@ -34,7 +34,7 @@ import numpy as np
 
 from meshfeed.fetch import Failed
 from meshfeed.order.permutation import derive_seed
-from meshfeed.protocols import ItemsSource, OrderedSource, Source
+from meshfeed.protocols import ItemsSource, OrderedSource, Source, TextEncoder
 from meshfeed.rng import fetch_info, sample_rng
 from meshfeed.sources.tokenizer import token_ids
 from meshfeed.state import dataset_fingerprint
@@ -50,10 +50,10 @@ class _Encode:
 
     def __init__(self, tokenizer: Any, field: str, output: str) -> None:
         self.tokenizer, self.field, self.output = tokenizer, field, output
+        self._encode = tokenizer.encode if isinstance(tokenizer, TextEncoder) else tokenizer
 
     def _ids(self, text: Any) -> np.ndarray:
-        tok = self.tokenizer
-        return token_ids(tok.encode(text) if hasattr(tok, "encode") else tok(text))
+        return token_ids(self._encode(text))
 
     def __call__(self, item: Any) -> Any:
         if isinstance(item, (str, bytes)):
@@ -131,7 +131,7 @@ class LazyDataset:
         self, tokenizer: Any, *, field: str = "text", output: str = "input_ids"
     ) -> LazyDataset:
         """Tokenise: a str item becomes an int64 array; a dict gains ``output`` from ``field``."""
-        if not (hasattr(tokenizer, "encode") or callable(tokenizer)):
+        if not (isinstance(tokenizer, TextEncoder) or callable(tokenizer)):
             raise TypeError(
                 f"encode() needs a tokenizer with .encode(text) or a callable (got {tokenizer!r})"
             )

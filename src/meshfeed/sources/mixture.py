@@ -47,7 +47,7 @@ import numpy as np
 
 from meshfeed.order.interleave import MAX_PERIOD, Interleave, interleave_period, make_interleave
 from meshfeed.order.permutation import check_seed
-from meshfeed.protocols import OrderedSource
+from meshfeed.protocols import ItemsSource, OrderedSource
 from meshfeed.sources.mixture_order import MixtureOrder
 from meshfeed.state import dataset_fingerprint
 
@@ -238,8 +238,10 @@ class Mixture:
             where = np.flatnonzero(src == s)
             source = self.sources[s]
             ids = local[where].tolist()
-            getitems = getattr(source, "__getitems__", None)
-            items = getitems(ids) if getitems is not None else [source[i] for i in ids]
+            if isinstance(source, ItemsSource):
+                items = source.__getitems__(ids)
+            else:
+                items = [source[i] for i in ids]
             for w, item in zip(where.tolist(), items, strict=True):
                 out[w] = item
         return out

@@ -41,13 +41,13 @@ from typing import Any
 import numpy as np
 
 from meshfeed.order.permutation import Permutation, derive_seed
-from meshfeed.protocols import OrderBase
+from meshfeed.protocols import OrderBase, UrlReader
 from meshfeed.sources.stream_count import count_rows
 from meshfeed.sources.stream_readers import (
     DefaultReader,
     Reader,
+    ReaderHooks,
     RowCursor,
-    TakeReader,
     callable_identity,
     shard_identity,
     shard_mtime,
@@ -140,7 +140,7 @@ class ShardedStream:
             reader or DefaultReader(), self.shards, cache_dir, cache_limit, storage_options
         )
         self._cursors: dict[int, RowCursor] = {}
-        self._reader_takes = isinstance(self.reader, TakeReader)  # decided once, not per batch
+        self._hooks = ReaderHooks.of(self.reader)  # decided once, never probed per batch
 
     @classmethod
     def from_index(
@@ -206,7 +206,7 @@ class ShardedStream:
         """Rows per shard: as given, else the reader's ``count``, else one pass per shard."""
         if self._given_rows is not None:
             return self._given_rows
-        count = getattr(self.reader, "count", None)
+        count = self._hooks.count
         if count is None:
             reader = self.reader
 
@@ -256,8 +256,8 @@ class ShardedStream:
         return out
 
     def _take(self, s: int, rows: np.ndarray) -> list[Any]:
-        if self._reader_takes:
-            return list(self.reader.take(self.shards[s], rows))
+        if self._hooks.take is not None:
+            return list(self._hooks.take(self.shards[s], rows))
         cursor = self._cursors.get(s)
         if cursor is None:
             cursor = self._cursors[s] = RowCursor(self.reader, self.shards[s])
@@ -266,9 +266,8 @@ class ShardedStream:
     def close(self) -> None:
         """Release what this process holds of the shards (URL shards held in the node's
         cache); reading again re-opens them."""
-        close = getattr(self.reader, "close", None)
-        if close is not None:
-            close()
+        if self._hooks.close is not None:
+            self._hooks.close()
         self._cursors.clear()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -281,7 +280,7 @@ class ShardedStream:
         self, *, dataset_length: int, global_batch_size: int, seed: int, shuffle: bool = True
     ) -> StreamOrder:
         """The order a loader walks (see :class:`StreamOrder`)."""
-        plan = getattr(self.reader, "plan", None)
+        plan = self._hooks.plan
         return StreamOrder(
             self.rows,
             seed=seed,
@@ -295,10 +294,9 @@ class ShardedStream:
     # ------------------------------------------------------------------ identity
     @cached_property
     def _identities(self) -> list[str]:
-        ask = getattr(self.reader, "ask", None)
-        if ask is not None:  # URL shards: every shard's metadata in one concurrent round
-            ask(self.shards)
-        return [shard_identity(s, self.reader) for s in self.shards]
+        if self._hooks.ask is not None:  # URL shards: every shard's metadata in one round
+            self._hooks.ask(self.shards)
+        return [shard_identity(s, self._hooks.version) for s in self.shards]
 
     @property
     def fingerprint(self) -> str:
@@ -314,20 +312,20 @@ class ShardedStream:
     def _fingerprint(self) -> str:
         import hashlib
 
-        names = [_name(s) for s in self.shards]
+        names = [shard_name(s) for s in self.shards]
         reader = callable_identity(
             type(self.reader) if isinstance(self.reader, DefaultReader) else self.reader
         )
         h = hashlib.blake2b(
             json.dumps([names, self._identities, self.rows, reader]).encode(), digest_size=10
         )
-        newest = getattr(self.reader, "newest", None)  # a URL dataset index's write time
+        newest = self._hooks.newest  # a URL dataset index's write time
         if newest is None:
             newest = max(self._modified(s) for s in self.shards)
         return f"stream:{len(self.shards)}:{h.hexdigest()}:{newest}"
 
     def _modified(self, shard: Any) -> int:
-        modified = getattr(self.reader, "modified", None)
+        modified = self._hooks.modified
         return int(modified(shard)) if modified is not None else shard_mtime(shard)
 
     def explain_fingerprint(self, old: str) -> str:
@@ -342,7 +340,7 @@ class ShardedStream:
             newest = int(parts[3])
         except ValueError:
             return "the checkpoint's stream fingerprint is malformed"
-        changed = [_name(s) for s in self.shards if self._modified(s) > newest]
+        changed = [shard_name(s) for s in self.shards if self._modified(s) > newest]
         if changed:
             shown = ", ".join(changed[:4]) + (
                 f" and {len(changed) - 4} more" if len(changed) > 4 else ""
@@ -363,7 +361,7 @@ def _remote(
     ``reads_urls = True`` (it reads them itself, e.g. by byte ranges)."""
     from meshfeed.storage import ShardCache, default_cache_dir, is_url
 
-    if getattr(reader, "reads_urls", False):  # a reader that reads URLs itself (ranges)
+    if isinstance(reader, UrlReader) and reader.reads_urls:  # it reads URLs itself (ranges)
         return reader
     if not any(isinstance(s, str) and is_url(s) for s in shards):
         if cache_dir is not None or storage_options is not None:
@@ -380,10 +378,6 @@ def _remote(
         storage_options=storage_options,
     )
     return CachedReader(reader, cache, shards=shards)
-
-
-def _name(shard: Any) -> str:
-    return shard_name(shard)
 
 
 class StreamOrder(OrderBase):

@@ -1,8 +1,9 @@
 """How a sharded stream reads its shards: the reader contract, the default reader, identities.
 
 A reader is any callable ``reader(shard, start_row, stop_row) -> iterable of rows`` (``stop_row``
-None: to the end of the shard). Three optional methods make it faster or stronger; the
-:class:`~meshfeed.sources.ShardedStream` uses each one the reader has:
+None: to the end of the shard). Optional hooks make it faster or stronger, each declared in
+:mod:`meshfeed.protocols` and resolved once into :class:`ReaderHooks` when the
+:class:`~meshfeed.sources.ShardedStream` is built; the main three:
 
 - ``take(shard, rows) -> list``: the rows at these indices (any order, repeats allowed), for
   shards that can be read by index (memory-mapped arrays, indexed shard files). Without it the
@@ -27,17 +28,30 @@ import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from meshfeed.errors import SourceError
+from meshfeed.protocols import (
+    AskReader,
+    ClosingReader,
+    CountReader,
+    DatedReader,
+    ForgetReader,
+    ModifiedReader,
+    PlanReader,
+    TakeReader,
+    UrlReader,
+    VersionReader,
+)
 
 __all__ = [
     "DefaultReader",
     "Reader",
+    "ReaderHooks",
     "RowCursor",
-    "TakeReader",
     "default_reader",
     "shard_identity",
     "shard_name",
@@ -49,11 +63,37 @@ _EDGE = 64 * 1024
 _SPAN_BYTES = 1 << 20
 
 
-@runtime_checkable
-class TakeReader(Protocol):
-    """A reader that reads rows by index (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class ReaderHooks:
+    """A reader's optional hooks (each a protocol of :mod:`meshfeed.protocols`), resolved once
+    with :meth:`of`: None where the reader lacks one (``reads_urls``: False). A reader with
+    none of them (a plain function) is read through its call alone."""
 
-    def take(self, shard: Any, rows: np.ndarray) -> list[Any]: ...
+    take: Callable[[Any, np.ndarray], list[Any]] | None = None
+    count: Callable[[Any], int] | None = None
+    version: Callable[[Any], str] | None = None
+    modified: Callable[[Any], int] | None = None
+    plan: Callable[[list[Any]], None] | None = None
+    ask: Callable[[list[Any]], None] | None = None
+    forget: Callable[[Any], None] | None = None
+    close: Callable[[], None] | None = None
+    reads_urls: bool = False
+    newest: int | None = None
+
+    @classmethod
+    def of(cls, reader: Any) -> ReaderHooks:
+        return cls(
+            take=reader.take if isinstance(reader, TakeReader) else None,
+            count=reader.count if isinstance(reader, CountReader) else None,
+            version=reader.version if isinstance(reader, VersionReader) else None,
+            modified=reader.modified if isinstance(reader, ModifiedReader) else None,
+            plan=reader.plan if isinstance(reader, PlanReader) else None,
+            ask=reader.ask if isinstance(reader, AskReader) else None,
+            forget=reader.forget if isinstance(reader, ForgetReader) else None,
+            close=reader.close if isinstance(reader, ClosingReader) else None,
+            reads_urls=isinstance(reader, UrlReader) and bool(reader.reads_urls),
+            newest=reader.newest if isinstance(reader, DatedReader) else None,
+        )
 
 
 def callable_identity(fn: Any) -> str:
@@ -111,9 +151,9 @@ def _file_identity(path: str, size: int, mtime_ns: int) -> str:
     return f"{size}:{h.hexdigest()}"
 
 
-def shard_identity(shard: Any, reader: Any = None) -> str:
-    """The identity of one shard's content (see the module docstring); cheap, cached."""
-    version = getattr(reader, "version", None)
+def shard_identity(shard: Any, version: Callable[[Any], str] | None = None) -> str:
+    """The identity of one shard's content: ``version(shard)`` (a reader's hook) where given,
+    else as the module docstring says; cheap, cached."""
     if version is not None:
         return str(version(shard))
     if callable(shard):

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.sources.stream_readers import TakeReader, shard_identity, shard_mtime
+from meshfeed.sources.stream_readers import ReaderHooks, shard_identity, shard_mtime
 from meshfeed.storage import ShardCache, is_url
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import remote_infos
@@ -67,7 +67,7 @@ class CachedReader:
         self._modified: dict[str, int] = {}
         self._asked: set[str] = set()
         # Decided once: a runtime protocol check costs microseconds per batch.
-        self._takes = isinstance(inner, TakeReader)
+        self._hooks = ReaderHooks.of(inner)
 
     def __getstate__(self) -> dict[str, Any]:
         # The versions travel: a worker expects the version the job started with (and asks
@@ -99,7 +99,7 @@ class CachedReader:
         # without a limit nothing is evicted: the inner reader keeps its maps (reopening a
         # shard per batch would cost more than the read)
         limited = self.cache.cache_limit is not None
-        forget = getattr(self.inner, "forget", None) if limited else None
+        forget = self._hooks.forget if limited else None
         for _ in range(max(0, n)):
             old, local = self._held.popitem(last=False)
             if forget is not None:
@@ -164,8 +164,8 @@ class CachedReader:
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         local = self._local(shard)
         try:
-            if self._takes:
-                return list(self.inner.take(local, rows))
+            if self._hooks.take is not None:
+                return list(self._hooks.take(local, rows))
             lo, hi = int(rows.min()), int(rows.max()) + 1
             span = list(self.inner(local, lo, hi))
             return [span[r - lo] for r in rows.tolist()]
@@ -173,7 +173,7 @@ class CachedReader:
             self._done()
 
     def count(self, shard: Any) -> int:
-        count = getattr(self.inner, "count", None)
+        count = self._hooks.count
         local = self._local(shard)
         try:
             if count is not None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.protocols import TextEncoder
 from meshfeed.storage.urls import local_only
 
 __all__ = ["TextTokenizer", "load_tokenizer", "token_ids"]
@@ -88,7 +89,7 @@ def _from_object(obj: Any, name: str) -> TextTokenizer:
             break
     if eod is None and hasattr(obj, "token_to_id"):
         eod = _special_eod(obj)
-    if hasattr(obj, "encode"):
+    if isinstance(obj, TextEncoder):
         encode = obj.encode
         if type(obj).__module__.startswith("transformers"):
             # Megatron's preprocess_data adds no BOS/EOS while tokenizing: nor does meshfeed.
@@ -167,7 +168,7 @@ def _from_module(spec: str) -> TextTokenizer:
                 "name a function text -> ids or a ready tokenizer object, or pass the path of "
                 "a tokenizer.json"
             ) from e
-    if not callable(obj) and not hasattr(obj, "encode"):
+    if not callable(obj) and not isinstance(obj, TextEncoder):
         raise ValueError(
             f"tokenizer {spec!r} is not callable; name a function text -> list[int] or an "
             "object with .encode(text)"
