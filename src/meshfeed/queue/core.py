@@ -195,7 +195,7 @@ class StoreCore(StoreAdmin):
         """Note the trainer's version; consume (undelivered, counted) the task's samples
         older than ``request.max_staleness`` allows (:mod:`meshfeed.queue.versions`)."""
         book = part.book = part.book or Book()
-        book.observe(part, request, round_size(request.sampler, request.batch_size))
+        book.observe(request, round_size(request.sampler, request.batch_size))
         task = request.task
         stale = book.stale_keys(part.task(task), request)
         if stale:
