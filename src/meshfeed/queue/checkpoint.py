@@ -179,7 +179,7 @@ def restore(
         rows = payload[i] if payload is not None else _current_rows(current, name, pm)
         _restore_samples(part, pm, rows)
         _restore_progress(part, pm)
-        _restore_cache(part, pm)
+        _restore_cache(part, pm, evicting=bool(core.options.tasks))
         if pm.get("book") is not None:  # states before policy versions have none
             part.book = Book.from_meta(pm["book"], part.samples)
         core.partitions[name] = part
@@ -227,8 +227,9 @@ def _restore_progress(part: Partition, pm: Mapping[str, Any]) -> None:
     }
 
 
-def _restore_cache(part: Partition, pm: Mapping[str, Any]) -> None:
-    """The partition's cached batches, each pinning the samples it names."""
+def _restore_cache(part: Partition, pm: Mapping[str, Any], *, evicting: bool) -> None:
+    """The partition's cached batches, each pinning the samples it names (``evicting``: a
+    store that drops consumed samples)."""
     for em in pm["cache"]:
         entry = Entry(
             Round.of([list(p) for p in em["parts"]]),
@@ -239,7 +240,8 @@ def _restore_cache(part: Partition, pm: Mapping[str, Any]) -> None:
         )
         entry.read = set(em["read"])
         part.cache[tuple(_key(x) for x in em["key"])] = entry
-        pin(part, list(filter(part.samples.__contains__, entry.round.ids)))
+        if evicting:
+            pin(part, list(filter(part.samples.__contains__, entry.round.ids)))
 
 
 def _json_exact(value: Any) -> bool:

@@ -290,7 +290,7 @@ class StoreCore(StoreAdmin):
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         self.taken += len(every)
         if share is not None:
-            record(part, request, share, round)  # pins every sample it names
+            record(part, request, share, round, evicting=bool(self.options.tasks))
             self.planned += 1
         ids = round[0 if share is None else share.part]
         rows = self._rows(part, ids, request.fields)
@@ -434,7 +434,8 @@ class StoreCore(StoreAdmin):
         return list(ids), self._rows(part, list(ids), fields), _vs(part, list(ids))
 
     def _evict(self, part: Partition, keys: list[Key]) -> None:
-        self._dropped(evict(part, keys, self.options.tasks))
+        if keys:
+            self._dropped(evict(part, keys, self.options.tasks))
 
     def _remove(self, part: Partition, keys: list[Key]) -> None:
         self._dropped(remove(part, keys))

@@ -86,13 +86,17 @@ def check_agreement(entry: Entry, request: GetRequest) -> None:
         )
 
 
-def record(part: Partition, request: GetRequest, share: Share, round: Round) -> None:
+def record(
+    part: Partition, request: GetRequest, share: Share, round: Round, *, evicting: bool
+) -> None:
     """Cache a new plan until every reader asked for a later index, so a retry gets this
-    batch; its samples are pinned meanwhile."""
+    batch; its samples are pinned meanwhile (``evicting``: the store drops consumed samples;
+    a store that never does has nothing to pin)."""
     entry = Entry(round, request.fields, share.readers, request.batch_size, request.agree)
     entry.read.add(share.reader)
     part.cache[(request.task, *share.key)] = entry
-    pin(part, round.ids)
+    if evicting:
+        pin(part, round.ids)
 
 
 def pin(part: Partition, keys: list[Key]) -> None:
@@ -112,7 +116,10 @@ def drop(part: Partition, keys: list[CacheKey]) -> list[Key]:
     freed: list[Key] = []
     pinned = part.pinned
     for key in keys:
-        ids = list(filter(part.samples.__contains__, part.cache.pop(key).round.ids))
+        entry = part.cache.pop(key)
+        if not pinned:  # a store that never evicts pins nothing
+            continue
+        ids = list(filter(part.samples.__contains__, entry.round.ids))
         if max(map(pinned.get, ids, repeat(0)), default=0) <= 1:  # named by this plan alone
             deque(map(pinned.pop, ids, repeat(None)), 0)
         else:
