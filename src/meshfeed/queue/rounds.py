@@ -11,6 +11,7 @@ contiguous in order (Karmarkar-Karp) gives them as lists (:meth:`Round.of`).
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Hashable, Iterator, Sequence
 from itertools import accumulate
@@ -86,7 +87,15 @@ class Round(Sequence[list[Key]]):
                 sizes = [(q + 1) * unit] * r + [q * unit] * (parts - r)
                 cuts = [0, *accumulate(sizes)]
                 cuts[-1] = n  # a last unit may be short
-            self._lists = list(map(self.ids.__getitem__, map(slice, cuts, cuts[1:])))
+            # One list per part survives: without a pause the collector would scan the
+            # growing heap again and again (measured 4-7x the slicing itself at 64k parts).
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                self._lists = list(map(self.ids.__getitem__, map(slice, cuts, cuts[1:])))
+            finally:
+                if enabled:
+                    gc.enable()
         return self._lists
 
 
