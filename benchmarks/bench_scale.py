@@ -30,7 +30,7 @@ It also times the start-up of a stream of 10,000 shards against one of 100 shard
 same 20,000 rows (fresh processes, best of 3; ``--files``), the target being 2x + 0.2 s.
 
     python benchmarks/bench_scale.py            # 1k, 8k, 64k data ranks, every loader
-    python benchmarks/bench_scale.py --quick    # 256 and 16k data ranks, every loader; 150 shards
+    python benchmarks/bench_scale.py --quick    # 256 and 16k data ranks, map, stream, store; 150 shards
 """
 
 from __future__ import annotations
@@ -335,7 +335,11 @@ def _fmt(v: Any) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="256 and 16k data ranks; 150 shards")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="256 and 16k data ranks, map, stream, store; 150 shards",
+    )
     parser.add_argument("--child", nargs=2, metavar=("LOADER", "DP"), help=argparse.SUPPRESS)
     parser.add_argument("--shards", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--files", type=int, default=None, help="shards of the start-up test")
@@ -351,7 +355,8 @@ def main() -> None:
         print(json.dumps(child(kind, dp, args.balance_group, args.exact_steps)))
         return
     sizes = [256, 16384] if args.quick else [1024, 8192, 65536]
-    kinds = ["map", "stream", "store", "balance"]
+    # --quick leaves the balancer out (each fresh process spends seconds importing)
+    kinds = ["map", "stream", "store"] if args.quick else ["map", "stream", "store", "balance"]
     exact_steps = 4 if args.quick else args.exact_steps
     cases = [(kind, dp, args.balance_group, exact_steps) for kind in kinds for dp in sizes]
     # --quick runs its fresh processes two at a time (it checks, it does not time)
