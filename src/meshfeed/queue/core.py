@@ -177,10 +177,10 @@ class StoreCore(StoreAdmin):
             self._evict(part, freed)
             if entry is not None:
                 return self._read_plan(part, request, share, entry)
-        round = self._plan(part, request, share)
-        if round is None:
+        plan = self._plan(part, request, share)
+        if plan is None:
             return None
-        return self._consume(part, request, share, round, alive, now)
+        return self._consume(part, request, share, plan, alive, now)
 
     def versioned(self, partition: str) -> bool:
         """Whether ``partition`` has policy versions (its puts may wait for admission)."""
@@ -275,14 +275,14 @@ class StoreCore(StoreAdmin):
         part: Partition,
         request: GetRequest,
         share: Share | None,
-        round: Round,
+        plan: Round,
         alive: Any,
         now: float,
     ) -> Taken:
         """Mark the planned samples consumed for the task, record a shared plan, and hand
         out this reader's part (held and leased as the request says)."""
         task = request.task
-        every = round.ids
+        every = plan.ids
         deque(map(part.task(task).pop, every), 0)  # C-level loops: no Python per sample
         drop = share is None and not request.hold and self._sole_reader(part, task)
         if not drop:
@@ -290,9 +290,13 @@ class StoreCore(StoreAdmin):
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         self.taken += len(every)
         if share is not None:
-            record(part, request, share, round, evicting=bool(self.options.tasks))
+            record(part, request, share, plan, evicting=bool(self.options.tasks))
             self.planned += 1
-        ids = round[0 if share is None else share.part]
+        ids = (
+            plan.ids
+            if share is None and len(plan) == 1
+            else plan[0 if share is None else share.part]
+        )
         rows = self._rows(part, ids, request.fields)
         if request.hold:
             self._hold(part, ids)
@@ -303,7 +307,7 @@ class StoreCore(StoreAdmin):
             self._forget(part, every)
         elif share is None:  # a plan's samples stay pinned until the plan goes
             self._evict(part, every)
-        parts = round.lists() if share is not None and request.parts else None
+        parts = plan.lists() if share is not None and request.parts else None
         return ids, rows, parts, versions
 
     def _sole_reader(self, part: Partition, task: str) -> bool:

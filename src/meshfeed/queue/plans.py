@@ -25,15 +25,7 @@ from meshfeed.queue.request import GetRequest
 from meshfeed.queue.rounds import Progress, Round
 from meshfeed.queue.samplers import Share
 
-__all__ = [
-    "check_agreement",
-    "drop",
-    "end_of_stream",
-    "lookup",
-    "pin",
-    "read_shared",
-    "record",
-]
+__all__ = ["check_agreement", "drop", "end_of_stream", "lookup", "pin", "read_shared", "record"]
 
 Key = Hashable
 CacheKey = tuple[Any, ...]
@@ -41,7 +33,7 @@ CacheKey = tuple[Any, ...]
 
 def lookup(part: Partition, request: GetRequest, share: Share) -> tuple[Entry | None, list[Key]]:
     """The plan cached for the request's key (``None``: plan it), after acknowledging the
-    reader's earlier batches; and the samples the plans that goes dropped no longer pin."""
+    reader's earlier batches; and the samples freed by the plans that this dropped."""
     freed = _acknowledge(part, request.task, share, request.prefetch, last=False)
     entry = part.cache.get((request.task, *share.key))
     if entry is not None:
@@ -87,16 +79,16 @@ def check_agreement(entry: Entry, request: GetRequest) -> None:
 
 
 def record(
-    part: Partition, request: GetRequest, share: Share, round: Round, *, evicting: bool
+    part: Partition, request: GetRequest, share: Share, plan: Round, *, evicting: bool
 ) -> None:
     """Cache a new plan until every reader asked for a later index, so a retry gets this
     batch; its samples are pinned meanwhile (``evicting``: the store drops consumed samples;
     a store that never does has nothing to pin)."""
-    entry = Entry(round, request.fields, share.readers, request.batch_size, request.agree)
+    entry = Entry(plan, request.fields, share.readers, request.batch_size, request.agree)
     entry.read.add(share.reader)
     part.cache[(request.task, *share.key)] = entry
     if evicting:
-        pin(part, round.ids)
+        pin(part, plan.ids)
 
 
 def pin(part: Partition, keys: list[Key]) -> None:

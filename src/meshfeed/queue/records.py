@@ -179,13 +179,13 @@ class Entry:
 
     def __init__(
         self,
-        round: Round,
+        plan: Round,
         fields: tuple[str, ...],
         readers: int,
         batch_size: int | None = None,
         agree: Any = None,
     ) -> None:
-        self.round = round
+        self.round = plan
         self.fields = fields
         self.readers = readers
         self.batch_size = batch_size

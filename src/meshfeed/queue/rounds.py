@@ -26,7 +26,7 @@ class Round(Sequence[list[Key]]):
     """``parts`` parts of ``ids``: contiguous parts of whole ``unit``-sample units by the
     rule of :func:`split_round`, or cut at ``offsets`` (``parts + 1`` positions)."""
 
-    __slots__ = ("_lists", "_offsets", "_parts", "_unit", "ids")
+    __slots__ = ("_lists", "_offsets", "_unit", "ids", "parts")
 
     def __init__(
         self, ids: list[Key], parts: int, unit: int = 1, offsets: list[int] | None = None
@@ -34,13 +34,13 @@ class Round(Sequence[list[Key]]):
         if parts < 1 or unit < 1:
             raise ValueError(f"a round needs parts >= 1 and unit >= 1 (got {parts=}, {unit=})")
         self.ids = ids
-        self._parts, self._unit, self._offsets = parts, unit, offsets
+        self.parts, self._unit, self._offsets = parts, unit, offsets
         self._lists: list[list[Key]] | None = None
 
     @classmethod
     def of(cls, parts: Sequence[list[Key]]) -> Round:
         """``parts`` as a round (a :class:`Round` is returned as it is)."""
-        if isinstance(parts, Round):
+        if type(parts) is Round:  # not isinstance: an ABC check on every get costs more
             return parts
         if len(parts) == 1:
             return cls(parts[0], 1)
@@ -52,12 +52,12 @@ class Round(Sequence[list[Key]]):
         if self._offsets is not None:
             return self._offsets[part], self._offsets[part + 1]
         n, unit = len(self.ids), self._unit
-        q, r = divmod(-(-n // unit), self._parts)
+        q, r = divmod(-(-n // unit), self.parts)
         start = (part * q + min(part, r)) * unit
         return start, min(n, start + (q + (part < r)) * unit)
 
     def __len__(self) -> int:
-        return self._parts
+        return self.parts
 
     @overload
     def __getitem__(self, part: int) -> list[Key]: ...
@@ -67,14 +67,14 @@ class Round(Sequence[list[Key]]):
 
     def __getitem__(self, part: int | slice) -> list[Key] | list[list[Key]]:
         if isinstance(part, slice):
-            return [self[i] for i in range(*part.indices(self._parts))]
-        if not -self._parts <= part < self._parts:
-            raise IndexError(f"part {part} of a round of {self._parts} parts")
-        start, end = self.bounds(part % self._parts)
+            return [self[i] for i in range(*part.indices(self.parts))]
+        if not -self.parts <= part < self.parts:
+            raise IndexError(f"part {part} of a round of {self.parts} parts")
+        start, end = self.bounds(part % self.parts)
         return self.ids[start:end]
 
     def __iter__(self) -> Iterator[list[Key]]:
-        return (self[i] for i in range(self._parts))
+        return (self[i] for i in range(self.parts))
 
     def lists(self) -> list[list[Key]]:
         """Every part as a list, made once (C-level slicing, O(round)) and shared by every
@@ -82,7 +82,7 @@ class Round(Sequence[list[Key]]):
         if self._lists is None:
             cuts = self._offsets
             if cuts is None:
-                n, unit, parts = len(self.ids), self._unit, self._parts
+                n, unit, parts = len(self.ids), self._unit, self.parts
                 q, r = divmod(-(-n // unit), parts)
                 sizes = [(q + 1) * unit] * r + [q * unit] * (parts - r)
                 cuts = [0, *accumulate(sizes)]
@@ -120,12 +120,10 @@ class Progress:
 
     def __init__(self, asked: dict[int, int], readers: int) -> None:
         self.readers = readers
-        self.heap: list[tuple[int, int]] = []
-        self.missing = readers
         self._build(asked)
 
     def _build(self, asked: dict[int, int]) -> None:
-        self.heap = [(at, r) for r, at in asked.items() if r < self.readers]
+        self.heap: list[tuple[int, int]] = [(at, r) for r, at in asked.items() if r < self.readers]
         self.missing = self.readers - len(self.heap)
         heapq.heapify(self.heap)
 
