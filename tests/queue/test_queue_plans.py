@@ -78,3 +78,15 @@ def test_a_resume_on_fewer_readers_drops_plans_the_gone_readers_never_pass():
         for rank in range(4):
             _get(core, rank, 4, index, batch_index=index)
     assert sorted(k[-1] for k in part.cache) == [2]
+
+
+def test_a_store_that_never_evicts_pins_nothing_and_still_drops_its_plans():
+    core = StoreCore(StoreOptions())  # no tasks: consumed samples stay until deleted
+    core.try_put(PutRequest(partition="p", rows={"x": list(range(16))}))
+    part = core.partitions["p"]
+    for index in range(2):
+        for rank in range(4):
+            ids, _, _, _ = _get(core, rank, 4, index, batch_index=index)
+            assert ids == [8 * index + 2 * rank, 8 * index + 2 * rank + 1]
+    assert not part.pinned and sorted(k[-1] for k in part.cache) == [1]
+    assert core.held == 16  # nothing evicted, nothing lost
