@@ -16,7 +16,9 @@ reports, after its imports:
   rank, when the first rank asks: ``first_ms`` holds that round's plan);
 - ``exact``: for the first global batches, the slices of 16 sampled data ranks are the pieces of
   the global batch the plan gives, and the global batches hold every sample at most once
-  (every sample exactly once over a whole epoch of the map loader).
+  (every sample exactly once over a whole epoch of the map loader); for the store, 16
+  sampled data ranks each read every round (the store holds two global batches) and get
+  their round's part, and the rounds hold every sample exactly once.
 
 The dataset grows with the job (64 samples per data rank; synthetic, computed per index, so
 the dataset itself holds no memory). The balancer plans the documents of the balancing group
@@ -28,7 +30,7 @@ It also times the start-up of a stream of 10,000 shards against one of 100 shard
 same 20,000 rows (fresh processes, best of 3; ``--files``), the target being 2x + 0.2 s.
 
     python benchmarks/bench_scale.py            # 1k, 8k, 64k data ranks, every loader
-    python benchmarks/bench_scale.py --quick    # 256 and 16k data ranks, map and stream; 150 shards
+    python benchmarks/bench_scale.py --quick    # 256 and 16k data ranks, map, stream, store; 150 shards
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ PER_RANK = 64  # samples per data rank in the dataset (32 steps an epoch)
 BATCH = 2  # per data rank
 SHARDS = 1024
 SAMPLED_RANKS = 16
+ROUNDS = 2  # global batches in the store: a round is in flight when the state is taken
 
 
 class Range:
@@ -93,10 +96,12 @@ def _mesh(dp: int) -> dict[str, int]:
     return {"pp": MESH["pp"], "dp": dp, "cp": MESH["cp"], "tp": MESH["tp"]}
 
 
-def _rank(dp: int) -> int:
-    """A global rank whose data rank is ``dp // 2 + 1`` (pp, cp, tp coordinates 1)."""
+def _rank(dp: int, data_rank: int | None = None, other: int = 1) -> int:
+    """A global rank whose data rank is ``data_rank`` (default ``dp // 2 + 1``) and whose
+    pp, cp and tp coordinates are ``other``."""
     cp, tp = MESH["cp"], MESH["tp"]
-    return ((1 * dp + dp // 2 + 1) * cp + 1) * tp + 1
+    d = dp // 2 + 1 if data_rank is None else data_rank
+    return ((other * dp + d) * cp + other) * tp + other
 
 
 def build(kind: str, dp: int) -> Any:
@@ -115,15 +120,21 @@ def build(kind: str, dp: int) -> Any:
     raise ValueError(f"unknown loader {kind!r}")
 
 
-def _store_loader(dp: int, store: Any = None, rank: int | None = None) -> Any:
-    """A StoreLoader of one rank over a store holding one global batch (filled before timing:
-    the samples are the producers', not the rank's)."""
-    from meshfeed.queue import SampleStore, StoreLoader
+def _store(dp: int) -> Any:
+    """A closed store holding ``ROUNDS`` global batches (filled before timing: the samples
+    are the producers', not a rank's)."""
+    from meshfeed.queue import SampleStore
 
-    if store is None:
-        store = SampleStore()
-        store.put("p", {"x": list(range(dp * BATCH))})
-        store.close("p")
+    store = SampleStore()
+    store.put("p", {"x": list(range(ROUNDS * dp * BATCH))})
+    store.close("p")
+    return store
+
+
+def _store_loader(dp: int, store: Any, rank: int | None = None) -> Any:
+    """A StoreLoader of one rank over ``store``; the time it was started."""
+    from meshfeed.queue import StoreLoader
+
     t0 = time.perf_counter()
     loader = StoreLoader(
         store,
@@ -175,12 +186,33 @@ def _exact(loader: Any, dp: int, steps: int) -> bool:
     return len(np.unique(allseen)) == count
 
 
+def _exact_store(store: Any, dp: int) -> bool:
+    """Sampled data ranks (each a fresh loader of another replica coordinate) read every
+    round: each gets its round's part for its data rank, every sampled rank sees the same
+    rounds, and the rounds hold every sample of the store exactly once."""
+    rounds: list[list[list[int]]] | None = None
+    for d in np.linspace(0, dp - 1, SAMPLED_RANKS).astype(int).tolist():
+        loader, _ = _store_loader(dp, store, rank=_rank(dp, d, other=0))
+        got = list(loader)
+        loader.shutdown()
+        if any(b.parts is None or b.ids != b.parts[d] for b in got):
+            return False
+        mine = [b.parts for b in got]
+        if rounds is not None and mine != rounds:
+            return False
+        rounds = mine
+    every = [k for parts in rounds or [] for p in parts if len(parts) == dp for k in p]
+    return sorted(every) == list(range(ROUNDS * dp * BATCH))
+
+
 def _shape(value: Any) -> Any:
-    """``value`` with every number and string replaced by its type: the state's fields."""
+    """``value`` with every number and string replaced by its type and every list by its
+    length and its items' distinct shapes: the state's fields and the lengths of its lists."""
     if isinstance(value, dict):
         return {k: _shape(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_shape(v) for v in value]
+        shapes = {json.dumps(_shape(v)) for v in value}
+        return [len(value), [json.loads(x) for x in sorted(shapes)]]
     return type(value).__name__
 
 
@@ -200,7 +232,7 @@ def child(kind: str, dp: int, group_dp: int, exact_steps: int) -> dict[str, Any]
         out["alloc_mb"] = tracemalloc.get_traced_memory()[1] / 1e6
         return out
     if kind == "store":
-        loader, t0 = _store_loader(dp)
+        loader, t0 = _store_loader(dp, _store(dp))
     else:
         t0 = time.perf_counter()
         loader = build(kind, dp)
@@ -228,8 +260,12 @@ def child(kind: str, dp: int, group_dp: int, exact_steps: int) -> dict[str, Any]
     state = json.dumps(loader.state_dict())
     out["state_b"] = len(state)
     out["state_shape"] = json.dumps(_shape(loader.state_dict()))
-    out["exact"] = _exact(loader, dp, exact_steps) if kind != "store" else None
-    loader.shutdown()
+    if kind == "store":
+        loader.shutdown()
+        out["exact"] = _exact_store(loader.store, dp)
+    else:
+        out["exact"] = _exact(loader, dp, exact_steps)
+        loader.shutdown()
     if kind != "store":
         tracemalloc.start()
         again = build(kind, dp)
@@ -300,7 +336,9 @@ def _fmt(v: Any) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="256 and 16k data ranks, map and stream"
+        "--quick",
+        action="store_true",
+        help="256 and 16k data ranks, map, stream, store; 150 shards",
     )
     parser.add_argument("--child", nargs=2, metavar=("LOADER", "DP"), help=argparse.SUPPRESS)
     parser.add_argument("--shards", nargs="+", help=argparse.SUPPRESS)
@@ -317,7 +355,8 @@ def main() -> None:
         print(json.dumps(child(kind, dp, args.balance_group, args.exact_steps)))
         return
     sizes = [256, 16384] if args.quick else [1024, 8192, 65536]
-    kinds = ["map", "stream"] if args.quick else ["map", "stream", "store", "balance"]
+    # --quick leaves the balancer out (each fresh process spends seconds importing)
+    kinds = ["map", "stream", "store"] if args.quick else ["map", "stream", "store", "balance"]
     exact_steps = 4 if args.quick else args.exact_steps
     cases = [(kind, dp, args.balance_group, exact_steps) for kind in kinds for dp in sizes]
     # --quick runs its fresh processes two at a time (it checks, it does not time)

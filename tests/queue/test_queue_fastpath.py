@@ -7,6 +7,7 @@ of a sole reader at once) against the same sequences with them switched off.
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -18,7 +19,7 @@ from meshfeed.queue.core import PartitionClosed, StoreCore, StoreOptions
 from meshfeed.queue.fastpath import select_fast, select_runs
 from meshfeed.queue.records import View
 from meshfeed.queue.request import GetRequest, PutRequest
-from meshfeed.queue.samplers import SequentialSampler
+from meshfeed.queue.samplers import RankAwareSampler, SequentialSampler
 
 
 def _put(core: StoreCore, partition: str, rows: dict, ids: Any, groups: Any) -> Any:
@@ -142,3 +143,36 @@ def test_select_fast_leaves_other_samplers_to_the_general_path():
 
     other = GetRequest(task="t", fields=("x",), batch_size=2, partition="p", sampler=Custom())
     assert select_fast(part, part.task("t"), other, other.need) is False
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_select_fast_plans_a_rank_aware_round_as_the_sampler_does(seed):
+    """Over a sequential choice, a round of D data ranks is the first D * batch_size ready
+    samples split by the sampler's rule, and a short last round of fewer than D samples is
+    not handed out: the fast answer's parts equal ``RankAwareSampler.select``'s."""
+    rng = random.Random(seed)
+    core = StoreCore(StoreOptions())
+    for _ in range(rng.randint(1, 6)):
+        ids = _put(core, "p", {"x": list(range(rng.randint(1, 9)))}, None, None)
+        if rng.random() < 0.3:
+            _put(core, "p", {"y": [1]}, [ids[0]], None)
+    if rng.random() < 0.5:
+        core.close("p")
+    part = core.partitions["p"]
+    pending = part.task("t")
+    served = 0
+    for fields, ranks in itertools.product((("x",), ("x", "y")), (1, 2, 3, 5)):
+        sampler = RankAwareSampler(data_rank=0, data_world_size=ranks)
+        for batch_size in range(1, 6):
+            request = GetRequest(
+                task="t", fields=fields, batch_size=batch_size, partition="p", sampler=sampler
+            )
+            fast = select_fast(part, pending, request, request.need)
+            general = sampler.select(View(part, pending, request.need), batch_size)
+            if fast is False:  # a pending sample lacks a field: the general path decides
+                continue
+            assert (None if fast is None else list(fast)) == (
+                None if general is None else list(general)
+            ), (ranks, batch_size, fields)
+            served += fast is not None
+    assert served  # every sample has x: some rounds were planned the fast way

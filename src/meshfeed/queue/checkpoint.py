@@ -42,7 +42,9 @@ import numpy as np
 from meshfeed.queue.bookkeeping import check_state, check_values
 from meshfeed.queue.columns import resolve
 from meshfeed.queue.core import KIND, VERSION, StoreCore
+from meshfeed.queue.plans import pin
 from meshfeed.queue.records import Entry, Partition, Ref, Sample, StoreOptions, nbytes_of
+from meshfeed.queue.rounds import Round
 from meshfeed.queue.versions import Book
 from meshfeed.state import envelope, open_envelope
 
@@ -128,7 +130,7 @@ def _partition_meta(
 def _entry_meta(key: tuple[Any, ...], e: Entry) -> dict[str, Any]:
     return {
         "key": list(key),
-        "parts": e.parts,
+        "parts": e.round.lists(),
         "fields": list(e.fields),
         "read": sorted(e.read),
         "readers": e.readers,
@@ -177,7 +179,7 @@ def restore(
         rows = payload[i] if payload is not None else _current_rows(current, name, pm)
         _restore_samples(part, pm, rows)
         _restore_progress(part, pm)
-        _restore_cache(part, pm)
+        _restore_cache(part, pm, evicting=bool(core.options.tasks))
         if pm.get("book") is not None:  # states before policy versions have none
             part.book = Book.from_meta(pm["book"], part.samples)
         core.partitions[name] = part
@@ -225,11 +227,12 @@ def _restore_progress(part: Partition, pm: Mapping[str, Any]) -> None:
     }
 
 
-def _restore_cache(part: Partition, pm: Mapping[str, Any]) -> None:
-    """The partition's cached batches, each pinning the samples it names."""
+def _restore_cache(part: Partition, pm: Mapping[str, Any], *, evicting: bool) -> None:
+    """The partition's cached batches, each pinning the samples it names (``evicting``: a
+    store that drops consumed samples)."""
     for em in pm["cache"]:
         entry = Entry(
-            [list(p) for p in em["parts"]],
+            Round.of([list(p) for p in em["parts"]]),
             tuple(em["fields"]),
             int(em["readers"]),
             em.get("batch_size"),
@@ -237,10 +240,8 @@ def _restore_cache(part: Partition, pm: Mapping[str, Any]) -> None:
         )
         entry.read = set(em["read"])
         part.cache[tuple(_key(x) for x in em["key"])] = entry
-        for p in entry.parts:
-            for k in p:
-                if k in part.samples:
-                    part.samples[k].pins += 1
+        if evicting:
+            pin(part, list(filter(part.samples.__contains__, entry.round.ids)))
 
 
 def _json_exact(value: Any) -> bool:

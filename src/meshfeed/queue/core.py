@@ -33,7 +33,7 @@ from meshfeed.queue.dynamic import rejected
 from meshfeed.queue.eviction import evict, forget, remove
 from meshfeed.queue.fastpath import select_fast
 from meshfeed.queue.leases import Lease, Leases
-from meshfeed.queue.plans import acknowledge, check_agreement, finished, record, unpin
+from meshfeed.queue.plans import end_of_stream, lookup, read_shared, record
 from meshfeed.queue.puts import check_put, put_run, put_samples, run_columns
 from meshfeed.queue.records import (
     Entry,
@@ -46,6 +46,7 @@ from meshfeed.queue.records import (
     nbytes_of,
 )
 from meshfeed.queue.request import GetRequest, PutRequest
+from meshfeed.queue.rounds import Round
 from meshfeed.queue.samplers import Share
 from meshfeed.queue.stall import check_fits, round_size
 from meshfeed.queue.versions import Book
@@ -152,55 +153,59 @@ class StoreCore(StoreAdmin):
         """Plan and consume a batch; ``None`` when not enough samples are ready yet. The
         batch's ids and rows, and (``request.parts``) the parts of the shared plan it belongs
         to (``None`` without one, or not asked for): every reader's ids in part order (a
-        rank-aware round: the data ranks' batches in data-rank order), so a loader's
-        checkpoint can name the whole round.
+        rank-aware round: the data ranks' batches in data-rank order; one list shared by
+        every reader of the round: read-only), so a loader's checkpoint can name the whole
+        round; and the samples' versions (``None``: an unversioned partition).
 
-        In order: overdue leases expire and the consumer's earlier leases are acknowledged;
-        a shared plan already made for this request's key is read (replica peers, retries);
-        a closed partition with nothing more for the task ends the stream
-        (:class:`PartitionClosed`); else the sampler plans a batch and it is consumed.
-        ``request.hold``: keep the returned samples until :meth:`release`. With
-        ``options.lease_timeout`` set, a batch of a non-sharing sampler is handed out under
-        ``request.lease`` of ``request.consumer``, expiring at ``now + lease_timeout``
-        (``alive``: the consumer's liveness probe, see :mod:`meshfeed.queue.leases`).
-        ``now``: the caller's ``time.monotonic()`` (default: read now).
+        The request flows down once: overdue leases expire and the consumer's earlier
+        leases are acknowledged, stale samples go (:meth:`_settle`); a shared plan already
+        made for this request's key is read (replica peers, retries: :mod:`~meshfeed.queue.
+        plans`); else the sampler plans a batch (:meth:`_plan`: a closed partition with
+        nothing more for the task ends the stream, :class:`PartitionClosed`) and it is
+        consumed (:meth:`_consume`). ``request.hold``: keep the returned samples until
+        :meth:`release`. With ``options.lease_timeout`` set, a batch of a non-sharing sampler
+        is handed out under ``request.lease`` of ``request.consumer``, expiring at ``now +
+        lease_timeout`` (``alive``: the consumer's liveness probe, see
+        :mod:`meshfeed.queue.leases`). ``now``: the caller's ``time.monotonic()``.
         """
         part = self._partition(request.partition)
         now = time.monotonic() if now is None else now
-        if self.leases:
-            self._settle_leases(request, now)
-        if request.version is not None:
-            self._drop_stale(part, request)
+        self._settle(part, request, now)
         share = request.sampler.share(request.sampler_context())
         if share is not None:
-            self._ack(part, request.task, share, request.prefetch, last=False)
-            entry = part.cache.get((request.task, *share.key))
-            if entry is not None:  # versions first: the last reader's read may evict
-                held = [k for k in entry.parts[share.part] if k in part.samples]
-                versions = _vs(part, held, request.version_of)
-                ids, rows = self._read_plan(part, request, share, entry)
-                return ids, rows, _copy(entry.parts) if request.parts else None, versions
-        parts = self._plan(part, request, share)
-        if parts is None:
+            entry, freed = lookup(part, request, share)
+            self._evict(part, freed)
+            if entry is not None:
+                return self._read_plan(part, request, share, entry)
+        plan = self._plan(part, request, share)
+        if plan is None:
             return None
-        ids, rows, versions = self._consume(part, request, share, parts, alive, now)
-        return ids, rows, _copy(parts) if share is not None and request.parts else None, versions
+        return self._consume(part, request, share, plan, alive, now)
 
     def versioned(self, partition: str) -> bool:
         """Whether ``partition`` has policy versions (its puts may wait for admission)."""
         part = self.partitions.get(partition)
         return part is not None and part.book is not None
 
-    def _drop_stale(self, part: Partition, request: GetRequest) -> None:
-        """Note the trainer's version; consume (undelivered, counted) the task's samples
-        older than ``request.max_staleness`` allows (:mod:`meshfeed.queue.versions`)."""
-        book = part.book = part.book or Book()
-        book.observe(part, request, round_size(request.sampler, request.batch_size))
-        task = request.task
-        stale = book.stale_keys(part.task(task), request)
-        if stale:
-            book.stale[task] = book.stale.get(task, 0) + len(stale)
-            self._unserved(part, task, stale)
+    def _settle(self, part: Partition, request: GetRequest, now: float) -> None:
+        """Before planning: overdue leases expire and a get of ``consumer`` acknowledges its
+        earlier batches of the same task and partition; with a trainer ``version``, the
+        task's samples older than ``request.max_staleness`` allows are consumed (undelivered,
+        counted: :mod:`meshfeed.queue.versions`)."""
+        if self.leases:
+            self.expire_leases(now)
+            if request.consumer is not None:
+                mine = self.leases.of_consumer(request.consumer, request.task, request.partition)
+                for old in mine:
+                    self._end_lease(old.id)
+        if request.version is not None:
+            book = part.book = part.book or Book()
+            book.observe(request, round_size(request.sampler, request.batch_size))
+            task = request.task
+            stale = book.stale_keys(part.task(task), request)
+            if stale:
+                book.stale[task] = book.stale.get(task, 0) + len(stale)
+                self._unserved(part, task, stale)
 
     def _unserved(self, part: Partition, task: str, keys: list[Key]) -> None:
         """Consume ``keys`` for ``task`` without delivering them (stale, or filtered)."""
@@ -211,37 +216,23 @@ class StoreCore(StoreAdmin):
             self.taken += len(keys)
             self._evict(part, keys)
 
-    def _settle_leases(self, request: GetRequest, now: float) -> None:
-        """Expire overdue leases; a get of ``consumer`` acknowledges its earlier batches of
-        the same task and partition."""
-        self.expire_leases(now)
-        if request.consumer is not None:
-            for old in self.leases.of_consumer(request.consumer, request.task, request.partition):
-                self._end_lease(old.id)
-
-    def _read_plan(
-        self, part: Partition, request: GetRequest, share: Share, entry: Entry
-    ) -> tuple[list[Key], dict[str, list[Any]]]:
+    def _read_plan(self, part: Partition, request: GetRequest, share: Share, entry: Entry) -> Taken:
         """A replica peer reading the shared plan, or a retry of the same batch index
-        (idempotent: the same batch again, never the next one); peers must agree."""
-        check_agreement(entry, request)
-        again = share.reader in entry.read
-        entry.read.add(share.reader)
-        ids = [k for k in entry.parts[share.part] if k in part.samples]
+        (idempotent: the same batch again, never the next one)."""
+        ids = list(filter(part.samples.__contains__, entry.round[share.part]))
+        versions = _vs(part, ids, request.version_of)  # before the last reader's read evicts
+        rows = self._rows(part, ids, request.fields)
+        again, freed = read_shared(part, request, share, entry)
         if again:
             self.redelivered += len(ids)
-        rows = self._rows(part, ids, request.fields)
-        if request.hold and not again:
+        elif request.hold:
             self._hold(part, ids)
-        if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
-            self._drop_plans(part, finished(part, (request.task, *share.key[:-1]), share.readers))
-        return ids, rows
+        self._evict(part, freed)
+        return ids, rows, entry.round.lists() if request.parts else None, versions
 
-    def _plan(
-        self, part: Partition, request: GetRequest, share: Share | None
-    ) -> list[list[Key]] | None:
-        """The sampler's batch (as parts), ``None`` to wait; at the end of the stream (a
-        closed partition with nothing more for the task) :class:`PartitionClosed`."""
+    def _plan(self, part: Partition, request: GetRequest, share: Share | None) -> Round | None:
+        """The sampler's batch (as a round of parts), ``None`` to wait; at the end of the
+        stream (a closed partition with nothing more for the task) :class:`PartitionClosed`."""
         need = request.need
         if part.closed:
             missing = [f for f in need if f not in part.seen]
@@ -257,7 +248,7 @@ class StoreCore(StoreAdmin):
         pending = part.task(request.task)
         if request.group_filter is not None:
             self._unserved(part, request.task, rejected(part, request, pending))
-        parts = select_fast(part, pending, request, need) if share is None else False
+        parts = select_fast(part, pending, request, need)
         if isinstance(parts, bool):
             parts = request.sampler.select(View(part, pending, need), request.batch_size)
         if parts is None or not any(parts):
@@ -271,12 +262,12 @@ class StoreCore(StoreAdmin):
             if self.options.capacity is not None:  # about to wait: one that never fits
                 check_fits(self.options, request.sampler, request.batch_size)
             return None
-        return parts
+        return Round.of(parts)
 
     def _end(self, part: Partition, request: GetRequest, share: Share | None, why: str) -> None:
         """The stream has ended for this reader: it acknowledges every plan, then stops."""
         if share is not None:
-            self._ack(part, request.task, share, request.prefetch, last=True)
+            self._evict(part, end_of_stream(part, request.task, share, request.prefetch))
         raise PartitionClosed(why)
 
     def _consume(
@@ -284,26 +275,28 @@ class StoreCore(StoreAdmin):
         part: Partition,
         request: GetRequest,
         share: Share | None,
-        parts: list[list[Key]],
+        plan: Round,
         alive: Any,
         now: float,
-    ) -> tuple[list[Key], dict[str, list[Any]], list[int | None] | None]:
+    ) -> Taken:
         """Mark the planned samples consumed for the task, record a shared plan, and hand
         out this reader's part (held and leased as the request says)."""
         task = request.task
-        every = parts[0] if len(parts) == 1 else [k for p in parts for k in p]
+        every = plan.ids
         deque(map(part.task(task).pop, every), 0)  # C-level loops: no Python per sample
         drop = share is None and not request.hold and self._sole_reader(part, task)
         if not drop:
             part.consumed[task].update(every)
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         self.taken += len(every)
-        index = 0
         if share is not None:
-            index = share.part
-            record(part, request, share, parts, every)
+            record(part, request, share, plan, evicting=bool(self.options.tasks))
             self.planned += 1
-        ids = parts[index]
+        ids = (
+            plan.ids
+            if share is None and len(plan) == 1
+            else plan[0 if share is None else share.part]
+        )
         rows = self._rows(part, ids, request.fields)
         if request.hold:
             self._hold(part, ids)
@@ -312,9 +305,10 @@ class StoreCore(StoreAdmin):
         versions = _vs(part, ids, request.version_of)  # before they go
         if drop:  # fast path: nothing else keeps them, so they go without eviction checks
             self._forget(part, every)
-        else:
+        elif share is None:  # a plan's samples stay pinned until the plan goes
             self._evict(part, every)
-        return ids, rows, versions
+        parts = plan.lists() if share is not None and request.parts else None
+        return ids, rows, parts, versions
 
     def _sole_reader(self, part: Partition, task: str) -> bool:
         """Whether ``task`` is the only one to consume and nothing keeps a consumed sample
@@ -402,17 +396,6 @@ class StoreCore(StoreAdmin):
         self.lease_expired += len(back)
         return len(back)
 
-    def _ack(
-        self, part: Partition, task: str, share: Share, prefetch: int | None, last: bool
-    ) -> None:
-        """A reader asked for a batch (``last``: it found the end); see
-        :func:`~meshfeed.queue.plans.acknowledge`."""
-        self._drop_plans(part, acknowledge(part, task, share, prefetch, last))
-
-    def _drop_plans(self, part: Partition, keys: list[tuple[Any, ...]]) -> None:
-        for key in keys:
-            self._evict(part, unpin(part, key))
-
     def stats_cache_entries(self) -> int:
         return sum(len(p.cache) for p in self.partitions.values())
 
@@ -455,7 +438,8 @@ class StoreCore(StoreAdmin):
         return list(ids), self._rows(part, list(ids), fields), _vs(part, list(ids))
 
     def _evict(self, part: Partition, keys: list[Key]) -> None:
-        self._dropped(evict(part, keys, self.options.tasks))
+        if keys:
+            self._dropped(evict(part, keys, self.options.tasks))
 
     def _remove(self, part: Partition, keys: list[Key]) -> None:
         self._dropped(remove(part, keys))
@@ -466,10 +450,6 @@ class StoreCore(StoreAdmin):
     def _dropped(self, n: int) -> None:
         self.held -= n
         self.dropped += n
-
-
-def _copy(parts: list[list[Key]]) -> list[list[Key]]:
-    return [list(p) for p in parts]
 
 
 def _vs(part: Partition, ids: list[Key], version_of: str = "oldest") -> list[int | None] | None:

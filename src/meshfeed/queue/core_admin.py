@@ -12,6 +12,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.queue.leases import Leases
+from meshfeed.queue.plans import drop
 from meshfeed.queue.records import Partition
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class StoreAdmin:
     def _partition(self, name: str) -> Partition:
         raise NotImplementedError
 
-    def _drop_plans(self, part: Partition, keys: list[tuple[Any, ...]]) -> None:
+    def _evict(self, part: Partition, keys: list[Key]) -> None:
         raise NotImplementedError
 
     def _remove(self, part: Partition, keys: list[Key]) -> None:
@@ -58,13 +59,14 @@ class StoreAdmin:
         if part is None:
             return
         stale = [c for c in part.cache if c[0] == task and type(c[-1]) is int and c[-1] < below]
-        self._drop_plans(part, stale)
+        self._evict(part, drop(part, stale))
 
     def reset_consumption(self, partition: str, task: str) -> None:
         part = self._partition(partition)
-        self._drop_plans(part, [c for c in part.cache if c[0] == task])
+        self._evict(part, drop(part, [c for c in part.cache if c[0] == task]))
         for prefix in [a for a in part.asked if a[0] == task]:
             del part.asked[prefix]
+            part.progress.pop(prefix, None)
         part.pending[task] = dict.fromkeys(part.samples)
         part.consumed[task] = set()
 

@@ -20,36 +20,20 @@ Key = Hashable
 
 def evict(part: Partition, keys: list[Key], tasks: tuple[str, ...] | None) -> int:
     """Drop those of ``keys`` nothing needs any more (``tasks``: the declared consumers;
-    ``None``: samples stay until deleted)."""
+    ``None``: samples stay until deleted): still stored, consumed by every task, and not
+    pinned by a plan, held by a loader or leased. Set operations: no Python per sample."""
     if not tasks:
         return 0
-    if _all_done(part, keys, tasks):  # the common case, with set operations
-        return remove(part, list(filter(part.samples.__contains__, keys)))
-    return remove(part, [k for k in keys if _done(part, k, tasks)])
-
-
-def _all_done(part: Partition, keys: list[Key], tasks: tuple[str, ...]) -> bool:
-    """Whether every one of ``keys`` is done, checked for all at once: nothing is pinned,
-    held or leased in the partition, and every task consumed them all."""
+    done = part.samples.keys() & keys
+    for keep in (part.pinned, part.held, part.leased):
+        if keep:
+            done -= keep.keys()
     consumed = part.consumed
-    return (
-        not part.cache  # so no sample is pinned
-        and not part.held
-        and not part.leased
-        and all(t in consumed and consumed[t].issuperset(keys) for t in tasks)
-    )
-
-
-def _done(part: Partition, k: Key, tasks: tuple[str, ...]) -> bool:
-    """Whether sample ``k`` is still stored, unpinned, neither held nor leased, and consumed
-    by every task."""
-    return (
-        k in part.samples
-        and part.samples[k].pins == 0
-        and k not in part.held
-        and k not in part.leased
-        and all(k in part.consumed.get(t, ()) for t in tasks)
-    )
+    for t in tasks:
+        done = done & consumed[t] if t in consumed else set()
+    if len(done) == len(keys):
+        return remove(part, keys)
+    return remove(part, list(filter(done.__contains__, keys)))
 
 
 def remove(part: Partition, keys: list[Key]) -> int:
@@ -57,7 +41,7 @@ def remove(part: Partition, keys: list[Key]) -> int:
     if not keys:
         return 0
     n = forget(part, keys)
-    for index in (part.held, part.leased):
+    for index in (part.held, part.leased, part.pinned):
         if index:
             deque(map(index.pop, keys, repeat(None)), 0)
     for task, pending in part.pending.items():

@@ -1,25 +1,64 @@
-"""Shared plans: one batch planned once and read by several readers (replica peers, retries).
+"""Shared plans: one round planned once and read by several readers (replica peers, retries).
 
-A rank-aware or length-balanced sampler's request names a key (task, stream, batch index);
-the first reader plans the batch and :func:`record` caches it, pinning its samples; the other
-readers, and a retry of the same index, read the cached plan (peers must ask alike:
-:func:`check_agreement`). A plan goes once every reader read it and asked for a later index
-(:func:`acknowledge`, :func:`finished`); :func:`unpin` then frees its samples for eviction.
+A rank-aware or length-balanced sampler's request names a key (task, stream, batch index).
+:func:`lookup` is where such a request starts: it records how far the reader got, drops the
+plans every reader has passed, and finds the plan already made for the key (peers must ask
+alike: :func:`check_agreement`). Without one the core plans the round and :func:`record` caches
+it, pinning its samples; :func:`read_shared` is another reader's (or a retry's) share of it. Each
+function returns the samples the plans it dropped no longer pin, for the core to evict: the
+request flows down, the answer comes back, and nothing here calls back into the core.
+
+Cost per request: O(batch) plus O(log readers) to know whether every reader passed a plan
+(:class:`~meshfeed.queue.rounds.Progress`); a round's ids are kept once (a
+:class:`~meshfeed.queue.rounds.Round`), pinned and unpinned with C-level passes once per round.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable
+from itertools import repeat
 from typing import Any
 
-from meshfeed.queue.records import Entry, Partition
+from meshfeed.queue.records import Entry, Partition, count_down
 from meshfeed.queue.request import GetRequest
+from meshfeed.queue.rounds import Progress, Round
 from meshfeed.queue.samplers import Share
 
-__all__ = ["acknowledge", "check_agreement", "finished", "record", "unpin"]
+__all__ = ["check_agreement", "drop", "end_of_stream", "lookup", "pin", "read_shared", "record"]
 
 Key = Hashable
 CacheKey = tuple[Any, ...]
+
+
+def lookup(part: Partition, request: GetRequest, share: Share) -> tuple[Entry | None, list[Key]]:
+    """The plan cached for the request's key (``None``: plan it), after acknowledging the
+    reader's earlier batches; and the samples freed by the plans that this dropped."""
+    freed = _acknowledge(part, request.task, share, request.prefetch, last=False)
+    entry = part.cache.get((request.task, *share.key))
+    if entry is not None:
+        check_agreement(entry, request)
+    return entry, freed
+
+
+def read_shared(
+    part: Partition, request: GetRequest, share: Share, entry: Entry
+) -> tuple[bool, list[Key]]:
+    """A replica peer, or a retry of the same batch index, reads ``entry`` (idempotent: the
+    same batch again, never the next one): whether this reader read it before, and the
+    samples freed if every reader has now read and passed it."""
+    again = share.reader in entry.read
+    entry.read.add(share.reader)
+    freed: list[Key] = []
+    if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
+        prefix = (request.task, *share.key[:-1])
+        freed = drop(part, _finished(part, prefix, share.readers))
+    return again, freed
+
+
+def end_of_stream(part: Partition, task: str, share: Share, prefetch: int | None) -> list[Key]:
+    """The reader found the end of the stream: it acknowledges every plan; the samples freed."""
+    return _acknowledge(part, task, share, prefetch, last=True)
 
 
 def check_agreement(entry: Entry, request: GetRequest) -> None:
@@ -40,22 +79,52 @@ def check_agreement(entry: Entry, request: GetRequest) -> None:
 
 
 def record(
-    part: Partition, request: GetRequest, share: Share, parts: list[list[Key]], every: list[Key]
+    part: Partition, request: GetRequest, share: Share, plan: Round, *, evicting: bool
 ) -> None:
     """Cache a new plan until every reader asked for a later index, so a retry gets this
-    batch; its samples are pinned meanwhile."""
-    entry = Entry(parts, request.fields, share.readers, request.batch_size, request.agree)
+    batch; its samples are pinned meanwhile (``evicting``: the store drops consumed samples;
+    a store that never does has nothing to pin)."""
+    entry = Entry(plan, request.fields, share.readers, request.batch_size, request.agree)
     entry.read.add(share.reader)
     part.cache[(request.task, *share.key)] = entry
-    for k in every:
-        part.sample(k).pins += 1
+    if evicting:
+        pin(part, plan.ids)
 
 
-def acknowledge(
+def pin(part: Partition, keys: list[Key]) -> None:
+    """One more plan names each of ``keys`` (a C-level pass when none was pinned)."""
+    pinned = part.pinned
+    if not pinned:
+        part.pinned = dict.fromkeys(keys, 1)
+    elif pinned.keys().isdisjoint(keys):
+        pinned.update(dict.fromkeys(keys, 1))
+    else:
+        for k in keys:
+            pinned[k] = pinned.get(k, 0) + 1
+
+
+def drop(part: Partition, keys: list[CacheKey]) -> list[Key]:
+    """Drop the plans ``keys``; the samples they pinned (still stored), to evict if done."""
+    freed: list[Key] = []
+    pinned = part.pinned
+    for key in keys:
+        entry = part.cache.pop(key)
+        if not pinned:  # a store that never evicts pins nothing
+            continue
+        ids = list(filter(part.samples.__contains__, entry.round.ids))
+        if max(map(pinned.get, ids, repeat(0)), default=0) <= 1:  # named by this plan alone
+            deque(map(pinned.pop, ids, repeat(None)), 0)
+        else:
+            count_down(pinned, ids)
+        freed += ids
+    return freed
+
+
+def _acknowledge(
     part: Partition, task: str, share: Share, prefetch: int | None, last: bool
-) -> list[CacheKey]:
-    """Record that a reader asked for batch ``index`` (``last``: it found the end); the plans
-    every reader has now read and acknowledged, to drop.
+) -> list[Key]:
+    """Record that a reader asked for batch ``index`` (``last``: it found the end); drop the
+    plans every reader has now read and acknowledged; the samples they freed.
 
     A request for ``index`` acknowledges the reader's batches up to ``index - window``,
     where ``window`` is the loader's ``prefetch`` (1 when not given): with ``P`` requests
@@ -63,36 +132,32 @@ def acknowledge(
     that found the end acknowledges everything. So a retry of a batch not yet
     acknowledged gets the same batch, and the cache stays bounded."""
     prefix, index = (task, *share.key[:-1]), share.key[-1]
-    window = prefetch or 1
-    upto = (1 << 62) if last else index - window
+    upto = (1 << 62) if last else index - (prefetch or 1)
     asked = part.asked.setdefault(prefix, {})
-    if asked.get(share.reader, -1) >= upto:
+    old = asked.get(share.reader)
+    if old is not None and old >= upto:
         return []
     asked[share.reader] = upto
-    return finished(part, prefix, share.readers)
+    progress = part.progress.get(prefix)
+    if progress is not None and progress.readers == share.readers:
+        progress.moved(asked, share.reader, old)
+    return drop(part, _finished(part, prefix, share.readers))
 
 
-def finished(part: Partition, prefix: tuple[Any, ...], readers: int) -> list[CacheKey]:
+def _finished(part: Partition, prefix: tuple[Any, ...], readers: int) -> list[CacheKey]:
     """The plans under ``prefix`` that every one of ``readers`` read and acknowledged.
 
     Only readers ``0 .. readers - 1`` count: after a resume on fewer data ranks the store's
     checkpoint still names the readers that are gone, whose positions never move again."""
     asked = part.asked.get(prefix, {})
-    current = [at for reader, at in asked.items() if reader < readers]
-    if len(current) < readers:
+    progress = part.progress.get(prefix)
+    if progress is None or progress.readers != readers:
+        progress = part.progress[prefix] = Progress(asked, readers)
+    low = progress.low(asked)
+    if low is None:
         return []
-    low = min(current)
     return [
         key
         for key, entry in part.cache.items()
         if key[:-1] == prefix and key[-1] <= low and len(entry.read) >= entry.readers
     ]
-
-
-def unpin(part: Partition, key: CacheKey) -> list[Key]:
-    """Drop the plan ``key``; the samples it pinned (still stored), to evict if done."""
-    entry = part.cache.pop(key)
-    every = [k for p in entry.parts for k in p if k in part.samples]
-    for k in every:
-        part.sample(k).pins -= 1
-    return every

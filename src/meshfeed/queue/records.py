@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.queue.columns import Cell, Chunk, RemoteChunk, resolve
+from meshfeed.queue.rounds import Progress, Round
 from meshfeed.queue.versions import Book
 
 Key = Hashable
@@ -96,14 +97,13 @@ class StoreOptions:
 class Sample:
     """One sample's fields (stored values: a :class:`Cell`, a :class:`Ref` or a plain value)."""
 
-    __slots__ = ("fields", "group", "nbytes", "pins", "remote")
+    __slots__ = ("fields", "group", "nbytes", "remote")
 
     def __init__(self, group: Hashable | None) -> None:
         self.fields: dict[str, Any] = {}
         self.group = group
         self.nbytes = 0
         self.remote = 0
-        self.pins = 0
 
     def has(self, need: tuple[str, ...]) -> bool:
         fields = self.fields
@@ -120,12 +120,12 @@ class Run:
     scalars) stores this one object under each of its ids instead of ``n`` :class:`Sample`
     records with a :class:`Cell` per field, so the put, the readiness check, the consumption
     and the gather of a batch cost O(1) Python operations per run, not per sample. A sample
-    that later changes (a field added by another put, a pin of a shared plan) is turned into
+    that later changes (a field added by another put) is turned into
     a :class:`Sample` of its own first (:meth:`Partition.sample`); so a key stored with a run
     always has exactly the run's fields.
 
-    Read by the per-sample code as a sample of its own: ``nbytes`` / ``remote`` / ``group`` /
-    ``pins`` are per-row values, ``has(need)`` the readiness test, ``cells(key)`` the stored
+    Read by the per-sample code as a sample of its own: ``nbytes`` / ``remote`` / ``group``
+    are per-row values, ``has(need)`` the readiness test, ``cells(key)`` the stored
     values of one sample. ``fields`` (the names, each with the value of the run's first row)
     is for introspection only; values come from :meth:`cells`.
     """
@@ -133,7 +133,6 @@ class Run:
     __slots__ = ("columns", "first", "index", "names", "nbytes")
 
     group = None
-    pins = 0
     remote = 0
 
     def __init__(self, columns: dict[str, Any], ids: list[Key] | None, first: int) -> None:
@@ -168,24 +167,25 @@ class Run:
 
 
 class Entry:
-    """A plan shared by several readers (rank-aware / length-balanced samplers).
+    """A plan shared by several readers (rank-aware / length-balanced samplers): its
+    :class:`~meshfeed.queue.rounds.Round` (reader ``i`` of part ``p`` reads ``round[p]``).
 
     ``batch_size`` and ``agree`` (the request's ``agree=`` context, e.g. a loader's prefetch)
     are what the planner asked with; every reader must ask with the same (``None``: a plan
     restored from a checkpoint that did not record them, not checked).
     """
 
-    __slots__ = ("agree", "batch_size", "fields", "parts", "read", "readers")
+    __slots__ = ("agree", "batch_size", "fields", "read", "readers", "round")
 
     def __init__(
         self,
-        parts: list[list[Key]],
+        plan: Round,
         fields: tuple[str, ...],
         readers: int,
         batch_size: int | None = None,
         agree: Any = None,
     ) -> None:
-        self.parts = parts
+        self.round = plan
         self.fields = fields
         self.readers = readers
         self.batch_size = batch_size
@@ -205,6 +205,8 @@ class Partition:
         "leased",
         "next_id",
         "pending",
+        "pinned",
+        "progress",
         "samples",
         "seen",
     )
@@ -217,6 +219,8 @@ class Partition:
         # Per (task, shared-key prefix): the highest batch index each reader asked for; a
         # plan is dropped once every reader asked past it (a retry before that re-reads it).
         self.asked: dict[tuple[Any, ...], dict[int, int]] = {}
+        self.progress: dict[tuple[Any, ...], Progress] = {}  # derived from ``asked``
+        self.pinned: dict[Key, int] = {}  # samples of cached plans: how many plans name each
         # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
         # every task, so a checkpoint taken meanwhile can still re-deliver them.
         self.held: dict[Key, int] = {}

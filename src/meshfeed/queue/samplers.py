@@ -22,6 +22,8 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from meshfeed.queue.rounds import Round, split_round
+
 Key = Hashable
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "LengthBalancedSampler",
     "RankAwareSampler",
     "ReadyView",
+    "Round",
     "Sampler",
     "SequentialSampler",
     "Share",
@@ -69,7 +72,7 @@ class Sampler(Protocol):
 
     def share(self, context: Mapping[str, Any]) -> Share | None: ...
 
-    def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None: ...
+    def select(self, view: ReadyView, batch_size: int) -> Sequence[list[Key]] | None: ...
 
 
 def _batch_index(context: Mapping[str, Any], who: str) -> int:
@@ -193,21 +196,6 @@ class GroupSampler:
         return None
 
 
-def split_round(ids: list[Key], parts: int, unit: int) -> list[list[Key]]:
-    """``ids`` (whole units of ``unit`` samples, in order) split into ``parts`` contiguous
-    parts whose unit counts differ by at most one, the larger first: how
-    :class:`RankAwareSampler` splits a round (its docstring: the last round), and how a
-    store loader's state is split again on another number of data ranks."""
-    units = [ids[i : i + unit] for i in range(0, len(ids), unit)]
-    q, r = divmod(len(units), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + q + (1 if i < r else 0)
-        out.append([k for u in units[start:end] for k in u])
-        start = end
-    return out
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankAwareSampler:
     """The ranks of one data-replica group receive the same batch.
@@ -281,7 +269,7 @@ class RankAwareSampler:
             part=self.data_rank,
         )
 
-    def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
+    def select(self, view: ReadyView, batch_size: int) -> Sequence[list[Key]] | None:
         d = self.data_world_size
         if d == 1:
             return self.inner.select(view, batch_size)
@@ -293,7 +281,7 @@ class RankAwareSampler:
         size = self.inner.group_size if isinstance(self.inner, GroupSampler) else 1
         if -(-len(ids) // size) < d:
             return None  # fewer units than data ranks: some rank would get an empty batch
-        return split_round(ids, d, size)
+        return Round(ids, d, size)  # one id list and the rule: no list per data rank
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

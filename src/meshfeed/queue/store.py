@@ -277,7 +277,8 @@ class SampleStore:
         wake it (it then raises :class:`RequestCancelled` having consumed nothing);
         ``parts=True`` sets :attr:`Batch.parts` (the whole round of a rank-aware sampler over
         several data ranks, which a checkpoint names to resume on another number of them; it
-        costs the round's ids in every reply).
+        costs the round's ids in every reply of a Ray store, while the embedded store makes the
+        lists once per round and hands every reader the same ones: read-only).
 
         Leases (a store with ``lease_timeout``): the batch comes under ``Batch.lease``; call
         :meth:`ack` once it is used, or pass the same ``consumer=`` id (one per consumer, e.g.

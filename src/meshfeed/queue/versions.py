@@ -30,10 +30,9 @@ Rules, applied in the store under its lock, so every data rank and both backends
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from meshfeed.queue.records import Partition
     from meshfeed.queue.request import GetRequest, PutRequest
 
 __all__ = [
@@ -47,6 +46,17 @@ __all__ = [
 
 Key = Hashable
 VERSION_OF = ("oldest", "newest")
+
+
+class Stored(Protocol):
+    """What admission reads of a partition (a ``records.Partition``): its samples and each
+    task's pending ones. A protocol, so this module stays below the records it is kept in."""
+
+    @property
+    def samples(self) -> Mapping[Key, Any]: ...
+
+    @property
+    def pending(self) -> Mapping[str, Mapping[Key, None]]: ...
 
 
 class StaleVersion(ValueError):
@@ -98,17 +108,23 @@ class Book:
 
     # ----------------------------------------------------------------- puts
     def admit(
-        self, partition: str, part: Partition, request: PutRequest, ids: list[Key], n_new: int
+        self,
+        partition: str,
+        store: Stored,
+        request: PutRequest,
+        ids: list[Key],
+        n_new: int,
     ) -> bool:
         """Whether the put may land now (``False``: wait for the trainer to consume);
-        raises for a put that never can (stale, too large, backwards, a split group)."""
+        raises for a put that never can (stale, too large, backwards, a split group).
+        ``store``: the partition's samples and each task's pending ones."""
         v = request.version
         if v is None:
             return True
         self._check_rewrite(partition, ids, v)
-        self._check_groups(partition, part, request, ids, v)
+        self._check_groups(partition, store.samples, request, ids, v)
         bounded = {t: tr for t, tr in self.trainers.items() if tr[1] is not None}
-        if bounded and set(bounded) >= set(part.pending):
+        if bounded and set(bounded) >= set(store.pending):
             floors = {t: tr[0] - tr[1] for t, tr in bounded.items()}  # type: ignore[operator]
             if v < min(floors.values()):
                 raise StaleVersion(
@@ -119,7 +135,7 @@ class Book:
         # Waits only while the task has (s + 1) rounds unconsumed already: a put that
         # overshoots is admitted, so a put never waits on a get that waits on it (#28).
         return not n_new or all(
-            len(part.pending.get(task, ())) < (tr[1] + 1) * tr[2]  # type: ignore[operator]
+            len(store.pending.get(task, ())) < (tr[1] + 1) * tr[2]  # type: ignore[operator]
             for task, tr in bounded.items()
         )
 
@@ -135,12 +151,17 @@ class Book:
                 )
 
     def _check_groups(
-        self, partition: str, part: Partition, request: PutRequest, ids: list[Key], v: int
+        self,
+        partition: str,
+        samples: Mapping[Key, Any],
+        request: PutRequest,
+        ids: list[Key],
+        v: int,
     ) -> None:
         if request.groups is None:
             return
         for k, g in zip(ids, request.groups, strict=True):
-            if k in part.samples:
+            if k in samples:
                 continue
             first = self.groups.get(g, v)
             if first != v:
@@ -169,7 +190,7 @@ class Book:
             versions.pop(k, None)
 
     # ----------------------------------------------------------------- gets
-    def observe(self, part: Partition, request: GetRequest, size: int) -> None:
+    def observe(self, request: GetRequest, size: int) -> None:
         """Note the trainer's version of a get (refusing one that goes backwards). Requests
         with a ``batch_index`` (a loader's, fetched ahead, several ranks) may arrive out of
         order: an older one is served by its own version's bound, and the newest is kept;
