@@ -24,15 +24,10 @@ A rank that joins has not followed the position; it takes a peer's ``state_dict(
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from meshfeed.loader_base import LoaderBase
 from meshfeed.mesh import DataMesh
-from meshfeed.order.batches import BatchPlan
-from meshfeed.protocols import GlobalService
-from meshfeed.services.distributed import DistributedService
-
-if TYPE_CHECKING:
-    from meshfeed.loader import DataLoader
 
 __all__ = ["check_divides", "rebuild", "relayout"]
 
@@ -51,41 +46,20 @@ def check_divides(global_batch_size: int, mesh: DataMesh, what: str) -> int:
     return global_batch_size // dp
 
 
-def relayout(loader: DataLoader, mesh: DataMesh, rank: int) -> None:
-    """Move ``loader`` to ``mesh`` / ``rank`` at its position (see the module docstring).
+def relayout(loader: LoaderBase, mesh: DataMesh, rank: int, global_batch_size: int) -> None:
+    """Move ``loader``'s placement to ``mesh`` / ``rank`` (see the module docstring).
 
-    The epoch and position stay (they count global samples); the rank's slice, per-rank batch
-    and plan are recomputed, and the service is stopped so nothing planned for the old layout
-    is served. A :class:`~meshfeed.services.distributed.DistributedService` is rebuilt over the
-    current process group (its agreement is checked again before the next first batch).
+    The loader is stopped (nothing planned for the old layout is served), then its mesh, rank,
+    data rank and size, per-rank batch and options are those of the new layout; the door
+    recomputes what depends on them (``DataLoader``: its plan, and its service over the current
+    process group, whose agreement is checked again before the next first batch).
     """
-    batch = check_divides(loader.global_batch_size, mesh, f"resize of {loader.name}")
+    batch = check_divides(global_batch_size, mesh, f"resize of {loader.name}")
     loader.shutdown()
     loader.mesh, loader.rank = mesh, rank
     loader.data_rank, loader.data_world_size = mesh.data_rank(rank), mesh.data_world_size
     loader.batch_size = batch
     loader.options = dataclasses.replace(loader.options, batch_size=batch)
-    loader.plan = BatchPlan(
-        loader.order,
-        global_batch_size=loader.global_batch_size,
-        drop_last=loader.drop_last,
-        pad_last=loader.pad_last,
-        data_world_size=mesh.data_world_size,
-    )
-    loader._index_cache = None
-    service = loader.service
-    if isinstance(service, GlobalService):
-        service.bind_mesh(mesh)
-        return
-    inner = service.inner if isinstance(service, DistributedService) else service
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        loader.service = DistributedService(
-            inner, agreement=loader._agreement(), timeout=loader.wait_timeout
-        )
-    else:
-        loader.service = inner
 
 
 def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None) -> None:
