@@ -325,10 +325,11 @@ class InFlight:
         """One step of :meth:`wait`: take the outcome of what is in progress for ``entry``
         (waiting at most ``left`` seconds, else :class:`Late`), or request it."""
         if entry.fetch is not None:
+            # Not fetch.result(left): the store's own TimeoutError is cf.TimeoutError too.
+            if not cf.wait([entry.fetch], left).done:
+                raise Late
             try:
-                result = entry.fetch.result(left)
-            except cf.TimeoutError:
-                raise Late from None
+                result = entry.fetch.result()
             except Exception as exc:
                 entry.fetch, entry.failed = None, exc
                 return
@@ -344,6 +345,46 @@ class InFlight:
             self.recv(entry.worker)
         else:
             self.request(entry)
+
+    def redeliver(self, parts: list[list[Any]] | None, rank: int) -> Callable[[], Batch | None]:
+        """A restored state's batch in flight: data rank ``rank``'s part of the round
+        ``parts`` (None: the end), read from the store when first needed."""
+
+        def read() -> Batch | None:
+            if parts is None:
+                return None
+            batch = self.store.peek(self.spec.partition, list(parts[rank]), self.spec.fields)
+            return Batch(batch.ids, batch.columns, parts=parts, versions=batch.versions)
+
+        return read
+
+    def pending(self, wait: float, task: str, prefetch: int) -> list[list[Any]]:
+        """``[index, parts]`` of every batch in flight (``parts`` None: the end there), for a
+        state; waits for their ids at most ``wait`` seconds in all, then ``TimeoutError``
+        naming the batch still on its way (nothing changed)."""
+        deadline = time.monotonic() + wait
+        out: list[list[Any]] = []
+        for entry in self.ahead:
+            try:
+                got = self.wait(entry, deadline, ids=True)
+            except Late:
+                raise TimeoutError(
+                    f"state_dict() waited {wait}s for batch {entry.index} of task {task!r}, "
+                    f"still being fetched ({prefetch=}); the state must name the batches "
+                    "fetched ahead. If producers wait for the trainer (e.g. a weight sync), "
+                    "take state_dict() once they can run again, or use prefetch=1; the loader "
+                    "is unchanged and usable"
+                ) from None
+            parts = got.parts if got.parts is not None or got.ids is None else [got.ids]
+            out.append([entry.index, parts])
+        return out
+
+    def lost_pool(self, error: WorkerError, task: str) -> WorkerError | None:
+        """:meth:`lost`'s error when ``error`` stopped the pool (a worker died or stalled);
+        None when it did not (e.g. a ``collate_fn`` raising ``WorkerError`` itself)."""
+        if self.pool is None or self.pool.started:
+            return None
+        return self.lost(error, task)
 
     def lost(self, error: WorkerError, task: str) -> WorkerError:
         """The pool stopped after a worker died or stalled: what was sent to it is sent again
