@@ -33,7 +33,7 @@ one batch ahead. ``num_workers=K`` starts ``K`` worker processes:
   only run ``collate_fn`` on the fetched batches. ``num_workers > 0`` therefore needs a
   ``collate_fn``.
 
-Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
+Worker processes run on :class:`meshfeed.services.WorkerService` (Ray: spawned, each connects to
 the store once; embedded: the platform's default start method, fork where it exists). A worker
 that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
 :class:`~meshfeed.runtime.WorkerError` within about ``timeout`` + 1 s with every worker stopped;

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
@@ -38,7 +39,10 @@ class Stage:
     is the loader's queue, where a stopped stage puts back what it took."""
 
     def __init__(self, delivery: Delivery, flight: InFlight, make: Make) -> None:
-        self.delivery, self.flight, self.make = delivery, flight, make
+        self.delivery, self.flight = delivery, flight
+        # Weak: the loader owns its stage, and a cycle would leave it to the garbage collector,
+        # whose __del__ -> shutdown() can then run anywhere (inside the store's lock).
+        self._make = weakref.WeakMethod(make)
         #: Entries taken by the stage and not yet returned, in order.
         self.handed: deque[Entry] = deque()
         self._stream: Generator[tuple[Any, Entry], None, None] | None = None
@@ -59,9 +63,14 @@ class Stage:
         return item, entry
 
     def _items(self, halt: threading.Event) -> Iterator[tuple[Any, Entry]]:
-        while (taken := self.make(halt)) is not None:
+        while (taken := self._take(halt)) is not None:
             self.handed.append(taken[1])
             yield taken
+
+    def _take(self, halt: threading.Event) -> tuple[Any, Entry] | None:
+        # The loader is held only during the call (a suspended _items holds no reference).
+        make = self._make()
+        return None if make is None else make(halt)
 
     def wait(self, entry: Entry, halt: threading.Event) -> Got | None:
         """``entry``'s outcome (:meth:`InFlight.wait`); None once ``halt`` is set. Only the
