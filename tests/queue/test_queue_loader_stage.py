@@ -56,8 +56,10 @@ def test_the_delivery_thread_takes_batches_ahead_and_the_state_names_them(tmp_pa
     loader = _loader(store, prefetch=prefetch, device_prefetch=2)
     assert next(loader).tolist() == [0, 1]
     # Taken ahead while the loop does nothing: requested (prefetch) plus held by the thread.
-    _consumed(loader, 2 + 2 * 3)
+    _consumed(loader, 2 + 2 * max(3, prefetch + 1))
     state = loader.state_dict()  # stops the thread: what it took goes back, in order
+    with pytest.raises(ValueError, match="same prefetch, device and device_prefetch"):
+        _loader(_store(12), prefetch=prefetch, device=None).load_state_dict(state)
     assert [index for index, _ in state["pending"]][:3] == [1, 2, 3]
     assert state["pending"][0][1] == [[2, 3]]
     store.save(tmp_path / "store.pt")

@@ -469,8 +469,8 @@ class StoreLoader(LoaderBase):
         ranks, nxt, pending = st["data_world_size"], st["next"], st["pending"]
         if len(pending) > self._keeps:
             raise ValueError(
-                f"StoreLoader state names {len(pending)} batches in flight, more than this "
-                f"loader keeps (prefetch={self.prefetch}); resume with the same prefetch"
+                f"StoreLoader state names {len(pending)} batches in flight, more than this loader "
+                f"keeps ({self._keeps}); resume with the same prefetch, device and device_prefetch"
             )
         if self._flight.ahead or self._flight.next or self._shut:
             raise ValueError(
