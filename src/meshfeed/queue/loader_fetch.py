@@ -330,11 +330,13 @@ class InFlight:
         """One step of :meth:`wait`: take the outcome of what is in progress for ``entry``
         (waiting at most ``left`` seconds, else :class:`Late`), or request it."""
         if entry.fetch is not None:
-            # Not fetch.result(left): the store's own TimeoutError is cf.TimeoutError too.
-            if not cf.wait([entry.fetch], left).done:
-                raise Late
             try:
-                result = entry.fetch.result()
+                result = entry.fetch.result(left)
+            except cf.TimeoutError as exc:
+                if not entry.fetch.done():  # the wait's own deadline, not the store's timeout
+                    raise Late from None
+                entry.fetch, entry.failed = None, exc
+                return
             except Exception as exc:
                 entry.fetch, entry.failed = None, exc
                 return
