@@ -131,20 +131,6 @@ class Delivery:
         """``(batch, meta)`` pairs of ``items`` with each batch delivered; timed per step."""
         return self._ahead(items) if self.ahead else self._timed(items)
 
-    def one(self, make: Callable[[], Any]) -> Any:
-        """``make()``'s batch delivered on this thread (a door that cannot read ahead)."""
-        tel = self.telemetry
-        asked = time.perf_counter()
-        batch = make()
-        if self.ahead:
-            tel.add("produce", time.perf_counter() - asked)
-            batch, event = self._prepare(batch, self._streams())
-            self._hand_over(batch, event)
-            tel.returned(asked, time.perf_counter())
-        else:
-            tel.returned(asked, time.perf_counter(), produced=True)
-        return batch
-
     # ------------------------------------------------------------------ the loop's side
     def _timed(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
         returned, clock = self.telemetry.returned, time.perf_counter

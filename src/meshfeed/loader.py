@@ -26,7 +26,7 @@ from meshfeed.loader_state import (
     encode_stats,
     read_state,
 )
-from meshfeed.options import LoaderOptions, check_not_a_path
+from meshfeed.options import LoaderOptions, build_dataset, check_not_a_path, dataset_length
 from meshfeed.order.batches import Step, order_hooks
 from meshfeed.order.rampup_plan import make_plan
 from meshfeed.ordering import build_order, curriculum_postprocess
@@ -163,7 +163,7 @@ class DataLoader(LoaderBase):
         self._global = isinstance(service, GlobalService)
         dataset = self._where_batches_are_made(dataset, service)
         with wait_limit(self.wait_timeout):  # a stream counting its rows waits within timeout
-            length = _length(dataset)
+            length = dataset_length(dataset)
         self.dataset = dataset
         self.global_batch_size = batch_size * self.data_world_size
         self.dataset_length = length
@@ -215,7 +215,7 @@ class DataLoader(LoaderBase):
         if isinstance(dataset, type) or (callable(dataset) and not isinstance(dataset, Source)):
             # A callable that makes the dataset (Twinkle's call shape) is built where the
             # batches are made: here, or in every Ray actor with service=RayService(...).
-            return _build_dataset(dataset)
+            return build_dataset(dataset)
         return dataset
 
     def _check_some_batch(self, length: int) -> None:
@@ -248,6 +248,10 @@ class DataLoader(LoaderBase):
             )
         else:
             inner = InProcessService()
+        return self._grouped(inner)
+
+    def _grouped(self, inner: Service) -> Service:
+        """``inner``, behind the ranks' agreement check when a process group of several runs."""
         if is_distributed():
             return DistributedService(inner, agreement=self._agreement(), timeout=self.wait_timeout)
         return inner
@@ -456,7 +460,15 @@ class DataLoader(LoaderBase):
         self._resumed = True
 
     def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
-        relayout(self, mesh, rank)
+        plan = self.plan.with_ranks(mesh.data_world_size)  # a ramp that does not divide: refused
+        relayout(self, mesh, rank, self.global_batch_size)  # stopped; placed on the new layout
+        self.plan, self._index_cache = plan, None
+        if isinstance(self.service, GlobalService):
+            self.service.bind_mesh(mesh)
+        else:
+            service = self.service
+            inner = service.inner if isinstance(service, DistributedService) else service
+            self.service = self._grouped(inner)
         if state is not None:  # a rank that rejoins continues from a peer's position
             self.load_state_dict(state)
 
@@ -466,34 +478,3 @@ class DataLoader(LoaderBase):
         if getattr(self, "_started", False):  # __del__ of a half-built loader
             self.service.shutdown()
             self._started = False
-
-
-def _length(dataset: Any) -> int:
-    try:
-        length = len(dataset)
-    except TypeError:
-        raise ValueError(
-            f"dataset of type {type(dataset).__name__} has no len(); meshfeed.DataLoader "
-            "needs a map-style dataset (__len__ and __getitem__)"
-        ) from None
-    if length < 1:
-        raise ValueError(f"dataset is empty (len {length}); give the loader at least one sample")
-    return int(length)
-
-
-def _build_dataset(make: Callable[[], Any]) -> Any:
-    """``make()``, the dataset a callable describes; refused by name if it is not one."""
-    name = getattr(make, "__qualname__", None) or repr(make)
-    try:
-        built = make()
-    except TypeError as exc:
-        raise TypeError(
-            f"dataset={name} is callable but not a dataset, and calling it with no arguments "
-            f"failed ({exc}); pass a map-style dataset or a function that builds one"
-        ) from exc
-    if not isinstance(built, Source):
-        raise TypeError(
-            f"dataset={name}() returned {type(built).__name__}, not a map-style dataset "
-            "(__len__ and __getitem__)"
-        )
-    return built

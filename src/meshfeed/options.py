@@ -14,15 +14,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from meshfeed.protocols import Source
+
 __all__ = [
     "MAX_SEED",
     "MAX_WORKERS",
     "LoaderOptions",
     "OnError",
     "MAX_TIMEOUT",
+    "build_dataset",
     "check_delivery",
     "check_loader_arguments",
     "check_not_a_path",
+    "dataset_length",
     "resolve_timeout",
 ]
 
@@ -158,6 +162,39 @@ def check_not_a_path(dataset: object) -> None:
             "characters); open it first, e.g. meshfeed.sources.TokenWindows(path, seq_len=...) "
             "for a token corpus or ParquetSource(path) for Parquet files"
         )
+
+
+def dataset_length(dataset: Any) -> int:
+    """``len(dataset)`` of a map-style dataset with at least one sample, else a clear error."""
+    try:
+        length = len(dataset)
+    except TypeError:
+        raise ValueError(
+            f"dataset of type {type(dataset).__name__} has no len(); meshfeed.DataLoader "
+            "needs a map-style dataset (__len__ and __getitem__)"
+        ) from None
+    if length < 1:
+        raise ValueError(f"dataset is empty (len {length}); give the loader at least one sample")
+    return int(length)
+
+
+def build_dataset(make: Callable[[], Any]) -> Any:
+    """``make()``, the dataset a callable describes (Twinkle's call shape); refused by name if
+    it is not one."""
+    name = getattr(make, "__qualname__", None) or repr(make)
+    try:
+        built = make()
+    except TypeError as exc:
+        raise TypeError(
+            f"dataset={name} is callable but not a dataset, and calling it with no arguments "
+            f"failed ({exc}); pass a map-style dataset or a function that builds one"
+        ) from exc
+    if not isinstance(built, Source):
+        raise TypeError(
+            f"dataset={name}() returned {type(built).__name__}, not a map-style dataset "
+            "(__len__ and __getitem__)"
+        )
+    return built
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

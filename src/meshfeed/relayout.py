@@ -24,14 +24,10 @@ A rank that joins has not followed the position; it takes a peer's ``state_dict(
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from meshfeed.loader_base import LoaderBase
 from meshfeed.mesh import DataMesh
-from meshfeed.protocols import GlobalService
-from meshfeed.services.distributed import DistributedService
-
-if TYPE_CHECKING:
-    from meshfeed.loader import DataLoader
 
 __all__ = ["check_divides", "rebuild", "relayout"]
 
@@ -50,36 +46,20 @@ def check_divides(global_batch_size: int, mesh: DataMesh, what: str) -> int:
     return global_batch_size // dp
 
 
-def relayout(loader: DataLoader, mesh: DataMesh, rank: int) -> None:
-    """Move ``loader`` to ``mesh`` / ``rank`` at its position (see the module docstring).
+def relayout(loader: LoaderBase, mesh: DataMesh, rank: int, global_batch_size: int) -> None:
+    """Move ``loader``'s placement to ``mesh`` / ``rank`` (see the module docstring).
 
-    The epoch and position stay (they count global samples); the rank's slice, per-rank batch
-    and plan are recomputed, and the service is stopped so nothing planned for the old layout
-    is served. A :class:`~meshfeed.services.distributed.DistributedService` is rebuilt over the
-    current process group (its agreement is checked again before the next first batch).
+    The loader is stopped (nothing planned for the old layout is served), then its mesh, rank,
+    data rank and size, per-rank batch and options are those of the new layout; the door
+    recomputes what depends on them (``DataLoader``: its plan, and its service over the current
+    process group, whose agreement is checked again before the next first batch).
     """
-    batch = check_divides(loader.global_batch_size, mesh, f"resize of {loader.name}")
-    plan = loader.plan.with_ranks(mesh.data_world_size)  # a ramp that does not divide: refused
+    batch = check_divides(global_batch_size, mesh, f"resize of {loader.name}")
     loader.shutdown()
     loader.mesh, loader.rank = mesh, rank
     loader.data_rank, loader.data_world_size = mesh.data_rank(rank), mesh.data_world_size
     loader.batch_size = batch
     loader.options = dataclasses.replace(loader.options, batch_size=batch)
-    loader.plan = plan
-    loader._index_cache = None
-    service = loader.service
-    if isinstance(service, GlobalService):
-        service.bind_mesh(mesh)
-        return
-    inner = service.inner if isinstance(service, DistributedService) else service
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        loader.service = DistributedService(
-            inner, agreement=loader._agreement(), timeout=loader.wait_timeout
-        )
-    else:
-        loader.service = inner
 
 
 def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None) -> None:
@@ -89,14 +69,17 @@ def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None
     batch = check_divides(
         loader.batch_size * loader.data_world_size, mesh, f"resize of {loader.name}"
     )
-    if loader.prefetch > 1:
+    ahead = "" if loader.prefetch == 1 else f"prefetch={loader.prefetch}"
+    if loader.delivery.ahead:  # pin_memory / device: the delivery thread takes batches ahead
+        ahead = f"device={loader.options.device!r} / pin_memory={loader.pin_memory}"
+    if ahead:
         # Measured: rounds fetched ahead by the old layout's threads could be consumed in the
         # live store after the state was taken, and a round was lost; refused until exact.
         raise ValueError(
-            f"resize of {loader.name} with prefetch={loader.prefetch}: batches fetched ahead "
-            "are taken from the live store and a leaving rank's are lost; build the loader "
-            "with prefetch=1 to resize it live, or resume elastically (restore the store and "
-            "the loader from one checkpoint on the new layout)"
+            f"resize of {loader.name} with {ahead}: batches fetched ahead are taken from the "
+            "live store and a leaving rank's are lost; build the loader with prefetch=1 and "
+            "without device= / pin_memory to resize it live, or resume elastically (restore "
+            "the store and the loader from one checkpoint on the new layout)"
         )
     state = loader.state_dict() if state is None else state
     loader.shutdown()

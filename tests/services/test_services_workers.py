@@ -238,3 +238,38 @@ def test_lambda_collate_fn_under_spawn_says_spawned_workers_need_importable_func
             collate_fn=lambda items: items,
         )
     assert multiprocessing.active_children() == []
+
+
+class _Square:
+    """A fetcher for the per-request interface: a task is an int, its result its square and
+    the worker that made it."""
+
+    seed, worker_id, num_workers = 0, 0, 0
+
+    def __call__(self, task):
+        if task < 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return task * task, self.worker_id
+
+
+def test_submitted_tasks_go_to_the_workers_in_turn_and_are_taken_per_worker_in_order():
+    service = WorkerService(2, prefetch=2, timeout=10)
+    with pytest.raises(RuntimeError, match="before start"):
+        service.submit(1)
+    service.start(_Square())
+    workers = [service.submit(t) for t in range(5)]
+    assert workers == [0, 1, 0, 1, 0]
+    assert service.ready(1, 10.0)
+    assert [service.take(1), service.take(1)] == [(1, 1), (9, 1)]
+    assert [service.take(0) for _ in range(3)] == [(0, 0), (4, 0), (16, 0)]
+    assert not service.ready(0, 0.05)  # nothing outstanding there
+    pids = service.pids
+    assert len(pids) == 2
+    w = service.submit(-1)  # that worker dies: an error naming it, every worker stopped
+    with pytest.raises(WorkerError):
+        service.take(w)
+    assert not service.started and not any(alive(p) for p in pids)
+    w = service.submit(3)  # submit starts fresh workers
+    assert service.take(w) == (9, w)
+    service.shutdown()
+    assert multiprocessing.active_children() == []

@@ -6,8 +6,8 @@ group, and reads with a :class:`RankAwareSampler` (a given ``SequentialSampler``
 rank of this mesh, else it is refused: see :func:`~meshfeed.queue.samplers.mesh_sampler`), so
 tensor / context / pipeline peers of one data rank receive identical batches, data ranks
 receive disjoint ones, and all data ranks end at the same step, always (see the sampler for
-the last-round rule). Batch ``j`` of the loader is the store's shared key ``j``; batches are returned in order
-of ``j``.
+the last-round rule). Batch ``j`` of the loader is the store's shared key ``j``; batches are
+returned in order of ``j``.
 
 Arguments, defaults, checks and lifecycle are those of :class:`meshfeed.DataLoader`
 (``batch_size``, ``mesh``, ``rank``, ``num_workers``, ``prefetch``, ``timeout``,
@@ -33,17 +33,18 @@ one batch ahead. ``num_workers=K`` starts ``K`` worker processes:
   only run ``collate_fn`` on the fetched batches. ``num_workers > 0`` therefore needs a
   ``collate_fn``.
 
-Worker processes run on :class:`meshfeed.runtime.WorkerPool` (Ray: spawned, each connects to
+Worker processes run on :class:`meshfeed.services.WorkerService` (Ray: spawned, each connects to
 the store once; embedded: the platform's default start method, fork where it exists). A worker
 that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
 :class:`~meshfeed.runtime.WorkerError` within about ``timeout`` + 1 s with every worker stopped;
 iterating the loader again starts fresh workers and continues with the batch that failed
 (embedded: collated again from the batch already fetched; Ray: requested again by its index).
 
+``pin_memory`` / ``device`` deliver batches pinned / on the device, copied ahead on a
+delivery thread as ``DataLoader`` does, the state still exact (:mod:`~.loader_stage`).
 ``stats()`` counts the batches and samples returned, timeouts and failures, next to the store's
 view of the task; ``epochs(1)`` yields the one epoch a store stream is (see
-:meth:`StoreLoader.epochs`). The batches in flight (threads, worker processes) are
-:class:`~meshfeed.queue.loader_fetch.InFlight`.
+:meth:`StoreLoader.epochs`).
 
 ``shutdown()`` cancels the requests still waiting in the store (threads and worker processes
 blocked without a deadline wake at once, consuming nothing) and stops the workers.
@@ -64,6 +65,7 @@ ranks with the same global batch (elastic resume: :mod:`meshfeed.queue.loader_re
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -74,8 +76,9 @@ from meshfeed.errors import CollectiveError, RankError
 from meshfeed.loader_base import LoaderBase, check_num_epochs
 from meshfeed.options import LoaderOptions, OnError
 from meshfeed.queue.loader_errors import CollateError, SkipLog, check_on_error, round_failed
-from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Late, Spec
+from meshfeed.queue.loader_fetch import Entry, Got, InFlight, Spec
 from meshfeed.queue.loader_resume import KIND, VERSION, open_state, resplit, unit_of
+from meshfeed.queue.loader_stage import Stage
 from meshfeed.queue.loader_versions import LoaderVersion, check_store, one_epoch
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
@@ -87,6 +90,8 @@ from meshfeed.state import envelope
 
 #: What ``_retry`` returns for a batch ``on_error="skip"`` drops.
 _FAILED: Any = object()
+#: The errors ``stats()`` counts, under their keys.
+_COUNTED = {TimeoutError: "timeouts", CollateError: "collate_errors", WorkerError: "worker_errors"}
 
 
 class StoreLoader(LoaderBase):
@@ -105,8 +110,8 @@ class StoreLoader(LoaderBase):
     process group on a mesh of several ranks; see the module docstring). Replica peers
     must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
     ``batch_size`` and ``prefetch``: the batches requested ahead decide at which step a peer
-    sees the end of the stream; ``on_error``: :mod:`meshfeed.queue.loader_errors`). ``shutdown()`` (or leaving a ``with`` block) cancels
-    waiting requests and stops workers. ``max_staleness`` with :meth:`set_version` and
+    sees the end of the stream; ``on_error``: :mod:`meshfeed.queue.loader_errors`).
+    ``shutdown()`` (or leaving a ``with`` block) cancels waiting requests and stops workers. ``max_staleness`` with :meth:`set_version` and
     ``group_filter`` go to every request (policy versions and dynamic sampling, applied by
     the store: :mod:`meshfeed.queue.versions`, :mod:`meshfeed.queue.dynamic`).
 
@@ -142,16 +147,15 @@ class StoreLoader(LoaderBase):
         on_error: OnError | None = None,
         pin_memory: bool = False,
         device: Any = None,
+        device_prefetch: int = 2,
         on_step: Callable[[Any], Any] | None = None,
         max_staleness: int | None = None,
         group_filter: Callable[[dict[str, list[Any]]], bool] | None = None,
     ) -> None:
+        given = dict(locals())  # the arguments resize() builds the loader again from
+        placed = ("self", "__class__", "store", "batch_size", "mesh", "device_mesh", "rank")
+        self._arguments = {k: v for k, v in given.items() if k not in placed}
         check_store(store)
-        self._arguments: dict[str, Any] = dict(task=task, fields=fields, partition=partition,  # resize()
-            sampler=sampler, num_workers=num_workers, prefetch=prefetch, collate_fn=collate_fn,
-            collate_retries=collate_retries, timeout=timeout, on_error=on_error,
-            pin_memory=pin_memory, device=device, on_step=on_step, max_staleness=max_staleness,
-            group_filter=group_filter)  # fmt: skip
         options = LoaderOptions(
             batch_size=batch_size,
             shuffle=False,  # the store decides the order: no seed, no shuffle
@@ -162,6 +166,7 @@ class StoreLoader(LoaderBase):
             on_error="raise" if on_error is None else on_error,
             pin_memory=pin_memory,
             device=device,
+            device_prefetch=device_prefetch,
             on_step=on_step,
         )
         check_loader_arguments(
@@ -179,7 +184,10 @@ class StoreLoader(LoaderBase):
         self.store, self.task, self.fields = store, task, list(fields)
         self.partition, self.collate_retries = partition, collate_retries
         wait = check_timeout(timeout)
-        self._ahead_max = prefetch if (prefetch > 1 or num_workers) else 0
+        # The delivery thread (pin_memory / device) never fetches in the loop's stead: threads do.
+        self._ahead_max = prefetch if (prefetch > 1 or num_workers or self.delivery.ahead) else 0
+        #: Most batches a state may name in flight: requested, or taken by the delivery thread.
+        self._keeps = max(self._ahead_max, 1) + (options.device_prefetch + 1) * self.delivery.ahead
         # Holding matters only when samples can be evicted while fetched but not returned:
         # fetched ahead, or kept after a failed collate_fn.
         hold = store.options.tasks is not None and (bool(self._ahead_max) or collate_fn is not None)
@@ -196,6 +204,8 @@ class StoreLoader(LoaderBase):
             ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
         )
         self._next_seconds = 0.0
+        #: Pinned / on the device, on the delivery thread (#27): see loader_stage.
+        self._stage = Stage(self.delivery, self._flight, self._next_item)
 
     def _retry(self, entry: Entry, got: Got) -> Any:
         """Retry only ``collate_fn`` on a fetched batch; :class:`CollateError` if it keeps
@@ -234,30 +244,37 @@ class StoreLoader(LoaderBase):
             )
         start = time.perf_counter()
         try:
-            return self.delivery.one(self._next_item)  # pinned / on device, timed (#27)
-        except TimeoutError:
-            self._counts["timeouts"] += 1
-            raise
-        except CollateError:
-            self._counts["collate_errors"] += 1
-            raise
-        except WorkerError as error:
-            self._counts["worker_errors"] += 1
-            if self._flight.pool is None or self._flight.pool.started:
+            item, entry = self._stage.next()
+        except BaseException as error:
+            self._count(error)
+            if not isinstance(error, WorkerError):
+                raise
+            if (lost := self._flight.lost_pool(error, self.task)) is None:
                 raise  # not a failure of the pool (a collate_fn raising WorkerError itself)
-            raise self._flight.lost(error, self.task) from None
+            raise lost from None
         finally:
             self._next_seconds += time.perf_counter() - start
+        got = entry.got  # returned: consumed (the state no longer names it)
+        assert got is not None and got.ids is not None
+        if self._spec.hold:
+            self.store.release(self.partition, got.ids)
+        self._counts["batches"] += 1
+        self._counts["samples"] += len(got.ids)
+        return item
 
-    def _next_item(self) -> Any:
+    def _count(self, error: BaseException) -> None:
+        for kind, key in _COUNTED.items():
+            self._counts[key] += isinstance(error, kind)
+
+    def _next_item(self, halt: threading.Event) -> tuple[Any, Entry] | None:
         while True:
             if not self._ahead_max and not self._flight.ahead:  # synchronous
                 if self._flight.ended:
-                    raise StopIteration
+                    return None
                 result = self._flight.thread_job(self._flight.next, self._version.request())
                 if not isinstance(result, Got) or result.ids is None:  # no workers here
                     self._flight.ended = True
-                    raise StopIteration
+                    return None
                 self._flight.ahead.append(Entry(self._flight.next, got=result))
                 self._flight.next += 1
             if self._flight.pool is not None and not self._flight.ended:
@@ -266,9 +283,11 @@ class StoreLoader(LoaderBase):
             self._flight.progress()
             if not self._flight.ahead:
                 self._flight.stop_workers()
-                raise StopIteration
+                return None
             entry = self._flight.ahead[0]
-            got = self._flight.wait(entry)
+            got = self._stage.wait(entry, halt)
+            if got is None:
+                return None
             if got.ids is None:
                 # Every later request also ends; those already in flight may still hold
                 # batches planned before the end, so they are drained, not dropped.
@@ -277,13 +296,12 @@ class StoreLoader(LoaderBase):
                 continue
             item = self._collated(entry, got)
             self._flight.ahead.popleft()
-            if self._spec.hold:
-                self.store.release(self.partition, got.ids)
             if self.on_error == "skip" and self._skip(entry.index, got, item is _FAILED):
+                if self._spec.hold:
+                    self.store.release(self.partition, got.ids)
                 continue
-            self._counts["batches"] += 1
-            self._counts["samples"] += len(got.ids)
-            return item
+            entry.got = Got(got.ids, item, parts=got.parts)  # what a stopped stage puts back
+            return item, entry
 
     def _collated(self, entry: Entry, got: Got) -> Any:
         """The batch's ``collate_fn`` output (:meth:`_retry` when it failed). With
@@ -332,8 +350,11 @@ class StoreLoader(LoaderBase):
         check_num_epochs(num_epochs)
         if num_epochs > 1:
             raise ValueError(one_epoch(f"{num_epochs=}", "use epochs(1)"))
-        if num_epochs == 1 and not (self._flight.ended and not self._flight.ahead):
+        if num_epochs == 1 and not self._at_end():
             yield 0
+
+    def _at_end(self) -> bool:
+        return self._flight.ended and not self._flight.ahead and not self._stage.handed
 
     def _enter_epoch(self, epoch: int) -> None:
         """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
@@ -357,8 +378,8 @@ class StoreLoader(LoaderBase):
         out["skipped"], out["skipped_samples"] = self._skips.skipped, self._skips.samples
         out["failures"] = [list(row) for row in self._skips.failures]
         out["next_seconds"] = self._next_seconds
-        out["in_flight"] = len(self._flight.ahead)
-        out["ended"] = self._flight.ended and not self._flight.ahead
+        out["in_flight"] = len(self._flight.ahead) + len(self._stage.handed)
+        out["ended"] = self._at_end()
         out["epoch"], out["delivery"] = 0, self.delivery_stats()
         store = self.store.stats()
         out["versions"] = self._version.stats(store, self.task, self.partition)
@@ -386,6 +407,7 @@ class StoreLoader(LoaderBase):
         if self._shut:
             return
         self._shut = True
+        self._stage.stop()
         if self._ahead_max:
             # The store may be gone already (a killed Ray actor): nothing waits in it then.
             with contextlib.suppress(Exception):
@@ -405,27 +427,14 @@ class StoreLoader(LoaderBase):
         loader is unchanged by the error; take the state once producers can run, or use
         ``prefetch=0``.
         """
+        self._stage.stop()  # the batches the delivery thread took are named too
         wait = self.STATE_WAIT if self._spec.timeout is None else self._spec.timeout
-        deadline = time.monotonic() + wait
-        pending = []
         try:
-            for entry in self._flight.ahead:
-                try:
-                    got = self._flight.wait(entry, deadline, ids=True)
-                except Late:
-                    raise TimeoutError(
-                        f"state_dict() waited {wait}s for batch {entry.index} of task "
-                        f"{self.task!r}, still being fetched (prefetch={self.prefetch}); the "
-                        "state must name the batches fetched ahead. If producers wait for the "
-                        "trainer (e.g. a weight sync), take state_dict() once they can run "
-                        "again, or use prefetch=1; the loader is unchanged and usable"
-                    ) from None
-                parts = got.parts if got.parts is not None or got.ids is None else [got.ids]
-                pending.append([entry.index, parts])
+            pending = self._flight.pending(wait, self.task, self.prefetch)
         except WorkerError as error:
-            if self._flight.pool is None or self._flight.pool.started:
+            if (lost := self._flight.lost_pool(error, self.task)) is None:
                 raise
-            raise self._flight.lost(error, self.task) from None
+            raise lost from None
         return envelope(
             KIND,
             VERSION,
@@ -458,10 +467,10 @@ class StoreLoader(LoaderBase):
             evicting=self.store.options.tasks is not None,
         )
         ranks, nxt, pending = st["data_world_size"], st["next"], st["pending"]
-        if len(pending) > max(self._ahead_max, 1):
+        if len(pending) > self._keeps:
             raise ValueError(
-                f"StoreLoader state names {len(pending)} batches in flight, more than this "
-                f"loader keeps (prefetch={self.prefetch}); resume with the same prefetch"
+                f"StoreLoader state names {len(pending)} batches in flight, more than this loader "
+                f"keeps ({self._keeps}); resume with the same prefetch, device and device_prefetch"
             )
         if self._flight.ahead or self._flight.next or self._shut:
             raise ValueError(
@@ -485,15 +494,7 @@ class StoreLoader(LoaderBase):
         self._flight.next = nxt
         self._flight.ended = ended
         for index, parts in rounds:
-            self._flight.ahead.append(Entry(index, lazy=self._redeliver(parts)))
+            self._flight.ahead.append(
+                Entry(index, lazy=self._flight.redeliver(parts, self.data_rank))
+            )
         self._counts["redelivered"] += sum(parts is not None for _, parts in rounds)
-
-    def _redeliver(self, parts: list[list[Any]] | None) -> Callable[[], Batch | None]:
-        def fn() -> Batch | None:
-            if parts is None:
-                return None
-            ids = parts[self.data_rank]
-            batch = self.store.peek(self.partition, list(ids), self._spec.fields)
-            return Batch(batch.ids, batch.columns, parts=parts, versions=batch.versions)
-
-        return fn

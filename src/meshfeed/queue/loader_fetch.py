@@ -2,9 +2,10 @@
 
 :class:`StoreLoader <meshfeed.queue.loader.StoreLoader>` keeps its batches in flight as
 :class:`Entry` records; here is what one request does (:func:`fetch` from the store, then
-``collate_fn`` through :func:`apply`), the worker-process handler (:func:`start_worker`) and
-the pool that runs it, :class:`InFlight` (the batches between request and return: threads,
-workers, order) and the message for a lost worker.
+``collate_fn`` through :func:`apply`), what a worker process runs (:class:`StoreWork`, on a
+:class:`~meshfeed.services.WorkerService`: the one driver of worker processes),
+:class:`InFlight` (the batches between request and return: threads, workers, order) and the
+message for a lost worker.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from meshfeed.queue.core import PartitionClosed
 from meshfeed.queue.loader_versions import LoaderVersion
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.store import Batch, SampleStore
-from meshfeed.runtime import WorkerError, WorkerPool
+from meshfeed.runtime import WorkerError
 from meshfeed.runtime.failures import failure_message
+from meshfeed.services.workers import WorkerService
+from meshfeed.tasks import FetchEvents
 
 _MARGIN = 0.25  # Ray workers: the store's own TimeoutError comes first, then the pool's
 
@@ -109,38 +112,44 @@ def portable(got: Got) -> Got:
     return got
 
 
-def start_worker(
-    worker: int,
-    num_workers: int,
-    address: str | None,
-    name: str | None,
-    spec: Spec,
-    collate_fn: Callable[[Batch], Any] | None,
-) -> Callable[[tuple[str, Any]], Got]:
-    """A store-loader worker's handler: ``("fetch", index)`` (Ray: this worker fetches batch
-    ``index`` from the named store it connected to here, then collates it) or ``("collate",
-    batch)``. A failing ``collate_fn`` returns the raw batch with the error, so only the
-    collate step is retried; a failing fetch raises (the loader requests the batch again)."""
-    store: SampleStore | None = None
-    if address is not None and name is not None:
-        import ray
+class StoreWork:
+    """What a store loader's worker process runs (picklable; a
+    :class:`~meshfeed.services.WorkerService`'s fetcher): ``("fetch", (index, version))``
+    (Ray: this worker fetches batch ``index`` from the named store, connected on first use,
+    then collates it) or ``("collate", batch)``. A failing ``collate_fn`` returns the raw batch
+    with the error, so only the collate step is retried; a failing fetch raises (the loader
+    requests the batch again)."""
 
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-        store = SampleStore.connect(name)
+    def __init__(
+        self,
+        address: str | None,
+        name: str | None,
+        spec: Spec,
+        collate_fn: Callable[[Batch], Any] | None,
+    ) -> None:
+        self.address, self.name, self.spec, self.collate_fn = address, name, spec, collate_fn
+        self.seed, self.worker_id, self.num_workers = 0, 0, 0
+        self._store: SampleStore | None = None
 
-    def handle(task: tuple[str, Any]) -> Got:
+    def _connected(self) -> SampleStore:
+        if self._store is None:
+            if self.address is None or self.name is None:
+                raise RuntimeError("store loader worker asked to fetch without a store")
+            import ray
+
+            ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            self._store = SampleStore.connect(self.name)
+        return self._store
+
+    def __call__(self, task: Any) -> tuple[Got, FetchEvents]:
         kind, arg = task
         if kind == "fetch":
-            if store is None:
-                raise RuntimeError("store loader worker asked to fetch without a store")
-            batch = fetch(store, spec, *arg)
+            batch = fetch(self._connected(), self.spec, *arg)
             if batch is None:
-                return Got(None)
+                return Got(None), FetchEvents()
         else:
             batch = arg
-        return portable(apply(collate_fn, batch))
-
-    return handle
+        return portable(apply(self.collate_fn, batch)), FetchEvents()
 
 
 @dataclass(slots=True, eq=False)
@@ -160,11 +169,12 @@ class Entry:
     failed: BaseException | None = None
 
 
-def make_pool(num_workers: int, wait: float | None, backend: str, prefetch: int) -> WorkerPool:
-    """The (not yet started) worker pool of a loader with ``num_workers`` workers."""
+def make_pool(num_workers: int, wait: float | None, backend: str, prefetch: int) -> WorkerService:
+    """The (not yet started) worker processes of a loader with ``num_workers`` workers."""
     ray = backend == "ray"
-    return WorkerPool(
+    return WorkerService(
         num_workers,
+        prefetch=prefetch,
         # Ray: a fetch waits in the store up to `timeout` and raises TimeoutError
         # there; the pool's own limit (a stuck or stopped worker) comes just after.
         timeout=None if wait is None else wait + (_MARGIN if ray else 0),
@@ -174,7 +184,6 @@ def make_pool(num_workers: int, wait: float | None, backend: str, prefetch: int)
         start_method="spawn" if ray else None,
         name="meshfeed-store-worker",
         grace=0.25,
-        ring=prefetch + 2,
     )
 
 
@@ -212,11 +221,10 @@ class InFlight:
         self.ended = False
         self.ahead: deque[Entry] = deque()
         self.threads: cf.ThreadPoolExecutor | None = None
-        self.pool: WorkerPool | None = None
+        self.pool: WorkerService | None = None
         if num_workers:
             self.pool = make_pool(num_workers, spec.timeout, store.backend, spec.prefetch)
         self.sent: list[deque[Entry]] = [deque() for _ in range(num_workers)]
-        self.turn = 0  # the worker the next task goes to
         self.version: LoaderVersion | None = None  # the loader's, set after construction
 
     def _version_args(self) -> dict[str, Any] | None:
@@ -229,8 +237,8 @@ class InFlight:
             return batch
         return apply(self.collate_fn, batch)
 
-    def start_pool(self) -> WorkerPool:
-        """The worker pool, started on first use or again after a worker failed."""
+    def start_pool(self) -> WorkerService:
+        """The worker processes, started on first use or again after a worker failed."""
         pool = self.pool
         assert pool is not None
         if not pool.started:
@@ -239,15 +247,12 @@ class InFlight:
                 import ray
 
                 address = ray.get_runtime_context().gcs_address
-            pool.start(start_worker, address, self.store.name, self.spec, self.collate_fn)
+            pool.start(StoreWork(address, self.store.name, self.spec, self.collate_fn))
             self.sent = [deque() for _ in range(self.num_workers)]
         return pool
 
     def send(self, entry: Entry, task: tuple[str, Any]) -> None:
-        pool = self.start_pool()
-        w = self.turn
-        self.turn = (w + 1) % self.num_workers
-        pool.send(w, task)
+        w = self.start_pool().submit(task)
         entry.worker = w
         self.sent[w].append(entry)
 
@@ -280,7 +285,7 @@ class InFlight:
         assert self.pool is not None
         entry = self.sent[w][0]
         try:
-            got = self.pool.recv(w)
+            got, _ = self.pool.take(w)
         except WorkerError:
             raise
         except Exception as exc:  # the fetch failed in the worker (or the result could not travel)
@@ -327,8 +332,11 @@ class InFlight:
         if entry.fetch is not None:
             try:
                 result = entry.fetch.result(left)
-            except cf.TimeoutError:
-                raise Late from None
+            except cf.TimeoutError as exc:
+                if not entry.fetch.done():  # the wait's own deadline, not the store's timeout
+                    raise Late from None
+                entry.fetch, entry.failed = None, exc
+                return
             except Exception as exc:
                 entry.fetch, entry.failed = None, exc
                 return
@@ -344,6 +352,46 @@ class InFlight:
             self.recv(entry.worker)
         else:
             self.request(entry)
+
+    def redeliver(self, parts: list[list[Any]] | None, rank: int) -> Callable[[], Batch | None]:
+        """A restored state's batch in flight: data rank ``rank``'s part of the round
+        ``parts`` (None: the end), read from the store when first needed."""
+
+        def read() -> Batch | None:
+            if parts is None:
+                return None
+            batch = self.store.peek(self.spec.partition, list(parts[rank]), self.spec.fields)
+            return Batch(batch.ids, batch.columns, parts=parts, versions=batch.versions)
+
+        return read
+
+    def pending(self, wait: float, task: str, prefetch: int) -> list[list[Any]]:
+        """``[index, parts]`` of every batch in flight (``parts`` None: the end there), for a
+        state; waits for their ids at most ``wait`` seconds in all, then ``TimeoutError``
+        naming the batch still on its way (nothing changed)."""
+        deadline = time.monotonic() + wait
+        out: list[list[Any]] = []
+        for entry in self.ahead:
+            try:
+                got = self.wait(entry, deadline, ids=True)
+            except Late:
+                raise TimeoutError(
+                    f"state_dict() waited {wait}s for batch {entry.index} of task {task!r}, "
+                    f"still being fetched ({prefetch=}); the state must name the batches "
+                    "fetched ahead. If producers wait for the trainer (e.g. a weight sync), "
+                    "take state_dict() once they can run again, or use prefetch=1; the loader "
+                    "is unchanged and usable"
+                ) from None
+            parts = got.parts if got.parts is not None or got.ids is None else [got.ids]
+            out.append([entry.index, parts])
+        return out
+
+    def lost_pool(self, error: WorkerError, task: str) -> WorkerError | None:
+        """:meth:`lost`'s error when ``error`` stopped the pool (a worker died or stalled);
+        None when it did not (e.g. a ``collate_fn`` raising ``WorkerError`` itself)."""
+        if self.pool is None or self.pool.started:
+            return None
+        return self.lost(error, task)
 
     def lost(self, error: WorkerError, task: str) -> WorkerError:
         """The pool stopped after a worker died or stalled: what was sent to it is sent again

@@ -11,6 +11,11 @@ A worker that dies or stalls raises :class:`WorkerError` (within ``timeout`` + a
 second); a sample error re-raises as its own type with the worker's traceback. After any
 error the workers are stopped, and the next ``map`` starts fresh ones: iterating the loader
 again continues from the position of the last batch it returned.
+
+A door whose requests are awaited one by one, each within its own deadline (the sample store's
+loader: a checkpoint bounds its wait for the batches in flight), drives the same workers with
+:meth:`WorkerService.submit` / :meth:`~WorkerService.ready` / :meth:`~WorkerService.take`
+instead of ``map``, never both on one service.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class WorkerService:
         prefetch: int = 2,
         timeout: float | None = 300.0,
         start_method: str | None = None,
+        name: str = "meshfeed-worker",
+        grace: float = 0.5,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(
@@ -76,15 +83,47 @@ class WorkerService:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=})")
         self._pool = WorkerPool(
-            num_workers, timeout=timeout, start_method=start_method, ring=prefetch + 2
+            num_workers,
+            timeout=timeout,
+            start_method=start_method,
+            name=name,
+            grace=grace,
+            ring=prefetch + 2,
         )
         self.num_workers, self.prefetch = num_workers, prefetch
         self.timeout, self.start_method = self._pool.timeout, self._pool.start_method
         self._fetcher: Fetch | None = None
+        self._turn = 0  # the worker submit() sends to next
 
     @property
     def started(self) -> bool:
         return self._pool.started
+
+    @property
+    def pids(self) -> list[int]:
+        """The running workers' process ids."""
+        return self._pool.pids
+
+    def submit(self, task: Any) -> int:
+        """Send ``task`` to the next worker in turn; the worker, whose results :meth:`take`
+        returns in the order of its tasks. Starts the workers first if they are not running
+        (after :meth:`start`; again after an error stopped them)."""
+        if self._fetcher is None:
+            raise RuntimeError("WorkerService.submit() before start(); call start(fetcher) first")
+        self._pool.start(_start_fetcher, self._fetcher)  # a no-op while running
+        w = self._turn
+        self._turn = (w + 1) % self.num_workers
+        self._pool.send(w, task)
+        return w
+
+    def ready(self, worker: int, timeout: float) -> bool:
+        """Whether ``worker``'s oldest result can be taken, waiting at most ``timeout`` s."""
+        return self._pool.ready(worker, timeout)
+
+    def take(self, worker: int) -> Any:
+        """``worker``'s oldest result (waits within the pool's timeout); a worker that died
+        or stalled raises :class:`WorkerError` with every worker stopped."""
+        return self._pool.recv(worker)
 
     def start(self, fetcher: Fetch) -> None:
         self._fetcher = fetcher
