@@ -73,7 +73,8 @@ def _reindex_url(base: str, verify: bool, options: StorageOptions | None) -> Sha
 
     fs, root = filesystem(base, options)
     index = parse_index(json.loads(fs.cat_file(f"{root}/{INDEX_NAME}")), Path(INDEX_NAME))
-    sizes = {os.path.basename(e["name"]): int(e["size"]) for e in fs.ls(root, detail=True)}
+    listing = fs.ls(root, detail=True, refresh=True)  # fsspec caches listings per process
+    sizes = {os.path.basename(e["name"]): int(e["size"]) for e in listing}
     for i, name in enumerate(index.files):
         url, want = f"{base}/{name}", int(index.sizes[i])
         if name not in sizes:
