@@ -3,7 +3,7 @@ one of 100 shards of the same rows, locally and on an S3 API (#32).
 
 Both datasets hold the same rows (``{"x": int64}``), written by ``write_shards`` (index
 version 2: the shards by column). Each measurement is a fresh process (imports done before the
-clock starts) that builds ``ShardedStream.from_index(path_or_url)`` and a ``StreamLoader``
+clock starts, s3fs's too) that builds ``ShardedStream.from_index(path_or_url)`` and a ``StreamLoader``
 (rank 3 of dp 8, batches of 32) and takes its first batch; on S3 with an empty cache folder of
 its own (cold: the index and the shards the batch reads are downloaded). The S3 API is moto's
 server on 127.0.0.1 (``bench_remote.S3Server``, which counts the requests it answers: the GETs
@@ -44,6 +44,8 @@ def first_batch(where: str, cache: str | None, endpoint: str | None) -> dict[str
 
     remote: dict[str, Any] = {}
     if endpoint is not None:
+        import s3fs  # noqa: F401  (an import: done before the clock, like meshfeed's)
+
         remote = {"cache_dir": cache, "storage_options": _options(endpoint)}
     t0 = time.perf_counter()
     stream = ShardedStream.from_index(where, **remote)
