@@ -6,13 +6,19 @@ version 2: the shards by column). Each measurement is a fresh process (imports d
 clock starts, s3fs's too) that builds ``ShardedStream.from_index(path_or_url)`` and a ``StreamLoader``
 (rank 3 of dp 8, batches of 32) and takes its first batch; on S3 with an empty cache folder of
 its own (cold: the index and the shards the batch reads are downloaded). The S3 API is moto's
-server on 127.0.0.1 (``bench_remote.S3Server``, which counts the requests it answers: the GETs
-show that a rank fetches the index and the shards it reads, not the others). Reported: the best
-of ``--repeats`` runs, in turns, and whether the many-shard stream is within the target of
-2x + 0.2 s of the 100-shard one.
+server on 127.0.0.1 (``bench_remote.S3Server``, which counts the requests it answers: the
+object GETs while a cold start's process ran, its download-ahead of the shards it will read
+included). Reported: the best of ``--repeats`` runs, in turns, and whether the many-shard
+stream is within the target of 2x + 0.2 s of the 100-shard one.
+
+Then the same for an equal-weight ``Mixture`` of Megatron corpora (``TokenDocuments`` each,
+written by ``write_indexed``; the same documents split over 100 corpora against 4,000 and
+10,000): time to the first batch of a ``DataLoader``, or the error it raised. There is no
+corpus manifest yet, so every corpus is opened and checked up front, and each holds two file
+maps (two descriptors), which a process limit of 20,000 open files cannot hold at 10,000.
 
     PYTHONPATH=src python benchmarks/bench_startup.py            # 10,000 shards vs 100
-    PYTHONPATH=src python benchmarks/bench_startup.py --quick    # 300 shards vs 100, 3,000 rows
+    PYTHONPATH=src python benchmarks/bench_startup.py --quick    # 200 shards vs 100, 3,000 rows
 """
 
 from __future__ import annotations
@@ -53,6 +59,69 @@ def first_batch(where: str, cache: str | None, endpoint: str | None) -> dict[str
         batch = next(iter(loader))
     took = time.perf_counter() - t0
     return {"first_s": took, "rows": len(batch["x"])}
+
+
+def first_batch_of_mixture(folder: str, corpora: int) -> dict[str, Any]:
+    """Time to the first batch of an equal-weight ``Mixture`` of the ``corpora`` Megatron
+    corpora ``c00000`` ... in ``folder`` (``TokenDocuments`` each), or the error it raised."""
+    import meshfeed
+    from meshfeed.sources import TokenDocuments
+
+    t0 = time.perf_counter()
+    try:
+        sources = {f"c{i}": TokenDocuments(f"{folder}/c{i:05d}") for i in range(corpora)}
+        mix = meshfeed.Mixture(sources, dict.fromkeys(sources, 1), seed=0)
+        loader = meshfeed.DataLoader(
+            mix, batch_size=32, mesh={"dp": 8}, rank=3, seed=0, collate_fn=list
+        )
+        next(iter(loader))
+    except OSError as e:  # too many open files: each corpus holds two maps (#32)
+        return {"first_s": None, "error": f"{type(e).__name__}: {e}"}
+    return {"first_s": time.perf_counter() - t0}
+
+
+def corpus_mixtures(root: Path, sizes: list[int], documents: int, repeats: int) -> list[str]:
+    """A mixture of ``sizes[0]`` corpora against larger ones of the same ``documents``
+    documents (8 tokens each): the best of ``repeats`` fresh processes (``--quick``: one
+    process, the reference first, untimed, then each)."""
+    from meshfeed.sources import write_indexed
+
+    for n in sizes:
+        for i in range(n):
+            docs = (np.arange(8) + j for j in range(documents // n))
+            write_indexed(root / f"m{n}" / f"c{i:05d}", docs, np.uint16)
+    runs = [[str(root / f"m{n}"), n] for n in sizes]
+    if repeats == 1:
+        got = _mixture_children([runs[0], *runs])[1:]
+    else:
+        got = []
+        for run in runs:
+            tries = [_mixture_children([run])[0] for _ in range(repeats)]
+            got.append(min(tries, key=lambda g: g["first_s"] or float("inf")))
+    base = got[0]["first_s"]
+    lines = []
+    if base is None:
+        return [f"corpus mixture: {sizes[0]} corpora fail: {got[0]['error']}"]
+    for n, g in zip(sizes[1:], got[1:], strict=True):
+        if g["first_s"] is None:
+            lines.append(f"corpus mixture: {n} corpora fail: {g['error']}")
+            continue
+        target = 2 * base + 0.2
+        ok = "within" if g["first_s"] <= target else "NOT within"
+        lines.append(
+            f"corpus mixture, {documents} documents: {sizes[0]} corpora {base * 1e3:.0f} ms, "
+            f"{n} corpora {g['first_s'] * 1e3:.0f} ms (x{g['first_s'] / base:.2f}): {ok} "
+            f"2x + 0.2 s = {target * 1e3:.0f} ms"
+        )
+    return lines
+
+
+def _mixture_children(runs: list[list[Any]]) -> list[dict[str, Any]]:
+    cmd = [sys.executable, __file__, "--mixture", json.dumps(runs)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"corpus mixture {runs} failed:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(runs) :]]
 
 
 def _options(endpoint: str) -> dict[str, Any]:
@@ -145,18 +214,29 @@ def verdict(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="300 shards, one run each")
+    parser.add_argument("--quick", action="store_true", help="200 shards, 200 corpora, one process")
     parser.add_argument("--files", type=int, default=None, help="shards of the large dataset")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-s3", action="store_true", help="local only")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--mixture", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--corpora",
+        default=None,
+        help="corpus counts of the mixture rows, comma-separated (default 4000,10000; "
+        "--quick 200; 0: none)",
+    )
     args = parser.parse_args()
+    if args.mixture:
+        for folder, n in json.loads(args.mixture):
+            print(json.dumps(first_batch_of_mixture(folder, n)), flush=True)
+        return
     if args.child:
         for run in json.loads(args.child):
             print(json.dumps(first_batch(**run)), flush=True)
         return
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    files = args.files or (300 if args.quick else 10_000)
+    files = args.files or (200 if args.quick else 10_000)
     repeats = args.repeats or (1 if args.quick else 3)
     rows = 3_000 if args.quick else 20_000
     how = f"best of {repeats} fresh processes each" if repeats > 1 else "one process, warmed up"
@@ -180,6 +260,11 @@ def main() -> None:
                 runs[("s3", n)] = {"where": url, "cache": cache, "endpoint": server.endpoint}
         best, gets = measure(runs, repeats, server)
         lines += [verdict(w, files, best, gets) for w in ("local", "s3") if (w, BASE) in best]
+        corpora = [
+            int(c) for c in (args.corpora or ("200" if args.quick else "4000,10000")).split(",")
+        ]
+        if corpora != [0]:
+            lines += corpus_mixtures(tmp, [BASE, *corpora], rows, repeats)
     text = "\n".join(lines)
     print(text)
     results = Path(__file__).parent / "results"
