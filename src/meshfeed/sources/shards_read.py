@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.shards_format import INDEX_NAME, ShardEntry, ShardIndex, read_index
+from meshfeed.sources.shards_format import INDEX_NAME, ShardIndex, read_index
 from meshfeed.sources.shards_open import BlockCache, OpenShard
 
 __all__ = ["ShardFormatReader"]
@@ -189,12 +189,12 @@ class ShardFormatReader:
     def version(self, shard: Any) -> str:
         """The shard's content hash as its index records it: ``"blake2b-128:<hex>"``."""
         index, i = self._entry(shard)
-        return "blake2b-128:" + index.hashes[i]
+        return self.version_of_hash(index.hashes[i])
 
     @staticmethod
-    def version_of_entry(entry: ShardEntry) -> str:
-        """:meth:`version` of an index entry."""
-        return "blake2b-128:" + entry.hash
+    def version_of_hash(content_hash: str) -> str:
+        """:meth:`version` of a shard whose index records ``content_hash``."""
+        return "blake2b-128:" + content_hash
 
     def forget(self, shard: Any) -> None:
         """Drop this reader's map of ``shard`` (its cached copy is being released, and may be

@@ -193,7 +193,9 @@ class ShardedStream:
             reader,
             cache,
             shards=shards,
-            identities={u: f"blake2b-128:{h}" for u, h in zip(shards, index.hashes, strict=True)},
+            identities={
+                u: reader.version_of_hash(h) for u, h in zip(shards, index.hashes, strict=True)
+            },
             newest=None if info is None else info.modified,
         )
         return cls(shards, cached, rows=index.rows.tolist(), **stream)
