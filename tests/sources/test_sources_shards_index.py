@@ -15,6 +15,7 @@ from meshfeed.cli import main as cli
 from meshfeed.errors import SourceError
 from meshfeed.sources import ShardedStream, ShardFormatReader, read_index, write_shards
 from meshfeed.sources.shards_index import reindex
+from tests.dist_utils import run_distributed
 
 ROWS, SHARDS = 600, 200
 
@@ -47,10 +48,15 @@ def as_version_1(index: Path) -> None:
     index.write_text(json.dumps(raw))
 
 
-def first_batch(index: Path, rank: int = 3) -> list[int]:
+def first_batch(index: Path, rank: int = 3, world: int = 4) -> list[int]:
     stream = ShardedStream.from_index(index)
-    loader = meshfeed.StreamLoader(stream, batch_size=4, mesh={"dp": 4}, rank=rank, seed=1)
+    loader = meshfeed.StreamLoader(stream, batch_size=4, mesh={"dp": world}, rank=rank, seed=1)
     return next(iter(loader))["x"].tolist()  # type: ignore[no-any-return]
+
+
+def _gloo_first_batch(rank: int, world: int, index: str) -> list[int]:
+    # the gloo group is up: the ranks check they agree on the plan before the first batch
+    return first_batch(Path(index), rank=rank, world=world)
 
 
 def test_the_index_holds_the_shards_by_column(tmp_path: Path) -> None:
@@ -128,6 +134,18 @@ def test_a_rank_touches_only_the_shards_it_reads(tmp_path: Path) -> None:
             p.unlink()  # a stat or an open of any other shard would now fail
     assert len(list(index.parent.glob("*.mfs"))) == len(read) < SHARDS // 10
     assert first_batch(index) == first
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_each_touch_only_the_shards_they_read(tmp_path: Path) -> None:
+    index = dataset(tmp_path)
+    firsts = [first_batch(index, rank=r, world=2) for r in range(2)]  # all ranks, one process
+    read = {f"shard-{x // (ROWS // SHARDS):05d}.mfs" for batch in firsts for x in batch}
+    for p in index.parent.glob("shard-*.mfs"):
+        if p.name not in read:
+            p.unlink()
+    assert len(read) < SHARDS // 10
+    assert run_distributed(_gloo_first_batch, 2, str(index)) == firsts
 
 
 def test_a_shard_changed_after_indexing_is_refused_by_name_by_the_reader_that_reaches_it(
