@@ -186,13 +186,18 @@ def test_meshfeed_index_refuses_a_changed_shard_by_name_and_writes_nothing(
     shard = index.parent / "shard-00004.mfs"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    assert cli(["index", str(index)]) == 0  # sizes only: the same size passes
-    as_version_1(index)
+    shard.write_bytes(bytes(data))  # same size, written after its index: hashed anyway
+    assert cli(["index", str(index)]) == 2
+    assert "shard-00004.mfs has content hash" in capsys.readouterr().err
+    assert index.read_text() == old
+    before = index.stat().st_mtime_ns - 10**9
+    os.utime(shard, ns=(before, before))  # damage that keeps an old mtime: only --verify sees it
     assert cli(["index", "--verify", str(index)]) == 2
     assert "shard-00004.mfs has content hash" in capsys.readouterr().err
     assert index.read_text() == old
+    assert cli(["index", str(index)]) == 0
+    new = index.read_text()
     shard.write_bytes(bytes(data[:-1]))
     with pytest.raises(SourceError, match=r"shard-00004\.mfs has \d+ bytes but"):
         reindex(index)
-    assert index.read_text() == old
+    assert index.read_text() == new

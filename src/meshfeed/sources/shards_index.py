@@ -3,9 +3,11 @@ version, so a dataset written by an older meshfeed opens in time that grows with
 rank reads, not with all of them (#32).
 
 The index is read (version 1 or 2), every shard is checked against it (a local shard: its size
-by one ``stat``, and with ``--verify`` its content hash by one read; a URL dataset: one listing
-gives every size, ``--verify`` downloads and hashes each shard), then the index is written in
-version 2 and replaces the old one in one step (a rename; a single upload for a URL). A shard
+by one ``stat``; a URL dataset: one listing gives every size), and a shard written after its
+index (a newer mtime; in a bucket a later last-modified time) is hashed, as a reader does, so a
+shard changed in place is not made to look as old as a new index; with ``--verify`` every shard
+is hashed (a full read or download). Then the index is written in version 2 and replaces the
+old one in one step (a rename; a single upload for a URL). A shard
 that does not match is refused by name and nothing is written. Sizes, row counts and hashes
 are taken from the old index, never recomputed from shards that might have changed since.
 """
@@ -57,8 +59,9 @@ def reindex(
             "leave them out"
         )
     index = read_index(where, check_files=False)
-    for i in range(len(index)):
-        check_file(index.root / index.files[i], index.entry(i), verify=verify)
+    written = (index.root / INDEX_NAME).stat().st_mtime_ns
+    for i in range(len(index)):  # a shard newer than its index is hashed, as a reader does
+        check_file(index.root / index.files[i], index.entry(i), verify=verify, written_ns=written)
     tmp = index.root / f".{INDEX_NAME}.tmp-{os.getpid()}"
     try:
         write_index(index, tmp)
@@ -69,22 +72,24 @@ def reindex(
 
 
 def _reindex_url(base: str, verify: bool, options: StorageOptions | None) -> ShardIndex:
-    from meshfeed.storage.urls import filesystem
+    from meshfeed.storage.retry import RetryPolicy
+    from meshfeed.storage.urls import filesystem, remote_infos
 
     fs, root = filesystem(base, options)
+    index_url = f"{base}/{INDEX_NAME}"
     index = parse_index(json.loads(fs.cat_file(f"{root}/{INDEX_NAME}")), Path(INDEX_NAME))
-    listing = fs.ls(root, detail=True, refresh=True)  # fsspec caches listings per process
-    sizes = {os.path.basename(e["name"]): int(e["size"]) for e in listing}
-    for i, name in enumerate(index.files):
-        url, want = f"{base}/{name}", int(index.sizes[i])
-        if name not in sizes:
-            raise SourceError(f"shard {url} is missing (listed in its index.json)")
-        if sizes[name] != want:
+    urls = [f"{base}/{name}" for name in index.files]
+    infos = remote_infos([index_url, *urls], options, retry=RetryPolicy())  # one listing
+    written = infos[index_url].modified
+    for i, url in enumerate(urls):
+        info, want = infos[url], int(index.sizes[i])
+        if info.size != want:
             raise SourceError(
-                f"shard {url} has {sizes[name]} bytes but its index.json records {want}: the "
+                f"shard {url} has {info.size} bytes but its index.json records {want}: the "
                 "object was replaced; rewrite the dataset"
             )
-        if verify and (got := _hash_remote(fs, f"{root}/{name}")) != index.hashes[i]:
+        hashed = verify or info.modified > written  # written after its index: hash it
+        if hashed and (got := _hash_remote(fs, f"{root}/{index.files[i]}")) != index.hashes[i]:
             raise SourceError(
                 f"shard {url} has content hash {got} but its index.json records "
                 f"{index.hashes[i]}: the object is damaged; rewrite the dataset"
