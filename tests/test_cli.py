@@ -19,7 +19,7 @@ def test_cli_registers_every_subcommand(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    for name in ("demo", "plan", "analyze", "convert"):
+    for name in ("demo", "plan", "analyze", "convert", "index"):
         assert name in out
 
 

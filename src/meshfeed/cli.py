@@ -1,4 +1,4 @@
-"""The ``meshfeed`` command: demo | plan | analyze | convert.
+"""The ``meshfeed`` command: demo | plan | analyze | convert | index.
 
 Result tables go to stdout; progress and messages go to stderr through
 ``logging.getLogger("meshfeed")`` (configured here only if the application has not). A user
@@ -22,6 +22,7 @@ _SUBCOMMANDS = (
     "meshfeed.balance.cli",
     "meshfeed.curriculum.cli",
     "meshfeed.sources.convert",
+    "meshfeed.sources.shards_index",
 )
 
 
@@ -60,7 +61,7 @@ def one_line(error: BaseException) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="meshfeed",
-        description="The data layer for large-model training: plan, analyze, convert, demo.",
+        description="The data layer for large-model training: plan, analyze, convert, index, demo.",
     )
     parser.add_argument("--version", action="version", version=f"meshfeed {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

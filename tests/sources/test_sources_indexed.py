@@ -12,13 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfeed.sources.indexed import (
-    HEADER_SIZE,
-    IndexedFormatError,
-    IndexedWriter,
-    TokenCorpus,
-    write_indexed,
-)
+from meshfeed.sources.indexed import HEADER_SIZE, IndexedFormatError, TokenCorpus
+from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
 
 
 def megatron_files(
@@ -404,11 +399,12 @@ def test_concurrent_writers_never_publish_a_mix(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "c.idx"]
 
 
-def test_the_writer_stays_importable_where_it_was_defined_before_the_split() -> None:
+def test_the_writer_is_imported_from_its_own_module_not_the_reader() -> None:
+    # indexed.py re-exported the writer lazily, an import circle with indexed_write (#32)
+    from meshfeed import sources
     from meshfeed.sources import indexed, indexed_write
-    from meshfeed.sources.indexed import IndexedWriter, write_indexed
 
-    assert IndexedWriter is indexed_write.IndexedWriter
-    assert write_indexed is indexed_write.write_indexed
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        indexed.nope
+    assert sources.write_indexed is indexed_write.write_indexed
+    assert sources.IndexedWriter is indexed_write.IndexedWriter
+    with pytest.raises(AttributeError, match="write_indexed"):
+        indexed.write_indexed

@@ -80,6 +80,29 @@ def test_weights_beyond_the_max_period_are_held_exactly_and_still_within_one():
         _assert_within_one(mix, exact, n)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_period_table_of_many_sources_is_the_quota_method_s(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above 16 sources the table is built with heaps (#32): the same table as the loop."""
+    from meshfeed.order import rational
+
+    rng = np.random.default_rng(seed)
+    cases = [[int(q) for q in rng.integers(0, 40, int(rng.integers(1, 60)))] for _ in range(40)]
+    cases += [[1] * 300, [3, 0, 5] * 30, [7] + [1] * 40]
+    heap = [rational._interleave_period_heap(q) for q in cases if sum(q)]
+    monkeypatch.setattr(rational, "_HEAP_SOURCES", 10**9)  # the plain loop for every size
+    loop = [interleave_period(q) for q in cases if sum(q)]
+    assert all(np.array_equal(a, b) for a, b in zip(heap, loop, strict=True))
+
+
+def test_a_mixture_of_thousands_of_sources_keeps_its_shares() -> None:
+    names = [f"c{i}" for i in range(3_000)]
+    mix = Mixture({n: [0, 1] for n in names}, dict.fromkeys(names, 1))  # 1/3000 each
+    counts = Counter(mix.source_of(np.arange(6_000)).tolist())
+    assert sorted(counts.values()) == [2] * 3_000
+
+
 def _exact_shares(weights: list[float]) -> list[Fraction]:
     fr = [Fraction(w) for w in weights]
     return [f / sum(fr) for f in fr]

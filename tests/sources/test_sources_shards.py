@@ -75,7 +75,8 @@ def test_round_trip_of_every_kind(tmp_path: Path, compression: str | None) -> No
     for a, b in zip(samples, got, strict=True):
         assert_same(a, b)
     raw = json.loads(index.read_text())
-    columns = raw["shards"][0]["layout"]["columns"]
+    assert raw["version"] == 2  # the shards by column (#32)
+    columns = json.loads(raw["shards"]["layout"][0])["columns"]
     stores = {f["name"]: c["store"] for f, c in zip(raw["fields"], columns, strict=True)}
     assert stores["img"] == stores["y"] == stores["z"] == "fixed"
     assert stores["tok"] == stores["s"] == stores["m"] == stores["grid"] == "var"
@@ -274,7 +275,7 @@ def test_decoded_blocks_stay_within_cache_bytes(tmp_path: Path) -> None:
     reader = ShardFormatReader.from_index(index, cache_bytes=40_000)
     got = reader.take(reader.shards[0], np.arange(64)[::-1])
     assert [int(g[0]) for g in got] == list(range(63, -1, -1))
-    assert 0 < reader._held <= 40_000 and len(reader._blocks) == 2
+    assert 0 < reader._blocks.held <= 40_000 and len(reader._blocks) == 2
 
 
 # --- damaged files ------------------------------------------------------------------------
@@ -374,9 +375,13 @@ def test_a_bad_index_is_refused_by_name(tmp_path: Path) -> None:
     index, _ = dataset(tmp_path)
     raw = json.loads(index.read_text())
     index.write_text(json.dumps({**raw, "version": 99}))
-    with pytest.raises(SourceError, match="version 99; this meshfeed reads version 1"):
+    with pytest.raises(SourceError, match="version 99; this meshfeed reads versions 1 and 2"):
         read_index(index)
-    index.write_text(json.dumps({**raw, "shards": [{**raw["shards"][0], "file": "../x"}]}))
+    index.write_text(
+        json.dumps(
+            {**raw, "shards": {**raw["shards"], "file": ["../x", *raw["shards"]["file"][1:]]}}
+        )
+    )
     with pytest.raises(SourceError, match="must be a plain name"):
         read_index(index)
     index.write_text("{not json")
@@ -413,7 +418,7 @@ def test_decode_threads_give_the_same_rows(tmp_path: Path, threads: int) -> None
         rows.tolist(), reader.take(index.parent / "shard-00000.mfs", rows), strict=True
     ):
         assert_same(samples[r], got)
-    assert (reader._threads is None) == (threads == 1)
+    assert (reader._blocks._threads is None) == (threads == 1)
 
 
 def _take_in_worker(args: tuple[ShardFormatReader, str, list[int]]) -> list[int]:

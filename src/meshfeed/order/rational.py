@@ -10,6 +10,7 @@ O(K) exact integer arithmetic.
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ __all__ = ["HORIZON", "MAX_PERIOD", "Interleave", "interleave_period"]
 MAX_PERIOD = 1 << 16
 #: Prefix length up to which a rational reading of float weights must be indistinguishable.
 HORIZON = 1 << 40
+#: Above this many sources the period table is built with heaps (the plain loop is O(M K)).
+_HEAP_SOURCES = 16
 #: Above this many sources the tree search is skipped (it costs about 3**K).
 _MAX_TREE_SEARCH = 8
 #: float64 is trusted for ``N * t + 1/2`` only when the fraction is this far from an integer.
@@ -36,6 +39,8 @@ def interleave_period(quotas: list[int]) -> np.ndarray:
     (``n * q_s > c_s * M``), to the one with the largest ``q_s / (c_s + 1)`` (lowest index on
     ties). Every prefix then holds between ``floor`` and ``ceil`` of ``n * q_s / M`` of source s.
     """
+    if len(quotas) > _HEAP_SOURCES:
+        return _interleave_period_heap(quotas)
     M, K = sum(quotas), len(quotas)
     out = np.empty(M, dtype=np.int32)
     counts = [0] * K
@@ -51,6 +56,30 @@ def interleave_period(quotas: list[int]) -> np.ndarray:
                 best = s
         out[n - 1] = best
         counts[best] += 1
+    return out
+
+
+def _interleave_period_heap(quotas: list[int]) -> np.ndarray:
+    """:func:`interleave_period` in O(M log K) instead of O(M K): for many sources (a mixture
+    of 10,000 corpora took a minute, #32). The same table: a source is waiting until its
+    upper quota lets it in (it stays in until it is chosen), and the sources let in are a heap
+    on ``(-q_s / (c_s + 1), s)``. The float is exact enough: ``q_s`` and ``c_s + 1`` are at
+    most ``M <= MAX_PERIOD = 2**16``, so distinct ratios differ by far more than an ulp and
+    equal ones round alike."""
+    M = sum(quotas)
+    out = np.empty(M, dtype=np.int32)
+    counts = [0] * len(quotas)
+    waiting = [(1, s) for s, q in enumerate(quotas) if q]  # (first slot it may take, source)
+    ready: list[tuple[float, int]] = []
+    for n in range(1, M + 1):
+        while waiting and waiting[0][0] <= n:
+            s = heapq.heappop(waiting)[1]
+            heapq.heappush(ready, (-quotas[s] / (counts[s] + 1), s))
+        s = heapq.heappop(ready)[1]
+        out[n - 1] = s
+        counts[s] += 1
+        # it may take slot n' once n' * q > c * M
+        heapq.heappush(waiting, (counts[s] * M // quotas[s] + 1, s))
     return out
 
 

@@ -72,16 +72,6 @@ from meshfeed.storage.ranged import check_ranged
 __all__ = ["IndexedFormatError", "TokenCorpus"]
 
 
-def __getattr__(name: str) -> Any:
-    # The writer lives in indexed_write (which imports this module); its names stay
-    # importable from here, where they were defined before the split.
-    if name in ("IndexedWriter", "write_indexed"):
-        from meshfeed.sources import indexed_write
-
-        return getattr(indexed_write, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 _FINGERPRINT_PROBE = 4096  # bytes hashed at each end of each file
 
 

@@ -1,7 +1,8 @@
 """Writing Megatron indexed corpora: :class:`IndexedWriter` streams documents into ``PREFIX.bin`` /
 ``PREFIX.idx``; :func:`write_indexed` writes an iterable of documents in one call.
 
-Both are re-exported by :mod:`meshfeed.sources.indexed`, where the format is described.
+Both are imported from here or from :mod:`meshfeed.sources`; the format is described in
+:mod:`meshfeed.sources.indexed`.
 """
 
 from __future__ import annotations

@@ -232,17 +232,17 @@ def handler(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError, SourceError) as e:
         print(f"meshfeed convert: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    size = sum(s.bytes for s in index.shards)
+    size = int(index.sizes.sum())
     arrays = ("ndarray", "tensor")
     dtypes = ", ".join(
         f"{f.name or 'sample'}: {f'{f.dtype} array' if f.kind in arrays else f.kind}"
         for f in index.fields
     )
     print(
-        f"wrote {index_path}: {index.num_rows} samples in {len(index.shards)} shards, "
+        f"wrote {index_path}: {index.num_rows} samples in {len(index)} shards, "
         f"{size} bytes, fields {dtypes}"
     )
-    if len(index.shards) == 1 and index.num_rows > 1 and not args.quiet:
+    if len(index) == 1 and index.num_rows > 1 and not args.quiet:
         print(
             "meshfeed convert: one shard holds every sample; for several data ranks or workers "
             "pass --rows-per-shard N or --bytes-per-shard B so each reads its own shards",

@@ -19,11 +19,15 @@ holds ``block_rows`` rows, ``offsets`` and ``shapes`` are one block each. With
 ``compression="zstd"`` each block is one zstd frame with a checksum; without, blocks tile the
 segment and the reader maps it without decoding.
 
-``index.json`` holds ``format``, ``version``, ``sample`` (``"dict"`` or ``"bare"``), ``fields``
-(name, kind, dtype, ndim, in the order of the first sample), ``compression`` and per shard its
-``file``, ``rows``, ``bytes``, ``hash`` (blake2b-128 of the file bytes, hex), ``payload`` and
-``layout`` (the shard's header, repeated so a reader can plan ranged reads from the index
-alone). Nothing is pickled: reading a shard never runs code from it.
+``index.json`` holds ``format``, ``version`` (:data:`INDEX_VERSION`), ``sample`` (``"dict"``
+or ``"bare"``), ``fields`` (name, kind, dtype, ndim, in the order of the first sample),
+``compression`` and ``shards``: one list per column, each with an item per shard: ``file``,
+``rows``, ``bytes``, ``hash`` (blake2b-128 of the file bytes, hex), ``payload`` and ``layout``
+(the shard's header as its compact JSON text, repeated so a reader can plan ranged reads from
+the index alone, and parsed only for the shards a reader opens). So opening a dataset of 10,000
+shards parses a few lists, not 10,000 objects (#32). Version 1 (``shards`` a list of objects
+with the same keys, ``layout`` an object) is still read. Nothing is pickled: reading a shard
+never runs code from it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "ALIGN",
     "FORMAT",
     "INDEX_NAME",
+    "INDEX_VERSION",
     "KINDS",
     "MAGIC",
     "PREAMBLE",
@@ -52,13 +57,18 @@ __all__ = [
     "ShardEntry",
     "ShardIndex",
     "check_file",
+    "compact_json",
     "file_hash",
+    "parse_index",
     "read_index",
+    "write_index",
 ]
 
 MAGIC = b"MFSHARD\x00"
 FORMAT = "meshfeed-shards"
-VERSION = 1
+VERSION = 1  # of the shard file
+#: Of ``index.json``: 2 holds the shards by column (#32); version 1 (a list of objects) is read.
+INDEX_VERSION = 2
 PREAMBLE = struct.Struct("<8sII")  # magic, format version, header length
 ALIGN = 64
 INDEX_NAME = "index.json"
@@ -119,38 +129,99 @@ class ShardEntry:
         }
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class ShardIndex:
-    """A validated ``index.json``: the schema and every shard, in order.
+    """A validated ``index.json``: the schema and every shard, in order, held by column.
 
     ``root`` is the dataset directory; :attr:`paths` are the shard files, ready to pass to
     ``ShardedStream(shards=...)`` with a :class:`~meshfeed.sources.shards_read.ShardFormatReader`.
+    Per shard, ``files``, ``rows``, ``sizes`` (bytes), ``hashes``, ``payloads`` and ``layouts``
+    are columns (numbers as ``int64`` arrays), so an index of 10,000 shards loads as a few
+    arrays, not 10,000 objects (#32); a shard's layout is parsed by :meth:`entry`, when a
+    reader opens that shard. :attr:`shards` builds every :class:`ShardEntry` (O(shards)).
     """
 
     root: Path
     sample: str
     fields: tuple[FieldSpec, ...]
     compression: str | None
-    shards: tuple[ShardEntry, ...]
+    files: list[str]
+    rows: np.ndarray
+    sizes: np.ndarray
+    hashes: list[str]
+    payloads: np.ndarray
+    layouts: list[Any]  # per shard its layout, or (version 2) its compact JSON text
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def entry(self, i: int) -> ShardEntry:
+        """Shard ``i`` as an entry, its layout parsed (a malformed one names the shard)."""
+        layout = self.layouts[i]
+        if isinstance(layout, str):
+            try:
+                layout = json.loads(layout)
+            except json.JSONDecodeError as e:
+                raise SourceError(
+                    f"{self.root / INDEX_NAME} is not a valid meshfeed shard index: the layout "
+                    f"of shard {self.files[i]} is not JSON ({e}); rewrite the dataset"
+                ) from e
+        if not isinstance(layout, dict):
+            _need(False, self.root / INDEX_NAME, f"the layout of {self.files[i]} is no object")
+        return ShardEntry(
+            file=self.files[i],
+            rows=int(self.rows[i]),
+            bytes=int(self.sizes[i]),
+            hash=self.hashes[i],
+            payload=int(self.payloads[i]),
+            layout=layout,
+        )
+
+    @property
+    def shards(self) -> tuple[ShardEntry, ...]:
+        """Every shard as a :class:`ShardEntry` (parses every layout: for a few shards)."""
+        return tuple(self.entry(i) for i in range(len(self.files)))
 
     @property
     def paths(self) -> list[str]:
-        root = str(self.root)  # os.path.join: a Path per shard costs ~20 us at 10,000 shards
-        return [os.path.join(root, s.file) for s in self.shards]
+        root = os.fspath(self.root)  # one concatenation per shard: 10,000 shards in ~1 ms
+        return [f"{root}/{f}" for f in self.files]
 
     @property
     def num_rows(self) -> int:
-        return sum(s.rows for s in self.shards)
+        return int(self.rows.sum())
 
     def to_json(self) -> dict[str, Any]:
+        """The index as ``index.json`` holds it (:data:`INDEX_VERSION`: one list per column,
+        each layout as its compact JSON text)."""
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": INDEX_VERSION,
             "sample": self.sample,
             "fields": [f.to_json() for f in self.fields],
             "compression": self.compression,
-            "shards": [s.to_json() for s in self.shards],
+            "shards": {
+                "file": list(self.files),
+                "rows": self.rows.tolist(),
+                "bytes": self.sizes.tolist(),
+                "hash": list(self.hashes),
+                "payload": self.payloads.tolist(),
+                "layout": [compact_json(x) if isinstance(x, dict) else x for x in self.layouts],
+            },
         }
+
+
+def compact_json(value: Any) -> str:
+    """``value`` as the format writes JSON: sorted keys, no spaces (a shard header's bytes)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def write_index(index: ShardIndex, path: str | os.PathLike[str]) -> None:
+    """Write ``index`` to ``path`` (an ``index.json``), fsynced."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(compact_json(index.to_json()))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _need(cond: bool, where: Path, what: str) -> None:
@@ -174,10 +245,11 @@ def _parse_field(raw: Any, where: Path) -> FieldSpec:
 
 
 def _parse_shard(raw: Any, where: Path) -> ShardEntry:
-    if not isinstance(raw, dict):  # the message (a repr) only when it is needed: 10,000 shards
+    """One shard entry of a version-1 index (a list of objects)."""
+    if not isinstance(raw, dict):  # the message (a repr) only when it is needed
         _need(False, where, f"shard entry {raw!r} is not an object")
     try:
-        entry = ShardEntry(
+        return ShardEntry(
             file=str(raw["file"]),
             rows=int(raw["rows"]),
             bytes=int(raw["bytes"]),
@@ -187,13 +259,95 @@ def _parse_shard(raw: Any, where: Path) -> ShardEntry:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise SourceError(f"{where} is not a valid meshfeed shard index: shard {e}") from e
-    if "/" in entry.file or entry.file in ("", ".", ".."):
-        _need(
-            False,
-            where,
-            f"shard file name {entry.file!r} must be a plain name inside the dataset directory",
-        )
-    return entry
+
+
+def _columns_v1(raw: Any, where: Path) -> dict[str, list[Any]]:
+    _need(isinstance(raw, list), where, "version 1 lists its shards as a list of objects")
+    entries = [_parse_shard(s, where) for s in raw]
+    return {
+        "file": [e.file for e in entries],
+        "rows": [e.rows for e in entries],
+        "bytes": [e.bytes for e in entries],
+        "hash": [e.hash for e in entries],
+        "payload": [e.payload for e in entries],
+        "layout": [e.layout for e in entries],
+    }
+
+
+def _columns_v2(raw: Any, where: Path) -> dict[str, list[Any]]:
+    """The shard columns of a version-2 index, each checked in one pass."""
+    _need(isinstance(raw, dict), where, "version 2 holds its shards as an object of columns")
+    cols = {k: raw.get(k) for k in _COLUMNS}
+    _need(
+        all(isinstance(c, list) for c in cols.values()),
+        where,
+        f"shards needs the columns {list(_COLUMNS)}, each a list",
+    )
+    n = len(cols["file"])
+    _need(
+        all(len(c) == n for c in cols.values()),
+        where,
+        f"its shard columns differ in length ({ {k: len(c) for k, c in cols.items()} })",
+    )
+    for name in ("hash", "layout"):
+        bad = next((x for x in cols[name] if not isinstance(x, str)), None)
+        _need(bad is None, where, f"shard {name} {bad!r} is not a string")
+    return cols
+
+
+_COLUMNS = ("file", "rows", "bytes", "hash", "payload", "layout")
+
+
+def _counts(values: list[Any], name: str, where: Path) -> np.ndarray:
+    """A column of non-negative ints as ``int64`` (one vectorised check)."""
+    arr = np.asarray(values) if values else np.zeros(0, np.int64)
+    ok = arr.ndim == 1 and arr.dtype.kind in "iu" and not (arr.size and int(arr.min()) < 0)
+    _need(ok, where, f"shard {name} must be non-negative ints (got {values[:4]!r}...)")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_names(files: list[Any], where: Path) -> None:
+    bad = next(
+        (f for f in files if not isinstance(f, str) or "/" in f or f in ("", ".", "..")), None
+    )
+    _need(
+        bad is None,
+        where,
+        f"shard file name {bad!r} must be a plain name inside the dataset directory",
+    )
+
+
+def parse_index(raw: Any, where: Path) -> ShardIndex:
+    """The :class:`ShardIndex` of an ``index.json``'s parsed JSON (``where``: its path, for
+    messages and the root); any fault raises :class:`~meshfeed.errors.SourceError`."""
+    _need(isinstance(raw, dict), where, "not a JSON object")
+    _need(raw.get("format") == FORMAT, where, f"format is {raw.get('format')!r}")
+    version = raw.get("version")
+    _need(
+        version in (1, INDEX_VERSION),
+        where,
+        f"version {version!r}; this meshfeed reads versions 1 and {INDEX_VERSION} (a newer "
+        "meshfeed wrote it: upgrade meshfeed, or rewrite the shards with this one)",
+    )
+    _need(raw.get("sample") in ("dict", "bare"), where, f"sample {raw.get('sample')!r}")
+    _need(raw.get("compression") in (None, "zstd"), where, "unknown compression")
+    fields = tuple(_parse_field(f, where) for f in raw.get("fields") or [])
+    _need(bool(fields), where, "no fields")
+    read = _columns_v1 if version == 1 else _columns_v2
+    cols = read(raw.get("shards") or ([] if version == 1 else {}), where)
+    _check_names(cols["file"], where)
+    return ShardIndex(
+        root=where.parent,
+        sample=raw["sample"],
+        fields=fields,
+        compression=raw["compression"],
+        files=cols["file"],
+        rows=_counts(cols["rows"], "rows", where),
+        sizes=_counts(cols["bytes"], "bytes", where),
+        hashes=[str(h) for h in cols["hash"]],
+        payloads=_counts(cols["payload"], "payload", where),
+        layouts=cols["layout"],
+    )
 
 
 def read_index(
@@ -219,28 +373,9 @@ def read_index(
         ) from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"{index_path} is not a readable meshfeed shard index ({e})") from e
-    _need(isinstance(raw, dict), index_path, "not a JSON object")
-    _need(raw.get("format") == FORMAT, index_path, f"format is {raw.get('format')!r}")
-    _need(
-        raw.get("version") == VERSION,
-        index_path,
-        f"version {raw.get('version')!r}; this meshfeed reads version {VERSION} (a newer "
-        "meshfeed wrote it: upgrade meshfeed, or rewrite the shards with this one)",
-    )
-    _need(raw.get("sample") in ("dict", "bare"), index_path, f"sample {raw.get('sample')!r}")
-    _need(raw.get("compression") in (None, "zstd"), index_path, "unknown compression")
-    fields = tuple(_parse_field(f, index_path) for f in raw.get("fields") or [])
-    _need(bool(fields), index_path, "no fields")
-    shards = tuple(_parse_shard(s, index_path) for s in raw.get("shards") or [])
-    index = ShardIndex(
-        root=index_path.parent,
-        sample=raw["sample"],
-        fields=fields,
-        compression=raw["compression"],
-        shards=shards,
-    )
-    for entry in shards if check_files else ():
-        check_file(index.root / entry.file, entry, verify=verify)
+    index = parse_index(raw, index_path)
+    for i in range(len(index)) if check_files else ():
+        check_file(index.root / index.files[i], index.entry(i), verify=verify)
     return index
 
 

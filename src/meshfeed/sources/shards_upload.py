@@ -15,15 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from meshfeed.sources.shards_format import INDEX_NAME
-from meshfeed.sources.shards_write import _Options, _write
+from meshfeed.sources.shards_encode import Options, encode_dataset
+from meshfeed.sources.shards_format import INDEX_NAME, parse_index
 from meshfeed.sources.url_output import Upload
 
 __all__ = ["write_to_url"]
 
 
 def write_to_url(
-    samples: Iterable[Any], url: str, o: _Options, overwrite: bool, upload: Upload
+    samples: Iterable[Any], url: str, o: Options, overwrite: bool, upload: Upload
 ) -> str:
     """Upload each shard once written, then ``index.json``. Replacing a dataset, the new shards
     get new names: the old ``index.json`` and its shards stay valid until the new index
@@ -38,7 +38,7 @@ def write_to_url(
                     f"{url} holds a shard dataset ({INDEX_NAME}); pass overwrite=True to "
                     "replace it, or choose another prefix"
                 )
-            old = [e["file"] for e in json.loads(upload.read(index_url))["shards"]]
+            old = parse_index(json.loads(upload.read(index_url)), Path(INDEX_NAME)).files
             o = replace(o, stem=f"shard-{uuid.uuid4().hex[:8]}")
         elif upload.holds_anything(url):
             raise FileExistsError(
@@ -53,7 +53,7 @@ def write_to_url(
             upload.publish(shard, published[-1])
 
         try:
-            _write(samples, upload.staging, o, publish)
+            encode_dataset(samples, upload.staging, o, publish)
             upload.publish(upload.staging / INDEX_NAME, index_url)
         except BaseException:
             for done in published:  # no index names them: leave nothing behind

@@ -170,7 +170,7 @@ class ShardedStream:
         where = os.fspath(path)
         if not is_url(where):
             reader = ShardFormatReader.from_index(where, verify=verify)
-            rows = [e.rows for e in reader.index.shards]  # type: ignore[union-attr]
+            rows = reader.index.rows.tolist()  # type: ignore[union-attr]
             return cls(reader.shards, reader, rows=rows, **stream)
         base = where.removesuffix(INDEX_NAME).rstrip("/")
         cache = ShardCache(
@@ -185,20 +185,20 @@ class ShardedStream:
         reader = ShardFormatReader(verify=verify)
         # the cache keeps the files of one URL folder in one local folder: the shards land
         # beside this index, where the reader looks for it
-        reader._indexes[os.path.abspath(index.root)] = index
-        shards = [f"{base}/{e.file}" for e in index.shards]
-        for url, e in zip(shards, index.shards, strict=True):
-            cache.expect(url, digest=f"blake2b:{e.hash}", size=e.bytes)
+        reader.add_index(index)
+        shards = [f"{base}/{f}" for f in index.files]
+        for url, h, size in zip(shards, index.hashes, index.sizes.tolist(), strict=True):
+            cache.expect(url, digest=f"blake2b:{h}", size=size)
         cached = CachedReader(
             reader,
             cache,
             shards=shards,
             identities={
-                u: reader.version_of_entry(e) for u, e in zip(shards, index.shards, strict=True)
+                u: reader.version_of_hash(h) for u, h in zip(shards, index.hashes, strict=True)
             },
             newest=None if info is None else info.modified,
         )
-        return cls(shards, cached, rows=[e.rows for e in index.shards], **stream)
+        return cls(shards, cached, rows=index.rows.tolist(), **stream)
 
     # ------------------------------------------------------------------ sizes
     @cached_property
