@@ -78,7 +78,7 @@ def test_past_the_bound_a_source_error_names_the_url_and_the_last_error() -> Non
     t0 = time.monotonic()
     with pytest.raises(SourceError, match=r"s3://b/shard-7.*ConnectionRefusedError"):
         RetryPolicy(timeout=0.3, base=0.01, cap=0.05).call(down, url="s3://b/shard-7")
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # the bound (0.3 s) plus scheduling on a loaded machine
 
 
 def test_a_permanent_error_is_raised_at_once() -> None:
