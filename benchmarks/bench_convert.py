@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from meshfeed.sources.convert import convert
+from meshfeed.sources.converters.convert import convert
 
 
 def stdlib_texts(piece: int = 4000) -> list[str]:

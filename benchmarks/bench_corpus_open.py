@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from meshfeed.sources.indexed import _HEADER, HEADER_SIZE, MAGIC, VERSION, TokenCorpus
+from meshfeed.sources.tokens.indexed import _HEADER, HEADER_SIZE, MAGIC, VERSION, TokenCorpus
 
 
 def write(prefix: Path, n: int, chunk: int = 1 << 22) -> None:

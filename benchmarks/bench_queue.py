@@ -311,7 +311,7 @@ def dataplane_rows(args: argparse.Namespace, ray_store: SampleStore) -> list[tup
     object store (``inline_bytes=1``). Small: 4,096
     samples (two small tensor fields) in batches of 64; large: 1 MiB samples in batches of
     16. ``thr. vs baseline``: against the through-the-actor client."""
-    from meshfeed.queue.ray_backend import RayBackend
+    from meshfeed.queue.backends.ray import RayBackend
 
     actor = ray_store._backend.actor
     through = SampleStore._attach("ray", RayBackend(actor, 1 << 62), ray_store.options)

@@ -177,7 +177,7 @@ def meshfeed_shards(
 
 def meshfeed_mds(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
     from meshfeed import StreamLoader
-    from meshfeed.sources.mds import mds_stream
+    from meshfeed.sources.streams.mds import mds_stream
     from meshfeed.storage import open_url
 
     stream = mds_stream(
@@ -191,7 +191,7 @@ def meshfeed_mds(url: str, cache: Path, opts: dict[str, Any], workers: int) -> t
 
 def meshfeed_corpus(url: str, cache: Path, opts: dict[str, Any], workers: int) -> tuple[int, int]:
     from meshfeed import DataLoader
-    from meshfeed.sources.windows import TokenDocuments
+    from meshfeed.sources.tokens.windows import TokenDocuments
 
     docs = TokenDocuments(f"{url}/corpus", cache_dir=cache, storage_options=opts)
     with DataLoader(
@@ -208,7 +208,7 @@ def meshfeed_windows(
     url: str, cache: Path, opts: dict[str, Any], workers: int, ranged: Any = False
 ) -> tuple[int, int]:
     from meshfeed import DataLoader
-    from meshfeed.sources.windows import TokenWindows
+    from meshfeed.sources.tokens.windows import TokenWindows
 
     windows = TokenWindows(
         f"{url}/corpus", seq_len=SEQ_LEN, cache_dir=cache, storage_options=opts, ranged=ranged

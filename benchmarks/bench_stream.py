@@ -74,8 +74,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_shards
 from meshfeed.collate import default_collate
-from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_readers import DefaultReader
+from meshfeed.sources.streams.readers import DefaultReader
+from meshfeed.sources.streams.stream import ShardedStream
 from meshfeed.stream_loader import StreamLoader
 
 

@@ -36,9 +36,9 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from meshfeed.loader import DataLoader
 from meshfeed.order.permutation import Permutation
-from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenWindows
+from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenWindows
 
 SEQ_LEN = 2048
 BATCH = 8

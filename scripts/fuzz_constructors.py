@@ -290,8 +290,8 @@ def fuzz_target(name: str, fn: Callable[..., Any], examples: int) -> str | None:
 
 
 def bit_flips(trials: int, seed: int = 11) -> tuple[int, int, list[str]]:
-    from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus
-    from meshfeed.sources.indexed_write import write_indexed
+    from meshfeed.sources.tokens.indexed import IndexedFormatError, TokenCorpus
+    from meshfeed.sources.tokens.indexed_write import write_indexed
 
     rng = np.random.default_rng(seed)
     docs = [rng.integers(0, 60000, rng.integers(0, 40)).tolist() for _ in range(50)]

@@ -14,8 +14,8 @@ from meshfeed import DataLoader, SampleError
 from meshfeed.errors import RankError, SourceError
 from meshfeed.fetch import Failed, Fetcher, FetchTask
 from meshfeed.order.permutation import derive_seed
-from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus
-from meshfeed.sources.indexed_write import write_indexed
+from meshfeed.sources.tokens.indexed import IndexedFormatError, TokenCorpus
+from meshfeed.sources.tokens.indexed_write import write_indexed
 from meshfeed.testing import assert_resume_equivalence, take
 from tests.dist_utils import run_distributed
 

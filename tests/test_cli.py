@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from meshfeed.cli import build_parser, main, version
-from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed import TokenCorpus
 
 
 def test_cli_registers_every_subcommand(capsys):

@@ -25,8 +25,8 @@ from meshfeed.curriculum import MetricIndex
 from meshfeed.errors import NEVER_SUBSTITUTED, SourceError
 from meshfeed.mesh import default_rank
 from meshfeed.order import Permutation
-from meshfeed.sources.indexed import IndexedFormatError, TokenCorpus
-from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
+from meshfeed.sources.tokens.indexed import IndexedFormatError, TokenCorpus
+from meshfeed.sources.tokens.indexed_write import IndexedWriter, write_indexed
 from tests.process_faults import (
     assert_raise_on_every_rank,
     assert_survivors_stop,
@@ -442,8 +442,8 @@ _TRUNCATE = """
 import os, sys, time
 from meshfeed import DataLoader
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenWindows
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenWindows
 for workers in (0, 1):
     name = f"c{workers}"
     windows = TokenWindows(write_indexed(name, [list(range(3000))] * 64, "int32"), seq_len=128)

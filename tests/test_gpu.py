@@ -37,8 +37,8 @@ from meshfeed.delivery import to_device
 from meshfeed.queue import SampleStore, StoreLoader
 from meshfeed.services import DistributedService, InProcessService
 from meshfeed.sources import ShardedStream
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenWindows
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenWindows
 from meshfeed.testing import assert_resume_equivalence, assert_same
 from tests.balance.checks import Samples, make_sample
 

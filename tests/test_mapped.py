@@ -65,8 +65,8 @@ def test_truncated_npy_under_an_index_an_order_and_convert_is_a_source_error(
             expect("GatedOrder.indices", lambda: order.indices(0, np.arange(n - 20, n - 12)),
                    "pool.npy")
 
-            import meshfeed.sources.convert_input
-            conv = sys.modules["meshfeed.sources.convert_input"]
+            import meshfeed.sources.converters.inputs
+            conv = sys.modules["meshfeed.sources.converters.inputs"]
             conv.CHUNK_RECORDS = 64  # several chunks of 64-byte rows
             np.save("ids.npy", np.arange(64_000, dtype=np.int64).reshape(4000, 16))
             records = conv._npy_chunks(__import__("pathlib").Path("ids.npy"))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from meshfeed import DataLoader, StreamLoader
-from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.streams.stream import ShardedStream
 from meshfeed.testing import take
 from tests.dist_utils import run_distributed
 

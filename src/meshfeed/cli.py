@@ -21,8 +21,8 @@ _SUBCOMMANDS = (
     "meshfeed.demo",
     "meshfeed.balance.cli",
     "meshfeed.curriculum.cli",
-    "meshfeed.sources.convert",
-    "meshfeed.sources.shards_index",
+    "meshfeed.sources.converters.convert",
+    "meshfeed.sources.shards.index",
 )
 
 

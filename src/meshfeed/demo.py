@@ -28,8 +28,8 @@ from meshfeed.launch import run_distributed
 from meshfeed.loader import DataLoader
 from meshfeed.mesh import DataMesh
 from meshfeed.progress import Progress
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenWindows
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenWindows
 from meshfeed.storage import is_url
 
 log = logging.getLogger("meshfeed")

@@ -36,7 +36,7 @@ from meshfeed.services.auto import AutoService
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
-from meshfeed.sources.stream_count import wait_limit
+from meshfeed.sources.streams.count import wait_limit
 from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash
 from meshfeed.telemetry import StepTiming
 

@@ -20,7 +20,7 @@ other ``getattr``/``hasattr`` probing of user objects is needed.
   hook it may have is one protocol here (:class:`TakeReader`, :class:`CountReader`,
   :class:`VersionReader`, :class:`ModifiedReader`, :class:`PlanReader`, :class:`AskReader`,
   :class:`ForgetReader`, :class:`ClosingReader`, :class:`UrlReader`, :class:`DatedReader`),
-  resolved once when the stream is built (:class:`meshfeed.sources.stream_readers.ReaderHooks`).
+  resolved once when the stream is built (:class:`meshfeed.sources.streams.readers.ReaderHooks`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ are stopped and start again on the next ``iter()``), and the per-rank batch beco
 
 The sample store's :class:`~meshfeed.queue.StoreLoader` resizes through its elastic resume
 (:func:`rebuild`): its ``state_dict()``, then the same object built again on the new layout
-from its arguments and the state loaded (see :mod:`meshfeed.queue.loader_resume`). It needs
+from its arguments and the state loaded (see :mod:`meshfeed.queue.loading.resume`). It needs
 ``prefetch=1``: rounds fetched ahead live in the running store, and a layout change could lose
 them (refused by name).
 

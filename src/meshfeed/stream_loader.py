@@ -4,7 +4,7 @@
 >>> [b.tolist() for b in StreamLoader(stream, batch_size=3, shuffle=False)]
 [[0, 1, 2], [3, 4, 5], [10, 11, 12], [13, 14, 15]]
 
-A stream is planned like map-style data (see :mod:`meshfeed.sources.stream`), so this is the
+A stream is planned like map-style data (see :mod:`meshfeed.sources.streams.stream`), so this is the
 :class:`~meshfeed.DataLoader` itself, with every guarantee it has: each data rank takes its slice
 of every global batch, every row is served once per epoch across ranks and workers, the ranks
 stop together by construction, ``state_dict()`` is an epoch and a position that resumes exactly
@@ -25,7 +25,7 @@ from typing import Any
 
 from meshfeed.errors import RankError
 from meshfeed.loader import DataLoader
-from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.streams.stream import ShardedStream
 
 __all__ = ["StreamLoader", "StreamRankError"]
 

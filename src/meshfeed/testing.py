@@ -201,7 +201,7 @@ def assert_resume_equivalence(
 
 
 def _actor_chunk_kinds(actor: Any) -> list[str]:
-    from meshfeed.queue.columns import Cell
+    from meshfeed.queue.engine.columns import Cell
 
     return sorted(
         {
@@ -233,7 +233,7 @@ def _actor_live_chunks(actor: Any) -> int:
 
 
 def _actor_reinit(actor: Any, options: dict[str, Any]) -> None:
-    from meshfeed.queue.core import StoreCore, StoreOptions
+    from meshfeed.queue.engine.core import StoreCore, StoreOptions
 
     actor.core = StoreCore(StoreOptions.from_dict(options))
     actor.waiters.wake_all()

@@ -11,8 +11,8 @@ from meshfeed import DataLoader
 from meshfeed.balance import BalancedBatches, CostModel, pack_documents, packed_document_loader
 from meshfeed.balance.routing import route_local
 from meshfeed.mesh import DataMesh
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenDocuments
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenDocuments
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 from tests.dist_utils import run_distributed
 

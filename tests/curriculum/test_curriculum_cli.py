@@ -15,8 +15,8 @@ from meshfeed.curriculum import MetricIndex, SampleMetric
 from meshfeed.curriculum.cli import add_subcommand
 from meshfeed.curriculum.index import load_accumulated
 from meshfeed.runtime import available_cores
-from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.indexed_write import write_indexed
+from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed_write import write_indexed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ def test_a_small_vocab_size_is_refused_in_cli_terms_without_a_traceback(tmp_path
 
 
 def test_windows_index_one_value_per_token_window_in_its_order(tmp_path, capsys):
-    from meshfeed.sources.windows import TokenWindows
+    from meshfeed.sources.tokens.windows import TokenWindows
 
     write_indexed(tmp_path / "c", _docs(), np.uint16)
     out = tmp_path / "m"

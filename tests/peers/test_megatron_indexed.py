@@ -81,7 +81,7 @@ def test_convert_writes_what_megatron_preprocess_data_writes(tmp_path):
     import json
 
     pytest.importorskip("tokenizers", reason="pip install tokenizers (the test extra)")
-    from meshfeed.sources.convert import convert
+    from meshfeed.sources.converters.convert import convert
     from tests.sources.test_sources_tokenizer import EOD, stdlib_texts, train_bpe
 
     texts = stdlib_texts(80)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from meshfeed.queue import SampleStore
-from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.engine.core import StoreOptions
 from meshfeed.testing import reset_store
 
 BACKENDS = [pytest.param("embedded"), pytest.param("ray", marks=pytest.mark.ray)]

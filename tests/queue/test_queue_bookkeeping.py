@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from meshfeed.queue import SampleStore
-from meshfeed.queue import checkpoint as ckpt
+from meshfeed.queue.checkpoints import state as ckpt
 
 
 def _saved(tmp_path: Path) -> Path:

@@ -17,7 +17,7 @@ from meshfeed.queue import (
     SampleStore,
     StoreLoader,
 )
-from meshfeed.queue import checkpoint as ckpt
+from meshfeed.queue.checkpoints import state as ckpt
 from meshfeed.testing import assert_resume_equivalence
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshfeed.queue import SampleStore
-from meshfeed.queue.columns import Cell, Chunk, Gathered, gather
+from meshfeed.queue.engine.columns import Cell, Chunk, Gathered, gather
 
 
 def test_a_contiguous_batch_of_one_put_is_a_view_not_a_copy():
@@ -56,7 +56,7 @@ def test_gather_takes_one_index_select_per_run_and_keeps_plain_values_as_lists()
 
 @pytest.mark.ray
 def test_ray_store_ships_a_small_row_column_as_one_chunk(ray_store):
-    from meshfeed.queue.core import StoreOptions
+    from meshfeed.queue.engine.core import StoreOptions
     from meshfeed.testing import reset_store, store_held_types
 
     store = reset_store(ray_store, StoreOptions())

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from meshfeed.queue.columns import Gathered
-from meshfeed.queue.core import PartitionClosed, Ref, StoreCore, StoreOptions, nbytes_of
+from meshfeed.queue.engine.columns import Gathered
+from meshfeed.queue.engine.core import PartitionClosed, Ref, StoreCore, StoreOptions, nbytes_of
 from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import RankAwareSampler, Sampler, SequentialSampler
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from meshfeed.queue import SampleStore
-from meshfeed.queue.columns import Runs
-from meshfeed.queue.core import StoreOptions
-from meshfeed.queue.ray_backend import PROBE_INTERVAL
+from meshfeed.queue.backends.ray import PROBE_INTERVAL
+from meshfeed.queue.engine.columns import Runs
+from meshfeed.queue.engine.core import StoreOptions
 from meshfeed.queue.request import GetRequest
 from meshfeed.testing import refresh_chunks, reset_store, store_chunk_kinds, store_live_chunks
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from meshfeed.queue import PartitionClosed, RequestCancelled, SampleStore
-from meshfeed.queue.embedded import wait_for
-from meshfeed.queue.wakeups import Waiter, Waiters
+from meshfeed.queue.backends.embedded import wait_for
+from meshfeed.queue.engine.wakeups import Waiter, Waiters
 from tests.queue.test_queue_store import waiting as _waiting
 
 

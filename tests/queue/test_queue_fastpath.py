@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from meshfeed.queue import core as core_module
-from meshfeed.queue.core import PartitionClosed, StoreCore, StoreOptions
-from meshfeed.queue.fastpath import select_fast, select_runs
-from meshfeed.queue.records import View
+from meshfeed.queue.engine import core as core_module
+from meshfeed.queue.engine.core import PartitionClosed, StoreCore, StoreOptions
+from meshfeed.queue.engine.fastpath import select_fast, select_runs
+from meshfeed.queue.engine.records import View
 from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import RankAwareSampler, SequentialSampler
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from meshfeed.queue import PartitionClosed, SampleStore
-from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.engine.core import StoreOptions
 from meshfeed.testing import reset_store
 
 pytestmark = pytest.mark.ray

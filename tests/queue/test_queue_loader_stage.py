@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from meshfeed.queue import Batch, SampleStore, StoreLoader
-from meshfeed.queue.loader_stage import POLL
+from meshfeed.queue.loading.stage import POLL
 from meshfeed.testing import assert_resume_equivalence
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from meshfeed.queue.core import StoreCore, StoreOptions
+from meshfeed.queue.engine.core import StoreCore, StoreOptions
 from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.rounds import Round
 from meshfeed.queue.samplers import RankAwareSampler

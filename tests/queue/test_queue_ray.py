@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshfeed.queue import SampleStore
-from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.engine.core import StoreOptions
 from meshfeed.testing import reset_store, store_chunk_kinds, store_held_types
 
 
@@ -46,7 +46,7 @@ def test_a_name_needs_the_ray_backend():
 
 @pytest.mark.ray
 def test_a_checkpoint_restores_into_a_ray_store_and_continues(ray_store, tmp_path):
-    from meshfeed.queue.checkpoint import read_checkpoint
+    from meshfeed.queue.checkpoints.state import read_checkpoint
 
     source = SampleStore()
     source.put("p", {"obs": np.arange(6 * 20000.0).reshape(6, 20000), "r": list(range(6))})

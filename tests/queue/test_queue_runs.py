@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshfeed.queue import PartitionClosed, SampleStore
-from meshfeed.queue.records import Run, Sample
+from meshfeed.queue.engine.records import Run, Sample
 
 
 def _records(store: SampleStore, partition: str) -> list[type]:

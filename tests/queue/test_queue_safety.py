@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from meshfeed.queue import PartitionClosed, SampleStore, StoreLoader
-from meshfeed.queue import checkpoint as ckpt
+from meshfeed.queue.checkpoints import state as ckpt
 
 
 class _Payload:

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from meshfeed.queue import PartitionClosed, RankAwareSampler, SampleStore, stall
+from meshfeed.queue import PartitionClosed, RankAwareSampler, SampleStore
+from meshfeed.queue.engine import stall
 
 
 def test_a_get_larger_than_the_capacity_is_refused_at_once(make_store):

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshfeed.queue import GroupSampler, PartitionClosed, SampleStore, StaleVersion
-from meshfeed.queue.core import StoreOptions
+from meshfeed.queue.engine.core import StoreOptions
 from meshfeed.testing import reset_store
 
 BACKENDS = [pytest.param("embedded"), pytest.param("ray", marks=pytest.mark.ray)]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshfeed.balance import PackedSamples, SampleFields
-from meshfeed.sources.chat import ChatSamples, ChatTemplate, JinjaChatTemplate, chat_sample
+from meshfeed.sources.tokens.chat import ChatSamples, ChatTemplate, JinjaChatTemplate, chat_sample
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshfeed.sources.convert import add_subcommand, convert, load_tokenizer
-from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.sources.converters.convert import add_subcommand, convert, load_tokenizer
+from meshfeed.sources.tokens.indexed import TokenCorpus
 
 
 def run_cli(*argv: str) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from meshfeed.cli import main
-from meshfeed.sources.convert_input import jsonl_lines, token_ids
+from meshfeed.sources.converters.inputs import jsonl_lines, token_ids
 
 RECORDS = b"".join(json.dumps({"text": [1, 2, 3]}).encode() + b"\n" for _ in range(2000))
 

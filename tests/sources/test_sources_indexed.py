@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfeed.sources.indexed import HEADER_SIZE, IndexedFormatError, TokenCorpus
-from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
+from meshfeed.sources.tokens.indexed import HEADER_SIZE, IndexedFormatError, TokenCorpus
+from meshfeed.sources.tokens.indexed_write import IndexedWriter, write_indexed
 
 
 def megatron_files(
@@ -402,7 +402,7 @@ def test_concurrent_writers_never_publish_a_mix(tmp_path: Path) -> None:
 def test_the_writer_is_imported_from_its_own_module_not_the_reader() -> None:
     # indexed.py re-exported the writer lazily, an import circle with indexed_write (#32)
     from meshfeed import sources
-    from meshfeed.sources import indexed, indexed_write
+    from meshfeed.sources.tokens import indexed, indexed_write
 
     assert sources.write_indexed is indexed_write.write_indexed
     assert sources.IndexedWriter is indexed_write.IndexedWriter

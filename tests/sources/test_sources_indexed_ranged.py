@@ -12,10 +12,10 @@ import torch
 
 from meshfeed import DataLoader
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.indexed_ranged import RangedTokens
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenDocuments, TokenWindows
+from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed_ranged import RangedTokens
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 from meshfeed.storage import RangeReads, TooLargeForCache
 from tests.storage.conftest import S3, moto_endpoint, s3  # noqa: F401  (fixtures)
 

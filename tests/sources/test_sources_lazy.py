@@ -254,7 +254,7 @@ def _rows(start: int, stop: int) -> Any:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stream_loader_takes_a_lazy_map_over_a_mixture_of_streams(num_workers):
     """#28: StreamLoader refused LazyDataset(Mixture of streams) with a TypeError."""
-    from meshfeed.sources.stream import ShardedStream
+    from meshfeed.sources.streams.stream import ShardedStream
     from meshfeed.stream_loader import StreamLoader
 
     def mix() -> Mixture:

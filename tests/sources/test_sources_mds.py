@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.files import open_local
-from meshfeed.sources.mds import MDSReader, mds_stream
+from meshfeed.sources.streams.files import open_local
+from meshfeed.sources.streams.mds import MDSReader, mds_stream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence
 from tests.sources.range_server import serve

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenDocuments, TokenWindows
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 from tests.process_checks import run_python
 
 _SETUP = """
@@ -23,8 +23,8 @@ import os, sys, time
 import numpy as np
 from meshfeed import DataLoader
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenDocuments, TokenWindows
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 
 def corpus(name):
     return write_indexed(name, [list(range(i, i + 3000)) for i in range(64)], "int32")

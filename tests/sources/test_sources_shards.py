@@ -14,7 +14,7 @@ import torch
 
 from meshfeed.errors import SourceError
 from meshfeed.sources import ShardFormatReader, read_index, write_shards
-from meshfeed.sources.shards_format import PREAMBLE, file_hash
+from meshfeed.sources.shards.format import PREAMBLE, file_hash
 from tests.optional import NEEDS_ZSTD, ZSTD
 
 COMPRESSIONS = [None, ZSTD]
@@ -461,7 +461,7 @@ def test_a_shard_changed_after_its_index_is_hashed_on_open_and_refused(
     """A shard rewritten in place (same size) after write_shards wrote the index is newer
     than index.json: it is hashed when opened, without verify=True, and refused by name;
     untouched shards are not hashed."""
-    from meshfeed.sources import shards_format
+    from meshfeed.sources.shards import format as shards_format
 
     write_shards(({"x": np.int64(i)} for i in range(40)), tmp_path / "d", rows_per_shard=10)
     written = (tmp_path / "d" / "index.json").stat().st_mtime_ns

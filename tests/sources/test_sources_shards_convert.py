@@ -11,7 +11,7 @@ import pytest
 
 from meshfeed.cli import main
 from meshfeed.sources import ShardFormatReader, read_index
-from meshfeed.sources.shards_convert import convert_to_shards, jsonl_samples
+from meshfeed.sources.converters.shards import convert_to_shards, jsonl_samples
 from tests.optional import NEEDS_ZSTD
 
 

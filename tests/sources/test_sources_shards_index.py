@@ -14,7 +14,7 @@ import meshfeed
 from meshfeed.cli import main as cli
 from meshfeed.errors import SourceError
 from meshfeed.sources import ShardedStream, ShardFormatReader, read_index, write_shards
-from meshfeed.sources.shards_index import reindex
+from meshfeed.sources.shards.index import reindex
 from tests.dist_utils import run_distributed
 
 ROWS, SHARDS = 600, 200

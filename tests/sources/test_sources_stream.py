@@ -21,7 +21,7 @@ from meshfeed.errors import SourceError
 from meshfeed.fetch import SampleError
 from meshfeed.runtime.failures import WorkerError
 from meshfeed.sources import Mixture
-from meshfeed.sources.stream import ShardedStream
+from meshfeed.sources.streams.stream import ShardedStream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence, take
 from tests.dist_utils import run_distributed

@@ -9,8 +9,8 @@ import pytest
 
 from meshfeed import DataLoader, StreamLoader
 from meshfeed.sources.mixture import Mixture
-from meshfeed.sources.stream import ShardedStream
-from meshfeed.sources.stream_count import DEFAULT_TIMEOUT, count_rows, wait_limit
+from meshfeed.sources.streams.count import DEFAULT_TIMEOUT, count_rows, wait_limit
+from meshfeed.sources.streams.stream import ShardedStream
 
 _STALL_S = 20.0  # long enough that today's unbounded count fails the time check, not forever
 
@@ -52,6 +52,6 @@ def test_the_bound_is_the_default_outside_a_loader_and_restored_after_one():
         pass
     with wait_limit(float("inf")):
         assert count_rows(len, ["ab", "c"]) == [2, 1]
-    from meshfeed.sources.stream_count import _LIMIT
+    from meshfeed.sources.streams.count import _LIMIT
 
     assert _LIMIT.get() == DEFAULT_TIMEOUT

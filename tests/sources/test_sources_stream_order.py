@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshfeed.sources.stream import ShardedStream, StreamOrder
-from meshfeed.sources.stream_readers import DefaultReader, callable_identity
+from meshfeed.sources.streams.readers import DefaultReader, callable_identity
+from meshfeed.sources.streams.stream import ShardedStream, StreamOrder
 
 
 @settings(max_examples=60, deadline=None)
@@ -198,7 +198,7 @@ def test_jsonl_rows_holding_unicode_line_separators_stay_one_row_each(tmp_path):
 
 
 def test_a_kept_span_never_serves_a_row_past_its_end(tmp_path, monkeypatch):
-    import meshfeed.sources.stream_readers as readers
+    import meshfeed.sources.streams.readers as readers
 
     monkeypatch.setattr(readers, "_SPAN_BYTES", 40)  # a few lines per span
     p = tmp_path / "n.jsonl"
@@ -206,3 +206,16 @@ def test_a_kept_span_never_serves_a_row_past_its_end(tmp_path, monkeypatch):
     reader = DefaultReader()
     for rows in ([0, 1], [2, 3], [3, 4, 5], [7], [6, 8], [29], [0, 29], [12, 11, 13]):
         assert reader.take(str(p), np.array(rows)) == [{"i": r} for r in rows]
+
+
+def test_readers_keep_the_names_a_0_3_checkpoint_fingerprinted() -> None:
+    # Stream fingerprints hash the reader's name; the modules moved into subpackages in 0.4,
+    # and a checkpoint written by 0.3 must still resume (#33).
+    from meshfeed.sources import MDSReader, ShardFormatReader, TarReader
+    from meshfeed.sources.streams.remote import CachedReader
+
+    assert callable_identity(DefaultReader) == "meshfeed.sources.stream_readers.DefaultReader"
+    assert callable_identity(ShardFormatReader) == "meshfeed.sources.shards_read.ShardFormatReader"
+    assert callable_identity(TarReader) == "meshfeed.sources.webdataset.TarReader"
+    assert callable_identity(MDSReader) == "meshfeed.sources.mds.MDSReader"
+    assert callable_identity(CachedReader) == "meshfeed.sources.stream_remote.CachedReader"

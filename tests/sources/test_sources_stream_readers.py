@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from meshfeed.sources.stream_readers import DefaultReader, ReaderHooks
+from meshfeed.sources.streams.readers import DefaultReader, ReaderHooks
 
 
 def _take_in_child(reader: DefaultReader, path: str) -> None:

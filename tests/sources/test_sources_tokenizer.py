@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from meshfeed import LazyDataset
-from meshfeed.sources.convert import convert
-from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.tokenizer import load_tokenizer, token_ids
+from meshfeed.sources.converters.convert import convert
+from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.sources.tokens.tokenizer import load_tokenizer, token_ids
 
 tokenizers = pytest.importorskip("tokenizers", reason="pip install tokenizers (the test extra)")
 
@@ -79,7 +79,7 @@ def test_output_is_byte_identical_for_every_worker_count(
 ) -> None:
     path, _, texts = bpe
     # many small chunks, so workers finish out of order
-    monkeypatch.setattr(sys.modules["meshfeed.sources.convert_input"], "CHUNK_RECORDS", 7)
+    monkeypatch.setattr(sys.modules["meshfeed.sources.converters.inputs"], "CHUNK_RECORDS", 7)
     src = write_jsonl(tmp_path / "d.jsonl", texts[:60])
     kw = {"tokenizer": str(path), "append_eod": True, "progress": False}
     convert(src, tmp_path / "j1", num_workers=1, **kw)

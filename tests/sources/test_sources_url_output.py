@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from meshfeed.sources import read_index, write_shards
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.url_output import Upload, check_writable, upload_target
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.storage.output import Upload, check_writable, upload_target
 
 
 def test_upload_target_tells_urls_from_local_paths(tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.files import open_local
-from meshfeed.sources.stream_readers import shard_identity
-from meshfeed.sources.webdataset import TarReader, expand_shards, wds_stream
+from meshfeed.sources.streams.files import open_local
+from meshfeed.sources.streams.readers import shard_identity
+from meshfeed.sources.streams.webdataset import TarReader, expand_shards, wds_stream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence
 from tests.dist_utils import run_distributed

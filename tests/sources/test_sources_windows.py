@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.loader import DataLoader
-from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenDocuments, TokenWindows
+from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 from meshfeed.testing import assert_resume_equivalence, assert_same
 from tests.dist_utils import run_distributed
 

@@ -381,7 +381,7 @@ def test_importing_the_readers_does_not_import_fsspec() -> None:
     import sys
 
     code = (
-        "import sys, meshfeed.sources.windows, meshfeed.sources.parquet, meshfeed.storage; "
+        "import sys, meshfeed.sources.tokens.windows, meshfeed.sources.parquet, meshfeed.storage; "
         "print('fsspec' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -13,7 +13,7 @@ import pytest
 from meshfeed import StreamLoader
 from meshfeed.errors import SourceError
 from meshfeed.sources import ShardedStream, write_shards
-from meshfeed.sources.shards_index import reindex
+from meshfeed.sources.shards.index import reindex
 from tests.sources.test_sources_shards_index import as_version_1
 from tests.storage.conftest import S3
 

@@ -19,8 +19,8 @@ from meshfeed.curriculum import (
     vocab_rarity,
 )
 from meshfeed.errors import SourceError
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenWindows
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenWindows
 from tests.storage.conftest import S3, use_env_endpoint
 
 VOCAB = 64
@@ -53,7 +53,7 @@ def _ds_config(path: str) -> dict[str, Any]:
 
 def _uploads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The URLs analyze uploads, in order (the real upload still runs)."""
-    import meshfeed.sources.url_output as output_module  # every writer's uploads go through it
+    import meshfeed.storage.output as output_module  # every writer's uploads go through it
 
     seen: list[str] = []
     real = output_module.upload_file

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from meshfeed import DataLoader
-from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.indexed_write import write_indexed
-from meshfeed.sources.windows import TokenDocuments, TokenWindows
+from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed_write import write_indexed
+from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 from tests.dist_utils import run_distributed
 from tests.storage.conftest import S3, use_env_endpoint
 
@@ -111,7 +111,7 @@ def test_parquet_files_from_a_url_folder(s3: S3, tmp_path: Path) -> None:
 
 
 def test_convert_writes_a_corpus_to_a_url_and_leaves_it_cached(s3: S3, tmp_path: Path) -> None:
-    from meshfeed.sources.convert import convert
+    from meshfeed.sources.converters.convert import convert
 
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "hello"}\n{"text": "object storage"}\n')

@@ -145,7 +145,7 @@ def test_a_shard_dataset_streams_from_s3_through_its_index(s3: S3, tmp_path: Pat
 def test_download_ahead_follows_the_streams_own_shuffled_order(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshfeed.sources.stream_remote import CachedReader
+    from meshfeed.sources.streams.remote import CachedReader
 
     urls = _upload(s3, rows=[10] * 8, key="ahead")
     remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from meshfeed.sources import ShardedStream, write_shards
-from meshfeed.sources.indexed import TokenCorpus
-from meshfeed.sources.indexed_write import IndexedWriter, write_indexed
+from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed_write import IndexedWriter, write_indexed
 from tests.storage.conftest import S3, use_env_endpoint
 
 
@@ -162,7 +162,7 @@ def test_local_writers_refuse_a_url_by_name(
 def test_a_missing_bucket_fails_before_any_work_naming_the_url(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshfeed.sources.convert import convert
+    from meshfeed.sources.converters.convert import convert
 
     remote = {"cache_dir": tmp_path / "cache", "storage_options": s3.options}
     read: list[int] = []

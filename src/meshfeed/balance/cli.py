@@ -31,7 +31,7 @@ from meshfeed.balance.long_documents import LONG_DOCUMENT_POLICIES, fit_lengths,
 from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.synthetic import DISTRIBUTIONS, sample_batch
 from meshfeed.mesh import DataMesh
-from meshfeed.sources.indexed import TokenCorpus
+from meshfeed.sources.tokens.indexed import TokenCorpus
 from meshfeed.storage import is_url, local_path_of
 
 __all__ = ["add_subcommand", "run"]

@@ -21,7 +21,7 @@ import torch
 from meshfeed.keys import DOCUMENT_IDS
 from meshfeed.loader import DataLoader
 from meshfeed.mesh import DEFAULT_DATA_AXES, DataMesh, resolve_mesh
-from meshfeed.sources.windows import CorpusLike, TokenDocuments
+from meshfeed.sources.tokens.windows import CorpusLike, TokenDocuments
 
 __all__ = ["pack_documents", "packed_document_loader"]
 

@@ -71,7 +71,7 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
         # The spec names either a dataset object or a zero-argument factory (a class or a
         # function); a map-style dataset is a meshfeed.protocols.Source.
         return made() if callable(made) and not isinstance(made, Source) else made
-    from meshfeed.sources.indexed import TokenCorpus
+    from meshfeed.sources.tokens.indexed import TokenCorpus
 
     if cache_dir is not None:
         local_only(cache_dir, what="--cache-dir", fix="give a local folder for the shard cache")
@@ -82,7 +82,7 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
             "integer corpus: rewrite it with meshfeed convert --dtype uint16 (or int32 / int64)"
         )
     if windows is not None:
-        from meshfeed.sources.windows import TokenWindows
+        from meshfeed.sources.tokens.windows import TokenWindows
 
         return TokenWindows(corpus, seq_len=windows)
     return corpus
@@ -90,8 +90,8 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
 
 def _vocab_size(dataset: Any) -> int:
     """The largest token id + 1 of a token corpus, its windows, or any dataset of token ids."""
-    from meshfeed.sources.indexed import TokenCorpus
-    from meshfeed.sources.windows import TokenWindows
+    from meshfeed.sources.tokens.indexed import TokenCorpus
+    from meshfeed.sources.tokens.windows import TokenWindows
 
     corpus = dataset.corpus if isinstance(dataset, TokenWindows) else dataset
     if isinstance(corpus, TokenCorpus):
@@ -103,7 +103,7 @@ def _vocab_size(dataset: Any) -> int:
 
 
 def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | AccumulatedMetric:
-    from meshfeed.sources.windows import TokenWindows
+    from meshfeed.sources.tokens.windows import TokenWindows
 
     if spec == "seqlen" and isinstance(dataset, TokenWindows):
         raise ValueError(

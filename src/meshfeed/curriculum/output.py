@@ -29,8 +29,8 @@ import numpy as np
 
 from meshfeed.curriculum.index import MetricIndex, save_accumulated
 from meshfeed.curriculum.index_files import META
-from meshfeed.sources.url_output import check_writable, upload, upload_target
 from meshfeed.storage import StorageOptions, local_path_of
+from meshfeed.storage.output import check_writable, upload, upload_target
 
 __all__ = ["check_output", "save_results"]
 
@@ -44,7 +44,7 @@ def check_output(
     retry_timeout: float = 30.0,
 ) -> None:
     """Fail now, naming ``output``, if it is a URL the results could not be uploaded to (see
-    :func:`meshfeed.sources.url_output.check_writable`)."""
+    :func:`meshfeed.storage.output.check_writable`)."""
     url = upload_target(output)
     if url is not None:
         check_writable(url, storage_options, what="the analysis", retry_timeout=retry_timeout)

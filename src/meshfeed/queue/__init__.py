@@ -4,9 +4,11 @@ See :class:`SampleStore` (embedded or Ray backend), the samplers in
 :mod:`meshfeed.queue.samplers`, and :class:`StoreLoader` for a per-rank iterator.
 """
 
-from meshfeed.queue.core import PartitionClosed
-from meshfeed.queue.dynamic import Varies
-from meshfeed.queue.loader import CollateError, StoreLoader
+from meshfeed.queue.engine.core import PartitionClosed
+from meshfeed.queue.engine.dynamic import Varies
+from meshfeed.queue.engine.versions import StaleVersion
+from meshfeed.queue.engine.wakeups import RequestCancelled
+from meshfeed.queue.loading.loader import CollateError, StoreLoader
 from meshfeed.queue.samplers import (
     GroupSampler,
     LengthBalancedSampler,
@@ -14,8 +16,6 @@ from meshfeed.queue.samplers import (
     SequentialSampler,
 )
 from meshfeed.queue.store import Batch, SampleStore
-from meshfeed.queue.versions import StaleVersion
-from meshfeed.queue.wakeups import RequestCancelled
 
 __all__ = [
     "Batch",

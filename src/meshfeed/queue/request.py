@@ -27,8 +27,8 @@ class GetRequest:
     ``lease_timeout``; the client makes it). ``parts``: also hand out the parts of the shared
     plan the batch belongs to (``Batch.parts``). ``context``: any other keyword a custom
     sampler reads. ``version`` / ``max_staleness`` / ``version_of``: the trainer's policy
-    version and the staleness it accepts (:mod:`meshfeed.queue.versions`); ``group_filter``:
-    keep a complete group or drop it (:mod:`meshfeed.queue.dynamic`). Build it through
+    version and the staleness it accepts (:mod:`meshfeed.queue.engine.versions`); ``group_filter``:
+    keep a complete group or drop it (:mod:`meshfeed.queue.engine.dynamic`). Build it through
     ``SampleStore.get``, which validates it.
     """
 

@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshfeed.collate import collate_column
-from meshfeed.queue import checkpoint
-from meshfeed.queue.backend import Backend
-from meshfeed.queue.columns import Gathered
-from meshfeed.queue.core import StoreOptions
-from meshfeed.queue.dynamic import check_group_filter
-from meshfeed.queue.embedded import EmbeddedBackend
+from meshfeed.queue.backends.base import Backend
+from meshfeed.queue.backends.embedded import EmbeddedBackend
+from meshfeed.queue.checkpoints import state as checkpoint
+from meshfeed.queue.engine.columns import Gathered
+from meshfeed.queue.engine.core import StoreOptions
+from meshfeed.queue.engine.dynamic import check_group_filter
+from meshfeed.queue.engine.versions import check_staleness, check_version, check_version_of
+from meshfeed.queue.engine.wakeups import check_timeout
 from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.validate import (
@@ -45,8 +47,6 @@ from meshfeed.queue.validate import (
     put_groups,
     put_ids,
 )
-from meshfeed.queue.versions import check_staleness, check_version, check_version_of
-from meshfeed.queue.wakeups import check_timeout
 from meshfeed.storage.urls import local_only
 
 Key = Hashable
@@ -105,7 +105,7 @@ class SampleStore:
     other drivers can :meth:`connect` to it. ``lease_timeout``: seconds a consumer has to
     :meth:`ack` a batch before its samples return to ready for another consumer (``None``: a
     get consumes at once, and a consumer that dies holding a batch loses it); see
-    :mod:`meshfeed.queue.leases`.
+    :mod:`meshfeed.queue.engine.leases`.
     """
 
     def __init__(
@@ -135,7 +135,7 @@ class SampleStore:
             core = None if _meta is None else checkpoint.restore(_meta, _payload, options=options)
             self._backend = EmbeddedBackend(options, core)
         elif backend == "ray":
-            from meshfeed.queue.ray_backend import RayBackend
+            from meshfeed.queue.backends.ray import RayBackend
 
             self._backend = RayBackend.create(
                 options, inline_bytes=inline_bytes, name=name, meta=_meta, payload=_payload
@@ -148,7 +148,7 @@ class SampleStore:
     def connect(cls, name: str, *, inline_bytes: int = 64 * 1024) -> SampleStore:
         """The Ray store created with ``SampleStore('ray', name=name)``, from another process
         (after ``ray.init(address=...)``); a Ray store can also simply be pickled."""
-        from meshfeed.queue.ray_backend import RayBackend
+        from meshfeed.queue.backends.ray import RayBackend
 
         backend, options = RayBackend.connect(name, inline_bytes=inline_bytes)
         return cls._attach("ray", backend, options)
@@ -211,8 +211,8 @@ class SampleStore:
         newer version, never an older one; a group's samples are created under one version.
         A versioned put waits while a task that bounds staleness has ``(max_staleness + 1)``
         of its gets unconsumed already, and is refused with
-        :class:`~meshfeed.queue.versions.StaleVersion` when it is too old for every reader
-        (see :mod:`meshfeed.queue.versions`).
+        :class:`~meshfeed.queue.engine.versions.StaleVersion` when it is too old for every reader
+        (see :mod:`meshfeed.queue.engine.versions`).
         """
         partition = self._partition(partition)
         timeout = check_timeout(timeout)
@@ -290,7 +290,7 @@ class SampleStore:
         A get that needs more samples at once than ``capacity`` (``batch_size``, or the
         round of a rank-aware sampler) from an open partition is refused with ``ValueError``; one that waits while
         producers wait for the room it holds is logged and named in its ``TimeoutError`` (see
-        :mod:`meshfeed.queue.stall`).
+        :mod:`meshfeed.queue.engine.stall`).
 
         Policy versions: ``version`` is the trainer's (an int >= 0 that never goes backwards
         for a task) and ``max_staleness`` (an int >= 0, with ``version``) the most versions a
@@ -302,7 +302,7 @@ class SampleStore:
         Dynamic sampling: ``group_filter`` (with a group sampler) is called with each complete
         group's ``fields`` as ``{field: [value per sample]}``; a group it returns False for is
         dropped for the task, counted in ``stats()["filtered"]``, and the batch is filled from
-        later groups (see :mod:`meshfeed.queue.dynamic`).
+        later groups (see :mod:`meshfeed.queue.engine.dynamic`).
         """
         sampler = check_sampler(sampler)
         request = GetRequest(
@@ -429,7 +429,7 @@ class SampleStore:
         """Write samples, fields and consumption to ``path`` atomically (temp file + rename).
 
         Values must be tensors, numpy arrays or JSON values (see
-        :mod:`meshfeed.queue.checkpoint`); others are refused naming the field, unless
+        :mod:`meshfeed.queue.checkpoints.state`); others are refused naming the field, unless
         ``allow_pickle=True`` (then ``load`` needs it too). Temporary files that killed saves
         left in the folder are removed (same host and process gone, or older than a day)."""
         if not isinstance(allow_pickle, bool):

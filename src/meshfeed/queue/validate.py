@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.queue.columns import Chunk
+from meshfeed.queue.engine.columns import Chunk
 from meshfeed.queue.samplers import Sampler, SequentialSampler
 
 Key = Hashable

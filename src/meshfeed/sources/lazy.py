@@ -36,7 +36,7 @@ from meshfeed.fetch import Failed
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import ItemsSource, OrderedSource, Source, TextEncoder
 from meshfeed.rng import fetch_info, sample_rng
-from meshfeed.sources.tokenizer import token_ids
+from meshfeed.sources.tokens.tokenizer import token_ids
 from meshfeed.state import dataset_fingerprint
 
 __all__ = ["LazyDataset", "OrderedLazyDataset"]

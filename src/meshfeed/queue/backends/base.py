@@ -1,0 +1,68 @@
+"""Backend: what :class:`SampleStore` needs from where the store lives.
+
+Two implementations: :class:`~meshfeed.queue.backends.embedded.EmbeddedBackend` (this process, one
+lock) and :class:`~meshfeed.queue.backends.ray.RayBackend` (a Ray actor; the client side is
+picklable). Both wrap one :class:`~meshfeed.queue.engine.core.StoreCore`; arguments arrive validated
+(``SampleStore`` checks them once), so a backend only moves them and waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any, Protocol
+
+from meshfeed.queue.request import GetRequest, PutRequest
+
+__all__ = ["Backend", "Got", "Peeked"]
+
+Key = Hashable
+#: A get's result: the ids, one column per field (as the core gathered them), the lease the
+#: batch is handed out under (``None``: consumed at once), and the parts of the shared plan
+#: the batch is one part of (``None`` without a shared plan; see ``StoreCore.try_get``).
+#: The last item: the samples' policy versions (``None`` in a partition without versions).
+Got = tuple[list[Key], dict[str, Any], str | None, list[list[Key]] | None, list[int | None] | None]
+
+
+#: A peek's result: the ids, their columns, their policy versions (``None``: no versions).
+Peeked = tuple[list[Key], dict[str, Any], list[int | None] | None]
+
+
+class Backend(Protocol):
+    """The store's operations; blocking ones wait without polling and honour ``timeout``."""
+
+    @property
+    def name(self) -> str | None:
+        """The Ray actor's registered name, else ``None``."""
+        ...
+
+    def put(self, request: PutRequest) -> list[Key]: ...
+
+    def get(self, request: GetRequest) -> Got: ...
+
+    def ack(self, lease_id: str) -> None: ...
+
+    def drop_consumer(self, consumer: Hashable) -> int: ...
+
+    def cancel(self, token: Hashable) -> None: ...
+
+    def release(self, partition: str, ids: list[Key]) -> None: ...
+
+    def peek(self, partition: str, ids: list[Key], fields: tuple[str, ...]) -> Peeked: ...
+
+    def reset_consumption(self, partition: str, task: str) -> None: ...
+
+    def drop_plans(self, partition: str, task: str, below: int) -> None: ...
+
+    def clear(self, partition: str) -> None: ...
+
+    def delete(self, partition: str, ids: list[Key]) -> None: ...
+
+    def close(self, partition: str) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def dump(self, with_payload: bool) -> tuple[dict[str, Any], list[list[dict]]]: ...
+
+    def restore(self, meta: Mapping[str, Any], payload: list[list[dict]] | None) -> None: ...
+
+    def shutdown(self) -> None: ...

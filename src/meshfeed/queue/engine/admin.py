@@ -1,0 +1,125 @@
+"""The store's admin operations and statistics: the part of :class:`StoreCore` that never
+plans or consumes a batch (drop plans, reset, clear, delete, close, ``stats``).
+
+A mixin of :class:`~meshfeed.queue.engine.core.StoreCore` (it reads and changes the core's records
+through the same private helpers), kept apart so the core's module holds the data path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+from meshfeed.queue.engine.leases import Leases
+from meshfeed.queue.engine.plans import drop
+from meshfeed.queue.engine.records import Partition
+
+if TYPE_CHECKING:
+    from meshfeed.queue.engine.records import StoreOptions
+
+__all__ = ["StoreAdmin"]
+
+Key = Hashable
+
+
+class StoreAdmin:
+    """Admin calls of the core; see the module docstring. The core sets these attributes
+    and implements the helpers below."""
+
+    options: StoreOptions
+    partitions: dict[str, Partition]
+    held: int
+    dropped: int
+    produced: int
+    consumed_total: dict[str, int]
+    waiting_consumers: int
+    waiting_producers: int
+    redelivered: int
+    lease_expired: int
+    leases: Leases
+
+    def _partition(self, name: str) -> Partition:
+        raise NotImplementedError
+
+    def _evict(self, part: Partition, keys: list[Key]) -> None:
+        raise NotImplementedError
+
+    def _remove(self, part: Partition, keys: list[Key]) -> None:
+        raise NotImplementedError
+
+    def expire_leases(self, now: float) -> int:
+        raise NotImplementedError
+
+    def drop_plans(self, partition: str, task: str, below: int) -> None:
+        """Drop ``task``'s shared plans of batch indices below ``below`` (unpinning their
+        samples): a loader resumed on another number of data ranks re-delivers those batches
+        from its state and asks for no index below ``below``, so no reader reads them again."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return
+        stale = [c for c in part.cache if c[0] == task and type(c[-1]) is int and c[-1] < below]
+        self._evict(part, drop(part, stale))
+
+    def reset_consumption(self, partition: str, task: str) -> None:
+        part = self._partition(partition)
+        self._evict(part, drop(part, [c for c in part.cache if c[0] == task]))
+        for prefix in [a for a in part.asked if a[0] == task]:
+            del part.asked[prefix]
+            part.progress.pop(prefix, None)
+        part.pending[task] = dict.fromkeys(part.samples)
+        part.consumed[task] = set()
+
+    def clear(self, partition: str) -> None:
+        part = self.partitions.pop(partition, None)
+        if part is not None:
+            self.held -= len(part.samples)
+            self.dropped += len(part.samples)
+        for lease in self.leases:  # their samples are gone with the partition
+            if lease.partition == partition:
+                self.leases.pop(lease.id)
+
+    def delete(self, partition: str, ids: list[Key]) -> None:
+        part = self._partition(partition)
+        missing = [k for k in ids if k not in part.samples]
+        if missing:
+            raise ValueError(
+                f"partition {partition!r} holds no samples {missing[:10]}; delete ids that "
+                "exist (a sample dropped after all tasks consumed it is already gone)"
+            )
+        self._remove(part, list(dict.fromkeys(ids)))
+
+    def close(self, partition: str) -> None:
+        self._partition(partition).closed = True
+
+    def stats(self) -> dict[str, Any]:
+        if self.leases:
+            self.expire_leases(time.monotonic())
+        parts = {}
+        held_bytes = remote = 0
+        counts: dict[str, dict[str, int]] = {"stale": {}, "filtered": {}}
+        for name, part in self.partitions.items():
+            held_bytes += sum(s.nbytes for s in part.samples.values())
+            remote += sum(s.remote for s in part.samples.values())
+            parts[name] = part.stats()
+            if part.book is not None:
+                parts[name].update(part.book.stats())
+                for key, total in counts.items():
+                    for task, n in parts[name][key].items():
+                        total[task] = total.get(task, 0) + n
+        return {
+            "produced": self.produced,
+            "held": self.held,
+            "consumed": dict(self.consumed_total),
+            "waiting_consumers": self.waiting_consumers,
+            "waiting_producers": self.waiting_producers,
+            "bytes_held": held_bytes,
+            "bytes_in_object_store": remote,
+            "cache_entries": sum(p["cache_entries"] for p in parts.values()),
+            "redelivered": self.redelivered,
+            "lease_expired": self.lease_expired,
+            "leases": len(self.leases),
+            "stale": counts["stale"],
+            "filtered": counts["filtered"],
+            "partitions": parts,
+        }

@@ -1,0 +1,458 @@
+"""StoreCore: the bookkeeping of the sample store, non-blocking and backend-free.
+
+Both backends wrap one ``StoreCore``: the embedded store under a ``threading.Condition``, the
+Ray actor under an ``asyncio.Condition``. Every ``try_*`` method either completes at once or
+returns ``None`` ("not yet": wait for the next notification); nothing here blocks, sleeps or
+knows about threads. Values are opaque; a :class:`Ref` marks a payload held elsewhere (Ray's
+object store) so the store counts it but never holds its bytes.
+
+Per partition the core keeps samples in production order, and per task an ordered ``pending``
+set (not yet consumed), so a ``get`` scans only unconsumed samples. Around it: the records
+(:mod:`~meshfeed.queue.engine.records`, which the checkpoint reads and rebuilds), puts
+(:mod:`~meshfeed.queue.engine.puts`), shared plans (:mod:`~meshfeed.queue.engine.plans`), eviction
+(:mod:`~meshfeed.queue.engine.eviction`) and the fast selection (:mod:`~meshfeed.queue.engine.fastpath`).
+
+Cost: a put of ``n`` new samples whose columns are chunks or scalar lists is one
+:class:`~meshfeed.queue.engine.records.Run` stored under its ``n`` ids, and the common get (a
+``SequentialSampler`` whose first pending samples are ready) selects, consumes, gathers (a view
+per contiguous block of a run) and evicts with C-level dict/set passes over the ids: O(runs)
+Python operations, not O(samples). Everything else (fields added to existing samples, groups,
+other samplers, pins, holds, leases) takes the per-sample path, which gives the same results.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+from meshfeed.queue.engine.admin import StoreAdmin
+from meshfeed.queue.engine.columns import gather, gather_runs
+from meshfeed.queue.engine.dynamic import rejected
+from meshfeed.queue.engine.eviction import evict, forget, remove
+from meshfeed.queue.engine.fastpath import select_fast
+from meshfeed.queue.engine.leases import Lease, Leases
+from meshfeed.queue.engine.plans import end_of_stream, lookup, read_shared, record
+from meshfeed.queue.engine.puts import check_put, put_run, put_samples, run_columns
+from meshfeed.queue.engine.records import (
+    Entry,
+    Partition,
+    Ref,
+    Run,
+    StoreOptions,
+    View,
+    count_down,
+    nbytes_of,
+)
+from meshfeed.queue.engine.stall import check_fits, round_size
+from meshfeed.queue.engine.versions import Book
+from meshfeed.queue.request import GetRequest, PutRequest
+from meshfeed.queue.rounds import Round
+from meshfeed.queue.samplers import Share
+
+__all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
+
+Key = Hashable
+#: What :meth:`StoreCore.try_get` hands out: ids, rows, and the shared plan's parts (or None).
+Taken = tuple[list[Key], dict[str, list[Any]], list[list[Key]] | None, list[int | None] | None]
+KIND = "sample_store"  # the state envelope's kind
+VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indices
+
+
+class PartitionClosed(Exception):
+    """``get`` on a closed partition with nothing left for the task: the stream has ended."""
+
+
+class StoreCore(StoreAdmin):
+    """All store state; see the module docstring. Not thread-safe: the backend locks it."""
+
+    def __init__(self, options: StoreOptions) -> None:
+        self.options = options
+        self.partitions: dict[str, Partition] = {}
+        self.held = 0
+        #: Samples ever dropped (consumed by every task, deleted, cleared): a backend compares
+        #: it before and after a call to know whether the call freed capacity, whatever other
+        #: calls did to ``held`` meanwhile.
+        self.dropped = 0
+        self.produced = 0
+        self.consumed_total: dict[str, int] = {}
+        self.waiting_consumers = 0
+        self.waiting_producers = 0
+        self.redelivered = 0  # samples handed out again to a retried request
+        self.leases = Leases()
+        self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
+        self.planned = 0  # shared plans made (a backend wakes the replica peers on a change)
+        self.put_needs = 0  # new samples the last put refused for capacity needed
+        self.taken = 0  # samples ever consumed (delivered or stale): frees admission room
+        self.admitting = False  # a versioned put may wait for admission (versions.py)
+
+    # ----------------------------------------------------------------- producing
+    def _partition(self, name: str) -> Partition:
+        part = self.partitions.get(name)
+        if part is None:
+            part = self.partitions[name] = Partition()
+            for task in self.options.tasks or ():
+                part.task(task)
+        return part
+
+    def try_put(self, request: PutRequest) -> list[Key] | None:
+        """Store rows; ``None`` when the new samples do not fit under ``capacity`` yet, or
+        a versioned put is not admitted yet (:mod:`meshfeed.queue.engine.versions`)."""
+        partition, rows, ids, groups = request.partition, request.rows, request.ids, request.groups
+        part = self._partition(partition)
+        if part.closed:
+            raise ValueError(
+                f"partition {partition!r} is closed; no more puts are accepted (clear() it "
+                "to reuse the name, or put to a new partition)"
+            )
+        n = len(next(iter(rows.values())))
+        if ids is None:  # fresh ids are above every int id ever put: all new, nothing to check
+            ids = list(range(part.next_id, part.next_id + n))
+            n_new = n
+        elif part.samples.keys().isdisjoint(ids):  # all new: nothing to check per sample
+            n_new = n
+        else:
+            n_new = check_put(partition, part, rows, ids, groups)
+        version = request.version
+        if version is not None:
+            self.admitting = True
+            book = part.book = part.book or Book()
+            if not book.admit(partition, part, request, ids, n_new):
+                self.put_needs = n_new
+                return None
+        cap = self.options.capacity
+        if cap is not None:
+            if n_new > cap:
+                raise ValueError(
+                    f"a put of {n_new} new samples can never fit capacity={cap}; "
+                    "put fewer samples at a time or raise the capacity"
+                )
+            if self.held + n_new > cap:
+                self.put_needs = n_new
+                return None
+        part.seen.update(rows)
+        # One sample gains nothing from a run (and costs more to gather from a row of runs).
+        if n_new == n > 1 and groups is None and run_columns(rows):
+            put_run(part, rows, ids, n)
+        else:
+            put_samples(part, rows, ids, groups)
+        self.held += n_new
+        self.produced += n_new
+        counts = part.field_counts
+        for f in rows:  # each (sample, field) pair is new, checked above
+            counts[f] = counts.get(f, 0) + n
+        if version is not None:
+            book.record(request, ids)
+        return ids
+
+    # ----------------------------------------------------------------- consuming
+    def try_get(
+        self, request: GetRequest, *, alive: Any = None, now: float | None = None
+    ) -> Taken | None:
+        """Plan and consume a batch; ``None`` when not enough samples are ready yet. The
+        batch's ids and rows, and (``request.parts``) the parts of the shared plan it belongs
+        to (``None`` without one, or not asked for): every reader's ids in part order (a
+        rank-aware round: the data ranks' batches in data-rank order; one list shared by
+        every reader of the round: read-only), so a loader's checkpoint can name the whole
+        round; and the samples' versions (``None``: an unversioned partition).
+
+        The request flows down once: overdue leases expire and the consumer's earlier
+        leases are acknowledged, stale samples go (:meth:`_settle`); a shared plan already
+        made for this request's key is read (replica peers, retries: :mod:`~meshfeed.queue.
+        plans`); else the sampler plans a batch (:meth:`_plan`: a closed partition with
+        nothing more for the task ends the stream, :class:`PartitionClosed`) and it is
+        consumed (:meth:`_consume`). ``request.hold``: keep the returned samples until
+        :meth:`release`. With ``options.lease_timeout`` set, a batch of a non-sharing sampler
+        is handed out under ``request.lease`` of ``request.consumer``, expiring at ``now +
+        lease_timeout`` (``alive``: the consumer's liveness probe, see
+        :mod:`meshfeed.queue.engine.leases`). ``now``: the caller's ``time.monotonic()``.
+        """
+        part = self._partition(request.partition)
+        now = time.monotonic() if now is None else now
+        self._settle(part, request, now)
+        share = request.sampler.share(request.sampler_context())
+        if share is not None:
+            entry, freed = lookup(part, request, share)
+            self._evict(part, freed)
+            if entry is not None:
+                return self._read_plan(part, request, share, entry)
+        plan = self._plan(part, request, share)
+        if plan is None:
+            return None
+        return self._consume(part, request, share, plan, alive, now)
+
+    def versioned(self, partition: str) -> bool:
+        """Whether ``partition`` has policy versions (its puts may wait for admission)."""
+        part = self.partitions.get(partition)
+        return part is not None and part.book is not None
+
+    def _settle(self, part: Partition, request: GetRequest, now: float) -> None:
+        """Before planning: overdue leases expire and a get of ``consumer`` acknowledges its
+        earlier batches of the same task and partition; with a trainer ``version``, the
+        task's samples older than ``request.max_staleness`` allows are consumed (undelivered,
+        counted: :mod:`meshfeed.queue.engine.versions`)."""
+        if self.leases:
+            self.expire_leases(now)
+            if request.consumer is not None:
+                mine = self.leases.of_consumer(request.consumer, request.task, request.partition)
+                for old in mine:
+                    self._end_lease(old.id)
+        if request.version is not None:
+            book = part.book = part.book or Book()
+            book.observe(request, round_size(request.sampler, request.batch_size))
+            task = request.task
+            stale = book.stale_keys(part.task(task), request)
+            if stale:
+                book.stale[task] = book.stale.get(task, 0) + len(stale)
+                self._unserved(part, task, stale)
+
+    def _unserved(self, part: Partition, task: str, keys: list[Key]) -> None:
+        """Consume ``keys`` for ``task`` without delivering them (stale, or filtered)."""
+        if keys:
+            deque(map(part.pending[task].pop, keys), 0)
+            part.consumed[task].update(keys)
+            self.consumed_total[task] = self.consumed_total.get(task, 0) + len(keys)
+            self.taken += len(keys)
+            self._evict(part, keys)
+
+    def _read_plan(self, part: Partition, request: GetRequest, share: Share, entry: Entry) -> Taken:
+        """A replica peer reading the shared plan, or a retry of the same batch index
+        (idempotent: the same batch again, never the next one)."""
+        ids = list(filter(part.samples.__contains__, entry.round[share.part]))
+        versions = _vs(part, ids, request.version_of)  # before the last reader's read evicts
+        rows = self._rows(part, ids, request.fields)
+        again, freed = read_shared(part, request, share, entry)
+        if again:
+            self.redelivered += len(ids)
+        elif request.hold:
+            self._hold(part, ids)
+        self._evict(part, freed)
+        return ids, rows, entry.round.lists() if request.parts else None, versions
+
+    def _plan(self, part: Partition, request: GetRequest, share: Share | None) -> Round | None:
+        """The sampler's batch (as a round of parts), ``None`` to wait; at the end of the
+        stream (a closed partition with nothing more for the task) :class:`PartitionClosed`."""
+        need = request.need
+        if part.closed:
+            missing = [f for f in need if f not in part.seen]
+            if missing:  # nothing more can ever become ready: the stream has ended
+                self._end(
+                    part,
+                    request,
+                    share,
+                    f"partition {request.partition!r} is closed and no sample of it has "
+                    f"field(s) {missing} (fields produced: {sorted(part.seen)}); the stream "
+                    "has ended (check the field names if you expected data)",
+                )
+        pending = part.task(request.task)
+        if request.group_filter is not None:
+            self._unserved(part, request.task, rejected(part, request, pending))
+        parts = select_fast(part, pending, request, need)
+        if isinstance(parts, bool):
+            parts = request.sampler.select(View(part, pending, need), request.batch_size)
+        if parts is None or not any(parts):
+            if part.closed:
+                self._end(
+                    part,
+                    request,
+                    share,
+                    f"partition {request.partition!r} is closed and drained for {request.task!r}",
+                )
+            if self.options.capacity is not None:  # about to wait: one that never fits
+                check_fits(self.options, request.sampler, request.batch_size)
+            return None
+        return Round.of(parts)
+
+    def _end(self, part: Partition, request: GetRequest, share: Share | None, why: str) -> None:
+        """The stream has ended for this reader: it acknowledges every plan, then stops."""
+        if share is not None:
+            self._evict(part, end_of_stream(part, request.task, share, request.prefetch))
+        raise PartitionClosed(why)
+
+    def _consume(
+        self,
+        part: Partition,
+        request: GetRequest,
+        share: Share | None,
+        plan: Round,
+        alive: Any,
+        now: float,
+    ) -> Taken:
+        """Mark the planned samples consumed for the task, record a shared plan, and hand
+        out this reader's part (held and leased as the request says)."""
+        task = request.task
+        every = plan.ids
+        deque(map(part.task(task).pop, every), 0)  # C-level loops: no Python per sample
+        drop = share is None and not request.hold and self._sole_reader(part, task)
+        if not drop:
+            part.consumed[task].update(every)
+        self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
+        self.taken += len(every)
+        if share is not None:
+            record(part, request, share, plan, evicting=bool(self.options.tasks))
+            self.planned += 1
+        ids = (
+            plan.ids
+            if share is None and len(plan) == 1
+            else plan[0 if share is None else share.part]
+        )
+        rows = self._rows(part, ids, request.fields)
+        if request.hold:
+            self._hold(part, ids)
+        if self.options.lease_timeout is not None and share is None:
+            self._lease(part, request, ids, alive, now)
+        versions = _vs(part, ids, request.version_of)  # before they go
+        if drop:  # fast path: nothing else keeps them, so they go without eviction checks
+            self._forget(part, every)
+        elif share is None:  # a plan's samples stay pinned until the plan goes
+            self._evict(part, every)
+        parts = plan.lists() if share is not None and request.parts else None
+        return ids, rows, parts, versions
+
+    def _sole_reader(self, part: Partition, task: str) -> bool:
+        """Whether ``task`` is the only one to consume and nothing keeps a consumed sample
+        (no plan, hold or lease): then consumed samples can go at once."""
+        return (
+            self.options.lease_timeout is None
+            and self.options.tasks == (task,)
+            and len(part.pending) == 1
+            and not part.cache
+            and not part.held
+            and not part.leased
+        )
+
+    def _lease(
+        self, part: Partition, request: GetRequest, ids: list[Key], alive: Any, now: float
+    ) -> None:
+        timeout = self.options.lease_timeout
+        assert timeout is not None
+        r, lease = request, request.lease
+        if lease is None:
+            raise ValueError(
+                "this store has lease_timeout set, so every get needs a lease id; use "
+                "SampleStore.get, which makes one"
+            )
+        self.leases.add(Lease(lease, r.partition, r.task, ids, r.consumer, now + timeout, alive))
+        leased = part.leased
+        for k in ids:
+            leased[k] = leased.get(k, 0) + 1
+
+    # ----------------------------------------------------------------- leases
+    def ack(self, lease_id: str) -> None:
+        """The consumer processed the batch of ``lease_id``: its samples stay consumed."""
+        if self._end_lease(lease_id) is None:
+            raise ValueError(
+                f"lease {lease_id!r} is not outstanding: acknowledged already, or it expired "
+                f"after lease_timeout={self.options.lease_timeout}s and its samples returned to "
+                "ready (they may have been delivered again); acknowledge each batch once, "
+                "before the timeout, or raise lease_timeout"
+            )
+
+    def _end_lease(self, lease_id: str) -> Lease | None:
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return None
+        part = self.partitions.get(lease.partition)
+        if part is not None:
+            count_down(part.leased, lease.ids)
+            self._evict(part, lease.ids)
+        return lease
+
+    def expire_leases(self, now: float) -> int:
+        """Return the samples of leases past their deadline to ready; how many samples."""
+        return sum(self._return(lease) for lease in self.leases.expired(now))
+
+    def drop_consumer(self, consumer: Hashable) -> int:
+        """``consumer`` is known dead: its leases return to ready now; how many samples."""
+        return self.drop_leases([lease.id for lease in self.leases.of_consumer(consumer)])
+
+    def drop_leases(self, lease_ids: list[str]) -> int:
+        """Return these leases (their consumer is gone) to ready; how many samples."""
+        n = 0
+        for lease_id in lease_ids:
+            lease = self.leases.pop(lease_id)
+            if lease is not None:
+                n += self._return(lease)
+        return n
+
+    def next_lease_deadline(self) -> float | None:
+        return self.leases.next_deadline()
+
+    def _return(self, lease: Lease) -> int:
+        """Make a removed lease's samples ready again for its task, in production order."""
+        part = self.partitions.get(lease.partition)
+        if part is None:
+            return 0
+        count_down(part.leased, lease.ids)
+        consumed = part.consumed.get(lease.task, set())
+        back = {k for k in lease.ids if k in part.samples and k in consumed}
+        if not back:
+            return 0
+        consumed -= back
+        pending = part.pending[lease.task]
+        part.pending[lease.task] = {k: None for k in part.samples if k in pending or k in back}
+        self.consumed_total[lease.task] = self.consumed_total.get(lease.task, 0) - len(back)
+        self.lease_expired += len(back)
+        return len(back)
+
+    def stats_cache_entries(self) -> int:
+        return sum(len(p.cache) for p in self.partitions.values())
+
+    @staticmethod
+    def _rows(part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, Any]:
+        records = list(map(part.samples.__getitem__, ids))
+        if records and type(records[0]) is Run:
+            rows = gather_runs(records, ids, fields)
+            if rows is not None:
+                return rows
+        cells = [r.cells(k) for r, k in zip(records, ids, strict=True)]
+        return {f: gather([c[f] for c in cells]) for f in fields}
+
+    @staticmethod
+    def _hold(part: Partition, ids: list[Key]) -> None:
+        held = part.held
+        for k in ids:
+            held[k] = held.get(k, 0) + 1
+
+    def release(self, partition: str, ids: list[Key]) -> None:
+        """Undo one ``hold`` of each of ``ids`` (unknown ids are ignored) and evict."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return
+        count_down(part.held, ids)
+        self._evict(part, ids)
+
+    def peek(
+        self, partition: str, ids: list[Key], fields: tuple[str, ...]
+    ) -> tuple[list[Key], dict[str, list[Any]], list[int | None] | None]:
+        """The ``fields`` of samples ``ids`` without consuming them (re-delivery on resume)."""
+        part = self.partitions.get(partition)
+        missing = [k for k in ids if part is None or k not in part.samples]
+        if part is None or missing:
+            raise ValueError(
+                f"partition {partition!r} no longer holds samples {missing[:10]} a loader "
+                "checkpoint names as fetched but not returned; restore the store saved with "
+                "that loader state (SampleStore.load)"
+            )
+        return list(ids), self._rows(part, list(ids), fields), _vs(part, list(ids))
+
+    def _evict(self, part: Partition, keys: list[Key]) -> None:
+        if keys:
+            self._dropped(evict(part, keys, self.options.tasks))
+
+    def _remove(self, part: Partition, keys: list[Key]) -> None:
+        self._dropped(remove(part, keys))
+
+    def _forget(self, part: Partition, keys: list[Key]) -> None:
+        self._dropped(forget(part, keys))
+
+    def _dropped(self, n: int) -> None:
+        self.held -= n
+        self.dropped += n
+
+
+def _vs(part: Partition, ids: list[Key], version_of: str = "oldest") -> list[int | None] | None:
+    """The versions of a batch's samples, or ``None`` in a partition with no versions."""
+    book = part.book
+    return None if book is None or not book.versions else book.of(ids, version_of)

@@ -1,0 +1,163 @@
+"""Shared plans: one round planned once and read by several readers (replica peers, retries).
+
+A rank-aware or length-balanced sampler's request names a key (task, stream, batch index).
+:func:`lookup` is where such a request starts: it records how far the reader got, drops the
+plans every reader has passed, and finds the plan already made for the key (peers must ask
+alike: :func:`check_agreement`). Without one the core plans the round and :func:`record` caches
+it, pinning its samples; :func:`read_shared` is another reader's (or a retry's) share of it. Each
+function returns the samples the plans it dropped no longer pin, for the core to evict: the
+request flows down, the answer comes back, and nothing here calls back into the core.
+
+Cost per request: O(batch) plus O(log readers) to know whether every reader passed a plan
+(:class:`~meshfeed.queue.rounds.Progress`); a round's ids are kept once (a
+:class:`~meshfeed.queue.rounds.Round`), pinned and unpinned with C-level passes once per round.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from itertools import repeat
+from typing import Any
+
+from meshfeed.queue.engine.records import Entry, Partition, count_down
+from meshfeed.queue.request import GetRequest
+from meshfeed.queue.rounds import Progress, Round
+from meshfeed.queue.samplers import Share
+
+__all__ = ["check_agreement", "drop", "end_of_stream", "lookup", "pin", "read_shared", "record"]
+
+Key = Hashable
+CacheKey = tuple[Any, ...]
+
+
+def lookup(part: Partition, request: GetRequest, share: Share) -> tuple[Entry | None, list[Key]]:
+    """The plan cached for the request's key (``None``: plan it), after acknowledging the
+    reader's earlier batches; and the samples freed by the plans that this dropped."""
+    freed = _acknowledge(part, request.task, share, request.prefetch, last=False)
+    entry = part.cache.get((request.task, *share.key))
+    if entry is not None:
+        check_agreement(entry, request)
+    return entry, freed
+
+
+def read_shared(
+    part: Partition, request: GetRequest, share: Share, entry: Entry
+) -> tuple[bool, list[Key]]:
+    """A replica peer, or a retry of the same batch index, reads ``entry`` (idempotent: the
+    same batch again, never the next one): whether this reader read it before, and the
+    samples freed if every reader has now read and passed it."""
+    again = share.reader in entry.read
+    entry.read.add(share.reader)
+    freed: list[Key] = []
+    if len(entry.read) >= entry.readers:  # readers that found the end meanwhile
+        prefix = (request.task, *share.key[:-1])
+        freed = drop(part, _finished(part, prefix, share.readers))
+    return again, freed
+
+
+def end_of_stream(part: Partition, task: str, share: Share, prefetch: int | None) -> list[Key]:
+    """The reader found the end of the stream: it acknowledges every plan; the samples freed."""
+    return _acknowledge(part, task, share, prefetch, last=True)
+
+
+def check_agreement(entry: Entry, request: GetRequest) -> None:
+    """Readers of one plan must ask for the same fields, batch size and prefetch."""
+    fields, batch_size, agree = request.fields, request.batch_size, request.agree
+    if entry.fields != fields:
+        raise ValueError(
+            f"replica members asked for different fields ({list(entry.fields)} vs "
+            f"{list(fields)}) for the same batch; ask for the same fields"
+        )
+    if entry.batch_size is not None and (entry.batch_size, entry.agree) != (batch_size, agree):
+        raise ValueError(
+            f"readers of one shared batch asked with different settings "
+            f"(batch_size={entry.batch_size}, {entry.agree} vs "
+            f"batch_size={batch_size}, {agree}); replica peers must share "
+            "batch_size, prefetch and sampler, or they end at different steps"
+        )
+
+
+def record(
+    part: Partition, request: GetRequest, share: Share, plan: Round, *, evicting: bool
+) -> None:
+    """Cache a new plan until every reader asked for a later index, so a retry gets this
+    batch; its samples are pinned meanwhile (``evicting``: the store drops consumed samples;
+    a store that never does has nothing to pin)."""
+    entry = Entry(plan, request.fields, share.readers, request.batch_size, request.agree)
+    entry.read.add(share.reader)
+    part.cache[(request.task, *share.key)] = entry
+    if evicting:
+        pin(part, plan.ids)
+
+
+def pin(part: Partition, keys: list[Key]) -> None:
+    """One more plan names each of ``keys`` (a C-level pass when none was pinned)."""
+    pinned = part.pinned
+    if not pinned:
+        part.pinned = dict.fromkeys(keys, 1)
+    elif pinned.keys().isdisjoint(keys):
+        pinned.update(dict.fromkeys(keys, 1))
+    else:
+        for k in keys:
+            pinned[k] = pinned.get(k, 0) + 1
+
+
+def drop(part: Partition, keys: list[CacheKey]) -> list[Key]:
+    """Drop the plans ``keys``; the samples they pinned (still stored), to evict if done."""
+    freed: list[Key] = []
+    pinned = part.pinned
+    for key in keys:
+        entry = part.cache.pop(key)
+        if not pinned:  # a store that never evicts pins nothing
+            continue
+        ids = list(filter(part.samples.__contains__, entry.round.ids))
+        if max(map(pinned.get, ids, repeat(0)), default=0) <= 1:  # named by this plan alone
+            deque(map(pinned.pop, ids, repeat(None)), 0)
+        else:
+            count_down(pinned, ids)
+        freed += ids
+    return freed
+
+
+def _acknowledge(
+    part: Partition, task: str, share: Share, prefetch: int | None, last: bool
+) -> list[Key]:
+    """Record that a reader asked for batch ``index`` (``last``: it found the end); drop the
+    plans every reader has now read and acknowledged; the samples they freed.
+
+    A request for ``index`` acknowledges the reader's batches up to ``index - window``,
+    where ``window`` is the loader's ``prefetch`` (1 when not given): with ``P`` requests
+    in flight, out of order, a later index does not mean an earlier one arrived. A reader
+    that found the end acknowledges everything. So a retry of a batch not yet
+    acknowledged gets the same batch, and the cache stays bounded."""
+    prefix, index = (task, *share.key[:-1]), share.key[-1]
+    upto = (1 << 62) if last else index - (prefetch or 1)
+    asked = part.asked.setdefault(prefix, {})
+    old = asked.get(share.reader)
+    if old is not None and old >= upto:
+        return []
+    asked[share.reader] = upto
+    progress = part.progress.get(prefix)
+    if progress is not None and progress.readers == share.readers:
+        progress.moved(asked, share.reader, old)
+    return drop(part, _finished(part, prefix, share.readers))
+
+
+def _finished(part: Partition, prefix: tuple[Any, ...], readers: int) -> list[CacheKey]:
+    """The plans under ``prefix`` that every one of ``readers`` read and acknowledged.
+
+    Only readers ``0 .. readers - 1`` count: after a resume on fewer data ranks the store's
+    checkpoint still names the readers that are gone, whose positions never move again."""
+    asked = part.asked.get(prefix, {})
+    progress = part.progress.get(prefix)
+    if progress is None or progress.readers != readers:
+        progress = part.progress[prefix] = Progress(asked, readers)
+    low = progress.low(asked)
+    if low is None:
+        return []
+    return [
+        key
+        for key, entry in part.cache.items()
+        if key[:-1] == prefix and key[-1] <= low and len(entry.read) >= entry.readers
+    ]

@@ -1,0 +1,302 @@
+"""The records a :class:`~meshfeed.queue.engine.core.StoreCore` keeps: options, samples, partitions.
+
+Slotted containers with no behaviour beyond small accessors, shared by the core (which
+changes them) and :mod:`meshfeed.queue.checkpoints.state` (which dumps and rebuilds them). A
+partition maps each sample id to its :class:`Sample`, or to the :class:`Run` of the put that
+made it (read through ``Partition.cells`` / ``Partition.sample``, never ``.fields`` values). A
+:class:`Ref` marks a payload held elsewhere (Ray's object store): counted, never held.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from meshfeed.queue.engine.columns import Cell, Chunk, RemoteChunk, resolve
+from meshfeed.queue.engine.versions import Book
+from meshfeed.queue.rounds import Progress, Round
+
+Key = Hashable
+
+
+class Ref:
+    """A payload kept outside the store (a Ray ``ObjectRef``) and its size in bytes."""
+
+    __slots__ = ("nbytes", "ref")
+
+    def __init__(self, ref: Any, nbytes: int) -> None:
+        self.ref = ref
+        self.nbytes = nbytes
+
+
+SCALAR_TYPES = frozenset({int, float, bool, type(None)})
+
+
+def nbytes_of(value: Any) -> int:
+    """Payload bytes of one value (tensors, arrays, bytes, str); 8 for other objects."""
+    if isinstance(value, Ref):
+        return 0
+    if isinstance(value, Cell):
+        return 0 if type(value.chunk) is RemoteChunk else value.chunk.row_nbytes
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.element_size() * value.numel())
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    return 8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoreOptions:
+    """``capacity``: most samples held at once (``put`` waits beyond it); ``fields``: the
+    allowed field names (``None``: any); ``tasks``: consuming tasks, a sample is dropped once
+    all of them consumed it (``None``: keep until ``delete``/``clear``); ``lease_timeout``:
+    seconds a consumer has to acknowledge a batch before its samples return to ready (see
+    :mod:`meshfeed.queue.engine.leases`; ``None``, the default: no leases, a ``get`` consumes at once)."""
+
+    capacity: int | None = None
+    fields: tuple[str, ...] | None = None
+    tasks: tuple[str, ...] | None = None
+    lease_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        cap = self.capacity
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"capacity must be a positive number of samples or None (got {cap!r})")
+        lt = self.lease_timeout
+        if lt is not None and (
+            isinstance(lt, bool) or not isinstance(lt, int | float) or not 0 < lt < math.inf
+        ):
+            raise ValueError(
+                f"lease_timeout must be a positive, finite number of seconds or None (got "
+                f"lease_timeout={lt!r}); use None for no leases"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity,
+            "fields": None if self.fields is None else list(self.fields),
+            "tasks": None if self.tasks is None else list(self.tasks),
+            "lease_timeout": self.lease_timeout,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StoreOptions:
+        f, t = d.get("fields"), d.get("tasks")
+        return cls(
+            capacity=d.get("capacity"),
+            fields=None if f is None else tuple(f),
+            tasks=None if t is None else tuple(t),
+            lease_timeout=d.get("lease_timeout"),
+        )
+
+
+class Sample:
+    """One sample's fields (stored values: a :class:`Cell`, a :class:`Ref` or a plain value)."""
+
+    __slots__ = ("fields", "group", "nbytes", "remote")
+
+    def __init__(self, group: Hashable | None) -> None:
+        self.fields: dict[str, Any] = {}
+        self.group = group
+        self.nbytes = 0
+        self.remote = 0
+
+    def has(self, need: tuple[str, ...]) -> bool:
+        fields = self.fields
+        return all(f in fields for f in need)
+
+    def cells(self, key: Key) -> dict[str, Any]:
+        return self.fields
+
+
+class Run:
+    """The samples one put created, all at once: one record shared by all of them.
+
+    A put of ``n`` new samples (no groups, every column a :class:`Chunk` or a list of
+    scalars) stores this one object under each of its ids instead of ``n`` :class:`Sample`
+    records with a :class:`Cell` per field, so the put, the readiness check, the consumption
+    and the gather of a batch cost O(1) Python operations per run, not per sample. A sample
+    that later changes (a field added by another put) is turned into
+    a :class:`Sample` of its own first (:meth:`Partition.sample`); so a key stored with a run
+    always has exactly the run's fields.
+
+    Read by the per-sample code as a sample of its own: ``nbytes`` / ``remote`` / ``group``
+    are per-row values, ``has(need)`` the readiness test, ``cells(key)`` the stored
+    values of one sample. ``fields`` (the names, each with the value of the run's first row)
+    is for introspection only; values come from :meth:`cells`.
+    """
+
+    __slots__ = ("columns", "first", "index", "names", "nbytes")
+
+    group = None
+    remote = 0
+
+    def __init__(self, columns: dict[str, Any], ids: list[Key] | None, first: int) -> None:
+        self.columns = columns  # field -> Chunk or list of scalars, one row per sample
+        self.names = frozenset(columns)
+        # Rows are ``key - first`` for consecutive int ids; else ``index[key]``.
+        self.first = first
+        self.index = None if ids is None else dict(zip(ids, range(len(ids)), strict=True))
+        self.nbytes = sum(c.row_nbytes if type(c) is Chunk else 8 for c in columns.values())
+
+    def row(self, key: Key) -> int:
+        index = self.index
+        return key - self.first if index is None else index[key]  # type: ignore[operator]
+
+    def has(self, need: tuple[str, ...]) -> bool:
+        return self.names.issuperset(need)
+
+    def cells(self, key: Key) -> dict[str, Any]:
+        row = self.row(key)
+        return {f: Cell(c, row) if type(c) is Chunk else c[row] for f, c in self.columns.items()}
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return self.cells(next(iter(self.index)) if self.index is not None else self.first)
+
+    def sample(self, key: Key) -> Sample:
+        """The sample ``key`` of this run as a record of its own."""
+        sample = Sample(None)
+        sample.fields = self.cells(key)
+        sample.nbytes = self.nbytes
+        return sample
+
+
+class Entry:
+    """A plan shared by several readers (rank-aware / length-balanced samplers): its
+    :class:`~meshfeed.queue.rounds.Round` (reader ``i`` of part ``p`` reads ``round[p]``).
+
+    ``batch_size`` and ``agree`` (the request's ``agree=`` context, e.g. a loader's prefetch)
+    are what the planner asked with; every reader must ask with the same (``None``: a plan
+    restored from a checkpoint that did not record them, not checked).
+    """
+
+    __slots__ = ("agree", "batch_size", "fields", "read", "readers", "round")
+
+    def __init__(
+        self,
+        plan: Round,
+        fields: tuple[str, ...],
+        readers: int,
+        batch_size: int | None = None,
+        agree: Any = None,
+    ) -> None:
+        self.round = plan
+        self.fields = fields
+        self.readers = readers
+        self.batch_size = batch_size
+        self.agree = agree
+        self.read: set[int] = set()
+
+
+class Partition:
+    __slots__ = (
+        "asked",
+        "book",
+        "cache",
+        "closed",
+        "consumed",
+        "field_counts",
+        "held",
+        "leased",
+        "next_id",
+        "pending",
+        "pinned",
+        "progress",
+        "samples",
+        "seen",
+    )
+
+    def __init__(self) -> None:
+        self.samples: dict[Key, Sample | Run] = {}
+        self.pending: dict[str, dict[Key, None]] = {}
+        self.consumed: dict[str, set[Key]] = {}
+        self.cache: dict[tuple[Any, ...], Entry] = {}
+        # Per (task, shared-key prefix): the highest batch index each reader asked for; a
+        # plan is dropped once every reader asked past it (a retry before that re-reads it).
+        self.asked: dict[tuple[Any, ...], dict[int, int]] = {}
+        self.progress: dict[tuple[Any, ...], Progress] = {}  # derived from ``asked``
+        self.pinned: dict[Key, int] = {}  # samples of cached plans: how many plans name each
+        # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
+        # every task, so a checkpoint taken meanwhile can still re-deliver them.
+        self.held: dict[Key, int] = {}
+        self.leased: dict[Key, int] = {}  # samples under a lease (meshfeed.queue.engine.leases)
+        self.field_counts: dict[str, int] = {}
+        self.seen: set[str] = set()  # every field ever produced here, even if evicted since
+        self.closed = False
+        self.next_id = 0
+        self.book: Book | None = None  # policy versions, made by the first versioned call
+
+    def stats(self) -> dict[str, Any]:
+        """What ``SampleStore.stats()["partitions"]`` says about this partition."""
+        return {
+            "samples": len(self.samples),
+            "fields": dict(self.field_counts),
+            "consumed": {t: len(c) for t, c in self.consumed.items()},
+            "closed": self.closed,
+            "cache_entries": len(self.cache),
+        }
+
+    def task(self, task: str) -> dict[Key, None]:
+        if task not in self.pending:
+            self.pending[task] = dict.fromkeys(self.samples)
+            self.consumed[task] = set()
+        return self.pending[task]
+
+    def sample(self, key: Key) -> Sample:
+        """The record of ``key`` to change: a sample stored with its :class:`Run` gets a
+        :class:`Sample` of its own first."""
+        record = self.samples[key]
+        if type(record) is Run:
+            record = self.samples[key] = record.sample(key)
+        return record  # type: ignore[return-value]
+
+    def cells(self, key: Key) -> dict[str, Any]:
+        """The stored values of sample ``key``, by field."""
+        return self.samples[key].cells(key)
+
+
+class View:
+    """The samples of one partition ready for one task (every needed field present)."""
+
+    __slots__ = ("_need", "_part", "_pending")
+
+    def __init__(self, part: Partition, pending: dict[Key, None], need: tuple[str, ...]):
+        self._part, self._pending, self._need = part, pending, need
+
+    @property
+    def closed(self) -> bool:
+        return self._part.closed
+
+    def ready(self) -> Iterator[Key]:
+        samples, need = self._part.samples, self._need
+        for key in self._pending:
+            if samples[key].has(need):
+                yield key
+
+    def group(self, key: Key) -> Hashable | None:
+        return self._part.samples[key].group
+
+    def value(self, key: Key, field: str) -> Any:
+        value = resolve(self._part.cells(key)[field])
+        if isinstance(value, Ref):
+            raise ValueError(
+                f"field {field!r} of sample {key!r} is a large payload; a sampler can only "
+                "read small fields (store token counts as ints)"
+            )
+        return value
+
+
+def count_down(counts: dict[Key, int], ids: list[Key]) -> None:
+    """Take one off the count of each of ``ids`` (a key reaching 0 leaves ``counts``; keys
+    not in it are ignored)."""
+    for k in ids:
+        n = counts.get(k, 0)
+        if n > 1:
+            counts[k] = n - 1
+        elif n == 1:
+            del counts[k]

@@ -1,0 +1,391 @@
+"""How a sharded stream reads its shards: the reader contract, the default reader, identities.
+
+A reader is any callable ``reader(shard, start_row, stop_row) -> iterable of rows`` (``stop_row``
+None: to the end of the shard). Optional hooks make it faster or stronger, each declared in
+:mod:`meshfeed.protocols` and resolved once into :class:`ReaderHooks` when the
+:class:`~meshfeed.sources.ShardedStream` is built; the main three:
+
+- ``take(shard, rows) -> list``: the rows at these indices (any order, repeats allowed), for
+  shards that can be read by index (memory-mapped arrays, indexed shard files). Without it the
+  stream groups the wanted rows into contiguous runs and calls the reader once per run.
+- ``count(shard) -> int``: the shard's number of rows without reading them all.
+- ``version(shard) -> str``: a cheap identity of the shard's content (e.g. size and hash of
+  its index); without it a file's identity is its size, mtime and a hash of its first and
+  last 64 KiB, and a callable's is its qualified name and arguments (never a ``repr`` holding
+  an address, which differs in every process).
+
+:class:`DefaultReader` reads callables (``itertools.islice`` over ``shard()``; an open iterator
+is kept per shard and process, so reading forward never starts over) and text files (one row
+per line; ``.jsonl`` lines are parsed as JSON), by index through a line-offset table built once
+per file and process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshfeed.errors import SourceError
+from meshfeed.protocols import (
+    AskReader,
+    ClosingReader,
+    CountReader,
+    DatedReader,
+    ForgetReader,
+    ModifiedReader,
+    PlanReader,
+    TakeReader,
+    UrlReader,
+    VersionReader,
+)
+
+__all__ = [
+    "DefaultReader",
+    "Reader",
+    "ReaderHooks",
+    "RowCursor",
+    "default_reader",
+    "shard_identity",
+    "shard_name",
+]
+
+Reader = Callable[[Any, int, "int | None"], Iterable[Any]]
+_EDGE = 64 * 1024
+#: Bytes of a text shard read at once around the rows a step wants (and kept for the next).
+_SPAN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderHooks:
+    """A reader's optional hooks (each a protocol of :mod:`meshfeed.protocols`), resolved once
+    with :meth:`of`: None where the reader lacks one (``reads_urls``: False). A reader with
+    none of them (a plain function) is read through its call alone."""
+
+    take: Callable[[Any, np.ndarray], list[Any]] | None = None
+    count: Callable[[Any], int] | None = None
+    version: Callable[[Any], str] | None = None
+    modified: Callable[[Any], int] | None = None
+    plan: Callable[[list[Any]], None] | None = None
+    ask: Callable[[list[Any]], None] | None = None
+    forget: Callable[[Any], None] | None = None
+    close: Callable[[], None] | None = None
+    reads_urls: bool = False
+    newest: int | None = None
+
+    @classmethod
+    def of(cls, reader: Any) -> ReaderHooks:
+        return cls(
+            take=reader.take if isinstance(reader, TakeReader) else None,
+            count=reader.count if isinstance(reader, CountReader) else None,
+            version=reader.version if isinstance(reader, VersionReader) else None,
+            modified=reader.modified if isinstance(reader, ModifiedReader) else None,
+            plan=reader.plan if isinstance(reader, PlanReader) else None,
+            ask=reader.ask if isinstance(reader, AskReader) else None,
+            forget=reader.forget if isinstance(reader, ForgetReader) else None,
+            close=reader.close if isinstance(reader, ClosingReader) else None,
+            reads_urls=isinstance(reader, UrlReader) and bool(reader.reads_urls),
+            newest=reader.newest if isinstance(reader, DatedReader) else None,
+        )
+
+
+#: Modules whose readers were named in stream fingerprints before meshfeed 0.4 moved them into
+#: sources' subpackages: identities keep the old names, so a 0.3 checkpoint still resumes.
+_NAMED_BEFORE = {
+    "meshfeed.sources.streams.readers": "meshfeed.sources.stream_readers",
+    "meshfeed.sources.streams.remote": "meshfeed.sources.stream_remote",
+    "meshfeed.sources.streams.webdataset": "meshfeed.sources.webdataset",
+    "meshfeed.sources.streams.mds": "meshfeed.sources.mds",
+    "meshfeed.sources.shards.read": "meshfeed.sources.shards_read",
+}
+
+
+def _module_name(obj: Any) -> str:
+    module = getattr(obj, "__module__", None) or "?"
+    return _NAMED_BEFORE.get(module, module)
+
+
+def callable_identity(fn: Any) -> str:
+    """A name for ``fn`` that is the same in every process: qualified name, code and
+    arguments (``functools.partial`` unwrapped), never an address."""
+    if isinstance(fn, functools.partial):
+        args = [_value_identity(a) for a in fn.args]
+        kwargs = {k: _value_identity(v) for k, v in sorted(fn.keywords.items())}
+        return f"partial({callable_identity(fn.func)}, {args}, {kwargs})"
+    name = f"{_module_name(fn)}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        h = hashlib.blake2b(code.co_code, digest_size=6)
+        h.update(
+            repr([c for c in code.co_consts if isinstance(c, (int, float, str, bytes))]).encode()
+        )
+        name += f"#{h.hexdigest()}"
+        cells = getattr(fn, "__closure__", None) or ()
+        values = [_value_identity(c.cell_contents) for c in cells if _has_contents(c)]
+        if values:
+            name += f"{values}"
+    return name
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def _value_identity(v: Any) -> str:
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return repr(v)
+    if isinstance(v, (os.PathLike,)):
+        return repr(os.fspath(v))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value_identity(x) for x in v) + "]"
+    if callable(v):
+        return callable_identity(v)
+    # An object without a stable value: its type, and its length where it has one.
+    size = len(v) if hasattr(v, "__len__") else ""
+    return f"<{_module_name(type(v))}.{type(v).__qualname__}{size}>"
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_identity(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as f:
+        h.update(f.read(_EDGE))
+        if size > _EDGE:
+            f.seek(max(_EDGE, size - _EDGE))
+            h.update(f.read(_EDGE))
+    return f"{size}:{h.hexdigest()}"
+
+
+def shard_identity(shard: Any, version: Callable[[Any], str] | None = None) -> str:
+    """The identity of one shard's content: ``version(shard)`` (a reader's hook) where given,
+    else as the module docstring says; cheap, cached."""
+    if version is not None:
+        return str(version(shard))
+    if callable(shard):
+        return callable_identity(shard)
+    path = os.fspath(shard)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        # Not a local file: a name the reader resolves (a key, a URL); the reader's
+        # ``version`` is what identifies its content.
+        return f"name:{path}"
+    except OSError as exc:
+        raise SourceError(f"cannot read shard {path!r}: {exc}") from exc
+    try:
+        return _file_identity(path, st.st_size, st.st_mtime_ns)
+    except OSError as exc:
+        raise SourceError(f"cannot read shard {path!r}: {exc}") from exc
+
+
+def shard_mtime(shard: Any) -> int:
+    """The shard's modification time in ns (0 for a callable)."""
+    if callable(shard):
+        return 0
+    try:
+        return os.stat(os.fspath(shard)).st_mtime_ns
+    except OSError:
+        return 0
+
+
+class DefaultReader:
+    """Reads callables and text / JSON-lines files (see the module docstring). Picklable: the
+    per-process caches are dropped when it is sent to a worker."""
+
+    def __init__(self) -> None:
+        self._cursors: dict[int, RowCursor] = {}  # a callable shard's rows, read forward
+        self._offsets: dict[str, np.ndarray] = {}
+        self._files: dict[str, Any] = {}
+        self._spans: dict[str, tuple[int, list[str]]] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def __call__(self, shard: Any, start: int, stop: int | None) -> Iterator[Any]:
+        if callable(shard):
+            return itertools.islice(iter(shard()), start, stop)
+        return _read_lines(os.fspath(shard), start, stop)
+
+    def count(self, shard: Any) -> int:
+        if callable(shard):
+            return sum(1 for _ in shard())
+        return len(self._line_offsets(os.fspath(shard))[1]) - 1
+
+    def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
+        if callable(shard):
+            cursor = self._cursors.get(id(shard))
+            if cursor is None:
+                cursor = self._cursors[id(shard)] = RowCursor(self, shard, seeks=False)
+            return cursor.take(rows)
+        path = os.fspath(shard)
+        key, offsets = self._line_offsets(path)
+        parse = _parser(path)
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        if offsets[hi] - offsets[lo] <= _SPAN_BYTES:
+            # One read of the span the rows lie in (a shuffle window's), kept: the next steps
+            # drawing from the same window parse from memory.
+            first, text = self._span(key, path, offsets, lo, hi)
+            return [parse(text[r - first]) for r in rows.tolist()]
+        f = self._handle(key, path)
+        uniq = np.unique(rows)
+        # one read per contiguous run of wanted rows
+        breaks = np.flatnonzero(np.diff(uniq) != 1) + 1
+        found: dict[int, Any] = {}
+        for run in np.split(uniq, breaks):
+            a, b = int(run[0]), int(run[-1]) + 1
+            f.seek(int(offsets[a]))
+            lines = f.read(int(offsets[b] - offsets[a])).decode("utf-8").split("\n")
+            found.update(zip(range(a, b), map(parse, lines), strict=False))
+        return [found[r] for r in rows.tolist()]
+
+    def _span(
+        self, key: str, path: str, offsets: np.ndarray, lo: int, hi: int
+    ) -> tuple[int, list[str]]:
+        """Lines ``[lo, hi)`` of ``path`` as text: from the span read last when it holds
+        them, else read (from ``lo`` to at least ``hi``, up to ``_SPAN_BYTES``) and kept."""
+        held = self._spans.get(key)
+        if held is not None and held[0] <= lo and hi <= held[0] + len(held[1]):
+            return held
+        stop = int(np.searchsorted(offsets, offsets[lo] + _SPAN_BYTES, side="right")) - 1
+        stop = min(max(hi, stop), len(offsets) - 1)
+        f = self._handle(key, path)
+        f.seek(int(offsets[lo]))
+        text = f.read(int(offsets[stop] - offsets[lo])).decode("utf-8").split("\n")
+        del text[stop - lo :]  # the empty piece after the last newline is no line
+        if len(self._spans) >= 4:
+            self._spans.clear()
+        self._spans[key] = (lo, text)
+        return lo, text
+
+    def _handle(self, key: str, path: str) -> Any:
+        """An open file per (path, size, mtime) and process: a rewritten file is opened anew,
+        and a forked worker opens its own (a file inherited through fork shares its offset
+        with the parent, so seeks in one process would move the other's reads)."""
+        if self._pid != os.getpid():
+            self._files, self._pid = {}, os.getpid()
+        f = self._files.get(key)
+        if f is None:
+            if len(self._files) >= 16:
+                for old in self._files.values():
+                    old.close()
+                self._files.clear()
+            f = self._files[key] = open(path, "rb")  # noqa: SIM115 (kept open, closed above)
+        return f
+
+    def _line_offsets(self, path: str) -> tuple[str, np.ndarray]:
+        """Byte offsets of every line start, plus the file's end (one pass, cached)."""
+        st = os.stat(path)
+        key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+        if key not in self._offsets:
+            with open(path, "rb") as f:
+                data = np.frombuffer(f.read(), dtype=np.uint8)
+            ends = np.flatnonzero(data == ord("\n")) + 1
+            if data.size and data[-1] != ord("\n"):
+                ends = np.append(ends, data.size)
+            self._offsets[key] = np.concatenate([[0], ends]).astype(np.int64)
+        return key, self._offsets[key]
+
+
+def _parser(path: str) -> Callable[[str], Any]:
+    if path.endswith(".jsonl"):
+        return json.loads
+    return _text_line
+
+
+def _text_line(line: str) -> str:
+    return line
+
+
+def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:
+    as_json = path.endswith(".jsonl")
+    with open(path, encoding="utf-8") as f:
+        for line in itertools.islice(f, start, stop):
+            yield json.loads(line) if as_json else line.rstrip("\n")
+
+
+def rows_by_take(
+    take: Callable[[Any, np.ndarray], list[Any]],
+    shard: Any,
+    start: int,
+    stop: int,
+    *,
+    step: int = 256,
+) -> Iterator[Any]:
+    """The range form of a reader that reads by index: rows ``[start, stop)`` of ``shard``,
+    ``step`` rows per ``take``."""
+    for a in range(start, stop, step):
+        yield from take(shard, np.arange(a, min(a + step, stop), dtype=np.int64))
+
+
+def shard_name(shard: Any) -> str:
+    """How messages name a shard: its path, or a callable's identity."""
+    return callable_identity(shard) if callable(shard) else os.fspath(shard)
+
+
+class RowCursor:
+    """Reads one shard through a range reader: one call ``reader(shard, start, None)`` per
+    span of wanted rows, read on while the next span starts where the last one ended (a rank
+    reading on through its rows opens the shard once), and the span read last kept, so the
+    steps that draw from one shuffle window read it once. (Each data rank reads the spans it
+    draws from whole: give the reader ``take`` to read only its own rows.)
+
+    ``seeks``: the reader opens a shard at any row cheaply (its contract), so a span further
+    on is opened there; without it (a callable shard, read from its start) the kept iterator
+    is read forward to the span, and started over only for a row before its position.
+    """
+
+    def __init__(self, reader: Any, shard: Any, *, seeks: bool = True) -> None:
+        self.reader, self.shard, self.seeks = reader, shard, seeks
+        self.it: Any = None
+        self.at = 0
+        self.span_start = 0
+        self.span: list[Any] = []
+
+    def take(self, rows: np.ndarray) -> list[Any]:
+        lo0, hi0 = self.span_start, self.span_start + len(self.span)
+        wanted = rows.tolist()
+        missing = [r for r in wanted if not lo0 <= r < hi0]
+        if not missing:
+            return [self.span[r - lo0] for r in wanted]
+        lo, hi = min(missing), max(missing) + 1
+        if self.it is None or lo < self.at or (lo > self.at and self.seeks):
+            # A seeking reader opens at lo: rows other ranks read are never read here.
+            self.it, self.at = iter(self.reader(self.shard, lo, None)), lo
+        elif lo > self.at:  # read on to lo
+            next(itertools.islice(self.it, lo - self.at, lo - self.at), None)
+            self.at = lo
+        try:
+            span = list(itertools.islice(self.it, hi - lo))
+        except BaseException:
+            self.it = None  # a reader that raised is not read on
+            raise
+        self.at = lo + len(span)
+        if len(span) != hi - lo:
+            self.it = None
+            raise IndexError(
+                f"shard {shard_name(self.shard)} yielded {lo + len(span)} rows, but row {hi - 1} was "
+                "asked for; it has fewer rows than counted, so it changed or rows= is wrong"
+            )
+        out = [span[r - lo] if lo <= r < hi else self.span[r - lo0] for r in wanted]
+        self.span_start, self.span = lo, span
+        return out
+
+
+def default_reader(shard: Any, start_row: int, stop_row: int | None) -> Iterator[Any]:
+    """Rows ``[start_row, stop_row)`` of a callable shard or a text / JSON-lines file."""
+    return DefaultReader()(shard, start_row, stop_row)

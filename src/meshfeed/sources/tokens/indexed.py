@@ -1,0 +1,475 @@
+"""Megatron-LM / DeepSpeed indexed token corpora (``PREFIX.bin`` + ``PREFIX.idx``), read and written.
+
+The format, exactly as ``megatron/core/datasets/indexed_dataset.py`` writes it (little endian):
+
+- ``.idx``: magic ``b"MMIDIDX\\x00\\x00"``, version ``<Q`` (1), dtype code ``<B`` (1 uint8, 2 int8,
+  3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16), sequence count ``<Q``, document
+  count ``<Q``, then ``int32 sizes[sequence count]`` (tokens per sequence), ``int64
+  pointers[sequence count]`` (byte offsets into ``.bin``), ``int64 document_indices[document
+  count]`` (sequence ranges ``[d[k], d[k+1])``; it starts at 0, so it has one entry more than
+  there are Megatron documents). A multimodal index appends ``int8 modes[sequence count]``.
+- ``.bin``: the token ids of every sequence, back to back, in the dtype of the header.
+
+**Document means sequence.** In meshfeed a document is one entry of ``sizes`` (a Megatron
+"sequence"), which is also how Megatron's own GPT dataset counts documents. Megatron's coarser
+``document_indices`` (sentence-split corpora group several sequences into one document) are
+exposed unchanged as :attr:`TokenCorpus.document_index` for callers that need them.
+
+Everything is a read-only ``numpy`` view of a memory map, and :meth:`TokenCorpus.document` copies
+nothing. Opening checks every size, pointer and document index against each other and against
+the ``.bin`` length (vectorised, O(documents), in bounded chunks): documents must lie back to
+back, as every Megatron and meshfeed writer stores them, and the last one must end exactly at
+the end of ``.bin``. So the ``.bin`` size is recorded in the ``.idx`` without changing a byte of
+the format, a dtype code that disagrees with the ``.bin`` (uint8 over uint16 data) and a
+``.bin`` from another index are refused by name, and a damaged index never yields wrong tokens.
+A file that changes size after opening (truncated or rewritten in place) is a
+:class:`~meshfeed.errors.SourceError` at the next batch read (:meth:`TokenCorpus.check_unchanged`),
+not SIGBUS. A corpus pickles as its prefix (worker processes re-open the files instead of
+receiving gigabytes).
+
+A URL prefix is read through the node's shard cache; a ``.bin`` too large to cache (or any,
+with ``ranged=True``) is read by ranged GETs of blocks instead, at the cost of refetching
+blocks that a shuffled read misses (see :mod:`meshfeed.sources.tokens.indexed_ranged`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshfeed.errors import SourceError
+from meshfeed.sources.tokens.indexed_format import (
+    _CODE_OF,
+    _HEADER,
+    DTYPE_CODES,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    IndexedFormatError,
+    _map,
+    _paths,
+    _publish_lock,
+)
+from meshfeed.sources.tokens.indexed_format import (
+    dtype_code as dtype_code,  # re-exported: it was defined here
+)
+from meshfeed.sources.tokens.indexed_ranged import RangedTokens, open_remote
+from meshfeed.storage import (
+    Ranged,
+    RangedFile,
+    ShardCache,
+    StorageOptions,
+    is_url,
+    local_path_of,
+)
+from meshfeed.storage.ranged import check_ranged
+
+__all__ = ["IndexedFormatError", "TokenCorpus"]
+
+
+_FINGERPRINT_PROBE = 4096  # bytes hashed at each end of each file
+
+
+_CHUNK = 1 << 20  # documents checked per vectorised step on open (bounded temporary memory)
+
+
+class TokenCorpus:
+    """A memory-mapped Megatron indexed corpus: ``document(i)`` is a zero-copy numpy view.
+
+    >>> corpus = TokenCorpus.open("data/wiki_text_document")  # doctest: +SKIP
+    >>> corpus.num_documents, corpus.num_tokens, corpus.dtype  # doctest: +SKIP
+    (1000, 523412, dtype('uint16'))
+
+    ``sizes`` (int32), ``pointers`` (int64 byte offsets) and ``document_index`` are read-only
+    views of the ``.idx`` file. ``tokens`` is the whole ``.bin`` as one flat array, so any
+    contiguous token range (a training window across document boundaries) is a single slice.
+    Opening validates the header and the file lengths; :meth:`validate` additionally checks
+    every pointer (O(number of documents)).
+
+    A URL prefix (``s3://bucket/corpus``) is read through the node's shard cache (``cache_dir``,
+    ``cache_limit``, ``storage_options``): the ``.idx`` cached whole, the ``.bin`` too unless
+    ``ranged`` says otherwise (see :mod:`meshfeed.sources.tokens.indexed_ranged`): ``None`` (default)
+    whole unless larger than ``cache_limit``, ``True`` or a :class:`~meshfeed.storage.RangeReads`
+    always by ranged GETs of blocks, ``False`` always whole. By ranges, :attr:`ranged` is True,
+    ``tokens`` is a :class:`~meshfeed.sources.tokens.indexed_ranged.RangedTokens` (slices are fresh
+    arrays) and :meth:`document` returns a fresh array. ``version``: the ``.bin``'s remote
+    version a job recorded (:attr:`version`); another one is refused by name.
+    """
+
+    def __init__(
+        self,
+        prefix: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        storage_options: StorageOptions | None = None,
+        ranged: Ranged = None,
+        version: str | None = None,
+    ) -> None:
+        # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: the files
+        # cached whole are held while this object lives; a .bin read by ranges is not cached
+        self._remote: dict[str, Any] | None = None
+        self._cache: ShardCache | None = None
+        self._ranged: RangedFile | None = None
+        check_ranged(ranged)
+        prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
+        if is_url(os.fspath(prefix)):
+            remote = dict(
+                cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
+            )
+            prefix = self._fetch(os.fspath(prefix), remote, ranged, version)
+        idx_path, bin_path = _paths(prefix)
+        self._check_files_exist(idx_path, bin_path if self._ranged is None else None, prefix)
+        self.prefix = os.fspath(idx_path)[: -len(".idx")]
+        self.idx_path = idx_path
+        self.bin_path: Path | str = bin_path
+        with _publish_lock(idx_path.parent, exclusive=False):
+            self._idx = _map(idx_path)
+            self._bin = _map(bin_path) if self._ranged is None else self._ranged
+        if self._ranged is not None:
+            self.bin_path = self._ranged.url  # named in errors: there is no local .bin
+        n_seq, n_doc = self._read_header(idx_path)
+        self.sizes: np.ndarray = np.frombuffer(self._idx, np.int32, n_seq, HEADER_SIZE)
+        self.pointers: np.ndarray = np.frombuffer(
+            self._idx, np.int64, n_seq, HEADER_SIZE + 4 * n_seq
+        )
+        self.document_index: np.ndarray = np.frombuffer(
+            self._idx, np.int64, n_doc, HEADER_SIZE + 12 * n_seq
+        )
+        if self.document_index[0] != 0 or self.document_index[-1] != n_seq:
+            raise IndexedFormatError(
+                f"{idx_path} has a document index from {int(self.document_index[0])} to "
+                f"{int(self.document_index[-1])}; it must run from 0 to the sequence count "
+                f"{n_seq}"
+            )
+        bin_len = len(self._bin)
+        item = self.dtype.itemsize
+        if bin_len % item:
+            raise IndexedFormatError(
+                f"{bin_path} is {bin_len} bytes, not a multiple of the {self.dtype} item size "
+                f"{item}; the file is truncated or corrupt"
+            )
+        self._check_layout(bin_len)
+        # (mapping, size when opened, path) of each mapped file: an empty one maps nothing,
+        # a .bin read by ranges is checked by its version and read lengths instead
+        self._watch = [
+            (buf, len(buf), path)
+            for buf, path in ((self._idx, idx_path), (self._bin, bin_path))
+            if isinstance(buf, mmap.mmap)
+        ]
+        self._watch_tokens = [w for w in self._watch if w[2] == bin_path]
+        self.tokens: np.ndarray | RangedTokens = (
+            np.frombuffer(self._bin, self.dtype, bin_len // item)
+            if self._ranged is None
+            else RangedTokens(self._ranged, self.dtype)
+        )
+        self._contiguous: bool | None = True  # _check_layout proved it
+        self._num_tokens: int | None = None
+        self._fingerprint: str | None = None
+
+    def check_unchanged(self, *, tokens_only: bool = False) -> None:
+        """Raise :class:`SourceError` naming the file if ``.idx`` or ``.bin`` no longer has the
+        size it had when opened (``tokens_only``: the ``.bin`` alone, for a read that touches
+        nothing of the ``.idx``, such as a batch of windows).
+
+        Reading a mapped page past the end of a file truncated in place kills the process with
+        ``SIGBUS`` (no Python exception, no message); the readers of this module call this
+        before each batch read, so a corpus rewritten under a running loader is an error that
+        names the file. Cost: one ``fstat`` per file (about 1 µs each) on the mappings' own
+        descriptors, so a file replaced by rename (the old one still mapped, still whole) is
+        not a change. A truncation between this check and the read still faults: rewrite a
+        corpus only under a new name, or by rename (as :func:`write_indexed` does).
+        """
+        for buf, size, path in self._watch_tokens if tokens_only else self._watch:
+            if buf.size() != size:
+                now = buf.size()
+                raise SourceError(
+                    f"{path} changed size while open ({size} bytes when opened, {now} now): it "
+                    "was truncated or rewritten in place under a running reader; write corpora "
+                    "under a new prefix or by rename (write_indexed does), then reopen"
+                )
+
+    @classmethod
+    def open(cls, prefix: str | os.PathLike[str], **remote: Any) -> TokenCorpus:
+        """Open ``PREFIX.idx`` and ``PREFIX.bin`` (a path ending in either also works).
+
+        A URL prefix (``s3://bucket/corpus``, any fsspec URL) takes ``cache_dir=``,
+        ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`),
+        ``ranged=`` and ``version=`` (see the class docstring).
+        """
+        return cls(prefix, **remote)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # a prefix (or URL) and the facts already checked, never the mapped data; the
+        # fingerprint makes the receiving process refuse files that changed in between
+        return (
+            _reopen,
+            (self.prefix, self.fingerprint, self._contiguous, self._num_tokens, self._remote),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenCorpus({self.prefix!r}, documents={self.num_documents}, "
+            f"tokens={self.num_tokens}, dtype={self.dtype})"
+        )
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    @property
+    def num_documents(self) -> int:
+        """Number of documents (= Megatron sequences, the entries of ``sizes``)."""
+        return int(self.sizes.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all documents (the ``.bin`` length for a contiguous corpus)."""
+        if self._num_tokens is None:
+            self._num_tokens = int(self.sizes.sum(dtype=np.int64))
+        return self._num_tokens
+
+    def document(self, i: int) -> np.ndarray:
+        """The tokens of document ``i`` (negative indices count from the end); a read-only view."""
+        n = self.num_documents
+        if not -n <= i < n:
+            raise IndexError(f"document index {i} out of range for {n} documents")
+        i %= n
+        buf = self._bin
+        if isinstance(buf, RangedFile):
+            start = int(self.pointers[i]) // self.dtype.itemsize
+            return self.tokens[start : start + int(self.sizes[i])]
+        return np.frombuffer(buf, self.dtype, int(self.sizes[i]), int(self.pointers[i]))
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.document(i)
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True: documents lie back to back in ``.bin`` in order (checked on open).
+
+        So the concatenated token stream is the flat ``tokens`` array.
+        """
+        if self._contiguous is None:
+            self._contiguous = self._check_contiguous()
+        return self._contiguous
+
+    def _fetch(self, url: str, remote: dict[str, Any], ranged: Ranged, version: str | None) -> str:
+        """Cache the ``.idx`` (and the ``.bin`` unless read by ranges); the local prefix."""
+        self._remote = {"url": url, **remote}
+        self._cache = ShardCache(**remote)
+        prefix, self._ranged = open_remote(url, self._cache, ranged, version)
+        if self._ranged is not None:  # a worker reads by ranges too, and the same version
+            self._remote.update(ranged=self._ranged.reads, version=self._ranged.version)
+        return prefix
+
+    @property
+    def ranged(self) -> bool:
+        """True where the ``.bin`` is read by ranged GETs (a URL corpus), not a local file."""
+        return self._ranged is not None
+
+    @property
+    def version(self) -> str | None:
+        """The remote ``.bin``'s version when read by ranges (size and ETag), else None."""
+        return None if self._ranged is None else self._ranged.version
+
+    @staticmethod
+    def _check_files_exist(
+        idx_path: Path, bin_path: Path | None, prefix: str | os.PathLike[str]
+    ) -> None:
+        for path in (idx_path, bin_path):
+            if path is not None and not path.is_file():
+                raise FileNotFoundError(
+                    f"indexed corpus file {path} does not exist; pass the prefix shared by "
+                    f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
+                )
+
+    def _read_header(self, idx_path: Path) -> tuple[int, int]:
+        """Check the ``.idx`` header and length and set ``dtype``; the sequence and
+        document-index counts."""
+        idx_len = len(self._idx)
+        if idx_len < HEADER_SIZE:
+            raise IndexedFormatError(
+                f"{idx_path} is truncated: {idx_len} bytes, shorter than the {HEADER_SIZE}-byte "
+                "header; rewrite it (meshfeed convert or write_indexed)"
+            )
+        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(self._idx, 0)
+        if magic != MAGIC:
+            raise IndexedFormatError(
+                f"{idx_path} has bad magic {magic!r} (expected {MAGIC!r}); it is not a "
+                "Megatron MMIDIDX index (old lazy/cached formats are not supported)"
+            )
+        if version != VERSION:
+            raise IndexedFormatError(
+                f"{idx_path} has index version {version} (expected {VERSION}); re-export it "
+                "with Megatron-LM or meshfeed convert"
+            )
+        if code not in DTYPE_CODES:
+            raise IndexedFormatError(
+                f"{idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})"
+            )
+        self.dtype: np.dtype[Any] = DTYPE_CODES[code]
+        body = HEADER_SIZE + 12 * n_seq + 8 * n_doc
+        if idx_len not in (body, body + n_seq):  # + n_seq: multimodal int8 modes
+            raise IndexedFormatError(
+                f"{idx_path} is {idx_len} bytes but its header ({n_seq} sequences, {n_doc} "
+                f"document indices) implies {body} (or {body + n_seq} with modes); the file is "
+                "truncated or corrupt"
+            )
+        if n_doc < 1:
+            raise IndexedFormatError(
+                f"{idx_path} has an empty document index (document count 0); a valid index "
+                "starts with 0"
+            )
+        return n_seq, n_doc
+
+    def _check_contiguous(self) -> bool:
+        self._check_layout(len(self._bin))
+        return True
+
+    def _check_layout(self, bin_len: int, chunk: int = _CHUNK) -> None:
+        """Every size, pointer and document index consistent with each other and with ``.bin``.
+
+        Vectorised in chunks of ``chunk`` documents: O(documents) time, O(chunk) memory.
+        """
+        self._check_document_order(chunk)
+        self._check_dtype_fits(bin_len)
+        expected = 0  # byte where the next document must start
+        for lo in range(0, self.num_documents, chunk):
+            expected = self._check_pointers(lo, chunk, expected, bin_len)
+        if expected != bin_len:
+            raise IndexedFormatError(
+                f"{self.bin_path} is {bin_len} bytes but {self.idx_path} accounts for "
+                f"{expected} bytes ({self.num_documents} documents of {self.dtype}); the dtype "
+                "code disagrees with the .bin, or the .bin belongs to another index: write the "
+                "pair together"
+            )
+
+    def _check_document_order(self, chunk: int) -> None:
+        """The document index never decreases."""
+        d = self.document_index
+        for lo in range(0, d.shape[0] - 1, chunk):
+            bad = np.flatnonzero(np.diff(d[lo : lo + chunk + 1]) < 0)
+            if bad.size:
+                k = lo + int(bad[0])
+                raise IndexedFormatError(
+                    f"{self.idx_path} has a decreasing document index at entry {k + 1} "
+                    f"({int(d[k])} then {int(d[k + 1])}); the index is corrupt, rewrite it"
+                )
+
+    def _check_dtype_fits(self, bin_len: int) -> None:
+        """Raise when the last document ends short of or past the .bin's end but another
+        token size would fit it exactly: the dtype code is wrong."""
+        item = self.dtype.itemsize
+        n = self.num_documents
+        if not n or int(self.pointers[-1]) + item * int(self.sizes[-1]) == bin_len:
+            return
+        fits = [
+            k
+            for k in (1, 2, 4, 8)
+            if k != item and int(self.pointers[-1]) + k * int(self.sizes[-1]) == bin_len
+        ]
+        head = self.sizes[:_CHUNK].astype(np.int64)
+        fits = [
+            k
+            for k in fits
+            if np.array_equal(k * (np.cumsum(head) - head), self.pointers[: head.shape[0]])
+        ]
+        if fits:
+            raise IndexedFormatError(
+                f"{self.idx_path} has dtype code {_CODE_OF[self.dtype]} ({self.dtype}, {item} "
+                f"bytes per token), but its pointers and the {bin_len}-byte {self.bin_path} fit "
+                f"{fits[0]}-byte tokens; the dtype code disagrees with the .bin: re-export "
+                "the corpus or fix the code"
+            )
+
+    def _check_pointers(self, lo: int, chunk: int, expected: int, bin_len: int) -> int:
+        """Check documents ``lo`` to ``lo + chunk`` (sizes, pointers, back to back from byte
+        ``expected``); return the byte where the next document must start."""
+        idx, bin_ = self.idx_path, self.bin_path
+        item = self.dtype.itemsize
+        sizes = self.sizes[lo : lo + chunk].astype(np.int64)
+        pointers = self.pointers[lo : lo + chunk]
+        if int(sizes.min()) < 0:
+            i = lo + int(np.argmax(sizes < 0))
+            raise IndexedFormatError(
+                f"{idx} gives document {i} the negative size {int(self.sizes[i])}; the "
+                "index is corrupt, rewrite it"
+            )
+        outside = (pointers < 0) | (pointers > bin_len)
+        if outside.any():
+            i = lo + int(np.argmax(outside))
+            raise IndexedFormatError(
+                f"{idx} has pointers outside {bin_} ({bin_len} bytes): document {i} starts "
+                f"at byte {int(self.pointers[i])}; the pair is corrupt or mismatched"
+            )
+        ends = pointers + item * sizes  # no overflow: pointers <= bin_len, sizes < 2**31
+        if int(ends.max()) > bin_len:
+            i = lo + int(np.argmax(ends > bin_len))
+            raise IndexedFormatError(
+                f"{bin_} is {bin_len} bytes but {idx} points up to byte "
+                f"{int(ends[i - lo])} (document {i}); the .bin is truncated or belongs to "
+                "another index"
+            )
+        starts = expected + item * (np.cumsum(sizes) - sizes)
+        wrong = starts != pointers
+        if wrong.any():
+            i = lo + int(np.argmax(wrong))
+            raise IndexedFormatError(
+                f"{idx} points document {i} at byte {int(self.pointers[i])}, but the "
+                f"documents before it end at byte {int(starts[i - lo])}; documents must lie "
+                "back to back (as every Megatron and meshfeed writer stores them), so the "
+                "index is corrupt: rewrite it"
+            )
+        return int(starts[-1] + item * sizes[-1])
+
+    def validate(self) -> None:
+        """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`
+        (or :class:`SourceError` if a file changed size since it was opened)."""
+        self.check_unchanged()
+        self._check_layout(len(self._bin))
+
+    @property
+    def fingerprint(self) -> str:
+        """A cheap identity: header, file lengths, and a hash of the first/last 4 KB of each file.
+
+        Independent of the path, so a moved corpus keeps its fingerprint; a rewritten one
+        almost surely does not. Checkpoints store it to refuse a state from another corpus.
+        """
+        if self._fingerprint is None:
+            self.check_unchanged()  # it reads the last bytes of each file
+            h = hashlib.blake2b(digest_size=12)
+            for buf in (self._idx, self._bin):
+                h.update(len(buf).to_bytes(8, "little"))
+                h.update(buf[:_FINGERPRINT_PROBE])
+                h.update(buf[max(0, len(buf) - _FINGERPRINT_PROBE) :])
+            self._fingerprint = (
+                f"megatron:{self.dtype}:{self.num_documents}:{self.document_index.shape[0]}:"
+                f"{len(self._bin)}:{h.hexdigest()}"
+            )
+        return self._fingerprint
+
+
+def _reopen(
+    prefix: str,
+    fingerprint: str,
+    contiguous: bool | None,
+    num_tokens: int | None,
+    remote: dict[str, Any] | None = None,
+) -> TokenCorpus:
+    if remote is not None:
+        remote = dict(remote)
+        prefix = remote.pop("url")
+    corpus = TokenCorpus(prefix, **(remote or {}))
+    if corpus.fingerprint != fingerprint:
+        raise ValueError(
+            f"the indexed corpus at {prefix} changed since it was opened (fingerprint "
+            f"{fingerprint!r}, now {corpus.fingerprint!r}); do not rewrite a corpus while a "
+            "loader reads it"
+        )
+    corpus._contiguous, corpus._num_tokens = contiguous, num_tokens
+    return corpus

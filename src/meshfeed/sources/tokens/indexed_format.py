@@ -1,0 +1,101 @@
+"""The Megatron indexed format's constants and file helpers, shared by the reader and the writer.
+
+See :mod:`meshfeed.sources.tokens.indexed` for the format itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+from meshfeed.errors import SourceError
+
+__all__ = [
+    "DTYPE_CODES",
+    "HEADER_SIZE",
+    "MAGIC",
+    "VERSION",
+    "IndexedFormatError",
+    "dtype_code",
+]
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
+HEADER_SIZE = _HEADER.size  # 34 bytes
+
+DTYPE_CODES: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODE_OF = {dt: code for code, dt in DTYPE_CODES.items()}
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class IndexedFormatError(SourceError, ValueError):
+    """A ``.idx`` / ``.bin`` pair that is not a valid indexed corpus; the message names the file.
+
+    A :class:`~meshfeed.errors.SourceError`: a damaged corpus is never treated as a bad sample.
+    """
+
+
+@contextlib.contextmanager
+def _publish_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
+    """Serialise meshfeed's two-file publish against meshfeed readers of the same folder.
+
+    A writer renames ``.bin`` then ``.idx`` under an exclusive ``flock`` of the folder; a reader
+    maps both under a shared one, so it never pairs one writer's ``.bin`` with another's
+    ``.idx``. Where ``flock`` is unavailable (no ``fcntl``, some network file systems) this
+    does nothing and the size checks on open are the remaining guard.
+    """
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
+    p = os.fspath(prefix)
+    for ext in (".bin", ".idx"):
+        if p.endswith(ext):  # accept either file name as well as the bare prefix
+            p = p[: -len(ext)]
+    return Path(p + ".idx"), Path(p + ".bin")
+
+
+def dtype_code(dtype: DTypeLike) -> int:
+    """The Megatron dtype code of ``dtype``; raises ``ValueError`` for unsupported dtypes."""
+    dt = np.dtype(dtype)
+    if dt not in _CODE_OF:
+        names = ", ".join(str(d) for d in DTYPE_CODES.values())
+        raise ValueError(f"dtype {dt} has no Megatron code (got {dtype=}); use one of {names}")
+    return _CODE_OF[dt]
+
+
+def _map(path: Path) -> mmap.mmap | bytes:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""  # mmap refuses empty files; an empty buffer behaves the same
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
