@@ -12,8 +12,12 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
   :meth:`ShardCache.release` (or :meth:`ShardCache.close`, or its death); eviction takes the
   exclusive lock without waiting, so a held entry is never evicted.
 - ``cache_limit`` is a limit: every download first books its size (under a lock for the whole
-  cache), evicting the least recently used unheld entries (sidecar first) to make room. A
-  download-ahead that finds no room is skipped; a demanded file asks its caller to release
+  cache), evicting unheld entries (sidecar first) to make room: those read to their end least
+  recently used first, then those downloaded ahead and not read yet, then those read in the
+  last seconds (:mod:`meshfeed.storage._layout`). A download-ahead evicts only the first kind
+  (it stops at the limit rather than evict what will be read soon, so a limited epoch
+  downloads each shard once where the limit holds the shards read at once), and one that
+  finds no room is skipped; a demanded file asks its caller to release
   what it holds (``make_room``) and then waits for other processes' readers to release theirs
   (at most ``lock_timeout``, then an error that says how much the held entries take). So the
   files of the cache never take more than the limit (plus the one file being renamed into
