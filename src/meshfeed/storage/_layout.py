@@ -133,6 +133,17 @@ def checksum(path: Path, *, md5: bool) -> str:
     return f"{h.name}:{h.hexdigest()}"
 
 
+def checksums(path: Path) -> tuple[str, str]:
+    """(``md5:HEX``, ``blake2b:HEX``) of a file in one pass: the MD5 to compare with a
+    single-part ETag, the blake2b-128 that a dataset index records and its readers expect."""
+    md5, blake = hashlib.md5(usedforsecurity=False), hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            md5.update(block)
+            blake.update(block)
+    return f"md5:{md5.hexdigest()}", f"blake2b:{blake.hexdigest()}"
+
+
 def sweep(cache_dir: Path) -> None:
     """Remove temporary files (and data without a sidecar) that no writer holds."""
     for tmp in cache_dir.glob(f"*/.*{TMP}"):

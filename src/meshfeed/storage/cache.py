@@ -52,7 +52,7 @@ from meshfeed.storage._download import (
     on_disk,
 )
 from meshfeed.storage._fill import Fill
-from meshfeed.storage._layout import checksum, sweep
+from meshfeed.storage._layout import checksums, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
@@ -329,9 +329,10 @@ class ShardCache(Fill):
         """Make ``local``, a file just uploaded to ``url``, the cached copy of ``url``.
 
         The file is moved (a rename when it lies on the cache's file system), after its size
-        and, for a single-part ETag, its MD5 are checked against the server's (one HEAD). So a
-        writer that uploads a corpus leaves it cached for the readers of its node. Returns the
-        entry's path (not held).
+        and, for a single-part ETag, its MD5 are checked against the server's (one HEAD); the
+        entry records its blake2b digest, as a dataset index does. So a writer that uploads a
+        corpus leaves it cached for the readers of its node (no download). Returns the entry's
+        path (not held).
         """
         self._check_fork()
         entry = self._entry(url)
@@ -345,9 +346,11 @@ class ShardCache(Fill):
             self._count("heads")
             info = remote_info(url, self.storage_options, retry=self.retry)
             self._current[url] = info.version
-            digest = checksum(Path(local), md5=info.md5 is not None)
+            # recorded as blake2b: readers of a dataset index expect that digest (an MD5
+            # entry would not fit their expectation and be downloaded again)
+            md5, digest = checksums(Path(local))
             size = os.path.getsize(local)
-            if size != info.size or (info.md5 is not None and digest != f"md5:{info.md5}"):
+            if size != info.size or (info.md5 is not None and md5 != f"md5:{info.md5}"):
                 raise SourceError(
                     f"{url} is not the file {os.fspath(local)} ({info.size} bytes there, {size} "
                     "here, or another MD5); upload it again before adopting it"
