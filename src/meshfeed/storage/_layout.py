@@ -193,8 +193,9 @@ def _evict(
     download-ahead) only idle entries go (see the module docstring).
     """
     now = time.time()
-    entries = [e for e in _usage(cache_dir) if e[0] != float("inf")]  # bookings stay
-    total = sum(size for _, size, _ in _usage(cache_dir))
+    usage = _usage(cache_dir)
+    total = sum(size for _, size, _ in usage)
+    entries = [e for e in usage if e[0] != float("inf")]  # bookings stay
     evicted = 0
     for t, size, side in sorted(entries, key=lambda e: _rank(e[0], now)):
         if total + need <= limit or (not pending and _rank(t, now)[0] > 0):
