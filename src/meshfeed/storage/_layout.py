@@ -126,22 +126,31 @@ def checksum(path: Path, *, md5: bool) -> str:
 
     One hash, one pass: where the server's ETag is an MD5 that is the one worth computing.
     """
-    h = hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return f"{h.name}:{h.hexdigest()}"
+    return _digests(path, _md5() if md5 else _blake2b())[0]
 
 
 def checksums(path: Path) -> tuple[str, str]:
     """(``md5:HEX``, ``blake2b:HEX``) of a file in one pass: the MD5 to compare with a
     single-part ETag, the blake2b-128 that a dataset index records and its readers expect."""
-    md5, blake = hashlib.md5(usedforsecurity=False), hashlib.blake2b(digest_size=16)
+    md5, blake = _digests(path, _md5(), _blake2b())
+    return md5, blake
+
+
+def _md5() -> Any:
+    return hashlib.md5(usedforsecurity=False)
+
+
+def _blake2b() -> Any:
+    return hashlib.blake2b(digest_size=16)
+
+
+def _digests(path: Path, *hashes: Any) -> list[str]:
+    """``name:HEX`` of each of ``hashes`` over the file, read once."""
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):
-            md5.update(block)
-            blake.update(block)
-    return f"md5:{md5.hexdigest()}", f"blake2b:{blake.hexdigest()}"
+            for h in hashes:
+                h.update(block)
+    return [f"{h.name}:{h.hexdigest()}" for h in hashes]
 
 
 def sweep(cache_dir: Path) -> None:
