@@ -280,8 +280,11 @@ class InFlight:
         elif self.pool is not None and self.store.backend == "ray":
             self.send(entry, ("fetch", (entry.index, self.version_args(entry.index))))
         else:
-            if self.threads is None:  # requests wait in the store, so one thread per request
-                self.threads = cf.ThreadPoolExecutor(self.ahead_max, "meshfeed-loader")
+            if self.threads is None:
+                # One thread, so requests reach the store one at a time in index order: a
+                # round is planned only after every earlier one (by any reader: each asks in
+                # order), so which samples form round j never depends on thread timing.
+                self.threads = cf.ThreadPoolExecutor(1, "meshfeed-loader")
             # The version as of the request, not of when the thread runs: deterministic.
             version = self.version_args(entry.index)
             entry.fetch = self.threads.submit(self.thread_job, entry.index, version)
