@@ -188,21 +188,18 @@ def _exact(loader: Any, dp: int, steps: int) -> bool:
 
 def _exact_store(store: Any, dp: int) -> bool:
     """Sampled data ranks (each a fresh loader of another replica coordinate) read every
-    round: each gets its round's part for its data rank, every sampled rank sees the same
-    rounds, and the rounds hold every sample of the store exactly once."""
-    rounds: list[list[list[int]]] | None = None
+    round: each gets exactly its data rank's slice of each round (the samples were put in
+    order, so round ``j`` is ids ``j * D * batch`` on, cut in ``D`` contiguous parts), and the
+    store counts every sample of the rounds consumed exactly once."""
+    size = dp * BATCH
     for d in np.linspace(0, dp - 1, SAMPLED_RANKS).astype(int).tolist():
         loader, _ = _store_loader(dp, store, rank=_rank(dp, d, other=0))
-        got = list(loader)
+        got = [list(b.ids) for b in loader]
         loader.shutdown()
-        if any(b.parts is None or b.ids != b.parts[d] for b in got):
+        start = d * BATCH
+        if got != [list(range(j * size + start, j * size + start + BATCH)) for j in range(ROUNDS)]:
             return False
-        mine = [b.parts for b in got]
-        if rounds is not None and mine != rounds:
-            return False
-        rounds = mine
-    every = [k for parts in rounds or [] for p in parts if len(parts) == dp for k in p]
-    return sorted(every) == list(range(ROUNDS * dp * BATCH))
+    return bool(store.stats()["consumed"].get("t") == ROUNDS * size)
 
 
 def _shape(value: Any) -> Any:

@@ -147,7 +147,7 @@ def test_a_store_loader_state_of_dp2_tp2_gloo_ranks_resumes_on_dp4_serving_every
         store.shutdown()
     states = results[0]["states"]
     assert all(s == states[0] for s in states)  # one state for every rank
-    assert len(states[0]["pending"]) == 1  # round 2 was fetched ahead, not returned
+    assert (states[0]["next"], states[0]["requested"]) == (2, 3)  # round 2: fetched ahead
     assert results[0]["first"] == results[1]["first"] != results[2]["first"]  # tp peers
     assert [len(r["rest"]) for r in results] == [3] * 4  # rounds 2, 3, 4 on every new rank
     assert all(len(ids) == 2 for r in results for ids in r["rest"])
@@ -186,7 +186,7 @@ def _skip_rank(rank: int, world: int) -> dict:
         except Exception as e:  # the test reports which error each rank saw
             out["raised"] = (type(e).__name__, getattr(e, "rank", None))
         out["before_error"] = got
-        out["pending"] = [index for index, _ in loader.state_dict()["pending"]][:1]
+        out["pending"] = loader.state_dict()["next"]
     return out
 
 
@@ -196,7 +196,7 @@ def test_on_error_on_gloo_ranks_skip_drops_a_round_on_every_rank_and_raise_stops
     assert [r["before_error"] for r in results] == [[[0, 1]], [[2, 3]]]
     assert results[0]["raised"] == ("CollateError", None)
     assert results[1]["raised"] == ("RankError", 0)  # its own batch 1 was fine
-    assert [r["pending"] for r in results] == [[1], [1]]  # batch 1 stays first in line
+    assert [r["pending"] for r in results] == [1, 1]  # batch 1 stays first in line
     assert results[0]["ids"] == [[0, 1], [8, 9], [12, 13]]
     assert results[1]["ids"] == [[2, 3], [10, 11], [14, 15]]  # its round 1 dropped too
     assert results[0]["stats"]["failures"] == [[1, [4, 5], "ValueError", "cannot collate sample 4"]]

@@ -63,7 +63,7 @@ def test_a_skipped_batch_is_not_in_the_state_and_a_resume_goes_on_after_it():
     assert next(loader) == [0, 1]
     assert next(loader) == [4, 5]  # batch 1 skipped on the way
     state = loader.state_dict()
-    assert state["next"] == 3 and state["pending"] == []
+    assert state["next"] == 3 and state["requested"] == 3
     again = _loader(store, collate_fn=_FailsOn(3), on_error="skip", prefetch=1)
     again.load_state_dict(state)
     assert list(again) == [[6, 7]]
@@ -76,7 +76,11 @@ def test_raise_is_the_default_and_keeps_the_batch():
     with pytest.raises(CollateError, match="failed 3 times on batch 0"):
         next(loader)
     assert loader.stats()["skipped"] == 0 and loader.stats()["failures"] == []
-    assert loader.state_dict()["pending"] == [[0, [[0, 1]]]]  # kept, re-delivered on resume
+    state = loader.state_dict()
+    assert (state["next"], state["requested"]) == (0, 1)  # kept: its plan is read back
+    again = _loader(store, collate_fn=None, prefetch=1)
+    again.load_state_dict(state)
+    assert next(again).ids == [0, 1]
 
 
 def test_substitute_is_refused_for_a_store_naming_why_and_the_fix():

@@ -180,13 +180,9 @@ def test_store_loader_shutdown_wakes_its_requests_blocked_without_a_deadline():
     [
         ({"next": -1}, "negative"),
         ({"next": 10**30}, "next=10"),
-        ({"pending": [[5, [[0]]]]}, "bad entry"),
-        ({"pending": [[0, [[0]]], [0, [[1]]]]}, "bad entry"),
-        ({"pending": [[0, [[0, 0]]]]}, "bad entry"),
-        ({"pending": [[0, [[1.5]]]]}, "bad entry"),
-        ({"pending": [[0, [0]]]}, "bad entry"),  # a round is one list of ids per data rank
-        ({"pending": [[0, [[0], [1]]]]}, "bad entry"),  # two data ranks' parts, one rank
-        ({"pending": "x"}, "'pending' has 'x'"),
+        ({"requested": 0}, "requested=0"),  # below next
+        ({"requested": 2**60}, "requested=1152921504606846976"),
+        ({"requested": "x"}, "'requested' has 'x'"),
         ({"ended": 1}, "'ended' has 1"),
         ({"data_world_size": 3}, r"global batch of 3 samples \(3 data ranks"),
         ({"unit": 2}, "groups of 2 samples"),
@@ -196,6 +192,6 @@ def test_store_loader_state_fields_are_each_validated(change, message):
     store = SampleStore()
     kwargs = dict(task="t", fields=["x"], partition="p", batch_size=1, mesh={"dp": 1}, rank=0)
     state = StoreLoader(store, **kwargs, prefetch=1).state_dict()
-    state = {**state, "next": 1, **change}
+    state = {**state, "next": 1, "requested": 1, **change}
     with pytest.raises(ValueError, match=message):
         StoreLoader(store, **kwargs, prefetch=1).load_state_dict(state)

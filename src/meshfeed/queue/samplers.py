@@ -218,7 +218,7 @@ class RankAwareSampler:
     replica_rank: int = 0
     replica_size: int = 1
     data_world_size: int = 1
-    inner: SequentialSampler | GroupSampler = SequentialSampler()
+    inner: Sampler = SequentialSampler()
 
     def __post_init__(self) -> None:
         _check_int("data_rank", self.data_rank, 0)
@@ -235,9 +235,7 @@ class RankAwareSampler:
             )
 
     @classmethod
-    def from_mesh(
-        cls, mesh: Any, rank: int, inner: SequentialSampler | GroupSampler | None = None
-    ) -> RankAwareSampler:
+    def from_mesh(cls, mesh: Any, rank: int, inner: Sampler | None = None) -> RankAwareSampler:
         """The sampler for global ``rank`` of a :class:`meshfeed.DataMesh`."""
         group = mesh.replica_group(rank)
         return cls(
@@ -428,11 +426,13 @@ def mesh_sampler(sampler: Any, mesh: Any, rank: int) -> Any:
 
     None: a :class:`RankAwareSampler` over a :class:`SequentialSampler`. A plain
     :class:`SequentialSampler` or :class:`GroupSampler` is wrapped in a
-    :class:`RankAwareSampler` for this rank when the mesh has more than one rank, so every data
-    rank gets a batch at every index or none does (groups stay whole). A rank-aware sampler
-    must describe this rank of this mesh. Any other sampler on a mesh of several ranks is
-    refused: planned independently per rank, data ranks would get different numbers of batches
-    and a training step's collective would hang.
+    :class:`RankAwareSampler` for this rank, so every data rank gets a batch at every index or
+    none does (groups stay whole), and every batch is a plan the store keeps by its index until
+    the loader has passed it: a loader's state then names an index, never sample ids. A
+    rank-aware sampler must describe this rank of this mesh. Any other sampler is wrapped too
+    on a mesh of one rank; on a mesh of several it is refused: planned independently per rank,
+    data ranks would get different numbers of batches and a training step's collective would
+    hang.
     """
     group = mesh.replica_group(rank)
     facts = {
@@ -444,8 +444,6 @@ def mesh_sampler(sampler: Any, mesh: Any, rank: int) -> Any:
     if sampler is None:
         return RankAwareSampler.from_mesh(mesh, rank)
     if isinstance(sampler, (SequentialSampler, GroupSampler)):
-        if facts["data_world_size"] == 1 and facts["replica_size"] == 1:
-            return sampler
         return RankAwareSampler.from_mesh(mesh, rank, inner=sampler)
     if isinstance(sampler, (RankAwareSampler, LengthBalancedSampler)):
         theirs = {k: getattr(sampler, k) for k in facts}
@@ -457,7 +455,7 @@ def mesh_sampler(sampler: Any, mesh: Any, rank: int) -> Any:
             )
         return sampler
     if facts["data_world_size"] == 1 and facts["replica_size"] == 1:
-        return sampler
+        return RankAwareSampler.from_mesh(mesh, rank, inner=sampler)
     raise ValueError(
         f"sampler={type(sampler).__name__} plans each rank on its own, so on a mesh of "
         f"{facts['data_world_size']} data rank(s) x {facts['replica_size']} replica(s) the "

@@ -377,13 +377,33 @@ class SampleStore:
         return self._backend.name
 
     # ----------------------------------------------------------------- admin
-    def drop_plans(self, partition: str, task: str, below: int) -> None:
-        """Forget ``task``'s shared plans of batch indices below ``below`` (their samples are
-        no longer pinned by them). A loader resumed on another number of data ranks calls it:
-        it re-delivers the batches its state names and asks for no earlier index."""
-        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
-            raise ValueError(f"below must be a batch index, an int >= 0 (got {below=!r})")
-        self._backend.drop_plans(self._partition(partition), check_task(task), below)
+    def replan(
+        self, partition: str, task: str, start: int, sampler: Sampler, parts: int, unit: int = 1
+    ) -> None:
+        """Move ``task``'s shared plans to a new data-parallel layout: plans below batch
+        ``start`` are dropped, each later one is split into ``parts`` contiguous parts of whole
+        ``unit``-sample units under the key ``sampler`` (the new layout's) gives it. A
+        :class:`~meshfeed.queue.StoreLoader` loaded on another number of data ranks calls it,
+        so the batches the old layout had in flight are served once, on the new one. Every
+        rank may call it (a plan already moved stays). ``ValueError`` naming the batch when a
+        round has fewer units than ``parts``."""
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be a batch index, an int >= 0 (got {start=!r})")
+        for name, value in (("parts", parts), ("unit", unit)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (got {name}={value!r})")
+        self._backend.replan(
+            self._partition(partition), check_task(task), start, sampler, parts, unit
+        )
+
+    def passed(self, partition: str, task: str, sampler: Sampler, upto: int) -> None:
+        """The reader ``sampler`` describes (a rank-aware one) returned every batch of
+        ``task`` below index ``upto`` and asks for no more: its plans go once every reader
+        has passed them. A :class:`~meshfeed.queue.StoreLoader` calls it at the end of its
+        stream (a request acknowledges only the batches a loader's window behind it)."""
+        if isinstance(upto, bool) or not isinstance(upto, int) or upto < 0:
+            raise ValueError(f"upto must be a batch index, an int >= 0 (got {upto=!r})")
+        self._backend.passed(self._partition(partition), check_task(task), sampler, upto)
 
     def reset_consumption(self, partition: str, task: str) -> None:
         """Make every held sample of ``partition`` unconsumed again for ``task``."""

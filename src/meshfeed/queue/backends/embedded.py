@@ -219,8 +219,13 @@ class EmbeddedBackend:
     def reset_consumption(self, partition: str, task: str) -> None:
         self._admin(lambda: self.core.reset_consumption(partition, task))
 
-    def drop_plans(self, partition: str, task: str, below: int) -> None:
-        self._admin(lambda: self.core.drop_plans(partition, task, below))
+    def replan(
+        self, partition: str, task: str, start: int, sampler: Any, parts: int, unit: int
+    ) -> None:
+        self._admin(lambda: self.core.replan(partition, task, start, sampler, parts, unit))
+
+    def passed(self, partition: str, task: str, sampler: Any, upto: int) -> None:
+        self._admin(lambda: self.core.passed(partition, task, sampler, upto))
 
     def release(self, partition: str, ids: list[Key]) -> None:
         with self.lock:

@@ -440,8 +440,13 @@ class RayBackend:
     def reset_consumption(self, partition: str, task: str) -> None:
         self._call(self.actor.call.remote("reset_consumption", partition, task))
 
-    def drop_plans(self, partition: str, task: str, below: int) -> None:
-        self._call(self.actor.call.remote("drop_plans", partition, task, below))
+    def replan(
+        self, partition: str, task: str, start: int, sampler: Any, parts: int, unit: int
+    ) -> None:
+        self._call(self.actor.call.remote("replan", partition, task, start, sampler, parts, unit))
+
+    def passed(self, partition: str, task: str, sampler: Any, upto: int) -> None:
+        self._call(self.actor.call.remote("passed", partition, task, sampler, upto))
 
     def clear(self, partition: str) -> None:
         self._call(self.actor.call.remote("clear", partition))

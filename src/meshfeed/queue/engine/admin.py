@@ -1,5 +1,5 @@
 """The store's admin operations and statistics: the part of :class:`StoreCore` that never
-plans or consumes a batch (drop plans, reset, clear, delete, close, ``stats``).
+plans or consumes a batch (replan, reset, clear, delete, close, ``stats``).
 
 A mixin of :class:`~meshfeed.queue.engine.core.StoreCore` (it reads and changes the core's records
 through the same private helpers), kept apart so the core's module holds the data path.
@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.queue.engine.leases import Leases
-from meshfeed.queue.engine.plans import drop
+from meshfeed.queue.engine.plans import drop, passed, replan
 from meshfeed.queue.engine.records import Partition
 
 if TYPE_CHECKING:
@@ -51,15 +51,21 @@ class StoreAdmin:
     def expire_leases(self, now: float) -> int:
         raise NotImplementedError
 
-    def drop_plans(self, partition: str, task: str, below: int) -> None:
-        """Drop ``task``'s shared plans of batch indices below ``below`` (unpinning their
-        samples): a loader resumed on another number of data ranks re-delivers those batches
-        from its state and asks for no index below ``below``, so no reader reads them again."""
+    def replan(
+        self, partition: str, task: str, start: int, sampler: Any, parts: int, unit: int
+    ) -> None:
+        """Move ``task``'s plans to a new data-parallel layout from batch ``start`` on
+        (:func:`~meshfeed.queue.engine.plans.replan`)."""
         part = self.partitions.get(partition)
-        if part is None:
-            return
-        stale = [c for c in part.cache if c[0] == task and type(c[-1]) is int and c[-1] < below]
-        self._evict(part, drop(part, stale))
+        if part is not None:
+            self._evict(part, replan(part, task, start, sampler, parts, unit))
+
+    def passed(self, partition: str, task: str, sampler: Any, upto: int) -> None:
+        """``sampler``'s reader returned every batch of ``task`` below ``upto``."""
+        part = self.partitions.get(partition)
+        share = sampler.share({"batch_index": upto})
+        if part is not None and share is not None:
+            self._evict(part, passed(part, task, share))
 
     def reset_consumption(self, partition: str, task: str) -> None:
         part = self._partition(partition)

@@ -25,7 +25,17 @@ from meshfeed.queue.request import GetRequest
 from meshfeed.queue.rounds import Progress, Round
 from meshfeed.queue.samplers import Share
 
-__all__ = ["check_agreement", "drop", "end_of_stream", "lookup", "pin", "read_shared", "record"]
+__all__ = [
+    "check_agreement",
+    "drop",
+    "end_of_stream",
+    "lookup",
+    "passed",
+    "pin",
+    "read_shared",
+    "record",
+    "replan",
+]
 
 Key = Hashable
 CacheKey = tuple[Any, ...]
@@ -34,7 +44,7 @@ CacheKey = tuple[Any, ...]
 def lookup(part: Partition, request: GetRequest, share: Share) -> tuple[Entry | None, list[Key]]:
     """The plan cached for the request's key (``None``: plan it), after acknowledging the
     reader's earlier batches; and the samples freed by the plans that this dropped."""
-    freed = _acknowledge(part, request.task, share, request.prefetch, last=False)
+    freed = _acknowledge(part, request.task, share, request.prefetch)
     entry = part.cache.get((request.task, *share.key))
     if entry is not None:
         check_agreement(entry, request)
@@ -57,8 +67,17 @@ def read_shared(
 
 
 def end_of_stream(part: Partition, task: str, share: Share, prefetch: int | None) -> list[Key]:
-    """The reader found the end of the stream: it acknowledges every plan; the samples freed."""
-    return _acknowledge(part, task, share, prefetch, last=True)
+    """The reader found the end of the stream at the request's index: it acknowledges what any
+    request for that index does, no more (its batches in flight are still to be returned, and
+    a checkpoint taken meanwhile reads them again from their plans); the samples freed. A
+    loader that returned everything then says so (:func:`passed`)."""
+    return _acknowledge(part, task, share, prefetch)
+
+
+def passed(part: Partition, task: str, share: Share) -> list[Key]:
+    """The reader of ``share`` returned every batch below the share's index: it acknowledges
+    them (without asking for that index); the samples freed."""
+    return _acknowledge(part, task, share, 1)
 
 
 def check_agreement(entry: Entry, request: GetRequest) -> None:
@@ -120,19 +139,17 @@ def drop(part: Partition, keys: list[CacheKey]) -> list[Key]:
     return freed
 
 
-def _acknowledge(
-    part: Partition, task: str, share: Share, prefetch: int | None, last: bool
-) -> list[Key]:
-    """Record that a reader asked for batch ``index`` (``last``: it found the end); drop the
-    plans every reader has now read and acknowledged; the samples they freed.
+def _acknowledge(part: Partition, task: str, share: Share, prefetch: int | None) -> list[Key]:
+    """Record that a reader asked for batch ``index``; drop the plans every reader has now
+    read and acknowledged; the samples they freed.
 
     A request for ``index`` acknowledges the reader's batches up to ``index - window``,
-    where ``window`` is the loader's ``prefetch`` (1 when not given): with ``P`` requests
-    in flight, out of order, a later index does not mean an earlier one arrived. A reader
-    that found the end acknowledges everything. So a retry of a batch not yet
-    acknowledged gets the same batch, and the cache stays bounded."""
+    where ``window`` is the loader's ``prefetch`` (1 when not given): with ``P`` batches in
+    flight, out of order, a later index does not mean an earlier one arrived. So a retry of a
+    batch not yet acknowledged, or a loader restored at it, gets the same batch, and the cache
+    stays bounded."""
     prefix, index = (task, *share.key[:-1]), share.key[-1]
-    upto = (1 << 62) if last else index - (prefetch or 1)
+    upto = index - (prefetch or 1)
     asked = part.asked.setdefault(prefix, {})
     old = asked.get(share.reader)
     if old is not None and old >= upto:
@@ -161,3 +178,47 @@ def _finished(part: Partition, prefix: tuple[Any, ...], readers: int) -> list[Ca
         for key, entry in part.cache.items()
         if key[:-1] == prefix and key[-1] <= low and len(entry.read) >= entry.readers
     ]
+
+
+def replan(
+    part: Partition, task: str, start: int, sampler: Any, parts: int, unit: int
+) -> list[Key]:
+    """Move ``task``'s plans to a new data-parallel layout (a loader resumed, or resized, on
+    another number of data ranks, continuing at batch ``start``); the samples freed.
+
+    Plans below ``start`` were returned by every reader of the old layout: dropped. Each plan
+    from ``start`` on keeps its samples, split into ``parts`` contiguous parts of whole
+    ``unit``-sample units (:class:`~meshfeed.queue.rounds.Round`'s rule) under the key that
+    ``sampler`` (the new layout's) gives its index, unread; the readers' positions start
+    over. A plan already in the new layout is left as it is, so every rank may call this.
+    A round with fewer units than ``parts`` (the stream's short last round) is refused by
+    name before anything changes."""
+    mine = [(key, e) for key, e in part.cache.items() if key[0] == task and type(key[-1]) is int]
+    moves: list[tuple[CacheKey, CacheKey, Entry, Share]] = []
+    for key, entry in mine:
+        if key[-1] < start:
+            continue
+        share = sampler.share({"batch_index": key[-1], "stream": key[-2]})
+        new = (task, *share.key)
+        if new == key and entry.readers == share.readers and entry.round.parts == parts:
+            continue
+        units = -(-len(entry.round.ids) // unit)
+        if units < parts or len(entry.round.ids) % unit:
+            raise ValueError(
+                f"batch {key[-1]} of task {task!r} (the stream's last, short round) has "
+                f"{len(entry.round.ids)} sample(s), {units} unit(s) of {unit}: it cannot be "
+                f"split among {parts} data ranks, each of which must get a part; resume on "
+                f"at most {units} data ranks (e.g. the {entry.round.parts} it was planned for)"
+            )
+        moves.append((key, new, entry, share))
+    freed = drop(part, [key for key, _ in mine if key[-1] < start])
+    for key, _, _, _ in moves:
+        del part.cache[key]
+    for _, new, entry, share in moves:
+        moved = Entry(Round(entry.round.ids, parts, unit), entry.fields, share.readers)
+        part.cache[new] = moved
+    if moves:
+        for prefix in [p for p in part.asked if p[0] == task]:
+            del part.asked[prefix]
+            part.progress.pop(prefix, None)
+    return freed

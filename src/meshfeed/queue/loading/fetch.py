@@ -32,23 +32,21 @@ _MARGIN = 0.25  # Ray workers: the store's own TimeoutError comes first, then th
 
 
 class Late(Exception):
-    """A wait's own deadline (``state_dict()``'s) passed while a batch was still on its way."""
+    """A wait's own deadline (the delivery thread's poll) passed while a batch was still on
+    its way."""
 
 
 @dataclass(slots=True)
 class Got:
-    """One request's outcome: ``ids`` (``None``: the stream ended), the transformed ``item``
-    and the round it is one part of (``parts``); while ``collate_fn`` has not succeeded, the
-    raw ``batch`` and the ``error``, so only ``collate_fn`` is retried (the samples are
-    already consumed in the store)."""
+    """One request's outcome: ``ids`` (``None``: the stream ended) and the transformed
+    ``item``; while ``collate_fn`` has not succeeded, the raw ``batch`` and the ``error``, so
+    only ``collate_fn`` is retried (the samples are already consumed in the store)."""
 
     ids: list[Any] | None
     item: Any = None
     batch: Any = None
     error: BaseException | None = None
     raised: bool = False  # the failure was reported (CollateError): retry it afresh
-    #: The round the batch is one part of (``Batch.parts``): every data rank's ids.
-    parts: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +59,10 @@ class Spec:
     partition: str
     sampler: Sampler
     timeout: float | None
-    hold: bool
-    prefetch: int  # replica peers must share it (the store checks; see fetch)
+    #: The most batches in flight (requested, or taken by the delivery thread, not returned):
+    #: a request acknowledges the batches this far behind it, so the store keeps the plans
+    #: of every batch in flight (replica peers must share it; the store checks).
+    window: int
     token: str  # the loader's requests, cancelled together by shutdown()
     group_filter: Callable[[dict[str, list[Any]]], bool] | None = None  # see queue.dynamic
 
@@ -80,11 +80,9 @@ def fetch(
             spec.partition,
             spec.sampler,
             spec.timeout,
-            hold=spec.hold,
-            parts=True,  # the whole round, which state_dict() names
             token=spec.token,
             batch_index=index,
-            prefetch=spec.prefetch,
+            prefetch=spec.window,
             group_filter=spec.group_filter,
             **(version or {}),
         )
@@ -95,11 +93,11 @@ def fetch(
 def apply(transform: Callable[[Batch], Any] | None, batch: Batch) -> Got:
     """``transform(batch)``; a failure keeps the raw batch for a retry of the transform alone."""
     if transform is None:
-        return Got(batch.ids, batch, parts=batch.parts)
+        return Got(batch.ids, batch)
     try:
-        return Got(batch.ids, transform(batch), parts=batch.parts)
+        return Got(batch.ids, transform(batch))
     except Exception as exc:
-        return Got(batch.ids, batch=batch, error=exc, parts=batch.parts)
+        return Got(batch.ids, batch=batch, error=exc)
 
 
 def portable(got: Got) -> Got:
@@ -155,15 +153,14 @@ class StoreWork:
 @dataclass(slots=True, eq=False)
 class Entry:
     """One requested batch on its way to the trainer. Exactly one of these is in progress:
-    ``got`` (known outcome), ``fetch`` (a thread fetching it here), ``lazy`` (a re-delivery
-    read on first use), ``worker`` (a task for it is outstanding on that worker), ``failed``
-    (the request failed: raised once, then requested again); with none of them, it is to be
-    requested (``batch`` set: fetched, to be collated in a worker)."""
+    ``got`` (known outcome), ``fetch`` (a thread fetching it here), ``worker`` (a task for it
+    is outstanding on that worker), ``failed`` (the request failed: raised once, then
+    requested again); with none of them, it is to be requested (``batch`` set: fetched, to be
+    collated in a worker)."""
 
     index: int
     got: Got | None = None
     fetch: cf.Future[Any] | None = None
-    lazy: Callable[[], Batch | None] | None = None
     batch: Batch | None = None
     worker: int | None = None
     failed: BaseException | None = None
@@ -223,12 +220,29 @@ class InFlight:
         self.threads: cf.ThreadPoolExecutor | None = None
         self.pool: WorkerService | None = None
         if num_workers:
-            self.pool = make_pool(num_workers, spec.timeout, store.backend, spec.prefetch)
+            self.pool = make_pool(num_workers, spec.timeout, store.backend, max(ahead_max, 1))
         self.sent: list[deque[Entry]] = [deque() for _ in range(num_workers)]
         self.version: LoaderVersion | None = None  # the loader's, set after construction
+        #: The policy version each batch not yet returned was first requested with: asked
+        #: again (a retry, or a restored loader: ``replay``), it is asked with the same.
+        self.asked: dict[int, int | None] = {}
 
-    def _version_args(self) -> dict[str, Any] | None:
-        return None if self.version is None else self.version.request()
+    def version_args(self, index: int) -> dict[str, Any] | None:
+        if self.version is None:
+            return None
+        args = self.version.request()
+        args["version"] = self.asked.setdefault(index, args["version"])
+        return args
+
+    def returned(self, index: int) -> None:
+        """Batch ``index`` (and any skipped before it) left the loader: forget its version."""
+        for done in [i for i in self.asked if i <= index]:
+            del self.asked[done]
+
+    def asked_versions(self, start: int, stop: int) -> list[int | None]:
+        """The versions batches ``start`` to ``stop - 1`` were requested with (for a state)."""
+        asked = dict(self.asked)  # a copy: the delivery thread may request meanwhile
+        return [asked.get(i) for i in range(start, stop)]
 
     def thread_job(self, index: int, version: dict[str, Any] | None) -> Got | Batch | None:
         """Fetch here (in a thread); ``collate_fn`` too unless worker processes run it."""
@@ -264,12 +278,16 @@ class InFlight:
             else:
                 self.send(entry, ("collate", entry.batch))
         elif self.pool is not None and self.store.backend == "ray":
-            self.send(entry, ("fetch", (entry.index, self._version_args())))
+            self.send(entry, ("fetch", (entry.index, self.version_args(entry.index))))
         else:
-            if self.threads is None:  # requests wait in the store, so one thread per request
-                self.threads = cf.ThreadPoolExecutor(self.ahead_max, "meshfeed-loader")
+            if self.threads is None:
+                # One thread, so requests reach the store one at a time in index order: a
+                # round is planned only after every earlier one (by any reader: each asks in
+                # order), so which samples form round j never depends on thread timing.
+                self.threads = cf.ThreadPoolExecutor(1, "meshfeed-loader")
             # The version as of the request, not of when the thread runs: deterministic.
-            entry.fetch = self.threads.submit(self.thread_job, entry.index, self._version_args())
+            version = self.version_args(entry.index)
+            entry.fetch = self.threads.submit(self.thread_job, entry.index, version)
 
     def fetched(self, entry: Entry, result: Got | Batch | None) -> None:
         if isinstance(result, Got):
@@ -291,7 +309,7 @@ class InFlight:
         except Exception as exc:  # the fetch failed in the worker (or the result could not travel)
             if entry.batch is not None:
                 batch = entry.batch
-                entry.got = Got(batch.ids, batch=batch, error=exc, parts=batch.parts)
+                entry.got = Got(batch.ids, batch=batch, error=exc)
             else:
                 entry.failed = exc
         else:
@@ -311,19 +329,16 @@ class InFlight:
                 except Exception as exc:
                     entry.failed = exc
 
-    def wait(self, entry: Entry, deadline: float | None = None, *, ids: bool = False) -> Got:
-        """Drive ``entry`` until its outcome is known (``ids``: until its sample ids are);
-        ``deadline`` (``time.monotonic()``) raises :class:`Late` past it, changing nothing."""
-        while entry.got is None and not (ids and entry.batch is not None):
+    def wait(self, entry: Entry, deadline: float | None = None) -> Got:
+        """Drive ``entry`` until its outcome is known; ``deadline`` (``time.monotonic()``)
+        raises :class:`Late` past it, changing nothing."""
+        while entry.got is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if entry.failed is not None:  # raised once; the same batch is requested again
                 exc, entry.failed = entry.failed, None
                 self.request(entry)
                 raise exc
             self.advance(entry, left)
-        if entry.got is None:
-            assert entry.batch is not None
-            return Got(entry.batch.ids, parts=entry.batch.parts)
         return entry.got
 
     def advance(self, entry: Entry, left: float | None) -> None:
@@ -342,9 +357,6 @@ class InFlight:
                 return
             entry.fetch = None
             self.fetched(entry, result)
-        elif entry.lazy is not None:
-            fn, entry.lazy = entry.lazy, None
-            self.fetched(entry, fn())
         elif entry.worker is not None:
             assert self.pool is not None
             if left is not None and not self.pool.ready(entry.worker, left):
@@ -352,39 +364,6 @@ class InFlight:
             self.recv(entry.worker)
         else:
             self.request(entry)
-
-    def redeliver(self, parts: list[list[Any]] | None, rank: int) -> Callable[[], Batch | None]:
-        """A restored state's batch in flight: data rank ``rank``'s part of the round
-        ``parts`` (None: the end), read from the store when first needed."""
-
-        def read() -> Batch | None:
-            if parts is None:
-                return None
-            batch = self.store.peek(self.spec.partition, list(parts[rank]), self.spec.fields)
-            return Batch(batch.ids, batch.columns, parts=parts, versions=batch.versions)
-
-        return read
-
-    def pending(self, wait: float, task: str, prefetch: int) -> list[list[Any]]:
-        """``[index, parts]`` of every batch in flight (``parts`` None: the end there), for a
-        state; waits for their ids at most ``wait`` seconds in all, then ``TimeoutError``
-        naming the batch still on its way (nothing changed)."""
-        deadline = time.monotonic() + wait
-        out: list[list[Any]] = []
-        for entry in self.ahead:
-            try:
-                got = self.wait(entry, deadline, ids=True)
-            except Late:
-                raise TimeoutError(
-                    f"state_dict() waited {wait}s for batch {entry.index} of task {task!r}, "
-                    f"still being fetched ({prefetch=}); the state must name the batches "
-                    "fetched ahead. If producers wait for the trainer (e.g. a weight sync), "
-                    "take state_dict() once they can run again, or use prefetch=1; the loader "
-                    "is unchanged and usable"
-                ) from None
-            parts = got.parts if got.parts is not None or got.ids is None else [got.ids]
-            out.append([entry.index, parts])
-        return out
 
     def lost_pool(self, error: WorkerError, task: str) -> WorkerError | None:
         """:meth:`lost`'s error when ``error`` stopped the pool (a worker died or stalled);

@@ -49,17 +49,21 @@ view of the task; ``epochs(1)`` yields the one epoch a store stream is (see
 ``shutdown()`` cancels the requests still waiting in the store (threads and worker processes
 blocked without a deadline wake at once, consuming nothing) and stops the workers.
 
-Recovery. Every request names its batch index, so the store plans it once and keeps the plan:
-a retried request gets the same batch, and a loader restored from ``state_dict()`` asks again
-for the batches it had not returned. Such shared plans take no lease (a store's
-``lease_timeout`` applies to direct ``get`` calls, whose consumer may die holding a batch).
+Recovery. Every request names its batch index, so the store plans it once and keeps the plan
+until every reader has passed it (each request acknowledges the batches more than the
+loader's batches in flight behind it): a retried request gets the same batch, and a loader
+restored from ``state_dict()`` asks again for the batches it had not returned and gets the
+same ones. Such shared plans take no lease (a store's ``lease_timeout`` applies to direct
+``get`` calls, whose consumer may die holding a batch).
 
-Checkpoints. ``state_dict()`` is the state as of the last batch returned: it waits for the
-batches in flight (at most ``timeout`` seconds, then ``TimeoutError``) and records each batch
-fetched but not returned as its whole round (:attr:`Batch.parts`), re-delivered first after
-``load_state_dict``. Every rank's state is the same, and it loads on another number of data
-ranks with the same global batch (elastic resume: :mod:`meshfeed.queue.loading.resume`). Take
-``state_dict()`` of every loader, then save the store, before the next batch.
+Checkpoints. ``state_dict()`` is the state as of the last batch returned, at once (it never
+waits for the batches in flight): the index of the first batch not returned and how far the
+loader had asked, a few hundred bytes whatever the mesh. The batches in flight are the store's
+plans, kept in the store (and in its checkpoint); after ``load_state_dict`` they are read back
+first. Every rank's state is the same, and it loads on another number of data ranks with the
+same global batch (elastic resume: :mod:`meshfeed.queue.loading.resume`). Save the store and
+every loader's state between the same two batches; a store that outlives the trainer (a Ray
+actor) serves a restored loader without being restored itself.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from meshfeed.dist import is_distributed
 from meshfeed.errors import CollectiveError, RankError
@@ -78,7 +82,7 @@ from meshfeed.options import LoaderOptions, OnError
 from meshfeed.queue.engine.wakeups import check_timeout
 from meshfeed.queue.loading.errors import CollateError, SkipLog, check_on_error, round_failed
 from meshfeed.queue.loading.fetch import Entry, Got, InFlight, Spec
-from meshfeed.queue.loading.resume import KIND, VERSION, open_state, resplit, unit_of
+from meshfeed.queue.loading.resume import KIND, VERSION, open_state, unit_of
 from meshfeed.queue.loading.stage import Stage
 from meshfeed.queue.loading.versions import LoaderVersion, check_store, one_epoch
 from meshfeed.queue.samplers import Sampler, mesh_sampler
@@ -111,7 +115,8 @@ class StoreLoader(LoaderBase):
     must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
     ``batch_size`` and ``prefetch``: the batches requested ahead decide at which step a peer
     sees the end of the stream; ``on_error``: :mod:`meshfeed.queue.loading.errors`).
-    ``shutdown()`` (or leaving a ``with`` block) cancels waiting requests and stops workers. ``max_staleness`` with :meth:`set_version` and
+    ``shutdown()`` (or leaving a ``with`` block) cancels waiting requests and stops workers.
+    ``max_staleness`` with :meth:`set_version` and
     ``group_filter`` go to every request (policy versions and dynamic sampling, applied by
     the store: :mod:`meshfeed.queue.engine.versions`, :mod:`meshfeed.queue.engine.dynamic`).
 
@@ -123,8 +128,6 @@ class StoreLoader(LoaderBase):
     [[1, 2], [3, 4]]
     """
 
-    #: How long ``state_dict()`` waits for batches in flight when ``timeout`` is unlimited.
-    STATE_WAIT: ClassVar[float] = 60.0
     name = "StoreLoader"
 
     def __init__(
@@ -188,11 +191,8 @@ class StoreLoader(LoaderBase):
         self._ahead_max = prefetch if (prefetch > 1 or num_workers or self.delivery.ahead) else 0
         #: Most batches a state may name in flight: requested, or taken by the delivery thread.
         self._keeps = max(self._ahead_max, 1) + (options.device_prefetch + 1) * self.delivery.ahead
-        # Holding matters only when samples can be evicted while fetched but not returned:
-        # fetched ahead, or kept after a failed collate_fn.
-        hold = store.options.tasks is not None and (bool(self._ahead_max) or collate_fn is not None)
         self._spec = Spec(
-            task, tuple(fields), batch_size, partition, self.sampler, wait, hold, prefetch,
+            task, tuple(fields), batch_size, partition, self.sampler, wait, self._keeps,
             uuid.uuid4().hex, group_filter,
         )  # fmt: skip
         self._shut = False
@@ -204,6 +204,9 @@ class StoreLoader(LoaderBase):
             ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
         )
         self._next_seconds = 0.0
+        self._returned = 0  # the first batch index not returned (the state's ``next``)
+        self._redeliver = 0  # batches below it were in flight when the loaded state was taken
+        self._finished = False  # every batch returned and the end seen (StopIteration)
         #: Pinned / on the device, on the delivery thread (#27): see loader_stage.
         self._stage = Stage(self.delivery, self._flight, self._next_item)
 
@@ -247,6 +250,8 @@ class StoreLoader(LoaderBase):
             item, entry = self._stage.next()
         except BaseException as error:
             self._count(error)
+            if isinstance(error, StopIteration):
+                self._finish()
             if not isinstance(error, WorkerError):
                 raise
             if (lost := self._flight.lost_pool(error, self.task)) is None:
@@ -256,11 +261,21 @@ class StoreLoader(LoaderBase):
             self._next_seconds += time.perf_counter() - start
         got = entry.got  # returned: consumed (the state no longer names it)
         assert got is not None and got.ids is not None
-        if self._spec.hold:
-            self.store.release(self.partition, got.ids)
+        self._returned = entry.index + 1
+        self._flight.returned(entry.index)
         self._counts["batches"] += 1
         self._counts["samples"] += len(got.ids)
+        self._counts["redelivered"] += entry.index < self._redeliver
         return item
+
+    def _finish(self) -> None:
+        """The end was reached with every batch returned: once, tell the store this reader
+        passed every batch it asked for, so the last plans go once every reader has."""
+        if self._finished:
+            return
+        self._finished = True
+        with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
+            self.store.passed(self.partition, self.task, self.sampler, self._flight.next)
 
     def _count(self, error: BaseException) -> None:
         for kind, key in _COUNTED.items():
@@ -271,7 +286,8 @@ class StoreLoader(LoaderBase):
             if not self._ahead_max and not self._flight.ahead:  # synchronous
                 if self._flight.ended:
                     return None
-                result = self._flight.thread_job(self._flight.next, self._version.request())
+                index = self._flight.next
+                result = self._flight.thread_job(index, self._flight.version_args(index))
                 if not isinstance(result, Got) or result.ids is None:  # no workers here
                     self._flight.ended = True
                     return None
@@ -297,10 +313,8 @@ class StoreLoader(LoaderBase):
             item = self._collated(entry, got)
             self._flight.ahead.popleft()
             if self.on_error == "skip" and self._skip(entry.index, got, item is _FAILED):
-                if self._spec.hold:
-                    self.store.release(self.partition, got.ids)
                 continue
-            entry.got = Got(got.ids, item, parts=got.parts)  # what a stopped stage puts back
+            entry.got = Got(got.ids, item)  # what a stopped stage puts back
             return item, entry
 
     def _collated(self, entry: Entry, got: Got) -> Any:
@@ -354,7 +368,7 @@ class StoreLoader(LoaderBase):
             yield 0
 
     def _at_end(self) -> bool:
-        return self._flight.ended and not self._flight.ahead and not self._stage.handed
+        return self._finished
 
     def _enter_epoch(self, epoch: int) -> None:
         """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
@@ -418,23 +432,9 @@ class StoreLoader(LoaderBase):
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The state as of the last batch returned.
-
-        Waits for the batches in flight, at most ``timeout`` seconds in all (``STATE_WAIT``,
-        60 s, when the timeout is unlimited), then raises ``TimeoutError``: with ``prefetch > 0``
-        the state must name the batches fetched ahead, and a request waiting for producers
-        that wait for the trainer (an RL weight sync) would otherwise block forever. The
-        loader is unchanged by the error; take the state once producers can run, or use
-        ``prefetch=0``.
-        """
-        self._stage.stop()  # the batches the delivery thread took are named too
-        wait = self.STATE_WAIT if self._spec.timeout is None else self._spec.timeout
-        try:
-            pending = self._flight.pending(wait, self.task, self.prefetch)
-        except WorkerError as error:
-            if (lost := self._flight.lost_pool(error, self.task)) is None:
-                raise
-            raise lost from None
+        """The state as of the last batch returned (module docstring): taken at once, the
+        batches in flight untouched (the store keeps their plans), the same on every rank."""
+        requested = max(self._flight.next, self._returned, self._redeliver)
         return envelope(
             KIND,
             VERSION,
@@ -444,18 +444,21 @@ class StoreLoader(LoaderBase):
             batch_size=self.batch_size,
             unit=self._unit,
             replica_size=len(self.replica_group),
-            next=self._flight.next,
-            ended=self._flight.ended,
-            pending=pending,
+            next=self._returned,
+            requested=requested,
+            ended=self._finished,
             policy_version=self._version.version,  # set_version's (loader_versions)
+            # the versions the batches in flight were asked with: asked again with the same
+            asked_versions=self._flight.asked_versions(self._returned, requested),
         )
 
     def load_state_dict(self, state: Any) -> None:
-        """Continue from ``state``; the store must be restored to the same moment. Every
-        field is checked against this loader (task, partition, global batch, groups) and
-        itself (pending rounds: distinct indices below ``next``, one list of int/str ids per
-        data rank). On another number of data ranks with the same global batch, this rank
-        takes its part of each pending round (see :mod:`meshfeed.queue.loading.resume`)."""
+        """Continue from ``state``; the store must be at the same moment (restored from a
+        checkpoint saved between the same two batches, or the live store the state was taken
+        from). Every field is checked against this loader (task, partition, global batch,
+        groups) and itself. On another layout (data ranks or replica peers) with the same
+        global batch, the store first moves the plans in flight to this one
+        (:meth:`SampleStore.replan`; see :mod:`meshfeed.queue.loading.resume`)."""
         st = open_state(
             state,
             task=self.task,
@@ -463,38 +466,30 @@ class StoreLoader(LoaderBase):
             ranks=self.data_world_size,
             batch_size=self.batch_size,
             unit=self._unit,
-            replicas=len(self.replica_group),
-            evicting=self.store.options.tasks is not None,
         )
-        ranks, nxt, pending = st["data_world_size"], st["next"], st["pending"]
-        if len(pending) > self._keeps:
+        nxt, ended = st["next"], st["ended"]
+        if st["requested"] - nxt > self._keeps:
             raise ValueError(
-                f"StoreLoader state names {len(pending)} batches in flight, more than this loader "
-                f"keeps ({self._keeps}); resume with the same prefetch, device and device_prefetch"
+                f"StoreLoader state has {st['requested'] - nxt} batches in flight, more than this "
+                f"loader keeps ({self._keeps}); resume with the same prefetch, device and "
+                "device_prefetch"
             )
-        if self._flight.ahead or self._flight.next or self._shut:
+        if self._flight.ahead or self._flight.next or self._shut or self._returned:
             raise ValueError(
                 "load_state_dict must come before iteration starts; build a fresh loader"
             )
-        rounds = [
-            (i, None if parts is None else resplit(i, parts, self.data_world_size, self._unit))
-            for i, parts in pending
-        ]
-        ended = st["ended"]
-        if ranks != self.data_world_size:
-            # Where the old ranks saw the end, the new ones ask again: a short last round too
-            # small for the old ranks may be served on fewer (and the store then ends the
-            # stream for this layout, acknowledging its plans).
-            ends = [i for i, parts in rounds if parts is None]
-            rounds = [(i, parts) for i, parts in rounds if parts is not None]
-            nxt, ended = (min(ends) if ends else nxt), False
-            # The old layout's plans are never read again (their batches come from the state).
-            self.store.drop_plans(self.partition, self.task, nxt)
-        self._version.restore(state.get("policy_version"))
-        self._flight.next = nxt
-        self._flight.ended = ended
-        for index, parts in rounds:
-            self._flight.ahead.append(
-                Entry(index, lazy=self._flight.redeliver(parts, self.data_rank))
+        layout = (st["data_world_size"], st["replica_size"])
+        if layout != (self.data_world_size, len(self.replica_group)):
+            self.store.replan(
+                self.partition, self.task, nxt, self.sampler, self.data_world_size, self._unit
             )
-        self._counts["redelivered"] += sum(parts is not None for _, parts in rounds)
+            # Where the old ranks saw the end, the new ones ask again: a short last round too
+            # small for the old ranks may be served on fewer.
+            ended = False
+        self._version.restore(state.get("policy_version"))
+        self._flight.next = self._returned = nxt
+        self._flight.ended = self._finished = ended
+        self._redeliver = st["requested"]
+        self._flight.asked = dict(
+            zip(range(nxt, st["requested"]), st["asked_versions"], strict=True)
+        )

@@ -3,43 +3,34 @@ number of data ranks (elastic resume).
 
 With a rank-aware sampler over ``D`` data ranks, batch index ``j`` of a
 :class:`~meshfeed.queue.loading.loader.StoreLoader` is one *round* the store planned once for all of
-them: ``D`` contiguous parts of whole units (samples, or groups of a ``GroupSampler``). A
-loader's state names, for every round fetched but not returned, the whole round (every data
-rank's part, in data-rank order, as the store's shared plan holds it), so every data rank
-writes the same state. Loaded on ``D'`` data ranks with the same global batch
-(``D * batch_size == D' * batch_size'``), each new rank takes its contiguous part of each such
-round (:func:`split_round`: the sampler's rule, so an unchanged ``D`` gets its own part back)
-and then continues with the rounds from ``next``: every sample is served once.
+them, and the store keeps that plan until every reader has passed it (its checkpoint keeps the
+plans too). So a loader's state names no sample: ``next``, the first batch index not returned,
+and ``requested``, how far it had asked; every data rank writes the same state, whatever the
+number of ranks (a few hundred bytes). A loader loaded from it asks again from ``next``: the
+batches that were in flight are read back from their plans, the same batches. Loaded on ``D'``
+data ranks with the same global batch (``D * batch_size == D' * batch_size'``), the loader
+first has the store move the plans from ``next`` on to the new layout
+(:meth:`SampleStore.replan <meshfeed.queue.SampleStore.replan>`: each round split into ``D'``
+contiguous parts, the sampler's rule); every sample is still served once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
-from meshfeed.queue.rounds import split_round
 from meshfeed.state import open_envelope
 
-__all__ = [
-    "KIND",
-    "VERSION",
-    "check_pending",
-    "check_resize",
-    "open_state",
-    "resplit",
-    "unit_of",
-]
+__all__ = ["KIND", "VERSION", "check_resize", "open_state", "unit_of"]
 
 KIND = "store_loader"
 #: 3: the one state envelope (kind + version); prefetch counts the batch returned.
 #: 4: pending batches name their whole round (every data rank's ids) and the state names the
 #: global batch (data_world_size, batch_size, unit), not a data rank: resumable on another
 #: data-parallel size.
-VERSION = 4
-
-Key = Hashable
-#: A pending batch in a state: ``[index, parts]`` (``parts`` None: the stream ended there).
-Pending = list[Any]
+#: 5: no sample ids: the batches in flight are read back from the store's plans (``next``,
+#: ``requested``, and the policy version each was asked with); the state's size no longer
+#: grows with the data ranks or the batch.
+VERSION = 5
 
 
 def unit_of(sampler: Any) -> int:
@@ -50,35 +41,6 @@ def unit_of(sampler: Any) -> int:
     if size is None:
         size = getattr(sampler, "group_size", 1)
     return size if type(size) is int and size >= 1 else 1
-
-
-def _round_ok(parts: Any, ranks: int) -> bool:
-    if not (isinstance(parts, list) and len(parts) == ranks):
-        return False
-    if not all(isinstance(p, list) for p in parts):
-        return False
-    ids = [k for p in parts for k in p]
-    return bool(ids) and all(type(k) in (int, str) for k in ids) and len(set(ids)) == len(ids)
-
-
-def check_pending(pending: list[Any], nxt: int, ranks: int) -> None:
-    """The batches a saved state names as in flight: ``[index, parts]`` with distinct
-    indices below ``nxt``, each ``parts`` a list of ``ranks`` lists of distinct int/str ids
-    (or ``None``: the end); ``ValueError`` otherwise."""
-    seen: set[int] = set()
-    for item in pending:
-        ok = isinstance(item, list) and len(item) == 2
-        if ok:
-            index, parts = item
-            ok = type(index) is int and 0 <= index < nxt and index not in seen
-            ok = ok and (parts is None or _round_ok(parts, ranks))
-        if not ok:
-            raise ValueError(
-                f"StoreLoader state field 'pending' has a bad entry {item!r:.120} (each is "
-                f"[batch index < next={nxt}, the round's ids as {ranks} lists, one per data "
-                "rank, or None], indices distinct); the checkpoint is corrupted"
-            )
-        seen.add(item[0])
 
 
 def check_resize(
@@ -113,29 +75,6 @@ def check_resize(
         )
 
 
-def resplit(index: int, parts: list[list[Key]], new_ranks: int, unit: int) -> list[list[Key]]:
-    """A pending round's parts for ``new_ranks`` data ranks (unchanged if the count is the
-    same); ``ValueError`` when a rank would get no sample (the last, short round)."""
-    if len(parts) == new_ranks:
-        return parts
-    ids = [k for p in parts for k in p]
-    units = len(ids) // unit
-    if len(ids) % unit:
-        raise ValueError(
-            f"StoreLoader state's batch {index} has {len(ids)} samples, not whole groups of "
-            f"{unit}; the checkpoint is corrupted"
-        )
-    if units < new_ranks:
-        raise ValueError(
-            f"the StoreLoader state's batch {index} (the stream's last, short round) has "
-            f"{units} unit(s) of {unit} sample(s), fewer than the {new_ranks} data ranks to "
-            f"resume on: a data rank would get an empty batch and the ranks would take "
-            f"different numbers of steps; resume on at most {units} data ranks (e.g. the "
-            f"{len(parts)} the state was taken on)"
-        )
-    return split_round(ids, new_ranks, unit)
-
-
 def open_state(
     state: Any,
     *,
@@ -144,14 +83,10 @@ def open_state(
     ranks: int,
     batch_size: int,
     unit: int,
-    replicas: int,
-    evicting: bool,
 ) -> dict[str, Any]:
     """The fields of a StoreLoader ``state``, every one checked: the envelope (kind, version),
     against the loading loader (``task``, ``partition``; its ``ranks`` x ``batch_size`` and
-    group ``unit``: :func:`check_resize`; its ``replicas`` per data rank when the store is
-    ``evicting``: samples fetched ahead are held once per replica) and itself
-    (:func:`check_pending`)."""
+    group ``unit``: :func:`check_resize`) and itself (``next`` <= ``requested``)."""
     st = open_envelope(
         state,
         kind=KIND,
@@ -164,8 +99,9 @@ def open_state(
             "unit": int,
             "replica_size": int,
             "next": int,
+            "requested": int,
             "ended": bool,
-            "pending": list,
+            "asked_versions": list,
         },
         what="StoreLoader state",
     )
@@ -177,11 +113,21 @@ def open_state(
             )
     nxt, old_ranks = st["next"], st["data_world_size"]
     sizes = (old_ranks, st["batch_size"], st["unit"], st["replica_size"])
-    if nxt >= 1 << 53 or min(sizes) < 1:
+    if not nxt <= st["requested"] < 1 << 53 or min(sizes) < 1:
         raise ValueError(
-            f"StoreLoader state has next={nxt}, data_world_size={old_ranks}, batch_size="
+            f"StoreLoader state has next={nxt}, requested={st['requested']}, "
+            f"data_world_size={old_ranks}, batch_size="
             f"{st['batch_size']}, unit={st['unit']}, replica_size={st['replica_size']}: beyond "
             "any real stream, or not positive; the checkpoint is corrupted"
+        )
+    asked = st["asked_versions"]
+    if len(asked) != st["requested"] - nxt or not all(
+        v is None or (type(v) is int and 0 <= v < 1 << 62) for v in asked
+    ):
+        raise ValueError(
+            f"StoreLoader state field 'asked_versions' is {asked!r:.80} (one policy version, "
+            f"an int >= 0 or None, per batch from next={nxt} to requested={st['requested']}); "
+            "the checkpoint is corrupted"
         )
     check_resize(
         ranks=old_ranks,
@@ -191,13 +137,4 @@ def open_state(
         new_batch_size=batch_size,
         new_unit=unit,
     )
-    if evicting and st["replica_size"] != replicas:
-        raise ValueError(
-            f"the StoreLoader state was taken with {st['replica_size']} rank(s) per data rank "
-            f"(replica peers) and this loader has {replicas}; its store drops consumed samples "
-            "(tasks=...), so the batches fetched ahead are held once per peer and another "
-            "number of peers would free them too early or never: resume with "
-            f"{st['replica_size']} rank(s) per data rank (the data-parallel size may change)"
-        )
-    check_pending(st["pending"], nxt, old_ranks)
     return st

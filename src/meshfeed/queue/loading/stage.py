@@ -6,10 +6,10 @@ them there, as for :class:`meshfeed.DataLoader` (#27); otherwise the batch is ma
 asks, on its thread. Either way the loop's waits are timed (``stats()["delivery"]``).
 
 A batch the thread took is not consumed until the loop gets it: :class:`Stage` keeps its entry
-(``handed``) until :meth:`Stage.next` returns it. :meth:`Stage.stop` (before a checkpoint,
-``shutdown()``, or after an error) halts the thread within about :data:`POLL` seconds, whatever
-it waits for, and puts the entries it took back at the head of the loader's queue, collated:
-they are returned first, or named by the state as batches in flight.
+(``handed``) until :meth:`Stage.next` returns it, and the loader's state counts only what was
+returned. :meth:`Stage.stop` (``shutdown()``, or after an error) halts the thread within about
+:data:`POLL` seconds, whatever it waits for, and puts the entries it took back at the head of
+the loader's queue, collated: they are returned first.
 """
 
 from __future__ import annotations
