@@ -175,23 +175,25 @@ class TokenWindows:
             )
         self._len = (num_tokens - 1) // self.seq_len
         self._doc_starts: np.ndarray | None = None
+        # the windows are views of the .bin's map, taken per read (holding them would keep
+        # its descriptor open past the LRU's bound, #32); by ranges, through the block cache
         tokens = self.corpus.tokens
-        # by ranges, windows are read through the block cache; the local views stay empty
         self._ranged = tokens if isinstance(tokens, RangedTokens) else None
-        local = self._ranged is None
-        self._stream = tokens[:num_tokens] if local else np.empty(0, self.corpus.dtype)
-        views = self._len if local else 0
-        self._windows = _window_matrix(self._stream, views, self.seq_len)
-        # the same windows as a read-only numpy view: numpy's fancy index gathers whole rows
-        # into a fresh array faster than index_select into from_numpy'd memory
-        self._rows = np.lib.stride_tricks.as_strided(
-            self._stream,
-            (views, self.seq_len + 1),
-            (self.seq_len * self._stream.itemsize, self._stream.itemsize),
-            writeable=False,
-        )
+        del tokens
         # the gather writes the corpus's bytes; widen (or narrow) only when dtype differs
         self._same_dtype = self.corpus.dtype == self._np_dtype
+
+    def _stream(self) -> np.ndarray:
+        return self.corpus.tokens[: self._len * self.seq_len + 1]
+
+    def _rows(self, stream: np.ndarray) -> np.ndarray:
+        """The windows as a read-only strided numpy view (they overlap by one token)."""
+        return np.lib.stride_tricks.as_strided(
+            stream,
+            (self._len, self.seq_len + 1),
+            (self.seq_len * stream.itemsize, stream.itemsize),
+            writeable=False,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # the corpus pickles as its prefix; the memmap slice and caches are rebuilt on load
@@ -225,7 +227,7 @@ class TokenWindows:
             raise IndexError(f"window index {i} out of range for {self._len} windows")
         self.corpus.check_unchanged(tokens_only=True)
         start = (i % self._len) * self.seq_len
-        stream = self._stream if self._ranged is None else self._ranged
+        stream = self._stream() if self._ranged is None else self._ranged
         return torch.from_numpy(stream[start : start + self.seq_len + 1].astype(self._np_dtype))
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
@@ -253,7 +255,7 @@ class TokenWindows:
         if self.pin_memory and _pinning():
             return self._fetch_pinned(idx)
         try:
-            rows = self._rows[idx]
+            rows = self._rows(self._stream())[idx]
         except IndexError:
             _as_indices(idx, self._len)  # raises the IndexError that names the range
             raise
@@ -275,11 +277,12 @@ class TokenWindows:
         shape = (idx.shape[0], self.seq_len + 1)
         if not self._same_dtype:
             out = torch.empty(shape, dtype=self.dtype, pin_memory=True)
-            return out.copy_(torch.from_numpy(self._rows[idx]))
+            return out.copy_(torch.from_numpy(self._rows(self._stream())[idx]))
         if not (idx.flags.c_contiguous and idx.flags.writeable):
             idx = idx.copy()  # torch.from_numpy wants positive strides and warns on read-only
-        out = torch.empty(shape, dtype=self._windows.dtype, pin_memory=True)
-        torch.index_select(self._windows, 0, torch.from_numpy(idx), out=out)
+        windows = _window_matrix(self._stream(), self._len, self.seq_len)
+        out = torch.empty(shape, dtype=windows.dtype, pin_memory=True)
+        torch.index_select(windows, 0, torch.from_numpy(idx), out=out)
         return out.view(self.dtype)
 
     def document_starts(self, i: int) -> np.ndarray:
