@@ -75,6 +75,9 @@ _VERIFY_WALK = 1 << 18
 
 def make_interleave(weights: Sequence[int | float]) -> Interleave:
     """The interleave for non-negative, finite weights, not all zero (see the module doc)."""
+    whole = _whole_period(weights)
+    if whole is not None:
+        return whole
     fracs = [_to_fraction(w) for w in weights]
     total = sum(fracs, Fraction(0))
     exact = [f / total for f in fracs]
@@ -94,6 +97,23 @@ def make_interleave(weights: Sequence[int | float]) -> Interleave:
     if bound < 1:
         return _RoundingTree(exact, tree, bound)
     return _Deadline(exact)
+
+
+def _whole_period(weights: Sequence[int | float]) -> Interleave | None:
+    """Whole-number weights (10,000 equal ones, #32) straight to their period, skipping the
+    O(sources) Fraction work: exactly the period the rational path finds (shares ``w / T``
+    reduce to the period ``T / gcd`` with ``w / gcd`` draws of each)."""
+    if not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in weights):
+        return None
+    ints = [int(w) for w in weights]
+    g = math.gcd(*ints)
+    if g == 0:
+        return None  # all zero: the general path names the error
+    counts = [w // g for w in ints]
+    period = sum(counts)
+    if period > MAX_PERIOD:
+        return None
+    return _Period(counts, kind="period", max_deviation=float(1 - Fraction(1, period)))
 
 
 class _Deadline(Interleave):
