@@ -14,8 +14,8 @@ stream is within the target of 2x + 0.2 s of the 100-shard one.
 Then the same for an equal-weight ``Mixture`` of Megatron corpora (``TokenDocuments`` each,
 written by ``write_indexed``; the same documents split over 100 corpora against 4,000 and
 10,000): time to the first batch of a ``DataLoader``, or the error it raised. There is no
-corpus manifest yet, so every corpus is opened and checked up front, and each holds two file
-maps (two descriptors), which a process limit of 20,000 open files cannot hold at 10,000.
+corpus manifest yet, so every corpus is opened and checked up front; an open corpus holds no
+file descriptor (its ``.bin`` is mapped on first read through a bounded LRU, #32).
 
     PYTHONPATH=src python benchmarks/bench_startup.py            # 10,000 shards vs 100
     PYTHONPATH=src python benchmarks/bench_startup.py --quick    # 200 shards vs 100, 3,000 rows
@@ -75,7 +75,7 @@ def first_batch_of_mixture(folder: str, corpora: int) -> dict[str, Any]:
             mix, batch_size=32, mesh={"dp": 8}, rank=3, seed=0, collate_fn=list
         )
         next(iter(loader))
-    except OSError as e:  # too many open files: each corpus holds two maps (#32)
+    except OSError as e:  # too many open files (before #32 each corpus held two maps)
         return {"first_s": None, "error": f"{type(e).__name__}: {e}"}
     return {"first_s": time.perf_counter() - t0}
 
