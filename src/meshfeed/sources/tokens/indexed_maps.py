@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 from collections import OrderedDict
 
@@ -36,6 +37,15 @@ _DEFAULT_LIMIT = 256  # well under the usual soft limit of 1024 descriptors
 _lock = threading.Lock()
 _maps: OrderedDict[tuple[str, FileIdentity], mmap.mmap | bytes] = OrderedDict()
 _limit = [_DEFAULT_LIMIT]
+
+
+def _new_lock_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a fork while another thread held it would leave it held
+
+
+if sys.platform != "win32":  # fork and register_at_fork are POSIX only
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
