@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from meshfeed.order.rampup import as_rampup
 from meshfeed.protocols import Source
 
 __all__ = [
@@ -259,8 +260,6 @@ class LoaderOptions:
         if self.on_error is None:
             object.__setattr__(self, "on_error", "substitute")
         check_delivery(self.device, self.device_prefetch, self.on_step, self.warn_wait_share)
-        from meshfeed.order.rampup import as_rampup
-
         object.__setattr__(self, "rampup", as_rampup(self.rampup))
 
     @property

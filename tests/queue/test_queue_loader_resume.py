@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.queue import GroupSampler, SampleStore, StoreLoader
-from meshfeed.queue.loading.resume import split_round
+from meshfeed.queue.rounds import split_round
 
 GLOBAL = 8  # samples per round (global batch)
 

@@ -26,6 +26,12 @@ def _put_many(s3: S3, n: int, size: int) -> dict[str, bytes]:
     return out
 
 
+def _idle(data: Path) -> None:
+    """Date the entry of ``data`` as last read long ago (a download-ahead may evict it)."""
+    old = time.time() - 60
+    os.utime(data.with_name(data.name + ".meshfeed.json"), (old, old))
+
+
 def _temps(cache_dir: Path) -> list[Path]:
     return list(cache_dir.glob("*/.*.meshfeed.tmp"))
 
@@ -185,7 +191,8 @@ def test_prefetch_downloads_ahead_within_the_limit(s3: S3, tmp_path: Path) -> No
         # 80 kB held of 130 kB: one download-ahead fits, the other (concurrent) cannot make room
         assert sorted(results) == [False, True]
         assert cache.stats()["skipped_prefetch"] == 1
-        other.close()  # urls[1] may go now
+        other.close()  # urls[1] may go now, once idle: read to its end a while ago
+        _idle(Path(cache.entry_path(urls[1])))
         assert [f.result(timeout=30) for f in cache.prefetch(urls[2:])] == [True, True]
         assert cache.stats()["evictions"] == 1
         assert Path(pinned).read_bytes() == files[urls[0]]

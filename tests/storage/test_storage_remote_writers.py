@@ -53,6 +53,21 @@ def test_write_shards_uploads_shard_by_shard_with_the_index_last(
     fresh.close()
 
 
+def test_shards_a_writer_uploaded_are_read_from_its_cache_without_a_download(
+    s3: S3, tmp_path: Path
+) -> None:
+    remote = {"cache_dir": tmp_path / "cache", "storage_options": s3.options}
+    url = write_shards(
+        ({"i": i} for i in range(30)), s3.url("adopted"), rows_per_shard=10, **remote
+    )
+    s3.proxy.reset()
+    stream = ShardedStream.from_index(url, **remote)
+    assert [int(r["i"]) for r in stream.__getitems__(list(range(30)))] == list(range(30))
+    stream.close()
+    # the adopted copies carry the index's blake2b digests: only the index itself is fetched
+    assert [k for k in s3.proxy.object_gets if not k.endswith("index.json")] == []
+
+
 def test_a_failed_write_uploads_no_index_and_a_second_write_needs_overwrite(
     s3: S3, tmp_path: Path
 ) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from meshfeed.queue.rounds import Round, split_round
+from meshfeed.queue.rounds import Round
 
 Key = Hashable
 
@@ -36,7 +36,6 @@ __all__ = [
     "SequentialSampler",
     "Share",
     "karmarkar_karp",
-    "split_round",
 ]
 
 

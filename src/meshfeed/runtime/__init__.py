@@ -1,7 +1,8 @@
 """The one worker runtime: ordered worker processes, bounded waits, kill, restart.
 
-Every part of meshfeed that runs work in local processes (map-style loader workers, stream
-workers, store-loader workers, the metric analyzer) uses :class:`WorkerPool`. A worker runs
+Every part of meshfeed that runs work in local processes (the workers of all three loaders,
+the metric analyzer's passes) uses :class:`WorkerPool`, driven from :mod:`meshfeed.services`
+alone (``WorkerService``, ``PassService``). A worker runs
 ``init(worker_id, num_workers, *args)`` once and then the returned handler on each task;
 results come back in request order, tensors and arrays through shared memory.
 

@@ -3,8 +3,6 @@ room within the limit (see :mod:`meshfeed.storage.cache` for the protocol)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -114,9 +112,10 @@ class Fill:
             self.identify(url)
         return Want(self._current[url])
 
-    def _touch(self, entry: Entry) -> None:
-        with contextlib.suppress(OSError):
-            os.utime(entry.sidecar)  # the sidecar's mtime is the entry's last use (LRU)
+    def _touch(self, entry: Entry, *, demanded: bool = True) -> None:
+        # the sidecar's mtime is the entry's last use (LRU); a download-ahead marks it
+        # pending (not to be evicted by another download-ahead before it is read)
+        entry.mark(pending=not demanded)
 
     def _acquire(
         self,
@@ -147,13 +146,13 @@ class Fill:
             if meta is not None and want.fits(meta):
                 if not fetched:
                     self._count("hits")
-                self._touch(entry)
+                self._touch(entry, demanded=demanded)
                 return True
             lock.release()
             if self._exclusive_or_ready(entry, lock, want, deadline, what, make_room):
                 if not fetched:  # another process cached it meanwhile: held shared now
                     self._count("hits")
-                self._touch(entry)
+                self._touch(entry, demanded=demanded)
                 return True
             meta = self._read_meta(entry, deep=deep)
             if meta is None or not want.fits(meta):
@@ -288,7 +287,12 @@ class Fill:
         pause = 0.005
         while True:
             booked, evicted = book(
-                self.cache_dir, entry, size, limit=self.cache_limit, deadline=deadline
+                self.cache_dir,
+                entry,
+                size,
+                limit=self.cache_limit,
+                deadline=deadline,
+                demanded=demanded,
             )
             self._count("evictions", evicted)
             if booked is not None or not demanded:

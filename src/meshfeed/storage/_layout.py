@@ -10,14 +10,25 @@ sparse files as large as a download in flight, counted against the limit) are na
 An entry is valid only with its sidecar and a data file of the sidecar's size; the data is
 renamed into place before the sidecar, and eviction removes the sidecar first, so no reader
 ever takes a partial file for a complete one.
+
+The sidecar's mtime is the entry's last use, except for an entry downloaded ahead and not read
+yet: its mtime lies ``PENDING`` seconds in the future. Eviction takes, in this order: entries
+idle for ``IN_USE`` seconds (least recently used first: shards read to their end), entries
+downloaded ahead and not read yet, then entries read in the last ``IN_USE`` seconds (a reader
+walks its window's shards batch after batch, touching each). A download-ahead evicts only the
+first kind: it stops at the limit rather than evict what will be read soon, which would only
+download it twice. An entry downloaded ahead and never read (a job that stopped) is an
+ordinary entry again ``PENDING`` seconds later.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +42,10 @@ LOCK = ".meshfeed.lock"
 TMP = ".meshfeed.tmp"
 BOOKING = ".booking"
 _HASH_BLOCK = 1 << 22
+#: seconds a downloaded-ahead, unread entry is kept from other download-aheads (see above)
+PENDING = 300.0
+#: an entry read in the last IN_USE seconds is in a reader's window (evicted last)
+IN_USE = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +107,12 @@ class Entry:
         finally:
             os.close(fd)
 
+    def mark(self, *, pending: bool) -> None:
+        """Date the entry's last use: now, or (``pending``) downloaded ahead, not read yet."""
+        t = time.time() + (PENDING if pending else 0.0)
+        with contextlib.suppress(OSError):
+            os.utime(self.sidecar, (t, t))
+
     def clean(self) -> None:
         """Under the entry's exclusive lock: remove every trace of an incomplete entry."""
         self.sidecar.unlink(missing_ok=True)
@@ -105,11 +126,31 @@ def checksum(path: Path, *, md5: bool) -> str:
 
     One hash, one pass: where the server's ETag is an MD5 that is the one worth computing.
     """
-    h = hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
+    return _digests(path, _md5() if md5 else _blake2b())[0]
+
+
+def checksums(path: Path) -> tuple[str, str]:
+    """(``md5:HEX``, ``blake2b:HEX``) of a file in one pass: the MD5 to compare with a
+    single-part ETag, the blake2b-128 that a dataset index records and its readers expect."""
+    md5, blake = _digests(path, _md5(), _blake2b())
+    return md5, blake
+
+
+def _md5() -> Any:
+    return hashlib.md5(usedforsecurity=False)
+
+
+def _blake2b() -> Any:
+    return hashlib.blake2b(digest_size=16)
+
+
+def _digests(path: Path, *hashes: Any) -> list[str]:
+    """``name:HEX`` of each of ``hashes`` over the file, read once."""
     with open(path, "rb") as f:
         while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return f"{h.name}:{h.hexdigest()}"
+            for h in hashes:
+                h.update(block)
+    return [f"{h.name}:{h.hexdigest()}" for h in hashes]
 
 
 def sweep(cache_dir: Path) -> None:
@@ -144,17 +185,29 @@ def _usage(cache_dir: Path) -> list[tuple[float, int, Path]]:
     return out
 
 
-def _evict(cache_dir: Path, need: int, limit: int, keep: Entry) -> tuple[bool, int]:
-    """Evict least recently used unheld entries until ``need`` more bytes fit ``limit``.
+def _rank(t: float, now: float) -> tuple[int, float]:
+    """Eviction order (module docstring): idle entries, then pending ones, then those in use."""
+    if t > now:
+        return 1, t
+    return (0, t) if t < now - IN_USE else (2, t)
+
+
+def _evict(
+    cache_dir: Path, need: int, limit: int, keep: Entry, *, pending: bool
+) -> tuple[bool, int]:
+    """Evict unheld entries in eviction order until ``need`` more bytes fit ``limit``.
 
     Returns (whether they fit, entries evicted). A held entry (a shared lock anywhere on the
-    node) cannot be locked exclusively without waiting, so it stays.
+    node) cannot be locked exclusively without waiting, so it stays; without ``pending`` (a
+    download-ahead) only idle entries go (see the module docstring).
     """
-    entries = sorted(_usage(cache_dir))
-    total = sum(size for _, size, _ in entries)
+    now = time.time()
+    usage = _usage(cache_dir)
+    total = sum(size for _, size, _ in usage)
+    entries = [e for e in usage if e[0] != float("inf")]  # bookings stay
     evicted = 0
-    for t, size, side in entries:
-        if total + need <= limit or t == float("inf"):
+    for t, size, side in sorted(entries, key=lambda e: _rank(e[0], now)):
+        if total + need <= limit or (not pending and _rank(t, now)[0] > 0):
             break
         data = side.with_name(side.name[: -len(SIDE)])
         if data == keep.data:
@@ -172,11 +225,18 @@ def _evict(cache_dir: Path, need: int, limit: int, keep: Entry) -> tuple[bool, i
 
 
 def book(
-    cache_dir: Path, entry: Entry, size: int, *, limit: int | None, deadline: float
+    cache_dir: Path,
+    entry: Entry,
+    size: int,
+    *,
+    limit: int | None,
+    deadline: float,
+    demanded: bool = True,
 ) -> tuple[Path | None, int]:
     """Make room for ``size`` bytes and book them: (the booking or None, entries evicted).
 
-    None where room could not be made (held entries fill the limit). The booking is a sparse
+    None where room could not be made (held entries fill the limit; for a download-ahead,
+    ``demanded=False``, held and downloaded-ahead unread entries). The booking is a sparse
     file of ``size`` bytes beside the entry, counted by every process's room check until the
     download is published or abandoned; checks and bookings are serialised by one lock for
     the whole cache.
@@ -184,7 +244,9 @@ def book(
     lock = FileLock(str(cache_dir / f"cache{LOCK}"))
     try:
         lock.acquire(exclusive=True, deadline=deadline, what="the cache-wide lock, to make room")
-        fits, evicted = (True, 0) if limit is None else _evict(cache_dir, size, limit, entry)
+        fits, evicted = (
+            (True, 0) if limit is None else _evict(cache_dir, size, limit, entry, pending=demanded)
+        )
         if not fits:
             return None, evicted
         booking = entry.temp(BOOKING)

@@ -12,8 +12,12 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
   :meth:`ShardCache.release` (or :meth:`ShardCache.close`, or its death); eviction takes the
   exclusive lock without waiting, so a held entry is never evicted.
 - ``cache_limit`` is a limit: every download first books its size (under a lock for the whole
-  cache), evicting the least recently used unheld entries (sidecar first) to make room. A
-  download-ahead that finds no room is skipped; a demanded file asks its caller to release
+  cache), evicting unheld entries (sidecar first) to make room: those read to their end least
+  recently used first, then those downloaded ahead and not read yet, then those read in the
+  last seconds (:mod:`meshfeed.storage._layout`). A download-ahead evicts only the first kind
+  (it stops at the limit rather than evict what will be read soon, so a limited epoch
+  downloads each shard once where the limit holds the shards read at once), and one that
+  finds no room is skipped; a demanded file asks its caller to release
   what it holds (``make_room``) and then waits for other processes' readers to release theirs
   (at most ``lock_timeout``, then an error that says how much the held entries take). So the
   files of the cache never take more than the limit (plus the one file being renamed into
@@ -48,7 +52,7 @@ from meshfeed.storage._download import (
     on_disk,
 )
 from meshfeed.storage._fill import Fill
-from meshfeed.storage._layout import checksum, sweep
+from meshfeed.storage._layout import checksums, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
@@ -325,9 +329,10 @@ class ShardCache(Fill):
         """Make ``local``, a file just uploaded to ``url``, the cached copy of ``url``.
 
         The file is moved (a rename when it lies on the cache's file system), after its size
-        and, for a single-part ETag, its MD5 are checked against the server's (one HEAD). So a
-        writer that uploads a corpus leaves it cached for the readers of its node. Returns the
-        entry's path (not held).
+        and, for a single-part ETag, its MD5 are checked against the server's (one HEAD); the
+        entry records its blake2b digest, as a dataset index does. So a writer that uploads a
+        corpus leaves it cached for the readers of its node (no download). Returns the entry's
+        path (not held).
         """
         self._check_fork()
         entry = self._entry(url)
@@ -341,9 +346,11 @@ class ShardCache(Fill):
             self._count("heads")
             info = remote_info(url, self.storage_options, retry=self.retry)
             self._current[url] = info.version
-            digest = checksum(Path(local), md5=info.md5 is not None)
+            # recorded as blake2b: readers of a dataset index expect that digest (an MD5
+            # entry would not fit their expectation and be downloaded again)
+            md5, digest = checksums(Path(local))
             size = os.path.getsize(local)
-            if size != info.size or (info.md5 is not None and digest != f"md5:{info.md5}"):
+            if size != info.size or (info.md5 is not None and md5 != f"md5:{info.md5}"):
                 raise SourceError(
                     f"{url} is not the file {os.fspath(local)} ({info.size} bytes there, {size} "
                     "here, or another MD5); upload it again before adopting it"

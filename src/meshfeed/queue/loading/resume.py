@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from meshfeed.queue.samplers import split_round
+from meshfeed.queue.rounds import split_round
 from meshfeed.state import open_envelope
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "check_resize",
     "open_state",
     "resplit",
-    "split_round",
     "unit_of",
 ]
 

@@ -9,8 +9,10 @@ as it reads any file. A local path passes through untouched.
 
 Download-ahead follows the stream's own order: when the loader plans its next steps (a block
 of them at a time, in the main process), the stream hands the shards they read to
-:meth:`CachedReader.plan`, which downloads them in the background (bounded by the cache
-limit), so workers find them cached.
+:meth:`CachedReader.plan`, which downloads them in the background, so workers find them
+cached. Under a cache limit a download-ahead never evicts a shard downloaded ahead and not
+read yet, nor one read in the last seconds: it stops at the limit rather than download a shard
+twice (:mod:`meshfeed.storage.cache`).
 
 A shard's identity is its content hash where a dataset index records one (``identities``,
 from :meth:`ShardedStream.from_index`: no request per shard at all; the cache checks each copy
