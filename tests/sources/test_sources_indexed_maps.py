@@ -3,6 +3,7 @@ corpus, and a file changed while its map was closed is refused by name when mapp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import textwrap
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from meshfeed.errors import SourceError
 from meshfeed.sources.tokens.indexed import TokenCorpus
 from meshfeed.sources.tokens.indexed_maps import max_open_maps
 from meshfeed.sources.tokens.indexed_write import write_indexed
-from meshfeed.sources.tokens.windows import TokenDocuments
+from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 from tests.process_checks import run_python
 
 
@@ -75,13 +76,76 @@ def test_a_removed_bin_is_refused_by_name(tmp_path: Path, one_map: None) -> None
         corpus.document(0)
 
 
+@pytest.fixture
+def four_maps() -> Iterator[None]:
+    previous = max_open_maps(4)  # two kept by their corpora, two in the LRU
+    try:
+        yield
+    finally:
+        max_open_maps(previous)
+
+
+def _open_under(folder: Path) -> int:
+    """Descriptors this process holds on files under ``folder`` (each open map holds one)."""
+    fds = Path("/proc/self/fd")
+    links = []
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            links.append(os.readlink(fds / fd))
+    return sum(link.startswith(str(folder)) for link in links)
+
+
+def test_the_first_corpora_read_keep_their_maps_the_rest_share_the_lru(
+    tmp_path: Path, four_maps: None
+) -> None:
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to count descriptors")
+    corpora = [write_indexed(tmp_path / f"c{k}", [[k, k + 1]], "int32") for k in range(6)]
+    assert _open_under(tmp_path) == 0
+    for _ in range(2):
+        assert [c.document(0).tolist() for c in corpora] == [[k, k + 1] for k in range(6)]
+    assert [c.keeps_map for c in corpora] == [True, True, False, False, False, False]
+    assert _open_under(tmp_path) == 4  # two kept, two in the LRU: the limit
+    max_open_maps(4)  # a new limit takes the kept maps back
+    assert not any(c.keeps_map for c in corpora)
+    assert _open_under(tmp_path) == 2  # the kept maps closed: nothing else held them
+    assert corpora[5].document(0).tolist() == [5, 6]
+    assert corpora[5].keeps_map  # granted again on its next read
+
+
+def test_windows_read_the_same_through_a_kept_map_and_through_the_lru(
+    tmp_path: Path, one_map: None
+) -> None:
+    docs = [list(range(k, k + 50)) for k in range(0, 2000, 50)]
+    lru = TokenWindows(write_indexed(tmp_path / "a", docs, "int32"), seq_len=16)
+    idx = np.array([3, 0, 7, 3, len(lru) - 1])
+    through_lru = lru.fetch_batch(idx)
+    assert not lru.corpus.keeps_map  # a limit of one map keeps none
+    max_open_maps(4)
+    kept = TokenWindows(lru.corpus, seq_len=16)
+    assert kept.fetch_batch(idx).equal(through_lru)
+    assert kept.corpus.keeps_map
+    assert kept.fetch_batch(idx[::-1]).equal(through_lru.flip(0))  # the kept view, reused
+    assert through_lru[:, 0].tolist() == (idx * 16).tolist()
+
+
+def test_a_kept_map_still_refuses_a_truncated_bin_by_name(tmp_path: Path, four_maps: None) -> None:
+    windows = TokenWindows(write_indexed(tmp_path / "t", [list(range(100))], "int32"), seq_len=8)
+    assert windows.fetch_batch(np.array([1]))[0, 0].item() == 8
+    assert windows.corpus.keeps_map
+    with open(tmp_path / "t.bin", "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(SourceError, match=r"t\.bin changed size while open \(400 bytes .*, 200"):
+        windows.fetch_batch(np.array([1]))
+
+
 _MANY = """
 import os, resource
 import numpy as np
 import meshfeed
 from meshfeed.sources.tokens.indexed_maps import max_open_maps
 from meshfeed.sources.tokens.indexed_write import write_indexed
-from meshfeed.sources.tokens.windows import TokenDocuments
+from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 
 N = 300  # corpora: more than the soft limit below, which the old two maps each exhausted
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))

@@ -62,6 +62,7 @@ from meshfeed.sources.tokens.indexed_format import (
 )
 from meshfeed.sources.tokens.indexed_maps import (
     FileIdentity,
+    MapHolder,
     file_identity,
     map_checked,
     read_ends,
@@ -137,6 +138,7 @@ class TokenCorpus(LayoutChecks):
         # open corpus holds no descriptor; the .bin is mapped when read, through a bounded
         # per-process LRU that checks it is still this file (indexed_maps, #32)
         self._bin_identity: FileIdentity | None = None
+        self._held = MapHolder()  # the map itself once granted (no LRU lookup per read)
         with _publish_lock(idx_path.parent, exclusive=False):
             self._idx = idx_path.read_bytes()
             if self._ranged is None:
@@ -157,7 +159,13 @@ class TokenCorpus(LayoutChecks):
                 f"{int(self.document_index[-1])}; it must run from 0 to the sequence count "
                 f"{n_seq}"
             )
-        bin_len = self._bin_len
+        # the .bin's length on open: every later read is checked against it
+        if self._ranged is not None:
+            self._bin_size: int = len(self._ranged)
+        else:
+            assert self._bin_identity is not None  # local: recorded above
+            self._bin_size = self._bin_identity[2]
+        bin_len = self._bin_size
         item = self.dtype.itemsize
         if bin_len % item:
             raise IndexedFormatError(
@@ -169,19 +177,42 @@ class TokenCorpus(LayoutChecks):
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
 
-    @property
-    def _bin_len(self) -> int:
-        if self._ranged is not None:
-            return len(self._ranged)
-        assert self._bin_identity is not None  # local: recorded on open
-        return self._bin_identity[2]
-
     def _bin(self) -> mmap.mmap | bytes | RangedFile:
         """The ``.bin``'s bytes: its map (mapped now if the LRU dropped it) or ranged reads."""
+        buf = self._held.buf
+        if buf is not None:
+            return buf
         if self._ranged is not None:
             return self._ranged
         assert self._bin_identity is not None  # local: recorded on open
-        return map_checked(os.fspath(self.bin_path), self._bin_identity)
+        return map_checked(os.fspath(self.bin_path), self._bin_identity, self._held)
+
+    @property
+    def keeps_map(self) -> bool:
+        """True while this corpus keeps its ``.bin``'s map itself (see
+        :mod:`~meshfeed.sources.tokens.indexed_maps`): a view of it may then be kept too."""
+        return self._held.buf is not None
+
+    def tokens_map(self) -> mmap.mmap | bytes:
+        """The local ``.bin``'s map, checked to still have its size on open (one ``fstat``).
+
+        The hot path of a batch read: no LRU lookup while the corpus :attr:`keeps_map`. Raises
+        :class:`SourceError` like :meth:`check_unchanged`; a ranged corpus has no map.
+        """
+        buf = self._held.buf
+        if buf is None:
+            if self._ranged is not None:
+                raise TypeError(f"{self.bin_path} is read by ranges; it has no map")
+            assert self._bin_identity is not None  # local: recorded on open
+            buf = map_checked(os.fspath(self.bin_path), self._bin_identity, self._held)
+        if isinstance(buf, mmap.mmap) and buf.size() != self._bin_size:
+            raise SourceError(
+                f"{self.bin_path} changed size while open ({self._bin_size} bytes when opened, "
+                f"{buf.size()} now): it was truncated or rewritten in place under a running "
+                "reader; write corpora under a new prefix or by rename (write_indexed does), "
+                "then reopen"
+            )
+        return buf
 
     @property
     def tokens(self) -> np.ndarray | RangedTokens:
@@ -194,7 +225,7 @@ class TokenCorpus(LayoutChecks):
             return RangedTokens(self._ranged, self.dtype)
         buf = self._bin()
         assert not isinstance(buf, RangedFile)  # local: a map
-        return np.frombuffer(buf, self.dtype, self._bin_len // self.dtype.itemsize)
+        return np.frombuffer(buf, self.dtype, self._bin_size // self.dtype.itemsize)
 
     def check_unchanged(self, *, tokens_only: bool = False) -> None:
         """Raise :class:`SourceError` naming the file if ``.idx`` or ``.bin`` no longer has the
@@ -211,16 +242,8 @@ class TokenCorpus(LayoutChecks):
         """
         if not tokens_only:  # the .idx is in memory, but a changed one means a rewrite
             self._check_idx_size()
-        if self._ranged is not None:
-            return  # checked by its version and read lengths instead
-        buf = self._bin()  # a map made now was checked against the identity recorded on open
-        if isinstance(buf, mmap.mmap) and buf.size() != self._bin_len:
-            raise SourceError(
-                f"{self.bin_path} changed size while open ({self._bin_len} bytes when opened, "
-                f"{buf.size()} now): it was truncated or rewritten in place under a running "
-                "reader; write corpora under a new prefix or by rename (write_indexed does), "
-                "then reopen"
-            )
+        if self._ranged is None:  # by ranges: checked by its version and read lengths instead
+            self.tokens_map()  # a map made now was checked against the identity on open
 
     def _check_idx_size(self) -> None:
         try:
@@ -363,14 +386,14 @@ class TokenCorpus(LayoutChecks):
         return n_seq, n_doc
 
     def _check_contiguous(self) -> bool:
-        self._check_layout(self._bin_len)
+        self._check_layout(self._bin_size)
         return True
 
     def validate(self) -> None:
         """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`
         (or :class:`SourceError` if a file changed size since it was opened)."""
         self.check_unchanged()
-        self._check_layout(self._bin_len)
+        self._check_layout(self._bin_size)
 
     @property
     def fingerprint(self) -> str:
@@ -387,7 +410,7 @@ class TokenCorpus(LayoutChecks):
                 h.update(tail)
             self._fingerprint = (
                 f"megatron:{self.dtype}:{self.num_documents}:{self.document_index.shape[0]}:"
-                f"{self._bin_len}:{h.hexdigest()}"
+                f"{self._bin_size}:{h.hexdigest()}"
             )
         return self._fingerprint
 
@@ -402,7 +425,7 @@ class TokenCorpus(LayoutChecks):
             return self._ends(self._ranged)
         assert self._bin_identity is not None  # local: recorded on open
         head, tail = read_ends(os.fspath(self.bin_path), self._bin_identity, _FINGERPRINT_PROBE)
-        return self._bin_len, head, tail
+        return self._bin_size, head, tail
 
 
 def _reopen(

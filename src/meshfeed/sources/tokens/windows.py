@@ -180,11 +180,28 @@ class TokenWindows:
         tokens = self.corpus.tokens
         self._ranged = tokens if isinstance(tokens, RangedTokens) else None
         del tokens
+        # the strided view of the last map read, kept only while the corpus keeps that map
+        self._kept: tuple[object, np.ndarray] | None = None
         # the gather writes the corpus's bytes; widen (or narrow) only when dtype differs
         self._same_dtype = self.corpus.dtype == self._np_dtype
 
     def _stream(self) -> np.ndarray:
         return self.corpus.tokens[: self._len * self.seq_len + 1]
+
+    def _checked_rows(self) -> np.ndarray:
+        """The windows' strided view of the ``.bin``'s map, checked unchanged in size.
+
+        The hot path: while the corpus keeps its map (the common case, a few corpora per
+        process) the view is built once and kept; otherwise it is built per read (~1 us), so a
+        map the LRU dropped is not held open by it (#32).
+        """
+        buf = self.corpus.tokens_map()
+        kept = self._kept
+        if kept is not None and kept[0] is buf:
+            return kept[1]
+        rows = self._rows(np.frombuffer(buf, self.corpus.dtype, self._len * self.seq_len + 1))
+        self._kept = (buf, rows) if self.corpus.keeps_map else None
+        return rows
 
     def _rows(self, stream: np.ndarray) -> np.ndarray:
         """The windows as a read-only strided numpy view (they overlap by one token); built
@@ -249,14 +266,14 @@ class TokenWindows:
             idx = _as_indices(idx, self._len)
         if idx.shape[0] and min(idx.tolist()) < 0:
             _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
-        # a truncated .bin would fault (SIGBUS) in the gather; windows read nothing of the .idx
-        self.corpus.check_unchanged(tokens_only=True)
         if self._ranged is not None:
             return self._fetch_ranged(self._ranged, idx)
         if self.pin_memory and _pinning():
+            self.corpus.check_unchanged(tokens_only=True)
             return self._fetch_pinned(idx)
         try:
-            rows = self._rows(self._stream())[idx]
+            # a truncated .bin would fault (SIGBUS) in the gather: checked, with no .idx read
+            rows = self._checked_rows()[idx]
         except IndexError:
             _as_indices(idx, self._len)  # raises the IndexError that names the range
             raise
