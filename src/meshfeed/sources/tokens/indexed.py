@@ -47,19 +47,28 @@ import numpy as np
 
 from meshfeed.errors import SourceError
 from meshfeed.sources.tokens.indexed_checks import LayoutChecks
+from meshfeed.sources.tokens.indexed_format import (  # re-exported: they were defined here
+    _HEADER as _HEADER,
+)
 from meshfeed.sources.tokens.indexed_format import (
-    _HEADER,
-    DTYPE_CODES,
+    DTYPE_CODES as DTYPE_CODES,
+)
+from meshfeed.sources.tokens.indexed_format import (
     HEADER_SIZE,
-    MAGIC,
-    VERSION,
     IndexedFormatError,
     _paths,
     _publish_lock,
 )
 from meshfeed.sources.tokens.indexed_format import (
-    dtype_code as dtype_code,  # re-exported: it was defined here
+    MAGIC as MAGIC,
 )
+from meshfeed.sources.tokens.indexed_format import (
+    VERSION as VERSION,
+)
+from meshfeed.sources.tokens.indexed_format import (
+    dtype_code as dtype_code,
+)
+from meshfeed.sources.tokens.indexed_lazy import DeferredOpen
 from meshfeed.sources.tokens.indexed_maps import (
     FileIdentity,
     MapHolder,
@@ -84,7 +93,7 @@ __all__ = ["IndexedFormatError", "TokenCorpus"]
 _FINGERPRINT_PROBE = 4096  # bytes hashed at each end of each file
 
 
-class TokenCorpus(LayoutChecks):
+class TokenCorpus(LayoutChecks, DeferredOpen):
     """A memory-mapped Megatron indexed corpus: ``document(i)`` is a zero-copy numpy view.
 
     >>> corpus = TokenCorpus.open("data/wiki_text_document")  # doctest: +SKIP
@@ -116,13 +125,40 @@ class TokenCorpus(LayoutChecks):
         storage_options: StorageOptions | None = None,
         ranged: Ranged = None,
         version: str | None = None,
+        fingerprint: str | None = None,
     ) -> None:
+        check_ranged(ranged)
+        self._held = MapHolder()  # the map itself once granted (no LRU lookup per read)
+        if fingerprint is None:
+            self._open(prefix, cache_dir, cache_limit, storage_options, ranged, version)
+            return
+        self._defer(
+            prefix,
+            fingerprint,
+            dict(
+                cache_dir=cache_dir,
+                cache_limit=cache_limit,
+                storage_options=storage_options,
+                ranged=ranged,
+                version=version,
+            ),
+        )
+
+    def _open(
+        self,
+        prefix: str | os.PathLike[str],
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        storage_options: StorageOptions | None,
+        ranged: Ranged,
+        version: str | None,
+    ) -> None:
+        """Read the ``.idx``, check it against the ``.bin``'s length and record the ``.bin``."""
         # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: the files
         # cached whole are held while this object lives; a .bin read by ranges is not cached
         self._remote: dict[str, Any] | None = None
         self._cache: ShardCache | None = None
         self._ranged: RangedFile | None = None
-        check_ranged(ranged)
         prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
         if is_url(os.fspath(prefix)):
             remote = dict(
@@ -138,7 +174,6 @@ class TokenCorpus(LayoutChecks):
         # open corpus holds no descriptor; the .bin is mapped when read, through a bounded
         # per-process LRU that checks it is still this file (indexed_maps, #32)
         self._bin_identity: FileIdentity | None = None
-        self._held = MapHolder()  # the map itself once granted (no LRU lookup per read)
         with _publish_lock(idx_path.parent, exclusive=False):
             self._idx = idx_path.read_bytes()
             if self._ranged is None:
@@ -146,6 +181,7 @@ class TokenCorpus(LayoutChecks):
         if self._ranged is not None:
             self.bin_path = self._ranged.url  # named in errors: there is no local .bin
         n_seq, n_doc = self._read_header(idx_path)
+        self._n_docs = n_seq
         self.sizes: np.ndarray = np.frombuffer(self._idx, np.int32, n_seq, HEADER_SIZE)
         self.pointers: np.ndarray = np.frombuffer(
             self._idx, np.int64, n_seq, HEADER_SIZE + 4 * n_seq
@@ -270,6 +306,9 @@ class TokenCorpus(LayoutChecks):
     def __reduce__(self) -> tuple[Any, ...]:
         # a prefix (or URL) and the facts already checked, never the mapped data; the
         # fingerprint makes the receiving process refuse files that changed in between
+        pending = self.__dict__.get("_pending")
+        if pending is not None:  # still unopened: the receiver opens on first use too
+            return (_reopen_deferred, (*pending, self._fingerprint))
         return (
             _reopen,
             (self.prefix, self.fingerprint, self._contiguous, self._num_tokens, self._remote),
@@ -283,6 +322,11 @@ class TokenCorpus(LayoutChecks):
 
     def __len__(self) -> int:
         return self.num_documents
+
+    @property
+    def num_documents(self) -> int:
+        """Number of documents (= Megatron sequences, the entries of ``sizes``)."""
+        return self._n_docs
 
     @property
     def num_tokens(self) -> int:
@@ -346,45 +390,6 @@ class TokenCorpus(LayoutChecks):
                     f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
                 )
 
-    def _read_header(self, idx_path: Path) -> tuple[int, int]:
-        """Check the ``.idx`` header and length and set ``dtype``; the sequence and
-        document-index counts."""
-        idx_len = len(self._idx)
-        if idx_len < HEADER_SIZE:
-            raise IndexedFormatError(
-                f"{idx_path} is truncated: {idx_len} bytes, shorter than the {HEADER_SIZE}-byte "
-                "header; rewrite it (meshfeed convert or write_indexed)"
-            )
-        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(self._idx, 0)
-        if magic != MAGIC:
-            raise IndexedFormatError(
-                f"{idx_path} has bad magic {magic!r} (expected {MAGIC!r}); it is not a "
-                "Megatron MMIDIDX index (old lazy/cached formats are not supported)"
-            )
-        if version != VERSION:
-            raise IndexedFormatError(
-                f"{idx_path} has index version {version} (expected {VERSION}); re-export it "
-                "with Megatron-LM or meshfeed convert"
-            )
-        if code not in DTYPE_CODES:
-            raise IndexedFormatError(
-                f"{idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})"
-            )
-        self.dtype: np.dtype[Any] = DTYPE_CODES[code]
-        body = HEADER_SIZE + 12 * n_seq + 8 * n_doc
-        if idx_len not in (body, body + n_seq):  # + n_seq: multimodal int8 modes
-            raise IndexedFormatError(
-                f"{idx_path} is {idx_len} bytes but its header ({n_seq} sequences, {n_doc} "
-                f"document indices) implies {body} (or {body + n_seq} with modes); the file is "
-                "truncated or corrupt"
-            )
-        if n_doc < 1:
-            raise IndexedFormatError(
-                f"{idx_path} has an empty document index (document count 0); a valid index "
-                "starts with 0"
-            )
-        return n_seq, n_doc
-
     def _check_contiguous(self) -> bool:
         self._check_layout(self._bin_size)
         return True
@@ -426,6 +431,12 @@ class TokenCorpus(LayoutChecks):
         assert self._bin_identity is not None  # local: recorded on open
         head, tail = read_ends(os.fspath(self.bin_path), self._bin_identity, _FINGERPRINT_PROBE)
         return self._bin_size, head, tail
+
+
+def _reopen_deferred(
+    prefix: str | os.PathLike[str], options: dict[str, Any], fingerprint: str
+) -> TokenCorpus:
+    return TokenCorpus(prefix, fingerprint=fingerprint, **options)
 
 
 def _reopen(

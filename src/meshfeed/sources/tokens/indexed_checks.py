@@ -11,7 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.sources.tokens.indexed_format import _CODE_OF, IndexedFormatError
+from meshfeed.sources.tokens.indexed_format import (
+    _CODE_OF,
+    _HEADER,
+    DTYPE_CODES,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    IndexedFormatError,
+)
 
 __all__ = ["LayoutChecks"]
 
@@ -27,6 +35,46 @@ class LayoutChecks:
     dtype: np.dtype[Any]
     idx_path: Path
     bin_path: Path | str
+    _idx: bytes
+
+    def _read_header(self, idx_path: Path) -> tuple[int, int]:
+        """Check the ``.idx`` header and length and set ``dtype``; the sequence and
+        document-index counts."""
+        idx_len = len(self._idx)
+        if idx_len < HEADER_SIZE:
+            raise IndexedFormatError(
+                f"{idx_path} is truncated: {idx_len} bytes, shorter than the {HEADER_SIZE}-byte "
+                "header; rewrite it (meshfeed convert or write_indexed)"
+            )
+        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(self._idx, 0)
+        if magic != MAGIC:
+            raise IndexedFormatError(
+                f"{idx_path} has bad magic {magic!r} (expected {MAGIC!r}); it is not a "
+                "Megatron MMIDIDX index (old lazy/cached formats are not supported)"
+            )
+        if version != VERSION:
+            raise IndexedFormatError(
+                f"{idx_path} has index version {version} (expected {VERSION}); re-export it "
+                "with Megatron-LM or meshfeed convert"
+            )
+        if code not in DTYPE_CODES:
+            raise IndexedFormatError(
+                f"{idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})"
+            )
+        self.dtype: np.dtype[Any] = DTYPE_CODES[code]
+        body = HEADER_SIZE + 12 * n_seq + 8 * n_doc
+        if idx_len not in (body, body + n_seq):  # + n_seq: multimodal int8 modes
+            raise IndexedFormatError(
+                f"{idx_path} is {idx_len} bytes but its header ({n_seq} sequences, {n_doc} "
+                f"document indices) implies {body} (or {body + n_seq} with modes); the file is "
+                "truncated or corrupt"
+            )
+        if n_doc < 1:
+            raise IndexedFormatError(
+                f"{idx_path} has an empty document index (document count 0); a valid index "
+                "starts with 0"
+            )
+        return n_seq, n_doc
 
     @property
     def num_documents(self) -> int:

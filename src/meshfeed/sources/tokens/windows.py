@@ -62,10 +62,15 @@ def _as_indices(indices: Any, n: int) -> np.ndarray:
     return idx
 
 
+_NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {}  # a mixture makes 10,000 views (#32)
+
+
 def _torch_dtype(dtype: torch.dtype) -> np.dtype[Any]:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (got {dtype!r}); e.g. torch.int64")
-    np_dtype = np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+    np_dtype = _NUMPY_OF.get(dtype)
+    if np_dtype is None:
+        np_dtype = _NUMPY_OF[dtype] = np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
     if np_dtype.kind not in "iu":
         raise ValueError(
             f"token ids are integers, so dtype must be an integer torch dtype (got {dtype=}); "
@@ -177,9 +182,8 @@ class TokenWindows:
         self._doc_starts: np.ndarray | None = None
         # the windows are views of the .bin's map, taken per read (holding them would keep
         # its descriptor open past the LRU's bound, #32); by ranges, through the block cache
-        tokens = self.corpus.tokens
+        tokens = self.corpus.tokens if self.corpus.ranged else None  # a local one: not opened
         self._ranged = tokens if isinstance(tokens, RangedTokens) else None
-        del tokens
         # the strided view of the last map read, kept only while the corpus keeps that map
         self._kept: tuple[object, np.ndarray] | None = None
         # the gather writes the corpus's bytes; widen (or narrow) only when dtype differs
