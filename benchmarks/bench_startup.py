@@ -13,9 +13,11 @@ stream is within the target of 2x + 0.2 s of the 100-shard one.
 
 Then the same for an equal-weight ``Mixture`` of Megatron corpora (``TokenDocuments`` each,
 written by ``write_indexed``; the same documents split over 100 corpora against 4,000 and
-10,000): time to the first batch of a ``DataLoader``, or the error it raised. There is no
-corpus manifest yet, so every corpus is opened and checked up front; an open corpus holds no
-file descriptor (its ``.bin`` is mapped on first read through a bounded LRU, #32).
+10,000): time to the first batch of a ``DataLoader``, or the error it raised, twice: from the
+folder's corpora manifest (``open_corpora``, written by ``write_corpora_manifest`` before the
+clock starts: the corpora open on first read, so the first batch opens only those it reads),
+and without one (every corpus opened and checked up front). An open corpus holds no file
+descriptor (its ``.bin`` is mapped on first read through a bounded LRU, #32).
 
     PYTHONPATH=src python benchmarks/bench_startup.py            # 10,000 shards vs 100
     PYTHONPATH=src python benchmarks/bench_startup.py --quick    # 200 shards vs 100, 3,000 rows
@@ -61,15 +63,20 @@ def first_batch(where: str, cache: str | None, endpoint: str | None) -> dict[str
     return {"first_s": took, "rows": len(batch["x"])}
 
 
-def first_batch_of_mixture(folder: str, corpora: int) -> dict[str, Any]:
+def first_batch_of_mixture(folder: str, corpora: int, manifest: bool) -> dict[str, Any]:
     """Time to the first batch of an equal-weight ``Mixture`` of the ``corpora`` Megatron
-    corpora ``c00000`` ... in ``folder`` (``TokenDocuments`` each), or the error it raised."""
+    corpora ``c00000`` ... in ``folder`` (``TokenDocuments`` each), from the folder's manifest
+    or each opened by its prefix, or the error it raised."""
     import meshfeed
     from meshfeed.sources import TokenDocuments
+    from meshfeed.sources.tokens.manifest import open_corpora
 
     t0 = time.perf_counter()
     try:
-        sources = {f"c{i}": TokenDocuments(f"{folder}/c{i:05d}") for i in range(corpora)}
+        if manifest:
+            sources = {n: TokenDocuments(c) for n, c in open_corpora(folder).items()}
+        else:
+            sources = {f"c{i}": TokenDocuments(f"{folder}/c{i:05d}") for i in range(corpora)}
         mix = meshfeed.Mixture(sources, dict.fromkeys(sources, 1), seed=0)
         loader = meshfeed.DataLoader(
             mix, batch_size=32, mesh={"dp": 8}, rank=3, seed=0, collate_fn=list
@@ -80,17 +87,26 @@ def first_batch_of_mixture(folder: str, corpora: int) -> dict[str, Any]:
     return {"first_s": time.perf_counter() - t0}
 
 
-def corpus_mixtures(root: Path, sizes: list[int], documents: int, repeats: int) -> list[str]:
-    """A mixture of ``sizes[0]`` corpora against larger ones of the same ``documents``
-    documents (8 tokens each): the best of ``repeats`` fresh processes (``--quick``: one
-    process, the reference first, untimed, then each)."""
+def write_corpora(root: Path, sizes: list[int], documents: int) -> None:
+    """``documents`` documents (8 tokens each) split over each of ``sizes`` corpora, with the
+    folder's corpora manifest."""
     from meshfeed.sources import write_indexed
+    from meshfeed.sources.tokens.manifest import write_corpora_manifest
 
     for n in sizes:
         for i in range(n):
             docs = (np.arange(8) + j for j in range(documents // n))
             write_indexed(root / f"m{n}" / f"c{i:05d}", docs, np.uint16)
-    runs = [[str(root / f"m{n}"), n] for n in sizes]
+        write_corpora_manifest(root / f"m{n}")
+
+
+def corpus_mixtures(
+    root: Path, sizes: list[int], documents: int, repeats: int, manifest: bool
+) -> list[str]:
+    """A mixture of ``sizes[0]`` corpora against larger ones of the same documents (written by
+    :func:`write_corpora`), from the manifest or not: the best of ``repeats`` fresh processes
+    (``--quick``: one process, the reference first, untimed, then each)."""
+    runs = [[str(root / f"m{n}"), n, manifest] for n in sizes]
     if repeats == 1:
         got = _mixture_children([runs[0], *runs])[1:]
     else:
@@ -100,16 +116,18 @@ def corpus_mixtures(root: Path, sizes: list[int], documents: int, repeats: int) 
             got.append(min(tries, key=lambda g: g["first_s"] or float("inf")))
     base = got[0]["first_s"]
     lines = []
+    how = "from the manifest" if manifest else "each corpus opened by its prefix"
     if base is None:
-        return [f"corpus mixture: {sizes[0]} corpora fail: {got[0]['error']}"]
+        return [f"corpus mixture ({how}): {sizes[0]} corpora fail: {got[0]['error']}"]
     for n, g in zip(sizes[1:], got[1:], strict=True):
         if g["first_s"] is None:
-            lines.append(f"corpus mixture: {n} corpora fail: {g['error']}")
+            lines.append(f"corpus mixture ({how}): {n} corpora fail: {g['error']}")
             continue
         target = 2 * base + 0.2
         ok = "within" if g["first_s"] <= target else "NOT within"
         lines.append(
-            f"corpus mixture, {documents} documents: {sizes[0]} corpora {base * 1e3:.0f} ms, "
+            f"corpus mixture ({how}), {documents} documents: {sizes[0]} corpora "
+            f"{base * 1e3:.0f} ms, "
             f"{n} corpora {g['first_s'] * 1e3:.0f} ms (x{g['first_s'] / base:.2f}): {ok} "
             f"2x + 0.2 s = {target * 1e3:.0f} ms"
         )
@@ -226,10 +244,15 @@ def main() -> None:
         help="corpus counts of the mixture rows, comma-separated (default 4000,10000; "
         "--quick 200; 0: none)",
     )
+    parser.add_argument(
+        "--manifest-only",
+        action="store_true",
+        help="corpus mixtures from their manifest only (skip opening every corpus up front)",
+    )
     args = parser.parse_args()
     if args.mixture:
-        for folder, n in json.loads(args.mixture):
-            print(json.dumps(first_batch_of_mixture(folder, n)), flush=True)
+        for folder, n, manifest in json.loads(args.mixture):
+            print(json.dumps(first_batch_of_mixture(folder, n, manifest)), flush=True)
         return
     if args.child:
         for run in json.loads(args.child):
@@ -264,7 +287,9 @@ def main() -> None:
             int(c) for c in (args.corpora or ("200" if args.quick else "4000,10000")).split(",")
         ]
         if corpora != [0]:
-            lines += corpus_mixtures(tmp, [BASE, *corpora], rows, repeats)
+            write_corpora(tmp, [BASE, *corpora], rows)
+            for manifest in (True,) if args.manifest_only else (True, False):
+                lines += corpus_mixtures(tmp, [BASE, *corpora], rows, repeats, manifest)
     text = "\n".join(lines)
     print(text)
     results = Path(__file__).parent / "results"

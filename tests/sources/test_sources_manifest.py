@@ -17,6 +17,7 @@ from meshfeed.sources.tokens.indexed_write import write_indexed
 from meshfeed.sources.tokens.manifest import MANIFEST_NAME, open_corpora, write_corpora_manifest
 from meshfeed.sources.tokens.windows import TokenDocuments
 from meshfeed.testing import assert_resume_equivalence
+from tests.storage.conftest import S3, moto_endpoint, s3  # noqa: F401  (fixtures)
 
 
 def _corpora(root: Path, n: int = 6) -> dict[str, list[list[int]]]:
@@ -110,3 +111,30 @@ def test_the_cli_writes_the_manifest_and_refuses_a_folder_without_corpora(
     assert main(["corpora", str(empty)]) == 2
     assert "no PREFIX.idx under" in capsys.readouterr().err
     assert np.array_equal(open_corpora(tmp_path)["part0/c0"].sizes, [3, 3])
+
+
+def test_a_manifest_in_a_bucket_opens_only_the_corpora_a_batch_reads(
+    tmp_path: Path,
+    s3: S3,  # noqa: F811
+) -> None:
+    docs = _corpora(tmp_path / "local")
+    write_corpora_manifest(tmp_path / "local")
+    for path in sorted((tmp_path / "local").rglob("*")):
+        if path.is_file():
+            s3.put(f"mix/{path.relative_to(tmp_path / 'local').as_posix()}", path.read_bytes())
+    remote = {"cache_dir": tmp_path / "cache", "storage_options": s3.options}
+    corpora = open_corpora(s3.url("mix"), **remote)
+    assert sorted(corpora) == sorted(docs) and not any(c.keeps_map for c in corpora.values())
+    cached = {p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+    assert not any(n.endswith((".idx", ".bin")) for n in cached)  # the manifest alone
+    weights = {n: 1 + k for k, n in enumerate(corpora)}
+    want = [
+        b
+        for _, b in zip(range(5), _loader(open_corpora(tmp_path / "local"), weights), strict=False)
+    ]
+    got = [b for _, b in zip(range(5), _loader(corpora, weights), strict=False)]
+    assert got == want
+    s3.put("mix/part1/c1.bin", bytes(len((tmp_path / "local/part1/c1.bin").read_bytes())))
+    again = open_corpora(s3.url("mix"), cache_dir=tmp_path / "cache2", storage_options=s3.options)
+    with pytest.raises(SourceError, match=r"c1\.idx and .*c1\.bin are not the corpus recorded"):
+        again["part1/c1"].document(0)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfeed.sources.tokens.indexed import TokenCorpus
+from meshfeed.storage import Ranged, ShardCache, StorageOptions, is_url
 
 __all__ = ["MANIFEST_NAME", "add_subcommand", "open_corpora", "write_corpora_manifest"]
 
@@ -66,35 +67,60 @@ def write_corpora_manifest(folder: str | os.PathLike[str]) -> Path:
     return root / MANIFEST_NAME
 
 
-def open_corpora(path: str | os.PathLike[str]) -> dict[str, TokenCorpus]:
+def open_corpora(
+    path: str | os.PathLike[str],
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | None = None,
+    storage_options: StorageOptions | None = None,
+    ranged: Ranged = None,
+) -> dict[str, TokenCorpus]:
     """The corpora a manifest names (``path``: its folder or the ``corpora.json``), by name,
     each opened on first use and checked then against its recorded fingerprint.
 
-    Reads the manifest alone: O(corpora) in Python objects, no file of any corpus.
+    Reads the manifest alone: O(corpora) in Python objects, no file of any corpus. A URL
+    folder (``s3://bucket/corpora``, a manifest written locally and uploaded with its
+    corpora) is read through the node's shard cache; ``cache_dir``, ``cache_limit``,
+    ``storage_options`` and ``ranged`` go to each corpus (see :class:`TokenCorpus`), which
+    fetches its files when first read.
     """
-    manifest = Path(path)
-    if manifest.is_dir():
-        manifest = manifest / MANIFEST_NAME
+    where = os.fspath(path)
+    remote: dict[str, Any] = {}
+    if is_url(where):
+        root = where.removesuffix(MANIFEST_NAME).rstrip("/")
+        remote = dict(
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+            storage_options=storage_options,
+            ranged=ranged,
+        )
+        cache = ShardCache(cache_dir, cache_limit=cache_limit, storage_options=storage_options)
+        manifest = Path(cache.local_path(f"{root}/{MANIFEST_NAME}"))
+        named = f"{root}/{MANIFEST_NAME}"
+    else:
+        manifest = Path(where)
+        if manifest.is_dir():
+            manifest = manifest / MANIFEST_NAME
+        root, named = os.fspath(manifest.parent), os.fspath(manifest)
     try:
         raw = json.loads(manifest.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"{manifest} does not exist; write it with `meshfeed corpora {manifest.parent}`"
+            f"{named} does not exist; write it with `meshfeed corpora {manifest.parent}`"
         ) from None
-    names, fingerprints = _parse(raw, manifest)
-    root = os.fspath(manifest.parent)
+    names, fingerprints = _parse(raw, named)
     corpora = {}
     for name, fingerprint in zip(names, fingerprints, strict=True):
         try:
-            corpora[name] = TokenCorpus(f"{root}/{name}", fingerprint=fingerprint)
+            corpora[name] = TokenCorpus(f"{root}/{name}", fingerprint=fingerprint, **remote)
         except ValueError as e:
-            raise ValueError(f"{manifest}: corpus {name!r}: {e}") from None
+            raise ValueError(f"{named}: corpus {name!r}: {e}") from None
     return corpora
 
 
-def _parse(raw: Any, manifest: Path) -> tuple[list[str], list[str]]:
+def _parse(raw: Any, manifest: str) -> tuple[list[str], list[str]]:
     """The names and fingerprints of a manifest, refused by name unless well formed."""
-    fix = f"write it again with `meshfeed corpora {manifest.parent}`"
+    fix = f"write it again with `meshfeed corpora {manifest.rsplit('/', 1)[0]}`"
     if not isinstance(raw, dict) or raw.get("kind") != _KIND:
         raise ValueError(f"{manifest} is not a meshfeed corpora manifest; {fix}")
     if raw.get("version") != _VERSION:
