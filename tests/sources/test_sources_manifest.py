@@ -49,6 +49,29 @@ def test_a_mixture_from_the_manifest_reads_what_eager_corpora_read(tmp_path: Pat
     assert got == want and len({tuple(x) for b in got for x in b}) > 10
 
 
+def _collate(batch: list[np.ndarray]) -> list[list[int]]:
+    return [x.tolist() for x in batch]  # module-level: worker processes pickle it
+
+
+def test_worker_processes_read_a_mixture_from_the_manifest_as_one_process_does(
+    tmp_path: Path,
+) -> None:
+    docs = _corpora(tmp_path)
+    write_corpora_manifest(tmp_path)
+    weights = {n: 1 for n in docs}
+    batches = []
+    for workers in (0, 2):
+        mix = meshfeed.Mixture(
+            {n: TokenDocuments(c) for n, c in open_corpora(tmp_path).items()}, weights, seed=3
+        )
+        loader = meshfeed.DataLoader(
+            mix, batch_size=4, seed=1, num_workers=workers, collate_fn=_collate
+        )
+        with loader:
+            batches.append(list(loader))
+    assert batches[0] == batches[1] and len(batches[0]) == 6
+
+
 def test_corpora_a_mixture_never_reads_are_never_opened(tmp_path: Path) -> None:
     docs = _corpora(tmp_path)
     write_corpora_manifest(tmp_path)

@@ -114,6 +114,12 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
     ``tokens`` is a :class:`~meshfeed.sources.tokens.indexed_ranged.RangedTokens` (slices are fresh
     arrays) and :meth:`document` returns a fresh array. ``version``: the ``.bin``'s remote
     version a job recorded (:attr:`version`); another one is refused by name.
+
+    ``fingerprint``: the :attr:`fingerprint` the corpus must have (from a corpora manifest,
+    :func:`~meshfeed.sources.tokens.manifest.open_corpora`). Then nothing is read until a read
+    needs the files: length, dtype and token count come from the fingerprint; opened, the
+    corpus is checked as usual and refused by name unless it still has that fingerprint
+    (:mod:`~meshfeed.sources.tokens.indexed_lazy`).
     """
 
     def __init__(
@@ -299,7 +305,7 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
 
         A URL prefix (``s3://bucket/corpus``, any fsspec URL) takes ``cache_dir=``,
         ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`),
-        ``ranged=`` and ``version=`` (see the class docstring).
+        ``ranged=`` and ``version=``; ``fingerprint=`` defers opening (see the class docstring).
         """
         return cls(prefix, **remote)
 
