@@ -35,11 +35,14 @@ def test_a_corpus_given_its_fingerprint_reads_no_file_until_a_document_is_read(
     assert (len(lazy), lazy.num_tokens, lazy.dtype) == (len(DOCS), eager.num_tokens, eager.dtype)
     assert lazy.fingerprint == fingerprint and not lazy.keeps_map
     assert len(TokenDocuments(lazy)) == len(DOCS)  # a view opens nothing either
+    assert len(TokenWindows(lazy, seq_len=4)) == (eager.num_tokens - 1) // 4
+    assert not lazy.opened
     with pytest.raises(FileNotFoundError, match=r"c\.idx does not exist"):
         lazy.document(0)
     for ext in (".idx", ".bin"):
         (moved / f"c{ext}").rename(tmp_path / f"c{ext}")
     assert [lazy.document(i).tolist() for i in range(len(DOCS))] == DOCS  # opened now
+    assert lazy.opened
 
 
 def test_a_corpus_rewritten_after_its_fingerprint_is_refused_by_name_at_every_read(

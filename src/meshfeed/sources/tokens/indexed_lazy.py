@@ -57,6 +57,11 @@ class DeferredOpen:
     def fingerprint(self) -> str:
         """The corpus's identity, computed from its files once opened."""
 
+    @property
+    def opened(self) -> bool:
+        """False while a corpus given ``fingerprint=`` has read none of its files."""
+        return "_pending" not in self.__dict__
+
     def _defer(self, prefix: str | os.PathLike[str], fingerprint: str, options: Any) -> None:
         """Open nothing yet: take the counts from ``fingerprint`` and open on first use."""
         self.dtype, self._n_docs, bin_len = expected_facts(fingerprint)
