@@ -108,3 +108,29 @@ def test_threads_reading_a_deferred_corpus_at_once_open_it_once_and_read_right(
     for t in threads:
         t.join(timeout=30)
     assert not errors and got == {i: DOCS[i] for i in range(8)}
+
+
+def test_a_thread_waiting_on_another_threads_opening_gives_up_with_a_message(
+    tmp_path: Path, eager: TokenCorpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfeed.sources.tokens import indexed_lazy
+
+    monkeypatch.setattr(indexed_lazy, "OPEN_WAIT_S", 0.2)
+    lazy = TokenCorpus(tmp_path / "c", fingerprint=eager.fingerprint)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # another thread in the middle of an opening
+        with indexed_lazy._opening:
+            held.set()
+            release.wait(timeout=30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(timeout=30)
+        with pytest.raises(TimeoutError, match=r"waited 0 s for another thread to open"):
+            lazy.document(0)
+    finally:
+        release.set()
+        holder.join(timeout=30)
+    assert lazy.document(0).tolist() == DOCS[0]  # and opens once the other is done

@@ -26,7 +26,10 @@ from meshfeed.storage import is_url
 
 __all__ = ["DeferredOpen"]
 
-_opening = threading.RLock()
+_opening = threading.RLock()  # one corpus opens at a time: the others wait (bounded)
+#: Seconds a thread waits for another thread's opening of a corpus: above a stalled
+#: download's own bounds (the shard cache's lock_timeout of 600 s and its retries).
+OPEN_WAIT_S = 900.0
 
 
 def _new_lock_in_child() -> None:
@@ -78,10 +81,18 @@ class DeferredOpen:
         # reached only for an attribute not set yet: a corpus given fingerprint= opens now,
         # once, whichever thread reads first (the others wait for it)
         if not name.startswith("__") and "_pending" in self.__dict__:
-            with _opening:
+            if not _opening.acquire(timeout=OPEN_WAIT_S):
+                raise TimeoutError(
+                    f"waited {OPEN_WAIT_S:.0f} s for another thread to open a corpus before "
+                    f"{self.prefix}; its store may be stalled (a URL corpus: see the shard "
+                    "cache's lock_timeout and retry_timeout)"
+                )
+            try:
                 pending = self.__dict__.get("_pending")
                 if pending is not None and "_opening" not in self.__dict__:
                     self._open_pending(*pending)
+            finally:
+                _opening.release()
         return object.__getattribute__(self, name)
 
     def _open_pending(self, prefix: str | os.PathLike[str], options: dict[str, Any]) -> None:
