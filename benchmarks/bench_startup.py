@@ -13,12 +13,15 @@ stream is within the target of 2x + 0.2 s of the 100-shard one.
 
 Then the same for an equal-weight ``Mixture`` of Megatron corpora (``TokenDocuments`` each,
 written by ``write_indexed``; the same documents split over 100 corpora against 4,000 and
-10,000): time to the first batch of a ``DataLoader``, or the error it raised. There is no
-corpus manifest yet, so every corpus is opened and checked up front, and each holds two file
-maps (two descriptors), which a process limit of 20,000 open files cannot hold at 10,000.
+10,000): time to the first batch of a ``DataLoader``, or the error it raised, twice: from the
+folder's corpora manifest (``open_corpora``, written by ``write_corpora_manifest`` before the
+clock starts: the corpora open on first read, so the first batch opens only those it reads),
+and without one (every corpus opened and checked up front). An open corpus holds no file
+descriptor (its ``.bin`` is mapped on first read through a bounded LRU, #32).
 
     PYTHONPATH=src python benchmarks/bench_startup.py            # 10,000 shards vs 100
-    PYTHONPATH=src python benchmarks/bench_startup.py --quick    # 200 shards vs 100, 3,000 rows
+    PYTHONPATH=src python benchmarks/bench_startup.py --quick    # 200 shards vs 100, 3,000 rows,
+                                                                 # 100 corpora vs 50
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 BASE = 100  # the shards of the reference dataset
+MANIFEST = "corpora.json"  # a corpora folder's manifest (meshfeed.sources.tokens.manifest)
 
 
 def first_batch(where: str, cache: str | None, endpoint: str | None) -> dict[str, Any]:
@@ -61,62 +65,102 @@ def first_batch(where: str, cache: str | None, endpoint: str | None) -> dict[str
     return {"first_s": took, "rows": len(batch["x"])}
 
 
-def first_batch_of_mixture(folder: str, corpora: int) -> dict[str, Any]:
+def first_batch_of_mixture(
+    folder: str,
+    corpora: int,
+    manifest: bool,
+    cache: str | None = None,
+    endpoint: str | None = None,
+) -> dict[str, Any]:
     """Time to the first batch of an equal-weight ``Mixture`` of the ``corpora`` Megatron
-    corpora ``c00000`` ... in ``folder`` (``TokenDocuments`` each), or the error it raised."""
+    corpora ``c00000`` ... in ``folder`` (``TokenDocuments`` each), from the folder's manifest
+    or each opened by its prefix, or the error it raised; a bucket's through ``cache``."""
     import meshfeed
     from meshfeed.sources import TokenDocuments
+    from meshfeed.sources.tokens.manifest import open_corpora
 
+    remote: dict[str, Any] = {}
+    if endpoint is not None:
+        import s3fs  # noqa: F401  (an import: done before the clock, like meshfeed's)
+
+        remote = {"cache_dir": cache, "storage_options": _options(endpoint)}
     t0 = time.perf_counter()
     try:
-        sources = {f"c{i}": TokenDocuments(f"{folder}/c{i:05d}") for i in range(corpora)}
+        if manifest:
+            corpora_of = open_corpora(folder, **remote)
+            sources = {n: TokenDocuments(c) for n, c in corpora_of.items()}
+        else:
+            sources = {f"c{i}": TokenDocuments(f"{folder}/c{i:05d}") for i in range(corpora)}
         mix = meshfeed.Mixture(sources, dict.fromkeys(sources, 1), seed=0)
         loader = meshfeed.DataLoader(
             mix, batch_size=32, mesh={"dp": 8}, rank=3, seed=0, collate_fn=list
         )
         next(iter(loader))
-    except OSError as e:  # too many open files: each corpus holds two maps (#32)
+    except OSError as e:  # too many open files (before #32 each corpus held two maps)
         return {"first_s": None, "error": f"{type(e).__name__}: {e}"}
     return {"first_s": time.perf_counter() - t0}
 
 
-def corpus_mixtures(root: Path, sizes: list[int], documents: int, repeats: int) -> list[str]:
-    """A mixture of ``sizes[0]`` corpora against larger ones of the same ``documents``
-    documents (8 tokens each): the best of ``repeats`` fresh processes (``--quick``: one
-    process, the reference first, untimed, then each)."""
+def write_corpora(root: Path, sizes: list[int], documents: int) -> None:
+    """``documents`` documents (8 tokens each) split over each of ``sizes`` corpora, with the
+    folder's corpora manifest."""
     from meshfeed.sources import write_indexed
+    from meshfeed.sources.tokens.manifest import write_corpora_manifest
 
     for n in sizes:
         for i in range(n):
             docs = (np.arange(8) + j for j in range(documents // n))
             write_indexed(root / f"m{n}" / f"c{i:05d}", docs, np.uint16)
-    runs = [[str(root / f"m{n}"), n] for n in sizes]
+        write_corpora_manifest(root / f"m{n}")
+
+
+def corpus_mixtures(
+    where: dict[int, str],
+    documents: int,
+    repeats: int,
+    manifest: bool,
+    s3: tuple[str, Path] | None = None,
+) -> list[str]:
+    """A mixture of the first of ``where``'s corpus counts against the others (folders or
+    URLs of the same documents, written by :func:`write_corpora`), from the manifest or not:
+    the best of ``repeats`` fresh processes (``--quick``: one process, the reference first,
+    untimed, then each). ``s3``: the endpoint and a folder for an empty cache per run."""
+    sizes = list(where)
+
+    def run(n: int, tag: str) -> dict[str, Any]:
+        cold = None if s3 is None else str(s3[1] / f"m{n}-{int(manifest)}-{tag}")
+        endpoint = None if s3 is None else s3[0]
+        return dict(folder=where[n], corpora=n, manifest=manifest, cache=cold, endpoint=endpoint)
+
     if repeats == 1:
-        got = _mixture_children([runs[0], *runs])[1:]
+        got = _mixture_children([run(sizes[0], "warm"), *(run(n, "0") for n in sizes)])[1:]
     else:
         got = []
-        for run in runs:
-            tries = [_mixture_children([run])[0] for _ in range(repeats)]
+        for n in sizes:
+            tries = [_mixture_children([run(n, str(r))])[0] for r in range(repeats)]
             got.append(min(tries, key=lambda g: g["first_s"] or float("inf")))
     base = got[0]["first_s"]
     lines = []
+    how = "from the manifest" if manifest else "each corpus opened by its prefix"
+    how += "" if s3 is None else ", s3, cold cache"
     if base is None:
-        return [f"corpus mixture: {sizes[0]} corpora fail: {got[0]['error']}"]
+        return [f"corpus mixture ({how}): {sizes[0]} corpora fail: {got[0]['error']}"]
     for n, g in zip(sizes[1:], got[1:], strict=True):
         if g["first_s"] is None:
-            lines.append(f"corpus mixture: {n} corpora fail: {g['error']}")
+            lines.append(f"corpus mixture ({how}): {n} corpora fail: {g['error']}")
             continue
         target = 2 * base + 0.2
         ok = "within" if g["first_s"] <= target else "NOT within"
         lines.append(
-            f"corpus mixture, {documents} documents: {sizes[0]} corpora {base * 1e3:.0f} ms, "
+            f"corpus mixture ({how}), {documents} documents: {sizes[0]} corpora "
+            f"{base * 1e3:.0f} ms, "
             f"{n} corpora {g['first_s'] * 1e3:.0f} ms (x{g['first_s'] / base:.2f}): {ok} "
             f"2x + 0.2 s = {target * 1e3:.0f} ms"
         )
     return lines
 
 
-def _mixture_children(runs: list[list[Any]]) -> list[dict[str, Any]]:
+def _mixture_children(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     cmd = [sys.executable, __file__, "--mixture", json.dumps(runs)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
@@ -159,12 +203,12 @@ def write(root: Path, files: int, rows: int) -> dict[int, Path]:
     return out
 
 
-def upload(client: Any, bucket: str, local: Path, prefix: str) -> None:
-    """Every file of ``local`` under ``prefix``, 32 at once (the index last)."""
-    files = sorted(p for p in local.iterdir() if p.name != "index.json")
+def upload(client: Any, bucket: str, local: Path, prefix: str, last: str = "index.json") -> None:
+    """Every file of ``local`` under ``prefix``, 32 at once (the index, ``last``, last)."""
+    files = sorted(p for p in local.iterdir() if p.name != last)
     with cf.ThreadPoolExecutor(32) as pool:
         list(pool.map(lambda p: client.upload_file(str(p), bucket, f"{prefix}/{p.name}"), files))
-    client.upload_file(str(local / "index.json"), bucket, f"{prefix}/index.json")
+    client.upload_file(str(local / last), bucket, f"{prefix}/{last}")
 
 
 def measure(
@@ -214,7 +258,9 @@ def verdict(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="200 shards, 200 corpora, one process")
+    parser.add_argument(
+        "--quick", action="store_true", help="200 shards, 100 corpora against 50, one process"
+    )
     parser.add_argument("--files", type=int, default=None, help="shards of the large dataset")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-s3", action="store_true", help="local only")
@@ -223,13 +269,18 @@ def main() -> None:
     parser.add_argument(
         "--corpora",
         default=None,
-        help="corpus counts of the mixture rows, comma-separated (default 4000,10000; "
-        "--quick 200; 0: none)",
+        help="corpus counts of the mixture rows, comma-separated, against 100 (default "
+        "4000,10000; --quick 100 against 50; 0: none)",
+    )
+    parser.add_argument(
+        "--manifest-only",
+        action="store_true",
+        help="corpus mixtures from their manifest only (skip opening every corpus up front)",
     )
     args = parser.parse_args()
     if args.mixture:
-        for folder, n in json.loads(args.mixture):
-            print(json.dumps(first_batch_of_mixture(folder, n)), flush=True)
+        for run in json.loads(args.mixture):
+            print(json.dumps(first_batch_of_mixture(**run)), flush=True)
         return
     if args.child:
         for run in json.loads(args.child):
@@ -261,10 +312,22 @@ def main() -> None:
         best, gets = measure(runs, repeats, server)
         lines += [verdict(w, files, best, gets) for w in ("local", "s3") if (w, BASE) in best]
         corpora = [
-            int(c) for c in (args.corpora or ("200" if args.quick else "4000,10000")).split(",")
+            int(c) for c in (args.corpora or ("100" if args.quick else "4000,10000")).split(",")
         ]
         if corpora != [0]:
-            lines += corpus_mixtures(tmp, [BASE, *corpora], rows, repeats)
+            sizes = [BASE // 2 if args.quick else BASE, *corpora]  # --quick: 50 vs 100
+            write_corpora(tmp, sizes, rows)
+            local_at = {n: str(tmp / f"m{n}") for n in sizes}
+            for manifest in (True,) if args.manifest_only else (True, False):
+                lines += corpus_mixtures(local_at, rows, repeats, manifest)
+            if server is not None:
+                t0 = time.perf_counter()
+                for n in sizes:
+                    upload(server.client, server.bucket, tmp / f"m{n}", f"m{n}", last=MANIFEST)
+                lines.append(f"s3: corpora uploaded in {time.perf_counter() - t0:.0f} s")
+                urls = {n: f"s3://{server.bucket}/m{n}" for n in sizes}
+                s3 = (server.endpoint, tmp / "corpora-cache")
+                lines += corpus_mixtures(urls, rows, repeats, True, s3)
     text = "\n".join(lines)
     print(text)
     results = Path(__file__).parent / "results"

@@ -4,6 +4,8 @@
    copies of the same windows into a fresh array of the same output dtype per batch (the
    target: >= 80 %), and against the physical limit: a plain numpy copy of the same number of
    bytes out of the same memory map.
+   Then the cost of one call on a tiny batch (4 windows of 17 tokens), against a numpy gather
+   of the same rows from a strided view made once: the per-call checks and view lookup (#32).
 2. The same windows through ``meshfeed.DataLoader`` (which calls ``fetch_batch``: one vectorised
    read per batch) against ``torch.utils.data.DataLoader`` + ``DistributedSampler`` over a
    typical per-sample memmap dataset (``__getitem__`` returns one window, default collate), at
@@ -202,6 +204,29 @@ def bench_fetch(
     return rows
 
 
+def bench_call_cost(corpus: TokenCorpus, calls: int, reps: int) -> tuple[float, float]:
+    """Microseconds per ``fetch_batch`` of a tiny batch (4 windows of 17 tokens: the per-call
+    work, checks and view lookup, not the copy) and per numpy gather of the same rows from a
+    strided view made once, into a tensor; the fastest of ``reps`` interleaved runs."""
+    windows = TokenWindows(corpus, seq_len=16, dtype=torch.uint16)
+    stream = corpus.tokens
+    view = np.lib.stride_tricks.as_strided(
+        stream, (len(windows), 17), (16 * stream.itemsize, stream.itemsize), writeable=False
+    )
+    idx = np.array([5, 9, 1, 7])
+
+    def ours() -> None:
+        for _ in range(calls):
+            windows.fetch_batch(idx)
+
+    def gather() -> None:
+        for _ in range(calls):
+            torch.from_numpy(view[idx])
+
+    times = _interleaved_times([("ours", ours), ("numpy", gather)], reps)
+    return min(times["ours"]) / calls * 1e6, min(times["numpy"]) / calls * 1e6
+
+
 def loader_iter(loader: Any) -> Iterator[Any]:
     while True:
         yield from loader
@@ -290,6 +315,12 @@ def main() -> None:
         print(
             "GB/s counts the corpus bytes read; 'vs same dtype' is against the faster numpy "
             "reference writing the same output dtype into a fresh array (as a tensor) per batch"
+        )
+        ours, gather = bench_call_cost(corpus, 2_000 if args.quick else 20_000, reps)
+        print(
+            f"per call, 4 windows of 17 tokens (fastest of {reps}): meshfeed fetch_batch "
+            f"{ours:.1f} us, numpy gather from a view made once {gather:.1f} us "
+            f"(+{ours - gather:.1f} us: checks and the map's view)"
         )
         if args.fetch_only:
             return

@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.order import Permutation, derive_seed
+from meshfeed.order.permutation import derive_seeds, permute_many
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 100, 255, 256, 257, 1000, 4097])
@@ -95,3 +96,34 @@ def test_largest_seed_is_accepted_and_differs_from_zero():
 def test_derive_seed_refuses_bad_parts_by_position(parts, error):
     with pytest.raises(error, match=f"derive_seed part {len(parts) - 1}"):
         derive_seed(*parts)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(
+        st.one_of(st.integers(1, 300), st.integers(2**40, 2**63 - 1)), min_size=1, max_size=60
+    ),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_permute_many_gives_each_element_its_own_permutations_value(sizes, seed):
+    """The vectorised fast path (#32) against the class, element by element."""
+    rng = np.random.default_rng(seed % 2**32)
+    n = np.array(sizes, dtype=np.int64)
+    positions = (rng.random(n.size) * n).astype(np.int64).clip(0, n - 1)
+    epochs = rng.integers(0, 4, n.size)
+    seeds = derive_seeds(seed, 7, np.arange(n.size), epochs)
+    assert [int(s) for s in seeds] == [
+        derive_seed(seed, 7, i, int(e)) for i, e in enumerate(epochs.tolist())
+    ]
+    got = permute_many(n, seeds, positions)
+    want = [
+        Permutation(int(k), int(s))[int(p)] for k, s, p in zip(n, seeds, positions, strict=True)
+    ]
+    assert got.tolist() == want
+
+
+def test_permute_many_refuses_a_position_out_of_range_by_name():
+    with pytest.raises(IndexError, match=r"positions in \[0, 5\]"):
+        permute_many(np.array([3, 5]), np.array([1, 2], dtype=np.uint64), np.array([0, 5]))
+    with pytest.raises(ValueError, match="part 1 has negative values"):
+        derive_seeds(1, np.array([-1]))

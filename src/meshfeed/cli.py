@@ -1,4 +1,4 @@
-"""The ``meshfeed`` command: demo | plan | analyze | convert | index.
+"""The ``meshfeed`` command: demo | plan | analyze | convert | index | corpora.
 
 Result tables go to stdout; progress and messages go to stderr through
 ``logging.getLogger("meshfeed")`` (configured here only if the application has not). A user
@@ -23,6 +23,7 @@ _SUBCOMMANDS = (
     "meshfeed.curriculum.cli",
     "meshfeed.sources.converters.convert",
     "meshfeed.sources.shards.index",
+    "meshfeed.sources.tokens.manifest",
 )
 
 

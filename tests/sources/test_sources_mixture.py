@@ -89,7 +89,7 @@ def test_the_period_table_of_many_sources_is_the_quota_method_s(
 
     rng = np.random.default_rng(seed)
     cases = [[int(q) for q in rng.integers(0, 40, int(rng.integers(1, 60)))] for _ in range(40)]
-    cases += [[1] * 300, [3, 0, 5] * 30, [7] + [1] * 40]
+    cases += [[1] * 300, [4] * 50, [3, 0, 5] * 30, [7] + [1] * 40]
     heap = [rational._interleave_period_heap(q) for q in cases if sum(q)]
     monkeypatch.setattr(rational, "_HEAP_SOURCES", 10**9)  # the plain loop for every size
     loop = [interleave_period(q) for q in cases if sum(q)]

@@ -163,3 +163,85 @@ class Permutation:
     def inverse(self, values: int | np.ndarray) -> int | np.ndarray:
         """The position of ``values`` in the permutation (``perm.inverse(perm[i]) == i``)."""
         return self._apply(values, "decrypt")
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_ONE = np.uint64(1)
+_H0 = np.array([0x6A09E667F3BCC908], dtype=np.uint64)  # derive_seed's start; 1-D: numpy warns
+# on 0-d values that wrap
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`splitmix64` of every element of a uint64 array (it wraps as the Python one masks)."""
+    return _mix(x + _GOLDEN)
+
+
+def derive_seeds(*parts: int | np.ndarray) -> np.ndarray:
+    """:func:`derive_seed` elementwise: each part an int or an array of ints in ``[0, 2**64)``
+    (arrays broadcast); the same values as ``derive_seed`` of each element's parts."""
+    h = _H0
+    for k, p in enumerate(parts):
+        if isinstance(p, np.ndarray):
+            if p.size and p.dtype.kind == "i" and int(p.min()) < 0:
+                raise ValueError(f"derive_seeds part {k} has negative values; seeds are >= 0")
+            h = _splitmix64_array(h ^ p.astype(np.uint64))
+        else:
+            h = _splitmix64_array(h ^ np.uint64(check_seed(p, name=f"derive_seeds part {k}")))
+    return h >> _ONE
+
+
+def _bit_length(v: np.ndarray) -> np.ndarray:
+    """``int.bit_length`` of every element of a uint64 array."""
+    v = v.copy()
+    out = np.zeros(v.shape, dtype=np.uint64)
+    for s in (32, 16, 8, 4, 2, 1):
+        big = v >= (_ONE << np.uint64(s))
+        v[big] >>= np.uint64(s)
+        out[big] += np.uint64(s)
+    return out + (v > 0).astype(np.uint64)
+
+
+def permute_many(sizes: np.ndarray, seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``Permutation(sizes[i], seeds[i])[positions[i]]`` for every ``i``, in one vectorised pass.
+
+    The same values as the class (``tests/test_permutation.py`` compares them), for callers
+    that draw from a different permutation nearly every element: a mixture of 10,000 sources
+    built one :class:`Permutation` per source a batch touched (#32). ``sizes`` >= 1, ``seeds``
+    in ``[0, 2**64)`` (e.g. from :func:`derive_seeds`), ``0 <= positions < sizes``.
+    """
+    n = np.asarray(sizes, dtype=np.int64)
+    x = np.asarray(positions, dtype=np.int64)
+    if n.size and (int(n.min()) < 1 or int(x.min()) < 0 or bool((x >= n).any())):
+        raise IndexError(
+            f"positions must lie in [0, size) of sizes >= 1 (got sizes in [{int(n.min())}, "
+            f"{int(n.max())}], positions in [{int(x.min())}, {int(x.max())}])"
+        )
+    # Permutation's round keys: splitmix64(derive_seed(seed, r)), the seed step shared
+    first_h = _splitmix64_array(_H0 ^ np.asarray(seeds).astype(np.uint64))
+    keys = np.stack(
+        [
+            _splitmix64_array(_splitmix64_array(first_h ^ np.uint64(r)) >> _ONE)
+            for r in range(_ROUNDS)
+        ]
+    )
+    bits = np.maximum(np.uint64(2), _bit_length((n - 1).astype(np.uint64)))
+    widths = np.stack([bits // np.uint64(2), bits - bits // np.uint64(2)])
+    size = n.astype(np.uint64)
+    y = _encrypt_many(x.astype(np.uint64), keys, widths)
+    out = y >= size
+    while out.any():  # cycle walking, as Permutation._walk
+        idx = np.flatnonzero(out)
+        y[idx] = _encrypt_many(y[idx], keys[:, idx], widths[:, idx])
+        out[idx] = y[idx] >= size[idx]
+    return y.astype(np.int64)
+
+
+def _encrypt_many(x: np.ndarray, keys: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """:meth:`Permutation._encrypt` with per-element round keys and half widths."""
+    wl, wr = widths[0], widths[1]
+    left, right = x >> wr, x & ((_ONE << wr) - _ONE)
+    for k in keys:
+        f = _mix(right ^ k) & ((_ONE << wl) - _ONE)
+        left, right = right, left ^ f
+        wl, wr = wr, wl
+    return (left << wr) | right

@@ -67,6 +67,8 @@ def _interleave_period_heap(quotas: list[int]) -> np.ndarray:
     most ``M <= MAX_PERIOD = 2**16``, so distinct ratios differ by far more than an ulp and
     equal ones round alike."""
     M = sum(quotas)
+    if min(quotas) == max(quotas):  # equal weights: every source once per round, in order
+        return np.tile(np.arange(len(quotas), dtype=np.int32), quotas[0])
     out = np.empty(M, dtype=np.int32)
     counts = [0] * len(quotas)
     waiting = [(1, s) for s, q in enumerate(quotas) if q]  # (first slot it may take, source)
@@ -118,18 +120,18 @@ class _Period(Interleave):
         self.shares = [Fraction(q, self.period) for q in quotas]
         self.max_deviation = max_deviation
         self.src = interleave_period(quotas)
-        self.rank = np.zeros(self.period, dtype=np.int64)
-        self.slots: list[np.ndarray] = []
-        for s in range(len(quotas)):
-            where = np.flatnonzero(self.src == s)
-            self.rank[where] = np.arange(len(where))
-            self.slots.append(where)
+        # each slot's rank among its source's slots, from one stable sort (a pass per source
+        # was O(K * M): 10,000 sources took 60 ms, #32); source s has quotas[s] slots
+        firsts = np.zeros(len(quotas), dtype=np.int64)
+        np.cumsum(self.quotas[:-1], out=firsts[1:])
+        self.rank = np.empty(self.period, dtype=np.int64)
+        self.rank[np.argsort(self.src, kind="stable")] = np.arange(
+            self.period, dtype=np.int64
+        ) - np.repeat(firsts, self.quotas)
 
     def counts(self, n: int) -> np.ndarray:
         full, rest = divmod(int(n), self.period)
-        return full * self.quotas + np.array(
-            [np.searchsorted(sl, rest) for sl in self.slots], dtype=np.int64
-        )
+        return full * self.quotas + np.bincount(self.src[:rest], minlength=len(self.quotas))
 
     def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         full, rest = np.divmod(np.asarray(positions, dtype=np.int64), self.period)

@@ -17,6 +17,7 @@ from meshfeed.sources.streams.webdataset import TarReader, wds_stream
 from meshfeed.sources.tokens.chat import ChatSamples, ChatTemplate, JinjaChatTemplate, chat_sample
 from meshfeed.sources.tokens.indexed import IndexedFormatError, TokenCorpus
 from meshfeed.sources.tokens.indexed_write import IndexedWriter, write_indexed
+from meshfeed.sources.tokens.manifest import open_corpora, write_corpora_manifest
 from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 
 __all__ = [
@@ -44,8 +45,10 @@ __all__ = [
     "convert",
     "default_reader",
     "mds_stream",
-    "wds_stream",
+    "open_corpora",
     "read_index",
+    "wds_stream",
+    "write_corpora_manifest",
     "write_indexed",
     "write_shards",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from meshfeed.order.interleave import Interleave
-from meshfeed.order.permutation import Permutation, derive_seed
+from meshfeed.order.permutation import derive_seed, derive_seeds, permute_many
 from meshfeed.protocols import OrderBase
 from meshfeed.state import envelope, open_envelope
 
@@ -122,7 +122,6 @@ class MixtureOrder(OrderBase):
         if spe is None:
             spe = max(self.G, len(mixture) // self.G * self.G)
         self.samples_per_epoch = int(spe)
-        self._perms: dict[tuple[int, int], Permutation] = {}
         # A source with an order of its own (a ShardedStream) is walked by it: its k-th draw is
         # position k of that order, so a stream keeps reading locally inside a mixture.
         self._own: dict[int, Any] = {
@@ -164,16 +163,6 @@ class MixtureOrder(OrderBase):
     def epoch_length(self, epoch: int) -> int:
         return self.samples_per_epoch
 
-    def _perm(self, s: int, source_epoch: int) -> Permutation:
-        key = (s, source_epoch)
-        perm = self._perms.get(key)
-        if perm is None:
-            if len(self._perms) > 64:
-                self._perms.clear()
-            seed = derive_seed(_MIX_OP, self.mixture.seed, self.seed, s, source_epoch)
-            perm = self._perms[key] = Permutation(int(self.mixture.lengths[s]), seed)
-        return perm
-
     def draws(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, k)`` of epoch positions: the k-th draw of that source."""
         g = epoch * self.samples_per_epoch + np.asarray(positions, dtype=np.int64)
@@ -188,12 +177,21 @@ class MixtureOrder(OrderBase):
             lengths[s] = order.epoch_length(0)
         src_epoch, within = np.divmod(k, lengths[src])
         out = np.empty(src.shape, dtype=np.int64)
-        for s, e in set(zip(src.tolist(), src_epoch.tolist(), strict=True)):
+        shuffled = np.ones(src.shape, dtype=bool)  # drawn from the mixture's own shuffle
+        own = np.isin(src, list(self._own)) if self._own else ~shuffled
+        for s, e in set(zip(src[own].tolist(), src_epoch[own].tolist(), strict=True)):
             where = (src == s) & (src_epoch == e)
-            walk = self._own[s].indices(e, within[where]) if s in self._own else None
-            if walk is None:
-                walk = self._perm(s, e)[within[where]]
-            out[where] = walk + self.mixture.offsets[s]
+            walk = self._own[s].indices(e, within[where])
+            if walk is not None:
+                out[where] = walk + self.mixture.offsets[s]
+                shuffled[where] = False
+        # every other draw from its source's permutation for that source epoch, all sources in
+        # one vectorised pass (the same values as Permutation, one per (source, epoch): a
+        # batch of a 10,000-source mixture touches thousands of them, #32)
+        draws = src[shuffled]
+        seeds = derive_seeds(_MIX_OP, self.mixture.seed, self.seed, draws, src_epoch[shuffled])
+        walk = permute_many(self.mixture.lengths[draws], seeds, within[shuffled])
+        out[shuffled] = walk + self.mixture.offsets[draws]
         return out
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:

@@ -15,8 +15,11 @@ The format, exactly as ``megatron/core/datasets/indexed_dataset.py`` writes it (
 ``document_indices`` (sentence-split corpora group several sequences into one document) are
 exposed unchanged as :attr:`TokenCorpus.document_index` for callers that need them.
 
-Everything is a read-only ``numpy`` view of a memory map, and :meth:`TokenCorpus.document` copies
-nothing. Opening checks every size, pointer and document index against each other and against
+The ``.idx`` arrays are read into memory (12 bytes per document) and the ``.bin`` is memory-mapped
+when first read, through a per-process LRU of at most :func:`~meshfeed.sources.tokens.indexed_maps.max_open_maps`
+open maps (re-mapped on demand, checked against the file recorded on open), so an open corpus
+holds no file descriptor and a mixture of 10,000 corpora fits any descriptor limit (#32).
+:meth:`TokenCorpus.document` copies nothing. Opening checks every size, pointer and document index against each other and against
 the ``.bin`` length (vectorised, O(documents), in bounded chunks): documents must lie back to
 back, as every Megatron and meshfeed writer stores them, and the last one must end exactly at
 the end of ``.bin``. So the ``.bin`` size is recorded in the ``.idx`` without changing a byte of
@@ -43,20 +46,35 @@ from typing import Any
 import numpy as np
 
 from meshfeed.errors import SourceError
+from meshfeed.sources.tokens.indexed_checks import LayoutChecks
+from meshfeed.sources.tokens.indexed_format import (  # re-exported: they were defined here
+    _HEADER as _HEADER,
+)
 from meshfeed.sources.tokens.indexed_format import (
-    _CODE_OF,
-    _HEADER,
-    DTYPE_CODES,
+    DTYPE_CODES as DTYPE_CODES,
+)
+from meshfeed.sources.tokens.indexed_format import (
     HEADER_SIZE,
-    MAGIC,
-    VERSION,
     IndexedFormatError,
-    _map,
     _paths,
     _publish_lock,
 )
 from meshfeed.sources.tokens.indexed_format import (
-    dtype_code as dtype_code,  # re-exported: it was defined here
+    MAGIC as MAGIC,
+)
+from meshfeed.sources.tokens.indexed_format import (
+    VERSION as VERSION,
+)
+from meshfeed.sources.tokens.indexed_format import (
+    dtype_code as dtype_code,
+)
+from meshfeed.sources.tokens.indexed_lazy import DeferredOpen
+from meshfeed.sources.tokens.indexed_maps import (
+    FileIdentity,
+    MapHolder,
+    file_identity,
+    map_checked,
+    read_ends,
 )
 from meshfeed.sources.tokens.indexed_ranged import RangedTokens, open_remote
 from meshfeed.storage import (
@@ -75,10 +93,7 @@ __all__ = ["IndexedFormatError", "TokenCorpus"]
 _FINGERPRINT_PROBE = 4096  # bytes hashed at each end of each file
 
 
-_CHUNK = 1 << 20  # documents checked per vectorised step on open (bounded temporary memory)
-
-
-class TokenCorpus:
+class TokenCorpus(LayoutChecks, DeferredOpen):
     """A memory-mapped Megatron indexed corpus: ``document(i)`` is a zero-copy numpy view.
 
     >>> corpus = TokenCorpus.open("data/wiki_text_document")  # doctest: +SKIP
@@ -99,6 +114,12 @@ class TokenCorpus:
     ``tokens`` is a :class:`~meshfeed.sources.tokens.indexed_ranged.RangedTokens` (slices are fresh
     arrays) and :meth:`document` returns a fresh array. ``version``: the ``.bin``'s remote
     version a job recorded (:attr:`version`); another one is refused by name.
+
+    ``fingerprint``: the :attr:`fingerprint` the corpus must have (from a corpora manifest,
+    :func:`~meshfeed.sources.tokens.manifest.open_corpora`). Then nothing is read until a read
+    needs the files: length, dtype and token count come from the fingerprint; opened, the
+    corpus is checked as usual and refused by name unless it still has that fingerprint
+    (:mod:`~meshfeed.sources.tokens.indexed_lazy`).
     """
 
     def __init__(
@@ -110,13 +131,40 @@ class TokenCorpus:
         storage_options: StorageOptions | None = None,
         ranged: Ranged = None,
         version: str | None = None,
+        fingerprint: str | None = None,
     ) -> None:
+        check_ranged(ranged)
+        self._held = MapHolder()  # the map itself once granted (no LRU lookup per read)
+        if fingerprint is None:
+            self._open(prefix, cache_dir, cache_limit, storage_options, ranged, version)
+            return
+        self._defer(
+            prefix,
+            fingerprint,
+            dict(
+                cache_dir=cache_dir,
+                cache_limit=cache_limit,
+                storage_options=storage_options,
+                ranged=ranged,
+                version=version,
+            ),
+        )
+
+    def _open(
+        self,
+        prefix: str | os.PathLike[str],
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        storage_options: StorageOptions | None,
+        ranged: Ranged,
+        version: str | None,
+    ) -> None:
+        """Read the ``.idx``, check it against the ``.bin``'s length and record the ``.bin``."""
         # a URL prefix (s3://bucket/corpus) is read through the node's shard cache: the files
         # cached whole are held while this object lives; a .bin read by ranges is not cached
         self._remote: dict[str, Any] | None = None
         self._cache: ShardCache | None = None
         self._ranged: RangedFile | None = None
-        check_ranged(ranged)
         prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
         if is_url(os.fspath(prefix)):
             remote = dict(
@@ -128,12 +176,18 @@ class TokenCorpus:
         self.prefix = os.fspath(idx_path)[: -len(".idx")]
         self.idx_path = idx_path
         self.bin_path: Path | str = bin_path
+        # the .idx is read into memory (12 bytes per document) and the .bin only stat'ed: an
+        # open corpus holds no descriptor; the .bin is mapped when read, through a bounded
+        # per-process LRU that checks it is still this file (indexed_maps, #32)
+        self._bin_identity: FileIdentity | None = None
         with _publish_lock(idx_path.parent, exclusive=False):
-            self._idx = _map(idx_path)
-            self._bin = _map(bin_path) if self._ranged is None else self._ranged
+            self._idx = idx_path.read_bytes()
+            if self._ranged is None:
+                self._bin_identity = file_identity(bin_path)
         if self._ranged is not None:
             self.bin_path = self._ranged.url  # named in errors: there is no local .bin
         n_seq, n_doc = self._read_header(idx_path)
+        self._n_docs = n_seq
         self.sizes: np.ndarray = np.frombuffer(self._idx, np.int32, n_seq, HEADER_SIZE)
         self.pointers: np.ndarray = np.frombuffer(
             self._idx, np.int64, n_seq, HEADER_SIZE + 4 * n_seq
@@ -147,7 +201,13 @@ class TokenCorpus:
                 f"{int(self.document_index[-1])}; it must run from 0 to the sequence count "
                 f"{n_seq}"
             )
-        bin_len = len(self._bin)
+        # the .bin's length on open: every later read is checked against it
+        if self._ranged is not None:
+            self._bin_size: int = len(self._ranged)
+        else:
+            assert self._bin_identity is not None  # local: recorded above
+            self._bin_size = self._bin_identity[2]
+        bin_len = self._bin_size
         item = self.dtype.itemsize
         if bin_len % item:
             raise IndexedFormatError(
@@ -155,22 +215,59 @@ class TokenCorpus:
                 f"{item}; the file is truncated or corrupt"
             )
         self._check_layout(bin_len)
-        # (mapping, size when opened, path) of each mapped file: an empty one maps nothing,
-        # a .bin read by ranges is checked by its version and read lengths instead
-        self._watch = [
-            (buf, len(buf), path)
-            for buf, path in ((self._idx, idx_path), (self._bin, bin_path))
-            if isinstance(buf, mmap.mmap)
-        ]
-        self._watch_tokens = [w for w in self._watch if w[2] == bin_path]
-        self.tokens: np.ndarray | RangedTokens = (
-            np.frombuffer(self._bin, self.dtype, bin_len // item)
-            if self._ranged is None
-            else RangedTokens(self._ranged, self.dtype)
-        )
         self._contiguous: bool | None = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
+
+    def _bin(self) -> mmap.mmap | bytes | RangedFile:
+        """The ``.bin``'s bytes: its map (mapped now if the LRU dropped it) or ranged reads."""
+        buf = self._held.buf
+        if buf is not None:
+            return buf
+        if self._ranged is not None:
+            return self._ranged
+        assert self._bin_identity is not None  # local: recorded on open
+        return map_checked(os.fspath(self.bin_path), self._bin_identity, self._held)
+
+    @property
+    def keeps_map(self) -> bool:
+        """True while this corpus keeps its ``.bin``'s map itself (see
+        :mod:`~meshfeed.sources.tokens.indexed_maps`): a view of it may then be kept too."""
+        return self._held.buf is not None
+
+    def tokens_map(self) -> mmap.mmap | bytes:
+        """The local ``.bin``'s map, checked to still have its size on open (one ``fstat``).
+
+        The hot path of a batch read: no LRU lookup while the corpus :attr:`keeps_map`. Raises
+        :class:`SourceError` like :meth:`check_unchanged`; a ranged corpus has no map.
+        """
+        buf = self._held.buf
+        if buf is None:
+            if self._ranged is not None:
+                raise TypeError(f"{self.bin_path} is read by ranges; it has no map")
+            assert self._bin_identity is not None  # local: recorded on open
+            buf = map_checked(os.fspath(self.bin_path), self._bin_identity, self._held)
+        if isinstance(buf, mmap.mmap) and buf.size() != self._bin_size:
+            raise SourceError(
+                f"{self.bin_path} changed size while open ({self._bin_size} bytes when opened, "
+                f"{buf.size()} now): it was truncated or rewritten in place under a running "
+                "reader; write corpora under a new prefix or by rename (write_indexed does), "
+                "then reopen"
+            )
+        return buf
+
+    @property
+    def tokens(self) -> np.ndarray | RangedTokens:
+        """The whole ``.bin`` as one flat array (a view of its map), or ranged reads of it.
+
+        Holding the array keeps the map (one descriptor) open; take it per read rather than
+        keeping it, so the LRU can bound a process's open maps.
+        """
+        if self._ranged is not None:
+            return RangedTokens(self._ranged, self.dtype)
+        buf = self._bin()
+        assert not isinstance(buf, RangedFile)  # local: a map
+        return np.frombuffer(buf, self.dtype, self._bin_size // self.dtype.itemsize)
 
     def check_unchanged(self, *, tokens_only: bool = False) -> None:
         """Raise :class:`SourceError` naming the file if ``.idx`` or ``.bin`` no longer has the
@@ -185,14 +282,22 @@ class TokenCorpus:
         not a change. A truncation between this check and the read still faults: rewrite a
         corpus only under a new name, or by rename (as :func:`write_indexed` does).
         """
-        for buf, size, path in self._watch_tokens if tokens_only else self._watch:
-            if buf.size() != size:
-                now = buf.size()
-                raise SourceError(
-                    f"{path} changed size while open ({size} bytes when opened, {now} now): it "
-                    "was truncated or rewritten in place under a running reader; write corpora "
-                    "under a new prefix or by rename (write_indexed does), then reopen"
-                )
+        if not tokens_only:  # the .idx is in memory, but a changed one means a rewrite
+            self._check_idx_size()
+        if self._ranged is None:  # by ranges: checked by its version and read lengths instead
+            self.tokens_map()  # a map made now was checked against the identity on open
+
+    def _check_idx_size(self) -> None:
+        try:
+            now = os.stat(self.idx_path).st_size
+        except FileNotFoundError:
+            now = 0
+        if now != len(self._idx):
+            raise SourceError(
+                f"{self.idx_path} changed size while open ({len(self._idx)} bytes when opened, "
+                f"{now} now): it was truncated or rewritten in place under a running reader; "
+                "write corpora under a new prefix or by rename (write_indexed does), then reopen"
+            )
 
     @classmethod
     def open(cls, prefix: str | os.PathLike[str], **remote: Any) -> TokenCorpus:
@@ -200,13 +305,16 @@ class TokenCorpus:
 
         A URL prefix (``s3://bucket/corpus``, any fsspec URL) takes ``cache_dir=``,
         ``cache_limit=`` and ``storage_options=`` (see :class:`meshfeed.storage.ShardCache`),
-        ``ranged=`` and ``version=`` (see the class docstring).
+        ``ranged=`` and ``version=``; ``fingerprint=`` defers opening (see the class docstring).
         """
         return cls(prefix, **remote)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # a prefix (or URL) and the facts already checked, never the mapped data; the
         # fingerprint makes the receiving process refuse files that changed in between
+        pending = self.__dict__.get("_pending")
+        if pending is not None:  # still unopened: the receiver opens on first use too
+            return (_reopen_deferred, (*pending, self._fingerprint))
         return (
             _reopen,
             (self.prefix, self.fingerprint, self._contiguous, self._num_tokens, self._remote),
@@ -224,7 +332,7 @@ class TokenCorpus:
     @property
     def num_documents(self) -> int:
         """Number of documents (= Megatron sequences, the entries of ``sizes``)."""
-        return int(self.sizes.shape[0])
+        return self._n_docs
 
     @property
     def num_tokens(self) -> int:
@@ -239,7 +347,7 @@ class TokenCorpus:
         if not -n <= i < n:
             raise IndexError(f"document index {i} out of range for {n} documents")
         i %= n
-        buf = self._bin
+        buf = self._bin()
         if isinstance(buf, RangedFile):
             start = int(self.pointers[i]) // self.dtype.itemsize
             return self.tokens[start : start + int(self.sizes[i])]
@@ -288,150 +396,15 @@ class TokenCorpus:
                     f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
                 )
 
-    def _read_header(self, idx_path: Path) -> tuple[int, int]:
-        """Check the ``.idx`` header and length and set ``dtype``; the sequence and
-        document-index counts."""
-        idx_len = len(self._idx)
-        if idx_len < HEADER_SIZE:
-            raise IndexedFormatError(
-                f"{idx_path} is truncated: {idx_len} bytes, shorter than the {HEADER_SIZE}-byte "
-                "header; rewrite it (meshfeed convert or write_indexed)"
-            )
-        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(self._idx, 0)
-        if magic != MAGIC:
-            raise IndexedFormatError(
-                f"{idx_path} has bad magic {magic!r} (expected {MAGIC!r}); it is not a "
-                "Megatron MMIDIDX index (old lazy/cached formats are not supported)"
-            )
-        if version != VERSION:
-            raise IndexedFormatError(
-                f"{idx_path} has index version {version} (expected {VERSION}); re-export it "
-                "with Megatron-LM or meshfeed convert"
-            )
-        if code not in DTYPE_CODES:
-            raise IndexedFormatError(
-                f"{idx_path} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})"
-            )
-        self.dtype: np.dtype[Any] = DTYPE_CODES[code]
-        body = HEADER_SIZE + 12 * n_seq + 8 * n_doc
-        if idx_len not in (body, body + n_seq):  # + n_seq: multimodal int8 modes
-            raise IndexedFormatError(
-                f"{idx_path} is {idx_len} bytes but its header ({n_seq} sequences, {n_doc} "
-                f"document indices) implies {body} (or {body + n_seq} with modes); the file is "
-                "truncated or corrupt"
-            )
-        if n_doc < 1:
-            raise IndexedFormatError(
-                f"{idx_path} has an empty document index (document count 0); a valid index "
-                "starts with 0"
-            )
-        return n_seq, n_doc
-
     def _check_contiguous(self) -> bool:
-        self._check_layout(len(self._bin))
+        self._check_layout(self._bin_size)
         return True
-
-    def _check_layout(self, bin_len: int, chunk: int = _CHUNK) -> None:
-        """Every size, pointer and document index consistent with each other and with ``.bin``.
-
-        Vectorised in chunks of ``chunk`` documents: O(documents) time, O(chunk) memory.
-        """
-        self._check_document_order(chunk)
-        self._check_dtype_fits(bin_len)
-        expected = 0  # byte where the next document must start
-        for lo in range(0, self.num_documents, chunk):
-            expected = self._check_pointers(lo, chunk, expected, bin_len)
-        if expected != bin_len:
-            raise IndexedFormatError(
-                f"{self.bin_path} is {bin_len} bytes but {self.idx_path} accounts for "
-                f"{expected} bytes ({self.num_documents} documents of {self.dtype}); the dtype "
-                "code disagrees with the .bin, or the .bin belongs to another index: write the "
-                "pair together"
-            )
-
-    def _check_document_order(self, chunk: int) -> None:
-        """The document index never decreases."""
-        d = self.document_index
-        for lo in range(0, d.shape[0] - 1, chunk):
-            bad = np.flatnonzero(np.diff(d[lo : lo + chunk + 1]) < 0)
-            if bad.size:
-                k = lo + int(bad[0])
-                raise IndexedFormatError(
-                    f"{self.idx_path} has a decreasing document index at entry {k + 1} "
-                    f"({int(d[k])} then {int(d[k + 1])}); the index is corrupt, rewrite it"
-                )
-
-    def _check_dtype_fits(self, bin_len: int) -> None:
-        """Raise when the last document ends short of or past the .bin's end but another
-        token size would fit it exactly: the dtype code is wrong."""
-        item = self.dtype.itemsize
-        n = self.num_documents
-        if not n or int(self.pointers[-1]) + item * int(self.sizes[-1]) == bin_len:
-            return
-        fits = [
-            k
-            for k in (1, 2, 4, 8)
-            if k != item and int(self.pointers[-1]) + k * int(self.sizes[-1]) == bin_len
-        ]
-        head = self.sizes[:_CHUNK].astype(np.int64)
-        fits = [
-            k
-            for k in fits
-            if np.array_equal(k * (np.cumsum(head) - head), self.pointers[: head.shape[0]])
-        ]
-        if fits:
-            raise IndexedFormatError(
-                f"{self.idx_path} has dtype code {_CODE_OF[self.dtype]} ({self.dtype}, {item} "
-                f"bytes per token), but its pointers and the {bin_len}-byte {self.bin_path} fit "
-                f"{fits[0]}-byte tokens; the dtype code disagrees with the .bin: re-export "
-                "the corpus or fix the code"
-            )
-
-    def _check_pointers(self, lo: int, chunk: int, expected: int, bin_len: int) -> int:
-        """Check documents ``lo`` to ``lo + chunk`` (sizes, pointers, back to back from byte
-        ``expected``); return the byte where the next document must start."""
-        idx, bin_ = self.idx_path, self.bin_path
-        item = self.dtype.itemsize
-        sizes = self.sizes[lo : lo + chunk].astype(np.int64)
-        pointers = self.pointers[lo : lo + chunk]
-        if int(sizes.min()) < 0:
-            i = lo + int(np.argmax(sizes < 0))
-            raise IndexedFormatError(
-                f"{idx} gives document {i} the negative size {int(self.sizes[i])}; the "
-                "index is corrupt, rewrite it"
-            )
-        outside = (pointers < 0) | (pointers > bin_len)
-        if outside.any():
-            i = lo + int(np.argmax(outside))
-            raise IndexedFormatError(
-                f"{idx} has pointers outside {bin_} ({bin_len} bytes): document {i} starts "
-                f"at byte {int(self.pointers[i])}; the pair is corrupt or mismatched"
-            )
-        ends = pointers + item * sizes  # no overflow: pointers <= bin_len, sizes < 2**31
-        if int(ends.max()) > bin_len:
-            i = lo + int(np.argmax(ends > bin_len))
-            raise IndexedFormatError(
-                f"{bin_} is {bin_len} bytes but {idx} points up to byte "
-                f"{int(ends[i - lo])} (document {i}); the .bin is truncated or belongs to "
-                "another index"
-            )
-        starts = expected + item * (np.cumsum(sizes) - sizes)
-        wrong = starts != pointers
-        if wrong.any():
-            i = lo + int(np.argmax(wrong))
-            raise IndexedFormatError(
-                f"{idx} points document {i} at byte {int(self.pointers[i])}, but the "
-                f"documents before it end at byte {int(starts[i - lo])}; documents must lie "
-                "back to back (as every Megatron and meshfeed writer stores them), so the "
-                "index is corrupt: rewrite it"
-            )
-        return int(starts[-1] + item * sizes[-1])
 
     def validate(self) -> None:
         """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`
         (or :class:`SourceError` if a file changed size since it was opened)."""
         self.check_unchanged()
-        self._check_layout(len(self._bin))
+        self._check_layout(self._bin_size)
 
     @property
     def fingerprint(self) -> str:
@@ -441,17 +414,35 @@ class TokenCorpus:
         almost surely does not. Checkpoints store it to refuse a state from another corpus.
         """
         if self._fingerprint is None:
-            self.check_unchanged()  # it reads the last bytes of each file
             h = hashlib.blake2b(digest_size=12)
-            for buf in (self._idx, self._bin):
-                h.update(len(buf).to_bytes(8, "little"))
-                h.update(buf[:_FINGERPRINT_PROBE])
-                h.update(buf[max(0, len(buf) - _FINGERPRINT_PROBE) :])
+            for size, head, tail in (self._ends(self._idx), self._bin_ends()):
+                h.update(size.to_bytes(8, "little"))
+                h.update(head)
+                h.update(tail)
             self._fingerprint = (
                 f"megatron:{self.dtype}:{self.num_documents}:{self.document_index.shape[0]}:"
-                f"{len(self._bin)}:{h.hexdigest()}"
+                f"{self._bin_size}:{h.hexdigest()}"
             )
         return self._fingerprint
+
+    @staticmethod
+    def _ends(buf: bytes | RangedFile) -> tuple[int, bytes, bytes]:
+        n = len(buf)
+        return n, bytes(buf[:_FINGERPRINT_PROBE]), bytes(buf[max(0, n - _FINGERPRINT_PROBE) :])
+
+    def _bin_ends(self) -> tuple[int, bytes, bytes]:
+        """The ``.bin``'s length and first/last bytes, read without mapping it."""
+        if self._ranged is not None:
+            return self._ends(self._ranged)
+        assert self._bin_identity is not None  # local: recorded on open
+        head, tail = read_ends(os.fspath(self.bin_path), self._bin_identity, _FINGERPRINT_PROBE)
+        return self._bin_size, head, tail
+
+
+def _reopen_deferred(
+    prefix: str | os.PathLike[str], options: dict[str, Any], fingerprint: str
+) -> TokenCorpus:
+    return TokenCorpus(prefix, fingerprint=fingerprint, **options)
 
 
 def _reopen(

@@ -6,7 +6,6 @@ See :mod:`meshfeed.sources.tokens.indexed` for the format itself.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -92,10 +91,3 @@ def dtype_code(dtype: DTypeLike) -> int:
         names = ", ".join(str(d) for d in DTYPE_CODES.values())
         raise ValueError(f"dtype {dt} has no Megatron code (got {dtype=}); use one of {names}")
     return _CODE_OF[dt]
-
-
-def _map(path: Path) -> mmap.mmap | bytes:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return b""  # mmap refuses empty files; an empty buffer behaves the same
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

@@ -62,10 +62,15 @@ def _as_indices(indices: Any, n: int) -> np.ndarray:
     return idx
 
 
+_NUMPY_OF: dict[torch.dtype, np.dtype[Any]] = {}  # a mixture makes 10,000 views (#32)
+
+
 def _torch_dtype(dtype: torch.dtype) -> np.dtype[Any]:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (got {dtype!r}); e.g. torch.int64")
-    np_dtype = np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
+    np_dtype = _NUMPY_OF.get(dtype)
+    if np_dtype is None:
+        np_dtype = _NUMPY_OF[dtype] = np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
     if np_dtype.kind not in "iu":
         raise ValueError(
             f"token ids are integers, so dtype must be an integer torch dtype (got {dtype=}); "
@@ -175,23 +180,45 @@ class TokenWindows:
             )
         self._len = (num_tokens - 1) // self.seq_len
         self._doc_starts: np.ndarray | None = None
-        tokens = self.corpus.tokens
-        # by ranges, windows are read through the block cache; the local views stay empty
+        # the windows are views of the .bin's map, taken per read (holding them would keep
+        # its descriptor open past the LRU's bound, #32); by ranges, through the block cache
+        # an opened corpus is mapped now, so a corpus replaced by rename after this keeps
+        # serving the file opened; one opened on first read (a manifest's) maps then
+        opened = self.corpus.opened
+        tokens = self.corpus.tokens if opened or self.corpus.ranged else None
         self._ranged = tokens if isinstance(tokens, RangedTokens) else None
-        local = self._ranged is None
-        self._stream = tokens[:num_tokens] if local else np.empty(0, self.corpus.dtype)
-        views = self._len if local else 0
-        self._windows = _window_matrix(self._stream, views, self.seq_len)
-        # the same windows as a read-only numpy view: numpy's fancy index gathers whole rows
-        # into a fresh array faster than index_select into from_numpy'd memory
-        self._rows = np.lib.stride_tricks.as_strided(
-            self._stream,
-            (views, self.seq_len + 1),
-            (self.seq_len * self._stream.itemsize, self._stream.itemsize),
-            writeable=False,
-        )
+        # the strided view of the last map read, kept only while the corpus keeps that map
+        self._kept: tuple[object, np.ndarray] | None = None
         # the gather writes the corpus's bytes; widen (or narrow) only when dtype differs
         self._same_dtype = self.corpus.dtype == self._np_dtype
+
+    def _stream(self) -> np.ndarray:
+        return self.corpus.tokens[: self._len * self.seq_len + 1]
+
+    def _checked_rows(self) -> np.ndarray:
+        """The windows' strided view of the ``.bin``'s map, checked unchanged in size.
+
+        The hot path: while the corpus keeps its map (the common case, a few corpora per
+        process) the view is built once and kept; otherwise it is built per read (~1 us), so a
+        map the LRU dropped is not held open by it (#32).
+        """
+        buf = self.corpus.tokens_map()
+        kept = self._kept
+        if kept is not None and kept[0] is buf:
+            return kept[1]
+        rows = self._rows(np.frombuffer(buf, self.corpus.dtype, self._len * self.seq_len + 1))
+        self._kept = (buf, rows) if self.corpus.keeps_map else None
+        return rows
+
+    def _rows(self, stream: np.ndarray) -> np.ndarray:
+        """The windows as a read-only strided numpy view (they overlap by one token); built
+        per read (~1 us: the ndarray constructor, not as_strided's ~20 us)."""
+        return np.ndarray(
+            (self._len, self.seq_len + 1),
+            stream.dtype,
+            buffer=stream,
+            strides=(self.seq_len * stream.itemsize, stream.itemsize),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # the corpus pickles as its prefix; the memmap slice and caches are rebuilt on load
@@ -225,7 +252,7 @@ class TokenWindows:
             raise IndexError(f"window index {i} out of range for {self._len} windows")
         self.corpus.check_unchanged(tokens_only=True)
         start = (i % self._len) * self.seq_len
-        stream = self._stream if self._ranged is None else self._ranged
+        stream = self._stream() if self._ranged is None else self._ranged
         return torch.from_numpy(stream[start : start + self.seq_len + 1].astype(self._np_dtype))
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
@@ -246,14 +273,14 @@ class TokenWindows:
             idx = _as_indices(idx, self._len)
         if idx.shape[0] and min(idx.tolist()) < 0:
             _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
-        # a truncated .bin would fault (SIGBUS) in the gather; windows read nothing of the .idx
-        self.corpus.check_unchanged(tokens_only=True)
         if self._ranged is not None:
             return self._fetch_ranged(self._ranged, idx)
         if self.pin_memory and _pinning():
+            self.corpus.check_unchanged(tokens_only=True)
             return self._fetch_pinned(idx)
         try:
-            rows = self._rows[idx]
+            # a truncated .bin would fault (SIGBUS) in the gather: checked, with no .idx read
+            rows = self._checked_rows()[idx]
         except IndexError:
             _as_indices(idx, self._len)  # raises the IndexError that names the range
             raise
@@ -275,11 +302,12 @@ class TokenWindows:
         shape = (idx.shape[0], self.seq_len + 1)
         if not self._same_dtype:
             out = torch.empty(shape, dtype=self.dtype, pin_memory=True)
-            return out.copy_(torch.from_numpy(self._rows[idx]))
+            return out.copy_(torch.from_numpy(self._rows(self._stream())[idx]))
         if not (idx.flags.c_contiguous and idx.flags.writeable):
             idx = idx.copy()  # torch.from_numpy wants positive strides and warns on read-only
-        out = torch.empty(shape, dtype=self._windows.dtype, pin_memory=True)
-        torch.index_select(self._windows, 0, torch.from_numpy(idx), out=out)
+        windows = _window_matrix(self._stream(), self._len, self.seq_len)
+        out = torch.empty(shape, dtype=windows.dtype, pin_memory=True)
+        torch.index_select(windows, 0, torch.from_numpy(idx), out=out)
         return out.view(self.dtype)
 
     def document_starts(self, i: int) -> np.ndarray:
