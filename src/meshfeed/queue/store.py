@@ -266,7 +266,9 @@ class SampleStore:
         the partition is closed, the rest comes as a shorter batch, then
         :class:`PartitionClosed` (also for a consumer arriving after the end). ``context`` goes
         to the sampler: ``batch_index=`` (an int >= 0) and ``stream=`` for rank-aware samplers
-        (asking again for the same index returns the same batch, so a retry is safe),
+        (asking again for the same index returns the same batch, so a retry is safe: a
+        request for index ``i`` acknowledges this reader's batches up to ``i - prefetch``, and
+        a plan goes once every reader acknowledged it; at the end call :meth:`passed`),
         ``prefetch=`` (an int >= 1: this reader's requests in flight; replica peers must pass
         the same), and any keyword a custom sampler reads. The call travels as one
         :class:`~meshfeed.queue.request.GetRequest`, validated here.
