@@ -90,3 +90,39 @@ def test_a_store_that_never_evicts_pins_nothing_and_still_drops_its_plans():
             assert ids == [8 * index + 2 * rank, 8 * index + 2 * rank + 1]
     assert not part.pinned and sorted(k[-1] for k in part.cache) == [1]
     assert core.held == 16  # nothing evicted, nothing lost
+
+
+def test_the_end_keeps_the_plans_in_flight_until_the_reader_says_it_passed_them():
+    from meshfeed.queue import SampleStore
+
+    store = SampleStore(tasks=["t"])  # evicting: a dropped plan's samples go
+    store.put("p", {"x": list(range(6))})
+    store.close("p")
+    sampler = RankAwareSampler(data_rank=0, data_world_size=1)
+
+    def get(index: int) -> Any:
+        return store.get("t", ["x"], 2, "p", sampler, 1, batch_index=index, prefetch=2)
+
+    assert [get(i).ids for i in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(Exception, match="closed and drained"):
+        get(3)  # the end: acknowledges batches up to 3 - 2 = 1 only
+    assert store.stats()["cache_entries"] == 1  # batch 2 may still be asked again
+    assert get(2).ids == [4, 5]  # e.g. by a loader restored there
+    store.passed("p", "t", sampler, 4)  # returned everything below batch 4
+    stats = store.stats()
+    assert stats["cache_entries"] == 0 and stats["partitions"]["p"]["samples"] == 0
+
+
+def test_replan_and_passed_refuse_nonsense_by_name():
+    from meshfeed.queue import SampleStore
+
+    store = SampleStore()
+    sampler = RankAwareSampler(data_rank=0, data_world_size=1)
+    with pytest.raises(ValueError, match=r"start must be a batch index.*start=-1"):
+        store.replan("p", "t", -1, sampler, 1)
+    with pytest.raises(ValueError, match=r"parts must be an int >= 1 \(got parts=0\)"):
+        store.replan("p", "t", 0, sampler, 0)
+    with pytest.raises(ValueError, match=r"unit must be an int >= 1 \(got unit=True\)"):
+        store.replan("p", "t", 0, sampler, 1, True)
+    with pytest.raises(ValueError, match=r"upto must be a batch index.*upto='x'"):
+        store.passed("p", "t", sampler, "x")  # type: ignore[arg-type]
