@@ -247,3 +247,14 @@ def test_a_short_last_round_the_old_ranks_could_not_share_is_served_on_fewer_ran
     served = [k for step in before + after for ids in step for k in ids]
     assert sorted(served) == list(range(33))
     assert store.stats()["cache_entries"] == 0
+
+
+def test_a_state_loaded_over_a_store_of_another_moment_is_refused_naming_the_fix():
+    store = _store(40, 1)
+    old = _loaders(store, 2, 1, 2)
+    _run(old, 2)
+    state = old[0].state_dict()
+    fresh = _loaders(_store(40, 1), 2, 1, 2)  # the store's checkpoint was not restored
+    with pytest.raises(ValueError, match=r"at batch 2 of task 't', but this store has consumed "
+                       r"0 sample\(s\) for it \(at least 4 were\).*Restore the store"):  # fmt: skip
+        fresh[0].load_state_dict(state)

@@ -82,7 +82,7 @@ from meshfeed.options import LoaderOptions, OnError
 from meshfeed.queue.engine.wakeups import check_timeout
 from meshfeed.queue.loading.errors import CollateError, SkipLog, check_on_error, round_failed
 from meshfeed.queue.loading.fetch import Entry, Got, InFlight, Spec
-from meshfeed.queue.loading.resume import KIND, VERSION, open_state, unit_of
+from meshfeed.queue.loading.resume import KIND, VERSION, check_moment, open_state, unit_of
 from meshfeed.queue.loading.stage import Stage
 from meshfeed.queue.loading.versions import LoaderVersion, check_store, one_epoch
 from meshfeed.queue.samplers import Sampler, mesh_sampler
@@ -478,6 +478,7 @@ class StoreLoader(LoaderBase):
             raise ValueError(
                 "load_state_dict must come before iteration starts; build a fresh loader"
             )
+        check_moment(self.store.stats()["consumed"].get(self.task, 0), self.task, nxt, st)
         layout = (st["data_world_size"], st["replica_size"])
         if layout != (self.data_world_size, len(self.replica_group)):
             self.store.replan(

@@ -20,7 +20,7 @@ from typing import Any
 
 from meshfeed.state import open_envelope
 
-__all__ = ["KIND", "VERSION", "check_resize", "open_state", "unit_of"]
+__all__ = ["KIND", "VERSION", "check_moment", "check_resize", "open_state", "unit_of"]
 
 KIND = "store_loader"
 #: 3: the one state envelope (kind + version); prefetch counts the batch returned.
@@ -72,6 +72,21 @@ def check_resize(
             f"batch_size={new_batch_size} on {new_ranks} data ranks would split groups of "
             f"{unit} samples of the checkpoint's rounds; use a number of data ranks for "
             f"which {total} // ranks is a multiple of {unit}"
+        )
+
+
+def check_moment(consumed: int, task: str, nxt: int, st: dict[str, Any]) -> None:
+    """Refuse a store that cannot be the one state ``st`` was taken with: every batch below
+    ``next`` consumed at least one sample per data rank, so a store whose ``consumed`` count
+    for ``task`` is lower (a fresh one) would serve other batches silently."""
+    least = nxt * st["data_world_size"]
+    if consumed < least:
+        raise ValueError(
+            f"the StoreLoader state is at batch {nxt} of task {task!r}, but this store has "
+            f"consumed {consumed} sample(s) for it (at least {least} were): it is not the "
+            "store the state was taken with. Restore the store from the checkpoint saved "
+            "with this state (SampleStore.load or load_state_dict) before loading the "
+            "loader's state"
         )
 
 
