@@ -24,6 +24,7 @@ worker and resume agrees.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,15 +109,21 @@ class Fetcher:
             num_workers=self.num_workers,
         )
         events = FetchEvents()
+        start = time.perf_counter()
         with fetching(info):
             batch = self._fetch(task, events)
             if self.postprocess is not None:
                 batch = self.postprocess(batch, epoch=task.epoch, step=task.step)
+        # Reading and transforming the samples; a fetch_batch dataset collates as it reads.
+        events.fetch_s = time.perf_counter() - start - events.collate_s
         return batch, events
 
     # ------------------------------------------------------------------ internals
-    def _collate(self, items: list[Any]) -> Any:
-        return (self.collate_fn or default_collate)(items)
+    def _collate(self, items: list[Any], events: FetchEvents) -> Any:
+        start = time.perf_counter()
+        batch = (self.collate_fn or default_collate)(items)
+        events.collate_s += time.perf_counter() - start
+        return batch
 
     def _fetch(self, task: FetchTask, events: FetchEvents) -> Any:
         """The collated batch of ``task``, read the way the dataset supports best; any bad
@@ -151,7 +158,7 @@ class Fetcher:
             return self._repair(task, [*items, Failed(exc), *rest], events)
         if any(item is None for item in items):
             return self._repair(task, items, events)
-        return self._collate(items)
+        return self._collate(items, events)
 
     def _fetch_getitems(self, task: FetchTask, events: FetchEvents) -> Any:
         """One ``__getitems__`` call, which may mark single items None or Failed."""
@@ -173,7 +180,7 @@ class Fetcher:
                 if isinstance(item, Failed) and isinstance(item.error, NEVER_SUBSTITUTED):
                     raise item.error
             return self._repair(task, items, events)
-        return self._collate(items)
+        return self._collate(items, events)
 
     def _read(self, index: int) -> Any:
         """``dataset[index]``, or :class:`Failed` for any exception a bad sample raises."""
@@ -278,4 +285,4 @@ class Fetcher:
                 f"every sample of step {task.step} was skipped (indices {task.indices.tolist()}); "
                 "use on_error='substitute' so that batches keep their size"
             )
-        return self._collate(items)
+        return self._collate(items, events)

@@ -390,6 +390,8 @@ class DataLoader(LoaderBase):
             padded = self.plan.rank_padding(step, self.data_rank, self.data_world_size)
             self._stats["padded"] += padded
             self._note_padding(padded)
+        self.telemetry.add("fetch", events.fetch_s)
+        self.telemetry.add("collate", events.collate_s)
         if events:
             self._stats["retries"] += events.retries
             self._stats["substituted"] += events.substituted

@@ -42,19 +42,29 @@ def _task(epoch: int, step: int, indices: bytes, positions: bytes) -> FetchTask:
 
 @dataclass(slots=True)
 class FetchEvents:
-    """Counts of what went wrong while making one batch (merged into the loader's stats)."""
+    """Counts of what went wrong while making one batch (merged into the loader's stats),
+    and the seconds the fetcher spent reading (``fetch_s``) and collating (``collate_s``) it
+    (the ``fetch`` and ``collate`` phases of ``stats()["delivery"]``). True when something
+    went wrong."""
 
     retries: int = 0
     substituted: int = 0
     skipped: int = 0
     failures: list[dict[str, Any]] = field(default_factory=list)
+    fetch_s: float = 0.0
+    collate_s: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.retries or self.substituted or self.skipped or self.failures)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Sent back with every batch a worker makes, nearly always empty: a plain reduce
-        # pickles and unpickles in about two thirds of the dataclass's default time.
+        # Sent back with every batch a worker makes, nearly always with nothing wrong: a plain
+        # reduce pickles and unpickles in about two thirds of the dataclass's default time.
         if not self:
-            return FetchEvents, ()
-        return FetchEvents, (self.retries, self.substituted, self.skipped, self.failures)
+            return _timed, (self.fetch_s, self.collate_s)
+        counts = (self.retries, self.substituted, self.skipped, self.failures)
+        return FetchEvents, (*counts, self.fetch_s, self.collate_s)
+
+
+def _timed(fetch_s: float, collate_s: float) -> FetchEvents:
+    return FetchEvents(fetch_s=fetch_s, collate_s=collate_s)

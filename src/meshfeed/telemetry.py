@@ -5,8 +5,10 @@ the loop's *wait* (the time ``next(loader)`` took: zero when the batch was ready
 log-scale histogram (mean, p50, p99 without keeping a list), the *step* (time between two
 batches returned: the loop's own work plus the wait), and the seconds spent in each *phase* of
 making batches: ``plan`` (the batch plan), ``produce`` (waiting for the service: in-process this
-is fetch + collate, with workers the wait for their transfer), ``pin`` (copying into page-locked
-memory), ``device_copy`` (issuing the copy to the device). ``wait_share`` is the share of the
+is fetch + collate, with workers the wait for their transfer), ``fetch`` and ``collate`` (the
+fetcher's own seconds reading and collating, wherever it ran: with workers, summed over them,
+so they may add up to more than the wall time), ``pin`` (copying into page-locked memory),
+``device_copy`` (issuing the copy to the device). ``wait_share`` is the share of the
 wall time since the first batch was asked for that the loop spent waiting.
 
 ``on_step`` (a loader option) is called after every batch with a :class:`StepTiming`, for
@@ -30,7 +32,7 @@ __all__ = ["MIN_LOOP_SECONDS", "PHASES", "WARN_AFTER", "StepTiming", "Telemetry"
 logger = logging.getLogger("meshfeed")
 
 #: The phases of making a batch whose seconds ``stats()["delivery"]["phases"]`` adds up.
-PHASES = ("plan", "produce", "pin", "device_copy")
+PHASES = ("plan", "produce", "fetch", "collate", "pin", "device_copy")
 #: Steps before the wait share is judged (the first batches include starting the workers).
 WARN_AFTER = 50
 #: The loop's own time per step (between batches) below which it is not judged: a loop that
