@@ -13,7 +13,7 @@ ever takes a partial file for a complete one.
 
 The sidecar's mtime is the entry's last use, except for an entry downloaded ahead and not read
 yet: its mtime lies ``PENDING`` seconds in the future. Eviction takes, in this order: entries
-idle for ``IN_USE`` seconds (least recently used first: shards read to their end), entries
+idle for ``IN_USE`` seconds or marked read to their end (least recently used first), entries
 downloaded ahead and not read yet, then entries read in the last ``IN_USE`` seconds (a reader
 walks its window's shards batch after batch, touching each). A download-ahead evicts only the
 first kind: it stops at the limit rather than evict what will be read soon, which would only
@@ -110,6 +110,12 @@ class Entry:
     def mark(self, *, pending: bool) -> None:
         """Date the entry's last use: now, or (``pending``) downloaded ahead, not read yet."""
         t = time.time() + (PENDING if pending else 0.0)
+        with contextlib.suppress(OSError):
+            os.utime(self.sidecar, (t, t))
+
+    def mark_read(self) -> None:
+        """Date the entry as read to its end: idle (evicted first, even by a download-ahead)."""
+        t = time.time() - IN_USE - 1.0
         with contextlib.suppress(OSError):
             os.utime(self.sidecar, (t, t))
 
