@@ -4,7 +4,8 @@ under a limit as room is freed (#29).
 Under ``cache_limit`` a download-ahead never evicts a held entry, one downloaded ahead and not
 read yet, or one read in the last seconds (:mod:`meshfeed.storage._layout`). One that finds no
 room waits in this process's queue, in the order asked; every later download-ahead goes behind
-it. Each time room may have been freed (a reader read a file to its end:
+it (``prefetch_workers`` of them in flight at once, taken from the queue's head). Each time
+room may have been freed (a reader read a file to its end:
 :meth:`ShardCache.finished`; or the last hold of a file ended) the queue is tried again from
 its head, one download after another, and stops at the first that still finds no room. So a
 limited epoch keeps downloading ahead while it reads, as the shards read to their end leave
@@ -36,7 +37,10 @@ class Ahead(Fill):
         self._pool: ThreadPoolExecutor | None = None
         # URL -> what the job accepts as it: download-aheads waiting for room, in order
         self._waiting: dict[str, Want] = {}
-        self._drain_lock = threading.Lock()  # one drain of the queue at a time
+        # drains of the queue at once (as many downloads in flight), each taking the next one
+        self._drainers = threading.BoundedSemaphore(self.prefetch_workers)
+        self._claimed: set[str] = set()  # being tried by a drain
+        self._settled = threading.Condition(self._mutex)  # a claimed one was tried
         self._kicked = False  # room may have been freed since the running drain began
         self._full: set[str] = set()  # waiting ones counted in stats()["skipped_prefetch"]
         self._errors: dict[str, Exception] = {}  # failed downloads, for their futures
@@ -57,7 +61,10 @@ class Ahead(Fill):
         with self._mutex:  # under a limit, in the caller's order, one download at a time
             self._waiting.setdefault(url, want)
         self._drain(wait=True)
+        deadline = time.monotonic() + self.lock_timeout
         with self._mutex:
+            while url in self._claimed and time.monotonic() < deadline:  # another drain's
+                self._settled.wait(timeout=deadline - time.monotonic())
             err = self._errors.pop(url, None)
             waits = url in self._waiting
         if err is not None:
@@ -102,17 +109,17 @@ class Ahead(Fill):
             self._ahead_pool().submit(self._drain)
 
     def _drain(self, *, wait: bool = False) -> None:
-        """Run the queue (one drain at a time: without ``wait``, a drain already running goes
-        round once more instead, at most ``lock_timeout`` with it)."""
+        """Run the queue (``prefetch_workers`` drains at most: without ``wait``, those already
+        running go round once more instead; with it, it waits at most ``lock_timeout``)."""
         while True:
-            if not self._drain_lock.acquire(timeout=self.lock_timeout if wait else 0):
+            if not self._drainers.acquire(timeout=self.lock_timeout if wait else 0):
                 return
             try:
                 with self._mutex:
                     self._kicked = False
                 self._drain_queue()
             finally:
-                self._drain_lock.release()
+                self._drainers.release()
             with self._mutex:
                 if not (self._kicked and self._waiting):
                     return
@@ -121,16 +128,19 @@ class Ahead(Fill):
         """Download the waiting files in order until one finds no room (or none is left)."""
         while True:
             with self._mutex:
-                head = next(iter(self._waiting.items()), None)
-            if head is None:
-                return
-            url, want = head
+                head = next((h for h in self._waiting.items() if h[0] not in self._claimed), None)
+                if head is None:
+                    return
+                url, want = head
+                self._claimed.add(url)
             error = None
             try:
                 done = self._try(url, want)
             except Exception as e:  # for its future; a later local_path retries it
                 done, error = False, e
             with self._mutex:
+                self._claimed.discard(url)
+                self._settled.notify_all()
                 if done is None:
                     self._last_full = time.monotonic()
                     if url not in self._full:

@@ -192,9 +192,10 @@ def _usage(cache_dir: Path) -> list[tuple[float, int, Path]]:
 
 
 def _rank(t: float, now: float) -> tuple[int, float]:
-    """Eviction order (module docstring): idle entries, then pending ones, then those in use."""
+    """Eviction order (module docstring): idle entries, then pending ones (the last downloaded
+    first: download-ahead runs in reading order, so it is read last), then those in use."""
     if t > now:
-        return 1, t
+        return 1, -t
     return (0, t) if t < now - IN_USE else (2, t)
 
 
