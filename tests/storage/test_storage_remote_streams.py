@@ -296,3 +296,32 @@ def test_a_limited_reader_tells_the_cache_each_shard_is_finished_after_its_last_
         last = {i // 100: k for k, i in enumerate(read[600 * p : 600 * (p + 1)])}
         expect += sorted(last, key=last.__getitem__)
     assert [shard_of[u] for u in finished] == expect
+
+
+def test_a_worker_copy_of_a_limited_reader_finishes_nothing_and_holds_nothing_between_reads(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    import numpy as np
+
+    from meshfeed.storage import ShardCache
+
+    _shard_dataset(s3, tmp_path, range(200))
+    finished: list[str] = []
+    real = ShardCache.finished
+    monkeypatch.setattr(
+        ShardCache, "finished", lambda self, url: (finished.append(url), real(self, url))[1]
+    )
+    stream = ShardedStream.from_index(
+        s3.url("ds"), cache_dir=tmp_path / "cache", cache_limit=1 << 20, storage_options=s3.options
+    )
+    url = stream.shards[0]
+    worker = pickle.loads(pickle.dumps(stream.reader))  # as a worker process gets it
+    for half in (np.arange(50), np.arange(50, 100)):
+        assert [r["id"] for r in worker.take(url, half)] == half.tolist()
+    assert finished == []  # it reads only some rows of each shard in a real job
+    assert worker.cache.stats()["hits"] + worker.cache.stats()["downloads"] == 2  # held by none
+    for half in (np.arange(50), np.arange(50, 100)):
+        stream.reader.take(url, half)
+    assert finished == [url]  # the process that built it: after the last row

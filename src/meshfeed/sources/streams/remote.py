@@ -16,8 +16,9 @@ order, until a shard is read to its end. The reader counts the rows it reads of 
 (``count`` of the inner reader: from the index, no I/O); once a pass has read all of a shard's
 rows it tells the cache (:meth:`~meshfeed.storage.ShardCache.finished`), which evicts that
 shard first and downloads the waiting ones ahead: download and reading overlap through the
-whole epoch, and no shard is downloaded twice (#29). Rows read by other processes are not
-seen here: with worker processes a shard leaves the cache once it is idle for a few seconds.
+whole epoch, and no shard is downloaded twice (#29). Worker processes read only some rows of
+each shard, so they count nothing: with workers a shard leaves the cache once it has been idle
+for a few seconds, and download-ahead resumes as the stream plans its next steps.
 
 A shard's identity is its content hash where a dataset index records one (``identities``,
 from :meth:`ShardedStream.from_index`: no request per shard at all; the cache checks each copy
@@ -105,9 +106,11 @@ class CachedReader:
         )
         self._held[shard] = path
         self._release(len(self._held) - self.keep)
-        # under a limit, rows read are counted to tell the cache when a shard is done with
+        # under a limit, rows read are counted to tell the cache when a shard is done with;
+        # not in a worker process, which reads only some of each shard's rows
         count = self._hooks.count
-        if self.cache.cache_limit is not None and count is not None and shard not in self._rows:
+        limited = self.cache.cache_limit is not None and self._linger
+        if limited and count is not None and shard not in self._rows:
             self._rows[shard] = int(count(path))
         return path
 
