@@ -58,7 +58,7 @@ class Ahead(Fill):
         want = self._want(url, version)
         if self.cache_limit is None:  # room for all: downloads in parallel, in any order
             return bool(self._try(url, want))
-        with self._mutex:  # under a limit, in the caller's order, one download at a time
+        with self._mutex:  # under a limit: in the caller's order, from the queue's head
             self._waiting.setdefault(url, want)
         self._drain(wait=True)
         deadline = time.monotonic() + self.lock_timeout
