@@ -4,8 +4,8 @@ under a limit as room is freed (#29).
 Under ``cache_limit`` a download-ahead never evicts a held entry, one downloaded ahead and not
 read yet, or one read in the last seconds (:mod:`meshfeed.storage._layout`). One that finds no
 room waits in this process's queue, in the order asked; every later download-ahead goes behind
-it (``prefetch_workers`` of them in flight at once, taken from the queue's head). Each time
-room may have been freed (a reader read a file to its end:
+it (one download at a time, from the queue's head; without a limit, ``prefetch_workers`` at
+once). Each time room may have been freed (a reader read a file to its end:
 :meth:`ShardCache.finished`; or the last hold of a file ended) the queue is tried again from
 its head, one download after another, and stops at the first that still finds no room. So a
 limited epoch keeps downloading ahead while it reads, as the shards read to their end leave
@@ -36,9 +36,11 @@ class Ahead(Fill):
     def _init_ahead(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         # URL -> what the job accepts as it: download-aheads waiting for room, in order
-        self._waiting: dict[str, Want] = {}
-        # drains of the queue at once (as many downloads in flight), each taking the next one
-        self._drainers = threading.BoundedSemaphore(self.prefetch_workers)
+        # (None: its place is kept while its task learns what it must be)
+        self._waiting: dict[str, Want | None] = {}
+        # one drain of the queue at a time: two downloads in flight could book room out of
+        # order (the later one first), where the limit has room for one
+        self._drainers = threading.BoundedSemaphore(1)
         self._claimed: set[str] = set()  # being tried by a drain
         self._settled = threading.Condition(self._mutex)  # a claimed one was tried
         self._kicked = False  # room may have been freed since the running drain began
@@ -54,12 +56,27 @@ class Ahead(Fill):
                 )
             return self._pool
 
+    def _queue(self, urls: list[str]) -> None:
+        """Under a limit, keep the places of ``urls`` in the queue in the caller's order (their
+        tasks run in any order)."""
+        if self.cache_limit is not None:
+            with self._mutex:
+                for url in urls:
+                    self._waiting.setdefault(url, None)
+
     def _prefetch_one(self, url: str, version: str | None = None) -> bool:
-        want = self._want(url, version)
+        try:
+            want = self._want(url, version)
+        except BaseException:
+            with self._mutex:  # its kept place must not stop the queue
+                if url in self._waiting and self._waiting[url] is None:
+                    del self._waiting[url]
+            raise
         if self.cache_limit is None:  # room for all: downloads in parallel, in any order
             return bool(self._try(url, want))
         with self._mutex:  # under a limit: in the caller's order, from the queue's head
-            self._waiting.setdefault(url, want)
+            if self._waiting.get(url) is None:  # its kept place, or none
+                self._waiting[url] = want
         self._drain(wait=True)
         deadline = time.monotonic() + self.lock_timeout
         with self._mutex:
@@ -109,8 +126,8 @@ class Ahead(Fill):
             self._ahead_pool().submit(self._drain)
 
     def _drain(self, *, wait: bool = False) -> None:
-        """Run the queue (``prefetch_workers`` drains at most: without ``wait``, those already
-        running go round once more instead; with it, it waits at most ``lock_timeout``)."""
+        """Run the queue (one drain at a time: without ``wait``, one already running goes round
+        once more instead; with it, it waits at most ``lock_timeout``)."""
         while True:
             if not self._drainers.acquire(timeout=self.lock_timeout if wait else 0):
                 return
@@ -132,6 +149,8 @@ class Ahead(Fill):
                 if head is None:
                     return
                 url, want = head
+                if want is None:  # its own task will come here once it knows what it must be
+                    return
                 self._claimed.add(url)
             error = None
             try:

@@ -304,6 +304,7 @@ class ShardCache(Ahead):
         self._check_fork()
         pool = self._ahead_pool()
         todo = [url for url in urls if local_path_of(url) is None]
+        self._queue(todo)
         known = versions or {}
         return [pool.submit(self._prefetch_one, url, known.get(url)) for url in todo]
 
