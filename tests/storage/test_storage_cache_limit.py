@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshfeed import StreamLoader
 from meshfeed.sources import ShardedStream
+from meshfeed.storage import ShardCache
 from meshfeed.storage._layout import IN_USE, PENDING, Entry, book
 from tests.storage.conftest import S3
 
@@ -112,3 +113,74 @@ def test_a_limited_stream_downloads_each_shard_once_per_epoch(s3: S3, tmp_path: 
     gets = {k: n for k, n in s3.proxy.object_gets.items() if not k.endswith("index.json")}
     assert len(gets) == shards
     assert all(n == 1 for n in gets.values()), gets  # no shard downloaded twice
+
+
+def test_a_demanded_download_evicts_the_last_downloaded_ahead_first(tmp_path: Path) -> None:
+    # download-ahead runs in reading order: the last one downloaded is the last to be read
+    _entry(tmp_path, "soon", age=-PENDING)
+    _entry(tmp_path, "later", age=-PENDING - 1)
+    new = Entry.of(tmp_path, "s3://b/d/now", {})
+    booked, evicted = book(tmp_path, new, SIZE, limit=2 * SIZE, deadline=time.monotonic() + 5)
+    assert booked is not None and evicted == 1
+    assert _left(tmp_path) == {"soon"}
+
+
+def _wait_cached(cache: ShardCache, url: str) -> None:
+    deadline = time.monotonic() + 30
+    while not Path(cache.entry_path(url) + ".meshfeed.json").exists():
+        assert time.monotonic() < deadline, f"{url} was not downloaded ahead within 30 s"
+        time.sleep(0.01)
+
+
+def test_a_download_ahead_that_found_no_room_runs_once_a_shard_is_finished(
+    s3: S3, tmp_path: Path
+) -> None:
+    urls = [s3.put(f"q/s{i}.bin", os.urandom(SIZE)) for i in range(4)]
+    with ShardCache(tmp_path, cache_limit=3 * SIZE, storage_options=s3.options) as cache:
+        cache.local_path(urls[0])
+        cache.local_path(urls[1])  # held: never evicted
+        futures = cache.prefetch(urls[2:])
+        assert [f.result(timeout=30) for f in futures] == [True, False]  # the limit holds
+        assert cache.stats()["skipped_prefetch"] == 1
+        cache.release(urls[0])
+        cache.finished(urls[0])  # read to its end: evicted first, the waiting one goes
+        _wait_cached(cache, urls[3])
+        assert not Path(cache.entry_path(urls[0])).exists()
+        assert all(Path(cache.entry_path(u)).exists() for u in urls[1:])  # held and pending kept
+        stats = cache.stats()
+        assert (stats["resumed_prefetch"], stats["downloads"], stats["evictions"]) == (1, 4, 1)
+
+
+def test_waiting_download_aheads_run_in_the_order_asked_as_room_is_freed(
+    s3: S3, tmp_path: Path
+) -> None:
+    urls = [s3.put(f"o/s{i}.bin", os.urandom(SIZE)) for i in range(5)]
+    with ShardCache(tmp_path, cache_limit=2 * SIZE, storage_options=s3.options) as cache:
+        for url in urls[:2]:
+            cache.local_path(url)
+        assert [f.result(timeout=30) for f in cache.prefetch(urls[2:])] == [False] * 3
+        for done, expect in ((urls[0], urls[2]), (urls[1], urls[3])):
+            cache.release(done)
+            cache.finished(done)
+            _wait_cached(cache, expect)
+            time.sleep(0.2)  # a download out of order would land meanwhile
+            cached = {u for u in urls if Path(cache.entry_path(u)).exists()}
+            assert len(cached) == 2 and expect in cached  # never above the limit
+        assert not Path(cache.entry_path(urls[4])).exists()  # still waits: no room
+
+
+def test_a_file_the_reader_asks_for_no_longer_waits_to_be_downloaded_ahead(
+    s3: S3, tmp_path: Path
+) -> None:
+    urls = [s3.put(f"d/s{i}.bin", os.urandom(SIZE)) for i in range(3)]
+    with ShardCache(tmp_path, cache_limit=2 * SIZE, storage_options=s3.options) as cache:
+        cache.local_path(urls[0])
+        cache.local_path(urls[1])
+        assert [f.result(timeout=30) for f in cache.prefetch(urls[2:])] == [False]
+        cache.release(urls[0])
+        cache.release(urls[1])
+        cache.local_path(urls[2], make_room=lambda: None)  # demanded: evicts what it must
+        cache.finished(urls[0])
+        time.sleep(0.2)
+        assert cache.stats()["resumed_prefetch"] == 0
+        assert cache.stats()["downloads"] == 3

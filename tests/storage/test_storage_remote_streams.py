@@ -259,3 +259,69 @@ def test_url_shards_through_a_reader_with_only_the_required_call(s3: S3, tmp_pat
     with StreamLoader(stream, seed=2, collate_fn=_ids, batch_size=4, drop_last=False) as lo:
         served = [i for b in lo for i in b]
     assert sorted(served) == [s * 1000 + r for s, n in enumerate(ROWS) for r in range(n)]
+
+
+def test_a_limited_reader_tells_the_cache_each_shard_is_finished_after_its_last_row(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshfeed.storage import ShardCache
+
+    _shard_dataset(s3, tmp_path, range(600))  # 6 shards of 100 rows
+    read: list[int] = []
+    finished: list[str] = []
+    real = ShardCache.finished
+    monkeypatch.setattr(
+        ShardCache,
+        "finished",
+        lambda self, url: (finished.append(url), real(self, url))[1],
+    )
+    stream = ShardedStream.from_index(
+        s3.url("ds"),
+        cache_dir=tmp_path / "cache",
+        cache_limit=3 * 1000 + 100 * 64,  # ample for the window, not for the dataset
+        storage_options=s3.options,
+        shuffle_buffer=50,
+        samples_per_epoch=900,  # an epoch and a half: the second pass is cut mid-way
+    )
+    with StreamLoader(stream, seed=3, collate_fn=_ids, batch_size=4, drop_last=False) as lo:
+        for epoch in range(2):
+            lo.set_epoch(epoch)
+            for batch in lo:
+                read.extend(batch)
+    shard_of = {url: i for i, url in enumerate(stream.shards)}
+    assert sorted(read) == sorted([*range(600), *range(600), *range(600)])
+    # each shard once per pass, in the order in which the passes read their last rows
+    expect = []
+    for p in range(3):
+        last = {i // 100: k for k, i in enumerate(read[600 * p : 600 * (p + 1)])}
+        expect += sorted(last, key=last.__getitem__)
+    assert [shard_of[u] for u in finished] == expect
+
+
+def test_a_worker_copy_of_a_limited_reader_finishes_nothing_and_holds_nothing_between_reads(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    import numpy as np
+
+    from meshfeed.storage import ShardCache
+
+    _shard_dataset(s3, tmp_path, range(200))
+    finished: list[str] = []
+    real = ShardCache.finished
+    monkeypatch.setattr(
+        ShardCache, "finished", lambda self, url: (finished.append(url), real(self, url))[1]
+    )
+    stream = ShardedStream.from_index(
+        s3.url("ds"), cache_dir=tmp_path / "cache", cache_limit=1 << 20, storage_options=s3.options
+    )
+    url = stream.shards[0]
+    worker = pickle.loads(pickle.dumps(stream.reader))  # as a worker process gets it
+    for half in (np.arange(50), np.arange(50, 100)):
+        assert [r["id"] for r in worker.take(url, half)] == half.tolist()
+    assert finished == []  # it reads only some rows of each shard in a real job
+    assert worker.cache.stats()["hits"] + worker.cache.stats()["downloads"] == 2  # held by none
+    for half in (np.arange(50), np.arange(50, 100)):
+        stream.reader.take(url, half)
+    assert finished == [url]  # the process that built it: after the last row

@@ -17,7 +17,8 @@ For readers and the stream engine, two calls carry everything:
   pass it back as ``version=`` (or compare), and a rewritten shard is refused, naming it.
 
 :class:`ShardCache` (``cache_dir``, ``cache_limit`` bytes) adds download-ahead
-(``prefetch(urls)``), ranged reads without the whole file (``open_range(url, start, stop)``),
+(``prefetch(urls)``; under the limit, in order, as readers free room: ``finished(url)``),
+ranged reads without the whole file (``open_range(url, start, stop)``),
 LRU eviction of entries no process holds, retries with backoff and jitter bounded by
 ``retry_timeout`` (then :class:`~meshfeed.errors.SourceError` naming the URL), and counters
 (``stats()``: downloads, hits, bytes, GET requests, retries, evictions); a file larger than

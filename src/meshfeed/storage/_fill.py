@@ -240,13 +240,9 @@ class Fill:
             )
         size = int(want.size if info is None else info.size)  # type: ignore[arg-type]
         if self.cache_limit is not None and size > self.cache_limit:
-            if not demanded:  # a download-ahead: skipped, like one that finds no room
-                self._count("skipped_prefetch")
-                return False
-            raise TooLargeForCache(url, size, self.cache_limit)
+            raise TooLargeForCache(url, size, self.cache_limit)  # a download-ahead skips it
         reserved = self._reserve(entry, size, demanded=demanded, make_room=make_room)
-        if reserved is None:
-            self._count("skipped_prefetch")
+        if reserved is None:  # a download-ahead that found no room (it waits: _ahead)
             return False
         entry.data.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.temp()
@@ -322,15 +318,6 @@ class Fill:
             self._count("waits")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
-
-    def _prefetch_one(self, url: str, version: str | None = None) -> bool:
-        entry = self._entry(url)
-        with on_disk(self.cache_dir, f"hold {url}"):
-            lock = entry.open_lock()
-        try:
-            return self._acquire(entry, lock, self._want(url, version), demanded=False)
-        finally:
-            lock.close()
 
 
 def _once(fn: Callable[[], None] | None) -> Callable[[], None]:

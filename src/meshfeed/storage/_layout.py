@@ -13,7 +13,7 @@ ever takes a partial file for a complete one.
 
 The sidecar's mtime is the entry's last use, except for an entry downloaded ahead and not read
 yet: its mtime lies ``PENDING`` seconds in the future. Eviction takes, in this order: entries
-idle for ``IN_USE`` seconds (least recently used first: shards read to their end), entries
+idle for ``IN_USE`` seconds or marked read to their end (least recently used first), entries
 downloaded ahead and not read yet, then entries read in the last ``IN_USE`` seconds (a reader
 walks its window's shards batch after batch, touching each). A download-ahead evicts only the
 first kind: it stops at the limit rather than evict what will be read soon, which would only
@@ -113,6 +113,12 @@ class Entry:
         with contextlib.suppress(OSError):
             os.utime(self.sidecar, (t, t))
 
+    def mark_read(self) -> None:
+        """Date the entry as read to its end: idle (evicted first, even by a download-ahead)."""
+        t = time.time() - IN_USE - 1.0
+        with contextlib.suppress(OSError):
+            os.utime(self.sidecar, (t, t))
+
     def clean(self) -> None:
         """Under the entry's exclusive lock: remove every trace of an incomplete entry."""
         self.sidecar.unlink(missing_ok=True)
@@ -186,9 +192,10 @@ def _usage(cache_dir: Path) -> list[tuple[float, int, Path]]:
 
 
 def _rank(t: float, now: float) -> tuple[int, float]:
-    """Eviction order (module docstring): idle entries, then pending ones, then those in use."""
+    """Eviction order (module docstring): idle entries, then pending ones (the last downloaded
+    first: download-ahead runs in reading order, so it is read last), then those in use."""
     if t > now:
-        return 1, t
+        return 1, -t
     return (0, t) if t < now - IN_USE else (2, t)
 
 

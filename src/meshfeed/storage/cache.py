@@ -15,9 +15,10 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
   cache), evicting unheld entries (sidecar first) to make room: those read to their end least
   recently used first, then those downloaded ahead and not read yet, then those read in the
   last seconds (:mod:`meshfeed.storage._layout`). A download-ahead evicts only the first kind
-  (it stops at the limit rather than evict what will be read soon, so a limited epoch
-  downloads each shard once where the limit holds the shards read at once), and one that
-  finds no room is skipped; a demanded file asks its caller to release
+  (it never evicts what will be read soon, so a limited epoch downloads each shard once where
+  the limit holds the shards read at once); one that finds no room waits, in order, until a
+  reader frees some (:meth:`ShardCache.finished`; :mod:`meshfeed.storage._ahead`); a
+  demanded file asks its caller to release
   what it holds (``make_room``) and then waits for other processes' readers to release theirs
   (at most ``lock_timeout``, then an error that says how much the held entries take). So the
   files of the cache never take more than the limit (plus the one file being renamed into
@@ -39,11 +40,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
 
 from meshfeed.errors import SourceError
+from meshfeed.storage._ahead import Ahead
 from meshfeed.storage._download import (
     CacheDiskError,
     TooLargeForCache,
@@ -51,7 +53,6 @@ from meshfeed.storage._download import (
     check_writable,
     on_disk,
 )
-from meshfeed.storage._fill import Fill
 from meshfeed.storage._layout import checksums, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
@@ -74,7 +75,7 @@ def default_cache_dir() -> str:
     return env or os.path.join(os.path.expanduser("~"), ".cache", "meshfeed", "shards")
 
 
-class ShardCache(Fill):
+class ShardCache(Ahead):
     """Local copies of remote files, shared by every process of a node through ``cache_dir``.
 
     ``local_path(url)`` returns a local path to the complete file, downloading it first if no
@@ -136,10 +137,10 @@ class ShardCache(Fill):
         self._holds: Counter[str] = Counter()  # local_path calls not yet released, per URL
         self._verified: set[str] = set()
         self._infos: dict[str, RemoteInfo] = {}  # the identity check's answers, for the download
-        self._pool: ThreadPoolExecutor | None = None
+        self._init_ahead()
         self._stats = dict.fromkeys(
             ("downloads", "hits", "bytes", "gets", "heads", "range_reads", "retries",
-             "evictions", "waits", "skipped_prefetch"),
+             "evictions", "waits", "skipped_prefetch", "resumed_prefetch"),
             0,
         )  # fmt: skip
 
@@ -180,8 +181,10 @@ class ShardCache(Fill):
     def stats(self) -> dict[str, int]:
         """Counters of this process: downloads, hits, bytes downloaded, GET requests (``gets``,
         ranged ones included), metadata requests (``heads``), ``range_reads``, ``retries``,
-        ``evictions``, ``waits`` (times another process held an entry we wanted) and
-        ``skipped_prefetch`` (download-ahead skipped for lack of room)."""
+        ``evictions``, ``waits`` (times another process held an entry we wanted),
+        ``skipped_prefetch`` (download-aheads that found no room, or a file larger than the
+        limit) and ``resumed_prefetch`` (of those, downloaded ahead later, once room was
+        freed)."""
         with self._mutex:
             return dict(self._stats)
 
@@ -213,6 +216,7 @@ class ShardCache(Fill):
             return local
         entry = self._entry(url)
         want = self._want(url, version)
+        self._demanded(url)
         with self._mutex:
             held = url in self._held
         if held:  # our shared lock keeps the entry: no eviction can have removed it
@@ -262,6 +266,18 @@ class ShardCache(Fill):
             lock = self._held.pop(url, None)
         if lock is not None:
             lock.close()
+        self._released()
+
+    def finished(self, url: str) -> None:
+        """The caller read ``url`` to its end and will not read it again soon: its entry is
+        evicted first once nobody holds it, and the download-aheads waiting for room
+        (:meth:`prefetch`) are tried again at once."""
+        self._check_fork()
+        if local_path_of(url) is not None:
+            return
+        self._demanded(url)
+        self._entry(url).mark_read()
+        self._kick()
 
     @contextlib.contextmanager
     def hold(self, url: str, *, version: str | None = None) -> Iterator[str]:
@@ -277,18 +293,18 @@ class ShardCache(Fill):
     ) -> list[Future[bool]]:
         """Download ``urls`` ahead in background threads; each future says if the file is cached.
 
-        Bounded by ``cache_limit``: a file that would need a held entry evicted is skipped
-        (its future gives False, ``stats()["skipped_prefetch"]`` counts it). Errors land in
-        the futures; a later :meth:`local_path` retries them.
+        Bounded by ``cache_limit``: a file that finds no room without evicting a held entry,
+        one downloaded ahead and unread or one read in the last seconds is not downloaded now
+        (its future gives False, ``stats()["skipped_prefetch"]`` counts it); it waits in this
+        process's queue, in the order asked (later ones go behind it), and is downloaded as
+        room is freed (:meth:`finished`, or the last :meth:`release` of a file), unless a
+        reader asks for it first. A file larger than the limit is skipped. Errors land in the
+        futures; a later :meth:`local_path` retries them.
         """
         self._check_fork()
-        with self._mutex:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.prefetch_workers, thread_name_prefix="meshfeed-prefetch"
-                )
-            pool = self._pool
+        pool = self._ahead_pool()
         todo = [url for url in urls if local_path_of(url) is None]
+        self._queue(todo)
         known = versions or {}
         return [pool.submit(self._prefetch_one, url, known.get(url)) for url in todo]
 
@@ -370,6 +386,7 @@ class ShardCache(Fill):
             held, self._held = self._held, {}
             self._holds.clear()
             pool, self._pool = self._pool, None
+            self._waiting.clear()
         if os.getpid() != self._pid:
             return
         for lock in held.values():

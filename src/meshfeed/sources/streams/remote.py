@@ -11,8 +11,14 @@ Download-ahead follows the stream's own order: when the loader plans its next st
 of them at a time, in the main process), the stream hands the shards they read to
 :meth:`CachedReader.plan`, which downloads them in the background, so workers find them
 cached. Under a cache limit a download-ahead never evicts a shard downloaded ahead and not
-read yet, nor one read in the last seconds: it stops at the limit rather than download a shard
-twice (:mod:`meshfeed.storage.cache`).
+read yet, nor one read in the last seconds: one that finds no room waits, in the stream's
+order, until a shard is read to its end. The reader counts the rows it reads of each shard
+(``count`` of the inner reader: from the index, no I/O); once a pass has read all of a shard's
+rows it tells the cache (:meth:`~meshfeed.storage.ShardCache.finished`), which evicts that
+shard first and downloads the waiting ones ahead: download and reading overlap through the
+whole epoch, and no shard is downloaded twice (#29). Worker processes read only some rows of
+each shard, so they count nothing: with workers a shard leaves the cache once it has been idle
+for a few seconds, and download-ahead resumes as the stream plans its next steps.
 
 A shard's identity is its content hash where a dataset index records one (``identities``,
 from :meth:`ShardedStream.from_index`: no request per shard at all; the cache checks each copy
@@ -68,17 +74,24 @@ class CachedReader:
         self.newest = newest
         self._modified: dict[str, int] = {}
         self._asked: set[str] = set()
+        self._read: dict[str, int] = {}  # rows of each URL shard read in its current pass
+        self._rows: dict[str, int] = {}  # rows of each URL shard (the inner reader's count)
+        # the process that built the reader keeps, between reads, the holds (and the inner
+        # reader's maps) of shards it has not read to their end (see _done)
+        self._linger = True
         # Decided once: a runtime protocol check costs microseconds per batch.
         self._hooks = ReaderHooks.of(inner)
 
     def __getstate__(self) -> dict[str, Any]:
         # The versions travel: a worker expects the version the job started with (and asks
         # the bucket no second time).
-        return {k: v for k, v in self.__dict__.items() if k not in ("_held", "_asked")}
+        skip = ("_held", "_asked", "_read")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._held, self._asked = OrderedDict(), set()
+        self._held, self._asked, self._read = OrderedDict(), set(), {}
+        self._linger = False  # a worker process's copy: hold nothing between reads
 
     def _local(self, shard: Any) -> Any:
         if not (isinstance(shard, str) and is_url(shard)):
@@ -93,17 +106,28 @@ class CachedReader:
         )
         self._held[shard] = path
         self._release(len(self._held) - self.keep)
+        # under a limit, rows read are counted to tell the cache when a shard is done with;
+        # not in a worker process, which reads only some of each shard's rows
+        count = self._hooks.count
+        limited = self.cache.cache_limit is not None and self._linger
+        if limited and count is not None and shard not in self._rows:
+            self._rows[shard] = int(count(path))
         return path
 
-    def _release(self, n: int) -> None:
-        """Release the ``n`` least recently used holds, and the inner reader's maps of them
-        (a map would keep an evicted file's blocks on disk)."""
+    def _release(self, n: int, shard: str | None = None) -> None:
+        """Release the ``n`` least recently used holds (or the hold of ``shard``), and the
+        inner reader's maps of them (a map would keep an evicted file's blocks on disk)."""
         # without a limit nothing is evicted: the inner reader keeps its maps (reopening a
         # shard per batch would cost more than the read)
         limited = self.cache.cache_limit is not None
         forget = self._hooks.forget if limited else None
         for _ in range(max(0, n)):
-            old, local = self._held.popitem(last=False)
+            if shard is None:
+                old, local = self._held.popitem(last=False)
+            elif shard in self._held:
+                old, local = shard, self._held.pop(shard)
+            else:
+                return
             if forget is not None:
                 forget(local)
             self.cache.release(old)
@@ -158,21 +182,45 @@ class CachedReader:
                 self._versions[url] = info.version
 
     def __call__(self, shard: Any, start: int, stop: int | None) -> Any:
+        n = 0
         try:
-            yield from self.inner(self._local(shard), start, stop)
+            for row in self.inner(self._local(shard), start, stop):
+                n += 1
+                yield row
         finally:
             self._done()
+        self._progress(shard, n)
 
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         local = self._local(shard)
         try:
             if self._hooks.take is not None:
-                return list(self._hooks.take(local, rows))
-            lo, hi = int(rows.min()), int(rows.max()) + 1
-            span = list(self.inner(local, lo, hi))
-            return [span[r - lo] for r in rows.tolist()]
+                out = list(self._hooks.take(local, rows))
+            else:
+                lo, hi = int(rows.min()), int(rows.max()) + 1
+                span = list(self.inner(local, lo, hi))
+                out = [span[r - lo] for r in rows.tolist()]
         finally:
             self._done()
+        self._progress(shard, len(out))
+        return out
+
+    def _progress(self, shard: Any, n: int) -> None:
+        """``n`` more rows of ``shard`` read: once a pass has read them all, the cache may
+        evict it first and download the next shards ahead (the module docstring)."""
+        if not (n and isinstance(shard, str) and is_url(shard)):
+            return
+        rows = self._rows.get(shard)
+        if rows is None:  # no limit, or a reader that cannot count: nothing to tell the cache
+            return
+        read = self._read.get(shard, 0) + n
+        if read < rows:
+            self._read[shard] = read
+            return
+        self._read[shard] = read - rows  # rows read past the end belong to the next pass
+        self._asked.discard(shard)  # its next pass downloads it ahead again
+        self._release(1, shard)
+        self.cache.finished(shard)
 
     def count(self, shard: Any) -> int:
         count = self._hooks.count
@@ -185,10 +233,15 @@ class CachedReader:
             self._done()
 
     def _done(self) -> None:
-        """After each read, under a ``cache_limit``: hold nothing between reads, so an idle
-        reader (a worker waiting for its next batch) never keeps another from the room it
-        needs; its map goes too (an evicted file's blocks would stay on disk under it)."""
-        if self.cache.cache_limit is not None:
+        """After each read, under a ``cache_limit``, in a worker process: hold nothing between
+        reads, so an idle worker (waiting for its next batch) never keeps another from the
+        room it needs; its map goes too (an evicted file's blocks would stay on disk under
+        it). The process that built the reader (no workers; a rank of torch.distributed)
+        keeps the shards it has not read to their end: they are its window's, which every
+        reader of the node reads at once, and a read per batch would otherwise re-hold and
+        re-open each of them; it releases each once read to its end (or all of them when
+        it needs room)."""
+        if self.cache.cache_limit is not None and not (self._linger and self._rows):
             self._release(len(self._held))
 
     def close(self) -> None:

@@ -60,6 +60,9 @@ _SHARD_OP = 0x5348_4152
 _WINDOW_OP = 0x5749_4E44
 #: Version of the facts a StreamOrder records in a loader checkpoint.
 ORDER_VERSION = 1
+#: shards of the pass after a planned block that the reader is told of too (download-ahead;
+#: under a cache limit they wait, in order, for room)
+PLAN_AHEAD_SHARDS = 4
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -454,7 +457,10 @@ class StreamOrder(OrderBase):
         k = np.searchsorted(starts, offset, side="right") - 1
         shard = order[k]
         if self.on_plan is not None and shard.size:
-            self.on_plan(list(dict.fromkeys(shard.tolist())))  # in the order they are read
+            # in the order they are read, then the next shards of the pass: download-ahead
+            # must start before a shard's first row is planned to overlap with the reading
+            after = order[int(k.max()) + 1 : int(k.max()) + 1 + PLAN_AHEAD_SHARDS]
+            self.on_plan(list(dict.fromkeys([*shard.tolist(), *after.tolist()])))
         return self._canon[shard] + (offset - starts[k])
 
     def describe(self, epoch: int, position: int) -> dict[str, Any]:
