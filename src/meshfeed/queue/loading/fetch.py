@@ -200,8 +200,8 @@ def lost_error(error: WorkerError, task: str, head: int) -> WorkerError:
 
 class InFlight:
     """A loader's batches between request and return, in index order (``ahead``): fetched by
-    threads here (one per request: requests wait in the store) or by worker processes (a
-    named Ray store), collated here or in the workers. ``next``: the next batch index to
+    one request thread here (requests wait in the store; one at a time, in index order) or by
+    worker processes (a named Ray store), collated here or in the workers. ``next``: the next batch index to
     request; ``ended``: a request found the stream ended, request nothing more."""
 
     def __init__(

@@ -415,8 +415,8 @@ class StoreLoader(LoaderBase):
 
     def shutdown(self) -> None:
         """Cancel the requests waiting in the store (they consume nothing) and stop worker
-        processes and threads; batches fetched ahead stay held in the store until it is
-        restored from a checkpoint or they are released. The loader cannot be iterated again.
+        processes and threads; the plans of batches fetched ahead stay in the store (a loader
+        restored from this one's state reads them). The loader cannot be iterated again.
         Idempotent."""
         if self._shut:
             return
