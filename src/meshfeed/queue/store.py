@@ -389,11 +389,9 @@ class SampleStore:
         so the batches the old layout had in flight are served once, on the new one. Every
         rank may call it (a plan already moved stays). ``ValueError`` naming the batch when a
         round has fewer units than ``parts``."""
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"start must be a batch index, an int >= 0 (got {start=!r})")
-        for name, value in (("parts", parts), ("unit", unit)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (got {name}={value!r})")
+        _check_int("start", start, 0, "a batch index, an int")
+        _check_int("parts", parts, 1)
+        _check_int("unit", unit, 1)
         self._backend.replan(
             self._partition(partition), check_task(task), start, sampler, parts, unit
         )
@@ -403,8 +401,7 @@ class SampleStore:
         ``task`` below index ``upto`` and asks for no more: its plans go once every reader
         has passed them. A :class:`~meshfeed.queue.StoreLoader` calls it at the end of its
         stream (a request acknowledges only the batches a loader's window behind it)."""
-        if isinstance(upto, bool) or not isinstance(upto, int) or upto < 0:
-            raise ValueError(f"upto must be a batch index, an int >= 0 (got {upto=!r})")
+        _check_int("upto", upto, 0, "a batch index, an int")
         self._backend.passed(self._partition(partition), check_task(task), sampler, upto)
 
     def reset_consumption(self, partition: str, task: str) -> None:
@@ -482,3 +479,9 @@ class SampleStore:
         kwargs.setdefault("tasks", opts["tasks"])
         kwargs.setdefault("lease_timeout", opts.get("lease_timeout"))
         return cls(backend, _meta=meta, _payload=payload, **kwargs)
+
+
+def _check_int(name: str, value: Any, low: int, what: str = "an int") -> None:
+    """Refuse ``value`` of argument ``name`` unless it is an int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be {what} >= {low} (got {name}={value!r})")
