@@ -436,3 +436,33 @@ def test_a_lock_that_cannot_open_leaves_nothing_for_exit(tmp_path: Path) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an exception in __del__ is reported as a warning
         gc.collect()
+
+
+def _hold_for(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_forked_child_keeps_no_lock_another_thread_held_at_the_fork(tmp_path: Path) -> None:
+    """A worker forked while a download thread holds an entry's lock must not keep that lock
+    after the parent lets go (``flock`` belongs to the open file description, which a fork
+    shares): otherwise every reader of the entry waits ``lock_timeout``."""
+    import multiprocessing as mp
+
+    from meshfeed.storage._lock import FileLock
+
+    path = str(tmp_path / "entry.lock")
+    held = FileLock(path)
+    assert held.try_acquire(exclusive=True)
+    child = mp.get_context("fork").Process(target=_hold_for, args=(30.0,))
+    child.start()  # forked while this process holds the lock
+    try:
+        held.close()  # the parent lets go: the lock must be free for everyone now
+        other = FileLock(path)
+        try:
+            assert other.try_acquire(exclusive=True), "the forked child kept the parent's lock"
+        finally:
+            other.close()
+        assert child.is_alive()
+    finally:
+        child.kill()
+        child.join(timeout=30)
