@@ -131,7 +131,11 @@ def test_a_process_waiting_to_download_takes_the_copy_another_still_holds(
         for p in procs:
             p.join(timeout=30)
             assert p.exitcode == 0  # neither timed out on the lock the other keeps
-        assert max(waits) < 3  # not bounded only by the hold (4 s) or lock_timeout (9 s)
+        # the waiter takes the copy once it is published, while the other still holds it: its
+        # wait ends within moments of the download's, not after the hold (4 s) or the lock
+        # timeout (9 s). Compared with the download's own time, which a loaded server can
+        # stretch (read timeouts and retries) for both alike.
+        assert max(waits) - min(waits) < 3, waits
 
 
 def _disk_use(folder: Path) -> int:

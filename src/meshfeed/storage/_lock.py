@@ -23,7 +23,8 @@ T = TypeVar("T")
 
 
 class FileLock:
-    """``flock`` on one lock file: shared (readers of an entry) or exclusive (its writer).
+    """``flock`` on one lock file (or, ``directory=True``, on a folder): shared (readers of an
+    entry) or exclusive (its writer).
 
     Locks belong to the open file description, so two ``FileLock`` objects on the same file
     exclude each other even inside one process (threads of one process are safe). The kernel
@@ -31,11 +32,12 @@ class FileLock:
     end at ``deadline`` with a :class:`SourceError` that says what was waited for.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, directory: bool = False) -> None:
         self.path = path
         self._fd: int | None = None  # set first: __del__ runs even when the open below fails
+        flags = os.O_RDONLY if directory else os.O_RDWR | os.O_CREAT
         with _registry:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            self._fd = os.open(path, flags, 0o666)
             _open[id(self)] = weakref.ref(self)
 
     def try_acquire(self, *, exclusive: bool) -> bool:

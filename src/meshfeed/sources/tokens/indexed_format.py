@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,18 +63,20 @@ def _publish_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
     does nothing and the size checks on open are the remaining guard.
     """
     try:
-        import fcntl
+        # the cache's lock: a worker forked while a thread holds it does not keep it
+        from meshfeed.storage._lock import FileLock
 
-        fd = os.open(folder, os.O_RDONLY)
+        lock = FileLock(str(folder), directory=True)
     except (ImportError, OSError):
         yield
         return
     try:
         with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            deadline = time.monotonic() + 600.0
+            lock.acquire(exclusive=exclusive, deadline=deadline, what="a corpus publish")
         yield
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        lock.close()  # closing the descriptor releases the lock
 
 
 def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
