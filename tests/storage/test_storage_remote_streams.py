@@ -325,3 +325,50 @@ def test_a_worker_copy_of_a_limited_reader_finishes_nothing_and_holds_nothing_be
     for half in (np.arange(50), np.arange(50, 100)):
         stream.reader.take(url, half)
     assert finished == [url]  # the process that built it: after the last row
+
+
+def _read_in_a_forked_worker(stream: Any, url: str, out: Any) -> None:
+    """In a forked child: read all rows of ``url`` through the inherited reader, in two reads
+    as a worker does, and report the ids, the holds left and whether the entry is free."""
+    import numpy as np
+
+    from meshfeed.storage._layout import Entry
+
+    reader = stream.reader
+    ids = [r["id"] for half in (np.arange(50), np.arange(50, 100)) for r in reader.take(url, half)]
+    entry = Entry.of(reader.cache.cache_dir, url, reader.cache.storage_options)
+    lock = entry.open_lock()
+    free = lock.try_acquire(exclusive=True)  # no shared hold anywhere on the node
+    lock.close()
+    out.put((ids, len(reader._held), free))
+
+
+def test_a_forked_worker_copy_of_a_limited_reader_holds_nothing_between_reads(
+    s3: S3, tmp_path: Path
+) -> None:
+    """A worker forked from the process that built the reader (the default start method)
+    inherits its reader without unpickling it: it must still hold nothing between reads, nor
+    the parent's holds. Kept, they filled a limited cache with shards no process read, and
+    workers waiting for room waited for each other (a 2-rank x 2-worker epoch hung)."""
+    import multiprocessing as mp
+
+    import numpy as np
+
+    _shard_dataset(s3, tmp_path, range(200))
+    stream = ShardedStream.from_index(
+        s3.url("ds"), cache_dir=tmp_path / "cache", cache_limit=1 << 20, storage_options=s3.options
+    )
+    first, second = stream.shards[:2]
+    stream.reader.take(first, np.arange(10))  # the parent reads, and keeps, the first shard
+    assert list(stream.reader._held) == [first]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_read_in_a_forked_worker, args=(stream, second, out))
+    child.start()
+    ids, held, free = out.get(timeout=60)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert ids == list(range(100, 200))
+    assert held == 0 and free  # nothing held after the read, by the child or anyone
+    assert list(stream.reader._held) == [first]  # the parent's hold is the parent's
+    stream.reader.close()

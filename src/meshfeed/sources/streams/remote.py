@@ -35,6 +35,7 @@ need more than the limit at once.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -67,20 +68,24 @@ class CachedReader:
     ) -> None:
         self.inner, self.cache, self.keep = inner, cache, keep
         self.order = [str(s) for s in shards]
-        self._held: OrderedDict[str, str] = OrderedDict()
         # content identities an index records (no request per shard), and its write time
         self._versions: dict[str, str] = dict(identities or {})
         self._by_index = bool(identities)
         self.newest = newest
         self._modified: dict[str, int] = {}
-        self._asked: set[str] = set()
-        self._read: dict[str, int] = {}  # rows of each URL shard read in its current pass
         self._rows: dict[str, int] = {}  # rows of each URL shard (the inner reader's count)
         # the process that built the reader keeps, between reads, the holds (and the inner
-        # reader's maps) of shards it has not read to their end (see _done)
-        self._linger = True
+        # reader's maps) of shards it has not read to their end (see _done); a worker's copy
+        # (unpickled, or inherited by a fork: another pid) holds nothing between reads
+        self._pid: int | None = os.getpid()
+        self._forget_holds()
         # Decided once: a runtime protocol check costs microseconds per batch.
         self._hooks = ReaderHooks.of(inner)
+
+    def _forget_holds(self) -> None:
+        self._held: OrderedDict[str, str] = OrderedDict()
+        self._asked: set[str] = set()
+        self._read: dict[str, int] = {}  # rows of each URL shard read in its current pass
 
     def __getstate__(self) -> dict[str, Any]:
         # The versions travel: a worker expects the version the job started with (and asks
@@ -90,12 +95,23 @@ class CachedReader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._held, self._asked, self._read = OrderedDict(), set(), {}
-        self._linger = False  # a worker process's copy: hold nothing between reads
+        self._pid = None  # a worker process's copy: hold nothing between reads
+        self._forget_holds()
+
+    def _lingers(self) -> bool:
+        """Whether this is the building process's reader (see ``__init__``). A forked copy
+        first forgets the parent's holds: they are the parent's (its cache closed their
+        locks in this process), and keeping them between reads would keep shards from the
+        cache's room that no process reads (workers waiting for room wait for each other)."""
+        if self._pid is not None and self._pid != os.getpid():
+            self._pid = None
+            self._forget_holds()
+        return self._pid is not None
 
     def _local(self, shard: Any) -> Any:
         if not (isinstance(shard, str) and is_url(shard)):
             return shard
+        linger = self._lingers()  # first: a forked copy forgets the parent's holds
         path = self._held.get(shard)
         if path is not None:
             self._held.move_to_end(shard)
@@ -109,7 +125,7 @@ class CachedReader:
         # under a limit, rows read are counted to tell the cache when a shard is done with;
         # not in a worker process, which reads only some of each shard's rows
         count = self._hooks.count
-        limited = self.cache.cache_limit is not None and self._linger
+        limited = self.cache.cache_limit is not None and linger
         if limited and count is not None and shard not in self._rows:
             self._rows[shard] = int(count(path))
         return path
@@ -208,8 +224,8 @@ class CachedReader:
     def _progress(self, shard: Any, n: int) -> None:
         """``n`` more rows of ``shard`` read: once a pass has read them all, the cache may
         evict it first and download the next shards ahead (the module docstring)."""
-        if not (n and isinstance(shard, str) and is_url(shard)):
-            return
+        if not (n and isinstance(shard, str) and is_url(shard) and self._lingers()):
+            return  # a worker's copy reads only some rows of each shard: it counts nothing
         rows = self._rows.get(shard)
         if rows is None:  # no limit, or a reader that cannot count: nothing to tell the cache
             return
@@ -241,11 +257,12 @@ class CachedReader:
         reader of the node reads at once, and a read per batch would otherwise re-hold and
         re-open each of them; it releases each once read to its end (or all of them when
         it needs room)."""
-        if self.cache.cache_limit is not None and not (self._linger and self._rows):
+        if self.cache.cache_limit is not None and not (self._lingers() and self._rows):
             self._release(len(self._held))
 
     def close(self) -> None:
         """Release every shard this process holds."""
+        self._lingers()  # a forked copy forgets the parent's holds first
         while self._held:
             url, _ = self._held.popitem(last=False)
             self.cache.release(url)
