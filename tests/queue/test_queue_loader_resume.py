@@ -194,6 +194,29 @@ def test_replica_peers_may_change_with_the_data_parallel_size():
     assert store.stats()["cache_entries"] == 0
 
 
+def test_a_loader_of_the_replaced_layout_is_refused_before_it_consumes_anything():
+    """A loader left running when its job resumed on another layout (its request thread, or
+    a caller) asks for a batch the resumed loaders now plan: refused by name, consuming
+    nothing, so the resumed loaders still read every sample once. Before, its request
+    planned a round of its own: samples no reader of the new layout ever saw."""
+    store = _store(40, 1)
+    old = _mesh_loaders(store, {"dp": 1, "tp": 2}, 1)  # synchronous: nothing asked ahead
+    before = _run(old, 2)
+    state = old[0].state_dict()
+    new = _loaders(store, 2, 1, 2)
+    for loader in new:
+        loader.load_state_dict(state)
+    consumed = store.stats()["consumed"]["t"]
+    with pytest.raises(ValueError, match=r"moved the task's plans from batch 2 .* shut it down"):
+        next(old[0])
+    assert store.stats()["consumed"]["t"] == consumed
+    after = _run(new)
+    served = [k for step in before for k in step[0]] + [k for s in after for i in s for k in i]
+    assert sorted(served) == list(range(40))
+    for loader in old + new:
+        loader.shutdown()
+
+
 def test_another_number_of_replica_peers_resumes_exactly_when_the_store_drops_consumed_samples():
     store = SampleStore(tasks=["t"])
     store.put("p", {"x": list(range(16))})

@@ -44,6 +44,7 @@ CacheKey = tuple[Any, ...]
 def lookup(part: Partition, request: GetRequest, share: Share) -> tuple[Entry | None, list[Key]]:
     """The plan cached for the request's key (``None``: plan it), after acknowledging the
     reader's earlier batches; and the samples freed by the plans that this dropped."""
+    _check_layout(part, request.task, share)
     freed = _acknowledge(part, request.task, share, request.prefetch)
     entry = part.cache.get((request.task, *share.key))
     if entry is not None:
@@ -78,6 +79,25 @@ def passed(part: Partition, task: str, share: Share) -> list[Key]:
     """The reader of ``share`` returned every batch below the share's index: it acknowledges
     them (without asking for that index); the samples freed."""
     return _acknowledge(part, task, share, 1)
+
+
+def _check_layout(part: Partition, task: str, share: Share) -> None:
+    """A reader of a layout that :func:`replan` replaced (a loader left running when its
+    job resumed on another number of data ranks) asking for a moved batch, or a later one,
+    is refused before it consumes anything: its plan would take samples no reader of the
+    new layout ever reads."""
+    layout = part.layouts.get(task)
+    if layout is None or share.key[-1] < layout[0]:
+        return
+    start, kind, readers = layout
+    if (share.key[0], share.readers) != (kind, readers):
+        raise ValueError(
+            f"batch {share.key[-1]} of task {task!r} was asked for by a reader of a layout of "
+            f"{share.readers} readers, but the store moved the task's plans from batch {start} "
+            f"on to a layout of {readers} readers (SampleStore.replan: a loader resumed or "
+            "resized on another number of data ranks); this loader was replaced: shut it down "
+            "(StoreLoader.shutdown) and read from the resumed one"
+        )
 
 
 def check_agreement(entry: Entry, request: GetRequest) -> None:
@@ -221,4 +241,7 @@ def replan(
         for prefix in [p for p in part.asked if p[0] == task]:
             del part.asked[prefix]
             part.progress.pop(prefix, None)
+    probe = sampler.share({"batch_index": start})
+    if probe is not None:
+        part.layouts[task] = (start, probe.key[0], probe.readers)
     return freed

@@ -202,6 +202,7 @@ class Partition:
         "consumed",
         "field_counts",
         "held",
+        "layouts",
         "leased",
         "next_id",
         "pending",
@@ -220,6 +221,10 @@ class Partition:
         # plan is dropped once every reader asked past it (a retry before that re-reads it).
         self.asked: dict[tuple[Any, ...], dict[int, int]] = {}
         self.progress: dict[tuple[Any, ...], Progress] = {}  # derived from ``asked``
+        # Per task moved by replan: (the first batch moved, the new layout's key kind and
+        # readers); a reader of another layout asking from there on is refused (plans.lookup).
+        # Not checkpointed: it guards against live readers of the layout the move replaced.
+        self.layouts: dict[str, tuple[int, Any, int]] = {}
         self.pinned: dict[Key, int] = {}  # samples of cached plans: how many plans name each
         # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
         # every task, so a checkpoint taken meanwhile can still re-deliver them.
