@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -438,7 +439,8 @@ def test_a_lock_that_cannot_open_leaves_nothing_for_exit(tmp_path: Path) -> None
         gc.collect()
 
 
-def _hold_for(seconds: float) -> None:
+def _hold_for(seconds: float, started: Any) -> None:
+    started.set()  # past the fork's handlers: the copies this child keeps are kept for good
     time.sleep(seconds)
 
 
@@ -453,9 +455,12 @@ def test_a_forked_child_keeps_no_lock_another_thread_held_at_the_fork(tmp_path: 
     path = str(tmp_path / "entry.lock")
     held = FileLock(path)
     assert held.try_acquire(exclusive=True)
-    child = mp.get_context("fork").Process(target=_hold_for, args=(30.0,))
+    ctx = mp.get_context("fork")
+    started = ctx.Event()
+    child = ctx.Process(target=_hold_for, args=(30.0, started))
     child.start()  # forked while this process holds the lock
     try:
+        assert started.wait(timeout=60)
         held.close()  # the parent lets go: the lock must be free for everyone now
         other = FileLock(path)
         try:
