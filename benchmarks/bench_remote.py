@@ -28,6 +28,10 @@ the cache the cold epoch left. Reported: samples/s, MB/s of sample payload, GET 
 epoch served every sample once (row count and total token count). Time includes opening
 the dataset (index download) and the workers' start.
 
+``--large``: the large-sample rows of ``large_samples.py`` (80-120 kB samples, meshfeed vs
+litdata, epoch 1 from an empty cache and epoch 2 from the cache it filled, each in a fresh
+process) from this server instead.
+
 A peer that does not import is skipped with the reason (MosaicML Streaming and litdata pin an
 older numpy; here they live in their own virtualenv, where meshfeed imports with
 ``PYTHONPATH=src``).
@@ -421,6 +425,7 @@ def main() -> None:
         help="cache-limit rows with a limit of this %% of the data (0: none; default 40)",
     )
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (report medians)")
+    p.add_argument("--large", action="store_true", help="the large-sample rows instead")
     args = p.parse_args()
     logging.getLogger("meshfeed").setLevel(logging.ERROR)
     logging.getLogger("concurrent.futures").setLevel(logging.CRITICAL)
@@ -461,6 +466,9 @@ def main() -> None:
         "endpoint_url": server.endpoint,
         "client_kwargs": {"region_name": "us-east-1"},
     }
+    if args.large:
+        large(args, server, client, workers_list)
+        return
     data = Data(rows)
     bench_shards.DATA = data
     expect = (rows, int(data.offsets[-1]))
@@ -532,6 +540,26 @@ def main() -> None:
             " (windows: int32 windows of 2048 tokens, shuffled)."
             "\nGETs: object GETs of the epoch (listings excluded), ranged: those with a Range"
             " header; MB sent: bytes the server sent for the epoch."
+        )
+    finally:
+        server.stop()
+        remove(root)
+
+
+def large(args: argparse.Namespace, server: S3Server, client: Any, workers: list[int]) -> None:
+    import large_samples
+
+    rows = args.rows or (640 if args.quick else 6400)
+    print(f"{rows} samples of 80-120 kB, 16 MiB shards, median of {args.rounds} rounds")
+    root = Path(tempfile.mkdtemp(prefix="bench-remote-large-"))
+    try:
+        s3 = (client, server.endpoint, BUCKET)
+        print(
+            "\n".join(
+                large_samples.run(
+                    root, rows=rows, shard_mib=16, workers_list=workers, rounds=args.rounds, s3=s3
+                )
+            )
         )
     finally:
         server.stop()
