@@ -285,16 +285,23 @@ def _table(
 ) -> list[str]:
     med = {k: float(np.median(v)) for k, v in got.items()}
     both = "meshfeed" in sources and "litdata" in sources
-    lines = [f"{'row':<34}{'meshfeed':>10}{'litdata':>10}{'mf/ld':>8}"]
-    for w in workers_list:
-        for k, what in (("epoch1", "epoch 1 samples/s"), ("epoch2", "epoch 2 samples/s")):
-            mf, ld = med.get(("meshfeed", w, k)), med.get(("litdata", w, k))
-            lines.append(_row(f"w={w} {what}", mf, ld, both, higher=True))
-    for k, what in (("build", "from build"), ("iter", "from iter")) if resume_workers else ():
-        mf, ld = med.get(("meshfeed", resume_workers, k)), med.get(("litdata", resume_workers, k))
-        lines.append(_row(f"w={resume_workers} resume 1st batch ms {what}", mf, ld, both, False))
+    lines = [f"{'row':<34}{'meshfeed':>10}{'litdata':>10}{'mf/ld':>8}   per round"]
+    rows = [(w, k, f"{what} samples/s", True) for w in workers_list for k, what in _EPOCHS]
+    if resume_workers is not None:
+        rows += [(resume_workers, k, f"resume 1st batch ms {what}", False) for k, what in _RESUME]
+    for w, k, what, higher in rows:
+        mf, ld = med.get(("meshfeed", w, k)), med.get(("litdata", w, k))
+        line = _row(f"w={w} {what}", mf, ld, both, higher)
+        if both:  # the rounds were interleaved: each round's ratio in the same conditions
+            pairs = zip(got[("meshfeed", w, k)], got[("litdata", w, k)], strict=True)
+            line += "   " + " / ".join(f"{a / b if higher else b / a:.2f}" for a, b in pairs)
+        lines.append(line)
     lines.append(f"every epoch served each id once, each resume a full batch: {ok}")
     return lines
+
+
+_EPOCHS = (("epoch1", "epoch 1"), ("epoch2", "epoch 2"))
+_RESUME = (("build", "from build"), ("iter", "from iter"))
 
 
 def _row(label: str, mf: float | None, ld: float | None, both: bool, higher: bool) -> str:
