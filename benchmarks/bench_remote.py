@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import contextlib
 
 import bench_shards
+import large_samples
 from bench_shards import Data, disk_mib, import_litdata, import_mosaic, remove
 
 BATCH = 32
@@ -466,8 +467,11 @@ def main() -> None:
         "endpoint_url": server.endpoint,
         "client_kwargs": {"region_name": "us-east-1"},
     }
-    if args.large:
-        large(args, server, client, workers_list)
+    if args.large:  # the large-sample rows instead (large_samples.py), from this server
+        try:
+            large_samples.report(args, workers_list, s3=(client, server.endpoint, BUCKET))
+        finally:
+            server.stop()
         return
     data = Data(rows)
     bench_shards.DATA = data
@@ -540,26 +544,6 @@ def main() -> None:
             " (windows: int32 windows of 2048 tokens, shuffled)."
             "\nGETs: object GETs of the epoch (listings excluded), ranged: those with a Range"
             " header; MB sent: bytes the server sent for the epoch."
-        )
-    finally:
-        server.stop()
-        remove(root)
-
-
-def large(args: argparse.Namespace, server: S3Server, client: Any, workers: list[int]) -> None:
-    import large_samples
-
-    rows = args.rows or (640 if args.quick else 6400)
-    print(f"{rows} samples of 80-120 kB, 16 MiB shards, median of {args.rounds} rounds")
-    root = Path(tempfile.mkdtemp(prefix="bench-remote-large-"))
-    try:
-        s3 = (client, server.endpoint, BUCKET)
-        print(
-            "\n".join(
-                large_samples.run(
-                    root, rows=rows, shard_mib=16, workers_list=workers, rounds=args.rounds, s3=s3
-                )
-            )
         )
     finally:
         server.stop()

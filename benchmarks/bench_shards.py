@@ -290,8 +290,11 @@ def main() -> None:
     p.add_argument("--large", action="store_true", help="the large-sample rows instead")
     p.add_argument("--rounds", type=int, default=None, help="--large: rounds (3; 1 --quick)")
     args = p.parse_args()
-    if args.large:
-        large(args)
+    if args.large:  # the large-sample rows instead (large_samples.py), local files
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import large_samples
+
+        large_samples.report(args, [0] if args.quick else [0, 2])
         return
     rounds = 1 if args.quick else 3
     if args.rows is None:
@@ -336,24 +339,6 @@ def main() -> None:
     finally:
         if args.dir is None:
             remove(root)
-
-
-def large(args: argparse.Namespace) -> None:
-    """The large-sample rows (``large_samples.py``): meshfeed vs litdata, local files."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import large_samples
-
-    rows = args.rows or (640 if args.quick else 6400)
-    rounds = args.rounds or (1 if args.quick else 3)
-    print(f"{rows} samples of 80-120 kB, 16 MiB shards, median of {rounds} interleaved rounds")
-    root = Path(tempfile.mkdtemp(prefix="bench-large-"))
-    try:
-        lines = large_samples.run(
-            root, rows=rows, shard_mib=16, workers_list=[0] if args.quick else [0, 2], rounds=rounds
-        )
-        print("\n".join(lines))
-    finally:
-        remove(root)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,23 @@ def child(argv: list[str]) -> None:
 # --- in the bench's process ------------------------------------------------------------------
 
 
+def report(args: Any, workers_list: list[int], s3: tuple[Any, str, str] | None = None) -> None:
+    """Print the large-sample table of a bench's ``--large`` run (``args``: its ``rows``,
+    ``rounds``, ``quick``), in a temporary folder removed at the end."""
+    import shutil
+    import tempfile
+
+    rows = args.rows or (640 if args.quick else 6400)
+    rounds = args.rounds or (1 if args.quick else 3)
+    print(f"{rows} samples of 80-120 kB, 16 MiB shards, median of {rounds} interleaved rounds")
+    root = Path(tempfile.mkdtemp(prefix="bench-large-"))
+    try:
+        lines = run(root, rows=rows, shard_mib=16, workers_list=workers_list, rounds=rounds, s3=s3)
+        print("\n".join(lines), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run(
     root: Path,
     *,
