@@ -28,6 +28,10 @@ the cache the cold epoch left. Reported: samples/s, MB/s of sample payload, GET 
 epoch served every sample once (row count and total token count). Time includes opening
 the dataset (index download) and the workers' start.
 
+``--large``: the large-sample rows of ``large_samples.py`` (80-120 kB samples, meshfeed vs
+litdata, epoch 1 from an empty cache and epoch 2 from the cache it filled, each in a fresh
+process) from this server instead.
+
 A peer that does not import is skipped with the reason (MosaicML Streaming and litdata pin an
 older numpy; here they live in their own virtualenv, where meshfeed imports with
 ``PYTHONPATH=src``).
@@ -57,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import contextlib
 
 import bench_shards
+import large_samples
 from bench_shards import Data, disk_mib, import_litdata, import_mosaic, remove
 
 BATCH = 32
@@ -421,6 +426,7 @@ def main() -> None:
         help="cache-limit rows with a limit of this %% of the data (0: none; default 40)",
     )
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (report medians)")
+    p.add_argument("--large", action="store_true", help="the large-sample rows instead")
     args = p.parse_args()
     logging.getLogger("meshfeed").setLevel(logging.ERROR)
     logging.getLogger("concurrent.futures").setLevel(logging.CRITICAL)
@@ -461,6 +467,12 @@ def main() -> None:
         "endpoint_url": server.endpoint,
         "client_kwargs": {"region_name": "us-east-1"},
     }
+    if args.large:  # the large-sample rows instead (large_samples.py), from this server
+        try:
+            large_samples.report(args, workers_list, s3=(client, server.endpoint, BUCKET))
+        finally:
+            server.stop()
+        return
     data = Data(rows)
     bench_shards.DATA = data
     expect = (rows, int(data.offsets[-1]))

@@ -15,12 +15,18 @@ system and for compression off and zstd it measures:
 - ``iter/s``: the peers' own path, ``iter(StreamingDataset(shuffle=True))`` for as many
   samples, in this process (meshfeed's stream path is ``take``: the column before).
 
+``--large`` measures the large-sample data set instead (``{"id", "image": uint8[80..120 kB],
+"label"}``, 16 MiB shards, 0 and 2 workers, epoch 1 with the files dropped from the page
+cache, epoch 2, and resume's first batch at 50 %, each in a fresh process; see
+``large_samples.py``).
+
 A peer that is not installed is skipped and said so. The peers' pins pull numpy < 2.2 and a
 CUDA torchvision, so they live in their own environment here; MosaicML Streaming imports
 torchvision's vision datasets at package import only, and where torchvision is absent the
 benchmark stubs those names (unused by MDS).
 
     PYTHONPATH=src python benchmarks/bench_shards.py [--quick] [--rows 200000] [--window 32768]
+    PYTHONPATH=src python benchmarks/bench_shards.py --large [--rows 6400] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -281,7 +287,15 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=None, help="samples (default 200k; 20k --quick)")
     p.add_argument("--window", type=int, default=32_768, help="rows read in shuffled batches")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--large", action="store_true", help="the large-sample rows instead")
+    p.add_argument("--rounds", type=int, default=None, help="--large: rounds (3; 1 --quick)")
     args = p.parse_args()
+    if args.large:  # the large-sample rows instead (large_samples.py), local files
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import large_samples
+
+        large_samples.report(args, [0] if args.quick else [0, 2])
+        return
     rounds = 1 if args.quick else 3
     if args.rows is None:
         args.rows = 20_000 if args.quick else 200_000

@@ -34,3 +34,22 @@ def test_benchmark_quick_runs(script: Path, tmp_path: Path) -> None:
         f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )
     assert proc.stdout.strip(), f"{script.name} --quick printed no report"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["bench_shards.py", "--large", "--quick"], id="shards"),
+        pytest.param(["bench_remote.py", "--large", "--quick", "--workers", "0"], id="remote"),
+    ],
+)
+def test_large_sample_rows_run_and_serve_every_sample_once(args: list[str], tmp_path: Path) -> None:
+    # each epoch is checked in its child process (every id once) and reported on the last line
+    proc = run_python(
+        ROOT / "benchmarks" / args[0], *args[1:], cwd=tmp_path, timeout=TIMEOUT, what=" ".join(args)
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].endswith("each resume a full batch: True"), proc.stdout[-2000:]
+    assert any(line.startswith("w=0 epoch 1 samples/s") for line in lines), proc.stdout[-2000:]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshfeed.sources.streams.readers import DefaultReader, callable_identity
-from meshfeed.sources.streams.stream import ShardedStream, StreamOrder
+from meshfeed.sources.streams.stream import ShardedStream, StreamOrder, _groups
 
 
 @settings(max_examples=60, deadline=None)
@@ -39,6 +41,31 @@ def test_each_pass_is_a_bijection_of_the_rows_and_windows_stay_in_place(
     w = max(window, 1) if shuffle else total
     for lo in range(0, total, w):
         assert sorted(idx[lo : lo + w].tolist()) == sorted(walk[lo : lo + w].tolist())
+
+
+@settings(max_examples=80, deadline=None)
+@given(keys=st.lists(st.integers(0, 6), max_size=40))
+def test_groups_match_np_unique_and_its_masks(keys):
+    arr = np.asarray(keys, dtype=np.int64)
+    got = _groups(arr)
+    assert [k for k, _ in got] == np.unique(arr).tolist()
+    for k, mask in got:
+        np.testing.assert_array_equal(mask, arr == k)
+
+
+def test_planning_a_batch_does_not_import_numpy_ma():
+    # np.unique's first call imports numpy.ma (35-50 ms): a resumed loader's first batch
+    # would wait for it (#29)
+    code = (
+        "import sys, numpy as np\n"
+        "from meshfeed.sources.streams.stream import StreamOrder\n"
+        "o = StreamOrder([50, 70, 30], seed=1, shuffle=True, window=16, samples_per_epoch=100)\n"
+        "o.indices(3, np.arange(64))\n"
+        "print('numpy.ma' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 def test_shards_are_permuted_per_pass_and_rows_stay_in_order_without_a_window():

@@ -98,6 +98,19 @@ def _check_rows(rows: Sequence[int], shards: Sequence[Any]) -> list[int]:
     return [int(r) for r in rows]
 
 
+def _groups(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """Each key of ``keys`` (ints spanning a few consecutive values: passes, windows) with the
+    mask of its positions, in increasing order. Not ``np.unique``: its first call in a process
+    imports ``numpy.ma`` (35-50 ms), which a resumed loader's first batch would wait for."""
+    if not keys.size:
+        return []
+    lo, hi = int(keys.min()), int(keys.max())
+    if lo == hi:
+        return [(lo, np.ones(keys.shape, dtype=bool))]
+    masks = ((k, keys == k) for k in range(lo, hi + 1))
+    return [(k, m) for k, m in masks if m.any()]
+
+
 class ShardedStream:
     """Shards plus a reader, read as a map-style source (see the module docstring).
 
@@ -438,8 +451,7 @@ class StreamOrder(OrderBase):
         local = (first - first_pass * self.total) + pos  # < total + per_epoch
         pass_of, offset = np.divmod(local, self.total)
         out = np.empty_like(pos)
-        for k in np.unique(pass_of).tolist():
-            mask = pass_of == k
+        for k, mask in _groups(pass_of):
             out[mask] = self._pass_indices(first_pass + k, offset[mask])
         return out
 
@@ -447,8 +459,7 @@ class StreamOrder(OrderBase):
         if self.window:
             offset = offset.copy()
             win = offset // self.window
-            for w in np.unique(win).tolist():
-                mask = win == w
+            for w, mask in _groups(win):
                 lo = w * self.window
                 size = min(self.window, self.total - lo)
                 perm = Permutation(size, derive_seed(_WINDOW_OP, self.seed, p, w))
