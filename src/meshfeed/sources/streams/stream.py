@@ -99,16 +99,16 @@ def _check_rows(rows: Sequence[int], shards: Sequence[Any]) -> list[int]:
 
 
 def _groups(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """Each key of ``keys`` (ints spanning a few consecutive values: passes, windows) with the
-    mask of its positions, in increasing order. Not ``np.unique``: its first call in a process
-    imports ``numpy.ma`` (35-50 ms), which a resumed loader's first batch would wait for."""
+    """Each distinct value of the int array ``keys`` (passes, windows), in increasing order,
+    with the mask of its positions. Not ``np.unique``: its first call in a process imports
+    ``numpy.ma`` (35-50 ms), which a resumed loader's first batch would wait for."""
     if not keys.size:
         return []
-    lo, hi = int(keys.min()), int(keys.max())
-    if lo == hi:
-        return [(lo, np.ones(keys.shape, dtype=bool))]
-    masks = ((k, keys == k) for k in range(lo, hi + 1))
-    return [(k, m) for k, m in masks if m.any()]
+    ordered = np.sort(keys)
+    first = np.empty(ordered.shape, dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return [(k, keys == k) for k in ordered[first].tolist()]
 
 
 class ShardedStream:
