@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 __all__ = [
+    "NEEDS_HTTP",
     "NEEDS_HYPOTHESIS",
     "NEEDS_ZSTD",
     "ZSTD",
@@ -38,6 +39,11 @@ NEEDS_ZSTD = pytest.mark.skipif(
 )
 #: The ``"zstd"`` value of a ``compression`` parameter, skipped without zstandard.
 ZSTD = pytest.param("zstd", marks=NEEDS_ZSTD, id="zstd")
+#: For a test that reads http:// URLs: fsspec's http filesystem needs aiohttp.
+NEEDS_HTTP = pytest.mark.skipif(
+    not importable("aiohttp"),
+    reason='reading http:// needs aiohttp (pip install "meshfeed[remote]"), which is not installed',
+)
 #: For a property test: skipped where hypothesis (the test extra) is missing.
 NEEDS_HYPOTHESIS = pytest.mark.skipif(
     not importable("hypothesis"),
