@@ -22,7 +22,7 @@ TIMEOUT = 600.0
 NEEDS = {
     "bench_convert": ("tokenizers",),  # trains the BPE it converts with
     "bench_loader": ("torchdata",),
-    "bench_packing": ("tokenizers",),
+    "bench_packing": ("tokenizers", "grain"),  # its ratios are against Grain's packers
     "bench_queue": ("ray",),
     "bench_ray": ("ray",),
     "bench_shards": ("zstandard",),  # writes zstd-compressed meshfeed shards
