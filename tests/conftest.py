@@ -1,5 +1,6 @@
 """Shared fixtures: one local Ray runtime per test session, started only if a test asks; tests
-marked ``gpu`` are skipped, naming the reason, where CUDA is missing."""
+marked ``gpu`` are skipped, naming the reason, where CUDA is missing, and tests marked ``ray``
+where Ray is."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
+from tests.optional import importable
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -22,7 +25,13 @@ def ray_session() -> Iterator[object]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu`` tests without CUDA (never deselected: where CUDA is, they run)."""
+    """Skip ``gpu`` tests without CUDA and ``ray`` tests without Ray, naming the reason (never
+    deselected: where CUDA or Ray is, they run)."""
+    ray = [item for item in items if item.get_closest_marker("ray") is not None]
+    if ray and not importable("ray"):
+        skip = pytest.mark.skip(reason='needs ray (pip install "meshfeed[ray]"), not installed')
+        for item in ray:
+            item.add_marker(skip)
     gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu:
         return

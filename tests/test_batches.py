@@ -1,9 +1,8 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.order.batches import BatchPlan, ShuffledOrder, rank_bounds
+from tests.optional import given, settings, st
 
 
 def test_rank_bounds_balanced_plus_minus_one():

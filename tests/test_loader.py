@@ -3,14 +3,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import meshfeed
 import meshfeed.services
 from meshfeed import DataLoader, DataMesh
 from meshfeed.loader_base import LoaderBase
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
+from tests.optional import given, settings, st
 
 
 class Squares:

@@ -1,10 +1,9 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.order import Permutation, derive_seed
 from meshfeed.order.permutation import derive_seeds, permute_many
+from tests.optional import given, settings, st
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 100, 255, 256, 257, 1000, 4097])

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ def _main(argv: list[str]) -> int:
 
 
 def test_plan_cli_prints_balance_for_meshfeed_and_naive_and_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason='the plot needs matplotlib: "meshfeed[plot]"')
     png = tmp_path / "load.png"
     code = _main(
         [
@@ -121,8 +123,16 @@ def test_plan_cli_does_not_call_a_split_the_mesh_cp_degree(capsys):
     assert "not only --cp 1" in out and "all 8 DP x CP ranks" in out
 
 
+def test_plan_cli_without_matplotlib_refuses_a_plot_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises
+    monkeypatch.chdir(tmp_path)
+    assert _main(["plan", "--dp", "2", "--batches", "1", "--plot", "load.png"]) == 2
+    assert "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plan_cli_plot_title_counts_the_documents_of_the_table(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason='the plot needs matplotlib: "meshfeed[plot]"')
     import matplotlib.axes
 
     titles: list[str] = []

@@ -3,8 +3,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import meshfeed.cli
 from meshfeed import DataLoader
@@ -15,6 +13,7 @@ from meshfeed.sources.tokens.indexed_write import write_indexed
 from meshfeed.sources.tokens.windows import TokenDocuments
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 from tests.dist_utils import run_distributed
+from tests.optional import given, settings, st
 
 from .checks import check_routing
 

@@ -5,13 +5,12 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
 
 from meshfeed import DataLoader
 from meshfeed.balance import BalancedBatches, CostModel, PackedSamples, SampleFields, merge_rows
 from meshfeed.testing import assert_resume_equivalence
 from tests.dist_utils import run_distributed
+from tests.optional import assume, given, settings, st
 
 FIELDS = SampleFields(token_fields=("input_ids", "labels", "weight"))
 SPAN = 10_000  # input_ids = sample * SPAN + offset: every token of every sample is unique

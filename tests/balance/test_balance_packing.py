@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.balance import pack, packing_efficiency
 from meshfeed.balance.packing import pack_windows
+from tests.optional import given, settings, st
 
 
 @settings(max_examples=50, deadline=None)

@@ -2,11 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.balance import CostModel
 from meshfeed.balance.routing import route_local
+from tests.optional import given, settings, st
 
 from .checks import check_routing, make_sample
 

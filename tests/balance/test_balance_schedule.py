@@ -2,11 +2,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.balance import CostModel, naive_slicing, schedule_documents, token_balancing
 from meshfeed.balance.synthetic import sample_batch
+from tests.optional import given, settings, st
 
 from .checks import check_placement, simulate
 

@@ -7,8 +7,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.curriculum import (
     Curriculum,
@@ -22,6 +20,7 @@ from meshfeed.curriculum import (
     fixed_root,
 )
 from meshfeed.testing import assert_resume_equivalence
+from tests.optional import given, settings, st
 
 
 def _index(name: str, values: Any) -> MetricIndex:

@@ -6,8 +6,6 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed import DataLoader
 from meshfeed.curriculum import (
@@ -20,6 +18,7 @@ from meshfeed.curriculum import (
 from meshfeed.ordering import CurriculumMixtureOrder, build_order
 from meshfeed.sources.mixture import Mixture
 from meshfeed.testing import assert_resume_equivalence, take
+from tests.optional import given, settings, st
 
 
 class Docs:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.curriculum import GatedOrder
 from meshfeed.order.batches import rank_bounds
+from tests.optional import given, settings, st
 
 
 def _order(entry: list[int], *, g: int, per_epoch: int | None = None, seed: int = 0) -> GatedOrder:

@@ -6,10 +6,9 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.curriculum import custom, fixed_discrete, fixed_linear, fixed_root
+from tests.optional import given, settings, st
 
 
 def _deepspeed_before_0_19_8(t: int, lo: int, hi: int, total: int, step: int, root: float) -> int:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed import DataLoader
 from meshfeed.order.rampup import BatchRampup, RampSizes, as_rampup
+from tests.optional import given, settings, st
 
 
 def _loader(rampup, **kw):

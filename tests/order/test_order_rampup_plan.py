@@ -6,8 +6,6 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed import DataLoader, DataMesh, StreamLoader
 from meshfeed.order.batches import ShuffledOrder
@@ -16,6 +14,7 @@ from meshfeed.order.rampup_plan import RampupPlan
 from meshfeed.sources import ShardedStream
 from meshfeed.testing import assert_resume_equivalence, take
 from tests.dist_utils import run_distributed
+from tests.optional import given, settings, st
 
 SEED = 3
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -26,6 +24,7 @@ from meshfeed import DataLoader
 from meshfeed.order.batches import ShuffledOrder
 from meshfeed.order.rampup import BatchRampup
 from meshfeed.order.rampup_plan import RampupPlan
+from tests.optional import given, settings, st
 
 
 def megatron_sizes(G, mbs, dp, start, inc, samples, *, decrease=False, steps=60, check=True):

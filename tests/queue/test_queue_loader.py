@@ -16,7 +16,6 @@ import pytest
 from meshfeed.mesh import DataMesh
 from meshfeed.queue import Batch, SampleStore, StoreLoader
 from meshfeed.testing import assert_resume_equivalence
-from tests.optional import importable
 
 
 def _loader(store: SampleStore, **kwargs: Any) -> StoreLoader:
@@ -503,7 +502,7 @@ def test_loader_rejects_bool_workers_and_bad_timeouts_at_construction():
         )
 
 
-@pytest.mark.skipif(not importable("ray"), reason="the example imports ray, which is not installed")
+@pytest.mark.ray  # the example imports ray
 @pytest.mark.parametrize("steps", ["0", "1"])
 @pytest.mark.slow
 def test_ray_trainers_example_refuses_too_few_steps_with_a_clear_message(steps):

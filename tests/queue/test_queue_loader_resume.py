@@ -9,11 +9,10 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.queue import GroupSampler, SampleStore, StoreLoader
 from meshfeed.queue.rounds import split_round
+from tests.optional import given, settings, st
 
 GLOBAL = 8  # samples per round (global batch)
 

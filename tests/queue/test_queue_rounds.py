@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.queue.rounds import Progress, Round, split_round
+from tests.optional import given, settings, st
 
 
 def _split_by_units(ids: list[int], parts: int, unit: int) -> list[list[int]]:

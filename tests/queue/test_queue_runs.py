@@ -7,11 +7,10 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from meshfeed.queue import PartitionClosed, SampleStore
 from meshfeed.queue.engine.records import Run, Sample
+from tests.optional import HealthCheck, given, settings, st
 
 
 def _records(store: SampleStore, partition: str) -> list[type]:

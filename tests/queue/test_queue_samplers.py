@@ -5,8 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.mesh import DataMesh
 from meshfeed.queue import (
@@ -17,6 +15,7 @@ from meshfeed.queue import (
     SampleStore,
 )
 from meshfeed.queue.samplers import karmarkar_karp
+from tests.optional import given, settings, st
 
 
 def test_rank_aware_replica_members_get_the_same_batch_and_data_ranks_disjoint_ones(make_store):

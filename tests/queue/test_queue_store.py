@@ -10,10 +10,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.queue import PartitionClosed, RankAwareSampler, SampleStore
+from tests.optional import given, settings, st
 
 FIELDS = ["prompt", "response", "reward"]
 

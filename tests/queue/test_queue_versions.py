@@ -12,12 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from meshfeed.queue import GroupSampler, PartitionClosed, SampleStore, StaleVersion
 from meshfeed.queue.engine.core import StoreOptions
 from meshfeed.testing import reset_store
+from tests.optional import HealthCheck, given, settings, st
 
 BACKENDS = [pytest.param("embedded"), pytest.param("ray", marks=pytest.mark.ray)]
 

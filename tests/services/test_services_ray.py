@@ -7,8 +7,6 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed import DataLoader, DataMesh, SampleError
 from meshfeed.order.batches import ShuffledOrder
@@ -17,6 +15,7 @@ from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import Mixture
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
+from tests.optional import given, settings, st
 
 
 class Items:

@@ -94,6 +94,14 @@ def test_module_callable_tokenizer_from_the_current_folder(
     sys.modules.pop("mytok", None)
 
 
+def test_a_name_that_may_be_a_tiktoken_encoding_names_the_install_without_tiktoken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # as where it is not installed
+    with pytest.raises(ValueError, match="if it is a tiktoken encoding name, pip install tiktoken"):
+        load_tokenizer("cl100k_base")
+
+
 def test_bad_tokenizer_specs_are_explained() -> None:
     # The message differs with tiktoken installed (it was asked, and has no such encoding).
     with pytest.raises(ValueError, match="tokenizer 'nocolon' is not 'bytes', a "):

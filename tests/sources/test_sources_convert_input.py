@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,6 +83,11 @@ def test_token_ids_refuse_what_numpy_would_coerce(tmp_path: Path) -> None:
         token_ids([2**70], "f:1")
 
 
+def _garbage_parquet(path: Path) -> None:
+    pytest.importorskip("pyarrow", reason='reading Parquet needs pyarrow: "meshfeed[parquet]"')
+    path.write_bytes(b"PAR1 garbage")
+
+
 def _corrupt_page(path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
@@ -105,7 +111,7 @@ CORPUS_ONLY: list[tuple[str, Callable[[Path], None], str]] = [
         lambda p: (np.save(p, np.ones((64, 64), np.int32)), p.write_bytes(p.read_bytes()[:300])),
         r"s\.npy is not a readable \.npy",
     ),
-    ("f.parquet", lambda p: p.write_bytes(b"PAR1 garbage"), r"f\.parquet is not a readable"),
+    ("f.parquet", _garbage_parquet, r"f\.parquet is not a readable"),
     ("p.parquet", _corrupt_page, r"p\.parquet row 0: a corrupt Parquet page"),
 ]
 
@@ -125,4 +131,20 @@ def test_malformed_npy_and_parquet_name_the_file(
     assert main(["convert", str(tmp_path / name), "-o", str(out), "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(message, err), err
+    assert not out.parent.exists() or not any(out.parent.iterdir())
+
+
+def test_parquet_without_pyarrow_is_one_line_naming_the_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("pyarrow", "pyarrow.parquet"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    (tmp_path / "f.parquet").write_bytes(b"PAR1 garbage")
+    out = tmp_path / "out" / "o"
+    assert main(["convert", str(tmp_path / "f.parquet"), "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "meshfeed convert: error: converting Parquet needs pyarrow: pip install meshfeed[parquet]\n"
+    )
     assert not out.parent.exists() or not any(out.parent.iterdir())

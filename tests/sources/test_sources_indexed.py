@@ -9,11 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.sources.tokens.indexed import HEADER_SIZE, IndexedFormatError, TokenCorpus
 from meshfeed.sources.tokens.indexed_write import IndexedWriter, write_indexed
+from tests.optional import given, settings, st
 
 
 def megatron_files(

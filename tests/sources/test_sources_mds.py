@@ -26,11 +26,12 @@ from meshfeed.sources.streams.files import open_local
 from meshfeed.sources.streams.mds import MDSReader, mds_stream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence
+from tests.optional import NEEDS_HTTP, NEEDS_ZSTD, ZSTD
 from tests.sources.range_server import serve
 
 PEER = Path(__file__).with_name("mds_peer.py")
 PEERS_PYTHON = Path("/tmp/shards-peers/bin/python")
-NAMES = ("plain", "zstd", "gz")
+NAMES = ("plain", ZSTD, "gz")
 
 
 def _peer_python() -> str | None:
@@ -104,7 +105,7 @@ def test_the_loader_yields_exactly_the_samples_mosaicml_reads(peer, name):
     assert sorted(seen) == list(range(90)) and seen != sorted(seen)  # shuffled, each once
 
 
-@pytest.mark.parametrize("name", ["plain", "zstd"])
+@pytest.mark.parametrize("name", ["plain", ZSTD])
 def test_samples_by_index_match_streaming_dataset(peer, name):
     stream = mds_stream(peer["root"] / name)
     reference = peer["dataset"][name]
@@ -121,8 +122,9 @@ def test_image_columns_are_the_stored_bytes(peer):
     assert got[2]["png"].startswith(b"\x89PNG")
 
 
-def test_decoded_values_have_the_documented_types(peer):
-    s = mds_stream(peer["root"] / "zstd")[5]
+@pytest.mark.parametrize("name", ["plain", ZSTD])
+def test_decoded_values_have_the_documented_types(peer, name):
+    s = mds_stream(peer["root"] / name)[5]
     assert isinstance(s["id"], int) and isinstance(s["text"], str) and isinstance(s["blob"], bytes)
     assert (
         s["tokens"].dtype == np.int32 and s["tokens"].shape == (6,) and s["tokens"].flags.writeable
@@ -137,7 +139,7 @@ def test_decoded_values_have_the_documented_types(peer):
 
 
 # ---------------------------------------------------------------------- ranks and resume
-@pytest.mark.parametrize("name", ["plain", "zstd"])
+@pytest.mark.parametrize("name", ["plain", ZSTD])
 def test_every_row_once_over_two_data_ranks(peer, name):
     stream = mds_stream(peer["root"] / name, shuffle_buffer=20)
     per_rank, padded = [], 0
@@ -152,7 +154,10 @@ def test_every_row_once_over_two_data_ranks(peer, name):
     assert set(served) == set(range(90)) and len(served) == 90 + padded and padded < 2
 
 
-@pytest.mark.parametrize(("name", "workers"), [("plain", 0), ("zstd", 0), ("gz", 2), ("plain", 2)])
+@pytest.mark.parametrize(
+    ("name", "workers"),
+    [("plain", 0), pytest.param("zstd", 0, marks=NEEDS_ZSTD), ("gz", 2), ("plain", 2)],
+)
 @pytest.mark.slow
 def test_exact_resume_from_every_batch(peer, name, workers):
     stream = mds_stream(peer["root"] / name, shuffle_buffer=24, seed=1)
@@ -167,6 +172,7 @@ def test_exact_resume_from_every_batch(peer, name, workers):
 
 
 # ---------------------------------------------------------------------- the reader
+@NEEDS_ZSTD
 def test_reader_pickles_without_its_caches_and_reads_the_same(peer):
     reader = MDSReader(peer["root"] / "zstd")
     shard = reader.shards[2]
@@ -237,6 +243,7 @@ def test_a_truncated_shard_is_a_source_error_naming_it(peer, tmp_path):
         stream.__getitems__([first])
 
 
+@NEEDS_ZSTD
 def test_a_damaged_compressed_shard_is_a_source_error_naming_it(peer, tmp_path):
     root = _copy(peer, "zstd", tmp_path)
     shard = root / "shard.00000.mds.zstd"
@@ -267,7 +274,8 @@ def test_an_unknown_shard_or_index_version_is_refused(peer, tmp_path):
         MDSReader(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("name", ["plain", "zstd"])
+@NEEDS_HTTP
+@pytest.mark.parametrize("name", ["plain", ZSTD])
 def test_a_dataset_read_over_http_byte_ranges_is_the_same(peer, name):
     expected = peer["expected"][name]
     with serve(str(peer["root"])) as (base, log):

@@ -9,14 +9,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.loader import DataLoader
 from meshfeed.order.interleave import MARK_EVERY, _Deadline
 from meshfeed.sources.lazy import LazyDataset
 from meshfeed.sources.mixture import MAX_PERIOD, Mixture, interleave_period
 from meshfeed.testing import assert_resume_equivalence, take
+from tests.optional import given, settings, st
 
 
 def _src(name: str, n: int) -> list[str]:

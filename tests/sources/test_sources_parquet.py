@@ -8,8 +8,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -17,6 +15,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from meshfeed.loader import DataLoader  # noqa: E402
 from meshfeed.sources.parquet import ArrowSource, ParquetSource  # noqa: E402
 from meshfeed.testing import assert_resume_equivalence  # noqa: E402
+from tests.optional import given, settings, st  # noqa: E402
 
 
 def write_files(tmp: Path, rows_per_file: list[int], row_group_size: int = 4) -> list[Path]:

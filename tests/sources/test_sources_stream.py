@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.errors import SourceError
 from meshfeed.fetch import SampleError
@@ -25,6 +23,7 @@ from meshfeed.sources.streams.stream import ShardedStream
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence, take
 from tests.dist_utils import run_distributed
+from tests.optional import given, settings, st
 from tests.process_checks import SRC
 
 

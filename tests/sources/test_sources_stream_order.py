@@ -10,11 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.sources.streams.readers import DefaultReader, callable_identity
 from meshfeed.sources.streams.stream import ShardedStream, StreamOrder, _groups
+from tests.optional import given, settings, st
 
 
 @settings(max_examples=60, deadline=None)

@@ -21,6 +21,7 @@ from meshfeed.sources.streams.webdataset import TarReader, expand_shards, wds_st
 from meshfeed.stream_loader import StreamLoader
 from meshfeed.testing import assert_resume_equivalence
 from tests.dist_utils import run_distributed
+from tests.optional import NEEDS_HTTP
 from tests.sources.range_server import serve
 
 SIZES = (7, 12, 1, 9)  # samples per shard
@@ -237,6 +238,7 @@ def test_a_forked_worker_reads_through_its_own_file_handles(shards):
     assert os.lseek(fd, 0, os.SEEK_CUR) == before
 
 
+@NEEDS_HTTP
 def test_shards_read_over_http_byte_ranges_are_the_same(shards):
     root = str(Path(shards[0]).parent)
     with serve(root) as (base, log):

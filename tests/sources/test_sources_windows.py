@@ -8,8 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from meshfeed.loader import DataLoader
 from meshfeed.sources.tokens.indexed import TokenCorpus
@@ -17,6 +15,7 @@ from meshfeed.sources.tokens.indexed_write import write_indexed
 from meshfeed.sources.tokens.windows import TokenDocuments, TokenWindows
 from meshfeed.testing import assert_resume_equivalence, assert_same
 from tests.dist_utils import run_distributed
+from tests.optional import given, settings, st
 
 
 def corpus_of(tmp: Path, lengths: list[int], seed: int = 0) -> tuple[TokenCorpus, np.ndarray]:
