@@ -146,11 +146,8 @@ class ShardCache(Ahead):
 
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # a forked child: the parent's locks and threads are not ours
-            # popitem: threads of the child that get here at once close each descriptor once (a
-            # second close would hit whatever the number was reused for, e.g. a socket)
-            with contextlib.suppress(KeyError):
-                while True:
-                    self._held.popitem()[1].close()  # the parent keeps its own descriptor
+            # (the fork's handler already closed this child's copies of the parent's lock
+            # descriptors, each once: meshfeed.storage._lock)
             self._init_process_state()
 
     # -- pickling: settings only ------------------------------------------------------------
