@@ -183,3 +183,40 @@ def test_two_gloo_ranks_with_device_prefetch_agree_and_resume():
         assert r["ahead"] == r["plain"] and r["rest"] == r["resumed"]
     seen = [v for r in results for b in r["ahead"] for v in b]
     assert sorted(seen) == list(range(40))  # each sample once, over the two ranks
+
+
+def test_closing_the_stage_on_its_own_delivery_thread_does_not_join_itself():
+    """A loader dropped while its delivery thread makes a batch is collected on that thread
+    (``__del__`` -> ``shutdown`` closes the stage there): closing must not try to join the
+    thread it runs on, which would raise and cut the shutdown short (workers left running)."""
+    from meshfeed.delivery import Delivery
+    from meshfeed.telemetry import Telemetry
+
+    delivery = Delivery(
+        pin_memory=False, device=torch.device("cpu"), depth=1, timeout=5.0,
+        telemetry=Telemetry("test"),
+    )  # fmt: skip
+    box: dict[str, object] = {}
+    errors: list[BaseException] = []
+    closed, returned = threading.Event(), threading.Event()
+
+    def items():
+        yield torch.zeros(1), 0
+        returned.wait(10)  # the loop holds the first batch and is out of the stage
+        try:
+            box["stage"].close()  # as __del__ -> shutdown() would, on this thread
+        except BaseException as exc:
+            errors.append(exc)
+        closed.set()
+        yield torch.zeros(1), 1
+
+    stage = delivery.stage(items())
+    box["stage"] = stage
+    assert next(stage)[1] == 0
+    returned.set()
+    assert closed.wait(10), "the delivery thread never reached the close"
+    deadline = time.monotonic() + 10
+    while any(t.name == "meshfeed-delivery" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the delivery thread did not end"
+        time.sleep(0.01)
+    assert errors == []

@@ -190,6 +190,10 @@ class Delivery:
             self._join(ready, thread)
 
     def _join(self, ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> None:
+        if thread is threading.current_thread():
+            # Closed on the delivery thread itself (a loader dropped while the thread made its
+            # batch is collected there): it sees the stop flag once this returns.
+            return
         deadline = time.monotonic() + self.timeout
         while thread.is_alive() and time.monotonic() < deadline:
             with contextlib.suppress(queue.Empty):
