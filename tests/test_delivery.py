@@ -220,3 +220,28 @@ def test_closing_the_stage_on_its_own_delivery_thread_does_not_join_itself():
         assert time.monotonic() < deadline, "the delivery thread did not end"
         time.sleep(0.01)
     assert errors == []
+
+
+def _stats_while_ahead(rank, world):
+    # The per-step error check (on_error="raise") runs on the delivery thread, which rank 1
+    # lets run ahead while its loop sleeps; the loop's across-ranks stats run meanwhile.
+    loader = DataLoader(
+        Counted(80), batch_size=2, seed=1, on_error="raise", device="cpu", device_prefetch=4
+    )
+    shares, seen = [], []
+    for step, batch in enumerate(loader):
+        seen += batch.view(-1).tolist()
+        if rank == 1:
+            time.sleep(0.02)  # the delivery thread fills its queue: its checks run now
+        if step % 4 == 0:
+            shares.append(loader.delivery_stats(across_ranks=True)["slowest"]["rank"])
+    return {"seen": seen, "shares": shares}
+
+
+def test_across_ranks_stats_while_the_delivery_thread_checks_batches_do_not_mix():
+    """The loop's ``delivery_stats(across_ranks=True)`` and the delivery thread's per-step
+    checks are collectives of two threads: on one group, a rank whose thread ran ahead would
+    pair its check with a peer's stats gather. They run on groups of their own."""
+    results = run_distributed(_stats_while_ahead, 2)
+    assert sorted(v for r in results for v in r["seen"]) == list(range(80))
+    assert results[0]["shares"] == results[1]["shares"] and len(results[0]["shares"]) == 5

@@ -44,14 +44,14 @@ class _FakeGroup:
         import torch.distributed as tdist
 
         self.devices: list[tuple[str, torch.device]] = []
-        self.own = object()  # meshfeed's own control group (a gloo group)
+        self.owns: list[object] = []  # meshfeed's own control groups (gloo groups)
         self.created: list[dict[str, Any]] = []
         monkeypatch.setattr(dist, "_OWN_GROUPS", {})
         monkeypatch.setattr(tdist, "is_initialized", lambda: True)
         monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
         monkeypatch.setattr(
-            tdist, "get_backend", lambda group=None: "gloo" if group is self.own else backend
+            tdist, "get_backend", lambda group=None: "gloo" if group in self.owns else backend
         )
         monkeypatch.setattr(tdist, "new_group", self.new_group)
         monkeypatch.setattr(tdist, "all_gather", self.all_gather)
@@ -59,7 +59,8 @@ class _FakeGroup:
 
     def new_group(self, **kw: Any) -> Any:
         self.created.append(kw)
-        return self.own
+        self.owns.append(object())
+        return self.owns[-1]
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, **kw: Any) -> Any:
         self.devices.append(("all_gather", t.device))
@@ -100,7 +101,6 @@ def test_collectives_put_their_tensors_on_the_device_the_rule_names(monkeypatch)
 def test_control_collectives_run_on_a_gloo_group_of_their_own_per_timeout(monkeypatch):
     """Without a group, reductions and gathers go to meshfeed's gloo group whose timeout is
     the caller's (created once per timeout); the data exchange stays on the caller's group."""
-    import datetime
 
     fake = _FakeGroup(monkeypatch, "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -114,15 +114,20 @@ def test_control_collectives_run_on_a_gloo_group_of_their_own_per_timeout(monkey
     dist.all_gather_ints([1], timeout=7)
     dist.check_agreement({"seed": 1}, timeout=7)
     dist.all_gather_ints([1], timeout=9)
-    assert len(groups) == 5 and all(g is fake.own for g in groups)
-    assert [c["timeout"] for c in fake.created] == [
-        datetime.timedelta(seconds=7),
-        datetime.timedelta(seconds=9),
+    # Two groups per timeout, made together: the loop's and a side one (delivery_stats).
+    assert [(c["timeout"].total_seconds(), c["group_desc"]) for c in fake.created] == [
+        (7, "meshfeed"),
+        (7, "meshfeed-side"),
+        (9, "meshfeed"),
+        (9, "meshfeed-side"),
     ]
     assert {c["backend"] for c in fake.created} == {"gloo"}
+    loop7, side7, loop9, _ = fake.owns
+    assert len(groups) == 5 and groups == [loop7] * 3 + [loop9] * 2
+    assert dist.control_group(7, side=True) is side7 and len(fake.created) == 4
     explicit = object()
     dist.all_gather_ints([1], timeout=7, group=explicit)
-    assert groups[-1] is explicit and len(fake.created) == 2
+    assert groups[-1] is explicit and len(fake.created) == 4
 
 
 def test_an_nccl_group_asks_for_the_current_cuda_device(monkeypatch):

@@ -148,11 +148,17 @@ def _check_timeout(timeout: float) -> float:
     return min(float(timeout), 365 * 86400.0)
 
 
-def control_group(timeout: float, group: Any = None) -> Any:
+def control_group(timeout: float, group: Any = None, *, side: bool = False) -> Any:
     """The group meshfeed's control collectives run on: ``group`` when one is given, else a
     gloo group over every rank whose timeout is ``timeout`` (see the module docstring).
 
-    Created on first use, once per timeout value and default group; creating it is itself a
+    ``side=True``: a second such group, for collectives a loop's thread makes while another
+    of its threads makes the loader's own (``delivery_stats(across_ranks=True)`` beside the
+    delivery thread's per-step checks): on one group, a rank whose thread ran ahead would pair
+    its collective with a different one of its peer's.
+
+    Created on first use, both at once (in the same order on every rank, whichever thread
+    asks first), once per timeout value and default group; creating them is itself a
     collective of every rank (``torch.distributed.new_group``), which the first collective of
     that timeout is on every rank in the same order. A rank that never arrives makes it a
     :class:`~meshfeed.errors.CollectiveError` within about ``timeout``.
@@ -169,18 +175,21 @@ def control_group(timeout: float, group: Any = None) -> Any:
         if timeout not in _OWN_GROUPS:
             start = time.monotonic()
             try:
-                _OWN_GROUPS[timeout] = dist.new_group(
-                    backend="gloo",
-                    timeout=datetime.timedelta(seconds=timeout),
-                    group_desc="meshfeed",
+                _OWN_GROUPS[timeout] = tuple(
+                    dist.new_group(
+                        backend="gloo",
+                        timeout=datetime.timedelta(seconds=timeout),
+                        group_desc=desc,
+                    )
+                    for desc in ("meshfeed", "meshfeed-side")
                 )
             except RuntimeError as exc:  # gloo's rendezvous: a rank never came
                 what = "setting up meshfeed's process group (its first collective)"
                 raise _failure(exc, time.monotonic() - start, timeout, what) from exc
-        return _OWN_GROUPS[timeout]
+        return _OWN_GROUPS[timeout][side]
 
 
-_OWN_GROUPS: dict[float, Any] = {}
+_OWN_GROUPS: dict[float, tuple[Any, ...]] = {}
 _OWN_WORLD: list[Any] = [None]
 _OWN_LOCK = threading.Lock()
 

@@ -104,10 +104,12 @@ class LoaderBase(Lifecycle):
         """
         out = self.telemetry.report()
         if across_ranks:
-            from meshfeed.dist import all_gather_objects
+            from meshfeed.dist import all_gather_objects, control_group
 
             mine = (out["wait_share"], out["wait_p99_s"], out["wait_mean_s"])
-            rows = all_gather_objects(mine, timeout=self.wait_timeout)
+            # A group of its own: the delivery thread may be in a per-step check meanwhile.
+            side = control_group(self.wait_timeout, side=True)
+            rows = all_gather_objects(mine, timeout=self.wait_timeout, group=side)
             rank = max(range(len(rows)), key=lambda r: rows[r][0])
             share, p99, mean = rows[rank]
             out["slowest"] = {
