@@ -41,6 +41,7 @@ import time
 import tracemalloc
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -56,8 +57,8 @@ from meshfeed.sources import TokenWindows, write_indexed
 
 WINDOW = 2048
 BATCH = 8
-RESUME_SAMPLES = 8 * 10**6 + 512
 RESUME_STEPS = (10, 10**4, 10**6)
+
 FIRST_BATCHES = 300
 HOT_PATH = (
     "src/meshfeed/loader.py",
@@ -648,9 +649,15 @@ def _resume_seconds(make: Callable[[], Any], state: Any) -> tuple[float, Any]:
     return elapsed, batch
 
 
+def resume_samples(steps: tuple[int, ...]) -> int:
+    """The resume data set's size: the last step's batches and a little more."""
+    return steps[-1] * BATCH + 512
+
+
 def bench_resume(cfg: argparse.Namespace) -> list[dict[str, Any]]:
-    ds = TinySamples(RESUME_SAMPLES)
-    ref_steps = [s for s in RESUME_STEPS if s <= 10**4]
+    steps = cfg.resume_steps
+    ds = TinySamples(resume_samples(steps))
+    ref_steps = list(steps[:2])  # real states; the last step's is scaled from the second's
     makers: dict[str, Callable[[], Any]] = {"meshfeed": lambda: meshfeed_loader(ds)}
     variants = torchdata_variants(ds)
     if cfg.quick:
@@ -676,16 +683,16 @@ def bench_resume(cfg: argparse.Namespace) -> list[dict[str, Any]]:
             loader.shutdown()
         base = states[name][ref_steps[0]]
         if name == "meshfeed":
-            scaled = {s: {**base, "position": s * BATCH} for s in RESUME_STEPS}
+            scaled = {s: {**base, "position": s * BATCH} for s in steps}
         else:
-            scaled = {s: scale_torchdata_state(base, s) for s in RESUME_STEPS}
+            scaled = {s: scale_torchdata_state(base, s) for s in steps}
         for step in ref_steps:  # the scaled state is the real one where we can check it
             if not _same_state(scaled[step], states[name][step]):
                 raise RuntimeError(f"{name}: scaled state at {step} differs from the real one")
-        states[name].update({s: scaled[s] for s in RESUME_STEPS if s not in ref_steps})
+        states[name].update({s: scaled[s] for s in steps if s not in ref_steps})
 
     rows = []
-    for step in RESUME_STEPS:
+    for step in steps:
         row: dict[str, Any] = {"step": step}
         for name, make in makers.items():
             _resume_seconds(make, states[name][step])  # warm-up
@@ -698,7 +705,7 @@ def bench_resume(cfg: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"  resume {row}", file=sys.stderr)
     size_row: dict[str, Any] = {"step": "state bytes"}
     for name in makers:
-        st = states[name][10**4]
+        st = states[name][ref_steps[-1]]
         size_row[name] = len(json.dumps(st)) if name == "meshfeed" else len(pickle.dumps(st))
     rows.append(size_row)
     return rows
@@ -788,11 +795,14 @@ def run_memory_child(kind: str, n: int) -> dict[str, Any]:
 
 
 def bench_memory(cfg: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = [run_memory_child("meshfeed-order", 10**9), run_memory_child("meshfeed-loader", 10**9)]
-    for n in cfg.randperm_sizes:
-        rows.append(run_memory_child("torch-randperm", n))
-    for n in cfg.sampler_sizes:  # a list of n Python ints: ~150 bytes of RSS per sample
-        rows.append(run_memory_child("torch-DistributedSampler", n))
+    jobs = [("meshfeed-order", 10**9), ("meshfeed-loader", 10**9)]
+    jobs += [("torch-randperm", n) for n in cfg.randperm_sizes]
+    # a list of n Python ints: ~150 bytes of RSS per sample
+    jobs += [("torch-DistributedSampler", n) for n in cfg.sampler_sizes]
+    # Each child measures its own memory, which a sibling running beside it does not change:
+    # two at a time (most of a child's time is importing torch).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        rows = list(pool.map(lambda job: run_memory_child(*job), jobs))
     for row in rows:
         print(f"  memory {row}", file=sys.stderr)
     return rows
@@ -939,7 +949,8 @@ def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
     if "resume" in results:
         names = [k for k in results["resume"][0] if k != "step"]
         lines += [
-            f"## Resume latency: load_state_dict + first batch, ms ({RESUME_SAMPLES:,} tiny "
+            f"## Resume latency: load_state_dict + first batch, ms "
+            f"({resume_samples(cfg.resume_steps):,} tiny "
             f"samples, median of {cfg.resume_repeats})",
             "",
             "| step | " + " | ".join(names) + " |",
@@ -993,10 +1004,12 @@ def main(argv: list[str] | None = None) -> None:
         args.windows, args.warmup, args.batches, args.repeats = 4096, 10, 60, 3
         args.overhead_batches, args.resume_repeats, args.transport_batches = 1000, 1, 500
         args.randperm_sizes, args.sampler_sizes = [10**7], [10**6]
+        args.resume_steps = (10, 10**3, 10**5)  # a smoke run: the full run's 10**4 / 10**6
     else:
         args.windows, args.warmup, args.batches, args.repeats = 32768, 30, 300, 5
         args.overhead_batches, args.resume_repeats, args.transport_batches = 5000, 3, 3000
         args.randperm_sizes, args.sampler_sizes = [10**7, 10**8], [10**6, 10**7]
+        args.resume_steps = RESUME_STEPS
     sections = args.only or ["throughput", "workers", "transport", "overhead", "resume", "memory"]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="meshfeed-bench-") as tmp:
