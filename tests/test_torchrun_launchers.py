@@ -3,7 +3,9 @@
 Each launcher is its own ``torchrun --nnodes=4 --node_rank=i`` (a node of a multi-node job, on
 127.0.0.1). The job trains (a barrier per step stands for the gradient all-reduce), saves the
 loader with ``torch.distributed.checkpoint`` at step 4, and goes on; the test SIGKILLs launcher
-3's process tree, the surviving ranks fail in their next collective, and the job is launched
+3 and its two ranks (torchrun starts ranks outside the launcher's process group, so killing the
+group alone left them running), every surviving rank fails in its next collective (each says
+so in a file), and the job is launched
 again on 3 launchers x 2 ranks (6 data ranks, the same global batch of 24) from the
 checkpoint: the samples before the checkpoint and after the resume are one epoch, each once.
 """
@@ -39,17 +41,24 @@ JOB = textwrap.dedent(
     if phase == "resume":
         dcp.load({{"data": loader}}, checkpoint_id=os.path.join(out, "ckpt"))
     log = open(os.path.join(out, f"{{phase}}-{{rank}}.jsonl"), "a")
-    for step, batch in enumerate(loader):
-        log.write(json.dumps([loader.position, batch.tolist()]) + "\\n")
-        log.flush()
-        dist.barrier()  # the training step's collective
-        if phase == "first" and step + 1 == {SAVE_AT}:
-            dcp.save({{"data": loader}}, checkpoint_id=os.path.join(out, "ckpt"))
-            dist.barrier()
-            if rank == 0:
-                open(os.path.join(out, "saved"), "w").close()
-        if phase == "first" and step + 1 >= {SAVE_AT}:
-            time.sleep(0.5)  # slow enough for the kill to land mid-epoch
+    with open(os.path.join(out, f"{{phase}}-{{rank}}.pid"), "w") as f:
+        f.write(str(os.getpid()))  # torchrun starts its ranks outside the launcher's group
+    try:
+        for step, batch in enumerate(loader):
+            log.write(json.dumps([loader.position, batch.tolist()]) + "\\n")
+            log.flush()
+            dist.barrier()  # the training step's collective
+            if phase == "first" and step + 1 == {SAVE_AT}:
+                dcp.save({{"data": loader}}, checkpoint_id=os.path.join(out, "ckpt"))
+                dist.barrier()
+                if rank == 0:
+                    open(os.path.join(out, "saved"), "w").close()
+            if phase == "first" and step + 1 >= {SAVE_AT}:
+                time.sleep(0.5)  # slow enough for the kill to land mid-epoch
+    except Exception as exc:  # a peer's node was lost: this rank fails, and says so
+        with open(os.path.join(out, f"{{phase}}-{{rank}}.failed"), "w") as f:
+            f.write(type(exc).__name__)
+        raise
     dist.destroy_process_group()
     """
 )
@@ -118,9 +127,21 @@ def test_four_launchers_one_killed_and_the_job_resumed_on_three(tmp_path: Path) 
         assert time.monotonic() < deadline, "the job never reached its checkpoint"
         assert all(p.poll() is None for p in first), [p.stderr.read()[-2000:] for p in first]
         time.sleep(0.2)
-    os.killpg(first[3].pid, signal.SIGKILL)  # a node is lost mid-epoch
-    codes = _wait(first, 120)
-    assert codes[3] != 0 and any(c != 0 for c in codes[:3])  # the survivors fail, not hang
+    # A node is lost mid-epoch: its launcher and both its ranks (6 and 7).
+    os.killpg(first[3].pid, signal.SIGKILL)
+    for r in (6, 7):
+        os.kill(int((tmp_path / f"first-{r}.pid").read_text()), signal.SIGKILL)
+    # The survivors' ranks fail in their next collective, not hang. (Their launchers then
+    # wait in torchrun's own exit barrier for the lost node, 300 s: not the loader's to end.)
+    failed = [tmp_path / f"first-{r}.failed" for r in range(6)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() for f in failed):
+        assert time.monotonic() < deadline, [f.name for f in failed if not f.exists()]
+        time.sleep(0.2)
+    for p in first:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert _wait(first, 30)[3] != 0
     resumed = _launch(script, tmp_path, "resume", 3, free_port())
     assert _wait(resumed, 240) == [0, 0, 0], [p.stderr.read()[-3000:] for p in resumed]
     before = _batches(tmp_path, "first", 8)
@@ -129,4 +150,5 @@ def test_four_launchers_one_killed_and_the_job_resumed_on_three(tmp_path: Path) 
     served += [x for pos in sorted(after) for x in after[pos]]
     assert min(after) == SAVE_AT * G + G  # the first step after the checkpoint
     assert all(len(before[pos]) == G for pos in before if pos <= SAVE_AT * G)
+    assert max(before) < N  # the first run was cut short: it never served the whole epoch
     assert sorted(served) == list(range(N))  # one epoch, every sample exactly once
