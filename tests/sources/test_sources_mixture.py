@@ -604,3 +604,11 @@ def test_four_gloo_ranks_resume_an_earliest_deadline_mixture_on_two():
     assert [sum((r["batches"][s] for r in first), []) for s in range(5)] == reference[:5]
     assert [sum((r["rest"][s] for r in first), []) for s in range(9)] == reference[5:14]
     assert [sum((r["batches"][s] for r in then), []) for s in range(9)] == reference[5:14]
+
+
+def test_sources_given_as_a_list_are_refused_with_a_short_message_naming_the_fix():
+    big = [list(range(10_000)), list(range(10_000, 30_000))]
+    with pytest.raises(TypeError, match=r"non-empty dict name -> map-style source") as err:
+        Mixture(big, weights={"a": 1})  # type: ignore[arg-type]
+    message = str(err.value)
+    assert len(message) < 400 and "Mixture({'web': web" in message  # not 30,000 numbers

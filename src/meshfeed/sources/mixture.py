@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -113,7 +114,9 @@ class Mixture:
     ) -> None:
         if not isinstance(sources, Mapping) or not sources:
             raise TypeError(
-                f"sources must be a non-empty dict name -> map-style source (got {sources!r})"
+                "sources must be a non-empty dict name -> map-style source (got "
+                f"{reprlib.repr(sources)}); e.g. Mixture({{'web': web, 'code': code}}, "
+                "weights={'web': 3, 'code': 1})"
             )
         self.names = [str(n) for n in sources]
         self.sources = [sources[n] for n in sources]
