@@ -21,6 +21,7 @@ import torch
 from meshfeed.keys import DOCUMENT_IDS
 from meshfeed.loader import DataLoader
 from meshfeed.mesh import DEFAULT_DATA_AXES, DataMesh, resolve_mesh
+from meshfeed.order.distinct import distinct
 from meshfeed.sources.tokens.windows import CorpusLike, TokenDocuments
 
 __all__ = ["pack_documents", "packed_document_loader"]
@@ -58,7 +59,7 @@ def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     is_first = np.zeros(flat.size, bool)
     is_first[(ends - lengths)[nonempty]] = True
     # a document's boundary repeats when it has < 2 tokens: unique drops it
-    cu = np.unique(np.concatenate([[0], np.cumsum(np.maximum(lengths - 1, 0))]))
+    cu = distinct(np.concatenate([[0], np.cumsum(np.maximum(lengths - 1, 0))]))
     sizes = np.diff(cu)
     tokens = torch.from_numpy(flat[~is_last])
     out = {

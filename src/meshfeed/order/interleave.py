@@ -41,6 +41,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from meshfeed.order.distinct import distinct_inverse
 from meshfeed.order.rational import (
     HORIZON,
     MAX_PERIOD,
@@ -267,6 +268,6 @@ class _Deadline(Interleave):
 
     def draws(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         p = np.asarray(positions, dtype=np.int64)
-        want, inverse = np.unique(p.ravel(), return_inverse=True)
+        want, inverse = distinct_inverse(p)
         src, rank = self._walk(want)
         return src[inverse].reshape(p.shape), rank[inverse].reshape(p.shape)

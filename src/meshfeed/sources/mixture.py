@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.order.distinct import distinct
 from meshfeed.order.interleave import MAX_PERIOD, Interleave, interleave_period, make_interleave
 from meshfeed.order.permutation import check_seed
 from meshfeed.protocols import ItemsSource, OrderedSource
@@ -237,7 +238,7 @@ class Mixture:
     def __getitems__(self, indices: list[int]) -> list[Any]:
         src, local = self.locate(np.asarray(indices, dtype=np.int64))
         out: list[Any] = [None] * len(indices)
-        for s in np.unique(src).tolist():
+        for s in distinct(src).tolist():
             where = np.flatnonzero(src == s)
             source = self.sources[s]
             ids = local[where].tolist()
@@ -318,7 +319,7 @@ class Mixture:
         seg_of = np.searchsorted(starts, g, side="right") - 1
         src = np.empty(g.shape, dtype=np.int64)
         k = np.empty(g.shape, dtype=np.int64)
-        for j in np.unique(seg_of).tolist():
+        for j in distinct(seg_of).tolist():
             where = seg_of == j
             s, rank = self._segments[j].draws(g[where] - starts[j])
             src[where] = s

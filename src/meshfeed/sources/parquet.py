@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.errors import SourceError
+from meshfeed.order.distinct import distinct
 from meshfeed.storage import (
     Ranged,
     RangedFile,
@@ -295,7 +296,7 @@ class ParquetSource:
         idx = _as_index_array(indices, len(self))
         groups = np.searchsorted(self._offsets, idx, side="right") - 1
         out: list[Row] = [{}] * idx.shape[0]
-        for g in np.unique(groups).tolist():
+        for g in distinct(groups).tolist():
             where = np.flatnonzero(groups == g)
             local = idx[where] - self._offsets[g]
             rows = _rows(self._row_group(g).take(local))

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfeed.order.distinct import distinct
 from meshfeed.sources.tokens.indexed import TokenCorpus
 from meshfeed.sources.tokens.indexed_ranged import RangedTokens
 from meshfeed.storage import Ranged, StorageOptions
@@ -325,7 +326,7 @@ class TokenWindows:
         hi = lo + self.seq_len + 1
         a, b = np.searchsorted(self._doc_starts, [lo, hi], side="left")
         # empty documents share a start with their successor: report each offset once
-        return np.unique(self._doc_starts[a:b] - lo)
+        return distinct(self._doc_starts[a:b] - lo)
 
 
 class TokenDocuments:
