@@ -127,7 +127,7 @@ def test_plan_cli_without_matplotlib_refuses_a_plot_before_any_work(tmp_path, ca
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises
     monkeypatch.chdir(tmp_path)
     assert _main(["plan", "--dp", "2", "--batches", "1", "--plot", "load.png"]) == 2
-    assert "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+    assert '--plot needs matplotlib: pip install "meshfeed[plot]"' in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

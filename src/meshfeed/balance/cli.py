@@ -160,7 +160,7 @@ def _check_plot(path: Path | None) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ValueError('--plot needs matplotlib: pip install "meshfeed[plot]"') from None
 
 
 def run(args: argparse.Namespace) -> int:
