@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import multiprocessing as mp
 import os
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
@@ -237,3 +239,28 @@ def test_without_populate_nothing_is_read_ahead(
     ahead.plan([str(p)])
     ahead.opened(str(p))
     assert ahead._reads == {}
+
+
+def _take_in_child(reader: ShardFormatReader, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    t = time.perf_counter()
+    row = reader.take(reader.shards[2], np.array([1]))[0]
+    out.put((int(row["id"]), dict(reader._ahead._at), time.perf_counter() - t))
+
+
+@needs_populate
+def test_a_forked_worker_starts_with_no_plan_and_never_waits_on_its_parents_threads(
+    tmp_path: Path,
+) -> None:
+    reader = ShardFormatReader.from_index(dataset(tmp_path), read_ahead=1 << 30)
+    reader.plan(reader.shards)
+    reader.take(reader.shards[0], np.array([0]))
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_take_in_child, args=(reader, out))
+    with reader._ahead._lock:  # a fork while a read-ahead thread holds the lock
+        child.start()
+    try:
+        got, plan, took = out.get(timeout=20)
+    finally:
+        child.join(20)
+    assert (got, plan) == (41, {}) and took < 10

@@ -7,6 +7,8 @@ through its offsets. Uncompressed shards are memory-mapped copy-on-write, so val
 of the page cache (writable: a write touches a private copy, never the file). Compressed
 shards decode only the blocks the rows need, into a per-reader LRU of decoded blocks
 (``cache_bytes``), so a window of shards read in random order decodes each block about once.
+A stream that plans its reads (``plan``) has the shards it reads next brought into the page
+cache in the background (``read_ahead`` bytes, :mod:`.readahead`).
 
 Every fault in a file (missing, truncated, wrong magic, a header that disagrees with its index,
 a damaged block, offsets that do not add up) raises :class:`~meshfeed.errors.SourceError`

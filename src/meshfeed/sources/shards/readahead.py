@@ -107,7 +107,8 @@ class ReadAhead:
     it on up to ``ahead_bytes`` (``size(shard)``: its bytes) and returns once ``shard`` is
     cached (at most ``wait_s`` seconds: past that, its faults read what is missing). A shard
     not in the plan (a reader used without a stream, or in a worker process, which gets no
-    plan) returns at once: its faults read it, as without read-ahead."""
+    plan) returns at once: its faults read it, as without read-ahead. A process forked from
+    the one that planned starts with no plan."""
 
     def __init__(
         self,
@@ -123,11 +124,22 @@ class ReadAhead:
                 f"{ahead_bytes=}, {threads=}, {wait_s=})"
             )
         self.size, self.ahead_bytes, self.threads, self.wait_s = size, ahead_bytes, threads, wait_s
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self._pid = os.getpid()
         self._order: list[str] = []
         self._at: dict[str, int] = {}
         self._reads: dict[str, cf.Future[int]] = {}
         self._pool: cf.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+
+    def _check_fork(self) -> None:
+        # A forked worker inherits this object without its threads (reads it waited for would
+        # never finish) and maybe with the lock held: it starts empty, with no plan (the plan
+        # is its parent's, which reads ahead for it: the page cache is shared).
+        if self._pid != os.getpid():
+            self._fresh()
 
     @property
     def enabled(self) -> bool:
@@ -139,6 +151,7 @@ class ReadAhead:
         """The stream reads ``shards`` next, in this order: start on the first ones."""
         if not self.enabled:
             return
+        self._check_fork()
         with self._lock:
             self._order = list(shards)
             self._at = {s: i for i, s in enumerate(self._order)}
@@ -150,6 +163,7 @@ class ReadAhead:
     def opened(self, shard: str) -> None:
         """The reader opens ``shard``: start on the planned shards from it on, and return
         once ``shard`` is in the page cache."""
+        self._check_fork()
         i = self._at.get(shard)
         if i is None:
             return
@@ -180,6 +194,7 @@ class ReadAhead:
 
     def close(self) -> None:
         """Stop the threads: reads under way finish, queued ones are dropped."""
+        self._check_fork()
         with self._lock:
             pool, self._pool = self._pool, None
             self._reads.clear()
