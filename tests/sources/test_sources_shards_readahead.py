@@ -10,15 +10,17 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from meshfeed import StreamLoader
+from meshfeed import DataLoader, StreamLoader
 from meshfeed.errors import SourceError
 from meshfeed.sources import ShardedStream, ShardFormatReader, write_shards
 from meshfeed.sources.shards import readahead
 from meshfeed.sources.shards.readahead import ReadAhead, populate, uncached_runs
+from meshfeed.testing import assert_resume_equivalence
 
 PAGE = mmap.PAGESIZE
 needs_populate = pytest.mark.skipif(
@@ -176,20 +178,25 @@ def test_a_stream_serves_the_same_rows_in_the_same_order_with_read_ahead_on_or_o
 
 
 @needs_populate
-def test_a_stream_plans_its_reader_so_shards_ahead_of_the_rows_are_cached(tmp_path: Path) -> None:
+@pytest.mark.parametrize("door", [StreamLoader, DataLoader])
+def test_a_stream_plans_its_reader_so_shards_ahead_of_the_rows_are_cached(
+    tmp_path: Path, door: type[StreamLoader] | type[DataLoader]
+) -> None:
+    """Either door walks the stream's own order (make_order), which plans the reader's reads."""
     root = dataset(tmp_path)
     stream = ShardedStream.from_index(root, shuffle_buffer=50)  # the default reader reads ahead
     shards = [Path(s) for s in stream.shards]
     evict(*shards)
-    loader = StreamLoader(stream, batch_size=16, seed=3, shuffle=True, collate_fn=list)
+    loader = door(stream, batch_size=16, seed=3, shuffle=True, collate_fn=list)
     it = iter(loader)
     next(it)
     reads = stream.reader._ahead._reads  # type: ignore[union-attr]
     for r in list(reads.values()):
         r.result(timeout=30)
-    cached = [s for s in shards if missing(s) == 0]
-    assert len(cached) >= 4  # the window's shards and the planned ones after them
-    assert set(map(str, cached)) >= set(reads)
+    # the plan's first 64 MiB hold the whole data set (12 shards of ~62 kB): all of it is read
+    # ahead, where the first batch's rows alone lie in 2 or 3 shards
+    assert set(reads) == set(stream.shards)
+    assert [missing(s) for s in shards] == [0] * len(shards)
     loader.shutdown()
 
 
@@ -264,3 +271,22 @@ def test_a_forked_worker_starts_with_no_plan_and_never_waits_on_its_parents_thre
     finally:
         child.join(20)
     assert (got, plan) == (41, {}) and took < 10
+
+
+def _ids_of(batch: list[dict[str, Any]]) -> list[int]:
+    return [int(s["id"]) for s in batch]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stream_reading_ahead_resumes_exactly_from_every_recorded_state(
+    tmp_path: Path, num_workers: int
+) -> None:
+    reader = ShardFormatReader.from_index(dataset(tmp_path, rows=120), read_ahead=1 << 20)
+    stream = ShardedStream(reader.shards, reader=reader, shuffle_buffer=30)
+
+    def make() -> StreamLoader:
+        return StreamLoader(
+            stream, batch_size=8, num_workers=num_workers, seed=5, shuffle=True, collate_fn=_ids_of
+        )
+
+    assert_resume_equivalence(make, num_items=20, every=4, cleanup=lambda lo: lo.shutdown())
