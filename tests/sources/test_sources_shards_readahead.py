@@ -4,10 +4,12 @@ and ShardFormatReader / ShardedStream with it on and off."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import multiprocessing as mp
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -290,3 +292,25 @@ def test_a_stream_reading_ahead_resumes_exactly_from_every_recorded_state(
         )
 
     assert_resume_equivalence(make, num_items=20, every=4, cleanup=lambda lo: lo.shutdown())
+
+
+def test_a_kernel_without_populate_read_turns_read_ahead_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def mincore(address: int, size: int, vec: int) -> int:
+        return 0  # every page missing (vec stays zero)
+
+    def madvise(address: int, size: int, advice: int) -> int:
+        assert advice == readahead._MADV_POPULATE_READ
+        ctypes.set_errno(errno.EINVAL)  # as Linux before 5.14 answers
+        return -1
+
+    monkeypatch.setattr(readahead, "_LIBC", (mincore, madvise))
+    monkeypatch.setattr(readahead, "_UNSUPPORTED", threading.Event())
+    (p,) = files(tmp_path, 1)
+    ahead = ReadAhead(lambda s: os.path.getsize(s))
+    assert ahead.enabled
+    assert populate(str(p)) == 0
+    assert not ahead.enabled
+    ahead.plan([str(p)])
+    assert ahead._reads == {}

@@ -23,6 +23,7 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import sys
@@ -55,6 +56,8 @@ def _libc() -> tuple[Any, Any] | None:
 
 
 _LIBC = _libc()
+#: Set when the kernel refused MADV_POPULATE_READ: read-ahead stops asking.
+_UNSUPPORTED = threading.Event()
 
 
 def uncached_runs(address: int, size: int) -> list[tuple[int, int]]:
@@ -74,7 +77,7 @@ def populate(path: str) -> int:
     """Bring the file at ``path`` into the page cache (the pages not there yet) and return
     the bytes asked of the kernel; 0 where it cannot (no ``MADV_POPULATE_READ``; a file gone
     or empty: its reader reports that). Blocks until the pages are read, without the GIL."""
-    if _LIBC is None:
+    if _LIBC is None or _UNSUPPORTED.is_set():
         return 0
     with contextlib.suppress(OSError, ValueError):
         with open(path, "rb") as f:
@@ -90,7 +93,9 @@ def populate(path: str) -> int:
             for a, b in uncached_runs(base, size):
                 a -= a % _PAGE
                 if _LIBC[1](base + a, b - a, _MADV_POPULATE_READ) != 0:
-                    break  # EINVAL: a kernel without it; EFAULT: the file shrank meanwhile
+                    if ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14
+                        _UNSUPPORTED.set()
+                    break  # or EFAULT: the file shrank meanwhile
                 asked += b - a
             return asked
         finally:
@@ -145,7 +150,7 @@ class ReadAhead:
     def enabled(self) -> bool:
         """Whether this system can read ahead (Linux with ``MADV_POPULATE_READ``) and
         ``ahead_bytes`` asks it to."""
-        return _LIBC is not None and self.ahead_bytes > 0
+        return _LIBC is not None and not _UNSUPPORTED.is_set() and self.ahead_bytes > 0
 
     def plan(self, shards: list[str]) -> None:
         """The stream reads ``shards`` next, in this order: start on the first ones."""
@@ -178,13 +183,13 @@ class ReadAhead:
 
     def _start(self, first: int) -> None:
         with self._lock:
-            todo, budget = [], self.ahead_bytes
-            for s in self._order[first:]:
+            todo, budget, order = [], self.ahead_bytes, self._order
+            for k in range(first, len(order)):  # not a slice: a plan can hold 10,000 shards
                 if budget <= 0:
                     break
-                budget -= self.size(s)
-                if s not in self._reads:
-                    todo.append(s)
+                budget -= self.size(order[k])
+                if order[k] not in self._reads:
+                    todo.append(order[k])
             if not todo:
                 return
             if self._pool is None:
