@@ -7,6 +7,8 @@ through its offsets. Uncompressed shards are memory-mapped copy-on-write, so val
 of the page cache (writable: a write touches a private copy, never the file). Compressed
 shards decode only the blocks the rows need, into a per-reader LRU of decoded blocks
 (``cache_bytes``), so a window of shards read in random order decodes each block about once.
+A stream that plans its reads (``plan``) has the shards it reads next brought into the page
+cache in the background (``read_ahead`` bytes, :mod:`.readahead`).
 
 Every fault in a file (missing, truncated, wrong magic, a header that disagrees with its index,
 a damaged block, offsets that do not add up) raises :class:`~meshfeed.errors.SourceError`
@@ -28,12 +30,16 @@ import numpy as np
 from meshfeed.errors import SourceError
 from meshfeed.sources.shards.format import INDEX_NAME, ShardIndex, read_index
 from meshfeed.sources.shards.open_shard import BlockCache, OpenShard
+from meshfeed.sources.shards.readahead import ReadAhead
 
 __all__ = ["ShardFormatReader"]
 
 #: Default bound of the decoded-block LRU (per reader and process): about 8 shards of 64 MiB
 #: compressed at 2:1, i.e. a window of a few raw shards.
 CACHE_BYTES = 512 << 20
+#: Default of ``read_ahead``: bytes of planned shards brought into the page cache ahead of the
+#: shard being opened (about a shuffle window of 16 MiB shards and the next one).
+READ_AHEAD = 64 << 20
 
 
 class ShardFormatReader:
@@ -53,8 +59,13 @@ class ShardFormatReader:
     of the rows a worker reads in random order at once (its window of shards); rows drawn
     uniformly from a window larger than the cache re-decode blocks (a window 7 % over the
     cache decoded 5x its bytes). ``max_open`` bounds the maps kept open; ``threads`` decode
-    the blocks one batch needs side by side (1: decode in the calling thread only). ``verify=True`` hashes each shard on its first open in each process (reads the
-    whole file: about 1 GB/s per core); by default only sizes, headers and offsets are checked.
+    the blocks one batch needs side by side (1: decode in the calling thread only).
+    ``verify=True`` hashes each shard on its first open in each process (reads the whole file:
+    about 1 GB/s per core); by default only sizes, headers and offsets are checked.
+    ``read_ahead``: where a stream plans the shards it reads (:meth:`plan`), opening one brings
+    the next ``read_ahead`` bytes of planned shards into the page cache in background threads
+    and waits until the opened one is there (:mod:`.readahead`; 0: off, pages are read by the
+    faults of the map alone).
     """
 
     def __init__(
@@ -64,14 +75,15 @@ class ShardFormatReader:
         cache_bytes: int = CACHE_BYTES,
         max_open: int = 64,
         threads: int = 2,
+        read_ahead: int = READ_AHEAD,
     ) -> None:
-        if cache_bytes < 0 or max_open < 1 or threads < 1:
+        if cache_bytes < 0 or max_open < 1 or threads < 1 or read_ahead < 0:
             raise ValueError(
-                "cache_bytes must be >= 0, max_open and threads >= 1 (got "
-                f"{cache_bytes=}, {max_open=}, {threads=})"
+                "cache_bytes and read_ahead must be >= 0, max_open and threads >= 1 (got "
+                f"{cache_bytes=}, {read_ahead=}, {max_open=}, {threads=})"
             )
         self.verify, self.cache_bytes, self.max_open = verify, cache_bytes, max_open
-        self.threads = threads
+        self.threads, self.read_ahead = threads, read_ahead
         self.index: ShardIndex | None = None
         #: When :meth:`from_index`'s dataset was written (its index.json's mtime, ns).
         self.newest: int | None = None
@@ -86,6 +98,7 @@ class ShardFormatReader:
         self._index_mtimes: dict[Path, int] = {}
         self._open: OrderedDict[str, OpenShard] = OrderedDict()
         self._blocks = BlockCache(self.cache_bytes, self.threads)
+        self._ahead = ReadAhead(self._size, ahead_bytes=self.read_ahead)
         self._lock = threading.RLock()
 
     @classmethod
@@ -120,8 +133,8 @@ class ShardFormatReader:
         return self.index.paths
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("verify", "cache_bytes", "max_open", "threads", "index", "_indexes", "_written")
-        return {k: getattr(self, k) for k in (*keep, "newest")}
+        keep = ("verify", "cache_bytes", "max_open", "threads", "read_ahead", "index")
+        return {k: getattr(self, k) for k in (*keep, "_indexes", "_written", "newest")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
@@ -158,6 +171,7 @@ class ShardFormatReader:
                 self._open.move_to_end(key)
                 return opened
             index, i = self._entry(shard)
+            self._ahead.opened(key)
             opened = self._open[key] = OpenShard(
                 key,
                 index,
@@ -169,6 +183,16 @@ class ShardFormatReader:
             while len(self._open) > self.max_open:
                 self._open.popitem(last=False)  # maps close once their views are gone
             return opened
+
+    def _size(self, shard: str) -> int:
+        index, i = self._entry(shard)
+        return int(index.sizes[i])
+
+    def plan(self, shards: list[Any]) -> None:
+        """The stream reads ``shards`` next, in this order: as each is opened, the next
+        ``read_ahead`` bytes of them are brought into the page cache in the background
+        (:mod:`.readahead`)."""
+        self._ahead.plan([os.fspath(s) for s in shards])
 
     def count(self, shard: Any) -> int:
         """Rows in ``shard``, from its index (no shard I/O)."""
