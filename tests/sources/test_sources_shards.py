@@ -481,3 +481,35 @@ def test_a_shard_changed_after_its_index_is_hashed_on_open_and_refused(
     with pytest.raises(SourceError, match="shard-00003.mfs has content hash"):
         ShardFormatReader.from_index(tmp_path / "d").take(shard, np.array([0]))
     assert hashed == [str(shard)]
+
+
+@NEEDS_ZSTD
+def test_a_forked_worker_decodes_compressed_shards_after_its_parent_did(tmp_path: Path) -> None:
+    """The parent decoded through its decode threads (now idle) before the fork: the child
+    inherits the pool without its threads and must not wait on them (it hung before)."""
+    import time
+
+    write_shards(
+        ({"x": np.full(64, i, np.int64)} for i in range(2000)),
+        tmp_path, rows_per_shard=1000, compression="zstd", block_rows=50,
+    )  # fmt: skip
+    reader = ShardFormatReader.from_index(tmp_path)
+    first, second = reader.shards
+    rows = list(range(0, 1000, 7))  # 20 blocks: decoded side by side
+    assert len(reader.take(first, rows)) == len(rows)
+    time.sleep(0.2)  # the decode threads go idle
+    pid = os.fork()
+    if pid == 0:  # the child: read, and say how it went by the exit code
+        try:
+            got = reader.take(second, rows)
+            os._exit(0 if [int(r["x"][0]) for r in got] == [1000 + r for r in rows] else 3)
+        except BaseException:
+            os._exit(4)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child never finished decoding (it waited on threads it lacks)")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import contextlib
 import json
 import mmap
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -48,8 +49,19 @@ class BlockCache:
         self.cache_bytes, self.threads = cache_bytes, threads
         self._blocks: OrderedDict[_BlockKey, np.ndarray] = OrderedDict()
         self._held = 0
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._threads: cf.ThreadPoolExecutor | None = None
+
+    def _check_fork(self) -> None:
+        # A forked worker inherits the parent's pool without its threads: work submitted
+        # there would wait forever (an idle thread the pool counts is not in this process),
+        # and the lock may have been held at the fork. It starts its own.
+        if self._pid != os.getpid():
+            self._fresh()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -72,6 +84,7 @@ class BlockCache:
         return hit
 
     def put(self, key: _BlockKey, arr: np.ndarray) -> None:
+        self._check_fork()
         with self._lock:
             if key in self._blocks:
                 return
@@ -84,6 +97,7 @@ class BlockCache:
     def pool(self) -> cf.ThreadPoolExecutor | None:
         if self.threads < 2:
             return None
+        self._check_fork()
         with self._lock:
             if self._threads is None:
                 self._threads = cf.ThreadPoolExecutor(self.threads, "meshfeed-shard-decode")
