@@ -16,6 +16,7 @@ import pytest
 
 from meshfeed.queue.checkpoints.state import dump
 from meshfeed.queue.engine.core import PartitionClosed, StoreCore, StoreOptions
+from meshfeed.queue.engine.plans import pin
 from meshfeed.queue.engine.ranges import Ranges, trim_head
 from meshfeed.queue.engine.records import Partition
 from meshfeed.queue.request import GetRequest, PutRequest
@@ -78,6 +79,41 @@ def test_a_sample_changed_on_its_own_ends_the_ranges_of_every_task():
     assert part.spans is None and part.ranges("t") is None and part.ranges("u") is None
     assert part.pending == {"t": dict.fromkeys(range(4)), "u": dict.fromkeys(range(4))}
     assert part.ranges("v") is None  # a task made now is per sample
+
+
+def test_a_range_pinned_is_counted_per_sample_when_the_pins_are_read():
+    """``pin`` of a FIFO round's range costs O(1); the counts read back are those of the
+    same ids pinned as lists, overlapping pins included."""
+    lists, ranges = Partition(), Partition()
+    for ids in (range(0, 6), range(4, 9), range(4, 9)):
+        pin(lists, list(ids))
+        pin(ranges, ids)
+    pin(lists, [20, 21])
+    pin(ranges, [20, 21])
+    assert ranges.pinned == lists.pinned
+    assert ranges.pinned[5] == 3 and ranges.pinned[0] == 1 and ranges.pinned[20] == 1
+
+
+def test_a_round_of_a_store_with_tasks_pins_its_range_and_evicts_it_when_passed():
+    core = StoreCore(StoreOptions(tasks=("t",)))
+    core.try_put(PutRequest(partition="p", rows={"x": list(range(8))}))
+    part = core.partitions["p"]
+    for index in range(2):
+        for rank in range(2):
+            sampler = RankAwareSampler(data_rank=rank, data_world_size=2)
+            request = GetRequest(
+                task="t",
+                fields=("x",),
+                batch_size=2,
+                partition="p",
+                sampler=sampler,
+                batch_index=index,
+            )
+            got = core.try_get(request)
+            assert got is not None and got[0] == [4 * index + 2 * rank, 4 * index + 2 * rank + 1]
+    # Asking for round 1 acknowledged round 0 (prefetch 1): its plan and samples went.
+    assert part.pinned == dict.fromkeys(range(4, 8), 1)
+    assert core.held == 4 and list(part.samples) == [4, 5, 6, 7]
 
 
 def test_a_restored_partition_keeps_its_tasks_per_sample():

@@ -94,7 +94,7 @@ class StoreCore(StoreAdmin):
             part = self.partitions[name] = Partition()
             part.spans = deque()  # no samples yet: runs of consecutive ids only (ranges.py)
             for task in self.options.tasks or ():
-                part.task(task)
+                part.ranges(task)  # made as ranges (nothing pending yet)
         return part
 
     def try_put(self, request: PutRequest) -> list[Key] | None:

@@ -21,16 +21,9 @@ from collections import deque
 from collections.abc import Hashable
 from itertools import chain
 
-__all__ = ["Ranges", "add_span", "trim_head"]
+__all__ = ["Ranges", "trim_head"]
 
 Key = Hashable
-
-
-def add_span(spans: deque[range] | list[range], ids: range) -> None:
-    """Append the ids of one new run (never merged with the run before: the fast path checks
-    each run's fields once, by its first id)."""
-    if ids:
-        spans.append(ids)
 
 
 def trim_head(spans: deque[range], n: int) -> range | None:
@@ -79,9 +72,11 @@ class Ranges:
         return self.count
 
     def add(self, ids: range) -> None:
-        """New pending ids (a new run, after every id already here)."""
-        add_span(self.pending, ids)
-        self.count += len(ids)
+        """New pending ids (a new run, after every id already here; never merged with the
+        run before: the fast path checks each run's fields once, by its first id)."""
+        if ids:
+            self.pending.append(ids)
+            self.count += len(ids)
 
     def head(self, n: int) -> tuple[range, list[range]] | None:
         """The first ``n`` pending ids as one range, and the runs' spans they lie in (one

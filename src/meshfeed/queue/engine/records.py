@@ -13,10 +13,10 @@ import math
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from meshfeed.queue.engine.columns import Cell, Chunk, RemoteChunk, resolve
-from meshfeed.queue.engine.ranges import Ranges, add_span, trim_head
+from meshfeed.queue.engine.ranges import Ranges, trim_head
 from meshfeed.queue.engine.versions import Book
 from meshfeed.queue.rounds import Progress, Round
 
@@ -210,6 +210,8 @@ class Partition:
         "_consumed",
         "_lazy",
         "_pending",
+        "_pin_runs",
+        "_pinned",
         "asked",
         "book",
         "cache",
@@ -219,7 +221,6 @@ class Partition:
         "layouts",
         "leased",
         "next_id",
-        "pinned",
         "progress",
         "samples",
         "seen",
@@ -244,7 +245,8 @@ class Partition:
         # readers); a reader of another layout asking from there on is refused (plans.lookup).
         # Not checkpointed: it guards against live readers of the layout the move replaced.
         self.layouts: dict[str, tuple[int, Any, int]] = {}
-        self.pinned: dict[Key, int] = {}  # samples of cached plans: how many plans name each
+        self._pinned: dict[Key, int] = {}
+        self._pin_runs: list[range] = []  # pins of FIFO rounds (ranges), until read per sample
         # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
         # every task, so a checkpoint taken meanwhile can still re-deliver them.
         self.held: dict[Key, int] = {}
@@ -272,14 +274,27 @@ class Partition:
         """Per task, its pending samples in production order (per sample: explicit)."""
         if self._lazy:
             self._explicit()
-        return cast(dict[str, dict[Key, None]], self._pending)
+        return self._pending  # type: ignore[return-value]  # explicit now
 
     @property
     def consumed(self) -> dict[str, set[Key]]:
         """Per task, the samples it consumed that are still held (per sample: explicit)."""
         if self._lazy:
             self._explicit()
-        return cast(dict[str, set[Key]], self._consumed)
+        return self._consumed  # type: ignore[return-value]  # explicit now
+
+    @property
+    def pinned(self) -> dict[Key, int]:
+        """Samples of cached plans: how many plans name each (per sample: explicit)."""
+        if self._pin_runs:
+            runs, self._pin_runs = self._pin_runs, []
+            for ids in runs:
+                count_up(self._pinned, ids)
+        return self._pinned
+
+    def pin_range(self, ids: range) -> None:
+        """One more plan names each of ``ids`` (O(1): counted per sample when first read)."""
+        self._pin_runs.append(ids)
 
     def tasks(self) -> int:
         """How many tasks consumed from here (as kept: nothing is made explicit)."""
@@ -324,14 +339,17 @@ class Partition:
 
     def add_run(self, ids: list[Key], *, consecutive: bool) -> None:
         """Samples ``ids`` (new, one put) became pending for every task."""
-        span = range(cast(int, ids[0]), cast(int, ids[-1]) + 1) if consecutive else None
-        if span is None:
-            self.not_runs()
-        elif self.spans is not None:
-            add_span(self.spans, span)
+        if not consecutive:
+            self.not_runs()  # no task is kept as ranges from here on
+            for pending in self._pending.values():
+                pending.update(dict.fromkeys(ids))  # type: ignore[union-attr]
+            return
+        span = range(ids[0], ids[-1] + 1)  # type: ignore[call-overload, operator]
+        if self.spans is not None and span:
+            self.spans.append(span)  # one span per run: its fields are checked by its first id
         for pending in self._pending.values():
             if isinstance(pending, Ranges):
-                pending.add(span)  # type: ignore[arg-type]  # Ranges only while consecutive
+                pending.add(span)
             else:
                 pending.update(dict.fromkeys(ids))
 
@@ -405,6 +423,15 @@ class View:
                 "read small fields (store token counts as ints)"
             )
         return value
+
+
+def count_up(counts: dict[Key, int], ids: list[Key] | range) -> None:
+    """Add one to the count of each of ``ids`` (a C-level pass when none is counted yet)."""
+    if not counts or counts.keys().isdisjoint(ids):
+        counts.update(dict.fromkeys(ids, 1))
+    else:
+        for k in ids:
+            counts[k] = counts.get(k, 0) + 1
 
 
 def count_down(counts: dict[Key, int], ids: list[Key]) -> None:
