@@ -14,10 +14,12 @@ set (not yet consumed), so a ``get`` scans only unconsumed samples. Around it: t
 
 Cost: a put of ``n`` new samples whose columns are chunks or scalar lists is one
 :class:`~meshfeed.queue.engine.records.Run` stored under its ``n`` ids, and the common get (a
-``SequentialSampler`` whose first pending samples are ready) selects, consumes, gathers (a view
-per contiguous block of a run) and evicts with C-level dict/set passes over the ids: O(runs)
-Python operations, not O(samples). Everything else (fields added to existing samples, groups,
-other samplers, pins, holds, leases) takes the per-sample path, which gives the same results.
+``SequentialSampler``, or a rank-aware round over one, whose first pending samples are ready)
+selects, consumes and pins a range of ids while the task is kept as ranges
+(:mod:`~meshfeed.queue.engine.ranges`: O(runs), whatever the round's size), gathers a view per
+contiguous block of a run, and evicts with C-level dict/set passes over the ids. Everything
+else (fields added to existing samples, groups, other samplers, holds, leases, eviction of a
+task's samples) takes the per-sample path, which gives the same results.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def select_ranges(
     """:func:`select_runs` over a task kept as ranges, in O(runs): the first pending ids as
     one ``range`` (typed as the list it stands for); ``False`` also when they are not
     consecutive ints (the general path goes key by key)."""
-    n = min(batch_size, len(lazy))
+    n = min(batch_size, lazy.count)
     if n < batch_size and not part.closed:
         return None
     if not n:

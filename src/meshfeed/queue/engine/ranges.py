@@ -33,6 +33,12 @@ def trim_head(spans: deque[range], n: int) -> range | None:
         return range(0) if n == 0 else None
     head = spans[0]
     start = head.start
+    if len(head) >= n:  # the common case: within the first run
+        if len(head) == n:
+            spans.popleft()
+        else:
+            spans[0] = head[n:]
+        return range(start, start + n)
     need, at = n, start
     for span in spans:  # O(runs touched)
         if span.start != at:
@@ -96,14 +102,13 @@ class Ranges:
             at = span.stop
         return None  # not reached: count covers n
 
-    def starts_with(self, ids: range) -> bool:
-        """Whether ``ids`` are the first pending ids."""
-        return bool(self.pending) and self.pending[0].start == ids.start and len(ids) <= self.count
-
     def take(self, ids: range, *, keep: bool) -> bool:
         """Consume ``ids``, the first pending ids (``keep``: record them as consumed; else
         they are about to leave the store); ``False`` (nothing changed) if they are not."""
-        if not self.starts_with(ids) or trim_head(self.pending, len(ids)) is None:
+        pending = self.pending
+        if not pending or pending[0].start != ids.start or len(ids) > self.count:
+            return False
+        if trim_head(pending, len(ids)) is None:
             return False
         self.count -= len(ids)
         if keep and ids:
