@@ -70,6 +70,21 @@ def test_a_task_is_kept_as_ranges_until_a_caller_needs_it_per_sample():
     assert part.ranges("t") is None  # explicit for good from the first per-sample read
 
 
+def test_a_sole_reader_drops_what_it_consumed_and_stays_ranges():
+    """The common RL loop (one declared task, a put then a get of the same size): consumed
+    samples go at once, the partition's spans lose them from the front, nothing goes per
+    sample."""
+    core = StoreCore(StoreOptions(tasks=("t",)))
+    request = GetRequest(task="t", fields=("x",), batch_size=4, partition="p")
+    for step in range(5):
+        core.try_put(PutRequest(partition="p", rows={"x": list(range(4))}))
+        got = core.try_get(request)
+        assert got is not None and got[0] == list(range(4 * step, 4 * step + 4))
+    part = core.partitions["p"]
+    assert part.ranges("t") is not None and not part.samples and not part.spans
+    assert core.held == 0 and core.stats()["consumed"] == {"t": 20}
+
+
 def test_a_sample_changed_on_its_own_ends_the_ranges_of_every_task():
     core = StoreCore(StoreOptions())
     core.try_put(PutRequest(partition="p", rows={"x": list(range(4))}))
