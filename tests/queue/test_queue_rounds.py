@@ -32,6 +32,20 @@ def test_round_parts_follow_the_split_rule(n: int, parts: int, unit: int) -> Non
     assert rnd[-1] == want[-1] and rnd[1:3] == want[1:3]
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 9), st.integers(1, 4))
+def test_a_round_over_a_range_gives_the_lists_of_one_over_a_list(
+    n: int, parts: int, unit: int
+) -> None:
+    """A FIFO round's ids kept as a ``range`` (#32): every part, and every part list, is a
+    list equal to the same round's over the ids as a list."""
+    ids = range(100, 100 + n)
+    rnd, listed = Round(ids, parts, unit), Round(list(ids), parts, unit)
+    assert all(type(p) is list for p in rnd) and all(type(p) is list for p in rnd.lists())
+    assert list(rnd) == list(listed) and rnd.lists() == listed.lists()
+    assert rnd[-1] == listed[-1] and rnd[1:3] == listed[1:3]
+
+
 def test_round_of_lists_keeps_uneven_parts_and_lists_are_made_once() -> None:
     rnd = Round.of([[3, 1], [7], [2, 9, 4]])
     assert rnd.ids == [3, 1, 7, 2, 9, 4]

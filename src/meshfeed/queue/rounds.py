@@ -24,7 +24,10 @@ Key = Hashable
 
 class Round(Sequence[list[Key]]):
     """``parts`` parts of ``ids``: contiguous parts of whole ``unit``-sample units by the
-    rule of :func:`split_round`, or cut at ``offsets`` (``parts + 1`` positions)."""
+    rule of :func:`split_round`, or cut at ``offsets`` (``parts + 1`` positions).
+
+    ``ids`` may be a ``range`` (a FIFO round of consecutive ids: O(1) to keep, whatever its
+    size); a part is still a list (O(part))."""
 
     __slots__ = ("_lists", "_offsets", "_unit", "ids", "parts")
 
@@ -71,7 +74,8 @@ class Round(Sequence[list[Key]]):
         if not -self.parts <= part < self.parts:
             raise IndexError(f"part {part} of a round of {self.parts} parts")
         start, end = self.bounds(part % self.parts)
-        return self.ids[start:end]
+        got = self.ids[start:end]
+        return list(got) if type(got) is range else got
 
     def __iter__(self) -> Iterator[list[Key]]:
         return (self[i] for i in range(self.parts))
@@ -89,10 +93,11 @@ class Round(Sequence[list[Key]]):
                 cuts[-1] = n  # a last unit may be short
             # One list per part survives: without a pause the collector would scan the
             # growing heap again and again (measured 4-7x the slicing itself at 64k parts).
+            ids = list(self.ids) if type(self.ids) is range else self.ids
             enabled = gc.isenabled()
             gc.disable()
             try:
-                self._lists = list(map(self.ids.__getitem__, map(slice, cuts, cuts[1:])))
+                self._lists = list(map(ids.__getitem__, map(slice, cuts, cuts[1:])))
             finally:
                 if enabled:
                     gc.enable()

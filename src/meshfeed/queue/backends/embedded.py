@@ -144,9 +144,7 @@ class EmbeddedBackend:
 
         def more() -> bool:
             part = self.core.partitions.get(partition)
-            return part is not None and (
-                part.closed or len(part.pending.get(task, ())) >= batch_size
-            )
+            return part is not None and (part.closed or part.pending_count(task) >= batch_size)
 
         def attempt() -> Taken | None:
             core = self.core

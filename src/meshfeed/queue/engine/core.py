@@ -14,10 +14,12 @@ set (not yet consumed), so a ``get`` scans only unconsumed samples. Around it: t
 
 Cost: a put of ``n`` new samples whose columns are chunks or scalar lists is one
 :class:`~meshfeed.queue.engine.records.Run` stored under its ``n`` ids, and the common get (a
-``SequentialSampler`` whose first pending samples are ready) selects, consumes, gathers (a view
-per contiguous block of a run) and evicts with C-level dict/set passes over the ids: O(runs)
-Python operations, not O(samples). Everything else (fields added to existing samples, groups,
-other samplers, pins, holds, leases) takes the per-sample path, which gives the same results.
+``SequentialSampler``, or a rank-aware round over one, whose first pending samples are ready)
+selects, consumes and pins a range of ids while the task is kept as ranges
+(:mod:`~meshfeed.queue.engine.ranges`: O(runs), whatever the round's size), gathers a view per
+contiguous block of a run, and evicts with C-level dict/set passes over the ids. Everything
+else (fields added to existing samples, groups, other samplers, holds, leases, eviction of a
+task's samples) takes the per-sample path, which gives the same results.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ class StoreCore(StoreAdmin):
         part = self.partitions.get(name)
         if part is None:
             part = self.partitions[name] = Partition()
+            part.spans = deque()  # no samples yet: runs of consecutive ids only (ranges.py)
             for task in self.options.tasks or ():
-                part.task(task)
+                part.ranges(task)  # made as ranges (nothing pending yet)
         return part
 
     def try_put(self, request: PutRequest) -> list[Key] | None:
@@ -245,12 +248,13 @@ class StoreCore(StoreAdmin):
                     f"field(s) {missing} (fields produced: {sorted(part.seen)}); the stream "
                     "has ended (check the field names if you expected data)",
                 )
-        pending = part.task(request.task)
+        task = request.task
         if request.group_filter is not None:
-            self._unserved(part, request.task, rejected(part, request, pending))
-        parts = select_fast(part, pending, request, need)
+            self._unserved(part, task, rejected(part, request, part.task(task)))
+        lazy = part.ranges(task)
+        parts = select_fast(part, part.task(task) if lazy is None else lazy, request, need)
         if isinstance(parts, bool):
-            parts = request.sampler.select(View(part, pending, need), request.batch_size)
+            parts = request.sampler.select(View(part, part.task(task), need), request.batch_size)
         if parts is None or not any(parts):
             if part.closed:
                 self._end(
@@ -283,17 +287,15 @@ class StoreCore(StoreAdmin):
         out this reader's part (held and leased as the request says)."""
         task = request.task
         every = plan.ids
-        deque(map(part.task(task).pop, every), 0)  # C-level loops: no Python per sample
         drop = share is None and not request.hold and self._sole_reader(part, task)
-        if not drop:
-            part.consumed[task].update(every)
+        part.take(task, every, keep=not drop)
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         self.taken += len(every)
         if share is not None:
             record(part, request, share, plan, evicting=bool(self.options.tasks))
             self.planned += 1
         ids = (
-            plan.ids
+            list(plan.ids)  # a FIFO round's ids are a range (ranges.py)
             if share is None and len(plan) == 1
             else plan[0 if share is None else share.part]
         )
@@ -316,7 +318,7 @@ class StoreCore(StoreAdmin):
         return (
             self.options.lease_timeout is None
             and self.options.tasks == (task,)
-            and len(part.pending) == 1
+            and part.tasks() == 1
             and not part.cache
             and not part.held
             and not part.leased

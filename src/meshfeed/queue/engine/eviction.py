@@ -18,7 +18,7 @@ __all__ = ["evict", "forget", "remove"]
 Key = Hashable
 
 
-def evict(part: Partition, keys: list[Key], tasks: tuple[str, ...] | None) -> int:
+def evict(part: Partition, keys: list[Key] | range, tasks: tuple[str, ...] | None) -> int:
     """Drop those of ``keys`` nothing needs any more (``tasks``: the declared consumers;
     ``None``: samples stay until deleted): still stored, consumed by every task, and not
     pinned by a plan, held by a loader or leased. Set operations: no Python per sample."""
@@ -36,7 +36,7 @@ def evict(part: Partition, keys: list[Key], tasks: tuple[str, ...] | None) -> in
     return remove(part, list(filter(done.__contains__, keys)))
 
 
-def remove(part: Partition, keys: list[Key]) -> int:
+def remove(part: Partition, keys: list[Key] | range) -> int:
     """Drop samples ``keys`` (all held, no repeats): a few C-level passes over them."""
     if not keys:
         return 0
@@ -50,10 +50,11 @@ def remove(part: Partition, keys: list[Key]) -> int:
     return n
 
 
-def forget(part: Partition, keys: list[Key]) -> int:
+def forget(part: Partition, keys: list[Key] | range) -> int:
     """Drop the records of samples ``keys`` (held, no repeats, in no index any more)."""
     if not keys:
         return 0
+    part.forget_spans(keys)
     records = list(map(part.samples.pop, keys))
     if part.book is not None:
         part.book.forget(keys)

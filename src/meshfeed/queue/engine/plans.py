@@ -20,7 +20,7 @@ from collections.abc import Hashable
 from itertools import repeat
 from typing import Any
 
-from meshfeed.queue.engine.records import Entry, Partition, count_down
+from meshfeed.queue.engine.records import Entry, Partition, count_down, count_up
 from meshfeed.queue.request import GetRequest
 from meshfeed.queue.rounds import Progress, Round
 from meshfeed.queue.samplers import Share
@@ -130,21 +130,20 @@ def record(
         pin(part, plan.ids)
 
 
-def pin(part: Partition, keys: list[Key]) -> None:
-    """One more plan names each of ``keys`` (a C-level pass when none was pinned)."""
-    pinned = part.pinned
-    if not pinned:
-        part.pinned = dict.fromkeys(keys, 1)
-    elif pinned.keys().isdisjoint(keys):
-        pinned.update(dict.fromkeys(keys, 1))
+def pin(part: Partition, keys: list[Key] | range) -> None:
+    """One more plan names each of ``keys`` (a FIFO round's range: O(1), counted per sample
+    when the pins are first read; else a C-level pass when none was pinned)."""
+    if type(keys) is range:
+        part.pin_range(keys)
     else:
-        for k in keys:
-            pinned[k] = pinned.get(k, 0) + 1
+        count_up(part.pinned, keys)
 
 
 def drop(part: Partition, keys: list[CacheKey]) -> list[Key]:
     """Drop the plans ``keys``; the samples they pinned (still stored), to evict if done."""
     freed: list[Key] = []
+    if not keys:  # nothing to read: the pins stay as they are kept (ranges)
+        return freed
     pinned = part.pinned
     for key in keys:
         entry = part.cache.pop(key)

@@ -38,8 +38,7 @@ def put_run(part: Partition, rows: Mapping[str, Any], ids: list[Key], n: int) ->
     columns = {f: c if type(c) is Chunk else list(c) for f, c in rows.items()}
     run = Run(columns, None if consecutive else ids, start)
     part.samples.update(dict.fromkeys(ids, run))
-    for pending in part.pending.values():
-        pending.update(dict.fromkeys(ids))
+    part.add_run(ids, consecutive=consecutive)
     if consecutive:
         top = ids[-1]
     else:
@@ -56,6 +55,7 @@ def put_samples(
     groups: list[Hashable] | None,
 ) -> None:
     """The general put: a :class:`Sample` per sample, fields added to existing ones."""
+    part.not_runs()  # a sample of its own: the fast path's ranges no longer describe them
     samples = part.samples
     columns = list(rows.items())
     pendings = list(part.pending.values())

@@ -10,11 +10,13 @@ made it (read through ``Partition.cells`` / ``Partition.sample``, never ``.field
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.queue.engine.columns import Cell, Chunk, RemoteChunk, resolve
+from meshfeed.queue.engine.ranges import Ranges, trim_head
 from meshfeed.queue.engine.versions import Book
 from meshfeed.queue.rounds import Progress, Round
 
@@ -194,28 +196,46 @@ class Entry:
 
 
 class Partition:
+    """One partition's samples and, per task, its pending and consumed samples.
+
+    A task's ``pending`` (ordered) and ``consumed`` samples are kept per sample, or, while the
+    partition's samples are all runs of consecutive int ids and the task was only consumed
+    first-in first-out, as :class:`~meshfeed.queue.engine.ranges.Ranges` (O(runs)): the fast
+    path reads those through :meth:`ranges` and :meth:`take`; :attr:`pending`,
+    :attr:`consumed` and :meth:`task` give every other caller the per-sample form, made
+    explicit (for good) on first use, so nothing else sees the encoding.
+    """
+
     __slots__ = (
+        "_consumed",
+        "_lazy",
+        "_pending",
+        "_pin_runs",
+        "_pinned",
         "asked",
         "book",
         "cache",
         "closed",
-        "consumed",
         "field_counts",
         "held",
         "layouts",
         "leased",
         "next_id",
-        "pending",
-        "pinned",
         "progress",
         "samples",
         "seen",
+        "spans",
     )
 
     def __init__(self) -> None:
         self.samples: dict[Key, Sample | Run] = {}
-        self.pending: dict[str, dict[Key, None]] = {}
-        self.consumed: dict[str, set[Key]] = {}
+        self._pending: dict[str, dict[Key, None] | Ranges] = {}
+        self._consumed: dict[str, set[Key] | Ranges] = {}
+        self._lazy = 0  # tasks kept as ranges
+        # ``samples`` in order as the id ranges of runs of consecutive int ids, while that is
+        # all they are (puts of fresh samples, FIFO removal); ``None`` from the first change
+        # that is not (the store's :meth:`StoreCore._partition` starts it, a restore does not).
+        self.spans: deque[range] | None = None
         self.cache: dict[tuple[Any, ...], Entry] = {}
         # Per (task, shared-key prefix): the highest batch index each reader asked for; a
         # plan is dropped once every reader asked past it (a retry before that re-reads it).
@@ -225,7 +245,8 @@ class Partition:
         # readers); a reader of another layout asking from there on is refused (plans.lookup).
         # Not checkpointed: it guards against live readers of the layout the move replaced.
         self.layouts: dict[str, tuple[int, Any, int]] = {}
-        self.pinned: dict[Key, int] = {}  # samples of cached plans: how many plans name each
+        self._pinned: dict[Key, int] = {}
+        self._pin_runs: list[range] = []  # pins of FIFO rounds (ranges), until read per sample
         # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
         # every task, so a checkpoint taken meanwhile can still re-deliver them.
         self.held: dict[Key, int] = {}
@@ -241,22 +262,130 @@ class Partition:
         return {
             "samples": len(self.samples),
             "fields": dict(self.field_counts),
-            "consumed": {t: len(c) for t, c in self.consumed.items()},
+            "consumed": {
+                t: c.done if type(c) is Ranges else len(c) for t, c in self._consumed.items()
+            },
             "closed": self.closed,
             "cache_entries": len(self.cache),
         }
 
+    @property
+    def pending(self) -> dict[str, dict[Key, None]]:
+        """Per task, its pending samples in production order (per sample: explicit)."""
+        if self._lazy:
+            self._explicit()
+        return self._pending  # type: ignore[return-value]  # explicit now
+
+    @property
+    def consumed(self) -> dict[str, set[Key]]:
+        """Per task, the samples it consumed that are still held (per sample: explicit)."""
+        if self._lazy:
+            self._explicit()
+        return self._consumed  # type: ignore[return-value]  # explicit now
+
+    @property
+    def pinned(self) -> dict[Key, int]:
+        """Samples of cached plans: how many plans name each (per sample: explicit)."""
+        if self._pin_runs:
+            runs, self._pin_runs = self._pin_runs, []
+            for ids in runs:
+                count_up(self._pinned, ids)
+        return self._pinned
+
+    def pin_range(self, ids: range) -> None:
+        """One more plan names each of ``ids`` (O(1): counted per sample when first read)."""
+        self._pin_runs.append(ids)
+
+    def tasks(self) -> int:
+        """How many tasks consumed from here (as kept: nothing is made explicit)."""
+        return len(self._pending)
+
+    def pending_count(self, task: str) -> int:
+        """How many samples ``task`` has pending (0 for an unknown task)."""
+        return len(self._pending.get(task, ()))
+
     def task(self, task: str) -> dict[Key, None]:
-        if task not in self.pending:
-            self.pending[task] = dict.fromkeys(self.samples)
-            self.consumed[task] = set()
-        return self.pending[task]
+        """``task``'s pending samples, per sample (the task is made if new)."""
+        if self.ranges(task) is not None:
+            self._explicit(task)
+        return self._pending[task]  # type: ignore[return-value]
+
+    def ranges(self, task: str) -> Ranges | None:
+        """``task``'s pending samples as ranges (the task is made if new), ``None`` when
+        they are kept per sample."""
+        pending = self._pending.get(task)
+        if pending is None:
+            if self.spans is None:
+                pending = dict.fromkeys(self.samples)
+                self._consumed[task] = set()
+            else:
+                pending = Ranges(list(self.spans))
+                self._consumed[task] = pending
+                self._lazy += 1
+            self._pending[task] = pending
+        return pending if type(pending) is Ranges else None
+
+    def take(self, task: str, ids: list[Key] | range, *, keep: bool) -> None:
+        """``task`` consumed ``ids`` (``keep``: remember them as consumed, else they are
+        about to go): as ranges when they are the task's first pending ids (no Python per
+        sample), else per sample."""
+        lazy = self.ranges(task)
+        if lazy is not None and type(ids) is range and lazy.take(ids, keep=keep):
+            return
+        pending = self.task(task)
+        deque(map(pending.pop, ids), 0)  # C-level loops: no Python per sample
+        if keep:
+            self._consumed[task].update(ids)  # type: ignore[union-attr]
+
+    def add_run(self, ids: list[Key], *, consecutive: bool) -> None:
+        """Samples ``ids`` (new, one put) became pending for every task."""
+        if not consecutive:
+            self.not_runs()  # no task is kept as ranges from here on
+            for pending in self._pending.values():
+                pending.update(dict.fromkeys(ids))  # type: ignore[union-attr]
+            return
+        span = range(ids[0], ids[-1] + 1)  # type: ignore[call-overload, operator]
+        if self.spans is not None and span:
+            self.spans.append(span)  # one span per run: its fields are checked by its first id
+        for pending in self._pending.values():
+            if isinstance(pending, Ranges):
+                pending.add(span)
+            else:
+                pending.update(dict.fromkeys(ids))
+
+    def forget_spans(self, keys: list[Key] | range) -> None:
+        """Samples ``keys`` leave the partition: the first ids of ``spans`` (a FIFO drop)
+        keep the encoding, any other removal ends it (:meth:`not_runs`)."""
+        spans = self.spans
+        if spans is None:
+            return
+        fifo = type(keys) is range and bool(spans) and spans[0].start == keys.start
+        if fifo and trim_head(spans, len(keys)) is not None:
+            return
+        self.not_runs()
+
+    def not_runs(self) -> None:
+        """The samples are no longer runs of consecutive ids only: every task is kept per
+        sample from now on."""
+        self.spans = None
+        if self._lazy:
+            self._explicit()
+
+    def _explicit(self, task: str | None = None) -> None:
+        """Keep ``task``'s (``None``: every task's) samples per sample from now on."""
+        for t in list(self._pending) if task is None else [task]:
+            lazy = self._pending[t]
+            if type(lazy) is Ranges:
+                self._pending[t] = lazy.pending_keys()
+                self._consumed[t] = lazy.consumed_keys()
+                self._lazy -= 1
 
     def sample(self, key: Key) -> Sample:
         """The record of ``key`` to change: a sample stored with its :class:`Run` gets a
         :class:`Sample` of its own first."""
         record = self.samples[key]
         if type(record) is Run:
+            self.not_runs()  # the fast path reads a run's fields once, by its first id
             record = self.samples[key] = record.sample(key)
         return record  # type: ignore[return-value]
 
@@ -294,6 +423,15 @@ class View:
                 "read small fields (store token counts as ints)"
             )
         return value
+
+
+def count_up(counts: dict[Key, int], ids: list[Key] | range) -> None:
+    """Add one to the count of each of ``ids`` (a C-level pass when none is counted yet)."""
+    if not counts or counts.keys().isdisjoint(ids):
+        counts.update(dict.fromkeys(ids, 1))
+    else:
+        for k in ids:
+            counts[k] = counts.get(k, 0) + 1
 
 
 def count_down(counts: dict[Key, int], ids: list[Key]) -> None:

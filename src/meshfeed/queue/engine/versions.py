@@ -29,7 +29,7 @@ Rules, applied in the store under its lock, so every data rank and both backends
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class Book:
             for g in request.groups:
                 self.groups.setdefault(g, v)
 
-    def forget(self, keys: list[Key]) -> None:
+    def forget(self, keys: Iterable[Key]) -> None:
         versions = self.versions
         for k in keys:
             versions.pop(k, None)
