@@ -7,7 +7,9 @@ a fresh Python process builds the loader of ONE rank (a data rank in the middle 
 reports, after its imports:
 
 - ``first_ms``: time to build the loader and get its first batch;
-- ``rss_mb``: growth of the process's peak RSS over that build (``ru_maxrss``);
+- ``rss_mb``: growth of the process's peak RSS over that build (``ru_maxrss``); for the store,
+  of its resident set (the peak is the filling's, before: the store's samples are its
+  producers', in a job the store's own process);
 - ``alloc_mb``: peak Python allocations (``tracemalloc``) of a second, identical build (for
   the store: of a third data rank's first batch);
 - ``state_b``: ``len(json.dumps(loader.state_dict()))``;
@@ -36,6 +38,7 @@ same 20,000 rows (fresh processes, best of 3; ``--files``), the target being 2x 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -221,30 +224,41 @@ def _shape(value: Any) -> Any:
     return type(value).__name__
 
 
+def _rss_kib(kind: str) -> int:
+    """Peak RSS (KiB); for the store, the resident set now (its filling set the peak)."""
+    if kind == "store":
+        with contextlib.suppress(OSError), open("/proc/self/statm") as f:  # else: the peak
+            return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
 def child(kind: str, dp: int, group_dp: int, exact_steps: int) -> dict[str, Any]:
     import meshfeed  # noqa: F401  (imports are not the rank's planning cost)
     from meshfeed.queue import StoreLoader  # noqa: F401
     from meshfeed.sources import ShardedStream  # noqa: F401
 
     out: dict[str, Any] = {"loader": kind, "dp": dp, "ranks": dp * 128}
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # The store's samples are its producers' (in a job: the store's own process), filled
+    # before the rank's growth is measured, as before its time is.
+    store = _store(dp) if kind == "store" else None
+    rss0 = _rss_kib(kind)
     if kind == "balance":
         took, ranks = _balance(dp, min(dp, group_dp))
         out |= {"first_ms": took * 1e3, "group_ranks": ranks, "state_b": None, "exact": None}
-        out["rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+        out["rss_mb"] = (_rss_kib(kind) - rss0) / 1024
         tracemalloc.start()
         _balance(dp, min(dp, group_dp))
         out["alloc_mb"] = tracemalloc.get_traced_memory()[1] / 1e6
         return out
     if kind == "store":
-        loader, t0 = _store_loader(dp, _store(dp))
+        loader, t0 = _store_loader(dp, store)
     else:
         t0 = time.perf_counter()
         loader = build(kind, dp)
     it = iter(loader)
     next(it)
     out["first_ms"] = (time.perf_counter() - t0) * 1e3
-    out["rss_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    out["rss_mb"] = (_rss_kib(kind) - rss0) / 1024
     if kind != "store":
         t1 = time.perf_counter()
         for _ in range(20):
