@@ -256,7 +256,7 @@ def test_a_damaged_compressed_shard_is_a_source_error_naming_it(peer, tmp_path):
 
 def test_zstd_without_zstandard_names_the_install(peer, monkeypatch):
     monkeypatch.setitem(sys.modules, "zstandard", None)
-    with pytest.raises(ImportError, match="pip install zstandard"):
+    with pytest.raises(ImportError, match=r"pip install \"meshfeed\[zstd\]\""):
         mds_stream(peer["root"] / "zstd")[0]
 
 

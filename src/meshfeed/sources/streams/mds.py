@@ -113,7 +113,7 @@ def _decompress(algo: str, data: bytes, shard: _Shard) -> bytes:
                 import zstandard
             except ImportError as exc:
                 raise ImportError(
-                    f"shard {shard.name!r} is zstd-compressed; pip install zstandard"
+                    f'shard {shard.name!r} is zstd-compressed; pip install "meshfeed[zstd]"'
                 ) from exc
             out = zstandard.ZstdDecompressor().decompress(data, max_output_size=shard.raw_bytes)
         else:

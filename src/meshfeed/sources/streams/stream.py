@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfeed.order.distinct import distinct
 from meshfeed.order.permutation import Permutation, derive_seed
 from meshfeed.protocols import OrderBase, UrlReader
 from meshfeed.sources.streams.count import count_rows
@@ -100,15 +101,9 @@ def _check_rows(rows: Sequence[int], shards: Sequence[Any]) -> list[int]:
 
 def _groups(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """Each distinct value of the int array ``keys`` (passes, windows), in increasing order,
-    with the mask of its positions. Not ``np.unique``: its first call in a process imports
-    ``numpy.ma`` (35-50 ms), which a resumed loader's first batch would wait for."""
-    if not keys.size:
-        return []
-    ordered = np.sort(keys)
-    first = np.empty(ordered.shape, dtype=bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return [(k, keys == k) for k in ordered[first].tolist()]
+    with the mask of its positions (:func:`~meshfeed.order.distinct.distinct`: a resumed
+    loader's first batch does not wait for ``np.unique``'s import of ``numpy.ma``)."""
+    return [(k, keys == k) for k in distinct(keys).tolist()]
 
 
 class ShardedStream:
