@@ -302,8 +302,8 @@ class ShardCache(Ahead):
         pool = self._ahead_pool()
         todo = [url for url in urls if local_path_of(url) is None]
         self._queue(todo)
-        known = versions or {}
-        return [pool.submit(self._prefetch_one, url, known.get(url)) for url in todo]
+        known, asked = versions or {}, time.monotonic()
+        return [pool.submit(self._prefetch_one, url, known.get(url), asked) for url in todo]
 
     def open_range(self, url: str, start: int, stop: int, *, version: str | None = None) -> bytes:
         """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one (of
@@ -382,14 +382,11 @@ class ShardCache(Ahead):
         with self._mutex:
             held, self._held = self._held, {}
             self._holds.clear()
-            pool, self._pool = self._pool, None
-            self._waiting.clear()
         if os.getpid() != self._pid:
             return
         for lock in held.values():
             lock.close()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        self._stop_ahead()
 
     def __enter__(self) -> ShardCache:
         return self
