@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from meshfeed import StreamLoader
 from meshfeed.sources import ShardedStream
 from meshfeed.storage import ShardCache
@@ -86,7 +88,10 @@ def test_a_pending_entry_is_an_ordinary_one_again_once_its_date_passes(tmp_path:
     assert _left(tmp_path) == {"p0", "p1", "p2"}
 
 
-def test_a_limited_stream_downloads_each_shard_once_per_epoch(s3: S3, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_limited_stream_downloads_each_shard_once_per_epoch(
+    s3: S3, tmp_path: Path, workers: int
+) -> None:
     from meshfeed.sources import write_shards
 
     rows, shards = 400, 10
@@ -107,7 +112,9 @@ def test_a_limited_stream_downloads_each_shard_once_per_epoch(s3: S3, tmp_path: 
         shuffle_buffer=rows,  # a window spans two shards
     )
     s3.proxy.reset()
-    with StreamLoader(stream, seed=4, batch_size=16, collate_fn=list) as loader:
+    with StreamLoader(
+        stream, seed=4, batch_size=16, collate_fn=list, num_workers=workers
+    ) as loader:
         ids = [row["id"] for batch in loader for row in batch]
     assert sorted(ids) == list(range(rows * shards))
     gets = {k: n for k, n in s3.proxy.object_gets.items() if not k.endswith("index.json")}
@@ -184,3 +191,14 @@ def test_a_file_the_reader_asks_for_no_longer_waits_to_be_downloaded_ahead(
         time.sleep(0.2)
         assert cache.stats()["resumed_prefetch"] == 0
         assert cache.stats()["downloads"] == 3
+
+
+def test_the_rows_tally_tells_the_call_that_completes_each_pass(tmp_path: Path) -> None:
+    entry = _entry(tmp_path, "s", age=0)
+    assert [entry.count_rows(n, 10) for n in (4, 5, 1, 9, 3, 8)] == [
+        False, False, True, False, True, True,  # 4, 9, 10 | 19 | 22, 30
+    ]  # fmt: skip
+    entry.clean()  # a new copy of the file is counted from zero
+    assert not entry.tally.exists()
+    entry.data.parent.mkdir(parents=True, exist_ok=True)
+    assert [entry.count_rows(5, 10) for _ in range(2)] == [False, True]
