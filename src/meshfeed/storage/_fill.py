@@ -40,14 +40,19 @@ class Fill:
     _held: dict[str, FileLock]
     _infos: dict[str, RemoteInfo]
     _expected: dict[str, Want]
+    _entries: dict[str, Entry]
     _current: dict[str, str]
 
     # -- entries ------------------------------------------------------------------------------
 
     def _entry(self, url: str) -> Entry:
-        if not is_url(url):
-            raise ValueError(f"{url!r} is not a URL; local files need no cache")
-        return Entry.of(self.cache_dir, url, self.storage_options)
+        # kept per URL (one per file of the job): a reader asks for its shards every read
+        entry = self._entries.get(url)
+        if entry is None:
+            if not is_url(url):
+                raise ValueError(f"{url!r} is not a URL; local files need no cache")
+            entry = self._entries[url] = Entry.of(self.cache_dir, url, self.storage_options)
+        return entry
 
     def _read_meta(self, entry: Entry, *, deep: bool) -> dict[str, Any] | None:
         """The sidecar of a complete entry; with ``deep``, its checksum checked once here."""

@@ -53,7 +53,7 @@ from meshfeed.storage._download import (
     check_writable,
     on_disk,
 )
-from meshfeed.storage._layout import checksums, sweep
+from meshfeed.storage._layout import Entry, checksums, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
@@ -137,6 +137,7 @@ class ShardCache(Ahead):
         self._holds: Counter[str] = Counter()  # local_path calls not yet released, per URL
         self._verified: set[str] = set()
         self._infos: dict[str, RemoteInfo] = {}  # the identity check's answers, for the download
+        self._entries: dict[str, Entry] = {}
         self._init_ahead()
         self._stats = dict.fromkeys(
             ("downloads", "hits", "bytes", "gets", "heads", "range_reads", "retries",
