@@ -91,14 +91,3 @@ def read_dataset_within_a_limit(
         collate_fn=lambda rows: [r["id"] for r in rows],
     ) as loader:
         return [i for b in loader for i in b]
-
-
-def tally_rows(cache_dir: str, url: str, calls: int, rows: int, barrier: Any, out: Any) -> None:
-    """Add one row read of ``url`` ``calls`` times to the node's tally (as a worker process
-    does per read), with the others; report how many passes this process completed."""
-    from meshfeed.storage._layout import Entry
-
-    entry = Entry.of(Path(cache_dir), url, {})
-    entry.data.parent.mkdir(parents=True, exist_ok=True)
-    barrier.wait(timeout=60)
-    out.put(sum(entry.count_rows(1, rows) for _ in range(calls)))

@@ -191,14 +191,3 @@ def test_a_file_the_reader_asks_for_no_longer_waits_to_be_downloaded_ahead(
         time.sleep(0.2)
         assert cache.stats()["resumed_prefetch"] == 0
         assert cache.stats()["downloads"] == 3
-
-
-def test_the_rows_tally_tells_the_call_that_completes_each_pass(tmp_path: Path) -> None:
-    entry = _entry(tmp_path, "s", age=0)
-    assert [entry.count_rows(n, 10) for n in (4, 5, 1, 9, 3, 8)] == [
-        False, False, True, False, True, True,  # 4, 9, 10 | 19 | 22, 30
-    ]  # fmt: skip
-    entry.clean()  # a new copy of the file is counted from zero
-    assert not entry.tally.exists()
-    entry.data.parent.mkdir(parents=True, exist_ok=True)
-    assert [entry.count_rows(5, 10) for _ in range(2)] == [False, True]

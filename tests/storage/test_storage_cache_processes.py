@@ -207,24 +207,3 @@ def test_peak_cache_disk_stays_within_the_limit_across_processes(
     served = [i for r in results for i in r]
     assert sorted(served) == list(range(1200))  # every row once, across ranks and workers
     assert 0 < peak <= limit + max(sizes), (peak, limit, max(sizes))
-
-
-def test_processes_that_tally_a_shards_rows_complete_each_pass_exactly_once(
-    tmp_path: Path,
-) -> None:
-    ctx = mp.get_context("fork")  # children use only the cache's files
-    barrier, out = ctx.Barrier(4), ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_procs.tally_rows,
-            args=(str(tmp_path), "s3://b/d/shard.bin", 150, 40, barrier, out),
-        )
-        for _ in range(4)
-    ]
-    for p in procs:
-        p.start()
-    passes = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    assert sum(passes) == 4 * 150 // 40  # 600 rows: 15 passes of 40, each told once

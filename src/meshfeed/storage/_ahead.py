@@ -8,8 +8,7 @@ it. Room is booked from the queue's head, one file after another (a later file b
 could take the room of an earlier one, read sooner), and each booked file is transferred in the
 background, ``prefetch_workers`` at once (without a limit, all are downloaded that many at once,
 in any order). Each time room may have been freed (a reader read a file to its end:
-:meth:`ShardCache.finished`; or the last hold of a file ended), and RETRY_PAUSE seconds after a
-try that found no room (room freed by other processes), the queue is tried again from its
+:meth:`ShardCache.finished`; or the last hold of a file ended) the queue is tried again from its
 head, and stops at the first that still finds no room. So a limited epoch keeps downloading
 ahead while it reads, as the shards read to their end leave the cache, without evicting what
 will be read soon (no shard downloaded twice).
@@ -52,7 +51,6 @@ class Ahead(Fill):
         self._settled = threading.Condition(self._mutex)  # a claimed one was tried
         self._kicked = False  # room may have been freed since the running drain began
         self._scheduled = False  # a drain is submitted and has not started yet
-        self._timer: threading.Timer | None = None  # the next retry of a queue without room
         self._full: set[str] = set()  # waiting ones counted in stats()["skipped_prefetch"]
         self._errors: dict[str, Exception] = {}  # failed downloads, for their futures
         self._last_full = 0.0  # when the queue last found no room
@@ -79,9 +77,6 @@ class Ahead(Fill):
             pools = (self._pool, self._transfers)
             self._pool = self._transfers = None
             self._waiting.clear()
-            timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
         for pool in pools:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
@@ -170,20 +165,6 @@ class Ahead(Fill):
             with self._mutex:
                 self._scheduled = False
 
-    def _retry_later(self) -> None:
-        """Under the mutex: try the queue again RETRY_PAUSE seconds from now. Room can be
-        freed where this process sees nothing of it: another process's readers (worker
-        processes, other ranks) finish or release files, and files go idle."""
-        if self._timer is None:
-            self._timer = threading.Timer(RETRY_PAUSE, self._timed_kick)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _timed_kick(self) -> None:
-        with self._mutex:
-            self._timer = None
-        self._kick()
-
     def _kicked_drain(self) -> None:
         with self._mutex:
             self._scheduled = False
@@ -264,7 +245,6 @@ class Ahead(Fill):
                 if url not in self._full:
                     self._full.add(url)
                     self._stats["skipped_prefetch"] += 1
-                self._retry_later()
                 return True
             if self._waiting.get(url) is want:
                 del self._waiting[url]

@@ -2,9 +2,8 @@
 
 Layout of ``cache_dir``: one folder per remote folder (a hash of its URL and endpoint), holding
 for each file ``NAME`` (the remote base name, so ``corpus.bin`` and ``corpus.idx`` stay side by
-side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, checksum),
-a lock file ``NAME.meshfeed.lock`` and, for a shard read by worker processes, the tally of its
-rows read ``NAME.meshfeed.rows`` (:meth:`Entry.count_rows`). Temporary files (downloads in flight, and "bookings":
+side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, checksum)
+and a lock file ``NAME.meshfeed.lock``. Temporary files (downloads in flight, and "bookings":
 sparse files as large as a download in flight, counted against the limit) are named
 ``.NAME[...].RANDOM.meshfeed.tmp``.
 
@@ -40,7 +39,6 @@ from meshfeed.storage.urls import StorageOptions
 
 SIDE = ".meshfeed.json"
 LOCK = ".meshfeed.lock"
-ROWS = ".meshfeed.rows"
 TMP = ".meshfeed.tmp"
 BOOKING = ".booking"
 _HASH_BLOCK = 1 << 22
@@ -76,23 +74,6 @@ class Entry:
 
     def temp(self, suffix: str = "") -> Path:
         return self.data.with_name(f".{self.data.name}{suffix}.{uuid.uuid4().hex[:12]}{TMP}")
-
-    @property
-    def tally(self) -> Path:
-        return self.data.with_name(self.data.name + ROWS)
-
-    def count_rows(self, n: int, rows: int) -> bool:
-        """Add ``n`` rows read to the node's tally of this entry; True for the one caller
-        whose rows complete a pass over its ``rows``. The tally is one byte per row appended
-        to a file (an append is atomic and leaves the file offset at its end: no lock, and
-        exactly one caller sees each multiple of ``rows`` crossed)."""
-        fd = os.open(self.tally, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        try:
-            os.write(fd, bytes(n))
-            end = os.lseek(fd, 0, os.SEEK_CUR)
-        finally:
-            os.close(fd)
-        return (end - n) // rows < end // rows
 
     def open_lock(self) -> FileLock:
         self.data.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +123,6 @@ class Entry:
         """Under the entry's exclusive lock: remove every trace of an incomplete entry."""
         self.sidecar.unlink(missing_ok=True)
         self.data.unlink(missing_ok=True)
-        self.tally.unlink(missing_ok=True)  # a new copy's rows are counted from zero
         for tmp in self.data.parent.glob(f".{self.data.name}*{TMP}"):
             tmp.unlink(missing_ok=True)
 

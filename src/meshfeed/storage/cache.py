@@ -277,18 +277,6 @@ class ShardCache(Ahead):
         self._entry(url).mark_read()
         self._kick()
 
-    def read_rows(self, url: str, n: int, rows: int) -> None:
-        """``n`` rows of ``url``, a file of ``rows`` rows, were read by this process, one of
-        several (worker processes) that each read some rows of it. The node's processes tally
-        them in the cache; the one whose rows complete a pass tells :meth:`finished`."""
-        self._check_fork()
-        if local_path_of(url) is not None or n < 1 or rows < 1:
-            return
-        with on_disk(self.cache_dir, f"count the rows read of {url}"):
-            done = self._entry(url).count_rows(n, rows)
-        if done:
-            self.finished(url)
-
     @contextlib.contextmanager
     def hold(self, url: str, *, version: str | None = None) -> Iterator[str]:
         """``with cache.hold(url) as path:`` — :meth:`local_path`, released on exit."""

@@ -18,10 +18,8 @@ order, until a shard is read to its end. The reader counts the rows it reads of 
 rows it tells the cache (:meth:`~meshfeed.storage.ShardCache.finished`), which evicts that
 shard first and downloads the waiting ones ahead: download and reading overlap through the
 whole epoch, and no shard is downloaded twice (#29). Worker processes read only some rows of
-each shard: they add the rows they read to a tally the node's processes share in the cache
-(:meth:`~meshfeed.storage.ShardCache.read_rows`), and the worker whose rows complete a pass
-tells the cache; the download-ahead of the process that plans retries its queue a few times a
-second while it waits for room.
+each shard, so they count nothing: with workers a shard leaves the cache once it has been idle
+for a few seconds, and download-ahead resumes as the stream plans its next steps.
 
 A shard's identity is its content hash where a dataset index records one (``identities``,
 from :meth:`ShardedStream.from_index`: no request per shard at all; the cache checks each copy
@@ -114,7 +112,7 @@ class CachedReader:
     def _local(self, shard: Any) -> Any:
         if not (isinstance(shard, str) and is_url(shard)):
             return shard
-        self._lingers()  # first: a forked copy forgets the parent's holds
+        linger = self._lingers()  # first: a forked copy forgets the parent's holds
         path = self._held.get(shard)
         if path is not None:
             self._held.move_to_end(shard)
@@ -125,10 +123,10 @@ class CachedReader:
         )
         self._held[shard] = path
         self._release(len(self._held) - self.keep)
-        # under a limit, rows read are counted to tell the cache when a shard is done with
-        # (a worker process reads only some of each shard's rows: the node tallies them)
+        # under a limit, rows read are counted to tell the cache when a shard is done with;
+        # not in a worker process, which reads only some of each shard's rows
         count = self._hooks.count
-        limited = self.cache.cache_limit is not None
+        limited = self.cache.cache_limit is not None and linger
         if limited and count is not None and shard not in self._rows:
             self._rows[shard] = int(count(path))
         return path
@@ -227,13 +225,10 @@ class CachedReader:
     def _progress(self, shard: Any, n: int) -> None:
         """``n`` more rows of ``shard`` read: once a pass has read them all, the cache may
         evict it first and download the next shards ahead (the module docstring)."""
-        if not (n and isinstance(shard, str) and is_url(shard)):
-            return
+        if not (n and isinstance(shard, str) and is_url(shard) and self._lingers()):
+            return  # a worker's copy reads only some rows of each shard: it counts nothing
         rows = self._rows.get(shard)
         if rows is None:  # no limit, or a reader that cannot count: nothing to tell the cache
-            return
-        if not self._lingers():  # a worker's copy reads some rows of each shard: the node's
-            self.cache.read_rows(shard, n, rows)  # workers tally them in the cache
             return
         read = self._read.get(shard, 0) + n
         if read < rows:
