@@ -425,6 +425,13 @@ def main() -> None:
         default=40.0,
         help="cache-limit rows with a limit of this %% of the data (0: none; default 40)",
     )
+    p.add_argument(
+        "--limit-window",
+        type=float,
+        default=0.5,
+        help="meshfeed's shuffle window in the cache-limit rows, as a share of the rows the "
+        "limit holds (default 0.5; at 0.25 the next window downloads while one is read)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (report medians)")
     p.add_argument("--large", action="store_true", help="the large-sample rows instead")
     args = p.parse_args()
@@ -518,8 +525,11 @@ def main() -> None:
         if args.limit_pct:
             limit = int(disk_bytes["mf"] * args.limit_pct / 100)
             global LIMIT_WINDOW
-            LIMIT_WINDOW = int(rows * limit / disk_bytes["mf"] / 2)  # half the limit's rows
-            print(f"cache limit rows: {limit / 2**20:.1f} MiB ({args.limit_pct} % of the shards)")
+            LIMIT_WINDOW = int(rows * limit / disk_bytes["mf"] * args.limit_window)
+            print(
+                f"cache limit rows: {limit / 2**20:.1f} MiB ({args.limit_pct} % of the shards); "
+                f"meshfeed's shuffle window {LIMIT_WINDOW} rows"
+            )
             systems.append(
                 ("meshfeed shards lim", functools.partial(meshfeed_shards, limit=limit), "mf")
             )

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from meshfeed import StreamLoader
 from meshfeed.sources import ShardedStream
 from meshfeed.storage import ShardCache
@@ -86,7 +88,10 @@ def test_a_pending_entry_is_an_ordinary_one_again_once_its_date_passes(tmp_path:
     assert _left(tmp_path) == {"p0", "p1", "p2"}
 
 
-def test_a_limited_stream_downloads_each_shard_once_per_epoch(s3: S3, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_limited_stream_downloads_each_shard_once_per_epoch(
+    s3: S3, tmp_path: Path, workers: int
+) -> None:
     from meshfeed.sources import write_shards
 
     rows, shards = 400, 10
@@ -107,7 +112,9 @@ def test_a_limited_stream_downloads_each_shard_once_per_epoch(s3: S3, tmp_path: 
         shuffle_buffer=rows,  # a window spans two shards
     )
     s3.proxy.reset()
-    with StreamLoader(stream, seed=4, batch_size=16, collate_fn=list) as loader:
+    with StreamLoader(
+        stream, seed=4, batch_size=16, collate_fn=list, num_workers=workers
+    ) as loader:
         ids = [row["id"] for batch in loader for row in batch]
     assert sorted(ids) == list(range(rows * shards))
     gets = {k: n for k, n in s3.proxy.object_gets.items() if not k.endswith("index.json")}

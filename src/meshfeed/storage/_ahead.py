@@ -4,19 +4,21 @@ under a limit as room is freed (#29).
 Under ``cache_limit`` a download-ahead never evicts a held entry, one downloaded ahead and not
 read yet, or one read in the last seconds (:mod:`meshfeed.storage._layout`). One that finds no
 room waits in this process's queue, in the order asked; every later download-ahead goes behind
-it (one download at a time, from the queue's head; without a limit, ``prefetch_workers`` at
-once). Each time room may have been freed (a reader read a file to its end:
-:meth:`ShardCache.finished`; or the last hold of a file ended) the queue is tried again from
-its head, one download after another, and stops at the first that still finds no room. So a
-limited epoch keeps downloading ahead while it reads, as the shards read to their end leave
-the cache, without evicting what will be read soon (no shard downloaded twice).
+it. Room is booked from the queue's head, one file after another (a later file booked first
+could take the room of an earlier one, read sooner), and each booked file is transferred in the
+background, ``prefetch_workers`` at once (without a limit, all are downloaded that many at once,
+in any order). Each time room may have been freed (a reader read a file to its end:
+:meth:`ShardCache.finished`; or the last hold of a file ended) the queue is tried again from its
+head, and stops at the first that still finds no room. So a limited epoch keeps downloading
+ahead while it reads, as the shards read to their end leave the cache, without evicting what
+will be read soon (no shard downloaded twice).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from meshfeed.storage._download import TooLargeForCache, Want, on_disk
@@ -35,6 +37,10 @@ class Ahead(Fill):
 
     def _init_ahead(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+        # under a limit: the transfers of booked download-aheads, prefetch_workers at once (a
+        # pool of their own: the drain that books them may run in a thread of self._pool)
+        self._transfers: ThreadPoolExecutor | None = None
+        self._slots = threading.BoundedSemaphore(self.prefetch_workers)
         # URL -> what the job accepts as it: download-aheads waiting for room, in order
         # (None: its place is kept while its task learns what it must be)
         self._waiting: dict[str, Want | None] = {}
@@ -44,6 +50,7 @@ class Ahead(Fill):
         self._claimed: set[str] = set()  # being tried by a drain
         self._settled = threading.Condition(self._mutex)  # a claimed one was tried
         self._kicked = False  # room may have been freed since the running drain began
+        self._scheduled = False  # a drain is submitted and has not started yet
         self._full: set[str] = set()  # waiting ones counted in stats()["skipped_prefetch"]
         self._errors: dict[str, Exception] = {}  # failed downloads, for their futures
         self._last_full = 0.0  # when the queue last found no room
@@ -56,6 +63,24 @@ class Ahead(Fill):
                 )
             return self._pool
 
+    def _transfer_pool(self) -> ThreadPoolExecutor:
+        with self._mutex:
+            if self._transfers is None:
+                self._transfers = ThreadPoolExecutor(
+                    self.prefetch_workers, thread_name_prefix="meshfeed-transfer"
+                )
+            return self._transfers
+
+    def _stop_ahead(self) -> None:
+        """Stop the download-ahead threads (waiting for the transfers in flight)."""
+        with self._mutex:
+            pools = (self._pool, self._transfers)
+            self._pool = self._transfers = None
+            self._waiting.clear()
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
     def _queue(self, urls: list[str]) -> None:
         """Under a limit, keep the places of ``urls`` in the queue in the caller's order (their
         tasks run in any order)."""
@@ -64,7 +89,8 @@ class Ahead(Fill):
                 for url in urls:
                     self._waiting.setdefault(url, None)
 
-    def _prefetch_one(self, url: str, version: str | None = None) -> bool:
+    def _prefetch_one(self, url: str, version: str | None, asked: float) -> bool:
+        """Download ``url`` ahead (``asked``: when the caller asked, ``time.monotonic()``)."""
         try:
             want = self._want(url, version)
         except BaseException:
@@ -77,7 +103,12 @@ class Ahead(Fill):
         with self._mutex:  # under a limit: in the caller's order, from the queue's head
             if self._waiting.get(url) is None:  # its kept place, or none
                 self._waiting[url] = want
-        self._drain(wait=True)
+            # a head that found no room since the call asked is tried again when room is
+            # freed: the tasks of one prefetch call would each try it at once
+            head = next((h for h in self._waiting if h not in self._claimed), None)
+            stuck = head in self._full and self._last_full >= asked
+        if not stuck:
+            self._drain(wait=True)
         deadline = time.monotonic() + self.lock_timeout
         with self._mutex:
             while url in self._claimed and time.monotonic() < deadline:  # another drain's
@@ -88,13 +119,16 @@ class Ahead(Fill):
             raise err
         return not waits and self._entry(url).read_meta() is not None
 
-    def _try(self, url: str, want: Want) -> bool | None:
+    def _try(
+        self, url: str, want: Want, on_booked: Callable[[], None] | None = None
+    ) -> bool | None:
         """One download-ahead: True (cached), None (no room now), False (never fits)."""
         entry = self._entry(url)
         with on_disk(self.cache_dir, f"hold {url}"):
             lock = entry.open_lock()
         try:
-            return True if self._acquire(entry, lock, want, demanded=False) else None
+            ok = self._acquire(entry, lock, want, demanded=False, on_booked=on_booked)
+            return True if ok else None
         except TooLargeForCache:
             self._count("skipped_prefetch")
             return False
@@ -116,14 +150,25 @@ class Ahead(Fill):
             self._kick()
 
     def _kick(self) -> None:
-        """Try the queue again in the background."""
+        """Try the queue again in the background (one drain submitted at a time: a reader
+        releases a file per batch, and a backlog of drains would each list the cache)."""
         with self._mutex:
             if not self._waiting:
                 return
             self._kicked = True
-        # a pool shut down (close) raises RuntimeError: nothing more to download
-        with contextlib.suppress(RuntimeError):
-            self._ahead_pool().submit(self._drain)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._ahead_pool().submit(self._kicked_drain)
+        except RuntimeError:  # a pool shut down (close): nothing more to download
+            with self._mutex:
+                self._scheduled = False
+
+    def _kicked_drain(self) -> None:
+        with self._mutex:
+            self._scheduled = False
+        self._drain()
 
     def _drain(self, *, wait: bool = False) -> None:
         """Run the queue (one drain at a time: without ``wait``, one already running goes round
@@ -142,7 +187,8 @@ class Ahead(Fill):
                     return
 
     def _drain_queue(self) -> None:
-        """Download the waiting files in order until one finds no room (or none is left)."""
+        """Book room for the waiting files in order until one finds no room (or none is left);
+        each booked file is transferred in the background (``prefetch_workers`` at once)."""
         while True:
             with self._mutex:
                 head = next((h for h in self._waiting.items() if h[0] not in self._claimed), None)
@@ -152,26 +198,61 @@ class Ahead(Fill):
                 if want is None:  # its own task will come here once it knows what it must be
                     return
                 self._claimed.add(url)
-            error = None
+            tried, full = threading.Event(), threading.Event()
+            started = self._slots.acquire(timeout=self.lock_timeout)
             try:
-                done = self._try(url, want)
-            except Exception as e:  # for its future; a later local_path retries it
-                done, error = False, e
-            with self._mutex:
-                self._claimed.discard(url)
-                self._settled.notify_all()
-                if done is None:
-                    self._last_full = time.monotonic()
-                    if url not in self._full:
-                        self._full.add(url)
-                        self._stats["skipped_prefetch"] += 1
-                    return
-                if self._waiting.get(url) is want:
-                    del self._waiting[url]
-                if url in self._full:
-                    self._full.discard(url)
-                    self._stats["resumed_prefetch"] += int(done)
-                if error is not None:
-                    if len(self._errors) > 64:  # nobody asked for these: bounded
-                        self._errors.clear()
-                    self._errors[url] = error
+                if started:
+                    self._transfer_pool().submit(self._transfer, url, want, tried, full)
+            except RuntimeError:  # the pool was shut down (close)
+                self._slots.release()
+                started = False
+            if not started:  # every slot still busy: it keeps its place, tried again later
+                with self._mutex:
+                    self._claimed.discard(url)
+                    self._settled.notify_all()
+                return
+            # its room booked (the transfer goes on), or its try over (no room: stop here);
+            # a try that waits longer (another process's download of it) goes on alone
+            tried.wait(timeout=self.lock_timeout)
+            if full.is_set() or not tried.is_set():
+                return
+
+    def _transfer(
+        self, url: str, want: Want, tried: threading.Event, full: threading.Event
+    ) -> None:
+        """One download-ahead from the queue's head, in a transfer thread: ``tried`` is set
+        once its room is booked or its try is over, ``full`` where it found no room."""
+        done: bool | None = False
+        error = None
+        try:
+            done = self._try(url, want, on_booked=tried.set)
+        except Exception as e:  # for its future; a later local_path retries it
+            error = e
+        finally:
+            self._slots.release()
+            if self._settle(url, want, done, error):
+                full.set()
+            tried.set()
+
+    def _settle(self, url: str, want: Want, done: bool | None, error: Exception | None) -> bool:
+        """Record the outcome of one try of ``url`` from the queue; True where it found no
+        room (it keeps its place in the queue)."""
+        with self._mutex:
+            self._claimed.discard(url)
+            self._settled.notify_all()
+            if done is None:
+                self._last_full = time.monotonic()
+                if url not in self._full:
+                    self._full.add(url)
+                    self._stats["skipped_prefetch"] += 1
+                return True
+            if self._waiting.get(url) is want:
+                del self._waiting[url]
+            if url in self._full:
+                self._full.discard(url)
+                self._stats["resumed_prefetch"] += int(bool(done))
+            if error is not None:
+                if len(self._errors) > 64:  # nobody asked for these: bounded
+                    self._errors.clear()
+                self._errors[url] = error
+        return False

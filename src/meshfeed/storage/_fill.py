@@ -40,14 +40,19 @@ class Fill:
     _held: dict[str, FileLock]
     _infos: dict[str, RemoteInfo]
     _expected: dict[str, Want]
+    _entries: dict[str, Entry]
     _current: dict[str, str]
 
     # -- entries ------------------------------------------------------------------------------
 
     def _entry(self, url: str) -> Entry:
-        if not is_url(url):
-            raise ValueError(f"{url!r} is not a URL; local files need no cache")
-        return Entry.of(self.cache_dir, url, self.storage_options)
+        # kept per URL (one per file of the job): a reader asks for its shards every read
+        entry = self._entries.get(url)
+        if entry is None:
+            if not is_url(url):
+                raise ValueError(f"{url!r} is not a URL; local files need no cache")
+            entry = self._entries[url] = Entry.of(self.cache_dir, url, self.storage_options)
+        return entry
 
     def _read_meta(self, entry: Entry, *, deep: bool) -> dict[str, Any] | None:
         """The sidecar of a complete entry; with ``deep``, its checksum checked once here."""
@@ -125,12 +130,14 @@ class Fill:
         *,
         demanded: bool,
         make_room: Callable[[], None] | None = None,
+        on_booked: Callable[[], None] | None = None,
     ) -> bool:
         """Take the shared lock of a complete entry, downloading it first if needed.
 
         False only for a download-ahead (``demanded=False``) that found no room. Before any
         wait (for another process's download, or for room), ``make_room`` releases what the
         caller holds: a reader that waits holding entries could wait for itself.
+        ``on_booked``: called once room for a download is booked, before its transfer.
         """
         make_room = _once(make_room)
         deadline = time.monotonic() + self.lock_timeout
@@ -161,7 +168,9 @@ class Fill:
                 # bucket that no longer holds that version is refused by name in _download)
                 with on_disk(self.cache_dir, f"store {entry.url}"):
                     entry.clean()
-                    done = self._download(entry, want, demanded=demanded, make_room=make_room)
+                    done = self._download(
+                        entry, want, demanded=demanded, make_room=make_room, on_booked=on_booked
+                    )
                 if not done:
                     lock.release()
                     return False
@@ -217,8 +226,10 @@ class Fill:
         *,
         demanded: bool,
         make_room: Callable[[], None] | None = None,
+        on_booked: Callable[[], None] | None = None,
     ) -> bool:
-        """Under the entry's exclusive lock: book room, fetch, check and publish ``entry.url``."""
+        """Under the entry's exclusive lock: book room, fetch, check and publish ``entry.url``
+        (``on_booked`` is told once the room is booked)."""
         url = entry.url
         fs, path = filesystem(url, self.storage_options)
         endpoint = endpoint_of(url, self.storage_options)
@@ -244,6 +255,8 @@ class Fill:
         reserved = self._reserve(entry, size, demanded=demanded, make_room=make_room)
         if reserved is None:  # a download-ahead that found no room (it waits: _ahead)
             return False
+        if on_booked is not None:
+            on_booked()
         entry.data.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.temp()
         kwargs = one_request(fs)

@@ -53,7 +53,7 @@ from meshfeed.storage._download import (
     check_writable,
     on_disk,
 )
-from meshfeed.storage._layout import checksums, sweep
+from meshfeed.storage._layout import Entry, checksums, sweep
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
@@ -137,6 +137,7 @@ class ShardCache(Ahead):
         self._holds: Counter[str] = Counter()  # local_path calls not yet released, per URL
         self._verified: set[str] = set()
         self._infos: dict[str, RemoteInfo] = {}  # the identity check's answers, for the download
+        self._entries: dict[str, Entry] = {}
         self._init_ahead()
         self._stats = dict.fromkeys(
             ("downloads", "hits", "bytes", "gets", "heads", "range_reads", "retries",
@@ -302,8 +303,8 @@ class ShardCache(Ahead):
         pool = self._ahead_pool()
         todo = [url for url in urls if local_path_of(url) is None]
         self._queue(todo)
-        known = versions or {}
-        return [pool.submit(self._prefetch_one, url, known.get(url)) for url in todo]
+        known, asked = versions or {}, time.monotonic()
+        return [pool.submit(self._prefetch_one, url, known.get(url), asked) for url in todo]
 
     def open_range(self, url: str, start: int, stop: int, *, version: str | None = None) -> bytes:
         """Bytes ``[start, stop)`` of ``url``: from the cached copy if there is one (of
@@ -382,14 +383,11 @@ class ShardCache(Ahead):
         with self._mutex:
             held, self._held = self._held, {}
             self._holds.clear()
-            pool, self._pool = self._pool, None
-            self._waiting.clear()
         if os.getpid() != self._pid:
             return
         for lock in held.values():
             lock.close()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        self._stop_ahead()
 
     def __enter__(self) -> ShardCache:
         return self

@@ -3,9 +3,10 @@
 :class:`CachedReader` wraps any reader. A shard that is a URL (``s3://``, ``gs://``, any fsspec
 protocol) is resolved through a :class:`~meshfeed.storage.ShardCache` to a local file,
 downloaded once per node however many ranks and workers read it, and held while this process
-reads it: at most ``keep`` shards per process, the least recently used released first, so the
-cache may evict what no process reads any more. The wrapped reader then reads the local file
-as it reads any file. A local path passes through untouched.
+reads it: at most ``keep`` shards per process (16: a shuffle window's shards, read batch after
+batch; releasing one of them would re-open it for the next batch), the least recently used
+released first, so the cache may evict what no process reads any more. The wrapped reader then
+reads the local file as it reads any file. A local path passes through untouched.
 
 Download-ahead follows the stream's own order: when the loader plans its next steps (a block
 of them at a time, in the main process), the stream hands the shards they read to
@@ -62,7 +63,7 @@ class CachedReader:
         cache: ShardCache,
         *,
         shards: list[Any],
-        keep: int = 4,
+        keep: int = 16,
         identities: dict[str, str] | None = None,
         newest: int | None = None,
     ) -> None:
