@@ -242,6 +242,6 @@ def test_across_ranks_stats_while_the_delivery_thread_checks_batches_do_not_mix(
     """The loop's ``delivery_stats(across_ranks=True)`` and the delivery thread's per-step
     checks are collectives of two threads: on one group, a rank whose thread ran ahead would
     pair its check with a peer's stats gather. They run on groups of their own."""
-    results = run_distributed(_stats_while_ahead, 2)
+    results = run_distributed(_stats_while_ahead, 2, timeout=120)
     assert sorted(v for r in results for v in r["seen"]) == list(range(80))
     assert results[0]["shares"] == results[1]["shares"] and len(results[0]["shares"]) == 5
