@@ -134,3 +134,34 @@ def test_a_thread_waiting_on_another_threads_opening_gives_up_with_a_message(
         release.set()
         holder.join(timeout=30)
     assert lazy.document(0).tolist() == DOCS[0]  # and opens once the other is done
+
+
+def test_a_thread_never_sees_a_half_opened_corpus(
+    tmp_path: Path, eager: TokenCorpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one thread opens a deferred corpus (here held inside the opening), another that
+    reads a field the opening sets waits for it and reads its final value, never the reset
+    one (it read ``None`` and failed an internal check, now and then, in a full run)."""
+    from meshfeed.sources.tokens import indexed
+
+    inside, go = threading.Event(), threading.Event()
+    real = indexed.file_identity
+
+    def slow_identity(path):  # called while the opening is under way
+        inside.set()
+        go.wait(timeout=30)
+        return real(path)
+
+    monkeypatch.setattr(indexed, "file_identity", slow_identity)
+    lazy = TokenCorpus(tmp_path / "c", fingerprint=eager.fingerprint)
+    opener = threading.Thread(target=lambda: lazy.document(0))
+    opener.start()
+    assert inside.wait(timeout=30)
+    seen: list[object] = []
+    reader = threading.Thread(target=lambda: seen.append(lazy._bin_identity))
+    reader.start()
+    reader.join(timeout=0.5)
+    go.set()
+    opener.join(timeout=30)
+    reader.join(timeout=30)
+    assert seen == [eager._bin_identity] and seen[0] is not None

@@ -89,7 +89,7 @@ class DeferredOpen:
                 )
             try:
                 pending = self.__dict__.get("_pending")
-                if pending is not None and "_opening" not in self.__dict__:
+                if pending is not None:
                     self._open_pending(*pending)
             finally:
                 _opening.release()
@@ -97,25 +97,26 @@ class DeferredOpen:
 
     def _open_pending(self, prefix: str | os.PathLike[str], options: dict[str, Any]) -> None:
         """Open the files now; refused by name unless they have the fingerprint given (then
-        the corpus stays unopened, so every later read is refused the same way)."""
-        before = dict(self.__dict__)
+        the corpus stays unopened, so every later read is refused the same way).
+
+        The files are opened into a new object and its state published here at once: other
+        threads read this corpus's attributes without the lock, and one that found a
+        half-opened corpus (a field reset, not yet set) read it wrong."""
         expected = self._fingerprint
-        self._opening = True  # an attribute the opening itself lacks is an AttributeError
-        try:
-            self._open(prefix, **options)
-            if self.fingerprint != expected:
-                raise SourceError(
-                    f"{self.idx_path} and {self.bin_path} are not the corpus recorded: "
-                    f"fingerprint {self.fingerprint!r} now, {expected!r} when recorded; the "
-                    "corpus was rewritten after its fingerprint (or corpora manifest) was "
-                    "taken: write the manifest again (meshfeed corpora FOLDER) or open the "
-                    "corpus without fingerprint="
-                )
-        except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(before)
-            raise
-        del self._pending, self._opening
+        opened = object.__new__(type(self))
+        opened._open(prefix, **options)
+        if opened.fingerprint != expected:
+            raise SourceError(
+                f"{opened.idx_path} and {opened.bin_path} are not the corpus recorded: "
+                f"fingerprint {opened.fingerprint!r} now, {expected!r} when recorded; the "
+                "corpus was rewritten after its fingerprint (or corpora manifest) was "
+                "taken: write the manifest again (meshfeed corpora FOLDER) or open the "
+                "corpus without fingerprint="
+            )
+        # every value final before _pending goes: a reader finds a final value or none
+        # (then it waits here for the lock and finds the corpus open)
+        self.__dict__.update({k: v for k, v in opened.__dict__.items() if k != "_held"})
+        del self._pending
 
 
 def expected_facts(fingerprint: str) -> tuple[np.dtype[Any], int, int]:
