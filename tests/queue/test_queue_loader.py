@@ -15,6 +15,7 @@ import pytest
 
 from meshfeed.mesh import DataMesh
 from meshfeed.queue import Batch, SampleStore, StoreLoader
+from meshfeed.services import RayService, ThreadService
 from meshfeed.testing import assert_resume_equivalence
 
 
@@ -167,8 +168,12 @@ def test_loader_rejects_bad_configuration():
         _loader(store, batch_size=1, num_workers=-1, timeout=math.inf)
     with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
         _loader(store, batch_size=1, prefetch=-1, timeout=math.inf)
-    with pytest.raises(ValueError, match="pass collate_fn="):
-        _loader(store, batch_size=1, num_workers=2, prefetch=3, timeout=math.inf)
+    with pytest.raises(ValueError, match="num_workers='auto' is not available"):
+        _loader(store, batch_size=1, num_workers="auto", timeout=math.inf)
+    with pytest.raises(ValueError, match="pass num_workers=2 or service=..., not both"):
+        _loader(store, batch_size=1, num_workers=2, service=ThreadService(2))
+    with pytest.raises(TypeError, match="service=RayService is not a .*GlobalService"):
+        _loader(store, batch_size=1, service=RayService(num_actors=1))
     with pytest.raises(ValueError, match="rank=4 is out of range"):
         _loader(store, batch_size=1, mesh={"dp": 2, "tp": 2}, rank=4, prefetch=1, timeout=math.inf)
     loader = _loader(store, batch_size=1, prefetch=1, timeout=math.inf)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from meshfeed.queue import Batch, SampleStore, StoreLoader
-from meshfeed.queue.loading.stage import POLL
 from meshfeed.testing import assert_resume_equivalence
+
+POLL = 0.1  # the delivery thread checks its stop flag this often (meshfeed.delivery)
 
 
 def _stack(batch: Batch) -> torch.Tensor:

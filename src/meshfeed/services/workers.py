@@ -76,6 +76,7 @@ class WorkerService:
         start_method: str | None = None,
         name: str = "meshfeed-worker",
         grace: float = 0.5,
+        max_chunk: int = _MAX_CHUNK,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(
@@ -92,6 +93,8 @@ class WorkerService:
             ring=prefetch + 2,
         )
         self.num_workers, self.prefetch = num_workers, prefetch
+        #: Batches one message may carry (1: each batch travels alone, as soon as it is made).
+        self.max_chunk = max(1, min(int(max_chunk), _MAX_CHUNK))
         self.timeout, self.start_method = self._pool.timeout, self._pool.start_method
         self._fetcher: Fetch | None = None
         self._turn = 0  # the worker submit() sends to next
@@ -99,6 +102,12 @@ class WorkerService:
     @property
     def started(self) -> bool:
         return self._pool.started
+
+    @property
+    def in_flight(self) -> int:
+        """The most tasks a ``map`` holds taken and not yet yielded: ``prefetch`` messages per
+        worker, and the result being yielded (the next task is sent before it is)."""
+        return self.num_workers * self.prefetch * self.max_chunk + 1
 
     @property
     def pids(self) -> list[int]:
@@ -175,14 +184,13 @@ class WorkerService:
             pool.shutdown()  # the next map() starts fresh workers
             raise
 
-    @staticmethod
-    def _chunk(pool: WorkerPool) -> int:
+    def _chunk(self, pool: WorkerPool) -> int:
         """Batches per message: enough for about a millisecond of a worker's time (at most
-        16), one while batches cost more than that or nothing is measured yet."""
+        ``max_chunk``), one while batches cost more than that or nothing is measured yet."""
         seconds = pool.task_seconds
-        if seconds <= 0:
+        if seconds <= 0 or self.max_chunk == 1:
             return 1
-        return max(1, min(_MAX_CHUNK, int(_CHUNK_SECONDS / seconds)))
+        return max(1, min(self.max_chunk, int(_CHUNK_SECONDS / seconds)))
 
     def _result(self, pool: WorkerPool, step: int) -> Any:
         try:
@@ -193,8 +201,9 @@ class WorkerService:
                     e,
                     who="loader",
                     what=f"step {step}",
-                    then="Iterating the loader again restarts the workers from the last batch "
-                    "returned",
+                    then="Its workers were stopped; iterating the loader again starts fresh "
+                    "workers and continues from the first batch it has not returned (nothing is "
+                    "lost or repeated)",
                 )
             ) from None
 
