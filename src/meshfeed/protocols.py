@@ -243,7 +243,7 @@ class Service(Protocol):
 @runtime_checkable
 class BoundedService(Service, Protocol):
     """A :class:`Service` that says how far it runs ahead: ``in_flight`` is the most tasks one
-    ``map`` holds taken and not yet yielded. A door whose source keeps each batch only so many
+    ``map`` holds taken and not yet passed (the one whose batch the loop holds included). A door whose source keeps each batch only so many
     batches back (the sample store's shared plans) needs it; every meshfeed service has it."""
 
     @property

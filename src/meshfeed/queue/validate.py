@@ -165,7 +165,7 @@ def check_loader_arguments(*, task: Any, fields: Any, partition: Any, collate_re
         raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
 
 
-def check_loader_service(store: Any, num_workers: Any, service: Any) -> None:
+def check_loader_service(store: Any, num_workers: Any, service: Any, prefetch: Any) -> None:
     """Where a store loader's batches are made: ``num_workers`` (an int) or a ``service``
     that says how far it runs ahead; worker processes of a Ray store need a named store."""
     from meshfeed.protocols import BoundedService, GlobalService
@@ -180,6 +180,12 @@ def check_loader_service(store: Any, num_workers: Any, service: Any) -> None:
         raise ValueError(
             f"pass num_workers={num_workers} or service=..., not both (a WorkerService "
             "already names its workers)"
+        )
+    if service is not None and prefetch != 2:
+        raise ValueError(
+            f"prefetch={prefetch!r} would be ignored: with service={type(service).__name__} the "
+            "service decides how far ahead batches are made (e.g. ThreadService(prefetch)); "
+            "pass one of them"
         )
     if service is not None and not isinstance(service, BoundedService):
         hint = (

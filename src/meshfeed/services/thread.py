@@ -2,10 +2,10 @@
 
 For batches whose cost is waiting rather than computing (a sample store's ``get`` waiting for
 producers, a remote read): one thread takes the tasks in order and makes each, so the calling
-loop finds the next batch made while it trained on the last. The thread pulls a task only
-when fewer than ``prefetch`` results are waiting, so at most ``prefetch`` tasks are in flight
-(:attr:`ThreadService.in_flight`). Results, and the first error, come back in task order; the
-thread stops at the first error.
+loop finds the next batch made while it trained on the last. The thread takes a task only
+while fewer than ``prefetch`` are taken and not passed, so at most ``prefetch`` are in flight
+(:attr:`ThreadService.in_flight`, the one the loop holds included). Results, and the first
+error, come back in task order; the thread stops at the first error.
 
 An abandoned ``map`` (the loop stopped early) stops its thread after the task it is making;
 that task cannot be interrupted here (a store request is cancelled by its token), so the
@@ -39,7 +39,8 @@ class ThreadService:
 
     @property
     def in_flight(self) -> int:
-        """The most tasks a ``map`` holds taken and not yet yielded."""
+        """The most tasks a ``map`` holds taken and not yet passed: ``prefetch``, the batch the
+        loop is given included."""
         return self.prefetch
 
     def start(self, fetcher: Fetch) -> None:
@@ -62,12 +63,12 @@ class ThreadService:
         try:
             while True:
                 kind, payload = _next(done, thread)
-                room.release()
                 if kind == "end":
                     return
                 if kind == "error":
                     raise payload
                 yield payload
+                room.release()  # the loop is done with it: the thread may take one more
         finally:
             stop.set()
 

@@ -12,10 +12,9 @@ second); a sample error re-raises as its own type with the worker's traceback. A
 error the workers are stopped, and the next ``map`` starts fresh ones: iterating the loader
 again continues from the position of the last batch it returned.
 
-A door whose requests are awaited one by one, each within its own deadline (the sample store's
-loader: a checkpoint bounds its wait for the batches in flight), drives the same workers with
-:meth:`WorkerService.submit` / :meth:`~WorkerService.ready` / :meth:`~WorkerService.take`
-instead of ``map``, never both on one service.
+Every door drives its workers through ``map``: a ``DataLoader``'s batches, a stream's, and a
+sample store loader's (``max_chunk=1``: a store batch may wait for producers, so none travels
+behind a later one).
 """
 
 from __future__ import annotations
@@ -97,7 +96,6 @@ class WorkerService:
         self.max_chunk = max(1, min(int(max_chunk), _MAX_CHUNK))
         self.timeout, self.start_method = self._pool.timeout, self._pool.start_method
         self._fetcher: Fetch | None = None
-        self._turn = 0  # the worker submit() sends to next
 
     @property
     def started(self) -> bool:
@@ -113,27 +111,6 @@ class WorkerService:
     def pids(self) -> list[int]:
         """The running workers' process ids."""
         return self._pool.pids
-
-    def submit(self, task: Any) -> int:
-        """Send ``task`` to the next worker in turn; the worker, whose results :meth:`take`
-        returns in the order of its tasks. Starts the workers first if they are not running
-        (after :meth:`start`; again after an error stopped them)."""
-        if self._fetcher is None:
-            raise RuntimeError("WorkerService.submit() before start(); call start(fetcher) first")
-        self._pool.start(_start_fetcher, self._fetcher)  # a no-op while running
-        w = self._turn
-        self._turn = (w + 1) % self.num_workers
-        self._pool.send(w, task)
-        return w
-
-    def ready(self, worker: int, timeout: float) -> bool:
-        """Whether ``worker``'s oldest result can be taken, waiting at most ``timeout`` s."""
-        return self._pool.ready(worker, timeout)
-
-    def take(self, worker: int) -> Any:
-        """``worker``'s oldest result (waits within the pool's timeout); a worker that died
-        or stalled raises :class:`WorkerError` with every worker stopped."""
-        return self._pool.recv(worker)
 
     def start(self, fetcher: Fetch) -> None:
         self._fetcher = fetcher

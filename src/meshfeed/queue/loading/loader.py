@@ -114,7 +114,7 @@ class StoreLoader(LoaderBase):
         )
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
-        check_loader_service(store, num_workers, service)
+        check_loader_service(store, num_workers, service, prefetch)
         super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
         self.on_error: OnError = check_on_error(options.on_error, self.mesh.world_size)
         self._skips = SkipLog()

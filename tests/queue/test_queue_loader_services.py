@@ -1,0 +1,149 @@
+"""The store door on the shared services (#33): ``service=`` and ``num_workers`` make the same
+batches as fetching in the loop; worker processes fetch from the embedded store through the
+loader's process, in index order; a dropped loader leaves nothing behind."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import pytest
+
+from meshfeed.queue import Batch, SampleStore, StoreLoader
+from meshfeed.queue.loading.reach import Gate
+from meshfeed.services import InProcessService, ThreadService, WorkerService
+from meshfeed.testing import assert_resume_equivalence
+from tests.process_checks import alive
+
+
+def _ids(batch: Batch) -> list[Any]:
+    return list(batch.ids)
+
+
+def _loader(store: SampleStore, **kw: Any) -> StoreLoader:
+    args: dict[str, Any] = dict(
+        task="t", fields=["x"], partition="p", batch_size=5, mesh={"dp": 1}, rank=0,
+        timeout=30, collate_fn=_ids,
+    )  # fmt: skip
+    return StoreLoader(store, **{**args, **kw})
+
+
+def _produce(store: SampleStore, n: int) -> threading.Thread:
+    """Puts samples 0..n-1 one at a time, slowly (the loader's requests wait for them)."""
+
+    def run() -> None:
+        for i in range(n):
+            store.put("p", {"x": [i]})
+            time.sleep(0.002)
+        store.close("p")
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        {"prefetch": 1},
+        {"service": InProcessService()},
+        {"service": ThreadService(3)},
+        {"num_workers": 3, "prefetch": 2},
+        {"service": WorkerService(2, prefetch=1, timeout=30, max_chunk=1)},
+    ],
+    ids=["loop", "in-process", "thread", "3-workers", "worker-service"],
+)
+def test_every_service_makes_the_batches_of_fetching_in_the_loop_while_producers_put(how):
+    """Requests reach the store in index order however many workers ask (a worker's request
+    for batch j+1 waits for j's): batch j is always samples 5j..5j+4."""
+    store = SampleStore()
+    producer = _produce(store, 63)
+    with _loader(store, **how) as loader:
+        got = list(loader)
+    producer.join()
+    assert got == [list(range(i, min(i + 5, 63))) for i in range(0, 63, 5)]
+    assert multiprocessing.active_children() == []
+
+
+class _Door:
+    """A StoreLoader with worker processes and its evicting store: one checkpointable object."""
+
+    def __init__(self) -> None:
+        self.store = SampleStore()
+        self.store.put("p", {"x": list(range(40))})
+        self.store.close("p")
+        self.loader = _loader(self.store, num_workers=2, prefetch=2)
+
+    def __next__(self) -> list[Any]:
+        return next(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict(), "store": self.store.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state["store"])
+        self.loader.load_state_dict(state["loader"])
+
+
+@pytest.mark.slow
+def test_worker_processes_fetching_from_the_embedded_store_resume_exactly_at_every_step():
+    out = assert_resume_equivalence(
+        _Door, num_items=8, max_epochs=1, cleanup=lambda door: door.loader.shutdown()
+    )
+    assert out == [list(range(i, i + 5)) for i in range(0, 40, 5)]
+    assert multiprocessing.active_children() == []
+
+
+def test_a_dropped_loader_is_collected_at_once_and_stops_its_workers_and_door():
+    store = SampleStore()
+    store.put("p", {"x": list(range(30))})
+    loader = _loader(store, num_workers=2)
+    assert next(loader) == [0, 1, 2, 3, 4]
+    pids = list(loader.service.pids)  # type: ignore[attr-defined]
+    address = loader._door.reach.address  # type: ignore[union-attr]
+    ref = weakref.ref(loader)
+    gc.disable()  # no cycle: reference counting alone collects it
+    try:
+        del loader
+        assert ref() is None
+    finally:
+        gc.enable()
+    assert not any(alive(p) for p in pids)
+    assert not os.path.exists(address)  # the door's socket is gone
+    assert store.stats()["waiting_consumers"] == 0
+
+
+def test_an_older_walks_request_neither_waits_at_the_gate_nor_moves_it():
+    gate = Gate()
+    gate.open("old", 0)
+    released = threading.Event()
+
+    def older() -> None:
+        gate.enter("old", 1, 10)  # waits for batch 0 of the old walk ...
+        released.set()
+        gate.leave("old", 1)  # ... and, let go by the new walk, must not move the gate
+
+    thread = threading.Thread(target=older)
+    thread.start()
+    time.sleep(0.05)
+    assert not released.is_set()
+    gate.open("new", 0)  # a new walk: the old request goes (the store refuses its token)
+    thread.join(5)
+    assert released.is_set()
+    with pytest.raises(TimeoutError, match="batch 1 waited 0.1 s for the request of batch 0"):
+        gate.enter("new", 1, 0.1)  # the old request's leave(1) did not let batch 1 pass
+    gate.leave("new", 0)
+    assert gate.enter("new", 1, 0.1) is not None
+
+
+def test_bad_services_and_options_are_refused_by_name():
+    store = SampleStore()
+    with pytest.raises(ValueError, match="prefetch=3 would be ignored"):
+        _loader(store, service=ThreadService(2), prefetch=3)
+    with pytest.raises(TypeError, match="service=object is not a meshfeed.protocols.Bounded"):
+        _loader(store, service=object())
