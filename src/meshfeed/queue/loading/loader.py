@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import types
 import weakref
@@ -13,11 +12,11 @@ from meshfeed.options import LoaderOptions, OnError
 from meshfeed.protocols import BoundedService
 from meshfeed.queue.engine.wakeups import check_timeout
 from meshfeed.queue.loading.errors import CollateError, SkipLog, check_on_error
-from meshfeed.queue.loading.fetch import Spec, StoreEvents, StoreFetcher
+from meshfeed.queue.loading.fetch import Spec, StoreFetcher
 from meshfeed.queue.loading.reach import LocalDoor, RayReach, Reach
 from meshfeed.queue.loading.resume import KIND, VERSION, check_moment, open_state, unit_of
 from meshfeed.queue.loading.versions import LoaderVersion, check_store, one_epoch
-from meshfeed.queue.loading.walk import walk
+from meshfeed.queue.loading.walk import Walking
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
 from meshfeed.queue.validate import check_loader_arguments, check_loader_service
@@ -34,7 +33,7 @@ _COUNTED = {TimeoutError: "timeouts", CollateError: "collate_errors", WorkerErro
 _MARGIN = 0.25
 
 
-class StoreLoader(LoaderBase):
+class StoreLoader(LoaderBase, Walking):
     """Iterate batches of ``fields`` for ``task`` from ``partition`` of ``store``, as global
     ``rank`` of ``mesh`` (a :class:`DataMesh`, ``DeviceMesh``, dict of axis sizes, or
     ``None`` for the torchrun world; ``device_mesh=`` is the same argument under torch's
@@ -48,9 +47,10 @@ class StoreLoader(LoaderBase):
     ``on_error="raise"`` (default) raises :class:`CollateError` naming the batch's ids and
     the loader keeps the batch, ``on_error="skip"`` drops it, agreed by every rank (needs the
     process group on a mesh of several ranks; see the module docstring). Replica peers
-    must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
-    ``batch_size`` and ``prefetch``: the batches requested ahead decide at which step a peer
-    sees the end of the stream; ``on_error``: :mod:`meshfeed.queue.loading.errors`).
+    must use the same ``batch_size``, sampler and batches ahead (``prefetch``, workers or
+    service, delivery: the store checks ``batch_size`` and how far ahead the loader asks,
+    which decides at which step a peer sees the end of the stream; ``on_error``:
+    :mod:`meshfeed.queue.loading.errors`).
     ``shutdown()`` (or leaving a ``with`` block) cancels waiting requests and stops workers.
     ``max_staleness`` with :meth:`set_version` and
     ``group_filter`` go to every request (policy versions and dynamic sampling, applied by
@@ -145,17 +145,8 @@ class StoreLoader(LoaderBase):
         )
         self._next_seconds = 0.0
         self._shut = self._started = False
-        self._stream: Iterator[Any] | None = None  # the current walk (meshfeed.queue.loading.walk)
-        self._walking: tuple[str, threading.Event] = ("", threading.Event())  # its token, halt
-        self._returned = 0  # the first batch index not returned (the state's ``next``)
-        self._requested = 0  # the first batch index not requested
-        self._granted = 0  # the first batch index not yet granted (the state's ``requested``)
-        self._grants = threading.Condition()
-        self._redeliver = 0  # batches below it were in flight when the loaded state was taken
-        self._end_at: int | None = None  # the first index a request found ended
         self._finished = False  # every batch returned and the end seen (StopIteration)
-        #: A batch the loop could not return, kept first in line: (made item or None, events).
-        self._held: tuple[Any, StoreEvents] | None = None
+        self._start_walking()
 
     def _default_service(self, wait: float | None) -> BoundedService:
         if self.num_workers:
@@ -194,38 +185,6 @@ class StoreLoader(LoaderBase):
             return RayReach(ray.get_runtime_context().gcs_address, self.store.name)
         return None
 
-    def _version_args(self, index: int) -> dict[str, Any]:
-        """The version keywords of batch ``index``'s request (as first asked)."""
-        args: dict[str, Any] = self._version.request()
-        args["version"] = self._asked.setdefault(index, args["version"])
-        return args
-
-    def _grant(self) -> None:
-        """Let the walk request up to ``_keeps`` batches past the first not returned, each
-        with the policy version of now. Called by the loop before each batch, so which batches
-        are requested, and with which version, never depends on a thread's timing: the state
-        names them, the same on every rank."""
-        upto = self._returned + self._keeps
-        if upto <= self._granted:
-            return
-        for index in range(self._granted, upto):
-            self._version_args(index)
-        with self._grants:
-            self._granted = upto
-            self._grants.notify_all()
-
-    def _granted_to(self, index: int, halt: threading.Event) -> bool:
-        """Wait until batch ``index`` may be requested; False once the walk is halted."""
-        with self._grants:
-            while index >= self._granted and not halt.is_set():
-                self._grants.wait(0.1)
-        return not halt.is_set()
-
-    def _forget(self, index: int) -> None:
-        """Batch ``index`` (and any skipped before it) left the loader: forget its version."""
-        for done in [i for i in list(self._asked) if i <= index]:
-            self._asked.pop(done, None)
-
     def __iter__(self) -> Iterator[Any]:
         return self
 
@@ -242,7 +201,7 @@ class StoreLoader(LoaderBase):
             self.service.start(self.fetcher)
             self._started = True
         if self._stream is None:
-            self._stream = walk(weakref.proxy(self))
+            self._stream = Walking._walk(weakref.proxy(self))  # no cycle: see walk.py
         try:
             return next(self._stream)
         except BaseException as error:
