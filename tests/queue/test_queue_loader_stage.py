@@ -159,3 +159,13 @@ def test_resize_with_the_delivery_thread_is_refused_by_name_as_prefetch_is():
         loaders[0].resize({"dp": 1}, rank=0)
     for ld in loaders:
         ld.shutdown()
+
+
+def test_resize_with_worker_processes_is_refused_by_name_as_prefetch_is():
+    # Workers fetch ahead of the loop (each worker has a batch in flight), as a thread does.
+    store = _store(12)
+    loader = _loader(store, batch_size=2, rank=0, prefetch=1, num_workers=2, device=None)
+    assert next(loader).tolist() == [0, 1]
+    with pytest.raises(ValueError, match=r"its service \(WorkerService\)"):
+        loader.resize({"dp": 1}, rank=0)
+    loader.shutdown()
