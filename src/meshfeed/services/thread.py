@@ -19,12 +19,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from meshfeed.delivery import take_from
 from meshfeed.protocols import Fetch
 from meshfeed.tasks import FetchEvents, FetchTask
 
 __all__ = ["ThreadService"]
 
-_POLL = 0.05  # seconds between checks of the stop flag and of a thread that died
+_POLL = 0.05  # seconds between checks of the stop flag
 
 
 class ThreadService:
@@ -62,7 +63,7 @@ class ThreadService:
         thread.start()
         try:
             while True:
-                kind, payload = _next(done, thread)
+                kind, payload = take_from(done, thread)
                 if kind == "end":
                     return
                 if kind == "error":
@@ -97,15 +98,3 @@ def _work(
             done.put(("item", fetcher(task)))
     except BaseException as exc:  # handed to the loop, raised there in order
         done.put(("error", exc))
-
-
-def _next(done: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> tuple[str, Any]:
-    while True:
-        try:
-            return done.get(timeout=_POLL)
-        except queue.Empty:
-            if not thread.is_alive() and done.empty():
-                raise RuntimeError(
-                    "meshfeed: the fetch thread ended without a batch or an error; this is a "
-                    "bug, please report it with the loader's options"
-                ) from None
