@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from meshfeed.queue import Batch, SampleStore, StoreLoader
-from meshfeed.queue.loading.reach import Gate
+from meshfeed.queue.loading.reach import Gate, LocalDoor
 from meshfeed.services import InProcessService, ThreadService, WorkerService
 from meshfeed.testing import assert_resume_equivalence
 from tests.process_checks import alive
@@ -147,3 +147,21 @@ def test_bad_services_and_options_are_refused_by_name():
         _loader(store, service=ThreadService(2), prefetch=3)
     with pytest.raises(TypeError, match="service=object is not a meshfeed.protocols.Bounded"):
         _loader(store, service=object())
+
+
+def test_the_door_serves_get_to_another_process_and_a_forked_copy_never_closes_it():
+    store = SampleStore()
+    store.put("p", {"x": [7, 8]})
+    door = LocalDoor(store)
+    pid = os.fork()
+    if pid == 0:  # a worker's copy: closing it must leave the parent's socket alone
+        door.close()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.path.exists(door.reach.address)
+    remote = door.reach.connect()  # what a worker process calls in place of the store
+    assert remote.get("t", ["x"], 2, "p", timeout=5).columns["x"] == [7, 8]
+    with pytest.raises(TimeoutError):  # the store's own error reaches the caller
+        remote.get("t", ["x"], 1, "p", timeout=0.1)
+    door.close()
+    assert not os.path.exists(door.reach.address)

@@ -123,6 +123,7 @@ class LocalDoor:
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # a forked copy must never close (unlink) the parent's socket
         _thread(self._accept, "meshfeed-store-door")
 
     def _accept(self) -> None:
@@ -160,7 +161,10 @@ class LocalDoor:
             return False, exc
 
     def close(self) -> None:
-        """Stop serving: the listener and every worker's connection closed. Idempotent."""
+        """Stop serving: the listener and every worker's connection closed. Idempotent; a
+        no-op in a forked copy."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             if self._closed:
                 return
