@@ -123,7 +123,6 @@ class LocalDoor:
         self._conns: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._pid = os.getpid()  # a forked copy must never close (unlink) the parent's socket
         _thread(self._accept, "meshfeed-store-door")
 
     def _accept(self) -> None:
@@ -162,9 +161,8 @@ class LocalDoor:
 
     def close(self) -> None:
         """Stop serving: the listener and every worker's connection closed. Idempotent; a
-        no-op in a forked copy."""
-        if os.getpid() != self._pid:
-            return
+        forked copy's close leaves the socket file (``multiprocessing`` unlinks it only in the
+        process that made it)."""
         with self._lock:
             if self._closed:
                 return
