@@ -1,3 +1,69 @@
+"""StoreLoader: a per-rank iterator over a :class:`SampleStore` for a training loop.
+
+The mesh is touched here only: the loader turns ``(mesh, rank)`` into a data rank and a replica
+group, and reads with a :class:`RankAwareSampler` (a given ``SequentialSampler`` or
+``GroupSampler`` is wrapped in one for this rank; any other sampler must be rank-aware for this
+rank of this mesh, else it is refused: see :func:`~meshfeed.queue.samplers.mesh_sampler`), so
+tensor / context / pipeline peers of one data rank receive identical batches, data ranks
+receive disjoint ones, and all data ranks end at the same step, always (see the sampler for
+the last-round rule). Batch ``j`` of the loader is the store's shared key ``j``; batches are
+returned in order of ``j``.
+
+Arguments, defaults, checks and lifecycle are those of :class:`meshfeed.DataLoader`
+(``batch_size``, ``mesh``, ``rank``, ``num_workers``, ``prefetch``, ``timeout``,
+``collate_fn``; ``shutdown()`` and ``with``): the loader is a
+:class:`~meshfeed.loader_base.LoaderBase` configured by one validated
+:class:`~meshfeed.options.LoaderOptions` (``loader.options``), with the base's mesh placement,
+``epoch`` / ``set_epoch`` (only epoch 0 exists) and rate-limited warnings. ``collate_fn`` is
+the last step before the trainer, as in ``DataLoader``; its input is the :class:`Batch` the
+store already assembled (columns stacked), not a list of samples, since the store hands out
+batches, not items.
+
+Where batches are made. The loader runs the loop every door shares
+(:mod:`meshfeed.queue.loading.walk`): batch ``j`` is one task, fetched from the store and
+collated by a :class:`~meshfeed.queue.loading.fetch.StoreFetcher` on the loader's service, as a
+``DataLoader``'s batches are made by its fetcher. ``service=`` takes any
+:class:`~meshfeed.protocols.BoundedService` (:class:`~meshfeed.services.InProcessService`,
+:class:`~meshfeed.services.ThreadService`, :class:`~meshfeed.services.WorkerService`); without
+it, ``num_workers=K`` starts ``K`` worker processes, each ``prefetch`` batches ahead (as
+``DataLoader``'s), ``prefetch=P > 1`` keeps ``P`` batches requested on one thread (the one
+being returned included), and ``prefetch=1`` fetches in the caller's thread when asked
+(nothing in flight when a checkpoint is taken). A worker process fetches itself: from a named Ray store it connects to
+(``SampleStore.connect``; spawned), from the embedded store through the loader's process
+(:mod:`meshfeed.queue.loading.reach`, which serves the requests in index order). A worker
+that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
+:class:`~meshfeed.runtime.WorkerError` within about ``timeout`` + 1 s with every worker
+stopped; iterating the loader again starts fresh workers and continues with the batch that
+failed.
+
+``pin_memory`` / ``device`` deliver batches pinned / on the device, copied ahead on a
+delivery thread as ``DataLoader`` does, the state still exact (a batch is consumed when it
+is returned).
+``stats()`` counts the batches and samples returned, timeouts and failures, next to the store's
+view of the task; ``epochs(1)`` yields the one epoch a store stream is (see
+:meth:`StoreLoader.epochs`).
+
+``shutdown()`` cancels the requests still waiting in the store (threads and worker processes
+blocked without a deadline wake at once, consuming nothing) and stops the workers.
+
+Recovery. Every request names its batch index, so the store plans it once and keeps the plan
+until every reader has passed it (each request acknowledges the batches more than the
+loader's batches in flight behind it): a retried request gets the same batch, and a loader
+restored from ``state_dict()`` asks again for the batches it had not returned and gets the
+same ones. Such shared plans take no lease (a store's ``lease_timeout`` applies to direct
+``get`` calls, whose consumer may die holding a batch).
+
+Checkpoints. ``state_dict()`` is the state as of the last batch returned, at once (it never
+waits for the batches in flight): the index of the first batch not returned and how far its
+requests may go (the loop grants them on its own thread, so that is the same on every rank), a
+few hundred bytes whatever the mesh. The batches in flight are the store's
+plans, kept in the store (and in its checkpoint); after ``load_state_dict`` they are read back
+first. Every rank's state is the same, and it loads on another number of data ranks with the
+same global batch (elastic resume: :mod:`meshfeed.queue.loading.resume`). Save the store and
+every loader's state between the same two batches; a store that outlives the trainer (a Ray
+actor) serves a restored loader without being restored itself.
+"""
+
 from __future__ import annotations
 
 import contextlib
