@@ -95,7 +95,7 @@ from meshfeed.state import envelope
 
 #: The errors ``stats()`` counts, under their keys.
 _COUNTED = {TimeoutError: "timeouts", CollateError: "collate_errors", WorkerError: "worker_errors"}
-#: Ray workers: the store's own TimeoutError comes first, then the pool's.
+#: Worker processes: the store's own TimeoutError comes first, then the pool's.
 _MARGIN = 0.25
 
 
@@ -106,8 +106,7 @@ class StoreLoader(LoaderBase, Walking):
     name); see the module docstring for workers and checkpoints.
 
     ``timeout`` (seconds, default 300 as ``DataLoader``; ``math.inf``: no limit) bounds each
-    wait for a batch (``TimeoutError``; the
-    loader stays usable). ``collate_fn``: a picklable function of a :class:`Batch` applied to
+    wait for a batch (``TimeoutError``; the loader stays usable). ``collate_fn``: a picklable function of a :class:`Batch` applied to
     every batch (in worker processes when ``num_workers > 0``), retried on the same fetched
     batch ``collate_retries`` more times, never by fetching again; if it keeps failing,
     ``on_error="raise"`` (default) raises :class:`CollateError` naming the batch's ids and
