@@ -126,7 +126,8 @@ class Walking:
             asked.pop(first, None)
 
     def _walk(self) -> Generator[Any, None, None]:
-        """The self's batches from the first not returned (module docstring)."""
+        """The loader's batches from the first not returned (module docstring). Called on a
+        weak proxy of the loader, so its generators hold no strong reference to it."""
         layout, store, start = self._layout, self.store, self._returned
         token, halt = uuid.uuid4().hex, threading.Event()
         self._walking = (token, halt)  # what shutdown() stops from any thread
@@ -240,7 +241,7 @@ class Walking:
         error = CollateError(
             f"collate_fn failed {self.collate_retries + 1} times on batch {events.index} of "
             f"task {self.task!r} (sample ids {shown}): {events.error!r}. The batch is kept: "
-            "next() retries collate_fn on it and state_dict() records it, so a restored self "
+            "next() retries collate_fn on it and state_dict() records it, so a restored loader "
             "re-delivers it; fix collate_fn (or the samples) and call next() again",
             index=events.index,
             ids=ids,
