@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from meshfeed.queue import Batch, SampleStore, StoreLoader
-from meshfeed.queue.loading.reach import Gate, LocalDoor
+from meshfeed.queue import Batch, RankAwareSampler, RequestCancelled, SampleStore, StoreLoader
+from meshfeed.queue.loading.reach import LocalDoor
 from meshfeed.services import InProcessService, ThreadService, WorkerService
 from meshfeed.testing import assert_resume_equivalence
 from tests.process_checks import alive
@@ -118,27 +118,42 @@ def test_a_dropped_loader_is_collected_at_once_and_stops_its_workers_and_door():
     assert store.stats()["waiting_consumers"] == 0
 
 
-def test_an_older_walks_request_neither_waits_at_the_gate_nor_moves_it():
-    gate = Gate()
-    gate.open("old", 0)
-    released = threading.Event()
+def test_the_door_serves_a_walk_in_index_order_and_an_older_walk_at_once():
+    store = SampleStore()
+    store.put("p", {"x": list(range(6))})
+    door = LocalDoor(store)
+    results: dict[str, Any] = {}
 
-    def older() -> None:
-        gate.enter("old", 1, 10)  # waits for batch 0 of the old walk ...
-        released.set()
-        gate.leave("old", 1)  # ... and, let go by the new walk, must not move the gate
+    def ask(name: str, token: str, index: int, timeout: float = 10) -> None:
+        try:
+            results[name] = door.reach.connect().get(
+                "t", ["x"], 2, "p", RankAwareSampler(data_rank=0), timeout=timeout,
+                token=token, batch_index=index,
+            )  # fmt: skip
+        except Exception as exc:
+            results[name] = exc
 
-    thread = threading.Thread(target=older)
-    thread.start()
-    time.sleep(0.05)
-    assert not released.is_set()
-    gate.open("new", 0)  # a new walk: the old request goes (the store refuses its token)
-    thread.join(5)
-    assert released.is_set()
-    with pytest.raises(TimeoutError, match="batch 1 waited 0.1 s for the request of batch 0"):
-        gate.enter("new", 1, 0.1)  # the old request's leave(1) did not let batch 1 pass
-    gate.leave("new", 0)
-    assert gate.enter("new", 1, 0.1) is not None
+    def asking(name: str, token: str, index: int) -> threading.Thread:
+        thread = threading.Thread(target=ask, args=(name, token, index))
+        thread.start()
+        time.sleep(0.2)
+        assert name not in results  # it waits for its turn
+        return thread
+
+    door.open("old", 0)
+    old = asking("old", "old", 1)  # batch 0 of the old walk never comes ...
+    store.cancel("old")
+    door.open("new", 0)  # ... a new walk: the old request is answered (refused) at once
+    old.join(5)
+    assert isinstance(results["old"], RequestCancelled)
+    early = asking("new 1", "new", 1)  # asked first, served second
+    ask("new 0", "new", 0)
+    early.join(5)
+    assert (results["new 0"].ids, results["new 1"].ids) == ([0, 1], [2, 3])
+    ask("late", "new", 3, timeout=0.3)  # batch 2 never comes: its own timeout
+    assert isinstance(results["late"], TimeoutError)
+    assert "batch 3 waited 0.3 s" in str(results["late"])
+    door.close()
 
 
 def test_bad_services_and_options_are_refused_by_name():

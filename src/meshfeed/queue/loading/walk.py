@@ -139,7 +139,7 @@ class Walking:
         elif held is not None:  # made already: returned first, agreed again by every rank
             first, start = [held], start + 1
         if self._door is not None:
-            self._door.gate.open(token, start)
+            self._door.open(token, start)
         made: Iterator[Any] = self.service.map(Walking._tasks(self, start, token, raw, halt))
         results: Iterator[Result] = itertools.chain(first, made)
         delivered = self.delivery.stage(Walking._settled(self, results))
