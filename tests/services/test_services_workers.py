@@ -269,6 +269,8 @@ def test_with_max_chunk_1_a_batch_never_waits_behind_a_later_one(tmp_path, max_c
     marker = str(tmp_path / "go")
     service = WorkerService(1, prefetch=2, timeout=30, max_chunk=max_chunk)
     assert service.in_flight == 2 * max_chunk + 1
+    with pytest.raises(ValueError, match="max_chunk=0"):
+        WorkerService(1, max_chunk=0)
     service.start(_WaitAt(marker, at=200))
     pulled = []
 

@@ -83,6 +83,8 @@ class WorkerService:
             )
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=})")
+        if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 1:
+            raise ValueError(f"max_chunk must be an int >= 1 (got {max_chunk=})")
         self._pool = WorkerPool(
             num_workers,
             timeout=timeout,
@@ -93,7 +95,7 @@ class WorkerService:
         )
         self.num_workers, self.prefetch = num_workers, prefetch
         #: Batches one message may carry (1: each batch travels alone, as soon as it is made).
-        self.max_chunk = max(1, min(int(max_chunk), _MAX_CHUNK))
+        self.max_chunk = min(max_chunk, _MAX_CHUNK)
         self.timeout, self.start_method = self._pool.timeout, self._pool.start_method
         self._fetcher: Fetch | None = None
 
@@ -103,8 +105,8 @@ class WorkerService:
 
     @property
     def in_flight(self) -> int:
-        """The most tasks a ``map`` holds taken and not yet yielded: ``prefetch`` messages per
-        worker, and the result being yielded (the next task is sent before it is)."""
+        """The most tasks a ``map`` holds taken and not yet passed: ``prefetch`` messages per
+        worker, and the batch the loop holds (the next task is sent before it is yielded)."""
         return self.num_workers * self.prefetch * self.max_chunk + 1
 
     @property
