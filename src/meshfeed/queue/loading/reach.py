@@ -16,7 +16,6 @@ older walk is answered at once (the store refuses its cancelled token) and moves
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import threading
@@ -204,7 +203,9 @@ class _Request:
         index = kwargs.get("batch_index")
         self.index = -1 if index is None else int(index)  # no index: served at once
         self.token = kwargs.get("token")
-        self.timeout = _finite(kwargs.get("timeout"))
+        self.timeout = kwargs.get(
+            "timeout"
+        )  # checked by the loader (check_timeout): None or finite
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
     @classmethod
@@ -220,10 +221,6 @@ class _Request:
 
     def late(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
-
-
-def _finite(timeout: float | None) -> float | None:
-    return None if timeout is None or math.isinf(timeout) else timeout
 
 
 def _thread(target: Callable[[], None], name: str) -> None:

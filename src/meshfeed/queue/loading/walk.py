@@ -104,8 +104,9 @@ class Walking:
         upto = self._returned + self._keeps
         if upto <= self._granted:
             return
+        version = self._version.version
         for index in range(self._granted, upto):
-            self._version_args(index)
+            self._asked.setdefault(index, version)
         with self._grants:
             self._granted = upto
             self._grants.notify_all()
@@ -161,9 +162,11 @@ class Walking:
                 self._check_layout(layout)
         finally:
             # An early end: the requests still waiting wake now (the plans stay in the store).
-            halt.set()
-            with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
-                store.cancel(token)
+            # Halted already: shutdown() cancelled them.
+            if not halt.is_set():
+                halt.set()
+                with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
+                    store.cancel(token)
             delivered.close()
 
     def _tasks(
