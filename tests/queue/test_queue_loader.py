@@ -17,6 +17,7 @@ from meshfeed.mesh import DataMesh
 from meshfeed.queue import Batch, SampleStore, StoreLoader
 from meshfeed.services import RayService, ThreadService
 from meshfeed.testing import assert_resume_equivalence
+from tests.queue.checkpointable import StoreWithLoader
 
 
 def _loader(store: SampleStore, **kwargs: Any) -> StoreLoader:
@@ -194,31 +195,19 @@ def test_loader_rejects_bad_configuration():
         other.load_state_dict(state)
 
 
-class _Resumable:
-    """A loader plus the consumption state of its store: one checkpointable object."""
-
-    def __init__(self, prefetch: int) -> None:
-        self.store = SampleStore()
-        self.store.put("p", {"x": list(range(23))})
-        self.store.close("p")
-        self.loader = _loader(self.store, batch_size=3, prefetch=prefetch, timeout=20)
-
-    def __next__(self) -> list:
-        return next(self.loader).ids
-
-    def state_dict(self) -> dict:
-        loader = self.loader.state_dict()  # first: waits for batches in flight
-        return {"loader": loader, "store": self.store.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.store.load_state_dict(state["store"])
-        self.loader.load_state_dict(state["loader"])
+def _resumable(prefetch: int) -> StoreWithLoader:
+    """A loader over 23 samples with its store, yielding batches' ids."""
+    store = SampleStore()
+    store.put("p", {"x": list(range(23))})
+    store.close("p")
+    loader = _loader(store, batch_size=3, prefetch=prefetch, timeout=20)
+    return StoreWithLoader(store, loader, lambda batch: batch.ids)
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 5])
 def test_state_is_as_of_the_last_batch_returned_even_with_batches_in_flight(prefetch):
     reference = assert_resume_equivalence(
-        lambda: _Resumable(prefetch), num_items=10, cleanup=lambda r: r.loader.shutdown()
+        lambda: _resumable(prefetch), num_items=10, cleanup=lambda r: r.loader.shutdown()
     )
     assert [k for ids in reference for k in ids] == list(range(23))
 

@@ -19,6 +19,7 @@ from meshfeed.queue.loading.reach import LocalDoor
 from meshfeed.services import InProcessService, ThreadService, WorkerService
 from meshfeed.testing import assert_resume_equivalence
 from tests.process_checks import alive
+from tests.queue.checkpointable import StoreWithLoader
 
 
 def _ids(batch: Batch) -> list[Any]:
@@ -70,30 +71,18 @@ def test_every_service_makes_the_batches_of_fetching_in_the_loop_while_producers
     assert multiprocessing.active_children() == []
 
 
-class _Door:
-    """A StoreLoader with worker processes and its evicting store: one checkpointable object."""
-
-    def __init__(self) -> None:
-        self.store = SampleStore()
-        self.store.put("p", {"x": list(range(40))})
-        self.store.close("p")
-        self.loader = _loader(self.store, num_workers=2, prefetch=2)
-
-    def __next__(self) -> list[Any]:
-        return next(self.loader)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "store": self.store.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state["store"])
-        self.loader.load_state_dict(state["loader"])
+def _door() -> StoreWithLoader:
+    """A StoreLoader with worker processes and its store."""
+    store = SampleStore()
+    store.put("p", {"x": list(range(40))})
+    store.close("p")
+    return StoreWithLoader(store, _loader(store, num_workers=2, prefetch=2))
 
 
 @pytest.mark.slow
 def test_worker_processes_fetching_from_the_embedded_store_resume_exactly_at_every_step():
     out = assert_resume_equivalence(
-        _Door, num_items=8, max_epochs=1, cleanup=lambda door: door.loader.shutdown()
+        _door, num_items=8, max_epochs=1, cleanup=lambda door: door.loader.shutdown()
     )
     assert out == [list(range(i, i + 5)) for i in range(0, 40, 5)]
     assert multiprocessing.active_children() == []
