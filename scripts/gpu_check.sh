@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with CUDA (torch + numpy + pytest, no extras, maybe
-# no network): the gpu tests, bench_gpu.py (the GPU loop, then the grid), then the quick suite
-# on that stack. Each part has its own time limit, so a slow part cannot starve the next one.
+# no network): the gpu tests, the quick suite on that stack, then bench_gpu.py (the GPU loop,
+# then the grid) with the time left. Each part has its own time limit, so a slow part cannot
+# starve the next one.
 #     OUT=/tmp/gpu bash scripts/gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/gpu_check}
@@ -15,13 +16,11 @@ start=$(date +%s)
 } 2>&1 | tee "$OUT/env.txt"
 timeout "${TESTS_S:-180}" python3 -m pytest tests/test_gpu.py -v -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/test_gpu.log"
-timeout "${BENCH_S:-330}" python3 benchmarks/bench_gpu.py --out "$OUT/gpu.md" 2>&1 \
-    | tee "$OUT/bench.log"
+workers=""
+python3 -c "import xdist" 2>/dev/null && workers="-n $(( $(nproc) - 2 ))"
+timeout "${SUITE_S:-90}" python3 -m pytest -q -rfEs -m "not slow and not gpu" -p no:cacheprovider \
+    $workers > "$OUT/suite.log" 2>&1
+tail -n 5 "$OUT/suite.log"
 left=$(( ${TOTAL_S:-480} - ($(date +%s) - start) ))
-if [ "$left" -gt 45 ]; then
-    workers=""
-    python3 -c "import xdist" 2>/dev/null && workers="-n $(( $(nproc) - 2 ))"
-    timeout "$left" python3 -m pytest -q -rs -m "not slow and not gpu" -p no:cacheprovider \
-        $workers 2>&1 | tail -n 150 > "$OUT/suite.log"
-fi
+timeout "$left" python3 benchmarks/bench_gpu.py --out "$OUT/gpu.md" 2>&1 | tee "$OUT/bench.log"
 echo "done in $(( $(date +%s) - start )) s"
