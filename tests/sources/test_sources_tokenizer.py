@@ -58,7 +58,17 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
     return path
 
 
-def test_tokenizer_json_and_folder_encode_as_the_tokenizer_does(tmp_path: Path, bpe) -> None:
+@pytest.mark.parametrize("transformers", ["hidden", "installed"])
+def test_tokenizer_json_and_folder_encode_as_the_tokenizer_does(
+    tmp_path: Path, bpe, transformers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A folder loads through transformers.AutoTokenizer where it is installed, else its
+    # tokenizer.json is read: either way the same ids and the same end-of-document id (a folder
+    # with no tokenizer_config.json gives transformers no eos_token_id: found in the vocabulary).
+    if transformers == "hidden":
+        monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
+    else:
+        pytest.importorskip("transformers", reason="the folder path through transformers")
     path, tok, texts = bpe
     src = write_jsonl(tmp_path / "d.jsonl", texts[:20])
     corpus = convert(src, tmp_path / "c", tokenizer=str(path), append_eod=True, progress=False)
@@ -66,7 +76,7 @@ def test_tokenizer_json_and_folder_encode_as_the_tokenizer_does(tmp_path: Path, 
     assert eod is not None
     for i, text in enumerate(texts[:20]):
         assert corpus.document(i).tolist() == [*tok.encode(text).ids, eod]
-    # the folder a tokenizer was saved in (no transformers here: its tokenizer.json is read)
+    # the folder a tokenizer was saved in
     folder = convert(
         src, tmp_path / "f", tokenizer=str(path.parent), append_eod=True, progress=False
     )

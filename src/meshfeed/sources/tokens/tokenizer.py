@@ -72,9 +72,17 @@ def _byte_encode(text: str) -> np.ndarray:
 
 
 def _special_eod(tok: Any) -> int | None:
-    """The end-of-document id of an HF ``tokenizers.Tokenizer``, if it names one."""
+    """The end-of-document id of an HF ``tokenizers.Tokenizer`` (``token_to_id``) or a
+    ``transformers`` tokenizer (``get_vocab``: one saved without a ``tokenizer_config.json``
+    has no ``eos_token_id``), if its vocabulary names one of ``EOD_TOKENS``."""
+    if hasattr(tok, "token_to_id"):
+        lookup = tok.token_to_id
+    elif hasattr(tok, "get_vocab"):
+        lookup = tok.get_vocab().get
+    else:
+        return None
     for name in EOD_TOKENS:
-        found = tok.token_to_id(name)
+        found = lookup(name)
         if found is not None:
             return int(found)
     return None
@@ -87,7 +95,7 @@ def _from_object(obj: Any, name: str) -> TextTokenizer:
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             eod = int(value)
             break
-    if eod is None and hasattr(obj, "token_to_id"):
+    if eod is None:
         eod = _special_eod(obj)
     if isinstance(obj, TextEncoder):
         encode = obj.encode
