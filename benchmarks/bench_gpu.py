@@ -21,7 +21,7 @@ number in one run:
    cores, not the loader, keep a cell under the CPU limit.
 2. The GPU loop (CUDA only), per (workers, cost): GPU-bound work per step (bf16 matmuls of
    4096^2, calibrated so the workers can make ``--margin`` = 1.5 times what the GPU alone
-   consumes), the step reads its batch and is synchronised (``.item()``), so every wait for
+   consumes, their capacity measured as the machine ceiling of 1.), the step reads its batch and is synchronised (``.item()``), so every wait for
    data shows. Reported: steps/s as a share of the GPU-alone rate, the share of wall time the
    loop waited for its batch (``next`` and the copy to the device), and the wait per step
    (p50, p99). meshfeed runs with ``pin_memory=True, device="cuda"`` (copies on a side stream
@@ -266,7 +266,9 @@ MATMUL = 4096  # the GPU work: bf16 matmuls of MATMUL^2 (GPU-bound: ~0.2 ms each
 def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     """The loop of a training job, per (workers, cost) of ``cfg.loops``: 512 KiB batches, a
     fixed amount of GPU work per step sized so the workers can make ``cfg.margin`` times what
-    the GPU consumes, the batch used by the step's kernels, the step synchronised (``.item()``)
+    the GPU consumes (their capacity measured: :func:`machine_ceiling`, which is below the
+    nominal ``workers x 10**6 / cost / samples`` where cores share hardware), the batch used
+    by the step's kernels, the step synchronised (``.item()``)
     so no wait hides behind the next step. Reported per loader: steps/s as a share of the
     GPU-alone rate, the share of wall time the loop waited for its batch (``next`` and the copy
     to the device), and that wait per step (p50, p99)."""
@@ -278,7 +280,9 @@ def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     rows: list[dict[str, Any]] = []
     notes = []
     for workers, cost in cfg.loops:
-        capacity = workers * 1e6 / cost / samples  # batches/s the workers can make
+        nominal = workers * 1e6 / cost / samples
+        probe = Busy(samples * 64, cost)
+        capacity = min(nominal, machine_ceiling(probe, samples, workers))  # batches/s
         k, gpu_rate = _calibrate(x, samples, device, cfg.margin / capacity)
         steps = max(200, round((1.0 if cfg.quick else 4.0) * gpu_rate))
         ds = Busy(samples * (steps + 64), cost)
@@ -302,7 +306,8 @@ def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
             del loader
         notes.append(
             f"GPU loop, {workers} workers x {cost} us/sample, 512 KiB batches: workers' capacity "
-            f"{capacity:,.0f} batches/s = {cfg.margin}x the GPU's {gpu_rate:,.0f} steps/s "
+            f"{capacity:,.0f} batches/s measured (nominal {nominal:,.0f}) = {cfg.margin}x the "
+            f"GPU's {gpu_rate:,.0f} steps/s "
             f"({k} bf16 matmuls of {MATMUL}^2 per step)"
         )
     return rows, notes
