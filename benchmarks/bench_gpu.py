@@ -21,8 +21,8 @@ number in one run:
    cores, not the loader, keep a cell under the CPU limit.
 2. The GPU loop (CUDA only), per (workers, cost): GPU-bound work per step (bf16 matmuls of
    4096^2, calibrated so the workers can make ``--margin`` = 1.5 times what the GPU alone
-   consumes, their capacity measured as the machine ceiling of 1.), the step reads its batch and is synchronised (``.item()``), so every wait for
-   data shows. Reported: steps/s as a share of the GPU-alone rate, the share of wall time the
+   consumes, their capacity measured as the machine ceiling of 1.), the step reads its batch
+   and is synchronised (``.item()``), so every wait for data shows. Reported: steps/s as a share of the GPU-alone rate, the share of wall time the
    loop waited for its batch (``next`` and the copy to the device), and the wait per step
    (p50, p99). meshfeed runs with ``pin_memory=True, device="cuda"`` (copies on a side stream
    ahead of the loop); torch with ``pin_memory=True`` and ``batch.to("cuda",
