@@ -10,6 +10,7 @@ in the process that walks the order, however many worker processes read the rows
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,7 @@ class StreamOrder(OrderBase):
         self.per_epoch = samples_per_epoch or self.total
         self._canon = np.concatenate([[0], np.cumsum(self.rows)]).astype(np.int64)
         self._passes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._ends: dict[int, tuple[list[int], list[int]]] = {}  # pass -> _pass_ends
 
     def epoch_length(self, epoch: int) -> int:
         return self.per_epoch
@@ -144,12 +146,20 @@ class StreamOrder(OrderBase):
 
     def _finished(self, p: int, a: int, b: int) -> list[int]:
         """The shards of pass ``p`` whose last window ends in ``(a, b]`` (pass offsets)."""
+        order, ends = self._ends.get(p) or self._pass_ends(p)
+        return order[bisect.bisect_right(ends, a) : bisect.bisect_right(ends, b)]
+
+    def _pass_ends(self, p: int) -> tuple[list[int], list[int]]:
+        """(shard order, where each shard is done) of pass ``p``, as lists: ``returned`` runs
+        once per batch, and bisecting a list beats numpy's per-call cost there."""
         order, starts = self._pass(p)
         ends = starts[1:]
         if self.window:  # a shard is done with the window that holds its last row
             ends = np.minimum(-(-ends // self.window) * self.window, self.total)
-        k = np.arange(np.searchsorted(ends, a, side="right"), np.searchsorted(ends, b, "right"))
-        return order[k].tolist()
+        if len(self._ends) >= 4:
+            self._ends.clear()
+        found = self._ends[p] = (order.tolist(), ends.tolist())
+        return found
 
     def describe(self, epoch: int, position: int) -> dict[str, Any]:
         return {
