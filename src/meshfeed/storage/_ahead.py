@@ -54,6 +54,7 @@ class Ahead(Fill):
         self._full: set[str] = set()  # waiting ones counted in stats()["skipped_prefetch"]
         self._errors: dict[str, Exception] = {}  # failed downloads, for their futures
         self._last_full = 0.0  # when the queue last found no room
+        self._asked_at: dict[str, float] = {}  # URL -> when last asked ahead (time.time())
 
     def _ahead_pool(self) -> ThreadPoolExecutor:
         with self._mutex:

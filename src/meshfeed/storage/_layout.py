@@ -48,6 +48,9 @@ _HASH_BLOCK = 1 << 22
 PENDING = 300.0
 #: an entry read in the last IN_USE seconds is in a reader's window (evicted last)
 IN_USE = 2.0
+#: an entry marked read to its end is dated this many seconds before the marking: far older
+#: than any use (evicted first), and telling when it was marked
+READ_SHIFT = 1e7
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,19 +112,25 @@ class Entry:
         finally:
             os.close(fd)
 
-    def mark(self, *, pending: bool) -> None:
+    def mark(self, *, pending: bool, asked: float | None = None) -> None:
         """Date the entry's last use: now, or (``pending``) downloaded ahead, not read yet.
         A use keeps a pending date: the stream that planned the entry reads it over many
-        batches, and it stays pending until :meth:`mark_read` (#29)."""
+        batches, and it stays pending until :meth:`mark_read` (#29). A download-ahead asked
+        at ``asked`` (``time.time()``) that finds the entry read to its end since then is
+        late (a reader fetched and read it first): the entry stays read."""
         now = time.time()
         with contextlib.suppress(OSError):
-            if pending or self.sidecar.stat().st_mtime <= now:
+            t = self.sidecar.stat().st_mtime
+            if pending and asked is not None and now - READ_SHIFT / 2 > t >= asked - READ_SHIFT:
+                return
+            if pending or t <= now:
                 t = now + (PENDING if pending else 0.0)
                 os.utime(self.sidecar, (t, t))
 
     def mark_read(self) -> None:
-        """Date the entry as read to its end: idle (evicted first, even by a download-ahead)."""
-        t = time.time() - IN_USE - 1.0
+        """Date the entry as read to its end: idle (evicted first, even by a download-ahead;
+        the least recently read first)."""
+        t = time.time() - READ_SHIFT
         with contextlib.suppress(OSError):
             os.utime(self.sidecar, (t, t))
 
