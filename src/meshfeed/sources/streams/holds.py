@@ -2,15 +2,16 @@
 
 A stream reads a shuffle window's shards batch after batch: letting a shard go after each read
 would re-hold it in the cache (a lock, its sidecar) and re-open it in the inner reader (header,
-index) for the next batch, two thirds of a worker's read time under a cache limit (#29). So
+index) for the next batch, about half of a 2-worker epoch's CPU time in the workers' reads
+under a cache limit (py-spy, #29). So
 :class:`Holds` keeps each shard from one read to the next, and lets it go (the caller's
 ``let_go``: the inner reader's map, then the cache's hold) when:
 
 - its rows are all returned (:meth:`Holds.finish`, told by the stream's order);
 - it has not been read for ``idle`` seconds: a watcher thread lets go of those, so a process
   that waits for its next task (a worker ahead of the training loop) never keeps another
-  process of the node from the room it waits for; without it, two workers each waiting for room
-  the other kept would wait ``lock_timeout`` (the hang this replaces);
+  process of the node from the room it waits for (a worker holding shards while another waited
+  for room hung a 2-rank x 2-worker epoch for ``lock_timeout``);
 - the process needs room itself (:meth:`Holds.let_go_idle`), or more than ``keep`` are held
   (least recently used first), or :meth:`Holds.close`.
 
