@@ -14,7 +14,7 @@ from meshfeed import StreamLoader
 from meshfeed.sources import ShardedStream
 from meshfeed.storage import ShardCache
 from meshfeed.storage._layout import Entry
-from tests.storage.conftest import S3
+from tests.storage.conftest import S3, options_for
 
 
 def _ids(rows: list[dict[str, int]]) -> list[int]:
@@ -157,20 +157,25 @@ def test_a_two_worker_epoch_tells_the_cache_each_shard_is_finished_once_per_pass
 
 
 def _epoch_gets(s3: S3, cache: Path, limit: int, window: int) -> dict[str, int]:
-    """GETs per shard of one 2-worker epoch through a limited cache (the index's excluded)."""
+    """Whole-object GETs per shard (downloads) of one 2-worker epoch through a limited cache
+    (the index's excluded), read in a fresh process: threads and clients left by earlier tests
+    of this process re-sent GETs under load. A ranged GET (s3fs resuming a stalled body) is not
+    a second download; the client waits 30 s for a body, not 2."""
+    import multiprocessing as mp
+
+    from tests.storage._procs import read_limited_epoch
+
     s3.proxy.reset()
-    stream = ShardedStream.from_index(
-        s3.url("ds"),
-        cache_dir=cache,
-        cache_limit=limit,
-        storage_options=s3.options,
-        shuffle_buffer=window,
-    )
-    with StreamLoader(
-        stream, seed=1, collate_fn=_ids, batch_size=8, drop_last=False, num_workers=2
-    ) as lo:
-        assert sorted(i for b in lo for i in b) == list(range(2400))
-    return {k: n for k, n in s3.proxy.object_gets.items() if not k.endswith("index.json")}
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    options = options_for(s3.proxy.endpoint, read_timeout=30.0)
+    args = (s3.url("ds"), options, str(cache), limit, window, out)
+    proc = ctx.Process(target=read_limited_epoch, args=args)
+    proc.start()
+    ids = out.get(timeout=300)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0 and ids == list(range(2400))
+    return {k: n for k, n in s3.proxy.whole_gets.items() if not k.endswith("index.json")}
 
 
 def test_a_limited_two_worker_epoch_downloads_each_shard_once_cold_and_warm(
