@@ -38,7 +38,7 @@ import torch
 
 from meshfeed.telemetry import Telemetry
 
-__all__ = ["Delivery", "check_device", "pin", "to_device"]
+__all__ = ["Delivery", "check_device", "pin", "take_from", "to_device"]
 
 logger = logging.getLogger("meshfeed")
 T = TypeVar("T")
@@ -176,7 +176,7 @@ class Delivery:
         try:
             while True:
                 asked = time.perf_counter()
-                kind, payload = _take(ready, thread)
+                kind, payload = take_from(ready, thread)
                 if kind == "end":
                     return
                 if kind == "error":
@@ -264,16 +264,16 @@ def _put(ready: queue.Queue[tuple[str, Any]], stop: threading.Event, item: tuple
             continue
 
 
-def _take(ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> tuple[str, Any]:
-    """The thread's next message; an error if the thread is gone without one."""
+def take_from(ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> tuple[str, Any]:
+    """``thread``'s next message on ``ready``; an error if the thread is gone without one."""
     while True:
         try:
             return ready.get(timeout=_POLL)
         except queue.Empty:
             if not thread.is_alive() and ready.empty():
                 raise RuntimeError(
-                    "meshfeed: the delivery thread ended without a batch or an error; this is a "
-                    "bug, please report it with the loader's options"
+                    f"meshfeed: the {thread.name} thread ended without a batch or an error; "
+                    "this is a bug, please report it with the loader's options"
                 ) from None
 
 

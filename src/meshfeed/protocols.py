@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AskReader",
     "BatchSource",
+    "BoundedService",
     "ClosingReader",
     "CountReader",
     "CurriculumHooks",
@@ -237,6 +238,16 @@ class Service(Protocol):
     def map(self, tasks: Iterator[FetchTask]) -> Iterator[tuple[Any, FetchEvents]]: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class BoundedService(Service, Protocol):
+    """A :class:`Service` that says how far it runs ahead: ``in_flight`` is the most tasks one
+    ``map`` holds taken and not yet passed (the one whose batch the loop holds included). A door whose source keeps each batch only so many
+    batches back (the sample store's shared plans) needs it; every meshfeed service has it."""
+
+    @property
+    def in_flight(self) -> int: ...
 
 
 @runtime_checkable

@@ -69,7 +69,9 @@ def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None
     batch = check_divides(
         loader.batch_size * loader.data_world_size, mesh, f"resize of {loader.name}"
     )
-    ahead = "" if loader.prefetch == 1 else f"prefetch={loader.prefetch}"
+    ahead = "" if loader._keeps == 1 else f"its service ({type(loader.service).__name__})"
+    if loader.prefetch != 1:
+        ahead = f"prefetch={loader.prefetch}"
     if loader.delivery.ahead:  # pin_memory / device: the delivery thread takes batches ahead
         ahead = f"device={loader.options.device!r} / pin_memory={loader.pin_memory}"
     if ahead:
@@ -77,8 +79,9 @@ def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None
         # live store after the state was taken, and a round was lost; refused until exact.
         raise ValueError(
             f"resize of {loader.name} with {ahead}: batches fetched ahead are taken from the "
-            "live store and a leaving rank's are lost; build the loader with prefetch=1 and "
-            "without device= / pin_memory to resize it live, or resume elastically (restore "
+            "live store and a leaving rank's are lost; build the loader with prefetch=1, "
+            "without workers and device= / pin_memory to resize it live, or resume "
+            "elastically (restore "
             "the store and the loader from one checkpoint on the new layout)"
         )
     state = loader.state_dict() if state is None else state

@@ -15,7 +15,9 @@ import pytest
 
 from meshfeed.mesh import DataMesh
 from meshfeed.queue import Batch, SampleStore, StoreLoader
+from meshfeed.services import RayService, ThreadService
 from meshfeed.testing import assert_resume_equivalence
+from tests.queue.checkpointable import StoreWithLoader
 
 
 def _loader(store: SampleStore, **kwargs: Any) -> StoreLoader:
@@ -167,8 +169,12 @@ def test_loader_rejects_bad_configuration():
         _loader(store, batch_size=1, num_workers=-1, timeout=math.inf)
     with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
         _loader(store, batch_size=1, prefetch=-1, timeout=math.inf)
-    with pytest.raises(ValueError, match="pass collate_fn="):
-        _loader(store, batch_size=1, num_workers=2, prefetch=3, timeout=math.inf)
+    with pytest.raises(ValueError, match="num_workers='auto' is not available"):
+        _loader(store, batch_size=1, num_workers="auto", timeout=math.inf)
+    with pytest.raises(ValueError, match="pass num_workers=2 or service=..., not both"):
+        _loader(store, batch_size=1, num_workers=2, service=ThreadService(2))
+    with pytest.raises(TypeError, match="service=RayService is not a .*GlobalService"):
+        _loader(store, batch_size=1, service=RayService(num_actors=1))
     with pytest.raises(ValueError, match="rank=4 is out of range"):
         _loader(store, batch_size=1, mesh={"dp": 2, "tp": 2}, rank=4, prefetch=1, timeout=math.inf)
     loader = _loader(store, batch_size=1, prefetch=1, timeout=math.inf)
@@ -189,31 +195,19 @@ def test_loader_rejects_bad_configuration():
         other.load_state_dict(state)
 
 
-class _Resumable:
-    """A loader plus the consumption state of its store: one checkpointable object."""
-
-    def __init__(self, prefetch: int) -> None:
-        self.store = SampleStore()
-        self.store.put("p", {"x": list(range(23))})
-        self.store.close("p")
-        self.loader = _loader(self.store, batch_size=3, prefetch=prefetch, timeout=20)
-
-    def __next__(self) -> list:
-        return next(self.loader).ids
-
-    def state_dict(self) -> dict:
-        loader = self.loader.state_dict()  # first: waits for batches in flight
-        return {"loader": loader, "store": self.store.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.store.load_state_dict(state["store"])
-        self.loader.load_state_dict(state["loader"])
+def _resumable(prefetch: int) -> StoreWithLoader:
+    """A loader over 23 samples with its store, yielding batches' ids."""
+    store = SampleStore()
+    store.put("p", {"x": list(range(23))})
+    store.close("p")
+    loader = _loader(store, batch_size=3, prefetch=prefetch, timeout=20)
+    return StoreWithLoader(store, loader, lambda batch: batch.ids)
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 5])
 def test_state_is_as_of_the_last_batch_returned_even_with_batches_in_flight(prefetch):
     reference = assert_resume_equivalence(
-        lambda: _Resumable(prefetch), num_items=10, cleanup=lambda r: r.loader.shutdown()
+        lambda: _resumable(prefetch), num_items=10, cleanup=lambda r: r.loader.shutdown()
     )
     assert [k for ids in reference for k in ids] == list(range(23))
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from meshfeed.queue import Batch, SampleStore, StoreLoader
-from meshfeed.queue.loading.stage import POLL
 from meshfeed.testing import assert_resume_equivalence
+from tests.queue.checkpointable import StoreWithLoader
+
+POLL = 0.1  # the delivery thread checks its stop flag this often (meshfeed.delivery)
 
 
 def _stack(batch: Batch) -> torch.Tensor:
@@ -74,27 +76,15 @@ def test_the_delivery_thread_takes_batches_ahead_and_the_state_names_them(tmp_pa
     assert store.stats()["held"] == 0 and again_store.stats()["held"] == 0
 
 
-class _Door:
-    """A StoreLoader delivering to ``device="cpu"`` with its store: one checkpointable object."""
-
-    def __init__(self, prefetch: int) -> None:
-        self.store = _store(14)
-        self.loader = _loader(self.store, prefetch=prefetch, device_prefetch=3)
-
-    def __next__(self) -> torch.Tensor:
-        return next(self.loader)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "store": self.store.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.store.load_state_dict(state["store"])
-        self.loader.load_state_dict(state["loader"])
+def _door(prefetch: int) -> StoreWithLoader:
+    """A StoreLoader delivering to ``device="cpu"`` with its store."""
+    store = _store(14)
+    return StoreWithLoader(store, _loader(store, prefetch=prefetch, device_prefetch=3))
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_resume_is_exact_at_every_step_with_the_delivery_thread_of_an_evicting_store(prefetch):
-    out = assert_resume_equivalence(lambda: _Door(prefetch), num_items=7, max_epochs=1)
+    out = assert_resume_equivalence(lambda: _door(prefetch), num_items=7, max_epochs=1)
     assert [b.tolist() for b in out] == [[i, i + 1] for i in range(0, 14, 2)]
 
 
@@ -158,3 +148,13 @@ def test_resize_with_the_delivery_thread_is_refused_by_name_as_prefetch_is():
         loaders[0].resize({"dp": 1}, rank=0)
     for ld in loaders:
         ld.shutdown()
+
+
+def test_resize_with_worker_processes_is_refused_by_name_as_prefetch_is():
+    # Workers fetch ahead of the loop (each worker has a batch in flight), as a thread does.
+    store = _store(12)
+    loader = _loader(store, batch_size=2, rank=0, prefetch=1, num_workers=2, device=None)
+    assert next(loader).tolist() == [0, 1]
+    with pytest.raises(ValueError, match=r"its service \(WorkerService\)"):
+        loader.resize({"dp": 1}, rank=0)
+    loader.shutdown()

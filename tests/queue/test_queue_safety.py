@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshfeed.queue import PartitionClosed, SampleStore, StoreLoader
+from meshfeed.queue import PartitionClosed, RequestCancelled, SampleStore, StoreLoader
 from meshfeed.queue.checkpoints import state as ckpt
 
 
@@ -160,14 +160,26 @@ def test_store_loader_shutdown_wakes_its_requests_blocked_without_a_deadline():
     store = SampleStore()
     loader = StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=1,
                          mesh={"dp": 1}, rank=0, prefetch=3, timeout=math.inf)  # fmt: skip
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            next(loader)
+        except BaseException as exc:
+            raised.append(exc)
+
+    reader = threading.Thread(target=read)
     with loader:
-        # Three requests: the first waits in the store without a deadline, the other two
-        # behind it in the loader's one request thread (index order).
-        loader._flight.fill()
+        # The loader's fetch thread waits in the store without a deadline (index order: one
+        # request at a time), while another thread waits in next().
+        reader.start()
         deadline = time.monotonic() + 10
         while store.stats()["waiting_consumers"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+    reader.join(10)
+    assert not reader.is_alive(), "shutdown() left next() waiting"
+    assert len(raised) == 1 and isinstance(raised[0], RequestCancelled), raised
     deadline = time.monotonic() + 10
     while store.stats()["waiting_consumers"]:
         assert time.monotonic() < deadline, "shutdown() left requests waiting"

@@ -3,11 +3,13 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from meshfeed import DataLoader, SampleError
 from meshfeed.services import WorkerError, WorkerService
+from meshfeed.tasks import FetchEvents, FetchTask
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 from tests.process_checks import alive, run_script_leaving_workers
 
@@ -240,36 +242,47 @@ def test_lambda_collate_fn_under_spawn_says_spawned_workers_need_importable_func
     assert multiprocessing.active_children() == []
 
 
-class _Square:
-    """A fetcher for the per-request interface: a task is an int, its result its square and
-    the worker that made it."""
+class _WaitAt:
+    """A fetcher whose task ``at`` waits (up to 2 s) for a marker file, and notes when it
+    gave up waiting; the other tasks are cheap."""
 
     seed, worker_id, num_workers = 0, 0, 0
 
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at = marker, at
+
     def __call__(self, task):
-        if task < 0:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return task * task, self.worker_id
+        if task.step == self.at:
+            deadline = time.monotonic() + 2.0
+            while not os.path.exists(self.marker):
+                if time.monotonic() > deadline:
+                    open(self.marker + ".gave-up", "w").close()
+                    break
+                time.sleep(0.01)
+        return task.step, FetchEvents()
 
 
-def test_submitted_tasks_go_to_the_workers_in_turn_and_are_taken_per_worker_in_order():
-    service = WorkerService(2, prefetch=2, timeout=10)
-    with pytest.raises(RuntimeError, match="before start"):
-        service.submit(1)
-    service.start(_Square())
-    workers = [service.submit(t) for t in range(5)]
-    assert workers == [0, 1, 0, 1, 0]
-    assert service.ready(1, 10.0)
-    assert [service.take(1), service.take(1)] == [(1, 1), (9, 1)]
-    assert [service.take(0) for _ in range(3)] == [(0, 0), (4, 0), (16, 0)]
-    assert not service.ready(0, 0.05)  # nothing outstanding there
-    pids = service.pids
-    assert len(pids) == 2
-    w = service.submit(-1)  # that worker dies: an error naming it, every worker stopped
-    with pytest.raises(WorkerError):
-        service.take(w)
-    assert not service.started and not any(alive(p) for p in pids)
-    w = service.submit(3)  # submit starts fresh workers
-    assert service.take(w) == (9, w)
+@pytest.mark.parametrize("max_chunk", [1, 16])
+def test_with_max_chunk_1_a_batch_never_waits_behind_a_later_one(tmp_path, max_chunk):
+    """A store batch may wait for producers: with ``max_chunk=1`` every result travels as soon
+    as it is made; cheap batches otherwise travel up to 16 to a message, behind the slowest."""
+    marker = str(tmp_path / "go")
+    service = WorkerService(1, prefetch=2, timeout=30, max_chunk=max_chunk)
+    assert service.in_flight == 2 * max_chunk + 1
+    with pytest.raises(ValueError, match="max_chunk=0"):
+        WorkerService(1, max_chunk=0)
+    service.start(_WaitAt(marker, at=200))
+    pulled = []
+
+    def tasks():
+        for step in range(240):
+            pulled.append(step)
+            yield FetchTask(0, step, np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    for step, _ in service.map(tasks()):
+        assert len(pulled) - step <= service.in_flight  # never further ahead than it says
+        if step == 199:
+            open(marker, "w").close()  # batch 200 may go on now
     service.shutdown()
-    assert multiprocessing.active_children() == []
+    # Batch 199 reached the loop while batch 200 still waited, only when unchunked.
+    assert os.path.exists(marker + ".gave-up") == (max_chunk > 1)

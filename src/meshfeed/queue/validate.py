@@ -165,16 +165,51 @@ def check_loader_arguments(*, task: Any, fields: Any, partition: Any, collate_re
         raise TypeError(f"fields must be a non-empty list of field names (got {fields=!r})")
 
 
-def check_loader_workers(store: Any, num_workers: int, collate_fn: Any) -> None:
-    """Worker processes need a ``collate_fn`` (embedded store) or a named store (Ray)."""
-    if num_workers and store.backend == "embedded" and collate_fn is None:
+def check_loader_service(store: Any, num_workers: Any, service: Any, prefetch: Any) -> None:
+    """Where a store loader's batches are made: ``num_workers`` (an int) or a ``service``
+    that says how far it runs ahead; worker processes of a Ray store need a named store."""
+    from meshfeed.protocols import BoundedService, GlobalService
+
+    if num_workers == "auto":
         raise ValueError(
-            "num_workers > 0 with the embedded store only runs `collate_fn` in worker "
-            "processes (the store cannot be shared with them); pass collate_fn=..., or "
-            "use num_workers=0 with prefetch=N for fetching ahead in threads"
+            "num_workers='auto' is not available for a StoreLoader: its batches wait for "
+            "producers, so timing them says nothing about the workers needed; pass "
+            "num_workers=N (or prefetch=N to fetch ahead on one thread)"
         )
-    if num_workers and store.backend == "ray" and store.name is None:
+    if service is not None and num_workers:
         raise ValueError(
-            "num_workers > 0 with a Ray store needs a named store so worker processes "
-            "can connect; create it with SampleStore('ray', name=...)"
+            f"pass num_workers={num_workers} or service=..., not both (a WorkerService "
+            "already names its workers)"
         )
+    if service is not None and prefetch != 2:
+        raise ValueError(
+            f"prefetch={prefetch!r} would be ignored: with service={type(service).__name__} the "
+            "service decides how far ahead batches are made (e.g. ThreadService(prefetch)); "
+            "pass one of them"
+        )
+    if service is not None and not isinstance(service, BoundedService):
+        hint = (
+            " (a GlobalService makes every data rank's batch at once, for map-style data; a "
+            "store's ranks each read their own batches: use a named Ray store with "
+            "num_workers=N)"
+            if isinstance(service, GlobalService)
+            else ""
+        )
+        raise TypeError(
+            f"service={type(service).__name__} is not a meshfeed.protocols.BoundedService "
+            f"(start, map, shutdown and in_flight){hint}; pass e.g. ThreadService(2) or "
+            "WorkerService(2), or num_workers=N"
+        )
+    workers = num_workers or (service is not None and _runs_elsewhere(service))
+    if workers and store.backend == "ray" and store.name is None:
+        raise ValueError(
+            "worker processes reading a Ray store need a named store so they can connect; "
+            "create it with SampleStore('ray', name=...)"
+        )
+
+
+def _runs_elsewhere(service: Any) -> bool:
+    from meshfeed.services.base import InProcessService
+    from meshfeed.services.thread import ThreadService
+
+    return not isinstance(service, (InProcessService, ThreadService))

@@ -5,6 +5,7 @@ from meshfeed.services.base import InProcessService, Service
 from meshfeed.services.distributed import DistributedService, check_agreement
 from meshfeed.services.passes import PassService
 from meshfeed.services.ray import LoaderActorError, RayService, RemoteBatch
+from meshfeed.services.thread import ThreadService
 from meshfeed.services.workers import WorkerError, WorkerService
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "RayService",
     "RemoteBatch",
     "Service",
+    "ThreadService",
     "WorkerError",
     "WorkerService",
     "check_agreement",

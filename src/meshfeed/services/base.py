@@ -14,6 +14,9 @@ __all__ = ["GlobalService", "InProcessService", "Service"]
 class InProcessService:
     """Makes every batch in the calling thread, when it is asked for (no prefetch)."""
 
+    #: The most tasks a ``map`` holds taken and not yet yielded: the one being made.
+    in_flight = 1
+
     def __init__(self) -> None:
         self._fetcher: Fetch | None = None
 

@@ -12,10 +12,9 @@ second); a sample error re-raises as its own type with the worker's traceback. A
 error the workers are stopped, and the next ``map`` starts fresh ones: iterating the loader
 again continues from the position of the last batch it returned.
 
-A door whose requests are awaited one by one, each within its own deadline (the sample store's
-loader: a checkpoint bounds its wait for the batches in flight), drives the same workers with
-:meth:`WorkerService.submit` / :meth:`~WorkerService.ready` / :meth:`~WorkerService.take`
-instead of ``map``, never both on one service.
+Every door drives its workers through ``map``: a ``DataLoader``'s batches, a stream's, and a
+sample store loader's (``max_chunk=1``: a store batch may wait for producers, so none travels
+behind a later one).
 """
 
 from __future__ import annotations
@@ -76,6 +75,7 @@ class WorkerService:
         start_method: str | None = None,
         name: str = "meshfeed-worker",
         grace: float = 0.5,
+        max_chunk: int = _MAX_CHUNK,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(
@@ -83,6 +83,8 @@ class WorkerService:
             )
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=})")
+        if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 1:
+            raise ValueError(f"max_chunk must be an int >= 1 (got {max_chunk=})")
         self._pool = WorkerPool(
             num_workers,
             timeout=timeout,
@@ -92,39 +94,25 @@ class WorkerService:
             ring=prefetch + 2,
         )
         self.num_workers, self.prefetch = num_workers, prefetch
+        #: Batches one message may carry (1: each batch travels alone, as soon as it is made).
+        self.max_chunk = min(max_chunk, _MAX_CHUNK)
         self.timeout, self.start_method = self._pool.timeout, self._pool.start_method
         self._fetcher: Fetch | None = None
-        self._turn = 0  # the worker submit() sends to next
 
     @property
     def started(self) -> bool:
         return self._pool.started
 
     @property
+    def in_flight(self) -> int:
+        """The most tasks a ``map`` holds taken and not yet passed: ``prefetch`` messages per
+        worker, and the batch the loop holds (the next task is sent before it is yielded)."""
+        return self.num_workers * self.prefetch * self.max_chunk + 1
+
+    @property
     def pids(self) -> list[int]:
         """The running workers' process ids."""
         return self._pool.pids
-
-    def submit(self, task: Any) -> int:
-        """Send ``task`` to the next worker in turn; the worker, whose results :meth:`take`
-        returns in the order of its tasks. Starts the workers first if they are not running
-        (after :meth:`start`; again after an error stopped them)."""
-        if self._fetcher is None:
-            raise RuntimeError("WorkerService.submit() before start(); call start(fetcher) first")
-        self._pool.start(_start_fetcher, self._fetcher)  # a no-op while running
-        w = self._turn
-        self._turn = (w + 1) % self.num_workers
-        self._pool.send(w, task)
-        return w
-
-    def ready(self, worker: int, timeout: float) -> bool:
-        """Whether ``worker``'s oldest result can be taken, waiting at most ``timeout`` s."""
-        return self._pool.ready(worker, timeout)
-
-    def take(self, worker: int) -> Any:
-        """``worker``'s oldest result (waits within the pool's timeout); a worker that died
-        or stalled raises :class:`WorkerError` with every worker stopped."""
-        return self._pool.recv(worker)
 
     def start(self, fetcher: Fetch) -> None:
         self._fetcher = fetcher
@@ -175,14 +163,13 @@ class WorkerService:
             pool.shutdown()  # the next map() starts fresh workers
             raise
 
-    @staticmethod
-    def _chunk(pool: WorkerPool) -> int:
+    def _chunk(self, pool: WorkerPool) -> int:
         """Batches per message: enough for about a millisecond of a worker's time (at most
-        16), one while batches cost more than that or nothing is measured yet."""
+        ``max_chunk``), one while batches cost more than that or nothing is measured yet."""
         seconds = pool.task_seconds
-        if seconds <= 0:
+        if seconds <= 0 or self.max_chunk == 1:
             return 1
-        return max(1, min(_MAX_CHUNK, int(_CHUNK_SECONDS / seconds)))
+        return max(1, min(self.max_chunk, int(_CHUNK_SECONDS / seconds)))
 
     def _result(self, pool: WorkerPool, step: int) -> Any:
         try:
@@ -193,8 +180,9 @@ class WorkerService:
                     e,
                     who="loader",
                     what=f"step {step}",
-                    then="Iterating the loader again restarts the workers from the last batch "
-                    "returned",
+                    then="Its workers were stopped; iterating the loader again starts fresh "
+                    "workers and continues from the first batch it has not returned (nothing is "
+                    "lost or repeated)",
                 )
             ) from None
 

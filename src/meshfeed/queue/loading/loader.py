@@ -19,29 +19,26 @@ the last step before the trainer, as in ``DataLoader``; its input is the :class:
 store already assembled (columns stacked), not a list of samples, since the store hands out
 batches, not items.
 
-Prefetching and worker processes. ``prefetch=P`` (>= 1) keeps up to ``P`` batches requested,
-the one being returned included: ``prefetch=1`` with ``num_workers=0`` fetches synchronously
-in the caller's thread (nothing in flight when a checkpoint is taken); the default 2 fetches
-one batch ahead. ``num_workers=K`` starts ``K`` worker processes:
-
-- Ray backend (a *named* store): each worker process connects to the store
-  (``SampleStore.connect``) and fetches whole batches itself (``get`` of key ``j``, then
-  ``collate_fn``); the store's per-key planning makes every batch go to exactly one request, so
-  no sample is delivered twice, whichever worker fetched it.
-- Embedded backend: the store lives in this process's memory, which worker processes cannot
-  share; so this process does every ``get`` (in background threads) and the worker processes
-  only run ``collate_fn`` on the fetched batches. ``num_workers > 0`` therefore needs a
-  ``collate_fn``.
-
-Worker processes run on :class:`meshfeed.services.WorkerService` (Ray: spawned, each connects to
-the store once; embedded: the platform's default start method, fork where it exists). A worker
+Where batches are made. The loader runs the loop every door shares
+(:mod:`meshfeed.queue.loading.walk`): batch ``j`` is one task, fetched from the store and
+collated by a :class:`~meshfeed.queue.loading.fetch.StoreFetcher` on the loader's service, as a
+``DataLoader``'s batches are made by its fetcher. ``service=`` takes any
+:class:`~meshfeed.protocols.BoundedService` (:class:`~meshfeed.services.InProcessService`,
+:class:`~meshfeed.services.ThreadService`, :class:`~meshfeed.services.WorkerService`); without
+it, ``num_workers=K`` starts ``K`` worker processes, each ``prefetch`` batches ahead (as
+``DataLoader``'s), ``prefetch=P > 1`` keeps ``P`` batches requested on one thread (the one
+being returned included), and ``prefetch=1`` fetches in the caller's thread when asked
+(nothing in flight when a checkpoint is taken). A worker process fetches itself: from a named Ray store it connects to
+(``SampleStore.connect``; spawned), from the embedded store through the loader's process
+(:mod:`meshfeed.queue.loading.reach`, which serves the requests in index order). A worker
 that dies, or produces nothing within ``timeout`` (stuck, or stopped), raises
-:class:`~meshfeed.runtime.WorkerError` within about ``timeout`` + 1 s with every worker stopped;
-iterating the loader again starts fresh workers and continues with the batch that failed
-(embedded: collated again from the batch already fetched; Ray: requested again by its index).
+:class:`~meshfeed.runtime.WorkerError` within about ``timeout`` + 1 s with every worker
+stopped; iterating the loader again starts fresh workers and continues with the batch that
+failed.
 
 ``pin_memory`` / ``device`` deliver batches pinned / on the device, copied ahead on a
-delivery thread as ``DataLoader`` does, the state still exact (:mod:`~.loader_stage`).
+delivery thread as ``DataLoader`` does, the state still exact (a batch is consumed when it
+is returned).
 ``stats()`` counts the batches and samples returned, timeouts and failures, next to the store's
 view of the task; ``epochs(1)`` yields the one epoch a store stream is (see
 :meth:`StoreLoader.epochs`).
@@ -57,8 +54,9 @@ same ones. Such shared plans take no lease (a store's ``lease_timeout`` applies 
 ``get`` calls, whose consumer may die holding a batch).
 
 Checkpoints. ``state_dict()`` is the state as of the last batch returned, at once (it never
-waits for the batches in flight): the index of the first batch not returned and how far the
-loader had asked, a few hundred bytes whatever the mesh. The batches in flight are the store's
+waits for the batches in flight): the index of the first batch not returned and how far its
+requests may go (the loop grants them on its own thread, so that is the same on every rank), a
+few hundred bytes whatever the mesh. The batches in flight are the store's
 plans, kept in the store (and in its checkpoint); after ``load_state_dict`` they are read back
 first. Every rank's state is the same, and it loads on another number of data ranks with the
 same global batch (elastic resume: :mod:`meshfeed.queue.loading.resume`). Save the store and
@@ -69,52 +67,55 @@ actor) serves a restored loader without being restored itself.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-import uuid
+import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from meshfeed.dist import is_distributed
-from meshfeed.errors import CollectiveError, RankError
 from meshfeed.loader_base import LoaderBase, check_num_epochs
 from meshfeed.options import LoaderOptions, OnError
+from meshfeed.protocols import BoundedService
 from meshfeed.queue.engine.wakeups import check_timeout
-from meshfeed.queue.loading.errors import CollateError, SkipLog, check_on_error, round_failed
-from meshfeed.queue.loading.fetch import Entry, Got, InFlight, Spec
+from meshfeed.queue.loading.errors import CollateError, SkipLog, check_on_error
+from meshfeed.queue.loading.fetch import Spec, StoreFetcher
+from meshfeed.queue.loading.reach import LocalDoor, RayReach, Reach
 from meshfeed.queue.loading.resume import KIND, VERSION, check_moment, open_state, unit_of
-from meshfeed.queue.loading.stage import Stage
 from meshfeed.queue.loading.versions import LoaderVersion, check_store, one_epoch
+from meshfeed.queue.loading.walk import Walking
 from meshfeed.queue.samplers import Sampler, mesh_sampler
 from meshfeed.queue.store import Batch, SampleStore
-from meshfeed.queue.validate import check_loader_arguments, check_loader_workers
+from meshfeed.queue.validate import check_loader_arguments, check_loader_service
 from meshfeed.relayout import rebuild
 from meshfeed.runtime import WorkerError
+from meshfeed.services.base import InProcessService
+from meshfeed.services.thread import ThreadService
+from meshfeed.services.workers import WorkerService
 from meshfeed.state import envelope
 
-#: What ``_retry`` returns for a batch ``on_error="skip"`` drops.
-_FAILED: Any = object()
 #: The errors ``stats()`` counts, under their keys.
 _COUNTED = {TimeoutError: "timeouts", CollateError: "collate_errors", WorkerError: "worker_errors"}
+#: Worker processes: the store's own TimeoutError comes first, then the pool's.
+_MARGIN = 0.25
 
 
-class StoreLoader(LoaderBase):
+class StoreLoader(LoaderBase, Walking):
     """Iterate batches of ``fields`` for ``task`` from ``partition`` of ``store``, as global
     ``rank`` of ``mesh`` (a :class:`DataMesh`, ``DeviceMesh``, dict of axis sizes, or
     ``None`` for the torchrun world; ``device_mesh=`` is the same argument under torch's
     name); see the module docstring for workers and checkpoints.
 
     ``timeout`` (seconds, default 300 as ``DataLoader``; ``math.inf``: no limit) bounds each
-    wait for a batch and ``state_dict()``'s wait for batches in flight (``TimeoutError``; the
-    loader stays usable). ``collate_fn``: a picklable function of a :class:`Batch` applied to
+    wait for a batch (``TimeoutError``; the loader stays usable). ``collate_fn``: a picklable function of a :class:`Batch` applied to
     every batch (in worker processes when ``num_workers > 0``), retried on the same fetched
     batch ``collate_retries`` more times, never by fetching again; if it keeps failing,
     ``on_error="raise"`` (default) raises :class:`CollateError` naming the batch's ids and
     the loader keeps the batch, ``on_error="skip"`` drops it, agreed by every rank (needs the
     process group on a mesh of several ranks; see the module docstring). Replica peers
-    must use the same ``batch_size``, ``prefetch`` and sampler (the store checks
-    ``batch_size`` and ``prefetch``: the batches requested ahead decide at which step a peer
-    sees the end of the stream; ``on_error``: :mod:`meshfeed.queue.loading.errors`).
+    must use the same ``batch_size``, sampler and batches ahead (``prefetch``, workers or
+    service, delivery: the store checks ``batch_size`` and how far ahead the loader asks,
+    which decides at which step a peer sees the end of the stream; ``on_error``:
+    :mod:`meshfeed.queue.loading.errors`).
     ``shutdown()`` (or leaving a ``with`` block) cancels waiting requests and stops workers.
     ``max_staleness`` with :meth:`set_version` and
     ``group_filter`` go to every request (policy versions and dynamic sampling, applied by
@@ -154,6 +155,7 @@ class StoreLoader(LoaderBase):
         on_step: Callable[[Any], Any] | None = None,
         max_staleness: int | None = None,
         group_filter: Callable[[dict[str, list[Any]]], bool] | None = None,
+        service: BoundedService | None = None,
     ) -> None:
         given = dict(locals())  # the arguments resize() builds the loader again from
         placed = ("self", "__class__", "store", "batch_size", "mesh", "device_mesh", "rank")
@@ -177,7 +179,7 @@ class StoreLoader(LoaderBase):
         )
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
-        check_loader_workers(store, num_workers, collate_fn)
+        check_loader_service(store, num_workers, service, prefetch)
         super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
         self.on_error: OnError = check_on_error(options.on_error, self.mesh.world_size)
         self._skips = SkipLog()
@@ -187,54 +189,66 @@ class StoreLoader(LoaderBase):
         self.store, self.task, self.fields = store, task, list(fields)
         self.partition, self.collate_retries = partition, collate_retries
         wait = check_timeout(timeout)
-        # The delivery thread (pin_memory / device) never fetches in the loop's stead: threads do.
-        self._ahead_max = prefetch if (prefetch > 1 or num_workers or self.delivery.ahead) else 0
-        #: Most batches a state may name in flight: requested, or taken by the delivery thread.
-        self._keeps = max(self._ahead_max, 1) + (options.device_prefetch + 1) * self.delivery.ahead
-        self._spec = Spec(
+        self.service: BoundedService = service or self._default_service(wait)
+        #: Most batches in flight (taken by the service, or by the delivery thread, and not
+        #: returned): the loop grants requests this far ahead of the first batch not returned
+        #: (:meth:`_grant`), and every request acknowledges the batches this far behind it.
+        self._keeps = self.service.in_flight + (device_prefetch + 1) * self.delivery.ahead
+        spec = Spec(
             task, tuple(fields), batch_size, partition, self.sampler, wait, self._keeps,
-            uuid.uuid4().hex, group_filter,
+            group_filter,
         )  # fmt: skip
-        self._shut = False
+        self._door = self._open_door()
+        self.fetcher = StoreFetcher(store, spec, collate_fn, collate_retries, self._reach())
         self._version = LoaderVersion(max_staleness)
-        self._flight = InFlight(store, self._spec, collate_fn, num_workers, self._ahead_max)
-        self._flight.version = self._version
+        #: The policy version each batch not yet returned was first requested with: asked
+        #: again (a retry, or a restored loader), it is asked with the same.
+        self._asked: dict[int, int | None] = {}
         # What stats() reports (since this object was built; not part of the state).
         self._counts = dict.fromkeys(
             ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
         )
         self._next_seconds = 0.0
-        self._returned = 0  # the first batch index not returned (the state's ``next``)
-        self._redeliver = 0  # batches below it were in flight when the loaded state was taken
+        self._shut = self._started = False
         self._finished = False  # every batch returned and the end seen (StopIteration)
-        #: Pinned / on the device, on the delivery thread (#27): see loader_stage.
-        self._stage = Stage(self.delivery, self._flight, self._next_item)
+        self._start_walking()
 
-    def _retry(self, entry: Entry, got: Got) -> Any:
-        """Retry only ``collate_fn`` on a fetched batch; :class:`CollateError` if it keeps
-        failing, with the batch left at the head of the queue (``collate_retries + 1`` more
-        attempts by the next ``next()``; recorded by ``state_dict()``)."""
-        ids = got.ids
-        assert ids is not None
-        # A fresh failure had its first attempt already; a reported one gets all attempts.
-        for _ in range(self.collate_retries + (1 if got.raised else 0)):
-            attempt = Entry(entry.index, batch=got.batch)
-            got = self._flight.wait(attempt)
-            if got.error is None:
-                return got.item
-        got.raised = True
-        entry.got = got
-        if self.on_error == "skip":
-            return _FAILED
-        shown = f"{ids[:20]} ... ({len(ids)} samples)" if len(ids) > 20 else f"{ids}"
-        raise CollateError(
-            f"collate_fn failed {self.collate_retries + 1} times on batch {entry.index} of "
-            f"task {self.task!r} (sample ids {shown}): {got.error!r}. The batch is kept: "
-            "next() retries collate_fn on it and state_dict() records it, so a restored loader "
-            "re-delivers it; fix collate_fn (or the samples) and call next() again",
-            index=entry.index,
-            ids=list(ids),
-        ) from got.error
+    def _default_service(self, wait: float | None) -> BoundedService:
+        if self.num_workers:
+            ray = self.store.backend == "ray"
+            return WorkerService(
+                int(self.num_workers),
+                prefetch=self.prefetch,
+                # A fetch waits in the store up to `timeout` and raises TimeoutError there;
+                # the pool's own limit (a stuck or stopped worker) comes just after.
+                timeout=None if wait is None else wait + _MARGIN,
+                # Ray: spawn (fork is unsafe under Ray; each worker connects to the store, which
+                # counts against the first batch's timeout). Embedded: the platform's default.
+                start_method="spawn" if ray else None,
+                name="meshfeed-store-worker",
+                grace=0.25,
+                max_chunk=1,  # a batch travels as soon as it is made, never behind a later one
+            )
+        if self.prefetch > 1:
+            return ThreadService(self.prefetch, name="meshfeed-loader")
+        return InProcessService()
+
+    def _open_door(self) -> LocalDoor | None:
+        """The embedded store, served to worker processes (none for an in-process service)."""
+        if self.store.backend != "embedded" or isinstance(
+            self.service, (InProcessService, ThreadService)
+        ):
+            return None
+        return LocalDoor(self.store)
+
+    def _reach(self) -> Reach | None:
+        if self._door is not None:
+            return self._door.reach
+        if self.store.backend == "ray" and self.store.name is not None:
+            import ray
+
+            return RayReach(ray.get_runtime_context().gcs_address, self.store.name)
+        return None
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -245,28 +259,25 @@ class StoreLoader(LoaderBase):
                 f"this StoreLoader (task {self.task!r}) was shut down; build a new one (from "
                 "its state_dict() to continue where it stopped)"
             )
+        if self._finished:
+            raise StopIteration
         start = time.perf_counter()
+        if not self._started:
+            self.service.start(self.fetcher)
+            self._started = True
+        if self._stream is None:
+            self._stream = Walking._walk(weakref.proxy(self))  # no cycle: see walk.py
         try:
-            item, entry = self._stage.next()
+            return next(self._stream)
         except BaseException as error:
-            self._count(error)
+            self._stream = None  # a walk that raised is over: the next call walks again
+            for kind, key in _COUNTED.items():
+                self._counts[key] += isinstance(error, kind)
             if isinstance(error, StopIteration):
                 self._finish()
-            if not isinstance(error, WorkerError):
-                raise
-            if (lost := self._flight.lost_pool(error, self.task)) is None:
-                raise  # not a failure of the pool (a collate_fn raising WorkerError itself)
-            raise lost from None
+            raise
         finally:
             self._next_seconds += time.perf_counter() - start
-        got = entry.got  # returned: consumed (the state no longer names it)
-        assert got is not None and got.ids is not None
-        self._returned = entry.index + 1
-        self._flight.returned(entry.index)
-        self._counts["batches"] += 1
-        self._counts["samples"] += len(got.ids)
-        self._counts["redelivered"] += entry.index < self._redeliver
-        return item
 
     def _finish(self) -> None:
         """The end was reached with every batch returned: once, tell the store this reader
@@ -275,84 +286,7 @@ class StoreLoader(LoaderBase):
             return
         self._finished = True
         with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
-            self.store.passed(self.partition, self.task, self.sampler, self._flight.next)
-
-    def _count(self, error: BaseException) -> None:
-        for kind, key in _COUNTED.items():
-            self._counts[key] += isinstance(error, kind)
-
-    def _next_item(self, halt: threading.Event) -> tuple[Any, Entry] | None:
-        while True:
-            if not self._ahead_max and not self._flight.ahead:  # synchronous
-                if self._flight.ended:
-                    return None
-                index = self._flight.next
-                result = self._flight.thread_job(index, self._flight.version_args(index))
-                if not isinstance(result, Got) or result.ids is None:  # no workers here
-                    self._flight.ended = True
-                    return None
-                self._flight.ahead.append(Entry(self._flight.next, got=result))
-                self._flight.next += 1
-            if self._flight.pool is not None and not self._flight.ended:
-                self._flight.start_pool()  # before the fetch threads exist (fork)
-            self._flight.fill()
-            self._flight.progress()
-            if not self._flight.ahead:
-                self._flight.stop_workers()
-                return None
-            entry = self._flight.ahead[0]
-            got = self._stage.wait(entry, halt)
-            if got is None:
-                return None
-            if got.ids is None:
-                # Every later request also ends; those already in flight may still hold
-                # batches planned before the end, so they are drained, not dropped.
-                self._flight.ahead.popleft()
-                self._flight.ended = True
-                continue
-            item = self._collated(entry, got)
-            self._flight.ahead.popleft()
-            if self.on_error == "skip" and self._skip(entry.index, got, item is _FAILED):
-                continue
-            entry.got = Got(got.ids, item)  # what a stopped stage puts back
-            return item, entry
-
-    def _collated(self, entry: Entry, got: Got) -> Any:
-        """The batch's ``collate_fn`` output (:meth:`_retry` when it failed). With
-        ``on_error="raise"`` and a process group of several ranks, the ranks agree on every
-        batch (one ``all_reduce`` of one int): a rank whose batch raises raises its
-        :class:`CollateError` and every other rank :class:`~meshfeed.errors.RankError` at the
-        same batch, which stays first in line, so none waits in its next collective."""
-        agree = self.on_error == "raise" and is_distributed()
-        try:
-            item = got.item if got.error is None else self._retry(entry, got)
-        except Exception:
-            if agree:
-                with contextlib.suppress(CollectiveError):  # a dead peer must not hide ours
-                    round_failed(True, self.wait_timeout)
-            raise
-        failed = round_failed(False, self.wait_timeout) if agree else None
-        if failed is not None:
-            entry.got = got  # kept first in line: next() returns it once the ranks go on
-            raise RankError(
-                f"rank {failed} could not collate its part of batch {entry.index} of task "
-                f"{self.task!r} (this is rank {self.rank}); see that rank's error. Every rank "
-                "stops here so that none waits in its next collective",
-                rank=failed,
-                step=entry.index,
-            )
-        return item
-
-    def _skip(self, index: int, got: Got, failed: bool) -> bool:
-        """``on_error="skip"``: whether batch ``index`` is dropped, agreed by every rank (a
-        round one rank could not collate is dropped by all of them); counted and warned."""
-        rank = round_failed(failed, self.wait_timeout)
-        if rank is None:
-            return False
-        assert got.ids is not None
-        first = self._skips.record(index, got.ids, got.error if failed else None, rank)
-        self._note_bad_samples(len(got.ids), first)
-        return True
+            self.store.passed(self.partition, self.task, self.sampler, self._requested)
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """A store stream is one epoch: the producers decide its length, and the loader ends
@@ -392,7 +326,7 @@ class StoreLoader(LoaderBase):
         out["skipped"], out["skipped_samples"] = self._skips.skipped, self._skips.samples
         out["failures"] = [list(row) for row in self._skips.failures]
         out["next_seconds"] = self._next_seconds
-        out["in_flight"] = len(self._flight.ahead) + len(self._stage.handed)
+        out["in_flight"] = 0 if self._finished else self._in_flight()
         out["ended"] = self._at_end()
         out["epoch"], out["delivery"] = 0, self.delivery_stats()
         store = self.store.stats()
@@ -421,12 +355,22 @@ class StoreLoader(LoaderBase):
         if self._shut:
             return
         self._shut = True
-        self._stage.stop()
-        if self._ahead_max:
-            # The store may be gone already (a killed Ray actor): nothing waits in it then.
-            with contextlib.suppress(Exception):
-                self.store.cancel(self._spec.token)
-        self._flight.stop_workers()
+        token, halt = self._walking
+        halt.set()
+        with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
+            self.store.cancel(token)  # a request waiting, on whichever thread, wakes now
+        stream, self._stream = self._stream, None
+        if isinstance(stream, types.GeneratorType) and not stream.gi_running:  # else it ends itself
+            stream.close()
+        if self._started:
+            self.service.shutdown()
+        if self._door is not None:
+            self._door.close()
+
+    def _in_flight(self) -> int:
+        """Batches requested (not past the end) and not returned."""
+        upto = self._requested if self._end_at is None else min(self._requested, self._end_at)
+        return max(0, upto - self._returned)
 
     _relayout = rebuild  # resize(): the elastic resume, on the same object (meshfeed.relayout)
 
@@ -434,7 +378,8 @@ class StoreLoader(LoaderBase):
     def state_dict(self) -> dict[str, Any]:
         """The state as of the last batch returned (module docstring): taken at once, the
         batches in flight untouched (the store keeps their plans), the same on every rank."""
-        requested = max(self._flight.next, self._returned, self._redeliver)
+        asked = dict(self._asked)  # a copy: the service's thread may request meanwhile
+        requested = max(self._granted, self._returned, self._redeliver)
         return envelope(
             KIND,
             VERSION,
@@ -449,7 +394,7 @@ class StoreLoader(LoaderBase):
             ended=self._finished,
             policy_version=self._version.version,  # set_version's (loader_versions)
             # the versions the batches in flight were asked with: asked again with the same
-            asked_versions=self._flight.asked_versions(self._returned, requested),
+            asked_versions=[asked.get(i) for i in range(self._returned, requested)],
         )
 
     def load_state_dict(self, state: Any) -> None:
@@ -474,7 +419,7 @@ class StoreLoader(LoaderBase):
                 f"loader keeps ({self._keeps}); resume with the same prefetch, device and "
                 "device_prefetch"
             )
-        if self._flight.ahead or self._flight.next or self._shut or self._returned:
+        if self._requested or self._shut or self._returned:
             raise ValueError(
                 "load_state_dict must come before iteration starts; build a fresh loader"
             )
@@ -488,9 +433,8 @@ class StoreLoader(LoaderBase):
             # small for the old ranks may be served on fewer.
             ended = False
         self._version.restore(state.get("policy_version"))
-        self._flight.next = self._returned = nxt
-        self._flight.ended = self._finished = ended
+        self._requested = self._granted = self._returned = nxt
+        self._finished = ended
+        self._end_at = nxt if ended else None
         self._redeliver = st["requested"]
-        self._flight.asked = dict(
-            zip(range(nxt, st["requested"]), st["asked_versions"], strict=True)
-        )
+        self._asked = dict(zip(range(nxt, st["requested"]), st["asked_versions"], strict=True))

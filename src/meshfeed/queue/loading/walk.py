@@ -1,0 +1,253 @@
+"""A store loader's walk: the shared loop of every door, from the first batch not returned.
+
+The loop is ``DataLoader``'s: tasks (batch indices) -> the loader's service (in-process, one
+thread ahead, or worker processes: :mod:`meshfeed.services`) running the
+:class:`~meshfeed.queue.loading.fetch.StoreFetcher` -> each batch settled (``on_error``, and
+the ranks' agreement on it) -> :mod:`meshfeed.delivery` (pinned / on the device, timed) ->
+returned, counted as returned only then. What is particular to a store:
+
+- The stream's end is found, not known: a request answers "ended" (``ids is None``); no later
+  index is requested, and the requests in flight are drained (one may still hold a batch
+  planned before the end).
+- A walk's requests share one token: when the walk ends early (an error, ``shutdown()``), the
+  requests still waiting in the store are cancelled and wake at once, consuming nothing. The
+  store keeps the plan of every batch requested, so the next walk asks again from the first
+  batch not returned and gets the same batches.
+- A batch the loop could not return (``collate_fn`` kept failing, or another rank's part of
+  the round did) is kept first in line (``loader._held``): the next walk collates it again, or
+  returns it, without fetching it again.
+
+:class:`Walking` is the part of a :class:`~meshfeed.queue.StoreLoader` that walks: its
+position (returned, requested, granted), the versions its requests were granted with, and the
+loop. The loader calls ``Walking._walk`` with a weak proxy of itself: the walk is held by the
+loader (a store loader is its own iterator), and a strong reference back would make a cycle, so
+a dropped loader would be shut down by the garbage collector at any moment (possibly inside the
+store's lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import uuid
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from meshfeed.delivery import Delivery
+from meshfeed.dist import is_distributed
+from meshfeed.errors import CollectiveError, RankError
+from meshfeed.protocols import BoundedService
+from meshfeed.queue.loading.errors import CollateError, SkipLog, round_failed
+from meshfeed.queue.loading.fetch import StoreEvents, StoreTask
+from meshfeed.queue.loading.reach import LocalDoor
+from meshfeed.queue.loading.versions import LoaderVersion
+
+__all__ = ["SKIPPED", "Walking"]
+
+Result = tuple[Any, StoreEvents]
+#: What a batch dropped by ``on_error="skip"`` becomes on its way to the loop.
+SKIPPED: Any = object()
+
+
+class Walking:
+    """A store loader's position and loop (module docstring); the loader sets the fields
+    declared here, :meth:`_start_walking` the rest."""
+
+    store: Any
+    service: BoundedService
+    delivery: Delivery
+    on_error: str
+    wait_timeout: float
+    task: str
+    rank: int
+    collate_retries: int
+    _door: LocalDoor | None
+    _layout: int
+    _keeps: int
+    _version: LoaderVersion
+    _skips: SkipLog
+    _counts: dict[str, int]
+
+    if TYPE_CHECKING:  # LoaderBase's, which comes first in a loader's bases
+
+        def _check_layout(self, layout: int) -> None: ...
+
+        def _note_bad_samples(self, count: int, first: dict[str, Any] | None) -> None: ...
+
+    def _start_walking(self) -> None:
+        self._stream: Iterator[Any] | None = None  # the current walk
+        self._walking: tuple[str, threading.Event] = ("", threading.Event())  # its token, halt
+        self._returned = 0  # the first batch index not returned (the state's ``next``)
+        self._requested = 0  # the first batch index not requested
+        self._granted = 0  # the first batch index not yet granted (the state's ``requested``)
+        self._grants = threading.Condition()
+        self._redeliver = 0  # batches below it were in flight when the loaded state was taken
+        self._end_at: int | None = None  # the first index a request found ended
+        #: The policy version each batch not yet returned was granted with: asked again (a
+        #: retry, or a restored loader), it is asked with the same.
+        self._asked: dict[int, int | None] = {}
+        #: A batch the loop could not return, kept first in line: (made item or None, events).
+        self._held: tuple[Any, StoreEvents] | None = None
+
+    def _version_args(self, index: int) -> dict[str, Any]:
+        """The version keywords of batch ``index``'s request (as first asked)."""
+        args: dict[str, Any] = self._version.request()
+        args["version"] = self._asked.setdefault(index, args["version"])
+        return args
+
+    def _grant(self) -> None:
+        """Let the walk request up to ``_keeps`` batches past the first not returned, each
+        with the policy version of now. Called by the loop before each batch, so which batches
+        are requested, and with which version, never depends on a thread's timing: the state
+        names them, the same on every rank."""
+        upto = self._returned + self._keeps
+        if upto <= self._granted:
+            return
+        version = self._version.version
+        for index in range(self._granted, upto):
+            self._asked.setdefault(index, version)
+        with self._grants:
+            self._granted = upto
+            self._grants.notify_all()
+
+    def _granted_to(self, index: int, halt: threading.Event) -> bool:
+        """Wait until batch ``index`` may be requested; False once the walk is halted."""
+        if index < self._granted:  # nearly always: no lock
+            return not halt.is_set()
+        with self._grants:
+            while index >= self._granted and not halt.is_set():
+                self._grants.wait(0.1)
+        return not halt.is_set()
+
+    def _forget(self, index: int) -> None:
+        """Batch ``index`` (and any before it) left the loader: forget its version."""
+        asked = self._asked
+        while asked and (first := next(iter(asked))) <= index:  # granted in index order
+            asked.pop(first, None)
+
+    def _walk(self) -> Generator[Any, None, None]:
+        """The loader's batches from the first not returned (module docstring). Called on a
+        weak proxy of the loader, so its generators hold no strong reference to it."""
+        layout, store, start = self._layout, self.store, self._returned
+        token, halt = uuid.uuid4().hex, threading.Event()
+        self._walking = (token, halt)  # what shutdown() stops from any thread
+        held, self._held = self._held, None
+        first: list[Result] = []
+        raw = None
+        if held is not None and held[1].batch is not None:  # collate it again, in the service
+            raw = held[1].batch
+        elif held is not None:  # made already: returned first, agreed again by every rank
+            first, start = [held], start + 1
+        if self._door is not None:
+            self._door.open(token, start)
+        made: Iterator[Any] = self.service.map(Walking._tasks(self, start, token, raw, halt))
+        results: Iterator[Result] = itertools.chain(first, made)
+        delivered = self.delivery.stage(Walking._settled(self, results))
+        try:
+            while True:
+                self._grant()  # on the loop's thread, before each batch: the same on every rank
+                try:
+                    item, events = next(delivered)
+                except StopIteration:
+                    return
+                self._returned = events.index + 1
+                self._forget(events.index)
+                if item is SKIPPED:  # dropped by on_error="skip": passed, not returned
+                    continue
+                self._counts["batches"] += 1
+                self._counts["samples"] += len(events.ids or ())
+                self._counts["redelivered"] += events.index < self._redeliver
+                yield item
+                self._check_layout(layout)
+        finally:
+            # An early end: the requests still waiting wake now (the plans stay in the store).
+            # Halted already: shutdown() cancelled them.
+            if not halt.is_set():
+                halt.set()
+                with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
+                    store.cancel(token)
+            delivered.close()
+
+    def _tasks(
+        self, start: int, token: str, raw: Any, halt: threading.Event
+    ) -> Iterator[StoreTask]:
+        """Batch indices from ``start`` until the end is seen, each once the loop granted it
+        (with the policy version it was granted with)."""
+        index = start
+        while self._end_at is None or index < self._end_at:
+            if not self._granted_to(index, halt):
+                return
+            self._requested = max(self._requested, index + 1)
+            batch = raw if index == start else None
+            yield StoreTask.make(index, self._version_args(index), token, batch)
+            index += 1
+
+    def _settled(self, results: Iterator[Result]) -> Iterator[Result]:
+        """Each batch with ``on_error`` applied and, where a process group runs, agreed on."""
+        agree = self.on_error == "raise" and is_distributed()
+        try:
+            for item, events in results:
+                if events.ids is None:  # ended: later requests end too; the in-flight ones drain
+                    if self._end_at is None or events.index < self._end_at:
+                        self._end_at = events.index
+                    continue
+                if self._end_at is not None and events.index > self._end_at:
+                    self._end_at = None  # a batch after an "ended": ask on past it next time
+                if self.on_error == "skip":
+                    if self._skipped(events):
+                        item = SKIPPED  # passed in order, so the loop counts it where it was
+                elif events.error is not None or agree:
+                    self._agreed(item, events, agree)
+                yield item, events
+        finally:
+            if isinstance(results, Generator):
+                results.close()
+
+    def _skipped(self, events: StoreEvents) -> bool:
+        """``on_error="skip"``: whether the batch is dropped, agreed by every rank (a round one
+        rank could not collate is dropped by all of them); counted and warned."""
+        failed = events.error is not None
+        rank = round_failed(failed, self.wait_timeout)
+        if rank is None:
+            return False
+        ids = events.ids or []
+        first = self._skips.record(events.index, ids, events.error if failed else None, rank)
+        self._note_bad_samples(len(ids), first)
+        return True
+
+    def _agreed(self, item: Any, events: StoreEvents, agree: bool) -> None:
+        """``on_error="raise"``: a batch whose ``collate_fn`` kept failing raises
+        :class:`CollateError`; with a process group every rank agrees on every batch (one
+        ``all_reduce`` of one int), and the others raise :class:`RankError` at the same batch.
+        Either way the batch stays first in line, so none waits in its next collective."""
+        if events.error is not None:
+            self._held = (None, events)
+            if agree:
+                with contextlib.suppress(CollectiveError):  # a dead peer must not hide ours
+                    round_failed(True, self.wait_timeout)
+            raise self._collate_error(events)
+        failed = round_failed(False, self.wait_timeout)
+        if failed is not None:
+            self._held = (item, events)  # returned once the ranks go on
+            raise RankError(
+                f"rank {failed} could not collate its part of batch {events.index} of task "
+                f"{self.task!r} (this is rank {self.rank}); see that rank's error. Every rank "
+                "stops here so that none waits in its next collective",
+                rank=failed,
+                step=events.index,
+            )
+
+    def _collate_error(self, events: StoreEvents) -> CollateError:
+        ids = list(events.ids or [])
+        shown = f"{ids[:20]} ... ({len(ids)} samples)" if len(ids) > 20 else f"{ids}"
+        error = CollateError(
+            f"collate_fn failed {self.collate_retries + 1} times on batch {events.index} of "
+            f"task {self.task!r} (sample ids {shown}): {events.error!r}. The batch is kept: "
+            "next() retries collate_fn on it and state_dict() records it, so a restored loader "
+            "re-delivers it; fix collate_fn (or the samples) and call next() again",
+            index=events.index,
+            ids=ids,
+        )
+        error.__cause__ = events.error
+        return error
