@@ -139,6 +139,15 @@ def _wait_cached(cache: ShardCache, url: str) -> None:
         time.sleep(0.01)
 
 
+def _wait_counted(cache: ShardCache, key: str, value: int) -> None:
+    """Wait until ``cache.stats()[key]`` reaches ``value``: a download-ahead's thread counts
+    it after the file is published (a loaded machine can run the test in between)."""
+    deadline = time.monotonic() + 30
+    while cache.stats()[key] < value:
+        assert time.monotonic() < deadline, f"{key} is {cache.stats()[key]} after 30 s"
+        time.sleep(0.01)
+
+
 def test_a_download_ahead_that_found_no_room_runs_once_a_shard_is_finished(
     s3: S3, tmp_path: Path
 ) -> None:
@@ -152,6 +161,7 @@ def test_a_download_ahead_that_found_no_room_runs_once_a_shard_is_finished(
         cache.release(urls[0])
         cache.finished(urls[0])  # read to its end: evicted first, the waiting one goes
         _wait_cached(cache, urls[3])
+        _wait_counted(cache, "resumed_prefetch", 1)
         assert not Path(cache.entry_path(urls[0])).exists()
         assert all(Path(cache.entry_path(u)).exists() for u in urls[1:])  # held and pending kept
         stats = cache.stats()
