@@ -311,6 +311,14 @@ class PlanReader(Protocol):
 
 
 @runtime_checkable
+class FinishReader(Protocol):
+    """``finished(shards)``: the stream's order returned every row of these shards' current
+    pass (e.g. their cached copies may go first)."""
+
+    def finished(self, shards: list[Any]) -> None: ...
+
+
+@runtime_checkable
 class AskReader(Protocol):
     """``ask(shards)``: learn every shard's ``version`` in one round (one bucket listing)."""
 

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from meshfeed.sources.streams.order import StreamOrder, _groups
 from meshfeed.sources.streams.readers import DefaultReader, callable_identity
-from meshfeed.sources.streams.stream import ShardedStream, StreamOrder, _groups
+from meshfeed.sources.streams.stream import ShardedStream
 from tests.optional import given, settings, st
 
 
@@ -245,3 +246,47 @@ def test_readers_keep_the_names_a_0_3_checkpoint_fingerprinted() -> None:
     assert callable_identity(TarReader) == "meshfeed.sources.webdataset.TarReader"
     assert callable_identity(MDSReader) == "meshfeed.sources.mds.MDSReader"
     assert callable_identity(CachedReader) == "meshfeed.sources.stream_remote.CachedReader"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda r: sum(r) > 0),
+    window=st.sampled_from([0, 1, 3, 16, 1000]),
+    seed=st.integers(0, 2**32),
+    per_epoch=st.integers(1, 120),
+    cuts=st.lists(st.integers(1, 200), min_size=1, max_size=12),
+)
+def test_returned_tells_each_shard_done_once_per_pass_after_its_rows(
+    rows, window, seed, per_epoch, cuts
+):
+    """``on_done`` names a shard once all its rows of a pass are returned, and no later than
+    the return that covers the window holding its last row: the shard cache evicts it first
+    then, however many worker processes read its rows (#29)."""
+    told: list[list[int]] = []
+    order = StreamOrder(
+        rows, seed=seed, shuffle=True, window=window, samples_per_epoch=per_epoch,
+        on_done=told.append,
+    )  # fmt: skip
+    total, canon = sum(rows), np.cumsum([0, *rows])
+    last: dict[tuple[int, int], int] = {}  # (pass, shard) -> global position of its last row
+    done: dict[tuple[int, int], int] = {}  # (pass, shard) -> global position told at
+    times = dict.fromkeys(range(len(rows)), 0)
+    for epoch in range(2):
+        idx = order.indices(epoch, np.arange(per_epoch))
+        shard = np.searchsorted(canon, idx, side="right") - 1
+        for pos, s in enumerate(shard.tolist()):
+            g = epoch * per_epoch + pos
+            last[g // total, s] = g
+        ends = sorted({min(c, per_epoch) for c in np.cumsum(cuts).tolist()} | {per_epoch})
+        for end in ends:
+            told.clear()
+            order.returned(epoch, end)
+            for s in (s for batch in told for s in batch):
+                done[times[s], s] = epoch * per_epoch + end  # its k-th telling: pass k
+                times[s] += 1
+    for p, s in last:
+        if (p + 1) * total <= 2 * per_epoch:  # the pass was returned whole: told exactly once
+            assert (p, s) in done
+    for (p, s), told_at in done.items():
+        if rows[s]:
+            assert last[p, s] < told_at  # every row of the pass returned first

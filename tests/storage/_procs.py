@@ -91,3 +91,20 @@ def read_dataset_within_a_limit(
         collate_fn=lambda rows: [r["id"] for r in rows],
     ) as loader:
         return [i for b in loader for i in b]
+
+
+def read_limited_epoch(
+    url: str, options: dict[str, Any], cache_dir: str, limit: int, window: int, out: Any
+) -> None:
+    """One 2-worker epoch of the shard dataset at ``url`` through a cache of ``limit`` bytes,
+    in a fresh process (no state left by earlier tests); report whether every row came once."""
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
+
+    stream = ShardedStream.from_index(
+        url, cache_dir=cache_dir, cache_limit=limit, storage_options=options, shuffle_buffer=window
+    )
+    with StreamLoader(
+        stream, seed=1, collate_fn=list, batch_size=8, drop_last=False, num_workers=2
+    ) as lo:
+        out.put(sorted(r["id"] for b in lo for r in b))

@@ -52,7 +52,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
         proxy = self.server.proxy
         body = self._body()
-        fail, delay = proxy._on_request(self.command, self.path)
+        fail, delay = proxy._on_request(self.command, self.path, ranged="Range" in self.headers)
         try:
             if delay:
                 time.sleep(delay)
@@ -108,7 +108,8 @@ class FaultProxy:
     ``fail_next``: answer the next k requests with 500 InternalError. ``slow_next`` with
     ``delay``: hold the next k requests that long before answering. ``throttle``: seconds to
     sleep after each 64 KiB of a body. ``counts``: requests per method since the last
-    :meth:`reset`, ``object_gets``: GETs of objects (listings excluded) per path. :meth:`stop` closes the listening socket and every open connection (the
+    :meth:`reset`, ``object_gets``: GETs of objects (listings excluded) per path, ``whole_gets``:
+    those without a Range header (a client resuming a stalled body asks for a range). :meth:`stop` closes the listening socket and every open connection (the
     endpoint is down); :meth:`start` listens again on the same port.
     """
 
@@ -121,6 +122,7 @@ class FaultProxy:
         self.throttle = 0.0
         self.counts: Counter[str] = Counter()
         self.object_gets: Counter[str] = Counter()  # GETs of objects (not listings), per path
+        self.whole_gets: Counter[str] = Counter()  # of those, GETs without a Range header
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._server: _Server | None = None
@@ -134,11 +136,12 @@ class FaultProxy:
         with self._lock:
             (self._conns.add if add else self._conns.discard)(conn)
 
-    def _on_request(self, method: str, path: str) -> tuple[bool, float]:
+    def _on_request(self, method: str, path: str, *, ranged: bool = False) -> tuple[bool, float]:
         with self._lock:
             self.counts[method] += 1
             if method == "GET" and "?" not in path:
                 self.object_gets[path] += 1
+                self.whole_gets[path] += not ranged
             fail = self.fail_next > 0
             self.fail_next -= fail
             slow = self.slow_next > 0
@@ -149,6 +152,7 @@ class FaultProxy:
         with self._lock:
             self.counts.clear()
             self.object_gets.clear()
+            self.whole_gets.clear()
             self.fail_next = self.slow_next = 0
             self.delay = self.throttle = 0.0
 

@@ -139,6 +139,15 @@ def _wait_cached(cache: ShardCache, url: str) -> None:
         time.sleep(0.01)
 
 
+def _wait_counted(cache: ShardCache, key: str, value: int) -> None:
+    """Wait until ``cache.stats()[key]`` reaches ``value``: a download-ahead's thread counts
+    it after the file is published (a loaded machine can run the test in between)."""
+    deadline = time.monotonic() + 30
+    while cache.stats()[key] < value:
+        assert time.monotonic() < deadline, f"{key} is {cache.stats()[key]} after 30 s"
+        time.sleep(0.01)
+
+
 def test_a_download_ahead_that_found_no_room_runs_once_a_shard_is_finished(
     s3: S3, tmp_path: Path
 ) -> None:
@@ -152,6 +161,7 @@ def test_a_download_ahead_that_found_no_room_runs_once_a_shard_is_finished(
         cache.release(urls[0])
         cache.finished(urls[0])  # read to its end: evicted first, the waiting one goes
         _wait_cached(cache, urls[3])
+        _wait_counted(cache, "resumed_prefetch", 1)
         assert not Path(cache.entry_path(urls[0])).exists()
         assert all(Path(cache.entry_path(u)).exists() for u in urls[1:])  # held and pending kept
         stats = cache.stats()
@@ -191,3 +201,32 @@ def test_a_file_the_reader_asks_for_no_longer_waits_to_be_downloaded_ahead(
         time.sleep(0.2)
         assert cache.stats()["resumed_prefetch"] == 0
         assert cache.stats()["downloads"] == 3
+
+
+def test_a_download_ahead_asked_for_by_a_reader_first_is_never_downloaded_again(
+    s3: S3, tmp_path: Path
+) -> None:
+    """Download-aheads wait in order (here for the only transfer slot); a reader that asks for
+    one first, reads it to its end and sees it evicted must not find it downloaded a second
+    time once room is freed: its place in the queue is gone, however late its task runs."""
+    slow = s3.put("w/slow.bin", os.urandom(1 << 20))
+    asked, other = (s3.put(f"w/{n}.bin", os.urandom(SIZE)) for n in ("asked", "other"))
+    limit = (1 << 20) + SIZE + SIZE // 2  # the slow one and one small file
+    with ShardCache(
+        tmp_path, cache_limit=limit, storage_options=s3.options, prefetch_workers=1
+    ) as cache:
+        s3.proxy.throttle = 0.05  # about 0.8 s for the slow file's 16 blocks
+        futures = cache.prefetch([slow, asked])
+        cache.local_path(asked)  # the reader asks for it first: downloaded now
+        cache.release(asked)
+        cache.finished(asked)
+        cache.local_path(other, make_room=lambda: None)  # evicts `asked` (read to its end)
+        cache.release(other)
+        assert not Path(cache.entry_path(asked)).exists()
+        [f.result(timeout=30) for f in futures]
+        s3.proxy.throttle = 0.0
+        for url in (slow, other):  # room for anything still waiting
+            cache.finished(url)
+        time.sleep(0.5)  # a download-ahead still waiting would run now
+        gets = {k.rsplit("/", 1)[-1]: n for k, n in s3.proxy.object_gets.items()}
+        assert gets["asked.bin"] == 1, gets

@@ -226,7 +226,7 @@ class OrderHooks:
 
     describe: Callable[[int, int], Mapping[str, Any] | None]
     validate: Callable[[Mapping[str, Any]], None]
-    #: None for an order whose plan never changes (the loader then skips both per batch).
+    #: None where the order overrides neither (the loader then skips them per batch).
     returned: Callable[[int, int], None] | None
     replanned: Callable[[int], int | None] | None
 
@@ -247,10 +247,11 @@ def order_hooks(order: Order) -> OrderHooks:
     """
     if isinstance(order, OrderBase):
         replans = type(order).replanned is not OrderBase.replanned
+        hears = replans or type(order).returned is not OrderBase.returned
         return OrderHooks(
             describe=order.describe,
             validate=order.validate,
-            returned=order.returned if replans else None,
+            returned=order.returned if hears else None,
             replanned=order.replanned if replans else None,
         )
     return OrderHooks(describe=_nothing, validate=_accept, returned=None, replanned=None)

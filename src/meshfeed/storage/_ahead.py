@@ -54,6 +54,7 @@ class Ahead(Fill):
         self._full: set[str] = set()  # waiting ones counted in stats()["skipped_prefetch"]
         self._errors: dict[str, Exception] = {}  # failed downloads, for their futures
         self._last_full = 0.0  # when the queue last found no room
+        self._asked_at: dict[str, float] = {}  # URL -> when last asked ahead (time.time())
 
     def _ahead_pool(self) -> ThreadPoolExecutor:
         with self._mutex:
@@ -101,12 +102,17 @@ class Ahead(Fill):
         if self.cache_limit is None:  # room for all: downloads in parallel, in any order
             return bool(self._try(url, want))
         with self._mutex:  # under a limit: in the caller's order, from the queue's head
-            if self._waiting.get(url) is None:  # its kept place, or none
+            # its place is gone where a reader asked for it (or read it to its end) since the
+            # call: put back by a late task, it was downloaded a second time once room freed
+            gone = url not in self._waiting
+            if not gone and self._waiting[url] is None:  # its kept place
                 self._waiting[url] = want
             # a head that found no room since the call asked is tried again when room is
             # freed: the tasks of one prefetch call would each try it at once
             head = next((h for h in self._waiting if h not in self._claimed), None)
             stuck = head in self._full and self._last_full >= asked
+        if gone:
+            return self._entry(url).read_meta() is not None
         if not stuck:
             self._drain(wait=True)
         deadline = time.monotonic() + self.lock_timeout
@@ -200,6 +206,12 @@ class Ahead(Fill):
                 self._claimed.add(url)
             tried, full = threading.Event(), threading.Event()
             started = self._slots.acquire(timeout=self.lock_timeout)
+            with self._mutex:  # a reader may have asked for it while this waited for a slot
+                if started and self._waiting.get(url) is not want:
+                    self._slots.release()
+                    self._claimed.discard(url)
+                    self._settled.notify_all()
+                    continue
             try:
                 if started:
                     self._transfer_pool().submit(self._transfer, url, want, tried, full)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from meshfeed.errors import SourceError
+from meshfeed.storage._follow import Follow
 from meshfeed.storage._layout import checksum
 from meshfeed.storage.urls import RemoteInfo
 
@@ -123,12 +124,22 @@ def get_checked(
 
     Against ``info`` (a HEAD: size, and MD5 where the ETag is one; a mismatch raises
     :class:`Incomplete`, retried), or without one against ``want``'s size and digest: a
-    mismatch there is the object itself disagreeing with its index, refused by name.
+    mismatch there is the object itself disagreeing with its index, refused by name. The
+    bytes are hashed as they arrive (:class:`~meshfeed.storage._follow.Follow`).
     """
-    fs.get_file(path, str(tmp), **kwargs)
+    md5 = info is not None and info.md5 is not None
+    tmp.unlink(missing_ok=True)  # a retry's writer starts anew: no stale bytes to follow
+    follow = Follow(tmp, md5=md5)
+    try:
+        fs.get_file(path, str(tmp), **kwargs)
+    finally:
+        follow.stop()
     got = tmp.stat().st_size
+    expected = want.digest if info is None else (f"md5:{info.md5}" if md5 else None)
+    digest = follow.digest(got)
+    if digest is None or (expected is not None and digest != expected):
+        digest = checksum(tmp, md5=md5)  # the verdict comes from the complete file
     if info is None:
-        digest = checksum(tmp, md5=False)
         if got != want.size or digest != want.digest:
             raise SourceError(
                 f"shard {url} does not match its index.json: {got} bytes, {digest} in the "
@@ -139,7 +150,6 @@ def get_checked(
         return {"url": url, "size": got, "version": f"{got}-{digest}", "checksum": digest}
     if got != info.size:
         raise Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
-    digest = checksum(tmp, md5=info.md5 is not None)
-    if info.md5 is not None and digest != f"md5:{info.md5}":
+    if md5 and digest != expected:
         raise Incomplete(f"the download of {url} has {digest}, its ETag {info.md5}")
     return {"url": url, "size": got, "version": info.version, "checksum": digest}

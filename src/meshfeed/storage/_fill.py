@@ -42,6 +42,7 @@ class Fill:
     _expected: dict[str, Want]
     _entries: dict[str, Entry]
     _current: dict[str, str]
+    _asked_at: dict[str, float]  # URL -> when its download-ahead was asked (time.time())
 
     # -- entries ------------------------------------------------------------------------------
 
@@ -119,8 +120,14 @@ class Fill:
 
     def _touch(self, entry: Entry, *, demanded: bool = True) -> None:
         # the sidecar's mtime is the entry's last use (LRU); a download-ahead marks it
-        # pending (not to be evicted by another download-ahead before it is read)
-        entry.mark(pending=not demanded)
+        # pending (not to be evicted by another download-ahead before it is read), unless
+        # it was read to its end since the download-ahead was asked
+        if demanded:
+            entry.mark(pending=False)
+        else:
+            with self._mutex:
+                asked = self._asked_at.get(entry.url)
+            entry.mark(pending=True, asked=asked)
 
     def _acquire(
         self,

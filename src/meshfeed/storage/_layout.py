@@ -12,7 +12,9 @@ renamed into place before the sidecar, and eviction removes the sidecar first, s
 ever takes a partial file for a complete one.
 
 The sidecar's mtime is the entry's last use, except for an entry downloaded ahead and not read
-yet: its mtime lies ``PENDING`` seconds in the future. Eviction takes, in this order: entries
+to its end yet: its mtime lies ``PENDING`` seconds in the future, and reads keep it there until
+it is marked read to its end (a stream reads it over many batches, and tells the cache when its
+rows are all returned). Eviction takes, in this order: entries
 idle for ``IN_USE`` seconds or marked read to their end (least recently used first), entries
 downloaded ahead and not read yet, then entries read in the last ``IN_USE`` seconds (a reader
 walks its window's shards batch after batch, touching each). A download-ahead evicts only the
@@ -46,6 +48,9 @@ _HASH_BLOCK = 1 << 22
 PENDING = 300.0
 #: an entry read in the last IN_USE seconds is in a reader's window (evicted last)
 IN_USE = 2.0
+#: an entry marked read to its end is dated this many seconds before the marking: far older
+#: than any use (evicted first), and telling when it was marked
+READ_SHIFT = 1e7
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +112,25 @@ class Entry:
         finally:
             os.close(fd)
 
-    def mark(self, *, pending: bool) -> None:
-        """Date the entry's last use: now, or (``pending``) downloaded ahead, not read yet."""
-        t = time.time() + (PENDING if pending else 0.0)
+    def mark(self, *, pending: bool, asked: float | None = None) -> None:
+        """Date the entry's last use: now, or (``pending``) downloaded ahead, not read yet.
+        A use keeps a pending date: the stream that planned the entry reads it over many
+        batches, and it stays pending until :meth:`mark_read` (#29). A download-ahead asked
+        at ``asked`` (``time.time()``) that finds the entry read to its end since then is
+        late (a reader fetched and read it first): the entry stays read."""
+        now = time.time()
         with contextlib.suppress(OSError):
-            os.utime(self.sidecar, (t, t))
+            t = self.sidecar.stat().st_mtime
+            if pending and asked is not None and now - READ_SHIFT / 2 > t >= asked - READ_SHIFT:
+                return
+            if pending or t <= now:
+                t = now + (PENDING if pending else 0.0)
+                os.utime(self.sidecar, (t, t))
 
     def mark_read(self) -> None:
-        """Date the entry as read to its end: idle (evicted first, even by a download-ahead)."""
-        t = time.time() - IN_USE - 1.0
+        """Date the entry as read to its end: idle (evicted first, even by a download-ahead;
+        the least recently read first)."""
+        t = time.time() - READ_SHIFT
         with contextlib.suppress(OSError):
             os.utime(self.sidecar, (t, t))
 

@@ -302,6 +302,11 @@ class ShardCache(Ahead):
         self._check_fork()
         pool = self._ahead_pool()
         todo = [url for url in urls if local_path_of(url) is None]
+        now = time.time()
+        with self._mutex:
+            if len(self._asked_at) > 4096:  # bounded: an endless stream of URLs
+                self._asked_at.clear()
+            self._asked_at.update(dict.fromkeys(todo, now))
         self._queue(todo)
         known, asked = versions or {}, time.monotonic()
         return [pool.submit(self._prefetch_one, url, known.get(url), asked) for url in todo]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from meshfeed.errors import SourceError
+from meshfeed.storage._inherit import remember
 from meshfeed.storage.retry import RetryPolicy
 
 __all__ = [
@@ -94,13 +95,15 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
     """The fsspec filesystem of ``url`` and the path inside it (fsspec caches the instances)."""
     fsspec = _fsspec()
     try:
-        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as e:
         scheme = url.split("://", 1)[0].split("::", 1)[0]
         raise ImportError(
             f"{url}: fsspec has no installed implementation of {scheme}:// ({e}); install it: "
             f"{_INSTALL.get(scheme, _REMOTE_EXTRA)}"
         ) from e
+    remember(fs)  # a worker forked later must not close its connections (see _inherit)
+    return fs, path
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

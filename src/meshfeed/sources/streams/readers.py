@@ -39,6 +39,7 @@ from meshfeed.protocols import (
     ClosingReader,
     CountReader,
     DatedReader,
+    FinishReader,
     ForgetReader,
     ModifiedReader,
     PlanReader,
@@ -74,6 +75,7 @@ class ReaderHooks:
     version: Callable[[Any], str] | None = None
     modified: Callable[[Any], int] | None = None
     plan: Callable[[list[Any]], None] | None = None
+    finished: Callable[[list[Any]], None] | None = None
     ask: Callable[[list[Any]], None] | None = None
     forget: Callable[[Any], None] | None = None
     close: Callable[[], None] | None = None
@@ -88,6 +90,7 @@ class ReaderHooks:
             version=reader.version if isinstance(reader, VersionReader) else None,
             modified=reader.modified if isinstance(reader, ModifiedReader) else None,
             plan=reader.plan if isinstance(reader, PlanReader) else None,
+            finished=reader.finished if isinstance(reader, FinishReader) else None,
             ask=reader.ask if isinstance(reader, AskReader) else None,
             forget=reader.forget if isinstance(reader, ForgetReader) else None,
             close=reader.close if isinstance(reader, ClosingReader) else None,

@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from meshfeed.order.distinct import distinct
-from meshfeed.order.permutation import Permutation, derive_seed
-from meshfeed.protocols import OrderBase, UrlReader
+from meshfeed.protocols import UrlReader
 from meshfeed.sources.streams.count import count_rows
+from meshfeed.sources.streams.order import StreamOrder
 from meshfeed.sources.streams.readers import (
     DefaultReader,
     Reader,
@@ -56,14 +55,6 @@ from meshfeed.sources.streams.readers import (
 )
 
 __all__ = ["ShardedStream", "StreamOrder"]
-
-_SHARD_OP = 0x5348_4152
-_WINDOW_OP = 0x5749_4E44
-#: Version of the facts a StreamOrder records in a loader checkpoint.
-ORDER_VERSION = 1
-#: shards of the pass after a planned block that the reader is told of too (download-ahead;
-#: under a cache limit they wait, in order, for room)
-PLAN_AHEAD_SHARDS = 4
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -97,13 +88,6 @@ def _check_rows(rows: Sequence[int], shards: Sequence[Any]) -> list[int]:
             "split larger shards"
         )
     return [int(r) for r in rows]
-
-
-def _groups(keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """Each distinct value of the int array ``keys`` (passes, windows), in increasing order,
-    with the mask of its positions (:func:`~meshfeed.order.distinct.distinct`: a resumed
-    loader's first batch does not wait for ``np.unique``'s import of ``numpy.ma``)."""
-    return [(k, keys == k) for k in distinct(keys).tolist()]
 
 
 class ShardedStream:
@@ -291,7 +275,7 @@ class ShardedStream:
         self, *, dataset_length: int, global_batch_size: int, seed: int, shuffle: bool = True
     ) -> StreamOrder:
         """The order a loader walks (see :class:`StreamOrder`)."""
-        plan = self._hooks.plan
+        plan, finished = self._hooks.plan, self._hooks.finished
         return StreamOrder(
             self.rows,
             seed=seed,
@@ -300,6 +284,9 @@ class ShardedStream:
             window=self.shuffle_buffer,
             samples_per_epoch=self.samples_per_epoch,
             on_plan=None if plan is None else lambda ids: plan([self.shards[i] for i in ids]),
+            on_done=None
+            if finished is None
+            else lambda ids: finished([self.shards[i] for i in ids]),
         )
 
     # ------------------------------------------------------------------ identity
@@ -389,100 +376,3 @@ def _remote(
         storage_options=storage_options,
     )
     return CachedReader(reader, cache, shards=shards)
-
-
-class StreamOrder(OrderBase):
-    """The order of a :class:`ShardedStream` (module docstring): permuted shards, permuted
-    windows of ``window`` rows, epochs of ``samples_per_epoch`` rows cut from the passes.
-
-    ``indices(epoch, positions)`` is vectorised and costs O(positions + shards) per call (the
-    shard order of a pass is cached); nothing else is kept, so a checkpoint is a position.
-    """
-
-    def __init__(
-        self,
-        rows: Sequence[int],
-        *,
-        seed: int,
-        stream_seed: int = 0,
-        shuffle: bool,
-        window: int,
-        samples_per_epoch: int | None,
-        on_plan: Callable[[list[int]], None] | None = None,
-    ) -> None:
-        self.rows = np.asarray(rows, dtype=np.int64)
-        self.on_plan = on_plan  # told the shards each planned block reads (download-ahead)
-        self.stream_seed = stream_seed
-        self.total = int(self.rows.sum())
-        if self.total < 1:
-            raise ValueError("the stream has no rows; give it at least one non-empty shard")
-        self.seed, self.shuffle = derive_seed(stream_seed, seed), shuffle
-        self.window = window if shuffle and window > 1 else 0
-        self.per_epoch = samples_per_epoch or self.total
-        self._canon = np.concatenate([[0], np.cumsum(self.rows)]).astype(np.int64)
-        self._passes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def epoch_length(self, epoch: int) -> int:
-        return self.per_epoch
-
-    def _pass(self, p: int) -> tuple[np.ndarray, np.ndarray]:
-        """(shard order, start of each shard in the pass) of pass ``p``."""
-        if p not in self._passes:
-            n = len(self.rows)
-            if self.shuffle and n > 1:
-                order = Permutation(n, derive_seed(_SHARD_OP, self.seed, p))[np.arange(n)]
-            else:
-                order = np.arange(n)
-            starts = np.concatenate([[0], np.cumsum(self.rows[order])]).astype(np.int64)
-            if len(self._passes) >= 4:
-                self._passes.clear()
-            self._passes[p] = (order, starts)
-        return self._passes[p]
-
-    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        pos = np.asarray(positions, dtype=np.int64)
-        first = epoch * self.per_epoch  # Python ints: no overflow
-        first_pass = first // self.total
-        local = (first - first_pass * self.total) + pos  # < total + per_epoch
-        pass_of, offset = np.divmod(local, self.total)
-        out = np.empty_like(pos)
-        for k, mask in _groups(pass_of):
-            out[mask] = self._pass_indices(first_pass + k, offset[mask])
-        return out
-
-    def _pass_indices(self, p: int, offset: np.ndarray) -> np.ndarray:
-        if self.window:
-            offset = offset.copy()
-            win = offset // self.window
-            for w, mask in _groups(win):
-                lo = w * self.window
-                size = min(self.window, self.total - lo)
-                perm = Permutation(size, derive_seed(_WINDOW_OP, self.seed, p, w))
-                offset[mask] = perm[offset[mask] - lo] + lo
-        order, starts = self._pass(p)
-        k = np.searchsorted(starts, offset, side="right") - 1
-        shard = order[k]
-        if self.on_plan is not None and shard.size:
-            # in the order they are read, then the next shards of the pass: download-ahead
-            # must start before a shard's first row is planned to overlap with the reading
-            after = order[int(k.max()) + 1 : int(k.max()) + 1 + PLAN_AHEAD_SHARDS]
-            self.on_plan(list(dict.fromkeys([*shard.tolist(), *after.tolist()])))
-        return self._canon[shard] + (offset - starts[k])
-
-    def describe(self, epoch: int, position: int) -> dict[str, Any]:
-        return {
-            "kind": "stream",
-            "version": ORDER_VERSION,
-            "window": self.window,
-            "stream_seed": self.stream_seed,
-            "samples_per_epoch": self.per_epoch,
-        }
-
-    def validate(self, described: Mapping[str, Any]) -> None:
-        mine = self.describe(0, 0)
-        if dict(described) != mine:
-            raise ValueError(
-                f"checkpoint's stream order {dict(described)!r} differs from this stream's "
-                f"{mine!r}: build the ShardedStream with the checkpoint's shuffle_buffer "
-                "(window), seed and samples_per_epoch to resume this run"
-            )
