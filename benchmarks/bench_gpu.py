@@ -22,9 +22,9 @@ number in one run:
 2. The GPU loop (CUDA only), per (workers, cost): GPU-bound work per step (bf16 matmuls of
    4096^2, calibrated so the workers can make ``--margin`` = 1.5 times what the GPU alone
    consumes, their capacity measured as the machine ceiling of 1.), the step reads its batch
-   and is synchronised (``.item()``), so every wait for data shows. Reported: steps/s as a share of the GPU-alone rate, the share of wall time the
-   loop waited for its batch (``next`` and the copy to the device), and the wait per step
-   (p50, p99). meshfeed runs with ``pin_memory=True, device="cuda"`` (copies on a side stream
+   and is synchronised (``.item()``), so every wait for data shows. Reported: steps/s as a
+   share of the GPU-alone rate, the share of wall time the loop waited for its batch (``next``
+   and the copy to the device), and the wait per step (p50, p99). meshfeed runs with ``pin_memory=True, device="cuda"`` (copies on a side stream
    ahead of the loop); torch with ``pin_memory=True`` and ``batch.to("cuda",
    non_blocking=True)`` in the loop. ``--no-grid`` runs the GPU loop alone.
 """
@@ -268,10 +268,10 @@ def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     fixed amount of GPU work per step sized so the workers can make ``cfg.margin`` times what
     the GPU consumes (their capacity measured: :func:`machine_ceiling`, which is below the
     nominal ``workers x 10**6 / cost / samples`` where cores share hardware), the batch used
-    by the step's kernels, the step synchronised (``.item()``)
-    so no wait hides behind the next step. Reported per loader: steps/s as a share of the
-    GPU-alone rate, the share of wall time the loop waited for its batch (``next`` and the copy
-    to the device), and that wait per step (p50, p99)."""
+    by the step's kernels, the step synchronised (``.item()``) so no wait hides behind the next
+    step. Reported per loader: steps/s as a share of the GPU-alone rate, the share of wall time
+    the loop waited for its batch (``next`` and the copy to the device), and that wait per step
+    (p50, p99)."""
     if not torch.cuda.is_available():
         return [], ["GPU training-loop rows skipped: no CUDA on this machine (run on a GPU)"]
     device = torch.device("cuda", torch.cuda.current_device())
@@ -307,8 +307,7 @@ def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         notes.append(
             f"GPU loop, {workers} workers x {cost} us/sample, 512 KiB batches: workers' capacity "
             f"{capacity:,.0f} batches/s measured (nominal {nominal:,.0f}) = {cfg.margin}x the "
-            f"GPU's {gpu_rate:,.0f} steps/s "
-            f"({k} bf16 matmuls of {MATMUL}^2 per step)"
+            f"GPU's {gpu_rate:,.0f} steps/s ({k} bf16 matmuls of {MATMUL}^2 per step)"
         )
     return rows, notes
 
