@@ -203,9 +203,8 @@ class _Request:
         index = kwargs.get("batch_index")
         self.index = -1 if index is None else int(index)  # no index: served at once
         self.token = kwargs.get("token")
-        self.timeout = kwargs.get(
-            "timeout"
-        )  # checked by the loader (check_timeout): None or finite
+        # checked by the loader (check_timeout): None or finite
+        self.timeout: float | None = kwargs.get("timeout")
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
     @classmethod
