@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 _HOP = {"connection", "keep-alive", "expect", "transfer-encoding", "proxy-connection"}
@@ -52,7 +53,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
         proxy = self.server.proxy
         body = self._body()
-        fail, delay = proxy._on_request(self.command, self.path, ranged="Range" in self.headers)
+        fail, delay, cut = proxy._on_request(
+            self.command, self.path, ranged="Range" in self.headers
+        )
         try:
             if delay:
                 time.sleep(delay)
@@ -71,12 +74,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if k.lower() not in _HOP | {"content-length", "date", "server"}
             ]
             length = resp.getheader("Content-Length") if self.command == "HEAD" else None
-            self._send(resp.status, keep, data, length=length)
+            self._send(resp.status, keep, data, length=length, cut=cut)
         except (ConnectionError, OSError):
             self.close_connection = True  # the client went away (timed out) or we were stopped
 
     def _send(
-        self, status: int, headers: list[tuple[str, str]], data: bytes, length: str | None = None
+        self,
+        status: int,
+        headers: list[tuple[str, str]],
+        data: bytes,
+        length: str | None = None,
+        cut: int | None = None,
     ) -> None:
         self.send_response(status)
         for k, v in headers:
@@ -85,10 +93,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
-        for i in range(0, len(data), _CHUNK):
-            self.wfile.write(data[i : i + _CHUNK])
+        for i in range(0, len(data) if cut is None else cut, _CHUNK):
+            self.wfile.write(data[i : i + _CHUNK if cut is None else min(i + _CHUNK, cut)])
             if self.server.proxy.throttle:
                 time.sleep(self.server.proxy.throttle)
+        if cut is not None:  # the body ends short of its Content-Length: the connection drops
+            self.wfile.flush()
+            if self.server.proxy.on_cut is not None:
+                self.server.proxy.on_cut()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
@@ -107,7 +121,9 @@ class FaultProxy:
 
     ``fail_next``: answer the next k requests with 500 InternalError. ``slow_next`` with
     ``delay``: hold the next k requests that long before answering. ``throttle``: seconds to
-    sleep after each 64 KiB of a body. ``counts``: requests per method since the last
+    sleep after each 64 KiB of a body. ``cut_next`` with ``cut_at``: end the bodies of the next
+    k object GETs after ``cut_at`` bytes and drop their connections (``on_cut``, if set, is
+    called first). ``counts``: requests per method since the last
     :meth:`reset`, ``object_gets``: GETs of objects (listings excluded) per path, ``whole_gets``:
     those without a Range header (a client resuming a stalled body asks for a range). :meth:`stop` closes the listening socket and every open connection (the
     endpoint is down); :meth:`start` listens again on the same port.
@@ -120,6 +136,9 @@ class FaultProxy:
         self.slow_next = 0
         self.delay = 0.0
         self.throttle = 0.0
+        self.cut_next = 0
+        self.cut_at = 0
+        self.on_cut: Callable[[], None] | None = None
         self.counts: Counter[str] = Counter()
         self.object_gets: Counter[str] = Counter()  # GETs of objects (not listings), per path
         self.whole_gets: Counter[str] = Counter()  # of those, GETs without a Range header
@@ -136,25 +155,32 @@ class FaultProxy:
         with self._lock:
             (self._conns.add if add else self._conns.discard)(conn)
 
-    def _on_request(self, method: str, path: str, *, ranged: bool = False) -> tuple[bool, float]:
+    def _on_request(
+        self, method: str, path: str, *, ranged: bool = False
+    ) -> tuple[bool, float, int | None]:
         with self._lock:
             self.counts[method] += 1
+            cut = None
             if method == "GET" and "?" not in path:
                 self.object_gets[path] += 1
                 self.whole_gets[path] += not ranged
+                if self.cut_next > 0:
+                    self.cut_next -= 1
+                    cut = self.cut_at
             fail = self.fail_next > 0
             self.fail_next -= fail
             slow = self.slow_next > 0
             self.slow_next -= slow
-        return fail, self.delay if slow else 0.0
+        return fail, self.delay if slow else 0.0, cut
 
     def reset(self) -> None:
         with self._lock:
             self.counts.clear()
             self.object_gets.clear()
             self.whole_gets.clear()
-            self.fail_next = self.slow_next = 0
+            self.fail_next = self.slow_next = self.cut_next = self.cut_at = 0
             self.delay = self.throttle = 0.0
+            self.on_cut = None
 
     def start(self) -> FaultProxy:
         server = _Server(("127.0.0.1", self.port), _Handler)

@@ -119,6 +119,97 @@ def test_an_expected_file_needs_no_request_and_is_checked_as_it_enters(
         cache.expect(url, digest="md5:00", size=1)
 
 
+def _expect(cache: ShardCache, url: str, data: bytes) -> None:
+    digest = "blake2b:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+    cache.expect(url, digest=digest, size=len(data))
+
+
+def _read(cache: ShardCache, url: str) -> bytes:
+    try:
+        return Path(cache.local_path(url)).read_bytes()
+    finally:
+        cache.release(url)
+
+
+def _evicted_a(s3: S3, tmp_path: Path, a: bytes) -> str:
+    """``a`` and another shard read through a cache that holds one: ``a`` is evicted, its
+    checked download's ETag recorded."""
+    ua, ub = s3.put("v/a.mfs", a), s3.put("v/b.mfs", os.urandom(len(a)))
+    with ShardCache(tmp_path, storage_options=s3.options, cache_limit=len(a) * 3 // 2) as cache:
+        _expect(cache, ua, a)
+        assert _read(cache, ua) == a
+        _expect(cache, ub, s3.client.get_object(Bucket=s3.bucket, Key="v/b.mfs")["Body"].read())
+        _read(cache, ub)
+        assert cache.stats()["evictions"] == 1 and cache.stats()["vouched"] == 0
+    return ua
+
+
+def test_a_checked_object_downloaded_again_is_vouched_for_by_its_etag(
+    s3: S3, tmp_path: Path
+) -> None:
+    """Read again after eviction (in another process too: the record is on disk), a shard the
+    cache checked against its index is one GET If-Match its recorded ETag, not hashed."""
+    a = os.urandom(300_000)
+    ua = _evicted_a(s3, tmp_path, a)
+    s3.proxy.reset()
+    with ShardCache(tmp_path, storage_options=s3.options, cache_limit=450_000) as cache:
+        _expect(cache, ua, a)
+        assert _read(cache, ua) == a
+        stats = cache.stats()
+    assert stats["downloads"] == 1 and stats["vouched"] == 1
+    assert s3.proxy.counts["GET"] == 1 and s3.proxy.counts["HEAD"] == 0
+
+
+def test_an_object_rewritten_after_its_checked_download_is_refused_by_name(
+    s3: S3, tmp_path: Path
+) -> None:
+    """The server refuses the recorded ETag (412): the download is hashed as a first one, and
+    the rewritten shard disagrees with its index."""
+    a = os.urandom(300_000)
+    ua = _evicted_a(s3, tmp_path, a)
+    s3.put("v/a.mfs", os.urandom(len(a)))  # same size, other bytes, behind the index's back
+    s3.proxy.reset()
+    with ShardCache(tmp_path, storage_options=s3.options, cache_limit=450_000) as cache:
+        _expect(cache, ua, a)
+        with pytest.raises(SourceError, match=r"v/a\.mfs does not match its index\.json"):
+            cache.local_path(ua)
+        assert cache.stats()["vouched"] == 0
+    assert s3.proxy.counts["GET"] == 2  # the refused If-Match, then the checked download
+
+
+def test_a_cut_download_resumes_at_the_byte_it_reached(s3: S3, tmp_path: Path) -> None:
+    data = os.urandom(3_000_000)
+    url = s3.put("r/big.mfs", data)
+    s3.proxy.reset()
+    s3.proxy.cut_next, s3.proxy.cut_at = 1, 1_000_000
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        _expect(cache, url, data)
+        assert _read(cache, url) == data
+        stats = cache.stats()
+    assert stats["downloads"] == 1 and stats["retries"] == 0
+    [(path, gets)] = s3.proxy.object_gets.items()
+    assert gets == 2 and s3.proxy.whole_gets[path] == 1  # the resume asked for the rest only
+
+
+def test_a_vouched_download_cut_mid_way_never_splices_a_rewritten_object(
+    s3: S3, tmp_path: Path
+) -> None:
+    """Every request of a download that is not hashed names the ETag: a shard rewritten between
+    a cut and its resume is downloaded again and checked, never pieced together."""
+    a = os.urandom(3_000_000)
+    ua = _evicted_a(s3, tmp_path, a)
+    s3.proxy.reset()
+    s3.proxy.cut_next, s3.proxy.cut_at = 1, 1_000_000
+    s3.proxy.on_cut = lambda: s3.put("v/a.mfs", os.urandom(len(a)))
+    with ShardCache(
+        tmp_path, storage_options=s3.options, cache_limit=4_500_000, retry_timeout=15
+    ) as cache:
+        _expect(cache, ua, a)
+        with pytest.raises(SourceError, match=r"v/a\.mfs does not match its index\.json"):
+            cache.local_path(ua)
+    assert s3.proxy.whole_gets and max(s3.proxy.object_gets.values()) >= 3
+
+
 def test_a_corrupted_entry_is_downloaded_again_under_checksum_verification(
     s3: S3, tmp_path: Path
 ) -> None:

@@ -21,7 +21,9 @@ For readers and the stream engine, two calls carry everything:
 ranged reads without the whole file (``open_range(url, start, stop)``),
 LRU eviction of entries no process holds, retries with backoff and jitter bounded by
 ``retry_timeout`` (then :class:`~meshfeed.errors.SourceError` naming the URL), and counters
-(``stats()``: downloads, hits, bytes, GET requests, retries, evictions); a file larger than
+(``stats()``: downloads, hits, bytes, GET requests, retries, evictions, and ``vouched``: S3
+downloads of an object the cache checked before, sent ``If-Match`` its recorded ETag and not
+hashed again); a file larger than
 ``cache_limit`` itself is refused (:class:`TooLargeForCache`). :class:`RangedFile` reads one
 object by blocks of ranged GETs with a bounded in-memory LRU (:class:`RangeReads`), for files
 that cannot or need not be cached whole. The single-object

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import inspect
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,26 +119,146 @@ def one_request(fs: Any) -> dict[str, Any]:
     return {"max_concurrency": 1} if takes else {}
 
 
+_CHUNK = 1 << 20  # bytes a read of an S3 body asks for (s3fs's get_file asks for 64 KiB)
+_RESUMES = 5  # times one S3 download resumes a dropped body before the cache's retry takes over
+
+
+class Vouched(ValueError):
+    """The object at a URL is no longer the one its recorded ETag names (HTTP 412)."""
+
+
+def _is_s3fs(fs: Any) -> bool:
+    """Whether ``fs`` is an s3fs filesystem (s3fs is imported then: it made ``fs``)."""
+    s3fs = sys.modules.get("s3fs")
+    return s3fs is not None and isinstance(fs, s3fs.S3FileSystem)
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    for err in (e, e.__cause__):
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return True
+    return False
+
+
+async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) -> str | None:
+    """Stream ``path`` to ``tmp`` in 1 MiB reads, each hashed in memory (``hasher``; None:
+    not hashed); the object's ETag.
+
+    With ``etag``, the server answers only while the object still has it (``If-Match``;
+    else :class:`Vouched`). A body cut mid-way is resumed from the byte it reached,
+    ``If-Match`` the ETag of the first answer, so a resumed download never splices two
+    versions of an object (s3fs's own resume asks for the range alone); an object rewritten
+    in between raises :class:`Incomplete` (the cache's retry downloads it again)."""
+    from s3fs.core import S3_RETRYABLE_ERRORS
+
+    bucket, key, version = fs.split_path(path)
+    base = {**fs.req_kw, **({"VersionId": version} if version else {})}
+    got = cuts = 0
+    with open(tmp, "wb") as f:
+        while True:
+            kw = dict(base, **({"IfMatch": etag} if etag else {}))
+            if got:
+                kw["Range"] = f"bytes={got}-"
+            try:
+                resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+            except OSError as e:
+                if etag is None or not _precondition_failed(e):
+                    raise
+                if got:  # rewritten mid-download: the cache's retry starts again
+                    raise Incomplete(f"{path} changed during its download") from e
+                raise Vouched(path) from e
+            etag = etag or resp.get("ETag")
+            body = resp["Body"]
+            try:
+                while chunk := await body.read(_CHUNK):
+                    f.write(chunk)
+                    got += len(chunk)
+                    if hasher is not None:
+                        hasher.update(chunk)
+                return etag
+            except S3_RETRYABLE_ERRORS:
+                cuts += 1
+                if etag is None or cuts > _RESUMES:
+                    raise
+            finally:
+                body.close()
+
+
+def _download(
+    fs: Any, path: str, tmp: Path, *, md5: bool, etag: str | None = None, **kwargs: Any
+) -> tuple[str | None, str | None]:
+    """Download ``path`` to ``tmp`` in one GET: (the digest of its bytes, or None where the
+    caller must hash the file; the object's ETag where the server gave it).
+
+    From S3: :func:`_s3_get`, hashed as the bytes arrive, or not at all when ``etag`` (one
+    this cache verified before) vouches for them. Any other filesystem: its ``get_file``,
+    hashed by :class:`Follow` while it writes.
+    """
+    if _is_s3fs(fs):
+        from fsspec.asyn import sync
+
+        hasher: Any = None
+        if etag is None:
+            hasher = hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
+        got_etag = sync(fs.loop, _s3_get, fs, path, tmp, hasher, etag)
+        return (None if hasher is None else f"{hasher.name}:{hasher.hexdigest()}"), got_etag
+    follow = Follow(tmp, md5=md5)
+    try:
+        fs.get_file(path, str(tmp), **kwargs)
+    finally:
+        follow.stop()
+    return follow.digest(tmp.stat().st_size), None
+
+
 def get_checked(
-    fs: Any, path: str, tmp: Path, url: str, info: RemoteInfo | None, want: Want, **kwargs: Any
+    fs: Any,
+    path: str,
+    tmp: Path,
+    url: str,
+    info: RemoteInfo | None,
+    want: Want,
+    vouch: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Download ``path`` to ``tmp`` and check it; the entry's sidecar.
 
     Against ``info`` (a HEAD: size, and MD5 where the ETag is one; a mismatch raises
     :class:`Incomplete`, retried), or without one against ``want``'s size and digest: a
     mismatch there is the object itself disagreeing with its index, refused by name. The
-    bytes are hashed as they arrive (:class:`~meshfeed.storage._follow.Follow`).
+    bytes are hashed as they arrive, except where ``vouch`` (this cache's record of an
+    earlier download of the same URL that matched ``want``) names an ETag: the server then
+    sends the object only if it still has that ETag, so it is the object checked before, and
+    the sidecar says ``"vouched": true``. Where it no longer has it, the download is hashed
+    and checked as a first one.
     """
     md5 = info is not None and info.md5 is not None
     tmp.unlink(missing_ok=True)  # a retry's writer starts anew: no stale bytes to follow
-    follow = Follow(tmp, md5=md5)
-    try:
-        fs.get_file(path, str(tmp), **kwargs)
-    finally:
-        follow.stop()
+    etag = None
+    if vouch is not None and info is None and want.fits(vouch) and vouch.get("size") == want.size:
+        etag = vouch.get("etag")
+    if etag is not None:
+        try:
+            _download(fs, path, tmp, md5=False, etag=str(etag))
+            got = tmp.stat().st_size
+            if got != want.size:
+                raise Incomplete(f"downloaded {got} of {want.size} bytes of {url}")
+            return {
+                "url": url,
+                "size": got,
+                "version": f"{got}-{want.digest}",
+                "checksum": want.digest,
+                "etag": etag,
+                "vouched": True,
+            }
+        except Vouched:
+            tmp.unlink(missing_ok=True)  # rewritten since: check it as a first download
+    digest, etag = _download(fs, path, tmp, md5=md5, **kwargs)
     got = tmp.stat().st_size
     expected = want.digest if info is None else (f"md5:{info.md5}" if md5 else None)
-    digest = follow.digest(got)
     if digest is None or (expected is not None and digest != expected):
         digest = checksum(tmp, md5=md5)  # the verdict comes from the complete file
     if info is None:
@@ -147,7 +269,8 @@ def get_checked(
                 "was rewritten or damaged after its index was written: restore it or rewrite "
                 "the dataset (index.json last)"
             )
-        return {"url": url, "size": got, "version": f"{got}-{digest}", "checksum": digest}
+        meta = {"url": url, "size": got, "version": f"{got}-{digest}", "checksum": digest}
+        return meta if etag is None else {**meta, "etag": etag}
     if got != info.size:
         raise Incomplete(f"downloaded {got} of {info.size} bytes of {url}")
     if md5 and digest != expected:

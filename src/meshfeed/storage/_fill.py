@@ -267,12 +267,13 @@ class Fill:
         entry.data.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.temp()
         kwargs = one_request(fs)
+        vouch = entry.read_vouch() if want.known else None
 
         def get() -> dict[str, Any]:
             nonlocal info
             self._count("gets")
             try:
-                return get_checked(fs, path, tmp, url, info, want, **kwargs)
+                return get_checked(fs, path, tmp, url, info, want, vouch, **kwargs)
             except ConnectionError:
                 if info is not None:  # the object may have changed: ask again next time
                     info = head()
@@ -283,11 +284,14 @@ class Fill:
                 get, url=url, action="download", on_retry=self._on_retry, endpoint=endpoint
             )
             entry.publish(tmp, meta)
+            if "etag" in meta and not meta.get("vouched"):
+                entry.write_vouch(meta)
         finally:
             tmp.unlink(missing_ok=True)
             reserved.unlink(missing_ok=True)
         self._verified.add(url)
         self._count("downloads")
+        self._count("vouched", int(bool(meta.get("vouched"))))
         self._count("bytes", int(meta["size"]))
         return True
 

@@ -40,6 +40,7 @@ from meshfeed.storage._lock import FileLock
 from meshfeed.storage.urls import StorageOptions
 
 SIDE = ".meshfeed.json"
+ETAG = ".meshfeed.etag"
 LOCK = ".meshfeed.lock"
 TMP = ".meshfeed.tmp"
 BOOKING = ".booking"
@@ -72,6 +73,26 @@ class Entry:
     @property
     def sidecar(self) -> Path:
         return self.data.with_name(self.data.name + SIDE)
+
+    @property
+    def etag(self) -> Path:
+        return self.data.with_name(self.data.name + ETAG)
+
+    def read_vouch(self) -> dict[str, Any] | None:
+        """The record of the last download from S3 that matched its expected checksum."""
+        try:
+            record = json.loads(self.etag.read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and record.get("url") == self.url else None
+
+    def write_vouch(self, meta: dict[str, Any]) -> None:
+        """Under the entry's exclusive lock: record a checked download's ETag (not synced: a
+        lost record only means the next download is hashed)."""
+        keys = ("url", "size", "version", "checksum", "etag")
+        tmp = self.temp(ETAG)
+        tmp.write_text(json.dumps({k: meta[k] for k in keys}))
+        os.replace(tmp, self.etag)
 
     @property
     def lock(self) -> Path:
@@ -178,7 +199,8 @@ def sweep(cache_dir: Path) -> None:
     """Remove temporary files (and data without a sidecar) that no writer holds."""
     for tmp in cache_dir.glob(f"*/.*{TMP}"):
         # .NAME[.meshfeed.json|.booking].RANDOM.meshfeed.tmp -> NAME
-        name = tmp.name[1 : -len(TMP)].rsplit(".", 1)[0].removesuffix(SIDE).removesuffix(BOOKING)
+        name = tmp.name[1 : -len(TMP)].rsplit(".", 1)[0].removesuffix(SIDE).removesuffix(ETAG)
+        name = name.removesuffix(BOOKING)
         lock = FileLock(str(tmp.with_name(name + LOCK)))
         try:
             if lock.try_acquire(exclusive=True):

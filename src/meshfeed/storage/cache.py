@@ -140,7 +140,7 @@ class ShardCache(Ahead):
         self._entries: dict[str, Entry] = {}
         self._init_ahead()
         self._stats = dict.fromkeys(
-            ("downloads", "hits", "bytes", "gets", "heads", "range_reads", "retries",
+            ("downloads", "vouched", "hits", "bytes", "gets", "heads", "range_reads", "retries",
              "evictions", "waits", "skipped_prefetch", "resumed_prefetch"),
             0,
         )  # fmt: skip
