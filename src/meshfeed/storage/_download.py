@@ -4,6 +4,7 @@ that could never fit the cache, and the errors of the cache's own disk."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hashlib
@@ -144,6 +145,12 @@ def _precondition_failed(e: BaseException) -> bool:
     return False
 
 
+def _keep(f: Any, hasher: Any, chunk: bytes) -> None:
+    f.write(chunk)
+    if hasher is not None:
+        hasher.update(chunk)
+
+
 async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) -> str | None:
     """Stream ``path`` to ``tmp`` in 1 MiB reads, each hashed in memory (``hasher``; None:
     not hashed); the object's ETag.
@@ -155,6 +162,7 @@ async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) 
     in between raises :class:`Incomplete` (the cache's retry downloads it again)."""
     from s3fs.core import S3_RETRYABLE_ERRORS
 
+    loop = asyncio.get_running_loop()
     bucket, key, version = fs.split_path(path)
     base = {**fs.req_kw, **({"VersionId": version} if version else {})}
     got = cuts = 0
@@ -175,10 +183,9 @@ async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) 
             body = resp["Body"]
             try:
                 while chunk := await body.read(_CHUNK):
-                    f.write(chunk)
+                    # off the event loop, which goes on receiving meanwhile (both release the GIL)
+                    await loop.run_in_executor(None, _keep, f, hasher, chunk)
                     got += len(chunk)
-                    if hasher is not None:
-                        hasher.update(chunk)
                 return etag
             except S3_RETRYABLE_ERRORS:
                 cuts += 1
