@@ -3,7 +3,11 @@
 Layout of ``cache_dir``: one folder per remote folder (a hash of its URL and endpoint), holding
 for each file ``NAME`` (the remote base name, so ``corpus.bin`` and ``corpus.idx`` stay side by
 side) the data, a sidecar ``NAME.meshfeed.json`` (URL, size, remote version, checksum)
-and a lock file ``NAME.meshfeed.lock``. Temporary files (downloads in flight, and "bookings":
+and a lock file ``NAME.meshfeed.lock``; from S3 also ``NAME.meshfeed.etag``, the ETag of the
+last download that matched its expected checksum, kept when the entry is evicted (a download
+again of the same object is then not hashed: :func:`meshfeed.storage._download.get_checked`).
+Lock and ETag files stay for every URL ever cached (empty, and about 200 bytes); the limit
+counts data files. Temporary files (downloads in flight, and "bookings":
 sparse files as large as a download in flight, counted against the limit) are named
 ``.NAME[...].RANDOM.meshfeed.tmp``.
 
