@@ -164,7 +164,7 @@ async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) 
 
     loop = asyncio.get_running_loop()
     bucket, key, version = fs.split_path(path)
-    base = {**fs.req_kw, **({"VersionId": version} if version else {})}
+    base = {**getattr(fs, "req_kw", {}), **({"VersionId": version} if version else {})}
     got = cuts = 0
     with open(tmp, "wb") as f:
         while True:
