@@ -124,8 +124,8 @@ _CHUNK = 1 << 20  # bytes a read of an S3 body asks for (s3fs's get_file asks fo
 _RESUMES = 5  # times one S3 download resumes a dropped body before the cache's retry takes over
 
 
-class Vouched(ValueError):
-    """The object at a URL is no longer the one its recorded ETag names (HTTP 412)."""
+class ETagChanged(ValueError):
+    """The object at a URL no longer has the ETag a request named (HTTP 412)."""
 
 
 def _is_s3fs(fs: Any) -> bool:
@@ -156,7 +156,7 @@ async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) 
     not hashed); the object's ETag.
 
     With ``etag``, the server answers only while the object still has it (``If-Match``;
-    else :class:`Vouched`). A body cut mid-way is resumed from the byte it reached,
+    else :class:`ETagChanged`). A body cut mid-way is resumed from the byte it reached,
     ``If-Match`` the ETag of the first answer, so a resumed download never splices two
     versions of an object (s3fs's own resume asks for the range alone); an object rewritten
     in between raises :class:`Incomplete` (the cache's retry downloads it again)."""
@@ -173,12 +173,12 @@ async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) 
                 kw["Range"] = f"bytes={got}-"
             try:
                 resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
-            except OSError as e:
+            except Exception as e:  # s3fs translates a 412 to an OSError; others may not
                 if etag is None or not _precondition_failed(e):
                     raise
                 if got:  # rewritten mid-download: the cache's retry starts again
                     raise Incomplete(f"{path} changed during its download") from e
-                raise Vouched(path) from e
+                raise ETagChanged(path) from e
             etag = etag or resp.get("ETag")
             body = resp["Body"]
             try:
@@ -198,8 +198,9 @@ async def _s3_get(fs: Any, path: str, tmp: Path, hasher: Any, etag: str | None) 
 def _download(
     fs: Any, path: str, tmp: Path, *, md5: bool, etag: str | None = None, **kwargs: Any
 ) -> tuple[str | None, str | None]:
-    """Download ``path`` to ``tmp`` in one GET: (the digest of its bytes, or None where the
-    caller must hash the file; the object's ETag where the server gave it).
+    """Download ``path`` to ``tmp`` in one streamed GET (resumed where a body is cut): (the
+    digest of its bytes, or None where the caller must hash the file; the object's ETag where
+    the server gave it).
 
     From S3: :func:`_s3_get`, hashed as the bytes arrive, or not at all when ``etag`` (one
     this cache verified before) vouches for them. Any other filesystem: its ``get_file``,
@@ -261,7 +262,7 @@ def get_checked(
                 "etag": etag,
                 "vouched": True,
             }
-        except Vouched:
+        except ETagChanged:
             tmp.unlink(missing_ok=True)  # rewritten since: check it as a first download
     digest, etag = _download(fs, path, tmp, md5=md5, **kwargs)
     got = tmp.stat().st_size
