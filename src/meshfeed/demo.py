@@ -91,6 +91,7 @@ def _rank_main(
         mesh=mesh,
         seed=cfg.seed,
         num_workers=cfg.num_workers,
+        warn_wait_share=None,  # this loop only records ids: it waits for data by design
     )
     records: dict[int, list[tuple[list[int], int]]] = {0: [], 1: []}
     start = time.perf_counter()
