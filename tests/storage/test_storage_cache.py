@@ -177,6 +177,20 @@ def test_an_object_rewritten_after_its_checked_download_is_refused_by_name(
     assert s3.proxy.counts["GET"] == 2  # the refused If-Match, then the checked download
 
 
+def test_an_etag_record_that_cannot_be_written_costs_the_download_nothing(
+    s3: S3, tmp_path: Path
+) -> None:
+    data = os.urandom(50_000)
+    url = s3.put("v/c.mfs", data)
+    with ShardCache(tmp_path, storage_options=s3.options) as cache:
+        record = Path(cache.entry_path(url) + ".meshfeed.etag")
+        record.mkdir(parents=True)  # in the record's place: it cannot be written
+        _expect(cache, url, data)
+        assert _read(cache, url) == data
+        assert cache.stats()["downloads"] == 1 and record.is_dir()
+    assert not list(record.parent.glob(".*.meshfeed.tmp"))
+
+
 def test_a_cut_download_resumes_at_the_byte_it_reached(s3: S3, tmp_path: Path) -> None:
     data = os.urandom(3_000_000)
     url = s3.put("r/big.mfs", data)

@@ -91,12 +91,15 @@ class Entry:
         return record if isinstance(record, dict) and record.get("url") == self.url else None
 
     def write_vouch(self, meta: dict[str, Any]) -> None:
-        """Under the entry's exclusive lock: record a checked download's ETag (not synced: a
-        lost record only means the next download is hashed)."""
+        """Under the entry's exclusive lock: record a checked download's ETag. Not synced, and
+        a record that cannot be written is skipped: without one the next download is hashed."""
         keys = ("url", "size", "version", "checksum", "etag")
         tmp = self.temp(ETAG)
-        tmp.write_text(json.dumps({k: meta[k] for k in keys}))
-        os.replace(tmp, self.etag)
+        try:
+            tmp.write_text(json.dumps({k: meta[k] for k in keys}))
+            os.replace(tmp, self.etag)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
     @property
     def lock(self) -> Path:
