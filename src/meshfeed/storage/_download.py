@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
 import inspect
 import os
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 
 from meshfeed.errors import SourceError
 from meshfeed.storage._follow import Follow
-from meshfeed.storage._layout import checksum
+from meshfeed.storage._layout import checksum, hasher
 from meshfeed.storage.urls import RemoteInfo
 
 
@@ -209,17 +208,20 @@ def _download(
     if _is_s3fs(fs):
         from fsspec.asyn import sync
 
-        hasher: Any = None
-        if etag is None:
-            hasher = hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
-        got_etag = sync(fs.loop, _s3_get, fs, path, tmp, hasher, etag)
-        return (None if hasher is None else f"{hasher.name}:{hasher.hexdigest()}"), got_etag
+        hashing = None if etag is not None else hasher(md5=md5)
+        got_etag = sync(fs.loop, _s3_get, fs, path, tmp, hashing, etag)
+        return (None if hashing is None else f"{hashing.name}:{hashing.hexdigest()}"), got_etag
     follow = Follow(tmp, md5=md5)
     try:
         fs.get_file(path, str(tmp), **kwargs)
     finally:
         follow.stop()
     return follow.digest(tmp.stat().st_size), None
+
+
+def _indexed(url: str, size: int, digest: str) -> dict[str, Any]:
+    """The sidecar of a download that matched its index (its version: size and digest)."""
+    return {"url": url, "size": size, "version": f"{size}-{digest}", "checksum": digest}
 
 
 def get_checked(
@@ -254,14 +256,7 @@ def get_checked(
             got = tmp.stat().st_size
             if got != want.size:
                 raise Incomplete(f"downloaded {got} of {want.size} bytes of {url}")
-            return {
-                "url": url,
-                "size": got,
-                "version": f"{got}-{want.digest}",
-                "checksum": want.digest,
-                "etag": etag,
-                "vouched": True,
-            }
+            return {**_indexed(url, got, str(want.digest)), "etag": etag, "vouched": True}
         except ETagChanged:
             tmp.unlink(missing_ok=True)  # rewritten since: check it as a first download
     digest, etag = _download(fs, path, tmp, md5=md5, **kwargs)
@@ -277,7 +272,7 @@ def get_checked(
                 "was rewritten or damaged after its index was written: restore it or rewrite "
                 "the dataset (index.json last)"
             )
-        meta = {"url": url, "size": got, "version": f"{got}-{digest}", "checksum": digest}
+        meta = _indexed(url, got, digest)
         return meta if etag is None else {**meta, "etag": etag}
     if got != info.size:
         raise Incomplete(f"downloaded {got} of {info.size} bytes of {url}")

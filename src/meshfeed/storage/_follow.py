@@ -12,10 +12,11 @@ second read, never a wrong verdict.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 from typing import Any
+
+from meshfeed.storage._layout import hasher
 
 _BLOCK = 1 << 20
 _PAUSE = 0.005  # seconds between looks at a file that has not grown
@@ -28,9 +29,7 @@ class Follow:
 
     def __init__(self, path: Path, *, md5: bool) -> None:
         self._path = path
-        self._hash: Any = (
-            hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
-        )
+        self._hash: Any = hasher(md5=md5)
         self._read = 0
         self._failed = False
         self._done = threading.Event()

@@ -175,7 +175,7 @@ def checksum(path: Path, *, md5: bool) -> str:
 
     One hash, one pass: where the server's ETag is an MD5 that is the one worth computing.
     """
-    return _digests(path, _md5() if md5 else _blake2b())[0]
+    return _digests(path, hasher(md5=md5))[0]
 
 
 def checksums(path: Path) -> tuple[str, str]:
@@ -183,6 +183,11 @@ def checksums(path: Path) -> tuple[str, str]:
     single-part ETag, the blake2b-128 that a dataset index records and its readers expect."""
     md5, blake = _digests(path, _md5(), _blake2b())
     return md5, blake
+
+
+def hasher(*, md5: bool) -> Any:
+    """A new MD5 (comparable with a single-part ETag) or blake2b-128 (what an index records)."""
+    return _md5() if md5 else _blake2b()
 
 
 def _md5() -> Any:
