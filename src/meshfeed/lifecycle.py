@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from types import TracebackType
 from typing import Self
 
 __all__ = ["Lifecycle"]
@@ -22,12 +21,7 @@ class Lifecycle:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     def __del__(self) -> None:
