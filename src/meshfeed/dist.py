@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from meshfeed.errors import CollectiveError, RankError
 
@@ -84,38 +85,26 @@ def device_for_backend(backend: str, *, cuda_device: int | None = None) -> torch
 
 def is_distributed(group: Any = None) -> bool:
     """True when a process group is initialised and ``group`` has more than one rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return bool(dist.get_world_size(group) > 1)
+    return is_initialized() and dist.get_world_size(group) > 1
 
 
 def is_initialized() -> bool:
     """True when torch.distributed has a default process group."""
-    import torch.distributed as dist
-
     return bool(dist.is_available() and dist.is_initialized())
 
 
 def rank(group: Any = None) -> int:
     """This process's rank in ``group`` (0 without a process group)."""
-    import torch.distributed as dist
-
     return int(dist.get_rank(group)) if is_initialized() else 0
 
 
 def world_size(group: Any = None) -> int:
     """Ranks in ``group`` (1 without a process group)."""
-    import torch.distributed as dist
-
     return int(dist.get_world_size(group)) if is_initialized() else 1
 
 
 def global_rank(group: Any, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group`` (itself for the default group)."""
-    import torch.distributed as dist
-
     if group is None or not is_initialized():
         return int(group_rank)
     return int(dist.get_global_rank(group, group_rank))
@@ -123,8 +112,6 @@ def global_rank(group: Any, group_rank: int) -> int:
 
 def group_ranks(group: Any = None) -> list[int]:
     """The global ranks of ``group``, in group-rank order (``[0]`` without a process group)."""
-    import torch.distributed as dist
-
     if not is_initialized():
         return [0]
     return [int(r) for r in dist.get_process_group_ranks(group or dist.group.WORLD)]
@@ -132,8 +119,6 @@ def group_ranks(group: Any = None) -> list[int]:
 
 def group_device(group: Any = None) -> torch.device:
     """:func:`device_for_backend` of ``group``'s backend (CPU without a process group)."""
-    import torch.distributed as dist
-
     if not is_initialized():
         return torch.device("cpu")
     return device_for_backend(str(dist.get_backend(group)))
@@ -165,8 +150,6 @@ def control_group(timeout: float, group: Any = None, *, side: bool = False) -> A
     """
     if group is not None or not is_distributed():
         return group
-    import torch.distributed as dist
-
     timeout = _check_timeout(timeout)
     with _OWN_LOCK:
         if _OWN_WORLD[0] is not dist.group.WORLD:  # a new default group: new groups too
@@ -196,8 +179,6 @@ _OWN_LOCK = threading.Lock()
 
 def _failure(exc: BaseException | None, elapsed: float, timeout: float, what: str) -> Exception:
     """The error of a collective that failed after ``elapsed`` s: closed, or timed out."""
-    import torch.distributed as dist
-
     me = f"rank {dist.get_rank()} of {dist.get_world_size()}"
     text = "" if exc is None else " ".join(str(exc).split())[:300]
     timed_out = exc is None or "timed out" in text.lower() or elapsed >= 0.95 * timeout
@@ -240,8 +221,6 @@ def _all_reduce(
     ints = [int(v) for v in values]
     if not is_distributed(group):
         return ints
-    import torch.distributed as dist
-
     group = control_group(timeout, group)
     t = torch.tensor(ints, dtype=torch.int64, device=group_device(group))
     reduce_op = dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX
@@ -339,8 +318,6 @@ def barrier(*, timeout: float = DEFAULT_TIMEOUT, group: Any = None) -> None:
 
 def _all_gather_fixed(t: torch.Tensor, timeout: float, group: Any, what: str) -> torch.Tensor:
     """All-gather one same-shape tensor per rank; returns ``(world, *t.shape)`` on the CPU."""
-    import torch.distributed as dist
-
     world = dist.get_world_size(group)
     t = t.to(group_device(group))
     out = [torch.empty_like(t) for _ in range(world)]
@@ -452,8 +429,6 @@ def all_to_all_single(
                 f"one rank receives what it sends (got {list(send_rows)=}, {list(recv_rows)=})"
             )
         return send.clone()
-    import torch.distributed as dist
-
     device = group_device(group)
     recv = torch.empty((sum(recv_rows), send.shape[1]), dtype=send.dtype, device=device)
     work = dist.all_to_all_single(
