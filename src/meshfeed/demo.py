@@ -337,37 +337,22 @@ def add_subcommand(subparsers: Any) -> None:
             "--resume-dp data ranks, and verify every batch. About a minute on 2 cores."
         ),
     )
-    p.add_argument(
-        "--dp", type=int, default=2, help="data-parallel size of the reference run (default: 2)"
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=2,
-        help="tensor-parallel size, replicas of each shard (default: 2)",
-    )
-    p.add_argument(
-        "--resume-dp",
-        type=int,
-        default=None,
-        help="data-parallel size of the elastic resume; must divide the global batch "
-        "(default: 2 x dp)",
-    )
-    p.add_argument(
-        "--batch-size", type=int, default=4, help="samples per data rank per step (default: 4)"
-    )
-    p.add_argument(
-        "--seq-len", type=int, default=256, help="tokens per window, plus one (default: 256)"
-    )
-    p.add_argument(
-        "--documents", type=int, default=3000, help="documents in the corpus (default: 3000)"
-    )
-    p.add_argument(
-        "--num-workers", type=int, default=1, help="worker processes per rank (default: 1)"
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the corpus and the order (default: 0)"
-    )
+    for flag, default, help_text in (
+        ("--dp", 2, "data-parallel size of the reference run (default: 2)"),
+        ("--tp", 2, "tensor-parallel size, replicas of each shard (default: 2)"),
+        (
+            "--resume-dp",
+            None,
+            "data-parallel size of the elastic resume; must divide the global batch "
+            "(default: 2 x dp)",
+        ),
+        ("--batch-size", 4, "samples per data rank per step (default: 4)"),
+        ("--seq-len", 256, "tokens per window, plus one (default: 256)"),
+        ("--documents", 3000, "documents in the corpus (default: 3000)"),
+        ("--num-workers", 1, "worker processes per rank (default: 1)"),
+        ("--seed", 0, "seed of the corpus and the order (default: 0)"),
+    ):
+        p.add_argument(flag, type=int, default=default, help=help_text)
     p.add_argument(
         "--workdir", default=None, help="keep the corpus and checkpoint here (default: a temp dir)"
     )
