@@ -202,12 +202,14 @@ class PadCollate:
 
     def _add_defaults(self, out: dict[str, Any], lengths: list[int], width: int) -> None:
         """An attention mask and position ids where the items gave none."""
+        import torch
+
         if "attention_mask" not in out:
-            out["attention_mask"] = self._pad(
-                [_ones(n) for n in lengths], width, 0, "attention_mask"
-            )
+            ones = [torch.ones(n, dtype=torch.int64) for n in lengths]
+            out["attention_mask"] = self._pad(ones, width, 0, "attention_mask")
         if "position_ids" not in out:
-            out["position_ids"] = self._pad([_arange(n) for n in lengths], width, 0, "position_ids")
+            ids = [torch.arange(n, dtype=torch.int64) for n in lengths]
+            out["position_ids"] = self._pad(ids, width, 0, "position_ids")
 
     def _fill(self, key: str) -> int:
         if key in self.pad_values:
@@ -261,18 +263,6 @@ def _sequence_keys(first: Mapping[str, Any]) -> list[str]:
             "give 1-D token sequences (tensors, arrays or lists of ints)"
         )
     return seq_keys
-
-
-def _ones(n: int) -> Any:
-    import torch
-
-    return torch.ones(n, dtype=torch.int64)
-
-
-def _arange(n: int) -> Any:
-    import torch
-
-    return torch.arange(n, dtype=torch.int64)
 
 
 def pad_collate(
