@@ -107,12 +107,8 @@ def decode_stats(stats: dict[str, Any]) -> dict[str, Any]:
 
 def _check_settings(loader: ReadingLoader, state: dict[str, Any]) -> None:
     """The seed and the shuffle, drop_last and pad_last switches match the loader's."""
-    for key, mine in (
-        ("seed", loader.seed),
-        ("shuffle", loader.shuffle),
-        ("drop_last", loader.drop_last),
-        ("pad_last", loader.pad_last),
-    ):
+    for key in ("seed", "shuffle", "drop_last", "pad_last"):
+        mine = getattr(loader, key)
         if state[key] != mine:
             raise ValueError(
                 f"checkpoint has {key}={state[key]!r} but this loader has {key}={mine!r}; "
@@ -152,7 +148,9 @@ def _check_global_batch(
                 "checkpoint is corrupted"
             )
     gbs, dp = state["global_batch_size"], loader.data_world_size
-    if loader.global_batch_size != gbs and not allow_global_batch_change and gbs % dp:
+    if gbs == loader.global_batch_size or allow_global_batch_change:
+        return
+    if gbs % dp:
         # The global batch is the unit: ranks with unequal shares would take unequal steps (#32).
         raise ValueError(
             f"checkpoint global batch size {gbs} does not divide among this loader's {dp} data "
@@ -161,14 +159,12 @@ def _check_global_batch(
             "allow_global_batch_change=True to continue from the same sample position with "
             f"this loader's global batch {loader.global_batch_size}"
         )
-    if state["global_batch_size"] != loader.global_batch_size and not allow_global_batch_change:
-        raise ValueError(
-            f"checkpoint global batch size {state['global_batch_size']} differs from this "
-            f"loader's {loader.global_batch_size} (batch_size={loader.batch_size} x "
-            f"data_world_size={loader.data_world_size}); keep the global batch (e.g. "
-            f"batch_size={state['global_batch_size'] // loader.data_world_size} if it divides) "
-            "or pass allow_global_batch_change=True to continue from the same sample position"
-        )
+    raise ValueError(
+        f"checkpoint global batch size {gbs} differs from this loader's "
+        f"{loader.global_batch_size} (batch_size={loader.batch_size} x data_world_size={dp}); "
+        f"keep the global batch (e.g. batch_size={gbs // dp} if it divides) or pass "
+        "allow_global_batch_change=True to continue from the same sample position"
+    )
 
 
 def _check_rampup(
