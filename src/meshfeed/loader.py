@@ -292,11 +292,17 @@ class DataLoader(LoaderBase):
         self._index_cache = (step.epoch, block)
         return block
 
-    def _tasks(self, epoch: int, position: int) -> Iterator[tuple[Step, FetchTask]]:
+    def _steps(self, epoch: int, position: int, steps: list[Step]) -> Iterator[Step]:
+        """The steps of ``epoch`` from ``position``, each appended to ``steps`` when planned."""
         while (step := self.plan.step_at(epoch, position)) is not None:
-            positions, indices = self._block(step)[step.start]
-            yield step, FetchTask(epoch, step.index, indices, positions)
+            steps.append(step)
+            yield step
             position = step.end
+
+    def _task(self, step: Step) -> FetchTask:
+        """This rank's task of ``step``."""
+        positions, indices = self._block(step)[step.start]
+        return FetchTask(step.epoch, step.index, indices, positions)
 
     def __iter__(self) -> Iterator[Any]:
         if not self._started:
@@ -320,13 +326,7 @@ class DataLoader(LoaderBase):
         if isinstance(self.service, GlobalService):
             results = self._run_global(self.service, epoch, position, steps)
         else:
-
-            def tasks() -> Iterator[FetchTask]:
-                for step, task in self._tasks(epoch, position):
-                    steps.append(step)
-                    yield task
-
-            results = self.service.map(tasks())
+            results = self.service.map(self._task(s) for s in self._steps(epoch, position, steps))
         if self.on_error == "raise" and is_distributed():  # one rank raises: every rank does
             results = fail_together(
                 results,
@@ -371,18 +371,14 @@ class DataLoader(LoaderBase):
         self, service: GlobalService, epoch: int, position: int, steps: list[Step]
     ) -> Iterator[tuple[Any, list[FetchEvents]]]:
         """For services that serve every data rank at once (Ray): one task list per step."""
-
-        def global_tasks() -> Iterator[list[FetchTask]]:
-            pos = position
-            while (step := self.plan.step_at(epoch, pos)) is not None:
-                steps.append(step)
-                yield [
-                    FetchTask(epoch, step.index, indices, positions)
-                    for positions, indices in self.plan.global_indices(step, self.data_world_size)
-                ]
-                pos = step.end
-
-        return iter(service.map_global(global_tasks()))
+        global_tasks = (
+            [
+                FetchTask(epoch, step.index, indices, positions)
+                for positions, indices in self.plan.global_indices(step, self.data_world_size)
+            ]
+            for step in self._steps(epoch, position, steps)
+        )
+        return iter(service.map_global(global_tasks))
 
     def _record(self, step: Step, events: FetchEvents) -> None:
         # Padding exists only in a last batch shorter than the number of data ranks.
