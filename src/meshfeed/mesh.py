@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 #: Outermost first; the last axis varies fastest across consecutive global ranks
 #: (the torchtitan / Megatron convention: tensor parallel peers are neighbours).
@@ -340,8 +341,6 @@ def default_rank(world_size: int | None = None, *, env: Mapping[str, str] | None
     world of one process is rank 0, and a larger world (``world_size``, e.g. the mesh's, or
     ``WORLD_SIZE``) is an error: guessing rank 0 would make every process read the same data.
     """
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     env = os.environ if env is None else env
@@ -386,8 +385,6 @@ def resolve_mesh(mesh: Any) -> DataMesh:
     if isinstance(mesh, DataMesh):
         return mesh
     if mesh is None:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             return DataMesh.from_sizes(dp=dist.get_world_size())
         return DataMesh.from_env()
@@ -419,8 +416,6 @@ def place(
             "the name torch and Twinkle users know): pass one of them"
         )
     resolved = resolve_mesh(device_mesh if mesh is None else mesh)
-    import torch.distributed as dist
-
     if (
         dist.is_available()
         and dist.is_initialized()
