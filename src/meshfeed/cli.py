@@ -55,8 +55,7 @@ def version() -> str:
 
 def one_line(error: BaseException) -> str:
     """An exception as one line: its message with line breaks folded."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def build_parser() -> argparse.ArgumentParser:

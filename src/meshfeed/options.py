@@ -121,11 +121,7 @@ def check_loader_arguments(
     if on_error is not None and on_error not in _ON_ERROR:
         raise ValueError(f"on_error={on_error!r} is not one of 'raise', 'skip', 'substitute'")
     _int("max_retries", max_retries, 0, "an int >= 0")
-    if multiprocessing_context is not None and multiprocessing_context not in (
-        "fork",
-        "spawn",
-        "forkserver",
-    ):
+    if multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
         raise ValueError(
             f"multiprocessing_context must be None, 'fork', 'spawn' or 'forkserver' (got "
             f"{multiprocessing_context=!r})"

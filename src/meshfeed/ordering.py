@@ -198,7 +198,6 @@ class CurriculumMixtureOrder(OrderBase):
     """A mixture whose sources are each walked by a difficulty-gated sub-order (module doc)."""
 
     def __init__(self, mixture: Any, curriculum: Any, *, global_batch_size: int, seed: int) -> None:
-
         self.mixture = mixture
         self.mixture_order = mixture.make_order(
             dataset_length=len(mixture), global_batch_size=global_batch_size, seed=seed
