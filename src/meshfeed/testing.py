@@ -27,26 +27,16 @@ __all__ = ["assert_resume_equivalence", "assert_same", "take"]
 
 def assert_same(a: Any, b: Any, path: str = "item") -> None:
     """Recursively assert two outputs are identical (tensors, arrays, mappings, sequences)."""
-    if _either_is(a, b, torch.Tensor):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         _assert_same_tensors(a, b, path)
-    elif _either_is(a, b, np.ndarray):
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         _assert_same_arrays(a, b, path)
-    elif _both_are(a, b, Mapping):
+    elif isinstance(a, Mapping) and isinstance(b, Mapping):
         _assert_same_mappings(a, b, path)
-    elif _both_are(a, b, (list, tuple)):
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         _assert_same_sequences(a, b, path)
     elif not _both_nan(a, b) and a != b:
         raise AssertionError(f"{path}: {a!r} != {b!r}")
-
-
-def _either_is(a: Any, b: Any, cls: type | tuple[type, ...]) -> bool:
-    """At least one of ``a`` and ``b`` is a ``cls``."""
-    return isinstance(a, cls) or isinstance(b, cls)
-
-
-def _both_are(a: Any, b: Any, cls: type | tuple[type, ...]) -> bool:
-    """Both ``a`` and ``b`` are a ``cls``."""
-    return isinstance(a, cls) and isinstance(b, cls)
 
 
 def _assert_same_tensors(a: Any, b: Any, path: str) -> None:
@@ -200,29 +190,21 @@ def assert_resume_equivalence(
 # there (they must be importable: module-level functions of this module).
 
 
+def _actor_values(actor: Any) -> list[Any]:
+    """Every value the store's actor holds, cell by cell."""
+    return [
+        v for p in actor.core.partitions.values() for k in p.samples for v in p.cells(k).values()
+    ]
+
+
 def _actor_chunk_kinds(actor: Any) -> list[str]:
     from meshfeed.queue.engine.columns import Cell
 
-    return sorted(
-        {
-            type(v.chunk).__name__
-            for p in actor.core.partitions.values()
-            for k in p.samples
-            for v in p.cells(k).values()
-            if type(v) is Cell
-        }
-    )
+    return sorted({type(v.chunk).__name__ for v in _actor_values(actor) if type(v) is Cell})
 
 
 def _actor_held_types(actor: Any) -> list[str]:
-    return sorted(
-        {
-            type(v).__name__
-            for p in actor.core.partitions.values()
-            for k in p.samples
-            for v in p.cells(k).values()
-        }
-    )
+    return sorted({type(v).__name__ for v in _actor_values(actor)})
 
 
 def _actor_live_chunks(actor: Any) -> int:
