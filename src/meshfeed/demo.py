@@ -142,35 +142,20 @@ def _checks(
     results: list[dict[str, Any]], mesh: DataMesh, n: int, cfg: DemoConfig
 ) -> list[tuple[str, bool, str]]:
     rows = []
+    expected = (n // cfg.global_batch) * cfg.global_batch
     for epoch in (0, 1):
         seen = [i for b in _global_batches(results, mesh, epoch) for i in b]
-        expected = (n // cfg.global_batch) * cfg.global_batch
-        ok = len(seen) == expected and len(set(seen)) == expected
-        rows.append(
-            (
-                f"epoch {epoch}: every window once across data ranks",
-                ok,
-                f"{len(set(seen))}/{expected} unique, {len(seen) - len(set(seen))} repeats",
-            )
-        )
-    same = all(
-        results[r]["records"] == results[g[0]]["records"] for g in mesh.replica_groups() for r in g
-    )
-    rows.append(
-        (
-            "replica peers (tp) got identical batches",
-            same,
-            f"{len(mesh.replica_groups())} groups of {len(mesh.replica_groups()[0])}",
-        )
-    )
+        unique = len(set(seen))
+        ok = len(seen) == expected and unique == expected
+        detail = f"{unique}/{expected} unique, {len(seen) - unique} repeats"
+        rows.append((f"epoch {epoch}: every window once across data ranks", ok, detail))
+    groups = mesh.replica_groups()
+    same = all(results[r]["records"] == results[g[0]]["records"] for g in groups for r in g)
+    detail = f"{len(groups)} groups of {len(groups[0])}"
+    rows.append(("replica peers (tp) got identical batches", same, detail))
     steps = {len(r["records"][0]) for r in results}
-    rows.append(
-        (
-            "every rank took the same number of steps",
-            len(steps) == 1,
-            f"steps/epoch {sorted(steps)}",
-        )
-    )
+    detail = f"steps/epoch {sorted(steps)}"
+    rows.append(("every rank took the same number of steps", len(steps) == 1, detail))
     return rows
 
 
