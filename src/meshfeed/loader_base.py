@@ -106,18 +106,13 @@ class LoaderBase(Lifecycle):
         if across_ranks:
             from meshfeed.dist import all_gather_objects, control_group
 
-            mine = (out["wait_share"], out["wait_p99_s"], out["wait_mean_s"])
+            keys = ("wait_share", "wait_p99_s", "wait_mean_s")
+            mine = tuple(out[key] for key in keys)
             # A group of its own: the delivery thread may be in a per-step check meanwhile.
             side = control_group(self.wait_timeout, side=True)
             rows = all_gather_objects(mine, timeout=self.wait_timeout, group=side)
             rank = max(range(len(rows)), key=lambda r: rows[r][0])
-            share, p99, mean = rows[rank]
-            out["slowest"] = {
-                "rank": rank,
-                "wait_share": share,
-                "wait_p99_s": p99,
-                "wait_mean_s": mean,
-            }
+            out["slowest"] = {"rank": rank, **dict(zip(keys, rows[rank], strict=True))}
         return out
 
     # ------------------------------------------------------------------ epochs
