@@ -180,12 +180,11 @@ class DataLoader(LoaderBase):
         self.hooks = order_hooks(self.order)
         self.plan = make_plan(self.order, options, data_world_size=self.data_world_size)
         self._check_some_batch(length)
-        postprocess = curriculum_postprocess(curriculum)
         self.fetcher = Fetcher(
             dataset,
             seed=seed,
             collate_fn=collate_fn,
-            postprocess=postprocess,
+            postprocess=curriculum_postprocess(curriculum),
             on_error=self.on_error,
             max_retries=max_retries,
         )
