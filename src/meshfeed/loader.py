@@ -193,8 +193,7 @@ class DataLoader(LoaderBase):
         )
         self._started = False
         self._position = 0
-        self._stats: dict[str, Any] = {key: 0 for key in COUNTS}
-        self._stats["failures"] = []
+        self._stats: dict[str, Any] = {**dict.fromkeys(COUNTS, 0), "failures": []}
         self._index_cache: tuple[int, dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
 
     # ------------------------------------------------------------------ construction helpers
@@ -420,7 +419,6 @@ class DataLoader(LoaderBase):
         Also a ``torch.distributed.checkpoint`` ``Stateful``: every list in it is a leaf
         (failures are rows ``[index, position, attempt, error, message]``).
         """
-        stats = encode_stats(self._stats)
         fields: dict[str, Any] = {
             "seed": self.seed,
             "epoch": self._epoch,
@@ -432,7 +430,7 @@ class DataLoader(LoaderBase):
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "pad_last": self.pad_last,
-            "stats": stats,
+            "stats": encode_stats(self._stats),
             **self.plan.facts(),
         }
         described = self.hooks.describe(self._epoch, self._position)
@@ -451,9 +449,8 @@ class DataLoader(LoaderBase):
         ``allow_rewind=True``.
         """
         state = read_state(self, state, allow_global_batch_change=allow_global_batch_change)
-        stats = decode_stats(state["stats"])
+        self._stats = decode_stats(state["stats"])
         self._epoch, self._position = state["epoch"], state["position"]
-        self._stats = stats
         self._resumed = True
 
     def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
