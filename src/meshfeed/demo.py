@@ -99,8 +99,7 @@ def _rank_main(
         if phase == "resume":
             with open(cfg.checkpoint_path) as f:
                 loader.load_state_dict(json.load(f))
-        epochs = range(loader.epoch, 2)
-        for epoch in epochs:
+        for epoch in range(loader.epoch, 2):
             loader.set_epoch(epoch)
             done = loader.position // loader.global_batch_size
             # Count only the batches this run delivers; say where a resumed epoch starts.
@@ -198,16 +197,13 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     global_batch = args.batch_size * args.dp
     new_dp = args.resume_dp or 2 * args.dp
     if global_batch % new_dp:
+        divisors = ", ".join(str(d) for d in range(1, global_batch + 1) if global_batch % d == 0)
         return (
             f"--resume-dp {new_dp} must divide the global batch {global_batch} "
             f"(--batch-size {args.batch_size} x --dp {args.dp}) so the elastic resume keeps it; "
-            f"use a divisor such as {_divisors(global_batch)}"
+            f"use a divisor such as {divisors}"
         )
     return None
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def _phase(
