@@ -80,9 +80,8 @@ def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None
         raise ValueError(
             f"resize of {loader.name} with {ahead}: batches fetched ahead are taken from the "
             "live store and a leaving rank's are lost; build the loader with prefetch=1, "
-            "without workers and device= / pin_memory to resize it live, or resume "
-            "elastically (restore "
-            "the store and the loader from one checkpoint on the new layout)"
+            "without workers and device= / pin_memory to resize it live, or resume elastically "
+            "(restore the store and the loader from one checkpoint on the new layout)"
         )
     state = loader.state_dict() if state is None else state
     loader.shutdown()
