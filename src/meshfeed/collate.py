@@ -54,8 +54,6 @@ def _collate(items: Sequence[Any], path: str) -> Any:
     first = items[0]
     if isinstance(first, (torch.Tensor, np.ndarray, np.generic, bool, int, float)):
         return _collate_numbers(items, path)
-    if isinstance(first, (str, bytes)):
-        return list(items)
     if isinstance(first, Mapping):
         return {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
     if isinstance(first, (tuple, list)):
