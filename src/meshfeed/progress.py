@@ -85,10 +85,6 @@ class Progress:
             self._last_line = now
             self._write_line(now)
 
-    def line(self) -> str:
-        """The current state as one line (what a log receives)."""
-        return self._format(time.perf_counter())
-
     def _format(self, now: float) -> str:
         elapsed = max(now - self._start, 1e-9)
         return tqdm.format_meter(
