@@ -113,12 +113,12 @@ class Interleave:
 
 
 class _Period(Interleave):
-    def __init__(self, quotas: list[int], *, kind: str, max_deviation: float) -> None:
-        self.kind = kind
+    def __init__(self, quotas: list[int]) -> None:
+        self.kind = "period"
         self.quotas = np.asarray(quotas, dtype=np.int64)
         self.period = int(self.quotas.sum())
         self.shares = [Fraction(q, self.period) for q in quotas]
-        self.max_deviation = max_deviation
+        self.max_deviation = float(1 - Fraction(1, self.period))  # the quota method's bound
         self.src = interleave_period(quotas)
         # each slot's rank among its source's slots, from one stable sort (a pass per source
         # was O(K * M): 10,000 sources took 60 ms, #32); source s has quotas[s] slots
