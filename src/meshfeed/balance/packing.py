@@ -46,6 +46,13 @@ def _check_budget(max_tokens: int) -> int:
     return int(max_tokens)
 
 
+def check_int(name: str, value: Any, *, low: int = 1, fix: str = "") -> None:
+    """ValueError unless ``value`` is an int (not a bool, nor a float) of at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        kind = "a positive int" if low == 1 else f"an int >= {low}"
+        raise ValueError(f"{name} must be {kind} (got {name}={value!r}){fix}")
+
+
 def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
     """Validate document lengths into a 1-D int64 array (non-negative integers)."""
     arr = np.asarray(lengths)
