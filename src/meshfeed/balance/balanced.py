@@ -96,9 +96,8 @@ class _Batch:
     state: Any
     sample: Mapping[str, Any]
     counts: list[int]
-    ids: (
-        np.ndarray | None
-    )  # corpus id of every document of the global batch, if all ranks sent them
+    #: The corpus id of every document of the global batch, if all ranks sent them.
+    ids: np.ndarray | None
     dtypes: list[torch.dtype]
     placement: Future[Placement]
 

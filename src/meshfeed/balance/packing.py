@@ -84,10 +84,8 @@ def pack(lengths: Any, *, max_tokens: int, method: str = "best_fit") -> list[lis
     """
     budget = _check_budget(max_tokens)
     arr = as_lengths(lengths)
-    ids = np.arange(arr.size)
-    if check_method(method) == "first_fit":
-        return [sorted(b) for b in _first_fit(arr, ids, budget)]
-    return [sorted(b) for b in _bfd(arr, ids, budget)]
+    fit = _first_fit if check_method(method) == "first_fit" else _bfd
+    return [sorted(b) for b in fit(arr, np.arange(arr.size), budget)]
 
 
 def check_method(method: str) -> str:
@@ -124,7 +122,8 @@ def pack_windows(
     >>> pack_windows([5, 3, 4, 2, 7], budget=8, window=4)[0].tolist()
     [0, 2, 4, 5]
     """
-    w = np.asarray(weights, dtype=np.float64 if _is_float(weights) else np.int64)
+    floats = np.issubdtype(np.asarray(weights).dtype, np.floating)
+    w = np.asarray(weights, dtype=np.float64 if floats else np.int64)
     if w.ndim != 1 or (w.size and (w.min() < 0 or not np.all(np.isfinite(w)))):
         raise ValueError(f"weights must be a 1-D array of finite numbers >= 0 (got {w!r:.80})")
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
@@ -162,10 +161,6 @@ def _window_edges(n: int, window: int, bounds: Any) -> list[int]:
     if np.any(np.diff(edges) < 0):
         raise ValueError("bounds must be ascending item offsets")
     return [int(e) for e in edges]
-
-
-def _is_float(weights: Any) -> bool:
-    return bool(np.issubdtype(np.asarray(weights).dtype, np.floating))
 
 
 def _too_long(lengths: np.ndarray, ids: np.ndarray, budget: float) -> None:

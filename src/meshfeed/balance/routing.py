@@ -112,16 +112,15 @@ class Layout:
 
     def send_splits(self, rank: int) -> list[int]:
         out = self.outgoing(rank)
-        return (
-            np.bincount(self.dst[out], self.rows[out], self.placement.num_ranks)
-            .astype(int)
-            .tolist()
-        )
+        return self._rows_per_rank(self.dst[out], out)
 
     def recv_splits(self, rank: int) -> list[int]:
         inc = self.incoming(rank)
-        srcs = self.src[self.doc[inc]]
-        return np.bincount(srcs, self.rows[inc], self.placement.num_ranks).astype(int).tolist()
+        return self._rows_per_rank(self.src[self.doc[inc]], inc)
+
+    def _rows_per_rank(self, ranks: np.ndarray, pieces: np.ndarray) -> list[int]:
+        """The rows of ``pieces`` summed per rank (``ranks[i]`` is piece ``i``'s peer)."""
+        return np.bincount(ranks, self.rows[pieces], self.placement.num_ranks).astype(int).tolist()
 
 
 def build_send(
