@@ -82,7 +82,7 @@ def make_interleave(weights: Sequence[int | float]) -> Interleave:
     fracs = [_to_fraction(w) for w in weights]
     total = sum(fracs, Fraction(0))
     exact = [f / total for f in fracs]
-    simple = _simple_rationals(fracs)
+    simple = _simple_rationals(fracs, exact)
     if simple is not None:
         period = math.lcm(*(s.denominator for s in simple))
         return _Period([int(s * period) for s in simple])
