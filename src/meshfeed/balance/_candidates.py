@@ -137,11 +137,10 @@ class Candidate:
             int(i): tuple(range(int(self.cp_start[i]), int(self.cp_start[i] + self.c[i])))
             for i in np.flatnonzero(self.c > 1)
         }
-        out = []
-        for r, steps in enumerate(self.steps):
-            own = (r,)
-            out.append(tuple(tuple((i, groups.get(i, own)) for i in step) for step in steps))
-        return tuple(out)
+        return tuple(
+            tuple(tuple((i, groups.get(i, (r,))) for i in step) for step in steps)
+            for r, steps in enumerate(self.steps)
+        )
 
 
 def place_split(

@@ -231,10 +231,9 @@ def _ranked_candidates(
 
 
 def _add_table_candidates(
-    table: DegreeTable, ranked: list[tuple[float, int, Candidate]], problem: _Problem
+    table: DegreeTable, ranked: list[tuple[float, int, Candidate]], p: _Problem
 ) -> None:
     """Append the table's distinct candidates (one per split threshold) to ``ranked``."""
-    p = problem
     seen: list[np.ndarray] = []
     for theta in _THETAS:
         idx = table.degrees(p.work, theta * p.mean_load)
