@@ -15,6 +15,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from meshfeed.balance.packing import _bfd
+from meshfeed.balance.zigzag import padded_length
 
 Group = tuple[int, ...]
 MicroStep = tuple[tuple[int, Group], ...]
@@ -39,9 +40,7 @@ class DegreeTable:
 
     def padded(self, idx: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         s = self.s if rows is None else self.s[rows]
-        c = self.sizes[idx]
-        unit = np.where(c > 1, 2 * c * self.tp, self.tp)
-        return -(-s // unit) * unit
+        return padded_length(s, self.sizes[idx], self.tp)
 
     def _fits(self, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
         return self.padded(idx, rows) // self.sizes[idx] <= self.budget
@@ -138,11 +137,10 @@ class Candidate:
             int(i): tuple(range(int(self.cp_start[i]), int(self.cp_start[i] + self.c[i])))
             for i in np.flatnonzero(self.c > 1)
         }
-        out = []
-        for r, steps in enumerate(self.steps):
-            own = (r,)
-            out.append(tuple(tuple((i, groups.get(i, own)) for i in step) for step in steps))
-        return tuple(out)
+        return tuple(
+            tuple(tuple((i, groups.get(i, (r,))) for i in step) for step in steps)
+            for r, steps in enumerate(self.steps)
+        )
 
 
 def place_split(

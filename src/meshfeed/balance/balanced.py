@@ -42,6 +42,7 @@ import torch
 from meshfeed import dist
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.long_documents import check_policy, fit_sample, max_document_tokens
+from meshfeed.balance.packing import check_int
 from meshfeed.balance.routing import Layout, build_send, doc_lengths, fields_signature, unpack
 from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_documents
 from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD, DOCUMENT_IDS
@@ -95,9 +96,8 @@ class _Batch:
     state: Any
     sample: Mapping[str, Any]
     counts: list[int]
-    ids: (
-        np.ndarray | None
-    )  # corpus id of every document of the global batch, if all ranks sent them
+    #: The corpus id of every document of the global batch, if all ranks sent them.
+    ids: np.ndarray | None
     dtypes: list[torch.dtype]
     placement: Future[Placement]
 
@@ -134,13 +134,8 @@ class BalancedBatches:
         timeout: float = 300.0,
         long_documents: str = "refuse",
     ) -> None:
-        if (
-            isinstance(max_docs_per_rank, bool)
-            or not isinstance(max_docs_per_rank, (int, np.integer))
-            or max_docs_per_rank < 1
-        ):
-            # A float would be truncated by int() below and a bool would mean 1 document.
-            raise ValueError(f"max_docs_per_rank must be a positive int (got {max_docs_per_rank=})")
+        # A float would be truncated by int() below and a bool would mean 1 document.
+        check_int("max_docs_per_rank", max_docs_per_rank)
         if max_docs_per_rank > MAX_DOCS_PER_RANK:
             raise ValueError(
                 f"max_docs_per_rank={max_docs_per_rank} is more than BalancedBatches plans "

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.balance.cost import CostModel
-from meshfeed.balance.packing import _check_budget, as_lengths
+from meshfeed.balance.packing import _check_budget, as_lengths, check_int
 
 __all__ = ["BaselineResult", "naive_slicing", "token_balancing"]
 
@@ -39,7 +39,8 @@ def naive_slicing(
     lengths: Any, *, num_ranks: int, max_tokens: int, cost: CostModel
 ) -> BaselineResult:
     """Equal-count contiguous slices per rank, each packed next-fit in arrival order."""
-    _check_ranks(num_ranks)
+    # Same contract as schedule_documents(): 0 would divide by zero, a bool or float would pass silently.
+    check_int("num_ranks", num_ranks)
     s = as_lengths(lengths)
     ranks = np.repeat(np.arange(num_ranks), _split_counts(s.size, num_ranks))
     return _score(s, ranks, num_ranks, _check_budget(max_tokens), cost, in_order=True)
@@ -49,7 +50,7 @@ def token_balancing(
     lengths: Any, *, num_ranks: int, max_tokens: int, cost: CostModel
 ) -> BaselineResult:
     """Longest document first to the rank holding the fewest tokens (LPT on tokens)."""
-    _check_ranks(num_ranks)
+    check_int("num_ranks", num_ranks)
     s = as_lengths(lengths)
     ranks = np.zeros(s.size, dtype=np.int64)
     tokens = np.zeros(num_ranks, dtype=np.int64)
@@ -58,12 +59,6 @@ def token_balancing(
         ranks[i] = r
         tokens[r] += s[i]
     return _score(s, ranks, num_ranks, _check_budget(max_tokens), cost, in_order=False)
-
-
-def _check_ranks(num_ranks: Any) -> None:
-    # Same contract as schedule_documents(): 0 would divide by zero, a bool or float would pass silently.
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
 
 
 def _split_counts(n: int, parts: int) -> np.ndarray:

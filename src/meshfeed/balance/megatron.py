@@ -32,7 +32,7 @@ import torch
 
 from meshfeed import dist
 from meshfeed.balance.cost import CostModel
-from meshfeed.balance.routing import _as_bytes
+from meshfeed.balance.routing import _as_bytes, _unfuse
 from meshfeed.balance.schedule import Placement, schedule_documents
 
 __all__ = ["MEGATRON_COST", "HybridCPDataLoader"]
@@ -159,11 +159,6 @@ def _needs(placement: Placement, world: int) -> list[list[int]]:
     return [sorted({d for step in placement.microsteps[r] for d, _ in step}) for r in range(world)]
 
 
-def _row_width(dtypes: list[torch.dtype]) -> list[int]:
-    """The byte width of each key's column in a fused row."""
-    return [torch.empty(0, dtype=dt).element_size() for dt in dtypes]
-
-
 def _send_buffer(
     docs: list[dict[str, torch.Tensor]],
     keys: list[str],
@@ -184,7 +179,7 @@ def _send_buffer(
         pieces.extend(_fused(docs[g - lo], keys) for g in mine)
     if pieces:
         return torch.cat(pieces), send_rows
-    return torch.zeros((0, sum(_row_width(dtypes))), dtype=torch.uint8), send_rows
+    return torch.zeros((0, sum(dt.itemsize for dt in dtypes)), dtype=torch.uint8), send_rows
 
 
 def _receive_plan(
@@ -193,16 +188,11 @@ def _receive_plan(
     """The row count this rank receives from each rank, and the document ids in wire order
     (by source rank, then id); ``src_of[g]`` is the index in ``members`` of the document's
     sender."""
+    got = {member: [g for g in wanted if src_of[g] == j] for j, member in enumerate(members)}
     recv_rows = [0] * world
-    for j, member in enumerate(members):
-        got = [g for g in wanted if src_of[g] == j]
-        recv_rows[member] = int(lengths[got].sum()) if got else 0
-    incoming: list[int] = []
-    for member in range(world):
-        if member in members:
-            j = members.index(member)
-            incoming.extend(g for g in wanted if src_of[g] == j)
-    return recv_rows, incoming
+    for member, ids in got.items():
+        recv_rows[member] = int(lengths[ids].sum()) if ids else 0
+    return recv_rows, [g for member in sorted(got) for g in got[member]]
 
 
 def _split_received(
@@ -213,17 +203,12 @@ def _split_received(
     dtypes: list[torch.dtype],
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Cut the received fused rows back into one document (key -> tensor) per incoming id."""
-    bounds = np.concatenate([[0], np.cumsum(_row_width(dtypes))]).astype(int).tolist()
     out: dict[int, dict[str, torch.Tensor]] = {}
     row = 0
     for g in incoming:
         n = int(lengths[g])
-        block = recv[row : row + n]
+        out[g] = _unfuse(recv[row : row + n], keys, dtypes)
         row += n
-        out[g] = {
-            k: block[:, a:b].reshape(-1).clone().view(dt)
-            for k, dt, a, b in zip(keys, dtypes, bounds[:-1], bounds[1:], strict=True)
-        }
     return out
 
 

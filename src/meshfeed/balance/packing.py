@@ -46,6 +46,13 @@ def _check_budget(max_tokens: int) -> int:
     return int(max_tokens)
 
 
+def check_int(name: str, value: Any, *, low: int = 1, fix: str = "") -> None:
+    """ValueError unless ``value`` is an int (not a bool, nor a float) of at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        kind = "a positive int" if low == 1 else f"an int >= {low}"
+        raise ValueError(f"{name} must be {kind} (got {name}={value!r}){fix}")
+
+
 def as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
     """Validate document lengths into a 1-D int64 array (non-negative integers)."""
     arr = np.asarray(lengths)
@@ -77,10 +84,8 @@ def pack(lengths: Any, *, max_tokens: int, method: str = "best_fit") -> list[lis
     """
     budget = _check_budget(max_tokens)
     arr = as_lengths(lengths)
-    ids = np.arange(arr.size)
-    if check_method(method) == "first_fit":
-        return [sorted(b) for b in _first_fit(arr, ids, budget)]
-    return [sorted(b) for b in _bfd(arr, ids, budget)]
+    fit = _first_fit if check_method(method) == "first_fit" else _bfd
+    return [sorted(b) for b in fit(arr, np.arange(arr.size), budget)]
 
 
 def check_method(method: str) -> str:
@@ -117,7 +122,8 @@ def pack_windows(
     >>> pack_windows([5, 3, 4, 2, 7], budget=8, window=4)[0].tolist()
     [0, 2, 4, 5]
     """
-    w = np.asarray(weights, dtype=np.float64 if _is_float(weights) else np.int64)
+    floats = np.issubdtype(np.asarray(weights).dtype, np.floating)
+    w = np.asarray(weights, dtype=np.float64 if floats else np.int64)
     if w.ndim != 1 or (w.size and (w.min() < 0 or not np.all(np.isfinite(w)))):
         raise ValueError(f"weights must be a 1-D array of finite numbers >= 0 (got {w!r:.80})")
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
@@ -155,10 +161,6 @@ def _window_edges(n: int, window: int, bounds: Any) -> list[int]:
     if np.any(np.diff(edges) < 0):
         raise ValueError("bounds must be ascending item offsets")
     return [int(e) for e in edges]
-
-
-def _is_float(weights: Any) -> bool:
-    return bool(np.issubdtype(np.asarray(weights).dtype, np.floating))
 
 
 def _too_long(lengths: np.ndarray, ids: np.ndarray, budget: float) -> None:

@@ -112,16 +112,15 @@ class Layout:
 
     def send_splits(self, rank: int) -> list[int]:
         out = self.outgoing(rank)
-        return (
-            np.bincount(self.dst[out], self.rows[out], self.placement.num_ranks)
-            .astype(int)
-            .tolist()
-        )
+        return self._rows_per_rank(self.dst[out], out)
 
     def recv_splits(self, rank: int) -> list[int]:
         inc = self.incoming(rank)
-        srcs = self.src[self.doc[inc]]
-        return np.bincount(srcs, self.rows[inc], self.placement.num_ranks).astype(int).tolist()
+        return self._rows_per_rank(self.src[self.doc[inc]], inc)
+
+    def _rows_per_rank(self, ranks: np.ndarray, pieces: np.ndarray) -> list[int]:
+        """The rows of ``pieces`` summed per rank (``ranks[i]`` is piece ``i``'s peer)."""
+        return np.bincount(ranks, self.rows[pieces], self.placement.num_ranks).astype(int).tolist()
 
 
 def build_send(
@@ -179,8 +178,6 @@ def unpack(
         int(layout.doc[q]): (int(starts[j]), int(layout.rows[q]), int(layout.part[q]))
         for j, q in enumerate(inc.tolist())
     }
-    widths = [torch.empty(0, dtype=dt).element_size() for dt in dtypes]
-    bounds = np.concatenate([[0], np.cumsum(widths)]).tolist()
     steps = []
     for k, step in enumerate(p.microsteps[rank]):
         docs = [d for d, _ in step]
@@ -190,11 +187,7 @@ def unpack(
             if spans
             else torch.zeros(0, dtype=torch.int64)
         )
-        block = recv[rows]
-        out: dict[str, Any] = {}
-        for key, dt, lo, hi in zip(keys, dtypes, bounds[:-1], bounds[1:], strict=True):
-            # clone: a fresh buffer at offset 0, so the byte view can widen to any dtype
-            out[key] = block[:, lo:hi].reshape(-1).clone().view(dt)
+        out: dict[str, Any] = _unfuse(recv[rows], keys, dtypes)
         lengths = [n for _, n, _ in spans]
         out["cu_seqlens"] = torch.tensor(
             np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32
@@ -245,16 +238,12 @@ def _local_lengths(
 ) -> tuple[list[int], np.ndarray]:
     """Every rank's document count, and all ranks' document lengths in rank order; raises
     when the ranks' packed keys differ in dtype."""
-    counts, all_lengths = [], []
-    for s in samples:
-        lengths = doc_lengths(s, keys)
-        counts.append(lengths.size)
-        all_lengths.append(lengths)
+    per_rank = [doc_lengths(s, keys) for s in samples]
     signatures = {fields_signature(s, keys) for s in samples}
     if len(signatures) > 1:
         raise ValueError("ranks disagree on the dtypes of the packed keys; cast them the same")
-    lengths = np.concatenate(all_lengths) if all_lengths else np.zeros(0, dtype=np.int64)
-    return counts, lengths
+    lengths = np.concatenate(per_rank) if per_rank else np.zeros(0, dtype=np.int64)
+    return [x.size for x in per_rank], lengths
 
 
 def _local_document_ids(samples: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
@@ -262,6 +251,18 @@ def _local_document_ids(samples: Sequence[Mapping[str, Any]]) -> torch.Tensor | 
     if samples and all(DOCUMENT_IDS in s for s in samples):
         return torch.cat([torch.as_tensor(s[DOCUMENT_IDS]).long() for s in samples])
     return None
+
+
+def _unfuse(
+    rows: torch.Tensor, keys: Sequence[str], dtypes: Sequence[torch.dtype]
+) -> dict[str, torch.Tensor]:
+    """Each key's tensor from fused uint8 rows: the keys' bytes side by side (:func:`_as_bytes`)."""
+    out, lo = {}, 0
+    for key, dt in zip(keys, dtypes, strict=True):
+        # clone: a fresh buffer at offset 0, so the byte view can widen to any dtype
+        out[key] = rows[:, lo : lo + dt.itemsize].reshape(-1).clone().view(dt)
+        lo += dt.itemsize
+    return out
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import numpy as np
 
 from meshfeed.balance._candidates import Candidate, DegreeTable, Group, MicroStep, place_split
 from meshfeed.balance.cost import CostModel
-from meshfeed.balance.packing import _check_budget, as_lengths
+from meshfeed.balance.packing import _check_budget, as_lengths, check_int
 from meshfeed.balance.zigzag import pad_unit
 
 __all__ = ["DEFAULT_COST", "Placement", "schedule_documents"]
@@ -160,8 +160,7 @@ def schedule_documents(
 
 
 def _check_num_ranks(num_ranks: Any) -> None:
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive int (got {num_ranks=})")
+    check_int("num_ranks", num_ranks)
     if num_ranks > MAX_RANKS:
         raise ValueError(
             f"num_ranks must be at most {MAX_RANKS} (got {num_ranks=}): every rank schedules "
@@ -172,16 +171,8 @@ def _check_num_ranks(num_ranks: Any) -> None:
 
 
 def _check_tp_and_microsteps(tp: Any, min_microsteps: Any, num_ranks: int) -> None:
-    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
-        raise ValueError(
-            f"tp must be a positive int (got {tp=}); use 1 without sequence parallelism"
-        )
-    if (
-        isinstance(min_microsteps, bool)
-        or not isinstance(min_microsteps, (int, np.integer))
-        or min_microsteps < 0
-    ):
-        raise ValueError(f"min_microsteps must be an int >= 0 (got {min_microsteps=})")
+    check_int("tp", tp, fix="; use 1 without sequence parallelism")
+    check_int("min_microsteps", min_microsteps, low=0)
     if int(num_ranks) * int(min_microsteps) > MAX_CELLS:
         raise ValueError(
             f"num_ranks x min_microsteps must be at most 2**20 (got {num_ranks=}, "
@@ -240,10 +231,9 @@ def _ranked_candidates(
 
 
 def _add_table_candidates(
-    table: DegreeTable, ranked: list[tuple[float, int, Candidate]], problem: _Problem
+    table: DegreeTable, ranked: list[tuple[float, int, Candidate]], p: _Problem
 ) -> None:
     """Append the table's distinct candidates (one per split threshold) to ``ranked``."""
-    p = problem
     seen: list[np.ndarray] = []
     for theta in _THETAS:
         idx = table.degrees(p.work, theta * p.mean_load)

@@ -120,12 +120,17 @@ class BatchPlan:
             return remaining
         return remaining - remaining % self.data_world_size
 
+    def _step_end(self, epoch: int, position: int, size: int) -> int:
+        """Where a step of ``size`` samples at ``position`` ends (at ``position`` or before it
+        when the epoch is over)."""
+        end = min(position + size, self.order.epoch_length(epoch))
+        if end - position < size:
+            end = position + self._last_len(max(0, end - position))
+        return end
+
     def step_at(self, epoch: int, position: int) -> Step | None:
         """The global batch starting at ``position``, or None when the epoch is over."""
-        length = self.order.epoch_length(epoch)
-        end = min(position + self.global_batch_size, length)
-        if end - position < self.global_batch_size:
-            end = position + self._last_len(max(0, end - position))
+        end = self._step_end(epoch, position, self.global_batch_size)
         if end <= position:
             return None
         return Step(epoch, position, end, position // self.global_batch_size)
@@ -196,15 +201,18 @@ class BatchPlan:
         batch (a ramp's numbers; none here)."""
         return {}
 
+    def _options(self, data_world_size: int) -> dict[str, Any]:
+        """The keywords of this plan's constructor, over ``data_world_size`` data ranks."""
+        return {
+            "global_batch_size": self.global_batch_size,
+            "drop_last": self.drop_last,
+            "pad_last": self.pad_last,
+            "data_world_size": data_world_size,
+        }
+
     def with_ranks(self, data_world_size: int) -> BatchPlan:
         """This plan over ``data_world_size`` data ranks (a live resize)."""
-        return BatchPlan(
-            self.order,
-            global_batch_size=self.global_batch_size,
-            drop_last=self.drop_last,
-            pad_last=self.pad_last,
-            data_world_size=data_world_size,
-        )
+        return BatchPlan(self.order, **self._options(data_world_size))
 
     def check_resume_from(self, data_world_size: int) -> None:
         """Refuse a checkpoint of ``data_world_size`` data ranks this plan cannot continue

@@ -82,14 +82,10 @@ def make_interleave(weights: Sequence[int | float]) -> Interleave:
     fracs = [_to_fraction(w) for w in weights]
     total = sum(fracs, Fraction(0))
     exact = [f / total for f in fracs]
-    simple = _simple_rationals(fracs)
+    simple = _simple_rationals(fracs, exact)
     if simple is not None:
         period = math.lcm(*(s.denominator for s in simple))
-        return _Period(
-            [int(s * period) for s in simple],
-            kind="period",
-            max_deviation=float(1 - Fraction(1, period)),
-        )
+        return _Period([int(s * period) for s in simple])
     members = [i for i, s in enumerate(exact) if s > 0]
     if len(members) == 1:
         return _RoundingTree(exact, members[0], Fraction(0))
@@ -114,7 +110,7 @@ def _whole_period(weights: Sequence[int | float]) -> Interleave | None:
     period = sum(counts)
     if period > MAX_PERIOD:
         return None
-    return _Period(counts, kind="period", max_deviation=float(1 - Fraction(1, period)))
+    return _Period(counts)
 
 
 class _Deadline(Interleave):
@@ -214,8 +210,8 @@ class _Deadline(Interleave):
             slack[best] -= EM
             key[best] += E
             c[best] += 1
-            if (p + 1) % MARK_EVERY == 0:
-                self._mark(p + 1, c)
+            if (p + 1) % MARK_EVERY == 0 and p + 1 not in self._marks:
+                self._remember(p + 1, self._full(c))
         self._finish_walk(pos, end, c)
         return src, rank
 
@@ -231,11 +227,6 @@ class _Deadline(Interleave):
         slack = [pos * emi - (E * ci + 1) * M for emi, ci in zip(em, c, strict=True)]
         key = [E * ci + E - 1 for ci in c]
         return c, em, slack, key
-
-    def _mark(self, pos: int, c: list[int]) -> None:
-        """Remember the counts at ``pos`` unless known already."""
-        if pos not in self._marks:
-            self._remember(pos, self._full(c))
 
     def _finish_walk(self, start: int, end: int, c: list[int]) -> None:
         """Check the counts at ``end`` keep the bound (else the walk started from wrong

@@ -15,7 +15,8 @@ True
 
 from __future__ import annotations
 
-from typing import overload
+from collections.abc import Callable, Iterable
+from typing import Any, overload
 
 import numpy as np
 
@@ -101,14 +102,7 @@ class Permutation:
         return self.n
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        wl, wr = self._widths
-        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
-        for k in self._keys:
-            # (L, R) of widths (wl, wr) -> (R, L ^ F(R)) of widths (wr, wl)
-            f = _mix(right ^ k) & np.uint64((1 << wl) - 1)
-            left, right = right, left ^ f
-            wl, wr = wr, wl
-        return (left << np.uint64(wr)) | right
+        return _encrypt_many(x, self._keys, np.asarray(self._widths, dtype=np.uint64))
 
     def _decrypt(self, y: np.ndarray) -> np.ndarray:
         wl, wr = self._widths
@@ -122,8 +116,7 @@ class Permutation:
             wl, wr = wr, wl
         return (left << np.uint64(wr)) | right
 
-    def _walk(self, x: np.ndarray, step: str) -> np.ndarray:
-        f = self._encrypt if step == "encrypt" else self._decrypt
+    def _walk(self, x: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         n = np.uint64(self.n)
         y = f(x)
         out = y >= n
@@ -135,7 +128,9 @@ class Permutation:
             out[idx] = y[idx] >= n
         return y
 
-    def _apply(self, positions: int | np.ndarray, step: str) -> int | np.ndarray:
+    def _apply(
+        self, positions: int | np.ndarray, step: Callable[[np.ndarray], np.ndarray]
+    ) -> int | np.ndarray:
         arr = np.asarray(positions)
         if arr.dtype.kind not in "iu":
             raise TypeError(f"positions must be integers (got dtype {arr.dtype})")
@@ -154,7 +149,7 @@ class Permutation:
     @overload
     def __getitem__(self, positions: np.ndarray) -> np.ndarray: ...
     def __getitem__(self, positions: int | np.ndarray) -> int | np.ndarray:
-        return self._apply(positions, "encrypt")
+        return self._apply(positions, self._encrypt)
 
     @overload
     def inverse(self, values: int) -> int: ...
@@ -162,7 +157,7 @@ class Permutation:
     def inverse(self, values: np.ndarray) -> np.ndarray: ...
     def inverse(self, values: int | np.ndarray) -> int | np.ndarray:
         """The position of ``values`` in the permutation (``perm.inverse(perm[i]) == i``)."""
-        return self._apply(values, "decrypt")
+        return self._apply(values, self._decrypt)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -236,11 +231,14 @@ def permute_many(sizes: np.ndarray, seeds: np.ndarray, positions: np.ndarray) ->
     return y.astype(np.int64)
 
 
-def _encrypt_many(x: np.ndarray, keys: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """:meth:`Permutation._encrypt` with per-element round keys and half widths."""
+def _encrypt_many(x: np.ndarray, keys: Iterable[Any], widths: np.ndarray) -> np.ndarray:
+    """The Feistel rounds of ``keys`` on ``x`` (uint64), ``widths`` the (left, right) half
+    widths: a key per round and a width pair for all elements (:class:`Permutation`), or for
+    each element its own (:func:`permute_many`)."""
     wl, wr = widths[0], widths[1]
     left, right = x >> wr, x & ((_ONE << wr) - _ONE)
     for k in keys:
+        # (L, R) of widths (wl, wr) -> (R, L ^ F(R)) of widths (wr, wl)
         f = _mix(right ^ k) & ((_ONE << wl) - _ONE)
         left, right = right, left ^ f
         wl, wr = wr, wl

@@ -9,7 +9,7 @@ rank takes its contiguous slice of it, as without a ramp.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -101,11 +101,7 @@ class RampupPlan(BatchPlan):
         return sum(self.order.epoch_length(e) for e in range(epochs)) - self.base(epochs)
 
     def step_at(self, epoch: int, position: int) -> Step | None:
-        length = self.order.epoch_length(epoch)
-        size = self.sizes.size(self.base(epoch) + position)
-        end = min(position + size, length)
-        if end - position < size:
-            end = position + self._last_len(max(0, end - position))
+        end = self._step_end(epoch, position, self.sizes.size(self.base(epoch) + position))
         if end <= position:
             return None
         # A walk asks for the step after the last one: its index is the next, no recount.
@@ -158,14 +154,7 @@ class RampupPlan(BatchPlan):
     def with_ranks(self, data_world_size: int) -> RampupPlan:
         """This plan over ``data_world_size`` data ranks: refused where the ramp does not divide,
         or where round_down would round the sizes otherwise (the consumed counts would move)."""
-        plan = RampupPlan(
-            self.order,
-            rampup=self.rampup,
-            global_batch_size=self.global_batch_size,
-            drop_last=self.drop_last,
-            pad_last=self.pad_last,
-            data_world_size=data_world_size,
-        )
+        plan = RampupPlan(self.order, rampup=self.rampup, **self._options(data_world_size))
         check_same_sizes(self.sizes, plan.sizes)
         return plan
 
@@ -186,20 +175,12 @@ class PlanOptions(Protocol):
 def make_plan(order: Order, options: PlanOptions, *, data_world_size: int) -> BatchPlan:
     """The loader's plan: a :class:`BatchPlan` of ``batch_size`` x ``data_world_size``, or a
     :class:`RampupPlan` ramping up to it when ``options.rampup`` is given."""
-    G, drop, pad = options.batch_size * data_world_size, options.drop_last, options.pad_last
+    kwargs: dict[str, Any] = {
+        "global_batch_size": options.batch_size * data_world_size,
+        "drop_last": options.drop_last,
+        "pad_last": options.pad_last,
+        "data_world_size": data_world_size,
+    }
     if options.rampup is None:
-        return BatchPlan(
-            order,
-            global_batch_size=G,
-            drop_last=drop,
-            pad_last=pad,
-            data_world_size=data_world_size,
-        )
-    return RampupPlan(
-        order,
-        rampup=options.rampup,
-        global_batch_size=G,
-        drop_last=drop,
-        pad_last=pad,
-        data_world_size=data_world_size,
-    )
+        return BatchPlan(order, **kwargs)
+    return RampupPlan(order, rampup=options.rampup, **kwargs)

@@ -113,12 +113,12 @@ class Interleave:
 
 
 class _Period(Interleave):
-    def __init__(self, quotas: list[int], *, kind: str, max_deviation: float) -> None:
-        self.kind = kind
+    def __init__(self, quotas: list[int]) -> None:
+        self.kind = "period"
         self.quotas = np.asarray(quotas, dtype=np.int64)
         self.period = int(self.quotas.sum())
         self.shares = [Fraction(q, self.period) for q in quotas]
-        self.max_deviation = max_deviation
+        self.max_deviation = float(1 - Fraction(1, self.period))  # the quota method's bound
         self.src = interleave_period(quotas)
         # each slot's rank among its source's slots, from one stable sort (a pass per source
         # was O(K * M): 10,000 sources took 60 ms, #32); source s has quotas[s] slots
@@ -290,14 +290,13 @@ def _greedy_tree(shares: list[Fraction], members: list[int]) -> _Tree:
     return _node(_greedy_tree(shares, left), _greedy_tree(shares, right), shares)
 
 
-def _simple_rationals(weights: list[Fraction]) -> list[Fraction] | None:
-    """The weights as small-denominator shares if that is invisible within ``HORIZON``."""
-    total = sum(weights, Fraction(0))
-    exact = [w / total for w in weights]
+def _simple_rationals(weights: list[Fraction], exact: list[Fraction]) -> list[Fraction] | None:
+    """The weights as small-denominator shares if that is invisible within ``HORIZON`` (beside
+    the weights' ``exact`` shares)."""
     approx = [w.limit_denominator(10**6) for w in weights]
-    if sum(approx, Fraction(0)) == 0:
-        return None
     approx_total = sum(approx, Fraction(0))
+    if approx_total == 0:
+        return None
     shares = [a / approx_total for a in approx]
     period = math.lcm(*(s.denominator for s in shares))
     if period > MAX_PERIOD:
