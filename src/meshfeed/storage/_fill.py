@@ -144,14 +144,12 @@ class Fill:
                 lock.acquire(exclusive=False, deadline=deadline, what=what)
                 self._count("waits")
             meta = self._read_meta(entry, deep=deep)
-            if meta is not None and want.fits(meta):
+            ready = meta is not None and want.fits(meta)
+            if not ready:  # ready after all where another process cached it meanwhile
+                lock.release()
+                ready = self._exclusive_or_ready(entry, lock, want, deadline, what, make_room)
+            if ready:  # held shared
                 if not fetched:
-                    self._count("hits")
-                self._touch(entry, demanded=demanded)
-                return True
-            lock.release()
-            if self._exclusive_or_ready(entry, lock, want, deadline, what, make_room):
-                if not fetched:  # another process cached it meanwhile: held shared now
                     self._count("hits")
                 self._touch(entry, demanded=demanded)
                 return True
