@@ -300,7 +300,7 @@ class ShardCache(Ahead):
         futures; a later :meth:`local_path` retries them.
         """
         self._check_fork()
-        pool = self._ahead_pool()
+        pool = self._pool("prefetch")
         todo = [url for url in urls if local_path_of(url) is None]
         now = time.time()
         with self._mutex:
