@@ -66,16 +66,6 @@ def local_path_of(url: str) -> str | None:
     return None
 
 
-def _fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as e:
-        raise ImportError(
-            f"reading URLs needs fsspec (and s3fs for s3://); install them: {_REMOTE_EXTRA}"
-        ) from e
-    return fsspec
-
-
 def endpoint_of(url: str, storage_options: StorageOptions | None = None) -> str:
     """The server a URL's requests go to, for error messages: the ``endpoint_url`` of
     ``storage_options`` (or its ``client_kwargs``), else the environment's, else the scheme's
@@ -94,7 +84,12 @@ def endpoint_of(url: str, storage_options: StorageOptions | None = None) -> str:
 
 def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path inside it (fsspec caches the instances)."""
-    fsspec = _fsspec()
+    try:
+        import fsspec
+    except ImportError as e:
+        raise ImportError(
+            f"reading URLs needs fsspec (and s3fs for s3://); install them: {_REMOTE_EXTRA}"
+        ) from e
     try:
         fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as e:
