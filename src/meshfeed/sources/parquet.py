@@ -111,10 +111,8 @@ def _expand(
 def _parquet_file(source: Source, **options: Any) -> Any:
     """A ``pyarrow.parquet.ParquetFile``: a path, or a remote file whose footer and row
     groups are read by ranged GETs (only the byte ranges pyarrow asks for)."""
-    pq = _pyarrow().parquet
-    if isinstance(source, RangedFile):
-        return pq.ParquetFile(source.open(), **options)
-    return pq.ParquetFile(source, **options)
+    opened = source.open() if isinstance(source, RangedFile) else source
+    return _pyarrow().parquet.ParquetFile(opened, **options)
 
 
 def _size_and_tail(source: Source, n: int) -> tuple[int, bytes]:
