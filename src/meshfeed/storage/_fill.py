@@ -90,8 +90,7 @@ class Fill:
         """What a listing said about objects (size, version, MD5): a download of one of them
         at that version then needs no metadata request first."""
         with self._mutex:
-            for info in infos:
-                self._infos[info.url] = info
+            self._infos.update((info.url, info) for info in infos)
 
     def _want(self, url: str, version: str | None) -> Want:
         """What this job accepts as ``url``: the given version, the registered digest, or
