@@ -51,9 +51,7 @@ class FileLock:
 
     def acquire(self, *, exclusive: bool, deadline: float, what: str) -> None:
         """Take the lock before ``deadline`` (``time.monotonic``)."""
-        self.wait_for(
-            lambda: True if self.try_acquire(exclusive=exclusive) else None, deadline, what
-        )
+        self.wait_for(lambda: self.try_acquire(exclusive=exclusive) or None, deadline, what)
 
     def wait_for(
         self, attempt: Callable[[], T | None], deadline: float, what: str
