@@ -298,15 +298,12 @@ class Mixture:
         return out
 
     def _resolve_g(self, global_batch_size: int | None) -> int:
-        G = global_batch_size
-        if G is None:
-            if len(self._schedule) > 1:
-                raise ValueError(
-                    "this mixture has a weight schedule in steps; pass global_batch_size= "
-                    "(or use it through a DataLoader) to place the changes in the stream"
-                )
-            G = 1
-        return int(G)
+        if global_batch_size is None and len(self._schedule) > 1:
+            raise ValueError(
+                "this mixture has a weight schedule in steps; pass global_batch_size= "
+                "(or use it through a DataLoader) to place the changes in the stream"
+            )
+        return 1 if global_batch_size is None else int(global_batch_size)
 
     def draws(
         self, positions: np.ndarray, *, global_batch_size: int | None = None

@@ -69,14 +69,10 @@ def _carried_counts_fit(
         return False
     if not all(isinstance(b, list) and len(b) == len(names) for b in bases):
         return False
-    if not _all_ints([*consumed.values(), *(x for b in bases for x in b)]):
+    counts = [*consumed.values(), *(x for b in bases for x in b)]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts):
         return False
     return not any(bases[0])
-
-
-def _all_ints(values: list[Any]) -> bool:
-    """Every value is an int (a bool is not)."""
-    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 class _Mixed(Protocol):

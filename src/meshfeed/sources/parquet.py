@@ -73,10 +73,6 @@ def _describe(schema: Any) -> str:
     return "{" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "}"
 
 
-def _rows(table: Any) -> list[Row]:
-    return list(table.to_pylist())
-
-
 def _expand(
     paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     cache: Callable[[], ShardCache],
@@ -115,10 +111,8 @@ def _expand(
 def _parquet_file(source: Source, **options: Any) -> Any:
     """A ``pyarrow.parquet.ParquetFile``: a path, or a remote file whose footer and row
     groups are read by ranged GETs (only the byte ranges pyarrow asks for)."""
-    pq = _pyarrow().parquet
-    if isinstance(source, RangedFile):
-        return pq.ParquetFile(source.open(), **options)
-    return pq.ParquetFile(source, **options)
+    opened = source.open() if isinstance(source, RangedFile) else source
+    return _pyarrow().parquet.ParquetFile(opened, **options)
 
 
 def _size_and_tail(source: Source, n: int) -> tuple[int, bytes]:
@@ -223,13 +217,10 @@ class ParquetSource:
         self._fingerprint: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: getattr(self, k) for k in self.__dict__}
+        state = dict(self.__dict__)
         state["_handles"], state["_cache"] = {}, OrderedDict()
         state["_shard_cache"] = None  # the local copies stay held by the original object
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -289,7 +280,7 @@ class ParquetSource:
             raise IndexError(f"row {i} out of range for {n} rows")
         i %= n
         g = int(np.searchsorted(self._offsets, i, side="right")) - 1
-        return _rows(self._row_group(g).slice(i - int(self._offsets[g]), 1))[0]
+        return self._row_group(g).slice(i - int(self._offsets[g]), 1).to_pylist()[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Row]:
         """Rows at ``indices`` in order; each needed row group is read (or fetched) once."""
@@ -299,7 +290,7 @@ class ParquetSource:
         for g in distinct(groups).tolist():
             where = np.flatnonzero(groups == g)
             local = idx[where] - self._offsets[g]
-            rows = _rows(self._row_group(g).take(local))
+            rows = self._row_group(g).take(local).to_pylist()
             for pos, row in zip(where.tolist(), rows, strict=True):
                 out[pos] = row
         return out
@@ -367,12 +358,12 @@ class ArrowSource:
         if not -n <= i < n:
             raise IndexError(f"row {i} out of range for {n} rows")
         self.check_unchanged()
-        return _rows(self.table.slice(i % n, 1))[0]
+        return self.table.slice(i % n, 1).to_pylist()[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Row]:
         idx = _as_index_array(indices, len(self))
         self.check_unchanged()
-        return _rows(self.table.take(idx))
+        return self.table.take(idx).to_pylist()
 
 
 def _arrow_from_path(path: Path, columns: list[str] | None) -> ArrowSource:

@@ -36,10 +36,10 @@ class Ahead(Fill):
     prefetch_workers: int
 
     def _init_ahead(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        # under a limit: the transfers of booked download-aheads, prefetch_workers at once (a
-        # pool of their own: the drain that books them may run in a thread of self._pool)
-        self._transfers: ThreadPoolExecutor | None = None
+        # by name, made on first use: "prefetch" runs the download-ahead tasks; under a limit,
+        # "transfer" the transfers of booked download-aheads, prefetch_workers at once (a pool
+        # of their own: the drain that books them may run in a "prefetch" thread)
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._slots = threading.BoundedSemaphore(self.prefetch_workers)
         # URL -> what the job accepts as it: download-aheads waiting for room, in order
         # (None: its place is kept while its task learns what it must be)
@@ -56,31 +56,22 @@ class Ahead(Fill):
         self._last_full = 0.0  # when the queue last found no room
         self._asked_at: dict[str, float] = {}  # URL -> when last asked ahead (time.time())
 
-    def _ahead_pool(self) -> ThreadPoolExecutor:
+    def _pool(self, name: str) -> ThreadPoolExecutor:
+        """The pool of the ``meshfeed-{name}`` threads (made on first use)."""
         with self._mutex:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.prefetch_workers, thread_name_prefix="meshfeed-prefetch"
+            if name not in self._pools:
+                self._pools[name] = ThreadPoolExecutor(
+                    self.prefetch_workers, thread_name_prefix=f"meshfeed-{name}"
                 )
-            return self._pool
-
-    def _transfer_pool(self) -> ThreadPoolExecutor:
-        with self._mutex:
-            if self._transfers is None:
-                self._transfers = ThreadPoolExecutor(
-                    self.prefetch_workers, thread_name_prefix="meshfeed-transfer"
-                )
-            return self._transfers
+            return self._pools[name]
 
     def _stop_ahead(self) -> None:
         """Stop the download-ahead threads (waiting for the transfers in flight)."""
         with self._mutex:
-            pools = (self._pool, self._transfers)
-            self._pool = self._transfers = None
+            pools, self._pools = self._pools, {}
             self._waiting.clear()
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+        for pool in pools.values():  # "prefetch" first: it is made first
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _queue(self, urls: list[str]) -> None:
         """Under a limit, keep the places of ``urls`` in the queue in the caller's order (their
@@ -166,7 +157,7 @@ class Ahead(Fill):
                 return
             self._scheduled = True
         try:
-            self._ahead_pool().submit(self._kicked_drain)
+            self._pool("prefetch").submit(self._kicked_drain)
         except RuntimeError:  # a pool shut down (close): nothing more to download
             with self._mutex:
                 self._scheduled = False
@@ -214,7 +205,7 @@ class Ahead(Fill):
                     continue
             try:
                 if started:
-                    self._transfer_pool().submit(self._transfer, url, want, tried, full)
+                    self._pool("transfer").submit(self._transfer, url, want, tried, full)
             except RuntimeError:  # the pool was shut down (close)
                 self._slots.release()
                 started = False

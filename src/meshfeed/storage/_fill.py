@@ -14,14 +14,7 @@ from meshfeed.storage._download import TooLargeForCache, Want, get_checked, on_d
 from meshfeed.storage._layout import Entry, book, checksum, held_bytes
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
-from meshfeed.storage.urls import (
-    RemoteInfo,
-    changed,
-    endpoint_of,
-    filesystem,
-    is_url,
-    remote_info,
-)
+from meshfeed.storage.urls import RemoteInfo, changed, filesystem, is_url, remote_info, retried
 
 
 class Fill:
@@ -87,13 +80,7 @@ class Fill:
             self._count("heads")
             return remote_info(url, self.storage_options, retry=None)
 
-        info = self.retry.call(
-            head,
-            url=url,
-            action="stat",
-            on_retry=self._on_retry,
-            endpoint=endpoint_of(url, self.storage_options),
-        )
+        info = retried(self.retry, head, url, "stat", self.storage_options, self._on_retry)
         with self._mutex:
             self._infos[url] = info
         self._current[url] = info.version
@@ -103,8 +90,7 @@ class Fill:
         """What a listing said about objects (size, version, MD5): a download of one of them
         at that version then needs no metadata request first."""
         with self._mutex:
-            for info in infos:
-                self._infos[info.url] = info
+            self._infos.update((info.url, info) for info in infos)
 
     def _want(self, url: str, version: str | None) -> Want:
         """What this job accepts as ``url``: the given version, the registered digest, or
@@ -157,14 +143,12 @@ class Fill:
                 lock.acquire(exclusive=False, deadline=deadline, what=what)
                 self._count("waits")
             meta = self._read_meta(entry, deep=deep)
-            if meta is not None and want.fits(meta):
+            ready = meta is not None and want.fits(meta)
+            if not ready:  # ready after all where another process cached it meanwhile
+                lock.release()
+                ready = self._exclusive_or_ready(entry, lock, want, deadline, what, make_room)
+            if ready:  # held shared
                 if not fetched:
-                    self._count("hits")
-                self._touch(entry, demanded=demanded)
-                return True
-            lock.release()
-            if self._exclusive_or_ready(entry, lock, want, deadline, what, make_room):
-                if not fetched:  # another process cached it meanwhile: held shared now
                     self._count("hits")
                 self._touch(entry, demanded=demanded)
                 return True
@@ -239,7 +223,6 @@ class Fill:
         (``on_booked`` is told once the room is booked)."""
         url = entry.url
         fs, path = filesystem(url, self.storage_options)
-        endpoint = endpoint_of(url, self.storage_options)
         with self._mutex:
             info = None if want.known else self._infos.get(url)
         if info is not None and info.version != want.version:
@@ -253,9 +236,7 @@ class Fill:
             return found
 
         if info is None and not want.known:
-            info = self.retry.call(
-                head, url=url, action="stat", on_retry=self._on_retry, endpoint=endpoint
-            )
+            info = retried(self.retry, head, url, "stat", self.storage_options, self._on_retry)
         size = int(want.size if info is None else info.size)  # type: ignore[arg-type]
         if self.cache_limit is not None and size > self.cache_limit:
             raise TooLargeForCache(url, size, self.cache_limit)  # a download-ahead skips it
@@ -280,9 +261,7 @@ class Fill:
                 raise
 
         try:
-            meta = self.retry.call(
-                get, url=url, action="download", on_retry=self._on_retry, endpoint=endpoint
-            )
+            meta = retried(self.retry, get, url, "download", self.storage_options, self._on_retry)
             entry.publish(tmp, meta)
             if "etag" in meta and not meta.get("vouched"):
                 entry.write_vouch(meta)

@@ -43,10 +43,6 @@ def _before_fork() -> None:
         _forking[:] = list(_seen)
 
 
-def _after_fork_in_parent() -> None:
-    _forking.clear()
-
-
 def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # a thread of the parent may have held it at the fork
@@ -56,6 +52,6 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(
     before=_before_fork,
-    after_in_parent=_after_fork_in_parent,
+    after_in_parent=_forking.clear,
     after_in_child=_after_fork_in_child,
 )

@@ -181,21 +181,13 @@ def checksum(path: Path, *, md5: bool) -> str:
 def checksums(path: Path) -> tuple[str, str]:
     """(``md5:HEX``, ``blake2b:HEX``) of a file in one pass: the MD5 to compare with a
     single-part ETag, the blake2b-128 that a dataset index records and its readers expect."""
-    md5, blake = _digests(path, _md5(), _blake2b())
+    md5, blake = _digests(path, hasher(md5=True), hasher(md5=False))
     return md5, blake
 
 
 def hasher(*, md5: bool) -> Any:
     """A new MD5 (comparable with a single-part ETag) or blake2b-128 (what an index records)."""
-    return _md5() if md5 else _blake2b()
-
-
-def _md5() -> Any:
-    return hashlib.md5(usedforsecurity=False)
-
-
-def _blake2b() -> Any:
-    return hashlib.blake2b(digest_size=16)
+    return hashlib.md5(usedforsecurity=False) if md5 else hashlib.blake2b(digest_size=16)
 
 
 def _digests(path: Path, *hashes: Any) -> list[str]:

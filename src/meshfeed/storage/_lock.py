@@ -49,12 +49,9 @@ class FileLock:
             return False
         return True
 
-    def acquire(self, *, exclusive: bool, deadline: float, what: str) -> bool:
-        """Take the lock before ``deadline`` (``time.monotonic``); True if it had to wait."""
-        _, waited = self.wait_for(
-            lambda: True if self.try_acquire(exclusive=exclusive) else None, deadline, what
-        )
-        return waited
+    def acquire(self, *, exclusive: bool, deadline: float, what: str) -> None:
+        """Take the lock before ``deadline`` (``time.monotonic``)."""
+        self.wait_for(lambda: self.try_acquire(exclusive=exclusive) or None, deadline, what)
 
     def wait_for(
         self, attempt: Callable[[], T | None], deadline: float, what: str

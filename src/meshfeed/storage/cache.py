@@ -59,11 +59,11 @@ from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import (
     RemoteInfo,
     StorageOptions,
-    endpoint_of,
     filesystem,
     is_url,
     local_path_of,
     remote_info,
+    retried,
 )
 
 __all__ = ["CacheDiskError", "ShardCache", "TooLargeForCache", "default_cache_dir", "resolve"]
@@ -300,7 +300,7 @@ class ShardCache(Ahead):
         futures; a later :meth:`local_path` retries them.
         """
         self._check_fork()
-        pool = self._ahead_pool()
+        pool = self._pool("prefetch")
         todo = [url for url in urls if local_path_of(url) is None]
         now = time.time()
         with self._mutex:
@@ -333,13 +333,8 @@ class ShardCache(Ahead):
             self._count("gets")
             return bytes(fs.cat_file(path, start=start, end=stop))
 
-        data = self.retry.call(
-            get,
-            url=url,
-            action="read a range of",
-            on_retry=self._on_retry,
-            endpoint=endpoint_of(url, self.storage_options),
-        )
+        options = self.storage_options
+        data = retried(self.retry, get, url, "read a range of", options, self._on_retry)
         self._count("range_reads")
         self._count("bytes", len(data))
         return data

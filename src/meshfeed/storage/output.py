@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from meshfeed.errors import SourceError
@@ -131,12 +130,7 @@ class Upload:
     def __enter__(self) -> Upload:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def publish(self, local: str | os.PathLike[str], url: str) -> None:

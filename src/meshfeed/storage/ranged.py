@@ -191,11 +191,9 @@ class RangedFile:
                 out.append(memoryview(b""))
                 continue
             first, last = a // bs, (b - 1) // bs
-            if first == last:
-                out.append(memoryview(blocks[first])[a - first * bs : b - first * bs])
-            else:
-                joined = b"".join(blocks[k] for k in range(first, last + 1))
-                out.append(memoryview(joined)[a - first * bs : b - first * bs])
+            span = range(first, last + 1)
+            data = blocks[first] if first == last else b"".join(blocks[k] for k in span)
+            out.append(memoryview(data)[a - first * bs : b - first * bs])
         return out
 
     def open(self) -> io.RawIOBase:

@@ -70,11 +70,9 @@ def is_refused(exc: BaseException) -> bool:
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if isinstance(cur, ConnectionRefusedError) or (
+        if isinstance(cur, (ConnectionRefusedError, socket.gaierror)) or (
             isinstance(cur, OSError) and cur.errno == errno.ECONNREFUSED
         ):
-            return True
-        if isinstance(cur, socket.gaierror):
             return True
         if _REFUSED_NAMES.intersection(c.__name__ for c in type(cur).__mro__):
             return True

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from meshfeed.errors import SourceError
 from meshfeed.storage._inherit import remember
@@ -41,6 +41,7 @@ __all__ = [
 
 #: Keyword arguments for the fsspec filesystem of a URL (``s3fs.S3FileSystem(**options)``).
 StorageOptions = Mapping[str, Any]
+T = TypeVar("T")
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*(://|::)")
 _INSTALL = {
@@ -65,16 +66,6 @@ def local_path_of(url: str) -> str | None:
     return None
 
 
-def _fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as e:
-        raise ImportError(
-            f"reading URLs needs fsspec (and s3fs for s3://); install them: {_REMOTE_EXTRA}"
-        ) from e
-    return fsspec
-
-
 def endpoint_of(url: str, storage_options: StorageOptions | None = None) -> str:
     """The server a URL's requests go to, for error messages: the ``endpoint_url`` of
     ``storage_options`` (or its ``client_kwargs``), else the environment's, else the scheme's
@@ -93,7 +84,12 @@ def endpoint_of(url: str, storage_options: StorageOptions | None = None) -> str:
 
 def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path inside it (fsspec caches the instances)."""
-    fsspec = _fsspec()
+    try:
+        import fsspec
+    except ImportError as e:
+        raise ImportError(
+            f"reading URLs needs fsspec (and s3fs for s3://); install them: {_REMOTE_EXTRA}"
+        ) from e
     try:
         fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as e:
@@ -104,6 +100,19 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
         ) from e
     remember(fs)  # a worker forked later must not close its connections (see _inherit)
     return fs, path
+
+
+def retried(
+    retry: RetryPolicy,
+    fn: Callable[[], T],
+    url: str,
+    action: str,
+    storage_options: StorageOptions | None,
+    on_retry: Callable[[BaseException], Any] | None = None,
+) -> T:
+    """``fn()`` retried under ``retry``; past its bound the error names ``url`` and its server."""
+    endpoint = endpoint_of(url, storage_options)
+    return retry.call(fn, url=url, action=action, on_retry=on_retry, endpoint=endpoint)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,13 +178,7 @@ def remote_info(
         return dict(fs.info(path))
 
     try:
-        info = (
-            head()
-            if retry is None
-            else retry.call(
-                head, url=url, action="stat", endpoint=endpoint_of(url, storage_options)
-            )
-        )
+        info = head() if retry is None else retried(retry, head, url, "stat", storage_options)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{url} does not exist ({e}); check the bucket and key") from e
     if info.get("type") == "directory":
@@ -221,9 +224,7 @@ def _listed(
         return list(fs.ls(path, detail=True))
 
     try:
-        listing = retry.call(
-            ls, url=folder, action="list", endpoint=endpoint_of(folder, storage_options)
-        )
+        listing = retried(retry, ls, folder, "list", storage_options)
     except (FileNotFoundError, NotADirectoryError):
         return {}
     names = {fs.unstrip_protocol(str(i.get("name", ""))): i for i in listing}
@@ -310,12 +311,8 @@ def open_url(
 ) -> IO[Any]:
     """An fsspec file object for ``url`` (opening retried; reads through it are not)."""
     fs, path = filesystem(url, storage_options)
-    return RetryPolicy(timeout=retry_timeout).call(
-        lambda: fs.open(path, mode),
-        url=url,
-        action="open",
-        endpoint=endpoint_of(url, storage_options),
-    )
+    retry = RetryPolicy(timeout=retry_timeout)
+    return retried(retry, lambda: fs.open(path, mode), url, "open", storage_options)
 
 
 def read_range(
@@ -332,13 +329,11 @@ def read_range(
     if start == stop:
         return b""
     fs, path = filesystem(url, storage_options)
-    data = RetryPolicy(timeout=retry_timeout).call(
-        lambda: fs.cat_file(path, start=start, end=stop),
-        url=url,
-        action="read a range of",
-        endpoint=endpoint_of(url, storage_options),
-    )
-    return bytes(data)
+
+    def get() -> bytes:
+        return bytes(fs.cat_file(path, start=start, end=stop))
+
+    return retried(RetryPolicy(timeout=retry_timeout), get, url, "read a range of", storage_options)
 
 
 def list_files(
@@ -365,12 +360,8 @@ def upload_file(
     """Copy a local file to ``url`` (retried). On object stores the object appears only once
     complete, so readers never see part of it."""
     fs, path = filesystem(url, storage_options)
-    RetryPolicy(timeout=retry_timeout).call(
-        lambda: fs.put_file(os.fspath(local), path),
-        url=url,
-        action="upload to",
-        endpoint=endpoint_of(url, storage_options),
-    )
+    retry = RetryPolicy(timeout=retry_timeout)
+    retried(retry, lambda: fs.put_file(os.fspath(local), path), url, "upload to", storage_options)
     fs.invalidate_cache(path)
 
 

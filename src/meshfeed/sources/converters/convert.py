@@ -209,18 +209,26 @@ def convert(
     """
     url = upload_target(output)
     if url is not None:
-        return _convert_to_url(
-            inputs,
-            url,
-            Upload(cache_dir, storage_options),
-            field=field,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            append_eod=append_eod,
-            eod_id=eod_id,
-            fmt=fmt,
-            num_workers=num_workers,
-            progress=progress,
+        for ext in (".bin", ".idx"):
+            url = url.removesuffix(ext)
+        with Upload(cache_dir, storage_options) as upload:
+            upload.check(url, "the corpus")
+            convert(
+                inputs,
+                upload.staging / "corpus",
+                field=field,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                append_eod=append_eod,
+                eod_id=eod_id,
+                fmt=fmt,
+                num_workers=num_workers,
+                progress=progress,
+            )
+            upload_corpus(upload, upload.staging / "corpus", url)
+        cache = upload.cache
+        return TokenCorpus.open(
+            url, cache_dir=cache.cache_dir, storage_options=cache.storage_options
         )
     output = local_path_of(os.fspath(output)) or output
     if fmt not in FORMATS:
@@ -256,22 +264,6 @@ def convert(
             shown = chunk.done_bytes
         bar.update(total - shown)
     return TokenCorpus(writer.prefix)
-
-
-def _convert_to_url(
-    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    url: str,
-    upload: Upload,
-    **kw: Any,
-) -> TokenCorpus:
-    for ext in (".bin", ".idx"):
-        url = url.removesuffix(ext)
-    with upload:
-        upload.check(url, "the corpus")
-        convert(inputs, upload.staging / "corpus", **kw)
-        upload_corpus(upload, upload.staging / "corpus", url)
-    cache = upload.cache
-    return TokenCorpus.open(url, cache_dir=cache.cache_dir, storage_options=cache.storage_options)
 
 
 #: Options of one --to only, with their defaults: given with the other, they are refused.

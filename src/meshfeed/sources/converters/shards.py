@@ -255,8 +255,5 @@ def _read_written(index_path: Path | str, cache_dir: str | None) -> ShardIndex:
     url = upload_target(index_path)
     if url is None:
         return read_index(index_path)
-    cache = ShardCache(cache_dir)  # the writer left index.json there: no download
-    try:
-        return read_index(cache.local_path(url), check_files=False)
-    finally:
-        cache.release(url)
+    with ShardCache(cache_dir).hold(url) as path:  # the writer left index.json there: no download
+        return read_index(path, check_files=False)
