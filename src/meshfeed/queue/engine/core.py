@@ -45,6 +45,7 @@ from meshfeed.queue.engine.records import (
     StoreOptions,
     View,
     count_down,
+    count_up,
     nbytes_of,
 )
 from meshfeed.queue.engine.stall import check_fits, round_size
@@ -229,7 +230,7 @@ class StoreCore(StoreAdmin):
         if again:
             self.redelivered += len(ids)
         elif request.hold:
-            self._hold(part, ids)
+            count_up(part.held, ids)
         self._evict(part, freed)
         return ids, rows, entry.round.lists() if request.parts else None, versions
 
@@ -301,7 +302,7 @@ class StoreCore(StoreAdmin):
         )
         rows = self._rows(part, ids, request.fields)
         if request.hold:
-            self._hold(part, ids)
+            count_up(part.held, ids)
         if self.options.lease_timeout is not None and share is None:
             self._lease(part, request, ids, alive, now)
         versions = _vs(part, ids, request.version_of)  # before they go
@@ -336,9 +337,7 @@ class StoreCore(StoreAdmin):
                 "SampleStore.get, which makes one"
             )
         self.leases.add(Lease(lease, r.partition, r.task, ids, r.consumer, now + timeout, alive))
-        leased = part.leased
-        for k in ids:
-            leased[k] = leased.get(k, 0) + 1
+        count_up(part.leased, ids)
 
     # ----------------------------------------------------------------- leases
     def ack(self, lease_id: str) -> None:
@@ -371,12 +370,8 @@ class StoreCore(StoreAdmin):
 
     def drop_leases(self, lease_ids: list[str]) -> int:
         """Return these leases (their consumer is gone) to ready; how many samples."""
-        n = 0
-        for lease_id in lease_ids:
-            lease = self.leases.pop(lease_id)
-            if lease is not None:
-                n += self._return(lease)
-        return n
+        leases = map(self.leases.pop, lease_ids)
+        return sum(self._return(lease) for lease in leases if lease is not None)
 
     def next_lease_deadline(self) -> float | None:
         return self.leases.next_deadline()
@@ -410,12 +405,6 @@ class StoreCore(StoreAdmin):
                 return rows
         cells = [r.cells(k) for r, k in zip(records, ids, strict=True)]
         return {f: gather([c[f] for c in cells]) for f in fields}
-
-    @staticmethod
-    def _hold(part: Partition, ids: list[Key]) -> None:
-        held = part.held
-        for k in ids:
-            held[k] = held.get(k, 0) + 1
 
     def release(self, partition: str, ids: list[Key]) -> None:
         """Undo one ``hold`` of each of ``ids`` (unknown ids are ignored) and evict."""
