@@ -45,7 +45,8 @@ class Chunk:
     def __init__(self, data: Any) -> None:
         self.data = data
         self.n = n = int(data.shape[0])  # not len(): a tensor's __len__ is a Python call
-        self.row_nbytes = int(data.nbytes if isinstance(data, np.ndarray) else _tbytes(data)) // n
+        nbytes = data.nbytes if isinstance(data, np.ndarray) else data.element_size() * data.numel()
+        self.row_nbytes = int(nbytes) // n
 
     def __len__(self) -> int:
         return self.n
@@ -146,17 +147,7 @@ def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
             pieces.append(torch.from_numpy(part))
         else:
             pieces.append(_take(data, rows, column.is_np))
-    if len(pieces) == 1:
-        return Gathered(pieces[0])
-    if column.is_np:
-        return Gathered(np.concatenate(pieces))
-    import torch
-
-    return Gathered(torch.cat(pieces))
-
-
-def _tbytes(t: Any) -> int:
-    return int(t.element_size() * t.numel())
+    return _concat(pieces, column.is_np)
 
 
 class Cell:
