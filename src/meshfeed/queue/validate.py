@@ -44,10 +44,6 @@ def columns(column: Any, name: str) -> list[Any] | Chunk:
     )
 
 
-def _plain(value: Any) -> Any:
-    return int(value) if isinstance(value, np.integer) else value
-
-
 def check_sampler(sampler: Any) -> Sampler:
     if sampler is None:
         return _SEQUENTIAL
@@ -115,9 +111,15 @@ def prefetch_of(context: dict[str, Any]) -> int | None:
     return check_index(prefetch, "prefetch", 1)
 
 
-def _check_key(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
+def _keys(values: list[Any], what: str) -> list[Any]:
+    """``values`` as int / str ids (numpy ints converted); refuses any other by name."""
+    if set(map(type, values)) <= _KEY_TYPES:  # the common case: nothing to convert
+        return values
+    plain = [int(v) if isinstance(v, np.integer) else v for v in values]
+    for value in plain:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
+    return plain
 
 
 def put_ids(ids: Any, n: int) -> list[Key]:
@@ -125,10 +127,7 @@ def put_ids(ids: Any, n: int) -> list[Key]:
     id_list = list(ids.tolist() if hasattr(ids, "tolist") else ids)
     if len(id_list) != n:
         raise ValueError(f"put got {len(id_list)} ids for {n} samples; give one id per sample")
-    if not set(map(type, id_list)) <= _KEY_TYPES:  # numpy ints, or a bad id to name
-        id_list = [_plain(k) for k in id_list]
-        for k in id_list:
-            _check_key(k, "a sample id")
+    id_list = _keys(id_list, "a sample id")
     if len(set(id_list)) != n:
         raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
     return id_list
@@ -141,11 +140,7 @@ def put_groups(groups: Any, n: int) -> list[Hashable]:
     group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
     if len(group_list) != n:
         raise ValueError(f"put got {len(group_list)} groups for {n} samples; give one per sample")
-    if not set(map(type, group_list)) <= _KEY_TYPES:
-        group_list = [_plain(g) for g in group_list]
-        for g in group_list:
-            _check_key(g, "a group id")
-    return group_list
+    return _keys(group_list, "a group id")
 
 
 def check_loader_arguments(*, task: Any, fields: Any, partition: Any, collate_retries: Any) -> None:
