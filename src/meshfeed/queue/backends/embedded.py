@@ -10,15 +10,14 @@ change that concerns it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
 from meshfeed.queue.backends.base import Got, Peeked
 from meshfeed.queue.checkpoints import state as checkpoint
 from meshfeed.queue.engine.core import StoreCore, StoreOptions, Taken
-from meshfeed.queue.engine.stall import StallWatch, describe_stall, timed_out
-from meshfeed.queue.engine.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
+from meshfeed.queue.engine.stall import StallWatch, describe_stall
+from meshfeed.queue.engine.wakeups import Waiter, Waiters
 from meshfeed.queue.request import GetRequest, PutRequest
 
 T = TypeVar("T")
@@ -45,8 +44,7 @@ def wait_for(
     cond = threading.Condition(lock)
     waiter = make(cond.notify)
     waiters.add(waiter)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    watch = StallWatch()
+    watch = StallWatch(timeout)
     try:
         while True:
             waiters.check(waiter)
@@ -54,15 +52,7 @@ def wait_for(
             waiters.tried(waiter, result is not None)
             if result is not None:
                 return result
-            watch.check(stall)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(timed_out(what, timeout, stall()))
-            chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
-            due = wake_by()
-            if due is not None:
-                chunk = max(0.0, min(chunk, due - time.monotonic()))
-            cond.wait(watch.cap(chunk))
+            cond.wait(watch.next(what, stall, wake_by))
     finally:
         waiters.remove(waiter)
         waiters.leaving(waiter)

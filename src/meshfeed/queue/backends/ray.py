@@ -39,7 +39,7 @@ from meshfeed.queue.backends.ray_dataplane import (
 from meshfeed.queue.checkpoints import state as checkpoint
 from meshfeed.queue.engine.columns import RemoteChunk
 from meshfeed.queue.engine.core import StoreCore, StoreOptions
-from meshfeed.queue.engine.stall import StallWatch, describe_stall, timed_out
+from meshfeed.queue.engine.stall import StallWatch, describe_stall
 from meshfeed.queue.engine.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 from meshfeed.queue.request import GetRequest, PutRequest
 
@@ -138,25 +138,15 @@ class _StoreActor:
         event = asyncio.Event()
         waiter = make(event.set)
         self.waiters.add(waiter)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        watch = StallWatch()
+        watch = StallWatch(timeout)  # see meshfeed.queue.engine.stall
+        longest = MAX_WAIT_CHUNK if probe is None else min(MAX_WAIT_CHUNK, PROBE_INTERVAL)
         try:
             while True:
                 self.waiters.check(waiter)
                 result = attempt()
                 if result is not None:
                     return result
-                watch.check(self._stall)  # see meshfeed.queue.engine.stall
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(timed_out(what, timeout, self._stall()))
-                chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
-                if probe is not None:
-                    chunk = min(chunk, PROBE_INTERVAL)
-                due = self.core.next_lease_deadline()
-                if due is not None:
-                    chunk = max(0.0, min(chunk, due - time.monotonic()))
-                chunk = watch.cap(chunk)
+                chunk = watch.next(what, self._stall, self.core.next_lease_deadline, longest)
                 event.clear()
                 woken = True
                 try:
