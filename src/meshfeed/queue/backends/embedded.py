@@ -87,7 +87,7 @@ class EmbeddedBackend:
                             "producer",
                             notify,
                             size=self.core.put_needs,
-                            ids=ids,
+                            ids=None if ids is None else frozenset(ids),
                             room=self._free,
                         )
                     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshfeed.queue.engine.columns import Cell, Chunk, RemoteChunk, resolve
@@ -168,31 +168,23 @@ class Run:
         return sample
 
 
+@dataclass(eq=False, slots=True)
 class Entry:
     """A plan shared by several readers (rank-aware / length-balanced samplers): its
     :class:`~meshfeed.queue.rounds.Round` (reader ``i`` of part ``p`` reads ``round[p]``).
 
     ``batch_size`` and ``agree`` (the request's ``agree=`` context, e.g. a loader's prefetch)
     are what the planner asked with; every reader must ask with the same (``None``: a plan
-    restored from a checkpoint that did not record them, not checked).
+    restored from a checkpoint that did not record them, not checked). ``read``: the readers
+    that read it.
     """
 
-    __slots__ = ("agree", "batch_size", "fields", "read", "readers", "round")
-
-    def __init__(
-        self,
-        plan: Round,
-        fields: tuple[str, ...],
-        readers: int,
-        batch_size: int | None = None,
-        agree: Any = None,
-    ) -> None:
-        self.round = plan
-        self.fields = fields
-        self.readers = readers
-        self.batch_size = batch_size
-        self.agree = agree
-        self.read: set[int] = set()
+    round: Round
+    fields: tuple[str, ...]
+    readers: int
+    batch_size: int | None = None
+    agree: Any = None
+    read: set[int] = field(default_factory=set)
 
 
 class Partition:
