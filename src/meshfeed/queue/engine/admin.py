@@ -39,17 +39,12 @@ class StoreAdmin:
     lease_expired: int
     leases: Leases
 
-    def _partition(self, name: str) -> Partition:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # StoreCore's
 
-    def _evict(self, part: Partition, keys: list[Key]) -> None:
-        raise NotImplementedError
-
-    def _remove(self, part: Partition, keys: list[Key]) -> None:
-        raise NotImplementedError
-
-    def expire_leases(self, now: float) -> int:
-        raise NotImplementedError
+        def _partition(self, name: str) -> Partition: ...
+        def _evict(self, part: Partition, keys: list[Key]) -> None: ...
+        def _remove(self, part: Partition, keys: list[Key]) -> None: ...
+        def expire_leases(self, now: float) -> int: ...
 
     def replan(
         self, partition: str, task: str, start: int, sampler: Any, parts: int, unit: int
