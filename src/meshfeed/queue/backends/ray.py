@@ -148,17 +148,15 @@ class _StoreActor:
                     return result
                 chunk = watch.next(what, self._stall, self.core.next_lease_deadline, longest)
                 event.clear()
-                woken = True
                 try:
                     await asyncio.wait_for(event.wait(), chunk)
-                except asyncio.TimeoutError:
-                    woken = False
-                if probe is not None and not woken and not await caller_alive(probe):
-                    self.abandoned += 1
-                    raise RequestCancelled(
-                        f"{what}: the caller's process is gone; the wait was given up "
-                        "and nothing was stored or consumed"
-                    ) from None
+                except asyncio.TimeoutError:  # not woken: is the caller still there?
+                    if probe is not None and not await caller_alive(probe):
+                        self.abandoned += 1
+                        raise RequestCancelled(
+                            f"{what}: the caller's process is gone; the wait was given up "
+                            "and nothing was stored or consumed"
+                        ) from None
         finally:
             self.waiters.remove(waiter)
 
