@@ -298,11 +298,8 @@ class StoreLoader(LoaderBase, Walking):
         check_num_epochs(num_epochs)
         if num_epochs > 1:
             raise ValueError(one_epoch(f"{num_epochs=}", "use epochs(1)"))
-        if num_epochs == 1 and not self._at_end():
+        if num_epochs == 1 and not self._finished:
             yield 0
-
-    def _at_end(self) -> bool:
-        return self._finished
 
     def _enter_epoch(self, epoch: int) -> None:
         """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
@@ -327,7 +324,7 @@ class StoreLoader(LoaderBase, Walking):
         out["failures"] = [list(row) for row in self._skips.failures]
         out["next_seconds"] = self._next_seconds
         out["in_flight"] = 0 if self._finished else self._in_flight()
-        out["ended"] = self._at_end()
+        out["ended"] = self._finished
         out["epoch"], out["delivery"] = 0, self.delivery_stats()
         store = self.store.stats()
         out["versions"] = self._version.stats(store, self.task, self.partition)
