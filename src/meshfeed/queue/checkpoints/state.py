@@ -62,14 +62,12 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
     lease's task (so the restored store delivers them again, counted in ``lease_expired``), as
     a consumer that has not acknowledged a batch may not have used it."""
     returned, consumed_total, lease_expired = _return_leases(core)
-    partitions = []
-    payload: list[list[dict]] = []
-    for name, part in core.partitions.items():
-        partitions.append(_partition_meta(name, part, returned))
-        if with_payload:
-            payload.append(
-                [{f: resolve(v) for f, v in s.cells(k).items()} for k, s in part.samples.items()]
-            )
+    partitions = [_partition_meta(name, part, returned) for name, part in core.partitions.items()]
+    payload = [
+        [{f: resolve(v) for f, v in s.cells(k).items()} for k, s in part.samples.items()]
+        for part in core.partitions.values()
+        if with_payload
+    ]
     meta = envelope(
         KIND,
         VERSION,
