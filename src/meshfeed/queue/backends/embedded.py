@@ -169,8 +169,7 @@ class EmbeddedBackend:
                         self.core.next_lease_deadline,
                         self._stall,
                     )
-                lease = request.lease
-                leased = lease if lease in self.core.leases else None
+                leased = request.lease if request.lease in self.core.leases else None
                 return got[0], got[1], leased, got[2], got[3]
             finally:
                 core = self.core
