@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -116,15 +117,14 @@ def signature(data: Any) -> tuple[Any, ...]:
     return (isinstance(data, np.ndarray), str(data.dtype), tuple(data.shape[1:]))
 
 
+@dataclass(eq=False, slots=True)
 class Runs:
     """A batch column still to assemble: ``runs`` of ``(ref or array, rows)`` in order, where
     a ref's ``rows`` index its fetched chunk and an array is already the rows (a small chunk
     held by the actor); ``is_np``: numpy, else torch."""
 
-    __slots__ = ("is_np", "runs")
-
-    def __init__(self, runs: list[tuple[Any, list[int] | None]], is_np: bool) -> None:
-        self.runs, self.is_np = runs, is_np
+    runs: list[tuple[Any, list[int] | None]]
+    is_np: bool
 
 
 def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
@@ -162,13 +162,11 @@ class Cell:
         return self.chunk.data[self.row]
 
 
+@dataclass(eq=False, slots=True)
 class Gathered:
     """A batch column already assembled from cells (``store.collate`` passes it through)."""
 
-    __slots__ = ("data",)
-
-    def __init__(self, data: Any) -> None:
-        self.data = data
+    data: Any
 
 
 def resolve(value: Any) -> Any:

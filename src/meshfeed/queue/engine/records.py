@@ -23,14 +23,12 @@ from meshfeed.queue.rounds import Progress, Round
 Key = Hashable
 
 
+@dataclass(eq=False, slots=True)
 class Ref:
     """A payload kept outside the store (a Ray ``ObjectRef``) and its size in bytes."""
 
-    __slots__ = ("nbytes", "ref")
-
-    def __init__(self, ref: Any, nbytes: int) -> None:
-        self.ref = ref
-        self.nbytes = nbytes
+    ref: Any
+    nbytes: int
 
 
 SCALAR_TYPES = frozenset({int, float, bool, type(None)})
