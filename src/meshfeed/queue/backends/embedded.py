@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
-from meshfeed.queue.backends.base import Got, Peeked
+from meshfeed.queue.backends.base import Got, Peeked, try_get
 from meshfeed.queue.checkpoints import state as checkpoint
-from meshfeed.queue.engine.core import StoreCore, StoreOptions, Taken
+from meshfeed.queue.engine.core import StoreCore, StoreOptions
 from meshfeed.queue.engine.stall import StallWatch, describe_stall
 from meshfeed.queue.engine.wakeups import Waiter, Waiters
 from meshfeed.queue.request import GetRequest, PutRequest
@@ -136,14 +137,7 @@ class EmbeddedBackend:
             part = self.core.partitions.get(partition)
             return part is not None and (part.closed or part.pending_count(task) >= batch_size)
 
-        def attempt() -> Taken | None:
-            core = self.core
-            taken, dropped = core.taken, core.dropped
-            got = core.try_get(request)
-            if got is None and (core.taken != taken or core.dropped != dropped):
-                # It dropped stale or filtered samples, then waits: that freed room now.
-                self.waiters.wake_producers()
-            return got
+        attempt = partial(try_get, self, request)
 
         def make(notify: Callable[[], None]) -> Waiter:
             return Waiter.consumer(notify, request, group=group, more=more)

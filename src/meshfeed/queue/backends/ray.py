@@ -20,9 +20,10 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
+from functools import partial
 from typing import Any
 
-from meshfeed.queue.backends.base import Got, Peeked
+from meshfeed.queue.backends.base import Got, Peeked, try_get
 from meshfeed.queue.backends.ray_dataplane import (
     PROBE_INTERVAL,
     PROBE_TIMEOUT,
@@ -218,17 +219,9 @@ class _StoreActor:
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
         taken = core.taken
 
-        def attempt() -> Any:
-            core = self.core
-            taken, dropped = core.taken, core.dropped
-            got = core.try_get(request, alive=probe)
-            if got is None and (core.taken != taken or core.dropped != dropped):
-                self.waiters.wake_producers()  # it dropped samples, then waits: room now
-            return got
-
         try:
             ok, out = await self._run(
-                attempt,
+                partial(try_get, self, request, probe),
                 request.timeout,
                 request.describe(),
                 lambda notify: Waiter.consumer(notify, request),
