@@ -230,9 +230,7 @@ class EmbeddedBackend:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            self.core.waiting_consumers = self.waiters.count("consumer")
-            self.core.waiting_producers = self.waiters.count("producer")
-            return self.core.stats()
+            return self.core.stats(self.waiters)
 
     def dump(self, with_payload: bool) -> tuple[dict[str, Any], list[list[dict]]]:
         with self.lock:

@@ -263,9 +263,7 @@ class _StoreActor:
         """An admin call that never waits: reset_consumption, clear, delete, close, stats."""
 
         if name == "stats":
-            self.core.waiting_consumers = self.waiters.count("consumer")
-            self.core.waiting_producers = self.waiters.count("producer")
-            ok, out = await self._run(self.core.stats, 0, name)
+            ok, out = await self._run(lambda: self.core.stats(self.waiters), 0, name)
             if ok:
                 out["abandoned_waits"] = self.abandoned
                 out["adopted_chunks"] = self.plane.adopted

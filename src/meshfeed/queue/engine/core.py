@@ -80,8 +80,6 @@ class StoreCore(StoreAdmin):
         self.dropped = 0
         self.produced = 0
         self.consumed_total: dict[str, int] = {}
-        self.waiting_consumers = 0
-        self.waiting_producers = 0
         self.redelivered = 0  # samples handed out again to a retried request
         self.leases = Leases()
         self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
