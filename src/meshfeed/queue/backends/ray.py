@@ -244,23 +244,14 @@ class _StoreActor:
             if core.lease_expired != expired:
                 self.waiters.wake_all()
 
-    async def ack(self, lease_id: str) -> Any:
-        dropped = self.core.dropped
-        try:
-            return await self._run(lambda: self.core.ack(lease_id), 0, "ack")
-        finally:
-            if self.core.dropped != dropped:
-                self.waiters.wake_producers()
-
-    async def drop_consumer(self, consumer: Any) -> Any:
-        return await self._admin(lambda: self.core.drop_consumer(consumer))
-
     async def cancel(self, token: Any) -> Any:
         self.waiters.cancel(token)
         return True, None
 
     async def call(self, name: str, *args: Any) -> Any:
-        """An admin call that never waits: reset_consumption, clear, delete, close, stats."""
+        """A call of the core that never waits (ack, release, peek, drop_consumer, replan,
+        passed, reset_consumption, clear, delete, close, stats): it wakes the waiters it may
+        serve."""
 
         if name == "stats":
             ok, out = await self._run(lambda: self.core.stats(self.waiters), 0, name)
@@ -272,10 +263,10 @@ class _StoreActor:
         try:
             return await self._run(lambda: getattr(self.core, name)(*args), 0, name)
         finally:
-            if name == "release":
+            if name in ("ack", "release"):
                 if self.core.dropped != dropped:
                     self.waiters.wake_producers()
-            elif name not in ("stats", "peek"):
+            elif name != "peek":
                 self.waiters.wake_all()
 
     async def _admin(self, fn: Callable[[], Any]) -> Any:
@@ -401,10 +392,10 @@ class RayBackend:
         return ids, self._resolve(rows), leased, parts, vs
 
     def ack(self, lease_id: str) -> None:
-        self._call(self.actor.ack.remote(lease_id))
+        self._call(self.actor.call.remote("ack", lease_id))
 
     def drop_consumer(self, consumer: Any) -> int:
-        return int(self._call(self.actor.drop_consumer.remote(consumer)))
+        return int(self._call(self.actor.call.remote("drop_consumer", consumer)))
 
     def cancel(self, token: Any) -> None:
         self._call(self.actor.cancel.remote(token))
