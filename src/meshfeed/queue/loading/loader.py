@@ -215,7 +215,6 @@ class StoreLoader(LoaderBase, Walking):
 
     def _default_service(self, wait: float | None) -> BoundedService:
         if self.num_workers:
-            ray = self.store.backend == "ray"
             return WorkerService(
                 int(self.num_workers),
                 prefetch=self.prefetch,
@@ -224,7 +223,7 @@ class StoreLoader(LoaderBase, Walking):
                 timeout=None if wait is None else wait + _MARGIN,
                 # Ray: spawn (fork is unsafe under Ray; each worker connects to the store, which
                 # counts against the first batch's timeout). Embedded: the platform's default.
-                start_method="spawn" if ray else None,
+                start_method="spawn" if self.store.backend == "ray" else None,
                 name="meshfeed-store-worker",
                 grace=0.25,
                 max_chunk=1,  # a batch travels as soon as it is made, never behind a later one
