@@ -170,10 +170,9 @@ def restore(
     core.lease_expired = int(meta.get("lease_expired", 0))  # states before leases: none
     for i, pm in enumerate(meta["partitions"]):
         name = pm["name"]
-        part = Partition()
-        part.closed = bool(pm["closed"])
-        part.next_id = int(pm["next_id"])
-        part.seen = set(pm["seen"])
+        part = Partition(
+            closed=bool(pm["closed"]), next_id=int(pm["next_id"]), seen=set(pm["seen"])
+        )
         rows = payload[i] if payload is not None else _current_rows(current, name, pm)
         _restore_samples(part, pm, rows)
         _restore_progress(part, pm)

@@ -142,9 +142,7 @@ def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
             import torch
 
             part = _take(data, rows, True)
-            if not part.flags.writeable:
-                part = part.copy()
-            pieces.append(torch.from_numpy(part))
+            pieces.append(torch.from_numpy(part if part.flags.writeable else part.copy()))
         else:
             pieces.append(_take(data, rows, column.is_np))
     return _concat(pieces, column.is_np)
