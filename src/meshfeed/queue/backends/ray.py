@@ -61,16 +61,13 @@ class _StoreActor:
     call awaits its own ``asyncio.Event``, set only by a change that may serve it (see
     :mod:`meshfeed.queue.engine.wakeups`)."""
 
-    def __init__(self, options: dict[str, Any], meta: Any = None, payload: Any = None) -> None:
+    def __init__(self, options: dict[str, Any]) -> None:
         import ray
         import torch
 
         # This process is the store's own: every tensor it sends travels as an array.
         ray.util.register_serializer(torch.Tensor, serializer=tensor_out, deserializer=tensor_in)
-        opts = StoreOptions.from_dict(options)
-        self.core = (
-            StoreCore(opts) if meta is None else checkpoint.restore(meta, payload, options=opts)
-        )
+        self.core = StoreCore(StoreOptions.from_dict(options))  # a checkpoint comes by restore
         self.waiters = Waiters()
         self.abandoned = 0  # waiting gets whose caller died: given up, nothing consumed
         self.plane = ChunkKeeper(caller_alive)
