@@ -19,16 +19,12 @@ _SEQUENTIAL = SequentialSampler()
 _KEY_TYPES = frozenset({int, str})  # ids and groups that need no conversion (not bool)
 
 
-def _torch() -> Any:
-    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
-    # workers and actors that never see one.
-    return sys.modules.get("torch")
-
-
 def columns(column: Any, name: str) -> list[Any] | Chunk:
     if type(column) is list:  # the common case; the store keeps the values, not the list
         return column
-    torch = _torch()
+    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
+    # workers and actors that never see one.
+    torch = sys.modules.get("torch")
     if isinstance(column, np.ndarray) or (torch is not None and isinstance(column, torch.Tensor)):
         if column.ndim == 0:
             raise ValueError(
