@@ -138,9 +138,7 @@ class EmbeddedBackend:
             return part is not None and (part.closed or part.pending_count(task) >= batch_size)
 
         attempt = partial(try_get, self, request)
-
-        def make(notify: Callable[[], None]) -> Waiter:
-            return Waiter.consumer(notify, request, group=group, more=more)
+        make = partial(Waiter.consumer, request=request, group=group, more=more)
 
         with self.lock:
             core = self.core

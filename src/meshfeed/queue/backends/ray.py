@@ -360,8 +360,7 @@ class RayBackend:
         rows = {f: wrap_column(col, self.inline_bytes) for f, col in request.rows.items()}
         request = request._replace(rows=rows)
         caller = self._caller()
-        timeout = request.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if request.timeout is None else time.monotonic() + request.timeout
         while True:  # waits here, not in the actor: a dead producer's put never lands (#28)
             out = self._call(self.actor.put.remote(request, caller))
             if not (type(out) is tuple and out[0] == "full"):
