@@ -305,7 +305,7 @@ class StoreCore(StoreAdmin):
             self._lease(part, request, ids, alive, now)
         versions = _vs(part, ids, request.version_of)  # before they go
         if drop:  # fast path: nothing else keeps them, so they go without eviction checks
-            self._forget(part, every)
+            self._dropped(forget(part, every))
         elif share is None:  # a plan's samples stay pinned until the plan goes
             self._evict(part, every)
         parts = plan.lists() if share is not None and request.parts else None
@@ -432,9 +432,6 @@ class StoreCore(StoreAdmin):
 
     def _remove(self, part: Partition, keys: list[Key]) -> None:
         self._dropped(remove(part, keys))
-
-    def _forget(self, part: Partition, keys: list[Key]) -> None:
-        self._dropped(forget(part, keys))
 
     def _dropped(self, n: int) -> None:
         self.held -= n
