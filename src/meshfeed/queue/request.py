@@ -110,6 +110,3 @@ class PutRequest(NamedTuple):
     groups: list[Hashable] | None = None
     timeout: float | None = None
     version: int | None = None
-
-    def describe(self) -> str:
-        return f"put to {self.partition!r}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Protocol, runtime_checkable
 
 from meshfeed.queue.rounds import Round
@@ -84,6 +85,17 @@ def _batch_index(context: Mapping[str, Any], who: str) -> int:
     return index
 
 
+def _place(mesh: Any, rank: int) -> dict[str, int]:
+    """Global ``rank``'s place on ``mesh``: its data and replica ranks, and their sizes."""
+    group = mesh.replica_group(rank)
+    return {
+        "data_rank": mesh.data_rank(rank),
+        "data_world_size": mesh.data_world_size,
+        "replica_rank": group.index(rank),
+        "replica_size": len(group),
+    }
+
+
 def _check_int(name: str, value: Any, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low} (got {name}={value!r})")
@@ -100,12 +112,10 @@ class SequentialSampler:
         return None
 
     def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
-        ids: list[Key] = []
-        for key in view.ready():
-            ids.append(key)
-            if len(ids) == batch_size:
-                return [ids]
-        return [ids] if view.closed and ids else None
+        ids = list(islice(view.ready(), batch_size))
+        if len(ids) == batch_size or (view.closed and ids):
+            return [ids]
+        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -237,14 +247,7 @@ class RankAwareSampler:
     @classmethod
     def from_mesh(cls, mesh: Any, rank: int, inner: Sampler | None = None) -> RankAwareSampler:
         """The sampler for global ``rank`` of a :class:`meshfeed.DataMesh`."""
-        group = mesh.replica_group(rank)
-        return cls(
-            data_rank=mesh.data_rank(rank),
-            replica_rank=group.index(rank),
-            replica_size=len(group),
-            data_world_size=mesh.data_world_size,
-            inner=inner if inner is not None else SequentialSampler(),
-        )
+        return cls(**_place(mesh, rank), inner=inner if inner is not None else SequentialSampler())
 
     @property
     def extra_fields(self) -> tuple[str, ...]:
@@ -253,14 +256,11 @@ class RankAwareSampler:
     def share(self, context: Mapping[str, Any]) -> Share | None:
         index = _batch_index(context, "RankAwareSampler")
         stream = context.get("stream", 0)
-        if self.data_world_size == 1:
-            key: tuple[Any, ...] = ("rank", self.data_rank, stream, index)
-        else:
-            key = ("round", stream, index)
         if self.data_world_size == 1:  # the key names the data rank: only replicas share it
+            key = ("rank", self.data_rank, stream, index)
             return Share(key=key, reader=self.replica_rank, readers=self.replica_size, part=0)
         return Share(
-            key=key,
+            key=("round", stream, index),
             reader=self.data_rank * self.replica_size + self.replica_rank,
             readers=self.data_world_size * self.replica_size,
             part=self.data_rank,
@@ -318,15 +318,7 @@ class LengthBalancedSampler:
     def from_mesh(
         cls, mesh: Any, rank: int, *, length_field: str, group_size: int = 1
     ) -> LengthBalancedSampler:
-        group = mesh.replica_group(rank)
-        return cls(
-            length_field=length_field,
-            data_rank=mesh.data_rank(rank),
-            data_world_size=mesh.data_world_size,
-            replica_rank=group.index(rank),
-            replica_size=len(group),
-            group_size=group_size,
-        )
+        return cls(length_field=length_field, group_size=group_size, **_place(mesh, rank))
 
     @property
     def extra_fields(self) -> tuple[str, ...]:
@@ -362,12 +354,8 @@ class LengthBalancedSampler:
                 "each data rank receives whole groups"
             )
         want = self.data_world_size * batch_size // self.group_size
-        units: list[list[Key]] = []
         if self.group_size == 1:  # single samples need no group id
-            for key in view.ready():
-                units.append([key])
-                if len(units) == want:
-                    break
+            units = [[key] for key in islice(view.ready(), want)]
         else:
             units = GroupSampler(group_size=self.group_size).complete_groups(view, want)
         if len(units) < want and not (view.closed and len(units) >= self.data_world_size):
@@ -434,13 +422,7 @@ def mesh_sampler(sampler: Any, mesh: Any, rank: int) -> Any:
     data ranks would get different numbers of batches and a training step's collective would
     hang.
     """
-    group = mesh.replica_group(rank)
-    facts = {
-        "data_rank": mesh.data_rank(rank),
-        "data_world_size": mesh.data_world_size,
-        "replica_rank": group.index(rank),
-        "replica_size": len(group),
-    }
+    facts = _place(mesh, rank)
     if sampler is None:
         return RankAwareSampler.from_mesh(mesh, rank)
     if isinstance(sampler, (SequentialSampler, GroupSampler)):

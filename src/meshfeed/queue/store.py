@@ -324,13 +324,9 @@ class SampleStore:
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
             version=None if version is None else check_version(version),
-            max_staleness=None
-            if max_staleness is None
-            else check_staleness(version, max_staleness),
+            max_staleness=check_staleness(version, max_staleness),
             version_of=version_of if version_of == "oldest" else check_version_of(version_of),
-            group_filter=None
-            if group_filter is None
-            else check_group_filter(group_filter, sampler),
+            group_filter=check_group_filter(group_filter, sampler),
         )
         ids, rows, lease, plan, versions = self._backend.get(request)
         names = request.fields

@@ -19,16 +19,12 @@ _SEQUENTIAL = SequentialSampler()
 _KEY_TYPES = frozenset({int, str})  # ids and groups that need no conversion (not bool)
 
 
-def _torch() -> Any:
-    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
-    # workers and actors that never see one.
-    return sys.modules.get("torch")
-
-
 def columns(column: Any, name: str) -> list[Any] | Chunk:
     if type(column) is list:  # the common case; the store keeps the values, not the list
         return column
-    torch = _torch()
+    # Tensors can only exist if torch was imported: avoid importing it (seconds) in Ray
+    # workers and actors that never see one.
+    torch = sys.modules.get("torch")
     if isinstance(column, np.ndarray) or (torch is not None and isinstance(column, torch.Tensor)):
         if column.ndim == 0:
             raise ValueError(
@@ -42,10 +38,6 @@ def columns(column: Any, name: str) -> list[Any] | Chunk:
         f"field {name!r} is a {type(column).__name__}; give a column per field: a list, "
         "tuple, tensor or array with one entry per sample"
     )
-
-
-def _plain(value: Any) -> Any:
-    return int(value) if isinstance(value, np.integer) else value
 
 
 def check_sampler(sampler: Any) -> Sampler:
@@ -115,9 +107,15 @@ def prefetch_of(context: dict[str, Any]) -> int | None:
     return check_index(prefetch, "prefetch", 1)
 
 
-def _check_key(value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
+def _keys(values: list[Any], what: str) -> list[Any]:
+    """``values`` as int / str ids (numpy ints converted); refuses any other by name."""
+    if set(map(type, values)) <= _KEY_TYPES:  # the common case: nothing to convert
+        return values
+    plain = [int(v) if isinstance(v, np.integer) else v for v in values]
+    for value in plain:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise TypeError(f"{what} must be an int or str (got {value!r}); use plain ids")
+    return plain
 
 
 def put_ids(ids: Any, n: int) -> list[Key]:
@@ -125,10 +123,7 @@ def put_ids(ids: Any, n: int) -> list[Key]:
     id_list = list(ids.tolist() if hasattr(ids, "tolist") else ids)
     if len(id_list) != n:
         raise ValueError(f"put got {len(id_list)} ids for {n} samples; give one id per sample")
-    if not set(map(type, id_list)) <= _KEY_TYPES:  # numpy ints, or a bad id to name
-        id_list = [_plain(k) for k in id_list]
-        for k in id_list:
-            _check_key(k, "a sample id")
+    id_list = _keys(id_list, "a sample id")
     if len(set(id_list)) != n:
         raise ValueError(f"put ids repeat ({id_list[:20]}); give each sample once per put")
     return id_list
@@ -141,11 +136,7 @@ def put_groups(groups: Any, n: int) -> list[Hashable]:
     group_list = list(groups) if isinstance(groups, list | tuple) else [groups] * n
     if len(group_list) != n:
         raise ValueError(f"put got {len(group_list)} groups for {n} samples; give one per sample")
-    if not set(map(type, group_list)) <= _KEY_TYPES:
-        group_list = [_plain(g) for g in group_list]
-        for g in group_list:
-            _check_key(g, "a group id")
-    return group_list
+    return _keys(group_list, "a group id")
 
 
 def check_loader_arguments(*, task: Any, fields: Any, partition: Any, collate_retries: Any) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any, Protocol
 
+from meshfeed.queue.engine.core import Taken
 from meshfeed.queue.request import GetRequest, PutRequest
 
-__all__ = ["Backend", "Got", "Peeked"]
+__all__ = ["Backend", "Got", "Peeked", "try_get"]
 
 Key = Hashable
 #: A get's result: the ids, one column per field (as the core gathered them), the lease the
@@ -25,6 +26,17 @@ Got = tuple[list[Key], dict[str, Any], str | None, list[list[Key]] | None, list[
 
 #: A peek's result: the ids, their columns, their policy versions (``None``: no versions).
 Peeked = tuple[list[Key], dict[str, Any], list[int | None] | None]
+
+
+def try_get(backend: Any, request: GetRequest, alive: Any = None) -> Taken | None:
+    """One attempt of a get on ``backend.core`` (``alive``: the caller's liveness probe); one
+    that waits after dropping samples (stale or filtered) freed room: producers are woken."""
+    core = backend.core
+    taken, dropped = core.taken, core.dropped
+    got = core.try_get(request, alive=alive)
+    if got is None and (core.taken != taken or core.dropped != dropped):
+        backend.waiters.wake_producers()
+    return got
 
 
 class Backend(Protocol):

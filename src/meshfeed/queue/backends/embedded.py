@@ -10,15 +10,15 @@ change that concerns it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Hashable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
-from meshfeed.queue.backends.base import Got, Peeked
+from meshfeed.queue.backends.base import Got, Peeked, try_get
 from meshfeed.queue.checkpoints import state as checkpoint
-from meshfeed.queue.engine.core import StoreCore, StoreOptions, Taken
-from meshfeed.queue.engine.stall import StallWatch, describe_stall, timed_out
-from meshfeed.queue.engine.wakeups import MAX_WAIT_CHUNK, Waiter, Waiters
+from meshfeed.queue.engine.core import StoreCore, StoreOptions
+from meshfeed.queue.engine.stall import StallWatch, describe_stall
+from meshfeed.queue.engine.wakeups import Waiter, Waiters
 from meshfeed.queue.request import GetRequest, PutRequest
 
 T = TypeVar("T")
@@ -45,8 +45,7 @@ def wait_for(
     cond = threading.Condition(lock)
     waiter = make(cond.notify)
     waiters.add(waiter)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    watch = StallWatch()
+    watch = StallWatch(timeout)
     try:
         while True:
             waiters.check(waiter)
@@ -54,15 +53,7 @@ def wait_for(
             waiters.tried(waiter, result is not None)
             if result is not None:
                 return result
-            watch.check(stall)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(timed_out(what, timeout, stall()))
-            chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
-            due = wake_by()
-            if due is not None:
-                chunk = max(0.0, min(chunk, due - time.monotonic()))
-            cond.wait(watch.cap(chunk))
+            cond.wait(watch.next(what, stall, wake_by))
     finally:
         waiters.remove(waiter)
         waiters.leaving(waiter)
@@ -97,7 +88,7 @@ class EmbeddedBackend:
                             "producer",
                             notify,
                             size=self.core.put_needs,
-                            ids=ids,
+                            ids=None if ids is None else frozenset(ids),
                             room=self._free,
                         )
                     )
@@ -146,17 +137,8 @@ class EmbeddedBackend:
             part = self.core.partitions.get(partition)
             return part is not None and (part.closed or part.pending_count(task) >= batch_size)
 
-        def attempt() -> Taken | None:
-            core = self.core
-            taken, dropped = core.taken, core.dropped
-            got = core.try_get(request)
-            if got is None and (core.taken != taken or core.dropped != dropped):
-                # It dropped stale or filtered samples, then waits: that freed room now.
-                self.waiters.wake_producers()
-            return got
-
-        def make(notify: Callable[[], None]) -> Waiter:
-            return Waiter.consumer(notify, request, group=group, more=more)
+        attempt = partial(try_get, self, request)
+        make = partial(Waiter.consumer, request=request, group=group, more=more)
 
         with self.lock:
             core = self.core
@@ -179,8 +161,7 @@ class EmbeddedBackend:
                         self.core.next_lease_deadline,
                         self._stall,
                     )
-                lease = request.lease
-                leased = lease if lease in self.core.leases else None
+                leased = request.lease if request.lease in self.core.leases else None
                 return got[0], got[1], leased, got[2], got[3]
             finally:
                 core = self.core
@@ -247,9 +228,7 @@ class EmbeddedBackend:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            self.core.waiting_consumers = self.waiters.count("consumer")
-            self.core.waiting_producers = self.waiters.count("producer")
-            return self.core.stats()
+            return self.core.stats(self.waiters)
 
     def dump(self, with_payload: bool) -> tuple[dict[str, Any], list[list[dict]]]:
         with self.lock:

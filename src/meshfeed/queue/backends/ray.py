@@ -20,9 +20,10 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
+from functools import partial
 from typing import Any
 
-from meshfeed.queue.backends.base import Got, Peeked
+from meshfeed.queue.backends.base import Got, Peeked, try_get
 from meshfeed.queue.backends.ray_dataplane import (
     PROBE_INTERVAL,
     PROBE_TIMEOUT,
@@ -39,7 +40,7 @@ from meshfeed.queue.backends.ray_dataplane import (
 from meshfeed.queue.checkpoints import state as checkpoint
 from meshfeed.queue.engine.columns import RemoteChunk
 from meshfeed.queue.engine.core import StoreCore, StoreOptions
-from meshfeed.queue.engine.stall import StallWatch, describe_stall, timed_out
+from meshfeed.queue.engine.stall import StallWatch, describe_stall
 from meshfeed.queue.engine.wakeups import MAX_WAIT_CHUNK, RequestCancelled, Waiter, Waiters
 from meshfeed.queue.request import GetRequest, PutRequest
 
@@ -60,16 +61,13 @@ class _StoreActor:
     call awaits its own ``asyncio.Event``, set only by a change that may serve it (see
     :mod:`meshfeed.queue.engine.wakeups`)."""
 
-    def __init__(self, options: dict[str, Any], meta: Any = None, payload: Any = None) -> None:
+    def __init__(self, options: dict[str, Any]) -> None:
         import ray
         import torch
 
         # This process is the store's own: every tensor it sends travels as an array.
         ray.util.register_serializer(torch.Tensor, serializer=tensor_out, deserializer=tensor_in)
-        opts = StoreOptions.from_dict(options)
-        self.core = (
-            StoreCore(opts) if meta is None else checkpoint.restore(meta, payload, options=opts)
-        )
+        self.core = StoreCore(StoreOptions.from_dict(options))  # a checkpoint comes by restore
         self.waiters = Waiters()
         self.abandoned = 0  # waiting gets whose caller died: given up, nothing consumed
         self.plane = ChunkKeeper(caller_alive)
@@ -138,37 +136,25 @@ class _StoreActor:
         event = asyncio.Event()
         waiter = make(event.set)
         self.waiters.add(waiter)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        watch = StallWatch()
+        watch = StallWatch(timeout)  # see meshfeed.queue.engine.stall
+        longest = MAX_WAIT_CHUNK if probe is None else min(MAX_WAIT_CHUNK, PROBE_INTERVAL)
         try:
             while True:
                 self.waiters.check(waiter)
                 result = attempt()
                 if result is not None:
                     return result
-                watch.check(self._stall)  # see meshfeed.queue.engine.stall
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(timed_out(what, timeout, self._stall()))
-                chunk = MAX_WAIT_CHUNK if remaining is None else min(remaining, MAX_WAIT_CHUNK)
-                if probe is not None:
-                    chunk = min(chunk, PROBE_INTERVAL)
-                due = self.core.next_lease_deadline()
-                if due is not None:
-                    chunk = max(0.0, min(chunk, due - time.monotonic()))
-                chunk = watch.cap(chunk)
+                chunk = watch.next(what, self._stall, self.core.next_lease_deadline, longest)
                 event.clear()
-                woken = True
                 try:
                     await asyncio.wait_for(event.wait(), chunk)
-                except asyncio.TimeoutError:
-                    woken = False
-                if probe is not None and not woken and not await caller_alive(probe):
-                    self.abandoned += 1
-                    raise RequestCancelled(
-                        f"{what}: the caller's process is gone; the wait was given up "
-                        "and nothing was stored or consumed"
-                    ) from None
+                except asyncio.TimeoutError:  # not woken: is the caller still there?
+                    if probe is not None and not await caller_alive(probe):
+                        self.abandoned += 1
+                        raise RequestCancelled(
+                            f"{what}: the caller's process is gone; the wait was given up "
+                            "and nothing was stored or consumed"
+                        ) from None
         finally:
             self.waiters.remove(waiter)
 
@@ -230,17 +216,9 @@ class _StoreActor:
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
         taken = core.taken
 
-        def attempt() -> Any:
-            core = self.core
-            taken, dropped = core.taken, core.dropped
-            got = core.try_get(request, alive=probe)
-            if got is None and (core.taken != taken or core.dropped != dropped):
-                self.waiters.wake_producers()  # it dropped samples, then waits: room now
-            return got
-
         try:
             ok, out = await self._run(
-                attempt,
+                partial(try_get, self, request, probe),
                 request.timeout,
                 request.describe(),
                 lambda notify: Waiter.consumer(notify, request),
@@ -263,28 +241,17 @@ class _StoreActor:
             if core.lease_expired != expired:
                 self.waiters.wake_all()
 
-    async def ack(self, lease_id: str) -> Any:
-        dropped = self.core.dropped
-        try:
-            return await self._run(lambda: self.core.ack(lease_id), 0, "ack")
-        finally:
-            if self.core.dropped != dropped:
-                self.waiters.wake_producers()
-
-    async def drop_consumer(self, consumer: Any) -> Any:
-        return await self._admin(lambda: self.core.drop_consumer(consumer))
-
     async def cancel(self, token: Any) -> Any:
         self.waiters.cancel(token)
         return True, None
 
     async def call(self, name: str, *args: Any) -> Any:
-        """An admin call that never waits: reset_consumption, clear, delete, close, stats."""
+        """A call of the core that never waits (ack, release, peek, drop_consumer, replan,
+        passed, reset_consumption, clear, delete, close, stats): it wakes the waiters it may
+        serve."""
 
         if name == "stats":
-            self.core.waiting_consumers = self.waiters.count("consumer")
-            self.core.waiting_producers = self.waiters.count("producer")
-            ok, out = await self._run(self.core.stats, 0, name)
+            ok, out = await self._run(lambda: self.core.stats(self.waiters), 0, name)
             if ok:
                 out["abandoned_waits"] = self.abandoned
                 out["adopted_chunks"] = self.plane.adopted
@@ -293,10 +260,10 @@ class _StoreActor:
         try:
             return await self._run(lambda: getattr(self.core, name)(*args), 0, name)
         finally:
-            if name == "release":
+            if name in ("ack", "release"):
                 if self.core.dropped != dropped:
                     self.waiters.wake_producers()
-            elif name not in ("stats", "peek"):
+            elif name != "peek":
                 self.waiters.wake_all()
 
     async def _admin(self, fn: Callable[[], Any]) -> Any:
@@ -393,8 +360,7 @@ class RayBackend:
         rows = {f: wrap_column(col, self.inline_bytes) for f, col in request.rows.items()}
         request = request._replace(rows=rows)
         caller = self._caller()
-        timeout = request.timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if request.timeout is None else time.monotonic() + request.timeout
         while True:  # waits here, not in the actor: a dead producer's put never lands (#28)
             out = self._call(self.actor.put.remote(request, caller))
             if not (type(out) is tuple and out[0] == "full"):
@@ -422,10 +388,10 @@ class RayBackend:
         return ids, self._resolve(rows), leased, parts, vs
 
     def ack(self, lease_id: str) -> None:
-        self._call(self.actor.ack.remote(lease_id))
+        self._call(self.actor.call.remote("ack", lease_id))
 
     def drop_consumer(self, consumer: Any) -> int:
-        return int(self._call(self.actor.drop_consumer.remote(consumer)))
+        return int(self._call(self.actor.call.remote("drop_consumer", consumer)))
 
     def cancel(self, token: Any) -> None:
         self._call(self.actor.cancel.remote(token))

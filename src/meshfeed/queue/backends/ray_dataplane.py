@@ -120,9 +120,7 @@ def tensor_in(payload: tuple[bool, Any]) -> Any:
 
 def _tensor_chunk(array: np.ndarray) -> Chunk:
     """The store actor's side of :class:`_ArrayChunk`: the chunk as a tensor again."""
-    import torch
-
-    return Chunk(torch.from_numpy(array if array.flags.writeable else array.copy()))
+    return Chunk(tensor_in((True, array)))
 
 
 class _ArrayChunk:

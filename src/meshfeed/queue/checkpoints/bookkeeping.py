@@ -62,8 +62,7 @@ def _check_options(meta: Mapping[str, Any], where: str) -> None:
         StoreOptions.from_dict(opts)
     except (TypeError, ValueError) as exc:
         _fail(where, f"options {opts!r} are invalid ({exc})")
-    consumed = meta["consumed"]
-    for task, n in consumed.items():
+    for task, n in meta["consumed"].items():
         if not _is_count(n):
             _fail(where, f"consumed count of task {task!r} is {n!r}, not an int >= 0")
     expired = meta.get("lease_expired", 0)

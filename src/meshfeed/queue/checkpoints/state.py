@@ -62,14 +62,12 @@ def dump(core: StoreCore, *, with_payload: bool = True) -> tuple[dict[str, Any],
     lease's task (so the restored store delivers them again, counted in ``lease_expired``), as
     a consumer that has not acknowledged a batch may not have used it."""
     returned, consumed_total, lease_expired = _return_leases(core)
-    partitions = []
-    payload: list[list[dict]] = []
-    for name, part in core.partitions.items():
-        partitions.append(_partition_meta(name, part, returned))
-        if with_payload:
-            payload.append(
-                [{f: resolve(v) for f, v in s.cells(k).items()} for k, s in part.samples.items()]
-            )
+    partitions = [_partition_meta(name, part, returned) for name, part in core.partitions.items()]
+    payload = [
+        [{f: resolve(v) for f, v in s.cells(k).items()} for k, s in part.samples.items()]
+        for part in core.partitions.values()
+        if with_payload
+    ]
     meta = envelope(
         KIND,
         VERSION,
@@ -172,10 +170,9 @@ def restore(
     core.lease_expired = int(meta.get("lease_expired", 0))  # states before leases: none
     for i, pm in enumerate(meta["partitions"]):
         name = pm["name"]
-        part = Partition()
-        part.closed = bool(pm["closed"])
-        part.next_id = int(pm["next_id"])
-        part.seen = set(pm["seen"])
+        part = Partition(
+            closed=bool(pm["closed"]), next_id=int(pm["next_id"]), seen=set(pm["seen"])
+        )
         rows = payload[i] if payload is not None else _current_rows(current, name, pm)
         _restore_samples(part, pm, rows)
         _restore_progress(part, pm)

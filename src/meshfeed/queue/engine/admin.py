@@ -17,6 +17,7 @@ from meshfeed.queue.engine.records import Partition
 
 if TYPE_CHECKING:
     from meshfeed.queue.engine.records import StoreOptions
+    from meshfeed.queue.engine.wakeups import Waiters
 
 __all__ = ["StoreAdmin"]
 
@@ -33,23 +34,16 @@ class StoreAdmin:
     dropped: int
     produced: int
     consumed_total: dict[str, int]
-    waiting_consumers: int
-    waiting_producers: int
     redelivered: int
     lease_expired: int
     leases: Leases
 
-    def _partition(self, name: str) -> Partition:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # StoreCore's
 
-    def _evict(self, part: Partition, keys: list[Key]) -> None:
-        raise NotImplementedError
-
-    def _remove(self, part: Partition, keys: list[Key]) -> None:
-        raise NotImplementedError
-
-    def expire_leases(self, now: float) -> int:
-        raise NotImplementedError
+        def _partition(self, name: str) -> Partition: ...
+        def _evict(self, part: Partition, keys: list[Key]) -> None: ...
+        def _remove(self, part: Partition, keys: list[Key]) -> None: ...
+        def expire_leases(self, now: float) -> int: ...
 
     def replan(
         self, partition: str, task: str, start: int, sampler: Any, parts: int, unit: int
@@ -98,7 +92,8 @@ class StoreAdmin:
     def close(self, partition: str) -> None:
         self._partition(partition).closed = True
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, waiters: Waiters | None = None) -> dict[str, Any]:
+        """The store's counts (``SampleStore.stats``); ``waiters``: the backend's blocked calls."""
         if self.leases:
             self.expire_leases(time.monotonic())
         parts = {}
@@ -117,8 +112,8 @@ class StoreAdmin:
             "produced": self.produced,
             "held": self.held,
             "consumed": dict(self.consumed_total),
-            "waiting_consumers": self.waiting_consumers,
-            "waiting_producers": self.waiting_producers,
+            "waiting_consumers": 0 if waiters is None else waiters.count("consumer"),
+            "waiting_producers": 0 if waiters is None else waiters.count("producer"),
             "bytes_held": held_bytes,
             "bytes_in_object_store": remote,
             "cache_entries": sum(p["cache_entries"] for p in parts.values()),

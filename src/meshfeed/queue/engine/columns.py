@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,8 @@ class Chunk:
     def __init__(self, data: Any) -> None:
         self.data = data
         self.n = n = int(data.shape[0])  # not len(): a tensor's __len__ is a Python call
-        self.row_nbytes = int(data.nbytes if isinstance(data, np.ndarray) else _tbytes(data)) // n
+        nbytes = data.nbytes if isinstance(data, np.ndarray) else data.element_size() * data.numel()
+        self.row_nbytes = int(nbytes) // n
 
     def __len__(self) -> int:
         return self.n
@@ -115,15 +117,14 @@ def signature(data: Any) -> tuple[Any, ...]:
     return (isinstance(data, np.ndarray), str(data.dtype), tuple(data.shape[1:]))
 
 
+@dataclass(eq=False, slots=True)
 class Runs:
     """A batch column still to assemble: ``runs`` of ``(ref or array, rows)`` in order, where
     a ref's ``rows`` index its fetched chunk and an array is already the rows (a small chunk
     held by the actor); ``is_np``: numpy, else torch."""
 
-    __slots__ = ("is_np", "runs")
-
-    def __init__(self, runs: list[tuple[Any, list[int] | None]], is_np: bool) -> None:
-        self.runs, self.is_np = runs, is_np
+    runs: list[tuple[Any, list[int] | None]]
+    is_np: bool
 
 
 def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
@@ -141,22 +142,10 @@ def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
             import torch
 
             part = _take(data, rows, True)
-            if not part.flags.writeable:
-                part = part.copy()
-            pieces.append(torch.from_numpy(part))
+            pieces.append(torch.from_numpy(part if part.flags.writeable else part.copy()))
         else:
             pieces.append(_take(data, rows, column.is_np))
-    if len(pieces) == 1:
-        return Gathered(pieces[0])
-    if column.is_np:
-        return Gathered(np.concatenate(pieces))
-    import torch
-
-    return Gathered(torch.cat(pieces))
-
-
-def _tbytes(t: Any) -> int:
-    return int(t.element_size() * t.numel())
+    return _concat(pieces, column.is_np)
 
 
 class Cell:
@@ -171,13 +160,11 @@ class Cell:
         return self.chunk.data[self.row]
 
 
+@dataclass(eq=False, slots=True)
 class Gathered:
     """A batch column already assembled from cells (``store.collate`` passes it through)."""
 
-    __slots__ = ("data",)
-
-    def __init__(self, data: Any) -> None:
-        self.data = data
+    data: Any
 
 
 def resolve(value: Any) -> Any:

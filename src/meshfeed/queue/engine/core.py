@@ -45,6 +45,7 @@ from meshfeed.queue.engine.records import (
     StoreOptions,
     View,
     count_down,
+    count_up,
     nbytes_of,
 )
 from meshfeed.queue.engine.stall import check_fits, round_size
@@ -79,8 +80,6 @@ class StoreCore(StoreAdmin):
         self.dropped = 0
         self.produced = 0
         self.consumed_total: dict[str, int] = {}
-        self.waiting_consumers = 0
-        self.waiting_producers = 0
         self.redelivered = 0  # samples handed out again to a retried request
         self.leases = Leases()
         self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
@@ -229,7 +228,7 @@ class StoreCore(StoreAdmin):
         if again:
             self.redelivered += len(ids)
         elif request.hold:
-            self._hold(part, ids)
+            count_up(part.held, ids)
         self._evict(part, freed)
         return ids, rows, entry.round.lists() if request.parts else None, versions
 
@@ -301,12 +300,12 @@ class StoreCore(StoreAdmin):
         )
         rows = self._rows(part, ids, request.fields)
         if request.hold:
-            self._hold(part, ids)
+            count_up(part.held, ids)
         if self.options.lease_timeout is not None and share is None:
             self._lease(part, request, ids, alive, now)
         versions = _vs(part, ids, request.version_of)  # before they go
         if drop:  # fast path: nothing else keeps them, so they go without eviction checks
-            self._forget(part, every)
+            self._dropped(forget(part, every))
         elif share is None:  # a plan's samples stay pinned until the plan goes
             self._evict(part, every)
         parts = plan.lists() if share is not None and request.parts else None
@@ -336,9 +335,7 @@ class StoreCore(StoreAdmin):
                 "SampleStore.get, which makes one"
             )
         self.leases.add(Lease(lease, r.partition, r.task, ids, r.consumer, now + timeout, alive))
-        leased = part.leased
-        for k in ids:
-            leased[k] = leased.get(k, 0) + 1
+        count_up(part.leased, ids)
 
     # ----------------------------------------------------------------- leases
     def ack(self, lease_id: str) -> None:
@@ -371,12 +368,8 @@ class StoreCore(StoreAdmin):
 
     def drop_leases(self, lease_ids: list[str]) -> int:
         """Return these leases (their consumer is gone) to ready; how many samples."""
-        n = 0
-        for lease_id in lease_ids:
-            lease = self.leases.pop(lease_id)
-            if lease is not None:
-                n += self._return(lease)
-        return n
+        leases = map(self.leases.pop, lease_ids)
+        return sum(self._return(lease) for lease in leases if lease is not None)
 
     def next_lease_deadline(self) -> float | None:
         return self.leases.next_deadline()
@@ -411,12 +404,6 @@ class StoreCore(StoreAdmin):
         cells = [r.cells(k) for r, k in zip(records, ids, strict=True)]
         return {f: gather([c[f] for c in cells]) for f in fields}
 
-    @staticmethod
-    def _hold(part: Partition, ids: list[Key]) -> None:
-        held = part.held
-        for k in ids:
-            held[k] = held.get(k, 0) + 1
-
     def release(self, partition: str, ids: list[Key]) -> None:
         """Undo one ``hold`` of each of ``ids`` (unknown ids are ignored) and evict."""
         part = self.partitions.get(partition)
@@ -445,9 +432,6 @@ class StoreCore(StoreAdmin):
 
     def _remove(self, part: Partition, keys: list[Key]) -> None:
         self._dropped(remove(part, keys))
-
-    def _forget(self, part: Partition, keys: list[Key]) -> None:
-        self._dropped(forget(part, keys))
 
     def _dropped(self, n: int) -> None:
         self.held -= n

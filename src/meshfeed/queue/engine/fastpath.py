@@ -56,18 +56,10 @@ def select_runs(
     if isinstance(pending, Ranges):
         return select_ranges(part, pending, need, batch_size)
     keys = list(islice(pending, batch_size))
-    if len(keys) < batch_size and not part.closed:
+    if not keys or (len(keys) < batch_size and not part.closed):
         return None  # fewer pending than a batch, so fewer ready: wait
-    if not keys:
-        return None
-    records = list(map(part.samples.__getitem__, keys))
-    first = records[0]
-    if records.count(first) == len(records):  # one run (or one sample)
-        return [keys] if first.has(need) else False
-    for record in set(records):
-        if not record.has(need):
-            return False
-    return [keys]
+    records = set(map(part.samples.__getitem__, keys))  # a few runs (or samples)
+    return [keys] if all(record.has(need) for record in records) else False
 
 
 def select_ranges(
@@ -77,9 +69,7 @@ def select_ranges(
     one ``range`` (typed as the list it stands for); ``False`` also when they are not
     consecutive ints (the general path goes key by key)."""
     n = min(batch_size, lazy.count)
-    if n < batch_size and not part.closed:
-        return None
-    if not n:
+    if not n or (n < batch_size and not part.closed):
         return None
     head = lazy.head(n)
     if head is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Lease", "Leases"]
@@ -30,25 +31,20 @@ __all__ = ["Lease", "Leases"]
 Key = Hashable
 
 
+@dataclass(eq=False, slots=True)
 class Lease:
     """Samples ``ids`` of ``partition`` handed to ``consumer`` for ``task`` until ``deadline``
-    (a ``time.monotonic()`` of the process holding the store). ``alive``: an optional probe
-    of the consumer's process (the Ray backend keeps an object the caller owns)."""
+    (a ``time.monotonic()`` of the process holding the store); ``id``: the lease's id.
+    ``alive``: an optional probe of the consumer's process (the Ray backend keeps an object
+    the caller owns)."""
 
-    __slots__ = ("alive", "consumer", "deadline", "id", "ids", "partition", "task")
-
-    def __init__(
-        self,
-        lease_id: str,
-        partition: str,
-        task: str,
-        ids: list[Key],
-        consumer: Hashable | None,
-        deadline: float,
-        alive: Any = None,
-    ) -> None:
-        self.id, self.partition, self.task, self.ids = lease_id, partition, task, ids
-        self.consumer, self.deadline, self.alive = consumer, deadline, alive
+    id: str
+    partition: str
+    task: str
+    ids: list[Key]
+    consumer: Hashable | None
+    deadline: float
+    alive: Any = None
 
 
 class Leases:

@@ -234,8 +234,7 @@ def replan(
     for key, _, _, _ in moves:
         del part.cache[key]
     for _, new, entry, share in moves:
-        moved = Entry(Round(entry.round.ids, parts, unit), entry.fields, share.readers)
-        part.cache[new] = moved
+        part.cache[new] = Entry(Round(entry.round.ids, parts, unit), entry.fields, share.readers)
     if moves:
         for prefix in [p for p in part.asked if p[0] == task]:
             del part.asked[prefix]

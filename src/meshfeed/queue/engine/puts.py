@@ -39,11 +39,7 @@ def put_run(part: Partition, rows: Mapping[str, Any], ids: list[Key], n: int) ->
     run = Run(columns, None if consecutive else ids, start)
     part.samples.update(dict.fromkeys(ids, run))
     part.add_run(ids, consecutive=consecutive)
-    if consecutive:
-        top = ids[-1]
-    else:
-        ints = [k for k in ids if type(k) is int]
-        top = max(ints) if ints else -1
+    top = ids[-1] if consecutive else max((k for k in ids if type(k) is int), default=-1)
     if top >= part.next_id:  # type: ignore[operator]
         part.next_id = top + 1  # type: ignore[operator]
 

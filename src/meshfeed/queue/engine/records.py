@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshfeed.queue.engine.columns import Cell, Chunk, RemoteChunk, resolve
@@ -23,14 +23,12 @@ from meshfeed.queue.rounds import Progress, Round
 Key = Hashable
 
 
+@dataclass(eq=False, slots=True)
 class Ref:
     """A payload kept outside the store (a Ray ``ObjectRef``) and its size in bytes."""
 
-    __slots__ = ("nbytes", "ref")
-
-    def __init__(self, ref: Any, nbytes: int) -> None:
-        self.ref = ref
-        self.nbytes = nbytes
+    ref: Any
+    nbytes: int
 
 
 SCALAR_TYPES = frozenset({int, float, bool, type(None)})
@@ -168,33 +166,26 @@ class Run:
         return sample
 
 
+@dataclass(eq=False, slots=True)
 class Entry:
     """A plan shared by several readers (rank-aware / length-balanced samplers): its
     :class:`~meshfeed.queue.rounds.Round` (reader ``i`` of part ``p`` reads ``round[p]``).
 
     ``batch_size`` and ``agree`` (the request's ``agree=`` context, e.g. a loader's prefetch)
     are what the planner asked with; every reader must ask with the same (``None``: a plan
-    restored from a checkpoint that did not record them, not checked).
+    restored from a checkpoint that did not record them, not checked). ``read``: the readers
+    that read it.
     """
 
-    __slots__ = ("agree", "batch_size", "fields", "read", "readers", "round")
-
-    def __init__(
-        self,
-        plan: Round,
-        fields: tuple[str, ...],
-        readers: int,
-        batch_size: int | None = None,
-        agree: Any = None,
-    ) -> None:
-        self.round = plan
-        self.fields = fields
-        self.readers = readers
-        self.batch_size = batch_size
-        self.agree = agree
-        self.read: set[int] = set()
+    round: Round
+    fields: tuple[str, ...]
+    readers: int
+    batch_size: int | None = None
+    agree: Any = None
+    read: set[int] = field(default_factory=set)
 
 
+@dataclass(eq=False, slots=True)
 class Partition:
     """One partition's samples and, per task, its pending and consumed samples.
 
@@ -206,56 +197,34 @@ class Partition:
     explicit (for good) on first use, so nothing else sees the encoding.
     """
 
-    __slots__ = (
-        "_consumed",
-        "_lazy",
-        "_pending",
-        "_pin_runs",
-        "_pinned",
-        "asked",
-        "book",
-        "cache",
-        "closed",
-        "field_counts",
-        "held",
-        "layouts",
-        "leased",
-        "next_id",
-        "progress",
-        "samples",
-        "seen",
-        "spans",
-    )
-
-    def __init__(self) -> None:
-        self.samples: dict[Key, Sample | Run] = {}
-        self._pending: dict[str, dict[Key, None] | Ranges] = {}
-        self._consumed: dict[str, set[Key] | Ranges] = {}
-        self._lazy = 0  # tasks kept as ranges
-        # ``samples`` in order as the id ranges of runs of consecutive int ids, while that is
-        # all they are (puts of fresh samples, FIFO removal); ``None`` from the first change
-        # that is not (the store's :meth:`StoreCore._partition` starts it, a restore does not).
-        self.spans: deque[range] | None = None
-        self.cache: dict[tuple[Any, ...], Entry] = {}
-        # Per (task, shared-key prefix): the highest batch index each reader asked for; a
-        # plan is dropped once every reader asked past it (a retry before that re-reads it).
-        self.asked: dict[tuple[Any, ...], dict[int, int]] = {}
-        self.progress: dict[tuple[Any, ...], Progress] = {}  # derived from ``asked``
-        # Per task moved by replan: (the first batch moved, the new layout's key kind and
-        # readers); a reader of another layout asking from there on is refused (plans.lookup).
-        # Not checkpointed: it guards against live readers of the layout the move replaced.
-        self.layouts: dict[str, tuple[int, Any, int]] = {}
-        self._pinned: dict[Key, int] = {}
-        self._pin_runs: list[range] = []  # pins of FIFO rounds (ranges), until read per sample
-        # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
-        # every task, so a checkpoint taken meanwhile can still re-deliver them.
-        self.held: dict[Key, int] = {}
-        self.leased: dict[Key, int] = {}  # samples under a lease (meshfeed.queue.engine.leases)
-        self.field_counts: dict[str, int] = {}
-        self.seen: set[str] = set()  # every field ever produced here, even if evicted since
-        self.closed = False
-        self.next_id = 0
-        self.book: Book | None = None  # policy versions, made by the first versioned call
+    samples: dict[Key, Sample | Run] = field(default_factory=dict)
+    _pending: dict[str, dict[Key, None] | Ranges] = field(default_factory=dict)
+    _consumed: dict[str, set[Key] | Ranges] = field(default_factory=dict)
+    _lazy: int = 0  # tasks kept as ranges
+    # ``samples`` in order as the id ranges of runs of consecutive int ids, while that is
+    # all they are (puts of fresh samples, FIFO removal); ``None`` from the first change
+    # that is not (the store's :meth:`StoreCore._partition` starts it, a restore does not).
+    spans: deque[range] | None = None
+    cache: dict[tuple[Any, ...], Entry] = field(default_factory=dict)
+    # Per (task, shared-key prefix): the highest batch index each reader asked for; a
+    # plan is dropped once every reader asked past it (a retry before that re-reads it).
+    asked: dict[tuple[Any, ...], dict[int, int]] = field(default_factory=dict)
+    progress: dict[tuple[Any, ...], Progress] = field(default_factory=dict)  # derived from asked
+    # Per task moved by replan: (the first batch moved, the new layout's key kind and
+    # readers); a reader of another layout asking from there on is refused (plans.lookup).
+    # Not checkpointed: it guards against live readers of the layout the move replaced.
+    layouts: dict[str, tuple[int, Any, int]] = field(default_factory=dict)
+    _pinned: dict[Key, int] = field(default_factory=dict)
+    _pin_runs: list[range] = field(default_factory=list)  # FIFO rounds' pins, until read per sample
+    # Samples a loader fetched ahead but has not returned yet: kept even once consumed by
+    # every task, so a checkpoint taken meanwhile can still re-deliver them.
+    held: dict[Key, int] = field(default_factory=dict)
+    leased: dict[Key, int] = field(default_factory=dict)  # samples under a lease (engine.leases)
+    field_counts: dict[str, int] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # every field ever produced, even if evicted since
+    closed: bool = False
+    next_id: int = 0
+    book: Book | None = None  # policy versions, made by the first versioned call
 
     def stats(self) -> dict[str, Any]:
         """What ``SampleStore.stats()["partitions"]`` says about this partition."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from meshfeed.queue.engine.records import StoreOptions
-from meshfeed.queue.engine.wakeups import Waiters
+from meshfeed.queue.engine.wakeups import MAX_WAIT_CHUNK, Waiters
 from meshfeed.queue.samplers import LengthBalancedSampler, RankAwareSampler, Sampler
 
 __all__ = ["STALL_WARN", "StallWatch", "check_fits", "describe_stall", "timed_out"]
@@ -70,23 +70,42 @@ def describe_stall(held: int, capacity: int | None, waiters: Waiters) -> str | N
 
 
 class StallWatch:
-    """One wait's stall warning: once it has waited :data:`STALL_WARN` seconds, ``check``
-    logs the stall if the store is in one (waits are cut to wake up for it)."""
+    """One wait's clock: its ``timeout`` (seconds, ``None``: no limit) and its stall warning:
+    once it has waited :data:`STALL_WARN` seconds, the stall is logged if the store is in one
+    (waits are cut to wake up for it)."""
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "deadline", "timeout")
 
-    def __init__(self) -> None:
-        self.at: float | None = time.monotonic() + STALL_WARN
+    def __init__(self, timeout: float | None = None) -> None:
+        now = time.monotonic()
+        self.at: float | None = now + STALL_WARN
+        self.timeout = timeout
+        self.deadline = None if timeout is None else now + timeout
 
-    def cap(self, chunk: float) -> float:
-        return chunk if self.at is None else max(0.0, min(chunk, self.at - time.monotonic()))
-
-    def check(self, why: Callable[[], str | None]) -> None:
+    def next(
+        self,
+        what: str,
+        why: Callable[[], str | None],
+        wake_by: Callable[[], float | None],
+        longest: float = MAX_WAIT_CHUNK,
+    ) -> float:
+        """Seconds to wait before trying again: at most ``longest``, and no later than
+        ``wake_by()`` (a ``time.monotonic()`` to try again unprompted, e.g. a lease deadline,
+        or ``None``) or the stall warning. ``why()``: the stall, logged when the warning is
+        due; ``TimeoutError`` naming ``what`` and the stall once the timeout ran out."""
         if self.at is not None and time.monotonic() >= self.at:
             self.at = None
             reason = why()
             if reason is not None:
                 log.warning("sample store stalled: %s", reason)
+        remaining = None if self.deadline is None else self.deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError(timed_out(what, self.timeout, why()))
+        chunk = longest if remaining is None else min(remaining, longest)
+        due = wake_by()
+        if due is not None:
+            chunk = max(0.0, min(chunk, due - time.monotonic()))
+        return chunk if self.at is None else max(0.0, min(chunk, self.at - time.monotonic()))
 
 
 def timed_out(what: str, timeout: float | None, why: str | None) -> str:

@@ -29,6 +29,7 @@ Rules, applied in the store under its lock, so every data rank and both backends
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -226,9 +227,7 @@ class Book:
     def stats(self) -> dict[str, Any]:
         """What ``stats()["partitions"][name]`` adds: counts per task, trainer versions and
         the held samples per version."""
-        per_version: dict[int, int] = {}
-        for lo, _ in self.versions.values():
-            per_version[lo] = per_version.get(lo, 0) + 1
+        per_version = Counter(lo for lo, _ in self.versions.values())
         return {
             "stale": dict(self.stale),
             "filtered": dict(self.filtered),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Hashable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -68,53 +69,29 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
     return float(timeout)
 
 
+@dataclass(eq=False, slots=True)
 class Waiter:
     """One blocked call: ``kind`` is ``"consumer"`` or ``"producer"``; a consumer's
     ``partition``, ``task`` and ``need`` (fields) say which puts may serve it."""
 
-    __slots__ = (
-        "baton",
-        "cancelled",
-        "group",
-        "ids",
-        "kind",
-        "more",
-        "need",
-        "notify",
-        "partition",
-        "request",
-        "room",
-        "size",
-        "task",
-        "token",
-        "woken",
-    )
-
-    def __init__(
-        self,
-        kind: str,
-        notify: Callable[[], None],
-        *,
-        partition: str | None = None,
-        task: str | None = None,
-        need: Collection[str] = (),
-        token: Hashable | None = None,
-        group: Hashable | None = None,
-        more: Callable[[], bool] | None = None,
-        size: int | None = None,
-        ids: Collection[Hashable] | None = None,
-        room: Callable[[], int | None] | None = None,
-        request: GetRequest | None = None,
-    ) -> None:
-        self.kind, self.notify, self.request = kind, notify, request
-        self.partition, self.task, self.need = partition, task, frozenset(need)
-        self.token = token
-        self.group, self.more = group, more  # see the module docstring
-        self.size, self.room = size, room
-        self.ids = None if ids is None else frozenset(ids)
-        self.baton = False  # woken as the one of its group / budget, not yet tried
-        self.cancelled = False
-        self.woken = 0  # how many times a change woke it (tests check wake-ups are targeted)
+    kind: str
+    notify: Callable[[], None]
+    _: KW_ONLY
+    partition: str | None = None
+    task: str | None = None
+    need: frozenset[str] = frozenset()
+    token: Hashable | None = None
+    group: Hashable | None = None  # see the module docstring
+    more: Callable[[], bool] | None = None
+    size: int | None = None
+    ids: frozenset[Hashable] | None = None
+    room: Callable[[], int | None] | None = None
+    request: GetRequest | None = None
+    #: Woken as the one of its group / budget, not yet tried.
+    baton: bool = field(default=False, init=False)
+    cancelled: bool = field(default=False, init=False)
+    #: How many times a change woke it (tests check wake-ups are targeted).
+    woken: int = field(default=0, init=False)
 
     @classmethod
     def consumer(
@@ -131,7 +108,7 @@ class Waiter:
             notify,
             partition=request.partition,
             task=request.task,
-            need=request.need,
+            need=frozenset(request.need),
             token=request.token,
             group=group,
             more=more,

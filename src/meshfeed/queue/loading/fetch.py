@@ -100,7 +100,7 @@ def fetch(
     """Batch ``index`` of the loader's stream (``None``: it ended); ``version``: the
     trainer's version keywords (:mod:`meshfeed.queue.loading.versions`)."""
     try:
-        batch: Batch = store.get(
+        return store.get(
             spec.task,
             spec.fields,
             spec.batch_size,
@@ -115,7 +115,6 @@ def fetch(
         )
     except PartitionClosed:
         return None
-    return batch
 
 
 class StoreFetcher:

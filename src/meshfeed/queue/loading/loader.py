@@ -215,7 +215,6 @@ class StoreLoader(LoaderBase, Walking):
 
     def _default_service(self, wait: float | None) -> BoundedService:
         if self.num_workers:
-            ray = self.store.backend == "ray"
             return WorkerService(
                 int(self.num_workers),
                 prefetch=self.prefetch,
@@ -224,7 +223,7 @@ class StoreLoader(LoaderBase, Walking):
                 timeout=None if wait is None else wait + _MARGIN,
                 # Ray: spawn (fork is unsafe under Ray; each worker connects to the store, which
                 # counts against the first batch's timeout). Embedded: the platform's default.
-                start_method="spawn" if ray else None,
+                start_method="spawn" if self.store.backend == "ray" else None,
                 name="meshfeed-store-worker",
                 grace=0.25,
                 max_chunk=1,  # a batch travels as soon as it is made, never behind a later one
@@ -298,11 +297,8 @@ class StoreLoader(LoaderBase, Walking):
         check_num_epochs(num_epochs)
         if num_epochs > 1:
             raise ValueError(one_epoch(f"{num_epochs=}", "use epochs(1)"))
-        if num_epochs == 1 and not self._at_end():
+        if num_epochs == 1 and not self._finished:
             yield 0
-
-    def _at_end(self) -> bool:
-        return self._finished
 
     def _enter_epoch(self, epoch: int) -> None:
         """Only epoch 0 exists (``set_epoch(0)`` is a no-op); any other is refused."""
@@ -327,7 +323,7 @@ class StoreLoader(LoaderBase, Walking):
         out["failures"] = [list(row) for row in self._skips.failures]
         out["next_seconds"] = self._next_seconds
         out["in_flight"] = 0 if self._finished else self._in_flight()
-        out["ended"] = self._at_end()
+        out["ended"] = self._finished
         out["epoch"], out["delivery"] = 0, self.delivery_stats()
         store = self.store.stats()
         out["versions"] = self._version.stats(store, self.task, self.partition)
