@@ -42,13 +42,17 @@ _CHUNK_SECONDS = 1e-3
 _MAX_CHUNK = 16
 
 
-def _start_fetcher(worker: int, num_workers: int, fetcher: Fetch) -> Callable[[Any], Any]:
-    # Global RNGs get a per-worker seed so code that uses them is at least reproducible;
-    # per-sample randomness should use meshfeed.sample_rng, which does not depend on workers.
-    seed = derive_seed(fetcher.seed, 0x574B, worker)
+def seed_globals(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (a worker's or a Ray loader actor's)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _start_fetcher(worker: int, num_workers: int, fetcher: Fetch) -> Callable[[Any], Any]:
+    # Global RNGs get a per-worker seed so code that uses them is at least reproducible;
+    # per-sample randomness should use meshfeed.sample_rng, which does not depend on workers.
+    seed_globals(derive_seed(fetcher.seed, 0x574B, worker))
     fetcher.worker_id, fetcher.num_workers = worker, num_workers
     return fetcher
 
