@@ -160,24 +160,6 @@ def _stop_in_background(stack: contextlib.ExitStack, service: PassService) -> No
     stack.callback(stopper.join)
 
 
-def _save_results(
-    result: dict[str, MetricIndex | np.ndarray],
-    output_dir: str | os.PathLike[str] | None,
-    fp: dict[str, Any],
-    rank: int,
-    world: int,
-    storage_options: StorageOptions | None,
-) -> None:
-    """Rank 0 saves every metric under ``output_dir`` (a folder or a URL); the other ranks
-    wait for it."""
-    if output_dir is None:
-        return
-    if rank == 0:
-        save_results(result, output_dir, fp, storage_options=storage_options)
-    if world > 1:
-        dist.barrier()
-
-
 def analyze(
     dataset: Any,
     metrics: Sequence[Metric],
@@ -243,5 +225,9 @@ def analyze(
         result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
         for m in samples:
             result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
-    _save_results(result, output_dir, fp, rank, world, storage_options)
+    if output_dir is not None:
+        if rank == 0:
+            save_results(result, output_dir, fp, storage_options=storage_options)
+        if world > 1:
+            dist.barrier()  # the other ranks wait for rank 0's save
     return result
