@@ -21,6 +21,7 @@ restarted actor and nothing is lost or duplicated; without restarts the death is
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sized
@@ -269,10 +270,9 @@ class RayService:
             )
         source = iter(step_task_lists)
         inflight: deque[_InFlight] = deque()
-        counter = 0
+        actors = itertools.cycle(range(self.num_actors))
 
         def submit() -> bool:
-            nonlocal counter
             tasks = next(source, None)
             if tasks is None:
                 return False
@@ -281,8 +281,7 @@ class RayService:
                     f"the loader made {len(tasks)} tasks per step but the bound mesh "
                     f"{self.mesh.sizes} has data_world_size={self.mesh.data_world_size}"
                 )
-            job = _InFlight(tasks, counter % self.num_actors, None, [])
-            counter += 1
+            job = _InFlight(tasks, next(actors), None, [])
             self._submit(job)
             inflight.append(job)
             return True
