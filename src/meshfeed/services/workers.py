@@ -85,10 +85,9 @@ class WorkerService:
             raise ValueError(
                 f"num_workers must be an int >= 1 for WorkerService (got {num_workers=})"
             )
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=})")
-        if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 1:
-            raise ValueError(f"max_chunk must be an int >= 1 (got {max_chunk=})")
+        for name, value in (("prefetch", prefetch), ("max_chunk", max_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (got {name}={value!r})")
         self._pool = WorkerPool(
             num_workers,
             timeout=timeout,
