@@ -140,8 +140,8 @@ def _make_workers(
 def _merge_ranks(
     local: ChunkOut, world: int, values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
 ) -> None:
-    """Write every rank's pass output (in rank order: ranks own contiguous chunk ranges) into
-    ``values`` and ``accumulated``."""
+    """Gather every rank's pass output (in rank order: ranks own contiguous chunk ranges) and
+    write it into ``values`` and ``accumulated``."""
     offsets = dict.fromkeys(values, 0)
     for part_values, part_sums in [local] if world == 1 else dist.all_gather_objects(local):
         for name, v in part_values.items():
