@@ -44,7 +44,6 @@ from meshfeed.curriculum.analyzer_workers import ChunkOut, Passes, Workers, run_
 from meshfeed.curriculum.index import MetricIndex, content_fingerprint
 from meshfeed.curriculum.metrics import AccumulatedMetric, SampleMetric
 from meshfeed.curriculum.output import check_output, save_results
-from meshfeed.progress import Progress
 from meshfeed.runtime import available_cores
 from meshfeed.services.passes import PassService
 from meshfeed.storage import StorageOptions
@@ -96,11 +95,6 @@ def _split_metrics(metrics: Sequence[Metric]) -> tuple[list[SampleMetric], list[
     return samples, list(accs.values())
 
 
-def _gather(local: ChunkOut, world: int) -> list[ChunkOut]:
-    """Every rank's pass output, in rank order (ranks own contiguous chunk ranges)."""
-    return [local] if world == 1 else dist.all_gather_objects(local)
-
-
 def _check_options(num_workers: int, chunk_size: int | None, timeout: float) -> None:
     if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
         raise ValueError(
@@ -144,63 +138,17 @@ def _make_workers(
 
 
 def _merge_ranks(
-    parts: list[ChunkOut], values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
+    local: ChunkOut, world: int, values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
 ) -> None:
-    """Write every rank's pass output (in rank order) into ``values`` and ``accumulated``."""
+    """Gather every rank's pass output (in rank order: ranks own contiguous chunk ranges) and
+    write it into ``values`` and ``accumulated``."""
     offsets = dict.fromkeys(values, 0)
-    for part_values, part_sums in parts:
+    for part_values, part_sums in [local] if world == 1 else dist.all_gather_objects(local):
         for name, v in part_values.items():
             values[name][offsets[name] : offsets[name] + len(v)] = v
             offsets[name] += len(v)
         for name, part in part_sums.items():
             accumulated[name] += part
-
-
-def _analyze_pass(
-    workers: Workers | None,
-    index: int,
-    passes: Passes,
-    dataset: Any,
-    mine: list[tuple[int, int]],
-    accumulated: dict[str, np.ndarray],
-    *,
-    n: int,
-    world: int,
-    timeout: float,
-    show: bool,
-) -> ChunkOut:
-    """Pass ``index`` over this rank's chunks, under its own progress bar."""
-    pass_samples, pass_accs = passes[index]
-    ctx = {m.name: m.context(accumulated) for m in pass_samples if m.requires}
-    # One bar per pass, each counting the dataset's samples once (a metric that
-    # ``requires`` an accumulation reads every sample a second time).
-    desc = f"analyze pass {index + 1}/{len(passes)}" if len(passes) > 1 else "analyze"
-    with Progress(total=n, desc=desc, unit="samples", enabled=show) as bar:
-        local = run_pass(
-            workers,
-            index,
-            dataset,
-            mine,
-            pass_samples,
-            pass_accs,
-            ctx,
-            timeout=timeout,
-            bar=bar,
-        )
-        bar.update((n - sum(b - a for a, b in mine)) if world > 1 else 0)
-    return local
-
-
-def _results(
-    samples: list[SampleMetric],
-    values: dict[str, np.ndarray],
-    accumulated: dict[str, np.ndarray],
-    fp: dict[str, Any],
-) -> dict[str, MetricIndex | np.ndarray]:
-    result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
-    for m in samples:
-        result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
-    return result
 
 
 def _stop_in_background(stack: contextlib.ExitStack, service: PassService) -> None:
@@ -210,24 +158,6 @@ def _stop_in_background(stack: contextlib.ExitStack, service: PassService) -> No
     stopper = threading.Thread(target=service.shutdown, name="meshfeed-analyzer-stop", daemon=True)
     stopper.start()
     stack.callback(stopper.join)
-
-
-def _save_results(
-    result: dict[str, MetricIndex | np.ndarray],
-    output_dir: str | os.PathLike[str] | None,
-    fp: dict[str, Any],
-    rank: int,
-    world: int,
-    storage_options: StorageOptions | None,
-) -> None:
-    """Rank 0 saves every metric under ``output_dir`` (a folder or a URL); the other ranks
-    wait for it."""
-    if output_dir is None:
-        return
-    if rank == 0:
-        save_results(result, output_dir, fp, storage_options=storage_options)
-    if world > 1:
-        dist.barrier()
 
 
 def analyze(
@@ -277,7 +207,7 @@ def analyze(
         if workers is not None:
             stack.callback(workers.service.shutdown)
         for index in range(len(passes)):
-            local = _analyze_pass(
+            local = run_pass(
                 workers,
                 index,
                 passes,
@@ -289,9 +219,15 @@ def analyze(
                 timeout=timeout,
                 show=progress and rank == 0,
             )
-            _merge_ranks(_gather(local, world), values, accumulated)
+            _merge_ranks(local, world, values, accumulated)
         if workers is not None:
             _stop_in_background(stack, workers.service)
-        result = _results(samples, values, accumulated, fp)
-    _save_results(result, output_dir, fp, rank, world, storage_options)
+        result: dict[str, MetricIndex | np.ndarray] = dict(accumulated)
+        for m in samples:
+            result[m.name] = MetricIndex.from_values(m.name, values[m.name], fingerprint=fp)
+    if output_dir is not None:
+        if rank == 0:
+            save_results(result, output_dir, fp, storage_options=storage_options)
+        if world > 1:
+            dist.barrier()  # the other ranks wait for rank 0's save
     return result

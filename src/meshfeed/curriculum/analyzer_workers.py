@@ -93,20 +93,14 @@ def _run_chunk(chunk: tuple[int, int], into: dict[str, np.ndarray]) -> ChunkOut:
     start, stop = chunk
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
-    sums = _chunk_sums(accs, into)
+    # each accumulation's array for the chunk: the one in ``into`` where it has it, else zeros
+    sums = {a.name: into[a.name] if a.name in into else _zeros([a])[a.name] for a in accs}
     items = [dataset[i] for i in range(start, stop)]
     for m in samples:
         values[m.name][:] = _sample_values(m, items, ctx)
     for a in accs:
         _accumulate(a, sums[a.name], items)
     return values, {k: v for k, v in sums.items() if k not in into}
-
-
-def _chunk_sums(
-    accs: list[AccumulatedMetric], into: dict[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """Each accumulation's array for a chunk: the one in ``into`` where it has it, else zeros."""
-    return {a.name: into[a.name] if a.name in into else _zeros([a])[a.name] for a in accs}
 
 
 def _sample_values(m: SampleMetric, items: list[Any], ctx: dict[str, Any]) -> Any:
@@ -135,16 +129,15 @@ class Workers:
 
     def begin(self, index: int, ctx: dict[str, Any]) -> PassService:
         service = self.service
-        if not service.started:
-            service.start(_start_worker, self.dataset, self.passes, index, ctx)
-            return service
-        try:
-            pickle.dumps(ctx)
-        except Exception:  # e.g. a local object from prepare: start workers that inherit it
-            service.shutdown()
-            service.start(_start_worker, self.dataset, self.passes, index, ctx)
-            return service
-        service.broadcast(("pass", index, ctx))
+        if service.started:
+            try:
+                pickle.dumps(ctx)
+            except Exception:  # e.g. a local object from prepare: start workers that inherit it
+                service.shutdown()
+            else:
+                service.broadcast(("pass", index, ctx))
+                return service
+        service.start(_start_worker, self.dataset, self.passes, index, ctx)
         return service
 
 
@@ -154,7 +147,7 @@ class _PassOutput:
     def __init__(self, samples: list[SampleMetric], accs: list[AccumulatedMetric], bar: Progress):
         self.samples, self.bar = samples, bar
         self.values: dict[str, list[np.ndarray]] = {m.name: [] for m in samples}
-        self.sums = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
+        self.sums = _zeros(accs)
 
     def merge(self, out: ChunkOut, size: int) -> None:
         for name, v in out[0].items():
@@ -167,13 +160,6 @@ class _PassOutput:
         empty = {m.name: np.empty(0, dtype=m.dtype) for m in self.samples}
         values = {k: np.concatenate(v) if v else empty[k] for k, v in self.values.items()}
         return values, self.sums
-
-
-def _flush(service: PassService, exact: dict[str, np.ndarray]) -> None:
-    """Add every worker's integer sums of this pass into ``exact``."""
-    for sums in service.broadcast(("flush",)):
-        for name, part in sums.items():
-            exact[name] += part
 
 
 def _pass_on_workers(
@@ -189,8 +175,10 @@ def _pass_on_workers(
         service = workers.begin(index, ctx)
         for k, part in service.map(chunks):
             out.merge(part, chunks[k][1] - chunks[k][0])
-        if exact:
-            _flush(service, exact)
+        if exact:  # every worker's integer sums of this pass
+            for sums in service.broadcast(("flush",)):
+                for name, part in sums.items():
+                    exact[name] += part
     except WorkerTimeout as e:
         raise TimeoutError(
             f"an analyzer worker spent more than timeout={timeout}s on a chunk of at most "
@@ -202,25 +190,35 @@ def _pass_on_workers(
 def run_pass(
     workers: Workers | None,
     index: int,
+    passes: Passes,
     dataset: Any,
     chunks: list[tuple[int, int]],
-    samples: list[SampleMetric],
-    accs: list[AccumulatedMetric],
-    ctx: dict[str, Any],
+    accumulated: dict[str, np.ndarray],
     *,
+    n: int,
+    world: int,
     timeout: float,
-    bar: Progress,
+    show: bool,
 ) -> ChunkOut:
-    """Run one pass over ``chunks``: per-sample values concatenated, accumulations summed.
+    """Run pass ``index`` over this rank's ``chunks``, under its own progress bar: per-sample
+    values concatenated, accumulations summed.
 
     Both are merged in chunk order, so the result does not depend on the number of workers.
     """
-    out = _PassOutput(samples, accs, bar)
-    exact = {a.name: out.sums[a.name] for a in accs if _is_exact(a)}
-    if workers is None:
-        _init_worker(dataset, samples, accs, ctx)
-        for start, stop in chunks:
-            out.merge(_run_chunk((start, stop), exact), stop - start)
-    else:
-        _pass_on_workers(workers, index, chunks, ctx, exact, out, timeout)
-    return out.result()
+    samples, accs = passes[index]
+    ctx = {m.name: m.context(accumulated) for m in samples if m.requires}
+    # One bar per pass, each counting the dataset's samples once (a metric that
+    # ``requires`` an accumulation reads every sample a second time).
+    desc = f"analyze pass {index + 1}/{len(passes)}" if len(passes) > 1 else "analyze"
+    with Progress(total=n, desc=desc, unit="samples", enabled=show) as bar:
+        out = _PassOutput(samples, accs, bar)
+        exact = {a.name: out.sums[a.name] for a in accs if _is_exact(a)}
+        if workers is None:
+            _init_worker(dataset, samples, accs, ctx)
+            for start, stop in chunks:
+                out.merge(_run_chunk((start, stop), exact), stop - start)
+        else:
+            _pass_on_workers(workers, index, chunks, ctx, exact, out, timeout)
+        local = out.result()
+        bar.update((n - sum(b - a for a, b in chunks)) if world > 1 else 0)
+    return local

@@ -96,10 +96,8 @@ def _vocab_size(dataset: Any) -> int:
     corpus = dataset.corpus if isinstance(dataset, TokenWindows) else dataset
     if isinstance(corpus, TokenCorpus):
         return int(np.max(corpus.tokens, initial=0)) + 1
-    top = 0
-    for i in range(len(dataset)):
-        top = max(top, int(np.max(np.asarray(dataset[i]), initial=0)))
-    return top + 1
+    tops = (int(np.max(np.asarray(dataset[i]), initial=0)) for i in range(len(dataset)))
+    return max(tops, default=0) + 1
 
 
 def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | AccumulatedMetric:

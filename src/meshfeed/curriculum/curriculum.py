@@ -216,7 +216,8 @@ class Curriculum:
         out.update({t.name: _plain(t.schedule.difficulty(step)) for t in self.transforms})
         return out
 
-    def _pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Eligible samples of an ``n``-sample dataset in entry order, and their entry steps."""
         for m in self.metrics:
             if len(m.index) != n:
                 raise ValueError(
@@ -274,10 +275,6 @@ class Curriculum:
             )
         self._post.steps_per_epoch = samples_per_epoch // global_batch_size
         return samples_per_epoch
-
-    def pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Eligible samples of an ``n``-sample dataset in entry order, and their entry steps."""
-        return self._pool(n)
 
     def gate(
         self,

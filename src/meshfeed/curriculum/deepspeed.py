@@ -107,11 +107,8 @@ def from_deepspeed_config(
     )
     indexes = dict(indexes or {})
     cl, off = _curriculum_section(cfg)
-    metrics: list[CurriculumMetric] = []
-    transforms: list[Transform] = []
-    if not off:
-        remote = dict(cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
-        metrics, transforms = _read_metrics(cl, indexes, remote)
+    remote = dict(cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
+    metrics, transforms = ([], []) if off else _read_metrics(cl, indexes, remote)
     legacy = _legacy_transform(cfg)
     if legacy is not None:
         transforms.append(legacy)

@@ -178,28 +178,19 @@ class MetricIndex:
         (renamed last) records each array's size and a hash of its ends, and :meth:`load`
         refuses a directory whose arrays do not match it (an interrupted save).
         """
-        out = local_only(path, what="MetricIndex.save", fix=_URL_FIX)
-        out.mkdir(parents=True, exist_ok=True)
-        files = {}
-        for name, array in (
-            ("values.npy", self.values),
-            ("order.npy", self.order),
-            ("percentiles.npy", self.percentiles),
-        ):
-            atomic_write(out / name, lambda f, a=array: np.save(f, np.asarray(a)))
-            files[name] = file_id(out / name)
-        meta = {
-            "version": VERSION,
-            "kind": "sample",
-            "name": self.name,
-            "dtype": np.asarray(self.values).dtype.str,
-            "length": len(self),
-            "fingerprint": self.fingerprint,
-            "files": files,
-        }
-        text = json.dumps(meta, indent=1, sort_keys=True).encode()
-        atomic_write(out / "meta.json", lambda f: f.write(text))
-        return out
+        return _save(
+            local_only(path, what="MetricIndex.save", fix=_URL_FIX),
+            {
+                "values.npy": self.values,
+                "order.npy": self.order,
+                "percentiles.npy": self.percentiles,
+            },
+            kind="sample",
+            name=self.name,
+            dtype=np.asarray(self.values).dtype.str,
+            length=len(self),
+            fingerprint=self.fingerprint,
+        )
 
     @classmethod
     def load(
@@ -294,17 +285,19 @@ def save_accumulated(
     """Write an accumulated metric under ``path`` atomically, as :meth:`MetricIndex.save` does
     (``meta.json`` last, recording the array file)."""
     out = local_only(path, what="save_accumulated", fix=_URL_FIX)
+    return _save(out, {_ACCUMULATED: array}, kind="accumulated", name=name, fingerprint=fp)
+
+
+def _save(out: Path, arrays: dict[str, Any], **meta: Any) -> Path:
+    """Write each array of ``arrays`` under ``out`` atomically, then ``meta.json`` (``meta``
+    plus the version and each file's record) last, atomically too."""
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / _ACCUMULATED, lambda f: np.save(f, np.asarray(array)))
-    meta = {
-        "version": VERSION,
-        "kind": "accumulated",
-        "name": name,
-        "fingerprint": fp,
-        "files": {_ACCUMULATED: file_id(out / _ACCUMULATED)},
-    }
-    text = json.dumps(meta, indent=1, sort_keys=True).encode()
-    atomic_write(out / META, lambda f: f.write(text))
+    files = {}
+    for name, array in arrays.items():
+        atomic_write(out / name, lambda f, a=array: np.save(f, np.asarray(a)))
+        files[name] = file_id(out / name)
+    text = json.dumps({"version": VERSION, **meta, "files": files}, indent=1, sort_keys=True)
+    atomic_write(out / META, lambda f: f.write(text.encode()))
     return out
 
 

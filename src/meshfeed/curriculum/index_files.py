@@ -20,7 +20,7 @@ from typing import Any
 from meshfeed.errors import SourceError
 from meshfeed.storage import ShardCache, StorageOptions, is_url, local_path_of
 
-__all__ = ["META", "VERSION", "Folder", "atomic_write", "file_id", "read_meta"]
+__all__ = ["META", "VERSION", "Folder", "atomic_write", "file_id"]
 
 VERSION = 1
 META = "meta.json"
@@ -52,7 +52,19 @@ class Folder:
     def meta(self) -> dict[str, Any]:
         if self.cache is not None:
             self.root = Path(self._fetch(META)).parent  # the cache keeps a folder's files together
-        return read_meta(self.root, where=self.where)
+        meta_path = self.root / META
+        if not meta_path.is_file():
+            raise ValueError(
+                f"{self.where} is not a meshfeed metric index (no {META}); create one with "
+                "`meshfeed analyze` or meshfeed.curriculum.analyze(...)"
+            )
+        meta: dict[str, Any] = json.loads(meta_path.read_text())
+        if meta.get("version") != VERSION:
+            raise ValueError(
+                f"{self.where} has metric index version {meta.get('version')!r}; this meshfeed "
+                f"reads version {VERSION}; rerun `meshfeed analyze`"
+            )
+        return meta
 
     def files(self, meta: dict[str, Any], names: tuple[str, ...]) -> Path:
         """The local folder holding ``names`` and the files ``meta.json`` records, each checked
@@ -125,21 +137,3 @@ def file_id(path: Path) -> list[Any]:
         f.seek(max(0, size - 4096))
         h.update(f.read())
     return [size, h.hexdigest()]
-
-
-def read_meta(path: Path, *, where: str | None = None) -> dict[str, Any]:
-    """The ``meta.json`` of the metric folder ``path`` (``where``: how errors name it)."""
-    where = where or str(path)
-    meta_path = path / META
-    if not meta_path.is_file():
-        raise ValueError(
-            f"{where} is not a meshfeed metric index (no {META}); create one with "
-            "`meshfeed analyze` or meshfeed.curriculum.analyze(...)"
-        )
-    meta: dict[str, Any] = json.loads(meta_path.read_text())
-    if meta.get("version") != VERSION:
-        raise ValueError(
-            f"{where} has metric index version {meta.get('version')!r}; this meshfeed reads "
-            f"version {VERSION}; rerun `meshfeed analyze`"
-        )
-    return meta

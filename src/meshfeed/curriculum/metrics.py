@@ -144,8 +144,7 @@ def _neg_log_p(histogram: np.ndarray) -> np.ndarray:
 
 
 def _rarity(sample: Any, neg_log_p: np.ndarray, *, key: str | None) -> float:
-    tokens = _tokens(sample, key)
-    return float(neg_log_p[tokens].sum())
+    return float(neg_log_p[_tokens(sample, key)].sum())
 
 
 def _rarity_batch(samples: list[Any], neg_log_p: np.ndarray, *, key: str | None) -> np.ndarray:

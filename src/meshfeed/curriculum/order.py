@@ -159,15 +159,8 @@ class GatedOrder(OrderBase):
         self._difficulties = difficulties
         self._batch_start = batch_start
         self._rounds = self._build_rounds()
-        t = self._rounds
-        self._columns = (
-            t[:, _START],
-            t[:, _SIZE],
-            t[:, _PARENT],
-            t[:, _USED],
-            t[:, _REST],
-            t[:, _LO],
-        )
+        columns = (_START, _SIZE, _PARENT, _USED, _REST, _LO)
+        self._columns = tuple(self._rounds[:, c] for c in columns)
 
     def pool_size(self, step: int) -> int:
         """How many samples are eligible at curriculum ``step`` (O(log N))."""

@@ -26,65 +26,60 @@ __all__ = ["SEQLEN_KEYS", "ReportedDifficulty", "SeqlenReshape", "SeqlenTruncate
 SEQLEN_KEYS: tuple[str, ...] = (*DEFAULT_KEYS, "input_ids", "attention_mask")
 
 
-def _apply(batch: Any, keys: tuple[str, ...], fn: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return {k: fn(v) if k in keys else v for k, v in batch.items()}
-    if hasattr(batch, "shape"):  # one array (torch tensor or numpy), without importing torch
-        return fn(batch)
-    raise TypeError(
-        f"seqlen transforms need a tensor or a mapping of tensors (got {type(batch).__name__}); "
-        "collate into a dict of [batch, seq] tensors"
-    )
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Seqlen:
+    """What the two seqlen transforms share: the keys they cut and the checks of each tensor."""
 
+    schedule: Schedule
+    keys: tuple[str, ...] = SEQLEN_KEYS
+    name: str
 
-def _check(x: Any, d: int, name: str) -> int:
-    if len(x.shape) < 2:
-        raise ValueError(f"{name} needs [batch, seq, ...] tensors (got shape {tuple(x.shape)})")
-    if d < 1:
-        raise ValueError(f"{name} needs a positive sequence length (got difficulty {d})")
-    return int(x.shape[1])
+    def __call__(self, batch: Any, difficulty: int | float) -> Any:
+        d = int(difficulty)
+        if isinstance(batch, Mapping):
+            return {k: self._one(v, d) if k in self.keys else v for k, v in batch.items()}
+        if hasattr(batch, "shape"):  # one array (torch tensor or numpy), without importing torch
+            return self._one(batch, d)
+        raise TypeError(
+            f"seqlen transforms need a tensor or a mapping of tensors (got {type(batch).__name__}); "
+            "collate into a dict of [batch, seq] tensors"
+        )
+
+    def _one(self, x: Any, d: int) -> Any:
+        if len(x.shape) < 2:
+            raise ValueError(
+                f"{self.name} needs [batch, seq, ...] tensors (got shape {tuple(x.shape)})"
+            )
+        if d < 1:
+            raise ValueError(f"{self.name} needs a positive sequence length (got difficulty {d})")
+        s = int(x.shape[1])
+        return x if d >= s else self._cut(x, d, s)
+
+    def _cut(self, x: Any, d: int, s: int) -> Any:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SeqlenTruncate:
+class SeqlenTruncate(_Seqlen):
     """Cut every ``[B, S, ...]`` tensor to ``[B, min(S, d), ...]`` with ``d`` from ``schedule``."""
 
-    schedule: Schedule
-    keys: tuple[str, ...] = SEQLEN_KEYS
     name: str = "seqlen_truncate"
 
-    def __call__(self, batch: Any, difficulty: int | float) -> Any:
-        d = int(difficulty)
-
-        def cut(x: Any) -> Any:
-            s = _check(x, d, self.name)
-            cut = x[:, :d]
-            # A torch slice is a strided view: make it contiguous as the model expects; a numpy
-            # slice has no contiguous() and is returned as the view it is.
-            return x if d >= s else cut.contiguous() if hasattr(cut, "contiguous") else cut
-
-        return _apply(batch, self.keys, cut)
+    def _cut(self, x: Any, d: int, s: int) -> Any:
+        cut = x[:, :d]
+        # A torch slice is a strided view: make it contiguous as the model expects; a numpy
+        # slice has no contiguous() and is returned as the view it is.
+        return cut.contiguous() if hasattr(cut, "contiguous") else cut
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class SeqlenReshape:
+class SeqlenReshape(_Seqlen):
     """Fold every ``[B, S, ...]`` tensor into ``[B * (S // d), d, ...]`` (drops ``S % d``)."""
 
-    schedule: Schedule
-    keys: tuple[str, ...] = SEQLEN_KEYS
     name: str = "seqlen_reshape"
 
-    def __call__(self, batch: Any, difficulty: int | float) -> Any:
-        d = int(difficulty)
-
-        def fold(x: Any) -> Any:
-            s = _check(x, d, self.name)
-            if d >= s:
-                return x
-            keep = (s // d) * d
-            return x[:, :keep].reshape(x.shape[0] * (s // d), d, *x.shape[2:])
-
-        return _apply(batch, self.keys, fold)
+    def _cut(self, x: Any, d: int, s: int) -> Any:
+        return x[:, : (s // d) * d].reshape(x.shape[0] * (s // d), d, *x.shape[2:])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -94,10 +94,7 @@ def _stop(procs: list[Any], tasks: list[Connection], grace: float, polite: bool)
 
 def _shutdown_resources(state: dict[str, Any]) -> None:
     procs, tasks, results, readers = (
-        state.pop("procs", []),
-        state.pop("tasks", []),
-        state.pop("results", []),
-        state.pop("readers", []),
+        state.pop(key, []) for key in ("procs", "tasks", "results", "readers")
     )
     _stop(procs, tasks, state.get("grace", 0.5), state.get("polite", True))
     for conn in [*tasks, *results]:

@@ -22,12 +22,7 @@ __all__: list[str] = []
 
 
 def _error_message(exc: BaseException) -> bytes:
-    tb = traceback.format_exc()
-    try:
-        exc_type: Any = pickle.loads(pickle.dumps(type(exc)))
-    except Exception:  # a local class: only its name can travel
-        exc_type = type(exc).__name__
-    return pickle.dumps(("error", exc_type, str(exc), tb), 5)
+    return pickle.dumps(("error", *_error_entry(exc)), 5)
 
 
 def _worker_main(

@@ -21,6 +21,7 @@ restarted actor and nothing is lost or duplicated; without restarts the death is
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sized
@@ -122,25 +123,6 @@ def _is_positive_int(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
-def _check_counts(num_actors: object, prefetch: object) -> None:
-    """``num_actors`` and ``prefetch`` are ints >= 1."""
-    if not _is_positive_int(num_actors):
-        raise ValueError(f"num_actors must be an int >= 1 (got {num_actors=!r})")
-    if not _is_positive_int(prefetch):
-        raise ValueError(
-            f"prefetch must be an int >= 1 global batches in flight (got {prefetch=!r})"
-        )
-
-
-def _check_actor_options(actor_options: object) -> None:
-    """``actor_options`` is None or a dict."""
-    if actor_options is not None and not isinstance(actor_options, Mapping):
-        raise TypeError(
-            f"actor_options must be a dict of ray actor options (got {actor_options!r}); "
-            "e.g. actor_options={'num_cpus': 1, 'max_restarts': 1}"
-        )
-
-
 def _max_restarts(actor_options: Mapping[str, Any]) -> int:
     """``actor_options["max_restarts"]`` (default 0), refused unless an int >= -1."""
     restarts = actor_options.get("max_restarts", 0)
@@ -176,15 +158,23 @@ class RayService:
         timeout: float = 300.0,
         start_timeout: float = 600.0,
     ) -> None:
-        _check_counts(num_actors, prefetch)
-        _check_actor_options(actor_options)
+        if not _is_positive_int(num_actors):
+            raise ValueError(f"num_actors must be an int >= 1 (got {num_actors=!r})")
+        if not _is_positive_int(prefetch):
+            raise ValueError(
+                f"prefetch must be an int >= 1 global batches in flight (got {prefetch=!r})"
+            )
+        if actor_options is not None and not isinstance(actor_options, Mapping):
+            raise TypeError(
+                f"actor_options must be a dict of ray actor options (got {actor_options!r}); "
+                "e.g. actor_options={'num_cpus': 1, 'max_restarts': 1}"
+            )
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be positive seconds (got {name}={value!r})")
         self.num_actors = num_actors
         self.actor_options: dict[str, Any] = dict(actor_options or {})
-        restarts = _max_restarts(self.actor_options)
-        self.max_restarts = restarts
+        self.max_restarts = _max_restarts(self.actor_options)
         self.prefetch = prefetch
         self.timeout = float(timeout)
         self.start_timeout = float(start_timeout)
@@ -280,10 +270,9 @@ class RayService:
             )
         source = iter(step_task_lists)
         inflight: deque[_InFlight] = deque()
-        counter = 0
+        actors = itertools.cycle(range(self.num_actors))
 
         def submit() -> bool:
-            nonlocal counter
             tasks = next(source, None)
             if tasks is None:
                 return False
@@ -292,8 +281,7 @@ class RayService:
                     f"the loader made {len(tasks)} tasks per step but the bound mesh "
                     f"{self.mesh.sizes} has data_world_size={self.mesh.data_world_size}"
                 )
-            job = _InFlight(tasks, counter % self.num_actors, None, [])
-            counter += 1
+            job = _InFlight(tasks, next(actors), None, [])
             self._submit(job)
             inflight.append(job)
             return True

@@ -8,15 +8,14 @@ first task of each configuration (so an actor that Ray restarted configures itse
 
 from __future__ import annotations
 
-import random
+import os
 from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from meshfeed.fetch import Fetcher, FetchTask
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import OrderedSource
+from meshfeed.services.workers import seed_globals
 from meshfeed.state import dataset_fingerprint
 
 __all__: list[str] = []
@@ -39,8 +38,6 @@ class _LoaderActor:
             self.error = exc
 
     def describe(self) -> dict[str, Any]:
-        import os
-
         if self.error is not None:
             raise self.error
         ds = self.dataset
@@ -62,19 +59,13 @@ class _LoaderActor:
         return self.dataset.make_order(**kwargs)
 
     def ping(self) -> int:
-        import os
-
         return os.getpid()
 
     def fetch_step(self, config: list[Any], tasks: list[FetchTask]) -> tuple[Any, ...]:
         """Every data rank's batch of one step, then (first return) their FetchEvents."""
         fetcher = self._fetcher(config[0])
-        batches, events = [], []
-        for task in tasks:
-            batch, ev = fetcher(task)
-            batches.append(batch)
-            events.append(ev)
-        return (events, *batches)
+        made = [fetcher(task) for task in tasks]
+        return ([events for _, events in made], *(batch for batch, _ in made))
 
     def _fetcher(self, config_ref: Any) -> Fetcher:
         # The configuration travels as a nested reference with every call, so an actor that
@@ -82,13 +73,9 @@ class _LoaderActor:
         key = config_ref.hex()
         if self.fetcher is None or self.config_id != key:
             import ray
-            import torch
 
             config = ray.get(config_ref)
-            seed = derive_seed(config["seed"], _ACTOR_SEED_OP, self.index)
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            seed_globals(derive_seed(config["seed"], _ACTOR_SEED_OP, self.index))
             fetcher = Fetcher(self.dataset, **config)
             fetcher.worker_id, fetcher.num_workers = self.index, self.count
             self.fetcher, self.config_id = fetcher, key

@@ -42,13 +42,17 @@ _CHUNK_SECONDS = 1e-3
 _MAX_CHUNK = 16
 
 
-def _start_fetcher(worker: int, num_workers: int, fetcher: Fetch) -> Callable[[Any], Any]:
-    # Global RNGs get a per-worker seed so code that uses them is at least reproducible;
-    # per-sample randomness should use meshfeed.sample_rng, which does not depend on workers.
-    seed = derive_seed(fetcher.seed, 0x574B, worker)
+def seed_globals(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (a worker's or a Ray loader actor's)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _start_fetcher(worker: int, num_workers: int, fetcher: Fetch) -> Callable[[Any], Any]:
+    # Global RNGs get a per-worker seed so code that uses them is at least reproducible;
+    # per-sample randomness should use meshfeed.sample_rng, which does not depend on workers.
+    seed_globals(derive_seed(fetcher.seed, 0x574B, worker))
     fetcher.worker_id, fetcher.num_workers = worker, num_workers
     return fetcher
 
@@ -81,10 +85,9 @@ class WorkerService:
             raise ValueError(
                 f"num_workers must be an int >= 1 for WorkerService (got {num_workers=})"
             )
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be an int >= 1 (got {prefetch=})")
-        if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 1:
-            raise ValueError(f"max_chunk must be an int >= 1 (got {max_chunk=})")
+        for name, value in (("prefetch", prefetch), ("max_chunk", max_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (got {name}={value!r})")
         self._pool = WorkerPool(
             num_workers,
             timeout=timeout,
