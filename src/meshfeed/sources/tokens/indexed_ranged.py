@@ -82,7 +82,4 @@ class RangedTokens:
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """A fresh ``[len(starts), length]`` array: row ``k`` is the tokens from ``starts[k]``."""
         rows = self.spans(starts.tolist(), [length] * int(starts.shape[0]))
-        out = np.empty((len(rows), length), self.dtype)
-        for k, row in enumerate(rows):
-            out[k] = row
-        return out
+        return np.stack(rows) if rows else np.empty((0, length), self.dtype)
