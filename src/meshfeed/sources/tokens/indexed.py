@@ -239,12 +239,9 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
         The hot path of a batch read: no LRU lookup while the corpus :attr:`keeps_map`. Raises
         :class:`SourceError` like :meth:`check_unchanged`; a ranged corpus has no map.
         """
-        buf = self._held.buf
-        if buf is None:
-            if self._ranged is not None:
-                raise TypeError(f"{self.bin_path} is read by ranges; it has no map")
-            assert self._bin_identity is not None  # local: recorded on open
-            buf = map_checked(os.fspath(self.bin_path), self._bin_identity, self._held)
+        buf = self._bin()
+        if isinstance(buf, RangedFile):
+            raise TypeError(f"{self.bin_path} is read by ranges; it has no map")
         if isinstance(buf, mmap.mmap) and buf.size() != self._bin_size:
             raise SourceError(
                 f"{self.bin_path} changed size while open ({self._bin_size} bytes when opened, "
