@@ -226,11 +226,8 @@ def _done(
 def _encode_all(
     cut: Iterator[tuple[Schema, list[list[Any]]]],
     tmp: Path,
-    compression: str | None,
-    block_rows: int | None,
-    num_workers: int,
+    o: Options,
     on_shard: Callable[[Path], None] | None,
-    stem: str = "shard",
 ) -> tuple[Schema | None, list[dict[str, Any]]]:
     schema: Schema | None = None
     entries: list[dict[str, Any]] = []
@@ -239,27 +236,27 @@ def _encode_all(
         nonlocal schema
         for n, (schema, columns) in enumerate(cut):
             yield _Task(
-                path=str(tmp / f"{stem}-{n:05d}.mfs"),
+                path=str(tmp / f"{o.stem}-{n:05d}.mfs"),
                 fields=tuple(schema.fields),
                 columns=columns,
-                compression=compression,
-                block_rows=block_rows,
+                compression=o.compression,
+                block_rows=o.block_rows,
             )
 
     pool: cf.Executor
-    if num_workers == 1:
+    if o.num_workers == 1:
         # One encoder thread: zstd, blake2b and the file write release the GIL, so a shard is
         # encoded while the next one is cut from the samples; nothing is pickled.
         pool = cf.ThreadPoolExecutor(1, thread_name_prefix="meshfeed-shards")
     else:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        pool = cf.ProcessPoolExecutor(num_workers, mp_context=mp.get_context(method))
+        pool = cf.ProcessPoolExecutor(o.num_workers, mp_context=mp.get_context(method))
     with pool:
         pending: list[cf.Future[dict[str, Any]]] = []
         try:
             for task in tasks():
                 pending.append(pool.submit(_encode, task))
-                while len(pending) > max(2, 2 * num_workers) - 1:  # bound shards in memory
+                while len(pending) > max(2, 2 * o.num_workers) - 1:  # bound shards in memory
                     entries.append(_done(pending.pop(0), tmp, on_shard))
             entries.extend(_done(f, tmp, on_shard) for f in pending)
         except BaseException:
@@ -286,9 +283,7 @@ def encode_dataset(
 ) -> None:
     """Every shard, then ``index.json``, into the folder ``tmp`` (each file fsynced)."""
     cut = chunks(samples, o.rows_per_shard, o.bytes_per_shard)
-    schema, entries = _encode_all(
-        cut, tmp, o.compression, o.block_rows, o.num_workers, on_shard, o.stem
-    )
+    schema, entries = _encode_all(cut, tmp, o, on_shard)
     if schema is None:  # chunks() raises first on no samples; kept for the type
         raise ValueError("no samples to write")
     index = ShardIndex(

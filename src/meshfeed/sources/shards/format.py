@@ -36,7 +36,7 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +100,7 @@ class FieldSpec:
     ndim: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "ndim": self.ndim}
+        return asdict(self)
 
     @property
     def storage_dtype(self) -> np.dtype[Any]:
@@ -119,14 +119,7 @@ class ShardEntry:
     layout: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "rows": self.rows,
-            "bytes": self.bytes,
-            "hash": self.hash,
-            "payload": self.payload,
-            "layout": self.layout,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -261,17 +254,13 @@ def _parse_shard(raw: Any, where: Path) -> ShardEntry:
         raise SourceError(f"{where} is not a valid meshfeed shard index: shard {e}") from e
 
 
+_COLUMNS = ("file", "rows", "bytes", "hash", "payload", "layout")  # ShardEntry's fields
+
+
 def _columns_v1(raw: Any, where: Path) -> dict[str, list[Any]]:
     _need(isinstance(raw, list), where, "version 1 lists its shards as a list of objects")
     entries = [_parse_shard(s, where) for s in raw]
-    return {
-        "file": [e.file for e in entries],
-        "rows": [e.rows for e in entries],
-        "bytes": [e.bytes for e in entries],
-        "hash": [e.hash for e in entries],
-        "payload": [e.payload for e in entries],
-        "layout": [e.layout for e in entries],
-    }
+    return {name: [getattr(e, name) for e in entries] for name in _COLUMNS}
 
 
 def _columns_v2(raw: Any, where: Path) -> dict[str, list[Any]]:
@@ -293,9 +282,6 @@ def _columns_v2(raw: Any, where: Path) -> dict[str, list[Any]]:
         bad = next((x for x in cols[name] if not isinstance(x, str)), None)
         _need(bad is None, where, f"shard {name} {bad!r} is not a string")
     return cols
-
-
-_COLUMNS = ("file", "rows", "bytes", "hash", "payload", "layout")
 
 
 def _counts(values: list[Any], name: str, where: Path) -> np.ndarray:

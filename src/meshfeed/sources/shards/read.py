@@ -206,8 +206,7 @@ class ShardFormatReader:
         index, _ = self._entry(shard)
         mtime = self._index_mtimes.get(index.root)
         if mtime is None:
-            mtime = os.stat(Path(index.root) / INDEX_NAME).st_mtime_ns
-            mtime = self._index_mtimes[index.root] = mtime
+            mtime = self._index_mtimes[index.root] = os.stat(index.root / INDEX_NAME).st_mtime_ns
         return mtime
 
     def version(self, shard: Any) -> str:

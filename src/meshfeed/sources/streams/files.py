@@ -18,13 +18,12 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.streams.readers import shard_identity
+from meshfeed.sources.streams.readers import _EDGE, shard_identity
 
 __all__ = ["OpenFile", "open_local", "open_shard", "read_at", "shard_version"]
 
 #: Opens a shard name for binary reading; the returned object must support ``seek``/``read``.
 OpenFile = Callable[[str], BinaryIO]
-_EDGE = 64 * 1024
 
 
 def open_local(name: str) -> BinaryIO:

@@ -64,9 +64,7 @@ def decoder(encoding: str, column: str) -> Decoder:
     if encoding == "ndarray" or encoding.startswith("ndarray:"):
         return _ndarray(encoding)
     if encoding in _IMAGES:
-        return (
-            bytes  # as stored: decoding images is the caller's (see meshfeed.sources.streams.mds)
-        )
+        return bytes  # as stored: decoding images is the caller's (see streams.mds)
     if encoding == "pkl":
         raise ValueError(
             f"MDS column {column!r} is encoded 'pkl': unpickling runs arbitrary code, so meshfeed "

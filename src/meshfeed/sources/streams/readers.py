@@ -305,13 +305,7 @@ class DefaultReader:
 
 
 def _parser(path: str) -> Callable[[str], Any]:
-    if path.endswith(".jsonl"):
-        return json.loads
-    return _text_line
-
-
-def _text_line(line: str) -> str:
-    return line
+    return json.loads if path.endswith(".jsonl") else str
 
 
 def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:

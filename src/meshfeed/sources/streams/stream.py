@@ -160,7 +160,7 @@ class ShardedStream:
         from meshfeed.sources.shards.format import INDEX_NAME, read_index
         from meshfeed.sources.shards.read import ShardFormatReader
         from meshfeed.sources.streams.remote import CachedReader
-        from meshfeed.storage import ShardCache, default_cache_dir, is_url
+        from meshfeed.storage import ShardCache, is_url
 
         where = os.fspath(path)
         if not is_url(where):
@@ -168,11 +168,7 @@ class ShardedStream:
             rows = reader.index.rows.tolist()  # type: ignore[union-attr]
             return cls(reader.shards, reader, rows=rows, **stream)
         base = where.removesuffix(INDEX_NAME).rstrip("/")
-        cache = ShardCache(
-            cache_dir if cache_dir is not None else default_cache_dir(),
-            cache_limit=cache_limit,
-            storage_options=storage_options,
-        )
+        cache = ShardCache(cache_dir, cache_limit=cache_limit, storage_options=storage_options)
         index_url = f"{base}/{INDEX_NAME}"
         info = cache.identify(index_url)
         with cache.hold(index_url) as local_index:
@@ -357,7 +353,7 @@ def _remote(
     """``reader``, wrapped to read URL shards through the node's shard cache when any shard
     is a URL (see :mod:`meshfeed.sources.streams.remote`), unless the reader declares
     ``reads_urls = True`` (it reads them itself, e.g. by byte ranges)."""
-    from meshfeed.storage import ShardCache, default_cache_dir, is_url
+    from meshfeed.storage import ShardCache, is_url
 
     if isinstance(reader, UrlReader) and reader.reads_urls:  # it reads URLs itself (ranges)
         return reader
@@ -370,9 +366,5 @@ def _remote(
         return reader
     from meshfeed.sources.streams.remote import CachedReader
 
-    cache = ShardCache(
-        cache_dir if cache_dir is not None else default_cache_dir(),
-        cache_limit=cache_limit,
-        storage_options=storage_options,
-    )
+    cache = ShardCache(cache_dir, cache_limit=cache_limit, storage_options=storage_options)
     return CachedReader(reader, cache, shards=shards)

@@ -104,11 +104,7 @@ class JinjaChatTemplate:
         return {"source": self.source, "bos_token": self.bos_token, "eos_token": self.eos_token}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.source, self.bos_token, self.eos_token = (
-            state["source"],
-            state["bos_token"],
-            state["eos_token"],
-        )
+        self.__dict__.update(state)
         self._compiled = None
 
     def render(self, messages: Messages, add_generation_prompt: bool = False) -> str:

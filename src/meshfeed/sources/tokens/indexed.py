@@ -135,20 +135,17 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
     ) -> None:
         check_ranged(ranged)
         self._held = MapHolder()  # the map itself once granted (no LRU lookup per read)
-        if fingerprint is None:
-            self._open(prefix, cache_dir, cache_limit, storage_options, ranged, version)
-            return
-        self._defer(
-            prefix,
-            fingerprint,
-            dict(
-                cache_dir=cache_dir,
-                cache_limit=cache_limit,
-                storage_options=storage_options,
-                ranged=ranged,
-                version=version,
-            ),
+        options: dict[str, Any] = dict(
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+            storage_options=storage_options,
+            ranged=ranged,
+            version=version,
         )
+        if fingerprint is None:
+            self._open(prefix, **options)
+        else:
+            self._defer(prefix, fingerprint, options)
 
     def _open(
         self,
@@ -172,7 +169,12 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
             )
             prefix = self._fetch(os.fspath(prefix), remote, ranged, version)
         idx_path, bin_path = _paths(prefix)
-        self._check_files_exist(idx_path, bin_path if self._ranged is None else None, prefix)
+        for path in (idx_path, bin_path if self._ranged is None else None):
+            if path is not None and not path.is_file():
+                raise FileNotFoundError(
+                    f"indexed corpus file {path} does not exist; pass the prefix shared by "
+                    f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
+                )
         self.prefix = os.fspath(idx_path)[: -len(".idx")]
         self.idx_path = idx_path
         self.bin_path: Path | str = bin_path
@@ -184,8 +186,11 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
             self._idx = idx_path.read_bytes()
             if self._ranged is None:
                 self._bin_identity = file_identity(bin_path)
+                # the .bin's length on open: every later read is checked against it
+                self._bin_size: int = self._bin_identity[2]
         if self._ranged is not None:
             self.bin_path = self._ranged.url  # named in errors: there is no local .bin
+            self._bin_size = len(self._ranged)
         n_seq, n_doc = self._read_header(idx_path)
         self._n_docs = n_seq
         self.sizes: np.ndarray = np.frombuffer(self._idx, np.int32, n_seq, HEADER_SIZE)
@@ -201,20 +206,13 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
                 f"{int(self.document_index[-1])}; it must run from 0 to the sequence count "
                 f"{n_seq}"
             )
-        # the .bin's length on open: every later read is checked against it
-        if self._ranged is not None:
-            self._bin_size: int = len(self._ranged)
-        else:
-            assert self._bin_identity is not None  # local: recorded above
-            self._bin_size = self._bin_identity[2]
-        bin_len = self._bin_size
         item = self.dtype.itemsize
-        if bin_len % item:
+        if self._bin_size % item:
             raise IndexedFormatError(
-                f"{bin_path} is {bin_len} bytes, not a multiple of the {self.dtype} item size "
-                f"{item}; the file is truncated or corrupt"
+                f"{bin_path} is {self._bin_size} bytes, not a multiple of the {self.dtype} item "
+                f"size {item}; the file is truncated or corrupt"
             )
-        self._check_layout(bin_len)
+        self._check_layout(self._bin_size)
         self._contiguous: bool | None = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
@@ -241,12 +239,9 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
         The hot path of a batch read: no LRU lookup while the corpus :attr:`keeps_map`. Raises
         :class:`SourceError` like :meth:`check_unchanged`; a ranged corpus has no map.
         """
-        buf = self._held.buf
-        if buf is None:
-            if self._ranged is not None:
-                raise TypeError(f"{self.bin_path} is read by ranges; it has no map")
-            assert self._bin_identity is not None  # local: recorded on open
-            buf = map_checked(os.fspath(self.bin_path), self._bin_identity, self._held)
+        buf = self._bin()
+        if isinstance(buf, RangedFile):
+            raise TypeError(f"{self.bin_path} is read by ranges; it has no map")
         if isinstance(buf, mmap.mmap) and buf.size() != self._bin_size:
             raise SourceError(
                 f"{self.bin_path} changed size while open ({self._bin_size} bytes when opened, "
@@ -363,7 +358,8 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
         So the concatenated token stream is the flat ``tokens`` array.
         """
         if self._contiguous is None:
-            self._contiguous = self._check_contiguous()
+            self._check_layout(self._bin_size)
+            self._contiguous = True
         return self._contiguous
 
     def _fetch(self, url: str, remote: dict[str, Any], ranged: Ranged, version: str | None) -> str:
@@ -384,21 +380,6 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
     def version(self) -> str | None:
         """The remote ``.bin``'s version when read by ranges (size and ETag), else None."""
         return None if self._ranged is None else self._ranged.version
-
-    @staticmethod
-    def _check_files_exist(
-        idx_path: Path, bin_path: Path | None, prefix: str | os.PathLike[str]
-    ) -> None:
-        for path in (idx_path, bin_path):
-            if path is not None and not path.is_file():
-                raise FileNotFoundError(
-                    f"indexed corpus file {path} does not exist; pass the prefix shared by "
-                    f"PREFIX.bin and PREFIX.idx (got {os.fspath(prefix)!r})"
-                )
-
-    def _check_contiguous(self) -> bool:
-        self._check_layout(self._bin_size)
-        return True
 
     def validate(self) -> None:
         """Re-run the consistency checks made on open; raise :class:`IndexedFormatError`

@@ -36,6 +36,7 @@ class LayoutChecks:
     idx_path: Path
     bin_path: Path | str
     _idx: bytes
+    _n_docs: int  # documents (= Megatron sequences, the entries of ``sizes``)
 
     def _read_header(self, idx_path: Path) -> tuple[int, int]:
         """Check the ``.idx`` header and length and set ``dtype``; the sequence and
@@ -76,11 +77,6 @@ class LayoutChecks:
             )
         return n_seq, n_doc
 
-    @property
-    def num_documents(self) -> int:
-        """Number of documents (= Megatron sequences, the entries of ``sizes``)."""
-        return int(self.sizes.shape[0])
-
     def _check_layout(self, bin_len: int, chunk: int = _CHUNK) -> None:
         """Every size, pointer and document index consistent with each other and with ``.bin``.
 
@@ -89,12 +85,12 @@ class LayoutChecks:
         self._check_document_order(chunk)
         self._check_dtype_fits(bin_len)
         expected = 0  # byte where the next document must start
-        for lo in range(0, self.num_documents, chunk):
+        for lo in range(0, self._n_docs, chunk):
             expected = self._check_pointers(lo, chunk, expected, bin_len)
         if expected != bin_len:
             raise IndexedFormatError(
                 f"{self.bin_path} is {bin_len} bytes but {self.idx_path} accounts for "
-                f"{expected} bytes ({self.num_documents} documents of {self.dtype}); the dtype "
+                f"{expected} bytes ({self._n_docs} documents of {self.dtype}); the dtype "
                 "code disagrees with the .bin, or the .bin belongs to another index: write the "
                 "pair together"
             )
@@ -115,19 +111,18 @@ class LayoutChecks:
         """Raise when the last document ends short of or past the .bin's end but another
         token size would fit it exactly: the dtype code is wrong."""
         item = self.dtype.itemsize
-        n = self.num_documents
-        if not n or int(self.pointers[-1]) + item * int(self.sizes[-1]) == bin_len:
+        if not self._n_docs:
             return
-        fits = [
-            k
-            for k in (1, 2, 4, 8)
-            if k != item and int(self.pointers[-1]) + k * int(self.sizes[-1]) == bin_len
-        ]
+        last, size = int(self.pointers[-1]), int(self.sizes[-1])
+        if last + item * size == bin_len:
+            return
         head = self.sizes[:_CHUNK].astype(np.int64)
         fits = [
             k
-            for k in fits
-            if np.array_equal(k * (np.cumsum(head) - head), self.pointers[: head.shape[0]])
+            for k in (1, 2, 4, 8)
+            if k != item
+            and last + k * size == bin_len
+            and np.array_equal(k * (np.cumsum(head) - head), self.pointers[: head.shape[0]])
         ]
         if fits:
             raise IndexedFormatError(

@@ -80,10 +80,8 @@ def _publish_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
 
 
 def _paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
-    p = os.fspath(prefix)
-    for ext in (".bin", ".idx"):
-        if p.endswith(ext):  # accept either file name as well as the bare prefix
-            p = p[: -len(ext)]
+    # accept either file name as well as the bare prefix
+    p = os.fspath(prefix).removesuffix(".bin").removesuffix(".idx")
     return Path(p + ".idx"), Path(p + ".bin")
 
 

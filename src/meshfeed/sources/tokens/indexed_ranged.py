@@ -27,8 +27,7 @@ def open_remote(
 ) -> tuple[str, RangedFile | None]:
     """The local prefix of the cached ``.idx`` (with the ``.bin`` beside it when cached whole),
     and the ``.bin`` as a :class:`RangedFile` when it is read by ranges."""
-    for ext in (".bin", ".idx"):
-        url = url.removesuffix(ext)
+    url = url.removesuffix(".bin").removesuffix(".idx")
     prefix = cache.local_path(url + ".idx")[: -len(".idx")]
     bin_ = local_or_ranged(url + ".bin", cache, ranged, version=version)
     return prefix, bin_ if isinstance(bin_, RangedFile) else None
@@ -83,7 +82,4 @@ class RangedTokens:
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """A fresh ``[len(starts), length]`` array: row ``k`` is the tokens from ``starts[k]``."""
         rows = self.spans(starts.tolist(), [length] * int(starts.shape[0]))
-        out = np.empty((len(rows), length), self.dtype)
-        for k, row in enumerate(rows):
-            out[k] = row
-        return out
+        return np.stack(rows) if rows else np.empty((0, length), self.dtype)

@@ -196,8 +196,7 @@ def write_indexed(
     """
     url = upload_target(prefix)
     if url is not None:
-        for ext in (".bin", ".idx"):
-            url = url.removesuffix(ext)
+        url = url.removesuffix(".bin").removesuffix(".idx")
         with Upload(cache_dir, storage_options) as upload:
             upload.check(url, "the corpus")
             write_indexed(upload.staging / "corpus", documents, dtype, progress=progress)

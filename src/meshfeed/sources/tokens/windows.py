@@ -38,17 +38,6 @@ __all__ = ["TokenDocuments", "TokenWindows"]
 CorpusLike = TokenCorpus | str | os.PathLike[str]
 
 
-def _as_corpus(corpus: CorpusLike, **remote: Any) -> TokenCorpus:
-    if isinstance(corpus, TokenCorpus):
-        return corpus
-    if isinstance(corpus, (str, os.PathLike)):
-        return TokenCorpus.open(corpus, **remote)
-    raise TypeError(
-        f"corpus must be a TokenCorpus or a PREFIX path (got {type(corpus).__name__}); "
-        "open it with TokenCorpus.open(prefix)"
-    )
-
-
 def _as_indices(indices: Any, n: int) -> np.ndarray:
     idx = np.asarray(indices)
     if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
@@ -83,7 +72,13 @@ def _torch_dtype(dtype: torch.dtype) -> np.dtype[Any]:
 def _integer_corpus(corpus: CorpusLike, **remote: Any) -> TokenCorpus:
     """``corpus`` opened (a prefix path or URL, with ``remote`` options) and checked to hold
     integer token ids."""
-    corpus = _as_corpus(corpus, **remote)
+    if isinstance(corpus, (str, os.PathLike)):
+        corpus = TokenCorpus.open(corpus, **remote)
+    elif not isinstance(corpus, TokenCorpus):
+        raise TypeError(
+            f"corpus must be a TokenCorpus or a PREFIX path (got {type(corpus).__name__}); "
+            "open it with TokenCorpus.open(prefix)"
+        )
     if corpus.dtype.kind not in "iu":
         raise ValueError(
             f"{corpus.bin_path} stores {corpus.dtype} values, but token corpora are integer "
@@ -108,10 +103,6 @@ def _window_matrix(stream: np.ndarray, n: int, seq_len: int) -> torch.Tensor:
     return (
         tensor.as_strided((n, seq_len + 1), (seq_len, 1)) if n else tensor[:0].view(0, seq_len + 1)
     )
-
-
-def _pinning() -> bool:
-    return torch.cuda.is_available()
 
 
 class TokenWindows:
@@ -276,7 +267,7 @@ class TokenWindows:
             _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
         if self._ranged is not None:
             return self._fetch_ranged(self._ranged, idx)
-        if self.pin_memory and _pinning():
+        if self.pin_memory and torch.cuda.is_available():
             self.corpus.check_unchanged(tokens_only=True)
             return self._fetch_pinned(idx)
         try:
@@ -293,7 +284,7 @@ class TokenWindows:
         """The batch by ranges: the blocks its windows touch, fetched once for the batch."""
         idx = _as_indices(idx, self._len)
         rows = tokens.windows(idx * self.seq_len, self.seq_len + 1)
-        if self.pin_memory and _pinning():
+        if self.pin_memory and torch.cuda.is_available():
             out = torch.empty(rows.shape, dtype=self.dtype, pin_memory=True)
             return out.copy_(torch.from_numpy(rows.astype(self._np_dtype, copy=False)))
         return torch.from_numpy(rows if self._same_dtype else rows.astype(self._np_dtype))
@@ -386,13 +377,17 @@ class TokenDocuments:
         self.corpus.check_unchanged()
         tokens = self.corpus.tokens
         if isinstance(tokens, RangedTokens):
-            return self._ranged_spans(tokens, idx)
+            return self._spans(tokens, idx)
         return [self.corpus.document(i) for i in idx.tolist()]
 
-    def _ranged_spans(self, tokens: RangedTokens, idx: np.ndarray) -> list[np.ndarray]:
-        item = self.corpus.dtype.itemsize
-        starts = (self.corpus.pointers[idx] // item).tolist()
-        return tokens.spans(starts, self.corpus.sizes[idx].tolist())
+    def _spans(self, tokens: np.ndarray | RangedTokens, idx: np.ndarray) -> list[np.ndarray]:
+        """The tokens of the documents at ``idx``: views of the map, or by ranges (one pass
+        over the blocks they touch)."""
+        starts = (self.corpus.pointers[idx] // self.corpus.dtype.itemsize).tolist()
+        lengths = self.corpus.sizes[idx].tolist()
+        if isinstance(tokens, RangedTokens):
+            return tokens.spans(starts, lengths)
+        return [tokens[a : a + n] for a, n in zip(starts, lengths, strict=True)]
 
     def fetch_batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """The documents at ``indices`` concatenated, with their lengths and cumulative offsets."""
@@ -402,19 +397,9 @@ class TokenDocuments:
         cu = np.zeros(idx.shape[0] + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])
         out = np.empty(int(cu[-1]), dtype=self._np_dtype)
-        tokens = self.corpus.tokens
-        if isinstance(tokens, RangedTokens):
-            for doc, lo, hi in zip(
-                self._ranged_spans(tokens, idx), cu[:-1].tolist(), cu[1:].tolist(), strict=True
-            ):
-                out[lo:hi] = doc
-        else:
-            item = self.corpus.dtype.itemsize
-            starts = (self.corpus.pointers[idx] // item).tolist()
-            for k, (start, lo, hi) in enumerate(
-                zip(starts, cu[:-1].tolist(), cu[1:].tolist(), strict=True)
-            ):
-                out[lo:hi] = tokens[start : start + int(lengths[k])]
+        docs = self._spans(self.corpus.tokens, idx)
+        for doc, lo, hi in zip(docs, cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+            out[lo:hi] = doc
         return {
             "tokens": torch.from_numpy(out),
             "lengths": torch.from_numpy(lengths),
