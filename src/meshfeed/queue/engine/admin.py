@@ -11,6 +11,7 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
+from meshfeed.queue.engine.eviction import remove
 from meshfeed.queue.engine.leases import Leases
 from meshfeed.queue.engine.plans import drop, passed, replan
 from meshfeed.queue.engine.records import Partition
@@ -31,7 +32,6 @@ class StoreAdmin:
     options: StoreOptions
     partitions: dict[str, Partition]
     held: int
-    dropped: int
     produced: int
     consumed_total: dict[str, int]
     redelivered: int
@@ -42,7 +42,7 @@ class StoreAdmin:
 
         def _partition(self, name: str) -> Partition: ...
         def _evict(self, part: Partition, keys: list[Key]) -> None: ...
-        def _remove(self, part: Partition, keys: list[Key]) -> None: ...
+        def _dropped(self, n: int) -> None: ...
         def expire_leases(self, now: float) -> int: ...
 
     def replan(
@@ -73,8 +73,7 @@ class StoreAdmin:
     def clear(self, partition: str) -> None:
         part = self.partitions.pop(partition, None)
         if part is not None:
-            self.held -= len(part.samples)
-            self.dropped += len(part.samples)
+            self._dropped(len(part.samples))
         for lease in self.leases:  # their samples are gone with the partition
             if lease.partition == partition:
                 self.leases.pop(lease.id)
@@ -87,7 +86,7 @@ class StoreAdmin:
                 f"partition {partition!r} holds no samples {missing[:10]}; delete ids that "
                 "exist (a sample dropped after all tasks consumed it is already gone)"
             )
-        self._remove(part, list(dict.fromkeys(ids)))
+        self._dropped(remove(part, list(dict.fromkeys(ids))))
 
     def close(self, partition: str) -> None:
         self._partition(partition).closed = True

@@ -32,7 +32,7 @@ from typing import Any
 from meshfeed.queue.engine.admin import StoreAdmin
 from meshfeed.queue.engine.columns import gather, gather_runs
 from meshfeed.queue.engine.dynamic import rejected
-from meshfeed.queue.engine.eviction import evict, forget, remove
+from meshfeed.queue.engine.eviction import evict, forget
 from meshfeed.queue.engine.fastpath import select_fast
 from meshfeed.queue.engine.leases import Lease, Leases
 from meshfeed.queue.engine.plans import end_of_stream, lookup, read_shared, record
@@ -429,9 +429,6 @@ class StoreCore(StoreAdmin):
     def _evict(self, part: Partition, keys: list[Key]) -> None:
         if keys:
             self._dropped(evict(part, keys, self.options.tasks))
-
-    def _remove(self, part: Partition, keys: list[Key]) -> None:
-        self._dropped(remove(part, keys))
 
     def _dropped(self, n: int) -> None:
         self.held -= n
