@@ -44,11 +44,9 @@ class CollateError(RuntimeError):
         self.index, self.ids = index, ids
 
 
-def check_on_error(on_error: OnError | None, world_size: int) -> OnError:
-    """The store door's ``on_error`` (None: ``"raise"``); ``"substitute"``, and ``"skip"`` on
-    a mesh of several ranks without a process group, refused naming why and the fix."""
-    if on_error is None:
-        return "raise"
+def check_on_error(on_error: OnError, world_size: int) -> OnError:
+    """The store door's ``on_error``; ``"substitute"``, and ``"skip"`` on a mesh of several
+    ranks without a process group, refused naming why and the fix."""
     if on_error == "substitute":
         raise ValueError(
             "on_error='substitute' is not available for a StoreLoader: a store batch has no "

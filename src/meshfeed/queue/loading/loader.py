@@ -161,6 +161,7 @@ class StoreLoader(LoaderBase, Walking):
         placed = ("self", "__class__", "store", "batch_size", "mesh", "device_mesh", "rank")
         self._arguments = {k: v for k, v in given.items() if k not in placed}
         check_store(store)
+        on_error = "raise" if on_error is None else on_error
         options = LoaderOptions(
             batch_size=batch_size,
             shuffle=False,  # the store decides the order: no seed, no shuffle
@@ -168,7 +169,7 @@ class StoreLoader(LoaderBase, Walking):
             prefetch=prefetch,
             collate_fn=collate_fn,
             timeout=timeout,
-            on_error="raise" if on_error is None else on_error,
+            on_error=on_error,
             pin_memory=pin_memory,
             device=device,
             device_prefetch=device_prefetch,
@@ -181,7 +182,7 @@ class StoreLoader(LoaderBase, Walking):
             raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
         check_loader_service(store, num_workers, service, prefetch)
         super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
-        self.on_error: OnError = check_on_error(options.on_error, self.mesh.world_size)
+        self.on_error: OnError = check_on_error(on_error, self.mesh.world_size)
         self._skips = SkipLog()
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = mesh_sampler(sampler, self.mesh, self.rank)
