@@ -447,8 +447,7 @@ class SampleStore:
         :mod:`meshfeed.queue.checkpoints.state`); others are refused naming the field, unless
         ``allow_pickle=True`` (then ``load`` needs it too). Temporary files that killed saves
         left in the folder are removed (same host and process gone, or older than a day)."""
-        if not isinstance(allow_pickle, bool):
-            raise TypeError(f"allow_pickle must be True or False (got {allow_pickle=!r})")
+        check_hold(allow_pickle, "allow_pickle")
         path = local_only(path, what="SampleStore.save", fix="save locally, then copy the file")
         meta, payload = self._backend.dump(with_payload=True)
         checkpoint.write_checkpoint(path, meta, payload, allow_pickle=allow_pickle)
@@ -466,8 +465,7 @@ class SampleStore:
 
         Never unpickles objects from the file, unless ``allow_pickle=True`` and the file was
         saved with it (only for files you trust: unpickling runs code)."""
-        if not isinstance(allow_pickle, bool):
-            raise TypeError(f"allow_pickle must be True or False (got {allow_pickle=!r})")
+        check_hold(allow_pickle, "allow_pickle")
         meta, payload = checkpoint.read_checkpoint(path, allow_pickle=allow_pickle)
         opts = meta["options"]
         kwargs.setdefault("capacity", opts["capacity"])
