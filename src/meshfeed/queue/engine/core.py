@@ -120,7 +120,7 @@ class StoreCore(StoreAdmin):
         if version is not None:
             self.admitting = True
             book = part.book = part.book or Book()
-            if not book.admit(partition, part, request, ids, n_new):
+            if not book.admit(partition, part, request, ids, n_new, version):
                 self.put_needs = n_new
                 return None
         cap = self.options.capacity
@@ -145,7 +145,7 @@ class StoreCore(StoreAdmin):
         for f in rows:  # each (sample, field) pair is new, checked above
             counts[f] = counts.get(f, 0) + n
         if version is not None:
-            book.record(request, ids)
+            book.record(request, ids, version)
         return ids
 
     # ----------------------------------------------------------------- consuming
@@ -202,7 +202,7 @@ class StoreCore(StoreAdmin):
                     self._end_lease(old.id)
         if request.version is not None:
             book = part.book = part.book or Book()
-            book.observe(request, round_size(request.sampler, request.batch_size))
+            book.observe(request, round_size(request.sampler, request.batch_size), request.version)
             task = request.task
             stale = book.stale_keys(part.task(task), request)
             if stale:

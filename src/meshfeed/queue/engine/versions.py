@@ -115,13 +115,11 @@ class Book:
         request: PutRequest,
         ids: list[Key],
         n_new: int,
+        v: int,
     ) -> bool:
-        """Whether the put may land now (``False``: wait for the trainer to consume);
-        raises for a put that never can (stale, too large, backwards, a split group).
-        ``store``: the partition's samples and each task's pending ones."""
-        v = request.version
-        if v is None:
-            return True
+        """Whether the put of version ``v`` may land now (``False``: wait for the trainer to
+        consume); raises for a put that never can (stale, too large, backwards, a split
+        group). ``store``: the partition's samples and each task's pending ones."""
         self._check_rewrite(partition, ids, v)
         self._check_groups(partition, store.samples, request, ids, v)
         bounded = {t: tr for t, tr in self.trainers.items() if tr[1] is not None}
@@ -172,11 +170,8 @@ class Book:
                     "(generate a group's answers with one set of weights)"
                 )
 
-    def record(self, request: PutRequest, ids: list[Key]) -> None:
-        """A versioned put landed: widen each sample's versions, note its groups'."""
-        v = request.version
-        if v is None:
-            return
+    def record(self, request: PutRequest, ids: list[Key], v: int) -> None:
+        """A put of version ``v`` landed: widen each sample's versions, note its groups'."""
         versions = self.versions
         for k in ids:
             old = versions.get(k)
@@ -191,14 +186,11 @@ class Book:
             versions.pop(k, None)
 
     # ----------------------------------------------------------------- gets
-    def observe(self, request: GetRequest, size: int) -> None:
-        """Note the trainer's version of a get (refusing one that goes backwards). Requests
-        with a ``batch_index`` (a loader's, fetched ahead, several ranks) may arrive out of
-        order: an older one is served by its own version's bound, and the newest is kept;
-        the loader refuses a version that goes backwards (``set_version``)."""
-        v = request.version
-        if v is None:
-            return
+    def observe(self, request: GetRequest, size: int, v: int) -> None:
+        """Note the trainer's version ``v`` of a get (refusing one that goes backwards).
+        Requests with a ``batch_index`` (a loader's, fetched ahead, several ranks) may arrive
+        out of order: an older one is served by its own version's bound, and the newest is
+        kept; the loader refuses a version that goes backwards (``set_version``)."""
         last = self.trainers.get(request.task)
         if last is not None and v < last[0]:
             if request.batch_index is None:
