@@ -266,12 +266,6 @@ class _StoreActor:
             elif name != "peek":
                 self.waiters.wake_all()
 
-    async def _admin(self, fn: Callable[[], Any]) -> Any:
-        try:
-            return await self._run(fn, 0, "admin")
-        finally:
-            self.waiters.wake_all()
-
     async def dump(self, with_payload: bool) -> Any:
         return await self._run(
             lambda: checkpoint.dump(self.core, with_payload=with_payload), 0, "dump"
@@ -283,7 +277,10 @@ class _StoreActor:
             self.core = checkpoint.restore(meta, payload, current=old, options=old.options)
             return True
 
-        return await self._admin(swap)
+        try:
+            return await self._run(swap, 0, "admin")
+        finally:
+            self.waiters.wake_all()  # an admin change: every waiter tries again
 
     async def options(self) -> Any:
         return True, self.core.options.to_dict()
