@@ -423,10 +423,8 @@ def mesh_sampler(sampler: Any, mesh: Any, rank: int) -> Any:
     hang.
     """
     facts = _place(mesh, rank)
-    if sampler is None:
-        return RankAwareSampler.from_mesh(mesh, rank)
-    if isinstance(sampler, (SequentialSampler, GroupSampler)):
-        return RankAwareSampler.from_mesh(mesh, rank, inner=sampler)
+    if sampler is None or isinstance(sampler, (SequentialSampler, GroupSampler)):
+        return RankAwareSampler.from_mesh(mesh, rank, inner=sampler)  # None: sequential
     if isinstance(sampler, (RankAwareSampler, LengthBalancedSampler)):
         theirs = {k: getattr(sampler, k) for k in facts}
         if theirs != facts:
