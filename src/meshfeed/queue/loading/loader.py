@@ -202,9 +202,6 @@ class StoreLoader(LoaderBase, Walking):
         self._door = self._open_door()
         self.fetcher = StoreFetcher(store, spec, collate_fn, collate_retries, self._reach())
         self._version = LoaderVersion(max_staleness)
-        #: The policy version each batch not yet returned was first requested with: asked
-        #: again (a retry, or a restored loader), it is asked with the same.
-        self._asked: dict[int, int | None] = {}
         # What stats() reports (since this object was built; not part of the state).
         self._counts = dict.fromkeys(
             ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
