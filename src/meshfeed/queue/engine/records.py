@@ -94,16 +94,14 @@ class StoreOptions:
         )
 
 
+@dataclass(eq=False, slots=True)
 class Sample:
     """One sample's fields (stored values: a :class:`Cell`, a :class:`Ref` or a plain value)."""
 
-    __slots__ = ("fields", "group", "nbytes", "remote")
-
-    def __init__(self, group: Hashable | None) -> None:
-        self.fields: dict[str, Any] = {}
-        self.group = group
-        self.nbytes = 0
-        self.remote = 0
+    group: Hashable | None
+    fields: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+    remote: int = 0
 
     def has(self, need: tuple[str, ...]) -> bool:
         fields = self.fields
@@ -160,10 +158,7 @@ class Run:
 
     def sample(self, key: Key) -> Sample:
         """The sample ``key`` of this run as a record of its own."""
-        sample = Sample(None)
-        sample.fields = self.cells(key)
-        sample.nbytes = self.nbytes
-        return sample
+        return Sample(None, self.cells(key), self.nbytes)
 
 
 @dataclass(eq=False, slots=True)
