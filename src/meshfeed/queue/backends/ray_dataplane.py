@@ -31,6 +31,7 @@ import pickle
 import sys
 import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -123,14 +124,12 @@ def _tensor_chunk(array: np.ndarray) -> Chunk:
     return Chunk(tensor_in((True, array)))
 
 
+@dataclass(eq=False, slots=True)
 class _ArrayChunk:
     """An inline tensor chunk on its way to the store actor, pickled as its array (see
     :func:`tensor_out`); it arrives as a :class:`Chunk` of the tensor."""
 
-    __slots__ = ("array",)
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
+    array: np.ndarray
 
     def __reduce__(self) -> Any:
         return (_tensor_chunk, (self.array,))

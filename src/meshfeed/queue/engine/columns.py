@@ -148,13 +148,12 @@ def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
     return _concat(pieces, column.is_np)
 
 
+@dataclass(eq=False, slots=True)
 class Cell:
     """Row ``row`` of ``chunk``: one sample's value of one field."""
 
-    __slots__ = ("chunk", "row")
-
-    def __init__(self, chunk: Chunk, row: int) -> None:
-        self.chunk, self.row = chunk, row
+    chunk: Chunk
+    row: int
 
     def value(self) -> Any:
         return self.chunk.data[self.row]
