@@ -468,10 +468,9 @@ class SampleStore:
         check_hold(allow_pickle, "allow_pickle")
         meta, payload = checkpoint.read_checkpoint(path, allow_pickle=allow_pickle)
         opts = meta["options"]
-        kwargs.setdefault("capacity", opts["capacity"])
-        kwargs.setdefault("fields", opts["fields"])
-        kwargs.setdefault("tasks", opts["tasks"])
-        kwargs.setdefault("lease_timeout", opts.get("lease_timeout"))
+        for key in ("capacity", "fields", "tasks"):
+            kwargs.setdefault(key, opts[key])
+        kwargs.setdefault("lease_timeout", opts.get("lease_timeout"))  # states before leases
         return cls(backend, _meta=meta, _payload=payload, **kwargs)
 
 
