@@ -138,15 +138,15 @@ class Waiters:
     def count(self, kind: str) -> int:
         return sum(1 for w in self.waiters if w.kind == kind)
 
-    def wake_consumers(self, partition: str, fields: Collection[str] | None = None) -> None:
-        """A put of ``fields`` (``None``: anything, e.g. a shared plan) to ``partition``:
-        every consumer it concerns, but only the first of each group."""
+    def wake_consumers(self, partition: str, fields: Collection[str]) -> None:
+        """A put of ``fields`` to ``partition``: every consumer it concerns, but only the
+        first of each group."""
         groups: set[Hashable] = set()
         for w in self.waiters:
             if (
                 w.kind == "consumer"
                 and w.partition == partition
-                and (fields is None or not w.need or not w.need.isdisjoint(fields))
+                and (not w.need or not w.need.isdisjoint(fields))
             ):
                 if w.group is None:
                     w.wake()
