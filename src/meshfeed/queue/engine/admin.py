@@ -17,7 +17,6 @@ from meshfeed.queue.engine.plans import drop, passed, replan
 from meshfeed.queue.engine.records import Partition
 
 if TYPE_CHECKING:
-    from meshfeed.queue.engine.records import StoreOptions
     from meshfeed.queue.engine.wakeups import Waiters
 
 __all__ = ["StoreAdmin"]
@@ -29,7 +28,6 @@ class StoreAdmin:
     """Admin calls of the core; see the module docstring. The core sets these attributes
     and implements the helpers below."""
 
-    options: StoreOptions
     partitions: dict[str, Partition]
     held: int
     produced: int
