@@ -178,12 +178,7 @@ def _entry_ok(em: Any) -> bool:
     ok = isinstance(em, Mapping) and all(
         k in em for k in ("key", "parts", "fields", "read", "readers")
     )
-    ok = ok and _key_ok(em["key"]) and _names(em["fields"])
-    return ok and _entry_parts_ok(em)
-
-
-def _entry_parts_ok(em: Mapping[str, Any]) -> bool:
-    ok = isinstance(em["parts"], list)
+    ok = ok and _key_ok(em["key"]) and _names(em["fields"]) and isinstance(em["parts"], list)
     ok = ok and all(isinstance(p, list) and all(map(_is_id, p)) for p in em["parts"])
     ok = ok and isinstance(em["read"], list) and all(map(_is_int, em["read"]))
     ok = ok and _is_count(em["readers"]) and em["readers"] >= 1
