@@ -113,9 +113,7 @@ class SequentialSampler:
 
     def select(self, view: ReadyView, batch_size: int) -> list[list[Key]] | None:
         ids = list(islice(view.ready(), batch_size))
-        if len(ids) == batch_size or (view.closed and ids):
-            return [ids]
-        return None
+        return [ids] if len(ids) == batch_size or (view.closed and ids) else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -88,9 +88,7 @@ def collate(values: list[Any] | Gathered) -> Any:
     """One field of a batch: a column the store gathered from chunks already is one tensor /
     array (a view when contiguous); values from separate puts go through
     :func:`meshfeed.collate.collate_column` (equal-shape tensors or arrays stacked, else a list)."""
-    if isinstance(values, Gathered):
-        return values.data
-    return collate_column(values)
+    return values.data if isinstance(values, Gathered) else collate_column(values)
 
 
 class SampleStore:

@@ -64,9 +64,7 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
         )
     if timeout < 0:
         raise ValueError(f"{what} must be >= 0 seconds or None (got {what}={timeout!r})")
-    if math.isinf(timeout):
-        return None
-    return float(timeout)
+    return None if math.isinf(timeout) else float(timeout)
 
 
 @dataclass(eq=False, slots=True)
