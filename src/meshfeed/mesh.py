@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from meshfeed.dist import is_initialized
+
 #: Outermost first; the last axis varies fastest across consecutive global ranks
 #: (the torchtitan / Megatron convention: tensor parallel peers are neighbours).
 DEFAULT_AXIS_ORDER: tuple[str, ...] = (
@@ -127,11 +129,12 @@ class DataMesh:
     def _check_ulysses(self) -> None:
         """``ulysses`` is a positive int dividing the data-sharding size."""
         raw = self._raw_data_world_size()
+        names = [n for n in self.axis_names if n in self.data_axes]
         u = self.ulysses
         if isinstance(u, bool) or not isinstance(u, int) or u < 1 or raw % u:
             raise ValueError(
                 f"ulysses={self.ulysses!r} must be a positive divisor of the data-sharding size "
-                f"{raw} (axes {self._data_axis_names()}); choose ulysses from "
+                f"{raw} (axes {names}); choose ulysses from "
                 f"{[k for k in range(1, raw + 1) if raw % k == 0]}"
             )
 
@@ -279,9 +282,6 @@ class DataMesh:
         return groups
 
     # ----------------------------------------------------------------- helpers
-    def _data_axis_names(self) -> list[str]:
-        return [n for n in self.axis_names if n in self.data_axes]
-
     def _raw_data_world_size(self) -> int:
         return math.prod(
             s for n, s in zip(self.axis_names, self.axis_sizes, strict=True) if n in self.data_axes
@@ -341,7 +341,7 @@ def default_rank(world_size: int | None = None, *, env: Mapping[str, str] | None
     world of one process is rank 0, and a larger world (``world_size``, e.g. the mesh's, or
     ``WORLD_SIZE``) is an error: guessing rank 0 would make every process read the same data.
     """
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         return int(dist.get_rank())
     env = os.environ if env is None else env
     raw = env.get("RANK")
@@ -385,7 +385,7 @@ def resolve_mesh(mesh: Any) -> DataMesh:
     if isinstance(mesh, DataMesh):
         return mesh
     if mesh is None:
-        if dist.is_available() and dist.is_initialized():
+        if is_initialized():
             return DataMesh.from_sizes(dp=dist.get_world_size())
         return DataMesh.from_env()
     if isinstance(mesh, Mapping):
@@ -416,11 +416,7 @@ def place(
             "the name torch and Twinkle users know): pass one of them"
         )
     resolved = resolve_mesh(device_mesh if mesh is None else mesh)
-    if (
-        dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() != resolved.world_size
-    ):
+    if is_initialized() and dist.get_world_size() != resolved.world_size:
         raise ValueError(
             f"the mesh {resolved.sizes} has world size {resolved.world_size} but the process "
             f"group has {dist.get_world_size()} ranks; make the mesh sizes multiply to the "
