@@ -19,13 +19,7 @@ import numpy as np
 from meshfeed.dist import fail_together, is_distributed
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.loader_base import LoaderBase
-from meshfeed.loader_state import (
-    COUNTS,
-    LOADER_STATE_VERSION,
-    decode_stats,
-    encode_stats,
-    read_state,
-)
+from meshfeed.loader_state import COUNTS, LOADER_STATE_VERSION, encode_stats, read_state
 from meshfeed.options import LoaderOptions, build_dataset, check_not_a_path, dataset_length
 from meshfeed.order.batches import Step, order_hooks
 from meshfeed.order.rampup_plan import make_plan
@@ -449,7 +443,7 @@ class DataLoader(LoaderBase):
         ``allow_rewind=True``.
         """
         state = read_state(self, state, allow_global_batch_change=allow_global_batch_change)
-        self._stats = decode_stats(state["stats"])
+        self._stats = state["stats"]
         self._epoch, self._position = state["epoch"], state["position"]
         self._resumed = True
 
