@@ -304,29 +304,23 @@ def _axis_layout(
     order: Iterable[str] | None, sizes: Mapping[str, int]
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The axis names (in ``order``, default :data:`DEFAULT_AXIS_ORDER`) and their sizes for
-    :meth:`DataMesh.from_sizes`; ``("dp",), (1,)`` when no axis is given."""
+    :meth:`DataMesh.from_sizes`; ``("dp",), (1,)`` when no axis is given. Every sized axis is
+    in the order; an order the caller gave names only sized axes."""
     axis_order = tuple(order) if order is not None else DEFAULT_AXIS_ORDER
-    _check_axis_names(axis_order, sizes, order_given=order is not None)
-    names = tuple(name for name in axis_order if name in sizes)
-    if not names:
-        return ("dp",), (1,)
-    return names, tuple(sizes[n] for n in names)
-
-
-def _check_axis_names(
-    axis_order: tuple[str, ...], sizes: Mapping[str, int], *, order_given: bool
-) -> None:
-    """Every sized axis is in ``axis_order``; an order the caller gave names only sized axes."""
     unknown = [name for name in sizes if name not in axis_order]
     if unknown:
         raise ValueError(
             f"unknown mesh axis {unknown} (known: {list(axis_order)}); "
             "pass order=[...] naming every axis to use custom axis names"
         )
-    if order_given:
+    if order is not None:
         missing = [name for name in axis_order if name not in sizes]
         if missing:
             raise ValueError(f"order names axes without a size: {missing}; give their sizes")
+    names = tuple(name for name in axis_order if name in sizes)
+    if not names:
+        return ("dp",), (1,)
+    return names, tuple(sizes[n] for n in names)
 
 
 def _data_axes(data_axes: Iterable[str] | None) -> frozenset[str]:
