@@ -168,7 +168,12 @@ class PadCollate:
         if not isinstance(first, Mapping):
             return self([{"input_ids": x} for x in items])
         items = list(items)
-        seq_keys = _sequence_keys(first)
+        seq_keys = [k for k in first if _is_sequence(first[k])]
+        if not seq_keys:
+            raise ValueError(
+                f"pad_collate found no variable-length field in items with keys {sorted(first)}; "
+                "give 1-D token sequences (tensors, arrays or lists of ints)"
+            )
         main = next((k for k in MAIN_KEYS if k in seq_keys), seq_keys[0])
         tensors = {k: [self._tensor(item[k], k) for item in items] for k in seq_keys}
         lengths = [t.shape[0] for t in tensors[main]]
@@ -236,17 +241,6 @@ class PadCollate:
             elif n:
                 out[i, width - n :] = t
         return out
-
-
-def _sequence_keys(first: Mapping[str, Any]) -> list[str]:
-    """The item's variable-length fields; raises when it has none."""
-    seq_keys = [k for k in first if _is_sequence(first[k])]
-    if not seq_keys:
-        raise ValueError(
-            f"pad_collate found no variable-length field in items with keys {sorted(first)}; "
-            "give 1-D token sequences (tensors, arrays or lists of ints)"
-        )
-    return seq_keys
 
 
 def pad_collate(
