@@ -154,7 +154,6 @@ class DataLoader(LoaderBase):
             serves_every_rank=isinstance(service, GlobalService),
         )
         self.on_error: OnError = options.on_error or "substitute"
-        self._global = isinstance(service, GlobalService)
         dataset = self._where_batches_are_made(dataset, service)
         with wait_limit(self.wait_timeout):  # a stream counting its rows waits within timeout
             length = dataset_length(dataset)
@@ -194,7 +193,7 @@ class DataLoader(LoaderBase):
     def _where_batches_are_made(self, dataset: Any, service: Any) -> Any:
         """The dataset the loader measures: a Ray service's stand-in (the dataset is built in
         its actors), a callable's product (Twinkle's call shape), or ``dataset`` itself."""
-        if service is not None and not self._global and not isinstance(service, Service):
+        if service is not None and not isinstance(service, (Service, GlobalService)):
             raise TypeError(
                 f"service={type(service).__name__} is neither a meshfeed.protocols.Service "
                 "(start, map, shutdown) nor a GlobalService (bind_mesh, prepare, start, "
@@ -374,7 +373,7 @@ class DataLoader(LoaderBase):
 
     def _record(self, step: Step, events: FetchEvents) -> None:
         # Padding exists only in a last batch shorter than the number of data ranks.
-        if step.end - step.start < self.data_world_size and not self._global:
+        if step.end - step.start < self.data_world_size and not self._serves_every_rank:
             padded = self.plan.rank_padding(step, self.data_rank, self.data_world_size)
             self._stats["padded"] += padded
             self._note_padding(padded)
