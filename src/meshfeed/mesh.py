@@ -93,10 +93,9 @@ class DataMesh:
         world = math.prod(int(s) for s in self.axis_sizes)
         if world > MAX_WORLD_SIZE:
             raise ValueError(
-                f"the mesh {dict(zip(self.axis_names, self.axis_sizes, strict=True))} has "
-                f"{world} ranks, more than meshfeed plans (MAX_WORLD_SIZE = 2**24 = "
-                f"{MAX_WORLD_SIZE}: larger than any training job, so likely a typo or a unit "
-                "mix-up); check the axis sizes"
+                f"the mesh {self.sizes} has {world} ranks, more than meshfeed plans "
+                f"(MAX_WORLD_SIZE = 2**24 = {MAX_WORLD_SIZE}: larger than any training job, so "
+                "likely a typo or a unit mix-up); check the axis sizes"
             )
 
     def _check_data_axes(self) -> None:
@@ -164,9 +163,8 @@ class DataMesh:
         )
         if world_size is not None and mesh.world_size != world_size:
             raise ValueError(
-                f"mesh sizes {dict(zip(names, axis_sizes, strict=True))} multiply to "
-                f"{mesh.world_size}, but the world size is {world_size}; make the product of "
-                "the axis sizes equal the number of processes"
+                f"mesh sizes {mesh.sizes} multiply to {mesh.world_size}, but the world size is "
+                f"{world_size}; make the product of the axis sizes equal the number of processes"
             )
         return mesh
 
@@ -283,9 +281,7 @@ class DataMesh:
 
     # ----------------------------------------------------------------- helpers
     def _raw_data_world_size(self) -> int:
-        return math.prod(
-            s for n, s in zip(self.axis_names, self.axis_sizes, strict=True) if n in self.data_axes
-        )
+        return math.prod(s for n, s in self.sizes.items() if n in self.data_axes)
 
     def _coords(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinates of a valid ``rank``: arithmetic, or through the table."""
