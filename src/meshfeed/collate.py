@@ -4,12 +4,12 @@ one field of many samples -> a column (:func:`collate_column`, what the sample s
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 __all__ = ["PadCollate", "collate_column", "default_collate", "pad_collate"]
 
@@ -49,8 +49,6 @@ def default_collate(items: Sequence[Any]) -> Any:
 
 
 def _collate(items: Sequence[Any], path: str) -> Any:
-    import torch  # imported here so that collate_column users never pay for it
-
     first = items[0]
     if isinstance(first, (torch.Tensor, np.ndarray, np.generic, bool, int, float)):
         return _collate_numbers(items, path)
@@ -63,8 +61,6 @@ def _collate(items: Sequence[Any], path: str) -> Any:
 
 def _collate_numbers(items: Sequence[Any], path: str) -> Any:
     """Tensors, arrays, numpy scalars or Python numbers, stacked into one tensor."""
-    import torch
-
     first = items[0]
     # Stack first, and look at the shapes only when stacking fails: comparing every item's
     # shape up front costs more than the stack of a small batch.
@@ -113,7 +109,6 @@ def collate_column(values: Sequence[Any]) -> Any:
 
     Unlike :func:`default_collate` it never converts (arrays stay numpy) and never raises on
     ragged values (variable-length rows stay a list): a store's fields are often ragged.
-    It does not import torch where torch was never imported (cheap in Ray workers).
 
     >>> collate_column([np.zeros(2), np.ones(2)]).shape
     (2, 2)
@@ -124,10 +119,9 @@ def collate_column(values: Sequence[Any]) -> Any:
     if not values:
         return values
     first = values[0]
-    torch_module = sys.modules.get("torch")
-    if torch_module is not None and all(isinstance(v, torch_module.Tensor) for v in values):
+    if all(isinstance(v, torch.Tensor) for v in values):
         if all(v.shape == first.shape and v.dtype == first.dtype for v in values):
-            return torch_module.stack(values)
+            return torch.stack(values)
     elif all(isinstance(v, np.ndarray) for v in values) and all(
         v.shape == first.shape and v.dtype == first.dtype for v in values
     ):
@@ -142,8 +136,6 @@ MAIN_KEYS = ("input_ids", "tokens")
 
 
 def _is_sequence(x: Any) -> bool:
-    import torch
-
     if isinstance(x, (torch.Tensor, np.ndarray)):
         return x.ndim >= 1
     return isinstance(x, (list, tuple)) and all(
@@ -176,7 +168,12 @@ class PadCollate:
         if not isinstance(first, Mapping):
             return self([{"input_ids": x} for x in items])
         items = list(items)
-        seq_keys = _sequence_keys(first)
+        seq_keys = [k for k in first if _is_sequence(first[k])]
+        if not seq_keys:
+            raise ValueError(
+                f"pad_collate found no variable-length field in items with keys {sorted(first)}; "
+                "give 1-D token sequences (tensors, arrays or lists of ints)"
+            )
         main = next((k for k in MAIN_KEYS if k in seq_keys), seq_keys[0])
         tensors = {k: [self._tensor(item[k], k) for item in items] for k in seq_keys}
         lengths = [t.shape[0] for t in tensors[main]]
@@ -200,8 +197,6 @@ class PadCollate:
 
     def _add_defaults(self, out: dict[str, Any], lengths: list[int], width: int) -> None:
         """An attention mask and position ids where the items gave none."""
-        import torch
-
         if "attention_mask" not in out:
             ones = [torch.ones(n, dtype=torch.int64) for n in lengths]
             out["attention_mask"] = self._pad(ones, width, 0, "attention_mask")
@@ -215,8 +210,6 @@ class PadCollate:
         return int(DEFAULT_PAD_VALUES.get(key, self.pad_id))
 
     def _tensor(self, x: Any, key: str) -> Any:
-        import torch
-
         t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
         if self.max_len is not None and t.shape[0] > self.max_len:
             if not self.truncate:
@@ -237,8 +230,6 @@ class PadCollate:
         return self.max_len if self.max_len is not None else max(lengths)
 
     def _pad(self, ts: list[Any], width: int, fill: int, key: str) -> Any:
-        import torch
-
         rest = {tuple(t.shape[1:]) for t in ts}
         if len(rest) > 1:
             raise _mismatch(ts, key)
@@ -250,17 +241,6 @@ class PadCollate:
             elif n:
                 out[i, width - n :] = t
         return out
-
-
-def _sequence_keys(first: Mapping[str, Any]) -> list[str]:
-    """The item's variable-length fields; raises when it has none."""
-    seq_keys = [k for k in first if _is_sequence(first[k])]
-    if not seq_keys:
-        raise ValueError(
-            f"pad_collate found no variable-length field in items with keys {sorted(first)}; "
-            "give 1-D token sequences (tensors, arrays or lists of ints)"
-        )
-    return seq_keys
 
 
 def pad_collate(

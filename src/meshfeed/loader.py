@@ -19,13 +19,7 @@ import numpy as np
 from meshfeed.dist import fail_together, is_distributed
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.loader_base import LoaderBase
-from meshfeed.loader_state import (
-    COUNTS,
-    LOADER_STATE_VERSION,
-    decode_stats,
-    encode_stats,
-    read_state,
-)
+from meshfeed.loader_state import COUNTS, LOADER_STATE_VERSION, encode_stats, read_state
 from meshfeed.options import LoaderOptions, build_dataset, check_not_a_path, dataset_length
 from meshfeed.order.batches import Step, order_hooks
 from meshfeed.order.rampup_plan import make_plan
@@ -160,7 +154,6 @@ class DataLoader(LoaderBase):
             serves_every_rank=isinstance(service, GlobalService),
         )
         self.on_error: OnError = options.on_error or "substitute"
-        self._global = isinstance(service, GlobalService)
         dataset = self._where_batches_are_made(dataset, service)
         with wait_limit(self.wait_timeout):  # a stream counting its rows waits within timeout
             length = dataset_length(dataset)
@@ -200,7 +193,7 @@ class DataLoader(LoaderBase):
     def _where_batches_are_made(self, dataset: Any, service: Any) -> Any:
         """The dataset the loader measures: a Ray service's stand-in (the dataset is built in
         its actors), a callable's product (Twinkle's call shape), or ``dataset`` itself."""
-        if service is not None and not self._global and not isinstance(service, Service):
+        if service is not None and not isinstance(service, (Service, GlobalService)):
             raise TypeError(
                 f"service={type(service).__name__} is neither a meshfeed.protocols.Service "
                 "(start, map, shutdown) nor a GlobalService (bind_mesh, prepare, start, "
@@ -380,7 +373,7 @@ class DataLoader(LoaderBase):
 
     def _record(self, step: Step, events: FetchEvents) -> None:
         # Padding exists only in a last batch shorter than the number of data ranks.
-        if step.end - step.start < self.data_world_size and not self._global:
+        if step.end - step.start < self.data_world_size and not self._serves_every_rank:
             padded = self.plan.rank_padding(step, self.data_rank, self.data_world_size)
             self._stats["padded"] += padded
             self._note_padding(padded)
@@ -449,7 +442,7 @@ class DataLoader(LoaderBase):
         ``allow_rewind=True``.
         """
         state = read_state(self, state, allow_global_batch_change=allow_global_batch_change)
-        self._stats = decode_stats(state["stats"])
+        self._stats = state["stats"]
         self._epoch, self._position = state["epoch"], state["position"]
         self._resumed = True
 

@@ -2,8 +2,8 @@
 
 :class:`LoaderBase` is the common base of :class:`meshfeed.DataLoader` (map-style data),
 :class:`meshfeed.StreamLoader` (sharded streams) and :class:`meshfeed.queue.StoreLoader` (an
-RL sample store; its stream is one epoch, see its ``epochs``). It owns the argument checks (one
-function, :func:`meshfeed.options.check_loader_arguments`), turning the mesh into plain
+RL sample store; its stream is one epoch, see its ``epochs``). It takes the options every door
+checked the same way (:class:`meshfeed.options.LoaderOptions`) and owns turning the mesh into plain
 integers, the epoch API (``epoch``, ``set_epoch``, ``epochs``), the rate-limited warnings for
 bad samples and padding, delivery (pinning, ``device`` prefetch and the stall telemetry of
 :mod:`meshfeed.delivery`), the lifecycle (``shutdown``, context manager), and live resizing

@@ -210,7 +210,8 @@ def _check_order_facts(loader: ReadingLoader, state: dict[str, Any]) -> None:
 def read_state(
     loader: ReadingLoader, state: Any, *, allow_global_batch_change: bool
 ) -> dict[str, Any]:
-    """``state`` checked field by field against ``loader``; ValueError names what differs."""
+    """``state`` checked field by field against ``loader``, its stats decoded; ValueError
+    names what differs."""
     state = open_envelope(
         state, kind="loader", version=LOADER_STATE_VERSION, fields=FIELDS, what="loader state"
     )
@@ -224,6 +225,6 @@ def read_state(
             f"checkpoint position {state['position']} is beyond the epoch length "
             f"{loader.order.epoch_length(state['epoch'])}; the checkpoint is corrupted"
         )
-    decode_stats(state["stats"])  # checked here; the loader decodes it again
+    state["stats"] = decode_stats(state["stats"])
     _check_order_facts(loader, state)
     return state

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from meshfeed.dist import is_initialized
+
 #: Outermost first; the last axis varies fastest across consecutive global ranks
 #: (the torchtitan / Megatron convention: tensor parallel peers are neighbours).
 DEFAULT_AXIS_ORDER: tuple[str, ...] = (
@@ -91,10 +93,9 @@ class DataMesh:
         world = math.prod(int(s) for s in self.axis_sizes)
         if world > MAX_WORLD_SIZE:
             raise ValueError(
-                f"the mesh {dict(zip(self.axis_names, self.axis_sizes, strict=True))} has "
-                f"{world} ranks, more than meshfeed plans (MAX_WORLD_SIZE = 2**24 = "
-                f"{MAX_WORLD_SIZE}: larger than any training job, so likely a typo or a unit "
-                "mix-up); check the axis sizes"
+                f"the mesh {self.sizes} has {world} ranks, more than meshfeed plans "
+                f"(MAX_WORLD_SIZE = 2**24 = {MAX_WORLD_SIZE}: larger than any training job, so "
+                "likely a typo or a unit mix-up); check the axis sizes"
             )
 
     def _check_data_axes(self) -> None:
@@ -127,11 +128,12 @@ class DataMesh:
     def _check_ulysses(self) -> None:
         """``ulysses`` is a positive int dividing the data-sharding size."""
         raw = self._raw_data_world_size()
+        names = [n for n in self.axis_names if n in self.data_axes]
         u = self.ulysses
         if isinstance(u, bool) or not isinstance(u, int) or u < 1 or raw % u:
             raise ValueError(
                 f"ulysses={self.ulysses!r} must be a positive divisor of the data-sharding size "
-                f"{raw} (axes {self._data_axis_names()}); choose ulysses from "
+                f"{raw} (axes {names}); choose ulysses from "
                 f"{[k for k in range(1, raw + 1) if raw % k == 0]}"
             )
 
@@ -161,9 +163,8 @@ class DataMesh:
         )
         if world_size is not None and mesh.world_size != world_size:
             raise ValueError(
-                f"mesh sizes {dict(zip(names, axis_sizes, strict=True))} multiply to "
-                f"{mesh.world_size}, but the world size is {world_size}; make the product of "
-                "the axis sizes equal the number of processes"
+                f"mesh sizes {mesh.sizes} multiply to {mesh.world_size}, but the world size is "
+                f"{world_size}; make the product of the axis sizes equal the number of processes"
             )
         return mesh
 
@@ -279,13 +280,8 @@ class DataMesh:
         return groups
 
     # ----------------------------------------------------------------- helpers
-    def _data_axis_names(self) -> list[str]:
-        return [n for n in self.axis_names if n in self.data_axes]
-
     def _raw_data_world_size(self) -> int:
-        return math.prod(
-            s for n, s in zip(self.axis_names, self.axis_sizes, strict=True) if n in self.data_axes
-        )
+        return math.prod(s for n, s in self.sizes.items() if n in self.data_axes)
 
     def _coords(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinates of a valid ``rank``: arithmetic, or through the table."""
@@ -304,29 +300,23 @@ def _axis_layout(
     order: Iterable[str] | None, sizes: Mapping[str, int]
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The axis names (in ``order``, default :data:`DEFAULT_AXIS_ORDER`) and their sizes for
-    :meth:`DataMesh.from_sizes`; ``("dp",), (1,)`` when no axis is given."""
+    :meth:`DataMesh.from_sizes`; ``("dp",), (1,)`` when no axis is given. Every sized axis is
+    in the order; an order the caller gave names only sized axes."""
     axis_order = tuple(order) if order is not None else DEFAULT_AXIS_ORDER
-    _check_axis_names(axis_order, sizes, order_given=order is not None)
-    names = tuple(name for name in axis_order if name in sizes)
-    if not names:
-        return ("dp",), (1,)
-    return names, tuple(sizes[n] for n in names)
-
-
-def _check_axis_names(
-    axis_order: tuple[str, ...], sizes: Mapping[str, int], *, order_given: bool
-) -> None:
-    """Every sized axis is in ``axis_order``; an order the caller gave names only sized axes."""
     unknown = [name for name in sizes if name not in axis_order]
     if unknown:
         raise ValueError(
             f"unknown mesh axis {unknown} (known: {list(axis_order)}); "
             "pass order=[...] naming every axis to use custom axis names"
         )
-    if order_given:
+    if order is not None:
         missing = [name for name in axis_order if name not in sizes]
         if missing:
             raise ValueError(f"order names axes without a size: {missing}; give their sizes")
+    names = tuple(name for name in axis_order if name in sizes)
+    if not names:
+        return ("dp",), (1,)
+    return names, tuple(sizes[n] for n in names)
 
 
 def _data_axes(data_axes: Iterable[str] | None) -> frozenset[str]:
@@ -341,7 +331,7 @@ def default_rank(world_size: int | None = None, *, env: Mapping[str, str] | None
     world of one process is rank 0, and a larger world (``world_size``, e.g. the mesh's, or
     ``WORLD_SIZE``) is an error: guessing rank 0 would make every process read the same data.
     """
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         return int(dist.get_rank())
     env = os.environ if env is None else env
     raw = env.get("RANK")
@@ -385,7 +375,7 @@ def resolve_mesh(mesh: Any) -> DataMesh:
     if isinstance(mesh, DataMesh):
         return mesh
     if mesh is None:
-        if dist.is_available() and dist.is_initialized():
+        if is_initialized():
             return DataMesh.from_sizes(dp=dist.get_world_size())
         return DataMesh.from_env()
     if isinstance(mesh, Mapping):
@@ -416,11 +406,7 @@ def place(
             "the name torch and Twinkle users know): pass one of them"
         )
     resolved = resolve_mesh(device_mesh if mesh is None else mesh)
-    if (
-        dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() != resolved.world_size
-    ):
+    if is_initialized() and dist.get_world_size() != resolved.world_size:
         raise ValueError(
             f"the mesh {resolved.sizes} has world size {resolved.world_size} but the process "
             f"group has {dist.get_world_size()} ranks; make the mesh sizes multiply to the "

@@ -138,11 +138,6 @@ def curriculum_postprocess(curriculum: Any) -> PostProcess | None:
     """
     if curriculum is None or isinstance(curriculum, Mapping):
         return None
-    if not isinstance(curriculum, CurriculumHooks):
-        raise TypeError(
-            f"curriculum={curriculum!r} lacks make_order() or postprocess; pass a "
-            "meshfeed.curriculum.Curriculum (see meshfeed.protocols.CurriculumHooks)"
-        )
     return curriculum.postprocess
 
 

@@ -85,9 +85,9 @@ class Progress:
             self._last_line = now
             self._write_line(now)
 
-    def _format(self, now: float) -> str:
+    def _write_line(self, now: float) -> None:
         elapsed = max(now - self._start, 1e-9)
-        return tqdm.format_meter(
+        line = tqdm.format_meter(
             self.count,
             self.total,
             elapsed,
@@ -98,9 +98,7 @@ class Progress:
             initial=self._initial,
             ncols=0,
         )
-
-    def _write_line(self, now: float) -> None:
-        self.stream.write(self._format(now) + "\n")
+        self.stream.write(line + "\n")
         self.stream.flush()
 
     def close(self) -> None:

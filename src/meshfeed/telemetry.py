@@ -15,8 +15,7 @@ wall time since the first batch was asked for that the loop spent waiting.
 dashboards (Prometheus, OpenTelemetry, a logger): keep it cheap, it runs on the loop's thread.
 Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
 time so far, while doing at least :data:`MIN_LOOP_SECONDS` of its own work per step, gets a
-warning (once per loader) on the ``"meshfeed"`` logger naming the
-likely fix.
+warning (once per loader) on the ``"meshfeed"`` logger naming the likely fix.
 """
 
 from __future__ import annotations

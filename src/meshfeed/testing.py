@@ -41,10 +41,9 @@ def assert_same(a: Any, b: Any, path: str = "item") -> None:
 
 def _assert_same_tensors(a: Any, b: Any, path: str) -> None:
     """Both must be tensors of one dtype and shape with equal values."""
-    if not isinstance(a, torch.Tensor):
-        raise AssertionError(f"{path}: tensor vs {type(a).__name__}")
-    if not isinstance(b, torch.Tensor):
-        raise AssertionError(f"{path}: tensor vs {type(b).__name__}")
+    for x in (a, b):
+        if not isinstance(x, torch.Tensor):
+            raise AssertionError(f"{path}: tensor vs {type(x).__name__}")
     if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
         raise AssertionError(f"{path}: tensors differ\n{a}\n!=\n{b}")
 
