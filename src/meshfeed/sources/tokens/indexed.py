@@ -213,7 +213,7 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
                 f"size {item}; the file is truncated or corrupt"
             )
         self._check_layout(self._bin_size)
-        self._contiguous: bool | None = True  # _check_layout proved it
+        self._contiguous = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
 
@@ -357,9 +357,6 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
 
         So the concatenated token stream is the flat ``tokens`` array.
         """
-        if self._contiguous is None:
-            self._check_layout(self._bin_size)
-            self._contiguous = True
         return self._contiguous
 
     def _fetch(self, url: str, remote: dict[str, Any], ranged: Ranged, version: str | None) -> str:
@@ -429,7 +426,7 @@ def _reopen_deferred(
 def _reopen(
     prefix: str,
     fingerprint: str,
-    contiguous: bool | None,
+    contiguous: bool,
     num_tokens: int | None,
     remote: dict[str, Any] | None = None,
 ) -> TokenCorpus:
