@@ -375,10 +375,7 @@ class TokenDocuments:
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray]:
         idx = _as_indices(np.asarray(indices, dtype=np.int64), len(self))
         self.corpus.check_unchanged()
-        tokens = self.corpus.tokens
-        if isinstance(tokens, RangedTokens):
-            return self._spans(tokens, idx)
-        return [self.corpus.document(i) for i in idx.tolist()]
+        return self._spans(self.corpus.tokens, idx)
 
     def _spans(self, tokens: np.ndarray | RangedTokens, idx: np.ndarray) -> list[np.ndarray]:
         """The tokens of the documents at ``idx``: views of the map, or by ranges (one pass
