@@ -1,6 +1,6 @@
 """Encoding meshfeed shards: samples cut into shards, each shard encoded into one file, then
-the dataset's index (the format is in :mod:`.shards_format`; :func:`.shards_write.write_shards`
-is the public door).
+the dataset's index (the format is in :mod:`.format`; :func:`.write.write_shards` is the
+public door).
 
 The parent process cuts the stream into shards (by rows and/or bytes), so the shards do not
 depend on ``num_workers``; workers (a thread, or processes) encode whole shards: columns, zstd
