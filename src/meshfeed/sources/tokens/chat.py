@@ -183,9 +183,8 @@ def _check_messages(messages: Any, index: int | None) -> None:
 
 def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, trained) pieces, in order."""
-    pieces: list[tuple[str, bool]] = []
     done = render([], False) if messages else ""
-    pieces.append((done, False))
+    pieces: list[tuple[str, bool]] = [(done, False)]
     for k, m in enumerate(messages):
         trained = m["role"] in TRAINED_ROLES
         head = render(messages[:k], True) if trained else done
