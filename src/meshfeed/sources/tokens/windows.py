@@ -176,8 +176,7 @@ class TokenWindows:
         # its descriptor open past the LRU's bound, #32); by ranges, through the block cache
         # an opened corpus is mapped now, so a corpus replaced by rename after this keeps
         # serving the file opened; one opened on first read (a manifest's) maps then
-        opened = self.corpus.opened
-        tokens = self.corpus.tokens if opened or self.corpus.ranged else None
+        tokens = self.corpus.tokens if self.corpus.opened or self.corpus.ranged else None
         self._ranged = tokens if isinstance(tokens, RangedTokens) else None
         # the strided view of the last map read, kept only while the corpus keeps that map
         self._kept: tuple[object, np.ndarray] | None = None
