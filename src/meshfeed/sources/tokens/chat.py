@@ -259,9 +259,8 @@ class ChatSamples:
         self._render: Renderer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_render"] = None  # a tokenizer's bound template may not pickle: made again
-        return state
+        # a tokenizer's bound template may not pickle: made again
+        return {**self.__dict__, "_render": None}
 
     def __len__(self) -> int:
         return len(self.conversations)
