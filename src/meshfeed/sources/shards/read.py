@@ -136,8 +136,7 @@ class ShardFormatReader:
         return {k: getattr(self, k) for k in (*keep, "_indexes", "_written", "newest")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        self.__dict__.update(state)
         self._reset()
         if self.index is not None:
             self._own(self.index)
