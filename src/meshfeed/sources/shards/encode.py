@@ -1,6 +1,6 @@
 """Encoding meshfeed shards: samples cut into shards, each shard encoded into one file, then
-the dataset's index (the format is in :mod:`.shards_format`; :func:`.shards_write.write_shards`
-is the public door).
+the dataset's index (the format is in :mod:`.format`; :func:`.write.write_shards` is the
+public door).
 
 The parent process cuts the stream into shards (by rows and/or bytes), so the shards do not
 depend on ``num_workers``; workers (a thread, or processes) encode whole shards: columns, zstd
@@ -70,10 +70,6 @@ class _Column:
         return self.array.nbytes if self.array is not None else sum(map(len, self.rows or []))
 
 
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    return arr.reshape(-1).view(np.uint8).data
-
-
 def _column(spec: FieldSpec, values: list[Any]) -> _Column:
     if spec.kind in ("int", "float", "bool"):
         try:
@@ -97,12 +93,6 @@ def _column(spec: FieldSpec, values: list[Any]) -> _Column:
         shapes=None if spec.ndim == 1 else np.asarray([v.shape for v in values], np.int64),
         itemsize=values[0].itemsize,
     )
-
-
-def _block_rows(task: _Task, rows: int, raw_bytes: int) -> int:
-    if task.block_rows is not None:
-        return task.block_rows
-    return max(1, min(rows, _BLOCK_BYTES * rows // max(1, raw_bytes)))
 
 
 class _Payload:
@@ -135,7 +125,7 @@ class _Payload:
         """Blocks of ``raw`` cut at byte offsets ``cuts`` (0 .. its length), back to back
         from the next aligned offset (so uncompressed blocks tile one aligned segment)."""
         self._align()
-        view = _bytes_of(np.ascontiguousarray(raw))
+        view = np.ascontiguousarray(raw).reshape(-1).view(np.uint8).data
         return [self._block(view[a:b]) for a, b in itertools.pairwise(cuts)]
 
     def rows(self, rows: list[Any], starts: list[int]) -> list[list[int]]:
@@ -150,7 +140,9 @@ def _encode(task: _Task) -> dict[str, Any]:
     """Write one shard file (fsynced) and return its index entry."""
     rows = len(task.columns[0])
     encoded = [_column(f, v) for f, v in zip(task.fields, task.columns, strict=True)]
-    per = _block_rows(task, rows, sum(c.nbytes for c in encoded))
+    per = task.block_rows
+    if per is None:
+        per = max(1, min(rows, _BLOCK_BYTES * rows // max(1, sum(c.nbytes for c in encoded))))
     starts = [*range(0, rows, per), rows]
     payload = _Payload(task.compression)
     columns = []
@@ -284,8 +276,7 @@ def encode_dataset(
     """Every shard, then ``index.json``, into the folder ``tmp`` (each file fsynced)."""
     cut = chunks(samples, o.rows_per_shard, o.bytes_per_shard)
     schema, entries = _encode_all(cut, tmp, o, on_shard)
-    if schema is None:  # chunks() raises first on no samples; kept for the type
-        raise ValueError("no samples to write")
+    assert schema is not None  # chunks() raises first on no samples
     index = ShardIndex(
         root=tmp,
         sample="bare" if schema.bare else "dict",

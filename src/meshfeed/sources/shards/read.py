@@ -1,7 +1,5 @@
-"""Reading meshfeed shards by row: :class:`ShardFormatReader` (see :mod:`.shards_format`).
+"""Reading meshfeed shards by row: :class:`ShardFormatReader` (see :mod:`.format`).
 
-The reader is what a stream calls per shard: ``take(shard, rows)`` (rows in any order, repeats
-allowed), ``count(shard)``, ``version(shard)`` and the range form ``reader(shard, start, stop)``.
 A batch of rows of a ``fixed`` column is one fancy-index gather; a ``var`` column is sliced
 through its offsets. Uncompressed shards are memory-mapped copy-on-write, so values are views
 of the page cache (writable: a write touches a private copy, never the file). Compressed
@@ -12,8 +10,8 @@ cache in the background (``read_ahead`` bytes, :mod:`.readahead`).
 
 Every fault in a file (missing, truncated, wrong magic, a header that disagrees with its index,
 a damaged block, offsets that do not add up) raises :class:`~meshfeed.errors.SourceError`
-naming the shard: never a numpy crash or silent garbage. Content hashes are checked only with
-``verify=True`` (once per shard per process, on first open: it reads the whole file).
+naming the shard: never a numpy crash or silent garbage. Content hashes are checked with
+``verify=True``, and for a shard modified after its ``index.json`` (see the class docstring).
 """
 
 from __future__ import annotations
@@ -61,7 +59,8 @@ class ShardFormatReader:
     cache decoded 5x its bytes). ``max_open`` bounds the maps kept open; ``threads`` decode
     the blocks one batch needs side by side (1: decode in the calling thread only).
     ``verify=True`` hashes each shard on its first open in each process (reads the whole file:
-    about 1 GB/s per core); by default only sizes, headers and offsets are checked.
+    about 1 GB/s per core); by default only sizes, headers and offsets are checked, and the
+    hash of a shard of :meth:`from_index`'s dataset modified after its ``index.json``.
     ``read_ahead``: where a stream plans the shards it reads (:meth:`plan`), opening one brings
     the next ``read_ahead`` bytes of planned shards into the page cache in background threads
     and waits until the opened one is there (:mod:`.readahead`; 0: off, pages are read by the
@@ -137,8 +136,7 @@ class ShardFormatReader:
         return {k: getattr(self, k) for k in (*keep, "_indexes", "_written", "newest")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        self.__dict__.update(state)
         self._reset()
         if self.index is not None:
             self._own(self.index)

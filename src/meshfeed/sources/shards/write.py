@@ -1,5 +1,5 @@
-"""Writing meshfeed shards: :func:`write_shards` (the format is in :mod:`.shards_format`,
-the encoder in :mod:`.shards_encode`).
+"""Writing meshfeed shards: :func:`write_shards` (the format is in :mod:`.format`, the
+encoder in :mod:`.encode`).
 
 The write is atomic: everything goes into a hidden temporary directory beside ``out_dir``
 (each file fsynced, ``index.json`` last), which is then renamed into place. A write that

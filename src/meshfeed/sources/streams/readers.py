@@ -246,10 +246,9 @@ class DefaultReader:
             return [parse(text[r - first]) for r in rows.tolist()]
         f = self._handle(key, path)
         uniq = np.unique(rows)
-        # one read per contiguous run of wanted rows
-        breaks = np.flatnonzero(np.diff(uniq) != 1) + 1
         found: dict[int, Any] = {}
-        for run in np.split(uniq, breaks):
+        # one read per contiguous run of wanted rows
+        for run in np.split(uniq, np.flatnonzero(np.diff(uniq) != 1) + 1):
             a, b = int(run[0]), int(run[-1]) + 1
             f.seek(int(offsets[a]))
             lines = f.read(int(offsets[b] - offsets[a])).decode("utf-8").split("\n")

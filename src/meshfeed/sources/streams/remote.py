@@ -122,8 +122,7 @@ class CachedReader:
         """End this process's hold of ``url``, and the inner reader's map of it under a
         limit (a map would keep an evicted file's blocks on disk); without a limit nothing is
         evicted, and the inner reader keeps its maps (re-opening costs more than a read)."""
-        limited = self.cache.cache_limit is not None
-        if limited and self._hooks.forget is not None:
+        if self.cache.cache_limit is not None and self._hooks.forget is not None:
             self._hooks.forget(local)
         self.cache.release(url)
 

@@ -262,9 +262,8 @@ class ShardedStream:
         self._cursors.clear()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_cursors"] = {}  # open iterators stay in the process that opened them
-        return state
+        # open iterators stay in the process that opened them
+        return {**self.__dict__, "_cursors": {}}
 
     # ------------------------------------------------------------------ order
     def make_order(

@@ -183,9 +183,8 @@ def _check_messages(messages: Any, index: int | None) -> None:
 
 def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, trained) pieces, in order."""
-    pieces: list[tuple[str, bool]] = []
     done = render([], False) if messages else ""
-    pieces.append((done, False))
+    pieces: list[tuple[str, bool]] = [(done, False)]
     for k, m in enumerate(messages):
         trained = m["role"] in TRAINED_ROLES
         head = render(messages[:k], True) if trained else done
@@ -260,9 +259,8 @@ class ChatSamples:
         self._render: Renderer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_render"] = None  # a tokenizer's bound template may not pickle: made again
-        return state
+        # a tokenizer's bound template may not pickle: made again
+        return {**self.__dict__, "_render": None}
 
     def __len__(self) -> int:
         return len(self.conversations)

@@ -103,8 +103,8 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
     ``sizes`` (int32), ``pointers`` (int64 byte offsets) and ``document_index`` are read-only
     views of the ``.idx`` file. ``tokens`` is the whole ``.bin`` as one flat array, so any
     contiguous token range (a training window across document boundaries) is a single slice.
-    Opening validates the header and the file lengths; :meth:`validate` additionally checks
-    every pointer (O(number of documents)).
+    Opening validates the header, the file lengths and every size and pointer (O(number of
+    documents)); :meth:`validate` runs those checks again.
 
     A URL prefix (``s3://bucket/corpus``) is read through the node's shard cache (``cache_dir``,
     ``cache_limit``, ``storage_options``): the ``.idx`` cached whole, the ``.bin`` too unless
@@ -164,10 +164,14 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
         self._ranged: RangedFile | None = None
         prefix = local_path_of(os.fspath(prefix)) or prefix  # file:// needs no cache
         if is_url(os.fspath(prefix)):
-            remote = dict(
+            remote: dict[str, Any] = dict(
                 cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options
             )
-            prefix = self._fetch(os.fspath(prefix), remote, ranged, version)
+            self._remote = {"url": os.fspath(prefix), **remote}
+            self._cache = ShardCache(**remote)
+            prefix, self._ranged = open_remote(os.fspath(prefix), self._cache, ranged, version)
+            if self._ranged is not None:  # a worker reads by ranges too, and the same version
+                self._remote.update(ranged=self._ranged.reads, version=self._ranged.version)
         idx_path, bin_path = _paths(prefix)
         for path in (idx_path, bin_path if self._ranged is None else None):
             if path is not None and not path.is_file():
@@ -213,7 +217,7 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
                 f"size {item}; the file is truncated or corrupt"
             )
         self._check_layout(self._bin_size)
-        self._contiguous: bool | None = True  # _check_layout proved it
+        self._contiguous = True  # _check_layout proved it
         self._num_tokens: int | None = None
         self._fingerprint: str | None = None
 
@@ -357,19 +361,7 @@ class TokenCorpus(LayoutChecks, DeferredOpen):
 
         So the concatenated token stream is the flat ``tokens`` array.
         """
-        if self._contiguous is None:
-            self._check_layout(self._bin_size)
-            self._contiguous = True
         return self._contiguous
-
-    def _fetch(self, url: str, remote: dict[str, Any], ranged: Ranged, version: str | None) -> str:
-        """Cache the ``.idx`` (and the ``.bin`` unless read by ranges); the local prefix."""
-        self._remote = {"url": url, **remote}
-        self._cache = ShardCache(**remote)
-        prefix, self._ranged = open_remote(url, self._cache, ranged, version)
-        if self._ranged is not None:  # a worker reads by ranges too, and the same version
-            self._remote.update(ranged=self._ranged.reads, version=self._ranged.version)
-        return prefix
 
     @property
     def ranged(self) -> bool:
@@ -429,7 +421,7 @@ def _reopen_deferred(
 def _reopen(
     prefix: str,
     fingerprint: str,
-    contiguous: bool | None,
+    contiguous: bool,
     num_tokens: int | None,
     remote: dict[str, Any] | None = None,
 ) -> TokenCorpus:

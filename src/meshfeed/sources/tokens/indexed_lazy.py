@@ -51,7 +51,7 @@ class DeferredOpen:
     _fingerprint: str | None
     _n_docs: int
     _num_tokens: int | None
-    _contiguous: bool | None
+    _contiguous: bool
     _ranged: Any
     _open: Callable[..., None]
 

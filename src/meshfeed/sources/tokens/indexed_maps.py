@@ -65,10 +65,6 @@ class MapHolder:
 _held: weakref.WeakSet[MapHolder] = weakref.WeakSet()
 
 
-def _kept_limit() -> int:
-    return _limit[0] // 2  # maps kept by their corpora; the other half is the LRU's
-
-
 def _new_lock_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # a fork while another thread held it would leave it held
@@ -137,7 +133,8 @@ def _keep(
     key: tuple[str, FileIdentity], buf: mmap.mmap | bytes, holder: MapHolder | None
 ) -> mmap.mmap | bytes:
     """Under the lock: hand the LRU's ``buf`` to ``holder`` if there is room; then evict."""
-    if holder is not None and holder.buf is None and len(_held) < _kept_limit():
+    # half the limit for maps kept by their corpora; the other half is the LRU's
+    if holder is not None and holder.buf is None and len(_held) < _limit[0] // 2:
         del _maps[key]
         holder.buf = buf
         _held.add(holder)

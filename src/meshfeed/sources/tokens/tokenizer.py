@@ -118,13 +118,6 @@ class _NoSpecial:
         return self.tok.encode(text, add_special_tokens=False)
 
 
-def _need(module: str, spec: str, extra: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"tokenizer {spec!r} needs {module}: pip install {extra}") from e
-
-
 def _from_path(path: Path, spec: str) -> TextTokenizer:
     if path.is_dir():
         try:
@@ -139,7 +132,10 @@ def _from_path(path: Path, spec: str) -> TextTokenizer:
                 f"tokenizer folder {spec!r} has no tokenizer.json and transformers is not "
                 "installed; pip install transformers to load it"
             )
-    tokenizers = _need("tokenizers", spec, "tokenizers")
+    try:
+        tokenizers = importlib.import_module("tokenizers")
+    except ImportError as e:
+        raise ImportError(f"tokenizer {spec!r} needs tokenizers: pip install tokenizers") from e
     try:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on a bad file

@@ -176,8 +176,7 @@ class TokenWindows:
         # its descriptor open past the LRU's bound, #32); by ranges, through the block cache
         # an opened corpus is mapped now, so a corpus replaced by rename after this keeps
         # serving the file opened; one opened on first read (a manifest's) maps then
-        opened = self.corpus.opened
-        tokens = self.corpus.tokens if opened or self.corpus.ranged else None
+        tokens = self.corpus.tokens if self.corpus.opened or self.corpus.ranged else None
         self._ranged = tokens if isinstance(tokens, RangedTokens) else None
         # the strided view of the last map read, kept only while the corpus keeps that map
         self._kept: tuple[object, np.ndarray] | None = None
@@ -375,10 +374,7 @@ class TokenDocuments:
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray]:
         idx = _as_indices(np.asarray(indices, dtype=np.int64), len(self))
         self.corpus.check_unchanged()
-        tokens = self.corpus.tokens
-        if isinstance(tokens, RangedTokens):
-            return self._spans(tokens, idx)
-        return [self.corpus.document(i) for i in idx.tolist()]
+        return self._spans(self.corpus.tokens, idx)
 
     def _spans(self, tokens: np.ndarray | RangedTokens, idx: np.ndarray) -> list[np.ndarray]:
         """The tokens of the documents at ``idx``: views of the map, or by ranges (one pass
