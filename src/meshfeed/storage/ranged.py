@@ -14,7 +14,7 @@ epoch, where a whole-file download is one GET per file per node; read by ranges 
 cannot be cached whole, or keep ``block_size`` small for shuffled reads.
 
 Identity: the object's version (size and ETag or version id, as :func:`version_of` gives it)
-is asked once per process (on opening, in a forked or unpickled worker on its first read) and
+is asked once per process (on opening or unpickling, in a forked worker on its first read) and
 compared with the version recorded when the file was first opened; a rewritten object is a
 :class:`~meshfeed.errors.SourceError` naming it, as for whole files. A read that comes back
 short (an object truncated since) is one too.

@@ -1,2 +1,2 @@
-"""`meshfeed convert`: text, JSONL and Parquet inputs to a token corpus or shards, and the
-staging of every writer's output to a URL."""
+"""`meshfeed convert`: text, JSONL and Parquet inputs to a token corpus or shards (the staging
+of writer output to a URL is :mod:`meshfeed.storage.output`)."""

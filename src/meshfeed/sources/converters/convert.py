@@ -30,7 +30,6 @@ from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -209,8 +208,7 @@ def convert(
     """
     url = upload_target(output)
     if url is not None:
-        for ext in (".bin", ".idx"):
-            url = url.removesuffix(ext)
+        url = url.removesuffix(".bin").removesuffix(".idx")
         with Upload(cache_dir, storage_options) as upload:
             upload.check(url, "the corpus")
             convert(
@@ -240,7 +238,6 @@ def convert(
     tok = None if tokenizer is None else load_tokenizer(tokenizer)
     job = _Job(field, tok, _eod(append_eod, eod_id, tok))
     total = sum(p.stat().st_size for p in paths)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
     encoded = _encoded(_chunks(paths, formats, field), job, num_workers)
     with (
         closing(encoded),  # an error stops the worker processes now, not when collected

@@ -196,9 +196,7 @@ def _file_chunks(path: Path, fmt: str, field: str) -> Iterator[_Chunk]:
         return _jsonl_chunks(path)
     if fmt == "parquet":
         return _parquet_chunks(path, field)
-    if fmt == "npy":
-        return _npy_chunks(path)
-    raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+    return _npy_chunks(path)  # convert() refused any other format, _detect() resolved "auto"
 
 
 def _chunks(paths: list[Path], formats: list[str], field: str) -> Iterator[_Chunk]:
