@@ -119,24 +119,6 @@ def _plan_passes(samples: list[SampleMetric], accs: list[AccumulatedMetric]) -> 
     return [(first, accs), (second, [])] if second else [(first, accs)]
 
 
-def _make_workers(
-    num_workers: int,
-    chunks: int,
-    dataset: Any,
-    passes: Passes,
-    timeout: float,
-    mp_context: str | None,
-) -> Workers | None:
-    """One service for every pass (workers are started once); None to run in this process."""
-    count = worker_count(num_workers, cores=available_cores(), chunks=chunks)
-    if count == 0:
-        return None
-    service = PassService(
-        count, timeout=timeout, start_method=mp_context, name="meshfeed-analyzer-worker"
-    )
-    return Workers(service, dataset, passes)
-
-
 def _merge_ranks(
     local: ChunkOut, world: int, values: dict[str, np.ndarray], accumulated: dict[str, np.ndarray]
 ) -> None:
@@ -202,7 +184,14 @@ def analyze(
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
     accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
     passes = _plan_passes(samples, accs)
-    workers = _make_workers(num_workers, len(mine), dataset, passes, timeout, mp_context)
+    # One service for every pass (workers are started once); None to run in this process.
+    count = worker_count(num_workers, cores=available_cores(), chunks=len(mine))
+    workers: Workers | None = None
+    if count:
+        service = PassService(
+            count, timeout=timeout, start_method=mp_context, name="meshfeed-analyzer-worker"
+        )
+        workers = Workers(service, dataset, passes)
     with contextlib.ExitStack() as stack:
         if workers is not None:
             stack.callback(workers.service.shutdown)
