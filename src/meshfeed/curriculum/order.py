@@ -192,16 +192,13 @@ class GatedOrder(OrderBase):
                 hi = mid
         return lo
 
-    def _pool_at(self, g: int) -> int:
-        return self.pool_size(self.batch_of(g) + self.first_step)
-
     def _build_rounds(self) -> np.ndarray:
         final = len(self.entry_steps)
         rows: list[list[int]] = []
         g = 0
         pending: tuple[int, int] | None = None  # (row, used) of a round a pool change stopped
         while True:
-            pool = self._pool_at(g)
+            pool = self.pool_size(self.batch_of(g) + self.first_step)
             if pending is None:
                 parent, used, rest, lo = -1, 0, 0, 0
             else:
