@@ -203,7 +203,10 @@ class GatedOrder(OrderBase):
                 parent, used, rest, lo = -1, 0, 0, 0
             else:
                 parent, used = pending
-                rest, lo = rows[parent][_SIZE] - used, self._hi(rows, parent)
+                r = rows[parent]
+                # lo: the pool size the stopped round covers (its new ranks end there; a fresh
+                # round: its size)
+                rest, lo = r[_SIZE] - used, r[_SIZE] - r[_REST] + r[_LO]
             size = rest + pool - lo
             if pool == final:
                 change = None
@@ -229,12 +232,6 @@ class GatedOrder(OrderBase):
             else:
                 pending, g = (len(rows) - 1, change - g), change
         return np.asarray(rows, dtype=np.int64)
-
-    @staticmethod
-    def _hi(rows: list[list[int]], row: int) -> int:
-        """The pool size a round covers: its new ranks end there (a fresh round: its size)."""
-        r = rows[row]
-        return r[_SIZE] - r[_REST] + r[_LO]
 
     @property
     def num_segments(self) -> int:
