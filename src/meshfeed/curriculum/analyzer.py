@@ -95,14 +95,6 @@ def _split_metrics(metrics: Sequence[Metric]) -> tuple[list[SampleMetric], list[
     return samples, list(accs.values())
 
 
-def _check_options(num_workers: int, chunk_size: int | None, timeout: float) -> None:
-    if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
-        raise ValueError(
-            f"need num_workers >= 0, chunk_size >= 1 (or None: automatic) and timeout > 0 "
-            f"(got {num_workers=}, {chunk_size=}, {timeout=})"
-        )
-
-
 def _rank_chunks(n: int, chunk_size: int | None, rank: int, world: int) -> list[tuple[int, int]]:
     """This rank's contiguous share of the dataset's fixed chunks."""
     size = default_chunk_size(n) if chunk_size is None else chunk_size
@@ -168,7 +160,11 @@ def analyze(
     ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the run instead of
     hanging it. Under torchrun every rank must call this with the same arguments.
     """
-    _check_options(num_workers, chunk_size, timeout)
+    if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
+        raise ValueError(
+            f"need num_workers >= 0, chunk_size >= 1 (or None: automatic) and timeout > 0 "
+            f"(got {num_workers=}, {chunk_size=}, {timeout=})"
+        )
     samples, accs = _split_metrics(metrics)
     if not samples and not accs:
         raise ValueError("analyze() needs at least one metric, e.g. metrics=[seqlen()]")
