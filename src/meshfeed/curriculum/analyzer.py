@@ -95,14 +95,6 @@ def _split_metrics(metrics: Sequence[Metric]) -> tuple[list[SampleMetric], list[
     return samples, list(accs.values())
 
 
-def _check_options(num_workers: int, chunk_size: int | None, timeout: float) -> None:
-    if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
-        raise ValueError(
-            f"need num_workers >= 0, chunk_size >= 1 (or None: automatic) and timeout > 0 "
-            f"(got {num_workers=}, {chunk_size=}, {timeout=})"
-        )
-
-
 def _rank_chunks(n: int, chunk_size: int | None, rank: int, world: int) -> list[tuple[int, int]]:
     """This rank's contiguous share of the dataset's fixed chunks."""
     size = default_chunk_size(n) if chunk_size is None else chunk_size
@@ -117,24 +109,6 @@ def _plan_passes(samples: list[SampleMetric], accs: list[AccumulatedMetric]) -> 
     first = [m for m in samples if not m.requires]
     second = [m for m in samples if m.requires]
     return [(first, accs), (second, [])] if second else [(first, accs)]
-
-
-def _make_workers(
-    num_workers: int,
-    chunks: int,
-    dataset: Any,
-    passes: Passes,
-    timeout: float,
-    mp_context: str | None,
-) -> Workers | None:
-    """One service for every pass (workers are started once); None to run in this process."""
-    count = worker_count(num_workers, cores=available_cores(), chunks=chunks)
-    if count == 0:
-        return None
-    service = PassService(
-        count, timeout=timeout, start_method=mp_context, name="meshfeed-analyzer-worker"
-    )
-    return Workers(service, dataset, passes)
 
 
 def _merge_ranks(
@@ -186,7 +160,11 @@ def analyze(
     ``timeout`` bounds the wait for any one chunk, so a stuck worker fails the run instead of
     hanging it. Under torchrun every rank must call this with the same arguments.
     """
-    _check_options(num_workers, chunk_size, timeout)
+    if num_workers < 0 or (chunk_size is not None and chunk_size < 1) or not timeout > 0:
+        raise ValueError(
+            f"need num_workers >= 0, chunk_size >= 1 (or None: automatic) and timeout > 0 "
+            f"(got {num_workers=}, {chunk_size=}, {timeout=})"
+        )
     samples, accs = _split_metrics(metrics)
     if not samples and not accs:
         raise ValueError("analyze() needs at least one metric, e.g. metrics=[seqlen()]")
@@ -202,7 +180,14 @@ def analyze(
     values: dict[str, np.ndarray] = {m.name: np.empty(n, dtype=m.dtype) for m in samples}
     accumulated: dict[str, np.ndarray] = {a.name: np.zeros(a.size, dtype=a.dtype) for a in accs}
     passes = _plan_passes(samples, accs)
-    workers = _make_workers(num_workers, len(mine), dataset, passes, timeout, mp_context)
+    # One service for every pass (workers are started once); None to run in this process.
+    count = worker_count(num_workers, cores=available_cores(), chunks=len(mine))
+    workers: Workers | None = None
+    if count:
+        service = PassService(
+            count, timeout=timeout, start_method=mp_context, name="meshfeed-analyzer-worker"
+        )
+        workers = Workers(service, dataset, passes)
     with contextlib.ExitStack() as stack:
         if workers is not None:
             stack.callback(workers.service.shutdown)

@@ -3,10 +3,10 @@
 A pass runs the metrics of one analysis pass over a rank's chunks. Without workers each chunk
 runs here; with :class:`Workers` (a :class:`~meshfeed.services.PassService`) each chunk goes to
 whichever worker is free (a slowed worker takes fewer chunks) and results are merged in chunk
-order, so the output does not depend
-on who computed what. Integer accumulations are summed in each worker and returned once per
-pass (exact in any order); float ones travel per chunk, to be added in chunk order. Every wait
-on a worker is bounded by the service's ``timeout``: a stuck metric fails the pass, never hangs it.
+order, so the output does not depend on who computed what. Integer accumulations are summed in
+each worker and returned once per pass (exact in any order); float ones travel per chunk, to be
+added in chunk order. Every wait on a worker is bounded by the service's ``timeout``: a stuck
+metric fails the pass, never hangs it.
 
 Worker state lives in module globals set by the workers' start function (inherited under
 ``fork``; under ``spawn`` this module is imported in the worker and the metrics pickled).
@@ -33,10 +33,8 @@ ChunkOut = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 _WORK: tuple[Any, list[SampleMetric], list[AccumulatedMetric], dict[str, Any]] | None = None
 
 
-# A worker's running sums of its integer accumulations in the current pass: integer sums are
-# exact in any order, so each worker adds its chunks into one array and returns it once per
-# pass (on "flush") instead of one array per chunk. Float sums still travel per chunk, to be
-# added in chunk order.
+# A worker's running sums of its integer accumulations in the current pass, returned and reset
+# on "flush" (integer sums are exact in any order; see the module docstring).
 _LOCAL: dict[str, np.ndarray] = {}
 
 
@@ -93,7 +91,6 @@ def _run_chunk(chunk: tuple[int, int], into: dict[str, np.ndarray]) -> ChunkOut:
     start, stop = chunk
     dataset, samples, accs, ctx = _WORK
     values = {m.name: np.empty(stop - start, dtype=m.dtype) for m in samples}
-    # each accumulation's array for the chunk: the one in ``into`` where it has it, else zeros
     sums = {a.name: into[a.name] if a.name in into else _zeros([a])[a.name] for a in accs}
     items = [dataset[i] for i in range(start, stop)]
     for m in samples:

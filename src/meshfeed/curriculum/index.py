@@ -28,13 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.curriculum.index_files import (
-    META,
-    VERSION,
-    Folder,
-    atomic_write,
-    file_id,
-)
+from meshfeed.curriculum.index_files import META, VERSION, Folder, atomic_write, file_id
 from meshfeed.mapped import check_mapped
 from meshfeed.order.permutation import Permutation
 from meshfeed.storage import ShardCache, StorageOptions

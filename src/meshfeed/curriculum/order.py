@@ -192,21 +192,21 @@ class GatedOrder(OrderBase):
                 hi = mid
         return lo
 
-    def _pool_at(self, g: int) -> int:
-        return self.pool_size(self.batch_of(g) + self.first_step)
-
     def _build_rounds(self) -> np.ndarray:
         final = len(self.entry_steps)
         rows: list[list[int]] = []
         g = 0
         pending: tuple[int, int] | None = None  # (row, used) of a round a pool change stopped
         while True:
-            pool = self._pool_at(g)
+            pool = self.pool_size(self.batch_of(g) + self.first_step)
             if pending is None:
                 parent, used, rest, lo = -1, 0, 0, 0
             else:
                 parent, used = pending
-                rest, lo = rows[parent][_SIZE] - used, self._hi(rows, parent)
+                r = rows[parent]
+                # lo: the pool size the stopped round covers (its new ranks end there; a fresh
+                # round: its size)
+                rest, lo = r[_SIZE] - used, r[_SIZE] - r[_REST] + r[_LO]
             size = rest + pool - lo
             if pool == final:
                 change = None
@@ -232,12 +232,6 @@ class GatedOrder(OrderBase):
             else:
                 pending, g = (len(rows) - 1, change - g), change
         return np.asarray(rows, dtype=np.int64)
-
-    @staticmethod
-    def _hi(rows: list[list[int]], row: int) -> int:
-        """The pool size a round covers: its new ranks end there (a fresh round: its size)."""
-        r = rows[row]
-        return r[_SIZE] - r[_REST] + r[_LO]
 
     @property
     def num_segments(self) -> int:

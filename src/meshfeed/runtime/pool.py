@@ -199,11 +199,7 @@ class WorkerPool:
         # themselves would unlink the slots when they die.
         resource_tracker.ensure_running()
         state: dict[str, Any] = {
-            "procs": [],
-            "tasks": [],
-            "results": [],
-            "readers": [],
-            "pollers": [],
+            key: [] for key in ("procs", "tasks", "results", "readers", "pollers")
         }
         state["grace"] = self.grace
         self._state = state

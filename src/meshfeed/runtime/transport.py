@@ -114,10 +114,6 @@ def loads(data: bytes, buffers: list[Any] | None = None) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
-def _slot_size(nbytes: int) -> int:
-    return max(_MIN_SLOT, 1 << (nbytes - 1).bit_length())
-
-
 class SlotWriter:
     """The worker's side: the slots it may write into, and the encoding of one result."""
 
@@ -250,7 +246,7 @@ class SlotReader:
             self._grow(nbytes)
 
     def _grow(self, nbytes: int) -> None:
-        size = _slot_size(nbytes)
+        size = max(_MIN_SLOT, 1 << (nbytes - 1).bit_length())
         big_enough = sum(
             1 for sid, s in self.slots.items() if s.size >= size and sid not in self.lent
         )

@@ -21,10 +21,6 @@ from meshfeed.runtime.transport import SlotWriter
 __all__: list[str] = []
 
 
-def _error_message(exc: BaseException) -> bytes:
-    return pickle.dumps(("error", *_error_entry(exc)), 5)
-
-
 def _worker_main(
     worker: int,
     num_workers: int,
@@ -82,7 +78,7 @@ def _run_tasks(handler: Callable[[Any], Any], tasks: list[Any], writer: SlotWrit
     try:
         return writer.encode((entries, time.perf_counter() - start))
     except Exception as exc:  # a result that cannot be pickled: every task of it fails
-        return _error_message(exc)
+        return pickle.dumps(("error", *_error_entry(exc)), 5)
 
 
 def _error_entry(exc: BaseException) -> tuple[Any, str, str]:

@@ -123,17 +123,6 @@ def _is_positive_int(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
-def _max_restarts(actor_options: Mapping[str, Any]) -> int:
-    """``actor_options["max_restarts"]`` (default 0), refused unless an int >= -1."""
-    restarts = actor_options.get("max_restarts", 0)
-    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < -1:
-        raise ValueError(
-            f"actor_options['max_restarts'] must be an int >= -1 (got {restarts!r}); "
-            "-1 restarts forever, 0 never"
-        )
-    return restarts
-
-
 class RayService:
     """Makes global batches in ``num_actors`` Ray actors, ``prefetch`` global steps ahead.
 
@@ -174,7 +163,13 @@ class RayService:
                 raise ValueError(f"{name} must be positive seconds (got {name}={value!r})")
         self.num_actors = num_actors
         self.actor_options: dict[str, Any] = dict(actor_options or {})
-        self.max_restarts = _max_restarts(self.actor_options)
+        restarts = self.actor_options.get("max_restarts", 0)
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < -1:
+            raise ValueError(
+                f"actor_options['max_restarts'] must be an int >= -1 (got {restarts!r}); "
+                "-1 restarts forever, 0 never"
+            )
+        self.max_restarts = restarts
         self.prefetch = prefetch
         self.timeout = float(timeout)
         self.start_timeout = float(start_timeout)
