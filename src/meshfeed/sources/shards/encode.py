@@ -276,7 +276,8 @@ def encode_dataset(
     """Every shard, then ``index.json``, into the folder ``tmp`` (each file fsynced)."""
     cut = chunks(samples, o.rows_per_shard, o.bytes_per_shard)
     schema, entries = _encode_all(cut, tmp, o, on_shard)
-    assert schema is not None  # chunks() raises first on no samples
+    if schema is None:  # chunks() raises first on no samples; kept for the type
+        raise ValueError("no samples to write")
     index = ShardIndex(
         root=tmp,
         sample="bare" if schema.bare else "dict",
