@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.balance.baselines import naive_slicing, token_balancing
+from meshfeed.balance.baselines import BaselineResult, naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.long_documents import LONG_DOCUMENT_POLICIES, fit_lengths, max_document_tokens
 from meshfeed.balance.schedule import Placement, schedule_documents
@@ -173,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
             hint = " (or pass --long-documents split)"
         print(f"meshfeed plan: error: {e}{hint}", file=sys.stderr)
         return 2
-    rows = _compare(batches, plans, kw)
+    methods = (("naive slicing", naive_slicing), ("token balancing", token_balancing))
+    base = {name: [fn(b, **kw) for b in batches] for name, fn in methods}
+    rows = _compare(plans, base)
     docs = sum(b.size for b in batches)
     # What was planned, not what was asked: a short corpus gives fewer, smaller batches.
     per_batch = round(float(np.mean([int(b.sum()) for b in batches])))
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     _print_table(rows)
     _print_degrees(plans, ranks, args.cp)
     if args.plot is not None and not args.no_png:
-        return _write_plot(plans, batches, kw, args.plot)
+        return _write_plot(plans, batches, base, args.plot)
     return 0
 
 
@@ -214,22 +216,22 @@ def _plan(
     return mesh, ranks, batches, kw, plans
 
 
-def _compare(
-    batches: list[np.ndarray], plans: list[Placement], kw: dict[str, Any]
-) -> dict[str, list[tuple[float, int, float]]]:
+#: Per baseline method, its result for each batch.
+_Baselines = dict[str, list[BaselineResult]]
+
+
+def _compare(plans: list[Placement], base: _Baselines) -> dict[str, list[tuple[float, int, float]]]:
     """Per method, each batch's (makespan / lower bound, micro-steps, packing efficiency)."""
-    rows: dict[str, list[tuple[float, int, float]]] = {
-        "meshfeed": [],
-        "naive slicing": [],
-        "token balancing": [],
+    rows = {
+        "meshfeed": [
+            (p.makespan / p.lower_bound, p.num_microsteps, p.packing_efficiency) for p in plans
+        ]
     }
-    for b, p in zip(batches, plans, strict=True):
-        rows["meshfeed"].append(
-            (p.makespan / p.lower_bound, p.num_microsteps, p.packing_efficiency)
-        )
-        for name, fn in (("naive slicing", naive_slicing), ("token balancing", token_balancing)):
-            r = fn(b, **kw)
-            rows[name].append((r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency))
+    for name, results in base.items():
+        rows[name] = [
+            (r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency)
+            for r, p in zip(results, plans, strict=True)
+        ]
     return rows
 
 
@@ -257,10 +259,10 @@ def _print_degrees(plans: list[Placement], ranks: int, cp: int) -> None:
 
 
 def _write_plot(
-    plans: list[Placement], batches: list[np.ndarray], kw: dict[str, Any], path: Path
+    plans: list[Placement], batches: list[np.ndarray], base: _Baselines, path: Path
 ) -> int:
     try:
-        _plot(plans, batches, kw, path)
+        _plot(plans, batches, base, path)
     except OSError as e:
         print(f"meshfeed plan: error: cannot write --plot {path} ({e})", file=sys.stderr)
         return 2
@@ -325,9 +327,7 @@ def _read_lengths(path: Path) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
-def _plot(
-    plans: list[Placement], batches: list[np.ndarray], kw: dict[str, Any], path: Path
-) -> None:
+def _plot(plans: list[Placement], batches: list[np.ndarray], base: _Baselines, path: Path) -> None:
     """Per-rank load over the lower bound, averaged over every planned batch."""
     import matplotlib
 
@@ -336,9 +336,10 @@ def _plot(
 
     p = plans[0]
     ranks = np.arange(p.num_ranks)
-    pairs = list(zip(plans, batches, strict=True))
-    naive = np.mean([naive_slicing(b, **kw).rank_time / q.lower_bound for q, b in pairs], axis=0)
-    tokens = np.mean([token_balancing(b, **kw).rank_time / q.lower_bound for q, b in pairs], axis=0)
+    naive, tokens = (
+        np.mean([r.rank_time / q.lower_bound for r, q in zip(rs, plans, strict=True)], axis=0)
+        for rs in base.values()
+    )
     mine = np.mean([q.rank_time / q.lower_bound for q in plans], axis=0)
     step = float(np.median([q.makespan / q.lower_bound for q in plans]))
     docs = sum(b.size for b in batches)
