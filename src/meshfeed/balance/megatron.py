@@ -203,13 +203,8 @@ def _split_received(
     dtypes: list[torch.dtype],
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Cut the received fused rows back into one document (key -> tensor) per incoming id."""
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    row = 0
-    for g in incoming:
-        n = int(lengths[g])
-        out[g] = _unfuse(recv[row : row + n], keys, dtypes)
-        row += n
-    return out
+    parts = recv.split([int(lengths[g]) for g in incoming])
+    return {g: _unfuse(part, keys, dtypes) for g, part in zip(incoming, parts, strict=True)}
 
 
 def _groups(pg_collection: Any) -> tuple[Any, Any]:
