@@ -107,8 +107,7 @@ def _whole_period(weights: Sequence[int | float]) -> Interleave | None:
     if g == 0:
         return None  # all zero: the general path names the error
     counts = [w // g for w in ints]
-    period = sum(counts)
-    if period > MAX_PERIOD:
+    if sum(counts) > MAX_PERIOD:
         return None
     return _Period(counts)
 
