@@ -187,7 +187,12 @@ def run(args: argparse.Namespace) -> int:
     _print_table(rows)
     _print_degrees(plans, ranks, args.cp)
     if args.plot is not None and not args.no_png:
-        return _write_plot(plans, batches, base, args.plot)
+        try:
+            _plot(plans, batches, base, args.plot)
+        except OSError as e:
+            print(f"meshfeed plan: error: cannot write --plot {args.plot} ({e})", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -256,18 +261,6 @@ def _print_degrees(plans: list[Placement], ranks: int, cp: int) -> None:
         f"meshfeed split degree (ranks a document spans: documents; groups are formed from "
         f"all {ranks} DP x CP ranks, not only --cp {cp}): {degrees}"
     )
-
-
-def _write_plot(
-    plans: list[Placement], batches: list[np.ndarray], base: _Baselines, path: Path
-) -> int:
-    try:
-        _plot(plans, batches, base, path)
-    except OSError as e:
-        print(f"meshfeed plan: error: cannot write --plot {path} ({e})", file=sys.stderr)
-        return 2
-    print(f"wrote {path}")
-    return 0
 
 
 def _cost(args: argparse.Namespace) -> CostModel:
