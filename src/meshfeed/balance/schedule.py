@@ -108,7 +108,7 @@ def schedule_documents(
     tp: int = 1,
     min_microsteps: int = 1,
 ) -> Placement:
-    """Candidate documents of the given lengths over ``num_ranks`` ranks (see the module doc).
+    """Schedule documents of the given lengths over ``num_ranks`` ranks (see the module doc).
 
     ``cp_sizes``: ``"any"`` (every degree 1..num_ranks, blocks anywhere), ``"pow2_aligned"``
     (powers of two on blocks aligned to their size, for Megatron / Transformer Engine), or an
