@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -227,17 +227,14 @@ _Baselines = dict[str, list[BaselineResult]]
 
 def _compare(plans: list[Placement], base: _Baselines) -> dict[str, list[tuple[float, int, float]]]:
     """Per method, each batch's (makespan / lower bound, micro-steps, packing efficiency)."""
-    rows = {
-        "meshfeed": [
-            (p.makespan / p.lower_bound, p.num_microsteps, p.packing_efficiency) for p in plans
-        ]
-    }
-    for name, results in base.items():
-        rows[name] = [
+    methods: dict[str, Sequence[Placement | BaselineResult]] = {"meshfeed": plans, **base}
+    return {
+        name: [
             (r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency)
             for r, p in zip(results, plans, strict=True)
         ]
-    return rows
+        for name, results in methods.items()
+    }
 
 
 def _print_table(rows: dict[str, list[tuple[float, int, float]]]) -> None:
