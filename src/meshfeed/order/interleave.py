@@ -140,11 +140,10 @@ class _Deadline(Interleave):
     def _start(self, n: int) -> tuple[int, tuple[int, ...]]:
         """The latest known ``(position, counts)`` at or before ``n``."""
         best = (0, self._marks[0])
-        for pos, c in (self._cursor, *self._seeds.items()):
+        for pos, c in (self._cursor, *self._seeds.items(), *self._marks.items()):
             if best[0] < pos <= n:
                 best = (pos, c)
-        mark = max(p for p in self._marks if p <= n)
-        return (mark, self._marks[mark]) if mark > best[0] else best
+        return best
 
     def _remember(self, pos: int, counts: tuple[int, ...]) -> None:
         self._marks[pos] = counts
