@@ -42,7 +42,9 @@ def naive_slicing(
     # Same contract as schedule_documents(): 0 would divide by zero, a bool or float would pass silently.
     check_int("num_ranks", num_ranks)
     s = as_lengths(lengths)
-    ranks = np.repeat(np.arange(num_ranks), _split_counts(s.size, num_ranks))
+    # array_split: the first s.size % num_ranks slices hold one document more
+    sizes = [part.size for part in np.array_split(s, num_ranks)]
+    ranks = np.repeat(np.arange(num_ranks), sizes)
     return _score(s, ranks, num_ranks, _check_budget(max_tokens), cost, in_order=True)
 
 
@@ -59,11 +61,6 @@ def token_balancing(
         ranks[i] = r
         tokens[r] += s[i]
     return _score(s, ranks, num_ranks, _check_budget(max_tokens), cost, in_order=False)
-
-
-def _split_counts(n: int, parts: int) -> np.ndarray:
-    base, extra = divmod(n, parts)
-    return np.asarray([base + (r < extra) for r in range(parts)], dtype=np.int64)
 
 
 def _score(

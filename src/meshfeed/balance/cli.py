@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from meshfeed.balance.baselines import naive_slicing, token_balancing
+from meshfeed.balance.baselines import BaselineResult, naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.long_documents import LONG_DOCUMENT_POLICIES, fit_lengths, max_document_tokens
 from meshfeed.balance.schedule import Placement, schedule_documents
@@ -173,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
             hint = " (or pass --long-documents split)"
         print(f"meshfeed plan: error: {e}{hint}", file=sys.stderr)
         return 2
-    rows = _compare(batches, plans, kw)
+    methods = (("naive slicing", naive_slicing), ("token balancing", token_balancing))
+    base = {name: [fn(b, **kw) for b in batches] for name, fn in methods}
+    rows = _compare(plans, base)
     docs = sum(b.size for b in batches)
     # What was planned, not what was asked: a short corpus gives fewer, smaller batches.
     per_batch = round(float(np.mean([int(b.sum()) for b in batches])))
@@ -185,7 +187,12 @@ def run(args: argparse.Namespace) -> int:
     _print_table(rows)
     _print_degrees(plans, ranks, args.cp)
     if args.plot is not None and not args.no_png:
-        return _write_plot(plans, batches, kw, args.plot)
+        try:
+            _plot(plans, batches, base, args.plot)
+        except OSError as e:
+            print(f"meshfeed plan: error: cannot write --plot {args.plot} ({e})", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -214,23 +221,20 @@ def _plan(
     return mesh, ranks, batches, kw, plans
 
 
-def _compare(
-    batches: list[np.ndarray], plans: list[Placement], kw: dict[str, Any]
-) -> dict[str, list[tuple[float, int, float]]]:
+#: Per baseline method, its result for each batch.
+_Baselines = dict[str, list[BaselineResult]]
+
+
+def _compare(plans: list[Placement], base: _Baselines) -> dict[str, list[tuple[float, int, float]]]:
     """Per method, each batch's (makespan / lower bound, micro-steps, packing efficiency)."""
-    rows: dict[str, list[tuple[float, int, float]]] = {
-        "meshfeed": [],
-        "naive slicing": [],
-        "token balancing": [],
+    methods: dict[str, Sequence[Placement | BaselineResult]] = {"meshfeed": plans, **base}
+    return {
+        name: [
+            (r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency)
+            for r, p in zip(results, plans, strict=True)
+        ]
+        for name, results in methods.items()
     }
-    for b, p in zip(batches, plans, strict=True):
-        rows["meshfeed"].append(
-            (p.makespan / p.lower_bound, p.num_microsteps, p.packing_efficiency)
-        )
-        for name, fn in (("naive slicing", naive_slicing), ("token balancing", token_balancing)):
-            r = fn(b, **kw)
-            rows[name].append((r.makespan / p.lower_bound, r.num_microsteps, r.packing_efficiency))
-    return rows
 
 
 def _print_table(rows: dict[str, list[tuple[float, int, float]]]) -> None:
@@ -254,18 +258,6 @@ def _print_degrees(plans: list[Placement], ranks: int, cp: int) -> None:
         f"meshfeed split degree (ranks a document spans: documents; groups are formed from "
         f"all {ranks} DP x CP ranks, not only --cp {cp}): {degrees}"
     )
-
-
-def _write_plot(
-    plans: list[Placement], batches: list[np.ndarray], kw: dict[str, Any], path: Path
-) -> int:
-    try:
-        _plot(plans, batches, kw, path)
-    except OSError as e:
-        print(f"meshfeed plan: error: cannot write --plot {path} ({e})", file=sys.stderr)
-        return 2
-    print(f"wrote {path}")
-    return 0
 
 
 def _cost(args: argparse.Namespace) -> CostModel:
@@ -325,9 +317,7 @@ def _read_lengths(path: Path) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
-def _plot(
-    plans: list[Placement], batches: list[np.ndarray], kw: dict[str, Any], path: Path
-) -> None:
+def _plot(plans: list[Placement], batches: list[np.ndarray], base: _Baselines, path: Path) -> None:
     """Per-rank load over the lower bound, averaged over every planned batch."""
     import matplotlib
 
@@ -336,9 +326,10 @@ def _plot(
 
     p = plans[0]
     ranks = np.arange(p.num_ranks)
-    pairs = list(zip(plans, batches, strict=True))
-    naive = np.mean([naive_slicing(b, **kw).rank_time / q.lower_bound for q, b in pairs], axis=0)
-    tokens = np.mean([token_balancing(b, **kw).rank_time / q.lower_bound for q, b in pairs], axis=0)
+    naive, tokens = (
+        np.mean([r.rank_time / q.lower_bound for r, q in zip(rs, plans, strict=True)], axis=0)
+        for rs in base.values()
+    )
     mine = np.mean([q.rank_time / q.lower_bound for q in plans], axis=0)
     step = float(np.median([q.makespan / q.lower_bound for q in plans]))
     docs = sum(b.size for b in batches)

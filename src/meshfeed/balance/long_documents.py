@@ -65,6 +65,12 @@ def _pieces(lengths: np.ndarray, limit: int) -> np.ndarray:
     return np.maximum(1, -(-lengths // limit))
 
 
+def piece_numbers(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``n[i]`` pieces of document ``i``, in order: each piece's document and its number."""
+    doc = np.repeat(np.arange(n.size, dtype=np.int64), n)
+    return doc, np.arange(doc.size, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+
+
 def fit_lengths(lengths: Any, limit: int, policy: str) -> np.ndarray:
     """Lengths after the policy: truncated to ``limit``, or split into pieces in order.
 
@@ -77,11 +83,8 @@ def fit_lengths(lengths: Any, limit: int, policy: str) -> np.ndarray:
         return s
     if policy == "truncate":
         return np.minimum(s, limit)
-    n = _pieces(s, limit)
-    out = np.full(int(n.sum()), limit, dtype=np.int64)
-    last = np.cumsum(n) - 1
-    out[last] = s - (n - 1) * limit
-    return out
+    doc, k = piece_numbers(_pieces(s, limit))
+    return np.minimum(s[doc] - k * limit, limit)
 
 
 def fit_sample(
@@ -100,9 +103,8 @@ def fit_sample(
     out = dict(sample)
     if policy == "split":
         n = _pieces(lengths, limit)
-        starts = np.repeat(cu[:-1], n) + limit * (
-            np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        )
+        doc, piece = piece_numbers(n)
+        starts = cu[doc] + limit * piece
         out["cu_seqlens"] = torch.from_numpy(np.append(starts, cu[-1]).astype(np.int32))
         repeat = torch.from_numpy(n)
     else:

@@ -80,13 +80,17 @@ class HybridCPDataLoader:
         self.data_iterator = data_iterator
         self.config = config
         self.dp_cp_group, self.dp_group = _groups(pg_collection)
-        self._budget, self._cost, self._groups = budget, cost, groups
+        self._groups = groups
         self._timeout = float(timeout)
         self.total_hdp_gpus = dist.world_size(self.dp_cp_group)
+        self._plan_kwargs: dict[str, Any] = {
+            "num_ranks": self.total_hdp_gpus,
+            "max_tokens": budget,
+            "cost": cost,
+            "cp_sizes": "pow2_aligned",
+        }
         # Fail at construction on a bad budget or group size, not at the first batch.
-        schedule_documents(
-            [], num_ranks=self.total_hdp_gpus, max_tokens=budget, cost=cost, cp_sizes="pow2_aligned"
-        )
+        schedule_documents([], **self._plan_kwargs)
         # Position in the DP x CP group of every member of this rank's DP group.
         hdp = {g: i for i, g in enumerate(dist.group_ranks(self.dp_cp_group))}
         self._dp_members = [hdp[g] for g in dist.group_ranks(self.dp_group)]
@@ -105,13 +109,7 @@ class HybridCPDataLoader:
         counts = [int(p.size) for p in per_dp]
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         all_lengths = np.concatenate(per_dp) if per_dp else lengths
-        placement = schedule_documents(
-            all_lengths,
-            num_ranks=self.total_hdp_gpus,
-            max_tokens=self._budget,
-            cost=self._cost,
-            cp_sizes="pow2_aligned",
-        )
+        placement = schedule_documents(all_lengths, **self._plan_kwargs)
         self.last_placement = placement
         groups = _sample_id_groups(placement, self._groups)
         idle = [r for r in range(self.total_hdp_gpus) if not groups or not groups[-1][r]]
@@ -203,13 +201,8 @@ def _split_received(
     dtypes: list[torch.dtype],
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Cut the received fused rows back into one document (key -> tensor) per incoming id."""
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    row = 0
-    for g in incoming:
-        n = int(lengths[g])
-        out[g] = _unfuse(recv[row : row + n], keys, dtypes)
-        row += n
-    return out
+    parts = recv.split([int(lengths[g]) for g in incoming])
+    return {g: _unfuse(part, keys, dtypes) for g, part in zip(incoming, parts, strict=True)}
 
 
 def _groups(pg_collection: Any) -> tuple[Any, Any]:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from meshfeed.balance.cost import CostModel
-from meshfeed.balance.long_documents import check_policy
+from meshfeed.balance.long_documents import check_policy, piece_numbers
 from meshfeed.balance.packing import _check_budget, as_lengths, check_method, pack_windows
 from meshfeed.balance.samples import SampleFields, assemble
 from meshfeed.collate import PadCollate
@@ -98,9 +98,7 @@ def _units(lengths: np.ndarray, order: np.ndarray, limit: int, policy: str) -> t
         s = np.minimum(s, limit)
     n = np.maximum(1, -(-s // limit)) if policy == "split" else np.ones(s.size, np.int64)
     n[s == 0] = 0  # samples without tokens are left out
-    first = np.repeat(np.cumsum(n) - n, n)
-    k = np.arange(int(n.sum()), dtype=np.int64) - first
-    pos = np.repeat(np.arange(s.size, dtype=np.int64), n)
+    pos, k = piece_numbers(n)
     start = k * limit
     size = np.minimum(np.repeat(s, n) - start, limit)
     return order[pos], start, size, pos

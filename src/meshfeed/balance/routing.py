@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfeed.balance.long_documents import piece_numbers
 from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.zigzag import zigzag_positions
 from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD, DOCUMENT_IDS
@@ -88,8 +89,7 @@ class Layout:
         # the cumsum at the source's first document.
         excl = np.concatenate([[0], np.cumsum(p.lengths)])
         first = np.concatenate([[0], np.cumsum(counts_arr)])[:-1]
-        doc = np.repeat(np.arange(p.lengths.size), p.cp_size)
-        part = np.arange(doc.size) - np.repeat(np.cumsum(p.cp_size) - p.cp_size, p.cp_size)
+        doc, part = piece_numbers(p.cp_size)
         return cls(
             placement=p,
             src=src,

@@ -108,7 +108,7 @@ def schedule_documents(
     tp: int = 1,
     min_microsteps: int = 1,
 ) -> Placement:
-    """Candidate documents of the given lengths over ``num_ranks`` ranks (see the module doc).
+    """Schedule documents of the given lengths over ``num_ranks`` ranks (see the module doc).
 
     ``cp_sizes``: ``"any"`` (every degree 1..num_ranks, blocks anywhere), ``"pow2_aligned"``
     (powers of two on blocks aligned to their size, for Megatron / Transformer Engine), or an
@@ -120,8 +120,7 @@ def schedule_documents(
     Cost: 7-27 ms of CPU for 4,096 documents on 64 ranks (benchmarks/bench_balance.py).
     """
     budget = _check_budget(max_tokens)
-    _check_num_ranks(num_ranks)
-    _check_tp_and_microsteps(tp, min_microsteps, num_ranks)
+    _check_sizes(num_ranks, tp, min_microsteps)
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a CostModel (got {type(cost).__name__})")
     n_ranks, tp = int(num_ranks), int(tp)
@@ -159,7 +158,7 @@ def schedule_documents(
     )
 
 
-def _check_num_ranks(num_ranks: Any) -> None:
+def _check_sizes(num_ranks: Any, tp: Any, min_microsteps: Any) -> None:
     check_int("num_ranks", num_ranks)
     if num_ranks > MAX_RANKS:
         raise ValueError(
@@ -168,9 +167,6 @@ def _check_num_ranks(num_ranks: Any) -> None:
             "this size); balance within each DP x CP group of a replica or pipeline stage "
             "(one BalancedBatches per group) instead of over the whole job"
         )
-
-
-def _check_tp_and_microsteps(tp: Any, min_microsteps: Any, num_ranks: int) -> None:
     check_int("tp", tp, fix="; use 1 without sequence parallelism")
     check_int("min_microsteps", min_microsteps, low=0)
     if int(num_ranks) * int(min_microsteps) > MAX_CELLS:

@@ -107,8 +107,7 @@ def _whole_period(weights: Sequence[int | float]) -> Interleave | None:
     if g == 0:
         return None  # all zero: the general path names the error
     counts = [w // g for w in ints]
-    period = sum(counts)
-    if period > MAX_PERIOD:
+    if sum(counts) > MAX_PERIOD:
         return None
     return _Period(counts)
 
@@ -141,11 +140,10 @@ class _Deadline(Interleave):
     def _start(self, n: int) -> tuple[int, tuple[int, ...]]:
         """The latest known ``(position, counts)`` at or before ``n``."""
         best = (0, self._marks[0])
-        for pos, c in (self._cursor, *self._seeds.items()):
+        for pos, c in (self._cursor, *self._seeds.items(), *self._marks.items()):
             if best[0] < pos <= n:
                 best = (pos, c)
-        mark = max(p for p in self._marks if p <= n)
-        return (mark, self._marks[mark]) if mark > best[0] else best
+        return best
 
     def _remember(self, pos: int, counts: tuple[int, ...]) -> None:
         self._marks[pos] = counts
@@ -169,9 +167,7 @@ class _Deadline(Interleave):
         if why is not None:
             return why
         if n - self._start(n)[0] <= _VERIFY_WALK:  # cheap enough: check exactly
-            mine = self.counts(n).tolist()
-            if c != mine:
-                return f"expected {mine}"
+            return super().check_counts(n, c)
         return None
 
     def seed(self, n: int, counts: Sequence[int]) -> None:

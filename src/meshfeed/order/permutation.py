@@ -162,8 +162,8 @@ class Permutation:
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _ONE = np.uint64(1)
-_H0 = np.array([0x6A09E667F3BCC908], dtype=np.uint64)  # derive_seed's start; 1-D: numpy warns
-# on 0-d values that wrap
+# derive_seed's start; 1-D: numpy warns on 0-d values that wrap
+_H0 = np.array([0x6A09E667F3BCC908], dtype=np.uint64)
 
 
 def _splitmix64_array(x: np.ndarray) -> np.ndarray:

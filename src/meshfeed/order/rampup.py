@@ -24,7 +24,7 @@ per-rank mean losses then weights samples unequally; most trainers cannot accept
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 __all__ = ["BatchRampup", "RampSizes", "as_rampup", "check_same_sizes"]
 
@@ -59,10 +59,8 @@ class BatchRampup:
     uneven: bool = False
 
     def __post_init__(self) -> None:
-        _positive("start", self.start)
-        _positive("increment", self.increment)
-        _positive("samples", self.samples)
-        _positive("micro_batch_size", self.micro_batch_size)
+        for name in ("start", "increment", "samples", "micro_batch_size"):
+            _positive(name, getattr(self, name))
         for name in ("round_down", "uneven"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
@@ -83,14 +81,7 @@ class BatchRampup:
 
     def facts(self) -> dict[str, int]:
         """The ramp as JSON ints (a checkpoint's ``rampup`` field, the ranks' agreement)."""
-        return {
-            "start": self.start,
-            "increment": self.increment,
-            "samples": self.samples,
-            "micro_batch_size": self.micro_batch_size,
-            "round_down": int(self.round_down),
-            "uneven": int(self.uneven),
-        }
+        return {**asdict(self), "round_down": int(self.round_down), "uneven": int(self.uneven)}
 
 
 def as_rampup(value: object) -> BatchRampup | None:

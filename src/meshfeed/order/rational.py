@@ -210,10 +210,9 @@ def _leaf_bounds(tree: _Tree, shares: Sequence[Fraction]) -> dict[int, Fraction]
         if isinstance(node, int):
             out[node] = Fraction(1, 2) * (1 + sum((shares[node] / a for a in ancestors[1:]), 0))
             return
-        left, right, _ = node
         total = _subtotal(node, shares)
-        walk(left, [*ancestors, total])
-        walk(right, [*ancestors, total])
+        for child in node[:2]:
+            walk(child, [*ancestors, total])
 
     walk(tree, [])
     return out
