@@ -37,7 +37,7 @@ from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.validate import (
     check_batch_size,
     check_consumer,
-    check_hold,
+    check_flag,
     check_index,
     check_sampler,
     check_stream,
@@ -316,8 +316,8 @@ class SampleStore:
             stream=check_stream(context.pop("stream", None)),
             prefetch=prefetch_of(context),
             consumer=None if consumer is None else check_consumer(consumer),
-            hold=check_hold(hold),
-            parts=check_hold(parts, "parts"),
+            hold=check_flag(hold, "hold"),
+            parts=check_flag(parts, "parts"),
             token=token,
             lease=None if self.options.lease_timeout is None else uuid.uuid4().hex,
             context=context,
@@ -445,7 +445,7 @@ class SampleStore:
         :mod:`meshfeed.queue.checkpoints.state`); others are refused naming the field, unless
         ``allow_pickle=True`` (then ``load`` needs it too). Temporary files that killed saves
         left in the folder are removed (same host and process gone, or older than a day)."""
-        check_hold(allow_pickle, "allow_pickle")
+        check_flag(allow_pickle, "allow_pickle")
         path = local_only(path, what="SampleStore.save", fix="save locally, then copy the file")
         meta, payload = self._backend.dump(with_payload=True)
         checkpoint.write_checkpoint(path, meta, payload, allow_pickle=allow_pickle)
@@ -463,7 +463,7 @@ class SampleStore:
 
         Never unpickles objects from the file, unless ``allow_pickle=True`` and the file was
         saved with it (only for files you trust: unpickling runs code)."""
-        check_hold(allow_pickle, "allow_pickle")
+        check_flag(allow_pickle, "allow_pickle")
         meta, payload = checkpoint.read_checkpoint(path, allow_pickle=allow_pickle)
         opts = meta["options"]
         for key in ("capacity", "fields", "tasks"):

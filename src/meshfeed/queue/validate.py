@@ -73,10 +73,10 @@ def check_batch_size(batch_size: Any) -> int:
     return batch_size
 
 
-def check_hold(hold: Any, name: str = "hold") -> bool:
-    if not isinstance(hold, bool):
-        raise TypeError(f"{name} must be True or False (got {name}={hold!r})")
-    return hold
+def check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False (got {name}={value!r})")
+    return value
 
 
 def check_index(value: Any, name: str, low: int) -> int | None:
