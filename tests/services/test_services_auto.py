@@ -28,8 +28,10 @@ class Costly:
 
 
 def test_choose_workers_leaves_two_cores_and_keeps_cheap_batches_in_process():
-    assert choose_workers(1.0, 1) == choose_workers(1.0, 2) == 0  # no spare core
-    assert choose_workers(1.0, 3) == 1 and choose_workers(1.0, 16) == 14
+    assert choose_workers(1.0, 1) == 0  # one core: in-process
+    assert choose_workers(1.0, 2) == choose_workers(1.0, 3) == choose_workers(1.0, 4) == 2
+    assert choose_workers(1.0, 5) == 3 and choose_workers(1.0, 16) == 14
+    assert choose_workers(MIN_BATCH_SECONDS / 2, 2) == 0
     assert choose_workers(MIN_BATCH_SECONDS / 2, 16) == 0  # too cheap to send
     assert choose_workers(1.0, 1000) == MAX_AUTO_WORKERS
     assert 1 <= usable_cores() <= (len(__import__("os").sched_getaffinity(0)))
@@ -44,13 +46,22 @@ def test_auto_starts_workers_for_costly_batches_with_the_same_output():
     service.shutdown()
 
 
-def test_auto_stays_in_process_for_cheap_batches_and_on_two_cores():
+def test_auto_stays_in_process_for_cheap_batches_and_on_one_core():
     cheap = AutoService(cores=16)
     list(DataLoader(list(range(40)), batch_size=4, service=cheap))
     assert cheap.chosen == 0
-    small = AutoService(cores=2)
-    list(DataLoader(Costly(12, 0.002), batch_size=2, service=small))
-    assert small.chosen == 0
+    single = AutoService(cores=1)
+    list(DataLoader(Costly(12, 0.002), batch_size=2, service=single))
+    assert single.chosen == 0
+
+
+def test_auto_starts_two_workers_on_two_cores_for_costly_batches():
+    data = Costly(16, 0.002)
+    service = AutoService(cores=2)
+    got = list(DataLoader(data, batch_size=2, seed=4, service=service))
+    assert service.chosen == 2
+    assert_same(got, list(DataLoader(data, batch_size=2, seed=4)))
+    service.shutdown()
 
 
 def test_num_workers_auto_on_this_machine_reads_every_sample():

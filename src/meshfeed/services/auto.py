@@ -3,12 +3,17 @@ cores this process may use.
 
 The first batches of a run are made in-process (they are the run's batches, delivered at
 once: no warm-up is thrown away), timed, and then the rest of the run goes to
-:func:`choose_workers` workers, or stays in-process where workers cannot pay off: on a
-machine with two cores or fewer (the training loop needs one, and with ``device=`` the
-delivery thread already makes batches beside the loop), or for batches cheaper than
-:data:`MIN_BATCH_SECONDS` (a worker's batch costs the main process a pipe message and a
-header; cheaper batches are made faster in place). Output is the same either way: batch ``i``
-is what ``num_workers=0`` makes (see :mod:`meshfeed.services.workers`).
+:func:`choose_workers` workers, or stays in-process where workers cannot pay off: on one
+core, or for batches cheaper than :data:`MIN_BATCH_SECONDS` (a worker's batch costs the main
+process a pipe message and a header; cheaper batches are made faster in place). Output is the
+same either way: batch ``i`` is what ``num_workers=0`` makes (see
+:mod:`meshfeed.services.workers`).
+
+Two cores get two workers: made beside the loop on both cores, batches of 0.16-6.4 ms came
+1.6-1.9x faster than in-process on an idle 2-core machine (1.0-1.05x over the first 100
+batches), and 0.96-0.98x with another busy process on it (``bench_gpu.py --quick``; the
+figures are in ``benchmarks/results/gpu_quick.md``). In-process, every batch is made between
+two steps of the training loop; a worker makes it during the step, even on a shared core.
 """
 
 from __future__ import annotations
@@ -52,12 +57,12 @@ def usable_cores() -> int:
 
 def choose_workers(batch_seconds: float, cores: int) -> int:
     """Workers for batches costing ``batch_seconds`` in-process on ``cores`` usable cores:
-    one core is left to the training loop and one to the rest (the delivery thread, the
-    system); 0 (in-process) where that leaves none or batches are too cheap to send."""
-    spare = cores - 2
-    if spare < 1 or batch_seconds < MIN_BATCH_SECONDS:
+    from five cores on, one core is left to the training loop and one to the rest (the
+    delivery thread, the system); two workers on two to four cores (module docstring); 0
+    (in-process) on one core or where batches are too cheap to send."""
+    if cores < 2 or batch_seconds < MIN_BATCH_SECONDS:
         return 0
-    return min(spare, MAX_AUTO_WORKERS)
+    return min(max(cores - 2, 2), MAX_AUTO_WORKERS)
 
 
 class AutoService:
