@@ -9,11 +9,10 @@ process a pipe message and a header; cheaper batches are made faster in place). 
 same either way: batch ``i`` is what ``num_workers=0`` makes (see
 :mod:`meshfeed.services.workers`).
 
-Two cores get two workers: made beside the loop on both cores, batches of 0.16-6.4 ms came
-1.6-1.9x faster than in-process on an idle 2-core machine (1.0-1.05x over the first 100
-batches), and 0.96-0.98x with another busy process on it (``bench_gpu.py --quick``; the
-figures are in ``benchmarks/results/gpu_quick.md``). In-process, every batch is made between
-two steps of the training loop; a worker makes it during the step, even on a shared core.
+Two cores get two workers: on an idle 2-core machine, two workers delivered 1.7-2.0x the
+in-process rate over every cell of ``bench_gpu.py``'s grid (batches of 0.4-256 ms;
+``benchmarks/results/gpu_2cores.md``). In-process, every batch is made between two steps of
+the training loop; a worker makes it during the step, even on a shared core.
 """
 
 from __future__ import annotations
