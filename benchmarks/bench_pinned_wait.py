@@ -1,52 +1,167 @@
-"""The training loop's wait per 512 KiB batch with ``pin_memory=True`` (and ``device="cuda"``)
-when the data is ready: what pinning costs the loop's thread (CUDA only).
+"""The training loop's wait per 512 KiB batch when the data is ready: what pinning (and the
+copy to the device) costs the loop's thread, by design, so that one GPU run decides the next.
 
     PYTHONPATH=src:. python benchmarks/bench_pinned_wait.py [--quick]
 
 A step of 4 ms (a sleep: the GIL is free, as in a GPU step's kernel launches and syncs) is
-longer than making a batch, so every wait is the loader's own cost on the loop's thread.
+longer than making a batch, so every wait is the loader's own cost on the loop's thread. The
+wait of a row is what the loop spends per batch from asking for it to holding it pinned (or
+on the device): ``next`` and whatever the loop does itself in that row. Rows, per worker count:
+
+- ``pin_memory=True``: meshfeed's delivery thread pins ahead (the loop takes a pinned batch);
+- ``device=cuda``: the same thread also issues the copy on a side stream;
+- ``loop pins``: meshfeed unpinned, the loop calls ``batch.pin_memory()`` itself (what torch's
+  DataLoader does with 0 workers): no second thread, but the pinning copy on the loop's thread;
+- ``registered slots`` (workers only; an experiment, not a meshfeed option): the workers'
+  shared-memory slots page-locked once with ``cudaHostRegister``, so a batch arrives pinned
+  through the unpinned path: no thread, no copy. A batch copied out of its slot (the loop held
+  more than the ring) arrives unpinned; the "pinned" column counts them;
+- ``pin_memory=True, GIL switch 0.1 ms``: the first row with ``sys.setswitchinterval(1e-4)``
+  (a diagnosis, not advice: if the wait's tail is the loop waiting for the GIL that another
+  thread of the process holds, it shrinks here);
+- ``torch pin_memory=True``: torch's DataLoader and its pin thread, for reference.
+
+Without CUDA (``--quick`` in CI) it measures the hand-off alone: meshfeed with ``device="cpu"``
+(the delivery thread, no copy) against ``device=None`` (no thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader as TorchDataLoader
 
 from meshfeed import DataLoader
+from meshfeed.runtime.transport import SlotReader
+
+STEP = 0.004
+
+
+def _percentiles(waits: list[float]) -> tuple[float, float, float]:
+    waits = sorted(waits)
+    mean = sum(waits) / len(waits)
+    return waits[len(waits) // 2] * 1e6, waits[int(len(waits) * 0.99)] * 1e6, mean * 1e6
+
+
+def run(
+    make: Callable[[], Any], take: Callable[[Iterator[Any]], Any], steps: int
+) -> tuple[float, float, float, int]:
+    """p50, p99 and mean wait (us) over ``steps`` (the first 20 not counted), and how many
+    batches the loop held pinned or on the device."""
+    loader = make()
+    it = iter(loader)
+    waits, pinned = [], 0
+    for _ in range(steps):
+        asked = time.perf_counter()
+        batch = take(it)
+        waits.append(time.perf_counter() - asked)
+        pinned += batch.is_cuda or (torch.cuda.is_available() and batch.is_pinned())
+        time.sleep(STEP)
+    del it
+    getattr(loader, "shutdown", lambda: None)()
+    return (*_percentiles(waits[20:]), pinned)
+
+
+class RegisteredSlots:
+    """While active, every shared-memory slot the main process maps for lending is
+    page-locked with ``cudaHostRegister`` (and stays so until the process exits)."""
+
+    def __enter__(self) -> RegisteredSlots:
+        self.original = SlotReader._lendable
+        cudart = torch.cuda.cudart()
+        keep: list[np.ndarray] = []
+        original = self.original
+
+        def lendable(reader: SlotReader, sid: int) -> Any:
+            fresh = sid not in reader._lend_maps
+            mapped = original(reader, sid)
+            if fresh:
+                view = np.frombuffer(mapped, dtype=np.uint8)
+                err = cudart.cudaHostRegister(view.ctypes.data, view.nbytes, 0)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister failed: {err}")
+                keep.append(view)  # registered memory is never unmapped while registered
+            return mapped
+
+        SlotReader._lendable = lendable
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        SlotReader._lendable = self.original
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer batches")
     cfg = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("skipped: no CUDA on this machine (pinning needs it)")
-        return
     data = np.zeros((8192, 2048), dtype=np.int64)  # 16 KiB samples: 512 KiB batches of 32
     steps = 60 if cfg.quick else 240
-    print("| workers | device | batches pinned | wait per batch p50 / p99 us |")
+    cuda = torch.cuda.is_available()
+
+    def mf(workers: int, **kw: Any) -> Callable[[], Any]:
+        return lambda: DataLoader(
+            data, batch_size=32, num_workers=workers, warn_wait_share=None, **kw
+        )
+
+    def torch_loader(workers: int) -> Callable[[], Any]:
+        return lambda: TorchDataLoader(
+            cast(Any, data), batch_size=32, num_workers=workers, pin_memory=True,
+            persistent_workers=workers > 0, shuffle=True,
+        )  # fmt: skip
+
+    def plain(it: Iterator[Any]) -> Any:
+        return next(it)
+
+    def pins(it: Iterator[Any]) -> Any:
+        return next(it).pin_memory()
+
+    print("| workers | row | batches pinned | wait per batch p50 / p99 / mean us |")
     print("|---|---|---|---|")
-    for workers in (0, 2, 8):
-        for device in (None, "cuda"):
-            loader = DataLoader(
-                data, batch_size=32, num_workers=workers, pin_memory=True, device=device,
-                warn_wait_share=None,
-            )  # fmt: skip
-            it = iter(loader)
-            waits, pinned = [], 0
-            for _ in range(steps):
-                asked = time.perf_counter()
-                batch = next(it)
-                waits.append(time.perf_counter() - asked)
-                pinned += batch.is_cuda or batch.is_pinned()
-                time.sleep(0.004)
-            loader.shutdown()
-            waits = sorted(waits[20:])
-            p50, p99 = waits[len(waits) // 2] * 1e6, waits[int(len(waits) * 0.99)] * 1e6
-            print(f"| {workers} | {device} | {pinned}/{steps} | {p50:,.0f} / {p99:,.0f} |")
+    for workers in (0, 2, 8) if not cfg.quick else (0, 2):
+        rows: list[tuple[str, Callable[[], Any], Callable[[Iterator[Any]], Any]]]
+        if not cuda:
+            rows = [
+                ("device=None (no thread)", mf(workers), plain),
+                ("device=cpu (delivery thread)", mf(workers, device="cpu"), plain),
+            ]
+        else:
+            rows = [
+                ("pin_memory=True", mf(workers, pin_memory=True), plain),
+                ("device=cuda", mf(workers, pin_memory=True, device="cuda"), plain),
+                ("loop pins", mf(workers), pins),
+            ]
+            if workers:
+                rows.append(("registered slots", mf(workers), plain))
+            rows.append(("pin_memory=True, GIL switch 0.1 ms", mf(workers, pin_memory=True), plain))
+            rows.append(("torch pin_memory=True", torch_loader(workers), plain))
+        for name, make, take in rows:
+            interval = sys.getswitchinterval()
+            if name.endswith("GIL switch 0.1 ms"):
+                sys.setswitchinterval(1e-4)
+            try:
+                if name == "registered slots":
+                    try:
+                        with RegisteredSlots():
+                            p50, p99, mean, pinned = run(make, take, steps)
+                    except RuntimeError as exc:  # the experiment failed: say so, go on
+                        print(f"| {workers} | {name} | failed: {exc} | |", flush=True)
+                        continue
+                else:
+                    p50, p99, mean, pinned = run(make, take, steps)
+            finally:
+                sys.setswitchinterval(interval)
+            print(
+                f"| {workers} | {name} | {pinned}/{steps} | {p50:,.0f} / {p99:,.0f} / {mean:,.0f} |",
+                flush=True,
+            )
+    if not cuda:
+        print("\nno CUDA on this machine: the pinned and device rows need it (run on a GPU)")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ python3 -c "import xdist" 2>/dev/null && workers="-n $(( $(nproc) - 2 ))"
 timeout "${SUITE_S:-90}" python3 -m pytest -q -rfEs -m "not slow and not gpu" -p no:cacheprovider \
     $workers > "$OUT/suite.log" 2>&1
 tail -n 5 "$OUT/suite.log"
-timeout 60 python3 benchmarks/bench_pinned_wait.py 2>&1 | tee "$OUT/pinned_wait.md"
+timeout 120 python3 benchmarks/bench_pinned_wait.py 2>&1 | tee "$OUT/pinned_wait.md"
 left=$(( ${TOTAL_S:-480} - ($(date +%s) - start) ))
 timeout "$left" python3 benchmarks/bench_gpu.py --out "$OUT/gpu.md" 2>&1 | tee "$OUT/bench.log"
 echo "done in $(( $(date +%s) - start )) s"
