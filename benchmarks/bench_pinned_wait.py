@@ -10,6 +10,9 @@ on the device): ``next`` and whatever the loop does itself in that row. Rows, pe
 
 - ``pin_memory=True``: meshfeed's delivery thread pins ahead (the loop takes a pinned batch);
 - ``device=cuda``: the same thread also issues the copy on a side stream;
+- ``device=cuda, hand-over done ahead`` (an experiment, not a meshfeed option): the delivery
+  thread waits for each copy's event itself and records the batch on the loop's stream, so the
+  loop's thread makes no CUDA call per batch (each one lets another thread take the GIL);
 - ``loop pins``: meshfeed unpinned, the loop calls ``batch.pin_memory()`` itself (what torch's
   DataLoader does with 0 workers): no second thread, but the pinning copy on the loop's thread;
 - ``registered slots`` (workers only; an experiment, not a meshfeed option): the workers'
@@ -28,6 +31,7 @@ Without CUDA (``--quick`` in CI) it measures the hand-off alone: meshfeed with `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 from meshfeed import DataLoader
+from meshfeed.delivery import Delivery
 from meshfeed.runtime.transport import SlotReader
 
 STEP = 0.004
@@ -66,6 +71,31 @@ def run(
     del it
     getattr(loader, "shutdown", lambda: None)()
     return (*_percentiles(waits[20:]), pinned)
+
+
+class HandOverAhead:
+    """While active, the delivery thread finishes each batch's hand-over itself: it waits for
+    the copy (``event.synchronize()``, the GIL released) and records the batch's memory on the
+    loop's current stream (read when this starts), so the loop's thread receives a batch with
+    no event to wait for."""
+
+    def __enter__(self) -> HandOverAhead:
+        self.original = Delivery._prepare
+        original = self.original
+        loop_stream = torch.cuda.current_stream()
+
+        def prepare(delivery: Delivery, batch: Any, streams: bool) -> tuple[Any, Any]:
+            batch, event = original(delivery, batch, streams)
+            if event is not None:
+                event.synchronize()
+                batch.record_stream(loop_stream)  # this benchmark's batches are one tensor
+            return batch, None
+
+        Delivery._prepare = prepare
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Delivery._prepare = self.original
 
 
 class RegisteredSlots:
@@ -134,6 +164,11 @@ def main() -> None:
             rows = [
                 ("pin_memory=True", mf(workers, pin_memory=True), plain),
                 ("device=cuda", mf(workers, pin_memory=True, device="cuda"), plain),
+                (
+                    "device=cuda, hand-over done ahead",
+                    mf(workers, pin_memory=True, device="cuda"),
+                    plain,
+                ),
                 ("loop pins", mf(workers), pins),
             ]
             if workers:
@@ -141,19 +176,20 @@ def main() -> None:
             rows.append(("pin_memory=True, GIL switch 0.1 ms", mf(workers, pin_memory=True), plain))
             rows.append(("torch pin_memory=True", torch_loader(workers), plain))
         for name, make, take in rows:
+            patch: Any = contextlib.nullcontext()
+            if name == "device=cuda, hand-over done ahead":
+                patch = HandOverAhead()
+            elif name == "registered slots":
+                patch = RegisteredSlots()
             interval = sys.getswitchinterval()
             if name.endswith("GIL switch 0.1 ms"):
                 sys.setswitchinterval(1e-4)
             try:
-                if name == "registered slots":
-                    try:
-                        with RegisteredSlots():
-                            p50, p99, mean, pinned = run(make, take, steps)
-                    except RuntimeError as exc:  # the experiment failed: say so, go on
-                        print(f"| {workers} | {name} | failed: {exc} | |", flush=True)
-                        continue
-                else:
+                with patch:
                     p50, p99, mean, pinned = run(make, take, steps)
+            except Exception as exc:  # an experiment that fails says so; the other rows go on
+                print(f"| {workers} | {name} | failed: {exc!r} | |", flush=True)
+                continue
             finally:
                 sys.setswitchinterval(interval)
             print(
