@@ -288,9 +288,13 @@ def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         ds = Busy(samples * (steps + 64), cost)
         cell = {"workers": workers, "cost_us": cost}
         rows.append({**cell, "loop": "GPU alone", "rate": gpu_rate, "share": 1.0, "wait": 0.0})
-        for name in ("meshfeed", "torch"):
+        # "meshfeed" copies ahead (device="cuda"); "meshfeed pin_memory" hands over pinned
+        # batches that the loop copies itself, as with torch's DataLoader.
+        for name in ("meshfeed", "meshfeed pin_memory", "torch"):
             if name == "meshfeed":
                 loader: Any = meshfeed_loader(ds, samples, workers, True, device="cuda")
+            elif name == "meshfeed pin_memory":
+                loader = meshfeed_loader(ds, samples, workers, True)
             else:
                 loader = torch_loader(ds, samples, workers, True)
             rate, wait, per_step = _run_loop(loader, x, k, steps, device)
@@ -301,7 +305,7 @@ def gpu_loop(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                     "p99_us": per_step[int(len(per_step) * 0.99)] * 1e6,
                 }
             )  # fmt: skip
-            if name == "meshfeed":
+            if name != "torch":
                 loader.shutdown()
             del loader
         notes.append(
