@@ -293,7 +293,10 @@ def test_the_first_bad_sample_of_a_run_is_logged_then_rate_limited(caplog, monke
         list(loader)
     bad = loader.stats()["substituted"]
     assert bad > 10  # enough to cross the rate limit at least once
-    warnings = [r for r in caplog.records if r.name == "meshfeed"]
+    # The bad-sample warnings (on a loaded machine the stall warning may join them).
+    warnings = [
+        r for r in caplog.records if r.name == "meshfeed" and "bad sample" in r.getMessage()
+    ]
     assert 1 <= len(warnings) <= 1 + bad // 10
     message = warnings[0].getMessage()
     failure = (first["failures"] or loader.stats()["failures"])[0]

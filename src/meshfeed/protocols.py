@@ -46,6 +46,7 @@ __all__ = [
     "ExplainedSource",
     "Fetch",
     "FingerprintedSource",
+    "FinishReader",
     "ForgetReader",
     "GlobalService",
     "ItemsSource",

@@ -19,17 +19,15 @@ over the completed epochs, nothing stored) and warned about once.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sized
 from typing import Any
 
 from meshfeed.errors import RankError
 from meshfeed.loader import DataLoader
+from meshfeed.loader_base import logger
 from meshfeed.sources.streams.stream import ShardedStream
 
 __all__ = ["StreamLoader", "StreamRankError"]
-
-_log = logging.getLogger("meshfeed")
 
 
 #: The error of the other ranks when one rank's batch fails (``on_error="raise"``): every
@@ -64,7 +62,7 @@ class StreamLoader(DataLoader):
         unread = self.unread_rows(epoch + 1) - self.unread_rows(epoch)
         if self._epoch == epoch + 1 and unread and not self._warned_unread:
             self._warned_unread = True
-            _log.warning(
+            logger.warning(
                 "StreamLoader: %d rows of epoch %d were not read by any data rank: drop_last "
                 "drops the last incomplete global batch (%d rows per epoch, global batch %d). "
                 "Use drop_last=False to serve them; counted in stats()['unread_rows']",

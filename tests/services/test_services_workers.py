@@ -263,9 +263,14 @@ class _WaitAt:
 
 
 @pytest.mark.parametrize("max_chunk", [1, 16])
-def test_with_max_chunk_1_a_batch_never_waits_behind_a_later_one(tmp_path, max_chunk):
+def test_with_max_chunk_1_a_batch_never_waits_behind_a_later_one(tmp_path, max_chunk, monkeypatch):
     """A store batch may wait for producers: with ``max_chunk=1`` every result travels as soon
     as it is made; cheap batches otherwise travel up to 16 to a message, behind the slowest."""
+    import meshfeed.services.workers
+
+    # Messages of max_chunk batches once one was timed, however slow this machine is today:
+    # batches 2-17, 18-33, ..., 194-209 travel together (199 behind 200) when chunked.
+    monkeypatch.setattr(meshfeed.services.workers, "_CHUNK_SECONDS", 10.0)
     marker = str(tmp_path / "go")
     service = WorkerService(1, prefetch=2, timeout=30, max_chunk=max_chunk)
     assert service.in_flight == 2 * max_chunk + 1
