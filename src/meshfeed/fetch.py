@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from meshfeed.collate import default_collate
+from meshfeed.collate import collate_into_slot
 from meshfeed.errors import NEVER_SUBSTITUTED
 from meshfeed.options import OnError
 from meshfeed.order.permutation import derive_seed
@@ -121,7 +121,7 @@ class Fetcher:
     # ------------------------------------------------------------------ internals
     def _collate(self, items: list[Any], events: FetchEvents) -> Any:
         start = time.perf_counter()
-        batch = (self.collate_fn or default_collate)(items)
+        batch = collate_into_slot(items) if self.collate_fn is None else self.collate_fn(items)
         events.collate_s += time.perf_counter() - start
         return batch
 

@@ -291,3 +291,46 @@ def test_with_max_chunk_1_a_batch_never_waits_behind_a_later_one(tmp_path, max_c
     service.shutdown()
     # Batch 199 reached the loop while batch 200 still waited, only when unchunked.
     assert os.path.exists(marker + ".gave-up") == (max_chunk > 1)
+
+
+class _Mixed:
+    """Samples whose dtypes differ by index (a stack promotes them), with bf16 and numpy
+    fields: what a worker stacks into its reply slot must equal what in-process gives."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x = torch.full((2048,), float(i), dtype=torch.float64 if i % 5 == 0 else torch.float32)
+        return {"x": x, "h": torch.ones(2048, dtype=torch.bfloat16) * i, "a": np.arange(2048) + i}
+
+
+def test_batches_stacked_into_the_workers_slots_equal_the_in_process_ones():
+    got = list(DataLoader(_Mixed(), batch_size=8, seed=2, num_workers=2))
+    want = list(DataLoader(_Mixed(), batch_size=8, seed=2))
+    assert_same(got, want)
+    assert [b["x"].dtype for b in got] == [b["x"].dtype for b in want]
+
+
+class _KeepsLast:
+    """A collate_fn that keeps the batches it made (as a packer keeps its leftover) and
+    checks, after making each new one, that nothing wrote over them meanwhile."""
+
+    def __init__(self):
+        self.kept = []
+
+    def __call__(self, items):
+        from meshfeed import default_collate
+
+        batch = default_collate(items)
+        intact = all(torch.equal(last, copy) for last, copy in self.kept)
+        self.kept.append((batch, batch.clone()))
+        return {"x": batch, "intact": intact}
+
+
+def test_a_user_collate_fn_never_gets_memory_of_the_reply_slots():
+    data = np.arange(64 * 2048, dtype=np.int64).reshape(64, 2048)  # 128 KiB batches
+    loader = DataLoader(data, batch_size=8, seed=1, num_workers=1, collate_fn=_KeepsLast())
+    intact = [bool(b["intact"]) for _ in range(3) for b in loader]  # each batch dropped
+    assert len(intact) == 24 and all(intact)
+    loader.shutdown()

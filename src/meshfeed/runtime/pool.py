@@ -391,10 +391,9 @@ class WorkerPool:
         """Submit ``tasks`` as :meth:`submit` would one by one (task ``j`` to the next worker
         round-robin), but each worker's share in one message."""
         k, first = self.num_workers, self._next
-        owners = [(first + j) % k for j in range(len(tasks))]
-        for w in range(k):
-            self.send_many(w, [t for t, o in zip(tasks, owners, strict=True) if o == w])
-        self._order.extend(owners)
+        for j in range(min(k, len(tasks))):  # tasks j, j + k, ... go to worker (first + j) % k
+            self.send_many((first + j) % k, tasks[j::k])
+        self._order.extend((first + j) % k for j in range(len(tasks)))
         self._next = (first + len(tasks)) % k
 
     def result(self) -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from meshfeed.collate import stack_into
 from meshfeed.runtime.lifeline import Parent, close_borrowed, tie_to_parent
 from meshfeed.runtime.transport import SlotWriter
 
@@ -46,6 +47,7 @@ def _worker_main(
     except Exception as exc:
         init_error = _error_entry(exc)
     writer = SlotWriter()
+    stack_into(writer.take)  # the default collation stacks into the reply's slot
     try:
         while True:
             try:
@@ -69,6 +71,7 @@ def _run_tasks(handler: Callable[[Any], Any], tasks: list[Any], writer: SlotWrit
     (a task that raises does not stop the rest), and the seconds they took together; the
     results' buffers share one slot."""
     start = time.perf_counter()
+    writer.open()
     entries: list[tuple[bool, Any]] = []
     for task in tasks:
         try:
