@@ -53,8 +53,8 @@ from meshfeed import DataLoader
 TOKENS = 2048  # int64 tokens per sample: 16 KiB
 BATCH_BYTES = {"128 KiB": 8, "512 KiB": 32, "4 MiB": 256}  # samples per batch
 RESULTS = Path(__file__).resolve().parent / "results"
-#: A cell read above this share of the CPU limit drained a buffer (not a steady rate).
-ABOVE_LIMIT = 1.05
+#: A cell read above this share of its machine ceiling drained a buffer (not a steady rate).
+ABOVE_CEILING = 1.05
 
 
 class Busy:
@@ -237,14 +237,14 @@ def grid(cfg: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                         file=sys.stderr,
                     )
     rows += auto_cells(cfg, rows, pins)
-    above = [r for r in rows if r["limit_share"] > ABOVE_LIMIT]
+    above = [r for r in rows if r["ceiling_share"] > ABOVE_CEILING]
     if above:
         notes.append(
-            "read above the CPU limit (batches made before the window, not a steady rate; left "
-            "out of the auto comparison): "
+            "read above the machine ceiling (batches made before the window, not a steady "
+            "rate; left out of the auto comparison): "
             + "; ".join(
                 f"{r['loader']} {r['workers']} workers x {r['cost_us']} us x {r['batch']} "
-                f"({r['limit_share']:.2f})"
+                f"({r['ceiling_share']:.2f})"
                 for r in above
             )
         )
@@ -268,9 +268,9 @@ def auto_cells(
                 same = [
                     r for r in rows if (r["cost_us"], r["batch"], r["pin"]) == (cost, label, pin)
                 ]
-                # A cell above the CPU limit timed batches made before its window (a buffer
-                # its warm-up did not drain): not a steady rate to compare with.
-                best = max(r["rate"] for r in same if r["limit_share"] <= ABOVE_LIMIT)
+                # A cell above what the machine's cores can make timed batches made before its
+                # window (a buffer its warm-up did not drain): not a steady rate to compare.
+                best = max(r["rate"] for r in same if r["ceiling_share"] <= ABOVE_CEILING)
                 torch_best = max(r["rate"] for r in same if r["loader"] == "torch")
                 out.append(
                     {
