@@ -5,6 +5,7 @@ one field of many samples -> a column (:func:`collate_column`, what the sample s
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,12 @@ def stack_into(take: Callable[[int], Any] | None) -> None:
     """Where :func:`collate_into_slot` on this thread writes: ``take(nbytes)`` returns that
     many bytes of the reply slot (a uint8 array) or None (set by a worker process)."""
     _SLOT.take = take
+
+
+# A process forked by a worker (a pool of its own, a user's subprocess) has no reply slot:
+# what it stacked would land in its parent's shared memory.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: stack_into(None))
 
 
 def collate_into_slot(items: Sequence[Any]) -> Any:

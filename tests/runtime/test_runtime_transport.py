@@ -165,3 +165,42 @@ def test_a_retired_slot_still_viewed_in_the_worker_is_closed_once_the_view_is_go
     del kept
     writer.update([], [])
     assert writer._closing == []
+
+
+def test_a_reply_that_overflows_the_open_slot_goes_through_another_one(pair):
+    reader, writer = pair
+    _slots(pair, 1 << 20)
+    writer.open()
+    sid = writer._open[0]
+    writer.take(600_000)  # a collation whose batch the reply does not hold
+    taken = writer.take(300_000)
+    taken[:] = 3
+    outside = torch.arange(40_000, dtype=torch.int64)  # 320 KB: no room after what was taken
+    header = pickle.loads(writer.encode([torch.from_numpy(taken), outside]))
+    assert header[1] is not None and header[1] != sid  # copied into the other slot, whole
+    del taken
+    got = reader.decode(header)
+    assert bool((got[0] == 3).all()) and torch.equal(got[1], outside)
+
+
+def _slot_take_in_child(out):
+    from meshfeed.collate import _SLOT
+
+    out.put(getattr(_SLOT, "take", "unset"))
+
+
+def test_a_process_forked_by_a_worker_has_no_reply_slot():
+    import multiprocessing
+
+    from meshfeed.collate import stack_into
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    stack_into(len)  # as a worker sets it
+    try:
+        child = ctx.Process(target=_slot_take_in_child, args=(out,))
+        child.start()
+        assert out.get(timeout=30) is None
+        child.join(30)
+    finally:
+        stack_into(None)

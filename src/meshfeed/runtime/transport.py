@@ -8,9 +8,9 @@ A worker writes the buffers of one result (or of one message's results, when sev
 tasks travel together) into one free slot (64-byte aligned) and sends the header. The default
 collation of a worker's fetcher stacks the batch straight into the slot its reply will use
 (:meth:`SlotWriter.open`, :meth:`SlotWriter.take`): no fresh allocation per batch, whose pages
-the kernel may have to fault in again every batch (measured: a worker's 128 KiB batch of cheap
-samples took 77 us instead of 30 where the allocator handed the memory back and forth), and
-no copy into the slot; only buffers made elsewhere are copied, after it. A ``collate_fn`` of
+the kernel may have to fault in again every batch, and no copy into the slot; only buffers
+made elsewhere are copied, after it (one worker over cheap samples: 2.7-3.4x the batches per
+second, ``benchmarks/bench_worker_batch.py``, ``results/worker_batch.txt``). A ``collate_fn`` of
 the user never gets slot memory (it might keep a batch, and slots are written again). The main
 process rebuilds the tensors as views of the slot, through a mapping of its own, and *lends*
 the slot to them: it goes back to the worker (with a later task message) only once the last
@@ -195,7 +195,9 @@ class SlotWriter:
                 self.need = max(self.need, total)
                 return pickle.dumps(("ok", sid, meta, layout, total, retired), 5)
         self.need = max(self.need, total)
-        fits = [s for s in self.free if self.slots[s].size >= total]
+        # Not the open slot: the buffers collation wrote there would be copied over themselves.
+        skip = None if opened is None else opened[0]
+        fits = [s for s in self.free if self.slots[s].size >= total and s != skip]
         if not fits:  # in-band once; the main process adds slots of this size
             return pickle.dumps(("ok", None, meta, [bytes(r) for r in raws], total, retired), 5)
         sid = min(fits)

@@ -9,7 +9,7 @@ process a pipe message and a header; cheaper batches are made faster in place). 
 same either way: batch ``i`` is what ``num_workers=0`` makes (see
 :mod:`meshfeed.services.workers`).
 
-Two cores get two workers: on an idle 2-core machine, two workers delivered 1.7-2.0x the
+Two cores get two workers: on an idle 2-core machine, two workers delivered 1.67-1.97x the
 in-process rate over every cell of ``bench_gpu.py``'s grid (batches of 0.4-256 ms;
 ``benchmarks/results/gpu_2cores.md``). In-process, every batch is made between two steps of
 the training loop; a worker makes it during the step, even on a shared core.
