@@ -230,3 +230,35 @@ def test_a_download_ahead_asked_for_by_a_reader_first_is_never_downloaded_again(
         time.sleep(0.5)  # a download-ahead still waiting would run now
         gets = {k.rsplit("/", 1)[-1]: n for k, n in s3.proxy.object_gets.items()}
         assert gets["asked.bin"] == 1, gets
+
+
+@pytest.mark.parametrize("until_finished", [True, False])
+def test_a_file_read_until_finished_is_kept_from_download_aheads_however_long_unread(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, until_finished: bool
+) -> None:
+    """A stream that fetched a shard itself (before its download-ahead ran), read part of it,
+    and left it unread and unheld for longer than IN_USE (a loaded machine; a worker waiting
+    for the training loop) must find it still cached for its other rows: a download-ahead
+    that evicted it downloaded it twice (one of 24 shards, in a warm 2-worker limited epoch
+    under load). A plain reader's file is an ordinary idle entry then, as before."""
+    from meshfeed.storage import _layout
+
+    monkeypatch.setattr(_layout, "IN_USE", 0.05)  # the reader's pause, made short
+    urls = [s3.put(f"u/s{i}.bin", os.urandom(SIZE)) for i in range(2)]
+    with ShardCache(tmp_path, cache_limit=SIZE, storage_options=s3.options) as cache:
+        cache.local_path(urls[0], until_finished=until_finished)
+        cache.release(urls[0])
+        time.sleep(0.2)
+        (ahead,) = cache.prefetch(urls[1:])
+        got = ahead.result(timeout=30)
+        first = Path(cache.entry_path(urls[0]))
+        if not until_finished:
+            assert got and not first.exists()
+            return
+        assert not got and first.exists()  # the limit holds; nothing evicted
+        assert cache.local_path(urls[0]) == str(first)  # its other rows: no second download
+        cache.release(urls[0])
+        cache.finished(urls[0])  # read to its end: evicted first, the waiting one goes
+        _wait_cached(cache, urls[1])
+        assert not first.exists()
+        assert cache.stats()["downloads"] == 2

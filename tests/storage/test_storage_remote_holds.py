@@ -191,3 +191,47 @@ def test_a_limited_two_worker_epoch_downloads_each_shard_once_cold_and_warm(
     for temp in ("cold", "warm"):
         gets = _epoch_gets(s3, cache, limit, window)
         assert len(gets) <= len(sizes) and max(gets.values()) == 1, (temp, gets)
+
+
+def test_a_shard_a_worker_read_in_part_and_left_idle_is_not_downloaded_again(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker reads half a shard it fetched itself (its download-ahead not run yet), lets it
+    go once idle, and is slow to come back (a loaded machine: longer than IN_USE); a
+    download-ahead meanwhile must not evict it, or the worker downloads it again for its other
+    rows (a warm 2-worker limited epoch made 25 GETs for 24 shards in CI)."""
+    import pickle
+
+    from meshfeed.storage import _layout
+
+    monkeypatch.setattr(_layout, "IN_USE", 0.05)  # the worker's pause, made short
+    sizes = _shard_dataset(s3, tmp_path, 200)
+    stream = ShardedStream.from_index(
+        s3.url("ds"),
+        cache_dir=tmp_path / "cache",
+        cache_limit=max(sizes),
+        storage_options=s3.options,
+    )
+    first, second = stream.shards
+    worker = pickle.loads(pickle.dumps(stream.reader))  # as a worker process gets it
+    s3.proxy.reset()
+    assert _ids(worker.take(first, np.arange(50))) == list(range(50))
+    entry = Entry.of(worker.cache.cache_dir, first, worker.cache.storage_options)
+    assert _free_within(entry, 10.0) is not None  # let go once idle
+    time.sleep(0.2)
+    main = stream.reader.cache
+    before = main.stats()  # the index's download
+    stream.reader.plan([second])  # the main process plans the next steps: no room yet
+    deadline = time.monotonic() + 30
+    while main.stats()["skipped_prefetch"] + main.stats()["downloads"] == before["downloads"]:
+        assert time.monotonic() < deadline, main.stats()
+        time.sleep(0.01)
+    stats = main.stats()
+    assert (stats["skipped_prefetch"], stats["evictions"]) == (1, 0), stats
+    assert _ids(worker.take(first, np.arange(50, 100))) == list(range(50, 100))
+    stream.reader.finished([first])  # its rows all returned: the waiting one goes
+    assert _ids(worker.take(second, np.arange(100))) == list(range(100, 200))
+    gets = {k: n for k, n in s3.proxy.whole_gets.items() if not k.endswith("index.json")}
+    assert sorted(gets.values()) == [1, 1], gets
+    worker.close()
+    stream.reader.close()

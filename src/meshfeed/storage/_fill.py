@@ -104,12 +104,13 @@ class Fill:
             self.identify(url)
         return Want(self._current[url])
 
-    def _touch(self, entry: Entry, *, demanded: bool = True) -> None:
-        # the sidecar's mtime is the entry's last use (LRU); a download-ahead marks it
-        # pending (not to be evicted by another download-ahead before it is read), unless
-        # it was read to its end since the download-ahead was asked
+    def _touch(self, entry: Entry, *, demanded: bool = True, until_finished: bool = False) -> None:
+        # the sidecar's mtime is the entry's last use (LRU); a download-ahead, or a reader
+        # that will tell finished(), marks it pending (not to be evicted by a download-ahead
+        # before it is read to its end), unless it was read to its end since the
+        # download-ahead was asked
         if demanded:
-            entry.mark(pending=False)
+            entry.mark(pending=False, until_read=until_finished)
         else:
             with self._mutex:
                 asked = self._asked_at.get(entry.url)
@@ -124,6 +125,7 @@ class Fill:
         demanded: bool,
         make_room: Callable[[], None] | None = None,
         on_booked: Callable[[], None] | None = None,
+        until_finished: bool = False,
     ) -> bool:
         """Take the shared lock of a complete entry, downloading it first if needed.
 
@@ -131,6 +133,7 @@ class Fill:
         wait (for another process's download, or for room), ``make_room`` releases what the
         caller holds: a reader that waits holding entries could wait for itself.
         ``on_booked``: called once room for a download is booked, before its transfer.
+        ``until_finished``: see :meth:`ShardCache.local_path`.
         """
         make_room = _once(make_room)
         deadline = time.monotonic() + self.lock_timeout
@@ -150,7 +153,7 @@ class Fill:
             if ready:  # held shared
                 if not fetched:
                     self._count("hits")
-                self._touch(entry, demanded=demanded)
+                self._touch(entry, demanded=demanded, until_finished=until_finished)
                 return True
             meta = self._read_meta(entry, deep=deep)
             if meta is None or not want.fits(meta):
@@ -218,6 +221,7 @@ class Fill:
         demanded: bool,
         make_room: Callable[[], None] | None = None,
         on_booked: Callable[[], None] | None = None,
+        until_finished: bool = False,
     ) -> bool:
         """Under the entry's exclusive lock: book room, fetch, check and publish ``entry.url``
         (``on_booked`` is told once the room is booked)."""

@@ -15,10 +15,13 @@ An entry is valid only with its sidecar and a data file of the sidecar's size; t
 renamed into place before the sidecar, and eviction removes the sidecar first, so no reader
 ever takes a partial file for a complete one.
 
-The sidecar's mtime is the entry's last use, except for an entry downloaded ahead and not read
-to its end yet: its mtime lies ``PENDING`` seconds in the future, and reads keep it there until
-it is marked read to its end (a stream reads it over many batches, and tells the cache when its
-rows are all returned). Eviction takes, in this order: entries
+The sidecar's mtime is the entry's last use, except for an entry downloaded ahead, or read by a
+stream, and not read to its end yet: its mtime lies ``PENDING`` seconds in the future, and reads
+keep it there until it is marked read to its end (a stream reads it over many batches, and tells
+the cache when its rows are all returned). A stream's shard is pending from its first read even
+where the reader fetched it before its download-ahead ran: dated by its last read, a shard read
+in part and then left unread for ``IN_USE`` seconds (a loaded machine, a worker waiting for the
+training loop) would be evicted by a download-ahead and downloaded again for its other rows. Eviction takes, in this order: entries
 idle for ``IN_USE`` seconds or marked read to their end (least recently used first), entries
 downloaded ahead and not read yet, then entries read in the last ``IN_USE`` seconds (a reader
 walks its window's shards batch after batch, touching each). A download-ahead evicts only the
@@ -140,10 +143,13 @@ class Entry:
         finally:
             os.close(fd)
 
-    def mark(self, *, pending: bool, asked: float | None = None) -> None:
+    def mark(self, *, pending: bool, asked: float | None = None, until_read: bool = False) -> None:
         """Date the entry's last use: now, or (``pending``) downloaded ahead, not read yet.
         A use keeps a pending date: the stream that planned the entry reads it over many
-        batches, and it stays pending until :meth:`mark_read` (#29). A download-ahead asked
+        batches, and it stays pending until :meth:`mark_read` (#29). A use ``until_read``
+        (a reader that will call :meth:`mark_read` once it has read the entry to its end)
+        makes a date that is not pending pending: the reader fetched the entry before its
+        download-ahead, and reads it over many batches all the same. A download-ahead asked
         at ``asked`` (``time.time()``) that finds the entry read to its end since then is
         late (a reader fetched and read it first): the entry stays read."""
         now = time.time()
@@ -152,7 +158,7 @@ class Entry:
             if pending and asked is not None and now - READ_SHIFT / 2 > t >= asked - READ_SHIFT:
                 return
             if pending or t <= now:
-                t = now + (PENDING if pending else 0.0)
+                t = now + (PENDING if pending or until_read else 0.0)
                 os.utime(self.sidecar, (t, t))
 
     def mark_read(self) -> None:

@@ -13,8 +13,8 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
   exclusive lock without waiting, so a held entry is never evicted.
 - ``cache_limit`` is a limit: every download first books its size (under a lock for the whole
   cache), evicting unheld entries (sidecar first) to make room: those read to their end least
-  recently used first, then those downloaded ahead and not read yet, then those read in the
-  last seconds (:mod:`meshfeed.storage._layout`). A download-ahead evicts only the first kind
+  recently used first, then those downloaded ahead, or being read by a stream, and not read
+  to their end yet, then those read in the last seconds (:mod:`meshfeed.storage._layout`). A download-ahead evicts only the first kind
   (it never evicts what will be read soon, so a limited epoch downloads each shard once where
   the limit holds the shards read at once); one that finds no room waits, in order, until a
   reader frees some (:meth:`ShardCache.finished`; :mod:`meshfeed.storage._ahead`); a
@@ -196,6 +196,7 @@ class ShardCache(Ahead):
         *,
         version: str | None = None,
         make_room: Callable[[], None] | None = None,
+        until_finished: bool = False,
     ) -> str:
         """A local path to the complete file at ``url``, held until :meth:`release`.
 
@@ -205,8 +206,11 @@ class ShardCache(Ahead):
         job; a cached copy of another version is replaced, and a bucket that holds another
         ``version`` raises :class:`SourceError` naming the URL. ``make_room``: called (once)
         when the cache is full of held entries, to release what the caller holds; then the
-        call waits for other processes to release theirs (at most ``lock_timeout``). A
-        ``file://`` URL returns its path uncached.
+        call waits for other processes to release theirs (at most ``lock_timeout``).
+        ``until_finished``: the caller reads the file over many reads and calls
+        :meth:`finished` once it has read it to its end (as a stream does); until then (at
+        most ``PENDING`` seconds) no download-ahead evicts it, however long it goes unread
+        and unheld between reads. A ``file://`` URL returns its path uncached.
         """
         self._check_fork()
         local = local_path_of(url)
@@ -224,12 +228,14 @@ class ShardCache(Ahead):
                 with self._mutex:
                     self._holds[url] += 1
                 self._count("hits")
-                self._touch(entry)
+                self._touch(entry, until_finished=until_finished)
                 return str(entry.data)
         with on_disk(self.cache_dir, f"hold {url}"):
             lock = entry.open_lock()
         try:
-            self._acquire(entry, lock, want, demanded=True, make_room=make_room)
+            self._acquire(
+                entry, lock, want, demanded=True, make_room=make_room, until_finished=until_finished
+            )
         except BaseException:
             lock.close()
             raise

@@ -110,7 +110,10 @@ class CachedReader:
         path = holds.use(shard)
         if path is None:
             version = None if self._by_index else self.version(shard)
-            path = self.cache.local_path(shard, version=version, make_room=holds.let_go_idle)
+            # the stream's order tells finished(): kept from download-aheads until then
+            path = self.cache.local_path(
+                shard, version=version, make_room=holds.let_go_idle, until_finished=True
+            )
             holds.add(shard, path)
         return path
 
