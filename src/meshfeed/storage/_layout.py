@@ -26,8 +26,8 @@ idle for ``IN_USE`` seconds or marked read to their end (least recently used fir
 downloaded ahead and not read yet, then entries read in the last ``IN_USE`` seconds (a reader
 walks its window's shards batch after batch, touching each). A download-ahead evicts only the
 first kind: it stops at the limit rather than evict what will be read soon, which would only
-download it twice. An entry downloaded ahead and never read (a job that stopped) is an
-ordinary entry again ``PENDING`` seconds later.
+download it twice. An entry downloaded ahead and never read, or read in part (a job that
+stopped), is an ordinary entry again ``PENDING`` seconds later.
 """
 
 from __future__ import annotations
