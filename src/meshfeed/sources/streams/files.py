@@ -12,13 +12,12 @@ worker, so ``open_file`` must be picklable too (a module-level function or a
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from meshfeed.errors import SourceError
-from meshfeed.sources.streams.readers import _EDGE, shard_identity
+from meshfeed.sources.streams.readers import edge_identity, shard_identity
 
 __all__ = ["OpenFile", "open_local", "open_shard", "read_at", "shard_version"]
 
@@ -76,14 +75,11 @@ def shard_version(shard: str, open_file: OpenFile) -> str:
     try:
         with open_file(shard) as f:
             size = file_size(f, shard=shard)
-            h = hashlib.blake2b(digest_size=8)
-            h.update(read_at(f, 0, min(size, _EDGE), shard=shard, what="its head"))
-            if size > _EDGE:
-                tail = max(_EDGE, size - _EDGE)
-                h.update(read_at(f, tail, size - tail, shard=shard, what="its tail"))
+            return edge_identity(
+                size, lambda offset, n: read_at(f, offset, n, shard=shard, what="its edges")
+            )
     except OSError as exc:
         raise SourceError(f"cannot read shard {shard!r}: {exc}") from exc
-    return f"{size}:{h.hexdigest()}"
 
 
 class HandleCache:

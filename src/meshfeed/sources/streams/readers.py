@@ -54,11 +54,13 @@ __all__ = [
     "ReaderHooks",
     "RowCursor",
     "default_reader",
+    "edge_identity",
     "shard_identity",
     "shard_name",
 ]
 
 Reader = Callable[[Any, int, "int | None"], Iterable[Any]]
+#: Bytes hashed at each end of a file for its cheap identity.
 _EDGE = 64 * 1024
 #: Bytes of a text shard read at once around the rows a step wants (and kept for the next).
 _SPAN_BYTES = 1 << 20
@@ -159,15 +161,21 @@ def _value_identity(v: Any) -> str:
     return f"<{_module_name(type(v))}.{type(v).__qualname__}{size}>"
 
 
+def edge_identity(size: int, read: Callable[[int, int], bytes]) -> str:
+    """``SIZE:HEX``, the hash of a file's first and last 64 KiB (``read(offset, n)`` reads
+    them): a cheap identity of its content."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(read(0, min(size, _EDGE)))
+    if size > _EDGE:
+        tail = max(_EDGE, size - _EDGE)
+        h.update(read(tail, size - tail))
+    return f"{size}:{h.hexdigest()}"
+
+
 @functools.lru_cache(maxsize=4096)
 def _file_identity(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.blake2b(digest_size=8)
     with open(path, "rb") as f:
-        h.update(f.read(_EDGE))
-        if size > _EDGE:
-            f.seek(max(_EDGE, size - _EDGE))
-            h.update(f.read(_EDGE))
-    return f"{size}:{h.hexdigest()}"
+        return edge_identity(size, lambda offset, n: os.pread(f.fileno(), n, offset))
 
 
 def shard_identity(shard: Any, version: Callable[[Any], str] | None = None) -> str:
