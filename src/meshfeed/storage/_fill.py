@@ -221,7 +221,6 @@ class Fill:
         demanded: bool,
         make_room: Callable[[], None] | None = None,
         on_booked: Callable[[], None] | None = None,
-        until_finished: bool = False,
     ) -> bool:
         """Under the entry's exclusive lock: book room, fetch, check and publish ``entry.url``
         (``on_booked`` is told once the room is booked)."""

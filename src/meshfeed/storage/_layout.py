@@ -21,13 +21,14 @@ keep it there until it is marked read to its end (a stream reads it over many ba
 the cache when its rows are all returned). A stream's shard is pending from its first read even
 where the reader fetched it before its download-ahead ran: dated by its last read, a shard read
 in part and then left unread for ``IN_USE`` seconds (a loaded machine, a worker waiting for the
-training loop) would be evicted by a download-ahead and downloaded again for its other rows. Eviction takes, in this order: entries
-idle for ``IN_USE`` seconds or marked read to their end (least recently used first), entries
-downloaded ahead and not read yet, then entries read in the last ``IN_USE`` seconds (a reader
-walks its window's shards batch after batch, touching each). A download-ahead evicts only the
-first kind: it stops at the limit rather than evict what will be read soon, which would only
-download it twice. An entry downloaded ahead and never read, or read in part (a job that
-stopped), is an ordinary entry again ``PENDING`` seconds later.
+training loop) would be evicted by a download-ahead and downloaded again for its other rows.
+
+Eviction takes, in this order: entries idle for ``IN_USE`` seconds or marked read to their end
+(least recently used first), entries pending (downloaded ahead or being read by a stream, not
+read to their end yet), then entries read in the last ``IN_USE`` seconds (a plain reader's
+files). A download-ahead evicts only the first kind: it stops at the limit rather than evict
+what will be read soon, which would only download it twice. An entry downloaded ahead and never
+read, or read in part (a job that stopped), is an ordinary entry again ``PENDING`` seconds later.
 """
 
 from __future__ import annotations
