@@ -14,9 +14,9 @@ The protocol, for every process of the node that shares ``cache_dir`` (files: se
 - ``cache_limit`` is a limit: every download first books its size (under a lock for the whole
   cache), evicting unheld entries (sidecar first) to make room: those read to their end least
   recently used first, then those downloaded ahead, or being read by a stream, and not read
-  to their end yet, then those read in the last seconds (:mod:`meshfeed.storage._layout`). A download-ahead evicts only the first kind
-  (it never evicts what will be read soon, so a limited epoch downloads each shard once where
-  the limit holds the shards read at once); one that finds no room waits, in order, until a
+  to their end yet, then those read in the last seconds (:mod:`meshfeed.storage._layout`). A
+  download-ahead evicts only the first kind (it never evicts what will be read soon, so a
+  limited epoch downloads each shard once where the limit holds the shards read at once); one that finds no room waits, in order, until a
   reader frees some (:meth:`ShardCache.finished`; :mod:`meshfeed.storage._ahead`); a
   demanded file asks its caller to release
   what it holds (``make_room``) and then waits for other processes' readers to release theirs
