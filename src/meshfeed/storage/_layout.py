@@ -149,7 +149,7 @@ class Entry:
         A use keeps a pending date: the stream that planned the entry reads it over many
         batches, and it stays pending until :meth:`mark_read` (#29). A use ``until_read``
         (a reader that will call :meth:`mark_read` once it has read the entry to its end)
-        makes a date that is not pending pending: the reader fetched the entry before its
+        makes the entry pending where it was not: the reader fetched it before its
         download-ahead, and reads it over many batches all the same. A download-ahead asked
         at ``asked`` (``time.time()``) that finds the entry read to its end since then is
         late (a reader fetched and read it first): the entry stays read."""
