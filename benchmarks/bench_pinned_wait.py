@@ -35,6 +35,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -46,6 +47,9 @@ from meshfeed.delivery import Delivery
 from meshfeed.runtime.transport import SlotReader
 
 STEP = 0.004
+#: What a row patches while it runs (a context manager made per row).
+Patch = Callable[[], contextlib.AbstractContextManager[Any]]
+no_patch: Patch = contextlib.nullcontext
 
 
 def _percentiles(waits: list[float]) -> tuple[float, float, float]:
@@ -96,6 +100,17 @@ class HandOverAhead:
 
     def __exit__(self, *exc: object) -> None:
         Delivery._prepare = self.original
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float) -> Iterator[None]:
+    """While active, ``sys.setswitchinterval(seconds)``."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
 
 
 class RegisteredSlots:
@@ -154,44 +169,43 @@ def main() -> None:
     print("| workers | row | batches pinned | wait per batch p50 / p99 / mean us |")
     print("|---|---|---|---|")
     for workers in (0, 2, 8) if not cfg.quick else (0, 2):
-        rows: list[tuple[str, Callable[[], Any], Callable[[Iterator[Any]], Any]]]
+        # (name, the loader, how the loop takes a batch, what is patched while it runs)
+        rows: list[tuple[str, Callable[[], Any], Callable[[Iterator[Any]], Any], Patch]]
         if not cuda:
             rows = [
-                ("device=None (no thread)", mf(workers), plain),
-                ("device=cpu (delivery thread)", mf(workers, device="cpu"), plain),
+                ("device=None (no thread)", mf(workers), plain, no_patch),
+                ("device=cpu (delivery thread)", mf(workers, device="cpu"), plain, no_patch),
             ]
         else:
             rows = [
-                ("pin_memory=True", mf(workers, pin_memory=True), plain),
-                ("device=cuda", mf(workers, pin_memory=True, device="cuda"), plain),
+                ("pin_memory=True", mf(workers, pin_memory=True), plain, no_patch),
+                ("device=cuda", mf(workers, pin_memory=True, device="cuda"), plain, no_patch),
                 (
                     "device=cuda, hand-over done ahead",
                     mf(workers, pin_memory=True, device="cuda"),
                     plain,
+                    HandOverAhead,
                 ),
-                ("loop pins", mf(workers), pins),
+                ("loop pins", mf(workers), pins, no_patch),
             ]
             if workers:
-                rows.append(("registered slots", mf(workers), plain))
-            rows.append(("pin_memory=True, GIL switch 0.1 ms", mf(workers, pin_memory=True), plain))
-            rows.append(("torch pin_memory=True", torch_loader(workers), plain))
-        for name, make, take in rows:
-            patch: Any = contextlib.nullcontext()
-            if name == "device=cuda, hand-over done ahead":
-                patch = HandOverAhead()
-            elif name == "registered slots":
-                patch = RegisteredSlots()
-            interval = sys.getswitchinterval()
-            if name.endswith("GIL switch 0.1 ms"):
-                sys.setswitchinterval(1e-4)
+                rows.append(("registered slots", mf(workers), plain, RegisteredSlots))
+            rows.append(
+                (
+                    "pin_memory=True, GIL switch 0.1 ms",
+                    mf(workers, pin_memory=True),
+                    plain,
+                    partial(switch_interval, 1e-4),
+                )
+            )
+            rows.append(("torch pin_memory=True", torch_loader(workers), plain, no_patch))
+        for name, make, take, patch in rows:
             try:
-                with patch:
+                with patch():
                     p50, p99, mean, pinned = run(make, take, steps)
             except Exception as exc:  # an experiment that fails says so; the other rows go on
                 print(f"| {workers} | {name} | failed: {exc!r} | |", flush=True)
                 continue
-            finally:
-                sys.setswitchinterval(interval)
             print(
                 f"| {workers} | {name} | {pinned}/{steps} | {p50:,.0f} / {p99:,.0f} / {mean:,.0f} |",
                 flush=True,
