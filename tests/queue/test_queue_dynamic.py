@@ -64,6 +64,41 @@ def test_a_filter_that_raises_is_reported_by_name_and_consumes_nothing(make_stor
     assert batch.ids == [f"0/{a}" for a in range(SIZE)]
 
 
+def _drops_0_raises_on_1(group: dict) -> bool:
+    if group["prompt"][0] == 1:
+        raise KeyError("advantage")
+    return False
+
+
+def test_a_filter_that_raises_after_dropping_a_group_counts_nothing(make_store):
+    # Group 0 was dropped, then group 1 raised: the whole selection is thrown away, so
+    # group 0 was neither consumed nor counted (it was counted once per attempt).
+    store = make_store()
+    _rollouts(store, range(2), set())
+    sampler = GroupSampler(group_size=SIZE)
+    for _ in range(3):
+        with pytest.raises(ValueError, match=r"raised KeyError\('advantage'\) on group 1"):
+            store.get(
+                "t", ["prompt", "reward"], SIZE, "p", sampler=sampler,
+                group_filter=_drops_0_raises_on_1, timeout=5,
+            )  # fmt: skip
+    assert store.stats()["consumed"] == {} and store.stats()["filtered"] == {}
+
+
+def test_a_group_id_used_again_is_judged_again(make_store):
+    # The same prompt sampled again (its group id again) once inherited the judgement of the
+    # earlier group: a group with no signal passed the filter.
+    store = make_store(tasks=["t"])
+    sampler = GroupSampler(group_size=SIZE)
+    _rollouts(store, range(1), set())  # prompt 0 with a signal: kept
+    fields = ["prompt", "reward"]
+    assert store.get("t", fields, SIZE, "p", sampler=sampler, group_filter=_informative).ids
+    _rollouts(store, range(1), {0})  # prompt 0 again, equal rewards: no signal
+    _rollouts(store, range(1, 2), set())
+    batch = store.get("t", fields, SIZE, "p", sampler=sampler, group_filter=_informative)
+    assert set(batch["prompt"]) == {1} and store.stats()["filtered"] == {"t": 1}
+
+
 def test_a_group_filter_needs_a_group_sampler_and_a_function():
     store = SampleStore()
     with pytest.raises(ValueError, match="does not hand out groups"):

@@ -95,6 +95,40 @@ def test_close_wakes_consumers_blocked_without_a_deadline(timeout):
     assert len(errors) == 3 and all(isinstance(e, PartitionClosed) for e in errors)
 
 
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_shutdown_wakes_every_waiting_call_and_refuses_later_ones(timeout):
+    # A waiting get once slept on after shutdown() (forever without a deadline), and the
+    # store served puts and gets afterwards.
+    store = SampleStore(capacity=1)
+    store.put("q", {"x": [0]})
+    errors: list[BaseException] = []
+
+    def call(fn) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    calls = [
+        lambda: store.get("t", ["x"], 1, "p", timeout=timeout),
+        lambda: store.put("p", {"x": [1]}, timeout=timeout),  # the store is full
+    ]
+    threads = [threading.Thread(target=call, args=(fn,), daemon=True) for fn in calls]
+    for t in threads:
+        t.start()
+    _waiting(store, "consumers", 1)
+    _waiting(store, "producers", 1)
+    store.shutdown()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 2 and all(isinstance(e, RuntimeError) for e in errors)
+    assert all("was shut down" in str(e) for e in errors)
+    for fn in calls:
+        with pytest.raises(RuntimeError, match=r"shut down .*nothing was put or consumed"):
+            fn()
+
+
 def test_cancel_wakes_the_requests_of_one_token_and_consumes_nothing():
     store = SampleStore()
     errors: list[BaseException] = []

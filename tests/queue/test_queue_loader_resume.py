@@ -280,3 +280,34 @@ def test_a_state_loaded_over_a_store_of_another_moment_is_refused_naming_the_fix
     with pytest.raises(ValueError, match=r"at batch 2 of task 't', but this store has consumed "
                        r"0 sample\(s\) for it \(at least 4 were\).*Restore the store"):  # fmt: skip
         fresh[0].load_state_dict(state)
+
+
+@pytest.mark.parametrize("prefetch", [1, 4])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_fresh_loader_of_a_task_that_read_already_is_refused_before_it_reads(prefetch, workers):
+    # A loader built again without the earlier one's state starts at batch 0: it once read
+    # the plans still cached for the earlier batches (their samples again, out of order).
+    store = SampleStore()
+    store.put("p", {"x": list(range(20))})
+    store.close("p")
+
+    def loader() -> StoreLoader:
+        return StoreLoader(
+            store, task="t", fields=["x"], partition="p", batch_size=2, mesh={"dp": 1},
+            rank=0, timeout=30, prefetch=prefetch, num_workers=workers,
+        )  # fmt: skip
+
+    first = loader()
+    it = iter(first)
+    seen = [next(it).ids for _ in range(3)]
+    state = first.state_dict()
+    first.shutdown()
+    with pytest.raises(ValueError, match=r"started at batch 0, .* which another loader read "
+                       r"as already: .*load_state_dict"):  # fmt: skip
+        with loader() as again:
+            next(iter(again))
+    resumed = loader()
+    resumed.load_state_dict(state)
+    with resumed:
+        seen += [batch.ids for batch in resumed]
+    assert sorted(i for ids in seen for i in ids) == list(range(20))  # each once

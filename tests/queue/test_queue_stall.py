@@ -24,6 +24,22 @@ def test_a_get_larger_than_the_capacity_is_refused_at_once(make_store):
     assert store.stats()["waiting_consumers"] == 0
 
 
+def test_a_reader_whose_rounds_in_flight_cannot_fit_is_refused_naming_prefetch(make_store):
+    # A loader with prefetch=2 keeps its last round held (consumed, pinned by its plan) while
+    # it asks for the next: with capacity=4 and batches of 4 nothing more could ever be put,
+    # and the producers and the loader waited on each other for the loader's whole timeout.
+    store = make_store(capacity=4, tasks=["t"])
+    store.put("p", {"x": [0, 1, 2, 3]})
+    one = RankAwareSampler(data_rank=0, data_world_size=1)
+    ask = dict(sampler=one, prefetch=2, timeout=30)
+    assert store.get("t", ["x"], 4, "p", batch_index=0, **ask).ids == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"prefetch=2 .* needs 4 more .* 8 samples, more than"):
+        store.get("t", ["x"], 4, "p", batch_index=1, **ask)
+    assert store.stats()["waiting_consumers"] == 0
+    # With prefetch=1 the round before is let go as the next is asked for: 4 fit in 4.
+    stall.check_fits(store.options, one, 4, 1)
+
+
 @pytest.mark.slow
 def test_a_put_and_a_get_that_wait_on_each_other_are_named(make_store, caplog, monkeypatch):
     """capacity 4, 3 held: a get of 4 waits for one more sample, a put of 4 for room; the

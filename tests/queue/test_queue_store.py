@@ -216,12 +216,24 @@ def test_stats_report_produced_consumed_waiting_and_bytes(make_store):
         (lambda s: s.put("p", {"a": [1]}, ids=[1.5]), TypeError, "int or str"),
         (lambda s: s.put("p", {"a": [1]}, timeout=-1), ValueError, "timeout=-1"),
         (lambda s: s.get("t", ["a"], 1, "p", timeout="5"), TypeError, "timeout='5'"),
+        (lambda s: s.put("p", {"a": [1]}, ids=5), TypeError, r"ids=5\); e.g. ids=\[5\]"),
+        (lambda s: s.put("p", {"a": [1, 2]}, ids="xy"), TypeError, r"ids='xy'"),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, match):
     store = SampleStore(fields=["a", "b"])
     with pytest.raises(error, match=match):
         call(store)
+
+
+@pytest.mark.parametrize("arg", ["tasks", "fields"])
+def test_a_lone_string_of_tasks_or_fields_is_refused_not_read_as_its_letters(arg):
+    # tasks="actor" was read as ("a", "c", "t", "o", "r"): no sample was ever evicted.
+    with pytest.raises(TypeError, match=rf"{arg} must be a list of names \(got {arg}='actor'\); "):
+        SampleStore(**{arg: "actor"})
+    with pytest.raises(TypeError, match=rf"{arg} must be non-empty strings"):
+        SampleStore(**{arg: ["actor", ""]})
+    assert getattr(SampleStore(**{arg: ["actor"]}).options, arg) == ("actor",)
 
 
 def test_bad_input_is_rejected_by_both_backends(make_store):

@@ -218,3 +218,32 @@ def test_a_get_that_drops_stale_samples_and_then_waits_admits_the_waiting_put(fr
     producer.join(20)
     assert batch["x"] == [4, 5] and batch.versions == [1, 1] and not errors
     assert store.stats()["stale"] == {"t": 2}
+
+
+def test_a_group_id_used_again_after_its_samples_left_starts_a_new_group(fresh):
+    # The same prompt sampled again later (its group id again) under newer weights: the old
+    # group's samples left the store, so there is nothing to split. The version of a group
+    # once stayed forever and refused it.
+    store = fresh(tasks=["t"])
+    sampler = GroupSampler(group_size=2)
+    store.put("p", {"x": [1, 2]}, ids=["a", "b"], groups="prompt-7", version=0)
+    assert store.get("t", ["x"], 2, "p", sampler=sampler, timeout=5).ids == ["a", "b"]
+    assert store.stats()["held"] == 0
+    store.put("p", {"x": [3, 4]}, ids=["c", "d"], groups="prompt-7", version=1)
+    with pytest.raises(ValueError, match=r"group 'prompt-7' .* version 1; .* split it across"):
+        store.put("p", {"x": [5]}, ids=["e"], groups="prompt-7", version=2)  # still held: one group
+    assert store.get("t", ["x"], 2, "p", sampler=sampler, timeout=5).versions == [1, 1]
+    store.put("p", {"x": [5, 6]}, ids=["e", "f"], groups="prompt-7", version=2)
+    assert store.get("t", ["x"], 2, "p", sampler=sampler, timeout=5).versions == [2, 2]
+
+
+def test_a_groups_lifetime_survives_save_and_load(tmp_path):
+    store = SampleStore(tasks=["t"])
+    store.put("p", {"x": [1, 2]}, ids=["a", "b"], groups="g", version=0)
+    store.put("p", {"x": [3, 4]}, ids=["c", "d"], groups="h", version=0)
+    store.get("t", ["x"], 2, "p", sampler=GroupSampler(group_size=2), timeout=5)  # g leaves
+    store.save(tmp_path / "s")
+    again = SampleStore.load(tmp_path / "s")
+    again.put("p", {"x": [5, 6]}, ids=["e", "f"], groups="g", version=1)  # a new group g
+    with pytest.raises(ValueError, match=r"group 'h' .* version 0; .* split it across"):
+        again.put("p", {"x": [7]}, ids=["i"], groups="h", version=1)  # h is still held

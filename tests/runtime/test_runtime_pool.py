@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from meshfeed.runtime import (
+    PoolClosed,
     WorkerDied,
     WorkerError,
     WorkerPool,
@@ -134,6 +135,27 @@ def test_wait_any_returns_the_first_ready_workers_and_a_dead_one():
         assert pool.wait_any([0], 10) == [0]  # a death is ready too: recv reports it
         with pytest.raises(WorkerDied):
             pool.recv(0)
+
+
+def test_a_shutdown_from_another_thread_ends_a_waiting_result_with_pool_closed():
+    # It once cleared the pool's state under the waiting thread: a bare KeyError('readers').
+    import threading
+
+    with WorkerPool(1, timeout=30) as pool:
+        pool.start(_sleeping_init)
+        pool.submit(2.0)
+        closer = threading.Timer(0.2, pool.shutdown)
+        closer.start()
+        began = time.monotonic()
+        with pytest.raises(PoolClosed, match=r"was shut down while a result was awaited"):
+            pool.result()
+        assert time.monotonic() - began < 1.9  # woken by the shutdown, not by the result
+        closer.join()
+        with pytest.raises(PoolClosed, match=r"A new iter\(loader\) continues"):
+            pool.result()  # and later calls say so too, until it starts again
+        pool.start(_sleeping_init)
+        pool.submit(0.0)
+        assert pool.result() == 0
 
 
 def test_received_batch_is_private_and_survives_the_worker():

@@ -112,6 +112,21 @@ def test_worker_service_validates_arguments():
         WorkerService(2, prefetch=0)
 
 
+def _collate_fails(batch):
+    raise KeyError("no field 'y' in this batch")
+
+
+def test_a_worker_error_names_the_service_by_its_name():
+    # The argument checks once reused the name ``name`` for their loop, so every pool was
+    # called "max_chunk" and its errors said "raised in max_chunk 0".
+    service = WorkerService(1, timeout=30, name="my-loader")
+    with (
+        DataLoader(Items(8), batch_size=2, service=service, collate_fn=_collate_fails) as lo,
+        pytest.raises(KeyError, match=r"raised in my-loader 0; worker traceback"),
+    ):
+        take(lo, 1)
+
+
 # ---------------------------------------------------------------------- errors, restart, hangs
 
 

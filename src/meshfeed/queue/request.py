@@ -20,16 +20,19 @@ __all__ = ["GetRequest", "PutRequest"]
 class GetRequest:
     """What one ``get`` asks for (see :meth:`SampleStore.get` for the user-facing meaning).
 
-    ``batch_index`` / ``stream``: the shared-plan key of rank-aware samplers (a retry of the
-    same index gets the same batch). ``prefetch``: how many requests of this reader may be
-    in flight; replica peers must agree on it, and it bounds which plans an index
-    acknowledges. ``lease``: the lease id the batch is handed out under (a store with
-    ``lease_timeout``; the client makes it). ``parts``: also hand out the parts of the shared
-    plan the batch belongs to (``Batch.parts``). ``context``: any other keyword a custom
-    sampler reads. ``version`` / ``max_staleness`` / ``version_of``: the trainer's policy
-    version and the staleness it accepts (:mod:`meshfeed.queue.engine.versions`); ``group_filter``:
-    keep a complete group or drop it (:mod:`meshfeed.queue.engine.dynamic`). Build it through
-    ``SampleStore.get``, which validates it.
+        ``batch_index`` / ``stream``: the shared-plan key of rank-aware samplers (a retry of the
+        same index gets the same batch). ``prefetch``: how many requests of this reader may be
+        in flight; replica peers must agree on it, and it bounds which plans an index
+        acknowledges. ``lease``: the lease id the batch is handed out under (a store with
+        ``lease_timeout``; the client makes it). ``parts``: also hand out the parts of the shared
+        plan the batch belongs to (``Batch.parts``). ``context``: any other keyword a custom
+        sampler reads. ``version`` / ``max_staleness`` / ``version_of``: the trainer's policy
+        version and the staleness it accepts (:mod:`meshfeed.queue.engine.versions`); ``group_filter``:
+        keep a complete group or drop it (:mod:`meshfeed.queue.engine.dynamic`); ``from_start``: the
+    reader started the task at batch 0 (a loader that loaded no state), so a request for a batch
+    it already returned, or one that another loader read as (``loader``: the asking loader's id), is
+    refused (:mod:`meshfeed.queue.engine.plans`). Build it through
+        ``SampleStore.get``, which validates it.
     """
 
     task: str
@@ -51,6 +54,8 @@ class GetRequest:
     max_staleness: int | None = None
     version_of: str = "oldest"
     group_filter: Callable[[dict[str, list[Any]]], bool] | None = None
+    loader: str | None = None
+    from_start: bool = False
 
     @property
     def need(self) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from meshfeed.queue.validate import (
     check_consumer,
     check_flag,
     check_index,
+    check_loader_id,
     check_sampler,
     check_stream,
     check_task,
@@ -91,6 +92,20 @@ def collate(values: list[Any] | Gathered) -> Any:
     return values.data if isinstance(values, Gathered) else collate_column(values)
 
 
+def _names_of(names: Any, what: str) -> tuple[str, ...]:
+    """``fields=`` / ``tasks=`` of a store as a tuple of names (a lone string is refused: it
+    would be read as its letters)."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"{what} must be a list of names (got {what}={names!r}); e.g. {what}=[{names!r}]"
+        )
+    out = tuple(names)
+    bad = [n for n in out if not isinstance(n, str) or not n]
+    if bad:
+        raise TypeError(f"{what} must be non-empty strings (got {bad!r} in {what}={names!r})")
+    return out
+
+
 class SampleStore:
     """A store of samples, field by field, consumed per task; see the module docstring.
 
@@ -121,8 +136,8 @@ class SampleStore:
     ) -> None:
         options = StoreOptions(
             capacity=capacity,
-            fields=None if fields is None else tuple(fields),
-            tasks=None if tasks is None else tuple(tasks),
+            fields=None if fields is None else _names_of(fields, "fields"),
+            tasks=None if tasks is None else _names_of(tasks, "tasks"),
             lease_timeout=lease_timeout,
         )
         self.options = options
@@ -268,7 +283,11 @@ class SampleStore:
         request for index ``i`` acknowledges this reader's batches up to ``i - prefetch``, and
         a plan goes once every reader acknowledged it; at the end call :meth:`passed`),
         ``prefetch=`` (an int >= 1: this reader's requests in flight; replica peers must pass
-        the same), and any keyword a custom sampler reads. The call travels as one
+        the same), ``loader=`` (a str naming the loader that asks, one per loader object) with
+        ``from_start=True`` (it started the task at batch 0 with no earlier position: a
+        request for a batch this reader already returned, or from a loader other than the
+        one that read as this reader before, is refused by name, where it would read the
+        plans still cached for the earlier loader), and any keyword a custom sampler reads. The call travels as one
         :class:`~meshfeed.queue.request.GetRequest`, validated here.
 
         For loaders: ``hold=True`` keeps the returned samples in the store (even once every
@@ -315,6 +334,8 @@ class SampleStore:
             batch_index=check_index(context.pop("batch_index", None), "batch_index", 0),
             stream=check_stream(context.pop("stream", None)),
             prefetch=prefetch_of(context),
+            loader=check_loader_id(context.pop("loader", None)),
+            from_start=check_flag(context.pop("from_start", False), "from_start"),
             consumer=None if consumer is None else check_consumer(consumer),
             hold=check_flag(hold, "hold"),
             parts=check_flag(parts, "parts"),

@@ -6,7 +6,7 @@ fix, and returns the value in the form the layers below use."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,13 @@ def check_consumer(consumer: Any) -> Hashable:
             'f"{socket.gethostname()}:{os.getpid()}:{rank}"'
         )
     return consumer
+
+
+def check_loader_id(loader: Any) -> str | None:
+    """A get's ``loader=`` (the id of the loader that asks), or None."""
+    if loader is not None and (not isinstance(loader, str) or not loader):
+        raise TypeError(f"loader must be a non-empty str id of one loader (got {loader=!r})")
+    return loader
 
 
 def check_task(task: Any) -> str:
@@ -120,7 +127,14 @@ def _keys(values: list[Any], what: str) -> list[Any]:
 
 def put_ids(ids: Any, n: int) -> list[Key]:
     """A put's ``ids`` as a list of ``n`` distinct int / str ids (numpy ints converted)."""
-    id_list = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+    if hasattr(ids, "tolist"):  # numpy / torch
+        ids = ids.tolist()
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise TypeError(
+            f"put ids must be a list of one int or str id per sample (got ids={ids!r}); e.g. "
+            f"ids=[{ids!r}] for one sample"
+        )
+    id_list = list(ids)
     if len(id_list) != n:
         raise ValueError(f"put got {len(id_list)} ids for {n} samples; give one id per sample")
     id_list = _keys(id_list, "a sample id")

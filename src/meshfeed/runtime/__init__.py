@@ -30,10 +30,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from meshfeed.runtime.failures import WorkerDied, WorkerError, WorkerTimeout
+from meshfeed.runtime.failures import PoolClosed, WorkerDied, WorkerError, WorkerTimeout
 from meshfeed.runtime.pool import WorkerPool, default_start_method
 
 __all__ = [
+    "PoolClosed",
     "WorkerDied",
     "WorkerError",
     "WorkerPool",

@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["WorkerDied", "WorkerError", "WorkerTimeout", "exit_reason", "failure_message"]
+__all__ = [
+    "PoolClosed",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerTimeout",
+    "exit_reason",
+    "failure_message",
+]
+
+
+class PoolClosed(RuntimeError):
+    """The pool was shut down while a result was awaited, or is used after its shutdown
+    (before it is started again): nothing failed, the iteration that used it is over."""
 
 
 class WorkerError(RuntimeError):

@@ -36,6 +36,7 @@ import os
 import pickle
 import select
 import signal
+import threading
 import time
 import weakref
 from collections import deque
@@ -44,7 +45,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
-from meshfeed.runtime.failures import WorkerDied, WorkerTimeout, _reraise, exit_reason
+from meshfeed.runtime.failures import PoolClosed, WorkerDied, WorkerTimeout, _reraise, exit_reason
 from meshfeed.runtime.lifeline import Parent
 from meshfeed.runtime.transport import SlotReader
 from meshfeed.runtime.worker import _worker_main
@@ -103,6 +104,10 @@ def _shutdown_resources(state: dict[str, Any]) -> None:
         reader.close()
 
 
+_AFTER_CLOSE = (
+    "nothing more comes from this iterator. A new iter(loader) continues where it stopped "
+    "(a StoreLoader that was shut down is rebuilt from its state_dict())"
+)
 _LIVE: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 _AT_EXIT = False
 
@@ -169,6 +174,10 @@ class WorkerPool:
         self._order: deque[int] = deque()
         self._next = 0
         self._ready: list[deque[tuple[bool, Any]]] = []  # received, not yet returned, per worker
+        self._closed = False  # shutdown() was called and start() not since: calls are refused
+        # Held while a reply is read from a worker's pipe and slots: a shutdown from another
+        # thread waits for that read to end, never closes the slots under it.
+        self._lock = threading.RLock()
         #: Seconds a worker spends per task: what a caller sizes its messages by (cheap tasks
         #: travel several to a message). It follows a cheaper reply at once and a dearer one
         #: as a moving average: a worker's first tasks run cold (first touch of the data, first
@@ -192,6 +201,7 @@ class WorkerPool:
 
         A no-op when already started.
         """
+        self._closed = False
         if self.started:
             return
         ctx: Any = mp.get_context(self.start_method)
@@ -251,18 +261,22 @@ class WorkerPool:
         self._next = 0
 
     def shutdown(self) -> None:
-        """Stop every worker (stop message, SIGTERM, SIGKILL) and join them; idempotent."""
+        """Stop every worker (stop message, SIGTERM, SIGKILL) and join them; idempotent.
+        A call waiting for a result meanwhile (another thread) or made later, before the
+        next :meth:`start`, raises :class:`PoolClosed`."""
+        self._closed = True
         self._shutdown(polite=True)
 
     def _shutdown(self, *, polite: bool) -> None:
-        _LIVE.discard(self)
-        self._state["polite"] = polite
-        if self._finalizer is not None:
-            self._finalizer()  # runs _shutdown_resources once
-            self._finalizer = None
-        self._state = {}
-        self._pending, self._free_at, self._ready = [], [], []
-        self._order.clear()
+        with self._lock:
+            _LIVE.discard(self)
+            self._state["polite"] = polite
+            if self._finalizer is not None:
+                self._finalizer()  # runs _shutdown_resources once
+                self._finalizer = None
+            self._state = {}
+            self._pending, self._free_at, self._ready = [], [], []
+            self._order.clear()
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -285,6 +299,7 @@ class WorkerPool:
         if not tasks:
             return
         if not self.started:
+            self._check_open()
             raise RuntimeError(f"{self.name}: send() before start(); call start(init) first")
         conn = self._state["tasks"][w]
         reader = self._state["readers"][w]
@@ -303,6 +318,7 @@ class WorkerPool:
 
     def recv(self, w: int) -> Any:
         """The oldest outstanding result of worker ``w`` (raises what the handler raised)."""
+        self._check_open()
         if not self.pending(w):
             raise RuntimeError(f"{self.name}: recv({w}) with no task outstanding for it")
         if not self._ready[w]:
@@ -315,30 +331,38 @@ class WorkerPool:
         return value
 
     def _receive(self, w: int) -> None:
-        """Wait (bounded) for worker ``w``'s next reply and queue its results."""
-        conn: Connection = self._state["results"][w]
-        poller, result_fd = self._state["pollers"][w], conn.fileno()
+        """Wait (bounded) for worker ``w``'s next reply and queue its results. A
+        :meth:`shutdown` from another thread meanwhile ends the wait with :class:`PoolClosed`
+        (the pool's state is gone: nothing here reads it again)."""
+        state = self._state
+        conn: Connection = state["results"][w]
+        poller, result_fd = state["pollers"][w], conn.fileno()
         deadline = max(self._pending[w][0], self._free_at[w]) + self.timeout
         ready = poller.poll(0)  # one persistent poll set: no selector built per result
         while not any(fd == result_fd for fd, _ in ready):
             if ready:  # only the sentinel: the worker is gone (read what it sent first)
                 if not conn.poll(0.05):
+                    self._check_same(state)
                     self._fail_died(w)
                 break
             left = deadline - time.monotonic()
             if left <= 0:
+                self._check_same(state)
                 self._fail_timeout(w)
             ready = poller.poll(None if math.isinf(left) else math.ceil(left * 1000))
-        try:
-            header = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            self._fail_died(w)
-        self._free_at[w] = time.monotonic()
-        if header[0] == "error":  # init failed, or a reply could not be encoded
-            _, exc_type, text, tb = header
-            self._pending[w].popleft()
-            _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
-        entries, seconds = self._state["readers"][w].decode(header)
+            self._check_same(state)
+        with self._lock:
+            self._check_same(state)
+            try:
+                header = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                self._fail_died(w)
+            self._free_at[w] = time.monotonic()
+            if header[0] == "error":  # init failed, or a reply could not be encoded
+                _, exc_type, text, tb = header
+                self._pending[w].popleft()
+                _reraise(exc_type, text, f"(raised in {self.name} {w}; worker traceback:)\n{tb}")
+            entries, seconds = state["readers"][w].decode(header)
         self._measure(seconds, header[4], len(entries))
         self._ready[w].extend(entries)
 
@@ -398,6 +422,7 @@ class WorkerPool:
 
     def result(self) -> Any:
         """The result of the oldest submitted task not yet returned."""
+        self._check_open()
         if not self._order:
             raise RuntimeError(f"{self.name}: result() with nothing submitted")
         return self.recv(self._order.popleft())
@@ -420,6 +445,21 @@ class WorkerPool:
             yield self.result()
 
     # ------------------------------------------------------------------ failures
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosed(
+                f"{self.name} was shut down (shutdown(), e.g. the loader's, or its with-block "
+                f"ended) while its results were awaited; {_AFTER_CLOSE}"
+            )
+
+    def _check_same(self, state: dict[str, Any]) -> None:
+        """Raise if the pool was shut down (by another thread) since ``state`` was read."""
+        if self._state is not state or "readers" not in state:
+            raise PoolClosed(
+                f"{self.name} was shut down while a result was awaited (shutdown() from "
+                f"another thread); {_AFTER_CLOSE}"
+            )
+
     def _fail_timeout(self, w: int) -> None:
         pid = self._state["procs"][w].pid
         self._shutdown(polite=False)

@@ -85,9 +85,9 @@ class WorkerService:
             raise ValueError(
                 f"num_workers must be an int >= 1 for WorkerService (got {num_workers=})"
             )
-        for name, value in (("prefetch", prefetch), ("max_chunk", max_chunk)):
+        for what, value in (("prefetch", prefetch), ("max_chunk", max_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (got {name}={value!r})")
+                raise ValueError(f"{what} must be an int >= 1 (got {what}={value!r})")
         self._pool = WorkerPool(
             num_workers,
             timeout=timeout,

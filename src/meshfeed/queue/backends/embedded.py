@@ -77,6 +77,7 @@ class EmbeddedBackend:
 
     def put(self, request: PutRequest) -> list[Key]:
         with self.lock:
+            self.waiters.check_open()
             out = self.core.try_put(request)  # fast path: no waiter
             if out is None:
                 partition, ids = request.partition, request.ids
@@ -141,6 +142,7 @@ class EmbeddedBackend:
         make = partial(Waiter.consumer, request=request, group=group, more=more)
 
         with self.lock:
+            self.waiters.check_open()
             core = self.core
             # ``dropped``, not ``held``: while this get waited, puts and other gets moved
             # ``held`` both ways, and comparing it missed this get's own eviction
@@ -243,5 +245,7 @@ class EmbeddedBackend:
         self._admin(swap)
 
     def shutdown(self) -> None:
+        """Every later call is refused, and the calls waiting now raise (woken here)."""
         with self.lock:
+            self.waiters.shut = True
             self.waiters.wake_all()

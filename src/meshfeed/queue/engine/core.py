@@ -31,7 +31,7 @@ from typing import Any
 
 from meshfeed.queue.engine.admin import StoreAdmin
 from meshfeed.queue.engine.columns import gather, gather_runs
-from meshfeed.queue.engine.dynamic import rejected
+from meshfeed.queue.engine.dynamic import consumed, rejected
 from meshfeed.queue.engine.eviction import evict, forget
 from meshfeed.queue.engine.fastpath import select_fast
 from meshfeed.queue.engine.leases import Lease, Leases
@@ -211,6 +211,7 @@ class StoreCore(StoreAdmin):
 
     def _unserved(self, part: Partition, task: str, keys: list[Key]) -> None:
         """Consume ``keys`` for ``task`` without delivering them (stale, or filtered)."""
+        consumed(part, task, keys)
         if keys:
             deque(map(part.pending[task].pop, keys), 0)
             part.consumed[task].update(keys)
@@ -263,7 +264,13 @@ class StoreCore(StoreAdmin):
                     f"partition {request.partition!r} is closed and drained for {request.task!r}",
                 )
             if self.options.capacity is not None:  # about to wait: one that never fits
-                check_fits(self.options, request.sampler, request.batch_size)
+                pins = share is not None and bool(self.options.tasks)  # plans pin: plans.record
+                check_fits(
+                    self.options,
+                    request.sampler,
+                    request.batch_size,
+                    request.prefetch if pins else None,
+                )
             return None
         return Round.of(parts)
 
@@ -288,6 +295,7 @@ class StoreCore(StoreAdmin):
         every = plan.ids
         drop = share is None and not request.hold and self._sole_reader(part, task)
         part.take(task, every, keep=not drop)
+        consumed(part, task, every)  # they leave the task's kept groups
         self.consumed_total[task] = self.consumed_total.get(task, 0) + len(every)
         self.taken += len(every)
         if share is not None:

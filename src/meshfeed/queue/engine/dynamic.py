@@ -9,14 +9,15 @@ batch from later groups, so every batch stays full. It runs while the batch is p
 the store's lock, so a rank-aware round (planned once for every data rank) is the same on
 every rank, and the kept groups are the same whichever rank asked first.
 
-A filter that raises is reported by name (``ValueError``, the cause chained) and consumes
-nothing: the group stays pending. Kept groups are remembered per task, so a filter runs once
-per group.
+A filter that raises is reported by name (``ValueError``, the cause chained) and changes
+nothing: no group is consumed, counted or marked kept. Per task, the samples of kept groups
+are remembered until the task consumes them (:func:`consumed`), so a filter runs once per
+group, and a group id used again later (the same prompt sampled again) is judged again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from meshfeed.queue.engine.versions import Book
 from meshfeed.queue.request import GetRequest
 from meshfeed.queue.samplers import GroupSampler, RankAwareSampler, Sampler
 
-__all__ = ["Varies", "check_group_filter", "rejected"]
+__all__ = ["Varies", "check_group_filter", "consumed", "rejected"]
 
 Key = Hashable
 
@@ -69,29 +70,45 @@ def check_group_filter(group_filter: Any, sampler: Sampler) -> Callable[..., Any
 
 def rejected(part: Partition, request: GetRequest, pending: Mapping[Key, None]) -> list[Key]:
     """The samples of the complete groups ``request.group_filter`` rejects (not judged
-    before); counts them in the partition's :class:`Book`."""
+    before); counts them in the partition's :class:`Book`. A filter that raises changes
+    nothing (the groups judged before it in this call are judged again next time)."""
     groups = _groups_of(request.sampler)
     fn = request.group_filter
     assert groups is not None and fn is not None  # checked by check_group_filter
     book = part.book = part.book or Book()
-    kept = book.kept.setdefault(request.task, set())
+    kept = book.kept.get(request.task, set())
     view = View(part, pending, request.need)  # type: ignore[arg-type]
     out: list[Key] = []
+    keep_now: list[Key] = []
+    dropped = 0
     for members in groups.complete_groups(view, None):
-        gid = view.group(members[0]) if not groups.consecutive_ids else tuple(members)
-        if gid in kept:
+        if members[0] in kept:
             continue
         values = {f: [view.value(k, f) for k in members] for f in request.fields}
         try:
             keep = bool(fn(values))
         except Exception as exc:
+            gid = view.group(members[0]) if not groups.consecutive_ids else tuple(members)
             raise ValueError(
                 f"group_filter raised {exc!r} on group {gid!r} of {request.partition!r}; "
                 "nothing was consumed (fix the filter: it must return True to keep a group)"
             ) from exc
         if keep:
-            kept.add(gid)
+            keep_now.extend(members)
         else:
             out.extend(members)
-            book.filtered[request.task] = book.filtered.get(request.task, 0) + 1
+            dropped += 1
+    if keep_now:
+        book.kept.setdefault(request.task, set()).update(keep_now)
+    if dropped:
+        book.filtered[request.task] = book.filtered.get(request.task, 0) + dropped
     return out
+
+
+def consumed(part: Partition, task: str, keys: Iterable[Key]) -> None:
+    """``task`` consumed ``keys`` (delivered or not): they leave its kept groups."""
+    book = part.book
+    if book is not None:
+        kept = book.kept.get(task)
+        if kept:
+            kept.difference_update(keys)

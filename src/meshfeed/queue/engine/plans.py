@@ -45,6 +45,8 @@ def lookup(part: Partition, request: GetRequest, share: Share) -> tuple[Entry | 
     """The plan cached for the request's key (``None``: plan it), after acknowledging the
     reader's earlier batches; and the samples freed by the plans that this dropped."""
     _check_layout(part, request.task, share)
+    if request.loader is not None:
+        _check_start(part, request, share)
     freed = _acknowledge(part, request.task, share, request.prefetch)
     entry = part.cache.get((request.task, *share.key))
     if entry is not None:
@@ -98,6 +100,32 @@ def _check_layout(part: Partition, task: str, share: Share) -> None:
             "resized on another number of data ranks); this loader was replaced: shut it down "
             "(StoreLoader.shutdown) and read from the resumed one"
         )
+
+
+def _check_start(part: Partition, request: GetRequest, share: Share) -> None:
+    """A loader that starts the task at batch 0 (``from_start``) is refused, before it reads
+    anything, when it would read as a reader another loader read as (a loader built again
+    without the earlier one's state: it would get the plans still cached for the earlier
+    batches, their samples again, out of order, mixed with new ones), or asks for a batch
+    this reader already returned. A loader that loaded a state takes the reader over."""
+    task, index = request.task, share.key[-1]
+    prefix = (task, *share.key[:-1])
+    key = (*prefix, share.reader)
+    if not request.from_start:
+        part.readers[key] = request.loader  # type: ignore[assignment]
+        return
+    first = part.readers.setdefault(key, request.loader)  # type: ignore[arg-type]
+    done = part.asked.get(prefix, {}).get(share.reader)
+    if first == request.loader and (done is None or index > done):
+        return
+    raise ValueError(
+        f"batch {index} of task {task!r} was asked for by a StoreLoader that started at batch "
+        f"0, as reader {share.reader} of {share.readers}, which another loader read as "
+        "already: a StoreLoader built again without the earlier one's state would read the "
+        "earlier batches again. Continue where the task is (build the loader, then "
+        "load_state_dict(the earlier loader's state_dict()) before iterating), or read "
+        "under a new task name"
+    )
 
 
 def check_agreement(entry: Entry, request: GetRequest) -> None:

@@ -209,6 +209,10 @@ class Partition:
     # readers); a reader of another layout asking from there on is refused (plans.lookup).
     # Not checkpointed: it guards against live readers of the layout the move replaced.
     layouts: dict[str, tuple[int, Any, int]] = field(default_factory=dict)
+    # Per (task, shared-key prefix, reader): the loader that reads as it (a request's
+    # ``loader``); a loader starting from batch 0 is refused once another one read as it
+    # (plans.lookup). Not checkpointed, like ``layouts``: ``asked`` covers a restored store.
+    readers: dict[tuple[Any, ...], str] = field(default_factory=dict)
     _pinned: dict[Key, int] = field(default_factory=dict)
     _pin_runs: list[range] = field(default_factory=list)  # FIFO rounds' pins, until read per sample
     # Samples a loader fetched ahead but has not returned yet: kept even once consumed by

@@ -36,16 +36,32 @@ def round_size(sampler: Sampler, batch_size: int) -> int:
     return batch_size
 
 
-def check_fits(options: StoreOptions, sampler: Sampler, batch_size: int) -> None:
-    """Refuse a get that needs more samples at once than the store can hold."""
+def check_fits(
+    options: StoreOptions, sampler: Sampler, batch_size: int, prefetch: int | None = None
+) -> None:
+    """Refuse a get that needs more samples at once than the store can hold. ``prefetch``: the
+    reader's window where its plans pin their samples (a loader's, on a store that evicts):
+    the ``prefetch - 1`` rounds before this one stay held, consumed, until it acknowledges
+    them (:mod:`meshfeed.queue.engine.plans`), so ``prefetch`` rounds must fit."""
     cap = options.capacity
-    need = round_size(sampler, batch_size)
-    if cap is not None and need > cap:
+    one = round_size(sampler, batch_size)
+    window = prefetch or 1
+    need = one * window
+    if cap is None or need <= cap:
+        return
+    if window == 1:
         raise ValueError(
             f"a get of {batch_size=} plans {need} samples at once, more than the store's "
             f"capacity={cap} can ever hold, so it would wait forever; raise capacity to at "
             f"least {need} or ask for smaller batches"
         )
+    raise ValueError(
+        f"a reader with prefetch={window} (a StoreLoader's batches in flight) keeps the samples "
+        f"of its last {window - 1} round(s) of {one} held until it moves past them, and needs "
+        f"{one} more for the next: {need} samples, more than the store's capacity={cap}, so it "
+        f"would wait forever; raise capacity to at least {need} (plus the samples of one put), "
+        "or use prefetch=1 (and no device_prefetch) on the loader"
+    )
 
 
 def describe_stall(held: int, capacity: int | None, waiters: Waiters) -> str | None:
@@ -63,9 +79,9 @@ def describe_stall(held: int, capacity: int | None, waiters: Waiters) -> str | N
         f"{len(short)} put(s) wait for room for {short} new samples while "
         f"{len(consumers)} get(s) wait for samples ({'; '.join(sorted(set(consumers)))}); "
         "unless a producer completes held samples, another consumer takes some, or a "
-        "close() or delete() frees room, they wait on each other. Keep batch_size + "
-        "samples per put <= capacity + 1 (per task), raise capacity, or put fewer samples "
-        "at a time"
+        "close() or delete() frees room, they wait on each other. Keep batch_size x "
+        "prefetch (a loader's batches in flight stay held) + samples per put <= capacity "
+        "+ 1 (per task), raise capacity, or put fewer samples at a time"
     )
 
 

@@ -97,7 +97,16 @@ def check_version_of(version_of: Any) -> str:
 class Book:
     """The version bookkeeping of one partition (see the module docstring)."""
 
-    __slots__ = ("filtered", "groups", "kept", "stale", "trainers", "versions")
+    __slots__ = (
+        "filtered",
+        "group_of",
+        "groups",
+        "kept",
+        "members",
+        "stale",
+        "trainers",
+        "versions",
+    )
 
     def __init__(self) -> None:
         self.versions: dict[Key, tuple[int, int]] = {}  # sample -> (oldest, newest)
@@ -105,7 +114,12 @@ class Book:
         self.stale: dict[str, int] = {}
         self.filtered: dict[str, int] = {}
         self.groups: dict[Hashable, int] = {}  # a group's version, from its first put
-        self.kept: dict[str, set[Hashable]] = {}  # per task, groups a group filter kept
+        # The group of each versioned sample put with one, and each group's count of them:
+        # a group's version goes with its last sample, so an id used again later (the same
+        # prompt sampled again) starts a new group.
+        self.group_of: dict[Key, Hashable] = {}
+        self.members: Counter[Hashable] = Counter()
+        self.kept: dict[str, set[Key]] = {}  # per task, samples of groups a filter kept
 
     # ----------------------------------------------------------------- puts
     def admit(
@@ -177,13 +191,33 @@ class Book:
             old = versions.get(k)
             versions[k] = (v, v) if old is None else (min(old[0], v), max(old[1], v))
         if request.groups is not None:
-            for g in request.groups:
+            group_of, members = self.group_of, self.members
+            for k, g in zip(ids, request.groups, strict=True):
                 self.groups.setdefault(g, v)
+                was = group_of.get(k)
+                if was != g:
+                    if was is not None:
+                        self._leave(was)
+                    group_of[k] = g
+                    members[g] += 1
 
     def forget(self, keys: Iterable[Key]) -> None:
-        versions = self.versions
+        """Samples ``keys`` left the store: their versions go, and a group's version with
+        its last sample."""
+        versions, group_of = self.versions, self.group_of
         for k in keys:
             versions.pop(k, None)
+            if group_of:
+                g = group_of.pop(k, None)
+                if g is not None:
+                    self._leave(g)
+
+    def _leave(self, g: Hashable) -> None:
+        members = self.members
+        members[g] -= 1
+        if members[g] <= 0:
+            del members[g]
+            self.groups.pop(g, None)
 
     # ----------------------------------------------------------------- gets
     def observe(self, request: GetRequest, size: int, v: int) -> None:
@@ -246,5 +280,11 @@ class Book:
         }
         book.stale = {str(t): int(n) for t, n in meta["stale"].items()}
         book.filtered = {str(t): int(n) for t, n in meta["filtered"].items()}
-        book.groups = {g: int(v) for g, v in meta["groups"]}
+        groups = {g: int(v) for g, v in meta["groups"]}
+        for k in book.versions:
+            g = getattr(held[k], "group", None)
+            if g is not None and g in groups:
+                book.group_of[k] = g
+                book.members[g] += 1
+        book.groups = {g: v for g, v in groups.items() if g in book.members}
         return book

@@ -124,6 +124,7 @@ class Waiters:
     def __init__(self) -> None:
         self.waiters: list[Waiter] = []
         self.cancelled: set[Hashable] = set()
+        self.shut = False  # the store was shut down: every call is refused
 
     def add(self, waiter: Waiter) -> None:
         if waiter.token is not None and waiter.token in self.cancelled:
@@ -219,7 +220,16 @@ class Waiters:
                 w.cancelled = True
                 w.wake()
 
+    def check_open(self) -> None:
+        """Refuse a call on a store that was shut down (it consumed nothing)."""
+        if self.shut:
+            raise RuntimeError(
+                "this SampleStore was shut down (SampleStore.shutdown()); nothing was put or "
+                "consumed. Build a new store (SampleStore.load restores a saved one)"
+            )
+
     def check(self, waiter: Waiter) -> None:
+        self.check_open()
         if waiter.cancelled:
             raise RequestCancelled(
                 f"request with token {waiter.token!r} was cancelled while waiting; nothing "

@@ -431,4 +431,5 @@ class StoreLoader(LoaderBase, Walking):
         self._finished = ended
         self._end_at = nxt if ended else None
         self._redeliver = st["requested"]
+        self._from_start = False
         self._asked = dict(zip(range(nxt, st["requested"]), st["asked_versions"], strict=True))
