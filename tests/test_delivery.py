@@ -245,3 +245,76 @@ def test_across_ranks_stats_while_the_delivery_thread_checks_batches_do_not_mix(
     results = run_distributed(_stats_while_ahead, 2, timeout=120)
     assert sorted(v for r in results for v in r["seen"]) == list(range(80))
     assert results[0]["shares"] == results[1]["shares"] and len(results[0]["shares"]) == 5
+
+
+def _live_doors():
+    """A DataLoader, a StreamLoader, a StoreLoader and a Delivered, each with device="cpu"."""
+    from meshfeed.delivered import Delivered
+    from meshfeed.queue import SampleStore, StoreLoader
+
+    store = SampleStore()
+    store.put("p", {"x": list(range(40))})
+    store.close("p")
+    place = {"mesh": {"dp": 1}, "rank": 0}
+    return [
+        DataLoader(Counted(40), batch_size=4, device="cpu"),
+        StreamLoader(_stream(), batch_size=2, device="cpu"),
+        StoreLoader(
+            store, task="t", fields=["x"], partition="p", batch_size=2, device="cpu", **place
+        ),
+        Delivered(iter([torch.ones(2)] * 20), device="cpu"),
+    ]
+
+
+def test_shutdown_stops_and_joins_the_delivery_thread_of_every_door():
+    for door in _live_doors():
+        it = iter(door)
+        next(it)
+        assert _delivery_threads()
+        door.shutdown()
+        assert not _delivery_threads(), type(door).__name__
+
+
+_EXIT_SCRIPT = """
+import torch
+import meshfeed
+from meshfeed.delivered import Delivered
+from meshfeed.queue import SampleStore, StoreLoader
+
+def busy(batch):  # torch's C++ code on the delivery thread when the script ends
+    x = torch.ones(500, 500)
+    for _ in range(20):
+        x = x @ x / 500.0
+    return batch
+
+def items():
+    while True:
+        yield busy(torch.ones(2))
+
+store = SampleStore()
+store.put("p", {"x": list(range(40))})
+store.close("p")
+doors = [
+    meshfeed.DataLoader(list(range(100)), batch_size=4, device="cpu", collate_fn=busy),
+    StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=2, mesh={"dp": 1},
+                rank=0, device="cpu", collate_fn=busy),
+    Delivered(items(), device="cpu"),
+]
+live = [iter(door) for door in doors]  # a step-based loop: next() per step, no shutdown
+for it in live:
+    next(it)
+print("training done")
+"""
+
+
+def test_delivery_threads_live_at_exit_are_stopped_before_the_interpreter_tears_down():
+    # Without the exit hook the process aborts (SIGABRT, "terminate called without an active
+    # exception") every time: a daemon thread is inside torch's C++ code at finalization.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "training done" and "terminate" not in done.stderr

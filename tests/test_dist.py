@@ -366,3 +366,35 @@ def test_the_plan_agreement_waits_the_loaders_timeout(monkeypatch):
     assert isinstance(loader.service, distributed.DistributedService)
     loader.service.start(loader.fetcher)
     assert seen == [7.0]
+
+
+def test_every_walk_start_is_agreed_in_one_collective_simulated(monkeypatch):
+    # Both ranks in one process: the all-gather returns each simulated rank's facts.
+    from meshfeed import DataLoader
+    from meshfeed.services import distributed
+
+    _FakeGroup(monkeypatch, "gloo")
+    peers = [DataLoader(list(range(16)), batch_size=2, mesh={"dp": 2}, rank=r) for r in (0, 1)]
+    gathers: list[dict[str, int]] = []
+
+    def gather(values, timeout, group=None):
+        gathers.append(dict(values))
+        rows = [{**values, **peer._walk_facts()} for peer in peers]
+        return {name: [row[name] for row in rows] for name in values}
+
+    monkeypatch.setattr(distributed, "gather_agreement", gather)
+    me, peer = peers
+    assert len(list(me)) == 4 and len(gathers) == 1  # one collective per walk, not per batch
+    assert {"seed", "global_batch_size", "epoch", "position", "order"} <= set(gathers[0])
+    with pytest.raises(ValueError, match=r"rank 0: epoch=1 position=0, rank 1: epoch=0 position"):
+        next(iter(me))  # the peer has not finished epoch 0
+    peer.set_epoch(1)
+    it = iter(me)
+    next(it)
+    state = me.state_dict()
+    peer.load_state_dict(state)
+    assert len(list(iter(me))) == 3 and len(gathers) == 4  # every iter() is a walk start
+    me.load_state_dict({**state, "position": 8})  # only this rank loads another checkpoint
+    with pytest.raises(ValueError, match="they differ in position") as error:
+        list(me)
+    assert "load_state_dict with the same checkpoint on every rank" in str(error.value)

@@ -1,4 +1,5 @@
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -321,3 +322,76 @@ def test_resume_restores_a_mixture_reweighted_after_construction():
     resumed.load_state_dict(state)
     want = take(source, 4)
     assert take(resumed, 4) == want == take(fresh, 4)
+
+
+def _walk_loader(kind, **kwargs):
+    """A DataLoader, or a StreamLoader, over 0..79 in order, 4 per batch."""
+    if kind == "stream":
+        stream = meshfeed.sources.ShardedStream([lambda: range(0, 40), lambda: range(40, 80)])
+        return meshfeed.StreamLoader(stream, batch_size=4, shuffle=False, **kwargs)
+    return DataLoader(np.arange(80), batch_size=4, seed=0, shuffle=False, **kwargs)
+
+
+def _flat(batches):
+    return [v for b in batches for v in b.view(-1).tolist()]
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [("map", {}), ("map", {"num_workers": 2}), ("map", {"device": "cpu"}), ("stream", {})],
+)
+def test_a_new_iterator_supersedes_the_live_one_and_nothing_repeats(kind, kwargs):
+    loader = _walk_loader(kind, **kwargs)
+    a = iter(loader)
+    served = [next(a)]
+    b = iter(loader)  # a second loop over the same loader while `a` is alive
+    with pytest.raises(RuntimeError, match=r"iterated again \(a new iter\(loader\)\) after this"):
+        next(a)
+    with pytest.raises(RuntimeError, match="build a second"):
+        next(a)  # and stays stopped
+    served += [next(b), next(b)]
+    state = loader.state_dict()
+    assert state["position"] == 12  # what was returned, nothing `a` prefetched
+    loader.shutdown()
+    resumed = _walk_loader(kind, **kwargs)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    resumed.shutdown()
+    assert _flat(served + rest) == list(range(80))
+
+
+def test_set_epoch_and_load_state_dict_stop_a_live_iterator():
+    loader = DataLoader(list(range(40)), batch_size=4, seed=0)
+    epoch1 = DataLoader(list(range(40)), batch_size=4, seed=0)
+    epoch1.set_epoch(1)
+    want = [b.tolist() for b in epoch1]
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    loader.set_epoch(1)
+    with pytest.raises(RuntimeError, match=r"moved to epoch 1 \(set_epoch\(1\)\) after this"):
+        next(it)
+    assert (loader.epoch, loader.position) == (1, 0)  # the state says what comes next
+    assert [b.tolist() for b in loader] == want
+
+    start = DataLoader(list(range(40)), batch_size=4, seed=0)
+    it = iter(start)
+    first = [next(it).tolist(), next(it).tolist()]
+    start.load_state_dict(DataLoader(list(range(40)), batch_size=4, seed=0).state_dict())
+    with pytest.raises(
+        RuntimeError, match=r"loaded a state \(load_state_dict: epoch 0, position 0"
+    ):
+        next(it)
+    assert start.position == 0
+    assert [b.tolist() for b in start][:2] == first  # rolled back: served again
+
+
+def test_shutdown_stops_the_live_iterator_and_its_delivery_thread():
+    loader = DataLoader(list(range(40)), batch_size=4, shuffle=False, device="cpu")
+    with loader:
+        it = iter(loader)
+        first = [next(it), next(it)]
+    assert not [t for t in threading.enumerate() if t.name == "meshfeed-delivery"]
+    with pytest.raises(RuntimeError, match=r"was shut down .* continue from the last batch"):
+        next(it)
+    assert _flat(first + list(loader)) == list(range(40))  # iterated again: exact

@@ -100,3 +100,45 @@ def test_misconfigured_ranks_fail_clearly_instead_of_hanging():
         assert "data loaders disagree on seed: rank i holds [0, 1, 0, 1]" in seed_msg
         assert "has world size 2 but the process group has 4 ranks" in world_msg
         assert "has world size 2 but the process group has 4 ranks" in store_msg
+
+
+def _walk_starts(rank, world):
+    """Each way ranks can come to start a walk at different places, then the way they agree."""
+
+    def loader():
+        return DataLoader(Items(32), batch_size=2, seed=0, timeout=30)
+
+    out = {}
+    for mode in ("load", "epoch", "iterated"):
+        ld = loader()
+        if mode == "load" and rank == 0:  # only rank 0 restores a checkpoint taken at step 3
+            ld.load_state_dict({**ld.state_dict(), "position": 12})
+        if mode == "epoch" and rank == 0:  # only rank 0 moves on
+            ld.set_epoch(1)
+        if mode == "iterated":  # agreed at the first walk; then only rank 1 goes back
+            list(ld)
+            if rank == 1:
+                ld.set_epoch(0, allow_rewind=True)
+        try:
+            out[mode] = f"{len(list(ld))} steps"
+        except ValueError as exc:
+            out[mode] = str(exc)
+    ld = loader()  # every rank does the same: agreed, at every walk start
+    state = {**ld.state_dict(), "position": 12}
+    ld.load_state_dict(state)
+    steps = [len(list(ld))]
+    ld.set_epoch(3)
+    steps.append(len(list(ld)))
+    out["agreed"] = steps
+    return out
+
+
+def test_ranks_that_start_a_walk_at_different_places_fail_clearly_on_every_rank():
+    results = run_distributed(_walk_starts, 2)
+    for r in results:
+        assert "rank 0: epoch=0 position=12, rank 1: epoch=0 position=0" in r["load"]
+        assert "they differ in position" in r["load"]
+        assert "rank 0: epoch=1 position=0, rank 1: epoch=0 position=0" in r["epoch"]
+        assert "load_state_dict with the same checkpoint on every rank" in r["epoch"]
+        assert "rank 0: epoch=1 position=0, rank 1: epoch=0 position=0" in r["iterated"]
+        assert r["agreed"] == [5, 8]  # (32 - 12) // 4 and a whole epoch of 32 // 4

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from meshfeed import DataLoader, StreamLoader
+from meshfeed.delivered import Delivered
 from meshfeed.queue import SampleStore, StoreLoader
 from meshfeed.sources import ShardedStream
 from meshfeed.telemetry import PHASES, WARN_AFTER, StepTiming, Telemetry, WaitHistogram
@@ -184,3 +185,108 @@ def test_slowest_rank_without_a_process_group_is_this_one():
     loader = DataLoader(list(range(8)), batch_size=2)
     list(loader)
     assert loader.delivery_stats(across_ranks=True)["slowest"]["rank"] == 0
+
+
+def _door(kind, on_step, **kwargs):
+    """Each door over 0..11 in order, 2 per batch; ``holder["door"]`` is what to checkpoint."""
+    if kind == "store":
+        store = SampleStore()
+        store.put("p", {"x": list(range(12))})
+        store.close("p")
+        return StoreLoader(store, task="t", fields=["x"], partition="p", batch_size=2,
+                           mesh={"dp": 1}, rank=0, on_step=on_step, **kwargs)  # fmt: skip
+    if kind == "stream":
+        stream = ShardedStream([lambda: range(0, 6), lambda: range(6, 12)])
+        return StreamLoader(stream, batch_size=2, shuffle=False, on_step=on_step, **kwargs)
+    if kind == "delivered":
+        return Delivered(_Items(12), on_step=on_step, **kwargs)
+    return DataLoader(list(range(12)), batch_size=2, shuffle=False, on_step=on_step, **kwargs)
+
+
+class _Items:
+    """0..n-1 in pairs, with the count taken as its state."""
+
+    def __init__(self, n):
+        self.n, self.i = n, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 2
+        return [self.i - 2, self.i - 1]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+def _values(batch):
+    if not isinstance(batch, (list, torch.Tensor)):  # a store Batch
+        batch = batch["x"]
+    return [int(v) for v in (batch.tolist() if isinstance(batch, torch.Tensor) else batch)]
+
+
+def _steps(stats):
+    """The steps a door's stats count (Delivered's stats are the telemetry itself)."""
+    return stats["delivery"]["steps"] if "delivery" in stats else stats["steps"]
+
+
+def _mark(state):
+    """Where a state says the door is: the samples returned."""
+    if state.get("kind") == "store_loader":
+        return state["next"] * 2
+    return state["i"] if "i" in state else state["position"]
+
+
+DOORS = [
+    ("map", {}), ("map", {"device": "cpu"}), ("map", {"num_workers": 1}), ("stream", {}),
+    ("store", {}), ("store", {"device": "cpu"}), ("delivered", {"device": "cpu"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, kwargs", DOORS)
+def test_on_step_sees_the_batch_counted_on_every_door(kind, kwargs):
+    holder, seen = {}, []
+
+    def on_step(timing):
+        door = holder["door"]
+        seen.append((timing.steps, _mark(door.state_dict()), _steps(door.stats())))
+
+    door = holder["door"] = _door(kind, on_step, **kwargs)
+    with door:
+        it = iter(door)
+        got = [_values(next(it)) for _ in range(3)]
+    assert got == [[0, 1], [2, 3], [4, 5]]
+    # on_step is told of step n with the state after n batches, and the stats count n steps
+    assert seen == [(1, 2, 1), (2, 4, 2), (3, 6, 3)]
+
+
+@pytest.mark.parametrize("kind, kwargs", DOORS)
+def test_a_raising_on_step_returns_nothing_and_counts_nothing(kind, kwargs):
+    # The decision: a batch whose on_step raised is not returned. The state and the step
+    # stats stay as before it, and the door serves that batch next.
+    calls = []
+
+    def on_step(timing):
+        calls.append(timing.steps)
+        if len(calls) == 2:
+            raise KeyError("dashboard down")
+
+    door = _door(kind, on_step, **kwargs)
+    with door:
+        it = iter(door)
+        first = _values(next(it))
+        with pytest.raises(KeyError, match="dashboard down"):
+            next(it)
+        assert _mark(door.state_dict()) == 2
+        assert _steps(door.stats()) == 1
+        it = iter(door)
+        rest = [_values(b) for b in it]
+        assert [first, *rest] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+        assert _steps(door.stats()) == 6
+    assert calls == [1, 2, 2, 3, 4, 5, 6]

@@ -12,10 +12,15 @@ The delivery thread takes items of ``inner`` ahead of the loop and, right after 
 returns, so a checkpoint never counts an item read ahead but not returned. The state is
 ``inner``'s own (its ``kind`` and ``version``); ``load_state_dict`` stops the thread, hands the
 state to ``inner`` and starts again from there.
+
+``on_step`` runs once the item counts as returned (``state_dict()`` there is of that item); if
+it raises, the item is not returned: the state stays as before it and the next ``next()``
+returns it (see :mod:`meshfeed.telemetry`). ``shutdown()`` stops and joins the delivery thread.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -64,21 +69,33 @@ class Delivered(Lifecycle):
         )
         self._stream: Generator[tuple[Any, Any], None, None] | None = None
         self._state: dict[str, Any] | None = None
+        #: An item ``on_step`` raised on, with its state: the next one returned.
+        self._held: tuple[Any, Any] | None = None
 
     def __iter__(self) -> Delivered:
         return self
 
     def __next__(self) -> Any:
-        if self._stream is None:
-            if self._state is None and isinstance(self.inner, Stateful):
-                self._state = dict(self.inner.state_dict())  # before the thread touches it
-            self._stream = self.delivery.stage(self._items())
+        if self._held is not None:  # refused by on_step last time: returned now
+            (item, state), self._held = self._held, None
+            now = time.perf_counter()
+            self.telemetry.took(now, now)
+        else:
+            if self._stream is None:
+                if self._state is None and isinstance(self.inner, Stateful):
+                    self._state = dict(self.inner.state_dict())  # before the thread touches it
+                self._stream = self.delivery.stage(self._items())
+            try:
+                item, state = next(self._stream)
+            except StopIteration:
+                self._stream = None
+                raise
+        before, self._state = self._state, state
         try:
-            item, state = next(self._stream)
-        except StopIteration:
-            self._stream = None
+            self.telemetry.returned()  # on_step, which sees this item counted
+        except BaseException:  # not returned: the state as before, the item next in line
+            self._state, self._held = before, (item, state)
             raise
-        self._state = state
         return item
 
     def _items(self) -> Iterator[tuple[Any, Any]]:
@@ -106,7 +123,7 @@ class Delivered(Lifecycle):
         inner = self._stateful()
         self._stop()
         inner.load_state_dict(state)
-        self._state = dict(state)
+        self._state, self._held = dict(state), None
 
     def stats(self) -> dict[str, Any]:
         """The loop's waits per step and where time went (see :mod:`meshfeed.telemetry`)."""

@@ -19,18 +19,26 @@ has none, e.g. while the blocks of earlier batches wait for their copies' events
 thread that cost is the accelerator's idle time; on the delivery thread it overlaps the step.
 
 The state stays exact: the loaders update their position when a batch leaves this stage, not
-when the thread takes it, so a batch copied ahead but not returned is not consumed. ``device``
+when the thread takes it, so a batch copied ahead but not returned is not consumed.
+
+The thread never outlives its walk: closing the stage (a loader's ``shutdown()``, the end of
+its ``with`` block, a walk that is superseded or dropped) stops and joins it, and at exit a
+hook stops the threads of walks still live (:func:`stop_at_exit`, which
+:class:`~meshfeed.services.ThreadService` uses too), so none is inside torch's C++ code while
+the interpreter tears down. ``device``
 may be any torch device; ``"cpu"`` runs the same thread and ordering (tested without a GPU).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
@@ -38,7 +46,7 @@ import torch
 
 from meshfeed.telemetry import Telemetry
 
-__all__ = ["Delivery", "check_device", "pin", "take_from", "to_device"]
+__all__ = ["EXIT_WAIT", "Delivery", "check_device", "pin", "stop_at_exit", "take_from", "to_device"]
 
 logger = logging.getLogger("meshfeed")
 T = TypeVar("T")
@@ -133,7 +141,7 @@ class Delivery:
 
     # ------------------------------------------------------------------ the loop's side
     def _timed(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
-        returned, clock = self.telemetry.returned, time.perf_counter
+        took, clock = self.telemetry.took, time.perf_counter
         source = iter(items)
         try:
             while True:
@@ -142,7 +150,7 @@ class Delivery:
                     item = next(source)
                 except StopIteration:
                     return
-                returned(asked, clock(), produced=True)
+                took(asked, clock(), produced=True)
                 yield item
         finally:
             _close(source)
@@ -170,7 +178,8 @@ class Delivery:
         thread = threading.Thread(
             target=self._run, args=(items, ready, stop, self._streams()), name="meshfeed-delivery"
         )
-        thread.daemon = True
+        thread.daemon = True  # never keeps a process alive; stopped at exit if still running
+        stop_at_exit(thread, stop, ready, timeout=self.timeout)
         thread.start()
         tel = self.telemetry
         try:
@@ -183,7 +192,7 @@ class Delivery:
                     raise payload
                 item, event = payload
                 self._hand_over(item[0], event)  # the loop's kernels start after the copy
-                tel.returned(asked, time.perf_counter())
+                tel.took(asked, time.perf_counter())  # counted by the loader (telemetry)
                 yield item
         finally:
             stop.set()
@@ -253,6 +262,57 @@ class Delivery:
                 event.record(self._side)
         tel.add("device_copy", time.perf_counter() - start)
         return batch, event
+
+
+#: Background threads to stop at exit, with their stop flag, queue and longest wait (weak keys:
+#: a thread that ended and was dropped leaves, and the table keeps none alive).
+_AT_EXIT: weakref.WeakKeyDictionary[threading.Thread, tuple[threading.Event, Any, float]] = (
+    weakref.WeakKeyDictionary()
+)
+_AT_EXIT_LOCK = threading.Lock()
+#: At exit, the longest wait for one thread to finish the batch it is making. Torch's own
+#: work ends well within it; a thread still waiting after it (for producers that will not come,
+#: a stuck worker) is in Python code, where the interpreter's teardown stops it harmlessly.
+EXIT_WAIT = 2.0
+
+
+def stop_at_exit(
+    thread: threading.Thread,
+    stop: threading.Event,
+    ready: queue.Queue[Any] | None = None,
+    *,
+    timeout: float = EXIT_WAIT,
+) -> None:
+    """Have ``thread`` (a daemon thread that runs torch code: a delivery thread, a
+    :class:`~meshfeed.services.ThreadService` thread) stopped and joined before the interpreter
+    tears down, if it still runs then: ``stop`` is set and ``ready`` (the queue it may be
+    blocked putting into) drained; it may finish the batch it is making, up to ``timeout``
+    (at most :data:`EXIT_WAIT`) seconds."""
+    with _AT_EXIT_LOCK:
+        _AT_EXIT[thread] = (stop, ready, min(timeout, EXIT_WAIT))
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop and join the threads of :func:`stop_at_exit` still running before teardown.
+
+    A loop that ends while an iterator is live (``data_iter = iter(loader)``, a ``break``, an
+    exception) leaves its threads running; a daemon thread still inside torch's C++ code when
+    the interpreter finalizes is killed there, which aborts the process (SIGABRT, "terminate
+    called without an active exception").
+    """
+    with _AT_EXIT_LOCK:
+        live = [(t, *v) for t, v in _AT_EXIT.items() if t.is_alive()]
+    live = [row for row in live if row[0] is not threading.current_thread()]
+    for _, stop, _, _ in live:
+        stop.set()
+    for thread, _, ready, wait in live:
+        deadline = time.monotonic() + wait
+        while thread.is_alive() and time.monotonic() < deadline:
+            if ready is not None:
+                with contextlib.suppress(queue.Empty):
+                    ready.get_nowait()  # a thread blocked in put() sees the stop flag
+            thread.join(_POLL)
 
 
 def _put(ready: queue.Queue[tuple[str, Any]], stop: threading.Event, item: tuple[str, Any]) -> None:

@@ -51,17 +51,22 @@ __all__ = [
     "device_for_backend",
     "fail_together",
     "first_failed_rank",
+    "gather_agreement",
     "global_rank",
     "group_device",
     "group_ranks",
     "is_distributed",
     "is_initialized",
     "rank",
+    "refuse_disagreement",
     "world_size",
 ]
 
 #: Default bound on every wait, in seconds (torch.distributed's own default is 30 minutes).
 DEFAULT_TIMEOUT = 300.0
+_AGREEMENT_FIX = (
+    "every rank must build its DataLoader with the same dataset, seed and global batch size"
+)
 
 
 def device_for_backend(backend: str, *, cuda_device: int | None = None) -> torch.device:
@@ -382,8 +387,7 @@ def check_agreement(
     *,
     group: Any = None,
     what: str = "data loaders",
-    fix: str = "every rank must build its DataLoader with the same dataset, seed and global "
-    "batch size",
+    fix: str = _AGREEMENT_FIX,
 ) -> None:
     """Raise ``ValueError`` on every rank if any of these small ints differs across ranks.
 
@@ -392,13 +396,28 @@ def check_agreement(
     so a misconfigured job stops at its first batch instead of hanging or training on
     overlapping shards.
     """
+    refuse_disagreement(gather_agreement(values, timeout, group=group), what=what, fix=fix)
+
+
+def gather_agreement(
+    values: Mapping[str, int], timeout: float = DEFAULT_TIMEOUT, *, group: Any = None
+) -> dict[str, list[int]]:
+    """Every rank's value of each of these small ints, in rank order: one all-gather of
+    ``len(values)`` int64s with a bounded wait (every rank names the same keys)."""
     names = list(values)
     mine = np.asarray([int(values[n]) for n in names], dtype=np.int64)
     table = np.stack(all_gather_ints(mine, max_len=len(names), timeout=timeout, group=group))
-    for j, name in enumerate(names):
-        column = table[:, j].tolist()
+    return {name: table[:, j].tolist() for j, name in enumerate(names)}
+
+
+def refuse_disagreement(
+    columns: Mapping[str, Sequence[int]], *, what: str = "data loaders", fix: str = _AGREEMENT_FIX
+) -> None:
+    """``ValueError`` naming the first of ``columns`` (each rank's value, in rank order) whose
+    ranks differ, with every rank's value and ``fix``; nothing when they all agree."""
+    for name, column in columns.items():
         if len(set(column)) > 1:
-            raise ValueError(f"{what} disagree on {name}: rank i holds {column}; {fix}")
+            raise ValueError(f"{what} disagree on {name}: rank i holds {list(column)}; {fix}")
 
 
 def all_to_all_single(

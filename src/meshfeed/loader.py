@@ -10,7 +10,10 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Literal
 
@@ -56,7 +59,11 @@ class DataLoader(LoaderBase):
 
     A new ``iter()`` continues from the current position (exact resumption); an epoch that
     was iterated to its end advances to the next epoch. ``set_epoch(e)`` with a different
-    epoch restarts at the beginning of epoch ``e``. Resume with
+    epoch restarts at the beginning of epoch ``e``. One iterator is live at a time: a new
+    ``iter()``, ``set_epoch``, ``load_state_dict``, ``resize`` or ``shutdown`` stops the
+    earlier one, which raises on its next ``next()`` (see :mod:`meshfeed.loader_base`). With
+    a process group, every ``iter()`` checks that all ranks start at the same epoch and
+    position (:meth:`DistributedService.agree <meshfeed.services.DistributedService.agree>`). Resume with
     ``for epoch in loader.epochs(n): for batch in loader: ...``.
 
     ``on_error`` (default ``"substitute"``) handles samples that raise or are rejected (see
@@ -296,22 +303,42 @@ class DataLoader(LoaderBase):
         return FetchTask(step.epoch, step.index, indices, positions)
 
     def __iter__(self) -> Iterator[Any]:
+        # A new walk generation: the earlier live iterator stops (see meshfeed.loader_base).
+        walk = self._supersede(
+            "was iterated again (a new iter(loader))",
+            "one loader has one live iterator, and the new one continues from the last batch "
+            "this one returned. Keep one iterator per loader (finish or drop it before "
+            f"iterating again), or build a second {self.name} to read the data twice",
+        )
+        live = _LiveWalk(self, walk, self._iterate(walk))
+        self._live = weakref.ref(live)
+        return live
+
+    def _iterate(self, walk: int) -> Generator[Any, None, None]:
+        """The batches of walk generation ``walk``: the rest of the current epoch."""
+        epoch = self._epoch
+        if isinstance(self.service, DistributedService):  # the ranks start at the same place
+            self.service.agree(self._walk_facts())
         if not self._started:
             self.service.start(self.fetcher)
             self._started = True
-        epoch = self._epoch
         # A walk ends early when the order was re-planned at a step not yet returned (a
         # reweighted mixture): what was planned or prefetched from there is dropped and the
         # walk starts again at the first batch not returned.
         while (yield from self._walk(epoch, self._position)):
             pass
         # The epoch was iterated to its end: the next iter() starts the next epoch.
-        if self._epoch == epoch:
+        if self._walks == walk and self._epoch == epoch:
             self._epoch, self._position = epoch + 1, 0
+
+    def _walk_facts(self) -> dict[str, int]:
+        """Where a walk starts, which every rank of a process group must agree on."""
+        described = self.hooks.describe(self._epoch, self._position)
+        order = 0 if described is None else fingerprint_hash(json.dumps(described, sort_keys=True))
+        return {"epoch": self._epoch, "position": self._position, "order": order}
 
     def _walk(self, epoch: int, position: int) -> Generator[Any, None, bool]:
         """Yield the batches of ``epoch`` from ``position``; True when re-planned (see above)."""
-        layout = self._layout
         steps: list[Step] = []
         results: Iterator[tuple[Any, Any]]
         if isinstance(self.service, GlobalService):
@@ -326,18 +353,17 @@ class DataLoader(LoaderBase):
             )
         delivered = self.delivery.stage(results)  # pinned / on the device, timed
         try:
-            return (yield from self._returned(epoch, steps, delivered, layout))
+            return (yield from self._returned(epoch, steps, delivered))
         finally:
             delivered.close()
 
     def _returned(
-        self,
-        epoch: int,
-        steps: list[Step],
-        delivered: Iterator[tuple[Any, Any]],
-        layout: int,
+        self, epoch: int, steps: list[Step], delivered: Iterator[tuple[Any, Any]]
     ) -> Generator[Any, None, bool]:
-        """Count each delivered batch as returned (position, stats, order hooks), yield it."""
+        """Count each delivered batch as returned (position, stats, order hooks), yield it.
+
+        ``on_step`` runs once the batch is counted (it sees the new position); if it raises,
+        the count is taken back and the batch is served again by the next walk."""
         stale_from: int | None = None
         replanned, returned = self.hooks.replanned, self.hooks.returned
         for batch, events in delivered:
@@ -349,13 +375,19 @@ class DataLoader(LoaderBase):
                     stale_from = changed if stale_from is None else min(stale_from, changed)
                 if stale_from is not None and step.end > stale_from:
                     return True
+            before = self._position, _counts_of(self._stats)
             for e in events if isinstance(events, list) else [events]:
                 self._record(step, e)
             self._position = step.end
+            try:
+                self.telemetry.returned()  # on_step, which sees this batch counted
+            except BaseException:
+                self._position = before[0]
+                _restore_counts(self._stats, before[1])
+                raise
             if returned is not None:
                 returned(epoch, step.end)
             yield batch
-            self._check_layout(layout)  # resize() between batches: this walk is stale
         return False
 
     def _run_global(
@@ -445,6 +477,11 @@ class DataLoader(LoaderBase):
         self._stats = state["stats"]
         self._epoch, self._position = state["epoch"], state["position"]
         self._resumed = True
+        self._supersede(
+            f"loaded a state (load_state_dict: epoch {self._epoch}, position {self._position})",
+            "its batches are of the position before. Iterate the loader again (for batch in "
+            "loader) to continue from the loaded state",
+        )
 
     def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
         plan = self.plan.with_ranks(mesh.data_world_size)  # a ramp that does not divide: refused
@@ -461,7 +498,49 @@ class DataLoader(LoaderBase):
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
-        """Stop worker processes or actors. Idempotent; the loader can be iterated again."""
+        """Stop the live iterator (its delivery thread joined, what it prefetched dropped),
+        then worker processes or actors. Idempotent; the loader can be iterated again, from
+        the last batch returned (a live iterator raises on its next ``next()``)."""
+        self._supersede(
+            "was shut down (shutdown(), or the end of its with-block)",
+            "nothing more comes from this iterator. Iterate the loader again (for batch in "
+            "loader) to continue from the last batch returned",
+        )
         if getattr(self, "_started", False):  # __del__ of a half-built loader
             self.service.shutdown()
             self._started = False
+
+
+class _LiveWalk:
+    """The iterator ``iter(loader)`` returns: the loader's walk of one generation (see
+    :mod:`meshfeed.loader_base`), which refuses to go on once a later one started."""
+
+    __slots__ = ("__weakref__", "_batches", "_loader", "_walk")
+
+    def __init__(self, loader: DataLoader, walk: int, batches: Generator[Any, None, None]) -> None:
+        self._loader, self._walk, self._batches = loader, walk, batches
+
+    def __iter__(self) -> _LiveWalk:
+        return self
+
+    def __next__(self) -> Any:
+        self._loader._check_walk(self._walk)
+        return next(self._batches)
+
+    def close(self) -> None:
+        """Stop the walk: what it prefetched is dropped, its delivery thread joined."""
+        # Running (the call came from inside the walk, or from another thread): it stops at
+        # its next next(), which finds the walk superseded.
+        with contextlib.suppress(ValueError):
+            self._batches.close()
+
+
+def _counts_of(stats: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """What a batch adds to ``stats``: the counts, and how many failures are listed."""
+    return {k: v for k, v in stats.items() if k != "failures"}, len(stats["failures"])
+
+
+def _restore_counts(stats: dict[str, Any], before: tuple[dict[str, Any], int]) -> None:
+    counts, failures = before
+    stats.update(counts)
+    del stats["failures"][failures:]

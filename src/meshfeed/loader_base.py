@@ -9,6 +9,14 @@ bad samples and padding, delivery (pinning, ``device`` prefetch and the stall te
 :mod:`meshfeed.delivery`), the lifecycle (``shutdown``, context manager), and live resizing
 (``resize``: each door moves itself, see :mod:`meshfeed.relayout`).
 
+One live walk at a time. A loader's state describes what it serves next, so it has one walk:
+each ``iter()`` of a ``DataLoader`` / ``StreamLoader``, ``set_epoch`` to another epoch,
+``load_state_dict``, ``resize`` and ``shutdown`` start a new *walk generation*
+(:meth:`LoaderBase._supersede`). The iterator of the earlier one is closed at once (what it
+prefetched is dropped, never counted as returned; its delivery thread and its requests to the
+workers stop) and raises ``RuntimeError`` on its next ``next()``, naming what superseded it and
+the fix (iterate the loader again; for two readers of one dataset, two loaders).
+
 Resuming is written as ``for epoch in loader.epochs(num_epochs): for batch in loader: ...``:
 after ``load_state_dict`` the loop starts at the checkpoint's epoch and position. Going back
 with ``set_epoch`` after a resume is refused unless asked for (``allow_rewind=True``).
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,7 +71,12 @@ class LoaderBase(Lifecycle):
         self.options = options
         self.mesh, self.rank = place(mesh, device_mesh, rank, serves_every_rank=serves_every_rank)
         self._serves_every_rank = serves_every_rank
-        self._layout = 0  # counts resize() calls: an iterator of an older layout stops
+        #: The walk generation: an iterator taken in an older one stops (see _supersede).
+        self._walks = 0
+        #: What started this generation, and the fix, for the old iterator's error.
+        self._superseded = ("", "")
+        #: The live iterator of this generation (a DataLoader's; weak: the loader keeps it not).
+        self._live: weakref.ref[Any] | None = None
         self.data_rank = self.mesh.data_rank(self.rank)
         self.data_world_size = self.mesh.data_world_size
         # The options, as attributes (read everywhere; the options object is the one truth).
@@ -138,6 +152,11 @@ class LoaderBase(Lifecycle):
             )
         if epoch != self._epoch:
             self._enter_epoch(epoch)
+            self._supersede(
+                f"moved to epoch {epoch} (set_epoch({epoch}))",
+                f"its batches are of the old epoch. Iterate the loader again (for batch in "
+                f"loader) to read epoch {epoch}",
+            )
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """Epoch numbers from the current epoch to ``num_epochs - 1``, positioning the loader.
@@ -180,20 +199,35 @@ class LoaderBase(Lifecycle):
             mesh, device_mesh, rank, serves_every_rank=self._serves_every_rank
         )
         self._relayout(new_mesh, new_rank, state)
-        self._layout += 1
+        self._supersede(
+            "was resized",
+            "its batches were planned for the old layout. Iterate the loader again (for batch "
+            "in loader) to continue on the new one",
+        )
 
     def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
         """Move to ``mesh`` / ``rank`` at the current position or ``state`` (each door)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be resized while it runs")
 
-    def _check_layout(self, layout: int) -> None:
-        """Refuse to go on with an iterator taken before a :meth:`resize`."""
-        if layout != self._layout:
-            raise RuntimeError(
-                f"{self.name} was resized after this iterator was taken; its batches were "
-                "planned for the old layout. Iterate the loader again (for batch in loader) "
-                "to continue on the new one"
-            )
+    # ------------------------------------------------------------------ walks
+    def _supersede(self, what: str, fix: str) -> int:
+        """Start a new walk generation (module docstring) and return it: the live iterator is
+        closed now (its prefetched batches dropped, its delivery thread joined) and raises on
+        its next ``next()``: "<loader> <what> after this iterator was taken; <fix>"."""
+        self._walks = getattr(self, "_walks", 0) + 1
+        self._superseded = (what, fix)
+        ref = getattr(self, "_live", None)  # None in a loader half built
+        live = ref() if ref is not None else None
+        self._live = None
+        if live is not None:
+            live.close()
+        return self._walks
+
+    def _check_walk(self, walk: int) -> None:
+        """Refuse to go on with an iterator of an older walk generation (:meth:`_supersede`)."""
+        if walk != self._walks:
+            what, fix = self._superseded
+            raise RuntimeError(f"{self.name} {what} after this iterator was taken; {fix}")
 
     # ------------------------------------------------------------------ warnings
     def _note_bad_samples(self, count: int, first: dict[str, Any] | None) -> None:

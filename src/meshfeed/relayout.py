@@ -85,9 +85,9 @@ def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None
         )
     state = loader.state_dict() if state is None else state
     loader.shutdown()
-    layout = loader._layout
+    walks = loader._walks  # the walk generation goes on: an iterator taken before stops
     type(loader).__init__(
         loader, loader.store, batch_size=batch, mesh=mesh, rank=rank, **loader._arguments
     )
-    loader._layout = layout
+    loader._walks = walks
     loader.load_state_dict(state)

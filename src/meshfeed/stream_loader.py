@@ -19,7 +19,7 @@ over the completed epochs, nothing stored) and warned about once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Generator, Sized
 from typing import Any
 
 from meshfeed.errors import RankError
@@ -56,9 +56,9 @@ class StreamLoader(DataLoader):
         epochs = self._epoch if epoch is None else epoch
         return self.plan.unserved(epochs) if self.drop_last else 0
 
-    def __iter__(self) -> Iterator[Any]:
+    def _iterate(self, walk: int) -> Generator[Any, None, None]:
         epoch = self._epoch
-        yield from super().__iter__()
+        yield from super()._iterate(walk)
         unread = self.unread_rows(epoch + 1) - self.unread_rows(epoch)
         if self._epoch == epoch + 1 and unread and not self._warned_unread:
             self._warned_unread = True

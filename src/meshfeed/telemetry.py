@@ -13,6 +13,15 @@ wall time since the first batch was asked for that the loop spent waiting.
 
 ``on_step`` (a loader option) is called after every batch with a :class:`StepTiming`, for
 dashboards (Prometheus, OpenTelemetry, a logger): keep it cheap, it runs on the loop's thread.
+It runs once the loader counts the batch as returned (its ``position`` and ``state_dict()``
+include it, so a checkpoint taken there resumes after it), just before the batch reaches the
+loop. A batch is timed in two calls: the delivery stage hands it on (:meth:`Telemetry.took`),
+then the loader counts it (:meth:`Telemetry.returned`), where the step is recorded and
+``on_step`` called. If ``on_step`` raises, the batch is not returned: the step is not recorded
+here, the loader takes back its count (state and stats as before the batch) and raises the
+error in place of the batch, so nothing is skipped: the loader serves that batch again next.
+A batch the loader drops without returning it (a store batch skipped by ``on_error="skip"``)
+adds its wait to the next batch's.
 Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
 time so far, while doing at least :data:`MIN_LOOP_SECONDS` of its own work per step, gets a
 warning (once per loader) on the ``"meshfeed"`` logger naming the likely fix.
@@ -99,30 +108,54 @@ class Telemetry:
         self.phases = dict.fromkeys(PHASES, 0.0)
         self._first_ask: float | None = None
         self._last_return: float | None = None
+        #: The batch handed on and not yet counted: (asked, handed on) (see :meth:`took`).
+        self._pending: tuple[float, float] | None = None
         self._warned = False
 
     def add(self, phase: str, seconds: float) -> None:
         """Add ``seconds`` to ``phase`` (one of :data:`PHASES`; any thread)."""
         self.phases[phase] += seconds
 
-    def returned(self, asked: float, now: float, *, produced: bool = False) -> None:
-        """A batch asked for at ``asked`` was returned at ``now`` (``time.perf_counter()``);
-        ``produced``: the loop's thread made it meanwhile (its wait is the ``produce`` phase).
+    def took(self, asked: float, now: float, *, produced: bool = False) -> None:
+        """The delivery stage handed on a batch asked for at ``asked`` at ``now``
+        (``time.perf_counter()``); ``produced``: the loop's thread made it meanwhile (its wait is
+        the ``produce`` phase). The step is recorded when the loader counts the batch
+        (:meth:`returned`); until then a later batch's wait starts at this ``asked``."""
+        if produced:
+            self.phases["produce"] += now - asked
+        pending = self._pending
+        self._pending = (asked if pending is None else pending[0], now)
+
+    def returned(self) -> None:
+        """The loader counted the batch handed on last as returned: record its step and call
+        ``on_step``. If ``on_step`` raises, the step is taken back (the loader does not count
+        the batch either) and the error propagates (module docstring).
 
         One call per step, kept small: it runs on the loop's thread for every batch."""
+        pending, self._pending = self._pending, None
+        if pending is None:  # nothing handed on (a door that times nothing)
+            return
+        asked, now = pending
         wait = now - asked
-        if produced:
-            self.phases["produce"] += wait
-        last, self._last_return = self._last_return, now
+        first, last = self._first_ask, self._last_return
+        self._last_return = now
         if last is None:
             self._first_ask = asked
         waits = self.waits
         waits.count += 1
         waits.total += wait
         bucket = 0 if wait <= _LOW else 1 + int(math.log10(wait / _LOW) * _PER_DECADE)
-        waits.counts[bucket if bucket < _LAST else _LAST] += 1
+        bucket = bucket if bucket < _LAST else _LAST
+        waits.counts[bucket] += 1
         if self.on_step is not None:
-            self.on_step(StepTiming(waits.count, wait, None if last is None else now - last))
+            try:
+                self.on_step(StepTiming(waits.count, wait, None if last is None else now - last))
+            except BaseException:
+                waits.count -= 1
+                waits.total -= wait
+                waits.counts[bucket] -= 1
+                self._first_ask, self._last_return = first, last
+                raise
         if not waits.count % WARN_AFTER and not self._warned:
             self._judge()
 

@@ -9,7 +9,8 @@ error, come back in task order; the thread stops at the first error.
 
 An abandoned ``map`` (the loop stopped early) stops its thread after the task it is making;
 that task cannot be interrupted here (a store request is cancelled by its token), so the
-thread is a daemon and nothing waits for it.
+thread is a daemon and nothing waits for it, except at exit: a thread still running then is
+stopped and joined before the interpreter tears down (:func:`meshfeed.delivery.stop_at_exit`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from meshfeed.delivery import take_from
+from meshfeed.delivery import stop_at_exit, take_from
 from meshfeed.protocols import Fetch
 from meshfeed.tasks import FetchEvents, FetchTask
 
@@ -60,6 +61,7 @@ class ThreadService:
         thread = threading.Thread(
             target=_work, args=(fetcher, tasks, done, room, stop), name=self.name, daemon=True
         )
+        stop_at_exit(thread, stop)  # not left inside a fetch while the interpreter tears down
         thread.start()
         try:
             while True:

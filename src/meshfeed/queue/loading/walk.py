@@ -42,6 +42,7 @@ from meshfeed.queue.loading.errors import CollateError, SkipLog, round_failed
 from meshfeed.queue.loading.fetch import StoreEvents, StoreTask
 from meshfeed.queue.loading.reach import LocalDoor
 from meshfeed.queue.loading.versions import LoaderVersion
+from meshfeed.telemetry import Telemetry
 
 __all__ = ["SKIPPED", "Walking"]
 
@@ -63,15 +64,16 @@ class Walking:
     rank: int
     collate_retries: int
     _door: LocalDoor | None
-    _layout: int
+    _walks: int
     _keeps: int
+    telemetry: Telemetry
     _version: LoaderVersion
     _skips: SkipLog
     _counts: dict[str, int]
 
     if TYPE_CHECKING:  # LoaderBase's, which comes first in a loader's bases
 
-        def _check_layout(self, layout: int) -> None: ...
+        def _check_walk(self, walk: int) -> None: ...
 
         def _note_bad_samples(self, count: int, first: dict[str, Any] | None) -> None: ...
 
@@ -83,6 +85,10 @@ class Walking:
         self._granted = 0  # the first batch index not yet granted (the state's ``requested``)
         self._grants = threading.Condition()
         self._redeliver = 0  # batches below it were in flight when the loaded state was taken
+        #: No state was loaded: the walk starts the task at batch 0, and the store refuses
+        #: it where another loader read as this reader (``from_start``, ``loader``).
+        self._from_start = True
+        self._loader_id = uuid.uuid4().hex
         self._end_at: int | None = None  # the first index a request found ended
         #: The policy version each batch not yet returned was granted with: asked again (a
         #: retry, or a restored loader), it is asked with the same.
@@ -91,9 +97,13 @@ class Walking:
         self._held: tuple[Any, StoreEvents] | None = None
 
     def _version_args(self, index: int) -> dict[str, Any]:
-        """The version keywords of batch ``index``'s request (as first asked)."""
+        """The keywords of batch ``index``'s request: its policy version (as first asked),
+        this loader's id, and ``from_start`` for a loader that loaded no state."""
         args: dict[str, Any] = self._version.request()
         args["version"] = self._asked.setdefault(index, args["version"])
+        args["loader"] = self._loader_id
+        if self._from_start:
+            args["from_start"] = True
         return args
 
     def _grant(self) -> None:
@@ -129,7 +139,7 @@ class Walking:
     def _walk(self) -> Generator[Any, None, None]:
         """The loader's batches from the first not returned (module docstring). Called on a
         weak proxy of the loader, so its generators hold no strong reference to it."""
-        layout, store, start = self._layout, self.store, self._returned
+        walk, store, start = self._walks, self.store, self._returned
         token, halt = uuid.uuid4().hex, threading.Event()
         self._walking = (token, halt)  # what shutdown() stops from any thread
         held, self._held = self._held, None
@@ -151,15 +161,22 @@ class Walking:
                     item, events = next(delivered)
                 except StopIteration:
                     return
-                self._returned = events.index + 1
-                self._forget(events.index)
+                before, self._returned = self._returned, events.index + 1
                 if item is SKIPPED:  # dropped by on_error="skip": passed, not returned
+                    self._forget(events.index)
                     continue
+                counts = dict(self._counts)
                 self._counts["batches"] += 1
                 self._counts["samples"] += len(events.ids or ())
                 self._counts["redelivered"] += events.index < self._redeliver
+                try:
+                    self.telemetry.returned()  # on_step, which sees this batch counted
+                except BaseException:  # not returned: kept first in line for the next walk
+                    self._returned, self._counts, self._held = before, counts, (item, events)
+                    raise
+                self._forget(events.index)
                 yield item
-                self._check_layout(layout)
+                self._check_walk(walk)
         finally:
             # An early end: the requests still waiting wake now (the plans stay in the store).
             # Halted already: shutdown() cancelled them.
