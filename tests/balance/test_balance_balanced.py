@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from meshfeed.balance import BalancedBatches, CostModel
+from meshfeed.balance import BalancedBatches, CostModel, pack_documents
 from meshfeed.balance.routing import route_local
 from meshfeed.testing import assert_resume_equivalence, assert_same, take
 from tests.dist_utils import run_distributed
@@ -176,7 +177,81 @@ def test_balanced_batches_refuses_a_gather_buffer_beyond_what_it_plans():
     BalancedBatches(iter([]), max_tokens=64, cost=S2, max_docs_per_rank=2**20).close()
 
 
+@pytest.mark.parametrize("keys", [(), "tokens", [1, 2], None])
+def test_balanced_batches_refuse_keys_that_are_not_key_names(keys):
+    with pytest.raises(ValueError, match=r"keys must be a non-empty sequence .* \(got keys="):
+        BalancedBatches(iter([]), max_tokens=64, cost=S2, keys=keys)
+
+
+@pytest.mark.parametrize("pad", [None, 0, [("tokens", 0)]])
+def test_balanced_batches_refuse_a_pad_that_is_not_a_mapping(pad):
+    with pytest.raises(TypeError, match=r"pad must be a mapping of key -> pad value .*\(got pad="):
+        BalancedBatches(iter([]), max_tokens=64, cost=S2, pad=pad)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), 0, -1.0, True, "10"])
 def test_balanced_batches_refuses_a_timeout_that_is_not_positive_seconds(bad):
     with pytest.raises(ValueError, match="timeout must be positive seconds"):
         BalancedBatches(iter([]), max_tokens=64, cost=S2, timeout=bad)
+
+
+# Corpus ids as int64 hashes: any sign, the extremes too.
+HASH_IDS = [-(2**63), -3, 7, 2**63 - 1, -1, 0]
+
+
+def _hashed_sample(rank: int, with_ids: bool = True) -> dict:
+    """Documents whose tokens name them (10_000 * index + position), carrying HASH_IDS."""
+    docs = [10_000 * (d + 1) + np.arange(3 + 9 * d + rank) for d in range(len(HASH_IDS))]
+    sample = pack_documents(docs)
+    if with_ids:
+        sample["document_ids"] = torch.tensor(HASH_IDS, dtype=torch.int64)
+    return sample
+
+
+def _check_hashed_ids(steps: list[dict]) -> None:
+    """Every piece of every micro-step carries the id of the document its tokens come from."""
+    seen = set()
+    for step in steps:
+        cu = step["cu_seqlens"].tolist()
+        assert len(step["document_ids"]) == len(cu) - 1
+        for k, doc_id in enumerate(step["document_ids"].tolist()):
+            real = step["loss_mask"][cu[k] : cu[k + 1]] > 0  # not the CP padding
+            tokens = step["tokens"][cu[k] : cu[k + 1]][real]
+            assert tokens.numel() > 0
+            d = HASH_IDS.index(doc_id)
+            assert bool(((tokens // 10_000) == d + 1).all()), (doc_id, tokens)
+            seen.add(doc_id)
+    assert seen == set(HASH_IDS)
+
+
+def test_balanced_batches_keep_negative_document_ids():
+    with BalancedBatches([_hashed_sample(0)], max_tokens=64, cost=S2) as it:
+        steps = list(it)
+    assert all(s["document_ids"].dtype == torch.int64 for s in steps)
+    _check_hashed_ids(steps)
+    with BalancedBatches([_hashed_sample(0, with_ids=False)], max_tokens=64, cost=S2) as it:
+        assert all("document_ids" not in s for s in it)
+
+
+def _hashed_rank(rank: int, world: int, with_ids: tuple[bool, ...]) -> list[dict]:
+    import torch.distributed as dist
+
+    inner = [_hashed_sample(rank, with_ids[rank])]
+    with BalancedBatches(inner, max_tokens=32, cost=S2, group=dist.group.WORLD) as it:
+        return list(it)
+
+
+@pytest.mark.slow
+def test_balanced_batches_on_2_gloo_ranks_exchange_negative_document_ids():
+    results = run_distributed(_hashed_rank, 2, (True, True), timeout=300.0)
+    assert any(len(s["cp_group"]) > 1 for steps in results for s in steps)  # split documents
+    for steps in results:
+        _check_hashed_ids(steps)
+    _, want = route_local([_hashed_sample(r) for r in range(2)], max_tokens=32, cost=S2)
+    for r, steps in enumerate(results):
+        assert [s["document_ids"].tolist() for s in steps] == [
+            s["document_ids"].tolist() for s in want[r]
+        ]
+    # a rank without ids: no rank carries them (the ids of the other ranks would be partial)
+    results = run_distributed(_hashed_rank, 2, (True, False), timeout=300.0)
+    assert all("document_ids" not in s for steps in results for s in steps)

@@ -72,6 +72,14 @@ def test_pack_documents_equals_packing_each_document_separately(docs):
     assert out["loss_mask"].shape == out["tokens"].shape and bool((out["loss_mask"] == 1).all())
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.bool_])
+def test_pack_documents_refuses_token_ids_that_are_not_integers(dtype):
+    with pytest.raises(TypeError, match=f"document 1 has dtype {np.dtype(dtype)}"):
+        pack_documents([np.array([5, 6, 7]), np.array([1.5, 2.7, 0.0]).astype(dtype)])
+    empty = pack_documents([np.array([5, 6, 7]), np.array([], dtype)])  # no token to truncate
+    assert empty["tokens"].tolist() == [5, 6]
+
+
 def test_pack_documents_rejects_a_document_that_is_not_1d():
     with pytest.raises(ValueError, match=r"1-D token arrays \(got shape \(2, 2\)\)"):
         pack_documents([np.zeros((2, 2))])

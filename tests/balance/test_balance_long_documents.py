@@ -24,6 +24,20 @@ def prefix(tmp_path):
     return str(tmp_path / "c")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_ranks": 0}, r"num_ranks must be a positive int \(got num_ranks=0\)"),
+        ({"num_ranks": 2.0}, r"num_ranks must be a positive int \(got num_ranks=2.0\)"),
+        ({"max_tokens": 0}, r"max_tokens must be a positive int \(got max_tokens=0\)"),
+        ({"tp": 0}, r"tp must be a positive int \(got tp=0\)"),
+    ],
+)
+def test_max_document_tokens_refuses_a_group_that_is_not_positive_ints(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        max_document_tokens(**{"num_ranks": 2, "max_tokens": 100, **kwargs})
+
+
 def test_max_document_tokens_is_what_the_scheduler_places():
     for ranks, tp, cp_sizes in [
         (1, 1, "any"),

@@ -224,6 +224,34 @@ def test_a_cost_budget_bounds_the_sum_of_squares_per_row():
         PackedSamples([{}], max_tokens=4096, lengths=[50], cost=cost, max_cost=2000)
 
 
+@pytest.mark.parametrize("window", [0, -1, 2.0, True, "8"])
+def test_a_window_that_is_not_a_positive_int_is_refused_by_name(window):
+    with pytest.raises(ValueError, match=r"window must be a positive int \(got window="):
+        PackedSamples(_samples([3, 5]), max_tokens=8, fields=FIELDS, lengths=[3, 5], window=window)
+
+
+@pytest.mark.parametrize("max_cost", [float("inf"), float("nan"), 0, -1e300, True, "9"])
+@pytest.mark.parametrize("cost", [CostModel(linear=1.0), CostModel(linear=1.0, quadratic=0.5)])
+def test_a_max_cost_that_is_not_a_finite_positive_number_is_refused_by_name(cost, max_cost):
+    with pytest.raises(ValueError, match=r"max_cost must be a finite number > 0 \(got max_cost="):
+        PackedSamples(
+            _samples([3, 5]),
+            max_tokens=8,
+            fields=FIELDS,
+            lengths=[3, 5],
+            cost=cost,
+            max_cost=max_cost,
+        )
+
+
+def test_a_max_cost_beyond_any_row_holds_every_sample_up_to_max_tokens():
+    cost = CostModel(linear=1.0, quadratic=1.0)  # 4 * quadratic * max_cost overflows a float
+    rows = PackedSamples(
+        _samples([3, 5]), max_tokens=8, fields=FIELDS, lengths=[3, 5], cost=cost, max_cost=1.7e308
+    )
+    assert len(rows) == 1 and rows[0]["cu_seqlens"].tolist() in ([0, 3, 8], [0, 5, 8])
+
+
 BALANCE_KEYS = ("input_ids", "labels", "weight", "position_ids")
 BALANCE_PAD = {"input_ids": -1, "labels": 1, "weight": 0, "position_ids": None}
 FEED_LENGTHS = (

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from meshfeed.curriculum import (
     fixed_linear,
     fixed_root,
 )
+from meshfeed.curriculum import curriculum as curriculum_module
 from meshfeed.testing import assert_resume_equivalence
 from tests.optional import given, settings, st
 
@@ -285,3 +288,87 @@ def test_postprocess_needs_the_epoch_from_its_caller():
         cur.postprocess(torch.zeros(1, 50), step=1)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match=r"epoch=2.*make_order\(\) has run"):
         cur.postprocess(torch.zeros(1, 50), epoch=2, step=1)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        fixed_discrete(difficulty=[49, 99], max_step=[10**7]),
+        fixed_linear(10, 99, 10**7),
+        fixed_root(10, 99, 10**7, 4, 3),
+    ],
+    ids=["discrete", "linear", "root"],
+)
+@pytest.mark.parametrize("kind", ["value", "percentile"])
+def test_a_long_schedule_costs_what_the_data_costs_not_one_value_per_step(schedule, kind):
+    cur = Curriculum(
+        [
+            CurriculumMetric(
+                index=_index("m", np.arange(100)), schedule=schedule, difficulty_type=kind
+            )
+        ]
+    )
+    tracemalloc.start()
+    try:
+        order = cur.make_order(dataset_length=100, global_batch_size=4, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak} bytes for 100 samples"  # 10**7 steps would be 80 MB
+    for step in (0, 1, 10**6, 10**7 - 1, 10**7, 10**7 + 1, 2 * 10**7, 10**12):
+        d = schedule.difficulty(step)
+        want = sum(v <= d for v in range(100)) if kind == "value" else int(d)
+        assert order.pool_size(step) == want, step
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 60),
+    kind=st.sampled_from(["value", "percentile"]),
+    percentile_max=st.sampled_from([None, 100, 7]),
+    total=st.integers(1, 300),
+    root=st.sampled_from([1, 2, 3]),
+    quantum=st.sampled_from([1, 3, 8]),
+)
+def test_entry_steps_searched_by_bisection_equal_the_dense_schedule(
+    seed, n, kind, percentile_max, total, root, quantum
+):
+    rng = np.random.default_rng(seed)
+    index = _index("m", rng.integers(0, 60, n))
+    lo = int(rng.integers(0, 40))
+    schedules = [
+        fixed_root(lo, lo + int(rng.integers(0, 60)), total, quantum, root),
+        fixed_discrete(
+            difficulty=sorted(rng.integers(0, 101, 3).tolist()), max_step=[total, 2 * total]
+        ),
+        custom(lambda t: min(lo + t // 3, 100), total_curriculum_step=total),
+    ]
+    for schedule in schedules:
+        metric = CurriculumMetric(
+            index=index,
+            schedule=schedule,
+            difficulty_type=kind,
+            percentile_max=percentile_max if kind == "percentile" else None,
+        )
+        dense = [metric.entry_steps(in_sorted_order=s) for s in (True, False)]
+        with mock.patch.object(curriculum_module, "DENSE_STEPS", 0):
+            searched = [metric.entry_steps(in_sorted_order=s) for s in (True, False)]
+        for a, b in zip(dense, searched, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_long_custom_schedule_that_decreases_is_refused(monkeypatch):
+    monkeypatch.setattr(curriculum_module, "DENSE_STEPS", 0)
+    bumpy = custom(lambda t: 50 if 10 <= t < 1000 else 5 + (t >= 1000), total_curriculum_step=2000)
+    cur = Curriculum([CurriculumMetric(index=_index("m", np.arange(60)), schedule=bumpy)])
+    with pytest.raises(ValueError, match="the schedule decreases between steps"):
+        cur.make_order(dataset_length=60, global_batch_size=4, seed=0)
+
+
+def test_a_pool_change_no_run_reaches_leaves_the_pool_as_it_is():
+    schedule = fixed_discrete(difficulty=[49, 99], max_step=[2**61])  # batch 2**61 * 4 samples
+    cur = Curriculum([CurriculumMetric(index=_index("m", np.arange(100)), schedule=schedule)])
+    order = cur.make_order(dataset_length=100, global_batch_size=4, seed=0)
+    drawn = order.indices(3, np.arange(100))
+    assert set(drawn.tolist()) == set(range(50))

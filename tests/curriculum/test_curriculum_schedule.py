@@ -129,3 +129,18 @@ def test_difficulties_beyond_2_to_the_52_are_refused_not_wrapped_negative():
 def test_negative_steps_are_refused():
     with pytest.raises(ValueError, match="steps must be >= 0"):
         fixed_linear(1, 5, 10).difficulty(-1)
+
+
+def test_steps_beyond_2_to_the_62_are_refused_by_name():
+    with pytest.raises(
+        ValueError, match=r"total_curriculum_step must be at most MAX_STEP = 2\*\*62"
+    ):
+        fixed_linear(1, 5, 2**62 + 1)
+    with pytest.raises(ValueError, match=r"max_step\[-1\] must be below MAX_STEP = 2\*\*62"):
+        fixed_discrete(difficulty=[1, 2], max_step=[2**62])
+    with pytest.raises(ValueError, match=r"total_curriculum_step must be at most MAX_STEP"):
+        custom(lambda t: t, total_curriculum_step=10**30)
+    # max_difficulty (not a multiple of difficulty_step) is reached only when (t / T)**(1/100)
+    # exceeds 1.2: far beyond 2**62, where the search stops
+    assert fixed_root(0, 10, 2**52, 4, 100).saturation_step == 2**62
+    assert fixed_discrete(difficulty=[1, 2], max_step=[2**62 - 1]).saturation_step == 2**62

@@ -36,6 +36,22 @@ def test_ramp_values_of_the_wrong_type_are_a_type_error_naming_them():
         BatchRampup(start=4, increment=4, samples=6, round_down="no")
 
 
+def test_a_ramp_longer_than_floats_count_exactly_is_refused_by_name():
+    # checked first on the ramp itself: a loader over such a ramp searched its boundaries
+    # one sample at a time once floats skip integers (a hang)
+    for samples in (2**53 + 1, 10**24):
+        with pytest.raises(ValueError, match=r"samples must be at most 2\*\*53 = 9007199254740992"):
+            BatchRampup(start=4, increment=4, samples=samples)
+    with pytest.raises(ValueError, match=r"got samples=1000000000000000000000000\)"):
+        _loader((4, 4, 10**24))
+    longest = RampSizes(BatchRampup(start=4, increment=4, samples=2**53), 16, 2)
+    for consumed in (0, 2**51, 2**52 + 5, 2**53 - 2**51 - 1):
+        change = longest.next_change(consumed)
+        assert change is not None and consumed < change
+        assert longest.raw(change - 1) == longest.raw(consumed) != longest.raw(change)
+    assert [len(b) for b in _loader((4, 4, 2**53))][:3] == [2, 2, 2]
+
+
 def test_ramp_options_are_refused_where_they_cannot_be_exact():
     with pytest.raises(ValueError, match="drop_last=False, pad_last=False"):
         _loader((4, 4, 60), drop_last=False, pad_last=False)

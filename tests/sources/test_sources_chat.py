@@ -10,11 +10,44 @@ import torch
 
 from meshfeed.balance import PackedSamples, SampleFields
 from meshfeed.sources.tokens.chat import ChatSamples, ChatTemplate, JinjaChatTemplate, chat_sample
-from tests.optional import given, settings, st
+from tests.optional import given, importable, settings, st
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen2.5's chat_template without its tools branches: like Qwen2, Llama-3.x and Mistral it reads
+# messages[0] (an empty conversation raises) and adds a default system prompt.
+QWEN = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "{%- else %}\n"
+    "    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+# The same head written to tolerate an empty list: no message renders the default system prompt.
+DEFAULT_SYSTEM = (
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}{%- if not (loop.first and m.role == 'system') %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+NEEDS_JINJA = pytest.mark.skipif(
+    not importable("jinja2"), reason="needs jinja2 (installed with torch), which is not installed"
 )
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -155,4 +188,63 @@ def test_exactly_the_assistant_turns_are_trained(turns, jinja):
     want = "".join(m["content"] + end for m in messages if m["role"] == "assistant")
     assert bytes(s["input_ids"][s["loss_mask"] > 0].tolist()).decode() == want
     assert bytes(s["input_ids"].tolist()).decode() == template.render(messages)
+    assert (s["labels"][s["loss_mask"] == 0] == -100).all()
+
+
+def _bytes_text(ids: torch.Tensor) -> str:
+    return bytes(ids.tolist()).decode()
+
+
+@NEEDS_JINJA
+@pytest.mark.parametrize("source", [QWEN, DEFAULT_SYSTEM], ids=["qwen", "default_system"])
+@pytest.mark.parametrize("system", [True, False], ids=["own_system", "no_system"])
+def test_templates_that_read_the_first_message_mask_exactly(source, system):
+    template = JinjaChatTemplate(source)
+    chat = CHAT if system else CHAT[1:]
+    s = chat_sample(chat, "bytes", template=template)
+    rendered = template.render(chat)
+    assert _bytes_text(s["input_ids"]) == rendered
+    assert ("Be brief." in rendered) is system
+    assert ("You are" in rendered) is not system  # the template's default system prompt
+    assert _bytes_text(s["input_ids"][s["loss_mask"] > 0]) == "Four.<|im_end|>\nSix.<|im_end|>\n"
+    assert (s["labels"][s["loss_mask"] == 0] == -100).all()
+    n = len(template.render(chat[:-1], True).encode())  # the prompt of the last answer
+    head = s["input_ids"][:n][s["loss_mask"][:n] > 0]
+    assert _bytes_text(head) == "Four.<|im_end|>\n"
+    assert _bytes_text(s["input_ids"][n:]) == "Six.<|im_end|>\n"
+    assert s["loss_mask"][n:].all()
+    samples = ChatSamples([chat, chat[:2]], "bytes", template=template)
+    assert samples.lengths.tolist() == [len(rendered), len(template.render(chat[:2]))]
+
+
+@NEEDS_JINJA
+def test_a_conversation_that_starts_with_the_assistant_masks_its_header():
+    chat = CHAT[2:]
+    s = chat_sample(chat, "bytes", template=JinjaChatTemplate(DEFAULT_SYSTEM))
+    assert _bytes_text(s["input_ids"][s["loss_mask"] > 0]) == "Four.<|im_end|>\nSix.<|im_end|>\n"
+    with pytest.raises(
+        ValueError, match="starts with a message of role 'assistant'.*UndefinedError"
+    ):
+        chat_sample(chat, "bytes", template=JinjaChatTemplate(QWEN))
+
+
+@NEEDS_JINJA
+@settings(max_examples=40, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=12)),
+        max_size=6,
+    ),
+)
+def test_a_qwen_template_trains_exactly_the_assistant_turns(turns):
+    messages = [{"role": r, "content": c} for r, c in turns]
+    template = JinjaChatTemplate(QWEN)
+    if messages and messages[0]["role"] == "assistant":
+        with pytest.raises(ValueError, match="cannot render the generation prompt"):
+            chat_sample(messages, "bytes", template=template)
+        return
+    s = chat_sample(messages, "bytes", template=template)
+    want = "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")
+    assert _bytes_text(s["input_ids"][s["loss_mask"] > 0]) == want
+    assert _bytes_text(s["input_ids"]) == (template.render(messages) if messages else "")
     assert (s["labels"][s["loss_mask"] == 0] == -100).all()

@@ -1,7 +1,8 @@
 """BalancedBatches: rebalance a per-rank iterator of packed samples over a DP x CP group.
 
 Per global batch, every rank of ``group``: takes its next packed sample from ``inner``; joins
-**one** all-gather of a header (has-data flag, dtype signature, document lengths);
+**one** all-gather of a header (has-data flag, dtype signature, document lengths and
+corpus ids);
 computes the same :func:`schedule_documents` as every other rank; joins **one** variable-size
 ``all_to_all_single`` carrying all keys of all documents fused; and yields its micro-steps.
 If any rank's inner iterator ends, every rank stops at the same batch (no hang).
@@ -53,7 +54,9 @@ __all__ = ["BalancedBatches"]
 
 _KIND = "balanced_batches"
 _VERSION = 2  # 1 had no kind; the header of the all-gather changed with it
-_HEADER = 3  # has_data, dtype signature, documents; then their lengths and corpus ids (-1: none)
+#: has_data, dtype signature, documents, has_ids (whether the sample carries corpus ids); then
+#: their lengths and corpus ids (any int64, negative ones too; zeros without ids)
+_HEADER = 4
 #: Most documents one rank's packed sample may hold: the all-gather buffer has two slots per
 #: document on every rank (8 bytes each: length and corpus id), allocated at every batch.
 MAX_DOCS_PER_RANK = 2**20
@@ -166,7 +169,7 @@ class BalancedBatches:
         self._limit = max_document_tokens(
             num_ranks=self._comm.size, max_tokens=max_tokens, cp_sizes=cp_sizes, tp=tp
         )
-        self._keys, self._pad = tuple(keys), dict(pad)
+        self._keys, self._pad = _check_keys(keys), _check_pad(pad)
         self._cap = int(max_docs_per_rank)
         self._timeout = float(timeout)
         self._pool = (
@@ -261,13 +264,14 @@ class BalancedBatches:
                 f"every rank must yield {list(self._keys)} with the same dtypes"
             )
         counts = [int(row[2]) for row in rows]
+        has_ids = all(int(row[3]) for row in rows)
         all_lengths = np.concatenate(
             [row[_HEADER : _HEADER + n] for row, n in zip(rows, counts, strict=True)]
         )
         all_ids = np.concatenate(
             [row[_HEADER + n : _HEADER + 2 * n] for row, n in zip(rows, counts, strict=True)]
         )
-        ids = all_ids if bool(np.all(all_ids >= 0)) else None
+        ids = all_ids if has_ids else None
         self._refuse_long(all_lengths, ids, counts)  # the same error on every rank: no hang
         assert sample is not None  # every rank, this one included, has data
         dtypes = [sample[k].dtype for k in self._keys]
@@ -280,15 +284,16 @@ class BalancedBatches:
         return _Batch(state, sample, counts, ids, dtypes, future)
 
     def _header(self, sample: Mapping[str, Any]) -> np.ndarray:
-        """has_data, dtype signature, documents, their lengths, their corpus ids (or -1s)."""
+        """has_data, dtype signature, documents, has_ids, their lengths, their corpus ids."""
         lengths = doc_lengths(sample, self._keys)
         if lengths.size > self._cap:
             raise ValueError(
                 f"a packed sample holds {lengths.size} documents, more than "
                 f"{self._cap=}; raise max_docs_per_rank"
             )
-        ids = np.full(lengths.size, -1, dtype=np.int64)
-        if DOCUMENT_IDS in sample:
+        ids = np.zeros(lengths.size, dtype=np.int64)
+        has_ids = DOCUMENT_IDS in sample
+        if has_ids:
             given = np.asarray(torch.as_tensor(sample[DOCUMENT_IDS]).cpu(), dtype=np.int64)
             if given.shape != lengths.shape:
                 raise ValueError(
@@ -297,7 +302,8 @@ class BalancedBatches:
                 )
             ids = given
         signature = fields_signature(sample, self._keys)
-        return np.concatenate([np.asarray([1, signature, lengths.size], np.int64), lengths, ids])
+        head = np.asarray([1, signature, lengths.size, has_ids], np.int64)
+        return np.concatenate([head, lengths, ids])
 
     def _refuse_long(self, lengths: np.ndarray, ids: np.ndarray | None, counts: list[int]) -> None:
         over = np.flatnonzero(lengths > self._limit)
@@ -376,6 +382,31 @@ def _stateful_iterator(inner: Iterable[Any]) -> Iterator[Any]:
     if not hasattr(inner, "__next__") and isinstance(inner, Stateful):
         return _LoaderEpoch(inner)
     return iter(inner)
+
+
+def _check_keys(keys: Any) -> tuple[str, ...]:
+    """``keys`` as a tuple, or ValueError unless it is a non-empty sequence of key names."""
+    if (
+        isinstance(keys, str)
+        or not isinstance(keys, Sequence)
+        or not keys
+        or not all(isinstance(k, str) for k in keys)
+    ):
+        raise ValueError(
+            f"keys must be a non-empty sequence of the packed per-token key names (got "
+            f"{keys=!r}); e.g. keys=meshfeed.keys.DEFAULT_KEYS = {list(DEFAULT_KEYS)}"
+        )
+    return tuple(keys)
+
+
+def _check_pad(pad: Any) -> dict[str, int | None]:
+    """``pad`` as a dict, or TypeError unless it maps key names to pad values."""
+    if not isinstance(pad, Mapping):
+        raise TypeError(
+            f"pad must be a mapping of key -> pad value (None: continue the position ids) "
+            f"(got {pad=!r}); e.g. pad=meshfeed.keys.DEFAULT_PAD = {dict(DEFAULT_PAD)}"
+        )
+    return dict(pad)
 
 
 def _refuse_partial_state(inner: Any) -> None:

@@ -35,7 +35,8 @@ def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     :class:`~meshfeed.balance.BalancedBatches` hands on to its micro-steps.
 
     Per document of ``n`` tokens: ``tokens`` gets ``doc[:-1]``, ``labels`` gets ``doc[1:]``
-    (int64), ``loss_mask`` ones (float32), ``position_ids`` ``0 .. n-2`` (int64);
+    (int64; documents of any other dtype than integers are refused), ``loss_mask`` ones
+    (float32), ``position_ids`` ``0 .. n-2`` (int64);
     ``cu_seqlens`` (int32) holds the ``n - 1``-token boundaries. Documents with fewer than two
     tokens carry no prediction and are left out. One concatenation, no per-token Python.
 
@@ -50,6 +51,12 @@ def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     bad = next((a.shape for a in arrays if a.ndim != 1), None)
     if bad is not None:
         raise ValueError(f"documents must be 1-D token arrays (got shape {bad})")
+    k = next((k for k, a in enumerate(arrays) if a.size and a.dtype.kind not in "iu"), None)
+    if k is not None:  # a float token id would be truncated to another token
+        raise TypeError(
+            f"documents must hold integer token ids (document {k} has dtype "
+            f"{arrays[k].dtype}); cast them to an integer dtype where they are whole numbers"
+        )
     lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, len(arrays))
     flat = np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, np.int64)
     ends = np.cumsum(lengths)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from meshfeed.balance.packing import check_int
 from meshfeed.balance.schedule import _candidate_sizes
 from meshfeed.keys import DOCUMENT_IDS
 
@@ -55,6 +56,9 @@ def max_document_tokens(
     >>> max_document_tokens(num_ranks=3, max_tokens=32768)
     98304
     """
+    check_int("num_ranks", num_ranks, fix="; count the ranks of the DP x CP group")
+    check_int("max_tokens", max_tokens, fix="; pass the per-rank token budget")
+    check_int("tp", tp, fix="; use 1 without sequence parallelism")
     sizes = _candidate_sizes(cp_sizes, int(num_ranks))[0][0]
     unit = np.where(sizes > 1, 2 * sizes * int(tp), int(tp))
     return int(((int(max_tokens) * sizes) // unit * unit).max())

@@ -31,7 +31,13 @@ import torch
 
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.long_documents import check_policy, piece_numbers
-from meshfeed.balance.packing import _check_budget, as_lengths, check_method, pack_windows
+from meshfeed.balance.packing import (
+    _check_budget,
+    as_lengths,
+    check_int,
+    check_method,
+    pack_windows,
+)
 from meshfeed.balance.samples import SampleFields, assemble
 from meshfeed.collate import PadCollate
 from meshfeed.keys import DOCUMENT_IDS
@@ -78,10 +84,26 @@ def _longest_within(cost: CostModel, max_cost: float, max_tokens: int) -> int:
     """The longest sample whose cost is at most ``max_cost`` (capped at ``max_tokens``)."""
     a, q = cost.linear, cost.quadratic
     guess = max_cost / a if q == 0 else (-a + math.sqrt(a * a + 4 * q * max_cost)) / (2 * q)
-    n = min(int(guess) + 1, max_tokens)
+    n = max_tokens if not guess < max_tokens else int(guess) + 1  # inf: every length fits
     while n > 0 and float(cost.work(np.array([n]))[0]) > max_cost:
         n -= 1
     return n
+
+
+def _check_max_cost(max_cost: Any) -> float:
+    """``max_cost`` as a float, or ValueError unless it is a finite number > 0."""
+    if (
+        isinstance(max_cost, bool)
+        or not isinstance(max_cost, (int, float, np.integer, np.floating))
+        or not math.isfinite(max_cost)
+        or max_cost <= 0
+    ):
+        raise ValueError(
+            f"max_cost must be a finite number > 0 (got {max_cost=!r}); pass the cost one row "
+            "may hold under cost (e.g. cost.work([max_tokens])[0]), or pass neither cost nor "
+            "max_cost for a token budget"
+        )
+    return float(max_cost)
 
 
 def _units(lengths: np.ndarray, order: np.ndarray, limit: int, policy: str) -> tuple[Any, ...]:
@@ -156,6 +178,7 @@ class PackedSamples:
                 "long_samples='refuse' and a max_tokens that holds the longest sample"
             )
         self.seed = check_seed(seed)
+        check_int("window", window, fix="; it is how many samples are packed together")
         self.window = window
         self.lengths = _resolve_lengths(dataset, lengths)
         if (cost is None) != (max_cost is None):
@@ -165,7 +188,7 @@ class PackedSamples:
             )
         limit = self.max_tokens
         if cost is not None and max_cost is not None:
-            limit = _longest_within(cost, float(max_cost), self.max_tokens)
+            limit = _longest_within(cost, _check_max_cost(max_cost), self.max_tokens)
             if limit < 1:
                 raise ValueError(f"max_cost={max_cost} is less than one token costs; raise it")
         order = np.arange(self.lengths.size, dtype=np.int64)

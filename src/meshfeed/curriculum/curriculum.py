@@ -31,13 +31,16 @@ import numpy as np
 
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.order import GatedOrder
-from meshfeed.curriculum.schedule import Schedule
+from meshfeed.curriculum.schedule import MAX_STEP, Schedule
 from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
 
 __all__ = ["Curriculum", "CurriculumMetric"]
 
 Transform = SeqlenTruncate | SeqlenReshape | ReportedDifficulty
 _NEVER = np.iinfo(np.int64).max
+#: Schedules that saturate before this step are evaluated at every step; longer ones only where
+#: the samples' entry steps are searched, so their cost does not grow with the step count.
+DENSE_STEPS = 2**20
 
 
 def _plain(x: Any) -> int | float:
@@ -81,15 +84,23 @@ class CurriculumMetric:
     def name(self) -> str:
         return self.index.name
 
-    def thresholds(self) -> np.ndarray:
-        """The schedule on steps ``0 .. saturation_step`` (constant afterwards)."""
+    def _horizon(self) -> int:
+        """The saturation step, capped at ``MAX_STEP`` (no run reaches a later step)."""
         horizon = self.schedule.saturation_step
         if horizon is None:
             raise ValueError(
                 f"metric {self.name!r}: its schedule has no saturation step; pass "
                 "custom(fn, total_curriculum_step=...) so eligibility can be precomputed"
             )
-        thr = np.asarray(self.schedule.difficulties(np.arange(horizon + 1, dtype=np.int64)))
+        return min(int(horizon), MAX_STEP)
+
+    def thresholds(self) -> np.ndarray:
+        """The schedule on steps ``0 .. saturation_step`` (constant afterwards).
+
+        One value per step: :meth:`entry_steps` uses it only for schedules shorter than
+        ``DENSE_STEPS``.
+        """
+        thr = np.asarray(self.schedule.difficulties(np.arange(self._horizon() + 1, dtype=np.int64)))
         if np.any(np.diff(thr) < 0):
             bad = int(np.flatnonzero(np.diff(thr) < 0)[0])
             raise ValueError(
@@ -110,24 +121,65 @@ class CurriculumMetric:
     def entry_steps(self, *, in_sorted_order: bool) -> np.ndarray:
         """Per sample, the first step at which this metric admits it (``_NEVER`` if never).
 
-        Indexed by dataset index, or along ``index.order`` when ``in_sorted_order``.
+        Indexed by dataset index, or along ``index.order`` when ``in_sorted_order``. A schedule
+        shorter than ``DENSE_STEPS`` is evaluated at every step; a longer one only at the steps
+        a bisection per distinct sample value probes (O(values x log steps), whatever the
+        number of steps), and checked to never decrease at the entry steps found.
         """
-        thr = self.thresholds()
+        horizon = self._horizon()
         self.index.check_unchanged()
         n = len(self.index)
         if self.difficulty_type == "value":
             keys = self.index.sorted_values() if in_sorted_order else np.asarray(self.index.values)
-            entry = np.searchsorted(thr, keys, side="left")
         else:
-            counts = self.percentile_counts(thr)
-            rank = np.arange(n, dtype=np.int64)
+            keys = np.arange(n, dtype=np.int64)  # the rank along index.order
             if not in_sorted_order:
-                rank = np.empty(n, dtype=np.int64)
-                rank[np.asarray(self.index.order)] = np.arange(n, dtype=np.int64)
-            entry = np.searchsorted(counts, rank, side="right")
+                keys = np.empty(n, dtype=np.int64)
+                keys[np.asarray(self.index.order)] = np.arange(n, dtype=np.int64)
+        if horizon < DENSE_STEPS:
+            thr = self.thresholds()
+            if self.difficulty_type == "value":
+                entry = np.searchsorted(thr, keys, side="left")
+            else:
+                entry = np.searchsorted(self.percentile_counts(thr), keys, side="right")
+        else:
+            targets, inverse = np.unique(keys, return_inverse=True)
+            entry = self._bisect_entry(targets, horizon)[inverse.reshape(-1)]
         entry = entry.astype(np.int64)
-        entry[entry > len(thr) - 1] = _NEVER
+        entry[entry > horizon] = _NEVER
         return entry
+
+    def _admits(self, steps: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        """Whether the schedule at ``steps[i]`` admits ``targets[i]`` (a value or a rank)."""
+        at, inverse = np.unique(steps, return_inverse=True)  # each step evaluated once
+        thr = np.asarray(self.schedule.difficulties(at))
+        if self.difficulty_type == "value":
+            return np.asarray(thr[inverse.reshape(-1)] >= targets)
+        return np.asarray(self.percentile_counts(thr)[inverse.reshape(-1)] > targets)
+
+    def _bisect_entry(self, targets: np.ndarray, horizon: int) -> np.ndarray:
+        """Per target, the first step in ``0 .. horizon`` that admits it (``horizon + 1``: none).
+
+        Exactly what searching :meth:`thresholds` gives, for a schedule that never decreases.
+        """
+        lo = np.zeros(targets.size, dtype=np.int64)
+        hi = np.full(targets.size, horizon + 1, dtype=np.int64)  # the answer lies in [lo, hi]
+        todo = np.flatnonzero(lo < hi)
+        while todo.size:
+            mid = lo[todo] + (hi[todo] - lo[todo]) // 2  # no int64 overflow near 2**63
+            ok = self._admits(mid, targets[todo])
+            hi[todo[ok]] = mid[ok]
+            lo[todo[~ok]] = mid[~ok] + 1
+            todo = todo[lo[todo] < hi[todo]]
+        found = np.unique(np.append(lo[lo <= horizon], [0, horizon]))
+        thr = np.asarray(self.schedule.difficulties(found))
+        if np.any(np.diff(thr) < 0):
+            bad = int(np.flatnonzero(np.diff(thr) < 0)[0])
+            raise ValueError(
+                f"metric {self.name!r}: the schedule decreases between steps {found[bad]} and "
+                f"{found[bad + 1]} ({thr[bad]} -> {thr[bad + 1]}); the eligible pool can only grow"
+            )
+        return lo
 
 
 class BatchTransforms:

@@ -208,10 +208,11 @@ class GatedOrder(OrderBase):
                 # round: its size)
                 rest, lo = r[_SIZE] - used, r[_SIZE] - r[_REST] + r[_LO]
             size = rest + pool - lo
-            if pool == final:
-                change = None
-            else:  # the first batch whose step admits rank ``pool``
+            change = None  # the pool never grows again
+            if pool < final:  # the first batch whose step admits rank ``pool``
                 change = self.batch_start(max(0, int(self.entry_steps[pool]) - self.first_step))
+                if change >= _FOREVER:  # no run draws 2**62 samples: the pool stays as it is
+                    change = None
             if pending is None:
                 full = _FOREVER if change is None else (change - g) // size
                 if full:

@@ -20,7 +20,8 @@ Every schedule is vectorised (:meth:`Schedule.difficulties`); the scalar :meth:`
 the same code on a one-element array, so the two can never disagree. ``saturation_step`` is the
 first step from which the difficulty never changes (``None`` when unknown): the curriculum order
 evaluates schedules only up to it. Bounds are limited to ``|x| <= 2**52`` so the float
-arithmetic DeepSpeed uses is exact on them.
+arithmetic DeepSpeed uses is exact on them; steps (``total_curriculum_step``, ``max_step``) to
+``MAX_STEP`` (2**62), which no run reaches.
 
 >>> fixed_linear(min_difficulty=8, max_difficulty=64, total_curriculum_step=7,
 ...              difficulty_step=8).difficulty(3)
@@ -40,6 +41,9 @@ __all__ = ["Schedule", "custom", "fixed_discrete", "fixed_linear", "fixed_root"]
 
 Number = int | float
 _LIMIT = 2**52
+#: The last step a schedule is followed to: a run reaches it only after 2**62 global batches,
+#: and steps up to it stay clear of int64 overflow.
+MAX_STEP = 2**62
 
 
 @runtime_checkable
@@ -72,6 +76,15 @@ def _is_int(*xs: object) -> bool:
     return all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in xs)
 
 
+def _check_step_limit(name: str, step: int, limit: int = MAX_STEP) -> None:
+    if step > limit:
+        bound = "at most MAX_STEP = 2**62" if limit == MAX_STEP else "below MAX_STEP = 2**62"
+        raise ValueError(
+            f"{name} must be {bound} (got {name}={step}); no run reaches a later step, pass "
+            "the step at which the schedule really saturates"
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FixedRoot:
     """DeepSpeed's ``fixed_root`` (``fixed_linear`` when ``root_degree == 1``); see module doc."""
@@ -93,6 +106,7 @@ class FixedRoot:
                 f"total_curriculum_step must be a positive int (got "
                 f"{self.total_curriculum_step=}); it is the step at which max_difficulty is reached"
             )
+        _check_step_limit("total_curriculum_step", self.total_curriculum_step)
         if not self.difficulty_step > 0:
             raise ValueError(
                 f"difficulty_step must be positive (got {self.difficulty_step=}); use 1 for "
@@ -117,12 +131,15 @@ class FixedRoot:
         """The first step at which ``max_difficulty`` is reached (found by bisection).
 
         With rounding this can lie after ``total_curriculum_step``: like DeepSpeed, ``t / T``
-        is not clamped, so past ``T`` the rounded value keeps growing until it is capped.
+        is not clamped, so past ``T`` the rounded value keeps growing until it is capped; the
+        search stops at ``MAX_STEP``, which no run reaches.
         """
         hi = self.max_difficulty
         upper = max(1, int(self.total_curriculum_step))
         while self.difficulty(upper) < hi:
-            upper *= 2
+            if upper >= MAX_STEP:
+                return MAX_STEP
+            upper = min(2 * upper, MAX_STEP)
         lower = 0  # invariant: difficulty(upper) == hi; the answer lies in [lower, upper]
         while lower < upper:
             mid = (lower + upper) // 2
@@ -171,6 +188,7 @@ class FixedDiscrete:
             )
         if any(b <= a for a, b in itertools.pairwise(m)) or m[0] < 0:
             raise ValueError(f"max_step must be non-negative and increasing (got {list(m)})")
+        _check_step_limit("max_step[-1]", m[-1], MAX_STEP - 1)
         if any(b < a for a, b in itertools.pairwise(d)):
             raise ValueError(
                 f"difficulty must be non-decreasing (got {list(d)}); the eligible pool only grows"
@@ -207,6 +225,8 @@ class Custom:
         t = self.total_curriculum_step
         if t is not None and (not _is_int(t) or t < 0):
             raise ValueError(f"total_curriculum_step must be a non-negative int (got {t=})")
+        if t is not None:
+            _check_step_limit("total_curriculum_step", t)
 
     @property
     def saturation_step(self) -> int | None:

@@ -26,7 +26,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["BatchRampup", "RampSizes", "as_rampup", "check_same_sizes"]
+__all__ = ["MAX_RAMP_SAMPLES", "BatchRampup", "RampSizes", "as_rampup", "check_same_sizes"]
+
+#: The longest ramp (``samples``): Megatron's float formula is exact on consumed counts up to
+#: 2**53 (every count a float), and no run consumes that many samples.
+MAX_RAMP_SAMPLES = 2**53
 
 
 def _positive(name: str, value: object, low: int = 1) -> None:
@@ -61,6 +65,12 @@ class BatchRampup:
     def __post_init__(self) -> None:
         for name in ("start", "increment", "samples", "micro_batch_size"):
             _positive(name, getattr(self, name))
+        if self.samples > MAX_RAMP_SAMPLES:
+            raise ValueError(
+                f"BatchRampup samples must be at most 2**53 = {MAX_RAMP_SAMPLES} (got "
+                f"samples={self.samples}); Megatron's float formula counts consumed samples "
+                "exactly only up to there; pass the samples over which the batch really ramps"
+            )
         for name in ("round_down", "uneven"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(

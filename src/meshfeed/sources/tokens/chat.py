@@ -12,7 +12,10 @@ The template is, in this order: ``template=`` (a :class:`ChatTemplate` of plain 
 the tokenizer folder's template; else the plain :class:`ChatTemplate` default. The masks come
 from rendering the conversation one message longer at a time, so they are exact for any
 template that renders a conversation as an extension of its first messages (each rendered
-piece is tokenized on its own). :class:`ChatSamples` is a dataset of them with ``lengths``.
+piece is tokenized on its own). No message renders as "": an empty conversation is never
+rendered (templates such as Qwen's, Llama 3's or Mistral's read ``messages[0]`` or add a
+default system prompt), except for the generation prompt before a conversation that starts
+with an assistant message. :class:`ChatSamples` is a dataset of them with ``lengths``.
 """
 
 from __future__ import annotations
@@ -182,12 +185,17 @@ def _check_messages(messages: Any, index: int | None) -> None:
 
 
 def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
-    """The rendered conversation cut into (text, trained) pieces, in order."""
-    done = render([], False) if messages else ""
-    pieces: list[tuple[str, bool]] = [(done, False)]
+    """The rendered conversation cut into (text, trained) pieces, in order.
+
+    The rendering of no message is "": templates read ``messages[0]`` (to find a system
+    message) or add a default system prompt, so an empty conversation is rendered only for the
+    generation prompt before a conversation that starts with a trained message.
+    """
+    done = ""
+    pieces: list[tuple[str, bool]] = []
     for k, m in enumerate(messages):
         trained = m["role"] in TRAINED_ROLES
-        head = render(messages[:k], True) if trained else done
+        head = _head(messages, k, render) if trained else done
         full = render(messages[: k + 1], False)
         if not (head.startswith(done) and full.startswith(head)):
             raise ValueError(
@@ -198,6 +206,22 @@ def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
         pieces += [(head[len(done) :], False), (full[len(head) :], trained)]
         done = full
     return [(t, tr) for t, tr in pieces if t]
+
+
+def _head(messages: Messages, k: int, render: Renderer) -> str:
+    """The messages before message ``k`` rendered with the generation prompt."""
+    if k > 0:
+        return render(messages[:k], True)
+    try:
+        return render([], True)
+    except Exception as e:  # a template that reads messages[0] cannot render no message
+        raise ValueError(
+            f"the conversation starts with a message of role {messages[0]['role']!r}, and the "
+            "chat template cannot render the generation prompt before it (rendering no message "
+            f"raised {type(e).__name__}: {e}), so the prompt tokens of that message cannot be "
+            "masked exactly; start the conversation with a system or user message, or use a "
+            "template that renders an empty conversation"
+        ) from e
 
 
 def chat_sample(
