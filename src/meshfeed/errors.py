@@ -19,11 +19,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NEVER_SUBSTITUTED", "CollectiveError", "RankError", "SourceError"]
+__all__ = ["NEVER_SUBSTITUTED", "CollectiveError", "RankError", "ShardRowsError", "SourceError"]
 
 
 class SourceError(OSError):
     """A source's file is damaged or unreadable; never treated as a bad sample."""
+
+
+class ShardRowsError(SourceError, IndexError):
+    """A shard holds fewer rows than were counted or asked for (it changed after its rows were
+    counted, or ``rows=`` overstates it): a :class:`SourceError`, so never substituted, and an
+    ``IndexError`` for callers that catch one."""
 
 
 class RankError(RuntimeError):

@@ -125,6 +125,49 @@ def test_take_gives_rows_in_the_order_asked_with_repeats_across_blocks(
         reader.take(reader.shards[0], np.array([3, 50]))
 
 
+def _edit_in_place(sample: dict[str, Any]) -> None:
+    """Add to every array and tensor of ``sample`` in place (as a transform might)."""
+    for v in sample.values():
+        if isinstance(v, torch.Tensor):
+            v.add_(True if v.dtype == torch.bool else 100)
+        elif isinstance(v, np.ndarray):
+            v += np.array(True if v.dtype == bool else 100, dtype=v.dtype)
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_a_sample_edited_in_place_changes_no_later_read(
+    tmp_path: Path, compression: str | None
+) -> None:
+    from meshfeed import StreamLoader
+    from meshfeed.sources import LazyDataset, ShardedStream
+
+    samples = mixed_samples(24)
+    index = write_shards(
+        samples, tmp_path / "ds", rows_per_shard=12, block_rows=4, compression=compression
+    )
+    reader = ShardFormatReader.from_index(index, cache_bytes=1)  # zstd: one block cached
+    rows = np.array([0, 5, 0, 11, 5])
+    for _ in range(2):  # the same rows again, from the same map and cached blocks
+        got = reader.take(reader.shards[0], rows)
+        for r, b in zip(rows.tolist(), got, strict=True):
+            assert_same(samples[r], b)
+        for b in got:
+            _edit_in_place(b)
+    stream = ShardedStream.from_index(index)
+
+    def edit(row: dict[str, Any]) -> dict[str, Any]:
+        _edit_in_place(row)
+        return row
+
+    lo = StreamLoader(LazyDataset(stream).map(edit), batch_size=6, shuffle=False, collate_fn=list)
+    for _ in range(2):  # every epoch reads what the file holds, edited once
+        for i, row in enumerate(b for batch in lo for b in batch):
+            assert torch.equal(row["img"], samples[i]["img"] + 100)
+            assert np.array_equal(row["tok"], samples[i]["tok"] + 100)
+    for i in (0, 13):  # the map-style read of the same rows
+        assert_same(stream[i], samples[i])
+
+
 def test_range_form_and_count_and_version(tmp_path: Path) -> None:
     samples = [{"x": np.arange(n % 5, dtype=np.int32), "n": n} for n in range(40)]
     index = write_shards(samples, tmp_path / "ds", rows_per_shard=20, block_rows=3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -414,6 +415,103 @@ def test_jsonl_and_text_files_are_read_by_index(tmp_path):
     (batch,) = list(lo)
     assert sorted(map(str, batch)) == sorted(
         map(str, [{"i": i} for i in range(9)] + [f"line {i}" for i in range(4)])
+    )
+
+
+def _jsonl_shards(folder: Any, n: int = 3, rows: int = 10) -> list[Any]:
+    paths = []
+    for s in range(n):
+        path = folder / f"part-{s}.jsonl"
+        path.write_text("".join(json.dumps({"id": s * 100 + r}) + "\n" for r in range(rows)))
+        paths.append(path)
+    return paths
+
+
+def _ids(rows: list[dict[str, int]]) -> list[int]:
+    return [row["id"] for row in rows]
+
+
+@pytest.mark.parametrize("change", ["deleted", "shrunk"])
+def test_a_jsonl_shard_gone_or_shrunk_after_counting_is_a_source_error_never_substituted(
+    tmp_path, change
+):
+    paths = _jsonl_shards(tmp_path)
+    lo = StreamLoader(ShardedStream(paths), batch_size=5, seed=0, collate_fn=_ids)
+    if change == "deleted":
+        paths[1].unlink()
+        match = r"shard .*part-1\.jsonl is missing: it was deleted or moved after"
+    else:
+        paths[1].write_text("".join(json.dumps({"id": 100 + r}) + "\n" for r in range(4)))
+        match = r"shard .*part-1\.jsonl holds 4 rows, but row \d was asked for: it changed"
+    with pytest.raises(SourceError, match=match):
+        list(lo)
+    assert lo.stats()["substituted"] == 0
+
+
+def _ten_rows() -> Any:
+    return ({"id": 100 + r} for r in range(10))
+
+
+def _ten_rows_no_take(shard: Any, start: int, stop: int | None) -> Any:
+    return itertools.islice(({"id": 200 + r} for r in range(10)), start, stop)
+
+
+@pytest.mark.parametrize("shard", ["jsonl", "generator", "range reader"])
+def test_rows_past_a_shards_end_are_a_source_error_never_substituted(tmp_path, shard):
+    if shard == "jsonl":
+        (path,) = _jsonl_shards(tmp_path, n=1)
+        stream = ShardedStream([path], rows=[14])
+    elif shard == "generator":
+        stream = ShardedStream([_ten_rows], rows=[14])
+    else:
+        stream = ShardedStream(["s"], _ten_rows_no_take, rows=[14])
+    lo = StreamLoader(stream, batch_size=7, shuffle=False, collate_fn=_ids)
+    with pytest.raises(SourceError, match=r"holds 10 rows, but row 13 was asked for.*rows="):
+        list(lo)
+    assert lo.stats()["substituted"] == 0
+
+
+def test_a_line_of_a_jsonl_shard_that_is_not_json_is_a_bad_row_substituted(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"id": r}) + "\n" for r in range(5)) + "{broken\n")
+    lo = StreamLoader(ShardedStream([path]), batch_size=6, shuffle=False, collate_fn=_ids)
+    (batch,) = list(lo)
+    assert sorted(batch[:5]) == [0, 1, 2, 3, 4] and batch[5] in range(5)
+    assert lo.stats()["substituted"] == 1
+    assert lo.stats()["failures"][0]["error"] == "JSONDecodeError"
+
+
+@pytest.mark.parametrize("span_bytes", [1 << 20, 40], ids=["one span", "runs"])
+def test_blank_lines_of_a_jsonl_shard_are_no_rows_as_meshfeed_convert_reads_it(
+    tmp_path, monkeypatch, span_bytes
+):
+    from meshfeed.sources.converters.shards import convert_to_shards
+    from meshfeed.sources.streams import readers
+    from meshfeed.sources.streams.readers import DefaultReader, default_reader
+
+    monkeypatch.setattr(readers, "_SPAN_BYTES", span_bytes)  # "runs": a read per run of rows
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    rec = [json.dumps({"id": i}) for i in range(9)]
+    # blank lines first, between rows, whitespace-only, CRLF, and a trailing blank line
+    a.write_text(f"\n{rec[0]}\n\n \t\n{rec[1]}\r\n{rec[2]}\n\x0c\n{rec[3]}\n\n")
+    b.write_text(f"{rec[4]}\n\n{rec[5]}\n{rec[6]}\n  \n\n{rec[7]}\n{rec[8]}")  # no final newline
+    index = convert_to_shards([a, b], tmp_path / "shards", rows_per_shard=4)
+    converted = [row["id"] for row in ShardedStream.from_index(index)]
+    assert converted == list(range(9))
+    stream = ShardedStream([a, b])
+    assert len(stream) == 9 and stream.rows == [4, 5]
+    assert [stream[i]["id"] for i in range(9)] == converted  # row index -> the same record
+    assert _ids(stream.__getitems__([8, 0, 5, 3, 3, 1])) == [8, 0, 5, 3, 3, 1]
+    for path, first in ((a, 0), (b, 4)):  # the range form agrees with take
+        n = stream.rows[first > 0]
+        assert _ids(default_reader(path, 0, None)) == list(range(first, first + n))
+        assert _ids(default_reader(path, 2, 3)) == [first + 2]
+    assert DefaultReader().count(b) == 5
+    lo = StreamLoader(stream, batch_size=3, seed=1, collate_fn=_ids)
+    assert sorted(x for batch in lo for x in batch) == converted
+    assert_resume_equivalence(
+        lambda: StreamLoader(ShardedStream([a, b]), batch_size=2, seed=1, collate_fn=_ids),
+        num_items=7,
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from meshfeed.errors import SourceError
 from meshfeed.sources.streams.order import StreamOrder, _groups
 from meshfeed.sources.streams.readers import DefaultReader, callable_identity
 from meshfeed.sources.streams.stream import ShardedStream
@@ -132,7 +133,7 @@ def test_rows_are_read_per_shard_as_one_span_and_the_span_is_kept():
 
 def test_a_shard_shorter_than_counted_is_named():
     stream = ShardedStream(["a"], lambda s, a, b: range(a, min(b or 4, 4)), rows=[10])
-    with pytest.raises(IndexError, match="fewer rows than counted"):
+    with pytest.raises(SourceError, match="shard a holds 4 rows, but row 5 was asked for"):
         stream.__getitems__([2, 3, 4, 5])
 
 

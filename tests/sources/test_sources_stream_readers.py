@@ -10,7 +10,10 @@ import os
 import numpy as np
 import pytest
 
+from meshfeed.errors import SourceError
 from meshfeed.sources.streams.readers import DefaultReader, ReaderHooks
+from meshfeed.sources.streams.remote import CachedReader
+from meshfeed.storage import ShardCache
 
 
 def _take_in_child(reader: DefaultReader, path: str) -> None:
@@ -151,3 +154,16 @@ def test_hooks_resolve_to_the_readers_own_bound_methods():
     assert hooks.reads_urls is False and hooks.newest == 1234
     plain = DefaultReader()
     assert ReaderHooks.of(plain) == ReaderHooks(take=plain.take, count=plain.count)
+
+
+# ------------------------------------------------------------------ rows past a shard's end
+def _ten(shard, start, stop):
+    """A reader without ``take`` over shards of 10 rows."""
+    return iter(range(start, min(10, 10 if stop is None else stop)))
+
+
+def test_a_cached_read_without_take_refuses_rows_past_the_shards_end(tmp_path):
+    reader = CachedReader(_ten, ShardCache(tmp_path / "cache"), shards=["s0"])
+    assert reader.take("s0", np.array([9, 2])) == [9, 2]
+    with pytest.raises(SourceError, match="shard s0 holds 10 rows, but row 13 was asked for"):
+        reader.take("s0", np.array([2, 13]))

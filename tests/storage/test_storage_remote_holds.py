@@ -3,6 +3,8 @@ when the stream tells the cache a shard is read to its end (#29), against a real
 
 from __future__ import annotations
 
+import gc
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from meshfeed import StreamLoader
+from meshfeed.errors import SourceError
 from meshfeed.sources import ShardedStream
 from meshfeed.storage import ShardCache
 from meshfeed.storage._layout import Entry
@@ -235,3 +238,77 @@ def test_a_shard_a_worker_read_in_part_and_left_idle_is_not_downloaded_again(
     assert sorted(gets.values()) == [1, 1], gets
     worker.close()
     stream.reader.close()
+
+
+# ------------------------------------------------------------ readers of one process, unlimited
+def _json_rows(first: int, n: int = 10) -> bytes:
+    return "".join(json.dumps({"id": first + r}) + "\n" for r in range(n)).encode()
+
+
+def _rewritten_while_held(s3: S3, tmp_path: Path, use: str) -> tuple[list[str], StreamLoader]:
+    """Two JSON-lines shards, a first loader over them (no cache limit) that ``use`` says how
+    far it went, then both objects rewritten in the bucket."""
+    urls = [s3.put(f"j/part-{s}.jsonl", _json_rows(100 * s)) for s in range(2)]
+
+    def loader() -> StreamLoader:
+        stream = ShardedStream(urls, cache_dir=tmp_path / "cache", storage_options=s3.options)
+        return StreamLoader(stream, batch_size=5, shuffle=False, collate_fn=_ids, timeout=20)
+
+    first = loader()
+    if use == "stopped early":
+        for _ in first:
+            break
+    time.sleep(0.01)  # a newer write time
+    for s, url in enumerate(urls):
+        s3.put(url.split("/", 3)[3], _json_rows(1000 + 100 * s))
+    return urls, loader()
+
+
+@pytest.mark.parametrize("use", ["built, never read", "stopped early"])
+def test_a_reader_left_open_keeps_no_later_reader_of_the_process_waiting(
+    s3: S3, tmp_path: Path, use: str
+) -> None:
+    """A stream held every shard it counted or read until its order finished it, so a second
+    loader in the same process, needing the rewritten objects, waited for the first one's
+    shared locks for its whole timeout, then blamed its reader."""
+    _, second = _rewritten_while_held(s3, tmp_path, use)
+    start = time.monotonic()
+    rows = [i for batch in second for i in batch]
+    assert rows == [1000 + r for r in range(10)] + [1100 + r for r in range(10)]
+    assert time.monotonic() - start < 10
+
+
+def test_counting_holds_nothing_and_a_closed_or_collected_stream_holds_nothing(
+    s3: S3, tmp_path: Path
+) -> None:
+    url = s3.put("j/part-0.jsonl", _json_rows(0))
+    cache = tmp_path / "cache"
+    entry = Entry.of(cache, url, s3.options)
+    stream = ShardedStream([url], cache_dir=cache, storage_options=s3.options)
+    assert len(stream) == 10  # counted: its shard read once, then let go
+    assert _free_within(entry, 0.5) is not None
+    assert stream[3] == {"id": 3}
+    assert _free_within(entry, 0.5) is None  # held between reads (no cache limit)
+    stream.close()
+    stream.close()  # idempotent
+    assert _free_within(entry, 0.5) is not None
+    assert stream[4] == {"id": 4}  # read again: held anew
+    assert _free_within(entry, 0.5) is None
+    del stream
+    gc.collect()
+    assert _free_within(entry, 0.5) is not None
+
+
+def test_a_wait_for_an_entry_this_process_holds_names_the_cause(s3: S3, tmp_path: Path) -> None:
+    url = s3.put("j/part-0.jsonl", _json_rows(0))
+    first = ShardCache(tmp_path / "cache", storage_options=s3.options)
+    first.local_path(url)  # held, and its holder cannot be asked to let go
+    time.sleep(0.01)
+    s3.put("j/part-0.jsonl", _json_rows(100))
+    second = ShardCache(tmp_path / "cache", storage_options=s3.options, lock_timeout=0.5)
+    with pytest.raises(SourceError, match=r"another reader of this same process holds .* close"):
+        second.local_path(url)
+    first.close()
+    with open(second.local_path(url)) as f:
+        assert json.loads(f.readline()) == {"id": 100}
+    second.close()

@@ -3,8 +3,10 @@ room within the limit (see :mod:`meshfeed.storage.cache` for the protocol)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,24 @@ from meshfeed.storage._layout import Entry, book, checksum, held_bytes
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import RemoteInfo, changed, filesystem, is_url, remote_info, retried
+
+#: The entries this process's caches hold shared, by lock file: each holding cache, and how it
+#: lets go of what it holds between reads (the ``make_room`` its reader gave, or None). ``flock``
+#: makes two caches of one process exclude each other like two processes, so a fill that needs
+#: an entry another cache of this process holds asks that one to let go first (a reader that
+#: was stopped early, or is between reads, lets go), and names the cause if it still waits.
+_HOLDERS: dict[str, weakref.WeakKeyDictionary[Any, Callable[[], None] | None]] = {}
+_HOLDERS_LOCK = threading.Lock()
+
+
+def _forget_holders_in_child() -> None:
+    """In a forked child: the parent's holds are not this process's."""
+    global _HOLDERS_LOCK
+    _HOLDERS.clear()
+    _HOLDERS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_holders_in_child)
 
 
 class Fill:
@@ -36,6 +56,35 @@ class Fill:
     _entries: dict[str, Entry]
     _current: dict[str, str]
     _asked_at: dict[str, float]  # URL -> when its download-ahead was asked (time.time())
+
+    # -- this process's holds -----------------------------------------------------------------
+
+    def _holding(self, lock: FileLock, make_room: Callable[[], None] | None) -> None:
+        """This cache now holds ``lock``'s entry shared (``make_room``: how it lets go)."""
+        with _HOLDERS_LOCK:
+            holders = _HOLDERS.setdefault(lock.path, weakref.WeakKeyDictionary())
+            holders.setdefault(self, make_room)
+
+    def _not_holding(self, lock: FileLock) -> None:
+        with _HOLDERS_LOCK:
+            holders = _HOLDERS.get(lock.path)
+            if holders is not None:
+                holders.pop(self, None)
+                if not holders:
+                    del _HOLDERS[lock.path]
+
+    def _held_here(self, lock: FileLock) -> list[Callable[[], None] | None]:
+        """How each other cache of this process that holds ``lock``'s entry lets go."""
+        with _HOLDERS_LOCK:
+            holders = _HOLDERS.get(lock.path)
+            return [] if holders is None else [v for k, v in holders.items() if k is not self]
+
+    def _ask_holders_here(self, lock: FileLock) -> None:
+        """Ask the other caches of this process that hold ``lock``'s entry to let go of what
+        they hold and do not read now (their readers' ``make_room``)."""
+        for let_go in self._held_here(lock):
+            if let_go is not None:
+                let_go()
 
     # -- entries ------------------------------------------------------------------------------
 
@@ -197,9 +246,22 @@ class Fill:
                     return True
                 lock.release()
             make_room()  # about to wait for another process's download
+            self._ask_holders_here(lock)  # or for another reader of this process
             return None
 
-        ready, waited = lock.wait_for(attempt, deadline, what)
+        try:
+            ready, waited = lock.wait_for(attempt, deadline, what)
+        except SourceError as exc:
+            if not self._held_here(lock):
+                raise
+            raise SourceError(
+                f"{entry.url}: waited {self.lock_timeout:g} s for its entry in the shard cache "
+                f"at {self.cache_dir}, which another reader of this same process holds (a "
+                "stream, loader or ShardCache over this URL that is still open: e.g. stopped "
+                "early with break, and not closed), while this one needs another version of "
+                "the file (it was rewritten since); close the earlier reader first "
+                "(ShardedStream.close(), ShardCache.close()), or give this one another cache_dir"
+            ) from exc
         if waited:
             self._count("waits")
         return ready

@@ -245,6 +245,7 @@ class ShardCache(Ahead):
             self._holds[url] += 1
         if old is not None:
             old.close()
+        self._holding(lock, make_room)
         return str(entry.data)
 
     def expect(self, url: str, *, digest: str, size: int) -> None:
@@ -269,6 +270,7 @@ class ShardCache(Ahead):
             del self._holds[url]
             lock = self._held.pop(url, None)
         if lock is not None:
+            self._not_holding(lock)
             lock.close()
         self._released()
 
@@ -392,6 +394,7 @@ class ShardCache(Ahead):
         if os.getpid() != self._pid:
             return
         for lock in held.values():
+            self._not_holding(lock)
             lock.close()
         self._stop_ahead()
 

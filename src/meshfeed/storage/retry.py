@@ -5,7 +5,10 @@ that restarts); those are retried with exponential backoff and jitter until ``ti
 have passed since the first attempt, then one :class:`~meshfeed.errors.SourceError` names the
 URL, the number of attempts and the last error. A server that refuses every connection (or a
 host that does not resolve) is a wrong endpoint far more often than a restart: it is given
-only ``refused`` seconds (3 by default), then the error names the URL and the endpoint.
+only ``refused`` seconds (3 by default), then the error names the URL and the endpoint. Both
+bounds count whole calls: a call in flight ends first, with the retries of the client library
+itself (botocore's default ones make a refused call take seconds), which are left as the
+caller configured them.
 Every other failure (a missing object, a denied
 request, a bad argument) is raised at once: waiting would not change it.
 """

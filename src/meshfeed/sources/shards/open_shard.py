@@ -5,8 +5,10 @@ the bounded LRU of decoded blocks its reads share (:class:`BlockCache`).
 in a process. Opening checks the file against its index entry (size, with ``verify`` or a
 newer mtime the hash), the preamble, the header (equal to the index's layout) and that every
 block lies inside the file; any fault is a :class:`~meshfeed.errors.SourceError` naming the
-shard. Uncompressed columns are views of a copy-on-write map; compressed blocks are decoded
-through the cache.
+shard. Uncompressed columns are read-only views of the file's map; compressed blocks are
+decoded through the cache and kept read-only. Every value handed out is the caller's own memory
+(a gather, or a copy of a variable-length row), so editing a sample in place never changes what
+a later read of that row returns, in any reader of this process.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ class OpenShard:
         self.compressed = index.compression is not None
         check_file(Path(path), entry, verify=verify, written_ns=written_ns)
         with open(path, "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            # read-only: a view of it that reached a caller could not change later reads
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.base = entry.payload
         self._check_header()
         try:
@@ -177,7 +180,8 @@ class OpenShard:
         return np.frombuffer(self.map, np.uint8, sum(b[2] for b in segment), start)
 
     def block(self, col: int, name: str, b: int) -> np.ndarray:
-        """Block ``b`` of a segment, raw (``uint8``): a view, or decoded through the LRU."""
+        """Block ``b`` of a segment, raw (``uint8``, read-only: shared by every read of it): a
+        view of the map, or decoded through the LRU."""
         key = (self.path, col, name, b)
         hit = self.blocks.get(key)
         if hit is not None:
@@ -193,6 +197,7 @@ class OpenShard:
             raise self.fail(f"block {b} of {name!r} in column {col} does not decode ({e})") from e
         if got != raw:
             raise self.fail(f"block {b} of {name!r} in column {col} decodes to {got} bytes")
+        arr.flags.writeable = False  # cached for every later read: never a caller's to edit
         self.blocks.put(key, arr)
         return arr
 
@@ -214,7 +219,8 @@ class OpenShard:
 
 
 class _FixedColumn:
-    """Rows of one shape: ``[rows, *shape]`` in blocks of ``block_rows`` rows."""
+    """Rows of one shape: ``[rows, *shape]`` in blocks of ``block_rows`` rows. A read gathers
+    its rows into a new array (the values it returns are views of that array alone)."""
 
     def __init__(self, shard: OpenShard, col: int, spec: FieldSpec, layout: dict[str, Any]):
         self.shard, self.col, self.spec = shard, col, spec
@@ -261,7 +267,9 @@ class _FixedColumn:
 
 
 class _VarColumn:
-    """Rows of varying length: a flat ``data`` segment sliced through ``offsets``."""
+    """Rows of varying length: a flat ``data`` segment sliced through ``offsets``. Array and
+    tensor values are copies of their slices (a slice is a view of the map or of a cached
+    block, shared by every read of the row)."""
 
     def __init__(self, shard: OpenShard, col: int, spec: FieldSpec, layout: dict[str, Any]):
         self.shard, self.col, self.spec = shard, col, spec
@@ -291,6 +299,7 @@ class _VarColumn:
         return raw.view(np.int64).copy()
 
     def slices(self, rows: np.ndarray) -> list[np.ndarray]:
+        """The rows' read-only views of the map or of cached blocks (see :meth:`values`)."""
         starts = self.offsets[rows].tolist()
         ends = self.offsets[rows + 1].tolist()
         if self.data is not None:
@@ -325,6 +334,7 @@ class _VarColumn:
                 raise self.shard.fail(f"column {self.spec.name!r} holds invalid UTF-8") from e
         if kind == "bytes":
             return [p.tobytes() for p in parts]
+        parts = [p.copy() for p in parts]  # the caller's own memory, as torch's loader hands out
         if kind == "tensor":
             if self.spec.dtype == "bfloat16":
                 return [torch.from_numpy(p).view(torch.bfloat16) for p in parts]

@@ -1,8 +1,9 @@
 """Reading meshfeed shards by row: :class:`ShardFormatReader` (see :mod:`.format`).
 
 A batch of rows of a ``fixed`` column is one fancy-index gather; a ``var`` column is sliced
-through its offsets. Uncompressed shards are memory-mapped copy-on-write, so values are views
-of the page cache (writable: a write touches a private copy, never the file). Compressed
+through its offsets. Uncompressed shards are memory-mapped read-only; every value a read returns
+is memory of its own (a gather, or a copy of a variable-length row), never a view of the map or
+of a cached block, so a sample edited in place changes no later read. Compressed
 shards decode only the blocks the rows need, into a per-reader LRU of decoded blocks
 (``cache_bytes``), so a window of shards read in random order decodes each block about once.
 A stream that plans its reads (``plan``) has the shards it reads next brought into the page
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.errors import SourceError
+from meshfeed.errors import ShardRowsError, SourceError
 from meshfeed.sources.shards.format import INDEX_NAME, ShardIndex, read_index
 from meshfeed.sources.shards.open_shard import BlockCache, OpenShard
 from meshfeed.sources.shards.readahead import ReadAhead
@@ -234,7 +235,10 @@ class ShardFormatReader:
         n = opened.entry.rows
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
             bad = int(idx[(idx < 0) | (idx >= n)][0])
-            raise IndexError(f"row {bad} is outside shard {os.fspath(shard)} ({n} rows)")
+            raise ShardRowsError(
+                f"row {bad} is outside shard {os.fspath(shard)} ({n} rows); if a stream asked "
+                "for it, rows= overstates the shard (ShardedStream.from_index reads the counts)"
+            )
         if opened.compressed and idx.size > 1:
             opened.prefetch(idx)
         cols = [c.values(idx) for c in opened.columns]

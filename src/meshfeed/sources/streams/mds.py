@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.errors import SourceError
+from meshfeed.errors import ShardRowsError, SourceError
 from meshfeed.sources.streams.files import HandleCache, OpenFile, file_size, open_shard, read_at
 from meshfeed.sources.streams.files import shard_version as _file_version
 from meshfeed.sources.streams.mds_encodings import decoder
@@ -217,9 +217,10 @@ class MDSReader:
         info = self._info(shard)
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= info.samples):
-            raise IndexError(
+            raise ShardRowsError(
                 f"rows out of range for MDS shard {info.name!r} of {info.samples} samples "
-                f"(got values in [{rows.min()}, {rows.max()}])"
+                f"(got values in [{rows.min()}, {rows.max()}]); if a stream asked for them, "
+                "rows= overstates the shard"
             )
         offsets = self._layout(info)
         uniq = np.unique(rows)

@@ -22,8 +22,10 @@ per file and process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -33,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.errors import SourceError
+from meshfeed.errors import ShardRowsError, SourceError
 from meshfeed.protocols import (
     AskReader,
     ClosingReader,
@@ -247,6 +249,8 @@ class DefaultReader:
         key, offsets = self._line_offsets(path)
         parse = _parser(path)
         lo, hi = int(rows.min()), int(rows.max()) + 1
+        if lo < 0 or hi >= len(offsets):
+            raise _past_end(path, lo if lo < 0 else hi - 1, len(offsets) - 1)
         if offsets[hi] - offsets[lo] <= _SPAN_BYTES:
             # One read of the span the rows lie in (a shuffle window's), kept: the next steps
             # drawing from the same window parse from memory.
@@ -258,25 +262,21 @@ class DefaultReader:
         # one read per contiguous run of wanted rows
         for run in np.split(uniq, np.flatnonzero(np.diff(uniq) != 1) + 1):
             a, b = int(run[0]), int(run[-1]) + 1
-            f.seek(int(offsets[a]))
-            lines = f.read(int(offsets[b] - offsets[a])).decode("utf-8").split("\n")
-            found.update(zip(range(a, b), map(parse, lines), strict=False))
+            lines = _read_rows(f, path, offsets, a, b)
+            found.update(zip(range(a, b), map(parse, lines), strict=True))
         return [found[r] for r in rows.tolist()]
 
     def _span(
         self, key: str, path: str, offsets: np.ndarray, lo: int, hi: int
     ) -> tuple[int, list[str]]:
-        """Lines ``[lo, hi)`` of ``path`` as text: from the span read last when it holds
+        """Rows ``[lo, hi)`` of ``path`` as text: from the span read last when it holds
         them, else read (from ``lo`` to at least ``hi``, up to ``_SPAN_BYTES``) and kept."""
         held = self._spans.get(key)
         if held is not None and held[0] <= lo and hi <= held[0] + len(held[1]):
             return held
         stop = int(np.searchsorted(offsets, offsets[lo] + _SPAN_BYTES, side="right")) - 1
         stop = min(max(hi, stop), len(offsets) - 1)
-        f = self._handle(key, path)
-        f.seek(int(offsets[lo]))
-        text = f.read(int(offsets[stop] - offsets[lo])).decode("utf-8").split("\n")
-        del text[stop - lo :]  # the empty piece after the last newline is no line
+        text = _read_rows(self._handle(key, path), path, offsets, lo, stop)
         if len(self._spans) >= 4:
             self._spans.clear()
         self._spans[key] = (lo, text)
@@ -294,32 +294,99 @@ class DefaultReader:
                 for old in self._files.values():
                     old.close()
                 self._files.clear()
-            f = self._files[key] = open(path, "rb")  # noqa: SIM115 (kept open, closed above)
+            with _shard_file(path):
+                f = open(path, "rb")  # noqa: SIM115 (kept open, closed above)
+            self._files[key] = f
         return f
 
     def _line_offsets(self, path: str) -> tuple[str, np.ndarray]:
-        """Byte offsets of every line start, plus the file's end (one pass, cached)."""
-        st = os.stat(path)
-        key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
-        if key not in self._offsets:
-            with open(path, "rb") as f:
-                data = np.frombuffer(f.read(), dtype=np.uint8)
-            ends = np.flatnonzero(data == ord("\n")) + 1
-            if data.size and data[-1] != ord("\n"):
-                ends = np.append(ends, data.size)
-            self._offsets[key] = np.concatenate([[0], ends]).astype(np.int64)
+        """Byte offsets of every row's start, plus the file's end (one pass, cached). A row
+        is a line; in a JSON-lines file, a line that holds more than whitespace (as
+        ``meshfeed convert`` reads it): blank lines lie between rows and are skipped."""
+        with _shard_file(path):
+            st = os.stat(path)
+            key = f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+            if key not in self._offsets:
+                with open(path, "rb") as f:
+                    data = np.frombuffer(f.read(), dtype=np.uint8)
+                self._offsets[key] = _row_starts(data, skip_blank=_is_jsonl(path))
         return key, self._offsets[key]
 
 
+#: What ``bytes.strip()`` removes (ASCII whitespace): a JSON line of these alone is blank.
+_BLANK = " \t\n\r\x0b\x0c"
+
+
+def _row_starts(data: np.ndarray, *, skip_blank: bool) -> np.ndarray:
+    """The start of every row of a text file's bytes, then its size (``int64``): a row per
+    line, less the blank lines where ``skip_blank``."""
+    starts = np.concatenate([[0], np.flatnonzero(data == ord("\n")) + 1]).astype(np.int64)
+    starts = starts[starts < data.size]  # the end of the file starts no line
+    if skip_blank and starts.size:
+        ink = (data != ord(" ")) & ((data < ord("\t")) | (data > ord("\r")))
+        starts = starts[np.logical_or.reduceat(ink, starts)]
+    return np.append(starts, np.int64(data.size))
+
+
+def _read_rows(f: Any, path: str, offsets: np.ndarray, lo: int, hi: int) -> list[str]:
+    """Rows ``[lo, hi)`` of ``path`` (open as ``f``) as text: one read from row ``lo``'s
+    start to row ``hi``'s (blank lines between them dropped in a JSON-lines file)."""
+    f.seek(int(offsets[lo]))
+    lines = f.read(int(offsets[hi] - offsets[lo])).decode("utf-8").split("\n")
+    if _is_jsonl(path):
+        lines = [line for line in lines if line.strip(_BLANK)]
+    else:
+        del lines[hi - lo :]  # the empty piece after the last newline is no line
+    if len(lines) != hi - lo:  # the file changed between its offset table and this read
+        raise _past_end(path, hi - 1, lo + len(lines))
+    return lines
+
+
+@contextlib.contextmanager
+def _shard_file(path: str) -> Iterator[None]:
+    """A shard file that is gone or unreadable raises :class:`SourceError` naming it."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise SourceError(
+            f"shard {path} is missing: it was deleted or moved after the stream was built "
+            "(its rows were counted then); restore it, or build the stream again without it"
+        ) from exc
+    except OSError as exc:
+        if isinstance(exc, SourceError):
+            raise
+        raise SourceError(f"cannot read shard {path}: {exc}") from exc
+
+
+def _past_end(shard: Any, row: int, rows: int) -> ShardRowsError:
+    """The error for ``row`` of a shard that holds ``rows`` rows (never a bad sample)."""
+    return ShardRowsError(
+        f"shard {shard_name(shard)} holds {rows} rows, but row {row} was asked for: it changed "
+        "after its rows were counted, or rows= overstates it; build the stream again (with "
+        "the right rows=, or none to count them)"
+    )
+
+
+def _is_jsonl(path: str) -> bool:
+    return path.endswith(".jsonl")
+
+
 def _parser(path: str) -> Callable[[str], Any]:
-    return json.loads if path.endswith(".jsonl") else str
+    return json.loads if _is_jsonl(path) else str
 
 
 def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:
-    as_json = path.endswith(".jsonl")
-    with open(path, encoding="utf-8") as f:
-        for line in itertools.islice(f, start, stop):
-            yield json.loads(line) if as_json else line.rstrip("\n")
+    with _shard_file(path):
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
+    with f:
+        if _is_jsonl(path):  # rows as take() counts them: non-blank lines, split at b"\n"
+            lines = (line for line in f if line.strip())
+            for line in itertools.islice(lines, start, stop):
+                yield json.loads(line)
+            return
+        text = io.TextIOWrapper(f, encoding="utf-8")
+        for row in itertools.islice(text, start, stop):
+            yield row.rstrip("\n")
 
 
 def rows_by_take(
@@ -381,10 +448,7 @@ class RowCursor:
         self.at = lo + len(span)
         if len(span) != hi - lo:
             self.it = None
-            raise IndexError(
-                f"shard {shard_name(self.shard)} yielded {lo + len(span)} rows, but row {hi - 1} was "
-                "asked for; it has fewer rows than counted, so it changed or rows= is wrong"
-            )
+            raise _past_end(self.shard, hi - 1, lo + len(span))
         out = [span[r - lo] if lo <= r < hi else self.span[r - lo0] for r in wanted]
         self.span_start, self.span = lo, span
         return out

@@ -36,11 +36,15 @@ never need more than the limit at once.
 
 from __future__ import annotations
 
+import functools
 import os
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from meshfeed.errors import ShardRowsError
 from meshfeed.sources.streams.holds import IDLE, Holds
 from meshfeed.sources.streams.readers import ReaderHooks, shard_identity, shard_mtime
 from meshfeed.storage import ShardCache, is_url
@@ -79,16 +83,25 @@ class CachedReader:
         self._fresh()
 
     def _fresh(self) -> None:
-        """This process's own holds (none yet) and download-aheads asked."""
+        """This process's own holds (none yet) and download-aheads asked. The holds are let
+        go when this reader is closed (:meth:`close`) or collected: a reader left open, e.g. by
+        a loop stopped early, keeps no entry of the cache from the readers after it."""
+        old = getattr(self, "_closer", None)
+        if old is not None:
+            old.detach()  # a forked copy: the parent's holds are the parent's
         self._pid = os.getpid()
         limited = self.cache.cache_limit is not None
-        self._holds = Holds(self._let_go, keep=self.keep, idle=IDLE if limited else None)
+        # not a method of self: the holds must not keep this reader from being collected
+        let_go = functools.partial(_let_go, self.cache, self._hooks.forget if limited else None)
+        self._holds = Holds(let_go, keep=self.keep, idle=IDLE if limited else None)
+        self._closer = weakref.finalize(self, self._holds.close)
         self._asked: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         # The versions travel: a worker expects the version the job started with (and asks
         # the bucket no second time).
-        return {k: v for k, v in self.__dict__.items() if k not in ("_holds", "_asked")}
+        skip = ("_holds", "_asked", "_closer")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -120,14 +133,6 @@ class CachedReader:
     def _done(self, shard: Any) -> None:
         if isinstance(shard, str) and is_url(shard):
             self._own().done(shard)
-
-    def _let_go(self, url: str, local: str) -> None:
-        """End this process's hold of ``url``, and the inner reader's map of it under a
-        limit (a map would keep an evicted file's blocks on disk); without a limit nothing is
-        evicted, and the inner reader keeps its maps (re-opening costs more than a read)."""
-        if self.cache.cache_limit is not None and self._hooks.forget is not None:
-            self._hooks.forget(local)
-        self.cache.release(url)
 
     def plan(self, shards: list[Any]) -> None:
         """The stream's order will read ``shards`` next: download them ahead in the
@@ -201,12 +206,21 @@ class CachedReader:
                 return list(self._hooks.take(local, rows))
             lo, hi = int(rows.min()), int(rows.max()) + 1
             span = list(self.inner(local, lo, hi))
+            if len(span) != hi - lo:  # never a row of another index in its place
+                raise ShardRowsError(
+                    f"shard {shard} holds {lo + len(span)} rows, but row {hi - 1} was asked "
+                    "for: rows= overstates it, or its reader yields fewer rows than it counts"
+                )
             return [span[r - lo] for r in rows.tolist()]
         finally:
             self._done(shard)
 
     def count(self, shard: Any) -> int:
+        """The rows of ``shard``; a shard held for counting alone is let go at once (a
+        stream counted and never read keeps nothing held)."""
         count = self._hooks.count
+        url = shard if isinstance(shard, str) and is_url(shard) else None
+        was_held = url is not None and url in self._own().urls()
         local = self._local(shard)
         try:
             if count is not None:
@@ -214,7 +228,18 @@ class CachedReader:
             return sum(1 for _ in self.inner(local, 0, None))
         finally:
             self._done(shard)
+            if url is not None and not was_held:
+                self._own().finish([url])
 
     def close(self) -> None:
-        """Let go of every shard this process holds."""
+        """Let go of every shard this process holds (idempotent; reading again holds anew)."""
         self._own().close()
+
+
+def _let_go(cache: ShardCache, forget: Callable[[Any], None] | None, url: str, local: str) -> None:
+    """End this process's hold of ``url``, and (``forget``, under a limit) the inner reader's
+    map of it (a map would keep an evicted file's blocks on disk); without a limit nothing is
+    evicted, and the inner reader keeps its maps (re-opening costs more than a read)."""
+    if forget is not None:
+        forget(local)
+    cache.release(url)

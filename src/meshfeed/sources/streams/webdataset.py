@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.errors import SourceError
+from meshfeed.errors import ShardRowsError, SourceError
 from meshfeed.sources.streams.files import (
     HandleCache,
     OpenFile,
@@ -142,9 +142,10 @@ class TarReader:
         index = self._index(name)
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= len(index)):
-            raise IndexError(
+            raise ShardRowsError(
                 f"rows out of range for tar shard {name!r} of {len(index)} samples (got "
-                f"values in [{rows.min()}, {rows.max()}])"
+                f"values in [{rows.min()}, {rows.max()}]); if a stream asked for them, the "
+                "shard changed after its rows were counted, or rows= overstates it"
             )
         uniq = np.unique(rows)
         found: dict[int, dict[str, Any]] = {}
