@@ -236,6 +236,12 @@ def test_bad_arguments_raise_clear_errors(kwargs, match):
         DataLoader(Squares(8), **kwargs)
 
 
+def test_a_collate_fn_that_is_not_callable_is_refused_when_the_loader_is_built():
+    # It was accepted, and the first batch raised "'int' object is not callable".
+    with pytest.raises(TypeError, match=r"collate_fn must be a function .* collate_fn=5\)"):
+        DataLoader(Squares(8), batch_size=2, collate_fn=5)
+
+
 def test_empty_dataset_and_no_len():
     with pytest.raises(ValueError, match="dataset is empty"):
         DataLoader([], batch_size=1)

@@ -88,6 +88,14 @@ def test_rank_out_of_range_is_rejected():
         mesh.coords(-1)
 
 
+@pytest.mark.parametrize("rank", [True, 1.0, "1", None])
+def test_a_rank_that_is_not_an_int_is_refused_by_type(rank):
+    # rank=True was taken as rank 1, and rank=1.0 was called "out of range".
+    mesh = DataMesh.from_sizes(dp=2)
+    with pytest.raises(TypeError, match=rf"rank must be an int in \[0, 2\) \(got rank={rank!r}"):
+        mesh.data_rank(rank)
+
+
 def test_env_world_not_divisible():
     with pytest.raises(ValueError, match="WORLD_SIZE=6 is not divisible"):
         DataMesh.from_env(env={"WORLD_SIZE": "6"}, tp=4)

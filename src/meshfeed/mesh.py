@@ -289,7 +289,12 @@ class DataMesh:
         return tuple(int(x) for x in np.unravel_index(position, self.axis_sizes))
 
     def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+            raise TypeError(
+                f"rank must be an int in [0, {self.world_size}) (got rank={rank!r} of type "
+                f"{type(rank).__name__}); pass the process's rank as an int"
+            )
+        if not 0 <= rank < self.world_size:
             raise ValueError(
                 f"rank={rank!r} is out of range for a mesh of world size {self.world_size} "
                 f"({self.sizes}); pass a rank in [0, {self.world_size})"

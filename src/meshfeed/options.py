@@ -255,6 +255,11 @@ class LoaderOptions:
             )
         if self.on_error is None:
             object.__setattr__(self, "on_error", "substitute")
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            raise TypeError(
+                f"collate_fn must be a function of a list of samples, or None for the default "
+                f"collation (got collate_fn={self.collate_fn!r})"
+            )
         check_delivery(self.device, self.device_prefetch, self.on_step, self.warn_wait_share)
         object.__setattr__(self, "rampup", as_rampup(self.rampup))
 
