@@ -133,6 +133,17 @@ def test_a_small_vocab_size_is_refused_in_cli_terms_without_a_traceback(tmp_path
     assert proc.stderr.count("\n") == 1
 
 
+def test_negative_token_ids_are_refused_as_negative_whatever_the_vocab_size(tmp_path, caplog):
+    write_indexed(tmp_path / "c", [np.array([-3, 5, 7])] * 5, np.int16)
+    argv = ["analyze", str(tmp_path / "c"), "-o", str(tmp_path / "m"), "-q", "-j", "0"]
+    for more in ([], ["--vocab-size", "8"], ["--vocab-size", "100000"]):
+        caplog.clear()
+        assert _run([*argv, "-m", "vocab_rarity", *more]) == 2
+        err = caplog.text
+        assert "token id -3 (the smallest, at token 0 of sample 0 " in err
+        assert "token ids must be >= 0" in err and "--vocab-size" not in err
+
+
 def test_windows_index_one_value_per_token_window_in_its_order(tmp_path, capsys):
     from meshfeed.sources.tokens.windows import TokenWindows
 

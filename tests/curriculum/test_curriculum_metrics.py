@@ -75,6 +75,24 @@ def test_token_ids_outside_the_vocabulary_are_refused_not_dropped(batched):
                 hist.fn(acc, doc)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_negative_token_ids_are_refused_as_negative_not_by_vocab_size(batched):
+    hist = token_histogram(100)
+    acc = np.zeros(100, dtype=np.int64)
+    docs = [np.array([0, 1]), np.array([3, -2, 5, -7, 99])]
+    where = "sample 1 of the analysed chunk of 2 samples" if batched else "the sample"
+    with pytest.raises(ValueError, match=rf"token id -7 \(the smallest, at token 3 of {where}\)"):
+        if batched:
+            assert hist.batch_fn is not None
+            hist.batch_fn(acc, docs)
+        else:
+            for doc in docs:
+                hist.fn(acc, doc)
+    with pytest.raises(ValueError, match=r"token ids must be >= 0") as info:
+        hist.fn(acc, np.array([-1, 500]))  # negative and too large: the negative one is named
+    assert "token id -1 " in str(info.value) and "vocab_size >" not in str(info.value)
+
+
 @pytest.mark.parametrize("empty", [[], (), np.array([])], ids=["list", "tuple", "float-array"])
 def test_an_empty_document_counts_zero_tokens(empty):
     docs = [[1, 2], empty, [2]]

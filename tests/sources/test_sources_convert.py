@@ -70,6 +70,41 @@ def test_npy_rows_are_documents(tmp_path: Path) -> None:
         convert(tmp_path / "f.npy", tmp_path / "e", progress=False)
 
 
+@pytest.mark.parametrize("dtype", ["uint64", "int64", "uint32", "int32", "uint8", "int8"])
+def test_npy_of_any_integer_dtype_takes_an_eod_in_its_dtype(tmp_path: Path, dtype: str) -> None:
+    np.save(tmp_path / "ids.npy", np.arange(6, dtype=dtype).reshape(2, 3))
+    for eod in (0, 127, 300):  # 300 fits no 8-bit dtype: widened to an integer one, not float
+        out = tmp_path / f"c{eod}"
+        corpus = convert(tmp_path / "ids.npy", out, append_eod=eod, progress=False)
+        assert corpus.dtype == np.uint16
+        assert [corpus.document(i).tolist() for i in range(2)] == [[0, 1, 2, eod], [3, 4, 5, eod]]
+    if dtype.startswith("int"):
+        corpus = convert(
+            tmp_path / "ids.npy",
+            tmp_path / "neg",
+            dtype="int16",
+            eod_id=-1,
+            append_eod=True,
+            progress=False,
+        )
+        assert corpus.document(1).tolist() == [3, 4, 5, -1]
+
+
+def test_a_negative_eod_beside_uint64_ids_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    np.save(tmp_path / "u64.npy", np.arange(12, dtype=np.uint64).reshape(3, 4))
+    argv = ["convert", str(tmp_path / "u64.npy"), "-o", str(tmp_path / "e"), "-q"]
+    assert run_cli(*argv, "--eod-id", "0") == 0
+    assert TokenCorpus.open(tmp_path / "e").document(2).tolist() == [8, 9, 10, 11, 0]
+    capsys.readouterr()
+    argv[3] = str(tmp_path / "n")
+    assert run_cli(*argv, "--eod-id=-1", "--dtype", "int16") == 2
+    err = capsys.readouterr().err
+    assert "holds uint64 token ids" in err and "end-of-document id -1" in err
+    assert "float" not in err
+
+
 def test_several_inputs_are_concatenated_in_order(tmp_path: Path) -> None:
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}])
     np.save(tmp_path / "b.npy", np.array([[7, 8]]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,33 @@ def test_getitems_returns_rows_in_index_order() -> None:
     ]
     assert src[-1]["id"] == 9
     assert src.__getitems__([]) == []
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "pandas", "pa", "pd"])
+def test_a_table_format_is_refused_by_name(fmt: str) -> None:
+    with pytest.raises(ValueError, match=r"has format '(arrow|pandas)'.*with_format\(None\)"):
+        HFSource(make().with_format(fmt))
+    with pytest.raises(ValueError, match="one-row tables"):
+        HFSource(make().with_format(fmt), columns=["id"])
+
+
+@pytest.mark.parametrize("fmt", [None, "numpy", "torch"])
+def test_a_single_read_and_a_batched_read_give_the_same_rows(fmt: str | None) -> None:
+    src = HFSource(make().with_format(fmt))
+    batch = src.__getitems__([3, 1])
+    for row, i in zip(batch, (3, 1), strict=True):
+        one = src[i]
+        assert isinstance(one, dict) and sorted(one) == sorted(row) == ["id", "text", "v"]
+        for k in row:
+            a, b = one[k], row[k]
+            assert type(a) is type(b)
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b)
+            elif isinstance(a, np.ndarray):
+                assert np.array_equal(a, b)
+            else:
+                assert a == b
+    assert int(batch[0]["id"]) == 3 and list(map(int, batch[1]["v"])) == [1, 1]
 
 
 def test_getitems_is_one_batched_read(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -71,6 +71,22 @@ def test_ranged_windows_are_the_local_windows(
     assert not Path(mine.corpus.prefix + ".bin").exists()  # never downloaded whole
 
 
+def test_a_ranged_read_with_a_narrower_dtype_refuses_ids_it_cannot_hold(
+    s3: S3,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    local = tmp_path / "local" / "c"
+    write_indexed(local, [np.arange(100), np.array([70000, 1, 2])], np.int32)
+    url = _upload(s3, local)
+    windows = TokenWindows(url, seq_len=4, dtype=torch.uint16, **_remote(s3, tmp_path, ranged=True))
+    assert windows.fetch_batch(np.array([0, 1])).tolist() == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8]]
+    where = r"window 24 \(token 4 of it, 100 of the corpus\) holds token id 70000"
+    with pytest.raises(ValueError, match=where):
+        windows.fetch_batch(np.array([0, 24]))
+    with pytest.raises(ValueError, match=where):
+        windows[24]
+
+
 def test_a_ranged_corpus_reads_documents_and_fingerprints_like_the_local_one(
     s3: S3,  # noqa: F811
     tmp_path: Path,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,49 @@ def test_existing_output_is_refused_unless_overwriting_a_dataset(tmp_path: Path)
     (tmp_path / "other" / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError):
         write_shards(range(5), tmp_path / "other", rows_per_shard=4, overwrite=True)
+
+
+def test_overwrite_replaces_only_the_old_datasets_files(tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    old = read_index(write_shards(range(10), ds, rows_per_shard=4)).files
+    (ds / "notes.txt").write_text("keep")
+    (ds / "sub").mkdir()
+    (ds / "sub" / "more.jsonl").write_text("{}")
+    index = write_shards(range(5), ds, rows_per_shard=4, overwrite=True)
+    assert read_all(ShardFormatReader.from_index(index)) == list(range(5))
+    new = read_index(index).files
+    assert not set(new) & set(old)  # new names: the old dataset stayed whole until the swap
+    assert sorted(p.name for p in ds.iterdir()) == sorted(["index.json", "notes.txt", "sub", *new])
+    assert (ds / "notes.txt").read_text() == "keep" and (ds / "sub" / "more.jsonl").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_overwrite_never_clobbers_a_file_and_a_failed_rewrite_keeps_the_old_dataset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = tmp_path / "ds"
+    write_shards(range(10), ds, rows_per_shard=4)
+    before = {p.name: p.read_bytes() for p in ds.iterdir()}
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=0))  # the new shards' names
+    (ds / "shard-00000000-00000.mfs").write_text("not a shard of ds")
+    with pytest.raises(FileExistsError, match=r"shard-00000000-00000.mfs exists and is no file"):
+        write_shards(range(5), ds, rows_per_shard=4, overwrite=True)
+    assert (ds / "shard-00000000-00000.mfs").read_text() == "not a shard of ds"
+    (ds / "shard-00000000-00000.mfs").unlink()
+    assert {p.name: p.read_bytes() for p in ds.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+    def bad() -> Any:
+        yield from range(5)
+        raise RuntimeError("source broke")
+
+    with pytest.raises(RuntimeError, match="source broke"):
+        write_shards(bad(), ds, rows_per_shard=2, overwrite=True)
+    assert {p.name: p.read_bytes() for p in ds.iterdir()} == before
+    (ds / "index.json").write_text("{not json")
+    with pytest.raises(SourceError, match="remove the old dataset yourself"):
+        write_shards(range(5), ds, rows_per_shard=4, overwrite=True)
+    assert sorted(p.name for p in ds.iterdir()) == sorted(before)
 
 
 @NEEDS_ZSTD

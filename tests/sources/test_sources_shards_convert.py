@@ -108,6 +108,35 @@ def test_records_the_shards_cannot_hold_are_refused_by_file_and_line(
     assert not (tmp_path / "out").exists()
 
 
+def test_overwrite_on_the_command_line_keeps_inputs_and_other_files_in_the_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    first = write_jsonl(tmp_path / "first.jsonl", [{"x": 1}, {"x": 2}])
+    assert main(["convert", str(first), "--to", "shards", "-o", str(out), "-q"]) == 0
+    old = read_index(out).files
+    more = write_jsonl(out / "more.jsonl", [{"x": 3}, {"x": 4}])
+    (out / "NOTES.txt").write_text("notes")
+    argv = ["convert", str(more), "--to", "shards", "-o", str(out), "--overwrite", "-q"]
+    assert main(argv) == 0
+    index = read_index(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["NOTES.txt", "index.json", "more.jsonl", *index.files]
+    )
+    assert not set(index.files) & set(old)
+    assert more.read_text().count("\n") == 2 and (out / "NOTES.txt").read_text() == "notes"
+    capsys.readouterr()
+    # an input the rewrite would delete (a file the old index names) is refused by name
+    shard = out / index.files[0]
+    assert (
+        main(["convert", str(more), str(shard), "--to", "shards", "-o", str(out), "--overwrite"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"input {shard} is {index.files[0]} of the shard dataset in {out}" in err
+    assert read_index(out, verify=True).files == index.files
+
+
 def test_shard_size_options_workers_and_overwrite_on_the_command_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

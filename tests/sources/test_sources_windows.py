@@ -66,6 +66,51 @@ def test_windows_default_to_int64_and_take_a_narrower_dtype(tmp_path: Path) -> N
     assert narrow[0].tolist() == flat[8:17].tolist()
 
 
+def test_a_narrower_dtype_refuses_ids_it_cannot_hold_and_never_wraps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = tmp_path / "c"
+    docs = [np.array([1, 2, 3, 4, 5]), np.array([6, 70000, 7, -1]), np.array([8, -2])]
+    write_indexed(prefix, docs, np.int32)
+    windows = TokenWindows(prefix, seq_len=2, dtype=torch.uint16)  # windows [0..2], [2..4], ...
+    assert windows[0].tolist() == [1, 2, 3] and windows[1].dtype == torch.uint16
+    assert windows.fetch_batch(np.array([1, 0])).tolist() == [[3, 4, 5], [1, 2, 3]]
+    fix = r"pass a dtype that holds every id, e.g. dtype=torch.int64 \(the default\) or torch.int32"
+    where = r"window 3 \(token 0 of it, 6 of the corpus\) holds token id 70000"
+    what = rf"{where}, which dtype=torch.uint16 cannot hold \(0..65535; .*c\.bin stores int32\)"
+    with pytest.raises(ValueError, match=rf"{what}.*{fix}"):
+        windows[3]
+    with pytest.raises(ValueError, match=where):
+        windows.fetch_batch(np.array([0, 3]))
+    with pytest.raises(ValueError, match=where):
+        windows.__getitems__([3])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the pinned path checks too
+    pinned = TokenWindows(prefix, seq_len=2, dtype=torch.int16, pin_memory=True)
+    with pytest.raises(ValueError, match=r"window 2 \(token 2 of it, 6 of the corpus\)"):
+        pinned.fetch_batch(np.array([2]))
+    monkeypatch.undo()
+    documents = TokenDocuments(prefix, dtype=torch.int16)
+    assert documents.fetch_batch(np.array([0]))["tokens"].tolist() == [1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"document 1 \(token 1 of it\) holds token id 70000"):
+        documents.fetch_batch(np.array([0, 1]))
+    unsigned = TokenDocuments(prefix, dtype=torch.uint16)
+    with pytest.raises(ValueError, match=r"document 2 \(token 1 of it\) holds token id -2"):
+        unsigned.fetch_batch(np.array([0, 2]))
+    for dtype in (torch.int32, torch.int64):  # as wide or wider: every id as it is
+        assert TokenWindows(prefix, seq_len=2, dtype=dtype)[3].tolist() == [70000, 7, -1]
+        assert TokenDocuments(prefix, dtype=dtype).fetch_batch(np.array([1]))[
+            "tokens"
+        ].tolist() == [6, 70000, 7, -1]
+
+
+def test_a_narrower_dtype_of_the_same_width_checks_the_sign(tmp_path: Path) -> None:
+    prefix = tmp_path / "c"
+    write_indexed(prefix, [np.array([1, 40000, 2])], np.uint16)
+    with pytest.raises(ValueError, match=r"token id 40000, which dtype=torch.int16 cannot hold"):
+        TokenWindows(prefix, seq_len=2, dtype=torch.int16)[0]
+    assert TokenWindows(prefix, seq_len=2, dtype=torch.int32)[0].tolist() == [1, 40000, 2]
+
+
 def test_fetch_batch_takes_any_integer_index_array(tmp_path: Path) -> None:
     corpus, _ = corpus_of(tmp_path, [64, 64])
     windows = TokenWindows(corpus, seq_len=10)

@@ -98,8 +98,22 @@ def _len(sample: Any, *, key: str | None) -> int:
     return len(_field(sample, key))
 
 
-def _check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+def _check_vocab(tokens: np.ndarray, vocab_size: int, sizes: np.ndarray | None = None) -> None:
+    """Refuse ids outside ``[0, vocab_size)``; ``sizes`` splits ``tokens`` into samples."""
+    if tokens.size and int(tokens.min()) < 0:
+        k = int(np.argmin(tokens))  # the first smallest
+        at = f"token {k} of the sample"
+        if sizes is not None:
+            ends = np.cumsum(sizes)
+            j = int(np.searchsorted(ends, k, side="right"))
+            start = int(ends[j] - sizes[j])
+            at = f"token {k - start} of sample {j} of the analysed chunk of {len(sizes)} samples"
+        raise ValueError(
+            f"token id {int(tokens[k])} (the smallest, at {at}) is negative; token ids must be "
+            ">= 0 for vocab_rarity / token_histogram, which count ids in [0, vocab_size) "
+            "(no vocabulary size takes a negative id): fix or drop the negative ids"
+        )
+    if tokens.size and int(tokens.max()) >= vocab_size:
         raise ValueError(
             f"token ids span [{int(tokens.min())}, {int(tokens.max())}], outside the "
             f"vocabulary [0, {vocab_size}); pass vocab_size > {int(tokens.max())} to "
@@ -131,8 +145,8 @@ def _flat_tokens(samples: list[Any], key: str | None) -> tuple[np.ndarray, np.nd
 
 
 def _count_tokens_batch(acc: np.ndarray, samples: list[Any], *, key: str | None) -> None:
-    flat, _ = _flat_tokens(samples, key)
-    _check_vocab(flat, len(acc))
+    flat, sizes = _flat_tokens(samples, key)
+    _check_vocab(flat, len(acc), sizes)
     acc += np.bincount(flat, minlength=len(acc)).astype(acc.dtype)
 
 

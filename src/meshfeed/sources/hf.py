@@ -16,6 +16,9 @@ __all__ = ["HFSource"]
 
 Row = dict[str, Any]
 
+#: ``Dataset.with_format`` types whose rows and batches are tables, not dicts of values
+_TABLE_FORMATS = frozenset({"arrow", "pandas", "polars"})
+
 
 def _datasets() -> Any:
     try:
@@ -32,8 +35,14 @@ class HFSource:
     """Map-style rows (``dict`` column -> value) over a random-access ``datasets.Dataset``.
 
     ``columns`` keeps only those columns (all by default). The dataset's format is respected
-    (``with_format("torch")`` gives tensors per row). Iterable and dict datasets are rejected:
-    choose a split (``ds["train"]``), or stream an ``IterableDataset`` with a meshfeed stream.
+    where a row is a dict of values: the default (Python objects), ``with_format("numpy")``
+    (arrays per row), ``"torch"`` (tensors per row), ``"tensorflow"``, ``"jax"`` and a
+    transform (``with_transform``); ``src[i]`` and ``src.__getitems__`` give the same rows.
+    A table format (``"arrow"``, ``"pandas"``, ``"polars"``) is refused by name when the
+    source is made (a row there is a one-row table, not a dict of values): pass
+    ``dataset.with_format(None)``, ``"numpy"`` or ``"torch"``. Iterable and dict datasets are
+    rejected: choose a split (``ds["train"]``), or stream an ``IterableDataset`` with a
+    meshfeed stream.
 
     >>> src = HFSource(datasets.Dataset.from_dict({"text": ["a", "b"]}))  # doctest: +SKIP
     >>> src.__getitems__([1, 0])  # doctest: +SKIP
@@ -56,6 +65,13 @@ class HFSource:
             raise TypeError(
                 f"dataset must be a datasets.Dataset (got {type(dataset).__name__}); wrap plain "
                 "data with datasets.Dataset.from_dict"
+            )
+        kind = dataset.format["type"]
+        if kind in _TABLE_FORMATS:
+            raise ValueError(
+                f"the dataset has format {kind!r}, whose rows are one-row tables, not dicts of "
+                "values; pass dataset.with_format(None) (Python objects), "
+                'dataset.with_format("numpy") or dataset.with_format("torch")'
             )
         if columns is not None:
             missing = [c for c in columns if c not in dataset.column_names]

@@ -101,9 +101,27 @@ def _encode_chunk_with(chunk: _Chunk, job: _Job) -> list[np.ndarray]:
                 f"or a list of token ids: fix it, or pass --field NAME"
             )
         if job.eod is not None:
-            ids = np.concatenate([ids, job.eod])
+            ids = _with_eod(ids, job.eod, chunk.where(i))
         out.append(ids)
     return out
+
+
+def _with_eod(ids: np.ndarray, eod: np.ndarray, where: str) -> np.ndarray:
+    """``ids`` with the end-of-document id appended, in their integer dtype (a wider integer
+    one only when the id does not fit it); never promoted to float."""
+    if ids.dtype.kind not in "iu":
+        return np.concatenate([ids, eod])  # not token ids: the writer refuses it by name
+    e = int(eod[0])
+    dtype = ids.dtype
+    if not np.iinfo(dtype).min <= e <= np.iinfo(dtype).max:
+        dtype = np.promote_types(dtype, np.min_scalar_type(e))
+        if dtype.kind not in "iu":  # uint64 ids and a negative id: no integer holds both
+            raise ValueError(
+                f"{where} holds {ids.dtype} token ids, which cannot sit beside the "
+                f"end-of-document id {e} in one integer dtype; pass an --eod-id that is "
+                f">= 0, or store the ids as int64"
+            )
+    return np.concatenate([ids.astype(dtype, copy=False), np.asarray([e], dtype)])
 
 
 _WORKER_JOB: _Job | None = None

@@ -27,8 +27,8 @@ import numpy as np
 
 from meshfeed.errors import SourceError
 from meshfeed.sources.converters.inputs import input_paths, jsonl_lines, parse_json
-from meshfeed.sources.shards.format import ShardIndex, read_index
-from meshfeed.sources.shards.write import write_shards
+from meshfeed.sources.shards.format import INDEX_NAME, ShardIndex, read_index
+from meshfeed.sources.shards.write import replaced_files, write_shards
 from meshfeed.storage import ShardCache, StorageOptions
 from meshfeed.storage.output import upload_target
 
@@ -174,6 +174,21 @@ def jsonl_samples(paths: Sequence[Path]) -> Iterator[Any]:
     return iter(_scan(paths))
 
 
+def _check_not_replaced(paths: Sequence[Path], output: str | os.PathLike[str]) -> None:
+    """Refuse an input that replacing the dataset at ``output`` would delete."""
+    if upload_target(output) is not None or not (Path(output) / INDEX_NAME).is_file():
+        return  # inputs are local files: a URL prefix holds none of them
+    out = Path(output)
+    replaced = {(out / name).resolve(): name for name in replaced_files(out)}
+    for p in paths:
+        if p.resolve() in replaced:
+            raise ValueError(
+                f"input {p} is {replaced[p.resolve()]} of the shard dataset in {out}, which "
+                "overwrite replaces (its files are deleted once the new dataset is in place); "
+                f"move the input out of {out}, or write into another directory"
+            )
+
+
 def convert_to_shards(
     inputs: Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
@@ -189,6 +204,8 @@ def convert_to_shards(
     """Write the JSONL ``inputs`` (in order) as shards into ``output`` (a folder or a URL
     prefix, see :func:`write_shards`); return the path or URL of ``index.json``."""
     paths = input_paths(inputs)
+    if overwrite:
+        _check_not_replaced(paths, output)
     samples = _scan(paths)
     try:
         return write_shards(
@@ -222,7 +239,10 @@ def handler(args: argparse.Namespace) -> int:
             cache_dir=args.cache_dir,
         )
         index = _read_written(index_path, args.cache_dir)
-    except FileExistsError:
+    except FileExistsError as e:
+        if e.filename is not None:  # a name the new shards would take (with --overwrite)
+            print(f"meshfeed convert: error: {e.strerror}", file=sys.stderr)
+            return 2
         print(
             f"meshfeed convert: error: {args.output} already holds data; pass --overwrite to "
             "replace a shard dataset there (one with an index.json), or choose another -o",

@@ -6,24 +6,33 @@ The write is atomic: everything goes into a hidden temporary directory beside ``
 raises (a bad sample, a failing iterator, a full disk) removes the temporary directory, so no
 half-written dataset is ever seen as complete. A process killed mid-write can leave a
 ``.<name>.tmp-*`` directory behind; it is never mistaken for a dataset.
+
+Replacing a dataset (``overwrite=True``) touches nothing but that dataset: the new shards get
+new names and are moved in beside the old ones (a name already taken is refused, nothing is
+clobbered), the new ``index.json`` replaces the old one in one rename, then the shards the old
+index named are deleted. Any other file in the folder stays.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import uuid
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from meshfeed.errors import SourceError
 from meshfeed.sources.shards.encode import Options, encode_dataset, fsync_dir, zstd_level
-from meshfeed.sources.shards.format import INDEX_NAME
+from meshfeed.sources.shards.format import INDEX_NAME, read_index
 from meshfeed.sources.shards.upload import write_to_url
 from meshfeed.storage import StorageOptions, local_path_of
 from meshfeed.storage.output import Upload, upload_target
 
-__all__ = ["write_shards"]
+__all__ = ["replaced_files", "write_shards"]
 
 
 def _check_options(
@@ -47,7 +56,9 @@ def _check_options(
         raise ValueError(f"num_workers must be an int >= 1 (got {num_workers!r})")
 
 
-def _prepare(out: Path, overwrite: bool) -> None:
+def _prepare(out: Path, overwrite: bool) -> list[str] | None:
+    """Check ``out`` can take a dataset; the files of the dataset it holds (the ones
+    ``overwrite`` replaces: its shards and index), or None when it is absent or empty."""
     taken = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if taken and not (overwrite and (out / INDEX_NAME).is_file()):
         raise FileExistsError(
@@ -55,18 +66,59 @@ def _prepare(out: Path, overwrite: bool) -> None:
             "a shard dataset (one with an index.json), or choose another directory"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
+    return replaced_files(out) if taken else None
+
+
+def replaced_files(out: str | os.PathLike[str]) -> list[str]:
+    """The files ``write_shards(..., out, overwrite=True)`` deletes from the folder ``out``
+    once the new dataset is in place: the shards its ``index.json`` names, and the index."""
+    try:
+        index = read_index(out, check_files=False)
+    except SourceError as e:
+        raise SourceError(
+            f"{e}; overwrite replaces only the files a readable index names, so it cannot "
+            f"tell the dataset in {out} from other files: remove the old dataset yourself, "
+            "or choose another directory"
+        ) from e
+    return [*index.files, INDEX_NAME]
 
 
 def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` into ``out`` (replacing an empty dir or an old dataset)."""
-    old = None
-    if out.exists() and any(out.iterdir()):
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex}")
-        os.rename(out, old)
+    """Rename the finished ``tmp`` into ``out`` (absent or an empty directory)."""
     os.rename(tmp, out)
     fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+def _replace(tmp: Path, out: Path, old: list[str]) -> None:
+    """Move the finished ``tmp``'s shards into ``out`` beside the old dataset, swap the index
+    in one rename, then delete the old shards (``old``, named by the old index) and ``tmp``."""
+    new = read_index(tmp, check_files=False).files
+    for name in new:  # fresh names: a taken one is some other file, never clobbered
+        if (out / name).exists() or (out / name).is_symlink():
+            raise FileExistsError(
+                errno.EEXIST,
+                f"{out / name} exists and is no file of the shard dataset being replaced; "
+                "move it out of the way or write into another directory",
+                str(out / name),
+            )
+    moved: list[Path] = []
+    try:
+        for name in new:
+            os.rename(tmp / name, out / name)
+            moved.append(out / name)
+        fsync_dir(out)
+        os.replace(tmp / INDEX_NAME, out / INDEX_NAME)  # the new dataset, whole, in one step
+    except BaseException:
+        for path in moved:  # no index names them
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise
+    fsync_dir(out)
+    for name in old:
+        if name != INDEX_NAME and name not in new:  # no index names them any more
+            with contextlib.suppress(FileNotFoundError):
+                (out / name).unlink()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_shards(
@@ -96,7 +148,9 @@ def write_shards(
     samples); more start that many processes, with the same bytes whatever the count (they
     pay for pickling each shard's samples across). Arrays are referenced, not copied, until
     their shard is written: do not mutate a sample after yielding it. ``out_dir`` must be
-    absent or empty, or a shard dataset with ``overwrite=True``.
+    absent or empty, or a shard dataset with ``overwrite=True``: then only that dataset is
+    replaced (the shards its ``index.json`` names, and the index; the new shards get new
+    names, a name already taken is refused), every other file in ``out_dir`` stays.
 
     ``out_dir`` may be a URL prefix (``s3://bucket/shards``; credentials and endpoint from
     ``storage_options`` or the client's environment): each shard is uploaded as soon as it is
@@ -125,12 +179,17 @@ def write_shards(
     if url is not None:
         return write_to_url(samples, url, options, overwrite, Upload(cache_dir, storage_options))
     out = Path(local_path_of(os.fspath(out_dir)) or out_dir)
-    _prepare(out, overwrite)
+    old = _prepare(out, overwrite)
+    if old is not None:  # new names: the old dataset stays whole until the index swap
+        options = replace(options, stem=f"shard-{uuid.uuid4().hex[:8]}")
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex}")
     tmp.mkdir()
     try:
         encode_dataset(samples, tmp, options, None)
-        _install(tmp, out)
+        if old is None:
+            _install(tmp, out)
+        else:
+            _replace(tmp, out, old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,38 @@ def _torch_dtype(dtype: torch.dtype) -> np.dtype[Any]:
     return np_dtype
 
 
+def _narrows(corpus: TokenCorpus, np_dtype: np.dtype[Any]) -> bool:
+    """Whether casting the corpus's ids to ``np_dtype`` could wrap some (int32 to uint16,
+    uint16 to int16): such reads check their values; a wider or equal dtype costs nothing."""
+    return not np.can_cast(corpus.dtype, np_dtype, "safe")
+
+
+def _check_fits(
+    values: np.ndarray,
+    np_dtype: np.dtype[Any],
+    corpus: TokenCorpus,
+    where: Callable[[int], str],
+) -> None:
+    """Refuse ``values`` (a batch in the corpus's dtype) holding an id ``np_dtype`` cannot:
+    one vectorised min/max pass; ``where(k)`` names the item of flat position ``k``."""
+    if not values.size:
+        return
+    info = np.iinfo(np_dtype)
+    lo, hi = int(values.min()), int(values.max())
+    if info.min <= lo and hi <= info.max:
+        return
+    flat = values.reshape(-1)
+    k = int(np.flatnonzero((flat < info.min) | (flat > info.max))[0])
+    fix = "torch.int64 (the default)"
+    if corpus.dtype.itemsize < 8:
+        fix += f" or torch.{corpus.dtype} (the corpus's dtype)"
+    raise ValueError(
+        f"{where(k)} holds token id {int(flat[k])}, which dtype=torch.{np_dtype} cannot hold "
+        f"({info.min}..{info.max}; {corpus.bin_path} stores {corpus.dtype}): it would "
+        f"wrap to another id; pass a dtype that holds every id, e.g. dtype={fix}"
+    )
+
+
 def _integer_corpus(corpus: CorpusLike, **remote: Any) -> TokenCorpus:
     """``corpus`` opened (a prefix path or URL, with ``remote`` options) and checked to hold
     integer token ids."""
@@ -112,7 +144,9 @@ class TokenWindows:
     ``[i * seq_len, (i + 1) * seq_len + 1)`` of the flat ``.bin`` (documents are contiguous
     there, so a window that spans documents is still one slice). Items are torch tensors of
     ``dtype`` (default ``torch.int64``, what embedding layers take; pass ``torch.int32`` or
-    ``torch.uint16`` to move fewer bytes and widen on the device). The corpus must be an
+    ``torch.uint16`` to move fewer bytes and widen on the device; a dtype narrower than the
+    corpus's checks each read's ids fit, one min/max pass per batch, and raises ``ValueError``
+    naming the id and its window rather than wrap it). The corpus must be an
     integer corpus (contiguous: ``TokenCorpus.open`` refuses any other) and hold at least one
     window.
 
@@ -182,6 +216,8 @@ class TokenWindows:
         self._kept: tuple[object, np.ndarray] | None = None
         # the gather writes the corpus's bytes; widen (or narrow) only when dtype differs
         self._same_dtype = self.corpus.dtype == self._np_dtype
+        # a narrower dtype checks each read's ids fit (one min/max pass), never wraps them
+        self._narrows = _narrows(self.corpus, self._np_dtype)
 
     def _stream(self) -> np.ndarray:
         return self.corpus.tokens[: self._len * self.seq_len + 1]
@@ -244,7 +280,20 @@ class TokenWindows:
         self.corpus.check_unchanged(tokens_only=True)
         start = (i % self._len) * self.seq_len
         stream = self._stream() if self._ranged is None else self._ranged
-        return torch.from_numpy(stream[start : start + self.seq_len + 1].astype(self._np_dtype))
+        window = stream[start : start + self.seq_len + 1]
+        if self._narrows:
+            self._check_fits(window, np.array([i % self._len]))
+        return torch.from_numpy(window.astype(self._np_dtype))
+
+    def _check_fits(self, rows: np.ndarray, idx: np.ndarray) -> None:
+        """Refuse windows ``rows`` (at ``idx``) holding an id ``dtype`` cannot hold."""
+        width = self.seq_len + 1
+
+        def where(k: int) -> str:
+            w, at = int(idx[k // width]), k % width
+            return f"window {w} (token {at} of it, {w * self.seq_len + at} of the corpus)"
+
+        _check_fits(rows, self._np_dtype, self.corpus, where)
 
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
         return list(self.fetch_batch(np.asarray(indices, dtype=np.int64)).unbind(0))
@@ -276,6 +325,8 @@ class TokenWindows:
             _as_indices(idx, self._len)  # raises the IndexError that names the range
             raise
         if not self._same_dtype:
+            if self._narrows:
+                self._check_fits(rows, idx)
             rows = rows.astype(self._np_dtype)
         return torch.from_numpy(rows)
 
@@ -283,6 +334,8 @@ class TokenWindows:
         """The batch by ranges: the blocks its windows touch, fetched once for the batch."""
         idx = _as_indices(idx, self._len)
         rows = tokens.windows(idx * self.seq_len, self.seq_len + 1)
+        if self._narrows:
+            self._check_fits(rows, idx)
         if self.pin_memory and torch.cuda.is_available():
             out = torch.empty(rows.shape, dtype=self.dtype, pin_memory=True)
             return out.copy_(torch.from_numpy(rows.astype(self._np_dtype, copy=False)))
@@ -292,8 +345,11 @@ class TokenWindows:
         idx = _as_indices(idx, self._len)  # names an index out of range before torch or numpy
         shape = (idx.shape[0], self.seq_len + 1)
         if not self._same_dtype:
+            rows = self._rows(self._stream())[idx]
+            if self._narrows:
+                self._check_fits(rows, idx)
             out = torch.empty(shape, dtype=self.dtype, pin_memory=True)
-            return out.copy_(torch.from_numpy(self._rows(self._stream())[idx]))
+            return out.copy_(torch.from_numpy(rows))
         if not (idx.flags.c_contiguous and idx.flags.writeable):
             idx = idx.copy()  # torch.from_numpy wants positive strides and warns on read-only
         windows = _window_matrix(self._stream(), self._len, self.seq_len)
@@ -327,6 +383,8 @@ class TokenDocuments:
     ``fetch_batch`` returns the varlen-attention layout: ``{"tokens": 1-D tensor of all
     documents back to back, "lengths": int64 [B], "cu_seqlens": int32 [B + 1]}``.
 
+    ``fetch_batch``'s tokens are of ``dtype``; a dtype narrower than the corpus's checks the
+    batch's ids fit (``ValueError`` naming the id and its document, never a wrapped id).
     A URL ``corpus`` takes ``cache_dir``, ``cache_limit``, ``storage_options`` and ``ranged`` as
     :class:`TokenWindows` does; by ranges, items are fresh arrays and a batch's documents are
     read with one pass over the blocks they touch.
@@ -392,10 +450,20 @@ class TokenDocuments:
         lengths = self.corpus.sizes[idx].astype(np.int64)
         cu = np.zeros(idx.shape[0] + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])
-        out = np.empty(int(cu[-1]), dtype=self._np_dtype)
+        narrows = _narrows(self.corpus, self._np_dtype)
+        # narrowing, the batch is gathered in the corpus's dtype and checked before the cast
+        out = np.empty(int(cu[-1]), dtype=self.corpus.dtype if narrows else self._np_dtype)
         docs = self._spans(self.corpus.tokens, idx)
         for doc, lo, hi in zip(docs, cu[:-1].tolist(), cu[1:].tolist(), strict=True):
             out[lo:hi] = doc
+        if narrows:
+
+            def where(k: int) -> str:
+                j = int(np.searchsorted(cu, k, side="right")) - 1
+                return f"document {int(idx[j])} (token {k - int(cu[j])} of it)"
+
+            _check_fits(out, self._np_dtype, self.corpus, where)
+            out = out.astype(self._np_dtype)
         return {
             "tokens": torch.from_numpy(out),
             "lengths": torch.from_numpy(lengths),
