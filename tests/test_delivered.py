@@ -83,3 +83,74 @@ def test_an_iterator_without_state_is_delivered_and_refuses_checkpoints():
         it.state_dict()
     with pytest.raises(ValueError, match="device_prefetch must be an int >= 1"):
         Delivered(iter([]), device="cpu", device_prefetch=0)
+
+
+def _epoch_batches(epoch: int) -> list[list[int]]:
+    import numpy as np
+
+    from meshfeed import DataLoader
+
+    loader = DataLoader(np.arange(40), batch_size=4, seed=3)
+    loader.set_epoch(epoch)
+    return [b.tolist() for b in loader]
+
+
+def test_delivered_reads_on_from_where_a_loader_moved_under_it():
+    # The loader's set_epoch / load_state_dict called directly while Delivered read ahead:
+    # it once served the batches read ahead of the old epoch, then a pass of nothing.
+    import numpy as np
+
+    from meshfeed import DataLoader
+
+    loader = DataLoader(np.arange(40), batch_size=4, seed=3)
+    d = Delivered(loader, device="cpu")
+    with d:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            got = [b.tolist() for _, b in zip(range(5), d, strict=False)]
+            assert got == _epoch_batches(epoch)[:5]
+            assert (d.state_dict()["epoch"], d.state_dict()["position"]) == (epoch, 20)
+        state = DataLoader(np.arange(40), batch_size=4, seed=3).state_dict()  # epoch 0, start
+        loader.load_state_dict(state)
+        assert [b.tolist() for b in d] == _epoch_batches(0)
+
+
+class _FailsOnce:
+    """A loader-like iterable whose third item raises once (a bad sample under "raise")."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        from meshfeed import DataLoader
+
+        self.loader = DataLoader(np.arange(40), batch_size=4, seed=3)
+        self.failed = False
+
+    def __iter__(self):
+        for i, batch in enumerate(self.loader):
+            if self.loader.position == 12 and not self.failed:
+                self.failed = True
+                raise ValueError("sample 9 cannot be decoded")
+            yield batch
+            del i
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+
+def test_delivered_goes_on_after_an_error_of_its_inner_and_loses_no_item():
+    # An error ended the stream; the next pass once found it dead (an empty pass), and the
+    # items read ahead before the error were lost.
+    inner = _FailsOnce()
+    d = Delivered(inner, device="cpu", device_prefetch=3)
+    got = []
+    with d:
+        it = iter(d)
+        with pytest.raises(ValueError, match="sample 9"):
+            while True:
+                got.append(next(it).tolist())
+        got += [b.tolist() for b in d]
+    assert got == _epoch_batches(0)

@@ -401,3 +401,40 @@ def test_shutdown_stops_the_live_iterator_and_its_delivery_thread():
     with pytest.raises(RuntimeError, match=r"was shut down .* continue from the last batch"):
         next(it)
     assert _flat(first + list(loader)) == list(range(40))  # iterated again: exact
+
+
+class _FailsOnceAt:
+    """Items 0..79; item ``bad`` raises the first time any process reads it (``marker``)."""
+
+    def __init__(self, bad: int, marker) -> None:
+        self.bad, self.marker = bad, marker
+
+    def __len__(self) -> int:
+        return 80
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad and not self.marker.exists():
+            self.marker.touch()
+            raise OSError(f"sample {i}: a transient read error")
+        return i
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"device": "cpu"}, {"num_workers": 2}, {"num_workers": 2, "device": "cpu"}]
+)
+def test_an_error_raised_through_an_iterator_leaves_it_going_on_from_the_same_batch(
+    kwargs, tmp_path
+):
+    # The walk's generator ended with the error, and the next next() of the same iterator
+    # raised StopIteration: the rest of the epoch looked read, silently.
+    loader = DataLoader(
+        _FailsOnceAt(41, tmp_path / "failed"), batch_size=4, seed=0, shuffle=False,
+        on_error="raise", **kwargs,
+    )  # fmt: skip
+    it, got = iter(loader), []
+    with pytest.raises(meshfeed.SampleError, match="sample 41"):
+        while True:
+            got.append(next(it))
+    got += list(it)  # the same iterator: the batch that raised, then the rest of the epoch
+    assert _flat(got) == list(range(80)) and loader.epoch == 1
+    loader.shutdown()

@@ -69,6 +69,11 @@ class Delivered(Lifecycle):
         )
         self._stream: Generator[tuple[Any, Any], None, None] | None = None
         self._state: dict[str, Any] | None = None
+        #: ``inner``'s walk generation when the thread started reading (a loader's ``walk``);
+        #: items read under another one are stale (see :meth:`_moved`).
+        self._walk: int | None = None
+        #: The stream ended in an error: the next one rewinds ``inner`` to ``_state`` first.
+        self._rewind = False
         #: An item ``on_step`` raised on, with its state: the next one returned.
         self._held: tuple[Any, Any] | None = None
 
@@ -81,15 +86,7 @@ class Delivered(Lifecycle):
             now = time.perf_counter()
             self.telemetry.took(now, now)
         else:
-            if self._stream is None:
-                if self._state is None and isinstance(self.inner, Stateful):
-                    self._state = dict(self.inner.state_dict())  # before the thread touches it
-                self._stream = self.delivery.stage(self._items())
-            try:
-                item, state = next(self._stream)
-            except StopIteration:
-                self._stream = None
-                raise
+            item, state = self._next_read()
         before, self._state = self._state, state
         try:
             self.telemetry.returned()  # on_step, which sees this item counted
@@ -98,11 +95,55 @@ class Delivered(Lifecycle):
             raise
         return item
 
+    def _next_read(self) -> tuple[Any, Any]:
+        """The next item read ahead, with ``inner``'s state after it.
+
+        If ``inner`` moved meanwhile (a loader's ``set_epoch``, ``load_state_dict`` or a new
+        iterator, called on it directly), what was read ahead is dropped and reading starts
+        again from where ``inner`` now is. An error ends the stream: the next call rewinds
+        ``inner`` to the last item returned (items read ahead are not lost) and reads on."""
+        while True:
+            if self._stream is None:
+                self._start()
+            assert self._stream is not None
+            try:
+                item, state = next(self._stream)
+            except StopIteration:
+                self._stream = None
+                raise
+            except BaseException:
+                if not self._moved():
+                    self._stop()
+                    self._rewind = True
+                    raise
+            else:
+                if not self._moved():
+                    return item, state
+            self._stop()  # inner moved: its new position is the one to read from
+            self._state, self._rewind = None, False
+
+    def _start(self) -> None:
+        inner = self.inner
+        if isinstance(inner, Stateful):
+            if self._rewind and self._state is not None:
+                inner.load_state_dict(self._state)
+            if self._state is None:
+                self._state = dict(inner.state_dict())  # before the thread touches it
+        self._rewind, self._walk = False, None
+        self._stream = self.delivery.stage(self._items())
+
+    def _moved(self) -> bool:
+        """Whether ``inner`` (a loader) started another walk than the one being read."""
+        now = getattr(self.inner, "walk", None)
+        return self._walk is not None and now is not None and now != self._walk
+
     def _items(self) -> Iterator[tuple[Any, Any]]:
         """On the delivery thread: each item with ``inner``'s state right after it."""
         inner = self.inner
         stateful = isinstance(inner, Stateful)
-        for item in inner:
+        it = iter(inner)
+        self._walk = getattr(inner, "walk", None)
+        for item in it:
             yield item, dict(inner.state_dict()) if stateful else None
 
     def _stateful(self) -> Stateful:
@@ -123,7 +164,7 @@ class Delivered(Lifecycle):
         inner = self._stateful()
         self._stop()
         inner.load_state_dict(state)
-        self._state, self._held = dict(state), None
+        self._state, self._held, self._rewind = dict(state), None, False
 
     def stats(self) -> dict[str, Any]:
         """The loop's waits per step and where time went (see :mod:`meshfeed.telemetry`)."""
@@ -133,6 +174,7 @@ class Delivered(Lifecycle):
         if self._stream is not None:
             self._stream.close()  # joins the delivery thread
             self._stream = None
+        self._walk = None
 
     def shutdown(self) -> None:
         """Stop the delivery thread (not ``inner``); idempotent."""

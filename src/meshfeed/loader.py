@@ -513,7 +513,12 @@ class DataLoader(LoaderBase):
 
 class _LiveWalk:
     """The iterator ``iter(loader)`` returns: the loader's walk of one generation (see
-    :mod:`meshfeed.loader_base`), which refuses to go on once a later one started."""
+    :mod:`meshfeed.loader_base`), which refuses to go on once a later one started.
+
+    An error raised through it (a bad sample under ``on_error="raise"``, a worker that died,
+    ``on_step``) ends the walk's generator; the next ``next()`` continues the same generation
+    from the last batch returned (the batch that raised is served again), where a finished
+    generator would have ended the epoch silently."""
 
     __slots__ = ("__weakref__", "_batches", "_loader", "_walk")
 
@@ -524,8 +529,15 @@ class _LiveWalk:
         return self
 
     def __next__(self) -> Any:
-        self._loader._check_walk(self._walk)
-        return next(self._batches)
+        loader = self._loader
+        loader._check_walk(self._walk)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._batches = loader._iterate(self._walk)  # continues from the position
+            raise
 
     def close(self) -> None:
         """Stop the walk: what it prefetched is dropped, its delivery thread joined."""

@@ -223,6 +223,14 @@ class LoaderBase(Lifecycle):
             live.close()
         return self._walks
 
+    @property
+    def walk(self) -> int:
+        """The walk generation: it changes whenever the live iterator is superseded (a new
+        ``iter()``, ``set_epoch`` to another epoch, ``load_state_dict``, ``resize``,
+        ``shutdown``). A wrapper that reads ahead (:class:`~meshfeed.delivered.Delivered`)
+        drops what it read under an older one."""
+        return self._walks
+
     def _check_walk(self, walk: int) -> None:
         """Refuse to go on with an iterator of an older walk generation (:meth:`_supersede`)."""
         if walk != self._walks:
