@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
     parser.add_argument("--gen", type=float, default=0.2, help="seconds to generate a round")
     parser.add_argument("--train", type=float, default=0.2, help="seconds per training step")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (got {args.steps})")
+    if args.gen < 0 or args.train < 0:
+        parser.error(f"--gen and --train are seconds >= 0 (got {args.gen}, {args.train})")
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

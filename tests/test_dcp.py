@@ -201,3 +201,31 @@ class HeldState(Stateful):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state = state
+
+
+def test_dcp_refuses_a_ramp_or_order_the_loading_loader_lacks(tmp_path: Path):
+    # DCP loads into the keys of the loading loader's own state: the rampup_* fields of a
+    # ramp's checkpoint were dropped for a loader built without the ramp, and it resumed
+    # with other batch sizes. Every state now has every rampup_* field and order_facts.
+    from meshfeed.curriculum import Curriculum, CurriculumMetric, MetricIndex, fixed_linear
+
+    data = np.arange(200)
+    ramped = DataLoader(data, batch_size=8, seed=0, rampup=(4, 4, 40))
+    it = iter(ramped)
+    for _ in range(7):
+        next(it)
+    with pytest.raises(ValueError, match=r"checkpoint has batch-size ramp \{'rampup_start': 4"):
+        _dcp_round_trip(ramped, DataLoader(data, batch_size=8, seed=0), tmp_path / "a")
+    vals = np.arange(200) % 50
+    index = MetricIndex.from_values("m", vals, fingerprint={"length": 200})
+    schedule = fixed_linear(10, 49, 20, 1)
+    curriculum = Curriculum(
+        [CurriculumMetric(index=index, schedule=schedule, difficulty_type="value")]
+    )
+    gated = DataLoader(data, batch_size=8, seed=0, curriculum=curriculum)
+    next(iter(gated))
+    with pytest.raises(ValueError, match=r"order has facts, but they are missing"):
+        _dcp_round_trip(gated, DataLoader(data, batch_size=8, seed=0), tmp_path / "b")
+    same = DataLoader(data, batch_size=8, seed=0, rampup=(4, 4, 40))
+    _dcp_round_trip(ramped, same, tmp_path / "c")  # the same ramp: resumes exactly
+    assert [len(b) for b in same][:4] == [4, 4, 4, 8] and same.epoch == 1

@@ -142,3 +142,21 @@ def test_ranks_that_start_a_walk_at_different_places_fail_clearly_on_every_rank(
         assert "load_state_dict with the same checkpoint on every rank" in r["epoch"]
         assert "rank 0: epoch=1 position=0, rank 1: epoch=0 position=0" in r["iterated"]
         assert r["agreed"] == [5, 8]  # (32 - 12) // 4 and a whole epoch of 32 // 4
+
+
+def _meshes(rank: int, world: int) -> str:
+    """Rank 0 on dp=2, rank 1 on dp=1 x tp=2: one world, one global batch, other meshes."""
+    mesh = {"dp": 2} if rank == 0 else {"dp": 1, "tp": 2}
+    loader = DataLoader(Items(32), batch_size=4 if rank == 0 else 8, mesh=mesh, seed=0, timeout=30)
+    try:
+        return f"{len(list(loader))} steps"
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_ranks_built_with_different_meshes_fail_clearly_on_every_rank():
+    # The plan's agreement named the global batch, not the mesh: rank 0 read samples 0-3
+    # as data rank 0 of 2, and rank 1 read 0-7 as the one data rank, silently.
+    for message in run_distributed(_meshes, 2):
+        assert "built with different meshes" in message
+        assert "data-parallel sizes by rank: [2, 1]" in message

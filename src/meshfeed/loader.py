@@ -23,9 +23,10 @@ from meshfeed.dist import fail_together, is_distributed
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.loader_base import LoaderBase
 from meshfeed.loader_state import COUNTS, LOADER_STATE_VERSION, encode_stats, read_state
+from meshfeed.mesh import mesh_hash
 from meshfeed.options import LoaderOptions, build_dataset, check_not_a_path, dataset_length
 from meshfeed.order.batches import Step, order_hooks
-from meshfeed.order.rampup_plan import make_plan
+from meshfeed.order.rampup_plan import make_plan, ramp_state_fields
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
 from meshfeed.relayout import relayout
@@ -332,10 +333,18 @@ class DataLoader(LoaderBase):
             self._epoch, self._position = epoch + 1, 0
 
     def _walk_facts(self) -> dict[str, int]:
-        """Where a walk starts, which every rank of a process group must agree on."""
+        """Where a walk starts, and on which mesh, which every rank of a process group must
+        agree on (ranks built with different meshes of one world and global batch would
+        read the same samples)."""
         described = self.hooks.describe(self._epoch, self._position)
         order = 0 if described is None else fingerprint_hash(json.dumps(described, sort_keys=True))
-        return {"epoch": self._epoch, "position": self._position, "order": order}
+        return {
+            "epoch": self._epoch,
+            "position": self._position,
+            "order": order,
+            "data_world_size": self.data_world_size,
+            "mesh": mesh_hash(self.mesh),
+        }
 
     def _walk(self, epoch: int, position: int) -> Generator[Any, None, bool]:
         """Yield the batches of ``epoch`` from ``position``; True when re-planned (see above)."""
@@ -456,9 +465,12 @@ class DataLoader(LoaderBase):
             "drop_last": self.drop_last,
             "pad_last": self.pad_last,
             "stats": encode_stats(self._stats),
-            **self.plan.facts(),
+            **ramp_state_fields(self.plan.facts()),
         }
         described = self.hooks.describe(self._epoch, self._position)
+        # Always present, like the rampup_* fields: a checkpoint loaded through
+        # torch.distributed.checkpoint keeps only the keys the loading loader's state has.
+        fields["order_facts"] = int(described is not None)
         if described is not None:
             fields["order"] = dict(described)
         return envelope("loader", LOADER_STATE_VERSION, **fields)

@@ -14,6 +14,8 @@ only this module knows about axis names, ``DeviceMesh`` objects or the torchrun 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -421,3 +423,19 @@ def place(
         rank = default_rank(1 if serves_every_rank else resolved.world_size)
     resolved.data_rank(rank)  # validates the rank
     return resolved, rank
+
+
+def mesh_hash(mesh: DataMesh) -> int:
+    """A 63-bit hash of everything that decides which data rank each global rank is (the
+    axes in order, their sizes, the data axes, ``ulysses`` and a custom rank table), for the
+    ranks to compare in one int64 collective."""
+    table = (
+        ""
+        if mesh.ranks is None
+        else hashlib.blake2b(
+            np.ascontiguousarray(mesh.ranks, dtype=np.int64).tobytes(), digest_size=8
+        ).hexdigest()
+    )
+    described = [list(mesh.axis_names), list(mesh.axis_sizes), sorted(mesh.data_axes)]
+    text = json.dumps([*described, mesh.ulysses, table])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

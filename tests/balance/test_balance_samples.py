@@ -150,3 +150,27 @@ def test_the_sample_store_packs_its_batches_of_columns(workers):
         assert packed["cu_seqlens"][-1] == len(packed["input_ids"]) == len(packed["labels"])
         served += packed["input_ids"].tolist()
     assert sorted(served) == sorted(t for s in samples for t in s["input_ids"].tolist())
+
+
+def test_a_field_named_like_offsets_is_joined_as_the_field_it_is():
+    # merge_rows took every "*_offsets" key for a concat field's offsets: a token field
+    # char_offsets lost the first value of each later row and shifted the rest.
+    fields = SampleFields(token_fields=("input_ids", "char_offsets"))
+    one = pack_samples(
+        [{"input_ids": torch.tensor([1, 2, 3]), "char_offsets": torch.tensor([0, 4, 9])}], fields
+    )
+    two = pack_samples(
+        [{"input_ids": torch.tensor([4, 5]), "char_offsets": torch.tensor([0, 6])}], fields
+    )
+    merged = merge_rows([one, two])
+    assert merged["char_offsets"].tolist() == [0, 4, 9, 0, 6]
+    assert merged["cu_seqlens"].tolist() == [0, 3, 5]
+
+
+def test_a_field_named_as_a_concat_fields_offsets_is_refused():
+    with pytest.raises(ValueError, match=r"\['pixels_offsets'\] are written by packing"):
+        SampleFields(
+            token_fields=("input_ids",),
+            concat_fields=("pixels",),
+            sample_fields=("pixels_offsets",),
+        )

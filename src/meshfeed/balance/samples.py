@@ -63,6 +63,12 @@ class SampleFields:
         reserved = {CU_SEQLENS, DOCUMENT_IDS} & set(names)
         if reserved:
             raise ValueError(f"fields {sorted(reserved)} are written by packing; rename them")
+        offsets = sorted({f"{c}_offsets" for c in self.concat_fields} & set(names))
+        if offsets:
+            raise ValueError(
+                f"fields {offsets} are written by packing (the offsets of concat field(s) "
+                f"{[n[: -len('_offsets')] for n in offsets]}); rename them"
+            )
 
     @property
     def carried(self) -> bool:
@@ -223,17 +229,20 @@ def merge_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Packed rows joined into one packed sample (a collate for a loader of packed rows).
 
     Per-token tensors and ``document_ids`` are concatenated, ``cu_seqlens`` shifted and joined,
-    lists extended, ``<name>_offsets`` shifted and joined with their ``<name>`` tensors. One
-    row comes back as it is. This is what :class:`~meshfeed.balance.BalancedBatches` takes.
+    lists extended, ``<name>_offsets`` shifted and joined with their ``<name>`` tensors (a
+    concat field's offsets: only where the rows also hold ``<name>``; any other field whose
+    name ends in ``_offsets`` is a field like the rest). One row comes back as it is. This is
+    what :class:`~meshfeed.balance.BalancedBatches` takes.
     """
     if len(rows) == 1:
         return dict(rows[0])
     if not rows:
         raise ValueError("merge_rows got no rows; a loader step holds at least one")
     out: dict[str, Any] = {}
-    for key, first in rows[0].items():
+    first_row = rows[0]
+    for key, first in first_row.items():
         values = [r[key] for r in rows]
-        if key == CU_SEQLENS or key.endswith("_offsets"):
+        if key == CU_SEQLENS or (key.endswith("_offsets") and key[: -len("_offsets")] in first_row):
             out[key] = _join_offsets([torch.as_tensor(v) for v in values])
         elif isinstance(first, list):
             out[key] = [x for v in values for x in v]

@@ -71,6 +71,16 @@ def check_walk_start(columns: Mapping[str, list[int]]) -> None:
     if all(len(set(column)) == 1 for column in columns.values()):
         return
     differ = [name for name in columns if len(set(columns[name])) > 1]
+    if {"mesh", "data_world_size"} & set(differ):
+        sizes = columns.get("data_world_size")
+        raise ValueError(
+            "the ranks' data loaders were built with different meshes (the axes, their sizes "
+            "or order, the data axes or the rank table differ"
+            + (f"; data-parallel sizes by rank: {list(sizes)}" if sizes is not None else "")
+            + "): ranks would read the same samples, or skip some. Build every rank's loader "
+            "with the same mesh (e.g. DataMesh.from_sizes(...) with the same sizes and order, "
+            "or the job's DeviceMesh)"
+        )
     shown = [name for name in columns if name in ("epoch", "position") or name in differ]
     ranks = len(next(iter(columns.values())))
     held = ", ".join(
