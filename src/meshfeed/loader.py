@@ -26,7 +26,7 @@ from meshfeed.loader_state import COUNTS, LOADER_STATE_VERSION, encode_stats, re
 from meshfeed.mesh import mesh_hash
 from meshfeed.options import LoaderOptions, build_dataset, check_not_a_path, dataset_length
 from meshfeed.order.batches import Step, order_hooks
-from meshfeed.order.rampup_plan import make_plan, ramp_state_fields
+from meshfeed.order.rampup_plan import make_plan
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
 from meshfeed.relayout import relayout
@@ -465,11 +465,12 @@ class DataLoader(LoaderBase):
             "drop_last": self.drop_last,
             "pad_last": self.pad_last,
             "stats": encode_stats(self._stats),
-            **ramp_state_fields(self.plan.facts()),
+            **self.plan.facts(),
+            # Always present, like order_facts below: a checkpoint loaded through
+            # torch.distributed.checkpoint keeps only the keys the loading loader's state has.
+            "ramped": int(bool(self.plan.facts())),
         }
         described = self.hooks.describe(self._epoch, self._position)
-        # Always present, like the rampup_* fields: a checkpoint loaded through
-        # torch.distributed.checkpoint keeps only the keys the loading loader's state has.
         fields["order_facts"] = int(described is not None)
         if described is not None:
             fields["order"] = dict(described)

@@ -173,11 +173,13 @@ def _check_rampup(
     """The batch-size ramp (``rampup_*`` fields, absent without one) is the loader's, and a
     rounded ramp rounds the same on this loader's data ranks (#32)."""
     mine = loader.plan.facts()
-    theirs = {
-        key: value
-        for key, value in state.items()
-        if key.startswith("rampup_") and value is not None
-    }
+    theirs = {key: value for key, value in state.items() if key.startswith("rampup_")}
+    if state.get("ramped") and not theirs:  # e.g. dropped by torch.distributed.checkpoint
+        raise ValueError(
+            f"checkpoint was taken with a batch-size ramp whose fields are missing from this "
+            f"state (a loader without the ramp loads only the fields its own state has), and "
+            f"this loader has {mine or None}; build the loader with the checkpoint's rampup"
+        )
     if theirs != mine and not allow_global_batch_change:
         raise ValueError(
             f"checkpoint has batch-size ramp {theirs or None} but this loader has "
@@ -204,15 +206,14 @@ def _check_order_facts(loader: ReadingLoader, state: dict[str, Any]) -> None:
     described = loader.hooks.describe(state["epoch"], state["position"])
     # ``order_facts`` (states since it was added) says whether the writer's order had facts:
     # through torch.distributed.checkpoint an ``order`` the loading loader lacks is dropped.
-    has = bool(state["order_facts"]) if "order_facts" in state else "order" in state
-    if has and "order" not in state:
+    if state.get("order_facts") and "order" not in state:
         raise ValueError(
-            f"loader state says its order has facts, but they are missing, and this loader's "
+            f"loader state says its order has facts, but they are missing; this loader's "
             f"order ({type(loader.order).__name__}) has "
-            f"{'none' if described is None else 'some'}; resume with the dataset and "
+            f"{'none' if described is None else 'some'}: resume with the dataset and "
             "curriculum that wrote the checkpoint"
         )
-    if (described is None) == has:
+    if (described is None) != ("order" not in state):
         raise ValueError(
             f"loader state {'lacks' if described is not None else 'has'} order facts "
             f"({state.get('order')!r}) but this loader's order "

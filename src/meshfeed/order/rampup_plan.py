@@ -8,7 +8,6 @@ rank takes its contiguous slice of it, as without a ramp.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -18,7 +17,7 @@ from meshfeed.order.batches import BatchPlan, Step
 from meshfeed.order.rampup import BatchRampup, RampSizes, check_same_sizes
 from meshfeed.protocols import Order
 
-__all__ = ["PlanOptions", "RampupPlan", "make_plan", "ramp_state_fields"]
+__all__ = ["PlanOptions", "RampupPlan", "make_plan"]
 
 
 class RampupPlan(BatchPlan):
@@ -185,15 +184,3 @@ def make_plan(order: Order, options: PlanOptions, *, data_world_size: int) -> Ba
     if options.rampup is None:
         return BatchPlan(order, **kwargs)
     return RampupPlan(order, rampup=options.rampup, **kwargs)
-
-
-#: Every ``rampup_*`` field of a loader's state (each is in every state: None without a ramp).
-RAMP_FIELDS = tuple(f"rampup_{f.name}" for f in dataclasses.fields(BatchRampup))
-
-
-def ramp_state_fields(facts: dict[str, int]) -> dict[str, int | None]:
-    """``facts`` (a plan's, :meth:`RampupPlan.facts`, or none) as a state's ``rampup_*``
-    fields, every one present: ``torch.distributed.checkpoint`` loads into the keys of the
-    loading loader's state, so a field missing there (a loader without the checkpoint's ramp)
-    would be dropped unseen, and the ramp accepted."""
-    return {name: facts.get(name) for name in RAMP_FIELDS}
