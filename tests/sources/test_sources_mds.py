@@ -306,3 +306,37 @@ def test_a_damaged_sample_is_a_source_error_naming_shard_row_and_column(peer, tm
         fresh.take(shard, np.array([1]))
     with pytest.raises(SourceError, match=r"sample 2 of MDS shard .*shard\.00000.* do not add up"):
         fresh.take(shard, np.array([2]))
+
+
+def _index_entry() -> dict[str, Any]:
+    """One well-formed shard entry of an MDS index.json (two columns)."""
+    return {
+        "version": 2, "format": "mds", "samples": 5, "compression": None, "hashes": [],
+        "column_names": ["id", "text"], "column_encodings": ["int64", "str"],
+        "column_sizes": [8, None], "size_limit": 1 << 26,
+        "raw_data": {"basename": "shard.00000.mds", "bytes": 100, "hashes": {}},
+        "zip_data": None,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda index: index.__setitem__("shards", None), r"'shards': None, not a list"),
+        (lambda index: index["shards"][0].pop("column_sizes"), r"must be lists"),
+        (
+            lambda index: index["shards"][0]["column_encodings"].pop(),
+            r"2 column_names, 1 column_enc",
+        ),
+        (lambda index: index["shards"][0].__setitem__("samples", "ten"), r"invalid literal"),
+        (lambda index: index["shards"].__setitem__(0, 3), r"shard entry 0 is malformed \(3 is not"),
+    ],
+)
+def test_a_malformed_shard_entry_of_an_mds_index_is_a_source_error_naming_it(tmp_path, edit, why):
+    # These were a bare KeyError, TypeError or a zip() ValueError naming neither the file nor
+    # the entry. (No MosaicML needed: the index is parsed when the reader is made.)
+    index = {"version": 2, "shards": [_index_entry()]}
+    edit(index)
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(SourceError, match=why):
+        MDSReader(tmp_path)

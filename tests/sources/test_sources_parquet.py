@@ -224,3 +224,18 @@ def test_files_with_different_columns_are_refused_on_open(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"b\.parquet has columns \{id: int64, label: int64\}"):
         ParquetSource(tmp_path)
     assert len(ParquetSource(tmp_path, columns=["id"])) == 3
+
+
+def test_files_whose_column_types_differ_are_refused_when_the_source_is_made(tmp_path):
+    # Only the column names were compared: label was int64 in one file and string in the
+    # next, and batches changed type mid-epoch (a tensor, then a list).
+    pq.write_table(pa.table({"label": pa.array([1, 2], pa.int64())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"label": pa.array(["x", "y"])}), tmp_path / "b.parquet")
+    paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
+    for columns in (None, ["label"]):
+        with pytest.raises(ValueError, match=r"'label': string here, int64 in .*a\.parquet"):
+            ParquetSource(paths, columns=columns)
+    # string and large_string read alike: accepted
+    pq.write_table(pa.table({"label": pa.array(["z"], pa.large_string())}), tmp_path / "c.parquet")
+    source = ParquetSource([tmp_path / "b.parquet", tmp_path / "c.parquet"])
+    assert [source[i]["label"] for i in range(3)] == ["x", "y", "z"]

@@ -26,7 +26,9 @@ shards, resumes and mixes (as a :class:`~meshfeed.Mixture` source) like any othe
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,8 +76,35 @@ class _Encode:
         return f"encode({type(self.tokenizer).__name__}, field={self.field!r})"
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    """``fn`` as the same text in every process (it goes into the dataset's fingerprint, which
+    a checkpoint is checked against in the next run and on every rank): a function's
+    qualified name; a ``functools.partial`` as its function's name and its arguments; another
+    callable as its repr, or, where that repr holds a memory address (no ``__repr__`` of its
+    own), its class's qualified name and its attributes."""
+    if isinstance(fn, functools.partial):
+        args = [_value(a) for a in fn.args]
+        args += [f"{k}={_value(v)}" for k, v in sorted(fn.keywords.items())]
+        return f"partial({', '.join([_name(fn.func), *args])})"
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname:
+        return str(qualname)
+    return _value(fn)
+
+
+def _value(value: Any) -> str:
+    """``value``'s repr without memory addresses (see :func:`_name`)."""
+    text = repr(value)
+    if not _ADDRESS.search(text):
+        return text
+    if callable(value) and getattr(value, "__qualname__", None):
+        return str(value.__qualname__)
+    attrs = getattr(value, "__dict__", None)
+    described = "" if not attrs else repr(sorted((k, _value(v)) for k, v in attrs.items()))
+    return _ADDRESS.sub("", f"{type(value).__qualname__}({described})")
 
 
 class LazyDataset:

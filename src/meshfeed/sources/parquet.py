@@ -69,6 +69,30 @@ def _as_index_array(indices: Any, n: int) -> np.ndarray:
     return np.where(idx < 0, idx + n, idx)
 
 
+def _check_types(path: Any, schema: Any, first_path: Any, first: Any, columns: Any) -> None:
+    """Every one of ``columns`` has the same Arrow type in ``schema`` as in ``first`` (the first
+    file's): a column that is int64 in one file and string in another would change the type of
+    a batch mid-epoch, or fail its collation there."""
+    differ = [
+        f"{c!r}: {schema.field(c).type} here, {first.field(c).type} in {first_path}"
+        for c in columns
+        if _kind(schema.field(c).type) != _kind(first.field(c).type)
+    ]
+    if differ:
+        raise ValueError(
+            f"{path} has column(s) of another type than the first file's ({'; '.join(differ)}); "
+            "give files of one schema (cast the column when writing them), or pick columns "
+            "of one type with columns=[...]"
+        )
+
+
+def _kind(arrow_type: Any) -> str:
+    """An Arrow type as the values it reads as: string and large_string (binary and
+    large_binary) read alike, so files may differ there."""
+    text = str(arrow_type)
+    return {"large_string": "string", "large_binary": "binary"}.get(text, text)
+
+
 def _describe(schema: Any) -> str:
     return "{" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "}"
 
@@ -196,6 +220,7 @@ class ParquetSource:
                         f"{_describe(schemas[0])}; give files of one schema, or pick columns "
                         "every file has with columns=[...]"
                     )
+                _check_types(path, schema, self.paths[0], schemas[0], schema.names)
         else:
             # Every file, not just the first: a later file without a column would otherwise
             # fail only when one of its row groups is first read, mid-training.
@@ -207,6 +232,7 @@ class ParquetSource:
                         f"columns {missing} are not in {path} (columns: {sorted(names)}); "
                         "pick columns every file has"
                     )
+                _check_types(path, schema, self.paths[0], schemas[0], self.columns)
         self._file_of = np.asarray(files, np.int64)
         self._group_of = np.asarray(groups, np.int64)
         self._offsets = np.zeros(len(rows) + 1, np.int64)

@@ -74,6 +74,37 @@ def _join(root: str, name: str) -> str:
     return posixpath.join(root, name) if "://" in root else os.path.join(root, name)
 
 
+def _parse_entry(obj: Any, i: int, index: str, root: str) -> _Shard:
+    """Shard entry ``i`` of ``index``; a malformed entry (a field missing or of the wrong
+    kind, not one encoding and size per column) is a :class:`SourceError` naming it. An entry
+    of a format or encoding meshfeed does not read stays a ``ValueError`` saying so."""
+
+    def damaged(why: str) -> SourceError:
+        return SourceError(
+            f"{index!r}: shard entry {i} is malformed ({why}); the index is damaged (write it "
+            "again with the MDS writer)"
+        )
+
+    if not isinstance(obj, dict):
+        raise damaged(f"{obj!r} is not a dict")
+    lists = [obj.get(k) for k in ("column_names", "column_encodings", "column_sizes")]
+    if not all(isinstance(v, list) for v in lists):
+        raise damaged("column_names, column_encodings and column_sizes must be lists")
+    if len({len(v) for v in lists}) > 1:  # type: ignore[arg-type]
+        raise damaged(
+            f"{len(lists[0])} column_names, {len(lists[1])} column_encodings and "  # type: ignore[arg-type]
+            f"{len(lists[2])} column_sizes: one of each per column"  # type: ignore[arg-type]
+        )
+    try:
+        return _parse_shard(obj, root)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise damaged(f"{type(exc).__name__}: {exc}") from exc
+    except ValueError as exc:
+        if str(exc).startswith("invalid literal"):  # a count that is no number
+            raise damaged(str(exc)) from exc
+        raise
+
+
 def _parse_shard(obj: dict[str, Any], root: str) -> _Shard:
     where = f"shard {obj.get('raw_data', {}).get('basename')!r} of {root!r}"
     if obj.get("version") != 2 or obj.get("format") != "mds":
@@ -178,7 +209,15 @@ class MDSReader:
             raise SourceError(f"cannot read MDS index {index!r}: {exc}") from exc
         if not isinstance(obj, dict) or obj.get("version") != 2 or "shards" not in obj:
             raise ValueError(f"{index!r} is not an MDS index.json of version 2")
-        self._shards = {s.name: s for s in (_parse_shard(o, self.root) for o in obj["shards"])}
+        entries = obj["shards"]
+        if not isinstance(entries, list):
+            raise SourceError(
+                f"{index!r} has 'shards': {entries!r}, not a list of shard entries; the index "
+                "is damaged (write it again with the MDS writer)"
+            )
+        self._shards = {
+            s.name: s for s in (_parse_entry(o, i, index, self.root) for i, o in enumerate(entries))
+        }
         self.__setstate__(self.__getstate__())
 
     @property
