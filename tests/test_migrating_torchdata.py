@@ -118,3 +118,25 @@ def test_bad_pad_last_is_refused_by_name():
 def test_the_dataloader_docstring_explains_padding_next_to_drop_last():
     doc = " ".join((DataLoader.__doc__ or "").split())
     assert "drop_last=False" in doc and "pad_last=False" in doc and "wrapping" in doc
+
+
+def test_the_guides_filter_with_skip_drops_items_as_torchdata_does():
+    # The guide mapped .filter(p) to LazyDataset(...).filter(p) alone: under the default
+    # on_error="substitute" half the epoch came back twice. It now says on_error="skip".
+    import logging
+
+    import meshfeed
+
+    items = list(range(40))
+    ds = meshfeed.LazyDataset(items).map(lambda x: x * 10).filter(lambda x: x % 20 == 0)
+    logger = logging.getLogger("meshfeed")
+    level, logger.level = logger.level, logging.ERROR  # the skips are warned about
+    try:
+        loader = meshfeed.DataLoader(
+            ds, batch_size=4, shuffle=False, collate_fn=list, on_error="skip"
+        )
+        kept = [x for batch in loader for x in batch]
+    finally:
+        logger.setLevel(level)
+    assert kept == [x * 10 for x in items if x * 10 % 20 == 0]
+    assert 'with `on_error="skip"` to drop filtered items' in GUIDE.read_text()

@@ -12,12 +12,18 @@ import os
 import socket
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import (
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+)
 
 
 def free_port() -> int:
@@ -40,7 +46,12 @@ def _entry(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = fn(rank, world, *args)
+        try:
+            result = fn(rank, world, *args)
+        except BaseException:  # noted first: the peers may fail on the torn-down group sooner
+            with open(os.path.join(out_dir, f"{rank}.err"), "w") as f:
+                f.write(f"{time.time():.6f}\n{traceback.format_exc()}")
+            raise
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
         # No rank tears the group down while a peer may still be receiving from it (that
         # aborted a peer's process now and then). Bounded; a group that ``fn`` left in a failed
@@ -57,10 +68,12 @@ def run_distributed(
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo processes; return the results.
 
     ``fn`` must be importable (a module-level function). An exception in any process is
-    raised here; a run longer than ``timeout`` seconds kills the processes and raises
+    raised here (``ProcessRaisedException`` naming the rank that raised first, with its
+    traceback: its peers, left in a torn-down group, fail after it); a rank that exits without
+    a result is named; a run longer than ``timeout`` seconds kills the processes and raises
     ``TimeoutError``, so a broken collective cannot hang the caller.
     """
-    if not isinstance(world, int) or world < 1:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of processes (got {world=})")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
@@ -72,11 +85,51 @@ def run_distributed(
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
+        try:
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"{world} processes did not finish within {timeout}s")
+        except ProcessException as exc:
+            first = _first_failure(out_dir, world)
+            died = isinstance(exc, ProcessExitedException) and not os.path.exists(
+                os.path.join(out_dir, f"{exc.error_index}.err")
+            )  # killed by a signal, or exited in native code: that is the first failure
+            if first is None or died:
+                raise
+            rank, text = first
+            for p in ctx.processes:
+                if p.is_alive():
                     p.kill()
-                raise TimeoutError(f"{world} processes did not finish within {timeout}s")
+            raise ProcessRaisedException(
+                f"rank {rank} of {world} raised first (the failures of other ranks follow from "
+                f"it):\n\n{text}",
+                rank,
+                ctx.processes[rank].pid,
+            ) from exc
+        missing = [r for r in range(world) if not os.path.exists(os.path.join(out_dir, f"{r}.pt"))]
+        if missing:
+            codes = [ctx.processes[r].exitcode for r in missing]
+            raise RuntimeError(
+                f"rank(s) {missing} of {world} exited (exit codes {codes}) without returning a "
+                "result: fn called sys.exit or os._exit; return a value from fn instead"
+            )
         return [
             torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)
         ]
+
+
+def _first_failure(out_dir: str, world: int) -> tuple[int, str] | None:
+    """The rank whose ``fn`` raised first, and its traceback (None: no ``fn`` raised)."""
+    noted = []
+    for r in range(world):
+        path = os.path.join(out_dir, f"{r}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                when, _, text = f.read().partition("\n")
+            noted.append((float(when), r, text))
+    if not noted:
+        return None
+    _, rank, text = min(noted)
+    return rank, text
