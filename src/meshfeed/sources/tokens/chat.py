@@ -187,12 +187,14 @@ def _check_messages(messages: Any, index: int | None) -> None:
 def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, trained) pieces, in order.
 
-    The rendering of no message is "": templates read ``messages[0]`` (to find a system
-    message) or add a default system prompt, so an empty conversation is rendered only for the
-    generation prompt before a conversation that starts with a trained message.
+    The first piece is what the template renders for no message (a preamble), where it can
+    render that and the first message extends it; else "": templates read ``messages[0]``
+    (to find a system message) or add a default system prompt that the conversation's own
+    replaces. The generation prompt before a conversation that starts with a trained message
+    needs the empty rendering (:func:`_head`).
     """
-    done = ""
-    pieces: list[tuple[str, bool]] = []
+    done = _preamble(messages, render)
+    pieces: list[tuple[str, bool]] = [(done, False)]
     for k, m in enumerate(messages):
         trained = m["role"] in TRAINED_ROLES
         head = _head(messages, k, render) if trained else done
@@ -206,6 +208,17 @@ def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
         pieces += [(head[len(done) :], False), (full[len(head) :], trained)]
         done = full
     return [(t, tr) for t, tr in pieces if t]
+
+
+def _preamble(messages: Messages, render: Renderer) -> str:
+    """The template's rendering of no message, if it has one the first message extends."""
+    if not messages:
+        return ""
+    try:
+        empty = render([], False)
+    except Exception:  # a template that reads messages[0]
+        return ""
+    return empty if render(messages[:1], False).startswith(empty) else ""
 
 
 def _head(messages: Messages, k: int, render: Renderer) -> str:
