@@ -61,18 +61,23 @@ def test_bad_metric_definitions_are_refused(make, message):
         make()
 
 
+def _count(hist, acc, docs, batched):
+    """Feed ``docs`` to the histogram ``hist`` in one batched call, or one call per doc."""
+    if batched:
+        assert hist.batch_fn is not None
+        hist.batch_fn(acc, docs)
+    else:
+        for doc in docs:
+            hist.fn(acc, doc)
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_token_ids_outside_the_vocabulary_are_refused_not_dropped(batched):
     hist = token_histogram(4)
     acc = np.zeros(4, dtype=np.int64)
     docs = [np.array([0, 1]), np.array([3, 4])]  # 4 is outside range(4)
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 4\); pass vocab_size > 4"):
-        if batched:
-            assert hist.batch_fn is not None
-            hist.batch_fn(acc, docs)
-        else:
-            for doc in docs:
-                hist.fn(acc, doc)
+        _count(hist, acc, docs, batched)
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -82,12 +87,7 @@ def test_negative_token_ids_are_refused_as_negative_not_by_vocab_size(batched):
     docs = [np.array([0, 1]), np.array([3, -2, 5, -7, 99])]
     where = "sample 1 of the analysed chunk of 2 samples" if batched else "the sample"
     with pytest.raises(ValueError, match=rf"token id -7 \(the smallest, at token 3 of {where}\)"):
-        if batched:
-            assert hist.batch_fn is not None
-            hist.batch_fn(acc, docs)
-        else:
-            for doc in docs:
-                hist.fn(acc, doc)
+        _count(hist, acc, docs, batched)
     with pytest.raises(ValueError, match=r"token ids must be >= 0") as info:
         hist.fn(acc, np.array([-1, 500]))  # negative and too large: the negative one is named
     assert "token id -1 " in str(info.value) and "vocab_size >" not in str(info.value)

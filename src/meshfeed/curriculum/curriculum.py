@@ -100,14 +100,28 @@ class CurriculumMetric:
         One value per step: :meth:`entry_steps` uses it only for schedules shorter than
         ``DENSE_STEPS``.
         """
-        thr = np.asarray(self.schedule.difficulties(np.arange(self._horizon() + 1, dtype=np.int64)))
-        if np.any(np.diff(thr) < 0):
-            bad = int(np.flatnonzero(np.diff(thr) < 0)[0])
-            raise ValueError(
-                f"metric {self.name!r}: the schedule decreases at step {bad + 1} "
-                f"({thr[bad]} -> {thr[bad + 1]}); the eligible pool can only grow"
-            )
+        steps = np.arange(self._horizon() + 1, dtype=np.int64)
+        thr = np.asarray(self.schedule.difficulties(steps))
+        self._check_never_decreases(steps, thr, every_step=True)
         return thr
+
+    def _check_never_decreases(
+        self, steps: np.ndarray, thr: np.ndarray, *, every_step: bool
+    ) -> None:
+        """Refuse a schedule whose values ``thr`` at ``steps`` (increasing; ``every_step``:
+        all steps from 0) go down anywhere: the eligible pool can only grow."""
+        if not np.any(np.diff(thr) < 0):
+            return
+        bad = int(np.flatnonzero(np.diff(thr) < 0)[0])
+        where = (
+            f"at step {steps[bad + 1]}"
+            if every_step
+            else f"between steps {steps[bad]} and {steps[bad + 1]}"
+        )
+        raise ValueError(
+            f"metric {self.name!r}: the schedule decreases {where} ({thr[bad]} -> "
+            f"{thr[bad + 1]}); the eligible pool can only grow"
+        )
 
     def percentile_counts(self, percent: np.ndarray) -> np.ndarray:
         """How many of the lowest samples the pool holds at each percentile difficulty."""
@@ -173,12 +187,7 @@ class CurriculumMetric:
             todo = todo[lo[todo] < hi[todo]]
         found = np.unique(np.append(lo[lo <= horizon], [0, horizon]))
         thr = np.asarray(self.schedule.difficulties(found))
-        if np.any(np.diff(thr) < 0):
-            bad = int(np.flatnonzero(np.diff(thr) < 0)[0])
-            raise ValueError(
-                f"metric {self.name!r}: the schedule decreases between steps {found[bad]} and "
-                f"{found[bad + 1]} ({thr[bad]} -> {thr[bad + 1]}); the eligible pool can only grow"
-            )
+        self._check_never_decreases(found, thr, every_step=False)
         return lo
 
 
