@@ -409,6 +409,8 @@ class TokenDocuments:
             ranged=ranged,
         )
         self.dtype = dtype
+        # a narrower dtype checks each batch's ids fit (one min/max pass), never wraps them
+        self._narrows = _narrows(self.corpus, self._np_dtype)
 
     def __len__(self) -> int:
         return self.corpus.num_documents
@@ -450,7 +452,7 @@ class TokenDocuments:
         lengths = self.corpus.sizes[idx].astype(np.int64)
         cu = np.zeros(idx.shape[0] + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])
-        narrows = _narrows(self.corpus, self._np_dtype)
+        narrows = self._narrows
         # narrowing, the batch is gathered in the corpus's dtype and checked before the cast
         out = np.empty(int(cu[-1]), dtype=self.corpus.dtype if narrows else self._np_dtype)
         docs = self._spans(self.corpus.tokens, idx)
