@@ -217,6 +217,7 @@ def _actor_reinit(actor: Any, options: dict[str, Any]) -> None:
     from meshfeed.queue.engine.core import StoreCore, StoreOptions
 
     actor.core = StoreCore(StoreOptions.from_dict(options))
+    actor.core.owning = False  # as the actor's own core (backends/ray.py)
     actor.waiters.wake_all()
 
 

@@ -10,19 +10,6 @@ from meshfeed.queue import SampleStore
 from meshfeed.queue.engine.columns import Cell, Chunk, Gathered, gather
 
 
-def test_a_contiguous_batch_of_one_put_is_a_view_not_a_copy():
-    store = SampleStore()
-    column = torch.arange(12.0).reshape(6, 2)
-    store.put("p", {"x": column})
-    batch = store.get("t", ["x"], 4, "p", timeout=1)
-    assert batch["x"].data_ptr() == column.data_ptr()  # rows 0-3 of the put's own storage
-    assert torch.equal(batch["x"], column[:4])
-    array = np.arange(8).reshape(4, 2)
-    store.put("q", {"a": array})
-    got = store.get("t", ["a"], 4, "q", timeout=1)["a"]
-    assert np.shares_memory(got, array) and (got == array).all()
-
-
 def test_batches_across_puts_and_out_of_order_rows_are_gathered_exactly():
     store = SampleStore()
     a, b = torch.arange(6).reshape(3, 2), torch.arange(100, 106).reshape(3, 2)

@@ -87,8 +87,9 @@ class Batch:
 
 def collate(values: list[Any] | Gathered) -> Any:
     """One field of a batch: a column the store gathered from chunks already is one tensor /
-    array (a view when contiguous); values from separate puts go through
-    :func:`meshfeed.collate.collate_column` (equal-shape tensors or arrays stacked, else a list)."""
+    array (a view of its put only for contiguous rows' last read: ``columns.owned``); values
+    from separate puts go through :func:`meshfeed.collate.collate_column` (equal-shape tensors
+    or arrays stacked, else a list)."""
     return values.data if isinstance(values, Gathered) else collate_column(values)
 
 

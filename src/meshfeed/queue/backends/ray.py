@@ -68,6 +68,7 @@ class _StoreActor:
         # This process is the store's own: every tensor it sends travels as an array.
         ray.util.register_serializer(torch.Tensor, serializer=tensor_out, deserializer=tensor_in)
         self.core = StoreCore(StoreOptions.from_dict(options))  # a checkpoint comes by restore
+        self.core.owning = False  # rows reach their reader pickled: copies already
         self.waiters = Waiters()
         self.abandoned = 0  # waiting gets whose caller died: given up, nothing consumed
         self.plane = ChunkKeeper(caller_alive)
@@ -275,6 +276,7 @@ class _StoreActor:
         def swap() -> bool:
             old = self.core
             self.core = checkpoint.restore(meta, payload, current=old, options=old.options)
+            self.core.owning = False
             return True
 
         try:

@@ -4,9 +4,11 @@ A sample's field then holds a :class:`Cell` ``(chunk, row)`` instead of its own 
 of ``n`` rows costs one reference per row, not ``n`` tensor objects (and, on Ray, one pickled
 column, not ``n``). :func:`gather` builds a batch column from cells with one ``index_select``
 / ``take`` per run of cells from one chunk and one ``cat`` over the runs; when the rows are
-contiguous in one chunk the result is a *view* of the put's column (no copy: the caller must not
-write into it if the producer may still read its column). Fields of one sample may come from
-different puts: each field's cells point into its own chunks.
+contiguous in one chunk the result is a *view* of the put's column (no copy). A reader may write
+into what a get hands it: where the store keeps the rows for another read (another task, a
+shared plan's retry or replica peer, a hold, a lease, a resume's re-delivery) the embedded
+backend hands out :func:`owned` copies instead (a view only for the rows' last read). Fields of
+one sample may come from different puts: each field's cells point into its own chunks.
 
 On Ray a large put's column is a :class:`RemoteChunk`: the column itself lives in Ray's object
 store and the store actor holds only its reference (the data plane apart from the control
@@ -32,6 +34,7 @@ __all__ = [
     "assemble",
     "gather",
     "gather_runs",
+    "owned",
     "resolve",
     "signature",
     "transportable",
@@ -164,6 +167,38 @@ class Gathered:
     """A batch column already assembled from cells (``store.collate`` passes it through)."""
 
     data: Any
+
+
+def owned(columns: dict[str, Any]) -> dict[str, Any]:
+    """``columns`` of a batch whose rows the store still keeps, as memory of the reader's own:
+    a column that is a view of a stored chunk is copied, and so is every tensor or array in a
+    column of plain values (a stored sample's own object, or a row of a chunk). Columns
+    gathered into new memory (a ``take`` or ``cat``) and lists of scalars pass as they are.
+    So an in-place edit by one reader never reaches what another task, a retry or a resume
+    reads."""
+    return {f: _owned(v) for f, v in columns.items()}
+
+
+def _owned(value: Any) -> Any:
+    if type(value) is Gathered:
+        data = value.data
+        if type(data) is list:  # a run's scalars (puts.run_columns), a new list already
+            return value
+        if isinstance(data, np.ndarray):
+            return Gathered(data.copy()) if data.base is not None else value
+        return Gathered(data.clone()) if data._base is not None else value
+    if type(value) is list:
+        return [_own(v) for v in value]
+    return value
+
+
+def _own(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.clone()
+    return value
 
 
 def resolve(value: Any) -> Any:

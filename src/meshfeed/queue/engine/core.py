@@ -30,7 +30,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from meshfeed.queue.engine.admin import StoreAdmin
-from meshfeed.queue.engine.columns import gather, gather_runs
+from meshfeed.queue.engine.columns import gather, gather_runs, owned
 from meshfeed.queue.engine.dynamic import consumed, rejected
 from meshfeed.queue.engine.eviction import evict, forget
 from meshfeed.queue.engine.fastpath import select_fast
@@ -87,6 +87,10 @@ class StoreCore(StoreAdmin):
         self.put_needs = 0  # new samples the last put refused for capacity needed
         self.taken = 0  # samples ever consumed (delivered or stale): frees admission room
         self.admitting = False  # a versioned put may wait for admission (versions.py)
+        #: Hand out rows the store keeps as the reader's own copies (columns.owned): the
+        #: embedded backend, whose readers share this process's memory. The Ray actor's rows
+        #: reach their reader as copies anyway, so it turns this off.
+        self.owning = True
 
     # ----------------------------------------------------------------- producing
     def _partition(self, name: str) -> Partition:
@@ -231,6 +235,7 @@ class StoreCore(StoreAdmin):
         elif request.hold:
             count_up(part.held, ids)
         self._evict(part, freed)
+        rows = self._handed(part, ids, rows)
         return ids, rows, entry.round.lists() if request.parts else None, versions
 
     def _plan(self, part: Partition, request: GetRequest, share: Share | None) -> Round | None:
@@ -314,8 +319,10 @@ class StoreCore(StoreAdmin):
         versions = _vs(part, ids, request.version_of)  # before they go
         if drop:  # fast path: nothing else keeps them, so they go without eviction checks
             self._dropped(forget(part, every))
-        elif share is None:  # a plan's samples stay pinned until the plan goes
-            self._evict(part, every)
+        else:
+            if share is None:  # a plan's samples stay pinned until the plan goes
+                self._evict(part, every)
+            rows = self._handed(part, ids, rows)
         parts = plan.lists() if share is not None and request.parts else None
         return ids, rows, parts, versions
 
@@ -402,6 +409,15 @@ class StoreCore(StoreAdmin):
     def stats_cache_entries(self) -> int:
         return sum(len(p.cache) for p in self.partitions.values())
 
+    def _handed(self, part: Partition, ids: list[Key], rows: dict[str, Any]) -> dict[str, Any]:
+        """``rows`` as a reader gets them: its own copies while the store still keeps any of
+        ``ids`` (another task, a plan, a hold or a lease may read them again; see
+        :func:`~meshfeed.queue.engine.columns.owned`), else as gathered (views for the rows'
+        last read)."""
+        if self.owning and any(map(part.samples.__contains__, ids)):
+            return owned(rows)
+        return rows
+
     @staticmethod
     def _rows(part: Partition, ids: list[Key], fields: tuple[str, ...]) -> dict[str, Any]:
         records = list(map(part.samples.__getitem__, ids))
@@ -432,7 +448,8 @@ class StoreCore(StoreAdmin):
                 "checkpoint names as fetched but not returned; restore the store saved with "
                 "that loader state (SampleStore.load)"
             )
-        return list(ids), self._rows(part, list(ids), fields), _vs(part, list(ids))
+        rows = self._rows(part, list(ids), fields)
+        return list(ids), owned(rows) if self.owning else rows, _vs(part, list(ids))
 
     def _evict(self, part: Partition, keys: list[Key]) -> None:
         if keys:
