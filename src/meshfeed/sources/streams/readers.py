@@ -16,8 +16,9 @@ None: to the end of the shard). Optional hooks make it faster or stronger, each 
 
 :class:`DefaultReader` reads callables (``itertools.islice`` over ``shard()``; an open iterator
 is kept per shard and process, so reading forward never starts over) and text files (one row
-per line; ``.jsonl`` lines are parsed as JSON), by index through a line-offset table built once
-per file and process.
+per line, less its ``"\\n"`` or ``"\\r\\n"``, the same whether read by range or by index; a
+lone ``"\\r"`` ends no line; ``.jsonl`` lines are parsed as JSON), by index through a
+line-offset table built once per file and process.
 """
 
 from __future__ import annotations
@@ -332,10 +333,13 @@ def _read_rows(f: Any, path: str, offsets: np.ndarray, lo: int, hi: int) -> list
     """Rows ``[lo, hi)`` of ``path`` (open as ``f``) as text: one read from row ``lo``'s
     start to row ``hi``'s (blank lines between them dropped in a JSON-lines file)."""
     f.seek(int(offsets[lo]))
-    lines = f.read(int(offsets[hi] - offsets[lo])).decode("utf-8").split("\n")
+    text = f.read(int(offsets[hi] - offsets[lo])).decode("utf-8")
     if _is_jsonl(path):
-        lines = [line for line in lines if line.strip(_BLANK)]
+        lines = [line for line in text.split("\n") if line.strip(_BLANK)]
     else:
+        # A row is its line less the terminator, "\n" or "\r\n" (as the range form reads it);
+        # a lone "\r" is no terminator and stays.
+        lines = text.replace("\r\n", "\n").split("\n")
         del lines[hi - lo :]  # the empty piece after the last newline is no line
     if len(lines) != hi - lo:  # the file changed between its offset table and this read
         raise _past_end(path, hi - 1, lo + len(lines))
@@ -384,9 +388,14 @@ def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:
             for line in itertools.islice(lines, start, stop):
                 yield json.loads(line)
             return
-        text = io.TextIOWrapper(f, encoding="utf-8")
+        # Lines end at "\n" alone, as the offset table counts them (universal newlines would
+        # also end one at a lone "\r"); a row is its line less "\n" or "\r\n", as take() reads
+        # it (a last line without "\n" keeps a final "\r": it ends no line). Inline: a call
+        # per row would double this loop's cost.
+        text = io.TextIOWrapper(f, encoding="utf-8", newline="\n")
         for row in itertools.islice(text, start, stop):
-            yield row.rstrip("\n")
+            cut = row.removesuffix("\n")
+            yield cut.removesuffix("\r") if len(cut) < len(row) else cut
 
 
 def rows_by_take(
