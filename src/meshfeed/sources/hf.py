@@ -12,12 +12,21 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HFSource"]
+from meshfeed.errors import SourceError
+
+__all__ = ["FormatChangedError", "HFSource"]
 
 Row = dict[str, Any]
 
 #: ``Dataset.with_format`` types whose rows and batches are tables, not dicts of values
 _TABLE_FORMATS = frozenset({"arrow", "pandas", "polars"})
+
+
+class FormatChangedError(SourceError, ValueError):
+    """The dataset's format was changed in place to a table format after its
+    :class:`HFSource` was made. A :class:`~meshfeed.errors.SourceError`, so the loader
+    raises it rather than substituting every sample; a ``ValueError``, as the same refusal
+    is when the source is made."""
 
 
 def _datasets() -> Any:
@@ -40,9 +49,11 @@ class HFSource:
     transform (``with_transform``); ``src[i]`` and ``src.__getitems__`` give the same rows.
     A table format (``"arrow"``, ``"pandas"``, ``"polars"``) is refused by name when the
     source is made (a row there is a one-row table, not a dict of values): pass
-    ``dataset.with_format(None)``, ``"numpy"`` or ``"torch"``. Iterable and dict datasets are
-    rejected: choose a split (``ds["train"]``), or stream an ``IterableDataset`` with a
-    meshfeed stream.
+    ``dataset.with_format(None)``, ``"numpy"`` or ``"torch"``; and at every read, should
+    ``dataset.set_format`` (in place) make the format a table format later
+    (:class:`FormatChangedError`, which the loader never substitutes). Iterable and dict
+    datasets are rejected: choose a split (``ds["train"]``), or stream an ``IterableDataset``
+    with a meshfeed stream.
 
     >>> src = HFSource(datasets.Dataset.from_dict({"text": ["a", "b"]}))  # doctest: +SKIP
     >>> src.__getitems__([1, 0])  # doctest: +SKIP
@@ -82,6 +93,10 @@ class HFSource:
                 )
             dataset = dataset.select_columns(list(columns))
         self.dataset = dataset
+        # Each read checks the format again (set_format changes it in place, after this
+        # check): one attribute read where the dataset keeps its type as ``_format_type``
+        # (it does, up to datasets 5 at least), else the public ``format`` dict.
+        self._kind_attr = getattr(dataset, "_format_type", object()) == dataset.format["type"]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -99,6 +114,7 @@ class HFSource:
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"row {i} out of range for {n} rows")
+        self._check_format()
         return dict(self.dataset[int(i) % n])
 
     def __getitems__(self, indices: Sequence[int]) -> list[Row]:
@@ -111,6 +127,22 @@ class HFSource:
             return []
         if int(idx.min()) < -n or int(idx.max()) >= n:
             raise IndexError(f"indices span [{int(idx.min())}, {int(idx.max())}], outside [0, {n})")
+        self._check_format()
         batch = self.dataset[(idx % n).tolist()]
         names = list(batch)
         return [{k: batch[k][j] for k in names} for j in range(idx.shape[0])]
+
+    def _check_format(self) -> None:
+        """Raise :class:`FormatChangedError` if the dataset's format became a table format
+        after the source was made (``dataset.set_format("pandas")``, in place)."""
+        ds = self.dataset
+        kind = ds._format_type if self._kind_attr else ds.format["type"]
+        if kind in _TABLE_FORMATS:
+            raise FormatChangedError(
+                f"the dataset has format {kind!r}, set after this HFSource was made (e.g. by "
+                "dataset.set_format), whose rows are one-row tables, not dicts of values; set "
+                "it back with dataset.reset_format() (Python objects), "
+                'dataset.set_format("numpy") or dataset.set_format("torch"), or make the '
+                'source from a copy, dataset.with_format(None) (or "numpy", "torch"), which '
+                "a later set_format on dataset leaves alone"
+            )
