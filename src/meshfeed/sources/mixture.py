@@ -32,6 +32,8 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
   size, how far it planned) lives in the :class:`MixtureOrder`, not in the mixture.
 - A substitute for a bad sample (see ``on_error``) is drawn from the whole concatenated index
   space, not per source.
+- ``close()`` closes every source that has a ``close()`` (a stream's readers, files and held
+  shards), all of them even if one raises.
 """
 
 from __future__ import annotations
@@ -249,6 +251,30 @@ class Mixture:
             for w, item in zip(where.tolist(), items, strict=True):
                 out[w] = item
         return out
+
+    def close(self) -> None:
+        """Close every source that has a ``close()`` (a :class:`ShardedStream`'s readers, open
+        files and held cached shards; a nested mixture's sources), in this process.
+
+        Every source is closed even if one raises: the first error is raised after the last
+        source, naming its source (later errors are added as notes). Calling it again closes
+        again, which is a no-op for a closed stream; reading after it re-opens what a stream
+        needs, as :meth:`ShardedStream.close` does."""
+        first: Exception | None = None
+        for name, src in zip(self.names, self.sources, strict=True):
+            close = getattr(src, "close", None)
+            if not callable(close):
+                continue
+            try:
+                close()
+            except Exception as e:  # the other sources are closed all the same
+                if first is None:
+                    first = e
+                    e.add_note(f"raised closing source {name!r} of the Mixture")
+                else:
+                    first.add_note(f"closing source {name!r} also raised {e!r}")
+        if first is not None:
+            raise first
 
     @property
     def fingerprint(self) -> str:
