@@ -14,8 +14,9 @@ thread, in the same order on every rank.
 Each yielded micro-step is a dict: the per-token keys (with this rank's zigzag chunks of a
 split document), ``cu_seqlens`` (int32, over the chunks this rank holds), ``doc_ids`` (each
 document's position in the global batch: source rank order, then position in its sample),
-``document_ids`` (each document's corpus id, aligned with ``cu_seqlens``; present when every
-rank's packed sample carries ``document_ids``, as :func:`packed_document_loader`'s do),
+``document_ids`` (each document's corpus id, aligned with ``cu_seqlens``, int64; present when
+every rank's packed sample carries ``document_ids``, as :func:`packed_document_loader`'s do; a
+uint64 id past int64 is refused on every rank, naming it, rather than wrapped to a negative one),
 ``cp_group`` (global ranks running this micro-step together), ``cp_rank``, ``microstep`` and
 ``num_microsteps``.
 
@@ -57,6 +58,10 @@ _VERSION = 2  # 1 had no kind; the header of the all-gather changed with it
 #: has_data, dtype signature, documents, has_ids (whether the sample carries corpus ids); then
 #: their lengths and corpus ids (any int64, negative ones too; zeros without ids)
 _HEADER = 4
+#: has_ids when the sample's corpus ids are uint64 with one past int64: the ids then travel as
+#: their bit patterns, so that every rank refuses the batch with the same error (no hang)
+_WIDE_IDS = 2
+_INT64_MAX = np.iinfo(np.int64).max
 #: Most documents one rank's packed sample may hold: the all-gather buffer has two slots per
 #: document on every rank (8 bytes each: length and corpus id), allocated at every batch.
 MAX_DOCS_PER_RANK = 2**20
@@ -251,9 +256,10 @@ class BalancedBatches:
         sample = next(self._inner, None)
         header = np.zeros(_HEADER, dtype=np.int64)
         if sample is not None:
-            if "cu_seqlens" in sample:  # else _header names what the sample lacks
+            wide = _ids_past_int64(sample)  # refused below, on every rank
+            if wide is None and "cu_seqlens" in sample:  # else _header names what it lacks
                 sample = fit_sample(sample, self._keys, self._limit, self._policy)
-            header = self._header(sample)
+            header = self._header(sample, wide)
         rows = self._comm.all_gather(header, _HEADER + 2 * self._cap)
         if not all(int(row[0]) for row in rows):
             return None
@@ -264,7 +270,10 @@ class BalancedBatches:
                 f"every rank must yield {list(self._keys)} with the same dtypes"
             )
         counts = [int(row[2]) for row in rows]
-        has_ids = all(int(row[3]) for row in rows)
+        flags = [int(row[3]) for row in rows]
+        if _WIDE_IDS in flags:
+            _refuse_wide_ids(rows, counts, flags)  # the same error on every rank: no hang
+        has_ids = all(flags)
         all_lengths = np.concatenate(
             [row[_HEADER : _HEADER + n] for row, n in zip(rows, counts, strict=True)]
         )
@@ -283,8 +292,11 @@ class BalancedBatches:
             future.set_result(schedule_documents(all_lengths, **kwargs))
         return _Batch(state, sample, counts, ids, dtypes, future)
 
-    def _header(self, sample: Mapping[str, Any]) -> np.ndarray:
-        """has_data, dtype signature, documents, has_ids, their lengths, their corpus ids."""
+    def _header(self, sample: Mapping[str, Any], wide: np.ndarray | None = None) -> np.ndarray:
+        """has_data, dtype signature, documents, has_ids, their lengths, their corpus ids.
+
+        ``wide``: the sample's uint64 corpus ids when one is past int64 (they travel as bit
+        patterns, flagged ``_WIDE_IDS``, and every rank refuses the batch)."""
         lengths = doc_lengths(sample, self._keys)
         if lengths.size > self._cap:
             raise ValueError(
@@ -292,15 +304,20 @@ class BalancedBatches:
                 f"{self._cap=}; raise max_docs_per_rank"
             )
         ids = np.zeros(lengths.size, dtype=np.int64)
-        has_ids = DOCUMENT_IDS in sample
+        has_ids = int(DOCUMENT_IDS in sample)
         if has_ids:
-            given = np.asarray(torch.as_tensor(sample[DOCUMENT_IDS]).cpu(), dtype=np.int64)
+            given = (
+                np.asarray(torch.as_tensor(sample[DOCUMENT_IDS]).cpu(), dtype=np.int64)
+                if wide is None
+                else wide
+            )
             if given.shape != lengths.shape:
                 raise ValueError(
                     f"sample[{DOCUMENT_IDS!r}] holds {given.size} ids for {lengths.size} "
                     "documents; give one corpus id per document of cu_seqlens"
                 )
-            ids = given
+            ids = given if wide is None else wide.view(np.int64)
+            has_ids = 1 if wide is None else _WIDE_IDS
         signature = fields_signature(sample, self._keys)
         head = np.asarray([1, signature, lengths.size, has_ids], np.int64)
         return np.concatenate([head, lengths, ids])
@@ -348,6 +365,35 @@ class BalancedBatches:
                 step[DOCUMENT_IDS] = torch.from_numpy(batch.ids[step["doc_ids"].numpy()])
         self._base_state, self._current = batch.state, steps
         self._k, self._skip = min(self._skip, len(steps)), 0
+
+
+def _ids_past_int64(sample: Mapping[str, Any]) -> np.ndarray | None:
+    """The sample's corpus ids, when they are uint64 (a numpy array or tensor) and one is past
+    int64, which carries them (as an int64 cast would wrap it to a negative id); else None.
+    Other dtypes cost one dtype comparison."""
+    value = sample.get(DOCUMENT_IDS)
+    if isinstance(value, torch.Tensor):
+        if value.dtype != getattr(torch, "uint64", None):  # torch < 2.3 has no uint64
+            return None
+        value = value.cpu().numpy()
+    if not isinstance(value, np.ndarray) or value.dtype != np.uint64:
+        return None
+    return value if value.size and int(value.max()) > _INT64_MAX else None
+
+
+def _refuse_wide_ids(rows: list[np.ndarray], counts: list[int], flags: list[int]) -> None:
+    """Raise, on every rank alike, naming the first corpus id past int64 (module doc)."""
+    rank = flags.index(_WIDE_IDS)
+    n = counts[rank]
+    ids = rows[rank][_HEADER + n : _HEADER + 2 * n].view(np.uint64)
+    i = int(np.flatnonzero(ids > _INT64_MAX)[0])
+    value = int(ids[i])
+    raise ValueError(
+        f"document {i} of rank {rank}'s sample has corpus id {value} (uint64), past int64: "
+        f"BalancedBatches carries document_ids as int64, where it would wrap to "
+        f"{value - 2**64}; number the documents below 2**63, or reinterpret the ids as int64 "
+        "yourself (ids.view(np.int64), and .view(np.uint64) on the micro-steps' document_ids)"
+    )
 
 
 class _LoaderEpoch:

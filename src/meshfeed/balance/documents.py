@@ -12,6 +12,7 @@ BalancedBatches reroutes (next-token inputs and labels, position ids restarting 
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,13 +44,23 @@ def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     >>> pack_documents([np.array([5, 6, 7]), np.array([8, 9])])["cu_seqlens"].tolist()
     [0, 2, 3]
     """
-    ids = None
-    if docs and isinstance(docs[0], tuple):
-        ids = np.asarray([int(i) for i, _ in docs], dtype=np.int64)
-        docs = [d for _, d in docs]
-    arrays = [np.asarray(d) for d in docs]
+    items, ids = docs, None
+    pairs = bool(docs) and isinstance(docs[0], tuple)
+    try:
+        if pairs:
+            id_list = [i for i, _ in docs]
+            docs = [d for _, d in docs]
+            ids = _fast_ids(id_list)
+        arrays = [np.asarray(d) for d in docs]
+    except (TypeError, ValueError):  # numpy's words for a mixed or malformed list
+        _refuse_items(items, pairs)
+        raise
+    if pairs and ids is None:  # an id of another type (refused by name) or past int64
+        _refuse_items(items, pairs)
+        ids = np.asarray([int(i) for i in id_list], dtype=np.int64)  # e.g. 0-d int tensors
     bad = next((a.shape for a in arrays if a.ndim != 1), None)
     if bad is not None:
+        _refuse_items(items, pairs)
         raise ValueError(f"documents must be 1-D token arrays (got shape {bad})")
     k = next((k for k, a in enumerate(arrays) if a.size and a.dtype.kind not in "iu"), None)
     if k is not None:  # a float token id would be truncated to another token
@@ -79,6 +90,111 @@ def pack_documents(docs: Sequence[Any]) -> dict[str, torch.Tensor]:
     if ids is not None:
         out[DOCUMENT_IDS] = torch.from_numpy(ids[lengths > 1])
     return out
+
+
+#: Scalar types of a corpus id read in one numpy call (a value past int64 is sorted out there).
+_INT_TYPES = frozenset({int, *(np.dtype(c).type for c in np.typecodes["AllInteger"])})
+_INT64 = np.iinfo(np.int64)
+
+
+def _fast_ids(id_list: list[Any]) -> np.ndarray | None:
+    """The corpus ids as int64 when each is an int or numpy integer within int64 (one numpy
+    call), else None: :func:`_refuse_items` then names the item, or accepts it (a 0-d tensor)."""
+    if not set(map(type, id_list)) <= _INT_TYPES:
+        return None
+    try:
+        return np.asarray(id_list, dtype=np.int64)
+    except OverflowError:
+        return None
+
+
+def _describe(x: Any) -> str:
+    """What an item of ``pack_documents``'s list is, in words (for its errors)."""
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)} element(s)"
+    if isinstance(x, np.ndarray):
+        return f"a {x.ndim}-D numpy array of shape {x.shape} and dtype {x.dtype}"
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dim()}-D tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    name = type(x).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name} ({reprlib.repr(x)})"
+
+
+def _is_corpus_id(x: Any) -> bool:
+    """An int, numpy integer or 0-d integer array / tensor (not a bool)."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (int, np.integer)):
+        return True
+    if isinstance(x, np.ndarray) and x.ndim == 0:
+        return x.dtype.kind in "iu"
+    if isinstance(x, torch.Tensor) and x.dim() == 0:
+        return not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+    return False
+
+
+def _refuse_items(items: Sequence[Any], pairs: bool) -> None:
+    """Raise TypeError / ValueError naming the first malformed item of ``pack_documents``'s
+    list (its index, what it is and the fix); return if every item is well formed.
+
+    Only called once the fast path failed: the normal path pays nothing for it."""
+    first = "a (corpus_id, tokens) pair" if pairs else _describe(items[0])
+    either = (
+        "pack_documents takes either (corpus_id, tokens) pairs for every item or plain token "
+        "arrays for every item"
+    )
+    for k, item in enumerate(items):
+        if isinstance(item, (str, bytes)):
+            raise TypeError(
+                f"item {k} of the documents is {_describe(item)}: documents are 1-D integer "
+                "token arrays or (corpus_id, tokens) pairs; tokenize text first"
+            )
+        tokens, what = item, f"item {k} of the documents is"
+        if pairs:
+            if not isinstance(item, tuple):
+                raise TypeError(
+                    f"item {k} of the documents is {_describe(item)}, but item 0 is {first}: "
+                    f"{either}; give item {k} its corpus id, as (corpus_id, tokens), or pass "
+                    "every item without one"
+                )
+            if len(item) != 2:
+                raise TypeError(
+                    f"item {k} of the documents is {_describe(item)}; a document with its "
+                    "corpus id is a pair (corpus_id, tokens)"
+                )
+            cid, tokens = item
+            what = f"the tokens of item {k} are"
+            if not _is_corpus_id(cid):
+                raise TypeError(
+                    f"the corpus id of item {k} is {_describe(cid)}; a corpus id is an int "
+                    f"(the document's number in its corpus): pass (int(id), tokens) if it is "
+                    "a whole number"
+                )
+            if not _INT64.min <= int(cid) <= _INT64.max:
+                raise ValueError(
+                    f"the corpus id of item {k} is {int(cid)}, outside int64 (document_ids "
+                    "are int64); number the documents below 2**63 (e.g. a uint64 hash h as "
+                    "int(np.uint64(h).view(np.int64)))"
+                )
+        try:
+            a = np.asarray(tokens)
+        except (TypeError, ValueError) as e:
+            if not pairs and isinstance(item, tuple) and len(item) == 2:
+                raise TypeError(
+                    f"item {k} of the documents is {_describe(item)}, a (corpus_id, tokens) "
+                    f"pair, but item 0 is {first}: {either}; give every item its corpus id, "
+                    f"or pass item {k}'s tokens alone"
+                ) from None
+            raise TypeError(
+                f"{what} {_describe(tokens)}, which numpy cannot read as a 1-D token array "
+                f"({e}); pass a 1-D integer array or tensor"
+            ) from None
+        if a.ndim != 1:
+            raise ValueError(
+                f"documents must be 1-D token arrays (got shape {a.shape}): {what} "
+                f"{_describe(tokens)}; pass each document as its own 1-D array (e.g. "
+                "list(batch) for the rows of a 2-D batch)"
+            )
 
 
 class NumberedDocuments:
