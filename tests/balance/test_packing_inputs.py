@@ -159,3 +159,33 @@ def test_every_rank_refuses_a_wide_id_of_one_rank_alike_without_hanging():
     messages = run_distributed(_wide_on_rank_1, 2, timeout=300.0)
     assert messages[0] == messages[1]
     assert f"document 1 of rank 1's sample has corpus id {WIDE}" in messages[0]
+
+
+def _bad_on_rank_1(rank: int, world: int) -> tuple[list[str], list[int]]:
+    """Two samples per rank; rank 1's first one names 2 corpus ids for its 3 documents. Every
+    rank catches the error and goes on, as a loop that logs and continues would."""
+    import torch.distributed as dist
+
+    first = _sample(np.array([1, 2, 3], np.int64))
+    if rank == 1:
+        first["document_ids"] = first["document_ids"][:2]
+    second = _sample(np.array([4, 5, 6], np.int64))
+    errors: list[str] = []
+    with BalancedBatches([first, second], max_tokens=32, cost=S2, group=dist.group.WORLD) as it:
+        try:
+            next(it)
+        except ValueError as e:
+            errors.append(str(e))
+        ids = [i for s in it for i in s["document_ids"].tolist()]
+    return errors, ids
+
+
+@pytest.mark.slow
+def test_a_sample_refused_on_one_rank_stops_every_rank_at_that_batch_without_waiting():
+    # Before, rank 1 raised before the all-gather and rank 0 waited in it (300 s by default);
+    # rank 1's next all-gather then paired its second sample with rank 0's first.
+    got = run_distributed(_bad_on_rank_1, 2, timeout=120.0)
+    (errors0, ids0), (errors1, ids1) = got
+    assert len(errors1) == 1 and "holds 2 ids for 3 documents" in errors1[0]
+    assert len(errors0) == 1 and "rank(s) [1] failed its checks there" in errors0[0]
+    assert sorted(ids0 + ids1) == [4, 4, 5, 5, 6, 6]  # both ranks' second samples, together

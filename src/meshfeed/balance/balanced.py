@@ -61,6 +61,9 @@ _HEADER = 4
 #: has_ids when the sample's corpus ids are uint64 with one past int64: the ids then travel as
 #: their bit patterns, so that every rank refuses the batch with the same error (no hang)
 _WIDE_IDS = 2
+#: has_data of a rank whose sample failed its checks there: every rank raises at this batch
+#: (that rank its own error), none waits for the next all-gather until its timeout
+_REFUSED = -1
 _INT64_MAX = np.iinfo(np.int64).max
 #: Most documents one rank's packed sample may hold: the all-gather buffer has two slots per
 #: document on every rank (8 bytes each: length and corpus id), allocated at every batch.
@@ -255,12 +258,17 @@ class BalancedBatches:
         state = self._inner_state()
         sample = next(self._inner, None)
         header = np.zeros(_HEADER, dtype=np.int64)
+        refused: Exception | None = None
         if sample is not None:
-            wide = _ids_past_int64(sample)  # refused below, on every rank
-            if wide is None and "cu_seqlens" in sample:  # else _header names what it lacks
-                sample = fit_sample(sample, self._keys, self._limit, self._policy)
-            header = self._header(sample, wide)
+            try:
+                wide = _ids_past_int64(sample)  # refused below, on every rank
+                if wide is None and "cu_seqlens" in sample:  # else _header names what it lacks
+                    sample = fit_sample(sample, self._keys, self._limit, self._policy)
+                header = self._header(sample, wide)
+            except Exception as e:  # the other ranks learn of it from the all-gather: no wait
+                refused, header = e, np.asarray([_REFUSED, 0, 0, 0], np.int64)
         rows = self._comm.all_gather(header, _HEADER + 2 * self._cap)
+        _refuse_together(rows, self._comm.rank, refused)
         if not all(int(row[0]) for row in rows):
             return None
         signatures = [int(row[1]) for row in rows]
@@ -379,6 +387,22 @@ def _ids_past_int64(sample: Mapping[str, Any]) -> np.ndarray | None:
     if not isinstance(value, np.ndarray) or value.dtype != np.uint64:
         return None
     return value if value.size and int(value.max()) > _INT64_MAX else None
+
+
+def _refuse_together(rows: list[np.ndarray], rank: int, refused: Exception | None) -> None:
+    """Raise on every rank when a rank's packed sample failed its checks there (``refused``
+    on that rank): that rank's own error, on the others one naming it. So every rank stops at
+    the same batch, and a loop that catches the error and goes on stays in step."""
+    bad = [r for r, row in enumerate(rows) if int(row[0]) == _REFUSED]
+    if not bad:
+        return
+    if refused is not None:
+        refused.add_note(f"every rank of the group stops at this batch (refused on ranks {bad})")
+        raise refused
+    raise ValueError(
+        f"the packed sample of rank(s) {bad} failed its checks there (their error names the "
+        f"problem); rank {rank} stops at the same batch so that no rank waits for the others"
+    )
 
 
 def _refuse_wide_ids(rows: list[np.ndarray], counts: list[int], flags: list[int]) -> None:
