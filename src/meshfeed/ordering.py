@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.curriculum.curriculum import Curriculum
+from meshfeed.curriculum.order import check_gate
 from meshfeed.order.batches import Order, ShuffledOrder
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import CurriculumHooks, OrderBase, OrderedSource, PostProcess
@@ -305,4 +306,21 @@ class CurriculumMixtureOrder(OrderBase):
             raise ValueError(
                 f"the checkpoint gates sources {sorted(facts['sources'])}, this loader {mine}; "
                 "resume with the same curricula per source"
+            )
+        for name, gate in zip(self.mixture.names, self.gates, strict=True):
+            recorded = facts["sources"].get(name)
+            if gate is None or not isinstance(recorded, dict):
+                continue
+            step = recorded.get("step")
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise ValueError(
+                    f"the checkpoint's curriculum of source {name!r} has step={step!r}; the "
+                    "checkpoint is corrupted"
+                )
+            at = max(step, gate.first_step)
+            check_gate(
+                recorded,
+                pool_size=gate.pool_size(at),
+                difficulty=self.curricula[name].difficulties(at),
+                what=f"curriculum of source {name!r}",
             )

@@ -32,6 +32,7 @@ independent of N, and a resume anywhere costs the same.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -359,3 +360,25 @@ class GatedOrder(OrderBase):
                 f"curriculum order state has step={facts.get('step')!r}; the checkpoint is "
                 "corrupted"
             )
+        at = max(facts["step"], self.first_step)
+        mine = self._difficulties(at) if self._difficulties else {}
+        check_gate(facts, pool_size=self.pool_size(at), difficulty=mine, what="curriculum")
+
+
+def check_gate(facts: Mapping[str, Any], *, pool_size: int, difficulty: Any, what: str) -> None:
+    """Refuse a checkpoint's curriculum facts (``step``, ``pool_size``, ``difficulty``) that
+    this curriculum does not give at that step: another schedule or metric would serve other
+    samples, silently. ``difficulty``: this curriculum's at the step (JSON-comparable)."""
+    theirs, pool = facts.get("difficulty", {}), facts.get("pool_size")
+    if isinstance(pool, bool) or not isinstance(pool, int):
+        raise ValueError(
+            f"the checkpoint's {what} has pool_size={pool!r}; the checkpoint is corrupted"
+        )
+    if pool == pool_size and theirs == json.loads(json.dumps(difficulty)):
+        return
+    raise ValueError(
+        f"the checkpoint's {what} had {pool} eligible samples at difficulty "
+        f"{theirs!r} at step {facts['step']}, but this one has {pool_size} at {difficulty!r}: "
+        "another schedule or metric; resume with the dataset and curriculum (schedule, "
+        "metric index) that wrote the checkpoint"
+    )

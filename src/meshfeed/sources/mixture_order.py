@@ -209,7 +209,14 @@ class MixtureOrder(OrderBase):
             consumed=self.mixture.counts(g, global_batch_size=self.G),
             bases=self.mixture._bases(self.G)[: j + 1].tolist(),
             schedule=self.mixture.schedule_json(),
+            streams=self._stream_facts(),
         )
+
+    def _stream_facts(self) -> dict[str, Any]:
+        """The facts of each source walked by an order of its own (a stream's window, seed
+        and epoch), by source name: what a lone stream's checkpoint checks."""
+        names = self.mixture.names
+        return {names[s]: order.describe(0, 0) for s, order in self._own.items()}
 
     def validate(self, described: Mapping[str, Any]) -> None:
         """Refuse to resume from facts whose kind, version, schedule or counts do not fit this
@@ -229,6 +236,7 @@ class MixtureOrder(OrderBase):
             what="mixture order state",
         )
         self._adopt_schedule(facts["schedule"], facts["stream_position"])
+        self._check_streams(facts.get("streams"))
         if facts["samples_per_epoch"] != self.samples_per_epoch:
             raise ValueError(
                 f"the checkpoint's mixture epoch has {facts['samples_per_epoch']} samples, this "
@@ -247,6 +255,28 @@ class MixtureOrder(OrderBase):
         for _, segment, n, counts in self._carried_points(facts):
             self.mixture._segments[segment].seed(n, counts)
         self.planned_until = max(self.planned_until, g)
+        # The run returned every batch before the checkpoint's position: a reweight there
+        # would rewrite what was served (check_reweight)
+        self.returned_until = g
+
+    def _check_streams(self, recorded: Any) -> None:
+        """Refuse a checkpoint whose streams were walked otherwise (another shuffle_buffer,
+        seed or samples_per_epoch): rows would repeat and others go unread. A checkpoint
+        written before these facts were kept (no ``streams``) is not checked."""
+        if recorded is None:
+            return
+        mine = self._stream_facts()
+        if not isinstance(recorded, dict) or sorted(recorded) != sorted(mine):
+            raise ValueError(
+                f"the checkpoint's mixture walks sources {recorded!r} with orders of their own, "
+                f"this one {sorted(mine)}; resume with the same sources"
+            )
+        names = self.mixture.names
+        for s, order in self._own.items():
+            try:
+                order.validate(recorded[names[s]])
+            except ValueError as e:
+                raise ValueError(f"source {names[s]!r} of the mixture: {e}") from None
 
     def _adopt_schedule(self, recorded: Any, position: int) -> None:
         """Make this mixture's weight schedule the checkpoint's: the changes it lacks are
