@@ -153,3 +153,35 @@ def test_replica_peers_and_a_rolled_back_store_and_loader_read_what_was_put(make
             _check(batch)
             after += batch.ids
     assert sorted(before + after) == sorted(list(range(N)) * 2)  # each sample to both tp peers
+
+
+def test_nested_per_sample_values_are_the_readers_own_at_any_depth(make_store):
+    """Per-sample lists of token ids, several images per sample, dicts of tensors: an edit of
+    any of them (an append, an in-place op) never reaches another task's read."""
+    store = make_store(tasks=["first", "second"])
+
+    def values() -> dict[str, list[Any]]:
+        return {
+            "tokens": [[1, 2, 3 + i] for i in range(N)],
+            "images": [(np.ones(2) * i, torch.ones(3) * i) for i in range(N)],
+            "extra": [{"mask": torch.zeros(2), "name": f"s{i}"} for i in range(N)],
+        }
+
+    store.put("p", values())
+    first = store.get("first", ["tokens", "images", "extra"], N, "p", timeout=5)
+    for tokens, (array, tensor), extra in zip(
+        first["tokens"], first["images"], first["extra"], strict=True
+    ):
+        tokens.append(99)
+        if array.flags.writeable:
+            array += 1000
+        tensor += 1000
+        extra["mask"] += 1
+        extra["name"] = "edited"
+    second = store.get("second", ["tokens", "images", "extra"], N, "p", timeout=5)
+    want = values()
+    assert [list(t) for t in second["tokens"]] == want["tokens"]
+    for (a, t), (wa, wt) in zip(second["images"], want["images"], strict=True):
+        assert np.array_equal(a, wa) and torch.equal(t, wt)
+    for got, w in zip(second["extra"], want["extra"], strict=True):
+        assert torch.equal(got["mask"], w["mask"]) and got["name"] == w["name"]

@@ -18,6 +18,7 @@ the consuming client fetches the chunks and assembles the column with :func:`ass
 
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 from dataclasses import dataclass
@@ -171,11 +172,12 @@ class Gathered:
 
 def owned(columns: dict[str, Any]) -> dict[str, Any]:
     """``columns`` of a batch whose rows the store still keeps, as memory of the reader's own:
-    a column that is a view of a stored chunk is copied, and so is every tensor or array in a
-    column of plain values (a stored sample's own object, or a row of a chunk). Columns
-    gathered into new memory (a ``take`` or ``cat``) and lists of scalars pass as they are.
-    So an in-place edit by one reader never reaches what another task, a retry or a resume
-    reads."""
+    a column that is a view of a stored chunk is copied, and so is every value of a column of
+    plain values (a stored sample's own object, or a row of a chunk) that can be changed in
+    place: tensors and arrays, and lists, tuples and dicts with their contents, at any depth
+    (as Ray's pickling copies them). Columns gathered into new memory (a ``take`` or ``cat``)
+    and scalars pass as they are. So an in-place edit by one reader never reaches what
+    another task, a retry or a resume reads."""
     return {f: _owned(v) for f, v in columns.items()}
 
 
@@ -192,13 +194,28 @@ def _owned(value: Any) -> Any:
     return value
 
 
+_IMMUTABLE = frozenset({int, float, str, bool, bytes, complex, type(None)})
+
+
 def _own(value: Any) -> Any:
+    """A copy of ``value`` that shares nothing it could change in place (scalars as they are)."""
+    t = type(value)
+    if t in _IMMUTABLE:
+        return value
+    if t is list:
+        return [_own(v) for v in value]
+    if t is tuple:
+        return tuple(_own(v) for v in value)
+    if t is dict:
+        return {k: _own(v) for k, v in value.items()}
     if isinstance(value, np.ndarray):
         return value.copy()
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return value.clone()
-    return value
+    if isinstance(value, np.generic):  # a numpy scalar: immutable
+        return value
+    return copy.deepcopy(value)  # anything else a producer put (a dataclass, a set, ...)
 
 
 def resolve(value: Any) -> Any:
