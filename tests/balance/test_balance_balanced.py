@@ -255,3 +255,19 @@ def test_balanced_batches_on_2_gloo_ranks_exchange_negative_document_ids():
     # a rank without ids: no rank carries them (the ids of the other ranks would be partial)
     results = run_distributed(_hashed_rank, 2, (True, False), timeout=300.0)
     assert all("document_ids" not in s for steps in results for s in steps)
+
+
+def test_balanced_batches_refuse_fields_they_would_drop_naming_them():
+    """Multimodal rows (an image's pixel_values concatenated, with offsets) went through and
+    came out without their images, silently: every field it cannot route is refused."""
+    sample = pack_documents([np.arange(5), np.arange(7)])
+    sample["pixel_values"] = torch.zeros(3, 4)
+    sample["pixel_values_offsets"] = torch.tensor([0, 1, 3])
+    with BalancedBatches([sample], max_tokens=64) as it, pytest.raises(
+        ValueError, match=r"holds \['pixel_values', 'pixel_values_offsets'\], which "
+        r"BalancedBatches would drop"
+    ):  # fmt: skip
+        next(it)
+    del sample["pixel_values"], sample["pixel_values_offsets"]
+    with BalancedBatches([sample], max_tokens=64) as it:  # cu_seqlens and document_ids pass
+        assert sum(int(s["loss_mask"].sum()) for s in it) == int(sample["loss_mask"].sum())

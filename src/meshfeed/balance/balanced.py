@@ -64,6 +64,8 @@ _WIDE_IDS = 2
 #: has_data of a rank whose sample failed its checks there: every rank raises at this batch
 #: (that rank its own error), none waits for the next all-gather until its timeout
 _REFUSED = -1
+#: What a packed sample may hold beyond ``keys``: what the micro-steps carry, rebuilt
+_CARRIED = frozenset({"cu_seqlens", DOCUMENT_IDS})
 _INT64_MAX = np.iinfo(np.int64).max
 #: Most documents one rank's packed sample may hold: the all-gather buffer has two slots per
 #: document on every rank (8 bytes each: length and corpus id), allocated at every batch.
@@ -306,6 +308,17 @@ class BalancedBatches:
         ``wide``: the sample's uint64 corpus ids when one is past int64 (they travel as bit
         patterns, flagged ``_WIDE_IDS``, and every rank refuses the batch)."""
         lengths = doc_lengths(sample, self._keys)
+        dropped = [k for k in sample if k not in self._keys and k not in _CARRIED]
+        if dropped:
+            raise ValueError(
+                f"the packed sample holds {sorted(map(str, dropped))}, which BalancedBatches "
+                f"would drop: it moves documents between ranks with their per-token keys "
+                f"(keys={list(self._keys)}), cu_seqlens and document_ids only. Add per-token "
+                "fields to keys=; per-sample fields (an image's pixel_values, a "
+                "<name>_offsets concat field) are not routed across ranks, so feed such "
+                "samples without BalancedBatches, or leave out the fields you do not need "
+                "(e.g. in the loader's collate_fn)"
+            )
         if lengths.size > self._cap:
             raise ValueError(
                 f"a packed sample holds {lengths.size} documents, more than "
