@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 import pickle
 from typing import Any
@@ -248,3 +249,58 @@ def test_a_qwen_template_trains_exactly_the_assistant_turns(turns):
     assert _bytes_text(s["input_ids"][s["loss_mask"] > 0]) == want
     assert _bytes_text(s["input_ids"]) == (template.render(messages) if messages else "")
     assert (s["labels"][s["loss_mask"] == 0] == -100).all()
+
+
+def _trained_pairs(steps: Any) -> list[tuple[int, int]]:
+    """(input token, target) of every trained position, with labels already shifted."""
+    pairs = []
+    for s in steps:
+        keep = s["labels"] != -100
+        pairs += list(zip(s["input_ids"][keep].tolist(), s["labels"][keep].tolist(), strict=True))
+    return sorted(pairs)
+
+
+def test_shifted_labels_keep_every_next_token_pair_through_split_documents():
+    """With shift_labels=True, position t's label is token t + 1: BalancedBatches may cut a
+    conversation into pieces (long_documents="split") and every trained pair survives, where a
+    shift inside the model would lose the pair at each cut."""
+    from meshfeed import DataLoader
+    from meshfeed.balance import BalancedBatches, merge_rows
+
+    chats = [
+        [{"role": "user", "content": "q" * (3 + i)}, {"role": "assistant", "content": "a" * 40}]
+        for i in range(6)
+    ]
+    plain = [chat_sample(c, "bytes") for c in chats]
+    shifted = ChatSamples(chats, "bytes", shift_labels=True)
+    for p, s in zip(plain, map(shifted.__getitem__, range(len(chats))), strict=True):
+        assert torch.equal(s["input_ids"], p["input_ids"])
+        assert torch.equal(s["labels"][:-1], p["labels"][1:]) and int(s["labels"][-1]) == -100
+        assert (
+            torch.equal(s["loss_mask"][:-1], p["loss_mask"][1:]) and float(s["loss_mask"][-1]) == 0
+        )
+    want = _trained_pairs(shifted[i] for i in range(len(chats)))
+    keys = ("input_ids", "labels", "loss_mask", "position_ids")
+    pad = {"input_ids": 0, "labels": -100, "loss_mask": 0, "position_ids": None}
+    rows = PackedSamples(shifted, max_tokens=256, fields=SampleFields(token_fields=keys[:3]))
+    loader = DataLoader(rows, batch_size=1, collate_fn=merge_rows, drop_last=False)
+    with BalancedBatches(loader, max_tokens=32, keys=keys, pad=pad, long_documents="split") as it:
+        steps = list(it)
+    assert max(int((s["cu_seqlens"][1:] - s["cu_seqlens"][:-1]).max()) for s in steps) <= 32
+    assert _trained_pairs(steps) == want  # every pair once, none across a cut
+    # The same pipeline unshifted, the model shifting within each document piece: the pair
+    # at every cut inside an answer is lost
+    rows = PackedSamples(
+        ChatSamples(chats, "bytes"), max_tokens=256, fields=SampleFields(token_fields=keys[:3])
+    )
+    loader = DataLoader(rows, batch_size=1, collate_fn=merge_rows, drop_last=False)
+    with BalancedBatches(loader, max_tokens=32, keys=keys, pad=pad, long_documents="split") as it:
+        model_side = []
+        for s in it:
+            cu = s["cu_seqlens"].tolist()
+            for a, b in itertools.pairwise(cu):
+                x, y = s["input_ids"][a : b - 1].tolist(), s["labels"][a + 1 : b].tolist()
+                model_side += [(i, t) for i, t in zip(x, y, strict=True) if t != -100]
+    assert len(model_side) < len(want)
+    with pytest.raises(TypeError, match="shift_labels must be True or False"):
+        ChatSamples(chats, "bytes", shift_labels="yes")

@@ -4,7 +4,12 @@
 chat template and tokenizes it. Only the assistant turns carry loss: their content and end
 marker get ``labels`` equal to ``input_ids`` and ``loss_mask`` 1; everything else (system and
 user turns, every role header, the generation prompt) gets ``labels`` -100 and ``loss_mask`` 0.
-``labels`` are not shifted (the model shifts them, as Hugging Face models do).
+``labels`` are not shifted (the model shifts them, as Hugging Face models do); with
+``shift_labels=True`` they are: ``labels[t]`` (and ``loss_mask[t]``) is the target of position
+``t``, the token after it, the last one -100 (0), and the model must not shift again. Shifted
+labels are what :class:`~meshfeed.balance.BalancedBatches` needs under context parallelism or
+``long_documents="split"``: it cuts a document into pieces on different ranks or rows, and a
+shift inside the model would pair each piece's last position with the wrong token (or none).
 
 The template is, in this order: ``template=`` (a :class:`ChatTemplate` of plain strings, a
 :class:`JinjaChatTemplate`, or a tokenizer folder whose ``tokenizer_config.json`` has a
@@ -243,21 +248,38 @@ def chat_sample(
     *,
     template: ChatTemplate | JinjaChatTemplate | str | os.PathLike[str] | None = None,
     index: int | None = None,
+    shift_labels: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``input_ids`` / ``labels`` / ``loss_mask`` of one conversation (see the module doc).
 
     ``tokenizer`` is anything :func:`~meshfeed.sources.tokens.tokenizer.load_tokenizer` takes; ``index``
-    names the sample in errors (a message without a role, content that is not text).
+    names the sample in errors (a message without a role, content that is not text);
+    ``shift_labels``: labels (and the loss mask) of the next token (see the module doc).
 
     >>> s = chat_sample([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "bytes")
     >>> bytes(s["input_ids"][s["loss_mask"] > 0].tolist())
     b'yo<|end|>\\n'
     """
-    return _tokenize(messages, _renderer(tokenizer, template), load_tokenizer(tokenizer), index)
+    _check_shift(shift_labels)
+    return _tokenize(
+        messages, _renderer(tokenizer, template), load_tokenizer(tokenizer), index, shift_labels
+    )
+
+
+def _check_shift(shift_labels: Any) -> None:
+    if not isinstance(shift_labels, bool):
+        raise TypeError(
+            f"shift_labels must be True or False (got {shift_labels=!r}); True when the model "
+            "does not shift labels itself (under context parallelism or split documents)"
+        )
 
 
 def _tokenize(
-    messages: Messages, render: Renderer, encode: TextTokenizer, index: int | None
+    messages: Messages,
+    render: Renderer,
+    encode: TextTokenizer,
+    index: int | None,
+    shift_labels: bool = False,
 ) -> dict[str, torch.Tensor]:
     _check_messages(messages, index)
     ids, mask = [], []
@@ -267,11 +289,13 @@ def _tokenize(
         mask.append(np.full(tokens.size, trained))
     input_ids = torch.from_numpy(np.concatenate(ids) if ids else np.zeros(0, np.int64))
     trained_mask = torch.from_numpy(np.concatenate(mask) if mask else np.zeros(0, bool))
-    return {
-        "input_ids": input_ids,
-        "labels": torch.where(trained_mask, input_ids, torch.full_like(input_ids, -100)),
-        "loss_mask": trained_mask.to(torch.float32),
-    }
+    labels = torch.where(trained_mask, input_ids, torch.full_like(input_ids, -100))
+    if shift_labels:  # position t is trained to predict token t + 1
+        labels = torch.cat([labels[1:], labels.new_full((min(1, labels.numel()),), -100)])
+        trained_mask = torch.cat(
+            [trained_mask[1:], trained_mask.new_zeros(min(1, trained_mask.numel()))]
+        )
+    return {"input_ids": input_ids, "labels": labels, "loss_mask": trained_mask.to(torch.float32)}
 
 
 class ChatSamples:
@@ -280,6 +304,7 @@ class ChatSamples:
     An item of ``conversations`` is a list of messages or a mapping with ``messages``.
     ``lengths`` (what :class:`~meshfeed.balance.PackedSamples` plans with) tokenizes every
     conversation once on first use and keeps the array; pass ``lengths=`` to skip that.
+    ``shift_labels``: labels of the next token (the module doc says when).
     """
 
     def __init__(
@@ -289,8 +314,11 @@ class ChatSamples:
         *,
         template: ChatTemplate | JinjaChatTemplate | str | os.PathLike[str] | None = None,
         lengths: Any = None,
+        shift_labels: bool = False,
     ) -> None:
+        _check_shift(shift_labels)
         self.conversations, self.tokenizer, self.template = conversations, tokenizer, template
+        self.shift_labels = shift_labels
         self._lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self._encode = load_tokenizer(tokenizer)
         self._render: Renderer | None = None
@@ -307,7 +335,7 @@ class ChatSamples:
         messages = item["messages"] if isinstance(item, Mapping) else item
         if self._render is None:
             self._render = _renderer(self.tokenizer, self.template)
-        return _tokenize(messages, self._render, self._encode, int(i))
+        return _tokenize(messages, self._render, self._encode, int(i), self.shift_labels)
 
     @property
     def lengths(self) -> np.ndarray:
