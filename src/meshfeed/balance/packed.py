@@ -38,7 +38,7 @@ from meshfeed.balance.packing import (
     check_method,
     pack_windows,
 )
-from meshfeed.balance.samples import SampleFields, assemble
+from meshfeed.balance.samples import POSITION_IDS, SampleFields, assemble
 from meshfeed.collate import PadCollate
 from meshfeed.keys import DOCUMENT_IDS
 from meshfeed.order.permutation import Permutation, check_seed, derive_seed
@@ -278,6 +278,14 @@ class PackedSamples:
             {k: torch.as_tensor(samples[i][k])[a:b] for k in self.fields.token_fields}
             for i, a, b in plan
         ]
+        made = POSITION_IDS not in self.fields.token_fields
+        if made:
+            # As in the packed output: a piece of a split sample keeps counting from its start
+            # (PadCollate alone would restart every piece at 0).
+            for item, (_, a, b) in zip(items, plan, strict=True):
+                item[POSITION_IDS] = torch.arange(a, b, dtype=torch.int64)
         out = PadCollate()(items)
+        if made:  # the key order PadCollate gives when it makes them
+            out[POSITION_IDS] = out.pop(POSITION_IDS)
         out[DOCUMENT_IDS] = torch.tensor([i for i, _, _ in plan], dtype=torch.int64)
         return out

@@ -31,6 +31,7 @@ __all__ = ["PackCollate", "SampleFields", "merge_rows", "pack_samples"]
 
 POSITION_IDS = "position_ids"
 CU_SEQLENS = "cu_seqlens"
+_OFFSETS = "_offsets"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +69,17 @@ class SampleFields:
             raise ValueError(
                 f"fields {offsets} are written by packing (the offsets of concat field(s) "
                 f"{[n[: -len('_offsets')] for n in offsets]}); rename them"
+            )
+        # merge_rows joins "<name>_offsets" as offsets wherever a row also holds "<name>", so
+        # no field may be named after another key of a packed row plus "_offsets".
+        keys = set(names) | {POSITION_IDS, CU_SEQLENS, DOCUMENT_IDS}
+        keys |= {f"{c}_offsets" for c in self.concat_fields}
+        clash = sorted(n for n in names if n.endswith(_OFFSETS) and n[: -len(_OFFSETS)] in keys)
+        if clash:
+            raise ValueError(
+                f"fields {clash} are named as the offsets of {[n[: -len(_OFFSETS)] for n in clash]}"
+                " (a field or key of the packed row), so merge_rows would join them as a concat "
+                f"field's offsets; rename them, e.g. {clash[0][: -len(_OFFSETS)] + '_starts'!r}"
             )
 
     @property
@@ -168,7 +180,8 @@ def assemble(
     np.cumsum(sizes, out=cu[1:])
     out: dict[str, Any] = {}
     for name in fields.token_fields:
-        out[name] = _concat([s[name][a:b] for s, (a, b) in zip(samples, spans, strict=True)])
+        parts = [s[name][a:b] for s, (a, b) in zip(samples, spans, strict=True)]
+        out[name] = _join_field(name, parts, ids, "token")
     if POSITION_IDS not in out:
         starts = np.asarray([a for a, _ in spans], dtype=np.int64)
         pos = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, sizes)
@@ -182,8 +195,8 @@ def assemble(
         parts = [_tensor(s[name]) for s in samples]
         offsets = np.zeros(len(parts) + 1, np.int64)
         np.cumsum([int(p.shape[0]) if p.ndim else 1 for p in parts], out=offsets[1:])
-        out[name] = _concat([p.reshape(-1, *p.shape[1:]) for p in parts])
-        out[f"{name}_offsets"] = torch.from_numpy(offsets)
+        out[name] = _join_field(name, [p.reshape(-1, *p.shape[1:]) for p in parts], ids, "concat")
+        out[f"{name}{_OFFSETS}"] = torch.from_numpy(offsets)
     return out
 
 
@@ -194,6 +207,28 @@ def _concat(parts: list[Any]) -> torch.Tensor:
     if all(isinstance(p, np.ndarray) for p in parts):
         return torch.from_numpy(np.concatenate(parts))
     return torch.cat([_tensor(p) for p in parts])
+
+
+def _join_field(name: str, parts: list[Any], ids: Sequence[int] | None, kind: str) -> torch.Tensor:
+    """:func:`_concat` of field ``name``'s parts; parts whose shapes past the first dimension
+    differ are an error naming the field and the samples (looked at only once joining fails)."""
+    try:
+        return _concat(parts)
+    except (RuntimeError, ValueError):
+        shapes = [tuple(getattr(p, "shape", ())) for p in parts]
+        if len({s[1:] for s in shapes}) < 2:
+            raise
+        named = list(range(len(parts))) if ids is None else [int(i) for i in ids]
+        first: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+        for i, shape in zip(named, shapes, strict=True):
+            first.setdefault(shape[1:], (i, shape))
+        seen = ", ".join(f"sample {i} has shape {shape}" for i, shape in list(first.values())[:4])
+        fix = "" if kind == "token" else ", or carry it as a list with sample_fields=..."
+        raise ValueError(
+            f"{kind} field {name!r} cannot be concatenated: its shape past the first dimension "
+            f"differs across the samples ({seen}); give every sample's {name!r} the same "
+            f"trailing shape (pad or reshape it in the dataset){fix}"
+        ) from None
 
 
 @runtime_checkable
@@ -231,8 +266,10 @@ def merge_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     Per-token tensors and ``document_ids`` are concatenated, ``cu_seqlens`` shifted and joined,
     lists extended, ``<name>_offsets`` shifted and joined with their ``<name>`` tensors (a
     concat field's offsets: only where the rows also hold ``<name>``; any other field whose
-    name ends in ``_offsets`` is a field like the rest). One row comes back as it is. This is
-    what :class:`~meshfeed.balance.BalancedBatches` takes.
+    name ends in ``_offsets`` is a field like the rest, and :class:`SampleFields` refuses a
+    field named ``<name>_offsets`` beside a field or packing key ``<name>``, so the rows
+    :func:`pack_samples` and :class:`~meshfeed.balance.PackedSamples` make are never misread).
+    One row comes back as it is. This is what :class:`~meshfeed.balance.BalancedBatches` takes.
     """
     if len(rows) == 1:
         return dict(rows[0])
