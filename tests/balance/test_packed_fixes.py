@@ -181,3 +181,11 @@ def test_token_fields_of_different_trailing_shapes_name_the_field(as_numpy):
     ]
     with pytest.raises(ValueError, match=r"token field 'emb'.*sample 1 has shape \(1, 5\)"):
         pack_samples(samples, fields)
+
+
+@pytest.mark.parametrize("kind", ["sample_fields", "concat_fields"])
+def test_position_ids_as_a_per_sample_field_is_refused(kind):
+    # It replaced the per-token position_ids packing writes, silently.
+    with pytest.raises(ValueError, match=r"\['position_ids'\] are written by packing"):
+        SampleFields(token_fields=("input_ids",), **{kind: ("position_ids",)})
+    SampleFields(token_fields=("input_ids", "position_ids"))  # a token field: taken as given

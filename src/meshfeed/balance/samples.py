@@ -62,8 +62,12 @@ class SampleFields:
         if twice:
             raise ValueError(f"fields {twice} are named more than once in SampleFields")
         reserved = {CU_SEQLENS, DOCUMENT_IDS} & set(names)
+        reserved |= {POSITION_IDS} & set(self.sample_fields + self.concat_fields)
         if reserved:
-            raise ValueError(f"fields {sorted(reserved)} are written by packing; rename them")
+            raise ValueError(
+                f"fields {sorted(reserved)} are written by packing; rename them "
+                "(position_ids may be a token field, taken as given)"
+            )
         offsets = sorted({f"{c}_offsets" for c in self.concat_fields} & set(names))
         if offsets:
             raise ValueError(
