@@ -107,8 +107,7 @@ class EmbeddedBackend:
                     make,
                     attempt,
                     request.timeout,
-                    f"put to {partition!r} (store at capacity {self.core.options.capacity}, or "
-                    "waiting for admission of a versioned put)",
+                    f"put to {partition!r} ({self.core.put_waits_for})",
                     stall=self._stall,
                 )
             waiters = self.waiters

@@ -198,12 +198,11 @@ class _StoreActor:
             changed = self._room_stamp() != tuple(stamp) or (part is not None and part.closed)
             return True if changed else None
 
-        cap = self.core.options.capacity
+        why = self.core.put_waits_for or f"store at capacity {self.core.options.capacity}"
         return await self._run(
             attempt,
             timeout,
-            f"put to {partition!r} (store at capacity {cap}, or waiting for admission of a "
-            "versioned put)",
+            f"put to {partition!r} ({why}, when it was refused)",
             lambda notify: Waiter("producer", notify, size=need),
             self.probes.get(caller) if caller else None,
         )

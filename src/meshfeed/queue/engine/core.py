@@ -49,7 +49,7 @@ from meshfeed.queue.engine.records import (
     nbytes_of,
 )
 from meshfeed.queue.engine.stall import check_fits, round_size
-from meshfeed.queue.engine.versions import Book
+from meshfeed.queue.engine.versions import Book, book_of
 from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.rounds import Round
 from meshfeed.queue.samplers import Share
@@ -85,7 +85,12 @@ class StoreCore(StoreAdmin):
         self.lease_expired = 0  # samples returned to ready by an expired or dropped lease
         self.planned = 0  # shared plans made (a backend wakes the replica peers on a change)
         self.put_needs = 0  # new samples the last put refused for capacity needed
-        self.taken = 0  # samples ever consumed (delivered or stale): frees admission room
+        #: Why the last put refused waits: the store's capacity, or admission (versions.py).
+        self.put_waits_for = ""
+        #: A stamp that changes whenever admission room may have been freed: one per sample
+        #: consumed (delivered or stale), and one when a get that cannot plan a round finds
+        #: a put refused for admission (it may be the put the get waits for: :meth:`try_get`).
+        self.taken = 0
         self.admitting = False  # a versioned put may wait for admission (versions.py)
         #: Hand out rows the store keeps as the reader's own copies (columns.owned): the
         #: embedded backend, whose readers share this process's memory. The Ray actor's rows
@@ -121,12 +126,18 @@ class StoreCore(StoreAdmin):
         else:
             n_new = check_put(partition, part, rows, ids, groups)
         version = request.version
+        book = part.book
         if version is not None:
             self.admitting = True
-            book = part.book = part.book or Book()
-            if not book.admit(partition, part, request, ids, n_new, version):
+            book = book_of(part)
+            if not book.admit(
+                partition, part, request, ids, n_new, version, lambda t: self._ready(part, t)
+            ):
                 self.put_needs = n_new
+                self.put_waits_for = _admission(partition, part, book)
                 return None
+        elif book is not None and groups is not None:  # no mixing in a versioned partition
+            book.check_groups(partition, part.samples, request, ids, None)
         cap = self.options.capacity
         if cap is not None:
             if n_new > cap:
@@ -136,6 +147,9 @@ class StoreCore(StoreAdmin):
                 )
             if self.held + n_new > cap:
                 self.put_needs = n_new
+                self.put_waits_for = (
+                    f"store at capacity {cap} ({self.held} held, the put needs {n_new} more)"
+                )
                 return None
         part.seen.update(rows)
         # One sample gains nothing from a run (and costs more to gather from a row of runs).
@@ -148,7 +162,7 @@ class StoreCore(StoreAdmin):
         counts = part.field_counts
         for f in rows:  # each (sample, field) pair is new, checked above
             counts[f] = counts.get(f, 0) + n
-        if version is not None:
+        if book is not None and (version is not None or groups is not None):
             book.record(request, ids, version)
         return ids
 
@@ -185,8 +199,32 @@ class StoreCore(StoreAdmin):
                 return self._read_plan(part, request, share, entry)
         plan = self._plan(part, request, share)
         if plan is None:
+            book = part.book
+            if book is not None and book.refused:  # a put waits for admission: it may be
+                book.refused = False  # the one this get waits for (a round not ready): wake
+                self.taken += 1  # it to ask again, with this get's request (versions.py)
             return None
         return self._consume(part, request, share, plan, alive, now)
+
+    def _ready(self, part: Partition, task: str) -> bool:
+        """Whether ``task``'s last get could plan a round of its pending samples now, as
+        :meth:`_plan` would (admission: a put waits only while one is ready for the task);
+        ``True`` when not known (no get since the book was made or loaded)."""
+        book = part.book
+        request = None if book is None else book.asks.get(task)
+        if request is None:
+            return True
+        need = request.need
+        try:
+            lazy = part.ranges(task)
+            parts = select_fast(part, part.task(task) if lazy is None else lazy, request, need)
+            if isinstance(parts, bool):
+                parts = request.sampler.select(
+                    View(part, part.task(task), need), request.batch_size
+                )
+        except Exception:  # the get reports it; admission counts as if a round were ready
+            return True
+        return parts is not None and any(parts)
 
     def versioned(self, partition: str) -> bool:
         """Whether ``partition`` has policy versions (its puts may wait for admission)."""
@@ -205,7 +243,7 @@ class StoreCore(StoreAdmin):
                 for old in mine:
                     self._end_lease(old.id)
         if request.version is not None:
-            book = part.book = part.book or Book()
+            book = book_of(part)
             book.observe(request, round_size(request.sampler, request.batch_size), request.version)
             task = request.task
             stale = book.stale_keys(part.task(task), request)
@@ -458,6 +496,23 @@ class StoreCore(StoreAdmin):
     def _dropped(self, n: int) -> None:
         self.held -= n
         self.dropped += n
+
+
+def _admission(partition: str, part: Partition, book: Book) -> str:
+    """Why a versioned put waits for admission (the tasks whose bound it would pass)."""
+    full = []
+    for task, (v, s, size) in book.trainers.items():
+        ahead = part.pending_count(task)
+        if s is not None and ahead >= (s + 1) * size:
+            full.append(
+                f"task {task!r} (version {v}, max_staleness={s}, {size} per get) has {ahead} "
+                f"samples unconsumed, (max_staleness + 1) * {size} or more, and a round of "
+                "them ready"
+            )
+    return (
+        f"waiting for admission of a versioned put to {partition!r}: {'; '.join(full)}; it "
+        "lands once the trainer takes a round (a get of the task)"
+    )
 
 
 def _vs(part: Partition, ids: list[Key], version_of: str = "oldest") -> list[int | None] | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfeed.queue.engine.records import Partition, View
-from meshfeed.queue.engine.versions import Book
+from meshfeed.queue.engine.versions import book_of
 from meshfeed.queue.request import GetRequest
 from meshfeed.queue.samplers import GroupSampler, RankAwareSampler, Sampler
 
@@ -75,7 +75,7 @@ def rejected(part: Partition, request: GetRequest, pending: Mapping[Key, None]) 
     groups = _groups_of(request.sampler)
     fn = request.group_filter
     assert groups is not None and fn is not None  # checked by check_group_filter
-    book = part.book = part.book or Book()
+    book = book_of(part)
     kept = book.kept.get(request.task, set())
     view = View(part, pending, request.need)  # type: ignore[arg-type]
     out: list[Key] = []
