@@ -135,9 +135,16 @@ class Delivery:
         """Whether batches go through the delivery thread."""
         return self.pin or self.device is not None
 
-    def stage(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
-        """``(batch, meta)`` pairs of ``items`` with each batch delivered; timed per step."""
-        return self._ahead(items) if self.ahead else self._timed(items)
+    def stage(
+        self, items: Iterator[tuple[Any, T]], *, stop: threading.Event | None = None
+    ) -> Generator[tuple[Any, T], None, None]:
+        """``(batch, meta)`` pairs of ``items`` with each batch delivered; timed per step.
+
+        ``stop``, set from any thread (a loader's ``shutdown()`` while its loop waits in this
+        stage, where it cannot be closed), ends the delivery thread after the batch it is
+        making, which is dropped; the loop's wait then ends as if ``items`` had. Closing the
+        stage sets it too."""
+        return self._ahead(items, stop) if self.ahead else self._timed(items)
 
     # ------------------------------------------------------------------ the loop's side
     def _timed(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
@@ -172,9 +179,11 @@ class Delivery:
         current.wait_event(event)
         _map(batch, lambda t: t.record_stream(current) if t.is_cuda else None)
 
-    def _ahead(self, items: Iterator[tuple[Any, T]]) -> Generator[tuple[Any, T], None, None]:
+    def _ahead(
+        self, items: Iterator[tuple[Any, T]], stop: threading.Event | None
+    ) -> Generator[tuple[Any, T], None, None]:
         ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
+        stop = threading.Event() if stop is None else stop
         thread = threading.Thread(
             target=self._run, args=(items, ready, stop, self._streams()), name="meshfeed-delivery"
         )
@@ -185,14 +194,16 @@ class Delivery:
         try:
             while True:
                 asked = time.perf_counter()
-                kind, payload = take_from(ready, thread)
+                kind, payload = take_from(ready, thread, stop)
                 if kind == "end":
                     return
                 if kind == "error":
                     raise payload
-                item, event = payload
+                item, event, made = payload
                 self._hand_over(item[0], event)  # the loop's kernels start after the copy
-                tel.took(asked, time.perf_counter())  # counted by the loader (telemetry)
+                # Counted by the loader (telemetry), with the thread's seconds on this batch:
+                # a batch made ahead and dropped (the walk ends first) adds no phase.
+                tel.took(asked, time.perf_counter(), made=made)
                 yield item
         finally:
             stop.set()
@@ -224,33 +235,36 @@ class Delivery:
         streams: bool,
     ) -> None:
         source = iter(items)
-        tel = self.telemetry
+        clock = time.perf_counter
         try:
             while not stop.is_set():
-                start = time.perf_counter()
+                start = clock()
                 try:
                     batch, meta = next(source)
                 except StopIteration:
                     _put(ready, stop, ("end", None))
                     return
-                tel.add("produce", time.perf_counter() - start)
-                batch, event = self._prepare(batch, streams)
-                _put(ready, stop, ("item", ((batch, meta), event)))
+                produce = clock() - start
+                batch, event, pin_s, copy_s = self._prepare(batch, streams)
+                _put(ready, stop, ("item", ((batch, meta), event, (produce, pin_s, copy_s))))
         except BaseException as exc:  # handed to the loop, raised there
-            _put(ready, stop, ("error", exc))
+            if not _put(ready, stop, ("error", exc)):
+                with contextlib.suppress(queue.Full):  # told to stop: a loop still waiting
+                    ready.put_nowait(("error", exc))  # (shutdown() on another thread) gets it
         finally:
             _close(source)  # the generator runs on this thread: closed here
 
-    def _prepare(self, batch: Any, streams: bool) -> tuple[Any, Any]:
-        """``batch`` pinned and copied (on the side stream); the copy's event or None."""
-        tel = self.telemetry
+    def _prepare(self, batch: Any, streams: bool) -> tuple[Any, Any, float, float]:
+        """``batch`` pinned and copied (on the side stream); the copy's event or None, and
+        the seconds spent pinning and copying (added by the loop when the batch is counted)."""
+        pin_s = copy_s = 0.0
         if self.pin:
             start = time.perf_counter()
             batch = pin(batch)
-            tel.add("pin", time.perf_counter() - start)
+            pin_s = time.perf_counter() - start
         device = self.device
         if device is None:
-            return batch, None
+            return batch, None, pin_s, copy_s
         start = time.perf_counter()
         event = None
         if not streams:
@@ -260,8 +274,8 @@ class Delivery:
                 batch = to_device(batch, device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._side)
-        tel.add("device_copy", time.perf_counter() - start)
-        return batch, event
+        copy_s = time.perf_counter() - start
+        return batch, event, pin_s, copy_s
 
 
 #: Background threads to stop at exit, with their stop flag, queue and longest wait (weak keys:
@@ -315,22 +329,31 @@ def _stop_at_exit() -> None:
             thread.join(_POLL)
 
 
-def _put(ready: queue.Queue[tuple[str, Any]], stop: threading.Event, item: tuple[str, Any]) -> None:
+def _put(ready: queue.Queue[tuple[str, Any]], stop: threading.Event, item: tuple[str, Any]) -> bool:
+    """Put ``item`` on ``ready`` unless told to ``stop`` first; whether it was put."""
     while not stop.is_set():
         try:
             ready.put(item, timeout=_POLL)
-            return
+            return True
         except queue.Full:
             continue
+    return False
 
 
-def take_from(ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> tuple[str, Any]:
-    """``thread``'s next message on ``ready``; an error if the thread is gone without one."""
+def take_from(
+    ready: queue.Queue[tuple[str, Any]],
+    thread: threading.Thread,
+    stop: threading.Event | None = None,
+) -> tuple[str, Any]:
+    """``thread``'s next message on ``ready``; an error if the thread is gone without one,
+    ``("end", None)`` if it was told to ``stop`` (it drops what it had then)."""
     while True:
         try:
             return ready.get(timeout=_POLL)
         except queue.Empty:
             if not thread.is_alive() and ready.empty():
+                if stop is not None and stop.is_set():
+                    return "end", None
                 raise RuntimeError(
                     f"meshfeed: the {thread.name} thread ended without a batch or an error; "
                     "this is a bug, please report it with the loader's options"

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from meshfeed.services.distributed import DistributedService
 from meshfeed.services.workers import WorkerService
 from meshfeed.sources.streams.count import wait_limit
 from meshfeed.state import dataset_fingerprint, envelope, fingerprint_hash
-from meshfeed.telemetry import StepTiming
+from meshfeed.telemetry import StepTiming, Telemetry
 
 __all__ = ["LOADER_STATE_VERSION", "DataLoader"]
 
@@ -196,6 +197,9 @@ class DataLoader(LoaderBase):
         self._position = 0
         self._stats: dict[str, Any] = {**dict.fromkeys(COUNTS, 0), "failures": []}
         self._index_cache: tuple[int, dict[int, tuple[np.ndarray, np.ndarray]]] | None = None
+        #: The running walk's delivery stage: (walk generation, the thread walking, the stage's
+        #: stop flag, the stage), for a shutdown() during a next() (see _close_stage).
+        self._stage: tuple[int, int, threading.Event, weakref.ref[Any]] | None = None
 
     # ------------------------------------------------------------------ construction helpers
     def _where_batches_are_made(self, dataset: Any, service: Any) -> Any:
@@ -317,6 +321,10 @@ class DataLoader(LoaderBase):
 
     def _iterate(self, walk: int) -> Generator[Any, None, None]:
         """The batches of walk generation ``walk``: the rest of the current epoch."""
+        # Runs on the walk's first next(): its wait starts now, and includes what comes before
+        # the delivery stage times anything (the ranks' agreement, starting the workers, the
+        # service draining what a dropped walk left in flight).
+        self.telemetry.asked(time.perf_counter())
         epoch = self._epoch
         if isinstance(self.service, DistributedService):  # the ranks start at the same place
             self.service.agree(self._walk_facts())
@@ -326,7 +334,7 @@ class DataLoader(LoaderBase):
         # A walk ends early when the order was re-planned at a step not yet returned (a
         # reweighted mixture): what was planned or prefetched from there is dropped and the
         # walk starts again at the first batch not returned.
-        while (yield from self._walk(epoch, self._position)):
+        while (yield from self._walk(walk, epoch, self._position)):
             pass
         # The epoch was iterated to its end: the next iter() starts the next epoch.
         if self._walks == walk and self._epoch == epoch:
@@ -346,7 +354,7 @@ class DataLoader(LoaderBase):
             "mesh": mesh_hash(self.mesh),
         }
 
-    def _walk(self, epoch: int, position: int) -> Generator[Any, None, bool]:
+    def _walk(self, walk: int, epoch: int, position: int) -> Generator[Any, None, bool]:
         """Yield the batches of ``epoch`` from ``position``; True when re-planned (see above)."""
         steps: list[Step] = []
         results: Iterator[tuple[Any, Any]]
@@ -360,22 +368,46 @@ class DataLoader(LoaderBase):
                 timeout=self.wait_timeout,
                 where=lambda: f"step {steps[0].index} of epoch {epoch}",
             )
-        delivered = self.delivery.stage(results)  # pinned / on the device, timed
+        stop = threading.Event()
+        delivered = self.delivery.stage(results, stop=stop)  # pinned / on the device, timed
+        self._stage = (walk, threading.get_ident(), stop, weakref.ref(delivered))
         try:
-            return (yield from self._returned(epoch, steps, delivered))
+            return (yield from self._returned(walk, epoch, steps, delivered))
         finally:
             delivered.close()
+            stage = self._stage
+            if stage is not None and stage[2] is stop:
+                self._stage = None
+
+    def _close_stage(self, walk: int) -> None:
+        """Stop the delivery stage of walk generation ``walk``, whose generator runs (a
+        ``shutdown()`` during its ``next()``, see :meth:`_LiveWalk.close`): its delivery thread
+        ends after the batch it is making. On the walk's own thread (``on_step``), where the
+        stage waits unused, it is closed now: its thread joined, what it prefetched dropped."""
+        stage = self._stage
+        if stage is None or stage[0] != walk:
+            return
+        _, thread, stop, ref = stage
+        stop.set()  # from any thread: no generator is touched
+        delivered = ref()
+        if thread == threading.get_ident() and delivered is not None:
+            with contextlib.suppress(ValueError):  # running (a dataset that shuts it down)
+                delivered.close()
 
     def _returned(
-        self, epoch: int, steps: list[Step], delivered: Iterator[tuple[Any, Any]]
+        self, walk: int, epoch: int, steps: list[Step], delivered: Iterator[tuple[Any, Any]]
     ) -> Generator[Any, None, bool]:
         """Count each delivered batch as returned (position, stats, order hooks), yield it.
 
         ``on_step`` runs once the batch is counted (it sees the new position); if it raises,
-        the count is taken back and the batch is served again by the next walk."""
+        the count is taken back (its phases too) and the batch is served again by the next
+        walk. A batch that arrives once the walk was superseded (``shutdown()`` on another
+        thread while this ``next()`` waited) is not counted: the superseded error is raised."""
         stale_from: int | None = None
         replanned, returned = self.hooks.replanned, self.hooks.returned
         for batch, events in delivered:
+            if walk != self._walks:
+                raise self._superseded_error()
             step = steps.pop(0)
             if replanned is not None:
                 changed = replanned(epoch)
@@ -393,6 +425,7 @@ class DataLoader(LoaderBase):
             except BaseException:
                 self._position = before[0]
                 _restore_counts(self._stats, before[1])
+                _take_back(self.telemetry, events)  # made again by the next walk: once
                 raise
             if returned is not None:
                 returned(epoch, step.end)
@@ -513,7 +546,13 @@ class DataLoader(LoaderBase):
     def shutdown(self) -> None:
         """Stop the live iterator (its delivery thread joined, what it prefetched dropped),
         then worker processes or actors. Idempotent; the loader can be iterated again, from
-        the last batch returned (a live iterator raises on its next ``next()``)."""
+        the last batch returned (a live iterator raises on its next ``next()``).
+
+        Called while a ``next()`` runs: from its ``on_step``, the delivery thread is joined
+        before this returns, and that ``next()`` returns its batch (counted already: on_step
+        saw it). From another thread, that ``next()`` joins the delivery thread before it
+        ends, and raises the shutdown error in place of a batch not yet counted (the next walk
+        serves it; with workers, the pool's ``PoolClosed`` may come first)."""
         self._supersede(
             "was shut down (shutdown(), or the end of its with-block)",
             "nothing more comes from this iterator. Iterate the loader again (for batch in "
@@ -531,7 +570,11 @@ class _LiveWalk:
     An error raised through it (a bad sample under ``on_error="raise"``, a worker that died,
     ``on_step``) ends the walk's generator; the next ``next()`` continues the same generation
     from the last batch returned (the batch that raised is served again), where a finished
-    generator would have ended the epoch silently."""
+    generator would have ended the epoch silently.
+
+    Superseded while a ``next()`` runs (``shutdown()`` from ``on_step`` or from another
+    thread), the walk cannot be closed then (:meth:`close`); that ``next()`` closes it before it
+    returns or raises, so its delivery thread never outlives it."""
 
     __slots__ = ("__weakref__", "_batches", "_loader", "_walk")
 
@@ -543,21 +586,52 @@ class _LiveWalk:
 
     def __next__(self) -> Any:
         loader = self._loader
-        loader._check_walk(self._walk)
+        if self._walk != loader._walks:
+            self._stop()
         try:
-            return next(self._batches)
+            batch = next(self._batches)
         except StopIteration:
+            if self._walk != loader._walks:  # closed meanwhile from another thread
+                self._stop()
+            raise
+        except ValueError:
+            if self._walk != loader._walks:  # being closed from another thread: "executing"
+                self._stop()
+            self._batches = loader._iterate(self._walk)  # continues from the position
             raise
         except BaseException:
             self._batches = loader._iterate(self._walk)  # continues from the position
             raise
+        if self._walk != loader._walks:  # superseded while it ran; the batch was counted
+            self.close()
+        return batch
+
+    def _stop(self) -> NoReturn:
+        """Superseded: close what the walk still holds, and raise why."""
+        self.close()
+        raise self._loader._superseded_error() from None
 
     def close(self) -> None:
-        """Stop the walk: what it prefetched is dropped, its delivery thread joined."""
-        # Running (the call came from inside the walk, or from another thread): it stops at
-        # its next next(), which finds the walk superseded.
-        with contextlib.suppress(ValueError):
+        """Stop the walk: what it prefetched is dropped, its delivery thread joined.
+
+        A walk that runs (the call came from its ``on_step``, or from another thread during a
+        ``next()``) cannot be closed: from ``on_step`` its delivery stage, which waits, is
+        closed instead (the thread joined now); from another thread its delivery thread is
+        told to stop after the batch it is making. Either way the ``next()`` in progress finds
+        the walk superseded and closes it before it returns or raises."""
+        try:
             self._batches.close()
+        except ValueError:  # running
+            self._loader._close_stage(self._walk)
+
+
+def _take_back(telemetry: Telemetry, events: Any) -> None:
+    """Take back the phases of a batch counted and then not returned (``on_step`` raised)."""
+    fetch = collate = 0.0
+    for e in events if isinstance(events, list) else [events]:
+        fetch += e.fetch_s
+        collate += e.collate_s
+    telemetry.take_back(fetch=fetch, collate=collate)
 
 
 def _counts_of(stats: dict[str, Any]) -> tuple[dict[str, Any], int]:

@@ -15,7 +15,9 @@ each ``iter()`` of a ``DataLoader`` / ``StreamLoader``, ``set_epoch`` to another
 (:meth:`LoaderBase._supersede`). The iterator of the earlier one is closed at once (what it
 prefetched is dropped, never counted as returned; its delivery thread and its requests to the
 workers stop) and raises ``RuntimeError`` on its next ``next()``, naming what superseded it and
-the fix (iterate the loader again; for two readers of one dataset, two loaders).
+the fix (iterate the loader again; for two readers of one dataset, two loaders). Superseded
+while one of its ``next()`` runs (from its ``on_step``, or from another thread), it is closed
+by that ``next()`` before it returns or raises (a batch not yet counted then is not returned).
 
 Resuming is written as ``for epoch in loader.epochs(num_epochs): for batch in loader: ...``:
 after ``load_state_dict`` the loop starts at the checkpoint's epoch and position. Going back
@@ -234,8 +236,12 @@ class LoaderBase(Lifecycle):
     def _check_walk(self, walk: int) -> None:
         """Refuse to go on with an iterator of an older walk generation (:meth:`_supersede`)."""
         if walk != self._walks:
-            what, fix = self._superseded
-            raise RuntimeError(f"{self.name} {what} after this iterator was taken; {fix}")
+            raise self._superseded_error()
+
+    def _superseded_error(self) -> RuntimeError:
+        """What an iterator of an older walk generation raises (:meth:`_supersede`)."""
+        what, fix = self._superseded
+        return RuntimeError(f"{self.name} {what} after this iterator was taken; {fix}")
 
     # ------------------------------------------------------------------ warnings
     def _note_bad_samples(self, count: int, first: dict[str, Any] | None) -> None:

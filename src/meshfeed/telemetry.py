@@ -8,8 +8,19 @@ making batches: ``plan`` (the batch plan), ``produce`` (waiting for the service:
 is fetch + collate, with workers the wait for their transfer), ``fetch`` and ``collate`` (the
 fetcher's own seconds reading and collating, wherever it ran: with workers, summed over them,
 so they may add up to more than the wall time), ``pin`` (copying into page-locked memory),
-``device_copy`` (issuing the copy to the device). ``wait_share`` is the share of the
-wall time since the first batch was asked for that the loop spent waiting.
+``device_copy`` (issuing the copy to the device). Every phase but ``plan`` is added when the
+batch is counted as returned: a batch made and dropped uncounted (prefetched by a walk that was
+superseded) adds nothing, and a loader that makes a batch again after its ``on_step`` raised
+takes back its phases (:meth:`Telemetry.take_back`, see below), so that batch counts once.
+``wait_share`` is the share of the wall time since the first batch was asked for that the loop
+spent waiting. A walk's first wait includes what the loader did before its delivery stage ran
+(starting workers, the ranks' agreement, draining batches an earlier walk left in flight:
+:meth:`Telemetry.asked`).
+
+The wait quantiles (p50, p99) come from log-scale buckets :data:`BUCKET_WIDTH` (4.9 %) wide:
+``quantile(q)`` is the upper edge of the bucket holding the ``ceil(q * n)``-th smallest of the
+``n`` waits, so it is never below that wait and at most 4.9 % above it (waits of 100 ns or less
+report 0; a wait beyond 1000 s reports the last bucket's edge, about 1049 s).
 
 ``on_step`` (a loader option) is called after every batch with a :class:`StepTiming`, for
 dashboards (Prometheus, OpenTelemetry, a logger): keep it cheap, it runs on the loop's thread.
@@ -18,8 +29,9 @@ include it, so a checkpoint taken there resumes after it), just before the batch
 loop. A batch is timed in two calls: the delivery stage hands it on (:meth:`Telemetry.took`),
 then the loader counts it (:meth:`Telemetry.returned`), where the step is recorded and
 ``on_step`` called. If ``on_step`` raises, the batch is not returned: the step is not recorded
-here, the loader takes back its count (state and stats as before the batch) and raises the
-error in place of the batch, so nothing is skipped: the loader serves that batch again next.
+here, the loader takes back its count (state and stats as before the batch, its phases too:
+:meth:`Telemetry.take_back`) and raises the error in place of the batch, so nothing is skipped:
+the loader serves that batch again next.
 A batch the loader drops without returning it (a store batch skipped by ``on_error="skip"``)
 adds its wait to the next batch's.
 Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
@@ -35,7 +47,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MIN_LOOP_SECONDS", "PHASES", "WARN_AFTER", "StepTiming", "Telemetry", "WaitHistogram"]
+__all__ = [
+    "BUCKET_WIDTH",
+    "MIN_LOOP_SECONDS",
+    "PHASES",
+    "WARN_AFTER",
+    "StepTiming",
+    "Telemetry",
+    "WaitHistogram",
+]
 
 logger = logging.getLogger("meshfeed")
 
@@ -46,9 +66,16 @@ WARN_AFTER = 50
 #: The loop's own time per step (between batches) below which it is not judged: a loop that
 #: only collects batches (``list(loader)``) is not a training loop waiting for data.
 MIN_LOOP_SECONDS = 1e-4
-_PER_DECADE = 20
+#: Buckets per decade of the wait histogram: each is 10 ** (1 / 48) - 1 = 4.9 % wide.
+_PER_DECADE = 48
+#: How much wider than its lower edge a bucket's upper edge is: the quantiles' largest error.
+BUCKET_WIDTH = 10 ** (1 / _PER_DECADE) - 1
 _LOW, _DECADES = 1e-7, 10  # 100 ns to 1000 s
 _LAST = _PER_DECADE * _DECADES + 1  # the last bucket: everything beyond 1000 s
+#: The phases a delivery stage measures per batch (:meth:`Telemetry.took`'s ``made``).
+_MADE = ("produce", "pin", "device_copy")
+#: A batch handed on: (asked, handed on, produce seconds on the loop's thread, ``made``).
+_Pending = tuple[float, float, float, tuple[float, float, float] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +89,8 @@ class StepTiming:
 
 
 class WaitHistogram:
-    """Seconds in log-scale buckets (5 % wide): bounded memory, quantiles within 6 %."""
+    """Seconds in log-scale buckets (:data:`BUCKET_WIDTH`, 4.9 % wide): bounded memory;
+    a quantile is at least the true one and at most 4.9 % above it (module docstring)."""
 
     def __init__(self) -> None:
         self.counts = [0] * (_LAST + 1)
@@ -76,10 +104,12 @@ class WaitHistogram:
         self.counts[min(bucket, _LAST)] += 1
 
     def quantile(self, q: float) -> float:
-        """The upper edge of the bucket holding quantile ``q`` (0 when nothing was added)."""
+        """The upper edge of the bucket holding the ``ceil(q * count)``-th smallest value (0
+        when nothing was added): in ``[v, v * (1 + BUCKET_WIDTH)]`` for that value ``v``
+        between 100 ns and 1000 s."""
         if not self.count:
             return 0.0
-        rank = q * self.count
+        rank = max(1, math.ceil(q * self.count - 1e-9))  # ceil, not thrown by q's rounding
         seen = 0
         for bucket, n in enumerate(self.counts):
             seen += n
@@ -108,34 +138,63 @@ class Telemetry:
         self.phases = dict.fromkeys(PHASES, 0.0)
         self._first_ask: float | None = None
         self._last_return: float | None = None
-        #: The batch handed on and not yet counted: (asked, handed on) (see :meth:`took`).
-        self._pending: tuple[float, float] | None = None
+        #: The batch handed on and not yet counted: (asked, handed on, the loop's produce
+        #: seconds, the ``made`` seconds from elsewhere) (see :meth:`took`).
+        self._pending: _Pending | None = None
+        #: The same of the batch counted last (what :meth:`take_back` takes back).
+        self._counted: _Pending | None = None
         self._warned = False
 
     def add(self, phase: str, seconds: float) -> None:
         """Add ``seconds`` to ``phase`` (one of :data:`PHASES`; any thread)."""
         self.phases[phase] += seconds
 
-    def took(self, asked: float, now: float, *, produced: bool = False) -> None:
+    def asked(self, at: float) -> None:
+        """The loop asked for a batch at ``at`` (``time.perf_counter()``), and the loader works
+        before its delivery stage times anything (a walk's first batch: starting workers, the
+        ranks' agreement, draining what an earlier walk left in flight): the wait of the next
+        batch counted starts at ``at``. A batch handed on and never counted (its walk was
+        superseded) is forgotten: neither its wait nor its phases count."""
+        self._pending = (at, at, 0.0, None)
+
+    def took(
+        self,
+        asked: float,
+        now: float,
+        *,
+        produced: bool = False,
+        made: tuple[float, float, float] | None = None,
+    ) -> None:
         """The delivery stage handed on a batch asked for at ``asked`` at ``now``
         (``time.perf_counter()``); ``produced``: the loop's thread made it meanwhile (its wait is
-        the ``produce`` phase). The step is recorded when the loader counts the batch
-        (:meth:`returned`); until then a later batch's wait starts at this ``asked``."""
-        if produced:
-            self.phases["produce"] += now - asked
+        the ``produce`` phase); ``made``: the ``produce``, ``pin`` and ``device_copy`` seconds
+        spent on it elsewhere (the delivery thread). The step is recorded, and these phases
+        added, when the loader counts the batch (:meth:`returned`); until then a later batch's
+        wait starts at this ``asked`` (a batch dropped uncounted adds its wait to the next
+        one's, not its phases)."""
         pending = self._pending
-        self._pending = (asked if pending is None else pending[0], now)
+        first = asked if pending is None else pending[0]
+        self._pending = (first, now, now - asked, None) if produced else (first, now, 0.0, made)
 
     def returned(self) -> None:
-        """The loader counted the batch handed on last as returned: record its step and call
-        ``on_step``. If ``on_step`` raises, the step is taken back (the loader does not count
-        the batch either) and the error propagates (module docstring).
+        """The loader counted the batch handed on last as returned: record its step and its
+        phases, and call ``on_step``. If ``on_step`` raises, the step is taken back (the loader
+        does not count the batch either; a loader that makes the batch again takes back its
+        phases too, :meth:`take_back`) and the error propagates (module docstring).
 
         One call per step, kept small: it runs on the loop's thread for every batch."""
         pending, self._pending = self._pending, None
         if pending is None:  # nothing handed on (a door that times nothing)
             return
-        asked, now = pending
+        self._counted = pending
+        asked, now, produce, made = pending
+        phases = self.phases
+        if made is None:
+            phases["produce"] += produce
+        else:
+            phases["produce"] += made[0]
+            phases["pin"] += made[1]
+            phases["device_copy"] += made[2]
         wait = now - asked
         first, last = self._first_ask, self._last_return
         self._last_return = now
@@ -158,6 +217,22 @@ class Telemetry:
                 raise
         if not waits.count % WARN_AFTER and not self._warned:
             self._judge()
+
+    def take_back(self, *, fetch: float = 0.0, collate: float = 0.0) -> None:
+        """Take back the phases of the batch counted last, which the loader did not return
+        (its ``on_step`` raised) and makes again: what :meth:`returned` added, and the
+        ``fetch`` and ``collate`` seconds the loader added for it. On the loop's thread."""
+        phases = self.phases
+        phases["fetch"] -= fetch
+        phases["collate"] -= collate
+        counted, self._counted = self._counted, None
+        if counted is None:
+            return
+        phases["produce"] -= counted[2]
+        made = counted[3]
+        if made is not None:
+            for phase, seconds in zip(_MADE, made, strict=True):
+                phases[phase] -= seconds
 
     def wait_share(self) -> float:
         """Share of the wall time since the first ask that the loop spent waiting."""

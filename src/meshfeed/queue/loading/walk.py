@@ -173,6 +173,7 @@ class Walking:
                     self.telemetry.returned()  # on_step, which sees this batch counted
                 except BaseException:  # not returned: kept first in line for the next walk
                     self._returned, self._counts, self._held = before, counts, (item, events)
+                    self.telemetry.take_back()  # counted again when it is returned
                     raise
                 self._forget(events.index)
                 yield item
