@@ -194,3 +194,27 @@ def test_a_batch_refused_by_on_step_counts_its_phases_once(kwargs):
     if "num_workers" not in kwargs:  # in this process or its delivery thread: made = produce
         assert once <= end["produce"] < once + 0.1
     loader.shutdown()
+
+
+def _steps(t: Telemetry, first_wait: float, wait: float, work: float, n: int) -> None:
+    """``n`` steps of a loop working ``work`` s between batches, waiting ``wait`` s for each
+    (the first ``first_wait`` s: start-up), on simulated clocks."""
+    now = 0.0
+    for i in range(n):
+        asked, now = now, now + (first_wait if i == 0 else wait)
+        t.took(asked, now)
+        t.returned()
+        now += work
+
+
+def test_the_wait_warning_leaves_out_the_first_steps_start_up(caplog):
+    # Workers that take 2 s to start, then a loop that waits 0.1 ms per 10 ms step: the share
+    # since the first ask is 80 %, but more workers would not help; a warning would mislead.
+    quiet = Telemetry("loader")
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        _steps(quiet, 2.0, 1e-4, 1e-2, 50)
+    assert quiet.wait_share() > 0.75 and not caplog.records
+    slow = Telemetry("loader")  # waiting 20 ms per 10 ms step after it: warned, by share
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        _steps(slow, 2.0, 2e-2, 1e-2, 50)
+    assert len(caplog.records) == 1 and "waited 67% of its time" in caplog.records[0].message

@@ -35,7 +35,7 @@ the loader serves that batch again next.
 A batch the loader drops without returning it (a store batch skipped by ``on_error="skip"``)
 adds its wait to the next batch's.
 Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
-time so far, while doing at least :data:`MIN_LOOP_SECONDS` of its own work per step, gets a
+time so far (the first step's wait, start-up, left out), while doing at least :data:`MIN_LOOP_SECONDS` of its own work per step, gets a
 warning (once per loader) on the ``"meshfeed"`` logger naming the likely fix.
 """
 
@@ -144,6 +144,7 @@ class Telemetry:
         #: The same of the batch counted last (what :meth:`take_back` takes back).
         self._counted: _Pending | None = None
         self._warned = False
+        self._first_wait = 0.0  # the first step's wait: start-up, left out of the warning
 
     def add(self, phase: str, seconds: float) -> None:
         """Add ``seconds`` to ``phase`` (one of :data:`PHASES`; any thread)."""
@@ -199,7 +200,7 @@ class Telemetry:
         first, last = self._first_ask, self._last_return
         self._last_return = now
         if last is None:
-            self._first_ask = asked
+            self._first_ask, self._first_wait = asked, wait
         waits = self.waits
         waits.count += 1
         waits.total += wait
@@ -246,15 +247,20 @@ class Telemetry:
         if limit is None:
             self._warned = True  # never: stop asking
             return
-        share = self.wait_share()
-        wall = (self._last_return or 0.0) - (self._first_ask or 0.0)
+        # The steps after the first: its wait is start-up (workers, agreement), which more
+        # workers would not shorten
+        first = self._first_wait
+        wall = (self._last_return or 0.0) - (self._first_ask or 0.0) - first
+        waited = self.waits.total - first
+        share = min(1.0, waited / wall) if wall > 0 else 0.0
         # Only a loop that works between batches: list(loader) or a benchmark that only
         # iterates waits for every batch by design, and is not told to add workers.
-        if share <= limit or (wall - self.waits.total) / self.waits.count < MIN_LOOP_SECONDS:
+        if share <= limit or (wall - waited) / self.waits.count < MIN_LOOP_SECONDS:
             return
         self._warned = True
         logger.warning(
-            "%s: the training loop waited %.0f%% of its time for data over %d steps (more than "
+            "%s: the training loop waited %.0f%% of its time for data over %d steps after the "
+            "first (more than "
             "warn_wait_share=%.2f); likely fix: more workers (num_workers), less work per sample "
             "(or a faster collate_fn), or device= to copy batches ahead; see "
             "loader.stats()['delivery']",
