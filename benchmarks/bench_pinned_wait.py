@@ -88,12 +88,12 @@ class HandOverAhead:
         original = self.original
         loop_stream = torch.cuda.current_stream()
 
-        def prepare(delivery: Delivery, batch: Any, streams: bool) -> tuple[Any, Any]:
-            batch, event = original(delivery, batch, streams)
+        def prepare(delivery: Delivery, batch: Any, streams: bool) -> tuple[Any, Any, float, float]:
+            batch, event, pin_s, copy_s = original(delivery, batch, streams)
             if event is not None:
                 event.synchronize()
                 batch.record_stream(loop_stream)  # this benchmark's batches are one tensor
-            return batch, None
+            return batch, None, pin_s, copy_s
 
         Delivery._prepare = prepare
         return self
