@@ -296,3 +296,25 @@ def test_a_limited_reader_tells_the_cache_each_shard_is_finished_after_its_last_
         last = {i // 100: k for k, i in enumerate(read[600 * p : 600 * (p + 1)])}
         expect += sorted(last, key=last.__getitem__)
     assert [shard_of[u] for u in finished] == expect
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_shard_missing_from_the_bucket_is_refused_naming_its_url(
+    s3: S3, tmp_path: Path, workers: int
+) -> None:
+    """A shard its index lists but the bucket no longer holds (a rewrite deleted it under the
+    job): the loader substituted other rows for the whole shard, as for bad samples; a local
+    dataset refuses the same. Now a SourceError names the URL."""
+    from meshfeed.sources import write_shards
+
+    index = write_shards(({"id": i} for i in range(200)), tmp_path / "ds", rows_per_shard=50)
+    for f in sorted(index.parent.iterdir()):
+        if f.name != "shard-00002.mfs":  # rows 100..149
+            s3.put(f"ds/{f.name}", f.read_bytes())
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    stream = ShardedStream.from_index(s3.url("ds"), shuffle_buffer=0, **remote)
+    with pytest.raises(SourceError, match=r"ds/shard-00002.mfs is missing from the bucket"):
+        with StreamLoader(
+            stream, batch_size=25, seed=0, collate_fn=_ids, num_workers=workers
+        ) as loader:
+            list(loader)

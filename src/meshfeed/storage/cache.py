@@ -236,9 +236,12 @@ class ShardCache(Ahead):
             self._acquire(
                 entry, lock, want, demanded=True, make_room=make_room, until_finished=until_finished
             )
-        except BaseException:
+        except BaseException as e:
             lock.close()
-            raise
+            gone = _unfetchable(url, e)
+            if gone is None:
+                raise
+            raise gone from e
         with self._mutex:
             old = self._held.pop(url, None)
             self._held[url] = lock
@@ -425,3 +428,31 @@ def resolve(
             "(or cache_dir= where the reader takes one)"
         )
     return cache.local_path(p, version=version)
+
+
+#: Credential failures of object-store clients (botocore's), by class name: raised as they are,
+#: they name neither the URL nor the fix.
+_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"})
+
+
+def _unfetchable(url: str, exc: BaseException) -> SourceError | None:
+    """A :class:`SourceError` naming ``url`` for a file the cache was asked for and could not
+    fetch for good: missing or forbidden in the bucket (a dataset rewritten or deleted under
+    the job, credentials that expired), or no credentials. Such a file is no bad sample: as a
+    bare ``FileNotFoundError`` the loader substituted other rows for the whole shard. None for
+    any other error (raised as it is)."""
+    if isinstance(exc, SourceError):
+        return None
+    if isinstance(exc, (FileNotFoundError, PermissionError)):
+        what = "is missing from" if isinstance(exc, FileNotFoundError) else "is forbidden in"
+        return SourceError(
+            f"{url} {what} the bucket ({type(exc).__name__}: {exc}); the dataset changed under "
+            "this job (rewritten or deleted), or its credentials no longer allow reading it: "
+            "restore or rewrite the dataset, or renew the credentials, then resume"
+        )
+    if type(exc).__name__ in _CREDENTIALS:
+        return SourceError(
+            f"cannot read {url}: {type(exc).__name__}: {exc}; give the object store's "
+            "credentials (environment, profile, or storage_options)"
+        )
+    return None
