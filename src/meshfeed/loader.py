@@ -417,8 +417,9 @@ class DataLoader(LoaderBase):
                 if stale_from is not None and step.end > stale_from:
                     return True
             before = self._position, _counts_of(self._stats)
+            self._count_padding(step)
             for e in events if isinstance(events, list) else [events]:
-                self._record(step, e)
+                self._record(e)
             self._position = step.end
             try:
                 self.telemetry.returned()  # on_step, which sees this batch counted
@@ -445,12 +446,17 @@ class DataLoader(LoaderBase):
         )
         return iter(service.map_global(global_tasks))
 
-    def _record(self, step: Step, events: FetchEvents) -> None:
+    def _count_padding(self, step: Step) -> None:
+        """Count the samples of ``step`` that repeat the start of the epoch: this rank's, or
+        with a service of every data rank (Ray) every rank's it serves."""
         # Padding exists only in a last batch shorter than the number of data ranks.
-        if step.end - step.start < self.data_world_size and not self._serves_every_rank:
-            padded = self.plan.rank_padding(step, self.data_rank, self.data_world_size)
+        if step.end - step.start < self.data_world_size:
+            ranks = range(self.data_world_size) if self._serves_every_rank else (self.data_rank,)
+            padded = sum(self.plan.rank_padding(step, r, self.data_world_size) for r in ranks)
             self._stats["padded"] += padded
             self._note_padding(padded)
+
+    def _record(self, events: FetchEvents) -> None:
         self.telemetry.add("fetch", events.fetch_s)
         self.telemetry.add("collate", events.collate_s)
         if events:
@@ -533,8 +539,8 @@ class DataLoader(LoaderBase):
         plan = self.plan.with_ranks(mesh.data_world_size)  # a ramp that does not divide: refused
         relayout(self, mesh, rank, self.global_batch_size)  # stopped; placed on the new layout
         self.plan, self._index_cache = plan, None
-        if isinstance(self.service, GlobalService):
-            self.service.bind_mesh(mesh)
+        if isinstance(self.service, GlobalService):  # it serves this loader alone: rebound
+            self.service.bind_mesh(mesh, resized=True)
         else:
             service = self.service
             inner = service.inner if isinstance(service, DistributedService) else service

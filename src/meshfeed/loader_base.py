@@ -277,12 +277,13 @@ class LoaderBase(Lifecycle):
             self._warned_padding = True
             logger.warning(
                 "%s: the last global batch of epoch %d has fewer samples than data ranks; %d "
-                "sample(s) on this rank repeat the start of the epoch (drop_last=False). See "
+                "sample(s) %s repeat the start of the epoch (drop_last=False). See "
                 "loader.stats()['padded']; use drop_last=True (or pad_last=False) to never repeat "
                 "samples",
                 type(self).__name__,
                 self._epoch,
                 padded,
+                "of the data ranks it serves" if self._serves_every_rank else "on this rank",
             )
 
 

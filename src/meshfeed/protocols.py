@@ -256,13 +256,13 @@ class GlobalService(Protocol):
     """Makes every data rank's batch of a step at once, where the dataset lives (Ray actors).
 
     The loader calls, in this order: ``bind_mesh(mesh)`` (so results can be mapped to global
-    ranks), ``prepare(dataset)`` (returns the driver-side stand-in the loader measures: a
+    ranks; again with ``resized=True`` when the loader is resized), ``prepare(dataset)`` (returns the driver-side stand-in the loader measures: a
     map-style object with ``len``), ``start(fetcher)``, then ``map_global(steps)`` with one list
     of per-data-rank tasks per step, yielding ``(global batch, [FetchEvents per rank])`` in
     order; ``shutdown`` is idempotent.
     """
 
-    def bind_mesh(self, mesh: DataMesh) -> None: ...
+    def bind_mesh(self, mesh: DataMesh, *, resized: bool = False) -> None: ...
 
     def prepare(self, dataset: Any) -> Any: ...
 

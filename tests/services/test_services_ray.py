@@ -335,3 +335,49 @@ def test_a_restarted_loader_actor_continues_with_nothing_lost_or_duplicated(ray_
     for r in range(2):
         local = DataLoader(Items(), batch_size=3, mesh=mesh, rank=r, seed=11)
         assert_same(_resolve(got, r), [_strip(b) for b in take(local, 7)])
+
+
+def _items_13() -> Items:
+    return Items(13)
+
+
+@pytest.mark.ray
+def test_a_ray_loader_resized_goes_on_as_the_in_process_loaders_do(ray_session):
+    # resize() rebound the service after the loader had moved to the new layout, and the
+    # service refused any other mesh: the loader was left unusable on the new one.
+    kwargs = {"batch_size": 3, "seed": 0}
+    with _ray_loader(Items, mesh={"dp": 4}, **kwargs) as loader:
+        it = iter(loader)
+        next(it)
+        loader.resize({"dp": 2}, rank=0)
+        got = [_resolve([b], r) for b in loader for r in range(2)]
+    local = [DataLoader(Items(), mesh={"dp": 4}, rank=r, **kwargs) for r in range(4)]
+    for x in local:
+        next(iter(x))
+    state = local[0].state_dict()
+    want = []
+    kwargs["batch_size"] = 6  # the global batch kept: 4 x 3 = 2 x 6
+    resized = [DataLoader(Items(), mesh={"dp": 2}, rank=r, **kwargs) for r in range(2)]
+    for x in resized:
+        x.load_state_dict(state)
+    for batches in zip(*resized, strict=True):
+        want += [[_strip(b)] for b in batches]
+    assert got and len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+
+
+@pytest.mark.ray
+def test_a_ray_loader_counts_the_padding_of_every_data_rank_it_serves(ray_session):
+    # 13 samples on 4 data ranks, batch 3: the last global batch has 1 sample, so 3 ranks
+    # repeat the start of the epoch; it counted none.
+    kwargs = {"batch_size": 3, "seed": 0, "drop_last": False}
+    with _ray_loader(_items_13, mesh={"dp": 4}, **kwargs) as loader:
+        list(loader)
+        padded = loader.stats()["padded"]
+    local = []
+    for r in range(4):
+        x = DataLoader(_items_13(), mesh={"dp": 4}, rank=r, **kwargs)
+        list(x)
+        local.append(x.stats()["padded"])
+    assert padded == sum(local) > 0

@@ -183,11 +183,12 @@ class RayService:
         self._config: Any = None
 
     # ------------------------------------------------------------------ loader hooks
-    def bind_mesh(self, mesh: DataMesh) -> None:
-        """Tell the service the loader's mesh so ``RemoteBatch.for_rank`` maps global ranks."""
+    def bind_mesh(self, mesh: DataMesh, *, resized: bool = False) -> None:
+        """Tell the service the loader's mesh so ``RemoteBatch.for_rank`` maps global ranks;
+        ``resized``: the loader it serves was resized (``DataLoader.resize``) to ``mesh``."""
         if not isinstance(mesh, DataMesh):
             raise TypeError(f"bind_mesh() takes a DataMesh (got {type(mesh).__name__})")
-        if self.mesh is not None and self.mesh != mesh:
+        if not resized and self.mesh is not None and self.mesh != mesh:
             raise ValueError(
                 f"this RayService is bound to the mesh {self.mesh.sizes}, not {mesh.sizes}; "
                 "use one RayService per DataLoader"
