@@ -12,9 +12,11 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from importlib import metadata
-from typing import NoReturn
+from typing import Any, NoReturn
 
 #: Subcommand modules; each exposes ``add_subcommand(subparsers)``.
 _SUBCOMMANDS = (
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     configure_logging()
+    _stop_on_sigterm()
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError, ImportError) as e:
@@ -84,9 +87,36 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"meshfeed {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except _Terminated:
+        print(f"meshfeed {args.command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"meshfeed {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM in the command's process: unwound as an interrupt is, so a command's clean-up
+    runs (a conversion deletes its partial output) where the default action left it behind."""
+
+
+def _stop_on_sigterm() -> None:
+    """Turn SIGTERM into :class:`_Terminated` in this process (not in the worker processes it
+    forks: they take the default action), where nothing else handles it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    pid = os.getpid()
+
+    def terminated(signum: int, frame: Any) -> None:
+        if os.getpid() != pid:  # a forked worker: die as the default action would
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
 
 
 if __name__ == "__main__":

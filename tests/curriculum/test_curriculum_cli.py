@@ -179,3 +179,12 @@ def test_a_url_cache_dir_is_refused_by_name(tmp_path, caplog, monkeypatch):
     assert _run([*argv, "--cache-dir", "s3://b/cache"]) == 2
     assert "--cache-dir takes a local path (got 's3://b/cache', a URL)" in caplog.text
     assert not (tmp_path / "s3:").exists() and not (tmp_path / "m").exists()
+
+
+def test_vocab_rarity_refuses_a_token_id_too_large_for_a_vocabulary_by_default(tmp_path, caplog):
+    # The histogram was sized from the largest id: one id of 2**31 asked for 16 GiB per
+    # worker and ended in a MemoryError traceback (or a lazily touched 16 GiB).
+    write_indexed(tmp_path / "c", [np.array([3, 2**31, 7])] * 3, np.int64)
+    argv = ["analyze", str(tmp_path / "c"), "-o", str(tmp_path / "m"), "-q", "-j", "0"]
+    assert _run([*argv, "-m", "vocab_rarity"]) == 2
+    assert f"the largest token id is {2**31}" in caplog.text and "--vocab-size" in caplog.text

@@ -88,6 +88,11 @@ def _dataset(spec: str, windows: int | None = None, cache_dir: str | None = None
     return corpus
 
 
+#: The most ids ``vocab_rarity`` counts by default (the largest id + 1): its histogram is 8
+#: bytes an id in every worker, 1 GiB here; more takes an explicit ``--vocab-size``.
+MAX_DERIVED_VOCAB = 2**27
+
+
 def _vocab_size(dataset: Any) -> int:
     """The largest token id + 1 of a token corpus, its windows, or any dataset of token ids."""
     from meshfeed.sources.tokens.indexed import TokenCorpus
@@ -114,6 +119,13 @@ def _metric(spec: str, dataset: Any, vocab_size: int | None) -> SampleMetric | A
     if spec == "vocab_rarity":
         if vocab_size is None:
             vocab_size = _vocab_size(dataset)
+            if vocab_size > MAX_DERIVED_VOCAB:
+                raise ValueError(
+                    f"the largest token id is {vocab_size - 1}, so vocab_rarity would count "
+                    f"{vocab_size:,} ids ({8 * vocab_size / 2**30:.1f} GiB per worker); token "
+                    "ids this large are no vocabulary (hashes, or a corpus of another dtype?): "
+                    "check the corpus, or pass --vocab-size to count that many"
+                )
         elif vocab_size < 1:
             raise ValueError(f"--vocab-size must be positive (got {vocab_size})")
         return vocab_rarity(vocab_size)
@@ -159,7 +171,7 @@ def _handler(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size,
             progress=not args.quiet,
         )
-    except (ValueError, TypeError, OSError, ImportError) as exc:
+    except (ValueError, TypeError, OSError, ImportError, MemoryError) as exc:
         log.error("meshfeed analyze: error: %s", _cli_message(exc))
         return 2
     _report(result, len(dataset), args.output)

@@ -97,8 +97,8 @@ class IndexedWriter:
             if lo < self._limits.min or hi > self._limits.max:
                 raise ValueError(
                     f"document {len(self._sizes)} has token ids in [{lo}, {hi}], outside "
-                    f"{self.dtype} [{self._limits.min}, {self._limits.max}]; choose a wider "
-                    "dtype (e.g. int32)"
+                    f"{self.dtype} [{self._limits.min}, {self._limits.max}]; choose a "
+                    f"{_wider(self.dtype, lo, hi)}"
                 )
         self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes())
         self._sizes.append(arr.size)
@@ -220,3 +220,13 @@ def upload_corpus(upload: Upload, local: str | os.PathLike[str], url: str) -> No
     ``.idx`` last, so a reader that finds the index finds its ``.bin`` complete."""
     for ext in (".bin", ".idx"):
         upload.publish(f"{os.fspath(local)}{ext}", url + ext)
+
+
+def _wider(dtype: np.dtype, lo: int, hi: int) -> str:
+    """Advice for ids ``[lo, hi]`` that ``dtype`` cannot hold: the narrowest integer dtype
+    that can, or none."""
+    for name in ("uint16", "int32", "int64"):
+        info = np.iinfo(name)
+        if info.min <= lo and hi <= info.max and np.dtype(name).itemsize > dtype.itemsize:
+            return f"wider dtype ({name})"
+    return "corpus of ids that fit int64 (no integer dtype holds these)"
