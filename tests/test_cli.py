@@ -181,3 +181,10 @@ def test_convert_stopped_by_sigterm_deletes_its_partial_output(tmp_path):
         pytest.skip("the conversion finished before the signal arrived")
     assert proc.returncode == 128 + signal.SIGTERM and "terminated" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+@pytest.mark.parametrize("command", ["corpora", "index"])
+def test_every_command_takes_quiet(command, capsys):
+    # The README says -q silences progress "on every command"; corpora and index refused it.
+    args = build_parser().parse_args([command, "somewhere", "-q"])
+    assert args.quiet is True

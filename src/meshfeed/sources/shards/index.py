@@ -117,6 +117,12 @@ def add_subcommand(subparsers: Any) -> None:
     )
     p.add_argument("path", help="the dataset's folder or index.json, or a URL (s3://bucket/ds)")
     p.add_argument("--verify", action="store_true", help="also hash every shard (reads every byte)")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress (index shows none; as every command)",
+    )
     p.set_defaults(func=_run)
 
 

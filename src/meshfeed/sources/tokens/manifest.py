@@ -153,6 +153,12 @@ def add_subcommand(subparsers: Any) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("folder", help="the folder that holds PREFIX.idx / PREFIX.bin corpora")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress (corpora shows none; as every command)",
+    )
     p.set_defaults(func=_run)
 
 
