@@ -280,6 +280,16 @@ class LoaderOptions:
                 f"made; num_workers asks for worker processes of this loader, service={name} "
                 "makes the batches elsewhere: pass one of them"
             )
+        from meshfeed.protocols import GlobalService
+
+        if isinstance(service, GlobalService) and (self.pin_memory or self.device is not None):
+            raise ValueError(
+                f"pin_memory={self.pin_memory!r} / device={self.device!r} would be ignored: "
+                f"with service={name} a batch stays where it is made (a RemoteBatch of "
+                "references), so this process has nothing to pin or copy; resolve each rank's "
+                "batch where it trains (ray.get(batch.for_rank(rank))) and pin or copy it "
+                "there, and leave out pin_memory and device"
+            )
         for field, default in (
             ("prefetch", 2),
             ("timeout", 300.0),

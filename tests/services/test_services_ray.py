@@ -381,3 +381,10 @@ def test_a_ray_loader_counts_the_padding_of_every_data_rank_it_serves(ray_sessio
         list(x)
         local.append(x.stats()["padded"])
     assert padded == sum(local) > 0
+
+
+@pytest.mark.parametrize("kwargs", [{"pin_memory": True}, {"device": "cpu"}])
+def test_a_ray_service_refuses_pin_memory_and_device_it_would_ignore(kwargs):
+    # They were silently ignored: the loader hands out RemoteBatch references.
+    with pytest.raises(ValueError, match=r"would be ignored: with service=RayService a batch"):
+        DataLoader(_items_14, batch_size=2, service=RayService(), **kwargs)
