@@ -318,3 +318,23 @@ def test_a_shard_missing_from_the_bucket_is_refused_naming_its_url(
             stream, batch_size=25, seed=0, collate_fn=_ids, num_workers=workers
         ) as loader:
             list(loader)
+
+
+def test_verify_downloads_again_a_copy_damaged_in_the_cache(s3: S3, tmp_path: Path) -> None:
+    """verify=True on a URL dataset refused a cached copy damaged on disk as a damaged
+    dataset ("rewrite the dataset"), in every later job, though the bucket's copy was fine."""
+    from meshfeed.sources import write_shards
+
+    index = write_shards(({"id": i} for i in range(60)), tmp_path / "ds", rows_per_shard=20)
+    for f in sorted(index.parent.iterdir()):
+        s3.put(f"ds/{f.name}", f.read_bytes())
+    remote = {"cache_dir": str(tmp_path / "cache"), "storage_options": s3.options}
+    first = ShardedStream.from_index(s3.url("ds"), shuffle_buffer=0, **remote)
+    want = [i for b in StreamLoader(first, batch_size=10, seed=0, collate_fn=_ids) for i in b]
+    cached = next((tmp_path / "cache").rglob("shard-00001.mfs"))
+    data = bytearray(cached.read_bytes())
+    data[len(data) // 2] ^= 0x10  # same size: only a hash tells
+    cached.write_bytes(bytes(data))
+    again = ShardedStream.from_index(s3.url("ds"), shuffle_buffer=0, verify=True, **remote)
+    got = [i for b in StreamLoader(again, batch_size=10, seed=0, collate_fn=_ids) for i in b]
+    assert got == want and sorted(got) == list(range(60))

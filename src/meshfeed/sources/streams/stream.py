@@ -156,7 +156,9 @@ class ShardedStream:
         request; a cached index of another version is replaced); each shard is then known by
         the size and hash its index records: no request per shard, and each copy is hashed
         once as it enters the cache (a shard that does not match its index is refused by
-        name). ``stream``: ``shuffle_buffer``, ``seed``, ``samples_per_epoch``."""
+        name). ``verify``: every shard is hashed once more (a local one when the stream opens it;
+        a URL's cached copy on its first use in a process, downloaded again if it was damaged
+        in the cache). ``stream``: ``shuffle_buffer``, ``seed``, ``samples_per_epoch``."""
         from meshfeed.sources.shards.format import INDEX_NAME, read_index
         from meshfeed.sources.shards.read import ShardFormatReader
         from meshfeed.sources.streams.remote import CachedReader
@@ -168,12 +170,20 @@ class ShardedStream:
             rows = reader.index.rows.tolist()  # type: ignore[union-attr]
             return cls(reader.shards, reader, rows=rows, **stream)
         base = where.removesuffix(INDEX_NAME).rstrip("/")
-        cache = ShardCache(cache_dir, cache_limit=cache_limit, storage_options=storage_options)
+        # verify: each cached copy is hashed on its first use in this process, and one that
+        # does not match is downloaded again (the cache's "checksum" check), rather than
+        # refused on every later job as a damaged dataset (the bucket's copy is fine)
+        cache = ShardCache(
+            cache_dir,
+            cache_limit=cache_limit,
+            storage_options=storage_options,
+            verify="checksum" if verify else "size",
+        )
         index_url = f"{base}/{INDEX_NAME}"
         info = cache.identify(index_url)
         with cache.hold(index_url) as local_index:
             index = read_index(local_index, check_files=False)
-        reader = ShardFormatReader(verify=verify)
+        reader = ShardFormatReader(verify=False)  # the cache verifies (above)
         # the cache keeps the files of one URL folder in one local folder: the shards land
         # beside this index, where the reader looks for it
         reader.add_index(index)
