@@ -161,3 +161,13 @@ def test_a_manifest_in_a_bucket_opens_only_the_corpora_a_batch_reads(
     again = open_corpora(s3.url("mix"), cache_dir=tmp_path / "cache2", storage_options=s3.options)
     with pytest.raises(SourceError, match=r"c1\.idx and .*c1\.bin are not the corpus recorded"):
         again["part1/c1"].document(0)
+
+
+def test_a_prefix_named_like_a_corpus_file_is_refused(tmp_path: Path) -> None:
+    # Prefix "data.bin" (data.bin.idx / data.bin.bin) opened as the corpus "data": the
+    # manifest gave it data's documents.
+    write_indexed(tmp_path / "data", [np.array([1, 2, 3])], np.uint16)
+    write_indexed(tmp_path / "data.bin", [np.array([7, 8, 9, 10])], np.uint16)
+    with pytest.raises(ValueError, match=r"\['data.bin'\] .* rename them \(e.g. 'data_bin'\)"):
+        write_corpora_manifest(tmp_path)
+    assert not (tmp_path / MANIFEST_NAME).exists()

@@ -49,6 +49,15 @@ def write_corpora_manifest(folder: str | os.PathLike[str]) -> Path:
     names = sorted(p.relative_to(root).as_posix()[: -len(".idx")] for p in root.rglob("*.idx"))
     if not names:
         raise FileNotFoundError(f"no PREFIX.idx under {root}; write corpora there first")
+    # A prefix named like a file ("x.bin") opens as the corpus "x" (a path may name the .bin),
+    # so the manifest would give it another corpus's data
+    misread = [n for n in names if n.endswith((".bin", ".idx"))]
+    if misread:
+        raise ValueError(
+            f"corpora {misread} under {root} have prefixes ending in .bin or .idx, which open "
+            f"as the corpus without that suffix ({misread[0][:-4]!r}); rename them (e.g. "
+            f"{misread[0][:-4] + '_' + misread[0][-3:]!r})"
+        )
     fingerprints = [TokenCorpus.open(root / name).fingerprint for name in names]
     text = json.dumps(
         {"kind": _KIND, "version": _VERSION, "names": names, "fingerprints": fingerprints},
