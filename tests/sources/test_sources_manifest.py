@@ -167,7 +167,9 @@ def test_a_prefix_named_like_a_corpus_file_is_refused(tmp_path: Path) -> None:
     # Prefix "data.bin" (data.bin.idx / data.bin.bin) opened as the corpus "data": the
     # manifest gave it data's documents.
     write_indexed(tmp_path / "data", [np.array([1, 2, 3])], np.uint16)
-    write_indexed(tmp_path / "data.bin", [np.array([7, 8, 9, 10])], np.uint16)
+    write_indexed(tmp_path / "other", [np.array([7, 8, 9, 10])], np.uint16)
+    for suffix in (".bin", ".idx"):  # written by another tool, as Megatron's prefix "data.bin"
+        (tmp_path / f"other{suffix}").rename(tmp_path / f"data.bin{suffix}")
     with pytest.raises(ValueError, match=r"\['data.bin'\] .* rename them \(e.g. 'data_bin'\)"):
         write_corpora_manifest(tmp_path)
     assert not (tmp_path / MANIFEST_NAME).exists()
