@@ -17,7 +17,9 @@ Cost: a put of ``n`` new samples whose columns are chunks or scalar lists is one
 ``SequentialSampler``, or a rank-aware round over one, whose first pending samples are ready)
 selects, consumes and pins a range of ids while the task is kept as ranges
 (:mod:`~meshfeed.queue.engine.ranges`: O(runs), whatever the round's size), gathers a view per
-contiguous block of a run, and evicts with C-level dict/set passes over the ids. Everything
+contiguous block of a run (handed out as is for the rows' last read, else copied: the
+reader's own, :func:`~meshfeed.queue.engine.columns.owned`), and evicts with C-level dict/set
+passes over the ids. Everything
 else (fields added to existing samples, groups, other samplers, holds, leases, eviction of a
 task's samples) takes the per-sample path, which gives the same results.
 """
