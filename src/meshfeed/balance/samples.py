@@ -273,7 +273,9 @@ def merge_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     name ends in ``_offsets`` is a field like the rest, and :class:`SampleFields` refuses a
     field named ``<name>_offsets`` beside a field or packing key ``<name>``, so the rows
     :func:`pack_samples` and :class:`~meshfeed.balance.PackedSamples` make are never misread).
-    One row comes back as it is. This is what :class:`~meshfeed.balance.BalancedBatches` takes.
+    One row comes back as it is. This is what :class:`~meshfeed.balance.BalancedBatches` takes
+    (rows of per-token fields only: it refuses per-sample and concat fields, which it cannot
+    route across ranks).
     """
     if len(rows) == 1:
         return dict(rows[0])
