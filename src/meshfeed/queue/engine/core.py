@@ -216,14 +216,8 @@ class StoreCore(StoreAdmin):
         request = None if book is None else book.asks.get(task)
         if request is None:
             return True
-        need = request.need
         try:
-            lazy = part.ranges(task)
-            parts = select_fast(part, part.task(task) if lazy is None else lazy, request, need)
-            if isinstance(parts, bool):
-                parts = request.sampler.select(
-                    View(part, part.task(task), need), request.batch_size
-                )
+            parts = _select(part, request, request.need)
         except Exception:  # the get reports it; admission counts as if a round were ready
             return True
         return parts is not None and any(parts)
@@ -296,10 +290,7 @@ class StoreCore(StoreAdmin):
         task = request.task
         if request.group_filter is not None:
             self._unserved(part, task, rejected(part, request, part.task(task)))
-        lazy = part.ranges(task)
-        parts = select_fast(part, part.task(task) if lazy is None else lazy, request, need)
-        if isinstance(parts, bool):
-            parts = request.sampler.select(View(part, part.task(task), need), request.batch_size)
+        parts = _select(part, request, need)
         if parts is None or not any(parts):
             if part.closed:
                 self._end(
@@ -498,6 +489,18 @@ class StoreCore(StoreAdmin):
     def _dropped(self, n: int) -> None:
         self.held -= n
         self.dropped += n
+
+
+def _select(part: Partition, request: GetRequest, need: tuple[str, ...]) -> Any:
+    """The sampler's parts for ``request`` (whose samples need fields ``need``) from its
+    task's pending samples (the fast selection where it applies, else the sampler's own),
+    ``None`` or empty parts to wait."""
+    task = request.task
+    lazy = part.ranges(task)
+    parts = select_fast(part, part.task(task) if lazy is None else lazy, request, need)
+    if isinstance(parts, bool):
+        parts = request.sampler.select(View(part, part.task(task), need), request.batch_size)
+    return parts
 
 
 def _admission(partition: str, part: Partition, book: Book) -> str:
