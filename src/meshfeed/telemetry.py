@@ -239,8 +239,7 @@ class Telemetry:
         """Share of the wall time since the first ask that the loop spent waiting."""
         if self._first_ask is None or self._last_return is None:
             return 0.0
-        wall = self._last_return - self._first_ask
-        return min(1.0, self.waits.total / wall) if wall > 0 else 0.0
+        return _share(self.waits.total, self._last_return - self._first_ask)
 
     def _judge(self) -> None:
         limit = self.warn_wait_share
@@ -252,7 +251,7 @@ class Telemetry:
         first = self._first_wait
         wall = (self._last_return or 0.0) - (self._first_ask or 0.0) - first
         waited = self.waits.total - first
-        share = min(1.0, waited / wall) if wall > 0 else 0.0
+        share = _share(waited, wall)
         # Only a loop that works between batches: list(loader) or a benchmark that only
         # iterates waits for every batch by design, and is not told to add workers.
         if share <= limit or (wall - waited) / self.waits.count < MIN_LOOP_SECONDS:
@@ -282,3 +281,8 @@ class Telemetry:
             "wait_share": self.wait_share(),
             "phases": dict(self.phases),
         }
+
+
+def _share(waited: float, wall: float) -> float:
+    """The share of ``wall`` seconds spent waiting ``waited`` of them (0 without wall time)."""
+    return min(1.0, waited / wall) if wall > 0 else 0.0
