@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from meshfeed import DataLoader
+from tests.test_telemetry import Slow
 
 SHUT_DOWN = r"was shut down .* continue from the last batch returned"
 
@@ -132,7 +133,7 @@ def test_shutdown_from_another_thread_while_a_worker_makes_the_batch(device):
     # shutdown error if the batch came first; either way nothing is left running.
     before = frozenset(_delivery_threads())
     loader = DataLoader(
-        _Slow(16, 0.25), batch_size=2, seed=0, num_workers=1, device=device, timeout=30,
+        Slow(16, 0.25), batch_size=2, seed=0, num_workers=1, device=device, timeout=30,
         warn_wait_share=None,
     )  # fmt: skip
     it = iter(loader)
@@ -149,15 +150,3 @@ def test_shutdown_from_another_thread_while_a_worker_makes_the_batch(device):
     assert first.numel() == 2 and loader.position == 2
     loader.shutdown()
     assert not _delivery_threads(before)
-
-
-class _Slow:
-    def __init__(self, n: int, seconds: float) -> None:
-        self.n, self.seconds = n, seconds
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(self.seconds)
-        return torch.tensor([i])

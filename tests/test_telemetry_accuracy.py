@@ -17,6 +17,7 @@ import torch
 from meshfeed import DataLoader
 from meshfeed.services import InProcessService
 from meshfeed.telemetry import Telemetry, WaitHistogram
+from tests.test_telemetry import Slow
 
 #: The documented bound: a quantile is never below the true wait, and at most this above it.
 WIDTH = 0.05
@@ -115,22 +116,10 @@ def test_the_first_wait_includes_starting_the_service_and_its_map(device):
     loader.shutdown()
 
 
-class _Items:
-    def __init__(self, n: int, seconds: float) -> None:
-        self.n, self.seconds = n, seconds
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(self.seconds)
-        return torch.tensor([i])
-
-
 def test_the_first_wait_after_a_break_includes_draining_the_batches_in_flight():
     seen = []
     loader = DataLoader(
-        _Items(64, 0.05), batch_size=2, num_workers=2, prefetch=2, seed=0,
+        Slow(64, 0.05), batch_size=2, num_workers=2, prefetch=2, seed=0,
         on_step=seen.append, warn_wait_share=None,
     )  # fmt: skip
     it = iter(loader)
@@ -150,7 +139,7 @@ def _phases(loader):
     return dict(loader.stats()["delivery"]["phases"])
 
 
-class _Costly(_Items):
+class _Costly(Slow):
     """Samples 2 and 3 (the second batch in order) take ``slow`` seconds, the others ``seconds``."""
 
     def __init__(self, n: int, seconds: float, slow: float) -> None:
