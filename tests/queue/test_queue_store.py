@@ -113,9 +113,7 @@ def test_blocked_get_wakes_on_put_without_polling(make_store):
     result: list = []
     t = threading.Thread(target=lambda: result.append(store.get("t", ["x"], 2, "p", timeout=20)))
     t.start()
-    deadline = time.monotonic() + 20
-    while store.stats()["waiting_consumers"] != 1 and time.monotonic() < deadline:
-        time.sleep(0.01)  # test-side: wait until the consumer is parked
+    waiting(store, "consumers", 1, timeout=20)
     assert store.stats()["waiting_consumers"] == 1
     store.put("p", {"x": [1, 2]})
     _join([t])
@@ -350,9 +348,9 @@ def test_a_get_that_waited_through_puts_wakes_the_producer_its_eviction_makes_ro
     assert results == {"get": [0, 1], "put": [2]}
 
 
-def waiting(store: SampleStore, kind: str, n: int) -> None:
-    """Return once ``n`` callers of ``kind`` wait in ``store`` (at most 10 s)."""
-    deadline = time.monotonic() + 10
+def waiting(store: SampleStore, kind: str, n: int, timeout: float = 10.0) -> None:
+    """Return once ``n`` callers of ``kind`` wait in ``store`` (at most ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
     while store.stats()[f"waiting_{kind}"] < n:
         assert time.monotonic() < deadline, f"{n} {kind} never started waiting"
         time.sleep(0.005)

@@ -7,7 +7,6 @@ store (its save and load are the backend-independent state module)."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from meshfeed.queue import GroupSampler, PartitionClosed, SampleStore, SequentialSampler
 from meshfeed.queue.engine.core import StoreCore, StoreOptions
 from meshfeed.queue.request import GetRequest, PutRequest
+from tests.queue.test_queue_store import waiting
 
 PAIRS = GroupSampler(group_size=2)
 
@@ -126,10 +126,7 @@ def test_interleaved_rollouts_and_a_waiting_trainer_make_progress(make_store):
 
     trainer = threading.Thread(target=train)
     trainer.start()
-    deadline = time.monotonic() + 20
-    while store.stats()["waiting_consumers"] != 1:
-        assert time.monotonic() < deadline, "the get did not wait"
-        time.sleep(0.02)
+    waiting(store, "consumers", 1, timeout=20)
     for g, a in [("A", 0), ("B", 0), ("A", 1)]:  # A1 timed out waiting for admission
         store.put("p", {"r": [float(a)]}, ids=[f"{g}/{a}"], groups=g, version=0, timeout=5)
     trainer.join(20)
@@ -156,10 +153,7 @@ def test_a_waiting_put_is_asked_again_when_the_trainer_asks_for_groups(make_stor
 
     producer = threading.Thread(target=put)
     producer.start()
-    deadline = time.monotonic() + 20
-    while store.stats()["waiting_producers"] != 1:
-        assert time.monotonic() < deadline, "the put did not wait for admission"
-        time.sleep(0.02)
+    waiting(store, "producers", 1, timeout=20)
     batch = store.get("actor", ["r"], 2, "p", sampler=PAIRS, version=0, max_staleness=0, timeout=8)
     producer.join(20)
     assert batch.ids == ["A/0", "A/1"] and not errors

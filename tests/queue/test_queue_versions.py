@@ -17,6 +17,7 @@ from meshfeed.queue import GroupSampler, PartitionClosed, SampleStore, StaleVers
 from meshfeed.queue.engine.core import StoreOptions
 from meshfeed.testing import reset_store
 from tests.optional import HealthCheck, given, settings, st
+from tests.queue.test_queue_store import waiting
 
 BACKENDS = [pytest.param("embedded"), pytest.param("ray", marks=pytest.mark.ray)]
 
@@ -210,10 +211,7 @@ def test_a_get_that_drops_stale_samples_and_then_waits_admits_the_waiting_put(fr
 
     producer = threading.Thread(target=put)
     producer.start()
-    deadline = time.monotonic() + 20
-    while store.stats()["waiting_producers"] != 1:
-        assert time.monotonic() < deadline, "the put did not wait for admission"
-        time.sleep(0.02)
+    waiting(store, "producers", 1, timeout=20)
     batch = store.get("t", ["x"], 2, "p", version=1, max_staleness=0, timeout=5)
     producer.join(20)
     assert batch["x"] == [4, 5] and batch.versions == [1, 1] and not errors
