@@ -1,6 +1,6 @@
 """Packing multimodal samples: image-placeholder tokens stay with their pixel tensors.
 
-Run: ``python examples/multimodal_packing.py [--samples 400] [--workers 2]``.
+Run: ``python examples/multimodal_packing.py [--samples 400] [--workers 2] [--world 2]``.
 
 Each sample is a caption task in the layout of Qwen2-VL-style models: ``input_ids`` hold one
 ``IMAGE`` placeholder token per image patch, then a prompt and a caption; ``pixel_values`` holds
@@ -11,6 +11,12 @@ sample read), concatenating ``pixel_values`` and ``image_grid_thw`` with ``<name
 sample. The example checks, for every packed row, that each sample's placeholders match its
 patches and grids, that its pixels are its own (they carry the sample's index), and that
 resuming the loader from a mid-epoch checkpoint gives the same rows.
+
+Then ``--world`` gloo ranks (data x context parallel) balance the rows with ``BalancedBatches``,
+the images travelling with their documents (``document_fields=``): every rank holding a piece of
+a document (a CP chunk) receives all of its pixel rows, and the per-token ``image_index``
+(``placeholder_ordinals``: which placeholder of its document a token is) leads each of its
+placeholder tokens to that token's own patch, the lookup a model's embedding merge makes.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,14 +34,27 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from meshfeed import DataLoader
-from meshfeed.balance import PackedSamples, SampleFields, merge_rows
+from meshfeed.balance import (
+    BalancedBatches,
+    PackedSamples,
+    SampleFields,
+    merge_rows,
+    placeholder_ordinals,
+)
+from meshfeed.launch import run_distributed
 
 IMAGE = 32_000  # the placeholder token id
 PATCH_DIM = 12  # pixels per patch (a real model: 3 x 14 x 14 x 2)
 MAX_TOKENS = 512
 FIELDS = SampleFields(
-    token_fields=("input_ids", "labels"), concat_fields=("pixel_values", "image_grid_thw")
+    token_fields=("input_ids", "labels", "image_index"),
+    concat_fields=("pixel_values", "image_grid_thw"),
 )
+#: What BalancedBatches moves: per-token keys (padded with these values), per-document fields.
+KEYS = ("input_ids", "labels", "image_index", "position_ids")
+PAD = {"input_ids": 0, "labels": -100, "image_index": -1, "position_ids": None}
+DOCUMENT_FIELDS = ("pixel_values", "image_grid_thw")
+BALANCED_TOKENS = 128  # per rank and micro-step: the longest samples are split over CP ranks
 
 
 class CaptionSamples:
@@ -65,6 +85,7 @@ class CaptionSamples:
         return {
             "input_ids": input_ids,
             "labels": labels,
+            "image_index": placeholder_ordinals(input_ids, [0, len(input_ids)], IMAGE),
             "pixel_values": torch.full((patches, PATCH_DIM), float(i)),  # pixels carry the index
             "image_grid_thw": torch.cat([torch.ones(len(grid), 1, dtype=torch.int64), grid], 1),
         }
@@ -92,10 +113,40 @@ def loader(samples: CaptionSamples, workers: int) -> DataLoader:
     )
 
 
+def balanced_rank(rank: int, world: int, n: int) -> dict[str, Any]:
+    """One gloo rank: its share of every step's rows, balanced over the group with the images."""
+    import torch.distributed as tdist
+
+    rows = PackedSamples(CaptionSamples(n), max_tokens=MAX_TOKENS, fields=FIELDS, window=128)
+    loader = DataLoader(  # a global batch of `world` rows, one per data rank
+        rows, batch_size=1, collate_fn=merge_rows, mesh={"dp": world}, rank=rank, drop_last=False
+    )
+    steps = BalancedBatches(
+        loader, max_tokens=BALANCED_TOKENS, keys=KEYS, pad=PAD, document_fields=DOCUMENT_FIELDS,
+        group=tdist.group.WORLD,
+    )  # fmt: skip
+    found, split = set(), 0
+    with steps:
+        for step in steps:
+            cu, px = step["cu_seqlens"].tolist(), step["pixel_values_offsets"]
+            for k, sample in enumerate(step["document_ids"].tolist()):
+                index = step["image_index"][cu[k] : cu[k + 1]]
+                ids = step["input_ids"][cu[k] : cu[k + 1]]
+                assert bool(((ids == IMAGE) == (index >= 0)).all()), sample
+                # the model's merge: placeholder t takes row px[k] + image_index[t] of the
+                # encoder's output over this step's pixel_values
+                patches = step["pixel_values"][px[k] + index[index >= 0]]
+                assert bool((patches == float(sample)).all()), f"sample {sample}: other pixels"
+                found |= {(sample, int(k)) for k in index[index >= 0].tolist()}
+                split += int(len(step["cp_group"]) > 1 and patches.shape[0] > 0)
+    return {"placeholders": found, "split": split}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=400)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--world", type=int, default=2, help="gloo ranks that balance the rows")
     args = parser.parse_args(argv)
     samples = CaptionSamples(args.samples)
     run = loader(samples, args.workers)
@@ -118,6 +169,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(samples)} samples with {images} images packed into {len(run.dataset)} rows of "
         f"{MAX_TOKENS} tokens ({tokens / (len(run.dataset) * MAX_TOKENS):.1%} full), "
         f"{len(batches)} steps; every image with its placeholders; resumed at step {half} exactly"
+    )
+    if args.world < 1:
+        return
+    results = run_distributed(balanced_rank, args.world, args.samples, timeout=300.0)
+    patches = int((samples.lengths - samples.prompt - samples.caption).sum())
+    found = set().union(*(r["placeholders"] for r in results))  # a padded step repeats some
+    assert len(found) == patches, f"{len(found)} placeholders found their patches, of {patches}"
+    print(
+        f"balanced over {args.world} gloo ranks at {BALANCED_TOKENS} tokens: all {patches} "
+        f"placeholders found their own patches, {sum(r['split'] for r in results)} micro-step "
+        "pieces of CP-split samples with images"
     )
 
 

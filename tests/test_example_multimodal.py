@@ -1,4 +1,5 @@
-"""examples/multimodal_packing.py runs: placeholders stay with their pixels, resume is exact."""
+"""examples/multimodal_packing.py runs: placeholders stay with their pixels, resume is exact,
+and balanced over gloo ranks every placeholder finds its own patch."""
 
 from __future__ import annotations
 
@@ -17,3 +18,6 @@ def test_multimodal_example_keeps_every_image_with_its_placeholders_and_resumes(
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "every image with its placeholders; resumed at step" in proc.stdout
     assert "120 samples with" in proc.stdout
+    # two gloo ranks: the images travel with their documents through BalancedBatches
+    assert "balanced over 2 gloo ranks at 128 tokens: all" in proc.stdout
+    assert "placeholders found their own patches" in proc.stdout

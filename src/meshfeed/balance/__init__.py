@@ -7,7 +7,9 @@ documents, zigzag CP split.
 :func:`packed_document_loader` feeds it the documents of a token corpus, packed per rank by
 :func:`pack_documents`. :class:`PackedSamples` packs any sample (a dict of per-token fields plus
 per-sample tensors, e.g. SFT or multimodal) into rows planned from lengths alone, so the loader's
-state stays a position; :func:`merge_rows` feeds its rows to BalancedBatches. Documents longer than the group holds (:func:`max_document_tokens`) are
+state stays a position; :func:`merge_rows` feeds its rows to BalancedBatches, whose
+``document_fields=`` move per-document tensors (images) with their documents
+(:func:`placeholder_ordinals` finds a placeholder's row on a CP rank). Documents longer than the group holds (:func:`max_document_tokens`) are
 refused, truncated or split (``long_documents=``). :class:`HybridCPDataLoader` is the drop-in for Megatron-LM's
 ``HybridCPDataLoaderWrapper`` (same input and output, meshfeed's schedule).
 """
@@ -15,6 +17,7 @@ refused, truncated or split (``long_documents=``). :class:`HybridCPDataLoader` i
 from meshfeed.balance.balanced import BalancedBatches
 from meshfeed.balance.baselines import BaselineResult, naive_slicing, token_balancing
 from meshfeed.balance.cost import CostModel
+from meshfeed.balance.document_fields import placeholder_ordinals
 from meshfeed.balance.documents import pack_documents, packed_document_loader
 from meshfeed.balance.long_documents import max_document_tokens
 from meshfeed.balance.megatron import HybridCPDataLoader
@@ -42,6 +45,7 @@ __all__ = [
     "pack_windows",
     "packed_document_loader",
     "packing_efficiency",
+    "placeholder_ordinals",
     "schedule_documents",
     "token_balancing",
 ]

@@ -20,6 +20,14 @@ uint64 id past int64 is refused on every rank, naming it, rather than wrapped to
 ``cp_group`` (global ranks running this micro-step together), ``cp_rank``, ``microstep`` and
 ``num_microsteps``.
 
+Per-document fields (``document_fields=("pixel_values", "image_grid_thw")``: a tensor of the
+documents' rows back to back plus ``<name>_offsets``, as ``SampleFields(concat_fields=...)``
+packs them) travel with their document in one more ``all_to_all_single``: every rank holding a
+piece of a document gets all of its rows (module :mod:`meshfeed.balance.document_fields`), and
+each micro-step holds ``<name>`` for its documents in ``doc_ids`` order with ``<name>_offsets``.
+A field the sample holds that is neither a key, a document field nor carried is refused by
+name rather than dropped.
+
 A document longer than the group can hold (every rank of the largest CP group at
 ``max_tokens``) follows ``long_documents``: ``"refuse"`` (an error naming its corpus id),
 ``"truncate"`` or ``"split"`` (see :mod:`meshfeed.balance.long_documents`). With tensor parallelism, build one instance per TP rank over that rank's
@@ -43,6 +51,15 @@ import torch
 
 from meshfeed import dist
 from meshfeed.balance.cost import CostModel
+from meshfeed.balance.document_fields import (
+    OFFSETS,
+    build_field_send,
+    check_field_names,
+    document_bytes,
+    field_rows,
+    field_specs,
+    unpack_fields,
+)
 from meshfeed.balance.long_documents import check_policy, fit_sample, max_document_tokens
 from meshfeed.balance.packing import check_int
 from meshfeed.balance.routing import Layout, build_send, doc_lengths, fields_signature, unpack
@@ -113,6 +130,9 @@ class _Batch:
     ids: np.ndarray | None
     dtypes: list[torch.dtype]
     placement: Future[Placement]
+    #: Every document's rows of each document field, (documents, fields).
+    field_counts: np.ndarray
+    specs: list[tuple[torch.dtype, tuple[int, ...]]]
 
 
 class BalancedBatches:
@@ -124,6 +144,8 @@ class BalancedBatches:
     an error naming it). ``timeout`` bounds the wait for a placement. ``long_documents``
     (``"refuse"``, ``"truncate"`` or ``"split"``) decides what happens to a document longer
     than the group can hold; pieces of a split document keep their order.
+    ``document_fields`` names the per-document fields that travel with their documents (the
+    module doc; every piece of a split document holds all of its rows).
 
     To checkpoint, ``inner`` must be :class:`~meshfeed.protocols.Stateful` (``state_dict()`` /
     ``load_state_dict(state)``; a meshfeed loader is, and is iterated epoch by epoch). A plain
@@ -146,6 +168,7 @@ class BalancedBatches:
         plan_ahead: bool = True,
         timeout: float = 300.0,
         long_documents: str = "refuse",
+        document_fields: Sequence[str] = (),
     ) -> None:
         # A float would be truncated by int() below and a bool would mean 1 document.
         check_int("max_docs_per_rank", max_docs_per_rank)
@@ -180,6 +203,8 @@ class BalancedBatches:
             num_ranks=self._comm.size, max_tokens=max_tokens, cp_sizes=cp_sizes, tp=tp
         )
         self._keys, self._pad = _check_keys(keys), _check_pad(pad)
+        self._fields = check_field_names(document_fields, self._keys)
+        self._carried = _CARRIED | set(self._fields) | {n + OFFSETS for n in self._fields}
         self._cap = int(max_docs_per_rank)
         self._timeout = float(timeout)
         self._pool = (
@@ -265,11 +290,11 @@ class BalancedBatches:
             try:
                 wide = _ids_past_int64(sample)  # refused below, on every rank
                 if wide is None and "cu_seqlens" in sample:  # else _header names what it lacks
-                    sample = fit_sample(sample, self._keys, self._limit, self._policy)
+                    sample = fit_sample(sample, self._keys, self._limit, self._policy, self._fields)
                 header = self._header(sample, wide)
             except Exception as e:  # the other ranks learn of it from the all-gather: no wait
                 refused, header = e, np.asarray([_REFUSED, 0, 0, 0], np.int64)
-        rows = self._comm.all_gather(header, _HEADER + 2 * self._cap)
+        rows = self._comm.all_gather(header, _HEADER + (2 + len(self._fields)) * self._cap)
         _refuse_together(rows, self._comm.rank, refused)
         if not all(int(row[0]) for row in rows):
             return None
@@ -291,16 +316,24 @@ class BalancedBatches:
             [row[_HEADER + n : _HEADER + 2 * n] for row, n in zip(rows, counts, strict=True)]
         )
         ids = all_ids if has_ids else None
+        f = len(self._fields)
+        field_counts = np.concatenate(
+            [
+                row[_HEADER + 2 * n : _HEADER + (2 + f) * n].reshape(n, f)
+                for row, n in zip(rows, counts, strict=True)
+            ]
+        )
         self._refuse_long(all_lengths, ids, counts)  # the same error on every rank: no hang
         assert sample is not None  # every rank, this one included, has data
         dtypes = [sample[k].dtype for k in self._keys]
+        specs = field_specs(sample, self._fields)
         kwargs = dict(self._plan_kwargs, num_ranks=self._comm.size)
         if self._pool is not None:
             future = self._pool.submit(schedule_documents, all_lengths, **kwargs)
         else:
             future = Future()
             future.set_result(schedule_documents(all_lengths, **kwargs))
-        return _Batch(state, sample, counts, ids, dtypes, future)
+        return _Batch(state, sample, counts, ids, dtypes, future, field_counts, specs)
 
     def _header(self, sample: Mapping[str, Any], wide: np.ndarray | None = None) -> np.ndarray:
         """has_data, dtype signature, documents, has_ids, their lengths, their corpus ids.
@@ -308,16 +341,16 @@ class BalancedBatches:
         ``wide``: the sample's uint64 corpus ids when one is past int64 (they travel as bit
         patterns, flagged ``_WIDE_IDS``, and every rank refuses the batch)."""
         lengths = doc_lengths(sample, self._keys)
-        dropped = [k for k in sample if k not in self._keys and k not in _CARRIED]
+        dropped = [k for k in sample if k not in self._keys and k not in self._carried]
         if dropped:
             raise ValueError(
                 f"the packed sample holds {sorted(map(str, dropped))}, which BalancedBatches "
                 f"would drop: it moves documents between ranks with their per-token keys "
-                f"(keys={list(self._keys)}), cu_seqlens and document_ids only. Add per-token "
-                "fields to keys=; per-sample fields (an image's pixel_values, a "
-                "<name>_offsets concat field) are not routed across ranks, so feed such "
-                "samples without BalancedBatches, or leave out the fields you do not need "
-                "(e.g. in the loader's collate_fn)"
+                f"(keys={list(self._keys)}), their document fields (document_fields="
+                f"{list(self._fields)}), cu_seqlens and document_ids only. Add per-token "
+                "fields to keys=, per-document fields (an image's pixel_values, with "
+                "<name>_offsets: SampleFields concat_fields) to document_fields=, or leave "
+                "out the fields you do not need (e.g. in the loader's collate_fn)"
             )
         if lengths.size > self._cap:
             raise ValueError(
@@ -339,9 +372,10 @@ class BalancedBatches:
                 )
             ids = given if wide is None else wide.view(np.int64)
             has_ids = 1 if wide is None else _WIDE_IDS
-        signature = fields_signature(sample, self._keys)
+        per_doc = field_rows(sample, self._fields, lengths.size).ravel()
+        signature = fields_signature(sample, self._keys, self._fields)
         head = np.asarray([1, signature, lengths.size, has_ids], np.int64)
-        return np.concatenate([head, lengths, ids])
+        return np.concatenate([head, lengths, ids, per_doc])
 
     def _refuse_long(self, lengths: np.ndarray, ids: np.ndarray | None, counts: list[int]) -> None:
         over = np.flatnonzero(lengths > self._limit)
@@ -380,12 +414,25 @@ class BalancedBatches:
         send = build_send(batch.sample, rank, layout, self._keys, self._pad)
         recv = self._comm.all_to_all(send, layout.send_splits(rank), layout.recv_splits(rank))
         steps = unpack(recv, rank, layout, batch.dtypes, self._keys)
+        if self._fields:
+            self._exchange_fields(batch, layout, steps)
         for step in steps:
             step["cp_group"] = tuple(self._comm.global_rank(r) for r in step["cp_group"])
             if batch.ids is not None:
                 step[DOCUMENT_IDS] = torch.from_numpy(batch.ids[step["doc_ids"].numpy()])
         self._base_state, self._current = batch.state, steps
         self._k, self._skip = min(self._skip, len(steps)), 0
+
+    def _exchange_fields(self, batch: _Batch, layout: Layout, steps: list[dict[str, Any]]) -> None:
+        """The one more all-to-all: every piece's document fields to the rank holding it."""
+        rank = self._comm.rank
+        nbytes = document_bytes(batch.field_counts, batch.specs)
+        outgoing = layout.doc[layout.outgoing(rank)]
+        send = build_field_send(batch.sample, self._fields, outgoing, layout.local_documents())
+        send_bytes, recv_bytes = layout.byte_splits(rank, nbytes)
+        recv = self._comm.all_to_all(send, send_bytes, recv_bytes)
+        incoming = layout.doc[layout.incoming(rank)]
+        unpack_fields(recv, incoming, steps, self._fields, batch.specs, batch.field_counts)
 
 
 def _ids_past_int64(sample: Mapping[str, Any]) -> np.ndarray | None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from meshfeed.balance.document_fields import split_fields
 from meshfeed.balance.packing import check_int
 from meshfeed.balance.schedule import _candidate_sizes
 from meshfeed.keys import DOCUMENT_IDS
@@ -92,12 +93,18 @@ def fit_lengths(lengths: Any, limit: int, policy: str) -> np.ndarray:
 
 
 def fit_sample(
-    sample: Mapping[str, Any], keys: Sequence[str], limit: int, policy: str
+    sample: Mapping[str, Any],
+    keys: Sequence[str],
+    limit: int,
+    policy: str,
+    document_fields: Sequence[str] = (),
 ) -> Mapping[str, Any]:
     """A packed sample with documents over ``limit`` tokens truncated or split (refuse: as is).
 
     Per-token ``keys`` lose the truncated tokens; ``cu_seqlens`` gains the piece boundaries;
-    ``document_ids`` (when present) repeat the corpus id for every piece.
+    ``document_ids`` (when present) repeat the corpus id for every piece, and every piece
+    holds all of its document's rows of each of ``document_fields`` (a truncated document
+    keeps them all).
     """
     check_policy(policy)
     cu = np.asarray(torch.as_tensor(sample["cu_seqlens"]).cpu(), dtype=np.int64).ravel()
@@ -111,6 +118,7 @@ def fit_sample(
         starts = cu[doc] + limit * piece
         out["cu_seqlens"] = torch.from_numpy(np.append(starts, cu[-1]).astype(np.int32))
         repeat = torch.from_numpy(n)
+        split_fields(out, document_fields, doc, lengths.size)
     else:
         pos = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lengths)
         keep = torch.from_numpy(pos < limit)

@@ -22,6 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshfeed.balance.document_fields import (
+    build_field_send,
+    document_bytes,
+    field_rows,
+    field_specs,
+    specs_text,
+    unpack_fields,
+)
 from meshfeed.balance.long_documents import piece_numbers
 from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.balance.zigzag import zigzag_positions
@@ -54,9 +62,14 @@ def doc_lengths(sample: Mapping[str, Any], keys: Sequence[str]) -> np.ndarray:
     return np.diff(cu)
 
 
-def fields_signature(sample: Mapping[str, Any], keys: Sequence[str]) -> int:
-    """A 31-bit hash of the keys and dtypes, to check that every rank sends the same layout."""
+def fields_signature(
+    sample: Mapping[str, Any], keys: Sequence[str], document_fields: Sequence[str] = ()
+) -> int:
+    """A 31-bit hash of the keys and dtypes (and the document fields' dtypes and trailing
+    shapes), to check that every rank sends the same layout."""
     text = ",".join(f"{k}:{sample[k].dtype}" for k in keys)
+    if document_fields:
+        text += ";" + specs_text(field_specs(sample, document_fields), document_fields)
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
@@ -117,6 +130,19 @@ class Layout:
     def recv_splits(self, rank: int) -> list[int]:
         inc = self.incoming(rank)
         return self._rows_per_rank(self.src[self.doc[inc]], inc)
+
+    def byte_splits(self, rank: int, nbytes: np.ndarray) -> tuple[list[int], list[int]]:
+        """What this rank sends to and receives from each rank when every piece carries
+        ``nbytes[d]`` bytes of its document ``d`` (its document fields)."""
+        out, inc = self.outgoing(rank), self.incoming(rank)
+        n = self.placement.num_ranks
+        send = np.bincount(self.dst[out], nbytes[self.doc[out]], n)
+        recv = np.bincount(self.src[self.doc[inc]], nbytes[self.doc[inc]], n)
+        return send.astype(int).tolist(), recv.astype(int).tolist()
+
+    def local_documents(self) -> np.ndarray:
+        """Each document's position in its source rank's sample."""
+        return np.arange(self.src.size) - np.searchsorted(self.src, self.src)
 
     def _rows_per_rank(self, ranks: np.ndarray, pieces: np.ndarray) -> list[int]:
         """The rows of ``pieces`` summed per rank (``ranks[i]`` is piece ``i``'s peer)."""
@@ -206,40 +232,67 @@ def route_local(
     *,
     keys: Sequence[str] = DEFAULT_KEYS,
     pad: Mapping[str, int | None] = DEFAULT_PAD,
+    document_fields: Sequence[str] = (),
     **plan_kwargs: Any,
 ) -> tuple[Placement, list[list[dict[str, Any]]]]:
     """Run the whole reroute for every rank in one process (tests, simulation, the CLI).
 
     ``samples[r]`` is rank r's packed sample; ``plan_kwargs`` go to :func:`schedule_documents` (its
-    ``num_ranks`` is ``len(samples)``). Returns the placement and every rank's micro-steps.
+    ``num_ranks`` is ``len(samples)``); ``document_fields`` travel with their documents as in
+    :class:`~meshfeed.balance.BalancedBatches`. Returns the placement and every rank's micro-steps.
     """
-    counts, lengths = _local_lengths(samples, keys)
+    counts, lengths = _local_lengths(samples, keys, document_fields)
     p = schedule_documents(lengths, num_ranks=len(samples), **plan_kwargs)
     layout = Layout.build(p, counts)
     sends = [build_send(s, r, layout, keys, pad) for r, s in enumerate(samples)]
-    offsets = []
-    for r in range(len(samples)):
-        offsets.append(np.concatenate([[0], np.cumsum(layout.send_splits(r))]).tolist())
     dtypes = [samples[0][k].dtype for k in keys] if samples else []
+    token_splits = [layout.send_splits(s) for s in range(len(samples))]
+    out = [
+        unpack(_received(sends, token_splits, r), r, layout, dtypes, keys)
+        for r in range(len(samples))
+    ]
+    if document_fields:
+        rows = np.concatenate(
+            [field_rows(s, document_fields, n) for s, n in zip(samples, counts, strict=True)]
+        )
+        specs = field_specs(samples[0], document_fields)
+        nbytes = document_bytes(rows, specs)
+        local = layout.local_documents()
+        field_sends = [
+            build_field_send(s, document_fields, layout.doc[layout.outgoing(r)], local)
+            for r, s in enumerate(samples)
+        ]
+        splits = [layout.byte_splits(s, nbytes)[0] for s in range(len(samples))]
+        for r, steps in enumerate(out):
+            recv = _received(field_sends, splits, r)
+            incoming = layout.doc[layout.incoming(r)]
+            unpack_fields(recv, incoming, steps, document_fields, specs, rows)
     ids = _local_document_ids(samples)
-    out = []
-    for r in range(len(samples)):
-        recv = torch.cat([sends[s][offsets[s][r] : offsets[s][r + 1]] for s in range(len(samples))])
-        steps = unpack(recv, r, layout, dtypes, keys)
-        if ids is not None:
+    if ids is not None:
+        for steps in out:
             for step in steps:
                 step[DOCUMENT_IDS] = ids[step["doc_ids"]]
-        out.append(steps)
     return p, out
 
 
+def _received(
+    sends: Sequence[torch.Tensor], splits: Sequence[Sequence[int]], r: int
+) -> torch.Tensor:
+    """What rank ``r`` receives when rank ``s`` sends ``splits[s][r]`` rows of ``sends[s]`` to it."""
+    parts = []
+    for s, send in enumerate(sends):
+        lo = sum(splits[s][:r])
+        parts.append(send[lo : lo + splits[s][r]])
+    return torch.cat(parts)
+
+
 def _local_lengths(
-    samples: Sequence[Mapping[str, Any]], keys: Sequence[str]
+    samples: Sequence[Mapping[str, Any]], keys: Sequence[str], document_fields: Sequence[str] = ()
 ) -> tuple[list[int], np.ndarray]:
     """Every rank's document count, and all ranks' document lengths in rank order; raises
-    when the ranks' packed keys differ in dtype."""
+    when the ranks' packed keys (or document fields) differ in dtype."""
     per_rank = [doc_lengths(s, keys) for s in samples]
-    signatures = {fields_signature(s, keys) for s in samples}
+    signatures = {fields_signature(s, keys, document_fields) for s in samples}
     if len(signatures) > 1:
         raise ValueError("ranks disagree on the dtypes of the packed keys; cast them the same")
     lengths = np.concatenate(per_rank) if per_rank else np.zeros(0, dtype=np.int64)

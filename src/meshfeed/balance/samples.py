@@ -274,8 +274,8 @@ def merge_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     field named ``<name>_offsets`` beside a field or packing key ``<name>``, so the rows
     :func:`pack_samples` and :class:`~meshfeed.balance.PackedSamples` make are never misread).
     One row comes back as it is. This is what :class:`~meshfeed.balance.BalancedBatches` takes
-    (rows of per-token fields only: it refuses per-sample and concat fields, which it cannot
-    route across ranks).
+    (per-token fields as ``keys=``, concat fields as ``document_fields=``, which travel with
+    their documents; it refuses list fields, which it cannot route across ranks).
     """
     if len(rows) == 1:
         return dict(rows[0])
