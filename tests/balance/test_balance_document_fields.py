@@ -359,3 +359,25 @@ def test_ranks_whose_rows_differ_in_shape_are_refused():
     samples[1]["pixel_values"] = samples[1]["pixel_values"].repeat(1, 2)  # rows of 4, not 2
     with pytest.raises(ValueError, match="ranks disagree"):
         route_local(samples, keys=KEYS, pad=PAD, document_fields=FIELDS, max_tokens=256)
+
+
+def _disagreeing_rank(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    sample = mm_sample(rank, 0, seed=3, max_len=60)
+    if rank == 1:  # rows of 4 values where rank 0 has rows of 2
+        sample["pixel_values"] = sample["pixel_values"].repeat(1, 2)
+    with BalancedBatches(
+        [sample], max_tokens=256, keys=KEYS, pad=PAD, document_fields=FIELDS,
+        group=dist.group.WORLD, timeout=60.0,
+    ) as it:  # fmt: skip
+        try:
+            next(it)
+        except ValueError as e:
+            return str(e)
+    return "no error"
+
+
+def test_two_gloo_ranks_whose_rows_differ_in_shape_both_stop_naming_the_fields():
+    for message in run_distributed(_disagreeing_rank, 2, timeout=120.0):
+        assert "ranks disagree" in message and "same dtypes and row shapes" in message

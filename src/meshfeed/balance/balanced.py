@@ -303,6 +303,11 @@ class BalancedBatches:
             raise ValueError(
                 f"ranks disagree on the packed keys' dtypes (signatures {signatures}); "
                 f"every rank must yield {list(self._keys)} with the same dtypes"
+                + (
+                    f", and {list(self._fields)} with the same dtypes and row shapes"
+                    if self._fields
+                    else ""
+                )
             )
         counts = [int(row[2]) for row in rows]
         flags = [int(row[3]) for row in rows]
