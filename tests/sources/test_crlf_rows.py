@@ -104,3 +104,31 @@ def test_a_crlf_jsonl_shard_parses_the_same_by_every_path(tmp_path, monkeypatch,
     text = f"\r\n{lines[0]}\r\n\r\n  \r\n{lines[1]}\r\n{lines[2]}\n{lines[3]}"
     path.write_bytes((text + final).encode())
     _every_path(path, records)
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+@SPANS
+@pytest.mark.parametrize(
+    ("name", "data", "expected"),
+    [
+        ("rows.txt", BOM + b"alpha\r\nbeta\n", ["alpha", "beta"]),
+        ("rows.jsonl", BOM + b'{"t": "hi"}\n{"t": "yo"}\n', [{"t": "hi"}, {"t": "yo"}]),
+        ("blank.jsonl", BOM + b'\n{"t": 1}\n', [{"t": 1}]),  # a BOM alone is a blank line
+        ("blank.txt", BOM + b"\nx", ["", "x"]),
+        ("only.txt", BOM, []),
+    ],
+)
+def test_a_byte_order_mark_is_no_part_of_the_first_row(
+    tmp_path, monkeypatch, span_bytes, name, data, expected
+):
+    """A file saved with a UTF-8 BOM: the text path kept "\\ufeff" in row 0 (a silent stray
+    token), and reading a JSON-lines row by index failed where the range form parsed it."""
+    monkeypatch.setattr(readers, "_SPAN_BYTES", span_bytes)
+    path = tmp_path / name
+    path.write_bytes(data)
+    if expected:
+        _every_path(path, expected)
+    else:
+        assert DefaultReader().count(path) == 0 and list(default_reader(path, 0, None)) == []

@@ -318,10 +318,15 @@ class DefaultReader:
 _BLANK = " \t\n\r\x0b\x0c"
 
 
+#: The UTF-8 byte order mark some editors write at a file's start: no part of its first row.
+_BOM = b"\xef\xbb\xbf"
+
+
 def _row_starts(data: np.ndarray, *, skip_blank: bool) -> np.ndarray:
     """The start of every row of a text file's bytes, then its size (``int64``): a row per
-    line, less the blank lines where ``skip_blank``."""
-    starts = np.concatenate([[0], np.flatnonzero(data == ord("\n")) + 1]).astype(np.int64)
+    line, less the blank lines where ``skip_blank``; the first row starts after a BOM."""
+    first = len(_BOM) if data[: len(_BOM)].tobytes() == _BOM else 0
+    starts = np.concatenate([[first], np.flatnonzero(data == ord("\n")) + 1]).astype(np.int64)
     starts = starts[starts < data.size]  # the end of the file starts no line
     if skip_blank and starts.size:
         ink = (data != ord(" ")) & ((data < ord("\t")) | (data > ord("\r")))
@@ -383,6 +388,8 @@ def _read_lines(path: str, start: int, stop: int | None) -> Iterator[Any]:
     with _shard_file(path):
         f = open(path, "rb")  # noqa: SIM115 (closed below)
     with f:
+        if f.read(len(_BOM)) != _BOM:  # rows as take() reads them: a BOM is no part of row 0
+            f.seek(0)
         if _is_jsonl(path):  # rows as take() counts them: non-blank lines, split at b"\n"
             lines = (line for line in f if line.strip())
             for line in itertools.islice(lines, start, stop):
