@@ -252,10 +252,7 @@ class StoreLoader(LoaderBase, Walking):
 
     def __next__(self) -> Any:
         if self._shut:
-            raise RuntimeError(
-                f"this StoreLoader (task {self.task!r}) was shut down; build a new one (from "
-                "its state_dict() to continue where it stopped)"
-            )
+            raise self._shut_down_error()
         if self._finished:
             raise StopIteration
         start = time.perf_counter()
@@ -270,11 +267,22 @@ class StoreLoader(LoaderBase, Walking):
             self._stream = None  # a walk that raised is over: the next call walks again
             for kind, key in _COUNTED.items():
                 self._counts[key] += isinstance(error, kind)
+            if isinstance(error, StopIteration) and self._shut:
+                # shutdown() from another thread halted the walk: not the end of the stream.
+                # The service may have started after shutdown() looked (idempotent).
+                self.service.shutdown()
+                raise self._shut_down_error() from None
             if isinstance(error, StopIteration):
                 self._finish()
             raise
         finally:
             self._next_seconds += time.perf_counter() - start
+
+    def _shut_down_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"this StoreLoader (task {self.task!r}) was shut down; build a new one (from "
+            "its state_dict() to continue where it stopped)"
+        )
 
     def _finish(self) -> None:
         """The end was reached with every batch returned: once, tell the store this reader

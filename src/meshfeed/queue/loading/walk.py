@@ -70,6 +70,7 @@ class Walking:
     _version: LoaderVersion
     _skips: SkipLog
     _counts: dict[str, int]
+    _shut: bool
 
     if TYPE_CHECKING:  # LoaderBase's, which comes first in a loader's bases
 
@@ -95,6 +96,9 @@ class Walking:
         self._asked: dict[int, int | None] = {}
         #: A batch the loop could not return, kept first in line: (made item or None, events).
         self._held: tuple[Any, StoreEvents] | None = None
+        #: The phases taken back from a held batch ``on_step`` refused, by its index: added
+        #: again when it is returned, since it is not made again (its making counts once).
+        self._owed: tuple[int, dict[str, float]] | None = None
 
     def _version_args(self, index: int) -> dict[str, Any]:
         """The keywords of batch ``index``'s request: its policy version (as first asked),
@@ -142,6 +146,8 @@ class Walking:
         walk, store, start = self._walks, self.store, self._returned
         token, halt = uuid.uuid4().hex, threading.Event()
         self._walking = (token, halt)  # what shutdown() stops from any thread
+        if self._shut:  # shut down (another thread) before this walk could be halted
+            return
         held, self._held = self._held, None
         first: list[Result] = []
         raw = None
@@ -173,8 +179,12 @@ class Walking:
                     self.telemetry.returned()  # on_step, which sees this batch counted
                 except BaseException:  # not returned: kept first in line for the next walk
                     self._returned, self._counts, self._held = before, counts, (item, events)
-                    self.telemetry.take_back()  # counted again when it is returned
+                    self._take_back(events.index)  # counted again when it is returned
                     raise
+                if self._owed is not None and self._owed[0] == events.index:
+                    owed, self._owed = self._owed[1], None
+                    for phase, seconds in owed.items():
+                        self.telemetry.add(phase, seconds)
                 self._forget(events.index)
                 yield item
                 self._check_walk(walk)
@@ -186,6 +196,15 @@ class Walking:
                 with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
                     store.cancel(token)
             delivered.close()
+
+    def _take_back(self, index: int) -> None:
+        """Take back the phases of batch ``index``, refused by ``on_step`` (stats as before
+        it); kept, it is not made again, so those of its first refusal are owed back."""
+        phases = self.telemetry.phases
+        before = dict(phases)
+        self.telemetry.take_back()
+        if self._owed is None or self._owed[0] != index:
+            self._owed = (index, {p: before[p] - phases[p] for p in phases})
 
     def _tasks(
         self, start: int, token: str, raw: Any, halt: threading.Event
