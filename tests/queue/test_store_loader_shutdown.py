@@ -195,8 +195,7 @@ def test_shutdown_while_next_starts_its_walk_neither_hangs_nor_ends_the_stream(w
         gate.release.set()
         reader.join()
         assert isinstance(reader.error, RuntimeError), repr(reader.error)
-        if where == "start" or base is ThreadService:
-            assert reader.error.args and "was shut down" in reader.error.args[0]
+        assert reader.error.args and "was shut down" in reader.error.args[0], repr(reader.error)
         _no_threads_left(before)
         assert not store.stats()["waiting_consumers"] and store.stats()["consumed"] == {}
         stats, state = loader.stats(), loader.state_dict()

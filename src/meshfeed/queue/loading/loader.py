@@ -267,11 +267,14 @@ class StoreLoader(LoaderBase, Walking):
             self._stream = None  # a walk that raised is over: the next call walks again
             for kind, key in _COUNTED.items():
                 self._counts[key] += isinstance(error, kind)
-            if isinstance(error, StopIteration) and self._shut:
-                # shutdown() from another thread halted the walk: not the end of the stream.
-                # The service may have started after shutdown() looked (idempotent).
+            if isinstance(error, StopIteration | RuntimeError) and self._shut:
+                # shutdown() from another thread halted the walk (not the end of the stream),
+                # or stopped its service as the walk started it. The service may have
+                # started after shutdown() looked (idempotent).
                 self.service.shutdown()
-                raise self._shut_down_error() from None
+                raise self._shut_down_error() from (
+                    None if isinstance(error, StopIteration) else error
+                )
             if isinstance(error, StopIteration):
                 self._finish()
             raise
