@@ -381,3 +381,111 @@ def _disagreeing_rank(rank: int, world: int) -> str:
 def test_two_gloo_ranks_whose_rows_differ_in_shape_both_stop_naming_the_fields():
     for message in run_distributed(_disagreeing_rank, 2, timeout=120.0):
         assert "ranks disagree" in message and "same dtypes and row shapes" in message
+
+
+# ----------------------------------------------------------------- found by a hostile review
+def _bad_rank(rank: int, world: int, how: str) -> str:
+    """Rank 1's sample is bad in a way the header's checks once let through: it failed only
+    at the send, after the all-gather, and rank 0 waited in the all-to-all until the timeout."""
+    import torch.distributed as dist
+
+    sample = mm_sample(rank, 0, seed=3, max_len=60)
+    if rank == 1:
+        off = sample["pixel_values_offsets"]
+        if how == "float offsets":
+            sample["pixel_values_offsets"] = off.double()
+        elif how == "2-D offsets":
+            sample["pixel_values_offsets"] = off.reshape(1, -1)
+    with BalancedBatches(
+        [sample], max_tokens=256, keys=KEYS, pad=PAD, document_fields=FIELDS,
+        group=dist.group.WORLD, timeout=60.0,
+    ) as it:  # fmt: skip
+        try:
+            next(it)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["float offsets", "2-D offsets"])
+def test_a_bad_offsets_field_on_one_gloo_rank_stops_every_rank_at_once(how):
+    zero, one = run_distributed(_bad_rank, 2, how, timeout=120.0)
+    assert one.startswith("ValueError") and "1-D tensor of integers" in one, one
+    # rank 0 learns of it from the all-gather (no CollectiveError after a timeout)
+    assert zero.startswith("ValueError") and "rank(s) [1] failed its checks" in zero, zero
+
+
+def test_a_strided_one_row_field_and_rows_of_zero_width_travel():
+    sample = mm_sample(0, 0, seed=3, max_len=60)
+    n = len(sample["document_ids"])
+    assert n > 1
+    wide = torch.arange(3 * n, dtype=torch.float32).reshape(n, 3)
+    sample["pixel_values"] = wide[:, 1]  # 1-D, stride 3: a document of one row once failed
+    sample["pixel_values_offsets"] = torch.arange(n + 1)  # one row per document
+    sample["image_grid"] = torch.zeros(n, 0, dtype=torch.int64)  # rows of zero width
+    sample["image_grid_offsets"] = torch.arange(n + 1)
+    _, out = route_local([sample], keys=KEYS, pad=PAD, document_fields=FIELDS, max_tokens=256)
+    got = {}
+    for step in out[0]:
+        off = step["pixel_values_offsets"]
+        assert step["image_grid"].shape == (int(off[-1]), 0)
+        for j, tag in enumerate(step["document_ids"].tolist()):
+            got[tag] = step["pixel_values"][off[j] : off[j + 1]]
+    src = sample["pixel_values_offsets"]
+    for j, tag in enumerate(sample["document_ids"].tolist()):
+        assert torch.equal(got[tag], wide[src[j] : src[j + 1], 1]), tag
+
+
+@pytest.mark.parametrize("policy", ["refuse", "truncate", "split"])
+def test_offsets_are_checked_whatever_the_long_document_policy(policy):
+    sample = mm_sample(0, 0, seed=20, max_len=400, docs=6)  # a document over 64 tokens
+    sample["pixel_values"] = torch.cat([sample["pixel_values"], torch.zeros(2, 2)])  # 2 extra
+    with BalancedBatches(
+        [sample], max_tokens=64 if policy != "refuse" else 4096, keys=KEYS, pad=PAD,
+        document_fields=FIELDS, long_documents=policy,
+    ) as it, pytest.raises(ValueError, match=r"must rise from 0 to 'pixel_values'.* in 7 steps"):  # fmt: skip
+        next(it)
+
+
+class _OneBad(MMSamples):
+    """Batch 1 lacks its offsets: refused; the loop catches the error and goes on."""
+
+    def __next__(self) -> dict:
+        sample = super().__next__()
+        if self.i == 2:
+            del sample["pixel_values_offsets"]
+        return sample
+
+
+@pytest.mark.parametrize("plan_ahead", [True, False])
+def test_a_refused_batch_fetched_ahead_does_not_lose_the_batch_before_it(plan_ahead):
+    inner = _OneBad(0, seed=5, batches=4, max_len=250)
+    served, errors = [], []
+    with BalancedBatches(
+        inner, max_tokens=256, cost=S2, keys=KEYS, pad=PAD, document_fields=FIELDS,
+        plan_ahead=plan_ahead,
+    ) as it:  # fmt: skip
+        while True:
+            try:
+                step = next(it)
+            except StopIteration:
+                break
+            except ValueError as e:
+                errors.append(str(e))
+                continue
+            served += step["document_ids"].tolist()
+    assert len(errors) == 1 and "no 'pixel_values_offsets'" in errors[0]
+    want = [
+        t for b in (0, 2, 3) for t in mm_sample(0, b, seed=5, max_len=250)["document_ids"].tolist()
+    ]
+    assert sorted(served) == sorted(want)  # batch 0 served, batch 1 refused, then 2 and 3
+
+
+def test_placeholder_ordinals_take_any_integer_id_and_refuse_2d_tokens():
+    tokens = torch.tensor([5, 9, 9], dtype=torch.int32)
+    want = [-1, 0, 1]
+    assert placeholder_ordinals(tokens, [0, 3], np.int64(9)).tolist() == want
+    assert placeholder_ordinals(tokens, [0, 3], torch.tensor(9)).tolist() == want
+    assert placeholder_ordinals(tokens, [0, 3], (9, 2**40)).tolist() == want  # past int32
+    with pytest.raises(ValueError, match=r"1-D token ids \(got shape \(1, 3\)\)"):
+        placeholder_ordinals(tokens.reshape(1, 3), [0, 3], 9)

@@ -58,6 +58,7 @@ from meshfeed.balance.document_fields import (
     document_bytes,
     field_rows,
     field_specs,
+    normalize_fields,
     unpack_fields,
 )
 from meshfeed.balance.long_documents import check_policy, fit_sample, max_document_tokens
@@ -119,6 +120,14 @@ class _Comm:
         return dist.all_to_all_single(
             send, send_rows, recv_rows, timeout=self.timeout, group=self.group
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A batch every rank refused alike, fetched ahead: raised once the batch before it has
+    been served."""
+
+    error: Exception
 
 
 @dataclass(slots=True)
@@ -265,7 +274,8 @@ class BalancedBatches:
         self._current: list[dict[str, Any]] = []
         self._k = 0
         self._done = False
-        self._ahead: _Batch | bool | None = False  # False: not fetched; None: inner ended
+        #: False: not fetched; None: inner ended; _Refused: raised when batch t is served
+        self._ahead: _Batch | _Refused | bool | None = False
 
     def _stateful_inner(self) -> Stateful:
         """The inner iterator, or TypeError naming the protocol it lacks."""
@@ -280,8 +290,11 @@ class BalancedBatches:
     def _inner_state(self) -> Any:
         return self._inner.state_dict() if isinstance(self._inner, Stateful) else None
 
-    def _fetch(self) -> _Batch | None:
-        """Take the next sample and all-gather its lengths; None if any rank has run out."""
+    def _fetch(self, defer: bool = False) -> _Batch | _Refused | None:
+        """Take the next sample and all-gather its lengths; None if any rank has run out.
+
+        ``defer``: an error every rank raises alike (after the all-gather) is returned, to be
+        raised once the batch before it is served (the plan-ahead fetch must not lose it)."""
         state = self._inner_state()
         sample = next(self._inner, None)
         header = np.zeros(_HEADER, dtype=np.int64)
@@ -289,12 +302,33 @@ class BalancedBatches:
         if sample is not None:
             try:
                 wide = _ids_past_int64(sample)  # refused below, on every rank
-                if wide is None and "cu_seqlens" in sample:  # else _header names what it lacks
-                    sample = fit_sample(sample, self._keys, self._limit, self._policy, self._fields)
+                if "cu_seqlens" in sample:  # else _header names what it lacks
+                    documents = doc_lengths(sample, self._keys).size
+                    sample = normalize_fields(sample, self._fields, documents)
+                    if wide is None:
+                        sample = fit_sample(
+                            sample, self._keys, self._limit, self._policy, self._fields
+                        )
                 header = self._header(sample, wide)
             except Exception as e:  # the other ranks learn of it from the all-gather: no wait
                 refused, header = e, np.asarray([_REFUSED, 0, 0, 0], np.int64)
         rows = self._comm.all_gather(header, _HEADER + (2 + len(self._fields)) * self._cap)
+        try:
+            return self._agreed(state, sample, rows, refused)
+        except (ValueError, TypeError) as e:
+            if not defer:
+                raise
+            return _Refused(e)
+
+    def _agreed(
+        self,
+        state: Any,
+        sample: Mapping[str, Any] | None,
+        rows: list[np.ndarray],
+        refused: Exception | None,
+    ) -> _Batch | None:
+        """The batch every rank agrees on from the all-gathered headers (or the error every
+        rank raises alike)."""
         _refuse_together(rows, self._comm.rank, refused)
         if not all(int(row[0]) for row in rows):
             return None
@@ -400,13 +434,16 @@ class BalancedBatches:
         )
 
     def _advance(self) -> None:
+        if isinstance(self._ahead, _Refused):  # batch t+1, refused once batch t was served
+            error, self._ahead = self._ahead.error, False
+            raise error
         batch = self._fetch() if self._ahead is False else self._ahead
         self._ahead = False
         if not isinstance(batch, _Batch):
             self._done = True
             return
         if self._pool is not None:
-            self._ahead = self._fetch()  # plan t+1 while batch t is rerouted and consumed
+            self._ahead = self._fetch(defer=True)  # plan t+1 while batch t is rerouted
         try:
             p = batch.placement.result(timeout=self._timeout)
         except TimeoutError as e:
@@ -430,14 +467,11 @@ class BalancedBatches:
 
     def _exchange_fields(self, batch: _Batch, layout: Layout, steps: list[dict[str, Any]]) -> None:
         """The one more all-to-all: every piece's document fields to the rank holding it."""
-        rank = self._comm.rank
-        nbytes = document_bytes(batch.field_counts, batch.specs)
-        outgoing = layout.doc[layout.outgoing(rank)]
-        send = build_field_send(batch.sample, self._fields, outgoing, layout.local_documents())
-        send_bytes, recv_bytes = layout.byte_splits(rank, nbytes)
+        rank, rows, specs = self._comm.rank, batch.field_counts, batch.specs
+        send = build_field_send(batch.sample, self._fields, layout, rank, rows, specs)
+        send_bytes, recv_bytes = layout.byte_splits(rank, document_bytes(rows, specs))
         recv = self._comm.all_to_all(send, send_bytes, recv_bytes)
-        incoming = layout.doc[layout.incoming(rank)]
-        unpack_fields(recv, incoming, steps, self._fields, batch.specs, batch.field_counts)
+        unpack_fields(recv, layout, rank, steps, self._fields, specs, rows)
 
 
 def _ids_past_int64(sample: Mapping[str, Any]) -> np.ndarray | None:

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from meshfeed.balance.routing import Layout
 
 __all__ = ["field_rows", "placeholder_ordinals"]
 
@@ -61,30 +64,66 @@ def check_field_names(fields: Any, keys: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def field_rows(sample: Mapping[str, Any], names: Sequence[str], documents: int) -> np.ndarray:
-    """The rows each of ``documents`` documents holds of each field: int64 ``(documents, F)``.
+def normalize_fields(
+    sample: Mapping[str, Any], names: Sequence[str], documents: int
+) -> Mapping[str, Any]:
+    """``sample`` with each field a tensor and its offsets int64 (one per document of
+    ``cu_seqlens``, plus one), checked: ValueError naming the field and the fix otherwise.
 
-    Raises ValueError naming the field and the fix where the sample lacks a field or its
-    offsets, or where the offsets do not rise from 0 to the field's rows, one per document."""
-    out = np.zeros((documents, len(names)), dtype=np.int64)
-    for j, name in enumerate(names):
-        value, offsets = _field(sample, name), sample.get(name + OFFSETS)
+    What every later step reads (the split of long documents, the header, the send), so a
+    bad field is refused here, on its rank, before any collective that could wait for it."""
+    if not names:
+        return sample
+    out = dict(sample)
+    for name in names:
+        value = _field(sample, name)
+        offsets = sample.get(name + OFFSETS)
         if offsets is None:
             raise ValueError(
                 f"the packed sample has {name!r} but no {name + OFFSETS!r}; a document field is "
                 f"its documents' rows back to back plus {name + OFFSETS!r} (SampleFields("
                 f"concat_fields=({name!r},)) and merge_rows give both)"
             )
-        off = np.asarray(torch.as_tensor(offsets).cpu(), dtype=np.int64).ravel()
+        off = torch.as_tensor(np.asarray(offsets) if isinstance(offsets, list) else offsets)
+        if (
+            off.ndim != 1
+            or off.dtype.is_floating_point
+            or off.dtype.is_complex
+            or off.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"sample[{name + OFFSETS!r}] must be a 1-D tensor of integers (got "
+                f"{off.dtype} of shape {tuple(off.shape)}): where each document's rows of "
+                f"{name!r} start, then their end"
+            )
+        off_np = off.cpu().numpy().astype(np.int64)
         rows = int(value.shape[0])
-        if off.size != documents + 1 or off[0] != 0 or off[-1] != rows or np.any(np.diff(off) < 0):
+        if (
+            off_np.size != documents + 1
+            or off_np[0] != 0
+            or off_np[-1] != rows
+            or np.any(np.diff(off_np) < 0)
+        ):
             raise ValueError(
                 f"sample[{name + OFFSETS!r}] must rise from 0 to {name!r}'s {rows} rows in "
                 f"{documents + 1} steps, one per document of cu_seqlens (got "
-                f"{off.tolist()[:8]}{'...' if off.size > 8 else ''})"
+                f"{off_np.tolist()[:8]}{'...' if off_np.size > 8 else ''})"
             )
-        out[:, j] = np.diff(off)
+        out[name], out[name + OFFSETS] = value, torch.from_numpy(off_np)
     return out
+
+
+def field_rows(sample: Mapping[str, Any], names: Sequence[str], documents: int) -> np.ndarray:
+    """The rows each of ``documents`` documents holds of each field: int64 ``(documents, F)``
+    (of a sample :func:`normalize_fields` checked)."""
+    out = np.zeros((documents, len(names)), dtype=np.int64)
+    for j, name in enumerate(names):
+        out[:, j] = np.diff(_offsets(sample, name))
+    return out
+
+
+def _offsets(sample: Mapping[str, Any], name: str) -> np.ndarray:
+    return np.asarray(sample[name + OFFSETS], dtype=np.int64)
 
 
 def _field(sample: Mapping[str, Any], name: str) -> torch.Tensor:
@@ -119,46 +158,66 @@ def specs_text(specs: Sequence[tuple[torch.dtype, tuple[int, ...]]], names: Sequ
     return ",".join(f"{n}:{d}:{list(s)}" for n, (d, s) in zip(names, specs, strict=True))
 
 
-def split_fields(
-    sample: dict[str, Any], names: Sequence[str], doc: np.ndarray, documents: int
-) -> None:
-    """Give each piece ``p`` of a split document ``doc[p]`` all of that document's rows."""
+def split_fields(sample: dict[str, Any], names: Sequence[str], doc: np.ndarray) -> None:
+    """Give each piece ``p`` of a split document ``doc[p]`` all of that document's rows (of a
+    sample :func:`normalize_fields` checked)."""
     for name in names:
-        value = _field(sample, name)
-        off = np.asarray(torch.as_tensor(sample[name + OFFSETS]).cpu(), dtype=np.int64).ravel()
-        if off.size != documents + 1:
-            return  # field_rows names the mismatch when the header is built
+        off = _offsets(sample, name)
         rows = np.diff(off)[doc]
-        spans = [np.arange(off[d], off[d + 1]) for d in doc.tolist()]
-        index = np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
-        sample[name] = value[torch.from_numpy(index.astype(np.int64))]
+        index = torch.from_numpy(_ranges(off[doc], rows))
+        sample[name] = torch.as_tensor(sample[name])[index]
         sample[name + OFFSETS] = torch.from_numpy(np.append(0, np.cumsum(rows)).astype(np.int64))
 
 
 def document_bytes(rows: np.ndarray, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> Any:
     """Bytes each document's fields take on the wire: ``rows`` (documents, F) times row size."""
-    size = np.asarray([d.itemsize * math.prod(s) for d, s in specs], dtype=np.int64)
-    return rows @ size if rows.size else np.zeros(rows.shape[0], dtype=np.int64)
+    return rows @ _row_bytes(specs) if rows.size else np.zeros(rows.shape[0], dtype=np.int64)
+
+
+def _row_bytes(specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> np.ndarray:
+    return np.asarray([d.itemsize * math.prod(s) for d, s in specs], dtype=np.int64)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a, a + n) for a, n in zip(starts, counts)])``, without the loop."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    first = np.cumsum(counts) - counts
+    return np.repeat(np.asarray(starts, dtype=np.int64) - first, counts) + np.arange(total)
+
+
+def _runs(ranks: np.ndarray) -> list[tuple[int, int]]:
+    """``(first, stop)`` of each run of equal values of ``ranks`` (sorted): the pieces of a
+    wire-ordered buffer that go to (or come from) one peer."""
+    cut = (np.flatnonzero(np.diff(ranks)) + 1).tolist()
+    return list(zip([0, *cut], [*cut, ranks.size], strict=True)) if ranks.size else []
 
 
 def build_field_send(
     sample: Mapping[str, Any],
     names: Sequence[str],
-    pieces: np.ndarray,
-    local_doc: np.ndarray,
+    layout: Layout,
+    rank: int,
+    rows: np.ndarray,
+    specs: Sequence[tuple[torch.dtype, tuple[int, ...]]],
 ) -> torch.Tensor:
-    """``(bytes, 1)`` uint8: each outgoing piece's document fields, in wire order.
+    """``(bytes, 1)`` uint8: for each destination rank in turn, each field's rows of the
+    documents of the pieces it receives from this rank (in their wire order).
 
-    ``pieces`` are the outgoing pieces' documents (global numbers) and ``local_doc`` maps a
-    global document to its position in this rank's sample."""
-    parts: list[torch.Tensor] = []
-    offsets = {n: torch.as_tensor(sample[n + OFFSETS]).tolist() for n in names}
-    for d in pieces.tolist():
-        i = int(local_doc[d])
-        for n in names:
-            a, b = offsets[n][i], offsets[n][i + 1]
-            if b > a:
-                parts.append(_as_bytes(torch.as_tensor(sample[n])[a:b]))
+    ``rows`` holds every document's rows per field (global numbering, :func:`field_rows`
+    of every rank's sample)."""
+    out = layout.outgoing(rank)
+    docs, dst = layout.doc[out], layout.dst[out]
+    local = layout.local_documents()[docs]
+    row_bytes = _row_bytes(specs)
+    per_field = []  # each field's bytes for every outgoing piece, and where each piece's end
+    for j, name in enumerate(names):
+        index = torch.from_numpy(_ranges(_offsets(sample, name)[local], rows[docs, j]))
+        edge = np.concatenate([[0], np.cumsum(rows[docs, j] * row_bytes[j])])
+        per_field.append((_as_bytes(torch.as_tensor(sample[name])[index]), edge))
+    parts = [data[edge[a] : edge[b]] for a, b in _runs(dst) for data, edge in per_field]
     if not parts:
         return torch.zeros((0, 1), dtype=torch.uint8)
     return torch.cat(parts).reshape(-1, 1)
@@ -166,32 +225,38 @@ def build_field_send(
 
 def unpack_fields(
     recv: torch.Tensor,
-    incoming: np.ndarray,
+    layout: Layout,
+    rank: int,
     steps: Sequence[dict[str, Any]],
     names: Sequence[str],
     specs: Sequence[tuple[torch.dtype, tuple[int, ...]]],
     rows: np.ndarray,
 ) -> None:
-    """Add each field and its offsets to this rank's micro-steps from the received bytes.
-
-    ``incoming`` are the received pieces' documents in wire order, ``rows`` every document's
-    rows per field (global numbering)."""
+    """Add each field and its offsets to this rank's micro-steps from the received bytes
+    (:func:`build_field_send`'s layout, from every source rank in turn)."""
+    inc = layout.incoming(rank)
+    docs, src = layout.doc[inc], layout.src[layout.doc[inc]]
+    row_bytes = _row_bytes(specs)
     flat = recv.reshape(-1)
-    sizes = document_bytes(rows[incoming], specs)
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    where = {int(d): int(starts[j]) for j, d in enumerate(incoming.tolist())}
-    for step in steps:
-        docs = step["doc_ids"].tolist()
-        for j, (name, (dtype, shape)) in enumerate(zip(names, specs, strict=True)):
-            chunks = []
-            for d in docs:
-                lo = where[d] + int(document_bytes(rows[d : d + 1, :j], specs[:j])[0])
-                n = int(rows[d, j])
-                nbytes = n * dtype.itemsize * math.prod(shape)
-                # clone: a fresh buffer at offset 0, so the byte view can widen to any dtype
-                chunks.append(flat[lo : lo + nbytes].clone().view(dtype).reshape(n, *shape))
-            step[name] = torch.cat(chunks) if chunks else torch.zeros((0, *shape), dtype=dtype)
-            counts = rows[docs, j] if docs else np.zeros(0, dtype=np.int64)
+    pieces: list[list[torch.Tensor]] = [[] for _ in names]
+    pos = 0
+    for a, b in _runs(src):  # from each source rank: each field's rows of its pieces
+        for j in range(len(names)):
+            nbytes = int(rows[docs[a:b], j].sum() * row_bytes[j])
+            pieces[j].append(flat[pos : pos + nbytes])
+            pos += nbytes
+    where = np.full(rows.shape[0], -1, dtype=np.int64)
+    where[docs] = np.arange(docs.size)
+    for j, (name, (dtype, shape)) in enumerate(zip(names, specs, strict=True)):
+        # cat: a fresh buffer at offset 0, so the byte view can widen to any dtype
+        data = torch.cat([*pieces[j], torch.zeros(0, dtype=torch.uint8)])
+        held = rows[docs, j]
+        table = data.view(dtype).reshape(int(held.sum()), *shape)
+        start = np.cumsum(held) - held  # each received piece's first row
+        for step in steps:
+            mine = step["doc_ids"].numpy()
+            counts = rows[mine, j]
+            step[name] = table[torch.from_numpy(_ranges(start[where[mine]], counts))]
             step[name + OFFSETS] = torch.from_numpy(
                 np.append(0, np.cumsum(counts)).astype(np.int64)
             )
@@ -210,8 +275,12 @@ def placeholder_ordinals(
     [0, -1, 1, 0, -1, 1]
     """
     t = torch.as_tensor(tokens)
-    ids = [token_id] if isinstance(token_id, int) else list(token_id)
-    hit = torch.isin(t, torch.as_tensor(ids, dtype=t.dtype)).to(torch.int64)
+    if t.ndim != 1:
+        raise ValueError(
+            f"tokens must be a packed sample's 1-D token ids (got shape {tuple(t.shape)})"
+        )
+    ids = torch.from_numpy(np.asarray(token_id, dtype=np.int64).reshape(-1))  # one or several
+    hit = torch.isin(t.to(torch.int64), ids).to(torch.int64)
     cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).ravel()
     if cu.numel() == 0 or cu[0] != 0 or cu[-1] != t.numel() or bool((torch.diff(cu) < 0).any()):
         raise ValueError(
@@ -225,7 +294,10 @@ def placeholder_ordinals(
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
+    """The tensor's bytes, 1-D (a fresh copy where its memory is not one dense run)."""
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # e.g. one element of a strided view
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)

@@ -118,7 +118,7 @@ def fit_sample(
         starts = cu[doc] + limit * piece
         out["cu_seqlens"] = torch.from_numpy(np.append(starts, cu[-1]).astype(np.int32))
         repeat = torch.from_numpy(n)
-        split_fields(out, document_fields, doc, lengths.size)
+        split_fields(out, document_fields, doc)
     else:
         pos = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lengths)
         keep = torch.from_numpy(pos < limit)

@@ -27,6 +27,7 @@ from meshfeed.balance.document_fields import (
     document_bytes,
     field_rows,
     field_specs,
+    normalize_fields,
     specs_text,
     unpack_fields,
 )
@@ -241,6 +242,7 @@ def route_local(
     ``num_ranks`` is ``len(samples)``); ``document_fields`` travel with their documents as in
     :class:`~meshfeed.balance.BalancedBatches`. Returns the placement and every rank's micro-steps.
     """
+    samples = [normalize_fields(s, document_fields, doc_lengths(s, keys).size) for s in samples]
     counts, lengths = _local_lengths(samples, keys, document_fields)
     p = schedule_documents(lengths, num_ranks=len(samples), **plan_kwargs)
     layout = Layout.build(p, counts)
@@ -257,16 +259,14 @@ def route_local(
         )
         specs = field_specs(samples[0], document_fields)
         nbytes = document_bytes(rows, specs)
-        local = layout.local_documents()
         field_sends = [
-            build_field_send(s, document_fields, layout.doc[layout.outgoing(r)], local)
+            build_field_send(s, document_fields, layout, r, rows, specs)
             for r, s in enumerate(samples)
         ]
         splits = [layout.byte_splits(s, nbytes)[0] for s in range(len(samples))]
         for r, steps in enumerate(out):
             recv = _received(field_sends, splits, r)
-            incoming = layout.doc[layout.incoming(r)]
-            unpack_fields(recv, incoming, steps, document_fields, specs, rows)
+            unpack_fields(recv, layout, r, steps, document_fields, specs, rows)
     ids = _local_document_ids(samples)
     if ids is not None:
         for steps in out:
@@ -294,7 +294,15 @@ def _local_lengths(
     per_rank = [doc_lengths(s, keys) for s in samples]
     signatures = {fields_signature(s, keys, document_fields) for s in samples}
     if len(signatures) > 1:
-        raise ValueError("ranks disagree on the dtypes of the packed keys; cast them the same")
+        raise ValueError(
+            "ranks disagree on the dtypes of the packed keys"
+            + (
+                f" or of document fields {list(document_fields)} and their row shapes"
+                if document_fields
+                else ""
+            )
+            + "; cast them the same"
+        )
     lengths = np.concatenate(per_rank) if per_rank else np.zeros(0, dtype=np.int64)
     return [x.size for x in per_rank], lengths
 
