@@ -176,3 +176,55 @@ def test_the_store_door_resizes_4_to_3_to_4_through_its_elastic_resume():
         ld.shutdown()
     assert [len(b) for b in got] == [G] * 10
     assert sorted(x for b in got for x in b) == list(range(N))  # every sample exactly once
+
+
+def _epoch_steps(loaders: list[DataLoader]) -> list[list[int]]:
+    """The global batches left in the loaders' epoch (every rank's batch, in rank order)."""
+    per_rank = [[batch.tolist() for batch in ld] for ld in loaders]
+    assert len({len(steps) for steps in per_rank}) == 1, "ranks took unequal steps"
+    return [sum(step, []) for step in zip(*per_rank, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["map", "stream"])
+@pytest.mark.parametrize("how", ["load_state_dict", "resize"])
+def test_pad_last_false_an_epoch_over_on_3_ranks_stays_over_on_2(kind, how):
+    """pad_last=False truncates the last batch to the data ranks: 114 = 9 x 12 + 6, so the
+    last batch on 4 ranks serves 4 of 6 (2 left out). A state taken after it, resumed or
+    resized to 2 ranks, served the 2 left out as one more step of the epoch."""
+    door = DataLoader if kind == "map" else StreamLoader
+    data = list(range(114)) if kind == "map" else ShardedStream([_rows(0, 114)], shuffle_buffer=8)
+
+    def loaders(dp: int) -> list[DataLoader]:
+        return [
+            door(data, batch_size=G // dp, mesh={"dp": dp}, rank=r, seed=4, drop_last=False,
+                 pad_last=False)
+            for r in range(dp)
+        ]  # fmt: skip
+
+    four = loaders(4)
+    its = [iter(ld) for ld in four]  # the epoch's steps, the state taken after the last one
+    epoch = [sum([next(it).tolist() for it in its], []) for _ in range(len(four[0]))]
+    assert len(epoch) == 10 and len(epoch[-1]) == 4  # 2 of the last 6 left out
+    assert four[0].state_dict()["epoch"] == 0
+    if how == "load_state_dict":
+        two = loaders(2)
+        for ld in two:
+            ld.load_state_dict(four[0].state_dict())
+    else:
+        two = four[:2]
+        for r, ld in enumerate(two):
+            ld.resize({"dp": 2}, rank=r)
+    # the rest of epoch 0 is empty, as in the uninterrupted run (the 2 samples its last batch
+    # left out are no step); then epoch 1, whole (its last batch of 6 divides among 2 ranks)
+    assert _epoch_steps(two) == []
+    assert [len(step) for step in _epoch_steps(two)] == [12] * 9 + [6]
+
+
+def test_a_huge_global_batch_in_a_state_is_refused_at_once():
+    """The error's list of data-parallel sizes that divide it walked every number up to the
+    value (2**70 + 1: it never returned)."""
+    state = DataLoader(list(range(8)), batch_size=2, mesh={"dp": 2}, rank=0).state_dict()
+    state["global_batch_size"] = 2**70 + 1
+    loader = DataLoader(list(range(8)), batch_size=2, mesh={"dp": 2}, rank=0)
+    with pytest.raises(ValueError, match=r"does not divide among this loader's 2 data ranks"):
+        loader.load_state_dict(state)

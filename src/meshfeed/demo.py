@@ -26,7 +26,7 @@ import torch
 
 from meshfeed.launch import run_distributed
 from meshfeed.loader import DataLoader
-from meshfeed.mesh import DataMesh
+from meshfeed.mesh import DataMesh, data_sizes_dividing
 from meshfeed.progress import Progress
 from meshfeed.sources.tokens.indexed_write import write_indexed
 from meshfeed.sources.tokens.windows import TokenWindows
@@ -197,7 +197,7 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     global_batch = args.batch_size * args.dp
     new_dp = args.resume_dp or 2 * args.dp
     if global_batch % new_dp:
-        divisors = ", ".join(str(d) for d in range(1, global_batch + 1) if global_batch % d == 0)
+        divisors = ", ".join(map(str, data_sizes_dividing(global_batch)))
         return (
             f"--resume-dp {new_dp} must divide the global batch {global_batch} "
             f"(--batch-size {args.batch_size} x --dp {args.dp}) so the elastic resume keeps it; "

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from meshfeed.fetch import MAX_REPORTED_FAILURES
 from meshfeed.loader_base import check_epoch
+from meshfeed.mesh import data_sizes_dividing
 from meshfeed.order.batches import BatchPlan, OrderHooks
 from meshfeed.protocols import ExplainedSource, Order
 from meshfeed.state import check_count, open_envelope
@@ -155,7 +156,7 @@ def _check_global_batch(
         raise ValueError(
             f"checkpoint global batch size {gbs} does not divide among this loader's {dp} data "
             f"ranks, so it cannot resume exactly here; resume on a data-parallel size in "
-            f"{[d for d in range(1, gbs + 1) if gbs % d == 0][:16]} with batch_size=G/dp, or pass "
+            f"{data_sizes_dividing(gbs)} with batch_size=G/dp, or pass "
             "allow_global_batch_change=True to continue from the same sample position with "
             f"this loader's global batch {loader.global_batch_size}"
         )

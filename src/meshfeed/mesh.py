@@ -303,6 +303,17 @@ class DataMesh:
             )
 
 
+def data_sizes_dividing(global_batch_size: int, count: int = 16) -> list[int]:
+    """Up to ``count`` of the smallest data-parallel sizes (at most 4096) that divide
+    ``global_batch_size``: what an error suggests, in constant time for any value.
+
+    >>> data_sizes_dividing(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    n = int(global_batch_size)
+    return [d for d in range(1, min(n, 4096) + 1) if n % d == 0][:count]
+
+
 def _axis_layout(
     order: Iterable[str] | None, sizes: Mapping[str, int]
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -27,7 +27,7 @@ import dataclasses
 from typing import Any
 
 from meshfeed.loader_base import LoaderBase
-from meshfeed.mesh import DataMesh
+from meshfeed.mesh import DataMesh, data_sizes_dividing
 
 __all__ = ["check_divides", "rebuild", "relayout"]
 
@@ -37,11 +37,11 @@ def check_divides(global_batch_size: int, mesh: DataMesh, what: str) -> int:
     when they do not divide it."""
     dp = mesh.data_world_size
     if global_batch_size % dp:
-        fits = [d for d in range(1, global_batch_size + 1) if global_batch_size % d == 0]
         raise ValueError(
             f"{what}: the global batch of {global_batch_size} samples does not divide among "
             f"{dp} data ranks (mesh {mesh.sizes}), so ranks would get unequal batches; use a "
-            f"data-parallel size in {fits[:16]} or a global batch that {dp} divides"
+            f"data-parallel size in {data_sizes_dividing(global_batch_size)} or a global "
+            f"batch that {dp} divides"
         )
     return global_batch_size // dp
 
