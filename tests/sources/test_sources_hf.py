@@ -116,3 +116,26 @@ def test_loader_reads_hf_rows_and_resumes_exactly() -> None:
     )
     first_epoch = sum(ref[:4], [])
     assert len(set(first_epoch)) == 8
+
+
+@pytest.mark.parametrize("fmt", ["numpy", "torch"])
+def test_a_batched_row_does_not_depend_on_the_other_rows_of_its_batch(fmt: str) -> None:
+    """datasets formats a batch as a whole: an int column with a null in the batch came back
+    as float32 (16777217 -> 16777216.0) and float64 as float32, while src[i] gave the row's
+    own values; a row's value depended on its neighbours."""
+    ds = datasets.Dataset.from_dict(
+        {"id": [16_777_217, None, 123_456_789], "score": [0.1, 0.2, 1 / 3]}
+    ).with_format(fmt)
+    src = HFSource(ds)
+    for keys in ([0, 1, 2], [2, 0], [0]):
+        for i, row in zip(keys, src.__getitems__(keys), strict=True):
+            one = src[i]
+            for k in ("id", "score"):
+                a, b = one[k], row[k]
+                assert type(a) is type(b), (keys, i, k)
+                if a is None:
+                    assert b is None
+                    continue
+                assert a.dtype == b.dtype, (keys, i, k, a, b)
+                assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True), (keys, i, k)
+    assert int(src.__getitems__([0, 1])[0]["id"]) == 16_777_217

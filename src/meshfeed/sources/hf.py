@@ -29,6 +29,11 @@ class FormatChangedError(SourceError, ValueError):
     is when the source is made."""
 
 
+def _same_kind(a: Any, b: Any) -> bool:
+    """Whether two formatted values have one type and, for arrays and tensors, one dtype."""
+    return type(a) is type(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None)
+
+
 def _datasets() -> Any:
     try:
         import datasets
@@ -127,13 +132,51 @@ class HFSource:
             return []
         if int(idx.min()) < -n or int(idx.max()) >= n:
             raise IndexError(f"indices span [{int(idx.min())}, {int(idx.max())}], outside [0, {n})")
-        self._check_format()
-        batch = self.dataset[(idx % n).tolist()]
+        kind = self._check_format()
+        keys = (idx % n).tolist()
+        if kind is not None and kind != "python":
+            return self._formatted_rows(keys)
+        batch = self.dataset[keys]  # Python objects: a batch's values are its rows' values
         names = list(batch)
         return [{k: batch[k][j] for k in names} for j in range(idx.shape[0])]
 
-    def _check_format(self) -> None:
-        """Raise :class:`FormatChangedError` if the dataset's format became a table format
+    def _formatted_rows(self, keys: list[int]) -> list[Row]:
+        """Rows in a tensor format (numpy, torch, ...) as ``dataset[i]`` formats them, from one
+        Arrow take. ``datasets`` formats a batch (``dataset[keys]``) as a whole, where a value
+        can depend on the other rows (an int column holding a null in the batch becomes
+        float32: 16777217 -> 16777216.0; numpy batches make float64 float32): the batch is
+        used where its first row is formatted as that row alone would be and no column holds
+        a null, else each row is formatted alone."""
+        ds = self.dataset
+        try:
+            from datasets.formatting import format_table, get_formatter, query_table
+
+            formatter = get_formatter(
+                ds._format_type, features=ds._info.features, **(ds._format_kwargs or {})
+            )
+            table = query_table(ds._data, keys, indices=ds._indices)
+            options = {
+                "format_columns": ds._format_columns,
+                "output_all_columns": ds._output_all_columns,
+            }
+        except (ImportError, AttributeError):  # another datasets: one read per row, as is
+            return [dict(ds[i]) for i in keys]
+
+        def row(j: int) -> Row:
+            return dict(format_table(table.slice(j, 1), j, formatter=formatter, **options))
+
+        first = row(0)
+        if not any(column.null_count for column in table.columns):
+            batch = format_table(table, keys, formatter=formatter, **options)
+            rows = [{k: batch[k][j] for k in batch} for j in range(len(keys))]
+            if rows[0].keys() == first.keys() and all(
+                _same_kind(first[k], rows[0][k]) for k in first
+            ):
+                return rows
+        return [first, *(row(j) for j in range(1, len(keys)))]
+
+    def _check_format(self) -> Any:
+        """The dataset's format type; :class:`FormatChangedError` if it became a table format
         after the source was made (``dataset.set_format("pandas")``, in place)."""
         ds = self.dataset
         kind = ds._format_type if self._kind_attr else ds.format["type"]
@@ -146,3 +189,4 @@ class HFSource:
                 'source from a copy, dataset.with_format(None) (or "numpy", "torch"), which '
                 "a later set_format on dataset leaves alone"
             )
+        return kind
