@@ -86,6 +86,14 @@ def file_hash(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def shard_file_hash(path: Path) -> str:
+    """:func:`file_hash` of a shard, an unreadable one refused as :class:`SourceError`."""
+    try:
+        return file_hash(path)
+    except OSError as e:
+        raise SourceError(f"cannot read shard {path}: {e}") from e
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FieldSpec:
     """One field of every sample: its name, kind (one of :data:`KINDS`), dtype and ndim.
@@ -377,13 +385,15 @@ def check_file(
         st = path.stat()
     except FileNotFoundError as e:
         raise SourceError(f"shard {path} is missing (listed in its index.json)") from e
+    except OSError as e:  # unreadable: never a bad sample to substitute
+        raise SourceError(f"cannot read shard {path}: {e}") from e
     if st.st_size != entry.bytes:
         raise SourceError(
             f"shard {path} has {st.st_size} bytes but its index.json records {entry.bytes}: "
             "the file is truncated or was replaced; rewrite the dataset"
         )
     changed = written_ns is not None and st.st_mtime_ns > written_ns
-    if (verify or changed) and (got := file_hash(path)) != entry.hash:
+    if (verify or changed) and (got := shard_file_hash(path)) != entry.hash:
         raise SourceError(
             f"shard {path} has content hash {got} but its index.json records {entry.hash}: "
             "the file is damaged; rewrite the dataset"

@@ -35,6 +35,7 @@ from meshfeed.sources.shards.format import (
     ShardEntry,
     ShardIndex,
     check_file,
+    shard_file_hash,
 )
 
 __all__ = ["BlockCache", "OpenShard", "zstd_module"]
@@ -122,9 +123,15 @@ class OpenShard:
         self.path, self.entry, self.blocks = path, entry, blocks
         self.compressed = index.compression is not None
         check_file(Path(path), entry, verify=verify, written_ns=written_ns)
-        with open(path, "rb") as f:
+        try:
+            # kept open: each read checks the file it maps is unchanged (one fstat)
+            self._file = open(path, "rb")  # noqa: SIM115 (closed when the shard is dropped)
             # read-only: a view of it that reached a caller could not change later reads
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            st = os.fstat(self._file.fileno())
+        except OSError as e:  # unreadable (permissions, I/O): never a bad sample to substitute
+            raise SourceError(f"cannot read shard {path}: {e}") from e
+        self._identity = (st.st_size, st.st_mtime_ns)
         self.base = entry.payload
         self._check_header()
         try:
@@ -139,6 +146,32 @@ class OpenShard:
             ]
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise self.fail(f"its layout is malformed ({e!r})") from e
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`SourceError` if the mapped file changed since it was opened: a
+        shorter file would end the process (SIGBUS) at the first read past its end, one
+        written in place would serve other rows. A new mtime with the same size and content
+        hash (``touch``) is accepted."""
+        try:
+            st = os.fstat(self._file.fileno())
+        except OSError as e:
+            raise SourceError(f"cannot read shard {self.path}: {e}") from e
+        if (st.st_size, st.st_mtime_ns) == self._identity:
+            return
+        if st.st_size != self._identity[0] or shard_file_hash(Path(self.path)) != self.entry.hash:
+            then = self._identity[0]
+            how = (
+                f"{then} bytes when opened, {st.st_size} now"
+                if st.st_size != then
+                else ("its size kept, its content hash changed")
+            )
+            raise SourceError(
+                f"shard {self.path} changed while open ({how}): it was truncated or written "
+                "in place; write a dataset "
+                "under a new folder, or replace it with write_shards(..., overwrite=True), "
+                "which renames new files in, then build the stream again"
+            )
+        self._identity = (st.st_size, st.st_mtime_ns)
 
     def fail(self, what: str) -> SourceError:
         return SourceError(f"shard {self.path} is damaged: {what}; rewrite the dataset")

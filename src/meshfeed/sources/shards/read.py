@@ -228,6 +228,7 @@ class ShardFormatReader:
     def take(self, shard: Any, rows: Any) -> list[Any]:
         """The samples at ``rows`` of ``shard``, in the order given (repeats allowed)."""
         opened = self._shard(shard)
+        opened.check_unchanged()
         idx = np.asarray(rows)
         if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
             raise TypeError(f"rows must be a 1-D integer array (got {idx.dtype} {idx.shape})")
