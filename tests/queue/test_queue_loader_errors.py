@@ -101,3 +101,33 @@ def test_skip_on_a_mesh_of_several_ranks_without_a_process_group_is_refused(monk
         _loader(_store(), mesh={"dp": 1, "tp": 2}, rank=0, on_error="skip")
     # One rank: nothing to agree with.
     assert _loader(_store(), on_error="skip", timeout=math.inf).on_error == "skip"
+
+
+class _FailsUntilFixed(_FailsOn):
+    """A collate_fn that fails on batches holding ``bad`` until ``fixed`` is set."""
+
+    fixed = False
+
+    def __call__(self, batch: Batch) -> list:
+        if self.fixed:
+            return list(batch.ids)
+        return super().__call__(batch)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+@pytest.mark.parametrize("again", ["next", "iter"])
+def test_raise_then_fixed_goes_on_with_every_batch_and_no_wait(workers, again):
+    """With workers, the batch kept by a CollateError is collated again without a store
+    request, but the store door waited for its request first: the next batch's request waited
+    out the whole timeout and raised TimeoutError."""
+    store = _store(12)
+    collate = _FailsUntilFixed(5)
+    loader = _loader(store, collate_fn=collate, num_workers=workers, timeout=10, prefetch=2)
+    it = iter(loader)
+    got = [next(it), next(it)]
+    with pytest.raises(CollateError, match="on batch 2"):
+        next(it)
+    collate.fixed = True
+    rest = list(it if again == "next" else iter(loader))
+    assert got + rest == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    loader.shutdown()

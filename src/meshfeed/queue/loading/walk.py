@@ -155,8 +155,8 @@ class Walking:
             raw = held[1].batch
         elif held is not None:  # made already: returned first, agreed again by every rank
             first, start = [held], start + 1
-        if self._door is not None:
-            self._door.open(token, start)
+        if self._door is not None:  # a batch collated again asks the store nothing
+            self._door.open(token, start + (raw is not None))
         made: Iterator[Any] = self.service.map(Walking._tasks(self, start, token, raw, halt))
         results: Iterator[Result] = itertools.chain(first, made)
         delivered = self.delivery.stage(Walking._settled(self, results))
