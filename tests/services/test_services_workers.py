@@ -349,3 +349,48 @@ def test_a_user_collate_fn_never_gets_memory_of_the_reply_slots():
     intact = [bool(b["intact"]) for _ in range(3) for b in loader]  # each batch dropped
     assert len(intact) == 24 and all(intact)
     loader.shutdown()
+
+
+class _DiesOnSend:
+    """A worker pool whose worker is found dead when task ``dead`` is sent to it (its death
+    shows first when sending, not when awaiting a result); results are the tasks' steps."""
+
+    started, task_seconds = True, 0.0
+
+    def __init__(self, dead: int) -> None:
+        from collections import deque
+
+        self.dead, self.results, self.shut = dead, deque(), False
+
+    def submit_many(self, tasks) -> None:
+        from meshfeed.runtime.failures import WorkerDied
+
+        if any(t.step == self.dead for t in tasks):
+            raise WorkerDied(
+                "meshfeed-worker 0 (pid 1) exited unexpectedly with exit code 4",
+                worker=0, pid=1, exitcode=4,
+            )  # fmt: skip
+        self.results.extend(t.step for t in tasks)
+
+    def result(self) -> int:
+        return self.results.popleft()
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def test_a_worker_found_dead_when_sending_keeps_the_batch_in_hand_and_names_the_step():
+    """The death surfaced raw (no step, no advice), and the batch already received was
+    dropped (made again on the next iteration: no data lost, work lost)."""
+    from types import SimpleNamespace
+
+    service = WorkerService(1, prefetch=1)
+    pool = _DiesOnSend(3)
+    got = []
+    with pytest.raises(WorkerError, match="step 3") as e:
+        for step in service._run(pool, iter(SimpleNamespace(step=i) for i in range(8))):  # type: ignore[arg-type]
+            got.append(step)
+    assert got == [0, 1, 2]  # the batch in hand when the death showed is returned
+    assert "iterating the loader again starts fresh workers" in str(e.value)
+    assert pool.shut  # the next map() starts fresh workers
+    service.shutdown()

@@ -154,11 +154,18 @@ class WorkerService:
                 steps.extend(t.step for t in tasks)
 
         try:
-            fill()
-            while steps:
-                result = self._result(pool, steps[0])
-                steps.popleft()
+            try:
                 fill()
+            except (WorkerTimeout, WorkerDied) as e:
+                raise self._failure(e, "its first step") from None
+            while steps:
+                step = steps.popleft()
+                result = self._result(pool, step)
+                try:
+                    fill()  # sending to a worker that died is where its death may show first
+                except (WorkerTimeout, WorkerDied) as e:
+                    yield result  # received whole: returned, then the failure is raised
+                    raise self._failure(e, f"step {steps[0] if steps else step + 1}") from None
                 yield result
         except GeneratorExit:  # abandoned: the next map() drains what is in flight
             raise
@@ -178,16 +185,20 @@ class WorkerService:
         try:
             return pool.result()
         except (WorkerTimeout, WorkerDied) as e:
-            raise WorkerError(
-                failure_message(
-                    e,
-                    who="loader",
-                    what=f"step {step}",
-                    then="Its workers were stopped; iterating the loader again starts fresh "
-                    "workers and continues from the first batch it has not returned (nothing is "
-                    "lost or repeated)",
-                )
-            ) from None
+            raise self._failure(e, f"step {step}") from None
+
+    @staticmethod
+    def _failure(error: WorkerTimeout | WorkerDied, what: str) -> WorkerError:
+        return WorkerError(
+            failure_message(
+                error,
+                who="loader",
+                what=what,
+                then="Its workers were stopped; iterating the loader again starts fresh "
+                "workers and continues from the first batch it has not returned (nothing is "
+                "lost or repeated)",
+            )
+        )
 
     def shutdown(self) -> None:
         self._pool.shutdown()
