@@ -29,7 +29,7 @@ def _dataset(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_a_shard_truncated_while_open_is_refused_not_a_crash(tmp_path: Path) -> None:
-    index, shard = _dataset(tmp_path)
+    _, shard = _dataset(tmp_path)
     script = tmp_path / "truncate.py"
     script.write_text(
         textwrap.dedent(
@@ -87,7 +87,7 @@ def test_an_unreadable_shard_is_a_source_error_never_a_substituted_sample(
 
     from meshfeed.sources.shards import open_shard
 
-    index, shard = _dataset(tmp_path)
+    index, _ = _dataset(tmp_path)
 
     def denied(path, *args, **kwargs):  # type: ignore[no-untyped-def]
         if os.fspath(path).endswith(".mfs"):

@@ -407,3 +407,27 @@ def test_the_writer_is_imported_from_its_own_module_not_the_reader() -> None:
     assert sources.IndexedWriter is indexed_write.IndexedWriter
     with pytest.raises(AttributeError, match="write_indexed"):
         indexed.write_indexed
+
+
+def test_an_unreadable_bin_is_a_source_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A .bin that cannot be opened (permissions, I/O) raised a bare PermissionError, which a
+    loader reading batches would substitute as bad samples; it is a SourceError naming it.
+    Permissions are not enforced for root, so the open is made to fail as for another user."""
+    import os
+
+    from meshfeed.errors import SourceError
+    from meshfeed.sources.tokens import indexed_maps
+
+    corpus = write_indexed(tmp_path / "c", [[5, 6, 7], [8, 9]], "int32")
+    real = os.open
+
+    def denied(path, flags, *args):  # type: ignore[no-untyped-def]
+        if os.fspath(path).endswith(".bin"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(indexed_maps.os, "open", denied)
+    with pytest.raises(SourceError, match=r"cannot read .*c\.bin: \[Errno 13\] Permission"):
+        _ = corpus.fingerprint  # reads the .bin's ends

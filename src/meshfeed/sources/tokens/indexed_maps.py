@@ -150,6 +150,8 @@ def _map_now(path: str, identity: FileIdentity) -> mmap.mmap | bytes:
             f"{path} was removed since its corpus was opened; a corpus must stay in place "
             "while a loader reads it (write a new one under a new prefix)"
         ) from None
+    except OSError as e:  # unreadable (permissions, I/O): never a bad sample to substitute
+        raise SourceError(f"cannot read {path}: {e}") from e
     try:
         st = os.fstat(fd)
         check_identity(path, identity, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
@@ -182,6 +184,8 @@ def read_ends(path: str, identity: FileIdentity, probe: int) -> tuple[bytes, byt
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise SourceError(f"{path} was removed since its corpus was opened") from None
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e}") from e
     try:
         st = os.fstat(fd)
         check_identity(path, identity, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
