@@ -141,7 +141,7 @@ def test_a_message_without_a_role_is_refused_naming_the_sample():
     with pytest.raises(ValueError, match="message 0 \\(role 'user'\\) has no text 'content'"):
         chat_sample([{"role": "user"}], "bytes")
     with pytest.raises(ValueError, match="role 'tool' is not in this template's roles"):
-        chat_sample([{"role": "tool", "content": "x"}], "bytes")
+        chat_sample([{"role": "tool", "content": "x"}, CHAT[2]], "bytes")
 
 
 def test_a_template_that_rewrites_earlier_messages_is_refused():
@@ -151,8 +151,7 @@ def test_a_template_that_rewrites_earlier_messages_is_refused():
 
 
 def test_chat_samples_pack_with_no_loss_on_prompt_tokens():
-    conversations = [{"messages": CHAT[: 1 + k % 5]} for k in range(40)]
-    conversations = [c for c in conversations if c["messages"]]
+    conversations = [{"messages": CHAT[: 3 + k % 3]} for k in range(40)]  # each with an answer
     samples = ChatSamples(conversations, "bytes", template=JinjaChatTemplate(CHATML))
     samples = pickle.loads(pickle.dumps(samples))  # worker processes get a copy
     rows = PackedSamples(
@@ -184,6 +183,10 @@ def test_chat_samples_pack_with_no_loss_on_prompt_tokens():
 def test_exactly_the_assistant_turns_are_trained(turns, jinja):
     messages = [{"role": r, "content": c} for r, c in turns]
     template = JinjaChatTemplate(CHATML) if jinja else ChatTemplate()
+    if all(m["role"] != "assistant" for m in messages):  # nothing to train: refused
+        with pytest.raises(ValueError, match="no message of the conversation has a trained role"):
+            chat_sample(messages, "bytes", template=template)
+        return
     s = chat_sample(messages, "bytes", template=template)
     end = "<|im_end|>\n" if jinja else "<|end|>\n"
     want = "".join(m["content"] + end for m in messages if m["role"] == "assistant")
@@ -214,8 +217,9 @@ def test_templates_that_read_the_first_message_mask_exactly(source, system):
     assert _bytes_text(head) == "Four.<|im_end|>\n"
     assert _bytes_text(s["input_ids"][n:]) == "Six.<|im_end|>\n"
     assert s["loss_mask"][n:].all()
-    samples = ChatSamples([chat, chat[:2]], "bytes", template=template)
-    assert samples.lengths.tolist() == [len(rendered), len(template.render(chat[:2]))]
+    short = chat[: 3 if system else 2]  # up to the first answer
+    samples = ChatSamples([chat, short], "bytes", template=template)
+    assert samples.lengths.tolist() == [len(rendered), len(template.render(short))]
 
 
 @NEEDS_JINJA
@@ -244,10 +248,14 @@ def test_a_qwen_template_trains_exactly_the_assistant_turns(turns):
         with pytest.raises(ValueError, match="cannot render the generation prompt"):
             chat_sample(messages, "bytes", template=template)
         return
+    if all(m["role"] != "assistant" for m in messages):  # nothing to train: refused
+        with pytest.raises(ValueError, match="no message of the conversation has a trained role"):
+            chat_sample(messages, "bytes", template=template)
+        return
     s = chat_sample(messages, "bytes", template=template)
     want = "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")
     assert _bytes_text(s["input_ids"][s["loss_mask"] > 0]) == want
-    assert _bytes_text(s["input_ids"]) == (template.render(messages) if messages else "")
+    assert _bytes_text(s["input_ids"]) == template.render(messages)
     assert (s["labels"][s["loss_mask"] == 0] == -100).all()
 
 

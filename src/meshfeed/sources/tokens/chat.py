@@ -1,9 +1,11 @@
 """SFT samples from chat data: messages -> ``input_ids``, ``labels`` and ``loss_mask``, prompt masked.
 
 :func:`chat_sample` renders a conversation (a list of ``{"role", "content"}`` messages) with a
-chat template and tokenizes it. Only the assistant turns carry loss: their content and end
+chat template and tokenizes it. Only the turns of ``trained_roles`` (``("assistant",)`` unless
+told, e.g. ``("gpt",)`` for ShareGPT roles or ``("model",)``) carry loss: their content and end
 marker get ``labels`` equal to ``input_ids`` and ``loss_mask`` 1; everything else (system and
 user turns, every role header, the generation prompt) gets ``labels`` -100 and ``loss_mask`` 0.
+A conversation with no message of a trained role is refused, never trained on nothing.
 ``labels`` are not shifted (the model shifts them, as Hugging Face models do); with
 ``shift_labels=True`` they are: ``labels[t]`` (and ``loss_mask[t]``) is the target of position
 ``t``, the token after it, the last one -100 (0), and the model must not shift again. Shifted
@@ -12,25 +14,28 @@ labels are what :class:`~meshfeed.balance.BalancedBatches` needs under context p
 shift inside the model would pair each piece's last position with the wrong token (or none).
 
 The template is, in this order: ``template=`` (a :class:`ChatTemplate` of plain strings, a
-:class:`JinjaChatTemplate`, or a tokenizer folder whose ``tokenizer_config.json`` has a
-``chat_template``); the tokenizer's own ``apply_chat_template`` (a ``transformers`` tokenizer);
-the tokenizer folder's template; else the plain :class:`ChatTemplate` default. The masks come
-from rendering the conversation one message longer at a time, so they are exact for any
-template that renders a conversation as an extension of its first messages (each rendered
-piece is tokenized on its own). No message renders as "": an empty conversation is never
-rendered (templates such as Qwen's, Llama 3's or Mistral's read ``messages[0]`` or add a
-default system prompt), except for the generation prompt before a conversation that starts
-with an assistant message. :class:`ChatSamples` is a dataset of them with ``lengths``.
+:class:`JinjaChatTemplate`, or a tokenizer folder with a chat template); the tokenizer's own
+``apply_chat_template`` (a ``transformers`` tokenizer); the tokenizer folder's template (read as
+``transformers`` reads it, see :meth:`JinjaChatTemplate.from_folder`; a folder without one is
+refused); else (``"bytes"``, a ``tokenizer.json``, a tiktoken name, an encode function) the
+plain :class:`ChatTemplate` default. The masks come from rendering the conversation one message
+longer at a time, so they are exact for any template that renders a conversation as an
+extension of its first messages (each rendered piece is tokenized on its own). No message
+renders as "": an empty conversation is never rendered (templates such as Qwen's, Llama 3's or
+Mistral's read ``messages[0]`` or add a default system prompt), except for the generation
+prompt before a conversation that starts with a trained message. :class:`ChatSamples` is a
+dataset of them with ``lengths``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -40,7 +45,10 @@ from meshfeed.sources.tokens.tokenizer import TextTokenizer, load_tokenizer
 __all__ = ["ChatSamples", "ChatTemplate", "JinjaChatTemplate", "chat_sample"]
 
 Messages = Sequence[Mapping[str, Any]]
-TRAINED_ROLES = ("assistant",)
+#: The roles whose turns are trained unless ``trained_roles=`` says otherwise.
+TRAINED_ROLES: tuple[str, ...] = ("assistant",)
+#: Where a tokenizer folder keeps its chat template, in the order ``transformers`` reads them.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
 
 
 @runtime_checkable
@@ -54,7 +62,8 @@ class ChatTemplateTokenizer(Protocol):
 class ChatTemplate:
     """A plain chat template: each message is ``prefix + content + suffix`` of its role.
 
-    The generation prompt is the assistant's prefix; ``bos`` starts every conversation.
+    The generation prompt is the prefix of ``generation_role`` (the role the model answers as:
+    ``"gpt"`` with ShareGPT roles); ``bos`` starts every conversation.
     """
 
     roles: Mapping[str, tuple[str, str]] = field(
@@ -65,6 +74,7 @@ class ChatTemplate:
         }
     )
     bos: str = ""
+    generation_role: str = "assistant"
 
     def render(self, messages: Messages, add_generation_prompt: bool = False) -> str:
         parts = [self.bos]
@@ -77,15 +87,26 @@ class ChatTemplate:
             prefix, suffix = self.roles[m["role"]]
             parts += [prefix, m["content"], suffix]
         if add_generation_prompt:
-            parts.append(self.roles["assistant"][0])
+            if self.generation_role not in self.roles:
+                raise ValueError(
+                    f"the generation prompt is the prefix of role {self.generation_role!r}, which "
+                    f"is not in this template's roles {sorted(self.roles)}; pass "
+                    "ChatTemplate(generation_role=...) naming the role the model answers as"
+                )
+            parts.append(self.roles[self.generation_role][0])
         return "".join(parts)
 
 
 class JinjaChatTemplate:
-    """A Jinja chat template, as tokenizers ship it in ``tokenizer_config.json``.
+    """A Jinja chat template, as tokenizers ship it (``chat_template.jinja`` or in
+    ``tokenizer_config.json``).
 
-    Rendered like ``transformers`` does (sandboxed, ``trim_blocks``, ``lstrip_blocks``, with
-    ``bos_token``, ``eos_token``, ``add_generation_prompt`` and ``raise_exception``).
+    Rendered like ``transformers`` does: sandboxed, ``trim_blocks``, ``lstrip_blocks``, the
+    ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``), its ``tojson`` filter
+    (``json.dumps``: non-ASCII kept, keys in order, no HTML escaping; ``indent``,
+    ``separators``, ``sort_keys``), ``raise_exception`` (a ``jinja2.TemplateError``),
+    ``strftime_now``, the ``{% generation %}`` tag (its body, unchanged), and ``bos_token``,
+    ``eos_token``, ``add_generation_prompt``.
     """
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
@@ -93,20 +114,49 @@ class JinjaChatTemplate:
         self._compiled: Any = None
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike[str]) -> JinjaChatTemplate | None:
-        """The ``chat_template`` of a tokenizer folder's ``tokenizer_config.json``, if any."""
-        path = Path(folder) / "tokenizer_config.json"
-        if not path.is_file():
-            return None
-        config = json.loads(path.read_text())
-        source = config.get("chat_template")
-        if not isinstance(source, str):
-            return None
-        return cls(
-            source,
-            bos_token=_token_text(config.get("bos_token")),
-            eos_token=_token_text(config.get("eos_token")),
+    def from_folder(
+        cls, folder: str | os.PathLike[str], *, name: str = "default"
+    ) -> JinjaChatTemplate | None:
+        """The chat template of a tokenizer folder, found where ``transformers`` looks, or None.
+
+        In this order: ``chat_template.jinja`` (what ``save_pretrained`` writes now;
+        ``additional_chat_templates/<name>.jinja`` for another ``name``), the ``chat_template``
+        of ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` of which
+        the one named ``name``), then a processor's ``chat_template.json``. ``bos_token`` and
+        ``eos_token`` come from ``tokenizer_config.json``. A folder whose templates are named but
+        none ``name`` is refused, naming the ones it has.
+        """
+        folder = Path(folder)
+        config = _read_json(folder / "tokenizer_config.json")
+        tokens = {
+            "bos_token": _token_text(config.get("bos_token")),
+            "eos_token": _token_text(config.get("eos_token")),
+        }
+        jinja = folder / (
+            "chat_template.jinja"
+            if name == "default"
+            else f"additional_chat_templates/{name}.jinja"
         )
+        if jinja.is_file():
+            return cls(jinja.read_text(encoding="utf-8"), **tokens)
+        processor = _read_json(folder / "chat_template.json")
+        for file, found in (
+            ("tokenizer_config.json", config.get("chat_template")),
+            ("chat_template.json", processor.get("chat_template")),
+        ):
+            if isinstance(found, str) and name == "default":
+                return cls(found, **tokens)
+            if isinstance(found, list):  # the first file with named templates decides
+                named = {t.get("name"): t.get("template") for t in found if isinstance(t, Mapping)}
+                source = named.get(name)
+                if isinstance(source, str):
+                    return cls(source, **tokens)
+                raise ValueError(
+                    f"{folder / file} has chat templates named {sorted(map(str, named))} but "
+                    f"none named {name!r}; pass "
+                    "template=JinjaChatTemplate.from_folder(folder, name=...) naming one of them"
+                )
+        return None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"source": self.source, "bos_token": self.bos_token, "eos_token": self.eos_token}
@@ -117,11 +167,7 @@ class JinjaChatTemplate:
 
     def render(self, messages: Messages, add_generation_prompt: bool = False) -> str:
         if self._compiled is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._compiled = env.from_string(self.source)
+            self._compiled = _jinja_environment().from_string(self.source)
         return str(
             self._compiled.render(
                 messages=list(messages),
@@ -132,14 +178,73 @@ class JinjaChatTemplate:
         )
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text(encoding="utf-8"))
+    return value if isinstance(value, dict) else {}
+
+
 def _token_text(token: Any) -> str:
     if isinstance(token, Mapping):  # an AddedToken written as a dict
         return str(token.get("content", ""))
     return token if isinstance(token, str) else ""
 
 
-def _raise(message: str) -> None:
-    raise ValueError(f"the chat template refused the conversation: {message}")
+@functools.cache
+def _jinja_environment() -> Any:
+    """The environment ``transformers``' ``_compile_jinja_template`` builds, shared."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: the body, unchanged (transformers marks
+        the assistant's tokens with it; the masks here come from the messages' roles)."""
+
+        tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it a set)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' override of Jinja's tojson, which escapes HTML and sorts keys
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(format)
+
+
+def _raise(message: str) -> NoReturn:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
 
 
 Renderer = Callable[[Messages, bool], str]
@@ -149,10 +254,7 @@ def _renderer(tokenizer: Any, template: Any) -> Renderer:
     if isinstance(template, (str, os.PathLike)):
         found = JinjaChatTemplate.from_folder(template)
         if found is None:
-            raise ValueError(
-                f"template={os.fspath(template)!r} has no tokenizer_config.json with a "
-                "chat_template; pass a ChatTemplate or JinjaChatTemplate"
-            )
+            raise _no_template(template, "the template")
         template = found
     if template is not None:
         return template.render
@@ -163,9 +265,38 @@ def _renderer(tokenizer: Any, template: Any) -> Renderer:
         )
     if isinstance(tokenizer, (str, os.PathLike)) and Path(tokenizer).is_dir():
         found = JinjaChatTemplate.from_folder(tokenizer)
-        if found is not None:
-            return found.render
+        if found is None:  # never the plain default in place of the model's own format
+            raise _no_template(tokenizer, "the tokenizer")
+        return found.render
     return ChatTemplate().render
+
+
+def _no_template(folder: str | os.PathLike[str], given_as: str) -> ValueError:
+    jinja, config, processor = CHAT_TEMPLATE_FILES
+    return ValueError(
+        f"{given_as} folder {os.fspath(folder)!r} has no chat template (looked at {jinja}, "
+        f"{config}'s 'chat_template' and {processor}'s 'chat_template'); pass "
+        "template=ChatTemplate(...) or template=JinjaChatTemplate(...) with the format the "
+        "model was trained on"
+    )
+
+
+def _check_trained_roles(trained_roles: Any) -> tuple[str, ...]:
+    if (
+        isinstance(trained_roles, (str, bytes))
+        or not isinstance(trained_roles, Sequence)
+        or not all(isinstance(r, str) for r in trained_roles)
+    ):
+        raise TypeError(
+            f"trained_roles must be a sequence of role names such as ('assistant',) or "
+            f"('gpt',) (got {trained_roles!r})"
+        )
+    if not trained_roles:
+        raise ValueError(
+            "trained_roles is empty, so no token would be trained; name the roles whose turns "
+            "the model learns, such as trained_roles=('assistant',)"
+        )
+    return tuple(trained_roles)
 
 
 def _check_messages(messages: Any, index: int | None) -> None:
@@ -189,7 +320,9 @@ def _check_messages(messages: Any, index: int | None) -> None:
             )
 
 
-def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
+def _pieces(
+    messages: Messages, render: Renderer, trained_roles: Sequence[str] = TRAINED_ROLES
+) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, trained) pieces, in order.
 
     The first piece is what the template renders for no message (a preamble), where it can
@@ -201,9 +334,21 @@ def _pieces(messages: Messages, render: Renderer) -> list[tuple[str, bool]]:
     done = _preamble(messages, render)
     pieces: list[tuple[str, bool]] = [(done, False)]
     for k, m in enumerate(messages):
-        trained = m["role"] in TRAINED_ROLES
+        trained = m["role"] in trained_roles
         head = _head(messages, k, render) if trained else done
         full = render(messages[: k + 1], False)
+        if (
+            trained
+            and head.startswith(done)
+            and full.startswith(done)
+            and not full.startswith(head)
+        ):
+            raise ValueError(
+                f"message {k} (role {m['role']!r}) does not start with the chat template's "
+                f"generation prompt {head[len(done) :]!r}, so its header cannot be masked; "
+                "train only the role the template generates (trained_roles=...; for a "
+                "ChatTemplate, generation_role= names it)"
+            )
         if not (head.startswith(done) and full.startswith(head)):
             raise ValueError(
                 f"the chat template does not render message {k} as an extension of the "
@@ -249,20 +394,28 @@ def chat_sample(
     template: ChatTemplate | JinjaChatTemplate | str | os.PathLike[str] | None = None,
     index: int | None = None,
     shift_labels: bool = False,
+    trained_roles: Sequence[str] = TRAINED_ROLES,
 ) -> dict[str, torch.Tensor]:
     """``input_ids`` / ``labels`` / ``loss_mask`` of one conversation (see the module doc).
 
     ``tokenizer`` is anything :func:`~meshfeed.sources.tokens.tokenizer.load_tokenizer` takes; ``index``
     names the sample in errors (a message without a role, content that is not text);
-    ``shift_labels``: labels (and the loss mask) of the next token (see the module doc).
+    ``shift_labels``: labels (and the loss mask) of the next token (see the module doc);
+    ``trained_roles``: the roles whose turns carry loss (``("gpt",)`` for ShareGPT roles).
 
     >>> s = chat_sample([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "bytes")
     >>> bytes(s["input_ids"][s["loss_mask"] > 0].tolist())
     b'yo<|end|>\\n'
     """
     _check_shift(shift_labels)
+    roles = _check_trained_roles(trained_roles)
     return _tokenize(
-        messages, _renderer(tokenizer, template), load_tokenizer(tokenizer), index, shift_labels
+        messages,
+        _renderer(tokenizer, template),
+        load_tokenizer(tokenizer),
+        index,
+        shift_labels,
+        roles,
     )
 
 
@@ -280,10 +433,20 @@ def _tokenize(
     encode: TextTokenizer,
     index: int | None,
     shift_labels: bool = False,
+    trained_roles: Sequence[str] = TRAINED_ROLES,
 ) -> dict[str, torch.Tensor]:
     _check_messages(messages, index)
+    if not any(m["role"] in trained_roles for m in messages):
+        where = "" if index is None else f" of sample {index}"
+        raise ValueError(
+            f"no message of the conversation{where} has a trained role (its roles: "
+            f"{sorted({str(m['role']) for m in messages})}, trained_roles={tuple(trained_roles)}), "
+            "so none of its tokens would be trained; pass trained_roles=(...) naming the roles "
+            "the model learns to write (such as ('gpt',) or ('model',)), or drop conversations "
+            "without an answer"
+        )
     ids, mask = [], []
-    for text, trained in _pieces(messages, render):
+    for text, trained in _pieces(messages, render, trained_roles):
         tokens = encode(text)
         ids.append(tokens)
         mask.append(np.full(tokens.size, trained))
@@ -304,7 +467,9 @@ class ChatSamples:
     An item of ``conversations`` is a list of messages or a mapping with ``messages``.
     ``lengths`` (what :class:`~meshfeed.balance.PackedSamples` plans with) tokenizes every
     conversation once on first use and keeps the array; pass ``lengths=`` to skip that.
-    ``shift_labels``: labels of the next token (the module doc says when).
+    ``shift_labels``: labels of the next token (the module doc says when); ``trained_roles``:
+    the roles whose turns carry loss. The template is found (or refused) here, not at the first
+    sample.
     """
 
     def __init__(
@@ -315,13 +480,15 @@ class ChatSamples:
         template: ChatTemplate | JinjaChatTemplate | str | os.PathLike[str] | None = None,
         lengths: Any = None,
         shift_labels: bool = False,
+        trained_roles: Sequence[str] = TRAINED_ROLES,
     ) -> None:
         _check_shift(shift_labels)
+        self.trained_roles = _check_trained_roles(trained_roles)
         self.conversations, self.tokenizer, self.template = conversations, tokenizer, template
         self.shift_labels = shift_labels
         self._lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self._encode = load_tokenizer(tokenizer)
-        self._render: Renderer | None = None
+        self._render: Renderer | None = _renderer(tokenizer, template)
 
     def __getstate__(self) -> dict[str, Any]:
         # a tokenizer's bound template may not pickle: made again
@@ -332,10 +499,19 @@ class ChatSamples:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         item = self.conversations[i]
+        if isinstance(item, Mapping) and "messages" not in item:
+            raise ValueError(
+                f"sample {i} is a mapping without 'messages' (its keys: "
+                f"{sorted(map(str, item))}); give each item a list of {{'role', 'content'}} "
+                "messages or a mapping with 'messages' (ShareGPT's 'conversations' of "
+                "{'from', 'value'}: map them to {'role', 'content'} first)"
+            )
         messages = item["messages"] if isinstance(item, Mapping) else item
         if self._render is None:
             self._render = _renderer(self.tokenizer, self.template)
-        return _tokenize(messages, self._render, self._encode, int(i), self.shift_labels)
+        return _tokenize(
+            messages, self._render, self._encode, int(i), self.shift_labels, self.trained_roles
+        )
 
     @property
     def lengths(self) -> np.ndarray:
