@@ -23,7 +23,9 @@ in the batch, empty documents dropped), so ``samples`` keys and groups mean the 
 from __future__ import annotations
 
 import itertools
+import math
 import sys
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from meshfeed import dist
+from meshfeed.balance.balanced import _REFUSED, _refuse_together
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.routing import _as_bytes, _unfuse
 from meshfeed.balance.schedule import Placement, schedule_documents
@@ -41,6 +44,9 @@ __all__ = ["MEGATRON_COST", "HybridCPDataLoader"]
 MEGATRON_COST = CostModel(quadratic=1.0)
 
 _SKIPPED = ("cu_seqlens", "batch_idx", "max_seqlen")  # the keys Megatron's unpack_batch drops
+#: ok flag (1, or ``_REFUSED`` when this rank's batch failed its checks), layout signature;
+#: then the document lengths
+_HEADER = 2
 
 
 class HybridCPDataLoader:
@@ -54,6 +60,12 @@ class HybridCPDataLoader:
     ``groups="one"`` (default) returns the whole placement as one group in micro-step order
     (no barrier between micro-steps, deadlock-free because every rank runs shared documents in
     the same order); ``groups="microsteps"`` returns one group per micro-step.
+
+    Every batch is checked before anything moves: per-token values must be 1-D tensors of one
+    length, ``cu_seqlens`` must rise from 0 to at most that length, the packed samples of a batch and
+    the DP replicas must share keys and dtypes (in any order). A refused batch raises on every
+    rank of the DP group at the same ``next()`` (the rank with the bad sample its own error),
+    so no rank waits for the others and a loop that catches the error stays in step.
     """
 
     def __init__(
@@ -77,6 +89,14 @@ class HybridCPDataLoader:
             )
         if groups not in ("one", "microsteps"):
             raise ValueError(f"groups must be 'one' or 'microsteps' (got {groups=!r})")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(
+                f"timeout must be positive seconds as a number (got {timeout=!r}); e.g. timeout=300"
+            )
+        if math.isnan(timeout) or timeout <= 0:
+            raise ValueError(
+                f"timeout must be positive seconds (got {timeout=!r}); e.g. timeout=300"
+            )
         self.data_iterator = data_iterator
         self.config = config
         self.dp_cp_group, self.dp_group = _groups(pg_collection)
@@ -103,12 +123,22 @@ class HybridCPDataLoader:
         if self.data_iterator is None:  # Megatron: TP ranks > 0 receive data by broadcast
             return None, None  # type: ignore[return-value]
         batch = next(self.data_iterator)
-        docs, template = _unpack_batch(batch)
-        lengths = np.asarray([_length(d) for d in docs], dtype=np.int64)
-        per_dp = dist.all_gather_ints(lengths, timeout=self._timeout, group=self.dp_group)
+        refused: Exception | None = None
+        try:
+            docs, layout = _unpack_batch(batch)
+            lengths = np.asarray([_length(d) for d in docs], dtype=np.int64)
+            header = np.concatenate([[1, _signature(layout)], lengths])
+        except Exception as e:  # the other ranks learn of it from the all-gather: no wait
+            refused, docs, layout = e, [], {}
+            header = np.asarray([_REFUSED, 0], dtype=np.int64)
+        rows = dist.all_gather_ints(header, timeout=self._timeout, group=self.dp_group)
+        _refuse_together(rows, dist.rank(self.dp_group), refused)
+        if len({int(row[1]) for row in rows}) > 1:
+            self._refuse_layouts(layout)  # every rank sees the mismatch: all raise here
+        per_dp = [row[_HEADER:] for row in rows]
         counts = [int(p.size) for p in per_dp]
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        all_lengths = np.concatenate(per_dp) if per_dp else lengths
+        all_lengths = np.concatenate(per_dp)
         placement = schedule_documents(all_lengths, **self._plan_kwargs)
         self.last_placement = placement
         groups = _sample_id_groups(placement, self._groups)
@@ -122,13 +152,32 @@ class HybridCPDataLoader:
                 "Megatron's hybrid-CP loop cannot run; use more documents per global batch "
                 "(or groups='one', which leaves a rank idle only when it gets no document at all)"
             )
-        samples = self._reroute(docs, template, all_lengths, offsets, placement)
+        samples = self._reroute(docs, layout, all_lengths, offsets, placement)
         return samples, groups
+
+    def _refuse_layouts(self, layout: Mapping[str, torch.dtype]) -> None:
+        """Raise, on every rank of the DP group alike, naming each rank's keys and dtypes.
+
+        Only when the signatures in the all-gather differ (every rank sees that), so this
+        extra all-gather is made by all of them or by none."""
+        layouts = dist.all_gather_objects(
+            _layout_text(layout), timeout=self._timeout, group=self.dp_group
+        )
+        ranks = dist.group_ranks(self.dp_group)
+        named = "; ".join(
+            f"DP rank {i} (rank {g}): {text or 'no per-token keys'}"
+            for i, (g, text) in enumerate(zip(ranks, layouts, strict=True))
+        )
+        raise ValueError(
+            "the data-parallel replicas yield packed samples with different keys or dtypes "
+            f"({named}); every DP replica must yield the same per-token keys with the same "
+            "dtypes (their order does not matter), as documents move between them"
+        )
 
     def _reroute(
         self,
         docs: list[dict[str, torch.Tensor]],
-        template: Mapping[str, torch.Tensor],
+        layout: Mapping[str, torch.dtype],
         lengths: np.ndarray,
         offsets: np.ndarray,
         placement: Placement,
@@ -138,10 +187,11 @@ class HybridCPDataLoader:
         dp_rank = dist.rank(self.dp_group)
         lo, hi = int(offsets[dp_rank]), int(offsets[dp_rank + 1])
         needs = _needs(placement, world)
-        # From the packed sample, not a document: a rank whose documents are all empty still
-        # knows the row layout it receives.
-        keys = [k for k in template if k not in _SKIPPED]
-        dtypes = [template[k].dtype for k in keys]
+        # The layout comes from the packed samples, not a document: a rank whose documents are
+        # all empty still knows the row layout it receives. Rows are fused in sorted key order,
+        # the same on every rank (the all-gathered signature checked that the layouts agree).
+        keys = _canonical(layout)
+        dtypes = [layout[k] for k in keys]
         # CP peers hold the same data: send within the DP group.
         send, send_rows = _send_buffer(docs, keys, dtypes, needs, lengths, lo, hi, self._dp_members)
         src_of = np.searchsorted(offsets, np.arange(lengths.size), side="right") - 1
@@ -149,7 +199,9 @@ class HybridCPDataLoader:
         recv = dist.all_to_all_single(
             send, send_rows, recv_rows, timeout=self._timeout, group=self.dp_cp_group
         )
-        return _split_received(recv, incoming, lengths, keys, dtypes)
+        received = _split_received(recv, incoming, lengths, keys, dtypes)
+        # In this rank's own key order, as Megatron's wrapper returns them.
+        return {g: {k: doc[k] for k in layout} for g, doc in received.items()}
 
 
 def _needs(placement: Placement, world: int) -> list[list[int]]:
@@ -220,10 +272,16 @@ def _groups(pg_collection: Any) -> tuple[Any, Any]:
     return None, None
 
 
-def _unpack_batch(batch: Any) -> tuple[list[dict[str, torch.Tensor]], Mapping[str, Any]]:
+def _unpack_batch(
+    batch: Any,
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.dtype]]:
     """Megatron's ``unpack_batch``: the non-empty documents of a list of packed samples.
 
-    Also returns the first packed sample, whose keys and dtypes every document shares.
+    Also returns the per-token keys (in the packed samples' order) and their dtypes, which
+    every packed sample of the batch must share. Refuses what Megatron would slice into wrong
+    documents: a value that is not a 1-D tensor, keys of different lengths, a ``cu_seqlens``
+    that does not rise from 0 to at most the sample length (documents overlapping or running
+    past it; tokens after its last boundary are padding, dropped as Megatron drops them).
     """
     if isinstance(batch, Mapping):
         batch = [batch]
@@ -233,27 +291,96 @@ def _unpack_batch(batch: Any) -> tuple[list[dict[str, torch.Tensor]], Mapping[st
             "sample per global batch (Megatron's wrapper needs it too)"
         )
     docs = []
-    for sample in batch:
+    layout: dict[str, torch.dtype] = {}
+    for i, sample in enumerate(batch):
+        if not isinstance(sample, Mapping):
+            raise TypeError(
+                f"packed sample {i} of the batch is a {type(sample).__name__}; the data "
+                "iterator must yield a list of packed samples, dicts of 1-D tensors plus "
+                "cu_seqlens"
+            )
         if "cu_seqlens" not in sample:
             raise ValueError(
-                f"a packed sample needs 'cu_seqlens' (has {sorted(sample)}); yield Megatron's "
-                "packed samples: 1-D tensors plus cu_seqlens"
+                f"a packed sample needs 'cu_seqlens' (has {sorted(map(str, sample))}); yield "
+                "Megatron's packed samples: 1-D tensors plus cu_seqlens"
             )
-        cu = torch.as_tensor(sample["cu_seqlens"]).reshape(-1).tolist()
-        for a, b in itertools.pairwise(cu):
+        mine = _sample_layout(sample, i)
+        if i == 0:
+            layout = mine
+        elif mine != layout:
+            raise ValueError(
+                f"the packed samples of one batch differ in keys or dtypes (sample 0: "
+                f"{_layout_text(layout)}; sample {i}: {_layout_text(mine)}); every packed "
+                "sample must hold the same per-token keys with the same dtypes (cast them "
+                "alike, e.g. in the dataset or its collate_fn)"
+            )
+        total = int(sample[next(iter(mine))].numel())
+        cu = np.asarray(torch.as_tensor(sample["cu_seqlens"]).cpu(), dtype=np.int64).ravel()
+        if cu.size == 0 or cu[0] != 0 or cu[-1] > total or np.any(np.diff(cu) < 0):
+            raise ValueError(
+                f"cu_seqlens must rise from 0 to at most the sample length {total} (got "
+                f"{cu.tolist()[:8]}{'...' if cu.size > 8 else ''} in packed sample {i}); its "
+                "documents would overlap or run past the sample: give the document "
+                "boundaries of the sample (tokens past the last one are dropped, as "
+                "Megatron's unpack_batch drops padding)"
+            )
+        for a, b in itertools.pairwise(cu.tolist()):
             if b > a:
                 docs.append({k: v[a:b] for k, v in sample.items() if k not in _SKIPPED})
-    return docs, batch[0]
+    return docs, layout
+
+
+def _sample_layout(sample: Mapping[str, Any], index: int) -> dict[str, torch.dtype]:
+    """The per-token keys of packed sample ``index`` and their dtypes, checked: 1-D tensors,
+    all of one length."""
+    layout: dict[str, torch.dtype] = {}
+    sizes: dict[str, int] = {}
+    for key, value in sample.items():
+        if key in _SKIPPED:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"sample[{key!r}] of packed sample {index} is a {type(value).__name__}; every "
+                f"key but {list(_SKIPPED)} must be a 1-D tensor (convert it with "
+                "torch.as_tensor, e.g. in the dataset or its collate_fn)"
+            )
+        if value.ndim != 1:
+            raise ValueError(
+                f"sample[{key!r}] of packed sample {index} has shape {tuple(value.shape)}; "
+                "every per-token key must be a 1-D tensor, one value per token (flatten it, "
+                "or drop a leading batch dimension of 1)"
+            )
+        layout[key] = value.dtype
+        sizes[key] = int(value.numel())
+    if not layout:
+        raise ValueError(
+            f"packed sample {index} holds no per-token key besides {list(_SKIPPED)}; yield "
+            "Megatron's packed samples: tokens, labels, ... plus cu_seqlens"
+        )
+    if len(set(sizes.values())) != 1:
+        raise ValueError(
+            f"the per-token keys of packed sample {index} differ in length ({sizes}); every "
+            "key of a packed sample must hold one value per token"
+        )
+    return layout
+
+
+def _canonical(layout: Mapping[str, torch.dtype]) -> list[str]:
+    """The keys in the order every rank fuses them (sorted), whatever each sample's order."""
+    return sorted(layout, key=str)
+
+
+def _layout_text(layout: Mapping[str, torch.dtype]) -> str:
+    return ", ".join(f"{k}:{layout[k]}" for k in _canonical(layout))
+
+
+def _signature(layout: Mapping[str, torch.dtype]) -> int:
+    """A 31-bit hash of the keys and dtypes, to check that every rank sends the same layout."""
+    return zlib.crc32(_layout_text(layout).encode()) & 0x7FFFFFFF
 
 
 def _length(doc: Mapping[str, torch.Tensor]) -> int:
-    sizes = {int(v.numel()) for v in doc.values()}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"the per-token keys of a document differ in length ({sorted(sizes)}); every key "
-            "of a packed sample must hold one value per token"
-        )
-    return sizes.pop()
+    return int(next(iter(doc.values())).numel())
 
 
 def _fused(doc: Mapping[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
