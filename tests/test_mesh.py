@@ -247,3 +247,12 @@ def test_replica_groups_are_those_of_a_rank_by_rank_scan(ulysses):
         assert custom.replica_group(rank) == want
         c = custom.coords(rank)
         assert shuffled[c["pp"], c["dp"], c["cp"], c["tp"]] == rank
+
+
+def test_the_sizes_an_error_suggests_are_every_divisor_in_bounded_time():
+    from meshfeed.mesh import MAX_WORLD_SIZE, data_sizes_dividing
+
+    assert data_sizes_dividing(12) == [1, 2, 3, 4, 6, 12]
+    assert data_sizes_dividing(4099) == [1, 4099]  # a prime past the search bound
+    assert data_sizes_dividing(2**70 + 1)[0] == 1  # at once (it walked every number up to it)
+    assert all(d <= MAX_WORLD_SIZE for d in data_sizes_dividing(2**40))

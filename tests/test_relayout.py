@@ -228,3 +228,18 @@ def test_a_huge_global_batch_in_a_state_is_refused_at_once():
     loader = DataLoader(list(range(8)), batch_size=2, mesh={"dp": 2}, rank=0)
     with pytest.raises(ValueError, match=r"does not divide among this loader's 2 data ranks"):
         loader.load_state_dict(state)
+
+
+def test_a_ramped_state_loads_on_another_size_with_another_ramp_as_before():
+    """The epoch-end check built the checkpoint's plan with this loader's ramp over the old
+    data ranks, which a ramp may refuse: a state that loaded before was refused."""
+    from meshfeed.order.rampup import BatchRampup
+
+    old = DataLoader(list(range(1000)), batch_size=4, mesh={"dp": 4}, rank=0,
+                     rampup=BatchRampup(start=4, increment=4, samples=64))  # fmt: skip
+    take(old, 2)
+    state = old.state_dict()
+    new = DataLoader(list(range(1000)), batch_size=3, mesh={"dp": 2}, rank=0,
+                     rampup=BatchRampup(start=2, increment=2, samples=64))  # fmt: skip
+    new.load_state_dict(state, allow_global_batch_change=True)
+    assert new.state_dict()["position"] == state["position"] == 8

@@ -528,8 +528,11 @@ class DataLoader(LoaderBase):
         state = read_state(self, state, allow_global_batch_change=allow_global_batch_change)
         self._stats = state["stats"]
         self._epoch, self._position = state["epoch"], state["position"]
-        if state["data_world_size"] != self.data_world_size:
-            self._keep_epoch_end(self.plan.with_ranks(state["data_world_size"]))
+        if (
+            state["data_world_size"] != self.data_world_size
+            and state["global_batch_size"] == self.global_batch_size
+        ):  # (another global batch: the state's plan is not this loader's to rebuild)
+            self._keep_epoch_end(lambda: self.plan.with_ranks(state["data_world_size"]))
         self._resumed = True
         self._supersede(
             f"loaded a state (load_state_dict: epoch {self._epoch}, position {self._position})",
@@ -541,7 +544,7 @@ class DataLoader(LoaderBase):
         plan = self.plan.with_ranks(mesh.data_world_size)  # a ramp that does not divide: refused
         relayout(self, mesh, rank, self.global_batch_size)  # stopped; placed on the new layout
         old, self.plan, self._index_cache = self.plan, plan, None
-        self._keep_epoch_end(old)
+        self._keep_epoch_end(lambda: old)
         if isinstance(self.service, GlobalService):  # it serves this loader alone: rebound
             self.service.bind_mesh(mesh, resized=True)
         else:
@@ -551,15 +554,21 @@ class DataLoader(LoaderBase):
         if state is not None:  # a rank that rejoins continues from a peer's position
             self.load_state_dict(state)
 
-    def _keep_epoch_end(self, before: Any) -> None:
-        """Where the plan ``before`` (over the checkpointed run's data ranks) had ended the
+    def _keep_epoch_end(self, before: Callable[[], Any]) -> None:
+        """Where the plan ``before()`` (over the checkpointed run's data ranks) had ended the
         epoch, the epoch stays over: with ``pad_last=False`` the last batch is truncated to
         those ranks, and what it left out is not one more step on another data-parallel
         size (the uninterrupted run on either size takes no such step)."""
         if self.drop_last or self.pad_last:
             return
         length = self.plan.order.epoch_length(self._epoch)
-        if self._position < length and before.step_at(self._epoch, self._position) is None:
+        if self._position >= length:
+            return
+        try:
+            plan = before()
+        except ValueError:  # a ramp that cannot be laid over those ranks here: as loaded
+            return
+        if plan.step_at(self._epoch, self._position) is None:
             self._position = length
 
     # ------------------------------------------------------------------ lifecycle

@@ -304,14 +304,17 @@ class DataMesh:
 
 
 def data_sizes_dividing(global_batch_size: int, count: int = 16) -> list[int]:
-    """Up to ``count`` of the smallest data-parallel sizes (at most 4096) that divide
-    ``global_batch_size``: what an error suggests, in constant time for any value.
+    """Up to ``count`` of the smallest data-parallel sizes (at most ``MAX_WORLD_SIZE``) that
+    divide ``global_batch_size``: what an error suggests, in bounded time for any value
+    (divisors found up to 4096, each with its pair).
 
-    >>> data_sizes_dividing(12)
-    [1, 2, 3, 4, 6, 12]
+    >>> data_sizes_dividing(12), data_sizes_dividing(4099)
+    ([1, 2, 3, 4, 6, 12], [1, 4099])
     """
     n = int(global_batch_size)
-    return [d for d in range(1, min(n, 4096) + 1) if n % d == 0][:count]
+    small = [d for d in range(1, min(math.isqrt(n), 4096) + 1) if n % d == 0]
+    both = {d for d in small} | {n // d for d in small if n // d <= MAX_WORLD_SIZE}
+    return sorted(both)[:count]
 
 
 def _axis_layout(

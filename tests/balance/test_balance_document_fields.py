@@ -489,3 +489,38 @@ def test_placeholder_ordinals_take_any_integer_id_and_refuse_2d_tokens():
     assert placeholder_ordinals(tokens, [0, 3], (9, 2**40)).tolist() == want  # past int32
     with pytest.raises(ValueError, match=r"1-D token ids \(got shape \(1, 3\)\)"):
         placeholder_ordinals(tokens.reshape(1, 3), [0, 3], 9)
+
+
+def _refused_ahead_rank(rank: int, world: int) -> list[str]:
+    """Batch 1 of rank 1 holds a field torch cannot read (a dict: RuntimeError, not a
+    ValueError); the loop catches errors and goes on. Only ValueError and TypeError were
+    deferred: rank 1 raised before rerouting batch 0, rank 0 waited for it in the all-to-all."""
+    import torch.distributed as dist
+
+    samples = [mm_sample(rank, b, seed=5, max_len=250) for b in range(3)]
+    if rank == 1:
+        samples[1]["pixel_values"] = {"not": "a tensor"}
+    log = []
+    with BalancedBatches(
+        iter(samples), max_tokens=256, keys=KEYS, pad=PAD, document_fields=FIELDS,
+        group=dist.group.WORLD, timeout=60.0,
+    ) as it:  # fmt: skip
+        while True:
+            try:
+                step = next(it)
+            except StopIteration:
+                return log
+            except Exception as e:
+                log.append(f"error {type(e).__name__}")
+                continue
+            log.append(
+                f"batch {int(step['document_ids'][0]) // 64 // 64 if len(step['document_ids']) else -1}"
+            )
+
+
+def test_any_refusal_of_a_batch_fetched_ahead_is_deferred_on_every_rank():
+    for rank, log in enumerate(run_distributed(_refused_ahead_rank, 2, timeout=120.0)):
+        errors = [e for e in log if e.startswith("error")]
+        assert errors == ["error RuntimeError" if rank == 1 else "error ValueError"], log
+        served = {e for e in log if e.startswith("batch") and e != "batch -1"}
+        assert served == {"batch 0", "batch 2"}, log  # batch 0 served before the refusal

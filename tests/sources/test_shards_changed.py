@@ -99,3 +99,19 @@ def test_an_unreadable_shard_is_a_source_error_never_a_substituted_sample(
     with pytest.raises(SourceError, match=r"cannot read shard .*\.mfs: \[Errno 13\] Permission"):
         next(iter(loader))
     assert loader.stats()["substituted"] == 0
+
+
+def test_a_shard_replaced_by_rename_or_deleted_while_open_reads_on_from_its_map(
+    tmp_path: Path,
+) -> None:
+    """Replacing a file by rename (or deleting it) leaves the mapped file whole: the reader
+    goes on with what it opened, as token corpora do."""
+    _, shard = _dataset(tmp_path)
+    reader = ShardFormatReader()
+    assert int(reader.take(shard, np.array([0]))[0]["x"][0]) == 0
+    other = shard.with_name("other.mfs")
+    other.write_bytes(b"\0" * 100)
+    os.replace(other, shard)  # another file at the path now
+    assert int(reader.take(shard, np.array([19]))[0]["x"][-1]) == 19
+    shard.unlink()
+    assert int(reader.take(shard, np.array([7]))[0]["x"][0]) == 7

@@ -139,3 +139,24 @@ def test_a_batched_row_does_not_depend_on_the_other_rows_of_its_batch(fmt: str) 
                 assert a.dtype == b.dtype, (keys, i, k, a, b)
                 assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True), (keys, i, k)
     assert int(src.__getitems__([0, 1])[0]["id"]) == 16_777_217
+
+
+def test_a_null_in_a_string_column_keeps_the_batched_formatting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A null in a string column formats alike in a batch and alone: the batch is formatted
+    once (not every row alone, 10-17x slower)."""
+    from datasets import formatting
+
+    ds = datasets.Dataset.from_dict(
+        {"x": list(range(64)), "s": [None if i == 5 else f"t{i}" for i in range(64)]}
+    ).with_format("torch")
+    src = HFSource(ds)
+    calls: list[Any] = []
+    real = formatting.format_table
+    monkeypatch.setattr(
+        formatting, "format_table", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    rows = src.__getitems__(list(range(64)))
+    assert len(calls) == 2  # the first row alone (the check) and the batch
+    assert rows[5]["s"] is None and int(rows[63]["x"]) == 63

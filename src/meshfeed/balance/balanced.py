@@ -303,8 +303,9 @@ class BalancedBatches:
             try:
                 wide = _ids_past_int64(sample)  # refused below, on every rank
                 if "cu_seqlens" in sample:  # else _header names what it lacks
-                    documents = doc_lengths(sample, self._keys).size
-                    sample = normalize_fields(sample, self._fields, documents)
+                    if self._fields:
+                        documents = doc_lengths(sample, self._keys).size
+                        sample = normalize_fields(sample, self._fields, documents)
                     if wide is None:
                         sample = fit_sample(
                             sample, self._keys, self._limit, self._policy, self._fields
@@ -315,7 +316,7 @@ class BalancedBatches:
         rows = self._comm.all_gather(header, _HEADER + (2 + len(self._fields)) * self._cap)
         try:
             return self._agreed(state, sample, rows, refused)
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # raised on every rank alike: each defers it, none waits
             if not defer:
                 raise
             return _Refused(e)

@@ -157,7 +157,9 @@ class WorkerService:
             try:
                 fill()
             except (WorkerTimeout, WorkerDied) as e:
-                raise self._failure(e, "its first step") from None
+                raise self._failure(
+                    e, f"step {steps[-1] + 1}" if steps else "its first step"
+                ) from None
             while steps:
                 step = steps.popleft()
                 result = self._result(pool, step)

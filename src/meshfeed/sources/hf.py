@@ -29,6 +29,29 @@ class FormatChangedError(SourceError, ValueError):
     is when the source is made."""
 
 
+def _nulls_matter(column: Any) -> bool:
+    """Whether an Arrow column holds a null that formatting a batch as a whole could turn
+    into another value or dtype than its row's own (an int column's null makes the batch
+    float; a float's is NaN in a batch, None alone): any null, nested ones included, but in
+    a string or binary column (None in a batch as alone)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = column.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return bool(column.null_count) or _nulls_matter(pc.list_flatten(column))
+    if pa.types.is_struct(t):
+        return bool(column.null_count) or any(_nulls_matter(f) for f in column.flatten())
+    if (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+    ):
+        return False
+    return bool(column.null_count)
+
+
 def _same_kind(a: Any, b: Any) -> bool:
     """Whether two formatted values have one type and, for arrays and tensors, one dtype."""
     return type(a) is type(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None)
@@ -166,7 +189,7 @@ class HFSource:
             return dict(format_table(table.slice(j, 1), j, formatter=formatter, **options))
 
         first = row(0)
-        if not any(column.null_count for column in table.columns):
+        if not any(_nulls_matter(column) for column in table.columns):
             batch = format_table(table, keys, formatter=formatter, **options)
             rows = [{k: batch[k][j] for k in batch} for j in range(len(keys))]
             if rows[0].keys() == first.keys() and all(

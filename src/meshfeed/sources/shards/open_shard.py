@@ -124,14 +124,14 @@ class OpenShard:
         self.compressed = index.compression is not None
         check_file(Path(path), entry, verify=verify, written_ns=written_ns)
         try:
-            # kept open: each read checks the file it maps is unchanged (one fstat)
-            self._file = open(path, "rb")  # noqa: SIM115 (closed when the shard is dropped)
-            # read-only: a view of it that reached a caller could not change later reads
-            self.map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-            st = os.fstat(self._file.fileno())
+            with open(path, "rb") as f:
+                # read-only: a view of it that reached a caller could not change later reads
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                st = os.fstat(f.fileno())
         except OSError as e:  # unreadable (permissions, I/O): never a bad sample to substitute
             raise SourceError(f"cannot read shard {path}: {e}") from e
-        self._identity = (st.st_size, st.st_mtime_ns)
+        #: The mapped file: each read checks it is unchanged (one stat of the path)
+        self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         self.base = entry.payload
         self._check_header()
         try:
@@ -151,15 +151,19 @@ class OpenShard:
         """Raise :class:`SourceError` if the mapped file changed since it was opened: a
         shorter file would end the process (SIGBUS) at the first read past its end, one
         written in place would serve other rows. A new mtime with the same size and content
-        hash (``touch``) is accepted."""
+        hash (``touch``) is accepted; so is a file deleted, or replaced by a rename, since:
+        the map reads the file it opened, whole."""
         try:
-            st = os.fstat(self._file.fileno())
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return
         except OSError as e:
             raise SourceError(f"cannot read shard {self.path}: {e}") from e
-        if (st.st_size, st.st_mtime_ns) == self._identity:
+        now = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if now == self._identity or now[:2] != self._identity[:2]:
             return
-        if st.st_size != self._identity[0] or shard_file_hash(Path(self.path)) != self.entry.hash:
-            then = self._identity[0]
+        if st.st_size != self._identity[2] or shard_file_hash(Path(self.path)) != self.entry.hash:
+            then = self._identity[2]
             how = (
                 f"{then} bytes when opened, {st.st_size} now"
                 if st.st_size != then
@@ -171,7 +175,7 @@ class OpenShard:
                 "under a new folder, or replace it with write_shards(..., overwrite=True), "
                 "which renames new files in, then build the stream again"
             )
-        self._identity = (st.st_size, st.st_mtime_ns)
+        self._identity = now
 
     def fail(self, what: str) -> SourceError:
         return SourceError(f"shard {self.path} is damaged: {what}; rewrite the dataset")

@@ -509,9 +509,14 @@ class ChatSamples:
         messages = item["messages"] if isinstance(item, Mapping) else item
         if self._render is None:
             self._render = _renderer(self.tokenizer, self.template)
-        return _tokenize(
-            messages, self._render, self._encode, int(i), self.shift_labels, self.trained_roles
-        )
+        try:
+            return _tokenize(
+                messages, self._render, self._encode, int(i), self.shift_labels, self.trained_roles
+            )
+        except Exception as e:  # e.g. the template's raise_exception (a jinja2 TemplateError)
+            if f"sample {i}" not in str(e):
+                e.add_note(f"(ChatSamples sample {i})")
+            raise
 
     @property
     def lengths(self) -> np.ndarray:
