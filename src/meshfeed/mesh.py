@@ -313,7 +313,7 @@ def data_sizes_dividing(global_batch_size: int, count: int = 16) -> list[int]:
     """
     n = int(global_batch_size)
     small = [d for d in range(1, min(math.isqrt(n), 4096) + 1) if n % d == 0]
-    both = {d for d in small} | {n // d for d in small if n // d <= MAX_WORLD_SIZE}
+    both = set(small) | {n // d for d in small if n // d <= MAX_WORLD_SIZE}
     return sorted(both)[:count]
 
 

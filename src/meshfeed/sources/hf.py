@@ -169,7 +169,8 @@ class HFSource:
         can depend on the other rows (an int column holding a null in the batch becomes
         float32: 16777217 -> 16777216.0; numpy batches make float64 float32): the batch is
         used where its first row is formatted as that row alone would be and no column holds
-        a null, else each row is formatted alone."""
+        a null that could change a value (:func:`_nulls_matter`), else each row is formatted
+        alone."""
         ds = self.dataset
         try:
             from datasets.formatting import format_table, get_formatter, query_table

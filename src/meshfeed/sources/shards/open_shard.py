@@ -167,13 +167,13 @@ class OpenShard:
             how = (
                 f"{then} bytes when opened, {st.st_size} now"
                 if st.st_size != then
-                else ("its size kept, its content hash changed")
+                else "its size kept, its content hash changed"
             )
             raise SourceError(
                 f"shard {self.path} changed while open ({how}): it was truncated or written "
-                "in place; write a dataset "
-                "under a new folder, or replace it with write_shards(..., overwrite=True), "
-                "which renames new files in, then build the stream again"
+                "in place; write a dataset under a new folder, or replace it with "
+                "write_shards(..., overwrite=True), which renames new files in, then build "
+                "the stream again"
             )
         self._identity = now
 
