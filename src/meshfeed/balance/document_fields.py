@@ -164,7 +164,7 @@ def split_fields(sample: dict[str, Any], names: Sequence[str], doc: np.ndarray) 
     for name in names:
         off = _offsets(sample, name)
         rows = np.diff(off)[doc]
-        index = torch.from_numpy(_ranges(off[doc], rows))
+        index = torch.from_numpy(ranges(off[doc], rows))
         sample[name] = torch.as_tensor(sample[name])[index]
         sample[name + OFFSETS] = torch.from_numpy(np.append(0, np.cumsum(rows)).astype(np.int64))
 
@@ -178,7 +178,7 @@ def _row_bytes(specs: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> np.ndarr
     return np.asarray([d.itemsize * math.prod(s) for d, s in specs], dtype=np.int64)
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def ranges(starts: Any, counts: Any) -> np.ndarray:
     """``concatenate([arange(a, a + n) for a, n in zip(starts, counts)])``, without the loop."""
     counts = np.asarray(counts, dtype=np.int64)
     total = int(counts.sum())
@@ -214,9 +214,9 @@ def build_field_send(
     row_bytes = _row_bytes(specs)
     per_field = []  # each field's bytes for every outgoing piece, and where each piece's end
     for j, name in enumerate(names):
-        index = torch.from_numpy(_ranges(_offsets(sample, name)[local], rows[docs, j]))
+        index = torch.from_numpy(ranges(_offsets(sample, name)[local], rows[docs, j]))
         edge = np.concatenate([[0], np.cumsum(rows[docs, j] * row_bytes[j])])
-        per_field.append((_as_bytes(torch.as_tensor(sample[name])[index]), edge))
+        per_field.append((byte_view(torch.as_tensor(sample[name])[index]), edge))
     parts = [data[edge[a] : edge[b]] for a, b in _runs(dst) for data, edge in per_field]
     if not parts:
         return torch.zeros((0, 1), dtype=torch.uint8)
@@ -256,7 +256,7 @@ def unpack_fields(
         for step in steps:
             mine = step["doc_ids"].numpy()
             counts = rows[mine, j]
-            step[name] = table[torch.from_numpy(_ranges(start[where[mine]], counts))]
+            step[name] = table[torch.from_numpy(ranges(start[where[mine]], counts))]
             step[name + OFFSETS] = torch.from_numpy(
                 np.append(0, np.cumsum(counts)).astype(np.int64)
             )
@@ -293,8 +293,9 @@ def placeholder_ordinals(
     return torch.where(hit.bool(), running - base - 1, torch.full_like(running, -1))
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, 1-D (a fresh copy where its memory is not one dense run)."""
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, 1-D (a fresh copy where its memory is not one dense run; bool as
+    uint8)."""
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     flat = t.reshape(-1)

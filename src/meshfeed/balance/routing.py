@@ -24,10 +24,12 @@ import torch
 
 from meshfeed.balance.document_fields import (
     build_field_send,
+    byte_view,
     document_bytes,
     field_rows,
     field_specs,
     normalize_fields,
+    ranges,
     specs_text,
     unpack_fields,
 )
@@ -209,11 +211,7 @@ def unpack(
     for k, step in enumerate(p.microsteps[rank]):
         docs = [d for d, _ in step]
         spans = [where[d] for d in docs]
-        rows = (
-            torch.from_numpy(np.concatenate([np.arange(a, a + n) for a, n, _ in spans]))
-            if spans
-            else torch.zeros(0, dtype=torch.int64)
-        )
+        rows = torch.from_numpy(ranges([a for a, _, _ in spans], [n for _, n, _ in spans]))
         out: dict[str, Any] = _unfuse(recv[rows], keys, dtypes)
         lengths = [n for _, n, _ in spans]
         out["cu_seqlens"] = torch.tensor(
@@ -327,7 +325,5 @@ def _unfuse(
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return t.view(torch.uint8).reshape(t.numel(), t.element_size())
+    """The tensor's bytes as ``(elements, element size)`` rows (:func:`byte_view`)."""
+    return byte_view(t).reshape(t.numel(), t.element_size())
