@@ -361,38 +361,19 @@ def test_ranks_whose_rows_differ_in_shape_are_refused():
         route_local(samples, keys=KEYS, pad=PAD, document_fields=FIELDS, max_tokens=256)
 
 
-def _disagreeing_rank(rank: int, world: int) -> str:
-    import torch.distributed as dist
-
-    sample = mm_sample(rank, 0, seed=3, max_len=60)
-    if rank == 1:  # rows of 4 values where rank 0 has rows of 2
-        sample["pixel_values"] = sample["pixel_values"].repeat(1, 2)
-    with BalancedBatches(
-        [sample], max_tokens=256, keys=KEYS, pad=PAD, document_fields=FIELDS,
-        group=dist.group.WORLD, timeout=60.0,
-    ) as it:  # fmt: skip
-        try:
-            next(it)
-        except ValueError as e:
-            return str(e)
-    return "no error"
-
-
-def test_two_gloo_ranks_whose_rows_differ_in_shape_both_stop_naming_the_fields():
-    for message in run_distributed(_disagreeing_rank, 2, timeout=120.0):
-        assert "ranks disagree" in message and "same dtypes and row shapes" in message
-
-
-# ----------------------------------------------------------------- found by a hostile review
 def _bad_rank(rank: int, world: int, how: str) -> str:
-    """Rank 1's sample is bad in a way the header's checks once let through: it failed only
-    at the send, after the all-gather, and rank 0 waited in the all-to-all until the timeout."""
+    """The error (type: message) of rank ``rank``'s first next(), rank 1's sample bad by
+    ``how``: rows of another shape than rank 0's, or (found by a hostile review) offsets the
+    header's checks once let through, failing only at the send, after the all-gather, while
+    rank 0 waited in the all-to-all until the timeout."""
     import torch.distributed as dist
 
     sample = mm_sample(rank, 0, seed=3, max_len=60)
     if rank == 1:
         off = sample["pixel_values_offsets"]
-        if how == "float offsets":
+        if how == "row shape":  # rows of 4 values where rank 0 has rows of 2
+            sample["pixel_values"] = sample["pixel_values"].repeat(1, 2)
+        elif how == "float offsets":
             sample["pixel_values_offsets"] = off.double()
         elif how == "2-D offsets":
             sample["pixel_values_offsets"] = off.reshape(1, -1)
@@ -405,6 +386,12 @@ def _bad_rank(rank: int, world: int, how: str) -> str:
         except Exception as e:
             return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def test_two_gloo_ranks_whose_rows_differ_in_shape_both_stop_naming_the_fields():
+    for message in run_distributed(_bad_rank, 2, "row shape", timeout=120.0):
+        assert message.startswith("ValueError: "), message
+        assert "ranks disagree" in message and "same dtypes and row shapes" in message
 
 
 @pytest.mark.parametrize("how", ["float offsets", "2-D offsets"])

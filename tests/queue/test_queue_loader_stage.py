@@ -25,7 +25,8 @@ def _stack(batch: Batch) -> torch.Tensor:
 
 def _store(n: int, *, close: bool = True, tasks: list[str] | None = None) -> SampleStore:
     store = SampleStore(tasks=tasks)
-    store.put("p", {"x": [torch.tensor([i]) for i in range(n)]})
+    if n:  # none: a partition nothing was put into yet
+        store.put("p", {"x": [torch.tensor([i]) for i in range(n)]})
     if close:
         store.close("p")
     return store

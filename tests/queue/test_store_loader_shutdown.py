@@ -29,6 +29,7 @@ from meshfeed.queue import Batch, SampleStore, StoreLoader
 from meshfeed.queue.engine.wakeups import RequestCancelled
 from meshfeed.services.base import InProcessService
 from meshfeed.services.thread import ThreadService
+from tests.queue.test_queue_loader_stage import _stack, _store
 
 SHUT_DOWN = r"StoreLoader \(task 't'\) was shut down"
 #: How long a next() may take to end once shutdown() returned (the threads poll every 0.05 s).
@@ -40,19 +41,6 @@ CONFIGS = [
     pytest.param({"prefetch": 1, "device": "cpu"}, id="delivery-thread"),
     pytest.param({"prefetch": 2, "device": "cpu"}, id="fetch-and-delivery-threads"),
 ]
-
-
-def _stack(batch: Batch) -> torch.Tensor:
-    return torch.as_tensor(batch["x"]).view(-1)
-
-
-def _store(n: int, *, close: bool = False) -> SampleStore:
-    store = SampleStore()
-    if n:
-        store.put("p", {"x": [torch.tensor([i]) for i in range(n)]})
-    if close:
-        store.close("p")
-    return store
 
 
 def _loader(store: SampleStore, **kw: Any) -> StoreLoader:
@@ -110,7 +98,7 @@ class _Reader:
 @pytest.mark.parametrize("kw", [*CONFIGS, pytest.param({"num_workers": 1}, id="worker")])
 def test_shutdown_from_another_thread_while_next_waits_for_the_store(kw):
     before = frozenset(threading.enumerate())
-    store = _store(2)  # one batch, then nothing: no producer
+    store = _store(2, close=False)  # one batch, then nothing: no producer
     loader = _loader(store, **kw)
     try:
         assert next(loader).tolist() == [0, 1]
@@ -186,7 +174,7 @@ def test_shutdown_while_next_starts_its_walk_neither_hangs_nor_ends_the_stream(w
     # once went on with a fresh token and waited in the store forever, or saw its requests
     # halted as the end of the stream and said so (ended, and its state too).
     before = frozenset(threading.enumerate())
-    store, gate = _store(0), _Gate()
+    store, gate = _store(0, close=False), _Gate()
     loader = _loader(store, service=_gated(base, gate, where), device=device)
     try:
         reader = _Reader(loader)
@@ -211,7 +199,7 @@ def test_shutdown_while_next_starts_its_walk_neither_hangs_nor_ends_the_stream(w
 @pytest.mark.parametrize("kw", CONFIGS)
 def test_shutdown_from_on_step_reads_nothing_more(kw):
     before = frozenset(threading.enumerate())
-    store = _store(24, close=True)
+    store = _store(24)
     box: dict[str, Any] = {}
 
     def on_step(timing):
@@ -238,7 +226,7 @@ def test_shutdown_from_on_step_reads_nothing_more(kw):
 @pytest.mark.parametrize("kw", CONFIGS[1:])  # those with a thread waiting in the store
 def test_a_dropped_loader_stops_its_threads_and_requests(kw):
     before = frozenset(threading.enumerate())
-    store = _store(2)
+    store = _store(2, close=False)
     loader = _loader(store, **kw)
     try:
         assert next(loader).tolist() == [0, 1]
@@ -272,7 +260,7 @@ def test_a_batch_refused_by_on_step_is_not_counted_and_its_phases_count_once(kw,
         if 2 <= len(calls) <= 1 + refusals:  # the second batch, ``refusals`` times
             raise ValueError("exporter down")
 
-    store = _store(8, close=True)
+    store = _store(8)
     loader = _loader(store, collate_fn=_slow_collate, on_step=on_step, **kw)
     try:
         assert next(loader).tolist() == [0, 1]
