@@ -205,6 +205,7 @@ def test_shutdown_from_on_step_reads_nothing_more(kw):
     def on_step(timing):
         if timing.steps == 2:  # "stop at step N"
             box["loader"].shutdown()
+            box["threads"] = _threads(before)  # right after shutdown() returned
             box["consumed"] = store.stats()["consumed"]["t"]
             box["next"] = box["loader"].state_dict()["next"]
 
@@ -212,6 +213,7 @@ def test_shutdown_from_on_step_reads_nothing_more(kw):
     try:
         got = [next(loader).tolist(), next(loader).tolist()]  # the second counted already
         assert got == [[0, 1], [2, 3]] and box["next"] == 2 == loader.state_dict()["next"]
+        assert box["threads"] == []  # joined before shutdown() returned, as DataLoader's
         with pytest.raises(RuntimeError, match=SHUT_DOWN):
             next(loader)
         _no_threads_left(before)

@@ -29,13 +29,14 @@ class _Steps:
 
     def __init__(self, fail_at: int = -1, wait_at: int = -1) -> None:
         self.fail_at, self.wait_at = fail_at, wait_at
-        self.gate = threading.Event()
+        self.gate, self.inside = threading.Event(), threading.Event()
         self.made: list[int] = []
 
     def __call__(self, task: FetchTask) -> tuple[int, FetchEvents]:
         if task.step == self.fail_at:
             raise KeyError(f"sample of step {task.step}")
         if task.step == self.wait_at:
+            self.inside.set()
             self.gate.wait(10)
         self.made.append(task.step)
         return task.step, FetchEvents()
@@ -82,19 +83,38 @@ def test_an_error_comes_in_order_after_the_batches_before_it_and_stops_the_threa
     assert fetcher.made == [0, 1, 2]  # nothing made after the failed task
 
 
-def test_an_abandoned_map_stops_its_thread_after_the_task_it_is_making():
+def test_closing_a_map_waits_for_its_thread_to_end_the_task_it_is_making():
     fetcher = _Steps(wait_at=2)
     service = ThreadService(3)
     service.start(fetcher)
     results = service.map(_task(s) for s in range(100))
     assert next(results)[0] == 0
-    results.close()  # the thread is inside task 2, which waits
+    assert fetcher.inside.wait(5)  # the thread is inside task 2
+    threading.Timer(0.3, fetcher.gate.set).start()  # which ends 0.3 s from now
+    started = time.monotonic()
+    results.close()
+    assert time.monotonic() - started >= 0.2  # it waited for task 2
+    assert not _threads()  # gone when close() returned
+    assert max(fetcher.made) <= 3  # task 2, and at most the one it had taken before the stop
+
+
+def test_a_task_longer_than_join_is_left_to_end_on_its_own_with_a_warning(caplog):
+    fetcher = _Steps(wait_at=1)
+    service = ThreadService(2, join=0.1)
+    service.start(fetcher)
+    results = service.map(_task(s) for s in range(100))
+    assert next(results)[0] == 0
+    assert fetcher.inside.wait(5)  # the thread is inside task 1, which waits for the gate
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="meshfeed.services.thread"):
+        results.close()
+    assert time.monotonic() - started < 2  # no hang: it waited join=0.1 s
+    assert "did not stop within 0.1 s" in caplog.text and _threads()
     fetcher.gate.set()
     deadline = time.monotonic() + 5
     while _threads() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not _threads()
-    assert max(fetcher.made) <= 3  # task 2, and at most the one it had taken before the stop
+    assert not _threads()  # it ended once its task did
 
 
 def test_map_before_start_and_a_bad_prefetch_are_refused_by_name():
@@ -102,6 +122,9 @@ def test_map_before_start_and_a_bad_prefetch_are_refused_by_name():
         next(iter(ThreadService(2).map(iter([_task(0)]))))
     with pytest.raises(ValueError, match="prefetch=0"):
         ThreadService(0)
+    for join in (-1, float("inf"), float("nan"), "2", True):
+        with pytest.raises(ValueError, match="join="):
+            ThreadService(2, join=join)
 
 
 def _store() -> SampleStore:

@@ -356,7 +356,10 @@ class StoreLoader(LoaderBase, Walking):
         """Cancel the requests waiting in the store (they consume nothing) and stop worker
         processes and threads; the plans of batches fetched ahead stay in the store (a loader
         restored from this one's state reads them). The loader cannot be iterated again.
-        Idempotent."""
+        Idempotent. Called from ``on_step``, the loader's threads (fetch, delivery) are gone
+        when this returns, and that ``next()`` returns its batch (counted already: on_step saw
+        it); from another thread during a ``next()``, that ``next()`` ends them and raises the
+        shutdown error in place of a batch not yet counted."""
         if self._shut:
             return
         self._shut = True
@@ -365,8 +368,10 @@ class StoreLoader(LoaderBase, Walking):
         with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
             self.store.cancel(token)  # a request waiting, on whichever thread, wakes now
         stream, self._stream = self._stream, None
-        if isinstance(stream, types.GeneratorType) and not stream.gi_running:  # else it ends itself
+        if isinstance(stream, types.GeneratorType) and not stream.gi_running:
             stream.close()
+        else:  # running: from its on_step, its stage closes now; from another thread, it ends
+            self._close_suspended_stage()  # with the next() in progress
         if self._started:
             self.service.shutdown()
         if self._door is not None:

@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import threading
 import uuid
+import weakref
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,8 @@ class Walking:
         #: The phases taken back from a held batch ``on_step`` refused, by its index: added
         #: again when it is returned, since it is not made again (its making counts once).
         self._owed: tuple[int, dict[str, float]] | None = None
+        #: The current walk's thread, delivery stage and service map (:meth:`_walk`).
+        self._stage: tuple[int, weakref.ref[Any], Iterator[Any]] | None = None
 
     def _version_args(self, index: int) -> dict[str, Any]:
         """The keywords of batch ``index``'s request: its policy version (as first asked),
@@ -160,6 +163,8 @@ class Walking:
         made: Iterator[Any] = self.service.map(Walking._tasks(self, start, token, raw, halt))
         results: Iterator[Result] = itertools.chain(first, made)
         delivered = self.delivery.stage(Walking._settled(self, results))
+        # What a shutdown() from on_step (this thread, this walk suspended in it) closes.
+        self._stage = (threading.get_ident(), weakref.ref(delivered), made)
         try:
             while True:
                 self._grant()  # on the loop's thread, before each batch: the same on every rank
@@ -195,7 +200,29 @@ class Walking:
                 halt.set()
                 with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
                     store.cancel(token)
+            Walking._close_stage(delivered, made)
+            if self._stage is not None and self._stage[2] is made:
+                self._stage = None
+
+    @staticmethod
+    def _close_stage(delivered: Generator[Any, None, None], made: Iterator[Any]) -> None:
+        """End a walk's delivery stage (its thread joined) and its service's map (a fetch
+        thread joined): neither outlives the walk, nor a ``shutdown()`` from ``on_step``."""
+        with contextlib.suppress(ValueError):  # running (on a thread that did not stop)
             delivered.close()
+        if isinstance(made, Generator):
+            with contextlib.suppress(ValueError):
+                made.close()
+
+    def _close_suspended_stage(self) -> None:
+        """From ``on_step`` (this walk's thread, the walk suspended in it): close its stage
+        now, so ``shutdown()`` returns with its threads gone (as ``DataLoader``'s)."""
+        stage, self._stage = self._stage, None
+        if stage is None or stage[0] != threading.get_ident():
+            return
+        delivered = stage[1]()
+        if delivered is not None:
+            Walking._close_stage(delivered, stage[2])
 
     def _take_back(self, index: int) -> None:
         """Take back the phases of batch ``index``, refused by ``on_step`` (stats as before
