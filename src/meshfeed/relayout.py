@@ -65,7 +65,9 @@ def relayout(loader: LoaderBase, mesh: DataMesh, rank: int, global_batch_size: i
 def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None) -> None:
     """Move a :class:`~meshfeed.queue.StoreLoader` to ``mesh`` / ``rank``: its state (or
     ``state``, a peer's), the same object built again from its arguments
-    (``loader._arguments``) on the new layout, the state loaded (the store's elastic resume)."""
+    (``loader._arguments``) on the new layout, the state loaded (the store's elastic resume).
+    A refused ``state`` (checked before the loader stops) or replan leaves the loader on its
+    layout at its position, as a refused ``DataLoader.resize`` does."""
     batch = check_divides(
         loader.batch_size * loader.data_world_size, mesh, f"resize of {loader.name}"
     )
@@ -83,11 +85,26 @@ def rebuild(loader: Any, mesh: DataMesh, rank: int, state: dict[str, Any] | None
             "without workers and device= / pin_memory to resize it live, or resume elastically "
             "(restore the store and the loader from one checkpoint on the new layout)"
         )
-    state = loader.state_dict() if state is None else state
+    here = loader.state_dict()
+    state = here if state is None else state
+    # Checked as the new layout will load it, before the loader stops: a refused state (a
+    # peer's from another run, a stale one) leaves the loader reading where it was.
+    loader._checked_state(state, mesh.data_world_size, batch)
+    old = (loader.batch_size, loader.mesh, loader.rank)
     loader.shutdown()
+    try:
+        _build(loader, batch, mesh, rank)
+        loader.load_state_dict(state)
+    except BaseException:  # refused by the store (a replan): back on the old layout, as it was
+        _build(loader, *old)
+        loader.load_state_dict(here)
+        raise
+
+
+def _build(loader: Any, batch: int, mesh: DataMesh, rank: int) -> None:
+    """Build the store loader again, on the same object, from its arguments on this layout."""
     walks = loader._walks  # the walk generation goes on: an iterator taken before stops
     type(loader).__init__(
         loader, loader.store, batch_size=batch, mesh=mesh, rank=rank, **loader._arguments
     )
     loader._walks = walks
-    loader.load_state_dict(state)

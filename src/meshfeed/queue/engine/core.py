@@ -56,7 +56,16 @@ from meshfeed.queue.request import GetRequest, PutRequest
 from meshfeed.queue.rounds import Round
 from meshfeed.queue.samplers import Share
 
-__all__ = ["KIND", "VERSION", "PartitionClosed", "Ref", "StoreCore", "StoreOptions", "nbytes_of"]
+__all__ = [
+    "KIND",
+    "VERSION",
+    "FieldsMissing",
+    "PartitionClosed",
+    "Ref",
+    "StoreCore",
+    "StoreOptions",
+    "nbytes_of",
+]
 
 Key = Hashable
 #: What :meth:`StoreCore.try_get` hands out: ids, rows, and the shared plan's parts (or None).
@@ -67,6 +76,21 @@ VERSION = 2  # 2: JSON metadata + weights-only tensors; acknowledged batch indic
 
 class PartitionClosed(Exception):
     """``get`` on a closed partition with nothing left for the task: the stream has ended."""
+
+
+class FieldsMissing(PartitionClosed):
+    """A :class:`PartitionClosed` whose samples (some were put) have none of some field asked
+    for (``missing``; ``produced``: the fields they have): nothing can ever be served, but not
+    because the stream was drained (a misspelt field, or one no producer puts). ``get``
+    callers see a ``PartitionClosed`` as before; a ``StoreLoader`` raises an error naming the
+    fields instead of ending with no batch."""
+
+    def __init__(self, message: str, missing: Any = (), produced: Any = ()) -> None:
+        super().__init__(message)
+        self.missing, self.produced = list(missing), list(produced)
+
+    def __reduce__(self) -> Any:  # the fields survive pickling (Ray, worker processes)
+        return FieldsMissing, (str(self), self.missing, self.produced)
 
 
 class StoreCore(StoreAdmin):
@@ -279,14 +303,15 @@ class StoreCore(StoreAdmin):
         if part.closed:
             missing = [f for f in need if f not in part.seen]
             if missing:  # nothing more can ever become ready: the stream has ended
-                self._end(
-                    part,
-                    request,
-                    share,
+                produced = sorted(part.seen)
+                why = (
                     f"partition {request.partition!r} is closed and no sample of it has "
-                    f"field(s) {missing} (fields produced: {sorted(part.seen)}); the stream "
-                    "has ended (check the field names if you expected data)",
+                    f"field(s) {missing} (fields produced: {produced}); the stream "
+                    "has ended (check the field names if you expected data)"
                 )
+                # Nothing put at all: an empty stream, which ends; else the fields are wrong.
+                ended = FieldsMissing(why, missing, produced) if produced else PartitionClosed(why)
+                self._end(part, request, share, ended)
         task = request.task
         if request.group_filter is not None:
             self._unserved(part, task, rejected(part, request, part.task(task)))
@@ -297,7 +322,10 @@ class StoreCore(StoreAdmin):
                     part,
                     request,
                     share,
-                    f"partition {request.partition!r} is closed and drained for {request.task!r}",
+                    PartitionClosed(
+                        f"partition {request.partition!r} is closed and drained for "
+                        f"{request.task!r}"
+                    ),
                 )
             if self.options.capacity is not None:  # about to wait: one that never fits
                 pins = share is not None and bool(self.options.tasks)  # plans pin: plans.record
@@ -310,11 +338,14 @@ class StoreCore(StoreAdmin):
             return None
         return Round.of(parts)
 
-    def _end(self, part: Partition, request: GetRequest, share: Share | None, why: str) -> None:
-        """The stream has ended for this reader: it acknowledges every plan, then stops."""
+    def _end(
+        self, part: Partition, request: GetRequest, share: Share | None, error: PartitionClosed
+    ) -> None:
+        """The stream has ended for this reader: it acknowledges every plan, then raises
+        ``error``."""
         if share is not None:
             self._evict(part, end_of_stream(part, request.task, share, request.prefetch))
-        raise PartitionClosed(why)
+        raise error
 
     def _consume(
         self,

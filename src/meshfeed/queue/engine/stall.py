@@ -127,7 +127,10 @@ class StallWatch:
 def timed_out(what: str, timeout: float | None, why: str | None) -> str:
     """The message of a wait that ran out of time, with the stall it was part of."""
     stalled = "" if why is None else f"; {why}"
+    # Rounded: a worker's request waits for what its timeout has left (reach.py), a float
+    # such as 1.4999957 for timeout=1.5, which the message shows as the 1.5 it was.
+    after = round(timeout, 2) if timeout is not None and timeout >= 0.01 else timeout
     return (
-        f"{what} timed out after {timeout}s; the store is unchanged and usable (retry, raise "
+        f"{what} timed out after {after}s; the store is unchanged and usable (retry, raise "
         f"the timeout, or check that producers are running){stalled}"
     )

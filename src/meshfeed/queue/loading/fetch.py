@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from meshfeed.queue.engine.core import PartitionClosed
+from meshfeed.errors import NEVER_SUBSTITUTED
+from meshfeed.queue.engine.core import FieldsMissing, PartitionClosed
 from meshfeed.queue.loading.reach import Reach
 from meshfeed.queue.samplers import Sampler
 from meshfeed.queue.store import Batch, SampleStore
@@ -98,7 +99,9 @@ def fetch(
     store: Any, spec: Spec, index: int, token: str, version: Mapping[str, Any] | None = None
 ) -> Batch | None:
     """Batch ``index`` of the loader's stream (``None``: it ended); ``version``: the
-    trainer's version keywords (:mod:`meshfeed.queue.loading.versions`)."""
+    trainer's version keywords (:mod:`meshfeed.queue.loading.versions`). A closed partition
+    none of whose samples has some of ``spec.fields`` did not end: the fields are wrong
+    (``ValueError`` naming them), where a loader would otherwise end with no batch."""
     try:
         return store.get(
             spec.task,
@@ -113,14 +116,23 @@ def fetch(
             group_filter=spec.group_filter,
             **(version or {}),
         )
+    except FieldsMissing as exc:
+        raise ValueError(
+            f"StoreLoader of task {spec.task!r} asks for fields={list(spec.fields)}, but "
+            f"partition {spec.partition!r} is closed and no sample of it has field(s) "
+            f"{exc.missing} (fields produced: {exc.produced}): it would end with no batch. "
+            "Build the loader with fields= that the producers put"
+        ) from exc
     except PartitionClosed:
         return None
 
 
 class StoreFetcher:
     """Fetches and collates batch ``task.step`` (module docstring); ``collate_fn`` is tried
-    ``1 + retries`` times on the fetched batch. ``reach``: how a copy in another process
-    reaches the store (``None``: it cannot, the store is used in this process only)."""
+    ``1 + retries`` times on the fetched batch, except that a
+    :data:`~meshfeed.errors.NEVER_SUBSTITUTED` error (``SourceError``, ``MemoryError``, ...)
+    is raised as itself at once. ``reach``: how a copy in another process reaches the store
+    (``None``: it cannot, the store is used in this process only)."""
 
     def __init__(
         self,
@@ -178,6 +190,8 @@ class StoreFetcher:
         for _ in range(1 + self.retries):
             try:
                 return self.collate_fn(batch), None
+            except NEVER_SUBSTITUTED:  # a damaged file, out of memory: raised as itself, never
+                raise  # retried, skipped or wrapped (meshfeed.errors; as the other doors)
             except Exception as exc:
                 error = exc
         return None, error

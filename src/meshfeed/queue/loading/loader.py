@@ -58,7 +58,9 @@ waits for the batches in flight): the index of the first batch not returned and 
 requests may go (the loop grants them on its own thread, so that is the same on every rank), a
 few hundred bytes whatever the mesh. The batches in flight are the store's
 plans, kept in the store (and in its checkpoint); after ``load_state_dict`` they are read back
-first. Every rank's state is the same, and it loads on another number of data ranks with the
+first. Every rank's state is the same (with a process group the ranks check at their first
+``next()`` that they start at the same batch: a rank that loaded a stale state raises
+``ValueError`` on every rank), and it loads on another number of data ranks with the
 same global batch (elastic resume: :mod:`meshfeed.queue.loading.resume`). Save the store and
 every loader's state between the same two batches; a store that outlives the trainer (a Ray
 actor) serves a restored loader without being restored itself.
@@ -76,6 +78,7 @@ from typing import Any
 from meshfeed.loader_base import LoaderBase, check_num_epochs
 from meshfeed.options import LoaderOptions, OnError
 from meshfeed.protocols import BoundedService
+from meshfeed.queue.engine.dynamic import check_group_filter
 from meshfeed.queue.engine.wakeups import check_timeout
 from meshfeed.queue.loading.errors import CollateError, SkipLog, check_on_error
 from meshfeed.queue.loading.fetch import Spec, StoreFetcher
@@ -111,7 +114,9 @@ class StoreLoader(LoaderBase, Walking):
     batch ``collate_retries`` more times, never by fetching again; if it keeps failing,
     ``on_error="raise"`` (default) raises :class:`CollateError` naming the batch's ids and
     the loader keeps the batch, ``on_error="skip"`` drops it, agreed by every rank (needs the
-    process group on a mesh of several ranks; see the module docstring). Replica peers
+    process group on a mesh of several ranks; see the module docstring); a ``SourceError`` or
+    ``MemoryError`` (a damaged file) raises as itself at once, whatever ``on_error`` says, and
+    the batch stays in the store's plan for the next call. Replica peers
     must use the same ``batch_size``, sampler and batches ahead (``prefetch``, workers or
     service, delivery: the store checks ``batch_size`` and how far ahead the loader asks,
     which decides at which step a peer sees the end of the stream; ``on_error``:
@@ -186,10 +191,12 @@ class StoreLoader(LoaderBase, Walking):
         self._skips = SkipLog()
         self.replica_group = self.mesh.replica_group(self.rank)
         self.sampler = mesh_sampler(sampler, self.mesh, self.rank)
+        check_group_filter(group_filter, self.sampler)
         self._unit = unit_of(self.sampler)
         self.store, self.task, self.fields = store, task, list(fields)
         self.partition, self.collate_retries = partition, collate_retries
         wait = check_timeout(timeout)
+        self._version = LoaderVersion(max_staleness)  # checked before anything is started
         self.service: BoundedService = service or self._default_service(wait)
         #: Most batches in flight (taken by the service, or by the delivery thread, and not
         #: returned): the loop grants requests this far ahead of the first batch not returned
@@ -199,9 +206,13 @@ class StoreLoader(LoaderBase, Walking):
             task, tuple(fields), batch_size, partition, self.sampler, wait, self._keeps,
             group_filter,
         )  # fmt: skip
-        self._door = self._open_door()
-        self.fetcher = StoreFetcher(store, spec, collate_fn, collate_retries, self._reach())
-        self._version = LoaderVersion(max_staleness)
+        self._door = self._open_door()  # its threads and socket: the last step that may fail
+        try:
+            self.fetcher = StoreFetcher(store, spec, collate_fn, collate_retries, self._reach())
+        except BaseException:
+            if self._door is not None:
+                self._door.close()
+            raise
         # What stats() reports (since this object was built; not part of the state).
         self._counts = dict.fromkeys(
             ("batches", "samples", "timeouts", "collate_errors", "worker_errors", "redelivered"), 0
@@ -253,6 +264,8 @@ class StoreLoader(LoaderBase, Walking):
     def __next__(self) -> Any:
         if self._shut:
             raise self._shut_down_error()
+        if not self._start_agreed:  # with a process group: every rank starts here (walk.py)
+            self._agree_start()
         if self._finished:
             raise StopIteration
         start = time.perf_counter()
@@ -414,26 +427,14 @@ class StoreLoader(LoaderBase, Walking):
         groups) and itself. On another layout (data ranks or replica peers) with the same
         global batch, the store first moves the plans in flight to this one
         (:meth:`SampleStore.replan`; see :mod:`meshfeed.queue.loading.resume`)."""
-        st = open_state(
-            state,
-            task=self.task,
-            partition=self.partition,
-            ranks=self.data_world_size,
-            batch_size=self.batch_size,
-            unit=self._unit,
-        )
-        nxt, ended = st["next"], st["ended"]
-        if st["requested"] - nxt > self._keeps:
-            raise ValueError(
-                f"StoreLoader state has {st['requested'] - nxt} batches in flight, more than this "
-                f"loader keeps ({self._keeps}); resume with the same prefetch, device and "
-                "device_prefetch"
-            )
+        st = self._checked_state(state, self.data_world_size, self.batch_size)
         if self._requested or self._shut or self._returned:
             raise ValueError(
                 "load_state_dict must come before iteration starts; build a fresh loader"
             )
-        check_moment(self.store.stats()["consumed"].get(self.task, 0), self.task, nxt, st)
+        nxt, ended = st["next"], st["ended"]
+        # Every check passed: only now does anything change (a refused state changes neither
+        # this loader nor the store).
         layout = (st["data_world_size"], st["replica_size"])
         if layout != (self.data_world_size, len(self.replica_group)):
             self.store.replan(
@@ -442,10 +443,34 @@ class StoreLoader(LoaderBase, Walking):
             # Where the old ranks saw the end, the new ones ask again: a short last round too
             # small for the old ranks may be served on fewer.
             ended = False
-        self._version.restore(state.get("policy_version"))
+        self._version.restore(st["policy_version"])
         self._requested = self._granted = self._returned = nxt
         self._finished = ended
         self._end_at = nxt if ended else None
         self._redeliver = st["requested"]
         self._from_start = False
         self._asked = dict(zip(range(nxt, st["requested"]), st["asked_versions"], strict=True))
+
+    def _checked_state(self, state: Any, ranks: int, batch_size: int) -> dict[str, Any]:
+        """The fields of ``state`` with every check of :meth:`load_state_dict` passed, for
+        this loader on ``ranks`` data ranks x ``batch_size`` (its own layout, or the one
+        ``resize()`` moves it to); changes nothing, so a refused state leaves the loader and
+        the store as they were."""
+        st = open_state(
+            state,
+            task=self.task,
+            partition=self.partition,
+            ranks=ranks,
+            batch_size=batch_size,
+            unit=self._unit,
+        )
+        nxt = st["next"]
+        if st["requested"] - nxt > self._keeps:
+            raise ValueError(
+                f"StoreLoader state has {st['requested'] - nxt} batches in flight, more than this "
+                f"loader keeps ({self._keeps}); resume with the same prefetch, device and "
+                "device_prefetch"
+            )
+        check_moment(self.store.stats()["consumed"].get(self.task, 0), self.task, nxt, st)
+        st["policy_version"] = LoaderVersion.check_restore(st.get("policy_version"))
+        return st

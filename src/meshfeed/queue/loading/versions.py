@@ -39,11 +39,18 @@ class LoaderVersion:
             )
         self.version = version
 
+    @staticmethod
+    def check_restore(version: Any) -> int | None:
+        """The version a loader state names (``None``: a state without one), refused by name
+        before anything changes."""
+        return check_version(version, "the state's policy_version")
+
     def restore(self, version: Any) -> None:
-        """The version a loader state names (``None``: a state without one)."""
+        """Take the version a loader state names (``None``: a state without one; checked
+        first, so a refused one leaves this version as it was)."""
+        version = self.check_restore(version)
         if version is not None:
-            self.version = None  # a resumed loader may be at any version the state names
-            self.set(check_version(version, "the state's policy_version"))
+            self.version = version  # a resumed loader may be at any version the state names
 
     def request(self) -> dict[str, int | None]:
         """The keywords of the next ``SampleStore.get``."""

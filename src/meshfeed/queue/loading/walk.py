@@ -16,6 +16,9 @@ returned, counted as returned only then. What is particular to a store:
 - A batch the loop could not return (``collate_fn`` kept failing, or another rank's part of
   the round did) is kept first in line (``loader._held``): the next walk collates it again, or
   returns it, without fetching it again.
+- With a process group, the ranks agree once, at a loader's first ``next()``, where it starts
+  (:meth:`Walking._agree_start`): its position comes from outside only then (a loaded state, a
+  resize); later walks start where the per-batch agreement left every rank.
 
 :class:`Walking` is the part of a :class:`~meshfeed.queue.StoreLoader` that walks: its
 position (returned, requested, granted), the versions its requests were granted with, and the
@@ -36,13 +39,15 @@ from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.delivery import Delivery
-from meshfeed.dist import is_distributed
-from meshfeed.errors import CollectiveError, RankError
+from meshfeed.dist import gather_agreement, is_distributed
+from meshfeed.errors import NEVER_SUBSTITUTED, CollectiveError, RankError
+from meshfeed.mesh import DataMesh, mesh_hash
 from meshfeed.protocols import BoundedService
 from meshfeed.queue.loading.errors import CollateError, SkipLog, round_failed
 from meshfeed.queue.loading.fetch import StoreEvents, StoreTask
 from meshfeed.queue.loading.reach import LocalDoor
 from meshfeed.queue.loading.versions import LoaderVersion
+from meshfeed.services.distributed import check_walk_start
 from meshfeed.telemetry import Telemetry
 
 __all__ = ["SKIPPED", "Walking"]
@@ -63,6 +68,8 @@ class Walking:
     wait_timeout: float
     task: str
     rank: int
+    mesh: DataMesh
+    data_world_size: int
     collate_retries: int
     _door: LocalDoor | None
     _walks: int
@@ -102,6 +109,34 @@ class Walking:
         self._owed: tuple[int, dict[str, float]] | None = None
         #: The current walk's thread, delivery stage and service map (:meth:`_walk`).
         self._stage: tuple[int, weakref.ref[Any], Iterator[Any]] | None = None
+        #: Whether the ranks agreed where this loader starts (:meth:`_agree_start`).
+        self._start_agreed = False
+
+    def _agree_start(self) -> None:
+        """Where a process group runs, check once, at this loader's first ``next()`` (built,
+        loaded from a state, or resized), that every rank starts at the same batch with the
+        same batches in flight (``next``, ``requested``) on the same mesh: one all-gather of a
+        few ints, the check ``DataLoader`` makes at every walk start. Ranks that loaded
+        different states (one stale) would read other ranks' batches again, or skip some, or
+        hang in the per-batch agreement; they raise ``ValueError`` on every rank instead.
+        Later walks (after an error) start where the ranks' per-batch agreement left them."""
+        if is_distributed():
+            requested = max(self._granted, self._returned, self._redeliver)
+            facts = {
+                "next": self._returned,
+                "requested": requested,
+                "data_world_size": self.data_world_size,
+                "mesh": mesh_hash(self.mesh),
+            }
+            try:
+                check_walk_start(gather_agreement(facts, self.wait_timeout))
+            except ValueError as exc:
+                raise ValueError(
+                    f"StoreLoader of task {self.task!r}: {exc}. A StoreLoader state's 'next' "
+                    "and 'requested' are the same on every rank: load the one saved with "
+                    "the store's checkpoint on every rank"
+                ) from None
+        self._start_agreed = True
 
     def _version_args(self, index: int) -> dict[str, Any]:
         """The keywords of batch ``index``'s request: its policy version (as first asked),
@@ -251,7 +286,7 @@ class Walking:
         """Each batch with ``on_error`` applied and, where a process group runs, agreed on."""
         agree = self.on_error == "raise" and is_distributed()
         try:
-            for item, events in results:
+            for item, events in Walking._announced(self, results, agree):
                 if events.ids is None:  # ended: later requests end too; the in-flight ones drain
                     if self._end_at is None or events.index < self._end_at:
                         self._end_at = events.index
@@ -267,6 +302,24 @@ class Walking:
         finally:
             if isinstance(results, Generator):
                 results.close()
+
+    def _announced(self, results: Iterator[Result], agree: bool) -> Iterator[Result]:
+        """``results``; where the ranks agree on every batch (``agree``), a batch whose making
+        raised a :data:`~meshfeed.errors.NEVER_SUBSTITUTED` error (a damaged file,
+        ``MemoryError``: raised as itself, never a ``CollateError``) is first announced to the
+        other ranks, which raise :class:`RankError` at the same batch (as ``DataLoader``'s
+        ``fail_together``) instead of waiting for this one in the per-batch agreement."""
+        while True:
+            try:
+                result = next(results)
+            except StopIteration:
+                return
+            except NEVER_SUBSTITUTED as error:
+                if agree and isinstance(error, Exception) and not self._shut:
+                    with contextlib.suppress(CollectiveError):  # a dead peer must not hide ours
+                        round_failed(True, self.wait_timeout)
+                raise
+            yield result
 
     def _skipped(self, events: StoreEvents) -> bool:
         """``on_error="skip"``: whether the batch is dropped, agreed by every rank (a round one
@@ -295,9 +348,9 @@ class Walking:
         if failed is not None:
             self._held = (item, events)  # returned once the ranks go on
             raise RankError(
-                f"rank {failed} could not collate its part of batch {events.index} of task "
-                f"{self.task!r} (this is rank {self.rank}); see that rank's error. Every rank "
-                "stops here so that none waits in its next collective",
+                f"rank {failed} could not collate (or make) its part of batch {events.index} "
+                f"of task {self.task!r} (this is rank {self.rank}); see that rank's error. Every "
+                "rank stops here so that none waits in its next collective",
                 rank=failed,
                 step=events.index,
             )
