@@ -370,11 +370,17 @@ def test_the_plan_agreement_waits_the_loaders_timeout(monkeypatch):
 
 def test_every_walk_start_is_agreed_in_one_collective_simulated(monkeypatch):
     # Both ranks in one process: the all-gather returns each simulated rank's facts.
+    import torch.distributed as tdist
+
     from meshfeed import DataLoader
     from meshfeed.services import distributed
 
     _FakeGroup(monkeypatch, "gloo")
-    peers = [DataLoader(list(range(16)), batch_size=2, mesh={"dp": 2}, rank=r) for r in (0, 1)]
+    peers = []
+    for r in (0, 1):  # each built as the rank of the process group it stands for
+        monkeypatch.setattr(tdist, "get_rank", lambda group=None, r=r: r)
+        peers.append(DataLoader(list(range(16)), batch_size=2, mesh={"dp": 2}, rank=r))
+    monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
     gathers: list[dict[str, int]] = []
 
     def gather(values, timeout, group=None):

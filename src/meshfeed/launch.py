@@ -25,6 +25,8 @@ from torch.multiprocessing.spawn import (
     ProcessRaisedException,
 )
 
+from meshfeed.dist import _check_timeout
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -71,10 +73,12 @@ def run_distributed(
     raised here (``ProcessRaisedException`` naming the rank that raised first, with its
     traceback: its peers, left in a torn-down group, fail after it); a rank that exits without
     a result is named; a run longer than ``timeout`` seconds kills the processes and raises
-    ``TimeoutError``, so a broken collective cannot hang the caller.
+    ``TimeoutError``, so a broken collective cannot hang the caller. ``timeout`` is checked as
+    :mod:`meshfeed.dist` checks its own (positive seconds; ``math.inf``: a year).
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of processes (got {world=})")
+    timeout = _check_timeout(timeout)
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(

@@ -34,7 +34,7 @@ from typing import Any
 
 from meshfeed.delivery import Delivery, check_device
 from meshfeed.lifecycle import Lifecycle
-from meshfeed.mesh import place
+from meshfeed.mesh import place, world_size_now
 from meshfeed.options import LoaderOptions
 from meshfeed.telemetry import Telemetry
 
@@ -189,14 +189,19 @@ class LoaderBase(Lifecycle):
     ) -> None:
         """Continue on a new data-parallel layout from the next global batch (#32).
 
-        ``mesh`` / ``device_mesh`` / ``rank`` as the constructor's; with none, the current
-        process group (or the torchrun environment). Call it between batches; the global batch
+        ``mesh`` / ``device_mesh`` / ``rank`` as the constructor's. With no mesh, the loader's
+        mesh on the current process group's world (or torchrun's ``WORLD_SIZE``): its non-data
+        axes (``tp``, ``pp``, ``cp``, ...) kept and its one data axis rescaled
+        (:meth:`~meshfeed.mesh.DataMesh.rescaled`, which refuses a mesh where that is not one
+        layout, asking for the new mesh). Call it between batches; the global batch
         stays, each rank's share becomes ``global_batch_size / data ranks``, and every sample
         is still served once. ``state``: a peer's ``state_dict()`` to continue from instead of
         this loader's own position (a rank that rejoins). Iterate anew afterwards
         (``for batch in loader``): an iterator taken before raises. See
         :mod:`meshfeed.relayout`.
         """
+        if mesh is None and device_mesh is None:
+            mesh = self.mesh.rescaled(world_size_now())
         new_mesh, new_rank = place(
             mesh, device_mesh, rank, serves_every_rank=self._serves_every_rank
         )

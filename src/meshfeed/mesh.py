@@ -47,8 +47,19 @@ DEFAULT_AXIS_ORDER: tuple[str, ...] = (
 #: (``dp=10**8``) or a unit mix-up.
 MAX_WORLD_SIZE = 2**24
 
-#: Axes whose ranks see different data. Every other axis replicates the data.
-DEFAULT_DATA_AXES: frozenset[str] = frozenset({"dp", "fsdp", "dp_replicate", "dp_shard"})
+#: Other projects' names for their data-parallel ``DeviceMesh`` dims: torch's HSDP mesh
+#: (``"replicate"``, ``"shard"``) and torchtitan's data-loading mesh (``"batch"``).
+DATA_AXIS_ALIASES: tuple[str, ...] = ("replicate", "shard", "batch")
+
+#: Axes whose ranks see different data. Every other axis replicates the data. Expert parallel
+#: (``ep``) is carved out of data parallel (Megatron-LM, torchtitan): its ranks read different
+#: data, so ``from_sizes(dp=2, ep=4)`` has 8 data ranks.
+DEFAULT_DATA_AXES: frozenset[str] = frozenset(
+    {"dp", "fsdp", "dp_replicate", "dp_shard", "ep", *DATA_AXIS_ALIASES}
+)
+
+#: Every axis name meshfeed knows what to do with: the laid-out axes and the data aliases.
+KNOWN_AXES: frozenset[str] = frozenset(DEFAULT_AXIS_ORDER) | DEFAULT_DATA_AXES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,8 +98,7 @@ class DataMesh:
         if len(set(self.axis_names)) != len(self.axis_names):
             raise ValueError(f"axis names repeat ({self.axis_names=}); name each axis once")
         for name, size in zip(self.axis_names, self.axis_sizes, strict=True):
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-                raise ValueError(f"axis {name!r} has size {size!r}; sizes must be integers >= 1")
+            _check_size(name, size)
 
     def _check_world_size(self) -> None:
         """At most :data:`MAX_WORLD_SIZE` ranks."""
@@ -101,8 +111,10 @@ class DataMesh:
             )
 
     def _check_data_axes(self) -> None:
-        """``data_axes`` names axes of this mesh or of :data:`DEFAULT_AXIS_ORDER`."""
-        unknown = set(self.data_axes) - set(self.axis_names) - set(DEFAULT_AXIS_ORDER)
+        """``data_axes`` is a collection (not a string) of axes of this mesh or of
+        :data:`KNOWN_AXES`."""
+        _check_not_str("data_axes", self.data_axes)
+        unknown = set(self.data_axes) - set(self.axis_names) - KNOWN_AXES
         if unknown:
             raise ValueError(
                 f"data_axes names unknown axes {sorted(unknown)} (mesh axes: "
@@ -178,18 +190,28 @@ class DataMesh:
         data_axes: Iterable[str] | None = None,
         ulysses: int = 1,
     ) -> DataMesh:
-        """Build from a ``torch.distributed.device_mesh.DeviceMesh`` with named dims."""
+        """Build from a ``torch.distributed.device_mesh.DeviceMesh`` with named dims.
+
+        Every dim is an axis meshfeed knows (:data:`KNOWN_AXES`: torch's HSDP ``replicate`` /
+        ``shard`` and torchtitan's ``batch`` are data axes) or is named in ``data_axes``: an
+        unknown dim would silently replicate the data. The mesh is the root mesh, holding every
+        rank of the world (a sub-mesh such as ``world_mesh["dp"]`` is refused).
+        """
         names = getattr(device_mesh, "mesh_dim_names", None)
         if not names:
             raise ValueError(
                 "the DeviceMesh has no mesh_dim_names; create it with "
                 "init_device_mesh(..., mesh_dim_names=('dp', 'tp', ...))"
             )
+        names = tuple(names)
+        axes = _data_axes(data_axes)
+        _check_dim_names(names, axes)
         ranks = np.asarray(device_mesh.mesh.cpu().numpy(), dtype=np.int64)
+        _check_root_mesh(names, ranks)
         return cls(
-            axis_names=tuple(names),
+            axis_names=names,
             axis_sizes=tuple(int(s) for s in ranks.shape),
-            data_axes=_data_axes(data_axes),
+            data_axes=axes,
             ulysses=ulysses,
             ranks=ranks,
         )
@@ -206,10 +228,12 @@ class DataMesh:
         """Build from the torchrun environment (``WORLD_SIZE``).
 
         With no sizes it is pure data parallel. Given the non-data axes (``tp=2``), the ``dp``
-        axis takes the rest of the world.
+        axis takes the rest of the world. Each size is checked (an integer >= 1 of a known
+        axis) before any arithmetic.
         """
         env = os.environ if env is None else env
         world = _env_world_size(env)
+        _check_env_sizes(sizes)
         if "dp" not in sizes:
             rest = math.prod(sizes.values()) if sizes else 1
             if world % rest:
@@ -220,6 +244,44 @@ class DataMesh:
             sizes = {"dp": world // rest, **sizes}
         axis_sizes: dict[str, Any] = {k: int(v) for k, v in sizes.items()}
         return cls.from_sizes(world_size=world, data_axes=data_axes, ulysses=ulysses, **axis_sizes)
+
+    def rescaled(self, world_size: int) -> DataMesh:
+        """This mesh on ``world_size`` ranks: the non-data axes (``tp``, ``pp``, ``cp``, ...)
+        kept, the one data axis taking the rest (what ``loader.resize()`` without a mesh moves
+        to). Refused, asking for the new mesh, where that is not one layout: a mesh with its
+        own rank table (from a ``DeviceMesh``), with several data axes or none, or a world the
+        kept axes do not divide.
+
+        >>> DataMesh.from_sizes(dp=2, tp=2).rescaled(8).sizes
+        {'dp': 4, 'tp': 2}
+        """
+        fix = "pass the new mesh: loader.resize(mesh) with a DataMesh, a DeviceMesh or a dict"
+        if self.ranks is not None:
+            raise ValueError(
+                f"the mesh {self.sizes} has its own rank table (it came from a DeviceMesh), so "
+                f"its layout on {world_size} ranks cannot be guessed; {fix}"
+            )
+        data = [n for n in self.axis_names if n in self.data_axes]
+        if len(data) != 1:
+            raise ValueError(
+                f"the mesh {self.sizes} has {len(data)} data axes {data}, not one to take the "
+                f"{world_size} ranks; {fix} of axis sizes"
+            )
+        kept = {n: s for n, s in self.sizes.items() if n not in self.data_axes}
+        rest = math.prod(kept.values())
+        if world_size % rest:
+            raise ValueError(
+                f"the new world of {world_size} ranks is not divisible by {rest}, the product "
+                f"of the mesh's non-data axes {kept} (which a resize without a mesh keeps); "
+                f"run on a multiple of {rest} ranks, or {fix} of axis sizes"
+            )
+        sizes = tuple(world_size // rest if n in data else s for n, s in self.sizes.items())
+        return DataMesh(
+            axis_names=self.axis_names,
+            axis_sizes=sizes,
+            data_axes=self.data_axes,
+            ulysses=self.ulysses,
+        )
 
     # ----------------------------------------------------------------- queries
     @property
@@ -323,6 +385,7 @@ def _axis_layout(
     """The axis names (in ``order``, default :data:`DEFAULT_AXIS_ORDER`) and their sizes for
     :meth:`DataMesh.from_sizes`; ``("dp",), (1,)`` when no axis is given. Every sized axis is
     in the order; an order the caller gave names only sized axes."""
+    _check_not_str("order", order)
     axis_order = tuple(order) if order is not None else DEFAULT_AXIS_ORDER
     unknown = [name for name in sizes if name not in axis_order]
     if unknown:
@@ -341,7 +404,81 @@ def _axis_layout(
 
 
 def _data_axes(data_axes: Iterable[str] | None) -> frozenset[str]:
+    _check_not_str("data_axes", data_axes)
     return DEFAULT_DATA_AXES if data_axes is None else frozenset(data_axes)
+
+
+def _check_size(name: str, size: Any) -> None:
+    """An axis size is an integer >= 1 (not a bool, a float or a string)."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ValueError(f"axis {name!r} has size {size!r}; sizes must be integers >= 1")
+
+
+def _check_env_sizes(sizes: Mapping[str, Any]) -> None:
+    """The sizes given to :meth:`DataMesh.from_env`: axes of :data:`DEFAULT_AXIS_ORDER` (it
+    takes no ``order``), each an integer >= 1, checked before the world is divided by them."""
+    unknown = [name for name in sizes if name not in DEFAULT_AXIS_ORDER]
+    if unknown:
+        raise ValueError(
+            f"unknown mesh axis {unknown} (known: {list(DEFAULT_AXIS_ORDER)}); for custom axis "
+            "names use DataMesh.from_sizes(order=[...], world_size=int(os.environ"
+            "['WORLD_SIZE']), ...)"
+        )
+    for name, size in sizes.items():
+        _check_size(name, size)
+
+
+def _check_not_str(name: str, value: Any) -> None:
+    """``order`` / ``data_axes`` are lists of axis names: a string would be read letter by
+    letter. Megatron writes its order as ``"tp-cp-dp-pp"``, innermost first; meshfeed's lists
+    are outermost first, so the suggestion reverses such a string."""
+    if isinstance(value, str):
+        parts = value.split("-")[::-1] if "-" in value else [value]
+        what = "axis names, outermost first" if name == "order" else "axis names"
+        raise ValueError(
+            f"{name}={value!r} is a string; pass a list of {what}, e.g. {name}={parts!r}"
+        )
+
+
+def _check_dim_names(names: tuple[str, ...], data_axes: frozenset[str]) -> None:
+    """Every dim of a ``DeviceMesh`` is a known axis or a data axis the caller named: meshfeed
+    cannot tell whether the ranks of any other dim read different data."""
+    unknown = [n for n in names if n not in KNOWN_AXES and n not in data_axes]
+    if unknown:
+        shard = [n for n in names if n in data_axes or n in unknown]
+        raise ValueError(
+            f"the DeviceMesh dim(s) {unknown} (dims {list(names)}) are not axes meshfeed "
+            "knows, so it cannot tell whether their ranks read different data (an unknown dim "
+            "would replicate it: every rank along it reading the same samples); name the dims "
+            "that shard data: mesh=DataMesh.from_device_mesh(device_mesh, data_axes=[...]) (e.g. "
+            f"data_axes={shard!r}), or rename the dims to meshfeed's axes: data "
+            f"{sorted(DEFAULT_DATA_AXES)}, replicating {sorted(KNOWN_AXES - DEFAULT_DATA_AXES)}"
+        )
+
+
+def _check_root_mesh(names: tuple[str, ...], ranks: np.ndarray) -> None:
+    """A ``DeviceMesh`` holds every rank of the world once (the one ``init_device_mesh``
+    returned), not a sub-mesh such as ``world_mesh["dp"]``."""
+    flat = np.sort(ranks.ravel())
+    world = int(dist.get_world_size()) if is_initialized() else None
+    if np.array_equal(flat, np.arange(flat.size)) and world in (None, flat.size):
+        return
+    shown = ranks.ravel().tolist()
+    listed = str(shown) if len(shown) <= 16 else f"{str(shown[:16])[:-1]}, ...]"
+    of = f"the {world} ranks of the world" if world is not None else "the world's ranks"
+    raise ValueError(
+        f"the DeviceMesh with dims {list(names)} is a sub-mesh: it holds {flat.size} rank(s) "
+        f"{listed}, not each of {of}; pass the root mesh (the one init_device_mesh returned, "
+        "e.g. world_mesh rather than world_mesh['dp']), whose dims name every axis"
+    )
+
+
+def world_size_now() -> int:
+    """The world size of the initialised process group, else torchrun's ``WORLD_SIZE`` (1
+    without either)."""
+    if is_initialized():
+        return int(dist.get_world_size())
+    return _env_world_size(os.environ)
 
 
 def default_rank(world_size: int | None = None, *, env: Mapping[str, str] | None = None) -> int:
@@ -416,10 +553,11 @@ def place(
 
     ``device_mesh=`` is another name for ``mesh=`` (the one torch and Twinkle users know);
     both at once is an error. A mesh whose world size differs from an initialised process
-    group's is an error. Without ``rank`` it comes from :func:`default_rank`
+    group's is an error, and so is, without a process group, one that differs from torchrun's
+    ``WORLD_SIZE`` (:func:`_check_world`). Without ``rank`` it comes from :func:`default_rank`
     (``serves_every_rank``: this process makes the batches of every data rank, a Ray driver,
     so a mesh of several ranks does not need this process's own rank). The rank is validated
-    against the mesh.
+    against the mesh, and in a process group it must be this process's rank there.
     """
     if mesh is not None and device_mesh is not None:
         raise ValueError(
@@ -427,16 +565,46 @@ def place(
             "the name torch and Twinkle users know): pass one of them"
         )
     resolved = resolve_mesh(device_mesh if mesh is None else mesh)
-    if is_initialized() and dist.get_world_size() != resolved.world_size:
-        raise ValueError(
-            f"the mesh {resolved.sizes} has world size {resolved.world_size} but the process "
-            f"group has {dist.get_world_size()} ranks; make the mesh sizes multiply to the "
-            "number of processes"
-        )
+    _check_world(resolved, serves_every_rank=serves_every_rank)
     if rank is None:
         rank = default_rank(1 if serves_every_rank else resolved.world_size)
     resolved.data_rank(rank)  # validates the rank
+    if not serves_every_rank:
+        _check_own_rank(resolved, rank)
     return resolved, rank
+
+
+def _check_world(mesh: DataMesh, *, serves_every_rank: bool = False) -> None:
+    """The mesh has as many ranks as the job: the initialised process group's world, or,
+    without one, torchrun's ``WORLD_SIZE`` when it is above 1 (a mesh of 4 on 2 processes
+    would leave half of every epoch unread). A process serving every rank (a Ray driver) is
+    not one of the job's ranks, so only the process group is checked for it."""
+    if is_initialized():
+        world, source = int(dist.get_world_size()), "the process group has"
+    elif serves_every_rank or "WORLD_SIZE" not in os.environ:
+        return
+    else:
+        world = _env_world_size(os.environ)
+        source = f"torchrun's WORLD_SIZE={world} says the job has"
+        if world == 1:
+            return
+    if world != mesh.world_size:
+        raise ValueError(
+            f"the mesh {mesh.sizes} has world size {mesh.world_size} but {source} {world} "
+            "ranks; make the mesh sizes multiply to the number of processes"
+        )
+
+
+def _check_own_rank(mesh: DataMesh, rank: int) -> None:
+    """In a process group, an explicit ``rank`` is this process's global rank there: any other
+    (``LOCAL_RANK`` on several nodes, a literal ``rank=0``) makes ranks read the same data."""
+    if is_initialized() and int(rank) != int(dist.get_rank()):
+        raise ValueError(
+            f"rank={rank} was passed, but this process is rank {dist.get_rank()} of the process "
+            f"group of {mesh.world_size} ranks; two processes would read the same data. Pass "
+            "the global rank (rank=torch.distributed.get_rank(), not LOCAL_RANK), or leave "
+            "rank out to take it from the process group"
+        )
 
 
 def mesh_hash(mesh: DataMesh) -> int:
