@@ -522,7 +522,8 @@ class DataLoader(LoaderBase):
 
         Every field is checked against this loader. A different global batch size is refused
         unless ``allow_global_batch_change=True``, in which case the loader continues from the
-        same sample position. Afterwards ``set_epoch`` to an earlier epoch raises unless
+        same sample position (always refused for a curriculum or a ``Mixture`` weight
+        schedule, whose steps count global batches). Afterwards ``set_epoch`` to an earlier epoch raises unless
         ``allow_rewind=True``.
         """
         state = read_state(self, state, allow_global_batch_change=allow_global_batch_change)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from meshfeed.curriculum.order import GatedOrder
 from meshfeed.fetch import MAX_REPORTED_FAILURES
 from meshfeed.loader_base import check_epoch
 from meshfeed.mesh import data_sizes_dividing
 from meshfeed.order.batches import BatchPlan, OrderHooks
+from meshfeed.ordering import CurriculumMixtureOrder
 from meshfeed.protocols import ExplainedSource, Order
+from meshfeed.sources.mixture_order import MixtureOrder
 from meshfeed.state import check_count, open_envelope
 
 
@@ -141,7 +144,8 @@ def _check_global_batch(
     loader: ReadingLoader, state: dict[str, Any], *, allow_global_batch_change: bool
 ) -> None:
     """The global batch size and data world size are >= 1, and the global batch is the
-    loader's unless a change is allowed."""
+    loader's unless a change is allowed (never for an order that counts its steps in global
+    batches: a curriculum, a Mixture weight schedule)."""
     for key in ("global_batch_size", "data_world_size"):
         if state[key] < 1:
             raise ValueError(
@@ -149,7 +153,24 @@ def _check_global_batch(
                 "checkpoint is corrupted"
             )
     gbs, dp = state["global_batch_size"], loader.data_world_size
-    if gbs == loader.global_batch_size or allow_global_batch_change:
+    if gbs == loader.global_batch_size:
+        return
+    counted = _steps_in_global_batches(loader.order, state.get("order"))
+    if counted is not None:
+        what, moved = counted
+        keep = (
+            f"batch_size={gbs // dp} on these {dp} data ranks"
+            if gbs % dp == 0
+            else f"a data-parallel size in {data_sizes_dividing(gbs)} with batch_size=G/dp"
+        )
+        raise ValueError(
+            f"checkpoint global batch size {gbs} differs from this loader's "
+            f"{loader.global_batch_size}, and this loader's order has {what}, whose steps are "
+            f"counted in global batches of {gbs}: with another global batch {moved}, so it is "
+            f"refused even with allow_global_batch_change=True; resume with the same global "
+            f"batch size {gbs} ({keep})"
+        )
+    if allow_global_batch_change:
         return
     if gbs % dp:
         # The global batch is the unit: ranks with unequal shares would take unequal steps (#32).
@@ -166,6 +187,21 @@ def _check_global_batch(
         f"keep the global batch (e.g. batch_size={gbs // dp} if it divides) or pass "
         "allow_global_batch_change=True to continue from the same sample position"
     )
+
+
+def _steps_in_global_batches(order: Order, facts: Any) -> tuple[str, str] | None:
+    """What of ``order`` counts its steps in global batches of a fixed size (a curriculum, a
+    Mixture's weight schedule, also one the checkpoint's ``facts`` restore), and what another
+    global batch would do to it; None for an order without such steps."""
+    if isinstance(order, (GatedOrder, CurriculumMixtureOrder)):
+        return "a curriculum", "its step, and so its difficulty, would jump"
+    if isinstance(order, MixtureOrder):
+        recorded = facts.get("schedule") if isinstance(facts, dict) else None
+        if len(order.mixture.schedule_json()) > 1 or (
+            isinstance(recorded, list) and len(recorded) > 1
+        ):
+            return "a Mixture weight schedule", "its weight changes would move to other samples"
+    return None
 
 
 def _check_rampup(

@@ -43,6 +43,11 @@ _NEVER = np.iinfo(np.int64).max
 DENSE_STEPS = 2**20
 
 
+def _is_int(x: object) -> bool:
+    """``x`` is an int or a numpy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _plain(x: Any) -> int | float:
     return int(x) if isinstance(x, (int, np.integer)) else float(x)
 
@@ -69,10 +74,24 @@ class CurriculumMetric:
                 f"difficulty_type must be 'value' or 'percentile' (got {self.difficulty_type!r})"
             )
         pm = self.percentile_max
-        if pm is not None and (isinstance(pm, bool) or not isinstance(pm, int) or pm < 1):
+        if pm is not None and (not _is_int(pm) or pm < 1):
             raise ValueError(
                 f"percentile_max must be a positive int or None (got {pm!r}); DeepSpeed uses "
                 "the metric's max_difficulty, usually 100"
+            )
+        if pm is not None and self.difficulty_type != "percentile":
+            raise ValueError(
+                f"percentile_max={pm!r} with difficulty_type={self.difficulty_type!r} would be "
+                "ignored: it scales percentile difficulties only; pass "
+                'difficulty_type="percentile" or drop percentile_max'
+            )
+        if pm is not None:
+            object.__setattr__(self, "percentile_max", int(pm))  # a numpy int as an int
+        if not isinstance(self.schedule, Schedule):
+            raise TypeError(
+                f"schedule must be a Schedule (got {type(self.schedule).__name__}); build one "
+                "with meshfeed.curriculum's fixed_linear, fixed_root, fixed_discrete or custom "
+                "(e.g. custom(fn, total_curriculum_step=...) for a function of the step)"
             )
         if not isinstance(self.index, MetricIndex):
             raise TypeError(
@@ -239,12 +258,12 @@ class Curriculum:
         samples_per_epoch: int | None = None,
         first_step: int = 0,
     ) -> None:
-        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+        if not _is_int(first_step) or first_step < 0:
             raise ValueError(
                 f"first_step must be an int >= 0 (got {first_step=!r}); 0 gives batch n the "
                 "difficulty of step n, 1 that of step n + 1 (DeepSpeed's sampler)"
             )
-        self.first_step = first_step
+        self.first_step = int(first_step)
         self.metrics = tuple(metrics)
         self.transforms = tuple(transforms)
         for m in self.metrics:
@@ -262,10 +281,16 @@ class Curriculum:
         names = [m.name for m in self.metrics] + [t.name for t in self.transforms]
         if len(set(names)) != len(names):
             raise ValueError(f"curriculum metric names must be unique (got {names})")
-        if samples_per_epoch is not None and samples_per_epoch < 1:
-            raise ValueError(f"samples_per_epoch must be positive (got {samples_per_epoch=})")
-        self.samples_per_epoch = samples_per_epoch
-        self._post = BatchTransforms(self.transforms, first_step=first_step)
+        if samples_per_epoch is not None and (
+            not _is_int(samples_per_epoch) or samples_per_epoch < 1
+        ):
+            raise ValueError(
+                f"samples_per_epoch must be a positive int or None (got {samples_per_epoch=!r}); "
+                "give a multiple of the global batch size, or None for the dataset length "
+                "rounded down to whole global batches"
+            )
+        self.samples_per_epoch = None if samples_per_epoch is None else int(samples_per_epoch)
+        self._post = BatchTransforms(self.transforms, first_step=self.first_step)
 
     def __repr__(self) -> str:
         names = [m.name for m in self.metrics] + [t.name for t in self.transforms]

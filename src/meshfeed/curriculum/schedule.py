@@ -31,6 +31,7 @@ arithmetic DeepSpeed uses is exact on them; steps (``total_curriculum_step``, ``
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -76,6 +77,35 @@ def _is_int(*xs: object) -> bool:
     return all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in xs)
 
 
+def _is_number_type(kind: type) -> bool:
+    """``kind`` is a real number type (int, float or a numpy one), not bool."""
+    return issubclass(kind, (int, float, np.integer, np.floating)) and not issubclass(kind, bool)
+
+
+def _is_number(x: object) -> bool:
+    """``x`` is a real number (an int, a float or a numpy one), not a bool."""
+    return _is_number_type(type(x))
+
+
+def _check_number(name: str, value: object, *, hint: str) -> None:
+    """Refuse a ``value`` of ``name`` that is not a finite number: NaN compares false, so a NaN
+    threshold would gate every sample, or none, without a word."""
+    if not _is_number(value):
+        raise TypeError(
+            f"{name} must be an int or a float (got {value!r} of type {type(value).__name__}); "
+            f"{hint}"
+        )
+    if not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a finite number (got {name}={value!r}); {hint}")
+
+
+def _check_difficulty(name: str, value: object) -> None:
+    """Refuse a difficulty ``value`` that is not a finite number (see :func:`_check_number`)."""
+    _check_number(
+        name, value, hint="give the threshold as a number (the metric's largest value admits all)"
+    )
+
+
 def _check_step_limit(name: str, step: int, limit: int = MAX_STEP) -> None:
     if step > limit:
         bound = "at most MAX_STEP = 2**62" if limit == MAX_STEP else "below MAX_STEP = 2**62"
@@ -96,6 +126,9 @@ class FixedRoot:
     root_degree: Number = 1
 
     def __post_init__(self) -> None:
+        for name in ("min_difficulty", "max_difficulty", "difficulty_step"):
+            _check_difficulty(name, getattr(self, name))
+        _check_number("root_degree", self.root_degree, hint="1 is fixed_linear, 2 a square root")
         if not self.min_difficulty <= self.max_difficulty:
             raise ValueError(
                 f"min_difficulty must be <= max_difficulty (got {self.min_difficulty=}, "
@@ -186,6 +219,12 @@ class FixedDiscrete:
                 f"difficulty={list(d)}, max_step={list(m)}); the last difficulty holds after "
                 "max_step[-1]"
             )
+        for i, level in enumerate(d):
+            _check_difficulty(f"difficulty[{i}]", level)
+        if not _is_int(*m):
+            raise TypeError(
+                f"max_step must be ints (got {list(m)}); give the last step of each difficulty"
+            )
         if any(b <= a for a, b in itertools.pairwise(m)) or m[0] < 0:
             raise ValueError(f"max_step must be non-negative and increasing (got {list(m)})")
         _check_step_limit("max_step[-1]", m[-1], MAX_STEP - 1)
@@ -236,7 +275,19 @@ class Custom:
         t = _check_steps(steps)
         if self.total_curriculum_step is not None:
             t = np.minimum(t, self.total_curriculum_step)
-        return np.asarray([self.fn(int(s)) for s in t.ravel()]).reshape(t.shape)
+        flat = t.ravel()
+        values = [self.fn(int(s)) for s in flat]
+        # refused where it is produced: a NaN threshold would gate silently, None fail later
+        numbers = all(_is_number_type(kind) for kind in set(map(type, values)))
+        out = np.asarray(values) if numbers else np.empty(0)
+        if not numbers or (out.dtype.kind == "f" and not np.isfinite(out).all()):
+            at = next(i for i, v in enumerate(values) if not _is_number(v) or not np.isfinite(v))
+            error = ValueError if _is_number(values[at]) else TypeError
+            raise error(
+                f"custom schedule: fn({int(flat[at])}) returned {values[at]!r}, not a finite "
+                "number; return the difficulty threshold at that step as an int or a float"
+            )
+        return out.reshape(t.shape)
 
     def difficulty(self, step: int) -> Number:
         return _scalar(self.difficulties(np.array([step])))
@@ -271,7 +322,8 @@ def fixed_linear(
 
 def fixed_discrete(*, difficulty: Sequence[Number], max_step: Sequence[int]) -> FixedDiscrete:
     """DeepSpeed's ``fixed_discrete`` pacing: ``difficulty[i]`` while ``step <= max_step[i]``."""
-    return FixedDiscrete(levels=tuple(difficulty), max_step=tuple(int(m) for m in max_step))
+    steps = tuple(int(m) if _is_int(m) else m for m in max_step)  # numpy ints as ints
+    return FixedDiscrete(levels=tuple(difficulty), max_step=steps)
 
 
 def custom(fn: Callable[[int], Number], *, total_curriculum_step: int | None = None) -> Custom:
