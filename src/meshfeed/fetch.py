@@ -18,8 +18,12 @@ A bad sample (it raises, or returns None) is retried up to ``max_retries`` times
 deterministic rejection and is not retried), then handled by ``on_error``: ``"raise"`` (a
 :class:`SampleError` naming the index and position), ``"skip"`` (the batch is one shorter) or
 ``"substitute"``: index ``derive_seed(op, seed, epoch, position, attempt) % len(dataset)``
-takes its place. The substitute depends only on the sample's global position, so every rank,
-worker and resume agrees.
+takes its place, or, for a dataset that groups its indices (a
+:class:`~meshfeed.sources.Mixture`, also under a :class:`~meshfeed.sources.LazyDataset`:
+``substitute_span(index)``), that draw in the span of the bad sample's group, so a mixture's
+weights hold through substitutes and filters. The substitute depends only on the sample's
+index and global position, so every rank, worker and resume agrees. It is not gated by a
+curriculum (the worker does not hold the eligible pool).
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class Fetcher:
         self.on_error = on_error
         self.max_retries = max_retries
         self.length = len(dataset)
+        span = getattr(dataset, "substitute_span", None)
+        self._span: Callable[[int], tuple[int, int]] | None = span if callable(span) else None
         # Decided once: the per-batch path does no attribute probing.
         self.mode: Literal["fetch_batch", "getitems", "getitem"] = (
             "fetch_batch"
@@ -253,9 +259,14 @@ class Fetcher:
             + "".join(traceback.format_exception(error))
         ) from error
 
-    def substitute_index(self, epoch: int, position: int, attempt: int) -> int:
-        """The index that replaces the sample at ``position`` on its ``attempt``-th substitution."""
-        return derive_seed(_SUBSTITUTE_OP, self.seed, epoch, position, attempt) % self.length
+    def substitute_index(self, epoch: int, position: int, attempt: int, index: int = -1) -> int:
+        """The index that replaces sample ``index`` at ``position`` on its ``attempt``-th
+        substitution: in its group's span where the dataset has groups (module docstring)."""
+        draw = derive_seed(_SUBSTITUTE_OP, self.seed, epoch, position, attempt)
+        if self._span is None or index < 0:
+            return draw % self.length
+        lo, n = self._span(index)
+        return lo + draw % n
 
     def _repair(self, task: FetchTask, delivered: list[Any], events: FetchEvents) -> Any:
         items: list[Any] = []
@@ -272,7 +283,7 @@ class Fetcher:
                         f"{_MAX_SUBSTITUTE_ATTEMPTS} substitutes all failed; the dataset is "
                         f"broken, not a few samples (first failures: {events.failures})"
                     )
-                sub = self.substitute_index(task.epoch, position, attempt)
+                sub = self.substitute_index(task.epoch, position, attempt, index)
                 item = self._try(sub, position, events, attempt)
             if item is _MISSING:
                 events.skipped += 1

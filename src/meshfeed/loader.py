@@ -180,6 +180,11 @@ class DataLoader(LoaderBase):
             rampup=options.rampup,
         )
         self.hooks = order_hooks(self.order)
+        if curriculum is not None and self.on_error == "substitute":
+            self.bad_samples_note = (
+                "a substitute is not gated by the curriculum (a worker does not hold the "
+                "eligible pool): filter before indexing the metric, or use on_error='skip'"
+            )
         self.plan = make_plan(self.order, options, data_world_size=self.data_world_size)
         self._check_some_batch(length)
         self.fetcher = Fetcher(

@@ -55,6 +55,8 @@ class LoaderBase(Lifecycle):
     name = "loader"
     #: Where the user sees every bad sample (named in the warning).
     failures_hint = "loader.stats()['failures']"
+    #: Said with the bad samples' warning (what a substitute is not, for this loader).
+    bad_samples_note = ""
 
     def __init__(
         self,
@@ -269,12 +271,13 @@ class LoaderBase(Lifecycle):
             detail = f"first: {where}: {first.get('error')}: {first.get('message')}"
         logger.warning(
             "%s: %d bad sample(s) substituted or skipped so far in this run (%s); see all "
-            "of them in %s; this warning repeats at most once per %d bad samples",
+            "of them in %s; this warning repeats at most once per %d bad samples%s",
             type(self).__name__,
             self._bad_in_run,
             detail,
             self.failures_hint,
             WARN_EVERY,
+            f"; {self.bad_samples_note}" if self.bad_samples_note else "",
         )
 
     def _note_padding(self, padded: int) -> None:

@@ -185,8 +185,9 @@ def _check_eligible_at_start(name: str, cur: Any, src_pool: Any, src_entry: Any)
         raise ValueError(
             f"no sample of source {name!r} is eligible at step {cur.first_step} "
             f"(difficulties {cur.difficulties(cur.first_step)}), but the mixture draws "
-            "from it from the start; lower that source's min_difficulty or give it "
-            "weight 0 until its samples are eligible"
+            "from it from the start (at weight 0 too: its gate plans from the first step); "
+            "lower the min_difficulty so that the first step admits some of its samples (per "
+            "source with curriculum={name: Curriculum(...)})"
         )
 
 
@@ -227,6 +228,17 @@ class CurriculumMixtureOrder(OrderBase):
                     batch_start=self._starts(s),
                 )
             )
+        self.mixture_order.on_schedule_change(self._schedule_changed)
+
+    def _schedule_changed(self) -> None:
+        """The mixture's weights changed (``reweight``, or a schedule adopted from a
+        checkpoint): the draws where each source's pool grows moved, so every gate plans its
+        rounds again, and the loader re-plans what it has not returned (a draw it planned
+        with the old rounds may now be another sample)."""
+        for gate in self.gates:
+            if gate is not None:
+                gate.rebuild()
+        self.mixture_order.replan_from(self.mixture_order.returned_until)
 
     def _source_pool(
         self, s: int, cur: Any, whole_pool: tuple[Any, Any] | None, *, samples_per_epoch: int

@@ -265,3 +265,63 @@ def test_two_gloo_ranks_split_each_global_batch_of_a_gated_mixture():
             curriculum=_whole(mix, sources),
         )
         assert [[tuple(s) for s in b] for b in results[rank]] == take(sim, 20)
+
+
+# --------------------------------------------------------------- weights changed while gated
+def _gated(weights, workers: int = 0):
+    sources = [Docs("a", 300, 0), Docs("b", 300, 1)]
+    mix = Mixture({d.name: d for d in sources}, weights)
+    schedule = fixed_linear(2, 10, 40, 1)
+    loader = DataLoader(
+        mix, batch_size=16, seed=1, collate_fn=list, curriculum=_whole(mix, sources, schedule),
+        num_workers=workers,
+    )  # fmt: skip
+    return mix, loader, schedule
+
+
+def _ineligible(batches, schedule, first: int = 0) -> int:
+    return sum(
+        length > schedule.difficulty(first + step)
+        for step, batch in enumerate(batches)
+        for _, _, length in batch
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reweight_after_the_loader_is_built_keeps_every_draw_eligible(workers):
+    # The gates plan where each source's pool grows from the mixture's counts; a reweight
+    # moves those draws, so the gates plan again (they served ineligible samples: 244 of 640).
+    mix, loader, schedule = _gated({"a": 1, "b": 1}, workers)
+    it = iter(loader)
+    head = [next(it) for _ in range(5)]  # workers have batches after these made already
+    mix.reweight(8, {"a": 1, "b": 7})
+    batches = head + [next(it) for _ in range(31)]  # the epoch: 37 batches
+    assert _ineligible(batches, schedule) == 0
+    # From the change on, the same batches as a mixture built with the whole schedule.
+    _, ahead, _ = _gated({0: {"a": 1, "b": 1}, 8: {"a": 1, "b": 7}}, workers)
+    assert take(ahead, 36)[5:] == batches[5:]
+    names = [s[0] for b in batches[8:] for s in b]
+    assert names.count("b") == 7 * names.count("a")  # the new weights hold
+
+
+def test_a_resume_that_brings_the_schedule_back_gates_as_the_uninterrupted_run():
+    # README: resume with the mixture built as at the start; the checkpoint brings the
+    # schedule back, and with it the gates' plan.
+    _, whole, schedule = _gated({0: {"a": 1, "b": 1}, 20: {"a": 1, "b": 7}})
+    full = take(whole, 36)
+    _, first, _ = _gated({0: {"a": 1, "b": 1}, 20: {"a": 1, "b": 7}})
+    assert take(first, 25) == full[:25]
+    state = first.state_dict()
+    _, resumed, _ = _gated({"a": 1, "b": 1})
+    resumed.load_state_dict(state)
+    assert take(resumed, 11) == full[25:]
+    assert _ineligible(full, schedule) == 0
+
+
+def test_a_reweight_mid_run_resumes_exactly_at_every_step():
+    def make():
+        mix, loader, _ = _gated({"a": 1, "b": 1})
+        mix.reweight(6, {"a": 3, "b": 1})
+        return loader
+
+    assert len(assert_resume_equivalence(make, num_items=14)) == 14

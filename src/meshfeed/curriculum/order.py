@@ -159,6 +159,12 @@ class GatedOrder(OrderBase):
         self.first_step = first_step
         self._difficulties = difficulties
         self._batch_start = batch_start
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Plan the rounds again from ``batch_start`` (a mixture whose weight schedule changed
+        moves the draws where the pool grows). Draws before the first such move are drawn as
+        before where their rounds are unchanged; every draw is eligible either way."""
         self._rounds = self._build_rounds()
         columns = (_START, _SIZE, _PARENT, _USED, _REST, _LO)
         self._columns = tuple(self._rounds[:, c] for c in columns)

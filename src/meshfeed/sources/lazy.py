@@ -225,6 +225,12 @@ class LazyDataset:
         h.update(";".join(self.ops).encode())
         return f"lazy:{len(self)}:{h.hexdigest()}"
 
+    def substitute_span(self, index: int) -> tuple[int, int]:
+        """Where a substitute for sample ``index`` is drawn from: the source's span for it (a
+        mixture's: that sample's source), else every index."""
+        inner = getattr(self.source, "substitute_span", None)
+        return inner(index) if callable(inner) else (0, len(self))
+
 
 class OrderedLazyDataset(LazyDataset):
     """A :class:`LazyDataset` over a source with an order of its own: it walks that order.

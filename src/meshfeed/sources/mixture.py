@@ -30,8 +30,9 @@ supplies its own order to the :class:`~meshfeed.DataLoader` through ``make_order
   schedule is refused; the fingerprint holds only the step-0 weights, so it does not change when
   ``reweight`` is called after a loader has recorded it. The loader-specific state (global batch
   size, how far it planned) lives in the :class:`MixtureOrder`, not in the mixture.
-- A substitute for a bad sample (see ``on_error``) is drawn from the whole concatenated index
-  space, not per source.
+- A substitute for a bad or filtered sample (see ``on_error``) is drawn from the same source
+  (:meth:`Mixture.substitute_span`), so the weights hold through substitutes; it is not gated
+  by a curriculum.
 - ``close()`` closes every source that has a ``close()`` (a stream's readers, files and held
   shards), all of them even if one raises.
 """
@@ -75,15 +76,33 @@ def _source_lengths(names: list[str], sources: list[Any]) -> np.ndarray:
     return np.asarray(lengths, dtype=np.int64)
 
 
-def _check_samples_per_epoch(samples_per_epoch: int | None) -> int | None:
-    """``samples_per_epoch`` if it is None or a positive int, else ``ValueError``."""
-    if samples_per_epoch is not None and (
-        not isinstance(samples_per_epoch, int) or samples_per_epoch < 1
+def _check_samples_per_epoch(samples_per_epoch: Any) -> int | None:
+    """``samples_per_epoch`` as an int if it is None or a positive integer (a numpy one
+    too; not a bool), else ``ValueError``."""
+    if samples_per_epoch is None:
+        return None
+    if (
+        isinstance(samples_per_epoch, bool)
+        or not isinstance(samples_per_epoch, (int, np.integer))
+        or samples_per_epoch < 1
     ):
         raise ValueError(
             f"samples_per_epoch must be a positive int or None (got {samples_per_epoch=!r})"
         )
-    return samples_per_epoch
+    return int(samples_per_epoch)
+
+
+def _source_names(sources: Mapping[Any, Any]) -> list[str]:
+    """The sources' names as strings, refused where two keys give the same one (``1`` and
+    ``"1"``): their weights, schedule and stats would merge."""
+    names = [str(n) for n in sources]
+    if len(set(names)) != len(names):
+        same = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(
+            f"source names {same} each name two sources (keys {list(sources)!r}); give every "
+            "source its own name"
+        )
+    return names
 
 
 def _weight_number(name: str, w: object) -> int | float:
@@ -121,7 +140,7 @@ class Mixture:
                 f"{reprlib.repr(sources)}); e.g. Mixture({{'web': web, 'code': code}}, "
                 "weights={'web': 3, 'code': 1})"
             )
-        self.names = [str(n) for n in sources]
+        self.names = _source_names(sources)
         self.sources = [sources[n] for n in sources]
         self.lengths = _source_lengths(self.names, self.sources)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
@@ -141,10 +160,17 @@ class Mixture:
         table: Mapping[Any, Any] = weights
         if not isinstance(table, Mapping) or not table:
             raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
-        if not all(isinstance(k, int) and not isinstance(k, bool) for k in table):
+        if not all(isinstance(v, Mapping) for v in table.values()):  # one table of weights
             self._add(0, table)
             return
-        steps = sorted(table)
+        bad = [k for k in table if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
+        if bad:
+            raise ValueError(
+                f"a weight schedule is a dict step -> weights with int steps (got keys "
+                f"{bad!r}); e.g. weights={{0: {{'web': 3, 'code': 1}}, 1000: {{...}}}}"
+            )
+        steps = sorted(int(k) for k in table)
+        table = {int(k): v for k, v in table.items()}
         if steps[0] != 0:
             raise ValueError(
                 f"a weight schedule must start at step 0 (got steps {steps}); add the "
@@ -158,6 +184,7 @@ class Mixture:
         finite, >= 0 and not all zero."""
         if not isinstance(weights, Mapping):
             raise TypeError(f"weights must be a dict name -> float (got {weights!r})")
+        weights = {str(k): w for k, w in weights.items()}  # keyed as the sources (1 -> "1")
         unknown = set(weights) - set(self.names)
         missing = set(self.names) - set(weights)
         if unknown or missing:
@@ -183,14 +210,16 @@ class Mixture:
         self._schedule.append((step, vec))
         self._segments.append(make_interleave(vec))
         self._bases_cache.clear()
+        for order in list(self._orders):
+            order.schedule_changed()
 
     def reweight(self, step: int, weights: Mapping[str, float]) -> None:
         """Use ``weights`` from global step ``step`` on (declare it before iterating past it)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
             raise ValueError(f"step must be an int >= 1 (got {step=!r}); step 0 is the start")
         for order in list(self._orders):
-            order.check_reweight(step)
-        self._add(step, weights)
+            order.check_reweight(int(step))
+        self._add(int(step), weights)
 
     @property
     def schedule(self) -> list[tuple[int, dict[str, float]]]:
@@ -236,6 +265,18 @@ class Mixture:
     def __getitem__(self, index: int) -> Any:
         s, local = self.locate(int(index))
         return self.sources[s][local]
+
+    def substitute_span(self, index: int) -> tuple[int, int]:
+        """``(first index, length)`` of the indices a substitute for sample ``index`` is drawn
+        from: its source's (a nested mixture's: its own source's), so the weights hold
+        through bad samples and filters (see ``on_error``)."""
+        s, local = self.locate(int(index))
+        lo, n = int(self.offsets[s]), int(self.lengths[s])
+        inner = getattr(self.sources[s], "substitute_span", None)
+        if callable(inner):
+            at, n = inner(local)
+            lo += int(at)
+        return lo, int(n)
 
     def __getitems__(self, indices: list[int]) -> list[Any]:
         src, local = self.locate(np.asarray(indices, dtype=np.int64))
@@ -307,8 +348,8 @@ class Mixture:
         return bases
 
     def _ordered_sources(self) -> dict[int, Any]:
-        """The sources with an order of their own (a ShardedStream; a nested mixture has none
-        here), by index: a :class:`MixtureOrder` walks each of them with it.
+        """The sources with an order of their own (a ShardedStream, a nested mixture), by
+        index: a :class:`MixtureOrder` walks each of them with it.
 
         The Protocol check (~50 us) is made once per class, not per source: 10,000 corpora
         of one class cost one check (#32).
@@ -318,7 +359,7 @@ class Mixture:
         for s, src in enumerate(self.sources):
             cls = type(src)
             if cls not in ordered:
-                ordered[cls] = isinstance(src, OrderedSource) and not isinstance(src, Mixture)
+                ordered[cls] = isinstance(src, OrderedSource)
             if ordered[cls]:
                 out[s] = src
         return out

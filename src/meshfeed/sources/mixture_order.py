@@ -11,6 +11,7 @@ docstring for the stream and its +-1 promise).
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -114,9 +115,20 @@ class MixtureOrder(OrderBase):
         self.planned_until = 0
         self.returned_until = 0  # stream position of the last batch the loader returned
         self._replanned_from: int | None = None
+        #: Called after the mixture's weight schedule changed (a curriculum's gates re-plan).
+        self._on_change: list[weakref.WeakMethod[Any]] = []
         spe = mixture.samples_per_epoch
         if spe is None:
             spe = max(self.G, len(mixture) // self.G * self.G)
+        elif spe % self.G:
+            # A partial last batch would drop draws from a source's pass (drop_last) and put
+            # weight changes, placed at step * global batch, off the loader's steps.
+            lower, upper = spe // self.G * self.G, -(-spe // self.G) * self.G
+            raise ValueError(
+                f"Mixture(samples_per_epoch={spe}) is not a multiple of the global batch size "
+                f"{self.G}, so an epoch would end inside a batch; use "
+                + (f"{lower} or {upper}" if lower else f"{upper}")
+            )
         self.samples_per_epoch = int(spe)
         # A source with an order of its own (a ShardedStream) is walked by it: its k-th draw is
         # position k of that order, so a stream keeps reading locally inside a mixture.
@@ -129,10 +141,34 @@ class MixtureOrder(OrderBase):
             )
             for s, src in mixture._ordered_sources().items()
         }
+        for s, order in self._own.items():
+            if isinstance(order, MixtureOrder):
+                order._nest(mixture.names[s])
+        #: Set on a mixture nested as a source of another: its weights are fixed.
+        self.nested_in: str | None = None
+
+    def _nest(self, name: str) -> None:
+        """This order walks a mixture that is source ``name`` of another mixture: its ``k``-th
+        draw is that source's ``k``-th. A weight change is in global steps of the loader, which
+        this order does not see, so the nested mixture's weights must be constant."""
+        if len(self.mixture.schedule_json()) > 1:
+            raise ValueError(
+                f"source {name!r} is a Mixture with a weight schedule "
+                f"{self.mixture.schedule_json()}; nested in another mixture its changes cannot "
+                "be placed at global steps. Give it constant weights, or flatten the two into "
+                "one Mixture (weights multiplied) with the schedule"
+            )
+        self.nested_in = name
 
     def check_reweight(self, step: int) -> None:
         """Refuse a weight change at ``step`` if the loader returned batches past it; else
         note it, so the loader re-plans what it planned or prefetched from there."""
+        if self.nested_in is not None:
+            raise ValueError(
+                f"this mixture is source {self.nested_in!r} of another mixture a loader walks; "
+                "its weights are fixed there. Flatten the two into one Mixture (weights "
+                "multiplied) and reweight that one"
+            )
         g = step * self.G
         if g < self.returned_until:
             raise ValueError(
@@ -141,10 +177,26 @@ class MixtureOrder(OrderBase):
                 f"(step {-(-self.returned_until // self.G)}) to the training loop; reweight a "
                 "step not yet returned"
             )
+        self.replan_from(g)
+
+    def replan_from(self, g: int) -> None:
+        """Have the loader re-plan what it planned or prefetched from stream position ``g``."""
         if g < self.planned_until:
             self._replanned_from = (
                 g if self._replanned_from is None else min(self._replanned_from, g)
             )
+
+    def on_schedule_change(self, method: Any) -> None:
+        """Call the bound ``method`` after each change of the mixture's weight schedule
+        (``reweight``, or one adopted from a checkpoint); held weakly."""
+        self._on_change.append(weakref.WeakMethod(method))
+
+    def schedule_changed(self) -> None:
+        """The mixture's weight schedule changed: tell those that asked."""
+        for ref in list(self._on_change):
+            method = ref()
+            if method is not None:
+                method()
 
     def returned(self, epoch: int, position: int) -> None:
         self.returned_until = max(self.returned_until, epoch * self.samples_per_epoch + position)
@@ -209,14 +261,23 @@ class MixtureOrder(OrderBase):
             consumed=self.mixture.counts(g, global_batch_size=self.G),
             bases=self.mixture._bases(self.G)[: j + 1].tolist(),
             schedule=self.mixture.schedule_json(),
-            streams=self._stream_facts(),
+            streams=self._stream_facts(g),
         )
 
-    def _stream_facts(self) -> dict[str, Any]:
+    def _stream_facts(self, g: int = 0) -> dict[str, Any]:
         """The facts of each source walked by an order of its own (a stream's window, seed
-        and epoch), by source name: what a lone stream's checkpoint checks."""
+        and epoch), by source name: what a lone stream's checkpoint checks. A nested mixture's
+        are at its draw count at stream position ``g`` (its counts re-seed its interleave, so
+        its resume is O(1) too)."""
         names = self.mixture.names
-        return {names[s]: order.describe(0, 0) for s, order in self._own.items()}
+        facts = {}
+        consumed = self.mixture.counts(g, global_batch_size=self.G) if g else None
+        for s, order in self._own.items():
+            at = (0, 0)
+            if isinstance(order, MixtureOrder) and consumed is not None:
+                at = divmod(consumed[names[s]], order.samples_per_epoch)
+            facts[names[s]] = order.describe(*at)
+        return facts
 
     def validate(self, described: Mapping[str, Any]) -> None:
         """Refuse to resume from facts whose kind, version, schedule or counts do not fit this
