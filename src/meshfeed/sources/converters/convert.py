@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -130,6 +132,9 @@ _WORKER_JOB: _Job | None = None
 def _init_worker(job: _Job) -> None:
     global _WORKER_JOB
     _WORKER_JOB = job
+    # A worker the pool starts again later forks from a caller that may handle SIGTERM in
+    # Python (``meshfeed convert`` does): here it takes the default action.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _encode_chunk(chunk: _Chunk) -> list[np.ndarray]:
@@ -142,11 +147,19 @@ def _pool(method: str, workers: int, job: _Job) -> Iterator[Any]:
     """A process pool whose workers run HF tokenizers single-threaded, without its fork warning.
 
     The variable is set while the workers start (they inherit it) and restored after, so the
-    caller's own tokenizers keep their threads.
+    caller's own tokenizers keep their threads. So is SIGTERM's default action: a caller that
+    handles SIGTERM in Python (``meshfeed convert`` turns it into an interrupt) would hand its
+    handler to forked workers, and a SIGTERM reaching one before the interpreter was ready in
+    it was lost, so ``terminate()`` left it waiting for a task and the pool's join hung. The
+    pool ends with ``close()`` and ``join()`` (each worker takes its stop message); it is
+    terminated only on an error.
     """
     key = "TOKENIZERS_PARALLELISM"
     before = os.environ.get(key)
     os.environ[key] = "false"
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         pool = mp.get_context(method).Pool(workers, _init_worker, (job,))
     finally:
@@ -154,8 +167,17 @@ def _pool(method: str, workers: int, job: _Job) -> Iterator[Any]:
             del os.environ[key]
         else:
             os.environ[key] = before
-    with pool:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+    try:
         yield pool
+    except BaseException:
+        pool.terminate()
+        raise
+    else:
+        pool.close()
+    finally:
+        pool.join()
 
 
 def _encoded(
