@@ -175,3 +175,16 @@ def test_numpy_ints_are_accepted_for_samples_per_epoch_and_first_step():
     assert order.epoch_length(0) == 8
     with pytest.raises(ValueError, match="first_step must be an int >= 0"):
         Curriculum(first_step=True)
+
+
+@pytest.mark.parametrize("kind", ["truncate", "reshape", "reported"])
+def test_a_function_passed_as_a_transforms_schedule_is_refused_with_what_to_pass(kind):
+    from meshfeed.curriculum import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
+
+    make = {
+        "truncate": lambda s: SeqlenTruncate(schedule=s),
+        "reshape": lambda s: SeqlenReshape(schedule=s),
+        "reported": lambda s: ReportedDifficulty(schedule=s, name="d"),
+    }[kind]
+    with pytest.raises(TypeError, match="schedule must be a Schedule.*fixed_linear"):
+        make(lambda step: 64)  # was an AttributeError at the first batch

@@ -31,7 +31,7 @@ import numpy as np
 
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.order import GatedOrder
-from meshfeed.curriculum.schedule import MAX_STEP, Schedule
+from meshfeed.curriculum.schedule import MAX_STEP, Schedule, check_schedule
 from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
 
 __all__ = ["Curriculum", "CurriculumMetric"]
@@ -87,12 +87,7 @@ class CurriculumMetric:
             )
         if pm is not None:
             object.__setattr__(self, "percentile_max", int(pm))  # a numpy int as an int
-        if not isinstance(self.schedule, Schedule):
-            raise TypeError(
-                f"schedule must be a Schedule (got {type(self.schedule).__name__}); build one "
-                "with meshfeed.curriculum's fixed_linear, fixed_root, fixed_discrete or custom "
-                "(e.g. custom(fn, total_curriculum_step=...) for a function of the step)"
-            )
+        check_schedule(self.schedule)
         if not isinstance(self.index, MetricIndex):
             raise TypeError(
                 f"index must be a MetricIndex (got {type(self.index).__name__}); load one with "

@@ -59,6 +59,17 @@ class Schedule(Protocol):
     def difficulties(self, steps: np.ndarray) -> np.ndarray: ...
 
 
+def check_schedule(schedule: object) -> None:
+    """Refuse what is not a :class:`Schedule` (a bare function, a number), naming what to
+    pass: a curriculum metric's, a seqlen transform's or a reported difficulty's."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"schedule must be a Schedule (got {type(schedule).__name__}); build one "
+            "with meshfeed.curriculum's fixed_linear, fixed_root, fixed_discrete or custom "
+            "(e.g. custom(fn, total_curriculum_step=...) for a function of the step)"
+        )
+
+
 def _check_steps(steps: np.ndarray) -> np.ndarray:
     steps = np.asarray(steps)
     if steps.dtype.kind not in "iu":

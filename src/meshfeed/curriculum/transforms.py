@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshfeed.curriculum.schedule import Schedule
+from meshfeed.curriculum.schedule import Schedule, check_schedule
 from meshfeed.keys import DEFAULT_KEYS
 
 __all__ = ["SEQLEN_KEYS", "ReportedDifficulty", "SeqlenReshape", "SeqlenTruncate"]
@@ -33,6 +33,9 @@ class _Seqlen:
     schedule: Schedule
     keys: tuple[str, ...] = SEQLEN_KEYS
     name: str
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule)
 
     def __call__(self, batch: Any, difficulty: int | float) -> Any:
         d = int(difficulty)
@@ -93,6 +96,9 @@ class ReportedDifficulty:
 
     schedule: Schedule
     name: str
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule)
 
     def __call__(self, batch: Any, difficulty: int | float) -> Any:
         return batch
