@@ -9,9 +9,13 @@ could take the room of an earlier one, read sooner), and each booked file is tra
 background, ``prefetch_workers`` at once (without a limit, all are downloaded that many at once,
 in any order). Each time room may have been freed (a reader read a file to its end:
 :meth:`ShardCache.finished`; or the last hold of a file ended) the queue is tried again from its
-head, and stops at the first that still finds no room. So a limited epoch keeps downloading
-ahead while it reads, as the shards read to their end leave the cache, without evicting what
-will be read soon (no shard downloaded twice).
+head, and stops at the first that still finds no room. A queue that finds no room while
+entries read to their end are left, held by readers (a worker process of the node reads a
+shard a moment after this process was told it was read; its release is not heard here), is
+tried again every ``RETRY_PAUSE`` seconds for ``READ_GRACE`` seconds after a file was read to
+its end or asked ahead. So a limited epoch keeps downloading ahead while it reads, as the
+shards read to their end leave the cache, without evicting what will be read soon (no shard
+downloaded twice).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from meshfeed.storage._download import TooLargeForCache, Want, on_disk
-from meshfeed.storage._fill import Fill
+from meshfeed.storage._fill import READ_GRACE, Fill
+from meshfeed.storage._layout import held_read
 
 #: seconds between retries of the queue on a plain release (a file read to its end retries at
 #: once): a released entry is evictable by a download-ahead only IN_USE seconds after its use
@@ -55,6 +60,10 @@ class Ahead(Fill):
         self._errors: dict[str, Exception] = {}  # failed downloads, for their futures
         self._last_full = 0.0  # when the queue last found no room
         self._asked_at: dict[str, float] = {}  # URL -> when last asked ahead (time.time())
+        # until when (time.monotonic()) a queue that finds no room while entries read to their
+        # end are held is tried again, and the timer of that retry
+        self._held_until = 0.0
+        self._held_timer: threading.Timer | None = None
 
     def _pool(self, name: str) -> ThreadPoolExecutor:
         """The pool of the ``meshfeed-{name}`` threads (made on first use)."""
@@ -70,6 +79,9 @@ class Ahead(Fill):
         with self._mutex:
             pools, self._pools = self._pools, {}
             self._waiting.clear()
+            timer, self._held_timer = self._held_timer, None
+        if timer is not None:
+            timer.cancel()
         for pool in pools.values():  # "prefetch" first: it is made first
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -80,6 +92,7 @@ class Ahead(Fill):
             with self._mutex:
                 for url in urls:
                     self._waiting.setdefault(url, None)
+                self._held_until = time.monotonic() + READ_GRACE
 
     def _prefetch_one(self, url: str, version: str | None, asked: float) -> bool:
         """Download ``url`` ahead (``asked``: when the caller asked, ``time.monotonic()``)."""
@@ -146,10 +159,14 @@ class Ahead(Fill):
         if due:
             self._kick()
 
-    def _kick(self) -> None:
+    def _kick(self, *, read: bool = False) -> None:
         """Try the queue again in the background (one drain submitted at a time: a reader
-        releases a file per batch, and a backlog of drains would each list the cache)."""
+        releases a file per batch, and a backlog of drains would each list the cache).
+        ``read``: a file was read to its end, which readers of other processes may hold a
+        moment longer (a drain that finds it held is tried again: :meth:`_retry_held`)."""
         with self._mutex:
+            if read:
+                self._held_until = time.monotonic() + READ_GRACE
             if not self._waiting:
                 return
             self._kicked = True
@@ -217,8 +234,34 @@ class Ahead(Fill):
             # its room booked (the transfer goes on), or its try over (no room: stop here);
             # a try that waits longer (another process's download of it) goes on alone
             tried.wait(timeout=self.lock_timeout)
-            if full.is_set() or not tried.is_set():
+            if full.is_set():
+                self._retry_held(url)
                 return
+            if not tried.is_set():
+                return
+
+    def _retry_held(self, url: str) -> None:
+        """``url``, the queue's head, found no room: where entries read to their end are left
+        (held: a worker process that read a shard lets go of it within its holds' idle time,
+        and that release kicks no queue of this process), try the queue again RETRY_PAUSE
+        seconds later, until READ_GRACE after a file was last read to its end or asked ahead."""
+        with self._mutex:
+            if self._held_timer is not None or time.monotonic() >= self._held_until:
+                return
+        if not held_read(self.cache_dir, self._entry(url)):
+            return
+        timer = threading.Timer(RETRY_PAUSE, self._held_retried)
+        timer.daemon = True
+        with self._mutex:
+            if self._held_timer is not None or not self._pools:  # one at a time; or closed
+                return
+            self._held_timer = timer
+        timer.start()
+
+    def _held_retried(self) -> None:
+        with self._mutex:
+            self._held_timer = None
+        self._kick()
 
     def _transfer(
         self, url: str, want: Want, tried: threading.Event, full: threading.Event

@@ -13,7 +13,7 @@ from typing import Any
 
 from meshfeed.errors import SourceError
 from meshfeed.storage._download import TooLargeForCache, Want, get_checked, on_disk, one_request
-from meshfeed.storage._layout import Entry, book, checksum, held_bytes
+from meshfeed.storage._layout import Entry, book, checksum, held_bytes, held_read
 from meshfeed.storage._lock import FileLock
 from meshfeed.storage.retry import RetryPolicy
 from meshfeed.storage.urls import RemoteInfo, changed, filesystem, is_url, remote_info, retried
@@ -35,6 +35,15 @@ def _forget_holders_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_holders_in_child)
+
+#: Seconds a demanded download that finds no room waits for entries read to their end that a
+#: reader still holds, before it evicts entries downloaded ahead and not read yet instead. A
+#: stream lets go of a shard read to its end at once, or (read by it then) within its holds'
+#: idle time (``IDLE``, 0.25 s, checked every ``IDLE / 4`` by their watcher:
+#: :mod:`meshfeed.sources.streams.holds`), so well within this on a loaded machine; the pending
+#: entry evicted in its place is the last downloaded ahead, which a worker lagging behind the
+#: others reads next: it downloaded that shard twice in one epoch.
+READ_GRACE = 1.0
 
 
 class Fill:
@@ -345,9 +354,17 @@ class Fill:
         """Book ``size`` bytes within the limit (None: a download-ahead found no room).
 
         A demanded file first asks its caller to release what it holds (``make_room``), then
-        waits for other processes' readers to release theirs, at most ``lock_timeout``.
+        waits for other processes' readers to release theirs, at most ``lock_timeout``. It
+        evicts entries idle or read to their end first, and waits for those read to their end
+        that other readers still hold at most ``READ_GRACE``, before it evicts the entries
+        downloaded ahead and not read yet (:mod:`meshfeed.storage._layout`).
         """
         deadline = time.monotonic() + self.lock_timeout
+        if demanded and self.cache_limit is not None:
+            booked = self._reserve_read_first(entry, size, deadline, make_room)
+            if booked is not None:
+                return booked
+            make_room = None  # called
         pause = 0.005
         while True:
             booked, evicted = book(
@@ -386,6 +403,44 @@ class Fill:
             self._count("waits")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
+
+    def _reserve_read_first(
+        self,
+        entry: Entry,
+        size: int,
+        deadline: float,
+        make_room: Callable[[], None] | None,
+    ) -> Path | None:
+        """A demanded file's booking that evicts only entries idle or read to their end (after
+        ``make_room``, which it calls where it finds no room), waiting at most ``READ_GRACE``
+        (and ``deadline``) for those read to their end that other readers hold. None: room
+        needs other entries evicted (``make_room`` was called)."""
+        grace = None
+        pause = 0.005
+        while True:
+            booked, evicted = book(
+                self.cache_dir,
+                entry,
+                size,
+                limit=self.cache_limit,
+                deadline=deadline,
+                demanded=False,  # entries idle or read to their end only
+            )
+            self._count("evictions", evicted)
+            if booked is not None:
+                return booked
+            if make_room is not None:
+                make_room()
+                make_room = None
+                continue
+            now = time.monotonic()
+            if grace is None:
+                grace = min(now + READ_GRACE, deadline)
+            if now >= grace or not held_read(self.cache_dir, entry):
+                return None
+            self._count("waits")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.05)
 
 
 def _once(fn: Callable[[], None] | None) -> Callable[[], None]:

@@ -27,8 +27,13 @@ Eviction takes, in this order: entries idle for ``IN_USE`` seconds or marked rea
 (least recently used first), entries pending (downloaded ahead or being read by a stream, not
 read to their end yet), then entries read in the last ``IN_USE`` seconds (a plain reader's
 files). A download-ahead evicts only the first kind: it stops at the limit rather than evict
-what will be read soon, which would only download it twice. An entry downloaded ahead and never
-read, or read in part (a job that stopped), is an ordinary entry again ``PENDING`` seconds later.
+what will be read soon, which would only download it twice. A demanded download evicts the
+first kind first too, and where entries read to their end are left, held by a reader, it waits
+for them a moment (``READ_GRACE`` in :mod:`meshfeed.storage._fill`) before it evicts pending
+ones: a stream lets go of a shard read to its end within its holds' idle time, and the pending
+entry evicted in its place (the last downloaded ahead) is the one a reader lagging behind reads
+next, downloaded twice. An entry downloaded ahead and never read, or read in part (a job that
+stopped), is an ordinary entry again ``PENDING`` seconds later.
 """
 
 from __future__ import annotations
@@ -156,7 +161,7 @@ class Entry:
         now = time.time()
         with contextlib.suppress(OSError):
             t = self.sidecar.stat().st_mtime
-            if pending and asked is not None and now - READ_SHIFT / 2 > t >= asked - READ_SHIFT:
+            if pending and asked is not None and _read(t, now) and t >= asked - READ_SHIFT:
                 return
             if pending or t <= now:
                 t = now + (PENDING if pending or until_read else 0.0)
@@ -225,10 +230,14 @@ def sweep(cache_dir: Path) -> None:
 
 def _usage(cache_dir: Path) -> list[tuple[float, int, Path]]:
     """(last use, bytes, sidecar) of every entry, and (inf, bytes, booking) of every booking."""
-    out = [
-        (float("inf"), p.stat().st_size, p)  # bookings: never evicted
-        for p in cache_dir.glob(f"*/.*{BOOKING}.*{TMP}")
-    ]
+    out = []
+    for p in cache_dir.glob(f"*/.*{BOOKING}.*{TMP}"):
+        try:
+            out.append((float("inf"), p.stat().st_size, p))  # bookings: never evicted
+        except OSError:
+            # gone since the listing: its download ended (a booking is removed without the
+            # cache-wide lock), and its entry, if published, is counted by its sidecar
+            continue
     for side in cache_dir.glob(f"*/*{SIDE}"):
         try:
             t = side.stat().st_mtime
@@ -237,6 +246,23 @@ def _usage(cache_dir: Path) -> list[tuple[float, int, Path]]:
             continue
         out.append((t, size, side))
     return out
+
+
+def _read(t: float, now: float) -> bool:
+    """Whether an entry of last use ``t`` is marked read to its end (:meth:`Entry.mark_read`)."""
+    return t < now - READ_SHIFT / 2
+
+
+def held_read(cache_dir: Path, keep: Entry) -> bool:
+    """Whether entries marked read to their end (other than ``keep``) are left in the cache.
+    Asked after a booking that evicts idle entries only found no room, those left are held:
+    a stream's reader lets go of such a shard within its holds' idle time."""
+    now = time.time()
+    return any(
+        _read(t, now) and side != keep.sidecar
+        for t, _, side in _usage(cache_dir)
+        if t != float("inf")
+    )
 
 
 def _rank(t: float, now: float) -> tuple[int, float]:

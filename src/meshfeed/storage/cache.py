@@ -286,7 +286,7 @@ class ShardCache(Ahead):
             return
         self._demanded(url)
         self._entry(url).mark_read()
-        self._kick()
+        self._kick(read=True)
 
     @contextlib.contextmanager
     def hold(self, url: str, *, version: str | None = None) -> Iterator[str]:
