@@ -5,16 +5,22 @@ StatefulDataLoader: throughput, per-batch overhead, resume latency and order mem
     PYTHONPATH=src python benchmarks/bench_loader.py --quick    # < 1 minute
     PYTHONPATH=src python benchmarks/bench_loader.py --out benchmarks/results/loader_full.md
 
-What is measured (every number comes from this run; ratios compare loaders measured in the
-same run, interleaved repeat by repeat so that machine noise hits both alike; medians):
+A full run (not ``--quick``) also writes its throughput and overhead tables, with the command,
+date, torch version and load average, to ``benchmarks/results/loader_throughput.txt`` and
+``loader_overhead.txt`` (``--results-dir`` elsewhere).
+
+What is measured (every number comes from this run; medians):
 
 1. Throughput (batches/s) on a memmap-backed tokenised dataset (uint16 tokens, fixed windows
    of 2048 tokens, batch 8): the *same* dataset object with the same ``__getitem__`` serves
    both loaders, at 0 and 2 workers (torch with ``persistent_workers=True``, like meshfeed's
-   workers, which live as long as the loader). Steady state after a warm-up; the time to the
-   first batch of a fresh loader (worker start-up included) is reported separately.
+   workers, which live as long as the loader; ``prefetch_factor`` default; no pinning on
+   either). Each loader is timed alone (``alone_windows``): a fresh loader per repeat, the
+   systems one after the other in an order that alternates between repeats, a warm-up longer
+   than either loader's read-ahead, then a long steady window inside the first epoch; the
+   time to the first batch (worker start-up included) is reported apart. Median and range.
 2. Per-batch overhead (order, slicing, fetch calls, collate) with a dataset that returns
-   ready tensors, 0 workers: microseconds per batch.
+   ready tensors, 0 workers: microseconds per batch, wall and CPU time, timed the same way.
 3. Resume latency: ``load_state_dict`` + first batch at steps 10, 10**4 and 10**6 on a tiny
    synthetic dataset of 8 * 10**6 + 512 samples. torchdata's ``StatefulDataLoader`` is given
    its real state where iterating there is cheap (steps 10 and 10**4); at 10**6 its state is
@@ -30,13 +36,17 @@ same run, interleaved repeat by repeat so that machine noise hits both alike; me
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import json
+import multiprocessing as mp
 import os
 import pickle
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 import warnings
@@ -199,19 +209,6 @@ def interleaved_rates(
     return out
 
 
-def first_batch_seconds(make: Callable[[], Any]) -> float:
-    """Fresh loader -> first batch (includes worker start-up); the loader is then closed."""
-    t0 = time.perf_counter()
-    loader = make()
-    it = iter(loader)
-    next(it)
-    elapsed = time.perf_counter() - t0
-    del it
-    if hasattr(loader, "shutdown"):
-        loader.shutdown()
-    return elapsed
-
-
 def first_batches(make: Callable[[], Any], n: int) -> tuple[float, float]:
     """Fresh loader -> seconds to its first batch (worker start-up included), and seconds
     from there to batch ``n`` (the first batches' rate, while message sizes adapt)."""
@@ -230,51 +227,129 @@ def first_batches(make: Callable[[], Any], n: int) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------- 1. throughput
+def settle(threads: int, timeout: float = 60.0) -> None:
+    """Wait until a dropped loader's worker processes and threads are gone, so that the next
+    loader is timed alone (torch shuts its persistent workers down when the iterator is
+    collected; meshfeed's ``shutdown`` joins them)."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while (mp.active_children() or threading.active_count() > threads) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+
+
+def alone_windows(
+    makers: dict[str, Callable[[], Any]], *, warmup: int, batches: int, repeats: int
+) -> dict[str, dict[str, list[float]]]:
+    """Each loader timed alone: per repeat, a fresh loader of each system, one after the other
+    (the order alternates between repeats: A B, B A, ...), none running while another is timed.
+
+    Per window: ``first_s`` (construction to the first batch, worker start-up included), then
+    ``warmup`` batches untimed (more than any loader can hold ready: meshfeed's workers read
+    up to workers x prefetch x 16 batches ahead, torch's workers x prefetch_factor; a window
+    that drained a full buffer would read above the steady rate), then ``batches`` batches
+    timed in wall time (``wall_s``) and in this process's CPU time (``cpu_s``)."""
+    names = list(makers)
+    out: dict[str, dict[str, list[float]]] = {
+        n: {"first_s": [], "wall_s": [], "cpu_s": []} for n in names
+    }
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            threads = threading.active_count()
+            t0 = time.perf_counter()
+            loader = makers[name]()
+            it = forever(loader)
+            next(it)
+            first = time.perf_counter() - t0
+            for _ in range(warmup):
+                next(it)
+            c0, t1 = time.process_time(), time.perf_counter()
+            for _ in range(batches):
+                next(it)
+            wall, cpu = time.perf_counter() - t1, time.process_time() - c0
+            it.close()
+            if hasattr(loader, "shutdown"):
+                loader.shutdown()
+            del loader, it
+            settle(threads)
+            out[name]["first_s"].append(first)
+            out[name]["wall_s"].append(wall / batches)
+            out[name]["cpu_s"].append(cpu / batches)
+    return out
+
+
+def meshfeed_frames(loader: Any, batches: int = 20) -> list[str]:
+    """The meshfeed functions called while ``loader`` makes ``batches`` batches in this
+    process (0 workers): checks that torch's path (dataset, sampler, collate) runs no
+    meshfeed code."""
+    root = str(Path(meshfeed.__file__).resolve().parent)
+    seen: set[str] = set()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.add(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    it = iter(loader)
+    sys.setprofile(profile)
+    try:
+        for _ in range(batches):
+            next(it)
+    finally:
+        sys.setprofile(None)
+    return sorted(seen)
+
+
+def spread(xs: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    """Median [min-max] of ``xs`` times ``scale``."""
+    return (
+        f"{fmt(scale * median(xs), digits)} "
+        f"[{fmt(scale * min(xs), digits)}-{fmt(scale * max(xs), digits)}]"
+    )
+
+
 def bench_throughput(cfg: argparse.Namespace, tmp: str) -> list[dict[str, Any]]:
-    path = write_tokens(tmp, cfg.windows)
-    ds = MemmapWindows(path, cfg.windows)
+    path = write_tokens(tmp, cfg.tp_windows)
+    ds = MemmapWindows(path, cfg.tp_windows)
+    # The same dataset object serves both loaders; per sample ``__getitem__`` (no
+    # ``fetch_batch`` / ``__getitems__``, which meshfeed would call instead), and torch's path
+    # runs no meshfeed code.
+    assert not hasattr(ds, "fetch_batch") and not hasattr(ds, "__getitems__")
+    frames = meshfeed_frames(torch_loader(ds))
+    if frames:
+        raise RuntimeError(f"torch's loader ran meshfeed code: {frames}")
     rows = []
     for workers, dp in ((0, 1), (2, 1), (0, 2)):
-        mf = meshfeed_loader(ds, workers=workers, dp=dp)
-        tl = torch_loader(ds, workers=workers, dp=dp)
-        need = cfg.warmup + cfg.repeats * cfg.batches
-        if workers and need > len(mf):  # stay inside one epoch: no worker restart is timed
-            raise ValueError(f"the sizes need {need} batches per epoch, have {len(mf)}")
-        streams = {"meshfeed": forever(mf), "torch": forever(tl)}
-        times = interleaved_rates(
-            streams, warmup=cfg.warmup, batches=cfg.batches, repeats=cfg.repeats
+        makers: dict[str, Callable[[], Any]] = {
+            "meshfeed": partial(meshfeed_loader, ds, workers=workers, dp=dp),
+            "torch": partial(torch_loader, ds, workers=workers, dp=dp),
+        }
+        need = 1 + cfg.tp_warmup + cfg.tp_batches
+        for name, make in makers.items():  # stay inside one epoch: no epoch change is timed
+            loader = make()
+            if need > len(loader):
+                raise ValueError(
+                    f"{name}: the sizes need {need} batches, an epoch has {len(loader)}"
+                )
+            del loader
+        t = alone_windows(
+            makers, warmup=cfg.tp_warmup, batches=cfg.tp_batches, repeats=cfg.tp_repeats
         )
-        cpu_ratio = None
-        if workers == 0:  # one process: CPU time is a noise-robust second opinion
-            cpu = interleaved_rates(
-                streams,
-                warmup=0,
-                batches=cfg.batches,
-                repeats=cfg.repeats,
-                clock=time.process_time,
-            )
-            cpu_ratio = median(cpu["torch"]) / median(cpu["meshfeed"])
-        del streams
-        mf.shutdown()
-        del tl
-        starts_mf = [
-            first_batch_seconds(partial(meshfeed_loader, ds, workers=workers, dp=dp))
-            for _ in range(3)
-        ]
-        starts_t = [
-            first_batch_seconds(partial(torch_loader, ds, workers=workers, dp=dp)) for _ in range(3)
-        ]
-        m, t = 1 / median(times["meshfeed"]), 1 / median(times["torch"])
+        mf, tl = t["meshfeed"], t["torch"]
+        pairs = [b / a for a, b in zip(mf["wall_s"], tl["wall_s"], strict=True)]
         rows.append(
             {
-                "cpu_ratio": cpu_ratio,
                 "workers": workers,
                 "mesh": f"dp={dp} rank 0",
-                "meshfeed_bps": m,
-                "torch_bps": t,
-                "ratio": m / t,
-                "meshfeed_first_ms": 1e3 * median(starts_mf),
-                "torch_first_ms": 1e3 * median(starts_t),
+                "meshfeed_bps": [1 / s for s in mf["wall_s"]],
+                "torch_bps": [1 / s for s in tl["wall_s"]],
+                "ratio": median(tl["wall_s"]) / median(mf["wall_s"]),
+                "pair_ratios": pairs,
+                "cpu_ratio": median(tl["cpu_s"]) / median(mf["cpu_s"]),
+                "meshfeed_cpu_us": [1e6 * s for s in mf["cpu_s"]],
+                "torch_cpu_us": [1e6 * s for s in tl["cpu_s"]],
+                "meshfeed_first_ms": [1e3 * s for s in mf["first_s"]],
+                "torch_first_ms": [1e3 * s for s in tl["first_s"]],
             }
         )
         print(f"  throughput workers={workers} dp={dp}: {rows[-1]}", file=sys.stderr)
@@ -571,17 +646,27 @@ def bench_overhead(cfg: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for width in (WINDOW, 1):
         ds = ReadyTensors(10**6, width)
+        assert not hasattr(ds, "fetch_batch") and not hasattr(ds, "__getitems__")
+        frames = meshfeed_frames(torch_loader(ds))
+        if frames:
+            raise RuntimeError(f"torch's loader ran meshfeed code: {frames}")
+        t = alone_windows(
+            {"meshfeed": partial(meshfeed_loader, ds), "torch": partial(torch_loader, ds)},
+            warmup=200,
+            batches=cfg.overhead_batches,
+            repeats=cfg.overhead_repeats,
+        )
         row: dict[str, Any] = {"sample": f"int64[{width}]"}
-        for label, clock in (("wall", time.perf_counter), ("cpu", time.process_time)):
-            times = interleaved_rates(
-                {"meshfeed": forever(meshfeed_loader(ds)), "torch": forever(torch_loader(ds))},
-                warmup=200,
-                batches=cfg.overhead_batches,
-                repeats=cfg.repeats,
-                clock=clock,
+        for label in ("wall", "cpu"):
+            m, tl = t["meshfeed"][f"{label}_s"], t["torch"][f"{label}_s"]
+            row.update(
+                {
+                    f"meshfeed_{label}": [1e6 * x for x in m],
+                    f"torch_{label}": [1e6 * x for x in tl],
+                    f"ratio_{label}": median(tl) / median(m),
+                    f"pairs_{label}": [b / a for a, b in zip(m, tl, strict=True)],
+                }
             )
-            m, t = 1e6 * median(times["meshfeed"]), 1e6 * median(times["torch"])
-            row.update({f"meshfeed_{label}": m, f"torch_{label}": t, f"ratio_{label}": t / m})
         rows.append(row)
         print(f"  overhead {rows[-1]}", file=sys.stderr)
     return rows
@@ -841,41 +926,130 @@ def source_revision() -> str:
     return f"git {head}" + (f", uncommitted changes in {', '.join(changed)}" if changed else "")
 
 
+def throughput_lines(cfg: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"## Throughput: memmap uint16 windows of {WINDOW} tokens, batch {BATCH}, "
+        f"{cfg.tp_windows} windows",
+        "",
+        f"Each loader alone: {cfg.tp_repeats} repeats, each a fresh loader of each system one "
+        "after the other (order alternating: meshfeed first in even repeats, torch first in "
+        "odd ones), the previous loader's workers and threads gone before the next starts. "
+        f"Per loader: first batch (construction + worker start-up), {cfg.tp_warmup} batches "
+        f"untimed (more than either holds ready: meshfeed <= workers x prefetch x 16 = 64 at 2 "
+        f"workers, torch workers x prefetch_factor = 4), then {cfg.tp_batches} batches timed "
+        "(steady state, inside the first epoch). Median [min-max] over the repeats. torch: "
+        "`DataLoader(sampler=DistributedSampler(shuffle=True, seed=0), drop_last=True, "
+        "persistent_workers=True` with workers, `prefetch_factor` default, `pin_memory=False`); "
+        "meshfeed: `DataLoader(mesh=DataMesh.from_sizes(dp=...), seed=0)`, prefetch default, "
+        "pin_memory=False. The same dataset object (`MemmapWindows.__getitem__`: numpy + torch "
+        "only; checked: torch's loader calls no meshfeed function).",
+        "",
+        "| workers | mesh | meshfeed batches/s | torch batches/s | meshfeed / torch "
+        "(medians) | per-repeat ratios | CPU-time ratio | main-process CPU us/batch meshfeed "
+        "| torch | first batch ms meshfeed | torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pairs = r["pair_ratios"]
+        cpu = f"{r['cpu_ratio']:.2f}" if r["workers"] == 0 else "-"
+        lines.append(
+            f"| {r['workers']} | {r['mesh']} | {spread(r['meshfeed_bps'])} "
+            f"| {spread(r['torch_bps'])} | {r['ratio']:.2f} "
+            f"| {min(pairs):.2f}-{max(pairs):.2f} | {cpu} | {spread(r['meshfeed_cpu_us'])} "
+            f"| {spread(r['torch_cpu_us'])} | {spread(r['meshfeed_first_ms'], digits=2)} "
+            f"| {spread(r['torch_first_ms'], digits=2)} |"
+        )
+    lines += [
+        "",
+        "Ratios >= 1: meshfeed faster. Per-repeat ratios: torch's wall time per batch / "
+        "meshfeed's within one repeat (the two windows adjacent in time). CPU-time ratio: the "
+        "same in this process's CPU time (time.process_time), 0 workers only, where all the "
+        "work is in this process (with workers, the main process's CPU is what receiving a "
+        "batch costs it, not the work).",
+    ]
+    return lines
+
+
+def overhead_lines(cfg: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"## Per-batch overhead: ready tensors, batch {BATCH}, 0 workers",
+        "",
+        f"Each loader alone, {cfg.overhead_repeats} repeats (a fresh loader of each system per "
+        "repeat, order alternating), 200 batches untimed, then "
+        f"{cfg.overhead_batches} batches timed; wall and this process's CPU time over the same "
+        "window. Median [min-max] over the repeats, us per batch.",
+        "",
+        "| sample | meshfeed wall | torch wall | torch / meshfeed (wall) | per-repeat "
+        "| meshfeed CPU | torch CPU | torch / meshfeed (CPU) | per-repeat |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pw, pc = r["pairs_wall"], r["pairs_cpu"]
+        lines.append(
+            f"| {r['sample']} | {spread(r['meshfeed_wall'])} | {spread(r['torch_wall'])} "
+            f"| {r['ratio_wall']:.2f} | {min(pw):.2f}-{max(pw):.2f} "
+            f"| {spread(r['meshfeed_cpu'])} | {spread(r['torch_cpu'])} "
+            f"| {r['ratio_cpu']:.2f} | {min(pc):.2f}-{max(pc):.2f} |"
+        )
+    lines += [
+        "",
+        "Ratios >= 1: meshfeed is cheaper. CPU = this process's CPU time (time.process_time), "
+        "less disturbed by other jobs on the machine than wall time.",
+    ]
+    return lines
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return f.read().strip()
+
+
+RESULT_FILES = {"throughput": "loader_throughput.txt", "overhead": "loader_overhead.txt"}
+
+
+def write_result_files(
+    cfg: argparse.Namespace, results: dict[str, Any], loads: dict[str, tuple[str, str]]
+) -> None:
+    """The throughput and overhead tables, each in its results file, with how they were made."""
+    lines_of = {"throughput": throughput_lines, "overhead": overhead_lines}
+    for section, name in RESULT_FILES.items():
+        if section not in results:
+            continue
+        before, after = loads[section]
+        argv = " ".join(sys.argv[1:]) if cfg.argv is None else " ".join(cfg.argv)
+        head = [
+            f"# meshfeed.DataLoader vs torch DataLoader + DistributedSampler: {section}",
+            "",
+            f"Command: PYTHONPATH={os.environ.get('PYTHONPATH', '')} python "
+            f"benchmarks/bench_loader.py {argv}",
+            f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+            f"torch {torch.__version__}, meshfeed from {source_revision()}",
+            f"Load average (/proc/loadavg) before: {before}; after: {after}. Other jobs share "
+            "this machine while it runs: absolute numbers are noisy.",
+            "",
+        ]
+        out = cfg.results_dir / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(head + lines_of[section](cfg, results[section])) + "\n")
+        print(f"  wrote {out}", file=sys.stderr)
+
+
 def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
     lines = [
         "# meshfeed.DataLoader benchmark",
         "",
         f"Command: `PYTHONPATH={os.environ.get('PYTHONPATH', '')} python {' '.join(sys.argv)}`",
         f"Machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, torch {torch.__version__}; "
-        f"medians of {cfg.repeats} interleaved repeats unless noted; load average at the end "
-        f"{os.getloadavg()[0]:.1f} (other jobs share the machine: absolute numbers are noisy, "
-        "ratios are measured in turns).",
+        f"load average at the end {os.getloadavg()[0]:.1f} (other jobs share the machine: "
+        "absolute numbers are noisy). Throughput and overhead: each loader alone, order "
+        "alternating between repeats; the other sections: medians of "
+        f"{cfg.repeats} interleaved repeats unless noted.",
         f"meshfeed imported from `{Path(meshfeed.__file__).parent}` ({source_revision()}).",
         "",
     ]
     if "throughput" in results:
-        lines += [
-            f"## Throughput: memmap uint16 windows of {WINDOW} tokens, batch {BATCH}, "
-            f"{cfg.windows} windows, {cfg.batches} batches per repeat",
-            "",
-            "| workers | mesh | meshfeed batches/s | torch DL+DistributedSampler batches/s | "
-            "ratio (>= 1: meshfeed faster) | ratio in CPU time | meshfeed first batch ms "
-            "| torch first batch ms |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in results["throughput"]:
-            cpu = "-" if r["cpu_ratio"] is None else f"{r['cpu_ratio']:.2f}"
-            lines.append(
-                f"| {r['workers']} | {r['mesh']} | {fmt(r['meshfeed_bps'])} | {fmt(r['torch_bps'])} "
-                f"| {r['ratio']:.2f} | {cpu} | {fmt(r['meshfeed_first_ms'])} "
-                f"| {fmt(r['torch_first_ms'])} |"
-            )
-        lines += [
-            "",
-            "Ratio in CPU time: torch's CPU seconds per batch / meshfeed's (this process only; "
-            "0 workers only, where all work is in this process).",
-            "",
-        ]
+        lines += [*throughput_lines(cfg, results["throughput"]), ""]
     if "workers" in results:
         lines += [
             f"## Worker processes, cheap samples: memmap windows of {WINDOW} tokens, batch "
@@ -926,26 +1100,7 @@ def report(cfg: argparse.Namespace, results: dict[str, Any]) -> str:
             )
         lines.append("")
     if "overhead" in results:
-        lines += [
-            f"## Per-batch overhead: ready tensors, batch {BATCH}, 0 workers, "
-            f"{cfg.overhead_batches} batches per repeat",
-            "",
-            "| sample | meshfeed us/batch (wall) | torch us/batch (wall) | torch / meshfeed (wall) "
-            "| meshfeed us/batch (CPU) | torch us/batch (CPU) | torch / meshfeed (CPU) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in results["overhead"]:
-            lines.append(
-                f"| {r['sample']} | {fmt(r['meshfeed_wall'])} | {fmt(r['torch_wall'])} "
-                f"| {r['ratio_wall']:.2f} | {fmt(r['meshfeed_cpu'])} | {fmt(r['torch_cpu'])} "
-                f"| {r['ratio_cpu']:.2f} |"
-            )
-        lines += [
-            "",
-            "Ratios >= 1: meshfeed is cheaper. CPU = this process's CPU time (time.process_time), "
-            "less disturbed by other jobs on the machine than wall time.",
-            "",
-        ]
+        lines += [*overhead_lines(cfg, results["overhead"]), ""]
     if "resume" in results:
         names = [k for k in results["resume"][0] if k != "step"]
         lines += [
@@ -995,27 +1150,42 @@ def main(argv: list[str] | None = None) -> None:
         choices=["throughput", "workers", "transport", "overhead", "resume", "memory"],
         help="run only these sections",
     )
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        help="where the throughput and overhead tables are written (loader_throughput.txt, "
+        "loader_overhead.txt); default benchmarks/results/ for a full run, none for --quick",
+    )
     parser.add_argument("--memory-child", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child[0], int(args.memory_child[1]))))
         return
     if args.quick:
         args.windows, args.warmup, args.batches, args.repeats = 4096, 10, 60, 3
         args.overhead_batches, args.resume_repeats, args.transport_batches = 1000, 1, 500
+        args.tp_windows, args.tp_warmup, args.tp_batches, args.tp_repeats = 8192, 70, 200, 2
+        args.overhead_repeats = 2
         args.randperm_sizes, args.sampler_sizes = [10**7], [10**6]
         args.resume_steps = (10, 10**3, 10**5)  # a smoke run: the full run's 10**4 / 10**6
     else:
         args.windows, args.warmup, args.batches, args.repeats = 32768, 30, 300, 5
-        args.overhead_batches, args.resume_repeats, args.transport_batches = 5000, 3, 3000
+        args.overhead_batches, args.resume_repeats, args.transport_batches = 20000, 3, 3000
+        args.tp_windows, args.tp_warmup, args.tp_batches, args.tp_repeats = 131072, 300, 6000, 8
+        args.overhead_repeats = 8
+        if args.results_dir is None:
+            args.results_dir = Path(__file__).resolve().parent / "results"
         args.randperm_sizes, args.sampler_sizes = [10**7, 10**8], [10**6, 10**7]
         args.resume_steps = RESUME_STEPS
     sections = args.only or ["throughput", "workers", "transport", "overhead", "resume", "memory"]
     results: dict[str, Any] = {}
+    loads: dict[str, tuple[str, str]] = {}
     with tempfile.TemporaryDirectory(prefix="meshfeed-bench-") as tmp:
         for section in sections:
             print(f"[{section}]", file=sys.stderr)
             t0 = time.perf_counter()
+            before = loadavg()
             if section == "throughput":
                 results[section] = bench_throughput(args, tmp)
             elif section == "workers":
@@ -1028,9 +1198,12 @@ def main(argv: list[str] | None = None) -> None:
                 results[section] = bench_resume(args)
             else:
                 results[section] = bench_memory(args)
-            print(f"  ({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+            loads[section] = (before, loadavg())
+            print(f"  ({time.perf_counter() - t0:.1f}s, load {loads[section]})", file=sys.stderr)
     text = report(args, results)
     print(text)
+    if args.results_dir is not None:
+        write_result_files(args, results, loads)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")

@@ -11,8 +11,11 @@ Two shard formats, written once to a temp directory:
 
 For each format it measures, in the same run:
 
-- ``plain loop``: the physical limit: the same reader over every shard, rows grouped into
-  lists of ``batch_size`` and collated with meshfeed's ``default_collate``, in one process;
+- ``plain loop``: the loop a user would write first: the same reader over every shard, row
+  by row, rows grouped into lists of ``batch_size`` and collated with meshfeed's
+  ``default_collate``, in one process. It is not the same work as meshfeed's npy path, which
+  gathers a batch's rows at once with the reader's ``take`` (and is not a physical limit: a
+  hand-written batched gather would be faster than this loop);
 - ``plain loop +shuffle``: the same with the shuffle buffer a user would write (1,024 rows,
   ``random.Random`` draws, swap-in-place, drained at the end): what a buffer costs on this
   reader whoever writes it (rows kept alive for a thousand draws are slower to make, free and
@@ -28,11 +31,11 @@ epoch (0 and 2 workers; median of the rounds).
 
 and prints samples/s, batches/s, the main process's CPU time per batch, the cores the run
 used (CPU seconds of the main process and its finished workers per wall second), the ratio to
-the plain loop and, for the shuffled rows, the cost of the shuffle buffer against the same path without
+the plain loop (what a user gets over that loop, not a bound) and, for the shuffled rows, the cost of the shuffle buffer against the same path without
 it (median of 5 interleaved rounds, 3 with ``--quick``; the range is the slowest..fastest
 round, since the machine may be shared). The header reports how many cores two busy processes
-actually got just before (``effective cores``): worker rows can beat the plain loop only by
-that much, and on a shared machine it may be far below the core count.
+actually got just before (``effective cores``): on a shared machine it may be far below the
+core count.
 
 Then the shard formats with an index, on bench_shards' samples (``{"tokens": int32[128..2048],
 "pixels": uint8[4096]}``, fixed seed; 40,000 samples, 4,000 with ``--quick``), each written
