@@ -367,22 +367,37 @@ class DataLoader(LoaderBase):
             results = self._run_global(self.service, epoch, position, steps)
         else:
             results = self.service.map(self._task(s) for s in self._steps(epoch, position, steps))
-        if self.on_error == "raise" and is_distributed():  # one rank raises: every rank does
-            results = fail_together(
-                results,
-                timeout=self.wait_timeout,
-                where=lambda: f"step {steps[0].index} of epoch {epoch}",
-            )
+        agree = self.on_error == "raise" and is_distributed()  # one rank raises: every rank
+        if agree and not self.delivery.ahead:
+            results = self._together(results, epoch, steps)  # timed as the batch's wait
         stop = threading.Event()
-        delivered = self.delivery.stage(results, stop=stop)  # pinned / on the device, timed
-        self._stage = (walk, threading.get_ident(), stop, weakref.ref(delivered))
+        stage = self.delivery.stage(results, stop=stop)  # pinned / on the device, timed
+        self._stage = (walk, threading.get_ident(), stop, weakref.ref(stage))
+        delivered: Iterator[tuple[Any, Any]] = stage
+        if agree and self.delivery.ahead:
+            # On this thread, once per batch taken, never on the delivery thread: it runs
+            # ahead by a number of batches that differs between ranks when the walk ends, so
+            # it left one rank in a collective the others never made (the next mismatched).
+            delivered = self._together(stage, epoch, steps)
         try:
             return (yield from self._returned(walk, epoch, steps, delivered))
         finally:
-            delivered.close()
-            stage = self._stage
-            if stage is not None and stage[2] is stop:
+            if isinstance(delivered, Generator):  # the agreement over the stage
+                delivered.close()
+            stage.close()
+            held = self._stage
+            if held is not None and held[2] is stop:
                 self._stage = None
+
+    def _together(
+        self, items: Iterator[tuple[Any, Any]], epoch: int, steps: list[Step]
+    ) -> Iterator[tuple[Any, Any]]:
+        """``items`` with the ranks' per-step agreement (:func:`meshfeed.dist.fail_together`)."""
+        return fail_together(
+            items,
+            timeout=self.wait_timeout,
+            where=lambda: f"step {steps[0].index} of epoch {epoch}",
+        )
 
     def _close_stage(self, walk: int) -> None:
         """Stop the delivery stage of walk generation ``walk``, whose generator runs (a

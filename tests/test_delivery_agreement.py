@@ -1,0 +1,58 @@
+"""The per-step agreement of ``on_error="raise"`` with a delivery thread (``device=`` or
+pinning) and a process group: made on the loop's thread, once per batch taken.
+
+It ran on the delivery thread, which runs ahead of the loop by a number of batches that
+differs between ranks when a walk ends: one rank was left in an agreement its peers never
+made, and the next collective (the next walk's start) mismatched, hanging both ranks until
+the timeout (seen in the suite under load). Here rank 1's delivery thread is held up preparing
+a batch while rank 0's goes on to the next agreement, and then the walk is superseded."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from meshfeed import DataLoader
+from meshfeed.delivery import Delivery
+from tests.dist_utils import run_distributed
+
+
+class _Items:
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+def _superseded_while_one_rank_lags(rank: int, world: int) -> list[list[int]]:
+    prepared = {"n": 0}
+    real = Delivery._prepare
+
+    def prepare(self, batch, streams):
+        prepared["n"] += 1
+        if rank == 1 and prepared["n"] == 4:  # rank 1's thread held up on the 4th batch
+            time.sleep(1.0)
+        return real(self, batch, streams)
+
+    Delivery._prepare = prepare  # type: ignore[method-assign]
+    loader = DataLoader(
+        _Items(), batch_size=2, seed=1, on_error="raise", device="cpu", device_prefetch=1,
+        timeout=20,
+    )  # fmt: skip
+    it = iter(loader)
+    first = [next(it).view(-1).tolist() for _ in range(3)]
+    time.sleep(0.3)  # rank 0's thread prepared the 4th batch and went on to the 5th
+    rest = [b.view(-1).tolist() for b in loader]  # a new walk supersedes the first
+    return first + rest
+
+
+@pytest.mark.slow
+def test_a_walk_superseded_while_one_ranks_delivery_thread_lags_agrees_on_every_rank():
+    started = time.monotonic()
+    results = run_distributed(_superseded_while_one_rank_lags, 2, timeout=120)
+    assert time.monotonic() - started < 60  # no collective waited out its timeout
+    assert [len(r) for r in results] == [10, 10]
+    assert sorted(v for r in results for b in r for v in b) == list(range(40))
