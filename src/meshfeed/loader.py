@@ -27,10 +27,10 @@ from meshfeed.loader_state import COUNTS, LOADER_STATE_VERSION, encode_stats, re
 from meshfeed.mesh import mesh_hash
 from meshfeed.options import LoaderOptions, build_dataset, check_not_a_path, dataset_length
 from meshfeed.order.batches import Step, order_hooks
-from meshfeed.order.rampup_plan import make_plan
+from meshfeed.order.rampup_plan import check_ahead, make_plan, resized
 from meshfeed.ordering import build_order, curriculum_postprocess
 from meshfeed.protocols import GlobalService, Service, Source
-from meshfeed.relayout import relayout
+from meshfeed.relayout import check_divides, relayout
 from meshfeed.services.auto import AutoService
 from meshfeed.services.base import InProcessService
 from meshfeed.services.distributed import DistributedService
@@ -198,6 +198,9 @@ class DataLoader(LoaderBase):
         self.service: Service | GlobalService = service or self._default_service(
             multiprocessing_context
         )
+        #: The loader decides its service's grouping (its own service, or one it resized): a
+        #: process group formed after that is joined at the next walk (:meth:`_join_group`).
+        self._groups = service is None
         self._started = False
         self._position = 0
         self._stats: dict[str, Any] = {**dict.fromkeys(COUNTS, 0), "failures": []}
@@ -264,6 +267,18 @@ class DataLoader(LoaderBase):
             return DistributedService(inner, agreement=self._agreement(), timeout=self.wait_timeout)
         return inner
 
+    def _join_group(self) -> None:
+        """Put the loader's service behind the ranks' agreement check when a process group of
+        several ranks was initialised after that was decided (the loader built, or resized with
+        a mesh, before ``init_process_group``): its walks are agreed as if built in it."""
+        service = self.service
+        if (
+            self._groups
+            and isinstance(service, Service)
+            and not isinstance(service, DistributedService)
+        ):
+            self.service = self._grouped(service)
+
     def _agreement(self) -> dict[str, int]:
         return {
             "seed": self.seed,
@@ -287,6 +302,7 @@ class DataLoader(LoaderBase):
         return self._position
 
     def _enter_epoch(self, epoch: int) -> None:
+        check_ahead(self.plan, epoch, 0)  # a ramp resized past: its start may not divide here
         self._epoch, self._position = epoch, 0
 
     def _block(self, step: Step) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -331,6 +347,7 @@ class DataLoader(LoaderBase):
         # service draining what a dropped walk left in flight).
         self.telemetry.asked(time.perf_counter())
         epoch = self._epoch
+        self._join_group()
         if isinstance(self.service, DistributedService):  # the ranks start at the same place
             self.service.agree(self._walk_facts())
         if not self._started:
@@ -547,6 +564,7 @@ class DataLoader(LoaderBase):
         ``allow_rewind=True``.
         """
         state = read_state(self, state, allow_global_batch_change=allow_global_batch_change)
+        check_ahead(self.plan, state["epoch"], state["position"])  # a ramp resized past
         self._stats = state["stats"]
         self._epoch, self._position = state["epoch"], state["position"]
         if (
@@ -562,7 +580,15 @@ class DataLoader(LoaderBase):
         )
 
     def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
-        plan = self.plan.with_ranks(mesh.data_world_size)  # a ramp that does not divide: refused
+        # Everything that can refuse is checked before anything moves: a refused resize leaves
+        # the loader on its layout, at its position, its iterator live.
+        dp = mesh.data_world_size
+        batch = check_divides(self.global_batch_size, mesh, f"resize of {self.name}")
+        epoch, position = self._epoch, self._position
+        if state is not None:  # a peer's, checked as the new layout will load it
+            read = read_state(_Relaid(self, dp, batch), state, allow_global_batch_change=False)
+            epoch, position = read["epoch"], read["position"]
+        plan = resized(self.plan, dp, epoch, position)  # a ramp size ahead that dp does not divide
         relayout(self, mesh, rank, self.global_batch_size)  # stopped; placed on the new layout
         old, self.plan, self._index_cache = self.plan, plan, None
         self._keep_epoch_end(lambda: old)
@@ -572,6 +598,7 @@ class DataLoader(LoaderBase):
             service = self.service
             inner = service.inner if isinstance(service, DistributedService) else service
             self.service = self._grouped(inner)
+            self._groups = True  # a group formed only after this resize: wrapped at its walk
         if state is not None:  # a rank that rejoins continues from a peer's position
             self.load_state_dict(state)
 
@@ -673,6 +700,22 @@ class _LiveWalk:
             self._batches.close()
         except ValueError:  # running
             self._loader._close_stage(self._walk)
+
+
+class _Relaid:
+    """A loader as a resize would lay it out (its data ranks and per-rank batch those of the new
+    layout), for :func:`~meshfeed.loader_state.read_state` to check a peer's state before
+    anything moves (:meth:`DataLoader._relayout`). Its plan is the loader's: the new one's
+    rounding of a ramp is checked equal to it by the resize itself."""
+
+    def __init__(self, loader: DataLoader, data_world_size: int, batch_size: int) -> None:
+        self.seed, self.shuffle = loader.seed, loader.shuffle
+        self.drop_last, self.pad_last = loader.drop_last, loader.pad_last
+        self.batch_size, self.data_world_size = batch_size, data_world_size
+        self.global_batch_size = loader.global_batch_size
+        self.dataset, self.dataset_length = loader.dataset, loader.dataset_length
+        self.fingerprint, self.order = loader.fingerprint, loader.order
+        self.hooks, self.plan = loader.hooks, loader.plan
 
 
 def _take_back(telemetry: Telemetry, events: Any) -> None:

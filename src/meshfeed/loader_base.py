@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from meshfeed.delivery import Delivery, check_device
+from meshfeed.dist import is_initialized
 from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import place, world_size_now
 from meshfeed.options import LoaderOptions
@@ -46,6 +47,15 @@ logger = logging.getLogger("meshfeed")
 MAX_EPOCH = 2**32
 #: After the first bad sample of a run, at most one warning per this many bad samples.
 WARN_EVERY = 1000
+#: Why a loader is not pickled or copied, and the fix (see LoaderBase.__reduce_ex__).
+_NOT_PICKLED = (
+    "a meshfeed {name} cannot be pickled or copied (it holds its workers, threads and live "
+    "iterator; only its state_dict() travels). In torch.distributed.checkpoint, put the loader "
+    "at the top level of the dict given to dcp.save / dcp.load (e.g. {{'model': ..., 'data': "
+    "loader}}): DCP calls state_dict() / load_state_dict() only on top-level values, and a "
+    "loader nested deeper is pickled whole and never restored. Elsewhere save "
+    "loader.state_dict() (a small JSON dict) and resume with loader.load_state_dict(state)"
+)
 
 
 class LoaderBase(Lifecycle):
@@ -192,10 +202,12 @@ class LoaderBase(Lifecycle):
         """Continue on a new data-parallel layout from the next global batch (#32).
 
         ``mesh`` / ``device_mesh`` / ``rank`` as the constructor's. With no mesh, the loader's
-        mesh on the current process group's world (or torchrun's ``WORLD_SIZE``): its non-data
-        axes (``tp``, ``pp``, ``cp``, ...) kept and its one data axis rescaled
+        mesh on the world of the re-formed process group: its non-data axes (``tp``, ``pp``,
+        ``cp``, ...) kept and its one data axis rescaled
         (:meth:`~meshfeed.mesh.DataMesh.rescaled`, which refuses a mesh where that is not one
-        layout, asking for the new mesh). Call it between batches; the global batch
+        layout, asking for the new mesh); without an initialised process group it is refused
+        (the environment's ``WORLD_SIZE`` may be stale, and a world of one would make every
+        process read the whole global batch). Call it between batches; the global batch
         stays, each rank's share becomes ``global_batch_size / data ranks``, and every sample
         is still served once. ``state``: a peer's ``state_dict()`` to continue from instead of
         this loader's own position (a rank that rejoins). Iterate anew afterwards
@@ -203,6 +215,14 @@ class LoaderBase(Lifecycle):
         :mod:`meshfeed.relayout`.
         """
         if mesh is None and device_mesh is None:
+            if not is_initialized():
+                raise ValueError(
+                    f"{self.name}.resize() without a mesh reads the re-formed process group, but "
+                    "no process group is initialised (between destroy_process_group and "
+                    "init_process_group, the world is unknown: every process would take the "
+                    "whole global batch). Call torch.distributed.init_process_group first, or "
+                    "pass the new layout: resize(mesh, rank=...)"
+                )
             mesh = self.mesh.rescaled(world_size_now())
         new_mesh, new_rank = place(
             mesh, device_mesh, rank, serves_every_rank=self._serves_every_rank
@@ -217,6 +237,21 @@ class LoaderBase(Lifecycle):
     def _relayout(self, mesh: Any, rank: int, state: dict[str, Any] | None) -> None:
         """Move to ``mesh`` / ``rank`` at the current position or ``state`` (each door)."""
         raise NotImplementedError(f"{type(self).__name__} cannot be resized while it runs")
+
+    # ------------------------------------------------------------------ pickling
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: a loader is its position plus workers, threads and a live iterator; only
+        its ``state_dict()`` travels. ``torch.distributed.checkpoint`` calls ``state_dict()``
+        / ``load_state_dict()`` only on the top-level values of the dict it is given; a loader
+        nested deeper is pickled whole, and a load leaves the loader it was given where it was
+        (the epoch repeats). Refusing names that instead (also for ``copy.copy`` /
+        ``copy.deepcopy``, which go through here)."""
+        raise TypeError(_NOT_PICKLED.format(name=type(self).__name__))
+
+    def __setstate__(self, state: Any) -> None:
+        """Refused: a loader pickled by an older meshfeed (e.g. nested in a DCP checkpoint)
+        would come back as another object, never restoring the one given to ``dcp.load``."""
+        raise TypeError(_NOT_PICKLED.format(name=type(self).__name__))
 
     # ------------------------------------------------------------------ walks
     def _supersede(self, what: str, fix: str) -> int:

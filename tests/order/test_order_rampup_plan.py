@@ -134,6 +134,9 @@ def test_resize_mid_ramp_continues_exactly():
     ref = _epoch([_loader(n=160, rank=r, rampup=(4, 4, 100)) for r in range(2)])
     loaders = [_loader(n=160, rank=r, rampup=(4, 4, 100)) for r in range(2)]
     first = [take(lo, 5) for lo in loaders]
+    with pytest.raises(ValueError, match="global batch 4 of the ramp .* = 8"):
+        loaders[0].resize({"dp": 8}, rank=0)  # 8 divides the final 16, not the 4 still ahead
+    assert loaders[0].data_world_size == 2  # nothing changed by the refused resize
     state = loaders[0].state_dict()
     for r in range(2):
         loaders[r].resize({"dp": 4}, rank=r)
@@ -145,9 +148,8 @@ def test_resize_mid_ramp_continues_exactly():
     got = [sorted(i for f in first for i in f[k].tolist()) for k in range(5)]
     got += [sorted(i for r in rest for i in r[k]) for k in range(len(rest[0]))]
     assert got == [sorted(x + y) for x, y in zip(*ref, strict=True)]
-    with pytest.raises(ValueError, match="global batch 4 of the ramp .* = 8"):
-        wide[0].resize({"dp": 8}, rank=0)  # 8 divides the final 16, not the first 4
-    assert wide[0].data_world_size == 4  # nothing changed by the refused resize
+    wide[0].resize({"dp": 8}, rank=0)  # past the ramp only the final 16 is ahead: 8 divides it
+    assert (wide[0].data_world_size, wide[0].batch_size) == (8, 2)
 
 
 def test_a_ramp_the_data_ranks_do_not_divide_is_refused_with_the_fixes():

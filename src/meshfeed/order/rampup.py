@@ -14,7 +14,10 @@ epoch and a position and the schedule never depends on the number of data ranks.
 Every global batch must divide into ``micro_batch_size`` x data ranks (Megatron's rule), or it
 cannot be cut into equal per-rank batches. Every size the schedule can take is checked when the
 loader is built (Megatron asserts at the first step that reaches one; a ramp whose steps outgrow
-its increments may skip a size, but where epochs end moves that). Where one does not divide,
+its increments may skip a size, but where epochs end moves that). A resize checks only the sizes
+still ahead of the samples consumed (those behind were served): past the ramp, any data ranks
+the final global batch divides, as Megatron accepts once ``consumed > samples``. Where one does
+not divide,
 the loader refuses by name unless asked for one of two exact alternatives: ``round_down=True``
 (Megatron's ``--decrease-batch-size-if-needed``: each batch is rounded down to a multiple, and
 the rounded size is what is consumed) or ``uneven=True`` (the batch is served whole, ranks'
@@ -24,6 +27,7 @@ per-rank mean losses then weights samples unequally; most trainers cannot accept
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 __all__ = ["MAX_RAMP_SAMPLES", "BatchRampup", "RampSizes", "as_rampup", "check_same_sizes"]
@@ -111,7 +115,17 @@ def as_rampup(value: object) -> BatchRampup | None:
 class RampSizes:
     """The running global batch as a function of consumed samples (Megatron's formula)."""
 
-    def __init__(self, rampup: BatchRampup, global_batch_size: int, data_world_size: int):
+    def __init__(
+        self,
+        rampup: BatchRampup,
+        global_batch_size: int,
+        data_world_size: int,
+        *,
+        check_from: int | None = 0,
+    ) -> None:
+        """``check_from``: refuse a size still ahead after that many consumed samples that the
+        data ranks do not divide (0: every size, a fresh run); None: no check (the sizes of
+        another run's ranks, compared only)."""
         r, G, dp = rampup, global_batch_size, data_world_size
         self.rampup, self.G, self.dp = r, G, dp
         self.multiple = r.micro_batch_size * dp
@@ -124,7 +138,8 @@ class RampSizes:
         self.num_increments = (G - r.start) // r.increment
         # Megatron divides in floats; the same division gives the same step at every boundary.
         self.per_increment = r.samples / self.num_increments if self.num_increments else 0.0
-        self._check_divides()
+        if check_from is not None:
+            self.check_divides(check_from)
 
     def raw(self, consumed: int) -> int:
         """Megatron's ``current_global_batch_size`` after ``consumed`` samples."""
@@ -140,9 +155,21 @@ class RampSizes:
 
     def sizes(self) -> list[int]:
         """Every running global batch the ramp can take, smallest first."""
+        return self.ahead(0)
+
+    def ahead(self, consumed: int) -> list[int]:
+        """Every running global batch the ramp can still take after ``consumed`` samples,
+        smallest first (the sizes are non-decreasing in the samples consumed)."""
         r = self.rampup
-        raws = [r.start + j * r.increment for j in range(self.num_increments + 1)]
+        first = self._increments(consumed)
+        raws = [r.start + j * r.increment for j in range(first, self.num_increments + 1)]
         return sorted({x - x % self.multiple if r.round_down else x for x in raws})
+
+    def _increments(self, consumed: int) -> int:
+        """How many increments the raw size has taken after ``consumed`` samples."""
+        if consumed > self.rampup.samples or not self.num_increments:
+            return self.num_increments
+        return min(int(consumed / self.per_increment), self.num_increments)
 
     def next_change(self, consumed: int) -> int | None:
         """The first consumed count after ``consumed`` with another raw size (None: never)."""
@@ -158,23 +185,41 @@ class RampSizes:
             guess += 1
         return guess
 
-    def _check_divides(self) -> None:
+    def check_divides(self, consumed: int = 0) -> None:
+        """Refuse a running global batch still ahead after ``consumed`` samples (0: any) that
+        cannot be cut into equal per-rank batches on these data ranks (module docstring)."""
         r, m, dp = self.rampup, self.multiple, self.dp
+        low = r.start + self._increments(consumed) * r.increment  # the smallest raw size ahead
+        what, fix = f"rampup start={r.start}", f"use start >= {m if r.round_down else dp}"
+        if consumed:  # a resize: the sizes behind were served
+            what = f"the ramp's global batch {low} (still ahead after {consumed} consumed samples)"
+            fix = f"keep at most {low // r.micro_batch_size} data ranks until the ramp is over"
         if r.uneven:
-            if r.start < dp:
+            if low < dp:
                 raise ValueError(
-                    f"rampup start={r.start} is below the {dp} data ranks: a rank would get an "
-                    f"empty batch; use start >= {dp}"
+                    f"{what} is below the {dp} data ranks: a rank would get an empty batch; {fix}"
                 )
             return
         if r.round_down:
-            if r.start < m:
+            if low < m:
                 raise ValueError(
-                    f"rampup start={r.start} rounds down to 0 with micro_batch_size="
-                    f"{r.micro_batch_size} x {dp} data ranks = {m}; use start >= {m}"
+                    f"{what} rounds down to 0 with micro_batch_size="
+                    f"{r.micro_batch_size} x {dp} data ranks = {m}; {fix}"
                 )
             return
-        bad = [x for x in self.sizes() if x % m]
+        ahead = self.ahead(consumed)
+        bad = [x for x in ahead if x % m]
+        if bad and consumed:
+            whole = math.gcd(*ahead) // r.micro_batch_size  # the run's ranks divided them all
+            raise ValueError(
+                f"global batch {bad[0]} of the ramp (start={r.start}, increment={r.increment}, "
+                f"samples={r.samples}, global batch {self.G}), still ahead after {consumed} "
+                f"consumed samples, does not divide into micro_batch_size={r.micro_batch_size} "
+                f"x {dp} data ranks = {m}, so ranks would get unequal batches; resize to a "
+                f"data-parallel size dividing {whole} (every size still ahead), or once the ramp "
+                f"is over (after {r.samples} consumed samples: then any size dividing "
+                f"{self.G // r.micro_batch_size})"
+            )
         if bad:
             raise ValueError(
                 f"global batch {bad[0]} of the ramp (start={r.start}, increment={r.increment}, "
@@ -182,7 +227,11 @@ class RampSizes:
                 f"{r.micro_batch_size} x {dp} data ranks = {m}, so ranks would get unequal "
                 f"batches; use start, increment and batch_size*data ranks that are multiples of "
                 f"{m}, or round_down=True (Megatron's --decrease-batch-size-if-needed), or "
-                "uneven=True (equal steps, per-rank batches differing by one sample)"
+                "uneven=True (equal steps, per-rank batches differing by one sample). To resume "
+                f"a checkpoint taken past these sizes on {dp} data ranks, build the loader on "
+                "data ranks the whole ramp divides (the same world, the rest on another mesh "
+                f"axis), load_state_dict, then resize(mesh) onto the {dp}: a resize checks only "
+                "the sizes still ahead"
             )
 
 

@@ -17,7 +17,7 @@ from meshfeed.order.batches import BatchPlan, Step
 from meshfeed.order.rampup import BatchRampup, RampSizes, check_same_sizes
 from meshfeed.protocols import Order
 
-__all__ = ["PlanOptions", "RampupPlan", "make_plan"]
+__all__ = ["PlanOptions", "RampupPlan", "check_ahead", "make_plan", "resized"]
 
 
 class RampupPlan(BatchPlan):
@@ -39,7 +39,10 @@ class RampupPlan(BatchPlan):
         drop_last: bool = True,
         pad_last: bool = True,
         data_world_size: int = 1,
+        check_from: int = 0,
     ) -> None:
+        """``check_from``: the samples consumed where this plan starts to serve; the ramp's
+        sizes from there on must divide among the data ranks (0: all of them, a fresh run)."""
         super().__init__(
             order,
             global_batch_size=global_batch_size,
@@ -54,7 +57,11 @@ class RampupPlan(BatchPlan):
                 "batch sizes would too; use drop_last=True or pad_last=True"
             )
         self.rampup = rampup
-        self.sizes = RampSizes(rampup, self.global_batch_size, self.data_world_size)
+        self.sizes = RampSizes(
+            rampup, self.global_batch_size, self.data_world_size, check_from=check_from
+        )
+        #: The sizes from this many consumed samples on divide among the data ranks.
+        self.checked_from = check_from
         self._bases: dict[int, int] = {0: 0}
         self._next: tuple[int, int, int] | None = None  # (epoch, position, index) of a walk
 
@@ -148,15 +155,42 @@ class RampupPlan(BatchPlan):
     def check_resume_from(self, data_world_size: int) -> None:
         """Refuse a checkpoint of ``data_world_size`` ranks whose rounding differs from ours."""
         if data_world_size != self.data_world_size:
-            was = RampSizes(self.rampup, self.global_batch_size, data_world_size)
+            # Its sizes only, compared: a run resized past the ramp may not divide its start.
+            was = RampSizes(self.rampup, self.global_batch_size, data_world_size, check_from=None)
             check_same_sizes(was, self.sizes)
 
-    def with_ranks(self, data_world_size: int) -> RampupPlan:
-        """This plan over ``data_world_size`` data ranks: refused where the ramp does not divide,
-        or where round_down would round the sizes otherwise (the consumed counts would move)."""
-        plan = RampupPlan(self.order, rampup=self.rampup, **self._options(data_world_size))
+    def with_ranks(self, data_world_size: int, *, consumed: int = 0) -> RampupPlan:
+        """This plan over ``data_world_size`` data ranks from ``consumed`` samples on: refused
+        where a size of the ramp still ahead does not divide among them (0: any size), or where
+        round_down would round the sizes otherwise (the consumed counts would move)."""
+        plan = RampupPlan(
+            self.order,
+            rampup=self.rampup,
+            check_from=consumed,
+            **self._options(data_world_size),
+        )
         check_same_sizes(self.sizes, plan.sizes)
         return plan
+
+
+def check_ahead(plan: BatchPlan, epoch: int, position: int) -> None:
+    """Refuse to move ``plan``'s loader to ``epoch`` / ``position`` (a checkpoint, an earlier
+    epoch) where a ramp size ahead does not divide among its data ranks: a plan resized past
+    the ramp was checked only from where it was resized (:func:`resized`)."""
+    if isinstance(plan, RampupPlan) and plan.checked_from:
+        consumed = plan.base(epoch) + position
+        if consumed < plan.checked_from:
+            plan.sizes.check_divides(consumed)
+            plan.checked_from = consumed
+
+
+def resized(plan: BatchPlan, data_world_size: int, epoch: int, position: int) -> BatchPlan:
+    """``plan`` over ``data_world_size`` data ranks for a loader continuing at ``epoch`` /
+    ``position`` (a live resize): a ramp's sizes are checked from there on, the ones behind
+    were served (past the ramp, any data ranks the global batch divides)."""
+    if isinstance(plan, RampupPlan):
+        return plan.with_ranks(data_world_size, consumed=plan.base(epoch) + position)
+    return plan.with_ranks(data_world_size)
 
 
 class PlanOptions(Protocol):
