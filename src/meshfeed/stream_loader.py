@@ -13,8 +13,9 @@ skipped or substituted by ``on_error`` like a bad sample. It also takes a
 :class:`~meshfeed.sources.Mixture` of streams.
 
 The one addition: rows a choice of the user leaves unread (``drop_last`` drops the last
-incomplete global batch of each epoch) are counted in ``stats()["unread_rows"]`` (arithmetic
-over the completed epochs, nothing stored) and warned about once.
+incomplete global batch of each epoch; ``drop_last=False, pad_last=False`` truncates it to a
+multiple of the data ranks) are counted in ``stats()["unread_rows"]`` (arithmetic over the
+completed epochs, nothing stored) and warned about once.
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ class StreamLoader(DataLoader):
 
     def unread_rows(self, epoch: int | None = None) -> int:
         """Rows of the epochs before ``epoch`` (default: the current one) that no data rank
-        was served because ``drop_last`` dropped the last incomplete global batch."""
+        was served: ``drop_last`` dropped the last incomplete global batch, or
+        ``pad_last=False`` truncated it to a multiple of the data ranks (0 with
+        ``drop_last=False`` and the default ``pad_last=True``, which serves every row)."""
         epochs = self._epoch if epoch is None else epoch
-        return self.plan.unserved(epochs) if self.drop_last else 0
+        return self.plan.unserved(epochs)
 
     def _iterate(self, walk: int) -> Generator[Any, None, None]:
         epoch = self._epoch
@@ -62,14 +65,25 @@ class StreamLoader(DataLoader):
         unread = self.unread_rows(epoch + 1) - self.unread_rows(epoch)
         if self._epoch == epoch + 1 and unread and not self._warned_unread:
             self._warned_unread = True
+            if self.drop_last:
+                why = "drop_last drops the last incomplete global batch"
+                fix = "drop_last=False"
+            else:
+                why = (
+                    f"pad_last=False truncates the last incomplete global batch to a multiple "
+                    f"of the {self.data_world_size} data ranks"
+                )
+                fix = "pad_last=True (the default: the ranks' last batches may differ in length)"
             logger.warning(
-                "StreamLoader: %d rows of epoch %d were not read by any data rank: drop_last "
-                "drops the last incomplete global batch (%d rows per epoch, global batch %d). "
-                "Use drop_last=False to serve them; counted in stats()['unread_rows']",
+                "StreamLoader: %d rows of epoch %d were not read by any data rank: %s (%d rows "
+                "per epoch, global batch %d). Use %s to serve them; counted in "
+                "stats()['unread_rows']",
                 unread,
                 epoch,
+                why,
                 self.order.epoch_length(epoch),
                 self.global_batch_size,
+                fix,
             )
 
     def load_state_dict(

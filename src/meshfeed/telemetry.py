@@ -7,7 +7,8 @@ batches returned: the loop's own work plus the wait), and the seconds spent in e
 making batches: ``plan`` (the batch plan), ``produce`` (waiting for the service: in-process this
 is fetch + collate, with workers the wait for their transfer), ``fetch`` and ``collate`` (the
 fetcher's own seconds reading and collating, wherever it ran: with workers, summed over them,
-so they may add up to more than the wall time), ``pin`` (copying into page-locked memory),
+so they may add up to more than the wall time; a store loader's ``fetch`` includes the time its
+requests waited in the store for producers), ``pin`` (copying into page-locked memory),
 ``device_copy`` (issuing the copy to the device). Every phase but ``plan`` is added when the
 batch is counted as returned: a batch made and dropped uncounted (prefetched by a walk that was
 superseded) adds nothing, and a loader that makes a batch again after its ``on_step`` raised
@@ -33,10 +34,16 @@ here, the loader takes back its count (state and stats as before the batch, its 
 :meth:`Telemetry.take_back`) and raises the error in place of the batch, so nothing is skipped:
 the loader serves that batch again next.
 A batch the loader drops without returning it (a store batch skipped by ``on_error="skip"``)
-adds its wait to the next batch's.
+adds its wait and its phases to the next batch's (:meth:`Telemetry.passed`). A store loader's
+``next()`` that raised while the loop waited for data (a ``TimeoutError`` while the producers
+are late, a ``CollateError``) adds its time to the wait of the next batch returned
+(:meth:`Telemetry.raised`); the other loaders leave such time out (a walk that raised is over,
+and the next starts its own wait).
 Every :data:`WARN_AFTER` steps, a loop that has waited more than ``warn_wait_share`` of its
-time so far (the first step's wait, start-up, left out), while doing at least :data:`MIN_LOOP_SECONDS` of its own work per step, gets a
-warning (once per loader) on the ``"meshfeed"`` logger naming the likely fix.
+time so far (the first step's wait, start-up, left out), while doing at least
+:data:`MIN_LOOP_SECONDS` of its own work per step, gets a warning (once per loader) on the
+``"meshfeed"`` logger naming the likely fix (:data:`WAIT_HINT`), or the loader's own hint (a
+store loader's names its producers: workers would not shorten a wait for rollouts).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ __all__ = [
     "BUCKET_WIDTH",
     "MIN_LOOP_SECONDS",
     "PHASES",
+    "WAIT_HINT",
     "WARN_AFTER",
     "StepTiming",
     "Telemetry",
@@ -66,6 +74,11 @@ WARN_AFTER = 50
 #: The loop's own time per step (between batches) below which it is not judged: a loop that
 #: only collects batches (``list(loader)``) is not a training loop waiting for data.
 MIN_LOOP_SECONDS = 1e-4
+#: What the wait warning names by default (a loader that makes its own batches): the fix.
+WAIT_HINT = (
+    "likely fix: more workers (num_workers), less work per sample (or a faster collate_fn), or "
+    "device= to copy batches ahead; see loader.stats()['delivery']"
+)
 #: Buckets per decade of the wait histogram: each is 10 ** (1 / 48) - 1 = 4.9 % wide.
 _PER_DECADE = 48
 #: How much wider than its lower edge a bucket's upper edge is: the quantiles' largest error.
@@ -130,10 +143,14 @@ class Telemetry:
         *,
         warn_wait_share: float | None = 0.25,
         on_step: Callable[[StepTiming], Any] | None = None,
+        hint: str = WAIT_HINT,
     ) -> None:
         self.name = name
         self.warn_wait_share = warn_wait_share
         self.on_step = on_step
+        #: What the warning says after the share: the likely cause or fix, for this loader
+        #: (a loader may set its own after it is built, e.g. a store's producers).
+        self.hint = hint
         self.waits = WaitHistogram()
         self.phases = dict.fromkeys(PHASES, 0.0)
         self._first_ask: float | None = None
@@ -143,6 +160,12 @@ class Telemetry:
         self._pending: _Pending | None = None
         #: The same of the batch counted last (what :meth:`take_back` takes back).
         self._counted: _Pending | None = None
+        #: The batches passed (dropped, not returned) since the last one handed on, as
+        #: :attr:`_pending`: their making goes to the next batch handed on (:meth:`passed`).
+        self._carried: _Pending | None = None
+        #: Seconds the loop waited in ``next()`` calls that raised since the last batch
+        #: counted: added to the next batch's wait (:meth:`raised`).
+        self._raised = 0.0
         self._warned = False
         self._first_wait = 0.0  # the first step's wait: start-up, left out of the warning
 
@@ -154,9 +177,24 @@ class Telemetry:
         """The loop asked for a batch at ``at`` (``time.perf_counter()``), and the loader works
         before its delivery stage times anything (a walk's first batch: starting workers, the
         ranks' agreement, draining what an earlier walk left in flight): the wait of the next
-        batch counted starts at ``at``. A batch handed on and never counted (its walk was
-        superseded) is forgotten: neither its wait nor its phases count."""
+        batch counted starts at ``at`` (plus what :meth:`raised` added). A batch handed on and
+        never counted (its walk was superseded) is forgotten: neither its wait nor its phases
+        count (those of batches :meth:`passed` still go to the next batch)."""
         self._pending = (at, at, 0.0, None)
+
+    def passed(self) -> None:
+        """The loader dropped the batch handed on last without returning it (a store batch
+        skipped by ``on_error="skip"``): its wait and its ``produce`` / ``pin`` /
+        ``device_copy`` seconds go to the next batch handed on, and are counted with it. On
+        the loop's thread."""
+        self._carried = self._pending
+
+    def raised(self, seconds: float) -> None:
+        """A ``next()`` of the loader raised after ``seconds`` (a store's ``TimeoutError``
+        while its producers are late): the loop waited for data that long, so it is added to
+        the wait of the next batch counted (a loader calls it for errors of making batches,
+        not for an ``on_step`` that raised). On the loop's thread."""
+        self._raised += seconds
 
     def took(
         self,
@@ -172,10 +210,17 @@ class Telemetry:
         spent on it elsewhere (the delivery thread). The step is recorded, and these phases
         added, when the loader counts the batch (:meth:`returned`); until then a later batch's
         wait starts at this ``asked`` (a batch dropped uncounted adds its wait to the next
-        one's, not its phases)."""
+        one's, and its phases too once the loader says it :meth:`passed` it)."""
         pending = self._pending
         first = asked if pending is None else pending[0]
-        self._pending = (first, now, now - asked, None) if produced else (first, now, 0.0, made)
+        if produced:
+            self._pending = (first, now, now - asked, None)
+        else:
+            self._pending = (first, now, 0.0, made)
+        carried = self._carried
+        if carried is not None:  # batches passed since the last one counted (:meth:`passed`)
+            self._carried = None
+            self._pending = (first, now, self._pending[2] + carried[2], _plus(made, carried[3]))
 
     def returned(self) -> None:
         """The loader counted the batch handed on last as returned: record its step and its
@@ -189,10 +234,12 @@ class Telemetry:
             return
         self._counted = pending
         asked, now, produce, made = pending
+        raised = self._raised
+        if raised:  # the loop waited in next() calls that raised before this batch came
+            asked -= raised
         phases = self.phases
-        if made is None:
-            phases["produce"] += produce
-        else:
+        phases["produce"] += produce
+        if made is not None:
             phases["produce"] += made[0]
             phases["pin"] += made[1]
             phases["device_copy"] += made[2]
@@ -216,6 +263,8 @@ class Telemetry:
                 waits.counts[bucket] -= 1
                 self._first_ask, self._last_return = first, last
                 raise
+        if raised:
+            self._raised = 0.0
         if not waits.count % WARN_AFTER and not self._warned:
             self._judge()
 
@@ -259,14 +308,12 @@ class Telemetry:
         self._warned = True
         logger.warning(
             "%s: the training loop waited %.0f%% of its time for data over %d steps after the "
-            "first (more than "
-            "warn_wait_share=%.2f); likely fix: more workers (num_workers), less work per sample "
-            "(or a faster collate_fn), or device= to copy batches ahead; see "
-            "loader.stats()['delivery']",
+            "first (more than warn_wait_share=%.2f); %s",
             self.name,
             100 * share,
             self.waits.count,
             limit,
+            self.hint,
         )
 
     def report(self) -> dict[str, Any]:
@@ -281,6 +328,15 @@ class Telemetry:
             "wait_share": self.wait_share(),
             "phases": dict(self.phases),
         }
+
+
+def _plus(
+    a: tuple[float, float, float] | None, b: tuple[float, float, float] | None
+) -> tuple[float, float, float] | None:
+    """The ``made`` seconds of two batches together (None: neither was made elsewhere)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
 
 def _share(waited: float, wall: float) -> float:

@@ -38,7 +38,12 @@ failed.
 
 ``pin_memory`` / ``device`` deliver batches pinned / on the device, copied ahead on a
 delivery thread as ``DataLoader`` does, the state still exact (a batch is consumed when it
-is returned).
+is returned). ``stats()["delivery"]`` times the loop as every door does
+(:mod:`meshfeed.telemetry`): the first wait of a walk includes starting the workers and the
+ranks' start agreement, the ``fetch`` phase includes the time a request waited in the store
+for producers, and a ``next()`` that raised (a ``TimeoutError``) adds its time to the next
+batch's wait. ``warn_wait_share`` (0.25; None: never) sets when a loop waiting for data is
+warned; the warning names the likely cause, producers slower than the trainer.
 ``stats()`` counts the batches and samples returned, timeouts and failures, next to the store's
 view of the task; ``epochs(1)`` yields the one epoch a store stream is (see
 :meth:`StoreLoader.epochs`).
@@ -135,6 +140,14 @@ class StoreLoader(LoaderBase, Walking):
     """
 
     name = "StoreLoader"
+    #: What the wait warning (``warn_wait_share``) names: a trainer fed by rollout producers
+    #: waits for them, which workers or a faster ``collate_fn`` do not shorten.
+    wait_hint = (
+        "likely cause: the producers put samples slower than the trainer takes them (see "
+        "loader.stats()['store']: samples held, waiting_consumers; the 'fetch' phase of "
+        "loader.stats()['delivery'] includes the wait in the store): add producers, or pass "
+        "warn_wait_share=None where the trainer waits for them by design"
+    )
 
     def __init__(
         self,
@@ -158,6 +171,7 @@ class StoreLoader(LoaderBase, Walking):
         device: Any = None,
         device_prefetch: int = 2,
         on_step: Callable[[Any], Any] | None = None,
+        warn_wait_share: float | None = 0.25,
         max_staleness: int | None = None,
         group_filter: Callable[[dict[str, list[Any]]], bool] | None = None,
         service: BoundedService | None = None,
@@ -179,6 +193,7 @@ class StoreLoader(LoaderBase, Walking):
             device=device,
             device_prefetch=device_prefetch,
             on_step=on_step,
+            warn_wait_share=warn_wait_share,
         )
         check_loader_arguments(
             task=task, fields=fields, partition=partition, collate_retries=collate_retries
@@ -187,6 +202,7 @@ class StoreLoader(LoaderBase, Walking):
             raise TypeError(f"collate_fn must be callable or None (got {collate_fn=!r})")
         check_loader_service(store, num_workers, service, prefetch)
         super().__init__(options, mesh=mesh, device_mesh=device_mesh, rank=rank)
+        self.telemetry.hint = self.wait_hint  # what the wait warning names (a store's cause)
         self.on_error: OnError = check_on_error(on_error, self.mesh.world_size)
         self._skips = SkipLog()
         self.replica_group = self.mesh.replica_group(self.rank)
@@ -264,22 +280,31 @@ class StoreLoader(LoaderBase, Walking):
     def __next__(self) -> Any:
         if self._shut:
             raise self._shut_down_error()
+        start = time.perf_counter()
+        if self._stream is None and not self._finished:
+            # A new walk: its first wait starts now, and includes what comes before the
+            # delivery stage times anything (the ranks' agreement, starting the workers).
+            self.telemetry.asked(start)
         if not self._start_agreed:  # with a process group: every rank starts here (walk.py)
             self._agree_start()
         if self._finished:
             raise StopIteration
-        start = time.perf_counter()
         if not self._started:
             self.service.start(self.fetcher)
             self._started = True
         if self._stream is None:
             self._stream = Walking._walk(weakref.proxy(self))  # no cycle: see walk.py
+        self._refused = False
         try:
             return next(self._stream)
         except BaseException as error:
             self._stream = None  # a walk that raised is over: the next call walks again
             for kind, key in _COUNTED.items():
                 self._counts[key] += isinstance(error, kind)
+            if not (isinstance(error, StopIteration) or self._shut or self._refused):
+                # The loop waited for data in this call (a TimeoutError while the producers
+                # are late): that counts in the wait of the next batch returned.
+                self.telemetry.raised(time.perf_counter() - start)
             if isinstance(error, StopIteration | RuntimeError) and self._shut:
                 # shutdown() from another thread halted the walk (not the end of the stream),
                 # or stopped its service as the walk started it. The service may have

@@ -55,6 +55,8 @@ __all__ = ["SKIPPED", "Walking"]
 Result = tuple[Any, StoreEvents]
 #: What a batch dropped by ``on_error="skip"`` becomes on its way to the loop.
 SKIPPED: Any = object()
+#: The phases a batch's events carry (the fetcher's seconds), added whenever it is returned.
+_FROM_EVENTS = ("fetch", "collate")
 
 
 class Walking:
@@ -107,6 +109,12 @@ class Walking:
         #: The phases taken back from a held batch ``on_step`` refused, by its index: added
         #: again when it is returned, since it is not made again (its making counts once).
         self._owed: tuple[int, dict[str, float]] | None = None
+        #: The fetch and collate seconds of the batches skipped (``on_error="skip"``) since
+        #: the last one returned: added with the next one returned.
+        self._passed = (0.0, 0.0)
+        #: Whether the last ``next()`` raised because ``on_step`` did (its batch not returned):
+        #: not a wait for data (:meth:`meshfeed.telemetry.Telemetry.raised`).
+        self._refused = False
         #: The current walk's thread, delivery stage and service map (:meth:`_walk`).
         self._stage: tuple[int, weakref.ref[Any], Iterator[Any]] | None = None
         #: Whether the ranks agreed where this loader starts (:meth:`_agree_start`).
@@ -209,18 +217,30 @@ class Walking:
                     return
                 before, self._returned = self._returned, events.index + 1
                 if item is SKIPPED:  # dropped by on_error="skip": passed, not returned
+                    # Its making counts with the next batch returned, as its wait does.
+                    self.telemetry.passed()
+                    fetched, collated = self._passed
+                    self._passed = (fetched + events.fetch_s, collated + events.collate_s)
                     self._forget(events.index)
                     continue
                 counts = dict(self._counts)
                 self._counts["batches"] += 1
                 self._counts["samples"] += len(events.ids or ())
                 self._counts["redelivered"] += events.index < self._redeliver
+                # The fetcher's seconds (a store's fetch includes waiting there for producers),
+                # with those of the batches skipped since the last one returned.
+                fetched, collated = self._passed
+                fetched, collated = fetched + events.fetch_s, collated + events.collate_s
+                self.telemetry.add("fetch", fetched)
+                self.telemetry.add("collate", collated)
                 try:
                     self.telemetry.returned()  # on_step, which sees this batch counted
                 except BaseException:  # not returned: kept first in line for the next walk
                     self._returned, self._counts, self._held = before, counts, (item, events)
-                    self._take_back(events.index)  # counted again when it is returned
+                    self._take_back(events.index, fetched, collated)  # counted when returned
+                    self._refused = True
                     raise
+                self._passed = (0.0, 0.0)
                 if self._owed is not None and self._owed[0] == events.index:
                     owed, self._owed = self._owed[1], None
                     for phase, seconds in owed.items():
@@ -259,14 +279,18 @@ class Walking:
         if delivered is not None:
             Walking._close_stage(delivered, stage[2])
 
-    def _take_back(self, index: int) -> None:
+    def _take_back(self, index: int, fetched: float, collated: float) -> None:
         """Take back the phases of batch ``index``, refused by ``on_step`` (stats as before
-        it); kept, it is not made again, so those of its first refusal are owed back."""
+        it), ``fetched`` and ``collated`` the fetch and collate seconds added for it. Kept,
+        it is not made again: those the delivery stage timed at its first refusal are owed
+        back; its fetch and collate seconds travel with it (its events) and are added again
+        when it is returned."""
         phases = self.telemetry.phases
         before = dict(phases)
-        self.telemetry.take_back()
+        self.telemetry.take_back(fetch=fetched, collate=collated)
         if self._owed is None or self._owed[0] != index:
-            self._owed = (index, {p: before[p] - phases[p] for p in phases})
+            owed = {p: before[p] - phases[p] for p in phases if p not in _FROM_EVENTS}
+            self._owed = (index, owed)
 
     def _tasks(
         self, start: int, token: str, raw: Any, halt: threading.Event
