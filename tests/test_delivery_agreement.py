@@ -56,3 +56,40 @@ def test_a_walk_superseded_while_one_ranks_delivery_thread_lags_agrees_on_every_
     assert time.monotonic() - started < 60  # no collective waited out its timeout
     assert [len(r) for r in results] == [10, 10]
     assert sorted(v for r in results for b in r for v in b) == list(range(40))
+
+
+def _store_then_map_loader(rank: int, world: int) -> dict[str, list[int]]:
+    from meshfeed.queue import SampleStore, StoreLoader
+
+    prepared = {"n": 0}
+    real = Delivery._prepare
+
+    def prepare(self, batch, streams):
+        prepared["n"] += 1
+        if rank == 1 and prepared["n"] == 4:  # rank 1's thread held up on the 4th batch
+            time.sleep(1.0)
+        return real(self, batch, streams)
+
+    Delivery._prepare = prepare  # type: ignore[method-assign]
+    store = SampleStore()
+    store.put("p", {"x": list(range(64))}, ids=list(range(64)))
+    store.close("p")
+    loader = StoreLoader(
+        store, task="t", fields=["x"], partition="p", batch_size=2, mesh={"dp": 2}, rank=rank,
+        collate_fn=lambda b: list(b.ids), device="cpu", device_prefetch=1, timeout=60,
+    )  # fmt: skip
+    took = [v for _ in range(3) for v in next(loader)]
+    time.sleep(0.3)  # rank 0's thread prepared the 4th batch and went on to the 5th
+    loader.shutdown()
+    # The next collectives on meshfeed's group (a map loader's walk and steps) still pair up.
+    after = DataLoader(_Items(), batch_size=2, seed=1, on_error="raise")
+    return {"store": took, "map": [v for b in after for v in b.view(-1).tolist()]}
+
+
+@pytest.mark.slow
+def test_a_store_loader_shut_down_while_one_ranks_delivery_thread_lags_leaves_no_collective():
+    started = time.monotonic()
+    results = run_distributed(_store_then_map_loader, 2, timeout=180)
+    assert time.monotonic() - started < 40  # no collective waited out its 60 s timeout
+    assert sorted(v for r in results for v in r["store"]) == list(range(12))
+    assert sorted(v for r in results for v in r["map"]) == list(range(40))

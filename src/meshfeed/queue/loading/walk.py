@@ -205,7 +205,14 @@ class Walking:
             self._door.open(token, start + (raw is not None))
         made: Iterator[Any] = self.service.map(Walking._tasks(self, start, token, raw, halt))
         results: Iterator[Result] = itertools.chain(first, made)
-        delivered = self.delivery.stage(Walking._settled(self, results))
+        delivered: Generator[Result, None, None]
+        if self.delivery.ahead and is_distributed():
+            # The ranks' agreements (collectives) on this thread, once per batch taken, never on
+            # the delivery thread: it runs ahead by a number of batches that differs between
+            # ranks when a walk ends, which left one rank in a collective its peers never made.
+            delivered = Walking._settled(self, self.delivery.stage(results))
+        else:
+            delivered = self.delivery.stage(Walking._settled(self, results))
         # What a shutdown() from on_step (this thread, this walk suspended in it) closes.
         self._stage = (threading.get_ident(), weakref.ref(delivered), made)
         try:
@@ -306,7 +313,7 @@ class Walking:
             yield StoreTask.make(index, self._version_args(index), token, batch)
             index += 1
 
-    def _settled(self, results: Iterator[Result]) -> Iterator[Result]:
+    def _settled(self, results: Iterator[Result]) -> Generator[Result, None, None]:
         """Each batch with ``on_error`` applied and, where a process group runs, agreed on."""
         agree = self.on_error == "raise" and is_distributed()
         try:
