@@ -9,6 +9,7 @@ a batch while rank 0's goes on to the next agreement, and then the walk is super
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -27,24 +28,35 @@ class _Items:
         return torch.tensor([i])
 
 
-def _superseded_while_one_rank_lags(rank: int, world: int) -> list[list[int]]:
-    prepared = {"n": 0}
+def _hold_up_rank_1(rank: int) -> threading.Event:
+    """Rank 1's delivery thread is held up 1 s preparing its 4th batch; the event is set once
+    that is under way (rank 1), or once this rank's thread prepares its 5th batch (rank 0: past
+    the 5th batch's agreement where the thread made it), so the walk ends with rank 0's thread
+    ahead of rank 1's."""
+    prepared, ready = {"n": 0}, threading.Event()
     real = Delivery._prepare
 
     def prepare(self, batch, streams):
         prepared["n"] += 1
-        if rank == 1 and prepared["n"] == 4:  # rank 1's thread held up on the 4th batch
-            time.sleep(1.0)
+        if prepared["n"] == (4 if rank == 1 else 5):
+            ready.set()
+            if rank == 1:
+                time.sleep(1.0)
         return real(self, batch, streams)
 
     Delivery._prepare = prepare  # type: ignore[method-assign]
+    return ready
+
+
+def _superseded_while_one_rank_lags(rank: int, world: int) -> list[list[int]]:
+    ready = _hold_up_rank_1(rank)
     loader = DataLoader(
         _Items(), batch_size=2, seed=1, on_error="raise", device="cpu", device_prefetch=1,
         timeout=20,
     )  # fmt: skip
     it = iter(loader)
     first = [next(it).view(-1).tolist() for _ in range(3)]
-    time.sleep(0.3)  # rank 0's thread prepared the 4th batch and went on to the 5th
+    assert ready.wait(20)  # rank 1's thread is held up; rank 0's went on past the 4th batch
     rest = [b.view(-1).tolist() for b in loader]  # a new walk supersedes the first
     return first + rest
 
@@ -61,16 +73,7 @@ def test_a_walk_superseded_while_one_ranks_delivery_thread_lags_agrees_on_every_
 def _store_then_map_loader(rank: int, world: int) -> dict[str, list[int]]:
     from meshfeed.queue import SampleStore, StoreLoader
 
-    prepared = {"n": 0}
-    real = Delivery._prepare
-
-    def prepare(self, batch, streams):
-        prepared["n"] += 1
-        if rank == 1 and prepared["n"] == 4:  # rank 1's thread held up on the 4th batch
-            time.sleep(1.0)
-        return real(self, batch, streams)
-
-    Delivery._prepare = prepare  # type: ignore[method-assign]
+    ready = _hold_up_rank_1(rank)
     store = SampleStore()
     store.put("p", {"x": list(range(64))}, ids=list(range(64)))
     store.close("p")
@@ -79,7 +82,7 @@ def _store_then_map_loader(rank: int, world: int) -> dict[str, list[int]]:
         collate_fn=lambda b: list(b.ids), device="cpu", device_prefetch=1, timeout=60,
     )  # fmt: skip
     took = [v for _ in range(3) for v in next(loader)]
-    time.sleep(0.3)  # rank 0's thread prepared the 4th batch and went on to the 5th
+    assert ready.wait(20)  # rank 1's thread is held up; rank 0's went on past the 4th batch
     loader.shutdown()
     # The next collectives on meshfeed's group (a map loader's walk and steps) still pair up.
     after = DataLoader(_Items(), batch_size=2, seed=1, on_error="raise")

@@ -53,6 +53,32 @@ def test_a_dim_named_in_data_axes_shards_data():
     assert _data_ranks(mesh) == [0, 1, 2, 3]
 
 
+def test_with_data_axes_named_every_other_dim_replicates():
+    # veRL's Ulysses mesh ("dp", "sp"): sequence-parallel peers read the same samples (it was
+    # refused even with data_axes=["dp"], and the message proposed data_axes=["dp", "sp"])
+    mesh = DataMesh.from_device_mesh(
+        FakeDeviceMesh(("dp", "sp"), [[0, 1], [2, 3], [4, 5], [6, 7]]), data_axes=["dp"]
+    )
+    assert _data_ranks(mesh) == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="name the dims that shard data") as error:
+        DataMesh.from_device_mesh(FakeDeviceMesh(("dp", "sp"), [[0, 1], [2, 3]]))
+    assert "every other dim then replicates" in str(error.value)
+    assert "data_axes=['dp', 'sp']" not in str(error.value)
+
+
+def test_a_resize_to_a_mesh_between_two_process_groups_ignores_the_stale_world_size(monkeypatch):
+    # resize() without a mesh, between destroy_process_group and init_process_group, says to
+    # pass the mesh; torchrun's WORLD_SIZE still names the old world, and refused that too.
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    loader = DataLoader(list(range(96)), batch_size=2, mesh={"dp": 4}, rank=0)
+    next(iter(loader))
+    with pytest.raises(ValueError, match=r"resize\(mesh, rank=\.\.\.\)"):
+        loader.resize()
+    loader.resize({"dp": 2}, rank=0)
+    assert loader.data_world_size == 2 and len(next(iter(loader))) == 4
+
+
 @pytest.mark.parametrize(
     ("names", "table", "want"),
     [
@@ -126,6 +152,14 @@ def test_expert_parallel_ranks_read_different_data(no_torchrun):
 
 
 # ----------------------------------------------------------------- resize() without a mesh
+def _group_formed(monkeypatch, world: int) -> None:
+    """All ranks simulated in this process, as if a process group of ``world`` ranks had
+    formed again: resize() reads its world (here torchrun's WORLD_SIZE); the real group is in
+    tests/test_mesh_checks_dist.py."""
+    monkeypatch.setattr("meshfeed.loader_base.is_initialized", lambda: True)
+    monkeypatch.setattr("meshfeed.loader_base.world_size_now", lambda: world)
+
+
 def test_resize_without_a_mesh_keeps_tensor_parallel_and_rescales_dp(monkeypatch):
     # It became from_sizes(dp=world): dp=2 x tp=2 turned into dp=4, tp peers got different data.
     monkeypatch.delenv("RANK", raising=False)
@@ -134,12 +168,13 @@ def test_resize_without_a_mesh_keeps_tensor_parallel_and_rescales_dp(monkeypatch
     loaders = [DataLoader(list(range(96)), batch_size=4, mesh=mesh, rank=r) for r in range(4)]
     for loader in loaders:
         next(iter(loader))
+    _group_formed(monkeypatch, 4)
     for r, loader in enumerate(loaders):  # the same world again
         loader.resize(rank=r)
         assert loader.mesh.sizes == {"dp": 2, "tp": 2}
     batches = [next(iter(loader)).tolist() for loader in loaders]
     assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
-    monkeypatch.setenv("WORLD_SIZE", "8")  # twice the ranks: dp doubles, tp stays
+    _group_formed(monkeypatch, 8)  # twice the ranks: dp doubles, tp stays
     for r, loader in enumerate(loaders):
         loader.resize(rank=r)
         assert (loader.mesh.sizes, loader.data_world_size) == ({"dp": 4, "tp": 2}, 4)
@@ -176,7 +211,7 @@ def test_resize_without_a_mesh_asks_for_one_where_the_layout_is_not_one(
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", str(mesh.world_size))
     loader = DataLoader(list(range(96)), batch_size=2, mesh=mesh, rank=0)
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+    _group_formed(monkeypatch, world)
     with pytest.raises(ValueError, match=match) as error:
         loader.resize(rank=0)
     assert "loader.resize(mesh)" in str(error.value)

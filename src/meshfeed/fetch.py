@@ -21,7 +21,8 @@ deterministic rejection and is not retried), then handled by ``on_error``: ``"ra
 takes its place, or, for a dataset that groups its indices (a
 :class:`~meshfeed.sources.Mixture`, also under a :class:`~meshfeed.sources.LazyDataset`:
 ``substitute_span(index)``), that draw in the span of the bad sample's group, so a mixture's
-weights hold through substitutes and filters. The substitute depends only on the sample's
+weights hold through substitutes and filters (after 16 such substitutes failed too, a source
+damaged throughout, any index). The substitute depends only on the sample's
 index and global position, so every rank, worker and resume agrees. It is not gated by a
 curriculum (the worker does not hold the eligible pool).
 """
@@ -46,6 +47,9 @@ _SUBSTITUTE_OP = 0x5B57
 # A filter that rejects a fraction f of the items fails all k substitutes with probability f**k
 # per rejected sample: at k=16 and f=0.5 that is one crash per ~130k samples; at 64, never.
 _MAX_SUBSTITUTE_ATTEMPTS = 64
+#: Substitutes drawn from the bad sample's group (a mixture's source) before any index: a source
+#: whose samples all fail (a damaged or tiny one) still lets the run go on, as before groups.
+_IN_SPAN_ATTEMPTS = 16
 MAX_REPORTED_FAILURES = 8
 
 
@@ -261,9 +265,10 @@ class Fetcher:
 
     def substitute_index(self, epoch: int, position: int, attempt: int, index: int = -1) -> int:
         """The index that replaces sample ``index`` at ``position`` on its ``attempt``-th
-        substitution: in its group's span where the dataset has groups (module docstring)."""
+        substitution: in its group's span where the dataset has groups, for the first
+        attempts (module docstring)."""
         draw = derive_seed(_SUBSTITUTE_OP, self.seed, epoch, position, attempt)
-        if self._span is None or index < 0:
+        if self._span is None or index < 0 or attempt > _IN_SPAN_ATTEMPTS:
             return draw % self.length
         lo, n = self._span(index)
         return lo + draw % n

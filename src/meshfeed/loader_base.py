@@ -224,8 +224,8 @@ class LoaderBase(Lifecycle):
                     "pass the new layout: resize(mesh, rank=...)"
                 )
             mesh = self.mesh.rescaled(world_size_now())
-        new_mesh, new_rank = place(
-            mesh, device_mesh, rank, serves_every_rank=self._serves_every_rank
+        new_mesh, new_rank = place(  # not against WORLD_SIZE: it may name the old world
+            mesh, device_mesh, rank, serves_every_rank=self._serves_every_rank, check_env=False
         )
         self._relayout(new_mesh, new_rank, state)
         self._supersede(

@@ -192,9 +192,11 @@ class DataMesh:
     ) -> DataMesh:
         """Build from a ``torch.distributed.device_mesh.DeviceMesh`` with named dims.
 
-        Every dim is an axis meshfeed knows (:data:`KNOWN_AXES`: torch's HSDP ``replicate`` /
-        ``shard`` and torchtitan's ``batch`` are data axes) or is named in ``data_axes``: an
-        unknown dim would silently replicate the data. The mesh is the root mesh, holding every
+        Without ``data_axes``, every dim is an axis meshfeed knows (:data:`KNOWN_AXES`: torch's
+        HSDP ``replicate`` / ``shard`` and torchtitan's ``batch`` are data axes): an unknown
+        dim is refused, since it may be data parallel. With ``data_axes``, those dims shard the
+        data and every other dim replicates it (a ``("dp", "sp")`` mesh with
+        ``data_axes=["dp"]``: sequence-parallel peers read the same samples). The mesh is the root mesh, holding every
         rank of the world (a sub-mesh such as ``world_mesh["dp"]`` is refused).
         """
         names = getattr(device_mesh, "mesh_dim_names", None)
@@ -205,7 +207,8 @@ class DataMesh:
             )
         names = tuple(names)
         axes = _data_axes(data_axes)
-        _check_dim_names(names, axes)
+        if data_axes is None:  # named: every other dim replicates, as the caller says
+            _check_dim_names(names)
         ranks = np.asarray(device_mesh.mesh.cpu().numpy(), dtype=np.int64)
         _check_root_mesh(names, ranks)
         return cls(
@@ -440,18 +443,19 @@ def _check_not_str(name: str, value: Any) -> None:
         )
 
 
-def _check_dim_names(names: tuple[str, ...], data_axes: frozenset[str]) -> None:
-    """Every dim of a ``DeviceMesh`` is a known axis or a data axis the caller named: meshfeed
+def _check_dim_names(names: tuple[str, ...]) -> None:
+    """Without ``data_axes``, every dim of a ``DeviceMesh`` is an axis meshfeed knows: it
     cannot tell whether the ranks of any other dim read different data."""
-    unknown = [n for n in names if n not in KNOWN_AXES and n not in data_axes]
+    unknown = [n for n in names if n not in KNOWN_AXES]
     if unknown:
-        shard = [n for n in names if n in data_axes or n in unknown]
+        known = [n for n in names if n in DEFAULT_DATA_AXES]
         raise ValueError(
             f"the DeviceMesh dim(s) {unknown} (dims {list(names)}) are not axes meshfeed "
-            "knows, so it cannot tell whether their ranks read different data (an unknown dim "
-            "would replicate it: every rank along it reading the same samples); name the dims "
-            "that shard data: mesh=DataMesh.from_device_mesh(device_mesh, data_axes=[...]) (e.g. "
-            f"data_axes={shard!r}), or rename the dims to meshfeed's axes: data "
+            "knows, so it cannot tell whether their ranks read different samples (data "
+            "parallel) or the same ones (sequence, tensor or context parallel); name the dims "
+            "that shard data: DataMesh.from_device_mesh(device_mesh, data_axes=[...]), every "
+            f"other dim then replicates (here e.g. data_axes={known!r} plus those of {unknown} "
+            "that are data parallel), or rename the dims to meshfeed's axes: data "
             f"{sorted(DEFAULT_DATA_AXES)}, replicating {sorted(KNOWN_AXES - DEFAULT_DATA_AXES)}"
         )
 
@@ -547,17 +551,23 @@ def resolve_mesh(mesh: Any) -> DataMesh:
 
 
 def place(
-    mesh: Any, device_mesh: Any, rank: int | None, *, serves_every_rank: bool = False
+    mesh: Any,
+    device_mesh: Any,
+    rank: int | None,
+    *,
+    serves_every_rank: bool = False,
+    check_env: bool = True,
 ) -> tuple[DataMesh, int]:
     """The loaders' ``(mesh, device_mesh, rank)`` arguments as ``(DataMesh, rank)``.
 
-    ``device_mesh=`` is another name for ``mesh=`` (the one torch and Twinkle users know);
-    both at once is an error. A mesh whose world size differs from an initialised process
-    group's is an error, and so is, without a process group, one that differs from torchrun's
-    ``WORLD_SIZE`` (:func:`_check_world`). Without ``rank`` it comes from :func:`default_rank`
-    (``serves_every_rank``: this process makes the batches of every data rank, a Ray driver,
-    so a mesh of several ranks does not need this process's own rank). The rank is validated
-    against the mesh, and in a process group it must be this process's rank there.
+        ``device_mesh=`` is another name for ``mesh=`` (the one torch and Twinkle users know);
+        both at once is an error. A mesh whose world size differs from an initialised process
+        group's is an error, and so is, without a process group, one that differs from torchrun's
+        ``WORLD_SIZE`` (:func:`_check_world`; ``check_env=False``: not that one, for a resize
+    between two process groups, where the environment still names the old world). Without ``rank`` it comes from :func:`default_rank`
+        (``serves_every_rank``: this process makes the batches of every data rank, a Ray driver,
+        so a mesh of several ranks does not need this process's own rank). The rank is validated
+        against the mesh, and in a process group it must be this process's rank there.
     """
     if mesh is not None and device_mesh is not None:
         raise ValueError(
@@ -565,7 +575,7 @@ def place(
             "the name torch and Twinkle users know): pass one of them"
         )
     resolved = resolve_mesh(device_mesh if mesh is None else mesh)
-    _check_world(resolved, serves_every_rank=serves_every_rank)
+    _check_world(resolved, serves_every_rank=serves_every_rank, check_env=check_env)
     if rank is None:
         rank = default_rank(1 if serves_every_rank else resolved.world_size)
     resolved.data_rank(rank)  # validates the rank
@@ -574,14 +584,17 @@ def place(
     return resolved, rank
 
 
-def _check_world(mesh: DataMesh, *, serves_every_rank: bool = False) -> None:
+def _check_world(
+    mesh: DataMesh, *, serves_every_rank: bool = False, check_env: bool = True
+) -> None:
     """The mesh has as many ranks as the job: the initialised process group's world, or,
     without one, torchrun's ``WORLD_SIZE`` when it is above 1 (a mesh of 4 on 2 processes
     would leave half of every epoch unread). A process serving every rank (a Ray driver) is
-    not one of the job's ranks, so only the process group is checked for it."""
+    not one of the job's ranks, so only the process group is checked for it; so it is without
+    ``check_env`` (a resize between two process groups: the environment names the old world)."""
     if is_initialized():
         world, source = int(dist.get_world_size()), "the process group has"
-    elif serves_every_rank or "WORLD_SIZE" not in os.environ:
+    elif serves_every_rank or not check_env or "WORLD_SIZE" not in os.environ:
         return
     else:
         world = _env_world_size(os.environ)

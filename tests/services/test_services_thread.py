@@ -90,8 +90,8 @@ def test_closing_a_map_waits_for_its_thread_to_end_the_task_it_is_making():
     results = service.map(_task(s) for s in range(100))
     assert next(results)[0] == 0
     assert fetcher.inside.wait(5)  # the thread is inside task 2
-    threading.Timer(0.3, fetcher.gate.set).start()  # which ends 0.3 s from now
     started = time.monotonic()
+    threading.Timer(0.3, fetcher.gate.set).start()  # which ends 0.3 s from now
     results.close()
     assert time.monotonic() - started >= 0.2  # it waited for task 2
     assert not _threads()  # gone when close() returned

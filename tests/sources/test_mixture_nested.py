@@ -86,3 +86,11 @@ def test_a_nested_mixture_keeps_its_weights_fixed():
     scheduled = _inner({0: {"a": 1, "b": 9}, 5: {"a": 1, "b": 1}})
     with pytest.raises(ValueError, match="source 'ab' is a Mixture with a weight schedule"):
         _loader(_outer(scheduled))
+
+
+def test_a_nested_mixtures_own_epoch_is_not_checked_against_the_global_batch():
+    # Its draws are counted in its own draws, not in global batches: an epoch of 7 is fine.
+    inner = Mixture({"a": A, "b": B}, {"a": 1, "b": 9}, seed=3, samples_per_epoch=7)
+    assert len(take(_loader(_outer(inner)), 3)) == 3
+    with pytest.raises(ValueError, match="not a multiple of the global batch size 20"):
+        _loader(inner)  # walked by a loader itself, it is checked

@@ -77,8 +77,10 @@ def test_a_nested_mixture_substitutes_within_the_innermost_source():
     assert outer.substitute_span(150) == (100, 100)  # inner source b
     assert outer.substitute_span(250) == (200, 100)  # c
     fetcher = Fetcher(LazyDataset(outer), seed=0)
-    for attempt in range(1, 50):
+    for attempt in range(1, 17):  # the first 16 substitutes: the source's own
         assert 100 <= fetcher.substitute_index(0, 7, attempt, 150) < 200
+    later = {fetcher.substitute_index(0, p, 17, 150) for p in range(200)}
+    assert min(later) < 100 or max(later) >= 200  # then any index
 
 
 def test_a_plain_dataset_still_substitutes_from_every_index():
@@ -95,3 +97,14 @@ def test_the_warning_says_a_substitute_is_not_gated_by_a_curriculum(caplog):
     with caplog.at_level(logging.WARNING, logger="meshfeed"):
         _served(data, n=4, curriculum=curriculum)
     assert "not gated by the curriculum" in caplog.text
+
+
+def test_a_source_damaged_throughout_falls_back_to_any_source_and_the_run_goes_on():
+    # Substitutes come from the bad sample's source first; a one-record source whose record is
+    # damaged would fail all of them and end the run, which went on before.
+    tiny = _Broken(np.arange(90_000, 90_001), bad={0})
+    mix = Mixture({"web": WEB, "tiny": tiny}, {"web": 99, "tiny": 1}, seed=0)
+    loader = DataLoader(mix, batch_size=16, seed=1, warn_wait_share=None)
+    served = [int(x) for b in take(loader, 40) for x in np.asarray(b).tolist()]
+    assert len(served) == 640 and 90_000 not in served
+    assert loader.stats()["substituted"] >= 1

@@ -31,7 +31,7 @@ import numpy as np
 
 from meshfeed.curriculum.index import MetricIndex
 from meshfeed.curriculum.order import GatedOrder
-from meshfeed.curriculum.schedule import MAX_STEP, Schedule, check_schedule
+from meshfeed.curriculum.schedule import MAX_STEP, Schedule, _is_int, check_schedule
 from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
 
 __all__ = ["Curriculum", "CurriculumMetric"]
@@ -41,11 +41,6 @@ _NEVER = np.iinfo(np.int64).max
 #: Schedules that saturate before this step are evaluated at every step; longer ones only where
 #: the samples' entry steps are searched, so their cost does not grow with the step count.
 DENSE_STEPS = 2**20
-
-
-def _is_int(x: object) -> bool:
-    """``x`` is an int or a numpy integer, not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _plain(x: Any) -> int | float:

@@ -85,6 +85,7 @@ def _scalar(values: np.ndarray) -> Number:
 
 
 def _is_int(*xs: object) -> bool:
+    """Every one of ``xs`` is an int or a numpy integer, not a bool."""
     return all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in xs)
 
 

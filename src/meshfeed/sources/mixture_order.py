@@ -10,6 +10,7 @@ docstring for the stream and its +-1 promise).
 
 from __future__ import annotations
 
+import contextvars
 import json
 import weakref
 from collections.abc import Mapping
@@ -25,6 +26,9 @@ from meshfeed.state import envelope, open_envelope
 __all__ = ["ORDER_VERSION", "MixtureOrder"]
 
 _MIX_OP = 0x4D49
+#: Set while a mixture makes the orders of its sources: a nested mixture's draws are counted in
+#: its own draws, not in global batches, so its epoch need not be a multiple of one.
+_NESTED: contextvars.ContextVar[bool] = contextvars.ContextVar("meshfeed_nested", default=False)
 #: Version of the facts a MixtureOrder records in a loader checkpoint (2: exact interleave;
 #: 3: counts at each weight change, for the sequential earliest-deadline interleave).
 ORDER_VERSION = 3
@@ -120,7 +124,7 @@ class MixtureOrder(OrderBase):
         spe = mixture.samples_per_epoch
         if spe is None:
             spe = max(self.G, len(mixture) // self.G * self.G)
-        elif spe % self.G:
+        elif spe % self.G and not _NESTED.get():
             # A partial last batch would drop draws from a source's pass (drop_last) and put
             # weight changes, placed at step * global batch, off the loader's steps.
             lower, upper = spe // self.G * self.G, -(-spe // self.G) * self.G
@@ -132,15 +136,19 @@ class MixtureOrder(OrderBase):
         self.samples_per_epoch = int(spe)
         # A source with an order of its own (a ShardedStream) is walked by it: its k-th draw is
         # position k of that order, so a stream keeps reading locally inside a mixture.
-        self._own: dict[int, Any] = {
-            s: src.make_order(
-                dataset_length=int(mixture.lengths[s]),
-                global_batch_size=self.G,
-                seed=derive_seed(_MIX_OP, mixture.seed, self.seed, s),
-                shuffle=True,
-            )
-            for s, src in mixture._ordered_sources().items()
-        }
+        nesting = _NESTED.set(True)
+        try:
+            self._own: dict[int, Any] = {
+                s: src.make_order(
+                    dataset_length=int(mixture.lengths[s]),
+                    global_batch_size=self.G,
+                    seed=derive_seed(_MIX_OP, mixture.seed, self.seed, s),
+                    shuffle=True,
+                )
+                for s, src in mixture._ordered_sources().items()
+            }
+        finally:
+            _NESTED.reset(nesting)
         for s, order in self._own.items():
             if isinstance(order, MixtureOrder):
                 order._nest(mixture.names[s])
@@ -253,25 +261,25 @@ class MixtureOrder(OrderBase):
         g = epoch * self.samples_per_epoch + int(position)
         starts = self.mixture._segment_starts(self.G)
         j = int(np.searchsorted(starts, g, side="right") - 1)
+        consumed = self.mixture.counts(g, global_batch_size=self.G)
         return envelope(
             "mixture",
             ORDER_VERSION,
             stream_position=g,
             samples_per_epoch=self.samples_per_epoch,
-            consumed=self.mixture.counts(g, global_batch_size=self.G),
+            consumed=consumed,
             bases=self.mixture._bases(self.G)[: j + 1].tolist(),
             schedule=self.mixture.schedule_json(),
-            streams=self._stream_facts(g),
+            streams=self._stream_facts(consumed),
         )
 
-    def _stream_facts(self, g: int = 0) -> dict[str, Any]:
+    def _stream_facts(self, consumed: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The facts of each source walked by an order of its own (a stream's window, seed
         and epoch), by source name: what a lone stream's checkpoint checks. A nested mixture's
-        are at its draw count at stream position ``g`` (its counts re-seed its interleave, so
-        its resume is O(1) too)."""
+        are at its draw count in ``consumed`` (its counts re-seed its interleave, so its
+        resume is O(1) too)."""
         names = self.mixture.names
         facts = {}
-        consumed = self.mixture.counts(g, global_batch_size=self.G) if g else None
         for s, order in self._own.items():
             at = (0, 0)
             if isinstance(order, MixtureOrder) and consumed is not None:
