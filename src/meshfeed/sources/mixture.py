@@ -153,6 +153,17 @@ class Mixture:
         self._orders: weakref.WeakSet[MixtureOrder] = weakref.WeakSet()
         self._add_table(weights)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (sent to spawned worker processes and Ray actors): the loaders' orders,
+        held weakly for ``reweight``, stay in this process."""
+        state = dict(self.__dict__)
+        state["_orders"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._orders = weakref.WeakSet()
+
     # ------------------------------------------------------------------ schedule
     def _add_table(self, weights: Mapping[str, float] | Mapping[int, Mapping[str, float]]) -> None:
         """Add the constructor's weights: one dict name -> weight, or a schedule step -> dict
