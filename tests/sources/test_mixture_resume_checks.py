@@ -84,3 +84,22 @@ def test_a_mixture_of_streams_refuses_a_checkpoint_of_streams_walked_otherwise(
     same.load_state_dict(state)
     rows = Counter(i for i in head + [i for b in same for i in b] if i < 10_000)
     assert len(rows) == 200 and set(rows.values()) == {1}  # every row of 'a' once
+
+
+def test_a_refused_checkpoint_leaves_the_mixtures_schedule_as_it_was():
+    # The checkpoint's weight changes were adopted before its counts were checked: a refused
+    # state left them in the mixture, and the right state was then refused too.
+    mix, loader = _array_loader()
+    mix.reweight(4, {"code": 1, "web": 1})
+    take = iter(loader)
+    [next(take) for _ in range(6)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    bad = json.loads(json.dumps(state))
+    bad["order"]["consumed"] = {"code": 0, "web": 48}  # not what the interleave gives
+    mix2, resumed = _array_loader()
+    with pytest.raises(ValueError, match="does not fit this mixture"):
+        resumed.load_state_dict(bad)
+    assert mix2.schedule == [(0, {"code": 1, "web": 3})]  # the change was not kept
+    resumed.load_state_dict(state)
+    assert mix2.schedule == mix.schedule
+    assert next(iter(resumed)) == next(take)

@@ -224,6 +224,16 @@ class Mixture:
         for order in list(self._orders):
             order.schedule_changed()
 
+    def _drop_changes_from(self, count: int) -> None:
+        """Keep the first ``count`` changes of the schedule (a checkpoint's changes adopted,
+        then refused: the mixture as it was)."""
+        if len(self._schedule) <= count:
+            return
+        del self._schedule[count:], self._segments[count:]
+        self._bases_cache.clear()
+        for order in list(self._orders):
+            order.schedule_changed()
+
     def reweight(self, step: int, weights: Mapping[str, float]) -> None:
         """Use ``weights`` from global step ``step`` on (declare it before iterating past it)."""
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:

@@ -94,6 +94,7 @@ class _Mixed(Protocol):
 
     def __len__(self) -> int: ...
     def _add(self, step: int, weights: Mapping[str, float]) -> None: ...
+    def _drop_changes_from(self, count: int) -> None: ...
     def schedule_json(self) -> list[list[Any]]: ...
     def _segment_starts(self, G: int) -> np.ndarray: ...
     def _bases(self, G: int) -> np.ndarray: ...
@@ -304,23 +305,28 @@ class MixtureOrder(OrderBase):
             },
             what="mixture order state",
         )
-        self._adopt_schedule(facts["schedule"], facts["stream_position"])
-        self._check_streams(facts.get("streams"))
         if facts["samples_per_epoch"] != self.samples_per_epoch:
             raise ValueError(
                 f"the checkpoint's mixture epoch has {facts['samples_per_epoch']} samples, this "
                 f"one {self.samples_per_epoch}; pass samples_per_epoch="
                 f"{facts['samples_per_epoch']} to Mixture to resume exactly"
             )
+        self._check_streams(facts.get("streams"))
         g = facts["stream_position"]
-        for point, segment, n, counts in self._carried_points(facts):
-            why = self.mixture._segments[segment].check_counts(n, counts)
-            if why is not None:
-                raise ValueError(
-                    f"the checkpoint's per-source consumption {point!r} does not fit this "
-                    f"mixture at stream position {g} ({why}); the checkpoint is corrupted or "
-                    "from another mixture"
-                )
+        changes = len(self.mixture.schedule_json())
+        self._adopt_schedule(facts["schedule"], g)
+        try:
+            for point, segment, n, counts in self._carried_points(facts):
+                why = self.mixture._segments[segment].check_counts(n, counts)
+                if why is not None:
+                    raise ValueError(
+                        f"the checkpoint's per-source consumption {point!r} does not fit this "
+                        f"mixture at stream position {g} ({why}); the checkpoint is corrupted "
+                        "or from another mixture"
+                    )
+        except BaseException:  # refused: the mixture's schedule as it was
+            self.mixture._drop_changes_from(changes)
+            raise
         for _, segment, n, counts in self._carried_points(facts):
             self.mixture._segments[segment].seed(n, counts)
         self.planned_until = max(self.planned_until, g)
