@@ -360,11 +360,9 @@ class Fill:
         downloaded ahead and not read yet (:mod:`meshfeed.storage._layout`).
         """
         deadline = time.monotonic() + self.lock_timeout
-        if demanded and self.cache_limit is not None:
-            booked = self._reserve_read_first(entry, size, deadline, make_room)
-            if booked is not None:
-                return booked
-            make_room = None  # called
+        #: First only entries idle or read to their end; ``grace``: until when to wait for
+        #: those other readers hold (set at the first wait).
+        read_first, grace = demanded and self.cache_limit is not None, None
         pause = 0.005
         while True:
             booked, evicted = book(
@@ -373,7 +371,7 @@ class Fill:
                 size,
                 limit=self.cache_limit,
                 deadline=deadline,
-                demanded=demanded,
+                demanded=demanded and not read_first,
             )
             self._count("evictions", evicted)
             if booked is not None or not demanded:
@@ -381,6 +379,16 @@ class Fill:
             if make_room is not None:
                 make_room()
                 make_room = None
+                continue
+            if read_first:
+                now = time.monotonic()
+                grace = min(now + READ_GRACE, deadline) if grace is None else grace
+                if now >= grace or not held_read(self.cache_dir, entry):
+                    read_first, pause = False, 0.005  # now entries downloaded ahead too
+                    continue
+                self._count("waits")
+                time.sleep(pause)
+                pause = min(pause * 1.5, 0.05)
                 continue
             with self._mutex:
                 mine = [self._entry(u) for u in self._held]
@@ -403,44 +411,6 @@ class Fill:
             self._count("waits")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
-
-    def _reserve_read_first(
-        self,
-        entry: Entry,
-        size: int,
-        deadline: float,
-        make_room: Callable[[], None] | None,
-    ) -> Path | None:
-        """A demanded file's booking that evicts only entries idle or read to their end (after
-        ``make_room``, which it calls where it finds no room), waiting at most ``READ_GRACE``
-        (and ``deadline``) for those read to their end that other readers hold. None: room
-        needs other entries evicted (``make_room`` was called)."""
-        grace = None
-        pause = 0.005
-        while True:
-            booked, evicted = book(
-                self.cache_dir,
-                entry,
-                size,
-                limit=self.cache_limit,
-                deadline=deadline,
-                demanded=False,  # entries idle or read to their end only
-            )
-            self._count("evictions", evicted)
-            if booked is not None:
-                return booked
-            if make_room is not None:
-                make_room()
-                make_room = None
-                continue
-            now = time.monotonic()
-            if grace is None:
-                grace = min(now + READ_GRACE, deadline)
-            if now >= grace or not held_read(self.cache_dir, entry):
-                return None
-            self._count("waits")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.05)
 
 
 def _once(fn: Callable[[], None] | None) -> Callable[[], None]:
