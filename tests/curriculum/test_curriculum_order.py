@@ -215,3 +215,62 @@ def test_chains_of_pool_changes_stay_small_and_exact():
             used = set()
         assert x not in used, f"position {p}: {x} repeated with {eligible - len(used)} unused"
         used.add(x)
+
+
+def _deep_chain_order(cls: type[GatedOrder] = GatedOrder) -> GatedOrder:
+    """2,000 samples at step 1, then 20 more at each of 100 steps, batches of 32: the pool
+    grows in the middle of one long round, so chains of stopped rounds reach 99 levels."""
+    entry = np.concatenate([np.zeros(2000, np.int64), np.repeat(np.arange(1, 101), 20)])
+    return cls(
+        pool_order=np.random.default_rng(11).permutation(len(entry)),
+        entry_steps=entry,
+        global_batch_size=32,
+        samples_per_epoch=32 * 150,
+        seed=2026,
+        first_step=1,
+    )
+
+
+def test_the_order_is_the_one_earlier_versions_drew():
+    """Checkpoints name ORDER_VERSION, not the code: a faster walk must draw the same samples.
+    The digest is of what the element-by-element walk of version 2 drew (before runs were
+    walked as ranges)."""
+    import hashlib
+
+    order = _deep_chain_order()
+    rounds = order._rounds
+    depth = [0] * len(rounds)
+    for row in range(len(rounds)):
+        parent = int(rounds[row, 3])
+        depth[row] = 0 if parent < 0 else depth[parent] + 1
+    assert max(depth) == 99
+    drawn = np.concatenate([order.indices(e, np.arange(32 * 150)) for e in range(2)])
+    assert drawn[:6].tolist() == [1537, 1345, 1357, 2469, 2929, 145]
+    digest = hashlib.sha256(drawn.astype("<i8").tobytes()).hexdigest()[:16]
+    assert digest == "a955077ab376dba1"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    entry=st.lists(st.integers(0, 40), min_size=1, max_size=400).map(lambda xs: [0, *xs]),
+    g=st.integers(1, 64),
+    seed=st.integers(0, 2**40),
+    starts=st.lists(st.integers(0, 6000), min_size=1, max_size=4),
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+)
+def test_runs_walked_as_ranges_draw_what_the_walk_position_by_position_draws(
+    entry: list[int], g: int, seed: int, starts: list[int], lengths: list[int]
+):
+    order = _order(entry, g=g, seed=seed)
+    runs = [np.arange(s, s + n) for s, n in zip(starts, lengths, strict=False)]
+    flat = np.concatenate([*runs, np.arange(4 * g * 5)])  # runs, then a walk from 0
+    assert np.array_equal(order.stream_ranks(flat), order._walk_positions(flat))
+    scattered = np.random.default_rng(seed).integers(0, 6000, size=200)
+    assert np.array_equal(order.stream_ranks(scattered), order._walk_positions(scattered))
+
+
+def test_a_deep_chain_walked_as_ranges_matches_position_by_position():
+    order = _deep_chain_order()
+    for lo, n in [(0, 32 * 150), (32 * 149, 32), (12_345, 1), (32 * 300 + 7, 500)]:
+        flat = np.arange(lo, lo + n)
+        assert np.array_equal(order.stream_ranks(flat), order._walk_positions(flat))

@@ -31,9 +31,11 @@ independent of N, and a resume anywhere costs the same.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,6 +111,42 @@ def _feistel(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return y
 
 
+#: Fewer positions than this per run of consecutive ones (on average): walked one by one.
+_RUN_MIN = 10
+
+
+class _Pieces:
+    """What a range walk found: per position, its round, repeat, offset in that round's
+    permutation, where it goes in the output, and what is added to the permuted offset."""
+
+    __slots__ = ("at", "base", "offsets", "reps", "rows")
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.reps: list[int] = []
+        self.offsets: list[int] = []
+        self.at: list[Sequence[int]] = []
+        self.base: list[int] = []
+
+    def add(self, row: int, rep: int, first: int, at: Sequence[int], base: int) -> None:
+        """Offsets ``first, first + 1, ...`` of round ``(row, rep)`` go to ``at``."""
+        self.rows.append(row)
+        self.reps.append(rep)
+        self.offsets.append(first)
+        self.at.append(at)
+        self.base.append(base)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per position: its piece, its offset in that piece's round and its output index."""
+        counts = np.fromiter(map(len, self.at), dtype=np.int64, count=len(self.at))
+        total = int(counts.sum())
+        which = np.repeat(np.arange(len(counts)), counts)
+        firsts = np.asarray(self.offsets, dtype=np.int64) - (np.cumsum(counts) - counts)
+        offsets = firsts[which] + np.arange(total, dtype=np.int64)
+        at = np.fromiter(itertools.chain.from_iterable(self.at), dtype=np.int64, count=total)
+        return which, offsets, at
+
+
 # Columns of the round table.
 _START, _SIZE, _REPS, _PARENT, _USED, _REST, _LO = range(7)
 
@@ -168,6 +206,7 @@ class GatedOrder(OrderBase):
         self._rounds = self._build_rounds()
         columns = (_START, _SIZE, _PARENT, _USED, _REST, _LO)
         self._columns = tuple(self._rounds[:, c] for c in columns)
+        self._lists = tuple(c.tolist() for c in self._columns)
 
     def pool_size(self, step: int) -> int:
         """How many samples are eligible at curriculum ``step`` (O(log N))."""
@@ -265,8 +304,11 @@ class GatedOrder(OrderBase):
         g = epoch * self.samples_per_epoch + int(position)
         return g // self.global_batch_size + self.first_step
 
-    def _permute(self, row: np.ndarray, rep: np.ndarray, offset: np.ndarray) -> np.ndarray:
-        """Element ``offset`` of the permutation of each ``(row, rep)``, in one vectorised pass.
+    def _permute(
+        self, rows: list[int], reps: list[int], which: np.ndarray, offset: np.ndarray
+    ) -> np.ndarray:
+        """Element ``offset[i]`` of the permutation of round ``(rows[w], reps[w])``, ``w =
+        which[i]``, in one vectorised pass.
 
         A fresh round's permutation is over its pool, a continuation's (``rep`` 0) over its
         new ranks; each is a keyed Feistel network with cycle walking, seeded by
@@ -274,15 +316,13 @@ class GatedOrder(OrderBase):
         """
         if offset.size == 0:
             return offset.copy()
-        pairs, inv = np.unique(np.stack([row, rep], axis=1), axis=0, return_inverse=True)
-        inv = inv.ravel()
-        sizes = (self._rounds[pairs[:, 0], _SIZE] - self._rounds[pairs[:, 0], _REST]).astype(
-            np.uint64
-        )
+        _, sizes, _, _, rests, _ = self._lists
+        size = np.array([sizes[r] - rests[r] for r in rows], dtype=np.uint64)
         keys = np.array(
-            [_round_keys(self.seed, int(r), int(k)) for r, k in pairs.tolist()], dtype=np.uint64
+            [_round_keys(self.seed, r, k) for r, k in zip(rows, reps, strict=True)],
+            dtype=np.uint64,
         )
-        return _feistel(offset.astype(np.uint64), sizes[inv], keys[inv]).astype(np.int64)
+        return _feistel(offset.astype(np.uint64), size[which], keys[which]).astype(np.int64)
 
     def ranks(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """Ranks into ``pool_order`` (the pool is ``[0, pool_size)``) for ``positions``."""
@@ -297,8 +337,65 @@ class GatedOrder(OrderBase):
         own permuted order; its other positions continue the stopped round, in that round's
         order, from where it stopped. So each level of a chain is a few integer operations and
         a rank costs one permutation at the end of its chain.
+
+        Runs of consecutive positions (a rank's part of a batch) are walked as ranges: the
+        positions of a run that continue the stopped round are consecutive there too, so a
+        level costs a few integer operations for the whole run, plus one for each new rank
+        it places. Scattered positions are walked one by one, level by level (the same ranks).
         """
         flat = np.asarray(flat, dtype=np.int64)
+        if flat.size == 0:
+            return flat.copy()
+        breaks = np.flatnonzero(np.diff(flat) != 1) + 1
+        if len(breaks) + 1 > max(1, flat.size // _RUN_MIN):
+            return self._walk_positions(flat)
+        pieces = _Pieces()
+        bounds = [0, *breaks.tolist(), flat.size]
+        firsts = flat[bounds[:-1]].tolist()
+        for first, lo, hi in zip(firsts, bounds[:-1], bounds[1:], strict=True):
+            self._walk_run(first, first + hi - lo, lo, pieces)
+        out = np.empty_like(flat)
+        which, offsets, at = pieces.arrays()
+        base = np.asarray(pieces.base, dtype=np.int64)[which]
+        out[at] = base + self._permute(pieces.rows, pieces.reps, which, offsets)
+        return out
+
+    def _walk_run(self, g0: int, g1: int, at: int, pieces: _Pieces) -> None:
+        """Add the ranks of stream positions ``[g0, g1)`` (written from ``out[at]`` on) to
+        ``pieces``: the run is cut where a round or a repeat ends, and each piece is walked
+        down its chain of stopped rounds as a range."""
+        start, sizes, parents, used, rests, los = self._lists
+        while g0 < g1:
+            row = bisect.bisect_right(start, g0) - 1
+            rep, x0 = divmod(g0 - start[row], sizes[row])
+            n = min(g1, start[row + 1] if row + 1 < len(start) else g1) - g0
+            n = min(n, sizes[row] - x0)  # to the end of this repeat and row at most
+            x1 = x0 + n
+            # slots[t]: where the t-th position of this level's range goes in the output
+            slots: range | list[int] = range(at, at + n)
+            while parents[row] >= 0:
+                size = sizes[row]
+                m = size - rests[row]
+                first, last = x0 * m // size, x1 * m // size  # new ranks before x0 and x1
+                if last > first:  # the j-th new rank sits at ceil((j + 1) size / m) - 1
+                    taken = [((j + 1) * size + m - 1) // m - 1 - x0 for j in range(first, last)]
+                    pieces.add(row, 0, first, [slots[t] for t in taken], los[row])
+                    if isinstance(slots, range):
+                        slots = list(slots)
+                    for t in reversed(taken):  # a few per level: del beats a rebuild
+                        del slots[t]
+                # the other positions continue the stopped round at ``used + x - new before x``
+                x0, x1 = used[row] + x0 - first, used[row] + x1 - last
+                row, rep = parents[row], 0
+                if x1 == x0:
+                    break
+            else:
+                pieces.add(row, rep, x0, slots, 0)
+            g0 += n
+            at += n
+
+    def _walk_positions(self, flat: np.ndarray) -> np.ndarray:
+        """:meth:`stream_ranks` for scattered positions: each position walked level by level."""
         start, sizes, parents, used, rests, los = self._columns
         row = np.searchsorted(start, flat, side="right") - 1
         rep, x = np.divmod(flat - start[row], sizes[row])
@@ -329,11 +426,16 @@ class GatedOrder(OrderBase):
             rep = np.zeros_like(row)
         if fresh:
             rows, reps, xs, at = (np.concatenate(c) for c in zip(*fresh, strict=True))
-            out[at] = self._permute(rows, reps, xs)
+            out[at] = self._permute_pairs(rows, reps, xs)
         if new:
             rows, idx, at = (np.concatenate(c) for c in zip(*new, strict=True))
-            out[at] = los[rows] + self._permute(rows, np.zeros_like(rows), idx)
+            out[at] = los[rows] + self._permute_pairs(rows, np.zeros_like(rows), idx)
         return out
+
+    def _permute_pairs(self, row: np.ndarray, rep: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """:meth:`_permute` with a round ``(row[i], rep[i])`` per element."""
+        pairs, which = np.unique(np.stack([row, rep], axis=1), axis=0, return_inverse=True)
+        return self._permute(pairs[:, 0].tolist(), pairs[:, 1].tolist(), which.ravel(), offset)
 
     def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """Dataset indices (int64) at ``positions`` of ``epoch``: a pure function."""
