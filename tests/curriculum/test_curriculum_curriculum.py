@@ -372,3 +372,66 @@ def test_a_pool_change_no_run_reaches_leaves_the_pool_as_it_is():
     order = cur.make_order(dataset_length=100, global_batch_size=4, seed=0)
     drawn = order.indices(3, np.arange(100))
     assert set(drawn.tolist()) == set(range(50))
+
+
+def _reference_pool(metrics: list[CurriculumMetric], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pool by definition: per sample and metric, one search of its value (or rank) in
+    the schedule's thresholds in dataset order; the latest step over metrics; a stable sort."""
+    never = np.iinfo(np.int64).max
+    entry = np.zeros(n, dtype=np.int64)
+    for m in metrics:
+        thr = m.thresholds()
+        if m.difficulty_type == "value":
+            mine = np.searchsorted(thr, np.asarray(m.index.values), side="left")
+        else:
+            rank = np.empty(n, dtype=np.int64)
+            rank[np.asarray(m.index.order)] = np.arange(n)
+            mine = np.searchsorted(m.percentile_counts(thr), rank, side="right")
+        mine = mine.astype(np.int64)
+        mine[mine > len(thr) - 1] = never
+        np.maximum(entry, mine, out=entry)
+    if len(metrics) == 1:  # one metric: its index's own order (by value), entry never falls
+        order = np.asarray(metrics[0].index.order)
+    else:
+        order = np.argsort(entry, kind="mergesort")
+    keep = int(np.searchsorted(entry[order], never, side="left"))
+    return order[:keep], entry[order][:keep]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 300),
+    kinds=st.lists(st.sampled_from(["value", "percentile", "capped"]), min_size=1, max_size=3),
+    steps=st.sampled_from([1, 7, 40, 70_000]),
+)
+def test_the_pool_and_its_order_are_the_definitions(seed, n, kinds, steps):
+    """Entry steps written out along the sorted index, and the 16-bit radix sort (schedules
+    under 65,535 steps) or the merge sort, give the pool order the definition gives: ties in
+    dataset order (one metric: in its index's order)."""
+    rng = np.random.default_rng(seed)
+    metrics = []
+    for k, kind in enumerate(kinds):
+        values = rng.integers(0, 12, size=n) if k % 2 else rng.random(n).round(1) * 10
+        metrics.append(
+            CurriculumMetric(
+                index=_index(f"m{k}", values),
+                schedule=fixed_linear(2 if kind == "value" else 10, 100, steps, 1),
+                difficulty_type="value" if kind == "value" else "percentile",
+                percentile_max=100 if kind == "capped" else None,
+            )
+        )
+    want_order, want_entry = _reference_pool(metrics, n)
+    if not len(want_order) or want_entry[0] > 0:
+        with pytest.raises(ValueError, match="no sample is eligible"):
+            Curriculum(metrics).pool(n)
+        return
+    order, entry = Curriculum(metrics).pool(n)
+    assert order.tolist() == want_order.tolist()
+    assert entry.tolist() == want_entry.tolist()
+    for m in metrics:
+        sorted_entry = m.entry_steps(in_sorted_order=True)
+        assert (
+            sorted_entry.tolist()
+            == m.entry_steps(in_sorted_order=False)[np.asarray(m.index.order)].tolist()
+        )

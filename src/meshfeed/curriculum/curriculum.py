@@ -47,6 +47,14 @@ def _plain(x: Any) -> int | float:
     return int(x) if isinstance(x, (int, np.integer)) else float(x)
 
 
+def _stable_order(entry: np.ndarray, horizon: int) -> np.ndarray:
+    """``argsort(entry, kind="stable")`` for entry steps ``<= horizon`` or ``_NEVER``: a radix
+    sort over 16-bit keys where the steps fit (O(N)), else a merge sort (O(N log N))."""
+    if horizon + 1 < np.iinfo(np.uint16).max:
+        entry = np.minimum(entry, horizon + 1).astype(np.uint16)  # _NEVER last, as before
+    return np.argsort(entry, kind="stable").astype(np.int64)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CurriculumMetric:
     """One gating metric: its index, its pacing schedule and how the difficulty is read.
@@ -152,25 +160,29 @@ class CurriculumMetric:
         horizon = self._horizon()
         self.index.check_unchanged()
         n = len(self.index)
-        if self.difficulty_type == "value":
-            keys = self.index.sorted_values() if in_sorted_order else np.asarray(self.index.values)
-        else:
-            keys = np.arange(n, dtype=np.int64)  # the rank along index.order
-            if not in_sorted_order:
-                keys = np.empty(n, dtype=np.int64)
-                keys[np.asarray(self.index.order)] = np.arange(n, dtype=np.int64)
         if horizon < DENSE_STEPS:
+            # Along index.order the entry step never decreases: samples [c[t-1], c[t]) enter
+            # at step t, where c[t] is how many the schedule admits at t. O(N) to write out.
             thr = self.thresholds()
             if self.difficulty_type == "value":
-                entry = np.searchsorted(thr, keys, side="left")
+                admitted = np.searchsorted(self.index.sorted_values(), thr, side="right")
             else:
-                entry = np.searchsorted(self.percentile_counts(thr), keys, side="right")
+                admitted = np.clip(self.percentile_counts(thr), 0, n)
+            bounds = np.concatenate([[0], admitted, [n]]).astype(np.int64)
+            entry = np.repeat(np.arange(horizon + 2, dtype=np.int64), np.diff(bounds))
         else:
+            if self.difficulty_type == "value":
+                keys = self.index.sorted_values()
+            else:
+                keys = np.arange(n, dtype=np.int64)  # the rank along index.order
             targets, inverse = np.unique(keys, return_inverse=True)
-            entry = self._bisect_entry(targets, horizon)[inverse.reshape(-1)]
-        entry = entry.astype(np.int64)
+            entry = self._bisect_entry(targets, horizon)[inverse.reshape(-1)].astype(np.int64)
         entry[entry > horizon] = _NEVER
-        return entry
+        if in_sorted_order:
+            return entry
+        out = np.empty(n, dtype=np.int64)
+        out[np.asarray(self.index.order)] = entry
+        return out
 
     def _admits(self, steps: np.ndarray, targets: np.ndarray) -> np.ndarray:
         """Whether the schedule at ``steps[i]`` admits ``targets[i]`` (a value or a rank)."""
@@ -310,7 +322,7 @@ class Curriculum:
             entry = self.metrics[0].entry_steps(in_sorted_order=False)
             for m in self.metrics[1:]:
                 np.maximum(entry, m.entry_steps(in_sorted_order=False), out=entry)
-            order = np.argsort(entry, kind="stable").astype(np.int64)
+            order = _stable_order(entry, max(m._horizon() for m in self.metrics))
             entry = entry[order]
         keep = int(np.searchsorted(entry, _NEVER, side="left"))
         first = self.first_step
