@@ -153,7 +153,9 @@ def test_hooks_resolve_to_the_readers_own_bound_methods():
         assert getattr(hooks, name) == getattr(reader, name), name
     assert hooks.reads_urls is False and hooks.newest == 1234
     plain = DefaultReader()
-    assert ReaderHooks.of(plain) == ReaderHooks(take=plain.take, count=plain.count)
+    assert ReaderHooks.of(plain) == ReaderHooks(
+        take=plain.take, count=plain.count, close=plain.close
+    )
 
 
 # ------------------------------------------------------------------ rows past a shard's end

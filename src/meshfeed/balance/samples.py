@@ -253,11 +253,20 @@ class PackCollate:
     no lengths up front: the step's samples are the window, so the loader's state is the
     packing's state too. The packed sample is what :class:`~meshfeed.balance.BalancedBatches`
     takes; it plans micro-steps of ``max_tokens`` with equal counts on every rank.
+
+    A step holds at least one sample (meshfeed's loaders and the store's samplers never hand a
+    rank an empty batch): an empty one is a mistake of the caller and raises ``ValueError``.
     """
 
     fields: SampleFields = SampleFields()
 
     def __call__(self, samples: Sequence[Mapping[str, Any]] | ColumnBatch) -> dict[str, Any]:
+        if len(samples) == 0:
+            raise ValueError(
+                f"PackCollate got no samples (an empty {type(samples).__name__}); call it with "
+                "a step's samples, at least one: a list of sample mappings, or a sample "
+                "store's Batch (meshfeed's loaders never hand a rank an empty batch)"
+            )
         if isinstance(samples, ColumnBatch):
             columns = samples.columns
             samples = [{k: col[i] for k, col in columns.items()} for i in range(len(samples))]

@@ -3,21 +3,35 @@
 A rewrite (``overwrite=True``) names its shards anew, so the old dataset stays whole until the
 new ``index.json`` replaces the old one in one write; then the old shards are deleted. A write
 that fails deletes the shards it uploaded: no index names them, nothing is left behind.
+
+A new prefix is claimed by the writer's first object: on S3 every object of a new dataset is
+created conditionally (``If-None-Match: *``), so of two writers racing on one new prefix
+exactly one creates ``shard-00000.mfs`` (or ``index.json``, writing no shard) and goes on; the
+other raises ``FileExistsError`` before it overwrote anything and deletes only what it
+created. On other stores (and on S3-compatible servers that answer the condition with 501 Not
+Implemented) the objects are written plainly: the check that the prefix is empty is made once,
+before the work, and is not atomic, so two writers racing there may clobber each other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import inspect
 import json
+import os
 import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from meshfeed.errors import SourceError
 from meshfeed.sources.shards.encode import Options, encode_dataset
 from meshfeed.sources.shards.format import INDEX_NAME, parse_index
 from meshfeed.storage.output import Upload
+from meshfeed.storage.retry import RetryPolicy
+from meshfeed.storage.urls import filesystem, retried
 
 __all__ = ["write_to_url"]
 
@@ -32,7 +46,8 @@ def write_to_url(
     old: list[str] = []
     with upload:
         upload.check(url, "the shards")
-        if upload.exists(index_url):
+        fresh = not upload.exists(index_url)  # a new dataset: every object it writes is new
+        if not fresh:
             if not overwrite:
                 raise FileExistsError(
                     f"{url} holds a shard dataset ({INDEX_NAME}); pass overwrite=True to "
@@ -48,13 +63,29 @@ def write_to_url(
 
         published: list[str] = []
 
-        def publish(shard: Path) -> None:
-            published.append(f"{url}/{shard.name}")
-            upload.publish(shard, published[-1])
+        def publish(local: Path, *, shard: bool = True) -> None:
+            target = f"{url}/{local.name}"
+            if shard:  # a failed upload may still have landed: removed too
+                published.append(target)
+            if not fresh:
+                upload.publish(local, target)
+                return
+            try:
+                _create(upload, local, target)
+            except FileExistsError as e:
+                if shard:
+                    published.pop()  # another writer's object: never ours to remove
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"another writer claimed {url} while this one was writing ({target} "
+                    "appeared there); nothing of this write was kept: write to another "
+                    "prefix, or pass overwrite=True to replace the shard dataset now there",
+                    target,
+                ) from e
 
         try:
             encode_dataset(samples, upload.staging, o, publish)
-            upload.publish(upload.staging / INDEX_NAME, index_url)
+            publish(upload.staging / INDEX_NAME, shard=False)  # no shard: claims the prefix
         except BaseException:
             for done in published:  # no index names them: leave nothing behind
                 with contextlib.suppress(Exception):
@@ -63,3 +94,49 @@ def write_to_url(
         for name in old:  # no index names them any more
             upload.remove(f"{url}/{name}")
     return index_url
+
+
+def _create(upload: Upload, local: Path, url: str) -> None:
+    """:meth:`Upload.publish` that creates ``url`` only where no object is: S3's conditional
+    PUT (``If-None-Match: *``), raising ``FileExistsError`` when one is there. Elsewhere, or
+    where the server does not implement the condition (501), a plain upload."""
+    options = upload.cache.storage_options
+    fs, path = filesystem(url, options)
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    put_file = getattr(fs, "_put_file", None)
+    if not protocols & {"s3", "s3a"} or not _takes_mode(put_file):
+        upload.publish(local, url)  # no conditional create here (or an s3fs before it)
+        return
+
+    def put() -> bool:
+        try:
+            fs.put_file(os.fspath(local), path, mode="create")
+        except OSError as e:
+            if e.errno == errno.ENOSYS:  # s3fs's 501 Not Implemented: no conditional PUT
+                return False
+            raise
+        except Exception as e:  # a client too old for IfNoneMatch refuses the parameter
+            if type(e).__name__ == "ParamValidationError" and "IfNoneMatch" in str(e):
+                return False
+            raise
+        return True
+
+    try:
+        created = retried(RetryPolicy(timeout=60.0), put, url, "upload to", options)
+    except (FileExistsError, SourceError, ImportError):
+        raise
+    except Exception as e:  # the client's own errors, named as Upload.publish names them
+        raise SourceError(f"cannot upload {url}: {type(e).__name__}: {e}") from e
+    if not created:
+        upload.publish(local, url)
+        return
+    fs.invalidate_cache(path)
+    upload.cache.adopt(url, local)
+
+
+def _takes_mode(put_file: Any) -> bool:
+    """Whether an fsspec ``_put_file`` takes ``mode=`` (s3fs's conditional create)."""
+    try:
+        return "mode" in inspect.signature(put_file).parameters
+    except (TypeError, ValueError):
+        return False

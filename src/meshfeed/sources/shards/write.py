@@ -5,7 +5,13 @@ The write is atomic: everything goes into a hidden temporary directory beside ``
 (each file fsynced, ``index.json`` last), which is then renamed into place. A write that
 raises (a bad sample, a failing iterator, a full disk) removes the temporary directory, so no
 half-written dataset is ever seen as complete. A process killed mid-write can leave a
-``.<name>.tmp-*`` directory behind; it is never mistaken for a dataset.
+``.<name>.tmp-*`` directory behind; it is never mistaken for a dataset, and it blocks no
+later write.
+
+That rename is also the claim on a new folder: two writers racing on one (``overwrite=False``)
+both pass the first check, but a directory is renamed only onto an absent or empty one, so
+exactly one lands; the other raises ``FileExistsError`` naming the folder and removes its own
+temporary directory, leaving the winner's dataset whole.
 
 Replacing a dataset (``overwrite=True``) touches nothing but that dataset: the new shards get
 new names and are moved in beside the old ones (a name already taken is refused, nothing is
@@ -84,8 +90,20 @@ def replaced_files(out: str | os.PathLike[str]) -> list[str]:
 
 
 def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` into ``out`` (absent or an empty directory)."""
-    os.rename(tmp, out)
+    """Rename the finished ``tmp`` into ``out`` (absent or an empty directory): the atomic
+    claim on ``out``. A writer that lost the race to ``out`` raises ``FileExistsError``."""
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise
+        raise FileExistsError(
+            errno.EEXIST,
+            f"another writer claimed {out} while this one was writing (it is no longer an "
+            "absent or empty directory); nothing of this write was kept: write to another "
+            "folder, or pass overwrite=True to replace the shard dataset now there",
+            str(out),
+        ) from e
     fsync_dir(out.parent)
 
 
@@ -159,6 +177,11 @@ def write_shards(
     dataset; the URL of ``index.json`` is returned. With ``overwrite=True`` the new shards
     get new names, the old dataset stays whole until the new ``index.json`` replaces its
     index (a failed rewrite loses nothing), then the old shards are deleted.
+
+    Of two writers racing on one new ``out_dir`` (``overwrite=False``), exactly one succeeds
+    and the other raises ``FileExistsError``, leaving the winner's dataset whole: locally
+    through the final rename, on S3 through conditional creates (``If-None-Match: *``). On
+    other object stores the emptiness check before the work is all there is (not atomic).
 
         >>> write_shards(({"ids": np.arange(n), "text": "x" * n} for n in range(1, 9)),
         ...              tmp / "ds", rows_per_shard=4)                       # doctest: +SKIP

@@ -215,7 +215,8 @@ def shard_mtime(shard: Any) -> int:
 
 class DefaultReader:
     """Reads callables and text / JSON-lines files (see the module docstring). Picklable: the
-    per-process caches are dropped when it is sent to a worker."""
+    per-process caches are dropped when it is sent to a worker. It keeps up to 16 files open
+    for reading by index; :meth:`close` (which ``ShardedStream.close`` calls) closes them."""
 
     def __init__(self) -> None:
         self._cursors: dict[int, RowCursor] = {}  # a callable shard's rows, read forward
@@ -266,6 +267,16 @@ class DefaultReader:
             lines = _read_rows(f, path, offsets, a, b)
             found.update(zip(range(a, b), map(parse, lines), strict=True))
         return [found[r] for r in rows.tolist()]
+
+    def close(self) -> None:
+        """Close the files this process opened and drop the kept spans and callable shards'
+        iterators (idempotent); reading again re-opens. The line-offset tables stay (they
+        hold no file and cost a read of the whole file to rebuild)."""
+        files, self._files, self._pid = self._files, {}, os.getpid()
+        self._spans.clear()
+        self._cursors.clear()
+        for f in files.values():  # a forked worker's inherited copies are its own to close
+            f.close()
 
     def _span(
         self, key: str, path: str, offsets: np.ndarray, lo: int, hi: int

@@ -1,0 +1,108 @@
+"""Two ``write_shards(..., overwrite=False)`` racing on one new S3 prefix (moto's server).
+
+Every object of a new dataset is created with ``If-None-Match: *``: the writer that creates
+``shard-00000.mfs`` first goes on, the other raises before it overwrote anything and deletes
+none of the winner's objects. Both writers pass the emptiness check before either uploads (a
+barrier in their samples).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import meshfeed.sources.shards.upload as upload_mod
+from meshfeed.sources import ShardedStream, write_shards
+from tests.storage.conftest import S3
+
+
+def _keys(s3: S3, prefix: str) -> set[str]:
+    found = s3.client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"] for o in found}
+
+
+def _rows(s3: S3, url: str, cache: Path) -> list[int]:
+    stream = ShardedStream.from_index(url, cache_dir=cache, storage_options=s3.options)
+    try:
+        return [int(r) for r in stream.__getitems__(list(range(len(stream))))]
+    finally:
+        stream.close()
+
+
+def _race(s3: S3, url: str, caches: Path) -> dict[int, Any]:
+    both_checked = threading.Barrier(2, timeout=10)
+    result: dict[int, Any] = {}
+
+    def writer(k: int) -> None:
+        def samples() -> Iterator[int]:
+            both_checked.wait()
+            yield from range(k * 1000, k * 1000 + 7)
+
+        try:
+            result[k] = write_shards(
+                samples(),
+                url,
+                rows_per_shard=3,
+                cache_dir=caches / str(k),
+                storage_options=s3.options,
+            )
+        except BaseException as e:
+            result[k] = e
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return result
+
+
+def test_two_writers_racing_on_one_new_prefix_exactly_one_wins(s3: S3, tmp_path: Path) -> None:
+    for trial in range(3):
+        url = s3.url(f"ds{trial}")
+        result = _race(s3, url, tmp_path / f"cache{trial}")
+        won = [k for k, r in result.items() if not isinstance(r, BaseException)]
+        lost = [r for r in result.values() if isinstance(r, BaseException)]
+        assert len(won) == 1 and len(lost) == 1, result
+        assert isinstance(lost[0], FileExistsError)
+        assert f"another writer claimed {url} " in str(lost[0])
+        assert "pass overwrite=True" in str(lost[0])
+        k = won[0]
+        assert _keys(s3, f"ds{trial}/") == {f"ds{trial}/index.json"} | {
+            f"ds{trial}/shard-{n:05d}.mfs" for n in range(3)
+        }
+        assert _rows(s3, url, tmp_path / f"read{trial}") == list(range(k * 1000, k * 1000 + 7))
+
+
+def test_a_server_without_conditional_puts_gets_plain_uploads(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = upload_mod.filesystem
+
+    class NoConditions:  # a server answering If-None-Match with 501, as s3fs reports it
+        def __init__(self, fs: Any) -> None:
+            self.fs = fs
+            self.protocol = fs.protocol
+
+        def put_file(self, lpath: str, rpath: str, mode: str = "overwrite") -> None:
+            assert mode == "create"
+            raise OSError(errno.ENOSYS, "A header you provided implies functionality that ...")
+
+        def invalidate_cache(self, path: str) -> None:
+            self.fs.invalidate_cache(path)
+
+    def filesystem(url: str, options: Any = None) -> tuple[Any, str]:
+        fs, path = real(url, options)
+        return NoConditions(fs), path
+
+    monkeypatch.setattr(upload_mod, "filesystem", filesystem)
+    url = s3.url("plain")
+    write_shards(
+        range(5), url, rows_per_shard=2, cache_dir=tmp_path / "c", storage_options=s3.options
+    )
+    assert _rows(s3, url, tmp_path / "read") == list(range(5))
