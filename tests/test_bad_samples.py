@@ -373,3 +373,60 @@ class DamagedBatch:
 def test_a_damaged_file_in_fetch_batch_is_raised_not_repaired_item_by_item():
     with pytest.raises(SourceError, match="part-0.parquet"):
         list(DataLoader(DamagedBatch(), batch_size=4))
+
+
+def test_a_raising_on_step_takes_back_the_bad_samples_of_its_batch():
+    """on_step raising on a batch with substitutes: stats and state as before that batch (the
+    failures list cut back, the same list), and the finished run counts every batch once."""
+    calls: list[int] = []
+
+    def on_step(timing: Any) -> None:
+        calls.append(timing.steps)
+        if len(calls) == 7:
+            raise KeyError("dashboard down")
+
+    def factory(**kw: Any) -> DataLoader:
+        return DataLoader(Flaky(60), batch_size=4, shuffle=False, seed=2, **kw)
+
+    ref = factory()
+    ref_batches = [b.tolist() for b in ref]
+    lo = factory(on_step=on_step)
+    it = iter(lo)
+    got = [next(it).tolist() for _ in range(6)]
+    before, state, listed = lo.stats(), lo.state_dict(), lo._stats["failures"]
+    assert before["substituted"] == len(listed) == 1  # index 23
+    assert any(is_bad(i) for i in range(24, 28))  # the refused batch has a substitute too
+    with pytest.raises(KeyError, match="dashboard down"):
+        next(it)
+    after = lo.stats()
+    del before["delivery"], after["delivery"]
+    assert after == before and lo.state_dict() == state
+    assert lo._stats["failures"] is listed
+    got += [b.tolist() for b in lo]
+    assert got == ref_batches
+    mine, theirs = lo.stats(), ref.stats()
+    del mine["delivery"], theirs["delivery"]
+    assert mine == theirs
+
+
+class _RejectsSome:
+    """``__getitem__`` only: every third item is rejected (None), the rest is its index."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.reads: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        self.reads[i] += 1
+        return None if i % 3 == 1 else i
+
+
+def test_getitem_rejections_anywhere_in_a_batch_are_replaced_and_read_once():
+    ds = _RejectsSome(24)
+    lo = DataLoader(ds, batch_size=6, shuffle=False, on_error="skip")
+    batches = [b.tolist() for b in lo]
+    assert batches == [[i for i in range(k, k + 6) if i % 3 != 1] for k in range(0, 24, 6)]
+    assert ds.reads == Counter(range(24)) and lo.stats()["skipped"] == 8

@@ -16,9 +16,19 @@ import torch
 
 __all__ = ["PadCollate", "collate_column", "collate_into_slot", "default_collate", "pad_collate"]
 
-# A worker's reply slot (meshfeed.runtime.worker sets ``take``): where collate_into_slot
-# writes the batch's tensors; ``active`` only while it runs, so no other collation sees it.
-_SLOT = threading.local()
+
+class _Slot(threading.local):
+    """A worker's reply slot (meshfeed.runtime.worker sets ``take``): where collate_into_slot
+    writes the batch's tensors; ``active`` only while it runs, so no other collation sees it.
+
+    None by default on every thread (class attributes): read once or twice per batch, a
+    thread-local attribute that is missing would cost an ``AttributeError`` each time."""
+
+    take: Callable[[int], Any] | None = None
+    active: Callable[[int], Any] | None = None
+
+
+_SLOT = _Slot()
 #: Tensors smaller than this are stacked as usual (small results travel through the pipe).
 _IN_SLOT_MIN = 4096
 
@@ -74,7 +84,7 @@ def collate_into_slot(items: Sequence[Any]) -> Any:
     worker's reply where one is open (what a worker's fetcher does without a ``collate_fn``;
     the same values, without a fresh allocation and a copy per batch). Elsewhere it is
     :func:`default_collate`."""
-    take = getattr(_SLOT, "take", None)
+    take = _SLOT.take
     if take is None:
         return _collate(items, "")
     _SLOT.active = take
@@ -98,7 +108,7 @@ def _collate(items: Sequence[Any], path: str) -> Any:
 def _collate_numbers(items: Sequence[Any], path: str) -> Any:
     """Tensors, arrays, numpy scalars or Python numbers, stacked into one tensor."""
     first = items[0]
-    take = getattr(_SLOT, "active", None)
+    take = _SLOT.active
     # Stack first, and look at the shapes only when stacking fails: comparing every item's
     # shape up front costs more than the stack of a small batch.
     try:

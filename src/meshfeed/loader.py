@@ -323,10 +323,14 @@ class DataLoader(LoaderBase):
             yield step
             position = step.end
 
-    def _task(self, step: Step) -> FetchTask:
-        """This rank's task of ``step``."""
-        positions, indices = self._block(step)[step.start]
-        return FetchTask(step.epoch, step.index, indices, positions)
+    def _tasks(self, epoch: int, position: int, steps: list[Step]) -> Iterator[FetchTask]:
+        """This rank's task of each step of ``epoch`` from ``position`` (:meth:`_steps` and
+        each step's task in one generator: one frame less to resume per batch)."""
+        while (step := self.plan.step_at(epoch, position)) is not None:
+            steps.append(step)
+            positions, indices = self._block(step)[step.start]
+            yield FetchTask(step.epoch, step.index, indices, positions)
+            position = step.end
 
     def __iter__(self) -> Iterator[Any]:
         # A new walk generation: the earlier live iterator stops (see meshfeed.loader_base).
@@ -383,7 +387,7 @@ class DataLoader(LoaderBase):
         if isinstance(self.service, GlobalService):
             results = self._run_global(self.service, epoch, position, steps)
         else:
-            results = self.service.map(self._task(s) for s in self._steps(epoch, position, steps))
+            results = self.service.map(self._tasks(epoch, position, steps))
         agree = self.on_error == "raise" and is_distributed()  # one rank raises: every rank
         if agree and not self.delivery.ahead:
             results = self._together(results, epoch, steps)  # timed as the batch's wait
@@ -454,9 +458,13 @@ class DataLoader(LoaderBase):
                 if stale_from is not None and step.end > stale_from:
                     return True
             before = self._position, _counts_of(self._stats)
-            self._count_padding(step)
-            for e in events if isinstance(events, list) else [events]:
-                self._record(e)
+            if step.end - step.start < self.data_world_size:  # padding: a tiny last batch only
+                self._count_padding(step)
+            if isinstance(events, list):
+                for e in events:
+                    self._record(e)
+            else:
+                self._record(events)
             self._position = step.end
             try:
                 self.telemetry.returned()  # on_step, which sees this batch counted
@@ -486,7 +494,8 @@ class DataLoader(LoaderBase):
     def _count_padding(self, step: Step) -> None:
         """Count the samples of ``step`` that repeat the start of the epoch: this rank's, or
         with a service of every data rank (Ray) every rank's it serves."""
-        # Padding exists only in a last batch shorter than the number of data ranks.
+        # Padding exists only in a last batch shorter than the number of data ranks (the
+        # caller checks this too, sparing the call per batch).
         if step.end - step.start < self.data_world_size:
             ranks = range(self.data_world_size) if self._serves_every_rank else (self.data_rank,)
             padded = sum(self.plan.rank_padding(step, r, self.data_world_size) for r in ranks)
@@ -494,8 +503,9 @@ class DataLoader(LoaderBase):
             self._note_padding(padded)
 
     def _record(self, events: FetchEvents) -> None:
-        self.telemetry.add("fetch", events.fetch_s)
-        self.telemetry.add("collate", events.collate_s)
+        phases = self.telemetry.phases  # Telemetry.add's work, without two calls per batch
+        phases["fetch"] += events.fetch_s
+        phases["collate"] += events.collate_s
         if events:
             self._stats["retries"] += events.retries
             self._stats["substituted"] += events.substituted
@@ -728,11 +738,18 @@ def _take_back(telemetry: Telemetry, events: Any) -> None:
 
 
 def _counts_of(stats: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """What a batch adds to ``stats``: the counts, and how many failures are listed."""
-    return {k: v for k, v in stats.items() if k != "failures"}, len(stats["failures"])
+    """What a batch adds to ``stats``: the counts, and how many failures are listed.
+
+    A plain copy (taken per batch: cheaper than leaving ``failures`` out); its ``failures``
+    entry is not restored (:func:`_restore_counts`)."""
+    return stats.copy(), len(stats["failures"])
 
 
 def _restore_counts(stats: dict[str, Any], before: tuple[dict[str, Any], int]) -> None:
+    """``stats`` with the counts of ``before``, and its failures list (the same list) cut
+    back to the length it had."""
     counts, failures = before
+    listed = stats["failures"]
     stats.update(counts)
-    del stats["failures"][failures:]
+    stats["failures"] = listed
+    del listed[failures:]
