@@ -59,7 +59,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             if delay:
                 time.sleep(delay)
-            if fail:
+            if fail is True:
                 self._send(500, [("Content-Type", "application/xml")], _ERROR_500)
                 return
             conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
@@ -68,6 +68,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             resp = conn.getresponse()
             data = resp.read()
             conn.close()
+            if fail:  # the request landed; its reply is lost
+                self._send(500, [("Content-Type", "application/xml")], _ERROR_500)
+                return
             keep = [
                 (k, v)
                 for k, v in resp.getheaders()
@@ -119,7 +122,8 @@ class _Server(http.server.ThreadingHTTPServer):
 class FaultProxy:
     """HTTP proxy on 127.0.0.1 in front of ``upstream_port``.
 
-    ``fail_next``: answer the next k requests with 500 InternalError. ``slow_next`` with
+    ``fail_next``: answer the next k requests with 500 InternalError. ``lose_next_puts``: forward
+    the next k PUTs, then answer them with 500 (each landed, its reply lost). ``slow_next`` with
     ``delay``: hold the next k requests that long before answering. ``throttle``: seconds to
     sleep after each 64 KiB of a body. ``cut_next`` with ``cut_at``: end the bodies of the next
     k object GETs after ``cut_at`` bytes and drop their connections (``on_cut``, if set, is
@@ -133,6 +137,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.port = 0
         self.fail_next = 0
+        self.lose_next_puts = 0
         self.slow_next = 0
         self.delay = 0.0
         self.throttle = 0.0
@@ -157,7 +162,7 @@ class FaultProxy:
 
     def _on_request(
         self, method: str, path: str, *, ranged: bool = False
-    ) -> tuple[bool, float, int | None]:
+    ) -> tuple[bool | str, float, int | None]:
         with self._lock:
             self.counts[method] += 1
             cut = None
@@ -169,6 +174,9 @@ class FaultProxy:
                     cut = self.cut_at
             fail = self.fail_next > 0
             self.fail_next -= fail
+            if not fail and method == "PUT" and self.lose_next_puts > 0:
+                self.lose_next_puts -= 1
+                fail = "after"  # forwarded, then the reply is lost (a 500 in its place)
             slow = self.slow_next > 0
             self.slow_next -= slow
         return fail, self.delay if slow else 0.0, cut
@@ -179,6 +187,7 @@ class FaultProxy:
             self.object_gets.clear()
             self.whole_gets.clear()
             self.fail_next = self.slow_next = self.cut_next = self.cut_at = 0
+            self.lose_next_puts = 0
             self.delay = self.throttle = 0.0
             self.on_cut = None
 

@@ -106,3 +106,42 @@ def test_a_server_without_conditional_puts_gets_plain_uploads(
         range(5), url, rows_per_shard=2, cache_dir=tmp_path / "c", storage_options=s3.options
     )
     assert _rows(s3, url, tmp_path / "read") == list(range(5))
+
+
+def test_a_create_whose_reply_was_lost_is_the_writers_own_on_retry(s3: S3, tmp_path: Path) -> None:
+    """A conditional create lands but its reply is lost (a 500 in its place): the retry finds
+    the object there (412). It carries this write's mark, so the write goes on, whole; another
+    writer's object (no mark, or another) is still refused."""
+    for lost in (1, 2, 4):  # the first shard's PUT; the second's too; two shards and the index
+        url = s3.url(f"lost{lost}")
+        s3.proxy.lose_next_puts = lost
+        got = write_shards(
+            iter(range(7)),
+            url,
+            rows_per_shard=3,
+            cache_dir=tmp_path / f"cache{lost}",
+            storage_options=s3.options,
+        )
+        assert got.endswith("index.json") and s3.proxy.lose_next_puts == 0
+        assert _rows(s3, url, tmp_path / f"read{lost}") == list(range(7))
+        assert _keys(s3, f"lost{lost}/") == {f"lost{lost}/index.json"} | {
+            f"lost{lost}/shard-{n:05d}.mfs" for n in range(3)
+        }
+
+    def samples() -> Iterator[int]:  # another writer's object lands after the prefix check
+        s3.put("taken/shard-00000.mfs", b"another writer's bytes")
+        yield from range(7)
+
+    s3.proxy.lose_next_puts = 1  # and this writer's create is retried: still refused
+    with pytest.raises(FileExistsError, match="another writer claimed"):
+        write_shards(
+            samples(),
+            s3.url("taken"),
+            rows_per_shard=3,
+            cache_dir=tmp_path / "cache-taken",
+            storage_options=s3.options,
+        )
+    assert _keys(s3, "taken/") == {"taken/shard-00000.mfs"}
+    assert s3.client.get_object(Bucket=s3.bucket, Key="taken/shard-00000.mfs")["Body"].read() == (
+        b"another writer's bytes"
+    )

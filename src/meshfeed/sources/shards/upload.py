@@ -35,6 +35,9 @@ from meshfeed.storage.urls import filesystem, retried
 
 __all__ = ["write_to_url"]
 
+#: The user-metadata key that marks each object of a new dataset with its write's id.
+_WRITER = "meshfeed-writer"
+
 
 def write_to_url(
     samples: Iterable[Any], url: str, o: Options, overwrite: bool, upload: Upload
@@ -62,6 +65,7 @@ def write_to_url(
             )
 
         published: list[str] = []
+        writer = uuid.uuid4().hex  # marks this write's objects (a retried create finds its own)
 
         def publish(local: Path, *, shard: bool = True) -> None:
             target = f"{url}/{local.name}"
@@ -71,7 +75,7 @@ def write_to_url(
                 upload.publish(local, target)
                 return
             try:
-                _create(upload, local, target)
+                _create(upload, local, target, writer)
             except FileExistsError as e:
                 if shard:
                     published.pop()  # another writer's object: never ours to remove
@@ -96,10 +100,12 @@ def write_to_url(
     return index_url
 
 
-def _create(upload: Upload, local: Path, url: str) -> None:
+def _create(upload: Upload, local: Path, url: str, writer: str) -> None:
     """:meth:`Upload.publish` that creates ``url`` only where no object is: S3's conditional
-    PUT (``If-None-Match: *``), raising ``FileExistsError`` when one is there. Elsewhere, or
-    where the server does not implement the condition (501), a plain upload."""
+    PUT (``If-None-Match: *``), raising ``FileExistsError`` when another writer's object is
+    there (each object carries ``writer``, this write's id, in its metadata: a retried PUT
+    that finds its own earlier try landed goes on). Elsewhere, or where the server does not
+    implement the condition (501), a plain upload."""
     options = upload.cache.storage_options
     fs, path = filesystem(url, options)
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
@@ -110,7 +116,13 @@ def _create(upload: Upload, local: Path, url: str) -> None:
 
     def put() -> bool:
         try:
-            fs.put_file(os.fspath(local), path, mode="create")
+            fs.put_file(os.fspath(local), path, mode="create", Metadata={_WRITER: writer})
+        except FileExistsError:
+            # An earlier try of this very put may have landed with its reply lost: the
+            # object then carries this write's mark, and is this write's.
+            fs.invalidate_cache(path)
+            if _mark(fs, path) != writer:
+                raise
         except OSError as e:
             if e.errno == errno.ENOSYS:  # s3fs's 501 Not Implemented: no conditional PUT
                 return False
@@ -132,6 +144,15 @@ def _create(upload: Upload, local: Path, url: str) -> None:
         return
     fs.invalidate_cache(path)
     upload.cache.adopt(url, local)
+
+
+def _mark(fs: Any, path: str) -> str | None:
+    """The writer id in the metadata of the object at ``path`` (None: none, or unreadable)."""
+    try:
+        meta = fs.metadata(path)
+    except Exception:  # gone again, or no metadata call: not this write's
+        return None
+    return {str(k).lower(): v for k, v in (meta or {}).items()}.get(_WRITER)
 
 
 def _takes_mode(put_file: Any) -> bool:
