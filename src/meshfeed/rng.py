@@ -36,16 +36,31 @@ class FetchInfo:
     num_workers: int = 0
 
 
-_local = threading.local()
+class _Current(threading.local):
+    """The fetch running in this thread: a :class:`FetchInfo`, its fields as a tuple (made
+    into one when asked: most fetches never ask), or None (a class default: no
+    ``AttributeError`` per fetch on a thread that never fetched)."""
+
+    info: FetchInfo | tuple[int, int, int, int, int] | None = None
+
+
+_local = _Current()
 
 
 def fetch_info() -> FetchInfo | None:
     """The :class:`FetchInfo` of the fetch running in this thread, or None outside a fetch."""
-    return getattr(_local, "info", None)
+    info = _local.info
+    if isinstance(info, tuple):
+        seed, epoch, step, worker_id, num_workers = info
+        info = _local.info = FetchInfo(
+            seed=seed, epoch=epoch, step=step, worker_id=worker_id, num_workers=num_workers
+        )
+    return info
 
 
 class fetching:
-    """``with fetching(info):`` makes ``info`` the current :func:`fetch_info` in the block.
+    """``with fetching(info):`` makes ``info`` the current :func:`fetch_info` in the block:
+    a :class:`FetchInfo`, or its fields ``(seed, epoch, step, worker_id, num_workers)``.
 
     A small class rather than ``@contextmanager``: it runs once per batch, and a generator
     context manager costs several microseconds there.
@@ -53,12 +68,12 @@ class fetching:
 
     __slots__ = ("_info", "_previous")
 
-    def __init__(self, info: FetchInfo) -> None:
+    def __init__(self, info: FetchInfo | tuple[int, int, int, int, int]) -> None:
         self._info = info
-        self._previous: FetchInfo | None = None
+        self._previous: FetchInfo | tuple[int, int, int, int, int] | None = None
 
     def __enter__(self) -> None:
-        self._previous = getattr(_local, "info", None)
+        self._previous = _local.info
         _local.info = self._info
 
     def __exit__(self, *exc: object) -> None:
