@@ -124,11 +124,13 @@ def test_rows_are_read_per_shard_as_one_span_and_the_span_is_kept():
     stream = ShardedStream(["a", "b"], reader, rows=[10, 10])
     assert stream.__getitems__([3, 4, 5, 12, 13, 8, 3]) == [3, 4, 5, 102, 103, 8, 3]
     assert sorted(reader.calls) == [("a", 3, None), ("b", 2, None)]
-    assert stream.__getitems__([7, 4]) == [7, 4]  # inside the kept span: no read
-    assert stream.__getitems__([9, 5]) == [9, 5]  # the kept span and the iterator's next row
+    assert stream.__getitems__([7]) == [7]  # inside the kept span: no read
+    assert stream.__getitems__([9, 6]) == [9, 6]  # the kept span and the iterator's next row
     assert len(reader.calls) == 2
     assert stream.__getitems__([1]) == [1]  # before both: the shard is opened there
     assert reader.calls[-1] == ("a", 1, None)
+    assert stream.__getitems__([1]) == [1]  # handed out already: read again, never re-served
+    assert reader.calls[-2:] == [("a", 1, None)] * 2
 
 
 def test_a_shard_shorter_than_counted_is_named():

@@ -24,6 +24,7 @@ line-offset table built once per file and process.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import io
@@ -260,13 +261,13 @@ class DefaultReader:
             return [parse(text[r - first]) for r in rows.tolist()]
         f = self._handle(key, path)
         uniq = np.unique(rows)
-        found: dict[int, Any] = {}
-        # one read per contiguous run of wanted rows
+        found: dict[int, str] = {}
+        # one read per contiguous run of wanted rows; parsed per wanted row (a row asked for
+        # twice is two objects, as from the kept span)
         for run in np.split(uniq, np.flatnonzero(np.diff(uniq) != 1) + 1):
             a, b = int(run[0]), int(run[-1]) + 1
-            lines = _read_rows(f, path, offsets, a, b)
-            found.update(zip(range(a, b), map(parse, lines), strict=True))
-        return [found[r] for r in rows.tolist()]
+            found.update(zip(range(a, b), _read_rows(f, path, offsets, a, b), strict=True))
+        return [parse(found[r]) for r in rows.tolist()]
 
     def close(self) -> None:
         """Close the files this process opened and drop the kept spans and callable shards'
@@ -442,6 +443,11 @@ class RowCursor:
     steps that draw from one shuffle window read it once. (Each data rank reads the spans it
     draws from whole: give the reader ``take`` to read only its own rows.)
 
+    A kept row is handed out once: asked for again (a later epoch, a retry) it is read again,
+    as a new call of the shard would give it, so an in-place edit of a row handed out (a
+    ``map``, a ``collate_fn``) never reaches a later read. A row asked for twice in one call
+    is handed out once and a ``copy.deepcopy`` of it made before either leaves.
+
     ``seeks``: the reader opens a shard at any row cheaply (its contract), so a span further
     on is opened there; without it (a callable shard, read from its start) the kept iterator
     is read forward to the span, and started over only for a row before its position.
@@ -452,14 +458,15 @@ class RowCursor:
         self.it: Any = None
         self.at = 0
         self.span_start = 0
-        self.span: list[Any] = []
+        self.span: list[Any] = []  # rows handed out already are _GIVEN
 
     def take(self, rows: np.ndarray) -> list[Any]:
-        lo0, hi0 = self.span_start, self.span_start + len(self.span)
+        lo0, kept = self.span_start, self.span
+        hi0 = lo0 + len(kept)
         wanted = rows.tolist()
-        missing = [r for r in wanted if not lo0 <= r < hi0]
+        missing = [r for r in wanted if not (lo0 <= r < hi0 and kept[r - lo0] is not _GIVEN)]
         if not missing:
-            return [self.span[r - lo0] for r in wanted]
+            return _hand_out(wanted, lo0, kept, 0, kept)
         lo, hi = min(missing), max(missing) + 1
         if self.it is None or lo < self.at or (lo > self.at and self.seeks):
             # A seeking reader opens at lo: rows other ranks read are never read here.
@@ -476,9 +483,36 @@ class RowCursor:
         if len(span) != hi - lo:
             self.it = None
             raise _past_end(self.shard, hi - 1, lo + len(span))
-        out = [span[r - lo] if lo <= r < hi else self.span[r - lo0] for r in wanted]
-        self.span_start, self.span = lo, span
-        return out
+        self.span_start = lo
+        if len(wanted) == hi - lo and wanted == list(range(lo, hi)):
+            self.span = []  # a run read on in order (no shuffle window): every row handed out
+            return span
+        self.span = span
+        return _hand_out(wanted, lo, span, lo0, kept)
+
+
+_GIVEN: Any = object()  # in RowCursor.span: a row handed out already
+
+
+def _hand_out(wanted: list[int], lo: int, span: list[Any], lo0: int, kept: list[Any]) -> list[Any]:
+    """Rows ``wanted`` from ``span`` (rows from ``lo``), else from ``kept`` (rows from
+    ``lo0``, none of the wanted ones handed out), each marked handed out; a row wanted twice
+    is handed out once, its other places get deep copies (made before any of them leaves)."""
+    hi = lo + len(span)
+    out: list[Any] = []
+    append = out.append
+    for r in wanted:
+        if lo <= r < hi:
+            held, i = span, r - lo
+        else:
+            held, i = kept, r - lo0
+        row = held[i]
+        if row is _GIVEN:  # asked twice in this call
+            row = copy.deepcopy(out[wanted.index(r)])
+        else:
+            held[i] = _GIVEN
+        append(row)
+    return out
 
 
 def default_reader(shard: Any, start_row: int, stop_row: int | None) -> Iterator[Any]:
