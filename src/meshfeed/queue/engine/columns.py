@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "Bits",
     "Cell",
     "Chunk",
     "Gathered",
@@ -35,6 +36,7 @@ __all__ = [
     "assemble",
     "gather",
     "gather_runs",
+    "own",
     "owned",
     "resolve",
     "signature",
@@ -61,9 +63,59 @@ class Chunk:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(data, torch.Tensor):
             data = data.contiguous().clone() if data._base is not None else data.contiguous()
+            bits = Bits.of(data)
+            if bits is not None:  # torch cannot load float8, ... it pickled: move the bits
+                return (_chunk_of_bits, (bits,))
         elif isinstance(data, np.ndarray):
             data = np.ascontiguousarray(data)  # a broadcast view would pickle its full size
         return (Chunk, (data,))
+
+
+def _chunk_of_bits(bits: Bits) -> Chunk:
+    return Chunk(bits.tensor())
+
+
+@dataclass(eq=False, slots=True)
+class Bits:
+    """A CPU tensor of a dtype numpy lacks (bfloat16, float8, complex32, ...) on its way
+    through Ray: its raw bits as an ``array`` of the integer dtype of its width, and the
+    tensor's ``dtype`` name (:func:`meshfeed.runtime.transport.bits_carrier`). Ray moves the
+    array out-of-band (zero-copy where it can); torch's own pickling of such a tensor cannot
+    be loaded (float8, complex32) or costs a copy more (bfloat16)."""
+
+    array: np.ndarray
+    dtype: str
+
+    @staticmethod
+    def of(data: Any) -> Bits | None:
+        """``data`` as bits when it is a plain CPU tensor of a dtype numpy lacks, else None."""
+        torch = sys.modules.get("torch")
+        if (
+            torch is None
+            or type(data) is not torch.Tensor
+            or data.device.type != "cpu"
+            or data.layout != torch.strided
+            or data.requires_grad
+        ):
+            return None
+        from meshfeed.runtime.transport import bits_carrier
+
+        carrier = bits_carrier(data.dtype)
+        if carrier is None:
+            return None
+        return Bits(data.detach().view(carrier[0]).numpy(), carrier[1])
+
+    def tensor(self, array: np.ndarray | None = None) -> Any:
+        """The tensor again (of ``array``, rows of :attr:`array`, when given), in memory of
+        its own: a read-only array (mapped from Ray's object store) is copied."""
+        import torch
+
+        from meshfeed.runtime.transport import from_bits
+
+        array = self.array if array is None else array
+        return from_bits(
+            torch.from_numpy(array if array.flags.writeable else array.copy()), self.dtype
+        )
 
 
 class RemoteChunk:
@@ -94,7 +146,9 @@ class RemoteChunk:
         if self._small is not None:
             return self._small
         data = ray.get(self.ref)
-        if not self.sig[0] and isinstance(data, np.ndarray):  # a CPU tensor sent as an array
+        if type(data) is Bits:
+            data = data.tensor()
+        elif not self.sig[0] and isinstance(data, np.ndarray):  # a CPU tensor sent as an array
             import torch
 
             data = torch.from_numpy(data.copy())
@@ -106,18 +160,24 @@ class RemoteChunk:
 def transportable(data: Any) -> Any:
     """What to ``ray.put`` for a chunk: a CPU tensor as the array sharing its memory (Ray
     writes and reads arrays out-of-band, about 10x faster than a pickled tensor; measured
-    with 16 MiB float32), anything else (numpy, GPU, dtypes numpy lacks) as it is."""
+    with 16 MiB float32), one of a dtype numpy lacks as its :class:`Bits` (bfloat16, float8,
+    complex32: torch cannot load some of them pickled), anything else (numpy, GPU, quantized)
+    as it is."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(data, torch.Tensor) and data.device.type == "cpu":
         try:
             return data.detach().numpy()
-        except (TypeError, RuntimeError):  # bfloat16 and others without a numpy dtype
-            return data
+        except (TypeError, RuntimeError):  # no numpy dtype
+            bits = Bits.of(data)
+            return data if bits is None else bits
     return data
 
 
 def signature(data: Any) -> tuple[Any, ...]:
-    """What two chunks must share to be gathered into one column."""
+    """What two chunks must share to be gathered into one column (a tensor's :class:`Bits`:
+    the tensor's)."""
+    if type(data) is Bits:
+        return (False, f"torch.{data.dtype}", tuple(data.array.shape[1:]))
     return (isinstance(data, np.ndarray), str(data.dtype), tuple(data.shape[1:]))
 
 
@@ -139,10 +199,12 @@ def assemble(column: Runs, fetched: dict[Any, Any]) -> Gathered:
     pieces = []
     for piece, rows in column.runs:
         if rows is None:
-            pieces.append(piece)
+            pieces.append(piece.tensor() if type(piece) is Bits else piece)
             continue
         data = fetched[piece]
-        if not column.is_np and isinstance(data, np.ndarray):
+        if type(data) is Bits:
+            pieces.append(data.tensor(_take(data.array, rows, True)))
+        elif not column.is_np and isinstance(data, np.ndarray):
             import torch
 
             part = _take(data, rows, True)
@@ -168,6 +230,14 @@ class Gathered:
     """A batch column already assembled from cells (``store.collate`` passes it through)."""
 
     data: Any
+
+    def __reduce__(self) -> Any:
+        bits = Bits.of(self.data)  # a dtype numpy lacks: its bits (see Bits)
+        return (Gathered, (self.data,)) if bits is None else (_gathered_of_bits, (bits,))
+
+
+def _gathered_of_bits(bits: Bits) -> Gathered:
+    return Gathered(bits.tensor())
 
 
 def owned(columns: dict[str, Any]) -> dict[str, Any]:
@@ -195,6 +265,13 @@ def _owned(value: Any) -> Any:
 
 
 _IMMUTABLE = frozenset({int, float, str, bool, bytes, complex, type(None)})
+
+
+def own(value: Any) -> Any:
+    """A copy of a batch column (or any value) that shares nothing it could change in place:
+    tensors and arrays copied (a view: only its own elements), lists, tuples and dicts with
+    their contents at any depth, scalars as they are, anything else deep-copied."""
+    return _own(value)
 
 
 def _own(value: Any) -> Any:
@@ -343,11 +420,19 @@ def _gather_remote(values: list[Cell]) -> Any:
     is_np = next(iter(sigs))[0]
     return Runs(
         [
-            (c.ref, rows) if type(c) is RemoteChunk else (_take(c.data, rows, is_np), None)
+            (c.ref, rows) if type(c) is RemoteChunk else (_portable(c.data, rows, is_np), None)
             for c, rows in runs
         ],
         is_np,
     )
+
+
+def _portable(data: Any, rows: list[int], is_np: bool) -> Any:
+    """Rows of a chunk the actor holds, as a piece of :class:`Runs` (a dtype numpy lacks as
+    its :class:`Bits`: it travels pickled)."""
+    piece = _take(data, rows, is_np)
+    bits = None if is_np else Bits.of(piece)
+    return piece if bits is None else bits
 
 
 def _slice(data: Any, rows: slice, is_np: bool) -> Any:

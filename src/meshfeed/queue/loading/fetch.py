@@ -23,12 +23,13 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from meshfeed.errors import NEVER_SUBSTITUTED
+from meshfeed.queue.engine.columns import own
 from meshfeed.queue.engine.core import FieldsMissing, PartitionClosed
 from meshfeed.queue.loading.reach import Reach
 from meshfeed.queue.samplers import Sampler
@@ -129,7 +130,7 @@ def fetch(
 
 class StoreFetcher:
     """Fetches and collates batch ``task.step`` (module docstring); ``collate_fn`` is tried
-    ``1 + retries`` times on the fetched batch, except that a
+    ``1 + retries`` times, each time on the batch as fetched (:meth:`_collated`), except that a
     :data:`~meshfeed.errors.NEVER_SUBSTITUTED` error (``SourceError``, ``MemoryError``, ...)
     is raised as itself at once. ``reach``: how a copy in another process reaches the store
     (``None``: it cannot, the store is used in this process only)."""
@@ -172,7 +173,7 @@ class StoreFetcher:
             if batch is None:
                 return None, StoreEvents(index=task.step)
         fetched = time.perf_counter()
-        item, error = self._collated(batch)
+        item, error, batch = self._collated(batch)
         events = StoreEvents(
             fetch_s=fetched - start,
             collate_s=time.perf_counter() - fetched,
@@ -183,18 +184,38 @@ class StoreFetcher:
             events.error, events.batch = _portable(error), batch
         return item, events
 
-    def _collated(self, batch: Batch) -> tuple[Any, BaseException | None]:
+    def _collated(self, batch: Batch) -> tuple[Any, BaseException | None, Batch]:
+        """The collated batch or the last error, and ``batch`` as it was fetched. Every try
+        gets the batch as the store handed it out: ``collate_fn`` may edit it in place before
+        it fails, so a copy is taken before each try (:func:`_spare`), for the next try or,
+        when every try failed, for the loader to keep (``next()`` collates it again,
+        ``state_dict()`` records it). The store hands each sample out once, so no try can
+        fetch it again as the map door reads a failed sample again."""
         if self.collate_fn is None:
-            return batch, None
+            return batch, None, batch
         error: BaseException | None = None
         for _ in range(1 + self.retries):
+            spare = _spare(batch)
             try:
-                return self.collate_fn(batch), None
+                return self.collate_fn(batch), None, spare
             except NEVER_SUBSTITUTED:  # a damaged file, out of memory: raised as itself, never
                 raise  # retried, skipped or wrapped (meshfeed.errors; as the other doors)
             except Exception as exc:
                 error = exc
-        return None, error
+            batch = spare
+        return None, error, batch
+
+
+def _spare(batch: Batch) -> Batch:
+    """A copy of ``batch`` sharing nothing that ``collate_fn`` could change in place: its
+    columns (tensors and arrays copied, a view only its own rows; lists with their contents),
+    ``ids`` and ``versions`` (the plan's ``parts`` are read-only, shared by its readers)."""
+    return replace(
+        batch,
+        ids=list(batch.ids),
+        columns={name: own(column) for name, column in batch.columns.items()},
+        versions=None if batch.versions is None else list(batch.versions),
+    )
 
 
 def _portable(error: BaseException) -> BaseException:
