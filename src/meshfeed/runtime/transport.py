@@ -2,7 +2,8 @@
 tensor and array bytes through a ring of shared-memory slots owned by the main process.
 
 Encoding is pickle protocol 5 with out-of-band buffers: every contiguous CPU tensor (as a
-numpy view, bfloat16 as int16 bits) and numpy array becomes one raw buffer; everything else
+numpy view; bfloat16, float8 and other dtypes numpy lacks as the bits of an
+integer dtype of their width) and numpy array becomes one raw buffer; everything else
 (dicts, lists, strings, ints, the tensors' shapes and dtypes) stays in the pickled header.
 A worker writes the buffers of one result (or of one message's results, when several cheap
 tasks travel together) into one free slot (64-byte aligned) and sends the header. The default
@@ -58,7 +59,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SMALL", "SlotReader", "SlotWriter", "dumps", "loads"]
+__all__ = [
+    "SMALL",
+    "SlotReader",
+    "SlotWriter",
+    "bits_carrier",
+    "dumps",
+    "from_bits",
+    "loads",
+    "reduce_tensor",
+]
 
 #: Results whose tensor/array bytes total less than this travel through the pipe.
 SMALL = 16 * 1024
@@ -66,9 +76,45 @@ _ALIGN = 64
 _MIN_SLOT = 256 * 1024
 
 
-def _tensor_from_numpy(array: np.ndarray, dtype: str | None) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
+_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS: dict[torch.dtype, tuple[torch.dtype, str] | None] = {}
+
+
+def bits_carrier(dtype: torch.dtype) -> tuple[torch.dtype, str] | None:
+    """How a tensor of ``dtype`` that numpy has no dtype for (bfloat16, the float8 family,
+    complex32, the bit and sub-byte types) moves: as its raw bits, viewed as the integer
+    dtype of its width, with the name to view it back by (:func:`from_bits`). ``None`` when
+    numpy has the dtype (the tensor moves as itself) or torch cannot view it as bits (the
+    quantized dtypes: torch's own pickling carries them). Decided once per dtype."""
+    try:
+        return _BITS[dtype]
+    except KeyError:
+        pass
+    carrier: tuple[torch.dtype, str] | None = None
+    try:
+        probe = torch.empty(0, dtype=dtype)
+    except (TypeError, RuntimeError, NotImplementedError):
+        probe = None
+    wide = _CARRIERS.get(dtype.itemsize)
+    if probe is not None and wide is not None and not probe.is_quantized:
+        try:
+            probe.numpy()
+        except (TypeError, RuntimeError):
+            with contextlib.suppress(TypeError, RuntimeError, NotImplementedError):
+                probe.view(wide).view(dtype)
+                carrier = (wide, str(dtype).removeprefix("torch."))
+    _BITS[dtype] = carrier
+    return carrier
+
+
+def from_bits(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
+    """``tensor`` (bits moved by :func:`bits_carrier`) viewed as ``dtype`` again (``None``:
+    it moved as itself)."""
     return tensor if dtype is None else tensor.view(getattr(torch, dtype))
+
+
+def _tensor_from_numpy(array: np.ndarray, dtype: str | None) -> torch.Tensor:
+    return from_bits(torch.from_numpy(array), dtype)
 
 
 def _tensor_from_buffer(
@@ -78,35 +124,44 @@ def _tensor_from_buffer(
     return _tensor_from_numpy(array, dtype)
 
 
+def reduce_tensor(obj: Any) -> Any:
+    """The reduction of a plain CPU tensor as its raw bytes (one out-of-band buffer under
+    protocol 5) plus dtype and shape, the bits of a dtype numpy lacks viewed as an integer
+    dtype of its width (:func:`bits_carrier`); a tensor that is not contiguous goes through
+    numpy's own pickling. ``NotImplemented`` for anything else (pickled as usual)."""
+    if (
+        type(obj) is torch.Tensor
+        and obj.device.type == "cpu"
+        and obj.layout == torch.strided
+        and not obj.requires_grad
+        and not obj.is_conj()
+        and not obj.is_neg()
+    ):
+        dtype = None
+        bits = bits_carrier(obj.dtype)
+        if bits is not None:  # numpy has no such dtype: move its bits
+            obj, dtype = obj.view(bits[0]), bits[1]
+        try:
+            array = obj.numpy()
+        except (TypeError, RuntimeError):  # quantized: torch's own pickling
+            return NotImplemented
+        if not array.flags.c_contiguous:
+            return _tensor_from_numpy, (array, dtype)
+        # Straight to a PickleBuffer: numpy's reduce of an array costs twice as much.
+        return _tensor_from_buffer, (
+            pickle.PickleBuffer(array),
+            array.dtype.str,
+            array.shape,
+            dtype,
+        )
+    return NotImplemented
+
+
 class _BatchPickler(pickle.Pickler):
-    """Pickles CPU tensors as their raw bytes (one out-of-band buffer under protocol 5) plus
-    dtype and shape; a tensor that is not contiguous goes through numpy's own pickling."""
+    """Pickles CPU tensors as their raw bytes plus dtype and shape (:func:`reduce_tensor`)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-            and not obj.requires_grad
-            and not obj.is_conj()
-            and not obj.is_neg()
-        ):
-            dtype = None
-            if obj.dtype == torch.bfloat16:  # numpy has no bfloat16: move its bits
-                obj, dtype = obj.view(torch.int16), "bfloat16"
-            elif obj.dtype in (torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2):
-                return NotImplemented
-            array = obj.numpy()
-            if not array.flags.c_contiguous:
-                return _tensor_from_numpy, (array, dtype)
-            # Straight to a PickleBuffer: numpy's reduce of an array costs twice as much.
-            return _tensor_from_buffer, (
-                pickle.PickleBuffer(array),
-                array.dtype.str,
-                array.shape,
-                dtype,
-            )
-        return NotImplemented
+        return reduce_tensor(obj)
 
 
 def dumps(obj: Any, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:
