@@ -5,9 +5,10 @@ one field of many samples -> a column (:func:`collate_column`, what the sample s
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +53,19 @@ def _mismatch(items: Sequence[Any], path: str) -> ValueError:
 
 
 def default_collate(items: Sequence[Any]) -> Any:
-    """Stack a list of samples into a batch.
+    """Stack a list of samples into a batch, as ``torch.utils.data.default_collate`` does.
 
-    Tensors are stacked; numpy arrays and numpy scalars become one tensor; Python ints, floats
-    and bools become a 1-D tensor; mappings and tuples/lists are collated field by field;
-    anything else (strings, objects) is returned as a list.
+    Tensors are stacked; numpy arrays and numpy scalars become one tensor; Python numbers
+    become a 1-D tensor, typed by the first item as in torch: a ``float`` first gives float64,
+    an ``int`` first gives ``torch.tensor(items)`` (int64, bool for bools, float32 if floats
+    follow). Items of different dtypes (tensors, numpy arrays, numpy scalars) are promoted by
+    torch's rules, as in torch (not numpy's). Mappings are collated key by key into the
+    mapping's own type (an ``OrderedDict`` stays one; a type that cannot be rebuilt gives a
+    ``dict``); namedtuples, tuples and lists position by position. Anything else (``str``,
+    ``bytes``, numpy strings, objects) is returned as a list.
+
+    One difference from torch: a tuple sample gives a tuple of fields (torch gives a list,
+    "for backwards compatibility"); unpacking and indexing work alike.
 
     Items of different shapes are refused naming the key; :func:`pad_collate` pads them.
 
@@ -95,18 +104,53 @@ def collate_into_slot(items: Sequence[Any]) -> Any:
 
 
 def _collate(items: Sequence[Any], path: str) -> Any:
+    # Dispatch on the first item, in the order of torch's default_collate: numpy scalars
+    # before Python numbers (np.float64 is a float), numpy strings (np.str_ is a str) kept.
     first = items[0]
-    if isinstance(first, (torch.Tensor, np.ndarray, np.generic, bool, int, float)):
+    if isinstance(first, (torch.Tensor, np.ndarray)):
         return _collate_numbers(items, path)
+    if isinstance(first, np.generic) and not isinstance(first, np.character):
+        return _collate_scalars(items)
+    if isinstance(first, float):  # torch: float64, whatever follows
+        return torch.tensor(items, dtype=torch.float64)
+    if isinstance(first, int):  # bools too: torch infers (bool, int64, float32 with floats)
+        return torch.tensor(items)
     if isinstance(first, Mapping):
-        return {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
+        return _collate_mappings(items, path)
     if isinstance(first, (tuple, list)):
         return _collate_sequences(items, path)
     return list(items)
 
 
+def _collate_mappings(items: Sequence[Any], path: str) -> Any:
+    """Mappings, key by key, rebuilt as the first item's type where it can be (torch's way:
+    a mutable mapping is a copy of the first item updated, another one ``type(first)(dict)``),
+    else a dict."""
+    first = items[0]
+    fields = {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
+    if type(first) is dict:
+        return fields
+    try:
+        if isinstance(first, MutableMapping):
+            clone = copy.copy(first)
+            clone.update(fields)
+            return clone
+        return type(first)(fields)
+    except TypeError:  # no copy / update, or no __init__(mapping)
+        return fields
+
+
+def _collate_scalars(items: Sequence[Any]) -> torch.Tensor:
+    """numpy scalars: numpy's array of them, or where their dtypes differ (or Python numbers
+    are mixed in) torch's ``as_tensor``, which promotes as torch's default_collate does."""
+    array = np.asarray(items)
+    if array.dtype != items[0].dtype:
+        return torch.as_tensor(items)
+    return torch.from_numpy(array)
+
+
 def _collate_numbers(items: Sequence[Any], path: str) -> Any:
-    """Tensors, arrays, numpy scalars or Python numbers, stacked into one tensor."""
+    """Tensors or numpy arrays, stacked into one tensor."""
     first = items[0]
     take = _SLOT.active
     # Stack first, and look at the shapes only when stacking fails: comparing every item's
@@ -117,18 +161,17 @@ def _collate_numbers(items: Sequence[Any], path: str) -> Any:
                 with contextlib.suppress(RuntimeError):  # refused there: stacked as usual
                     return torch.stack(list(items), out=out)
             return torch.stack(list(items))
-        if isinstance(first, np.ndarray):
-            if take is not None and (array := _array_out(items, take)) is not None:
-                with contextlib.suppress(TypeError, ValueError):  # e.g. dtypes that differ
-                    return torch.from_numpy(np.stack(items, out=array, casting="no"))
-            return torch.from_numpy(np.stack(items))
+        if take is not None and (array := _array_out(items, take)) is not None:
+            with contextlib.suppress(TypeError, ValueError):  # e.g. dtypes that differ
+                return torch.from_numpy(np.stack(items, out=array, casting="no"))
+        stacked = np.stack(items)
+        if stacked.dtype != first.dtype:  # dtypes differ: torch's promotion, as torch's collate
+            return torch.stack([torch.from_numpy(np.ascontiguousarray(a)) for a in items])
+        return torch.from_numpy(stacked)
     except (RuntimeError, ValueError):
         if len({_shape(x) for x in items}) > 1:
             raise _mismatch(items, path) from None
         raise
-    if isinstance(first, np.generic):
-        return torch.from_numpy(np.asarray(items))
-    return torch.tensor(items)
 
 
 def _tensor_out(items: Sequence[Any], take: Callable[[int], Any]) -> torch.Tensor | None:

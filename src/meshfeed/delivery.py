@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import dataclasses
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections import UserDict
+from collections.abc import Callable, Generator, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 import torch
@@ -54,21 +56,70 @@ _POLL = 0.05  # seconds between checks of a stop flag or a dead thread
 
 
 def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``batch`` with ``fn`` applied to every tensor of nested dicts, lists, tuples and
-    dataclasses (other values are kept as they are)."""
+    """``batch`` with ``fn`` applied to every tensor of nested mappings, sequences and
+    dataclasses, each rebuilt as its own type, as torch's ``pin_memory`` does (other values are
+    kept as they are): a mapping is a copy updated with its values (a ``UserDict``, e.g. a
+    Hugging Face ``BatchEncoding``, a copy with its ``data`` mapped), else ``type(m)(dict)``,
+    else a dict; a namedtuple ``type(t)(*items)``; another tuple (a ``torch.return_types``
+    one, a subclass) ``type(t)(items)``, else a tuple; a list subclass a copy updated, else a
+    list; a dataclass (frozen, or with ``init=False`` fields) a copy with its fields set."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
+    cls = type(batch)
+    if cls is dict:  # the common cases first
         return {k: _map(v, fn) for k, v in batch.items()}
-    if isinstance(batch, list):
+    if cls is list:
         return [_map(v, fn) for v in batch]
+    if cls is tuple:
+        return tuple([_map(v, fn) for v in batch])
+    if isinstance(batch, (str, bytes)):
+        return batch
+    if isinstance(batch, Mapping):
+        return _map_mapping(batch, fn)
     if isinstance(batch, tuple):
         items = [_map(v, fn) for v in batch]
-        return tuple(items) if type(batch) is tuple else type(batch)(*items)  # namedtuples
+        if hasattr(batch, "_fields"):  # namedtuple
+            return cls(*items)
+        try:
+            return cls(items)  # torch.return_types.* (structseq), tuple subclasses
+        except TypeError:
+            return tuple(items)
+    if isinstance(batch, list):
+        items = [_map(v, fn) for v in batch]
+        try:
+            same = copy.copy(batch)
+            same[:] = items
+            return same
+        except TypeError:
+            return items
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # e.g. a store Batch
-        fields = {f.name: _map(getattr(batch, f.name), fn) for f in dataclasses.fields(batch)}
-        return dataclasses.replace(batch, **fields)
+        record = copy.copy(batch)
+        for f in dataclasses.fields(batch):
+            # object.__setattr__: frozen dataclasses too; no __init__: init=False fields too.
+            object.__setattr__(record, f.name, _map(getattr(batch, f.name), fn))
+        return record
     return batch
+
+
+def _map_mapping(batch: Mapping[Any, Any], fn: Callable[[torch.Tensor], Any]) -> Any:
+    """A mapping of :func:`_map`, of its own type where it can be rebuilt, else a dict."""
+    if isinstance(batch, UserDict):
+        try:
+            user = copy.copy(batch)
+            user.data = _map(batch.data, fn)
+            return user
+        except TypeError:
+            return {k: _map(v, fn) for k, v in batch.data.items()}
+    values = {k: _map(v, fn) for k, v in batch.items()}
+    try:
+        if isinstance(batch, MutableMapping):
+            # A copy keeps what the type holds besides its items (a defaultdict's factory).
+            clone = copy.copy(batch)
+            clone.update(values)
+            return clone
+        return type(batch)(values)  # type: ignore[call-arg]
+    except TypeError:  # no copy / update, or no __init__(mapping)
+        return values
 
 
 def pin(batch: Any) -> Any:
@@ -79,7 +130,8 @@ def pin(batch: Any) -> Any:
 
 
 def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
-    """``batch`` with its tensors on ``device`` (nested dicts, lists, tuples)."""
+    """``batch`` with its tensors on ``device`` (nested mappings, sequences and dataclasses,
+    each kept as its own type: :func:`_map`)."""
     return _map(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 
@@ -177,7 +229,14 @@ class Delivery:
             return
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
-        _map(batch, lambda t: t.record_stream(current) if t.is_cuda else None)
+
+        def used(t: torch.Tensor) -> torch.Tensor:
+            # The tensor itself: the structure _map rebuilds (and drops) holds the same values.
+            if t.is_cuda:
+                t.record_stream(current)
+            return t
+
+        _map(batch, used)
 
     def _ahead(
         self, items: Iterator[tuple[Any, T]], stop: threading.Event | None

@@ -12,7 +12,8 @@ a failure; only those items are re-read (failures only: with ``__getitem__``, up
 whole batch call raises does the fetcher fall back to reading item by item with
 ``__getitem__`` (so ``fetch_batch(idx)`` must equal collating ``[ds[i] for i in idx]``), which
 reads the items before the failure a second time; datasets that can fail per item should
-report in place instead.
+report in place instead. A ``fetch_batch`` that raised when every sample then read fine is
+logged once per fetcher (a bug in it would send every batch down that slow path).
 
 A bad sample (it raises, or returns None) is retried up to ``max_retries`` times (None is a
 deterministic rejection and is not retried), then handled by ``on_error``: ``"raise"`` (a
@@ -29,6 +30,7 @@ curriculum (the worker does not hold the eligible pool).
 
 from __future__ import annotations
 
+import logging
 import time
 import traceback
 from collections.abc import Callable
@@ -42,6 +44,8 @@ from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import BatchSource, ItemsSource, PostProcess
 from meshfeed.rng import FetchInfo, fetching
 from meshfeed.tasks import FetchEvents, FetchTask
+
+logger = logging.getLogger("meshfeed")
 
 _SUBSTITUTE_OP = 0x5B57
 # A filter that rejects a fraction f of the items fails all k substitutes with probability f**k
@@ -108,6 +112,7 @@ class Fetcher:
         )
         self.worker_id = 0
         self.num_workers = 0
+        self._warned_fallback = False  # a fetch_batch that raised on healthy samples, logged
 
     # ------------------------------------------------------------------ public
     def __call__(self, task: FetchTask) -> tuple[Any, FetchEvents]:
@@ -145,13 +150,31 @@ class Fetcher:
         return self._fetch_getitems(task, events)
 
     def _fetch_batch(self, task: FetchTask, events: FetchEvents) -> Any:
-        """One ``fetch_batch`` call; if it raises, every sample is read again one by one."""
+        """One ``fetch_batch`` call; if it raises, every sample is read again one by one.
+
+        ``fetch_batch`` gets an array of its own (a copy: a few hundred int64s), writable in
+        every process: editing it in place changes neither the loader's indices nor those the
+        one-by-one reading uses."""
         try:
-            return self.dataset.fetch_batch(task.indices)
+            return self.dataset.fetch_batch(task.indices.copy())
         except NEVER_SUBSTITUTED:
             raise
-        except Exception:
-            return self._repair(task, [_UNREAD] * len(task.indices), events)
+        except Exception as exc:
+            batch = self._repair(task, [_UNREAD] * len(task.indices), events)
+            if not events and not self._warned_fallback:  # every sample read fine
+                self._warned_fallback = True
+                logger.warning(
+                    "%s.fetch_batch raised %s: %s; the batch's %d samples were then read one by "
+                    "one through __getitem__, and all of them read fine. A bug in fetch_batch "
+                    "makes every batch take this slow path (this warning is logged once per "
+                    "fetcher: the loader's, or each worker process's)",
+                    type(self.dataset).__name__,
+                    type(exc).__name__,
+                    exc,
+                    len(task.indices),
+                    exc_info=exc,
+                )
+            return batch
 
     def _fetch_getitem(self, task: FetchTask, events: FetchEvents) -> Any:
         """``dataset[i]`` for each index, in order, until one raises."""

@@ -32,11 +32,13 @@ class FetchTask:
 
 
 def _task(epoch: int, step: int, indices: bytes, positions: bytes) -> FetchTask:
+    # Over a bytearray (a copy: a few hundred int64s): writable arrays, as in-process, where a
+    # fetch_batch gets an ordinary array; over the bytes themselves they would be read-only.
     return FetchTask(
         epoch,
         step,
-        np.frombuffer(indices, dtype=np.int64),
-        np.frombuffer(positions, dtype=np.int64),
+        np.frombuffer(bytearray(indices), dtype=np.int64),
+        np.frombuffer(bytearray(positions), dtype=np.int64),
     )
 
 
