@@ -42,7 +42,7 @@ from meshfeed.errors import NEVER_SUBSTITUTED
 from meshfeed.options import OnError
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import BatchSource, ItemsSource, PostProcess
-from meshfeed.rng import FetchInfo, fetching
+from meshfeed.rng import fetching
 from meshfeed.tasks import FetchEvents, FetchTask
 
 logger = logging.getLogger("meshfeed")
@@ -116,13 +116,8 @@ class Fetcher:
 
     # ------------------------------------------------------------------ public
     def __call__(self, task: FetchTask) -> tuple[Any, FetchEvents]:
-        info = FetchInfo(
-            seed=self.seed,
-            epoch=task.epoch,
-            step=task.step,
-            worker_id=self.worker_id,
-            num_workers=self.num_workers,
-        )
+        # fetch_info()'s fields: made into a FetchInfo only where the dataset asks for it
+        info = (self.seed, task.epoch, task.step, self.worker_id, self.num_workers)
         events = FetchEvents()
         start = time.perf_counter()
         with fetching(info):
