@@ -207,6 +207,27 @@ def test_pin_memory_delivers_pinned_batches(num_workers):
     assert all(torch.equal(a, b) for a, b in zip(batches, plain, strict=True))
 
 
+class _Custom:
+    """A custom batch type with torch's hook for pinning it: its own ``pin_memory()``."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def pin_memory(self) -> _Custom:
+        return _Custom(self.x.pin_memory())
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_pin_memory_pins_a_custom_batch_type_by_its_own_method(num_workers):
+    data = np.arange(64, dtype=np.float32).reshape(32, 2)
+    loader = DataLoader(
+        data, batch_size=4, pin_memory=True, num_workers=num_workers, seed=0,
+        collate_fn=lambda rows: _Custom(torch.as_tensor(np.stack(rows))),
+    )  # fmt: skip
+    batches = list(loader)
+    assert batches and all(type(b) is _Custom and b.x.is_pinned() for b in batches)
+
+
 def test_stream_loader_pin_memory_delivers_pinned_batches():
     batches = list(StreamLoader(_stream(), batch_size=4, seed=1, pin_memory=True))
     assert batches and all(b.is_pinned() for b in batches)

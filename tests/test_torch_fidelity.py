@@ -292,6 +292,26 @@ def test_map_moves_the_tensors_inside_a_userdict_and_keeps_its_attributes():
     assert enc["x"].tolist() == [1.0, 1.0]  # the original is not changed
 
 
+class OwnPin:
+    """A custom batch type with torch's documented hook: its own ``pin_memory()``."""
+
+    def __init__(self, x: torch.Tensor, pinned: bool = False) -> None:
+        self.x, self.pinned = x, pinned
+
+    def pin_memory(self) -> OwnPin:
+        return OwnPin(self.x, pinned=True)
+
+
+def test_pin_calls_a_custom_batch_types_own_pin_memory(monkeypatch):
+    """As torch's DataLoader: an object pin cannot look inside is pinned by its own method,
+    at any depth (with CUDA; here its availability is faked and no tensor is in the batch)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = pin({"a": OwnPin(torch.ones(1)), "b": [OwnPin(torch.ones(1)), "text", 3]})
+    assert out["a"].pinned and out["b"][0].pinned and out["b"][1:] == ["text", 3]
+    assert pin(OwnPin(torch.ones(1))).pinned
+    assert pin(OwnPin).__name__ == "OwnPin"  # a class is not called
+
+
 # ---------------------------------------------------------------------- fetch_batch's indices
 class Offset:
     """fetch_batch shifts ``indices`` in place; __getitem__ (the fallback) gives -1."""

@@ -55,7 +55,9 @@ T = TypeVar("T")
 _POLL = 0.05  # seconds between checks of a stop flag or a dead thread
 
 
-def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def _map(
+    batch: Any, fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] | None = None
+) -> Any:
     """``batch`` with ``fn`` applied to every tensor of nested mappings, sequences and
     dataclasses, each rebuilt as its own type, as torch's ``pin_memory`` does (other values are
     kept as they are): a mapping is a copy updated with its values (a ``UserDict``, e.g. a
@@ -67,17 +69,17 @@ def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(batch)
     cls = type(batch)
     if cls is dict:  # the common cases first
-        return {k: _map(v, fn) for k, v in batch.items()}
+        return {k: _map(v, fn, other) for k, v in batch.items()}
     if cls is list:
-        return [_map(v, fn) for v in batch]
+        return [_map(v, fn, other) for v in batch]
     if cls is tuple:
-        return tuple([_map(v, fn) for v in batch])
+        return tuple([_map(v, fn, other) for v in batch])
     if isinstance(batch, (str, bytes)):
         return batch
     if isinstance(batch, Mapping):
-        return _map_mapping(batch, fn)
+        return _map_mapping(batch, fn, other)
     if isinstance(batch, tuple):
-        items = [_map(v, fn) for v in batch]
+        items = [_map(v, fn, other) for v in batch]
         if hasattr(batch, "_fields"):  # namedtuple
             return cls(*items)
         try:
@@ -85,7 +87,7 @@ def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         except TypeError:
             return tuple(items)
     if isinstance(batch, list):
-        items = [_map(v, fn) for v in batch]
+        items = [_map(v, fn, other) for v in batch]
         try:
             same = copy.copy(batch)
             same[:] = items
@@ -96,21 +98,23 @@ def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         record = copy.copy(batch)
         for f in dataclasses.fields(batch):
             # object.__setattr__: frozen dataclasses too; no __init__: init=False fields too.
-            object.__setattr__(record, f.name, _map(getattr(batch, f.name), fn))
+            object.__setattr__(record, f.name, _map(getattr(batch, f.name), fn, other))
         return record
-    return batch
+    return batch if other is None else other(batch)
 
 
-def _map_mapping(batch: Mapping[Any, Any], fn: Callable[[torch.Tensor], Any]) -> Any:
+def _map_mapping(
+    batch: Mapping[Any, Any], fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] | None
+) -> Any:
     """A mapping of :func:`_map`, of its own type where it can be rebuilt, else a dict."""
     if isinstance(batch, UserDict):
         try:
             user = copy.copy(batch)
-            user.data = _map(batch.data, fn)
+            user.data = _map(batch.data, fn, other)
             return user
         except TypeError:
-            return {k: _map(v, fn) for k, v in batch.data.items()}
-    values = {k: _map(v, fn) for k, v in batch.items()}
+            return {k: _map(v, fn, other) for k, v in batch.data.items()}
+    values = {k: _map(v, fn, other) for k, v in batch.items()}
     try:
         if isinstance(batch, MutableMapping):
             # A copy keeps what the type holds besides its items (a defaultdict's factory).
@@ -123,10 +127,18 @@ def _map_mapping(batch: Mapping[Any, Any], fn: Callable[[torch.Tensor], Any]) ->
 
 
 def pin(batch: Any) -> Any:
-    """``batch`` with its tensors in pinned memory (unchanged without CUDA)."""
+    """``batch`` with its tensors in pinned memory (unchanged without CUDA); an object of
+    another type that has a ``pin_memory()`` method is replaced by what it returns, as torch's
+    DataLoader does (its documented hook for custom batch types)."""
     if not torch.cuda.is_available():
         return batch
-    return _map(batch, lambda t: t if t.is_pinned() else t.pin_memory())
+    return _map(batch, lambda t: t if t.is_pinned() else t.pin_memory(), _own_pin)
+
+
+def _own_pin(value: Any) -> Any:
+    """A custom batch type's own ``pin_memory()``, where it has one (else ``value``)."""
+    method = getattr(value, "pin_memory", None)
+    return method() if callable(method) and not isinstance(value, type) else value
 
 
 def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
