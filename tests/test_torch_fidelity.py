@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import pickle
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -436,3 +436,97 @@ def test_each_worker_logs_a_raising_fetch_batch_once(tmp_path):
     assert sorted(v for b in batches for v in b.tolist()) == list(range(40))
     lines = [line for line in path.read_text().splitlines() if "fetch_batch raised" in line]
     assert 1 <= len(lines) <= 2, lines  # ten batches, once per worker
+
+
+# ---------------------------------------------------------------------- review of the above
+
+
+@pytest.mark.parametrize(
+    "dtypes", [(np.uint16, np.int64), (np.uint16, np.int32), (np.uint32, np.int64)]
+)
+def test_unsigned_arrays_mixed_with_signed_ones_collate_as_numpy_promotes(dtypes):
+    """torch promotes no uint16/32/64 (its collate raises); meshfeed keeps numpy's promotion
+    there, as it did before collation followed torch's promotion elsewhere."""
+    items = [np.arange(3, dtype=dtypes[0]), np.arange(3, dtype=dtypes[1])]
+    out = default_collate(items)
+    assert out.dtype == torch.from_numpy(np.stack(items)).dtype
+    assert out.tolist() == [[0, 1, 2], [0, 1, 2]]
+
+
+class Wrapped(MutableMapping):
+    """A mutable mapping over a dict of its own (a copy.copy would share that dict)."""
+
+    def __init__(self, data: dict | None = None) -> None:
+        self._d = dict(data or {})
+
+    def __getitem__(self, k: Any) -> Any:
+        return self._d[k]
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        self._d[k] = v
+
+    def __delitem__(self, k: Any) -> None:
+        del self._d[k]
+
+    def __iter__(self) -> Any:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def test_collating_or_moving_a_mapping_never_changes_the_sample():
+    samples = [Wrapped({"x": torch.full((2,), float(i))}) for i in range(3)]
+    out = default_collate(samples)
+    assert type(out) is Wrapped and out["x"].shape == (3, 2)
+    assert samples[0]["x"].shape == (2,)  # the batch was written into sample 0 before
+    moved = to_device(out, torch.device("cpu"))
+    assert type(moved) is Wrapped and moved is not out and moved["x"] is not None
+    seen: list[torch.Tensor] = []
+    _map(out, lambda t: seen.append(t) or t.clone())
+    assert out["x"] is seen[0]  # the batch itself keeps its tensor
+
+
+@dataclasses.dataclass
+class Derived:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attention_mask = self.input_ids != 0
+
+
+@dataclasses.dataclass
+class WithPost:
+    input_ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.attention_mask = self.input_ids != 0  # derived, not a field
+
+
+def test_a_dataclass_moved_by_device_runs_its_post_init_again_where_it_can():
+    """All fields init=True: __init__ and __post_init__ run again (derived values follow the
+    moved ones), as dataclasses.replace did before; init=False fields are set on a copy."""
+    batch = WithPost(torch.tensor([1, 0, 2]))
+    moved = _map(batch, lambda t: t.to(torch.float64))
+    assert (
+        moved.input_ids.dtype == torch.float64 and moved.attention_mask is not batch.attention_mask
+    )
+    assert moved.attention_mask.tolist() == [True, False, True]
+    derived = _map(Derived(torch.tensor([1, 0, 2])), lambda t: t.to(torch.float32))
+    assert derived.input_ids.dtype == torch.float32
+    assert derived.attention_mask.dtype == torch.float32
+
+
+@dataclasses.dataclass
+class OwnPinRecord:
+    x: torch.Tensor
+    pinned: bool = False
+
+    def pin_memory(self) -> OwnPinRecord:
+        return OwnPinRecord(self.x, pinned=True)
+
+
+def test_pin_calls_a_dataclass_batchs_own_pin_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pin([OwnPinRecord(torch.ones(1))])[0].pinned

@@ -8,7 +8,8 @@ import contextlib
 import copy
 import os
 import threading
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections import UserDict, defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,21 +124,35 @@ def _collate(items: Sequence[Any], path: str) -> Any:
 
 
 def _collate_mappings(items: Sequence[Any], path: str) -> Any:
-    """Mappings, key by key, rebuilt as the first item's type where it can be (torch's way:
-    a mutable mapping is a copy of the first item updated, another one ``type(first)(dict)``),
-    else a dict."""
+    """Mappings, key by key, rebuilt as the first item's type where it can be (as torch's
+    collate; :func:`rebuild_mapping`), else a dict."""
     first = items[0]
     fields = {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
-    if type(first) is dict:
-        return fields
+    return rebuild_mapping(first, fields)
+
+
+def rebuild_mapping(like: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    """``values`` as a mapping of ``like``'s type where that is safe, else a dict: a
+    ``defaultdict`` with ``like``'s factory, a ``UserDict`` (e.g. Hugging Face's
+    ``BatchEncoding``) a copy of it holding ``values`` (its other attributes kept), a dict
+    subclass a copy updated, another type ``type(like)(values)``. ``like`` itself is never changed: torch's copy-and-update
+    writes the batch into a mapping that shares its dict with the copy."""
+    if type(like) is dict:
+        return values
     try:
-        if isinstance(first, MutableMapping):
-            clone = copy.copy(first)
-            clone.update(fields)
+        if isinstance(like, defaultdict):
+            return type(like)(like.default_factory, values)
+        if isinstance(like, UserDict):
+            clone = copy.copy(like)  # UserDict.__copy__ copies its data: nothing shared
+            clone.data = values
             return clone
-        return type(first)(fields)
-    except TypeError:  # no copy / update, or no __init__(mapping)
-        return fields
+        if isinstance(like, dict):  # a copy of a dict subclass is a dict of its own
+            copied = copy.copy(like)
+            copied.update(values)
+            return copied
+        return type(like)(values)  # type: ignore[call-arg]
+    except TypeError:  # no __init__(mapping)
+        return values
 
 
 def _collate_scalars(items: Sequence[Any]) -> torch.Tensor:
@@ -166,7 +181,8 @@ def _collate_numbers(items: Sequence[Any], path: str) -> Any:
                 return torch.from_numpy(np.stack(items, out=array, casting="no"))
         stacked = np.stack(items)
         if stacked.dtype != first.dtype:  # dtypes differ: torch's promotion, as torch's collate
-            return torch.stack([torch.from_numpy(np.ascontiguousarray(a)) for a in items])
+            with contextlib.suppress(RuntimeError):  # torch promotes no uint16/32/64: numpy's
+                return torch.stack([torch.from_numpy(np.ascontiguousarray(a)) for a in items])
         return torch.from_numpy(stacked)
     except (RuntimeError, ValueError):
         if len({_shape(x) for x in items}) > 1:

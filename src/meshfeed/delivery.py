@@ -40,12 +40,12 @@ import queue
 import threading
 import time
 import weakref
-from collections import UserDict
-from collections.abc import Callable, Generator, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
 
+from meshfeed.collate import rebuild_mapping
 from meshfeed.telemetry import Telemetry
 
 __all__ = ["EXIT_WAIT", "Delivery", "check_device", "pin", "stop_at_exit", "take_from", "to_device"]
@@ -95,10 +95,15 @@ def _map(
         except TypeError:
             return items
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # e.g. a store Batch
-        record = copy.copy(batch)
-        for f in dataclasses.fields(batch):
-            # object.__setattr__: frozen dataclasses too; no __init__: init=False fields too.
-            object.__setattr__(record, f.name, _map(getattr(batch, f.name), fn, other))
+        if other is not None and (own := other(batch)) is not batch:
+            return own  # its own hook (a pin_memory() method), as torch calls it
+        fields = dataclasses.fields(batch)
+        mapped = {f.name: _map(getattr(batch, f.name), fn, other) for f in fields}
+        if all(f.init for f in fields):  # __init__ (and __post_init__) run again, as before
+            return dataclasses.replace(batch, **mapped)
+        record = copy.copy(batch)  # init=False fields: set on a copy (frozen ones too)
+        for name, value in mapped.items():
+            object.__setattr__(record, name, value)
         return record
     return batch if other is None else other(batch)
 
@@ -106,24 +111,9 @@ def _map(
 def _map_mapping(
     batch: Mapping[Any, Any], fn: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] | None
 ) -> Any:
-    """A mapping of :func:`_map`, of its own type where it can be rebuilt, else a dict."""
-    if isinstance(batch, UserDict):
-        try:
-            user = copy.copy(batch)
-            user.data = _map(batch.data, fn, other)
-            return user
-        except TypeError:
-            return {k: _map(v, fn, other) for k, v in batch.data.items()}
-    values = {k: _map(v, fn, other) for k, v in batch.items()}
-    try:
-        if isinstance(batch, MutableMapping):
-            # A copy keeps what the type holds besides its items (a defaultdict's factory).
-            clone = copy.copy(batch)
-            clone.update(values)
-            return clone
-        return type(batch)(values)  # type: ignore[call-arg]
-    except TypeError:  # no copy / update, or no __init__(mapping)
-        return values
+    """A mapping of :func:`_map`, of its own type where it can be rebuilt safely, else a dict
+    (:func:`~meshfeed.collate.rebuild_mapping`: ``batch`` itself is never changed)."""
+    return rebuild_mapping(batch, {k: _map(v, fn, other) for k, v in batch.items()})
 
 
 def pin(batch: Any) -> Any:

@@ -145,3 +145,39 @@ def test_a_create_whose_reply_was_lost_is_the_writers_own_on_retry(s3: S3, tmp_p
     assert s3.client.get_object(Bucket=s3.bucket, Key="taken/shard-00000.mfs")["Body"].read() == (
         b"another writer's bytes"
     )
+
+
+def test_a_refused_create_whose_reply_names_no_condition_keeps_the_winners_objects(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server may answer the refused create with 412 without naming the condition (s3fs
+    then raises OSError(EINVAL), not FileExistsError): still another writer's object, and
+    the loser removes none of the winner's objects, only its own."""
+    import s3fs.core
+    import s3fs.errors
+
+    real = s3fs.errors.translate_boto_error
+
+    def translate(error: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = getattr(error, "response", None)
+        if reply is not None and reply.get("Error", {}).get("Code") == "PreconditionFailed":
+            reply["Error"].pop("Condition", None)
+        return real(error, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core, "translate_boto_error", translate)
+    url = s3.url("ds")
+    write_shards(
+        iter(range(7)), url, rows_per_shard=3, cache_dir=tmp_path / "w1", storage_options=s3.options
+    )
+    winner = _keys(s3, "ds/")
+    s3.client.delete_object(Bucket=s3.bucket, Key="ds/index.json")  # the loser sees no dataset
+    monkeypatch.setattr("meshfeed.storage.output.Upload.holds_anything", lambda self, url: False)
+    with pytest.raises(FileExistsError, match="another writer claimed"):
+        write_shards(
+            iter(range(100, 107)),
+            url,
+            rows_per_shard=3,
+            cache_dir=tmp_path / "w2",
+            storage_options=s3.options,
+        )
+    assert _keys(s3, "ds/") == winner - {"ds/index.json"}

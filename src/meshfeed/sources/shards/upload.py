@@ -92,6 +92,8 @@ def write_to_url(
             publish(upload.staging / INDEX_NAME, shard=False)  # no shard: claims the prefix
         except BaseException:
             for done in published:  # no index names them: leave nothing behind
+                if fresh and not _ours(upload, done, writer):
+                    continue  # another writer's object (a create refused in a way not told)
                 with contextlib.suppress(Exception):
                     upload.remove(done)
             raise
@@ -117,16 +119,16 @@ def _create(upload: Upload, local: Path, url: str, writer: str) -> None:
     def put() -> bool:
         try:
             fs.put_file(os.fspath(local), path, mode="create", Metadata={_WRITER: writer})
-        except FileExistsError:
-            # An earlier try of this very put may have landed with its reply lost: the
-            # object then carries this write's mark, and is this write's.
+        except OSError as e:
+            if not isinstance(e, FileExistsError) and not _precondition_failed(e):
+                if e.errno == errno.ENOSYS:  # s3fs's 501 Not Implemented: no conditional PUT
+                    return False
+                raise
+            # An object is there. An earlier try of this very put may have landed with its
+            # reply lost: the object then carries this write's mark, and is this write's.
             fs.invalidate_cache(path)
             if _mark(fs, path) != writer:
-                raise
-        except OSError as e:
-            if e.errno == errno.ENOSYS:  # s3fs's 501 Not Implemented: no conditional PUT
-                return False
-            raise
+                raise FileExistsError(errno.EEXIST, f"{url} exists", url) from e
         except Exception as e:  # a client too old for IfNoneMatch refuses the parameter
             if type(e).__name__ == "ParamValidationError" and "IfNoneMatch" in str(e):
                 return False
@@ -146,12 +148,46 @@ def _create(upload: Upload, local: Path, url: str, writer: str) -> None:
     upload.cache.adopt(url, local)
 
 
+def _precondition_failed(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is the server's 412 Precondition Failed: s3fs
+    tells ``FileExistsError`` only where the reply names the condition."""
+    seen: BaseException | None = error
+    while seen is not None:
+        reply = getattr(seen, "response", None)
+        if isinstance(reply, dict):
+            code = reply.get("Error", {}).get("Code")
+            status = reply.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _ours(upload: Upload, url: str, writer: str) -> bool:
+    """Whether the object at ``url`` is this write's to remove: it carries ``writer``'s mark,
+    or none is there. One that cannot be read, or without the mark, is kept."""
+    fs, path = filesystem(url, upload.cache.storage_options)
+    fs.invalidate_cache(path)
+    try:
+        meta = fs.metadata(path)
+    except FileNotFoundError:
+        return True
+    except Exception:
+        return False
+    return _marked(meta) == writer
+
+
 def _mark(fs: Any, path: str) -> str | None:
     """The writer id in the metadata of the object at ``path`` (None: none, or unreadable)."""
     try:
         meta = fs.metadata(path)
     except Exception:  # gone again, or no metadata call: not this write's
         return None
+    return _marked(meta)
+
+
+def _marked(meta: Any) -> str | None:
+    """The writer id in an object's user metadata, if any."""
     return {str(k).lower(): v for k, v in (meta or {}).items()}.get(_WRITER)
 
 
