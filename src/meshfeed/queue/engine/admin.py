@@ -40,7 +40,7 @@ class StoreAdmin:
 
         def _partition(self, name: str) -> Partition: ...
         def _evict(self, part: Partition, keys: list[Key]) -> None: ...
-        def _dropped(self, n: int) -> None: ...
+        def _dropped(self, n: int, part: Partition | None = None) -> None: ...
         def expire_leases(self, now: float) -> int: ...
 
     def replan(
@@ -84,10 +84,13 @@ class StoreAdmin:
                 f"partition {partition!r} holds no samples {missing[:10]}; delete ids that "
                 "exist (a sample dropped after all tasks consumed it is already gone)"
             )
-        self._dropped(remove(part, list(dict.fromkeys(ids))))
+        self._dropped(remove(part, list(dict.fromkeys(ids))), part)
 
     def close(self, partition: str) -> None:
-        self._partition(partition).closed = True
+        part = self._partition(partition)
+        part.closed = True
+        if not part.samples:  # drained before it was closed: free its emptied tables
+            part.shrink()
 
     def stats(self, waiters: Waiters | None = None) -> dict[str, Any]:
         """The store's counts (``SampleStore.stats``); ``waiters``: the backend's blocked calls."""

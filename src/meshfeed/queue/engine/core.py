@@ -380,7 +380,7 @@ class StoreCore(StoreAdmin):
             self._lease(part, request, ids, alive, now)
         versions = _vs(part, ids, request.version_of)  # before they go
         if drop:  # fast path: nothing else keeps them, so they go without eviction checks
-            self._dropped(forget(part, every))
+            self._dropped(forget(part, every), part)
         else:
             if share is None:  # a plan's samples stay pinned until the plan goes
                 self._evict(part, every)
@@ -515,11 +515,15 @@ class StoreCore(StoreAdmin):
 
     def _evict(self, part: Partition, keys: list[Key]) -> None:
         if keys:
-            self._dropped(evict(part, keys, self.options.tasks))
+            self._dropped(evict(part, keys, self.options.tasks), part)
 
-    def _dropped(self, n: int) -> None:
+    def _dropped(self, n: int, part: Partition | None = None) -> None:
+        """``n`` samples left the store (of ``part``: a closed partition left empty frees
+        its emptied tables, :meth:`Partition.shrink`, so drained partitions stay small)."""
         self.held -= n
         self.dropped += n
+        if n and part is not None and part.closed and not part.samples:
+            part.shrink()
 
 
 def _select(part: Partition, request: GetRequest, need: tuple[str, ...]) -> Any:

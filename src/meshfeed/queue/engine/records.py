@@ -348,6 +348,23 @@ class Partition:
                 self._consumed[t] = lazy.consumed_keys()
                 self._lazy -= 1
 
+    def shrink(self) -> None:
+        """Free the tables of this partition's emptied per-sample containers: a Python dict
+        or set keeps the table it grew to as its keys go (``pop``, ``difference_update``), so
+        a drained partition would keep ~100 bytes per sample it ever held. ``clear()`` on an
+        empty container frees its table and changes nothing else (same object, still empty),
+        so this is safe at any time; the core calls it when eviction empties a closed
+        partition (nothing can be put to it again, so the tables never regrow)."""
+        book = self.book
+        containers: list[Any] = [self.samples, self._pinned, self.held, self.leased, self.cache]
+        containers += self._pending.values()
+        containers += self._consumed.values()
+        if book is not None:
+            containers += [book.versions, book.group_of, book.members, *book.kept.values()]
+        for c in containers:
+            if not c and type(c) is not Ranges:
+                c.clear()
+
     def sample(self, key: Key) -> Sample:
         """The record of ``key`` to change: a sample stored with its :class:`Run` gets a
         :class:`Sample` of its own first."""
