@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -99,3 +102,15 @@ def test_the_default_readers_rows_read_by_offset_asked_twice_are_two_objects(tmp
         f.writelines(json.dumps({"i": i, "pad": pad, "l": []}) + "\n" for i in range(400))
     rows = DefaultReader().take(path, np.array([399, 0, 399]))
     assert [r["i"] for r in rows] == [399, 0, 399] and rows[0] is not rows[2]
+
+
+def _uncopyable_reader(shard: Any, start: int, stop: int | None) -> Iterator[Any]:
+    for i in range(start, 10 if stop is None else stop):
+        yield {"i": i, "lock": threading.Lock()}  # a lock cannot be deep-copied
+
+
+def test_a_row_asked_twice_that_cannot_be_copied_is_handed_out_as_it_is():
+    """Before rows were copied, a row asked twice was served twice as one object: one that
+    cannot be deep-copied still is, rather than failing the batch."""
+    rows = RowCursor(_uncopyable_reader, "s").take(np.array([3, 1, 3]))
+    assert [r["i"] for r in rows] == [3, 1, 3] and rows[0] is rows[2]

@@ -446,7 +446,8 @@ class RowCursor:
     A kept row is handed out once: asked for again (a later epoch, a retry) it is read again,
     as a new call of the shard would give it, so an in-place edit of a row handed out (a
     ``map``, a ``collate_fn``) never reaches a later read. A row asked for twice in one call
-    is handed out once and a ``copy.deepcopy`` of it made before either leaves.
+    is handed out once and a ``copy.deepcopy`` of it made before either leaves (a row that
+    cannot be deep-copied is handed out twice as it is).
 
     ``seeks``: the reader opens a shard at any row cheaply (its contract), so a span further
     on is opened there; without it (a callable shard, read from its start) the kept iterator
@@ -494,6 +495,15 @@ class RowCursor:
 _GIVEN: Any = object()  # in RowCursor.span: a row handed out already
 
 
+def _copy(row: Any) -> Any:
+    """A deep copy of ``row``; a row that cannot be copied (it holds a generator, a lock, ...)
+    is handed out again as it is, as it was before rows were copied."""
+    try:
+        return copy.deepcopy(row)
+    except Exception:
+        return row
+
+
 def _hand_out(wanted: list[int], lo: int, span: list[Any], lo0: int, kept: list[Any]) -> list[Any]:
     """Rows ``wanted`` from ``span`` (rows from ``lo``), else from ``kept`` (rows from
     ``lo0``, none of the wanted ones handed out), each marked handed out; a row wanted twice
@@ -508,7 +518,7 @@ def _hand_out(wanted: list[int], lo: int, span: list[Any], lo0: int, kept: list[
             held, i = kept, r - lo0
         row = held[i]
         if row is _GIVEN:  # asked twice in this call
-            row = copy.deepcopy(out[wanted.index(r)])
+            row = _copy(out[wanted.index(r)])
         else:
             held[i] = _GIVEN
         append(row)
