@@ -21,7 +21,9 @@ def _rows(index: Path | str) -> list[Any]:
     return [int(row) for path in reader.shards for row in reader(path)]
 
 
-def _race(out: Path, rows: int = 7) -> dict[int, BaseException | Path | str]:
+def _race(
+    out: Path, rows: int = 7, overwrite: bool = False
+) -> dict[int, BaseException | Path | str]:
     both_checked = threading.Barrier(2, timeout=10)
     result: dict[int, BaseException | Path | str] = {}
 
@@ -31,7 +33,7 @@ def _race(out: Path, rows: int = 7) -> dict[int, BaseException | Path | str]:
             yield from range(k * 1000, k * 1000 + rows)
 
         try:
-            result[k] = write_shards(samples(), out, rows_per_shard=3)
+            result[k] = write_shards(samples(), out, rows_per_shard=3, overwrite=overwrite)
         except BaseException as e:
             result[k] = e
 
@@ -71,3 +73,20 @@ def test_a_writer_killed_mid_way_does_not_block_a_later_write(tmp_path: Path) ->
     (killed / "shard-00000.mfs").write_bytes(b"half a shard")
     index = write_shards(range(4), out, rows_per_shard=3)
     assert _rows(index) == [0, 1, 2, 3]
+
+
+def test_a_writer_that_asked_to_overwrite_and_lost_the_race_is_told_to_write_again(
+    tmp_path: Path,
+) -> None:
+    """Both passed overwrite=True to a new folder: the loser's advice is not "pass
+    overwrite=True" (it did), but to write again, which now replaces the winner's dataset."""
+    out = tmp_path / "ds"
+    result = _race(out, overwrite=True)
+    lost = [r for r in result.values() if isinstance(r, BaseException)]
+    assert len(lost) == 1 and isinstance(lost[0], FileExistsError)
+    assert "write again (overwrite=True now replaces the shard dataset there)" in str(lost[0])
+    assert "pass overwrite=True" not in str(lost[0])
+    k = next(k for k, r in result.items() if not isinstance(r, BaseException))
+    assert _rows(out / "index.json") == list(range(k * 1000, k * 1000 + 7))
+    write_shards(range(3), out, rows_per_shard=3, overwrite=True)  # the advice works
+    assert _rows(out / "index.json") == [0, 1, 2]

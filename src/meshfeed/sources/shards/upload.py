@@ -82,8 +82,8 @@ def write_to_url(
                 raise FileExistsError(
                     errno.EEXIST,
                     f"another writer claimed {url} while this one was writing ({target} "
-                    "appeared there); nothing of this write was kept: write to another "
-                    "prefix, or pass overwrite=True to replace the shard dataset now there",
+                    f"appeared there); nothing of this write was kept: "
+                    + lost_fix(overwrite, "prefix"),
                     target,
                 ) from e
 
@@ -100,6 +100,18 @@ def write_to_url(
         for name in old:  # no index names them any more
             upload.remove(f"{url}/{name}")
     return index_url
+
+
+def lost_fix(overwrite: bool, where: str) -> str:
+    """What a writer that lost the race to a new folder or prefix (``where``) can do."""
+    if overwrite:  # it asked to replace: the dataset there now is what a new try replaces
+        return (
+            f"write again (overwrite=True now replaces the shard dataset there), or to another "
+            f"{where}"
+        )
+    return (
+        f"write to another {where}, or pass overwrite=True to replace the shard dataset now there"
+    )
 
 
 def _create(upload: Upload, local: Path, url: str, writer: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 from meshfeed.errors import SourceError
 from meshfeed.sources.shards.encode import Options, encode_dataset, fsync_dir, zstd_level
 from meshfeed.sources.shards.format import INDEX_NAME, read_index
-from meshfeed.sources.shards.upload import write_to_url
+from meshfeed.sources.shards.upload import lost_fix, write_to_url
 from meshfeed.storage import StorageOptions, local_path_of
 from meshfeed.storage.output import Upload, upload_target
 
@@ -89,7 +89,7 @@ def replaced_files(out: str | os.PathLike[str]) -> list[str]:
     return [*index.files, INDEX_NAME]
 
 
-def _install(tmp: Path, out: Path) -> None:
+def _install(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished ``tmp`` into ``out`` (absent or an empty directory): the atomic
     claim on ``out``. A writer that lost the race to ``out`` raises ``FileExistsError``."""
     try:
@@ -100,8 +100,8 @@ def _install(tmp: Path, out: Path) -> None:
         raise FileExistsError(
             errno.EEXIST,
             f"another writer claimed {out} while this one was writing (it is no longer an "
-            "absent or empty directory); nothing of this write was kept: write to another "
-            "folder, or pass overwrite=True to replace the shard dataset now there",
+            f"absent or empty directory); nothing of this write was kept: "
+            + lost_fix(overwrite, "folder"),
             str(out),
         ) from e
     fsync_dir(out.parent)
@@ -210,7 +210,7 @@ def write_shards(
     try:
         encode_dataset(samples, tmp, options, None)
         if old is None:
-            _install(tmp, out)
+            _install(tmp, out, overwrite)
         else:
             _replace(tmp, out, old)
     except BaseException:
