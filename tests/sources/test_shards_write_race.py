@@ -7,7 +7,7 @@ wait on a barrier that only opens once both writers iterate them, i.e. after the
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,18 @@ def _rows(index: Path | str) -> list[Any]:
     return [int(row) for path in reader.shards for row in reader(path)]
 
 
-def _race(
-    out: Path, rows: int = 7, overwrite: bool = False
-) -> dict[int, BaseException | Path | str]:
+def race(
+    out: Path | str,
+    *,
+    rows: int = 7,
+    overwrite: bool = False,
+    options: Callable[[int], dict[str, Any]] = lambda k: {},
+) -> dict[int, Any]:
+    """Writers 1 and 2 each write ``rows`` samples (``k * 1000 + i``) to ``out`` at once,
+    both past the first check before either installs; each one's result or error, by ``k``.
+    ``options(k)``: writer ``k``'s other keywords (its cache, its storage options)."""
     both_checked = threading.Barrier(2, timeout=10)
-    result: dict[int, BaseException | Path | str] = {}
+    result: dict[int, Any] = {}
 
     def writer(k: int) -> None:
         def samples() -> Iterator[int]:
@@ -33,7 +40,9 @@ def _race(
             yield from range(k * 1000, k * 1000 + rows)
 
         try:
-            result[k] = write_shards(samples(), out, rows_per_shard=3, overwrite=overwrite)
+            result[k] = write_shards(
+                samples(), out, rows_per_shard=3, overwrite=overwrite, **options(k)
+            )
         except BaseException as e:
             result[k] = e
 
@@ -53,7 +62,7 @@ def test_two_writers_racing_on_one_new_folder_exactly_one_wins(
         out = tmp_path / f"t{trial}" / "ds"
         if existing == "empty":
             out.mkdir(parents=True)
-        result = _race(out)
+        result = race(out)
         won = [k for k, r in result.items() if not isinstance(r, BaseException)]
         lost = [r for r in result.values() if isinstance(r, BaseException)]
         assert len(won) == 1 and len(lost) == 1, result
@@ -81,7 +90,7 @@ def test_a_writer_that_asked_to_overwrite_and_lost_the_race_is_told_to_write_aga
     """Both passed overwrite=True to a new folder: the loser's advice is not "pass
     overwrite=True" (it did), but to write again, which now replaces the winner's dataset."""
     out = tmp_path / "ds"
-    result = _race(out, overwrite=True)
+    result = race(out, overwrite=True)
     lost = [r for r in result.values() if isinstance(r, BaseException)]
     assert len(lost) == 1 and isinstance(lost[0], FileExistsError)
     assert "write again (overwrite=True now replaces the shard dataset there)" in str(lost[0])

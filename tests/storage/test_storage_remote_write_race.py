@@ -9,7 +9,6 @@ barrier in their samples).
 from __future__ import annotations
 
 import errno
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 
 import meshfeed.sources.shards.upload as upload_mod
 from meshfeed.sources import ShardedStream, write_shards
+from tests.sources.test_shards_write_race import race
 from tests.storage.conftest import S3
 
 
@@ -34,38 +34,17 @@ def _rows(s3: S3, url: str, cache: Path) -> list[int]:
         stream.close()
 
 
-def _race(s3: S3, url: str, caches: Path) -> dict[int, Any]:
-    both_checked = threading.Barrier(2, timeout=10)
-    result: dict[int, Any] = {}
-
-    def writer(k: int) -> None:
-        def samples() -> Iterator[int]:
-            both_checked.wait()
-            yield from range(k * 1000, k * 1000 + 7)
-
-        try:
-            result[k] = write_shards(
-                samples(),
-                url,
-                rows_per_shard=3,
-                cache_dir=caches / str(k),
-                storage_options=s3.options,
-            )
-        except BaseException as e:
-            result[k] = e
-
-    threads = [threading.Thread(target=writer, args=(k,)) for k in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return result
-
-
 def test_two_writers_racing_on_one_new_prefix_exactly_one_wins(s3: S3, tmp_path: Path) -> None:
     for trial in range(3):
         url = s3.url(f"ds{trial}")
-        result = _race(s3, url, tmp_path / f"cache{trial}")
+        caches = tmp_path / f"cache{trial}"
+        result = race(
+            url,
+            options=lambda k, caches=caches: {
+                "cache_dir": caches / str(k),
+                "storage_options": s3.options,
+            },
+        )
         won = [k for k, r in result.items() if not isinstance(r, BaseException)]
         lost = [r for r in result.values() if isinstance(r, BaseException)]
         assert len(won) == 1 and len(lost) == 1, result
