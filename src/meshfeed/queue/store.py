@@ -294,7 +294,8 @@ class SampleStore:
         For loaders: ``hold=True`` keeps the returned samples in the store (even once every
         task consumed them) until :meth:`release`, so a checkpoint taken meanwhile can
         re-deliver them with :meth:`peek`; ``token`` tags the request so :meth:`cancel` can
-        wake it (it then raises :class:`RequestCancelled` having consumed nothing);
+        wake it (it then raises :class:`RequestCancelled` having consumed nothing; see
+        :meth:`new_token`);
         ``parts=True`` sets :attr:`Batch.parts` (the whole round of a rank-aware sampler over
         several data ranks, which a checkpoint names to resume on another number of them; it
         costs the round's ids in every reply of a Ray store, while the embedded store makes the
@@ -384,9 +385,19 @@ class SampleStore:
         got, rows, versions = self._backend.peek(self._partition(partition), list(ids), names)
         return Batch(got, {name: collate(rows[name]) for name in names}, versions=versions)
 
+    def new_token(self) -> Hashable:
+        """A request token for ``get(..., token=...)`` that this store accepts until
+        :meth:`cancel`, and keeps nothing of once cancelled (a :class:`StoreLoader` takes one
+        per walk)."""
+        return self._backend.new_token()
+
     def cancel(self, token: Hashable) -> None:
         """Wake every request made with ``token`` (they raise :class:`RequestCancelled`
-        without consuming) and refuse later ones with it; tokens are never reused."""
+        without consuming) and refuse later ones with it, however late they come; tokens are
+        never reused. A token of :meth:`new_token` is refused as no longer issued, so the store
+        keeps nothing of it; any other token (a hashable of the caller's) is remembered, about
+        100 bytes each for as long as the store lives: use :meth:`new_token` for tokens made
+        without end (one per step)."""
         self._backend.cancel(token)
 
     @property

@@ -142,15 +142,15 @@ class EmbeddedBackend:
 
         with self.lock:
             self.waiters.check_open()
+            if self.waiters.refuses(request.token):  # cancelled: refused, nothing consumed
+                raise self.waiters.refusal(request.token)
             core = self.core
             # ``dropped``, not ``held``: while this get waited, puts and other gets moved
             # ``held`` both ways, and comparing it missed this get's own eviction
             planned, expired, dropped = core.planned, core.lease_expired, core.dropped
             taken = core.taken
             try:
-                got = None
-                if request.token is None or request.token not in self.waiters.cancelled:
-                    got = attempt()  # no waiter needed
+                got = attempt()  # no waiter needed
                 if got is None:
                     got = wait_for(
                         self.lock,
@@ -184,6 +184,10 @@ class EmbeddedBackend:
 
     def drop_consumer(self, consumer: Hashable) -> int:
         return self._admin(lambda: self.core.drop_consumer(consumer))
+
+    def new_token(self) -> Hashable:
+        with self.lock:
+            return self.waiters.issue()
 
     def cancel(self, token: Hashable) -> None:
         with self.lock:

@@ -215,6 +215,8 @@ class _StoreActor:
         # both ways, and comparing it missed this get's own eviction
         cached, expired, dropped = core.stats_cache_entries(), core.lease_expired, core.dropped
         taken = core.taken
+        if self.waiters.refuses(request.token):  # cancelled: refused, nothing consumed
+            return False, self.waiters.refusal(request.token)
 
         try:
             ok, out = await self._run(
@@ -240,6 +242,9 @@ class _StoreActor:
                 self.waiters.wake_task(partition, task)
             if core.lease_expired != expired:
                 self.waiters.wake_all()
+
+    async def new_token(self) -> Any:
+        return True, self.waiters.issue()
 
     async def cancel(self, token: Any) -> Any:
         self.waiters.cancel(token)
@@ -390,6 +395,9 @@ class RayBackend:
 
     def drop_consumer(self, consumer: Any) -> int:
         return int(self._call(self.actor.call.remote("drop_consumer", consumer)))
+
+    def new_token(self) -> Any:
+        return self._call(self.actor.new_token.remote())
 
     def cancel(self, token: Any) -> None:
         self._call(self.actor.cancel.remote(token))

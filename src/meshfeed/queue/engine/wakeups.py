@@ -8,6 +8,13 @@ change (close, clear, delete, reset, restore) wakes every waiter, and :meth:`Wai
 wakes the waiters of one request token, which then raise :class:`RequestCancelled`. The
 backend supplies how to wake one waiter (a ``threading.Condition`` or an ``asyncio.Event``).
 
+Request tokens: a cancelled token is refused from then on, and a request refused consumes
+nothing. A token of the caller's own (any hashable) is refused by remembering it, for as long
+as the store lives: the store cannot tell when the last request made with it has come. A
+:class:`Token` the store issued (:meth:`Waiters.issue`) is accepted only while the store holds
+it, so cancelling it drops it: the store keeps one entry per token not yet cancelled, none per
+token cancelled, and a request made with it after that, however late, is refused all the same.
+
 Fewer wake-ups for crowds of like waiters (the cost of many threads is their context switches,
 not the store's work):
 
@@ -33,6 +40,7 @@ Timeouts: :func:`check_timeout` refuses NaN, negative and non-numbers by name, t
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshfeed.queue.request import GetRequest
 
-__all__ = ["MAX_WAIT_CHUNK", "RequestCancelled", "Waiter", "Waiters", "check_timeout"]
+__all__ = ["MAX_WAIT_CHUNK", "RequestCancelled", "Token", "Waiter", "Waiters", "check_timeout"]
 
 #: Longest single wait (seconds); longer timeouts wait in chunks of this.
 MAX_WAIT_CHUNK = 3600.0
@@ -49,6 +57,14 @@ MAX_WAIT_CHUNK = 3600.0
 class RequestCancelled(Exception):
     """A waiting request was cancelled with ``SampleStore.cancel(token)`` (a loader's
     ``shutdown()``): it consumed nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """A request token the store issued (``SampleStore.new_token()``): accepted by that store
+    until cancelled, then refused without being remembered (module docstring)."""
+
+    id: str
 
 
 def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
@@ -123,11 +139,35 @@ class Waiters:
 
     def __init__(self) -> None:
         self.waiters: list[Waiter] = []
+        #: The callers' own tokens cancelled: refused for as long as the store lives.
         self.cancelled: set[Hashable] = set()
+        #: The tokens issued and not yet cancelled: the only :class:`Token` accepted.
+        self.issued: set[Token] = set()
         self.shut = False  # the store was shut down: every call is refused
 
+    def issue(self) -> Token:
+        """A new token, accepted until :meth:`cancel`."""
+        token = Token(uuid.uuid4().hex)
+        self.issued.add(token)
+        return token
+
+    def refuses(self, token: Hashable | None) -> bool:
+        """Whether requests made with ``token`` are refused (it was cancelled)."""
+        if token is None:
+            return False
+        if type(token) is Token:
+            return token not in self.issued
+        return token in self.cancelled
+
+    def refusal(self, token: Hashable) -> RequestCancelled:
+        """The error of a request refused because ``token`` was cancelled."""
+        return RequestCancelled(
+            f"request with token {token!r} was cancelled; nothing was consumed (a loader's "
+            "shutdown() cancels its requests)"
+        )
+
     def add(self, waiter: Waiter) -> None:
-        if waiter.token is not None and waiter.token in self.cancelled:
+        if self.refuses(waiter.token):
             waiter.cancelled = True
         self.waiters.append(waiter)
 
@@ -213,8 +253,12 @@ class Waiters:
             w.wake()
 
     def cancel(self, token: Hashable) -> None:
-        """Cancel the waiting and future requests made with ``token``."""
-        self.cancelled.add(token)
+        """Cancel the waiting and future requests made with ``token``: an issued one is
+        dropped (refused as no longer issued), any other remembered."""
+        if type(token) is Token:
+            self.issued.discard(token)
+        else:
+            self.cancelled.add(token)
         for w in self.waiters:
             if w.token == token:
                 w.cancelled = True

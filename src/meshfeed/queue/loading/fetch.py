@@ -22,7 +22,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,7 +65,7 @@ class StoreTask(FetchTask):
     cancelled together); ``batch``: fetched already, only ``collate_fn`` is to run again."""
 
     version: Mapping[str, Any] | None = None
-    token: str = ""
+    token: Hashable = None
     batch: Batch | None = None
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -73,7 +73,7 @@ class StoreTask(FetchTask):
 
     @staticmethod
     def make(
-        step: int, version: Mapping[str, Any] | None, token: str, batch: Batch | None = None
+        step: int, version: Mapping[str, Any] | None, token: Hashable, batch: Batch | None = None
     ) -> StoreTask:
         return StoreTask(0, step, _NONE, _NONE, version, token, batch)
 
@@ -97,7 +97,7 @@ class StoreEvents(FetchEvents):
 
 
 def fetch(
-    store: Any, spec: Spec, index: int, token: str, version: Mapping[str, Any] | None = None
+    store: Any, spec: Spec, index: int, token: Hashable, version: Mapping[str, Any] | None = None
 ) -> Batch | None:
     """Batch ``index`` of the loader's stream (``None``: it ended); ``version``: the
     trainer's version keywords (:mod:`meshfeed.queue.loading.versions`). A closed partition

@@ -403,8 +403,9 @@ class StoreLoader(LoaderBase, Walking):
         self._shut = True
         token, halt = self._walking
         halt.set()
-        with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
-            self.store.cancel(token)  # a request waiting, on whichever thread, wakes now
+        if token is not None:
+            with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
+                self.store.cancel(token)  # a request waiting, on whichever thread, wakes now
         stream, self._stream = self._stream, None
         if isinstance(stream, types.GeneratorType) and not stream.gi_running:
             stream.close()

@@ -12,7 +12,9 @@ returned, counted as returned only then. What is particular to a store:
 - A walk's requests share one token: when the walk ends early (an error, ``shutdown()``), the
   requests still waiting in the store are cancelled and wake at once, consuming nothing. The
   store keeps the plan of every batch requested, so the next walk asks again from the first
-  batch not returned and gets the same batches.
+  batch not returned and gets the same batches. Every walk cancels its token as it ends; the
+  store issued it (``SampleStore.new_token``), so a request that comes later (a worker's task
+  of the ended walk) is refused, yet the store keeps nothing of a walk that ended.
 - A batch the loop could not return (``collate_fn`` kept failing, or another rank's part of
   the round did) is kept first in line (``loader._held``): the next walk collates it again, or
   returns it, without fetching it again.
@@ -35,7 +37,7 @@ import itertools
 import threading
 import uuid
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.delivery import Delivery
@@ -90,7 +92,8 @@ class Walking:
 
     def _start_walking(self) -> None:
         self._stream: Iterator[Any] | None = None  # the current walk
-        self._walking: tuple[str, threading.Event] = ("", threading.Event())  # its token, halt
+        # Its token (None: no walk yet) and halt.
+        self._walking: tuple[Hashable | None, threading.Event] = (None, threading.Event())
         self._returned = 0  # the first batch index not returned (the state's ``next``)
         self._requested = 0  # the first batch index not requested
         self._granted = 0  # the first batch index not yet granted (the state's ``requested``)
@@ -190,9 +193,12 @@ class Walking:
         """The loader's batches from the first not returned (module docstring). Called on a
         weak proxy of the loader, so its generators hold no strong reference to it."""
         walk, store, start = self._walks, self.store, self._returned
-        token, halt = uuid.uuid4().hex, threading.Event()
+        # Issued before shutdown() can see it: a token cancelled there is never accepted.
+        token, halt = store.new_token(), threading.Event()
         self._walking = (token, halt)  # what shutdown() stops from any thread
         if self._shut:  # shut down (another thread) before this walk could be halted
+            with contextlib.suppress(Exception):  # shutdown() may have seen the walk before
+                store.cancel(token)
             return
         held, self._held = self._held, None
         first: list[Result] = []
@@ -300,7 +306,7 @@ class Walking:
             self._owed = (index, owed)
 
     def _tasks(
-        self, start: int, token: str, raw: Any, halt: threading.Event
+        self, start: int, token: Hashable, raw: Any, halt: threading.Event
     ) -> Iterator[StoreTask]:
         """Batch indices from ``start`` until the end is seen, each once the loop granted it
         (with the policy version it was granted with)."""
