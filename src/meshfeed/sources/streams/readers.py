@@ -15,9 +15,10 @@ None: to the end of the shard). Optional hooks make it faster or stronger, each 
   an address, which differs in every process).
 
 :class:`DefaultReader` reads callables (``itertools.islice`` over ``shard()``; an open iterator
-is kept per shard and process, so reading forward never starts over) and text files (one row
-per line, less its ``"\\n"`` or ``"\\r\\n"``, the same whether read by range or by index; a
-lone ``"\\r"`` ends no line; ``.jsonl`` lines are parsed as JSON), by index through a
+is kept per shard and process, so reading forward never starts over; a stream reads them through
+its own :class:`RowCursor`, which keeps the rows its shuffle window still asks for) and text
+files (one row per line, less its ``"\\n"`` or ``"\\r\\n"``, the same whether read by range or
+by index; a lone ``"\\r"`` ends no line; ``.jsonl`` lines are parsed as JSON), by index through a
 line-offset table built once per file and process.
 """
 
@@ -438,10 +439,18 @@ def shard_name(shard: Any) -> str:
 
 class RowCursor:
     """Reads one shard through a range reader: one call ``reader(shard, start, None)`` per
-    span of wanted rows, read on while the next span starts where the last one ended (a rank
-    reading on through its rows opens the shard once), and the span read last kept, so the
-    steps that draw from one shuffle window read it once. (Each data rank reads the spans it
-    draws from whole: give the reader ``take`` to read only its own rows.)
+    span of wanted rows, read on while the next span starts at or after where the last one
+    ended (a rank reading on through its rows opens the shard once), and the rows read kept
+    while a later step may still ask for them, so the steps that draw from one shuffle window
+    read it once. (Each data rank reads the spans it draws from whole: give the reader
+    ``take`` to read only its own rows.)
+
+    ``window``: how far back a later call may reach, the stream's ``shuffle_buffer``. The steps
+    of a pass ask for a shard's rows window by window, in any order within one, so every row
+    a later step asks for lies at most ``window - 1`` rows before the last row asked for: the
+    rows read from there on are kept (at most ``window`` rows, or one call's span where that is
+    longer), those before it dropped. Without it (0), the span read last is kept. A row asked
+    for before what is kept (a new pass) starts the reader over at it.
 
     A kept row is handed out once: asked for again (a later epoch, a retry) it is read again,
     as a new call of the shard would give it, so an in-place edit of a row handed out (a
@@ -450,16 +459,17 @@ class RowCursor:
     cannot be deep-copied is handed out twice as it is).
 
     ``seeks``: the reader opens a shard at any row cheaply (its contract), so a span further
-    on is opened there; without it (a callable shard, read from its start) the kept iterator
-    is read forward to the span, and started over only for a row before its position.
+    on than a window is opened there; without it (a callable shard, read from its start) the
+    kept iterator is read forward to the span, and started over only for a row before its
+    position that is not kept.
     """
 
-    def __init__(self, reader: Any, shard: Any, *, seeks: bool = True) -> None:
-        self.reader, self.shard, self.seeks = reader, shard, seeks
+    def __init__(self, reader: Any, shard: Any, *, seeks: bool = True, window: int = 0) -> None:
+        self.reader, self.shard, self.seeks, self.window = reader, shard, seeks, window
         self.it: Any = None
-        self.at = 0
+        self.at = 0  # the row the iterator gives next; the kept rows end there
         self.span_start = 0
-        self.span: list[Any] = []  # rows handed out already are _GIVEN
+        self.span: list[Any] = []  # rows [span_start, at); rows handed out already are _GIVEN
 
     def take(self, rows: np.ndarray) -> list[Any]:
         lo0, kept = self.span_start, self.span
@@ -469,27 +479,43 @@ class RowCursor:
         if not missing:
             return _hand_out(wanted, lo0, kept, 0, kept)
         lo, hi = min(missing), max(missing) + 1
-        if self.it is None or lo < self.at or (lo > self.at and self.seeks):
-            # A seeking reader opens at lo: rows other ranks read are never read here.
-            self.it, self.at = iter(self.reader(self.shard, lo, None)), lo
-        elif lo > self.at:  # read on to lo
-            next(itertools.islice(self.it, lo - self.at, lo - self.at), None)
-            self.at = lo
+        keep = min(lo, hi - self.window)  # the first row a later call may still ask for
+        span: list[Any]
+        if self.it is None or lo < self.at or (keep > self.at and self.seeks):
+            # Opened at keep (lo without a window): a seeking reader never reads the rows
+            # other ranks read before it, and a window's rows before lo are kept for the
+            # steps that ask for them later.
+            start, span = max(keep, 0), []
+            self.it, self.at = iter(self.reader(self.shard, start, None)), start
+        elif keep > self.at:  # read on to keep: the rows before it are neither asked nor kept
+            start, span = keep, []
+        else:  # read on from the kept rows' end: they are kept on
+            start, span = lo0, kept
+        first = max(start, self.at)  # the row read first
         try:
-            span = list(itertools.islice(self.it, hi - lo))
+            if first > self.at:
+                next(itertools.islice(self.it, first - self.at, first - self.at), None)
+            read = list(itertools.islice(self.it, hi - first))
         except BaseException:
             self.it = None  # a reader that raised is not read on
             raise
-        self.at = lo + len(span)
-        if len(span) != hi - lo:
+        if len(read) != hi - first:
             self.it = None
-            raise _past_end(self.shard, hi - 1, lo + len(span))
-        self.span_start = lo
+            raise _past_end(self.shard, hi - 1, first + len(read))
+        self.at = hi
         if len(wanted) == hi - lo and wanted == list(range(lo, hi)):
-            self.span = []  # a run read on in order (no shuffle window): every row handed out
-            return span
-        self.span = span
-        return _hand_out(wanted, lo, span, lo0, kept)
+            # a run read on in order (no shuffle window): every row of it handed out as read
+            out = read[lo - first :]
+            span += read[: lo - first]
+            span += itertools.repeat(_GIVEN, hi - lo)
+        else:
+            span += read
+            out = _hand_out(wanted, start, span, lo0, kept)
+        if keep > start:
+            del span[: keep - start]
+            start = keep
+        self.span_start, self.span = start, span
+        return out
 
 
 _GIVEN: Any = object()  # in RowCursor.span: a row handed out already

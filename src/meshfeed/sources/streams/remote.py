@@ -232,8 +232,13 @@ class CachedReader:
                 self._own().finish([url])
 
     def close(self) -> None:
-        """Let go of every shard this process holds (idempotent; reading again holds anew)."""
-        self._own().close()
+        """Let go of every shard this process holds, then close the inner reader where it has
+        ``close`` (its open files; idempotent: reading again holds and opens anew)."""
+        try:
+            self._own().close()
+        finally:
+            if self._hooks.close is not None:
+                self._hooks.close()
 
 
 def _let_go(cache: ShardCache, forget: Callable[[Any], None] | None, url: str, local: str) -> None:

@@ -23,11 +23,13 @@ skipped or substituted like a bad sample (``on_error``); a damaged file is a
 
 A rank reads ``batch_size`` rows per step from one window of ``shuffle_buffer`` rows (one or two
 shards): by index where the reader has ``take`` (the default reader over files, memory-mapped
-formats), else forward through one open iterator per shard, keeping the span of rows read last
-so a window is read once (on each data rank). Without ``shuffle_buffer`` the rows of a step
-are one contiguous run. Row counts come from ``rows=``,
-the reader's ``count``, or one pass over each shard when the stream is first measured, each
-shard within the measuring loader's ``timeout`` (:mod:`meshfeed.sources.streams.count`).
+formats), else forward through one open iterator per shard (a callable shard of the default
+reader too, once per pass from its start), keeping the rows read while a later step of their
+window may ask for them (at most a window's), so a window is read once (on each data rank).
+Without ``shuffle_buffer`` the rows of a step are one contiguous run. Row counts come from
+``rows=``, the reader's ``count``, or one pass over each shard when the stream is first
+measured, each shard within the measuring loader's ``timeout``
+(:mod:`meshfeed.sources.streams.count`).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class ShardedStream:
         )
         self._cursors: dict[int, RowCursor] = {}
         self._hooks = ReaderHooks.of(self.reader)  # decided once, never probed per batch
+        self._reads_callables = isinstance(self.reader, DefaultReader)
 
     @classmethod
     def from_index(
@@ -257,11 +260,17 @@ class ShardedStream:
         return out
 
     def _take(self, s: int, rows: np.ndarray) -> list[Any]:
-        if self._hooks.take is not None:
-            return list(self._hooks.take(self.shards[s], rows))
+        shard = self.shards[s]
+        # The default reader reads a callable shard forward from its start: read here, where
+        # the shuffle window is known, so a window's rows are kept until its steps ask for them.
+        forward = self._reads_callables and callable(shard)
+        if self._hooks.take is not None and not forward:
+            return list(self._hooks.take(shard, rows))
         cursor = self._cursors.get(s)
         if cursor is None:
-            cursor = self._cursors[s] = RowCursor(self.reader, self.shards[s])
+            cursor = self._cursors[s] = RowCursor(
+                self.reader, shard, seeks=not forward, window=self.shuffle_buffer
+            )
         return cursor.take(rows)
 
     def close(self) -> None:
