@@ -262,5 +262,6 @@ def test_a_file_read_until_finished_is_kept_from_download_aheads_however_long_un
         cache.release(urls[0])
         cache.finished(urls[0])  # read to its end: evicted first, the waiting one goes
         _wait_cached(cache, urls[1])
+        _wait_counted(cache, "downloads", 2)  # counted after the file is published
         assert not first.exists()
         assert cache.stats()["downloads"] == 2
