@@ -3,15 +3,16 @@
 A list column's values travel one by one: small ones with the put call, large ones (at least
 ``inline_bytes``) through Ray's object store. torch's own pickling, which Ray would use,
 cannot load uint16 / uint32 / uint64, float8, complex32 or the bit and sub-byte dtypes (see
-``meshfeed.queue.backends.ray_dataplane._TensorValue``). Stacked columns: see
-``tests/services/test_ray_dtypes.py``.
+``meshfeed.queue.backends.ray_dataplane._TensorValue``), nor such tensors inside a dict, list or
+tuple value (a column holding one travels pickled as one: ``_NestedColumn``). Stacked columns:
+see ``tests/services/test_ray_dtypes.py``.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -69,6 +70,53 @@ def _same(got: Any, want: torch.Tensor, what: str) -> None:
         assert torch.equal(_raw(got), _raw(want)), what
 
 
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def _containers(dtype: torch.dtype, seed: int) -> list[Any]:
+    """Dict, list, tuple and nested values holding tensors of ``dtype`` (those of
+    :func:`_values`: strided, 0-d, one larger than ``inline_bytes``) among other values."""
+    small, strided, scalar, large = _values(dtype, seed)
+    return [
+        {"ids": small, "n": 3, "name": "a"},
+        [strided, 1.5, None],
+        (scalar, b"x"),
+        {"outer": [(small, {"deep": large}), {"k": scalar}], "pair": Pair(strided, 2)},
+        [small, *range(30)],
+        {"plain": [1, "b"], "empty": (), "nothing": {}},  # no tensor
+        large,  # through the object store, in the same column
+        7,
+    ]
+
+
+def _same_tree(got: Any, want: Any, what: str) -> None:
+    """``got`` has the structure types, keys and values of ``want``, tensors bit for bit."""
+    assert type(got) is type(want), f"{what}: {type(got)} for {type(want)}"
+    if isinstance(want, torch.Tensor):
+        _same(got, want, what)
+    elif isinstance(want, dict):
+        assert list(got) == list(want), what
+        for key in want:
+            _same_tree(got[key], want[key], f"{what}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _same_tree(g, w, f"{what}[{i}]")
+    else:
+        assert got == want, what
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, at any depth."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (dict, list, tuple)):
+        for v in value.values() if isinstance(value, dict) else value:
+            yield from _tensors(v)
+
+
 @pytest.fixture
 def store(ray_store: SampleStore) -> Iterator[SampleStore]:
     with warnings.catch_warnings():
@@ -96,13 +144,44 @@ def test_a_value_of_any_dtype_goes_through_the_ray_store_bit_exact(store, name):
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_tensors_of_any_dtype_inside_a_dict_list_or_tuple_go_through_the_ray_store(store, name):
+    dtype = DTYPES[name]
+    values = _containers(dtype, 11)
+    store.put("p", {"x": values})
+    got = store.get("t", ["x"], len(values), "p", timeout=20)["x"]
+    assert isinstance(got, list) and len(got) == len(values)
+    for i, (g, w) in enumerate(zip(got, values, strict=True)):
+        _same_tree(g, w, f"{name} value {i}")
+    if not _quantized(dtype):
+        for g in got:  # the reader's own memory
+            for t in _tensors(g):
+                _raw(t).bitwise_not_()
+    again = store.get("u", ["x"], len(values), "p", timeout=20)["x"]
+    for i, (g, w) in enumerate(zip(again, values, strict=True)):
+        _same_tree(g, w, f"{name} value {i}, read again")
+
+
+@pytest.mark.ray
+def test_values_holding_tensors_of_every_dtype_survive_a_ray_store_checkpoint(store):
+    values = [{"v": [_make(d, 5, i)], "dtype": n} for i, (n, d) in enumerate(DTYPES.items())]
+    store.put("p", {"x": values})
+    meta, payload = store._backend.dump(with_payload=True)
+    store = reset_store(store, StoreOptions())
+    store._backend.restore(meta, payload)  # the values go back to the store actor
+    got = store.get("t", ["x"], len(values), "p", timeout=20)["x"]
+    for g, w in zip(got, values, strict=True):
+        _same_tree(g, w, w["dtype"])
+
+
+@pytest.mark.ray
 @pytest.mark.parametrize("name", [n for n in DTYPES if DTYPES[n].is_complex])
 def test_a_conjugate_view_goes_through_the_ray_store_as_its_values(store, name):
     dtype = DTYPES[name]
     values = [_make(dtype, n, 3).conj() for n in (6, LARGE // dtype.itemsize)]
-    store.put("p", {"x": values})
-    got = store.get("t", ["x"], 2, "p", timeout=20)["x"]
-    for g, w in zip(got, values, strict=True):
+    store.put("p", {"x": [*values, {"z": values[0]}, [values[1]]]})
+    got = store.get("t", ["x"], 4, "p", timeout=20)["x"]
+    for g, w in zip([*got[:2], got[2]["z"], got[3][0]], values * 2, strict=True):
         _same(g.resolve_conj(), w.resolve_conj(), name)
 
 
