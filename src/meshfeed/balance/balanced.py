@@ -1,11 +1,22 @@
 """BalancedBatches: rebalance a per-rank iterator of packed samples over a DP x CP group.
 
 Per global batch, every rank of ``group``: takes its next packed sample from ``inner``; joins
-**one** all-gather of a header (has-data flag, dtype signature, document lengths and
-corpus ids);
+**one** all-gather of a header (has-data flag, dtype signature, configuration digest, document
+lengths and corpus ids);
 computes the same :func:`schedule_documents` as every other rank; joins **one** variable-size
 ``all_to_all_single`` carrying all keys of all documents fused; and yields its micro-steps.
-If any rank's inner iterator ends, every rank stops at the same batch (no hang).
+If any rank's inner iterator ends, every rank stops at the same batch (no hang); if it raises,
+that rank raises its error and every other rank :class:`~meshfeed.errors.RankError` naming it,
+at the same batch.
+
+Before its first header, each instance joins one fixed-size all-gather of its settings
+(``max_tokens``, ``cost``, ``cp_sizes``, ``tp``, ``keys``, ``pad``, ``max_docs_per_rank``,
+``long_documents``, ``plan_ahead``, ``document_fields``): ranks built differently would plan
+differently, yield different numbers of micro-steps or size the header's buffer differently, so
+every rank refuses that, naming the setting and each rank's value. The collectives run on a gloo
+group of meshfeed's own over ``group``'s ranks whose timeout is ``timeout`` (module
+:mod:`meshfeed.balance._group`; an NCCL group's ``all_to_all`` of the tokens stays on it), so a
+rank that gave up on a stalled peer can exit.
 
 Planning runs one batch ahead on a background thread (the lengths of batch t+1 are gathered
 before batch t is rerouted), so it is off the critical path; collectives stay on the calling
@@ -40,8 +51,9 @@ Restoring refetches that batch and skips them.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +62,7 @@ import numpy as np
 import torch
 
 from meshfeed import dist
+from meshfeed.balance._group import own_group
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.document_fields import (
     OFFSETS,
@@ -65,6 +78,7 @@ from meshfeed.balance.long_documents import check_policy, fit_sample, max_docume
 from meshfeed.balance.packing import check_int
 from meshfeed.balance.routing import Layout, build_send, doc_lengths, fields_signature, unpack
 from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_documents
+from meshfeed.errors import CollectiveError, RankError
 from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD, DOCUMENT_IDS
 from meshfeed.protocols import Stateful
 from meshfeed.state import envelope, open_envelope
@@ -73,15 +87,20 @@ __all__ = ["BalancedBatches"]
 
 _KIND = "balanced_batches"
 _VERSION = 2  # 1 had no kind; the header of the all-gather changed with it
-#: has_data, dtype signature, documents, has_ids (whether the sample carries corpus ids); then
-#: their lengths and corpus ids (any int64, negative ones too; zeros without ids)
-_HEADER = 4
+#: has_data, dtype signature, documents, has_ids (whether the sample carries corpus ids), the
+#: digest of the settings every rank agreed on; then their lengths and corpus ids (any int64,
+#: negative ones too; zeros without ids)
+_HEADER = 5
 #: has_ids when the sample's corpus ids are uint64 with one past int64: the ids then travel as
 #: their bit patterns, so that every rank refuses the batch with the same error (no hang)
 _WIDE_IDS = 2
 #: has_data of a rank whose sample failed its checks there: every rank raises at this batch
 #: (that rank its own error), none waits for the next all-gather until its timeout
 _REFUSED = -1
+#: has_data of a rank whose inner iterator raised: ``documents`` is then the byte count of the
+#: error's text, which follows the header (so every other rank names it), at most _ERROR_BYTES
+_RAISED = -2
+_ERROR_BYTES = 240
 #: What a packed sample may hold beyond ``keys``: what the micro-steps carry, rebuilt
 _CARRIED = frozenset({"cu_seqlens", DOCUMENT_IDS})
 _INT64_MAX = np.iinfo(np.int64).max
@@ -91,7 +110,10 @@ MAX_DOCS_PER_RANK = 2**20
 
 
 class _Comm:
-    """The collectives this module makes, through :mod:`meshfeed.dist` (device rule, timeouts)."""
+    """The collectives this module makes, through :mod:`meshfeed.dist` (device rule, bounded
+    waits), on meshfeed's own gloo group over ``group``'s ranks (:func:`own_group`, made at the
+    first collective); ``group`` names the ranks, and an NCCL group carries the ``all_to_all``
+    (the tokens move on the GPU). A wait that fails names ``BalancedBatches(timeout=)``."""
 
     def __init__(self, group: Any, timeout: float) -> None:
         if group is not None and not dist.is_initialized():
@@ -103,23 +125,82 @@ class _Comm:
         self.timeout = timeout
         self.rank = dist.rank(group)
         self.size = dist.world_size(group)
+        #: (control group, data group), made at the first collective
+        self._groups: tuple[Any, Any] | None = None
 
     def device(self) -> torch.device:
-        """Where the collectives' tensors live (CUDA for an NCCL group, else CPU)."""
+        """Where the caller's group puts a collective's tensors (CUDA for NCCL, else CPU)."""
         return dist.group_device(self.group)
 
     def global_rank(self, r: int) -> int:
         return dist.global_rank(self.group, r)
 
+    def agreement(self, values: Mapping[str, int]) -> dict[str, list[int]]:
+        """Every rank's value of each of these ints: one all-gather of a fixed size."""
+        group = self._made()[0]
+        what = "settings all-gather (its first collective)"
+        return self._bounded(what, dist.gather_agreement, values, self.timeout, group=group)
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        group = self._made()[0]
+        what = "all-gather of the settings' values"
+        return self._bounded(what, dist.all_gather_objects, obj, timeout=self.timeout, group=group)
+
     def all_gather(self, header: np.ndarray, max_len: int) -> list[np.ndarray]:
-        return dist.all_gather_ints(header, max_len=max_len, timeout=self.timeout, group=self.group)
+        group = self._made()[0]
+        return self._bounded(
+            "header all-gather",
+            dist.all_gather_ints,
+            header,
+            max_len=max_len,
+            timeout=self.timeout,
+            group=group,
+        )
 
     def all_to_all(
         self, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]
     ) -> torch.Tensor:
-        return dist.all_to_all_single(
-            send, send_rows, recv_rows, timeout=self.timeout, group=self.group
+        group = self._made()[1]
+        return self._bounded(
+            "all_to_all of the documents",
+            dist.all_to_all_single,
+            send,
+            send_rows,
+            recv_rows,
+            timeout=self.timeout,
+            group=group,
         )
+
+    def _made(self) -> tuple[Any, Any]:
+        """(the group of the control collectives, the group of the ``all_to_all``)."""
+        if self._groups is None:
+            what = "process group's setup (its first collective)"
+            own = self._bounded(what, own_group, self.group, self.timeout)
+            gpu = dist.is_distributed(self.group) and self.device().type != "cpu"
+            self._groups = (own, self.group if gpu else own)
+        return self._groups
+
+    def _bounded(self, what: str, collective: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``collective(*args, **kw)``; a :class:`CollectiveError` names BalancedBatches."""
+        try:
+            return collective(*args, **kw)
+        except CollectiveError as e:
+            if e.reason == "timeout":
+                message = (
+                    f"rank {e.this_rank} waited more than BalancedBatches(timeout={self.timeout}) "
+                    f"seconds for the other ranks of its group in BalancedBatches' {what}; a "
+                    "rank has stalled, stopped iterating or is busy elsewhere (raise "
+                    "BalancedBatches(timeout=) if a batch legitimately takes longer there)"
+                )
+            else:
+                message = (
+                    f"rank {e.this_rank}: a peer rank's connection closed after {e.elapsed:.1f}s "
+                    f"in BalancedBatches' {what}: it died or exited without joining; see the "
+                    "failed rank's own log"
+                )
+            raise CollectiveError(
+                message, this_rank=e.this_rank, reason=e.reason, elapsed=e.elapsed
+            ) from e
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +231,16 @@ class BalancedBatches:
     ``inner`` yields this rank's packed samples (dicts of 1-D tensors named by ``keys`` plus
     ``cu_seqlens``); ``max_tokens``, ``cost``, ``cp_sizes`` and ``tp`` go to :func:`schedule_documents`.
     ``max_docs_per_rank`` sizes the fixed all-gather buffer (a sample with more documents is
-    an error naming it). ``timeout`` bounds the wait for a placement. ``long_documents``
-    (``"refuse"``, ``"truncate"`` or ``"split"``) decides what happens to a document longer
-    than the group can hold; pieces of a split document keep their order.
-    ``document_fields`` names the per-document fields that travel with their documents (the
-    module doc; every piece of a split document holds all of its rows).
+    an error naming it). ``timeout`` bounds every wait: each collective and the planning of a
+    batch. ``long_documents`` (``"refuse"``, ``"truncate"`` or ``"split"``) decides what
+    happens to a document longer than the group can hold; pieces of a split document keep
+    their order. ``document_fields`` names the per-document fields that travel with their
+    documents (the module doc; every piece of a split document holds all of its rows).
+
+    ``group`` (None: every rank) names the ranks; the collectives run on meshfeed's own gloo
+    group over them, whose timeout is ``timeout`` (an NCCL group carries the tokens'
+    ``all_to_all``). Every rank of it must build BalancedBatches with the same settings
+    (checked at the first batch, the module doc).
 
     To checkpoint, ``inner`` must be :class:`~meshfeed.protocols.Stateful` (``state_dict()`` /
     ``load_state_dict(state)``; a meshfeed loader is, and is iterated epoch by epoch). A plain
@@ -216,6 +302,21 @@ class BalancedBatches:
         self._carried = _CARRIED | set(self._fields) | {n + OFFSETS for n in self._fields}
         self._cap = int(max_docs_per_rank)
         self._timeout = float(timeout)
+        #: What every rank must build alike (the module doc), checked at the first batch
+        self._settings = _settings(
+            max_tokens=int(max_tokens),
+            cost=_plain_cost(cost),
+            cp_sizes=cp_sizes if isinstance(cp_sizes, str) else sorted({int(c) for c in cp_sizes}),
+            tp=int(tp),
+            keys=list(self._keys),
+            pad=sorted(((str(k), v) for k, v in self._pad.items()), key=lambda kv: kv[0]),
+            max_docs_per_rank=self._cap,
+            long_documents=self._policy,
+            plan_ahead=bool(plan_ahead),
+            document_fields=list(self._fields),
+        )
+        self._digest = _digest(repr(sorted(self._settings.items())))
+        self._agreed_settings = False
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="meshfeed-plan") if plan_ahead else None
         )
@@ -295,10 +396,15 @@ class BalancedBatches:
 
         ``defer``: an error every rank raises alike (after the all-gather) is returned, to be
         raised once the batch before it is served (the plan-ahead fetch must not lose it)."""
+        if not self._agreed_settings:
+            self._agree_settings()
         state = self._inner_state()
-        sample = next(self._inner, None)
-        header = np.zeros(_HEADER, dtype=np.int64)
+        header = np.asarray([0, 0, 0, 0, self._digest], np.int64)
         refused: Exception | None = None
+        try:
+            sample = next(self._inner, None)
+        except Exception as e:  # the other ranks learn of it from the all-gather: no wait
+            sample, refused, header = None, e, self._raised_header(e)
         if sample is not None:
             try:
                 wide = _ids_past_int64(sample)  # refused below, on every rank
@@ -312,8 +418,15 @@ class BalancedBatches:
                         )
                 header = self._header(sample, wide)
             except Exception as e:  # the other ranks learn of it from the all-gather: no wait
-                refused, header = e, np.asarray([_REFUSED, 0, 0, 0], np.int64)
-        rows = self._comm.all_gather(header, _HEADER + (2 + len(self._fields)) * self._cap)
+                refused, header = e, np.asarray([_REFUSED, 0, 0, 0, self._digest], np.int64)
+        try:
+            rows = self._comm.all_gather(header, self._header_size())
+        except CollectiveError as e:
+            if refused is None:
+                raise
+            # A dead peer must not hide this rank's own error.
+            refused.add_note(f"the other ranks of the group could not be told: {e}")
+            raise refused from None
         try:
             return self._agreed(state, sample, rows, refused)
         except Exception as e:  # raised on every rank alike: each defers it, none waits
@@ -330,6 +443,8 @@ class BalancedBatches:
     ) -> _Batch | None:
         """The batch every rank agrees on from the all-gathered headers (or the error every
         rank raises alike)."""
+        self._refuse_other_settings(rows)
+        self._raise_together(rows, refused)
         _refuse_together(rows, self._comm.rank, refused)
         if not all(int(row[0]) for row in rows):
             return None
@@ -375,8 +490,81 @@ class BalancedBatches:
             future.set_result(schedule_documents(all_lengths, **kwargs))
         return _Batch(state, sample, counts, ids, dtypes, future, field_counts, specs)
 
+    def _header_size(self) -> int:
+        """The most ints a header holds, alike on every rank once the settings agree."""
+        return _HEADER + (2 + len(self._fields)) * self._cap
+
+    def _agree_settings(self) -> None:
+        """Once, before the first header: one all-gather of a fixed size (an int or a digest
+        per setting), so that no rank joins a header of another size or plans differently."""
+        values = {
+            name: value if isinstance(value, int) else _digest(value)
+            for name, value in self._settings.items()
+        }
+        columns = self._comm.agreement(values)
+        differ = [name for name, column in columns.items() if len(set(column)) > 1]
+        if differ:  # every rank sees the same columns: all of them raise here
+            texts = [n for n in differ if not isinstance(self._settings[n], int)]
+            shown = self._comm.all_gather_objects([self._settings[n] for n in texts])
+            held = {n: f"[{', '.join(row[i] for row in shown)}]" for i, n in enumerate(texts)}
+            name = differ[0]
+            also = f" (and on {', '.join(differ[1:])})" if differ[1:] else ""
+            raise ValueError(
+                f"ranks built BalancedBatches with different {name}: rank i holds "
+                f"{held.get(name, str(columns[name]))}{also}; build it with the same "
+                f"{', '.join(self._settings)} on every rank of its group: they decide the plan "
+                "every rank computes alike and the size of the collectives every rank joins"
+            )
+        self._agreed_settings = True
+
+    def _refuse_other_settings(self, rows: list[np.ndarray]) -> None:
+        """A header of a BalancedBatches built otherwise (the ranks agreed at their first
+        batch, so the ranks iterate different instances at this batch): every rank raises."""
+        digests = [int(row[4]) for row in rows]
+        if len(set(digests)) > 1:
+            raise ValueError(
+                f"the ranks' headers at this batch come from BalancedBatches built differently "
+                f"(settings digests, rank i: {digests}); every rank of the group must iterate "
+                "its BalancedBatches built alike, the instances in the same order"
+            )
+
+    def _raised_header(self, error: Exception) -> np.ndarray:
+        """The header of a rank whose inner iterator raised ``error``: its text follows."""
+        room = 8 * (self._header_size() - _HEADER)
+        text = f"{type(error).__name__}: {error}".encode()[: min(room, _ERROR_BYTES)]
+        padded = text + b"\0" * (-len(text) % 8)
+        body = np.frombuffer(padded, dtype=np.int64)
+        return np.concatenate([[_RAISED, 0, len(text), 0, self._digest], body]).astype(np.int64)
+
+    def _raise_together(self, rows: list[np.ndarray], raised: Exception | None) -> None:
+        """Raise on every rank when a rank's inner iterator raised: that rank its own error,
+        the others :class:`RankError` naming it and its error, all at this batch."""
+        bad = [r for r, row in enumerate(rows) if int(row[0]) == _RAISED]
+        if not bad:
+            return
+        me = self._comm.rank
+        if me in bad and raised is not None:
+            if self._comm.size > 1:
+                raised.add_note(
+                    f"every rank of the group stops at this batch (the inner iterators of ranks "
+                    f"{bad} raised)"
+                )
+            raise raised
+        r = bad[0]
+        size = int(rows[r][2])
+        text = rows[r][_HEADER:].tobytes()[:size].decode(errors="replace")
+        g = self._comm.global_rank(r)
+        where = "" if g == r else f" (global rank {g})"
+        raise RankError(
+            f"the inner iterator of rank {r}{where} raised {text} (this is rank {me}); see "
+            "that rank's error. Every rank of the group stops at this batch so that none waits "
+            "for the others in its next collective",
+            rank=g,
+        )
+
     def _header(self, sample: Mapping[str, Any], wide: np.ndarray | None = None) -> np.ndarray:
-        """has_data, dtype signature, documents, has_ids, their lengths, their corpus ids.
+        """has_data, dtype signature, documents, has_ids, settings digest, their lengths, their
+        corpus ids.
 
         ``wide``: the sample's uint64 corpus ids when one is past int64 (they travel as bit
         patterns, flagged ``_WIDE_IDS``, and every rank refuses the batch)."""
@@ -414,7 +602,7 @@ class BalancedBatches:
             has_ids = 1 if wide is None else _WIDE_IDS
         per_doc = field_rows(sample, self._fields, lengths.size).ravel()
         signature = fields_signature(sample, self._keys, self._fields)
-        head = np.asarray([1, signature, lengths.size, has_ids], np.int64)
+        head = np.asarray([1, signature, lengths.size, has_ids, self._digest], np.int64)
         return np.concatenate([head, lengths, ids, per_doc])
 
     def _refuse_long(self, lengths: np.ndarray, ids: np.ndarray | None, counts: list[int]) -> None:
@@ -517,6 +705,28 @@ def _refuse_wide_ids(rows: list[np.ndarray], counts: list[int], flags: list[int]
         f"BalancedBatches carries document_ids as int64, where it would wrap to "
         f"{value - 2**64}; number the documents below 2**63, or reinterpret the ids as int64 "
         "yourself (ids.view(np.int64), and .view(np.uint64) on the micro-steps' document_ids)"
+    )
+
+
+def _settings(**given: Any) -> dict[str, int | str]:
+    """Each setting as an int, or as the text of its value (compared through its digest)."""
+    return {
+        name: value if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+        for name, value in given.items()
+    }
+
+
+def _plain_cost(cost: CostModel) -> CostModel:
+    """``cost`` with float coefficients, whose text is the same on every rank that has it."""
+    return CostModel(
+        linear=float(cost.linear), quadratic=float(cost.quadratic), per_step=float(cost.per_step)
+    )
+
+
+def _digest(text: str) -> int:
+    """A 64-bit digest of ``text`` as an int64, the same in every process (``hash`` is not)."""
+    return int.from_bytes(
+        hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True
     )
 
 
