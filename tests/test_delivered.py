@@ -6,8 +6,10 @@ import time
 import pytest
 import torch
 
+from meshfeed import DataLoader, StreamLoader
 from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.delivered import Delivered
+from meshfeed.sources import ShardedStream
 from meshfeed.testing import assert_resume_equivalence, assert_same
 from tests.balance.checks import Samples
 
@@ -40,7 +42,52 @@ def test_balanced_batches_resume_exactly_through_delivered():
         it.shutdown()
         it.inner.close()
 
-    assert_resume_equivalence(factory, num_items=8, every=2, cleanup=cleanup)
+    assert_resume_equivalence(factory, num_items=4, every=2, cleanup=cleanup)
+
+
+def _numbers(**kwargs):
+    return DataLoader(list(range(12)), batch_size=3, seed=1, collate_fn=list, **kwargs)
+
+
+def _stream_numbers(**kwargs):
+    stream = ShardedStream([lambda: range(0, 5), lambda: range(20, 27)])
+    return StreamLoader(stream, batch_size=3, seed=1, collate_fn=list, **kwargs)
+
+
+_INNERS = {
+    "loader": _numbers,
+    "loader on the device": lambda: _numbers(device="cpu", device_prefetch=2),
+    "stream": _stream_numbers,
+    "loader with workers": pytest.param(
+        lambda: _numbers(num_workers=2), marks=pytest.mark.slow, id="loader with workers"
+    ),
+}
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("inner", list(_INNERS.values()), ids=list(_INNERS))
+def test_a_state_taken_after_an_epoch_ended_resumes_with_the_whole_next_epoch(inner, device):
+    # Checkpointed after `for batch in it` ended, the state once named the epoch's last batch
+    # (stored with that batch), not where the loader had moved: the resumed job's next epoch
+    # came out empty.
+    with inner() as loader, Delivered(loader, device=device) as it:
+        first = list(it)
+        state = it.state_dict()
+        assert state == loader.state_dict()  # the loader's: the start of its next epoch
+        want = list(it)
+        end = it.state_dict()
+    with inner() as loader, Delivered(loader, device=device) as resumed:
+        resumed.load_state_dict(state)
+        assert list(resumed) == want and len(want) == len(first) == 4
+        assert resumed.state_dict() == end
+
+
+def test_delivered_over_a_loader_resumes_exactly_across_epochs():
+    def factory():
+        return Delivered(_numbers(), device="cpu", device_prefetch=2)
+
+    ref = assert_resume_equivalence(factory, num_items=10, cleanup=lambda it: it.shutdown())
+    assert sorted(x for b in ref[:4] for x in b) == list(range(12))  # an epoch, then on
 
 
 def test_the_state_is_of_the_item_returned_not_of_items_read_ahead():

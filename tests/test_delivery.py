@@ -86,7 +86,7 @@ def test_resume_is_exact_with_device_prefetch(num_workers):
             drop_last=False,
         )
 
-    out = assert_resume_equivalence(factory, num_items=12, every=3)
+    out = assert_resume_equivalence(factory, num_items=12, every=3, max_state_bytes=1024)
     assert len(out) == 12
 
 
@@ -94,7 +94,7 @@ def test_stream_loader_resume_is_exact_with_device_prefetch():
     def factory():
         return StreamLoader(_stream(), batch_size=3, seed=1, device="cpu", device_prefetch=2)
 
-    assert_resume_equivalence(factory, num_items=9, every=2)
+    assert_resume_equivalence(factory, num_items=9, every=2, max_state_bytes=1024)
 
 
 def test_an_error_made_ahead_is_raised_at_its_batch_and_the_thread_stops():

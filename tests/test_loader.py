@@ -122,7 +122,7 @@ def test_exact_resume_at_every_step_across_epochs(mesh, drop_last):
             seed=3,
         )
 
-    ref = assert_resume_equivalence(factory, num_items=3 * len(factory()) + 2)
+    ref = assert_resume_equivalence(factory, num_items=3 * len(factory()) + 2, max_state_bytes=1024)
     assert len(ref) == 3 * len(factory()) + 2
 
 

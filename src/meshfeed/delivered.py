@@ -9,9 +9,11 @@ whose micro-steps are made after the loader's delivery:
 
 The delivery thread takes items of ``inner`` ahead of the loop and, right after each, asks
 ``inner.state_dict()``: the state of the item the loop got last is the one ``state_dict()``
-returns, so a checkpoint never counts an item read ahead but not returned. The state is
-``inner``'s own (its ``kind`` and ``version``); ``load_state_dict`` stops the thread, hands the
-state to ``inner`` and starts again from there.
+returns, so a checkpoint never counts an item read ahead but not returned. Once ``inner``
+ended (``StopIteration``), it is ``inner``'s state then: a loader's names the start of its next
+epoch, which the next ``next()`` reads. The state is ``inner``'s own (its ``kind`` and
+``version``); ``load_state_dict`` stops the thread, hands the state to ``inner`` and starts
+again from there.
 
 ``on_step`` runs once the item counts as returned (``state_dict()`` there is of that item); if
 it raises, the item is not returned: the state stays as before it and the next ``next()``
@@ -109,7 +111,11 @@ class Delivered(Lifecycle):
             try:
                 item, state = next(self._stream)
             except StopIteration:
+                # ``inner``'s walk is over and the delivery thread done with it: its state is
+                # now past the end (a loader's: the next epoch), not the last item's.
                 self._stream = None
+                if isinstance(self.inner, Stateful):
+                    self._state = dict(self.inner.state_dict())
                 raise
             except BaseException:
                 if not self._moved():
@@ -155,7 +161,8 @@ class Delivered(Lifecycle):
         return self.inner
 
     def state_dict(self) -> dict[str, Any]:
-        """``inner``'s state as of the last item returned (not of items read ahead)."""
+        """``inner``'s state as of the last item returned (not of items read ahead), or as it
+        ended, once it raised ``StopIteration``."""
         inner = self._stateful()
         return dict(self._state) if self._state is not None else dict(inner.state_dict())
 

@@ -207,7 +207,10 @@ def _resumable(prefetch: int) -> StoreWithLoader:
 @pytest.mark.parametrize("prefetch", [1, 2, 5])
 def test_state_is_as_of_the_last_batch_returned_even_with_batches_in_flight(prefetch):
     reference = assert_resume_equivalence(
-        lambda: _resumable(prefetch), num_items=10, cleanup=lambda r: r.loader.shutdown()
+        lambda: _resumable(prefetch),
+        num_items=8,
+        cleanup=lambda r: r.loader.shutdown(),
+        max_state_bytes=4096,
     )
     assert [k for ids in reference for k in ids] == list(range(23))
 

@@ -169,7 +169,9 @@ def test_exact_resume_from_every_batch_across_epochs(buffer, num_workers):
     def make() -> StreamLoader:
         return StreamLoader(stream, batch_size=3, num_workers=num_workers, seed=4)
 
-    assert_resume_equivalence(make, num_items=18, cleanup=lambda lo: lo.shutdown())
+    assert_resume_equivalence(
+        make, num_items=18, cleanup=lambda lo: lo.shutdown(), max_state_bytes=1024
+    )
 
 
 def test_the_state_is_a_position_of_a_few_hundred_bytes():
