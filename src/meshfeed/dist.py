@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import math
 import pickle
 import threading
@@ -67,6 +68,25 @@ DEFAULT_TIMEOUT = 300.0
 _AGREEMENT_FIX = (
     "every rank must build its DataLoader with the same dataset, seed and global batch size"
 )
+#: The loader argument behind each fact a DataLoader's ranks agree on, for the fix of a
+#: disagreement (a fact not listed here gets :data:`_AGREEMENT_FIX`).
+_ARGUMENT_OF = {
+    "seed": "seed=",
+    "global_batch_size": "global batch size (batch_size x data-parallel size)",
+    "dataset_length": "dataset",
+    "dataset_fingerprint": "dataset",
+    "shuffle": "shuffle=",
+    "drop_last": "drop_last=",
+    "pad_last": "pad_last=",
+    "on_error": (
+        "on_error= ('raise', held as 1, on every rank or on none: it makes one collective per "
+        "step that every rank must join)"
+    ),
+}
+#: Ints of an agreement's first all-gather, the same on every rank whatever it checks: the
+#: number of facts, a hash of their names, then as many values as fit (the rest follow in a
+#: second all-gather, only where every rank has more facts than fit).
+_AGREEMENT_WIDTH = 32
 
 
 def device_for_backend(backend: str, *, cuda_device: int | None = None) -> torch.device:
@@ -182,11 +202,19 @@ _OWN_WORLD: list[Any] = [None]
 _OWN_LOCK = threading.Lock()
 
 
+#: What a backend's error says when the peer refused or closed the connection.
+_PEER_GONE = ("connection refused", "connection closed", "connection reset", "broken pipe")
+
+
 def _failure(exc: BaseException | None, elapsed: float, timeout: float, what: str) -> Exception:
     """The error of a collective that failed after ``elapsed`` s: closed, or timed out."""
     me = f"rank {dist.get_rank()} of {dist.get_world_size()}"
-    text = "" if exc is None else " ".join(str(exc).split())[:300]
-    timed_out = exc is None or "timed out" in text.lower() or elapsed >= 0.95 * timeout
+    text = "" if exc is None else " ".join(str(exc).split())
+    lowered, text = text.lower(), text[:300]
+    # A peer that refused or closed the connection is gone or gave up (its own timeout passed
+    # before this rank came), also where the backend calls that "timed out connecting".
+    gone = any(sign in lowered for sign in _PEER_GONE)
+    timed_out = exc is None or elapsed >= 0.95 * timeout or ("timed out" in lowered and not gone)
     if timed_out:
         message = (
             f"{me} waited more than timeout={timeout}s for the other ranks in {what}; a rank "
@@ -194,9 +222,16 @@ def _failure(exc: BaseException | None, elapsed: float, timeout: float, what: st
             "legitimately takes longer)"
         )
     else:
+        peer = (
+            "a peer rank refused the connection"
+            if "refused" in lowered
+            else "a peer rank's connection closed"
+        )
         message = (
-            f"{me}: a peer rank's connection closed after {elapsed:.1f}s in {what}: it died or "
-            "exited without joining; see the failed rank's own log"
+            f"{me}: {peer} after {elapsed:.1f}s in {what}: it died or exited, or it gave up "
+            "waiting for this rank (its own timeout passed before this rank came); see the "
+            "other ranks' logs, and raise the loaders' timeout= if this rank legitimately "
+            "comes later"
         )
     if text:
         message += f" (backend: {text})"
@@ -387,37 +422,116 @@ def check_agreement(
     *,
     group: Any = None,
     what: str = "data loaders",
-    fix: str = _AGREEMENT_FIX,
+    fix: str | None = None,
 ) -> None:
     """Raise ``ValueError`` on every rank if any of these small ints differs across ranks.
 
-    One all-gather of ``len(values)`` int64s with a bounded wait. The message names the field
-    and the value each rank holds (``"data loaders disagree on seed: rank i holds [0, 1]"``),
-    so a misconfigured job stops at its first batch instead of hanging or training on
-    overlapping shards.
+    One all-gather of a few int64s with a bounded wait (:func:`gather_agreement`). The message
+    names the field and the value each rank holds (``"data loaders disagree on seed: rank i
+    holds [0, 1]"``), so a misconfigured job stops at its first batch instead of hanging or
+    training on overlapping shards.
     """
-    refuse_disagreement(gather_agreement(values, timeout, group=group), what=what, fix=fix)
+    refuse_disagreement(
+        gather_agreement(values, timeout, group=group, what=what), what=what, fix=fix
+    )
 
 
 def gather_agreement(
-    values: Mapping[str, int], timeout: float = DEFAULT_TIMEOUT, *, group: Any = None
+    values: Mapping[str, int],
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    group: Any = None,
+    what: str = "data loaders",
 ) -> dict[str, list[int]]:
-    """Every rank's value of each of these small ints, in rank order: one all-gather of
-    ``len(values)`` int64s with a bounded wait (every rank names the same keys)."""
-    names = list(values)
-    mine = np.asarray([int(values[n]) for n in names], dtype=np.int64)
-    table = np.stack(all_gather_ints(mine, max_len=len(names), timeout=timeout, group=group))
-    return {name: table[:, j].tolist() for j, name in enumerate(names)}
+    """Every rank's value of each of these small ints, in rank order.
+
+    One all-gather of the same number of int64s on every rank (the number of facts, a hash of
+    their names, then their values; a second one only for more than 30 facts), with a bounded
+    wait. Ranks that check different facts (built with different arguments: a ramp on some
+    only) raise ``ValueError`` on every rank, naming the facts each rank has: never a
+    collective whose sizes differ between ranks, which the backend may answer by aborting a
+    process.
+    """
+    timeout = _check_timeout(timeout)
+    names = sorted(values)  # compared by name, whatever the order they were given in
+    mine = [int(values[n]) for n in names]
+    if not is_distributed(group):
+        return {name: [int(values[name])] for name in values}
+    fit = _AGREEMENT_WIDTH - 2
+    rows = all_gather_ints(
+        [len(names), _names_hash(names), *mine[:fit]],
+        max_len=_AGREEMENT_WIDTH,
+        timeout=timeout,
+        group=group,
+    )
+    if len({(int(row[0]), int(row[1])) for row in rows}) > 1:  # every rank sees this alike
+        held = all_gather_objects(names, timeout=timeout, group=group)
+        raise ValueError(_different_facts(held, what))
+    table = np.stack([row[2:] for row in rows])
+    if len(names) > fit:
+        rest = all_gather_ints(mine[fit:], max_len=len(names) - fit, timeout=timeout, group=group)
+        table = np.concatenate([table, np.stack(rest)], axis=1)
+    columns = {name: table[:, j].tolist() for j, name in enumerate(names)}
+    return {name: columns[name] for name in values}
+
+
+def _names_hash(names: Sequence[str]) -> int:
+    """63-bit hash of a list of names, the same in every process."""
+    digest = hashlib.blake2b("\0".join(names).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _different_facts(held: Sequence[Sequence[str]], what: str) -> str:
+    """The message for ranks that check different facts: ``held[r]`` is rank r's."""
+    common = set.intersection(*(set(names) for names in held))
+    extra = [sorted(set(names) - common) for names in held]
+    by_extra: dict[tuple[str, ...], list[int]] = {}
+    for r, names in enumerate(extra):
+        by_extra.setdefault(tuple(names), []).append(r)
+    shown = ", ".join(
+        f"{_ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} "
+        + (f"facts {list(names)}" if names else "none of them")
+        for names, ranks in by_extra.items()
+    )
+    differ = sorted({name for names in extra for name in names})
+    return (
+        f"{what} were built with different arguments: the ranks check different facts "
+        f"(beyond the {len(common)} every rank has, {shown}); {_fix_for(differ)}"
+    )
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``"rank 0"``, ``"ranks 1-7"`` or ``"ranks [1, 3]"``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {list(ranks)}"
+
+
+def _fix_for(names: Sequence[str]) -> str:
+    """The fix for ranks that differ in the facts ``names``: the loader arguments they come
+    from (the generic fix where one is not a DataLoader's)."""
+    arguments: list[str] = []
+    for name in names:
+        argument = _ARGUMENT_OF.get(name, "rampup=" if name.startswith("rampup_") else None)
+        if argument is None:
+            return _AGREEMENT_FIX
+        if argument not in arguments:
+            arguments.append(argument)
+    return "every rank must build its DataLoader with the same " + ", ".join(arguments)
 
 
 def refuse_disagreement(
-    columns: Mapping[str, Sequence[int]], *, what: str = "data loaders", fix: str = _AGREEMENT_FIX
+    columns: Mapping[str, Sequence[int]], *, what: str = "data loaders", fix: str | None = None
 ) -> None:
     """``ValueError`` naming the first of ``columns`` (each rank's value, in rank order) whose
-    ranks differ, with every rank's value and ``fix``; nothing when they all agree."""
+    ranks differ, with every rank's value and ``fix`` (default: the loader argument that
+    fact comes from); nothing when they all agree."""
     for name, column in columns.items():
         if len(set(column)) > 1:
-            raise ValueError(f"{what} disagree on {name}: rank i holds {list(column)}; {fix}")
+            hint = _fix_for([name]) if fix is None else fix
+            raise ValueError(f"{what} disagree on {name}: rank i holds {list(column)}; {hint}")
 
 
 def all_to_all_single(

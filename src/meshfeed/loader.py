@@ -21,6 +21,7 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 
 from meshfeed.dist import fail_together, is_distributed
+from meshfeed.errors import CollectiveError
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
 from meshfeed.loader_base import LoaderBase
 from meshfeed.loader_state import COUNTS, LOADER_STATE_VERSION, encode_stats, read_state
@@ -43,6 +44,10 @@ __all__ = ["LOADER_STATE_VERSION", "DataLoader"]
 
 #: How many upcoming steps' indices are computed in one vectorised order call.
 _INDEX_BLOCK_STEPS = 256
+_REPLAN_FIX = (
+    "call mix.reweight(step, weights) with the same arguments on every rank, between the same "
+    "two batches (not in a callback that runs on some ranks only)"
+)
 
 
 class DataLoader(LoaderBase):
@@ -65,7 +70,9 @@ class DataLoader(LoaderBase):
     ``iter()``, ``set_epoch``, ``load_state_dict``, ``resize`` or ``shutdown`` stops the
     earlier one, which raises on its next ``next()`` (see :mod:`meshfeed.loader_base`). With
     a process group, every ``iter()`` checks that all ranks start at the same epoch and
-    position (:meth:`DistributedService.agree <meshfeed.services.DistributedService.agree>`). Resume with
+    position (:meth:`DistributedService.agree <meshfeed.services.DistributedService.agree>`),
+    and so does every walk started again after a re-plan (a ``Mixture`` reweighted mid-epoch,
+    which every rank must do between the same two batches). Resume with
     ``for epoch in loader.epochs(n): for batch in loader: ...``.
 
     ``on_error`` (default ``"substitute"``) handles samples that raise or are rejected (see
@@ -288,6 +295,9 @@ class DataLoader(LoaderBase):
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
             "pad_last": int(self.pad_last),
+            # Whether every step makes the ranks' per-step check (a collective): one rank with
+            # it would wait in a collective the others never make.
+            "on_error": int(self.on_error == "raise"),
             **self.plan.facts(),
         }
 
@@ -353,23 +363,25 @@ class DataLoader(LoaderBase):
         epoch = self._epoch
         self._join_group()
         if isinstance(self.service, DistributedService):  # the ranks start at the same place
-            self.service.agree(self._walk_facts())
+            self._agree(self.service, replanned=False)
         if not self._started:
             self.service.start(self.fetcher)
             self._started = True
         # A walk ends early when the order was re-planned at a step not yet returned (a
         # reweighted mixture): what was planned or prefetched from there is dropped and the
-        # walk starts again at the first batch not returned.
+        # walk starts again at the first batch not returned, agreed again by the ranks (one
+        # collective per re-plan), which must all have re-planned at the same step.
         while (yield from self._walk(walk, epoch, self._position)):
-            pass
+            if isinstance(self.service, DistributedService):
+                self._agree(self.service, replanned=True)
         # The epoch was iterated to its end: the next iter() starts the next epoch.
         if self._walks == walk and self._epoch == epoch:
             self._epoch, self._position = epoch + 1, 0
 
-    def _walk_facts(self) -> dict[str, int]:
+    def _walk_facts(self, *, replanned: bool = False) -> dict[str, int]:
         """Where a walk starts, and on which mesh, which every rank of a process group must
         agree on (ranks built with different meshes of one world and global batch would
-        read the same samples)."""
+        read the same samples); ``replanned``: a walk started again after a re-plan."""
         described = self.hooks.describe(self._epoch, self._position)
         order = 0 if described is None else fingerprint_hash(json.dumps(described, sort_keys=True))
         return {
@@ -378,7 +390,34 @@ class DataLoader(LoaderBase):
             "order": order,
             "data_world_size": self.data_world_size,
             "mesh": mesh_hash(self.mesh),
+            "replanned": int(replanned),
         }
+
+    def _agree(self, service: DistributedService, *, replanned: bool) -> None:
+        """The ranks' agreement on where this walk starts (:meth:`_walk_facts`), its error
+        naming a re-plan where one is the likely cause: a Mixture reweighted on some ranks
+        only, whose order the other ranks never re-plan (they take no collective there)."""
+        try:
+            service.agree(self._walk_facts(replanned=replanned))
+        except CollectiveError as exc:
+            if not replanned:
+                raise
+            raise CollectiveError(
+                f"{exc}. This rank re-planned its order at position {self._position} of epoch "
+                f"{self._epoch} (its Mixture's weights changed: reweight) and the other ranks "
+                f"did not join its agreement on that: if they did not re-plan, {_REPLAN_FIX}",
+                this_rank=exc.this_rank,
+                reason=exc.reason,
+                elapsed=exc.elapsed,
+            ) from exc
+        except ValueError as exc:
+            # "replanned=" names each rank's value where that fact differs (the ranks' message).
+            if not replanned and "replanned=" not in str(exc):
+                raise
+            raise ValueError(
+                f"{exc}. Here a rank re-planned its order mid-epoch (its Mixture's weights "
+                f"changed: reweight) where another did not, or to other weights: {_REPLAN_FIX}"
+            ) from None
 
     def _walk(self, walk: int, epoch: int, position: int) -> Generator[Any, None, bool]:
         """Yield the batches of ``epoch`` from ``position``; True when re-planned (see above)."""
@@ -537,7 +576,13 @@ class DataLoader(LoaderBase):
         """The state as of the last batch returned: a small JSON-serialisable dict.
 
         Also a ``torch.distributed.checkpoint`` ``Stateful``: every list in it is a leaf
-        (failures are rows ``[index, position, attempt, error, message]``).
+        (failures are rows ``[index, position, attempt, error, message]``). The state is the
+        run's, not a rank's: its keys are the same on every rank (a run on another
+        data-parallel size loads it), so DCP writes one rank's copy and every rank restores
+        that position and those stats. That is exact when every rank saves at the same step,
+        as SPMD training does; ranks that took different numbers of steps are not told apart
+        (a rank knows only its own position, and a collective here would hang a rank that
+        calls ``state_dict()`` alone).
         """
         fields: dict[str, Any] = {
             "seed": self.seed,
