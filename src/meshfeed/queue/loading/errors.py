@@ -16,6 +16,12 @@ fetched (the store handed its samples out once). After ``collate_retries``:
   ``all_reduce`` of one int per batch, only with ``"skip"``): a round one rank could not
   collate is skipped by every rank. A mesh of several ranks without a process group cannot
   agree, so ``"skip"`` is refused there (:func:`check_on_error`).
+- Whatever ``on_error`` says, a batch whose making raised on one rank (its store refused the
+  request, its wait timed out, a worker died, a damaged file) is announced in that round's
+  agreement (:func:`round_failures`): the other ranks raise :class:`~meshfeed.errors.RankError`
+  naming that rank and its error at the same batch (a :class:`RankTimeoutError` when its wait
+  timed out), and keep their part of it, instead of waiting for that rank in the agreement
+  until ``timeout``.
 - ``"substitute"`` is refused: a store batch has no deterministic substitute (the store hands
   every sample out once; there is no index to draw a replacement from that every rank would
   agree on).
@@ -23,13 +29,22 @@ fetched (the store handed its samples out once). After ``collate_retries``:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from meshfeed.dist import first_failed_rank, is_distributed
+from meshfeed.dist import all_gather_objects, first_failed_rank, is_distributed
+from meshfeed.errors import RankError
 from meshfeed.fetch import MAX_REPORTED_FAILURES
 from meshfeed.options import OnError
 
-__all__ = ["CollateError", "SkipLog", "check_on_error", "round_failed"]
+__all__ = [
+    "CollateError",
+    "Failure",
+    "RankTimeoutError",
+    "SkipLog",
+    "check_on_error",
+    "round_failed",
+    "round_failures",
+]
 
 
 class CollateError(RuntimeError):
@@ -42,6 +57,34 @@ class CollateError(RuntimeError):
     def __init__(self, message: str, *, index: int, ids: list[Any]) -> None:
         super().__init__(message)
         self.index, self.ids = index, ids
+
+
+class RankTimeoutError(RankError, TimeoutError):
+    """Another rank's wait for its part of this batch timed out (its producers were late), so
+    this rank stops at the same batch too, with a ``TimeoutError`` as that rank's: a loop that
+    calls ``next()`` again after a ``TimeoutError`` goes on on every rank, from this batch."""
+
+
+class Failure(NamedTuple):
+    """What failed in one rank's part of a round, as the other ranks are told: ``raised``
+    (its making raised; else ``collate_fn`` kept failing on it), the error's type name and
+    message, and whether it was a ``TimeoutError``."""
+
+    raised: bool
+    kind: str
+    message: str
+    timed_out: bool
+
+    @classmethod
+    def of(cls, error: BaseException, *, raised: bool) -> Failure:
+        text = " ".join(str(error).split())
+        text = text if len(text) <= 300 else text[:300] + " ..."
+        return cls(raised, type(error).__name__, text, isinstance(error, TimeoutError))
+
+    def describe(self) -> str:
+        if self.raised:
+            return f"raised {self.kind}: {self.message}"
+        return f"could not collate its part ({self.kind}: {self.message})"
 
 
 def check_on_error(on_error: OnError, world_size: int) -> OnError:
@@ -71,6 +114,20 @@ def round_failed(failed: bool, timeout: float) -> int | None:
     if not is_distributed():
         return 0 if failed else None
     return first_failed_rank(failed, timeout=timeout)
+
+
+def round_failures(mine: Failure | None, timeout: float) -> dict[int, Failure]:
+    """Every rank whose part of this round failed, with what failed there (``mine``: this
+    rank's; empty: none failed), in rank order: the one collective of :func:`round_failed`,
+    and only when a part failed one gather of the failures (the same on every rank, since
+    every rank learns of the failure from the same collective)."""
+    if round_failed(mine is not None, timeout) is None:
+        return {}
+    if not is_distributed():
+        return {} if mine is None else {0: mine}
+    # Plain tuples travel: every rank unpickles what the others send.
+    told = all_gather_objects(None if mine is None else tuple(mine), timeout=timeout)
+    return {r: Failure(*failure) for r, failure in enumerate(told) if failure is not None}
 
 
 class SkipLog:

@@ -64,8 +64,8 @@ requests may go (the loop grants them on its own thread, so that is the same on 
 few hundred bytes whatever the mesh. The batches in flight are the store's
 plans, kept in the store (and in its checkpoint); after ``load_state_dict`` they are read back
 first. Every rank's state is the same (with a process group the ranks check at their first
-``next()`` that they start at the same batch: a rank that loaded a stale state raises
-``ValueError`` on every rank), and it loads on another number of data ranks with the
+``next()`` that they start at the same batch, built with the same settings: a rank that loaded
+a stale state raises ``ValueError`` on every rank), and it loads on another number of data ranks with the
 same global batch (elastic resume: :mod:`meshfeed.queue.loading.resume`). Save the store and
 every loader's state between the same two batches; a store that outlives the trainer (a Ray
 actor) serves a restored loader without being restored itself.
@@ -121,11 +121,15 @@ class StoreLoader(LoaderBase, Walking):
     the loader keeps the batch, ``on_error="skip"`` drops it, agreed by every rank (needs the
     process group on a mesh of several ranks; see the module docstring); a ``SourceError`` or
     ``MemoryError`` (a damaged file) raises as itself at once, whatever ``on_error`` says, and
-    the batch stays in the store's plan for the next call. Replica peers
+    the batch stays in the store's plan for the next call. Every rank
     must use the same ``batch_size``, sampler and batches ahead (``prefetch``, workers or
-    service, delivery: the store checks ``batch_size`` and how far ahead the loader asks,
-    which decides at which step a peer sees the end of the stream; ``on_error``:
-    :mod:`meshfeed.queue.loading.errors`).
+    service, delivery: how far ahead the loader asks decides at which step a rank sees the end
+    of the stream), ``task``, ``partition``, ``fields``, ``on_error``, ``max_staleness`` and
+    ``group_filter``: with a process group the ranks check them at their first ``next()``
+    (``ValueError`` on every rank naming the setting; a shared store also checks
+    ``batch_size`` and how far ahead replica peers ask). With a process group, a batch whose
+    making raised on one rank makes the others raise :class:`~meshfeed.errors.RankError` at
+    the same batch, naming that rank and its error (:mod:`meshfeed.queue.loading.errors`).
     ``shutdown()`` (or leaving a ``with`` block) cancels waiting requests and stops workers.
     ``max_staleness`` with :meth:`set_version` and
     ``group_filter`` go to every request (policy versions and dynamic sampling, applied by

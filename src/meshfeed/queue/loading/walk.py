@@ -19,8 +19,10 @@ returned, counted as returned only then. What is particular to a store:
   the round did) is kept first in line (``loader._held``): the next walk collates it again, or
   returns it, without fetching it again.
 - With a process group, the ranks agree once, at a loader's first ``next()``, where it starts
-  (:meth:`Walking._agree_start`): its position comes from outside only then (a loaded state, a
-  resize); later walks start where the per-batch agreement left every rank.
+  and what it was built with (:meth:`Walking._agree_start`): its position comes from outside
+  only then (a loaded state, a resize); later walks start where the per-batch agreement left
+  every rank. A batch whose making raised on one rank is announced in that batch's agreement
+  (:meth:`Walking._announced`): the others raise at once, naming that rank and its error.
 
 :class:`Walking` is the part of a :class:`~meshfeed.queue.StoreLoader` that walks: its
 position (returned, requested, granted), the versions its requests were granted with, and the
@@ -33,6 +35,8 @@ store's lock).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import itertools
 import threading
 import uuid
@@ -41,12 +45,18 @@ from collections.abc import Generator, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from meshfeed.delivery import Delivery
-from meshfeed.dist import gather_agreement, is_distributed
-from meshfeed.errors import NEVER_SUBSTITUTED, CollectiveError, RankError
+from meshfeed.dist import all_gather_objects, gather_agreement, is_distributed
+from meshfeed.errors import CollectiveError, RankError
 from meshfeed.mesh import DataMesh, mesh_hash
 from meshfeed.protocols import BoundedService
-from meshfeed.queue.loading.errors import CollateError, SkipLog, round_failed
-from meshfeed.queue.loading.fetch import StoreEvents, StoreTask
+from meshfeed.queue.loading.errors import (
+    CollateError,
+    Failure,
+    RankTimeoutError,
+    SkipLog,
+    round_failures,
+)
+from meshfeed.queue.loading.fetch import StoreEvents, StoreFetcher, StoreTask
 from meshfeed.queue.loading.reach import LocalDoor
 from meshfeed.queue.loading.versions import LoaderVersion
 from meshfeed.services.distributed import check_walk_start
@@ -59,6 +69,22 @@ Result = tuple[Any, StoreEvents]
 SKIPPED: Any = object()
 #: The phases a batch's events carry (the fetcher's seconds), added whenever it is returned.
 _FROM_EVENTS = ("fetch", "collate")
+#: The start facts that say where a loader starts, on which mesh (:meth:`Walking._agree_start`).
+_PLACE_FACTS = ("next", "requested", "data_world_size", "mesh")
+#: What the other start facts are called in a refusal: the settings that decide which samples of
+#: every round a rank takes, and when it sees the end.
+_SETTINGS = {
+    "batch_size": "batch_size",
+    "batches_ahead": "batches kept ahead, from prefetch, num_workers or service, device or "
+    "pin_memory and device_prefetch",
+    "reads": "task, partition and fields",
+    "sampler": "sampler",
+    "group_filter": "group_filter",
+    "on_error": "on_error",
+    "max_staleness": "max_staleness",
+}
+#: A rank-aware sampler's own place on the mesh, which differs between ranks by design.
+_OWN_PLACE = frozenset({"data_rank", "replica_rank"})
 
 
 class Walking:
@@ -75,6 +101,7 @@ class Walking:
     mesh: DataMesh
     data_world_size: int
     collate_retries: int
+    fetcher: StoreFetcher
     _door: LocalDoor | None
     _walks: int
     _keeps: int
@@ -126,28 +153,75 @@ class Walking:
     def _agree_start(self) -> None:
         """Where a process group runs, check once, at this loader's first ``next()`` (built,
         loaded from a state, or resized), that every rank starts at the same batch with the
-        same batches in flight (``next``, ``requested``) on the same mesh: one all-gather of a
-        few ints, the check ``DataLoader`` makes at every walk start. Ranks that loaded
-        different states (one stale) would read other ranks' batches again, or skip some, or
-        hang in the per-batch agreement; they raise ``ValueError`` on every rank instead.
-        Later walks (after an error) start where the ranks' per-batch agreement left them."""
+        same batches in flight (``next``, ``requested``) on the same mesh, built with the same
+        settings (:meth:`_settings`): one all-gather of a few ints, the check ``DataLoader``
+        makes at every walk start. Ranks that loaded different states (one stale), or built
+        with another ``batch_size`` or sampler, would read other ranks' samples again, or skip
+        some, or end at different steps; they raise ``ValueError`` on every rank instead. The
+        facts are the same keys on every rank, whatever the loader's options. Later walks
+        (after an error) start where the ranks' per-batch agreement left them."""
         if is_distributed():
             requested = max(self._granted, self._returned, self._redeliver)
-            facts = {
-                "next": self._returned,
-                "requested": requested,
-                "data_world_size": self.data_world_size,
-                "mesh": mesh_hash(self.mesh),
-            }
+            place = (self._returned, requested, self.data_world_size, mesh_hash(self.mesh))
+            settings = self._settings()
+            facts = dict(zip(_PLACE_FACTS, place, strict=True))
+            facts.update({name: _fact(text) for name, text in settings.items()})
+            columns = gather_agreement(facts, self.wait_timeout)
+            where = {name: columns.pop(name) for name in _PLACE_FACTS}
+            if len(set(where["mesh"])) == len(set(where["data_world_size"])) == 1:
+                self._refuse_other_settings(columns, settings)  # another mesh: named below
             try:
-                check_walk_start(gather_agreement(facts, self.wait_timeout))
+                check_walk_start(where)
             except ValueError as exc:
+                moved = len(set(where["next"])) > 1 or len(set(where["requested"])) > 1
                 raise ValueError(
-                    f"StoreLoader of task {self.task!r}: {exc}. A StoreLoader state's 'next' "
-                    "and 'requested' are the same on every rank: load the one saved with "
-                    "the store's checkpoint on every rank"
+                    f"StoreLoader of task {self.task!r}: {exc}"
+                    + (
+                        ". A StoreLoader state's 'next' and 'requested' are the same on every "
+                        "rank: load the one saved with the store's checkpoint on every rank"
+                        if moved
+                        else ""
+                    )
                 ) from None
         self._start_agreed = True
+
+    def _settings(self) -> dict[str, str]:
+        """What this loader was built with that decides which samples of every round it takes
+        and at which step it sees the end, as text (:data:`_SETTINGS`); every rank's must be
+        the same."""
+        spec = self.fetcher.spec
+        return {
+            "batch_size": str(spec.batch_size),
+            "batches_ahead": str(spec.window),
+            "reads": f"task={spec.task!r} partition={spec.partition!r} fields={list(spec.fields)}",
+            "sampler": _described(spec.sampler),
+            "group_filter": _described(spec.group_filter),
+            "on_error": repr(self.on_error),
+            "max_staleness": repr(self._version.max_staleness),
+        }
+
+    def _refuse_other_settings(self, columns: dict[str, list[int]], mine: dict[str, str]) -> None:
+        """``ValueError`` on every rank naming each setting the ranks differ in, with every
+        rank's value: ``columns`` holds each rank's hash of them, the same table on every rank,
+        so every rank gathers the values it names (one more collective) or none does."""
+        differ = [name for name, column in columns.items() if len(set(column)) > 1]
+        if not differ:
+            return
+        told = all_gather_objects([mine[name] for name in differ], timeout=self.wait_timeout)
+        held = "; ".join(
+            f"{_SETTINGS[name]} ("
+            + ", ".join(f"rank {r} has {values[j]}" for r, values in enumerate(told))
+            + ")"
+            for j, name in enumerate(differ)
+        )
+        raise ValueError(
+            f"StoreLoader of task {self.task!r}: the ranks' loaders were built with different "
+            f"settings: {held}. A rank would take samples of a round that its peers take too, or "
+            "that none takes, drop a batch its peers return, or end at another step. Build "
+            "every rank's StoreLoader with the same batch_size, sampler, task, partition, "
+            "fields, prefetch, num_workers (or service), device, pin_memory, device_prefetch, "
+            "on_error, max_staleness and group_filter"
+        )
 
     def _version_args(self, index: int) -> dict[str, Any]:
         """The keywords of batch ``index``'s request: its policy version (as first asked),
@@ -323,7 +397,7 @@ class Walking:
         """Each batch with ``on_error`` applied and, where a process group runs, agreed on."""
         agree = self.on_error == "raise" and is_distributed()
         try:
-            for item, events in Walking._announced(self, results, agree):
+            for item, events in Walking._announced(self, results):
                 if events.ids is None:  # ended: later requests end too; the in-flight ones drain
                     if self._end_at is None or events.index < self._end_at:
                         self._end_at = events.index
@@ -331,7 +405,7 @@ class Walking:
                 if self._end_at is not None and events.index > self._end_at:
                     self._end_at = None  # a batch after an "ended": ask on past it next time
                 if self.on_error == "skip":
-                    if self._skipped(events):
+                    if self._skipped(item, events):
                         item = SKIPPED  # passed in order, so the loop counts it where it was
                 elif events.error is not None or agree:
                     self._agreed(item, events, agree)
@@ -340,33 +414,45 @@ class Walking:
             if isinstance(results, Generator):
                 results.close()
 
-    def _announced(self, results: Iterator[Result], agree: bool) -> Iterator[Result]:
-        """``results``; where the ranks agree on every batch (``agree``), a batch whose making
-        raised a :data:`~meshfeed.errors.NEVER_SUBSTITUTED` error (a damaged file,
-        ``MemoryError``: raised as itself, never a ``CollateError``) is first announced to the
-        other ranks, which raise :class:`RankError` at the same batch (as ``DataLoader``'s
-        ``fail_together``) instead of waiting for this one in the per-batch agreement."""
+    def _announced(self, results: Iterator[Result]) -> Iterator[Result]:
+        """``results``; where a process group runs (the ranks agree on every batch, whatever
+        ``on_error`` says), a batch whose making raised on this rank (its store refused the
+        request or its wait timed out, a worker died, a damaged file: any ``Exception``) is
+        first announced in that batch's agreement, so the other ranks raise :class:`RankError`
+        naming this rank and its error at the same batch (as ``DataLoader``'s
+        ``fail_together``) instead of waiting for this one until ``timeout``. Not announced:
+        a ``KeyboardInterrupt`` (the job is being stopped: this rank must not wait in a
+        collective), what ``shutdown()`` made the walk raise, and a :class:`RankError` (a
+        peer's failure, not this rank's)."""
+        tell = is_distributed()
         while True:
             try:
                 result = next(results)
             except StopIteration:
                 return
-            except NEVER_SUBSTITUTED as error:
-                if agree and isinstance(error, Exception) and not self._shut:
+            except Exception as error:
+                if tell and not self._shut and not isinstance(error, RankError):
                     with contextlib.suppress(CollectiveError):  # a dead peer must not hide ours
-                        round_failed(True, self.wait_timeout)
+                        round_failures(Failure.of(error, raised=True), self.wait_timeout)
                 raise
             yield result
 
-    def _skipped(self, events: StoreEvents) -> bool:
+    def _skipped(self, item: Any, events: StoreEvents) -> bool:
         """``on_error="skip"``: whether the batch is dropped, agreed by every rank (a round one
-        rank could not collate is dropped by all of them); counted and warned."""
-        failed = events.error is not None
-        rank = round_failed(failed, self.wait_timeout)
-        if rank is None:
+        rank could not collate is dropped by all of them); counted and warned. A round whose
+        making raised on another rank is not dropped: this rank keeps its part and raises
+        (:meth:`_rank_error`), as that rank does, so every rank goes on from it."""
+        error = events.error
+        failures = round_failures(
+            None if error is None else Failure.of(error, raised=False), self.wait_timeout
+        )
+        if not failures:
             return False
+        if any(failure.raised for failure in failures.values()):
+            self._held = (item, events)  # a batch that failed here is collated again
+            raise self._rank_error(failures, events.index)
         ids = events.ids or []
-        first = self._skips.record(events.index, ids, events.error if failed else None, rank)
+        first = self._skips.record(events.index, ids, error, min(failures))
         self._note_bad_samples(len(ids), first)
         return True
 
@@ -379,18 +465,31 @@ class Walking:
             self._held = (None, events)
             if agree:
                 with contextlib.suppress(CollectiveError):  # a dead peer must not hide ours
-                    round_failed(True, self.wait_timeout)
+                    round_failures(Failure.of(events.error, raised=False), self.wait_timeout)
             raise self._collate_error(events)
-        failed = round_failed(False, self.wait_timeout)
-        if failed is not None:
+        failures = round_failures(None, self.wait_timeout)
+        if failures:
             self._held = (item, events)  # returned once the ranks go on
-            raise RankError(
-                f"rank {failed} could not collate (or make) its part of batch {events.index} "
-                f"of task {self.task!r} (this is rank {self.rank}); see that rank's error. Every "
-                "rank stops here so that none waits in its next collective",
-                rank=failed,
-                step=events.index,
-            )
+            raise self._rank_error(failures, events.index)
+
+    def _rank_error(self, failures: dict[int, Failure], index: int) -> RankError:
+        """What this rank raises when other ranks' parts of batch ``index`` failed: naming the
+        lowest rank whose making raised (else the lowest that could not collate) and its
+        error; a :class:`RankTimeoutError` (a ``TimeoutError``) when that was a timeout."""
+        named = {r: f for r, f in failures.items() if f.raised} or failures
+        rank = min(named)
+        failure, others = named[rank], sorted(set(failures) - {rank})
+        kind = RankTimeoutError if failure.timed_out else RankError
+        return kind(
+            f"rank {rank} {failure.describe()} at batch {index} of task {self.task!r} (this is "
+            f"rank {self.rank})"
+            + (f"; rank(s) {others} failed at it too" if others else "")
+            + "; see that rank's error. Every rank stops here so that none waits in its next "
+            "collective; this rank keeps its part of the batch, and the next next() goes on "
+            "from it on every rank",
+            rank=rank,
+            step=index,
+        )
 
     def _collate_error(self, events: StoreEvents) -> CollateError:
         ids = list(events.ids or [])
@@ -405,3 +504,28 @@ class Walking:
         )
         error.__cause__ = events.error
         return error
+
+
+def _fact(text: str) -> int:
+    """A 63-bit hash of ``text``, the same in every process, for one int64 collective."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _described(value: Any) -> str:
+    """``value`` as the ranks compare it: a dataclass (a sampler) by its type and fields, a
+    rank-aware sampler's own place on the mesh left out; a plain value by its ``repr``; a
+    function or any other object by its qualified name (never an address)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(
+            f"{f.name}={_described(getattr(value, f.name))}"
+            for f in dataclasses.fields(value)
+            if f.name not in _OWN_PLACE
+        )
+        return f"{type(value).__qualname__}({fields})"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_described(v) for v in value) + ")"
+    name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    module = getattr(value, "__module__", None) or type(value).__module__
+    return f"{module}.{name}"
