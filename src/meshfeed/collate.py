@@ -65,10 +65,13 @@ def default_collate(items: Sequence[Any]) -> Any:
     ``dict``); namedtuples, tuples and lists position by position. Anything else (``str``,
     ``bytes``, numpy strings, objects) is returned as a list.
 
-    One difference from torch: a tuple sample gives a tuple of fields (torch gives a list,
-    "for backwards compatibility"); unpacking and indexing work alike.
+    Differences from torch: a tuple sample gives a tuple of fields (torch gives a list,
+    "for backwards compatibility"); unpacking and indexing work alike. Mappings whose keys
+    differ are refused naming the key and the sample (torch silently drops a key that only
+    later samples have).
 
-    Items of different shapes are refused naming the key; :func:`pad_collate` pads them.
+    Items of different shapes are refused naming the key; :func:`pad_collate` pads them. An
+    item of another kind than the first (an int among dicts) and an empty batch are refused.
 
     >>> import torch
     >>> default_collate([{"x": torch.ones(2)}, {"x": torch.zeros(2)}])["x"].shape
@@ -107,15 +110,24 @@ def collate_into_slot(items: Sequence[Any]) -> Any:
 def _collate(items: Sequence[Any], path: str) -> Any:
     # Dispatch on the first item, in the order of torch's default_collate: numpy scalars
     # before Python numbers (np.float64 is a float), numpy strings (np.str_ is a str) kept.
-    first = items[0]
+    try:
+        first = items[0]
+    except IndexError:
+        raise ValueError(
+            "cannot collate an empty batch (no samples); a collate function needs at least one"
+        ) from None
     if isinstance(first, (torch.Tensor, np.ndarray)):
         return _collate_numbers(items, path)
     if isinstance(first, np.generic) and not isinstance(first, np.character):
-        return _collate_scalars(items)
-    if isinstance(first, float):  # torch: float64, whatever follows
-        return torch.tensor(items, dtype=torch.float64)
-    if isinstance(first, int):  # bools too: torch infers (bool, int64, float32 with floats)
-        return torch.tensor(items)
+        return _collate_scalars(items, path)
+    try:
+        if isinstance(first, float):  # torch: float64, whatever follows
+            return torch.tensor(items, dtype=torch.float64)
+        if isinstance(first, int):  # bools too: torch infers (bool, int64, float32 with floats)
+            return torch.tensor(items)
+    except (TypeError, ValueError, RuntimeError):
+        _raise_if_mixed(items, path)
+        raise
     if isinstance(first, Mapping):
         return _collate_mappings(items, path)
     if isinstance(first, (tuple, list)):
@@ -123,12 +135,77 @@ def _collate(items: Sequence[Any], path: str) -> Any:
     return list(items)
 
 
+def _kind(x: Any) -> str:
+    """What :func:`_collate` does with ``x``, in words (the branch it takes)."""
+    if isinstance(x, torch.Tensor):
+        return "a tensor"
+    if isinstance(x, np.ndarray):
+        return "a numpy array"
+    if isinstance(x, (int, float)) or (
+        isinstance(x, np.generic) and not isinstance(x, np.character)
+    ):
+        return "a number"
+    if isinstance(x, Mapping):
+        return "a mapping"
+    if isinstance(x, (tuple, list)):
+        return "a sequence"
+    return "kept as a list"
+
+
+def _raise_if_mixed(items: Sequence[Any], path: str) -> None:
+    """A ValueError naming the first item that is of another kind than the first (a dict
+    among numbers, an int among dicts), where there is one: called when collation failed."""
+    kind = _kind(items[0])
+    for position, item in enumerate(items):
+        if _kind(item) != kind:
+            where = f"key {path!r}" if path else "the batch"
+            raise ValueError(
+                f"cannot collate {where}: sample {position} of the batch is of type "
+                f"{type(item).__name__} ({_kind(item)}) where sample 0 is of type "
+                f"{type(items[0]).__name__} ({kind}); every sample of a batch must have the "
+                "same structure: fix the dataset, or pass a collate_fn that handles both"
+            ) from None
+
+
 def _collate_mappings(items: Sequence[Any], path: str) -> Any:
     """Mappings, key by key, rebuilt as the first item's type where it can be (as torch's
-    collate; :func:`rebuild_mapping`), else a dict."""
+    collate; :func:`rebuild_mapping`), else a dict. Every item must have the first's keys and
+    no other (torch drops a key only later items have: meshfeed refuses to lose a field)."""
     first = items[0]
-    fields = {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
+    try:
+        fields = {key: _collate([item[key] for item in items], _join(path, key)) for key in first}
+    except Exception:
+        _check_keys(items, path)
+        raise
+    # Every item has the first's keys (else the reads above failed): one more key in any of
+    # them shows in the total count, counted in C.
+    if sum(map(len, items)) != len(first) * len(items):
+        _check_keys(items, path)
     return rebuild_mapping(first, fields)
+
+
+def _check_keys(items: Sequence[Any], path: str) -> None:
+    """A ValueError naming the first item that is no mapping, or whose keys differ from the
+    first item's (the key, and whether it is missing or extra), where there is one."""
+    _raise_if_mixed(items, path)
+    first = items[0]
+    keys = set(first)
+    for position, item in enumerate(items):
+        if position == 0 or set(item) == keys:
+            continue
+        missing = [k for k in first if k not in item]
+        key = missing[0] if missing else next(k for k in item if k not in keys)
+        what = (
+            f"lacks key {_join(path, key)!r}, which sample 0 has"
+            if missing
+            else f"has key {_join(path, key)!r}, which sample 0 lacks (collating sample 0's "
+            "keys would drop it)"
+        )
+        raise ValueError(
+            f"cannot collate the batch: sample {position} of the batch {what}; every sample "
+            "of a batch must have the same keys: give every sample each key in the dataset "
+            "(or drop the key from all), or pass a collate_fn that handles optional keys"
+        ) from None
 
 
 def rebuild_mapping(like: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
@@ -155,12 +232,16 @@ def rebuild_mapping(like: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
         return values
 
 
-def _collate_scalars(items: Sequence[Any]) -> torch.Tensor:
+def _collate_scalars(items: Sequence[Any], path: str) -> torch.Tensor:
     """numpy scalars: numpy's array of them, or where their dtypes differ (or Python numbers
     are mixed in) torch's ``as_tensor``, which promotes as torch's default_collate does."""
-    array = np.asarray(items)
-    if array.dtype != items[0].dtype:
-        return torch.as_tensor(items)
+    try:
+        array = np.asarray(items)
+        if array.dtype != items[0].dtype:
+            return torch.as_tensor(items)
+    except (TypeError, ValueError, RuntimeError):
+        _raise_if_mixed(items, path)
+        raise
     return torch.from_numpy(array)
 
 
@@ -184,7 +265,8 @@ def _collate_numbers(items: Sequence[Any], path: str) -> Any:
             with contextlib.suppress(RuntimeError):  # torch promotes no uint16/32/64: numpy's
                 return torch.stack([torch.from_numpy(np.ascontiguousarray(a)) for a in items])
         return torch.from_numpy(stacked)
-    except (RuntimeError, ValueError):
+    except (RuntimeError, TypeError, ValueError):
+        _raise_if_mixed(items, path)
         if len({_shape(x) for x in items}) > 1:
             raise _mismatch(items, path) from None
         raise
@@ -223,7 +305,11 @@ def _collate_sequences(items: Sequence[Any], path: str) -> Any:
                 for name, f in zip(first._fields, zip(*items, strict=True), strict=True)
             )
         )
-    lengths = {len(item) for item in items}
+    try:
+        lengths = {len(item) for item in items}
+    except TypeError:
+        _raise_if_mixed(items, path)
+        raise
     if len(lengths) != 1:
         where = f"key {path!r}" if path else "the samples"
         raise ValueError(
@@ -310,10 +396,16 @@ class PadCollate:
                 "give 1-D token sequences (tensors, arrays or lists of ints)"
             )
         main = next((k for k in MAIN_KEYS if k in seq_keys), seq_keys[0])
-        tensors = {k: [self._tensor(item[k], k) for item in items] for k in seq_keys}
-        lengths = [t.shape[0] for t in tensors[main]]
-        width = self._width(tensors, lengths, main)
-        out = self._fields(items, tensors, width)
+        try:
+            tensors = {k: [self._tensor(item[k], k) for item in items] for k in seq_keys}
+            lengths = [t.shape[0] for t in tensors[main]]
+            width = self._width(tensors, lengths, main)
+            out = self._fields(items, tensors, width)
+        except Exception:
+            _check_keys(items, "")
+            raise
+        if sum(map(len, items)) != len(first) * len(items):  # a key only later items have
+            _check_keys(items, "")
         self._add_defaults(out, lengths, width)
         return out
 

@@ -13,7 +13,9 @@ whole batch call raises does the fetcher fall back to reading item by item with
 ``__getitem__`` (so ``fetch_batch(idx)`` must equal collating ``[ds[i] for i in idx]``), which
 reads the items before the failure a second time; datasets that can fail per item should
 report in place instead. A ``fetch_batch`` that raised when every sample then read fine is
-logged once per fetcher (a bug in it would send every batch down that slow path).
+logged once per fetcher (a bug in it would send every batch down that slow path); one that
+returns None, or a batch (or a mapping's value) whose leading dimension is not the number of
+indices, is refused by name.
 
 A bad sample (it raises, or returns None) is retried up to ``max_retries`` times (None is a
 deterministic rejection and is not retried), then handled by ``on_error``: ``"raise"`` (a
@@ -33,16 +35,20 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+import torch
+
 from meshfeed.collate import collate_into_slot
 from meshfeed.errors import NEVER_SUBSTITUTED
-from meshfeed.options import OnError
+from meshfeed.options import OnError, check_max_retries
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import BatchSource, ItemsSource, PostProcess
 from meshfeed.rng import fetching
+from meshfeed.runtime.failures import error_text
 from meshfeed.tasks import FetchEvents, FetchTask
 
 logger = logging.getLogger("meshfeed")
@@ -55,6 +61,7 @@ _MAX_SUBSTITUTE_ATTEMPTS = 64
 #: whose samples all fail (a damaged or tiny one) still lets the run go on, as before groups.
 _IN_SPAN_ATTEMPTS = 16
 MAX_REPORTED_FAILURES = 8
+_ARRAYS = (torch.Tensor, np.ndarray)
 
 
 class SampleError(RuntimeError):
@@ -91,8 +98,7 @@ class Fetcher:
     ) -> None:
         if on_error not in ("raise", "skip", "substitute"):
             raise ValueError(f"on_error={on_error!r} is not one of 'raise', 'skip', 'substitute'")
-        if not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries must be an int >= 0 (got {max_retries=})")
+        check_max_retries(max_retries)
         self.dataset = dataset
         self.seed = int(seed)
         self.collate_fn = collate_fn
@@ -151,7 +157,7 @@ class Fetcher:
         every process: editing it in place changes neither the loader's indices nor those the
         one-by-one reading uses."""
         try:
-            return self.dataset.fetch_batch(task.indices.copy())
+            batch = self.dataset.fetch_batch(task.indices.copy())
         except NEVER_SUBSTITUTED:
             raise
         except Exception as exc:
@@ -165,11 +171,69 @@ class Fetcher:
                     "fetcher: the loader's, or each worker process's)",
                     type(self.dataset).__name__,
                     type(exc).__name__,
-                    exc,
+                    error_text(exc),
                     len(task.indices),
                     exc_info=exc,
                 )
             return batch
+        # One row per index, checked where it is cheap to see (once per batch, not per
+        # sample): the leading dimension of a tensor or array, or of each value of a mapping
+        # (exact types first: isinstance against torch.Tensor costs more than the check); a
+        # list value only where it holds one leaf per row (collating sequences gives a list
+        # of fields, one per position, not one per row).
+        n = len(task.indices)
+        kind = type(batch)
+        values: Any = ()
+        if kind is dict:
+            values = batch.items()
+        elif kind is torch.Tensor or kind is np.ndarray or isinstance(batch, _ARRAYS):
+            try:
+                rows = batch.shape[0]
+            except IndexError:  # 0-d
+                rows = -1
+            if rows != n:
+                raise self._rows_error(batch, n)
+            return batch
+        elif batch is None:
+            raise self._rows_error(batch, n)
+        elif isinstance(batch, Mapping):
+            values = batch.items()
+        for key, value in values:
+            kind = type(value)
+            if kind is torch.Tensor or kind is np.ndarray:
+                try:
+                    rows = value.shape[0]
+                except IndexError:  # 0-d: a value of the whole batch (e.g. a count)
+                    rows = n
+                if rows != n:
+                    raise self._rows_error(value, n, key)
+            elif (
+                kind is list
+                and value
+                and len(value) != n
+                and not isinstance(value[0], (*_ARRAYS, list, tuple))
+            ):
+                raise self._rows_error(value, n, key)
+        return batch
+
+    def _rows_error(self, value: Any, n: int, key: Any = None) -> ValueError:
+        """A ``fetch_batch`` result (or its ``key``) without one row per index."""
+        name = f"{type(self.dataset).__name__}.fetch_batch"
+        if value is None:
+            return ValueError(
+                f"{name} returned None for {n} indices (a missing return?); return the batch: "
+                "what collating [dataset[i] for i in indices] gives"
+            )
+        shape = (
+            f"of shape {tuple(value.shape)}"
+            if hasattr(value, "shape")
+            else f"as a list of {len(value)} items"
+        )
+        what = f"{key!r} {shape}" if key is not None else f"a batch {shape}"
+        return ValueError(
+            f"{name} returned {what} for {n} indices; return one row per index (leading "
+            "dimension len(indices)), as collating [dataset[i] for i in indices] gives"
+        )
 
     def _fetch_getitem(self, task: FetchTask, events: FetchEvents) -> Any:
         """``dataset[i]`` for each index, in order, until one raises."""
@@ -259,15 +323,16 @@ class Fetcher:
     ) -> None:
         """Record a sample that stayed missing (up to ``MAX_REPORTED_FAILURES``), and raise
         :class:`SampleError` when ``on_error="raise"``; ``error`` None means rejected (None)."""
+        text = "None" if error is None else error_text(error)
         if len(events.failures) < MAX_REPORTED_FAILURES:
-            kind, message = (type(error).__name__, str(error)) if error else ("Rejected", "None")
+            kind = "Rejected" if error is None else type(error).__name__
             events.failures.append(
                 {
                     "index": int(index),
                     "position": int(position),
                     "attempt": attempt,
                     "error": kind,
-                    "message": message[:200],
+                    "message": text[:200],
                 }
             )
         if self.on_error != "raise":
@@ -279,7 +344,7 @@ class Fetcher:
             )
         raise SampleError(
             f"sample {index} (epoch position {position}) failed after "
-            f"{self.max_retries + 1} attempt(s): {type(error).__name__}: {error}; use "
+            f"{self.max_retries + 1} attempt(s): {type(error).__name__}: {text}; use "
             "on_error='substitute' or 'skip' to continue past bad samples\n"
             + "".join(traceback.format_exception(error))
         ) from error

@@ -37,9 +37,10 @@ from meshfeed.dist import is_initialized
 from meshfeed.lifecycle import Lifecycle
 from meshfeed.mesh import place, world_size_now
 from meshfeed.options import LoaderOptions
+from meshfeed.runtime.failures import error_text
 from meshfeed.telemetry import Telemetry
 
-__all__ = ["MAX_EPOCH", "WARN_EVERY", "LoaderBase"]
+__all__ = ["MAX_EPOCH", "WARN_EVERY", "LoaderBase", "is_concurrent_next"]
 
 logger = logging.getLogger("meshfeed")
 
@@ -280,6 +281,16 @@ class LoaderBase(Lifecycle):
         if walk != self._walks:
             raise self._superseded_error()
 
+    def _concurrent_next_error(self) -> RuntimeError:
+        """What a ``next()`` raises while another thread's ``next()`` of the same iterator
+        runs (see :func:`is_concurrent_next`)."""
+        return RuntimeError(
+            f"{self.name}: next() was called on one iterator from two threads at once (Python: "
+            "'generator already executing'); an iterator of a loader serves one consumer: call "
+            "next() from one thread (and hand batches to others through a queue.Queue), guard "
+            "the iterator with a threading.Lock, or give each thread a loader of its own"
+        )
+
     def _superseded_error(self) -> RuntimeError:
         """What an iterator of an older walk generation raises (:meth:`_supersede`)."""
         what, fix = self._superseded
@@ -304,6 +315,15 @@ class LoaderBase(Lifecycle):
                 f"index {first.get('index')} at epoch position {first.get('position')}"
             )
             detail = f"first: {where}: {first.get('error')}: {first.get('message')}"
+            length, index = getattr(self, "dataset_length", None), first.get("index")
+            # An IndexError for an index the dataset's own len() says it has.
+            if first.get("error") == "IndexError" and isinstance(index, int) and length:
+                detail += (
+                    f"; IndexError for index {index} < len(dataset)={length}: does the "
+                    "dataset's __len__ overstate how many samples it has?"
+                    if 0 <= index < length
+                    else ""
+                )
         logger.warning(
             "%s: %d bad sample(s) substituted or skipped so far in this run (%s); see all "
             "of them in %s; this warning repeats at most once per %d bad samples%s",
@@ -330,6 +350,14 @@ class LoaderBase(Lifecycle):
             )
 
 
+def is_concurrent_next(exc: ValueError) -> bool:
+    """Whether ``exc``, raised by ``next(generator)`` in the caught frame itself (no deeper
+    frame: the generator did not run), is Python's 'generator already executing': another
+    thread's ``next()`` of it runs. A ValueError raised inside the generator has frames of it."""
+    tb = exc.__traceback__
+    return tb is not None and tb.tb_next is None and exc.args == ("generator already executing",)
+
+
 def check_num_epochs(num_epochs: object) -> None:
     """Refuse a ``num_epochs`` of ``epochs()`` that is not an int >= 0."""
     if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
@@ -351,7 +379,8 @@ def _check_importable(name: str, fn: Any, method: str) -> None:
         pickle.dumps(fn)
     except Exception as exc:
         raise TypeError(
-            f"{name}={fn!r} cannot be sent to {method!r} worker processes ({exc}); spawned "
-            f"workers need importable functions: define {name} at the top level of a module "
-            "(not a lambda or a local function), or use multiprocessing_context='fork'"
+            f"{name}={fn!r} cannot be sent to {method!r} worker processes "
+            f"({error_text(exc)}); spawned workers need importable functions: define {name} "
+            "at the top level of a module (not a lambda or a local function), or use "
+            "multiprocessing_context='fork'"
         ) from None

@@ -18,6 +18,7 @@ from meshfeed.order.rampup import as_rampup
 from meshfeed.protocols import Source
 
 __all__ = [
+    "MAX_RETRIES",
     "MAX_SEED",
     "MAX_WORKERS",
     "LoaderOptions",
@@ -26,6 +27,7 @@ __all__ = [
     "build_dataset",
     "check_delivery",
     "check_loader_arguments",
+    "check_max_retries",
     "check_not_a_path",
     "dataset_length",
     "resolve_timeout",
@@ -40,6 +42,10 @@ MAX_TIMEOUT = 24.0 * 24 * 3600
 #: count is a typo, and would fork processes (each with its pipes) until the process or
 #: open-file limit fails part-way through starting them.
 MAX_WORKERS = 1024
+#: Most retries of a failing sample: each is an immediate re-read (no pause), so retries help
+#: with a flaky read, never with a broken sample. A larger count is a typo, and a sample that
+#: always fails would hold its batch (in the main process, with no timeout) for that many reads.
+MAX_RETRIES = 100
 _ON_ERROR = ("raise", "skip", "substitute")
 #: What a loader does with a sample that still fails after its retries.
 OnError = Literal["raise", "skip", "substitute"]
@@ -120,11 +126,24 @@ def check_loader_arguments(
         )
     if on_error is not None and on_error not in _ON_ERROR:
         raise ValueError(f"on_error={on_error!r} is not one of 'raise', 'skip', 'substitute'")
-    _int("max_retries", max_retries, 0, "an int >= 0")
+    check_max_retries(max_retries)
     if multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
         raise ValueError(
             f"multiprocessing_context must be None, 'fork', 'spawn' or 'forkserver' (got "
             f"{multiprocessing_context=!r})"
+        )
+
+
+def check_max_retries(max_retries: object) -> None:
+    """Refuse a ``max_retries`` that is not an int in ``[0, MAX_RETRIES]``."""
+    _int("max_retries", max_retries, 0, "an int >= 0")
+    if isinstance(max_retries, int) and max_retries > MAX_RETRIES:
+        raise ValueError(
+            f"max_retries={max_retries} is more retries than meshfeed allows (MAX_RETRIES = "
+            f"{MAX_RETRIES}): a retry re-reads the sample at once, so it helps with a flaky "
+            "read, not a broken sample, and a sample that always fails would hold its batch "
+            "for every retry; use a few (e.g. max_retries=3), and retry slow-to-recover reads "
+            "(e.g. network) with a backoff inside the dataset"
         )
 
 
@@ -134,7 +153,13 @@ def check_delivery(
     """Refuse a bad ``device``, ``device_prefetch``, ``on_step`` or ``warn_wait_share``."""
     from meshfeed.delivery import check_device
 
-    check_device(device)
+    target = check_device(device)
+    if target is not None and target.type == "meta":
+        raise ValueError(
+            f"device={device!r} holds no data (a meta tensor has a shape and no values), so "
+            "no batch can be copied there; use device=None (batches stay on the CPU), 'cpu' or "
+            "an accelerator such as 'cuda'"
+        )
     _int("device_prefetch", device_prefetch, 1, "an int >= 1")
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step must be a function of a StepTiming or None (got {on_step=!r})")

@@ -3,7 +3,9 @@ becomes in the main process: :class:`WorkerError` and its kinds, and the one mes
 of the pool gives for them.
 
 A handler's exception is re-raised as its original type when that type can be built from one
-string (the worker's traceback appended to its message), else as :class:`WorkerError`.
+string (the worker's traceback appended to its message), else as :class:`WorkerError`. Where
+that type would not print the string as given (``KeyError`` prints its repr: one line of
+literal ``\n``), it is re-raised as a subclass of it that does (still caught as the type).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ __all__ = [
     "WorkerDied",
     "WorkerError",
     "WorkerTimeout",
+    "error_text",
     "exit_reason",
     "failure_message",
 ]
@@ -79,11 +82,62 @@ def failure_message(error: WorkerError, *, who: str, what: str, then: str) -> st
     return f"{who} worker {worker} (pid {pid}) {why}. {then}"
 
 
+def error_text(error: BaseException) -> str:
+    """``str(error)``, or where that raises (an exception's ``__str__`` is the dataset's
+    code), a text naming the type: reporting a failure must not fail in turn."""
+    try:
+        return str(error)
+    except Exception as exc:
+        return f"<{type(error).__name__}, whose str() raised {type(exc).__name__}>"
+
+
 def _reraise(exc_type: type[BaseException] | str, text: str, where: str) -> None:
     if isinstance(exc_type, str):
         raise WorkerError(f"{exc_type}: {text}\n\n{where}")
+    message = f"{text}\n\n{where}"
     try:
-        exc = exc_type(f"{text}\n\n{where}")
+        exc = exc_type(message)
     except Exception:
-        exc = WorkerError(f"{exc_type.__name__}: {text}\n\n{where}")
+        raise WorkerError(f"{exc_type.__name__}: {message}") from None
+    if error_text(exc) != message:
+        exc = _readable(exc_type, message, exc)
     raise exc
+
+
+_READABLE: dict[type[BaseException], type[BaseException]] = {}
+
+
+def _readable(exc_type: type[BaseException], message: str, exc: BaseException) -> BaseException:
+    """``exc_type(message)`` as a subclass of ``exc_type`` whose ``str()`` is ``message``
+    (``KeyError``'s is the repr of its argument), which pickles as ``exc_type``; ``exc``
+    where no such subclass can be made."""
+    sub = _READABLE.get(exc_type)
+    if sub is None:
+        try:
+            sub = type(
+                exc_type.__name__,
+                (exc_type,),
+                {
+                    "__module__": exc_type.__module__,
+                    "__qualname__": exc_type.__qualname__,
+                    "__str__": _message_str,
+                    "__reduce__": _reduce_as_base,
+                },
+            )
+        except TypeError:  # a type that cannot be subclassed
+            return exc
+        _READABLE[exc_type] = sub
+    try:
+        readable = sub(message)
+        readable._meshfeed_message = message  # type: ignore[attr-defined]
+    except Exception:
+        return exc
+    return readable
+
+
+def _message_str(self: BaseException) -> str:
+    return str(getattr(self, "_meshfeed_message", ""))
+
+
+def _reduce_as_base(self: BaseException) -> tuple[type[BaseException], tuple[object, ...]]:
+    return type(self).__mro__[1], self.args

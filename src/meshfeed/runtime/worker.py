@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from meshfeed.collate import stack_into
+from meshfeed.runtime.failures import error_text
 from meshfeed.runtime.lifeline import Parent, close_borrowed, tie_to_parent
 from meshfeed.runtime.transport import SlotWriter
 
@@ -44,7 +45,7 @@ def _worker_main(
     handler: Callable[[Any], Any] | None = None
     try:
         handler = init(worker, num_workers, *args)
-    except Exception as exc:
+    except BaseException as exc:  # reported, as a handler's (see _run_tasks)
         init_error = _error_entry(exc)
     writer = SlotWriter()
     stack_into(writer.take)  # the default collation stacks into the reply's slot
@@ -76,18 +77,41 @@ def _run_tasks(handler: Callable[[Any], Any], tasks: list[Any], writer: SlotWrit
     for task in tasks:
         try:
             entries.append((True, handler(task)))
-        except Exception as exc:
+        except BaseException as exc:
+            # KeyboardInterrupt, SystemExit, GeneratorExit raised by the task's code too: the
+            # worker ignores SIGINT (a Ctrl-C stops the main process, which stops us), so one
+            # of them here came from that code; exiting on it would hide it behind an exit code.
             entries.append((False, _error_entry(exc)))
     try:
         return writer.encode((entries, time.perf_counter() - start))
     except Exception as exc:  # a result that cannot be pickled: every task of it fails
-        return pickle.dumps(("error", *_error_entry(exc)), 5)
+        exc_type, text, tb = _error_entry(exc)
+        text = (
+            f"{text}: a result of this worker (in a loader, a batch: what collate_fn "
+            "returned, or the samples themselves) cannot be pickled to be sent to the main "
+            "process; return tensors, numpy arrays and plain Python values (no locks, "
+            "generators, open files or handles), or make the batches in the main process "
+            "(num_workers=0)"
+        )
+        return pickle.dumps(("error", exc_type, text, tb), 5)
 
 
 def _error_entry(exc: BaseException) -> tuple[Any, str, str]:
+    """What travels of ``exc``: its type (the name alone for a local class, and for a
+    ``BaseException`` that is no ``Exception``, re-raised as a WorkerError rather than as a
+    Ctrl-C or an exit of the main process), its text and the worker's traceback."""
     tb = traceback.format_exc()
+    text = error_text(exc)
+    if not isinstance(exc, Exception):
+        why = (
+            "workers ignore SIGINT (a Ctrl-C stops the main process, which stops them), so "
+            "the task's code raised it"
+            if isinstance(exc, KeyboardInterrupt)
+            else "raised by the task's code"
+        )
+        said = f"{text} " if text else ""
+        return type(exc).__name__, f"{said}({why}; the worker reported it instead of exiting)", tb
     try:
-        exc_type: Any = pickle.loads(pickle.dumps(type(exc)))
+        return pickle.loads(pickle.dumps(type(exc))), text, tb
     except Exception:  # a local class: only its name can travel
-        exc_type = type(exc).__name__
-    return exc_type, str(exc), tb
+        return type(exc).__name__, text, tb

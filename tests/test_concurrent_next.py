@@ -1,0 +1,48 @@
+"""Two threads calling ``next()`` on one loader iterator: the second is told what happened and
+the fix, by name, and the first one's walk goes on untouched."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from meshfeed import DataLoader
+from meshfeed.loader_base import is_concurrent_next
+
+
+def _blocking(entered: threading.Event, go: threading.Event) -> Iterator[int]:
+    entered.set()
+    go.wait(30)
+    yield 1
+
+
+def test_is_concurrent_next_tells_a_running_generator_from_a_value_error_inside_it():
+    entered, go = threading.Event(), threading.Event()
+    gen = _blocking(entered, go)
+    first = threading.Thread(target=next, args=(gen,))
+    first.start()
+    assert entered.wait(30)
+    try:
+        with pytest.raises(ValueError) as info:
+            next(gen)
+        assert is_concurrent_next(info.value)
+    finally:
+        go.set()
+        first.join(30)
+
+    def raises_inside() -> Iterator[int]:
+        raise ValueError("generator already executing")
+        yield 0
+
+    with pytest.raises(ValueError) as inside:
+        next(raises_inside())
+    assert not is_concurrent_next(inside.value)
+
+
+def test_concurrent_next_error_names_the_loader_and_the_fix():
+    loader = DataLoader(list(range(8)), batch_size=2)
+    text = str(loader._concurrent_next_error())
+    assert text.startswith("DataLoader: next() was called on one iterator from two threads")
+    assert "threading.Lock" in text and "queue.Queue" in text
