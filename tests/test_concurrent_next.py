@@ -46,3 +46,39 @@ def test_concurrent_next_error_names_the_loader_and_the_fix():
     text = str(loader._concurrent_next_error())
     assert text.startswith("DataLoader: next() was called on one iterator from two threads")
     assert "threading.Lock" in text and "queue.Queue" in text
+
+
+class _Gate:
+    """Sample 0 waits for ``go`` (after setting ``entered``): a next() that stays running."""
+
+    def __init__(self) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 0:
+            self.entered.set()
+            self.go.wait(30)
+        return i
+
+
+def test_a_second_threads_next_is_refused_by_name_and_the_first_walk_goes_on():
+    ds = _Gate()
+    loader = DataLoader(ds, batch_size=2, seed=0, shuffle=False, warn_wait_share=None)
+    it = iter(loader)
+    got: list = []
+    first = threading.Thread(target=lambda: got.append(next(it)))
+    first.start()
+    assert ds.entered.wait(30)
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"DataLoader: next\(\) was called on one iterator from two threads"
+        ):
+            next(it)
+    finally:
+        ds.go.set()
+        first.join(30)
+    assert got[0].tolist() == [0, 1]
+    assert [b.tolist() for b in it] == [[2, 3], [4, 5], [6, 7]]  # no batch lost or repeated

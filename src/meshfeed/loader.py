@@ -23,7 +23,7 @@ import numpy as np
 from meshfeed.dist import fail_together, is_distributed
 from meshfeed.errors import CollectiveError
 from meshfeed.fetch import MAX_REPORTED_FAILURES, Fetcher, FetchEvents, FetchTask, OnError
-from meshfeed.loader_base import LoaderBase
+from meshfeed.loader_base import LoaderBase, is_concurrent_next
 from meshfeed.loader_state import COUNTS, LOADER_STATE_VERSION, encode_stats, read_state
 from meshfeed.mesh import mesh_hash
 from meshfeed.options import LoaderOptions, build_dataset, check_not_a_path, dataset_length
@@ -726,9 +726,11 @@ class _LiveWalk:
             if self._walk != loader._walks:  # closed meanwhile from another thread
                 self._stop()
             raise
-        except ValueError:
+        except ValueError as exc:
             if self._walk != loader._walks:  # being closed from another thread: "executing"
                 self._stop()
+            if is_concurrent_next(exc):  # another thread's next() runs it: leave it be
+                raise loader._concurrent_next_error() from None
             self._batches = loader._iterate(self._walk)  # continues from the position
             raise
         except BaseException:
