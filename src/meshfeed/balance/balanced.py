@@ -44,9 +44,15 @@ A document longer than the group can hold (every rank of the largest CP group at
 ``"truncate"`` or ``"split"`` (see :mod:`meshfeed.balance.long_documents`). With tensor parallelism, build one instance per TP rank over that rank's
 DP x CP group: all of them compute the same placement.
 
-State is the envelope ``{"kind": "balanced_batches", "version": 2, "inner", "skip"}``: the inner
-iterator's state before the current batch and how many of its micro-steps were yielded.
-Restoring refetches that batch and skips them.
+State is the envelope ``{"kind": "balanced_batches", "version": 2, "inner", "skip",
+"microsteps", "plan"}``: the inner iterator's state before the current batch, how many of its
+micro-steps were yielded, how many it has (0 when ``skip`` is 0), and the settings that plan it
+(``max_tokens``, ``cost``, ``cp_sizes``, ``tp``, ``long_documents`` and the group's size
+``ranks``). Restoring refetches that batch and skips them. A state taken partway through a batch
+is refused by a BalancedBatches that would plan it otherwise (naming the setting), and one whose
+``skip`` is more than the batch's micro-steps (at load, or at the batch when the state predates
+``microsteps``): skipping other micro-steps would lose documents or serve them twice. A state
+taken between batches (``skip`` 0) resumes under any settings.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_document
 from meshfeed.errors import CollectiveError, RankError
 from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD, DOCUMENT_IDS
 from meshfeed.protocols import Stateful
-from meshfeed.state import envelope, open_envelope
+from meshfeed.state import check_count, envelope, open_envelope
 
 __all__ = ["BalancedBatches"]
 
@@ -104,6 +110,9 @@ _ERROR_BYTES = 240
 #: What a packed sample may hold beyond ``keys``: what the micro-steps carry, rebuilt
 _CARRIED = frozenset({"cu_seqlens", DOCUMENT_IDS})
 _INT64_MAX = np.iinfo(np.int64).max
+#: The settings that decide a batch's micro-steps (with the group's size, ``ranks``): a state
+#: taken partway through a batch resumes only where they are the same
+_PLAN = ("max_tokens", "cost", "cp_sizes", "tp", "long_documents")
 #: Most documents one rank's packed sample may hold: the all-gather buffer has two slots per
 #: document on every rank (8 bytes each: length and corpus id), allocated at every batch.
 MAX_DOCS_PER_RANK = 2**20
@@ -320,8 +329,14 @@ class BalancedBatches:
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="meshfeed-plan") if plan_ahead else None
         )
+        self._plan = {name: self._settings[name] for name in _PLAN} | {"ranks": self._comm.size}
         self._base_state: Any = self._inner_state()
         self._skip = 0
+        #: The micro-steps of the batch ``_skip`` counts into, as the state recorded (0 when
+        #: ``_skip`` is 0; None: a state from before they were recorded)
+        self._microsteps: int | None = 0
+        #: Why the loaded state cannot resume here, found at its batch: raised at every next()
+        self._unresumable: ValueError | None = None
         self._reset()
 
     # --------------------------------------------------------------- iteration
@@ -329,6 +344,8 @@ class BalancedBatches:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        if self._unresumable is not None:
+            raise self._unresumable
         while self._k >= len(self._current):
             if self._done:
                 raise StopIteration
@@ -341,9 +358,16 @@ class BalancedBatches:
         """The state as of the last micro-step returned (JSON-serialisable if inner's is)."""
         self._stateful_inner()
         if self._current and self._k >= len(self._current) and isinstance(self._ahead, _Batch):
-            return envelope(_KIND, _VERSION, inner=self._ahead.state, skip=0)
-        skip = self._k if self._current else self._skip
-        return envelope(_KIND, _VERSION, inner=self._base_state, skip=skip)
+            return self._state(self._ahead.state, 0, 0)
+        if self._current:
+            return self._state(self._base_state, self._k, len(self._current))
+        return self._state(self._base_state, self._skip, self._microsteps)
+
+    def _state(self, inner: Any, skip: int, microsteps: int | None) -> dict[str, Any]:
+        if microsteps is None:  # a state loaded from before they were kept, before its batch
+            return envelope(_KIND, _VERSION, inner=inner, skip=skip)
+        plan = dict(self._plan)
+        return envelope(_KIND, _VERSION, inner=inner, skip=skip, microsteps=microsteps, plan=plan)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` output; every rank must load the same step."""
@@ -354,8 +378,23 @@ class BalancedBatches:
             raise ValueError(
                 "BalancedBatches state is missing 'inner'; the checkpoint is corrupted"
             )
+        skip = fields["skip"]
+        # 'microsteps' and 'plan' are optional: states written before they were kept lack them
+        microsteps = fields.get("microsteps")
+        if microsteps is not None:
+            microsteps = check_count(microsteps, name="microsteps", what="BalancedBatches state")
+            if skip > microsteps:
+                raise ValueError(
+                    f"BalancedBatches state has skip={skip}, more than the {microsteps} "
+                    f"micro-steps of the batch it was taken in (microsteps={microsteps}); the "
+                    "checkpoint is corrupted or was edited: load the dict that state_dict() "
+                    "returned"
+                )
+        if skip:
+            self._refuse_other_plan(fields.get("plan"), skip)
         self._stateful_inner().load_state_dict(fields["inner"])
-        self._base_state, self._skip = fields["inner"], fields["skip"]
+        self._base_state, self._skip, self._microsteps = fields["inner"], skip, microsteps
+        self._unresumable = None
         self._reset()
 
     def close(self) -> None:
@@ -371,6 +410,57 @@ class BalancedBatches:
         self.close()
 
     # --------------------------------------------------------------- internals
+    def _refuse_other_plan(self, plan: Any, skip: int) -> None:
+        """A state taken ``skip`` micro-steps into a batch, planned with ``plan`` (None: a state
+        from before it was kept): refused where that batch would be planned otherwise."""
+        if plan is None:
+            return
+        if not isinstance(plan, Mapping) or not all(
+            isinstance(v, (int, str)) and not isinstance(v, bool) for v in plan.values()
+        ):
+            raise ValueError(
+                f"BalancedBatches state field 'plan' is {plan!r}, not a dict of the settings "
+                "that planned its batch; the checkpoint is corrupted"
+            )
+        differ = [n for n, v in self._plan.items() if n in plan and plan[n] != v]
+        if not differ:
+            return
+        theirs = ", ".join(f"{n}={plan[n]}" for n in differ)
+        mine = ", ".join(f"{n}={self._plan[n]}" for n in differ)
+        ranks = " (ranks: the size of its group)" if "ranks" in differ else ""
+        raise ValueError(
+            f"BalancedBatches state was taken {skip} micro-steps into a batch planned with "
+            f"{theirs}, and this BalancedBatches has {mine}{ranks}: it would plan that batch "
+            "into other micro-steps, and skipping its first ones would lose documents or serve "
+            f"them twice. Build BalancedBatches with {theirs} to resume it; a state taken "
+            "between batches (skip 0) resumes under other settings"
+        )
+
+    def _check_resumed(self, microsteps: int) -> None:
+        """Refuse to skip into the loaded state's batch, now planned into ``microsteps``, when
+        the state's batch had another number of micro-steps or fewer than it skips."""
+        skip, recorded = self._skip, self._microsteps
+        if skip == 0 or (skip <= microsteps and recorded in (None, microsteps)):
+            return
+        if recorded is not None:
+            why = (
+                f"was taken {skip} micro-steps into a batch of {recorded}, which this "
+                f"BalancedBatches plans into {microsteps}: the inner iterator resumed another "
+                "batch, or the group or its settings differ from the run that wrote it"
+            )
+        else:
+            why = (
+                f"has skip={skip}, more than the {microsteps} micro-steps of the batch it "
+                "resumes: the checkpoint is corrupted or was edited, or the inner iterator, the "
+                "group or its settings differ from the run that wrote it"
+            )
+        self._unresumable = ValueError(
+            f"BalancedBatches state {why}; skipping would lose documents or serve them twice. "
+            "Load the state that state_dict() returned into a BalancedBatches built as the one "
+            "that wrote it, over the same ranks"
+        )
+        raise self._unresumable
+
     def _reset(self) -> None:
         self._current: list[dict[str, Any]] = []
         self._k = 0
@@ -640,6 +730,7 @@ class BalancedBatches:
                 f"planning a batch took longer than timeout={self._timeout}s; "
                 "raise timeout or reduce the documents per batch"
             ) from e
+        self._check_resumed(p.num_microsteps)  # alike on every rank: the plan is the same
         rank = self._comm.rank
         layout = Layout.build(p, batch.counts)
         send = build_send(batch.sample, rank, layout, self._keys, self._pad)
@@ -652,7 +743,7 @@ class BalancedBatches:
             if batch.ids is not None:
                 step[DOCUMENT_IDS] = torch.from_numpy(batch.ids[step["doc_ids"].numpy()])
         self._base_state, self._current = batch.state, steps
-        self._k, self._skip = min(self._skip, len(steps)), 0
+        self._k, self._skip, self._microsteps = self._skip, 0, 0
 
     def _exchange_fields(self, batch: _Batch, layout: Layout, steps: list[dict[str, Any]]) -> None:
         """The one more all-to-all: every piece's document fields to the rank holding it."""

@@ -13,7 +13,9 @@ is the same every epoch (it depends on ``seed``, not on the epoch).
 
 A sample longer than a row follows ``long_samples`` (see :mod:`meshfeed.balance.long_documents`):
 ``"refuse"`` names it, ``"truncate"`` keeps its head, ``"split"`` cuts it into pieces packed as
-samples of their own (position ids keep counting). Samples without tokens are left out.
+samples of their own (position ids keep counting). Samples without tokens are left out; each
+sample whose length says 0 is read once at construction to confirm it is empty (one that holds
+tokens is an error naming it, as a wrong length is when its row is read).
 
 >>> rows = PackedSamples(samples, max_tokens=4096, lengths=lengths)  # doctest: +SKIP
 >>> loader = DataLoader(rows, batch_size=1, collate_fn=merge_rows, mesh={"dp": 8})  # doctest: +SKIP
@@ -50,6 +52,8 @@ __all__ = ["OUTPUTS", "PackedSamples", "SampleLengths"]
 #: samples as a ``[samples, longest]`` batch (:func:`~meshfeed.pad_collate`), for models without
 #: variable-length attention.
 OUTPUTS: tuple[str, ...] = ("packed", "padded")
+#: Samples of length 0 read together when PackedSamples checks that they are empty.
+_EMPTY_READS = 1024
 
 
 @runtime_checkable
@@ -194,6 +198,7 @@ class PackedSamples:
         order = np.arange(self.lengths.size, dtype=np.int64)
         if shuffle and order.size:
             order = Permutation(order.size, derive_seed(self.seed, 0))[order]
+        self._check_empty(np.flatnonzero(self.lengths == 0))
         self._sample, self._start, size, pos = _units(self.lengths, order, limit, self.policy)
         self._size = size
         weights = size if cost is None else cost.work(size)
@@ -248,6 +253,21 @@ class PackedSamples:
     def __getitems__(self, rows: Sequence[int]) -> list[dict[str, Any]]:
         plans = [self.row_samples(int(r)) for r in rows]
         wanted = sorted({i for plan in plans for i, _, _ in plan})
+        samples = self._read(wanted)
+        if self.output == "padded":
+            return [self._padded(samples, plan) for plan in plans]
+        return [
+            assemble(
+                [samples[i] for i, _, _ in plan],
+                self.fields,
+                ids=[i for i, _, _ in plan],
+                spans=[(a, b) for _, a, b in plan],
+            )
+            for plan in plans
+        ]
+
+    def _read(self, wanted: list[int]) -> dict[int, Any]:
+        """Samples ``wanted`` as mappings, each checked against its length."""
         read = (
             self.dataset.__getitems__(wanted)
             if isinstance(self.dataset, ItemsSource)
@@ -260,18 +280,20 @@ class PackedSamples:
                 raise ValueError(
                     f"sample {i} has {n} tokens in {self.fields.token_fields[0]!r} but its "
                     f"length says {int(self.lengths[i])}; the lengths must count that field"
+                    + (
+                        " (a sample of length 0 is left out of every row: PackedSamples reads "
+                        "it once when it is built to confirm it is empty)"
+                        if self.lengths[i] == 0
+                        else ""
+                    )
                 )
-        if self.output == "padded":
-            return [self._padded(samples, plan) for plan in plans]
-        return [
-            assemble(
-                [samples[i] for i, _, _ in plan],
-                self.fields,
-                ids=[i for i, _, _ in plan],
-                spans=[(a, b) for _, a, b in plan],
-            )
-            for plan in plans
-        ]
+        return samples
+
+    def _check_empty(self, empty: np.ndarray) -> None:
+        """Read the samples whose length is 0, which no row reads, to confirm they are empty:
+        a wrong length of 0 would leave a sample's tokens out of every row."""
+        for start in range(0, empty.size, _EMPTY_READS):
+            self._read(empty[start : start + _EMPTY_READS].tolist())
 
     def _padded(self, samples: dict[int, Any], plan: list[tuple[int, int, int]]) -> dict[str, Any]:
         items = [
