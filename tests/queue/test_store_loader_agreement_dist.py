@@ -102,6 +102,22 @@ def _raising_rank(rank: int, world: int) -> dict[str, Any]:
     got.extend(loader)
     out["got"] = got
     loader.shutdown()
+    # Rank 0's partition ends after one round; rank 1's is open and its batch 1 times out.
+    # Rank 0 sees the end at batch 1 a second later (a training step) and joins that batch's
+    # agreement, so it hears rank 1's error; a rank that saw the end joined none, and rank
+    # 1's announcement stayed pending, paired with the next loader's start agreement.
+    loader = _loader(_store(n=4, close=rank == 0), timeout=2)
+    got = [list(next(loader).ids)]
+    if rank == 0:
+        time.sleep(1.0)
+    try:
+        got.extend(list(batch.ids) for batch in loader)
+        out["ended"] = ("no error", got)
+    except TimeoutError as exc:
+        out["ended"] = (type(exc).__name__, got, str(exc))
+    loader.shutdown()
+    with _loader(_store(n=4)) as loader:  # the next step's loader: agreed as ever
+        out["after"] = [list(batch.ids) for batch in loader]
     return out
 
 
@@ -158,3 +174,7 @@ def test_an_error_on_one_rank_is_raised_at_once_on_every_rank_naming_it(ranks):
     assert zero["late"][1].startswith("rank 1 raised TimeoutError: ")
     assert zero["got"] == [[0, 1], [4, 5], [8, 9], [12, 13]]
     assert one["got"] == [[2, 3], [6, 7], [10, 11], [14, 15]]
+    assert one["ended"][:2] == ("TimeoutError", [[2, 3]]), one["ended"]
+    assert zero["ended"][:2] == ("RankTimeoutError", [[0, 1]]), zero["ended"]
+    assert zero["ended"][2].startswith("rank 1 raised TimeoutError: "), zero["ended"]
+    assert (zero["after"], one["after"]) == ([[0, 1]], [[2, 3]])

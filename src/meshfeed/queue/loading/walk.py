@@ -396,11 +396,21 @@ class Walking:
     def _settled(self, results: Iterator[Result]) -> Generator[Result, None, None]:
         """Each batch with ``on_error`` applied and, where a process group runs, agreed on."""
         agree = self.on_error == "raise" and is_distributed()
+        end_agreed = not is_distributed()
         try:
             for item, events in Walking._announced(self, results):
                 if events.ids is None:  # ended: later requests end too; the in-flight ones drain
                     if self._end_at is None or events.index < self._end_at:
                         self._end_at = events.index
+                    if not end_agreed:
+                        # The ranks agree on this index too: a peer whose part of it raised
+                        # announces that in this index's agreement (_announced), which a rank
+                        # that saw the end here must join, or the peer waits until timeout
+                        # and its collective stays pending, paired with this rank's next one.
+                        end_agreed = True
+                        failures = round_failures(None, self.wait_timeout)
+                        if any(failure.raised for failure in failures.values()):
+                            raise self._rank_error(failures, events.index)
                     continue
                 if self._end_at is not None and events.index > self._end_at:
                     self._end_at = None  # a batch after an "ended": ask on past it next time
