@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="The data layer for large-model training: plan, analyze, convert, index, demo.",
     )
     parser.add_argument("--version", action="version", version=f"meshfeed {version()}")
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        dest="quiet_all",  # a subcommand's own -q default would overwrite "quiet"
+        action="store_true",
+        help="no progress (the same as -q after the command)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
         importlib.import_module(name).add_subcommand(subparsers)
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.quiet_all:
+        args.quiet = True
     configure_logging()
     _stop_on_sigterm()
     try:

@@ -23,6 +23,7 @@ for the same ids.
 from __future__ import annotations
 
 import argparse
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -49,6 +50,7 @@ from meshfeed.sources.converters.inputs import (
     token_ids,
 )
 from meshfeed.sources.tokens.indexed import DTYPE_CODES, TokenCorpus
+from meshfeed.sources.tokens.indexed_format import _paths
 from meshfeed.sources.tokens.indexed_write import IndexedWriter, upload_corpus
 from meshfeed.sources.tokens.tokenizer import TextTokenizer, load_tokenizer
 from meshfeed.storage import StorageOptions, local_path_of
@@ -231,6 +233,7 @@ def convert(
     fmt: str = "auto",
     num_workers: int = 1,
     progress: bool = True,
+    overwrite: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
     storage_options: StorageOptions | None = None,
 ) -> TokenCorpus:
@@ -240,7 +243,11 @@ def convert(
     else the tokenizer's (its ``<|endoftext|>`` / ``</s>`` / eos token); an int is taken as
     the id itself. Text records need ``tokenizer``. ``num_workers`` processes tokenize; the
     bytes written do not depend on it. Progress counts input bytes (total and ETA known). On
-    any error the partial output is deleted and the exception names the file and record.
+    any error the partial output is deleted and the exception names the file and record;
+    inputs that hold no record are refused (``ValueError``), as ``write_shards`` refuses no
+    samples. A corpus already at ``output`` is replaced (atomically: the new files are
+    renamed in); ``overwrite=False`` refuses it instead (``FileExistsError`` naming the file),
+    as ``meshfeed convert`` does unless given ``--overwrite``.
 
     ``output`` may be a URL prefix (``s3://bucket/corpus``): the corpus is written locally
     (in the shard cache at ``cache_dir``), then uploaded, ``.bin`` before ``.idx``; each
@@ -251,6 +258,10 @@ def convert(
         url = url.removesuffix(".bin").removesuffix(".idx")
         with Upload(cache_dir, storage_options) as upload:
             upload.check(url, "the corpus")
+            if not overwrite:
+                for ext in (".bin", ".idx"):
+                    if upload.exists(url + ext):
+                        raise _taken(url + ext, url)
             convert(
                 inputs,
                 upload.staging / "corpus",
@@ -269,6 +280,11 @@ def convert(
             url, cache_dir=cache.cache_dir, storage_options=cache.storage_options
         )
     output = local_path_of(os.fspath(output)) or output
+    if not overwrite:
+        idx_path, bin_path = _paths(output)
+        for path in (bin_path, idx_path):
+            if path.exists() or path.is_symlink():
+                raise _taken(os.fspath(path), os.fspath(idx_path)[: -len(".idx")])
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -299,8 +315,29 @@ def convert(
                     raise ValueError(f"{chunk.where(i)}: {e}") from e
             bar.update(chunk.done_bytes - shown)
             shown = chunk.done_bytes
+        if writer.num_documents == 0:  # raised inside the writer: nothing is published
+            names = ", ".join(os.fspath(p) for p in paths)
+            raise ValueError(
+                f"{names} {'holds' if len(paths) == 1 else 'hold'} no records, and a corpus "
+                "needs at least one document; nothing was written: check the input (an empty "
+                "file, or the wrong one?)"
+            )
         bar.update(total - shown)
     return TokenCorpus(writer.prefix)
+
+
+class _CorpusExists(FileExistsError):
+    """``convert(overwrite=False)`` found a corpus file at its output (``filename``)."""
+
+
+def _taken(found: str, prefix: str) -> FileExistsError:
+    """``convert(overwrite=False)``'s refusal of the corpus file ``found`` at ``prefix``."""
+    return _CorpusExists(
+        errno.EEXIST,
+        f"a token corpus is already at {prefix} ({found} exists); pass overwrite=True to "
+        "replace it, or choose another output",
+        found,
+    )
 
 
 #: Options of one --to only, with their defaults: given with the other, they are refused.
@@ -317,7 +354,6 @@ _ONLY: dict[str, dict[str, tuple[str, object]]] = {
         "--compression": ("compression", None),
         "--rows-per-shard": ("rows_per_shard", None),
         "--bytes-per-shard": ("bytes_per_shard", None),
-        "--overwrite": ("overwrite", False),
     },
 }
 
@@ -334,9 +370,15 @@ def _misplaced(args: argparse.Namespace) -> str | None:
 
 
 def _handler(args: argparse.Namespace) -> int:
-    misplaced = _misplaced(args)
-    if misplaced is not None:
-        print(f"meshfeed convert: error: {misplaced}", file=sys.stderr)
+    refused = _misplaced(args)
+    if refused is None and not args.output:
+        what = "a directory" if args.to == "shards" else "a prefix (writes PREFIX.bin/.idx)"
+        refused = f"-o is empty; give {what}, e.g. -o out/corpus"
+    if refused is None and args.num_workers < 0:
+        refused = f"-j must be 0 or more (got {args.num_workers}); 0 and 1 work in this process"
+    args.num_workers = max(1, args.num_workers)  # -j 0: in this process, as for analyze
+    if refused is not None:
+        print(f"meshfeed convert: error: {refused}", file=sys.stderr)
         return 2
     if args.to == "shards":
         from meshfeed.sources.converters.shards import handler
@@ -354,8 +396,16 @@ def _handler(args: argparse.Namespace) -> int:
             fmt=args.format,
             num_workers=args.num_workers,
             progress=not args.quiet,
+            overwrite=args.overwrite,
             cache_dir=args.cache_dir,
         )
+    except _CorpusExists as e:
+        print(
+            f"meshfeed convert: error: a token corpus is already at {args.output} "
+            f"({e.filename} exists); pass --overwrite to replace it, or choose another -o",
+            file=sys.stderr,
+        )
+        return 2
     except (ValueError, TypeError, OSError, ImportError, SourceError) as e:
         print(f"meshfeed convert: error: {e}", file=sys.stderr)
         return 2
@@ -424,10 +474,11 @@ def add_subcommand(subparsers: Any) -> None:
         help="end a shard once it holds B raw bytes; K/M/G suffixes (default: 64M, or none "
         "with --rows-per-shard)",
     )
-    shards.add_argument(
+    p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the shard dataset at -o (one with an index.json; default: refuse)",
+        help="replace the corpus at -o (PREFIX.bin/.idx), or with --to shards the shard "
+        "dataset there (one with an index.json); default: refuse",
     )
     p.add_argument(
         "--cache-dir",
@@ -474,8 +525,8 @@ def add_subcommand(subparsers: Any) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="tokenize (--to shards: encode shards) in N worker processes; the output is the "
-        "same for every N (default: 1)",
+        help="tokenize (--to shards: encode shards) in N worker processes, 0 or 1 in this "
+        "process; the output is the same for every N (default: 1)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_handler)

@@ -83,7 +83,8 @@ def _column(spec: FieldSpec, values: list[Any]) -> _Column:
     first = values[0].shape
     if not first:  # 0-d arrays and numpy scalars: one small array
         return _Column(layout={"store": "fixed", "shape": []}, array=np.stack(values))
-    rows = [memoryview(v).cast("B") for v in values]  # C-contiguous, ndim >= 1
+    # C-contiguous, ndim >= 1; memoryview cannot cast an empty array (a zero in its shape)
+    rows = [memoryview(v).cast("B") if v.size else b"" for v in values]
     if all(v.shape == first for v in values):
         return _Column(layout={"store": "fixed", "shape": list(first)}, rows=rows)
     return _Column(

@@ -277,14 +277,16 @@ class _FixedColumn:
         if self.array is not None:
             return self.array[rows]
         per, block = self.shard.block_rows, self.shard.block
+        total = self.shard.entry.rows
         out = np.empty((len(rows), *self.shape), self.dtype)
         decoded: dict[int, np.ndarray] = {}  # the blocks this call touches, typed
         for j, r in enumerate(rows.tolist()):
             b = r // per
             arr = decoded.get(b)
             if arr is None:
-                arr = decoded[b] = block(self.col, "data", b).view(self.dtype)
-                arr = decoded[b] = arr.reshape(-1, *self.shape)
+                arr = block(self.col, "data", b).view(self.dtype)
+                # the block's row count, not -1: rows of no elements (a 0 in the shape) too
+                arr = decoded[b] = arr.reshape(min(per, total - b * per), *self.shape)
             out[j] = arr[r - b * per]
         return out
 

@@ -97,6 +97,11 @@ class Schema:
     def __init__(self, sample: Any) -> None:
         self.bare = not isinstance(sample, dict)
         names = [""] if self.bare else list(sample)
+        if not names:
+            raise ValueError(
+                "row 0 is a dict with no fields: a sample needs at least one field; give each "
+                "sample a field, e.g. {'x': value}, or write bare values"
+            )
         for n in names:
             if not isinstance(n, str):
                 raise TypeError(f"row 0: sample keys must be str (got {n!r}); rename the field")

@@ -50,12 +50,20 @@ class IndexedWriter:
     """
 
     def __init__(self, prefix: str | os.PathLike[str], *, dtype: DTypeLike = np.uint16) -> None:
+        given = os.fspath(prefix)
         prefix = local_only(
             prefix,
             what="IndexedWriter",
             fix="for a URL use write_indexed(url, documents) or meshfeed convert -o URL, "
             "which upload",
         )
+        stem = os.fspath(prefix).removesuffix(".bin").removesuffix(".idx")
+        if not stem or stem.endswith(("/", os.sep)) or Path(stem).name in ("", ".", ".."):
+            raise ValueError(
+                f"corpus prefix {given!r} names no file (it would write hidden {stem}.bin / "
+                f"{stem}.idx); give a prefix such as 'out/corpus', which writes out/corpus.bin "
+                "and out/corpus.idx"
+            )
         self.dtype = np.dtype(dtype)
         self._code = dtype_code(self.dtype)
         self.idx_path, self.bin_path = _paths(prefix)
