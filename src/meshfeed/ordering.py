@@ -66,6 +66,7 @@ def build_order(
     one raises. A batch-size ``rampup`` is refused with an order that counts steps of a fixed
     global batch (a curriculum, a Mixture).
     """
+    given = dataset  # what a metric index was built for: the dataset itself, or its source
     # A LazyDataset serves its source's indices, so it is planned as its source.
     dataset = dataset.source if isinstance(dataset, LazyDataset) else dataset
     if rampup is not None and (curriculum is not None or isinstance(dataset, Mixture)):
@@ -124,6 +125,8 @@ def build_order(
             "meshfeed.protocols.CurriculumHooks); build one with "
             "meshfeed.curriculum.Curriculum(...) or from_deepspeed_config(...)"
         )
+    if isinstance(curriculum, Curriculum):
+        curriculum.check_dataset(given)
     return _checked(
         curriculum.make_order(
             dataset_length=dataset_length, global_batch_size=global_batch_size, seed=seed
@@ -209,6 +212,7 @@ class CurriculumMixtureOrder(OrderBase):
         whole_pool = None
         if whole is not None:
             whole.bind(global_batch_size=self.G, samples_per_epoch=spe)
+            whole.check_dataset(mixture)
             whole_pool = whole.pool(len(mixture))
         for s, name in enumerate(names):
             cur = whole if whole is not None else per_source.get(name)
@@ -252,6 +256,7 @@ class CurriculumMixtureOrder(OrderBase):
             return pool[mask] - lo, entry[mask]
         cur.bind(global_batch_size=self.G, samples_per_epoch=samples_per_epoch)
         try:
+            cur.check_dataset(self.mixture.sources[s])
             return cur.pool(n)
         except ValueError as exc:
             raise ValueError(f"curriculum of source {self.mixture.names[s]!r}: {exc}") from exc

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from meshfeed.curriculum.index import MetricIndex
+from meshfeed.curriculum.index import MetricIndex, is_content_fingerprint, stable_fingerprint
 from meshfeed.curriculum.order import GatedOrder
 from meshfeed.curriculum.schedule import MAX_STEP, Schedule, _is_int, check_schedule
 from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
@@ -248,8 +248,8 @@ class Curriculum:
 
     ``samples_per_epoch`` (default: the dataset length rounded down to whole global batches)
     is what the loader treats as one epoch; the curriculum and the sampling rounds run on across
-    epochs. :meth:`make_order` checks every index against the dataset length; load indexes
-    with ``MetricIndex.load(path, dataset=ds)`` to check their fingerprint too.
+    epochs. :meth:`make_order` checks every index against the dataset length, and
+    :meth:`check_dataset` against the dataset's content (the loader calls it).
     """
 
     def __init__(
@@ -303,6 +303,48 @@ class Curriculum:
         out = {m.name: _plain(m.schedule.difficulty(step)) for m in self.metrics}
         out.update({t.name: _plain(t.schedule.difficulty(step)) for t in self.transforms})
         return out
+
+    def check_dataset(self, dataset: Any) -> None:
+        """Refuse ``dataset`` (``ValueError``) when a metric index was built for another
+        dataset of its length: the index's content fingerprint (``meshfeed analyze`` and
+        :func:`~meshfeed.curriculum.content_fingerprint` make one) differs from the dataset's.
+
+        Reads 16 sampled items twice (:func:`~meshfeed.curriculum.index.stable_fingerprint`),
+        once for every index. Nothing is checked for an index with another fingerprint (one
+        given to ``MetricIndex.from_values`` by hand), for a dataset of another length
+        (:meth:`pool` refuses it), or where the dataset's fingerprint is no stable fact of its
+        content (an item fails to read, is an object hashed by its repr, or reads differently
+        a second time). A ``LazyDataset`` matches when it or its source does.
+        """
+        n = len(dataset)
+        checked = [
+            m
+            for m in self.metrics
+            if is_content_fingerprint(m.index.fingerprint) and m.index.fingerprint["length"] == n
+        ]
+        if not checked:
+            return
+        from meshfeed.sources.lazy import LazyDataset
+
+        candidates = [dataset]
+        if isinstance(dataset, LazyDataset):
+            candidates.append(dataset.source)
+        found: list[dict[str, Any]] = []
+        for m in checked:
+            expected = dict(m.index.fingerprint)
+            while len(found) < len(candidates) and expected not in found:
+                got = stable_fingerprint(candidates[len(found)])
+                if got is None:
+                    return  # no stable content to compare: the length check alone
+                found.append(got)
+            if expected not in found:
+                raise ValueError(
+                    f"metric index {m.name!r} was built for another dataset of {n} samples "
+                    f"(index fingerprint {expected['hash']}, this dataset "
+                    f"{found[0]['hash']}); rebuild the index for this dataset (`meshfeed "
+                    "analyze`, or content_fingerprint(dataset) for MetricIndex.from_values), or "
+                    "load the index that matches it"
+                )
 
     def pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Eligible samples of an ``n``-sample dataset in entry order, and their entry steps."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,26 +44,35 @@ _URL_FIX = "for a URL use analyze(..., output_dir=URL), which uploads, or save l
 _STATE = ("name", "values", "order", "percentiles", "fingerprint")
 
 
-def _feed(h: Any, item: Any) -> None:
-    """Hash an item by content: arrays by dtype/shape/bytes, containers recursively."""
+#: Values hashed by their repr that is their content (any other object's repr may name its
+#: address, which differs from process to process)
+_PLAIN = (str, int, float, complex, bool, type(None), np.generic)
+
+
+def _feed(h: Any, item: Any) -> bool:
+    """Hash an item by content: arrays by dtype/shape/bytes, containers recursively. False
+    when some part was hashed by the repr of an object that is not a plain value."""
     if hasattr(item, "detach") and hasattr(item, "cpu"):  # a torch tensor, without importing torch
         item = item.detach().cpu().numpy()
     if isinstance(item, np.ndarray):
         h.update(f"nd{item.dtype.str}{item.shape}".encode())
         h.update(np.ascontiguousarray(item).tobytes())
-    elif isinstance(item, Mapping):
+        return item.dtype.kind != "O"
+    if isinstance(item, Mapping):
         h.update(b"map")
+        plain = True
         for k in sorted(item, key=str):
             _feed(h, str(k))
-            _feed(h, item[k])
-    elif isinstance(item, (list, tuple)):
+            plain = _feed(h, item[k]) and plain
+        return plain
+    if isinstance(item, (list, tuple)):
         h.update(f"seq{len(item)}".encode())
-        for x in item:
-            _feed(h, x)
-    elif isinstance(item, (bytes, bytearray)):
+        return all([_feed(h, x) for x in item])  # every element hashed, then all()
+    if isinstance(item, (bytes, bytearray)):
         h.update(b"b" + bytes(item))
-    else:
-        h.update(f"{type(item).__name__}:{item!r}".encode())
+        return True
+    h.update(f"{type(item).__name__}:{item!r}".encode())
+    return isinstance(item, _PLAIN)
 
 
 def content_fingerprint(dataset: Any, *, num_items: int = _FINGERPRINT_ITEMS) -> dict[str, Any]:
@@ -71,16 +81,47 @@ def content_fingerprint(dataset: Any, *, num_items: int = _FINGERPRINT_ITEMS) ->
     The sampled indices are a fixed pseudo-random choice that depends only on the length, so
     two datasets with the same length and the same items there get the same fingerprint.
     """
+    return _fingerprint(dataset, num_items)[0]
+
+
+def _fingerprint(dataset: Any, num_items: int) -> tuple[dict[str, Any], bool]:
+    """:func:`content_fingerprint`, and whether every item sampled was hashed by content."""
     n = len(dataset)
     h = hashlib.blake2b(digest_size=16)
     h.update(str(n).encode())
+    plain = True
     if n:
         k = min(n, num_items)
         picks = Permutation(n, seed=0x0F1B)[np.arange(k)]
         for i in sorted(int(x) for x in picks):
             h.update(str(i).encode())
-            _feed(h, dataset[i])
-    return {"length": n, "hash": h.hexdigest()}
+            plain = _feed(h, dataset[i]) and plain
+    return {"length": n, "hash": h.hexdigest()}, plain
+
+
+def stable_fingerprint(dataset: Any) -> dict[str, Any] | None:
+    """:func:`content_fingerprint` of ``dataset`` where it is a stable fact of its content;
+    None where it is not: a sampled item fails to read, holds an object hashed by its repr
+    (which may name its address), or reads differently a second time (random augmentation).
+    Reads the sampled items twice (32 items at most), never the whole dataset."""
+    try:
+        first, plain = _fingerprint(dataset, _FINGERPRINT_ITEMS)
+        if not plain or _fingerprint(dataset, _FINGERPRINT_ITEMS)[0] != first:
+            return None
+    except Exception:  # a dataset's items may raise anything: no fingerprint, no check
+        return None
+    return first
+
+
+def is_content_fingerprint(fingerprint: Any) -> bool:
+    """Whether ``fingerprint`` is one :func:`content_fingerprint` makes (``meshfeed analyze``
+    records it), rather than one given to :meth:`MetricIndex.from_values` by hand."""
+    return (
+        isinstance(fingerprint, Mapping)
+        and set(fingerprint) == {"length", "hash"}
+        and isinstance(fingerprint["hash"], str)
+        and re.fullmatch(r"[0-9a-f]{32}", fingerprint["hash"]) is not None
+    )
 
 
 def check_fingerprint(expected: Mapping[str, Any], dataset: Any, *, what: str) -> None:
