@@ -165,3 +165,12 @@ def test_plan_takes_q_as_every_command_does(capsys):
     assert _main(["plan", "--dp", "2", "--batches", "1", "-q"]) == 0
     out, err = capsys.readouterr()
     assert "-> 2 balanced ranks" in out and err == ""
+
+
+def test_plan_cli_refuses_lengths_that_are_not_one_array_of_lengths(tmp_path, capsys):
+    path = tmp_path / "lengths.npy"
+    np.save(path, np.full((4, 3), 100))  # flattened, it read as 12 documents
+    assert _main(["plan", "--batches", "1", "--lengths", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds an array of shape (4, 3); give a 1-D array" in err
+    assert "Traceback" not in err

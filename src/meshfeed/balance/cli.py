@@ -297,9 +297,15 @@ def _read_lengths(path: Path) -> np.ndarray:
         raise ValueError(f"--lengths {path}: no such file")
     if path.suffix == ".npy":
         try:
-            lengths = np.load(path, allow_pickle=False).ravel()
+            lengths = np.load(path, allow_pickle=False)
         except ValueError as e:
             raise ValueError(f"--lengths {path} is not a numeric .npy array ({e})") from None
+        if lengths.ndim != 1:
+            raise ValueError(
+                f"--lengths {path} holds an array of shape {lengths.shape}; give a 1-D array of "
+                "document lengths, one per document (np.save(path, lengths.ravel()) if that is "
+                "what it holds)"
+            )
     else:
         text = path.read_text(encoding="utf-8", errors="replace").split()
         try:
