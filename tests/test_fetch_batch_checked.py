@@ -41,11 +41,11 @@ def _task(n: int = 4) -> FetchTask:
         (lambda idx: torch.tensor(7), r"a batch of shape \(\) for 4 indices"),
         (lambda idx: idx[:2], r"a batch of shape \(2,\) for 4 indices"),
         (
-            lambda idx: {"x": torch.as_tensor(idx), "y": torch.zeros(3, 2)},
+            lambda idx: {"n": torch.tensor(4), "y": torch.zeros(3, 2), "x": idx[:3]},
             r"'y' of shape \(3, 2\) for 4 indices",
         ),
         (
-            lambda idx: {"x": torch.as_tensor(idx), "text": ["a"] * 5},
+            lambda idx: {"text": ["a"] * 5, "x": torch.as_tensor(idx[:-1])},
             "'text' as a list of 5 items for 4 indices",
         ),
     ],
@@ -63,6 +63,12 @@ def test_a_fetch_batch_without_one_row_per_index_is_refused_by_name(make, said):
         lambda idx: {"x": torch.as_tensor(idx), "text": [str(i) for i in idx]},
         # collated sequences are a list of fields, one per position; an empty list none
         lambda idx: {"pair": [torch.as_tensor(idx)] * 2, "empty": [], "n": torch.tensor(4)},
+        # a varlen layout: one value has a row per index, the others their own shapes
+        lambda idx: {
+            "tokens": torch.zeros(11),
+            "lengths": torch.as_tensor(idx),
+            "cu_seqlens": torch.zeros(len(idx) + 1),
+        },
     ],
 )
 def test_a_fetch_batch_with_one_row_per_index_is_served(make):
@@ -125,3 +131,18 @@ def test_an_index_error_below_len_hints_that_len_overstates(caplog):
         for _ in zip(range(10), loader, strict=False):
             pass
     assert "does the dataset's __len__ overstate" in caplog.text
+
+
+def test_a_loader_over_token_documents_serves_their_varlen_batches(tmp_path):
+    """TokenDocuments.fetch_batch gives tokens [sum of lengths], lengths [B] and cu_seqlens
+    [B + 1]: a batch of one row per index where it counts, served through the loader."""
+    from meshfeed.sources.tokens.indexed_write import write_indexed
+    from meshfeed.sources.tokens.windows import TokenDocuments
+
+    corpus = write_indexed(tmp_path / "c", [np.arange(n) for n in (3, 0, 7, 1)], "uint16")
+    for workers in (0, 1):
+        loader = DataLoader(TokenDocuments(corpus), batch_size=2, seed=0, num_workers=workers)
+        batches = list(loader)
+        loader.shutdown()
+        assert sorted(n for b in batches for n in b["lengths"].tolist()) == [0, 1, 3, 7]
+        assert sum(b["tokens"].numel() for b in batches) == 11

@@ -177,15 +177,17 @@ class Fetcher:
                 )
             return batch
         # One row per index, checked where it is cheap to see (once per batch, not per
-        # sample): the leading dimension of a tensor or array, or of each value of a mapping
-        # (exact types first: isinstance against torch.Tensor costs more than the check); a
-        # list value only where it holds one leaf per row (collating sequences gives a list
-        # of fields, one per position, not one per row).
+        # sample): the leading dimension of a tensor or array; of a mapping, at least one value
+        # with a row per index where it has sized values (a varlen layout, such as
+        # TokenDocuments' tokens [sum of lengths] + lengths [B] + cu_seqlens [B + 1], carries
+        # the rest in other shapes). Exact types first: isinstance against torch.Tensor costs
+        # more than the check. A list value counts only where it holds one leaf per row
+        # (collating sequences gives a list of fields, one per position, not one per row).
         n = len(task.indices)
         kind = type(batch)
         values: Any = ()
         if kind is dict:
-            values = batch.items()
+            values = batch.values()
         elif kind is torch.Tensor or kind is np.ndarray or isinstance(batch, _ARRAYS):
             try:
                 rows = batch.shape[0]
@@ -197,23 +199,25 @@ class Fetcher:
         elif batch is None:
             raise self._rows_error(batch, n)
         elif isinstance(batch, Mapping):
-            values = batch.items()
-        for key, value in values:
+            values = batch.values()
+        first = None  # the first sized value, named where none has a row per index
+        for value in values:
             kind = type(value)
             if kind is torch.Tensor or kind is np.ndarray:
-                try:
-                    rows = value.shape[0]
-                except IndexError:  # 0-d: a value of the whole batch (e.g. a count)
-                    rows = n
-                if rows != n:
-                    raise self._rows_error(value, n, key)
-            elif (
-                kind is list
-                and value
-                and len(value) != n
-                and not isinstance(value[0], (*_ARRAYS, list, tuple))
-            ):
-                raise self._rows_error(value, n, key)
+                if value.ndim == 0:  # a value of the whole batch (e.g. a count)
+                    continue
+                rows = value.shape[0]
+            elif kind is list and value and not isinstance(value[0], (*_ARRAYS, list, tuple)):
+                rows = len(value)
+            else:
+                continue
+            if rows == n:
+                return batch
+            if first is None:
+                first = value
+        if first is not None:
+            key = next(k for k, v in batch.items() if v is first)
+            raise self._rows_error(first, n, key)
         return batch
 
     def _rows_error(self, value: Any, n: int, key: Any = None) -> ValueError:
