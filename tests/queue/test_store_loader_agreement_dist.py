@@ -106,7 +106,8 @@ def _raising_rank(rank: int, world: int) -> dict[str, Any]:
     # Rank 0 sees the end at batch 1 a second later (a training step) and joins that batch's
     # agreement, so it hears rank 1's error; a rank that saw the end joined none, and rank
     # 1's announcement stayed pending, paired with the next loader's start agreement.
-    loader = _loader(_store(n=4, close=rank == 0), timeout=2)
+    store = _store(n=4, close=rank == 0)
+    loader = _loader(store, timeout=2)
     got = [list(next(loader).ids)]
     if rank == 0:
         time.sleep(1.0)
@@ -115,6 +116,11 @@ def _raising_rank(rank: int, world: int) -> dict[str, Any]:
         out["ended"] = ("no error", got)
     except TimeoutError as exc:
         out["ended"] = (type(exc).__name__, got, str(exc))
+    # Both go on after the TimeoutError (rank 1's partition closes: it ends there too). The
+    # end is recorded only once agreed: rank 0 asks for batch 1 again and joins rank 1's retry.
+    if rank == 1:
+        store.close("p")
+    out["retry"] = [list(batch.ids) for batch in loader]
     loader.shutdown()
     with _loader(_store(n=4)) as loader:  # the next step's loader: agreed as ever
         out["after"] = [list(batch.ids) for batch in loader]
@@ -177,4 +183,5 @@ def test_an_error_on_one_rank_is_raised_at_once_on_every_rank_naming_it(ranks):
     assert one["ended"][:2] == ("TimeoutError", [[2, 3]]), one["ended"]
     assert zero["ended"][:2] == ("RankTimeoutError", [[0, 1]]), zero["ended"]
     assert zero["ended"][2].startswith("rank 1 raised TimeoutError: "), zero["ended"]
+    assert (zero["retry"], one["retry"]) == ([], [])
     assert (zero["after"], one["after"]) == ([[0, 1]], [[2, 3]])

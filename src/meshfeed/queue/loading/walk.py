@@ -400,17 +400,19 @@ class Walking:
         try:
             for item, events in Walking._announced(self, results):
                 if events.ids is None:  # ended: later requests end too; the in-flight ones drain
-                    if self._end_at is None or events.index < self._end_at:
-                        self._end_at = events.index
                     if not end_agreed:
                         # The ranks agree on this index too: a peer whose part of it raised
                         # announces that in this index's agreement (_announced), which a rank
                         # that saw the end here must join, or the peer waits until timeout
                         # and its collective stays pending, paired with this rank's next one.
+                        # The end is recorded only once agreed, so after a RankError the next
+                        # walk asks for this index again and joins the peer's retry of it.
                         end_agreed = True
                         failures = round_failures(None, self.wait_timeout)
                         if any(failure.raised for failure in failures.values()):
                             raise self._rank_error(failures, events.index)
+                    if self._end_at is None or events.index < self._end_at:
+                        self._end_at = events.index
                     continue
                 if self._end_at is not None and events.index > self._end_at:
                     self._end_at = None  # a batch after an "ended": ask on past it next time
