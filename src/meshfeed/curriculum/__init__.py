@@ -7,7 +7,7 @@ sampling, no files written during training and O(1) resume.
 """
 
 from meshfeed.curriculum.analyzer import analyze
-from meshfeed.curriculum.curriculum import Curriculum, CurriculumMetric
+from meshfeed.curriculum.curriculum import Curriculum, CurriculumIndexWarning, CurriculumMetric
 from meshfeed.curriculum.deepspeed import from_deepspeed_config
 from meshfeed.curriculum.index import MetricIndex, content_fingerprint, load_accumulated
 from meshfeed.curriculum.metrics import (
@@ -24,6 +24,7 @@ from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, Se
 __all__ = [
     "AccumulatedMetric",
     "Curriculum",
+    "CurriculumIndexWarning",
     "CurriculumMetric",
     "GatedOrder",
     "MetricIndex",

@@ -23,6 +23,7 @@ which increments its step before it samples (batch ``n`` gets the difficulty of 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,7 +35,13 @@ from meshfeed.curriculum.order import GatedOrder
 from meshfeed.curriculum.schedule import MAX_STEP, Schedule, _is_int, check_schedule
 from meshfeed.curriculum.transforms import ReportedDifficulty, SeqlenReshape, SeqlenTruncate
 
-__all__ = ["Curriculum", "CurriculumMetric"]
+__all__ = ["Curriculum", "CurriculumIndexWarning", "CurriculumMetric"]
+
+
+class CurriculumIndexWarning(UserWarning):
+    """A metric index's content fingerprint differs from the dataset it orders
+    (:meth:`Curriculum.check_dataset`)."""
+
 
 Transform = SeqlenTruncate | SeqlenReshape | ReportedDifficulty
 _NEVER = np.iinfo(np.int64).max
@@ -305,9 +312,11 @@ class Curriculum:
         return out
 
     def check_dataset(self, dataset: Any) -> None:
-        """Refuse ``dataset`` (``ValueError``) when a metric index was built for another
-        dataset of its length: the index's content fingerprint (``meshfeed analyze`` and
-        :func:`~meshfeed.curriculum.content_fingerprint` make one) differs from the dataset's.
+        """Warn (:class:`CurriculumIndexWarning`, once per loader build) when a metric index
+        may have been built for another dataset of its length: the index's content fingerprint
+        (``meshfeed analyze`` and :func:`~meshfeed.curriculum.content_fingerprint` make one)
+        differs from the dataset's. A warning, not an error: a dataset that transforms the one
+        the index was built for (a tokenizing wrapper) has the same samples in other items.
 
         Reads 16 sampled items twice (:func:`~meshfeed.curriculum.index.stable_fingerprint`),
         once for every index. Nothing is checked for an index with another fingerprint (one
@@ -338,13 +347,17 @@ class Curriculum:
                     return  # no stable content to compare: the length check alone
                 found.append(got)
             if expected not in found:
-                raise ValueError(
+                warnings.warn(
                     f"metric index {m.name!r} was built for another dataset of {n} samples "
                     f"(index fingerprint {expected['hash']}, this dataset "
-                    f"{found[0]['hash']}); rebuild the index for this dataset (`meshfeed "
-                    "analyze`, or content_fingerprint(dataset) for MetricIndex.from_values), or "
-                    "load the index that matches it"
+                    f"{found[0]['hash']}): unless this dataset transforms that one sample for "
+                    "sample, the curriculum orders it by another dataset's metric. Rebuild the "
+                    "index for this dataset (`meshfeed analyze`, or content_fingerprint(dataset) "
+                    "for MetricIndex.from_values), or load the index that matches it",
+                    CurriculumIndexWarning,
+                    stacklevel=2,
                 )
+                return
 
     def pool(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Eligible samples of an ``n``-sample dataset in entry order, and their entry steps."""
