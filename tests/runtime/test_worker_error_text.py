@@ -30,6 +30,26 @@ def test_a_reraised_value_error_is_the_type_itself():
     assert type(info.value) is ValueError and str(info.value) == "bad\n\nwhere"
 
 
+class _Hooked(Exception):
+    """A user's exception type whose subclasses are registered: never subclassed by us."""
+
+    subclasses: list[type] = []
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        _Hooked.subclasses.append(cls)
+
+    def __str__(self) -> str:
+        return f"hooked: {self.args[0]}"
+
+
+def test_a_users_type_is_reraised_as_itself_even_where_its_str_differs():
+    with pytest.raises(_Hooked) as info:
+        _reraise(_Hooked, "bad", "where")
+    assert type(info.value) is _Hooked and _Hooked.subclasses == []
+    assert str(info.value) == "hooked: bad\n\nwhere"
+
+
 class _StrExplodes(Exception):
     def __str__(self) -> str:
         raise RuntimeError("str exploded")

@@ -99,7 +99,9 @@ def _reraise(exc_type: type[BaseException] | str, text: str, where: str) -> None
         exc = exc_type(message)
     except Exception:
         raise WorkerError(f"{exc_type.__name__}: {message}") from None
-    if error_text(exc) != message:
+    if exc_type.__module__ == "builtins" and error_text(exc) != message:
+        # KeyError prints its argument's repr: one line of escapes. A builtin only: a
+        # subclass of a user's type would run its metaclass and __init_subclass__ hooks.
         exc = _readable(exc_type, message, exc)
     raise exc
 
