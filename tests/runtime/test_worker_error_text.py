@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from typing import ClassVar
 
 import pytest
 
@@ -33,7 +34,7 @@ def test_a_reraised_value_error_is_the_type_itself():
 class _Hooked(Exception):
     """A user's exception type whose subclasses are registered: never subclassed by us."""
 
-    subclasses: list[type] = []
+    subclasses: ClassVar[list[type]] = []
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
