@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 
 from meshfeed import DataLoader
 from meshfeed.loader_base import is_concurrent_next
@@ -82,3 +84,57 @@ def test_a_second_threads_next_is_refused_by_name_and_the_first_walk_goes_on():
         first.join(30)
     assert got[0].tolist() == [0, 1]
     assert [b.tolist() for b in it] == [[2, 3], [4, 5], [6, 7]]  # no batch lost or repeated
+
+
+def _gated_stream_loader(entered: threading.Event, go: threading.Event) -> Any:
+    from meshfeed import StreamLoader
+    from meshfeed.sources import ShardedStream
+
+    def shard() -> Iterator[int]:
+        for i in range(8):
+            if i == 0:
+                entered.set()
+                go.wait(30)
+            yield i
+
+    return StreamLoader(ShardedStream([shard], rows=[8]), batch_size=2, seed=0)
+
+
+def _gated_store_loader(entered: threading.Event, go: threading.Event) -> Any:
+    from meshfeed.queue import SampleStore, StoreLoader
+
+    store = SampleStore()
+    store.put("p", {"x": list(range(8))})
+    store.close("p")
+
+    def collate(batch: Any) -> Any:
+        if 0 in batch.ids:
+            entered.set()
+            go.wait(30)
+        return torch.tensor(batch.ids)
+
+    return StoreLoader(
+        store, task="t", fields=["x"], partition="p", batch_size=2, collate_fn=collate
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "name"), [(_gated_stream_loader, "StreamLoader"), (_gated_store_loader, "StoreLoader")]
+)
+def test_every_door_refuses_a_second_threads_next_and_its_first_walk_goes_on(make, name):
+    entered, go = threading.Event(), threading.Event()
+    loader = make(entered, go)
+    it = iter(loader)
+    got: list = []
+    first = threading.Thread(target=lambda: got.append(next(it)))
+    first.start()
+    assert entered.wait(30)
+    try:
+        with pytest.raises(RuntimeError, match=rf"{name}: next\(\) was called on one iterator"):
+            next(it)
+    finally:
+        go.set()
+        first.join(30)
+    served = [got[0].tolist()] + [b.tolist() for b in it]
+    assert sorted(x for b in served for x in b) == list(range(8))  # none lost or repeated
+    loader.shutdown()

@@ -80,7 +80,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from meshfeed.loader_base import LoaderBase, check_num_epochs
+from meshfeed.loader_base import LoaderBase, check_num_epochs, is_concurrent_next
 from meshfeed.options import LoaderOptions, OnError
 from meshfeed.protocols import BoundedService
 from meshfeed.queue.engine.dynamic import check_group_filter
@@ -302,6 +302,9 @@ class StoreLoader(LoaderBase, Walking):
         try:
             return next(self._stream)
         except BaseException as error:
+            if isinstance(error, ValueError) and is_concurrent_next(error):
+                # Another thread's next() runs the walk: leave it (and the state) be.
+                raise self._concurrent_next_error() from None
             self._stream = None  # a walk that raised is over: the next call walks again
             for kind, key in _COUNTED.items():
                 self._counts[key] += isinstance(error, kind)
