@@ -34,13 +34,13 @@ _WORLD: list[Any] = [None]
 _LOCK = threading.Lock()
 
 
-def own_group(group: Any, timeout: float) -> Any:
+def own_group(group: Any, timeout: float, owner: str = "BalancedBatches") -> Any:
     """A gloo group over ``group``'s ranks, in its rank order, whose timeout is ``timeout``
     seconds; ``group`` itself without a process group or with one rank (no collective runs).
 
     Made on first use (a collective of ``group``'s ranks, bounded by ``timeout``) and kept per
     ranks and timeout. A rank that never arrives makes it a
-    :class:`~meshfeed.errors.CollectiveError` naming ``BalancedBatches(timeout=)``."""
+    :class:`~meshfeed.errors.CollectiveError` naming ``owner``'s process group."""
     if not dist.is_distributed(group):
         return group
     if group is None:  # the default group: every rank
@@ -54,11 +54,11 @@ def own_group(group: Any, timeout: float) -> Any:
             _WORLD[0] = tdist.group.WORLD
         key = (ranks, float(timeout))
         if key not in _GROUPS:
-            _GROUPS[key] = _new_group(ranks, float(timeout))
+            _GROUPS[key] = _new_group(ranks, float(timeout), owner)
         return _GROUPS[key]
 
 
-def _new_group(ranks: tuple[int, ...], timeout: float) -> Any:
+def _new_group(ranks: tuple[int, ...], timeout: float, owner: str) -> Any:
     # Ranks out of order keep it: group rank i is the caller's group rank i.
     order: dict[str, Any] = {} if list(ranks) == sorted(ranks) else {"sort_ranks": False}
     start = time.monotonic()
@@ -74,8 +74,9 @@ def _new_group(ranks: tuple[int, ...], timeout: float) -> Any:
     except RuntimeError as exc:  # gloo's rendezvous: a rank of the group never came
         elapsed = time.monotonic() - start
         raise CollectiveError(
-            f"global ranks {list(ranks)} did not all set up BalancedBatches' process group over "
-            f"them within {elapsed:.1f}s ({' '.join(str(exc).split())[:300]})",
+            f"global ranks {list(ranks)} did not all set up {owner}'s process group over them "
+            f"within {elapsed:.1f}s; raise {owner}(timeout=) if a rank legitimately comes later "
+            f"({' '.join(str(exc).split())[:300]})",
             this_rank=tdist.get_rank(),
             reason="timeout" if elapsed >= 0.95 * timeout else "closed",
             elapsed=elapsed,

@@ -33,10 +33,13 @@ import numpy as np
 import torch
 
 from meshfeed import dist
-from meshfeed.balance.balanced import _REFUSED, _refuse_together
+from meshfeed.balance._group import own_group
+from meshfeed.balance.balanced import _ERROR_BYTES, _RAISED, _REFUSED, _refuse_together
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.routing import _as_bytes, _unfuse
 from meshfeed.balance.schedule import Placement, schedule_documents
+from meshfeed.errors import CollectiveError, RankError
+from meshfeed.runtime.failures import error_text
 
 __all__ = ["MEGATRON_COST", "HybridCPDataLoader"]
 
@@ -44,9 +47,13 @@ __all__ = ["MEGATRON_COST", "HybridCPDataLoader"]
 MEGATRON_COST = CostModel(quadratic=1.0)
 
 _SKIPPED = ("cu_seqlens", "batch_idx", "max_seqlen")  # the keys Megatron's unpack_batch drops
-#: ok flag (1, or ``_REFUSED`` when this rank's batch failed its checks), layout signature;
-#: then the document lengths
+#: ok flag (1; ``_REFUSED`` when this rank's batch failed its checks; ``_RAISED`` when its data
+#: iterator raised, the second slot then the byte count of the error's text, which follows;
+#: ``_ENDED`` when its data iterator ended), layout signature; then the document lengths
 _HEADER = 2
+#: ok flag of a rank whose data iterator ended (StopIteration): all ranks ended, or the others
+#: raise :class:`~meshfeed.errors.RankError` naming it
+_ENDED = -3
 
 
 class HybridCPDataLoader:
@@ -65,7 +72,16 @@ class HybridCPDataLoader:
     length, ``cu_seqlens`` must rise from 0 to at most that length, the packed samples of a batch and
     the DP replicas must share keys and dtypes (in any order). A refused batch raises on every
     rank of the DP group at the same ``next()`` (the rank with the bad sample its own error),
-    so no rank waits for the others and a loop that catches the error stays in step.
+    so no rank waits for the others and a loop that catches the error stays in step. So does a
+    data iterator that raises on some ranks (they raise its error, the others a
+    :class:`~meshfeed.errors.RankError` naming them) or ends on some ranks only (every rank a
+    ``RankError`` naming them); one that ends on every rank at the same ``next()`` ends this
+    iterator on every rank (``StopIteration``).
+
+    The header all-gathers run on a gloo group of meshfeed's own over the DP group's ranks whose
+    timeout is ``timeout`` (made at the first ``next()``), so one given up on is not left
+    pending on the caller's group (which would keep the process from exiting until that
+    group's timeout); the documents' ``all_to_all`` runs on ``pg_collection.dp_cp``.
     """
 
     def __init__(
@@ -115,6 +131,9 @@ class HybridCPDataLoader:
         hdp = {g: i for i, g in enumerate(dist.group_ranks(self.dp_cp_group))}
         self._dp_members = [hdp[g] for g in dist.group_ranks(self.dp_group)]
         self.last_placement: Placement | None = None
+        #: meshfeed's own gloo group over the DP group's ranks, made at the first next()
+        self._control: Any = None
+        self._control_made = False
 
     def __iter__(self) -> HybridCPDataLoader:
         return self
@@ -122,16 +141,39 @@ class HybridCPDataLoader:
     def __next__(self) -> tuple[dict[int, dict[str, torch.Tensor]], list[list[list[int]]]]:
         if self.data_iterator is None:  # Megatron: TP ranks > 0 receive data by broadcast
             return None, None  # type: ignore[return-value]
-        batch = next(self.data_iterator)
         refused: Exception | None = None
+        raised: Exception | None = None
+        docs: list[dict[str, torch.Tensor]] = []
+        layout: dict[str, torch.dtype] = {}
         try:
-            docs, layout = _unpack_batch(batch)
-            lengths = np.asarray([_length(d) for d in docs], dtype=np.int64)
-            header = np.concatenate([[1, _signature(layout)], lengths])
+            batch = next(self.data_iterator)
+        except StopIteration:  # the other ranks learn of it from the all-gather: no wait
+            if not dist.is_distributed(self.dp_group):
+                raise
+            header = np.asarray([_ENDED, 0], dtype=np.int64)
         except Exception as e:  # the other ranks learn of it from the all-gather: no wait
-            refused, docs, layout = e, [], {}
-            header = np.asarray([_REFUSED, 0], dtype=np.int64)
-        rows = dist.all_gather_ints(header, timeout=self._timeout, group=self.dp_group)
+            if not dist.is_distributed(self.dp_group):
+                raise
+            raised, header = e, _raised_header(e)
+        else:
+            try:
+                docs, layout = _unpack_batch(batch)
+                lengths = np.asarray([_length(d) for d in docs], dtype=np.int64)
+                header = np.concatenate([[1, _signature(layout)], lengths])
+            except Exception as e:  # the other ranks learn of it from the all-gather: no wait
+                refused, docs, layout = e, [], {}
+                header = np.asarray([_REFUSED, 0], dtype=np.int64)
+        try:
+            rows = dist.all_gather_ints(header, timeout=self._timeout, group=self._own())
+        except CollectiveError as e:
+            mine = raised if raised is not None else refused
+            if mine is None:
+                raise
+            # A dead peer must not hide this rank's own error.
+            mine.add_note(f"the other ranks of the DP group could not be told: {e}")
+            raise mine from None
+        if refused is None:  # else this rank raises its own error, just below
+            self._raise_together(rows, raised)
         _refuse_together(rows, dist.rank(self.dp_group), refused)
         if len({int(row[1]) for row in rows}) > 1:
             self._refuse_layouts(layout)  # every rank sees the mismatch: all raise here
@@ -155,13 +197,62 @@ class HybridCPDataLoader:
         samples = self._reroute(docs, layout, all_lengths, offsets, placement)
         return samples, groups
 
+    def _own(self) -> Any:
+        """meshfeed's own gloo group over the DP group's ranks (made at the first call)."""
+        if not self._control_made:
+            self._control = own_group(self.dp_group, self._timeout, "HybridCPDataLoader")
+            self._control_made = True
+        return self._control
+
+    def _raise_together(self, rows: list[np.ndarray], raised: Exception | None) -> None:
+        """Raise on every rank of the DP group when a rank's data iterator raised or ended
+        (unless every rank's ended: then ``StopIteration`` on every rank), all at this
+        ``next()``: a rank whose iterator raised its own error, the others
+        :class:`RankError` naming it."""
+        flags = [int(row[0]) for row in rows]
+        me = dist.rank(self.dp_group)
+        bad = [r for r, flag in enumerate(flags) if flag == _RAISED]
+        if bad:
+            if raised is not None:
+                raised.add_note(
+                    f"every rank of the DP group stops at this batch (the data iterators of "
+                    f"DP ranks {bad} raised)"
+                )
+                raise raised
+            r = bad[0]
+            text = rows[r][_HEADER:].tobytes()[: int(rows[r][1])].decode(errors="replace")
+            raise RankError(
+                f"the data iterator of DP rank {r}{self._global(r)} raised {text} (this is DP "
+                f"rank {me}); see that rank's error. Every rank of the DP group stops at this "
+                "batch so that none waits for the others in its next collective",
+                rank=dist.global_rank(self.dp_group, r),
+            )
+        ended = [r for r, flag in enumerate(flags) if flag == _ENDED]
+        if not ended:
+            return
+        if len(ended) == len(flags):
+            raise StopIteration
+        r = ended[0]
+        others = [r for r, flag in enumerate(flags) if flag != _ENDED]
+        raise RankError(
+            f"rank {dist.global_rank(self.dp_group, r)}'s data iterator ended (DP ranks "
+            f"{ended} ended, DP ranks {others} yielded a batch; this is DP rank {me}); every "
+            "rank of the DP group must yield the same number of global batches. Every rank "
+            "of the DP group stops at this batch so that none waits for the others",
+            rank=dist.global_rank(self.dp_group, r),
+        )
+
+    def _global(self, r: int) -> str:
+        g = dist.global_rank(self.dp_group, r)
+        return "" if g == r else f" (global rank {g})"
+
     def _refuse_layouts(self, layout: Mapping[str, torch.dtype]) -> None:
         """Raise, on every rank of the DP group alike, naming each rank's keys and dtypes.
 
         Only when the signatures in the all-gather differ (every rank sees that), so this
         extra all-gather is made by all of them or by none."""
         layouts = dist.all_gather_objects(
-            _layout_text(layout), timeout=self._timeout, group=self.dp_group
+            _layout_text(layout), timeout=self._timeout, group=self._own()
         )
         ranks = dist.group_ranks(self.dp_group)
         named = "; ".join(
@@ -202,6 +293,13 @@ class HybridCPDataLoader:
         received = _split_received(recv, incoming, lengths, keys, dtypes)
         # In this rank's own key order, as Megatron's wrapper returns them.
         return {g: {k: doc[k] for k in layout} for g, doc in received.items()}
+
+
+def _raised_header(error: Exception) -> np.ndarray:
+    """The header of a rank whose data iterator raised ``error``: its text follows."""
+    text = f"{type(error).__name__}: {error_text(error)}".encode()[:_ERROR_BYTES]
+    body = np.frombuffer(text + b"\0" * (-len(text) % 8), dtype=np.int64)
+    return np.concatenate([[_RAISED, len(text)], body]).astype(np.int64)
 
 
 def _needs(placement: Placement, world: int) -> list[list[int]]:
