@@ -3,7 +3,6 @@ after letting go of its holds; ShardedStream.close() reaches it through the read
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -14,55 +13,37 @@ import pytest
 from meshfeed.sources import DefaultReader, ShardedStream
 from meshfeed.sources.streams.remote import CachedReader
 from meshfeed.storage import ShardCache
-
-
-def _open_files(paths: list[Path]) -> int:
-    """How many descriptors of this process are open on ``paths``."""
-    wanted = {os.path.realpath(p) for p in paths}
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # the descriptor listdir itself used, closed since
-            n += os.readlink(f"/proc/self/fd/{fd}") in wanted
-    return n
-
-
-def _shards(tmp_path: Path, n: int = 3, rows: int = 10) -> list[Path]:
-    paths = []
-    for i in range(n):
-        p = tmp_path / f"s{i}.txt"
-        p.write_text("".join(f"{i}-{j}\n" for j in range(rows)))
-        paths.append(p)
-    return paths
+from tests.sources.open_files import open_files, text_shards
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files")
 def test_close_closes_the_wrapped_readers_files_and_reading_again_reopens(tmp_path: Path) -> None:
-    paths = _shards(tmp_path)
+    paths = text_shards(tmp_path, 3)
     shards = [str(p) for p in paths]
     reader = CachedReader(DefaultReader(), ShardCache(tmp_path / "cache"), shards=shards)
     for i, s in enumerate(shards):
         assert reader.take(s, np.array([3, 1])) == [f"{i}-3", f"{i}-1"]
-    assert _open_files(paths) == len(paths)
+    assert open_files(paths) == len(paths)
     reader.close()
-    assert _open_files(paths) == 0
+    assert open_files(paths) == 0
     reader.close()  # idempotent
     assert reader.take(shards[1], np.array([7])) == ["1-7"]  # re-opened
-    assert _open_files(paths) == 1
+    assert open_files(paths) == 1
     reader.close()
-    assert _open_files(paths) == 0
+    assert open_files(paths) == 0
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files")
 def test_a_stream_close_reaches_the_reader_inside_the_cached_reader(tmp_path: Path) -> None:
-    paths = _shards(tmp_path)
+    paths = text_shards(tmp_path, 3)
     shards = [str(p) for p in paths]
     cached = CachedReader(DefaultReader(), ShardCache(tmp_path / "cache"), shards=shards)
     stream = ShardedStream(shards, cached)
     assert stream.reader is cached  # it reads URLs itself: not wrapped again
     assert stream.__getitems__([0, 15, 22]) == ["0-0", "1-5", "2-2"]
-    assert _open_files(paths) == 3
+    assert open_files(paths) == 3
     stream.close()
-    assert _open_files(paths) == 0
+    assert open_files(paths) == 0
 
 
 class Recording:
