@@ -4,8 +4,6 @@ Producers and consumers in other processes: see test_queue_distributed.py."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -59,30 +57,3 @@ def test_a_checkpoint_restores_into_a_ray_store_and_continues(ray_store, tmp_pat
     rest = store.get("t", ["obs", "r"], 10, "p", timeout=10)
     assert first.ids + rest.ids == list(range(6))
     assert np.array_equal(rest["obs"], np.arange(6 * 20000.0).reshape(6, 20000)[2:])
-
-
-@pytest.mark.ray
-def test_ray_store_cancel_wakes_a_request_waiting_without_a_deadline(ray_store):
-    import threading
-
-    from meshfeed.queue import RequestCancelled
-
-    store = _fresh(ray_store)
-    errors: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            store.get("t", ["x"], 1, "p", token="loader-1")
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=consume, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while store.stats()["waiting_consumers"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    store.cancel("loader-1")
-    thread.join(30)
-    assert not thread.is_alive() and isinstance(errors[0], RequestCancelled)
-    assert store.stats()["waiting_consumers"] == 0 and store.stats()["consumed"] == {}

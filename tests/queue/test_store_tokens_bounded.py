@@ -172,9 +172,12 @@ def test_a_cancelled_token_of_the_callers_own_is_remembered_and_refused(make_sto
     assert store.stats()["consumed"] == {"t": 2}
 
 
-def test_cancel_wakes_a_request_waiting_with_an_issued_token(make_store):
+@pytest.mark.parametrize("kind", ["issued", "callers"])
+def test_cancel_wakes_a_request_waiting_without_a_deadline(make_store, kind):
+    """Whatever the token (issued by the store, or a caller's own), ``cancel`` wakes the
+    request waiting with it, which raises having consumed nothing."""
     store = make_store()
-    token = store.new_token()
+    token = store.new_token() if kind == "issued" else f"loader-{uuid.uuid4().hex}"
     errors: list[BaseException] = []
 
     def consume() -> None:
@@ -192,6 +195,7 @@ def test_cancel_wakes_a_request_waiting_with_an_issued_token(make_store):
     store.cancel(token)
     thread.join(30)
     assert not thread.is_alive() and isinstance(errors[0], RequestCancelled)
+    assert store.stats()["waiting_consumers"] == 0
     store.put("p", {"x": [1]})
     assert store.stats()["consumed"] == {}
 
