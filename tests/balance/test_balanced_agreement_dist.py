@@ -14,7 +14,7 @@ import pytest
 
 from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.errors import CollectiveError, RankError
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import exit_order, run_distributed
 
 from .checks import Samples
 
@@ -155,25 +155,9 @@ def _stall_entry(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_a_rank_that_gave_up_on_a_stalled_peer_exits_under_the_default_group(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_stall_entry, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        # Rank 0 gives up after about a second; with a collective left pending on the default
-        # group, its process stayed until rank 1's ended (STALL later).
-        deadline = time.monotonic() + STALL + 30
-        while all(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        first = [r for r, p in enumerate(procs) if not p.is_alive()]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    # Rank 0 gives up after about a second; with a collective left pending on the default
+    # group, its process stayed until rank 1's ended (STALL later).
+    first = exit_order(_stall_entry, 2, str(tmp_path), STALL + 30)
     assert first == [0], f"rank 0 should exit while rank 1 stalls; exited first: {first}"
     error = json.loads((tmp_path / "0.json").read_text())["error"]
     assert error is not None and "BalancedBatches(timeout=1.0)" in error, error

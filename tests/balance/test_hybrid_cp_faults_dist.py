@@ -18,7 +18,7 @@ import torch
 
 from meshfeed.balance.megatron import HybridCPDataLoader
 from meshfeed.errors import CollectiveError, RankError
-from tests.dist_utils import free_port
+from tests.dist_utils import exit_order
 
 STALL = 6.0  # seconds rank 1 stays alive, not iterating, after its first global batch
 
@@ -95,28 +95,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     out_dir = tmp_path_factory.mktemp("hybrid_cp_faults")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, 2, port, str(out_dir))) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        # Rank 0 gives up on rank 1 about a second into the stall; with a collective left
-        # pending on the default group, its process stayed until rank 1's ended (STALL later).
-        deadline = time.monotonic() + STALL + 60
-        while all(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        first = [r for r, p in enumerate(procs) if not p.is_alive()]
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    # Rank 0 gives up on rank 1 about a second into the stall; with a collective left
+    # pending on the default group, its process stayed until rank 1's ended (STALL later).
+    first = exit_order(_entry, 2, str(out_dir), STALL + 60, wait_rest=True)
     results = []
     for r in range(2):
         f = out_dir / f"{r}.json"
