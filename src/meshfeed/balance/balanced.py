@@ -87,6 +87,7 @@ from meshfeed.balance.schedule import DEFAULT_COST, Placement, schedule_document
 from meshfeed.errors import CollectiveError, RankError
 from meshfeed.keys import DEFAULT_KEYS, DEFAULT_PAD, DOCUMENT_IDS
 from meshfeed.protocols import Stateful
+from meshfeed.runtime.failures import error_text
 from meshfeed.state import check_count, envelope, open_envelope
 
 __all__ = ["BalancedBatches"]
@@ -620,11 +621,8 @@ class BalancedBatches:
 
     def _raised_header(self, error: Exception) -> np.ndarray:
         """The header of a rank whose inner iterator raised ``error``: its text follows."""
-        room = 8 * (self._header_size() - _HEADER)
-        text = f"{type(error).__name__}: {error}".encode()[: min(room, _ERROR_BYTES)]
-        padded = text + b"\0" * (-len(text) % 8)
-        body = np.frombuffer(padded, dtype=np.int64)
-        return np.concatenate([[_RAISED, 0, len(text), 0, self._digest], body]).astype(np.int64)
+        size, body = error_words(error, min(8 * (self._header_size() - _HEADER), _ERROR_BYTES))
+        return np.concatenate([[_RAISED, 0, size, 0, self._digest], body]).astype(np.int64)
 
     def _raise_together(self, rows: list[np.ndarray], raised: Exception | None) -> None:
         """Raise on every rank when a rank's inner iterator raised: that rank its own error,
@@ -641,8 +639,7 @@ class BalancedBatches:
                 )
             raise raised
         r = bad[0]
-        size = int(rows[r][2])
-        text = rows[r][_HEADER:].tobytes()[:size].decode(errors="replace")
+        text = words_error(rows[r][_HEADER:], int(rows[r][2]))
         g = self._comm.global_rank(r)
         where = "" if g == r else f" (global rank {g})"
         raise RankError(
@@ -889,3 +886,15 @@ def _refuse_partial_state(inner: Any) -> None:
             "meshfeed.protocols.Stateful; give it both state_dict() and load_state_dict(state) "
             "(the one state protocol), or pass an iterator without state and do not checkpoint"
         )
+
+
+def error_words(error: Exception, limit: int = _ERROR_BYTES) -> tuple[int, np.ndarray]:
+    """``"Type: text"`` of ``error`` in UTF-8, at most ``limit`` bytes, for a header of ints:
+    its byte count and the bytes as int64 words (zero-padded)."""
+    text = f"{type(error).__name__}: {error_text(error)}".encode()[:limit]
+    return len(text), np.frombuffer(text + b"\0" * (-len(text) % 8), dtype=np.int64)
+
+
+def words_error(words: np.ndarray, size: int) -> str:
+    """The text :func:`error_words` packed: ``size`` bytes of ``words``."""
+    return words.tobytes()[:size].decode(errors="replace")

@@ -34,12 +34,17 @@ import torch
 
 from meshfeed import dist
 from meshfeed.balance._group import own_group
-from meshfeed.balance.balanced import _ERROR_BYTES, _RAISED, _REFUSED, _refuse_together
+from meshfeed.balance.balanced import (
+    _RAISED,
+    _REFUSED,
+    _refuse_together,
+    error_words,
+    words_error,
+)
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.routing import _as_bytes, _unfuse
 from meshfeed.balance.schedule import Placement, schedule_documents
 from meshfeed.errors import CollectiveError, RankError
-from meshfeed.runtime.failures import error_text
 
 __all__ = ["MEGATRON_COST", "HybridCPDataLoader"]
 
@@ -220,7 +225,7 @@ class HybridCPDataLoader:
                 )
                 raise raised
             r = bad[0]
-            text = rows[r][_HEADER:].tobytes()[: int(rows[r][1])].decode(errors="replace")
+            text = words_error(rows[r][_HEADER:], int(rows[r][1]))
             raise RankError(
                 f"the data iterator of DP rank {r}{self._global(r)} raised {text} (this is DP "
                 f"rank {me}); see that rank's error. Every rank of the DP group stops at this "
@@ -297,9 +302,8 @@ class HybridCPDataLoader:
 
 def _raised_header(error: Exception) -> np.ndarray:
     """The header of a rank whose data iterator raised ``error``: its text follows."""
-    text = f"{type(error).__name__}: {error_text(error)}".encode()[:_ERROR_BYTES]
-    body = np.frombuffer(text + b"\0" * (-len(text) % 8), dtype=np.int64)
-    return np.concatenate([[_RAISED, len(text)], body]).astype(np.int64)
+    size, body = error_words(error)
+    return np.concatenate([[_RAISED, size], body]).astype(np.int64)
 
 
 def _needs(placement: Placement, world: int) -> list[list[int]]:
