@@ -318,3 +318,46 @@ def test_delivery_threads_live_at_exit_are_stopped_before_the_interpreter_tears_
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "training done" and "terminate" not in done.stderr
+
+
+class _Movable:
+    """A custom batch type with its own ``to()`` (the hook beside ``pin_memory()``)."""
+
+    def __init__(self, x, moved_to=None):
+        self.x, self.moved_to = x, moved_to
+
+    def to(self, device, non_blocking=False):
+        return _Movable(self.x.to(device, non_blocking=non_blocking), moved_to=str(device))
+
+
+def test_a_custom_batch_type_is_moved_by_its_own_to_method():
+    data = np.arange(32, dtype=np.float32).reshape(16, 2)
+    loader = DataLoader(
+        data, batch_size=4, seed=0, device="cpu",
+        collate_fn=lambda rows: {"m": _Movable(torch.as_tensor(np.stack(rows)))},
+    )  # fmt: skip
+    batches = list(loader)
+    assert len(batches) == 4 and all(b["m"].moved_to == "cpu" for b in batches)
+    assert to_device(_Movable(torch.ones(1)), torch.device("cpu"), objects=False).moved_to is None
+
+
+def test_the_delivery_thread_makes_the_loops_cuda_device_its_own(monkeypatch):
+    # CUDA's current device is per thread (a new thread's is 0): the delivery thread sets the
+    # loop's before it runs anything (here faked, to follow the calls on a CPU-only build).
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: calls.append((d, threading.current_thread().name))
+    )
+    loader = DataLoader(Counted(8), batch_size=4, shuffle=False, device="cpu")
+    assert len(list(loader)) == 2
+    assert calls == [(3, "meshfeed-delivery")]
+
+
+def test_the_delivery_thread_leaves_cuda_alone_where_the_process_has_not_used_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    loader = DataLoader(Counted(8), batch_size=4, shuffle=False, device="cpu")
+    assert len(list(loader)) == 2 and calls == []

@@ -286,6 +286,69 @@ def test_device_prefetch_delivers_the_cpu_batches_on_the_current_cuda_device(num
     assert phases["pin"] > 0 and phases["device_copy"] > 0
 
 
+def test_device_prefetch_waits_for_a_copy_that_is_still_running(monkeypatch):
+    # The side stream sleeps before each copy, so a batch is handed over while its copy is
+    # still queued: a loop stream that did not wait for the copy's event would read memory not
+    # yet written (the check that matters on a real GPU, where copies usually finish first).
+    from meshfeed.delivery import Delivery
+
+    prepare = Delivery._prepare
+
+    def slow(self: Delivery, batch: Any, streams: bool) -> Any:
+        if streams:
+            with torch.cuda.stream(self._side):
+                torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles, queued before the copy
+        return prepare(self, batch, streams)
+
+    monkeypatch.setattr(Delivery, "_prepare", slow)
+    data = _Dicts(24, 64 * 1024)
+    kwargs = {"batch_size": 4, "seed": 3}
+    plain = list(DataLoader(data, **kwargs))
+    got = []
+    for batch in DataLoader(data, device="cuda", pin_memory=True, device_prefetch=2, **kwargs):
+        got.append(batch["tokens"] + 0)  # read at once, on the loop's stream
+    torch.cuda.synchronize()
+    assert_same([g.cpu() for g in got], [b["tokens"] for b in plain])
+
+
+class _Movable:
+    """A custom batch type with its own ``pin_memory()`` and ``to()``."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def pin_memory(self) -> _Movable:
+        return _Movable(self.x.pin_memory())
+
+    def to(self, device: Any, non_blocking: bool = False) -> _Movable:
+        return _Movable(self.x.to(device, non_blocking=non_blocking))
+
+
+def test_device_prefetch_moves_a_custom_batch_type_by_its_own_to_method():
+    data = np.arange(64, dtype=np.float32).reshape(32, 2)
+    loader = DataLoader(
+        data, batch_size=4, pin_memory=True, device="cuda", seed=0,
+        collate_fn=lambda rows: {"m": _Movable(torch.as_tensor(np.stack(rows)))},
+    )  # fmt: skip
+    got = [b["m"].x for b in loader]
+    assert got and all(x.is_cuda for x in got)
+    plain = DataLoader(data, batch_size=4, seed=0)
+    assert_same([x.cpu() for x in got], [torch.as_tensor(b) for b in plain])
+
+
+def test_pinned_token_windows_in_workers_forked_after_cuda_was_used(tmp_path):
+    # The parent has used CUDA (a model on the GPU): a forked worker cannot. Workers gather into
+    # ordinary memory, and the loader pins in this process.
+    torch.zeros(1, device="cuda")
+    rng = np.random.default_rng(1)
+    corpus = write_indexed(tmp_path / "c", [rng.integers(0, 60000, 500) for _ in range(8)])
+    windows = TokenWindows(corpus, seq_len=32, pin_memory=True)
+    kw = {"batch_size": 4, "seed": 1}
+    got = list(DataLoader(windows, num_workers=2, pin_memory=True, **kw))
+    assert got and all(b.is_pinned() for b in got)
+    assert_same(got, list(DataLoader(TokenWindows(corpus, seq_len=32), **kw)))
+
+
 def test_device_prefetch_resume_is_exact_on_cuda():
     def factory() -> DataLoader:
         return DataLoader(
@@ -391,17 +454,68 @@ def _balanced_rank(rank: int, world: int) -> list[dict[str, Any]]:
         return list(it)
 
 
-@TWO_GPUS
-def test_balanced_batches_on_two_nccl_ranks_match_the_simulation():
-    results = _run_nccl(_balanced_rank)
+def _simulated() -> list[list[dict[str, Any]]]:
+    """Each rank's micro-steps of :func:`_balanced_rank`, computed in one process."""
     want: list[list[dict[str, Any]]] = [[], []]
     for b in range(3):
         samples = [make_sample(r, b, seed=9, max_len=450, docs=8) for r in range(2)]
         _, outputs = route_local(samples, max_tokens=256, cost=S2, cp_sizes="any")
         for r in range(2):
             want[r] += outputs[r]
+    return want
+
+
+@TWO_GPUS
+def test_balanced_batches_on_two_nccl_ranks_match_the_simulation():
+    results = _run_nccl(_balanced_rank)
+    want = _simulated()
     for r in range(2):
         assert_same(results[r], want[r], f"rank {r}")
+
+
+def _delivered_balanced_rank(rank: int, world: int) -> list[tuple[dict[str, Any], float]]:
+    out = []
+    inner = BalancedBatches(
+        Samples(rank, seed=9, batches=3, max_len=450, docs=8), max_tokens=256, cost=S2
+    )
+    with Delivered(inner, pin_memory=True, device="cuda") as it:
+        for step in it:
+            # The loop's own collective on the default NCCL group, as DDP's gradient
+            # all-reduce, while the delivery thread runs BalancedBatches' all_to_all ahead.
+            grad = torch.full((1 << 20,), float(rank + 1), device="cuda")
+            tdist.all_reduce(grad)
+            assert step["tokens"].device == torch.device("cuda", rank)
+            out.append((_cpu(step), grad[0].item()))
+    inner.close()
+    return out
+
+
+@TWO_GPUS
+def test_delivered_balanced_batches_on_two_nccl_ranks_beside_the_loops_all_reduce():
+    # Run on the delivery thread, BalancedBatches exchanges its tokens on an NCCL group of its
+    # own (not the default group, where the loop's all-reduce would interleave with it in a
+    # different order on each rank), on each rank's own GPU (the thread's CUDA device is the
+    # loop's, not device 0).
+    results = _run_nccl(_delivered_balanced_rank)
+    want = _simulated()
+    for r in range(2):
+        assert_same([step for step, _ in results[r]], want[r], f"rank {r}")
+        assert all(total == 3.0 for _, total in results[r])
+
+
+@TWO_GPUS
+def test_the_delivery_thread_runs_on_the_loaders_cuda_device():
+    devices = []
+
+    def items() -> Iterator[dict[str, torch.Tensor]]:
+        for i in range(3):
+            devices.append(torch.cuda.current_device())  # on the delivery thread
+            yield {"x": torch.full((4,), i)}
+
+    with Delivered(items(), pin_memory=True, device="cuda:1") as it:
+        got = list(it)
+    assert devices == [1, 1, 1]
+    assert all(b["x"].device == torch.device("cuda", 1) for b in got)
 
 
 def _stream_rank(rank: int, world: int) -> dict[str, Any]:

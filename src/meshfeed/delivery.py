@@ -41,6 +41,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -131,10 +132,24 @@ def _own_pin(value: Any) -> Any:
     return method() if callable(method) and not isinstance(value, type) else value
 
 
-def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+def to_device(
+    batch: Any, device: torch.device, *, non_blocking: bool = False, objects: bool = True
+) -> Any:
     """``batch`` with its tensors on ``device`` (nested mappings, sequences and dataclasses,
-    each kept as its own type: :func:`_map`)."""
-    return _map(batch, lambda t: t.to(device, non_blocking=non_blocking))
+    each kept as its own type: :func:`_map`). With ``objects``, an object of another type that
+    has a ``to()`` method (a custom batch type, as for ``pin_memory()``) is replaced by what its
+    ``to(device, non_blocking=...)`` returns, so it does not stay on the CPU unseen."""
+    other = partial(_own_to, device=device, non_blocking=non_blocking) if objects else None
+    return _map(batch, lambda t: t.to(device, non_blocking=non_blocking), other)
+
+
+def _own_to(value: Any, device: torch.device, non_blocking: bool) -> Any:
+    """A custom batch type's own ``to(device, non_blocking=...)``, where it has one (else
+    ``value``)."""
+    method = getattr(value, "to", None)
+    if not callable(method) or isinstance(value, type):
+        return value
+    return method(device, non_blocking=non_blocking)
 
 
 def check_device(device: object) -> torch.device | None:
@@ -224,30 +239,46 @@ class Delivery:
             self._side = torch.cuda.Stream(self.device)
         return True
 
-    def _hand_over(self, batch: Any, event: Any) -> None:
+    def _thread_device(self) -> int | None:
+        """The CUDA device the delivery thread makes current before anything else: CUDA's
+        current device is per thread and a new thread's is device 0, so without this a rank on
+        ``cuda:k`` would make a context on device 0 there (leaving the side stream's context),
+        and an iterator run on the thread (``Delivered(BalancedBatches(...))`` on NCCL) would
+        put its collectives' tensors on device 0. ``device``'s index, else the loop thread's
+        current device where CUDA is initialised; None where this process has not used CUDA
+        (the thread's default then is the loop's)."""
+        if self.device is not None and self.device.type == "cuda":
+            if self.device.index is not None:
+                return self.device.index
+            return torch.cuda.current_device()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+        return None
+
+    def _hand_over(self, batch: Any, event: Any) -> Any:
         """On the loop's thread: its *current* stream waits for the batch's copy, and the
-        batch's memory is marked as used by that stream (not reused before its kernels ran)."""
-        if event is None:
-            return
+        batch's memory is marked as used by that stream (not reused before its kernels ran).
+        A custom batch type's own ``to()`` (whose tensors this cannot see to mark) runs here,
+        on the loop's stream, after that wait. The batch returned is the one to hand over."""
+        if event is None or self.device is None:
+            return batch
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
 
         def used(t: torch.Tensor) -> torch.Tensor:
-            # The tensor itself: the structure _map rebuilds (and drops) holds the same values.
             if t.is_cuda:
                 t.record_stream(current)
             return t
 
-        _map(batch, used)
+        return _map(batch, used, partial(_own_to, device=self.device, non_blocking=True))
 
     def _ahead(
         self, items: Iterator[tuple[Any, T]], stop: threading.Event | None
     ) -> Generator[tuple[Any, T], None, None]:
         ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.depth)
         stop = threading.Event() if stop is None else stop
-        thread = threading.Thread(
-            target=self._run, args=(items, ready, stop, self._streams()), name="meshfeed-delivery"
-        )
+        args = (items, ready, stop, self._streams(), self._thread_device())
+        thread = threading.Thread(target=self._run, args=args, name="meshfeed-delivery")
         thread.daemon = True  # never keeps a process alive; stopped at exit if still running
         stop_at_exit(thread, stop, ready, timeout=self.timeout)
         thread.start()
@@ -261,7 +292,8 @@ class Delivery:
                 if kind == "error":
                     raise payload
                 item, event, made = payload
-                self._hand_over(item[0], event)  # the loop's kernels start after the copy
+                if event is not None:  # the loop's kernels start after the copy
+                    item = (self._hand_over(item[0], event), item[1])
                 # Counted by the loader (telemetry), with the thread's seconds on this batch:
                 # a batch made ahead and dropped (the walk ends first) adds no phase.
                 tel.took(asked, time.perf_counter(), made=made)
@@ -294,10 +326,13 @@ class Delivery:
         ready: queue.Queue[tuple[str, Any]],
         stop: threading.Event,
         streams: bool,
+        cuda_device: int | None,
     ) -> None:
         source = iter(items)
         clock = time.perf_counter
         try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)  # this thread's own (see _thread_device)
             while not stop.is_set():
                 start = clock()
                 try:
@@ -331,8 +366,8 @@ class Delivery:
         if not streams:
             batch = to_device(batch, device)
         else:
-            with torch.cuda.stream(self._side):
-                batch = to_device(batch, device, non_blocking=True)
+            with torch.cuda.stream(self._side):  # custom types' own to(): _hand_over
+                batch = to_device(batch, device, non_blocking=True, objects=False)
                 event = torch.cuda.Event()
                 event.record(self._side)
         copy_s = time.perf_counter() - start
