@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 
 from meshfeed import dist
 from meshfeed.balance._group import own_group
@@ -135,6 +137,7 @@ class _Comm:
         self.timeout = timeout
         self.rank = dist.rank(group)
         self.size = dist.world_size(group)
+        self._thread = threading.get_ident()  # the thread that built it (see _made)
         #: (control group, data group), made at the first collective
         self._groups: tuple[Any, Any] | None = None
 
@@ -182,12 +185,24 @@ class _Comm:
         )
 
     def _made(self) -> tuple[Any, Any]:
-        """(the group of the control collectives, the group of the ``all_to_all``)."""
+        """(the group of the control collectives, the group of the ``all_to_all``).
+
+        The ``all_to_all`` runs on the caller's group where that is a GPU group (NCCL: the
+        tokens move on the GPU), unless this runs on another thread than the one that built
+        it (a delivery thread, :class:`~meshfeed.delivered.Delivered`): the training loop's
+        own collectives on that group (DDP's, FSDP's) would then interleave with it in a
+        different order on each rank, which hangs or mixes them up, so it gets a group of
+        its own with the caller's backend (made once, by every rank of the group)."""
         if self._groups is None:
             what = "process group's setup (its first collective)"
             own = self._bounded(what, own_group, self.group, self.timeout)
-            gpu = dist.is_distributed(self.group) and self.device().type != "cpu"
-            self._groups = (own, self.group if gpu else own)
+            data = own
+            if dist.is_distributed(self.group) and self.device().type != "cpu":
+                data = self.group
+                if threading.get_ident() != self._thread:
+                    backend = str(tdist.get_backend(self.group))
+                    data = self._bounded(what, own_group, self.group, self.timeout, backend=backend)
+            self._groups = (own, data)
         return self._groups
 
     def _bounded(self, what: str, collective: Callable[..., Any], *args: Any, **kw: Any) -> Any:
