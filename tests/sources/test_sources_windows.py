@@ -346,3 +346,32 @@ def test_negative_int64_indices_are_refused_not_wrapped(tmp_path: Path, dtype: t
         windows.fetch_batch(np.array([1, -3], np.int64))
     with pytest.raises(IndexError, match=r"span \[0, 3\], outside \[0, 3\)"):
         windows.fetch_batch(np.array([0, 3], np.int64))
+
+
+class _Pins:
+    """Whether the windows would pin, read where the sample is made (a worker or this one)."""
+
+    def __init__(self, windows: TokenWindows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> bool:
+        return self.windows._pins()
+
+
+def test_workers_leave_pinning_to_the_training_process(tmp_path: Path, monkeypatch) -> None:
+    # Page-locking in a worker would make a CUDA context there (or fail in a child forked
+    # after its parent used CUDA), and its batch is copied into a shared-memory slot anyway:
+    # workers gather into ordinary memory, and the loader's pin_memory=True pins the batch.
+    corpus, _ = corpus_of(tmp_path, [50, 70])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # inherited by the workers
+    windows = TokenWindows(corpus, seq_len=8, pin_memory=True)
+    assert windows._pins()  # here, in the training process
+    flags = list(DataLoader(_Pins(windows), batch_size=4, num_workers=1, collate_fn=list))
+    assert flags == [[False] * 4]
+    # A worker's fetch takes the plain path (on this CPU-only build, the pinned one raises).
+    plain = TokenWindows(corpus, seq_len=8)
+    kw = {"batch_size": 3, "seed": 2, "drop_last": False}
+    assert_same(list(DataLoader(windows, num_workers=2, **kw)), list(DataLoader(plain, **kw)))

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-__all__ = ["POLL", "Parent", "close_borrowed", "parent_alive", "tie_to_parent"]
+__all__ = ["POLL", "Parent", "close_borrowed", "in_worker", "parent_alive", "tie_to_parent"]
 
 #: Seconds between two checks of the parent where no pidfd can be waited on.
 POLL = 0.25
@@ -113,11 +113,23 @@ def _watch(parent: Parent, ppid: int) -> None:
     os._exit(_EXIT_CODE)
 
 
+_IN_WORKER = [False]  # set by tie_to_parent: this process is a meshfeed worker
+
+
+def in_worker() -> bool:
+    """Whether this process is a meshfeed worker process (of any pool), not a training
+    process: what a worker makes goes back through shared memory, so work meant for the
+    process that owns the GPU (page-locking memory, which makes a CUDA context and cannot
+    be done in a child forked after its parent used CUDA) is left to that process."""
+    return _IN_WORKER[0]
+
+
 def tie_to_parent(parent: Parent) -> None:
     """In a new worker, first thing: die with ``parent`` (signal, then the watch thread).
 
     Ends the process at once if the parent is already gone.
     """
+    _IN_WORKER[0] = True
     ppid = os.getppid()
     if parent.pdeathsig:
         _set_pdeathsig()

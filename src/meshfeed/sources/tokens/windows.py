@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from meshfeed.order.distinct import distinct
+from meshfeed.runtime.lifeline import in_worker
 from meshfeed.sources.tokens.indexed import TokenCorpus
 from meshfeed.sources.tokens.indexed_ranged import RangedTokens
 from meshfeed.storage import Ranged, StorageOptions
@@ -153,7 +154,9 @@ class TokenWindows:
     ``pin_memory=True`` makes ``fetch_batch`` allocate its output in page-locked memory, so
     the gather writes there directly and the host-to-device copy can be asynchronous; the
     loader's own pinning step then has nothing left to copy. Without CUDA it is a no-op
-    (ordinary memory; CPU builds of torch cannot pin).
+    (ordinary memory; CPU builds of torch cannot pin), and so it is in a loader's worker
+    processes, whose batches reach the training process through shared memory (give the
+    loader ``pin_memory=True`` there).
 
     ``corpus`` may be a URL prefix (``s3://bucket/corpus``): both files are downloaded whole
     into the node's shard cache at ``cache_dir`` (once per node; ``storage_options`` go to
@@ -298,6 +301,14 @@ class TokenWindows:
     def __getitems__(self, indices: Sequence[int]) -> list[torch.Tensor]:
         return list(self.fetch_batch(np.asarray(indices, dtype=np.int64)).unbind(0))
 
+    def _pins(self) -> bool:
+        """Whether ``fetch_batch`` writes into pinned memory: with ``pin_memory`` and CUDA, in
+        the training process only. In a worker process (:func:`in_worker`) the batch goes
+        back through a shared-memory slot anyway, and page-locking there would make a CUDA
+        context per worker, or fail in a worker forked after its parent used CUDA; the
+        loader's ``pin_memory=True`` pins it in the training process."""
+        return self.pin_memory and not in_worker() and torch.cuda.is_available()
+
     def fetch_batch(self, indices: np.ndarray) -> torch.Tensor:
         """The windows at ``indices`` as one fresh ``[len(indices), seq_len + 1]`` tensor.
 
@@ -315,7 +326,7 @@ class TokenWindows:
             _as_indices(idx, self._len)  # numpy would wrap a negative index: refuse it by name
         if self._ranged is not None:
             return self._fetch_ranged(self._ranged, idx)
-        if self.pin_memory and torch.cuda.is_available():
+        if self._pins():
             self.corpus.check_unchanged(tokens_only=True)
             return self._fetch_pinned(idx)
         try:
@@ -336,7 +347,7 @@ class TokenWindows:
         rows = tokens.windows(idx * self.seq_len, self.seq_len + 1)
         if self._narrows:
             self._check_fits(rows, idx)
-        if self.pin_memory and torch.cuda.is_available():
+        if self._pins():
             out = torch.empty(rows.shape, dtype=self.dtype, pin_memory=True)
             return out.copy_(torch.from_numpy(rows.astype(self._np_dtype, copy=False)))
         return torch.from_numpy(rows if self._same_dtype else rows.astype(self._np_dtype))
