@@ -459,15 +459,17 @@ def main() -> None:
         cfg.seconds = cfg.seconds or 0.9
     torch.set_num_threads(1)
     # The GPU loop first (short): its rows are printed before the grid's long run.
-    loop_rows, loop_notes = gpu_loop(cfg)
-    print(report([], loop_rows, loop_notes), file=sys.stderr)
-    grid_rows, notes = ([], []) if cfg.no_grid else grid(cfg)
-    text = report(
-        grid_rows, loop_rows, [f"{n} cores usable; torch {torch.__version__}", *notes, *loop_notes]
-    )
-    print(text)
     out = cfg.out or RESULTS / ("gpu_quick.md" if cfg.quick else "gpu.md")
     out.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{n} cores usable; torch {torch.__version__}"
+    loop_rows, loop_notes = gpu_loop(cfg)
+    text = report([], loop_rows, [machine, *loop_notes])
+    print(text, file=sys.stderr)
+    if not cfg.no_grid:  # the GPU loop's rows are kept should the grid run out of time
+        out.write_text(text + "\n\n(the grid did not finish)\n")
+    grid_rows, notes = ([], []) if cfg.no_grid else grid(cfg)
+    text = report(grid_rows, loop_rows, [machine, *notes, *loop_notes])
+    print(text)
     out.write_text(text + "\n")
 
 

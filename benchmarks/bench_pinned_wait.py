@@ -115,12 +115,14 @@ def switch_interval(seconds: float) -> Iterator[None]:
 
 class RegisteredSlots:
     """While active, every shared-memory slot the main process maps for lending is
-    page-locked with ``cudaHostRegister`` (and stays so until the process exits)."""
+    page-locked with ``cudaHostRegister``; on leaving (the loader is shut down by then), each is
+    unregistered before its mapping can go (registered memory must not be unmapped)."""
 
     def __enter__(self) -> RegisteredSlots:
         self.original = SlotReader._lendable
         cudart = torch.cuda.cudart()
-        keep: list[np.ndarray] = []
+        self.cudart, self.keep = cudart, []
+        keep: list[np.ndarray] = self.keep
         original = self.original
 
         def lendable(reader: SlotReader, sid: int) -> Any:
@@ -131,7 +133,7 @@ class RegisteredSlots:
                 err = cudart.cudaHostRegister(view.ctypes.data, view.nbytes, 0)
                 if int(err) != 0:
                     raise RuntimeError(f"cudaHostRegister failed: {err}")
-                keep.append(view)  # registered memory is never unmapped while registered
+                keep.append(view)  # holds the mapping open while it is registered
             return mapped
 
         SlotReader._lendable = lendable
@@ -139,6 +141,10 @@ class RegisteredSlots:
 
     def __exit__(self, *exc: object) -> None:
         SlotReader._lendable = self.original
+        torch.cuda.synchronize()  # no copy from a slot still in flight
+        for view in self.keep:
+            self.cudart.cudaHostUnregister(view.ctypes.data)
+        self.keep.clear()
 
 
 def main() -> None:
