@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -47,6 +48,7 @@ class _FakeGroup:
         self.owns: list[object] = []  # meshfeed's own control groups (gloo groups)
         self.created: list[dict[str, Any]] = []
         monkeypatch.setattr(dist, "_OWN_GROUPS", {})
+        monkeypatch.setattr(dist, "_DELIVERY_GROUPS", {})
         monkeypatch.setattr(tdist, "is_initialized", lambda: True)
         monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
@@ -96,6 +98,28 @@ def test_collectives_put_their_tensors_on_the_device_the_rule_names(monkeypatch)
     assert out.device == torch.device("cpu") and out.shape == (2, 3)
     assert asked and set(asked) == {"gloo"}
     assert {d for _, d in fake.devices} == {torch.device("cpu")}
+
+
+def test_a_delivery_threads_control_collectives_run_on_a_group_of_their_own(monkeypatch):
+    # Delivered runs its inner iterator (BalancedBatches...) on a delivery thread while the
+    # loop's thread may iterate another loader: the two threads never share a group.
+    fake = _FakeGroup(monkeypatch, "gloo")
+    loop = dist.control_group(7)
+    got: list[Any] = []
+
+    def on_thread() -> None:
+        dist.mark_delivery_thread()
+        got.extend([dist.control_group(7), dist.control_group(7), dist.control_group(7, side=True)])
+
+    thread = threading.Thread(target=on_thread)
+    thread.start()
+    thread.join()
+    loop7, side7, delivery7 = fake.owns
+    assert loop is loop7 and got == [delivery7, delivery7, side7]
+    assert dist.control_group(7) is loop7 and not dist.on_delivery_thread()
+    made = fake.created[-1]  # made with local synchronisation over every rank, on first use
+    assert made["group_desc"] == "meshfeed-delivery" and made["use_local_synchronization"]
+    assert made["ranks"] == [0, 1] and made["timeout"].total_seconds() == 7
 
 
 def test_control_collectives_run_on_a_gloo_group_of_their_own_per_timeout(monkeypatch):

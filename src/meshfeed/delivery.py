@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from meshfeed import dist
 from meshfeed.collate import rebuild_mapping
 from meshfeed.telemetry import Telemetry
 
@@ -331,6 +332,7 @@ class Delivery:
         source = iter(items)
         clock = time.perf_counter
         try:
+            dist.mark_delivery_thread()  # its collectives (Delivered's inner) apart from the loop's
             if cuda_device is not None:
                 torch.cuda.set_device(cuda_device)  # this thread's own (see _thread_device)
             while not stop.is_set():

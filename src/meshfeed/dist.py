@@ -58,6 +58,8 @@ __all__ = [
     "group_ranks",
     "is_distributed",
     "is_initialized",
+    "mark_delivery_thread",
+    "on_delivery_thread",
     "rank",
     "refuse_disagreement",
     "world_size",
@@ -172,6 +174,14 @@ def control_group(timeout: float, group: Any = None, *, side: bool = False) -> A
     collective of every rank (``torch.distributed.new_group``), which the first collective of
     that timeout is on every rank in the same order. A rank that never arrives makes it a
     :class:`~meshfeed.errors.CollectiveError` within about ``timeout``.
+
+    On a delivery thread (:func:`mark_delivery_thread`: ``Delivered`` runs its inner iterator
+    there, e.g. ``BalancedBatches``, while the loop's thread may iterate another loader) the
+    control collectives run on a third group, made on that thread's first collective, so the
+    two threads' collectives never pair with each other. It is made with local
+    synchronisation (a name hashed from the ranks and the count of groups): should another
+    thread make a group at that very moment on some ranks only, the ranks' names differ and
+    the setup fails within ``timeout``, naming it, rather than pair the wrong groups.
     """
     if group is not None or not is_distributed():
         return group
@@ -179,25 +189,58 @@ def control_group(timeout: float, group: Any = None, *, side: bool = False) -> A
     with _OWN_LOCK:
         if _OWN_WORLD[0] is not dist.group.WORLD:  # a new default group: new groups too
             _OWN_GROUPS.clear()
+            _DELIVERY_GROUPS.clear()
             _OWN_WORLD[0] = dist.group.WORLD
+        if not side and on_delivery_thread():
+            if timeout not in _DELIVERY_GROUPS:
+                _DELIVERY_GROUPS[timeout] = _make_groups(timeout, ("meshfeed-delivery",))[0]
+            return _DELIVERY_GROUPS[timeout]
         if timeout not in _OWN_GROUPS:
-            start = time.monotonic()
-            try:
-                _OWN_GROUPS[timeout] = tuple(
-                    dist.new_group(
-                        backend="gloo",
-                        timeout=datetime.timedelta(seconds=timeout),
-                        group_desc=desc,
-                    )
-                    for desc in ("meshfeed", "meshfeed-side")
-                )
-            except RuntimeError as exc:  # gloo's rendezvous: a rank never came
-                what = "setting up meshfeed's process group (its first collective)"
-                raise _failure(exc, time.monotonic() - start, timeout, what) from exc
+            _OWN_GROUPS[timeout] = _make_groups(timeout, ("meshfeed", "meshfeed-side"))
         return _OWN_GROUPS[timeout][side]
 
 
+def _make_groups(timeout: float, descs: tuple[str, ...]) -> tuple[Any, ...]:
+    """gloo groups over every rank with ``timeout``, one per description (a delivery
+    thread's: with local synchronisation, see :func:`control_group`)."""
+    local = descs == ("meshfeed-delivery",)
+    sync: dict[str, Any] = {}
+    if local:
+        sync = {"ranks": list(range(dist.get_world_size())), "use_local_synchronization": True}
+    start = time.monotonic()
+    try:
+        return tuple(
+            dist.new_group(
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=timeout),
+                group_desc=desc,
+                **sync,
+            )
+            for desc in descs
+        )
+    except RuntimeError as exc:  # gloo's rendezvous: a rank never came
+        what = "setting up meshfeed's process group (its first collective)"
+        if local:
+            what = "setting up the delivery thread's process group (its first collective)"
+        raise _failure(exc, time.monotonic() - start, timeout, what) from exc
+
+
+_THREAD = threading.local()
+
+
+def mark_delivery_thread() -> None:
+    """Called first thing on a delivery thread (:mod:`meshfeed.delivery`): meshfeed's control
+    collectives made on this thread run on groups of their own (:func:`control_group`)."""
+    _THREAD.delivery = True
+
+
+def on_delivery_thread() -> bool:
+    """Whether this thread is a delivery thread (:func:`mark_delivery_thread`)."""
+    return bool(getattr(_THREAD, "delivery", False))
+
+
 _OWN_GROUPS: dict[float, tuple[Any, ...]] = {}
+_DELIVERY_GROUPS: dict[float, Any] = {}
 _OWN_WORLD: list[Any] = [None]
 _OWN_LOCK = threading.Lock()
 

@@ -33,7 +33,7 @@ __all__ = ["own_group"]
 #: A longer timeout overflows timedelta near 1e9 days; a year is "no limit" for a collective.
 _LONGEST = 365 * 86400.0
 
-_GROUPS: dict[tuple[tuple[int, ...], float, str], Any] = {}
+_GROUPS: dict[tuple[tuple[int, ...], float, str, bool], Any] = {}
 _WORLD: list[Any] = [None]
 _LOCK = threading.Lock()
 
@@ -60,7 +60,8 @@ def own_group(
         if _WORLD[0] is not tdist.group.WORLD:  # a new default group: new groups too
             _GROUPS.clear()
             _WORLD[0] = tdist.group.WORLD
-        key = (ranks, float(timeout), backend)
+        # A delivery thread's groups are its own, as dist.control_group's are.
+        key = (ranks, float(timeout), backend, dist.on_delivery_thread())
         if key not in _GROUPS:
             _GROUPS[key] = _new_group(ranks, float(timeout), owner, backend)
         return _GROUPS[key]

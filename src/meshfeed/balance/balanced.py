@@ -189,7 +189,7 @@ class _Comm:
 
         The ``all_to_all`` runs on the caller's group where that is a GPU group (NCCL: the
         tokens move on the GPU), unless this runs on another thread than the one that built
-        it (a delivery thread, :class:`~meshfeed.delivered.Delivered`): the training loop's
+        it or on a delivery thread (:class:`~meshfeed.delivered.Delivered`): the training loop's
         own collectives on that group (DDP's, FSDP's) would then interleave with it in a
         different order on each rank, which hangs or mixes them up, so it gets a group of
         its own with the caller's backend (made once, by every rank of the group)."""
@@ -199,7 +199,7 @@ class _Comm:
             data = own
             if dist.is_distributed(self.group) and self.device().type != "cpu":
                 data = self.group
-                if threading.get_ident() != self._thread:
+                if threading.get_ident() != self._thread or dist.on_delivery_thread():
                     backend = str(tdist.get_backend(self.group))
                     data = self._bounded(what, own_group, self.group, self.timeout, backend=backend)
             self._groups = (own, data)
