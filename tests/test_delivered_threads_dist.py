@@ -8,15 +8,18 @@ their own (:func:`meshfeed.dist.control_group`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 
-from meshfeed import DataLoader
+from meshfeed import DataLoader, dist
 from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.balance.routing import route_local
 from meshfeed.delivered import Delivered
-from meshfeed.delivery import to_device
+from meshfeed.delivery import Delivery, to_device
 from meshfeed.testing import assert_same
 from tests.balance.checks import Samples, make_sample
 from tests.dist_utils import run_distributed
@@ -56,3 +59,70 @@ def test_a_delivered_iterator_and_a_loop_loader_on_two_gloo_ranks_keep_their_col
             want[r] += outputs[r]
     for r in range(2):
         assert_same(results[r]["train"], want[r], f"rank {r}")
+
+
+def _gather_items(rank: int) -> Iterator[list]:
+    for i in range(3):
+        yield dist.all_gather_objects((rank, i), timeout=20)
+
+
+def _after_a_subgroup_of_some_ranks(rank: int, world: int) -> list:
+    tdist.new_group([0, 1], backend="gloo")  # every rank makes it; rank 2 is no member
+    with Delivered(_gather_items(rank), device="cpu", timeout=30) as it:
+        return list(it)
+
+
+def test_a_delivery_threads_group_is_made_where_ranks_hold_different_numbers_of_groups():
+    results = run_distributed(_after_a_subgroup_of_some_ranks, 3, timeout=120)
+    want = [[(r, i) for r in range(3)] for i in range(3)]
+    assert results == [want] * 3
+
+
+class _Gathered:
+    """Item ``i``: every rank's ``(walk, i)``, gathered on the thread that iterates it."""
+
+    def __init__(self) -> None:
+        self.i, self.walks = 0, 0
+
+    def __iter__(self) -> Iterator[list]:
+        self.walks += 1
+        walk = self.walks
+        while self.i < 6:
+            got = dist.all_gather_objects((walk, self.i), timeout=3)
+            self.i += 1
+            yield got
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
+
+
+def _walk_abandoned_with_threads_apart(rank: int, world: int) -> list:
+    prepare = Delivery._prepare
+    made = {"n": 0}
+
+    def held(self: Delivery, batch: Any, streams: bool) -> Any:
+        made["n"] += 1
+        if rank == 1 and made["n"] == 2:
+            time.sleep(1.0)  # rank 1's thread stops after this item; rank 0's gathers item 2
+        return prepare(self, batch, streams)
+
+    Delivery._prepare = held  # type: ignore[method-assign]
+    inner = _Gathered()
+    it = Delivered(inner, device="cpu", device_prefetch=3, timeout=30)
+    first = [next(it)]
+    state = it.state_dict()
+    if rank == 0:
+        time.sleep(0.5)  # its thread is waiting in item 2's gather, which rank 1 never joins
+    it.load_state_dict(state)  # abandons the walk: rank 0's thread is one collective ahead
+    rest = list(it)
+    it.shutdown()
+    return first + rest
+
+
+def test_a_walk_abandoned_with_the_ranks_threads_apart_leaves_nothing_for_the_next():
+    results = run_distributed(_walk_abandoned_with_threads_apart, 2, timeout=120)
+    assert results[0] == results[1]
+    assert results[0] == [[(1, 0), (1, 0)]] + [[(2, i), (2, i)] for i in range(1, 6)]

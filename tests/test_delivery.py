@@ -321,24 +321,26 @@ def test_delivery_threads_live_at_exit_are_stopped_before_the_interpreter_tears_
 
 
 class _Movable:
-    """A custom batch type with its own ``to()`` (the hook beside ``pin_memory()``)."""
+    """A custom batch type with its own ``to()``: its tensors are not seen, it stays as is."""
 
-    def __init__(self, x, moved_to=None):
-        self.x, self.moved_to = x, moved_to
+    def __init__(self, x):
+        self.x = x
 
-    def to(self, device, non_blocking=False):
-        return _Movable(self.x.to(device, non_blocking=non_blocking), moved_to=str(device))
+    def to(self, device):
+        raise AssertionError("meshfeed calls no method of a custom batch type")
 
 
-def test_a_custom_batch_type_is_moved_by_its_own_to_method():
+def test_a_custom_batch_type_stays_as_it_is_and_is_named_once(caplog):
     data = np.arange(32, dtype=np.float32).reshape(16, 2)
     loader = DataLoader(
         data, batch_size=4, seed=0, device="cpu",
-        collate_fn=lambda rows: {"m": _Movable(torch.as_tensor(np.stack(rows)))},
+        collate_fn=lambda rows: {"m": _Movable(torch.as_tensor(np.stack(rows))), "n": 1},
     )  # fmt: skip
-    batches = list(loader)
-    assert len(batches) == 4 and all(b["m"].moved_to == "cpu" for b in batches)
-    assert to_device(_Movable(torch.ones(1)), torch.device("cpu"), objects=False).moved_to is None
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        batches = list(loader)
+    assert len(batches) == 4 and all(type(b["m"]) is _Movable for b in batches)
+    told = [r.getMessage() for r in caplog.records if "_Movable" in r.getMessage()]
+    assert len(told) == 1 and "make it a dataclass or a dict" in told[0]
 
 
 def test_the_delivery_thread_makes_the_loops_cuda_device_its_own(monkeypatch):

@@ -48,7 +48,6 @@ class _FakeGroup:
         self.owns: list[object] = []  # meshfeed's own control groups (gloo groups)
         self.created: list[dict[str, Any]] = []
         monkeypatch.setattr(dist, "_OWN_GROUPS", {})
-        monkeypatch.setattr(dist, "_DELIVERY_GROUPS", {})
         monkeypatch.setattr(tdist, "is_initialized", lambda: True)
         monkeypatch.setattr(tdist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(tdist, "get_rank", lambda group=None: 0)
@@ -117,9 +116,9 @@ def test_a_delivery_threads_control_collectives_run_on_a_group_of_their_own(monk
     loop7, side7, delivery7 = fake.owns
     assert loop is loop7 and got == [delivery7, delivery7, side7]
     assert dist.control_group(7) is loop7 and not dist.on_delivery_thread()
-    made = fake.created[-1]  # made with local synchronisation over every rank, on first use
-    assert made["group_desc"] == "meshfeed-delivery" and made["use_local_synchronization"]
-    assert made["ranks"] == [0, 1] and made["timeout"].total_seconds() == 7
+    made = fake.created[-1]  # made over every rank at the thread's first collective
+    assert made["group_desc"] == "meshfeed-delivery" and made["timeout"].total_seconds() == 7
+    assert "ranks" not in made and "use_local_synchronization" not in made
 
 
 def test_control_collectives_run_on_a_gloo_group_of_their_own_per_timeout(monkeypatch):

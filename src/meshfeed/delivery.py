@@ -41,7 +41,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping
-from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -124,7 +123,13 @@ def pin(batch: Any) -> Any:
     DataLoader does (its documented hook for custom batch types)."""
     if not torch.cuda.is_available():
         return batch
-    return _map(batch, lambda t: t if t.is_pinned() else t.pin_memory(), _own_pin)
+    return _map(batch, _pinned, _own_pin)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in pinned memory; a tensor already pinned or not on the CPU (a dataset's CUDA
+    tensor) as it is."""
+    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
 
 
 def _own_pin(value: Any) -> Any:
@@ -133,24 +138,30 @@ def _own_pin(value: Any) -> Any:
     return method() if callable(method) and not isinstance(value, type) else value
 
 
-def to_device(
-    batch: Any, device: torch.device, *, non_blocking: bool = False, objects: bool = True
-) -> Any:
+def to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
     """``batch`` with its tensors on ``device`` (nested mappings, sequences and dataclasses,
-    each kept as its own type: :func:`_map`). With ``objects``, an object of another type that
-    has a ``to()`` method (a custom batch type, as for ``pin_memory()``) is replaced by what its
-    ``to(device, non_blocking=...)`` returns, so it does not stay on the CPU unseen."""
-    other = partial(_own_to, device=device, non_blocking=non_blocking) if objects else None
-    return _map(batch, lambda t: t.to(device, non_blocking=non_blocking), other)
+    each kept as its own type: :func:`_map`). An object of another type stays as it is (its
+    tensors, if any, on the CPU), said once per type in the log (:func:`_left_as_is`)."""
+    return _map(batch, lambda t: t.to(device, non_blocking=non_blocking), _left_as_is)
 
 
-def _own_to(value: Any, device: torch.device, non_blocking: bool) -> Any:
-    """A custom batch type's own ``to(device, non_blocking=...)``, where it has one (else
-    ``value``)."""
-    method = getattr(value, "to", None)
-    if not callable(method) or isinstance(value, type):
-        return value
-    return method(device, non_blocking=non_blocking)
+_WARNED: set[type] = set()  # the custom types _left_as_is has told of
+
+
+def _left_as_is(value: Any) -> Any:
+    """``value`` itself; a custom object with a ``to()`` method (its tensors are not seen, so
+    they stay on the CPU) is named once per type, with the fix."""
+    cls = type(value)
+    to = getattr(value, "to", None)
+    if callable(to) and cls not in _WARNED and not isinstance(value, type):
+        _WARNED.add(cls)
+        logger.warning(
+            "meshfeed: device= leaves %s objects of the batch as they are (a custom type: "
+            "meshfeed moves the tensors of mappings, lists, tuples, namedtuples and "
+            "dataclasses); make it a dataclass or a dict, or call its to() in the loop",
+            cls.__qualname__,
+        )
+    return value
 
 
 def check_device(device: object) -> torch.device | None:
@@ -256,22 +267,21 @@ class Delivery:
             return torch.cuda.current_device()
         return None
 
-    def _hand_over(self, batch: Any, event: Any) -> Any:
+    def _hand_over(self, batch: Any, event: Any) -> None:
         """On the loop's thread: its *current* stream waits for the batch's copy, and the
-        batch's memory is marked as used by that stream (not reused before its kernels ran).
-        A custom batch type's own ``to()`` (whose tensors this cannot see to mark) runs here,
-        on the loop's stream, after that wait. The batch returned is the one to hand over."""
-        if event is None or self.device is None:
-            return batch
+        batch's memory is marked as used by that stream (not reused before its kernels ran)."""
+        if event is None:
+            return
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
 
         def used(t: torch.Tensor) -> torch.Tensor:
+            # The tensor itself: the structure _map rebuilds (and drops) holds the same values.
             if t.is_cuda:
                 t.record_stream(current)
             return t
 
-        return _map(batch, used, partial(_own_to, device=self.device, non_blocking=True))
+        _map(batch, used)
 
     def _ahead(
         self, items: Iterator[tuple[Any, T]], stop: threading.Event | None
@@ -293,8 +303,7 @@ class Delivery:
                 if kind == "error":
                     raise payload
                 item, event, made = payload
-                if event is not None:  # the loop's kernels start after the copy
-                    item = (self._hand_over(item[0], event), item[1])
+                self._hand_over(item[0], event)  # the loop's kernels start after the copy
                 # Counted by the loader (telemetry), with the thread's seconds on this batch:
                 # a batch made ahead and dropped (the walk ends first) adds no phase.
                 tel.took(asked, time.perf_counter(), made=made)
@@ -335,6 +344,8 @@ class Delivery:
             dist.mark_delivery_thread()  # its collectives (Delivered's inner) apart from the loop's
             if cuda_device is not None:
                 torch.cuda.set_device(cuda_device)  # this thread's own (see _thread_device)
+            if streams:  # all it issues (an inner iterator's kernels too) before the event
+                torch.cuda.set_stream(self._side)
             while not stop.is_set():
                 start = clock()
                 try:
@@ -351,6 +362,7 @@ class Delivery:
                     ready.put_nowait(("error", exc))  # (shutdown() on another thread) gets it
         finally:
             _close(source)  # the generator runs on this thread: closed here
+            dist.release_thread_groups()  # the groups its collectives used (dist.control_group)
 
     def _prepare(self, batch: Any, streams: bool) -> tuple[Any, Any, float, float]:
         """``batch`` pinned and copied (on the side stream); the copy's event or None, and
@@ -368,8 +380,8 @@ class Delivery:
         if not streams:
             batch = to_device(batch, device)
         else:
-            with torch.cuda.stream(self._side):  # custom types' own to(): _hand_over
-                batch = to_device(batch, device, non_blocking=True, objects=False)
+            with torch.cuda.stream(self._side):
+                batch = to_device(batch, device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._side)
         copy_s = time.perf_counter() - start

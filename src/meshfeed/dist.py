@@ -30,7 +30,15 @@ import math
 import pickle
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Callable,
+    Generator,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -61,6 +69,8 @@ __all__ = [
     "mark_delivery_thread",
     "on_delivery_thread",
     "rank",
+    "release_thread_groups",
+    "thread_group",
     "refuse_disagreement",
     "world_size",
 ]
@@ -177,70 +187,86 @@ def control_group(timeout: float, group: Any = None, *, side: bool = False) -> A
 
     On a delivery thread (:func:`mark_delivery_thread`: ``Delivered`` runs its inner iterator
     there, e.g. ``BalancedBatches``, while the loop's thread may iterate another loader) the
-    control collectives run on a third group, made on that thread's first collective, so the
-    two threads' collectives never pair with each other. It is made with local
-    synchronisation (a name hashed from the ranks and the count of groups): should another
-    thread make a group at that very moment on some ranks only, the ranks' names differ and
-    the setup fails within ``timeout``, naming it, rather than pair the wrong groups.
+    control collectives run on a group of that thread's own (:func:`thread_group`), made at
+    its first collective and destroyed when the thread ends: the loop thread's collectives
+    and another delivery thread's never pair with its own, and a walk abandoned part way
+    (ranks' threads ahead by different counts) leaves nothing on a group the next walk uses.
+    ``torch.distributed`` names a new group by a count of the groups each process made, so
+    every rank must make it at the same point of that count: an inner iterator's first
+    collective comes with its first item, while the loop waits for that item (and makes no
+    group). Another thread that makes a group at that very moment on some ranks only (two
+    ``Delivered`` walks starting together, a loop that builds a loader with a new timeout
+    while a walk's first item is made) would pair the wrong groups.
     """
     if group is not None or not is_distributed():
         return group
     timeout = _check_timeout(timeout)
+    if not side and on_delivery_thread():
+        return thread_group(
+            ("control", timeout), lambda: _make_groups(timeout, ("meshfeed-delivery",))[0]
+        )
     with _OWN_LOCK:
         if _OWN_WORLD[0] is not dist.group.WORLD:  # a new default group: new groups too
             _OWN_GROUPS.clear()
-            _DELIVERY_GROUPS.clear()
             _OWN_WORLD[0] = dist.group.WORLD
-        if not side and on_delivery_thread():
-            if timeout not in _DELIVERY_GROUPS:
-                _DELIVERY_GROUPS[timeout] = _make_groups(timeout, ("meshfeed-delivery",))[0]
-            return _DELIVERY_GROUPS[timeout]
         if timeout not in _OWN_GROUPS:
             _OWN_GROUPS[timeout] = _make_groups(timeout, ("meshfeed", "meshfeed-side"))
         return _OWN_GROUPS[timeout][side]
 
 
 def _make_groups(timeout: float, descs: tuple[str, ...]) -> tuple[Any, ...]:
-    """gloo groups over every rank with ``timeout``, one per description (a delivery
-    thread's: with local synchronisation, see :func:`control_group`)."""
-    local = descs == ("meshfeed-delivery",)
-    sync: dict[str, Any] = {}
-    if local:
-        sync = {"ranks": list(range(dist.get_world_size())), "use_local_synchronization": True}
+    """gloo groups over every rank with ``timeout``, one per description."""
     start = time.monotonic()
     try:
         return tuple(
             dist.new_group(
-                backend="gloo",
-                timeout=datetime.timedelta(seconds=timeout),
-                group_desc=desc,
-                **sync,
+                backend="gloo", timeout=datetime.timedelta(seconds=timeout), group_desc=desc
             )
             for desc in descs
         )
     except RuntimeError as exc:  # gloo's rendezvous: a rank never came
-        what = "setting up meshfeed's process group (its first collective)"
-        if local:
-            what = "setting up the delivery thread's process group (its first collective)"
+        what = f"setting up meshfeed's process group {descs[0]!r} (its first collective)"
         raise _failure(exc, time.monotonic() - start, timeout, what) from exc
 
 
-_THREAD = threading.local()
+_THREAD = threading.local()  # .groups: a delivery thread's own groups (None elsewhere)
 
 
 def mark_delivery_thread() -> None:
-    """Called first thing on a delivery thread (:mod:`meshfeed.delivery`): meshfeed's control
-    collectives made on this thread run on groups of their own (:func:`control_group`)."""
-    _THREAD.delivery = True
+    """Called first thing on a delivery thread (:mod:`meshfeed.delivery`): meshfeed's
+    collectives made on this thread run on groups of its own (:func:`thread_group`), until
+    :func:`release_thread_groups` at its end."""
+    _THREAD.groups = {}
 
 
 def on_delivery_thread() -> bool:
     """Whether this thread is a delivery thread (:func:`mark_delivery_thread`)."""
-    return bool(getattr(_THREAD, "delivery", False))
+    return getattr(_THREAD, "groups", None) is not None
+
+
+def thread_group(key: Hashable, make: Callable[[], Any]) -> Any:
+    """On a delivery thread, its own group for ``key``: ``make()`` once, at the first call
+    (every rank's thread makes the same calls in the same order), kept until the thread
+    ends."""
+    groups: dict[Hashable, Any] = _THREAD.groups
+    if key not in groups:
+        groups[key] = make()
+    return groups[key]
+
+
+def release_thread_groups() -> None:
+    """At a delivery thread's end: destroy the groups it made. A peer's thread still in a
+    collective on one gets its connection closed (its walk is ending too), and nothing pending
+    there can pair with a later walk's collectives."""
+    groups = getattr(_THREAD, "groups", None) or {}
+    _THREAD.groups = None
+    for group in groups.values():
+        if group is not None:
+            with contextlib.suppress(Exception):  # a group torn down already
+                dist.destroy_process_group(group)
 
 
 _OWN_GROUPS: dict[float, tuple[Any, ...]] = {}
-_DELIVERY_GROUPS: dict[float, Any] = {}
 _OWN_WORLD: list[Any] = [None]
 _OWN_LOCK = threading.Lock()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -156,3 +157,18 @@ def test_megatron_groups_come_from_an_initialised_parallel_state_without_importi
     monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", fake)
     assert _groups(None) == ("dp_cp", "dp")
     assert _groups(SimpleNamespace(dp_cp="mine", dp="mine_dp")) == ("mine", "mine_dp")
+
+
+def test_off_its_thread_the_documents_move_on_meshfeeds_gloo_group(monkeypatch):
+    # On another thread (Delivered's), an all_to_all on Megatron's dp_cp group would interleave
+    # with the loop's gradient reduction on it in another order on each rank.
+    from meshfeed.balance import megatron
+
+    monkeypatch.setattr(megatron, "own_group", lambda group, timeout, owner: ("own", group))
+    it = HybridCPDataLoader(iter([]), max_seqlen_per_dp_cp_rank=64)
+    assert it._data_group() is it.dp_cp_group
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(it._data_group()))
+    thread.start()
+    thread.join()
+    assert got == [("own", it.dp_cp_group)]

@@ -1,5 +1,4 @@
-"""The gloo group BalancedBatches' collectives run on: meshfeed's own, over the caller's ranks
-(and, off the thread that built it, the NCCL group of its tokens' ``all_to_all``).
+"""The gloo group BalancedBatches' collectives run on: meshfeed's own, over the caller's ranks.
 
 A collective still pending on a group blocks the process's exit until that group's timeout
 (30 minutes for a default group). So BalancedBatches never leaves one on the caller's group:
@@ -8,7 +7,9 @@ its ``timeout``, and a collective it gave up on also ends inside the backend at 
 The caller's group only names the ranks (and, for NCCL, carries the tokens' ``all_to_all``,
 unless BalancedBatches runs on another thread than the one that built it, e.g. wrapped in
 :class:`~meshfeed.delivered.Delivered`: collectives issued from two threads on one group
-would interleave differently on each rank, so there it makes an NCCL group of its own).
+would interleave differently on each rank, and making an NCCL group there would be a
+collective on the default communicator, which the loop's thread drives; so there the tokens
+move on the gloo group too, and arrive on the CPU as they do from NCCL).
 
 Over every rank of the job this is :func:`meshfeed.dist.control_group`. Over fewer (a DP x CP
 group per TP rank or pipeline stage, whose other ranks may never build a BalancedBatches) it is
@@ -33,41 +34,43 @@ __all__ = ["own_group"]
 #: A longer timeout overflows timedelta near 1e9 days; a year is "no limit" for a collective.
 _LONGEST = 365 * 86400.0
 
-_GROUPS: dict[tuple[tuple[int, ...], float, str, bool], Any] = {}
+_GROUPS: dict[tuple[tuple[int, ...], float], Any] = {}
 _WORLD: list[Any] = [None]
 _LOCK = threading.Lock()
 
 
-def own_group(
-    group: Any, timeout: float, owner: str = "BalancedBatches", backend: str = "gloo"
-) -> Any:
-    """A ``backend`` group (gloo unless told) over ``group``'s ranks, in its rank order, whose
-    timeout is ``timeout`` seconds; ``group`` itself without a process group or with one rank
-    (no collective runs).
+def own_group(group: Any, timeout: float, owner: str = "BalancedBatches") -> Any:
+    """A gloo group over ``group``'s ranks, in its rank order, whose timeout is ``timeout``
+    seconds; ``group`` itself without a process group or with one rank (no collective runs).
 
     Made on first use (a collective of ``group``'s ranks, bounded by ``timeout``) and kept per
-    ranks, timeout and backend. A rank that never arrives makes it a
-    :class:`~meshfeed.errors.CollectiveError` naming ``owner``'s process group."""
+    ranks and timeout; on a delivery thread, that thread's own (:func:`meshfeed.dist.thread_group`).
+    A rank that never arrives makes it a :class:`~meshfeed.errors.CollectiveError` naming
+    ``owner``'s process group."""
     if not dist.is_distributed(group):
         return group
     if group is None:  # the default group: every rank
         ranks = tuple(range(tdist.get_world_size()))
     else:
         ranks = tuple(dist.group_ranks(group))
-    if backend == "gloo" and ranks == tuple(range(tdist.get_world_size())):
+    if ranks == tuple(range(tdist.get_world_size())):
         return dist.control_group(timeout)
+    if dist.on_delivery_thread():  # that thread's own, as dist.control_group's are
+        made = dist.thread_group(
+            ("own", ranks, float(timeout)), lambda: _new_group(ranks, float(timeout), owner)
+        )
+        return made
     with _LOCK:
         if _WORLD[0] is not tdist.group.WORLD:  # a new default group: new groups too
             _GROUPS.clear()
             _WORLD[0] = tdist.group.WORLD
-        # A delivery thread's groups are its own, as dist.control_group's are.
-        key = (ranks, float(timeout), backend, dist.on_delivery_thread())
+        key = (ranks, float(timeout))
         if key not in _GROUPS:
-            _GROUPS[key] = _new_group(ranks, float(timeout), owner, backend)
+            _GROUPS[key] = _new_group(ranks, float(timeout), owner)
         return _GROUPS[key]
 
 
-def _new_group(ranks: tuple[int, ...], timeout: float, owner: str, backend: str) -> Any:
+def _new_group(ranks: tuple[int, ...], timeout: float, owner: str) -> Any:
     # Ranks out of order keep it: group rank i is the caller's group rank i.
     order: dict[str, Any] = {} if list(ranks) == sorted(ranks) else {"sort_ranks": False}
     start = time.monotonic()
@@ -75,9 +78,9 @@ def _new_group(ranks: tuple[int, ...], timeout: float, owner: str, backend: str)
         return tdist.new_group(
             list(ranks),
             timeout=datetime.timedelta(seconds=min(timeout, _LONGEST)),
-            backend=backend,
+            backend="gloo",
             use_local_synchronization=True,
-            group_desc=f"meshfeed-balanced-{backend}",
+            group_desc="meshfeed-balanced",
             **order,
         )
     except RuntimeError as exc:  # gloo's rendezvous: a rank of the group never came

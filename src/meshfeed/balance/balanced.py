@@ -67,7 +67,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as tdist
 
 from meshfeed import dist
 from meshfeed.balance._group import own_group
@@ -189,20 +188,24 @@ class _Comm:
 
         The ``all_to_all`` runs on the caller's group where that is a GPU group (NCCL: the
         tokens move on the GPU), unless this runs on another thread than the one that built
-        it or on a delivery thread (:class:`~meshfeed.delivered.Delivered`): the training loop's
-        own collectives on that group (DDP's, FSDP's) would then interleave with it in a
-        different order on each rank, which hangs or mixes them up, so it gets a group of
-        its own with the caller's backend (made once, by every rank of the group)."""
-        if self._groups is None:
-            what = "process group's setup (its first collective)"
-            own = self._bounded(what, own_group, self.group, self.timeout)
-            data = own
-            if dist.is_distributed(self.group) and self.device().type != "cpu":
-                data = self.group
-                if threading.get_ident() != self._thread or dist.on_delivery_thread():
-                    backend = str(tdist.get_backend(self.group))
-                    data = self._bounded(what, own_group, self.group, self.timeout, backend=backend)
-            self._groups = (own, data)
+        it or on a delivery thread (:class:`~meshfeed.delivered.Delivered`): the training
+        loop's own collectives on that group (DDP's, FSDP's) would interleave with it in a
+        different order on each rank, and making an NCCL group of its own there would be a
+        collective on the default communicator, which the loop's thread drives; so there the
+        tokens move on the gloo group (the results arrive on the CPU either way). A delivery
+        thread's groups are its own and end with it (:func:`meshfeed.dist.thread_group`):
+        asked again each time, not kept."""
+        if self._groups is not None:
+            return self._groups
+        what = "process group's setup (its first collective)"
+        own = self._bounded(what, own_group, self.group, self.timeout)
+        if dist.on_delivery_thread():
+            return own, own
+        data = own
+        gpu = dist.is_distributed(self.group) and self.device().type != "cpu"
+        if gpu and threading.get_ident() == self._thread:
+            data = self.group
+        self._groups = (own, data)
         return self._groups
 
     def _bounded(self, what: str, collective: Callable[..., Any], *args: Any, **kw: Any) -> Any:

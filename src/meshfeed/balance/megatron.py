@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import threading
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -86,7 +87,9 @@ class HybridCPDataLoader:
     The header all-gathers run on a gloo group of meshfeed's own over the DP group's ranks whose
     timeout is ``timeout`` (made at the first ``next()``), so one given up on is not left
     pending on the caller's group (which would keep the process from exiting until that
-    group's timeout); the documents' ``all_to_all`` runs on ``pg_collection.dp_cp``.
+    group's timeout); the documents' ``all_to_all`` runs on ``pg_collection.dp_cp`` (on
+    meshfeed's gloo group over its ranks where this runs off the thread that built it, e.g. in
+    :class:`~meshfeed.delivered.Delivered`).
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class HybridCPDataLoader:
         #: meshfeed's own gloo group over the DP group's ranks, made at the first next()
         self._control: Any = None
         self._control_made = False
+        self._thread = threading.get_ident()  # the thread that built it (see _data_group)
 
     def __iter__(self) -> HybridCPDataLoader:
         return self
@@ -203,11 +207,24 @@ class HybridCPDataLoader:
         return samples, groups
 
     def _own(self) -> Any:
-        """meshfeed's own gloo group over the DP group's ranks (made at the first call)."""
+        """meshfeed's own gloo group over the DP group's ranks (made at the first call; on a
+        delivery thread, that thread's own, :func:`meshfeed.dist.thread_group`, not kept)."""
+        if dist.on_delivery_thread():
+            return own_group(self.dp_group, self._timeout, "HybridCPDataLoader")
         if not self._control_made:
             self._control = own_group(self.dp_group, self._timeout, "HybridCPDataLoader")
             self._control_made = True
         return self._control
+
+    def _data_group(self) -> Any:
+        """The group of the documents' ``all_to_all``: ``pg_collection.dp_cp``, except off the
+        thread that built this or on a delivery thread (:class:`~meshfeed.delivered.Delivered`),
+        where it would interleave with the loop's own collectives on that group (Megatron's
+        gradient reduction) in another order on each rank: there meshfeed's own gloo group
+        over the same ranks (the documents arrive on the CPU either way)."""
+        if threading.get_ident() != self._thread or dist.on_delivery_thread():
+            return own_group(self.dp_cp_group, self._timeout, "HybridCPDataLoader")
+        return self.dp_cp_group
 
     def _raise_together(self, rows: list[np.ndarray], raised: Exception | None) -> None:
         """Raise on every rank of the DP group when a rank's data iterator raised or ended
@@ -293,7 +310,7 @@ class HybridCPDataLoader:
         src_of = np.searchsorted(offsets, np.arange(lengths.size), side="right") - 1
         recv_rows, incoming = _receive_plan(needs[me], lengths, src_of, self._dp_members, world)
         recv = dist.all_to_all_single(
-            send, send_rows, recv_rows, timeout=self._timeout, group=self.dp_cp_group
+            send, send_rows, recv_rows, timeout=self._timeout, group=self._data_group()
         )
         received = _split_received(recv, incoming, lengths, keys, dtypes)
         # In this rank's own key order, as Megatron's wrapper returns them.
