@@ -363,3 +363,20 @@ def test_the_delivery_thread_leaves_cuda_alone_where_the_process_has_not_used_it
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     loader = DataLoader(Counted(8), batch_size=4, shuffle=False, device="cpu")
     assert len(list(loader)) == 2 and calls == []
+
+
+def test_device_cuda_on_another_gpu_than_local_rank_is_named(monkeypatch, caplog):
+    # device="cuda" is the current device when the loader is built: before set_device on a
+    # node of several GPUs, every rank would copy to cuda:0 (faked on a CPU-only build).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        assert check_device("cuda") == torch.device("cuda", 0)
+    assert any("LOCAL_RANK=3" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        check_device("cuda")
+    assert not caplog.records

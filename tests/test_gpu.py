@@ -383,6 +383,19 @@ def test_balanced_batches_delivered_pinned_and_on_cuda_equal_the_cpu_path():
     assert_same([_cpu(i) for i in got], want)
 
 
+def test_balanced_batches_over_samples_on_the_gpu_equal_the_cpu_path():
+    # An inner loader with device="cuda": BalancedBatches plans and packs on the CPU.
+    def on_gpu() -> Iterator[dict[str, torch.Tensor]]:
+        for sample in Samples(0, seed=4, batches=3, max_len=250, docs=8):
+            yield {k: v.cuda() for k, v in sample.items()}
+
+    with _make_balanced() as plain:
+        want = list(plain)
+    with BalancedBatches(on_gpu(), max_tokens=256, cost=S2) as it:
+        got = list(it)
+    assert_same(got, want)
+
+
 def _make_balanced() -> BalancedBatches:
     return BalancedBatches(
         Samples(0, seed=4, batches=3, max_len=250, docs=8), max_tokens=256, cost=S2
@@ -527,3 +540,13 @@ def test_stream_ranks_stop_together_and_disagreement_is_refused_on_two_nccl_rank
     assert not seen[0] & seen[1]
     for r in results:
         assert "disagree on seed" in r["disagreement"]
+
+
+def test_pad_collate_keeps_cuda_items_on_their_device():
+    from meshfeed.collate import pad_collate
+
+    items = [{"tokens": torch.arange(n, device="cuda")} for n in (3, 5)]
+    out = pad_collate()(items)
+    assert out["tokens"].shape == (2, 5) and all(v.is_cuda for v in out.values())
+    plain = pad_collate()([{"tokens": torch.arange(n)} for n in (3, 5)])
+    assert_same({k: v.cpu() for k, v in out.items()}, plain)

@@ -423,12 +423,14 @@ class PadCollate:
         return out
 
     def _add_defaults(self, out: dict[str, Any], lengths: list[int], width: int) -> None:
-        """An attention mask and position ids where the items gave none."""
+        """An attention mask and position ids where the items gave none (on the device of the
+        items' tensors)."""
+        device = next((v.device for v in out.values() if isinstance(v, torch.Tensor)), None)
         if "attention_mask" not in out:
-            ones = [torch.ones(n, dtype=torch.int64) for n in lengths]
+            ones = [torch.ones(n, dtype=torch.int64, device=device) for n in lengths]
             out["attention_mask"] = self._pad(ones, width, 0, "attention_mask")
         if "position_ids" not in out:
-            ids = [torch.arange(n, dtype=torch.int64) for n in lengths]
+            ids = [torch.arange(n, dtype=torch.int64, device=device) for n in lengths]
             out["position_ids"] = self._pad(ids, width, 0, "position_ids")
 
     def _fill(self, key: str) -> int:
@@ -460,7 +462,8 @@ class PadCollate:
         rest = {tuple(t.shape[1:]) for t in ts}
         if len(rest) > 1:
             raise _mismatch(ts, key)
-        out = torch.full((len(ts), width, *ts[0].shape[1:]), fill, dtype=ts[0].dtype)
+        shape = (len(ts), width, *ts[0].shape[1:])  # on the items' device (CUDA items stay)
+        out = torch.full(shape, fill, dtype=ts[0].dtype, device=ts[0].device)
         for i, t in enumerate(ts):
             n = t.shape[0]
             if self.side == "right":

@@ -36,6 +36,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -185,6 +186,16 @@ def check_device(device: object) -> torch.device | None:
     if out.type == "cuda" and out.index is None:
         # The delivery thread has a current device of its own: name the caller's.
         out = torch.device("cuda", torch.cuda.current_device())
+        local = os.environ.get("LOCAL_RANK", "")
+        if local.isdigit() and int(local) != out.index and int(local) < torch.cuda.device_count():
+            logger.warning(
+                "meshfeed: device=%r is cuda:%d (the current CUDA device when the loader is "
+                "built), but LOCAL_RANK=%s: call torch.cuda.set_device(local_rank) before "
+                "building the loader, or pass device=f'cuda:{local_rank}'",
+                device,
+                out.index,
+                local,
+            )
     return out
 
 

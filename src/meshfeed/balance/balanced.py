@@ -120,6 +120,17 @@ _PLAN = ("max_tokens", "cost", "cp_sizes", "tp", "long_documents")
 MAX_DOCS_PER_RANK = 2**20
 
 
+def _on_cpu(sample: Any) -> Any:
+    """A packed sample with its tensors on the CPU, where BalancedBatches plans and packs
+    them (an inner loader with ``device="cuda"``: the tokens arrive on the CPU either way, and
+    an NCCL group's ``all_to_all`` moves them to the GPU itself)."""
+    if not isinstance(sample, Mapping) or all(
+        not isinstance(v, torch.Tensor) or v.device.type == "cpu" for v in sample.values()
+    ):
+        return sample
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
+
+
 class _Comm:
     """The collectives this module makes, through :mod:`meshfeed.dist` (device rule, bounded
     waits), on meshfeed's own gloo group over ``group``'s ranks (:func:`own_group`, made at the
@@ -516,6 +527,7 @@ class BalancedBatches:
             sample, refused, header = None, e, self._raised_header(e)
         if sample is not None:
             try:
+                sample = _on_cpu(sample)
                 wide = _ids_past_int64(sample)  # refused below, on every rank
                 if "cu_seqlens" in sample:  # else _header names what it lacks
                     if self._fields:
