@@ -95,3 +95,12 @@ def test_pad_collate_in_a_loader_with_worker_processes():
             assert row[:n].tolist() == list(range(n))  # each item intact, in front
     assert sorted(lengths) == sorted(len(d) for d in data)
     assert "pad_collate" in meshfeed.__all__ and meshfeed.__all__ == sorted(meshfeed.__all__)
+
+
+def test_pad_collate_adds_its_mask_and_positions_on_the_tokens_device():
+    # A scalar field collated first lands on the CPU; the mask and positions follow the tokens
+    # (the meta device stands in for a GPU here).
+    items = [{"label": 1, "input_ids": torch.arange(n, device="meta")} for n in (2, 4)]
+    out = pad_collate()(items)
+    assert out["label"].device.type == "cpu"
+    assert {out[k].device.type for k in ("input_ids", "attention_mask", "position_ids")} == {"meta"}

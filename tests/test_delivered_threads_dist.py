@@ -17,6 +17,7 @@ import torch.distributed as tdist
 
 from meshfeed import DataLoader, dist
 from meshfeed.balance import BalancedBatches, CostModel
+from meshfeed.balance._group import own_group
 from meshfeed.balance.routing import route_local
 from meshfeed.delivered import Delivered
 from meshfeed.delivery import Delivery, to_device
@@ -126,3 +127,41 @@ def test_a_walk_abandoned_with_the_ranks_threads_apart_leaves_nothing_for_the_ne
     results = run_distributed(_walk_abandoned_with_threads_apart, 2, timeout=120)
     assert results[0] == results[1]
     assert results[0] == [[(1, 0), (1, 0)]] + [[(2, i), (2, i)] for i in range(1, 6)]
+
+
+class _SubgroupGathered(_Gathered):
+    """Gathers on meshfeed's own group over ``ranks`` (as a DP x CP BalancedBatches under TP)."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__()
+        self.group = tdist.new_group(ranks, backend="gloo")  # every rank makes it
+
+    def __iter__(self) -> Iterator[list]:
+        self.walks += 1
+        walk = self.walks
+        while self.i < 3:
+            group = own_group(self.group, 20.0)
+            got = dist.all_gather_objects((walk, self.i), timeout=20, group=group)
+            self.i += 1
+            yield got
+
+
+def _subgroup_walks(rank: int, world: int) -> list:
+    inner = _SubgroupGathered([0, 1])
+    if rank == 2:  # no member: it makes the group (as torch requires) and nothing else
+        return []
+    it = Delivered(inner, device="cpu", timeout=30)
+    out = []
+    for _ in range(3):
+        if rank == 1:
+            time.sleep(2.0)  # the ranks start each walk apart (their groups made apart)
+        out.append(list(it))
+        it.load_state_dict({"i": 0})
+    it.shutdown()
+    return out
+
+
+def test_a_subgroups_delivery_thread_groups_serve_walk_after_walk():
+    results = run_distributed(_subgroup_walks, 3, timeout=180)
+    want = [[[(w, i), (w, i)] for i in range(3)] for w in (1, 2, 3)]
+    assert results == [want, want, []]

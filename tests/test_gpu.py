@@ -492,10 +492,10 @@ def _delivered_balanced_rank(rank: int, world: int) -> list[tuple[dict[str, Any]
 
 @TWO_GPUS
 def test_delivered_balanced_batches_on_two_nccl_ranks_beside_the_loops_all_reduce():
-    # Run on the delivery thread, BalancedBatches exchanges its tokens on an NCCL group of its
-    # own (not the default group, where the loop's all-reduce would interleave with it in a
-    # different order on each rank), on each rank's own GPU (the thread's CUDA device is the
-    # loop's, not device 0).
+    # Run on the delivery thread, BalancedBatches exchanges its tokens on the thread's own gloo
+    # group (not the default NCCL group, where the loop's all-reduce would interleave with it in
+    # a different order on each rank), and the batches land on each rank's own GPU (the
+    # thread's CUDA device is the loop's, not device 0).
     results = _run_nccl(_delivered_balanced_rank)
     want = _simulated()
     for r in range(2):

@@ -406,7 +406,7 @@ class PadCollate:
             raise
         if sum(map(len, items)) != len(first) * len(items):  # a key only later items have
             _check_keys(items, "")
-        self._add_defaults(out, lengths, width)
+        self._add_defaults(out, lengths, width, out[main].device)
         return out
 
     def _fields(
@@ -422,10 +422,11 @@ class PadCollate:
                 out[key] = _collate([item[key] for item in items], key)
         return out
 
-    def _add_defaults(self, out: dict[str, Any], lengths: list[int], width: int) -> None:
-        """An attention mask and position ids where the items gave none (on the device of the
-        items' tensors)."""
-        device = next((v.device for v in out.values() if isinstance(v, torch.Tensor)), None)
+    def _add_defaults(
+        self, out: dict[str, Any], lengths: list[int], width: int, device: torch.device
+    ) -> None:
+        """An attention mask and position ids where the items gave none, on ``device`` (the
+        tokens')."""
         if "attention_mask" not in out:
             ones = [torch.ones(n, dtype=torch.int64, device=device) for n in lengths]
             out["attention_mask"] = self._pad(ones, width, 0, "attention_mask")

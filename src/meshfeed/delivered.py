@@ -4,8 +4,8 @@ stall telemetry of the loaders, and a state that stays exact.
 The loaders deliver their own batches (``pin_memory=``, ``device=``); :class:`Delivered` gives
 the same to an iterator built on top of one, e.g. :class:`meshfeed.balance.BalancedBatches`,
 whose micro-steps are made after the loader's delivery (on the delivery thread, whose CUDA
-device is the loop's; there BalancedBatches exchanges its tokens on an NCCL group of its own, see
-:mod:`meshfeed.balance._group`):
+device is the loop's; its collectives there run on groups of that thread's own, see
+:func:`meshfeed.dist.control_group`, and BalancedBatches exchanges its tokens on gloo there):
 
 >>> it = Delivered(iter([{"x": torch.ones(2)}] * 3), device="cpu")   # doctest: +SKIP
 

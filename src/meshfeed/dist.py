@@ -244,24 +244,27 @@ def on_delivery_thread() -> bool:
     return getattr(_THREAD, "groups", None) is not None
 
 
-def thread_group(key: Hashable, make: Callable[[], Any]) -> Any:
+def thread_group(key: Hashable, make: Callable[[], Any], *, keep: bool = False) -> Any:
     """On a delivery thread, its own group for ``key``: ``make()`` once, at the first call
-    (every rank's thread makes the same calls in the same order), kept until the thread
-    ends."""
-    groups: dict[Hashable, Any] = _THREAD.groups
+    (every rank's thread makes the same calls in the same order), until the thread ends. Then
+    it is destroyed, or with ``keep`` left registered and unused: a group ``torch.distributed``
+    names by a hash of its ranks and the count of groups (local synchronisation) must not be
+    destroyed, or a later group would take its name and meet its stale rendezvous."""
+    groups: dict[Hashable, tuple[Any, bool]] = _THREAD.groups
     if key not in groups:
-        groups[key] = make()
-    return groups[key]
+        groups[key] = (make(), keep)
+    return groups[key][0]
 
 
 def release_thread_groups() -> None:
-    """At a delivery thread's end: destroy the groups it made. A peer's thread still in a
-    collective on one gets its connection closed (its walk is ending too), and nothing pending
-    there can pair with a later walk's collectives."""
+    """At a delivery thread's end: destroy the groups it made (but those it must keep,
+    :func:`thread_group`). A peer's thread still in a collective on one gets its connection
+    closed (its walk is ending too; with torch 2.13, at once), and nothing pending there can
+    pair with a later walk's collectives, which run on new groups."""
     groups = getattr(_THREAD, "groups", None) or {}
     _THREAD.groups = None
-    for group in groups.values():
-        if group is not None:
+    for group, keep in groups.values():
+        if group is not None and not keep:
             with contextlib.suppress(Exception):  # a group torn down already
                 dist.destroy_process_group(group)
 

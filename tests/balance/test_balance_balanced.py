@@ -288,9 +288,17 @@ def test_off_its_thread_a_gpu_group_leaves_the_tokens_exchange_to_meshfeeds_gloo
     monkeypatch.setattr(balanced, "own_group", lambda group, timeout: "own gloo")
     monkeypatch.setattr(balanced.dist, "is_distributed", lambda group: True)
     monkeypatch.setattr(balanced._Comm, "device", lambda self: torch.device("cuda", 0))
-    assert balanced._Comm(None, 5.0)._made() == ("own gloo", None)  # the caller's NCCL group
+    looped = balanced._Comm(None, 5.0)
+    assert looped._made() == ("own gloo", None)  # the caller's NCCL group, kept
     comm, got = balanced._Comm(None, 5.0), []
-    thread = threading.Thread(target=lambda: got.append(comm._made()))
+
+    def on_delivery_thread() -> None:
+        got.append(comm._made())  # another thread than the one that built it
+        balanced.dist.mark_delivery_thread()
+        got.append(looped._made())  # a delivery thread: not the groups kept on the loop's
+        balanced.dist.release_thread_groups()
+
+    thread = threading.Thread(target=on_delivery_thread)
     thread.start()
     thread.join()
-    assert got == [("own gloo", "own gloo")]
+    assert got == [("own gloo", "own gloo"), ("own gloo", "own gloo")]

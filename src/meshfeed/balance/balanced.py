@@ -206,12 +206,13 @@ class _Comm:
         tokens move on the gloo group (the results arrive on the CPU either way). A delivery
         thread's groups are its own and end with it (:func:`meshfeed.dist.thread_group`):
         asked again each time, not kept."""
+        what = "process group's setup (its first collective)"
+        if dist.on_delivery_thread():  # first: groups kept from another thread are not its own
+            own = self._bounded(what, own_group, self.group, self.timeout)
+            return own, own
         if self._groups is not None:
             return self._groups
-        what = "process group's setup (its first collective)"
         own = self._bounded(what, own_group, self.group, self.timeout)
-        if dist.on_delivery_thread():
-            return own, own
         data = own
         gpu = dist.is_distributed(self.group) and self.device().type != "cpu"
         if gpu and threading.get_ident() == self._thread:
