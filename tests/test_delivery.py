@@ -3,6 +3,7 @@
 The CUDA parts (pinned memory, the side stream and its event) are in tests/test_gpu.py.
 """
 
+import dataclasses
 import threading
 import time
 from collections import namedtuple
@@ -341,6 +342,21 @@ def test_a_custom_batch_type_stays_as_it_is_and_is_named_once(caplog):
     assert len(batches) == 4 and all(type(b["m"]) is _Movable for b in batches)
     told = [r.getMessage() for r in caplog.records if "_Movable" in r.getMessage()]
     assert len(told) == 1 and "make it a dataclass or a dict" in told[0]
+
+
+@dataclasses.dataclass
+class _Record:
+    x: torch.Tensor
+
+    def to(self, device):
+        raise AssertionError("meshfeed walks a dataclass's fields")
+
+
+def test_a_dataclass_with_a_to_method_is_walked_without_a_word(caplog):
+    with caplog.at_level("WARNING", logger="meshfeed"):
+        moved = to_device(_Record(torch.ones(2)), torch.device("cpu"))
+    assert type(moved) is _Record and torch.equal(moved.x, torch.ones(2))
+    assert not caplog.records
 
 
 def test_the_delivery_thread_makes_the_loops_cuda_device_its_own(monkeypatch):

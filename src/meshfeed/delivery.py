@@ -153,8 +153,10 @@ def _left_as_is(value: Any) -> Any:
     """``value`` itself; a custom object with a ``to()`` method (its tensors are not seen, so
     they stay on the CPU) is named once per type, with the fix."""
     cls = type(value)
+    if cls in _WARNED or dataclasses.is_dataclass(value):  # a dataclass's fields are walked
+        return value
     to = getattr(value, "to", None)
-    if callable(to) and cls not in _WARNED and not isinstance(value, type):
+    if callable(to) and not isinstance(value, type):
         _WARNED.add(cls)
         logger.warning(
             "meshfeed: device= leaves %s objects of the batch as they are (a custom type: "
