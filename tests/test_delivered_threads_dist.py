@@ -165,3 +165,52 @@ def test_a_subgroups_delivery_thread_groups_serve_walk_after_walk():
     results = run_distributed(_subgroup_walks, 3, timeout=180)
     want = [[[(w, i), (w, i)] for i in range(3)] for w in (1, 2, 3)]
     assert results == [want, want, []]
+
+
+class _WorldAndSubgroup:
+    """Item ``i``: every rank's ``(walk, i)`` gathered over every rank, and on ranks 0 and 1
+    also over their subgroup (as a BalancedBatches over DP x CP under TP whose inner loader
+    agrees over every rank)."""
+
+    def __init__(self, sub: Any, n: int) -> None:
+        self.sub, self.n, self.walks = sub, n, 0
+
+    def __iter__(self) -> Iterator[tuple]:
+        self.walks += 1
+        walk, rank = self.walks, tdist.get_rank()
+        for i in range(self.n):
+            every = dist.all_gather_objects((walk, i), timeout=20)
+            some = None
+            if rank in (0, 1):
+                group = own_group(self.sub, 20.0)
+                some = dist.all_gather_objects((walk, i), timeout=20, group=group)
+            yield every, some
+
+
+def _train_and_evals_over_a_subgroup(rank: int, world: int) -> list:
+    sub = tdist.new_group([0, 1], backend="gloo")  # every rank makes it; rank 2 is no member
+    train = Delivered(_WorldAndSubgroup(sub, 4), device="cpu", device_prefetch=1, timeout=30)
+    it = iter(train)
+    out = [next(it)]
+    evals = Delivered(_WorldAndSubgroup(sub, 2), device="cpu", timeout=30)
+    out.append(list(evals))  # while train's thread waits, an eval walk, then the next one
+    out.append(list(evals))
+    out += list(it)
+    out += list(it)  # a second train walk
+    train.shutdown()
+    evals.shutdown()
+    return out
+
+
+def test_train_and_eval_walks_over_every_rank_and_a_subgroup_take_groups_of_their_own():
+    # Groups are never destroyed (torch names one from a count of groups; a destroyed one gave
+    # its name to the next, which met its stale rendezvous or was refused as a duplicate).
+    results = run_distributed(_train_and_evals_over_a_subgroup, 3, timeout=180)
+
+    def item(rank: int, walk: int, i: int) -> tuple:
+        return [(walk, i)] * 3, ([(walk, i)] * 2 if rank < 2 else None)
+
+    for r, got in enumerate(results):
+        evals = [[item(r, w, i) for i in range(2)] for w in (1, 2)]
+        want = [item(r, 1, 0), *evals] + [item(r, 1, i) for i in (1, 2, 3)]
+        assert got == want + [item(r, 2, i) for i in range(4)], f"rank {r}"

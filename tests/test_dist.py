@@ -101,24 +101,36 @@ def test_collectives_put_their_tensors_on_the_device_the_rule_names(monkeypatch)
 
 def test_a_delivery_threads_control_collectives_run_on_a_group_of_their_own(monkeypatch):
     # Delivered runs its inner iterator (BalancedBatches...) on a delivery thread while the
-    # loop's thread may iterate another loader: the two threads never share a group.
+    # loop's thread may iterate another loader: the two threads never share a group. A walk
+    # that ended frees its group for the next; one left part way retires it.
     fake = _FakeGroup(monkeypatch, "gloo")
+    monkeypatch.setattr(dist, "_POOL", {})
+    monkeypatch.setattr(dist, "_POOL_WORLD", [None])  # the fake's default group (WORLD) is None
     loop = dist.control_group(7)
-    got: list[Any] = []
 
-    def on_thread() -> None:
-        dist.mark_delivery_thread()
-        got.extend([dist.control_group(7), dist.control_group(7), dist.control_group(7, side=True)])
+    def walk(clean: bool) -> list[Any]:
+        got: list[Any] = []
 
-    thread = threading.Thread(target=on_thread)
-    thread.start()
-    thread.join()
+        def on_thread() -> None:
+            got.append(dist.mark_delivery_thread())
+            got.extend([dist.control_group(7), dist.control_group(7)])
+            got.append(dist.control_group(7, side=True))
+
+        thread = threading.Thread(target=on_thread)
+        thread.start()
+        thread.join()
+        dist.free_thread_groups(got[0], clean)  # on the loop's thread, as Delivery does
+        return got[1:]
+
+    first = walk(clean=True)
     loop7, side7, delivery7 = fake.owns
-    assert loop is loop7 and got == [delivery7, delivery7, side7]
-    assert dist.control_group(7) is loop7 and not dist.on_delivery_thread()
+    assert loop is loop7 and first == [delivery7, delivery7, side7]
     made = fake.created[-1]  # made over every rank at the thread's first collective
     assert made["group_desc"] == "meshfeed-delivery" and made["timeout"].total_seconds() == 7
-    assert "ranks" not in made and "use_local_synchronization" not in made
+    assert walk(clean=False) == first  # the walk that ended freed it for this one
+    third = walk(clean=True)  # the one left part way retired it: a new one
+    assert third[0] is fake.owns[-1] and third[0] is not delivery7 and len(fake.owns) == 4
+    assert dist.control_group(7) is loop7 and not dist.on_delivery_thread()
 
 
 def test_control_collectives_run_on_a_gloo_group_of_their_own_per_timeout(monkeypatch):

@@ -301,17 +301,20 @@ class Delivery:
     ) -> Generator[tuple[Any, T], None, None]:
         ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.depth)
         stop = threading.Event() if stop is None else stop
-        args = (items, ready, stop, self._streams(), self._thread_device())
+        held: dict[str, Any] = {}  # the thread's groups (dist.thread_group), freed below
+        args = (items, ready, stop, self._streams(), self._thread_device(), held)
         thread = threading.Thread(target=self._run, args=args, name="meshfeed-delivery")
         thread.daemon = True  # never keeps a process alive; stopped at exit if still running
         stop_at_exit(thread, stop, ready, timeout=self.timeout)
         thread.start()
         tel = self.telemetry
+        ended = False
         try:
             while True:
                 asked = time.perf_counter()
                 kind, payload = take_from(ready, thread, stop)
                 if kind == "end":
+                    ended = True
                     return
                 if kind == "error":
                     raise payload
@@ -324,6 +327,9 @@ class Delivery:
         finally:
             stop.set()
             self._join(ready, thread)
+            # Here, on the loop's thread, in its order: a walk that ended frees its groups for
+            # the next; one left part way retires them (dist.free_thread_groups).
+            dist.free_thread_groups(held.get("groups"), ended and not thread.is_alive())
 
     def _join(self, ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> None:
         if thread is threading.current_thread():
@@ -350,11 +356,13 @@ class Delivery:
         stop: threading.Event,
         streams: bool,
         cuda_device: int | None,
+        held: dict[str, Any],
     ) -> None:
         source = iter(items)
         clock = time.perf_counter
         try:
-            dist.mark_delivery_thread()  # its collectives (Delivered's inner) apart from the loop's
+            # Its collectives (Delivered's inner iterator's) on groups apart from the loop's.
+            held["groups"] = dist.mark_delivery_thread()
             if cuda_device is not None:
                 torch.cuda.set_device(cuda_device)  # this thread's own (see _thread_device)
             if streams:  # all it issues (an inner iterator's kernels too) before the event
@@ -375,7 +383,6 @@ class Delivery:
                     ready.put_nowait(("error", exc))  # (shutdown() on another thread) gets it
         finally:
             _close(source)  # the generator runs on this thread: closed here
-            dist.release_thread_groups()  # the groups its collectives used (dist.control_group)
 
     def _prepare(self, batch: Any, streams: bool) -> tuple[Any, Any, float, float]:
         """``batch`` pinned and copied (on the side stream); the copy's event or None, and

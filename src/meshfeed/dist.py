@@ -69,7 +69,7 @@ __all__ = [
     "mark_delivery_thread",
     "on_delivery_thread",
     "rank",
-    "release_thread_groups",
+    "free_thread_groups",
     "thread_group",
     "refuse_disagreement",
     "world_size",
@@ -187,16 +187,16 @@ def control_group(timeout: float, group: Any = None, *, side: bool = False) -> A
 
     On a delivery thread (:func:`mark_delivery_thread`: ``Delivered`` runs its inner iterator
     there, e.g. ``BalancedBatches``, while the loop's thread may iterate another loader) the
-    control collectives run on a group of that thread's own (:func:`thread_group`), made at
-    its first collective and destroyed when the thread ends: the loop thread's collectives
-    and another delivery thread's never pair with its own, and a walk abandoned part way
-    (ranks' threads ahead by different counts) leaves nothing on a group the next walk uses.
-    ``torch.distributed`` names a new group by a count of the groups each process made, so
-    every rank must make it at the same point of that count: an inner iterator's first
-    collective comes with its first item, while the loop waits for that item (and makes no
-    group). Another thread that makes a group at that very moment on some ranks only (two
-    ``Delivered`` walks starting together, a loop that builds a loader with a new timeout
-    while a walk's first item is made) would pair the wrong groups.
+    control collectives run on a group of that thread's own (:func:`thread_group`), taken at
+    its first collective: the loop thread's collectives and another delivery thread's never
+    pair with its own. A walk that ended frees it for the next; one abandoned part way (the
+    ranks' threads may be a collective apart) retires it (:func:`free_thread_groups`), so
+    nothing left there pairs with a later walk's collectives. ``torch.distributed`` names a
+    new group by a count of the groups each process made, so every rank must make it at the
+    same point of that count: an inner iterator's first collective comes with its first item,
+    while the loop waits for that item (and makes no group). Another thread that makes a
+    group at that very moment on some ranks only (a loop that builds a loader with a new
+    timeout while a walk's first item is made) would pair the wrong groups.
     """
     if group is not None or not is_distributed():
         return group
@@ -229,14 +229,19 @@ def _make_groups(timeout: float, descs: tuple[str, ...]) -> tuple[Any, ...]:
         raise _failure(exc, time.monotonic() - start, timeout, what) from exc
 
 
-_THREAD = threading.local()  # .groups: a delivery thread's own groups (None elsewhere)
+_THREAD = threading.local()  # .groups: the groups a delivery thread took (None elsewhere)
+#: Delivery threads' groups free for the next walk, per key, in the order the loop freed them.
+_POOL: dict[Hashable, list[Any]] = {}
+_POOL_WORLD: list[Any] = [None]
+_POOL_LOCK = threading.Lock()
 
 
-def mark_delivery_thread() -> None:
+def mark_delivery_thread() -> dict[Hashable, Any]:
     """Called first thing on a delivery thread (:mod:`meshfeed.delivery`): meshfeed's
-    collectives made on this thread run on groups of its own (:func:`thread_group`), until
-    :func:`release_thread_groups` at its end."""
+    collectives made on this thread run on groups of its own (:func:`thread_group`). Returns
+    the table of the groups it takes, for the loop to hand back (:func:`free_thread_groups`)."""
     _THREAD.groups = {}
+    return _THREAD.groups
 
 
 def on_delivery_thread() -> bool:
@@ -244,29 +249,36 @@ def on_delivery_thread() -> bool:
     return getattr(_THREAD, "groups", None) is not None
 
 
-def thread_group(key: Hashable, make: Callable[[], Any], *, keep: bool = False) -> Any:
-    """On a delivery thread, its own group for ``key``: ``make()`` once, at the first call
-    (every rank's thread makes the same calls in the same order), until the thread ends. Then
-    it is destroyed, or with ``keep`` left registered and unused: a group ``torch.distributed``
-    names by a hash of its ranks and the count of groups (local synchronisation) must not be
-    destroyed, or a later group would take its name and meet its stale rendezvous."""
-    groups: dict[Hashable, tuple[Any, bool]] = _THREAD.groups
+def thread_group(key: Hashable, make: Callable[[], Any]) -> Any:
+    """On a delivery thread, its group for ``key``: one an earlier walk left clean, else
+    ``make()`` (at the first call: every rank's thread makes the same calls in the same order,
+    while its loop waits for the walk's first item)."""
+    groups: dict[Hashable, Any] = _THREAD.groups
     if key not in groups:
-        groups[key] = (make(), keep)
-    return groups[key][0]
+        with _POOL_LOCK:
+            if _POOL_WORLD[0] is not dist.group.WORLD:  # a new default group: new groups too
+                _POOL.clear()
+                _POOL_WORLD[0] = dist.group.WORLD
+            free = _POOL.get(key)
+            group = free.pop() if free else None
+        groups[key] = make() if group is None else group
+    return groups[key]
 
 
-def release_thread_groups() -> None:
-    """At a delivery thread's end: destroy the groups it made (but those it must keep,
-    :func:`thread_group`). A peer's thread still in a collective on one gets its connection
-    closed (its walk is ending too; with torch 2.13, at once), and nothing pending there can
-    pair with a later walk's collectives, which run on new groups."""
-    groups = getattr(_THREAD, "groups", None) or {}
-    _THREAD.groups = None
-    for group, keep in groups.values():
-        if group is not None and not keep:
-            with contextlib.suppress(Exception):  # a group torn down already
-                dist.destroy_process_group(group)
+def free_thread_groups(groups: Mapping[Hashable, Any] | None, clean: bool) -> None:
+    """On the loop's thread, once a walk's delivery thread is done: its groups go back for
+    the next walk when the walk was ``clean`` (the loop took its end: every collective of it
+    completed, on every rank alike), in the loop's order, the same on every rank. Those of a
+    walk left part way (ranks' threads may be a collective apart, or one still in one) are
+    never used again; never destroyed either: ``torch.distributed`` names a group by a count
+    of the groups a process holds, and a destroyed one would give its name to the next."""
+    if not groups or not clean:
+        return
+    with _POOL_LOCK:
+        if _POOL_WORLD[0] is not dist.group.WORLD:
+            return
+        for key, group in groups.items():
+            _POOL.setdefault(key, []).append(group)
 
 
 _OWN_GROUPS: dict[float, tuple[Any, ...]] = {}

@@ -296,7 +296,6 @@ def test_off_its_thread_a_gpu_group_leaves_the_tokens_exchange_to_meshfeeds_gloo
         got.append(comm._made())  # another thread than the one that built it
         balanced.dist.mark_delivery_thread()
         got.append(looped._made())  # a delivery thread: not the groups kept on the loop's
-        balanced.dist.release_thread_groups()
 
     thread = threading.Thread(target=on_delivery_thread)
     thread.start()

@@ -56,11 +56,8 @@ def own_group(group: Any, timeout: float, owner: str = "BalancedBatches") -> Any
     if ranks == tuple(range(tdist.get_world_size())):
         return dist.control_group(timeout)
     if dist.on_delivery_thread():  # that thread's own, as dist.control_group's are
-        # Kept when the thread ends: its name is hashed from the ranks and the count of groups.
         made = dist.thread_group(
-            ("own", ranks, float(timeout)),
-            lambda: _new_group(ranks, float(timeout), owner),
-            keep=True,
+            ("own", ranks, float(timeout)), lambda: _new_group(ranks, float(timeout), owner)
         )
         return made
     with _LOCK:
