@@ -267,11 +267,10 @@ class Delivery:
     def _thread_device(self) -> int | None:
         """The CUDA device the delivery thread makes current before anything else: CUDA's
         current device is per thread and a new thread's is device 0, so without this a rank on
-        ``cuda:k`` would make a context on device 0 there (leaving the side stream's context),
-        and an iterator run on the thread (``Delivered(BalancedBatches(...))`` on NCCL) would
-        put its collectives' tensors on device 0. ``device``'s index, else the loop thread's
-        current device where CUDA is initialised; None where this process has not used CUDA
-        (the thread's default then is the loop's)."""
+        ``cuda:k`` would make a context on device 0 there, and an iterator run on the thread
+        (``Delivered``'s inner iterator) would put its CUDA tensors on device 0. ``device``'s
+        index, else the loop thread's current device where CUDA is initialised; None where this
+        process has not used CUDA (the thread's default then is the loop's)."""
         if self.device is not None and self.device.type == "cuda":
             if self.device.index is not None:
                 return self.device.index

@@ -60,6 +60,7 @@ __all__ = [
     "device_for_backend",
     "fail_together",
     "first_failed_rank",
+    "free_thread_groups",
     "gather_agreement",
     "global_rank",
     "group_device",
@@ -69,9 +70,8 @@ __all__ = [
     "mark_delivery_thread",
     "on_delivery_thread",
     "rank",
-    "free_thread_groups",
-    "thread_group",
     "refuse_disagreement",
+    "thread_group",
     "world_size",
 ]
 

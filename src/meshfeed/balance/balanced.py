@@ -204,8 +204,8 @@ class _Comm:
         different order on each rank, and making an NCCL group of its own there would be a
         collective on the default communicator, which the loop's thread drives; so there the
         tokens move on the gloo group (the results arrive on the CPU either way). A delivery
-        thread's groups are its own and end with it (:func:`meshfeed.dist.thread_group`):
-        asked again each time, not kept."""
+        thread's groups are that walk's (:func:`meshfeed.dist.thread_group`): asked again
+        each time, not kept here."""
         what = "process group's setup (its first collective)"
         if dist.on_delivery_thread():  # first: groups kept from another thread are not its own
             own = self._bounded(what, own_group, self.group, self.timeout)

@@ -208,7 +208,7 @@ class HybridCPDataLoader:
 
     def _own(self) -> Any:
         """meshfeed's own gloo group over the DP group's ranks (made at the first call; on a
-        delivery thread, that thread's own, :func:`meshfeed.dist.thread_group`, not kept)."""
+        delivery thread, that walk's, :func:`meshfeed.dist.thread_group`, not kept here)."""
         if dist.on_delivery_thread():
             return own_group(self.dp_group, self._timeout, "HybridCPDataLoader")
         if not self._control_made:
