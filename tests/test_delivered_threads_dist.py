@@ -107,7 +107,7 @@ def _walk_abandoned_with_threads_apart(rank: int, world: int) -> list:
     def held(self: Delivery, batch: Any, streams: bool) -> Any:
         made["n"] += 1
         if rank == 1 and made["n"] == 2:
-            time.sleep(1.0)  # rank 1's thread stops after this item; rank 0's gathers item 2
+            time.sleep(3.0)  # rank 1's thread stops after this item; rank 0's gathers item 2
         return prepare(self, batch, streams)
 
     Delivery._prepare = held  # type: ignore[method-assign]
@@ -115,8 +115,9 @@ def _walk_abandoned_with_threads_apart(rank: int, world: int) -> list:
     it = Delivered(inner, device="cpu", device_prefetch=3, timeout=30)
     first = [next(it)]
     state = it.state_dict()
-    if rank == 0:
-        time.sleep(0.5)  # its thread is waiting in item 2's gather, which rank 1 never joins
+    # Rank 0's thread waits in item 2's gather, which rank 1's never joins (until its 3 s
+    # timeout); rank 1 starts its next walk about then, well inside each other's 3 s setup.
+    time.sleep(0.5 if rank == 0 else 2.0)
     it.load_state_dict(state)  # abandons the walk: rank 0's thread is one collective ahead
     rest = list(it)
     it.shutdown()
