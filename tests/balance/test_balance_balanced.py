@@ -283,9 +283,10 @@ def test_off_its_thread_a_gpu_group_leaves_the_tokens_exchange_to_meshfeeds_gloo
     # interleave in another order on each rank), and making an NCCL group there would be a
     # collective on the default communicator: the tokens move on meshfeed's gloo group. On a
     # CPU-only build the GPU group is faked; tests/test_gpu.py runs it on two NCCL ranks.
-    from meshfeed.balance import balanced
+    from meshfeed.balance import _group, balanced
 
     monkeypatch.setattr(balanced, "own_group", lambda group, timeout: "own gloo")
+    monkeypatch.setattr(_group, "own_group", lambda group, timeout, owner: "own gloo")
     monkeypatch.setattr(balanced.dist, "is_distributed", lambda group: True)
     monkeypatch.setattr(balanced._Comm, "device", lambda self: torch.device("cuda", 0))
     looped = balanced._Comm(None, 5.0)

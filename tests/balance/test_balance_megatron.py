@@ -162,9 +162,9 @@ def test_megatron_groups_come_from_an_initialised_parallel_state_without_importi
 def test_off_its_thread_the_documents_move_on_meshfeeds_gloo_group(monkeypatch):
     # On another thread (Delivered's), an all_to_all on Megatron's dp_cp group would interleave
     # with the loop's gradient reduction on it in another order on each rank.
-    from meshfeed.balance import megatron
+    from meshfeed.balance import _group
 
-    monkeypatch.setattr(megatron, "own_group", lambda group, timeout, owner: ("own", group))
+    monkeypatch.setattr(_group, "own_group", lambda group, timeout, owner: ("own", group))
     it = HybridCPDataLoader(iter([]), max_seqlen_per_dp_cp_rank=64)
     assert it._data_group() is it.dp_cp_group
     got: list = []

@@ -29,7 +29,7 @@ import torch.distributed as tdist
 from meshfeed import dist
 from meshfeed.errors import CollectiveError
 
-__all__ = ["own_group"]
+__all__ = ["exchange_group", "own_group"]
 
 #: A longer timeout overflows timedelta near 1e9 days; a year is "no limit" for a collective.
 _LONGEST = 365 * 86400.0
@@ -68,6 +68,19 @@ def own_group(group: Any, timeout: float, owner: str = "BalancedBatches") -> Any
         if key not in _GROUPS:
             _GROUPS[key] = _new_group(ranks, float(timeout), owner)
         return _GROUPS[key]
+
+
+def exchange_group(group: Any, timeout: float, built_on: int, owner: str) -> Any:
+    """The group a data exchange (the tokens' ``all_to_all``) runs on: the caller's ``group``
+    on the thread that built its owner (``built_on``, a ``threading.get_ident()``); on another
+    thread or a delivery thread, meshfeed's gloo group over its ranks (:func:`own_group`): the
+    loop's own collectives on ``group`` (DDP's, FSDP's, Megatron's gradient reduction) would
+    interleave with it in another order on each rank, and making an NCCL group there would be a
+    collective on the default communicator, which the loop's thread drives. The results arrive
+    on the CPU either way."""
+    if threading.get_ident() == built_on and not dist.on_delivery_thread():
+        return group
+    return own_group(group, timeout, owner)
 
 
 def _new_group(ranks: tuple[int, ...], timeout: float, owner: str) -> Any:

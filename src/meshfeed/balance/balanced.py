@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from meshfeed import dist
-from meshfeed.balance._group import own_group
+from meshfeed.balance._group import exchange_group, own_group
 from meshfeed.balance.cost import CostModel
 from meshfeed.balance.document_fields import (
     OFFSETS,
@@ -198,26 +198,20 @@ class _Comm:
         """(the group of the control collectives, the group of the ``all_to_all``).
 
         The ``all_to_all`` runs on the caller's group where that is a GPU group (NCCL: the
-        tokens move on the GPU), unless this runs on another thread than the one that built
-        it or on a delivery thread (:class:`~meshfeed.delivered.Delivered`): the training
-        loop's own collectives on that group (DDP's, FSDP's) would interleave with it in a
-        different order on each rank, and making an NCCL group of its own there would be a
-        collective on the default communicator, which the loop's thread drives; so there the
-        tokens move on the gloo group (the results arrive on the CPU either way). A delivery
-        thread's groups are that walk's (:func:`meshfeed.dist.thread_group`): asked again
-        each time, not kept here."""
+        tokens move on the GPU), on the thread that built this only (:func:`exchange_group`).
+        A delivery thread's groups are that walk's (:func:`meshfeed.dist.thread_group`): asked
+        again each time, not kept here."""
         what = "process group's setup (its first collective)"
         if dist.on_delivery_thread():  # first: groups kept from another thread are not its own
             own = self._bounded(what, own_group, self.group, self.timeout)
             return own, own
-        if self._groups is not None:
-            return self._groups
-        own = self._bounded(what, own_group, self.group, self.timeout)
-        data = own
-        gpu = dist.is_distributed(self.group) and self.device().type != "cpu"
-        if gpu and threading.get_ident() == self._thread:
-            data = self.group
-        self._groups = (own, data)
+        if self._groups is None:
+            own = self._bounded(what, own_group, self.group, self.timeout)
+            data = own
+            if dist.is_distributed(self.group) and self.device().type != "cpu":
+                args = (self.group, self.timeout, self._thread, "BalancedBatches")
+                data = self._bounded(what, exchange_group, *args)
+            self._groups = (own, data)
         return self._groups
 
     def _bounded(self, what: str, collective: Callable[..., Any], *args: Any, **kw: Any) -> Any:

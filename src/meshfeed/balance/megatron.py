@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from meshfeed import dist
-from meshfeed.balance._group import own_group
+from meshfeed.balance._group import exchange_group, own_group
 from meshfeed.balance.balanced import (
     _RAISED,
     _REFUSED,
@@ -217,14 +217,9 @@ class HybridCPDataLoader:
         return self._control
 
     def _data_group(self) -> Any:
-        """The group of the documents' ``all_to_all``: ``pg_collection.dp_cp``, except off the
-        thread that built this or on a delivery thread (:class:`~meshfeed.delivered.Delivered`),
-        where it would interleave with the loop's own collectives on that group (Megatron's
-        gradient reduction) in another order on each rank: there meshfeed's own gloo group
-        over the same ranks (the documents arrive on the CPU either way)."""
-        if threading.get_ident() != self._thread or dist.on_delivery_thread():
-            return own_group(self.dp_cp_group, self._timeout, "HybridCPDataLoader")
-        return self.dp_cp_group
+        """The group of the documents' ``all_to_all``: ``pg_collection.dp_cp`` on the thread
+        that built this, else meshfeed's gloo group over its ranks (:func:`exchange_group`)."""
+        return exchange_group(self.dp_cp_group, self._timeout, self._thread, "HybridCPDataLoader")
 
     def _raise_together(self, rows: list[np.ndarray], raised: Exception | None) -> None:
         """Raise on every rank of the DP group when a rank's data iterator raised or ended
