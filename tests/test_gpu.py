@@ -447,15 +447,20 @@ def _run_nccl(fn: Callable[[int, int], Any], world: int = 2, timeout: float = 24
         return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def _balanced_rank(rank: int, world: int) -> list[dict[str, Any]]:
-    with BalancedBatches(
+def _rank_balanced(rank: int) -> BalancedBatches:
+    """The BalancedBatches of NCCL rank ``rank`` (:func:`_simulated` computes its output)."""
+    return BalancedBatches(
         Samples(rank, seed=9, batches=3, max_len=450, docs=8), max_tokens=256, cost=S2
-    ) as it:
+    )
+
+
+def _balanced_rank(rank: int, world: int) -> list[dict[str, Any]]:
+    with _rank_balanced(rank) as it:
         return list(it)
 
 
 def _simulated() -> list[list[dict[str, Any]]]:
-    """Each rank's micro-steps of :func:`_balanced_rank`, computed in one process."""
+    """Each rank's micro-steps of :func:`_rank_balanced`, computed in one process."""
     want: list[list[dict[str, Any]]] = [[], []]
     for b in range(3):
         samples = [make_sample(r, b, seed=9, max_len=450, docs=8) for r in range(2)]
@@ -475,9 +480,7 @@ def test_balanced_batches_on_two_nccl_ranks_match_the_simulation():
 
 def _delivered_balanced_rank(rank: int, world: int) -> list[tuple[dict[str, Any], float]]:
     out = []
-    inner = BalancedBatches(
-        Samples(rank, seed=9, batches=3, max_len=450, docs=8), max_tokens=256, cost=S2
-    )
+    inner = _rank_balanced(rank)
     with Delivered(inner, pin_memory=True, device="cuda") as it:
         for step in it:
             # The loop's own collective on the default NCCL group, as DDP's gradient
