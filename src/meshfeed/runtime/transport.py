@@ -61,12 +61,14 @@ import torch
 
 __all__ = [
     "SMALL",
+    "OffHostTensorError",
     "SlotReader",
     "SlotWriter",
     "bits_carrier",
     "dumps",
     "from_bits",
     "loads",
+    "off_host",
     "reduce_tensor",
 ]
 
@@ -157,11 +159,42 @@ def reduce_tensor(obj: Any) -> Any:
     return NotImplemented
 
 
+class OffHostTensorError(ValueError):
+    """A worker's result holds a tensor that is not in host memory (see :func:`off_host`)."""
+
+
+def off_host(
+    obj: Any, who: str = "a worker's result", where: str = "num_workers=0"
+) -> OffHostTensorError | None:
+    """The error for a tensor of ``who`` (a result that must reach the training process
+    through host memory) that lives on a device (``cuda:0``, ``meta``...), else ``None``.
+    Pickled as torch pickles it, a CUDA tensor would come back on the device the worker used
+    (``cuda:0`` for every rank of a node), after a copy through host memory, and every worker
+    would hold a CUDA context of its own: refused with the fix instead (``where``: how to
+    make the batches in the training process)."""
+    if not isinstance(obj, torch.Tensor) or obj.device.type == "cpu":
+        return None
+    return OffHostTensorError(
+        f"{who} holds a tensor on device {str(obj.device)!r} (shape {tuple(obj.shape)}, "
+        f"{obj.dtype}); it reaches the training process through host memory, so its tensors "
+        "must be on the CPU. Return CPU tensors from the dataset, the stream and collate_fn, "
+        "and let the loader move each batch: device='cuda' copies it from pinned memory on a "
+        f"side stream while the step runs; or make the batches in the training process "
+        f"({where})"
+    )
+
+
 class _BatchPickler(pickle.Pickler):
-    """Pickles CPU tensors as their raw bytes plus dtype and shape (:func:`reduce_tensor`)."""
+    """Pickles CPU tensors as their raw bytes plus dtype and shape (:func:`reduce_tensor`);
+    refuses a tensor on a device (:func:`off_host`)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        return reduce_tensor(obj)
+        reduced = reduce_tensor(obj)
+        if reduced is NotImplemented:
+            error = off_host(obj)
+            if error is not None:
+                raise error
+        return reduced
 
 
 def dumps(obj: Any, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:

@@ -18,7 +18,7 @@ import torch
 from meshfeed.collate import stack_into
 from meshfeed.runtime.failures import error_text
 from meshfeed.runtime.lifeline import Parent, close_borrowed, tie_to_parent
-from meshfeed.runtime.transport import SlotWriter
+from meshfeed.runtime.transport import OffHostTensorError, SlotWriter
 
 __all__: list[str] = []
 
@@ -84,6 +84,8 @@ def _run_tasks(handler: Callable[[Any], Any], tasks: list[Any], writer: SlotWrit
             entries.append((False, _error_entry(exc)))
     try:
         return writer.encode((entries, time.perf_counter() - start))
+    except OffHostTensorError as exc:  # a CUDA tensor: the error says why and what to do
+        return pickle.dumps(("error", ValueError, str(exc), traceback.format_exc()), 5)
     except Exception as exc:  # a result that cannot be pickled: every task of it fails
         exc_type, text, tb = _error_entry(exc)
         text = (

@@ -27,7 +27,7 @@ import numpy as np
 from meshfeed.fetch import Fetcher, FetchTask
 from meshfeed.order.permutation import derive_seed
 from meshfeed.protocols import OrderedSource
-from meshfeed.runtime.transport import loads, reduce_tensor
+from meshfeed.runtime.transport import loads, off_host, reduce_tensor
 from meshfeed.services.workers import seed_globals
 from meshfeed.state import dataset_fingerprint
 
@@ -120,7 +120,12 @@ def _pickler() -> type:
     class Pickler(cloudpickle.CloudPickler):
         def reducer_override(self, obj: Any) -> Any:
             reduced = reduce_tensor(obj)
-            return super().reducer_override(obj) if reduced is NotImplemented else reduced
+            if reduced is not NotImplemented:
+                return reduced
+            error = off_host(obj, "a batch of a Ray loader actor", "the default service")
+            if error is not None:
+                raise error
+            return super().reducer_override(obj)
 
     return Pickler
 
