@@ -48,6 +48,7 @@ import torch
 
 from meshfeed import dist
 from meshfeed.collate import rebuild_mapping
+from meshfeed.lifecycle import in_collection, later
 from meshfeed.telemetry import Telemetry
 
 __all__ = ["EXIT_WAIT", "Delivery", "check_device", "pin", "stop_at_exit", "take_from", "to_device"]
@@ -325,10 +326,23 @@ class Delivery:
                 yield item
         finally:
             stop.set()
-            self._join(ready, thread)
-            # Here, on the loop's thread, in its order: a walk that ended frees its groups for
-            # the next; one left part way retires them (dist.free_thread_groups).
-            dist.free_thread_groups(held.get("groups"), ended and not thread.is_alive())
+            # Where the cycle collector closes it, inside whatever code allocated on this
+            # thread, which may hold what the thread waits for: joined on the reaper thread,
+            # its groups retired (freed there, at no agreed point, they could mis-pair).
+            if not (in_collection() and later(self._end, ready, thread, held, False)):
+                self._end(ready, thread, held, ended)
+
+    def _end(
+        self,
+        ready: queue.Queue[tuple[str, Any]],
+        thread: threading.Thread,
+        held: dict[str, Any],
+        ended: bool,
+    ) -> None:
+        self._join(ready, thread)
+        # Here, on the loop's thread, in its order: a walk that ended frees its groups for
+        # the next; one left part way retires them (dist.free_thread_groups).
+        dist.free_thread_groups(held.get("groups"), ended and not thread.is_alive())
 
     def _join(self, ready: queue.Queue[tuple[str, Any]], thread: threading.Thread) -> None:
         if thread is threading.current_thread():

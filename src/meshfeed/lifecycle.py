@@ -1,19 +1,42 @@
-"""The lifecycle every loader shares: ``shutdown()``, a ``with`` block, and collection."""
+"""The lifecycle every loader shares: ``shutdown()``, a ``with`` block, and collection.
+
+A loader collected without ``shutdown()`` shuts itself down. Where reference counting collects
+it (``del loader``, a function returning), that happens at once, on that thread. Where the
+cycle collector does, it cannot happen there: the collector runs inside whatever code allocated
+at that moment, on any thread, possibly while that thread holds a lock the shutdown needs (a
+store's, while a request reads its rows: the shutdown's cancel waited for that lock forever, a
+hang seen with 6 ranks' loaders per step), or on one of the loader's own threads, which its
+shutdown joins. Such a shutdown is handed to one daemon thread, ``meshfeed-reaper`` (started
+with the process's first loader, idle but for these), which runs it as soon as the collection
+ends; what it has not run when the interpreter exits runs then.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-from typing import Self
+import gc
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Self
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "in_collection", "later", "now_or_later"]
 
 
 class Lifecycle:
     """``shutdown()`` stops a loader's worker processes or actors; it must be idempotent.
 
     A ``with`` block calls it on exit, and a loader that is collected without it calls it too,
-    so a forgotten loader does not leave processes behind.
+    so a forgotten loader does not leave processes behind (module docstring: when the cycle
+    collector finds it, on the ``meshfeed-reaper`` thread).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        _start_reaper()  # here, not in a collection: starting a thread takes threading's locks
+        return super().__new__(cls)
 
     def shutdown(self) -> None:
         raise NotImplementedError
@@ -25,5 +48,92 @@ class Lifecycle:
         self.shutdown()
 
     def __del__(self) -> None:
+        if in_collection() and later(self.shutdown):
+            return  # resurrected until the reaper has run its shutdown (PEP 442: once)
         with contextlib.suppress(Exception):
             self.shutdown()
+
+
+class _Collecting(threading.local):
+    active = False
+
+
+_COLLECTING = _Collecting()
+
+
+def _on_collection(phase: str, info: dict[str, Any]) -> None:
+    _COLLECTING.active = phase == "start"
+
+
+gc.callbacks.append(_on_collection)
+
+
+def in_collection() -> bool:
+    """Whether the cycle collector runs on this thread now: a finalizer (``__del__``, a
+    generator's ``finally`` that the collector runs) is inside whatever code allocated."""
+    return _COLLECTING.active
+
+
+def now_or_later(fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)`` now, or, inside a cycle collection (:func:`in_collection`), on the reaper
+    thread once it ends: for a generator's ``finally`` that waits for a lock or a thread,
+    which the code the collector interrupted on this thread may hold."""
+    if not (in_collection() and later(fn, *args)):
+        fn(*args)
+
+
+_LATER: queue.SimpleQueue[tuple[Callable[..., object], tuple[Any, ...]]] = queue.SimpleQueue()
+_REAPER: list[threading.Thread] = []
+_REAPER_LOCK = threading.Lock()  # taken only to start the reaper, never in a collection
+
+
+def _start_reaper() -> None:
+    if _REAPER and _REAPER[0].is_alive():
+        return
+    with _REAPER_LOCK:
+        if not _REAPER or not _REAPER[0].is_alive():
+            thread = threading.Thread(target=_reap, name="meshfeed-reaper", daemon=True)
+            thread.start()
+            _REAPER[:] = [thread]
+
+
+def _forget_reaper() -> None:
+    """In a forked child: no reaper runs there (threads do not survive a fork), and the lock
+    may have been held by a thread that does not exist there."""
+    global _LATER, _REAPER_LOCK
+    _LATER, _REAPER_LOCK = queue.SimpleQueue(), threading.Lock()
+    _REAPER.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_reaper)
+
+
+def later(fn: Callable[..., object], *args: Any) -> bool:
+    """Queue ``fn(*args)`` for the reaper thread (its errors are dropped there); ``False``
+    where it is not running (the interpreter exits; a child forked after it started): the
+    caller runs it. ``SimpleQueue.put`` never waits, and may be called from a finalizer."""
+    if sys.is_finalizing() or not _REAPER or not _REAPER[0].is_alive():
+        return False
+    _LATER.put((fn, args))
+    return True
+
+
+def _reap() -> None:
+    while True:
+        fn, args = _LATER.get()
+        with contextlib.suppress(Exception):
+            fn(*args)
+        del fn, args  # not kept until the next one arrives
+
+
+@atexit.register
+def _reap_left() -> None:
+    """At exit, the shutdowns the reaper has not run yet, on this thread."""
+    while True:
+        try:
+            fn, args = _LATER.get_nowait()
+        except queue.Empty:
+            return
+        with contextlib.suppress(Exception):
+            fn(*args)

@@ -20,6 +20,7 @@ import gc
 import math
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ from meshfeed.queue.engine.wakeups import RequestCancelled
 from meshfeed.services.base import InProcessService
 from meshfeed.services.thread import ThreadService
 from tests.queue.test_queue_loader_stage import _stack, _store
+from tests.queue.test_store_tokens_bounded import _kept
 
 SHUT_DOWN = r"StoreLoader \(task 't'\) was shut down"
 #: How long a next() may take to end once shutdown() returned (the threads poll every 0.05 s).
@@ -52,8 +54,12 @@ def _loader(store: SampleStore, **kw: Any) -> StoreLoader:
 
 
 def _threads(before: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    """meshfeed's threads started since ``before`` but the process's one idle reaper
+    (:mod:`meshfeed.lifecycle`)."""
     return [
-        t.name for t in threading.enumerate() if t.name.startswith("meshfeed") and t not in before
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("meshfeed") and t.name != "meshfeed-reaper" and t not in before
     ]
 
 
@@ -240,6 +246,37 @@ def test_a_dropped_loader_stops_its_threads_and_requests(kw):
         assert store.stats()["consumed"]["t"] == 2
     finally:
         store.shutdown()
+
+
+def test_a_loader_the_cycle_collector_finds_while_the_store_is_locked_does_not_hang():
+    # The collector runs on whatever thread allocates, here inside a store operation that
+    # holds the store's lock (a request reading its rows): the shutdown of a loader it finds
+    # there cancels that loader's requests, which takes the same lock. It waited for itself
+    # forever (seen with 6 ranks' loaders per step); now the reaper thread runs it after.
+    store = _store(2, close=False)
+    loader = _loader(store)
+    assert next(loader).tolist() == [0, 1]  # a walk, with its token in the store
+    assert _kept(store) == 1
+    loader.itself = loader  # type: ignore[attr-defined]  # only the cycle collector frees it
+    ref = weakref.ref(loader)
+    done = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        with store._backend.lock:  # type: ignore[attr-defined]
+            gc.collect()
+        done.set()
+
+    gc.disable()  # collected there, nowhere else
+    try:
+        del loader
+        threading.Thread(target=collect_holding_the_lock, daemon=True).start()
+        assert done.wait(10), "a collection inside the store's lock waited for itself"
+        _until(lambda: _kept(store) == 0, PROMPT, "the collected loader's token was kept")
+        _until(lambda: gc.collect() >= 0 and ref() is None, PROMPT, "the loader was kept")
+    finally:
+        gc.enable()
+        if done.is_set():
+            store.shutdown()
 
 
 # ---------------------------------------------------------------- a refused on_step

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from meshfeed.delivery import EXIT_WAIT, stop_at_exit, take_from
+from meshfeed.lifecycle import now_or_later
 from meshfeed.protocols import Fetch
 from meshfeed.tasks import FetchEvents, FetchTask
 
@@ -85,7 +86,7 @@ class ThreadService:
                 room.release()  # the loop is done with it: the thread may take one more
         finally:
             stop.set()
-            self._join(thread)
+            now_or_later(self._join, thread)  # where the cycle collector closes it: after
 
     def _join(self, thread: threading.Thread) -> None:
         """Wait (up to ``join`` seconds) for a stopped map's thread to end its task."""

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from meshfeed.delivery import Delivery
 from meshfeed.dist import all_gather_objects, gather_agreement, is_distributed
 from meshfeed.errors import CollectiveError, RankError
+from meshfeed.lifecycle import now_or_later
 from meshfeed.mesh import DataMesh, mesh_hash
 from meshfeed.protocols import BoundedService
 from meshfeed.queue.loading.errors import (
@@ -337,14 +338,25 @@ class Walking:
                 self._check_walk(walk)
         finally:
             # An early end: the requests still waiting wake now (the plans stay in the store).
-            # Halted already: shutdown() cancelled them.
-            if not halt.is_set():
-                halt.set()
-                with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
-                    store.cancel(token)
-            Walking._close_stage(delivered, made)
-            if self._stage is not None and self._stage[2] is made:
-                self._stage = None
+            # Halted already: shutdown() cancelled them. Both wait for the store's lock and for
+            # threads: where the cycle collector closes this walk, on the reaper thread.
+            cancel = not halt.is_set()
+            halt.set()
+            now_or_later(Walking._end_walk, store if cancel else None, token, delivered, made)
+            with contextlib.suppress(ReferenceError):  # the loader collected with this walk
+                if self._stage is not None and self._stage[2] is made:
+                    self._stage = None
+
+    @staticmethod
+    def _end_walk(
+        store: Any, token: Any, delivered: Generator[Any, None, None], made: Iterator[Any]
+    ) -> None:
+        """A walk's end: its requests still waiting cancelled (``store`` None: they were),
+        its stage closed."""
+        if store is not None:
+            with contextlib.suppress(Exception):  # the store may be gone (a killed Ray actor)
+                store.cancel(token)
+        Walking._close_stage(delivered, made)
 
     @staticmethod
     def _close_stage(delivered: Generator[Any, None, None], made: Iterator[Any]) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from meshfeed.errors import ShardRowsError
+from meshfeed.lifecycle import now_or_later
 from meshfeed.sources.streams.holds import IDLE, Holds
 from meshfeed.sources.streams.readers import ReaderHooks, shard_identity, shard_mtime
 from meshfeed.storage import ShardCache, is_url
@@ -197,7 +198,7 @@ class CachedReader:
         try:
             yield from self.inner(local, start, stop)
         finally:
-            self._done(shard)
+            now_or_later(self._done, shard)  # takes the cache's lock: see now_or_later
 
     def take(self, shard: Any, rows: np.ndarray) -> list[Any]:
         local = self._local(shard)
