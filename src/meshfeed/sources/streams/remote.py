@@ -95,7 +95,9 @@ class CachedReader:
         # not a method of self: the holds must not keep this reader from being collected
         let_go = functools.partial(_let_go, self.cache, self._hooks.forget if limited else None)
         self._holds = Holds(let_go, keep=self.keep, idle=IDLE if limited else None)
-        self._closer = weakref.finalize(self, self._holds.close)
+        # Run by the collector where it frees the reader: the holds' and cache's locks then
+        # wait until the collection ends (see now_or_later).
+        self._closer = weakref.finalize(self, now_or_later, self._holds.close)
         self._asked: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
