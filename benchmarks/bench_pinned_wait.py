@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
 from meshfeed import DataLoader
-from meshfeed.delivery import Delivery
+from meshfeed.delivery import _Copier
 from meshfeed.runtime.transport import SlotReader
 
 STEP = 0.004
@@ -84,22 +84,22 @@ class HandOverAhead:
     no event to wait for."""
 
     def __enter__(self) -> HandOverAhead:
-        self.original = Delivery._prepare
+        self.original = _Copier.prepare
         original = self.original
         loop_stream = torch.cuda.current_stream()
 
-        def prepare(delivery: Delivery, batch: Any, streams: bool) -> tuple[Any, Any, float, float]:
-            batch, event, pin_s, copy_s = original(delivery, batch, streams)
+        def prepare(copier: _Copier, batch: Any) -> tuple[Any, Any, float, float]:
+            batch, event, pin_s, copy_s = original(copier, batch)
             if event is not None:
                 event.synchronize()
                 batch.record_stream(loop_stream)  # this benchmark's batches are one tensor
             return batch, None, pin_s, copy_s
 
-        Delivery._prepare = prepare
+        _Copier.prepare = prepare  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        Delivery._prepare = self.original
+        _Copier.prepare = self.original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ thread once the collection ends (:mod:`meshfeed.lifecycle`), and nothing is left
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import threading
 import time
 import weakref
@@ -25,6 +26,7 @@ import torch
 
 from meshfeed import DataLoader, StreamLoader
 from meshfeed.queue import SampleStore, StoreLoader
+from meshfeed.services import ThreadService
 from meshfeed.sources import ShardedStream
 
 #: The loader's own bound on waits: the old collection waited this long.
@@ -131,3 +133,81 @@ def test_a_walk_collected_in_a_cycle_does_not_make_the_collection_wait(door):
     assert ref() is None, "the walk was kept after its shutdown"
     if kept is not None:
         kept.shutdown()
+
+
+def _numbers(**kwargs: Any) -> Callable[[Any], Any]:
+    return lambda on_step: DataLoader(list(range(64)), batch_size=2, on_step=on_step, **kwargs)
+
+
+def _stream_numbers(on_step: Any) -> Any:
+    stream = ShardedStream([_rows], rows=[64])
+    return StreamLoader(stream, batch_size=2, device="cpu", on_step=on_step)
+
+
+def _rows() -> Any:
+    return iter(range(64))
+
+
+def _store_numbers(on_step: Any) -> Any:
+    store = SampleStore(tasks=["t"])
+    store.put("p", {"x": list(range(64))})
+    store.close("p")
+    return StoreLoader(
+        store, task="t", fields=["x"], partition="p", batch_size=2, mesh={"dp": 1}, rank=0,
+        device="cpu", prefetch=2, on_step=on_step,
+    )  # fmt: skip
+
+
+TRAINERS: dict[str, Callable[[Any], Any]] = {
+    "DataLoader, delivery thread": _numbers(device="cpu"),
+    "DataLoader, fetch thread": _numbers(service=ThreadService(prefetch=2)),
+    "DataLoader, workers and delivery thread": _numbers(device="cpu", num_workers=2),
+    "StreamLoader, delivery thread": _stream_numbers,
+    "StoreLoader, fetch and delivery threads": _store_numbers,
+}
+
+
+class _Trainer:
+    """A trainer as one writes it: its loader reports to its method (a cycle), and it keeps
+    the loader's iterator part way through an epoch."""
+
+    def __init__(self, make: Callable[[Any], Any]) -> None:
+        self.loader = make(self.log)
+        self.it = iter(self.loader)
+        self.model = torch.zeros(1 << 20)  # what a leak would keep: 4 MiB here, a model there
+        self.steps = 0
+
+    def log(self, timing: Any) -> None:
+        self.steps += 1
+
+
+def _meshfeed_threads() -> set[threading.Thread]:
+    return {
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("meshfeed") and t.name != "meshfeed-reaper"
+    }
+
+
+@pytest.mark.parametrize("make", TRAINERS.values(), ids=TRAINERS.keys())
+def test_a_dropped_trainer_is_collected_with_its_loader_part_way_through_a_walk(make):
+    # The loader's own threads held it (the delivery thread its telemetry and so its on_step,
+    # the fetch thread its plan): a trainer dropped part way through an epoch stayed alive
+    # with its model, its threads and its worker processes until the process ended.
+    before = _meshfeed_threads()
+    trainer = _Trainer(make)
+    next(trainer.it)
+    next(trainer.it)
+    assert trainer.steps == 2
+    ref = weakref.ref(trainer)
+    del trainer
+    deadline = time.monotonic() + 10
+    while (ref() is not None or _meshfeed_threads() - before) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    assert ref() is None, "the trainer was kept alive by its loader's threads"
+    assert not _meshfeed_threads() - before, "the loader's threads were left running"
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not multiprocessing.active_children(), "the loader's workers were left running"

@@ -20,7 +20,7 @@ from meshfeed.balance import BalancedBatches, CostModel
 from meshfeed.balance._group import own_group
 from meshfeed.balance.routing import route_local
 from meshfeed.delivered import Delivered
-from meshfeed.delivery import Delivery, to_device
+from meshfeed.delivery import _Copier, to_device
 from meshfeed.testing import assert_same
 from tests.balance.checks import Samples, make_sample
 from tests.dist_utils import run_distributed
@@ -101,16 +101,16 @@ class _Gathered:
 
 
 def _walk_abandoned_with_threads_apart(rank: int, world: int) -> list:
-    prepare = Delivery._prepare
+    prepare = _Copier.prepare
     made = {"n": 0}
 
-    def held(self: Delivery, batch: Any, streams: bool) -> Any:
+    def held(self: _Copier, batch: Any) -> Any:
         made["n"] += 1
         if rank == 1 and made["n"] == 2:
             time.sleep(3.0)  # rank 1's thread stops after this item; rank 0's gathers item 2
-        return prepare(self, batch, streams)
+        return prepare(self, batch)
 
-    Delivery._prepare = held  # type: ignore[method-assign]
+    _Copier.prepare = held  # type: ignore[method-assign]
     inner = _Gathered()
     it = Delivered(inner, device="cpu", device_prefetch=3, timeout=30)
     first = [next(it)]

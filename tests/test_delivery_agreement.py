@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from meshfeed import DataLoader
-from meshfeed.delivery import Delivery
+from meshfeed.delivery import _Copier
 from tests.dist_utils import run_distributed
 
 
@@ -34,17 +34,17 @@ def _hold_up_rank_1(rank: int) -> threading.Event:
     the 5th batch's agreement where the thread made it), so the walk ends with rank 0's thread
     ahead of rank 1's."""
     prepared, ready = {"n": 0}, threading.Event()
-    real = Delivery._prepare
+    real = _Copier.prepare
 
-    def prepare(self, batch, streams):
+    def prepare(self, batch):
         prepared["n"] += 1
         if prepared["n"] == (4 if rank == 1 else 5):
             ready.set()
             if rank == 1:
                 time.sleep(1.0)
-        return real(self, batch, streams)
+        return real(self, batch)
 
-    Delivery._prepare = prepare  # type: ignore[method-assign]
+    _Copier.prepare = prepare  # type: ignore[method-assign]
     return ready
 
 

@@ -290,17 +290,17 @@ def test_device_prefetch_waits_for_a_copy_that_is_still_running(monkeypatch):
     # The side stream sleeps before each copy, so a batch is handed over while its copy is
     # still queued: a loop stream that did not wait for the copy's event would read memory not
     # yet written (the check that matters on a real GPU, where copies usually finish first).
-    from meshfeed.delivery import Delivery
+    from meshfeed.delivery import _Copier
 
-    prepare = Delivery._prepare
+    prepare = _Copier.prepare
 
-    def slow(self: Delivery, batch: Any, streams: bool) -> Any:
-        if streams:
-            with torch.cuda.stream(self._side):
+    def slow(self: _Copier, batch: Any) -> Any:
+        if self.side is not None:
+            with torch.cuda.stream(self.side):
                 torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles, queued before the copy
-        return prepare(self, batch, streams)
+        return prepare(self, batch)
 
-    monkeypatch.setattr(Delivery, "_prepare", slow)
+    monkeypatch.setattr(_Copier, "prepare", slow)
     data = _Dicts(24, 64 * 1024)
     kwargs = {"batch_size": 4, "seed": 3}
     plain = list(DataLoader(data, **kwargs))

@@ -302,8 +302,13 @@ class Delivery:
         ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=self.depth)
         stop = threading.Event() if stop is None else stop
         held: dict[str, Any] = {}  # the thread's groups (dist.thread_group), freed below
-        args = (items, ready, stop, self._streams(), self._thread_device(), held)
-        thread = threading.Thread(target=self._run, args=args, name="meshfeed-delivery")
+        streams = self._streams()
+        # The thread holds what it copies with, not this Delivery: through its telemetry's
+        # on_step (a trainer's bound method) it would keep a dropped loader's whole graph,
+        # the loop's side of this stage included, alive and never stopped.
+        copier = _Copier(self.pin, self.device, self._side if streams else None)
+        args = (copier, items, ready, stop, self._thread_device(), held)
+        thread = threading.Thread(target=_run, args=args, name="meshfeed-delivery")
         thread.daemon = True  # never keeps a process alive; stopped at exit if still running
         stop_at_exit(thread, stop, ready, timeout=self.timeout)
         thread.start()
@@ -361,43 +366,17 @@ class Delivery:
                 self.timeout,
             )
 
-    # ------------------------------------------------------------------ the thread's side
-    def _run(
-        self,
-        items: Iterator[tuple[Any, T]],
-        ready: queue.Queue[tuple[str, Any]],
-        stop: threading.Event,
-        streams: bool,
-        cuda_device: int | None,
-        held: dict[str, Any],
-    ) -> None:
-        source = iter(items)
-        clock = time.perf_counter
-        try:
-            # Its collectives (Delivered's inner iterator's) on groups apart from the loop's.
-            held["groups"] = dist.mark_delivery_thread()
-            if cuda_device is not None:
-                torch.cuda.set_device(cuda_device)  # this thread's own (see _thread_device)
-            if streams:  # all it issues (an inner iterator's kernels too) before the event
-                torch.cuda.set_stream(self._side)
-            while not stop.is_set():
-                start = clock()
-                try:
-                    batch, meta = next(source)
-                except StopIteration:
-                    _put(ready, stop, ("end", None))
-                    return
-                produce = clock() - start
-                batch, event, pin_s, copy_s = self._prepare(batch, streams)
-                _put(ready, stop, ("item", ((batch, meta), event, (produce, pin_s, copy_s))))
-        except BaseException as exc:  # handed to the loop, raised there
-            if not _put(ready, stop, ("error", exc)):
-                with contextlib.suppress(queue.Full):  # told to stop: a loop still waiting
-                    ready.put_nowait(("error", exc))  # (shutdown() on another thread) gets it
-        finally:
-            _close(source)  # the generator runs on this thread: closed here
+# ---------------------------------------------------------------------- the thread's side
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Copier:
+    """What the delivery thread pins and copies with (``side``: the side CUDA stream, None
+    where copies do not go through it)."""
 
-    def _prepare(self, batch: Any, streams: bool) -> tuple[Any, Any, float, float]:
+    pin: bool
+    device: torch.device | None
+    side: Any
+
+    def prepare(self, batch: Any) -> tuple[Any, Any, float, float]:
         """``batch`` pinned and copied (on the side stream); the copy's event or None, and
         the seconds spent pinning and copying (added by the loop when the batch is counted)."""
         pin_s = copy_s = 0.0
@@ -410,15 +389,51 @@ class Delivery:
             return batch, None, pin_s, copy_s
         start = time.perf_counter()
         event = None
-        if not streams:
+        if self.side is None:
             batch = to_device(batch, device)
         else:
-            with torch.cuda.stream(self._side):
+            with torch.cuda.stream(self.side):
                 batch = to_device(batch, device, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self._side)
+                event.record(self.side)
         copy_s = time.perf_counter() - start
         return batch, event, pin_s, copy_s
+
+
+def _run(
+    copier: _Copier,
+    items: Iterator[tuple[Any, T]],
+    ready: queue.Queue[tuple[str, Any]],
+    stop: threading.Event,
+    cuda_device: int | None,
+    held: dict[str, Any],
+) -> None:
+    """The delivery thread: ``items`` made, pinned and copied, handed to the loop."""
+    source = iter(items)
+    clock = time.perf_counter
+    try:
+        # Its collectives (Delivered's inner iterator's) on groups apart from the loop's.
+        held["groups"] = dist.mark_delivery_thread()
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)  # this thread's own (see _thread_device)
+        if copier.side is not None:  # all it issues (an inner iterator's kernels too) before
+            torch.cuda.set_stream(copier.side)  # the event
+        while not stop.is_set():
+            start = clock()
+            try:
+                batch, meta = next(source)
+            except StopIteration:
+                _put(ready, stop, ("end", None))
+                return
+            produce = clock() - start
+            batch, event, pin_s, copy_s = copier.prepare(batch)
+            _put(ready, stop, ("item", ((batch, meta), event, (produce, pin_s, copy_s))))
+    except BaseException as exc:  # handed to the loop, raised there
+        if not _put(ready, stop, ("error", exc)):
+            with contextlib.suppress(queue.Full):  # told to stop: a loop still waiting
+                ready.put_nowait(("error", exc))  # (shutdown() on another thread) gets it
+    finally:
+        _close(source)  # the generator runs on this thread: closed here
 
 
 #: Background threads to stop at exit, with their stop flag, queue and longest wait (weak keys:

@@ -426,7 +426,12 @@ class DataLoader(LoaderBase):
         if isinstance(self.service, GlobalService):
             results = self._run_global(self.service, epoch, position, steps)
         else:
-            results = self.service.map(self._tasks(epoch, position, steps))
+            # A weak proxy: the service's (or delivery) thread runs this generator, and a
+            # strong reference from there would keep a dropped loader, and the walk that would
+            # stop that thread, alive for good (an on_step or iterator kept in a cycle).
+            results = self.service.map(
+                type(self)._tasks(weakref.proxy(self), epoch, position, steps)
+            )
         agree = self.on_error == "raise" and is_distributed()  # one rank raises: every rank
         if agree and not self.delivery.ahead:
             results = self._together(results, epoch, steps)  # timed as the batch's wait
