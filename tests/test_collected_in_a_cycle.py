@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from meshfeed import DataLoader, StreamLoader
+from meshfeed.delivered import Delivered
 from meshfeed.queue import SampleStore, StoreLoader
 from meshfeed.services import ThreadService
 from meshfeed.sources import ShardedStream
@@ -164,6 +165,9 @@ TRAINERS: dict[str, Callable[[Any], Any]] = {
     "DataLoader, workers and delivery thread": _numbers(device="cpu", num_workers=2),
     "StreamLoader, delivery thread": _stream_numbers,
     "StoreLoader, fetch and delivery threads": _store_numbers,
+    "Delivered over a DataLoader": lambda on_step: Delivered(
+        DataLoader(list(range(64)), batch_size=2), device="cpu", on_step=on_step
+    ),
 }
 
 

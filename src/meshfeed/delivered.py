@@ -25,6 +25,7 @@ returns it (see :mod:`meshfeed.telemetry`). ``shutdown()`` stops and joins the d
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -138,7 +139,9 @@ class Delivered(Lifecycle):
             if self._state is None:
                 self._state = dict(inner.state_dict())  # before the thread touches it
         self._rewind, self._walk = False, None
-        self._stream = self.delivery.stage(self._items())
+        # A weak proxy on the delivery thread: a strong reference from there would keep a
+        # dropped Delivered, and the stage that stops that thread, alive for good.
+        self._stream = self.delivery.stage(Delivered._items(weakref.proxy(self)))
 
     def _moved(self) -> bool:
         """Whether ``inner`` (a loader) started another walk than the one being read."""
