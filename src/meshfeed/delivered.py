@@ -141,7 +141,7 @@ class Delivered(Lifecycle):
         self._rewind, self._walk = False, None
         # A weak proxy on the delivery thread: a strong reference from there would keep a
         # dropped Delivered, and the stage that stops that thread, alive for good.
-        self._stream = self.delivery.stage(Delivered._items(weakref.proxy(self)))
+        self._stream = self.delivery.stage(type(self)._items(weakref.proxy(self)))
 
     def _moved(self) -> bool:
         """Whether ``inner`` (a loader) started another walk than the one being read."""

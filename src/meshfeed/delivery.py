@@ -366,6 +366,7 @@ class Delivery:
                 self.timeout,
             )
 
+
 # ---------------------------------------------------------------------- the thread's side
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Copier:

@@ -6,9 +6,11 @@ cycle collector does, it cannot happen there: the collector runs inside whatever
 at that moment, on any thread, possibly while that thread holds a lock the shutdown needs (a
 store's, while a request reads its rows: the shutdown's cancel waited for that lock forever, a
 hang seen with 6 ranks' loaders per step), or on one of the loader's own threads, which its
-shutdown joins. Such a shutdown is handed to one daemon thread, ``meshfeed-reaper`` (started
-with the process's first loader, idle but for these), which runs it as soon as the collection
-ends; what it has not run when the interpreter exits runs then.
+shutdown joins. Such a shutdown, and the ``finally`` of a walk's generator that waits for locks
+or threads (:func:`now_or_later`), is handed to one daemon thread, ``meshfeed-reaper`` (started
+with the process's first loader, idle but for these), which runs it once no collection runs.
+At exit, what it has not run yet gets :data:`EXIT_WAIT` seconds (the exit handlers of the
+loaders' threads and worker processes stop those anyway).
 """
 
 from __future__ import annotations
@@ -16,14 +18,20 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import logging
 import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Self
 
-__all__ = ["Lifecycle", "in_collection", "later", "now_or_later"]
+__all__ = ["EXIT_WAIT", "Lifecycle", "in_collection", "later", "now_or_later"]
+
+logger = logging.getLogger("meshfeed")
+#: At exit, how long the reaper may still run what it was handed.
+EXIT_WAIT = 2.0
 
 
 class Lifecycle:
@@ -59,10 +67,14 @@ class _Collecting(threading.local):
 
 
 _COLLECTING = _Collecting()
+#: Whether a collection runs on any thread (CPython runs one at a time): the reaper waits for
+#: its end, so that it never closes a generator the collection is about to finalize. A plain
+#: flag, polled: a lock or an event here could be held by the code the collection interrupted.
+_ANY_COLLECTING = [False]
 
 
 def _on_collection(phase: str, info: dict[str, Any]) -> None:
-    _COLLECTING.active = phase == "start"
+    _COLLECTING.active = _ANY_COLLECTING[0] = phase == "start"
 
 
 gc.callbacks.append(_on_collection)
@@ -122,18 +134,24 @@ def later(fn: Callable[..., object], *args: Any) -> bool:
 def _reap() -> None:
     while True:
         fn, args = _LATER.get()
-        with contextlib.suppress(Exception):
+        while _ANY_COLLECTING[0]:  # the collection that handed it over is still running
+            time.sleep(0.001)
+        try:
             fn(*args)
+        except BaseException:  # kept running; said, as Python says a finalizer's error
+            logger.warning(
+                "meshfeed: %s raised while ending a loader the cycle collector freed",
+                getattr(fn, "__qualname__", fn),
+                exc_info=True,
+            )
         del fn, args  # not kept until the next one arrives
 
 
 @atexit.register
 def _reap_left() -> None:
-    """At exit, the shutdowns the reaper has not run yet, on this thread."""
-    while True:
-        try:
-            fn, args = _LATER.get_nowait()
-        except queue.Empty:
-            return
-        with contextlib.suppress(Exception):
-            fn(*args)
+    """At exit, the reaper gets :data:`EXIT_WAIT` seconds for what it still has: a marker
+    queued behind it, waited for (a join in there may wait for a thread's timeout)."""
+    if _REAPER and _REAPER[0].is_alive() and not _LATER.empty():
+        done = threading.Event()
+        _LATER.put((done.set, ()))
+        done.wait(EXIT_WAIT)

@@ -271,8 +271,8 @@ def test_a_loader_the_cycle_collector_finds_while_the_store_is_locked_does_not_h
         del loader
         threading.Thread(target=collect_holding_the_lock, daemon=True).start()
         assert done.wait(10), "a collection inside the store's lock waited for itself"
-        _until(lambda: _kept(store) == 0, PROMPT, "the collected loader's token was kept")
-        _until(lambda: gc.collect() >= 0 and ref() is None, PROMPT, "the loader was kept")
+        _until(lambda: _kept(store) == 0, 10, "the collected loader's token was kept")
+        _until(lambda: gc.collect() >= 0 and ref() is None, 10, "the loader was kept")
     finally:
         gc.enable()
         if done.is_set():
