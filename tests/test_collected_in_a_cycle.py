@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -216,3 +218,20 @@ def test_a_dropped_trainer_is_collected_with_its_loader_part_way_through_a_walk(
     while set(multiprocessing.active_children()) - children and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not set(multiprocessing.active_children()) - children, "workers left running"
+
+
+def test_using_a_loader_starts_no_reaper():
+    # Started only when a collection hands it something: a thread started with the first
+    # loader made every later fork of a worker process warn on Python 3.12 ("multi-threaded,
+    # use of fork() may lead to deadlocks in the child").
+    code = (
+        "import threading, meshfeed\n"
+        "loader = meshfeed.DataLoader(list(range(32)), batch_size=4, num_workers=2, device='cpu')\n"
+        "assert sum(1 for _ in loader) == 8\n"
+        "loader.shutdown()\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "['MainThread']", out.stdout + out.stderr

@@ -8,7 +8,7 @@ store's, while a request reads its rows: the shutdown's cancel waited for that l
 hang seen with 6 ranks' loaders per step), or on one of the loader's own threads, which its
 shutdown joins. Such a shutdown, and the ``finally`` of a walk's generator that waits for locks
 or threads (:func:`now_or_later`), is handed to one daemon thread, ``meshfeed-reaper`` (started
-with the process's first loader, idle but for these), which runs it once no collection runs.
+the first time, idle but for these), which runs it once no collection runs.
 At exit, what it has not run yet gets :data:`EXIT_WAIT` seconds (the exit handlers of the
 loaders' threads and worker processes stop those anyway).
 """
@@ -41,10 +41,6 @@ class Lifecycle:
     so a forgotten loader does not leave processes behind (module docstring: when the cycle
     collector finds it, on the ``meshfeed-reaper`` thread).
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
-        _start_reaper()  # here, not in a collection: starting a thread takes threading's locks
-        return super().__new__(cls)
 
     def shutdown(self) -> None:
         raise NotImplementedError
@@ -96,22 +92,35 @@ def now_or_later(fn: Callable[..., object], *args: Any) -> None:
 
 _LATER: queue.SimpleQueue[tuple[Callable[..., object], tuple[Any, ...]]] = queue.SimpleQueue()
 _REAPER: list[threading.Thread] = []
-_REAPER_LOCK = threading.Lock()  # taken only to start the reaper, never in a collection
+_REAPER_LOCK = threading.Lock()  # taken to start the reaper, never waited for
 
 
-def _start_reaper() -> None:
+def _start_reaper() -> bool:
+    """Start the reaper unless it runs; whether it runs. Started on first use, inside a
+    collection: a thread started earlier would make every later fork of a worker process warn
+    ("multi-threaded, use of fork() may lead to deadlocks", Python 3.12). Starting a thread
+    there waits for nothing the interrupted code holds, unless that code is threading's own
+    bookkeeping of a thread's start or end (its table lock is re-entrant; the lock a new
+    thread takes on Python 3.12 and older is held only there)."""
     if _REAPER and _REAPER[0].is_alive():
-        return
-    with _REAPER_LOCK:
+        return True
+    if not _REAPER_LOCK.acquire(blocking=False):
+        return True  # being started (on another thread, or on this one, interrupted)
+    try:
         if not _REAPER or not _REAPER[0].is_alive():
             thread = threading.Thread(target=_reap, name="meshfeed-reaper", daemon=True)
             thread.start()
             _REAPER[:] = [thread]
+        return True
+    except RuntimeError:  # can't create new thread at interpreter shutdown
+        return False
+    finally:
+        _REAPER_LOCK.release()
 
 
 def _forget_reaper() -> None:
     """In a forked child: no reaper runs there (threads do not survive a fork), and the lock
-    may have been held by a thread that does not exist there."""
+    may have been held by a thread that does not exist there: both made anew."""
     global _LATER, _REAPER_LOCK
     _LATER, _REAPER_LOCK = queue.SimpleQueue(), threading.Lock()
     _REAPER.clear()
@@ -122,10 +131,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def later(fn: Callable[..., object], *args: Any) -> bool:
-    """Queue ``fn(*args)`` for the reaper thread (its errors are dropped there); ``False``
-    where it is not running (the interpreter exits; a child forked after it started): the
-    caller runs it. ``SimpleQueue.put`` never waits, and may be called from a finalizer."""
-    if sys.is_finalizing() or not _REAPER or not _REAPER[0].is_alive():
+    """Queue ``fn(*args)`` for the reaper thread (started here on first use; what raises
+    there is logged); ``False`` where it cannot run (the interpreter exits): the caller runs
+    it. ``SimpleQueue.put`` never waits, and may be called from a finalizer."""
+    if sys.is_finalizing() or not _start_reaper():
         return False
     _LATER.put((fn, args))
     return True
