@@ -8,7 +8,8 @@ store's, while a request reads its rows: the shutdown's cancel waited for that l
 hang seen with 6 ranks' loaders per step), or on one of the loader's own threads, which its
 shutdown joins. Such a shutdown, and the ``finally`` of a walk's generator that waits for locks
 or threads (:func:`now_or_later`), is handed to one daemon thread, ``meshfeed-reaper`` (started
-the first time, idle but for these), which runs it once no collection runs.
+the first time, idle but for these, never ended: from then on a worker process forked on
+Python 3.12 warns that this process has threads), which runs it once no collection runs.
 At exit, what it has not run yet gets :data:`EXIT_WAIT` seconds (the exit handlers of the
 loaders' threads and worker processes stop those anyway).
 """
@@ -93,6 +94,7 @@ def now_or_later(fn: Callable[..., object], *args: Any) -> None:
 _LATER: queue.SimpleQueue[tuple[Callable[..., object], tuple[Any, ...]]] = queue.SimpleQueue()
 _REAPER: list[threading.Thread] = []
 _REAPER_LOCK = threading.Lock()  # taken to start the reaper, never waited for
+_STATE = {"pid": os.getpid(), "busy": False}  # whose tables these are; the reaper at work
 
 
 def _start_reaper() -> bool:
@@ -102,6 +104,8 @@ def _start_reaper() -> bool:
     there waits for nothing the interrupted code holds, unless that code is threading's own
     bookkeeping of a thread's start or end (its table lock is re-entrant; the lock a new
     thread takes on Python 3.12 and older is held only there)."""
+    if _STATE["pid"] != os.getpid():  # a forked child, collecting before its fork hook ran
+        _forget_reaper()
     if _REAPER and _REAPER[0].is_alive():
         return True
     if not _REAPER_LOCK.acquire(blocking=False):
@@ -112,7 +116,7 @@ def _start_reaper() -> bool:
             thread.start()
             _REAPER[:] = [thread]
         return True
-    except RuntimeError:  # can't create new thread at interpreter shutdown
+    except Exception:  # can't create new thread (at interpreter shutdown, at a limit)
         return False
     finally:
         _REAPER_LOCK.release()
@@ -124,6 +128,7 @@ def _forget_reaper() -> None:
     global _LATER, _REAPER_LOCK
     _LATER, _REAPER_LOCK = queue.SimpleQueue(), threading.Lock()
     _REAPER.clear()
+    _STATE.update(pid=os.getpid(), busy=False)
 
 
 if hasattr(os, "register_at_fork"):
@@ -145,6 +150,7 @@ def _reap() -> None:
         fn, args = _LATER.get()
         while _ANY_COLLECTING[0]:  # the collection that handed it over is still running
             time.sleep(0.001)
+        _STATE["busy"] = True
         try:
             fn(*args)
         except BaseException:  # kept running; said, as Python says a finalizer's error
@@ -153,14 +159,17 @@ def _reap() -> None:
                 getattr(fn, "__qualname__", fn),
                 exc_info=True,
             )
+        finally:
+            _STATE["busy"] = False
         del fn, args  # not kept until the next one arrives
 
 
 @atexit.register
 def _reap_left() -> None:
-    """At exit, the reaper gets :data:`EXIT_WAIT` seconds for what it still has: a marker
-    queued behind it, waited for (a join in there may wait for a thread's timeout)."""
-    if _REAPER and _REAPER[0].is_alive() and not _LATER.empty():
+    """At exit, the reaper gets :data:`EXIT_WAIT` seconds for what it still has, the item
+    at work included: a marker queued behind it, waited for (a join in there may wait for a
+    thread's timeout)."""
+    if _REAPER and _REAPER[0].is_alive() and (_STATE["busy"] or not _LATER.empty()):
         done = threading.Event()
         _LATER.put((done.set, ()))
         done.wait(EXIT_WAIT)
