@@ -37,9 +37,8 @@ import multiprocessing
 import os
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader as TorchDataLoader
 
+from bench_loader import forever, live_threads
 from meshfeed import DataLoader
 
 TOKENS = 2048  # int64 tokens per sample: 16 KiB
@@ -140,17 +140,6 @@ def machine_ceiling(ds: Busy, samples: int, processes: int) -> float:
     for p in procs:
         p.join()
     return sum(rates)
-
-
-def live_threads() -> int:
-    """Threads running, but meshfeed's reaper (started once per process where the cycle
-    collector frees a loader, then idle): a loader is timed once the last one's are gone."""
-    return sum(t.name != "meshfeed-reaper" for t in threading.enumerate())
-
-
-def forever(loader: Any) -> Iterator[Any]:
-    while True:
-        yield from loader
 
 
 def measure(

@@ -78,13 +78,21 @@ def _stream(gate: _Gate) -> Any:
     )
 
 
-def _store(gate: _Gate) -> Any:
+def _store_loader(n: int, **kwargs: Any) -> StoreLoader:
+    """A StoreLoader with a delivery thread over a closed partition of ``n`` samples."""
     store = SampleStore(tasks=["t"])
-    store.put("p", {"x": list(range(16))})
+    store.put("p", {"x": list(range(n))})
     store.close("p")
     return StoreLoader(
-        store, task="t", fields=["x"], partition="p", batch_size=1, mesh={"dp": 1}, rank=0,
-        device="cpu", timeout=TIMEOUT, collate_fn=lambda batch: torch.tensor([gate(batch.ids[0])]),
+        store, task="t", fields=["x"], partition="p", mesh={"dp": 1}, rank=0, device="cpu",
+        **kwargs,
+    )  # fmt: skip
+
+
+def _store(gate: _Gate) -> Any:
+    return _store_loader(
+        16, batch_size=1, timeout=TIMEOUT,
+        collate_fn=lambda batch: torch.tensor([gate(batch.ids[0])]),
     )  # fmt: skip
 
 
@@ -152,13 +160,7 @@ def _rows() -> Any:
 
 
 def _store_numbers(on_step: Any) -> Any:
-    store = SampleStore(tasks=["t"])
-    store.put("p", {"x": list(range(64))})
-    store.close("p")
-    return StoreLoader(
-        store, task="t", fields=["x"], partition="p", batch_size=2, mesh={"dp": 1}, rank=0,
-        device="cpu", prefetch=2, on_step=on_step,
-    )  # fmt: skip
+    return _store_loader(64, batch_size=2, prefetch=2, on_step=on_step)
 
 
 TRAINERS: dict[str, Callable[[Any], Any]] = {

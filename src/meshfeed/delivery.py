@@ -48,7 +48,7 @@ import torch
 
 from meshfeed import dist
 from meshfeed.collate import rebuild_mapping
-from meshfeed.lifecycle import in_collection, later
+from meshfeed.lifecycle import in_collection, now_or_later
 from meshfeed.telemetry import Telemetry
 
 __all__ = ["EXIT_WAIT", "Delivery", "check_device", "pin", "stop_at_exit", "take_from", "to_device"]
@@ -334,8 +334,7 @@ class Delivery:
             # Where the cycle collector closes it, inside whatever code allocated on this
             # thread, which may hold what the thread waits for: joined on the reaper thread,
             # its groups retired (freed there, at no agreed point, they could mis-pair).
-            if not (in_collection() and later(self._end, ready, thread, held, False)):
-                self._end(ready, thread, held, ended)
+            now_or_later(self._end, ready, thread, held, ended and not in_collection())
 
     def _end(
         self,
